@@ -1,0 +1,10 @@
+/* commands.c — THE command table. A command is listed here only once it works; its flags and
+ * handler live in cmd_<name>.c. The usage text (k3 --help) is generated from this table. */
+#include "k3_launcher.h"
+
+extern const k3_command k3_cmd_version;
+
+const k3_command *const k3_commands[] = {
+    &k3_cmd_version,
+};
+const int k3_n_commands = (int)K3_ARRAY_LEN(k3_commands);

@@ -1,0 +1,35 @@
+/* main.c — k3's entry point: find the command, parse its flags, run it (inside MPI when the
+ * command needs it). The only place that turns a status into a process exit code. */
+#include "k3_launcher.h"
+
+#include <mpi.h>
+#include <stdio.h>
+
+int main(int argc, char **argv) {
+    if (argc < 2 || strcmp(argv[1], "--help") == 0 || strcmp(argv[1], "-h") == 0 ||
+        strcmp(argv[1], "help") == 0) {
+        k3_print_usage(argc < 2 ? stderr : stdout);
+        return argc < 2 ? 2 : 0;
+    }
+    const k3_command *cmd = NULL;
+    for (int i = 0; i < k3_n_commands; i++)
+        if (strcmp(k3_commands[i]->name, argv[1]) == 0) cmd = k3_commands[i];
+    if (!cmd) {
+        fprintf(stderr, "k3: unknown command '%s'\n", argv[1]);
+        k3_print_usage(stderr);
+        return 2;
+    }
+    k3_args args;
+    bool done;
+    int rc = k3_args_parse(cmd, argc - 2, argv + 2, &args, &done);
+    if (rc != 0 || done) return rc;
+    if (!cmd->uses_mpi) return cmd->run(&args);
+
+    int provided = 0;
+    MPI_Init_thread(&argc, &argv, MPI_THREAD_FUNNELED, &provided);
+    /* Errors come back as codes; the top level decides to abort (STYLE.md §7). */
+    MPI_Comm_set_errhandler(MPI_COMM_WORLD, MPI_ERRORS_RETURN);
+    rc = cmd->run(&args);
+    MPI_Finalize();
+    return rc;
+}

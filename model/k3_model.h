@@ -1,0 +1,228 @@
+/* model — everything about reading and writing a K3 checkpoint, no compute.
+ *
+ * Owns: config.json -> k3_config (parse + validate); the catalogue of tensors a config implies
+ * (ONE source of truth used by make-tiny, inspect and the loader); safetensors index + shards
+ * with per-tensor byte-range reads; MXFP4 formats (k3_mxfp4.h); the in-memory weights of the
+ * layers a rank owns (k3_weights); the tiny/small checkpoint writer and its tokenizer files.
+ * Callers must not: open shard files themselves, or hard-code a shape (read it from k3_config).
+ *
+ * Layer indices are 0-based everywhere in k3 (config.json lists are 1-based; converted here). */
+#ifndef K3_MODEL_H
+#define K3_MODEL_H
+
+#include "k3_base.h"
+
+#define K3_MAX_LAYERS 256
+#define K3_MAX_DIMS 4
+
+/* ---- config ----------------------------------------------------------------------------- */
+typedef enum { K3_MIXER_KDA = 0, K3_MIXER_MLA = 1 } k3_mixer;
+typedef enum { K3_ACT_SITU = 0, K3_ACT_SWIGLU = 1 } k3_act;
+
+typedef struct k3_config {
+    /* global */
+    int64_t vocab_size;        /* 163840 */
+    int64_t hidden_size;       /* D = 7168 */
+    int n_layers;              /* 93 */
+    float rms_norm_eps;        /* 1e-5: layer norms, final norm, AttnRes scores, o_norm, latent */
+    float mla_norm_eps;        /* 1e-6: q_a_layernorm, kv_a_layernorm (K3-MODEL.md §3.2) */
+    bool tie_word_embeddings;  /* false for K3; true => no lm_head tensor, head = embedding */
+    int eos_token_id;          /* 163586 */
+    int attn_res_block_size;   /* 12; 0 = no AttnRes (Kimi-Linear: plain pre-norm residual) */
+    k3_mixer mixer[K3_MAX_LAYERS];
+
+    /* MLA (every layer with mixer == K3_MIXER_MLA) */
+    int n_heads;               /* 96 */
+    int q_lora_rank;           /* 1536; 0 = no q LoRA (q_proj directly) */
+    int kv_lora_rank;          /* 512 */
+    int qk_nope_head_dim;      /* 128 */
+    int qk_rope_head_dim;      /* 64 (NoPE: a plain extra dot-product term) */
+    int v_head_dim;            /* 128 */
+    bool mla_use_output_gate;  /* true: sigmoid(g_proj x) gates the heads before o_proj */
+
+    /* KDA (linear_attn_config) */
+    int kda_n_heads;           /* 96 */
+    int kda_head_dim;          /* 128 (dk = dv) */
+    int kda_conv_kernel;       /* 4 */
+    bool kda_has_lower_bound;  /* K3 sigmoid gate form; false = Kimi-Linear softplus form */
+    float kda_gate_lower_bound;/* -5.0 */
+    bool kda_full_rank_gate;   /* K3 g_proj [P, D]; false = Kimi-Linear g_a_proj/g_b_proj */
+    int kda_gate_rank;         /* rank of f_a/f_b (and g_a/g_b): = kda_head_dim in K3 (128) */
+    int kda_a_log_len;         /* stored length of A_log (>= kda_n_heads; K3: 128, zero-padded) */
+
+    /* FFN */
+    k3_act act;
+    float situ_beta;           /* 4.0  */
+    float situ_linear_beta;    /* 25.0; <= 0 means the up branch is not capped */
+    int64_t intermediate_size; /* dense layers: 33792 */
+    int first_k_dense_replace; /* layers < this are dense (1) */
+    int moe_layer_freq;        /* 1 */
+    int n_experts;             /* 896 */
+    int n_experts_per_tok;     /* 16 */
+    int n_shared_experts;      /* 2 (fused width = n_shared * moe_intermediate_size) */
+    int moe_intermediate_size; /* 3072 */
+    int latent_size;           /* routed_expert_hidden_size 3584; 0 = no latent (experts on D) */
+    bool latent_moe_use_norm;  /* RMSNorm of the weighted expert sum (latent) */
+    bool moe_renormalize;      /* true */
+    float routed_scaling_factor;/* 1.0 */
+    int n_group, topk_group;   /* grouped top-k (1/1 = no-op; the general rule is implemented) */
+
+    /* quantisation of routed experts */
+    bool experts_mxfp4;        /* compressed-tensors mxfp4-pack-quantized, group 32 */
+} k3_config;
+
+/* Parse config.json text (top-level with text_config, or a flat text config). Every missing or
+ * invalid value is an error naming the key (K3_ERR_CONFIG); nothing is clamped. */
+k3_status k3_config_parse(const char *json_text, const char *path_for_errors, k3_config *out);
+k3_status k3_config_load(const char *model_dir, k3_config *out);
+static inline bool k3_config_is_moe(const k3_config *c, int layer) {
+    return layer >= c->first_k_dense_replace && c->n_experts > 0 &&
+           (layer - c->first_k_dense_replace) % (c->moe_layer_freq > 0 ? c->moe_layer_freq : 1) == 0;
+}
+/* AttnRes: does `layer` start a block (bank its input)? */
+static inline bool k3_config_is_block_start(const k3_config *c, int layer) {
+    return c->attn_res_block_size > 0 && layer % c->attn_res_block_size == 0;
+}
+
+/* ---- tensors ------------------------------------------------------------------------------ */
+typedef enum {
+    K3_DT_F32 = 0, K3_DT_BF16, K3_DT_F16, K3_DT_U8, K3_DT_I32, K3_DT_I64,
+    K3_DT_MXFP4, /* in-memory only: data = weight_packed U8 [out, in/2], scale = E8M0 [out, in/32] */
+    K3_DT_COUNT
+} k3_dtype;
+const char *k3_dtype_name(k3_dtype t);         /* safetensors spelling: "F32", "BF16", ... */
+size_t k3_dtype_size(k3_dtype t);              /* bytes per element (0 for MXFP4) */
+
+/* A tensor in memory. shape is logical, PyTorch order ([out, in] for a weight). For MXFP4 the
+ * logical shape is the dequantised one ([out, in]). */
+typedef struct k3_tensor {
+    k3_dtype dtype;
+    int ndim;
+    int64_t shape[K3_MAX_DIMS];
+    void *data;
+    uint8_t *scale;  /* MXFP4 only: E8M0 [shape[0], shape[1]/32] */
+} k3_tensor;
+int64_t k3_tensor_n_elems(const k3_tensor *t);
+
+/* ---- the catalogue: which tensors a config implies ----------------------------------------- */
+typedef enum {
+    K3_TK_GLOBAL = 0,   /* embedding, final norm, output AttnRes, lm_head */
+    K3_TK_LAYER,        /* a layer's non-expert tensor (norms, mixer, router, latent, shared) */
+    K3_TK_EXPERT,       /* one routed expert's tensor */
+} k3_tensor_kind;
+
+typedef struct k3_tensor_spec {
+    char name[160];     /* full checkpoint name, "language_model.model.layers.3.self_attn.q_a_proj.weight" */
+    k3_dtype dtype;     /* as stored: F32/BF16/U8 (MXFP4 parts are U8) */
+    int ndim;
+    int64_t shape[K3_MAX_DIMS];
+    k3_tensor_kind kind;
+    int layer;          /* -1 for globals */
+    int expert;         /* -1 unless K3_TK_EXPERT */
+    bool first_stage;   /* globals: embedding (true) vs head side (false) */
+} k3_tensor_spec;
+
+/* Enumerate every tensor of the checkpoint in a stable order. Returns the count; fills up to
+ * `cap` entries of `out` (call with out=NULL to size). */
+int64_t k3_catalog(const k3_config *c, k3_tensor_spec *out, int64_t cap);
+
+/* ---- safetensors checkpoint ---------------------------------------------------------------- */
+typedef struct k3_ckpt k3_ckpt;
+typedef struct k3_ckpt_tensor {
+    const char *name;
+    k3_dtype dtype;
+    int ndim;
+    int64_t shape[K3_MAX_DIMS];
+    int shard;              /* index into the shard list */
+    uint64_t offset;        /* absolute byte offset in the shard file */
+    uint64_t n_bytes;
+} k3_ckpt_tensor;
+
+/* Open DIR: model.safetensors.index.json (or a single model.safetensors) and every shard's
+ * header, with strict checks (K3 header rules: 8-byte length vs file size and a sane maximum,
+ * JSON, dtype names, shape x dtype = span, offsets inside the data, no overlaps). Errors name
+ * the file and the tensor. No tensor data is read here. */
+k3_status k3_ckpt_open(const char *dir, k3_ckpt **out);
+void k3_ckpt_destroy(k3_ckpt *ck);
+const k3_ckpt_tensor *k3_ckpt_find(const k3_ckpt *ck, const char *name);
+int64_t k3_ckpt_n_tensors(const k3_ckpt *ck);
+const k3_ckpt_tensor *k3_ckpt_tensor_at(const k3_ckpt *ck, int64_t i);
+int k3_ckpt_n_shards(const k3_ckpt *ck);
+const char *k3_ckpt_shard_path(const k3_ckpt *ck, int shard);
+uint64_t k3_ckpt_shard_size(const k3_ckpt *ck, int shard);
+/* pread exactly t->n_bytes into dst. Thread-safe. Adds to the bytes-read counter. */
+k3_status k3_ckpt_read(k3_ckpt *ck, const k3_ckpt_tensor *t, void *dst);
+uint64_t k3_ckpt_bytes_read(const k3_ckpt *ck);
+/* Check the checkpoint against the catalogue of `c`: every tensor present with the right dtype
+ * and shape, nothing unexpected. Reports each problem through `report` (may be NULL) and returns
+ * the number of problems. */
+int64_t k3_ckpt_verify(const k3_ckpt *ck, const k3_config *c,
+                       void (*report)(void *ctx, const char *problem), void *ctx);
+
+/* ---- weights in memory ------------------------------------------------------------------- */
+typedef struct k3_expert_w {
+    bool present;             /* owned and loaded by this rank */
+    k3_tensor w1, w3, w2;     /* gate [I, L], up [I, L], down [L, I]; MXFP4 or BF16 */
+} k3_expert_w;
+
+typedef struct k3_layer_w {
+    bool present;             /* this rank holds the layer (its stage) */
+    k3_tensor input_norm, post_attn_norm;          /* [D] */
+    k3_tensor attn_res_score, mlp_res_score;       /* F32 [D] = res_norm ⊙ res_proj (fused at load) */
+    /* KDA */
+    k3_tensor q_proj, k_proj, v_proj;              /* [P, D] */
+    k3_tensor q_conv, k_conv, v_conv;              /* F32 [P, 1, K] */
+    k3_tensor f_a, f_b;                            /* [R, D], [P, R] */
+    k3_tensor dt_bias;                             /* F32 [P] */
+    k3_tensor a_log;                               /* F32 [A] (first kda_n_heads used) */
+    k3_tensor b_proj;                              /* [H, D] */
+    k3_tensor g_proj;                              /* KDA full-rank [P, D] or MLA gate [H*dv, D] */
+    k3_tensor g_a, g_b;                            /* Kimi-Linear low-rank gate (else data NULL) */
+    k3_tensor o_norm;                              /* F32 [dk] */
+    k3_tensor o_proj;                              /* [D, P] (KDA) / [D, H*dv] (MLA) */
+    /* MLA */
+    k3_tensor q_a_proj, q_a_norm, q_b_proj;        /* [Rq, D], [Rq], [H*(dn+dr), Rq] */
+    k3_tensor q_proj_mla;                          /* [H*(dn+dr), D] when q_lora_rank == 0 */
+    k3_tensor kv_a_proj, kv_a_norm, kv_b_proj;     /* [Rkv+dr, D], [Rkv], [H*(dn+dv), Rkv] */
+    /* FFN: dense */
+    k3_tensor gate_proj, up_proj, down_proj;       /* [F, D], [F, D], [D, F] */
+    /* FFN: MoE */
+    k3_tensor router, router_bias;                 /* [E, D], F32 [E] */
+    k3_tensor lat_down, lat_norm, lat_up;          /* [L, D], [L], [D, L] */
+    k3_tensor sh_gate, sh_up, sh_down;             /* [S, D], [S, D], [D, S] */
+    k3_expert_w *experts;                          /* [n_experts]; present only where owned */
+} k3_layer_w;
+
+typedef struct k3_weights k3_weights; /* opaque owner of all the memory below */
+typedef struct k3_weights_view {
+    const k3_config *cfg;
+    k3_tensor embed;                 /* [V, D]   (first stage) */
+    k3_tensor final_norm;            /* [D]      (last stage)  */
+    k3_tensor out_res_score;         /* F32 [D]  (last stage)  */
+    k3_tensor lm_head;               /* [V, D]   (last stage)  */
+    k3_layer_w *layers;              /* [n_layers]; layers[l].present for owned layers */
+} k3_weights_view;
+
+/* What a rank loads: layers [layer_begin, layer_end), the embedding and/or the head, and the
+ * routed experts for which expert_owned(ctx, layer, expert) is true (NULL = all). */
+typedef struct k3_load_sel {
+    int layer_begin, layer_end;
+    bool embed, head;
+    bool (*expert_owned)(void *ctx, int layer, int expert);
+    void *ctx;
+    void (*progress)(void *ctx, uint64_t done_bytes, uint64_t total_bytes); /* may be NULL */
+} k3_load_sel;
+k3_status k3_weights_load(k3_ckpt *ck, const k3_config *c, const k3_load_sel *sel, k3_weights **out);
+const k3_weights_view *k3_weights_get(const k3_weights *w);
+uint64_t k3_weights_bytes(const k3_weights *w);
+void k3_weights_destroy(k3_weights *w);
+
+/* ---- the tiny / small checkpoint writer --------------------------------------------------- */
+typedef enum { K3_PRESET_TINY = 0, K3_PRESET_SMALL, K3_PRESET_K3 } k3_preset;
+k3_status k3_preset_parse(const char *name, k3_preset *out);
+/* The config of a preset (K3_PRESET_K3 is the real Kimi-K3). */
+void k3_preset_config(k3_preset p, k3_config *out);
+/* Write a deterministic random checkpoint (config.json, index, >= 3 shards, tokenizer files). */
+k3_status k3_make_tiny(const char *dir, k3_preset p, uint64_t seed);
+
+#endif /* K3_MODEL_H */

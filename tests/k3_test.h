@@ -1,0 +1,66 @@
+/* k3_test.h — the tiny harness every C test uses. A test reports only through its exit code:
+ * K3_CHECK records a failure (with file:line) and goes on; k3_test_done() returns 1 if any
+ * check failed, and prints the plain closing line "k3-test NAME: N passed, M failed". */
+#ifndef K3_TEST_H
+#define K3_TEST_H
+
+#include <math.h>
+#include <stdio.h>
+#include <stdlib.h>
+
+#include "k3_base.h"
+
+static int k3_t_pass, k3_t_fail;
+
+#define K3_CHECK(cond, ...)                                                                     \
+    do {                                                                                        \
+        if (cond) {                                                                             \
+            k3_t_pass++;                                                                        \
+        } else {                                                                                \
+            k3_t_fail++;                                                                        \
+            fprintf(stderr, "FAIL %s:%d: %s: ", __FILE__, __LINE__, #cond);                     \
+            fprintf(stderr, __VA_ARGS__);                                                       \
+            fprintf(stderr, "\n");                                                              \
+        }                                                                                       \
+    } while (0)
+
+#define K3_CHECK_OK(expr)                                                                       \
+    do {                                                                                        \
+        k3_status k3_t_s_ = (expr);                                                             \
+        K3_CHECK(k3_t_s_ == K3_OK, "%s -> %s: %s", #expr, k3_status_name(k3_t_s_),              \
+                 k3_last_error());                                                              \
+    } while (0)
+
+/* Expect a specific failure status and an error message containing `needle`. */
+#define K3_CHECK_ERR(expr, status, needle)                                                      \
+    do {                                                                                        \
+        k3_clear_error();                                                                       \
+        k3_status k3_t_s_ = (expr);                                                             \
+        K3_CHECK(k3_t_s_ == (status) && strstr(k3_last_error(), (needle)) != NULL,              \
+                 "%s -> %s '%s' (wanted %s containing '%s')", #expr, k3_status_name(k3_t_s_),   \
+                 k3_last_error(), k3_status_name(status), (needle));                            \
+    } while (0)
+
+static inline int k3_test_done(const char *name) {
+    printf("k3-test %s: %d passed, %d failed\n", name, k3_t_pass, k3_t_fail);
+    return k3_t_fail ? 1 : 0;
+}
+
+/* Relative L2 distance ||a-b|| / max(||b||, tiny). */
+static inline double k3_rel_l2(const float *a, const float *b, size_t n) {
+    double num = 0, den = 0;
+    for (size_t i = 0; i < n; i++) {
+        double d = (double)a[i] - (double)b[i];
+        num += d * d;
+        den += (double)b[i] * (double)b[i];
+    }
+    return sqrt(num) / (den > 1e-300 ? sqrt(den) : 1e-150);
+}
+
+/* The shared/ folder (tests may read it; the demo may not). */
+static inline const char *k3_test_shared(void) {
+    const char *s = getenv("K3_SHARED");
+    return s ? s : "../shared";
+}
+
+#endif /* K3_TEST_H */
