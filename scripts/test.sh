@@ -1,0 +1,35 @@
+#!/usr/bin/env bash
+# test.sh — the whole test suite on a fresh Debian 12 machine (as root): installs what it needs,
+# builds, and runs every tier:
+#   1. build/       (warnings as errors)       ctest tiers unit, golden, mpi, fuzz
+#   2. build-asan/  (ASan + UBSan)             ctest tier sanitize
+#   3. build-cuda/  (CUDA configuration, compile only; skipped without nvcc)
+#   4. clang-format check of every C/CUDA source
+# Exit status 0 only if everything passed.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+JOBS=$(nproc)
+
+scripts/setup.sh build -DK3_WERROR=ON
+# Python references for the tests (tiktoken, jinja2, numpy); the PyTorch goldens are committed.
+python3 -m pip install -q --disable-pip-version-check -r tests/requirements.txt 2>&1 | grep -v "as the 'root' user" || true
+
+echo "== tier: unit, golden, mpi, fuzz =="
+ctest --test-dir build -L 'unit|golden|mpi|fuzz' --output-on-failure -j"$JOBS"
+
+echo "== tier: sanitize (ASan + UBSan) =="
+cmake -S . -B build-asan -DK3_SANITIZE=ON -DK3_WERROR=ON -DCMAKE_BUILD_TYPE=Debug >/dev/null
+cmake --build build-asan -j"$JOBS"
+ctest --test-dir build-asan -L sanitize --output-on-failure -j"$JOBS"
+
+if command -v nvcc >/dev/null 2>&1 || [ -x /usr/local/cuda/bin/nvcc ]; then
+  echo "== CUDA configuration (compile only) =="
+  cmake -S . -B build-cuda -DK3_CUDA=ON -DK3_NCCL=ON -DK3_WERROR=ON >/dev/null
+  cmake --build build-cuda -j"$JOBS"
+else
+  echo "== CUDA configuration: skipped (no nvcc) =="
+fi
+
+echo "== clang-format check =="
+scripts/format.sh --check
+echo "k3 tests: all tiers passed"

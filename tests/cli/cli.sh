@@ -1,0 +1,25 @@
+#!/usr/bin/env bash
+# cli.sh — the command line contract: help from the table, unknown command/flag -> one line + usage
+# on stderr and exit 2, every listed command answers --help.
+set -u
+K3=${K3_BIN:?K3_BIN not set}
+fail=0; pass=0
+check() { if eval "$2"; then pass=$((pass+1)); else echo "FAIL: $1" >&2; fail=$((fail+1)); fi; }
+
+out=$("$K3" --help); rc=$?
+check "k3 --help exits 0" "[ $rc = 0 ]"
+check "k3 --help lists commands" "echo \"\$out\" | grep -q '^commands:'"
+"$K3" >/dev/null 2>&1; check "no command exits 2" "[ $? = 2 ]"
+err=$("$K3" frobnicate 2>&1 >/dev/null); rc=$?
+check "unknown command exits 2" "[ $rc = 2 ]"
+check "unknown command is named" "echo \"\$err\" | head -1 | grep -q \"unknown command 'frobnicate'\""
+check "usage follows on stderr" "echo \"\$err\" | grep -q '^usage: k3'"
+for cmd in $(echo "$out" | awk '/^commands:/{f=1;next} f&&NF{print $1}'); do
+  "$K3" "$cmd" --help >/dev/null 2>&1; rc=$?
+  check "k3 $cmd --help exits 0" "[ $rc = 0 ]"
+  err=$("$K3" "$cmd" --no-such-flag 2>&1 >/dev/null); rc=$?
+  check "k3 $cmd --no-such-flag exits 2" "[ $rc = 2 ]"
+  check "k3 $cmd names the bad flag" "echo \"\$err\" | head -1 | grep -q -- \"unknown flag '--no-such-flag'\""
+done
+echo "cli: $pass passed, $fail failed"
+[ $fail = 0 ]
