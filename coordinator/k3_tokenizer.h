@@ -99,6 +99,8 @@ typedef struct k3_tok_bytes {
     size_t n, cap;
 } k3_tok_bytes;
 void k3_tok_bytes_free(k3_tok_bytes *b);
+/* Append n bytes (keeps the NUL terminator); K3_ERR_NOMEM on failure. */
+k3_status k3_tok_bytes_append(k3_tok_bytes *b, const char *p, size_t n);
 
 /* ---- encoding -------------------------------------------------------------------------- */
 /* Encode `text` and APPEND the ids to `out`. allow_special = true: every special string (longest

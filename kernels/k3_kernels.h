@@ -102,7 +102,4 @@ float k3_tensor_get(const k3_tensor *W, int64_t o, int64_t i);
 /* Decode a 1-D (or any) tensor of F32/BF16/F16 to floats: dst [n_elems]. */
 k3_status k3_tensor_to_f32(const k3_tensor *t, float *dst, int64_t n_elems);
 
-/* MXFP4 value of a 4-bit E2M1 code times 2^(e8m0 - 127) (K3-MODEL.md §7.1). */
-float k3_mxfp4_value(uint8_t code, uint8_t e8m0);
-
 #endif /* K3_KERNELS_H */

@@ -3,8 +3,18 @@
 #include "k3_launcher.h"
 
 extern const k3_command k3_cmd_version;
+extern const k3_command k3_cmd_make_tiny;
+extern const k3_command k3_cmd_inspect;
+extern const k3_command k3_cmd_tokenize;
+extern const k3_command k3_cmd_render;
+extern const k3_command k3_cmd_parse;
 
 const k3_command *const k3_commands[] = {
     &k3_cmd_version,
+    &k3_cmd_make_tiny,
+    &k3_cmd_inspect,
+    &k3_cmd_tokenize,
+    &k3_cmd_render,
+    &k3_cmd_parse,
 };
 const int k3_n_commands = (int)K3_ARRAY_LEN(k3_commands);

@@ -69,12 +69,34 @@ typedef struct k3_config {
 
     /* quantisation of routed experts */
     bool experts_mxfp4;        /* compressed-tensors mxfp4-pack-quantized, group 32 */
+
+    /* checkpoint naming */
+    char tensor_prefix[32];    /* "language_model." when config.json nests text_config (K3),
+                                  "" for a flat Kimi-Linear-style config */
 } k3_config;
 
 /* Parse config.json text (top-level with text_config, or a flat text config). Every missing or
  * invalid value is an error naming the key (K3_ERR_CONFIG); nothing is clamped. */
 k3_status k3_config_parse(const char *json_text, const char *path_for_errors, k3_config *out);
 k3_status k3_config_load(const char *model_dir, k3_config *out);
+/* The rules k3_config_parse applies after reading (also used for presets): K3_ERR_CONFIG naming
+ * the key of the first invalid value. */
+k3_status k3_config_validate(const k3_config *c, const char *path_for_errors);
+/* config.json text (K3 layout: top level + text_config + quantization_config) for `c`; the
+ * caller frees with k3_free. Parsing it gives back `c`. */
+k3_status k3_config_to_json(const k3_config *c, char **out_json);
+/* A stable hash of every field (ranks compare it). */
+uint64_t k3_config_hash(const k3_config *c);
+/* Counts from the catalogue: total parameters (MXFP4 counted per logical element), the
+ * parameters one token touches (top-k routed experts of each MoE layer, one embedding row),
+ * and the bytes one decoded token reads (same rule, stored sizes). */
+typedef struct k3_config_counts {
+    int64_t n_tensors;
+    int64_t params_total, params_active;
+    int64_t bytes_total, bytes_active;
+    int64_t bytes_by_dtype[8];  /* indexed by k3_dtype (stored dtypes: F32, BF16, U8, ...) */
+} k3_config_counts;
+void k3_config_count(const k3_config *c, k3_config_counts *out);
 static inline bool k3_config_is_moe(const k3_config *c, int layer) {
     return layer >= c->first_k_dense_replace && c->n_experts > 0 &&
            (layer - c->first_k_dense_replace) % (c->moe_layer_freq > 0 ? c->moe_layer_freq : 1) == 0;
@@ -111,6 +133,26 @@ typedef enum {
     K3_TK_EXPERT,       /* one routed expert's tensor */
 } k3_tensor_kind;
 
+/* What a catalogue entry is, so the loader maps it to a k3_layer_w field without string
+ * matching. */
+typedef enum k3_role {
+    K3_R_EMBED = 0, K3_R_FINAL_NORM, K3_R_OUT_RES_NORM, K3_R_OUT_RES_PROJ, K3_R_LM_HEAD,
+    K3_R_INPUT_NORM, K3_R_POST_NORM, K3_R_ATTN_RES_NORM, K3_R_ATTN_RES_PROJ, K3_R_MLP_RES_NORM,
+    K3_R_MLP_RES_PROJ,
+    K3_R_KDA_Q, K3_R_KDA_K, K3_R_KDA_V, K3_R_KDA_QCONV, K3_R_KDA_KCONV, K3_R_KDA_VCONV,
+    K3_R_KDA_FA, K3_R_KDA_FB, K3_R_KDA_DT_BIAS, K3_R_KDA_A_LOG, K3_R_KDA_B, K3_R_KDA_G,
+    K3_R_KDA_GA, K3_R_KDA_GB, K3_R_KDA_O_NORM, K3_R_KDA_O,
+    K3_R_MLA_QA, K3_R_MLA_QA_NORM, K3_R_MLA_QB, K3_R_MLA_Q, K3_R_MLA_KVA, K3_R_MLA_KVA_NORM,
+    K3_R_MLA_KVB, K3_R_MLA_G, K3_R_MLA_O,
+    K3_R_FFN_GATE, K3_R_FFN_UP, K3_R_FFN_DOWN,
+    K3_R_ROUTER, K3_R_ROUTER_BIAS, K3_R_LAT_DOWN, K3_R_LAT_NORM, K3_R_LAT_UP,
+    K3_R_SH_GATE, K3_R_SH_UP, K3_R_SH_DOWN,
+    K3_R_EXP_W1_PACKED, K3_R_EXP_W1_SCALE, K3_R_EXP_W2_PACKED, K3_R_EXP_W2_SCALE,
+    K3_R_EXP_W3_PACKED, K3_R_EXP_W3_SCALE,
+    K3_R_EXP_W1, K3_R_EXP_W2, K3_R_EXP_W3,  /* BF16 experts (no quantization_config) */
+    K3_R_COUNT
+} k3_role;
+
 typedef struct k3_tensor_spec {
     char name[160];     /* full checkpoint name, "language_model.model.layers.3.self_attn.q_a_proj.weight" */
     k3_dtype dtype;     /* as stored: F32/BF16/U8 (MXFP4 parts are U8) */
@@ -120,11 +162,14 @@ typedef struct k3_tensor_spec {
     int layer;          /* -1 for globals */
     int expert;         /* -1 unless K3_TK_EXPERT */
     bool first_stage;   /* globals: embedding (true) vs head side (false) */
+    k3_role role;
 } k3_tensor_spec;
 
 /* Enumerate every tensor of the checkpoint in a stable order. Returns the count; fills up to
  * `cap` entries of `out` (call with out=NULL to size). */
 int64_t k3_catalog(const k3_config *c, k3_tensor_spec *out, int64_t cap);
+/* bytes of a spec as stored */
+int64_t k3_tensor_spec_bytes(const k3_tensor_spec *s);
 
 /* ---- safetensors checkpoint ---------------------------------------------------------------- */
 typedef struct k3_ckpt k3_ckpt;

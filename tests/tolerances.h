@@ -15,4 +15,31 @@
 /* Distributed without --deterministic: combine pre-sums in another order. */
 #define K3_TOL_DISTRIBUTED_REL_L2 1e-5
 
+/* experts/: one MoE layer (or expert rows) in fp32 vs a float64 evaluation of the same weights.
+ * The path chains <= 5 fp32 dot products (router/down n = D, w1/w3 n = Lw, w2 n = I, up n = Lw,
+ * the K-term slot sum) plus libm tanh/exp/sqrt (~1 ulp). With the test's n <= 96 one dot is off by
+ * ~sqrt(n)·u ≈ 6e-7 relative typically (n·u ≈ 6e-6 worst case); five stages in a row stay well
+ * below 2·(5·n·u)/... so we allow 1e-5 (≈ 170 u) — well above fp32 noise, far below any real bug
+ * (a wrong weight, slot or norm changes the result by > 1e-2). */
+#define K3_TOL_MOE_F64_REL_L2 1e-5
+
+/* One fp32 op vs a float64 evaluation of the same formula (dot products of n <= 512 terms,
+ * norms, softmax): typical error sqrt(n)·u ≈ 1.4e-6 at n = 512, worst case n·u ≈ 3e-5 only for
+ * adversarial signs; inputs are random normal, so 1e-5 leaves ~7× margin over typical. */
+#define K3_TOL_OP_REL_L2 1e-5
+/* KDA recurrence (fp32, 40 steps) vs float64: per step a dk-term dot, and the state carries
+ * rounding forward (damped by decay ≤ 1 and the delta rule's projection); 40·sqrt(dk)·u ≈ 1e-5. */
+#define K3_TOL_KDA_REL_L2 2e-5
+/* KDA chunked vs recurrent (both fp32) over 263 steps: chunking reorders every sum within a
+ * chunk (C ≤ 64 terms of products of exp factors, plus the triangular solve), ≈ C·sqrt(dk)·u
+ * per step; bound ≈ 64·6·6e-8 ≈ 2e-5. */
+#define K3_TOL_KDA_CHUNK_REL_L2 2e-5
+
+/* Sampler chi-square goodness-of-fit (tests/sampler): with a correct sampler the statistic is
+ * chi-square(df) distributed, so a fixed seed fails with probability K3_TOL_CHI2_PVALUE. The
+ * critical value is the Wilson-Hilferty quantile df*(1 - a + z*sqrt(a))^3, a = 2/(9 df), with z the
+ * one-sided standard-normal quantile of that p-value (Phi^-1(1 - 1e-6) = 4.7534). */
+#define K3_TOL_CHI2_PVALUE 1e-6
+#define K3_TOL_CHI2_Z 4.7534
+
 #endif /* K3_TOLERANCES_H */

@@ -1,0 +1,1055 @@
+/* tokenizer.c — loading and encoding of the k3 tokenizer (spec/K3-CHAT.md §4.1–4.6).
+ *
+ * Owns: the rank file parser (base64 + rank per line), the bytes -> rank hash map, the special
+ * token table and its byte trie (longest match), the PCRE2 pre-tokenizer (compiled once, JIT),
+ * the Kimi chunking of §4.4, and BPE per piece.
+ * Does not own: decoding / UTF-8 replacement / streaming (tokenizer_decode.c).
+ * Invariants: the tokenizer is immutable after create; every encode call uses its own scratch
+ * (match data, BPE arrays), so encoding is thread-safe. Input must be valid UTF-8 (checked once
+ * per call; PCRE2 then runs with PCRE2_NO_UTF_CHECK so a long text is not re-validated per match).
+ * BPE: pieces up to BPE_SCAN_MAX bytes use tiktoken's min-scan; longer pieces use a linked list +
+ * binary heap keyed by (rank, start) with lazy invalidation — the same merge order (lowest rank,
+ * leftmost on ties) in O(n log n). */
+#include "k3_tokenizer.h"
+#include "tokenizer_internal.h"
+
+#include <cjson/cJSON.h>
+#include <stdio.h>
+#include <stdlib.h>
+
+/* PCRE2 spellings of the pre-tokenizer patterns. K3: copied verbatim from spec/K3-CHAT.md §4.2
+ * ("PCRE2 rewrite"). o200k / cl100k: tiktoken's pat_str (shared/vocab/<name>.meta.json) with \s and
+ * \S spelled out as the Unicode White_Space set, because PCRE2's UCP \s lacks U+0085. */
+static const char K3_PAT_K3[] =
+    "\\p{Han}+|[^\\r\\n\\p{L}\\p{N}]?(?:(?!\\p{Han})[\\p{Lu}\\p{Lt}\\p{Lm}\\p{Lo}\\p{M}])*(?:"
+    "(?!\\p{Han})[\\p{Ll}\\p{Lm}\\p{Lo}\\p{M}])+(?i:'s|'t|'re|'ve|'m|'ll|'d)?|[^\\r\\n\\p{L}\\p{N}]?(?:(?!\\p{Han})[\\p{Lu}\\p{Lt}\\p{Lm}\\p{Lo}\\p{M}])+(?:(?!\\p{Han})[\\p{Ll}\\p{L"
+    "m}\\p{Lo}\\p{M}])*(?i:'s|'t|'re|'ve|'m|'ll|'d)?|\\p{N}{1,3}| ?[^\\t\\n\\x0B\\x0C\\r\\x20"
+    "\\x{85}\\x{A0}\\x{1680}\\x{2000}-\\x{200A}\\x{2028}\\x{2029}\\x{202F}\\x{205F}\\x{3000}\\p{L}\\p{N}]+[\\r\\n]*|[\\t\\n\\x0B\\x0C\\r\\x20\\x{85}\\x{A0}\\x{1680}\\x{2000}-\\x{200"
+    "A}\\x{2028}\\x{2029}\\x{202F}\\x{205F}\\x{3000}]*[\\r\\n]+|[\\t\\n\\x0B\\x0C\\r\\x20\\x{"
+    "85}\\x{A0}\\x{1680}\\x{2000}-\\x{200A}\\x{2028}\\x{2029}\\x{202F}\\x{205F}\\x{3000}]+(?!"
+    "[^\\t\\n\\x0B\\x0C\\r\\x20\\x{85}\\x{A0}\\x{1680}\\x{2000}-\\x{200A}\\x{2028}\\x{2029}\\"
+    "x{202F}\\x{205F}\\x{3000}])|[\\t\\n\\x0B\\x0C\\r\\x20\\x{85}\\x{A0}\\x{1680}\\x{2000}-\\"
+    "x{200A}\\x{2028}\\x{2029}\\x{202F}\\x{205F}\\x{3000}]+";
+static const char K3_PAT_O200K[] =
+    "[^\\r\\n\\p{L}\\p{N}]?[\\p{Lu}\\p{Lt}\\p{Lm}\\p{Lo}\\p{M}]*[\\p{Ll}\\p{Lm}\\p{Lo}\\p{M}]"
+    "+('s|'S|'t|'T|'re|'rE|'Re|'RE|'ve|'vE|'Ve|'VE|'m|'M|'ll|'lL|'Ll|'LL|'d|'D)?|[^\\r\\n\\p{"
+    "L}\\p{N}]?[\\p{Lu}\\p{Lt}\\p{Lm}\\p{Lo}\\p{M}]+[\\p{Ll}\\p{Lm}\\p{Lo}\\p{M}]*('s|'S|'t|'"
+    "T|'re|'rE|'Re|'RE|'ve|'vE|'Ve|'VE|'m|'M|'ll|'lL|'Ll|'LL|'d|'D)?|\\p{N}{1,3}| ?[^\\t\\n\\"
+    "x0B\\x0C\\r\\x20\\x{85}\\x{A0}\\x{1680}\\x{2000}-\\x{200A}\\x{2028}\\x{2029}\\x{202F}\\x"
+    "{205F}\\x{3000}\\p{L}\\p{N}]+[\\r\\n/]*|[\\t\\n\\x0B\\x0C\\r\\x20\\x{85}\\x{A0}\\x{1680}"
+    "\\x{2000}-\\x{200A}\\x{2028}\\x{2029}\\x{202F}\\x{205F}\\x{3000}]*[\\r\\n]+|[\\t\\n\\x0B"
+    "\\x0C\\r\\x20\\x{85}\\x{A0}\\x{1680}\\x{2000}-\\x{200A}\\x{2028}\\x{2029}\\x{202F}\\x{20"
+    "5F}\\x{3000}]+(?![^\\t\\n\\x0B\\x0C\\r\\x20\\x{85}\\x{A0}\\x{1680}\\x{2000}-\\x{200A}\\x"
+    "{2028}\\x{2029}\\x{202F}\\x{205F}\\x{3000}])|[\\t\\n\\x0B\\x0C\\r\\x20\\x{85}\\x{A0}\\x{"
+    "1680}\\x{2000}-\\x{200A}\\x{2028}\\x{2029}\\x{202F}\\x{205F}\\x{3000}]+";
+static const char K3_PAT_CL100K[] =
+    "('s|'S|'t|'T|'re|'rE|'Re|'RE|'ve|'vE|'Ve|'VE|'m|'M|'ll|'lL|'Ll|'LL|'d|'D)|[^\\r\\n\\p{L}"
+    "\\p{N}]?\\p{L}+|\\p{N}{1,3}| ?[^\\t\\n\\x0B\\x0C\\r\\x20\\x{85}\\x{A0}\\x{1680}\\x{2000}"
+    "-\\x{200A}\\x{2028}\\x{2029}\\x{202F}\\x{205F}\\x{3000}\\p{L}\\p{N}]+[\\r\\n]*|[\\t\\n\\"
+    "x0B\\x0C\\r\\x20\\x{85}\\x{A0}\\x{1680}\\x{2000}-\\x{200A}\\x{2028}\\x{2029}\\x{202F}\\x"
+    "{205F}\\x{3000}]*[\\r\\n]+|[\\t\\n\\x0B\\x0C\\r\\x20\\x{85}\\x{A0}\\x{1680}\\x{2000}-\\x"
+    "{200A}\\x{2028}\\x{2029}\\x{202F}\\x{205F}\\x{3000}]+(?![^\\t\\n\\x0B\\x0C\\r\\x20\\x{85"
+    "}\\x{A0}\\x{1680}\\x{2000}-\\x{200A}\\x{2028}\\x{2029}\\x{202F}\\x{205F}\\x{3000}])|[\\t"
+    "\\n\\x0B\\x0C\\r\\x20\\x{85}\\x{A0}\\x{1680}\\x{2000}-\\x{200A}\\x{2028}\\x{2029}\\x{202"
+    "F}\\x{205F}\\x{3000}]+";
+
+/* Kimi chunking constants (tokenization_kimi.py): TIKTOKEN_MAX_ENCODE_CHARS, MAX_NO_WHITESPACES_CHARS. */
+#define KIMI_MAX_ENCODE_CHARS 400000
+#define KIMI_MAX_RUN_CHARS 25000
+/* Pieces up to this many bytes use the plain min-scan BPE (faster for short pieces). */
+#define BPE_SCAN_MAX 48
+/* Bounds that make a hostile file an error instead of a huge allocation. */
+#define TOK_MAX_ID (1 << 26)
+#define TOK_MAX_TOKEN_BYTES (1 << 20)
+
+k3_status k3_tok_pattern_from_name(const char *name, k3_tok_pattern *out) {
+    if (!name) return K3_ERR(K3_ERR_ARG, "pattern name is NULL");
+    if (!strcmp(name, "k3")) *out = K3_TOK_PAT_K3;
+    else if (!strcmp(name, "o200k")) *out = K3_TOK_PAT_O200K;
+    else if (!strcmp(name, "cl100k")) *out = K3_TOK_PAT_CL100K;
+    else return K3_ERR(K3_ERR_ARG, "unknown pattern '%s' (expected k3, o200k or cl100k)", name);
+    return K3_OK;
+}
+
+/* ---- growable outputs ---------------------------------------------------------------------- */
+void k3_tok_ids_free(k3_tok_ids *v) {
+    if (!v) return;
+    free(v->ids);
+    memset(v, 0, sizeof *v);
+}
+
+void k3_tok_bytes_free(k3_tok_bytes *b) {
+    if (!b) return;
+    free(b->data);
+    memset(b, 0, sizeof *b);
+}
+
+static k3_status ids_push(k3_tok_ids *v, int32_t id) {
+    if (v->n == v->cap) {
+        size_t cap = v->cap ? v->cap * 2 : 64;
+        int32_t *p = realloc(v->ids, cap * sizeof *p);
+        if (!p) return K3_ERR(K3_ERR_NOMEM, "token id buffer: %zu ids", cap);
+        v->ids = p;
+        v->cap = cap;
+    }
+    v->ids[v->n++] = id;
+    return K3_OK;
+}
+
+k3_status k3_tok_bytes_reserve(k3_tok_bytes *b, size_t extra) {
+    if (b->data && b->n + extra + 1 <= b->cap) return K3_OK;
+    size_t cap = b->cap ? b->cap : 64;
+    while (cap < b->n + extra + 1) cap *= 2;
+    char *p = realloc(b->data, cap);
+    if (!p) return K3_ERR(K3_ERR_NOMEM, "text buffer: %zu bytes", cap);
+    b->data = p;
+    b->cap = cap;
+    return K3_OK;
+}
+
+k3_status k3_tok_bytes_append(k3_tok_bytes *b, const char *p, size_t n) {
+    K3_TRY(k3_tok_bytes_reserve(b, n));
+    if (n) memcpy(b->data + b->n, p, n);
+    b->n += n;
+    b->data[b->n] = 0;
+    return K3_OK;
+}
+
+/* ---- UTF-8 ------------------------------------------------------------------------------- */
+int k3_tok_utf8_check(const uint8_t *s, size_t n, size_t *len) {
+    uint8_t c = s[0];
+    size_t need;
+    uint8_t lo = 0x80, hi = 0xBF; /* allowed range of the second byte */
+    if (c < 0x80) { *len = 1; return 0; }
+    if (c >= 0xC2 && c <= 0xDF) need = 2;
+    else if (c >= 0xE0 && c <= 0xEF) {
+        need = 3;
+        if (c == 0xE0) lo = 0xA0;
+        if (c == 0xED) hi = 0x9F;
+    } else if (c >= 0xF0 && c <= 0xF4) {
+        need = 4;
+        if (c == 0xF0) lo = 0x90;
+        if (c == 0xF4) hi = 0x8F;
+    } else {
+        *len = 1;
+        return -1;
+    }
+    for (size_t k = 1; k < need; k++) {
+        if (k >= n) { *len = n; return 1; }
+        uint8_t b = s[k];
+        uint8_t l = k == 1 ? lo : 0x80, h = k == 1 ? hi : 0xBF;
+        if (b < l || b > h) { *len = k; return -1; }
+    }
+    *len = need;
+    return 0;
+}
+
+/* Validate the whole text once. */
+static k3_status utf8_validate(const char *text, size_t n) {
+    const uint8_t *s = (const uint8_t *)text;
+    size_t i = 0;
+    while (i < n) {
+        if (s[i] < 0x80) { i++; continue; }
+        size_t len;
+        if (k3_tok_utf8_check(s + i, n - i, &len) != 0)
+            return K3_ERR(K3_ERR_ARG, "text is not valid UTF-8 at byte offset %zu (byte 0x%02x)", i,
+                          s[i]);
+        i += len;
+    }
+    return K3_OK;
+}
+
+/* Decode one code point of valid UTF-8 at s (caller guarantees validity); returns its length. */
+static size_t utf8_cp(const uint8_t *s, uint32_t *cp) {
+    if (s[0] < 0x80) { *cp = s[0]; return 1; }
+    if (s[0] < 0xE0) { *cp = ((uint32_t)(s[0] & 0x1F) << 6) | (s[1] & 0x3F); return 2; }
+    if (s[0] < 0xF0) {
+        *cp = ((uint32_t)(s[0] & 0x0F) << 12) | ((uint32_t)(s[1] & 0x3F) << 6) | (s[2] & 0x3F);
+        return 3;
+    }
+    *cp = ((uint32_t)(s[0] & 0x07) << 18) | ((uint32_t)(s[1] & 0x3F) << 12) |
+          ((uint32_t)(s[2] & 0x3F) << 6) | (s[3] & 0x3F);
+    return 4;
+}
+
+/* Python str.isspace(). */
+static bool py_isspace(uint32_t c) {
+    if (c <= 0x20) return (c >= 0x09 && c <= 0x0D) || (c >= 0x1C && c <= 0x20);
+    return c == 0x85 || c == 0xA0 || c == 0x1680 || (c >= 0x2000 && c <= 0x200A) || c == 0x2028 ||
+           c == 0x2029 || c == 0x202F || c == 0x205F || c == 0x3000;
+}
+
+/* ---- hash map bytes -> rank -------------------------------------------------------------- */
+static uint64_t hash_bytes(const uint8_t *p, size_t n) {
+    uint64_t h = 0x9E3779B97F4A7C15ull ^ (n * 0xff51afd7ed558ccdull);
+    while (n >= 8) {
+        uint64_t w;
+        memcpy(&w, p, 8);
+        h = (h ^ w) * 0xbf58476d1ce4e5b9ull;
+        h ^= h >> 31;
+        p += 8;
+        n -= 8;
+    }
+    uint64_t w = 0;
+    for (size_t i = 0; i < n; i++) w |= (uint64_t)p[i] << (8 * i);
+    h = (h ^ w) * 0x94d049bb133111ebull;
+    h ^= h >> 29;
+    h *= 0xbf58476d1ce4e5b9ull;
+    h ^= h >> 32;
+    return h;
+}
+
+/* Rank of bytes p[0..n), or -1. */
+static inline int32_t rank_lookup(const k3_tokenizer *t, const uint8_t *p, size_t n) {
+    size_t mask = t->map_cap - 1;
+    size_t i = (size_t)hash_bytes(p, n) & mask;
+    for (;;) {
+        int32_t r = t->map[i];
+        if (r < 0) return -1;
+        if ((size_t)t->rank_len[r] == n && !memcmp(t->arena + t->rank_off[r], p, n)) return r;
+        i = (i + 1) & mask;
+    }
+}
+
+/* ---- loading ----------------------------------------------------------------------------- */
+static int b64val(uint8_t c) {
+    if (c >= 'A' && c <= 'Z') return c - 'A';
+    if (c >= 'a' && c <= 'z') return c - 'a' + 26;
+    if (c >= '0' && c <= '9') return c - '0' + 52;
+    if (c == '+') return 62;
+    if (c == '/') return 63;
+    return -1;
+}
+
+/* Decode standard base64 (with '=' padding) into out (capacity >= 3 * n / 4). Returns the byte
+ * count, or -1 on a malformed string. */
+static int64_t b64decode(const char *s, size_t n, uint8_t *out) {
+    if (n % 4 != 0) return -1;
+    int64_t o = 0;
+    for (size_t i = 0; i < n; i += 4) {
+        int v[4];
+        int pad = 0;
+        for (int k = 0; k < 4; k++) {
+            uint8_t c = (uint8_t)s[i + k];
+            if (c == '=' && i + 4 == n && k >= 2) { v[k] = 0; pad++; continue; }
+            if (pad) return -1; /* data after '=' */
+            v[k] = b64val(c);
+            if (v[k] < 0) return -1;
+        }
+        uint32_t w = ((uint32_t)v[0] << 18) | ((uint32_t)v[1] << 12) | ((uint32_t)v[2] << 6) | (uint32_t)v[3];
+        out[o++] = (uint8_t)(w >> 16);
+        if (pad < 2) out[o++] = (uint8_t)(w >> 8);
+        if (pad < 1) out[o++] = (uint8_t)w;
+    }
+    return o;
+}
+
+static k3_status load_ranks(k3_tokenizer *t, const char *path) {
+    char *buf = NULL;
+    size_t n = 0;
+    K3_TRY(k3_read_file(path, &buf, &n));
+    k3_status st = K3_OK;
+    /* Pass 1: count lines and bytes. Base64 text >= decoded bytes, so n bounds the arena. */
+    size_t n_lines = 0;
+    for (size_t i = 0; i < n; i++) n_lines += buf[i] == '\n';
+    n_lines++;
+    int32_t *ranks = malloc(n_lines * sizeof *ranks);
+    uint32_t *offs = malloc(n_lines * sizeof *offs);
+    int32_t *lens = malloc(n_lines * sizeof *lens);
+    t->arena = malloc(n + 1);
+    if (!ranks || !offs || !lens || !t->arena) {
+        st = K3_ERR(K3_ERR_NOMEM, "%s: rank table for %zu lines", path, n_lines);
+        goto done;
+    }
+    size_t n_tok = 0, line = 0, pos = 0;
+    int64_t max_rank = -1;
+    while (pos < n) {
+        line++;
+        size_t eol = pos;
+        while (eol < n && buf[eol] != '\n') eol++;
+        size_t end = eol;
+        if (end > pos && buf[end - 1] == '\r') end--;
+        if (end > pos) { /* blank lines are skipped */
+            size_t sp = pos;
+            while (sp < end && buf[sp] != ' ') sp++;
+            if (sp == end || sp == pos) {
+                st = K3_ERR(K3_ERR_FORMAT, "%s:%zu: expected '<base64> <rank>'", path, line);
+                goto done;
+            }
+            int64_t r = 0;
+            size_t d = sp + 1;
+            if (d == end) {
+                st = K3_ERR(K3_ERR_FORMAT, "%s:%zu: missing rank", path, line);
+                goto done;
+            }
+            for (; d < end; d++) {
+                if (buf[d] < '0' || buf[d] > '9' || r > TOK_MAX_ID) {
+                    st = K3_ERR(K3_ERR_FORMAT, "%s:%zu: bad rank (not a number below %d)", path, line,
+                                TOK_MAX_ID);
+                    goto done;
+                }
+                r = r * 10 + (buf[d] - '0');
+            }
+            if (r >= TOK_MAX_ID) {
+                st = K3_ERR(K3_ERR_FORMAT, "%s:%zu: rank %lld too large", path, line, (long long)r);
+                goto done;
+            }
+            int64_t nb = b64decode(buf + pos, sp - pos, (uint8_t *)t->arena + t->n_arena);
+            if (nb <= 0) {
+                st = K3_ERR(K3_ERR_FORMAT, "%s:%zu: bad base64 token", path, line);
+                goto done;
+            }
+            ranks[n_tok] = (int32_t)r;
+            offs[n_tok] = (uint32_t)t->n_arena;
+            lens[n_tok] = (int32_t)nb;
+            t->n_arena += (size_t)nb;
+            n_tok++;
+            if (r > max_rank) max_rank = r;
+        }
+        pos = eol + 1;
+    }
+    if (n_tok == 0) {
+        st = K3_ERR(K3_ERR_FORMAT, "%s: no tokens", path);
+        goto done;
+    }
+    t->n_ranks = max_rank + 1;
+    t->rank_off = malloc((size_t)t->n_ranks * sizeof *t->rank_off);
+    t->rank_len = malloc((size_t)t->n_ranks * sizeof *t->rank_len);
+    t->map_cap = 1;
+    while (t->map_cap < 2 * n_tok) t->map_cap <<= 1;
+    t->map = malloc(t->map_cap * sizeof *t->map);
+    if (!t->rank_off || !t->rank_len || !t->map) {
+        st = K3_ERR(K3_ERR_NOMEM, "%s: rank index", path);
+        goto done;
+    }
+    for (int64_t r = 0; r < t->n_ranks; r++) t->rank_len[r] = -1;
+    for (size_t i = 0; i < t->map_cap; i++) t->map[i] = -1;
+    for (size_t k = 0; k < n_tok; k++) {
+        int32_t r = ranks[k];
+        if (t->rank_len[r] >= 0) {
+            st = K3_ERR(K3_ERR_FORMAT, "%s: rank %d appears twice", path, r);
+            goto done;
+        }
+        const uint8_t *p = (const uint8_t *)t->arena + offs[k];
+        t->rank_off[r] = offs[k];
+        t->rank_len[r] = lens[k];
+        size_t mask = t->map_cap - 1, i = (size_t)hash_bytes(p, (size_t)lens[k]) & mask;
+        for (;;) {
+            int32_t o = t->map[i];
+            if (o < 0) break;
+            if (t->rank_len[o] == lens[k] && !memcmp(t->arena + t->rank_off[o], p, (size_t)lens[k])) {
+                st = K3_ERR(K3_ERR_FORMAT, "%s: the same bytes have ranks %d and %d", path, o, r);
+                goto done;
+            }
+            i = (i + 1) & mask;
+        }
+        t->map[i] = r;
+    }
+    for (int b = 0; b < 256; b++) {
+        uint8_t c = (uint8_t)b;
+        t->byte_rank[b] = rank_lookup(t, &c, 1);
+        if (t->byte_rank[b] < 0) {
+            st = K3_ERR(K3_ERR_FORMAT, "%s: no token for the single byte 0x%02x (byte-level BPE needs all 256)",
+                        path, b);
+            goto done;
+        }
+    }
+done:
+    free(ranks);
+    free(offs);
+    free(lens);
+    k3_free(buf);
+    return st;
+}
+
+/* ---- special tokens ---------------------------------------------------------------------- */
+/* Named slots of the K3 block (§4.1), as offsets from the first special id. */
+static const struct { int off; const char *name; } k3_named_specials[] = {
+    {0, "[BOS]"},
+    {1, "[EOS]"},
+    {2, "<|end_of_msg|>"},
+    {3, "<|open|>"},
+    {4, "<|close|>"},
+    {5, "<|sep|>"},
+    {6, "[start_header_id]"},
+    {7, "[end_header_id]"},
+    {9, "[EOT]"},
+    {18, "<|media_begin|>"},
+    {19, "<|media_content|>"},
+    {20, "<|media_end|>"},
+    {21, "<|media_pad|>"},
+    {65, "<osagent_mode>"},
+    {254, "[UNK]"},
+    {255, "[PAD]"},
+};
+
+void k3_tok_specials_free(k3_tok_special *sp, size_t n) {
+    if (!sp) return;
+    for (size_t i = 0; i < n; i++) free((char *)sp[i].content);
+    free(sp);
+}
+
+k3_status k3_tok_k3_specials(int32_t base, k3_tok_special **out, size_t *n_out) {
+    *out = NULL;
+    *n_out = 0;
+    if (base < 0 || base > TOK_MAX_ID - K3_TOK_N_K3_SPECIALS)
+        return K3_ERR(K3_ERR_ARG, "special-token base id %d out of range", base);
+    k3_tok_special *sp = calloc(K3_TOK_N_K3_SPECIALS, sizeof *sp);
+    if (!sp) return K3_ERR(K3_ERR_NOMEM, "K3 special tokens");
+    for (int i = 0; i < K3_TOK_N_K3_SPECIALS; i++) {
+        char name[64];
+        const char *c = NULL;
+        for (size_t k = 0; k < K3_ARRAY_LEN(k3_named_specials); k++)
+            if (k3_named_specials[k].off == i) c = k3_named_specials[k].name;
+        if (!c) {
+            snprintf(name, sizeof name, "<|reserved_token_%d|>", base + i);
+            c = name;
+        }
+        sp[i].id = base + i;
+        sp[i].content = strdup(c);
+        if (!sp[i].content) {
+            k3_tok_specials_free(sp, K3_TOK_N_K3_SPECIALS);
+            return K3_ERR(K3_ERR_NOMEM, "K3 special tokens");
+        }
+    }
+    *out = sp;
+    *n_out = K3_TOK_N_K3_SPECIALS;
+    return K3_OK;
+}
+
+static k3_status trie_add(k3_tokenizer *t, size_t *cap, size_t special) {
+    const uint8_t *s = (const uint8_t *)t->specials[special].content;
+    size_t n = t->special_len[special];
+    int32_t node = 0;
+    for (size_t k = 0; k < n; k++) {
+        int32_t c = t->trie[node].first_child;
+        while (c >= 0 && t->trie[c].byte != s[k]) c = t->trie[c].next_sibling;
+        if (c < 0) {
+            if (t->n_trie == *cap) {
+                size_t nc = *cap * 2;
+                tok_trie_node *p = realloc(t->trie, nc * sizeof *p);
+                if (!p) return K3_ERR(K3_ERR_NOMEM, "special-token trie");
+                t->trie = p;
+                *cap = nc;
+            }
+            c = (int32_t)t->n_trie++;
+            t->trie[c] = (tok_trie_node){.first_child = -1, .next_sibling = t->trie[node].first_child,
+                                         .special = -1, .byte = s[k]};
+            t->trie[node].first_child = c;
+        }
+        node = c;
+    }
+    if (t->trie[node].special >= 0)
+        return K3_ERR(K3_ERR_FORMAT, "special token '%s' is defined twice (ids %d and %d)",
+                      t->specials[special].content, t->specials[t->trie[node].special].id,
+                      t->specials[special].id);
+    t->trie[node].special = (int32_t)special;
+    return K3_OK;
+}
+
+static k3_status set_specials(k3_tokenizer *t, const k3_tok_special *sp, size_t n) {
+    t->specials = calloc(n ? n : 1, sizeof *t->specials);
+    t->special_len = calloc(n ? n : 1, sizeof *t->special_len);
+    if (!t->specials || !t->special_len) return K3_ERR(K3_ERR_NOMEM, "special tokens");
+    int64_t n_vocab = t->n_ranks;
+    for (size_t i = 0; i < n; i++) {
+        if (!sp[i].content || !sp[i].content[0])
+            return K3_ERR(K3_ERR_ARG, "special token #%zu (id %d) has empty content", i, sp[i].id);
+        if (sp[i].id < 0 || sp[i].id >= TOK_MAX_ID)
+            return K3_ERR(K3_ERR_ARG, "special token '%s' has id %d out of range", sp[i].content, sp[i].id);
+        if (sp[i].id < t->n_ranks && t->rank_len[sp[i].id] >= 0)
+            return K3_ERR(K3_ERR_ARG, "special token '%s' id %d collides with an ordinary rank",
+                          sp[i].content, sp[i].id);
+        t->specials[i].id = sp[i].id;
+        t->specials[i].content = strdup(sp[i].content);
+        if (!t->specials[i].content) return K3_ERR(K3_ERR_NOMEM, "special tokens");
+        t->special_len[i] = strlen(sp[i].content);
+        t->n_specials = i + 1;
+        if (sp[i].id + 1 > n_vocab) n_vocab = sp[i].id + 1;
+    }
+    t->n_vocab = n_vocab;
+    t->id_special = malloc((size_t)n_vocab * sizeof *t->id_special);
+    size_t cap = 256;
+    t->trie = malloc(cap * sizeof *t->trie);
+    if (!t->id_special || !t->trie) return K3_ERR(K3_ERR_NOMEM, "special-token index");
+    for (int64_t i = 0; i < n_vocab; i++) t->id_special[i] = -1;
+    t->trie[0] = (tok_trie_node){.first_child = -1, .next_sibling = -1, .special = -1, .byte = 0};
+    t->n_trie = 1;
+    for (size_t i = 0; i < n; i++) {
+        if (t->id_special[t->specials[i].id] >= 0)
+            return K3_ERR(K3_ERR_ARG, "special id %d is given twice ('%s' and '%s')", t->specials[i].id,
+                          t->specials[t->id_special[t->specials[i].id]].content, t->specials[i].content);
+        t->id_special[t->specials[i].id] = (int32_t)i;
+        K3_TRY(trie_add(t, &cap, i));
+    }
+    t->ctrl.open = k3_tok_special_id(t, "<|open|>");
+    t->ctrl.close = k3_tok_special_id(t, "<|close|>");
+    t->ctrl.sep = k3_tok_special_id(t, "<|sep|>");
+    t->ctrl.end_of_msg = k3_tok_special_id(t, "<|end_of_msg|>");
+    t->ctrl.eos = k3_tok_special_id(t, "[EOS]");
+    return K3_OK;
+}
+
+/* ---- create / destroy -------------------------------------------------------------------- */
+static const char *pattern_str(k3_tok_pattern p) {
+    switch (p) {
+    case K3_TOK_PAT_K3: return K3_PAT_K3;
+    case K3_TOK_PAT_O200K: return K3_PAT_O200K;
+    case K3_TOK_PAT_CL100K: return K3_PAT_CL100K;
+    }
+    return NULL;
+}
+
+static k3_status compile_pattern(k3_tokenizer *t, k3_tok_pattern p) {
+    const char *pat = pattern_str(p);
+    if (!pat) return K3_ERR(K3_ERR_ARG, "unknown pre-tokenizer pattern %d", (int)p);
+    int err = 0;
+    PCRE2_SIZE off = 0;
+    t->re = pcre2_compile((PCRE2_SPTR)pat, PCRE2_ZERO_TERMINATED, PCRE2_UTF | PCRE2_UCP, &err, &off, NULL);
+    if (!t->re) {
+        PCRE2_UCHAR msg[256];
+        pcre2_get_error_message(err, msg, sizeof msg);
+        return K3_ERR(K3_ERR_INTERNAL, "pre-tokenizer pattern does not compile at offset %zu: %s",
+                      (size_t)off, (const char *)msg);
+    }
+    t->jit = pcre2_jit_compile(t->re, PCRE2_JIT_COMPLETE) == 0;
+    return K3_OK;
+}
+
+void k3_tok_destroy(k3_tokenizer *t) {
+    if (!t) return;
+    free(t->arena);
+    free(t->rank_off);
+    free(t->rank_len);
+    free(t->map);
+    if (t->specials)
+        for (size_t i = 0; i < t->n_specials; i++) free((char *)t->specials[i].content);
+    free(t->specials);
+    free(t->special_len);
+    free(t->id_special);
+    free(t->trie);
+    if (t->re) pcre2_code_free(t->re);
+    free(t);
+}
+
+k3_status k3_tok_create_tiktoken(k3_tokenizer **out, const char *path, const k3_tok_special *specials,
+                                 size_t n_specials, const k3_tok_options *opts) {
+    *out = NULL;
+    k3_tok_options o = opts ? *opts : (k3_tok_options){0};
+    k3_tokenizer *t = calloc(1, sizeof *t);
+    if (!t) return K3_ERR(K3_ERR_NOMEM, "tokenizer");
+    t->kimi_chunking = !o.no_kimi_chunking;
+    k3_status st = load_ranks(t, path);
+    if (st == K3_OK) st = compile_pattern(t, o.pattern);
+    if (st == K3_OK) {
+        if (!specials && n_specials == K3_TOK_K3_LAYOUT) {
+            k3_tok_special *sp = NULL;
+            size_t n = 0;
+            st = k3_tok_k3_specials((int32_t)t->n_ranks, &sp, &n);
+            if (st == K3_OK) st = set_specials(t, sp, n);
+            k3_tok_specials_free(sp, n);
+        } else {
+            st = set_specials(t, specials, specials ? n_specials : 0);
+        }
+    }
+    if (st != K3_OK) {
+        k3_tok_destroy(t);
+        return st;
+    }
+    *out = t;
+    return K3_OK;
+}
+
+/* tokenizer_config.json: added_tokens_decoder = {"<id>": {"content": "...", ...}, ...}. */
+static k3_status read_added_tokens(const char *path, k3_tok_special **out, size_t *n_out) {
+    char *buf = NULL;
+    size_t n = 0;
+    *out = NULL;
+    *n_out = 0;
+    K3_TRY(k3_read_file(path, &buf, &n));
+    cJSON *root = cJSON_ParseWithLength(buf, n);
+    k3_free(buf);
+    if (!root) return K3_ERR(K3_ERR_FORMAT, "%s: not valid JSON", path);
+    k3_status st = K3_OK;
+    const cJSON *dec = cJSON_GetObjectItemCaseSensitive(root, "added_tokens_decoder");
+    if (!cJSON_IsObject(dec)) {
+        st = K3_ERR(K3_ERR_FORMAT, "%s: no object 'added_tokens_decoder'", path);
+        goto done;
+    }
+    size_t cnt = (size_t)cJSON_GetArraySize(dec);
+    k3_tok_special *sp = calloc(cnt ? cnt : 1, sizeof *sp);
+    if (!sp) {
+        st = K3_ERR(K3_ERR_NOMEM, "%s: special tokens", path);
+        goto done;
+    }
+    size_t k = 0;
+    const cJSON *it;
+    cJSON_ArrayForEach(it, dec) {
+        char *end = NULL;
+        long id = strtol(it->string, &end, 10);
+        const cJSON *c = cJSON_GetObjectItemCaseSensitive(it, "content");
+        if (!it->string[0] || *end || id < 0 || id >= TOK_MAX_ID) {
+            st = K3_ERR(K3_ERR_FORMAT, "%s: added_tokens_decoder key '%s' is not a token id", path, it->string);
+            break;
+        }
+        if (!cJSON_IsString(c) || !c->valuestring[0]) {
+            st = K3_ERR(K3_ERR_FORMAT, "%s: added_tokens_decoder[\"%s\"].content missing or empty", path,
+                        it->string);
+            break;
+        }
+        sp[k].id = (int32_t)id;
+        sp[k].content = strdup(c->valuestring);
+        if (!sp[k].content) {
+            st = K3_ERR(K3_ERR_NOMEM, "%s: special tokens", path);
+            break;
+        }
+        k++;
+    }
+    if (st != K3_OK) {
+        k3_tok_specials_free(sp, k);
+        goto done;
+    }
+    *out = sp;
+    *n_out = k;
+done:
+    cJSON_Delete(root);
+    return st;
+}
+
+k3_status k3_tok_create_model_dir(k3_tokenizer **out, const char *dir, const k3_tok_options *opts) {
+    *out = NULL;
+    char vocab[4096], cfg[4096];
+    if (snprintf(vocab, sizeof vocab, "%s/tiktoken.model", dir) >= (int)sizeof vocab ||
+        snprintf(cfg, sizeof cfg, "%s/tokenizer_config.json", dir) >= (int)sizeof cfg)
+        return K3_ERR(K3_ERR_ARG, "model directory path too long: %s", dir);
+    FILE *f = fopen(cfg, "rb");
+    if (!f) {
+        K3_LOGW("%s not found: using the K3 special-token layout past the last rank", cfg);
+        return k3_tok_create_tiktoken(out, vocab, NULL, K3_TOK_K3_LAYOUT, opts);
+    }
+    fclose(f);
+    k3_tok_special *sp = NULL;
+    size_t n = 0;
+    K3_TRY(read_added_tokens(cfg, &sp, &n));
+    k3_status st = k3_tok_create_tiktoken(out, vocab, sp, n, opts);
+    k3_tok_specials_free(sp, n);
+    return st;
+}
+
+/* ---- queries ----------------------------------------------------------------------------- */
+int64_t k3_tok_n_vocab(const k3_tokenizer *t) { return t->n_vocab; }
+int64_t k3_tok_n_ranks(const k3_tokenizer *t) { return t->n_ranks; }
+
+int32_t k3_tok_special_id(const k3_tokenizer *t, const char *content) {
+    for (size_t i = 0; i < t->n_specials; i++)
+        if (!strcmp(t->specials[i].content, content)) return t->specials[i].id;
+    return -1;
+}
+
+bool k3_tok_is_special(const k3_tokenizer *t, int32_t id) {
+    return id >= 0 && id < t->n_vocab && t->id_special[id] >= 0;
+}
+
+k3_tok_ctrl k3_tok_control_ids(const k3_tokenizer *t) { return t->ctrl; }
+
+k3_status k3_tok_id_bytes(const k3_tokenizer *t, int32_t id, const char **bytes, size_t *n_bytes) {
+    if (id >= 0 && id < t->n_ranks && t->rank_len[id] >= 0) {
+        *bytes = t->arena + t->rank_off[id];
+        *n_bytes = (size_t)t->rank_len[id];
+        return K3_OK;
+    }
+    if (id >= 0 && id < t->n_vocab && t->id_special[id] >= 0) {
+        *bytes = t->specials[t->id_special[id]].content;
+        *n_bytes = t->special_len[t->id_special[id]];
+        return K3_OK;
+    }
+    return K3_ERR(K3_ERR_ARG, "token id %d is not in the vocabulary (n_vocab %lld)", id,
+                  (long long)t->n_vocab);
+}
+
+/* ---- encoding ---------------------------------------------------------------------------- */
+/* Per-call scratch: PCRE2 match state and the BPE work arrays (grown as needed, never shrunk). */
+typedef struct heap_ent {
+    int32_t rank;
+    uint32_t start; /* byte offset of the left part; ties break to the leftmost */
+    uint32_t ver;   /* the left part's version when pushed (stale entries are skipped) */
+} heap_ent;
+
+typedef struct tok_scratch {
+    pcre2_match_data *md;
+    pcre2_match_context *mctx;
+    pcre2_jit_stack *jstack;
+    size_t cap;        /* capacity (in bytes of piece) of the arrays below */
+    uint32_t *next;    /* (cap + 1) start of the next part; piece length for the last */
+    uint32_t *prev;    /* (cap) start of the previous part; UINT32_MAX for the first */
+    uint32_t *ver;     /* (cap) version of the part starting here */
+    int32_t *prank;    /* (cap) rank of (part, next part) merged; -1 = not mergeable */
+    heap_ent *heap;    /* (3 cap): n initial pairs + at most 2 pushes per merge */
+} tok_scratch;
+
+static void scratch_free(tok_scratch *s) {
+    if (s->md) pcre2_match_data_free(s->md);
+    if (s->mctx) pcre2_match_context_free(s->mctx);
+    if (s->jstack) pcre2_jit_stack_free(s->jstack);
+    free(s->next);
+    free(s->prev);
+    free(s->ver);
+    free(s->prank);
+    free(s->heap);
+    memset(s, 0, sizeof *s);
+}
+
+static k3_status scratch_init(tok_scratch *s, const k3_tokenizer *t) {
+    memset(s, 0, sizeof *s);
+    s->md = pcre2_match_data_create_from_pattern(t->re, NULL);
+    s->mctx = pcre2_match_context_create(NULL);
+    if (!s->md || !s->mctx) {
+        scratch_free(s);
+        return K3_ERR(K3_ERR_NOMEM, "pre-tokenizer match data");
+    }
+    /* Long pieces (runs of letters) need deep backtracking state: lift the interpreter limits
+     * (the chunking of §4.4 bounds runs anyway). */
+    pcre2_set_match_limit(s->mctx, UINT32_MAX);
+    pcre2_set_depth_limit(s->mctx, UINT32_MAX);
+    return K3_OK;
+}
+
+static k3_status scratch_grow(tok_scratch *s, size_t n) {
+    if (n <= s->cap) return K3_OK;
+    size_t cap = s->cap ? s->cap : 256;
+    while (cap < n) cap *= 2;
+    if (cap > UINT32_MAX / 2) return K3_ERR(K3_ERR_ARG, "text piece of %zu bytes is too long", n);
+    free(s->next);
+    free(s->prev);
+    free(s->ver);
+    free(s->prank);
+    free(s->heap);
+    s->next = malloc((cap + 1) * sizeof *s->next);
+    s->prev = malloc(cap * sizeof *s->prev);
+    s->ver = malloc(cap * sizeof *s->ver);
+    s->prank = malloc(cap * sizeof *s->prank);
+    s->heap = malloc(cap * 3 * sizeof *s->heap);
+    s->cap = cap;
+    if (!s->next || !s->prev || !s->ver || !s->prank || !s->heap) {
+        s->cap = 0;
+        return K3_ERR(K3_ERR_NOMEM, "BPE scratch for a %zu-byte piece", n);
+    }
+    return K3_OK;
+}
+
+static inline bool heap_less(heap_ent a, heap_ent b) {
+    return a.rank < b.rank || (a.rank == b.rank && a.start < b.start);
+}
+
+static void heap_push(heap_ent *h, size_t *n, heap_ent e) {
+    size_t i = (*n)++;
+    while (i > 0) {
+        size_t p = (i - 1) / 2;
+        if (!heap_less(e, h[p])) break;
+        h[i] = h[p];
+        i = p;
+    }
+    h[i] = e;
+}
+
+static heap_ent heap_pop(heap_ent *h, size_t *n) {
+    heap_ent top = h[0], last = h[--(*n)];
+    size_t i = 0;
+    for (;;) {
+        size_t c = 2 * i + 1;
+        if (c >= *n) break;
+        if (c + 1 < *n && heap_less(h[c + 1], h[c])) c++;
+        if (!heap_less(h[c], last)) break;
+        h[i] = h[c];
+        i = c;
+    }
+    if (*n) h[i] = last;
+    return top;
+}
+
+/* Rank of the merge of the part at `a` with its successor, or -1. */
+static inline int32_t pair_rank(const k3_tokenizer *t, const uint8_t *p, const uint32_t *next,
+                                uint32_t n, uint32_t a) {
+    uint32_t b = next[a];
+    if (b >= n) return -1;
+    return rank_lookup(t, p + a, next[b] - a);
+}
+
+/* BPE of one piece (§4.3), ids appended. */
+static k3_status bpe_piece(const k3_tokenizer *t, tok_scratch *s, const uint8_t *p, size_t len,
+                           k3_tok_ids *out) {
+    if (len == 0) return K3_OK;
+    if (len == 1) return ids_push(out, t->byte_rank[p[0]]);
+    int32_t whole = rank_lookup(t, p, len);
+    if (whole >= 0) return ids_push(out, whole);
+    K3_TRY(scratch_grow(s, len));
+    uint32_t n = (uint32_t)len;
+    uint32_t *next = s->next, *prev = s->prev;
+    for (uint32_t i = 0; i < n; i++) {
+        next[i] = i + 1;
+        prev[i] = i == 0 ? UINT32_MAX : i - 1;
+    }
+    next[n] = n;
+    if (len <= BPE_SCAN_MAX) {
+        /* tiktoken's loop: find the lowest-ranked adjacent pair (leftmost on ties), merge. */
+        int32_t *pr = s->prank;
+        for (uint32_t i = 0; i < n; i = next[i]) pr[i] = pair_rank(t, p, next, n, i);
+        for (;;) {
+            int32_t best = INT32_MAX;
+            uint32_t bi = UINT32_MAX;
+            for (uint32_t i = 0; i < n; i = next[i])
+                if (pr[i] >= 0 && pr[i] < best) { best = pr[i]; bi = i; }
+            if (bi == UINT32_MAX) break;
+            uint32_t b = next[bi];
+            next[bi] = next[b];
+            if (next[b] < n) prev[next[b]] = bi;
+            pr[bi] = pair_rank(t, p, next, n, bi);
+            if (prev[bi] != UINT32_MAX) pr[prev[bi]] = pair_rank(t, p, next, n, prev[bi]);
+        }
+    } else {
+        uint32_t *ver = s->ver;
+        heap_ent *h = s->heap;
+        size_t nh = 0;
+        for (uint32_t i = 0; i < n; i++) {
+            ver[i] = 0;
+            int32_t r = pair_rank(t, p, next, n, i);
+            if (r >= 0) heap_push(h, &nh, (heap_ent){r, i, 0});
+        }
+        while (nh) {
+            heap_ent e = heap_pop(h, &nh);
+            /* Stale if the left part was merged away or changed since the push. */
+            if (e.ver != ver[e.start] || ver[e.start] == UINT32_MAX) continue;
+            uint32_t a = e.start, b = next[a];
+            ver[b] = UINT32_MAX; /* b is absorbed */
+            next[a] = next[b];
+            if (next[b] < n) prev[next[b]] = a;
+            ver[a]++;
+            int32_t r = pair_rank(t, p, next, n, a);
+            if (r >= 0) heap_push(h, &nh, (heap_ent){r, a, ver[a]});
+            if (prev[a] != UINT32_MAX) {
+                uint32_t q = prev[a];
+                ver[q]++;
+                r = pair_rank(t, p, next, n, q);
+                if (r >= 0) heap_push(h, &nh, (heap_ent){r, q, ver[q]});
+            }
+        }
+    }
+    for (uint32_t i = 0; i < n; i = next[i]) {
+        int32_t r = rank_lookup(t, p + i, next[i] - i);
+        K3_ASSERT(r >= 0);
+        K3_TRY(ids_push(out, r));
+    }
+    return K3_OK;
+}
+
+/* One regex match at `off` of subject[0..n): returns 1 with [*ms, *me), 0 if none, <0 error. */
+static int regex_next(const k3_tokenizer *t, tok_scratch *s, const uint8_t *subj, size_t n, size_t off,
+                      size_t *ms, size_t *me) {
+    int rc;
+    for (int attempt = 0;; attempt++) {
+        if (t->jit && attempt < 2)
+            rc = pcre2_jit_match(t->re, subj, n, off, 0, s->md, s->mctx);
+        else
+            rc = pcre2_match(t->re, subj, n, off, PCRE2_NO_UTF_CHECK | PCRE2_NO_JIT, s->md, s->mctx);
+        if (rc == PCRE2_ERROR_JIT_STACKLIMIT && attempt == 0) {
+            /* Deep backtracking on a long piece: give JIT a large stack and retry once;
+             * the interpreter (heap frames) is the last resort. */
+            if (!s->jstack) s->jstack = pcre2_jit_stack_create(1 << 16, 1 << 28, NULL);
+            if (s->jstack) pcre2_jit_stack_assign(s->mctx, NULL, s->jstack);
+            continue;
+        }
+        if (rc == PCRE2_ERROR_JIT_STACKLIMIT && attempt == 1) continue;
+        break;
+    }
+    if (rc == PCRE2_ERROR_NOMATCH) return 0;
+    if (rc < 0) return rc;
+    PCRE2_SIZE *ov = pcre2_get_ovector_pointer(s->md);
+    *ms = ov[0];
+    *me = ov[1];
+    return 1;
+}
+
+/* Regex split + BPE of a text run with no specials (tiktoken's _encode_ordinary on a slice:
+ * text that no alternative matches is skipped, as tiktoken's find_iter does). */
+static k3_status encode_ordinary(const k3_tokenizer *t, tok_scratch *s, const uint8_t *p, size_t n,
+                                 k3_tok_ids *out) {
+    size_t off = 0;
+    while (off < n) {
+        size_t ms, me;
+        int rc = regex_next(t, s, p, n, off, &ms, &me);
+        if (rc == 0) break;
+        if (rc < 0) {
+            PCRE2_UCHAR msg[256];
+            pcre2_get_error_message(rc, msg, sizeof msg);
+            return K3_ERR(K3_ERR_INTERNAL, "pre-tokenizer match failed at byte %zu: %s", off,
+                          (const char *)msg);
+        }
+        if (me == ms) { /* cannot happen with our patterns; step one code point to be safe */
+            uint32_t cp;
+            off = ms + utf8_cp(p + ms, &cp);
+            continue;
+        }
+        K3_TRY(bpe_piece(t, s, p + ms, me - ms, out));
+        off = me;
+    }
+    return K3_OK;
+}
+
+/* Longest special token starting at p[0..n); returns its index or -1, *len its byte length. */
+static int32_t special_at(const k3_tokenizer *t, const uint8_t *p, size_t n, size_t *len) {
+    int32_t node = 0, best = -1;
+    for (size_t k = 0; k < n; k++) {
+        int32_t c = t->trie[node].first_child;
+        while (c >= 0 && t->trie[c].byte != p[k]) c = t->trie[c].next_sibling;
+        if (c < 0) break;
+        node = c;
+        if (t->trie[node].special >= 0) {
+            best = t->trie[node].special;
+            *len = k + 1;
+        }
+    }
+    return best;
+}
+
+/* One sub-chunk: specials (if allowed) split it, the rest is regex + BPE. */
+static k3_status encode_chunk(const k3_tokenizer *t, tok_scratch *s, const uint8_t *p, size_t n,
+                              bool allow_special, k3_tok_ids *out) {
+    if (!allow_special || t->n_specials == 0) return encode_ordinary(t, s, p, n, out);
+    size_t start = 0, i = 0;
+    while (i < n) {
+        size_t len = 0;
+        int32_t sp = t->trie[0].first_child >= 0 ? special_at(t, p + i, n - i, &len) : -1;
+        if (sp < 0) {
+            i++;
+            continue;
+        }
+        K3_TRY(encode_ordinary(t, s, p + start, i - start, out));
+        K3_TRY(ids_push(out, t->specials[sp].id));
+        i += len;
+        start = i;
+    }
+    return encode_ordinary(t, s, p + start, n - start, out);
+}
+
+/* §4.4: cut every 400,000 code points, then cut runs of > 25,000 whitespace / non-whitespace code
+ * points (Python str.isspace); each sub-piece is encoded on its own. */
+static k3_status encode_kimi_chunks(const k3_tokenizer *t, tok_scratch *s, const uint8_t *p, size_t n,
+                                    bool allow_special, k3_tok_ids *out) {
+    size_t pos = 0;
+    while (pos < n) {
+        /* One 400k-code-point chunk [pos, cend). */
+        size_t cend = pos, ncp = 0;
+        while (cend < n && ncp < KIMI_MAX_ENCODE_CHARS) {
+            uint32_t cp;
+            cend += utf8_cp(p + cend, &cp);
+            ncp++;
+        }
+        /* _split_whitespaces_or_nonwhitespaces(chunk, 25000). */
+        size_t slice_start = pos, run = 0, i = pos;
+        bool run_space = false;
+        if (pos < cend) {
+            uint32_t cp;
+            utf8_cp(p + pos, &cp);
+            run_space = py_isspace(cp);
+        }
+        while (i < cend) {
+            uint32_t cp;
+            size_t l = utf8_cp(p + i, &cp);
+            bool sp = py_isspace(cp);
+            if (sp != run_space) {
+                run = 1;
+                run_space = sp;
+            } else if (++run > KIMI_MAX_RUN_CHARS) {
+                K3_TRY(encode_chunk(t, s, p + slice_start, i - slice_start, allow_special, out));
+                slice_start = i;
+                run = 1;
+            }
+            i += l;
+        }
+        K3_TRY(encode_chunk(t, s, p + slice_start, cend - slice_start, allow_special, out));
+        pos = cend;
+    }
+    return K3_OK;
+}
+
+static k3_status encode_with(const k3_tokenizer *t, tok_scratch *s, const char *text, size_t n,
+                             bool allow_special, k3_tok_ids *out) {
+    if (n && !text) return K3_ERR(K3_ERR_ARG, "text is NULL");
+    K3_TRY(utf8_validate(text, n));
+    if (n == 0) return K3_OK;
+    if (t->kimi_chunking) return encode_kimi_chunks(t, s, (const uint8_t *)text, n, allow_special, out);
+    return encode_chunk(t, s, (const uint8_t *)text, n, allow_special, out);
+}
+
+k3_status k3_tok_encode(const k3_tokenizer *t, const char *text, size_t n_bytes, bool allow_special,
+                        k3_tok_ids *out) {
+    tok_scratch s;
+    K3_TRY(scratch_init(&s, t));
+    size_t n0 = out->n;
+    k3_status st = encode_with(t, &s, text, n_bytes, allow_special, out);
+    if (st != K3_OK) out->n = n0;
+    scratch_free(&s);
+    return st;
+}
+
+k3_status k3_tok_encode_segments(const k3_tokenizer *t, const k3_tok_segment *segs, size_t n_segs,
+                                 k3_tok_ids *out) {
+    tok_scratch s;
+    K3_TRY(scratch_init(&s, t));
+    size_t n0 = out->n;
+    k3_status st = K3_OK;
+    for (size_t i = 0; i < n_segs && st == K3_OK; i++) {
+        st = encode_with(t, &s, segs[i].text, segs[i].n_bytes, segs[i].allow_special, out);
+        if (st != K3_OK) st = K3_ERR(st, "segment %zu: %s", i, k3_last_error());
+    }
+    if (st != K3_OK) out->n = n0;
+    scratch_free(&s);
+    return st;
+}
+
+k3_status k3_tok_split(const k3_tokenizer *t, const char *text, size_t n_bytes, size_t **offsets,
+                       size_t *n_pieces) {
+    *offsets = NULL;
+    *n_pieces = 0;
+    if (n_bytes && !text) return K3_ERR(K3_ERR_ARG, "text is NULL");
+    K3_TRY(utf8_validate(text, n_bytes));
+    tok_scratch s;
+    K3_TRY(scratch_init(&s, t));
+    size_t cap = 0, np = 0, off = 0;
+    size_t *v = NULL;
+    k3_status st = K3_OK;
+    while (off < n_bytes) {
+        size_t ms, me;
+        int rc = regex_next(t, &s, (const uint8_t *)text, n_bytes, off, &ms, &me);
+        if (rc == 0) break;
+        if (rc < 0) {
+            st = K3_ERR(K3_ERR_INTERNAL, "pre-tokenizer match failed at byte %zu (pcre2 %d)", off, rc);
+            break;
+        }
+        if (np == cap) {
+            cap = cap ? cap * 2 : 32;
+            size_t *nv = realloc(v, cap * 2 * sizeof *nv);
+            if (!nv) {
+                st = K3_ERR(K3_ERR_NOMEM, "piece offsets");
+                break;
+            }
+            v = nv;
+        }
+        v[2 * np] = ms;
+        v[2 * np + 1] = me;
+        np++;
+        if (me == ms) {
+            uint32_t cp;
+            me = ms + utf8_cp((const uint8_t *)text + ms, &cp);
+        }
+        off = me;
+    }
+    scratch_free(&s);
+    if (st != K3_OK) {
+        free(v);
+        return st;
+    }
+    *offsets = v;
+    *n_pieces = np;
+    return K3_OK;
+}

@@ -1,0 +1,383 @@
+/* cpu.c — the cpu backend: SIMD (AVX2+FMA when built with them, scalar otherwise) and the
+ * persistent pool of pool.c. Semantics are ref/'s; results differ from ref only by summation
+ * order inside a dot product (8-lane partial sums), and are bit-reproducible on their own:
+ *
+ * Determinism: y[t,o] of matmul is one dot product whose lane assignment and final reduction
+ * depend only on `in` — the same code path computes it whether the call has 1 token or 512,
+ * and threads split over output rows (matmul), columns (matmul_tn), heads (KDA, attention) or
+ * tokens (norms), never inside one reduction.
+ * Ops that are not bottlenecks reuse the reference code (per head / per row) from the workers. */
+#include "k3_kernels.h"
+#include "k3_kernels_internal.h"
+
+#include <math.h>
+
+#include "k3_mxfp4.h"
+
+#if defined(__AVX2__) && defined(__FMA__)
+#include <immintrin.h>
+#define K3_CPU_AVX2 1
+#endif
+
+/* Work below this many multiply-adds runs on the calling thread only. */
+#define K3_CPU_PAR_MIN_MACS (1 << 15)
+#define K3_CPU_MAX_NT 4 /* tokens per micro-tile */
+
+/* ---- dot-product micro kernels: NT tokens × one weight row ------------------------------- */
+#ifdef K3_CPU_AVX2
+static inline float hsum8(__m256 v) {
+    __m128 lo = _mm256_castps256_ps128(v), hi = _mm256_extractf128_ps(v, 1);
+    lo = _mm_add_ps(lo, hi);                          /* 4 */
+    __m128 sh = _mm_movehl_ps(lo, lo);
+    lo = _mm_add_ps(lo, sh);                          /* 2 */
+    sh = _mm_shuffle_ps(lo, lo, 1);
+    return _mm_cvtss_f32(_mm_add_ss(lo, sh));
+}
+static inline __m256 load_bf16x8(const uint16_t *p) {
+    __m128i h = _mm_loadu_si128((const __m128i *)p);
+    return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16));
+}
+#endif
+
+/* Each "dot_*" computes out[u] = Σ_i x[u][i] w[i] for u < nt; always_inline with a constant nt
+ * so the accumulators stay in registers. The per-token arithmetic does not depend on nt. */
+#define DOT_BODY(LOADW, SCALARW)                                                                \
+    int64_t i = 0;                                                                              \
+    float tail[K3_CPU_MAX_NT];                                                                  \
+    for (int u = 0; u < nt; u++) tail[u] = 0.0f;                                                \
+    DOT_SIMD(LOADW)                                                                             \
+    for (; i < n; i++) {                                                                        \
+        float wi = SCALARW(i);                                                                  \
+        for (int u = 0; u < nt; u++) tail[u] += x[u][i] * wi;                                   \
+    }                                                                                           \
+    DOT_FINISH
+
+#ifdef K3_CPU_AVX2
+#define DOT_SIMD(LOADW)                                                                         \
+    __m256 a0[K3_CPU_MAX_NT], a1[K3_CPU_MAX_NT];                                                \
+    for (int u = 0; u < nt; u++) a0[u] = a1[u] = _mm256_setzero_ps();                           \
+    for (; i + 16 <= n; i += 16) {                                                              \
+        __m256 w0 = LOADW(i), w1 = LOADW(i + 8);                                                \
+        for (int u = 0; u < nt; u++) {                                                          \
+            a0[u] = _mm256_fmadd_ps(_mm256_loadu_ps(x[u] + i), w0, a0[u]);                      \
+            a1[u] = _mm256_fmadd_ps(_mm256_loadu_ps(x[u] + i + 8), w1, a1[u]);                  \
+        }                                                                                       \
+    }                                                                                           \
+    for (; i + 8 <= n; i += 8) {                                                                \
+        __m256 w0 = LOADW(i);                                                                   \
+        for (int u = 0; u < nt; u++) a0[u] = _mm256_fmadd_ps(_mm256_loadu_ps(x[u] + i), w0, a0[u]); \
+    }
+#define DOT_FINISH                                                                              \
+    for (int u = 0; u < nt; u++) out[u] = hsum8(_mm256_add_ps(a0[u], a1[u])) + tail[u];
+#else
+#define DOT_SIMD(LOADW)
+#define DOT_FINISH for (int u = 0; u < nt; u++) out[u] = tail[u];
+#endif
+
+#define LOADW_F32(j) _mm256_loadu_ps(w + (j))
+#define LOADW_BF16(j) load_bf16x8(w + (j))
+#define SCALAR_F32(j) w[j]
+#define SCALAR_BF16(j) k3_bf16_to_f32(w[j])
+
+static inline __attribute__((always_inline)) void dot_f32(const float *w, const float *const *x,
+                                                          int nt, int64_t n, float *out) {
+    DOT_BODY(LOADW_F32, SCALAR_F32)
+}
+static inline __attribute__((always_inline)) void dot_bf16(const uint16_t *w, const float *const *x,
+                                                           int nt, int64_t n, float *out) {
+    DOT_BODY(LOADW_BF16, SCALAR_BF16)
+}
+
+/* MXFP4 row: codes [n/2] bytes (low nibble = even element), e8m0 [n/32]. Each 32-block is
+ * decoded to exactly the floats k3_mxfp4_get gives (E2M1 × 2^(e−127) is exact in fp32), then
+ * used like an F32 row: 4 × 8 lanes, accumulated into a0 (lanes 0..15) and a1 (16..31). */
+static inline __attribute__((always_inline)) void dot_mxfp4(const uint8_t *codes, const uint8_t *e8,
+                                                            const float *const *x, int nt, int64_t n,
+                                                            float *out) {
+#ifdef K3_CPU_AVX2
+    __m256 a0[K3_CPU_MAX_NT], a1[K3_CPU_MAX_NT];
+    for (int u = 0; u < nt; u++) a0[u] = a1[u] = _mm256_setzero_ps();
+    const __m256 mag = _mm256_setr_ps(0.0f, 0.5f, 1.0f, 1.5f, 2.0f, 3.0f, 4.0f, 6.0f);
+    const __m128i dup = _mm_setr_epi8(0, 0, 1, 1, 2, 2, 3, 3, 4, 4, 5, 5, 6, 6, 7, 7);
+    const __m256i shv = _mm256_setr_epi32(0, 4, 0, 4, 0, 4, 0, 4);
+    for (int64_t b = 0; b < n / 32; b++) {
+        __m128i raw = _mm_loadu_si128((const __m128i *)(codes + b * 16));
+        float sc = k3_e8m0_to_f32(e8[b]);
+        __m256 vs = _mm256_set1_ps(sc);
+        __m256 wv[4];
+        const __m128i parts[4] = {_mm_shuffle_epi8(raw, dup),
+                                  _mm_shuffle_epi8(_mm_srli_si128(raw, 4), dup),
+                                  _mm_shuffle_epi8(_mm_srli_si128(raw, 8), dup),
+                                  _mm_shuffle_epi8(_mm_srli_si128(raw, 12), dup)};
+        for (int q = 0; q < 4; q++) {
+            __m256i c = _mm256_and_si256(_mm256_srlv_epi32(_mm256_cvtepu8_epi32(parts[q]), shv),
+                                         _mm256_set1_epi32(15));
+            __m256 m = _mm256_permutevar8x32_ps(mag, c); /* magnitude of code & 7 */
+            __m256i sign = _mm256_slli_epi32(_mm256_and_si256(c, _mm256_set1_epi32(8)), 28);
+            m = _mm256_castsi256_ps(_mm256_or_si256(_mm256_castps_si256(m), sign));
+            wv[q] = _mm256_mul_ps(m, vs);
+        }
+        const int64_t i = b * 32;
+        for (int u = 0; u < nt; u++) {
+            a0[u] = _mm256_fmadd_ps(_mm256_loadu_ps(x[u] + i), wv[0], a0[u]);
+            a0[u] = _mm256_fmadd_ps(_mm256_loadu_ps(x[u] + i + 8), wv[1], a0[u]);
+            a1[u] = _mm256_fmadd_ps(_mm256_loadu_ps(x[u] + i + 16), wv[2], a1[u]);
+            a1[u] = _mm256_fmadd_ps(_mm256_loadu_ps(x[u] + i + 24), wv[3], a1[u]);
+        }
+    }
+    for (int u = 0; u < nt; u++) out[u] = hsum8(_mm256_add_ps(a0[u], a1[u]));
+#else
+    float wbuf[32];
+    for (int u = 0; u < nt; u++) out[u] = 0.0f;
+    for (int64_t b = 0; b < n / 32; b++) {
+        for (int j = 0; j < 16; j++) {
+            uint8_t byte = codes[b * 16 + j];
+            wbuf[2 * j] = k3_mxfp4_e2m1(byte & 15u) * k3_e8m0_to_f32(e8[b]);
+            wbuf[2 * j + 1] = k3_mxfp4_e2m1((unsigned)byte >> 4) * k3_e8m0_to_f32(e8[b]);
+        }
+        for (int u = 0; u < nt; u++)
+            for (int j = 0; j < 32; j++) out[u] += x[u][b * 32 + j] * wbuf[j];
+    }
+#endif
+}
+
+/* One weight row against tokens [t0, t0+nt). */
+static inline __attribute__((always_inline)) void row_dot(const k3_tensor *W, int64_t o,
+                                                          const float *const *xs, int nt, float *out) {
+    int64_t in = W->shape[1];
+    switch (W->dtype) {
+    case K3_DT_F32: dot_f32((const float *)W->data + o * in, xs, nt, in, out); break;
+    case K3_DT_BF16: dot_bf16((const uint16_t *)W->data + o * in, xs, nt, in, out); break;
+    default: dot_mxfp4((const uint8_t *)W->data + o * (in / 2), W->scale + o * (in / 32), xs, nt, in, out); break;
+    }
+}
+
+typedef struct {
+    const float *x;
+    int64_t T;
+    const k3_tensor *W;
+    float *y;
+    int64_t rows_per_task;
+} mm_job;
+
+static void mm_task(void *ctx, int64_t task) {
+    const mm_job *j = ctx;
+    int64_t out = j->W->shape[0], in = j->W->shape[1];
+    int64_t o0 = task * j->rows_per_task, o1 = K3_MIN(out, o0 + j->rows_per_task);
+    for (int64_t t0 = 0; t0 < j->T; t0 += K3_CPU_MAX_NT) {
+        int nt = (int)K3_MIN((int64_t)K3_CPU_MAX_NT, j->T - t0);
+        const float *xs[K3_CPU_MAX_NT];
+        for (int u = 0; u < nt; u++) xs[u] = j->x + (t0 + u) * in;
+        for (int64_t o = o0; o < o1; o++) {
+            float r[K3_CPU_MAX_NT];
+            switch (nt) { /* constant nt per case: accumulators stay in registers */
+            case 4: row_dot(j->W, o, xs, 4, r); break;
+            case 3: row_dot(j->W, o, xs, 3, r); break;
+            case 2: row_dot(j->W, o, xs, 2, r); break;
+            default: row_dot(j->W, o, xs, 1, r); break;
+            }
+            for (int u = 0; u < nt; u++) j->y[(t0 + u) * out + o] = r[u];
+        }
+    }
+}
+
+static k3_status check_w(const k3_tensor *W, const char *op) {
+    if (W->ndim != 2) return K3_ERR(K3_ERR_SHAPE, "%s: weight is %d-D, want 2-D [out, in]", op, W->ndim);
+    if (W->dtype != K3_DT_F32 && W->dtype != K3_DT_BF16 && W->dtype != K3_DT_MXFP4)
+        return K3_ERR(K3_ERR_SHAPE, "%s: weight dtype %s unsupported (F32, BF16, MXFP4)", op,
+                      k3_dtype_name(W->dtype));
+    if (W->dtype == K3_DT_MXFP4 && (W->shape[1] % 32 != 0 || !W->scale))
+        return K3_ERR(K3_ERR_SHAPE, "%s: MXFP4 weight with in=%lld not a multiple of 32 or no scale",
+                      op, (long long)W->shape[1]);
+    return K3_OK;
+}
+
+static k3_status cpu_matmul(const float *x, int64_t T, const k3_tensor *W, float *y) {
+    K3_TRY(check_w(W, "matmul"));
+    int64_t out = W->shape[0], in = W->shape[1];
+    if (T <= 0 || out <= 0) return K3_OK;
+    mm_job j = {.x = x, .T = T, .W = W, .y = y, .rows_per_task = out};
+    int64_t macs = T * out * in;
+    int nth = k3_kernels_threads();
+    if (macs >= K3_CPU_PAR_MIN_MACS && nth > 1) {
+        /* ~4 tasks per thread for balance; rows per task a multiple of 4. Task boundaries never
+           change any result (each y[t,o] is computed whole by one task). */
+        int64_t n_tasks = K3_MIN(out, (int64_t)nth * 4);
+        j.rows_per_task = (out + n_tasks - 1) / n_tasks;
+        j.rows_per_task = (j.rows_per_task + 3) & ~(int64_t)3;
+    }
+    int64_t n_tasks = (out + j.rows_per_task - 1) / j.rows_per_task;
+    k3_pool_run(n_tasks, mm_task, &j);
+    return K3_OK;
+}
+
+/* y[t, i] = Σ_o x[t,o] W[o,i] with o ascending for every element; tasks split over columns. */
+typedef struct {
+    const float *x;
+    int64_t T;
+    const k3_tensor *W;
+    float *y;
+    int64_t cols_per_task;
+} mmtn_job;
+
+static void mmtn_task(void *ctx, int64_t task) {
+    const mmtn_job *j = ctx;
+    int64_t out = j->W->shape[0], in = j->W->shape[1];
+    int64_t c0 = task * j->cols_per_task, c1 = K3_MIN(in, c0 + j->cols_per_task);
+    for (int64_t t = 0; t < j->T; t++) {
+        float *yt = j->y + t * in;
+        for (int64_t c = c0; c < c1; c++) yt[c] = 0.0f;
+        for (int64_t o = 0; o < out; o++) {
+            float xo = j->x[t * out + o];
+            if (j->W->dtype == K3_DT_F32) {
+                const float *w = (const float *)j->W->data + o * in;
+                for (int64_t c = c0; c < c1; c++) yt[c] = fmaf(xo, w[c], yt[c]);
+            } else if (j->W->dtype == K3_DT_BF16) {
+                const uint16_t *w = (const uint16_t *)j->W->data + o * in;
+                for (int64_t c = c0; c < c1; c++) yt[c] = fmaf(xo, k3_bf16_to_f32(w[c]), yt[c]);
+            } else {
+                for (int64_t c = c0; c < c1; c++) yt[c] = fmaf(xo, k3_tensor_get(j->W, o, c), yt[c]);
+            }
+        }
+    }
+}
+
+static k3_status cpu_matmul_tn(const float *x, int64_t T, const k3_tensor *W, float *y) {
+    K3_TRY(check_w(W, "matmul_tn"));
+    int64_t out = W->shape[0], in = W->shape[1];
+    if (T <= 0 || in <= 0) return K3_OK;
+    mmtn_job j = {.x = x, .T = T, .W = W, .y = y, .cols_per_task = in};
+    int nth = k3_kernels_threads();
+    if (T * out * in >= K3_CPU_PAR_MIN_MACS && nth > 1) {
+        int64_t n_tasks = K3_MIN((in + 31) / 32, (int64_t)nth * 2);
+        j.cols_per_task = ((in + n_tasks - 1) / n_tasks + 31) & ~(int64_t)31;
+    }
+    k3_pool_run((in + j.cols_per_task - 1) / j.cols_per_task, mmtn_task, &j);
+    return K3_OK;
+}
+
+/* ---- row ops: reuse ref per row block from the pool --------------------------------------- */
+typedef struct {
+    const float *x;
+    const float *w;
+    int64_t n;
+    float eps;
+    float *y;
+    bool l2;
+} norm_job;
+static void norm_task(void *ctx, int64_t t) {
+    const norm_job *j = ctx;
+    if (j->l2)
+        k3_ops_ref()->l2norm(j->x + t * j->n, 1, j->n, j->eps, j->y + t * j->n);
+    else
+        k3_ops_ref()->rmsnorm(j->x + t * j->n, j->w, 1, j->n, j->eps, j->y + t * j->n);
+}
+static void cpu_rmsnorm(const float *x, const float *w, int64_t T, int64_t n, float eps, float *y) {
+    norm_job j = {x, w, n, eps, y, false};
+    if (T * n < K3_CPU_PAR_MIN_MACS) {
+        k3_ops_ref()->rmsnorm(x, w, T, n, eps, y);
+        return;
+    }
+    k3_pool_run(T, norm_task, &j);
+}
+static void cpu_l2norm(const float *x, int64_t T, int64_t n, float eps, float *y) {
+    norm_job j = {x, NULL, n, eps, y, true};
+    if (T * n < K3_CPU_PAR_MIN_MACS) {
+        k3_ops_ref()->l2norm(x, T, n, eps, y);
+        return;
+    }
+    k3_pool_run(T, norm_task, &j);
+}
+
+/* ---- KDA and latent attention: per head on the pool --------------------------------------- */
+typedef struct {
+    const float *q, *k, *v, *g, *beta;
+    int64_t n;
+    int H, dk, dv, C;
+    float scale;
+    float *S, *o, *work;
+} kda_job;
+static void kda_task(void *ctx, int64_t h) {
+    const kda_job *j = ctx;
+    int64_t sqk = (int64_t)j->H * j->dk, svo = (int64_t)j->H * j->dv;
+    float *S = j->S + h * j->dk * j->dv;
+    if (j->C > 1)
+        k3_ref_kda_head_chunked(j->q + h * j->dk, j->k + h * j->dk, j->v + h * j->dv, j->g + h * j->dk,
+                                j->beta + h, j->n, sqk, svo, j->H, j->dk, j->dv, j->scale, S,
+                                j->o + h * j->dv, j->C,
+                                j->work + (size_t)h * k3_kda_chunk_work_floats(j->C, j->dk, j->dv));
+    else
+        k3_ref_kda_head_recurrent(j->q + h * j->dk, j->k + h * j->dk, j->v + h * j->dv,
+                                  j->g + h * j->dk, j->beta + h, j->n, sqk, svo, j->H, j->dk, j->dv,
+                                  j->scale, S, j->o + h * j->dv);
+}
+static void cpu_kda_recurrent(const float *q, const float *k, const float *v, const float *g,
+                              const float *beta, int64_t n, int H, int dk, int dv, float scale,
+                              float *S, float *o) {
+    kda_job j = {q, k, v, g, beta, n, H, dk, dv, 0, scale, S, o, NULL};
+    k3_pool_run(H, kda_task, &j);
+}
+static void cpu_kda_chunked(const float *q, const float *k, const float *v, const float *g,
+                            const float *beta, int64_t n, int H, int dk, int dv, float scale,
+                            float *S, float *o, int C, float *work) {
+    kda_job j = {q, k, v, g, beta, n, H, dk, dv, C, scale, S, o, work};
+    k3_pool_run(H, kda_task, &j);
+}
+
+typedef struct {
+    const float *qc, *cache;
+    int64_t n_ctx;
+    int W, Rkv;
+    float scale;
+    float *o, *work;
+} lat_job;
+static void lat_task(void *ctx, int64_t h) {
+    const lat_job *j = ctx;
+    k3_ref_attn_latent_head(j->qc + h * j->W, j->cache, j->n_ctx, j->W, j->Rkv, j->scale,
+                            j->o + h * j->Rkv, j->work + h * j->n_ctx);
+}
+static void cpu_attn_latent(const float *qc, const float *cache, int64_t n_ctx, int H, int W,
+                            int Rkv, float scale, float *o_lat, float *work) {
+    lat_job j = {qc, cache, n_ctx, W, Rkv, scale, o_lat, work};
+    if (n_ctx * H * W < K3_CPU_PAR_MIN_MACS) {
+        for (int h = 0; h < H; h++) lat_task(&j, h);
+        return;
+    }
+    k3_pool_run(H, lat_task, &j);
+}
+
+/* elementwise ops are a negligible share of time: the reference code */
+static void cpu_silu(const float *x, int64_t n, float *y) { k3_ops_ref()->silu(x, n, y); }
+static void cpu_sigmoid(const float *x, int64_t n, float *y) { k3_ops_ref()->sigmoid(x, n, y); }
+static void cpu_situ(const float *g, const float *u, int64_t n, float beta, float lin_beta, float *y) {
+    k3_ops_ref()->situ(g, u, n, beta, lin_beta, y);
+}
+static void cpu_swiglu(const float *g, const float *u, int64_t n, float *y) {
+    k3_ops_ref()->swiglu(g, u, n, y);
+}
+static void cpu_softmax(const float *x, int64_t T, int64_t n, float *y) {
+    k3_ops_ref()->softmax(x, T, n, y);
+}
+static void cpu_attnres_mix(const float *bank, int n_bank, const float *p, const float *w,
+                            int64_t T, int64_t D, float eps, float *out) {
+    k3_ops_ref()->attnres_mix(bank, n_bank, p, w, T, D, eps, out);
+}
+
+static const k3_ops k_cpu_ops = {
+    .backend = "cpu",
+    .matmul = cpu_matmul,
+    .matmul_tn = cpu_matmul_tn,
+    .rmsnorm = cpu_rmsnorm,
+    .l2norm = cpu_l2norm,
+    .silu = cpu_silu,
+    .sigmoid = cpu_sigmoid,
+    .situ = cpu_situ,
+    .swiglu = cpu_swiglu,
+    .softmax = cpu_softmax,
+    .attnres_mix = cpu_attnres_mix,
+    .kda_recurrent = cpu_kda_recurrent,
+    .kda_chunked = cpu_kda_chunked,
+    .attn_latent = cpu_attn_latent,
+};
+
+const k3_ops *k3_ops_cpu(void) { return &k_cpu_ops; }

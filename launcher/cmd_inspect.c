@@ -1,0 +1,185 @@
+/* cmd_inspect.c — `k3 inspect DIR [--json]` / `k3 inspect --preset k3`: what a checkpoint is.
+ *
+ * Prints the config summary, the layer kinds (K = KDA, M = MLA; lower case = dense FFN), total
+ * and active parameter counts, bytes by dtype, "active bytes/token" (what one decoded token
+ * reads), the shards (name, size, tensor count), then checks every tensor the config implies
+ * (k3_ckpt_verify) and lists the problems; exit 1 if there are any. --json prints the same as one
+ * JSON object on stdout. --preset k3 summarises the real K3 config without a checkpoint. */
+#include "k3_launcher.h"
+#include "k3_model.h"
+
+#include <cjson/cJSON.h>
+#include <stdio.h>
+#include <stdlib.h>
+
+static const k3_flag flags[] = {
+    {"json", K3_FLAG_BOOL, NULL, NULL, "print one JSON object on stdout"},
+    {"preset", K3_FLAG_STR, "NAME", NULL, "summarise a preset's config (tiny, small, k3); no DIR"},
+};
+
+typedef struct probs { cJSON *arr; int64_t n; } probs;
+static void add_problem(void *ctx, const char *msg) {
+    probs *p = ctx;
+    p->n++;
+    if (cJSON_GetArraySize(p->arr) < 1000) cJSON_AddItemToArray(p->arr, cJSON_CreateString(msg));
+}
+
+static void layer_string(const k3_config *c, char *out, size_t cap) {
+    size_t n = 0;
+    for (int l = 0; l < c->n_layers && n + 3 < cap; l++) {
+        char k = c->mixer[l] == K3_MIXER_MLA ? 'M' : 'K';
+        if (!k3_config_is_moe(c, l)) k = (char)(k - 'A' + 'a');
+        if (l) out[n++] = ' ';
+        out[n++] = k;
+    }
+    out[n] = 0;
+}
+
+static cJSON *summary(const k3_config *c) {
+    cJSON *o = cJSON_CreateObject();
+    char ls[4 * K3_MAX_LAYERS];
+    layer_string(c, ls, sizeof ls);
+    k3_config_counts k;
+    k3_config_count(c, &k);
+    cJSON_AddNumberToObject(o, "vocab_size", (double)c->vocab_size);
+    cJSON_AddNumberToObject(o, "hidden_size", (double)c->hidden_size);
+    cJSON_AddNumberToObject(o, "n_layers", c->n_layers);
+    cJSON_AddStringToObject(o, "layers", ls);
+    int nm = 0, nmoe = 0;
+    for (int l = 0; l < c->n_layers; l++) {
+        nm += c->mixer[l] == K3_MIXER_MLA;
+        nmoe += k3_config_is_moe(c, l);
+    }
+    cJSON_AddNumberToObject(o, "n_kda", c->n_layers - nm);
+    cJSON_AddNumberToObject(o, "n_mla", nm);
+    cJSON_AddNumberToObject(o, "n_dense", c->n_layers - nmoe);
+    cJSON_AddNumberToObject(o, "n_moe", nmoe);
+    cJSON_AddNumberToObject(o, "attn_res_block_size", c->attn_res_block_size);
+    cJSON_AddNumberToObject(o, "n_experts", c->n_experts);
+    cJSON_AddNumberToObject(o, "n_experts_per_tok", c->n_experts_per_tok);
+    cJSON_AddNumberToObject(o, "n_shared_experts", c->n_shared_experts);
+    cJSON_AddNumberToObject(o, "latent_size", c->latent_size);
+    cJSON_AddNumberToObject(o, "n_group", c->n_group);
+    cJSON_AddNumberToObject(o, "topk_group", c->topk_group);
+    cJSON_AddStringToObject(o, "experts", c->experts_mxfp4 ? "mxfp4" : "bf16");
+    cJSON_AddStringToObject(o, "act", c->act == K3_ACT_SITU ? "situ" : "swiglu");
+    cJSON_AddStringToObject(o, "kda_gate", c->kda_has_lower_bound ? "lower_bound" : "softplus");
+    cJSON_AddNumberToObject(o, "eos_token_id", c->eos_token_id);
+    cJSON_AddNumberToObject(o, "n_tensors", (double)k.n_tensors);
+    cJSON_AddNumberToObject(o, "params_total", (double)k.params_total);
+    cJSON_AddNumberToObject(o, "params_active", (double)k.params_active);
+    cJSON_AddNumberToObject(o, "bytes_total", (double)k.bytes_total);
+    cJSON_AddNumberToObject(o, "active_bytes_per_token", (double)k.bytes_active);
+    cJSON *bd = cJSON_AddObjectToObject(o, "bytes_by_dtype");
+    for (int d = 0; d < 8 && d < K3_DT_COUNT; d++)
+        if (k.bytes_by_dtype[d]) cJSON_AddNumberToObject(bd, k3_dtype_name((k3_dtype)d), (double)k.bytes_by_dtype[d]);
+    return o;
+}
+
+static void print_text(const cJSON *s, const cJSON *shards, const cJSON *problems) {
+#define N(key) cJSON_GetObjectItem(s, key)->valuedouble
+    printf("config   vocab %.0f, hidden %.0f, %.0f layers (%.0f KDA, %.0f MLA; %.0f dense, %.0f MoE)\n",
+           N("vocab_size"), N("hidden_size"), N("n_layers"), N("n_kda"), N("n_mla"), N("n_dense"),
+           N("n_moe"));
+    printf("layers   %s   (K KDA, M MLA; lower case = dense FFN)\n",
+           cJSON_GetObjectItem(s, "layers")->valuestring);
+    printf("moe      %.0f experts, top-%.0f, groups %.0f/%.0f, %.0f shared, latent %.0f, %s experts\n",
+           N("n_experts"), N("n_experts_per_tok"), N("n_group"), N("topk_group"),
+           N("n_shared_experts"), N("latent_size"), cJSON_GetObjectItem(s, "experts")->valuestring);
+    printf("misc     act %s, KDA gate %s, AttnRes block %.0f, eos %.0f\n",
+           cJSON_GetObjectItem(s, "act")->valuestring,
+           cJSON_GetObjectItem(s, "kda_gate")->valuestring, N("attn_res_block_size"),
+           N("eos_token_id"));
+    printf("params   %.0f total, %.0f active per token, %.0f tensors\n", N("params_total"),
+           N("params_active"), N("n_tensors"));
+    printf("bytes    %.0f total (%.2f GB); active bytes/token %.0f (%.1f MB)\n", N("bytes_total"),
+           N("bytes_total") / 1e9, N("active_bytes_per_token"), N("active_bytes_per_token") / 1e6);
+    const cJSON *d;
+    cJSON_ArrayForEach(d, cJSON_GetObjectItem(s, "bytes_by_dtype"))
+        printf("dtype    %-5s %.0f bytes\n", d->string, d->valuedouble);
+#undef N
+    const cJSON *sh;
+    cJSON_ArrayForEach(sh, shards)
+        printf("shard    %s  %.0f bytes  %.0f tensors\n",
+               cJSON_GetObjectItem(sh, "name")->valuestring,
+               cJSON_GetObjectItem(sh, "bytes")->valuedouble,
+               cJSON_GetObjectItem(sh, "tensors")->valuedouble);
+    const cJSON *p;
+    cJSON_ArrayForEach(p, problems) printf("problem  %s\n", p->valuestring);
+}
+
+static int run_inspect(const k3_args *a) {
+    bool json = k3_args_bool(a, "json");
+    const char *preset = k3_args_str(a, "preset");
+    k3_config c;
+    cJSON *root = cJSON_CreateObject(), *shards = cJSON_CreateArray(), *pr = cJSON_CreateArray();
+    int rc = 0;
+    if (preset) {
+        k3_preset p;
+        if (a->n_pos > 0 || k3_preset_parse(preset, &p) != K3_OK) {
+            fprintf(stderr, "k3 inspect: --preset %s: give tiny, small or k3 and no DIR\n", preset);
+            cJSON_Delete(root); cJSON_Delete(shards); cJSON_Delete(pr);
+            return 2;
+        }
+        k3_preset_config(p, &c);
+        cJSON_AddStringToObject(root, "preset", preset);
+    } else {
+        if (a->n_pos != 1) {
+            fprintf(stderr, "k3 inspect: give a checkpoint DIR (or --preset NAME)\n");
+            cJSON_Delete(root); cJSON_Delete(shards); cJSON_Delete(pr);
+            return 2;
+        }
+        const char *dir = a->pos[0];
+        cJSON_AddStringToObject(root, "dir", dir);
+        if (k3_config_load(dir, &c) != K3_OK) {
+            fprintf(stderr, "k3 inspect: %s\n", k3_last_error());
+            cJSON_Delete(root); cJSON_Delete(shards); cJSON_Delete(pr);
+            return 1;
+        }
+        k3_ckpt *ck = NULL;
+        if (k3_ckpt_open(dir, &ck) != K3_OK) {
+            add_problem(&(probs){pr, 0}, k3_last_error());
+            rc = 1;
+        } else {
+            for (int s = 0; s < k3_ckpt_n_shards(ck); s++) {
+                cJSON *o = cJSON_CreateObject();
+                const char *path = k3_ckpt_shard_path(ck, s), *base = strrchr(path, '/');
+                int64_t nt = 0;
+                for (int64_t i = 0; i < k3_ckpt_n_tensors(ck); i++)
+                    nt += k3_ckpt_tensor_at(ck, i)->shard == s;
+                cJSON_AddStringToObject(o, "name", base ? base + 1 : path);
+                cJSON_AddNumberToObject(o, "bytes", (double)k3_ckpt_shard_size(ck, s));
+                cJSON_AddNumberToObject(o, "tensors", (double)nt);
+                cJSON_AddItemToArray(shards, o);
+            }
+            probs p = {pr, 0};
+            if (k3_ckpt_verify(ck, &c, add_problem, &p) > 0) rc = 1;
+            k3_ckpt_destroy(ck);
+        }
+    }
+    cJSON_AddItemToObject(root, "config", summary(&c));
+    cJSON_AddItemToObject(root, "shards", shards);
+    cJSON_AddItemToObject(root, "problems", pr);
+    cJSON_AddBoolToObject(root, "ok", rc == 0);
+    if (json) {
+        char *s = cJSON_PrintUnformatted(root);
+        if (s) printf("%s\n", s);
+        cJSON_free(s);
+    } else {
+        print_text(cJSON_GetObjectItem(root, "config"), shards, pr);
+        printf("verdict  %s\n", rc == 0 ? "OK" : "PROBLEMS FOUND");
+    }
+    if (rc != 0) {
+        int np = cJSON_GetArraySize(pr);
+        fprintf(stderr, "k3 inspect: %d problem%s, first: %s\n", np, np == 1 ? "" : "s",
+                np ? cJSON_GetArrayItem(pr, 0)->valuestring : "?");
+    }
+    cJSON_Delete(root);
+    return rc;
+}
+
+const k3_command k3_cmd_inspect = {
+    .name = "inspect", .positional = "[DIR]", .min_pos = 0, .max_pos = 1,
+    .summary = "summarise a checkpoint and check it against its config",
+    .flags = flags, .n_flags = (int)K3_ARRAY_LEN(flags), .run = run_inspect,
+};

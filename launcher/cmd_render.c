@@ -1,0 +1,92 @@
+/* cmd_render.c — `k3 render`: an OpenAI-style chat request on stdin -> the K3 prompt.
+ *
+ * Owns: the command's flags and output formats. Default: the prompt text with the generation
+ * prompt. --segments: the segment list as JSON `[[text, is_control], ...]` (what the tokenizer
+ * sees, §4.6). --ids: the token ids (segment-wise encoding), which needs --model or --vocab.
+ * The chat logic lives in coordinator/ (k3_chat.h); this file only does I/O.
+ * Errors: one line on stderr naming the key or file, exit 1 (2 = usage). */
+#include "k3_chat.h"
+#include "k3_launcher.h"
+#include "k3_tokenizer.h"
+
+#include <stdio.h>
+#include <stdlib.h>
+
+static const k3_flag render_flags[] = {
+    {"model", K3_FLAG_STR, "DIR", NULL, "model directory (tokenizer); needed only for --ids"},
+    {"vocab", K3_FLAG_STR, "FILE", NULL, "a .tiktoken rank file with the K3 specials past the last rank (for --ids)"},
+    {"segments", K3_FLAG_BOOL, NULL, NULL, "print the segments as JSON [[text, is_control], ...]"},
+    {"ids", K3_FLAG_BOOL, NULL, NULL, "print the token ids (each segment encoded on its own)"},
+    {"no-generation-prompt", K3_FLAG_BOOL, NULL, NULL, "do not append the assistant opener"},
+};
+
+/* Read all of stdin (shared shape with cmd_parse.c). */
+static k3_status read_stdin(k3_chat_buf *b) {
+    char chunk[65536];
+    size_t n;
+    while ((n = fread(chunk, 1, sizeof chunk, stdin)) > 0) K3_TRY(k3_chat_buf_put(b, chunk, n));
+    if (ferror(stdin)) return K3_ERR(K3_ERR_IO, "reading stdin failed");
+    return k3_chat_buf_put(b, "", 0);
+}
+
+static int fail(const char *what) {
+    fprintf(stderr, "k3 render: %s%s%s\n", what, *what ? ": " : "", k3_last_error());
+    return 1;
+}
+
+static int run_render(const k3_args *a) {
+    bool want_ids = k3_args_bool(a, "ids");
+    const char *model = k3_args_str(a, "model"), *vocab = k3_args_str(a, "vocab");
+    if (want_ids && !model && !vocab) {
+        fprintf(stderr, "k3 render: --ids needs --model DIR or --vocab FILE\n");
+        return 2;
+    }
+    k3_chat_buf in = {0}, out = {0};
+    k3_chat_request *req = NULL;
+    k3_chat_prompt prompt = {0};
+    k3_tokenizer *tok = NULL;
+    k3_tok_ids ids = {0};
+    k3_tok_segment *segs = NULL;
+    int rc = 0;
+    if (read_stdin(&in) || k3_chat_request_parse(in.p, in.n, &req) ||
+        k3_chat_render(req, !k3_args_bool(a, "no-generation-prompt"), &prompt)) {
+        rc = fail("");
+        goto done;
+    }
+    if (want_ids) {
+        k3_status s = model ? k3_tok_create_model_dir(&tok, model, NULL)
+                            : k3_tok_create_tiktoken(&tok, vocab, NULL, K3_TOK_K3_LAYOUT, NULL);
+        if (s) { rc = fail(model ? model : vocab); goto done; }
+        segs = calloc(prompt.n_segs + 1, sizeof *segs);
+        if (!segs) { fprintf(stderr, "k3 render: out of memory\n"); rc = 1; goto done; }
+        for (size_t i = 0; i < prompt.n_segs; i++) {
+            size_t b = i ? prompt.seg_end[i - 1] : 0;
+            segs[i] = (k3_tok_segment){prompt.text + b, prompt.seg_end[i] - b, prompt.seg_ctrl[i]};
+        }
+        if (k3_tok_encode_segments(tok, segs, prompt.n_segs, &ids)) { rc = fail("encoding"); goto done; }
+        for (size_t i = 0; i < ids.n; i++) printf(i ? " %d" : "%d", ids.ids[i]);
+        putchar('\n');
+    } else if (k3_args_bool(a, "segments")) {
+        if (k3_chat_prompt_segments_json(&prompt, &out)) { rc = fail(""); goto done; }
+        fwrite(out.p, 1, out.n, stdout);
+        putchar('\n');
+    } else {
+        fwrite(prompt.text, 1, prompt.n_bytes, stdout);
+    }
+    fflush(stdout);
+done:
+    free(segs);
+    k3_tok_ids_free(&ids);
+    k3_tok_destroy(tok);
+    k3_chat_prompt_free(&prompt);
+    k3_chat_request_destroy(req);
+    k3_chat_buf_free(&in);
+    k3_chat_buf_free(&out);
+    return rc;
+}
+
+const k3_command k3_cmd_render = {
+    .name = "render", .positional = "",
+    .summary = "render an OpenAI-style chat request (stdin) as the K3 prompt",
+    .flags = render_flags, .n_flags = (int)K3_ARRAY_LEN(render_flags), .run = run_render,
+};

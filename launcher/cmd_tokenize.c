@@ -1,0 +1,170 @@
+/* cmd_tokenize.c — `k3 tokenize`: text -> token ids with the k3 tokenizer (coordinator/).
+ *
+ * Owns: the command's flags and output formats. Plain: ids space-separated on one line. --json:
+ * {"ids":[...],"pieces":[...]} (pieces = each id decoded, invalid UTF-8 replaced by U+FFFD).
+ * --jsonl: one JSON value per stdin line -> one JSON array of ids per stdout line; a line is a
+ * string (encoded with specials allowed unless --no-special) or {"text": "...", "special": bool}.
+ * Specials are allowed by default, like tokenization_kimi.py encode(). --vocab uses the K3
+ * special-token layout past the last rank (§4.1). Errors: one line on stderr, exit 1 (2 = usage). */
+#include "k3_launcher.h"
+#include "k3_tokenizer.h"
+
+#include <cjson/cJSON.h>
+#include <stdio.h>
+#include <stdlib.h>
+
+static const k3_flag tokenize_flags[] = {
+    {"model", K3_FLAG_STR, "DIR", NULL, "model directory (tiktoken.model + tokenizer_config.json)"},
+    {"vocab", K3_FLAG_STR, "FILE", NULL, "a .tiktoken rank file; K3 special tokens past the last rank"},
+    {"pattern", K3_FLAG_STR, "NAME", "k3", "pre-tokenizer regex: k3 | o200k | cl100k"},
+    {"no-special", K3_FLAG_BOOL, NULL, NULL, "treat special-token text as plain text"},
+    {"no-kimi-chunking", K3_FLAG_BOOL, NULL, NULL, "skip the 400k/25k chunking of tokenization_kimi (raw tiktoken)"},
+    {"json", K3_FLAG_BOOL, NULL, NULL, "print {\"ids\":[...],\"pieces\":[...]}"},
+    {"jsonl", K3_FLAG_BOOL, NULL, NULL, "read one JSON string (or {text,special}) per stdin line, print one id array per line"},
+};
+
+static void print_ids_json(const k3_tok_ids *ids) {
+    putchar('[');
+    for (size_t i = 0; i < ids->n; i++) printf(i ? ",%d" : "%d", ids->ids[i]);
+    putchar(']');
+}
+
+static int run_jsonl(const k3_tokenizer *t, bool allow_special) {
+    char *line = NULL;
+    size_t cap = 0;
+    ssize_t len;
+    size_t lineno = 0;
+    int rc = 0;
+    k3_tok_ids ids = {0};
+    while ((len = getline(&line, &cap, stdin)) >= 0) {
+        lineno++;
+        /* cJSON strings are NUL-terminated: a \u0000 escape would silently truncate the text. */
+        if (strstr(line, "\\u0000")) {
+            fprintf(stderr, "k3 tokenize: stdin line %zu: \\u0000 (NUL) is not supported in --jsonl input\n",
+                    lineno);
+            rc = 1;
+            break;
+        }
+        cJSON *v = cJSON_ParseWithLength(line, (size_t)len);
+        const cJSON *text = v;
+        bool special = allow_special;
+        if (cJSON_IsObject(v)) {
+            text = cJSON_GetObjectItemCaseSensitive(v, "text");
+            const cJSON *sp = cJSON_GetObjectItemCaseSensitive(v, "special");
+            if (sp && !cJSON_IsBool(sp)) text = NULL;
+            if (sp) special = cJSON_IsTrue(sp);
+        }
+        if (!cJSON_IsString(text)) {
+            fprintf(stderr, "k3 tokenize: stdin line %zu: expected a JSON string or {\"text\": string, "
+                            "\"special\": bool}\n", lineno);
+            cJSON_Delete(v);
+            rc = 1;
+            break;
+        }
+        ids.n = 0;
+        k3_status st = k3_tok_encode(t, text->valuestring, strlen(text->valuestring), special, &ids);
+        cJSON_Delete(v);
+        if (st != K3_OK) {
+            fprintf(stderr, "k3 tokenize: stdin line %zu: %s\n", lineno, k3_last_error());
+            rc = 1;
+            break;
+        }
+        print_ids_json(&ids);
+        putchar('\n');
+    }
+    free(line);
+    k3_tok_ids_free(&ids);
+    fflush(stdout);
+    return rc;
+}
+
+static int run_tokenize(const k3_args *a) {
+    const char *model = k3_args_str(a, "model"), *vocab = k3_args_str(a, "vocab");
+    if ((model != NULL) == (vocab != NULL)) {
+        fprintf(stderr, "k3 tokenize: give exactly one of --model DIR or --vocab FILE\n");
+        return 2;
+    }
+    bool jsonl = k3_args_bool(a, "jsonl");
+    if (jsonl && a->n_pos > 0) {
+        fprintf(stderr, "k3 tokenize: --jsonl reads stdin; do not also give TEXT\n");
+        return 2;
+    }
+    k3_tok_options opt = {0};
+    if (k3_tok_pattern_from_name(k3_args_str(a, "pattern"), &opt.pattern) != K3_OK) {
+        fprintf(stderr, "k3 tokenize: --pattern: %s\n", k3_last_error());
+        return 2;
+    }
+    opt.no_kimi_chunking = k3_args_bool(a, "no-kimi-chunking");
+    k3_tokenizer *t = NULL;
+    k3_status st = model ? k3_tok_create_model_dir(&t, model, &opt)
+                         : k3_tok_create_tiktoken(&t, vocab, NULL, K3_TOK_K3_LAYOUT, &opt);
+    if (st != K3_OK) {
+        fprintf(stderr, "k3 tokenize: %s\n", k3_last_error());
+        return 1;
+    }
+    bool allow_special = !k3_args_bool(a, "no-special");
+    int rc = 0;
+    if (jsonl) {
+        rc = run_jsonl(t, allow_special);
+    } else {
+        /* TEXT, or all of stdin when absent. */
+        char *buf = NULL;
+        size_t n = 0;
+        if (a->n_pos > 0) {
+            buf = strdup(a->pos[0]);
+            n = buf ? strlen(buf) : 0;
+        } else {
+            size_t cap = 0;
+            char tmp[65536];
+            size_t got;
+            while ((got = fread(tmp, 1, sizeof tmp, stdin)) > 0) {
+                if (n + got + 1 > cap) {
+                    cap = (n + got + 1) * 2;
+                    char *nb = realloc(buf, cap);
+                    if (!nb) break;
+                    buf = nb;
+                }
+                memcpy(buf + n, tmp, got);
+                n += got;
+            }
+        }
+        k3_tok_ids ids = {0};
+        st = k3_tok_encode(t, buf ? buf : "", n, allow_special, &ids);
+        if (st != K3_OK) {
+            fprintf(stderr, "k3 tokenize: %s\n", k3_last_error());
+            rc = 1;
+        } else if (k3_args_bool(a, "json")) {
+            cJSON *o = cJSON_CreateObject(), *ia = cJSON_AddArrayToObject(o, "ids"),
+                  *pa = cJSON_AddArrayToObject(o, "pieces");
+            for (size_t i = 0; i < ids.n; i++) {
+                k3_tok_bytes piece = {0};
+                cJSON_AddItemToArray(ia, cJSON_CreateNumber(ids.ids[i]));
+                if (k3_tok_decode(t, &ids.ids[i], 1, &piece) == K3_OK)
+                    cJSON_AddItemToArray(pa, cJSON_CreateString(piece.data ? piece.data : ""));
+                k3_tok_bytes_free(&piece);
+            }
+            char *s = cJSON_PrintUnformatted(o);
+            if (s) printf("%s\n", s);
+            free(s);
+            cJSON_Delete(o);
+        } else {
+            for (size_t i = 0; i < ids.n; i++) printf(i ? " %d" : "%d", ids.ids[i]);
+            printf("\n");
+        }
+        k3_tok_ids_free(&ids);
+        free(buf);
+    }
+    k3_tok_destroy(t);
+    return rc;
+}
+
+const k3_command k3_cmd_tokenize = {
+    .name = "tokenize",
+    .positional = "[TEXT]",
+    .min_pos = 0,
+    .max_pos = 1,
+    .summary = "print the token ids of TEXT (or stdin) with a model's or a .tiktoken vocabulary",
+    .flags = tokenize_flags,
+    .n_flags = (int)K3_ARRAY_LEN(tokenize_flags),
+    .run = run_tokenize,
+};

@@ -1,0 +1,274 @@
+/* weights.c — load the tensors a rank owns into memory (k3_weights_load).
+ *
+ * Selection: layers [layer_begin, layer_end), the embedding and/or the head side, and the routed
+ * experts for which expert_owned() says yes. Every selected catalogue entry must exist in the
+ * checkpoint with the catalogue's dtype and shape (K3_ERR_MISSING / K3_ERR_SHAPE naming it).
+ * Storage: one 64-byte-aligned arena sized up front; tensors keep their stored format (BF16 stays
+ * raw bf16, F32 stays F32, a routed expert becomes one K3_DT_MXFP4 tensor whose data is the
+ * weight_packed bytes and whose scale is the weight_scale bytes). The AttnRes pairs
+ * res_norm [D] and res_proj [1, D] are fused at load into one F32 score vector
+ * w = res_norm ⊙ res_proj (products of two bf16 values, exact in f32).
+ * Reads are sorted by (shard, offset) and reported through sel->progress. */
+#include "k3_model.h"
+
+#include <stdlib.h>
+
+struct k3_weights {
+    k3_config cfg;            /* copy: the view points here */
+    k3_weights_view view;
+    k3_layer_w *layers;       /* [n_layers] */
+    uint8_t *arena;           /* all tensor bytes */
+    uint64_t arena_bytes;
+};
+
+typedef struct job {
+    const k3_ckpt_tensor *src;
+    void *dst;
+} job;
+
+typedef struct fuse {
+    k3_tensor *t;          /* the F32 score */
+    const uint16_t *norm;  /* staged bf16 res_norm [D] */
+    const uint16_t *proj;  /* staged bf16 res_proj [1, D] */
+} fuse;
+
+static int job_cmp(const void *a, const void *b) {
+    const job *x = a, *y = b;
+    if (x->src->shard != y->src->shard) return x->src->shard < y->src->shard ? -1 : 1;
+    return x->src->offset < y->src->offset ? -1 : (x->src->offset > y->src->offset);
+}
+
+/* Where a catalogue entry lands. *part: 0 = data, 1 = MXFP4 scale, 2 = AttnRes norm half,
+ * 3 = AttnRes proj half (both staged, then fused into the F32 score). */
+static k3_tensor *slot(k3_weights *w, const k3_tensor_spec *s, int *part) {
+    *part = 0;
+    k3_weights_view *v = &w->view;
+    k3_layer_w *L = s->layer >= 0 ? &w->layers[s->layer] : NULL;
+    k3_expert_w *E = (L && s->expert >= 0) ? &L->experts[s->expert] : NULL;
+    switch (s->role) {
+    case K3_R_EMBED: return &v->embed;
+    case K3_R_FINAL_NORM: return &v->final_norm;
+    case K3_R_OUT_RES_NORM: *part = 2; return &v->out_res_score;
+    case K3_R_OUT_RES_PROJ: *part = 3; return &v->out_res_score;
+    case K3_R_LM_HEAD: return &v->lm_head;
+    case K3_R_INPUT_NORM: return &L->input_norm;
+    case K3_R_POST_NORM: return &L->post_attn_norm;
+    case K3_R_ATTN_RES_NORM: *part = 2; return &L->attn_res_score;
+    case K3_R_ATTN_RES_PROJ: *part = 3; return &L->attn_res_score;
+    case K3_R_MLP_RES_NORM: *part = 2; return &L->mlp_res_score;
+    case K3_R_MLP_RES_PROJ: *part = 3; return &L->mlp_res_score;
+    case K3_R_KDA_Q: return &L->q_proj;
+    case K3_R_KDA_K: return &L->k_proj;
+    case K3_R_KDA_V: return &L->v_proj;
+    case K3_R_KDA_QCONV: return &L->q_conv;
+    case K3_R_KDA_KCONV: return &L->k_conv;
+    case K3_R_KDA_VCONV: return &L->v_conv;
+    case K3_R_KDA_FA: return &L->f_a;
+    case K3_R_KDA_FB: return &L->f_b;
+    case K3_R_KDA_DT_BIAS: return &L->dt_bias;
+    case K3_R_KDA_A_LOG: return &L->a_log;
+    case K3_R_KDA_B: return &L->b_proj;
+    case K3_R_KDA_G: case K3_R_MLA_G: return &L->g_proj;
+    case K3_R_KDA_GA: return &L->g_a;
+    case K3_R_KDA_GB: return &L->g_b;
+    case K3_R_KDA_O_NORM: return &L->o_norm;
+    case K3_R_KDA_O: case K3_R_MLA_O: return &L->o_proj;
+    case K3_R_MLA_QA: return &L->q_a_proj;
+    case K3_R_MLA_QA_NORM: return &L->q_a_norm;
+    case K3_R_MLA_QB: return &L->q_b_proj;
+    case K3_R_MLA_Q: return &L->q_proj_mla;
+    case K3_R_MLA_KVA: return &L->kv_a_proj;
+    case K3_R_MLA_KVA_NORM: return &L->kv_a_norm;
+    case K3_R_MLA_KVB: return &L->kv_b_proj;
+    case K3_R_FFN_GATE: return &L->gate_proj;
+    case K3_R_FFN_UP: return &L->up_proj;
+    case K3_R_FFN_DOWN: return &L->down_proj;
+    case K3_R_ROUTER: return &L->router;
+    case K3_R_ROUTER_BIAS: return &L->router_bias;
+    case K3_R_LAT_DOWN: return &L->lat_down;
+    case K3_R_LAT_NORM: return &L->lat_norm;
+    case K3_R_LAT_UP: return &L->lat_up;
+    case K3_R_SH_GATE: return &L->sh_gate;
+    case K3_R_SH_UP: return &L->sh_up;
+    case K3_R_SH_DOWN: return &L->sh_down;
+    case K3_R_EXP_W1_SCALE: *part = 1; return &E->w1;
+    case K3_R_EXP_W2_SCALE: *part = 1; return &E->w2;
+    case K3_R_EXP_W3_SCALE: *part = 1; return &E->w3;
+    case K3_R_EXP_W1_PACKED: case K3_R_EXP_W1: return &E->w1;
+    case K3_R_EXP_W2_PACKED: case K3_R_EXP_W2: return &E->w2;
+    case K3_R_EXP_W3_PACKED: case K3_R_EXP_W3: return &E->w3;
+    default: return NULL;
+    }
+}
+
+static bool selected(const k3_config *c, const k3_load_sel *sel, const k3_tensor_spec *s) {
+    if (s->kind == K3_TK_GLOBAL) {
+        if (s->role == K3_R_EMBED) return sel->embed || (sel->head && c->tie_word_embeddings);
+        return sel->head;
+    }
+    if (s->layer < sel->layer_begin || s->layer >= sel->layer_end) return false;
+    if (s->kind == K3_TK_EXPERT && sel->expert_owned)
+        return sel->expert_owned(sel->ctx, s->layer, s->expert);
+    return true;
+}
+
+static uint64_t align64(uint64_t x) { return (x + 63) & ~(uint64_t)63; }
+
+static k3_status check_src(const k3_ckpt *ck, const k3_tensor_spec *s, const k3_ckpt_tensor **out) {
+    const k3_ckpt_tensor *t = k3_ckpt_find(ck, s->name);
+    if (!t) return K3_ERR(K3_ERR_MISSING, "checkpoint lacks tensor %s", s->name);
+    bool ok = t->dtype == s->dtype && t->ndim == s->ndim;
+    for (int d = 0; ok && d < s->ndim; d++) ok = t->shape[d] == s->shape[d];
+    if (!ok)
+        return K3_ERR(K3_ERR_SHAPE, "%s: tensor %s: stored as %s with %d dims [%lld, ...], the "
+                      "config implies %s [%lld, ...] (%d dims)", k3_ckpt_shard_path(ck, t->shard),
+                      s->name, k3_dtype_name(t->dtype), t->ndim, (long long)t->shape[0],
+                      k3_dtype_name(s->dtype), (long long)s->shape[0], s->ndim);
+    *out = t;
+    return K3_OK;
+}
+
+k3_status k3_weights_load(k3_ckpt *ck, const k3_config *c, const k3_load_sel *sel,
+                          k3_weights **out) {
+    *out = NULL;
+    if (sel->layer_begin < 0 || sel->layer_end > c->n_layers || sel->layer_begin > sel->layer_end)
+        return K3_ERR(K3_ERR_ARG, "load selection: layers [%d, %d) outside 0..%d",
+                      sel->layer_begin, sel->layer_end, c->n_layers);
+    k3_weights *w = NULL;
+    K3_TRY(k3_calloc((void **)&w, sizeof *w, "weights"));
+    w->cfg = *c;
+    w->view.cfg = &w->cfg;
+    int64_t n = k3_catalog(c, NULL, 0);
+    k3_tensor_spec *specs = NULL;
+    job *jobs = NULL;
+    uint8_t *stage = NULL; /* AttnRes halves before fusing */
+    k3_status st = k3_calloc((void **)&w->layers, (size_t)c->n_layers * sizeof *w->layers, "layers");
+    if (st == K3_OK) st = k3_alloc((void **)&specs, (size_t)n * sizeof *specs, "catalogue");
+    if (st == K3_OK) st = k3_alloc((void **)&jobs, (size_t)n * sizeof *jobs, "read list");
+    if (st != K3_OK) goto fail;
+    k3_catalog(c, specs, n);
+    w->view.layers = w->layers;
+    for (int l = sel->layer_begin; l < sel->layer_end; l++) {
+        w->layers[l].present = true;
+        if (k3_config_is_moe(c, l) &&
+            (st = k3_calloc((void **)&w->layers[l].experts,
+                            (size_t)c->n_experts * sizeof(k3_expert_w), "expert table")) != K3_OK)
+            goto fail;
+    }
+
+    /* pass 1: check and size */
+    uint64_t bytes = 0, stage_bytes = 0, total_read = 0;
+    const k3_ckpt_tensor **src = NULL;
+    if ((st = k3_calloc((void **)&src, (size_t)n * sizeof *src, "sources")) != K3_OK) goto fail;
+    for (int64_t i = 0; i < n; i++) {
+        if (!selected(c, sel, &specs[i])) continue;
+        if ((st = check_src(ck, &specs[i], &src[i])) != K3_OK) {
+            k3_free(src);
+            goto fail;
+        }
+        int part;
+        slot(w, &specs[i], &part);
+        uint64_t nb = (uint64_t)k3_tensor_spec_bytes(&specs[i]);
+        if (part >= 2) {
+            stage_bytes += align64(nb);
+            if (part == 2) bytes += align64((uint64_t)c->hidden_size * 4); /* fused F32 */
+        } else {
+            bytes += align64(nb);
+        }
+        total_read += nb;
+    }
+    if ((st = k3_alloc((void **)&w->arena, bytes ? bytes : 64, "weights")) != K3_OK ||
+        (st = k3_alloc((void **)&stage, stage_bytes ? stage_bytes : 64, "AttnRes staging")) != K3_OK) {
+        k3_free(src);
+        goto fail;
+    }
+    w->arena_bytes = bytes;
+
+    /* pass 2: place, describe, list reads */
+    uint64_t at = 0, sat = 0;
+    int64_t nj = 0;
+    fuse fz[2 * K3_MAX_LAYERS + 1];
+    int nf = 0;
+    for (int64_t i = 0; i < n; i++) {
+        if (!src[i]) continue;
+        const k3_tensor_spec *s = &specs[i];
+        int part;
+        k3_tensor *t = slot(w, s, &part);
+        uint64_t nb = (uint64_t)k3_tensor_spec_bytes(s);
+        void *dst;
+        if (part >= 2) {
+            dst = stage + sat;
+            sat += align64(nb);
+            int f = 0;
+            while (f < nf && fz[f].t != t) f++;
+            if (f == nf) {
+                fz[nf++] = (fuse){t, NULL, NULL};
+                t->dtype = K3_DT_F32;
+                t->ndim = 1;
+                t->shape[0] = c->hidden_size;
+                t->data = w->arena + at;
+                at += align64((uint64_t)c->hidden_size * 4);
+            }
+            if (part == 2) fz[f].norm = dst;
+            else fz[f].proj = dst;
+        } else {
+            dst = w->arena + at;
+            at += align64(nb);
+            if (part == 1) {
+                t->scale = dst;
+            } else {
+                bool mx = s->role == K3_R_EXP_W1_PACKED || s->role == K3_R_EXP_W2_PACKED ||
+                          s->role == K3_R_EXP_W3_PACKED;
+                t->data = dst;
+                t->ndim = s->ndim;
+                memcpy(t->shape, s->shape, sizeof t->shape);
+                t->dtype = s->dtype;
+                if (mx) {
+                    t->dtype = K3_DT_MXFP4;
+                    t->shape[1] = s->shape[1] * 2; /* logical [out, in] */
+                }
+            }
+        }
+        jobs[nj++] = (job){src[i], dst};
+    }
+    k3_free(src);
+    qsort(jobs, (size_t)nj, sizeof *jobs, job_cmp);
+    uint64_t done_bytes = 0;
+    for (int64_t j = 0; j < nj; j++) {
+        if ((st = k3_ckpt_read(ck, jobs[j].src, jobs[j].dst)) != K3_OK) goto fail;
+        done_bytes += jobs[j].src->n_bytes;
+        if (sel->progress) sel->progress(sel->ctx, done_bytes, total_read);
+    }
+
+    /* fuse AttnRes: w = res_norm ⊙ res_proj in F32 (both halves are selected together) */
+    for (int f = 0; f < nf; f++) {
+        K3_ASSERT(fz[f].norm && fz[f].proj);
+        float *o = fz[f].t->data;
+        for (int64_t d = 0; d < c->hidden_size; d++)
+            o[d] = k3_bf16_to_f32(fz[f].norm[d]) * k3_bf16_to_f32(fz[f].proj[d]);
+    }
+    if (sel->head && c->tie_word_embeddings) w->view.lm_head = w->view.embed;
+    k3_free(stage);
+    k3_free(jobs);
+    k3_free(specs);
+    *out = w;
+    return K3_OK;
+fail:
+    k3_free(stage);
+    k3_free(jobs);
+    k3_free(specs);
+    k3_weights_destroy(w);
+    return st;
+}
+
+const k3_weights_view *k3_weights_get(const k3_weights *w) { return w ? &w->view : NULL; }
+uint64_t k3_weights_bytes(const k3_weights *w) { return w ? w->arena_bytes : 0; }
+
+void k3_weights_destroy(k3_weights *w) {
+    if (!w) return;
+    if (w->layers)
+        for (int l = 0; l < w->cfg.n_layers; l++) k3_free(w->layers[l].experts);
+    k3_free(w->layers);
+    k3_free(w->arena);
+    k3_free(w);
+}

@@ -1,0 +1,468 @@
+/* partition.c — k3_plan_make: the grid, cost-balanced contiguous stages, the expert map, the
+ * per-rank byte budget and the plan hash. Pure: no I/O, no MPI, no globals.
+ *
+ * Invariants: stages are non-empty and contiguous and cover [0, n_layers); expert_lane holds a
+ * lane in [0, E) for every (MoE layer, expert) and -1 elsewhere; the hash covers every field a
+ * rank acts on, so two ranks with equal hashes load and route identically.
+ * Weight bytes come from the model catalogue (k3_catalog), the one source of truth for which
+ * tensors exist, so they equal what the loader reads for the same selection. */
+#include "k3_partition.h"
+
+#include <ctype.h>
+#include <errno.h>
+#include <math.h>
+#include <stdio.h>
+#include <stdlib.h>
+
+k3_status k3_coord_mode_parse(const char *s, k3_coord_mode *out) {
+    if (s && strcmp(s, "shared") == 0) {
+        *out = K3_COORD_SHARED;
+        return K3_OK;
+    }
+    if (s && strcmp(s, "dedicated") == 0) {
+        *out = K3_COORD_DEDICATED;
+        return K3_OK;
+    }
+    return K3_ERR(K3_ERR_ARG, "--coordinator: '%s' is not one of shared|dedicated", s ? s : "(null)");
+}
+
+static uint64_t spec_bytes(const k3_tensor_spec *t) {
+    uint64_t n = 1;
+    for (int i = 0; i < t->ndim; i++) n *= (uint64_t)t->shape[i];
+    return n * (uint64_t)k3_dtype_size(t->dtype);
+}
+
+/* Byte sizes per layer / expert / global, from the catalogue. */
+typedef struct cat_sizes {
+    uint64_t layer[K3_MAX_LAYERS];   /* non-expert tensors of each layer */
+    uint64_t *expert;                /* [n_layers, n_experts] */
+    uint64_t embed, head;            /* first-stage globals, last-stage globals */
+} cat_sizes;
+
+static k3_status cat_sizes_make(const k3_config *c, cat_sizes *cs) {
+    memset(cs, 0, sizeof *cs);
+    int64_t n = k3_catalog(c, NULL, 0);
+    if (n <= 0) return K3_ERR(K3_ERR_CONFIG, "plan: the config implies no tensors");
+    k3_tensor_spec *specs = NULL;
+    K3_TRY(k3_alloc((void **)&specs, (size_t)n * sizeof *specs, "plan catalogue"));
+    k3_status st = k3_calloc((void **)&cs->expert,
+                             (size_t)c->n_layers * (size_t)K3_MAX(c->n_experts, 1) * sizeof(uint64_t),
+                             "plan expert sizes");
+    if (st != K3_OK) {
+        k3_free(specs);
+        return st;
+    }
+    k3_catalog(c, specs, n);
+    for (int64_t i = 0; i < n; i++) {
+        const k3_tensor_spec *t = &specs[i];
+        uint64_t b = spec_bytes(t);
+        if (t->kind == K3_TK_GLOBAL) {
+            if (t->first_stage) cs->embed += b;
+            else cs->head += b;
+        } else if (t->layer >= 0 && t->layer < c->n_layers) {
+            if (t->kind == K3_TK_LAYER) cs->layer[t->layer] += b;
+            else if (t->expert >= 0 && t->expert < c->n_experts)
+                cs->expert[(int64_t)t->layer * c->n_experts + t->expert] += b;
+        }
+    }
+    if (c->tie_word_embeddings) cs->head += cs->embed; /* the head reuses the embedding */
+    k3_free(specs);
+    return K3_OK;
+}
+
+static double layer_state_cost(const k3_config *c, int l, int64_t nominal_ctx) {
+    if (c->mixer[l] == K3_MIXER_KDA) /* recurrent state read + written, fp32 */
+        return 2.0 * c->kda_n_heads * (double)c->kda_head_dim * c->kda_head_dim * 4.0;
+    return (double)nominal_ctx * (c->kv_lora_rank + c->qk_rope_head_dim) * 4.0; /* latent cache */
+}
+
+static void costs_from_sizes(const k3_config *c, const cat_sizes *cs, int64_t nominal_ctx,
+                             double *cost, double *extra_first, double *extra_last) {
+    for (int l = 0; l < c->n_layers; l++) {
+        double x = (double)cs->layer[l] + layer_state_cost(c, l, nominal_ctx);
+        if (k3_config_is_moe(c, l) && c->n_experts > 0) {
+            uint64_t tot = 0;
+            for (int e = 0; e < c->n_experts; e++) tot += cs->expert[(int64_t)l * c->n_experts + e];
+            x += (double)tot / c->n_experts * c->n_experts_per_tok; /* top-k experts touched */
+        }
+        cost[l] = x;
+    }
+    /* The embedding is a row lookup; the head reads all of lm_head per token. */
+    if (extra_first) *extra_first = (double)c->hidden_size * 2.0;
+    if (extra_last) *extra_last = (double)cs->head;
+}
+
+#define K3_PLAN_NOMINAL_CTX 4096
+
+void k3_plan_layer_costs(const k3_config *c, int64_t nominal_ctx, double *cost, double *extra_first,
+                         double *extra_last) {
+    cat_sizes cs;
+    if (cat_sizes_make(c, &cs) != K3_OK) {
+        for (int l = 0; l < c->n_layers; l++) cost[l] = 0;
+        if (extra_first) *extra_first = 0;
+        if (extra_last) *extra_last = 0;
+        return;
+    }
+    costs_from_sizes(c, &cs, nominal_ctx, cost, extra_first, extra_last);
+    k3_free(cs.expert);
+}
+
+/* Contiguous split of n layers into S non-empty stages minimising the most expensive stage
+ * (stage 0 also pays `first`, the last stage `last`). Exact DP, O(S n^2); ties -> earliest cut. */
+static k3_status balance(const double *cost, int n, int S, double first, double last, int *begin) {
+    double *pre = NULL, *f = NULL;
+    int *arg = NULL;
+    K3_TRY(k3_alloc((void **)&pre, (size_t)(n + 1) * sizeof(double), "plan prefix"));
+    k3_status st = k3_alloc((void **)&f, (size_t)(S + 1) * (size_t)(n + 1) * sizeof(double), "plan dp");
+    if (st == K3_OK) st = k3_alloc((void **)&arg, (size_t)(S + 1) * (size_t)(n + 1) * sizeof(int), "plan dp");
+    if (st != K3_OK) {
+        k3_free(pre);
+        k3_free(f);
+        return st;
+    }
+    pre[0] = 0;
+    for (int i = 0; i < n; i++) pre[i + 1] = pre[i] + cost[i];
+#define F(s, i) f[(size_t)(s) * (size_t)(n + 1) + (size_t)(i)]
+#define A(s, i) arg[(size_t)(s) * (size_t)(n + 1) + (size_t)(i)]
+    /* F(s, i): best max cost placing layers [0, i) into stages 0..s-1 (stage s-1 ends at i). */
+    for (int s = 0; s <= S; s++)
+        for (int i = 0; i <= n; i++) F(s, i) = INFINITY, A(s, i) = -1;
+    F(0, 0) = 0;
+    for (int s = 1; s <= S; s++) {
+        for (int i = s; i <= n - (S - s); i++) {
+            for (int j = s - 1; j < i; j++) {
+                if (!isfinite(F(s - 1, j))) continue;
+                double c = pre[i] - pre[j];
+                if (s == 1) c += first;
+                if (s == S) c += last;
+                double m = F(s - 1, j) > c ? F(s - 1, j) : c;
+                if (m < F(s, i)) F(s, i) = m, A(s, i) = j;
+            }
+        }
+    }
+    begin[S] = n;
+    for (int s = S, i = n; s >= 1; s--) {
+        begin[s - 1] = A(s, i);
+        i = A(s, i);
+    }
+#undef F
+#undef A
+    k3_free(pre);
+    k3_free(f);
+    k3_free(arg);
+    return K3_OK;
+}
+
+/* ---- expert map --------------------------------------------------------------------------- */
+static k3_status parse_map(const k3_config *c, const k3_plan_req *r, int16_t *lane /* [L, X] */) {
+    const char *name = r->expert_map_name ? r->expert_map_name : "expert map";
+    int L = c->n_layers, X = c->n_experts;
+    bool *seen = NULL, have_default = false;
+    int16_t *def = NULL;
+    K3_TRY(k3_calloc((void **)&seen, (size_t)L, "map layers"));
+    k3_status st = k3_alloc((void **)&def, (size_t)K3_MAX(X, 1) * sizeof(int16_t), "map default");
+    if (st != K3_OK) goto done;
+    const char *p = r->expert_map;
+    int line_no = 0;
+    while (*p) {
+        line_no++;
+        const char *eol = strchr(p, '\n');
+        size_t len = eol ? (size_t)(eol - p) : strlen(p);
+        char *line = NULL;
+        st = k3_alloc((void **)&line, len + 1, "map line");
+        if (st != K3_OK) goto done;
+        memcpy(line, p, len);
+        line[len] = 0;
+        p += len + (eol ? 1 : 0);
+        char *hash = strchr(line, '#');
+        if (hash) *hash = 0;
+        char *save = NULL, *tok = strtok_r(line, " \t\r,", &save);
+        if (!tok) {
+            k3_free(line);
+            continue;
+        }
+        int16_t *dst;
+        if (strcmp(tok, "*") == 0) {
+            if (have_default) {
+                st = K3_ERR(K3_ERR_ARG, "%s:%d: a second '*' line", name, line_no);
+                k3_free(line);
+                goto done;
+            }
+            have_default = true;
+            dst = def;
+        } else {
+            char *end;
+            errno = 0;
+            long layer = strtol(tok, &end, 10);
+            if (*end || errno || layer < 0 || layer >= L) {
+                st = K3_ERR(K3_ERR_ARG, "%s:%d: '%s' is not a layer index in [0, %d) or '*'", name,
+                            line_no, tok, L);
+                k3_free(line);
+                goto done;
+            }
+            if (!k3_config_is_moe(c, (int)layer)) {
+                st = K3_ERR(K3_ERR_ARG, "%s:%d: layer %ld is not a MoE layer", name, line_no, layer);
+                k3_free(line);
+                goto done;
+            }
+            if (seen[layer]) {
+                st = K3_ERR(K3_ERR_ARG, "%s:%d: layer %ld listed twice", name, line_no, layer);
+                k3_free(line);
+                goto done;
+            }
+            seen[layer] = true;
+            dst = lane + layer * X;
+        }
+        int n = 0;
+        while ((tok = strtok_r(NULL, " \t\r,", &save)) != NULL) {
+            char *end;
+            errno = 0;
+            long v = strtol(tok, &end, 10);
+            if (*end || errno || v < 0 || v >= r->ep) {
+                st = K3_ERR(K3_ERR_ARG, "%s:%d: expert %d: lane '%s' is not in [0, %d) (--ep %d)",
+                            name, line_no, n, tok, r->ep, r->ep);
+                k3_free(line);
+                goto done;
+            }
+            if (n >= X) {
+                st = K3_ERR(K3_ERR_ARG, "%s:%d: more than n_experts = %d lanes", name, line_no, X);
+                k3_free(line);
+                goto done;
+            }
+            dst[n++] = (int16_t)v;
+        }
+        k3_free(line);
+        if (n != X) {
+            st = K3_ERR(K3_ERR_ARG, "%s:%d: %d lanes given, n_experts = %d", name, line_no, n, X);
+            goto done;
+        }
+    }
+    for (int l = 0; l < L; l++) {
+        if (!k3_config_is_moe(c, l) || seen[l]) continue;
+        if (!have_default) {
+            st = K3_ERR(K3_ERR_ARG, "%s: MoE layer %d has no line and there is no '*' line", name, l);
+            goto done;
+        }
+        memcpy(lane + (int64_t)l * X, def, (size_t)X * sizeof(int16_t));
+    }
+done:
+    k3_free(seen);
+    k3_free(def);
+    return st;
+}
+
+/* ---- the plan ----------------------------------------------------------------------------- */
+int k3_plan_rank(const k3_plan *p, int stage, int lane) {
+    return p->first_worker + stage * p->n_lanes + lane;
+}
+
+bool k3_plan_coords(const k3_plan *p, int rank, int *stage, int *lane) {
+    int w = rank - p->first_worker;
+    if (w < 0 || w >= p->n_stages * p->n_lanes) {
+        if (stage) *stage = -1;
+        if (lane) *lane = -1;
+        return false;
+    }
+    if (stage) *stage = w / p->n_lanes;
+    if (lane) *lane = w % p->n_lanes;
+    return true;
+}
+
+int k3_plan_stage_of_layer(const k3_plan *p, int layer) {
+    for (int s = 0; s < p->n_stages; s++)
+        if (layer >= p->stage_begin[s] && layer < p->stage_begin[s + 1]) return s;
+    return -1;
+}
+
+uint64_t k3_plan_hash(const k3_plan *p) {
+    uint64_t h = K3_HASH_INIT;
+    int32_t hdr[7] = {p->world, p->n_stages, p->n_lanes, (int32_t)p->coord, p->first_worker,
+                      p->n_layers, p->n_experts};
+    h = k3_hash_bytes(hdr, sizeof hdr, h);
+    h = k3_hash_bytes(p->stage_begin, (size_t)(p->n_stages + 1) * sizeof(int), h);
+    if (p->expert_lane)
+        h = k3_hash_bytes(p->expert_lane, (size_t)p->n_layers * (size_t)p->n_experts * sizeof(int16_t), h);
+    if (p->mem) h = k3_hash_bytes(p->mem, (size_t)p->world * sizeof(k3_rank_mem), h);
+    return h;
+}
+
+static int max_bank(const k3_config *c) {
+    return c->attn_res_block_size > 0 ? (c->n_layers + c->attn_res_block_size - 1) / c->attn_res_block_size
+                                      : 0;
+}
+
+static void fill_mem(k3_plan *p, const k3_config *c, const k3_plan_req *r, const cat_sizes *cs) {
+    int S = p->n_stages, E = p->n_lanes;
+    for (int rank = 0; rank < p->world; rank++) {
+        k3_rank_mem *m = &p->mem[rank];
+        memset(m, 0, sizeof *m);
+        int s, e;
+        const uint64_t T = (uint64_t)K3_MAX(r->max_tokens, 1), D = (uint64_t)c->hidden_size;
+        const uint64_t logits = T * (uint64_t)c->vocab_size * 4;
+        if (!k3_plan_coords(p, rank, &s, &e)) {
+            m->buffers = logits; /* the dedicated coordinator only receives logits */
+            continue;
+        }
+        int lb = p->stage_begin[s], le = p->stage_begin[s + 1];
+        uint64_t per_seq = 0;
+        bool has_moe = false;
+        for (int l = lb; l < le; l++) {
+            m->weights += cs->layer[l];
+            if (k3_config_is_moe(c, l)) {
+                has_moe = true;
+                for (int x = 0; x < c->n_experts; x++)
+                    if (k3_plan_owner_lane(p, l, x) == e)
+                        m->weights += cs->expert[(int64_t)l * c->n_experts + x];
+            }
+            if (c->mixer[l] == K3_MIXER_KDA) {
+                uint64_t P = (uint64_t)c->kda_n_heads * (uint64_t)c->kda_head_dim;
+                per_seq += 3ull * (uint64_t)K3_MAX(c->kda_conv_kernel - 1, 0) * P * 4;
+                per_seq += (uint64_t)c->kda_n_heads * (uint64_t)c->kda_head_dim * (uint64_t)c->kda_head_dim * 4;
+            } else {
+                per_seq += (uint64_t)K3_MAX(r->max_ctx, 1) *
+                           (uint64_t)(c->kv_lora_rank + c->qk_rope_head_dim) * 4;
+            }
+        }
+        if (s == 0) m->weights += cs->embed;
+        if (s == S - 1) m->weights += cs->head;
+        m->caches = per_seq * (uint64_t)K3_MAX(r->max_seqs_per_lane, 1);
+        uint64_t act = T * D * (uint64_t)(1 + max_bank(c)) * 4;
+        m->buffers = act * (uint64_t)((s > 0) + (s < S - 1));
+        if (has_moe && E > 1) {
+            uint64_t W = (uint64_t)(c->latent_size > 0 ? c->latent_size : c->hidden_size);
+            uint64_t rows = T * (uint64_t)c->n_experts_per_tok * W * 4;
+            m->buffers += rows * 2 * (uint64_t)(1 + E); /* send + worst-case recv, rows + outputs */
+        }
+        if (s == S - 1) m->buffers += logits;
+    }
+}
+
+k3_status k3_plan_make(const k3_config *c, const k3_plan_req *r, k3_plan *out) {
+    memset(out, 0, sizeof *out);
+    if (r->pp < 1) return K3_ERR(K3_ERR_ARG, "--pp %d: need at least 1 stage", r->pp);
+    if (r->ep < 1) return K3_ERR(K3_ERR_ARG, "--ep %d: need at least 1 lane", r->ep);
+    if (r->ep > 32767) return K3_ERR(K3_ERR_ARG, "--ep %d: too many lanes", r->ep);
+    int ded = r->coord == K3_COORD_DEDICATED;
+    if ((int64_t)r->pp * r->ep + ded != r->world)
+        return K3_ERR(K3_ERR_ARG,
+                      "--pp %d x --ep %d%s = %lld ranks, but the world has %d (%s coordinator)", r->pp,
+                      r->ep, ded ? " + 1 coordinator" : "", (long long)r->pp * r->ep + ded, r->world,
+                      ded ? "dedicated" : "shared");
+    if (c->n_layers < 1 || c->n_layers > K3_MAX_LAYERS)
+        return K3_ERR(K3_ERR_CONFIG, "plan: n_layers %d out of range", c->n_layers);
+    if (r->pp > c->n_layers)
+        return K3_ERR(K3_ERR_ARG, "--pp %d: more stages than the model's %d layers", r->pp, c->n_layers);
+    if (!r->expert_map && c->n_experts > 0 && c->n_experts % r->ep != 0)
+        return K3_ERR(K3_ERR_ARG,
+                      "--ep %d does not divide n_experts = %d (the contiguous expert map needs it; "
+                      "pass an expert map instead)",
+                      r->ep, c->n_experts);
+
+    out->world = r->world;
+    out->n_stages = r->pp;
+    out->n_lanes = r->ep;
+    out->coord = r->coord;
+    out->first_worker = ded;
+    out->n_layers = c->n_layers;
+    out->n_experts = K3_MAX(c->n_experts, 0);
+
+    cat_sizes cs;
+    K3_TRY(cat_sizes_make(c, &cs));
+    k3_status st = k3_alloc((void **)&out->expert_lane,
+                            (size_t)c->n_layers * (size_t)K3_MAX(out->n_experts, 1) * sizeof(int16_t),
+                            "plan expert map");
+    if (st == K3_OK) st = k3_calloc((void **)&out->mem, (size_t)r->world * sizeof(k3_rank_mem), "plan mem");
+    if (st != K3_OK) goto fail;
+    for (int64_t i = 0; i < (int64_t)c->n_layers * out->n_experts; i++) out->expert_lane[i] = -1;
+    if (r->expert_map) {
+        st = parse_map(c, r, out->expert_lane);
+        if (st != K3_OK) goto fail;
+    } else if (out->n_experts > 0) {
+        int per = out->n_experts / r->ep;
+        for (int l = 0; l < c->n_layers; l++)
+            if (k3_config_is_moe(c, l))
+                for (int x = 0; x < out->n_experts; x++)
+                    out->expert_lane[(int64_t)l * out->n_experts + x] = (int16_t)(x / per);
+    }
+
+    double first, last;
+    costs_from_sizes(c, &cs, K3_MIN(K3_MAX(r->max_ctx, 1), K3_PLAN_NOMINAL_CTX), out->layer_cost, &first,
+                     &last);
+    st = balance(out->layer_cost, c->n_layers, r->pp, first, last, out->stage_begin);
+    if (st != K3_OK) goto fail;
+    for (int s = 0; s < r->pp; s++) {
+        double x = 0;
+        for (int l = out->stage_begin[s]; l < out->stage_begin[s + 1]; l++) x += out->layer_cost[l];
+        if (s == 0) x += first;
+        if (s == r->pp - 1) x += last;
+        out->stage_cost[s] = x;
+    }
+    fill_mem(out, c, r, &cs);
+    k3_free(cs.expert);
+    out->hash = k3_plan_hash(out);
+    return K3_OK;
+fail:
+    k3_free(cs.expert);
+    k3_plan_free(out);
+    return st;
+}
+
+void k3_plan_free(k3_plan *p) {
+    if (!p) return;
+    k3_free(p->expert_lane);
+    k3_free(p->mem);
+    memset(p, 0, sizeof *p);
+}
+
+/* ---- the table ---------------------------------------------------------------------------- */
+#define APPEND(...)                                                                             \
+    do {                                                                                        \
+        if (off < cap) {                                                                        \
+            int n_ = snprintf(buf + off, cap - off, __VA_ARGS__);                               \
+            if (n_ > 0) off += (size_t)n_;                                                      \
+        }                                                                                       \
+    } while (0)
+
+void k3_plan_format(const k3_plan *p, const k3_config *c, char *buf, size_t cap) {
+    size_t off = 0;
+    if (cap == 0) return;
+    buf[0] = 0;
+    const double MB = 1e6;
+    APPEND("plan: world %d = %d stage%s x %d lane%s, coordinator %s (rank 0), hash %016llx\n", p->world,
+           p->n_stages, p->n_stages > 1 ? "s" : "", p->n_lanes, p->n_lanes > 1 ? "s" : "",
+           p->coord == K3_COORD_DEDICATED ? "dedicated" : "shared", (unsigned long long)p->hash);
+    APPEND("  stage  layers     kinds (K=KDA M=MLA, lower=dense)        cost MB/token\n");
+    for (int s = 0; s < p->n_stages; s++) {
+        int lb = p->stage_begin[s], le = p->stage_begin[s + 1];
+        char kinds[48];
+        int k = 0;
+        for (int l = lb; l < le && k < (int)sizeof kinds - 4; l++) {
+            char ch = c->mixer[l] == K3_MIXER_KDA ? 'K' : 'M';
+            kinds[k++] = k3_config_is_moe(c, l) ? ch : (char)tolower(ch);
+        }
+        if (le - lb > (int)sizeof kinds - 4) kinds[k++] = '.', kinds[k++] = '.';
+        kinds[k] = 0;
+        char range[24];
+        snprintf(range, sizeof range, "%d-%d", lb, le - 1);
+        APPEND("  %5d  %-9s  %s%s%-*s  %10.2f\n", s, range, s == 0 ? "E " : "", kinds,
+               s == p->n_stages - 1 ? 2 : 0, s == p->n_stages - 1 ? " H" : "",
+               p->stage_cost[s] / MB);
+    }
+    APPEND("  rank  stage  lane  experts/MoE-layer  weights MB  caches MB  buffers MB\n");
+    for (int r = 0; r < p->world; r++) {
+        int s, e;
+        if (!k3_plan_coords(p, r, &s, &e)) {
+            APPEND("  %4d  coordinator              -  %10.2f  %9.2f  %10.2f\n", r, 0.0, 0.0,
+                   p->mem[r].buffers / MB);
+            continue;
+        }
+        int first_moe = -1;
+        for (int l = p->stage_begin[s]; l < p->stage_begin[s + 1] && first_moe < 0; l++)
+            if (k3_config_is_moe(c, l)) first_moe = l;
+        int owned = 0;
+        if (first_moe >= 0)
+            for (int x = 0; x < p->n_experts; x++) owned += k3_plan_owner_lane(p, first_moe, x) == e;
+        APPEND("  %4d  %5d  %4d  %17d  %10.2f  %9.2f  %10.2f\n", r, s, e, owned, p->mem[r].weights / MB,
+               p->mem[r].caches / MB, p->mem[r].buffers / MB);
+    }
+}

@@ -1,0 +1,7 @@
+# tests/chat — the K3 segment builder and canonical JSON (coordinator/k3_chat.h). Owner: chat (H6).
+# vs_jinja.py: `k3 render` vs the K3 template rendered by jinja2 (+ documented divergences);
+# exit 77 = jinja2 missing.
+find_program(K3_PYTHON3 python3)
+add_test(NAME chat_vs_jinja COMMAND ${K3_PYTHON3} ${CMAKE_CURRENT_LIST_DIR}/vs_jinja.py)
+set_tests_properties(chat_vs_jinja PROPERTIES LABELS "unit;sanitize" ENVIRONMENT "${K3_TEST_ENV}"
+                     TIMEOUT 300 SKIP_RETURN_CODE 77)

@@ -1,0 +1,750 @@
+/* test_experts.c — the latent MoE (experts/) against float64 computations written here from
+ * K3-MODEL.md §4.3 and §7.1 (own MXFP4 decode, own SiTU, own sort-based top-k), never against
+ * k3's own output. Covers: grouped top-k with exact ties (grid-valued scores), the full router
+ * through the kernels, experts with zero tokens, all tokens to one expert, K = 1, bitwise row
+ * independence of k3_moe_expert_rows (a row alone vs inside batches of 37 and 150 rows), the
+ * whole layer (latent K3 form and the Kimi-Linear form) vs float64, forward == the four steps
+ * by hand (bitwise), the dispatch permutation, error paths, and scratch guard bands.
+ * Runs every check for each kernel backend (ref, cpu). Seed printed; inputs checked
+ * non-degenerate. */
+#include <float.h>
+#include <math.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "k3_experts.h"
+#include "k3_kernels.h"
+#include "k3_test.h"
+#include "tolerances.h"
+
+#define SEED 20261129ull
+#define GUARD 64 /* guard floats after every scratch buffer */
+
+/* ---- synthetic weights --------------------------------------------------------------------- */
+typedef struct {
+    k3_config cfg;
+    k3_layer_w lw;
+    k3_expert_w *ex;
+    void *bufs[256];
+    int n_bufs;
+} moe_model;
+
+static void *mm_alloc(moe_model *m, size_t n) {
+    void *p = calloc(1, n ? n : 1);
+    if (!p) abort();
+    m->bufs[m->n_bufs++] = p;
+    return p;
+}
+
+static void mk_bf16(moe_model *m, k3_rng *r, k3_tensor *t, int64_t out, int64_t in, float std) {
+    memset(t, 0, sizeof *t);
+    t->dtype = K3_DT_BF16;
+    t->ndim = in > 0 ? 2 : 1;
+    t->shape[0] = out;
+    t->shape[1] = in;
+    int64_t n = out * (in > 0 ? in : 1);
+    uint16_t *d = mm_alloc(m, (size_t)n * 2);
+    for (int64_t i = 0; i < n; i++) d[i] = k3_f32_to_bf16(std * k3_rng_normal(r));
+    t->data = d;
+}
+
+static void mk_f32(moe_model *m, k3_rng *r, k3_tensor *t, int64_t n, float std, float mean) {
+    memset(t, 0, sizeof *t);
+    t->dtype = K3_DT_F32;
+    t->ndim = 1;
+    t->shape[0] = n;
+    float *d = mm_alloc(m, (size_t)n * 4);
+    for (int64_t i = 0; i < n; i++) d[i] = mean + std * k3_rng_normal(r);
+    t->data = d;
+}
+
+/* MXFP4: random codes, E8M0 scales in [e_lo, e_lo + 2]. */
+static void mk_mxfp4(moe_model *m, k3_rng *r, k3_tensor *t, int64_t out, int64_t in, int e_lo) {
+    memset(t, 0, sizeof *t);
+    t->dtype = K3_DT_MXFP4;
+    t->ndim = 2;
+    t->shape[0] = out;
+    t->shape[1] = in;
+    uint8_t *p = mm_alloc(m, (size_t)(out * in / 2));
+    uint8_t *s = mm_alloc(m, (size_t)(out * in / 32));
+    for (int64_t i = 0; i < out * in / 2; i++) p[i] = (uint8_t)(k3_rng_u64(r) & 0xff);
+    for (int64_t i = 0; i < out * in / 32; i++) s[i] = (uint8_t)(e_lo + (int)(k3_rng_u64(r) % 3));
+    t->data = p;
+    t->scale = s;
+}
+
+typedef struct {
+    int D, E, K, G, TG, I, L, n_shared;
+    bool mxfp4, renorm, use_norm;
+    float scale;
+    k3_act act;
+} moe_shape;
+
+static void model_make(moe_model *m, const moe_shape *sh, uint64_t seed) {
+    memset(m, 0, sizeof *m);
+    k3_config *c = &m->cfg;
+    c->hidden_size = sh->D;
+    c->rms_norm_eps = 1e-5f;
+    c->act = sh->act;
+    c->situ_beta = 4.0f;
+    c->situ_linear_beta = 25.0f;
+    c->n_experts = sh->E;
+    c->n_experts_per_tok = sh->K;
+    c->n_group = sh->G;
+    c->topk_group = sh->TG;
+    c->n_shared_experts = sh->n_shared;
+    c->moe_intermediate_size = sh->I;
+    c->latent_size = sh->L;
+    c->latent_moe_use_norm = sh->use_norm;
+    c->moe_renormalize = sh->renorm;
+    c->routed_scaling_factor = sh->scale;
+    c->experts_mxfp4 = sh->mxfp4;
+    c->first_k_dense_replace = 0;
+    c->moe_layer_freq = 1;
+    k3_rng r;
+    k3_rng_seed(&r, seed);
+    k3_layer_w *lw = &m->lw;
+    lw->present = true;
+    const int D = sh->D, Lw = sh->L > 0 ? sh->L : sh->D, S = sh->n_shared * sh->I;
+    mk_bf16(m, &r, &lw->router, sh->E, D, 1.0f / sqrtf((float)D));
+    mk_f32(m, &r, &lw->router_bias, sh->E, 0.05f, 0.0f);
+    if (sh->L > 0) {
+        mk_bf16(m, &r, &lw->lat_down, sh->L, D, 1.0f / sqrtf((float)D));
+        mk_bf16(m, &r, &lw->lat_norm, sh->L, 0, 0.2f);
+        uint16_t *wn = lw->lat_norm.data; /* around 1, like a trained norm */
+        for (int i = 0; i < sh->L; i++) wn[i] = k3_f32_to_bf16(1.0f + k3_bf16_to_f32(wn[i]));
+        mk_bf16(m, &r, &lw->lat_up, D, sh->L, 1.0f / sqrtf((float)sh->L));
+    }
+    if (S > 0) {
+        mk_bf16(m, &r, &lw->sh_gate, S, D, 1.0f / sqrtf((float)D));
+        mk_bf16(m, &r, &lw->sh_up, S, D, 1.0f / sqrtf((float)D));
+        mk_bf16(m, &r, &lw->sh_down, D, S, 1.0f / sqrtf((float)S));
+    }
+    m->ex = mm_alloc(m, sizeof(k3_expert_w) * (size_t)sh->E);
+    for (int e = 0; e < sh->E; e++) {
+        k3_expert_w *ew = &m->ex[e];
+        ew->present = true;
+        if (sh->mxfp4) {
+            mk_mxfp4(m, &r, &ew->w1, sh->I, Lw, 122);
+            mk_mxfp4(m, &r, &ew->w3, sh->I, Lw, 122);
+            mk_mxfp4(m, &r, &ew->w2, Lw, sh->I, 122);
+        } else {
+            mk_bf16(m, &r, &ew->w1, sh->I, Lw, 1.0f / sqrtf((float)Lw));
+            mk_bf16(m, &r, &ew->w3, sh->I, Lw, 1.0f / sqrtf((float)Lw));
+            mk_bf16(m, &r, &ew->w2, Lw, sh->I, 1.0f / sqrtf((float)sh->I));
+        }
+    }
+    lw->experts = m->ex;
+}
+
+static void model_free(moe_model *m) {
+    for (int i = 0; i < m->n_bufs; i++) free(m->bufs[i]);
+    m->n_bufs = 0;
+}
+
+/* ---- float64 reference (independent decode, from the spec) ----------------------------------- */
+static double e2m1(int code) {
+    static const double v[8] = {0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0};
+    return (code & 8) ? -v[code & 7] : v[code & 7];
+}
+
+/* element (o, i) of a BF16 / F32 / MXFP4 weight, as double */
+static double wget(const k3_tensor *t, int64_t o, int64_t i) {
+    int64_t in = t->ndim >= 2 ? t->shape[1] : 0;
+    int64_t idx = t->ndim >= 2 ? o * in + i : o;
+    switch (t->dtype) {
+    case K3_DT_F32: return ((const float *)t->data)[idx];
+    case K3_DT_BF16: {
+        uint32_t u = (uint32_t)((const uint16_t *)t->data)[idx] << 16;
+        float f;
+        memcpy(&f, &u, 4);
+        return f;
+    }
+    case K3_DT_MXFP4: {
+        uint8_t b = ((const uint8_t *)t->data)[o * (in / 2) + i / 2];
+        int code = (i % 2 == 0) ? (b & 0x0f) : (b >> 4); /* low nibble = even element (§7.1) */
+        int e = t->scale[o * (in / 32) + i / 32];
+        return e2m1(code) * pow(2.0, e - 127);
+    }
+    default: abort();
+    }
+}
+
+static void dmatvec(const k3_tensor *W, const double *x, double *y) {
+    for (int64_t o = 0; o < W->shape[0]; o++) {
+        double a = 0;
+        for (int64_t i = 0; i < W->shape[1]; i++) a += wget(W, o, i) * x[i];
+        y[o] = a;
+    }
+}
+
+static double dsig(double z) { return 1.0 / (1.0 + exp(-z)); }
+
+static double dact(const k3_config *c, double g, double u) {
+    if (c->act == K3_ACT_SWIGLU) return g * dsig(g) * u;
+    double b = c->situ_beta, l = c->situ_linear_beta;
+    double up = l > 0 ? l * tanh(u / l) : u;
+    return b * tanh(g / b) * dsig(g) * up;
+}
+
+/* Sort idx[0..n) by (key desc, idx asc): insertion sort (stable), O(n²) — brute force on purpose. */
+static void sort_desc(const double *key, int *idx, int n) {
+    for (int i = 1; i < n; i++) {
+        int v = idx[i], j = i - 1;
+        while (j >= 0 && key[idx[j]] < key[v]) {
+            idx[j + 1] = idx[j];
+            j--;
+        }
+        idx[j + 1] = v;
+    }
+}
+
+/* Reference selection from float64 scores s and biased scores sb; also returns the smallest
+ * gap that decides the result (group boundary, expert boundary, slot order) in *gap. */
+static void ref_select(const k3_config *c, const double *s, const double *sb, int32_t *ids, double *w,
+                       double *gap) {
+    const int E = c->n_experts, K = c->n_experts_per_tok, G = c->n_group, gsz = E / G;
+    double gscore[4096];
+    int gidx[4096], eidx[4096], keep[4096];
+    *gap = INFINITY;
+    for (int g = 0; g < G; g++) {
+        int loc[4096];
+        for (int i = 0; i < gsz; i++) loc[i] = g * gsz + i;
+        sort_desc(sb, loc, gsz);
+        gscore[g] = gsz >= 2 ? sb[loc[0]] + sb[loc[1]] : sb[loc[0]];
+        gidx[g] = g;
+        keep[g] = 0;
+    }
+    sort_desc(gscore, gidx, G);
+    for (int j = 0; j < c->topk_group; j++) keep[gidx[j]] = 1;
+    if (G > 1 && c->topk_group < G) *gap = fmin(*gap, gscore[gidx[c->topk_group - 1]] - gscore[gidx[c->topk_group]]);
+    int n = 0;
+    for (int e = 0; e < E; e++)
+        if (keep[e / gsz]) eidx[n++] = e;
+    sort_desc(sb, eidx, n);
+    for (int k = 0; k < K; k++) {
+        ids[k] = eidx[k];
+        if (k + 1 < n) *gap = fmin(*gap, sb[eidx[k]] - sb[eidx[k + 1]]);
+    }
+    double sum = 0;
+    for (int k = 0; k < K; k++) sum += s[ids[k]];
+    for (int k = 0; k < K; k++) {
+        w[k] = s[ids[k]];
+        if (c->moe_renormalize) w[k] /= (sum + 1e-20);
+        w[k] *= c->routed_scaling_factor;
+    }
+}
+
+/* Whole MoE for one token in float64; returns the chosen ids (and decision gap). */
+static void ref_moe_token(const moe_model *m, const float *xf, double *y, int32_t *ids, double *gap) {
+    const k3_config *c = &m->cfg;
+    const k3_layer_w *lw = &m->lw;
+    const int D = (int)c->hidden_size, E = c->n_experts, K = c->n_experts_per_tok, I = c->moe_intermediate_size;
+    const int Lw = c->latent_size > 0 ? c->latent_size : D, S = c->n_shared_experts * I;
+    double *x = calloc((size_t)D, 8), *z = calloc((size_t)E, 8), *sb = calloc((size_t)E, 8);
+    double *r = calloc((size_t)Lw, 8), *acc = calloc((size_t)Lw, 8), *o = calloc((size_t)Lw, 8);
+    double *g = calloc((size_t)(I > S ? I : S) + 1, 8), *u = calloc((size_t)(I > S ? I : S) + 1, 8);
+    double *sh = calloc((size_t)D, 8), w[64];
+    for (int d = 0; d < D; d++) x[d] = xf[d];
+    dmatvec(&lw->router, x, z);
+    for (int e = 0; e < E; e++) {
+        z[e] = dsig(z[e]);
+        sb[e] = z[e] + (lw->router_bias.data ? wget(&lw->router_bias, e, 0) : 0.0);
+    }
+    ref_select(c, z, sb, ids, w, gap);
+    if (c->latent_size > 0)
+        dmatvec(&lw->lat_down, x, r);
+    else
+        memcpy(r, x, (size_t)D * 8);
+    for (int i = 0; i < Lw; i++) acc[i] = 0;
+    for (int k = 0; k < K; k++) {
+        const k3_expert_w *ew = &lw->experts[ids[k]];
+        dmatvec(&ew->w1, r, g);
+        dmatvec(&ew->w3, r, u);
+        for (int i = 0; i < I; i++) g[i] = dact(c, g[i], u[i]);
+        dmatvec(&ew->w2, g, o);
+        for (int i = 0; i < Lw; i++) acc[i] += w[k] * o[i];
+    }
+    if (c->latent_size > 0) {
+        if (c->latent_moe_use_norm) {
+            double ss = 0;
+            for (int i = 0; i < Lw; i++) ss += acc[i] * acc[i];
+            double rs = 1.0 / sqrt(ss / Lw + (double)c->rms_norm_eps);
+            for (int i = 0; i < Lw; i++) acc[i] = wget(&lw->lat_norm, i, 0) * acc[i] * rs;
+        }
+        dmatvec(&lw->lat_up, acc, y);
+    } else {
+        memcpy(y, acc, (size_t)D * 8);
+    }
+    if (S > 0) {
+        dmatvec(&lw->sh_gate, x, g);
+        dmatvec(&lw->sh_up, x, u);
+        for (int i = 0; i < S; i++) g[i] = dact(c, g[i], u[i]);
+        dmatvec(&lw->sh_down, g, sh);
+        for (int d = 0; d < D; d++) y[d] += sh[d];
+    }
+    free(x), free(z), free(sb), free(r), free(acc), free(o), free(g), free(u), free(sh);
+}
+
+/* ---- scratch with a guard band ---------------------------------------------------------------- */
+static float *scratch_new(size_t n) {
+    float *p = malloc((n + GUARD) * sizeof(float));
+    if (!p) abort();
+    for (size_t i = 0; i < n + GUARD; i++) p[i] = NAN;
+    return p;
+}
+static bool guard_ok(const float *p, size_t n) {
+    for (size_t i = n; i < n + GUARD; i++)
+        if (!isnan(p[i])) return false;
+    return true;
+}
+static void poison(float *p, size_t n) {
+    for (size_t i = 0; i < n; i++) p[i] = NAN;
+}
+
+static void randn(k3_rng *r, float *x, size_t n, float std) {
+    for (size_t i = 0; i < n; i++) x[i] = std * k3_rng_normal(r);
+}
+
+/* ---- tests ------------------------------------------------------------------------------------ */
+
+/* k3_moe_select on grid-valued scores: many exact ties in expert scores and group sums. */
+static void test_select_ties(void) {
+    k3_config c;
+    memset(&c, 0, sizeof c);
+    const int E = 16, T = 400;
+    c.n_experts = E;
+    c.n_experts_per_tok = 4;
+    c.n_group = 4;
+    c.topk_group = 2;
+    c.moe_intermediate_size = 8;
+    c.moe_renormalize = true;
+    c.routed_scaling_factor = 2.5f;
+    k3_rng r;
+    k3_rng_seed(&r, SEED + 1);
+    float *s = malloc(sizeof(float) * T * E), *b = malloc(sizeof(float) * T * E);
+    int32_t *ids = malloc(sizeof(int32_t) * T * 4);
+    float *w = malloc(sizeof(float) * T * 4);
+    int ties_e = 0, ties_g = 0, mism = 0;
+    for (int variant = 0; variant < 3; variant++) {
+        if (variant == 1) c.moe_renormalize = false;
+        if (variant == 2) { c.n_group = 1; c.topk_group = 1; c.moe_renormalize = true; c.routed_scaling_factor = 1.0f; }
+        for (int i = 0; i < T * E; i++) {
+            s[i] = (float)(k3_rng_u64(&r) % 9) / 8.0f;              /* {0, 1/8, ..., 1} */
+            b[i] = s[i] + (float)((int)(k3_rng_u64(&r) % 3) - 1) / 8.0f; /* bias in {-1/8, 0, 1/8} */
+        }
+        float *b_copy = malloc(sizeof(float) * T * E);
+        memcpy(b_copy, b, sizeof(float) * T * E);
+        K3_CHECK_OK(k3_moe_select(&c, s, b, T, ids, w));
+        for (int t = 0; t < T; t++) {
+            double ds[16], db[16], rw[16], gap;
+            int32_t rid[16];
+            for (int e = 0; e < E; e++) ds[e] = s[t * E + e], db[e] = b_copy[t * E + e];
+            ref_select(&c, ds, db, rid, rw, &gap);
+            if (gap == 0.0) ties_e++;
+            for (int k = 0; k < 4; k++) {
+                if (ids[t * 4 + k] != rid[k]) mism++;
+                K3_CHECK(fabs(w[t * 4 + k] - rw[k]) <= 4 * K3_FP32_U * fabs(rw[k]) + 1e-30,
+                         "variant %d token %d slot %d weight %g vs %g", variant, t, k, (double)w[t * 4 + k], rw[k]);
+            }
+        }
+        /* ties across groups: equal group sums happen on this grid — verify directly */
+        if (c.n_group > 1) {
+            for (int t = 0; t < T; t++) {
+                double gs[4];
+                for (int g = 0; g < 4; g++) {
+                    double a = -1e9, bb = -1e9;
+                    for (int i = 0; i < 4; i++) {
+                        double v = b_copy[t * E + g * 4 + i];
+                        if (v > a) { bb = a; a = v; } else if (v > bb) bb = v;
+                    }
+                    gs[g] = a + bb;
+                }
+                for (int g = 0; g < 4; g++)
+                    for (int h = g + 1; h < 4; h++)
+                        if (gs[g] == gs[h]) { ties_g++; g = 4; break; }
+            }
+        }
+        free(b_copy);
+    }
+    K3_CHECK(mism == 0, "%d slot ids differ from the float64 brute force", mism);
+    K3_CHECK(ties_e > 50, "grid produced only %d tokens with an exact expert tie (degenerate input)", ties_e);
+    K3_CHECK(ties_g > 50, "grid produced only %d tokens with an exact group tie (degenerate input)", ties_g);
+    printf("select: %d tokens with exact expert ties, %d with group ties\n", ties_e, ties_g);
+    /* a hand case: all equal -> experts 0..3 (groups 0 and 1 kept, lowest indices) */
+    for (int e = 0; e < E; e++) s[e] = 0.5f, b[e] = 0.5f;
+    c.n_group = 4;
+    c.topk_group = 2;
+    K3_CHECK_OK(k3_moe_select(&c, s, b, 1, ids, w));
+    K3_CHECK(ids[0] == 0 && ids[1] == 1 && ids[2] == 2 && ids[3] == 3, "all-equal -> %d %d %d %d", ids[0], ids[1],
+             ids[2], ids[3]);
+    /* hand case: group 3 holds the best single expert but group sums prefer groups 0 and 2 */
+    for (int e = 0; e < E; e++) s[e] = 0.1f;
+    s[15] = 0.9f;               /* group 3: 0.9 + 0.1 = 1.0 */
+    s[0] = 0.6f, s[1] = 0.6f;   /* group 0: 1.2 */
+    s[9] = 0.55f, s[10] = 0.5f; /* group 2: 1.05 */
+    memcpy(b, s, sizeof(float) * E);
+    K3_CHECK_OK(k3_moe_select(&c, s, b, 1, ids, w));
+    K3_CHECK(ids[0] == 0 && ids[1] == 1 && ids[2] == 9 && ids[3] == 10, "grouped hand case -> %d %d %d %d", ids[0],
+             ids[1], ids[2], ids[3]);
+    /* non-finite router output is an error naming the token */
+    s[3] = NAN;
+    memcpy(b, s, sizeof(float) * E);
+    K3_CHECK_ERR(k3_moe_select(&c, s, b, 1, ids, w), K3_ERR_INTERNAL, "token 0, expert 3");
+    /* config errors */
+    c.topk_group = 1;
+    c.n_experts_per_tok = 5; /* one group of 4 cannot supply 5 */
+    K3_CHECK_ERR(k3_moe_select(&c, s, b, 1, ids, w), K3_ERR_CONFIG, "topk_group");
+    c.n_experts_per_tok = 4;
+    c.n_group = 3;
+    K3_CHECK_ERR(k3_moe_select(&c, s, b, 1, ids, w), K3_ERR_CONFIG, "num_expert_group");
+    free(s), free(b), free(ids), free(w);
+}
+
+/* The full router (matmul + sigmoid + bias + grouped top-k) vs float64, plus exact ties made by
+ * duplicated router rows and biases. */
+static void test_route(const k3_ops *ops) {
+    moe_shape sh = {.D = 96, .E = 16, .K = 4, .G = 4, .TG = 2, .I = 32, .L = 64, .n_shared = 1,
+                    .mxfp4 = true, .renorm = true, .use_norm = true, .scale = 2.5f, .act = K3_ACT_SITU};
+    moe_model m;
+    model_make(&m, &sh, SEED + 2);
+    /* experts 5 and 6 identical (same group 1) and 12 identical to 4 (groups 3 vs 1): exact ties */
+    uint16_t *rw = m.lw.router.data;
+    float *rb = m.lw.router_bias.data;
+    memcpy(rw + 6 * 96, rw + 5 * 96, 96 * 2);
+    rb[6] = rb[5];
+    memcpy(rw + 12 * 96, rw + 4 * 96, 96 * 2);
+    rb[12] = rb[4];
+    const int T = 300;
+    k3_rng r;
+    k3_rng_seed(&r, SEED + 3);
+    float *x = malloc(sizeof(float) * T * 96);
+    randn(&r, x, (size_t)T * 96, 1.0f);
+    size_t ns = k3_moe_scratch_floats(&m.cfg, T);
+    K3_CHECK(ns >= (size_t)T * 16 * 2, "scratch %zu < T*E*2", ns);
+    float *scr = scratch_new(ns);
+    int32_t *ids = malloc(sizeof(int32_t) * T * 4);
+    float *w = malloc(sizeof(float) * T * 4);
+    poison(w, (size_t)T * 4);
+    K3_CHECK_OK(k3_moe_route(ops, &m.cfg, &m.lw, x, T, ids, w, scr));
+    K3_CHECK(guard_ok(scr, ns), "route wrote past its scratch");
+    int ambiguous = 0, bad = 0, both56 = 0, used[16] = {0};
+    for (int t = 0; t < T; t++) {
+        double gap, rwt[16];
+        int32_t rid[16];
+        double ds[16], db[16], z[16], xd[96];
+        for (int d = 0; d < 96; d++) xd[d] = x[t * 96 + d];
+        dmatvec(&m.lw.router, xd, z);
+        for (int e = 0; e < 16; e++) ds[e] = dsig(z[e]), db[e] = ds[e] + rb[e];
+        ref_select(&m.cfg, ds, db, rid, rwt, &gap);
+        bool same = true;
+        for (int k = 0; k < 4; k++) same = same && ids[t * 4 + k] == rid[k];
+        bool amb = gap > 0 && gap < 1e-5; /* an fp32 rounding could legitimately flip this token */
+        if (amb) ambiguous++;
+        if (!same && !amb) bad++;
+        if (same) {
+            for (int k = 0; k < 4; k++) {
+                K3_CHECK(fabs(w[t * 4 + k] - rwt[k]) <= 1e-5 * fabs(rwt[k]), "token %d slot %d w %g vs %g", t, k,
+                         (double)w[t * 4 + k], rwt[k]);
+            }
+        }
+        int has5 = 0, has6 = 0;
+        for (int k = 0; k < 4; k++) {
+            used[ids[t * 4 + k]]++;
+            if (ids[t * 4 + k] == 5) has5 = k + 1;
+            if (ids[t * 4 + k] == 6) has6 = k + 1;
+        }
+        if (has6) {
+            K3_CHECK(has5 && has5 == has6 - 1, "token %d: tied experts 5/6 in slots %d/%d (5 must come first)", t,
+                     has5 - 1, has6 - 1);
+            both56++;
+        }
+        double wsum = 0;
+        for (int k = 0; k < 4; k++) wsum += w[t * 4 + k];
+        K3_CHECK(fabs(wsum - 2.5) < 1e-5, "token %d weights sum %g, want routed_scaling_factor 2.5", t, wsum);
+    }
+    K3_CHECK(bad == 0, "%s: %d tokens route differently from float64 without being ambiguous", ops->backend, bad);
+    K3_CHECK(ambiguous <= T / 50, "%d ambiguous tokens (too many near-ties: degenerate input?)", ambiguous);
+    K3_CHECK(both56 > 5, "the tied pair 5/6 was chosen together only %d times (test not exercising ties)", both56);
+    int n_used = 0;
+    for (int e = 0; e < 16; e++) n_used += used[e] > 0;
+    K3_CHECK(n_used >= 12, "only %d experts ever used (degenerate router)", n_used);
+    printf("route[%s]: %d ambiguous tokens, tie pair chosen %d times, %d experts used\n", ops->backend, ambiguous,
+           both56, n_used);
+    free(x), free(scr), free(ids), free(w);
+    model_free(&m);
+}
+
+/* Expert rows vs float64; a row alone vs inside batches (bitwise); zero-token experts; one
+ * expert for every row; missing experts and bad ids. */
+static void test_rows(const k3_ops *ops, bool mxfp4) {
+    moe_shape sh = {.D = 96, .E = 16, .K = 4, .G = 4, .TG = 2, .I = 32, .L = 64, .n_shared = 1,
+                    .mxfp4 = mxfp4, .renorm = true, .use_norm = true, .scale = 1.0f, .act = K3_ACT_SITU};
+    moe_model m;
+    model_make(&m, &sh, SEED + 4);
+    const int Lw = 64, I = 32, N = 150;
+    k3_rng r;
+    k3_rng_seed(&r, SEED + 5);
+    float *rows = malloc(sizeof(float) * N * Lw), *out = malloc(sizeof(float) * N * Lw);
+    float *one = malloc(sizeof(float) * Lw);
+    int32_t *ex = malloc(sizeof(int32_t) * N);
+    randn(&r, rows, (size_t)N * Lw, 1.0f);
+    /* 37 rows over experts {0..5} (experts 6..15 get zero rows), then 113 rows all to expert 3 */
+    for (int i = 0; i < N; i++) ex[i] = i < 37 ? (int32_t)(k3_rng_u64(&r) % 6) : 3;
+    size_t ns = k3_moe_rows_scratch_floats(&m.cfg, N);
+    float *scr = scratch_new(ns);
+    /* batch of 37 */
+    poison(out, (size_t)N * Lw);
+    K3_CHECK_OK(k3_moe_expert_rows(ops, &m.cfg, &m.lw, rows, ex, 37, out, scr));
+    K3_CHECK(guard_ok(scr, ns), "expert_rows wrote past its scratch");
+    int bit_bad = 0;
+    double num = 0, den = 0;
+    for (int i = 0; i < 37; i++) {
+        K3_CHECK_OK(k3_moe_expert_rows(ops, &m.cfg, &m.lw, rows + i * Lw, ex + i, 1, one, scr));
+        if (memcmp(one, out + i * Lw, sizeof(float) * Lw) != 0) bit_bad++;
+        /* float64 */
+        double rd[64], g[32], u[32], o[64];
+        for (int d = 0; d < Lw; d++) rd[d] = rows[i * Lw + d];
+        dmatvec(&m.ex[ex[i]].w1, rd, g);
+        dmatvec(&m.ex[ex[i]].w3, rd, u);
+        for (int j = 0; j < I; j++) g[j] = dact(&m.cfg, g[j], u[j]);
+        dmatvec(&m.ex[ex[i]].w2, g, o);
+        for (int d = 0; d < Lw; d++) {
+            double e = out[i * Lw + d] - o[d];
+            num += e * e;
+            den += o[d] * o[d];
+        }
+    }
+    double rel = sqrt(num / den);
+    K3_CHECK(bit_bad == 0, "%s %s: %d of 37 rows differ (bits) between alone and in the batch", ops->backend,
+             mxfp4 ? "mxfp4" : "bf16", bit_bad);
+    K3_CHECK(rel <= K3_TOL_MOE_F64_REL_L2, "%s: expert rows rel-L2 vs float64 %.3g", ops->backend, rel);
+    K3_CHECK(sqrt(den / (37.0 * Lw)) > 0.05, "expert outputs nearly zero (rms %g): degenerate", sqrt(den / (37.0 * Lw)));
+    /* all 150 rows (113 to expert 3: more than one row tile) vs alone */
+    poison(out, (size_t)N * Lw);
+    K3_CHECK_OK(k3_moe_expert_rows(ops, &m.cfg, &m.lw, rows, ex, N, out, scr));
+    bit_bad = 0;
+    for (int i = 0; i < N; i++) {
+        K3_CHECK_OK(k3_moe_expert_rows(ops, &m.cfg, &m.lw, rows + i * Lw, ex + i, 1, one, scr));
+        if (memcmp(one, out + i * Lw, sizeof(float) * Lw) != 0) bit_bad++;
+    }
+    K3_CHECK(bit_bad == 0, "%s: %d of %d rows differ between alone and a 150-row batch", ops->backend, bit_bad, N);
+    K3_CHECK(guard_ok(scr, ns), "expert_rows wrote past its scratch (150 rows)");
+    /* n = 0 is fine and touches nothing */
+    K3_CHECK_OK(k3_moe_expert_rows(ops, &m.cfg, &m.lw, rows, ex, 0, out, scr));
+    /* errors */
+    int32_t bad_id = 16;
+    K3_CHECK_ERR(k3_moe_expert_rows(ops, &m.cfg, &m.lw, rows, &bad_id, 1, out, scr), K3_ERR_ARG, "expert id 16");
+    m.ex[7].present = false;
+    int32_t e7[2] = {1, 7};
+    K3_CHECK_ERR(k3_moe_expert_rows(ops, &m.cfg, &m.lw, rows, e7, 2, out, scr), K3_ERR_MISSING, "expert 7");
+    m.ex[7].present = true;
+    m.ex[2].w2.shape[0] = 63;
+    int32_t e2 = 2;
+    K3_CHECK_ERR(k3_moe_expert_rows(ops, &m.cfg, &m.lw, rows, &e2, 1, out, scr), K3_ERR_SHAPE, "w2");
+    free(rows), free(out), free(one), free(ex), free(scr);
+    model_free(&m);
+}
+
+/* Whole layer vs float64, forward == four steps by hand (bitwise), forward T-tiling invariance. */
+static void test_layer(const k3_ops *ops, const moe_shape *sh, int T, const char *name) {
+    moe_model m;
+    model_make(&m, sh, SEED + 6 + (uint64_t)T);
+    const k3_config *c = &m.cfg;
+    const int D = sh->D, K = sh->K, Lw = sh->L > 0 ? sh->L : sh->D;
+    k3_rng r;
+    k3_rng_seed(&r, SEED + 7);
+    float *x = malloc(sizeof(float) * T * D), *y = malloc(sizeof(float) * T * D), *y2 = malloc(sizeof(float) * T * D);
+    randn(&r, x, (size_t)T * D, 1.0f);
+    size_t ns = k3_moe_scratch_floats(c, T);
+    float *scr = scratch_new(ns);
+    poison(y, (size_t)T * D);
+    K3_CHECK_OK(k3_moe_forward(ops, c, &m.lw, x, T, y, scr));
+    K3_CHECK(guard_ok(scr, ns), "%s: forward wrote past its scratch", name);
+    /* by hand: route -> down -> expand -> rows -> finish */
+    int32_t *ids = malloc(sizeof(int32_t) * T * K);
+    float *w = malloc(sizeof(float) * T * K);
+    float *rows = malloc(sizeof(float) * T * K * Lw), *eo = malloc(sizeof(float) * T * K * Lw);
+    float *scr2 = scratch_new(ns);
+    K3_CHECK_OK(k3_moe_route(ops, c, &m.lw, x, T, ids, w, scr2));
+    K3_CHECK_OK(k3_moe_down(ops, c, &m.lw, x, T, rows));
+    k3_moe_expand_rows(rows, T, K, Lw, rows);
+    K3_CHECK_OK(k3_moe_expert_rows(ops, c, &m.lw, rows, ids, (int64_t)T * K, eo, scr2));
+    poison(y2, (size_t)T * D);
+    K3_CHECK_OK(k3_moe_finish(ops, c, &m.lw, x, w, eo, T, y2, scr2));
+    K3_CHECK(guard_ok(scr2, ns), "%s: steps wrote past the scratch", name);
+    K3_CHECK(memcmp(y, y2, sizeof(float) * T * D) == 0, "%s[%s]: forward differs from the four steps (bits)", name,
+             ops->backend);
+    /* token-count invariance: the last token alone */
+    float *y1 = malloc(sizeof(float) * D);
+    K3_CHECK_OK(k3_moe_forward(ops, c, &m.lw, x + (T - 1) * D, 1, y1, scr2));
+    K3_CHECK(memcmp(y1, y + (T - 1) * D, sizeof(float) * D) == 0, "%s[%s]: last token alone differs (bits)", name,
+             ops->backend);
+    /* float64 */
+    double num = 0, den = 0;
+    int amb = 0, bad = 0, used[4096] = {0};
+    double *yd = malloc(sizeof(double) * D);
+    for (int t = 0; t < T; t++) {
+        int32_t rid[64];
+        double gap;
+        ref_moe_token(&m, x + t * D, yd, rid, &gap);
+        bool same = true;
+        for (int k = 0; k < K; k++) same = same && rid[k] == ids[t * K + k];
+        for (int k = 0; k < K; k++) used[ids[t * K + k]]++;
+        if (!same) {
+            if (gap < 1e-5) amb++; else bad++;
+            continue;
+        }
+        for (int d = 0; d < D; d++) {
+            double e = y[t * D + d] - yd[d];
+            num += e * e;
+            den += yd[d] * yd[d];
+        }
+    }
+    double rel = sqrt(num / den);
+    int n_used = 0;
+    for (int e = 0; e < sh->E; e++) n_used += used[e] > 0;
+    printf("layer %s[%s] T=%d: rel-L2 vs float64 %.3g (%d ambiguous tokens skipped), %d experts used\n", name,
+           ops->backend, T, rel, amb, n_used);
+    K3_CHECK(bad == 0, "%s: %d tokens routed differently from float64 (not near-ties)", name, bad);
+    K3_CHECK(amb <= T / 50 + 1, "%s: %d ambiguous tokens", name, amb);
+    K3_CHECK(rel <= K3_TOL_MOE_F64_REL_L2, "%s[%s]: layer rel-L2 vs float64 %.3g", name, ops->backend, rel);
+    K3_CHECK(sqrt(den / ((double)T * D)) > 0.05, "%s: outputs nearly zero: degenerate", name);
+    K3_CHECK(n_used >= (sh->E < 8 ? sh->E : 8), "%s: only %d experts used", name, n_used);
+    free(x), free(y), free(y2), free(ids), free(w), free(rows), free(eo), free(scr), free(scr2), free(y1), free(yd);
+    model_free(&m);
+}
+
+/* Every token to one expert: a router whose bias makes expert 9 win by far; K = 1. */
+static void test_one_expert(const k3_ops *ops) {
+    moe_shape sh = {.D = 64, .E = 16, .K = 1, .G = 1, .TG = 1, .I = 32, .L = 32, .n_shared = 0,
+                    .mxfp4 = true, .renorm = true, .use_norm = true, .scale = 1.0f, .act = K3_ACT_SITU};
+    moe_model m;
+    model_make(&m, &sh, SEED + 8);
+    ((float *)m.lw.router_bias.data)[9] = 10.0f;
+    const int T = 70, D = 64;
+    k3_rng r;
+    k3_rng_seed(&r, SEED + 9);
+    float *x = malloc(sizeof(float) * T * D), *y = malloc(sizeof(float) * T * D);
+    randn(&r, x, (size_t)T * D, 1.0f);
+    size_t ns = k3_moe_scratch_floats(&m.cfg, T);
+    float *scr = scratch_new(ns);
+    int32_t ids[70];
+    float w[70];
+    K3_CHECK_OK(k3_moe_route(ops, &m.cfg, &m.lw, x, T, ids, w, scr));
+    int n9 = 0;
+    for (int t = 0; t < T; t++) n9 += ids[t] == 9 && w[t] == 1.0f; /* K = 1 renormalised: exactly s/(s+1e-20) = 1 */
+    K3_CHECK(n9 == T, "K=1: %d of %d tokens routed to expert 9 with weight 1", n9, T);
+    K3_CHECK_OK(k3_moe_forward(ops, &m.cfg, &m.lw, x, T, y, scr));
+    double num = 0, den = 0, yd[64], gap;
+    int32_t rid[1];
+    for (int t = 0; t < T; t++) {
+        ref_moe_token(&m, x + t * D, yd, rid, &gap);
+        K3_CHECK(rid[0] == 9, "reference routed token %d to %d", t, rid[0]);
+        for (int d = 0; d < D; d++) {
+            double e = y[t * D + d] - yd[d];
+            num += e * e;
+            den += yd[d] * yd[d];
+        }
+    }
+    K3_CHECK(sqrt(num / den) <= K3_TOL_MOE_F64_REL_L2, "one expert: rel-L2 %.3g", sqrt(num / den));
+    K3_CHECK(guard_ok(scr, ns), "one expert: scratch overrun");
+    free(x), free(y), free(scr);
+    model_free(&m);
+}
+
+/* The dispatch permutation: counts, ordering by (rank, expert, slot), inverse, round trip. */
+static void test_permute(void) {
+    k3_rng r;
+    k3_rng_seed(&r, SEED + 10);
+    const int E = 24, R = 5;
+    const int64_t n = 37 * 4;
+    int32_t ex[148], own_c[24], own_r[24];
+    int64_t counts[5], perm[148], inv[148], work[24];
+    for (int64_t i = 0; i < n; i++) ex[i] = (int32_t)(k3_rng_u64(&r) % 20); /* experts 20..23 get no rows */
+    for (int e = 0; e < E; e++) own_c[e] = e * R / E;                      /* contiguous ranges */
+    for (int e = 0; e < E; e++) own_r[e] = (int32_t)(k3_rng_u64(&r) % 4);  /* rank 4 owns nothing */
+    for (int map = 0; map < 2; map++) {
+        const int32_t *own = map ? own_r : own_c;
+        K3_CHECK_OK(k3_moe_permute(ex, n, own, E, R, counts, perm, inv, work));
+        int64_t want[5] = {0}, tot = 0;
+        for (int64_t i = 0; i < n; i++) want[own[ex[i]]]++;
+        for (int q = 0; q < R; q++) {
+            K3_CHECK(counts[q] == want[q], "map %d rank %d count %lld want %lld", map, q, (long long)counts[q],
+                     (long long)want[q]);
+            tot += counts[q];
+        }
+        K3_CHECK(tot == n, "counts sum %lld", (long long)tot);
+        if (map) K3_CHECK(counts[4] == 0, "rank 4 owns no expert but got %lld rows", (long long)counts[4]);
+        int seen[148] = {0}, ord_bad = 0, inv_bad = 0, range_bad = 0;
+        int64_t base = 0;
+        for (int q = 0; q < R; q++) {
+            for (int64_t j = base; j < base + counts[q]; j++)
+                if (own[ex[perm[j]]] != q) range_bad++;
+            base += counts[q];
+        }
+        for (int64_t j = 0; j < n; j++) {
+            K3_CHECK(perm[j] >= 0 && perm[j] < n, "perm[%lld] = %lld", (long long)j, (long long)perm[j]);
+            seen[perm[j]]++;
+            if (inv[perm[j]] != j) inv_bad++;
+            if (j > 0) {
+                int64_t a = perm[j - 1], b = perm[j];
+                long long ka = (long long)own[ex[a]] * 1000000 + ex[a] * 1000 + a;
+                long long kb = (long long)own[ex[b]] * 1000000 + ex[b] * 1000 + b;
+                if (!(ka < kb)) ord_bad++;
+            }
+        }
+        int dup = 0;
+        for (int64_t i = 0; i < n; i++) dup += seen[i] != 1;
+        K3_CHECK(dup == 0 && inv_bad == 0 && ord_bad == 0 && range_bad == 0,
+                 "map %d: %d not-a-permutation, %d inverse, %d order, %d rank-range errors", map, dup, inv_bad, ord_bad,
+                 range_bad);
+        /* round trip of payloads encoding (slot, expert) */
+        float send[148], back[148];
+        for (int64_t j = 0; j < n; j++) send[j] = (float)(perm[j] * 100 + ex[perm[j]]);
+        for (int64_t i = 0; i < n; i++) back[i] = send[inv[i]];
+        int rt_bad = 0;
+        for (int64_t i = 0; i < n; i++) rt_bad += back[i] != (float)(i * 100 + ex[i]);
+        K3_CHECK(rt_bad == 0, "map %d: %d rows wrong after the round trip", map, rt_bad);
+    }
+    /* deterministic: same input, same output */
+    int64_t perm2[148], inv2[148];
+    K3_CHECK_OK(k3_moe_permute(ex, n, own_r, E, R, counts, perm2, inv2, work));
+    K3_CHECK(memcmp(perm, perm2, sizeof perm) == 0 && memcmp(inv, inv2, sizeof inv) == 0, "permute not deterministic");
+    /* n = 0 */
+    K3_CHECK_OK(k3_moe_permute(ex, 0, own_c, E, R, counts, perm, inv, work));
+    K3_CHECK(counts[0] == 0 && counts[4] == 0, "n = 0 counts not zero");
+    /* errors */
+    int32_t bad_ex = 24;
+    K3_CHECK_ERR(k3_moe_permute(&bad_ex, 1, own_c, E, R, counts, perm, inv, work), K3_ERR_ARG, "expert id 24");
+    own_c[3] = 5;
+    K3_CHECK_ERR(k3_moe_permute(ex, n, own_c, E, R, counts, perm, inv, work), K3_ERR_ARG, "expert 3 has owner rank 5");
+}
+
+int main(void) {
+    printf("test_experts: seed %llu\n", (unsigned long long)SEED);
+    test_select_ties();
+    test_permute();
+    const k3_ops *backends[2] = {k3_ops_ref(), k3_ops_cpu()};
+    for (int b = 0; b < 2; b++) {
+        const k3_ops *ops = backends[b];
+        test_route(ops);
+        test_rows(ops, true);
+        test_rows(ops, false);
+        test_one_expert(ops);
+        moe_shape k3s = {.D = 96, .E = 16, .K = 4, .G = 4, .TG = 2, .I = 32, .L = 64, .n_shared = 2,
+                         .mxfp4 = true, .renorm = true, .use_norm = true, .scale = 2.5f, .act = K3_ACT_SITU};
+        test_layer(ops, &k3s, 37, "latent-k3");
+        test_layer(ops, &k3s, 300, "latent-k3-tiled"); /* > the 256-token tile of k3_moe_forward */
+        moe_shape kl = {.D = 64, .E = 8, .K = 2, .G = 1, .TG = 1, .I = 48, .L = 0, .n_shared = 1,
+                        .mxfp4 = false, .renorm = true, .use_norm = false, .scale = 1.0f, .act = K3_ACT_SWIGLU};
+        test_layer(ops, &kl, 29, "kimi-linear");
+        moe_shape nonorm = k3s;
+        nonorm.use_norm = false;
+        nonorm.renorm = false;
+        nonorm.n_shared = 0;
+        test_layer(ops, &nonorm, 21, "latent-no-norm-no-renorm");
+    }
+    return k3_test_done("experts");
+}

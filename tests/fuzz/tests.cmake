@@ -1,0 +1,21 @@
+# Fuzz targets (tier "fuzz"). Each target builds two ways:
+#  - a plain driver (its own main(): corpus files + N random inputs from a seed) with any compiler,
+#    run by ctest as a short fuzz pass;
+#  - a libFuzzer binary (-fsanitize=fuzzer,address,undefined), only when the compiler is clang.
+# See tests/fuzz/README.md for the long runs. Sections: tokenizer (H5) first; chat/parser (H6) below.
+
+# ---- tokenizer (owner: tokenizer, H5) ----
+k3_add_test_exe(fuzz_tokenizer_driver ${CMAKE_CURRENT_LIST_DIR}/fuzz_tokenizer.c)
+add_test(NAME fuzz_tokenizer_short COMMAND fuzz_tokenizer_driver --random 3000 --seed 1)
+set_tests_properties(fuzz_tokenizer_short PROPERTIES LABELS "fuzz" ENVIRONMENT "${K3_TEST_ENV}" TIMEOUT 300)
+if(CMAKE_C_COMPILER_ID MATCHES "Clang")
+  # The tokenizer sources are compiled into the target so libFuzzer sees their coverage.
+  add_executable(fuzz_tokenizer ${CMAKE_CURRENT_LIST_DIR}/fuzz_tokenizer.c
+                 ${CMAKE_SOURCE_DIR}/coordinator/tokenizer.c ${CMAKE_SOURCE_DIR}/coordinator/tokenizer_decode.c
+                 ${CMAKE_SOURCE_DIR}/base/base.c)
+  target_compile_definitions(fuzz_tokenizer PRIVATE K3_LIBFUZZER=1 _GNU_SOURCE)
+  target_include_directories(fuzz_tokenizer PRIVATE ${CMAKE_SOURCE_DIR}/base ${CMAKE_SOURCE_DIR}/coordinator)
+  target_compile_options(fuzz_tokenizer PRIVATE -g -O1 -fsanitize=fuzzer,address,undefined)
+  target_link_options(fuzz_tokenizer PRIVATE -fsanitize=fuzzer,address,undefined)
+  target_link_libraries(fuzz_tokenizer PRIVATE PkgConfig::PCRE2 PkgConfig::CJSON m)
+endif()

@@ -1,0 +1,395 @@
+/* test_tokenizer.c — unit tests of coordinator/k3_tokenizer.h.
+ *
+ * 1. The 74 regex-piece cases of shared/fixtures/tokenizer/k3-tokenizer-golden.json (pieces made
+ *    by tiktoken/fancy-regex with the original K3 pat_str) against k3_tok_split with the K3 pattern.
+ * 2. BPE on a hand-made vocabulary with hand-computed merges (lowest rank first, leftmost on ties),
+ *    on both the short-piece scan path and the long-piece heap path.
+ * 3. Special tokens: longest match, never produced from text segments, lookup by content,
+ *    tokenizer_config.json loading; K3 layout ids.
+ * 4. Errors: malformed rank files and invalid UTF-8 give K3_ERR_* naming file:line / offset.
+ * 5. Decoding: Python errors="replace" cases (expected strings computed with CPython), streaming
+ *    equals whole decoding and never emits broken UTF-8.
+ * 6. No quadratic blow-up: encoding time of 1 MiB vs 256 KiB (ratio bound, not absolute speed).
+ * Needs K3_SHARED (ctest sets it). */
+#include "k3_test.h"
+#include "k3_tokenizer.h"
+
+#include <cjson/cJSON.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <sys/stat.h>
+#include <unistd.h>
+
+static char g_tmp[256];
+
+static void write_file(const char *path, const char *text) {
+    FILE *f = fopen(path, "wb");
+    if (!f) { perror(path); exit(1); }
+    fputs(text, f);
+    fclose(f);
+}
+
+static void b64(const uint8_t *p, size_t n, char *out) {
+    static const char *A = "ABCDEFGHIJKLMNOPQRSTUVWXYZabcdefghijklmnopqrstuvwxyz0123456789+/";
+    size_t o = 0;
+    for (size_t i = 0; i < n; i += 3) {
+        uint32_t w = (uint32_t)p[i] << 16 | (i + 1 < n ? (uint32_t)p[i + 1] << 8 : 0) | (i + 2 < n ? p[i + 2] : 0);
+        out[o++] = A[w >> 18 & 63];
+        out[o++] = A[w >> 12 & 63];
+        out[o++] = i + 1 < n ? A[w >> 6 & 63] : '=';
+        out[o++] = i + 2 < n ? A[w & 63] : '=';
+    }
+    out[o] = 0;
+}
+
+/* Hand vocabulary: byte b has rank b; 256 "ab", 257 "cd", 258 "abcd", 259 "bc", 260 "aa". */
+static const char *extra_tokens[] = {"ab", "cd", "abcd", "bc", "aa"};
+
+static void write_hand_vocab(const char *path, int skip_byte) {
+    FILE *f = fopen(path, "wb");
+    char enc[64];
+    for (int b = 0; b < 256; b++) {
+        if (b == skip_byte) continue;
+        uint8_t c = (uint8_t)b;
+        b64(&c, 1, enc);
+        fprintf(f, "%s %d\n", enc, b);
+    }
+    for (int i = 0; i < 5; i++) {
+        b64((const uint8_t *)extra_tokens[i], strlen(extra_tokens[i]), enc);
+        fprintf(f, "%s %d\n", enc, 256 + i);
+    }
+    fclose(f);
+}
+
+static bool ids_eq(const k3_tok_ids *v, const int32_t *want, size_t n) {
+    if (v->n != n) return false;
+    for (size_t i = 0; i < n; i++)
+        if (v->ids[i] != want[i]) return false;
+    return true;
+}
+
+static void print_ids(const char *what, const k3_tok_ids *v) {
+    fprintf(stderr, "%s:", what);
+    for (size_t i = 0; i < v->n && i < 40; i++) fprintf(stderr, " %d", v->ids[i]);
+    fprintf(stderr, "\n");
+}
+
+#define CHECK_ENC(t, text, special, ...)                                                           \
+    do {                                                                                           \
+        const int32_t want_[] = {__VA_ARGS__};                                                     \
+        k3_tok_ids v_ = {0};                                                                       \
+        K3_CHECK_OK(k3_tok_encode(t, text, strlen(text), special, &v_));                           \
+        bool ok_ = ids_eq(&v_, want_, K3_ARRAY_LEN(want_));                                        \
+        K3_CHECK(ok_, "encode(\"%s\", %d)", text, (int)(special));                                 \
+        if (!ok_) print_ids("  got", &v_);                                                         \
+        k3_tok_ids_free(&v_);                                                                      \
+    } while (0)
+
+static void test_hand_bpe(void) {
+    char path[512];
+    snprintf(path, sizeof path, "%s/hand.tiktoken", g_tmp);
+    write_hand_vocab(path, -1);
+    const k3_tok_special sp[] = {{"<s>", 300}, {"<s>>", 301}, {"<|open|>", 302}};
+    k3_tokenizer *t = NULL;
+    K3_CHECK_OK(k3_tok_create_tiktoken(&t, path, sp, 3, NULL));
+    if (!t) return;
+    K3_CHECK(k3_tok_n_ranks(t) == 261 && k3_tok_n_vocab(t) == 303, "ranks %lld vocab %lld",
+             (long long)k3_tok_n_ranks(t), (long long)k3_tok_n_vocab(t));
+    CHECK_ENC(t, "abcd", false, 258);           /* the whole piece is a token */
+    CHECK_ENC(t, "abcde", false, 258, 'e');     /* ab -> cd -> abcd */
+    CHECK_ENC(t, "aaa", false, 260, 'a');       /* tie: leftmost pair merges first */
+    CHECK_ENC(t, "bcd", false, 'b', 257);       /* cd (257) ranks below bc (259) */
+    CHECK_ENC(t, "xbcdx", false, 'x', 'b', 257, 'x');
+    /* Long pieces go through the heap path (> 48 bytes): same rules. */
+    {
+        char a100[102];
+        memset(a100, 'a', 101);
+        a100[101] = 0;
+        k3_tok_ids v = {0};
+        K3_CHECK_OK(k3_tok_encode(t, a100, 101, false, &v));
+        bool ok = v.n == 51 && v.ids[50] == 'a';
+        for (size_t i = 0; ok && i < 50; i++) ok = v.ids[i] == 260;
+        K3_CHECK(ok, "101 x 'a' -> 50 x 260 + 'a'");
+        k3_tok_ids_free(&v);
+        char s[101];
+        for (int i = 0; i < 20; i++) memcpy(s + 5 * i, "abcde", 5);
+        s[100] = 0;
+        K3_CHECK_OK(k3_tok_encode(t, s, 100, false, &v));
+        ok = v.n == 40;
+        for (size_t i = 0; ok && i < 40; i++) ok = v.ids[i] == (i % 2 ? 'e' : 258);
+        K3_CHECK(ok, "20 x abcde -> 20 x (258, 'e')");
+        if (!ok) print_ids("  got", &v);
+        k3_tok_ids_free(&v);
+    }
+    /* Specials: longest match, only when allowed. */
+    CHECK_ENC(t, "a<s>>b", true, 'a', 301, 'b');
+    CHECK_ENC(t, "a<s>b", true, 'a', 300, 'b');
+    CHECK_ENC(t, "a<s>>b", false, 'a', '<', 's', '>', '>', 'b'); /* pieces a | <s | >> | b */
+    CHECK_ENC(t, "<|open|><|open|>", true, 302, 302);
+    CHECK_ENC(t, "<|open|>", false, '<', '|', 'o', 'p', 'e', 'n', '|', '>');
+    CHECK_ENC(t, "", true, );
+    {
+        size_t *off = NULL, np = 0;
+        K3_CHECK_OK(k3_tok_split(t, "a<s>>b", 6, &off, &np));
+        K3_CHECK(np == 4 && off[1] == 1 && off[3] == 3 && off[5] == 5 && off[7] == 6, "pieces of a<s>>b");
+        free(off);
+    }
+    K3_CHECK(k3_tok_special_id(t, "<s>>") == 301 && k3_tok_special_id(t, "<s>>>") == -1, "special lookup");
+    K3_CHECK(k3_tok_is_special(t, 300) && !k3_tok_is_special(t, 97) && !k3_tok_is_special(t, 299), "is_special");
+    k3_tok_ctrl c = k3_tok_control_ids(t);
+    K3_CHECK(c.open == 302 && c.close == -1 && c.end_of_msg == -1, "control ids by content");
+    /* NUL is an ordinary character (encode takes a length). */
+    {
+        k3_tok_ids v = {0};
+        K3_CHECK_OK(k3_tok_encode(t, "a\0b", 3, false, &v));
+        const int32_t w[] = {'a', 0, 'b'};
+        K3_CHECK(ids_eq(&v, w, 3), "NUL inside text");
+        k3_tok_ids_free(&v);
+    }
+    /* Invalid UTF-8 is rejected, naming the offset; the output is left as it was. */
+    {
+        k3_tok_ids v = {0};
+        K3_CHECK_OK(k3_tok_encode(t, "ab", 2, false, &v));
+        K3_CHECK_ERR(k3_tok_encode(t, "ab\xff" "cd", 5, false, &v), K3_ERR_ARG, "byte offset 2");
+        K3_CHECK_ERR(k3_tok_encode(t, "x\xed\xa0\x80", 4, true, &v), K3_ERR_ARG, "byte offset 1");
+        K3_CHECK_ERR(k3_tok_encode(t, "\xc3", 1, true, &v), K3_ERR_ARG, "not valid UTF-8");
+        K3_CHECK(v.n == 1 && v.ids[0] == 256, "failed encode leaves the output untouched");
+        k3_tok_segment segs[] = {{"ab", 2, false}, {"<s>", 3, true}, {"<s>", 3, false}};
+        K3_CHECK_OK(k3_tok_encode_segments(t, segs, 3, &v));
+        const int32_t w[] = {256, 256, 300, '<', 's', '>'};
+        K3_CHECK(ids_eq(&v, w, 6), "encode_segments = concat of per-segment encodings");
+        k3_tok_ids_free(&v);
+    }
+    {
+        const char *b;
+        size_t nb;
+        K3_CHECK(k3_tok_id_bytes(t, 258, &b, &nb) == K3_OK && nb == 4 && !memcmp(b, "abcd", 4), "id bytes");
+        K3_CHECK(k3_tok_id_bytes(t, 301, &b, &nb) == K3_OK && nb == 4 && !memcmp(b, "<s>>", 4), "special bytes");
+        K3_CHECK_ERR(k3_tok_id_bytes(t, 299, &b, &nb), K3_ERR_ARG, "299");
+        K3_CHECK_ERR(k3_tok_id_bytes(t, -1, &b, &nb), K3_ERR_ARG, "-1");
+    }
+    k3_tok_destroy(t);
+    k3_tok_destroy(NULL);
+}
+
+static void test_load_errors(void) {
+    char path[1024], dir[512];
+    k3_tokenizer *t = NULL;
+    snprintf(path, sizeof path, "%s/bad.tiktoken", g_tmp);
+    K3_CHECK_ERR(k3_tok_create_tiktoken(&t, "/nonexistent/x.tiktoken", NULL, 0, NULL), K3_ERR_IO,
+                 "/nonexistent/x.tiktoken");
+    write_file(path, "YQ== 0\n!!!! 1\n");
+    K3_CHECK_ERR(k3_tok_create_tiktoken(&t, path, NULL, 0, NULL), K3_ERR_FORMAT, "bad.tiktoken:2: bad base64");
+    write_file(path, "YQ== 0\nYg== x\n");
+    K3_CHECK_ERR(k3_tok_create_tiktoken(&t, path, NULL, 0, NULL), K3_ERR_FORMAT, "bad.tiktoken:2: bad rank");
+    write_file(path, "YQ== 0\nYg==\n");
+    K3_CHECK_ERR(k3_tok_create_tiktoken(&t, path, NULL, 0, NULL), K3_ERR_FORMAT, "bad.tiktoken:2: expected");
+    write_file(path, "YQ== 0\nYg== 0\n");
+    K3_CHECK_ERR(k3_tok_create_tiktoken(&t, path, NULL, 0, NULL), K3_ERR_FORMAT, "rank 0 appears twice");
+    write_file(path, "");
+    K3_CHECK_ERR(k3_tok_create_tiktoken(&t, path, NULL, 0, NULL), K3_ERR_FORMAT, "no tokens");
+    write_hand_vocab(path, 0x41);
+    K3_CHECK_ERR(k3_tok_create_tiktoken(&t, path, NULL, 0, NULL), K3_ERR_FORMAT, "single byte 0x41");
+    write_hand_vocab(path, -1);
+    const k3_tok_special clash[] = {{"<x>", 97}};
+    K3_CHECK_ERR(k3_tok_create_tiktoken(&t, path, clash, 1, NULL), K3_ERR_ARG, "collides");
+    const k3_tok_special dup[] = {{"<x>", 300}, {"<x>", 301}};
+    K3_CHECK_ERR(k3_tok_create_tiktoken(&t, path, dup, 2, NULL), K3_ERR_FORMAT, "defined twice");
+    const k3_tok_special dupid[] = {{"<x>", 300}, {"<y>", 300}};
+    K3_CHECK_ERR(k3_tok_create_tiktoken(&t, path, dupid, 2, NULL), K3_ERR_ARG, "given twice");
+    K3_CHECK(t == NULL, "no tokenizer on failure");
+    /* Model directory with tokenizer_config.json. */
+    snprintf(dir, sizeof dir, "%s/model", g_tmp);
+    mkdir(dir, 0755);
+    snprintf(path, sizeof path, "%s/tiktoken.model", dir);
+    write_hand_vocab(path, -1);
+    snprintf(path, sizeof path, "%s/tokenizer_config.json", dir);
+    write_file(path, "{\"added_tokens_decoder\": {\"261\": {\"content\": \"[EOS]\", \"special\": true},"
+                     "\"262\": {\"content\": \"<|end_of_msg|>\"}, \"263\": {\"content\": \"<|open|>\"},"
+                     "\"264\": {\"content\": \"<|close|>\"}, \"265\": {\"content\": \"<|sep|>\"}}}");
+    K3_CHECK_OK(k3_tok_create_model_dir(&t, dir, NULL));
+    if (t) {
+        k3_tok_ctrl c = k3_tok_control_ids(t);
+        K3_CHECK(c.eos == 261 && c.end_of_msg == 262 && c.open == 263 && c.close == 264 && c.sep == 265,
+                 "control ids from tokenizer_config.json");
+        CHECK_ENC(t, "<|open|>ab<|sep|>", true, 263, 256, 265);
+        k3_tok_destroy(t);
+        t = NULL;
+    }
+    write_file(path, "{\"added_tokens_decoder\": {\"x1\": {\"content\": \"[EOS]\"}}}");
+    K3_CHECK_ERR(k3_tok_create_model_dir(&t, dir, NULL), K3_ERR_FORMAT, "key 'x1'");
+    write_file(path, "{\"added_tokens_decoder\": {\"300\": {\"contents\": \"[EOS]\"}}}");
+    K3_CHECK_ERR(k3_tok_create_model_dir(&t, dir, NULL), K3_ERR_FORMAT, "[\"300\"].content");
+    write_file(path, "{\"added_tokens_decoder\": [}");
+    K3_CHECK_ERR(k3_tok_create_model_dir(&t, dir, NULL), K3_ERR_FORMAT, "tokenizer_config.json: not valid JSON");
+    k3_tok_pattern p;
+    K3_CHECK_ERR(k3_tok_pattern_from_name("gpt2", &p), K3_ERR_ARG, "gpt2");
+}
+
+/* The golden pre-tokenizer pieces (K3 regex) + K3 layout checks on the o200k vocabulary. */
+static void test_golden_pieces(const k3_tokenizer *t) {
+    char path[1024];
+    snprintf(path, sizeof path, "%s/fixtures/tokenizer/k3-tokenizer-golden.json", k3_test_shared());
+    char *buf = NULL;
+    size_t n = 0;
+    K3_CHECK_OK(k3_read_file(path, &buf, &n));
+    if (!buf) return;
+    cJSON *root = cJSON_Parse(buf);
+    k3_free(buf);
+    const cJSON *cases = cJSON_GetObjectItem(root, "cases"), *c;
+    int n_with = 0, n_ok = 0;
+    cJSON_ArrayForEach(c, cases) {
+        const cJSON *in = cJSON_GetObjectItem(c, "input"), *pieces = cJSON_GetObjectItem(c, "pieces");
+        if (!pieces) continue;
+        n_with++;
+        size_t *off = NULL, np = 0;
+        const char *s = in->valuestring;
+        K3_CHECK_OK(k3_tok_split(t, s, strlen(s), &off, &np));
+        bool ok = (int)np == cJSON_GetArraySize(pieces);
+        for (size_t i = 0; ok && i < np; i++) {
+            const char *want = cJSON_GetArrayItem(pieces, (int)i)->valuestring;
+            ok = strlen(want) == off[2 * i + 1] - off[2 * i] && !memcmp(want, s + off[2 * i], strlen(want));
+        }
+        if (ok) n_ok++;
+        K3_CHECK(ok, "golden pieces of \"%s\"", s);
+        free(off);
+    }
+    cJSON_Delete(root);
+    K3_CHECK(n_with == 74 && n_ok == 74, "%d of %d golden piece cases pass (want 74)", n_ok, n_with);
+    /* K3 layout at N = max rank + 1 (§4.1): named slots and reserved names. */
+    int64_t N = k3_tok_n_ranks(t);
+    k3_tok_ctrl ctl = k3_tok_control_ids(t);
+    K3_CHECK(ctl.eos == N + 1 && ctl.end_of_msg == N + 2 && ctl.open == N + 3 && ctl.close == N + 4 &&
+             ctl.sep == N + 5, "K3 control ids at N+1..N+5");
+    char name[64];
+    snprintf(name, sizeof name, "<|reserved_token_%lld|>", (long long)(N + 8));
+    K3_CHECK(k3_tok_special_id(t, name) == N + 8, "%s", name);
+    K3_CHECK(k3_tok_special_id(t, "<|media_pad|>") == N + 21 && k3_tok_special_id(t, "[PAD]") == N + 255 &&
+             k3_tok_n_vocab(t) == N + 256, "K3 layout");
+}
+
+static void test_decode(const k3_tokenizer *t) {
+    /* bytes -> CPython bytes.decode("utf-8", "replace"), expected values computed with CPython. */
+    static const struct { const char *in; size_t n; const char *want; } rep[] = {
+        {"\xe4\xbd", 2, "\xef\xbf\xbd"},
+        {"\xed\xa0\x80", 3, "\xef\xbf\xbd\xef\xbf\xbd\xef\xbf\xbd"},
+        {"\xf0\x9f\x98" "a", 4, "\xef\xbf\xbd" "a"},
+        {"\xff\xfe", 2, "\xef\xbf\xbd\xef\xbf\xbd"},
+        {"\xc0\xaf", 2, "\xef\xbf\xbd\xef\xbf\xbd"},
+        {"\xe0\x80\x80", 3, "\xef\xbf\xbd\xef\xbf\xbd\xef\xbf\xbd"},
+        {"\xf4\x90\x80\x80", 4, "\xef\xbf\xbd\xef\xbf\xbd\xef\xbf\xbd\xef\xbf\xbd"},
+        {"a\xf0\x9f\x98\x80" "b", 6, "a\xf0\x9f\x98\x80" "b"},
+        {"\xe2\x82", 2, "\xef\xbf\xbd"},
+        {"\xc3", 1, "\xef\xbf\xbd"},
+    };
+    for (size_t i = 0; i < K3_ARRAY_LEN(rep); i++) {
+        k3_tok_bytes out = {0};
+        K3_CHECK_OK(k3_tok_utf8_replace(rep[i].in, rep[i].n, &out));
+        K3_CHECK(out.n == strlen(rep[i].want) && !memcmp(out.data, rep[i].want, out.n), "replace case %zu", i);
+        k3_tok_bytes_free(&out);
+        /* Streaming one byte at a time gives the same text. */
+        k3_tok_stream *s = NULL;
+        K3_CHECK_OK(k3_tok_stream_create(&s, t));
+        for (size_t k = 0; k < rep[i].n; k++) K3_CHECK_OK(k3_tok_stream_push_bytes(s, rep[i].in + k, 1, &out));
+        K3_CHECK_OK(k3_tok_stream_finish(s, &out));
+        K3_CHECK(out.n == strlen(rep[i].want) && !memcmp(out.data, rep[i].want, out.n), "stream case %zu", i);
+        k3_tok_bytes_free(&out);
+        k3_tok_stream_destroy(s);
+    }
+    /* Round trip and streaming over real ids: multi-byte characters split across tokens. */
+    const char *text = "Grüße 👨‍👩‍👧‍👦 中文English混合 مرحبا 𪚥 e\xcc\x81 <|open|> \xf0\x9f\x8f\xb3\xef\xb8\x8f\xe2\x80\x8d\xf0\x9f\x8c\x88";
+    for (int special = 0; special < 2; special++) {
+        k3_tok_ids ids = {0};
+        K3_CHECK_OK(k3_tok_encode(t, text, strlen(text), special, &ids));
+        k3_tok_bytes whole = {0}, streamed = {0};
+        K3_CHECK_OK(k3_tok_decode(t, ids.ids, ids.n, &whole));
+        K3_CHECK(whole.n == strlen(text) && !memcmp(whole.data, text, whole.n), "decode(encode(s)) == s");
+        k3_tok_stream *s = NULL;
+        K3_CHECK_OK(k3_tok_stream_create(&s, t));
+        int n_partial = 0;
+        for (size_t i = 0; i < ids.n; i++) {
+            size_t before = streamed.n;
+            K3_CHECK_OK(k3_tok_stream_push(s, ids.ids[i], &streamed));
+            k3_tok_bytes chk = {0};
+            K3_CHECK_OK(k3_tok_utf8_replace(streamed.data + before, streamed.n - before, &chk));
+            K3_CHECK(chk.n == streamed.n - before, "stream chunk %zu is valid UTF-8", i);
+            k3_tok_bytes_free(&chk);
+            const char *b;
+            size_t nb;
+            k3_tok_id_bytes(t, ids.ids[i], &b, &nb);
+            if (streamed.n - before != nb) n_partial++;
+        }
+        K3_CHECK_OK(k3_tok_stream_finish(s, &streamed));
+        K3_CHECK(streamed.n == whole.n && !memcmp(streamed.data, whole.data, whole.n), "stream == decode");
+        K3_CHECK(n_partial > 0, "the text must split characters across tokens (non-degenerate)");
+        k3_tok_stream_destroy(s);
+        k3_tok_bytes_free(&whole);
+        k3_tok_bytes_free(&streamed);
+        k3_tok_ids_free(&ids);
+    }
+}
+
+static double time_encode(const k3_tokenizer *t, const char *s, size_t n, size_t *n_ids) {
+    double best = 1e30;
+    for (int r = 0; r < 3; r++) {
+        k3_tok_ids v = {0};
+        double t0 = k3_now_s();
+        k3_status st = k3_tok_encode(t, s, n, false, &v);
+        double dt = k3_now_s() - t0;
+        K3_CHECK(st == K3_OK, "encode %zu bytes: %s", n, k3_last_error());
+        *n_ids = v.n;
+        k3_tok_ids_free(&v);
+        if (dt < best) best = dt;
+    }
+    return best;
+}
+
+/* Quadratic behaviour shows as a x16 time ratio for x4 input; linear / n log n as ~x4-5. */
+static void test_no_quadratic(const k3_tokenizer *t, const char *label) {
+    size_t big = 1 << 20, small = big / 4;
+    char *s = malloc(big + 1);
+    k3_rng rng;
+    k3_rng_seed(&rng, 1234);
+    for (int kind = 0; kind < 2; kind++) {
+        if (kind == 0) {
+            memset(s, 'a', big);
+        } else { /* random printable ASCII letters/punctuation without spaces: long regex pieces */
+            for (size_t i = 0; i < big; i++) s[i] = (char)('!' + k3_rng_u64(&rng) % 94);
+        }
+        size_t ids_small, ids_big;
+        double ts = time_encode(t, s, small, &ids_small), tb = time_encode(t, s, big, &ids_big);
+        double ratio = tb / (ts > 1e-4 ? ts : 1e-4);
+        printf("  %s %s: 256 KiB %.3fs, 1 MiB %.3fs (x%.1f), %.1f MB/s\n", label,
+               kind ? "random ASCII" : "'a' run", ts, tb, ratio, big / tb / 1e6);
+        K3_CHECK(ratio < 8.0, "%s: 4x input took %.1fx time (quadratic?)", label, ratio);
+        K3_CHECK(ids_big > ids_small && ids_small > 1000, "non-degenerate token counts");
+    }
+    free(s);
+}
+
+int main(void) {
+    snprintf(g_tmp, sizeof g_tmp, "/tmp/k3_test_tok_%d", (int)getpid());
+    mkdir(g_tmp, 0755);
+    test_hand_bpe();
+    test_load_errors();
+    char path[1024];
+    snprintf(path, sizeof path, "%s/vocab/o200k_base.tiktoken", k3_test_shared());
+    k3_tokenizer *t = NULL;
+    K3_CHECK_OK(k3_tok_create_tiktoken(&t, path, NULL, K3_TOK_K3_LAYOUT, NULL));
+    if (t) {
+        test_golden_pieces(t);
+        test_decode(t);
+        test_no_quadratic(t, "kimi-chunked");
+        k3_tok_destroy(t);
+    }
+    k3_tok_options raw = {.no_kimi_chunking = true};
+    K3_CHECK_OK(k3_tok_create_tiktoken(&t, path, NULL, K3_TOK_K3_LAYOUT, &raw));
+    if (t) {
+        test_no_quadratic(t, "unchunked");
+        k3_tok_destroy(t);
+    }
+    char cmd[600];
+    snprintf(cmd, sizeof cmd, "rm -rf %s", g_tmp);
+    if (system(cmd) != 0) fprintf(stderr, "could not remove %s\n", g_tmp);
+    return k3_test_done("tokenizer");
+}
