@@ -102,8 +102,8 @@ static k3_status ss_add2(strset *s, const uint8_t *a, int64_t na, const uint8_t 
         s->cap_bytes = cap;
     }
     uint8_t *dst = s->bytes + s->n_bytes;
-    memmove(dst, a, (size_t)na);
-    memmove(dst + na, b, (size_t)nb);
+    if (na) memmove(dst, a, (size_t)na);
+    if (nb) memmove(dst + na, b, (size_t)nb);
     int found = ss_find(s, dst, n);
     *added = found < 0;
     if (found >= 0) {

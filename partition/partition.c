@@ -431,22 +431,22 @@ void k3_plan_format(const k3_plan *p, const k3_config *c, char *buf, size_t cap)
     APPEND("plan: world %d = %d stage%s x %d lane%s, coordinator %s (rank 0), hash %016llx\n", p->world,
            p->n_stages, p->n_stages > 1 ? "s" : "", p->n_lanes, p->n_lanes > 1 ? "s" : "",
            p->coord == K3_COORD_DEDICATED ? "dedicated" : "shared", (unsigned long long)p->hash);
-    APPEND("  stage  layers     kinds (K=KDA M=MLA, lower=dense)        cost MB/token\n");
+    APPEND("  stage  layers     kinds (E=embed K=KDA M=MLA lower=dense H=head)  cost MB/token\n");
     for (int s = 0; s < p->n_stages; s++) {
         int lb = p->stage_begin[s], le = p->stage_begin[s + 1];
-        char kinds[48];
+        char kinds[64];
         int k = 0;
-        for (int l = lb; l < le && k < (int)sizeof kinds - 4; l++) {
+        if (s == 0) kinds[k++] = 'E', kinds[k++] = ' ';
+        for (int l = lb; l < le && k < 48; l++) {
             char ch = c->mixer[l] == K3_MIXER_KDA ? 'K' : 'M';
             kinds[k++] = k3_config_is_moe(c, l) ? ch : (char)tolower(ch);
         }
-        if (le - lb > (int)sizeof kinds - 4) kinds[k++] = '.', kinds[k++] = '.';
+        if (k >= 48) kinds[k++] = '.', kinds[k++] = '.';
+        if (s == p->n_stages - 1) kinds[k++] = ' ', kinds[k++] = 'H';
         kinds[k] = 0;
         char range[24];
         snprintf(range, sizeof range, "%d-%d", lb, le - 1);
-        APPEND("  %5d  %-9s  %s%s%-*s  %10.2f\n", s, range, s == 0 ? "E " : "", kinds,
-               s == p->n_stages - 1 ? 2 : 0, s == p->n_stages - 1 ? " H" : "",
-               p->stage_cost[s] / MB);
+        APPEND("  %5d  %-9s  %-39s  %12.2f\n", s, range, kinds, p->stage_cost[s] / MB);
     }
     APPEND("  rank  stage  lane  experts/MoE-layer  weights MB  caches MB  buffers MB\n");
     for (int r = 0; r < p->world; r++) {

@@ -722,13 +722,16 @@ static void test_permute(void) {
     K3_CHECK_ERR(k3_moe_permute(ex, n, own_c, E, R, counts, perm, inv, work), K3_ERR_ARG, "expert 3 has owner rank 5");
 }
 
-int main(void) {
+/* usage: test_experts [ref|cpu]  (default: both backends) */
+int main(int argc, char **argv) {
+    setvbuf(stdout, NULL, _IONBF, 0);
     printf("test_experts: seed %llu\n", (unsigned long long)SEED);
     test_select_ties();
     test_permute();
     const k3_ops *backends[2] = {k3_ops_ref(), k3_ops_cpu()};
     for (int b = 0; b < 2; b++) {
         const k3_ops *ops = backends[b];
+        if (argc > 1 && strcmp(argv[1], ops->backend) != 0) continue;
         test_route(ops);
         test_rows(ops, true);
         test_rows(ops, false);

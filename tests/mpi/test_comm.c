@@ -53,6 +53,7 @@ int main(int argc, char **argv) {
         k3_msg m;
         K3_CHECK_OK(k3_comm_try_recv(c, K3_ANY_RANK, K3_MSG_ACTIV, &m, &got));
         K3_CHECK(!got, "a message before anyone sent");
+        K3_CHECK_OK(k3_comm_barrier(c)); /* nobody sends before everyone has checked */
         int next = (rank + 1) % size, prev = (rank + size - 1) % size;
         for (int rep = 0; rep < 3; rep++) /* several in flight at once */
             K3_CHECK_OK(k3_comm_send(c, next, (k3_msg_hdr){.kind = K3_MSG_ACTIV, .T = T, .n_bank = nb, .D = D},
@@ -78,6 +79,12 @@ int main(int argc, char **argv) {
             if (rank == 0) MPI_Isend(junk, sizeof junk, MPI_BYTE, 1, K3_MSG_BATCH, MPI_COMM_WORLD, &rq);
             if (rank == 1) K3_CHECK_ERR(k3_comm_recv(c, 0, K3_MSG_BATCH, &m), K3_ERR_FORMAT, "from rank 0");
             if (rank == 0) MPI_Wait(&rq, MPI_STATUS_IGNORE);
+            /* a good header whose length disagrees with the bytes received */
+            k3_msg_hdr h = {.magic = K3_MSG_MAGIC, .version = K3_MSG_VERSION, .kind = K3_MSG_BATCH,
+                            .n_bytes = sizeof h + 8, .n_f32 = 2};
+            if (rank == 0) MPI_Isend(&h, sizeof h, MPI_BYTE, 1, K3_MSG_BATCH, MPI_COMM_WORLD, &rq);
+            if (rank == 1) K3_CHECK_ERR(k3_comm_recv(c, 0, K3_MSG_BATCH, &m), K3_ERR_FORMAT, "does not match the header");
+            if (rank == 0) MPI_Wait(&rq, MPI_STATUS_IGNORE);
         }
     }
 
@@ -87,7 +94,8 @@ int main(int argc, char **argv) {
         k3_rng_seed(&rng, seed * 7919 + (uint64_t)rank);
         const int X = 11, K = 3, W = 5;          /* experts, top-k, row width */
         int owner[11];
-        for (int x = 0; x < X; x++) owner[x] = (x * 7 + 3) % (E > 1 ? E - 1 : 1); /* lane E-1 owns nothing (E>1) */
+        /* E >= 3: lane E-1 owns nothing; E == 2: alternate so rows really get permuted */
+        for (int x = 0; x < X; x++) owner[x] = E >= 3 ? (x * 7 + 3) % (E - 1) : x % E;
         for (int round = 0; round < 4; round++) {
             int64_t T = (lane == 0 && round % 2 == 1) ? 0 : (int64_t)(1 + k3_rng_u64(&rng) % 9) + lane;
             int64_t n = T * K;
@@ -113,7 +121,7 @@ int main(int argc, char **argv) {
                 }
             }
             K3_CHECK(bad == 0, "round %d: %lld bad received rows/metadata", round, (long long)bad);
-            if (E > 1 && lane == E - 1) K3_CHECK(v.n_recv == 0, "lane %d owns nothing but got %lld rows", lane, (long long)v.n_recv);
+            if (E >= 3 && lane == E - 1) K3_CHECK(v.n_recv == 0, "lane %d owns nothing but got %lld rows", lane, (long long)v.n_recv);
             K3_CHECK_OK(k3_comm_combine(c, out));
             bad = 0;
             for (int64_t i = 0; i < n; i++)

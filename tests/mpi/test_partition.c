@@ -70,12 +70,12 @@ static k3_plan_req req_of(int world, int pp, int ep, k3_coord_mode m) {
     return r;
 }
 
-static void check_stages(const k3_config *c, const k3_plan *p, bool brute_ok) {
+static void check_stages(const k3_config *c, const k3_plan *p, int64_t ctx, bool brute_ok) {
     K3_CHECK(p->stage_begin[0] == 0 && p->stage_begin[p->n_stages] == c->n_layers, "stages cover the layers");
     for (int s = 0; s < p->n_stages; s++)
         K3_CHECK(p->stage_begin[s + 1] > p->stage_begin[s], "stage %d empty", s);
     double cost[K3_MAX_LAYERS], first, last;
-    k3_plan_layer_costs(c, 512, cost, &first, &last);
+    k3_plan_layer_costs(c, ctx, cost, &first, &last);
     double mx = 0;
     for (int s = 0; s < p->n_stages; s++) mx = p->stage_cost[s] > mx ? p->stage_cost[s] : mx;
     double opt = best_bottleneck(cost, c->n_layers, p->n_stages, first, last);
@@ -111,7 +111,7 @@ int main(void) {
                                                                .max_seqs_per_lane = 2, .max_tokens = 16},
                                          &p));
                 if (p.n_stages != S) continue;
-                if (k == 0 && m == 0) check_stages(&tiny, &p, true);
+                if (k == 0 && m == 0) check_stages(&tiny, &p, 512, true);
                 /* grid round trip */
                 for (int r = 0; r < world; r++) {
                     int s, e;
@@ -131,7 +131,7 @@ int main(void) {
         K3_CHECK_OK(k3_plan_make(&big, &(k3_plan_req){.world = S * 8, .pp = S, .ep = 8, .max_ctx = 4096,
                                                       .max_seqs_per_lane = 8, .max_tokens = 256},
                                  &p));
-        check_stages(&big, &p, false);
+        check_stages(&big, &p, 4096, false);
         if (S == 4) {
             char buf[8192];
             k3_plan_format(&p, &big, buf, sizeof buf);

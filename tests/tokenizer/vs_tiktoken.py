@@ -23,6 +23,7 @@ import os
 import random
 import subprocess
 import sys
+import tempfile
 import time
 
 try:
@@ -167,9 +168,10 @@ def gen_string(rng, n_base):
     return "".join(gen_piece(rng, n_base) + rng.choice(seps) for _ in range(n))
 
 
-def run_config(name, k3_bin, vocab_path, ranks, k3_pattern, tk_pat, kimi, seed, n_strings, long_runs):
+def run_config(name, k3_bin, vocab_path, ranks, k3_pattern, tk_pat, kimi, seed, n_strings, long_runs,
+               model_dir=None, specials=None, min_distinct=1000):
     n_base = max(ranks.values()) + 1
-    specials = k3_specials(n_base)
+    specials = specials or k3_specials(n_base)
     enc = tiktoken.Encoding(f"k3test_{name}", pat_str=tk_pat, mergeable_ranks=ranks,
                             special_tokens=specials)
     rng = random.Random(f"{seed}:{name}")
@@ -191,7 +193,8 @@ def run_config(name, k3_bin, vocab_path, ranks, k3_pattern, tk_pat, kimi, seed, 
     t0 = time.time()
     want = [ref_encode(enc, s, sp, kimi) for s, sp in cases]
     t_ref = time.time() - t0
-    args = [k3_bin, "tokenize", "--vocab", vocab_path, "--pattern", k3_pattern, "--jsonl"]
+    args = [k3_bin, "tokenize", "--pattern", k3_pattern, "--jsonl"]
+    args += ["--model", model_dir] if model_dir else ["--vocab", vocab_path]
     if not kimi:
         args.append("--no-kimi-chunking")
     stdin = "".join(json.dumps({"text": s, "special": sp}) + "\n" for s, sp in cases)
@@ -220,7 +223,7 @@ def run_config(name, k3_bin, vocab_path, ranks, k3_pattern, tk_pat, kimi, seed, 
     n_spec = sum(1 for w in want for x in w if x >= n_base)
     print(f"[{name}] {len(cases)} segments, {n_ids} ids ({distinct} distinct, {n_spec} special), "
           f"mismatches {bad}; tiktoken {t_ref:.2f}s, k3 (incl. start-up) {t_k3:.2f}s")
-    if distinct < 2000 or n_spec < 50:
+    if distinct < min_distinct or n_spec < 50:
         print(f"[{name}] corpus is degenerate")
         return False
     return bad == 0
@@ -245,6 +248,19 @@ def main():
     ok = True
     for name, path, ranks, kp, tp, kimi, long_runs in configs:
         ok &= run_config(name, k3_bin, path, ranks, kp, tp, kimi, seed, n, long_runs)
+    # A model directory from `k3 make-tiny` (its own BPE vocabulary + tokenizer_config.json):
+    # exercises --model, i.e. specials read from added_tokens_decoder.
+    with tempfile.TemporaryDirectory() as d:
+        p = subprocess.run([k3_bin, "make-tiny", d, "--preset", "tiny"], stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+        if p.returncode != 0:
+            print("[tiny-model] k3 make-tiny failed; cannot check --model:", p.stderr.decode(errors="replace")[-500:])
+            ok = False
+        else:
+            ranks = load_ranks(os.path.join(d, "tiktoken.model"))
+            cfg = json.load(open(os.path.join(d, "tokenizer_config.json")))
+            sp = {v["content"]: int(k) for k, v in cfg["added_tokens_decoder"].items()}
+            ok &= run_config("tiny-model+k3pat+kimi", k3_bin, None, ranks, "k3", K3_PAT, True, seed, n, True,
+                             model_dir=d, specials=sp, min_distinct=300)
     print("vs_tiktoken:", "PASS" if ok else "FAIL")
     return 0 if ok else 1
 

@@ -1,0 +1,51 @@
+/* rank — what one rank runs in a distributed `k3 run`: set-up (config, plan, hash agreement),
+ * partial loading of the rank's own tensors, the coordinator loop (rank 0) and the stage worker
+ * loop, the step scheduler (micro-batches of sequences, at least S in flight when there are
+ * enough sequences) and per-sequence state slots.
+ *
+ * Owns: the sequence -> lane assignment (sequence i on lane i % E, so lane e of every stage holds
+ * the caches of the same sequences), the micro-batch groups (group of sequence i =
+ * (i / E) % M, M = min(S, ceil(B / E))), the MoE exchange hook that routes rows through
+ * k3_comm_dispatch/combine, the sampling (greedy; ties -> lowest id), the logits dump and the
+ * JSON report. Must not: parse files or sockets beyond the model directory and the expert map,
+ * or call MPI directly (all traffic goes through comm/).
+ *
+ * Failure policy: an error every rank sees identically (bad flags, bad plan) makes every rank
+ * return 2 and only rank 0 prints it; any other error on a rank is logged as
+ * "rank R (stage S, lane E) failed: cause" and ends the whole job with MPI_Abort.
+ * Test hooks (opts.test_fail, from env K3_TEST_FAIL): "load:R" makes rank R fail while loading;
+ * "decode:R:N" makes rank R kill itself with SIGKILL when it starts its N-th forward step (a worker)
+ * or has received N logits messages (a dedicated coordinator). */
+#ifndef K3_RANK_H
+#define K3_RANK_H
+
+#include "k3_partition.h"
+
+typedef struct k3_rank_opts {
+    const char *model_dir;
+    int pp, ep;                    /* stages S, lanes E (world = S x E [+ 1 dedicated coordinator]) */
+    k3_coord_mode coord;
+    const char *expert_map_path;   /* NULL = contiguous expert ranges */
+    bool deterministic;            /* combine per (token, expert) row, owner sums in slot order */
+    double comm_timeout_s;         /* every blocking wait; <= 0 means 600 */
+    const int32_t *prompt_ids;     /* all prompts concatenated */
+    const int64_t *prompt_lens;    /* [n_prompts], each >= 1 */
+    int n_prompts;
+    int n_new;                     /* new tokens per prompt (greedy, no stop at EOS) */
+    int64_t chunk;                 /* prefill tokens per sequence per step; 0 = whole prompt */
+    const char *dump_logits;       /* .npy of every position's logits (prompts concatenated) or NULL */
+    bool json;                     /* one JSON object on stdout instead of text lines */
+    int n_threads;                 /* cpu threads per rank; <= 0: 1 when world > 1, else 0 (default) */
+    int kda_chunk;                 /* k3_stage_params.kda_chunk (0 = default) */
+    const char *test_fail;         /* K3_TEST_FAIL value or NULL (read by the caller, once) */
+} k3_rank_opts;
+
+/* Run the job on this rank. MPI must be initialised (a singleton world of 1 works). Returns the
+ * process exit code (0 ok, 2 usage error agreed by all ranks); other failures abort the job. */
+int k3_rank_run(const k3_rank_opts *o);
+
+/* Parse "1,2,3;4,5" (prompts separated by ';', ids by ',') into ids/lens (k3_alloc'd; free with
+ * k3_free). Errors name the prompt and the position. */
+k3_status k3_rank_parse_prompts(const char *text, int32_t **ids, int64_t **lens, int *n_prompts);
+
+#endif /* K3_RANK_H */

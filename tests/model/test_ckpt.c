@@ -1,0 +1,310 @@
+/* test_ckpt.c — make-tiny -> safetensors reader -> verify -> weights loader, determinism, and
+ * corrupt checkpoints (each must fail with a specific error naming the file and the tensor).
+ * Works in a fresh mkdtemp directory; corrupts copies, never the original. */
+#include <dirent.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <sys/stat.h>
+#include <unistd.h>
+
+#include "k3_model.h"
+#include "k3_mxfp4.h"
+#include "k3_test.h"
+
+static char root[256];
+
+static void sh(const char *fmt, const char *a, const char *b) {
+    char cmd[1024];
+    snprintf(cmd, sizeof cmd, fmt, a, b);
+    if (system(cmd) != 0) fprintf(stderr, "command failed: %s\n", cmd);
+}
+
+static bool same_file(const char *a, const char *b) {
+    char *x = NULL, *y = NULL;
+    size_t nx = 0, ny = 0;
+    if (k3_read_file(a, &x, &nx) != K3_OK || k3_read_file(b, &y, &ny) != K3_OK) {
+        k3_free(x);
+        return false;
+    }
+    bool same = nx == ny && memcmp(x, y, nx) == 0;
+    k3_free(x);
+    k3_free(y);
+    return same;
+}
+
+/* Replace the first `from` after `anchor` (same length) in a file. */
+static bool patch(const char *path, const char *anchor, const char *from, const char *to) {
+    char *t = NULL;
+    size_t n = 0;
+    if (k3_read_file(path, &t, &n) != K3_OK) return false;
+    char *a = anchor ? memmem(t, n, anchor, strlen(anchor)) : t;
+    char *f = a ? memmem(a, n - (size_t)(a - t), from, strlen(from)) : NULL;
+    bool ok = f && strlen(from) == strlen(to);
+    if (ok) {
+        memcpy(f, to, strlen(to));
+        FILE *o = fopen(path, "wb");
+        ok = o && fwrite(t, 1, n, o) == n;
+        if (o) fclose(o);
+    }
+    k3_free(t);
+    return ok;
+}
+
+static void write_st(const char *dir, const char *header, size_t data_bytes) {
+    char path[512];
+    mkdir(dir, 0755);
+    snprintf(path, sizeof path, "%s/model.safetensors", dir);
+    FILE *f = fopen(path, "wb");
+    uint64_t n = strlen(header);
+    uint8_t lb[8];
+    for (int i = 0; i < 8; i++) lb[i] = (uint8_t)(n >> (8 * i));
+    fwrite(lb, 1, 8, f);
+    fwrite(header, 1, n, f);
+    for (size_t i = 0; i < data_bytes; i++) fputc(0, f);
+    fclose(f);
+}
+
+static void write_len(const char *path, uint64_t n) {
+    FILE *f = fopen(path, "r+b");
+    uint8_t lb[8];
+    for (int i = 0; i < 8; i++) lb[i] = (uint8_t)(n >> (8 * i));
+    fwrite(lb, 1, 8, f);
+    fclose(f);
+}
+
+static bool odd_expert(void *ctx, int layer, int e) {
+    (void)ctx;
+    (void)layer;
+    return e % 2 == 1;
+}
+typedef struct prog { uint64_t last, total; int calls; bool monotonic; } prog;
+static void on_progress(void *ctx, uint64_t done, uint64_t total) {
+    prog *p = ctx;
+    p->monotonic = p->monotonic && done >= p->last;
+    p->last = done;
+    p->total = total;
+    p->calls++;
+}
+
+static void problem_count(void *ctx, const char *msg) {
+    char *buf = ctx;
+    size_t l = strlen(buf);
+    snprintf(buf + l, 4096 - l, "%s\n", msg);
+}
+
+static k3_status open_close(const char *dir) {
+    k3_ckpt *ck = NULL;
+    k3_status s = k3_ckpt_open(dir, &ck);
+    k3_ckpt_destroy(ck);
+    return s;
+}
+
+int main(void) {
+    snprintf(root, sizeof root, "/tmp/k3-model-test-XXXXXX");
+    if (!mkdtemp(root)) return 1;
+    char a[512], b[512], c2[512], pa[600], pb[600];
+    snprintf(a, sizeof a, "%s/a", root);
+    snprintf(b, sizeof b, "%s/b", root);
+    snprintf(c2, sizeof c2, "%s/c", root);
+    K3_CHECK_OK(k3_make_tiny(a, K3_PRESET_TINY, 1));
+    K3_CHECK_OK(k3_make_tiny(b, K3_PRESET_TINY, 1));
+    K3_CHECK_OK(k3_make_tiny(c2, K3_PRESET_TINY, 2));
+
+    /* determinism: same seed -> identical bytes; other seed -> other weights, same tokenizer */
+    static const char *files[] = {"config.json", "model.safetensors.index.json",
+                                  "model-00001-of-00003.safetensors",
+                                  "model-00002-of-00003.safetensors",
+                                  "model-00003-of-00003.safetensors", "tiktoken.model",
+                                  "tokenizer_config.json"};
+    for (size_t i = 0; i < K3_ARRAY_LEN(files); i++) {
+        snprintf(pa, sizeof pa, "%s/%s", a, files[i]);
+        snprintf(pb, sizeof pb, "%s/%s", b, files[i]);
+        K3_CHECK(same_file(pa, pb), "%s differs between two runs with seed 1", files[i]);
+        snprintf(pb, sizeof pb, "%s/%s", c2, files[i]);
+        bool weights = strstr(files[i], "model-") != NULL;
+        K3_CHECK(same_file(pa, pb) == !weights, "%s: seed 2 %s", files[i],
+                 weights ? "must change the weights" : "must keep the file");
+    }
+
+    /* config from the checkpoint == the tiny preset (A_log length 8 read from the header) */
+    k3_config cfg, want;
+    K3_CHECK_OK(k3_config_load(a, &cfg));
+    k3_preset_config(K3_PRESET_TINY, &want);
+    K3_CHECK(cfg.kda_a_log_len == 8, "A_log length %d", cfg.kda_a_log_len);
+    K3_CHECK(k3_config_hash(&cfg) == k3_config_hash(&want), "loaded config == tiny preset");
+
+    k3_ckpt *ck = NULL;
+    K3_CHECK_OK(k3_ckpt_open(a, &ck));
+    if (!ck) return k3_test_done("model_ckpt");
+    K3_CHECK(k3_ckpt_n_shards(ck) >= 3, "%d shards", k3_ckpt_n_shards(ck));
+    char probs[4096] = "";
+    K3_CHECK(k3_ckpt_verify(ck, &cfg, problem_count, probs) == 0, "verify: %s", probs);
+    K3_CHECK(k3_ckpt_n_tensors(ck) == k3_catalog(&cfg, NULL, 0), "tensor count");
+    /* F32 exactly where K3 has F32; the 6 tensors of an expert in one shard, contiguous */
+    int bad_dtype = 0, split = 0;
+    for (int64_t i = 0; i < k3_ckpt_n_tensors(ck); i++) {
+        const k3_ckpt_tensor *t = k3_ckpt_tensor_at(ck, i);
+        bool f32 = strstr(t->name, "conv1d.weight") || strstr(t->name, ".dt_bias") ||
+                   strstr(t->name, ".A_log") || strstr(t->name, "o_norm.weight") ||
+                   strstr(t->name, "e_score_correction_bias");
+        bool u8 = strstr(t->name, ".weight_packed") || strstr(t->name, ".weight_scale");
+        bad_dtype += (t->dtype == K3_DT_F32) != f32 || (t->dtype == K3_DT_U8) != u8 ||
+                     (!f32 && !u8 && t->dtype != K3_DT_BF16);
+        const char *w1 = strstr(t->name, ".w1.weight_packed");
+        if (w1) {
+            char nm[200];
+            const k3_ckpt_tensor *prev = t;
+            static const char *parts[] = {"w1.weight_scale", "w2.weight_packed", "w2.weight_scale",
+                                          "w3.weight_packed", "w3.weight_scale"};
+            for (int k = 0; k < 5; k++) {
+                snprintf(nm, sizeof nm, "%.*s.%s", (int)(w1 - t->name), t->name, parts[k]);
+                const k3_ckpt_tensor *u = k3_ckpt_find(ck, nm);
+                split += !u || u->shard != t->shard || u->offset != prev->offset + prev->n_bytes;
+                if (u) prev = u;
+            }
+        }
+    }
+    K3_CHECK(bad_dtype == 0, "%d tensors with a dtype K3 does not use there", bad_dtype);
+    K3_CHECK(split == 0, "%d expert parts not contiguous in one shard", split);
+    const k3_ckpt_tensor *alog = k3_ckpt_find(ck, "language_model.model.layers.0.self_attn.A_log");
+    K3_CHECK(alog && alog->n_bytes == 32, "A_log [8] F32");
+    if (alog) {
+        float v[8];
+        K3_CHECK_OK(k3_ckpt_read(ck, alog, v));
+        K3_CHECK(v[0] > 0 && v[3] <= logf(16.0f) && v[4] == 0 && v[7] == 0, "A_log = log U[1,16], zero-padded");
+    }
+
+    /* full load */
+    k3_load_sel all = {.layer_begin = 0, .layer_end = cfg.n_layers, .embed = true, .head = true};
+    prog pg = {0, 0, 0, true};
+    all.progress = on_progress;
+    all.ctx = &pg;
+    k3_weights *w = NULL;
+    uint64_t r0 = k3_ckpt_bytes_read(ck);
+    K3_CHECK_OK(k3_weights_load(ck, &cfg, &all, &w));
+    uint64_t full_read = k3_ckpt_bytes_read(ck) - r0;
+    K3_CHECK(pg.monotonic && pg.calls > 100 && pg.last == pg.total && pg.total == full_read,
+             "progress %llu/%llu in %d calls", (unsigned long long)pg.last,
+             (unsigned long long)pg.total, pg.calls);
+    if (w) {
+        const k3_weights_view *v = k3_weights_get(w);
+        K3_CHECK(v->embed.dtype == K3_DT_BF16 && v->embed.shape[0] == 4096 && v->lm_head.data, "embed/head");
+        const k3_layer_w *l1 = &v->layers[1], *l0 = &v->layers[0], *l3 = &v->layers[3];
+        K3_CHECK(l1->present && l1->experts && l1->experts[5].w2.dtype == K3_DT_MXFP4 &&
+                 l1->experts[5].w2.shape[0] == 96 && l1->experts[5].w2.shape[1] == 64 &&
+                 l1->experts[5].w2.scale && l1->experts[5].w1.shape[1] == 96, "MXFP4 expert tensors");
+        K3_CHECK(l0->experts == NULL && l0->gate_proj.data && l0->q_conv.dtype == K3_DT_F32 &&
+                 l3->q_a_proj.data && l3->g_proj.shape[0] == 64 && l3->q_proj.data == NULL, "layer fields");
+        /* the fused score equals bf16(norm) * bf16(proj), read independently */
+        const k3_ckpt_tensor *tn = k3_ckpt_find(ck, "language_model.model.layers.2.mlp_res_norm.weight");
+        const k3_ckpt_tensor *tp = k3_ckpt_find(ck, "language_model.model.layers.2.mlp_res_proj.weight");
+        uint16_t nb[128], pb2[128];
+        K3_CHECK_OK(k3_ckpt_read(ck, tn, nb));
+        K3_CHECK_OK(k3_ckpt_read(ck, tp, pb2));
+        const float *s = v->layers[2].mlp_res_score.data;
+        int mism = 0, nz = 0;
+        for (int d = 0; d < 128; d++) {
+            mism += s[d] != k3_bf16_to_f32(nb[d]) * k3_bf16_to_f32(pb2[d]);
+            nz += s[d] != 0;
+        }
+        K3_CHECK(mism == 0 && nz > 100 && v->layers[2].mlp_res_score.dtype == K3_DT_F32, "fused score");
+        K3_CHECK(v->out_res_score.data != NULL, "output AttnRes score");
+        /* the loaded expert decodes to O(0.01-0.1) weights: not degenerate */
+        float row[96];
+        k3_mxfp4_decode_row(l1->experts[5].w1.data, l1->experts[5].w1.scale, 96, row);
+        double ss = 0;
+        for (int i = 0; i < 96; i++) ss += (double)row[i] * row[i];
+        K3_CHECK(ss > 96 * 1e-5 && ss < 96 * 1.0, "expert row RMS %g", sqrt(ss / 96));
+    }
+    k3_weights_destroy(w);
+
+    /* partial: layers [2, 5), odd experts, no embedding or head */
+    k3_load_sel part = {.layer_begin = 2, .layer_end = 5, .expert_owned = odd_expert};
+    r0 = k3_ckpt_bytes_read(ck);
+    K3_CHECK_OK(k3_weights_load(ck, &cfg, &part, &w));
+    uint64_t part_read = k3_ckpt_bytes_read(ck) - r0;
+    K3_CHECK(part_read > 0 && part_read < full_read / 2, "partial read %llu of %llu",
+             (unsigned long long)part_read, (unsigned long long)full_read);
+    if (w) {
+        const k3_weights_view *v = k3_weights_get(w);
+        K3_CHECK(!v->layers[1].present && v->layers[2].present && !v->layers[5].present &&
+                 v->embed.data == NULL && v->lm_head.data == NULL, "selection of layers");
+        K3_CHECK(v->layers[2].experts[3].w1.data && !v->layers[2].experts[2].w1.data, "odd experts only");
+    }
+    k3_weights_destroy(w);
+    k3_ckpt_destroy(ck);
+
+    /* ---- corrupt checkpoints (copies of a) ---- */
+    char d[600], f[700];
+    /* 1. truncated shard */
+    snprintf(d, sizeof d, "%s/trunc", root);
+    sh("cp -r %s %s", a, d);
+    snprintf(f, sizeof f, "%s/model-00002-of-00003.safetensors", d);
+    sh("truncate -s 900000 %s%s", f, "");
+    K3_CHECK_ERR(open_close(d), K3_ERR_FORMAT, "model-00002-of-00003.safetensors: tensor language_model.");
+    K3_CHECK(strstr(k3_last_error(), "run past the end") != NULL, "%s", k3_last_error());
+    /* 2. header length past the end */
+    snprintf(f, sizeof f, "%s/model-00001-of-00003.safetensors", d);
+    write_len(f, 5000000);
+    K3_CHECK_ERR(open_close(d), K3_ERR_FORMAT, "model-00001-of-00003.safetensors: header length 5000000 runs past the end");
+    write_len(f, 200ull << 20);
+    K3_CHECK_ERR(open_close(d), K3_ERR_FORMAT, "exceeds the 104857600-byte limit");
+    /* 3. invalid JSON */
+    snprintf(d, sizeof d, "%s/json", root);
+    sh("cp -r %s %s", a, d);
+    snprintf(f, sizeof f, "%s/model-00003-of-00003.safetensors", d);
+    K3_CHECK(patch(f, NULL, "{\"__metadata__\"", "[\"__metadata__\""), "patch");
+    K3_CHECK_ERR(open_close(d), K3_ERR_FORMAT, "model-00003-of-00003.safetensors: the header is not valid JSON");
+    /* 4. missing shard */
+    snprintf(d, sizeof d, "%s/noshard", root);
+    sh("cp -r %s %s", a, d);
+    sh("rm %s/model-00002-of-00003.safetensors%s", d, "");
+    K3_CHECK_ERR(open_close(d), K3_ERR_MISSING, "model-00002-of-00003.safetensors: cannot open shard listed in model.safetensors.index.json");
+    /* 5. index entry pointing to a shard that lacks the tensor */
+    snprintf(d, sizeof d, "%s/index", root);
+    sh("cp -r %s %s", a, d);
+    snprintf(f, sizeof f, "%s/model.safetensors.index.json", d);
+    K3_CHECK(patch(f, "\"language_model.lm_head.weight\"", "model-00003", "model-00001"), "patch");
+    K3_CHECK_ERR(open_close(d), K3_ERR_MISSING, "tensor language_model.lm_head.weight is mapped to model-00001-of-00003.safetensors, which does not contain it");
+    /* 6. missing tensor (renamed in both header and index): verify and load name it */
+    snprintf(d, sizeof d, "%s/missing", root);
+    sh("cp -r %s %s", a, d);
+    snprintf(f, sizeof f, "%s/model-00001-of-00003.safetensors", d);
+    K3_CHECK(patch(f, "layers.0.self_attn.A_log", "A_log", "A_lof"), "patch");
+    snprintf(f, sizeof f, "%s/model.safetensors.index.json", d);
+    K3_CHECK(patch(f, "layers.0.self_attn.A_log", "A_log", "A_lof"), "patch");
+    /* 7. wrong dtype (F32 -> I32, same size) and wrong shape ([32,128] -> [128,32]) */
+    snprintf(f, sizeof f, "%s/model-00001-of-00003.safetensors", d);
+    K3_CHECK(patch(f, "layers.1.self_attn.dt_bias", "\"F32\"", "\"I32\""), "patch");
+    K3_CHECK(patch(f, "layers.1.self_attn.f_a_proj.weight", "[32,128]", "[128,32]"), "patch");
+    K3_CHECK_OK(k3_ckpt_open(d, &ck));
+    if (ck) {
+        probs[0] = 0;
+        K3_CHECK(k3_ckpt_verify(ck, &cfg, problem_count, probs) == 4, "4 problems: %s", probs);
+        K3_CHECK(strstr(probs, "missing tensor language_model.model.layers.0.self_attn.A_log ") &&
+                 strstr(probs, "unexpected tensor language_model.model.layers.0.self_attn.A_lof") &&
+                 strstr(probs, "tensor language_model.model.layers.1.self_attn.dt_bias is I32 [128], expected F32 [128]") &&
+                 strstr(probs, "f_a_proj.weight is BF16 [128, 32], expected BF16 [32, 128]"), "%s", probs);
+        K3_CHECK_ERR(k3_weights_load(ck, &cfg, &all, &w), K3_ERR_MISSING, "checkpoint lacks tensor language_model.model.layers.0.self_attn.A_log");
+        k3_load_sel l1 = {.layer_begin = 1, .layer_end = 2};
+        K3_CHECK_ERR(k3_weights_load(ck, &cfg, &l1, &w), K3_ERR_SHAPE, "tensor language_model.model.layers.1.self_attn.f_a_proj.weight");
+        k3_ckpt_destroy(ck);
+    }
+    /* 8. hand-made single files: overlap, span mismatch, unknown dtype */
+    snprintf(d, sizeof d, "%s/overlap", root);
+    write_st(d, "{\"x.a\":{\"dtype\":\"F32\",\"shape\":[4],\"data_offsets\":[0,16]},"
+                "\"x.b\":{\"dtype\":\"F32\",\"shape\":[4],\"data_offsets\":[8,24]}}", 24);
+    K3_CHECK_ERR(open_close(d), K3_ERR_FORMAT, "overlap/model.safetensors: tensors x.a and x.b overlap");
+    snprintf(d, sizeof d, "%s/span", root);
+    write_st(d, "{\"x.a\":{\"dtype\":\"BF16\",\"shape\":[4,3],\"data_offsets\":[0,16]}}", 16);
+    K3_CHECK_ERR(open_close(d), K3_ERR_FORMAT, "tensor x.a: data_offsets span 16 bytes but shape x BF16 needs 24");
+    snprintf(d, sizeof d, "%s/dtype", root);
+    write_st(d, "{\"x.a\":{\"dtype\":\"Q4\",\"shape\":[4],\"data_offsets\":[0,2]}}", 2);
+    K3_CHECK_ERR(open_close(d), K3_ERR_FORMAT, "tensor x.a: unknown dtype 'Q4'");
+    snprintf(d, sizeof d, "%s/empty", root);
+    mkdir(d, 0755);
+    K3_CHECK_ERR(open_close(d), K3_ERR_MISSING, "no model.safetensors.index.json or model.safetensors");
+
+    sh("rm -rf %s%s", root, "");
+    return k3_test_done("model_ckpt");
+}
