@@ -39,18 +39,18 @@ typedef struct k3_logit_bias {
 } k3_logit_bias;
 
 typedef struct k3_sampler_params {
-    float temperature;          /* 0 = greedy; must be >= 0 and finite                      */
-    int32_t top_k;              /* 0 = off                                                   */
-    float top_p;                /* (0, 1]; 1 = off. 0 in a zeroed struct is read as 1 (off)  */
-    float min_p;                /* [0, 1]; 0 = off                                           */
-    float repetition_penalty;   /* > 0; 1 = off. 0 in a zeroed struct is read as 1 (off)     */
-    float presence_penalty;     /* OpenAI range [-2, 2]; 0 = off                            */
-    float frequency_penalty;    /* OpenAI range [-2, 2]; 0 = off                            */
-    int32_t penalty_last_n;     /* > 0: window of the last n accepted ids; <= 0: all of them */
+    float temperature;               /* 0 = greedy; must be >= 0 and finite                      */
+    int32_t top_k;                   /* 0 = off                                                   */
+    float top_p;                     /* (0, 1]; 1 = off. 0 in a zeroed struct is read as 1 (off)  */
+    float min_p;                     /* [0, 1]; 0 = off                                           */
+    float repetition_penalty;        /* > 0; 1 = off. 0 in a zeroed struct is read as 1 (off)     */
+    float presence_penalty;          /* OpenAI range [-2, 2]; 0 = off                            */
+    float frequency_penalty;         /* OpenAI range [-2, 2]; 0 = off                            */
+    int32_t penalty_last_n;          /* > 0: window of the last n accepted ids; <= 0: all of them */
     const k3_logit_bias *logit_bias; /* (n_logit_bias) copied at create                      */
     size_t n_logit_bias;
     uint64_t seed;
-    const int32_t *stop_ids;    /* (n_stop_ids) copied                                       */
+    const int32_t *stop_ids; /* (n_stop_ids) copied                                       */
     size_t n_stop_ids;
     const char *const *stop_strings; /* (n_stop_strings) NUL-terminated UTF-8, copied        */
     size_t n_stop_strings;
@@ -78,8 +78,8 @@ typedef enum k3_stop_kind {
 } k3_stop_kind;
 
 /* Record a generated id: penalty history, stop ids, detokenize, stop strings. Text safe to show is
- * APPENDED to `emit` (may be NULL when tok is NULL). After a stop, further accepts are K3_ERR_STATE.
- * On K3_STOP_ID the held text (if any) is flushed to `emit` first. */
+ * APPENDED to `emit` (may be NULL when tok is NULL). After a stop, further accepts are
+ * K3_ERR_STATE. On K3_STOP_ID the held text (if any) is flushed to `emit` first. */
 k3_status k3_sampler_accept(k3_sampler *s, int32_t id, k3_tok_bytes *emit, k3_stop_kind *stop);
 /* Add prompt ids to the penalty history only (no text, no stop checks). */
 k3_status k3_sampler_accept_prompt(k3_sampler *s, const int32_t *ids, size_t n);

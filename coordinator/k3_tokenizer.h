@@ -69,8 +69,8 @@ k3_status k3_tok_create_model_dir(k3_tokenizer **out, const char *dir,
 void k3_tok_destroy(k3_tokenizer *t);
 
 /* ---- queries -------------------------------------------------------------------------- */
-int64_t k3_tok_n_vocab(const k3_tokenizer *t);  /* max(id) + 1 over ranks and specials */
-int64_t k3_tok_n_ranks(const k3_tokenizer *t);  /* max rank + 1 */
+int64_t k3_tok_n_vocab(const k3_tokenizer *t); /* max(id) + 1 over ranks and specials */
+int64_t k3_tok_n_ranks(const k3_tokenizer *t); /* max rank + 1 */
 /* Id of a special token by content ("<|open|>"); -1 if the tokenizer has none. */
 int32_t k3_tok_special_id(const k3_tokenizer *t, const char *content);
 bool k3_tok_is_special(const k3_tokenizer *t, int32_t id);
@@ -105,7 +105,8 @@ k3_status k3_tok_bytes_append(k3_tok_bytes *b, const char *p, size_t n);
 /* ---- encoding -------------------------------------------------------------------------- */
 /* Encode `text` and APPEND the ids to `out`. allow_special = true: every special string (longest
  * match at each position) becomes its id and the text between is BPE'd (tiktoken
- * allowed_special="all"). allow_special = false: specials are plain text (disallowed_special=()). */
+ * allowed_special="all"). allow_special = false: specials are plain text (disallowed_special=()).
+ */
 k3_status k3_tok_encode(const k3_tokenizer *t, const char *text, size_t n_bytes, bool allow_special,
                         k3_tok_ids *out);
 
@@ -126,7 +127,8 @@ k3_status k3_tok_split(const k3_tokenizer *t, const char *text, size_t n_bytes, 
 
 /* ---- decoding -------------------------------------------------------------------------- */
 /* Raw bytes of the ids, appended (may be invalid UTF-8 if the ids split a character). */
-k3_status k3_tok_decode_bytes(const k3_tokenizer *t, const int32_t *ids, size_t n, k3_tok_bytes *out);
+k3_status k3_tok_decode_bytes(const k3_tokenizer *t, const int32_t *ids, size_t n,
+                              k3_tok_bytes *out);
 /* UTF-8 text of the ids, appended: invalid sequences become U+FFFD exactly like Python's
  * bytes.decode("utf-8", errors="replace") (one U+FFFD per maximal invalid subpart). */
 k3_status k3_tok_decode(const k3_tokenizer *t, const int32_t *ids, size_t n, k3_tok_bytes *out);
@@ -141,7 +143,8 @@ typedef struct k3_tok_stream k3_tok_stream;
 k3_status k3_tok_stream_create(k3_tok_stream **out, const k3_tokenizer *t);
 void k3_tok_stream_destroy(k3_tok_stream *s);
 k3_status k3_tok_stream_push(k3_tok_stream *s, int32_t id, k3_tok_bytes *out);
-k3_status k3_tok_stream_push_bytes(k3_tok_stream *s, const char *bytes, size_t n, k3_tok_bytes *out);
+k3_status k3_tok_stream_push_bytes(k3_tok_stream *s, const char *bytes, size_t n,
+                                   k3_tok_bytes *out);
 k3_status k3_tok_stream_finish(k3_tok_stream *s, k3_tok_bytes *out);
 void k3_tok_stream_reset(k3_tok_stream *s);
 

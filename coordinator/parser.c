@@ -31,7 +31,7 @@ typedef struct pcall {
     k3_chat_buf args;  /* function.arguments as built so far */
     size_t n_args_sent;
     bool header_sent;
-    bool complete, dropped;
+    bool complete;             /* its <|close|>call<|sep|> arrived */
     bool has_args, json_block; /* arguments seen / a raw json block is the body */
     const k3_chat_json *props; /* parameters.properties of the matching tool, or NULL */
 } pcall;
@@ -143,7 +143,7 @@ static k3_status utf8_feed(k3_parser *p, const char *bytes, size_t n, k3_chat_bu
         int r = utf8_check(s + i, n - i);
         if (r > 0) { i += (size_t)r; continue; }
         K3_TRY(k3_chat_buf_put(sink, s + run, i - run));
-        if (0) {
+        if (r == 0) { /* hold the incomplete tail */
             p->n_pend = (int)(n - i);
             memcpy(p->pend, s + i, n - i);
             return K3_OK;
@@ -203,7 +203,7 @@ static const k3_chat_json *tool_props(const k3_parser *p, const char *name) {
 
 static k3_status open_call(k3_parser *p, const char *name) {
     pcall *c = cur_call(p);
-    if (c && !c->complete) c->dropped = true; /* a call opened before the previous closed */
+    /* A call opened before the previous closed: the previous stays incomplete (dropped). */
     if (p->n_calls == p->cap_calls) {
         size_t cap = p->cap_calls ? p->cap_calls * 2 : 4;
         pcall *v = realloc(p->calls, cap * sizeof *v);
@@ -335,11 +335,6 @@ static k3_status commit_call(k3_parser *p) {
     return K3_OK;
 }
 
-static void drop_call(k3_parser *p) {
-    pcall *c = cur_call(p);
-    if (c && !c->complete) c->dropped = true;
-}
-
 /* ---- headers and the state machine ---------------------------------------------------- */
 /* Attribute value for `name` in a header (`name attr="v" ...`), unescaped (&quot; first, then
  * &amp;) into `out`. Attribute names follow [A-Za-z_][\w.:-]*. Returns false if absent. */
@@ -447,8 +442,7 @@ static k3_status on_close(k3_parser *p, const char *h, size_t n) {
 #define IS(t) tag_is(h, nl, t)
     p->any_body = true;
     if (IS("message") && p->st != ST_END) { /* the message is over whatever state we were in */
-        drop_call(p);
-        p->st = ST_DONE;
+        p->st = ST_DONE; /* an unclosed call stays incomplete: left out */
         return K3_OK;
     }
     switch (p->st) {
@@ -470,7 +464,7 @@ static k3_status on_close(k3_parser *p, const char *h, size_t n) {
             if (p->st == ST_ARG) K3_TRY(close_arg(p));
             K3_TRY(commit_call(p));
             p->st = ST_TOOLS;
-        } else if (IS("tools")) { drop_call(p); p->st = ST_AFTER_TOOLS; }
+        } else if (IS("tools")) p->st = ST_AFTER_TOOLS; /* unclosed call left out */
         return K3_OK;
     default: return K3_OK;
     }
@@ -536,7 +530,6 @@ k3_status k3_parser_feed_marker(k3_parser *p, k3_parser_marker m) {
     }
     case K3_MARK_EOM:
     case K3_MARK_STOP:
-        drop_call(p);
         p->hdr = HDR_NONE;
         p->st = ST_END;
         p->ended = true;
@@ -569,7 +562,7 @@ k3_status k3_parser_feed_ids(k3_parser *p, const k3_tokenizer *t, const int32_t 
 k3_status k3_parser_finish(k3_parser *p) {
     if (p->finished) return K3_OK;
     if (p->hdr == HDR_NONE) K3_TRY(flush_pending(p));
-    drop_call(p); /* truncated inside a call: never invent a closing bracket */
+    /* truncated inside a call: it stays incomplete (never invent a closing bracket) */
     p->finished = true;
     return K3_OK;
 }
@@ -577,7 +570,7 @@ k3_status k3_parser_finish(k3_parser *p) {
 /* ---- output ------------------------------------------------------------------------- */
 static size_t complete_calls(k3_parser *p) {
     size_t n = 0;
-    for (size_t i = 0; i < p->n_calls; i++) n += p->calls[i].complete && !p->calls[i].dropped;
+    for (size_t i = 0; i < p->n_calls; i++) n += p->calls[i].complete;
     return n;
 }
 
@@ -593,7 +586,7 @@ k3_status k3_parser_message_view(k3_parser *p, k3_parser_message *out) {
     if (!p->view) return K3_ERR(K3_ERR_NOMEM, "out of memory building a message view");
     for (size_t i = 0; i < p->n_calls; i++) {
         pcall *c = &p->calls[i];
-        if (!c->complete || c->dropped) continue;
+        if (!c->complete) continue;
         p->view[out->n_calls++] = (k3_parser_call){c->id, c->name, c->args.p ? c->args.p : "", c->args.n};
     }
     out->calls = p->view;

@@ -14,28 +14,28 @@
 #include <stdlib.h>
 
 typedef struct cand {
-    float v;    /* logit, then unnormalised probability */
+    float v; /* logit, then unnormalised probability */
     int32_t id;
 } cand;
 
 struct k3_sampler {
-    k3_sampler_params p;        /* copies: logit_bias, stop_ids, stop_strings point into this object */
+    k3_sampler_params p; /* copies: logit_bias, stop_ids, stop_strings point into this object */
     int64_t n_vocab;
     const k3_tokenizer *tok;
     k3_rng rng;
-    float *work;                /* (n_vocab) logits after bias + penalties */
-    cand *cands;                /* (n_vocab) */
-    int32_t *count;             /* (n_vocab) occurrences in the penalty window */
-    int32_t *distinct;          /* (n_vocab) ids whose count may be > 0 (compacted lazily) */
+    float *work;       /* (n_vocab) logits after bias + penalties */
+    cand *cands;       /* (n_vocab) */
+    int32_t *count;    /* (n_vocab) occurrences in the penalty window */
+    int32_t *distinct; /* (n_vocab) ids whose count may be > 0 (compacted lazily) */
     int64_t n_distinct;
-    int32_t *ring;              /* (penalty_last_n) the window, when bounded */
+    int32_t *ring; /* (penalty_last_n) the window, when bounded */
     int64_t ring_pos, ring_fill;
-    k3_logit_bias *bias;        /* (n_logit_bias) */
-    int32_t *stop_ids;          /* (n_stop_ids) */
-    char **stop_strings;        /* (n_stop_strings) */
-    size_t *stop_len;           /* (n_stop_strings) */
+    k3_logit_bias *bias; /* (n_logit_bias) */
+    int32_t *stop_ids;   /* (n_stop_ids) */
+    char **stop_strings; /* (n_stop_strings) */
+    size_t *stop_len;    /* (n_stop_strings) */
     k3_tok_stream *stream;
-    k3_tok_bytes pending;       /* decoded text not yet emitted (a possible stop-string prefix) */
+    k3_tok_bytes pending; /* decoded text not yet emitted (a possible stop-string prefix) */
     bool stopped;
     int matched_stop;
 };
@@ -59,16 +59,19 @@ void k3_sampler_destroy(k3_sampler *s) {
 }
 
 static k3_status validate(const k3_sampler_params *p, int64_t n_vocab, const k3_tokenizer *tok) {
-    if (n_vocab <= 0 || n_vocab > INT32_MAX) return K3_ERR(K3_ERR_ARG, "sampler: n_vocab %lld invalid", (long long)n_vocab);
+    if (n_vocab <= 0 || n_vocab > INT32_MAX)
+        return K3_ERR(K3_ERR_ARG, "sampler: n_vocab %lld invalid", (long long)n_vocab);
     if (!(p->temperature >= 0) || !isfinite(p->temperature))
-        return K3_ERR(K3_ERR_ARG, "sampler: temperature %g must be finite and >= 0", p->temperature);
+        return K3_ERR(K3_ERR_ARG, "sampler: temperature %g must be finite and >= 0",
+                      p->temperature);
     if (p->top_k < 0) return K3_ERR(K3_ERR_ARG, "sampler: top_k %d must be >= 0", p->top_k);
     if (!(p->top_p >= 0 && p->top_p <= 1))
         return K3_ERR(K3_ERR_ARG, "sampler: top_p %g must be in (0, 1]", p->top_p);
     if (!(p->min_p >= 0 && p->min_p <= 1))
         return K3_ERR(K3_ERR_ARG, "sampler: min_p %g must be in [0, 1]", p->min_p);
     if (!(p->repetition_penalty >= 0) || !isfinite(p->repetition_penalty))
-        return K3_ERR(K3_ERR_ARG, "sampler: repetition_penalty %g must be > 0", p->repetition_penalty);
+        return K3_ERR(K3_ERR_ARG, "sampler: repetition_penalty %g must be > 0",
+                      p->repetition_penalty);
     if (!isfinite(p->presence_penalty) || !isfinite(p->frequency_penalty))
         return K3_ERR(K3_ERR_ARG, "sampler: presence/frequency penalties must be finite");
     for (size_t i = 0; i < p->n_logit_bias; i++) {
@@ -76,12 +79,13 @@ static k3_status validate(const k3_sampler_params *p, int64_t n_vocab, const k3_
             return K3_ERR(K3_ERR_ARG, "sampler: logit_bias id %d outside the vocabulary (%lld)",
                           p->logit_bias[i].id, (long long)n_vocab);
         if (!isfinite(p->logit_bias[i].bias))
-            return K3_ERR(K3_ERR_ARG, "sampler: logit_bias for id %d is not finite", p->logit_bias[i].id);
+            return K3_ERR(K3_ERR_ARG, "sampler: logit_bias for id %d is not finite",
+                          p->logit_bias[i].id);
     }
     for (size_t i = 0; i < p->n_stop_ids; i++)
         if (p->stop_ids[i] < 0 || p->stop_ids[i] >= n_vocab)
-            return K3_ERR(K3_ERR_ARG, "sampler: stop id %d outside the vocabulary (%lld)", p->stop_ids[i],
-                          (long long)n_vocab);
+            return K3_ERR(K3_ERR_ARG, "sampler: stop id %d outside the vocabulary (%lld)",
+                          p->stop_ids[i], (long long)n_vocab);
     if (p->n_stop_strings && !tok)
         return K3_ERR(K3_ERR_ARG, "sampler: stop strings need a tokenizer to decode the text");
     for (size_t i = 0; i < p->n_stop_strings; i++)
@@ -111,8 +115,9 @@ k3_status k3_sampler_create(k3_sampler **out, const k3_sampler_params *params, i
     s->stop_ids = malloc((s->p.n_stop_ids + 1) * sizeof *s->stop_ids);
     s->stop_strings = calloc(s->p.n_stop_strings + 1, sizeof *s->stop_strings);
     s->stop_len = calloc(s->p.n_stop_strings + 1, sizeof *s->stop_len);
-    bool ok = s->work && s->cands && s->count && s->distinct && (s->p.penalty_last_n <= 0 || s->ring) &&
-              s->bias && s->stop_ids && s->stop_strings && s->stop_len;
+    bool ok = s->work && s->cands && s->count && s->distinct &&
+              (s->p.penalty_last_n <= 0 || s->ring) && s->bias && s->stop_ids && s->stop_strings &&
+              s->stop_len;
     for (size_t i = 0; ok && i < s->p.n_stop_strings; i++) {
         s->stop_strings[i] = strdup(params->stop_strings[i]);
         s->stop_len[i] = strlen(params->stop_strings[i]);
@@ -124,7 +129,8 @@ k3_status k3_sampler_create(k3_sampler **out, const k3_sampler_params *params, i
         return K3_ERR(K3_ERR_NOMEM, "sampler work arrays for %lld ids", (long long)n_vocab);
     }
     if (s->p.n_logit_bias) memcpy(s->bias, params->logit_bias, s->p.n_logit_bias * sizeof *s->bias);
-    if (s->p.n_stop_ids) memcpy(s->stop_ids, params->stop_ids, s->p.n_stop_ids * sizeof *s->stop_ids);
+    if (s->p.n_stop_ids)
+        memcpy(s->stop_ids, params->stop_ids, s->p.n_stop_ids * sizeof *s->stop_ids);
     s->p.logit_bias = s->bias;
     s->p.stop_ids = s->stop_ids;
     s->p.stop_strings = (const char *const *)s->stop_strings;
@@ -148,7 +154,8 @@ void k3_sampler_reset(k3_sampler *s, uint64_t seed) {
 k3_status k3_sampler_process_logits(k3_sampler *s, const float *logits, float *out) {
     memcpy(out, logits, (size_t)s->n_vocab * sizeof *out);
     for (size_t i = 0; i < s->p.n_logit_bias; i++) out[s->bias[i].id] += s->bias[i].bias;
-    const float rep = s->p.repetition_penalty, fr = s->p.frequency_penalty, pr = s->p.presence_penalty;
+    const float rep = s->p.repetition_penalty, fr = s->p.frequency_penalty,
+                pr = s->p.presence_penalty;
     if (rep == 1 && fr == 0 && pr == 0) return K3_OK;
     int64_t k = 0;
     for (int64_t i = 0; i < s->n_distinct; i++) { /* compacts ids whose count fell to 0 */
@@ -172,7 +179,9 @@ static int cmp_cand_desc(const void *a, const void *b) {
 }
 
 /* "a ranks below b" for the top-k min-heap: smaller value, or equal value and larger id. */
-static inline bool cand_worse(cand a, cand b) { return a.v < b.v || (a.v == b.v && a.id > b.id); }
+static inline bool cand_worse(cand a, cand b) {
+    return a.v < b.v || (a.v == b.v && a.id > b.id);
+}
 
 static void heap_sift_down(cand *h, int64_t n, int64_t i) {
     cand x = h[i];
@@ -195,7 +204,8 @@ static k3_status build_dist(k3_sampler *s, const float *logits, int64_t *n_out, 
     const int64_t n = s->n_vocab;
     cand *c = s->cands;
     for (int64_t i = 0; i < n; i++)
-        if (isnan(w[i])) return K3_ERR(K3_ERR_ARG, "sampler: logit of id %lld is NaN", (long long)i);
+        if (isnan(w[i]))
+            return K3_ERR(K3_ERR_ARG, "sampler: logit of id %lld is NaN", (long long)i);
     if (s->p.temperature == 0) { /* greedy */
         int64_t best = 0;
         for (int64_t i = 1; i < n; i++)
@@ -317,8 +327,10 @@ k3_status k3_sampler_sample(k3_sampler *s, const float *logits, int32_t *out_id)
 static void history_add(k3_sampler *s, int32_t id) {
     if (s->p.penalty_last_n > 0) {
         int64_t cap = s->p.penalty_last_n;
-        if (s->ring_fill == cap) s->count[s->ring[s->ring_pos]]--; /* evict the oldest */
-        else s->ring_fill++;
+        if (s->ring_fill == cap)
+            s->count[s->ring[s->ring_pos]]--; /* evict the oldest */
+        else
+            s->ring_fill++;
         s->ring[s->ring_pos] = id;
         s->ring_pos = (s->ring_pos + 1) % cap;
     }
@@ -326,7 +338,10 @@ static void history_add(k3_sampler *s, int32_t id) {
         /* A re-added id may still sit in `distinct` (not compacted yet): look before appending. */
         bool present = false;
         for (int64_t i = s->n_distinct - 1; i >= 0 && s->p.penalty_last_n > 0; i--)
-            if (s->distinct[i] == id) { present = true; break; }
+            if (s->distinct[i] == id) {
+                present = true;
+                break;
+            }
         if (!present) s->distinct[s->n_distinct++] = id;
     }
 }
@@ -380,7 +395,8 @@ k3_status k3_sampler_accept(k3_sampler *s, int32_t id, k3_tok_bytes *emit, k3_st
     *stop = K3_STOP_NONE;
     if (s->stopped) return K3_ERR(K3_ERR_STATE, "sampler: accept after the sequence stopped");
     if (id < 0 || id >= s->n_vocab)
-        return K3_ERR(K3_ERR_ARG, "sampler: id %d outside the vocabulary (%lld)", id, (long long)s->n_vocab);
+        return K3_ERR(K3_ERR_ARG, "sampler: id %d outside the vocabulary (%lld)", id,
+                      (long long)s->n_vocab);
     history_add(s, id);
     for (size_t i = 0; i < s->p.n_stop_ids; i++)
         if (s->stop_ids[i] == id) {
@@ -401,4 +417,6 @@ k3_status k3_sampler_finish(k3_sampler *s, k3_tok_bytes *emit) {
     return scan_pending(s, true, emit, &st);
 }
 
-int k3_sampler_matched_stop(const k3_sampler *s) { return s->matched_stop; }
+int k3_sampler_matched_stop(const k3_sampler *s) {
+    return s->matched_stop;
+}

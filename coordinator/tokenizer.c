@@ -22,9 +22,11 @@
  * \S spelled out as the Unicode White_Space set, because PCRE2's UCP \s lacks U+0085. */
 static const char K3_PAT_K3[] =
     "\\p{Han}+|[^\\r\\n\\p{L}\\p{N}]?(?:(?!\\p{Han})[\\p{Lu}\\p{Lt}\\p{Lm}\\p{Lo}\\p{M}])*(?:"
-    "(?!\\p{Han})[\\p{Ll}\\p{Lm}\\p{Lo}\\p{M}])+(?i:'s|'t|'re|'ve|'m|'ll|'d)?|[^\\r\\n\\p{L}\\p{N}]?(?:(?!\\p{Han})[\\p{Lu}\\p{Lt}\\p{Lm}\\p{Lo}\\p{M}])+(?:(?!\\p{Han})[\\p{Ll}\\p{L"
+    "(?!\\p{Han})[\\p{Ll}\\p{Lm}\\p{Lo}\\p{M}])+(?i:'s|'t|'re|'ve|'m|'ll|'d)?|[^\\r\\n\\p{L}\\p{N}]"
+    "?(?:(?!\\p{Han})[\\p{Lu}\\p{Lt}\\p{Lm}\\p{Lo}\\p{M}])+(?:(?!\\p{Han})[\\p{Ll}\\p{L"
     "m}\\p{Lo}\\p{M}])*(?i:'s|'t|'re|'ve|'m|'ll|'d)?|\\p{N}{1,3}| ?[^\\t\\n\\x0B\\x0C\\r\\x20"
-    "\\x{85}\\x{A0}\\x{1680}\\x{2000}-\\x{200A}\\x{2028}\\x{2029}\\x{202F}\\x{205F}\\x{3000}\\p{L}\\p{N}]+[\\r\\n]*|[\\t\\n\\x0B\\x0C\\r\\x20\\x{85}\\x{A0}\\x{1680}\\x{2000}-\\x{200"
+    "\\x{85}\\x{A0}\\x{1680}\\x{2000}-\\x{200A}\\x{2028}\\x{2029}\\x{202F}\\x{205F}\\x{3000}\\p{L}"
+    "\\p{N}]+[\\r\\n]*|[\\t\\n\\x0B\\x0C\\r\\x20\\x{85}\\x{A0}\\x{1680}\\x{2000}-\\x{200"
     "A}\\x{2028}\\x{2029}\\x{202F}\\x{205F}\\x{3000}]*[\\r\\n]+|[\\t\\n\\x0B\\x0C\\r\\x20\\x{"
     "85}\\x{A0}\\x{1680}\\x{2000}-\\x{200A}\\x{2028}\\x{2029}\\x{202F}\\x{205F}\\x{3000}]+(?!"
     "[^\\t\\n\\x0B\\x0C\\r\\x20\\x{85}\\x{A0}\\x{1680}\\x{2000}-\\x{200A}\\x{2028}\\x{2029}\\"
@@ -53,21 +55,26 @@ static const char K3_PAT_CL100K[] =
     "\\n\\x0B\\x0C\\r\\x20\\x{85}\\x{A0}\\x{1680}\\x{2000}-\\x{200A}\\x{2028}\\x{2029}\\x{202"
     "F}\\x{205F}\\x{3000}]+";
 
-/* Kimi chunking constants (tokenization_kimi.py): TIKTOKEN_MAX_ENCODE_CHARS, MAX_NO_WHITESPACES_CHARS. */
+/* Kimi chunking constants (tokenization_kimi.py): TIKTOKEN_MAX_ENCODE_CHARS,
+ * MAX_NO_WHITESPACES_CHARS. */
 #define KIMI_MAX_ENCODE_CHARS 400000
-#define KIMI_MAX_RUN_CHARS 25000
+#define KIMI_MAX_RUN_CHARS    25000
 /* Pieces up to this many bytes use the plain min-scan BPE (faster for short pieces). */
 #define BPE_SCAN_MAX 48
 /* Bounds that make a hostile file an error instead of a huge allocation. */
-#define TOK_MAX_ID (1 << 26)
+#define TOK_MAX_ID          (1 << 26)
 #define TOK_MAX_TOKEN_BYTES (1 << 20)
 
 k3_status k3_tok_pattern_from_name(const char *name, k3_tok_pattern *out) {
     if (!name) return K3_ERR(K3_ERR_ARG, "pattern name is NULL");
-    if (!strcmp(name, "k3")) *out = K3_TOK_PAT_K3;
-    else if (!strcmp(name, "o200k")) *out = K3_TOK_PAT_O200K;
-    else if (!strcmp(name, "cl100k")) *out = K3_TOK_PAT_CL100K;
-    else return K3_ERR(K3_ERR_ARG, "unknown pattern '%s' (expected k3, o200k or cl100k)", name);
+    if (!strcmp(name, "k3"))
+        *out = K3_TOK_PAT_K3;
+    else if (!strcmp(name, "o200k"))
+        *out = K3_TOK_PAT_O200K;
+    else if (!strcmp(name, "cl100k"))
+        *out = K3_TOK_PAT_CL100K;
+    else
+        return K3_ERR(K3_ERR_ARG, "unknown pattern '%s' (expected k3, o200k or cl100k)", name);
     return K3_OK;
 }
 
@@ -120,8 +127,12 @@ int k3_tok_utf8_check(const uint8_t *s, size_t n, size_t *len) {
     uint8_t c = s[0];
     size_t need;
     uint8_t lo = 0x80, hi = 0xBF; /* allowed range of the second byte */
-    if (c < 0x80) { *len = 1; return 0; }
-    if (c >= 0xC2 && c <= 0xDF) need = 2;
+    if (c < 0x80) {
+        *len = 1;
+        return 0;
+    }
+    if (c >= 0xC2 && c <= 0xDF)
+        need = 2;
     else if (c >= 0xE0 && c <= 0xEF) {
         need = 3;
         if (c == 0xE0) lo = 0xA0;
@@ -135,10 +146,16 @@ int k3_tok_utf8_check(const uint8_t *s, size_t n, size_t *len) {
         return -1;
     }
     for (size_t k = 1; k < need; k++) {
-        if (k >= n) { *len = n; return 1; }
+        if (k >= n) {
+            *len = n;
+            return 1;
+        }
         uint8_t b = s[k];
         uint8_t l = k == 1 ? lo : 0x80, h = k == 1 ? hi : 0xBF;
-        if (b < l || b > h) { *len = k; return -1; }
+        if (b < l || b > h) {
+            *len = k;
+            return -1;
+        }
     }
     *len = need;
     return 0;
@@ -149,7 +166,10 @@ static k3_status utf8_validate(const char *text, size_t n) {
     const uint8_t *s = (const uint8_t *)text;
     size_t i = 0;
     while (i < n) {
-        if (s[i] < 0x80) { i++; continue; }
+        if (s[i] < 0x80) {
+            i++;
+            continue;
+        }
         size_t len;
         if (k3_tok_utf8_check(s + i, n - i, &len) != 0)
             return K3_ERR(K3_ERR_ARG, "text is not valid UTF-8 at byte offset %zu (byte 0x%02x)", i,
@@ -161,8 +181,14 @@ static k3_status utf8_validate(const char *text, size_t n) {
 
 /* Decode one code point of valid UTF-8 at s (caller guarantees validity); returns its length. */
 static size_t utf8_cp(const uint8_t *s, uint32_t *cp) {
-    if (s[0] < 0x80) { *cp = s[0]; return 1; }
-    if (s[0] < 0xE0) { *cp = ((uint32_t)(s[0] & 0x1F) << 6) | (s[1] & 0x3F); return 2; }
+    if (s[0] < 0x80) {
+        *cp = s[0];
+        return 1;
+    }
+    if (s[0] < 0xE0) {
+        *cp = ((uint32_t)(s[0] & 0x1F) << 6) | (s[1] & 0x3F);
+        return 2;
+    }
     if (s[0] < 0xF0) {
         *cp = ((uint32_t)(s[0] & 0x0F) << 12) | ((uint32_t)(s[1] & 0x3F) << 6) | (s[2] & 0x3F);
         return 3;
@@ -231,12 +257,17 @@ static int64_t b64decode(const char *s, size_t n, uint8_t *out) {
         int pad = 0;
         for (int k = 0; k < 4; k++) {
             uint8_t c = (uint8_t)s[i + k];
-            if (c == '=' && i + 4 == n && k >= 2) { v[k] = 0; pad++; continue; }
+            if (c == '=' && i + 4 == n && k >= 2) {
+                v[k] = 0;
+                pad++;
+                continue;
+            }
             if (pad) return -1; /* data after '=' */
             v[k] = b64val(c);
             if (v[k] < 0) return -1;
         }
-        uint32_t w = ((uint32_t)v[0] << 18) | ((uint32_t)v[1] << 12) | ((uint32_t)v[2] << 6) | (uint32_t)v[3];
+        uint32_t w = ((uint32_t)v[0] << 18) | ((uint32_t)v[1] << 12) | ((uint32_t)v[2] << 6) |
+                     (uint32_t)v[3];
         out[o++] = (uint8_t)(w >> 16);
         if (pad < 2) out[o++] = (uint8_t)(w >> 8);
         if (pad < 1) out[o++] = (uint8_t)w;
@@ -284,8 +315,8 @@ static k3_status load_ranks(k3_tokenizer *t, const char *path) {
             }
             for (; d < end; d++) {
                 if (buf[d] < '0' || buf[d] > '9' || r > TOK_MAX_ID) {
-                    st = K3_ERR(K3_ERR_FORMAT, "%s:%zu: bad rank (not a number below %d)", path, line,
-                                TOK_MAX_ID);
+                    st = K3_ERR(K3_ERR_FORMAT, "%s:%zu: bad rank (not a number below %d)", path,
+                                line, TOK_MAX_ID);
                     goto done;
                 }
                 r = r * 10 + (buf[d] - '0');
@@ -337,7 +368,8 @@ static k3_status load_ranks(k3_tokenizer *t, const char *path) {
         for (;;) {
             int32_t o = t->map[i];
             if (o < 0) break;
-            if (t->rank_len[o] == lens[k] && !memcmp(t->arena + t->rank_off[o], p, (size_t)lens[k])) {
+            if (t->rank_len[o] == lens[k] &&
+                !memcmp(t->arena + t->rank_off[o], p, (size_t)lens[k])) {
                 st = K3_ERR(K3_ERR_FORMAT, "%s: the same bytes have ranks %d and %d", path, o, r);
                 goto done;
             }
@@ -349,7 +381,8 @@ static k3_status load_ranks(k3_tokenizer *t, const char *path) {
         uint8_t c = (uint8_t)b;
         t->byte_rank[b] = rank_lookup(t, &c, 1);
         if (t->byte_rank[b] < 0) {
-            st = K3_ERR(K3_ERR_FORMAT, "%s: no token for the single byte 0x%02x (byte-level BPE needs all 256)",
+            st = K3_ERR(K3_ERR_FORMAT,
+                        "%s: no token for the single byte 0x%02x (byte-level BPE needs all 256)",
                         path, b);
             goto done;
         }
@@ -364,7 +397,10 @@ done:
 
 /* ---- special tokens ---------------------------------------------------------------------- */
 /* Named slots of the K3 block (§4.1), as offsets from the first special id. */
-static const struct { int off; const char *name; } k3_named_specials[] = {
+static const struct {
+    int off;
+    const char *name;
+} k3_named_specials[] = {
     {0, "[BOS]"},
     {1, "[EOS]"},
     {2, "<|end_of_msg|>"},
@@ -433,8 +469,10 @@ static k3_status trie_add(k3_tokenizer *t, size_t *cap, size_t special) {
                 *cap = nc;
             }
             c = (int32_t)t->n_trie++;
-            t->trie[c] = (tok_trie_node){.first_child = -1, .next_sibling = t->trie[node].first_child,
-                                         .special = -1, .byte = s[k]};
+            t->trie[c] = (tok_trie_node){.first_child = -1,
+                                         .next_sibling = t->trie[node].first_child,
+                                         .special = -1,
+                                         .byte = s[k]};
             t->trie[node].first_child = c;
         }
         node = c;
@@ -456,7 +494,8 @@ static k3_status set_specials(k3_tokenizer *t, const k3_tok_special *sp, size_t 
         if (!sp[i].content || !sp[i].content[0])
             return K3_ERR(K3_ERR_ARG, "special token #%zu (id %d) has empty content", i, sp[i].id);
         if (sp[i].id < 0 || sp[i].id >= TOK_MAX_ID)
-            return K3_ERR(K3_ERR_ARG, "special token '%s' has id %d out of range", sp[i].content, sp[i].id);
+            return K3_ERR(K3_ERR_ARG, "special token '%s' has id %d out of range", sp[i].content,
+                          sp[i].id);
         if (sp[i].id < t->n_ranks && t->rank_len[sp[i].id] >= 0)
             return K3_ERR(K3_ERR_ARG, "special token '%s' id %d collides with an ordinary rank",
                           sp[i].content, sp[i].id);
@@ -477,8 +516,9 @@ static k3_status set_specials(k3_tokenizer *t, const k3_tok_special *sp, size_t 
     t->n_trie = 1;
     for (size_t i = 0; i < n; i++) {
         if (t->id_special[t->specials[i].id] >= 0)
-            return K3_ERR(K3_ERR_ARG, "special id %d is given twice ('%s' and '%s')", t->specials[i].id,
-                          t->specials[t->id_special[t->specials[i].id]].content, t->specials[i].content);
+            return K3_ERR(K3_ERR_ARG, "special id %d is given twice ('%s' and '%s')",
+                          t->specials[i].id, t->specials[t->id_special[t->specials[i].id]].content,
+                          t->specials[i].content);
         t->id_special[t->specials[i].id] = (int32_t)i;
         K3_TRY(trie_add(t, &cap, i));
     }
@@ -493,9 +533,12 @@ static k3_status set_specials(k3_tokenizer *t, const k3_tok_special *sp, size_t 
 /* ---- create / destroy -------------------------------------------------------------------- */
 static const char *pattern_str(k3_tok_pattern p) {
     switch (p) {
-    case K3_TOK_PAT_K3: return K3_PAT_K3;
-    case K3_TOK_PAT_O200K: return K3_PAT_O200K;
-    case K3_TOK_PAT_CL100K: return K3_PAT_CL100K;
+    case K3_TOK_PAT_K3:
+        return K3_PAT_K3;
+    case K3_TOK_PAT_O200K:
+        return K3_PAT_O200K;
+    case K3_TOK_PAT_CL100K:
+        return K3_PAT_CL100K;
     }
     return NULL;
 }
@@ -505,7 +548,8 @@ static k3_status compile_pattern(k3_tokenizer *t, k3_tok_pattern p) {
     if (!pat) return K3_ERR(K3_ERR_ARG, "unknown pre-tokenizer pattern %d", (int)p);
     int err = 0;
     PCRE2_SIZE off = 0;
-    t->re = pcre2_compile((PCRE2_SPTR)pat, PCRE2_ZERO_TERMINATED, PCRE2_UTF | PCRE2_UCP, &err, &off, NULL);
+    t->re = pcre2_compile((PCRE2_SPTR)pat, PCRE2_ZERO_TERMINATED, PCRE2_UTF | PCRE2_UCP, &err, &off,
+                          NULL);
     if (!t->re) {
         PCRE2_UCHAR msg[256];
         pcre2_get_error_message(err, msg, sizeof msg);
@@ -532,8 +576,9 @@ void k3_tok_destroy(k3_tokenizer *t) {
     free(t);
 }
 
-k3_status k3_tok_create_tiktoken(k3_tokenizer **out, const char *path, const k3_tok_special *specials,
-                                 size_t n_specials, const k3_tok_options *opts) {
+k3_status k3_tok_create_tiktoken(k3_tokenizer **out, const char *path,
+                                 const k3_tok_special *specials, size_t n_specials,
+                                 const k3_tok_options *opts) {
     *out = NULL;
     k3_tok_options o = opts ? *opts : (k3_tok_options){0};
     k3_tokenizer *t = calloc(1, sizeof *t);
@@ -589,12 +634,13 @@ static k3_status read_added_tokens(const char *path, k3_tok_special **out, size_
         long id = strtol(it->string, &end, 10);
         const cJSON *c = cJSON_GetObjectItemCaseSensitive(it, "content");
         if (!it->string[0] || *end || id < 0 || id >= TOK_MAX_ID) {
-            st = K3_ERR(K3_ERR_FORMAT, "%s: added_tokens_decoder key '%s' is not a token id", path, it->string);
+            st = K3_ERR(K3_ERR_FORMAT, "%s: added_tokens_decoder key '%s' is not a token id", path,
+                        it->string);
             break;
         }
         if (!cJSON_IsString(c) || !c->valuestring[0]) {
-            st = K3_ERR(K3_ERR_FORMAT, "%s: added_tokens_decoder[\"%s\"].content missing or empty", path,
-                        it->string);
+            st = K3_ERR(K3_ERR_FORMAT, "%s: added_tokens_decoder[\"%s\"].content missing or empty",
+                        path, it->string);
             break;
         }
         sp[k].id = (int32_t)id;
@@ -637,8 +683,12 @@ k3_status k3_tok_create_model_dir(k3_tokenizer **out, const char *dir, const k3_
 }
 
 /* ---- queries ----------------------------------------------------------------------------- */
-int64_t k3_tok_n_vocab(const k3_tokenizer *t) { return t->n_vocab; }
-int64_t k3_tok_n_ranks(const k3_tokenizer *t) { return t->n_ranks; }
+int64_t k3_tok_n_vocab(const k3_tokenizer *t) {
+    return t->n_vocab;
+}
+int64_t k3_tok_n_ranks(const k3_tokenizer *t) {
+    return t->n_ranks;
+}
 
 int32_t k3_tok_special_id(const k3_tokenizer *t, const char *content) {
     for (size_t i = 0; i < t->n_specials; i++)
@@ -650,7 +700,9 @@ bool k3_tok_is_special(const k3_tokenizer *t, int32_t id) {
     return id >= 0 && id < t->n_vocab && t->id_special[id] >= 0;
 }
 
-k3_tok_ctrl k3_tok_control_ids(const k3_tokenizer *t) { return t->ctrl; }
+k3_tok_ctrl k3_tok_control_ids(const k3_tokenizer *t) {
+    return t->ctrl;
+}
 
 k3_status k3_tok_id_bytes(const k3_tokenizer *t, int32_t id, const char **bytes, size_t *n_bytes) {
     if (id >= 0 && id < t->n_ranks && t->rank_len[id] >= 0) {
@@ -679,12 +731,12 @@ typedef struct tok_scratch {
     pcre2_match_data *md;
     pcre2_match_context *mctx;
     pcre2_jit_stack *jstack;
-    size_t cap;        /* capacity (in bytes of piece) of the arrays below */
-    uint32_t *next;    /* (cap + 1) start of the next part; piece length for the last */
-    uint32_t *prev;    /* (cap) start of the previous part; UINT32_MAX for the first */
-    uint32_t *ver;     /* (cap) version of the part starting here */
-    int32_t *prank;    /* (cap) rank of (part, next part) merged; -1 = not mergeable */
-    heap_ent *heap;    /* (3 cap): n initial pairs + at most 2 pushes per merge */
+    size_t cap;     /* capacity (in bytes of piece) of the arrays below */
+    uint32_t *next; /* (cap + 1) start of the next part; piece length for the last */
+    uint32_t *prev; /* (cap) start of the previous part; UINT32_MAX for the first */
+    uint32_t *ver;  /* (cap) version of the part starting here */
+    int32_t *prank; /* (cap) rank of (part, next part) merged; -1 = not mergeable */
+    heap_ent *heap; /* (3 cap): n initial pairs + at most 2 pushes per merge */
 } tok_scratch;
 
 static void scratch_free(tok_scratch *s) {
@@ -798,7 +850,10 @@ static k3_status bpe_piece(const k3_tokenizer *t, tok_scratch *s, const uint8_t 
             int32_t best = INT32_MAX;
             uint32_t bi = UINT32_MAX;
             for (uint32_t i = 0; i < n; i = next[i])
-                if (pr[i] >= 0 && pr[i] < best) { best = pr[i]; bi = i; }
+                if (pr[i] >= 0 && pr[i] < best) {
+                    best = pr[i];
+                    bi = i;
+                }
             if (bi == UINT32_MAX) break;
             uint32_t b = next[bi];
             next[bi] = next[b];
@@ -843,14 +898,15 @@ static k3_status bpe_piece(const k3_tokenizer *t, tok_scratch *s, const uint8_t 
 }
 
 /* One regex match at `off` of subject[0..n): returns 1 with [*ms, *me), 0 if none, <0 error. */
-static int regex_next(const k3_tokenizer *t, tok_scratch *s, const uint8_t *subj, size_t n, size_t off,
-                      size_t *ms, size_t *me) {
+static int regex_next(const k3_tokenizer *t, tok_scratch *s, const uint8_t *subj, size_t n,
+                      size_t off, size_t *ms, size_t *me) {
     int rc;
     for (int attempt = 0;; attempt++) {
         if (t->jit && attempt < 2)
             rc = pcre2_jit_match(t->re, subj, n, off, 0, s->md, s->mctx);
         else
-            rc = pcre2_match(t->re, subj, n, off, PCRE2_NO_UTF_CHECK | PCRE2_NO_JIT, s->md, s->mctx);
+            rc =
+                pcre2_match(t->re, subj, n, off, PCRE2_NO_UTF_CHECK | PCRE2_NO_JIT, s->md, s->mctx);
         if (rc == PCRE2_ERROR_JIT_STACKLIMIT && attempt == 0) {
             /* Deep backtracking on a long piece: give JIT a large stack and retry once;
              * the interpreter (heap frames) is the last resort. */
@@ -933,8 +989,8 @@ static k3_status encode_chunk(const k3_tokenizer *t, tok_scratch *s, const uint8
 
 /* §4.4: cut every 400,000 code points, then cut runs of > 25,000 whitespace / non-whitespace code
  * points (Python str.isspace); each sub-piece is encoded on its own. */
-static k3_status encode_kimi_chunks(const k3_tokenizer *t, tok_scratch *s, const uint8_t *p, size_t n,
-                                    bool allow_special, k3_tok_ids *out) {
+static k3_status encode_kimi_chunks(const k3_tokenizer *t, tok_scratch *s, const uint8_t *p,
+                                    size_t n, bool allow_special, k3_tok_ids *out) {
     size_t pos = 0;
     while (pos < n) {
         /* One 400k-code-point chunk [pos, cend). */
@@ -977,7 +1033,8 @@ static k3_status encode_with(const k3_tokenizer *t, tok_scratch *s, const char *
     if (n && !text) return K3_ERR(K3_ERR_ARG, "text is NULL");
     K3_TRY(utf8_validate(text, n));
     if (n == 0) return K3_OK;
-    if (t->kimi_chunking) return encode_kimi_chunks(t, s, (const uint8_t *)text, n, allow_special, out);
+    if (t->kimi_chunking)
+        return encode_kimi_chunks(t, s, (const uint8_t *)text, n, allow_special, out);
     return encode_chunk(t, s, (const uint8_t *)text, n, allow_special, out);
 }
 
@@ -1023,7 +1080,8 @@ k3_status k3_tok_split(const k3_tokenizer *t, const char *text, size_t n_bytes, 
         int rc = regex_next(t, &s, (const uint8_t *)text, n_bytes, off, &ms, &me);
         if (rc == 0) break;
         if (rc < 0) {
-            st = K3_ERR(K3_ERR_INTERNAL, "pre-tokenizer match failed at byte %zu (pcre2 %d)", off, rc);
+            st = K3_ERR(K3_ERR_INTERNAL, "pre-tokenizer match failed at byte %zu (pcre2 %d)", off,
+                        rc);
             break;
         }
         if (np == cap) {

@@ -12,7 +12,8 @@
 
 static const char REPLACEMENT[3] = {(char)0xEF, (char)0xBF, (char)0xBD}; /* U+FFFD */
 
-k3_status k3_tok_decode_bytes(const k3_tokenizer *t, const int32_t *ids, size_t n, k3_tok_bytes *out) {
+k3_status k3_tok_decode_bytes(const k3_tokenizer *t, const int32_t *ids, size_t n,
+                              k3_tok_bytes *out) {
     size_t n0 = out->n;
     for (size_t i = 0; i < n; i++) {
         const char *b;
@@ -30,13 +31,17 @@ k3_status k3_tok_decode_bytes(const k3_tokenizer *t, const int32_t *ids, size_t 
 
 /* Process s[0..n): append valid sequences and U+FFFD for invalid subparts. When !final an
  * incomplete sequence at the end is not consumed; *consumed says how far we got. */
-static k3_status utf8_repair(const uint8_t *s, size_t n, bool final, k3_tok_bytes *out, size_t *consumed) {
+static k3_status utf8_repair(const uint8_t *s, size_t n, bool final, k3_tok_bytes *out,
+                             size_t *consumed) {
     K3_TRY(k3_tok_bytes_reserve(out, n + 8));
     size_t i = 0;
     while (i < n) {
         size_t run = i; /* copy runs of valid text in one go */
         while (run < n) {
-            if (s[run] < 0x80) { run++; continue; }
+            if (s[run] < 0x80) {
+                run++;
+                continue;
+            }
             size_t len;
             if (k3_tok_utf8_check(s + run, n - run, &len) != 0) break;
             run += len;
@@ -83,11 +88,16 @@ k3_status k3_tok_stream_create(k3_tok_stream **out, const k3_tokenizer *t) {
     return K3_OK;
 }
 
-void k3_tok_stream_destroy(k3_tok_stream *s) { free(s); }
+void k3_tok_stream_destroy(k3_tok_stream *s) {
+    free(s);
+}
 
-void k3_tok_stream_reset(k3_tok_stream *s) { s->n_held = 0; }
+void k3_tok_stream_reset(k3_tok_stream *s) {
+    s->n_held = 0;
+}
 
-k3_status k3_tok_stream_push_bytes(k3_tok_stream *s, const char *bytes, size_t n, k3_tok_bytes *out) {
+k3_status k3_tok_stream_push_bytes(k3_tok_stream *s, const char *bytes, size_t n,
+                                   k3_tok_bytes *out) {
     const uint8_t *p = (const uint8_t *)bytes;
     size_t i = 0;
     K3_TRY(k3_tok_bytes_reserve(out, n + 8));

@@ -18,26 +18,26 @@ typedef struct tok_trie_node {
 
 struct k3_tokenizer {
     /* ordinary tokens: rank == id */
-    char *arena;          /* (n_arena) all token bytes, concatenated */
+    char *arena; /* (n_arena) all token bytes, concatenated */
     size_t n_arena;
-    uint32_t *rank_off;   /* (n_ranks) offset of rank r's bytes in arena */
-    int32_t *rank_len;    /* (n_ranks) length of rank r's bytes; -1 = no token has rank r */
-    int64_t n_ranks;      /* max rank + 1 */
-    int32_t *map;         /* (map_cap) open addressing bytes -> rank; -1 = empty slot */
-    size_t map_cap;       /* power of two, >= 2 * number of tokens */
+    uint32_t *rank_off;     /* (n_ranks) offset of rank r's bytes in arena */
+    int32_t *rank_len;      /* (n_ranks) length of rank r's bytes; -1 = no token has rank r */
+    int64_t n_ranks;        /* max rank + 1 */
+    int32_t *map;           /* (map_cap) open addressing bytes -> rank; -1 = empty slot */
+    size_t map_cap;         /* power of two, >= 2 * number of tokens */
     int32_t byte_rank[256]; /* rank of each single byte (all 256 must exist) */
     /* special tokens */
     k3_tok_special *specials; /* (n_specials) content owned (strdup) */
     size_t *special_len;      /* (n_specials) strlen(content) */
     size_t n_specials;
-    int32_t *id_special;      /* (n_vocab) index into specials, -1 for ordinary / unused ids */
-    int64_t n_vocab;          /* max id + 1 */
-    tok_trie_node *trie;      /* (n_trie) node 0 = root */
+    int32_t *id_special; /* (n_vocab) index into specials, -1 for ordinary / unused ids */
+    int64_t n_vocab;     /* max id + 1 */
+    tok_trie_node *trie; /* (n_trie) node 0 = root */
     size_t n_trie;
     k3_tok_ctrl ctrl;
     /* pre-tokenizer */
     pcre2_code *re;
-    bool jit;                 /* pcre2_jit_compile succeeded */
+    bool jit; /* pcre2_jit_compile succeeded */
     bool kimi_chunking;
 };
 

@@ -5,7 +5,8 @@
  * --jsonl: one JSON value per stdin line -> one JSON array of ids per stdout line; a line is a
  * string (encoded with specials allowed unless --no-special) or {"text": "...", "special": bool}.
  * Specials are allowed by default, like tokenization_kimi.py encode(). --vocab uses the K3
- * special-token layout past the last rank (§4.1). Errors: one line on stderr, exit 1 (2 = usage). */
+ * special-token layout past the last rank (§4.1). Errors: one line on stderr, exit 1 (2 = usage).
+ */
 #include "k3_launcher.h"
 #include "k3_tokenizer.h"
 
@@ -15,12 +16,15 @@
 
 static const k3_flag tokenize_flags[] = {
     {"model", K3_FLAG_STR, "DIR", NULL, "model directory (tiktoken.model + tokenizer_config.json)"},
-    {"vocab", K3_FLAG_STR, "FILE", NULL, "a .tiktoken rank file; K3 special tokens past the last rank"},
+    {"vocab", K3_FLAG_STR, "FILE", NULL,
+     "a .tiktoken rank file; K3 special tokens past the last rank"},
     {"pattern", K3_FLAG_STR, "NAME", "k3", "pre-tokenizer regex: k3 | o200k | cl100k"},
     {"no-special", K3_FLAG_BOOL, NULL, NULL, "treat special-token text as plain text"},
-    {"no-kimi-chunking", K3_FLAG_BOOL, NULL, NULL, "skip the 400k/25k chunking of tokenization_kimi (raw tiktoken)"},
+    {"no-kimi-chunking", K3_FLAG_BOOL, NULL, NULL,
+     "skip the 400k/25k chunking of tokenization_kimi (raw tiktoken)"},
     {"json", K3_FLAG_BOOL, NULL, NULL, "print {\"ids\":[...],\"pieces\":[...]}"},
-    {"jsonl", K3_FLAG_BOOL, NULL, NULL, "read one JSON string (or {text,special}) per stdin line, print one id array per line"},
+    {"jsonl", K3_FLAG_BOOL, NULL, NULL,
+     "read one JSON string (or {text,special}) per stdin line, print one id array per line"},
 };
 
 static void print_ids_json(const k3_tok_ids *ids) {
@@ -40,8 +44,10 @@ static int run_jsonl(const k3_tokenizer *t, bool allow_special) {
         lineno++;
         /* cJSON strings are NUL-terminated: a \u0000 escape would silently truncate the text. */
         if (strstr(line, "\\u0000")) {
-            fprintf(stderr, "k3 tokenize: stdin line %zu: \\u0000 (NUL) is not supported in --jsonl input\n",
-                    lineno);
+            fprintf(
+                stderr,
+                "k3 tokenize: stdin line %zu: \\u0000 (NUL) is not supported in --jsonl input\n",
+                lineno);
             rc = 1;
             break;
         }
@@ -55,14 +61,17 @@ static int run_jsonl(const k3_tokenizer *t, bool allow_special) {
             if (sp) special = cJSON_IsTrue(sp);
         }
         if (!cJSON_IsString(text)) {
-            fprintf(stderr, "k3 tokenize: stdin line %zu: expected a JSON string or {\"text\": string, "
-                            "\"special\": bool}\n", lineno);
+            fprintf(stderr,
+                    "k3 tokenize: stdin line %zu: expected a JSON string or {\"text\": string, "
+                    "\"special\": bool}\n",
+                    lineno);
             cJSON_Delete(v);
             rc = 1;
             break;
         }
         ids.n = 0;
-        k3_status st = k3_tok_encode(t, text->valuestring, strlen(text->valuestring), special, &ids);
+        k3_status st =
+            k3_tok_encode(t, text->valuestring, strlen(text->valuestring), special, &ids);
         cJSON_Delete(v);
         if (st != K3_OK) {
             fprintf(stderr, "k3 tokenize: stdin line %zu: %s\n", lineno, k3_last_error());

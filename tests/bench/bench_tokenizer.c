@@ -13,9 +13,11 @@
 #include <stdlib.h>
 #include <unistd.h>
 
-static const char *words[] = {"the", "of", "and", "to", "in", "is", "that", "for", "it", "with", "as", "was",
-                              "on", "model", "token", "Kimi", "attention", "expert", "layer", "HTTPServer",
-                              "getUserName", "don't", "we're", "naïve", "Straße", "München", "résumé", "über"};
+static const char *words[] = {"the",    "of",         "and",         "to",    "in",        "is",
+                              "that",   "for",        "it",          "with",  "as",        "was",
+                              "on",     "model",      "token",       "Kimi",  "attention", "expert",
+                              "layer",  "HTTPServer", "getUserName", "don't", "we're",     "naïve",
+                              "Straße", "München",    "résumé",      "über"};
 static const char *code = "for (int i = 0; i < n; i++) {\n    sum += a[i] * b[i];\n}\n";
 static const char *cjk[] = {"你好", "世界", "模型", "注意力", "专家", "日本語", "한국어"};
 
@@ -28,12 +30,19 @@ static size_t gen_text(char *buf, size_t cap, uint64_t seed) {
         int kind = (int)(x % 100);
         const char *s;
         char num[32];
-        if (kind < 70) s = words[(x >> 8) % K3_ARRAY_LEN(words)];
-        else if (kind < 75) s = code;
-        else if (kind < 85) s = cjk[(x >> 8) % K3_ARRAY_LEN(cjk)];
-        else if (kind < 92) { snprintf(num, sizeof num, "%llu", (unsigned long long)((x >> 16) % 100000)); s = num; }
-        else if (kind < 96) s = ".\n";
-        else s = ", ";
+        if (kind < 70)
+            s = words[(x >> 8) % K3_ARRAY_LEN(words)];
+        else if (kind < 75)
+            s = code;
+        else if (kind < 85)
+            s = cjk[(x >> 8) % K3_ARRAY_LEN(cjk)];
+        else if (kind < 92) {
+            snprintf(num, sizeof num, "%llu", (unsigned long long)((x >> 16) % 100000));
+            s = num;
+        } else if (kind < 96)
+            s = ".\n";
+        else
+            s = ", ";
         size_t l = strlen(s);
         memcpy(buf + n, s, l);
         n += l;
@@ -50,8 +59,10 @@ static const char *py =
     "for l in open(vocab,'rb'):\n"
     "  if l.strip():\n"
     "    b,k=l.split(); r[base64.b64decode(b)]=int(k)\n"
-    "P='|'.join([r'[\\p{Han}]+',r\"[^\\r\\n\\p{L}\\p{N}]?[\\p{Lu}\\p{Lt}\\p{Lm}\\p{Lo}\\p{M}&&[^\\p{Han}]]*[\\p{Ll}\\p{Lm}\\p{Lo}\\p{M}&&[^\\p{Han}]]+(?i:'s|'t|'re|'ve|'m|'ll|'d)?\","
-    "r\"[^\\r\\n\\p{L}\\p{N}]?[\\p{Lu}\\p{Lt}\\p{Lm}\\p{Lo}\\p{M}&&[^\\p{Han}]]+[\\p{Ll}\\p{Lm}\\p{Lo}\\p{M}&&[^\\p{Han}]]*(?i:'s|'t|'re|'ve|'m|'ll|'d)?\","
+    "P='|'.join([r'[\\p{Han}]+',r\"[^\\r\\n\\p{L}\\p{N}]?[\\p{Lu}\\p{Lt}\\p{Lm}\\p{Lo}\\p{M}&&[^"
+    "\\p{Han}]]*[\\p{Ll}\\p{Lm}\\p{Lo}\\p{M}&&[^\\p{Han}]]+(?i:'s|'t|'re|'ve|'m|'ll|'d)?\","
+    "r\"[^\\r\\n\\p{L}\\p{N}]?[\\p{Lu}\\p{Lt}\\p{Lm}\\p{Lo}\\p{M}&&[^\\p{Han}]]+[\\p{Ll}\\p{Lm}\\p{"
+    "Lo}\\p{M}&&[^\\p{Han}]]*(?i:'s|'t|'re|'ve|'m|'ll|'d)?\","
     "r'\\p{N}{1,3}',r' ?[^\\s\\p{L}\\p{N}]+[\\r\\n]*',r'\\s*[\\r\\n]+',r'\\s+(?!\\S)',r'\\s+'])\n"
     "e=tiktoken.Encoding('k3bench',pat_str=P,mergeable_ranks=r,special_tokens={})\n"
     "t=open(textf,encoding='utf-8').read(); nb=len(t.encode())\n"
@@ -65,22 +76,34 @@ int main(int argc, char **argv) {
     double mb = 4;
     uint64_t seed = 1;
     for (int i = 1; i + 1 < argc; i += 2) {
-        if (!strcmp(argv[i], "--vocab")) vocab = argv[i + 1];
-        else if (!strcmp(argv[i], "--text")) text_path = argv[i + 1];
-        else if (!strcmp(argv[i], "--mb")) mb = atof(argv[i + 1]);
-        else if (!strcmp(argv[i], "--seed")) seed = strtoull(argv[i + 1], NULL, 10);
-        else if (!strcmp(argv[i], "--json")) json_path = argv[i + 1];
-        else { fprintf(stderr, "bench_tokenizer: unknown flag %s\n", argv[i]); return 2; }
+        if (!strcmp(argv[i], "--vocab"))
+            vocab = argv[i + 1];
+        else if (!strcmp(argv[i], "--text"))
+            text_path = argv[i + 1];
+        else if (!strcmp(argv[i], "--mb"))
+            mb = atof(argv[i + 1]);
+        else if (!strcmp(argv[i], "--seed"))
+            seed = strtoull(argv[i + 1], NULL, 10);
+        else if (!strcmp(argv[i], "--json"))
+            json_path = argv[i + 1];
+        else {
+            fprintf(stderr, "bench_tokenizer: unknown flag %s\n", argv[i]);
+            return 2;
+        }
     }
     char vbuf[1024];
     if (!vocab) {
-        snprintf(vbuf, sizeof vbuf, "%s/vocab/o200k_base.tiktoken", getenv("K3_SHARED") ? getenv("K3_SHARED") : "../shared");
+        snprintf(vbuf, sizeof vbuf, "%s/vocab/o200k_base.tiktoken",
+                 getenv("K3_SHARED") ? getenv("K3_SHARED") : "../shared");
         vocab = vbuf;
     }
     char *text = NULL;
     size_t n = 0;
     if (text_path) {
-        if (k3_read_file(text_path, &text, &n) != K3_OK) { fprintf(stderr, "bench_tokenizer: %s\n", k3_last_error()); return 1; }
+        if (k3_read_file(text_path, &text, &n) != K3_OK) {
+            fprintf(stderr, "bench_tokenizer: %s\n", k3_last_error());
+            return 1;
+        }
     } else {
         size_t cap = (size_t)(mb * 1e6) + 256;
         text = malloc(cap);
@@ -99,7 +122,10 @@ int main(int argc, char **argv) {
     for (int rep = 0; rep < 3; rep++) {
         ids.n = 0;
         t0 = k3_now_s();
-        if (k3_tok_encode(t, text, n, false, &ids) != K3_OK) { fprintf(stderr, "bench_tokenizer: %s\n", k3_last_error()); return 1; }
+        if (k3_tok_encode(t, text, n, false, &ids) != K3_OK) {
+            fprintf(stderr, "bench_tokenizer: %s\n", k3_last_error());
+            return 1;
+        }
         double dt = k3_now_s() - t0;
         if (dt < best) best = dt;
     }
@@ -130,17 +156,25 @@ int main(int argc, char **argv) {
            (unsigned long long)seed, vocab);
     printf("  %-10s %10s %12s\n", "impl", "MB/s", "ids");
     printf("  %-10s %10.2f %12zu   (vocab load %.2fs)\n", "k3", k3_mbs, ids.n, t_load);
-    if (tk_mbs > 0) printf("  %-10s %10.2f %12ld%s\n", "tiktoken", tk_mbs, tk_ids, tk_ids == (long)ids.n ? "" : "  (id count differs!)");
-    else printf("  %-10s %10s\n", "tiktoken", "n/a");
+    if (tk_mbs > 0)
+        printf("  %-10s %10.2f %12ld%s\n", "tiktoken", tk_mbs, tk_ids,
+               tk_ids == (long)ids.n ? "" : "  (id count differs!)");
+    else
+        printf("  %-10s %10s\n", "tiktoken", "n/a");
     FILE *jf = fopen(json_path, "w");
     if (jf) {
-        fprintf(jf, "{\"bench\":\"tokenizer\",\"bytes\":%zu,\"seed\":%llu,\"k3_mb_s\":%.3f,\"k3_ids\":%zu,"
-                    "\"tiktoken_mb_s\":%.3f,\"tiktoken_ids\":%ld}\n", n, (unsigned long long)seed, k3_mbs, ids.n,
-                tk_mbs, tk_ids);
+        fprintf(
+            jf,
+            "{\"bench\":\"tokenizer\",\"bytes\":%zu,\"seed\":%llu,\"k3_mb_s\":%.3f,\"k3_ids\":%zu,"
+            "\"tiktoken_mb_s\":%.3f,\"tiktoken_ids\":%ld}\n",
+            n, (unsigned long long)seed, k3_mbs, ids.n, tk_mbs, tk_ids);
         fclose(jf);
     }
     k3_tok_ids_free(&ids);
     k3_tok_destroy(t);
-    if (text_path) k3_free(text); else free(text);
+    if (text_path)
+        k3_free(text);
+    else
+        free(text);
     return 0;
 }

@@ -32,8 +32,11 @@ static void init_tokenizers(void) {
     if (g_tok[0]) return;
     char path[1024];
     const char *v = getenv("K3_FUZZ_VOCAB");
-    if (v) snprintf(path, sizeof path, "%s", v);
-    else snprintf(path, sizeof path, "%s/vocab/o200k_base.tiktoken", getenv("K3_SHARED") ? getenv("K3_SHARED") : "../shared");
+    if (v)
+        snprintf(path, sizeof path, "%s", v);
+    else
+        snprintf(path, sizeof path, "%s/vocab/o200k_base.tiktoken",
+                 getenv("K3_SHARED") ? getenv("K3_SHARED") : "../shared");
     const k3_tok_options opt[3] = {{.pattern = K3_TOK_PAT_K3},
                                    {.pattern = K3_TOK_PAT_O200K, .no_kimi_chunking = true},
                                    {.pattern = K3_TOK_PAT_CL100K, .no_kimi_chunking = true}};
@@ -52,31 +55,38 @@ static bool is_valid_utf8(const char *p, size_t n) {
     return same;
 }
 
-static void check_text(const k3_tokenizer *t, const char *text, size_t n, bool special, uint8_t split_seed) {
+static void check_text(const k3_tokenizer *t, const char *text, size_t n, bool special,
+                       uint8_t split_seed) {
     k3_tok_ids ids = {0};
     k3_status st = k3_tok_encode(t, text, n, special, &ids);
     bool valid = is_valid_utf8(text, n);
     if (!valid) {
-        FUZZ_REQUIRE(st == K3_ERR_ARG, "invalid UTF-8 must be rejected with K3_ERR_ARG, got %s", k3_status_name(st));
+        FUZZ_REQUIRE(st == K3_ERR_ARG, "invalid UTF-8 must be rejected with K3_ERR_ARG, got %s",
+                     k3_status_name(st));
         FUZZ_REQUIRE(ids.n == 0, "no ids on failure");
         k3_tok_ids_free(&ids);
         return;
     }
     FUZZ_REQUIRE(st == K3_OK, "valid UTF-8 must encode: %s", k3_last_error());
     for (size_t i = 0; i < ids.n; i++) {
-        FUZZ_REQUIRE(ids.ids[i] >= 0 && ids.ids[i] < k3_tok_n_vocab(t), "id %d in range", ids.ids[i]);
-        if (!special) FUZZ_REQUIRE(!k3_tok_is_special(t, ids.ids[i]), "text segment produced special id %d", ids.ids[i]);
+        FUZZ_REQUIRE(ids.ids[i] >= 0 && ids.ids[i] < k3_tok_n_vocab(t), "id %d in range",
+                     ids.ids[i]);
+        if (!special)
+            FUZZ_REQUIRE(!k3_tok_is_special(t, ids.ids[i]), "text segment produced special id %d",
+                         ids.ids[i]);
     }
     k3_tok_bytes dec = {0}, str = {0};
     FUZZ_REQUIRE(k3_tok_decode_bytes(t, ids.ids, ids.n, &dec) == K3_OK, "decode");
-    FUZZ_REQUIRE(dec.n == n && (n == 0 || !memcmp(dec.data, text, n)), "decode(encode(s)) != s (special=%d)", special);
+    FUZZ_REQUIRE(dec.n == n && (n == 0 || !memcmp(dec.data, text, n)),
+                 "decode(encode(s)) != s (special=%d)", special);
     /* Streaming over ids equals the whole decode; each chunk is valid UTF-8. */
     k3_tok_stream *s = NULL;
     FUZZ_REQUIRE(k3_tok_stream_create(&s, t) == K3_OK, "stream");
     for (size_t i = 0; i < ids.n; i++) {
         size_t before = str.n;
         FUZZ_REQUIRE(k3_tok_stream_push(s, ids.ids[i], &str) == K3_OK, "push");
-        FUZZ_REQUIRE(is_valid_utf8(str.data + before, str.n - before), "stream chunk is not valid UTF-8");
+        FUZZ_REQUIRE(is_valid_utf8(str.data + before, str.n - before),
+                     "stream chunk is not valid UTF-8");
     }
     FUZZ_REQUIRE(k3_tok_stream_finish(s, &str) == K3_OK, "finish");
     FUZZ_REQUIRE(str.n == n && (n == 0 || !memcmp(str.data, text, n)), "stream decode != s");
@@ -135,11 +145,34 @@ int LLVMFuzzerTestOneInput(const uint8_t *data, size_t size) {
 
 #ifndef K3_LIBFUZZER
 /* ---- plain driver ------------------------------------------------------------------------- */
-static const char *interesting[] = {
-    "<|open|>", "<|close|>", "<|sep|>", "<|end_of_msg|>", "[EOS]", "<|reserved_token_200100|>", "'s", "'LL",
-    "\xe4\xb8\xad\xe6\x96\x87", "\xf0\x9f\x91\xa8\xe2\x80\x8d\xf0\x9f\x91\xa9", "\xcc\x81", " ", "\n", "\r\n",
-    "\t", "\xc2\x85", "\xe3\x80\x80", "123456", "aaaa", "HTTP", "Request", "\xd9\x85\xd8\xb1", "\xed\x9f\xbf",
-    "\xef\xbf\xbd", "\xf4\x8f\xbf\xbf", "\x00", "\x7f", "\xe2\x80\xa8"};
+static const char *interesting[] = {"<|open|>",
+                                    "<|close|>",
+                                    "<|sep|>",
+                                    "<|end_of_msg|>",
+                                    "[EOS]",
+                                    "<|reserved_token_200100|>",
+                                    "'s",
+                                    "'LL",
+                                    "\xe4\xb8\xad\xe6\x96\x87",
+                                    "\xf0\x9f\x91\xa8\xe2\x80\x8d\xf0\x9f\x91\xa9",
+                                    "\xcc\x81",
+                                    " ",
+                                    "\n",
+                                    "\r\n",
+                                    "\t",
+                                    "\xc2\x85",
+                                    "\xe3\x80\x80",
+                                    "123456",
+                                    "aaaa",
+                                    "HTTP",
+                                    "Request",
+                                    "\xd9\x85\xd8\xb1",
+                                    "\xed\x9f\xbf",
+                                    "\xef\xbf\xbd",
+                                    "\xf4\x8f\xbf\xbf",
+                                    "\x00",
+                                    "\x7f",
+                                    "\xe2\x80\xa8"};
 
 static size_t gen_input(k3_rng *r, uint8_t *buf, size_t cap) {
     size_t n = 0;
@@ -154,7 +187,8 @@ static size_t gen_input(k3_rng *r, uint8_t *buf, size_t cap) {
             const char *s = interesting[x % K3_ARRAY_LEN(interesting)];
             size_t l = strlen(s) ? strlen(s) : 1;
             for (size_t i = 0; i < l && n < target; i++) buf[n++] = (uint8_t)s[i];
-            if (kind == 2 && x % 97 == 0 && n > 1) buf[n - 1 - (x >> 32) % (n - 1)] ^= (uint8_t)(x >> 8);
+            if (kind == 2 && x % 97 == 0 && n > 1)
+                buf[n - 1 - (x >> 32) % (n - 1)] ^= (uint8_t)(x >> 8);
         }
     }
     return n;
@@ -164,8 +198,10 @@ int main(int argc, char **argv) {
     long n_random = 2000;
     uint64_t seed = 1;
     for (int i = 1; i < argc; i++) {
-        if (!strcmp(argv[i], "--random") && i + 1 < argc) n_random = atol(argv[++i]);
-        else if (!strcmp(argv[i], "--seed") && i + 1 < argc) seed = strtoull(argv[++i], NULL, 10);
+        if (!strcmp(argv[i], "--random") && i + 1 < argc)
+            n_random = atol(argv[++i]);
+        else if (!strcmp(argv[i], "--seed") && i + 1 < argc)
+            seed = strtoull(argv[++i], NULL, 10);
         else { /* a corpus file */
             char *buf = NULL;
             size_t n = 0;
@@ -192,8 +228,8 @@ int main(int argc, char **argv) {
     }
     free(buf);
     for (int i = 0; i < 3; i++) k3_tok_destroy(g_tok[i]);
-    printf("fuzz_tokenizer: %ld inputs, %zu bytes, %zu valid UTF-8 (both kinds must occur): OK\n", n_random,
-           total, n_valid);
+    printf("fuzz_tokenizer: %ld inputs, %zu bytes, %zu valid UTF-8 (both kinds must occur): OK\n",
+           n_random, total, n_valid);
     return n_valid > 0 && n_valid < (size_t)n_random ? 0 : 1;
 }
 #endif

@@ -19,7 +19,8 @@ static k3_sampler *mk(k3_sampler_params p, int64_t n) {
     return s;
 }
 
-static void check_probs(k3_sampler *s, const float *logits, const double *want, int n, const char *what) {
+static void check_probs(k3_sampler *s, const float *logits, const double *want, int n,
+                        const char *what) {
     float probs[16];
     K3_CHECK_OK(k3_sampler_probs(s, logits, probs));
     bool ok = true;
@@ -47,8 +48,11 @@ static void test_exact(void) {
     /* rep 2, presence 0.5, frequency 0.25; history 1,1,2.
      * id1: 4/2 - 0.25*2 - 0.5 = 1.0; id2: -2*2 - 0.25 - 0.5 = -4.75; ids 0, 3 untouched. */
     const float lp[4] = {1, 4, -2, 3};
-    s = mk((k3_sampler_params){.temperature = 1, .repetition_penalty = 2, .presence_penalty = 0.5f,
-                               .frequency_penalty = 0.25f}, 4);
+    s = mk((k3_sampler_params){.temperature = 1,
+                               .repetition_penalty = 2,
+                               .presence_penalty = 0.5f,
+                               .frequency_penalty = 0.25f},
+           4);
     const int32_t hist[] = {1, 1, 2};
     K3_CHECK_OK(k3_sampler_accept_prompt(s, hist, 3));
     K3_CHECK_OK(k3_sampler_process_logits(s, lp, out));
@@ -61,13 +65,13 @@ static void test_exact(void) {
     s = mk((k3_sampler_params){.temperature = 1, .frequency_penalty = 1, .penalty_last_n = 2}, 4);
     K3_CHECK_OK(k3_sampler_accept_prompt(s, hist, 3));
     K3_CHECK_OK(k3_sampler_process_logits(s, z, out));
-    K3_CHECK(out[0] == 0 && out[1] == -1 && out[2] == -1 && out[3] == 0, "window: %g %g %g %g", out[0],
-             out[1], out[2], out[3]);
+    K3_CHECK(out[0] == 0 && out[1] == -1 && out[2] == -1 && out[3] == 0, "window: %g %g %g %g",
+             out[0], out[1], out[2], out[3]);
     const int32_t more[] = {3, 3};
     K3_CHECK_OK(k3_sampler_accept_prompt(s, more, 2)); /* window = {3, 3} */
     K3_CHECK_OK(k3_sampler_process_logits(s, z, out));
-    K3_CHECK(out[0] == 0 && out[1] == 0 && out[2] == 0 && out[3] == -2, "window slides: %g %g %g %g",
-             out[0], out[1], out[2], out[3]);
+    K3_CHECK(out[0] == 0 && out[1] == 0 && out[2] == 0 && out[3] == -2,
+             "window slides: %g %g %g %g", out[0], out[1], out[2], out[3]);
     K3_CHECK_OK(k3_sampler_accept_prompt(s, hist, 1)); /* window = {3, 1} */
     K3_CHECK_OK(k3_sampler_process_logits(s, z, out));
     K3_CHECK(out[1] == -1 && out[3] == -1 && out[2] == 0, "window re-adds an evicted id");
@@ -98,31 +102,39 @@ static void test_exact(void) {
     double r[4], sum = 0;
     for (int i = 0; i < 4; i++) sum += r[i] = sqrt(0.1 * (i + 1));
     s = mk((k3_sampler_params){.temperature = 2}, 4);
-    check_probs(s, lq, (double[]){r[0] / sum, r[1] / sum, r[2] / sum, r[3] / sum}, 4, "temperature 2");
+    check_probs(s, lq, (double[]){r[0] / sum, r[1] / sum, r[2] / sum, r[3] / sum}, 4,
+                "temperature 2");
     k3_sampler_destroy(s);
     s = mk((k3_sampler_params){.temperature = 2, .top_p = 0.5f}, 4);
     check_probs(s, lq, (double[]){0, 0, r[2] / (r[2] + r[3]), r[3] / (r[2] + r[3])}, 4,
                 "temperature before top_p");
     k3_sampler_destroy(s);
-    /* min_p on the tempered distribution: T=2, min_p 0.6 -> thr 0.6 * r3 = 0.379 -> keep r2 (0.547), r3. */
+    /* min_p on the tempered distribution: T=2, min_p 0.6 -> thr 0.6 * r3 = 0.379 -> keep r2
+     * (0.547), r3. */
     s = mk((k3_sampler_params){.temperature = 2, .min_p = 0.6f}, 4);
-    check_probs(s, lq, (double[]){0, r[1] / (r[1] + r[2] + r[3]), r[2] / (r[1] + r[2] + r[3]),
-                                  r[3] / (r[1] + r[2] + r[3])}, 4, "min_p on tempered p");
+    check_probs(s, lq,
+                (double[]){0, r[1] / (r[1] + r[2] + r[3]), r[2] / (r[1] + r[2] + r[3]),
+                           r[3] / (r[1] + r[2] + r[3])},
+                4, "min_p on tempered p");
     k3_sampler_destroy(s);
 
     /* Validation. */
     k3_sampler *bad = NULL;
-    K3_CHECK_ERR(k3_sampler_create(&bad, &(k3_sampler_params){.temperature = -1}, 4, NULL), K3_ERR_ARG,
-                 "temperature");
-    K3_CHECK_ERR(k3_sampler_create(&bad, &(k3_sampler_params){.temperature = 1, .top_p = 1.5f}, 4, NULL),
-                 K3_ERR_ARG, "top_p");
-    K3_CHECK_ERR(k3_sampler_create(&bad, &(k3_sampler_params){.temperature = 1, .top_k = -2}, 4, NULL),
-                 K3_ERR_ARG, "top_k");
+    K3_CHECK_ERR(k3_sampler_create(&bad, &(k3_sampler_params){.temperature = -1}, 4, NULL),
+                 K3_ERR_ARG, "temperature");
+    K3_CHECK_ERR(
+        k3_sampler_create(&bad, &(k3_sampler_params){.temperature = 1, .top_p = 1.5f}, 4, NULL),
+        K3_ERR_ARG, "top_p");
+    K3_CHECK_ERR(
+        k3_sampler_create(&bad, &(k3_sampler_params){.temperature = 1, .top_k = -2}, 4, NULL),
+        K3_ERR_ARG, "top_k");
     k3_logit_bias bb = {7, 1};
-    K3_CHECK_ERR(k3_sampler_create(&bad, &(k3_sampler_params){.logit_bias = &bb, .n_logit_bias = 1}, 4, NULL),
+    K3_CHECK_ERR(k3_sampler_create(&bad, &(k3_sampler_params){.logit_bias = &bb, .n_logit_bias = 1},
+                                   4, NULL),
                  K3_ERR_ARG, "logit_bias id 7");
     const char *ss[] = {"x"};
-    K3_CHECK_ERR(k3_sampler_create(&bad, &(k3_sampler_params){.stop_strings = ss, .n_stop_strings = 1}, 4, NULL),
+    K3_CHECK_ERR(k3_sampler_create(
+                     &bad, &(k3_sampler_params){.stop_strings = ss, .n_stop_strings = 1}, 4, NULL),
                  K3_ERR_ARG, "need a tokenizer");
     K3_CHECK(bad == NULL, "no sampler on failure");
     const float nanl[4] = {0, NAN, 0, 0};
@@ -172,14 +184,22 @@ static void test_chi2(void) {
         for (int i = 0; i < K; i++) order[i] = i;
         for (int i = 0; i < K; i++)
             for (int j = i + 1; j < K; j++)
-                if (logits[order[j]] > logits[order[i]]) { int t = order[i]; order[i] = order[j]; order[j] = t; }
+                if (logits[order[j]] > logits[order[i]]) {
+                    int t = order[i];
+                    order[i] = order[j];
+                    order[j] = t;
+                }
         for (int r = 0; r < (top_k ? top_k : K); r++) {
             int i = order[r];
             sum += p[i] = exp(logits[i] / T);
             sum1 += p_t1[i] = exp(logits[i]);
         }
-        for (int i = 0; i < K; i++) { p[i] /= sum; p_t1[i] /= sum1; }
-        k3_sampler *s = mk((k3_sampler_params){.temperature = (float)T, .top_k = top_k, .seed = 7}, K);
+        for (int i = 0; i < K; i++) {
+            p[i] /= sum;
+            p_t1[i] /= sum1;
+        }
+        k3_sampler *s =
+            mk((k3_sampler_params){.temperature = (float)T, .top_k = top_k, .seed = 7}, K);
         int64_t obs[K] = {0};
         for (int64_t d = 0; d < N; d++) {
             int32_t id = -1;
@@ -190,8 +210,9 @@ static void test_chi2(void) {
         int df, df1;
         double x = chi2_stat(obs, p, K, N, &df), x1 = chi2_stat(obs, p_t1, K, N, &df1);
         double crit = chi2_crit(df, K3_TOL_CHI2_Z);
-        printf("  chi2 %s: X2 = %.2f (df %d, critical %.2f at p = %g); vs the T=1 softmax X2 = %.1f\n",
-               top_k ? "T=0.7 top_k=4" : "T=0.7", x, df, crit, K3_TOL_CHI2_PVALUE, x1);
+        printf(
+            "  chi2 %s: X2 = %.2f (df %d, critical %.2f at p = %g); vs the T=1 softmax X2 = %.1f\n",
+            top_k ? "T=0.7 top_k=4" : "T=0.7", x, df, crit, K3_TOL_CHI2_PVALUE, x1);
         K3_CHECK(x < crit, "sampling does not follow softmax(l/T): X2 %.2f >= %.2f", x, crit);
         /* Power: the same draws must reject the wrong distribution (temperature ignored). */
         K3_CHECK(x1 > chi2_crit(df1, K3_TOL_CHI2_Z), "the test cannot tell T=0.7 from T=1");
@@ -224,7 +245,10 @@ static void test_determinism_and_big_vocab(void) {
     double *q = malloc(n * sizeof *q), sum = 0, mx = -1e30;
     int64_t *idx = malloc(n * sizeof *idx);
     for (int64_t i = 0; i < n; i++) mx = l[i] > mx ? l[i] : mx;
-    for (int64_t i = 0; i < n; i++) { sum += q[i] = exp((l[i] - mx) / 0.8); idx[i] = i; }
+    for (int64_t i = 0; i < n; i++) {
+        sum += q[i] = exp((l[i] - mx) / 0.8);
+        idx[i] = i;
+    }
     /* selection by repeated max over the few top entries: the nucleus is small */
     int64_t kept = 0;
     double cum = 0;
@@ -242,8 +266,9 @@ static void test_determinism_and_big_vocab(void) {
         if (pr[i] > 0) nz++;
         ok &= (pr[i] > 0) == (q[i] < 0);
     }
-    K3_CHECK(ok && nz == kept && kept > 10, "top-p nucleus: %lld kept by sampler, %lld by full sort",
-             (long long)nz, (long long)kept);
+    K3_CHECK(ok && nz == kept && kept > 10,
+             "top-p nucleus: %lld kept by sampler, %lld by full sort", (long long)nz,
+             (long long)kept);
     free(q);
     free(idx);
     k3_sampler_destroy(a);
@@ -260,7 +285,8 @@ static k3_stop_kind feed(k3_sampler *s, const k3_tokenizer *t, const char *text,
     K3_CHECK_OK(k3_tok_encode(t, text, strlen(text), true, &ids));
     k3_stop_kind st = K3_STOP_NONE;
     *n_ids = (int)ids.n;
-    for (size_t i = 0; i < ids.n && st == K3_STOP_NONE; i++) K3_CHECK_OK(k3_sampler_accept(s, ids.ids[i], emit, &st));
+    for (size_t i = 0; i < ids.n && st == K3_STOP_NONE; i++)
+        K3_CHECK_OK(k3_sampler_accept(s, ids.ids[i], emit, &st));
     if (st == K3_STOP_NONE) K3_CHECK_OK(k3_sampler_finish(s, emit));
     k3_tok_ids_free(&ids);
     return st;
@@ -274,15 +300,22 @@ static void test_stops(void) {
     if (!t) return;
     int32_t eom = k3_tok_control_ids(t).end_of_msg;
     const char *stops[] = {"world!", "END", "界"};
-    k3_sampler_params P = {.temperature = 1, .stop_ids = &eom, .n_stop_ids = 1, .stop_strings = stops,
+    k3_sampler_params P = {.temperature = 1,
+                           .stop_ids = &eom,
+                           .n_stop_ids = 1,
+                           .stop_strings = stops,
                            .n_stop_strings = 3};
     k3_sampler *s = NULL;
     K3_CHECK_OK(k3_sampler_create(&s, &P, k3_tok_n_vocab(t), t));
-    if (!s) { k3_tok_destroy(t); return; }
+    if (!s) {
+        k3_tok_destroy(t);
+        return;
+    }
     k3_tok_bytes e = {0};
     int n;
     k3_stop_kind st = feed(s, t, "Hello world! more", &e, &n);
-    K3_CHECK(st == K3_STOP_STRING && k3_sampler_matched_stop(s) == 0 && e.n == 6 && !memcmp(e.data, "Hello ", 6),
+    K3_CHECK(st == K3_STOP_STRING && k3_sampler_matched_stop(s) == 0 && e.n == 6 &&
+                 !memcmp(e.data, "Hello ", 6),
              "stop string across tokens: emitted '%s'", e.data ? e.data : "");
     K3_CHECK(n >= 3, "'world!' spans several tokens");
     k3_stop_kind st2;
@@ -290,20 +323,23 @@ static void test_stops(void) {
     e.n = 0;
     k3_sampler_reset(s, 1);
     st = feed(s, t, "the EN of END", &e, &n);
-    K3_CHECK(st == K3_STOP_STRING && e.n == 10 && !memcmp(e.data, "the EN of ", 10), "held prefix released: '%s'",
-             e.data ? e.data : "");
+    K3_CHECK(st == K3_STOP_STRING && e.n == 10 && !memcmp(e.data, "the EN of ", 10),
+             "held prefix released: '%s'", e.data ? e.data : "");
     e.n = 0;
     k3_sampler_reset(s, 1);
     st = feed(s, t, "你好世界!", &e, &n);
-    K3_CHECK(st == K3_STOP_STRING && !strcmp(e.data, "你好世"), "multi-byte stop string: '%s'", e.data);
+    K3_CHECK(st == K3_STOP_STRING && !strcmp(e.data, "你好世"), "multi-byte stop string: '%s'",
+             e.data);
     e.n = 0;
     k3_sampler_reset(s, 1);
     st = feed(s, t, "Hi worl<|end_of_msg|>tail", &e, &n);
-    K3_CHECK(st == K3_STOP_ID && !strcmp(e.data, "Hi worl"), "stop id flushes held text: '%s'", e.data);
+    K3_CHECK(st == K3_STOP_ID && !strcmp(e.data, "Hi worl"), "stop id flushes held text: '%s'",
+             e.data);
     e.n = 0;
     k3_sampler_reset(s, 1);
     st = feed(s, t, "no stop here, EN", &e, &n);
-    K3_CHECK(st == K3_STOP_NONE && !strcmp(e.data, "no stop here, EN"), "finish flushes: '%s'", e.data);
+    K3_CHECK(st == K3_STOP_NONE && !strcmp(e.data, "no stop here, EN"), "finish flushes: '%s'",
+             e.data);
     /* Emission is incremental: text is released before the end when it cannot start a stop. */
     e.n = 0;
     k3_sampler_reset(s, 1);

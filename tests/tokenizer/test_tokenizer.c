@@ -1,7 +1,8 @@
 /* test_tokenizer.c — unit tests of coordinator/k3_tokenizer.h.
  *
  * 1. The 74 regex-piece cases of shared/fixtures/tokenizer/k3-tokenizer-golden.json (pieces made
- *    by tiktoken/fancy-regex with the original K3 pat_str) against k3_tok_split with the K3 pattern.
+ *    by tiktoken/fancy-regex with the original K3 pat_str) against k3_tok_split with the K3
+ * pattern.
  * 2. BPE on a hand-made vocabulary with hand-computed merges (lowest rank first, leftmost on ties),
  *    on both the short-piece scan path and the long-piece heap path.
  * 3. Special tokens: longest match, never produced from text segments, lookup by content,
@@ -24,7 +25,10 @@ static char g_tmp[256];
 
 static void write_file(const char *path, const char *text) {
     FILE *f = fopen(path, "wb");
-    if (!f) { perror(path); exit(1); }
+    if (!f) {
+        perror(path);
+        exit(1);
+    }
     fputs(text, f);
     fclose(f);
 }
@@ -33,7 +37,8 @@ static void b64(const uint8_t *p, size_t n, char *out) {
     static const char *A = "ABCDEFGHIJKLMNOPQRSTUVWXYZabcdefghijklmnopqrstuvwxyz0123456789+/";
     size_t o = 0;
     for (size_t i = 0; i < n; i += 3) {
-        uint32_t w = (uint32_t)p[i] << 16 | (i + 1 < n ? (uint32_t)p[i + 1] << 8 : 0) | (i + 2 < n ? p[i + 2] : 0);
+        uint32_t w = (uint32_t)p[i] << 16 | (i + 1 < n ? (uint32_t)p[i + 1] << 8 : 0) |
+                     (i + 2 < n ? p[i + 2] : 0);
         out[o++] = A[w >> 18 & 63];
         out[o++] = A[w >> 12 & 63];
         out[o++] = i + 1 < n ? A[w >> 6 & 63] : '=';
@@ -95,10 +100,10 @@ static void test_hand_bpe(void) {
     if (!t) return;
     K3_CHECK(k3_tok_n_ranks(t) == 261 && k3_tok_n_vocab(t) == 303, "ranks %lld vocab %lld",
              (long long)k3_tok_n_ranks(t), (long long)k3_tok_n_vocab(t));
-    CHECK_ENC(t, "abcd", false, 258);           /* the whole piece is a token */
-    CHECK_ENC(t, "abcde", false, 258, 'e');     /* ab -> cd -> abcd */
-    CHECK_ENC(t, "aaa", false, 260, 'a');       /* tie: leftmost pair merges first */
-    CHECK_ENC(t, "bcd", false, 'b', 257);       /* cd (257) ranks below bc (259) */
+    CHECK_ENC(t, "abcd", false, 258);       /* the whole piece is a token */
+    CHECK_ENC(t, "abcde", false, 258, 'e'); /* ab -> cd -> abcd */
+    CHECK_ENC(t, "aaa", false, 260, 'a');   /* tie: leftmost pair merges first */
+    CHECK_ENC(t, "bcd", false, 'b', 257);   /* cd (257) ranks below bc (259) */
     CHECK_ENC(t, "xbcdx", false, 'x', 'b', 257, 'x');
     /* Long pieces go through the heap path (> 48 bytes): same rules. */
     {
@@ -131,11 +136,14 @@ static void test_hand_bpe(void) {
     {
         size_t *off = NULL, np = 0;
         K3_CHECK_OK(k3_tok_split(t, "a<s>>b", 6, &off, &np));
-        K3_CHECK(np == 4 && off[1] == 1 && off[3] == 3 && off[5] == 5 && off[7] == 6, "pieces of a<s>>b");
+        K3_CHECK(np == 4 && off[1] == 1 && off[3] == 3 && off[5] == 5 && off[7] == 6,
+                 "pieces of a<s>>b");
         free(off);
     }
-    K3_CHECK(k3_tok_special_id(t, "<s>>") == 301 && k3_tok_special_id(t, "<s>>>") == -1, "special lookup");
-    K3_CHECK(k3_tok_is_special(t, 300) && !k3_tok_is_special(t, 97) && !k3_tok_is_special(t, 299), "is_special");
+    K3_CHECK(k3_tok_special_id(t, "<s>>") == 301 && k3_tok_special_id(t, "<s>>>") == -1,
+             "special lookup");
+    K3_CHECK(k3_tok_is_special(t, 300) && !k3_tok_is_special(t, 97) && !k3_tok_is_special(t, 299),
+             "is_special");
     k3_tok_ctrl c = k3_tok_control_ids(t);
     K3_CHECK(c.open == 302 && c.close == -1 && c.end_of_msg == -1, "control ids by content");
     /* NUL is an ordinary character (encode takes a length). */
@@ -150,7 +158,11 @@ static void test_hand_bpe(void) {
     {
         k3_tok_ids v = {0};
         K3_CHECK_OK(k3_tok_encode(t, "ab", 2, false, &v));
-        K3_CHECK_ERR(k3_tok_encode(t, "ab\xff" "cd", 5, false, &v), K3_ERR_ARG, "byte offset 2");
+        K3_CHECK_ERR(k3_tok_encode(t,
+                                   "ab\xff"
+                                   "cd",
+                                   5, false, &v),
+                     K3_ERR_ARG, "byte offset 2");
         K3_CHECK_ERR(k3_tok_encode(t, "x\xed\xa0\x80", 4, true, &v), K3_ERR_ARG, "byte offset 1");
         K3_CHECK_ERR(k3_tok_encode(t, "\xc3", 1, true, &v), K3_ERR_ARG, "not valid UTF-8");
         K3_CHECK(v.n == 1 && v.ids[0] == 256, "failed encode leaves the output untouched");
@@ -163,8 +175,10 @@ static void test_hand_bpe(void) {
     {
         const char *b;
         size_t nb;
-        K3_CHECK(k3_tok_id_bytes(t, 258, &b, &nb) == K3_OK && nb == 4 && !memcmp(b, "abcd", 4), "id bytes");
-        K3_CHECK(k3_tok_id_bytes(t, 301, &b, &nb) == K3_OK && nb == 4 && !memcmp(b, "<s>>", 4), "special bytes");
+        K3_CHECK(k3_tok_id_bytes(t, 258, &b, &nb) == K3_OK && nb == 4 && !memcmp(b, "abcd", 4),
+                 "id bytes");
+        K3_CHECK(k3_tok_id_bytes(t, 301, &b, &nb) == K3_OK && nb == 4 && !memcmp(b, "<s>>", 4),
+                 "special bytes");
         K3_CHECK_ERR(k3_tok_id_bytes(t, 299, &b, &nb), K3_ERR_ARG, "299");
         K3_CHECK_ERR(k3_tok_id_bytes(t, -1, &b, &nb), K3_ERR_ARG, "-1");
     }
@@ -179,17 +193,22 @@ static void test_load_errors(void) {
     K3_CHECK_ERR(k3_tok_create_tiktoken(&t, "/nonexistent/x.tiktoken", NULL, 0, NULL), K3_ERR_IO,
                  "/nonexistent/x.tiktoken");
     write_file(path, "YQ== 0\n!!!! 1\n");
-    K3_CHECK_ERR(k3_tok_create_tiktoken(&t, path, NULL, 0, NULL), K3_ERR_FORMAT, "bad.tiktoken:2: bad base64");
+    K3_CHECK_ERR(k3_tok_create_tiktoken(&t, path, NULL, 0, NULL), K3_ERR_FORMAT,
+                 "bad.tiktoken:2: bad base64");
     write_file(path, "YQ== 0\nYg== x\n");
-    K3_CHECK_ERR(k3_tok_create_tiktoken(&t, path, NULL, 0, NULL), K3_ERR_FORMAT, "bad.tiktoken:2: bad rank");
+    K3_CHECK_ERR(k3_tok_create_tiktoken(&t, path, NULL, 0, NULL), K3_ERR_FORMAT,
+                 "bad.tiktoken:2: bad rank");
     write_file(path, "YQ== 0\nYg==\n");
-    K3_CHECK_ERR(k3_tok_create_tiktoken(&t, path, NULL, 0, NULL), K3_ERR_FORMAT, "bad.tiktoken:2: expected");
+    K3_CHECK_ERR(k3_tok_create_tiktoken(&t, path, NULL, 0, NULL), K3_ERR_FORMAT,
+                 "bad.tiktoken:2: expected");
     write_file(path, "YQ== 0\nYg== 0\n");
-    K3_CHECK_ERR(k3_tok_create_tiktoken(&t, path, NULL, 0, NULL), K3_ERR_FORMAT, "rank 0 appears twice");
+    K3_CHECK_ERR(k3_tok_create_tiktoken(&t, path, NULL, 0, NULL), K3_ERR_FORMAT,
+                 "rank 0 appears twice");
     write_file(path, "");
     K3_CHECK_ERR(k3_tok_create_tiktoken(&t, path, NULL, 0, NULL), K3_ERR_FORMAT, "no tokens");
     write_hand_vocab(path, 0x41);
-    K3_CHECK_ERR(k3_tok_create_tiktoken(&t, path, NULL, 0, NULL), K3_ERR_FORMAT, "single byte 0x41");
+    K3_CHECK_ERR(k3_tok_create_tiktoken(&t, path, NULL, 0, NULL), K3_ERR_FORMAT,
+                 "single byte 0x41");
     write_hand_vocab(path, -1);
     const k3_tok_special clash[] = {{"<x>", 97}};
     K3_CHECK_ERR(k3_tok_create_tiktoken(&t, path, clash, 1, NULL), K3_ERR_ARG, "collides");
@@ -204,13 +223,15 @@ static void test_load_errors(void) {
     snprintf(path, sizeof path, "%s/tiktoken.model", dir);
     write_hand_vocab(path, -1);
     snprintf(path, sizeof path, "%s/tokenizer_config.json", dir);
-    write_file(path, "{\"added_tokens_decoder\": {\"261\": {\"content\": \"[EOS]\", \"special\": true},"
-                     "\"262\": {\"content\": \"<|end_of_msg|>\"}, \"263\": {\"content\": \"<|open|>\"},"
-                     "\"264\": {\"content\": \"<|close|>\"}, \"265\": {\"content\": \"<|sep|>\"}}}");
+    write_file(path,
+               "{\"added_tokens_decoder\": {\"261\": {\"content\": \"[EOS]\", \"special\": true},"
+               "\"262\": {\"content\": \"<|end_of_msg|>\"}, \"263\": {\"content\": \"<|open|>\"},"
+               "\"264\": {\"content\": \"<|close|>\"}, \"265\": {\"content\": \"<|sep|>\"}}}");
     K3_CHECK_OK(k3_tok_create_model_dir(&t, dir, NULL));
     if (t) {
         k3_tok_ctrl c = k3_tok_control_ids(t);
-        K3_CHECK(c.eos == 261 && c.end_of_msg == 262 && c.open == 263 && c.close == 264 && c.sep == 265,
+        K3_CHECK(c.eos == 261 && c.end_of_msg == 262 && c.open == 263 && c.close == 264 &&
+                     c.sep == 265,
                  "control ids from tokenizer_config.json");
         CHECK_ENC(t, "<|open|>ab<|sep|>", true, 263, 256, 265);
         k3_tok_destroy(t);
@@ -221,7 +242,8 @@ static void test_load_errors(void) {
     write_file(path, "{\"added_tokens_decoder\": {\"300\": {\"contents\": \"[EOS]\"}}}");
     K3_CHECK_ERR(k3_tok_create_model_dir(&t, dir, NULL), K3_ERR_FORMAT, "[\"300\"].content");
     write_file(path, "{\"added_tokens_decoder\": [}");
-    K3_CHECK_ERR(k3_tok_create_model_dir(&t, dir, NULL), K3_ERR_FORMAT, "tokenizer_config.json: not valid JSON");
+    K3_CHECK_ERR(k3_tok_create_model_dir(&t, dir, NULL), K3_ERR_FORMAT,
+                 "tokenizer_config.json: not valid JSON");
     k3_tok_pattern p;
     K3_CHECK_ERR(k3_tok_pattern_from_name("gpt2", &p), K3_ERR_ARG, "gpt2");
 }
@@ -239,7 +261,8 @@ static void test_golden_pieces(const k3_tokenizer *t) {
     const cJSON *cases = cJSON_GetObjectItem(root, "cases"), *c;
     int n_with = 0, n_ok = 0;
     cJSON_ArrayForEach(c, cases) {
-        const cJSON *in = cJSON_GetObjectItem(c, "input"), *pieces = cJSON_GetObjectItem(c, "pieces");
+        const cJSON *in = cJSON_GetObjectItem(c, "input"),
+                    *pieces = cJSON_GetObjectItem(c, "pieces");
         if (!pieces) continue;
         n_with++;
         size_t *off = NULL, np = 0;
@@ -248,62 +271,90 @@ static void test_golden_pieces(const k3_tokenizer *t) {
         bool ok = (int)np == cJSON_GetArraySize(pieces);
         for (size_t i = 0; ok && i < np; i++) {
             const char *want = cJSON_GetArrayItem(pieces, (int)i)->valuestring;
-            ok = strlen(want) == off[2 * i + 1] - off[2 * i] && !memcmp(want, s + off[2 * i], strlen(want));
+            ok = strlen(want) == off[2 * i + 1] - off[2 * i] &&
+                 !memcmp(want, s + off[2 * i], strlen(want));
         }
         if (ok) n_ok++;
         K3_CHECK(ok, "golden pieces of \"%s\"", s);
         free(off);
     }
     cJSON_Delete(root);
-    K3_CHECK(n_with == 74 && n_ok == 74, "%d of %d golden piece cases pass (want 74)", n_ok, n_with);
+    K3_CHECK(n_with == 74 && n_ok == 74, "%d of %d golden piece cases pass (want 74)", n_ok,
+             n_with);
     /* K3 layout at N = max rank + 1 (§4.1): named slots and reserved names. */
     int64_t N = k3_tok_n_ranks(t);
     k3_tok_ctrl ctl = k3_tok_control_ids(t);
-    K3_CHECK(ctl.eos == N + 1 && ctl.end_of_msg == N + 2 && ctl.open == N + 3 && ctl.close == N + 4 &&
-             ctl.sep == N + 5, "K3 control ids at N+1..N+5");
+    K3_CHECK(ctl.eos == N + 1 && ctl.end_of_msg == N + 2 && ctl.open == N + 3 &&
+                 ctl.close == N + 4 && ctl.sep == N + 5,
+             "K3 control ids at N+1..N+5");
     char name[64];
     snprintf(name, sizeof name, "<|reserved_token_%lld|>", (long long)(N + 8));
     K3_CHECK(k3_tok_special_id(t, name) == N + 8, "%s", name);
-    K3_CHECK(k3_tok_special_id(t, "<|media_pad|>") == N + 21 && k3_tok_special_id(t, "[PAD]") == N + 255 &&
-             k3_tok_n_vocab(t) == N + 256, "K3 layout");
+    K3_CHECK(k3_tok_special_id(t, "<|media_pad|>") == N + 21 &&
+                 k3_tok_special_id(t, "[PAD]") == N + 255 && k3_tok_n_vocab(t) == N + 256,
+             "K3 layout");
 }
 
 static void test_decode(const k3_tokenizer *t) {
     /* bytes -> CPython bytes.decode("utf-8", "replace"), expected values computed with CPython. */
-    static const struct { const char *in; size_t n; const char *want; } rep[] = {
+    static const struct {
+        const char *in;
+        size_t n;
+        const char *want;
+    } rep[] = {
         {"\xe4\xbd", 2, "\xef\xbf\xbd"},
         {"\xed\xa0\x80", 3, "\xef\xbf\xbd\xef\xbf\xbd\xef\xbf\xbd"},
-        {"\xf0\x9f\x98" "a", 4, "\xef\xbf\xbd" "a"},
+        {"\xf0\x9f\x98"
+         "a",
+         4,
+         "\xef\xbf\xbd"
+         "a"},
         {"\xff\xfe", 2, "\xef\xbf\xbd\xef\xbf\xbd"},
         {"\xc0\xaf", 2, "\xef\xbf\xbd\xef\xbf\xbd"},
         {"\xe0\x80\x80", 3, "\xef\xbf\xbd\xef\xbf\xbd\xef\xbf\xbd"},
         {"\xf4\x90\x80\x80", 4, "\xef\xbf\xbd\xef\xbf\xbd\xef\xbf\xbd\xef\xbf\xbd"},
-        {"a\xf0\x9f\x98\x80" "b", 6, "a\xf0\x9f\x98\x80" "b"},
+        {"a\xf0\x9f\x98\x80"
+         "b",
+         6,
+         "a\xf0\x9f\x98\x80"
+         "b"},
         {"\xe2\x82", 2, "\xef\xbf\xbd"},
         {"\xc3", 1, "\xef\xbf\xbd"},
     };
     for (size_t i = 0; i < K3_ARRAY_LEN(rep); i++) {
         k3_tok_bytes out = {0};
         K3_CHECK_OK(k3_tok_utf8_replace(rep[i].in, rep[i].n, &out));
-        K3_CHECK(out.n == strlen(rep[i].want) && !memcmp(out.data, rep[i].want, out.n), "replace case %zu", i);
+        K3_CHECK(out.n == strlen(rep[i].want) && !memcmp(out.data, rep[i].want, out.n),
+                 "replace case %zu", i);
         k3_tok_bytes_free(&out);
         /* Streaming one byte at a time gives the same text. */
         k3_tok_stream *s = NULL;
         K3_CHECK_OK(k3_tok_stream_create(&s, t));
-        for (size_t k = 0; k < rep[i].n; k++) K3_CHECK_OK(k3_tok_stream_push_bytes(s, rep[i].in + k, 1, &out));
+        for (size_t k = 0; k < rep[i].n; k++)
+            K3_CHECK_OK(k3_tok_stream_push_bytes(s, rep[i].in + k, 1, &out));
         K3_CHECK_OK(k3_tok_stream_finish(s, &out));
-        K3_CHECK(out.n == strlen(rep[i].want) && !memcmp(out.data, rep[i].want, out.n), "stream case %zu", i);
+        K3_CHECK(out.n == strlen(rep[i].want) && !memcmp(out.data, rep[i].want, out.n),
+                 "stream case %zu", i);
         k3_tok_bytes_free(&out);
         k3_tok_stream_destroy(s);
     }
     /* Round trip and streaming over real ids: multi-byte characters split across tokens. */
-    const char *text = "Grüße 👨‍👩‍👧‍👦 中文English混合 مرحبا 𪚥 e\xcc\x81 <|open|> \xf0\x9f\x8f\xb3\xef\xb8\x8f\xe2\x80\x8d\xf0\x9f\x8c\x88";
+    /* Grusse, a ZWJ family emoji, CJK + English, Arabic, U+2A6A5, e + U+0301, <|open|>, the
+     * rainbow flag (ZWJ + VS16): valid UTF-8 spelled in bytes. */
+    const char *text = "Gr\xc3\xbc\xc3\x9f"
+                       "e \xf0\x9f\x91\xa8\xe2\x80\x8d\xf0\x9f\x91\xa9\xe2\x80\x8d"
+                       "\xf0\x9f\x91\xa7\xe2\x80\x8d\xf0\x9f\x91\xa6 \xe4\xb8\xad"
+                       "\xe6\x96\x87"
+                       "English\xe6\xb7\xb7\xe5\x90\x88 \xd9\x85\xd8\xb1\xd8\xad"
+                       "\xd8\xa8\xd8\xa7 \xf0\xaa\x9a\xa5 e\xcc\x81 <|open|> \xf0"
+                       "\x9f\x8f\xb3\xef\xb8\x8f\xe2\x80\x8d\xf0\x9f\x8c\x88";
     for (int special = 0; special < 2; special++) {
         k3_tok_ids ids = {0};
         K3_CHECK_OK(k3_tok_encode(t, text, strlen(text), special, &ids));
         k3_tok_bytes whole = {0}, streamed = {0};
         K3_CHECK_OK(k3_tok_decode(t, ids.ids, ids.n, &whole));
-        K3_CHECK(whole.n == strlen(text) && !memcmp(whole.data, text, whole.n), "decode(encode(s)) == s");
+        K3_CHECK(whole.n == strlen(text) && !memcmp(whole.data, text, whole.n),
+                 "decode(encode(s)) == s");
         k3_tok_stream *s = NULL;
         K3_CHECK_OK(k3_tok_stream_create(&s, t));
         int n_partial = 0;
@@ -320,7 +371,8 @@ static void test_decode(const k3_tokenizer *t) {
             if (streamed.n - before != nb) n_partial++;
         }
         K3_CHECK_OK(k3_tok_stream_finish(s, &streamed));
-        K3_CHECK(streamed.n == whole.n && !memcmp(streamed.data, whole.data, whole.n), "stream == decode");
+        K3_CHECK(streamed.n == whole.n && !memcmp(streamed.data, whole.data, whole.n),
+                 "stream == decode");
         K3_CHECK(n_partial > 0, "the text must split characters across tokens (non-degenerate)");
         k3_tok_stream_destroy(s);
         k3_tok_bytes_free(&whole);

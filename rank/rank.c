@@ -1,0 +1,888 @@
+/* rank.c — k3_rank_run: set-up, partial loading with an aggregate progress bar, the worker loop
+ * of a stage lane, the coordinator loop, the report.
+ *
+ * Wire usage (all messages through comm/, tag = kind):
+ *   BATCH  coordinator -> (stage 0, lane e)   meta = [group, step, all_logits, n_seqs,
+ *                                              (seq, n_tokens) x n_seqs, token ids x T]
+ *   ACTIV  (s, e) -> (s+1, e)                 meta = the same without token ids;
+ *                                              f32 = h [T, D] | bank [n_bank, T, D]
+ *   LOGITS (S-1, e) -> coordinator            meta as ACTIV; f32 = [R, V], R = T (all_logits) or n_seqs
+ *   STOP   coordinator -> every worker, after the last logits arrived.
+ * Every lane of a stage receives the same sequence of (group, step) messages (possibly with no
+ * sequences), so the lanes' MoE collectives line up; a lane with no tokens still serves its
+ * experts at each MoE layer (dispatch with 0 rows).
+ * The loop allocates nothing per step: buffers are sized from the plan's max_tokens up front
+ * (comm buffers grow to the largest message once). */
+#include "k3_rank.h"
+
+#include "k3_comm.h"
+#include "k3_experts.h"
+#include "k3_layers.h"
+
+#include <cjson/cJSON.h>
+#include <errno.h>
+#include <signal.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <unistd.h>
+
+#define META_HDR 4 /* group, step, all_logits, n_seqs */
+
+typedef struct seq_run {
+    const int32_t *prompt;
+    int64_t P, fed;          /* prompt length, tokens fed so far */
+    int n_gen;
+    int32_t *gen;            /* [n_new] */
+    int lane, group;
+    int64_t n_tok_step;      /* tokens of this sequence in its group's current step */
+    float *dump;             /* [dump_rows, V] when dumping */
+    int64_t dump_rows;
+} seq_run;
+
+typedef struct group_run {
+    int step;                /* current step id */
+    int pending;             /* LOGITS messages still expected for this step */
+    bool done;
+} group_run;
+
+typedef struct rank_ctx {
+    const k3_rank_opts *o;
+    int rank, world, stage, lane;
+    bool worker, coord;
+    k3_config cfg;
+    k3_plan plan;
+    k3_comm *comm;
+    /* test hooks */
+    int fail_load_rank, fail_decode_rank, fail_decode_step;
+    /* worker */
+    k3_ckpt *ck;
+    k3_weights *w;
+    const k3_weights_view *view;
+    k3_stage *st;
+    k3_seq_state **states;   /* [n_prompts]; non-NULL for this lane's sequences */
+    k3_activ act;
+    float *logits;           /* [max_tokens, V] on the last stage */
+    int64_t max_tokens;
+    int n_forward;
+    int32_t *dest;           /* [max_tokens * K] owner lane per row */
+    float *xscratch;         /* expert-rows scratch */
+    size_t xscratch_floats;
+    uint64_t rows_sent, rows_recv;
+    k3_seq_state **bstates;  /* [n_prompts] batch scratch */
+    int32_t *bntok;          /* [n_prompts] */
+    /* load */
+    bool show_progress;
+    int last_pct_sent;
+    int *pct;                /* [world] rank 0: progress per rank */
+    double load_s;
+    uint64_t bytes_read;
+    /* coordinator */
+    int n_groups;
+    seq_run *seqs;
+    group_run *groups;
+    int32_t *meta;           /* message meta scratch */
+    int64_t meta_cap;
+    uint64_t logits_bytes;
+    int n_logits_msgs;
+    double t_gen0, t_prefill_done;
+} rank_ctx;
+
+/* ---- failure ------------------------------------------------------------------------------ */
+static _Noreturn void die(rank_ctx *r, k3_status s) {
+    if (r->stage >= 0)
+        K3_LOGE("rank %d (stage %d, lane %d) failed: %s: %s", r->rank, r->stage, r->lane, k3_status_name(s),
+                k3_last_error());
+    else
+        K3_LOGE("rank %d (coordinator) failed: %s: %s", r->rank, k3_status_name(s), k3_last_error());
+    if (r->comm) k3_comm_abort(r->comm, 1);
+    k3_comm_world_abort(1);
+}
+#define RTRY(r, expr)                                                                           \
+    do {                                                                                        \
+        k3_status s_ = (expr);                                                                  \
+        if (s_ != K3_OK) die((r), s_);                                                          \
+    } while (0)
+
+static void parse_test_fail(rank_ctx *r) {
+    r->fail_load_rank = r->fail_decode_rank = r->fail_decode_step = -1;
+    const char *t = r->o->test_fail;
+    if (!t || !*t) return;
+    int a = -1, b = -1;
+    if (sscanf(t, "load:%d", &a) == 1) r->fail_load_rank = a;
+    else if (sscanf(t, "decode:%d:%d", &a, &b) == 2) r->fail_decode_rank = a, r->fail_decode_step = b;
+    else if (r->rank == 0) K3_LOGW("K3_TEST_FAIL='%s' not understood (load:RANK | decode:RANK:STEP)", t);
+}
+
+static void maybe_die_now(rank_ctx *r, int count) {
+    if (r->fail_decode_rank == r->rank && count == r->fail_decode_step) {
+        K3_LOGE("rank %d: test hook K3_TEST_FAIL=decode:%d:%d: killing myself with SIGKILL", r->rank, r->rank,
+                count);
+        raise(SIGKILL);
+    }
+}
+
+/* ---- prompts ------------------------------------------------------------------------------ */
+k3_status k3_rank_parse_prompts(const char *text, int32_t **ids, int64_t **lens, int *n_prompts) {
+    *ids = NULL;
+    *lens = NULL;
+    *n_prompts = 0;
+    size_t n = strlen(text);
+    int np = 1;
+    for (size_t i = 0; i < n; i++) np += text[i] == ';';
+    K3_TRY(k3_alloc((void **)ids, (n / 2 + 2) * sizeof(int32_t), "prompt ids"));
+    k3_status st = k3_calloc((void **)lens, (size_t)np * sizeof(int64_t), "prompt lengths");
+    if (st != K3_OK) {
+        k3_free(*ids);
+        *ids = NULL;
+        return st;
+    }
+    const char *p = text;
+    int k = 0;
+    int64_t tot = 0;
+    while (1) {
+        while (*p == ' ') p++;
+        if (*p == ';' || *p == 0) {
+            if ((*lens)[k] == 0) {
+                st = K3_ERR(K3_ERR_ARG, "--prompt-ids: prompt %d is empty", k + 1);
+                goto fail;
+            }
+            if (*p == 0) break;
+            k++;
+            p++;
+            continue;
+        }
+        char *end;
+        errno = 0;
+        long v = strtol(p, &end, 10);
+        if (end == p || errno || v < 0 || v > INT32_MAX) {
+            st = K3_ERR(K3_ERR_ARG, "--prompt-ids: prompt %d, id %lld: '%.12s' is not a token id", k + 1,
+                        (long long)(*lens)[k] + 1, p);
+            goto fail;
+        }
+        (*ids)[tot++] = (int32_t)v;
+        (*lens)[k]++;
+        p = end;
+        while (*p == ' ') p++;
+        if (*p == ',') {
+            p++;
+            while (*p == ' ') p++;
+            if (*p == ';' || *p == 0) {
+                st = K3_ERR(K3_ERR_ARG, "--prompt-ids: prompt %d ends with ','", k + 1);
+                goto fail;
+            }
+        } else if (*p != ';' && *p != 0) {
+            st = K3_ERR(K3_ERR_ARG, "--prompt-ids: prompt %d: unexpected '%c'", k + 1, *p);
+            goto fail;
+        }
+    }
+    *n_prompts = k + 1;
+    return K3_OK;
+fail:
+    k3_free(*ids), k3_free(*lens);
+    *ids = NULL, *lens = NULL;
+    return st;
+}
+
+/* ---- set-up ------------------------------------------------------------------------------- */
+static int ceil_div(int a, int b) { return (a + b - 1) / b; }
+
+/* Usage-type problems are identical on every rank: all return 2, rank 0 prints. Others: agree on
+ * the worst status so nobody hangs in the next collective. */
+static int setup(rank_ctx *r) {
+    const k3_rank_opts *o = r->o;
+    k3_status st = K3_OK;
+    char *map = NULL;
+    if (o->n_prompts < 1 || o->n_new < 0 || o->chunk < 0)
+        st = K3_ERR(K3_ERR_ARG, "run: need at least one prompt, --n >= 0 and --chunk >= 0");
+    if (st == K3_OK) st = k3_config_load(o->model_dir, &r->cfg);
+    if (st == K3_OK && o->expert_map_path) {
+        size_t nb;
+        st = k3_read_file(o->expert_map_path, &map, &nb);
+    }
+    int64_t maxP = 0;
+    for (int i = 0; i < o->n_prompts; i++) maxP = K3_MAX(maxP, o->prompt_lens[i]);
+    int E = K3_MAX(o->ep, 1), S = K3_MAX(o->pp, 1);
+    r->n_groups = K3_MAX(1, K3_MIN(S, ceil_div(o->n_prompts, E)));
+    /* the most sequences one lane has in one group */
+    int most = 0;
+    for (int e = 0; e < E; e++)
+        for (int g = 0; g < r->n_groups; g++) {
+            int n = 0;
+            for (int i = 0; i < o->n_prompts; i++) n += (i % E == e) && ((i / E) % r->n_groups == g);
+            most = K3_MAX(most, n);
+        }
+    int64_t step = o->chunk > 0 ? K3_MIN(o->chunk, maxP) : maxP;
+    r->max_tokens = K3_MAX(1, (int64_t)most * K3_MAX(step, 1));
+    if (st == K3_OK) {
+        k3_plan_req req = {.world = r->world, .pp = o->pp, .ep = o->ep, .coord = o->coord, .expert_map = map,
+                           .expert_map_name = o->expert_map_path, .max_ctx = maxP + o->n_new,
+                           .max_seqs_per_lane = ceil_div(o->n_prompts, E), .max_tokens = r->max_tokens};
+        st = k3_plan_make(&r->cfg, &req, &r->plan);
+    }
+    k3_free(map);
+    /* agree before anything collective: 0 ok, 1 usage error, 2 other error */
+    int local = st == K3_OK ? 0 : (st == K3_ERR_ARG ? 1 : 2), worst = 0;
+    k3_status st2 = k3_comm_world_max(local, &worst, o->comm_timeout_s > 0 ? o->comm_timeout_s : 600);
+    if (st2 != K3_OK) die(r, st2);
+    /* a usage error is the same on every rank: rank 0 prints it; other errors each rank prints */
+    if (local == 2 || (local == 1 && r->rank == 0))
+        fprintf(stderr, "k3 run: %s%s\n", local == 2 && r->world > 1 ? "" : "", k3_last_error());
+    if (local == 2 && r->world > 1) K3_LOGE("rank %d failed during set-up (see above)", r->rank);
+    if (worst) return worst == 1 ? 2 : 1;
+    return 0;
+}
+
+/* ---- loading ------------------------------------------------------------------------------ */
+static bool expert_owned(void *ctx, int layer, int expert) {
+    rank_ctx *r = ctx;
+    return k3_plan_owner_lane(&r->plan, layer, expert) == r->lane;
+}
+
+static void draw_progress(rank_ctx *r) {
+    double have = 0, tot = 0;
+    int done = 0;
+    for (int i = 0; i < r->world; i++) {
+        double w = (double)r->plan.mem[i].weights;
+        have += w * r->pct[i] / 100.0;
+        tot += w;
+        done += r->pct[i] >= 100;
+    }
+    double f = tot > 0 ? have / tot : 1;
+    char bar[41];
+    int n = (int)(f * 40 + 0.5);
+    for (int i = 0; i < 40; i++) bar[i] = i < n ? '#' : ' ';
+    bar[40] = 0;
+    fprintf(stderr, "\r[k3] loading [%s] %3.0f%%  %.1f of %.1f MB, %d/%d ranks done", bar, f * 100, have / 1e6,
+            tot / 1e6, done, r->world);
+    fflush(stderr);
+}
+
+static void poll_progress(rank_ctx *r) {
+    for (;;) {
+        k3_msg m;
+        bool got = false;
+        RTRY(r, k3_comm_try_recv(r->comm, K3_ANY_RANK, K3_MSG_PROGRESS, &m, &got));
+        if (!got) return;
+        if (m.hdr.n_meta >= 1 && m.src >= 0 && m.src < r->world) r->pct[m.src] = K3_MAX(r->pct[m.src], m.meta[0]);
+    }
+}
+
+static void send_progress(rank_ctx *r, int pct) {
+    if (r->rank == 0) {
+        r->pct[0] = pct;
+        poll_progress(r);
+        draw_progress(r);
+        return;
+    }
+    int32_t m = pct;
+    RTRY(r, k3_comm_send(r->comm, 0, (k3_msg_hdr){.kind = K3_MSG_PROGRESS}, &m, 1, NULL, 0));
+}
+
+static void on_progress(void *ctx, uint64_t done, uint64_t total) {
+    rank_ctx *r = ctx;
+    if (!r->show_progress || total == 0) return;
+    int pct = (int)(100.0 * (double)done / (double)total);
+    pct = pct >= 100 ? 100 : pct / 25 * 25; /* a few reports per rank keep it cheap */
+    if (pct > r->last_pct_sent) {
+        r->last_pct_sent = pct;
+        send_progress(r, pct);
+    }
+}
+
+static void load(rank_ctx *r) {
+    double t0 = k3_now_s();
+    if (r->worker) {
+        if (r->fail_load_rank == r->rank)
+            die(r, K3_ERR(K3_ERR_IO, "test hook K3_TEST_FAIL=load:%d: failing the load on purpose", r->rank));
+        RTRY(r, k3_ckpt_open(r->o->model_dir, &r->ck));
+        int S = r->plan.n_stages;
+        k3_load_sel sel = {.layer_begin = r->plan.stage_begin[r->stage],
+                           .layer_end = r->plan.stage_begin[r->stage + 1],
+                           .embed = r->stage == 0,
+                           .head = r->stage == S - 1,
+                           .expert_owned = expert_owned,
+                           .ctx = r,
+                           .progress = on_progress};
+        RTRY(r, k3_weights_load(r->ck, &r->cfg, &sel, &r->w));
+        r->view = k3_weights_get(r->w);
+        r->bytes_read = k3_ckpt_bytes_read(r->ck);
+        /* the loader must have honoured the plan: own experts present, others absent */
+        for (int l = sel.layer_begin; l < sel.layer_end; l++) {
+            const k3_layer_w *lw = &r->view->layers[l];
+            if (!lw->present) die(r, K3_ERR(K3_ERR_INTERNAL, "layer %d of my stage was not loaded", l));
+            if (!k3_config_is_moe(&r->cfg, l)) continue;
+            for (int x = 0; x < r->cfg.n_experts; x++) {
+                bool own = k3_plan_owner_lane(&r->plan, l, x) == r->lane;
+                const k3_expert_w *ew = &lw->experts[x];
+                bool loaded = ew->w1.data && ew->w2.data && ew->w3.data;
+                if (loaded != own || (ew->present && !loaded))
+                    die(r, K3_ERR(K3_ERR_INTERNAL, "layer %d expert %d: loaded=%d but the plan says owned=%d", l,
+                                  x, loaded, own));
+            }
+        }
+        if (r->show_progress && r->last_pct_sent < 100) {
+            r->last_pct_sent = 100;
+            send_progress(r, 100);
+        }
+    }
+    r->load_s = k3_now_s() - t0;
+    if (r->worker)
+        K3_LOGI("loaded %.2f MB in %.2f s (%.2f GB/s); plan: %.2f MB", r->bytes_read / 1e6, r->load_s,
+                r->load_s > 0 ? r->bytes_read / 1e9 / r->load_s : 0.0, r->plan.mem[r->rank].weights / 1e6);
+    if (r->rank == 0 && r->show_progress) { /* wait for everyone's last report */
+        r->pct[0] = 100 * r->worker + 100 * !r->worker;
+        double t1 = k3_now_s();
+        int backoff = 0;
+        for (;;) {
+            poll_progress(r);
+            int done = 0;
+            for (int i = 0; i < r->world; i++) done += r->pct[i] >= 100 || !k3_plan_coords(&r->plan, i, NULL, NULL);
+            draw_progress(r);
+            if (done == r->world) break;
+            if (k3_now_s() - t1 > (r->o->comm_timeout_s > 0 ? r->o->comm_timeout_s : 600))
+                die(r, K3_ERR(K3_ERR_COMM, "load progress: some rank did not finish loading in time"));
+            k3_comm_idle(r->comm, &backoff);
+        }
+        fprintf(stderr, "\n");
+    }
+}
+
+/* ---- the MoE exchange hook ---------------------------------------------------------------- */
+static k3_status xchg_run(void *ctx, int layer, const float *rows, const int32_t *expert, int64_t n, float *out) {
+    rank_ctx *r = ctx;
+    const int64_t W = k3_moe_row_width(&r->cfg);
+    if (n > r->max_tokens * r->cfg.n_experts_per_tok)
+        return K3_ERR(K3_ERR_STATE, "MoE exchange: %lld rows exceed the planned %lld", (long long)n,
+                      (long long)(r->max_tokens * r->cfg.n_experts_per_tok));
+    for (int64_t i = 0; i < n; i++) {
+        if (expert[i] < 0 || expert[i] >= r->cfg.n_experts)
+            return K3_ERR(K3_ERR_INTERNAL, "MoE exchange: layer %d row %lld has expert %d", layer, (long long)i,
+                          expert[i]);
+        r->dest[i] = k3_plan_owner_lane(&r->plan, layer, expert[i]);
+    }
+    k3_dispatch_view v;
+    K3_TRY(k3_comm_dispatch(r->comm, rows, n, W, expert, r->dest, &v));
+    size_t need = k3_moe_rows_scratch_floats(&r->cfg, v.n_recv);
+    if (need > r->xscratch_floats) { /* only if more rows arrive than the plan's worst case */
+        k3_free(r->xscratch);
+        r->xscratch = NULL;
+        r->xscratch_floats = 0;
+        K3_TRY(k3_alloc((void **)&r->xscratch, need * sizeof(float), "expert scratch"));
+        r->xscratch_floats = need;
+    }
+    if (v.n_recv > 0)
+        K3_TRY(k3_moe_expert_rows(k3_stage_get_params(r->st)->ops ? k3_stage_get_params(r->st)->ops
+                                                                  : k3_ops_default(),
+                                  &r->cfg, &r->view->layers[layer], v.rows, v.expert, v.n_recv, v.out,
+                                  r->xscratch));
+    r->rows_sent += (uint64_t)n;
+    r->rows_recv += (uint64_t)v.n_recv;
+    return k3_comm_combine(r->comm, out);
+}
+
+/* ---- worker ------------------------------------------------------------------------------- */
+static void worker_init(rank_ctx *r) {
+    const k3_rank_opts *o = r->o;
+    int S = r->plan.n_stages;
+    int threads = o->n_threads > 0 ? o->n_threads : (r->world > 1 ? 1 : 0);
+    k3_stage_params sp = {.cfg = &r->cfg, .w = r->view, .ops = NULL,
+                          .layer_begin = r->plan.stage_begin[r->stage],
+                          .layer_end = r->plan.stage_begin[r->stage + 1], .first = r->stage == 0,
+                          .last = r->stage == S - 1, .max_tokens = r->max_tokens, .n_threads = threads,
+                          .kda_chunk = o->kda_chunk};
+    RTRY(r, k3_stage_create(&sp, &r->st));
+    RTRY(r, k3_calloc((void **)&r->states, (size_t)o->n_prompts * sizeof *r->states, "seq states"));
+    RTRY(r, k3_calloc((void **)&r->bstates, (size_t)o->n_prompts * sizeof *r->bstates, "batch states"));
+    RTRY(r, k3_calloc((void **)&r->bntok, (size_t)o->n_prompts * sizeof *r->bntok, "batch tokens"));
+    for (int i = 0; i < o->n_prompts; i++)
+        if (k3_plan_lane_of_seq(&r->plan, i) == r->lane)
+            RTRY(r, k3_seq_state_create(r->st, o->prompt_lens[i] + o->n_new, &r->states[i]));
+    RTRY(r, k3_activ_alloc(&r->act, &r->cfg, r->max_tokens));
+    if (r->stage == S - 1)
+        RTRY(r, k3_alloc((void **)&r->logits, (size_t)r->max_tokens * (size_t)r->cfg.vocab_size * sizeof(float),
+                         "logits"));
+    int64_t rows = r->max_tokens * r->cfg.n_experts_per_tok;
+    RTRY(r, k3_alloc((void **)&r->dest, (size_t)K3_MAX(rows, 1) * sizeof(int32_t), "dispatch lanes"));
+    /* worst case: every lane of the stage sends all its rows here */
+    r->xscratch_floats = k3_moe_rows_scratch_floats(&r->cfg, rows * r->plan.n_lanes);
+    RTRY(r, k3_alloc((void **)&r->xscratch, K3_MAX(r->xscratch_floats, 1) * sizeof(float), "expert scratch"));
+}
+
+static void worker_destroy(rank_ctx *r) {
+    if (r->states)
+        for (int i = 0; i < r->o->n_prompts; i++) k3_seq_state_destroy(r->states[i]);
+    k3_free(r->states), k3_free(r->bstates), k3_free(r->bntok);
+    k3_activ_free(&r->act);
+    k3_free(r->logits), k3_free(r->dest), k3_free(r->xscratch);
+    k3_stage_destroy(r->st);
+    k3_weights_destroy(r->w);
+    k3_ckpt_destroy(r->ck);
+}
+
+/* Process one BATCH/ACTIV message and send the result on. */
+static void worker_step(rank_ctx *r, const k3_msg *m) {
+    const int S = r->plan.n_stages, D = (int)r->cfg.hidden_size;
+    const int64_t V = r->cfg.vocab_size;
+    const int32_t *mt = m->meta;
+    char who[32];
+    snprintf(who, sizeof who, "rank %d", m->src);
+    if (m->hdr.n_meta < META_HDR) die(r, K3_ERR(K3_ERR_FORMAT, "step message from %s: %d meta", who, m->hdr.n_meta));
+    int group = mt[0], stepi = mt[1], all_logits = mt[2], n_seqs = mt[3];
+    if (n_seqs < 0 || n_seqs > r->o->n_prompts || m->hdr.n_meta < META_HDR + 2 * n_seqs)
+        die(r, K3_ERR(K3_ERR_FORMAT, "step message from %s: %d sequences, %d meta", who, n_seqs, m->hdr.n_meta));
+    int64_t T = 0;
+    for (int i = 0; i < n_seqs; i++) {
+        int seq = mt[META_HDR + 2 * i], nt = mt[META_HDR + 2 * i + 1];
+        if (seq < 0 || seq >= r->o->n_prompts || !r->states[seq] || nt < 1)
+            die(r, K3_ERR(K3_ERR_FORMAT, "step %d of group %d from %s: sequence %d (%d tokens) is not on lane %d",
+                          stepi, group, who, seq, nt, r->lane));
+        r->bstates[i] = r->states[seq];
+        r->bntok[i] = nt;
+        T += nt;
+    }
+    if (T > r->max_tokens) die(r, K3_ERR(K3_ERR_STATE, "step with %lld tokens > planned %lld", (long long)T, (long long)r->max_tokens));
+    const int32_t *tokens = NULL;
+    if (r->stage == 0) {
+        if (m->hdr.n_meta != META_HDR + 2 * n_seqs + T)
+            die(r, K3_ERR(K3_ERR_FORMAT, "BATCH from %s: %d meta for %lld tokens", who, m->hdr.n_meta, (long long)T));
+        tokens = mt + META_HDR + 2 * n_seqs;
+    } else {
+        if (m->hdr.T != T || m->hdr.D != D || m->hdr.n_bank < 0 || m->hdr.n_bank > k3_activ_max_bank(&r->cfg) ||
+            m->hdr.n_f32 != T * D * (1 + (int64_t)m->hdr.n_bank))
+            die(r, K3_ERR(K3_ERR_FORMAT, "ACTIV from %s: T %lld D %lld bank %d floats %lld (want T %lld D %d)", who,
+                          (long long)m->hdr.T, (long long)m->hdr.D, m->hdr.n_bank, (long long)m->hdr.n_f32,
+                          (long long)T, D));
+        r->act.T = T;
+        r->act.n_bank = m->hdr.n_bank;
+        memcpy(r->act.h, m->f32, (size_t)(T * D) * sizeof(float));
+        if (m->hdr.n_bank) memcpy(r->act.bank, m->f32 + T * D, (size_t)(T * D * m->hdr.n_bank) * sizeof(float));
+    }
+    r->n_forward++;
+    maybe_die_now(r, r->n_forward);
+    const bool moe_remote = r->plan.n_lanes > 1;
+    k3_moe_exchange ex = {.run = xchg_run, .ctx = r};
+    if (n_seqs > 0) {
+        k3_batch b = {.n_seqs = n_seqs, .states = r->bstates, .n_tokens = r->bntok, .token_ids = tokens};
+        RTRY(r, k3_stage_forward(r->st, &b, &r->act, moe_remote ? &ex : NULL, all_logits != 0,
+                                 r->stage == S - 1 ? r->logits : NULL));
+    } else {
+        /* no sequences of this lane in the step: still serve our experts at every MoE layer */
+        r->act.T = 0;
+        r->act.n_bank = 0;
+        if (moe_remote)
+            for (int l = r->plan.stage_begin[r->stage]; l < r->plan.stage_begin[r->stage + 1]; l++)
+                if (k3_config_is_moe(&r->cfg, l)) RTRY(r, xchg_run(r, l, NULL, NULL, 0, NULL));
+    }
+    int n_meta_out = META_HDR + 2 * n_seqs;
+    if (r->stage == S - 1) {
+        int64_t R = n_seqs == 0 ? 0 : (all_logits ? T : n_seqs);
+        RTRY(r, k3_comm_send(r->comm, 0, (k3_msg_hdr){.kind = K3_MSG_LOGITS, .T = R, .D = V}, mt, n_meta_out,
+                             &(k3_f32_seg){r->logits, R * V}, 1));
+    } else {
+        int64_t nb = n_seqs ? r->act.n_bank : 0;
+        k3_f32_seg seg[2] = {{r->act.h, T * D}, {r->act.bank, T * D * nb}};
+        RTRY(r, k3_comm_send(r->comm, k3_plan_rank(&r->plan, r->stage + 1, r->lane),
+                             (k3_msg_hdr){.kind = K3_MSG_ACTIV, .T = T, .n_bank = (int32_t)nb, .D = D}, mt,
+                             n_meta_out, seg, 2));
+    }
+}
+
+/* ---- coordinator -------------------------------------------------------------------------- */
+static bool seq_active(const rank_ctx *r, const seq_run *q) {
+    if (q->fed < q->P) return true;
+    return q->fed - q->P < q->n_gen && q->fed - q->P < r->o->n_new - 1;
+}
+
+static void coord_send_step(rank_ctx *r, int g) {
+    group_run *gr = &r->groups[g];
+    const int E = r->plan.n_lanes;
+    const int n = r->o->n_prompts;
+    bool any = false;
+    for (int i = 0; i < n; i++) any |= r->seqs[i].group == g && seq_active(r, &r->seqs[i]);
+    if (!any) {
+        gr->done = true;
+        return;
+    }
+    gr->step++;
+    gr->pending = E;
+    for (int e = 0; e < E; e++) {
+        int32_t *mt = r->meta;
+        int ns = 0;
+        int64_t T = 0;
+        mt[0] = g, mt[1] = gr->step, mt[2] = r->o->dump_logits != NULL;
+        for (int i = 0; i < n; i++) {
+            seq_run *q = &r->seqs[i];
+            q->n_tok_step = q->group == g && q->lane == e && seq_active(r, q)
+                                ? (q->fed < q->P ? (r->o->chunk > 0 ? K3_MIN(r->o->chunk, q->P - q->fed)
+                                                                    : q->P - q->fed)
+                                                 : 1)
+                                : 0;
+            if (!q->n_tok_step) continue;
+            mt[META_HDR + 2 * ns] = i;
+            mt[META_HDR + 2 * ns + 1] = (int32_t)q->n_tok_step;
+            ns++;
+            T += q->n_tok_step;
+        }
+        mt[3] = ns;
+        int32_t *tok = mt + META_HDR + 2 * ns;
+        for (int j = 0; j < ns; j++) {
+            seq_run *q = &r->seqs[mt[META_HDR + 2 * j]];
+            for (int64_t t = 0; t < q->n_tok_step; t++) {
+                int64_t pos = q->fed + t;
+                *tok++ = pos < q->P ? q->prompt[pos] : q->gen[pos - q->P];
+            }
+            q->fed += q->n_tok_step;
+        }
+        RTRY(r, k3_comm_send(r->comm, k3_plan_rank(&r->plan, 0, e), (k3_msg_hdr){.kind = K3_MSG_BATCH, .T = T},
+                             mt, (int32_t)(META_HDR + 2 * ns + T), NULL, 0));
+    }
+}
+
+static int32_t argmax(const float *x, int64_t n) {
+    int64_t best = 0;
+    for (int64_t i = 1; i < n; i++)
+        if (x[i] > x[best]) best = i;
+    return (int32_t)best;
+}
+
+static void coord_on_logits(rank_ctx *r, const k3_msg *m) {
+    const int64_t V = r->cfg.vocab_size;
+    const int32_t *mt = m->meta;
+    if (m->hdr.n_meta < META_HDR) die(r, K3_ERR(K3_ERR_FORMAT, "LOGITS from rank %d: %d meta", m->src, m->hdr.n_meta));
+    int g = mt[0], stepi = mt[1], all = mt[2], ns = mt[3];
+    if (g < 0 || g >= r->n_groups || stepi != r->groups[g].step || r->groups[g].pending <= 0 || ns < 0 ||
+        m->hdr.n_meta != META_HDR + 2 * ns)
+        die(r, K3_ERR(K3_ERR_FORMAT, "LOGITS from rank %d: group %d step %d (expected step %d), %d sequences",
+                      m->src, g, stepi, g >= 0 && g < r->n_groups ? r->groups[g].step : -1, ns));
+    int64_t T = 0;
+    for (int j = 0; j < ns; j++) T += mt[META_HDR + 2 * j + 1];
+    int64_t R = ns == 0 ? 0 : (all ? T : ns);
+    if (m->hdr.D != V || m->hdr.T != R || m->hdr.n_f32 != R * V)
+        die(r, K3_ERR(K3_ERR_FORMAT, "LOGITS from rank %d: [%lld, %lld] rows, want [%lld, %lld]", m->src,
+                      (long long)m->hdr.T, (long long)m->hdr.D, (long long)R, (long long)V));
+    r->logits_bytes += (uint64_t)m->hdr.n_bytes;
+    r->n_logits_msgs++;
+    if (!r->worker) maybe_die_now(r, r->n_logits_msgs);
+    int64_t row = 0;
+    for (int j = 0; j < ns; j++) {
+        int i = mt[META_HDR + 2 * j], nt = mt[META_HDR + 2 * j + 1];
+        if (i < 0 || i >= r->o->n_prompts) die(r, K3_ERR(K3_ERR_FORMAT, "LOGITS: sequence %d", i));
+        seq_run *q = &r->seqs[i];
+        const float *last;
+        if (all) {
+            if (q->dump) memcpy(q->dump + q->dump_rows * V, m->f32 + row * V, (size_t)(nt * V) * sizeof(float));
+            q->dump_rows += nt;
+            last = m->f32 + (row + nt - 1) * V;
+            row += nt;
+        } else {
+            last = m->f32 + row * V;
+            row++;
+        }
+        if (q->fed >= q->P && q->n_gen < r->o->n_new) {
+            for (int64_t v = 0; v < V; v++)
+                if (last[v] != last[v]) die(r, K3_ERR(K3_ERR_STATE, "sequence %d: NaN logit at vocab %lld", i, (long long)v));
+            q->gen[q->n_gen++] = argmax(last, V);
+        }
+    }
+    if (--r->groups[g].pending == 0) {
+        bool all_first = true;
+        for (int i = 0; i < r->o->n_prompts; i++)
+            all_first &= r->seqs[i].fed >= r->seqs[i].P && (r->seqs[i].n_gen > 0 || r->o->n_new == 0);
+        if (all_first && r->t_prefill_done == 0) r->t_prefill_done = k3_now_s();
+        coord_send_step(r, g);
+    }
+}
+
+static bool coord_done(const rank_ctx *r) {
+    for (int g = 0; g < r->n_groups; g++)
+        if (!r->groups[g].done) return false;
+    return true;
+}
+
+static void coord_init(rank_ctx *r) {
+    const k3_rank_opts *o = r->o;
+    int n = o->n_prompts, E = r->plan.n_lanes;
+    RTRY(r, k3_calloc((void **)&r->seqs, (size_t)n * sizeof *r->seqs, "sequences"));
+    RTRY(r, k3_calloc((void **)&r->groups, (size_t)r->n_groups * sizeof *r->groups, "groups"));
+    const int32_t *p = o->prompt_ids;
+    int64_t maxT = 0;
+    for (int i = 0; i < n; i++) {
+        seq_run *q = &r->seqs[i];
+        q->prompt = p;
+        q->P = o->prompt_lens[i];
+        p += q->P;
+        q->lane = k3_plan_lane_of_seq(&r->plan, i);
+        q->group = (i / E) % r->n_groups;
+        maxT += q->P;
+        RTRY(r, k3_calloc((void **)&q->gen, (size_t)K3_MAX(o->n_new, 1) * sizeof(int32_t), "generated ids"));
+        if (o->dump_logits)
+            RTRY(r, k3_alloc((void **)&q->dump,
+                             (size_t)(q->P + o->n_new) * (size_t)r->cfg.vocab_size * sizeof(float), "logits dump"));
+    }
+    r->meta_cap = META_HDR + 2 * n + maxT + n;
+    RTRY(r, k3_alloc((void **)&r->meta, (size_t)r->meta_cap * sizeof(int32_t), "step meta"));
+}
+
+static void coord_destroy(rank_ctx *r) {
+    if (r->seqs)
+        for (int i = 0; i < r->o->n_prompts; i++) k3_free(r->seqs[i].gen), k3_free(r->seqs[i].dump);
+    k3_free(r->seqs), k3_free(r->groups), k3_free(r->meta);
+}
+
+/* ---- the event loop: coordinator and/or worker on one thread ----------------------------- */
+static void run_loop(rank_ctx *r) {
+    double timeout = r->o->comm_timeout_s > 0 ? r->o->comm_timeout_s : 600;
+    int in_peer = -1;
+    k3_msg_kind in_kind = K3_MSG_BATCH;
+    if (r->worker) {
+        in_peer = r->stage == 0 ? 0 : k3_plan_rank(&r->plan, r->stage - 1, r->lane);
+        in_kind = r->stage == 0 ? K3_MSG_BATCH : K3_MSG_ACTIV;
+    }
+    if (r->coord) {
+        r->t_gen0 = k3_now_s();
+        for (int g = 0; g < r->n_groups; g++) coord_send_step(r, g);
+    }
+    bool worker_live = r->worker, coord_live = r->coord, stop_sent = false;
+    double last = k3_now_s();
+    int backoff = 0;
+    while (worker_live || coord_live) {
+        bool progressed = false;
+        k3_msg m;
+        bool got;
+        if (coord_live) {
+            RTRY(r, k3_comm_try_recv(r->comm, K3_ANY_RANK, K3_MSG_LOGITS, &m, &got));
+            if (got) {
+                coord_on_logits(r, &m);
+                progressed = true;
+            }
+            if (coord_done(r) && !stop_sent) {
+                for (int w = 0; w < r->world; w++)
+                    if (k3_plan_coords(&r->plan, w, NULL, NULL))
+                        RTRY(r, k3_comm_send(r->comm, w, (k3_msg_hdr){.kind = K3_MSG_STOP}, NULL, 0, NULL, 0));
+                stop_sent = true;
+                coord_live = false;
+                progressed = true;
+            }
+        }
+        if (worker_live) {
+            RTRY(r, k3_comm_try_recv(r->comm, in_peer, in_kind, &m, &got));
+            if (got) {
+                worker_step(r, &m);
+                progressed = true;
+            } else {
+                RTRY(r, k3_comm_try_recv(r->comm, 0, K3_MSG_STOP, &m, &got));
+                if (got) worker_live = false, progressed = true;
+            }
+        }
+        if (progressed) {
+            last = k3_now_s();
+            backoff = 0;
+            continue;
+        }
+        if (k3_now_s() - last > timeout) {
+            if (coord_live) {
+                int g = 0;
+                while (g < r->n_groups && r->groups[g].done) g++;
+                die(r, K3_ERR(K3_ERR_COMM,
+                              "coordinator: no logits for micro-batch %d step %d (%d of %d lanes of the last stage, "
+                              "ranks %d-%d, missing) within %.0f s (--comm-timeout)",
+                              g, g < r->n_groups ? r->groups[g].step : -1, g < r->n_groups ? r->groups[g].pending : 0,
+                              r->plan.n_lanes, k3_plan_rank(&r->plan, r->plan.n_stages - 1, 0),
+                              k3_plan_rank(&r->plan, r->plan.n_stages - 1, r->plan.n_lanes - 1), timeout));
+            }
+            die(r, K3_ERR(K3_ERR_COMM, "worker: no %s from rank %d within %.0f s (--comm-timeout)",
+                          in_kind == K3_MSG_BATCH ? "batch" : "activation", in_peer, timeout));
+        }
+        k3_comm_idle(r->comm, &backoff);
+    }
+    RTRY(r, k3_comm_flush(r->comm));
+}
+
+/* ---- output ------------------------------------------------------------------------------- */
+static k3_status write_npy(const char *path, const float *data, int64_t rows, int64_t cols) {
+    char hdr[128];
+    int n = snprintf(hdr, sizeof hdr, "{'descr': '<f4', 'fortran_order': False, 'shape': (%lld, %lld), }",
+                     (long long)rows, (long long)cols);
+    int total = 10 + n + 1;
+    int pad = (64 - total % 64) % 64;
+    FILE *f = fopen(path, "wb");
+    if (!f) return K3_ERR(K3_ERR_IO, "--dump-logits %s: %s", path, strerror(errno));
+    uint16_t hl = (uint16_t)(n + pad + 1);
+    unsigned char magic[8] = {0x93, 'N', 'U', 'M', 'P', 'Y', 1, 0};
+    bool ok = fwrite(magic, 1, 8, f) == 8 && fwrite(&hl, 2, 1, f) == 1 && fwrite(hdr, 1, (size_t)n, f) == (size_t)n;
+    for (int i = 0; i < pad && ok; i++) ok = fputc(' ', f) != EOF;
+    ok = ok && fputc('\n', f) != EOF;
+    ok = ok && fwrite(data, sizeof(float), (size_t)(rows * cols), f) == (size_t)(rows * cols);
+    ok = (fclose(f) == 0) && ok;
+    return ok ? K3_OK : K3_ERR(K3_ERR_IO, "--dump-logits %s: write failed", path);
+}
+
+static cJSON *ids_json(const int32_t *p, int64_t n) {
+    cJSON *a = cJSON_CreateArray();
+    for (int64_t i = 0; i < n; i++) cJSON_AddItemToArray(a, cJSON_CreateNumber(p[i]));
+    return a;
+}
+
+static void report(rank_ctx *r, const uint64_t *bytes, const uint64_t *load_us, double t_end) {
+    const k3_rank_opts *o = r->o;
+    int64_t V = r->cfg.vocab_size;
+    if (o->dump_logits) {
+        int64_t rows = 0;
+        for (int i = 0; i < o->n_prompts; i++) rows += r->seqs[i].dump_rows;
+        float *all = NULL;
+        RTRY(r, k3_alloc((void **)&all, (size_t)K3_MAX(rows, 1) * (size_t)V * sizeof(float), "logits dump"));
+        int64_t off = 0;
+        for (int i = 0; i < o->n_prompts; i++) {
+            memcpy(all + off * V, r->seqs[i].dump, (size_t)(r->seqs[i].dump_rows * V) * sizeof(float));
+            off += r->seqs[i].dump_rows;
+        }
+        k3_status s = write_npy(o->dump_logits, all, rows, V);
+        k3_free(all);
+        RTRY(r, s);
+    }
+    int64_t n_prompt_tok = 0, n_gen_tok = 0;
+    for (int i = 0; i < o->n_prompts; i++) n_prompt_tok += r->seqs[i].P, n_gen_tok += r->seqs[i].n_gen;
+    double load_s = 0;
+    for (int i = 0; i < r->world; i++) load_s = K3_MAX(load_s, load_us[i] / 1e6);
+    double pre = (r->t_prefill_done > 0 ? r->t_prefill_done : t_end) - r->t_gen0, dec = t_end - (r->t_prefill_done > 0 ? r->t_prefill_done : t_end);
+    int64_t n_dec = n_gen_tok - o->n_prompts * (o->n_new > 0);
+    if (!o->json) {
+        for (int i = 0; i < o->n_prompts; i++) {
+            if (o->n_prompts > 1) printf("prompt %d:", i);
+            for (int k = 0; k < r->seqs[i].n_gen; k++) printf(" %d", r->seqs[i].gen[k]);
+            printf("\n");
+        }
+        K3_LOGI("load %.2f s, prefill %.3f s (%.1f tok/s), decode %.3f s (%.1f tok/s), logits %.2f MB in %d messages",
+                load_s, pre, pre > 0 ? n_prompt_tok / pre : 0.0, dec, dec > 0 ? n_dec / dec : 0.0,
+                r->logits_bytes / 1e6, r->n_logits_msgs);
+        return;
+    }
+    cJSON *root = cJSON_CreateObject();
+    cJSON_AddItemToObject(root, "prompt_ids", ids_json(r->seqs[0].prompt, r->seqs[0].P));
+    cJSON_AddItemToObject(root, "generated_ids", ids_json(r->seqs[0].gen, r->seqs[0].n_gen));
+    cJSON *res = cJSON_AddArrayToObject(root, "results");
+    for (int i = 0; i < o->n_prompts; i++) {
+        cJSON *it = cJSON_CreateObject();
+        cJSON_AddItemToObject(it, "prompt_ids", ids_json(r->seqs[i].prompt, r->seqs[i].P));
+        cJSON_AddItemToObject(it, "generated_ids", ids_json(r->seqs[i].gen, r->seqs[i].n_gen));
+        cJSON_AddItemToArray(res, it);
+    }
+    cJSON *tm = cJSON_AddObjectToObject(root, "timings");
+    cJSON_AddNumberToObject(tm, "load_s", load_s);
+    cJSON_AddNumberToObject(tm, "prefill_s", pre);
+    cJSON_AddNumberToObject(tm, "decode_s", dec);
+    cJSON_AddNumberToObject(tm, "prefill_tok_s", pre > 0 ? n_prompt_tok / pre : 0);
+    cJSON_AddNumberToObject(tm, "decode_tok_s", dec > 0 ? n_dec / dec : 0);
+    cJSON *d = cJSON_AddObjectToObject(root, "dist");
+    cJSON_AddNumberToObject(d, "world", r->world);
+    cJSON_AddNumberToObject(d, "pp", r->plan.n_stages);
+    cJSON_AddNumberToObject(d, "ep", r->plan.n_lanes);
+    cJSON_AddStringToObject(d, "coordinator", r->plan.coord == K3_COORD_DEDICATED ? "dedicated" : "shared");
+    cJSON_AddBoolToObject(d, "deterministic", o->deterministic);
+    char hx[24];
+    snprintf(hx, sizeof hx, "%016llx", (unsigned long long)r->plan.hash);
+    cJSON_AddStringToObject(d, "plan_hash", hx);
+    cJSON_AddNumberToObject(d, "micro_batches", r->n_groups);
+    cJSON_AddNumberToObject(d, "logits_bytes", (double)r->logits_bytes);
+    cJSON_AddNumberToObject(d, "logits_messages", r->n_logits_msgs);
+    cJSON *st = cJSON_AddArrayToObject(d, "stages");
+    for (int s = 0; s < r->plan.n_stages; s++) {
+        cJSON *a = cJSON_CreateArray();
+        cJSON_AddItemToArray(a, cJSON_CreateNumber(r->plan.stage_begin[s]));
+        cJSON_AddItemToArray(a, cJSON_CreateNumber(r->plan.stage_begin[s + 1]));
+        cJSON_AddItemToArray(st, a);
+    }
+    cJSON *rk = cJSON_AddArrayToObject(d, "ranks");
+    for (int i = 0; i < r->world; i++) {
+        int s, e;
+        k3_plan_coords(&r->plan, i, &s, &e);
+        cJSON *it = cJSON_CreateObject();
+        cJSON_AddNumberToObject(it, "rank", i);
+        cJSON_AddNumberToObject(it, "stage", s);
+        cJSON_AddNumberToObject(it, "lane", e);
+        cJSON_AddNumberToObject(it, "bytes_read", (double)bytes[i]);
+        cJSON_AddNumberToObject(it, "plan_weight_bytes", (double)r->plan.mem[i].weights);
+        cJSON_AddNumberToObject(it, "load_s", load_us[i] / 1e6);
+        cJSON_AddItemToArray(rk, it);
+    }
+    char *txt = cJSON_PrintUnformatted(root);
+    if (txt) printf("%s\n", txt);
+    cJSON_free(txt);
+    cJSON_Delete(root);
+}
+
+/* ---- entry -------------------------------------------------------------------------------- */
+int k3_rank_run(const k3_rank_opts *o) {
+    rank_ctx r_, *r = &r_;
+    memset(r, 0, sizeof *r);
+    r->o = o;
+    r->stage = r->lane = -1;
+    k3_comm_world(&r->rank, &r->world);
+    parse_test_fail(r);
+    int rc = setup(r);
+    if (rc) {
+        k3_plan_free(&r->plan);
+        return rc;
+    }
+    r->worker = k3_plan_coords(&r->plan, r->rank, &r->stage, &r->lane);
+    r->coord = r->rank == 0;
+    k3_log_set_rank(r->rank, r->stage, r->lane);
+    double tmo = o->comm_timeout_s > 0 ? o->comm_timeout_s : 600;
+    RTRY(r, k3_comm_create_mpi(&(k3_comm_params){.n_stages = r->plan.n_stages, .n_lanes = r->plan.n_lanes,
+                                                 .first_worker = r->plan.first_worker, .timeout_s = tmo},
+                               &r->comm));
+    /* every rank derived the plan itself; they must agree */
+    uint64_t *all = NULL, *bytes = NULL, *load_us = NULL;
+    RTRY(r, k3_calloc((void **)&all, (size_t)r->world * sizeof(uint64_t), "plan hashes"));
+    RTRY(r, k3_calloc((void **)&bytes, (size_t)r->world * sizeof(uint64_t), "bytes read"));
+    RTRY(r, k3_calloc((void **)&load_us, (size_t)r->world * sizeof(uint64_t), "load times"));
+    RTRY(r, k3_comm_allgather_u64(r->comm, r->plan.hash, all));
+    for (int i = 0; i < r->world; i++)
+        if (all[i] != r->plan.hash)
+            die(r, K3_ERR(K3_ERR_STATE, "plan hash differs: rank %d has %016llx, rank %d has %016llx (different "
+                                        "config.json or expert map?)",
+                          r->rank, (unsigned long long)r->plan.hash, i, (unsigned long long)all[i]));
+    if (r->rank == 0) {
+        char table[16384];
+        k3_plan_format(&r->plan, &r->cfg, table, sizeof table);
+        fprintf(stderr, "%s", table);
+        K3_LOGI("%d prompt%s, %d micro-batch%s in flight, %s combine", o->n_prompts, o->n_prompts > 1 ? "s" : "",
+                r->n_groups, r->n_groups > 1 ? "es" : "", o->deterministic ? "deterministic" : "per-row");
+    }
+    int tty = r->rank == 0 && isatty(2);
+    int any_tty = 0;
+    RTRY(r, k3_comm_world_max(tty, &any_tty, tmo));
+    r->show_progress = any_tty != 0;
+    if (r->show_progress && r->rank == 0)
+        RTRY(r, k3_calloc((void **)&r->pct, (size_t)r->world * sizeof(int), "progress"));
+    load(r);
+    RTRY(r, k3_comm_allgather_u64(r->comm, r->bytes_read, bytes));
+    RTRY(r, k3_comm_allgather_u64(r->comm, (uint64_t)(r->load_s * 1e6), load_us));
+    if (r->rank == 0) {
+        uint64_t sum = 0, plan_sum = 0;
+        for (int i = 0; i < r->world; i++) sum += bytes[i], plan_sum += r->plan.mem[i].weights;
+        double ls = 0;
+        for (int i = 0; i < r->world; i++) ls = K3_MAX(ls, load_us[i] / 1e6);
+        K3_LOGI("all ranks loaded %.2f MB in %.2f s (%.2f GB/s aggregate); plan %.2f MB", sum / 1e6, ls,
+                ls > 0 ? sum / 1e9 / ls : 0.0, plan_sum / 1e6);
+        if (sum != plan_sum) K3_LOGW("bytes read (%llu) differ from the plan (%llu)", (unsigned long long)sum,
+                                     (unsigned long long)plan_sum);
+    }
+    if (r->worker) worker_init(r);
+    if (r->coord) coord_init(r);
+    RTRY(r, k3_comm_barrier(r->comm));
+    run_loop(r);
+    double t_end = k3_now_s();
+    if (r->coord) report(r, bytes, load_us, t_end);
+    fflush(stdout);
+    RTRY(r, k3_comm_barrier(r->comm));
+    if (r->worker)
+        K3_LOGD("forward steps %d, MoE rows sent %llu, received %llu", r->n_forward,
+                (unsigned long long)r->rows_sent, (unsigned long long)r->rows_recv);
+    coord_destroy(r);
+    worker_destroy(r);
+    k3_free(all), k3_free(bytes), k3_free(load_us), k3_free(r->pct);
+    k3_comm_destroy(r->comm);
+    k3_plan_free(&r->plan);
+    return 0;
+}
