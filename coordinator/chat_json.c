@@ -16,7 +16,7 @@
 #include <stdio.h>
 #include <stdlib.h>
 
-#define K3_JSON_MAX_DEPTH 500
+#define K3_JSON_MAX_DEPTH      500
 #define K3_JSON_MAX_INT_DIGITS 4300 /* CPython's int_max_str_digits default */
 
 /* ---- buffer -------------------------------------------------------------------------- */
@@ -25,7 +25,8 @@ k3_status k3_chat_buf_put(k3_chat_buf *b, const void *s, size_t n_bytes) {
         size_t cap = b->cap ? b->cap : 64;
         while (cap < b->n + n_bytes + 1) cap *= 2;
         char *p = realloc(b->p, cap);
-        if (!p) return K3_ERR(K3_ERR_NOMEM, "out of memory growing a text buffer to %zu bytes", cap);
+        if (!p)
+            return K3_ERR(K3_ERR_NOMEM, "out of memory growing a text buffer to %zu bytes", cap);
         b->p = p;
         b->cap = cap;
     }
@@ -35,7 +36,9 @@ k3_status k3_chat_buf_put(k3_chat_buf *b, const void *s, size_t n_bytes) {
     return K3_OK;
 }
 
-k3_status k3_chat_buf_puts(k3_chat_buf *b, const char *s) { return k3_chat_buf_put(b, s, strlen(s)); }
+k3_status k3_chat_buf_puts(k3_chat_buf *b, const char *s) {
+    return k3_chat_buf_put(b, s, strlen(s));
+}
 
 void k3_chat_buf_free(k3_chat_buf *b) {
     if (!b) return;
@@ -68,12 +71,18 @@ const k3_chat_json *k3_chat_json_get(const k3_chat_json *obj, const char *key) {
 bool k3_chat_json_truthy(const k3_chat_json *v) {
     if (!v) return false;
     switch (v->kind) {
-    case K3_JSON_NULL: return false;
-    case K3_JSON_BOOL: return v->b;
-    case K3_JSON_INT: return !(v->n == 1 && v->s[0] == '0');
-    case K3_JSON_FLOAT: return v->f != 0.0; /* NaN is truthy in Python too */
-    case K3_JSON_STRING: return v->n > 0;
-    default: return v->n_items > 0;
+    case K3_JSON_NULL:
+        return false;
+    case K3_JSON_BOOL:
+        return v->b;
+    case K3_JSON_INT:
+        return !(v->n == 1 && v->s[0] == '0');
+    case K3_JSON_FLOAT:
+        return v->f != 0.0; /* NaN is truthy in Python too */
+    case K3_JSON_STRING:
+        return v->n > 0;
+    default:
+        return v->n_items > 0;
     }
 }
 
@@ -92,7 +101,8 @@ static k3_status jerr(const jreader *r, const char *msg) {
 }
 
 static void skip_ws(jreader *r) {
-    while (r->p < r->end && (*r->p == ' ' || *r->p == '\t' || *r->p == '\n' || *r->p == '\r')) r->p++;
+    while (r->p < r->end && (*r->p == ' ' || *r->p == '\t' || *r->p == '\n' || *r->p == '\r'))
+        r->p++;
 }
 
 static k3_status new_node(k3_json_kind kind, k3_chat_json **out) {
@@ -110,7 +120,8 @@ static int utf8_len(const unsigned char *p, const unsigned char *end) {
     if (c < 0x80) return 1;
     int n;
     unsigned lo = 0x80, hi = 0xBF;
-    if (c >= 0xC2 && c <= 0xDF) n = 2;
+    if (c >= 0xC2 && c <= 0xDF)
+        n = 2;
     else if (c >= 0xE0 && c <= 0xEF) {
         n = 3;
         if (c == 0xE0) lo = 0xA0;
@@ -119,7 +130,8 @@ static int utf8_len(const unsigned char *p, const unsigned char *end) {
         n = 4;
         if (c == 0xF0) lo = 0x90;
         if (c == 0xF4) hi = 0x8F;
-    } else return 0;
+    } else
+        return 0;
     if (end - p < n) return 0;
     if (p[1] < lo || p[1] > hi) return 0;
     for (int i = 2; i < n; i++)
@@ -130,14 +142,24 @@ static int utf8_len(const unsigned char *p, const unsigned char *end) {
 static k3_status put_utf8(k3_chat_buf *b, uint32_t cp) {
     char u[4];
     size_t n;
-    if (cp < 0x80) { u[0] = (char)cp; n = 1; }
-    else if (cp < 0x800) { u[0] = (char)(0xC0 | (cp >> 6)); u[1] = (char)(0x80 | (cp & 63)); n = 2; }
-    else if (cp < 0x10000) {
-        u[0] = (char)(0xE0 | (cp >> 12)); u[1] = (char)(0x80 | ((cp >> 6) & 63));
-        u[2] = (char)(0x80 | (cp & 63)); n = 3;
+    if (cp < 0x80) {
+        u[0] = (char)cp;
+        n = 1;
+    } else if (cp < 0x800) {
+        u[0] = (char)(0xC0 | (cp >> 6));
+        u[1] = (char)(0x80 | (cp & 63));
+        n = 2;
+    } else if (cp < 0x10000) {
+        u[0] = (char)(0xE0 | (cp >> 12));
+        u[1] = (char)(0x80 | ((cp >> 6) & 63));
+        u[2] = (char)(0x80 | (cp & 63));
+        n = 3;
     } else {
-        u[0] = (char)(0xF0 | (cp >> 18)); u[1] = (char)(0x80 | ((cp >> 12) & 63));
-        u[2] = (char)(0x80 | ((cp >> 6) & 63)); u[3] = (char)(0x80 | (cp & 63)); n = 4;
+        u[0] = (char)(0xF0 | (cp >> 18));
+        u[1] = (char)(0x80 | ((cp >> 12) & 63));
+        u[2] = (char)(0x80 | ((cp >> 6) & 63));
+        u[3] = (char)(0x80 | (cp & 63));
+        n = 4;
     }
     return k3_chat_buf_put(b, u, n);
 }
@@ -146,8 +168,10 @@ static int hex4(const char *p) {
     int v = 0;
     for (int i = 0; i < 4; i++) {
         char c = p[i];
-        int d = c >= '0' && c <= '9' ? c - '0' : c >= 'a' && c <= 'f' ? c - 'a' + 10
-              : c >= 'A' && c <= 'F' ? c - 'A' + 10 : -1;
+        int d = c >= '0' && c <= '9'   ? c - '0'
+                : c >= 'a' && c <= 'f' ? c - 'a' + 10
+                : c >= 'A' && c <= 'F' ? c - 'A' + 10
+                                       : -1;
         if (d < 0) return -1;
         v = v * 16 + d;
     }
@@ -159,43 +183,85 @@ static k3_status read_string(jreader *r, k3_chat_json **out) {
     k3_chat_buf b = {0};
     k3_status s = K3_OK;
     for (;;) {
-        if (r->p >= r->end) { s = jerr(r, "unterminated string"); break; }
+        if (r->p >= r->end) {
+            s = jerr(r, "unterminated string");
+            break;
+        }
         unsigned char c = (unsigned char)*r->p;
-        if (c == '"') { r->p++; break; }
-        if (c < 0x20) { s = jerr(r, "control character in string"); break; }
+        if (c == '"') {
+            r->p++;
+            break;
+        }
+        if (c < 0x20) {
+            s = jerr(r, "control character in string");
+            break;
+        }
         if (c != '\\') {
             int n = utf8_len((const unsigned char *)r->p, (const unsigned char *)r->end);
-            if (!n) { s = jerr(r, "invalid UTF-8"); break; }
+            if (!n) {
+                s = jerr(r, "invalid UTF-8");
+                break;
+            }
             if ((s = k3_chat_buf_put(&b, r->p, (size_t)n))) break;
             r->p += n;
             continue;
         }
-        if (r->end - r->p < 2) { s = jerr(r, "unterminated escape"); break; }
+        if (r->end - r->p < 2) {
+            s = jerr(r, "unterminated escape");
+            break;
+        }
         char e = r->p[1];
         const char *simple = NULL;
         switch (e) {
-        case '"': simple = "\""; break;
-        case '\\': simple = "\\"; break;
-        case '/': simple = "/"; break;
-        case 'b': simple = "\b"; break;
-        case 'f': simple = "\f"; break;
-        case 'n': simple = "\n"; break;
-        case 'r': simple = "\r"; break;
-        case 't': simple = "\t"; break;
-        default: break;
+        case '"':
+            simple = "\"";
+            break;
+        case '\\':
+            simple = "\\";
+            break;
+        case '/':
+            simple = "/";
+            break;
+        case 'b':
+            simple = "\b";
+            break;
+        case 'f':
+            simple = "\f";
+            break;
+        case 'n':
+            simple = "\n";
+            break;
+        case 'r':
+            simple = "\r";
+            break;
+        case 't':
+            simple = "\t";
+            break;
+        default:
+            break;
         }
         if (simple) {
             if ((s = k3_chat_buf_put(&b, simple, 1))) break;
             r->p += 2;
             continue;
         }
-        if (e != 'u') { s = jerr(r, "invalid escape"); break; }
+        if (e != 'u') {
+            s = jerr(r, "invalid escape");
+            break;
+        }
         int cp = r->end - r->p >= 6 ? hex4(r->p + 2) : -1;
-        if (cp < 0) { s = jerr(r, "invalid \\u escape"); break; }
+        if (cp < 0) {
+            s = jerr(r, "invalid \\u escape");
+            break;
+        }
         r->p += 6;
         if (cp >= 0xD800 && cp <= 0xDBFF) {
-            int lo = (r->end - r->p >= 6 && r->p[0] == '\\' && r->p[1] == 'u') ? hex4(r->p + 2) : -1;
-            if (lo < 0xDC00 || lo > 0xDFFF) { s = jerr(r, "lone surrogate in \\u escape"); break; }
+            int lo =
+                (r->end - r->p >= 6 && r->p[0] == '\\' && r->p[1] == 'u') ? hex4(r->p + 2) : -1;
+            if (lo < 0xDC00 || lo > 0xDFFF) {
+                s = jerr(r, "lone surrogate in \\u escape");
+                break;
+            }
             r->p += 6;
             cp = 0x10000 + ((cp - 0xD800) << 10) + (lo - 0xDC00);
         } else if (cp >= 0xDC00 && cp <= 0xDFFF) {
@@ -205,21 +271,32 @@ static k3_status read_string(jreader *r, k3_chat_json **out) {
         if ((s = put_utf8(&b, (uint32_t)cp))) break;
     }
     if (s == K3_OK) s = new_node(K3_JSON_STRING, out);
-    if (s != K3_OK) { k3_chat_buf_free(&b); return s; }
-    if (!b.p && (s = k3_chat_buf_put(&b, "", 0))) { free(*out); *out = NULL; return s; }
+    if (s != K3_OK) {
+        k3_chat_buf_free(&b);
+        return s;
+    }
+    if (!b.p && (s = k3_chat_buf_put(&b, "", 0))) {
+        free(*out);
+        *out = NULL;
+        return s;
+    }
     (*out)->s = b.p;
     (*out)->n = b.n;
     return K3_OK;
 }
 
-static bool is_digit(char c) { return c >= '0' && c <= '9'; }
+static bool is_digit(char c) {
+    return c >= '0' && c <= '9';
+}
 
 static k3_status read_number(jreader *r, k3_chat_json **out) {
     const char *b = r->p, *p = r->p;
     if (p < r->end && *p == '-') p++;
     if (p >= r->end || !is_digit(*p)) return jerr(r, "invalid number");
-    if (*p == '0') p++;
-    else while (p < r->end && is_digit(*p)) p++;
+    if (*p == '0')
+        p++;
+    else
+        while (p < r->end && is_digit(*p)) p++;
     bool is_float = false;
     if (p + 1 < r->end && *p == '.' && is_digit(p[1])) {
         is_float = true;
@@ -238,7 +315,11 @@ static k3_status read_number(jreader *r, k3_chat_json **out) {
     size_t n = (size_t)(p - b);
     K3_TRY(new_node(is_float ? K3_JSON_FLOAT : K3_JSON_INT, out));
     char *s = malloc(n + 1);
-    if (!s) { free(*out); *out = NULL; return K3_ERR(K3_ERR_NOMEM, "out of memory reading a number"); }
+    if (!s) {
+        free(*out);
+        *out = NULL;
+        return K3_ERR(K3_ERR_NOMEM, "out of memory reading a number");
+    }
     memcpy(s, b, n);
     s[n] = 0;
     if (is_float) {
@@ -246,10 +327,16 @@ static k3_status read_number(jreader *r, k3_chat_json **out) {
         free(s);
     } else {
         if (n - (b[0] == '-') > K3_JSON_MAX_INT_DIGITS) {
-            free(s); free(*out); *out = NULL;
+            free(s);
+            free(*out);
+            *out = NULL;
             return jerr(r, "integer has more than 4300 digits");
         }
-        if (strcmp(s, "-0") == 0) { s[0] = '0'; s[1] = 0; n = 1; } /* int("-0") == 0 */
+        if (strcmp(s, "-0") == 0) {
+            s[0] = '0';
+            s[1] = 0;
+            n = 1;
+        } /* int("-0") == 0 */
         (*out)->s = s;
         (*out)->n = n;
     }
@@ -291,19 +378,32 @@ static k3_status read_container(jreader *r, int depth, bool is_obj, k3_chat_json
     char close = is_obj ? '}' : ']';
     r->p++;
     skip_ws(r);
-    if (r->p < r->end && *r->p == close) { r->p++; return K3_OK; }
+    if (r->p < r->end && *r->p == close) {
+        r->p++;
+        return K3_OK;
+    }
     k3_status s = K3_OK;
     for (;;) {
         k3_chat_json *key = NULL, *item = NULL;
         if (is_obj) {
             skip_ws(r);
-            if (r->p >= r->end || *r->p != '"') { s = jerr(r, "expected a property name"); break; }
+            if (r->p >= r->end || *r->p != '"') {
+                s = jerr(r, "expected a property name");
+                break;
+            }
             if ((s = read_string(r, &key))) break;
             skip_ws(r);
-            if (r->p >= r->end || *r->p != ':') { k3_chat_json_free(key); s = jerr(r, "expected ':'"); break; }
+            if (r->p >= r->end || *r->p != ':') {
+                k3_chat_json_free(key);
+                s = jerr(r, "expected ':'");
+                break;
+            }
             r->p++;
         }
-        if ((s = read_value(r, depth + 1, &item))) { k3_chat_json_free(key); break; }
+        if ((s = read_value(r, depth + 1, &item))) {
+            k3_chat_json_free(key);
+            break;
+        }
         size_t dup = v->n_items;
         if (is_obj)
             for (size_t i = 0; i < v->n_items; i++)
@@ -318,12 +418,21 @@ static k3_status read_container(jreader *r, int depth, bool is_obj, k3_chat_json
             break;
         }
         skip_ws(r);
-        if (r->p < r->end && *r->p == ',') { r->p++; continue; }
-        if (r->p < r->end && *r->p == close) { r->p++; break; }
+        if (r->p < r->end && *r->p == ',') {
+            r->p++;
+            continue;
+        }
+        if (r->p < r->end && *r->p == close) {
+            r->p++;
+            break;
+        }
         s = jerr(r, is_obj ? "expected ',' or '}'" : "expected ',' or ']'");
         break;
     }
-    if (s) { k3_chat_json_free(v); *out = NULL; }
+    if (s) {
+        k3_chat_json_free(v);
+        *out = NULL;
+    }
     return s;
 }
 
@@ -357,7 +466,8 @@ static k3_status read_value(jreader *r, int depth, k3_chat_json **out) {
     return jerr(r, "expected a value");
 }
 
-k3_status k3_chat_json_parse(const char *text, size_t n_bytes, const char *what, k3_chat_json **out) {
+k3_status k3_chat_json_parse(const char *text, size_t n_bytes, const char *what,
+                             k3_chat_json **out) {
     *out = NULL;
     jreader r = {.p = text, .end = text + n_bytes, .start = text, .what = what ? what : "JSON"};
     /* Raw bytes outside strings must be JSON syntax (ASCII); inside strings read_string checks
@@ -374,9 +484,18 @@ k3_status k3_chat_json_parse(const char *text, size_t n_bytes, const char *what,
 
 /* ---- writer -------------------------------------------------------------------------- */
 void k3_chat_json_float_repr(double f, char out[32]) {
-    if (isnan(f)) { strcpy(out, "NaN"); return; }
-    if (isinf(f)) { strcpy(out, f < 0 ? "-Infinity" : "Infinity"); return; }
-    if (f == 0.0) { strcpy(out, signbit(f) ? "-0.0" : "0.0"); return; }
+    if (isnan(f)) {
+        strcpy(out, "NaN");
+        return;
+    }
+    if (isinf(f)) {
+        strcpy(out, f < 0 ? "-Infinity" : "Infinity");
+        return;
+    }
+    if (f == 0.0) {
+        strcpy(out, signbit(f) ? "-0.0" : "0.0");
+        return;
+    }
     /* Shortest digit string that round-trips (what repr / dtoa mode 0 produces). */
     char buf[48];
     int p;
@@ -399,22 +518,32 @@ void k3_chat_json_float_repr(double f, char out[32]) {
     if (neg) *o++ = '-';
     if (decpt > -4 && decpt <= 16) { /* Python: exponent form iff decpt <= -4 or decpt > 16 */
         if (decpt <= 0) {
-            *o++ = '0'; *o++ = '.';
-            for (int i = 0; i < -decpt; i++) *o++ = '0';
-            memcpy(o, dig, (size_t)nd); o += nd;
-        } else if (decpt >= nd) {
-            memcpy(o, dig, (size_t)nd); o += nd;
-            for (int i = nd; i < decpt; i++) *o++ = '0';
-            *o++ = '.'; *o++ = '0';
-        } else {
-            memcpy(o, dig, (size_t)decpt); o += decpt;
+            *o++ = '0';
             *o++ = '.';
-            memcpy(o, dig + decpt, (size_t)(nd - decpt)); o += nd - decpt;
+            for (int i = 0; i < -decpt; i++) *o++ = '0';
+            memcpy(o, dig, (size_t)nd);
+            o += nd;
+        } else if (decpt >= nd) {
+            memcpy(o, dig, (size_t)nd);
+            o += nd;
+            for (int i = nd; i < decpt; i++) *o++ = '0';
+            *o++ = '.';
+            *o++ = '0';
+        } else {
+            memcpy(o, dig, (size_t)decpt);
+            o += decpt;
+            *o++ = '.';
+            memcpy(o, dig + decpt, (size_t)(nd - decpt));
+            o += nd - decpt;
         }
         *o = 0;
     } else {
         *o++ = dig[0];
-        if (nd > 1) { *o++ = '.'; memcpy(o, dig + 1, (size_t)(nd - 1)); o += nd - 1; }
+        if (nd > 1) {
+            *o++ = '.';
+            memcpy(o, dig + 1, (size_t)(nd - 1));
+            o += nd - 1;
+        }
         int ae = e10 < 0 ? -e10 : e10; /* |e10| <= 324 for a double */
         *o++ = 'e';
         *o++ = e10 < 0 ? '-' : '+';
@@ -435,14 +564,30 @@ k3_status k3_chat_json_dump_str(const char *s, size_t n_bytes, k3_chat_buf *out)
         run = i + 1;
         char esc[8];
         switch (c) {
-        case '"': strcpy(esc, "\\\""); break;
-        case '\\': strcpy(esc, "\\\\"); break;
-        case '\n': strcpy(esc, "\\n"); break;
-        case '\r': strcpy(esc, "\\r"); break;
-        case '\t': strcpy(esc, "\\t"); break;
-        case '\b': strcpy(esc, "\\b"); break;
-        case '\f': strcpy(esc, "\\f"); break;
-        default: snprintf(esc, sizeof esc, "\\u%04x", c); break;
+        case '"':
+            strcpy(esc, "\\\"");
+            break;
+        case '\\':
+            strcpy(esc, "\\\\");
+            break;
+        case '\n':
+            strcpy(esc, "\\n");
+            break;
+        case '\r':
+            strcpy(esc, "\\r");
+            break;
+        case '\t':
+            strcpy(esc, "\\t");
+            break;
+        case '\b':
+            strcpy(esc, "\\b");
+            break;
+        case '\f':
+            strcpy(esc, "\\f");
+            break;
+        default:
+            snprintf(esc, sizeof esc, "\\u%04x", c);
+            break;
         }
         K3_TRY(k3_chat_buf_puts(out, esc));
     }
@@ -450,7 +595,10 @@ k3_status k3_chat_json_dump_str(const char *s, size_t n_bytes, k3_chat_buf *out)
     return k3_chat_buf_put(out, "\"", 1);
 }
 
-typedef struct keyref { const k3_chat_json *key; size_t idx; } keyref;
+typedef struct keyref {
+    const k3_chat_json *key;
+    size_t idx;
+} keyref;
 
 static int key_cmp(const void *pa, const void *pb) {
     const k3_chat_json *a = ((const keyref *)pa)->key, *b = ((const keyref *)pb)->key;
@@ -464,15 +612,19 @@ k3_status k3_chat_json_dump(const k3_chat_json *v, int flags, k3_chat_buf *out) 
     const char *item_sep = (flags & K3_JSON_COMPACT) ? "," : ", ";
     const char *key_sep = (flags & K3_JSON_COMPACT) ? ":" : ": ";
     switch (v->kind) {
-    case K3_JSON_NULL: return k3_chat_buf_puts(out, "null");
-    case K3_JSON_BOOL: return k3_chat_buf_puts(out, v->b ? "true" : "false");
-    case K3_JSON_INT: return k3_chat_buf_put(out, v->s, v->n);
+    case K3_JSON_NULL:
+        return k3_chat_buf_puts(out, "null");
+    case K3_JSON_BOOL:
+        return k3_chat_buf_puts(out, v->b ? "true" : "false");
+    case K3_JSON_INT:
+        return k3_chat_buf_put(out, v->s, v->n);
     case K3_JSON_FLOAT: {
         char f[32];
         k3_chat_json_float_repr(v->f, f);
         return k3_chat_buf_puts(out, f);
     }
-    case K3_JSON_STRING: return k3_chat_json_dump_str(v->s, v->n, out);
+    case K3_JSON_STRING:
+        return k3_chat_json_dump_str(v->s, v->n, out);
     case K3_JSON_ARRAY:
         K3_TRY(k3_chat_buf_puts(out, "["));
         for (size_t i = 0; i < v->n_items; i++) {

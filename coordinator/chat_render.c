@@ -41,14 +41,15 @@ static k3_status normalise(k3_chat_request *r) {
     if (root->kind != K3_JSON_OBJECT) return K3_ERR(K3_ERR_ARG, "request: must be a JSON object");
     const k3_chat_json *msgs = k3_chat_json_get(root, "messages");
     if (!msgs) return K3_ERR(K3_ERR_ARG, "request: missing \"messages\"");
-    if (msgs->kind != K3_JSON_ARRAY) return K3_ERR(K3_ERR_ARG, "request: \"messages\" must be a list");
+    if (msgs->kind != K3_JSON_ARRAY)
+        return K3_ERR(K3_ERR_ARG, "request: \"messages\" must be a list");
     const k3_chat_json *ctk = k3_chat_json_get(root, "chat_template_kwargs");
     if (ctk && ctk->kind != K3_JSON_NULL && ctk->kind != K3_JSON_OBJECT)
         return K3_ERR(K3_ERR_ARG, "request: \"chat_template_kwargs\" must be an object");
 
-    const k3_chat_json *th = first_set(k3_chat_json_get(ctk, "thinking"),
-                                       k3_chat_json_get(ctk, "enable_thinking"),
-                                       k3_chat_json_get(root, "thinking"));
+    const k3_chat_json *th =
+        first_set(k3_chat_json_get(ctk, "thinking"), k3_chat_json_get(ctk, "enable_thinking"),
+                  k3_chat_json_get(root, "thinking"));
     if (th && th->kind != K3_JSON_BOOL)
         return K3_ERR(K3_ERR_ARG, "request: the thinking switch (chat_template_kwargs.thinking / "
                                   ".enable_thinking / thinking) must be true or false");
@@ -59,15 +60,23 @@ static k3_status normalise(k3_chat_request *r) {
     if (!r->thinking) return K3_OK;
     const k3_chat_json *eff = first_set(k3_chat_json_get(ctk, "thinking_effort"),
                                         k3_chat_json_get(root, "thinking_effort"), re);
-    if (!eff) { r->effort = "max"; return K3_OK; } /* HF apply_chat_template default */
+    if (!eff) {
+        r->effort = "max";
+        return K3_OK;
+    } /* HF apply_chat_template default */
     static const char *const ok[] = {"low", "high", "max"};
     for (size_t i = 0; i < K3_ARRAY_LEN(ok); i++)
-        if (k3_chat_json_is_str(eff, ok[i])) { r->effort = ok[i]; return K3_OK; }
+        if (k3_chat_json_is_str(eff, ok[i])) {
+            r->effort = ok[i];
+            return K3_OK;
+        }
     /* Official encoder: asserts effort in {low, high, max}; `medium` (in the prose, and accepted
      * by the later ggml-org template) is rejected. */
     if (eff->kind == K3_JSON_STRING)
-        return K3_ERR(K3_ERR_ARG, "request: thinking_effort/reasoning_effort '%.40s' is not supported "
-                                  "by Kimi-K3 (use low, high, max, or reasoning_effort none)", eff->s);
+        return K3_ERR(K3_ERR_ARG,
+                      "request: thinking_effort/reasoning_effort '%.40s' is not supported "
+                      "by Kimi-K3 (use low, high, max, or reasoning_effort none)",
+                      eff->s);
     return K3_ERR(K3_ERR_ARG, "request: thinking_effort/reasoning_effort must be a string "
                               "(low, high, max)");
 }
@@ -78,7 +87,10 @@ k3_status k3_chat_request_parse(const char *json, size_t n_bytes, k3_chat_reques
     if (!r) return K3_ERR(K3_ERR_NOMEM, "out of memory allocating a chat request");
     k3_status s = k3_chat_json_parse(json, n_bytes, "request", &r->root);
     if (s == K3_OK) s = normalise(r);
-    if (s != K3_OK) { k3_chat_request_destroy(r); return s; }
+    if (s != K3_OK) {
+        k3_chat_request_destroy(r);
+        return s;
+    }
     *out = r;
     return K3_OK;
 }
@@ -89,8 +101,12 @@ void k3_chat_request_destroy(k3_chat_request *r) {
     free(r);
 }
 
-bool k3_chat_request_thinking(const k3_chat_request *r) { return r->thinking; }
-const char *k3_chat_request_effort(const k3_chat_request *r) { return r->effort; }
+bool k3_chat_request_thinking(const k3_chat_request *r) {
+    return r->thinking;
+}
+const char *k3_chat_request_effort(const k3_chat_request *r) {
+    return r->effort;
+}
 const k3_chat_json *k3_chat_request_tools(const k3_chat_request *r) {
     const k3_chat_json *t = k3_chat_json_get(r->root, "tools");
     return t && t->kind == K3_JSON_ARRAY && t->n_items ? t : NULL;
@@ -132,30 +148,45 @@ static k3_status seg(rctx *c, const char *s, size_t n, bool ctrl) {
     p->n_segs++;
     return K3_OK;
 }
-static k3_status text(rctx *c, const char *s) { return seg(c, s, strlen(s), false); }
-static k3_status ctrl(rctx *c, const char *s) { return seg(c, s, strlen(s), true); }
+static k3_status text(rctx *c, const char *s) {
+    return seg(c, s, strlen(s), false);
+}
+static k3_status ctrl(rctx *c, const char *s) {
+    return seg(c, s, strlen(s), true);
+}
 
 /* Python str(v) for a scalar (attribute values, ids). Containers are an error. */
 static k3_status py_str(const k3_chat_json *v, const char *what, k3_chat_buf *out) {
     out->n = 0;
     switch (v ? v->kind : K3_JSON_NULL) {
-    case K3_JSON_NULL: return k3_chat_buf_puts(out, "None");
-    case K3_JSON_BOOL: return k3_chat_buf_puts(out, v->b ? "True" : "False");
+    case K3_JSON_NULL:
+        return k3_chat_buf_puts(out, "None");
+    case K3_JSON_BOOL:
+        return k3_chat_buf_puts(out, v->b ? "True" : "False");
     case K3_JSON_INT:
-    case K3_JSON_STRING: return k3_chat_buf_put(out, v->s, v->n);
+    case K3_JSON_STRING:
+        return k3_chat_buf_put(out, v->s, v->n);
     case K3_JSON_FLOAT: {
         char f[32];
         k3_chat_json_float_repr(v->f, f);
-        if (strcmp(f, "NaN") == 0) strcpy(f, "nan"); /* str(float) spells these differently */
-        else if (strcmp(f, "Infinity") == 0) strcpy(f, "inf");
-        else if (strcmp(f, "-Infinity") == 0) strcpy(f, "-inf");
+        if (strcmp(f, "NaN") == 0)
+            strcpy(f, "nan"); /* str(float) spells these differently */
+        else if (strcmp(f, "Infinity") == 0)
+            strcpy(f, "inf");
+        else if (strcmp(f, "-Infinity") == 0)
+            strcpy(f, "-inf");
         return k3_chat_buf_puts(out, f);
     }
-    default: return K3_ERR(K3_ERR_ARG, "request: %s must be a string, not a list or object", what);
+    default:
+        return K3_ERR(K3_ERR_ARG, "request: %s must be a string, not a list or object", what);
     }
 }
 
-typedef struct attr { const char *key; const k3_chat_json *val; const char *sval; } attr;
+typedef struct attr {
+    const char *key;
+    const k3_chat_json *val;
+    const char *sval;
+} attr;
 
 /* open_tag(tag, attrs): CTRL <|open|>, TEXT tag, per attr TEXT " key" TEXT `="` TEXT
  * escape(str(v)) TEXT `"`, CTRL <|sep|>. Escaping: & first, then " (< > untouched). */
@@ -167,14 +198,20 @@ static k3_status open_tag(rctx *c, const char *tag, const attr *a, int n_attr, c
     for (int i = 0; s == K3_OK && i < n_attr; i++) {
         char key[64];
         snprintf(key, sizeof key, " %s", a[i].key);
-        if (a[i].sval) { v.n = 0; s = k3_chat_buf_puts(&v, a[i].sval); }
-        else s = py_str(a[i].val, what, &v);
+        if (a[i].sval) {
+            v.n = 0;
+            s = k3_chat_buf_puts(&v, a[i].sval);
+        } else
+            s = py_str(a[i].val, what, &v);
         e.n = 0;
         if (!s) s = k3_chat_buf_put(&e, "", 0);
         for (size_t j = 0; s == K3_OK && j < v.n; j++) {
-            if (v.p[j] == '&') s = k3_chat_buf_puts(&e, "&amp;");
-            else if (v.p[j] == '"') s = k3_chat_buf_puts(&e, "&quot;");
-            else s = k3_chat_buf_put(&e, v.p + j, 1);
+            if (v.p[j] == '&')
+                s = k3_chat_buf_puts(&e, "&amp;");
+            else if (v.p[j] == '"')
+                s = k3_chat_buf_puts(&e, "&quot;");
+            else
+                s = k3_chat_buf_put(&e, v.p + j, 1);
         }
         if (!s) s = text(c, key);
         if (!s) s = text(c, "=\"");
@@ -213,10 +250,11 @@ static k3_status internal_msg(rctx *c, const char *type, const char *body, size_
 static k3_status tool_declare(rctx *c, const k3_chat_json *tools, bool dynamic) {
     k3_chat_buf b = {0};
     k3_status s = k3_chat_buf_puts(
-        &b, dynamic ? "## New Tools Available\nThe system dynamically extends the toolset via "
-                      "lazy-loading.\nYou have access to all existing and extended tools.\nHere are "
-                      "the specs for the extended tools.\n\n```json\n"
-                    : "# Tools\nHere are the available tools, described in JSONSchema.\n\n```json\n");
+        &b, dynamic
+                ? "## New Tools Available\nThe system dynamically extends the toolset via "
+                  "lazy-loading.\nYou have access to all existing and extended tools.\nHere are "
+                  "the specs for the extended tools.\n\n```json\n"
+                : "# Tools\nHere are the available tools, described in JSONSchema.\n\n```json\n");
     if (!s) s = k3_chat_json_dump(tools, K3_JSON_SORT_KEYS | K3_JSON_COMPACT, &b);
     if (!s) s = k3_chat_buf_puts(&b, "\n```");
     if (!s) s = internal_msg(c, "tool-declare", b.p, b.n);
@@ -279,13 +317,19 @@ static bool has_non_space(const char *s, size_t n) {
 /* _xtml_type: bool first, then null, number, string, object, anything else array. */
 static const char *xtml_type(const k3_chat_json *v) {
     switch (v->kind) {
-    case K3_JSON_BOOL: return "boolean";
-    case K3_JSON_NULL: return "null";
+    case K3_JSON_BOOL:
+        return "boolean";
+    case K3_JSON_NULL:
+        return "null";
     case K3_JSON_INT:
-    case K3_JSON_FLOAT: return "number";
-    case K3_JSON_STRING: return "string";
-    case K3_JSON_OBJECT: return "object";
-    default: return "array";
+    case K3_JSON_FLOAT:
+        return "number";
+    case K3_JSON_STRING:
+        return "string";
+    case K3_JSON_OBJECT:
+        return "object";
+    default:
+        return "array";
     }
 }
 
@@ -293,7 +337,8 @@ static const char *xtml_type(const k3_chat_json *v) {
 static k3_status tool_call(rctx *c, const k3_chat_json *tc, size_t i, const char *where) {
     char what[96];
     snprintf(what, sizeof what, "%s.tool_calls[%zu]", where, i - 1);
-    if (tc->kind != K3_JSON_OBJECT) return K3_ERR(K3_ERR_ARG, "request: %s must be an object", what);
+    if (tc->kind != K3_JSON_OBJECT)
+        return K3_ERR(K3_ERR_ARG, "request: %s must be an object", what);
     const k3_chat_json *fn = k3_chat_json_get(tc, "function");
     if (!fn || fn->kind != K3_JSON_OBJECT) fn = tc;
     const k3_chat_json *name = k3_chat_json_get(fn, "name");
@@ -314,16 +359,22 @@ static k3_status tool_call(rctx *c, const k3_chat_json *tc, size_t i, const char
     size_t n_raw = 0;
     if (args && args->kind == K3_JSON_STRING && has_non_space(args->s, args->n)) {
         k3_status ps = k3_chat_json_parse(args->s, args->n, "arguments", &parsed);
-        if (ps != K3_OK) { raw = args->s; n_raw = args->n; k3_clear_error(); }
-        else if (parsed->kind != K3_JSON_OBJECT) {
+        if (ps != K3_OK) {
+            raw = args->s;
+            n_raw = args->n;
+            k3_clear_error();
+        } else if (parsed->kind != K3_JSON_OBJECT) {
             k3_chat_json_free(parsed);
-            return K3_ERR(K3_ERR_ARG, "request: %s.function.arguments is JSON but not an object", what);
+            return K3_ERR(K3_ERR_ARG, "request: %s.function.arguments is JSON but not an object",
+                          what);
         }
         args = parsed;
     } else if (args && args->kind != K3_JSON_NULL && args->kind != K3_JSON_STRING &&
                args->kind != K3_JSON_OBJECT) {
-        return K3_ERR(K3_ERR_ARG, "request: %s.function.arguments must be an object or a JSON "
-                                  "object string", what);
+        return K3_ERR(K3_ERR_ARG,
+                      "request: %s.function.arguments must be an object or a JSON "
+                      "object string",
+                      what);
     }
     k3_status s = K3_OK;
     if (raw) {
@@ -338,7 +389,8 @@ static k3_status tool_call(rctx *c, const k3_chat_json *tc, size_t i, const char
             attr aa[] = {{"key", args->keys[k], NULL}, {"type", NULL, xtml_type(val)}};
             s = open_tag(c, "argument", aa, 2, "argument key");
             if (s) break;
-            if (val->kind == K3_JSON_STRING) s = seg(c, val->s, val->n, false);
+            if (val->kind == K3_JSON_STRING)
+                s = seg(c, val->s, val->n, false);
             else { /* json.dumps default separators, keys not sorted */
                 v.n = 0;
                 s = k3_chat_json_dump(val, 0, &v);
@@ -391,7 +443,8 @@ static k3_status assistant(rctx *c, const k3_chat_json *m, const char *where) {
     K3_TRY(close_tag(c, "response"));
     if (calls && calls->kind == K3_JSON_ARRAY && calls->n_items) {
         K3_TRY(open_tag(c, "tools", NULL, 0, ""));
-        for (size_t i = 0; i < calls->n_items; i++) K3_TRY(tool_call(c, calls->items[i], i + 1, where));
+        for (size_t i = 0; i < calls->n_items; i++)
+            K3_TRY(tool_call(c, calls->items[i], i + 1, where));
         K3_TRY(close_tag(c, "tools"));
     }
     return end_msg(c);
@@ -432,9 +485,11 @@ static k3_status tool_msg(rctx *c, const k3_chat_json *m, const k3_chat_json *re
         c->tool_index <= (int64_t)c->tool_calls->n_items)
         name = k3_chat_json_get(call_fn(c->tool_calls->items[c->tool_index - 1]), "name");
     if (!name || name->kind == K3_JSON_NULL)
-        return K3_ERR(K3_ERR_ARG, "request: %s (role tool) has no resolvable tool name: give it "
-                                  "`tool`/`name` or a tool_call_id of the preceding assistant's "
-                                  "tool_calls", where);
+        return K3_ERR(K3_ERR_ARG,
+                      "request: %s (role tool) has no resolvable tool name: give it "
+                      "`tool`/`name` or a tool_call_id of the preceding assistant's "
+                      "tool_calls",
+                      where);
     char idx[32];
     snprintf(idx, sizeof idx, "%lld", (long long)c->tool_index);
     attr a[] = {{"role", NULL, "tool"}, {"tool", name, NULL}, {"index", NULL, idx}};
@@ -457,7 +512,8 @@ static k3_status tool_run(rctx *c, const k3_chat_json *msgs, size_t i0, size_t i
     for (size_t i = i0; all && i < i1; i++) {
         const k3_chat_json *id = result_id(msgs->items[i]);
         bool found = false;
-        for (size_t k = 0; id && id->kind != K3_JSON_NULL && !found && k < c->tool_calls->n_items; k++) {
+        for (size_t k = 0; id && id->kind != K3_JSON_NULL && !found && k < c->tool_calls->n_items;
+             k++) {
             const k3_chat_json *cid = k3_chat_json_get(c->tool_calls->items[k], "id");
             found = cid && cid->kind != K3_JSON_NULL && same_str(cid, id);
         }
@@ -502,7 +558,8 @@ static k3_status render_all(rctx *c, const k3_chat_request *r, bool gen) {
                          "`thinking_effort` guides on how much to think in your thinking channel "
                          "(not including the response channel), supported values include `low`, "
                          "`medium`, `high`, and `max`.\nNow the system is invoked with "
-                         "`thinking_effort=%s`.", r->effort);
+                         "`thinking_effort=%s`.",
+                         r->effort);
         K3_ASSERT(n > 0 && n < (int)sizeof body);
         K3_TRY(internal_msg(c, "thinking-effort", body, (size_t)n));
     }
@@ -553,12 +610,15 @@ static k3_status render_all(rctx *c, const k3_chat_request *r, bool gen) {
     } /* an object (a named function) produces no message */
 
     const k3_chat_json *rf = k3_chat_json_get(root, "response_format");
-    const k3_chat_json *rtype = rf && rf->kind == K3_JSON_OBJECT ? k3_chat_json_get(rf, "type") : rf;
-    static const char rf_head[] = "Your response must be raw JSON data without markdown code blocks "
-                                  "(```json) or any additional formatting.";
+    const k3_chat_json *rtype =
+        rf && rf->kind == K3_JSON_OBJECT ? k3_chat_json_get(rf, "type") : rf;
+    static const char rf_head[] =
+        "Your response must be raw JSON data without markdown code blocks "
+        "(```json) or any additional formatting.";
     if (k3_chat_json_is_str(rtype, "json_object")) {
         k3_chat_buf b = {0};
-        k3_status s = k3_chat_buf_puts(&b, "The system is invoked with `response_format=json_object`.\n");
+        k3_status s =
+            k3_chat_buf_puts(&b, "The system is invoked with `response_format=json_object`.\n");
         if (!s) s = k3_chat_buf_puts(&b, rf_head);
         if (!s) s = internal_msg(c, "response-format", b.p, b.n);
         k3_chat_buf_free(&b);
@@ -568,15 +628,21 @@ static k3_status render_all(rctx *c, const k3_chat_request *r, bool gen) {
         const k3_chat_json *w = k3_chat_json_get(rf, "json_schema"), *schema = NULL;
         if (w && w->kind != K3_JSON_NULL) {
             schema = w;
-            if (k3_chat_json_get(w, "schema")) schema = k3_chat_json_get(w, "schema");
-            else if (k3_chat_json_get(w, "json_schema")) schema = k3_chat_json_get(w, "json_schema");
+            if (k3_chat_json_get(w, "schema"))
+                schema = k3_chat_json_get(w, "schema");
+            else if (k3_chat_json_get(w, "json_schema"))
+                schema = k3_chat_json_get(w, "json_schema");
         }
         k3_chat_json null_node = {.kind = K3_JSON_NULL};
         k3_chat_buf b = {0};
-        k3_status s = k3_chat_buf_puts(&b, "The system is invoked with `response_format=json_schema`.\n");
+        k3_status s =
+            k3_chat_buf_puts(&b, "The system is invoked with `response_format=json_schema`.\n");
         if (!s) s = k3_chat_buf_puts(&b, rf_head);
-        if (!s) s = k3_chat_buf_puts(&b, "\nThe JSON data must match the following schema:\n```json\n");
-        if (!s) s = k3_chat_json_dump(schema ? schema : &null_node, K3_JSON_SORT_KEYS | K3_JSON_COMPACT, &b);
+        if (!s)
+            s = k3_chat_buf_puts(&b, "\nThe JSON data must match the following schema:\n```json\n");
+        if (!s)
+            s = k3_chat_json_dump(schema ? schema : &null_node, K3_JSON_SORT_KEYS | K3_JSON_COMPACT,
+                                  &b);
         if (!s) s = k3_chat_buf_puts(&b, "\n```");
         if (!s) s = internal_msg(c, "response-format", b.p, b.n);
         k3_chat_buf_free(&b);
@@ -591,7 +657,8 @@ static k3_status render_all(rctx *c, const k3_chat_request *r, bool gen) {
     return K3_OK;
 }
 
-k3_status k3_chat_render(const k3_chat_request *r, bool add_generation_prompt, k3_chat_prompt *out) {
+k3_status k3_chat_render(const k3_chat_request *r, bool add_generation_prompt,
+                         k3_chat_prompt *out) {
     memset(out, 0, sizeof *out);
     rctx c = {.out = out, .thinking = r->thinking};
     k3_status s = render_all(&c, r, add_generation_prompt);
@@ -604,6 +671,18 @@ k3_status k3_chat_render(const k3_chat_request *r, bool add_generation_prompt, k
     out->text = c.text.p;
     out->n_bytes = c.text.n;
     return K3_OK;
+}
+
+k3_status k3_chat_encode(const k3_chat_prompt *p, const k3_tokenizer *t, k3_tok_ids *out) {
+    k3_tok_segment *segs = calloc(p->n_segs + 1, sizeof *segs);
+    if (!segs) return K3_ERR(K3_ERR_NOMEM, "out of memory listing %zu prompt segments", p->n_segs);
+    for (size_t i = 0; i < p->n_segs; i++) {
+        size_t b = i ? p->seg_end[i - 1] : 0;
+        segs[i] = (k3_tok_segment){p->text + b, p->seg_end[i] - b, p->seg_ctrl[i]};
+    }
+    k3_status s = k3_tok_encode_segments(t, segs, p->n_segs, out);
+    free(segs);
+    return s;
 }
 
 k3_status k3_chat_prompt_segments_json(const k3_chat_prompt *p, k3_chat_buf *out) {

@@ -14,6 +14,7 @@
 #define K3_CHAT_H
 
 #include "k3_base.h"
+#include "k3_tokenizer.h"
 
 /* ---- growable byte buffer (always NUL-terminated once non-empty) --------------------- */
 typedef struct k3_chat_buf {
@@ -91,19 +92,22 @@ const k3_chat_json *k3_chat_request_tools(const k3_chat_request *r);
 /* A rendered prompt: the whole text plus its segment boundaries. Segment i is
  * text[start_i .. seg_end[i]) with start_i = i ? seg_end[i-1] : 0; no segment is empty. */
 typedef struct k3_chat_prompt {
-    char *text;       /* (n_bytes + 1) the prompt, NUL-terminated */
+    char *text; /* (n_bytes + 1) the prompt, NUL-terminated */
     size_t n_bytes;
     size_t n_segs;
-    size_t *seg_end;  /* (n_segs) end offset of each segment */
-    bool *seg_ctrl;   /* (n_segs) true: a control segment (encode with specials allowed) */
+    size_t *seg_end; /* (n_segs) end offset of each segment */
+    bool *seg_ctrl;  /* (n_segs) true: a control segment (encode with specials allowed) */
     size_t cap_segs;
 } k3_chat_prompt;
 
 /* Build the segments (§1.2 order). `add_generation_prompt` appends the assistant opener
  * (`think` when thinking is on, `response` when off). On error `out` is left empty. */
-k3_status k3_chat_render(const k3_chat_request *r, bool add_generation_prompt,
-                         k3_chat_prompt *out);
+k3_status k3_chat_render(const k3_chat_request *r, bool add_generation_prompt, k3_chat_prompt *out);
 void k3_chat_prompt_free(k3_chat_prompt *p); /* frees the members; NULL-safe */
+
+/* The prompt's token ids, appended to `out`: each segment encoded on its own (§4.6), control
+ * segments with specials allowed, text segments without (user-typed "<|open|>" stays text). */
+k3_status k3_chat_encode(const k3_chat_prompt *p, const k3_tokenizer *t, k3_tok_ids *out);
 
 /* Segments as JSON `[[text, is_control], ...]` (compact, ensure_ascii=False). */
 k3_status k3_chat_prompt_segments_json(const k3_chat_prompt *p, k3_chat_buf *out);

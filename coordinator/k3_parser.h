@@ -63,12 +63,12 @@ typedef struct k3_parser_call {
 } k3_parser_call;
 
 typedef struct k3_parser_message {
-    bool has_reasoning;      /* thinking was on: reasoning_content is reported even if empty */
-    const char *reasoning;   /* (n_reasoning) */
+    bool has_reasoning;    /* thinking was on: reasoning_content is reported even if empty */
+    const char *reasoning; /* (n_reasoning) */
     size_t n_reasoning;
-    const char *content;     /* (n_content) */
+    const char *content; /* (n_content) */
     size_t n_content;
-    k3_parser_call *calls;   /* (n_calls) complete calls, in order */
+    k3_parser_call *calls; /* (n_calls) complete calls, in order */
     size_t n_calls;
     const char *finish_reason; /* NULL before k3_parser_finish */
 } k3_parser_message;
@@ -80,17 +80,17 @@ k3_status k3_parser_message_json(k3_parser *p, k3_chat_buf *out);
 
 /* ---- streaming deltas ----------------------------------------------------------------- */
 typedef struct k3_parser_call_delta {
-    size_t index;       /* OpenAI tool_calls[].index: order in which calls opened */
-    const char *id;     /* non-NULL only in the call's first delta */
-    const char *name;   /* idem */
-    const char *args;   /* (n_args) bytes appended to function.arguments */
+    size_t index;     /* OpenAI tool_calls[].index: order in which calls opened */
+    const char *id;   /* non-NULL only in the call's first delta */
+    const char *name; /* idem */
+    const char *args; /* (n_args) bytes appended to function.arguments */
     size_t n_args;
 } k3_parser_call_delta;
 
 typedef struct k3_parser_delta {
     const char *reasoning; /* (n_reasoning) new reasoning text */
     size_t n_reasoning;
-    const char *content;   /* (n_content) new content text */
+    const char *content; /* (n_content) new content text */
     size_t n_content;
     const k3_parser_call_delta *calls; /* (n_calls) calls with news */
     size_t n_calls;

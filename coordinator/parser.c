@@ -16,8 +16,17 @@
 #include <stdlib.h>
 
 typedef enum {
-    ST_THINK, ST_BETWEEN, ST_RESPONSE, ST_AFTER_RESP, ST_TOOLS, ST_CALL, ST_ARG, ST_JSONBLK,
-    ST_AFTER_TOOLS, ST_DONE, ST_END
+    ST_THINK,
+    ST_BETWEEN,
+    ST_RESPONSE,
+    ST_AFTER_RESP,
+    ST_TOOLS,
+    ST_CALL,
+    ST_ARG,
+    ST_JSONBLK,
+    ST_AFTER_TOOLS,
+    ST_DONE,
+    ST_END
 } pstate;
 
 typedef enum { HDR_NONE, HDR_OPEN, HDR_CLOSE } hdr_kind;
@@ -28,7 +37,7 @@ typedef enum { ARG_STREAM_STRING, ARG_TYPED, ARG_SCHEMA, ARG_SKIP } arg_mode;
 typedef struct pcall {
     char id[32];
     char *name;
-    k3_chat_buf args;  /* function.arguments as built so far */
+    k3_chat_buf args; /* function.arguments as built so far */
     size_t n_args_sent;
     bool header_sent;
     bool complete;             /* its <|close|>call<|sep|> arrived */
@@ -39,24 +48,25 @@ typedef struct pcall {
 struct k3_parser {
     k3_parser_opts o;
     pstate st;
-    bool any_body;  /* a body byte or a non-echo tag arrived (echo tolerance, §2) */
+    bool any_body; /* a body byte or a non-echo tag arrived (echo tolerance, §2) */
     bool finished, ended;
     hdr_kind hdr;
-    k3_chat_buf hbuf;                  /* header text between OPEN/CLOSE and SEP */
-    unsigned char pend[4];             /* held incomplete UTF-8 sequence */
+    k3_chat_buf hbuf;      /* header text between OPEN/CLOSE and SEP */
+    unsigned char pend[4]; /* held incomplete UTF-8 sequence */
     int n_pend;
     k3_chat_buf reasoning, content;
     size_t reasoning_sent, content_sent;
-    pcall *calls;                      /* (n_calls) every call opened, in order */
+    pcall *calls; /* (n_calls) every call opened, in order */
     size_t n_calls, cap_calls;
     /* the argument being read */
     arg_mode amode;
-    char atype[16];                    /* type attribute (ARG_TYPED) */
-    const k3_chat_json *aschema;       /* properties[key] (ARG_SCHEMA), may be NULL */
-    k3_chat_buf araw;                  /* buffered value bytes */
+    char atype[16];              /* type attribute (ARG_TYPED) */
+    const k3_chat_json *aschema; /* properties[key] (ARG_SCHEMA), may be NULL */
+    k3_chat_buf araw;            /* buffered value bytes */
     /* scratch for views / deltas */
-    k3_parser_call *view;
-    k3_parser_call_delta *deltas;
+    k3_parser_call *view;           /* (cap_out) */
+    k3_parser_call_delta *deltas;   /* (cap_out) */
+    size_t cap_out;
     k3_chat_buf tmp;
 };
 
@@ -93,7 +103,9 @@ void k3_parser_destroy(k3_parser *p) {
     free(p);
 }
 
-bool k3_parser_ended(const k3_parser *p) { return p->ended; }
+bool k3_parser_ended(const k3_parser *p) {
+    return p->ended;
+}
 
 /* ---- UTF-8 with Python errors="replace" ------------------------------------------------ */
 static const char REPL[] = "\xEF\xBF\xBD"; /* U+FFFD */
@@ -105,10 +117,18 @@ static int utf8_check(const unsigned char *s, size_t n) {
     if (c < 0x80) return 1;
     int len;
     unsigned lo = 0x80, hi = 0xBF;
-    if (c >= 0xC2 && c <= 0xDF) len = 2;
-    else if (c >= 0xE0 && c <= 0xEF) { len = 3; if (c == 0xE0) lo = 0xA0; if (c == 0xED) hi = 0x9F; }
-    else if (c >= 0xF0 && c <= 0xF4) { len = 4; if (c == 0xF0) lo = 0x90; if (c == 0xF4) hi = 0x8F; }
-    else return -1;
+    if (c >= 0xC2 && c <= 0xDF)
+        len = 2;
+    else if (c >= 0xE0 && c <= 0xEF) {
+        len = 3;
+        if (c == 0xE0) lo = 0xA0;
+        if (c == 0xED) hi = 0x9F;
+    } else if (c >= 0xF0 && c <= 0xF4) {
+        len = 4;
+        if (c == 0xF0) lo = 0x90;
+        if (c == 0xF4) hi = 0x8F;
+    } else
+        return -1;
     for (int k = 1; k < len; k++) {
         if ((size_t)k >= n) return 0;
         unsigned b = s[k];
@@ -139,9 +159,15 @@ static k3_status utf8_feed(k3_parser *p, const char *bytes, size_t n, k3_chat_bu
     const unsigned char *s = (const unsigned char *)bytes;
     size_t i = 0, run = 0;
     while (i < n) {
-        if (s[i] < 0x80) { i++; continue; }
+        if (s[i] < 0x80) {
+            i++;
+            continue;
+        }
         int r = utf8_check(s + i, n - i);
-        if (r > 0) { i += (size_t)r; continue; }
+        if (r > 0) {
+            i += (size_t)r;
+            continue;
+        }
         K3_TRY(k3_chat_buf_put(sink, s + run, i - run));
         if (r == 0) { /* hold the incomplete tail */
             p->n_pend = (int)(n - i);
@@ -168,10 +194,16 @@ static k3_status utf8_sanitize(const char *b, size_t n, k3_chat_buf *out) {
     size_t i = 0, run = 0;
     while (i < n) {
         int r = s[i] < 0x80 ? 1 : utf8_check(s + i, n - i);
-        if (r > 0) { i += (size_t)r; continue; }
+        if (r > 0) {
+            i += (size_t)r;
+            continue;
+        }
         K3_TRY(k3_chat_buf_put(out, s + run, i - run));
         K3_TRY(k3_chat_buf_put(out, REPL, 3));
-        if (r == 0) { run = i = n; break; } /* truncated at the end: one U+FFFD */
+        if (r == 0) {
+            run = i = n;
+            break;
+        } /* truncated at the end: one U+FFFD */
         i += (size_t)-r;
         run = i;
     }
@@ -185,7 +217,9 @@ static k3_status arg_string_bytes(k3_parser *p, const char *s, size_t n);
 static k3_status flush_pending(k3_parser *p);
 
 /* ---- calls and arguments --------------------------------------------------------------- */
-static pcall *cur_call(k3_parser *p) { return p->n_calls ? &p->calls[p->n_calls - 1] : NULL; }
+static pcall *cur_call(k3_parser *p) {
+    return p->n_calls ? &p->calls[p->n_calls - 1] : NULL;
+}
 
 /* The tool's parameters.properties (OpenAI {"type":"function","function":{...}} or flat). */
 static const k3_chat_json *tool_props(const k3_parser *p, const char *name) {
@@ -195,7 +229,8 @@ static const k3_chat_json *tool_props(const k3_parser *p, const char *name) {
         const k3_chat_json *fn = k3_chat_json_get(tools->items[i], "function");
         if (!fn) fn = tools->items[i];
         if (!k3_chat_json_is_str(k3_chat_json_get(fn, "name"), name)) continue;
-        const k3_chat_json *props = k3_chat_json_get(k3_chat_json_get(fn, "parameters"), "properties");
+        const k3_chat_json *props =
+            k3_chat_json_get(k3_chat_json_get(fn, "parameters"), "properties");
         return props && props->kind == K3_JSON_OBJECT ? props : NULL;
     }
     return NULL;
@@ -235,7 +270,8 @@ static int schema_types(const k3_chat_json *s, const char **out, int max) {
     for (size_t u = 0; u < 2; u++) {
         const k3_chat_json *a = k3_chat_json_get(s, unions[u]);
         if (!a || a->kind != K3_JSON_ARRAY) continue;
-        for (size_t i = 0; i < a->n_items && n < max; i++) n += schema_types(a->items[i], out + n, max - n);
+        for (size_t i = 0; i < a->n_items && n < max; i++)
+            n += schema_types(a->items[i], out + n, max - n);
     }
     return n;
 }
@@ -262,7 +298,10 @@ static bool is_xtml_type(const char *t) {
 static k3_status open_arg(k3_parser *p, const char *key, const char *type) {
     pcall *c = cur_call(p);
     p->araw.n = 0;
-    if (c->json_block) { p->amode = ARG_SKIP; return K3_OK; } /* json block is the whole body */
+    if (c->json_block) {
+        p->amode = ARG_SKIP;
+        return K3_OK;
+    } /* json block is the whole body */
     K3_TRY(k3_chat_buf_puts(&c->args, c->has_args ? "," : "{"));
     c->has_args = true;
     K3_TRY(k3_chat_json_dump_str(key, strlen(key), &c->args));
@@ -275,8 +314,10 @@ static k3_status open_arg(k3_parser *p, const char *key, const char *type) {
         const char *ts[16];
         int nt = schema_types(p->aschema, ts, 16), n_str = 0, n_other = 0;
         for (int i = 0; i < nt; i++) {
-            if (strcmp(ts[i], "string") == 0) n_str++;
-            else if (strcmp(ts[i], "null") != 0) n_other++;
+            if (strcmp(ts[i], "string") == 0)
+                n_str++;
+            else if (strcmp(ts[i], "null") != 0)
+                n_other++;
         }
         p->amode = n_str && !n_other ? ARG_STREAM_STRING : ARG_SCHEMA;
     }
@@ -307,7 +348,8 @@ static k3_status close_arg(k3_parser *p) {
         const char *ts[16];
         int nt = schema_types(p->aschema, ts, 16);
         bool fits = nt == 0; /* no schema entry: any JSON value */
-        for (int i = 0; i < nt && !fits; i++) fits = strcmp(ts[i], "string") != 0 && kind_fits(v->kind, ts[i]);
+        for (int i = 0; i < nt && !fits; i++)
+            fits = strcmp(ts[i], "string") != 0 && kind_fits(v->kind, ts[i]);
         ok = fits;
     }
     k3_status s = ok ? k3_chat_json_dump(v, K3_JSON_COMPACT, &c->args)
@@ -342,10 +384,14 @@ static bool header_attr(const char *h, size_t n, const char *want, k3_chat_buf *
     size_t i = 0;
     while (i < n && h[i] != ' ') i++; /* skip the tag name */
     while (i < n) {
-        if (!((h[i] >= 'A' && h[i] <= 'Z') || (h[i] >= 'a' && h[i] <= 'z') || h[i] == '_')) { i++; continue; }
+        if (!((h[i] >= 'A' && h[i] <= 'Z') || (h[i] >= 'a' && h[i] <= 'z') || h[i] == '_')) {
+            i++;
+            continue;
+        }
         size_t k0 = i;
         while (i < n && ((h[i] >= 'A' && h[i] <= 'Z') || (h[i] >= 'a' && h[i] <= 'z') ||
-                         (h[i] >= '0' && h[i] <= '9') || h[i] == '_' || h[i] == '.' || h[i] == ':' || h[i] == '-'))
+                         (h[i] >= '0' && h[i] <= '9') || h[i] == '_' || h[i] == '.' ||
+                         h[i] == ':' || h[i] == '-'))
             i++;
         size_t k1 = i;
         if (i + 1 >= n || h[i] != '=' || h[i + 1] != '"') continue;
@@ -357,9 +403,16 @@ static bool header_attr(const char *h, size_t n, const char *want, k3_chat_buf *
         out->n = 0;
         k3_chat_buf_put(out, "", 0);
         for (size_t j = v0; j < v1;) {
-            if (v1 - j >= 6 && memcmp(h + j, "&quot;", 6) == 0) { k3_chat_buf_put(out, "\"", 1); j += 6; }
-            else if (v1 - j >= 5 && memcmp(h + j, "&amp;", 5) == 0) { k3_chat_buf_put(out, "&", 1); j += 5; }
-            else { k3_chat_buf_put(out, h + j, 1); j++; }
+            if (v1 - j >= 6 && memcmp(h + j, "&quot;", 6) == 0) {
+                k3_chat_buf_put(out, "\"", 1);
+                j += 6;
+            } else if (v1 - j >= 5 && memcmp(h + j, "&amp;", 5) == 0) {
+                k3_chat_buf_put(out, "&", 1);
+                j += 5;
+            } else {
+                k3_chat_buf_put(out, h + j, 1);
+                j++;
+            }
         }
         return out->p != NULL;
     }
@@ -378,20 +431,33 @@ static k3_status on_open(k3_parser *p, const char *h, size_t n) {
     p->any_body = true;
     switch (p->st) {
     case ST_THINK:
-        if (IS("message") && first) { p->any_body = false; return K3_OK; } /* echoed opener */
-        if (IS("think") && p->reasoning.n == 0) return K3_OK;               /* echo at offset 0 */
-        if (IS("response")) p->st = ST_RESPONSE; /* the model skipped </think> */
-        else if (IS("tools")) p->st = ST_TOOLS;
+        if (IS("message") && first) {
+            p->any_body = false;
+            return K3_OK;
+        }                                                     /* echoed opener */
+        if (IS("think") && p->reasoning.n == 0) return K3_OK; /* echo at offset 0 */
+        if (IS("response"))
+            p->st = ST_RESPONSE; /* the model skipped </think> */
+        else if (IS("tools"))
+            p->st = ST_TOOLS;
         return K3_OK;
     case ST_RESPONSE:
-        if (IS("message") && first) { p->any_body = false; return K3_OK; }
-        if ((IS("response") || IS("think")) && p->content.n == 0 && first) { p->any_body = false; return K3_OK; }
+        if (IS("message") && first) {
+            p->any_body = false;
+            return K3_OK;
+        }
+        if ((IS("response") || IS("think")) && p->content.n == 0 && first) {
+            p->any_body = false;
+            return K3_OK;
+        }
         if (IS("tools")) p->st = ST_TOOLS;
         return K3_OK;
     case ST_BETWEEN:
     case ST_AFTER_RESP:
-        if (IS("response") && p->st == ST_BETWEEN) p->st = ST_RESPONSE;
-        else if (IS("tools")) p->st = ST_TOOLS;
+        if (IS("response") && p->st == ST_BETWEEN)
+            p->st = ST_RESPONSE;
+        else if (IS("tools"))
+            p->st = ST_TOOLS;
         return K3_OK;
     case ST_AFTER_TOOLS:
         if (IS("tools")) p->st = ST_TOOLS;
@@ -416,8 +482,10 @@ static k3_status on_open(k3_parser *p, const char *h, size_t n) {
             bool has_key = header_attr(h, n, "key", &key);
             bool has_type = header_attr(h, n, "type", &type);
             k3_status s = K3_OK;
-            if (has_key) s = open_arg(p, key.p, has_type ? type.p : NULL);
-            else p->amode = ARG_SKIP; /* no key: nothing sensible to attach the value to */
+            if (has_key)
+                s = open_arg(p, key.p, has_type ? type.p : NULL);
+            else
+                p->amode = ARG_SKIP; /* no key: nothing sensible to attach the value to */
             k3_chat_buf_free(&key);
             k3_chat_buf_free(&type);
             p->araw.n = 0;
@@ -431,7 +499,8 @@ static k3_status on_open(k3_parser *p, const char *h, size_t n) {
             p->st = ST_JSONBLK;
         }
         return K3_OK;
-    default: return K3_OK;
+    default:
+        return K3_OK;
     }
 #undef IS
 }
@@ -442,7 +511,7 @@ static k3_status on_close(k3_parser *p, const char *h, size_t n) {
 #define IS(t) tag_is(h, nl, t)
     p->any_body = true;
     if (IS("message") && p->st != ST_END) { /* the message is over whatever state we were in */
-        p->st = ST_DONE; /* an unclosed call stays incomplete: left out */
+        p->st = ST_DONE;                    /* an unclosed call stays incomplete: left out */
         return K3_OK;
     }
     switch (p->st) {
@@ -458,15 +527,20 @@ static k3_status on_close(k3_parser *p, const char *h, size_t n) {
     case ST_ARG:
     case ST_CALL:
     case ST_JSONBLK:
-        if (IS("argument") && p->st == ST_ARG) { K3_TRY(close_arg(p)); p->st = ST_CALL; }
-        else if (IS("json") && p->st == ST_JSONBLK) p->st = ST_CALL;
+        if (IS("argument") && p->st == ST_ARG) {
+            K3_TRY(close_arg(p));
+            p->st = ST_CALL;
+        } else if (IS("json") && p->st == ST_JSONBLK)
+            p->st = ST_CALL;
         else if (IS("call")) {
             if (p->st == ST_ARG) K3_TRY(close_arg(p));
             K3_TRY(commit_call(p));
             p->st = ST_TOOLS;
-        } else if (IS("tools")) p->st = ST_AFTER_TOOLS; /* unclosed call left out */
+        } else if (IS("tools"))
+            p->st = ST_AFTER_TOOLS; /* unclosed call left out */
         return K3_OK;
-    default: return K3_OK;
+    default:
+        return K3_OK;
     }
 #undef IS
 }
@@ -474,11 +548,16 @@ static k3_status on_close(k3_parser *p, const char *h, size_t n) {
 /* The sink body bytes go to in the current state (NULL = dropped). */
 static k3_chat_buf *sink(k3_parser *p) {
     switch (p->st) {
-    case ST_THINK: return &p->reasoning;
-    case ST_RESPONSE: return &p->content;
-    case ST_ARG: return p->amode == ARG_SKIP ? NULL : &p->araw;
-    case ST_JSONBLK: return p->amode == ARG_SKIP ? NULL : &cur_call(p)->args;
-    default: return NULL;
+    case ST_THINK:
+        return &p->reasoning;
+    case ST_RESPONSE:
+        return &p->content;
+    case ST_ARG:
+        return p->amode == ARG_SKIP ? NULL : &p->araw;
+    case ST_JSONBLK:
+        return p->amode == ARG_SKIP ? NULL : &cur_call(p)->args;
+    default:
+        return NULL;
     }
 }
 
@@ -504,7 +583,8 @@ k3_status k3_parser_feed_text(k3_parser *p, const char *bytes, size_t n) {
     if (p->st == ST_ARG && p->amode == ARG_STREAM_STRING) { /* decode, then escape into args */
         size_t before = p->araw.n;
         K3_TRY(utf8_feed(p, bytes, n, &p->araw));
-        return p->araw.n > before ? arg_string_bytes(p, p->araw.p + before, p->araw.n - before) : K3_OK;
+        return p->araw.n > before ? arg_string_bytes(p, p->araw.p + before, p->araw.n - before)
+                                  : K3_OK;
     }
     return utf8_feed(p, bytes, n, s);
 }
@@ -534,7 +614,8 @@ k3_status k3_parser_feed_marker(k3_parser *p, k3_parser_marker m) {
         p->st = ST_END;
         p->ended = true;
         return K3_OK;
-    case K3_MARK_OTHER: return K3_OK; /* media / reserved specials: never content */
+    case K3_MARK_OTHER:
+        return K3_OK; /* media / reserved specials: never content */
     }
     return K3_OK;
 }
@@ -543,12 +624,18 @@ k3_status k3_parser_feed_ids(k3_parser *p, const k3_tokenizer *t, const int32_t 
     k3_tok_ctrl c = k3_tok_control_ids(t);
     for (size_t i = 0; i < n; i++) {
         int32_t id = ids[i];
-        if (id == c.open) K3_TRY(k3_parser_feed_marker(p, K3_MARK_OPEN));
-        else if (id == c.close) K3_TRY(k3_parser_feed_marker(p, K3_MARK_CLOSE));
-        else if (id == c.sep) K3_TRY(k3_parser_feed_marker(p, K3_MARK_SEP));
-        else if (id == c.end_of_msg) K3_TRY(k3_parser_feed_marker(p, K3_MARK_EOM));
-        else if (id == c.eos) K3_TRY(k3_parser_feed_marker(p, K3_MARK_STOP));
-        else if (k3_tok_is_special(t, id)) K3_TRY(k3_parser_feed_marker(p, K3_MARK_OTHER));
+        if (id == c.open)
+            K3_TRY(k3_parser_feed_marker(p, K3_MARK_OPEN));
+        else if (id == c.close)
+            K3_TRY(k3_parser_feed_marker(p, K3_MARK_CLOSE));
+        else if (id == c.sep)
+            K3_TRY(k3_parser_feed_marker(p, K3_MARK_SEP));
+        else if (id == c.end_of_msg)
+            K3_TRY(k3_parser_feed_marker(p, K3_MARK_EOM));
+        else if (id == c.eos)
+            K3_TRY(k3_parser_feed_marker(p, K3_MARK_STOP));
+        else if (k3_tok_is_special(t, id))
+            K3_TRY(k3_parser_feed_marker(p, K3_MARK_OTHER));
         else {
             const char *b;
             size_t nb;
@@ -574,6 +661,21 @@ static size_t complete_calls(k3_parser *p) {
     return n;
 }
 
+/* Room for one view/delta entry per call; grows only when a call was added (no allocation per
+ * token in steady state). */
+static k3_status grow_out(k3_parser *p) {
+    if (p->n_calls + 1 <= p->cap_out) return K3_OK;
+    size_t cap = (p->n_calls + 1) * 2;
+    k3_parser_call *v = realloc(p->view, cap * sizeof *v);
+    if (!v) return K3_ERR(K3_ERR_NOMEM, "out of memory building a message view");
+    p->view = v;
+    k3_parser_call_delta *d = realloc(p->deltas, cap * sizeof *d);
+    if (!d) return K3_ERR(K3_ERR_NOMEM, "out of memory building a delta");
+    p->deltas = d;
+    p->cap_out = cap;
+    return K3_OK;
+}
+
 k3_status k3_parser_message_view(k3_parser *p, k3_parser_message *out) {
     memset(out, 0, sizeof *out);
     out->has_reasoning = p->o.thinking;
@@ -581,17 +683,18 @@ k3_status k3_parser_message_view(k3_parser *p, k3_parser_message *out) {
     out->n_reasoning = p->reasoning.n;
     out->content = p->content.p ? p->content.p : "";
     out->n_content = p->content.n;
-    free(p->view);
-    p->view = calloc(p->n_calls + 1, sizeof *p->view);
-    if (!p->view) return K3_ERR(K3_ERR_NOMEM, "out of memory building a message view");
+    K3_TRY(grow_out(p));
     for (size_t i = 0; i < p->n_calls; i++) {
         pcall *c = &p->calls[i];
         if (!c->complete) continue;
-        p->view[out->n_calls++] = (k3_parser_call){c->id, c->name, c->args.p ? c->args.p : "", c->args.n};
+        p->view[out->n_calls++] =
+            (k3_parser_call){c->id, c->name, c->args.p ? c->args.p : "", c->args.n};
     }
     out->calls = p->view;
     if (p->finished)
-        out->finish_reason = complete_calls(p) ? "tool_calls" : p->ended || p->st == ST_DONE ? "stop" : "length";
+        out->finish_reason = complete_calls(p)              ? "tool_calls"
+                             : p->ended || p->st == ST_DONE ? "stop"
+                                                            : "length";
     return K3_OK;
 }
 
@@ -621,8 +724,10 @@ k3_status k3_parser_message_json(k3_parser *p, k3_chat_buf *out) {
         K3_TRY(k3_chat_buf_puts(out, "}}"));
     }
     K3_TRY(k3_chat_buf_puts(out, "],\"finish_reason\":"));
-    if (m.finish_reason) K3_TRY(k3_chat_json_dump_str(m.finish_reason, strlen(m.finish_reason), out));
-    else K3_TRY(k3_chat_buf_puts(out, "null"));
+    if (m.finish_reason)
+        K3_TRY(k3_chat_json_dump_str(m.finish_reason, strlen(m.finish_reason), out));
+    else
+        K3_TRY(k3_chat_buf_puts(out, "null"));
     return k3_chat_buf_puts(out, "}");
 }
 
@@ -634,16 +739,18 @@ k3_status k3_parser_take_delta(k3_parser *p, k3_parser_delta *out) {
     out->content = p->content.p ? p->content.p + p->content_sent : "";
     out->n_content = p->content.n - p->content_sent;
     p->content_sent = p->content.n;
-    free(p->deltas);
-    p->deltas = calloc(p->n_calls + 1, sizeof *p->deltas);
-    if (!p->deltas) return K3_ERR(K3_ERR_NOMEM, "out of memory building a delta");
+    K3_TRY(grow_out(p));
     for (size_t i = 0; i < p->n_calls; i++) {
         pcall *c = &p->calls[i];
         bool news = !c->header_sent || c->args.n > c->n_args_sent;
         if (!news) continue;
         k3_parser_call_delta *d = &p->deltas[out->n_calls++];
-        d->index = i;
-        if (!c->header_sent) { d->id = c->id; d->name = c->name; c->header_sent = true; }
+        *d = (k3_parser_call_delta){.index = i};
+        if (!c->header_sent) {
+            d->id = c->id;
+            d->name = c->name;
+            c->header_sent = true;
+        }
         d->args = c->args.p ? c->args.p + c->n_args_sent : "";
         d->n_args = c->args.n - c->n_args_sent;
         c->n_args_sent = c->args.n;

@@ -12,7 +12,8 @@
  * - Slot order: slot k of token t is the k-th best expert by biased score s' = σ(z) + bias,
  *   descending; EQUAL s' values are broken towards the LOWER expert index. Groups (n_group > 1)
  *   are ranked by the sum of their two best s' values, descending, equal sums broken towards the
- *   LOWER group index; experts of groups not kept are masked to -inf (DeepSeek-V3 "noaux_tc").
+ *   LOWER group index (a group of one expert scores that expert alone); experts of groups not
+ *   kept are masked to -inf (DeepSeek-V3 "noaux_tc"; n_group = 1 is the plain top-k).
  *   NOTE: torch.topk does NOT promise this tie rule (it returns ties in arbitrary order); a
  *   reference that must agree on ties has to use torch.sort(descending=True, stable=True).
  * - Weights: w_k = σ(z)[I_k] (UNBIASED); if moe_renormalize, w_k / (Σ_k w_k + 1e-20) with the sum
@@ -52,7 +53,8 @@ k3_status k3_moe_route(const k3_ops *ops, const k3_config *c, const k3_layer_w *
 
 /* The selection step of the router alone (pure; exported for tests and the reference check).
  * scores: σ(z) [T, E]; biased: σ(z) + bias [T, E] — OVERWRITTEN (masked groups / taken experts).
- * Writes topk_ids [T, K] and topk_w [T, K]. Errors on non-finite scores (naming token and expert). */
+ * Writes topk_ids [T, K] and topk_w [T, K]. Errors on non-finite scores (naming token and expert).
+ */
 k3_status k3_moe_select(const k3_config *c, const float *scores, float *biased, int64_t T,
                         int32_t *topk_ids, float *topk_w);
 
@@ -67,10 +69,12 @@ void k3_moe_expand_rows(const float *r, int64_t T, int K, int64_t Lw, float *row
 /* ---- routed experts ------------------------------------------------------------------------ */
 /* rows [n, Lw] with expert ids [n] -> out [n, Lw] = W2·act(W1 r, W3 r), row by row
  * (order-independent; rows of one expert are batched through ops->matmul in tiles).
- * Errors: expert id out of range or not present on this rank (naming row and expert).
+ * Errors: expert id out of range or not loaded on this rank (naming row and expert). An expert
+ * counts as loaded when its k3_expert_w has .present set or holds tensor data.
  * scratch: >= k3_moe_rows_scratch_floats(c, n). */
-k3_status k3_moe_expert_rows(const k3_ops *ops, const k3_config *c, const k3_layer_w *lw, const float *rows,
-                             const int32_t *expert, int64_t n, float *out, float *scratch);
+k3_status k3_moe_expert_rows(const k3_ops *ops, const k3_config *c, const k3_layer_w *lw,
+                             const float *rows, const int32_t *expert, int64_t n, float *out,
+                             float *scratch);
 size_t k3_moe_rows_scratch_floats(const k3_config *c, int64_t n);
 
 /* ---- combine + shared ---------------------------------------------------------------------- */
@@ -78,14 +82,15 @@ size_t k3_moe_rows_scratch_floats(const k3_config *c, int64_t n);
  * x [T, D] (post-norm input, for the shared experts), topk_w [T, K], expert_out [T·K, Lw]
  * (UNWEIGHTED expert outputs in slot order). */
 k3_status k3_moe_finish(const k3_ops *ops, const k3_config *c, const k3_layer_w *lw, const float *x,
-                        const float *topk_w, const float *expert_out, int64_t T, float *y, float *scratch);
+                        const float *topk_w, const float *expert_out, int64_t T, float *y,
+                        float *scratch);
 
 /* ---- the whole layer, single process ------------------------------------------------------- */
 /* route -> down -> expert rows -> finish with every expert local; bitwise identical to driving
  * the four steps by hand (the token loop is tiled, so the scratch does not hold T·K rows).
  * x [T, D] -> y [T, D]. y must not alias x. */
-k3_status k3_moe_forward(const k3_ops *ops, const k3_config *c, const k3_layer_w *lw, const float *x,
-                         int64_t T, float *y, float *scratch);
+k3_status k3_moe_forward(const k3_ops *ops, const k3_config *c, const k3_layer_w *lw,
+                         const float *x, int64_t T, float *y, float *scratch);
 
 /* Floats of scratch enough for every function above called with T tokens (k3_moe_expert_rows
  * with n <= T·K rows included). */

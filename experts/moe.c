@@ -10,7 +10,8 @@
  * - an expert output row never depends on the other rows of the call (rows of one expert are
  *   batched through ops->matmul, whose per-element reduction order is independent of T);
  * - k3_moe_forward == route → down → expand → expert_rows → finish, bit for bit (token tiles
- *   only bound the scratch). */
+ *   only bound the scratch; it reads each token's latent row for all K slots instead of
+ *   materialising the T·K expanded rows). */
 #include "k3_experts.h"
 
 #include <math.h>
@@ -23,7 +24,9 @@
 
 /* Keep every scratch sub-buffer a multiple of 16 floats (64 bytes) so int64 views and SIMD
  * loads stay aligned when the base is. */
-static size_t pad16(size_t n) { return (n + 15) & ~(size_t)15; }
+static size_t pad16(size_t n) {
+    return (n + 15) & ~(size_t)15;
+}
 
 int64_t k3_moe_row_width(const k3_config *c) {
     return c->latent_size > 0 ? (int64_t)c->latent_size : c->hidden_size;
@@ -34,37 +37,47 @@ static int64_t shared_width(const k3_config *c) {
 }
 
 k3_status k3_moe_check_config(const k3_config *c) {
-    if (c->n_experts <= 0) return K3_ERR(K3_ERR_CONFIG, "num_experts = %d: the MoE needs >= 1 expert", c->n_experts);
+    if (c->n_experts <= 0)
+        return K3_ERR(K3_ERR_CONFIG, "num_experts = %d: the MoE needs >= 1 expert", c->n_experts);
     if (c->n_experts_per_tok <= 0 || c->n_experts_per_tok > c->n_experts)
         return K3_ERR(K3_ERR_CONFIG, "num_experts_per_token = %d must be in [1, num_experts = %d]",
                       c->n_experts_per_tok, c->n_experts);
     if (c->n_group <= 0 || c->n_group > K3_MOE_MAX_GROUPS || c->n_experts % c->n_group != 0)
-        return K3_ERR(K3_ERR_CONFIG, "num_expert_group = %d must divide num_experts = %d (and be <= %d)",
+        return K3_ERR(K3_ERR_CONFIG,
+                      "num_expert_group = %d must divide num_experts = %d (and be <= %d)",
                       c->n_group, c->n_experts, K3_MOE_MAX_GROUPS);
     if (c->topk_group <= 0 || c->topk_group > c->n_group)
-        return K3_ERR(K3_ERR_CONFIG, "topk_group = %d must be in [1, num_expert_group = %d]", c->topk_group,
-                      c->n_group);
+        return K3_ERR(K3_ERR_CONFIG, "topk_group = %d must be in [1, num_expert_group = %d]",
+                      c->topk_group, c->n_group);
     if ((int64_t)c->topk_group * (c->n_experts / c->n_group) < c->n_experts_per_tok)
-        return K3_ERR(K3_ERR_CONFIG,
-                      "topk_group = %d groups of %d experts cannot supply num_experts_per_token = %d",
-                      c->topk_group, c->n_experts / c->n_group, c->n_experts_per_tok);
+        return K3_ERR(
+            K3_ERR_CONFIG,
+            "topk_group = %d groups of %d experts cannot supply num_experts_per_token = %d",
+            c->topk_group, c->n_experts / c->n_group, c->n_experts_per_tok);
     if (c->moe_intermediate_size <= 0)
-        return K3_ERR(K3_ERR_CONFIG, "moe_intermediate_size = %d must be > 0", c->moe_intermediate_size);
-    if (c->latent_size < 0) return K3_ERR(K3_ERR_CONFIG, "routed_expert_hidden_size = %d < 0", c->latent_size);
-    if (c->n_shared_experts < 0) return K3_ERR(K3_ERR_CONFIG, "num_shared_experts = %d < 0", c->n_shared_experts);
+        return K3_ERR(K3_ERR_CONFIG, "moe_intermediate_size = %d must be > 0",
+                      c->moe_intermediate_size);
+    if (c->latent_size < 0)
+        return K3_ERR(K3_ERR_CONFIG, "routed_expert_hidden_size = %d < 0", c->latent_size);
+    if (c->n_shared_experts < 0)
+        return K3_ERR(K3_ERR_CONFIG, "num_shared_experts = %d < 0", c->n_shared_experts);
     return K3_OK;
 }
 
 /* A weight must be 2-D [out, in] with the expected shape. */
-static k3_status check_w(const k3_tensor *w, int64_t out, int64_t in, const char *what, int expert) {
+static k3_status check_w(const k3_tensor *w, int64_t out, int64_t in, const char *what,
+                         int expert) {
     if (!w->data) {
-        if (expert >= 0) return K3_ERR(K3_ERR_MISSING, "MoE: expert %d tensor %s is not loaded", expert, what);
+        if (expert >= 0)
+            return K3_ERR(K3_ERR_MISSING, "MoE: expert %d tensor %s is not loaded", expert, what);
         return K3_ERR(K3_ERR_MISSING, "MoE: tensor %s is not loaded", what);
     }
     if (w->ndim != 2 || w->shape[0] != out || w->shape[1] != in) {
-        return K3_ERR(K3_ERR_SHAPE, "MoE: %s (expert %d) has shape [%lld, %lld] (ndim %d), expected [%lld, %lld]",
+        return K3_ERR(K3_ERR_SHAPE,
+                      "MoE: %s (expert %d) has shape [%lld, %lld] (ndim %d), expected [%lld, %lld]",
                       what, expert, (long long)(w->ndim >= 1 ? w->shape[0] : -1),
-                      (long long)(w->ndim >= 2 ? w->shape[1] : -1), w->ndim, (long long)out, (long long)in);
+                      (long long)(w->ndim >= 2 ? w->shape[1] : -1), w->ndim, (long long)out,
+                      (long long)in);
     }
     return K3_OK;
 }
@@ -94,8 +107,10 @@ k3_status k3_moe_select(const k3_config *c, const float *scores, float *biased, 
         float *b = biased + t * E;
         for (int e = 0; e < E; e++) {
             if (!isfinite(s[e]) || !isfinite(b[e]))
-                return K3_ERR(K3_ERR_INTERNAL, "MoE router: non-finite score at token %lld, expert %d (%g, biased %g)",
-                              (long long)t, e, (double)s[e], (double)b[e]);
+                return K3_ERR(
+                    K3_ERR_INTERNAL,
+                    "MoE router: non-finite score at token %lld, expert %d (%g, biased %g)",
+                    (long long)t, e, (double)s[e], (double)b[e]);
         }
         /* group scores: sum of the two best biased scores of each group (one if gsz == 1) */
         for (int g = 0; g < G; g++) {
@@ -129,7 +144,9 @@ k3_status k3_moe_select(const k3_config *c, const float *scores, float *biased, 
                 if (best < 0 || b[e] > b[best]) best = e;
             }
             /* cannot happen: check_config guarantees K <= kept experts and scores are finite */
-            if (best < 0) return K3_ERR(K3_ERR_INTERNAL, "MoE router: ran out of experts at token %lld", (long long)t);
+            if (best < 0)
+                return K3_ERR(K3_ERR_INTERNAL, "MoE router: ran out of experts at token %lld",
+                              (long long)t);
             ids[k] = best;
             b[best] = -INFINITY;
         }
@@ -158,8 +175,8 @@ k3_status k3_moe_route(const k3_ops *ops, const k3_config *c, const k3_layer_w *
     if (has_bias && k3_tensor_n_elems(&lw->router_bias) != E)
         return K3_ERR(K3_ERR_SHAPE, "MoE: e_score_correction_bias has %lld elements, expected %lld",
                       (long long)k3_tensor_n_elems(&lw->router_bias), (long long)E);
-    float *scores = scratch;             /* [T, E] σ(z) */
-    float *biased = scratch + T * E;     /* [T, E] σ(z) + bias */
+    float *scores = scratch;         /* [T, E] σ(z) */
+    float *biased = scratch + T * E; /* [T, E] σ(z) + bias */
     K3_TRY(ops->matmul(x, T, &lw->router, scores));
     ops->sigmoid(scores, T * E, scores);
     if (has_bias) {
@@ -212,17 +229,20 @@ size_t k3_moe_rows_scratch_floats(const k3_config *c, int64_t n) {
     const size_t E = (size_t)(c->n_experts > 0 ? c->n_experts : 0);
     const size_t nn = (size_t)(n > 0 ? n : 0);
     size_t f = 0;
-    f += pad16(2 * nn);              /* order: int64 [n] rows sorted by expert */
-    f += pad16(2 * (E + 1));         /* start: int64 [E + 1] */
-    f += pad16(MOE_ROW_TILE * Lw);   /* xin [tile, Lw] */
-    f += pad16(MOE_ROW_TILE * I);    /* g   [tile, I]  */
-    f += pad16(MOE_ROW_TILE * I);    /* u   [tile, I]  */
-    f += pad16(MOE_ROW_TILE * Lw);   /* o   [tile, Lw] */
+    f += pad16(2 * nn);            /* order: int64 [n] rows sorted by expert */
+    f += pad16(2 * (E + 1));       /* start: int64 [E + 1] */
+    f += pad16(MOE_ROW_TILE * Lw); /* xin [tile, Lw] */
+    f += pad16(MOE_ROW_TILE * I);  /* g   [tile, I]  */
+    f += pad16(MOE_ROW_TILE * I);  /* u   [tile, I]  */
+    f += pad16(MOE_ROW_TILE * Lw); /* o   [tile, Lw] */
     return f;
 }
 
-k3_status k3_moe_expert_rows(const k3_ops *ops, const k3_config *c, const k3_layer_w *lw, const float *rows,
-                             const int32_t *expert, int64_t n, float *out, float *scratch) {
+/* The expert compute. The input of slot row i is src[i / div] (div = 1: rows as given; div = K:
+ * src holds one row per token, shared by its K slots — k3_moe_forward skips the expansion). */
+static k3_status expert_rows(const k3_ops *ops, const k3_config *c, const k3_layer_w *lw,
+                             const float *src, int64_t div, const int32_t *expert, int64_t n,
+                             float *out, float *scratch) {
     K3_TRY(k3_moe_check_config(c));
     const int E = c->n_experts;
     const int64_t Lw = k3_moe_row_width(c), I = c->moe_intermediate_size;
@@ -231,9 +251,12 @@ k3_status k3_moe_expert_rows(const k3_ops *ops, const k3_config *c, const k3_lay
     for (int64_t i = 0; i < n; i++) {
         int32_t e = expert[i];
         if (e < 0 || e >= E)
-            return K3_ERR(K3_ERR_ARG, "MoE: row %lld has expert id %d outside [0, %d)", (long long)i, e, E);
-        if (!lw->experts || !lw->experts[e].present)
-            return K3_ERR(K3_ERR_MISSING, "MoE: row %lld needs expert %d, which is not loaded on this rank",
+            return K3_ERR(K3_ERR_ARG, "MoE: row %lld has expert id %d outside [0, %d)",
+                          (long long)i, e, E);
+        /* loaded = flagged present or holding its tensors (a loader may fill one, not both) */
+        if (!lw->experts || (!lw->experts[e].present && !lw->experts[e].w1.data))
+            return K3_ERR(K3_ERR_MISSING,
+                          "MoE: row %lld needs expert %d, which is not loaded on this rank",
                           (long long)i, e);
     }
     /* counting sort of the rows by expert (stable: rows of one expert keep their order) */
@@ -267,7 +290,7 @@ k3_status k3_moe_expert_rows(const k3_ops *ops, const k3_config *c, const k3_lay
         for (int64_t j0 = b; j0 < end; j0 += MOE_ROW_TILE) {
             int64_t m = K3_MIN((int64_t)MOE_ROW_TILE, end - j0);
             for (int64_t j = 0; j < m; j++)
-                memcpy(xin + j * Lw, rows + order[j0 + j] * Lw, (size_t)Lw * sizeof(float));
+                memcpy(xin + j * Lw, src + (order[j0 + j] / div) * Lw, (size_t)Lw * sizeof(float));
             K3_TRY(ops->matmul(xin, m, &ew->w1, g));
             K3_TRY(ops->matmul(xin, m, &ew->w3, u));
             act(ops, c, g, u, m * I);
@@ -279,29 +302,38 @@ k3_status k3_moe_expert_rows(const k3_ops *ops, const k3_config *c, const k3_lay
     return K3_OK;
 }
 
+k3_status k3_moe_expert_rows(const k3_ops *ops, const k3_config *c, const k3_layer_w *lw,
+                             const float *rows, const int32_t *expert, int64_t n, float *out,
+                             float *scratch) {
+    return expert_rows(ops, c, lw, rows, 1, expert, n, out, scratch);
+}
+
 /* ---- combine + shared ---------------------------------------------------------------------- */
 
 static size_t finish_scratch_floats(const k3_config *c, int64_t T) {
-    const size_t Lw = (size_t)k3_moe_row_width(c), D = (size_t)c->hidden_size, S = (size_t)shared_width(c);
+    const size_t Lw = (size_t)k3_moe_row_width(c), D = (size_t)c->hidden_size,
+                 S = (size_t)shared_width(c);
     const size_t TT = (size_t)(T > 0 ? T : 0);
     size_t f = 0;
-    f += pad16(TT * Lw);      /* acc   [T, Lw] weighted slot sum */
-    f += pad16(TT * Lw);      /* nrm   [T, Lw] latent RMSNorm    */
-    f += pad16(Lw);           /* wn    [Lw] latent norm weight   */
-    f += pad16(TT * S);       /* g     [T, S] shared gate        */
-    f += pad16(TT * S);       /* u     [T, S] shared up          */
-    f += pad16(TT * D);       /* sh    [T, D] shared output      */
+    f += pad16(TT * Lw); /* acc   [T, Lw] weighted slot sum */
+    f += pad16(TT * Lw); /* nrm   [T, Lw] latent RMSNorm    */
+    f += pad16(Lw);      /* wn    [Lw] latent norm weight   */
+    f += pad16(TT * S);  /* g     [T, S] shared gate        */
+    f += pad16(TT * S);  /* u     [T, S] shared up          */
+    f += pad16(TT * D);  /* sh    [T, D] shared output      */
     return f;
 }
 
 k3_status k3_moe_finish(const k3_ops *ops, const k3_config *c, const k3_layer_w *lw, const float *x,
-                        const float *topk_w, const float *expert_out, int64_t T, float *y, float *scratch) {
+                        const float *topk_w, const float *expert_out, int64_t T, float *y,
+                        float *scratch) {
     const int K = c->n_experts_per_tok;
     const int64_t Lw = k3_moe_row_width(c), D = c->hidden_size, S = shared_width(c);
     const bool latent = c->latent_size > 0;
     if (latent) {
         K3_TRY(check_w(&lw->lat_up, D, Lw, "routed_expert_up_proj.weight", -1));
-        if (c->latent_moe_use_norm && (!lw->lat_norm.data || k3_tensor_n_elems(&lw->lat_norm) != Lw))
+        if (c->latent_moe_use_norm &&
+            (!lw->lat_norm.data || k3_tensor_n_elems(&lw->lat_norm) != Lw))
             return K3_ERR(lw->lat_norm.data ? K3_ERR_SHAPE : K3_ERR_MISSING,
                           "MoE: routed_expert_norm.weight must hold %lld elements", (long long)Lw);
     }
@@ -363,8 +395,8 @@ static size_t forward_tile_floats(const k3_config *c, int64_t Tc) {
     const size_t Lw = (size_t)k3_moe_row_width(c), K = (size_t)c->n_experts_per_tok;
     const size_t TT = (size_t)Tc;
     size_t f = 0;
-    f += pad16(TT * K * Lw);                               /* rows [Tc·K, Lw] (r expanded) */
-    f += pad16(TT * K * Lw);                               /* eo   [Tc·K, Lw] expert outputs */
+    f += pad16(TT * Lw);     /* r  [Tc, Lw] latent rows, one per token (shared by its K slots) */
+    f += pad16(TT * K * Lw); /* eo [Tc·K, Lw] expert outputs in slot order */
     size_t rs = k3_moe_rows_scratch_floats(c, Tc * (int64_t)K);
     size_t fs = finish_scratch_floats(c, Tc);
     f += K3_MAX(rs, fs);
@@ -373,7 +405,7 @@ static size_t forward_tile_floats(const k3_config *c, int64_t Tc) {
 
 static size_t forward_scratch_floats(const k3_config *c, int64_t T) {
     const size_t E = (size_t)c->n_experts, K = (size_t)c->n_experts_per_tok, TT = (size_t)T;
-    size_t head = pad16(TT * K) + pad16(TT * K);          /* ids (int32) + weights */
+    size_t head = pad16(TT * K) + pad16(TT * K); /* ids (int32) + weights */
     size_t route = pad16(2 * TT * E);
     size_t tile = forward_tile_floats(c, K3_MIN(T, (int64_t)MOE_TOKEN_TILE));
     return head + K3_MAX(route, tile);
@@ -383,15 +415,15 @@ size_t k3_moe_scratch_floats(const k3_config *c, int64_t T) {
     if (T < 1) T = 1;
     if (c->n_experts <= 0 || c->n_experts_per_tok <= 0) return 0;
     const int64_t K = c->n_experts_per_tok;
-    size_t f = pad16(2 * (size_t)T * (size_t)c->n_experts);           /* route */
-    f = K3_MAX(f, k3_moe_rows_scratch_floats(c, T * K));             /* expert rows, n = T·K */
-    f = K3_MAX(f, finish_scratch_floats(c, T));                       /* finish */
-    f = K3_MAX(f, forward_scratch_floats(c, T));                      /* forward */
+    size_t f = pad16(2 * (size_t)T * (size_t)c->n_experts); /* route */
+    f = K3_MAX(f, k3_moe_rows_scratch_floats(c, T * K));    /* expert rows, n = T·K */
+    f = K3_MAX(f, finish_scratch_floats(c, T));             /* finish */
+    f = K3_MAX(f, forward_scratch_floats(c, T));            /* forward */
     return f;
 }
 
-k3_status k3_moe_forward(const k3_ops *ops, const k3_config *c, const k3_layer_w *lw, const float *x,
-                         int64_t T, float *y, float *scratch) {
+k3_status k3_moe_forward(const k3_ops *ops, const k3_config *c, const k3_layer_w *lw,
+                         const float *x, int64_t T, float *y, float *scratch) {
     K3_TRY(k3_moe_check_config(c));
     if (T <= 0) return K3_OK;
     const int K = c->n_experts_per_tok;
@@ -405,14 +437,18 @@ k3_status k3_moe_forward(const k3_ops *ops, const k3_config *c, const k3_layer_w
     K3_TRY(k3_moe_route(ops, c, lw, x, T, ids, w, work));
 
     const int64_t Tmax = K3_MIN(T, (int64_t)MOE_TOKEN_TILE);
-    float *rows = work;
-    float *eo = rows + pad16((size_t)(Tmax * K * Lw));
+    float *r = work;
+    float *eo = r + pad16((size_t)(Tmax * Lw));
     float *tail = eo + pad16((size_t)(Tmax * K * Lw));
     for (int64_t t0 = 0; t0 < T; t0 += Tmax) {
         const int64_t Tc = K3_MIN(Tmax, T - t0);
-        K3_TRY(k3_moe_down(ops, c, lw, x + t0 * D, Tc, rows));
-        k3_moe_expand_rows(rows, Tc, K, Lw, rows);
-        K3_TRY(k3_moe_expert_rows(ops, c, lw, rows, ids + t0 * K, Tc * K, eo, tail));
+        const float *src = x + t0 * D; /* no latent: the experts read x itself */
+        if (c->latent_size > 0) {
+            K3_TRY(k3_moe_down(ops, c, lw, x + t0 * D, Tc, r));
+            src = r;
+        }
+        /* slot row t·K + k reads src[t]: the same bytes k3_moe_expand_rows would copy */
+        K3_TRY(expert_rows(ops, c, lw, src, K, ids + t0 * K, Tc * K, eo, tail));
         K3_TRY(k3_moe_finish(ops, c, lw, x + t0 * D, w + t0 * K, eo, Tc, y + t0 * D, tail));
     }
     return K3_OK;

@@ -10,16 +10,17 @@ k3_status k3_moe_permute(const int32_t *expert, int64_t n, const int32_t *owner,
                          int n_ranks, int64_t *counts, int64_t *perm, int64_t *inv, int64_t *work) {
     if (n < 0) return K3_ERR(K3_ERR_ARG, "MoE permute: n = %lld rows < 0", (long long)n);
     if (n_experts <= 0 || n_ranks <= 0)
-        return K3_ERR(K3_ERR_ARG, "MoE permute: n_experts = %d and n_ranks = %d must be > 0", n_experts, n_ranks);
+        return K3_ERR(K3_ERR_ARG, "MoE permute: n_experts = %d and n_ranks = %d must be > 0",
+                      n_experts, n_ranks);
     for (int e = 0; e < n_experts; e++) {
         if (owner[e] < 0 || owner[e] >= n_ranks)
-            return K3_ERR(K3_ERR_ARG, "MoE permute: expert %d has owner rank %d outside [0, %d)", e, owner[e],
-                          n_ranks);
+            return K3_ERR(K3_ERR_ARG, "MoE permute: expert %d has owner rank %d outside [0, %d)", e,
+                          owner[e], n_ranks);
     }
     for (int64_t i = 0; i < n; i++) {
         if (expert[i] < 0 || expert[i] >= n_experts)
-            return K3_ERR(K3_ERR_ARG, "MoE permute: row %lld has expert id %d outside [0, %d)", (long long)i,
-                          expert[i], n_experts);
+            return K3_ERR(K3_ERR_ARG, "MoE permute: row %lld has expert id %d outside [0, %d)",
+                          (long long)i, expert[i], n_experts);
     }
     /* rows per expert, then per rank */
     for (int e = 0; e < n_experts; e++) work[e] = 0;

@@ -70,6 +70,6 @@ k3_status k3_tensor_to_f32(const k3_tensor *t, float *dst, int64_t n_elems) {
 }
 
 size_t k3_kda_chunk_work_floats(int C, int dk, int dv) {
-    /* Γ, qs, Wm [C, dk]; U/V' [C, dv]; A/T [C, C], Aqk [C, C]; one dk row of decay */
-    return (size_t)C * (size_t)(3 * dk + 2 * dv) + 2 * (size_t)C * (size_t)C + (size_t)dk;
+    /* doubles: Γ, exp Γ, exp(Γ_last − Γ), W [C, dk]; U/V', O [C, dv]; A/T̃, Aqk [C, C] */
+    return 2 * ((size_t)C * (size_t)(4 * dk + 2 * dv) + 2 * (size_t)C * (size_t)C);
 }

@@ -16,11 +16,16 @@
 #include <stdlib.h>
 
 static const k3_flag parse_flags[] = {
-    {"model", K3_FLAG_STR, "DIR", NULL, "model directory (tokenizer: tiktoken.model + tokenizer_config.json)"},
-    {"vocab", K3_FLAG_STR, "FILE", NULL, "a .tiktoken rank file; K3 special tokens past the last rank"},
-    {"request", K3_FLAG_STR, "FILE", NULL, "the chat request (JSON): tools for typing, thinking switches"},
-    {"stream-check", K3_FLAG_BOOL, NULL, NULL, "also parse token by token and verify the deltas add up"},
-    {"deltas", K3_FLAG_BOOL, NULL, NULL, "print each streaming delta (one JSON object a line) before the message"},
+    {"model", K3_FLAG_STR, "DIR", NULL,
+     "model directory (tokenizer: tiktoken.model + tokenizer_config.json)"},
+    {"vocab", K3_FLAG_STR, "FILE", NULL,
+     "a .tiktoken rank file; K3 special tokens past the last rank"},
+    {"request", K3_FLAG_STR, "FILE", NULL,
+     "the chat request (JSON): tools for typing, thinking switches"},
+    {"stream-check", K3_FLAG_BOOL, NULL, NULL,
+     "also parse token by token and verify the deltas add up"},
+    {"deltas", K3_FLAG_BOOL, NULL, NULL,
+     "print each streaming delta (one JSON object a line) before the message"},
 };
 
 static k3_status read_stdin(k3_chat_buf *b) {
@@ -52,14 +57,19 @@ static k3_status acc_add(acc *a, const k3_parser_delta *d) {
             char **nm = realloc(a->names, n * sizeof *nm);
             if (!nm) return K3_ERR(K3_ERR_NOMEM, "out of memory");
             a->names = nm;
-            for (size_t k = a->n; k < n; k++) { memset(&a->args[k], 0, sizeof a->args[k]); a->names[k] = NULL; }
+            for (size_t k = a->n; k < n; k++) {
+                memset(&a->args[k], 0, sizeof a->args[k]);
+                a->names[k] = NULL;
+            }
             a->n = n;
         }
         if (c->name) {
-            if (a->names[c->index]) return K3_ERR(K3_ERR_INTERNAL, "call %zu: header sent twice", c->index);
+            if (a->names[c->index])
+                return K3_ERR(K3_ERR_INTERNAL, "call %zu: header sent twice", c->index);
             a->names[c->index] = strdup(c->name);
         }
-        if (!a->names[c->index]) return K3_ERR(K3_ERR_INTERNAL, "call %zu: arguments before its header", c->index);
+        if (!a->names[c->index])
+            return K3_ERR(K3_ERR_INTERNAL, "call %zu: arguments before its header", c->index);
         K3_TRY(k3_chat_buf_put(&a->args[c->index], c->args, c->n_args));
     }
     return K3_OK;
@@ -68,7 +78,10 @@ static k3_status acc_add(acc *a, const k3_parser_delta *d) {
 static void acc_free(acc *a) {
     k3_chat_buf_free(&a->reasoning);
     k3_chat_buf_free(&a->content);
-    for (size_t i = 0; i < a->n; i++) { k3_chat_buf_free(&a->args[i]); free(a->names[i]); }
+    for (size_t i = 0; i < a->n; i++) {
+        k3_chat_buf_free(&a->args[i]);
+        free(a->names[i]);
+    }
     free(a->args);
     free(a->names);
 }
@@ -151,7 +164,8 @@ static int run_parse(const k3_args *a) {
     if (k3_args_bool(a, "deltas")) { /* token by token, printing each delta */
         k3_parser_delta d;
         for (size_t i = 0; i <= ids.n; i++) {
-            if (i < ids.n ? k3_parser_feed_ids(p, tok, &ids.ids[i], 1) : k3_parser_finish(p)) goto fail;
+            if (i < ids.n ? k3_parser_feed_ids(p, tok, &ids.ids[i], 1) : k3_parser_finish(p))
+                goto fail;
             if (k3_parser_take_delta(p, &d)) goto fail;
             if (k3_parser_delta_empty(&d)) continue;
             dj.n = 0;
@@ -182,7 +196,10 @@ done:
 }
 
 const k3_command k3_cmd_parse = {
-    .name = "parse", .positional = "",
+    .name = "parse",
+    .positional = "",
     .summary = "parse a K3 generation (stdin) into reasoning, content and tool calls (JSON)",
-    .flags = parse_flags, .n_flags = (int)K3_ARRAY_LEN(parse_flags), .run = run_parse,
+    .flags = parse_flags,
+    .n_flags = (int)K3_ARRAY_LEN(parse_flags),
+    .run = run_parse,
 };

@@ -14,7 +14,8 @@
 
 static const k3_flag render_flags[] = {
     {"model", K3_FLAG_STR, "DIR", NULL, "model directory (tokenizer); needed only for --ids"},
-    {"vocab", K3_FLAG_STR, "FILE", NULL, "a .tiktoken rank file with the K3 specials past the last rank (for --ids)"},
+    {"vocab", K3_FLAG_STR, "FILE", NULL,
+     "a .tiktoken rank file with the K3 specials past the last rank (for --ids)"},
     {"segments", K3_FLAG_BOOL, NULL, NULL, "print the segments as JSON [[text, is_control], ...]"},
     {"ids", K3_FLAG_BOOL, NULL, NULL, "print the token ids (each segment encoded on its own)"},
     {"no-generation-prompt", K3_FLAG_BOOL, NULL, NULL, "do not append the assistant opener"},
@@ -46,7 +47,6 @@ static int run_render(const k3_args *a) {
     k3_chat_prompt prompt = {0};
     k3_tokenizer *tok = NULL;
     k3_tok_ids ids = {0};
-    k3_tok_segment *segs = NULL;
     int rc = 0;
     if (read_stdin(&in) || k3_chat_request_parse(in.p, in.n, &req) ||
         k3_chat_render(req, !k3_args_bool(a, "no-generation-prompt"), &prompt)) {
@@ -56,18 +56,21 @@ static int run_render(const k3_args *a) {
     if (want_ids) {
         k3_status s = model ? k3_tok_create_model_dir(&tok, model, NULL)
                             : k3_tok_create_tiktoken(&tok, vocab, NULL, K3_TOK_K3_LAYOUT, NULL);
-        if (s) { rc = fail(model ? model : vocab); goto done; }
-        segs = calloc(prompt.n_segs + 1, sizeof *segs);
-        if (!segs) { fprintf(stderr, "k3 render: out of memory\n"); rc = 1; goto done; }
-        for (size_t i = 0; i < prompt.n_segs; i++) {
-            size_t b = i ? prompt.seg_end[i - 1] : 0;
-            segs[i] = (k3_tok_segment){prompt.text + b, prompt.seg_end[i] - b, prompt.seg_ctrl[i]};
+        if (s) {
+            rc = fail(model ? model : vocab);
+            goto done;
         }
-        if (k3_tok_encode_segments(tok, segs, prompt.n_segs, &ids)) { rc = fail("encoding"); goto done; }
+        if (k3_chat_encode(&prompt, tok, &ids)) {
+            rc = fail("encoding");
+            goto done;
+        }
         for (size_t i = 0; i < ids.n; i++) printf(i ? " %d" : "%d", ids.ids[i]);
         putchar('\n');
     } else if (k3_args_bool(a, "segments")) {
-        if (k3_chat_prompt_segments_json(&prompt, &out)) { rc = fail(""); goto done; }
+        if (k3_chat_prompt_segments_json(&prompt, &out)) {
+            rc = fail("");
+            goto done;
+        }
         fwrite(out.p, 1, out.n, stdout);
         putchar('\n');
     } else {
@@ -75,7 +78,6 @@ static int run_render(const k3_args *a) {
     }
     fflush(stdout);
 done:
-    free(segs);
     k3_tok_ids_free(&ids);
     k3_tok_destroy(tok);
     k3_chat_prompt_free(&prompt);
@@ -86,7 +88,10 @@ done:
 }
 
 const k3_command k3_cmd_render = {
-    .name = "render", .positional = "",
+    .name = "render",
+    .positional = "",
     .summary = "render an OpenAI-style chat request (stdin) as the K3 prompt",
-    .flags = render_flags, .n_flags = (int)K3_ARRAY_LEN(render_flags), .run = run_render,
+    .flags = render_flags,
+    .n_flags = (int)K3_ARRAY_LEN(render_flags),
+    .run = run_render,
 };

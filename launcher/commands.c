@@ -8,6 +8,7 @@ extern const k3_command k3_cmd_inspect;
 extern const k3_command k3_cmd_tokenize;
 extern const k3_command k3_cmd_render;
 extern const k3_command k3_cmd_parse;
+extern const k3_command k3_cmd_run;
 
 const k3_command *const k3_commands[] = {
     &k3_cmd_version,
@@ -16,5 +17,6 @@ const k3_command *const k3_commands[] = {
     &k3_cmd_tokenize,
     &k3_cmd_render,
     &k3_cmd_parse,
+    &k3_cmd_run,
 };
 const int k3_n_commands = (int)K3_ARRAY_LEN(k3_commands);

@@ -10,10 +10,13 @@
  * share one k3_stage between threads concurrently, or create a k3_seq_state while a forward of
  * the same stage runs (it may grow the stage's attention scratch).
  *
- * Determinism: with kda_chunk = 1 (recurrent KDA everywhere) every logit is bit-identical for
- * every split of a prompt into prefill chunks / decode steps and every batch composition (all
- * reductions are per token, per head or per output element — the kernels' determinism rule).
- * With chunked KDA (default) chunkings agree to ~1e-7 relative. */
+ * Determinism: with the recurrent KDA form (the default, kda_chunk 0 or 1) every logit is
+ * bit-identical for every split of a prompt into prefill chunks / decode steps, every batch
+ * composition and every stage split (all reductions are per token, per head or per output
+ * element — the kernels' determinism rule). The chunked (WY) KDA form (kda_chunk >= 2) is the
+ * same math with other roundings: measured on the tiny preset, it moves layer-0 hidden states by
+ * ~3e-7 and logits by ~2e-6 relative (the model amplifies fp32 rounding ~8x over 8 layers), so it
+ * is opt-in. On CPU the recurrence is also the cheaper form (dk·dv per token and head). */
 #ifndef K3_LAYERS_H
 #define K3_LAYERS_H
 
@@ -27,7 +30,7 @@ typedef struct k3_seq_state k3_seq_state; /* one sequence's caches for the stage
                                              state [n_kda, 3 (q,k,v), K-1, P] and recurrent state
                                              [n_kda, H, dk, dv] fp32, position count */
 
-#define K3_KDA_CHUNK_DEFAULT 16 /* KDA prefill chunk (llama.cpp uses 16 for KDA; |Γ| ≤ 80 at LB=-5) */
+#define K3_KDA_CHUNK_DEFAULT 1 /* recurrent KDA (see "Determinism" above); 16 is the chunk llama.cpp uses */
 
 typedef struct k3_stage_params {
     const k3_config *cfg;
@@ -37,8 +40,9 @@ typedef struct k3_stage_params {
     bool first, last;           /* first: embeds token ids; last: final mix/norm/head */
     int64_t max_tokens;         /* max tokens per forward call (sizes scratch) */
     int n_threads;              /* cpu pool threads (k3_kernels_set_threads); <= 0 = leave as is */
-    int kda_chunk;              /* KDA chunk for runs of >= this many tokens: 0 = default (16),
-                                   1 = recurrent everywhere (bit-identical across chunkings) */
+    int kda_chunk;              /* KDA form: 0 = default (K3_KDA_CHUNK_DEFAULT), 1 = recurrent
+                                   everywhere (bit-identical across chunkings), C >= 2 = chunked
+                                   form on full chunks of C tokens of a run, recurrent tail */
 } k3_stage_params;
 
 k3_status k3_stage_create(const k3_stage_params *p, k3_stage **out);

@@ -30,6 +30,7 @@ static struct {
     atomic_llong next;
     int busy;                 /* workers still inside the current job */
     int participants;         /* workers allowed in the current job */
+    uint64_t start_gen[K3_POOL_MAX]; /* gen at each worker's creation (it may first run later) */
 } g_pool = {
     .run_mu = PTHREAD_MUTEX_INITIALIZER,
     .mu = PTHREAD_MUTEX_INITIALIZER,
@@ -70,7 +71,7 @@ static void *worker(void *arg) {
     t_in_pool = true;
     uint64_t seen = 0;
     pthread_mutex_lock(&g_pool.mu);
-    seen = g_pool.gen;
+    seen = g_pool.start_gen[id]; /* not g_pool.gen: a job may have been posted before we ran */
     for (;;) {
         while (g_pool.gen == seen) pthread_cond_wait(&g_pool.cv_work, &g_pool.mu);
         seen = g_pool.gen;
@@ -93,6 +94,7 @@ void k3_pool_run(int64_t n_tasks, k3_task_fn fn, void *ctx) {
     pthread_mutex_lock(&g_pool.mu);
     while (g_pool.n_started < want - 1) {
         pthread_t th;
+        g_pool.start_gen[g_pool.n_started] = g_pool.gen;
         if (pthread_create(&th, NULL, worker, (void *)(intptr_t)g_pool.n_started) != 0) break;
         pthread_detach(th);
         g_pool.n_started++;

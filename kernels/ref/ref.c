@@ -1,5 +1,8 @@
 /* ref.c — the reference backend: plain, obviously-correct C that DEFINES every op's semantics
- * (kernels/k3_kernels.h). Single-threaded, fp32 with sequential reductions in index order.
+ * (kernels/k3_kernels.h). Single-threaded, sequential reductions in index order; the long dot
+ * products of matmul/matmul_tn accumulate in double (the reference should be the most accurate
+ * backend: fp32 sequential sums of 256 terms alone moved tiny-model logits by ~2e-5), everything
+ * else (norms, KDA state, attention) is fp32 like the cpu backend.
  * Everything else (cpu/, cuda/) is tested against these functions.
  * Owns nothing but code; never allocates (callers pass scratch). */
 #include "k3_kernels.h"
@@ -25,9 +28,9 @@ static k3_status ref_matmul(const float *x, int64_t T, const k3_tensor *W, float
     for (int64_t o = 0; o < out; o++)
         for (int64_t t = 0; t < T; t++) {
             const float *xt = x + t * in;
-            float acc = 0.0f;
-            for (int64_t i = 0; i < in; i++) acc += xt[i] * k3_tensor_get(W, o, i);
-            y[t * out + o] = acc;
+            double acc = 0.0;
+            for (int64_t i = 0; i < in; i++) acc += (double)xt[i] * k3_tensor_get(W, o, i);
+            y[t * out + o] = (float)acc;
         }
     return K3_OK;
 }
@@ -37,9 +40,9 @@ static k3_status ref_matmul_tn(const float *x, int64_t T, const k3_tensor *W, fl
     int64_t out = W->shape[0], in = W->shape[1];
     for (int64_t t = 0; t < T; t++)
         for (int64_t i = 0; i < in; i++) {
-            float acc = 0.0f;
-            for (int64_t o = 0; o < out; o++) acc += x[t * out + o] * k3_tensor_get(W, o, i);
-            y[t * in + i] = acc;
+            double acc = 0.0;
+            for (int64_t o = 0; o < out; o++) acc += (double)x[t * out + o] * k3_tensor_get(W, o, i);
+            y[t * in + i] = (float)acc;
         }
     return K3_OK;
 }
@@ -164,102 +167,109 @@ void k3_ref_kda_head_recurrent(const float *q, const float *k, const float *v, c
     }
 }
 
+/* The chunked form. Intra-chunk math runs in double (the triangular solve of (I + A) amplifies
+ * fp32 rounding ~10×; double keeps chunked within ~1e-7 of the recurrence, which the prefill
+ * chunk-invariance bound needs); the state S stays fp32 between chunks, like the recurrence.
+ * Every decay factor is exp of a difference <= 0 (§2.4 overflow rule): exp(Γ_i − Γ_j), i >= j,
+ * exp(Γ_i) and exp(Γ_last − Γ_j) — never exp(−Γ). */
 void k3_ref_kda_head_chunked(const float *q, const float *k, const float *v, const float *g,
                              const float *beta, int64_t n, int64_t sqk, int64_t svo, int64_t sb,
                              int dk, int dv, float scale, float *S, float *o, int C, float *work) {
-    float *G = work;                       /* [C, dk] Γ, cumulative log decay */
-    float *qs = G + (size_t)C * dk;        /* [C, dk] scale·q */
-    float *Wm = qs + (size_t)C * dk;       /* [C, dk] W = T̃ (exp Γ ⊙ K) */
-    float *U = Wm + (size_t)C * dk;        /* [C, dv] U, then V' */
-    float *Ob = U + (size_t)C * dv;        /* [C, dv] output block */
-    float *A = Ob + (size_t)C * dv;        /* [C, C] A, then T̃ */
-    float *Aqk = A + (size_t)C * C;        /* [C, C] */
-    float *eG = Aqk + (size_t)C * C;       /* [dk] exp(Γ_last) */
+    double *G = (double *)work;            /* [C, dk] Γ, cumulative log decay */
+    double *eG = G + (size_t)C * dk;       /* [C, dk] exp(Γ_i) */
+    double *eL = eG + (size_t)C * dk;      /* [C, dk] exp(Γ_last − Γ_j) */
+    double *Wm = eL + (size_t)C * dk;      /* [C, dk] W = T̃ (exp Γ ⊙ K) */
+    double *U = Wm + (size_t)C * dk;       /* [C, dv] U, then V' */
+    double *Ob = U + (size_t)C * dv;       /* [C, dv] output block */
+    double *A = Ob + (size_t)C * dv;       /* [C, C] A, then T̃ */
+    double *Aqk = A + (size_t)C * C;       /* [C, C] */
     int64_t t0 = 0;
     for (; C > 1 && t0 + C <= n; t0 += C) {
-        /* Γ and scaled q */
         for (int i = 0; i < C; i++) {
-            const float *gi = g + (t0 + i) * sqk, *qi = q + (t0 + i) * sqk;
+            const float *gi = g + (t0 + i) * sqk;
             for (int d = 0; d < dk; d++) {
-                G[i * dk + d] = (i ? G[(i - 1) * dk + d] : 0.0f) + gi[d];
-                qs[i * dk + d] = qi[d] * scale;
+                G[i * dk + d] = (i ? G[(i - 1) * dk + d] : 0.0) + (double)gi[d];
+                eG[i * dk + d] = exp(G[i * dk + d]);
             }
         }
-        /* 1. A[i,j] = β_i Σ_d k_i k_j exp(Γ_i − Γ_j), j < i ; Aqk for j ≤ i. exp of a difference ≤ 0. */
+        const double *Gl = G + (size_t)(C - 1) * dk;
+        for (int j = 0; j < C; j++)
+            for (int d = 0; d < dk; d++) eL[j * dk + d] = exp(Gl[d] - G[j * dk + d]);
+        /* 1. A[i,j] = β_i Σ_d k_i k_j exp(Γ_i − Γ_j) (j < i); Aqk[i,j] = Σ_d scale·q_i k_j exp(·) (j <= i) */
         for (int i = 0; i < C; i++) {
-            const float *ki = k + (t0 + i) * sqk;
-            float bi = beta[(t0 + i) * sb];
+            const float *ki = k + (t0 + i) * sqk, *qi = q + (t0 + i) * sqk;
+            double bi = beta[(t0 + i) * sb];
             for (int j = 0; j < C; j++) {
-                A[i * C + j] = 0.0f;
-                Aqk[i * C + j] = 0.0f;
+                A[i * C + j] = 0.0;
+                Aqk[i * C + j] = 0.0;
                 if (j > i) continue;
                 const float *kj = k + (t0 + j) * sqk;
-                float a = 0.0f, aq = 0.0f;
+                double a = 0.0, aq = 0.0;
                 for (int d = 0; d < dk; d++) {
-                    float e = expf(G[i * dk + d] - G[j * dk + d]);
-                    a += ki[d] * kj[d] * e;
-                    aq += qs[i * dk + d] * kj[d] * e;
+                    double e = exp(G[i * dk + d] - G[j * dk + d]) * (double)kj[d];
+                    a += (double)ki[d] * e;
+                    aq += (double)qi[d] * e;
                 }
                 if (j < i) A[i * C + j] = bi * a;
-                Aqk[i * C + j] = aq;
+                Aqk[i * C + j] = (double)scale * aq;
             }
         }
-        /* 2. T = (I + A)^-1 by forward substitution (in place, row by row: rows < i already hold T),
-              then T̃[i,j] = T[i,j] β_j. Row i of T: T[i,j] = −Σ_{m=j}^{i−1} A[i,m] T[m,j], T[i,i] = 1. */
+        /* 2. T = (I + A)^-1 by forward substitution, row by row in place (rows < i hold T):
+              T[i,j] = −Σ_{m=j}^{i−1} A[i,m] T[m,j], T[i,i] = 1; then T̃[i,j] = T[i,j] β_j. */
         for (int i = 0; i < C; i++) {
-            float row[1024];
+            double row[1024];
             K3_ASSERT(C <= 1024);
             for (int j = 0; j < i; j++) {
-                float s = 0.0f;
-                for (int m = j; m < i; m++) s += A[i * C + m] * (m == j ? 1.0f : A[m * C + j]);
+                double s = 0.0;
+                for (int m = j; m < i; m++) s += A[i * C + m] * (m == j ? 1.0 : A[m * C + j]);
                 row[j] = -s;
             }
             for (int j = 0; j < i; j++) A[i * C + j] = row[j];
         }
         for (int i = 0; i < C; i++)
             for (int j = 0; j <= i; j++)
-                A[i * C + j] = (j == i ? 1.0f : A[i * C + j]) * beta[(t0 + j) * sb];
+                A[i * C + j] = (j == i ? 1.0 : A[i * C + j]) * (double)beta[(t0 + j) * sb];
         /* 3. W = T̃ (exp Γ ⊙ K), U = T̃ V */
         for (int i = 0; i < C; i++) {
-            for (int d = 0; d < dk; d++) {
-                float s = 0.0f;
-                for (int j = 0; j <= i; j++) s += A[i * C + j] * expf(G[j * dk + d]) * k[(t0 + j) * sqk + d];
-                Wm[i * dk + d] = s;
-            }
-            for (int e = 0; e < dv; e++) {
-                float s = 0.0f;
-                for (int j = 0; j <= i; j++) s += A[i * C + j] * v[(t0 + j) * svo + e];
-                U[i * dv + e] = s;
+            for (int d = 0; d < dk; d++) Wm[i * dk + d] = 0.0;
+            for (int e = 0; e < dv; e++) U[i * dv + e] = 0.0;
+            for (int j = 0; j <= i; j++) {
+                double t = A[i * C + j];
+                const float *kj = k + (t0 + j) * sqk, *vj = v + (t0 + j) * svo;
+                for (int d = 0; d < dk; d++) Wm[i * dk + d] += t * eG[j * dk + d] * (double)kj[d];
+                for (int e = 0; e < dv; e++) U[i * dv + e] += t * (double)vj[e];
             }
         }
-        /* 4. V' = U − W S ; O = (qs ⊙ exp Γ) S + Aqk V' */
-        for (int i = 0; i < C; i++)
-            for (int e = 0; e < dv; e++) {
-                float s = 0.0f, so = 0.0f;
-                for (int d = 0; d < dk; d++) {
-                    s += Wm[i * dk + d] * S[(int64_t)d * dv + e];
-                    so += qs[i * dk + d] * expf(G[i * dk + d]) * S[(int64_t)d * dv + e];
+        /* 4. V' = U − W S ; O = (scale·q ⊙ exp Γ) S + Aqk V' */
+        for (int i = 0; i < C; i++) {
+            const float *qi = q + (t0 + i) * sqk;
+            for (int e = 0; e < dv; e++) Ob[i * dv + e] = 0.0;
+            for (int d = 0; d < dk; d++) {
+                double w = Wm[i * dk + d], qe = (double)scale * (double)qi[d] * eG[i * dk + d];
+                const float *Sd = S + (int64_t)d * dv;
+                for (int e = 0; e < dv; e++) {
+                    U[i * dv + e] -= w * (double)Sd[e];
+                    Ob[i * dv + e] += qe * (double)Sd[e];
                 }
-                U[i * dv + e] -= s;
-                Ob[i * dv + e] = so;
             }
-        for (int i = 0; i < C; i++)
-            for (int e = 0; e < dv; e++) {
-                float s = Ob[i * dv + e];
-                for (int j = 0; j <= i; j++) s += Aqk[i * C + j] * U[j * dv + e];
-                o[(t0 + i) * svo + e] = s;
+        }
+        for (int i = 0; i < C; i++) {
+            for (int j = 0; j <= i; j++) {
+                double a = Aqk[i * C + j];
+                for (int e = 0; e < dv; e++) Ob[i * dv + e] += a * U[j * dv + e];
             }
-        /* S ← diag(exp Γ_last) S + Σ_j (exp(Γ_last − Γ_j) ⊙ k_j) V'_jᵀ */
-        const float *Gl = G + (size_t)(C - 1) * dk;
-        for (int d = 0; d < dk; d++) eG[d] = expf(Gl[d]);
+            for (int e = 0; e < dv; e++) o[(t0 + i) * svo + e] = (float)Ob[i * dv + e];
+        }
+        /* S ← diag(exp Γ_last) S + Σ_j (exp(Γ_last − Γ_j) ⊙ k_j) V'_jᵀ   (stored back in fp32) */
         for (int d = 0; d < dk; d++) {
             float *Sd = S + (int64_t)d * dv;
-            for (int e = 0; e < dv; e++) {
-                float s = eG[d] * Sd[e];
-                for (int j = 0; j < C; j++)
-                    s += expf(Gl[d] - G[j * dk + d]) * k[(t0 + j) * sqk + d] * U[j * dv + e];
-                Sd[e] = s;
+            double el = exp(Gl[d]);
+            for (int e = 0; e < dv; e++) Ob[e] = el * (double)Sd[e]; /* Ob row 0 reused as scratch */
+            for (int j = 0; j < C; j++) {
+                double kk = eL[j * dk + d] * (double)k[(t0 + j) * sqk + d];
+                for (int e = 0; e < dv; e++) Ob[e] += kk * U[j * dv + e];
             }
+            for (int e = 0; e < dv; e++) Sd[e] = (float)Ob[e];
         }
     }
     if (t0 < n)

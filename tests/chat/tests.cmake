@@ -5,3 +5,11 @@ find_program(K3_PYTHON3 python3)
 add_test(NAME chat_vs_jinja COMMAND ${K3_PYTHON3} ${CMAKE_CURRENT_LIST_DIR}/vs_jinja.py)
 set_tests_properties(chat_vs_jinja PROPERTIES LABELS "unit;sanitize" ENVIRONMENT "${K3_TEST_ENV}"
                      TIMEOUT 300 SKIP_RETURN_CODE 77)
+# `k3 render --ids` (segment-wise encoding) vs PyPI tiktoken (o200k ranks + K3 regex + K3 specials).
+add_test(NAME chat_render_ids COMMAND ${K3_PYTHON3} ${CMAKE_CURRENT_LIST_DIR}/render_ids.py)
+set_tests_properties(chat_render_ids PROPERTIES LABELS "unit" ENVIRONMENT "${K3_TEST_ENV}"
+                     TIMEOUT 120 SKIP_RETURN_CODE 77)
+# The JSON reader/writer, request normalisation and segment API (C).
+k3_add_test_exe(test_chat ${CMAKE_CURRENT_LIST_DIR}/test_chat.c)
+add_test(NAME chat_unit COMMAND test_chat)
+set_tests_properties(chat_unit PROPERTIES LABELS "unit;sanitize" ENVIRONMENT "${K3_TEST_ENV}" TIMEOUT 60)

@@ -358,6 +358,23 @@ for seed in range(1, 7):
         fail(f"random seed {seed}", "differs from the official-order template")
 
 
+# Float repr stress: 3000 doubles from random bit patterns + boundary values as argument values
+# (json.dumps default separators) — k3's shortest round-trip repr vs Python's.
+rng = random.Random(1234)
+floats = [0.1, 0.2, 0.3, 1/3, 2/3, 1e16, 1e15, 9999999999999998.0, 1e-4, 1e-5, 5e-324, 2.2250738585072014e-308,
+          1.7976931348623157e308, 4.35, 0.000123, 123e20, 1e22, 1e23, 9007199254740993.0, -0.0]
+while len(floats) < 3000:
+    f = struct.unpack("<d", struct.pack("<Q", rng.getrandbits(64)))[0]
+    if f == f and abs(f) != float("inf"):
+        floats.append(f)
+    floats.append(rng.uniform(-1000, 1000))
+req = {"messages": [U("q"), A("", tool_calls=[{"function": {"name": "f", "arguments": {"v": floats}}}])]}
+n_checked += 1
+got = k3_ok("float repr stress", req)
+if got is not None and got != jinja_render(req):
+    fail("float repr stress", "differs from Python repr")
+
+
 # ---- documented divergences -----------------------------------------------------------------
 # D1: key order. Official (Python sorted) vs dictsort (case-insensitive).
 d1 = {"messages": [U("q")], "tools": [{"type": "function", "function": {"name": "f", "parameters": {

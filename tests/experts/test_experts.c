@@ -8,17 +8,19 @@
  * Runs every check for each kernel backend (ref, cpu). Seed printed; inputs checked
  * non-degenerate. */
 #include <float.h>
+#include <ftw.h>
 #include <math.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <sys/stat.h>
 
 #include "k3_experts.h"
 #include "k3_kernels.h"
 #include "k3_test.h"
 #include "tolerances.h"
 
-#define SEED 20261129ull
+#define SEED  20261129ull
 #define GUARD 64 /* guard floats after every scratch buffer */
 
 /* ---- synthetic weights --------------------------------------------------------------------- */
@@ -154,7 +156,8 @@ static double wget(const k3_tensor *t, int64_t o, int64_t i) {
     int64_t in = t->ndim >= 2 ? t->shape[1] : 0;
     int64_t idx = t->ndim >= 2 ? o * in + i : o;
     switch (t->dtype) {
-    case K3_DT_F32: return ((const float *)t->data)[idx];
+    case K3_DT_F32:
+        return ((const float *)t->data)[idx];
     case K3_DT_BF16: {
         uint32_t u = (uint32_t)((const uint16_t *)t->data)[idx] << 16;
         float f;
@@ -167,7 +170,8 @@ static double wget(const k3_tensor *t, int64_t o, int64_t i) {
         int e = t->scale[o * (in / 32) + i / 32];
         return e2m1(code) * pow(2.0, e - 127);
     }
-    default: abort();
+    default:
+        abort();
     }
 }
 
@@ -179,7 +183,9 @@ static void dmatvec(const k3_tensor *W, const double *x, double *y) {
     }
 }
 
-static double dsig(double z) { return 1.0 / (1.0 + exp(-z)); }
+static double dsig(double z) {
+    return 1.0 / (1.0 + exp(-z));
+}
 
 static double dact(const k3_config *c, double g, double u) {
     if (c->act == K3_ACT_SWIGLU) return g * dsig(g) * u;
@@ -188,7 +194,8 @@ static double dact(const k3_config *c, double g, double u) {
     return b * tanh(g / b) * dsig(g) * up;
 }
 
-/* Sort idx[0..n) by (key desc, idx asc): insertion sort (stable), O(n²) — brute force on purpose. */
+/* Sort idx[0..n) by (key desc, idx asc): insertion sort (stable), O(n²) — brute force on purpose.
+ */
 static void sort_desc(const double *key, int *idx, int n) {
     for (int i = 1; i < n; i++) {
         int v = idx[i], j = i - 1;
@@ -202,10 +209,10 @@ static void sort_desc(const double *key, int *idx, int n) {
 
 /* Reference selection from float64 scores s and biased scores sb; also returns the smallest
  * gap that decides the result (group boundary, expert boundary, slot order) in *gap. */
-static void ref_select(const k3_config *c, const double *s, const double *sb, int32_t *ids, double *w,
-                       double *gap) {
+static void ref_select(const k3_config *c, const double *s, const double *sb, int32_t *ids,
+                       double *w, double *gap) {
     const int E = c->n_experts, K = c->n_experts_per_tok, G = c->n_group, gsz = E / G;
-    double gscore[4096];
+    double gscore[4096] = {0};
     int gidx[4096], eidx[4096], keep[4096];
     *gap = INFINITY;
     for (int g = 0; g < G; g++) {
@@ -218,7 +225,8 @@ static void ref_select(const k3_config *c, const double *s, const double *sb, in
     }
     sort_desc(gscore, gidx, G);
     for (int j = 0; j < c->topk_group; j++) keep[gidx[j]] = 1;
-    if (G > 1 && c->topk_group < G) *gap = fmin(*gap, gscore[gidx[c->topk_group - 1]] - gscore[gidx[c->topk_group]]);
+    if (G > 1 && c->topk_group < G)
+        *gap = fmin(*gap, gscore[gidx[c->topk_group - 1]] - gscore[gidx[c->topk_group]]);
     int n = 0;
     for (int e = 0; e < E; e++)
         if (keep[e / gsz]) eidx[n++] = e;
@@ -237,10 +245,12 @@ static void ref_select(const k3_config *c, const double *s, const double *sb, in
 }
 
 /* Whole MoE for one token in float64; returns the chosen ids (and decision gap). */
-static void ref_moe_token(const moe_model *m, const float *xf, double *y, int32_t *ids, double *gap) {
+static void ref_moe_token(const moe_model *m, const float *xf, double *y, int32_t *ids,
+                          double *gap) {
     const k3_config *c = &m->cfg;
     const k3_layer_w *lw = &m->lw;
-    const int D = (int)c->hidden_size, E = c->n_experts, K = c->n_experts_per_tok, I = c->moe_intermediate_size;
+    const int D = (int)c->hidden_size, E = c->n_experts, K = c->n_experts_per_tok,
+              I = c->moe_intermediate_size;
     const int Lw = c->latent_size > 0 ? c->latent_size : D, S = c->n_shared_experts * I;
     double *x = calloc((size_t)D, 8), *z = calloc((size_t)E, 8), *sb = calloc((size_t)E, 8);
     double *r = calloc((size_t)Lw, 8), *acc = calloc((size_t)Lw, 8), *o = calloc((size_t)Lw, 8);
@@ -287,7 +297,8 @@ static void ref_moe_token(const moe_model *m, const float *xf, double *y, int32_
     free(x), free(z), free(sb), free(r), free(acc), free(o), free(g), free(u), free(sh);
 }
 
-/* ---- scratch with a guard band ---------------------------------------------------------------- */
+/* ---- scratch with a guard band ----------------------------------------------------------------
+ */
 static float *scratch_new(size_t n) {
     float *p = malloc((n + GUARD) * sizeof(float));
     if (!p) abort();
@@ -307,7 +318,8 @@ static void randn(k3_rng *r, float *x, size_t n, float std) {
     for (size_t i = 0; i < n; i++) x[i] = std * k3_rng_normal(r);
 }
 
-/* ---- tests ------------------------------------------------------------------------------------ */
+/* ---- tests ------------------------------------------------------------------------------------
+ */
 
 /* k3_moe_select on grid-valued scores: many exact ties in expert scores and group sums. */
 static void test_select_ties(void) {
@@ -329,10 +341,16 @@ static void test_select_ties(void) {
     int ties_e = 0, ties_g = 0, mism = 0;
     for (int variant = 0; variant < 3; variant++) {
         if (variant == 1) c.moe_renormalize = false;
-        if (variant == 2) { c.n_group = 1; c.topk_group = 1; c.moe_renormalize = true; c.routed_scaling_factor = 1.0f; }
+        if (variant == 2) {
+            c.n_group = 1;
+            c.topk_group = 1;
+            c.moe_renormalize = true;
+            c.routed_scaling_factor = 1.0f;
+        }
         for (int i = 0; i < T * E; i++) {
-            s[i] = (float)(k3_rng_u64(&r) % 9) / 8.0f;              /* {0, 1/8, ..., 1} */
-            b[i] = s[i] + (float)((int)(k3_rng_u64(&r) % 3) - 1) / 8.0f; /* bias in {-1/8, 0, 1/8} */
+            s[i] = (float)(k3_rng_u64(&r) % 9) / 8.0f; /* {0, 1/8, ..., 1} */
+            b[i] =
+                s[i] + (float)((int)(k3_rng_u64(&r) % 3) - 1) / 8.0f; /* bias in {-1/8, 0, 1/8} */
         }
         float *b_copy = malloc(sizeof(float) * T * E);
         memcpy(b_copy, b, sizeof(float) * T * E);
@@ -346,7 +364,8 @@ static void test_select_ties(void) {
             for (int k = 0; k < 4; k++) {
                 if (ids[t * 4 + k] != rid[k]) mism++;
                 K3_CHECK(fabs(w[t * 4 + k] - rw[k]) <= 4 * K3_FP32_U * fabs(rw[k]) + 1e-30,
-                         "variant %d token %d slot %d weight %g vs %g", variant, t, k, (double)w[t * 4 + k], rw[k]);
+                         "variant %d token %d slot %d weight %g vs %g", variant, t, k,
+                         (double)w[t * 4 + k], rw[k]);
             }
         }
         /* ties across groups: equal group sums happen on this grid — verify directly */
@@ -357,28 +376,38 @@ static void test_select_ties(void) {
                     double a = -1e9, bb = -1e9;
                     for (int i = 0; i < 4; i++) {
                         double v = b_copy[t * E + g * 4 + i];
-                        if (v > a) { bb = a; a = v; } else if (v > bb) bb = v;
+                        if (v > a) {
+                            bb = a;
+                            a = v;
+                        } else if (v > bb)
+                            bb = v;
                     }
                     gs[g] = a + bb;
                 }
                 for (int g = 0; g < 4; g++)
                     for (int h = g + 1; h < 4; h++)
-                        if (gs[g] == gs[h]) { ties_g++; g = 4; break; }
+                        if (gs[g] == gs[h]) {
+                            ties_g++;
+                            g = 4;
+                            break;
+                        }
             }
         }
         free(b_copy);
     }
     K3_CHECK(mism == 0, "%d slot ids differ from the float64 brute force", mism);
-    K3_CHECK(ties_e > 50, "grid produced only %d tokens with an exact expert tie (degenerate input)", ties_e);
-    K3_CHECK(ties_g > 50, "grid produced only %d tokens with an exact group tie (degenerate input)", ties_g);
+    K3_CHECK(ties_e > 50,
+             "grid produced only %d tokens with an exact expert tie (degenerate input)", ties_e);
+    K3_CHECK(ties_g > 50, "grid produced only %d tokens with an exact group tie (degenerate input)",
+             ties_g);
     printf("select: %d tokens with exact expert ties, %d with group ties\n", ties_e, ties_g);
     /* a hand case: all equal -> experts 0..3 (groups 0 and 1 kept, lowest indices) */
     for (int e = 0; e < E; e++) s[e] = 0.5f, b[e] = 0.5f;
     c.n_group = 4;
     c.topk_group = 2;
     K3_CHECK_OK(k3_moe_select(&c, s, b, 1, ids, w));
-    K3_CHECK(ids[0] == 0 && ids[1] == 1 && ids[2] == 2 && ids[3] == 3, "all-equal -> %d %d %d %d", ids[0], ids[1],
-             ids[2], ids[3]);
+    K3_CHECK(ids[0] == 0 && ids[1] == 1 && ids[2] == 2 && ids[3] == 3, "all-equal -> %d %d %d %d",
+             ids[0], ids[1], ids[2], ids[3]);
     /* hand case: group 3 holds the best single expert but group sums prefer groups 0 and 2 */
     for (int e = 0; e < E; e++) s[e] = 0.1f;
     s[15] = 0.9f;               /* group 3: 0.9 + 0.1 = 1.0 */
@@ -386,8 +415,8 @@ static void test_select_ties(void) {
     s[9] = 0.55f, s[10] = 0.5f; /* group 2: 1.05 */
     memcpy(b, s, sizeof(float) * E);
     K3_CHECK_OK(k3_moe_select(&c, s, b, 1, ids, w));
-    K3_CHECK(ids[0] == 0 && ids[1] == 1 && ids[2] == 9 && ids[3] == 10, "grouped hand case -> %d %d %d %d", ids[0],
-             ids[1], ids[2], ids[3]);
+    K3_CHECK(ids[0] == 0 && ids[1] == 1 && ids[2] == 9 && ids[3] == 10,
+             "grouped hand case -> %d %d %d %d", ids[0], ids[1], ids[2], ids[3]);
     /* non-finite router output is an error naming the token */
     s[3] = NAN;
     memcpy(b, s, sizeof(float) * E);
@@ -405,8 +434,19 @@ static void test_select_ties(void) {
 /* The full router (matmul + sigmoid + bias + grouped top-k) vs float64, plus exact ties made by
  * duplicated router rows and biases. */
 static void test_route(const k3_ops *ops) {
-    moe_shape sh = {.D = 96, .E = 16, .K = 4, .G = 4, .TG = 2, .I = 32, .L = 64, .n_shared = 1,
-                    .mxfp4 = true, .renorm = true, .use_norm = true, .scale = 2.5f, .act = K3_ACT_SITU};
+    moe_shape sh = {.D = 96,
+                    .E = 16,
+                    .K = 4,
+                    .G = 4,
+                    .TG = 2,
+                    .I = 32,
+                    .L = 64,
+                    .n_shared = 1,
+                    .mxfp4 = true,
+                    .renorm = true,
+                    .use_norm = true,
+                    .scale = 2.5f,
+                    .act = K3_ACT_SITU};
     moe_model m;
     model_make(&m, &sh, SEED + 2);
     /* experts 5 and 6 identical (same group 1) and 12 identical to 4 (groups 3 vs 1): exact ties */
@@ -445,8 +485,8 @@ static void test_route(const k3_ops *ops) {
         if (!same && !amb) bad++;
         if (same) {
             for (int k = 0; k < 4; k++) {
-                K3_CHECK(fabs(w[t * 4 + k] - rwt[k]) <= 1e-5 * fabs(rwt[k]), "token %d slot %d w %g vs %g", t, k,
-                         (double)w[t * 4 + k], rwt[k]);
+                K3_CHECK(fabs(w[t * 4 + k] - rwt[k]) <= 1e-5 * fabs(rwt[k]),
+                         "token %d slot %d w %g vs %g", t, k, (double)w[t * 4 + k], rwt[k]);
             }
         }
         int has5 = 0, has6 = 0;
@@ -456,22 +496,28 @@ static void test_route(const k3_ops *ops) {
             if (ids[t * 4 + k] == 6) has6 = k + 1;
         }
         if (has6) {
-            K3_CHECK(has5 && has5 == has6 - 1, "token %d: tied experts 5/6 in slots %d/%d (5 must come first)", t,
-                     has5 - 1, has6 - 1);
+            K3_CHECK(has5 && has5 == has6 - 1,
+                     "token %d: tied experts 5/6 in slots %d/%d (5 must come first)", t, has5 - 1,
+                     has6 - 1);
             both56++;
         }
         double wsum = 0;
         for (int k = 0; k < 4; k++) wsum += w[t * 4 + k];
-        K3_CHECK(fabs(wsum - 2.5) < 1e-5, "token %d weights sum %g, want routed_scaling_factor 2.5", t, wsum);
+        K3_CHECK(fabs(wsum - 2.5) < 1e-5, "token %d weights sum %g, want routed_scaling_factor 2.5",
+                 t, wsum);
     }
-    K3_CHECK(bad == 0, "%s: %d tokens route differently from float64 without being ambiguous", ops->backend, bad);
-    K3_CHECK(ambiguous <= T / 50, "%d ambiguous tokens (too many near-ties: degenerate input?)", ambiguous);
-    K3_CHECK(both56 > 5, "the tied pair 5/6 was chosen together only %d times (test not exercising ties)", both56);
+    K3_CHECK(bad == 0, "%s: %d tokens route differently from float64 without being ambiguous",
+             ops->backend, bad);
+    K3_CHECK(ambiguous <= T / 50, "%d ambiguous tokens (too many near-ties: degenerate input?)",
+             ambiguous);
+    K3_CHECK(both56 > 5,
+             "the tied pair 5/6 was chosen together only %d times (test not exercising ties)",
+             both56);
     int n_used = 0;
     for (int e = 0; e < 16; e++) n_used += used[e] > 0;
     K3_CHECK(n_used >= 12, "only %d experts ever used (degenerate router)", n_used);
-    printf("route[%s]: %d ambiguous tokens, tie pair chosen %d times, %d experts used\n", ops->backend, ambiguous,
-           both56, n_used);
+    printf("route[%s]: %d ambiguous tokens, tie pair chosen %d times, %d experts used\n",
+           ops->backend, ambiguous, both56, n_used);
     free(x), free(scr), free(ids), free(w);
     model_free(&m);
 }
@@ -479,8 +525,19 @@ static void test_route(const k3_ops *ops) {
 /* Expert rows vs float64; a row alone vs inside batches (bitwise); zero-token experts; one
  * expert for every row; missing experts and bad ids. */
 static void test_rows(const k3_ops *ops, bool mxfp4) {
-    moe_shape sh = {.D = 96, .E = 16, .K = 4, .G = 4, .TG = 2, .I = 32, .L = 64, .n_shared = 1,
-                    .mxfp4 = mxfp4, .renorm = true, .use_norm = true, .scale = 1.0f, .act = K3_ACT_SITU};
+    moe_shape sh = {.D = 96,
+                    .E = 16,
+                    .K = 4,
+                    .G = 4,
+                    .TG = 2,
+                    .I = 32,
+                    .L = 64,
+                    .n_shared = 1,
+                    .mxfp4 = mxfp4,
+                    .renorm = true,
+                    .use_norm = true,
+                    .scale = 1.0f,
+                    .act = K3_ACT_SITU};
     moe_model m;
     model_make(&m, &sh, SEED + 4);
     const int Lw = 64, I = 32, N = 150;
@@ -517,10 +574,12 @@ static void test_rows(const k3_ops *ops, bool mxfp4) {
         }
     }
     double rel = sqrt(num / den);
-    K3_CHECK(bit_bad == 0, "%s %s: %d of 37 rows differ (bits) between alone and in the batch", ops->backend,
-             mxfp4 ? "mxfp4" : "bf16", bit_bad);
-    K3_CHECK(rel <= K3_TOL_MOE_F64_REL_L2, "%s: expert rows rel-L2 vs float64 %.3g", ops->backend, rel);
-    K3_CHECK(sqrt(den / (37.0 * Lw)) > 0.05, "expert outputs nearly zero (rms %g): degenerate", sqrt(den / (37.0 * Lw)));
+    K3_CHECK(bit_bad == 0, "%s %s: %d of 37 rows differ (bits) between alone and in the batch",
+             ops->backend, mxfp4 ? "mxfp4" : "bf16", bit_bad);
+    K3_CHECK(rel <= K3_TOL_MOE_F64_REL_L2, "%s: expert rows rel-L2 vs float64 %.3g", ops->backend,
+             rel);
+    K3_CHECK(sqrt(den / (37.0 * Lw)) > 0.05, "expert outputs nearly zero (rms %g): degenerate",
+             sqrt(den / (37.0 * Lw)));
     /* all 150 rows (113 to expert 3: more than one row tile) vs alone */
     poison(out, (size_t)N * Lw);
     K3_CHECK_OK(k3_moe_expert_rows(ops, &m.cfg, &m.lw, rows, ex, N, out, scr));
@@ -529,20 +588,25 @@ static void test_rows(const k3_ops *ops, bool mxfp4) {
         K3_CHECK_OK(k3_moe_expert_rows(ops, &m.cfg, &m.lw, rows + i * Lw, ex + i, 1, one, scr));
         if (memcmp(one, out + i * Lw, sizeof(float) * Lw) != 0) bit_bad++;
     }
-    K3_CHECK(bit_bad == 0, "%s: %d of %d rows differ between alone and a 150-row batch", ops->backend, bit_bad, N);
+    K3_CHECK(bit_bad == 0, "%s: %d of %d rows differ between alone and a 150-row batch",
+             ops->backend, bit_bad, N);
     K3_CHECK(guard_ok(scr, ns), "expert_rows wrote past its scratch (150 rows)");
     /* n = 0 is fine and touches nothing */
     K3_CHECK_OK(k3_moe_expert_rows(ops, &m.cfg, &m.lw, rows, ex, 0, out, scr));
     /* errors */
     int32_t bad_id = 16;
-    K3_CHECK_ERR(k3_moe_expert_rows(ops, &m.cfg, &m.lw, rows, &bad_id, 1, out, scr), K3_ERR_ARG, "expert id 16");
-    m.ex[7].present = false;
+    K3_CHECK_ERR(k3_moe_expert_rows(ops, &m.cfg, &m.lw, rows, &bad_id, 1, out, scr), K3_ERR_ARG,
+                 "expert id 16");
+    k3_expert_w keep7 = m.ex[7];
+    memset(&m.ex[7], 0, sizeof m.ex[7]); /* what a rank that does not own expert 7 holds */
     int32_t e7[2] = {1, 7};
-    K3_CHECK_ERR(k3_moe_expert_rows(ops, &m.cfg, &m.lw, rows, e7, 2, out, scr), K3_ERR_MISSING, "expert 7");
-    m.ex[7].present = true;
+    K3_CHECK_ERR(k3_moe_expert_rows(ops, &m.cfg, &m.lw, rows, e7, 2, out, scr), K3_ERR_MISSING,
+                 "expert 7");
+    m.ex[7] = keep7;
     m.ex[2].w2.shape[0] = 63;
     int32_t e2 = 2;
-    K3_CHECK_ERR(k3_moe_expert_rows(ops, &m.cfg, &m.lw, rows, &e2, 1, out, scr), K3_ERR_SHAPE, "w2");
+    K3_CHECK_ERR(k3_moe_expert_rows(ops, &m.cfg, &m.lw, rows, &e2, 1, out, scr), K3_ERR_SHAPE,
+                 "w2");
     free(rows), free(out), free(one), free(ex), free(scr);
     model_free(&m);
 }
@@ -555,7 +619,8 @@ static void test_layer(const k3_ops *ops, const moe_shape *sh, int T, const char
     const int D = sh->D, K = sh->K, Lw = sh->L > 0 ? sh->L : sh->D;
     k3_rng r;
     k3_rng_seed(&r, SEED + 7);
-    float *x = malloc(sizeof(float) * T * D), *y = malloc(sizeof(float) * T * D), *y2 = malloc(sizeof(float) * T * D);
+    float *x = malloc(sizeof(float) * T * D), *y = malloc(sizeof(float) * T * D),
+          *y2 = malloc(sizeof(float) * T * D);
     randn(&r, x, (size_t)T * D, 1.0f);
     size_t ns = k3_moe_scratch_floats(c, T);
     float *scr = scratch_new(ns);
@@ -574,13 +639,23 @@ static void test_layer(const k3_ops *ops, const moe_shape *sh, int T, const char
     poison(y2, (size_t)T * D);
     K3_CHECK_OK(k3_moe_finish(ops, c, &m.lw, x, w, eo, T, y2, scr2));
     K3_CHECK(guard_ok(scr2, ns), "%s: steps wrote past the scratch", name);
-    K3_CHECK(memcmp(y, y2, sizeof(float) * T * D) == 0, "%s[%s]: forward differs from the four steps (bits)", name,
-             ops->backend);
+    K3_CHECK(memcmp(y, y2, sizeof(float) * T * D) == 0,
+             "%s[%s]: forward differs from the four steps (bits)", name, ops->backend);
+    /* thread-count invariance (cpu backend): one worker vs the default pool, bit for bit */
+    if (strcmp(ops->backend, "cpu") == 0) {
+        int nt = k3_kernels_threads();
+        k3_kernels_set_threads(1);
+        poison(y2, (size_t)T * D);
+        K3_CHECK_OK(k3_moe_forward(ops, c, &m.lw, x, T, y2, scr2));
+        k3_kernels_set_threads(nt);
+        K3_CHECK(memcmp(y, y2, sizeof(float) * T * D) == 0,
+                 "%s[cpu]: 1 thread differs from %d threads (bits)", name, nt);
+    }
     /* token-count invariance: the last token alone */
     float *y1 = malloc(sizeof(float) * D);
     K3_CHECK_OK(k3_moe_forward(ops, c, &m.lw, x + (T - 1) * D, 1, y1, scr2));
-    K3_CHECK(memcmp(y1, y + (T - 1) * D, sizeof(float) * D) == 0, "%s[%s]: last token alone differs (bits)", name,
-             ops->backend);
+    K3_CHECK(memcmp(y1, y + (T - 1) * D, sizeof(float) * D) == 0,
+             "%s[%s]: last token alone differs (bits)", name, ops->backend);
     /* float64 */
     double num = 0, den = 0;
     int amb = 0, bad = 0, used[4096] = {0};
@@ -593,7 +668,10 @@ static void test_layer(const k3_ops *ops, const moe_shape *sh, int T, const char
         for (int k = 0; k < K; k++) same = same && rid[k] == ids[t * K + k];
         for (int k = 0; k < K; k++) used[ids[t * K + k]]++;
         if (!same) {
-            if (gap < 1e-5) amb++; else bad++;
+            if (gap < 1e-5)
+                amb++;
+            else
+                bad++;
             continue;
         }
         for (int d = 0; d < D; d++) {
@@ -605,21 +683,35 @@ static void test_layer(const k3_ops *ops, const moe_shape *sh, int T, const char
     double rel = sqrt(num / den);
     int n_used = 0;
     for (int e = 0; e < sh->E; e++) n_used += used[e] > 0;
-    printf("layer %s[%s] T=%d: rel-L2 vs float64 %.3g (%d ambiguous tokens skipped), %d experts used\n", name,
-           ops->backend, T, rel, amb, n_used);
+    printf("layer %s[%s] T=%d: rel-L2 vs float64 %.3g (%d ambiguous tokens skipped), %d experts "
+           "used\n",
+           name, ops->backend, T, rel, amb, n_used);
     K3_CHECK(bad == 0, "%s: %d tokens routed differently from float64 (not near-ties)", name, bad);
     K3_CHECK(amb <= T / 50 + 1, "%s: %d ambiguous tokens", name, amb);
-    K3_CHECK(rel <= K3_TOL_MOE_F64_REL_L2, "%s[%s]: layer rel-L2 vs float64 %.3g", name, ops->backend, rel);
+    K3_CHECK(rel <= K3_TOL_MOE_F64_REL_L2, "%s[%s]: layer rel-L2 vs float64 %.3g", name,
+             ops->backend, rel);
     K3_CHECK(sqrt(den / ((double)T * D)) > 0.05, "%s: outputs nearly zero: degenerate", name);
     K3_CHECK(n_used >= (sh->E < 8 ? sh->E : 8), "%s: only %d experts used", name, n_used);
-    free(x), free(y), free(y2), free(ids), free(w), free(rows), free(eo), free(scr), free(scr2), free(y1), free(yd);
+    free(x), free(y), free(y2), free(ids), free(w), free(rows), free(eo), free(scr), free(scr2),
+        free(y1), free(yd);
     model_free(&m);
 }
 
 /* Every token to one expert: a router whose bias makes expert 9 win by far; K = 1. */
 static void test_one_expert(const k3_ops *ops) {
-    moe_shape sh = {.D = 64, .E = 16, .K = 1, .G = 1, .TG = 1, .I = 32, .L = 32, .n_shared = 0,
-                    .mxfp4 = true, .renorm = true, .use_norm = true, .scale = 1.0f, .act = K3_ACT_SITU};
+    moe_shape sh = {.D = 64,
+                    .E = 16,
+                    .K = 1,
+                    .G = 1,
+                    .TG = 1,
+                    .I = 32,
+                    .L = 32,
+                    .n_shared = 0,
+                    .mxfp4 = true,
+                    .renorm = true,
+                    .use_norm = true,
+                    .scale = 1.0f,
+                    .act = K3_ACT_SITU};
     moe_model m;
     model_make(&m, &sh, SEED + 8);
     ((float *)m.lw.router_bias.data)[9] = 10.0f;
@@ -634,7 +726,8 @@ static void test_one_expert(const k3_ops *ops) {
     float w[70];
     K3_CHECK_OK(k3_moe_route(ops, &m.cfg, &m.lw, x, T, ids, w, scr));
     int n9 = 0;
-    for (int t = 0; t < T; t++) n9 += ids[t] == 9 && w[t] == 1.0f; /* K = 1 renormalised: exactly s/(s+1e-20) = 1 */
+    for (int t = 0; t < T; t++)
+        n9 += ids[t] == 9 && w[t] == 1.0f; /* K = 1 renormalised: exactly s/(s+1e-20) = 1 */
     K3_CHECK(n9 == T, "K=1: %d of %d tokens routed to expert 9 with weight 1", n9, T);
     K3_CHECK_OK(k3_moe_forward(ops, &m.cfg, &m.lw, x, T, y, scr));
     double num = 0, den = 0, yd[64], gap;
@@ -662,21 +755,24 @@ static void test_permute(void) {
     const int64_t n = 37 * 4;
     int32_t ex[148], own_c[24], own_r[24];
     int64_t counts[5], perm[148], inv[148], work[24];
-    for (int64_t i = 0; i < n; i++) ex[i] = (int32_t)(k3_rng_u64(&r) % 20); /* experts 20..23 get no rows */
-    for (int e = 0; e < E; e++) own_c[e] = e * R / E;                      /* contiguous ranges */
-    for (int e = 0; e < E; e++) own_r[e] = (int32_t)(k3_rng_u64(&r) % 4);  /* rank 4 owns nothing */
+    for (int64_t i = 0; i < n; i++)
+        ex[i] = (int32_t)(k3_rng_u64(&r) % 20);       /* experts 20..23 get no rows */
+    for (int e = 0; e < E; e++) own_c[e] = e * R / E; /* contiguous ranges */
+    for (int e = 0; e < E; e++) own_r[e] = (int32_t)(k3_rng_u64(&r) % 4); /* rank 4 owns nothing */
     for (int map = 0; map < 2; map++) {
         const int32_t *own = map ? own_r : own_c;
         K3_CHECK_OK(k3_moe_permute(ex, n, own, E, R, counts, perm, inv, work));
         int64_t want[5] = {0}, tot = 0;
         for (int64_t i = 0; i < n; i++) want[own[ex[i]]]++;
         for (int q = 0; q < R; q++) {
-            K3_CHECK(counts[q] == want[q], "map %d rank %d count %lld want %lld", map, q, (long long)counts[q],
-                     (long long)want[q]);
+            K3_CHECK(counts[q] == want[q], "map %d rank %d count %lld want %lld", map, q,
+                     (long long)counts[q], (long long)want[q]);
             tot += counts[q];
         }
         K3_CHECK(tot == n, "counts sum %lld", (long long)tot);
-        if (map) K3_CHECK(counts[4] == 0, "rank 4 owns no expert but got %lld rows", (long long)counts[4]);
+        if (map)
+            K3_CHECK(counts[4] == 0, "rank 4 owns no expert but got %lld rows",
+                     (long long)counts[4]);
         int seen[148] = {0}, ord_bad = 0, inv_bad = 0, range_bad = 0;
         int64_t base = 0;
         for (int q = 0; q < R; q++) {
@@ -685,7 +781,8 @@ static void test_permute(void) {
             base += counts[q];
         }
         for (int64_t j = 0; j < n; j++) {
-            K3_CHECK(perm[j] >= 0 && perm[j] < n, "perm[%lld] = %lld", (long long)j, (long long)perm[j]);
+            K3_CHECK(perm[j] >= 0 && perm[j] < n, "perm[%lld] = %lld", (long long)j,
+                     (long long)perm[j]);
             seen[perm[j]]++;
             if (inv[perm[j]] != j) inv_bad++;
             if (j > 0) {
@@ -698,8 +795,8 @@ static void test_permute(void) {
         int dup = 0;
         for (int64_t i = 0; i < n; i++) dup += seen[i] != 1;
         K3_CHECK(dup == 0 && inv_bad == 0 && ord_bad == 0 && range_bad == 0,
-                 "map %d: %d not-a-permutation, %d inverse, %d order, %d rank-range errors", map, dup, inv_bad, ord_bad,
-                 range_bad);
+                 "map %d: %d not-a-permutation, %d inverse, %d order, %d rank-range errors", map,
+                 dup, inv_bad, ord_bad, range_bad);
         /* round trip of payloads encoding (slot, expert) */
         float send[148], back[148];
         for (int64_t j = 0; j < n; j++) send[j] = (float)(perm[j] * 100 + ex[perm[j]]);
@@ -711,21 +808,193 @@ static void test_permute(void) {
     /* deterministic: same input, same output */
     int64_t perm2[148], inv2[148];
     K3_CHECK_OK(k3_moe_permute(ex, n, own_r, E, R, counts, perm2, inv2, work));
-    K3_CHECK(memcmp(perm, perm2, sizeof perm) == 0 && memcmp(inv, inv2, sizeof inv) == 0, "permute not deterministic");
+    K3_CHECK(memcmp(perm, perm2, sizeof perm) == 0 && memcmp(inv, inv2, sizeof inv) == 0,
+             "permute not deterministic");
     /* n = 0 */
     K3_CHECK_OK(k3_moe_permute(ex, 0, own_c, E, R, counts, perm, inv, work));
     K3_CHECK(counts[0] == 0 && counts[4] == 0, "n = 0 counts not zero");
     /* errors */
     int32_t bad_ex = 24;
-    K3_CHECK_ERR(k3_moe_permute(&bad_ex, 1, own_c, E, R, counts, perm, inv, work), K3_ERR_ARG, "expert id 24");
+    K3_CHECK_ERR(k3_moe_permute(&bad_ex, 1, own_c, E, R, counts, perm, inv, work), K3_ERR_ARG,
+                 "expert id 24");
     own_c[3] = 5;
-    K3_CHECK_ERR(k3_moe_permute(ex, n, own_c, E, R, counts, perm, inv, work), K3_ERR_ARG, "expert 3 has owner rank 5");
+    K3_CHECK_ERR(k3_moe_permute(ex, n, own_c, E, R, counts, perm, inv, work), K3_ERR_ARG,
+                 "expert 3 has owner rank 5");
 }
 
-/* usage: test_experts [ref|cpu]  (default: both backends) */
+/* The MoE layers of a real tiny checkpoint (k3_make_tiny -> k3_ckpt_open -> k3_weights_load):
+ * checks that the loader's conventions (MXFP4 data/scale, BF16 norms, F32 bias, expert table)
+ * are the ones experts/ reads, vs the float64 reference. Also: presets pass the MoE config check,
+ * and experts not loaded on a rank give a clear error. */
+static int rm_cb(const char *path, const struct stat *sb, int flag, struct FTW *ftw) {
+    (void)sb, (void)flag, (void)ftw;
+    return remove(path);
+}
+
+static bool own_even(void *ctx, int layer, int expert) {
+    (void)ctx, (void)layer;
+    return expert % 2 == 0;
+}
+
+static void test_tiny(const k3_ops *ops) {
+    for (int p = 0; p < 3; p++) {
+        k3_config pc;
+        k3_preset_config((k3_preset)p, &pc);
+        K3_CHECK_OK(k3_moe_check_config(&pc));
+        K3_CHECK(k3_moe_scratch_floats(&pc, 1) > 0, "preset %d: zero scratch", p);
+    }
+    char dir[] = "/tmp/k3_experts_tiny_XXXXXX";
+    if (!mkdtemp(dir)) {
+        K3_CHECK(false, "mkdtemp failed");
+        return;
+    }
+    k3_ckpt *ck = NULL;
+    k3_weights *wts = NULL, *half = NULL;
+    k3_config c;
+    K3_CHECK_OK(k3_make_tiny(dir, K3_PRESET_TINY, 1));
+    K3_CHECK_OK(k3_config_load(dir, &c));
+    K3_CHECK_OK(k3_ckpt_open(dir, &ck));
+    k3_load_sel sel = {.layer_begin = 0, .layer_end = c.n_layers};
+    if (ck) K3_CHECK_OK(k3_weights_load(ck, &c, &sel, &wts));
+    if (!wts) goto out;
+    const k3_weights_view *v = k3_weights_get(wts);
+    const int T = 40, D = (int)c.hidden_size, K = c.n_experts_per_tok;
+    k3_rng r;
+    k3_rng_seed(&r, SEED + 11);
+    float *x = malloc(sizeof(float) * T * D), *y = malloc(sizeof(float) * T * D);
+    double *yd = malloc(sizeof(double) * D);
+    size_t ns = k3_moe_scratch_floats(&c, T);
+    float *scr = scratch_new(ns);
+    int n_moe = 0;
+    for (int l = 0; l < c.n_layers; l++) {
+        if (!k3_config_is_moe(&c, l)) continue;
+        n_moe++;
+        randn(&r, x, (size_t)T * D, 1.0f);
+        poison(y, (size_t)T * D);
+        K3_CHECK_OK(k3_moe_forward(ops, &c, &v->layers[l], x, T, y, scr));
+        K3_CHECK(guard_ok(scr, ns), "tiny layer %d: scratch overrun", l);
+        moe_model m;
+        memset(&m, 0, sizeof m);
+        m.cfg = c;
+        m.lw = v->layers[l];
+        double num = 0, den = 0;
+        int amb = 0, bad = 0;
+        int32_t ids_ref[64], ids_c[64];
+        float wtmp[64];
+        for (int t = 0; t < T; t++) {
+            double gap;
+            ref_moe_token(&m, x + t * D, yd, ids_ref, &gap);
+            K3_CHECK_OK(k3_moe_route(ops, &c, &v->layers[l], x + t * D, 1, ids_c, wtmp, scr));
+            bool same = memcmp(ids_ref, ids_c, sizeof(int32_t) * (size_t)K) == 0;
+            if (!same) {
+                if (gap < 1e-5)
+                    amb++;
+                else
+                    bad++;
+                continue;
+            }
+            for (int d = 0; d < D; d++) {
+                double e = y[t * D + d] - yd[d];
+                num += e * e;
+                den += yd[d] * yd[d];
+            }
+        }
+        double rel = sqrt(num / den);
+        printf("tiny[%s] layer %d: rel-L2 vs float64 %.3g, output rms %.3g, %d ambiguous\n",
+               ops->backend, l, rel, sqrt(den / ((double)T * D)), amb);
+        K3_CHECK(bad == 0, "tiny layer %d: %d tokens routed differently from float64", l, bad);
+        K3_CHECK(amb <= 2, "tiny layer %d: %d ambiguous tokens", l, amb);
+        K3_CHECK(rel <= K3_TOL_MOE_F64_REL_L2, "tiny layer %d: rel-L2 %.3g", l, rel);
+        K3_CHECK(den > 0 && isfinite(den), "tiny layer %d: degenerate output", l);
+    }
+    K3_CHECK(n_moe >= 1, "tiny preset has no MoE layer");
+    /* a rank holding only the even experts: rows for an odd expert must fail clearly */
+    k3_load_sel hs = {.layer_begin = 1, .layer_end = 2, .expert_owned = own_even};
+    K3_CHECK_OK(k3_weights_load(ck, &c, &hs, &half));
+    if (half) {
+        const k3_layer_w *hl = &k3_weights_get(half)->layers[1];
+        int32_t ex2[2] = {2, 3};
+        float *o2 = malloc(sizeof(float) * 2 * (size_t)k3_moe_row_width(&c));
+        K3_CHECK_OK(k3_moe_expert_rows(ops, &c, hl, x, ex2, 1, o2, scr));
+        K3_CHECK_ERR(k3_moe_expert_rows(ops, &c, hl, x, ex2, 2, o2, scr), K3_ERR_MISSING,
+                     "expert 3");
+        free(o2);
+    }
+    free(x), free(y), free(yd), free(scr);
+out:
+    k3_weights_destroy(half);
+    k3_weights_destroy(wts);
+    k3_ckpt_destroy(ck);
+    nftw(dir, rm_cb, 16, FTW_DEPTH | FTW_PHYS);
+}
+
+/* Dump mode for the PyTorch cross-check (tests/experts/moe_vs_torch.py): for every MoE layer of
+ * the checkpoint in MODEL_DIR, random x [T, D] -> k3_moe_forward with the default backend; writes
+ * OUT/x_L.f32, OUT/y_L.f32 (float32 [T, D]) and OUT/ids_L.i32 (int32 [T, K], slot order). */
+static int write_raw(const char *dir, const char *stem, int l, const void *p, size_t n_bytes) {
+    char path[4096];
+    snprintf(path, sizeof path, "%s/%s_%d.%s", dir, stem, l,
+             strcmp(stem, "ids") == 0 ? "i32" : "f32");
+    FILE *f = fopen(path, "wb");
+    if (!f) return 1;
+    size_t w = fwrite(p, 1, n_bytes, f);
+    return (fclose(f) != 0 || w != n_bytes) ? 1 : 0;
+}
+
+static int dump_layers(const char *model_dir, const char *out_dir) {
+    k3_config c;
+    k3_ckpt *ck = NULL;
+    k3_weights *wts = NULL;
+    if (k3_config_load(model_dir, &c) != K3_OK || k3_ckpt_open(model_dir, &ck) != K3_OK) {
+        fprintf(stderr, "dump: %s\n", k3_last_error());
+        k3_ckpt_destroy(ck);
+        return 1;
+    }
+    k3_load_sel sel = {.layer_begin = 0, .layer_end = c.n_layers};
+    if (k3_weights_load(ck, &c, &sel, &wts) != K3_OK) {
+        fprintf(stderr, "dump: %s\n", k3_last_error());
+        k3_ckpt_destroy(ck);
+        return 1;
+    }
+    const k3_weights_view *v = k3_weights_get(wts);
+    const k3_ops *ops = k3_ops_default();
+    const int T = 48, D = (int)c.hidden_size, K = c.n_experts_per_tok;
+    float *x = malloc(sizeof(float) * T * D), *y = malloc(sizeof(float) * T * D),
+          *w = malloc(sizeof(float) * T * K);
+    int32_t *ids = malloc(sizeof(int32_t) * T * K);
+    float *scr = malloc(sizeof(float) * k3_moe_scratch_floats(&c, T));
+    int rc = 0;
+    for (int l = 0; l < c.n_layers && rc == 0; l++) {
+        if (!k3_config_is_moe(&c, l)) continue;
+        k3_rng r;
+        k3_rng_seed(&r, SEED + 100 + (uint64_t)l);
+        randn(&r, x, (size_t)T * D, 1.0f);
+        if (k3_moe_forward(ops, &c, &v->layers[l], x, T, y, scr) != K3_OK ||
+            k3_moe_route(ops, &c, &v->layers[l], x, T, ids, w, scr) != K3_OK) {
+            fprintf(stderr, "dump: layer %d: %s\n", l, k3_last_error());
+            rc = 1;
+            break;
+        }
+        rc |= write_raw(out_dir, "x", l, x, sizeof(float) * T * D);
+        rc |= write_raw(out_dir, "y", l, y, sizeof(float) * T * D);
+        rc |= write_raw(out_dir, "ids", l, ids, sizeof(int32_t) * T * K);
+    }
+    free(x), free(y), free(w), free(ids), free(scr);
+    k3_weights_destroy(wts);
+    k3_ckpt_destroy(ck);
+    return rc;
+}
+
+/* usage: test_experts [ref|cpu|tiny]  (default: ref and cpu backends, no checkpoint)
+ *        test_experts dump MODEL_DIR OUT_DIR */
 int main(int argc, char **argv) {
     setvbuf(stdout, NULL, _IONBF, 0);
+    if (argc == 4 && strcmp(argv[1], "dump") == 0) return dump_layers(argv[2], argv[3]);
     printf("test_experts: seed %llu\n", (unsigned long long)SEED);
+    if (argc > 1 && strcmp(argv[1], "tiny") == 0) {
+        test_tiny(k3_ops_ref());
+        return k3_test_done("experts_tiny");
+    }
     test_select_ties();
     test_permute();
     const k3_ops *backends[2] = {k3_ops_ref(), k3_ops_cpu()};
@@ -736,12 +1005,34 @@ int main(int argc, char **argv) {
         test_rows(ops, true);
         test_rows(ops, false);
         test_one_expert(ops);
-        moe_shape k3s = {.D = 96, .E = 16, .K = 4, .G = 4, .TG = 2, .I = 32, .L = 64, .n_shared = 2,
-                         .mxfp4 = true, .renorm = true, .use_norm = true, .scale = 2.5f, .act = K3_ACT_SITU};
+        moe_shape k3s = {.D = 96,
+                         .E = 16,
+                         .K = 4,
+                         .G = 4,
+                         .TG = 2,
+                         .I = 32,
+                         .L = 64,
+                         .n_shared = 2,
+                         .mxfp4 = true,
+                         .renorm = true,
+                         .use_norm = true,
+                         .scale = 2.5f,
+                         .act = K3_ACT_SITU};
         test_layer(ops, &k3s, 37, "latent-k3");
         test_layer(ops, &k3s, 300, "latent-k3-tiled"); /* > the 256-token tile of k3_moe_forward */
-        moe_shape kl = {.D = 64, .E = 8, .K = 2, .G = 1, .TG = 1, .I = 48, .L = 0, .n_shared = 1,
-                        .mxfp4 = false, .renorm = true, .use_norm = false, .scale = 1.0f, .act = K3_ACT_SWIGLU};
+        moe_shape kl = {.D = 64,
+                        .E = 8,
+                        .K = 2,
+                        .G = 1,
+                        .TG = 1,
+                        .I = 48,
+                        .L = 0,
+                        .n_shared = 1,
+                        .mxfp4 = false,
+                        .renorm = true,
+                        .use_norm = false,
+                        .scale = 1.0f,
+                        .act = K3_ACT_SWIGLU};
         test_layer(ops, &kl, 29, "kimi-linear");
         moe_shape nonorm = k3s;
         nonorm.use_norm = false;

@@ -19,3 +19,19 @@ if(CMAKE_C_COMPILER_ID MATCHES "Clang")
   target_link_options(fuzz_tokenizer PRIVATE -fsanitize=fuzzer,address,undefined)
   target_link_libraries(fuzz_tokenizer PRIVATE PkgConfig::PCRE2 PkgConfig::CJSON m)
 endif()
+
+# ---- chat / parser (owner: chat, H6) ----
+k3_add_test_exe(fuzz_parser_driver ${CMAKE_CURRENT_LIST_DIR}/fuzz_parser.c)
+add_test(NAME fuzz_parser_short COMMAND fuzz_parser_driver --random 20000 --seed 1)
+set_tests_properties(fuzz_parser_short PROPERTIES LABELS "fuzz" ENVIRONMENT "${K3_TEST_ENV}" TIMEOUT 300)
+if(CMAKE_C_COMPILER_ID MATCHES "Clang")
+  add_executable(fuzz_parser ${CMAKE_CURRENT_LIST_DIR}/fuzz_parser.c
+                 ${CMAKE_SOURCE_DIR}/coordinator/chat_json.c ${CMAKE_SOURCE_DIR}/coordinator/chat_render.c
+                 ${CMAKE_SOURCE_DIR}/coordinator/parser.c ${CMAKE_SOURCE_DIR}/coordinator/tokenizer.c
+                 ${CMAKE_SOURCE_DIR}/coordinator/tokenizer_decode.c ${CMAKE_SOURCE_DIR}/base/base.c)
+  target_compile_definitions(fuzz_parser PRIVATE K3_LIBFUZZER=1 _GNU_SOURCE)
+  target_include_directories(fuzz_parser PRIVATE ${CMAKE_SOURCE_DIR}/base ${CMAKE_SOURCE_DIR}/coordinator)
+  target_compile_options(fuzz_parser PRIVATE -g -O1 -fsanitize=fuzzer,address,undefined)
+  target_link_options(fuzz_parser PRIVATE -fsanitize=fuzzer,address,undefined)
+  target_link_libraries(fuzz_parser PRIVATE PkgConfig::PCRE2 PkgConfig::CJSON m)
+endif()

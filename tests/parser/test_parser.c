@@ -39,11 +39,13 @@ typedef struct expect {
     const char *content;
     int n_calls;
     const char *names[4];
-    const char *args[4];   /* exact compact JSON (or raw block text) */
+    const char *args[4]; /* exact compact JSON (or raw block text) */
     const char *finish;
 } expect;
 
-static bool eqn(const char *a, size_t na, const char *b) { return strlen(b) == na && memcmp(a, b, na) == 0; }
+static bool eqn(const char *a, size_t na, const char *b) {
+    return strlen(b) == na && memcmp(a, b, na) == 0;
+}
 
 /* Accumulated deltas of one response. */
 typedef struct acc {
@@ -64,7 +66,8 @@ static void acc_add(acc *a, const k3_parser_delta *d, const char *name) {
             a->header[c->index] = true;
             snprintf(a->names[c->index], 64, "%s", c->name);
         }
-        K3_CHECK(a->header[c->index], "%s: arguments of call %zu before its header", name, c->index);
+        K3_CHECK(a->header[c->index], "%s: arguments of call %zu before its header", name,
+                 c->index);
         k3_chat_buf_put(&a->args[c->index], c->args, c->n_args);
     }
 }
@@ -81,22 +84,26 @@ static void check_message(k3_parser *p, const expect *e, const char *name) {
     K3_CHECK_OK(k3_parser_message_view(p, &m));
     K3_CHECK(m.has_reasoning == (e->reasoning != NULL), "%s: has_reasoning", name);
     if (e->reasoning)
-        K3_CHECK(eqn(m.reasoning, m.n_reasoning, e->reasoning), "%s: reasoning '%.*s' != '%s'", name,
-                 (int)m.n_reasoning, m.reasoning, e->reasoning);
-    K3_CHECK(eqn(m.content, m.n_content, e->content), "%s: content '%.*s' != '%s'", name, (int)m.n_content,
-             m.content, e->content);
-    K3_CHECK(m.n_calls == (size_t)e->n_calls, "%s: %zu calls, want %d", name, m.n_calls, e->n_calls);
+        K3_CHECK(eqn(m.reasoning, m.n_reasoning, e->reasoning), "%s: reasoning '%.*s' != '%s'",
+                 name, (int)m.n_reasoning, m.reasoning, e->reasoning);
+    K3_CHECK(eqn(m.content, m.n_content, e->content), "%s: content '%.*s' != '%s'", name,
+             (int)m.n_content, m.content, e->content);
+    K3_CHECK(m.n_calls == (size_t)e->n_calls, "%s: %zu calls, want %d", name, m.n_calls,
+             e->n_calls);
     for (size_t i = 0; i < m.n_calls && i < (size_t)e->n_calls; i++) {
-        K3_CHECK(strcmp(m.calls[i].name, e->names[i]) == 0, "%s: call %zu name '%s' != '%s'", name, i,
-                 m.calls[i].name, e->names[i]);
-        K3_CHECK(eqn(m.calls[i].arguments, m.calls[i].n_arguments, e->args[i]), "%s: call %zu args '%.*s' != '%s'",
-                 name, i, (int)m.calls[i].n_arguments, m.calls[i].arguments, e->args[i]);
+        K3_CHECK(strcmp(m.calls[i].name, e->names[i]) == 0, "%s: call %zu name '%s' != '%s'", name,
+                 i, m.calls[i].name, e->names[i]);
+        K3_CHECK(eqn(m.calls[i].arguments, m.calls[i].n_arguments, e->args[i]),
+                 "%s: call %zu args '%.*s' != '%s'", name, i, (int)m.calls[i].n_arguments,
+                 m.calls[i].arguments, e->args[i]);
         for (size_t j = 0; j < i; j++)
-            K3_CHECK(strcmp(m.calls[i].id, m.calls[j].id) != 0, "%s: duplicate call id %s", name, m.calls[i].id);
+            K3_CHECK(strcmp(m.calls[i].id, m.calls[j].id) != 0, "%s: duplicate call id %s", name,
+                     m.calls[i].id);
     }
     if (e->finish)
-        K3_CHECK(m.finish_reason && strcmp(m.finish_reason, e->finish) == 0, "%s: finish '%s' != '%s'", name,
-                 m.finish_reason ? m.finish_reason : "(null)", e->finish);
+        K3_CHECK(m.finish_reason && strcmp(m.finish_reason, e->finish) == 0,
+                 "%s: finish '%s' != '%s'", name, m.finish_reason ? m.finish_reason : "(null)",
+                 e->finish);
     /* the message JSON is valid JSON */
     k3_chat_buf j = {0};
     K3_CHECK_OK(k3_parser_message_json(p, &j));
@@ -144,16 +151,22 @@ static void run_case(const char *name, bool thinking, const k3_chat_json *tools,
         k3_chat_buf streamed = {0};
         K3_CHECK_OK(k3_parser_message_json(q, &streamed));
         K3_CHECK(streamed.n == one.n && memcmp(streamed.p, one.p, one.n) == 0,
-                 "%s seed %llu: streamed message %s != one-shot %s", name, (unsigned long long)seed, streamed.p, one.p);
+                 "%s seed %llu: streamed message %s != one-shot %s", name, (unsigned long long)seed,
+                 streamed.p, one.p);
         k3_parser_message m;
         K3_CHECK_OK(k3_parser_message_view(q, &m));
-        K3_CHECK(eqn(m.reasoning, m.n_reasoning, a.reasoning.p ? a.reasoning.p : ""), "%s: reasoning deltas", name);
-        K3_CHECK(eqn(m.content, m.n_content, a.content.p ? a.content.p : ""), "%s: content deltas", name);
+        K3_CHECK(eqn(m.reasoning, m.n_reasoning, a.reasoning.p ? a.reasoning.p : ""),
+                 "%s: reasoning deltas", name);
+        K3_CHECK(eqn(m.content, m.n_content, a.content.p ? a.content.p : ""), "%s: content deltas",
+                 name);
         for (size_t i = 0; i < m.n_calls; i++) {
             size_t k = (size_t)strtoul(m.calls[i].id + 5, NULL, 10); /* call_<stream index> */
-            K3_CHECK(k < 8 && strcmp(a.names[k], m.calls[i].name) == 0, "%s: call %zu name delta", name, i);
-            K3_CHECK(k < 8 && eqn(m.calls[i].arguments, m.calls[i].n_arguments, a.args[k].p ? a.args[k].p : ""),
-                     "%s: call %zu argument deltas '%s' != '%s'", name, i, a.args[k].p, m.calls[i].arguments);
+            K3_CHECK(k < 8 && strcmp(a.names[k], m.calls[i].name) == 0, "%s: call %zu name delta",
+                     name, i);
+            K3_CHECK(k < 8 && eqn(m.calls[i].arguments, m.calls[i].n_arguments,
+                                  a.args[k].p ? a.args[k].p : ""),
+                     "%s: call %zu argument deltas '%s' != '%s'", name, i, a.args[k].p,
+                     m.calls[i].arguments);
         }
         k3_chat_buf_free(&streamed);
         acc_free(&a);
@@ -181,7 +194,8 @@ static void fixture_cases(void) {
     K3_CHECK(cases && cases->n_items == 9, "fixture has %zu cases", cases ? cases->n_items : 0);
     for (size_t i = 0; cases && i < cases->n_items; i++) {
         const k3_chat_json *c = cases->items[i];
-        const k3_chat_json *opt = k3_chat_json_get(c, "options"), *want = k3_chat_json_get(c, "expected");
+        const k3_chat_json *opt = k3_chat_json_get(c, "options"),
+                           *want = k3_chat_json_get(c, "expected");
         const k3_chat_json *tnames = k3_chat_json_get(opt, "tools");
         /* the request's tools: [tool_definitions[name] for name in options.tools] */
         k3_chat_buf tj = {0};
@@ -197,7 +211,9 @@ static void fixture_cases(void) {
         expect e = {.reasoning = k3_chat_json_get(want, "reasoning_content")->s,
                     .content = k3_chat_json_get(want, "content")->s,
                     .n_calls = (int)calls->n_items,
-                    .finish = calls->n_items ? "tool_calls" : i == 3 ? "length" : "stop"};
+                    .finish = calls->n_items ? "tool_calls"
+                              : i == 3       ? "length"
+                                             : "stop"};
         for (size_t k = 0; k < calls->n_items && k < 4; k++) {
             e.names[k] = k3_chat_json_get(calls->items[k], "name")->s;
             e.args[k] = k3_chat_json_get(calls->items[k], "arguments")->s;
@@ -218,12 +234,14 @@ static void fixture_cases(void) {
         for (size_t k = 0; k < m.n_calls && k < calls->n_items; k++) {
             k3_chat_json *a = NULL, *b = NULL;
             k3_chat_buf x = {0}, y = {0};
-            K3_CHECK_OK(k3_chat_json_parse(m.calls[k].arguments, m.calls[k].n_arguments, "ours", &a));
+            K3_CHECK_OK(
+                k3_chat_json_parse(m.calls[k].arguments, m.calls[k].n_arguments, "ours", &a));
             K3_CHECK_OK(k3_chat_json_parse(e.args[k], strlen(e.args[k]), "fixture", &b));
             if (a && b) {
                 k3_chat_json_dump(a, K3_JSON_SORT_KEYS | K3_JSON_COMPACT, &x);
                 k3_chat_json_dump(b, K3_JSON_SORT_KEYS | K3_JSON_COMPACT, &y);
-                K3_CHECK(x.n == y.n && memcmp(x.p, y.p, x.n) == 0, "%s: renormalised args differ", name);
+                K3_CHECK(x.n == y.n && memcmp(x.p, y.p, x.n) == 0, "%s: renormalised args differ",
+                         name);
             }
             k3_chat_json_free(a);
             k3_chat_json_free(b);
@@ -240,38 +258,51 @@ static void fixture_cases(void) {
 
 /* ---- 3: extra cases and type rules ----------------------------------------------------- */
 #define RESP(x) "<|open|>response<|sep|>" x "<|close|>response<|sep|>"
-#define CALL(tool, body) "<|open|>call tool=\"" tool "\" index=\"1\"<|sep|>" body "<|close|>call<|sep|>"
-#define ARG(key, type, v) "<|open|>argument key=\"" key "\" type=\"" type "\"<|sep|>" v "<|close|>argument<|sep|>"
-#define ARGN(key, v) "<|open|>argument key=\"" key "\"<|sep|>" v "<|close|>argument<|sep|>"
-#define TOOLS(x) "<|open|>tools<|sep|>" x "<|close|>tools<|sep|>"
-#define END "<|close|>message<|sep|><|end_of_msg|>"
+#define CALL(tool, body)                                                                           \
+    "<|open|>call tool=\"" tool "\" index=\"1\"<|sep|>" body "<|close|>call<|sep|>"
+#define ARG(key, type, v)                                                                          \
+    "<|open|>argument key=\"" key "\" type=\"" type "\"<|sep|>" v "<|close|>argument<|sep|>"
+#define ARGN(key, v)   "<|open|>argument key=\"" key "\"<|sep|>" v "<|close|>argument<|sep|>"
+#define TOOLS(x)       "<|open|>tools<|sep|>" x "<|close|>tools<|sep|>"
+#define END            "<|close|>message<|sep|><|end_of_msg|>"
 #define ONE_CALL(body) "r<|close|>think<|sep|>" RESP("") TOOLS(CALL("t", body)) END
 
-static const char *TYPED_TOOLS =
-    "[{\"type\":\"function\",\"function\":{\"name\":\"t\",\"parameters\":{\"type\":\"object\",\"properties\":{"
-    "\"i\":{\"type\":\"integer\"},\"s\":{\"type\":\"string\"},\"n\":{\"type\":[\"number\",\"null\"]},"
-    "\"u\":{\"anyOf\":[{\"type\":\"string\"},{\"type\":\"integer\"}]},\"sn\":{\"type\":[\"string\",\"null\"]},"
-    "\"b\":{\"type\":\"boolean\"},\"o\":{\"type\":\"object\"}}}}}]";
+static const char *TYPED_TOOLS = "[{\"type\":\"function\",\"function\":{\"name\":\"t\","
+                                 "\"parameters\":{\"type\":\"object\",\"properties\":{"
+                                 "\"i\":{\"type\":\"integer\"},\"s\":{\"type\":\"string\"},\"n\":{"
+                                 "\"type\":[\"number\",\"null\"]},"
+                                 "\"u\":{\"anyOf\":[{\"type\":\"string\"},{\"type\":\"integer\"}]},"
+                                 "\"sn\":{\"type\":[\"string\",\"null\"]},"
+                                 "\"b\":{\"type\":\"boolean\"},\"o\":{\"type\":\"object\"}}}}}]";
 
-typedef struct tcase { const char *name, *body, *args; } tcase;
+typedef struct tcase {
+    const char *name, *body, *args;
+} tcase;
 
 static void type_rules(void) {
     k3_chat_json *tools = NULL;
     K3_CHECK_OK(k3_chat_json_parse(TYPED_TOOLS, strlen(TYPED_TOOLS), "tools", &tools));
     static const tcase cases[] = {
-        /* rule 1: type="string" -> JSON string of the raw text, not trimmed, even for an integer key */
+        /* rule 1: type="string" -> JSON string of the raw text, not trimmed, even for an integer
+           key */
         {"r1 string for integer schema", ARG("i", "string", "abc"), "{\"i\":\"abc\"}"},
-        {"r1 no trim, escapes", ARG("i", "string", " 1\n\"q\"\\ \t"), "{\"i\":\" 1\\n\\\"q\\\"\\\\ \\t\"}"},
+        {"r1 no trim, escapes", ARG("i", "string", " 1\n\"q\"\\ \t"),
+         "{\"i\":\" 1\\n\\\"q\\\"\\\\ \\t\"}"},
         {"r1 empty string", ARG("s", "string", ""), "{\"s\":\"\"}"},
-        /* rule 2: other type attributes -> parse; valid + matching -> compact; else a JSON string */
+        /* rule 2: other type attributes -> parse; valid + matching -> compact; else a JSON string
+         */
         {"r2 number", ARG("i", "number", "1"), "{\"i\":1}"},
         {"r2 number float repr", ARG("n", "number", "3.50"), "{\"n\":3.5}"},
         {"r2 number exp", ARG("n", "number", "1e5"), "{\"n\":100000.0}"},
-        {"r2 big int exact", ARG("i", "number", "123456789012345678901234567890"), "{\"i\":123456789012345678901234567890}"},
+        {"r2 big int exact", ARG("i", "number", "123456789012345678901234567890"),
+         "{\"i\":123456789012345678901234567890}"},
         {"r2 number abc -> string", ARG("i", "number", "abc"), "{\"i\":\"abc\"}"},
-        {"r2 number given a JSON string -> raw as string", ARG("i", "number", "\"5\""), "{\"i\":\"\\\"5\\\"\"}"},
-        {"r2 object compact", ARG("o", "object", "{\"a\": 1, \"b\": [1, 2]}"), "{\"o\":{\"a\":1,\"b\":[1,2]}}"},
-        {"r2 object keeps key order", ARG("o", "object", "{\"z\": 1, \"a\": 2}"), "{\"o\":{\"z\":1,\"a\":2}}"},
+        {"r2 number given a JSON string -> raw as string", ARG("i", "number", "\"5\""),
+         "{\"i\":\"\\\"5\\\"\"}"},
+        {"r2 object compact", ARG("o", "object", "{\"a\": 1, \"b\": [1, 2]}"),
+         "{\"o\":{\"a\":1,\"b\":[1,2]}}"},
+        {"r2 object keeps key order", ARG("o", "object", "{\"z\": 1, \"a\": 2}"),
+         "{\"o\":{\"z\":1,\"a\":2}}"},
         {"r2 object malformed", ARG("o", "object", "{\"a\": 1"), "{\"o\":\"{\\\"a\\\": 1\"}"},
         {"r2 boolean", ARG("b", "boolean", "true"), "{\"b\":true}"},
         {"r2 boolean yes -> string", ARG("b", "boolean", "yes"), "{\"b\":\"yes\"}"},
@@ -294,23 +325,33 @@ static void type_rules(void) {
         /* rule 4: the type attribute beats the schema */
         {"r4 type null beats integer schema", ARG("i", "null", "null"), "{\"i\":null}"},
         {"r4 type number beats string schema", ARG("s", "number", "5"), "{\"s\":5}"},
-        /* rule 5: order kept, unknown keys accepted, duplicates kept in order (last wins on load) */
-        {"r5 order + unknown key", ARG("zz", "number", "1") ARG("i", "number", "2"), "{\"zz\":1,\"i\":2}"},
+        /* rule 5: order kept, unknown keys accepted, duplicates kept in order (last wins on load)
+         */
+        {"r5 order + unknown key", ARG("zz", "number", "1") ARG("i", "number", "2"),
+         "{\"zz\":1,\"i\":2}"},
         {"r5 duplicate keys", ARG("i", "number", "1") ARG("i", "number", "2"), "{\"i\":1,\"i\":2}"},
         {"r5 no arguments", "", "{}"},
         /* rule 6: raw json block verbatim (even invalid); only as the whole body */
-        {"r6 json block", "<|open|>json type=\"object\"<|sep|>{not json<|close|>json<|sep|>", "{not json"},
+        {"r6 json block", "<|open|>json type=\"object\"<|sep|>{not json<|close|>json<|sep|>",
+         "{not json"},
         {"r6 json block after args ignored",
-         ARG("i", "number", "1") "<|open|>json type=\"object\"<|sep|>{x<|close|>json<|sep|>", "{\"i\":1}"},
+         ARG("i", "number", "1") "<|open|>json type=\"object\"<|sep|>{x<|close|>json<|sep|>",
+         "{\"i\":1}"},
         {"r6 args after json block ignored",
-         "<|open|>json type=\"object\"<|sep|>{\"a\": 1}<|close|>json<|sep|>" ARG("i", "number", "1"), "{\"a\": 1}"},
+         "<|open|>json type=\"object\"<|sep|>{\"a\": 1}<|close|>json<|sep|>" ARG("i", "number",
+                                                                                 "1"),
+         "{\"a\": 1}"},
     };
     for (size_t i = 0; i < K3_ARRAY_LEN(cases); i++) {
         char input[1024];
         snprintf(input, sizeof input, "%s", ONE_CALL("%s"));
         char full[2048];
         snprintf(full, sizeof full, input, cases[i].body);
-        expect e = {.reasoning = "r", .content = "", .n_calls = 1, .names = {"t"}, .args = {cases[i].args},
+        expect e = {.reasoning = "r",
+                    .content = "",
+                    .n_calls = 1,
+                    .names = {"t"},
+                    .args = {cases[i].args},
                     .finish = "tool_calls"};
         run_case(cases[i].name, true, tools, full, &e);
     }
@@ -320,38 +361,51 @@ static void type_rules(void) {
 static void extra_cases(void) {
     /* thinking off: the completion starts inside `response` */
     expect e1 = {NULL, "Hi", 0, {0}, {0}, "stop"};
-    run_case("thinking off", false, NULL, "Hi<|close|>response<|sep|><|close|>message<|sep|><|end_of_msg|>", &e1);
+    run_case("thinking off", false, NULL,
+             "Hi<|close|>response<|sep|><|close|>message<|sep|><|end_of_msg|>", &e1);
     expect e1b = {NULL, "Hi", 0, {0}, {0}, "stop"};
     run_case("thinking off, echoed response opener", false, NULL,
              "<|open|>response<|sep|>Hi<|close|>response<|sep|>" END, &e1b);
     /* echoed openers at offset 0 (message with a name attribute, then think) */
     expect e2 = {"why", "ok", 0, {0}, {0}, "stop"};
     run_case("echoed message (named) + think", true, NULL,
-             "<|open|>message role=\"assistant\" name=\"kimi\"<|sep|><|open|>think<|sep|>why<|close|>think<|sep|>"
-             RESP("ok") END, &e2);
+             "<|open|>message role=\"assistant\" "
+             "name=\"kimi\"<|sep|><|open|>think<|sep|>why<|close|>think<|sep|>" RESP("ok") END,
+             &e2);
     /* response opened without closing think */
     expect e3 = {"half", "resp", 0, {0}, {0}, "stop"};
-    run_case("response without </think>", true, NULL, "half<|open|>response<|sep|>resp<|close|>response<|sep|>" END, &e3);
+    run_case("response without </think>", true, NULL,
+             "half<|open|>response<|sep|>resp<|close|>response<|sep|>" END, &e3);
     /* truncated call: dropped, finish length */
     expect e4 = {"r", "c", 0, {0}, {0}, "length"};
     run_case("truncated call dropped", true, NULL,
-             "r<|close|>think<|sep|>" RESP("c") "<|open|>tools<|sep|><|open|>call tool=\"t\" index=\"1\"<|sep|>"
-             "<|open|>argument key=\"x\" type=\"string\"<|sep|>par", &e4);
-    /* a new call before the previous closed: the previous is dropped, the next keeps its own args */
+             "r<|close|>think<|sep|>" RESP(
+                 "c") "<|open|>tools<|sep|><|open|>call tool=\"t\" index=\"1\"<|sep|>"
+                      "<|open|>argument key=\"x\" type=\"string\"<|sep|>par",
+             &e4);
+    /* a new call before the previous closed: the previous is dropped, the next keeps its own args
+     */
     expect e5 = {"r", "", 1, {"b"}, {"{\"y\":2}"}, "tool_calls"};
     run_case("unclosed call replaced", true, NULL,
-             "r<|close|>think<|sep|>" RESP("") "<|open|>tools<|sep|><|open|>call tool=\"a\" index=\"1\"<|sep|>"
-             ARG("x", "number", "1") CALL("b", ARG("y", "number", "2")) "<|close|>tools<|sep|>" END, &e5);
+             "r<|close|>think<|sep|>" RESP(
+                 "") "<|open|>tools<|sep|><|open|>call tool=\"a\" index=\"1\"<|sep|>" ARG("x",
+                                                                                          "number",
+                                                                                          "1")
+                 CALL("b", ARG("y", "number", "2")) "<|close|>tools<|sep|>" END,
+             &e5);
     /* attribute unescaping: &quot; first, then &amp; (so "&amp;quot;" stays "&quot;") */
     expect e6 = {"r", "", 1, {"we\"ird&name&quot;"}, {"{\"k&\\\"\":1}"}, "tool_calls"};
     run_case("attribute unescape", true, NULL,
-             "r<|close|>think<|sep|>" RESP("") TOOLS(CALL("we&quot;ird&amp;name&amp;quot;", ARG("k&amp;&quot;", "number", "1")))
-             END, &e6);
+             "r<|close|>think<|sep|>" RESP("")
+                 TOOLS(CALL("we&quot;ird&amp;name&amp;quot;", ARG("k&amp;&quot;", "number", "1")))
+                     END,
+             &e6);
     /* prose with marker text encoded as ordinary ids stays content */
     expect e7 = {"r", "say <|open|>tools<|sep|> literally", 0, {0}, {0}, "stop"};
     run_case("marker text as ordinary ids", true, NULL,
-             "r<|close|>think<|sep|><|open|>response<|sep|>say \x01<|open|>tools<|sep|>\x02 literally<|close|>response<|sep|>"
-             END, &e7);
+             "r<|close|>think<|sep|><|open|>response<|sep|>say \x01<|open|>tools<|sep|>\x02 "
+             "literally<|close|>response<|sep|>" END,
+             &e7);
     /* [EOS] is a stop; other specials are never content */
     expect e8 = {"a", "bc", 0, {0}, {0}, "stop"};
     run_case("EOS stop, media ignored", true, NULL,
@@ -359,14 +413,18 @@ static void extra_cases(void) {
     /* text after the end is ignored; two tool sections; unicode through id splits */
     expect e9 = {"日本語 🦊", "x", 2, {"t", "u"}, {"{\"s\":\"é🦊\"}", "{}"}, "tool_calls"};
     run_case("two tools sections, unicode", true, NULL,
-             "日本語 🦊<|close|>think<|sep|>" RESP("x") TOOLS(CALL("t", ARG("s", "string", "é🦊"))) TOOLS(CALL("u", ""))
-             END "after end", &e9);
+             "日本語 🦊<|close|>think<|sep|>" RESP("x")
+                 TOOLS(CALL("t", ARG("s", "string", "é🦊"))) TOOLS(CALL("u", "")) END
+             "after end",
+             &e9);
     /* truncated in reasoning and in content */
     expect e10 = {"", "partial", 0, {0}, {0}, "length"};
-    run_case("truncated in content", true, NULL, "<|close|>think<|sep|><|open|>response<|sep|>partial", &e10);
+    run_case("truncated in content", true, NULL,
+             "<|close|>think<|sep|><|open|>response<|sep|>partial", &e10);
     /* whitespace between sections is dropped; content/reasoning not trimmed */
     expect e11 = {" r \n", "\n c ", 0, {0}, {0}, "stop"};
-    run_case("no trimming", true, NULL, " r \n<|close|>think<|sep|>\n" RESP("\n c ") "\n" END, &e11);
+    run_case("no trimming", true, NULL, " r \n<|close|>think<|sep|>\n" RESP("\n c ") "\n" END,
+             &e11);
     /* a message that ends right after think */
     expect e12 = {"only", "", 0, {0}, {0}, "stop"};
     run_case("message closed in think", true, NULL, "only<|close|>message<|sep|>", &e12);
@@ -396,13 +454,19 @@ static void utf8_cases(void) {
     K3_CHECK_OK(k3_parser_feed_text(p, "response", 8));
     K3_CHECK_OK(k3_parser_feed_marker(p, K3_MARK_SEP));
     /* Python: b"\xe2\x82A\xff\xf0\x9f\x98".decode("utf-8","replace") == "\ufffdA\ufffd\ufffd" */
-    K3_CHECK_OK(k3_parser_feed_text(p, "\xE2\x82" "A\xFF\xF0\x9F\x98", 7));
+    K3_CHECK_OK(k3_parser_feed_text(p,
+                                    "\xE2\x82"
+                                    "A\xFF\xF0\x9F\x98",
+                                    7));
     K3_CHECK_OK(k3_parser_finish(p));
     k3_parser_message m;
     K3_CHECK_OK(k3_parser_message_view(p, &m));
-    K3_CHECK(eqn(m.reasoning, m.n_reasoning, "a\xC3\xA9\xF0\x9F\xA6\x8A\xEF\xBF\xBD"), "cut sequence at a marker");
-    K3_CHECK(eqn(m.content, m.n_content, "\xEF\xBF\xBD" "A\xEF\xBF\xBD\xEF\xBF\xBD"), "replace semantics: '%.*s'",
-             (int)m.n_content, m.content);
+    K3_CHECK(eqn(m.reasoning, m.n_reasoning, "a\xC3\xA9\xF0\x9F\xA6\x8A\xEF\xBF\xBD"),
+             "cut sequence at a marker");
+    K3_CHECK(eqn(m.content, m.n_content,
+                 "\xEF\xBF\xBD"
+                 "A\xEF\xBF\xBD\xEF\xBF\xBD"),
+             "replace semantics: '%.*s'", (int)m.n_content, m.content);
     K3_CHECK(strcmp(m.finish_reason, "length") == 0, "finish length");
     K3_CHECK_ERR(k3_parser_feed_text(p, "x", 1), K3_ERR_STATE, "after finish");
     k3_parser_destroy(p);
@@ -411,7 +475,8 @@ static void utf8_cases(void) {
 
 /* The request drives the initial state (the renderer's thinking bit). */
 static void request_state(void) {
-    const char *req = "{\"messages\":[{\"role\":\"user\",\"content\":\"hi\"}],\"reasoning_effort\":\"none\"}";
+    const char *req =
+        "{\"messages\":[{\"role\":\"user\",\"content\":\"hi\"}],\"reasoning_effort\":\"none\"}";
     k3_chat_request *r = NULL;
     K3_CHECK_OK(k3_chat_request_parse(req, strlen(req), &r));
     k3_parser *p = NULL;
@@ -420,7 +485,8 @@ static void request_state(void) {
     K3_CHECK_OK(k3_parser_finish(p));
     k3_parser_message m;
     K3_CHECK_OK(k3_parser_message_view(p, &m));
-    K3_CHECK(!m.has_reasoning && eqn(m.content, m.n_content, "Hello"), "thinking off from the request");
+    K3_CHECK(!m.has_reasoning && eqn(m.content, m.n_content, "Hello"),
+             "thinking off from the request");
     k3_parser_destroy(p);
     k3_chat_request_destroy(r);
 }

@@ -1,0 +1,200 @@
+/* test_chat.c — unit tests of coordinator/k3_chat.h that the jinja comparison cannot reach.
+ *
+ * 1. JSON reader/writer vs Python json semantics (expected strings are what CPython 3.11's
+ *    json.loads/json.dumps(ensure_ascii=False) give; each noted inline): lexemes, duplicates,
+ *    escapes, NUL, float repr; and the rejections (with the offending byte named).
+ * 2. Request normalisation through the API (thinking bit, effort) and its errors.
+ * 3. Prompt segments: the §1.7 granularity of the generation prompt, control flags.
+ * The byte-exact prompt comparison is tests/chat/vs_jinja.py. */
+#include "k3_chat.h"
+#include "k3_test.h"
+
+#include <stdlib.h>
+
+static void dump_is(const char *in, int flags, const char *want) {
+    k3_chat_json *v = NULL;
+    K3_CHECK_OK(k3_chat_json_parse(in, strlen(in), "t", &v));
+    if (!v) return;
+    k3_chat_buf b = {0};
+    K3_CHECK_OK(k3_chat_json_dump(v, flags, &b));
+    K3_CHECK(b.p && strcmp(b.p, want) == 0, "dump(%s) = %s, want %s", in, b.p, want);
+    k3_chat_buf_free(&b);
+    k3_chat_json_free(v);
+}
+
+static void parse_fails(const char *in, size_t n, const char *needle) {
+    k3_chat_json *v = NULL;
+    K3_CHECK_ERR(k3_chat_json_parse(in, n, "req.json", &v), K3_ERR_FORMAT, needle);
+    K3_CHECK(v == NULL, "no tree on error");
+    K3_CHECK(strstr(k3_last_error(), "req.json") != NULL, "error names the source: %s",
+             k3_last_error());
+}
+
+static void json_cases(void) {
+    /* json.dumps(json.loads(x)) */
+    dump_is("[1.0, 1e5, -0, -0.0, 1E-5, 0.0001, 1e16, 1e15, 123456789012345678901234567890]", 0,
+            "[1.0, 100000.0, 0, -0.0, 1e-05, 0.0001, 1e+16, 1000000000000000.0, "
+            "123456789012345678901234567890]");
+    dump_is("[NaN, Infinity, -Infinity, 1e400]", K3_JSON_COMPACT,
+            "[NaN,Infinity,-Infinity,Infinity]");
+    dump_is("{\"b\": 1, \"a\": 2, \"b\": 3}", 0,
+            "{\"b\": 3, \"a\": 2}"); /* first place, last value */
+    dump_is("{\"b\": 1, \"a\": {\"d\": 1, \"C\": 2}}", K3_JSON_SORT_KEYS | K3_JSON_COMPACT,
+            "{\"a\":{\"C\":2,\"d\":1},\"b\":1}");
+    dump_is("{\"é\": 1, \"z\": 2, \"Z\": 3, \"\": 4}", K3_JSON_SORT_KEYS,
+            "{\"\": 4, \"Z\": 3, \"z\": 2, \"é\": 1}");
+    dump_is("\"\\u0000\\u001f\\u007f\\/\\b\\f\\n\\r\\t\\\"\\\\\\u00e9\\ud83e\\udd8a\"", 0,
+            "\"\\u0000\\u001f\x7f/\\b\\f\\n\\r\\t\\\"\\\\é🦊\"");
+    dump_is(" \t\n\r[ ] ", 0, "[]");
+    dump_is("[[], {}, [{}]]", 0, "[[], {}, [{}]]");
+    /* rejections */
+    parse_fails("[1,]", 4, "expected a value");
+    parse_fails("{\"a\" 1}", 7, "expected ':'");
+    parse_fails("[1] x", 5, "extra data");
+    parse_fails("\"a\nb\"", 5, "control character");
+    parse_fails("\"\\ud800\"", 8, "lone surrogate");
+    parse_fails("\"\xff\"", 3, "invalid UTF-8");
+    parse_fails("\"\xed\xa0\x80\"", 5, "invalid UTF-8"); /* an encoded surrogate */
+    parse_fails("01", 2, "extra data");
+    parse_fails("[.5]", 4, "expected a value");
+    parse_fails("", 0, "unexpected end");
+    parse_fails("\"abc", 4, "unterminated");
+    char deep[1202];
+    memset(deep, '[', 600);
+    memset(deep + 600, ']', 600);
+    parse_fails(deep, 1200, "too deep");
+    /* embedded NUL survives */
+    k3_chat_json *v = NULL;
+    K3_CHECK_OK(k3_chat_json_parse("\"a\\u0000b\"", 10, "t", &v));
+    K3_CHECK(v && v->n == 3 && v->s[1] == 0, "NUL kept");
+    K3_CHECK(!k3_chat_json_truthy(NULL), "absent is falsy");
+    k3_chat_json_free(v);
+    k3_chat_json_free(NULL);
+    /* Python truthiness */
+    static const char *const falsy[] = {"null", "false", "0", "-0", "0.0", "\"\"", "[]", "{}"};
+    static const char *const truthy[] = {"true", "1", "0.5", "\" \"", "[0]", "{\"a\":0}", "NaN"};
+    for (size_t i = 0; i < K3_ARRAY_LEN(falsy) + K3_ARRAY_LEN(truthy); i++) {
+        bool want = i >= K3_ARRAY_LEN(falsy);
+        const char *s = want ? truthy[i - K3_ARRAY_LEN(falsy)] : falsy[i];
+        K3_CHECK_OK(k3_chat_json_parse(s, strlen(s), "t", &v));
+        K3_CHECK(k3_chat_json_truthy(v) == want, "truthy(%s)", s);
+        k3_chat_json_free(v);
+    }
+}
+
+static k3_chat_request *req(const char *json) {
+    k3_chat_request *r = NULL;
+    K3_CHECK_OK(k3_chat_request_parse(json, strlen(json), &r));
+    return r;
+}
+
+static void request_cases(void) {
+    struct {
+        const char *json;
+        bool thinking;
+        const char *effort;
+    } ok[] = {
+        {"{\"messages\":[]}", true, "max"},
+        {"{\"messages\":[],\"reasoning_effort\":\"low\"}", true, "low"},
+        {"{\"messages\":[],\"reasoning_effort\":\"low\",\"thinking_effort\":\"high\"}", true,
+         "high"},
+        {"{\"messages\":[],\"thinking_effort\":\"low\",\"chat_template_kwargs\":{\"thinking_"
+         "effort\":\"max\"}}",
+         true, "max"},
+        {"{\"messages\":[],\"reasoning_effort\":\"none\"}", false, NULL},
+        {"{\"messages\":[],\"reasoning_effort\":\"none\",\"chat_template_kwargs\":{\"thinking\":"
+         "true}}",
+         false, NULL},
+        {"{\"messages\":[],\"thinking\":false}", false, NULL},
+        {"{\"messages\":[],\"thinking\":false,\"chat_template_kwargs\":{\"enable_thinking\":true}}",
+         true, "max"},
+        {"{\"messages\":[],\"chat_template_kwargs\":{\"thinking\":false,\"enable_thinking\":true}}",
+         false, NULL},
+        {"{\"messages\":[],\"chat_template_kwargs\":{\"thinking\":null,\"enable_thinking\":false}}",
+         false, NULL},
+        {"{\"messages\":[],\"thinking\":false,\"thinking_effort\":\"medium\"}", false,
+         NULL}, /* unused when off */
+    };
+    for (size_t i = 0; i < K3_ARRAY_LEN(ok); i++) {
+        k3_chat_request *r = req(ok[i].json);
+        if (!r) continue;
+        K3_CHECK(k3_chat_request_thinking(r) == ok[i].thinking, "thinking of %s", ok[i].json);
+        const char *e = k3_chat_request_effort(r);
+        K3_CHECK(ok[i].effort ? e && strcmp(e, ok[i].effort) == 0 : e == NULL, "effort of %s",
+                 ok[i].json);
+        k3_chat_request_destroy(r);
+    }
+    k3_chat_request *r = NULL;
+    /* Official encoder: effort must be low|high|max; `medium` (ggml-org template) is rejected. */
+    K3_CHECK_ERR(k3_chat_request_parse("{\"messages\":[],\"reasoning_effort\":\"medium\"}",
+                                       strlen("{\"messages\":[],\"reasoning_effort\":\"medium\"}"),
+                                       &r),
+                 K3_ERR_ARG, "'medium' is not supported");
+    K3_CHECK_ERR(k3_chat_request_parse("{\"messages\":[],\"thinking_effort\":3}",
+                                       strlen("{\"messages\":[],\"thinking_effort\":3}"), &r),
+                 K3_ERR_ARG, "must be a string");
+    K3_CHECK_ERR(k3_chat_request_parse("{\"messages\":[],\"thinking\":1}",
+                                       strlen("{\"messages\":[],\"thinking\":1}"), &r),
+                 K3_ERR_ARG, "true or false");
+    K3_CHECK_ERR(k3_chat_request_parse("{\"messages\":{}}", strlen("{\"messages\":{}}"), &r),
+                 K3_ERR_ARG, "\"messages\" must be a list");
+    K3_CHECK_ERR(k3_chat_request_parse("{}", strlen("{}"), &r), K3_ERR_ARG, "missing \"messages\"");
+    K3_CHECK_ERR(k3_chat_request_parse("[]", strlen("[]"), &r), K3_ERR_ARG, "JSON object");
+    K3_CHECK_ERR(k3_chat_request_parse("{\"messages\":[],\"chat_template_kwargs\":1}",
+                                       strlen("{\"messages\":[],\"chat_template_kwargs\":1}"), &r),
+                 K3_ERR_ARG, "chat_template_kwargs");
+    K3_CHECK(r == NULL, "no request on error");
+    k3_chat_request_destroy(NULL);
+}
+
+/* Segment i as a string compare. */
+static bool seg_is(const k3_chat_prompt *p, size_t i, const char *text, bool ctrl) {
+    if (i >= p->n_segs) return false;
+    size_t b = i ? p->seg_end[i - 1] : 0, n = p->seg_end[i] - b;
+    return n == strlen(text) && memcmp(p->text + b, text, n) == 0 && p->seg_ctrl[i] == ctrl;
+}
+
+static void segment_cases(void) {
+    k3_chat_request *r =
+        req("{\"messages\":[{\"role\":\"user\",\"content\":\"a<|sep|>\"}],\"thinking\":false}");
+    k3_chat_prompt p;
+    K3_CHECK_OK(k3_chat_render(r, true, &p));
+    static const struct {
+        const char *t;
+        bool c;
+    } want[] = {{"<|open|>", 1},  {"message", 0}, {" role", 0},   {"=\"", 0},
+                {"user", 0},      {"\"", 0},      {"<|sep|>", 1}, {"a<|sep|>", 0},
+                {"<|close|>", 1}, {"message", 0}, {"<|sep|>", 1}, {"<|end_of_msg|>", 1},
+                {"<|open|>", 1},  {"message", 0}, {" role", 0},   {"=\"", 0},
+                {"assistant", 0}, {"\"", 0},      {"<|sep|>", 1}, {"<|open|>", 1},
+                {"response", 0},  {"<|sep|>", 1}};
+    K3_CHECK(p.n_segs == K3_ARRAY_LEN(want), "%zu segments", p.n_segs);
+    for (size_t i = 0; i < K3_ARRAY_LEN(want); i++)
+        K3_CHECK(seg_is(&p, i, want[i].t, want[i].c), "segment %zu", i);
+    K3_CHECK(p.text[p.n_bytes] == 0, "NUL-terminated");
+    k3_chat_prompt_free(&p);
+    /* without the generation prompt; an empty conversation renders nothing at all */
+    K3_CHECK_OK(k3_chat_render(r, false, &p));
+    K3_CHECK(p.n_segs == 12, "no generation prompt: %zu", p.n_segs);
+    k3_chat_prompt_free(&p);
+    k3_chat_request_destroy(r);
+    r = req("{\"messages\":[],\"thinking\":false}");
+    K3_CHECK_OK(k3_chat_render(r, false, &p));
+    K3_CHECK(p.n_segs == 0 && p.n_bytes == 0 && p.text && p.text[0] == 0, "empty prompt");
+    k3_chat_prompt_free(&p);
+    k3_chat_prompt_free(NULL);
+    k3_chat_request_destroy(r);
+    /* render errors name the message */
+    r = req("{\"messages\":[{\"role\":\"user\",\"content\":\"a\"},{\"role\":\"tool\",\"content\":"
+            "\"x\"}]}");
+    K3_CHECK_ERR(k3_chat_render(r, true, &p), K3_ERR_ARG, "messages[1]");
+    K3_CHECK(p.n_segs == 0 && p.text == NULL, "empty on error");
+    k3_chat_request_destroy(r);
+}
+
+int main(void) {
+    json_cases();
+    request_cases();
+    segment_cases();
+    return k3_test_done("chat");
+}

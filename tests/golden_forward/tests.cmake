@@ -1,0 +1,5 @@
+# The C golden test of the forward pass (owner: forward): k3 vs tests/golden/forward/ made by the
+# independent PyTorch reference (tests/reference/k3_reference.py).
+k3_add_test_exe(test_golden_forward ${CMAKE_CURRENT_LIST_DIR}/test_golden_forward.c)
+add_test(NAME golden_forward COMMAND test_golden_forward)
+set_tests_properties(golden_forward PROPERTIES LABELS "golden" ENVIRONMENT "${K3_TEST_ENV}" TIMEOUT 600)
