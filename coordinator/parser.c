@@ -64,8 +64,8 @@ struct k3_parser {
     const k3_chat_json *aschema; /* properties[key] (ARG_SCHEMA), may be NULL */
     k3_chat_buf araw;            /* buffered value bytes */
     /* scratch for views / deltas */
-    k3_parser_call *view;           /* (cap_out) */
-    k3_parser_call_delta *deltas;   /* (cap_out) */
+    k3_parser_call *view;         /* (cap_out) */
+    k3_parser_call_delta *deltas; /* (cap_out) */
     size_t cap_out;
     k3_chat_buf tmp;
 };

@@ -27,7 +27,8 @@
  *
  * Scratch: every compute function takes a float scratch buffer of at least
  * k3_moe_scratch_floats(c, T) floats (T = the token count of the call; for k3_moe_expert_rows
- * with n rows use k3_moe_rows_scratch_floats(c, n)). The functions never allocate. */
+ * with n rows use k3_moe_rows_scratch_floats(c, n)), 8-byte aligned (k3_alloc gives 64; int64
+ * indices live in it). The functions never allocate. */
 #ifndef K3_EXPERTS_H
 #define K3_EXPERTS_H
 

@@ -247,6 +247,8 @@ static k3_status expert_rows(const k3_ops *ops, const k3_config *c, const k3_lay
     const int E = c->n_experts;
     const int64_t Lw = k3_moe_row_width(c), I = c->moe_intermediate_size;
     if (n <= 0) return K3_OK;
+    if ((uintptr_t)scratch % 8 != 0)
+        return K3_ERR(K3_ERR_ARG, "MoE expert rows: scratch must be 8-byte aligned (k3_alloc)");
     /* validate ids and presence before touching anything */
     for (int64_t i = 0; i < n; i++) {
         int32_t e = expert[i];
@@ -426,6 +428,8 @@ k3_status k3_moe_forward(const k3_ops *ops, const k3_config *c, const k3_layer_w
                          const float *x, int64_t T, float *y, float *scratch) {
     K3_TRY(k3_moe_check_config(c));
     if (T <= 0) return K3_OK;
+    if ((uintptr_t)scratch % 8 != 0)
+        return K3_ERR(K3_ERR_ARG, "MoE forward: scratch must be 8-byte aligned (k3_alloc)");
     const int K = c->n_experts_per_tok;
     const int64_t Lw = k3_moe_row_width(c), D = c->hidden_size;
     size_t off = 0;

@@ -44,34 +44,34 @@ static inline __m256 load_bf16x8(const uint16_t *p) {
 #define DOT_BODY(LOADW, SCALARW)                                                                \
     int64_t i = 0;                                                                              \
     float tail[K3_CPU_MAX_NT];                                                                  \
-    for (int u = 0; u < nt; u++) tail[u] = 0.0f;                                                \
+    _Pragma("GCC unroll 4") for (int u = 0; u < nt; u++) tail[u] = 0.0f;                                                \
     DOT_SIMD(LOADW)                                                                             \
     for (; i < n; i++) {                                                                        \
         float wi = SCALARW(i);                                                                  \
-        for (int u = 0; u < nt; u++) tail[u] += x[u][i] * wi;                                   \
+        _Pragma("GCC unroll 4") for (int u = 0; u < nt; u++) tail[u] += x[u][i] * wi;                                   \
     }                                                                                           \
     DOT_FINISH
 
 #ifdef K3_CPU_AVX2
 #define DOT_SIMD(LOADW)                                                                         \
     __m256 a0[K3_CPU_MAX_NT], a1[K3_CPU_MAX_NT];                                                \
-    for (int u = 0; u < nt; u++) a0[u] = a1[u] = _mm256_setzero_ps();                           \
+    _Pragma("GCC unroll 4") for (int u = 0; u < nt; u++) a0[u] = a1[u] = _mm256_setzero_ps();                           \
     for (; i + 16 <= n; i += 16) {                                                              \
         __m256 w0 = LOADW(i), w1 = LOADW(i + 8);                                                \
-        for (int u = 0; u < nt; u++) {                                                          \
+        _Pragma("GCC unroll 4") for (int u = 0; u < nt; u++) {                                                          \
             a0[u] = _mm256_fmadd_ps(_mm256_loadu_ps(x[u] + i), w0, a0[u]);                      \
             a1[u] = _mm256_fmadd_ps(_mm256_loadu_ps(x[u] + i + 8), w1, a1[u]);                  \
         }                                                                                       \
     }                                                                                           \
     for (; i + 8 <= n; i += 8) {                                                                \
         __m256 w0 = LOADW(i);                                                                   \
-        for (int u = 0; u < nt; u++) a0[u] = _mm256_fmadd_ps(_mm256_loadu_ps(x[u] + i), w0, a0[u]); \
+        _Pragma("GCC unroll 4") for (int u = 0; u < nt; u++) a0[u] = _mm256_fmadd_ps(_mm256_loadu_ps(x[u] + i), w0, a0[u]); \
     }
 #define DOT_FINISH                                                                              \
-    for (int u = 0; u < nt; u++) out[u] = hsum8(_mm256_add_ps(a0[u], a1[u])) + tail[u];
+    _Pragma("GCC unroll 4") for (int u = 0; u < nt; u++) out[u] = hsum8(_mm256_add_ps(a0[u], a1[u])) + tail[u];
 #else
 #define DOT_SIMD(LOADW)
-#define DOT_FINISH for (int u = 0; u < nt; u++) out[u] = tail[u];
+#define DOT_FINISH _Pragma("GCC unroll 4") for (int u = 0; u < nt; u++) out[u] = tail[u];
 #endif
 
 #define LOADW_F32(j) _mm256_loadu_ps(w + (j))
@@ -96,7 +96,7 @@ static inline __attribute__((always_inline)) void dot_mxfp4(const uint8_t *codes
                                                             float *out) {
 #ifdef K3_CPU_AVX2
     __m256 a0[K3_CPU_MAX_NT], a1[K3_CPU_MAX_NT];
-    for (int u = 0; u < nt; u++) a0[u] = a1[u] = _mm256_setzero_ps();
+    _Pragma("GCC unroll 4") for (int u = 0; u < nt; u++) a0[u] = a1[u] = _mm256_setzero_ps();
     const __m256 mag = _mm256_setr_ps(0.0f, 0.5f, 1.0f, 1.5f, 2.0f, 3.0f, 4.0f, 6.0f);
     const __m128i dup = _mm_setr_epi8(0, 0, 1, 1, 2, 2, 3, 3, 4, 4, 5, 5, 6, 6, 7, 7);
     const __m256i shv = _mm256_setr_epi32(0, 4, 0, 4, 0, 4, 0, 4);
@@ -118,24 +118,24 @@ static inline __attribute__((always_inline)) void dot_mxfp4(const uint8_t *codes
             wv[q] = _mm256_mul_ps(m, vs);
         }
         const int64_t i = b * 32;
-        for (int u = 0; u < nt; u++) {
+        _Pragma("GCC unroll 4") for (int u = 0; u < nt; u++) {
             a0[u] = _mm256_fmadd_ps(_mm256_loadu_ps(x[u] + i), wv[0], a0[u]);
             a0[u] = _mm256_fmadd_ps(_mm256_loadu_ps(x[u] + i + 8), wv[1], a0[u]);
             a1[u] = _mm256_fmadd_ps(_mm256_loadu_ps(x[u] + i + 16), wv[2], a1[u]);
             a1[u] = _mm256_fmadd_ps(_mm256_loadu_ps(x[u] + i + 24), wv[3], a1[u]);
         }
     }
-    for (int u = 0; u < nt; u++) out[u] = hsum8(_mm256_add_ps(a0[u], a1[u]));
+    _Pragma("GCC unroll 4") for (int u = 0; u < nt; u++) out[u] = hsum8(_mm256_add_ps(a0[u], a1[u]));
 #else
     float wbuf[32];
-    for (int u = 0; u < nt; u++) out[u] = 0.0f;
+    _Pragma("GCC unroll 4") for (int u = 0; u < nt; u++) out[u] = 0.0f;
     for (int64_t b = 0; b < n / 32; b++) {
         for (int j = 0; j < 16; j++) {
             uint8_t byte = codes[b * 16 + j];
             wbuf[2 * j] = k3_mxfp4_e2m1(byte & 15u) * k3_e8m0_to_f32(e8[b]);
             wbuf[2 * j + 1] = k3_mxfp4_e2m1((unsigned)byte >> 4) * k3_e8m0_to_f32(e8[b]);
         }
-        for (int u = 0; u < nt; u++)
+        _Pragma("GCC unroll 4") for (int u = 0; u < nt; u++)
             for (int j = 0; j < 32; j++) out[u] += x[u][b * 32 + j] * wbuf[j];
     }
 #endif
@@ -167,7 +167,7 @@ static void mm_task(void *ctx, int64_t task) {
     for (int64_t t0 = 0; t0 < j->T; t0 += K3_CPU_MAX_NT) {
         int nt = (int)K3_MIN((int64_t)K3_CPU_MAX_NT, j->T - t0);
         const float *xs[K3_CPU_MAX_NT];
-        for (int u = 0; u < nt; u++) xs[u] = j->x + (t0 + u) * in;
+        _Pragma("GCC unroll 4") for (int u = 0; u < nt; u++) xs[u] = j->x + (t0 + u) * in;
         for (int64_t o = o0; o < o1; o++) {
             float r[K3_CPU_MAX_NT];
             switch (nt) { /* constant nt per case: accumulators stay in registers */
@@ -176,7 +176,7 @@ static void mm_task(void *ctx, int64_t task) {
             case 2: row_dot(j->W, o, xs, 2, r); break;
             default: row_dot(j->W, o, xs, 1, r); break;
             }
-            for (int u = 0; u < nt; u++) j->y[(t0 + u) * out + o] = r[u];
+            _Pragma("GCC unroll 4") for (int u = 0; u < nt; u++) j->y[(t0 + u) * out + o] = r[u];
         }
     }
 }
