@@ -384,7 +384,7 @@ static k3_status xchg_run(void *ctx, int layer, const float *rows, const int32_t
 static void worker_init(rank_ctx *r) {
     const k3_rank_opts *o = r->o;
     int S = r->plan.n_stages;
-    int threads = o->n_threads > 0 ? o->n_threads : (r->world > 1 ? 1 : 0);
+    int threads = o->n_threads > 0 ? o->n_threads : 1;
     k3_stage_params sp = {.cfg = &r->cfg, .w = r->view, .ops = NULL,
                           .layer_begin = r->plan.stage_begin[r->stage],
                           .layer_end = r->plan.stage_begin[r->stage + 1], .first = r->stage == 0,

@@ -39,116 +39,136 @@ static inline __m256 load_bf16x8(const uint16_t *p) {
 }
 #endif
 
-/* Each "dot_*" computes out[u] = Σ_i x[u][i] w[i] for u < nt; always_inline with a constant nt
- * so the accumulators stay in registers. The per-token arithmetic does not depend on nt. */
-#define DOT_BODY(LOADW, SCALARW)                                                                \
-    int64_t i = 0;                                                                              \
-    float tail[K3_CPU_MAX_NT];                                                                  \
-    _Pragma("GCC unroll 4") for (int u = 0; u < nt; u++) tail[u] = 0.0f;                                                \
-    DOT_SIMD(LOADW)                                                                             \
-    for (; i < n; i++) {                                                                        \
-        float wi = SCALARW(i);                                                                  \
-        _Pragma("GCC unroll 4") for (int u = 0; u < nt; u++) tail[u] += x[u][i] * wi;                                   \
-    }                                                                                           \
-    DOT_FINISH
-
+/* Dot-product micro kernels: out[u] = Σ_i x_u[i] w[i] for one weight row and 1 or 4 tokens.
+ * The 4-token kernel shares each weight load between 4 tokens (prefill); the 1-token kernel is
+ * the decode path. Both do EXACTLY the same arithmetic per token — lanes: elements of each
+ * 16-block go to accumulators a0 (first 8) and a1 (next 8); one 8-block tail into a0; scalar
+ * tail t in index order; result hsum8(a0 + a1) + t — so a token's result never depends on which
+ * kernel (i.e. on T) computed it. Accumulators are named variables (no arrays) so they stay in
+ * registers. */
+#define FOR1(M) M(0)
+#define FOR4(M) M(0) M(1) M(2) M(3)
+#define XDECL(u) const float *x##u = x[u];
 #ifdef K3_CPU_AVX2
-#define DOT_SIMD(LOADW)                                                                         \
-    __m256 a0[K3_CPU_MAX_NT], a1[K3_CPU_MAX_NT];                                                \
-    _Pragma("GCC unroll 4") for (int u = 0; u < nt; u++) a0[u] = a1[u] = _mm256_setzero_ps();                           \
-    for (; i + 16 <= n; i += 16) {                                                              \
-        __m256 w0 = LOADW(i), w1 = LOADW(i + 8);                                                \
-        _Pragma("GCC unroll 4") for (int u = 0; u < nt; u++) {                                                          \
-            a0[u] = _mm256_fmadd_ps(_mm256_loadu_ps(x[u] + i), w0, a0[u]);                      \
-            a1[u] = _mm256_fmadd_ps(_mm256_loadu_ps(x[u] + i + 8), w1, a1[u]);                  \
-        }                                                                                       \
-    }                                                                                           \
-    for (; i + 8 <= n; i += 8) {                                                                \
-        __m256 w0 = LOADW(i);                                                                   \
-        _Pragma("GCC unroll 4") for (int u = 0; u < nt; u++) a0[u] = _mm256_fmadd_ps(_mm256_loadu_ps(x[u] + i), w0, a0[u]); \
+#define ACC_DECL(u) __m256 a0_##u = _mm256_setzero_ps(), a1_##u = _mm256_setzero_ps(); float t_##u = 0.0f;
+#define ACC_16(u)                                                                                 \
+    a0_##u = _mm256_fmadd_ps(_mm256_loadu_ps(x##u + i), w0, a0_##u);                              \
+    a1_##u = _mm256_fmadd_ps(_mm256_loadu_ps(x##u + i + 8), w1, a1_##u);
+#define ACC_8(u) a0_##u = _mm256_fmadd_ps(_mm256_loadu_ps(x##u + i), w0, a0_##u);
+#define ACC_MX(u)                                                                                 \
+    a0_##u = _mm256_fmadd_ps(_mm256_loadu_ps(x##u + i), wv0, a0_##u);                             \
+    a0_##u = _mm256_fmadd_ps(_mm256_loadu_ps(x##u + i + 8), wv1, a0_##u);                         \
+    a1_##u = _mm256_fmadd_ps(_mm256_loadu_ps(x##u + i + 16), wv2, a1_##u);                        \
+    a1_##u = _mm256_fmadd_ps(_mm256_loadu_ps(x##u + i + 24), wv3, a1_##u);
+#define ACC_OUT(u) out[u] = hsum8(_mm256_add_ps(a0_##u, a1_##u)) + t_##u;
+#define SIMD_LOOPS(FORN, LOADW)                                                                   \
+    for (; i + 16 <= n; i += 16) {                                                                \
+        __m256 w0 = LOADW(i), w1 = LOADW(i + 8);                                                  \
+        FORN(ACC_16)                                                                              \
+    }                                                                                             \
+    for (; i + 8 <= n; i += 8) {                                                                  \
+        __m256 w0 = LOADW(i);                                                                     \
+        FORN(ACC_8)                                                                               \
     }
-#define DOT_FINISH                                                                              \
-    _Pragma("GCC unroll 4") for (int u = 0; u < nt; u++) out[u] = hsum8(_mm256_add_ps(a0[u], a1[u])) + tail[u];
-#else
-#define DOT_SIMD(LOADW)
-#define DOT_FINISH _Pragma("GCC unroll 4") for (int u = 0; u < nt; u++) out[u] = tail[u];
-#endif
-
 #define LOADW_F32(j) _mm256_loadu_ps(w + (j))
 #define LOADW_BF16(j) load_bf16x8(w + (j))
+#else
+#define ACC_DECL(u) float t_##u = 0.0f;
+#define ACC_OUT(u) out[u] = t_##u;
+#define SIMD_LOOPS(FORN, LOADW)
+#endif
+#define ACC_S(u) t_##u += x##u[i] * wi;
 #define SCALAR_F32(j) w[j]
 #define SCALAR_BF16(j) k3_bf16_to_f32(w[j])
 
-static inline __attribute__((always_inline)) void dot_f32(const float *w, const float *const *x,
-                                                          int nt, int64_t n, float *out) {
-    DOT_BODY(LOADW_F32, SCALAR_F32)
-}
-static inline __attribute__((always_inline)) void dot_bf16(const uint16_t *w, const float *const *x,
-                                                           int nt, int64_t n, float *out) {
-    DOT_BODY(LOADW_BF16, SCALAR_BF16)
-}
+#define DEF_DOT(NAME, WT, FORN, LOADW, SCALARW)                                                  \
+    static void NAME(const WT *w, const float *const *x, int64_t n, float *out) {                \
+        FORN(XDECL)                                                                               \
+        FORN(ACC_DECL)                                                                            \
+        int64_t i = 0;                                                                            \
+        SIMD_LOOPS(FORN, LOADW)                                                                   \
+        for (; i < n; i++) {                                                                      \
+            float wi = SCALARW(i);                                                                \
+            FORN(ACC_S)                                                                           \
+        }                                                                                         \
+        FORN(ACC_OUT)                                                                             \
+    }
+DEF_DOT(dot1_f32, float, FOR1, LOADW_F32, SCALAR_F32)
+DEF_DOT(dot4_f32, float, FOR4, LOADW_F32, SCALAR_F32)
+DEF_DOT(dot1_bf16, uint16_t, FOR1, LOADW_BF16, SCALAR_BF16)
+DEF_DOT(dot4_bf16, uint16_t, FOR4, LOADW_BF16, SCALAR_BF16)
 
 /* MXFP4 row: codes [n/2] bytes (low nibble = even element), e8m0 [n/32]. Each 32-block is
  * decoded to exactly the floats k3_mxfp4_get gives (E2M1 × 2^(e−127) is exact in fp32), then
- * used like an F32 row: 4 × 8 lanes, accumulated into a0 (lanes 0..15) and a1 (16..31). */
-static inline __attribute__((always_inline)) void dot_mxfp4(const uint8_t *codes, const uint8_t *e8,
-                                                            const float *const *x, int nt, int64_t n,
-                                                            float *out) {
+ * used like an F32 row: elements 0..15 into a0, 16..31 into a1. */
 #ifdef K3_CPU_AVX2
-    __m256 a0[K3_CPU_MAX_NT], a1[K3_CPU_MAX_NT];
-    _Pragma("GCC unroll 4") for (int u = 0; u < nt; u++) a0[u] = a1[u] = _mm256_setzero_ps();
-    const __m256 mag = _mm256_setr_ps(0.0f, 0.5f, 1.0f, 1.5f, 2.0f, 3.0f, 4.0f, 6.0f);
-    const __m128i dup = _mm_setr_epi8(0, 0, 1, 1, 2, 2, 3, 3, 4, 4, 5, 5, 6, 6, 7, 7);
-    const __m256i shv = _mm256_setr_epi32(0, 4, 0, 4, 0, 4, 0, 4);
-    for (int64_t b = 0; b < n / 32; b++) {
-        __m128i raw = _mm_loadu_si128((const __m128i *)(codes + b * 16));
-        float sc = k3_e8m0_to_f32(e8[b]);
-        __m256 vs = _mm256_set1_ps(sc);
-        __m256 wv[4];
-        const __m128i parts[4] = {_mm_shuffle_epi8(raw, dup),
-                                  _mm_shuffle_epi8(_mm_srli_si128(raw, 4), dup),
-                                  _mm_shuffle_epi8(_mm_srli_si128(raw, 8), dup),
-                                  _mm_shuffle_epi8(_mm_srli_si128(raw, 12), dup)};
-        for (int q = 0; q < 4; q++) {
-            __m256i c = _mm256_and_si256(_mm256_srlv_epi32(_mm256_cvtepu8_epi32(parts[q]), shv),
-                                         _mm256_set1_epi32(15));
-            __m256 m = _mm256_permutevar8x32_ps(mag, c); /* magnitude of code & 7 */
-            __m256i sign = _mm256_slli_epi32(_mm256_and_si256(c, _mm256_set1_epi32(8)), 28);
-            m = _mm256_castsi256_ps(_mm256_or_si256(_mm256_castps_si256(m), sign));
-            wv[q] = _mm256_mul_ps(m, vs);
-        }
-        const int64_t i = b * 32;
-        _Pragma("GCC unroll 4") for (int u = 0; u < nt; u++) {
-            a0[u] = _mm256_fmadd_ps(_mm256_loadu_ps(x[u] + i), wv[0], a0[u]);
-            a0[u] = _mm256_fmadd_ps(_mm256_loadu_ps(x[u] + i + 8), wv[1], a0[u]);
-            a1[u] = _mm256_fmadd_ps(_mm256_loadu_ps(x[u] + i + 16), wv[2], a1[u]);
-            a1[u] = _mm256_fmadd_ps(_mm256_loadu_ps(x[u] + i + 24), wv[3], a1[u]);
-        }
+#define DEF_DOT_MX(NAME, FORN)                                                                    \
+    static void NAME(const uint8_t *codes, const uint8_t *e8, const float *const *x, int64_t n,  \
+                     float *out) {                                                                \
+        FORN(XDECL)                                                                               \
+        FORN(ACC_DECL)                                                                            \
+        const __m256 mag = _mm256_setr_ps(0.0f, 0.5f, 1.0f, 1.5f, 2.0f, 3.0f, 4.0f, 6.0f);        \
+        const __m128i dup = _mm_setr_epi8(0, 0, 1, 1, 2, 2, 3, 3, 4, 4, 5, 5, 6, 6, 7, 7);       \
+        const __m256i shv = _mm256_setr_epi32(0, 4, 0, 4, 0, 4, 0, 4);                           \
+        for (int64_t b = 0; b < n / 32; b++) {                                                    \
+            __m128i raw = _mm_loadu_si128((const __m128i *)(codes + b * 16));                     \
+            __m256 vs = _mm256_set1_ps(k3_e8m0_to_f32(e8[b]));                                    \
+            __m256 wv0 = mx8(_mm_shuffle_epi8(raw, dup), mag, shv, vs);                           \
+            __m256 wv1 = mx8(_mm_shuffle_epi8(_mm_srli_si128(raw, 4), dup), mag, shv, vs);        \
+            __m256 wv2 = mx8(_mm_shuffle_epi8(_mm_srli_si128(raw, 8), dup), mag, shv, vs);        \
+            __m256 wv3 = mx8(_mm_shuffle_epi8(_mm_srli_si128(raw, 12), dup), mag, shv, vs);       \
+            const int64_t i = b * 32;                                                             \
+            FORN(ACC_MX)                                                                          \
+        }                                                                                         \
+        FORN(ACC_OUT)                                                                             \
     }
-    _Pragma("GCC unroll 4") for (int u = 0; u < nt; u++) out[u] = hsum8(_mm256_add_ps(a0[u], a1[u]));
+/* 8 elements from 8 bytes laid out [b0,b0,b1,b1,...]: even lanes low nibble, odd lanes high. */
+static inline __m256 mx8(__m128i pairs, __m256 mag, __m256i shv, __m256 vs) {
+    __m256i c = _mm256_and_si256(_mm256_srlv_epi32(_mm256_cvtepu8_epi32(pairs), shv), _mm256_set1_epi32(15));
+    __m256 m = _mm256_permutevar8x32_ps(mag, c); /* magnitude of code & 7 */
+    __m256i sign = _mm256_slli_epi32(_mm256_and_si256(c, _mm256_set1_epi32(8)), 28);
+    return _mm256_mul_ps(_mm256_castsi256_ps(_mm256_or_si256(_mm256_castps_si256(m), sign)), vs);
+}
 #else
-    float wbuf[32];
-    _Pragma("GCC unroll 4") for (int u = 0; u < nt; u++) out[u] = 0.0f;
-    for (int64_t b = 0; b < n / 32; b++) {
-        for (int j = 0; j < 16; j++) {
-            uint8_t byte = codes[b * 16 + j];
-            wbuf[2 * j] = k3_mxfp4_e2m1(byte & 15u) * k3_e8m0_to_f32(e8[b]);
-            wbuf[2 * j + 1] = k3_mxfp4_e2m1((unsigned)byte >> 4) * k3_e8m0_to_f32(e8[b]);
-        }
-        _Pragma("GCC unroll 4") for (int u = 0; u < nt; u++)
-            for (int j = 0; j < 32; j++) out[u] += x[u][b * 32 + j] * wbuf[j];
+#define ACC_MXS(u) for (int j = 0; j < 32; j++) t_##u += x##u[b * 32 + j] * wbuf[j];
+#define DEF_DOT_MX(NAME, FORN)                                                                    \
+    static void NAME(const uint8_t *codes, const uint8_t *e8, const float *const *x, int64_t n,  \
+                     float *out) {                                                                \
+        FORN(XDECL)                                                                               \
+        FORN(ACC_DECL)                                                                            \
+        float wbuf[32];                                                                           \
+        for (int64_t b = 0; b < n / 32; b++) {                                                    \
+            k3_mxfp4_decode_row(codes + b * 16, e8 + b, 32, wbuf);                                \
+            FORN(ACC_MXS)                                                                         \
+        }                                                                                         \
+        FORN(ACC_OUT)                                                                             \
     }
 #endif
-}
+DEF_DOT_MX(dot1_mx, FOR1)
+DEF_DOT_MX(dot4_mx, FOR4)
 
-/* One weight row against tokens [t0, t0+nt). */
-static inline __attribute__((always_inline)) void row_dot(const k3_tensor *W, int64_t o,
-                                                          const float *const *xs, int nt, float *out) {
+/* One weight row against nt <= 4 tokens: the 4-token kernel for full tiles, else 1 at a time. */
+static inline void row_dot(const k3_tensor *W, int64_t o, const float *const *xs, int nt, float *out) {
     int64_t in = W->shape[1];
     switch (W->dtype) {
-    case K3_DT_F32: dot_f32((const float *)W->data + o * in, xs, nt, in, out); break;
-    case K3_DT_BF16: dot_bf16((const uint16_t *)W->data + o * in, xs, nt, in, out); break;
-    default: dot_mxfp4((const uint8_t *)W->data + o * (in / 2), W->scale + o * (in / 32), xs, nt, in, out); break;
+    case K3_DT_F32: {
+        const float *w = (const float *)W->data + o * in;
+        if (nt == 4) dot4_f32(w, xs, in, out);
+        else for (int u = 0; u < nt; u++) dot1_f32(w, xs + u, in, out + u);
+        break;
+    }
+    case K3_DT_BF16: {
+        const uint16_t *w = (const uint16_t *)W->data + o * in;
+        if (nt == 4) dot4_bf16(w, xs, in, out);
+        else for (int u = 0; u < nt; u++) dot1_bf16(w, xs + u, in, out + u);
+        break;
+    }
+    default: {
+        const uint8_t *c = (const uint8_t *)W->data + o * (in / 2), *e = W->scale + o * (in / 32);
+        if (nt == 4) dot4_mx(c, e, xs, in, out);
+        else for (int u = 0; u < nt; u++) dot1_mx(c, e, xs + u, in, out + u);
+        break;
+    }
     }
 }
 
@@ -167,16 +187,11 @@ static void mm_task(void *ctx, int64_t task) {
     for (int64_t t0 = 0; t0 < j->T; t0 += K3_CPU_MAX_NT) {
         int nt = (int)K3_MIN((int64_t)K3_CPU_MAX_NT, j->T - t0);
         const float *xs[K3_CPU_MAX_NT];
-        _Pragma("GCC unroll 4") for (int u = 0; u < nt; u++) xs[u] = j->x + (t0 + u) * in;
+        for (int u = 0; u < nt; u++) xs[u] = j->x + (t0 + u) * in;
         for (int64_t o = o0; o < o1; o++) {
             float r[K3_CPU_MAX_NT];
-            switch (nt) { /* constant nt per case: accumulators stay in registers */
-            case 4: row_dot(j->W, o, xs, 4, r); break;
-            case 3: row_dot(j->W, o, xs, 3, r); break;
-            case 2: row_dot(j->W, o, xs, 2, r); break;
-            default: row_dot(j->W, o, xs, 1, r); break;
-            }
-            _Pragma("GCC unroll 4") for (int u = 0; u < nt; u++) j->y[(t0 + u) * out + o] = r[u];
+            row_dot(j->W, o, xs, nt, r);
+            for (int u = 0; u < nt; u++) j->y[(t0 + u) * out + o] = r[u];
         }
     }
 }
