@@ -196,6 +196,7 @@ k3_status k3_weights_load(k3_ckpt *ck, const k3_config *c, const k3_load_sel *se
         k3_tensor *t = slot(w, s, &part);
         uint64_t nb = (uint64_t)k3_tensor_spec_bytes(s);
         void *dst;
+        if (s->kind == K3_TK_EXPERT) w->layers[s->layer].experts[s->expert].present = true;
         if (part >= 2) {
             dst = stage + sat;
             sat += align64(nb);

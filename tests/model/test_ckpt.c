@@ -230,6 +230,8 @@ int main(void) {
         K3_CHECK(!v->layers[1].present && v->layers[2].present && !v->layers[5].present &&
                  v->embed.data == NULL && v->lm_head.data == NULL, "selection of layers");
         K3_CHECK(v->layers[2].experts[3].w1.data && !v->layers[2].experts[2].w1.data, "odd experts only");
+        K3_CHECK(v->layers[2].experts[3].present && !v->layers[2].experts[2].present,
+                 "present marks exactly the owned experts");
     }
     k3_weights_destroy(w);
     k3_ckpt_destroy(ck);
