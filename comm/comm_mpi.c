@@ -36,11 +36,11 @@ struct k3_comm {
     size_t rcap[K3_MSG_KIND_COUNT];
     /* dispatch / combine (row counts per lane, [E]) */
     int *scount, *sdispl, *rcount, *rdispl, *fill;
-    int64_t n_send, n_recv, width, *pos;  /* pos[i]: send-buffer row of slot i */
-    float *send_rows, *recv_rows, *recv_out, *back_rows;             /* [rows, width] */
-    int32_t *send_meta, *recv_meta;                                  /* [rows, 3] */
-    int32_t *recv_src, *recv_slot, *recv_expert;                     /* [rows] */
-    size_t cap_pos, cap_send_rows, cap_back_rows, cap_send_meta;     /* capacities in elements */
+    int64_t n_send, n_recv, width, *pos;                 /* pos[i]: send-buffer row of slot i */
+    float *send_rows, *recv_rows, *recv_out, *back_rows; /* [rows, width] */
+    int32_t *send_meta, *recv_meta;                      /* [rows, 3] */
+    int32_t *recv_src, *recv_slot, *recv_expert;         /* [rows] */
+    size_t cap_pos, cap_send_rows, cap_back_rows, cap_send_meta; /* capacities in elements */
     size_t cap_recv_rows, cap_recv_out, cap_recv_meta, cap_src, cap_slot, cap_expert;
     bool dispatched;
     MPI_Datatype row_t, meta_t;
@@ -58,10 +58,10 @@ static k3_status mpi_err(int rc, const char *what, const char *file, int line) {
     if (MPI_Error_string(rc, msg, &len) != MPI_SUCCESS) snprintf(msg, sizeof msg, "code %d", rc);
     return k3_set_error(K3_ERR_COMM, file, line, "%s: %s", what, msg);
 }
-#define MPI_TRY(call)                                                                           \
-    do {                                                                                        \
-        int rc_ = (call);                                                                       \
-        if (rc_ != MPI_SUCCESS) return mpi_err(rc_, #call, __FILE__, __LINE__);                 \
+#define MPI_TRY(call)                                                                              \
+    do {                                                                                           \
+        int rc_ = (call);                                                                          \
+        if (rc_ != MPI_SUCCESS) return mpi_err(rc_, #call, __FILE__, __LINE__);                    \
     } while (0)
 
 /* Describe a world rank for error messages: "rank 3 (stage 1, lane 0)". */
@@ -71,8 +71,10 @@ static void describe(const k3_comm *c, int r, char *buf, size_t cap) {
         return;
     }
     int w = r - c->first_worker;
-    if (w < 0) snprintf(buf, cap, "rank %d (coordinator)", r);
-    else snprintf(buf, cap, "rank %d (stage %d, lane %d)", r, w / c->n_lanes, w % c->n_lanes);
+    if (w < 0)
+        snprintf(buf, cap, "rank %d (coordinator)", r);
+    else
+        snprintf(buf, cap, "rank %d (stage %d, lane %d)", r, w / c->n_lanes, w % c->n_lanes);
 }
 
 static k3_status grow(void **p, size_t *cap, size_t need, size_t elem, const char *what) {
@@ -92,8 +94,10 @@ k3_status k3_comm_create_mpi(const k3_comm_params *p, k3_comm **out) {
     int inited = 0;
     MPI_Initialized(&inited);
     if (!inited) return K3_ERR(K3_ERR_STATE, "k3_comm_create_mpi: MPI is not initialised");
-    if (p->n_stages < 1 || p->n_lanes < 1 || p->first_worker < 0 || p->first_worker > 1 || !(p->timeout_s > 0))
-        return K3_ERR(K3_ERR_ARG, "k3_comm_create_mpi: bad grid %d x %d (first worker %d, timeout %g s)",
+    if (p->n_stages < 1 || p->n_lanes < 1 || p->first_worker < 0 || p->first_worker > 1 ||
+        !(p->timeout_s > 0))
+        return K3_ERR(K3_ERR_ARG,
+                      "k3_comm_create_mpi: bad grid %d x %d (first worker %d, timeout %g s)",
                       p->n_stages, p->n_lanes, p->first_worker, p->timeout_s);
     k3_comm *c = NULL;
     K3_TRY(k3_calloc((void **)&c, sizeof *c, "k3_comm"));
@@ -107,8 +111,8 @@ k3_status k3_comm_create_mpi(const k3_comm_params *p, k3_comm **out) {
     c->first_worker = p->first_worker;
     c->timeout_s = p->timeout_s;
     if (c->size != p->first_worker + p->n_stages * p->n_lanes) {
-        k3_status st = K3_ERR(K3_ERR_ARG, "comm: world size %d != %d + %d x %d", c->size, p->first_worker,
-                              p->n_stages, p->n_lanes);
+        k3_status st = K3_ERR(K3_ERR_ARG, "comm: world size %d != %d + %d x %d", c->size,
+                              p->first_worker, p->n_stages, p->n_lanes);
         k3_free(c);
         return st;
     }
@@ -149,7 +153,8 @@ void k3_comm_destroy(k3_comm *c) {
     }
     k3_free(c->slots);
     for (int k = 0; k < K3_MSG_KIND_COUNT; k++) k3_free(c->rbuf[k]);
-    k3_free(c->scount), k3_free(c->sdispl), k3_free(c->rcount), k3_free(c->rdispl), k3_free(c->fill);
+    k3_free(c->scount), k3_free(c->sdispl), k3_free(c->rcount), k3_free(c->rdispl),
+        k3_free(c->fill);
     k3_free(c->pos);
     k3_free(c->send_rows), k3_free(c->recv_rows), k3_free(c->recv_out), k3_free(c->back_rows);
     k3_free(c->send_meta), k3_free(c->recv_meta), k3_free(c->recv_src), k3_free(c->recv_slot),
@@ -164,10 +169,18 @@ void k3_comm_destroy(k3_comm *c) {
     k3_free(c);
 }
 
-int k3_comm_rank(const k3_comm *c) { return c->rank; }
-int k3_comm_size(const k3_comm *c) { return c->size; }
-int k3_comm_stage(const k3_comm *c) { return c->stage; }
-int k3_comm_lane(const k3_comm *c) { return c->lane; }
+int k3_comm_rank(const k3_comm *c) {
+    return c->rank;
+}
+int k3_comm_size(const k3_comm *c) {
+    return c->size;
+}
+int k3_comm_stage(const k3_comm *c) {
+    return c->stage;
+}
+int k3_comm_lane(const k3_comm *c) {
+    return c->lane;
+}
 void k3_comm_set_timeout(k3_comm *c, double t) {
     if (t > 0) c->timeout_s = t;
 }
@@ -178,7 +191,8 @@ _Noreturn void k3_comm_abort(k3_comm *c, int code) {
     int inited = 0, size = 1;
     MPI_Initialized(&inited);
     if (inited) MPI_Comm_size(MPI_COMM_WORLD, &size);
-    if (!inited || size == 1) _exit(code); /* nobody else to stop (a singleton's MPI_Abort can linger) */
+    if (!inited || size == 1)
+        _exit(code); /* nobody else to stop (a singleton's MPI_Abort can linger) */
     MPI_Abort(c ? c->world : MPI_COMM_WORLD, code);
     abort(); /* MPI_Abort does not return; keep the compiler and the contract honest */
 }
@@ -212,15 +226,17 @@ static k3_status wait_req(k3_comm *c, MPI_Request *req, const char *what, const 
         if (k3_now_s() - t0 > c->timeout_s) {
             MPI_Cancel(req);
             MPI_Request_free(req);
-            return K3_ERR(K3_ERR_COMM, "%s: no answer from %s within %.0f s (--comm-timeout)", what, peer,
-                          c->timeout_s);
+            return K3_ERR(K3_ERR_COMM, "%s: no answer from %s within %.0f s (--comm-timeout)", what,
+                          peer, c->timeout_s);
         }
         k3_comm_idle(c, &backoff);
     }
 }
 
 /* ---- messages ----------------------------------------------------------------------------- */
-static size_t meta_bytes(int32_t n_meta) { return ((size_t)n_meta * 4 + 7) & ~(size_t)7; }
+static size_t meta_bytes(int32_t n_meta) {
+    return ((size_t)n_meta * 4 + 7) & ~(size_t)7;
+}
 
 k3_status k3_comm_send(k3_comm *c, int peer, k3_msg_hdr hdr, const int32_t *meta, int32_t n_meta,
                        const k3_f32_seg *seg, int n_seg) {
@@ -230,13 +246,15 @@ k3_status k3_comm_send(k3_comm *c, int peer, k3_msg_hdr hdr, const int32_t *meta
             return K3_ERR(K3_ERR_ARG, "comm send: bad payload segment %d", i);
         n_f32 += seg[i].n;
     }
-    if (peer < 0 || peer >= c->size) return K3_ERR(K3_ERR_ARG, "comm send: peer %d not in the world", peer);
+    if (peer < 0 || peer >= c->size)
+        return K3_ERR(K3_ERR_ARG, "comm send: peer %d not in the world", peer);
     if (hdr.kind < 1 || hdr.kind >= K3_MSG_KIND_COUNT || n_meta < 0 || n_f32 < 0)
-        return K3_ERR(K3_ERR_ARG, "comm send: bad message (kind %d, %d meta, %lld floats)", hdr.kind, n_meta,
-                      (long long)n_f32);
+        return K3_ERR(K3_ERR_ARG, "comm send: bad message (kind %d, %d meta, %lld floats)",
+                      hdr.kind, n_meta, (long long)n_f32);
     size_t n_bytes = sizeof hdr + meta_bytes(n_meta) + (size_t)n_f32 * sizeof(float);
     if (n_bytes > (size_t)INT_MAX)
-        return K3_ERR(K3_ERR_COMM, "comm send: a %s message of %zu bytes exceeds the MPI limit of %d bytes",
+        return K3_ERR(K3_ERR_COMM,
+                      "comm send: a %s message of %zu bytes exceeds the MPI limit of %d bytes",
                       kind_name(hdr.kind), n_bytes, INT_MAX);
     progress_sends(c);
     send_slot *s = NULL;
@@ -271,24 +289,27 @@ k3_status k3_comm_send(k3_comm *c, int peer, k3_msg_hdr hdr, const int32_t *meta
     return K3_OK;
 }
 
-static k3_status check_msg(k3_comm *c, int kind, int src, const char *buf, int n_bytes, k3_msg *out) {
+static k3_status check_msg(k3_comm *c, int kind, int src, const char *buf, int n_bytes,
+                           k3_msg *out) {
     char who[64];
     describe(c, src, who, sizeof who);
     k3_msg_hdr h;
     if (n_bytes < (int)sizeof h)
-        return K3_ERR(K3_ERR_FORMAT, "%s message from %s: %d bytes, shorter than the header", kind_name(kind),
-                      who, n_bytes);
+        return K3_ERR(K3_ERR_FORMAT, "%s message from %s: %d bytes, shorter than the header",
+                      kind_name(kind), who, n_bytes);
     memcpy(&h, buf, sizeof h);
     if (h.magic != K3_MSG_MAGIC || h.version != K3_MSG_VERSION || h.kind != kind)
-        return K3_ERR(K3_ERR_FORMAT, "%s message from %s: bad header (magic %08x, version %u, kind %u)",
+        return K3_ERR(K3_ERR_FORMAT,
+                      "%s message from %s: bad header (magic %08x, version %u, kind %u)",
                       kind_name(kind), who, h.magic, h.version, h.kind);
     if (h.n_meta < 0 || h.n_f32 < 0 || h.n_bytes != (uint64_t)n_bytes ||
         h.n_bytes != sizeof h + meta_bytes(h.n_meta) + (uint64_t)h.n_f32 * sizeof(float))
-        return K3_ERR(K3_ERR_FORMAT,
-                      "%s message %llu from %s: length %d does not match the header (%llu bytes, %d meta, "
-                      "%lld floats)",
-                      kind_name(kind), (unsigned long long)h.seq, who, n_bytes, (unsigned long long)h.n_bytes,
-                      h.n_meta, (long long)h.n_f32);
+        return K3_ERR(
+            K3_ERR_FORMAT,
+            "%s message %llu from %s: length %d does not match the header (%llu bytes, %d meta, "
+            "%lld floats)",
+            kind_name(kind), (unsigned long long)h.seq, who, n_bytes, (unsigned long long)h.n_bytes,
+            h.n_meta, (long long)h.n_f32);
     out->hdr = h;
     out->src = src;
     out->meta = (const int32_t *)(buf + sizeof h);
@@ -298,7 +319,8 @@ static k3_status check_msg(k3_comm *c, int kind, int src, const char *buf, int n
 
 k3_status k3_comm_try_recv(k3_comm *c, int peer, k3_msg_kind kind, k3_msg *out, bool *got) {
     *got = false;
-    if (kind < 1 || kind >= K3_MSG_KIND_COUNT) return K3_ERR(K3_ERR_ARG, "comm recv: bad kind %d", kind);
+    if (kind < 1 || kind >= K3_MSG_KIND_COUNT)
+        return K3_ERR(K3_ERR_ARG, "comm recv: bad kind %d", kind);
     progress_sends(c);
     int flag = 0;
     MPI_Message m;
@@ -307,12 +329,14 @@ k3_status k3_comm_try_recv(k3_comm *c, int peer, k3_msg_kind kind, k3_msg *out, 
     if (!flag) return K3_OK;
     int n_bytes = 0;
     MPI_TRY(MPI_Get_count(&st, MPI_BYTE, &n_bytes)); /* count unit: bytes */
-    k3_status s = grow(&c->rbuf[kind], &c->rcap[kind], (size_t)K3_MAX(n_bytes, 1), 1, "comm recv buffer");
+    k3_status s =
+        grow(&c->rbuf[kind], &c->rcap[kind], (size_t)K3_MAX(n_bytes, 1), 1, "comm recv buffer");
     if (s != K3_OK) {
         MPI_Mrecv(NULL, 0, MPI_BYTE, &m, MPI_STATUS_IGNORE); /* cannot happen often; drain */
         return s;
     }
-    MPI_TRY(MPI_Mrecv(c->rbuf[kind], n_bytes, MPI_BYTE, &m, MPI_STATUS_IGNORE)); /* count unit: bytes */
+    MPI_TRY(
+        MPI_Mrecv(c->rbuf[kind], n_bytes, MPI_BYTE, &m, MPI_STATUS_IGNORE)); /* count unit: bytes */
     K3_TRY(check_msg(c, kind, st.MPI_SOURCE, c->rbuf[kind], n_bytes, out));
     *got = true;
     return K3_OK;
@@ -328,8 +352,10 @@ k3_status k3_comm_recv(k3_comm *c, int peer, k3_msg_kind kind, k3_msg *out) {
         if (k3_now_s() - t0 > c->timeout_s) {
             char who[64];
             describe(c, peer, who, sizeof who);
-            return K3_ERR(K3_ERR_COMM, "waiting for a %s message: no answer from %s within %.0f s (--comm-timeout)",
-                          kind_name(kind), who, c->timeout_s);
+            return K3_ERR(
+                K3_ERR_COMM,
+                "waiting for a %s message: no answer from %s within %.0f s (--comm-timeout)",
+                kind_name(kind), who, c->timeout_s);
         }
         k3_comm_idle(c, &backoff);
     }
@@ -345,7 +371,8 @@ k3_status k3_comm_flush(k3_comm *c) {
             if (c->slots[i].busy) busy = i;
         if (busy < 0) return K3_OK;
         if (k3_now_s() - t0 > c->timeout_s)
-            return K3_ERR(K3_ERR_COMM, "comm flush: a send is still pending after %.0f s (--comm-timeout)",
+            return K3_ERR(K3_ERR_COMM,
+                          "comm flush: a send is still pending after %.0f s (--comm-timeout)",
                           c->timeout_s);
         k3_comm_idle(c, &backoff);
     }
@@ -357,12 +384,14 @@ static void group_name(const k3_comm *c, char *buf, size_t cap) {
     snprintf(buf, cap, "the EP group of stage %d (ranks %d-%d)", c->stage, r0, r0 + c->n_lanes - 1);
 }
 
-k3_status k3_comm_dispatch(k3_comm *c, const float *rows, int64_t n, int64_t width, const int32_t *expert,
-                           const int32_t *dest_lane, k3_dispatch_view *v) {
+k3_status k3_comm_dispatch(k3_comm *c, const float *rows, int64_t n, int64_t width,
+                           const int32_t *expert, const int32_t *dest_lane, k3_dispatch_view *v) {
     memset(v, 0, sizeof *v);
-    if (c->ep == MPI_COMM_NULL) return K3_ERR(K3_ERR_STATE, "comm dispatch on a rank without a stage");
+    if (c->ep == MPI_COMM_NULL)
+        return K3_ERR(K3_ERR_STATE, "comm dispatch on a rank without a stage");
     if (n < 0 || width < 1 || n > INT_MAX / 2)
-        return K3_ERR(K3_ERR_ARG, "comm dispatch: bad shape [%lld, %lld]", (long long)n, (long long)width);
+        return K3_ERR(K3_ERR_ARG, "comm dispatch: bad shape [%lld, %lld]", (long long)n,
+                      (long long)width);
     const int E = c->n_lanes;
     char grp[96];
     group_name(c, grp, sizeof grp);
@@ -376,16 +405,18 @@ k3_status k3_comm_dispatch(k3_comm *c, const float *rows, int64_t n, int64_t wid
     for (int e = 0; e < E; e++) c->scount[e] = 0;
     for (int64_t i = 0; i < n; i++) {
         if (dest_lane[i] < 0 || dest_lane[i] >= E || expert[i] < 0)
-            return K3_ERR(K3_ERR_ARG, "comm dispatch: row %lld has lane %d / expert %d (E = %d)", (long long)i,
-                          dest_lane[i], expert[i], E);
+            return K3_ERR(K3_ERR_ARG, "comm dispatch: row %lld has lane %d / expert %d (E = %d)",
+                          (long long)i, dest_lane[i], expert[i], E);
         c->scount[dest_lane[i]]++;
     }
     for (int e = 0, acc = 0; e < E; e++) c->sdispl[e] = acc, acc += c->scount[e], c->fill[e] = 0;
     size_t n1 = (size_t)K3_MAX(n, 1), w = (size_t)width;
     K3_TRY(grow((void **)&c->pos, &c->cap_pos, n1, sizeof(int64_t), "dispatch positions"));
-    K3_TRY(grow((void **)&c->send_rows, &c->cap_send_rows, n1 * w, sizeof(float), "dispatch send rows"));
+    K3_TRY(grow((void **)&c->send_rows, &c->cap_send_rows, n1 * w, sizeof(float),
+                "dispatch send rows"));
     K3_TRY(grow((void **)&c->back_rows, &c->cap_back_rows, n1 * w, sizeof(float), "combine rows"));
-    K3_TRY(grow((void **)&c->send_meta, &c->cap_send_meta, n1 * 3, sizeof(int32_t), "dispatch meta"));
+    K3_TRY(
+        grow((void **)&c->send_meta, &c->cap_send_meta, n1 * 3, sizeof(int32_t), "dispatch meta"));
     for (int64_t i = 0; i < n; i++) {
         int d = dest_lane[i];
         int64_t p = c->sdispl[d] + c->fill[d]++;
@@ -401,25 +432,30 @@ k3_status k3_comm_dispatch(k3_comm *c, const float *rows, int64_t n, int64_t wid
     K3_TRY(wait_req(c, &req, "MoE dispatch (row counts)", grp));
     int64_t nr = 0;
     for (int e = 0; e < E; e++) {
-        if (c->rcount[e] < 0) return K3_ERR(K3_ERR_COMM, "MoE dispatch: lane %d announced %d rows", e, c->rcount[e]);
+        if (c->rcount[e] < 0)
+            return K3_ERR(K3_ERR_COMM, "MoE dispatch: lane %d announced %d rows", e, c->rcount[e]);
         c->rdispl[e] = (int)nr;
         nr += c->rcount[e];
-        if (nr > INT_MAX / 2) return K3_ERR(K3_ERR_COMM, "MoE dispatch: %lld rows received", (long long)nr);
+        if (nr > INT_MAX / 2)
+            return K3_ERR(K3_ERR_COMM, "MoE dispatch: %lld rows received", (long long)nr);
     }
     size_t r1 = (size_t)K3_MAX(nr, 1);
-    K3_TRY(grow((void **)&c->recv_rows, &c->cap_recv_rows, r1 * w, sizeof(float), "dispatch recv rows"));
-    K3_TRY(grow((void **)&c->recv_out, &c->cap_recv_out, r1 * w, sizeof(float), "dispatch outputs"));
-    K3_TRY(grow((void **)&c->recv_meta, &c->cap_recv_meta, r1 * 3, sizeof(int32_t), "dispatch recv meta"));
+    K3_TRY(grow((void **)&c->recv_rows, &c->cap_recv_rows, r1 * w, sizeof(float),
+                "dispatch recv rows"));
+    K3_TRY(
+        grow((void **)&c->recv_out, &c->cap_recv_out, r1 * w, sizeof(float), "dispatch outputs"));
+    K3_TRY(grow((void **)&c->recv_meta, &c->cap_recv_meta, r1 * 3, sizeof(int32_t),
+                "dispatch recv meta"));
     K3_TRY(grow((void **)&c->recv_src, &c->cap_src, r1, sizeof(int32_t), "dispatch src"));
     K3_TRY(grow((void **)&c->recv_slot, &c->cap_slot, r1, sizeof(int32_t), "dispatch slot"));
     K3_TRY(grow((void **)&c->recv_expert, &c->cap_expert, r1, sizeof(int32_t), "dispatch expert"));
     MPI_Request rq[2];
     /* count unit: rows (row_t = width floats) */
-    MPI_TRY(MPI_Ialltoallv(c->send_rows, c->scount, c->sdispl, c->row_t, c->recv_rows, c->rcount, c->rdispl,
-                           c->row_t, c->ep, &rq[0]));
+    MPI_TRY(MPI_Ialltoallv(c->send_rows, c->scount, c->sdispl, c->row_t, c->recv_rows, c->rcount,
+                           c->rdispl, c->row_t, c->ep, &rq[0]));
     /* count unit: rows (meta_t = 3 int32: source rank, slot, expert) */
-    MPI_TRY(MPI_Ialltoallv(c->send_meta, c->scount, c->sdispl, c->meta_t, c->recv_meta, c->rcount, c->rdispl,
-                           c->meta_t, c->ep, &rq[1]));
+    MPI_TRY(MPI_Ialltoallv(c->send_meta, c->scount, c->sdispl, c->meta_t, c->recv_meta, c->rcount,
+                           c->rdispl, c->meta_t, c->ep, &rq[1]));
     K3_TRY(wait_req(c, &rq[0], "MoE dispatch (rows)", grp));
     K3_TRY(wait_req(c, &rq[1], "MoE dispatch (metadata)", grp));
     for (int e = 0; e < E; e++) {
@@ -427,8 +463,10 @@ k3_status k3_comm_dispatch(k3_comm *c, const float *rows, int64_t n, int64_t wid
         for (int j = c->rdispl[e]; j < c->rdispl[e] + c->rcount[e]; j++) {
             const int32_t *m = c->recv_meta + (int64_t)j * 3;
             if (m[0] != src_rank || m[1] < 0 || m[2] < 0)
-                return K3_ERR(K3_ERR_COMM, "MoE dispatch: row %d from lane %d carries (rank %d, slot %d, expert %d)",
-                              j, e, m[0], m[1], m[2]);
+                return K3_ERR(
+                    K3_ERR_COMM,
+                    "MoE dispatch: row %d from lane %d carries (rank %d, slot %d, expert %d)", j, e,
+                    m[0], m[1], m[2]);
             c->recv_src[j] = m[0];
             c->recv_slot[j] = m[1];
             c->recv_expert[j] = m[2];
@@ -455,11 +493,12 @@ k3_status k3_comm_combine(k3_comm *c, float *out) {
     group_name(c, grp, sizeof grp);
     MPI_Request req;
     /* count unit: rows (row_t = width floats); the reverse of the dispatch */
-    MPI_TRY(MPI_Ialltoallv(c->recv_out, c->rcount, c->rdispl, c->row_t, c->back_rows, c->scount, c->sdispl,
-                           c->row_t, c->ep, &req));
+    MPI_TRY(MPI_Ialltoallv(c->recv_out, c->rcount, c->rdispl, c->row_t, c->back_rows, c->scount,
+                           c->sdispl, c->row_t, c->ep, &req));
     K3_TRY(wait_req(c, &req, "MoE combine", grp));
     for (int64_t i = 0; i < c->n_send; i++)
-        memcpy(out + i * c->width, c->back_rows + c->pos[i] * c->width, (size_t)c->width * sizeof(float));
+        memcpy(out + i * c->width, c->back_rows + c->pos[i] * c->width,
+               (size_t)c->width * sizeof(float));
     return K3_OK;
 }
 
@@ -486,6 +525,32 @@ k3_status k3_comm_allgather_u64(k3_comm *c, uint64_t v, uint64_t *all) {
     return wait_req(c, &req, "allgather", "some rank of the world");
 }
 
+/* ---- process set-up ----------------------------------------------------------------------- */
+bool k3_comm_launched(void) {
+    return getenv("OMPI_COMM_WORLD_SIZE") || getenv("PMIX_RANK") || getenv("PMI_RANK");
+}
+
+/* Set once by k3_comm_init on the main thread before any other comm call; read by finalize. */
+static bool g_we_initialised;
+
+k3_status k3_comm_init(void) {
+    int inited = 0;
+    MPI_Initialized(&inited);
+    if (inited) return K3_OK;
+    int provided = 0;
+    MPI_TRY(MPI_Init_thread(NULL, NULL, MPI_THREAD_FUNNELED, &provided));
+    MPI_Comm_set_errhandler(MPI_COMM_WORLD, MPI_ERRORS_RETURN);
+    g_we_initialised = true;
+    return K3_OK;
+}
+
+void k3_comm_finalize(void) {
+    int fin = 0;
+    MPI_Finalized(&fin);
+    if (g_we_initialised && !fin) MPI_Finalize();
+    g_we_initialised = false;
+}
+
 /* ---- no handle ---------------------------------------------------------------------------- */
 void k3_comm_world(int *rank, int *size) {
     int inited = 0;
@@ -509,4 +574,6 @@ k3_status k3_comm_world_max(int v, int *max, double timeout_s) {
     return wait_req(&tmp, &req, "agreement (allreduce)", "some rank of the world");
 }
 
-_Noreturn void k3_comm_world_abort(int code) { k3_comm_abort(NULL, code); }
+_Noreturn void k3_comm_world_abort(int code) {
+    k3_comm_abort(NULL, code);
+}

@@ -2,8 +2,8 @@
  *
  * Owns: the op list (K3_OP_LIST, an X-macro: names, the k3_ops struct, its count assert and the
  * test registry all come from it); the reference backend ref/ (plain C, defines the semantics);
- * the cpu backend cpu/ (AVX2/AVX-512 + a small persistent pthread pool); the choice of backend
- * (k3_ops_default). The cuda backend lives in kernels/cuda/ only.
+ * the cpu backend cpu/ (AVX2+FMA or scalar, and a small persistent pthread pool); the choice
+ * of backend (k3_ops_default). The cuda backend lives in kernels/cuda/ only.
  * Callers must not: know which backend runs, or allocate/free inside an op (ops never allocate;
  * scratch comes from the caller).
  *
@@ -21,48 +21,51 @@
 #include "k3_model.h"
 
 /* ---- the op list: X(name, return type, (parameters)) ------------------------------------- */
-#define K3_OP_LIST(X)                                                                           \
-    /* y[T, out] = x[T, in] · Wᵀ ; W [out, in] F32/BF16/MXFP4. K3_ERR_SHAPE on other dtypes. */ \
-    X(matmul, k3_status, (const float *x, int64_t T, const k3_tensor *W, float *y))              \
-    /* y[T, in] = x[T, out] · W ; W [out, in] (the transposed product, for absorbed MLA). */     \
-    X(matmul_tn, k3_status, (const float *x, int64_t T, const k3_tensor *W, float *y))           \
-    /* y[t] = w ⊙ x[t] / sqrt(mean(x[t]²) + eps); x, y [T, n]; w [n] (NULL = ones). */          \
-    X(rmsnorm, void, (const float *x, const float *w, int64_t T, int64_t n, float eps, float *y)) \
-    /* y[t] = x[t] · rsqrt(Σ x[t]² + eps)  (fla's l2norm); x, y [T, n]. */                      \
-    X(l2norm, void, (const float *x, int64_t T, int64_t n, float eps, float *y))                 \
-    /* y = x σ(x), elementwise over n. y may alias x. */                                         \
-    X(silu, void, (const float *x, int64_t n, float *y))                                         \
-    /* y = σ(x) = 1/(1+e^-x), elementwise. y may alias x. */                                     \
-    X(sigmoid, void, (const float *x, int64_t n, float *y))                                      \
+#define K3_OP_LIST(X)                                                                                     \
+    /* y[T, out] = x[T, in] · Wᵀ ; W [out, in] F32/BF16/MXFP4. K3_ERR_SHAPE on other dtypes. */        \
+    X(matmul, k3_status, (const float *x, int64_t T, const k3_tensor *W, float *y))                       \
+    /* y[T, in] = x[T, out] · W ; W [out, in] (the transposed product, for absorbed MLA). */             \
+    X(matmul_tn, k3_status, (const float *x, int64_t T, const k3_tensor *W, float *y))                    \
+    /* y[t] = w ⊙ x[t] / sqrt(mean(x[t]²) + eps); x, y [T, n]; w [n] (NULL = ones). */                 \
+    X(rmsnorm, void, (const float *x, const float *w, int64_t T, int64_t n, float eps, float *y))         \
+    /* y[t] = x[t] · rsqrt(Σ x[t]² + eps)  (fla's l2norm); x, y [T, n]. */                             \
+    X(l2norm, void, (const float *x, int64_t T, int64_t n, float eps, float *y))                          \
+    /* y = x σ(x), elementwise over n. y may alias x. */                                                 \
+    X(silu, void, (const float *x, int64_t n, float *y))                                                  \
+    /* y = σ(x) = 1/(1+e^-x), elementwise. y may alias x. */                                             \
+    X(sigmoid, void, (const float *x, int64_t n, float *y))                                               \
     /* y = [β tanh(g/β) σ(g)]·[λ tanh(u/λ)] (λ ≤ 0: u unchanged); g, u, y [n]; y may alias g. */ \
-    X(situ, void, (const float *g, const float *u, int64_t n, float beta, float lin_beta, float *y)) \
-    /* y = SiLU(g)·u ; y may alias g. */                                                         \
-    X(swiglu, void, (const float *g, const float *u, int64_t n, float *y))                       \
-    /* row softmax: x, y [T, n] (max-subtracted, fp32). y may alias x. */                        \
-    X(softmax, void, (const float *x, int64_t T, int64_t n, float *y))                           \
-    /* AttnRes mix (K3-MODEL.md §1.3) per token t: sources v_0..v_{N-1} = bank[i][t], v_N = p[t];\
-       s_i = Σ_d v_i[d]/sqrt(mean(v_i²)+eps)·w[d]; out[t] = Σ_i softmax(s)_i v_i (raw values). \
-       bank [N, T, D] (slab stride T·D), p, out [T, D], w [D]; N ≥ 0. out may alias p. */      \
-    X(attnres_mix, void, (const float *bank, int n_bank, const float *p, const float *w,        \
-                          int64_t T, int64_t D, float eps, float *out))                          \
-    /* KDA delta rule, recurrent (ground truth), n tokens, H heads (K3-MODEL.md §2.2).          \
-       q, k, g [n, H·dk] (q, k already L2-normed; q NOT scaled), v [n, H·dv], beta [n, H];     \
-       S [H, dk, dv] fp32 in/out; o [n, H·dv] = scale·Sᵀq read after each update. */           \
-    X(kda_recurrent, void, (const float *q, const float *k, const float *v, const float *g,     \
-                            const float *beta, int64_t n, int H, int dk, int dv, float scale,     \
-                            float *S, float *o))                                                  \
-    /* KDA chunked (WY/UT) form, same contract as kda_recurrent; full chunks of C tokens use the\
-       chunked math (always exp of a difference ≤ 0, §2.4), a ragged tail the recurrence.      \
-       work: >= k3_kda_chunk_work_floats(C, dk, dv) floats per head, for H heads. */            \
-    X(kda_chunked, void, (const float *q, const float *k, const float *v, const float *g,       \
-                          const float *beta, int64_t n, int H, int dk, int dv, float scale,       \
-                          float *S, float *o, int C, float *work))                                \
-    /* Latent attention for ONE query token over n_ctx cached tokens (absorbed MLA, §3.2):      \
-       qc [H, W] (W = Rkv + dr: [q_abs | q_pe]), cache [n_ctx, W] ([c | k_pe] rows);           \
-       s_h(j) = scale·qc[h]·cache[j]; p = softmax_j; o_lat[h] = Σ_j p_j cache[j][0:Rkv];       \
-       o_lat [H, Rkv]; work >= H·n_ctx floats. */                                               \
-    X(attn_latent, void, (const float *qc, const float *cache, int64_t n_ctx, int H, int W,     \
-                          int Rkv, float scale, float *o_lat, float *work))
+    X(situ, void,                                                                                         \
+      (const float *g, const float *u, int64_t n, float beta, float lin_beta, float *y))                  \
+    /* y = SiLU(g)·u ; y may alias g. */                                                                 \
+    X(swiglu, void, (const float *g, const float *u, int64_t n, float *y))                                \
+    /* row softmax: x, y [T, n] (max-subtracted, fp32). y may alias x. */                                 \
+    X(softmax, void, (const float *x, int64_t T, int64_t n, float *y))                                    \
+    /* AttnRes mix (K3-MODEL.md §1.3) per token t: sources v_0..v_{N-1} = bank[i][t], v_N = p[t];        \
+       s_i = Σ_d v_i[d]/sqrt(mean(v_i²)+eps)·w[d]; out[t] = Σ_i softmax(s)_i v_i (raw values).        \
+       bank [N, T, D] (slab stride T·D), p, out [T, D], w [D]; N ≥ 0. out may alias p. */              \
+    X(attnres_mix, void,                                                                                  \
+      (const float *bank, int n_bank, const float *p, const float *w, int64_t T, int64_t D,               \
+       float eps, float *out))                                                                            \
+    /* KDA delta rule, recurrent (ground truth), n tokens, H heads (K3-MODEL.md §2.2).                   \
+       q, k, g [n, H·dk] (q, k already L2-normed; q NOT scaled), v [n, H·dv], beta [n, H];              \
+       S [H, dk, dv] fp32 in/out; o [n, H·dv] = scale·Sᵀq read after each update. */                  \
+    X(kda_recurrent, void,                                                                                \
+      (const float *q, const float *k, const float *v, const float *g, const float *beta,                 \
+       int64_t n, int H, int dk, int dv, float scale, float *S, float *o))                                \
+    /* KDA chunked (WY/UT) form, same contract as kda_recurrent; full chunks of C tokens use the          \
+       chunked math (always exp of a difference ≤ 0, §2.4), a ragged tail the recurrence.              \
+       work: >= k3_kda_chunk_work_floats(C, dk, dv) floats per head, for H heads. */                      \
+    X(kda_chunked, void,                                                                                  \
+      (const float *q, const float *k, const float *v, const float *g, const float *beta,                 \
+       int64_t n, int H, int dk, int dv, float scale, float *S, float *o, int C, float *work))            \
+    /* Latent attention for ONE query token over n_ctx cached tokens (absorbed MLA, §3.2):               \
+       qc [H, W] (W = Rkv + dr: [q_abs | q_pe]), cache [n_ctx, W] ([c | k_pe] rows);                      \
+       s_h(j) = scale·qc[h]·cache[j]; p = softmax_j; o_lat[h] = Σ_j p_j cache[j][0:Rkv];               \
+       o_lat [H, Rkv]; work >= H·n_ctx floats. */                                                        \
+    X(attn_latent, void,                                                                                  \
+      (const float *qc, const float *cache, int64_t n_ctx, int H, int W, int Rkv, float scale,            \
+       float *o_lat, float *work))
 
 #define K3_OP_FIELD(name, ret, args) ret(*name) args;
 typedef struct k3_ops {

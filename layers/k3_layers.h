@@ -24,25 +24,26 @@
 #include "k3_kernels.h"
 #include "k3_model.h"
 
-typedef struct k3_stage k3_stage;         /* layers [layer_begin, layer_end) + embed/head if owned */
+typedef struct k3_stage k3_stage; /* layers [layer_begin, layer_end) + embed/head if owned */
 typedef struct k3_seq_state k3_seq_state; /* one sequence's caches for the stage's layers:
                                              MLA latent cache [n_mla, T_max, kv_lora+rope], KDA conv
                                              state [n_kda, 3 (q,k,v), K-1, P] and recurrent state
                                              [n_kda, H, dk, dv] fp32, position count */
 
-#define K3_KDA_CHUNK_DEFAULT 1 /* recurrent KDA (see "Determinism" above); 16 is the chunk llama.cpp uses */
+#define K3_KDA_CHUNK_DEFAULT                                                                       \
+    1 /* recurrent KDA (see "Determinism" above); 16 is the chunk llama.cpp uses */
 
 typedef struct k3_stage_params {
     const k3_config *cfg;
     const k3_weights_view *w;
-    const k3_ops *ops;          /* NULL = k3_ops_default() */
+    const k3_ops *ops; /* NULL = k3_ops_default() */
     int layer_begin, layer_end;
-    bool first, last;           /* first: embeds token ids; last: final mix/norm/head */
-    int64_t max_tokens;         /* max tokens per forward call (sizes scratch) */
-    int n_threads;              /* cpu pool threads (k3_kernels_set_threads); <= 0 = leave as is */
-    int kda_chunk;              /* KDA form: 0 = default (K3_KDA_CHUNK_DEFAULT), 1 = recurrent
-                                   everywhere (bit-identical across chunkings), C >= 2 = chunked
-                                   form on full chunks of C tokens of a run, recurrent tail */
+    bool first, last;   /* first: embeds token ids; last: final mix/norm/head */
+    int64_t max_tokens; /* max tokens per forward call (sizes scratch) */
+    int n_threads;      /* cpu pool threads (k3_kernels_set_threads); <= 0 = leave as is */
+    int kda_chunk;      /* KDA form: 0 = default (K3_KDA_CHUNK_DEFAULT), 1 = recurrent
+                           everywhere (bit-identical across chunkings), C >= 2 = chunked
+                           form on full chunks of C tokens of a run, recurrent tail */
 } k3_stage_params;
 
 k3_status k3_stage_create(const k3_stage_params *p, k3_stage **out);
@@ -61,17 +62,17 @@ size_t k3_seq_state_bytes(const k3_seq_state *st);
  * appears at most once per batch. */
 typedef struct k3_batch {
     int n_seqs;
-    k3_seq_state **states;   /* [n_seqs] */
-    const int32_t *n_tokens; /* [n_seqs] */
-    const int32_t *token_ids;/* [T]; used by the first stage only */
+    k3_seq_state **states;    /* [n_seqs] */
+    const int32_t *n_tokens;  /* [n_seqs] */
+    const int32_t *token_ids; /* [T]; used by the first stage only */
 } k3_batch;
 
 /* The activation handed from stage to stage: current hidden/partial sum + the AttnRes bank. */
 typedef struct k3_activ {
     int64_t T;
-    int n_bank;   /* banked block states so far (0..k3_activ_max_bank(cfg)) */
-    float *h;     /* [T, D] */
-    float *bank;  /* [max_bank, T, D] (slab i at bank + i·T·D), first n_bank valid */
+    int n_bank;  /* banked block states so far (0..k3_activ_max_bank(cfg)) */
+    float *h;    /* [T, D] */
+    float *bank; /* [max_bank, T, D] (slab i at bank + i·T·D), first n_bank valid */
 } k3_activ;
 int k3_activ_max_bank(const k3_config *cfg); /* ceil(n_layers / block_size), 0 without AttnRes */
 /* Allocate h [max_tokens, D] and bank [max_bank, max_tokens, D]; T = n_bank = 0. */

@@ -15,7 +15,9 @@
 #define K3_KDA_L2_EPS 1e-6f /* fla l2norm */
 
 /* PyTorch softplus (beta 1, threshold 20). */
-static inline float softplus(float x) { return x > 20.0f ? x : log1pf(expf(x)); }
+static inline float softplus(float x) {
+    return x > 20.0f ? x : log1pf(expf(x));
+}
 
 /* out[t, c] = SiLU(Σ_j w[c, j] · in_{t-(K-1)+j}[c]); in_{<0} from state [K-1, P] (oldest
  * first); then the state becomes the last K-1 inputs of (state ++ in). */
@@ -50,7 +52,8 @@ k3_status k3_layers_kda(k3_stage *s, int layer, const k3_batch *b, const float *
     const k3_layer_w *lw = &s->w->layers[layer];
     const layer_vecs *lv = &s->vec[layer];
     const k3_ops *ops = s->ops;
-    const int H = c->kda_n_heads, dk = c->kda_head_dim, dv = c->kda_head_dim, K = c->kda_conv_kernel;
+    const int H = c->kda_n_heads, dk = c->kda_head_dim, dv = c->kda_head_dim,
+              K = c->kda_conv_kernel;
     const int64_t P = (int64_t)H * dk;
     int64_t T = 0;
     for (int i = 0; i < b->n_seqs; i++) T += b->n_tokens[i];

@@ -7,16 +7,16 @@
 
 /* f32 copies of a layer's small vectors (made at create; weights keep their stored dtype). */
 typedef struct layer_vecs {
-    float *input_norm, *post_norm;       /* [D] */
-    float *attn_res, *mlp_res;           /* [D] (NULL without AttnRes) */
+    float *input_norm, *post_norm; /* [D] */
+    float *attn_res, *mlp_res;     /* [D] (NULL without AttnRes) */
     /* KDA */
-    float *conv[3];                      /* q, k, v: [P, K] */
-    float *dt_bias;                      /* [P] */
-    float *a_exp;                        /* [H] exp(A_log[h]) */
-    float *o_norm;                       /* [dv] */
+    float *conv[3]; /* q, k, v: [P, K] */
+    float *dt_bias; /* [P] */
+    float *a_exp;   /* [H] exp(A_log[h]) */
+    float *o_norm;  /* [dv] */
     /* MLA */
-    float *q_a_norm;                     /* [Rq] */
-    float *kv_a_norm;                    /* [Rkv] */
+    float *q_a_norm;  /* [Rq] */
+    float *kv_a_norm; /* [Rkv] */
 } layer_vecs;
 
 struct k3_stage {
@@ -26,21 +26,21 @@ struct k3_stage {
     const k3_ops *ops;
     int64_t D, T_max;
     int kda_chunk;
-    int slot[K3_MAX_LAYERS];   /* index among the stage's KDA or MLA layers (by mixer) */
+    int slot[K3_MAX_LAYERS]; /* index among the stage's KDA or MLA layers (by mixer) */
     int n_kda, n_mla;
-    layer_vecs *vec;           /* [n_layers] (only the stage's layers filled) */
+    layer_vecs *vec; /* [n_layers] (only the stage's layers filled) */
     float *vec_mem;
     float *final_norm, *out_res; /* [D] (last stage) */
     k3_layer_tap tap;
     void *tap_ctx;
 
     /* scratch, sized for T_max tokens at create */
-    float *xa, *xn, *y;        /* [T, D] mix output, normed input, sublayer output */
+    float *xa, *xn, *y; /* [T, D] mix output, normed input, sublayer output */
     /* KDA */
     float *kq, *kk, *kv, *kqc, *kkc, *kvc, *kr, *kg, *ko; /* [T, P] each */
-    float *kfa;                /* [T, R] */
-    float *kbeta;              /* [T, H] */
-    float *kwork;              /* [H, chunk work] */
+    float *kfa;                                           /* [T, R] */
+    float *kbeta;                                         /* [T, H] */
+    float *kwork;                                         /* [H, chunk work] */
     /* MLA */
     float *mcq;                /* [T, Rq] */
     float *mq;                 /* [T, H·(dn+dr)] */
@@ -49,7 +49,7 @@ struct k3_stage {
     float *mqc;                /* [T, H, Rkv+dr] */
     float *molat;              /* [T, H, Rkv] */
     float *mattn, *mgate;      /* [T, H·dv] */
-    float *mwork;              /* [H, max_ctx] attention probabilities (grown by seq_state_create) */
+    float *mwork; /* [H, max_ctx] attention probabilities (grown by seq_state_create) */
     int64_t mwork_ctx;
     /* FFN */
     float *fg, *fu;            /* [T, F] */
@@ -58,16 +58,16 @@ struct k3_stage {
     int32_t *moe_ids;          /* [T, K] */
     float *moe_w;              /* [T, K] */
     /* head */
-    float *hsel;               /* [T, D] rows that get logits */
-    float *bank1;              /* [max_bank, D] one token's bank rows (final mix of last tokens) */
+    float *hsel;  /* [T, D] rows that get logits */
+    float *bank1; /* [max_bank, D] one token's bank rows (final mix of last tokens) */
 };
 
 struct k3_seq_state {
     const k3_stage *s;
     int64_t max_ctx, pos;
-    float *mla;   /* [n_mla, max_ctx, Rkv+dr] */
-    float *conv;  /* [n_kda, 3, K-1, P] */
-    float *S;     /* [n_kda, H, dk, dv] */
+    float *mla;  /* [n_mla, max_ctx, Rkv+dr] */
+    float *conv; /* [n_kda, 3, K-1, P] */
+    float *S;    /* [n_kda, H, dk, dv] */
     size_t n_bytes;
 };
 

@@ -7,7 +7,8 @@
  *   o_lat[h] = Σ_s p_s c_s;  attn[h] = W_UV[h] o_lat[h]
  * (the same path for prefill and decode: each query token attends to the cache up to its own
  * position, so results do not depend on how the prompt is chunked), the sigmoid output gate
- * σ(g_proj x) and o_proj. kv_b_proj rows of head h: [h·(dn+dv), +dn) = W_UK[h], next dv = W_UV[h]. */
+ * σ(g_proj x) and o_proj. kv_b_proj rows of head h: [h·(dn+dv), +dn) = W_UK[h], next dv = W_UV[h].
+ */
 #include "layers_internal.h"
 
 #include <math.h>
@@ -17,7 +18,8 @@ k3_status k3_layers_mla(k3_stage *s, int layer, const k3_batch *b, const float *
     const k3_layer_w *lw = &s->w->layers[layer];
     const layer_vecs *lv = &s->vec[layer];
     const k3_ops *ops = s->ops;
-    const int H = c->n_heads, dn = c->qk_nope_head_dim, dr = c->qk_rope_head_dim, dv = c->v_head_dim;
+    const int H = c->n_heads, dn = c->qk_nope_head_dim, dr = c->qk_rope_head_dim,
+              dv = c->v_head_dim;
     const int Rkv = c->kv_lora_rank, W = Rkv + dr;
     const int64_t qw = (int64_t)H * (dn + dr);
     int64_t T = 0;
@@ -39,7 +41,8 @@ k3_status k3_layers_mla(k3_stage *s, int layer, const k3_batch *b, const float *
         int64_t t0 = 0;
         for (int i = 0; i < b->n_seqs; i++) {
             k3_seq_state *st = b->states[i];
-            float *cache = st->mla + ((size_t)s->slot[layer] * (size_t)st->max_ctx + (size_t)st->pos) * W;
+            float *cache =
+                st->mla + ((size_t)s->slot[layer] * (size_t)st->max_ctx + (size_t)st->pos) * W;
             memcpy(cache, s->mckv + t0 * W, (size_t)b->n_tokens[i] * W * sizeof(float));
             t0 += b->n_tokens[i];
         }
@@ -50,12 +53,14 @@ k3_status k3_layers_mla(k3_stage *s, int layer, const k3_batch *b, const float *
         k3_tensor wuk;
         K3_TRY(k3_tensor_rows(&lw->kv_b_proj, (int64_t)h * (dn + dv), dn, &wuk));
         for (int64_t t = 0; t < T; t++)
-            memcpy(s->mtmp_in + t * dn, s->mq + t * qw + (int64_t)h * (dn + dr), (size_t)dn * sizeof(float));
+            memcpy(s->mtmp_in + t * dn, s->mq + t * qw + (int64_t)h * (dn + dr),
+                   (size_t)dn * sizeof(float));
         K3_TRY(ops->matmul_tn(s->mtmp_in, T, &wuk, s->mtmp_out)); /* [T, Rkv] */
         for (int64_t t = 0; t < T; t++) {
             float *qc = s->mqc + (t * H + h) * W;
             memcpy(qc, s->mtmp_out + t * Rkv, (size_t)Rkv * sizeof(float));
-            memcpy(qc + Rkv, s->mq + t * qw + (int64_t)h * (dn + dr) + dn, (size_t)dr * sizeof(float));
+            memcpy(qc + Rkv, s->mq + t * qw + (int64_t)h * (dn + dr) + dn,
+                   (size_t)dr * sizeof(float));
         }
     }
 
@@ -80,7 +85,8 @@ k3_status k3_layers_mla(k3_stage *s, int layer, const k3_batch *b, const float *
             memcpy(s->mtmp_in + t * Rkv, s->molat + (t * H + h) * Rkv, (size_t)Rkv * sizeof(float));
         K3_TRY(ops->matmul(s->mtmp_in, T, &wuv, s->mtmp_out)); /* [T, dv] */
         for (int64_t t = 0; t < T; t++)
-            memcpy(s->mattn + t * H * dv + (int64_t)h * dv, s->mtmp_out + t * dv, (size_t)dv * sizeof(float));
+            memcpy(s->mattn + t * H * dv + (int64_t)h * dv, s->mtmp_out + t * dv,
+                   (size_t)dv * sizeof(float));
     }
 
     if (c->mla_use_output_gate) {

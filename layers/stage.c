@@ -15,15 +15,15 @@
 
 /* ---- checks ------------------------------------------------------------------------------ */
 k3_status k3_layers_need(const k3_tensor *t, int layer, const char *name, int64_t d0, int64_t d1) {
-    if (!t->data)
-        return K3_ERR(K3_ERR_MISSING, "layer %d: tensor %s is not loaded", layer, name);
+    if (!t->data) return K3_ERR(K3_ERR_MISSING, "layer %d: tensor %s is not loaded", layer, name);
     bool ok = d1 < 0 ? (k3_tensor_n_elems(t) == d0)
                      : (t->ndim == 2 && t->shape[0] == d0 && t->shape[1] == d1);
     if (!ok)
-        return K3_ERR(K3_ERR_SHAPE, "layer %d: tensor %s has shape [%lld%s%lld], expected [%lld%s%lld]",
-                      layer, name, (long long)t->shape[0], t->ndim > 1 ? ", " : "",
-                      t->ndim > 1 ? (long long)t->shape[1] : 0LL, (long long)d0, d1 >= 0 ? ", " : "",
-                      d1 >= 0 ? (long long)d1 : 0LL);
+        return K3_ERR(K3_ERR_SHAPE,
+                      "layer %d: tensor %s has shape [%lld%s%lld], expected [%lld%s%lld]", layer,
+                      name, (long long)t->shape[0], t->ndim > 1 ? ", " : "",
+                      t->ndim > 1 ? (long long)t->shape[1] : 0LL, (long long)d0,
+                      d1 >= 0 ? ", " : "", d1 >= 0 ? (long long)d1 : 0LL);
     if (d1 >= 0 && t->dtype != K3_DT_F32 && t->dtype != K3_DT_BF16 && t->dtype != K3_DT_MXFP4)
         return K3_ERR(K3_ERR_SHAPE, "layer %d: tensor %s has dtype %s (F32, BF16, MXFP4 supported)",
                       layer, name, k3_dtype_name(t->dtype));
@@ -41,7 +41,8 @@ k3_status k3_activ_alloc(k3_activ *a, const k3_config *cfg, int64_t max_tokens) 
     K3_TRY(k3_calloc((void **)&a->h, td * sizeof(float), "activation h"));
     int mb = k3_activ_max_bank(cfg);
     if (mb > 0) {
-        k3_status st = k3_calloc((void **)&a->bank, (size_t)mb * td * sizeof(float), "AttnRes bank");
+        k3_status st =
+            k3_calloc((void **)&a->bank, (size_t)mb * td * sizeof(float), "AttnRes bank");
         if (st != K3_OK) {
             k3_free(a->h);
             a->h = NULL;
@@ -97,15 +98,18 @@ static k3_status check_layer(const k3_stage *s, int l) {
         int H = c->n_heads, dn = c->qk_nope_head_dim, dr = c->qk_rope_head_dim, dv = c->v_head_dim;
         if (c->q_lora_rank > 0) {
             K3_TRY(k3_layers_need(&lw->q_a_proj, l, "q_a_proj", c->q_lora_rank, D));
-            K3_TRY(k3_layers_need(&lw->q_b_proj, l, "q_b_proj", (int64_t)H * (dn + dr), c->q_lora_rank));
+            K3_TRY(k3_layers_need(&lw->q_b_proj, l, "q_b_proj", (int64_t)H * (dn + dr),
+                                  c->q_lora_rank));
         } else {
             K3_TRY(k3_layers_need(&lw->q_proj_mla, l, "q_proj", (int64_t)H * (dn + dr), D));
         }
         K3_TRY(k3_layers_need(&lw->kv_a_proj, l, "kv_a_proj_with_mqa", c->kv_lora_rank + dr, D));
-        K3_TRY(k3_layers_need(&lw->kv_b_proj, l, "kv_b_proj", (int64_t)H * (dn + dv), c->kv_lora_rank));
+        K3_TRY(k3_layers_need(&lw->kv_b_proj, l, "kv_b_proj", (int64_t)H * (dn + dv),
+                              c->kv_lora_rank));
         if (lw->kv_b_proj.dtype == K3_DT_MXFP4)
             return K3_ERR(K3_ERR_SHAPE, "layer %d: kv_b_proj as MXFP4 is not supported", l);
-        if (c->mla_use_output_gate) K3_TRY(k3_layers_need(&lw->g_proj, l, "g_proj", (int64_t)H * dv, D));
+        if (c->mla_use_output_gate)
+            K3_TRY(k3_layers_need(&lw->g_proj, l, "g_proj", (int64_t)H * dv, D));
         K3_TRY(k3_layers_need(&lw->o_proj, l, "o_proj", D, (int64_t)H * dv));
     }
     if (k3_config_is_moe(c, l)) {
@@ -125,11 +129,12 @@ static k3_status make_vecs(k3_stage *s) {
     const int64_t D = s->D, P = (int64_t)c->kda_n_heads * c->kda_head_dim;
     const int K = c->kda_conv_kernel;
     /* upper bound of floats over the stage's layers */
-    size_t per = (size_t)(4 * D + 3 * P * K + P + c->kda_n_heads + c->kda_head_dim + c->q_lora_rank +
-                          c->kv_lora_rank);
+    size_t per = (size_t)(4 * D + 3 * P * K + P + c->kda_n_heads + c->kda_head_dim +
+                          c->q_lora_rank + c->kv_lora_rank);
     size_t n = per * (size_t)(s->p.layer_end - s->p.layer_begin) + 2 * (size_t)D;
     K3_TRY(k3_calloc((void **)&s->vec_mem, n * sizeof(float), "stage vectors"));
-    K3_TRY(k3_calloc((void **)&s->vec, (size_t)c->n_layers * sizeof(layer_vecs), "stage vector table"));
+    K3_TRY(k3_calloc((void **)&s->vec, (size_t)c->n_layers * sizeof(layer_vecs),
+                     "stage vector table"));
     float *cur = s->vec_mem;
     bool res = c->attn_res_block_size > 0;
     for (int l = s->p.layer_begin; l < s->p.layer_end; l++) {
@@ -138,7 +143,8 @@ static k3_status make_vecs(k3_stage *s) {
         K3_TRY(vec_f32(&lw->input_norm, D, l, "input_layernorm", &cur, &v->input_norm));
         K3_TRY(vec_f32(&lw->post_attn_norm, D, l, "post_attention_layernorm", &cur, &v->post_norm));
         if (res) {
-            K3_TRY(vec_f32(&lw->attn_res_score, D, l, "self_attention_res score", &cur, &v->attn_res));
+            K3_TRY(
+                vec_f32(&lw->attn_res_score, D, l, "self_attention_res score", &cur, &v->attn_res));
             K3_TRY(vec_f32(&lw->mlp_res_score, D, l, "mlp_res score", &cur, &v->mlp_res));
         }
         if (c->mixer[l] == K3_MIXER_KDA) {
@@ -155,14 +161,18 @@ static k3_status make_vecs(k3_stage *s) {
             v->a_exp = alog;
         } else {
             if (c->q_lora_rank > 0)
-                K3_TRY(vec_f32(&lw->q_a_norm, c->q_lora_rank, l, "q_a_layernorm", &cur, &v->q_a_norm));
-            K3_TRY(vec_f32(&lw->kv_a_norm, c->kv_lora_rank, l, "kv_a_layernorm", &cur, &v->kv_a_norm));
+                K3_TRY(
+                    vec_f32(&lw->q_a_norm, c->q_lora_rank, l, "q_a_layernorm", &cur, &v->q_a_norm));
+            K3_TRY(
+                vec_f32(&lw->kv_a_norm, c->kv_lora_rank, l, "kv_a_layernorm", &cur, &v->kv_a_norm));
         }
         K3_ASSERT((size_t)(cur - s->vec_mem) <= n);
     }
     if (s->p.last) {
         K3_TRY(vec_f32(&s->w->final_norm, D, -1, "model.norm", &cur, &s->final_norm));
-        if (res) K3_TRY(vec_f32(&s->w->out_res_score, D, -1, "output_attn_res score", &cur, &s->out_res));
+        if (res)
+            K3_TRY(
+                vec_f32(&s->w->out_res_score, D, -1, "output_attn_res score", &cur, &s->out_res));
     }
     return K3_OK;
 }
@@ -176,8 +186,14 @@ static k3_status make_scratch(k3_stage *s) {
     const size_t T = (size_t)s->T_max, D = (size_t)s->D;
     bool any_kda = false, any_mla = false, any_dense = false, any_moe = false;
     for (int l = s->p.layer_begin; l < s->p.layer_end; l++) {
-        if (c->mixer[l] == K3_MIXER_KDA) any_kda = true; else any_mla = true;
-        if (k3_config_is_moe(c, l)) any_moe = true; else any_dense = true;
+        if (c->mixer[l] == K3_MIXER_KDA)
+            any_kda = true;
+        else
+            any_mla = true;
+        if (k3_config_is_moe(c, l))
+            any_moe = true;
+        else
+            any_dense = true;
     }
     K3_TRY(buf(&s->xa, T * D, "scratch xa"));
     K3_TRY(buf(&s->xn, T * D, "scratch xn"));
@@ -195,8 +211,8 @@ static k3_status make_scratch(k3_stage *s) {
         K3_TRY(buf(&s->kbeta, T * (size_t)c->kda_n_heads, "KDA beta"));
         if (s->kda_chunk > 1)
             K3_TRY(buf(&s->kwork,
-                       (size_t)c->kda_n_heads * k3_kda_chunk_work_floats(s->kda_chunk, c->kda_head_dim,
-                                                                         c->kda_head_dim),
+                       (size_t)c->kda_n_heads *
+                           k3_kda_chunk_work_floats(s->kda_chunk, c->kda_head_dim, c->kda_head_dim),
                        "KDA chunk work"));
     }
     if (any_mla) {
@@ -236,10 +252,12 @@ k3_status k3_stage_create(const k3_stage_params *p, k3_stage **out) {
     if (p->layer_begin < 0 || p->layer_end > c->n_layers || p->layer_begin > p->layer_end)
         return K3_ERR(K3_ERR_ARG, "stage: layer range [%d, %d) outside [0, %d)", p->layer_begin,
                       p->layer_end, c->n_layers);
-    if (p->max_tokens < 1) return K3_ERR(K3_ERR_ARG, "stage: max_tokens must be >= 1 (got %lld)",
-                                         (long long)p->max_tokens);
+    if (p->max_tokens < 1)
+        return K3_ERR(K3_ERR_ARG, "stage: max_tokens must be >= 1 (got %lld)",
+                      (long long)p->max_tokens);
     if (p->kda_chunk < 0) return K3_ERR(K3_ERR_ARG, "stage: kda_chunk must be >= 0");
-    if (k3_activ_max_bank(c) > 63) return K3_ERR(K3_ERR_CONFIG, "stage: more than 63 AttnRes blocks");
+    if (k3_activ_max_bank(c) > 63)
+        return K3_ERR(K3_ERR_CONFIG, "stage: more than 63 AttnRes blocks");
     k3_stage *s;
     K3_TRY(k3_calloc((void **)&s, sizeof(*s), "stage"));
     s->p = *p;
@@ -251,14 +269,17 @@ k3_status k3_stage_create(const k3_stage_params *p, k3_stage **out) {
     s->kda_chunk = p->kda_chunk == 0 ? K3_KDA_CHUNK_DEFAULT : p->kda_chunk;
     if (p->n_threads > 0) k3_kernels_set_threads(p->n_threads);
     k3_status st = K3_OK;
-    if (p->first && !s->w->embed.data) st = K3_ERR(K3_ERR_MISSING, "first stage: embedding not loaded");
-    if (st == K3_OK && p->first && (s->w->embed.ndim != 2 || s->w->embed.shape[0] != c->vocab_size ||
-                                    s->w->embed.shape[1] != s->D))
+    if (p->first && !s->w->embed.data)
+        st = K3_ERR(K3_ERR_MISSING, "first stage: embedding not loaded");
+    if (st == K3_OK && p->first &&
+        (s->w->embed.ndim != 2 || s->w->embed.shape[0] != c->vocab_size ||
+         s->w->embed.shape[1] != s->D))
         st = K3_ERR(K3_ERR_SHAPE, "embed_tokens has the wrong shape (want [%lld, %lld])",
                     (long long)c->vocab_size, (long long)s->D);
     if (st == K3_OK && p->last) {
         const k3_tensor *head = c->tie_word_embeddings ? &s->w->embed : &s->w->lm_head;
-        st = k3_layers_need(head, -1, c->tie_word_embeddings ? "embed_tokens (tied head)" : "lm_head",
+        st = k3_layers_need(head, -1,
+                            c->tie_word_embeddings ? "embed_tokens (tied head)" : "lm_head",
                             c->vocab_size, s->D);
     }
     for (int l = p->layer_begin; st == K3_OK && l < p->layer_end; l++) {
@@ -277,10 +298,12 @@ k3_status k3_stage_create(const k3_stage_params *p, k3_stage **out) {
 
 void k3_stage_destroy(k3_stage *s) {
     if (!s) return;
-    float *bufs[] = {s->xa, s->xn, s->y, s->hsel, s->bank1, s->kq, s->kk, s->kv, s->kqc, s->kkc, s->kvc,
-                     s->kr, s->kg, s->ko, s->kfa, s->kbeta, s->kwork, s->mcq, s->mq, s->mckv,
-                     s->mtmp_in, s->mtmp_out, s->mqc, s->molat, s->mattn, s->mgate, s->mwork,
-                     s->fg, s->fu, s->moe_scratch, s->moe_rows, s->moe_out, s->moe_w};
+    float *bufs[] = {s->xa,       s->xn,      s->y,       s->hsel,     s->bank1, s->kq,
+                     s->kk,       s->kv,      s->kqc,     s->kkc,      s->kvc,   s->kr,
+                     s->kg,       s->ko,      s->kfa,     s->kbeta,    s->kwork, s->mcq,
+                     s->mq,       s->mckv,    s->mtmp_in, s->mtmp_out, s->mqc,   s->molat,
+                     s->mattn,    s->mgate,   s->mwork,   s->fg,       s->fu,    s->moe_scratch,
+                     s->moe_rows, s->moe_out, s->moe_w};
     for (size_t i = 0; i < K3_ARRAY_LEN(bufs); i++) k3_free(bufs[i]);
     k3_free(s->moe_ids);
     k3_free(s->vec_mem);
@@ -288,7 +311,9 @@ void k3_stage_destroy(k3_stage *s) {
     k3_free(s);
 }
 
-const k3_stage_params *k3_stage_get_params(const k3_stage *s) { return &s->p; }
+const k3_stage_params *k3_stage_get_params(const k3_stage *s) {
+    return &s->p;
+}
 
 void k3_stage_set_tap(k3_stage *s, k3_layer_tap tap, void *ctx) {
     s->tap = tap;
@@ -306,16 +331,20 @@ k3_status k3_seq_state_create(const k3_stage *cs, int64_t max_ctx, k3_seq_state 
     st->s = s;
     st->max_ctx = max_ctx;
     size_t P = (size_t)c->kda_n_heads * (size_t)c->kda_head_dim;
-    size_t n_mla = (size_t)s->n_mla * (size_t)max_ctx * (size_t)(c->kv_lora_rank + c->qk_rope_head_dim);
+    size_t n_mla =
+        (size_t)s->n_mla * (size_t)max_ctx * (size_t)(c->kv_lora_rank + c->qk_rope_head_dim);
     size_t n_conv = (size_t)s->n_kda * 3 * (size_t)K3_MAX(c->kda_conv_kernel - 1, 0) * P;
     size_t n_S = (size_t)s->n_kda * P * (size_t)c->kda_head_dim;
     k3_status e = K3_OK;
     if (n_mla) e = k3_calloc((void **)&st->mla, n_mla * sizeof(float), "MLA latent cache");
-    if (e == K3_OK && n_conv) e = k3_calloc((void **)&st->conv, n_conv * sizeof(float), "KDA conv state");
-    if (e == K3_OK && n_S) e = k3_calloc((void **)&st->S, n_S * sizeof(float), "KDA recurrent state");
+    if (e == K3_OK && n_conv)
+        e = k3_calloc((void **)&st->conv, n_conv * sizeof(float), "KDA conv state");
+    if (e == K3_OK && n_S)
+        e = k3_calloc((void **)&st->S, n_S * sizeof(float), "KDA recurrent state");
     if (e == K3_OK && s->n_mla > 0 && max_ctx > s->mwork_ctx) {
         float *w;
-        e = k3_calloc((void **)&w, (size_t)c->n_heads * (size_t)max_ctx * sizeof(float), "attention scratch");
+        e = k3_calloc((void **)&w, (size_t)c->n_heads * (size_t)max_ctx * sizeof(float),
+                      "attention scratch");
         if (e == K3_OK) {
             k3_free(s->mwork);
             s->mwork = w;
@@ -343,14 +372,21 @@ void k3_seq_state_reset(k3_seq_state *st) {
     const k3_config *c = st->s->c;
     size_t P = (size_t)c->kda_n_heads * (size_t)c->kda_head_dim;
     if (st->conv)
-        memset(st->conv, 0, (size_t)st->s->n_kda * 3 * (size_t)(c->kda_conv_kernel - 1) * P * sizeof(float));
+        memset(st->conv, 0,
+               (size_t)st->s->n_kda * 3 * (size_t)(c->kda_conv_kernel - 1) * P * sizeof(float));
     if (st->S) memset(st->S, 0, (size_t)st->s->n_kda * P * (size_t)c->kda_head_dim * sizeof(float));
     st->pos = 0; /* the MLA cache beyond pos is never read */
 }
 
-int64_t k3_seq_state_pos(const k3_seq_state *st) { return st->pos; }
-int64_t k3_seq_state_max_ctx(const k3_seq_state *st) { return st->max_ctx; }
-size_t k3_seq_state_bytes(const k3_seq_state *st) { return st->n_bytes; }
+int64_t k3_seq_state_pos(const k3_seq_state *st) {
+    return st->pos;
+}
+int64_t k3_seq_state_max_ctx(const k3_seq_state *st) {
+    return st->max_ctx;
+}
+size_t k3_seq_state_bytes(const k3_seq_state *st) {
+    return st->n_bytes;
+}
 
 /* ---- FFN ------------------------------------------------------------------------------------ */
 static k3_status dense_ffn(k3_stage *s, int l, const float *x, int64_t T, float *y) {
@@ -382,28 +418,36 @@ static k3_status moe_ffn(k3_stage *s, int l, const float *x, int64_t T, const k3
 }
 
 /* ---- the forward ---------------------------------------------------------------------------- */
-static k3_status check_batch(const k3_stage *s, const k3_batch *b, const k3_activ *act, int64_t *T_out) {
+static k3_status check_batch(const k3_stage *s, const k3_batch *b, const k3_activ *act,
+                             int64_t *T_out) {
     if (!b || b->n_seqs < 1 || !b->states || !b->n_tokens)
         return K3_ERR(K3_ERR_ARG, "forward: empty batch");
     int64_t T = 0;
     for (int i = 0; i < b->n_seqs; i++) {
         const k3_seq_state *st = b->states[i];
-        if (!st || st->s != s) return K3_ERR(K3_ERR_ARG, "forward: sequence %d has no state of this stage", i);
-        if (b->n_tokens[i] < 1) return K3_ERR(K3_ERR_ARG, "forward: sequence %d has %d tokens (>= 1)", i, b->n_tokens[i]);
+        if (!st || st->s != s)
+            return K3_ERR(K3_ERR_ARG, "forward: sequence %d has no state of this stage", i);
+        if (b->n_tokens[i] < 1)
+            return K3_ERR(K3_ERR_ARG, "forward: sequence %d has %d tokens (>= 1)", i,
+                          b->n_tokens[i]);
         if (st->pos + b->n_tokens[i] > st->max_ctx)
-            return K3_ERR(K3_ERR_STATE, "forward: sequence %d would reach %lld tokens > its max_ctx %lld", i,
+            return K3_ERR(K3_ERR_STATE,
+                          "forward: sequence %d would reach %lld tokens > its max_ctx %lld", i,
                           (long long)(st->pos + b->n_tokens[i]), (long long)st->max_ctx);
         for (int j = 0; j < i; j++)
-            if (b->states[j] == st) return K3_ERR(K3_ERR_ARG, "forward: sequence state %d appears twice", i);
+            if (b->states[j] == st)
+                return K3_ERR(K3_ERR_ARG, "forward: sequence state %d appears twice", i);
         T += b->n_tokens[i];
     }
     if (T > s->T_max)
         return K3_ERR(K3_ERR_ARG, "forward: batch has %lld tokens > max_tokens %lld", (long long)T,
                       (long long)s->T_max);
     if (!act || !act->h) return K3_ERR(K3_ERR_ARG, "forward: no activation buffer");
-    if (s->c->attn_res_block_size > 0 && !act->bank) return K3_ERR(K3_ERR_ARG, "forward: no AttnRes bank buffer");
+    if (s->c->attn_res_block_size > 0 && !act->bank)
+        return K3_ERR(K3_ERR_ARG, "forward: no AttnRes bank buffer");
     if (!s->p.first && (act->T != T))
-        return K3_ERR(K3_ERR_ARG, "forward: activation has T=%lld, batch has %lld", (long long)act->T, (long long)T);
+        return K3_ERR(K3_ERR_ARG, "forward: activation has T=%lld, batch has %lld",
+                      (long long)act->T, (long long)T);
     if (s->p.first) {
         if (!b->token_ids) return K3_ERR(K3_ERR_ARG, "forward: first stage needs token ids");
         for (int64_t t = 0; t < T; t++)
@@ -503,7 +547,8 @@ k3_status k3_stage_forward(k3_stage *s, const k3_batch *b, k3_activ *act, const 
                 for (int i = 0; i < b->n_seqs; i++) {
                     t0 += b->n_tokens[i];
                     for (int j = 0; j < act->n_bank; j++)
-                        memcpy(s->bank1 + j * D, act->bank + j * slab + (t0 - 1) * D, (size_t)D * sizeof(float));
+                        memcpy(s->bank1 + j * D, act->bank + j * slab + (t0 - 1) * D,
+                               (size_t)D * sizeof(float));
                     ops->attnres_mix(s->bank1, act->n_bank, s->hsel + i * D, s->out_res, 1, D, eps,
                                      s->hsel + i * D);
                 }

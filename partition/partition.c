@@ -23,7 +23,8 @@ k3_status k3_coord_mode_parse(const char *s, k3_coord_mode *out) {
         *out = K3_COORD_DEDICATED;
         return K3_OK;
     }
-    return K3_ERR(K3_ERR_ARG, "--coordinator: '%s' is not one of shared|dedicated", s ? s : "(null)");
+    return K3_ERR(K3_ERR_ARG, "--coordinator: '%s' is not one of shared|dedicated",
+                  s ? s : "(null)");
 }
 
 static uint64_t spec_bytes(const k3_tensor_spec *t) {
@@ -34,9 +35,9 @@ static uint64_t spec_bytes(const k3_tensor_spec *t) {
 
 /* Byte sizes per layer / expert / global, from the catalogue. */
 typedef struct cat_sizes {
-    uint64_t layer[K3_MAX_LAYERS];   /* non-expert tensors of each layer */
-    uint64_t *expert;                /* [n_layers, n_experts] */
-    uint64_t embed, head;            /* first-stage globals, last-stage globals */
+    uint64_t layer[K3_MAX_LAYERS]; /* non-expert tensors of each layer */
+    uint64_t *expert;              /* [n_layers, n_experts] */
+    uint64_t embed, head;          /* first-stage globals, last-stage globals */
 } cat_sizes;
 
 static k3_status cat_sizes_make(const k3_config *c, cat_sizes *cs) {
@@ -45,9 +46,10 @@ static k3_status cat_sizes_make(const k3_config *c, cat_sizes *cs) {
     if (n <= 0) return K3_ERR(K3_ERR_CONFIG, "plan: the config implies no tensors");
     k3_tensor_spec *specs = NULL;
     K3_TRY(k3_alloc((void **)&specs, (size_t)n * sizeof *specs, "plan catalogue"));
-    k3_status st = k3_calloc((void **)&cs->expert,
-                             (size_t)c->n_layers * (size_t)K3_MAX(c->n_experts, 1) * sizeof(uint64_t),
-                             "plan expert sizes");
+    k3_status st =
+        k3_calloc((void **)&cs->expert,
+                  (size_t)c->n_layers * (size_t)K3_MAX(c->n_experts, 1) * sizeof(uint64_t),
+                  "plan expert sizes");
     if (st != K3_OK) {
         k3_free(specs);
         return st;
@@ -57,10 +59,13 @@ static k3_status cat_sizes_make(const k3_config *c, cat_sizes *cs) {
         const k3_tensor_spec *t = &specs[i];
         uint64_t b = spec_bytes(t);
         if (t->kind == K3_TK_GLOBAL) {
-            if (t->first_stage) cs->embed += b;
-            else cs->head += b;
+            if (t->first_stage)
+                cs->embed += b;
+            else
+                cs->head += b;
         } else if (t->layer >= 0 && t->layer < c->n_layers) {
-            if (t->kind == K3_TK_LAYER) cs->layer[t->layer] += b;
+            if (t->kind == K3_TK_LAYER)
+                cs->layer[t->layer] += b;
             else if (t->expert >= 0 && t->expert < c->n_experts)
                 cs->expert[(int64_t)t->layer * c->n_experts + t->expert] += b;
         }
@@ -113,8 +118,10 @@ static k3_status balance(const double *cost, int n, int S, double first, double 
     double *pre = NULL, *f = NULL;
     int *arg = NULL;
     K3_TRY(k3_alloc((void **)&pre, (size_t)(n + 1) * sizeof(double), "plan prefix"));
-    k3_status st = k3_alloc((void **)&f, (size_t)(S + 1) * (size_t)(n + 1) * sizeof(double), "plan dp");
-    if (st == K3_OK) st = k3_alloc((void **)&arg, (size_t)(S + 1) * (size_t)(n + 1) * sizeof(int), "plan dp");
+    k3_status st =
+        k3_alloc((void **)&f, (size_t)(S + 1) * (size_t)(n + 1) * sizeof(double), "plan dp");
+    if (st == K3_OK)
+        st = k3_alloc((void **)&arg, (size_t)(S + 1) * (size_t)(n + 1) * sizeof(int), "plan dp");
     if (st != K3_OK) {
         k3_free(pre);
         k3_free(f);
@@ -201,7 +208,8 @@ static k3_status parse_map(const k3_config *c, const k3_plan_req *r, int16_t *la
                 goto done;
             }
             if (!k3_config_is_moe(c, (int)layer)) {
-                st = K3_ERR(K3_ERR_ARG, "%s:%d: layer %ld is not a MoE layer", name, line_no, layer);
+                st =
+                    K3_ERR(K3_ERR_ARG, "%s:%d: layer %ld is not a MoE layer", name, line_no, layer);
                 k3_free(line);
                 goto done;
             }
@@ -240,7 +248,8 @@ static k3_status parse_map(const k3_config *c, const k3_plan_req *r, int16_t *la
     for (int l = 0; l < L; l++) {
         if (!k3_config_is_moe(c, l) || seen[l]) continue;
         if (!have_default) {
-            st = K3_ERR(K3_ERR_ARG, "%s: MoE layer %d has no line and there is no '*' line", name, l);
+            st = K3_ERR(K3_ERR_ARG, "%s: MoE layer %d has no line and there is no '*' line", name,
+                        l);
             goto done;
         }
         memcpy(lane + (int64_t)l * X, def, (size_t)X * sizeof(int16_t));
@@ -276,19 +285,21 @@ int k3_plan_stage_of_layer(const k3_plan *p, int layer) {
 
 uint64_t k3_plan_hash(const k3_plan *p) {
     uint64_t h = K3_HASH_INIT;
-    int32_t hdr[7] = {p->world, p->n_stages, p->n_lanes, (int32_t)p->coord, p->first_worker,
-                      p->n_layers, p->n_experts};
+    int32_t hdr[7] = {p->world,        p->n_stages, p->n_lanes,  (int32_t)p->coord,
+                      p->first_worker, p->n_layers, p->n_experts};
     h = k3_hash_bytes(hdr, sizeof hdr, h);
     h = k3_hash_bytes(p->stage_begin, (size_t)(p->n_stages + 1) * sizeof(int), h);
     if (p->expert_lane)
-        h = k3_hash_bytes(p->expert_lane, (size_t)p->n_layers * (size_t)p->n_experts * sizeof(int16_t), h);
+        h = k3_hash_bytes(p->expert_lane,
+                          (size_t)p->n_layers * (size_t)p->n_experts * sizeof(int16_t), h);
     if (p->mem) h = k3_hash_bytes(p->mem, (size_t)p->world * sizeof(k3_rank_mem), h);
     return h;
 }
 
 static int max_bank(const k3_config *c) {
-    return c->attn_res_block_size > 0 ? (c->n_layers + c->attn_res_block_size - 1) / c->attn_res_block_size
-                                      : 0;
+    return c->attn_res_block_size > 0
+               ? (c->n_layers + c->attn_res_block_size - 1) / c->attn_res_block_size
+               : 0;
 }
 
 static void fill_mem(k3_plan *p, const k3_config *c, const k3_plan_req *r, const cat_sizes *cs) {
@@ -317,7 +328,8 @@ static void fill_mem(k3_plan *p, const k3_config *c, const k3_plan_req *r, const
             if (c->mixer[l] == K3_MIXER_KDA) {
                 uint64_t P = (uint64_t)c->kda_n_heads * (uint64_t)c->kda_head_dim;
                 per_seq += 3ull * (uint64_t)K3_MAX(c->kda_conv_kernel - 1, 0) * P * 4;
-                per_seq += (uint64_t)c->kda_n_heads * (uint64_t)c->kda_head_dim * (uint64_t)c->kda_head_dim * 4;
+                per_seq += (uint64_t)c->kda_n_heads * (uint64_t)c->kda_head_dim *
+                           (uint64_t)c->kda_head_dim * 4;
             } else {
                 per_seq += (uint64_t)K3_MAX(r->max_ctx, 1) *
                            (uint64_t)(c->kv_lora_rank + c->qk_rope_head_dim) * 4;
@@ -345,13 +357,14 @@ k3_status k3_plan_make(const k3_config *c, const k3_plan_req *r, k3_plan *out) {
     int ded = r->coord == K3_COORD_DEDICATED;
     if ((int64_t)r->pp * r->ep + ded != r->world)
         return K3_ERR(K3_ERR_ARG,
-                      "--pp %d x --ep %d%s = %lld ranks, but the world has %d (%s coordinator)", r->pp,
-                      r->ep, ded ? " + 1 coordinator" : "", (long long)r->pp * r->ep + ded, r->world,
-                      ded ? "dedicated" : "shared");
+                      "--pp %d x --ep %d%s = %lld ranks, but the world has %d (%s coordinator)",
+                      r->pp, r->ep, ded ? " + 1 coordinator" : "", (long long)r->pp * r->ep + ded,
+                      r->world, ded ? "dedicated" : "shared");
     if (c->n_layers < 1 || c->n_layers > K3_MAX_LAYERS)
         return K3_ERR(K3_ERR_CONFIG, "plan: n_layers %d out of range", c->n_layers);
     if (r->pp > c->n_layers)
-        return K3_ERR(K3_ERR_ARG, "--pp %d: more stages than the model's %d layers", r->pp, c->n_layers);
+        return K3_ERR(K3_ERR_ARG, "--pp %d: more stages than the model's %d layers", r->pp,
+                      c->n_layers);
     if (!r->expert_map && c->n_experts > 0 && c->n_experts % r->ep != 0)
         return K3_ERR(K3_ERR_ARG,
                       "--ep %d does not divide n_experts = %d (the contiguous expert map needs it; "
@@ -368,10 +381,12 @@ k3_status k3_plan_make(const k3_config *c, const k3_plan_req *r, k3_plan *out) {
 
     cat_sizes cs;
     K3_TRY(cat_sizes_make(c, &cs));
-    k3_status st = k3_alloc((void **)&out->expert_lane,
-                            (size_t)c->n_layers * (size_t)K3_MAX(out->n_experts, 1) * sizeof(int16_t),
-                            "plan expert map");
-    if (st == K3_OK) st = k3_calloc((void **)&out->mem, (size_t)r->world * sizeof(k3_rank_mem), "plan mem");
+    k3_status st =
+        k3_alloc((void **)&out->expert_lane,
+                 (size_t)c->n_layers * (size_t)K3_MAX(out->n_experts, 1) * sizeof(int16_t),
+                 "plan expert map");
+    if (st == K3_OK)
+        st = k3_calloc((void **)&out->mem, (size_t)r->world * sizeof(k3_rank_mem), "plan mem");
     if (st != K3_OK) goto fail;
     for (int64_t i = 0; i < (int64_t)c->n_layers * out->n_experts; i++) out->expert_lane[i] = -1;
     if (r->expert_map) {
@@ -386,8 +401,8 @@ k3_status k3_plan_make(const k3_config *c, const k3_plan_req *r, k3_plan *out) {
     }
 
     double first, last;
-    costs_from_sizes(c, &cs, K3_MIN(K3_MAX(r->max_ctx, 1), K3_PLAN_NOMINAL_CTX), out->layer_cost, &first,
-                     &last);
+    costs_from_sizes(c, &cs, K3_MIN(K3_MAX(r->max_ctx, 1), K3_PLAN_NOMINAL_CTX), out->layer_cost,
+                     &first, &last);
     st = balance(out->layer_cost, c->n_layers, r->pp, first, last, out->stage_begin);
     if (st != K3_OK) goto fail;
     for (int s = 0; s < r->pp; s++) {
@@ -415,12 +430,12 @@ void k3_plan_free(k3_plan *p) {
 }
 
 /* ---- the table ---------------------------------------------------------------------------- */
-#define APPEND(...)                                                                             \
-    do {                                                                                        \
-        if (off < cap) {                                                                        \
-            int n_ = snprintf(buf + off, cap - off, __VA_ARGS__);                               \
-            if (n_ > 0) off += (size_t)n_;                                                      \
-        }                                                                                       \
+#define APPEND(...)                                                                                \
+    do {                                                                                           \
+        if (off < cap) {                                                                           \
+            int n_ = snprintf(buf + off, cap - off, __VA_ARGS__);                                  \
+            if (n_ > 0) off += (size_t)n_;                                                         \
+        }                                                                                          \
     } while (0)
 
 void k3_plan_format(const k3_plan *p, const k3_config *c, char *buf, size_t cap) {
@@ -428,8 +443,8 @@ void k3_plan_format(const k3_plan *p, const k3_config *c, char *buf, size_t cap)
     if (cap == 0) return;
     buf[0] = 0;
     const double MB = 1e6;
-    APPEND("plan: world %d = %d stage%s x %d lane%s, coordinator %s (rank 0), hash %016llx\n", p->world,
-           p->n_stages, p->n_stages > 1 ? "s" : "", p->n_lanes, p->n_lanes > 1 ? "s" : "",
+    APPEND("plan: world %d = %d stage%s x %d lane%s, coordinator %s (rank 0), hash %016llx\n",
+           p->world, p->n_stages, p->n_stages > 1 ? "s" : "", p->n_lanes, p->n_lanes > 1 ? "s" : "",
            p->coord == K3_COORD_DEDICATED ? "dedicated" : "shared", (unsigned long long)p->hash);
     APPEND("  stage  layers     kinds (E=embed K=KDA M=MLA lower=dense H=head)  cost MB/token\n");
     for (int s = 0; s < p->n_stages; s++) {
@@ -461,8 +476,9 @@ void k3_plan_format(const k3_plan *p, const k3_config *c, char *buf, size_t cap)
             if (k3_config_is_moe(c, l)) first_moe = l;
         int owned = 0;
         if (first_moe >= 0)
-            for (int x = 0; x < p->n_experts; x++) owned += k3_plan_owner_lane(p, first_moe, x) == e;
-        APPEND("  %4d  %5d  %4d  %17d  %10.2f  %9.2f  %10.2f\n", r, s, e, owned, p->mem[r].weights / MB,
-               p->mem[r].caches / MB, p->mem[r].buffers / MB);
+            for (int x = 0; x < p->n_experts; x++)
+                owned += k3_plan_owner_lane(p, first_moe, x) == e;
+        APPEND("  %4d  %5d  %4d  %17d  %10.2f  %9.2f  %10.2f\n", r, s, e, owned,
+               p->mem[r].weights / MB, p->mem[r].caches / MB, p->mem[r].buffers / MB);
     }
 }

@@ -14,8 +14,9 @@
  * return 2 and only rank 0 prints it; any other error on a rank is logged as
  * "rank R (stage S, lane E) failed: cause" and ends the whole job with MPI_Abort.
  * Test hooks (opts.test_fail, from env K3_TEST_FAIL): "load:R" makes rank R fail while loading;
- * "decode:R:N" makes rank R kill itself with SIGKILL when it starts its N-th forward step (a worker)
- * or has received N logits messages (a dedicated coordinator). */
+ * "decode:R:N" makes rank R kill itself with SIGKILL when it starts its N-th forward step (a
+ * worker) or has received N logits messages (a dedicated coordinator); "hang:R:N" makes it stop
+ * answering there instead (the other ranks must time out after --comm-timeout and end the job). */
 #ifndef K3_RANK_H
 #define K3_RANK_H
 
@@ -23,21 +24,22 @@
 
 typedef struct k3_rank_opts {
     const char *model_dir;
-    int pp, ep;                    /* stages S, lanes E (world = S x E [+ 1 dedicated coordinator]) */
+    int pp, ep; /* stages S, lanes E (world = S x E [+ 1 dedicated coordinator]) */
     k3_coord_mode coord;
-    const char *expert_map_path;   /* NULL = contiguous expert ranges */
-    bool deterministic;            /* combine per (token, expert) row, owner sums in slot order */
-    double comm_timeout_s;         /* every blocking wait; <= 0 means 600 */
-    const int32_t *prompt_ids;     /* all prompts concatenated */
-    const int64_t *prompt_lens;    /* [n_prompts], each >= 1 */
+    const char *expert_map_path; /* NULL = contiguous expert ranges */
+    bool deterministic;          /* combine per (token, expert) row, owner sums in slot order */
+    double comm_timeout_s;       /* every blocking wait; <= 0 means 600 */
+    const int32_t *prompt_ids;   /* all prompts concatenated */
+    const int64_t *prompt_lens;  /* [n_prompts], each >= 1 */
     int n_prompts;
-    int n_new;                     /* new tokens per prompt (greedy, no stop at EOS) */
-    int64_t chunk;                 /* prefill tokens per sequence per step; 0 = whole prompt */
-    const char *dump_logits;       /* .npy of every position's logits (prompts concatenated) or NULL */
-    bool json;                     /* one JSON object on stdout instead of text lines */
-    int n_threads;                 /* cpu threads per rank; <= 0: 1 (ranks usually share cores) */
-    int kda_chunk;                 /* k3_stage_params.kda_chunk (0 = default) */
-    const char *test_fail;         /* K3_TEST_FAIL value or NULL (read by the caller, once) */
+    int n_new;                /* new tokens per prompt (greedy, no stop at EOS) */
+    int64_t chunk;            /* prefill tokens per sequence per step; 0 = whole prompt */
+    const char *dump_logits;  /* .npy of every position's logits (prompts concatenated) or NULL */
+    bool json;                /* one JSON object on stdout instead of text lines */
+    int n_threads;            /* cpu threads per rank; <= 0: 1 (ranks usually share cores) */
+    int kda_chunk;            /* k3_stage_params.kda_chunk (0 = default) */
+    const struct k3_ops *ops; /* kernel backend; NULL = k3_ops_default() */
+    const char *test_fail;    /* K3_TEST_FAIL value or NULL (read by the caller, once) */
 } k3_rank_opts;
 
 /* Run the job on this rank. MPI must be initialised (a singleton world of 1 works). Returns the

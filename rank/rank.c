@@ -6,13 +6,12 @@
  *                                              (seq, n_tokens) x n_seqs, token ids x T]
  *   ACTIV  (s, e) -> (s+1, e)                 meta = the same without token ids;
  *                                              f32 = h [T, D] | bank [n_bank, T, D]
- *   LOGITS (S-1, e) -> coordinator            meta as ACTIV; f32 = [R, V], R = T (all_logits) or n_seqs
- *   STOP   coordinator -> every worker, after the last logits arrived.
- * Every lane of a stage receives the same sequence of (group, step) messages (possibly with no
- * sequences), so the lanes' MoE collectives line up; a lane with no tokens still serves its
- * experts at each MoE layer (dispatch with 0 rows).
- * The loop allocates nothing per step: buffers are sized from the plan's max_tokens up front
- * (comm buffers grow to the largest message once). */
+ *   LOGITS (S-1, e) -> coordinator            meta as ACTIV; f32 = [R, V], R = T (all_logits) or
+ * n_seqs STOP   coordinator -> every worker, after the last logits arrived. Every lane of a stage
+ * receives the same sequence of (group, step) messages (possibly with no sequences), so the lanes'
+ * MoE collectives line up; a lane with no tokens still serves its experts at each MoE layer
+ * (dispatch with 0 rows). The loop allocates nothing per step: buffers are sized from the plan's
+ * max_tokens up front (comm buffers grow to the largest message once). */
 #include "k3_rank.h"
 
 #include "k3_comm.h"
@@ -30,18 +29,18 @@
 
 typedef struct seq_run {
     const int32_t *prompt;
-    int64_t P, fed;          /* prompt length, tokens fed so far */
+    int64_t P, fed; /* prompt length, tokens fed so far */
     int n_gen;
-    int32_t *gen;            /* [n_new] */
+    int32_t *gen; /* [n_new] */
     int lane, group;
-    int64_t n_tok_step;      /* tokens of this sequence in its group's current step */
-    float *dump;             /* [dump_rows, V] when dumping */
+    int64_t n_tok_step; /* tokens of this sequence in its group's current step */
+    float *dump;        /* [dump_rows, V] when dumping */
     int64_t dump_rows;
 } seq_run;
 
 typedef struct group_run {
-    int step;                /* current step id */
-    int pending;             /* LOGITS messages still expected for this step */
+    int step;    /* current step id */
+    int pending; /* LOGITS messages still expected for this step */
     bool done;
 } group_run;
 
@@ -54,33 +53,35 @@ typedef struct rank_ctx {
     k3_comm *comm;
     /* test hooks */
     int fail_load_rank, fail_decode_rank, fail_decode_step;
+    bool fail_hang; /* "hang:R:N": stop answering instead of dying */
     /* worker */
     k3_ckpt *ck;
     k3_weights *w;
     const k3_weights_view *view;
     k3_stage *st;
-    k3_seq_state **states;   /* [n_prompts]; non-NULL for this lane's sequences */
+    k3_seq_state **states; /* [n_prompts]; non-NULL for this lane's sequences */
     k3_activ act;
-    float *logits;           /* [max_tokens, V] on the last stage */
+    float *logits; /* [max_tokens, V] on the last stage */
     int64_t max_tokens;
     int n_forward;
-    int32_t *dest;           /* [max_tokens * K] owner lane per row */
-    float *xscratch;         /* expert-rows scratch */
+    int32_t *dest;   /* [max_tokens * K] owner lane per row */
+    float *xscratch; /* expert-rows scratch */
     size_t xscratch_floats;
     uint64_t rows_sent, rows_recv;
-    k3_seq_state **bstates;  /* [n_prompts] batch scratch */
-    int32_t *bntok;          /* [n_prompts] */
+    k3_seq_state **bstates; /* [n_prompts] batch scratch */
+    int32_t *bntok;         /* [n_prompts] */
     /* load */
     bool show_progress;
+    FILE *tty; /* rank 0: where the bar goes (stderr, or /dev/tty under mpirun) */
     int last_pct_sent;
-    int *pct;                /* [world] rank 0: progress per rank */
+    int *pct; /* [world] rank 0: progress per rank */
     double load_s;
     uint64_t bytes_read;
     /* coordinator */
     int n_groups;
     seq_run *seqs;
     group_run *groups;
-    int32_t *meta;           /* message meta scratch */
+    int32_t *meta; /* message meta scratch */
     int64_t meta_cap;
     uint64_t logits_bytes;
     int n_logits_msgs;
@@ -90,17 +91,18 @@ typedef struct rank_ctx {
 /* ---- failure ------------------------------------------------------------------------------ */
 static _Noreturn void die(rank_ctx *r, k3_status s) {
     if (r->stage >= 0)
-        K3_LOGE("rank %d (stage %d, lane %d) failed: %s: %s", r->rank, r->stage, r->lane, k3_status_name(s),
-                k3_last_error());
+        K3_LOGE("rank %d (stage %d, lane %d) failed: %s: %s", r->rank, r->stage, r->lane,
+                k3_status_name(s), k3_last_error());
     else
-        K3_LOGE("rank %d (coordinator) failed: %s: %s", r->rank, k3_status_name(s), k3_last_error());
+        K3_LOGE("rank %d (coordinator) failed: %s: %s", r->rank, k3_status_name(s),
+                k3_last_error());
     if (r->comm) k3_comm_abort(r->comm, 1);
     k3_comm_world_abort(1);
 }
-#define RTRY(r, expr)                                                                           \
-    do {                                                                                        \
-        k3_status s_ = (expr);                                                                  \
-        if (s_ != K3_OK) die((r), s_);                                                          \
+#define RTRY(r, expr)                                                                              \
+    do {                                                                                           \
+        k3_status s_ = (expr);                                                                     \
+        if (s_ != K3_OK) die((r), s_);                                                             \
     } while (0)
 
 static void parse_test_fail(rank_ctx *r) {
@@ -108,15 +110,25 @@ static void parse_test_fail(rank_ctx *r) {
     const char *t = r->o->test_fail;
     if (!t || !*t) return;
     int a = -1, b = -1;
-    if (sscanf(t, "load:%d", &a) == 1) r->fail_load_rank = a;
-    else if (sscanf(t, "decode:%d:%d", &a, &b) == 2) r->fail_decode_rank = a, r->fail_decode_step = b;
-    else if (r->rank == 0) K3_LOGW("K3_TEST_FAIL='%s' not understood (load:RANK | decode:RANK:STEP)", t);
+    if (sscanf(t, "load:%d", &a) == 1)
+        r->fail_load_rank = a;
+    else if (sscanf(t, "decode:%d:%d", &a, &b) == 2)
+        r->fail_decode_rank = a, r->fail_decode_step = b;
+    else if (sscanf(t, "hang:%d:%d", &a, &b) == 2)
+        r->fail_decode_rank = a, r->fail_decode_step = b, r->fail_hang = true;
+    else if (r->rank == 0)
+        K3_LOGW("K3_TEST_FAIL='%s' not understood (load:RANK | decode:RANK:STEP)", t);
 }
 
 static void maybe_die_now(rank_ctx *r, int count) {
-    if (r->fail_decode_rank == r->rank && count == r->fail_decode_step) {
-        K3_LOGE("rank %d: test hook K3_TEST_FAIL=decode:%d:%d: killing myself with SIGKILL", r->rank, r->rank,
+    if (r->fail_decode_rank == r->rank && count == r->fail_decode_step && r->fail_hang) {
+        K3_LOGE("rank %d: test hook K3_TEST_FAIL=hang:%d:%d: no longer answering", r->rank, r->rank,
                 count);
+        for (;;) pause(); /* the others must time out and end the job */
+    }
+    if (r->fail_decode_rank == r->rank && count == r->fail_decode_step) {
+        K3_LOGE("rank %d: test hook K3_TEST_FAIL=decode:%d:%d: killing myself with SIGKILL",
+                r->rank, r->rank, count);
         raise(SIGKILL);
     }
 }
@@ -155,8 +167,8 @@ k3_status k3_rank_parse_prompts(const char *text, int32_t **ids, int64_t **lens,
         errno = 0;
         long v = strtol(p, &end, 10);
         if (end == p || errno || v < 0 || v > INT32_MAX) {
-            st = K3_ERR(K3_ERR_ARG, "--prompt-ids: prompt %d, id %lld: '%.12s' is not a token id", k + 1,
-                        (long long)(*lens)[k] + 1, p);
+            st = K3_ERR(K3_ERR_ARG, "--prompt-ids: prompt %d, id %lld: '%.12s' is not a token id",
+                        k + 1, (long long)(*lens)[k] + 1, p);
             goto fail;
         }
         (*ids)[tot++] = (int32_t)v;
@@ -184,7 +196,9 @@ fail:
 }
 
 /* ---- set-up ------------------------------------------------------------------------------- */
-static int ceil_div(int a, int b) { return (a + b - 1) / b; }
+static int ceil_div(int a, int b) {
+    return (a + b - 1) / b;
+}
 
 /* Usage-type problems are identical on every rank: all return 2, rank 0 prints. Others: agree on
  * the worst status so nobody hangs in the next collective. */
@@ -195,6 +209,13 @@ static int setup(rank_ctx *r) {
     if (o->n_prompts < 1 || o->n_new < 0 || o->chunk < 0)
         st = K3_ERR(K3_ERR_ARG, "run: need at least one prompt, --n >= 0 and --chunk >= 0");
     if (st == K3_OK) st = k3_config_load(o->model_dir, &r->cfg);
+    int64_t tot = 0;
+    for (int i = 0; i < o->n_prompts && st == K3_OK; i++)
+        for (int64_t t = 0; t < o->prompt_lens[i] && st == K3_OK; t++, tot++)
+            if (o->prompt_ids[tot] < 0 || o->prompt_ids[tot] >= r->cfg.vocab_size)
+                st = K3_ERR(K3_ERR_ARG,
+                            "prompt %d: id %d at position %lld is not below vocab_size %lld", i + 1,
+                            o->prompt_ids[tot], (long long)t, (long long)r->cfg.vocab_size);
     if (st == K3_OK && o->expert_map_path) {
         size_t nb;
         st = k3_read_file(o->expert_map_path, &map, &nb);
@@ -208,21 +229,29 @@ static int setup(rank_ctx *r) {
     for (int e = 0; e < E; e++)
         for (int g = 0; g < r->n_groups; g++) {
             int n = 0;
-            for (int i = 0; i < o->n_prompts; i++) n += (i % E == e) && ((i / E) % r->n_groups == g);
+            for (int i = 0; i < o->n_prompts; i++)
+                n += (i % E == e) && ((i / E) % r->n_groups == g);
             most = K3_MAX(most, n);
         }
     int64_t step = o->chunk > 0 ? K3_MIN(o->chunk, maxP) : maxP;
     r->max_tokens = K3_MAX(1, (int64_t)most * K3_MAX(step, 1));
     if (st == K3_OK) {
-        k3_plan_req req = {.world = r->world, .pp = o->pp, .ep = o->ep, .coord = o->coord, .expert_map = map,
-                           .expert_map_name = o->expert_map_path, .max_ctx = maxP + o->n_new,
-                           .max_seqs_per_lane = ceil_div(o->n_prompts, E), .max_tokens = r->max_tokens};
+        k3_plan_req req = {.world = r->world,
+                           .pp = o->pp,
+                           .ep = o->ep,
+                           .coord = o->coord,
+                           .expert_map = map,
+                           .expert_map_name = o->expert_map_path,
+                           .max_ctx = maxP + o->n_new,
+                           .max_seqs_per_lane = ceil_div(o->n_prompts, E),
+                           .max_tokens = r->max_tokens};
         st = k3_plan_make(&r->cfg, &req, &r->plan);
     }
     k3_free(map);
     /* agree before anything collective: 0 ok, 1 usage error, 2 other error */
     int local = st == K3_OK ? 0 : (st == K3_ERR_ARG ? 1 : 2), worst = 0;
-    k3_status st2 = k3_comm_world_max(local, &worst, o->comm_timeout_s > 0 ? o->comm_timeout_s : 600);
+    k3_status st2 =
+        k3_comm_world_max(local, &worst, o->comm_timeout_s > 0 ? o->comm_timeout_s : 600);
     if (st2 != K3_OK) die(r, st2);
     /* a usage error is the same on every rank: rank 0 prints it; other errors each rank prints */
     if (local == 2 || (local == 1 && r->rank == 0))
@@ -252,18 +281,21 @@ static void draw_progress(rank_ctx *r) {
     int n = (int)(f * 40 + 0.5);
     for (int i = 0; i < 40; i++) bar[i] = i < n ? '#' : ' ';
     bar[40] = 0;
-    fprintf(stderr, "\r[k3] loading [%s] %3.0f%%  %.1f of %.1f MB, %d/%d ranks done", bar, f * 100, have / 1e6,
-            tot / 1e6, done, r->world);
-    fflush(stderr);
+    fprintf(r->tty, "\r[k3] loading [%s] %3.0f%%  %.1f of %.1f MB, %d/%d ranks done", bar, f * 100,
+            have / 1e6, tot / 1e6, done, r->world);
+    fflush(r->tty);
 }
 
-static void poll_progress(rank_ctx *r) {
+static bool poll_progress(rank_ctx *r) { /* true when some rank reported */
+    bool any = false;
     for (;;) {
         k3_msg m;
         bool got = false;
         RTRY(r, k3_comm_try_recv(r->comm, K3_ANY_RANK, K3_MSG_PROGRESS, &m, &got));
-        if (!got) return;
-        if (m.hdr.n_meta >= 1 && m.src >= 0 && m.src < r->world) r->pct[m.src] = K3_MAX(r->pct[m.src], m.meta[0]);
+        if (!got) return any;
+        if (m.hdr.n_meta >= 1 && m.src >= 0 && m.src < r->world)
+            r->pct[m.src] = K3_MAX(r->pct[m.src], m.meta[0]);
+        any = true;
     }
 }
 
@@ -293,7 +325,8 @@ static void load(rank_ctx *r) {
     double t0 = k3_now_s();
     if (r->worker) {
         if (r->fail_load_rank == r->rank)
-            die(r, K3_ERR(K3_ERR_IO, "test hook K3_TEST_FAIL=load:%d: failing the load on purpose", r->rank));
+            die(r, K3_ERR(K3_ERR_IO, "test hook K3_TEST_FAIL=load:%d: failing the load on purpose",
+                          r->rank));
         RTRY(r, k3_ckpt_open(r->o->model_dir, &r->ck));
         int S = r->plan.n_stages;
         k3_load_sel sel = {.layer_begin = r->plan.stage_begin[r->stage],
@@ -309,15 +342,17 @@ static void load(rank_ctx *r) {
         /* the loader must have honoured the plan: own experts present, others absent */
         for (int l = sel.layer_begin; l < sel.layer_end; l++) {
             const k3_layer_w *lw = &r->view->layers[l];
-            if (!lw->present) die(r, K3_ERR(K3_ERR_INTERNAL, "layer %d of my stage was not loaded", l));
+            if (!lw->present)
+                die(r, K3_ERR(K3_ERR_INTERNAL, "layer %d of my stage was not loaded", l));
             if (!k3_config_is_moe(&r->cfg, l)) continue;
             for (int x = 0; x < r->cfg.n_experts; x++) {
                 bool own = k3_plan_owner_lane(&r->plan, l, x) == r->lane;
                 const k3_expert_w *ew = &lw->experts[x];
                 bool loaded = ew->w1.data && ew->w2.data && ew->w3.data;
                 if (loaded != own || (ew->present && !loaded))
-                    die(r, K3_ERR(K3_ERR_INTERNAL, "layer %d expert %d: loaded=%d but the plan says owned=%d", l,
-                                  x, loaded, own));
+                    die(r, K3_ERR(K3_ERR_INTERNAL,
+                                  "layer %d expert %d: loaded=%d but the plan says owned=%d", l, x,
+                                  loaded, own));
             }
         }
         if (r->show_progress && r->last_pct_sent < 100) {
@@ -327,28 +362,33 @@ static void load(rank_ctx *r) {
     }
     r->load_s = k3_now_s() - t0;
     if (r->worker)
-        K3_LOGI("loaded %.2f MB in %.2f s (%.2f GB/s); plan: %.2f MB", r->bytes_read / 1e6, r->load_s,
-                r->load_s > 0 ? r->bytes_read / 1e9 / r->load_s : 0.0, r->plan.mem[r->rank].weights / 1e6);
+        K3_LOGI("loaded %.2f MB in %.2f s (%.2f GB/s); plan: %.2f MB", r->bytes_read / 1e6,
+                r->load_s, r->load_s > 0 ? r->bytes_read / 1e9 / r->load_s : 0.0,
+                r->plan.mem[r->rank].weights / 1e6);
     if (r->rank == 0 && r->show_progress) { /* wait for everyone's last report */
         r->pct[0] = 100 * r->worker + 100 * !r->worker;
         double t1 = k3_now_s();
         int backoff = 0;
         for (;;) {
-            poll_progress(r);
+            bool changed = poll_progress(r);
             int done = 0;
-            for (int i = 0; i < r->world; i++) done += r->pct[i] >= 100 || !k3_plan_coords(&r->plan, i, NULL, NULL);
-            draw_progress(r);
+            for (int i = 0; i < r->world; i++)
+                done += r->pct[i] >= 100 || !k3_plan_coords(&r->plan, i, NULL, NULL);
+            if (changed || done == r->world) draw_progress(r);
             if (done == r->world) break;
             if (k3_now_s() - t1 > (r->o->comm_timeout_s > 0 ? r->o->comm_timeout_s : 600))
-                die(r, K3_ERR(K3_ERR_COMM, "load progress: some rank did not finish loading in time"));
+                die(r,
+                    K3_ERR(K3_ERR_COMM, "load progress: some rank did not finish loading in time"));
             k3_comm_idle(r->comm, &backoff);
         }
-        fprintf(stderr, "\n");
+        fprintf(r->tty, "\n");
+        fflush(r->tty);
     }
 }
 
 /* ---- the MoE exchange hook ---------------------------------------------------------------- */
-static k3_status xchg_run(void *ctx, int layer, const float *rows, const int32_t *expert, int64_t n, float *out) {
+static k3_status xchg_run(void *ctx, int layer, const float *rows, const int32_t *expert, int64_t n,
+                          float *out) {
     rank_ctx *r = ctx;
     const int64_t W = k3_moe_row_width(&r->cfg);
     if (n > r->max_tokens * r->cfg.n_experts_per_tok)
@@ -356,8 +396,8 @@ static k3_status xchg_run(void *ctx, int layer, const float *rows, const int32_t
                       (long long)(r->max_tokens * r->cfg.n_experts_per_tok));
     for (int64_t i = 0; i < n; i++) {
         if (expert[i] < 0 || expert[i] >= r->cfg.n_experts)
-            return K3_ERR(K3_ERR_INTERNAL, "MoE exchange: layer %d row %lld has expert %d", layer, (long long)i,
-                          expert[i]);
+            return K3_ERR(K3_ERR_INTERNAL, "MoE exchange: layer %d row %lld has expert %d", layer,
+                          (long long)i, expert[i]);
         r->dest[i] = k3_plan_owner_lane(&r->plan, layer, expert[i]);
     }
     k3_dispatch_view v;
@@ -371,10 +411,9 @@ static k3_status xchg_run(void *ctx, int layer, const float *rows, const int32_t
         r->xscratch_floats = need;
     }
     if (v.n_recv > 0)
-        K3_TRY(k3_moe_expert_rows(k3_stage_get_params(r->st)->ops ? k3_stage_get_params(r->st)->ops
-                                                                  : k3_ops_default(),
-                                  &r->cfg, &r->view->layers[layer], v.rows, v.expert, v.n_recv, v.out,
-                                  r->xscratch));
+        K3_TRY(k3_moe_expert_rows(
+            k3_stage_get_params(r->st)->ops ? k3_stage_get_params(r->st)->ops : k3_ops_default(),
+            &r->cfg, &r->view->layers[layer], v.rows, v.expert, v.n_recv, v.out, r->xscratch));
     r->rows_sent += (uint64_t)n;
     r->rows_recv += (uint64_t)v.n_recv;
     return k3_comm_combine(r->comm, out);
@@ -385,27 +424,36 @@ static void worker_init(rank_ctx *r) {
     const k3_rank_opts *o = r->o;
     int S = r->plan.n_stages;
     int threads = o->n_threads > 0 ? o->n_threads : 1;
-    k3_stage_params sp = {.cfg = &r->cfg, .w = r->view, .ops = NULL,
+    k3_stage_params sp = {.cfg = &r->cfg,
+                          .w = r->view,
+                          .ops = o->ops,
                           .layer_begin = r->plan.stage_begin[r->stage],
-                          .layer_end = r->plan.stage_begin[r->stage + 1], .first = r->stage == 0,
-                          .last = r->stage == S - 1, .max_tokens = r->max_tokens, .n_threads = threads,
+                          .layer_end = r->plan.stage_begin[r->stage + 1],
+                          .first = r->stage == 0,
+                          .last = r->stage == S - 1,
+                          .max_tokens = r->max_tokens,
+                          .n_threads = threads,
                           .kda_chunk = o->kda_chunk};
     RTRY(r, k3_stage_create(&sp, &r->st));
     RTRY(r, k3_calloc((void **)&r->states, (size_t)o->n_prompts * sizeof *r->states, "seq states"));
-    RTRY(r, k3_calloc((void **)&r->bstates, (size_t)o->n_prompts * sizeof *r->bstates, "batch states"));
+    RTRY(r, k3_calloc((void **)&r->bstates, (size_t)o->n_prompts * sizeof *r->bstates,
+                      "batch states"));
     RTRY(r, k3_calloc((void **)&r->bntok, (size_t)o->n_prompts * sizeof *r->bntok, "batch tokens"));
     for (int i = 0; i < o->n_prompts; i++)
         if (k3_plan_lane_of_seq(&r->plan, i) == r->lane)
             RTRY(r, k3_seq_state_create(r->st, o->prompt_lens[i] + o->n_new, &r->states[i]));
     RTRY(r, k3_activ_alloc(&r->act, &r->cfg, r->max_tokens));
     if (r->stage == S - 1)
-        RTRY(r, k3_alloc((void **)&r->logits, (size_t)r->max_tokens * (size_t)r->cfg.vocab_size * sizeof(float),
-                         "logits"));
+        RTRY(r,
+             k3_alloc((void **)&r->logits,
+                      (size_t)r->max_tokens * (size_t)r->cfg.vocab_size * sizeof(float), "logits"));
     int64_t rows = r->max_tokens * r->cfg.n_experts_per_tok;
-    RTRY(r, k3_alloc((void **)&r->dest, (size_t)K3_MAX(rows, 1) * sizeof(int32_t), "dispatch lanes"));
+    RTRY(r,
+         k3_alloc((void **)&r->dest, (size_t)K3_MAX(rows, 1) * sizeof(int32_t), "dispatch lanes"));
     /* worst case: every lane of the stage sends all its rows here */
     r->xscratch_floats = k3_moe_rows_scratch_floats(&r->cfg, rows * r->plan.n_lanes);
-    RTRY(r, k3_alloc((void **)&r->xscratch, K3_MAX(r->xscratch_floats, 1) * sizeof(float), "expert scratch"));
+    RTRY(r, k3_alloc((void **)&r->xscratch, K3_MAX(r->xscratch_floats, 1) * sizeof(float),
+                     "expert scratch"));
 }
 
 static void worker_destroy(rank_ctx *r) {
@@ -426,43 +474,53 @@ static void worker_step(rank_ctx *r, const k3_msg *m) {
     const int32_t *mt = m->meta;
     char who[32];
     snprintf(who, sizeof who, "rank %d", m->src);
-    if (m->hdr.n_meta < META_HDR) die(r, K3_ERR(K3_ERR_FORMAT, "step message from %s: %d meta", who, m->hdr.n_meta));
+    if (m->hdr.n_meta < META_HDR)
+        die(r, K3_ERR(K3_ERR_FORMAT, "step message from %s: %d meta", who, m->hdr.n_meta));
     int group = mt[0], stepi = mt[1], all_logits = mt[2], n_seqs = mt[3];
     if (n_seqs < 0 || n_seqs > r->o->n_prompts || m->hdr.n_meta < META_HDR + 2 * n_seqs)
-        die(r, K3_ERR(K3_ERR_FORMAT, "step message from %s: %d sequences, %d meta", who, n_seqs, m->hdr.n_meta));
+        die(r, K3_ERR(K3_ERR_FORMAT, "step message from %s: %d sequences, %d meta", who, n_seqs,
+                      m->hdr.n_meta));
     int64_t T = 0;
     for (int i = 0; i < n_seqs; i++) {
         int seq = mt[META_HDR + 2 * i], nt = mt[META_HDR + 2 * i + 1];
         if (seq < 0 || seq >= r->o->n_prompts || !r->states[seq] || nt < 1)
-            die(r, K3_ERR(K3_ERR_FORMAT, "step %d of group %d from %s: sequence %d (%d tokens) is not on lane %d",
+            die(r, K3_ERR(K3_ERR_FORMAT,
+                          "step %d of group %d from %s: sequence %d (%d tokens) is not on lane %d",
                           stepi, group, who, seq, nt, r->lane));
         r->bstates[i] = r->states[seq];
         r->bntok[i] = nt;
         T += nt;
     }
-    if (T > r->max_tokens) die(r, K3_ERR(K3_ERR_STATE, "step with %lld tokens > planned %lld", (long long)T, (long long)r->max_tokens));
+    if (T > r->max_tokens)
+        die(r, K3_ERR(K3_ERR_STATE, "step with %lld tokens > planned %lld", (long long)T,
+                      (long long)r->max_tokens));
     const int32_t *tokens = NULL;
     if (r->stage == 0) {
         if (m->hdr.n_meta != META_HDR + 2 * n_seqs + T)
-            die(r, K3_ERR(K3_ERR_FORMAT, "BATCH from %s: %d meta for %lld tokens", who, m->hdr.n_meta, (long long)T));
+            die(r, K3_ERR(K3_ERR_FORMAT, "BATCH from %s: %d meta for %lld tokens", who,
+                          m->hdr.n_meta, (long long)T));
         tokens = mt + META_HDR + 2 * n_seqs;
     } else {
-        if (m->hdr.T != T || m->hdr.D != D || m->hdr.n_bank < 0 || m->hdr.n_bank > k3_activ_max_bank(&r->cfg) ||
+        if (m->hdr.T != T || m->hdr.D != D || m->hdr.n_bank < 0 ||
+            m->hdr.n_bank > k3_activ_max_bank(&r->cfg) ||
             m->hdr.n_f32 != T * D * (1 + (int64_t)m->hdr.n_bank))
-            die(r, K3_ERR(K3_ERR_FORMAT, "ACTIV from %s: T %lld D %lld bank %d floats %lld (want T %lld D %d)", who,
-                          (long long)m->hdr.T, (long long)m->hdr.D, m->hdr.n_bank, (long long)m->hdr.n_f32,
-                          (long long)T, D));
+            die(r, K3_ERR(K3_ERR_FORMAT,
+                          "ACTIV from %s: T %lld D %lld bank %d floats %lld (want T %lld D %d)",
+                          who, (long long)m->hdr.T, (long long)m->hdr.D, m->hdr.n_bank,
+                          (long long)m->hdr.n_f32, (long long)T, D));
         r->act.T = T;
         r->act.n_bank = m->hdr.n_bank;
         memcpy(r->act.h, m->f32, (size_t)(T * D) * sizeof(float));
-        if (m->hdr.n_bank) memcpy(r->act.bank, m->f32 + T * D, (size_t)(T * D * m->hdr.n_bank) * sizeof(float));
+        if (m->hdr.n_bank)
+            memcpy(r->act.bank, m->f32 + T * D, (size_t)(T * D * m->hdr.n_bank) * sizeof(float));
     }
     r->n_forward++;
     maybe_die_now(r, r->n_forward);
     const bool moe_remote = r->plan.n_lanes > 1;
     k3_moe_exchange ex = {.run = xchg_run, .ctx = r};
     if (n_seqs > 0) {
-        k3_batch b = {.n_seqs = n_seqs, .states = r->bstates, .n_tokens = r->bntok, .token_ids = tokens};
+        k3_batch b = {
+            .n_seqs = n_seqs, .states = r->bstates, .n_tokens = r->bntok, .token_ids = tokens};
         RTRY(r, k3_stage_forward(r->st, &b, &r->act, moe_remote ? &ex : NULL, all_logits != 0,
                                  r->stage == S - 1 ? r->logits : NULL));
     } else {
@@ -476,14 +534,15 @@ static void worker_step(rank_ctx *r, const k3_msg *m) {
     int n_meta_out = META_HDR + 2 * n_seqs;
     if (r->stage == S - 1) {
         int64_t R = n_seqs == 0 ? 0 : (all_logits ? T : n_seqs);
-        RTRY(r, k3_comm_send(r->comm, 0, (k3_msg_hdr){.kind = K3_MSG_LOGITS, .T = R, .D = V}, mt, n_meta_out,
-                             &(k3_f32_seg){r->logits, R * V}, 1));
+        RTRY(r, k3_comm_send(r->comm, 0, (k3_msg_hdr){.kind = K3_MSG_LOGITS, .T = R, .D = V}, mt,
+                             n_meta_out, &(k3_f32_seg){r->logits, R * V}, 1));
     } else {
         int64_t nb = n_seqs ? r->act.n_bank : 0;
         k3_f32_seg seg[2] = {{r->act.h, T * D}, {r->act.bank, T * D * nb}};
-        RTRY(r, k3_comm_send(r->comm, k3_plan_rank(&r->plan, r->stage + 1, r->lane),
-                             (k3_msg_hdr){.kind = K3_MSG_ACTIV, .T = T, .n_bank = (int32_t)nb, .D = D}, mt,
-                             n_meta_out, seg, 2));
+        RTRY(r,
+             k3_comm_send(r->comm, k3_plan_rank(&r->plan, r->stage + 1, r->lane),
+                          (k3_msg_hdr){.kind = K3_MSG_ACTIV, .T = T, .n_bank = (int32_t)nb, .D = D},
+                          mt, n_meta_out, seg, 2));
     }
 }
 
@@ -512,11 +571,12 @@ static void coord_send_step(rank_ctx *r, int g) {
         mt[0] = g, mt[1] = gr->step, mt[2] = r->o->dump_logits != NULL;
         for (int i = 0; i < n; i++) {
             seq_run *q = &r->seqs[i];
-            q->n_tok_step = q->group == g && q->lane == e && seq_active(r, q)
-                                ? (q->fed < q->P ? (r->o->chunk > 0 ? K3_MIN(r->o->chunk, q->P - q->fed)
-                                                                    : q->P - q->fed)
-                                                 : 1)
-                                : 0;
+            q->n_tok_step =
+                q->group == g && q->lane == e && seq_active(r, q)
+                    ? (q->fed < q->P
+                           ? (r->o->chunk > 0 ? K3_MIN(r->o->chunk, q->P - q->fed) : q->P - q->fed)
+                           : 1)
+                    : 0;
             if (!q->n_tok_step) continue;
             mt[META_HDR + 2 * ns] = i;
             mt[META_HDR + 2 * ns + 1] = (int32_t)q->n_tok_step;
@@ -533,8 +593,9 @@ static void coord_send_step(rank_ctx *r, int g) {
             }
             q->fed += q->n_tok_step;
         }
-        RTRY(r, k3_comm_send(r->comm, k3_plan_rank(&r->plan, 0, e), (k3_msg_hdr){.kind = K3_MSG_BATCH, .T = T},
-                             mt, (int32_t)(META_HDR + 2 * ns + T), NULL, 0));
+        RTRY(r, k3_comm_send(r->comm, k3_plan_rank(&r->plan, 0, e),
+                             (k3_msg_hdr){.kind = K3_MSG_BATCH, .T = T}, mt,
+                             (int32_t)(META_HDR + 2 * ns + T), NULL, 0));
     }
 }
 
@@ -548,18 +609,21 @@ static int32_t argmax(const float *x, int64_t n) {
 static void coord_on_logits(rank_ctx *r, const k3_msg *m) {
     const int64_t V = r->cfg.vocab_size;
     const int32_t *mt = m->meta;
-    if (m->hdr.n_meta < META_HDR) die(r, K3_ERR(K3_ERR_FORMAT, "LOGITS from rank %d: %d meta", m->src, m->hdr.n_meta));
+    if (m->hdr.n_meta < META_HDR)
+        die(r, K3_ERR(K3_ERR_FORMAT, "LOGITS from rank %d: %d meta", m->src, m->hdr.n_meta));
     int g = mt[0], stepi = mt[1], all = mt[2], ns = mt[3];
-    if (g < 0 || g >= r->n_groups || stepi != r->groups[g].step || r->groups[g].pending <= 0 || ns < 0 ||
-        m->hdr.n_meta != META_HDR + 2 * ns)
-        die(r, K3_ERR(K3_ERR_FORMAT, "LOGITS from rank %d: group %d step %d (expected step %d), %d sequences",
+    if (g < 0 || g >= r->n_groups || stepi != r->groups[g].step || r->groups[g].pending <= 0 ||
+        ns < 0 || m->hdr.n_meta != META_HDR + 2 * ns)
+        die(r, K3_ERR(K3_ERR_FORMAT,
+                      "LOGITS from rank %d: group %d step %d (expected step %d), %d sequences",
                       m->src, g, stepi, g >= 0 && g < r->n_groups ? r->groups[g].step : -1, ns));
     int64_t T = 0;
     for (int j = 0; j < ns; j++) T += mt[META_HDR + 2 * j + 1];
     int64_t R = ns == 0 ? 0 : (all ? T : ns);
     if (m->hdr.D != V || m->hdr.T != R || m->hdr.n_f32 != R * V)
-        die(r, K3_ERR(K3_ERR_FORMAT, "LOGITS from rank %d: [%lld, %lld] rows, want [%lld, %lld]", m->src,
-                      (long long)m->hdr.T, (long long)m->hdr.D, (long long)R, (long long)V));
+        die(r,
+            K3_ERR(K3_ERR_FORMAT, "LOGITS from rank %d: [%lld, %lld] rows, want [%lld, %lld]",
+                   m->src, (long long)m->hdr.T, (long long)m->hdr.D, (long long)R, (long long)V));
     r->logits_bytes += (uint64_t)m->hdr.n_bytes;
     r->n_logits_msgs++;
     if (!r->worker) maybe_die_now(r, r->n_logits_msgs);
@@ -570,7 +634,9 @@ static void coord_on_logits(rank_ctx *r, const k3_msg *m) {
         seq_run *q = &r->seqs[i];
         const float *last;
         if (all) {
-            if (q->dump) memcpy(q->dump + q->dump_rows * V, m->f32 + row * V, (size_t)(nt * V) * sizeof(float));
+            if (q->dump)
+                memcpy(q->dump + q->dump_rows * V, m->f32 + row * V,
+                       (size_t)(nt * V) * sizeof(float));
             q->dump_rows += nt;
             last = m->f32 + (row + nt - 1) * V;
             row += nt;
@@ -580,14 +646,17 @@ static void coord_on_logits(rank_ctx *r, const k3_msg *m) {
         }
         if (q->fed >= q->P && q->n_gen < r->o->n_new) {
             for (int64_t v = 0; v < V; v++)
-                if (last[v] != last[v]) die(r, K3_ERR(K3_ERR_STATE, "sequence %d: NaN logit at vocab %lld", i, (long long)v));
+                if (last[v] != last[v])
+                    die(r, K3_ERR(K3_ERR_STATE, "sequence %d: NaN logit at vocab %lld", i,
+                                  (long long)v));
             q->gen[q->n_gen++] = argmax(last, V);
         }
     }
     if (--r->groups[g].pending == 0) {
         bool all_first = true;
         for (int i = 0; i < r->o->n_prompts; i++)
-            all_first &= r->seqs[i].fed >= r->seqs[i].P && (r->seqs[i].n_gen > 0 || r->o->n_new == 0);
+            all_first &=
+                r->seqs[i].fed >= r->seqs[i].P && (r->seqs[i].n_gen > 0 || r->o->n_new == 0);
         if (all_first && r->t_prefill_done == 0) r->t_prefill_done = k3_now_s();
         coord_send_step(r, g);
     }
@@ -614,10 +683,12 @@ static void coord_init(rank_ctx *r) {
         q->lane = k3_plan_lane_of_seq(&r->plan, i);
         q->group = (i / E) % r->n_groups;
         maxT += q->P;
-        RTRY(r, k3_calloc((void **)&q->gen, (size_t)K3_MAX(o->n_new, 1) * sizeof(int32_t), "generated ids"));
+        RTRY(r, k3_calloc((void **)&q->gen, (size_t)K3_MAX(o->n_new, 1) * sizeof(int32_t),
+                          "generated ids"));
         if (o->dump_logits)
             RTRY(r, k3_alloc((void **)&q->dump,
-                             (size_t)(q->P + o->n_new) * (size_t)r->cfg.vocab_size * sizeof(float), "logits dump"));
+                             (size_t)(q->P + o->n_new) * (size_t)r->cfg.vocab_size * sizeof(float),
+                             "logits dump"));
     }
     r->meta_cap = META_HDR + 2 * n + maxT + n;
     RTRY(r, k3_alloc((void **)&r->meta, (size_t)r->meta_cap * sizeof(int32_t), "step meta"));
@@ -658,7 +729,8 @@ static void run_loop(rank_ctx *r) {
             if (coord_done(r) && !stop_sent) {
                 for (int w = 0; w < r->world; w++)
                     if (k3_plan_coords(&r->plan, w, NULL, NULL))
-                        RTRY(r, k3_comm_send(r->comm, w, (k3_msg_hdr){.kind = K3_MSG_STOP}, NULL, 0, NULL, 0));
+                        RTRY(r, k3_comm_send(r->comm, w, (k3_msg_hdr){.kind = K3_MSG_STOP}, NULL, 0,
+                                             NULL, 0));
                 stop_sent = true;
                 coord_live = false;
                 progressed = true;
@@ -684,11 +756,14 @@ static void run_loop(rank_ctx *r) {
                 int g = 0;
                 while (g < r->n_groups && r->groups[g].done) g++;
                 die(r, K3_ERR(K3_ERR_COMM,
-                              "coordinator: no logits for micro-batch %d step %d (%d of %d lanes of the last stage, "
+                              "coordinator: no logits for micro-batch %d step %d (%d of %d lanes "
+                              "of the last stage, "
                               "ranks %d-%d, missing) within %.0f s (--comm-timeout)",
-                              g, g < r->n_groups ? r->groups[g].step : -1, g < r->n_groups ? r->groups[g].pending : 0,
-                              r->plan.n_lanes, k3_plan_rank(&r->plan, r->plan.n_stages - 1, 0),
-                              k3_plan_rank(&r->plan, r->plan.n_stages - 1, r->plan.n_lanes - 1), timeout));
+                              g, g < r->n_groups ? r->groups[g].step : -1,
+                              g < r->n_groups ? r->groups[g].pending : 0, r->plan.n_lanes,
+                              k3_plan_rank(&r->plan, r->plan.n_stages - 1, 0),
+                              k3_plan_rank(&r->plan, r->plan.n_stages - 1, r->plan.n_lanes - 1),
+                              timeout));
             }
             die(r, K3_ERR(K3_ERR_COMM, "worker: no %s from rank %d within %.0f s (--comm-timeout)",
                           in_kind == K3_MSG_BATCH ? "batch" : "activation", in_peer, timeout));
@@ -701,7 +776,8 @@ static void run_loop(rank_ctx *r) {
 /* ---- output ------------------------------------------------------------------------------- */
 static k3_status write_npy(const char *path, const float *data, int64_t rows, int64_t cols) {
     char hdr[128];
-    int n = snprintf(hdr, sizeof hdr, "{'descr': '<f4', 'fortran_order': False, 'shape': (%lld, %lld), }",
+    int n = snprintf(hdr, sizeof hdr,
+                     "{'descr': '<f4', 'fortran_order': False, 'shape': (%lld, %lld), }",
                      (long long)rows, (long long)cols);
     int total = 10 + n + 1;
     int pad = (64 - total % 64) % 64;
@@ -709,7 +785,8 @@ static k3_status write_npy(const char *path, const float *data, int64_t rows, in
     if (!f) return K3_ERR(K3_ERR_IO, "--dump-logits %s: %s", path, strerror(errno));
     uint16_t hl = (uint16_t)(n + pad + 1);
     unsigned char magic[8] = {0x93, 'N', 'U', 'M', 'P', 'Y', 1, 0};
-    bool ok = fwrite(magic, 1, 8, f) == 8 && fwrite(&hl, 2, 1, f) == 1 && fwrite(hdr, 1, (size_t)n, f) == (size_t)n;
+    bool ok = fwrite(magic, 1, 8, f) == 8 && fwrite(&hl, 2, 1, f) == 1 &&
+              fwrite(hdr, 1, (size_t)n, f) == (size_t)n;
     for (int i = 0; i < pad && ok; i++) ok = fputc(' ', f) != EOF;
     ok = ok && fputc('\n', f) != EOF;
     ok = ok && fwrite(data, sizeof(float), (size_t)(rows * cols), f) == (size_t)(rows * cols);
@@ -730,10 +807,12 @@ static void report(rank_ctx *r, const uint64_t *bytes, const uint64_t *load_us, 
         int64_t rows = 0;
         for (int i = 0; i < o->n_prompts; i++) rows += r->seqs[i].dump_rows;
         float *all = NULL;
-        RTRY(r, k3_alloc((void **)&all, (size_t)K3_MAX(rows, 1) * (size_t)V * sizeof(float), "logits dump"));
+        RTRY(r, k3_alloc((void **)&all, (size_t)K3_MAX(rows, 1) * (size_t)V * sizeof(float),
+                         "logits dump"));
         int64_t off = 0;
         for (int i = 0; i < o->n_prompts; i++) {
-            memcpy(all + off * V, r->seqs[i].dump, (size_t)(r->seqs[i].dump_rows * V) * sizeof(float));
+            memcpy(all + off * V, r->seqs[i].dump,
+                   (size_t)(r->seqs[i].dump_rows * V) * sizeof(float));
             off += r->seqs[i].dump_rows;
         }
         k3_status s = write_npy(o->dump_logits, all, rows, V);
@@ -741,18 +820,22 @@ static void report(rank_ctx *r, const uint64_t *bytes, const uint64_t *load_us, 
         RTRY(r, s);
     }
     int64_t n_prompt_tok = 0, n_gen_tok = 0;
-    for (int i = 0; i < o->n_prompts; i++) n_prompt_tok += r->seqs[i].P, n_gen_tok += r->seqs[i].n_gen;
+    for (int i = 0; i < o->n_prompts; i++)
+        n_prompt_tok += r->seqs[i].P, n_gen_tok += r->seqs[i].n_gen;
     double load_s = 0;
     for (int i = 0; i < r->world; i++) load_s = K3_MAX(load_s, load_us[i] / 1e6);
-    double pre = (r->t_prefill_done > 0 ? r->t_prefill_done : t_end) - r->t_gen0, dec = t_end - (r->t_prefill_done > 0 ? r->t_prefill_done : t_end);
+    double pre = (r->t_prefill_done > 0 ? r->t_prefill_done : t_end) - r->t_gen0,
+           dec = t_end - (r->t_prefill_done > 0 ? r->t_prefill_done : t_end);
     int64_t n_dec = n_gen_tok - o->n_prompts * (o->n_new > 0);
     if (!o->json) {
-        for (int i = 0; i < o->n_prompts; i++) {
-            if (o->n_prompts > 1) printf("prompt %d:", i);
-            for (int k = 0; k < r->seqs[i].n_gen; k++) printf(" %d", r->seqs[i].gen[k]);
+        for (int i = 0; i < o->n_prompts;
+             i++) { /* one line of ids per prompt, like the 1-process run */
+            for (int k = 0; k < r->seqs[i].n_gen; k++)
+                printf("%s%d", k ? "," : "", r->seqs[i].gen[k]);
             printf("\n");
         }
-        K3_LOGI("load %.2f s, prefill %.3f s (%.1f tok/s), decode %.3f s (%.1f tok/s), logits %.2f MB in %d messages",
+        K3_LOGI("load %.2f s, prefill %.3f s (%.1f tok/s), decode %.3f s (%.1f tok/s), logits %.2f "
+                "MB in %d messages",
                 load_s, pre, pre > 0 ? n_prompt_tok / pre : 0.0, dec, dec > 0 ? n_dec / dec : 0.0,
                 r->logits_bytes / 1e6, r->n_logits_msgs);
         return;
@@ -777,7 +860,8 @@ static void report(rank_ctx *r, const uint64_t *bytes, const uint64_t *load_us, 
     cJSON_AddNumberToObject(d, "world", r->world);
     cJSON_AddNumberToObject(d, "pp", r->plan.n_stages);
     cJSON_AddNumberToObject(d, "ep", r->plan.n_lanes);
-    cJSON_AddStringToObject(d, "coordinator", r->plan.coord == K3_COORD_DEDICATED ? "dedicated" : "shared");
+    cJSON_AddStringToObject(d, "coordinator",
+                            r->plan.coord == K3_COORD_DEDICATED ? "dedicated" : "shared");
     cJSON_AddBoolToObject(d, "deterministic", o->deterministic);
     char hx[24];
     snprintf(hx, sizeof hx, "%016llx", (unsigned long long)r->plan.hash);
@@ -828,8 +912,10 @@ int k3_rank_run(const k3_rank_opts *o) {
     r->coord = r->rank == 0;
     k3_log_set_rank(r->rank, r->stage, r->lane);
     double tmo = o->comm_timeout_s > 0 ? o->comm_timeout_s : 600;
-    RTRY(r, k3_comm_create_mpi(&(k3_comm_params){.n_stages = r->plan.n_stages, .n_lanes = r->plan.n_lanes,
-                                                 .first_worker = r->plan.first_worker, .timeout_s = tmo},
+    RTRY(r, k3_comm_create_mpi(&(k3_comm_params){.n_stages = r->plan.n_stages,
+                                                 .n_lanes = r->plan.n_lanes,
+                                                 .first_worker = r->plan.first_worker,
+                                                 .timeout_s = tmo},
                                &r->comm));
     /* every rank derived the plan itself; they must agree */
     uint64_t *all = NULL, *bytes = NULL, *load_us = NULL;
@@ -839,34 +925,44 @@ int k3_rank_run(const k3_rank_opts *o) {
     RTRY(r, k3_comm_allgather_u64(r->comm, r->plan.hash, all));
     for (int i = 0; i < r->world; i++)
         if (all[i] != r->plan.hash)
-            die(r, K3_ERR(K3_ERR_STATE, "plan hash differs: rank %d has %016llx, rank %d has %016llx (different "
-                                        "config.json or expert map?)",
-                          r->rank, (unsigned long long)r->plan.hash, i, (unsigned long long)all[i]));
+            die(r,
+                K3_ERR(K3_ERR_STATE,
+                       "plan hash differs: rank %d has %016llx, rank %d has %016llx (different "
+                       "config.json or expert map?)",
+                       r->rank, (unsigned long long)r->plan.hash, i, (unsigned long long)all[i]));
     if (r->rank == 0) {
         char table[16384];
         k3_plan_format(&r->plan, &r->cfg, table, sizeof table);
         fprintf(stderr, "%s", table);
-        K3_LOGI("%d prompt%s, %d micro-batch%s in flight, %s combine", o->n_prompts, o->n_prompts > 1 ? "s" : "",
-                r->n_groups, r->n_groups > 1 ? "es" : "", o->deterministic ? "deterministic" : "per-row");
+        K3_LOGI("%d prompt%s, %d micro-batch%s in flight, %s combine", o->n_prompts,
+                o->n_prompts > 1 ? "s" : "", r->n_groups, r->n_groups > 1 ? "es" : "",
+                o->deterministic ? "deterministic" : "per-row");
     }
-    int tty = r->rank == 0 && isatty(2);
+    /* the bar: on rank 0's terminal; under mpirun stderr is a pipe, but /dev/tty may be ours */
+    if (r->rank == 0)
+        r->tty = isatty(2) ? stderr : (k3_comm_launched() ? fopen("/dev/tty", "w") : NULL);
+    int tty = r->tty != NULL;
     int any_tty = 0;
     RTRY(r, k3_comm_world_max(tty, &any_tty, tmo));
     r->show_progress = any_tty != 0;
     if (r->show_progress && r->rank == 0)
         RTRY(r, k3_calloc((void **)&r->pct, (size_t)r->world * sizeof(int), "progress"));
     load(r);
+    /* other ranks may still be loading (a real checkpoint takes minutes): wait longer here */
+    k3_comm_set_timeout(r->comm, K3_MAX(tmo, 3600.0));
     RTRY(r, k3_comm_allgather_u64(r->comm, r->bytes_read, bytes));
+    k3_comm_set_timeout(r->comm, tmo);
     RTRY(r, k3_comm_allgather_u64(r->comm, (uint64_t)(r->load_s * 1e6), load_us));
     if (r->rank == 0) {
         uint64_t sum = 0, plan_sum = 0;
         for (int i = 0; i < r->world; i++) sum += bytes[i], plan_sum += r->plan.mem[i].weights;
         double ls = 0;
         for (int i = 0; i < r->world; i++) ls = K3_MAX(ls, load_us[i] / 1e6);
-        K3_LOGI("all ranks loaded %.2f MB in %.2f s (%.2f GB/s aggregate); plan %.2f MB", sum / 1e6, ls,
-                ls > 0 ? sum / 1e9 / ls : 0.0, plan_sum / 1e6);
-        if (sum != plan_sum) K3_LOGW("bytes read (%llu) differ from the plan (%llu)", (unsigned long long)sum,
-                                     (unsigned long long)plan_sum);
+        K3_LOGI("all ranks loaded %.2f MB in %.2f s (%.2f GB/s aggregate); plan %.2f MB", sum / 1e6,
+                ls, ls > 0 ? sum / 1e9 / ls : 0.0, plan_sum / 1e6);
+        if (sum != plan_sum)
+            K3_LOGW("bytes read (%llu) differ from the plan (%llu)", (unsigned long long)sum,
+                    (unsigned long long)plan_sum);
     }
     if (r->worker) worker_init(r);
     if (r->coord) coord_init(r);
@@ -882,6 +978,7 @@ int k3_rank_run(const k3_rank_opts *o) {
     coord_destroy(r);
     worker_destroy(r);
     k3_free(all), k3_free(bytes), k3_free(load_us), k3_free(r->pct);
+    if (r->tty && r->tty != stderr) fclose(r->tty);
     k3_comm_destroy(r->comm);
     k3_plan_free(&r->plan);
     return 0;

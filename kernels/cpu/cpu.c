@@ -21,15 +21,15 @@
 
 /* Work below this many multiply-adds runs on the calling thread only. */
 #define K3_CPU_PAR_MIN_MACS (1 << 15)
-#define K3_CPU_MAX_NT 4 /* tokens per micro-tile */
+#define K3_CPU_MAX_NT       4 /* tokens per micro-tile */
 
 /* ---- dot-product micro kernels: NT tokens × one weight row ------------------------------- */
 #ifdef K3_CPU_AVX2
 static inline float hsum8(__m256 v) {
     __m128 lo = _mm256_castps256_ps128(v), hi = _mm256_extractf128_ps(v, 1);
-    lo = _mm_add_ps(lo, hi);                          /* 4 */
+    lo = _mm_add_ps(lo, hi); /* 4 */
     __m128 sh = _mm_movehl_ps(lo, lo);
-    lo = _mm_add_ps(lo, sh);                          /* 2 */
+    lo = _mm_add_ps(lo, sh); /* 2 */
     sh = _mm_shuffle_ps(lo, lo, 1);
     return _mm_cvtss_f32(_mm_add_ss(lo, sh));
 }
@@ -46,127 +46,174 @@ static inline __m256 load_bf16x8(const uint16_t *p) {
  * tail t in index order; result hsum8(a0 + a1) + t — so a token's result never depends on which
  * kernel (i.e. on T) computed it. Accumulators are named variables (no arrays) so they stay in
  * registers. */
-#define FOR1(M) M(0)
-#define FOR4(M) M(0) M(1) M(2) M(3)
+#define FOR1(M)  M(0)
+#define FOR4(M)  M(0) M(1) M(2) M(3)
 #define XDECL(u) const float *x##u = x[u];
 #ifdef K3_CPU_AVX2
-#define ACC_DECL(u) __m256 a0_##u = _mm256_setzero_ps(), a1_##u = _mm256_setzero_ps(); float t_##u = 0.0f;
-#define ACC_16(u)                                                                                 \
-    a0_##u = _mm256_fmadd_ps(_mm256_loadu_ps(x##u + i), w0, a0_##u);                              \
+#define ACC_DECL(u)                                                                                \
+    __m256 a0_##u = _mm256_setzero_ps(), a1_##u = _mm256_setzero_ps();                             \
+    float t_##u = 0.0f;
+#define ACC_16(u)                                                                                  \
+    a0_##u = _mm256_fmadd_ps(_mm256_loadu_ps(x##u + i), w0, a0_##u);                               \
     a1_##u = _mm256_fmadd_ps(_mm256_loadu_ps(x##u + i + 8), w1, a1_##u);
-#define ACC_8(u) a0_##u = _mm256_fmadd_ps(_mm256_loadu_ps(x##u + i), w0, a0_##u);
-#define ACC_MX(u)                                                                                 \
-    a0_##u = _mm256_fmadd_ps(_mm256_loadu_ps(x##u + i), wv0, a0_##u);                             \
-    a0_##u = _mm256_fmadd_ps(_mm256_loadu_ps(x##u + i + 8), wv1, a0_##u);                         \
-    a1_##u = _mm256_fmadd_ps(_mm256_loadu_ps(x##u + i + 16), wv2, a1_##u);                        \
-    a1_##u = _mm256_fmadd_ps(_mm256_loadu_ps(x##u + i + 24), wv3, a1_##u);
+#define ACC_8(u)   a0_##u = _mm256_fmadd_ps(_mm256_loadu_ps(x##u + i), w0, a0_##u);
 #define ACC_OUT(u) out[u] = hsum8(_mm256_add_ps(a0_##u, a1_##u)) + t_##u;
-#define SIMD_LOOPS(FORN, LOADW)                                                                   \
-    for (; i + 16 <= n; i += 16) {                                                                \
-        __m256 w0 = LOADW(i), w1 = LOADW(i + 8);                                                  \
-        FORN(ACC_16)                                                                              \
-    }                                                                                             \
-    for (; i + 8 <= n; i += 8) {                                                                  \
-        __m256 w0 = LOADW(i);                                                                     \
-        FORN(ACC_8)                                                                               \
+#define SIMD_LOOPS(FORN, LOADW)                                                                    \
+    for (; i + 16 <= n; i += 16) {                                                                 \
+        __m256 w0 = LOADW(i), w1 = LOADW(i + 8);                                                   \
+        FORN(ACC_16)                                                                               \
+    }                                                                                              \
+    for (; i + 8 <= n; i += 8) {                                                                   \
+        __m256 w0 = LOADW(i);                                                                      \
+        FORN(ACC_8)                                                                                \
     }
-#define LOADW_F32(j) _mm256_loadu_ps(w + (j))
+#define LOADW_F32(j)  _mm256_loadu_ps(w + (j))
 #define LOADW_BF16(j) load_bf16x8(w + (j))
 #else
 #define ACC_DECL(u) float t_##u = 0.0f;
-#define ACC_OUT(u) out[u] = t_##u;
+#define ACC_OUT(u)  out[u] = t_##u;
 #define SIMD_LOOPS(FORN, LOADW)
 #endif
-#define ACC_S(u) t_##u += x##u[i] * wi;
-#define SCALAR_F32(j) w[j]
+#define ACC_S(u)       t_##u += x##u[i] * wi;
+#define SCALAR_F32(j)  w[j]
 #define SCALAR_BF16(j) k3_bf16_to_f32(w[j])
 
-#define DEF_DOT(NAME, WT, FORN, LOADW, SCALARW)                                                  \
-    static void NAME(const WT *w, const float *const *x, int64_t n, float *out) {                \
-        FORN(XDECL)                                                                               \
-        FORN(ACC_DECL)                                                                            \
-        int64_t i = 0;                                                                            \
-        SIMD_LOOPS(FORN, LOADW)                                                                   \
-        for (; i < n; i++) {                                                                      \
-            float wi = SCALARW(i);                                                                \
-            FORN(ACC_S)                                                                           \
-        }                                                                                         \
-        FORN(ACC_OUT)                                                                             \
+#define DEF_DOT(NAME, WT, FORN, LOADW, SCALARW)                                                    \
+    static void NAME(const WT *w, const float *const *x, int64_t n, float *out) {                  \
+        FORN(XDECL)                                                                                \
+        FORN(ACC_DECL)                                                                             \
+        int64_t i = 0;                                                                             \
+        SIMD_LOOPS(FORN, LOADW)                                                                    \
+        for (; i < n; i++) {                                                                       \
+            float wi = SCALARW(i);                                                                 \
+            FORN(ACC_S)                                                                            \
+        }                                                                                          \
+        FORN(ACC_OUT)                                                                              \
     }
 DEF_DOT(dot1_f32, float, FOR1, LOADW_F32, SCALAR_F32)
 DEF_DOT(dot4_f32, float, FOR4, LOADW_F32, SCALAR_F32)
 DEF_DOT(dot1_bf16, uint16_t, FOR1, LOADW_BF16, SCALAR_BF16)
 DEF_DOT(dot4_bf16, uint16_t, FOR4, LOADW_BF16, SCALAR_BF16)
 
-/* MXFP4 row: codes [n/2] bytes (low nibble = even element), e8m0 [n/32]. Each 32-block is
- * decoded to exactly the floats k3_mxfp4_get gives (E2M1 × 2^(e−127) is exact in fp32), then
- * used like an F32 row: elements 0..15 into a0, 16..31 into a1. */
+/* MXFP4 row: codes [n/2] bytes (low nibble = even element), e8m0 [n/32]. Per 32-block: the
+ * codes map through a byte LUT to ggml's doubled E2M1 integers k (vpshufb), the 32 products
+ * x·k are summed in-block (p0: elements 0..15, p1: 16..31) and the block joins the token's
+ * accumulators as a0 += p0·d, a1 += p1·d with d = 2^(e−128) (k·d = E2M1·2^(e−127), the value
+ * k3_mxfp4_get defines; scaling by a power of two is exact, so only the summation order differs
+ * from ref). Same arithmetic for 1 and 4 tokens. */
 #ifdef K3_CPU_AVX2
-#define DEF_DOT_MX(NAME, FORN)                                                                    \
-    static void NAME(const uint8_t *codes, const uint8_t *e8, const float *const *x, int64_t n,  \
-                     float *out) {                                                                \
-        FORN(XDECL)                                                                               \
-        FORN(ACC_DECL)                                                                            \
-        const __m256 mag = _mm256_setr_ps(0.0f, 0.5f, 1.0f, 1.5f, 2.0f, 3.0f, 4.0f, 6.0f);        \
-        const __m128i dup = _mm_setr_epi8(0, 0, 1, 1, 2, 2, 3, 3, 4, 4, 5, 5, 6, 6, 7, 7);       \
-        const __m256i shv = _mm256_setr_epi32(0, 4, 0, 4, 0, 4, 0, 4);                           \
-        for (int64_t b = 0; b < n / 32; b++) {                                                    \
-            __m128i raw = _mm_loadu_si128((const __m128i *)(codes + b * 16));                     \
-            __m256 vs = _mm256_set1_ps(k3_e8m0_to_f32(e8[b]));                                    \
-            __m256 wv0 = mx8(_mm_shuffle_epi8(raw, dup), mag, shv, vs);                           \
-            __m256 wv1 = mx8(_mm_shuffle_epi8(_mm_srli_si128(raw, 4), dup), mag, shv, vs);        \
-            __m256 wv2 = mx8(_mm_shuffle_epi8(_mm_srli_si128(raw, 8), dup), mag, shv, vs);        \
-            __m256 wv3 = mx8(_mm_shuffle_epi8(_mm_srli_si128(raw, 12), dup), mag, shv, vs);       \
-            const int64_t i = b * 32;                                                             \
-            FORN(ACC_MX)                                                                          \
-        }                                                                                         \
-        FORN(ACC_OUT)                                                                             \
+#define ACC_MX(u)                                                                                  \
+    {                                                                                              \
+        __m256 p0 = _mm256_mul_ps(_mm256_loadu_ps(x##u + i), wv0);                                 \
+        __m256 p1 = _mm256_mul_ps(_mm256_loadu_ps(x##u + i + 16), wv2);                            \
+        p0 = _mm256_fmadd_ps(_mm256_loadu_ps(x##u + i + 8), wv1, p0);                              \
+        p1 = _mm256_fmadd_ps(_mm256_loadu_ps(x##u + i + 24), wv3, p1);                             \
+        a0_##u = _mm256_fmadd_ps(p0, vs, a0_##u);                                                  \
+        a1_##u = _mm256_fmadd_ps(p1, vs, a1_##u);                                                  \
     }
-/* 8 elements from 8 bytes laid out [b0,b0,b1,b1,...]: even lanes low nibble, odd lanes high. */
-static inline __m256 mx8(__m128i pairs, __m256 mag, __m256i shv, __m256 vs) {
-    __m256i c = _mm256_and_si256(_mm256_srlv_epi32(_mm256_cvtepu8_epi32(pairs), shv), _mm256_set1_epi32(15));
-    __m256 m = _mm256_permutevar8x32_ps(mag, c); /* magnitude of code & 7 */
-    __m256i sign = _mm256_slli_epi32(_mm256_and_si256(c, _mm256_set1_epi32(8)), 28);
-    return _mm256_mul_ps(_mm256_castsi256_ps(_mm256_or_si256(_mm256_castps_si256(m), sign)), vs);
-}
+#define DEF_DOT_MX(NAME, FORN)                                                                     \
+    static void NAME(const uint8_t *codes, const uint8_t *e8, const float *const *x, int64_t n,    \
+                     float *out) {                                                                 \
+        FORN(XDECL)                                                                                \
+        FORN(ACC_DECL)                                                                             \
+        const __m128i lut =                                                                        \
+            _mm_setr_epi8(0, 1, 2, 3, 4, 6, 8, 12, 0, -1, -2, -3, -4, -6, -8, -12);                \
+        const __m128i m4 = _mm_set1_epi8(0x0f);                                                    \
+        for (int64_t b = 0; b < n / 32; b++) {                                                     \
+            __m128i raw = _mm_loadu_si128((const __m128i *)(codes + b * 16));                      \
+            __m128i vlo = _mm_shuffle_epi8(lut, _mm_and_si128(raw, m4));                           \
+            __m128i vhi = _mm_shuffle_epi8(lut, _mm_and_si128(_mm_srli_epi16(raw, 4), m4));        \
+            __m128i e0 = _mm_unpacklo_epi8(vlo, vhi), e1 = _mm_unpackhi_epi8(vlo, vhi);            \
+            __m256 wv0 = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(e0));                             \
+            __m256 wv1 = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_srli_si128(e0, 8)));          \
+            __m256 wv2 = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(e1));                             \
+            __m256 wv3 = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_srli_si128(e1, 8)));          \
+            __m256 vs = _mm256_set1_ps(k3_e8m0_to_f32_half_ggml(e8[b]));                           \
+            const int64_t i = b * 32;                                                              \
+            FORN(ACC_MX)                                                                           \
+        }                                                                                          \
+        FORN(ACC_OUT)                                                                              \
+    }
 #else
-#define ACC_MXS(u) for (int j = 0; j < 32; j++) t_##u += x##u[b * 32 + j] * wbuf[j];
-#define DEF_DOT_MX(NAME, FORN)                                                                    \
-    static void NAME(const uint8_t *codes, const uint8_t *e8, const float *const *x, int64_t n,  \
-                     float *out) {                                                                \
-        FORN(XDECL)                                                                               \
-        FORN(ACC_DECL)                                                                            \
-        float wbuf[32];                                                                           \
-        for (int64_t b = 0; b < n / 32; b++) {                                                    \
-            k3_mxfp4_decode_row(codes + b * 16, e8 + b, 32, wbuf);                                \
-            FORN(ACC_MXS)                                                                         \
-        }                                                                                         \
-        FORN(ACC_OUT)                                                                             \
+#define ACC_MXS(u)                                                                                 \
+    for (int j = 0; j < 32; j++) t_##u += x##u[b * 32 + j] * wbuf[j];
+#define DEF_DOT_MX(NAME, FORN)                                                                     \
+    static void NAME(const uint8_t *codes, const uint8_t *e8, const float *const *x, int64_t n,    \
+                     float *out) {                                                                 \
+        FORN(XDECL)                                                                                \
+        FORN(ACC_DECL)                                                                             \
+        float wbuf[32];                                                                            \
+        for (int64_t b = 0; b < n / 32; b++) {                                                     \
+            k3_mxfp4_decode_row(codes + b * 16, e8 + b, 32, wbuf);                                 \
+            FORN(ACC_MXS)                                                                          \
+        }                                                                                          \
+        FORN(ACC_OUT)                                                                              \
     }
 #endif
 DEF_DOT_MX(dot1_mx, FOR1)
 DEF_DOT_MX(dot4_mx, FOR4)
 
+/* Decode (one token): two weight rows at once — four independent FMA chains instead of two hide
+ * the FMA latency; each row's arithmetic is exactly dot1's (a0/a1 lanes, 8-tail, scalar tail). */
+#ifdef K3_CPU_AVX2
+#define DEF_DOT_R2(NAME, WT, LOADF, SCALARF)                                                       \
+    static void NAME(const WT *wa, const WT *wb, const float *x0, int64_t n, float *oa,            \
+                     float *ob) {                                                                  \
+        __m256 a0a = _mm256_setzero_ps(), a1a = a0a, a0b = a0a, a1b = a0a;                         \
+        float ta = 0.0f, tb = 0.0f;                                                                \
+        int64_t i = 0;                                                                             \
+        for (; i + 16 <= n; i += 16) {                                                             \
+            __m256 xv0 = _mm256_loadu_ps(x0 + i), xv1 = _mm256_loadu_ps(x0 + i + 8);               \
+            a0a = _mm256_fmadd_ps(xv0, LOADF(wa + i), a0a);                                        \
+            a1a = _mm256_fmadd_ps(xv1, LOADF(wa + i + 8), a1a);                                    \
+            a0b = _mm256_fmadd_ps(xv0, LOADF(wb + i), a0b);                                        \
+            a1b = _mm256_fmadd_ps(xv1, LOADF(wb + i + 8), a1b);                                    \
+        }                                                                                          \
+        for (; i + 8 <= n; i += 8) {                                                               \
+            __m256 xv0 = _mm256_loadu_ps(x0 + i);                                                  \
+            a0a = _mm256_fmadd_ps(xv0, LOADF(wa + i), a0a);                                        \
+            a0b = _mm256_fmadd_ps(xv0, LOADF(wb + i), a0b);                                        \
+        }                                                                                          \
+        for (; i < n; i++) {                                                                       \
+            ta += x0[i] * SCALARF(wa[i]);                                                          \
+            tb += x0[i] * SCALARF(wb[i]);                                                          \
+        }                                                                                          \
+        *oa = hsum8(_mm256_add_ps(a0a, a1a)) + ta;                                                 \
+        *ob = hsum8(_mm256_add_ps(a0b, a1b)) + tb;                                                 \
+    }
+#define SCALAR_ID(v) (v)
+DEF_DOT_R2(dot1x2_f32, float, _mm256_loadu_ps, SCALAR_ID)
+DEF_DOT_R2(dot1x2_bf16, uint16_t, load_bf16x8, k3_bf16_to_f32)
+#define K3_CPU_HAVE_R2 1
+#endif
+
 /* One weight row against nt <= 4 tokens: the 4-token kernel for full tiles, else 1 at a time. */
-static inline void row_dot(const k3_tensor *W, int64_t o, const float *const *xs, int nt, float *out) {
+static inline void row_dot(const k3_tensor *W, int64_t o, const float *const *xs, int nt,
+                           float *out) {
     int64_t in = W->shape[1];
     switch (W->dtype) {
     case K3_DT_F32: {
         const float *w = (const float *)W->data + o * in;
-        if (nt == 4) dot4_f32(w, xs, in, out);
-        else for (int u = 0; u < nt; u++) dot1_f32(w, xs + u, in, out + u);
+        if (nt == 4)
+            dot4_f32(w, xs, in, out);
+        else
+            for (int u = 0; u < nt; u++) dot1_f32(w, xs + u, in, out + u);
         break;
     }
     case K3_DT_BF16: {
         const uint16_t *w = (const uint16_t *)W->data + o * in;
-        if (nt == 4) dot4_bf16(w, xs, in, out);
-        else for (int u = 0; u < nt; u++) dot1_bf16(w, xs + u, in, out + u);
+        if (nt == 4)
+            dot4_bf16(w, xs, in, out);
+        else
+            for (int u = 0; u < nt; u++) dot1_bf16(w, xs + u, in, out + u);
         break;
     }
     default: {
         const uint8_t *c = (const uint8_t *)W->data + o * (in / 2), *e = W->scale + o * (in / 32);
-        if (nt == 4) dot4_mx(c, e, xs, in, out);
-        else for (int u = 0; u < nt; u++) dot1_mx(c, e, xs + u, in, out + u);
+        if (nt == 4)
+            dot4_mx(c, e, xs, in, out);
+        else
+            for (int u = 0; u < nt; u++) dot1_mx(c, e, xs + u, in, out + u);
         break;
     }
     }
@@ -180,30 +227,53 @@ typedef struct {
     int64_t rows_per_task;
 } mm_job;
 
+/* Rows of one task are walked in blocks of K3_CPU_ROW_BLOCK (a few KB of weights, cache
+ * resident) and every token tile meets a block before the next block is read, so a weight row
+ * leaves memory once per call whatever T is. Loop order never changes a result. */
+#define K3_CPU_ROW_BLOCK 16
 static void mm_task(void *ctx, int64_t task) {
     const mm_job *j = ctx;
     int64_t out = j->W->shape[0], in = j->W->shape[1];
     int64_t o0 = task * j->rows_per_task, o1 = K3_MIN(out, o0 + j->rows_per_task);
-    for (int64_t t0 = 0; t0 < j->T; t0 += K3_CPU_MAX_NT) {
-        int nt = (int)K3_MIN((int64_t)K3_CPU_MAX_NT, j->T - t0);
-        const float *xs[K3_CPU_MAX_NT];
-        for (int u = 0; u < nt; u++) xs[u] = j->x + (t0 + u) * in;
-        for (int64_t o = o0; o < o1; o++) {
-            float r[K3_CPU_MAX_NT];
-            row_dot(j->W, o, xs, nt, r);
-            for (int u = 0; u < nt; u++) j->y[(t0 + u) * out + o] = r[u];
+    for (int64_t ob = o0; ob < o1; ob += K3_CPU_ROW_BLOCK) {
+        int64_t oe = K3_MIN(o1, ob + K3_CPU_ROW_BLOCK);
+        for (int64_t t0 = 0; t0 < j->T; t0 += K3_CPU_MAX_NT) {
+            int nt = (int)K3_MIN((int64_t)K3_CPU_MAX_NT, j->T - t0);
+            const float *xs[K3_CPU_MAX_NT];
+            for (int u = 0; u < nt; u++) xs[u] = j->x + (t0 + u) * in;
+            int64_t o = ob;
+#ifdef K3_CPU_HAVE_R2
+            if (nt == 1 && j->W->dtype != K3_DT_MXFP4) /* decode: row pairs */
+                for (; o + 2 <= oe; o += 2) {
+                    float *y0 = j->y + t0 * out + o;
+                    if (j->W->dtype == K3_DT_BF16) {
+                        const uint16_t *w = (const uint16_t *)j->W->data + o * in;
+                        dot1x2_bf16(w, w + in, xs[0], in, y0, y0 + 1);
+                    } else {
+                        const float *w = (const float *)j->W->data + o * in;
+                        dot1x2_f32(w, w + in, xs[0], in, y0, y0 + 1);
+                    }
+                }
+#endif
+            for (; o < oe; o++) {
+                float r[K3_CPU_MAX_NT];
+                row_dot(j->W, o, xs, nt, r);
+                for (int u = 0; u < nt; u++) j->y[(t0 + u) * out + o] = r[u];
+            }
         }
     }
 }
 
 static k3_status check_w(const k3_tensor *W, const char *op) {
-    if (W->ndim != 2) return K3_ERR(K3_ERR_SHAPE, "%s: weight is %d-D, want 2-D [out, in]", op, W->ndim);
+    if (W->ndim != 2)
+        return K3_ERR(K3_ERR_SHAPE, "%s: weight is %d-D, want 2-D [out, in]", op, W->ndim);
     if (W->dtype != K3_DT_F32 && W->dtype != K3_DT_BF16 && W->dtype != K3_DT_MXFP4)
         return K3_ERR(K3_ERR_SHAPE, "%s: weight dtype %s unsupported (F32, BF16, MXFP4)", op,
                       k3_dtype_name(W->dtype));
     if (W->dtype == K3_DT_MXFP4 && (W->shape[1] % 32 != 0 || !W->scale))
-        return K3_ERR(K3_ERR_SHAPE, "%s: MXFP4 weight with in=%lld not a multiple of 32 or no scale",
-                      op, (long long)W->shape[1]);
+        return K3_ERR(K3_ERR_SHAPE,
+                      "%s: MXFP4 weight with in=%lld not a multiple of 32 or no scale", op,
+                      (long long)W->shape[1]);
     return K3_OK;
 }
 
@@ -251,7 +321,8 @@ static void mmtn_task(void *ctx, int64_t task) {
                 const uint16_t *w = (const uint16_t *)j->W->data + o * in;
                 for (int64_t c = c0; c < c1; c++) yt[c] = fmaf(xo, k3_bf16_to_f32(w[c]), yt[c]);
             } else {
-                for (int64_t c = c0; c < c1; c++) yt[c] = fmaf(xo, k3_tensor_get(j->W, o, c), yt[c]);
+                for (int64_t c = c0; c < c1; c++)
+                    yt[c] = fmaf(xo, k3_tensor_get(j->W, o, c), yt[c]);
             }
         }
     }
@@ -317,9 +388,9 @@ static void kda_task(void *ctx, int64_t h) {
     int64_t sqk = (int64_t)j->H * j->dk, svo = (int64_t)j->H * j->dv;
     float *S = j->S + h * j->dk * j->dv;
     if (j->C > 1)
-        k3_ref_kda_head_chunked(j->q + h * j->dk, j->k + h * j->dk, j->v + h * j->dv, j->g + h * j->dk,
-                                j->beta + h, j->n, sqk, svo, j->H, j->dk, j->dv, j->scale, S,
-                                j->o + h * j->dv, j->C,
+        k3_ref_kda_head_chunked(j->q + h * j->dk, j->k + h * j->dk, j->v + h * j->dv,
+                                j->g + h * j->dk, j->beta + h, j->n, sqk, svo, j->H, j->dk, j->dv,
+                                j->scale, S, j->o + h * j->dv, j->C,
                                 j->work + (size_t)h * k3_kda_chunk_work_floats(j->C, j->dk, j->dv));
     else
         k3_ref_kda_head_recurrent(j->q + h * j->dk, j->k + h * j->dk, j->v + h * j->dv,
@@ -362,9 +433,14 @@ static void cpu_attn_latent(const float *qc, const float *cache, int64_t n_ctx, 
 }
 
 /* elementwise ops are a negligible share of time: the reference code */
-static void cpu_silu(const float *x, int64_t n, float *y) { k3_ops_ref()->silu(x, n, y); }
-static void cpu_sigmoid(const float *x, int64_t n, float *y) { k3_ops_ref()->sigmoid(x, n, y); }
-static void cpu_situ(const float *g, const float *u, int64_t n, float beta, float lin_beta, float *y) {
+static void cpu_silu(const float *x, int64_t n, float *y) {
+    k3_ops_ref()->silu(x, n, y);
+}
+static void cpu_sigmoid(const float *x, int64_t n, float *y) {
+    k3_ops_ref()->sigmoid(x, n, y);
+}
+static void cpu_situ(const float *g, const float *u, int64_t n, float beta, float lin_beta,
+                     float *y) {
     k3_ops_ref()->situ(g, u, n, beta, lin_beta, y);
 }
 static void cpu_swiglu(const float *g, const float *u, int64_t n, float *y) {
@@ -395,4 +471,6 @@ static const k3_ops k_cpu_ops = {
     .attn_latent = cpu_attn_latent,
 };
 
-const k3_ops *k3_ops_cpu(void) { return &k_cpu_ops; }
+const k3_ops *k3_ops_cpu(void) {
+    return &k_cpu_ops;
+}

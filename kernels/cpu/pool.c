@@ -18,18 +18,18 @@
 #define K3_POOL_MAX 64
 
 static struct {
-    pthread_mutex_t run_mu;   /* held by the thread that owns the current job */
+    pthread_mutex_t run_mu; /* held by the thread that owns the current job */
     pthread_mutex_t mu;
     pthread_cond_t cv_work, cv_done;
-    int n_started;            /* worker threads created */
-    int want;                 /* participants wanted (caller + workers) */
-    uint64_t gen;             /* job generation */
+    int n_started; /* worker threads created */
+    int want;      /* participants wanted (caller + workers) */
+    uint64_t gen;  /* job generation */
     k3_task_fn fn;
     void *ctx;
     int64_t n_tasks;
     atomic_llong next;
-    int busy;                 /* workers still inside the current job */
-    int participants;         /* workers allowed in the current job */
+    int busy;                        /* workers still inside the current job */
+    int participants;                /* workers allowed in the current job */
     uint64_t start_gen[K3_POOL_MAX]; /* gen at each worker's creation (it may first run later) */
 } g_pool = {
     .run_mu = PTHREAD_MUTEX_INITIALIZER,

@@ -12,13 +12,15 @@
 
 /* ---- weights ------------------------------------------------------------------------------ */
 static k3_status check_w(const k3_tensor *W, const char *op) {
-    if (W->ndim != 2) return K3_ERR(K3_ERR_SHAPE, "%s: weight is %d-D, want 2-D [out, in]", op, W->ndim);
+    if (W->ndim != 2)
+        return K3_ERR(K3_ERR_SHAPE, "%s: weight is %d-D, want 2-D [out, in]", op, W->ndim);
     if (W->dtype != K3_DT_F32 && W->dtype != K3_DT_BF16 && W->dtype != K3_DT_MXFP4)
         return K3_ERR(K3_ERR_SHAPE, "%s: weight dtype %s unsupported (F32, BF16, MXFP4)", op,
                       k3_dtype_name(W->dtype));
     if (W->dtype == K3_DT_MXFP4 && (W->shape[1] % 32 != 0 || !W->scale))
-        return K3_ERR(K3_ERR_SHAPE, "%s: MXFP4 weight with in=%lld not a multiple of 32 or no scale",
-                      op, (long long)W->shape[1]);
+        return K3_ERR(K3_ERR_SHAPE,
+                      "%s: MXFP4 weight with in=%lld not a multiple of 32 or no scale", op,
+                      (long long)W->shape[1]);
     return K3_OK;
 }
 
@@ -41,7 +43,8 @@ static k3_status ref_matmul_tn(const float *x, int64_t T, const k3_tensor *W, fl
     for (int64_t t = 0; t < T; t++)
         for (int64_t i = 0; i < in; i++) {
             double acc = 0.0;
-            for (int64_t o = 0; o < out; o++) acc += (double)x[t * out + o] * k3_tensor_get(W, o, i);
+            for (int64_t o = 0; o < out; o++)
+                acc += (double)x[t * out + o] * k3_tensor_get(W, o, i);
             y[t * in + i] = (float)acc;
         }
     return K3_OK;
@@ -68,7 +71,9 @@ static void ref_l2norm(const float *x, int64_t T, int64_t n, float eps, float *y
     }
 }
 
-static inline float sigm(float x) { return 1.0f / (1.0f + expf(-x)); }
+static inline float sigm(float x) {
+    return 1.0f / (1.0f + expf(-x));
+}
 
 static void ref_silu(const float *x, int64_t n, float *y) {
     for (int64_t i = 0; i < n; i++) y[i] = x[i] * sigm(x[i]);
@@ -76,7 +81,8 @@ static void ref_silu(const float *x, int64_t n, float *y) {
 static void ref_sigmoid(const float *x, int64_t n, float *y) {
     for (int64_t i = 0; i < n; i++) y[i] = sigm(x[i]);
 }
-static void ref_situ(const float *g, const float *u, int64_t n, float beta, float lin_beta, float *y) {
+static void ref_situ(const float *g, const float *u, int64_t n, float beta, float lin_beta,
+                     float *y) {
     for (int64_t i = 0; i < n; i++) {
         float a = beta * tanhf(g[i] / beta) * sigm(g[i]);
         float b = lin_beta > 0.0f ? lin_beta * tanhf(u[i] / lin_beta) : u[i];
@@ -175,14 +181,14 @@ void k3_ref_kda_head_recurrent(const float *q, const float *k, const float *v, c
 void k3_ref_kda_head_chunked(const float *q, const float *k, const float *v, const float *g,
                              const float *beta, int64_t n, int64_t sqk, int64_t svo, int64_t sb,
                              int dk, int dv, float scale, float *S, float *o, int C, float *work) {
-    double *G = (double *)work;            /* [C, dk] Γ, cumulative log decay */
-    double *eG = G + (size_t)C * dk;       /* [C, dk] exp(Γ_i) */
-    double *eL = eG + (size_t)C * dk;      /* [C, dk] exp(Γ_last − Γ_j) */
-    double *Wm = eL + (size_t)C * dk;      /* [C, dk] W = T̃ (exp Γ ⊙ K) */
-    double *U = Wm + (size_t)C * dk;       /* [C, dv] U, then V' */
-    double *Ob = U + (size_t)C * dv;       /* [C, dv] output block */
-    double *A = Ob + (size_t)C * dv;       /* [C, C] A, then T̃ */
-    double *Aqk = A + (size_t)C * C;       /* [C, C] */
+    double *G = (double *)work;       /* [C, dk] Γ, cumulative log decay */
+    double *eG = G + (size_t)C * dk;  /* [C, dk] exp(Γ_i) */
+    double *eL = eG + (size_t)C * dk; /* [C, dk] exp(Γ_last − Γ_j) */
+    double *Wm = eL + (size_t)C * dk; /* [C, dk] W = T̃ (exp Γ ⊙ K) */
+    double *U = Wm + (size_t)C * dk;  /* [C, dv] U, then V' */
+    double *Ob = U + (size_t)C * dv;  /* [C, dv] output block */
+    double *A = Ob + (size_t)C * dv;  /* [C, C] A, then T̃ */
+    double *Aqk = A + (size_t)C * C;  /* [C, C] */
     int64_t t0 = 0;
     for (; C > 1 && t0 + C <= n; t0 += C) {
         for (int i = 0; i < C; i++) {
@@ -195,7 +201,8 @@ void k3_ref_kda_head_chunked(const float *q, const float *k, const float *v, con
         const double *Gl = G + (size_t)(C - 1) * dk;
         for (int j = 0; j < C; j++)
             for (int d = 0; d < dk; d++) eL[j * dk + d] = exp(Gl[d] - G[j * dk + d]);
-        /* 1. A[i,j] = β_i Σ_d k_i k_j exp(Γ_i − Γ_j) (j < i); Aqk[i,j] = Σ_d scale·q_i k_j exp(·) (j <= i) */
+        /* 1. A[i,j] = β_i Σ_d k_i k_j exp(Γ_i − Γ_j) (j < i); Aqk[i,j] = Σ_d scale·q_i k_j exp(·)
+         * (j <= i) */
         for (int i = 0; i < C; i++) {
             const float *ki = k + (t0 + i) * sqk, *qi = q + (t0 + i) * sqk;
             double bi = beta[(t0 + i) * sb];
@@ -264,7 +271,8 @@ void k3_ref_kda_head_chunked(const float *q, const float *k, const float *v, con
         for (int d = 0; d < dk; d++) {
             float *Sd = S + (int64_t)d * dv;
             double el = exp(Gl[d]);
-            for (int e = 0; e < dv; e++) Ob[e] = el * (double)Sd[e]; /* Ob row 0 reused as scratch */
+            for (int e = 0; e < dv; e++)
+                Ob[e] = el * (double)Sd[e]; /* Ob row 0 reused as scratch */
             for (int j = 0; j < C; j++) {
                 double kk = eL[j * dk + d] * (double)k[(t0 + j) * sqk + d];
                 for (int e = 0; e < dv; e++) Ob[e] += kk * U[j * dv + e];
@@ -274,7 +282,8 @@ void k3_ref_kda_head_chunked(const float *q, const float *k, const float *v, con
     }
     if (t0 < n)
         k3_ref_kda_head_recurrent(q + t0 * sqk, k + t0 * sqk, v + t0 * svo, g + t0 * sqk,
-                                  beta + t0 * sb, n - t0, sqk, svo, sb, dk, dv, scale, S, o + t0 * svo);
+                                  beta + t0 * sb, n - t0, sqk, svo, sb, dk, dv, scale, S,
+                                  o + t0 * svo);
 }
 
 static void ref_kda_recurrent(const float *q, const float *k, const float *v, const float *g,

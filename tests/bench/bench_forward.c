@@ -26,8 +26,14 @@ typedef struct {
 static k3_status bench_one(const tiny_model *m, int n_prompt, int n_decode, int reps, int kda_chunk,
                            bench_res *r) {
     const k3_config *c = &m->cfg;
-    k3_stage_params sp = {.cfg = c, .w = m->view, .layer_begin = 0, .layer_end = c->n_layers,
-                          .first = true, .last = true, .max_tokens = n_prompt, .kda_chunk = kda_chunk};
+    k3_stage_params sp = {.cfg = c,
+                          .w = m->view,
+                          .layer_begin = 0,
+                          .layer_end = c->n_layers,
+                          .first = true,
+                          .last = true,
+                          .max_tokens = n_prompt,
+                          .kda_chunk = kda_chunk};
     k3_stage *s = NULL;
     k3_seq_state *st = NULL;
     k3_activ act = {0};
@@ -37,7 +43,8 @@ static k3_status bench_one(const tiny_model *m, int n_prompt, int n_decode, int 
     if (e == K3_OK) e = k3_seq_state_create(s, n_prompt + n_decode, &st);
     if (e == K3_OK) e = k3_activ_alloc(&act, c, n_prompt);
     if (e == K3_OK) e = k3_alloc((void **)&logits, sizeof(float) * (size_t)c->vocab_size, "logits");
-    if (e == K3_OK) e = k3_alloc((void **)&ids, sizeof(int32_t) * (size_t)(n_prompt + n_decode), "ids");
+    if (e == K3_OK)
+        e = k3_alloc((void **)&ids, sizeof(int32_t) * (size_t)(n_prompt + n_decode), "ids");
     k3_rng rng;
     k3_rng_seed(&rng, 99);
     for (int i = 0; e == K3_OK && i < n_prompt + n_decode; i++)
@@ -52,7 +59,8 @@ static k3_status bench_one(const tiny_model *m, int n_prompt, int n_decode, int 
         double t1 = k3_now_s();
         for (int i = 0; e == K3_OK && i < n_decode; i++) {
             int32_t one = 1;
-            k3_batch d = {.n_seqs = 1, .states = &st, .n_tokens = &one, .token_ids = ids + n_prompt + i};
+            k3_batch d = {
+                .n_seqs = 1, .states = &st, .n_tokens = &one, .token_ids = ids + n_prompt + i};
             e = k3_stage_forward(s, &d, &act, NULL, false, logits);
         }
         double t2 = k3_now_s();
@@ -85,13 +93,20 @@ int main(int argc, char **argv) {
             fprintf(stderr, "bench_forward: %s needs a value\n", a);
             return 2;
         }
-        if (strcmp(a, "--model") == 0 && n_models < 8) models[n_models++] = v;
-        else if (strcmp(a, "--threads") == 0) threads = atoi(v);
-        else if (strcmp(a, "--prompt") == 0) n_prompt = atoi(v);
-        else if (strcmp(a, "--decode") == 0) n_decode = atoi(v);
-        else if (strcmp(a, "--reps") == 0) reps = atoi(v);
-        else if (strcmp(a, "--kda-chunk") == 0) kda_chunk = atoi(v);
-        else if (strcmp(a, "--json") == 0) json_path = v;
+        if (strcmp(a, "--model") == 0 && n_models < 8)
+            models[n_models++] = v;
+        else if (strcmp(a, "--threads") == 0)
+            threads = atoi(v);
+        else if (strcmp(a, "--prompt") == 0)
+            n_prompt = atoi(v);
+        else if (strcmp(a, "--decode") == 0)
+            n_decode = atoi(v);
+        else if (strcmp(a, "--reps") == 0)
+            reps = atoi(v);
+        else if (strcmp(a, "--kda-chunk") == 0)
+            kda_chunk = atoi(v);
+        else if (strcmp(a, "--json") == 0)
+            json_path = v;
         else {
             fprintf(stderr, "bench_forward: unknown flag %s\n", a);
             return 2;
@@ -139,8 +154,9 @@ int main(int argc, char **argv) {
             fprintf(stderr, "bench_forward: %s: %s\n", label, k3_last_error());
             rc = 1;
         } else {
-            printf("%-28s %8d %12.1f %12.1f %12.1f %10.2f %8.0f%%\n", label, m.cfg.n_layers, r.prefill_tok_s,
-                   r.decode_tok_s, r.bytes_per_token / 1e6, r.decode_gbs, 100.0 * r.decode_gbs / roof);
+            printf("%-28s %8d %12.1f %12.1f %12.1f %10.2f %8.0f%%\n", label, m.cfg.n_layers,
+                   r.prefill_tok_s, r.decode_tok_s, r.bytes_per_token / 1e6, r.decode_gbs,
+                   100.0 * r.decode_gbs / roof);
             cJSON *o = cJSON_CreateObject();
             cJSON_AddStringToObject(o, "model", label);
             cJSON_AddNumberToObject(o, "n_layers", m.cfg.n_layers);

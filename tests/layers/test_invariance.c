@@ -24,8 +24,15 @@ static k3_status run_chunks(const k3_ops *ops, int kda_chunk, const int32_t *ids
                             float *out) {
     const k3_config *c = &g_m.cfg;
     if (chunk <= 0) chunk = n;
-    k3_stage_params sp = {.cfg = c, .w = g_m.view, .ops = ops, .layer_begin = 0, .layer_end = c->n_layers,
-                          .first = true, .last = true, .max_tokens = chunk, .kda_chunk = kda_chunk};
+    k3_stage_params sp = {.cfg = c,
+                          .w = g_m.view,
+                          .ops = ops,
+                          .layer_begin = 0,
+                          .layer_end = c->n_layers,
+                          .first = true,
+                          .last = true,
+                          .max_tokens = chunk,
+                          .kda_chunk = kda_chunk};
     k3_stage *s = NULL;
     k3_seq_state *st = NULL;
     k3_activ act = {0};
@@ -43,7 +50,8 @@ static k3_status run_chunks(const k3_ops *ops, int kda_chunk, const int32_t *ids
     return e;
 }
 
-/* Per-layer hidden states of a whole-prompt run (diagnostic: names the layer where two runs part). */
+/* Per-layer hidden states of a whole-prompt run (diagnostic: names the layer where two runs part).
+ */
 typedef struct {
     float *h; /* [n_layers, T, D] */
     int64_t T;
@@ -52,10 +60,18 @@ static void tap_fn(void *ctx, int layer, const float *h, int64_t T, int64_t D) {
     taps *t = ctx;
     memcpy(t->h + (int64_t)layer * T * D, h, sizeof(float) * T * D);
 }
-static void run_taps(int kda_chunk, const k3_ops *ops, const int32_t *ids, int n, float *h, float *logits) {
+static void run_taps(int kda_chunk, const k3_ops *ops, const int32_t *ids, int n, float *h,
+                     float *logits) {
     const k3_config *c = &g_m.cfg;
-    k3_stage_params sp = {.cfg = c, .w = g_m.view, .ops = ops, .layer_begin = 0, .layer_end = c->n_layers,
-                          .first = true, .last = true, .max_tokens = n, .kda_chunk = kda_chunk};
+    k3_stage_params sp = {.cfg = c,
+                          .w = g_m.view,
+                          .ops = ops,
+                          .layer_begin = 0,
+                          .layer_end = c->n_layers,
+                          .first = true,
+                          .last = true,
+                          .max_tokens = n,
+                          .kda_chunk = kda_chunk};
     k3_stage *s = NULL;
     k3_seq_state *st = NULL;
     k3_activ act = {0};
@@ -74,7 +90,8 @@ static void run_taps(int kda_chunk, const k3_ops *ops, const int32_t *ids, int n
 static void layer_report(const int32_t *ids, int n) {
     const k3_config *c = &g_m.cfg;
     int64_t TD = (int64_t)n * c->hidden_size, V = c->vocab_size;
-    float *h0 = malloc(sizeof(float) * c->n_layers * TD), *h1 = malloc(sizeof(float) * c->n_layers * TD);
+    float *h0 = malloc(sizeof(float) * c->n_layers * TD),
+          *h1 = malloc(sizeof(float) * c->n_layers * TD);
     float *l0 = malloc(sizeof(float) * n * V), *l1 = malloc(sizeof(float) * n * V);
     run_taps(16, k3_ops_cpu(), ids, n, h0, l0);
     run_taps(1, k3_ops_cpu(), ids, n, h1, l1);
@@ -110,7 +127,8 @@ static void test_chunks(const int32_t *ids, int n) {
             worst = e > worst ? e : worst;
         }
         bool bit = memcmp(got, base, sizeof(float) * n * V) == 0;
-        K3_CHECK(worst <= K3_TOL_CHUNK_INVARIANCE_REL_L2, "chunk %d: worst position rel-L2 %.3g", chunks[i], worst);
+        K3_CHECK(worst <= K3_TOL_CHUNK_INVARIANCE_REL_L2, "chunk %d: worst position rel-L2 %.3g",
+                 chunks[i], worst);
         K3_CHECK(bit, "chunk %d: not bit-identical to the whole prompt (recurrent KDA)", chunks[i]);
         /* the chunked KDA form (WY, C = 16) with the same prompt chunking */
         K3_CHECK_OK(run_chunks(k3_ops_cpu(), 16, ids, n, chunks[i], got));
@@ -119,8 +137,10 @@ static void test_chunks(const int32_t *ids, int n) {
             double e = k3_rel_l2(got + t * V, base + t * V, (size_t)V);
             wc = e > wc ? e : wc;
         }
-        K3_CHECK(wc <= K3_TOL_KDA_FORM_REL_L2, "chunk %d, chunked KDA form: worst position %.3g", chunks[i], wc);
-        printf("  prefill chunk %2d: worst position rel-L2 %.2e, bit-identical %s; chunked-KDA form %.2e\n",
+        K3_CHECK(wc <= K3_TOL_KDA_FORM_REL_L2, "chunk %d, chunked KDA form: worst position %.3g",
+                 chunks[i], wc);
+        printf("  prefill chunk %2d: worst position rel-L2 %.2e, bit-identical %s; chunked-KDA "
+               "form %.2e\n",
                chunks[i], worst, bit ? "yes" : "NO", wc);
     }
     /* ref backend vs cpu */
@@ -140,8 +160,14 @@ static void test_decode(const int32_t *ids, int n, int n0) {
     K3_CHECK_OK(run_chunks(k3_ops_cpu(), 0, ids, n, 0, base)); /* default form, whole prompt */
     for (int f = 0; f < 2; f++) {
         int kc = forms[f];
-        k3_stage_params sp = {.cfg = c, .w = g_m.view, .layer_begin = 0, .layer_end = c->n_layers,
-                              .first = true, .last = true, .max_tokens = n0, .kda_chunk = kc};
+        k3_stage_params sp = {.cfg = c,
+                              .w = g_m.view,
+                              .layer_begin = 0,
+                              .layer_end = c->n_layers,
+                              .first = true,
+                              .last = true,
+                              .max_tokens = n0,
+                              .kda_chunk = kc};
         k3_stage *s = NULL;
         k3_seq_state *st = NULL;
         k3_activ act = {0};
@@ -170,10 +196,11 @@ static void test_decode(const int32_t *ids, int n, int n0) {
             K3_CHECK(worst <= K3_TOL_CHUNK_INVARIANCE_REL_L2, "decode vs prefill: %.3g", worst);
             K3_CHECK(bit, "decode vs prefill: not bit-identical (recurrent KDA)");
         } else {
-            K3_CHECK(worst <= K3_TOL_KDA_FORM_REL_L2, "decode vs prefill, chunked form: %.3g", worst);
+            K3_CHECK(worst <= K3_TOL_KDA_FORM_REL_L2, "decode vs prefill, chunked form: %.3g",
+                     worst);
         }
-        printf("  decode after prefill %d (kda_chunk %d): worst rel-L2 %.2e, bit-identical %s\n", n0, kc,
-               worst, bit ? "yes" : "no");
+        printf("  decode after prefill %d (kda_chunk %d): worst rel-L2 %.2e, bit-identical %s\n",
+               n0, kc, worst, bit ? "yes" : "no");
         free(pre);
         k3_activ_free(&act);
         k3_seq_state_destroy(st);
@@ -184,7 +211,8 @@ static void test_decode(const int32_t *ids, int n, int n0) {
 
 /* Batch of two sequences (different lengths) == each alone; two stages == one stage; an
  * exchange hook computing the rows locally == the local path. All bitwise (recurrent KDA). */
-static k3_status hook_local(void *ctx, int layer, const float *rows, const int32_t *expert, int64_t n, float *out) {
+static k3_status hook_local(void *ctx, int layer, const float *rows, const int32_t *expert,
+                            int64_t n, float *out) {
     const k3_layer_w *lw = &g_m.view->layers[layer];
     float *scratch = ctx; /* sized for the largest n of the test */
     return k3_moe_expert_rows(k3_ops_cpu(), &g_m.cfg, lw, rows, expert, n, out, scratch);
@@ -200,8 +228,13 @@ static void test_batch_split_hook(const int32_t *ids, int n) {
     K3_CHECK_OK(run_chunks(k3_ops_cpu(), 1, idsB, nB, 0, aloneB));
 
     const int split = c->n_layers / 2 + 1; /* not on a block boundary of the tiny preset */
-    k3_stage_params p1 = {.cfg = c, .w = g_m.view, .layer_begin = 0, .layer_end = split, .first = true,
-                          .max_tokens = nA + nB, .kda_chunk = 1};
+    k3_stage_params p1 = {.cfg = c,
+                          .w = g_m.view,
+                          .layer_begin = 0,
+                          .layer_end = split,
+                          .first = true,
+                          .max_tokens = nA + nB,
+                          .kda_chunk = 1};
     k3_stage_params p2 = p1;
     p2.layer_begin = split, p2.layer_end = c->n_layers, p2.first = false, p2.last = true;
     k3_stage *s1 = NULL, *s2 = NULL;
@@ -229,8 +262,10 @@ static void test_batch_split_hook(const int32_t *ids, int n) {
     K3_CHECK(act.n_bank == (split + c->attn_res_block_size - 1) / c->attn_res_block_size,
              "bank count %d after %d layers", act.n_bank, split);
     K3_CHECK_OK(k3_stage_forward(s2, &b2, &act, NULL, true, lg));
-    K3_CHECK(memcmp(lg, aloneA, sizeof(float) * nA * V) == 0, "seq A: batch/split/hook not bit-identical");
-    K3_CHECK(memcmp(lg + (int64_t)nA * V, aloneB, sizeof(float) * nB * V) == 0, "seq B: batch/split/hook not bit-identical");
+    K3_CHECK(memcmp(lg, aloneA, sizeof(float) * nA * V) == 0,
+             "seq A: batch/split/hook not bit-identical");
+    K3_CHECK(memcmp(lg + (int64_t)nA * V, aloneB, sizeof(float) * nB * V) == 0,
+             "seq B: batch/split/hook not bit-identical");
     printf("  2 sequences in one batch, 2 stages (split at layer %d), exchange hook: %s\n", split,
            memcmp(lg, aloneA, sizeof(float) * nA * V) == 0 ? "bit-identical" : "DIFFERENT");
     /* last-token logits of a 2-sequence batch: the final mix of selected rows */
@@ -238,7 +273,7 @@ static void test_batch_split_hook(const int32_t *ids, int n) {
     K3_CHECK_OK(k3_stage_forward(s1, &b1, &act, NULL, false, NULL));
     K3_CHECK_OK(k3_stage_forward(s2, &b2, &act, NULL, false, lg));
     K3_CHECK(memcmp(lg, aloneA + (int64_t)(nA - 1) * V, sizeof(float) * V) == 0 &&
-             memcmp(lg + V, aloneB + (int64_t)(nB - 1) * V, sizeof(float) * V) == 0,
+                 memcmp(lg + V, aloneB + (int64_t)(nB - 1) * V, sizeof(float) * V) == 0,
              "last-token logits of a batch differ from the all-logits rows");
     free(cat), free(lg), free(scratch), free(aloneA), free(aloneB);
     k3_activ_free(&act);

@@ -33,9 +33,12 @@ static k3_tensor mk(k3_dtype dt, int64_t d0, int64_t d1, float sd, float mean) {
     }
     return t;
 }
-static double W(const k3_tensor *t, int64_t o, int64_t i) { return k3_tensor_get(t, o, i); }
+static double W(const k3_tensor *t, int64_t o, int64_t i) {
+    return k3_tensor_get(t, o, i);
+}
 static double V1(const k3_tensor *t, int64_t i) {
-    return t->dtype == K3_DT_BF16 ? k3_bf16_to_f32(((uint16_t *)t->data)[i]) : ((float *)t->data)[i];
+    return t->dtype == K3_DT_BF16 ? k3_bf16_to_f32(((uint16_t *)t->data)[i])
+                                  : ((float *)t->data)[i];
 }
 
 static void config(k3_config *c, bool lower_bound, bool full_gate) {
@@ -91,7 +94,8 @@ static void weights(const k3_config *c, k3_layer_w *L) {
     k->o_norm = mk(K3_DT_F32, c->kda_head_dim, 0, 0.1f, 1.0f);
     k->o_proj = mk(K3_DT_BF16, D, P, s, 0);
     k3_layer_w *m = &L[1];
-    const int H = c->n_heads, dn = c->qk_nope_head_dim, dr = c->qk_rope_head_dim, dv = c->v_head_dim;
+    const int H = c->n_heads, dn = c->qk_nope_head_dim, dr = c->qk_rope_head_dim,
+              dv = c->v_head_dim;
     m->q_a_proj = mk(K3_DT_BF16, c->q_lora_rank, D, s, 0);
     m->q_a_norm = mk(K3_DT_BF16, c->q_lora_rank, 0, 0.1f, 1.0f);
     m->q_b_proj = mk(K3_DT_BF16, (int64_t)H * (dn + dr), c->q_lora_rank, 0.4f, 0);
@@ -103,7 +107,9 @@ static void weights(const k3_config *c, k3_layer_w *L) {
 }
 
 /* ---- float64 references ------------------------------------------------------------------ */
-static double sg(double x) { return 1.0 / (1.0 + exp(-x)); }
+static double sg(double x) {
+    return 1.0 / (1.0 + exp(-x));
+}
 static void mv(const k3_tensor *w, const double *x, double *y) { /* y = W x */
     for (int64_t o = 0; o < w->shape[0]; o++) {
         double s = 0;
@@ -124,11 +130,14 @@ static void kda_f64(const k3_config *c, const k3_layer_w *L, const float *x, int
     const int H = c->kda_n_heads, dk = c->kda_head_dim, K = c->kda_conv_kernel;
     const int64_t P = (int64_t)H * dk;
     double *pre[3], *post[3];
-    const k3_tensor *Wp[3] = {&L->q_proj, &L->k_proj, &L->v_proj}, *Wc[3] = {&L->q_conv, &L->k_conv, &L->v_conv};
+    const k3_tensor *Wp[3] = {&L->q_proj, &L->k_proj, &L->v_proj},
+                    *Wc[3] = {&L->q_conv, &L->k_conv, &L->v_conv};
     double *xd = malloc(sizeof(double) * D), *S = calloc((size_t)H * dk * dk, sizeof(double));
-    for (int j = 0; j < 3; j++) pre[j] = malloc(sizeof(double) * n * P), post[j] = malloc(sizeof(double) * n * P);
+    for (int j = 0; j < 3; j++)
+        pre[j] = malloc(sizeof(double) * n * P), post[j] = malloc(sizeof(double) * n * P);
     double *gate = malloc(sizeof(double) * n * P), *beta = malloc(sizeof(double) * n * H),
-           *G = malloc(sizeof(double) * n * P), *fa = malloc(sizeof(double) * 64), *o = malloc(sizeof(double) * P);
+           *G = malloc(sizeof(double) * n * P), *fa = malloc(sizeof(double) * 64),
+           *o = malloc(sizeof(double) * P);
     for (int t = 0; t < n; t++) {
         for (int64_t d = 0; d < D; d++) xd[d] = x[t * D + d];
         for (int j = 0; j < 3; j++) mv(Wp[j], xd, pre[j] + t * P);
@@ -138,8 +147,9 @@ static void kda_f64(const k3_config *c, const k3_layer_w *L, const float *x, int
             double a = exp(V1(&L->a_log, h));
             for (int i = 0; i < dk; i++) {
                 double r = gate[t * P + h * dk + i] + V1(&L->dt_bias, h * dk + i);
-                gate[t * P + h * dk + i] = c->kda_has_lower_bound ? c->kda_gate_lower_bound * sg(a * r)
-                                                                  : -a * (r > 20 ? r : log1p(exp(r)));
+                gate[t * P + h * dk + i] = c->kda_has_lower_bound
+                                               ? c->kda_gate_lower_bound * sg(a * r)
+                                               : -a * (r > 20 ? r : log1p(exp(r)));
             }
         }
         double bz[16];
@@ -165,7 +175,8 @@ static void kda_f64(const k3_config *c, const k3_layer_w *L, const float *x, int
     const double scale = 1.0 / sqrt((double)dk);
     for (int t = 0; t < n; t++) {
         for (int h = 0; h < H; h++) {
-            double *q = post[0] + t * P + h * dk, *k = post[1] + t * P + h * dk, *v = post[2] + t * P + h * dk;
+            double *q = post[0] + t * P + h * dk, *k = post[1] + t * P + h * dk,
+                   *v = post[2] + t * P + h * dk;
             double nq = 0, nk = 0;
             for (int i = 0; i < dk; i++) nq += q[i] * q[i], nk += k[i] * k[i];
             nq = 1.0 / sqrt(nq + 1e-6), nk = 1.0 / sqrt(nk + 1e-6);
@@ -185,7 +196,8 @@ static void kda_f64(const k3_config *c, const k3_layer_w *L, const float *x, int
             for (int jj = 0; jj < dk; jj++) ss += (scale * oo[jj]) * (scale * oo[jj]);
             double r = 1.0 / sqrt(ss / dk + c->rms_norm_eps);
             for (int jj = 0; jj < dk; jj++)
-                o[h * dk + jj] = scale * oo[jj] * r * V1(&L->o_norm, jj) * sg(G[t * P + h * dk + jj]);
+                o[h * dk + jj] =
+                    scale * oo[jj] * r * V1(&L->o_norm, jj) * sg(G[t * P + h * dk + jj]);
         }
         mv(&L->o_proj, o, y + t * D);
     }
@@ -196,11 +208,12 @@ static void kda_f64(const k3_config *c, const k3_layer_w *L, const float *x, int
 /* MLA, naive (non-absorbed) form, causal over n tokens -> y [n, D] (K3-MODEL.md §3.2). */
 static void mla_f64(const k3_config *c, const k3_layer_w *L, const float *x, int n, double *y) {
     const int64_t D = c->hidden_size;
-    const int H = c->n_heads, dn = c->qk_nope_head_dim, dr = c->qk_rope_head_dim, dv = c->v_head_dim;
+    const int H = c->n_heads, dn = c->qk_nope_head_dim, dr = c->qk_rope_head_dim,
+              dv = c->v_head_dim;
     const int Rkv = c->kv_lora_rank;
-    double *q = malloc(sizeof(double) * n * H * (dn + dr)), *kn = malloc(sizeof(double) * n * H * dn),
-           *vv = malloc(sizeof(double) * n * H * dv), *kpe = malloc(sizeof(double) * n * dr),
-           *gate = malloc(sizeof(double) * n * H * dv);
+    double *q = malloc(sizeof(double) * n * H * (dn + dr)),
+           *kn = malloc(sizeof(double) * n * H * dn), *vv = malloc(sizeof(double) * n * H * dv),
+           *kpe = malloc(sizeof(double) * n * dr), *gate = malloc(sizeof(double) * n * H * dv);
     double xd[64], cq[64], ckv[64], a[64];
     for (int t = 0; t < n; t++) {
         for (int64_t d = 0; d < D; d++) xd[d] = x[t * D + d];
@@ -218,7 +231,8 @@ static void mla_f64(const k3_config *c, const k3_layer_w *L, const float *x, int
             }
             for (int i = 0; i < dv; i++) {
                 double s = 0;
-                for (int r = 0; r < Rkv; r++) s += W(&L->kv_b_proj, h * (dn + dv) + dn + i, r) * ckv[r];
+                for (int r = 0; r < Rkv; r++)
+                    s += W(&L->kv_b_proj, h * (dn + dv) + dn + i, r) * ckv[r];
                 vv[((int64_t)t * H + h) * dv + i] = s;
             }
         }
@@ -254,14 +268,20 @@ typedef k3_status (*mixer_fn)(k3_stage *, int, const k3_batch *, const float *, 
 
 /* Run `layer` over 10 tokens split 5 + 3 + 1 + 1 for sequence A, with sequence B (4 tokens, the
  * first 4 of A) sharing the first call's batch; compare with the float64 pass. */
-static void run_case(const char *name, bool lower_bound, bool full_gate, const k3_ops *ops, int kda_chunk) {
+static void run_case(const char *name, bool lower_bound, bool full_gate, const k3_ops *ops,
+                     int kda_chunk) {
     k3_config c;
     config(&c, lower_bound, full_gate);
     k3_layer_w L[2];
     weights(&c, L);
     k3_weights_view wv = {.cfg = &c, .layers = L};
-    k3_stage_params sp = {.cfg = &c, .w = &wv, .ops = ops, .layer_begin = 0, .layer_end = 2,
-                          .max_tokens = 16, .kda_chunk = kda_chunk};
+    k3_stage_params sp = {.cfg = &c,
+                          .w = &wv,
+                          .ops = ops,
+                          .layer_begin = 0,
+                          .layer_end = 2,
+                          .max_tokens = 16,
+                          .kda_chunk = kda_chunk};
     k3_stage *s = NULL;
     K3_CHECK_OK(k3_stage_create(&sp, &s));
     if (!s) return;
@@ -295,19 +315,109 @@ static void run_case(const char *name, bool lower_bound, bool full_gate, const k
             t0 += split[call];
         }
         double e = 0, eB = 0, num = 0, den = 0;
-        for (int i = 0; i < n * D; i++) num += (got[i] - want[i]) * (got[i] - want[i]), den += want[i] * want[i];
+        for (int i = 0; i < n * D; i++)
+            num += (got[i] - want[i]) * (got[i] - want[i]), den += want[i] * want[i];
         e = sqrt(num / den);
         num = den = 0;
-        for (int i = 0; i < 4 * D; i++) num += (gotB[i] - want[i]) * (gotB[i] - want[i]), den += want[i] * want[i];
+        for (int i = 0; i < 4 * D; i++)
+            num += (gotB[i] - want[i]) * (gotB[i] - want[i]), den += want[i] * want[i];
         eB = sqrt(num / den);
-        K3_CHECK(e < K3_TOL_LAYER_REL_L2 && eB < K3_TOL_LAYER_REL_L2, "%s %s layer (%s): rel-L2 %.3g, seq B %.3g",
-                 name, layer == 0 ? "KDA" : "MLA", ops->backend, e, eB);
+        K3_CHECK(e < K3_TOL_LAYER_REL_L2 && eB < K3_TOL_LAYER_REL_L2,
+                 "%s %s layer (%s): rel-L2 %.3g, seq B %.3g", name, layer == 0 ? "KDA" : "MLA",
+                 ops->backend, e, eB);
         K3_CHECK(den > 1e-3, "degenerate reference output");
-        printf("  %-22s %s %s: rel-L2 %.2e (batched seq %.2e)\n", name, layer == 0 ? "KDA" : "MLA", ops->backend, e, eB);
+        printf("  %-22s %s %s: rel-L2 %.2e (batched seq %.2e)\n", name, layer == 0 ? "KDA" : "MLA",
+               ops->backend, e, eB);
     }
     /* capacity: 32 - 10 = 22 tokens left; a 23-token call is refused up front */
     k3_seq_state_destroy(A);
     k3_seq_state_destroy(B);
+    k3_stage_destroy(s);
+}
+
+/* A whole 2-layer stage (embedding -> KDA+dense -> MLA+dense -> final norm -> tied head) with
+ * NO AttnRes (attn_res_block_size 0: Kimi-Linear's plain pre-norm residual,
+ * h += mixer(norm(h)); h += ffn(norm(h))) and SwiGLU, vs float64 composed from the pieces above. */
+static void ffn_f64(const k3_config *c, const k3_layer_w *L, const double *x, double *y) {
+    const int64_t F = c->intermediate_size;
+    double g[64], u[64];
+    mv(&L->gate_proj, x, g);
+    mv(&L->up_proj, x, u);
+    for (int64_t i = 0; i < F; i++)
+        g[i] = c->act == K3_ACT_SWIGLU
+                   ? g[i] * sg(g[i]) * u[i]
+                   : 4.0 * tanh(g[i] / 4.0) * sg(g[i]) * 25.0 * tanh(u[i] / 25.0);
+    mv(&L->down_proj, g, y);
+}
+static void test_plain_residual(k3_act act) {
+    k3_config c;
+    config(&c, true, true);
+    c.act = act;
+    c.tie_word_embeddings = true;
+    k3_layer_w L[2];
+    weights(&c, L);
+    k3_tensor embed = mk(K3_DT_BF16, c.vocab_size, c.hidden_size, 1.0f, 0),
+              fnorm = mk(K3_DT_F32, c.hidden_size, 0, 0.1f, 1.0f);
+    k3_weights_view wv = {.cfg = &c, .layers = L, .embed = embed, .final_norm = fnorm};
+    k3_stage_params sp = {.cfg = &c,
+                          .w = &wv,
+                          .layer_begin = 0,
+                          .layer_end = 2,
+                          .first = true,
+                          .last = true,
+                          .max_tokens = 8};
+    k3_stage *s = NULL;
+    K3_CHECK_OK(k3_stage_create(&sp, &s));
+    if (!s) return;
+    const int n = 7;
+    const int64_t D = c.hidden_size, V = c.vocab_size;
+    int32_t ids[7] = {3, 17, 42, 0, 49, 17, 8};
+    /* float64: h = E[ids]; per layer h += mixer(norm(h)); h += ffn(norm(h)) */
+    double h[7 * 48], y[7 * 48], xd[48], fo[48];
+    float xn[7 * 48];
+    for (int t = 0; t < n; t++)
+        for (int64_t d = 0; d < D; d++) h[t * D + d] = W(&embed, ids[t], d);
+    for (int l = 0; l < 2; l++) {
+        for (int t = 0; t < n; t++) {
+            for (int64_t d = 0; d < D; d++) xd[d] = h[t * D + d];
+            rms(xd, D, &L[l].input_norm, c.rms_norm_eps);
+            for (int64_t d = 0; d < D; d++) xn[t * D + d] = (float)xd[d];
+        }
+        (l == 0 ? kda_f64 : mla_f64)(&c, &L[l], xn, n, y);
+        for (int64_t e = 0; e < n * D; e++) h[e] += y[e];
+        for (int t = 0; t < n; t++) {
+            for (int64_t d = 0; d < D; d++) xd[d] = h[t * D + d];
+            rms(xd, D, &L[l].post_attn_norm, c.rms_norm_eps);
+            ffn_f64(&c, &L[l], xd, fo);
+            for (int64_t d = 0; d < D; d++) h[t * D + d] += fo[d];
+        }
+    }
+    double want[7 * 50];
+    for (int t = 0; t < n; t++) {
+        for (int64_t d = 0; d < D; d++) xd[d] = h[t * D + d];
+        rms(xd, D, &fnorm, c.rms_norm_eps);
+        mv(&embed, xd, want + t * V);
+    }
+    k3_seq_state *st = NULL;
+    K3_CHECK_OK(k3_seq_state_create(s, 16, &st));
+    k3_activ act_buf;
+    K3_CHECK_OK(k3_activ_alloc(&act_buf, &c, 8));
+    float got[7 * 50];
+    int32_t nt = 4;
+    k3_batch b = {.n_seqs = 1, .states = &st, .n_tokens = &nt, .token_ids = ids};
+    K3_CHECK_OK(k3_stage_forward(s, &b, &act_buf, NULL, true, got));
+    nt = 3;
+    b.token_ids = ids + 4;
+    K3_CHECK_OK(k3_stage_forward(s, &b, &act_buf, NULL, true, got + 4 * V));
+    double num = 0, den = 0;
+    for (int64_t i = 0; i < n * V; i++)
+        num += (got[i] - want[i]) * (got[i] - want[i]), den += want[i] * want[i];
+    K3_CHECK(sqrt(num / den) < K3_TOL_LAYER_REL_L2, "plain residual stage (%s): logits rel-L2 %.3g",
+             act == K3_ACT_SWIGLU ? "SwiGLU" : "SiTU", sqrt(num / den));
+    printf("  plain-residual stage, tied head, %s: logits rel-L2 %.2e\n",
+           act == K3_ACT_SWIGLU ? "SwiGLU" : "SiTU", sqrt(num / den));
+    k3_activ_free(&act_buf);
+    k3_seq_state_destroy(st);
     k3_stage_destroy(s);
 }
 
@@ -320,7 +430,8 @@ static void test_errors(void) {
     L[1].kv_b_proj.shape[1] = 11;
     k3_stage_params sp = {.cfg = &c, .w = &wv, .layer_begin = 0, .layer_end = 2, .max_tokens = 4};
     k3_stage *s = NULL;
-    K3_CHECK_ERR(k3_stage_create(&sp, &s), K3_ERR_SHAPE, "layer 1: tensor kv_b_proj has shape [48, 11], expected [48, 12]");
+    K3_CHECK_ERR(k3_stage_create(&sp, &s), K3_ERR_SHAPE,
+                 "layer 1: tensor kv_b_proj has shape [48, 11], expected [48, 12]");
     L[1].kv_b_proj.shape[1] = 12;
     L[0].q_proj.data = NULL;
     K3_CHECK_ERR(k3_stage_create(&sp, &s), K3_ERR_MISSING, "layer 0: tensor q_proj is not loaded");
@@ -365,6 +476,8 @@ int main(void) {
     run_case("K3 gate, chunk 2", true, true, k3_ops_ref(), 2);
     run_case("softplus gate, low-rank", false, false, k3_ops_cpu(), 0);
     run_case("softplus gate, ref", false, false, k3_ops_ref(), 0);
+    test_plain_residual(K3_ACT_SWIGLU);
+    test_plain_residual(K3_ACT_SITU);
     test_errors();
     for (int i = 0; i < g_n_mem; i++) free(g_mem[i]);
     return k3_test_done("layers");

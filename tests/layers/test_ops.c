@@ -40,7 +40,9 @@ static float *fa(int64_t n) { /* NaN-poisoned buffer */
     for (int64_t i = 0; i < n; i++) p[i] = NAN;
     return p;
 }
-static double sigd(double x) { return 1.0 / (1.0 + exp(-x)); }
+static double sigd(double x) {
+    return 1.0 / (1.0 + exp(-x));
+}
 
 /* A random weight [out, in] of dtype dt (F32 / BF16 / MXFP4). */
 typedef struct {
@@ -66,7 +68,8 @@ static wbuf make_w(k3_dtype dt, int64_t out, int64_t in) {
         uint8_t *p = malloc((size_t)(out * in / 2));
         for (int64_t i = 0; i < out * in / 2; i++) p[i] = (uint8_t)(k3_rng_u64(&g_rng) & 0xff);
         w.scale = malloc((size_t)(out * in / 32));
-        for (int64_t i = 0; i < out * in / 32; i++) w.scale[i] = (uint8_t)(120 + k3_rng_u64(&g_rng) % 6);
+        for (int64_t i = 0; i < out * in / 32; i++)
+            w.scale[i] = (uint8_t)(120 + k3_rng_u64(&g_rng) % 6);
         w.mem = p;
         w.t.scale = w.scale;
     }
@@ -92,7 +95,8 @@ static void test_matmul(void) {
         for (int64_t t = 0; t < T; t++)
             for (int64_t o = 0; o < out; o++) {
                 double s = 0;
-                for (int64_t i = 0; i < in; i++) s += (double)x[t * in + i] * k3_tensor_get(&w.t, o, i);
+                for (int64_t i = 0; i < in; i++)
+                    s += (double)x[t * in + i] * k3_tensor_get(&w.t, o, i);
                 yd[t * out + o] = s;
             }
         K3_CHECK_OK(ref->matmul(x, T, &w.t, yr));
@@ -140,13 +144,16 @@ static void test_matmul_tn(void) {
         for (int64_t t = 0; t < T; t++)
             for (int64_t i = 0; i < in; i++) {
                 double s = 0;
-                for (int64_t o = 0; o < out; o++) s += (double)x[t * out + o] * k3_tensor_get(&w.t, o, i);
+                for (int64_t o = 0; o < out; o++)
+                    s += (double)x[t * out + o] * k3_tensor_get(&w.t, o, i);
                 yd[t * in + i] = s;
             }
         K3_CHECK_OK(ref->matmul_tn(x, T, &w.t, yr));
         K3_CHECK_OK(cpu->matmul_tn(x, T, &w.t, yc));
-        for (int64_t t = 0; t < T; t++) K3_CHECK_OK(cpu->matmul_tn(x + t * out, 1, &w.t, y1 + t * in));
-        K3_CHECK(rel_l2_d(yr, yd, T * in) < K3_TOL_OP_REL_L2 && rel_l2_d(yc, yd, T * in) < K3_TOL_OP_REL_L2,
+        for (int64_t t = 0; t < T; t++)
+            K3_CHECK_OK(cpu->matmul_tn(x + t * out, 1, &w.t, y1 + t * in));
+        K3_CHECK(rel_l2_d(yr, yd, T * in) < K3_TOL_OP_REL_L2 &&
+                     rel_l2_d(yc, yd, T * in) < K3_TOL_OP_REL_L2,
                  "matmul_tn");
         K3_CHECK(memcmp(yc, y1, (size_t)(T * in) * sizeof(float)) == 0, "matmul_tn depends on T");
         free(x), free(yr), free(yc), free(y1), free(yd);
@@ -174,14 +181,17 @@ static void test_rmsnorm(void) {
     /* hand case: x = (3, 4), w = 1, eps 0: rms = sqrt(12.5) */
     float hx[2] = {3, 4}, hy[2];
     k3_ops_cpu()->rmsnorm(hx, NULL, 1, 2, 0.0f, hy);
-    K3_CHECK(fabsf(hy[0] - 3.0f / sqrtf(12.5f)) < 1e-6f && fabsf(hy[1] - 4.0f / sqrtf(12.5f)) < 1e-6f, "rmsnorm hand");
+    K3_CHECK(fabsf(hy[0] - 3.0f / sqrtf(12.5f)) < 1e-6f &&
+                 fabsf(hy[1] - 4.0f / sqrtf(12.5f)) < 1e-6f,
+             "rmsnorm hand");
     free(x), free(w), free(yr), free(yc), free(yd);
 }
 
 static void test_l2norm(void) {
     float hx[4] = {3, 4, 0, 0}, hy[4];
     k3_ops_cpu()->l2norm(hx, 2, 2, 1e-6f, hy);
-    K3_CHECK(fabsf(hy[0] - 3.0f / sqrtf(25.000001f)) < 1e-7f && fabsf(hy[1] - 0.8f) < 1e-6f, "l2norm hand");
+    K3_CHECK(fabsf(hy[0] - 3.0f / sqrtf(25.000001f)) < 1e-7f && fabsf(hy[1] - 0.8f) < 1e-6f,
+             "l2norm hand");
     K3_CHECK(hy[2] == 0.0f && hy[3] == 0.0f, "l2norm of zeros must be 0 (eps), got %g", hy[2]);
     int64_t T = 64, n = 128;
     float *x = fa(T * n), *yr = fa(T * n), *yc = fa(T * n);
@@ -204,20 +214,36 @@ static void elementwise_case(const char *name, int which) {
     for (int64_t i = 0; i < n; i++) {
         double gd = g[i], ud = u[i];
         switch (which) {
-        case 0: yd[i] = gd * sigd(gd); break;
-        case 1: yd[i] = sigd(gd); break;
-        case 2: yd[i] = 4.0 * tanh(gd / 4.0) * sigd(gd) * 25.0 * tanh(ud / 25.0); break;
-        case 3: yd[i] = gd * sigd(gd) * ud; break;
+        case 0:
+            yd[i] = gd * sigd(gd);
+            break;
+        case 1:
+            yd[i] = sigd(gd);
+            break;
+        case 2:
+            yd[i] = 4.0 * tanh(gd / 4.0) * sigd(gd) * 25.0 * tanh(ud / 25.0);
+            break;
+        case 3:
+            yd[i] = gd * sigd(gd) * ud;
+            break;
         }
     }
     const k3_ops *ops[2] = {k3_ops_ref(), k3_ops_cpu()};
     float *ys[2] = {yr, yc};
     for (int b = 0; b < 2; b++) {
         switch (which) {
-        case 0: ops[b]->silu(g, n, ys[b]); break;
-        case 1: ops[b]->sigmoid(g, n, ys[b]); break;
-        case 2: ops[b]->situ(g, u, n, 4.0f, 25.0f, ys[b]); break;
-        case 3: ops[b]->swiglu(g, u, n, ys[b]); break;
+        case 0:
+            ops[b]->silu(g, n, ys[b]);
+            break;
+        case 1:
+            ops[b]->sigmoid(g, n, ys[b]);
+            break;
+        case 2:
+            ops[b]->situ(g, u, n, 4.0f, 25.0f, ys[b]);
+            break;
+        case 3:
+            ops[b]->swiglu(g, u, n, ys[b]);
+            break;
         }
         K3_CHECK(rel_l2_d(ys[b], yd, n) < K3_TOL_OP_REL_L2, "%s (%s) vs float64: %g", name,
                  ops[b]->backend, rel_l2_d(ys[b], yd, n));
@@ -247,7 +273,9 @@ static void test_situ(void) {
     k3_ops_cpu()->situ(&g, &u, 1, 4.0f, 0.0f, &y2);
     K3_CHECK(fabs(y2 - 4.0 * tanh(0.25) * sigd(1.0) * 2.0) < 1e-6, "situ uncapped");
 }
-static void test_swiglu(void) { elementwise_case("swiglu", 3); }
+static void test_swiglu(void) {
+    elementwise_case("swiglu", 3);
+}
 
 static void test_softmax(void) {
     float x[6] = {1, 2, 3, 1000, 1000, -1000}, y[6];
@@ -264,7 +292,8 @@ static void test_softmax(void) {
 static void test_attnres_mix(void) {
     const int64_t T = 3, D = 64;
     for (int nb = 0; nb <= 4; nb++) {
-        float *bank = fa((nb ? nb : 1) * T * D), *p = fa(T * D), *w = fa(D), *yr = fa(T * D), *yc = fa(T * D);
+        float *bank = fa((nb ? nb : 1) * T * D), *p = fa(T * D), *w = fa(D), *yr = fa(T * D),
+              *yc = fa(T * D);
         double *yd = malloc((size_t)(T * D) * sizeof(double));
         fill(bank, nb * T * D, 1.0f);
         fill(p, T * D, 3.0f);
@@ -290,9 +319,12 @@ static void test_attnres_mix(void) {
         }
         k3_ops_ref()->attnres_mix(bank, nb, p, w, T, D, 1e-5f, yr);
         k3_ops_cpu()->attnres_mix(bank, nb, p, w, T, D, 1e-5f, yc);
-        K3_CHECK(rel_l2_d(yr, yd, T * D) < K3_TOL_OP_REL_L2, "attnres_mix n_bank=%d: %g", nb, rel_l2_d(yr, yd, T * D));
+        K3_CHECK(rel_l2_d(yr, yd, T * D) < K3_TOL_OP_REL_L2, "attnres_mix n_bank=%d: %g", nb,
+                 rel_l2_d(yr, yd, T * D));
         K3_CHECK(memcmp(yr, yc, (size_t)(T * D) * sizeof(float)) == 0, "attnres cpu != ref");
-        if (nb == 0) K3_CHECK(memcmp(yr, p, (size_t)(T * D) * sizeof(float)) == 0, "mix of one source = itself");
+        if (nb == 0)
+            K3_CHECK(memcmp(yr, p, (size_t)(T * D) * sizeof(float)) == 0,
+                     "mix of one source = itself");
         /* in place (out aliases p) */
         k3_ops_cpu()->attnres_mix(bank, nb, p, w, T, D, 1e-5f, p);
         K3_CHECK(memcmp(yr, p, (size_t)(T * D) * sizeof(float)) == 0, "attnres in place");
@@ -308,17 +340,21 @@ typedef struct {
     float *q, *k, *v, *g, *beta;
 } kda_in;
 static kda_in make_kda(int64_t n, int H, int dk, int dv, float g_lo, float g_hi) {
-    kda_in in = {n, H, dk, dv, fa(n * H * dk), fa(n * H * dk), fa(n * H * dv), fa(n * H * dk), fa(n * H)};
+    kda_in in = {
+        n, H, dk, dv, fa(n * H * dk), fa(n * H * dk), fa(n * H * dv), fa(n * H * dk), fa(n * H)};
     fill(in.q, n * H * dk, 1.0f);
     fill(in.k, n * H * dk, 1.0f);
     fill(in.v, n * H * dv, 1.0f);
     k3_ops_ref()->l2norm(in.q, n * H, dk, 1e-6f, in.q);
     k3_ops_ref()->l2norm(in.k, n * H, dk, 1e-6f, in.k);
-    for (int64_t i = 0; i < n * H * dk; i++) in.g[i] = g_lo + (g_hi - g_lo) * (float)k3_rng_uniform(&g_rng);
+    for (int64_t i = 0; i < n * H * dk; i++)
+        in.g[i] = g_lo + (g_hi - g_lo) * (float)k3_rng_uniform(&g_rng);
     for (int64_t i = 0; i < n * H; i++) in.beta[i] = (float)k3_rng_uniform(&g_rng);
     return in;
 }
-static void free_kda(kda_in *in) { free(in->q), free(in->k), free(in->v), free(in->g), free(in->beta); }
+static void free_kda(kda_in *in) {
+    free(in->q), free(in->k), free(in->v), free(in->g), free(in->beta);
+}
 
 /* float64 recurrence in the transposed bookkeeping of §2.2 (M = Sᵀ [dv, dk]), output scaled
  * after the read — written independently of ref.c's S [dk, dv] loop order. */
@@ -350,9 +386,11 @@ static void test_kda_recurrent(void) {
     const int64_t n = 40;
     kda_in in = make_kda(n, H, dk, dv, -5.0f, 0.0f);
     float scale = 1.0f / sqrtf((float)dk);
-    float *S = calloc((size_t)H * dk * dv, sizeof(float)), *o = fa(n * H * dv), *oc = fa(n * H * dv);
+    float *S = calloc((size_t)H * dk * dv, sizeof(float)), *o = fa(n * H * dv),
+          *oc = fa(n * H * dv);
     float *Sc = calloc((size_t)H * dk * dv, sizeof(float));
-    double *M = calloc((size_t)H * dk * dv, sizeof(double)), *od = malloc((size_t)(n * H * dv) * sizeof(double));
+    double *M = calloc((size_t)H * dk * dv, sizeof(double)),
+           *od = malloc((size_t)(n * H * dv) * sizeof(double));
     kda_f64(&in, scale, M, od);
     k3_ops_ref()->kda_recurrent(in.q, in.k, in.v, in.g, in.beta, n, H, dk, dv, scale, S, o);
     K3_CHECK(rel_l2_d(o, od, n * H * dv) < K3_TOL_KDA_REL_L2, "kda_recurrent ref vs f64: %g",
@@ -361,8 +399,8 @@ static void test_kda_recurrent(void) {
     /* cpu: in two pieces (state carried), must equal ref bitwise (same per-head code) */
     k3_ops_cpu()->kda_recurrent(in.q, in.k, in.v, in.g, in.beta, 17, H, dk, dv, scale, Sc, oc);
     int64_t o17 = 17 * H, d17 = 17 * (int64_t)H * dk, v17 = 17 * (int64_t)H * dv;
-    k3_ops_cpu()->kda_recurrent(in.q + d17, in.k + d17, in.v + v17, in.g + d17, in.beta + o17, n - 17,
-                                H, dk, dv, scale, Sc, oc + v17);
+    k3_ops_cpu()->kda_recurrent(in.q + d17, in.k + d17, in.v + v17, in.g + d17, in.beta + o17,
+                                n - 17, H, dk, dv, scale, Sc, oc + v17);
     K3_CHECK(memcmp(o, oc, (size_t)(n * H * dv) * sizeof(float)) == 0, "kda cpu pieces != ref");
     /* hand case: dk = dv = 1, S0 = 0: S1 = β k v, o1 = scale·S1·q */
     float q1 = 1, k1 = 1, v1 = 2, g1 = -1, b1 = 0.5f, S1 = 0, o1;
@@ -390,13 +428,15 @@ static void test_kda_chunked(void) {
             const k3_ops *ops[2] = {k3_ops_ref(), k3_ops_cpu()};
             for (int bk = 0; bk < 2; bk++) {
                 float *S = calloc((size_t)H * dk * dv, sizeof(float)), *o = fa(n * H * dv);
-                ops[bk]->kda_chunked(in.q, in.k, in.v, in.g, in.beta, n, H, dk, dv, scale, S, o, C, work);
+                ops[bk]->kda_chunked(in.q, in.k, in.v, in.g, in.beta, n, H, dk, dv, scale, S, o, C,
+                                     work);
                 K3_CHECK(all_finite(o, n * H * dv) && all_finite(S, (int64_t)H * dk * dv),
                          "kda_chunked C=%d: NaN/inf", C);
-                double eo = k3_rel_l2(o, o0, (size_t)(n * H * dv)), es = k3_rel_l2(S, S0, (size_t)H * dk * dv);
+                double eo = k3_rel_l2(o, o0, (size_t)(n * H * dv)),
+                       es = k3_rel_l2(S, S0, (size_t)H * dk * dv);
                 K3_CHECK(eo < K3_TOL_KDA_CHUNK_REL_L2 && es < K3_TOL_KDA_CHUNK_REL_L2,
-                         "kda_chunked (%s) C=%d g~%g: out %.3g state %.3g vs recurrent", ops[bk]->backend,
-                         C, g_ranges[gr][0], eo, es);
+                         "kda_chunked (%s) C=%d g~%g: out %.3g state %.3g vs recurrent",
+                         ops[bk]->backend, C, g_ranges[gr][0], eo, es);
                 free(S), free(o);
             }
             free(work);
@@ -410,7 +450,8 @@ static void test_kda_chunked(void) {
 static void test_attn_latent(void) {
     const int H = 4, Rkv = 24, dr = 8, W = Rkv + dr;
     const int64_t n_ctx = 300;
-    float *qc = fa((int64_t)H * W), *cache = fa(n_ctx * W), *or = fa((int64_t)H * Rkv), *oc = fa((int64_t)H * Rkv);
+    float *qc = fa((int64_t)H * W), *cache = fa(n_ctx * W), * or = fa((int64_t)H * Rkv),
+          *oc = fa((int64_t)H * Rkv);
     float *work = fa((int64_t)H * n_ctx);
     double *od = malloc((size_t)H * Rkv * sizeof(double));
     fill(qc, (int64_t)H * W, 1.0f);

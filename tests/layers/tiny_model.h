@@ -14,7 +14,7 @@
 
 typedef struct tiny_model {
     char dir[256];
-    bool own_dir;     /* made here: removed by tiny_close */
+    bool own_dir; /* made here: removed by tiny_close */
     k3_config cfg;
     k3_ckpt *ck;
     k3_weights *w;
@@ -28,10 +28,6 @@ static inline k3_status tiny_open_dir(tiny_model *m, const char *dir) {
     k3_load_sel sel = {.layer_begin = 0, .layer_end = m->cfg.n_layers, .embed = true, .head = true};
     K3_TRY(k3_weights_load(m->ck, &m->cfg, &sel, &m->w));
     m->view = k3_weights_get(m->w);
-    /* TEMPORARY (until model/weights.c sets it): loaded experts are present. */
-    for (int l = 0; l < m->cfg.n_layers; l++)
-        for (int e = 0; m->view->layers[l].experts && e < m->cfg.n_experts; e++)
-            if (m->view->layers[l].experts[e].w1.data) m->view->layers[l].experts[e].present = true;
     return K3_OK;
 }
 

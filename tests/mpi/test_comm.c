@@ -19,27 +19,32 @@
 static float enc(int rank, int64_t slot, int64_t col) {
     return (float)(rank * 1000003 + slot * 131 + col) * 0.25f; /* exact in fp32 for our sizes */
 }
-static float f_expert(float x, int expert) { return x * (float)(expert + 1) + 0.5f; }
+static float f_expert(float x, int expert) {
+    return x * (float)(expert + 1) + 0.5f;
+}
 
 int main(int argc, char **argv) {
     MPI_Init(&argc, &argv);
     MPI_Comm_set_errhandler(MPI_COMM_WORLD, MPI_ERRORS_RETURN);
-    int S = argc > 1 ? atoi(argv[1]) : 1, E = argc > 2 ? atoi(argv[2]) : 1, F = argc > 3 ? atoi(argv[3]) : 0;
+    int S = argc > 1 ? atoi(argv[1]) : 1, E = argc > 2 ? atoi(argv[2]) : 1,
+        F = argc > 3 ? atoi(argv[3]) : 0;
     uint64_t seed = argc > 4 ? strtoull(argv[4], NULL, 10) : 1234;
     int rank, size;
     MPI_Comm_rank(MPI_COMM_WORLD, &rank);
     MPI_Comm_size(MPI_COMM_WORLD, &size);
-    if (rank == 0) printf("test_comm: S=%d E=%d first_worker=%d seed=%llu\n", S, E, F, (unsigned long long)seed);
+    if (rank == 0)
+        printf("test_comm: S=%d E=%d first_worker=%d seed=%llu\n", S, E, F,
+               (unsigned long long)seed);
     k3_comm *c = NULL;
-    K3_CHECK_OK(k3_comm_create_mpi(&(k3_comm_params){.n_stages = S, .n_lanes = E, .first_worker = F,
-                                                      .timeout_s = 60},
-                                    &c));
+    K3_CHECK_OK(k3_comm_create_mpi(
+        &(k3_comm_params){.n_stages = S, .n_lanes = E, .first_worker = F, .timeout_s = 60}, &c));
     if (!c) {
         MPI_Abort(MPI_COMM_WORLD, 1);
     }
     K3_CHECK(k3_comm_rank(c) == rank && k3_comm_size(c) == size, "rank/size");
     int stage = k3_comm_stage(c), lane = k3_comm_lane(c);
-    K3_CHECK(rank < F ? stage == -1 : (stage == (rank - F) / E && lane == (rank - F) % E), "grid (%d,%d)", stage, lane);
+    K3_CHECK(rank < F ? stage == -1 : (stage == (rank - F) / E && lane == (rank - F) % E),
+             "grid (%d,%d)", stage, lane);
 
     /* ---- 1. messages around a ring, sends before receives ---- */
     {
@@ -56,16 +61,17 @@ int main(int argc, char **argv) {
         K3_CHECK_OK(k3_comm_barrier(c)); /* nobody sends before everyone has checked */
         int next = (rank + 1) % size, prev = (rank + size - 1) % size;
         for (int rep = 0; rep < 3; rep++) /* several in flight at once */
-            K3_CHECK_OK(k3_comm_send(c, next, (k3_msg_hdr){.kind = K3_MSG_ACTIV, .T = T, .n_bank = nb, .D = D},
-                                     meta, 3, &(k3_f32_seg){buf, nf}, 1));
+            K3_CHECK_OK(k3_comm_send(
+                c, next, (k3_msg_hdr){.kind = K3_MSG_ACTIV, .T = T, .n_bank = nb, .D = D}, meta, 3,
+                &(k3_f32_seg){buf, nf}, 1));
         for (int rep = 0; rep < 3; rep++) {
             K3_CHECK_OK(k3_comm_recv(c, prev, K3_MSG_ACTIV, &m));
-            K3_CHECK(m.src == prev && m.hdr.T == T && m.hdr.n_bank == nb && m.hdr.D == D && m.hdr.n_f32 == nf &&
-                         m.hdr.n_meta == 3,
-                     "header from %d: T %lld bank %d D %lld", m.src, (long long)m.hdr.T, m.hdr.n_bank,
-                     (long long)m.hdr.D);
-            K3_CHECK(m.meta[0] == prev && m.meta[1] == 7 && m.meta[2] == -prev, "meta %d %d %d", m.meta[0],
-                     m.meta[1], m.meta[2]);
+            K3_CHECK(m.src == prev && m.hdr.T == T && m.hdr.n_bank == nb && m.hdr.D == D &&
+                         m.hdr.n_f32 == nf && m.hdr.n_meta == 3,
+                     "header from %d: T %lld bank %d D %lld", m.src, (long long)m.hdr.T,
+                     m.hdr.n_bank, (long long)m.hdr.D);
+            K3_CHECK(m.meta[0] == prev && m.meta[1] == 7 && m.meta[2] == -prev, "meta %d %d %d",
+                     m.meta[0], m.meta[1], m.meta[2]);
             int64_t bad = 0;
             for (int64_t i = 0; i < nf; i++) bad += m.f32[i] != enc(prev, i, 0);
             K3_CHECK(bad == 0, "%lld wrong floats from rank %d", (long long)bad, prev);
@@ -76,14 +82,21 @@ int main(int argc, char **argv) {
         if (size > 1) {
             char junk[64] = {0};
             MPI_Request rq;
-            if (rank == 0) MPI_Isend(junk, sizeof junk, MPI_BYTE, 1, K3_MSG_BATCH, MPI_COMM_WORLD, &rq);
-            if (rank == 1) K3_CHECK_ERR(k3_comm_recv(c, 0, K3_MSG_BATCH, &m), K3_ERR_FORMAT, "from rank 0");
+            if (rank == 0)
+                MPI_Isend(junk, sizeof junk, MPI_BYTE, 1, K3_MSG_BATCH, MPI_COMM_WORLD, &rq);
+            if (rank == 1)
+                K3_CHECK_ERR(k3_comm_recv(c, 0, K3_MSG_BATCH, &m), K3_ERR_FORMAT, "from rank 0");
             if (rank == 0) MPI_Wait(&rq, MPI_STATUS_IGNORE);
             /* a good header whose length disagrees with the bytes received */
-            k3_msg_hdr h = {.magic = K3_MSG_MAGIC, .version = K3_MSG_VERSION, .kind = K3_MSG_BATCH,
-                            .n_bytes = sizeof h + 8, .n_f32 = 2};
+            k3_msg_hdr h = {.magic = K3_MSG_MAGIC,
+                            .version = K3_MSG_VERSION,
+                            .kind = K3_MSG_BATCH,
+                            .n_bytes = sizeof h + 8,
+                            .n_f32 = 2};
             if (rank == 0) MPI_Isend(&h, sizeof h, MPI_BYTE, 1, K3_MSG_BATCH, MPI_COMM_WORLD, &rq);
-            if (rank == 1) K3_CHECK_ERR(k3_comm_recv(c, 0, K3_MSG_BATCH, &m), K3_ERR_FORMAT, "does not match the header");
+            if (rank == 1)
+                K3_CHECK_ERR(k3_comm_recv(c, 0, K3_MSG_BATCH, &m), K3_ERR_FORMAT,
+                             "does not match the header");
             if (rank == 0) MPI_Wait(&rq, MPI_STATUS_IGNORE);
         }
     }
@@ -92,18 +105,21 @@ int main(int argc, char **argv) {
     if (stage >= 0) {
         k3_rng rng;
         k3_rng_seed(&rng, seed * 7919 + (uint64_t)rank);
-        const int X = 11, K = 3, W = 5;          /* experts, top-k, row width */
+        const int X = 11, K = 3, W = 5; /* experts, top-k, row width */
         int owner[11];
         /* E >= 3: lane E-1 owns nothing; E == 2: alternate so rows really get permuted */
         for (int x = 0; x < X; x++) owner[x] = E >= 3 ? (x * 7 + 3) % (E - 1) : x % E;
         for (int round = 0; round < 4; round++) {
-            int64_t T = (lane == 0 && round % 2 == 1) ? 0 : (int64_t)(1 + k3_rng_u64(&rng) % 9) + lane;
+            int64_t T =
+                (lane == 0 && round % 2 == 1) ? 0 : (int64_t)(1 + k3_rng_u64(&rng) % 9) + lane;
             int64_t n = T * K;
             float *rows = malloc((size_t)K3_MAX(n, 1) * W * sizeof(float));
             float *out = malloc((size_t)K3_MAX(n, 1) * W * sizeof(float));
-            int32_t *ex = malloc((size_t)K3_MAX(n, 1) * sizeof(int32_t)), *dl = malloc((size_t)K3_MAX(n, 1) * sizeof(int32_t));
+            int32_t *ex = malloc((size_t)K3_MAX(n, 1) * sizeof(int32_t)),
+                    *dl = malloc((size_t)K3_MAX(n, 1) * sizeof(int32_t));
             for (int64_t i = 0; i < n; i++) {
-                ex[i] = (int32_t)(k3_rng_u64(&rng) % (uint64_t)(X - 1)); /* expert X-1 never routed to */
+                ex[i] = (int32_t)(k3_rng_u64(&rng) %
+                                  (uint64_t)(X - 1)); /* expert X-1 never routed to */
                 dl[i] = owner[ex[i]];
                 for (int j = 0; j < W; j++) rows[i * W + j] = enc(rank, i, j);
             }
@@ -121,12 +137,16 @@ int main(int argc, char **argv) {
                 }
             }
             K3_CHECK(bad == 0, "round %d: %lld bad received rows/metadata", round, (long long)bad);
-            if (E >= 3 && lane == E - 1) K3_CHECK(v.n_recv == 0, "lane %d owns nothing but got %lld rows", lane, (long long)v.n_recv);
+            if (E >= 3 && lane == E - 1)
+                K3_CHECK(v.n_recv == 0, "lane %d owns nothing but got %lld rows", lane,
+                         (long long)v.n_recv);
             K3_CHECK_OK(k3_comm_combine(c, out));
             bad = 0;
             for (int64_t i = 0; i < n; i++)
-                for (int j = 0; j < W; j++) bad += out[i * W + j] != f_expert(rows[i * W + j], ex[i]);
-            K3_CHECK(bad == 0, "round %d: combine(dispatch(x)) differs in %lld values", round, (long long)bad);
+                for (int j = 0; j < W; j++)
+                    bad += out[i * W + j] != f_expert(rows[i * W + j], ex[i]);
+            K3_CHECK(bad == 0, "round %d: combine(dispatch(x)) differs in %lld values", round,
+                     (long long)bad);
             /* weighted per-token sums in slot order equal the local computation */
             double worst = 0;
             for (int64_t t = 0; t < T; t++)
@@ -144,7 +164,8 @@ int main(int argc, char **argv) {
         }
     } else {
         k3_dispatch_view v;
-        K3_CHECK_ERR(k3_comm_dispatch(c, NULL, 0, 4, NULL, NULL, &v), K3_ERR_STATE, "without a stage");
+        K3_CHECK_ERR(k3_comm_dispatch(c, NULL, 0, 4, NULL, NULL, &v), K3_ERR_STATE,
+                     "without a stage");
     }
 
     /* ---- 3. timeouts name the silent peer ---- */
@@ -154,8 +175,12 @@ int main(int argc, char **argv) {
         k3_msg m;
         double t0 = k3_now_s();
         char want[64];
-        if (F == 1) snprintf(want, sizeof want, "rank %d (stage %d, lane %d)", size - 1, (size - 2) / E, (size - 2) % E);
-        else snprintf(want, sizeof want, "rank %d (stage %d, lane %d)", size - 1, (size - 1) / E, (size - 1) % E);
+        if (F == 1)
+            snprintf(want, sizeof want, "rank %d (stage %d, lane %d)", size - 1, (size - 2) / E,
+                     (size - 2) % E);
+        else
+            snprintf(want, sizeof want, "rank %d (stage %d, lane %d)", size - 1, (size - 1) / E,
+                     (size - 1) % E);
         K3_CHECK_ERR(k3_comm_recv(c, size - 1, K3_MSG_STOP, &m), K3_ERR_COMM, want);
         double dt = k3_now_s() - t0;
         K3_CHECK(dt >= 0.9 && dt < 5, "timeout took %.2f s", dt);
@@ -165,7 +190,8 @@ int main(int argc, char **argv) {
     K3_CHECK_OK(k3_comm_barrier(c));
     uint64_t all[64] = {0};
     K3_CHECK_OK(k3_comm_allgather_u64(c, (uint64_t)rank * 3, all));
-    for (int r = 0; r < size && r < 64; r++) K3_CHECK(all[r] == (uint64_t)r * 3, "allgather[%d]", r);
+    for (int r = 0; r < size && r < 64; r++)
+        K3_CHECK(all[r] == (uint64_t)r * 3, "allgather[%d]", r);
     char msg[16] = {0};
     if (rank == 0) snprintf(msg, sizeof msg, "hello k3");
     K3_CHECK_OK(k3_comm_bcast(c, 0, msg, sizeof msg));
@@ -176,8 +202,10 @@ int main(int argc, char **argv) {
     MPI_Allreduce(&fails, &total, 1, MPI_INT, MPI_SUM, MPI_COMM_WORLD);
     if (total && !fails) k3_t_fail = 1; /* one verdict on all ranks */
     int rc = 0;
-    if (rank == 0) rc = k3_test_done("comm");
-    else rc = k3_t_fail ? 1 : 0;
+    if (rank == 0)
+        rc = k3_test_done("comm");
+    else
+        rc = k3_t_fail ? 1 : 0;
     MPI_Finalize();
     return rc;
 }

@@ -41,8 +41,10 @@ static double best_bottleneck(const double *cost, int n, int S, double first, do
     for (int i = 0; i < n; i++) hi += cost[i];
     for (int it = 0; it < 200; it++) {
         double mid = 0.5 * (lo + hi);
-        if (feasible(cost, n, S, first, last, mid)) hi = mid;
-        else lo = mid;
+        if (feasible(cost, n, S, first, last, mid))
+            hi = mid;
+        else
+            lo = mid;
     }
     return hi;
 }
@@ -65,13 +67,19 @@ static double brute(const double *cost, int n, int S, double first, double last,
 }
 
 static k3_plan_req req_of(int world, int pp, int ep, k3_coord_mode m) {
-    k3_plan_req r = {.world = world, .pp = pp, .ep = ep, .coord = m, .max_ctx = 512, .max_seqs_per_lane = 4,
+    k3_plan_req r = {.world = world,
+                     .pp = pp,
+                     .ep = ep,
+                     .coord = m,
+                     .max_ctx = 512,
+                     .max_seqs_per_lane = 4,
                      .max_tokens = 64};
     return r;
 }
 
 static void check_stages(const k3_config *c, const k3_plan *p, int64_t ctx, bool brute_ok) {
-    K3_CHECK(p->stage_begin[0] == 0 && p->stage_begin[p->n_stages] == c->n_layers, "stages cover the layers");
+    K3_CHECK(p->stage_begin[0] == 0 && p->stage_begin[p->n_stages] == c->n_layers,
+             "stages cover the layers");
     for (int s = 0; s < p->n_stages; s++)
         K3_CHECK(p->stage_begin[s + 1] > p->stage_begin[s], "stage %d empty", s);
     double cost[K3_MAX_LAYERS], first, last;
@@ -79,10 +87,12 @@ static void check_stages(const k3_config *c, const k3_plan *p, int64_t ctx, bool
     double mx = 0;
     for (int s = 0; s < p->n_stages; s++) mx = p->stage_cost[s] > mx ? p->stage_cost[s] : mx;
     double opt = best_bottleneck(cost, c->n_layers, p->n_stages, first, last);
-    K3_CHECK(fabs(mx - opt) <= 1e-9 * opt, "S=%d: plan bottleneck %.6g vs optimum %.6g", p->n_stages, mx, opt);
+    K3_CHECK(fabs(mx - opt) <= 1e-9 * opt, "S=%d: plan bottleneck %.6g vs optimum %.6g",
+             p->n_stages, mx, opt);
     if (brute_ok) {
         double b = brute(cost, c->n_layers, p->n_stages, first, last, 0, 0);
-        K3_CHECK(fabs(mx - b) <= 1e-9 * b, "S=%d: plan bottleneck %.6g vs brute force %.6g", p->n_stages, mx, b);
+        K3_CHECK(fabs(mx - b) <= 1e-9 * b, "S=%d: plan bottleneck %.6g vs brute force %.6g",
+                 p->n_stages, mx, b);
     }
 }
 
@@ -106,9 +116,14 @@ int main(void) {
             for (int m = 0; m < 2; m++) {
                 k3_plan p;
                 int world = S * eps[k] + m;
-                K3_CHECK_OK(k3_plan_make(&tiny, &(k3_plan_req){.world = world, .pp = S, .ep = eps[k],
-                                                               .coord = (k3_coord_mode)m, .max_ctx = 512,
-                                                               .max_seqs_per_lane = 2, .max_tokens = 16},
+                K3_CHECK_OK(k3_plan_make(&tiny,
+                                         &(k3_plan_req){.world = world,
+                                                        .pp = S,
+                                                        .ep = eps[k],
+                                                        .coord = (k3_coord_mode)m,
+                                                        .max_ctx = 512,
+                                                        .max_seqs_per_lane = 2,
+                                                        .max_tokens = 16},
                                          &p));
                 if (p.n_stages != S) continue;
                 if (k == 0 && m == 0) check_stages(&tiny, &p, 512, true);
@@ -117,19 +132,26 @@ int main(void) {
                     int s, e;
                     bool w = k3_plan_coords(&p, r, &s, &e);
                     K3_CHECK(w == !(m == 1 && r == 0), "rank %d worker=%d", r, w);
-                    if (w) K3_CHECK(k3_plan_rank(&p, s, e) == r, "rank %d -> (%d,%d) -> %d", r, s, e,
-                                    k3_plan_rank(&p, s, e));
+                    if (w)
+                        K3_CHECK(k3_plan_rank(&p, s, e) == r, "rank %d -> (%d,%d) -> %d", r, s, e,
+                                 k3_plan_rank(&p, s, e));
                 }
-                if (m == 1) K3_CHECK(p.mem[0].weights == 0, "dedicated coordinator holds %llu weight bytes",
-                                     (unsigned long long)p.mem[0].weights);
+                if (m == 1)
+                    K3_CHECK(p.mem[0].weights == 0, "dedicated coordinator holds %llu weight bytes",
+                             (unsigned long long)p.mem[0].weights);
                 k3_plan_free(&p);
             }
         }
     }
     for (int S = 1; S <= 16; S *= 2) {
         k3_plan p;
-        K3_CHECK_OK(k3_plan_make(&big, &(k3_plan_req){.world = S * 8, .pp = S, .ep = 8, .max_ctx = 4096,
-                                                      .max_seqs_per_lane = 8, .max_tokens = 256},
+        K3_CHECK_OK(k3_plan_make(&big,
+                                 &(k3_plan_req){.world = S * 8,
+                                                .pp = S,
+                                                .ep = 8,
+                                                .max_ctx = 4096,
+                                                .max_seqs_per_lane = 8,
+                                                .max_tokens = 256},
                                  &p));
         check_stages(&big, &p, 4096, false);
         if (S == 4) {
@@ -144,8 +166,14 @@ int main(void) {
     /* per-rank weight bytes vs sums made here from the catalogue */
     {
         k3_plan p;
-        K3_CHECK_OK(k3_plan_make(&tiny, &(k3_plan_req){.world = 7, .pp = 3, .ep = 2, .coord = K3_COORD_DEDICATED,
-                                                       .max_ctx = 64, .max_seqs_per_lane = 1, .max_tokens = 8},
+        K3_CHECK_OK(k3_plan_make(&tiny,
+                                 &(k3_plan_req){.world = 7,
+                                                .pp = 3,
+                                                .ep = 2,
+                                                .coord = K3_COORD_DEDICATED,
+                                                .max_ctx = 64,
+                                                .max_seqs_per_lane = 1,
+                                                .max_tokens = 8},
                                  &p));
         int64_t n = k3_catalog(&tiny, NULL, 0);
         k3_tensor_spec *specs = calloc((size_t)n, sizeof *specs);
@@ -159,9 +187,12 @@ int main(void) {
                 int s = (r - 1) / 2, e = (r - 1) % 2;
                 int lb = p.stage_begin[s], le = p.stage_begin[s + 1];
                 bool mine = false;
-                if (t->kind == K3_TK_GLOBAL) mine = t->first_stage ? s == 0 : s == 2;
-                else if (t->kind == K3_TK_LAYER) mine = t->layer >= lb && t->layer < le;
-                else mine = t->layer >= lb && t->layer < le && t->expert / (tiny.n_experts / 2) == e;
+                if (t->kind == K3_TK_GLOBAL)
+                    mine = t->first_stage ? s == 0 : s == 2;
+                else if (t->kind == K3_TK_LAYER)
+                    mine = t->layer >= lb && t->layer < le;
+                else
+                    mine = t->layer >= lb && t->layer < le && t->expert / (tiny.n_experts / 2) == e;
                 if (mine) want[r] += b;
             }
             if (t->kind == K3_TK_EXPERT) total_experts += b;
@@ -173,7 +204,8 @@ int main(void) {
             sum += p.mem[r].weights;
         }
         /* experts are held once; everything else once per lane */
-        K3_CHECK(sum == 2 * (total - total_experts) + total_experts, "sum %llu", (unsigned long long)sum);
+        K3_CHECK(sum == 2 * (total - total_experts) + total_experts, "sum %llu",
+                 (unsigned long long)sum);
         K3_CHECK(p.mem[1].caches > 0 && p.mem[1].buffers > 0, "caches/buffers estimated");
         free(specs);
         k3_plan_free(&p);
@@ -182,8 +214,13 @@ int main(void) {
     /* contiguous map: each lane owns n/E consecutive experts on MoE layers, -1 elsewhere */
     {
         k3_plan p;
-        K3_CHECK_OK(k3_plan_make(&tiny, &(k3_plan_req){.world = 4, .pp = 1, .ep = 4, .max_ctx = 64,
-                                                       .max_seqs_per_lane = 1, .max_tokens = 8},
+        K3_CHECK_OK(k3_plan_make(&tiny,
+                                 &(k3_plan_req){.world = 4,
+                                                .pp = 1,
+                                                .ep = 4,
+                                                .max_ctx = 64,
+                                                .max_seqs_per_lane = 1,
+                                                .max_tokens = 8},
                                  &p));
         for (int l = 0; l < tiny.n_layers; l++)
             for (int x = 0; x < tiny.n_experts; x++) {
@@ -198,9 +235,11 @@ int main(void) {
     {
         char map[2048];
         int o = snprintf(map, sizeof map, "# test map\n*");
-        for (int x = 0; x < tiny.n_experts; x++) o += snprintf(map + o, sizeof map - (size_t)o, " %d", x % 3);
+        for (int x = 0; x < tiny.n_experts; x++)
+            o += snprintf(map + o, sizeof map - (size_t)o, " %d", x % 3);
         o += snprintf(map + o, sizeof map - (size_t)o, "\n5");
-        for (int x = 0; x < tiny.n_experts; x++) o += snprintf(map + o, sizeof map - (size_t)o, ",%d", x < 2 ? 2 : 0);
+        for (int x = 0; x < tiny.n_experts; x++)
+            o += snprintf(map + o, sizeof map - (size_t)o, ",%d", x < 2 ? 2 : 0);
         snprintf(map + o, sizeof map - (size_t)o, "  # layer 5: lane 1 owns nothing\n");
         k3_plan_req r = req_of(6, 2, 3, K3_COORD_SHARED);
         r.expert_map = map;
@@ -210,7 +249,8 @@ int main(void) {
         for (int l = 1; l < tiny.n_layers; l++)
             for (int x = 0; x < tiny.n_experts; x++) {
                 int want = l == 5 ? (x < 2 ? 2 : 0) : x % 3;
-                K3_CHECK(k3_plan_owner_lane(&p, l, x) == want, "map: layer %d expert %d lane %d want %d", l, x,
+                K3_CHECK(k3_plan_owner_lane(&p, l, x) == want,
+                         "map: layer %d expert %d lane %d want %d", l, x,
                          k3_plan_owner_lane(&p, l, x), want);
             }
         K3_CHECK(k3_plan_owner_lane(&p, 0, 0) == -1, "dense layer has owners");
@@ -223,9 +263,15 @@ int main(void) {
         K3_CHECK_OK(k3_plan_make(&tiny, &r, &q));
         K3_CHECK(q.hash != p.hash, "a different map gives the same hash");
         k3_plan_free(&q);
-        K3_CHECK_OK(k3_plan_make(&tiny, &(k3_plan_req){.world = 7, .pp = 2, .ep = 3, .coord = K3_COORD_DEDICATED,
-                                                       .expert_map = map, .max_ctx = 512,
-                                                       .max_seqs_per_lane = 4, .max_tokens = 64},
+        K3_CHECK_OK(k3_plan_make(&tiny,
+                                 &(k3_plan_req){.world = 7,
+                                                .pp = 2,
+                                                .ep = 3,
+                                                .coord = K3_COORD_DEDICATED,
+                                                .expert_map = map,
+                                                .max_ctx = 512,
+                                                .max_seqs_per_lane = 4,
+                                                .max_tokens = 64},
                                  &q));
         K3_CHECK(q.hash != p.hash, "dedicated vs shared give the same hash");
         k3_plan_free(&q);
@@ -234,14 +280,18 @@ int main(void) {
 
     /* invalid requests: clear errors naming the flag / line */
     k3_plan p;
-    K3_CHECK_ERR(k3_plan_make(&tiny, &(k3_plan_req){.world = 4, .pp = 2, .ep = 1}, &p), K3_ERR_ARG, "world has 4");
-    K3_CHECK_ERR(k3_plan_make(&tiny, &(k3_plan_req){.world = 4, .pp = 2, .ep = 2, .coord = K3_COORD_DEDICATED}, &p),
-                 K3_ERR_ARG, "dedicated");
+    K3_CHECK_ERR(k3_plan_make(&tiny, &(k3_plan_req){.world = 4, .pp = 2, .ep = 1}, &p), K3_ERR_ARG,
+                 "world has 4");
+    K3_CHECK_ERR(
+        k3_plan_make(&tiny,
+                     &(k3_plan_req){.world = 4, .pp = 2, .ep = 2, .coord = K3_COORD_DEDICATED}, &p),
+        K3_ERR_ARG, "dedicated");
     K3_CHECK_ERR(k3_plan_make(&tiny, &(k3_plan_req){.world = 9, .pp = 9, .ep = 1}, &p), K3_ERR_ARG,
                  "more stages than the model's 8 layers");
     K3_CHECK_ERR(k3_plan_make(&tiny, &(k3_plan_req){.world = 3, .pp = 1, .ep = 3}, &p), K3_ERR_ARG,
                  "does not divide n_experts = 16");
-    K3_CHECK_ERR(k3_plan_make(&tiny, &(k3_plan_req){.world = 0, .pp = 0, .ep = 1}, &p), K3_ERR_ARG, "--pp 0");
+    K3_CHECK_ERR(k3_plan_make(&tiny, &(k3_plan_req){.world = 0, .pp = 0, .ep = 1}, &p), K3_ERR_ARG,
+                 "--pp 0");
     K3_CHECK(p.expert_lane == NULL && p.mem == NULL, "failed plan leaves nothing allocated");
     struct {
         const char *map, *needle;
@@ -250,7 +300,8 @@ int main(void) {
         {"* 0 0 0 0 0 0 0 0 0 0 0 0 0 0 0 7\n", "lane '7' is not in [0, 2)"},
         {"0 0 0 0 0 0 0 0 0 0 0 0 0 0 0 0 0\n", "layer 0 is not a MoE layer"},
         {"1 0 0 0 0 0 0 0 0 0 0 0 0 0 0 0 0\n", "MoE layer 2 has no line"},
-        {"\n\n1 0 0 0 0 0 0 0 0 0 0 0 0 0 0 0 0\n1 0 0 0 0 0 0 0 0 0 0 0 0 0 0 0 0\n", "map.txt:4: layer 1 listed twice"},
+        {"\n\n1 0 0 0 0 0 0 0 0 0 0 0 0 0 0 0 0\n1 0 0 0 0 0 0 0 0 0 0 0 0 0 0 0 0\n",
+         "map.txt:4: layer 1 listed twice"},
         {"x 0\n", "'x' is not a layer index"},
         {"* 0 0 0 0 0 0 0 0 0 0 0 0 0 0 0 0 0\n", "more than n_experts"},
     };

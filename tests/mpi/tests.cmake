@@ -13,5 +13,23 @@ foreach(grid "4;2;2;0" "3;1;3;0" "5;2;2;1" "2;2;1;0")
   add_test(NAME comm_np${np}_s${S}_e${E}_f${F}
            COMMAND ${MPIEXEC_EXECUTABLE} ${MPIEXEC_NUMPROC_FLAG} ${np} --oversubscribe ${MPIEXEC_PREFLAGS}
                    $<TARGET_FILE:test_comm> ${S} ${E} ${F} 1234)
-  set_tests_properties(comm_np${np}_s${S}_e${E}_f${F} PROPERTIES LABELS "mpi" ENVIRONMENT "${K3_TEST_ENV}" TIMEOUT 60)
+  # also in the sanitize tier; Open MPI's own allocations are not ours to leak-check (ENVIRONMENT.md)
+  set_tests_properties(comm_np${np}_s${S}_e${E}_f${F} PROPERTIES LABELS "mpi;sanitize" TIMEOUT 60
+                       ENVIRONMENT "${K3_TEST_ENV};ASAN_OPTIONS=detect_leaks=0:abort_on_error=0")
 endforeach()
+
+# the distributed `k3 run` end to end (python3 + numpy drive mpirun; see dist_run.py)
+find_program(K3_PYTHON3 python3)
+foreach(mode splits bytes fail)
+  add_test(NAME dist_${mode}
+           COMMAND ${K3_PYTHON3} ${CMAKE_CURRENT_LIST_DIR}/dist_run.py ${mode} ${MPIEXEC_EXECUTABLE})
+  set_tests_properties(dist_${mode} PROPERTIES LABELS "mpi" ENVIRONMENT "${K3_TEST_ENV}" TIMEOUT 240)
+endforeach()
+
+# k3 plan (no MPI): the real K3 over 4 x 8, and a request the grid cannot satisfy
+add_test(NAME plan_cli_k3 COMMAND $<TARGET_FILE:k3> plan --preset k3 --pp 4 --ep 8)
+set_tests_properties(plan_cli_k3 PROPERTIES LABELS "unit" ENVIRONMENT "${K3_TEST_ENV}" TIMEOUT 60
+                     PASS_REGULAR_EXPRESSION "world 32 = 4 stages x 8 lanes.*71-92")
+add_test(NAME plan_cli_bad_world COMMAND $<TARGET_FILE:k3> plan --preset tiny --world 5 --pp 2 --ep 2)
+set_tests_properties(plan_cli_bad_world PROPERTIES LABELS "unit" ENVIRONMENT "${K3_TEST_ENV}" TIMEOUT 60
+                     PASS_REGULAR_EXPRESSION "--pp 2 x --ep 2 = 4 ranks, but the world has 5")

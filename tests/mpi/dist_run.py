@@ -1,0 +1,247 @@
+#!/usr/bin/env python3
+"""dist_run.py — end-to-end checks of the distributed `k3 run` (ctest label "mpi").
+
+usage: dist_run.py MODE MPIEXEC   (K3_BIN = the k3 binary; a tiny model is made in a temp dir)
+  splits : for (S,E) in (1,1) (2,1) (1,2) (2,2) (4,1) (1,4) (3,1) + dedicated (2,2):
+           batch 1 and batch 3 ("A;B;C"), greedy, 32 new tokens, prefill chunk 5;
+           --deterministic: the dumped logits are BIT-identical to the single-process runs
+           (`k3 run` without mpirun, one prompt at a time; the batch-3 dump is the prompts' dumps
+           concatenated); without it: rel-L2 <= 1e-5 and identical greedy tokens.
+  bytes  : per-rank bytes read (from --json) equal the bytes computed HERE from the safetensors
+           headers for the tensors that rank must own (its stage's layers, its lane's contiguous
+           experts, embedding on stage 0, head on the last stage) — so no rank read another rank's
+           experts — and their sum equals the plan's sum.
+  fail   : K3_TEST_FAIL=load:K and decode:K:N on rank K of 4 (and a dedicated coordinator):
+           every rank exits non-zero within 30 s, the output names rank K, no process is left;
+           hang:K:N (rank K stops answering): the waiting ranks time out and end
+           the job, naming the timeout (--comm-timeout 5).
+"""
+import json
+import os
+import re
+import shutil
+import struct
+import subprocess
+import sys
+import tempfile
+import time
+
+import numpy as np
+
+K3 = os.environ.get("K3_BIN")
+REL_L2_TOL = 1e-5  # tests/tolerances.h K3_TOL_DISTRIBUTED_REL_L2
+PROMPTS = [
+    list(range(1, 21)),
+    [100, 200, 300],
+    [7] * 40 + [3000, 3001, 3002, 5],
+]
+N_NEW = 32
+CHUNK = 5
+failures = []
+
+
+def check(cond, msg):
+    if not cond:
+        failures.append(msg)
+        print("FAIL:", msg, flush=True)
+
+
+def ids_arg(prompts):
+    return ";".join(",".join(str(t) for t in p) for p in prompts)
+
+
+def run(cmd, timeout=120, env=None):
+    e = dict(os.environ)
+    if env:
+        e.update(env)
+    t0 = time.time()
+    p = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=e)
+    return p, time.time() - t0
+
+
+def mpirun(mpiexec, np_, args, **kw):
+    return run([mpiexec, "-np", str(np_), "--oversubscribe", K3, "run"] + args, **kw)
+
+
+def load_npy(path):
+    return np.load(path)
+
+
+def make_model(tmp):
+    model = os.path.join(tmp, "tiny")
+    p, _ = run([K3, "make-tiny", model])
+    if p.returncode != 0:
+        print(p.stdout, p.stderr)
+        sys.exit("k3 make-tiny failed")
+    return model
+
+
+def singles(model, tmp):
+    """Single-process reference: one `k3 run` per prompt (no mpirun)."""
+    ref_logits, ref_tokens = [], []
+    for i, pr in enumerate(PROMPTS):
+        out = os.path.join(tmp, f"ref{i}.npy")
+        p, _ = run([K3, "run", "--model", model, "--prompt-ids", ids_arg([pr]), "--n", str(N_NEW),
+                    "--chunk", str(CHUNK), "--dump-logits", out, "--json"])
+        if p.returncode != 0:
+            print(p.stdout, p.stderr)
+            sys.exit("single-process k3 run failed")
+        ref_tokens.append(json.loads(p.stdout)["generated_ids"])
+        ref_logits.append(load_npy(out))
+        check(ref_logits[-1].shape[0] == len(pr) + N_NEW - 1, f"reference {i}: {ref_logits[-1].shape} rows")
+    return ref_logits, ref_tokens
+
+
+def mode_splits(mpiexec, tmp):
+    model = make_model(tmp)
+    ref_logits, ref_tokens = singles(model, tmp)
+    # an irregular expert map: lanes alternate, and on the first MoE layer lane 1 owns nothing
+    n_exp = json.load(open(os.path.join(model, "config.json")))["text_config"]["num_experts"]
+    map_path = os.path.join(tmp, "map.txt")
+    with open(map_path, "w") as f:
+        f.write("# test map\n* " + " ".join(str((x // 3) % 2) for x in range(n_exp)) + "\n")
+        f.write("1 " + " ".join("0" for _ in range(n_exp)) + "\n")
+    grids = [(1, 1, "shared"), (2, 1, "shared"), (1, 2, "shared"), (2, 2, "shared"), (4, 1, "shared"),
+             (1, 4, "shared"), (3, 1, "shared"), (2, 2, "dedicated"), (2, 2, "map")]
+    for S, E, coord in grids:
+        use_map = coord == "map"
+        coord = "shared" if use_map else coord
+        world = S * E + (coord == "dedicated")
+        for batch in (1, 3):
+            for det in (True, False):
+                if not det and batch == 1:
+                    continue  # the per-row path is the same code; keep the tier short
+                out = os.path.join(tmp, "dist.npy")
+                args = ["--model", model, "--prompt-ids", ids_arg(PROMPTS[:batch]), "--n", str(N_NEW), "--chunk",
+                        str(CHUNK), "--pp", str(S), "--ep", str(E), "--coordinator", coord, "--dump-logits", out,
+                        "--json", "--comm-timeout", "60"] + (["--deterministic"] if det else [])
+                args += ["--expert-map", map_path] if use_map else []
+                p, dt = mpirun(mpiexec, world, args)
+                tag = f"S={S} E={E} {coord}{' +map' if use_map else ''} batch={batch} det={det}"
+                if p.returncode != 0:
+                    check(False, f"{tag}: rc {p.returncode}\n{p.stderr[-2000:]}")
+                    continue
+                j = json.loads(p.stdout.strip().splitlines()[-1])
+                got = load_npy(out)
+                want = np.concatenate(ref_logits[:batch], axis=0)
+                check(got.shape == want.shape, f"{tag}: logits shape {got.shape} vs {want.shape}")
+                if got.shape != want.shape:
+                    continue
+                toks = [r["generated_ids"] for r in j["results"]]
+                check(toks == ref_tokens[:batch], f"{tag}: greedy tokens differ")
+                if det:
+                    same = got.tobytes() == want.tobytes()
+                    check(same, f"{tag}: logits not bit-identical (max |diff| {np.abs(got - want).max():.3g})")
+                else:
+                    rel = float(np.linalg.norm((got - want).astype(np.float64)) /
+                                np.linalg.norm(want.astype(np.float64)))
+                    check(rel <= REL_L2_TOL, f"{tag}: rel-L2 {rel:.3g} > {REL_L2_TOL}")
+                check(j["dist"]["micro_batches"] == max(1, min(S, -(-batch // E))), f"{tag}: micro-batches")
+                print(f"ok {tag} ({dt:.1f} s)", flush=True)
+
+
+def st_header(path):
+    with open(path, "rb") as f:
+        n = struct.unpack("<Q", f.read(8))[0]
+        return json.loads(f.read(n))
+
+
+def mode_bytes(mpiexec, tmp):
+    model = make_model(tmp)
+    cfg = json.load(open(os.path.join(model, "config.json")))
+    tc = cfg.get("text_config", cfg)
+    n_layers, n_exp = tc["num_hidden_layers"], tc["num_experts"]
+    sizes = {}
+    for f in os.listdir(model):
+        if f.endswith(".safetensors"):
+            for name, meta in st_header(os.path.join(model, f)).items():
+                if name != "__metadata__":
+                    sizes[name] = meta["data_offsets"][1] - meta["data_offsets"][0]
+    for S, E, coord in [(2, 2, "shared"), (1, 4, "shared"), (2, 1, "dedicated")]:
+        world = S * E + (coord == "dedicated")
+        p, _ = mpirun(mpiexec, world, ["--model", model, "--prompt-ids", ids_arg(PROMPTS), "--n", "4", "--pp", str(S),
+                                       "--ep", str(E), "--coordinator", coord, "--json"])
+        tag = f"bytes S={S} E={E} {coord}"
+        if p.returncode != 0:
+            check(False, f"{tag}: rc {p.returncode}\n{p.stderr[-2000:]}")
+            continue
+        d = json.loads(p.stdout.strip().splitlines()[-1])["dist"]
+        stages = d["stages"]
+        total_read = 0
+        for rk in d["ranks"]:
+            s, e = rk["stage"], rk["lane"]
+            want = 0
+            if s >= 0:
+                lb, le = stages[s]
+                for name, nb in sizes.items():
+                    m = re.search(r"\.layers\.(\d+)\.", name)
+                    if m:
+                        l = int(m.group(1))
+                        if not (lb <= l < le):
+                            continue
+                        x = re.search(r"\.experts\.(\d+)\.", name)
+                        if x and int(x.group(1)) // (n_exp // E) != e:
+                            continue  # another lane's expert
+                        want += nb
+                    elif "embed_tokens" in name:
+                        want += nb if s == 0 else 0
+                    else:  # final norm, output AttnRes, lm_head
+                        want += nb if s == S - 1 else 0
+            check(rk["bytes_read"] == want, f"{tag}: rank {rk['rank']} read {rk['bytes_read']} bytes, "
+                                            f"its tensors are {want}")
+            check(rk["bytes_read"] == rk["plan_weight_bytes"], f"{tag}: rank {rk['rank']} read "
+                                                               f"{rk['bytes_read']}, plan {rk['plan_weight_bytes']}")
+            total_read += rk["bytes_read"]
+        plan_sum = sum(r["plan_weight_bytes"] for r in d["ranks"])
+        check(total_read == plan_sum, f"{tag}: sum read {total_read} vs plan {plan_sum}")
+        print(f"ok {tag}", flush=True)
+
+
+def leftovers(marker):
+    p = subprocess.run(["pgrep", "-f", marker], capture_output=True, text=True)
+    return [x for x in p.stdout.split() if x.strip()]
+
+
+def mode_fail(mpiexec, tmp):
+    model = make_model(tmp)
+    cases = [("load:2", 2, 4, 2, 2, "shared"), ("decode:3:12", 3, 4, 2, 2, "shared"),
+             ("decode:1:20", 1, 4, 4, 1, "shared"), ("decode:0:15", 0, 5, 2, 2, "dedicated"),
+             ("load:4", 4, 5, 2, 2, "dedicated"), ("hang:2:8", None, 4, 4, 1, "shared")]
+    for hook, k, world, S, E, coord in cases:
+        # a hung rank is noticed by the --comm-timeout of whoever waits for it (5 s here)
+        args = ["--model", model, "--prompt-ids", ids_arg(PROMPTS), "--n", str(N_NEW), "--pp", str(S), "--ep", str(E),
+                "--coordinator", coord, "--comm-timeout", "5" if hook.startswith("hang") else "20"]
+        tag = f"K3_TEST_FAIL={hook} world={world} S={S} E={E} {coord}"
+        try:
+            p, dt = mpirun(mpiexec, world, args, timeout=60, env={"K3_TEST_FAIL": hook})
+        except subprocess.TimeoutExpired:
+            check(False, f"{tag}: the job did not end within 60 s")
+            continue
+        text = p.stdout + p.stderr
+        check(p.returncode != 0, f"{tag}: exit code 0")
+        check(dt < 30, f"{tag}: took {dt:.1f} s")
+        if k is not None:
+            check(re.search(rf"\brank {k}\b", text) is not None, f"{tag}: no message names rank {k}:\n{text[-1500:]}")
+        else:
+            check("--comm-timeout" in text, f"{tag}: no timeout message:\n{text[-1500:]}")
+        time.sleep(0.5)
+        left = leftovers(model)
+        check(not left, f"{tag}: processes left behind: {left}")
+        print(f"ok {tag} ({dt:.1f} s, rc {p.returncode})", flush=True)
+
+
+def main():
+    if len(sys.argv) != 3 or not K3:
+        sys.exit(__doc__)
+    mode, mpiexec = sys.argv[1], sys.argv[2]
+    tmp = tempfile.mkdtemp(prefix=f"k3-mpi-{mode}-")
+    try:
+        {"splits": mode_splits, "bytes": mode_bytes, "fail": mode_fail}[mode](mpiexec, tmp)
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    print(f"dist_run {mode}: {len(failures)} failures")
+    sys.exit(1 if failures else 0)
+
+
+if __name__ == "__main__":
+    main()
