@@ -832,7 +832,8 @@ def write_goldens(out_dir, model_dir, cfg, results, preset, seed, prompt_seed):
         "make_tiny_command": f"k3 make-tiny DIR --preset {preset} --seed {seed}",
         "files_sha256": checkpoint_hashes(model_dir),
         "config": cfg.summary(),
-        "reference": dict(dtype="float64 everywhere; KDA core = fla naive_recurrent_kda run in float64",
+        "reference": dict(dtype="float64 everywhere; "
+                                "KDA core = fla naive_recurrent_kda run in float64",
                           l2norm_eps=L2NORM_EPS, mla_norm_eps=MLA_NORM_EPS,
                           router_renorm_eps=ROUTER_RENORM_EPS, topk="torch.topk",
                           kda_scale="dk^-0.5 applied to q inside naive_recurrent_kda",
