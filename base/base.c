@@ -12,9 +12,18 @@
 #include <unistd.h>
 
 static const char *const status_names[K3_STATUS_COUNT] = {
-    "ok",        "bad argument", "I/O error",   "format error",  "config error", "missing",
-    "shape/dtype mismatch", "out of memory", "communication error", "device error",
-    "invalid state", "internal error",
+    "ok",
+    "bad argument",
+    "I/O error",
+    "format error",
+    "config error",
+    "missing",
+    "shape/dtype mismatch",
+    "out of memory",
+    "communication error",
+    "device error",
+    "invalid state",
+    "internal error",
 };
 _Static_assert(K3_ARRAY_LEN(status_names) == K3_STATUS_COUNT, "one name per status");
 
@@ -36,8 +45,12 @@ k3_status k3_set_error(k3_status s, const char *file, int line, const char *fmt,
     return s;
 }
 
-const char *k3_last_error(void) { return err_buf; }
-void k3_clear_error(void) { err_buf[0] = 0; }
+const char *k3_last_error(void) {
+    return err_buf;
+}
+void k3_clear_error(void) {
+    err_buf[0] = 0;
+}
 
 _Noreturn void k3_assert_fail(const char *expr, const char *file, int line) {
     k3_log(K3_LOG_ERROR, "assertion failed: %s (%s:%d)", expr, file, line);
@@ -55,7 +68,9 @@ void k3_log_set_rank(int rank, int stage, int lane) {
     log_ctx.stage = stage;
     log_ctx.lane = lane;
 }
-void k3_log_set_level(k3_log_level lvl) { log_ctx.level = lvl; }
+void k3_log_set_level(k3_log_level lvl) {
+    log_ctx.level = lvl;
+}
 
 void k3_log(k3_log_level lvl, const char *fmt, ...) {
     if (lvl < log_ctx.level) return;
@@ -83,7 +98,9 @@ static uint64_t splitmix64(uint64_t *x) {
 void k3_rng_seed(k3_rng *r, uint64_t seed) {
     for (int i = 0; i < 4; i++) r->s[i] = splitmix64(&seed);
 }
-static inline uint64_t rotl(uint64_t x, int k) { return (x << k) | (x >> (64 - k)); }
+static inline uint64_t rotl(uint64_t x, int k) {
+    return (x << k) | (x >> (64 - k));
+}
 uint64_t k3_rng_u64(k3_rng *r) {
     uint64_t *s = r->s;
     uint64_t result = rotl(s[1] * 5, 7) * 9, t = s[1] << 17;
@@ -95,7 +112,9 @@ uint64_t k3_rng_u64(k3_rng *r) {
     s[3] = rotl(s[3], 45);
     return result;
 }
-double k3_rng_uniform(k3_rng *r) { return (double)(k3_rng_u64(r) >> 11) * 0x1.0p-53; }
+double k3_rng_uniform(k3_rng *r) {
+    return (double)(k3_rng_u64(r) >> 11) * 0x1.0p-53;
+}
 float k3_rng_normal(k3_rng *r) {
     double u1 = k3_rng_uniform(r), u2 = k3_rng_uniform(r);
     if (u1 < 1e-300) u1 = 1e-300;
@@ -115,7 +134,10 @@ float k3_f16_to_f32(uint16_t h) {
             u = sign;
         } else { /* subnormal */
             int e = -1;
-            do { e++; man <<= 1; } while (!(man & 0x400));
+            do {
+                e++;
+                man <<= 1;
+            } while (!(man & 0x400));
             u = sign | ((uint32_t)(127 - 15 - e) << 23) | ((man & 0x3ff) << 13);
         }
     } else if (exp == 31) {
@@ -149,7 +171,9 @@ k3_status k3_calloc(void **out, size_t n_bytes, const char *what) {
     memset(*out, 0, n_bytes);
     return K3_OK;
 }
-void k3_free(void *p) { free(p); }
+void k3_free(void *p) {
+    free(p);
+}
 
 k3_status k3_read_file(const char *path, char **out, size_t *n_bytes) {
     *out = NULL;
@@ -160,8 +184,14 @@ k3_status k3_read_file(const char *path, char **out, size_t *n_bytes) {
     if (n < 0 || fseek(f, 0, SEEK_SET) != 0) goto io;
     char *buf;
     k3_status s = k3_alloc((void **)&buf, (size_t)n + 1, path);
-    if (s != K3_OK) { fclose(f); return s; }
-    if (fread(buf, 1, (size_t)n, f) != (size_t)n) { k3_free(buf); goto io; }
+    if (s != K3_OK) {
+        fclose(f);
+        return s;
+    }
+    if (fread(buf, 1, (size_t)n, f) != (size_t)n) {
+        k3_free(buf);
+        goto io;
+    }
     buf[n] = 0;
     fclose(f);
     *out = buf;

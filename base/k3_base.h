@@ -43,16 +43,16 @@ k3_status k3_set_error(k3_status s, const char *file, int line, const char *fmt,
 const char *k3_last_error(void);
 void k3_clear_error(void);
 
-#define K3_TRY(expr)                                                                            \
-    do {                                                                                        \
-        k3_status k3_try_s_ = (expr);                                                           \
-        if (k3_try_s_ != K3_OK) return k3_try_s_;                                               \
+#define K3_TRY(expr)                                                                               \
+    do {                                                                                           \
+        k3_status k3_try_s_ = (expr);                                                              \
+        if (k3_try_s_ != K3_OK) return k3_try_s_;                                                  \
     } while (0)
 
 /* Asserts stay on in release builds; the expression must have no side effects. */
-#define K3_ASSERT(cond)                                                                         \
-    do {                                                                                        \
-        if (!(cond)) k3_assert_fail(#cond, __FILE__, __LINE__);                                 \
+#define K3_ASSERT(cond)                                                                            \
+    do {                                                                                           \
+        if (!(cond)) k3_assert_fail(#cond, __FILE__, __LINE__);                                    \
     } while (0)
 _Noreturn void k3_assert_fail(const char *expr, const char *file, int line);
 
@@ -68,11 +68,13 @@ void k3_log(k3_log_level lvl, const char *fmt, ...) __attribute__((format(printf
 #define K3_LOGE(...) k3_log(K3_LOG_ERROR, __VA_ARGS__)
 
 /* ---- PRNG (xoshiro256**, seeded by splitmix64) ------------------------------------------ */
-typedef struct k3_rng { uint64_t s[4]; } k3_rng;
+typedef struct k3_rng {
+    uint64_t s[4];
+} k3_rng;
 void k3_rng_seed(k3_rng *r, uint64_t seed);
 uint64_t k3_rng_u64(k3_rng *r);
-double k3_rng_uniform(k3_rng *r);   /* [0, 1), 53 random bits */
-float k3_rng_normal(k3_rng *r);     /* N(0,1), Box-Muller */
+double k3_rng_uniform(k3_rng *r); /* [0, 1), 53 random bits */
+float k3_rng_normal(k3_rng *r);   /* N(0,1), Box-Muller */
 /* A stable 64-bit hash (FNV-1a) — for seeding per-tensor streams and plan hashes. */
 uint64_t k3_hash_bytes(const void *p, size_t n_bytes, uint64_t h);
 #define K3_HASH_INIT 0xcbf29ce484222325ull
@@ -103,8 +105,8 @@ void k3_free(void *p);
 /* Read a whole (small) file into a NUL-terminated buffer; caller frees with k3_free. */
 k3_status k3_read_file(const char *path, char **out, size_t *n_bytes);
 
-#define K3_MIN(a, b) ((a) < (b) ? (a) : (b))
-#define K3_MAX(a, b) ((a) > (b) ? (a) : (b))
+#define K3_MIN(a, b)    ((a) < (b) ? (a) : (b))
+#define K3_MAX(a, b)    ((a) > (b) ? (a) : (b))
 #define K3_ARRAY_LEN(a) (sizeof(a) / sizeof((a)[0]))
 
 #endif /* K3_BASE_H */

@@ -22,7 +22,9 @@ static int must_index(const k3_args *a, const char *name) {
     return i;
 }
 
-bool k3_args_has(const k3_args *a, const char *name) { return a->values[must_index(a, name)] != NULL; }
+bool k3_args_has(const k3_args *a, const char *name) {
+    return a->values[must_index(a, name)] != NULL;
+}
 
 const char *k3_args_str(const k3_args *a, const char *name) {
     int i = must_index(a, name);
@@ -143,7 +145,6 @@ int k3_args_parse(const k3_command *cmd, int argc, char **argv, k3_args *out, bo
             out->pos[out->n_pos++] = arg;
         }
     }
-    if (out->n_pos < cmd->min_pos)
-        return usage_error(cmd, "missing argument %s", cmd->positional);
+    if (out->n_pos < cmd->min_pos) return usage_error(cmd, "missing argument %s", cmd->positional);
     return 0;
 }

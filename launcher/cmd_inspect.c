@@ -17,7 +17,10 @@ static const k3_flag flags[] = {
     {"preset", K3_FLAG_STR, "NAME", NULL, "summarise a preset's config (tiny, small, k3); no DIR"},
 };
 
-typedef struct probs { cJSON *arr; int64_t n; } probs;
+typedef struct probs {
+    cJSON *arr;
+    int64_t n;
+} probs;
 static void add_problem(void *ctx, const char *msg) {
     probs *p = ctx;
     p->n++;
@@ -72,20 +75,23 @@ static cJSON *summary(const k3_config *c) {
     cJSON_AddNumberToObject(o, "active_bytes_per_token", (double)k.bytes_active);
     cJSON *bd = cJSON_AddObjectToObject(o, "bytes_by_dtype");
     for (int d = 0; d < 8 && d < K3_DT_COUNT; d++)
-        if (k.bytes_by_dtype[d]) cJSON_AddNumberToObject(bd, k3_dtype_name((k3_dtype)d), (double)k.bytes_by_dtype[d]);
+        if (k.bytes_by_dtype[d])
+            cJSON_AddNumberToObject(bd, k3_dtype_name((k3_dtype)d), (double)k.bytes_by_dtype[d]);
     return o;
 }
 
 static void print_text(const cJSON *s, const cJSON *shards, const cJSON *problems) {
 #define N(key) cJSON_GetObjectItem(s, key)->valuedouble
-    printf("config   vocab %.0f, hidden %.0f, %.0f layers (%.0f KDA, %.0f MLA; %.0f dense, %.0f MoE)\n",
+    printf("config   vocab %.0f, hidden %.0f, %.0f layers (%.0f KDA, %.0f MLA; %.0f dense, %.0f "
+           "MoE)\n",
            N("vocab_size"), N("hidden_size"), N("n_layers"), N("n_kda"), N("n_mla"), N("n_dense"),
            N("n_moe"));
     printf("layers   %s   (K KDA, M MLA; lower case = dense FFN)\n",
            cJSON_GetObjectItem(s, "layers")->valuestring);
-    printf("moe      %.0f experts, top-%.0f, groups %.0f/%.0f, %.0f shared, latent %.0f, %s experts\n",
-           N("n_experts"), N("n_experts_per_tok"), N("n_group"), N("topk_group"),
-           N("n_shared_experts"), N("latent_size"), cJSON_GetObjectItem(s, "experts")->valuestring);
+    printf(
+        "moe      %.0f experts, top-%.0f, groups %.0f/%.0f, %.0f shared, latent %.0f, %s experts\n",
+        N("n_experts"), N("n_experts_per_tok"), N("n_group"), N("topk_group"),
+        N("n_shared_experts"), N("latent_size"), cJSON_GetObjectItem(s, "experts")->valuestring);
     printf("misc     act %s, KDA gate %s, AttnRes block %.0f, eos %.0f\n",
            cJSON_GetObjectItem(s, "act")->valuestring,
            cJSON_GetObjectItem(s, "kda_gate")->valuestring, N("attn_res_block_size"),
@@ -99,11 +105,10 @@ static void print_text(const cJSON *s, const cJSON *shards, const cJSON *problem
         printf("dtype    %-5s %.0f bytes\n", d->string, d->valuedouble);
 #undef N
     const cJSON *sh;
-    cJSON_ArrayForEach(sh, shards)
-        printf("shard    %s  %.0f bytes  %.0f tensors\n",
-               cJSON_GetObjectItem(sh, "name")->valuestring,
-               cJSON_GetObjectItem(sh, "bytes")->valuedouble,
-               cJSON_GetObjectItem(sh, "tensors")->valuedouble);
+    cJSON_ArrayForEach(sh, shards) printf("shard    %s  %.0f bytes  %.0f tensors\n",
+                                          cJSON_GetObjectItem(sh, "name")->valuestring,
+                                          cJSON_GetObjectItem(sh, "bytes")->valuedouble,
+                                          cJSON_GetObjectItem(sh, "tensors")->valuedouble);
     const cJSON *p;
     cJSON_ArrayForEach(p, problems) printf("problem  %s\n", p->valuestring);
 }
@@ -118,7 +123,9 @@ static int run_inspect(const k3_args *a) {
         k3_preset p;
         if (a->n_pos > 0 || k3_preset_parse(preset, &p) != K3_OK) {
             fprintf(stderr, "k3 inspect: --preset %s: give tiny, small or k3 and no DIR\n", preset);
-            cJSON_Delete(root); cJSON_Delete(shards); cJSON_Delete(pr);
+            cJSON_Delete(root);
+            cJSON_Delete(shards);
+            cJSON_Delete(pr);
             return 2;
         }
         k3_preset_config(p, &c);
@@ -126,14 +133,18 @@ static int run_inspect(const k3_args *a) {
     } else {
         if (a->n_pos != 1) {
             fprintf(stderr, "k3 inspect: give a checkpoint DIR (or --preset NAME)\n");
-            cJSON_Delete(root); cJSON_Delete(shards); cJSON_Delete(pr);
+            cJSON_Delete(root);
+            cJSON_Delete(shards);
+            cJSON_Delete(pr);
             return 2;
         }
         const char *dir = a->pos[0];
         cJSON_AddStringToObject(root, "dir", dir);
         if (k3_config_load(dir, &c) != K3_OK) {
             fprintf(stderr, "k3 inspect: %s\n", k3_last_error());
-            cJSON_Delete(root); cJSON_Delete(shards); cJSON_Delete(pr);
+            cJSON_Delete(root);
+            cJSON_Delete(shards);
+            cJSON_Delete(pr);
             return 1;
         }
         k3_ckpt *ck = NULL;
@@ -179,7 +190,12 @@ static int run_inspect(const k3_args *a) {
 }
 
 const k3_command k3_cmd_inspect = {
-    .name = "inspect", .positional = "[DIR]", .min_pos = 0, .max_pos = 1,
+    .name = "inspect",
+    .positional = "[DIR]",
+    .min_pos = 0,
+    .max_pos = 1,
     .summary = "summarise a checkpoint and check it against its config",
-    .flags = flags, .n_flags = (int)K3_ARRAY_LEN(flags), .run = run_inspect,
+    .flags = flags,
+    .n_flags = (int)K3_ARRAY_LEN(flags),
+    .run = run_inspect,
 };

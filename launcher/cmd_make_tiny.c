@@ -35,7 +35,12 @@ static int run_make_tiny(const k3_args *a) {
 }
 
 const k3_command k3_cmd_make_tiny = {
-    .name = "make-tiny", .positional = "DIR", .min_pos = 1, .max_pos = 1,
+    .name = "make-tiny",
+    .positional = "DIR",
+    .min_pos = 1,
+    .max_pos = 1,
     .summary = "write a deterministic random K3 checkpoint (tiny or small preset)",
-    .flags = flags, .n_flags = (int)K3_ARRAY_LEN(flags), .run = run_make_tiny,
+    .flags = flags,
+    .n_flags = (int)K3_ARRAY_LEN(flags),
+    .run = run_make_tiny,
 };

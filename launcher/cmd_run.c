@@ -23,7 +23,8 @@
 
 static const k3_flag flags[] = {
     {"model", K3_FLAG_STR, "DIR", NULL, "checkpoint directory (config.json + safetensors)"},
-    {"prompt-ids", K3_FLAG_STR, "IDS", NULL, "prompt as comma-separated token ids: 1,2,3"},
+    {"prompt-ids", K3_FLAG_STR, "IDS", NULL,
+     "prompt as comma-separated token ids: 1,2,3 (several: 1,2;3,4)"},
     {"prompt", K3_FLAG_STR, "TEXT", NULL, "prompt text (tokenised with the model's tokenizer)"},
     {"n", K3_FLAG_INT, "N", "16", "new tokens to generate (no stop at EOS)"},
     {"greedy", K3_FLAG_BOOL, NULL, NULL, "greedy decoding (the default; sampling comes later)"},
@@ -42,7 +43,8 @@ static const k3_flag flags[] = {
      "shared (rank 0 is also stage 0 lane 0) or dedicated"},
     {"expert-map", K3_FLAG_STR, "FILE", NULL,
      "expert -> lane map (partition/k3_partition.h format)"},
-    {"deterministic", K3_FLAG_BOOL, NULL, NULL, "per-(token, expert) combine summed in slot order"},
+    {"deterministic", K3_FLAG_BOOL, NULL, NULL,
+     "logits bit-identical for every split (today the combine is per-row in both modes)"},
     {"comm-timeout", K3_FLAG_FLOAT, "SEC", "600", "limit of every blocking wait between ranks"},
 };
 

@@ -22,6 +22,8 @@ static int run_version(const k3_args *a) {
 }
 
 const k3_command k3_cmd_version = {
-    .name = "version", .positional = "", .summary = "print the version and compiled-in backends",
+    .name = "version",
+    .positional = "",
+    .summary = "print the version and compiled-in backends",
     .run = run_version,
 };

@@ -13,7 +13,7 @@
 typedef enum { K3_FLAG_BOOL, K3_FLAG_INT, K3_FLAG_FLOAT, K3_FLAG_STR } k3_flag_kind;
 
 typedef struct k3_flag {
-    const char *name;    /* long name without dashes: "model" for --model */
+    const char *name; /* long name without dashes: "model" for --model */
     k3_flag_kind kind;
     const char *metavar; /* "DIR", "N", ... (NULL for bool) */
     const char *def;     /* default shown in help and returned when absent (NULL = none) */
@@ -32,10 +32,10 @@ typedef struct k3_command {
     const char *name;
     const char *positional; /* usage of positional arguments, "" if none ("DIR", "[TEXT]") */
     int min_pos, max_pos;
-    const char *summary;    /* one line */
+    const char *summary; /* one line */
     const k3_flag *flags;
     int n_flags;
-    bool uses_mpi;          /* main() calls MPI_Init/Finalize around the handler */
+    bool uses_mpi;                /* main() calls MPI_Init/Finalize around the handler */
     int (*run)(const k3_args *a); /* returns the process exit code */
 } k3_command;
 

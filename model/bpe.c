@@ -48,13 +48,15 @@ void k3_bpe_byte_order(uint8_t rank_to_byte[256]) {
 typedef struct strset {
     uint8_t *bytes;
     int64_t n_bytes, cap_bytes;
-    int64_t *off;    /* [n + 1] */
+    int64_t *off; /* [n + 1] */
     int n, cap;
-    int *ht;         /* [ht_cap] id or -1 */
+    int *ht; /* [ht_cap] id or -1 */
     size_t ht_cap;
 } strset;
 
-static uint64_t hb(const uint8_t *p, int64_t n) { return k3_hash_bytes(p, (size_t)n, K3_HASH_INIT); }
+static uint64_t hb(const uint8_t *p, int64_t n) {
+    return k3_hash_bytes(p, (size_t)n, K3_HASH_INIT);
+}
 
 static k3_status ss_grow_ht(strset *s) {
     size_t cap = s->ht_cap ? s->ht_cap * 2 : 1024;
@@ -91,8 +93,12 @@ static k3_status ss_add2(strset *s, const uint8_t *a, int64_t na, const uint8_t 
     if (s->n_bytes + n > s->cap_bytes) {
         /* a/b may point into our own buffer: keep them as offsets across the realloc */
         uintptr_t base = (uintptr_t)s->bytes, end = base + (uintptr_t)s->cap_bytes;
-        int64_t ao = s->bytes && (uintptr_t)a >= base && (uintptr_t)a < end ? (int64_t)((uintptr_t)a - base) : -1;
-        int64_t bo = s->bytes && (uintptr_t)b >= base && (uintptr_t)b < end ? (int64_t)((uintptr_t)b - base) : -1;
+        int64_t ao = s->bytes && (uintptr_t)a >= base && (uintptr_t)a < end
+                         ? (int64_t)((uintptr_t)a - base)
+                         : -1;
+        int64_t bo = s->bytes && (uintptr_t)b >= base && (uintptr_t)b < end
+                         ? (int64_t)((uintptr_t)b - base)
+                         : -1;
         int64_t cap = K3_MAX(s->cap_bytes * 2, s->n_bytes + n + 4096);
         uint8_t *nbuf = realloc(s->bytes, (size_t)cap);
         if (!nbuf) return K3_ERR(K3_ERR_NOMEM, "BPE bytes");
@@ -136,9 +142,21 @@ static void ss_free(strset *s) {
 }
 
 /* ---- words, pairs, heap -------------------------------------------------------------------- */
-typedef struct word { int64_t count; int *sym; int n; } word;
-typedef struct pair { int a, b; int64_t count; int *words; int n_words, cap_words; } pair;
-typedef struct hent { int64_t count; int pair; } hent;
+typedef struct word {
+    int64_t count;
+    int *sym;
+    int n;
+} word;
+typedef struct pair {
+    int a, b;
+    int64_t count;
+    int *words;
+    int n_words, cap_words;
+} pair;
+typedef struct hent {
+    int64_t count;
+    int pair;
+} hent;
 
 typedef struct trainer {
     strset vocab;
@@ -146,14 +164,18 @@ typedef struct trainer {
     int n_words;
     pair *pairs;
     int n_pairs, cap_pairs;
-    int *pht;            /* pair hash: index or -1 */
+    int *pht; /* pair hash: index or -1 */
     size_t pht_cap;
     hent *heap;
     int64_t n_heap, cap_heap;
 } trainer;
 
-static uint64_t pkey(int a, int b) { return ((uint64_t)(uint32_t)a << 32) | (uint32_t)b; }
-static size_t phash(uint64_t k) { return (size_t)((k * 0x9E3779B97F4A7C15ull) >> 20); }
+static uint64_t pkey(int a, int b) {
+    return ((uint64_t)(uint32_t)a << 32) | (uint32_t)b;
+}
+static size_t phash(uint64_t k) {
+    return (size_t)((k * 0x9E3779B97F4A7C15ull) >> 20);
+}
 
 static k3_status pht_grow(trainer *t) {
     size_t cap = t->pht_cap ? t->pht_cap * 2 : 4096;
@@ -275,13 +297,15 @@ static hent heap_pop(trainer *t) {
 }
 
 /* ---- pre-tokenisation ---------------------------------------------------------------------- */
-static k3_status split_corpus(trainer *t, const char *text, size_t n, const uint8_t byte_rank[256]) {
+static k3_status split_corpus(trainer *t, const char *text, size_t n,
+                              const uint8_t byte_rank[256]) {
     int err;
     PCRE2_SIZE eoff;
     pcre2_code *re = pcre2_compile((PCRE2_SPTR)k3_pat, PCRE2_ZERO_TERMINATED, PCRE2_UTF | PCRE2_UCP,
                                    &err, &eoff, NULL);
-    if (!re) return K3_ERR(K3_ERR_INTERNAL, "K3 pre-tokenizer pattern: PCRE2 error %d at %zu", err,
-                           (size_t)eoff);
+    if (!re)
+        return K3_ERR(K3_ERR_INTERNAL, "K3 pre-tokenizer pattern: PCRE2 error %d at %zu", err,
+                      (size_t)eoff);
     (void)pcre2_jit_compile(re, PCRE2_JIT_COMPLETE); /* optional speed-up; the interpreter works */
     pcre2_match_data *md = pcre2_match_data_create_from_pattern(re, NULL);
     uint32_t opts = 0; /* the first match validates the whole UTF-8 subject, later ones skip it */
@@ -295,21 +319,29 @@ static k3_status split_corpus(trainer *t, const char *text, size_t n, const uint
         opts = PCRE2_NO_UTF_CHECK;
         if (rc == PCRE2_ERROR_NOMATCH) break;
         if (rc < 0) {
-            st = K3_ERR(K3_ERR_FORMAT, "tokenizer corpus: PCRE2 match error %d at byte %zu "
-                        "(invalid UTF-8?)", rc, (size_t)at);
+            st = K3_ERR(K3_ERR_FORMAT,
+                        "tokenizer corpus: PCRE2 match error %d at byte %zu "
+                        "(invalid UTF-8?)",
+                        rc, (size_t)at);
             break;
         }
         PCRE2_SIZE *ov = pcre2_get_ovector_pointer(md);
-        if (ov[1] == ov[0]) { at = ov[1] + 1; continue; }
+        if (ov[1] == ov[0]) {
+            at = ov[1] + 1;
+            continue;
+        }
         int id;
         bool added;
-        if ((st = ss_add2(&pieces, (const uint8_t *)text + ov[0], (int64_t)(ov[1] - ov[0]),
-                          NULL, 0, &id, &added)) != K3_OK)
+        if ((st = ss_add2(&pieces, (const uint8_t *)text + ov[0], (int64_t)(ov[1] - ov[0]), NULL, 0,
+                          &id, &added)) != K3_OK)
             break;
         if (id >= cap_counts) {
             int64_t cap = K3_MAX(cap_counts * 2, 1024);
             int64_t *nc = realloc(counts, (size_t)cap * sizeof *nc);
-            if (!nc) { st = K3_ERR(K3_ERR_NOMEM, "BPE counts"); break; }
+            if (!nc) {
+                st = K3_ERR(K3_ERR_NOMEM, "BPE counts");
+                break;
+            }
             memset(nc + cap_counts, 0, (size_t)(cap - cap_counts) * sizeof *nc);
             counts = nc;
             cap_counts = cap;
@@ -328,7 +360,10 @@ static k3_status split_corpus(trainer *t, const char *text, size_t n, const uint
             t->words[w].count = counts[w];
             t->words[w].n = (int)len;
             t->words[w].sym = malloc((size_t)len * sizeof(int));
-            if (!t->words[w].sym) { st = K3_ERR(K3_ERR_NOMEM, "BPE word"); break; }
+            if (!t->words[w].sym) {
+                st = K3_ERR(K3_ERR_NOMEM, "BPE word");
+                break;
+            }
             for (int64_t i = 0; i < len; i++)
                 t->words[w].sym[i] = byte_rank[pieces.bytes[pieces.off[w] + i]];
         }
@@ -352,7 +387,7 @@ static void trainer_free(trainer *t) {
 typedef struct touchset {
     int *list;
     int n, cap_list;
-    uint32_t *stamp;  /* [cap_stamp] epoch of the last listing */
+    uint32_t *stamp; /* [cap_stamp] epoch of the last listing */
     int cap_stamp;
     uint32_t epoch;
 } touchset;

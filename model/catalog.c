@@ -11,14 +11,16 @@
 
 #include <stdio.h>
 
-static const char *const dtype_names[K3_DT_COUNT] = {"F32", "BF16", "F16", "U8", "I32", "I64",
-                                                     "MXFP4"};
+static const char *const dtype_names[K3_DT_COUNT] = {"F32", "BF16", "F16",  "U8",
+                                                     "I32", "I64",  "MXFP4"};
 static const size_t dtype_sizes[K3_DT_COUNT] = {4, 2, 2, 1, 4, 8, 0};
 
 const char *k3_dtype_name(k3_dtype t) {
     return (unsigned)t < K3_DT_COUNT ? dtype_names[t] : "?";
 }
-size_t k3_dtype_size(k3_dtype t) { return (unsigned)t < K3_DT_COUNT ? dtype_sizes[t] : 0; }
+size_t k3_dtype_size(k3_dtype t) {
+    return (unsigned)t < K3_DT_COUNT ? dtype_sizes[t] : 0;
+}
 
 int64_t k3_tensor_n_elems(const k3_tensor *t) {
     int64_t n = 1;
@@ -51,8 +53,8 @@ static void add(cat *k, k3_role role, k3_dtype dt, const char *fmt_suffix, int n
         else if (k->kind == K3_TK_LAYER)
             snprintf(s->name, sizeof s->name, "%smodel.layers.%d.%s", p, k->layer, fmt_suffix);
         else
-            snprintf(s->name, sizeof s->name, "%smodel.layers.%d.block_sparse_moe.experts.%d.%s",
-                     p, k->layer, k->expert, fmt_suffix);
+            snprintf(s->name, sizeof s->name, "%smodel.layers.%d.block_sparse_moe.experts.%d.%s", p,
+                     k->layer, k->expert, fmt_suffix);
         s->dtype = dt;
         s->ndim = ndim;
         s->shape[0] = d0;
@@ -67,7 +69,7 @@ static void add(cat *k, k3_role role, k3_dtype dt, const char *fmt_suffix, int n
     k->n++;
 }
 
-#define BF K3_DT_BF16
+#define BF  K3_DT_BF16
 #define F32 K3_DT_F32
 
 static void kda_tensors(cat *k) {
@@ -150,8 +152,10 @@ int64_t k3_catalog(const k3_config *c, k3_tensor_spec *out, int64_t cap) {
             add(&k, K3_R_MLP_RES_NORM, BF, "mlp_res_norm.weight", 1, D, 0, 0);
             add(&k, K3_R_MLP_RES_PROJ, BF, "mlp_res_proj.weight", 2, 1, D, 0);
         }
-        if (c->mixer[l] == K3_MIXER_KDA) kda_tensors(&k);
-        else mla_tensors(&k);
+        if (c->mixer[l] == K3_MIXER_KDA)
+            kda_tensors(&k);
+        else
+            mla_tensors(&k);
         if (!k3_config_is_moe(c, l)) {
             int64_t F = c->intermediate_size;
             add(&k, K3_R_FFN_GATE, BF, "mlp.gate_proj.weight", 2, F, D, 0);
@@ -163,15 +167,18 @@ int64_t k3_catalog(const k3_config *c, k3_tensor_spec *out, int64_t cap) {
         add(&k, K3_R_ROUTER, BF, "block_sparse_moe.gate.weight", 2, E, D, 0);
         add(&k, K3_R_ROUTER_BIAS, F32, "block_sparse_moe.gate.e_score_correction_bias", 1, E, 0, 0);
         if (L > 0) {
-            add(&k, K3_R_LAT_DOWN, BF, "block_sparse_moe.routed_expert_down_proj.weight", 2, L, D, 0);
+            add(&k, K3_R_LAT_DOWN, BF, "block_sparse_moe.routed_expert_down_proj.weight", 2, L, D,
+                0);
             add(&k, K3_R_LAT_NORM, BF, "block_sparse_moe.routed_expert_norm.weight", 1, L, 0, 0);
             add(&k, K3_R_LAT_UP, BF, "block_sparse_moe.routed_expert_up_proj.weight", 2, D, L, 0);
         }
         if (c->n_shared_experts > 0) {
             int64_t S = (int64_t)c->n_shared_experts * c->moe_intermediate_size;
-            add(&k, K3_R_SH_GATE, BF, "block_sparse_moe.shared_experts.gate_proj.weight", 2, S, D, 0);
+            add(&k, K3_R_SH_GATE, BF, "block_sparse_moe.shared_experts.gate_proj.weight", 2, S, D,
+                0);
             add(&k, K3_R_SH_UP, BF, "block_sparse_moe.shared_experts.up_proj.weight", 2, S, D, 0);
-            add(&k, K3_R_SH_DOWN, BF, "block_sparse_moe.shared_experts.down_proj.weight", 2, D, S, 0);
+            add(&k, K3_R_SH_DOWN, BF, "block_sparse_moe.shared_experts.down_proj.weight", 2, D, S,
+                0);
         }
         k.kind = K3_TK_EXPERT;
         for (int e = 0; e < c->n_experts; e++) {
@@ -194,9 +201,16 @@ static int64_t spec_params(const k3_tensor_spec *s) {
     int64_t n = 1;
     for (int i = 0; i < s->ndim; i++) n *= s->shape[i];
     switch (s->role) {
-    case K3_R_EXP_W1_PACKED: case K3_R_EXP_W2_PACKED: case K3_R_EXP_W3_PACKED: return 2 * n;
-    case K3_R_EXP_W1_SCALE: case K3_R_EXP_W2_SCALE: case K3_R_EXP_W3_SCALE: return 0;
-    default: return n;
+    case K3_R_EXP_W1_PACKED:
+    case K3_R_EXP_W2_PACKED:
+    case K3_R_EXP_W3_PACKED:
+        return 2 * n;
+    case K3_R_EXP_W1_SCALE:
+    case K3_R_EXP_W2_SCALE:
+    case K3_R_EXP_W3_SCALE:
+        return 0;
+    default:
+        return n;
     }
 }
 

@@ -49,8 +49,8 @@ static k3_status get_int(const keyctx *k, const cJSON *o, const char *key, bool 
     double d;
     K3_TRY(get_num(k, o, key, required, (double)def, &d));
     if (d != floor(d) || fabs(d) > 9.0e15)
-        return K3_ERR(K3_ERR_CONFIG, "%s: %s%s: expected an integer, got %g", k->path, k->ctx,
-                      key, d);
+        return K3_ERR(K3_ERR_CONFIG, "%s: %s%s: expected an integer, got %g", k->path, k->ctx, key,
+                      d);
     *out = (int64_t)d;
     return K3_OK;
 }
@@ -67,8 +67,8 @@ static k3_status get_i(const keyctx *k, const cJSON *o, const char *key, bool re
     return K3_OK;
 }
 
-static k3_status get_bool(const keyctx *k, const cJSON *o, const char *key, bool required,
-                          bool def, bool *out) {
+static k3_status get_bool(const keyctx *k, const cJSON *o, const char *key, bool required, bool def,
+                          bool *out) {
     const cJSON *v = cJSON_GetObjectItemCaseSensitive(o, key);
     if (!v || cJSON_IsNull(v)) {
         if (required) return missing(k, key);
@@ -99,14 +99,14 @@ static k3_status get_layer_list(const keyctx *k, const cJSON *o, const char *key
     *present = v != NULL && !cJSON_IsNull(v);
     if (!*present) return K3_OK;
     if (!cJSON_IsArray(v))
-        return K3_ERR(K3_ERR_CONFIG, "%s: %s%s: expected a list of 1-based layer numbers",
-                      k->path, k->ctx, key);
+        return K3_ERR(K3_ERR_CONFIG, "%s: %s%s: expected a list of 1-based layer numbers", k->path,
+                      k->ctx, key);
     int i = 0;
     const cJSON *e;
     cJSON_ArrayForEach(e, v) {
         if (!cJSON_IsNumber(e) || e->valuedouble != floor(e->valuedouble))
-            return K3_ERR(K3_ERR_CONFIG, "%s: %s%s[%d]: expected an integer", k->path, k->ctx,
-                          key, i);
+            return K3_ERR(K3_ERR_CONFIG, "%s: %s%s[%d]: expected an integer", k->path, k->ctx, key,
+                          i);
         double d = e->valuedouble;
         if (d < 1 || d > n_layers)
             return K3_ERR(K3_ERR_CONFIG,
@@ -138,12 +138,14 @@ static k3_status parse_quant(const char *path, const cJSON *q, k3_config *c) {
     if (strcmp(method, "compressed-tensors") != 0)
         return K3_ERR(K3_ERR_CONFIG,
                       "%s: quantization_config.quant_method: '%s' is not supported (only "
-                      "compressed-tensors)", path, method);
+                      "compressed-tensors)",
+                      path, method);
     if (!fmt) return missing(&k, "format");
     if (strcmp(fmt, "mxfp4-pack-quantized") != 0)
         return K3_ERR(K3_ERR_CONFIG,
                       "%s: quantization_config.format: '%s' is not supported (only "
-                      "mxfp4-pack-quantized)", path, fmt);
+                      "mxfp4-pack-quantized)",
+                      path, fmt);
     const cJSON *groups = cJSON_GetObjectItemCaseSensitive(q, "config_groups");
     if (groups) {
         const cJSON *g;
@@ -157,14 +159,14 @@ static k3_status parse_quant(const char *path, const cJSON *q, k3_config *c) {
             K3_TRY(get_int(&kw, w, "group_size", false, 32, &gs));
             K3_TRY(get_str(&kw, w, "type", &type));
             if (bits != 4)
-                return K3_ERR(K3_ERR_CONFIG, "%s: %snum_bits: %lld (MXFP4 needs 4)", path,
-                              kw.ctx, (long long)bits);
+                return K3_ERR(K3_ERR_CONFIG, "%s: %snum_bits: %lld (MXFP4 needs 4)", path, kw.ctx,
+                              (long long)bits);
             if (gs != 32)
                 return K3_ERR(K3_ERR_CONFIG, "%s: %sgroup_size: %lld (MXFP4 needs 32)", path,
                               kw.ctx, (long long)gs);
             if (type && strcmp(type, "float") != 0)
-                return K3_ERR(K3_ERR_CONFIG, "%s: %stype: '%s' (MXFP4 needs float)", path,
-                              kw.ctx, type);
+                return K3_ERR(K3_ERR_CONFIG, "%s: %stype: '%s' (MXFP4 needs float)", path, kw.ctx,
+                              type);
         }
     }
     c->experts_mxfp4 = true;
@@ -221,7 +223,8 @@ static k3_status parse_obj(const cJSON *top, const char *path, k3_config *c) {
         if (kvh != c->n_heads)
             return K3_ERR(K3_ERR_CONFIG,
                           "%s: %snum_key_value_heads: %d != num_attention_heads %d (MLA needs "
-                          "equal counts)", path, k.ctx, kvh, c->n_heads);
+                          "equal counts)",
+                          path, k.ctx, kvh, c->n_heads);
     }
     K3_TRY(get_i(&k, tc, "q_lora_rank", false, 0, 0, &c->q_lora_rank));
     K3_TRY(get_i(&k, tc, "kv_lora_rank", true, 0, 1, &c->kv_lora_rank));
@@ -253,13 +256,13 @@ static k3_status parse_obj(const cJSON *top, const char *path, k3_config *c) {
     if (!have_full) return missing(&kl, "full_attn_layers");
     for (int l = 0; l < c->n_layers; l++) {
         if (have_kda && full[l] && kda[l])
-            return K3_ERR(K3_ERR_CONFIG,
-                          "%s: %skda_layers: layer %d is also in full_attn_layers", path, lctx,
-                          l + 1);
+            return K3_ERR(K3_ERR_CONFIG, "%s: %skda_layers: layer %d is also in full_attn_layers",
+                          path, lctx, l + 1);
         if (have_kda && !full[l] && !kda[l])
             return K3_ERR(K3_ERR_CONFIG,
                           "%s: %skda_layers: layer %d is in neither kda_layers nor "
-                          "full_attn_layers", path, lctx, l + 1);
+                          "full_attn_layers",
+                          path, lctx, l + 1);
         c->mixer[l] = full[l] ? K3_MIXER_MLA : K3_MIXER_KDA;
     }
     K3_TRY(get_i(&kl, la, "num_heads", true, 0, 1, &c->kda_n_heads));
@@ -271,8 +274,8 @@ static k3_status parse_obj(const cJSON *top, const char *path, k3_config *c) {
         if (c->kda_has_lower_bound) {
             K3_TRY(get_num(&kl, la, "gate_lower_bound", true, 0, &d));
             if (!(d < 0))
-                return K3_ERR(K3_ERR_CONFIG, "%s: %sgate_lower_bound: %g must be negative",
-                              path, lctx, d);
+                return K3_ERR(K3_ERR_CONFIG, "%s: %sgate_lower_bound: %g must be negative", path,
+                              lctx, d);
             c->kda_gate_lower_bound = (float)d;
         }
     }
@@ -288,16 +291,16 @@ static k3_status parse_obj(const cJSON *top, const char *path, k3_config *c) {
         c->act = K3_ACT_SITU;
         K3_TRY(get_num(&k, tc, "activation_situ_beta", true, 0, &d));
         if (!(d > 0))
-            return K3_ERR(K3_ERR_CONFIG, "%s: %sactivation_situ_beta: %g must be > 0", path,
-                          k.ctx, d);
+            return K3_ERR(K3_ERR_CONFIG, "%s: %sactivation_situ_beta: %g must be > 0", path, k.ctx,
+                          d);
         c->situ_beta = (float)d;
         K3_TRY(get_num(&k, tc, "activation_situ_linear_beta", false, 0, &d));
         c->situ_linear_beta = (float)d;
     } else if (strcmp(act, "silu") == 0) {
         c->act = K3_ACT_SWIGLU;
     } else {
-        return K3_ERR(K3_ERR_CONFIG, "%s: %shidden_act: '%s' is not supported (situ or silu)",
-                      path, k.ctx, act);
+        return K3_ERR(K3_ERR_CONFIG, "%s: %shidden_act: '%s' is not supported (situ or silu)", path,
+                      k.ctx, act);
     }
     K3_TRY(get_int(&k, tc, "intermediate_size", true, 0, &c->intermediate_size));
     K3_TRY(get_i(&k, tc, "first_k_dense_replace", false, 0, 0, &c->first_k_dense_replace));
@@ -319,8 +322,8 @@ static k3_status parse_obj(const cJSON *top, const char *path, k3_config *c) {
         K3_TRY(get_str(&k, tc, "moe_router_activation_func", &fn));
         if (fn && strcmp(fn, "sigmoid") != 0)
             return K3_ERR(K3_ERR_CONFIG,
-                          "%s: %smoe_router_activation_func: '%s' is not supported (sigmoid)",
-                          path, k.ctx, fn);
+                          "%s: %smoe_router_activation_func: '%s' is not supported (sigmoid)", path,
+                          k.ctx, fn);
     }
 
     const cJSON *q = cJSON_GetObjectItemCaseSensitive(top, "quantization_config");
@@ -332,8 +335,10 @@ static k3_status parse_obj(const cJSON *top, const char *path, k3_config *c) {
 k3_status k3_config_validate(const k3_config *c, const char *path) {
     const char *x = c->tensor_prefix[0] ? "text_config." : "";
 #define BAD(...) return K3_ERR(K3_ERR_CONFIG, __VA_ARGS__)
-    if (c->vocab_size <= 0) BAD("%s: %svocab_size: %lld must be > 0", path, x, (long long)c->vocab_size);
-    if (c->hidden_size <= 0) BAD("%s: %shidden_size: %lld must be > 0", path, x, (long long)c->hidden_size);
+    if (c->vocab_size <= 0)
+        BAD("%s: %svocab_size: %lld must be > 0", path, x, (long long)c->vocab_size);
+    if (c->hidden_size <= 0)
+        BAD("%s: %shidden_size: %lld must be > 0", path, x, (long long)c->hidden_size);
     if (c->n_layers < 1 || c->n_layers > K3_MAX_LAYERS)
         BAD("%s: %snum_hidden_layers: %d is outside 1..%d", path, x, c->n_layers, K3_MAX_LAYERS);
     if (!(c->rms_norm_eps > 0) || !(c->rms_norm_eps < 1))
@@ -344,15 +349,21 @@ k3_status k3_config_validate(const k3_config *c, const char *path) {
         BAD("%s: %sattn_res_block_size: %d must be >= 0", path, x, c->attn_res_block_size);
     bool any_mla = false, any_kda = false, any_moe = false, any_dense = false;
     for (int l = 0; l < c->n_layers; l++) {
-        if (c->mixer[l] == K3_MIXER_MLA) any_mla = true;
-        else if (c->mixer[l] == K3_MIXER_KDA) any_kda = true;
-        else BAD("%s: layer %d: invalid mixer", path, l);
-        if (k3_config_is_moe(c, l)) any_moe = true;
-        else any_dense = true;
+        if (c->mixer[l] == K3_MIXER_MLA)
+            any_mla = true;
+        else if (c->mixer[l] == K3_MIXER_KDA)
+            any_kda = true;
+        else
+            BAD("%s: layer %d: invalid mixer", path, l);
+        if (k3_config_is_moe(c, l))
+            any_moe = true;
+        else
+            any_dense = true;
     }
     if (any_mla) {
         if (c->n_heads < 1) BAD("%s: %snum_attention_heads: %d must be >= 1", path, x, c->n_heads);
-        if (c->kv_lora_rank < 1) BAD("%s: %skv_lora_rank: %d must be >= 1", path, x, c->kv_lora_rank);
+        if (c->kv_lora_rank < 1)
+            BAD("%s: %skv_lora_rank: %d must be >= 1", path, x, c->kv_lora_rank);
         if (c->q_lora_rank < 0) BAD("%s: %sq_lora_rank: %d must be >= 0", path, x, c->q_lora_rank);
         if (c->qk_nope_head_dim < 1 || c->qk_rope_head_dim < 0 || c->v_head_dim < 1)
             BAD("%s: %sqk_nope_head_dim/qk_rope_head_dim/v_head_dim: %d/%d/%d invalid", path, x,
@@ -369,10 +380,11 @@ k3_status k3_config_validate(const k3_config *c, const char *path) {
             BAD("%s: %slinear_attn_config.gate_lower_bound: %g must be negative", path, x,
                 c->kda_gate_lower_bound);
         if (c->kda_gate_rank < 1)
-            BAD("%s: %slinear_attn_config.head_dim: gate rank %d invalid", path, x, c->kda_gate_rank);
+            BAD("%s: %slinear_attn_config.head_dim: gate rank %d invalid", path, x,
+                c->kda_gate_rank);
         if (c->kda_a_log_len < c->kda_n_heads)
-            BAD("%s: A_log length %d < %slinear_attn_config.num_heads %d", path,
-                c->kda_a_log_len, x, c->kda_n_heads);
+            BAD("%s: A_log length %d < %slinear_attn_config.num_heads %d", path, c->kda_a_log_len,
+                x, c->kda_n_heads);
     }
     if (c->act == K3_ACT_SITU && !(c->situ_beta > 0))
         BAD("%s: %sactivation_situ_beta: %g must be > 0", path, x, (double)c->situ_beta);
@@ -380,7 +392,8 @@ k3_status k3_config_validate(const k3_config *c, const char *path) {
     if (c->first_k_dense_replace < 0 || c->first_k_dense_replace > c->n_layers)
         BAD("%s: %sfirst_k_dense_replace: %d is outside 0..%d", path, x, c->first_k_dense_replace,
             c->n_layers);
-    if (c->moe_layer_freq < 1) BAD("%s: %smoe_layer_freq: %d must be >= 1", path, x, c->moe_layer_freq);
+    if (c->moe_layer_freq < 1)
+        BAD("%s: %smoe_layer_freq: %d must be >= 1", path, x, c->moe_layer_freq);
     if (any_dense && c->intermediate_size < 1)
         BAD("%s: %sintermediate_size: %lld must be >= 1 (there are dense layers)", path, x,
             (long long)c->intermediate_size);
@@ -397,16 +410,18 @@ k3_status k3_config_validate(const k3_config *c, const char *path) {
             BAD("%s: %snum_expert_group: %d does not divide num_experts %d", path, x, c->n_group,
                 c->n_experts);
         if (c->topk_group < 1 || c->topk_group > c->n_group)
-            BAD("%s: %stopk_group: %d is outside 1..num_expert_group (%d)", path, x,
-                c->topk_group, c->n_group);
+            BAD("%s: %stopk_group: %d is outside 1..num_expert_group (%d)", path, x, c->topk_group,
+                c->n_group);
         if ((int64_t)c->n_experts_per_tok > (int64_t)c->topk_group * (c->n_experts / c->n_group))
-            BAD("%s: %snum_experts_per_token: %d > topk_group x experts per group (%d x %d)",
-                path, x, c->n_experts_per_tok, c->topk_group, c->n_experts / c->n_group);
+            BAD("%s: %snum_experts_per_token: %d > topk_group x experts per group (%d x %d)", path,
+                x, c->n_experts_per_tok, c->topk_group, c->n_experts / c->n_group);
         if (!(c->routed_scaling_factor > 0) || !isfinite(c->routed_scaling_factor))
-            BAD("%s: %srouted_scaling_factor: %g must be > 0", path, x, (double)c->routed_scaling_factor);
+            BAD("%s: %srouted_scaling_factor: %g must be > 0", path, x,
+                (double)c->routed_scaling_factor);
         if (c->experts_mxfp4 && (lat % 32 != 0 || c->moe_intermediate_size % 32 != 0))
             BAD("%s: %srouted_expert_hidden_size/moe_intermediate_size: %lld/%d must be multiples "
-                "of 32 for MXFP4 experts", path, x, (long long)lat, c->moe_intermediate_size);
+                "of 32 for MXFP4 experts",
+                path, x, (long long)lat, c->moe_intermediate_size);
     }
 #undef BAD
     return K3_OK;
@@ -455,7 +470,9 @@ k3_status k3_config_load(const char *dir, k3_config *out) {
     return K3_OK;
 }
 
-uint64_t k3_config_hash(const k3_config *c) { return k3_hash_bytes(c, sizeof *c, K3_HASH_INIT); }
+uint64_t k3_config_hash(const k3_config *c) {
+    return k3_hash_bytes(c, sizeof *c, K3_HASH_INIT);
+}
 
 /* ---- presets ------------------------------------------------------------------------------ */
 static void set_mla_layers(k3_config *c, const int *one_based, int n) {
@@ -493,13 +510,24 @@ void k3_preset_config(k3_preset p, k3_config *c) {
         for (int i = 0; i < 23; i++) mla[i] = 4 * (i + 1);
         mla[23] = 93;
         set_mla_layers(c, mla, 24);
-        c->n_heads = 96; c->q_lora_rank = 1536; c->kv_lora_rank = 512;
-        c->qk_nope_head_dim = 128; c->qk_rope_head_dim = 64; c->v_head_dim = 128;
-        c->kda_n_heads = 96; c->kda_head_dim = 128; c->kda_gate_rank = 128; c->kda_a_log_len = 128;
+        c->n_heads = 96;
+        c->q_lora_rank = 1536;
+        c->kv_lora_rank = 512;
+        c->qk_nope_head_dim = 128;
+        c->qk_rope_head_dim = 64;
+        c->v_head_dim = 128;
+        c->kda_n_heads = 96;
+        c->kda_head_dim = 128;
+        c->kda_gate_rank = 128;
+        c->kda_a_log_len = 128;
         c->intermediate_size = 33792;
-        c->n_experts = 896; c->n_experts_per_tok = 16; c->n_shared_experts = 2;
-        c->moe_intermediate_size = 3072; c->latent_size = 3584;
-        c->n_group = 1; c->topk_group = 1;
+        c->n_experts = 896;
+        c->n_experts_per_tok = 16;
+        c->n_shared_experts = 2;
+        c->moe_intermediate_size = 3072;
+        c->latent_size = 3584;
+        c->n_group = 1;
+        c->topk_group = 1;
     } else if (p == K3_PRESET_SMALL) {
         /* CPU benchmark: decode reads >= 200 MB of weights per token (k3 inspect prints it). */
         c->vocab_size = 32768 + 256;
@@ -509,13 +537,24 @@ void k3_preset_config(k3_preset p, k3_config *c) {
         c->attn_res_block_size = 4;
         static const int mla[] = {4, 8, 11, 12};
         set_mla_layers(c, mla, 4);
-        c->n_heads = 8; c->q_lora_rank = 256; c->kv_lora_rank = 128;
-        c->qk_nope_head_dim = 64; c->qk_rope_head_dim = 32; c->v_head_dim = 64;
-        c->kda_n_heads = 8; c->kda_head_dim = 128; c->kda_gate_rank = 128; c->kda_a_log_len = 16;
+        c->n_heads = 8;
+        c->q_lora_rank = 256;
+        c->kv_lora_rank = 128;
+        c->qk_nope_head_dim = 64;
+        c->qk_rope_head_dim = 32;
+        c->v_head_dim = 64;
+        c->kda_n_heads = 8;
+        c->kda_head_dim = 128;
+        c->kda_gate_rank = 128;
+        c->kda_a_log_len = 16;
         c->intermediate_size = 4096;
-        c->n_experts = 64; c->n_experts_per_tok = 8; c->n_shared_experts = 1;
-        c->moe_intermediate_size = 384; c->latent_size = 768;
-        c->n_group = 8; c->topk_group = 4;
+        c->n_experts = 64;
+        c->n_experts_per_tok = 8;
+        c->n_shared_experts = 1;
+        c->moe_intermediate_size = 384;
+        c->latent_size = 768;
+        c->n_group = 8;
+        c->topk_group = 4;
     } else { /* tiny: exactly the numbers of issue 2 */
         c->vocab_size = 3840 + 256;
         c->hidden_size = 128;
@@ -524,21 +563,36 @@ void k3_preset_config(k3_preset p, k3_config *c) {
         c->attn_res_block_size = 3;
         static const int mla[] = {4, 7, 8};
         set_mla_layers(c, mla, 3);
-        c->n_heads = 4; c->q_lora_rank = 64; c->kv_lora_rank = 32;
-        c->qk_nope_head_dim = 16; c->qk_rope_head_dim = 8; c->v_head_dim = 16;
-        c->kda_n_heads = 4; c->kda_head_dim = 32; c->kda_gate_rank = 32; c->kda_a_log_len = 8;
+        c->n_heads = 4;
+        c->q_lora_rank = 64;
+        c->kv_lora_rank = 32;
+        c->qk_nope_head_dim = 16;
+        c->qk_rope_head_dim = 8;
+        c->v_head_dim = 16;
+        c->kda_n_heads = 4;
+        c->kda_head_dim = 32;
+        c->kda_gate_rank = 32;
+        c->kda_a_log_len = 8;
         c->intermediate_size = 256;
-        c->n_experts = 16; c->n_experts_per_tok = 4; c->n_shared_experts = 1;
-        c->moe_intermediate_size = 64; c->latent_size = 96;
-        c->n_group = 4; c->topk_group = 2;
+        c->n_experts = 16;
+        c->n_experts_per_tok = 4;
+        c->n_shared_experts = 1;
+        c->moe_intermediate_size = 64;
+        c->latent_size = 96;
+        c->n_group = 4;
+        c->topk_group = 2;
     }
 }
 
 k3_status k3_preset_parse(const char *name, k3_preset *out) {
-    if (name && strcmp(name, "tiny") == 0) *out = K3_PRESET_TINY;
-    else if (name && strcmp(name, "small") == 0) *out = K3_PRESET_SMALL;
-    else if (name && strcmp(name, "k3") == 0) *out = K3_PRESET_K3;
-    else return K3_ERR(K3_ERR_ARG, "unknown preset '%s' (tiny, small or k3)", name ? name : "");
+    if (name && strcmp(name, "tiny") == 0)
+        *out = K3_PRESET_TINY;
+    else if (name && strcmp(name, "small") == 0)
+        *out = K3_PRESET_SMALL;
+    else if (name && strcmp(name, "k3") == 0)
+        *out = K3_PRESET_K3;
+    else
+        return K3_ERR(K3_ERR_ARG, "unknown preset '%s' (tiny, small or k3)", name ? name : "");
     return K3_OK;
 }
 
@@ -571,8 +625,10 @@ k3_status k3_config_to_json(const k3_config *c, char **out_json) {
     cJSON_AddNumberToObject(tc, "num_hidden_layers", c->n_layers);
     cJSON_AddNumberToObject(tc, "num_attention_heads", c->n_heads);
     cJSON_AddNumberToObject(tc, "num_key_value_heads", c->n_heads);
-    if (c->q_lora_rank > 0) cJSON_AddNumberToObject(tc, "q_lora_rank", c->q_lora_rank);
-    else cJSON_AddNullToObject(tc, "q_lora_rank");
+    if (c->q_lora_rank > 0)
+        cJSON_AddNumberToObject(tc, "q_lora_rank", c->q_lora_rank);
+    else
+        cJSON_AddNullToObject(tc, "q_lora_rank");
     cJSON_AddNumberToObject(tc, "kv_lora_rank", c->kv_lora_rank);
     cJSON_AddNumberToObject(tc, "qk_nope_head_dim", c->qk_nope_head_dim);
     cJSON_AddNumberToObject(tc, "qk_rope_head_dim", c->qk_rope_head_dim);
@@ -641,11 +697,14 @@ k3_status k3_config_to_json(const k3_config *c, char **out_json) {
         cJSON_AddNullToObject(g0, "output_activations");
         cJSON_AddStringToObject(g0, "format", "mxfp4-pack-quantized");
         cJSON *ig = cJSON_AddArrayToObject(q, "ignore");
-        static const char *const ign[] = {"lm_head", "re:.*self_attn.*", "re:.*shared_experts.*",
-                                           "re:.*mlp\\.(gate|up|down)_proj.*",
-                                           "re:.*block_sparse_moe\\.gate$",
-                                           "re:.*routed_expert_(down|up)_proj.*",
-                                           "re:vision_tower.*", "re:mm_projector.*"};
+        static const char *const ign[] = {"lm_head",
+                                          "re:.*self_attn.*",
+                                          "re:.*shared_experts.*",
+                                          "re:.*mlp\\.(gate|up|down)_proj.*",
+                                          "re:.*block_sparse_moe\\.gate$",
+                                          "re:.*routed_expert_(down|up)_proj.*",
+                                          "re:vision_tower.*",
+                                          "re:mm_projector.*"};
         for (size_t i = 0; i < K3_ARRAY_LEN(ign); i++)
             cJSON_AddItemToArray(ig, cJSON_CreateString(ign[i]));
     }

@@ -13,7 +13,7 @@
 #include "k3_base.h"
 
 #define K3_MAX_LAYERS 256
-#define K3_MAX_DIMS 4
+#define K3_MAX_DIMS   4
 
 /* ---- config ----------------------------------------------------------------------------- */
 typedef enum { K3_MIXER_KDA = 0, K3_MIXER_MLA = 1 } k3_mixer;
@@ -21,58 +21,58 @@ typedef enum { K3_ACT_SITU = 0, K3_ACT_SWIGLU = 1 } k3_act;
 
 typedef struct k3_config {
     /* global */
-    int64_t vocab_size;        /* 163840 */
-    int64_t hidden_size;       /* D = 7168 */
-    int n_layers;              /* 93 */
-    float rms_norm_eps;        /* 1e-5: layer norms, final norm, AttnRes scores, o_norm, latent */
-    float mla_norm_eps;        /* 1e-6: q_a_layernorm, kv_a_layernorm (K3-MODEL.md §3.2) */
-    bool tie_word_embeddings;  /* false for K3; true => no lm_head tensor, head = embedding */
-    int eos_token_id;          /* 163586 */
-    int attn_res_block_size;   /* 12; 0 = no AttnRes (Kimi-Linear: plain pre-norm residual) */
+    int64_t vocab_size;       /* 163840 */
+    int64_t hidden_size;      /* D = 7168 */
+    int n_layers;             /* 93 */
+    float rms_norm_eps;       /* 1e-5: layer norms, final norm, AttnRes scores, o_norm, latent */
+    float mla_norm_eps;       /* 1e-6: q_a_layernorm, kv_a_layernorm (K3-MODEL.md §3.2) */
+    bool tie_word_embeddings; /* false for K3; true => no lm_head tensor, head = embedding */
+    int eos_token_id;         /* 163586 */
+    int attn_res_block_size;  /* 12; 0 = no AttnRes (Kimi-Linear: plain pre-norm residual) */
     k3_mixer mixer[K3_MAX_LAYERS];
 
     /* MLA (every layer with mixer == K3_MIXER_MLA) */
-    int n_heads;               /* 96 */
-    int q_lora_rank;           /* 1536; 0 = no q LoRA (q_proj directly) */
-    int kv_lora_rank;          /* 512 */
-    int qk_nope_head_dim;      /* 128 */
-    int qk_rope_head_dim;      /* 64 (NoPE: a plain extra dot-product term) */
-    int v_head_dim;            /* 128 */
-    bool mla_use_output_gate;  /* true: sigmoid(g_proj x) gates the heads before o_proj */
+    int n_heads;              /* 96 */
+    int q_lora_rank;          /* 1536; 0 = no q LoRA (q_proj directly) */
+    int kv_lora_rank;         /* 512 */
+    int qk_nope_head_dim;     /* 128 */
+    int qk_rope_head_dim;     /* 64 (NoPE: a plain extra dot-product term) */
+    int v_head_dim;           /* 128 */
+    bool mla_use_output_gate; /* true: sigmoid(g_proj x) gates the heads before o_proj */
 
     /* KDA (linear_attn_config) */
-    int kda_n_heads;           /* 96 */
-    int kda_head_dim;          /* 128 (dk = dv) */
-    int kda_conv_kernel;       /* 4 */
-    bool kda_has_lower_bound;  /* K3 sigmoid gate form; false = Kimi-Linear softplus form */
-    float kda_gate_lower_bound;/* -5.0 */
-    bool kda_full_rank_gate;   /* K3 g_proj [P, D]; false = Kimi-Linear g_a_proj/g_b_proj */
-    int kda_gate_rank;         /* rank of f_a/f_b (and g_a/g_b): = kda_head_dim in K3 (128) */
-    int kda_a_log_len;         /* stored length of A_log (>= kda_n_heads; K3: 128, zero-padded) */
+    int kda_n_heads;            /* 96 */
+    int kda_head_dim;           /* 128 (dk = dv) */
+    int kda_conv_kernel;        /* 4 */
+    bool kda_has_lower_bound;   /* K3 sigmoid gate form; false = Kimi-Linear softplus form */
+    float kda_gate_lower_bound; /* -5.0 */
+    bool kda_full_rank_gate;    /* K3 g_proj [P, D]; false = Kimi-Linear g_a_proj/g_b_proj */
+    int kda_gate_rank;          /* rank of f_a/f_b (and g_a/g_b): = kda_head_dim in K3 (128) */
+    int kda_a_log_len;          /* stored length of A_log (>= kda_n_heads; K3: 128, zero-padded) */
 
     /* FFN */
     k3_act act;
-    float situ_beta;           /* 4.0  */
-    float situ_linear_beta;    /* 25.0; <= 0 means the up branch is not capped */
-    int64_t intermediate_size; /* dense layers: 33792 */
-    int first_k_dense_replace; /* layers < this are dense (1) */
-    int moe_layer_freq;        /* 1 */
-    int n_experts;             /* 896 */
-    int n_experts_per_tok;     /* 16 */
-    int n_shared_experts;      /* 2 (fused width = n_shared * moe_intermediate_size) */
-    int moe_intermediate_size; /* 3072 */
-    int latent_size;           /* routed_expert_hidden_size 3584; 0 = no latent (experts on D) */
-    bool latent_moe_use_norm;  /* RMSNorm of the weighted expert sum (latent) */
-    bool moe_renormalize;      /* true */
-    float routed_scaling_factor;/* 1.0 */
-    int n_group, topk_group;   /* grouped top-k (1/1 = no-op; the general rule is implemented) */
+    float situ_beta;             /* 4.0  */
+    float situ_linear_beta;      /* 25.0; <= 0 means the up branch is not capped */
+    int64_t intermediate_size;   /* dense layers: 33792 */
+    int first_k_dense_replace;   /* layers < this are dense (1) */
+    int moe_layer_freq;          /* 1 */
+    int n_experts;               /* 896 */
+    int n_experts_per_tok;       /* 16 */
+    int n_shared_experts;        /* 2 (fused width = n_shared * moe_intermediate_size) */
+    int moe_intermediate_size;   /* 3072 */
+    int latent_size;             /* routed_expert_hidden_size 3584; 0 = no latent (experts on D) */
+    bool latent_moe_use_norm;    /* RMSNorm of the weighted expert sum (latent) */
+    bool moe_renormalize;        /* true */
+    float routed_scaling_factor; /* 1.0 */
+    int n_group, topk_group;     /* grouped top-k (1/1 = no-op; the general rule is implemented) */
 
     /* quantisation of routed experts */
-    bool experts_mxfp4;        /* compressed-tensors mxfp4-pack-quantized, group 32 */
+    bool experts_mxfp4; /* compressed-tensors mxfp4-pack-quantized, group 32 */
 
     /* checkpoint naming */
-    char tensor_prefix[32];    /* "language_model." when config.json nests text_config (K3),
-                                  "" for a flat Kimi-Linear-style config */
+    char tensor_prefix[32]; /* "language_model." when config.json nests text_config (K3),
+                               "" for a flat Kimi-Linear-style config */
 } k3_config;
 
 /* Parse config.json text (top-level with text_config, or a flat text config). Every missing or
@@ -94,12 +94,13 @@ typedef struct k3_config_counts {
     int64_t n_tensors;
     int64_t params_total, params_active;
     int64_t bytes_total, bytes_active;
-    int64_t bytes_by_dtype[8];  /* indexed by k3_dtype (stored dtypes: F32, BF16, U8, ...) */
+    int64_t bytes_by_dtype[8]; /* indexed by k3_dtype (stored dtypes: F32, BF16, U8, ...) */
 } k3_config_counts;
 void k3_config_count(const k3_config *c, k3_config_counts *out);
 static inline bool k3_config_is_moe(const k3_config *c, int layer) {
     return layer >= c->first_k_dense_replace && c->n_experts > 0 &&
-           (layer - c->first_k_dense_replace) % (c->moe_layer_freq > 0 ? c->moe_layer_freq : 1) == 0;
+           (layer - c->first_k_dense_replace) % (c->moe_layer_freq > 0 ? c->moe_layer_freq : 1) ==
+               0;
 }
 /* AttnRes: does `layer` start a block (bank its input)? */
 static inline bool k3_config_is_block_start(const k3_config *c, int layer) {
@@ -108,12 +109,18 @@ static inline bool k3_config_is_block_start(const k3_config *c, int layer) {
 
 /* ---- tensors ------------------------------------------------------------------------------ */
 typedef enum {
-    K3_DT_F32 = 0, K3_DT_BF16, K3_DT_F16, K3_DT_U8, K3_DT_I32, K3_DT_I64,
-    K3_DT_MXFP4, /* in-memory only: data = weight_packed U8 [out, in/2], scale = E8M0 [out, in/32] */
+    K3_DT_F32 = 0,
+    K3_DT_BF16,
+    K3_DT_F16,
+    K3_DT_U8,
+    K3_DT_I32,
+    K3_DT_I64,
+    K3_DT_MXFP4, /* in-memory only: data = weight_packed U8 [out, in/2], scale = E8M0 [out, in/32]
+                  */
     K3_DT_COUNT
 } k3_dtype;
-const char *k3_dtype_name(k3_dtype t);         /* safetensors spelling: "F32", "BF16", ... */
-size_t k3_dtype_size(k3_dtype t);              /* bytes per element (0 for MXFP4) */
+const char *k3_dtype_name(k3_dtype t); /* safetensors spelling: "F32", "BF16", ... */
+size_t k3_dtype_size(k3_dtype t);      /* bytes per element (0 for MXFP4) */
 
 /* A tensor in memory. shape is logical, PyTorch order ([out, in] for a weight). For MXFP4 the
  * logical shape is the dequantised one ([out, in]). */
@@ -122,46 +129,89 @@ typedef struct k3_tensor {
     int ndim;
     int64_t shape[K3_MAX_DIMS];
     void *data;
-    uint8_t *scale;  /* MXFP4 only: E8M0 [shape[0], shape[1]/32] */
+    uint8_t *scale; /* MXFP4 only: E8M0 [shape[0], shape[1]/32] */
 } k3_tensor;
 int64_t k3_tensor_n_elems(const k3_tensor *t);
 
 /* ---- the catalogue: which tensors a config implies ----------------------------------------- */
 typedef enum {
-    K3_TK_GLOBAL = 0,   /* embedding, final norm, output AttnRes, lm_head */
-    K3_TK_LAYER,        /* a layer's non-expert tensor (norms, mixer, router, latent, shared) */
-    K3_TK_EXPERT,       /* one routed expert's tensor */
+    K3_TK_GLOBAL = 0, /* embedding, final norm, output AttnRes, lm_head */
+    K3_TK_LAYER,      /* a layer's non-expert tensor (norms, mixer, router, latent, shared) */
+    K3_TK_EXPERT,     /* one routed expert's tensor */
 } k3_tensor_kind;
 
 /* What a catalogue entry is, so the loader maps it to a k3_layer_w field without string
  * matching. */
 typedef enum k3_role {
-    K3_R_EMBED = 0, K3_R_FINAL_NORM, K3_R_OUT_RES_NORM, K3_R_OUT_RES_PROJ, K3_R_LM_HEAD,
-    K3_R_INPUT_NORM, K3_R_POST_NORM, K3_R_ATTN_RES_NORM, K3_R_ATTN_RES_PROJ, K3_R_MLP_RES_NORM,
+    K3_R_EMBED = 0,
+    K3_R_FINAL_NORM,
+    K3_R_OUT_RES_NORM,
+    K3_R_OUT_RES_PROJ,
+    K3_R_LM_HEAD,
+    K3_R_INPUT_NORM,
+    K3_R_POST_NORM,
+    K3_R_ATTN_RES_NORM,
+    K3_R_ATTN_RES_PROJ,
+    K3_R_MLP_RES_NORM,
     K3_R_MLP_RES_PROJ,
-    K3_R_KDA_Q, K3_R_KDA_K, K3_R_KDA_V, K3_R_KDA_QCONV, K3_R_KDA_KCONV, K3_R_KDA_VCONV,
-    K3_R_KDA_FA, K3_R_KDA_FB, K3_R_KDA_DT_BIAS, K3_R_KDA_A_LOG, K3_R_KDA_B, K3_R_KDA_G,
-    K3_R_KDA_GA, K3_R_KDA_GB, K3_R_KDA_O_NORM, K3_R_KDA_O,
-    K3_R_MLA_QA, K3_R_MLA_QA_NORM, K3_R_MLA_QB, K3_R_MLA_Q, K3_R_MLA_KVA, K3_R_MLA_KVA_NORM,
-    K3_R_MLA_KVB, K3_R_MLA_G, K3_R_MLA_O,
-    K3_R_FFN_GATE, K3_R_FFN_UP, K3_R_FFN_DOWN,
-    K3_R_ROUTER, K3_R_ROUTER_BIAS, K3_R_LAT_DOWN, K3_R_LAT_NORM, K3_R_LAT_UP,
-    K3_R_SH_GATE, K3_R_SH_UP, K3_R_SH_DOWN,
-    K3_R_EXP_W1_PACKED, K3_R_EXP_W1_SCALE, K3_R_EXP_W2_PACKED, K3_R_EXP_W2_SCALE,
-    K3_R_EXP_W3_PACKED, K3_R_EXP_W3_SCALE,
-    K3_R_EXP_W1, K3_R_EXP_W2, K3_R_EXP_W3,  /* BF16 experts (no quantization_config) */
+    K3_R_KDA_Q,
+    K3_R_KDA_K,
+    K3_R_KDA_V,
+    K3_R_KDA_QCONV,
+    K3_R_KDA_KCONV,
+    K3_R_KDA_VCONV,
+    K3_R_KDA_FA,
+    K3_R_KDA_FB,
+    K3_R_KDA_DT_BIAS,
+    K3_R_KDA_A_LOG,
+    K3_R_KDA_B,
+    K3_R_KDA_G,
+    K3_R_KDA_GA,
+    K3_R_KDA_GB,
+    K3_R_KDA_O_NORM,
+    K3_R_KDA_O,
+    K3_R_MLA_QA,
+    K3_R_MLA_QA_NORM,
+    K3_R_MLA_QB,
+    K3_R_MLA_Q,
+    K3_R_MLA_KVA,
+    K3_R_MLA_KVA_NORM,
+    K3_R_MLA_KVB,
+    K3_R_MLA_G,
+    K3_R_MLA_O,
+    K3_R_FFN_GATE,
+    K3_R_FFN_UP,
+    K3_R_FFN_DOWN,
+    K3_R_ROUTER,
+    K3_R_ROUTER_BIAS,
+    K3_R_LAT_DOWN,
+    K3_R_LAT_NORM,
+    K3_R_LAT_UP,
+    K3_R_SH_GATE,
+    K3_R_SH_UP,
+    K3_R_SH_DOWN,
+    K3_R_EXP_W1_PACKED,
+    K3_R_EXP_W1_SCALE,
+    K3_R_EXP_W2_PACKED,
+    K3_R_EXP_W2_SCALE,
+    K3_R_EXP_W3_PACKED,
+    K3_R_EXP_W3_SCALE,
+    K3_R_EXP_W1,
+    K3_R_EXP_W2,
+    K3_R_EXP_W3, /* BF16 experts (no quantization_config) */
     K3_R_COUNT
 } k3_role;
 
 typedef struct k3_tensor_spec {
-    char name[160];     /* full checkpoint name, "language_model.model.layers.3.self_attn.q_a_proj.weight" */
-    k3_dtype dtype;     /* as stored: F32/BF16/U8 (MXFP4 parts are U8) */
+    char name[160]; /* full checkpoint name,
+                       "language_model.model.layers.3.self_attn.q_a_proj.weight" */
+    k3_dtype dtype; /* as stored: F32/BF16/U8 (MXFP4 parts are U8) */
     int ndim;
     int64_t shape[K3_MAX_DIMS];
     k3_tensor_kind kind;
-    int layer;          /* -1 for globals */
-    int expert;         /* -1 unless K3_TK_EXPERT */
-    bool first_stage;   /* globals: embedding (true) vs head side (false) */
+    int layer;        /* -1 for globals */
+    int expert;       /* -1 unless K3_TK_EXPERT */
+    bool first_stage; /* globals: embedding (true) vs head side (false) */
     k3_role role;
 } k3_tensor_spec;
 
@@ -178,8 +228,8 @@ typedef struct k3_ckpt_tensor {
     k3_dtype dtype;
     int ndim;
     int64_t shape[K3_MAX_DIMS];
-    int shard;              /* index into the shard list */
-    uint64_t offset;        /* absolute byte offset in the shard file */
+    int shard;       /* index into the shard list */
+    uint64_t offset; /* absolute byte offset in the shard file */
     uint64_t n_bytes;
 } k3_ckpt_tensor;
 
@@ -206,46 +256,46 @@ int64_t k3_ckpt_verify(const k3_ckpt *ck, const k3_config *c,
 
 /* ---- weights in memory ------------------------------------------------------------------- */
 typedef struct k3_expert_w {
-    bool present;             /* owned and loaded by this rank */
-    k3_tensor w1, w3, w2;     /* gate [I, L], up [I, L], down [L, I]; MXFP4 or BF16 */
+    bool present;         /* owned and loaded by this rank */
+    k3_tensor w1, w3, w2; /* gate [I, L], up [I, L], down [L, I]; MXFP4 or BF16 */
 } k3_expert_w;
 
 typedef struct k3_layer_w {
-    bool present;             /* this rank holds the layer (its stage) */
-    k3_tensor input_norm, post_attn_norm;          /* [D] */
-    k3_tensor attn_res_score, mlp_res_score;       /* F32 [D] = res_norm ⊙ res_proj (fused at load) */
+    bool present;                            /* this rank holds the layer (its stage) */
+    k3_tensor input_norm, post_attn_norm;    /* [D] */
+    k3_tensor attn_res_score, mlp_res_score; /* F32 [D] = res_norm ⊙ res_proj (fused at load) */
     /* KDA */
-    k3_tensor q_proj, k_proj, v_proj;              /* [P, D] */
-    k3_tensor q_conv, k_conv, v_conv;              /* F32 [P, 1, K] */
-    k3_tensor f_a, f_b;                            /* [R, D], [P, R] */
-    k3_tensor dt_bias;                             /* F32 [P] */
-    k3_tensor a_log;                               /* F32 [A] (first kda_n_heads used) */
-    k3_tensor b_proj;                              /* [H, D] */
-    k3_tensor g_proj;                              /* KDA full-rank [P, D] or MLA gate [H*dv, D] */
-    k3_tensor g_a, g_b;                            /* Kimi-Linear low-rank gate (else data NULL) */
-    k3_tensor o_norm;                              /* F32 [dk] */
-    k3_tensor o_proj;                              /* [D, P] (KDA) / [D, H*dv] (MLA) */
+    k3_tensor q_proj, k_proj, v_proj; /* [P, D] */
+    k3_tensor q_conv, k_conv, v_conv; /* F32 [P, 1, K] */
+    k3_tensor f_a, f_b;               /* [R, D], [P, R] */
+    k3_tensor dt_bias;                /* F32 [P] */
+    k3_tensor a_log;                  /* F32 [A] (first kda_n_heads used) */
+    k3_tensor b_proj;                 /* [H, D] */
+    k3_tensor g_proj;                 /* KDA full-rank [P, D] or MLA gate [H*dv, D] */
+    k3_tensor g_a, g_b;               /* Kimi-Linear low-rank gate (else data NULL) */
+    k3_tensor o_norm;                 /* F32 [dk] */
+    k3_tensor o_proj;                 /* [D, P] (KDA) / [D, H*dv] (MLA) */
     /* MLA */
-    k3_tensor q_a_proj, q_a_norm, q_b_proj;        /* [Rq, D], [Rq], [H*(dn+dr), Rq] */
-    k3_tensor q_proj_mla;                          /* [H*(dn+dr), D] when q_lora_rank == 0 */
-    k3_tensor kv_a_proj, kv_a_norm, kv_b_proj;     /* [Rkv+dr, D], [Rkv], [H*(dn+dv), Rkv] */
+    k3_tensor q_a_proj, q_a_norm, q_b_proj;    /* [Rq, D], [Rq], [H*(dn+dr), Rq] */
+    k3_tensor q_proj_mla;                      /* [H*(dn+dr), D] when q_lora_rank == 0 */
+    k3_tensor kv_a_proj, kv_a_norm, kv_b_proj; /* [Rkv+dr, D], [Rkv], [H*(dn+dv), Rkv] */
     /* FFN: dense */
-    k3_tensor gate_proj, up_proj, down_proj;       /* [F, D], [F, D], [D, F] */
+    k3_tensor gate_proj, up_proj, down_proj; /* [F, D], [F, D], [D, F] */
     /* FFN: MoE */
-    k3_tensor router, router_bias;                 /* [E, D], F32 [E] */
-    k3_tensor lat_down, lat_norm, lat_up;          /* [L, D], [L], [D, L] */
-    k3_tensor sh_gate, sh_up, sh_down;             /* [S, D], [S, D], [D, S] */
-    k3_expert_w *experts;                          /* [n_experts]; present only where owned */
+    k3_tensor router, router_bias;        /* [E, D], F32 [E] */
+    k3_tensor lat_down, lat_norm, lat_up; /* [L, D], [L], [D, L] */
+    k3_tensor sh_gate, sh_up, sh_down;    /* [S, D], [S, D], [D, S] */
+    k3_expert_w *experts;                 /* [n_experts]; present only where owned */
 } k3_layer_w;
 
 typedef struct k3_weights k3_weights; /* opaque owner of all the memory below */
 typedef struct k3_weights_view {
     const k3_config *cfg;
-    k3_tensor embed;                 /* [V, D]   (first stage) */
-    k3_tensor final_norm;            /* [D]      (last stage)  */
-    k3_tensor out_res_score;         /* F32 [D]  (last stage)  */
-    k3_tensor lm_head;               /* [V, D]   (last stage)  */
-    k3_layer_w *layers;              /* [n_layers]; layers[l].present for owned layers */
+    k3_tensor embed;         /* [V, D]   (first stage) */
+    k3_tensor final_norm;    /* [D]      (last stage)  */
+    k3_tensor out_res_score; /* F32 [D]  (last stage)  */
+    k3_tensor lm_head;       /* [V, D]   (last stage)  */
+    k3_layer_w *layers;      /* [n_layers]; layers[l].present for owned layers */
 } k3_weights_view;
 
 /* What a rank loads: layers [layer_begin, layer_end), the embedding and/or the head, and the
@@ -257,7 +307,8 @@ typedef struct k3_load_sel {
     void *ctx;
     void (*progress)(void *ctx, uint64_t done_bytes, uint64_t total_bytes); /* may be NULL */
 } k3_load_sel;
-k3_status k3_weights_load(k3_ckpt *ck, const k3_config *c, const k3_load_sel *sel, k3_weights **out);
+k3_status k3_weights_load(k3_ckpt *ck, const k3_config *c, const k3_load_sel *sel,
+                          k3_weights **out);
 const k3_weights_view *k3_weights_get(const k3_weights *w);
 uint64_t k3_weights_bytes(const k3_weights *w);
 void k3_weights_destroy(k3_weights *w);

@@ -32,8 +32,8 @@
 #define K3_MXFP4_FN static inline
 #endif
 
-#define K3_MXFP4_GROUP 32          /* elements per E8M0 scale */
-#define K3_MXFP4_GROUP_BYTES 16    /* packed bytes per group (2 elements per byte) */
+#define K3_MXFP4_GROUP       32 /* elements per E8M0 scale */
+#define K3_MXFP4_GROUP_BYTES 16 /* packed bytes per group (2 elements per byte) */
 
 /* ggml block_mxfp4 (ggml-common.h, GGML_TYPE_MXFP4 = 39): 17 bytes per 32 values. */
 typedef struct k3_block_mxfp4 {

@@ -22,7 +22,7 @@
 
 #include "model_internal.h"
 
-extern const char k3_tiny_corpus[];   /* tiny_corpus.c, generated from model/data/ */
+extern const char k3_tiny_corpus[]; /* tiny_corpus.c, generated from model/data/ */
 extern const size_t k3_tiny_corpus_len;
 
 typedef struct gen {
@@ -57,19 +57,25 @@ static k3_status fill(void *ctx, const k3_tensor_spec *s, void *dst) {
     float *f = dst;
     uint8_t *u8 = dst;
     switch (s->role) {
-    case K3_R_EXP_W1_PACKED: case K3_R_EXP_W2_PACKED: case K3_R_EXP_W3_PACKED:
+    case K3_R_EXP_W1_PACKED:
+    case K3_R_EXP_W2_PACKED:
+    case K3_R_EXP_W3_PACKED:
         for (int64_t i = 0; i < n; i += 8) {
             uint64_t u = k3_rng_u64(&r);
             for (int64_t j = 0; j < 8 && i + j < n; j++) u8[i + j] = (uint8_t)(u >> (8 * j));
         }
         return K3_OK;
-    case K3_R_EXP_W1_SCALE: case K3_R_EXP_W2_SCALE: case K3_R_EXP_W3_SCALE: {
+    case K3_R_EXP_W1_SCALE:
+    case K3_R_EXP_W2_SCALE:
+    case K3_R_EXP_W3_SCALE: {
         int64_t fan_in = s->shape[1] * 32;
         int base = expert_base_exp(fan_in);
         for (int64_t i = 0; i < n; i++) u8[i] = (uint8_t)(base - 2 + (int)(k3_rng_u64(&r) % 5));
         return K3_OK;
     }
-    case K3_R_KDA_QCONV: case K3_R_KDA_KCONV: case K3_R_KDA_VCONV: {
+    case K3_R_KDA_QCONV:
+    case K3_R_KDA_KCONV:
+    case K3_R_KDA_VCONV: {
         float sd = 1.0f / sqrtf((float)c->kda_conv_kernel);
         for (int64_t i = 0; i < n; i++) f[i] = sd * fast_normal(&r);
         return K3_OK;
@@ -90,8 +96,14 @@ static k3_status fill(void *ctx, const k3_tensor_spec *s, void *dst) {
     case K3_R_ROUTER_BIAS:
         for (int64_t i = 0; i < n; i++) f[i] = 0.02f * fast_normal(&r);
         return K3_OK;
-    case K3_R_INPUT_NORM: case K3_R_POST_NORM: case K3_R_ATTN_RES_NORM: case K3_R_MLP_RES_NORM:
-    case K3_R_OUT_RES_NORM: case K3_R_FINAL_NORM: case K3_R_MLA_QA_NORM: case K3_R_MLA_KVA_NORM:
+    case K3_R_INPUT_NORM:
+    case K3_R_POST_NORM:
+    case K3_R_ATTN_RES_NORM:
+    case K3_R_MLP_RES_NORM:
+    case K3_R_OUT_RES_NORM:
+    case K3_R_FINAL_NORM:
+    case K3_R_MLA_QA_NORM:
+    case K3_R_MLA_KVA_NORM:
     case K3_R_LAT_NORM:
         for (int64_t i = 0; i < n; i++) bf[i] = k3_f32_to_bf16(1.0f + 0.05f * fast_normal(&r));
         return K3_OK;
@@ -128,7 +140,8 @@ static k3_status write_json(const char *dir, const char *name, cJSON *root) {
 }
 
 static int spec_name_cmp(const void *a, const void *b) {
-    return strcmp((*(const k3_tensor_spec *const *)a)->name, (*(const k3_tensor_spec *const *)b)->name);
+    return strcmp((*(const k3_tensor_spec *const *)a)->name,
+                  (*(const k3_tensor_spec *const *)b)->name);
 }
 
 static void b64(const uint8_t *p, int64_t n, char *out) {
@@ -147,16 +160,28 @@ static void b64(const uint8_t *p, int64_t n, char *out) {
 }
 
 /* K3's special block (K3-CHAT.md §4.1), by offset from its first id. */
-typedef struct { int off; const char *content; bool special; } special_tok;
+typedef struct {
+    int off;
+    const char *content;
+    bool special;
+} special_tok;
 static const special_tok k3_specials[] = {
-    {0, "[BOS]", true},           {1, "[EOS]", true},
-    {2, "<|end_of_msg|>", true},  {3, "<|open|>", false},
-    {4, "<|close|>", false},      {5, "<|sep|>", false},
-    {6, "[start_header_id]", true}, {7, "[end_header_id]", true},
-    {9, "[EOT]", true},           {18, "<|media_begin|>", true},
-    {19, "<|media_content|>", true}, {20, "<|media_end|>", true},
-    {21, "<|media_pad|>", true},  {65, "<osagent_mode>", true},
-    {254, "[UNK]", true},         {255, "[PAD]", true},
+    {0, "[BOS]", true},
+    {1, "[EOS]", true},
+    {2, "<|end_of_msg|>", true},
+    {3, "<|open|>", false},
+    {4, "<|close|>", false},
+    {5, "<|sep|>", false},
+    {6, "[start_header_id]", true},
+    {7, "[end_header_id]", true},
+    {9, "[EOT]", true},
+    {18, "<|media_begin|>", true},
+    {19, "<|media_content|>", true},
+    {20, "<|media_end|>", true},
+    {21, "<|media_pad|>", true},
+    {65, "<osagent_mode>", true},
+    {254, "[UNK]", true},
+    {255, "[PAD]", true},
 };
 
 static k3_status write_tokenizer(const char *dir, const k3_config *c) {
@@ -174,7 +199,10 @@ static k3_status write_tokenizer(const char *dir, const k3_config *c) {
     if (st == K3_OK) st = k3_alloc((void **)&enc, 4096, "base64");
     for (int r = 0; st == K3_OK && r < v.n; r++) {
         int64_t tl = v.off[r + 1] - v.off[r];
-        if (tl > 3000) { st = K3_ERR(K3_ERR_INTERNAL, "token %d too long", r); break; }
+        if (tl > 3000) {
+            st = K3_ERR(K3_ERR_INTERNAL, "token %d too long", r);
+            break;
+        }
         b64(v.bytes + v.off[r], tl, enc);
         len += (size_t)snprintf(text + len, cap - len, "%s %d\n", enc, r);
     }
@@ -245,10 +273,10 @@ k3_status k3_make_tiny(const char *dir, k3_preset p, uint64_t seed) {
     int64_t acc = 0;
     cut[nc++] = 0;
     for (int64_t i = 0; i < n && nc < m; i++) {
-        bool boundary = i > 0 && !(specs[i].kind == K3_TK_EXPERT &&
-                                   specs[i - 1].kind == K3_TK_EXPERT &&
-                                   specs[i].expert == specs[i - 1].expert &&
-                                   specs[i].layer == specs[i - 1].layer);
+        bool boundary =
+            i > 0 &&
+            !(specs[i].kind == K3_TK_EXPERT && specs[i - 1].kind == K3_TK_EXPERT &&
+              specs[i].expert == specs[i - 1].expert && specs[i].layer == specs[i - 1].layer);
         if (boundary && acc >= total * nc / m && i > cut[nc - 1]) cut[nc++] = i;
         acc += k3_tensor_spec_bytes(&specs[i]);
     }

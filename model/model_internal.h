@@ -27,9 +27,9 @@ k3_status k3_st_write_shard(const char *path, const k3_tensor_spec *specs, int64
 
 /* ---- tokenizer training ---------------------------------------------------------------- */
 typedef struct k3_bpe_vocab {
-    int n;            /* ranks 0..n-1 */
-    uint8_t *bytes;   /* all token bytes back to back */
-    int64_t *off;     /* [n + 1]: token r = bytes[off[r] .. off[r+1]) */
+    int n;          /* ranks 0..n-1 */
+    uint8_t *bytes; /* all token bytes back to back */
+    int64_t *off;   /* [n + 1]: token r = bytes[off[r] .. off[r+1]) */
 } k3_bpe_vocab;
 /* 256 single bytes in GPT-2 order (rank -> byte). */
 void k3_bpe_byte_order(uint8_t rank_to_byte[256]);

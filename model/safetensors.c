@@ -24,13 +24,13 @@
 struct k3_ckpt {
     char *dir;
     int n_shards;
-    char **shard_name;      /* [n_shards] file names ("model-00001-of-00003.safetensors") */
-    char **shard_path;      /* [n_shards] dir/name */
-    int *fd;                /* [n_shards] */
-    uint64_t *shard_size;   /* [n_shards] bytes */
-    k3_ckpt_tensor *t;      /* [n] */
+    char **shard_name;    /* [n_shards] file names ("model-00001-of-00003.safetensors") */
+    char **shard_path;    /* [n_shards] dir/name */
+    int *fd;              /* [n_shards] */
+    uint64_t *shard_size; /* [n_shards] bytes */
+    k3_ckpt_tensor *t;    /* [n] */
     int64_t n, cap;
-    int64_t *ht;            /* [ht_cap] tensor index or -1 */
+    int64_t *ht; /* [ht_cap] tensor index or -1 */
     size_t ht_cap;
     _Atomic uint64_t bytes_read;
 };
@@ -46,7 +46,9 @@ bool k3_st_dtype_parse(const char *s, k3_dtype *out) {
     return false;
 }
 
-static uint64_t name_hash(const char *s) { return k3_hash_bytes(s, strlen(s), K3_HASH_INIT); }
+static uint64_t name_hash(const char *s) {
+    return k3_hash_bytes(s, strlen(s), K3_HASH_INIT);
+}
 
 static int64_t ht_lookup(const k3_ckpt *ck, const char *name) {
     if (!ck->ht_cap) return -1;
@@ -83,8 +85,8 @@ static k3_status pread_all(int fd, void *dst, uint64_t n, uint64_t off, uint64_t
     uint8_t *p = dst;
     *got = 0;
     while (*got < n) {
-        ssize_t r = pread(fd, p + *got, (size_t)K3_MIN(n - *got, (uint64_t)1 << 30),
-                          (off_t)(off + *got));
+        ssize_t r =
+            pread(fd, p + *got, (size_t)K3_MIN(n - *got, (uint64_t)1 << 30), (off_t)(off + *got));
         if (r < 0 && errno == EINTR) continue;
         if (r < 0) return K3_ERR_IO;
         if (r == 0) break;
@@ -93,7 +95,10 @@ static k3_status pread_all(int fd, void *dst, uint64_t n, uint64_t off, uint64_t
     return K3_OK;
 }
 
-typedef struct span { uint64_t b, e; int64_t idx; } span;
+typedef struct span {
+    uint64_t b, e;
+    int64_t idx;
+} span;
 static int span_cmp(const void *a, const void *b) {
     const span *x = a, *y = b;
     if (x->b != y->b) return x->b < y->b ? -1 : 1;
@@ -119,8 +124,10 @@ static k3_status parse_header(k3_ckpt *ck, int s) {
     uint64_t fsize = ck->shard_size[s], got;
     uint8_t lenb[8];
     if (fsize < 8)
-        return K3_ERR(K3_ERR_FORMAT, "%s: file is %llu bytes, too short for the 8-byte header "
-                      "length (truncated?)", path, (unsigned long long)fsize);
+        return K3_ERR(K3_ERR_FORMAT,
+                      "%s: file is %llu bytes, too short for the 8-byte header "
+                      "length (truncated?)",
+                      path, (unsigned long long)fsize);
     if (pread_all(fd, lenb, 8, 0, &got) != K3_OK || got != 8)
         return K3_ERR(K3_ERR_IO, "%s: cannot read the header length: %s", path, strerror(errno));
     uint64_t hlen = 0;
@@ -129,8 +136,10 @@ static k3_status parse_header(k3_ckpt *ck, int s) {
         return K3_ERR(K3_ERR_FORMAT, "%s: header length %llu exceeds the %llu-byte limit", path,
                       (unsigned long long)hlen, (unsigned long long)K3_ST_MAX_HEADER);
     if (hlen > fsize - 8)
-        return K3_ERR(K3_ERR_FORMAT, "%s: header length %llu runs past the end of the file "
-                      "(%llu bytes)", path, (unsigned long long)hlen, (unsigned long long)fsize);
+        return K3_ERR(K3_ERR_FORMAT,
+                      "%s: header length %llu runs past the end of the file "
+                      "(%llu bytes)",
+                      path, (unsigned long long)hlen, (unsigned long long)fsize);
     if (hlen < 2) return K3_ERR(K3_ERR_FORMAT, "%s: empty header", path);
     char *h = NULL;
     K3_TRY(k3_alloc((void **)&h, hlen + 1, "safetensors header"));
@@ -183,8 +192,8 @@ static k3_status parse_header(k3_ckpt *ck, int s) {
         }
         int nd = cJSON_GetArraySize(sh);
         if (nd > K3_MAX_DIMS) {
-            st = K3_ERR(K3_ERR_FORMAT, "%s: tensor %s: %d dimensions (at most %d)", path, name,
-                        nd, K3_MAX_DIMS);
+            st = K3_ERR(K3_ERR_FORMAT, "%s: tensor %s: %d dimensions (at most %d)", path, name, nd,
+                        K3_MAX_DIMS);
             goto done;
         }
         t.ndim = nd;
@@ -206,22 +215,27 @@ static k3_status parse_header(k3_ckpt *ck, int s) {
         const cJSON *b = cJSON_GetArrayItem(of, 0), *e = cJSON_GetArrayItem(of, 1);
         if (cJSON_GetArraySize(of) != 2 || !cJSON_IsNumber(b) || !cJSON_IsNumber(e) ||
             b->valuedouble < 0 || e->valuedouble < b->valuedouble || e->valuedouble > 1.8e19) {
-            st = K3_ERR(K3_ERR_FORMAT, "%s: tensor %s: data_offsets must be [begin, end] with "
-                        "0 <= begin <= end", path, name);
+            st = K3_ERR(K3_ERR_FORMAT,
+                        "%s: tensor %s: data_offsets must be [begin, end] with "
+                        "0 <= begin <= end",
+                        path, name);
             goto done;
         }
         uint64_t ob = (uint64_t)b->valuedouble, oe = (uint64_t)e->valuedouble;
         uint64_t want = numel * k3_dtype_size(t.dtype);
         if (oe - ob != want) {
-            st = K3_ERR(K3_ERR_FORMAT, "%s: tensor %s: data_offsets span %llu bytes but shape x "
-                        "%s needs %llu", path, name, (unsigned long long)(oe - ob),
-                        dt->valuestring, (unsigned long long)want);
+            st = K3_ERR(K3_ERR_FORMAT,
+                        "%s: tensor %s: data_offsets span %llu bytes but shape x "
+                        "%s needs %llu",
+                        path, name, (unsigned long long)(oe - ob), dt->valuestring,
+                        (unsigned long long)want);
             goto done;
         }
         if (oe > dsize) {
-            st = K3_ERR(K3_ERR_FORMAT, "%s: tensor %s: data_offsets [%llu, %llu] run past the end "
-                        "of the data section (%llu bytes; file truncated?)", path, name,
-                        (unsigned long long)ob, (unsigned long long)oe,
+            st = K3_ERR(K3_ERR_FORMAT,
+                        "%s: tensor %s: data_offsets [%llu, %llu] run past the end "
+                        "of the data section (%llu bytes; file truncated?)",
+                        path, name, (unsigned long long)ob, (unsigned long long)oe,
                         (unsigned long long)dsize);
             goto done;
         }
@@ -255,9 +269,11 @@ static k3_status parse_header(k3_ckpt *ck, int s) {
             qsort(sp, (size_t)m, sizeof *sp, span_cmp);
             for (int64_t i = 1; i < m; i++) {
                 if (sp[i].b < sp[i - 1].e && sp[i].e > sp[i].b && sp[i - 1].e > sp[i - 1].b) {
-                    st = K3_ERR(K3_ERR_FORMAT, "%s: tensors %s and %s overlap (bytes %llu..%llu "
-                                "and %llu..%llu of the data)", path, ck->t[sp[i - 1].idx].name,
-                                ck->t[sp[i].idx].name, (unsigned long long)(sp[i - 1].b - data0),
+                    st = K3_ERR(K3_ERR_FORMAT,
+                                "%s: tensors %s and %s overlap (bytes %llu..%llu "
+                                "and %llu..%llu of the data)",
+                                path, ck->t[sp[i - 1].idx].name, ck->t[sp[i].idx].name,
+                                (unsigned long long)(sp[i - 1].b - data0),
                                 (unsigned long long)(sp[i - 1].e - data0),
                                 (unsigned long long)(sp[i].b - data0),
                                 (unsigned long long)(sp[i].e - data0));
@@ -349,8 +365,7 @@ static k3_status open_index(k3_ckpt *ck, const char *ipath) {
     for (i = 0; i < ns; i++)
         if ((st = set_shard(ck, i, names[i])) != K3_OK) goto done;
     for (i = 0; i < ns; i++) {
-        if ((st = open_shard(ck, i, " listed in model.safetensors.index.json")) != K3_OK)
-            goto done;
+        if ((st = open_shard(ck, i, " listed in model.safetensors.index.json")) != K3_OK) goto done;
     }
     if ((st = ht_build(ck)) != K3_OK) goto done;
     /* every index entry must point to a shard that holds the tensor */
@@ -389,8 +404,10 @@ k3_status k3_ckpt_open(const char *dir, k3_ckpt **out) {
         snprintf(path, sizeof path, "%s/model.safetensors", dir);
         if (access(path, F_OK) != 0) {
             k3_ckpt_destroy(ck);
-            return K3_ERR(K3_ERR_MISSING, "%s: no model.safetensors.index.json or "
-                          "model.safetensors", dir);
+            return K3_ERR(K3_ERR_MISSING,
+                          "%s: no model.safetensors.index.json or "
+                          "model.safetensors",
+                          dir);
         }
         st = alloc_shards(ck, 1);
         if (st == K3_OK) st = set_shard(ck, 0, "model.safetensors");
@@ -431,11 +448,15 @@ const k3_ckpt_tensor *k3_ckpt_find(const k3_ckpt *ck, const char *name) {
     int64_t k = ht_lookup(ck, name);
     return k < 0 ? NULL : &ck->t[k];
 }
-int64_t k3_ckpt_n_tensors(const k3_ckpt *ck) { return ck->n; }
+int64_t k3_ckpt_n_tensors(const k3_ckpt *ck) {
+    return ck->n;
+}
 const k3_ckpt_tensor *k3_ckpt_tensor_at(const k3_ckpt *ck, int64_t i) {
     return i >= 0 && i < ck->n ? &ck->t[i] : NULL;
 }
-int k3_ckpt_n_shards(const k3_ckpt *ck) { return ck->n_shards; }
+int k3_ckpt_n_shards(const k3_ckpt *ck) {
+    return ck->n_shards;
+}
 const char *k3_ckpt_shard_path(const k3_ckpt *ck, int s) {
     return s >= 0 && s < ck->n_shards ? ck->shard_path[s] : NULL;
 }

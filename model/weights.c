@@ -14,10 +14,10 @@
 #include <stdlib.h>
 
 struct k3_weights {
-    k3_config cfg;            /* copy: the view points here */
+    k3_config cfg; /* copy: the view points here */
     k3_weights_view view;
-    k3_layer_w *layers;       /* [n_layers] */
-    uint8_t *arena;           /* all tensor bytes */
+    k3_layer_w *layers; /* [n_layers] */
+    uint8_t *arena;     /* all tensor bytes */
     uint64_t arena_bytes;
 };
 
@@ -27,9 +27,9 @@ typedef struct job {
 } job;
 
 typedef struct fuse {
-    k3_tensor *t;          /* the F32 score */
-    const uint16_t *norm;  /* staged bf16 res_norm [D] */
-    const uint16_t *proj;  /* staged bf16 res_proj [1, D] */
+    k3_tensor *t;         /* the F32 score */
+    const uint16_t *norm; /* staged bf16 res_norm [D] */
+    const uint16_t *proj; /* staged bf16 res_proj [1, D] */
 } fuse;
 
 static int job_cmp(const void *a, const void *b) {
@@ -46,58 +46,124 @@ static k3_tensor *slot(k3_weights *w, const k3_tensor_spec *s, int *part) {
     k3_layer_w *L = s->layer >= 0 ? &w->layers[s->layer] : NULL;
     k3_expert_w *E = (L && s->expert >= 0) ? &L->experts[s->expert] : NULL;
     switch (s->role) {
-    case K3_R_EMBED: return &v->embed;
-    case K3_R_FINAL_NORM: return &v->final_norm;
-    case K3_R_OUT_RES_NORM: *part = 2; return &v->out_res_score;
-    case K3_R_OUT_RES_PROJ: *part = 3; return &v->out_res_score;
-    case K3_R_LM_HEAD: return &v->lm_head;
-    case K3_R_INPUT_NORM: return &L->input_norm;
-    case K3_R_POST_NORM: return &L->post_attn_norm;
-    case K3_R_ATTN_RES_NORM: *part = 2; return &L->attn_res_score;
-    case K3_R_ATTN_RES_PROJ: *part = 3; return &L->attn_res_score;
-    case K3_R_MLP_RES_NORM: *part = 2; return &L->mlp_res_score;
-    case K3_R_MLP_RES_PROJ: *part = 3; return &L->mlp_res_score;
-    case K3_R_KDA_Q: return &L->q_proj;
-    case K3_R_KDA_K: return &L->k_proj;
-    case K3_R_KDA_V: return &L->v_proj;
-    case K3_R_KDA_QCONV: return &L->q_conv;
-    case K3_R_KDA_KCONV: return &L->k_conv;
-    case K3_R_KDA_VCONV: return &L->v_conv;
-    case K3_R_KDA_FA: return &L->f_a;
-    case K3_R_KDA_FB: return &L->f_b;
-    case K3_R_KDA_DT_BIAS: return &L->dt_bias;
-    case K3_R_KDA_A_LOG: return &L->a_log;
-    case K3_R_KDA_B: return &L->b_proj;
-    case K3_R_KDA_G: case K3_R_MLA_G: return &L->g_proj;
-    case K3_R_KDA_GA: return &L->g_a;
-    case K3_R_KDA_GB: return &L->g_b;
-    case K3_R_KDA_O_NORM: return &L->o_norm;
-    case K3_R_KDA_O: case K3_R_MLA_O: return &L->o_proj;
-    case K3_R_MLA_QA: return &L->q_a_proj;
-    case K3_R_MLA_QA_NORM: return &L->q_a_norm;
-    case K3_R_MLA_QB: return &L->q_b_proj;
-    case K3_R_MLA_Q: return &L->q_proj_mla;
-    case K3_R_MLA_KVA: return &L->kv_a_proj;
-    case K3_R_MLA_KVA_NORM: return &L->kv_a_norm;
-    case K3_R_MLA_KVB: return &L->kv_b_proj;
-    case K3_R_FFN_GATE: return &L->gate_proj;
-    case K3_R_FFN_UP: return &L->up_proj;
-    case K3_R_FFN_DOWN: return &L->down_proj;
-    case K3_R_ROUTER: return &L->router;
-    case K3_R_ROUTER_BIAS: return &L->router_bias;
-    case K3_R_LAT_DOWN: return &L->lat_down;
-    case K3_R_LAT_NORM: return &L->lat_norm;
-    case K3_R_LAT_UP: return &L->lat_up;
-    case K3_R_SH_GATE: return &L->sh_gate;
-    case K3_R_SH_UP: return &L->sh_up;
-    case K3_R_SH_DOWN: return &L->sh_down;
-    case K3_R_EXP_W1_SCALE: *part = 1; return &E->w1;
-    case K3_R_EXP_W2_SCALE: *part = 1; return &E->w2;
-    case K3_R_EXP_W3_SCALE: *part = 1; return &E->w3;
-    case K3_R_EXP_W1_PACKED: case K3_R_EXP_W1: return &E->w1;
-    case K3_R_EXP_W2_PACKED: case K3_R_EXP_W2: return &E->w2;
-    case K3_R_EXP_W3_PACKED: case K3_R_EXP_W3: return &E->w3;
-    default: return NULL;
+    case K3_R_EMBED:
+        return &v->embed;
+    case K3_R_FINAL_NORM:
+        return &v->final_norm;
+    case K3_R_OUT_RES_NORM:
+        *part = 2;
+        return &v->out_res_score;
+    case K3_R_OUT_RES_PROJ:
+        *part = 3;
+        return &v->out_res_score;
+    case K3_R_LM_HEAD:
+        return &v->lm_head;
+    case K3_R_INPUT_NORM:
+        return &L->input_norm;
+    case K3_R_POST_NORM:
+        return &L->post_attn_norm;
+    case K3_R_ATTN_RES_NORM:
+        *part = 2;
+        return &L->attn_res_score;
+    case K3_R_ATTN_RES_PROJ:
+        *part = 3;
+        return &L->attn_res_score;
+    case K3_R_MLP_RES_NORM:
+        *part = 2;
+        return &L->mlp_res_score;
+    case K3_R_MLP_RES_PROJ:
+        *part = 3;
+        return &L->mlp_res_score;
+    case K3_R_KDA_Q:
+        return &L->q_proj;
+    case K3_R_KDA_K:
+        return &L->k_proj;
+    case K3_R_KDA_V:
+        return &L->v_proj;
+    case K3_R_KDA_QCONV:
+        return &L->q_conv;
+    case K3_R_KDA_KCONV:
+        return &L->k_conv;
+    case K3_R_KDA_VCONV:
+        return &L->v_conv;
+    case K3_R_KDA_FA:
+        return &L->f_a;
+    case K3_R_KDA_FB:
+        return &L->f_b;
+    case K3_R_KDA_DT_BIAS:
+        return &L->dt_bias;
+    case K3_R_KDA_A_LOG:
+        return &L->a_log;
+    case K3_R_KDA_B:
+        return &L->b_proj;
+    case K3_R_KDA_G:
+    case K3_R_MLA_G:
+        return &L->g_proj;
+    case K3_R_KDA_GA:
+        return &L->g_a;
+    case K3_R_KDA_GB:
+        return &L->g_b;
+    case K3_R_KDA_O_NORM:
+        return &L->o_norm;
+    case K3_R_KDA_O:
+    case K3_R_MLA_O:
+        return &L->o_proj;
+    case K3_R_MLA_QA:
+        return &L->q_a_proj;
+    case K3_R_MLA_QA_NORM:
+        return &L->q_a_norm;
+    case K3_R_MLA_QB:
+        return &L->q_b_proj;
+    case K3_R_MLA_Q:
+        return &L->q_proj_mla;
+    case K3_R_MLA_KVA:
+        return &L->kv_a_proj;
+    case K3_R_MLA_KVA_NORM:
+        return &L->kv_a_norm;
+    case K3_R_MLA_KVB:
+        return &L->kv_b_proj;
+    case K3_R_FFN_GATE:
+        return &L->gate_proj;
+    case K3_R_FFN_UP:
+        return &L->up_proj;
+    case K3_R_FFN_DOWN:
+        return &L->down_proj;
+    case K3_R_ROUTER:
+        return &L->router;
+    case K3_R_ROUTER_BIAS:
+        return &L->router_bias;
+    case K3_R_LAT_DOWN:
+        return &L->lat_down;
+    case K3_R_LAT_NORM:
+        return &L->lat_norm;
+    case K3_R_LAT_UP:
+        return &L->lat_up;
+    case K3_R_SH_GATE:
+        return &L->sh_gate;
+    case K3_R_SH_UP:
+        return &L->sh_up;
+    case K3_R_SH_DOWN:
+        return &L->sh_down;
+    case K3_R_EXP_W1_SCALE:
+        *part = 1;
+        return &E->w1;
+    case K3_R_EXP_W2_SCALE:
+        *part = 1;
+        return &E->w2;
+    case K3_R_EXP_W3_SCALE:
+        *part = 1;
+        return &E->w3;
+    case K3_R_EXP_W1_PACKED:
+    case K3_R_EXP_W1:
+        return &E->w1;
+    case K3_R_EXP_W2_PACKED:
+    case K3_R_EXP_W2:
+        return &E->w2;
+    case K3_R_EXP_W3_PACKED:
+    case K3_R_EXP_W3:
+        return &E->w3;
+    default:
+        return NULL;
     }
 }
 
@@ -112,7 +178,9 @@ static bool selected(const k3_config *c, const k3_load_sel *sel, const k3_tensor
     return true;
 }
 
-static uint64_t align64(uint64_t x) { return (x + 63) & ~(uint64_t)63; }
+static uint64_t align64(uint64_t x) {
+    return (x + 63) & ~(uint64_t)63;
+}
 
 static k3_status check_src(const k3_ckpt *ck, const k3_tensor_spec *s, const k3_ckpt_tensor **out) {
     const k3_ckpt_tensor *t = k3_ckpt_find(ck, s->name);
@@ -120,10 +188,12 @@ static k3_status check_src(const k3_ckpt *ck, const k3_tensor_spec *s, const k3_
     bool ok = t->dtype == s->dtype && t->ndim == s->ndim;
     for (int d = 0; ok && d < s->ndim; d++) ok = t->shape[d] == s->shape[d];
     if (!ok)
-        return K3_ERR(K3_ERR_SHAPE, "%s: tensor %s: stored as %s with %d dims [%lld, ...], the "
-                      "config implies %s [%lld, ...] (%d dims)", k3_ckpt_shard_path(ck, t->shard),
-                      s->name, k3_dtype_name(t->dtype), t->ndim, (long long)t->shape[0],
-                      k3_dtype_name(s->dtype), (long long)s->shape[0], s->ndim);
+        return K3_ERR(K3_ERR_SHAPE,
+                      "%s: tensor %s: stored as %s with %d dims [%lld, ...], the "
+                      "config implies %s [%lld, ...] (%d dims)",
+                      k3_ckpt_shard_path(ck, t->shard), s->name, k3_dtype_name(t->dtype), t->ndim,
+                      (long long)t->shape[0], k3_dtype_name(s->dtype), (long long)s->shape[0],
+                      s->ndim);
     *out = t;
     return K3_OK;
 }
@@ -132,8 +202,8 @@ k3_status k3_weights_load(k3_ckpt *ck, const k3_config *c, const k3_load_sel *se
                           k3_weights **out) {
     *out = NULL;
     if (sel->layer_begin < 0 || sel->layer_end > c->n_layers || sel->layer_begin > sel->layer_end)
-        return K3_ERR(K3_ERR_ARG, "load selection: layers [%d, %d) outside 0..%d",
-                      sel->layer_begin, sel->layer_end, c->n_layers);
+        return K3_ERR(K3_ERR_ARG, "load selection: layers [%d, %d) outside 0..%d", sel->layer_begin,
+                      sel->layer_end, c->n_layers);
     k3_weights *w = NULL;
     K3_TRY(k3_calloc((void **)&w, sizeof *w, "weights"));
     w->cfg = *c;
@@ -142,7 +212,8 @@ k3_status k3_weights_load(k3_ckpt *ck, const k3_config *c, const k3_load_sel *se
     k3_tensor_spec *specs = NULL;
     job *jobs = NULL;
     uint8_t *stage = NULL; /* AttnRes halves before fusing */
-    k3_status st = k3_calloc((void **)&w->layers, (size_t)c->n_layers * sizeof *w->layers, "layers");
+    k3_status st =
+        k3_calloc((void **)&w->layers, (size_t)c->n_layers * sizeof *w->layers, "layers");
     if (st == K3_OK) st = k3_alloc((void **)&specs, (size_t)n * sizeof *specs, "catalogue");
     if (st == K3_OK) st = k3_alloc((void **)&jobs, (size_t)n * sizeof *jobs, "read list");
     if (st != K3_OK) goto fail;
@@ -178,7 +249,8 @@ k3_status k3_weights_load(k3_ckpt *ck, const k3_config *c, const k3_load_sel *se
         total_read += nb;
     }
     if ((st = k3_alloc((void **)&w->arena, bytes ? bytes : 64, "weights")) != K3_OK ||
-        (st = k3_alloc((void **)&stage, stage_bytes ? stage_bytes : 64, "AttnRes staging")) != K3_OK) {
+        (st = k3_alloc((void **)&stage, stage_bytes ? stage_bytes : 64, "AttnRes staging")) !=
+            K3_OK) {
         k3_free(src);
         goto fail;
     }
@@ -210,8 +282,10 @@ k3_status k3_weights_load(k3_ckpt *ck, const k3_config *c, const k3_load_sel *se
                 t->data = w->arena + at;
                 at += align64((uint64_t)c->hidden_size * 4);
             }
-            if (part == 2) fz[f].norm = dst;
-            else fz[f].proj = dst;
+            if (part == 2)
+                fz[f].norm = dst;
+            else
+                fz[f].proj = dst;
         } else {
             dst = w->arena + at;
             at += align64(nb);
@@ -262,8 +336,12 @@ fail:
     return st;
 }
 
-const k3_weights_view *k3_weights_get(const k3_weights *w) { return w ? &w->view : NULL; }
-uint64_t k3_weights_bytes(const k3_weights *w) { return w ? w->arena_bytes : 0; }
+const k3_weights_view *k3_weights_get(const k3_weights *w) {
+    return w ? &w->view : NULL;
+}
+uint64_t k3_weights_bytes(const k3_weights *w) {
+    return w ? w->arena_bytes : 0;
+}
 
 void k3_weights_destroy(k3_weights *w) {
     if (!w) return;

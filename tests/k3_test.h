@@ -12,33 +12,33 @@
 
 static int k3_t_pass, k3_t_fail;
 
-#define K3_CHECK(cond, ...)                                                                     \
-    do {                                                                                        \
-        if (cond) {                                                                             \
-            k3_t_pass++;                                                                        \
-        } else {                                                                                \
-            k3_t_fail++;                                                                        \
-            fprintf(stderr, "FAIL %s:%d: %s: ", __FILE__, __LINE__, #cond);                     \
-            fprintf(stderr, __VA_ARGS__);                                                       \
-            fprintf(stderr, "\n");                                                              \
-        }                                                                                       \
+#define K3_CHECK(cond, ...)                                                                        \
+    do {                                                                                           \
+        if (cond) {                                                                                \
+            k3_t_pass++;                                                                           \
+        } else {                                                                                   \
+            k3_t_fail++;                                                                           \
+            fprintf(stderr, "FAIL %s:%d: %s: ", __FILE__, __LINE__, #cond);                        \
+            fprintf(stderr, __VA_ARGS__);                                                          \
+            fprintf(stderr, "\n");                                                                 \
+        }                                                                                          \
     } while (0)
 
-#define K3_CHECK_OK(expr)                                                                       \
-    do {                                                                                        \
-        k3_status k3_t_s_ = (expr);                                                             \
-        K3_CHECK(k3_t_s_ == K3_OK, "%s -> %s: %s", #expr, k3_status_name(k3_t_s_),              \
-                 k3_last_error());                                                              \
+#define K3_CHECK_OK(expr)                                                                          \
+    do {                                                                                           \
+        k3_status k3_t_s_ = (expr);                                                                \
+        K3_CHECK(k3_t_s_ == K3_OK, "%s -> %s: %s", #expr, k3_status_name(k3_t_s_),                 \
+                 k3_last_error());                                                                 \
     } while (0)
 
 /* Expect a specific failure status and an error message containing `needle`. */
-#define K3_CHECK_ERR(expr, status, needle)                                                      \
-    do {                                                                                        \
-        k3_clear_error();                                                                       \
-        k3_status k3_t_s_ = (expr);                                                             \
-        K3_CHECK(k3_t_s_ == (status) && strstr(k3_last_error(), (needle)) != NULL,              \
-                 "%s -> %s '%s' (wanted %s containing '%s')", #expr, k3_status_name(k3_t_s_),   \
-                 k3_last_error(), k3_status_name(status), (needle));                            \
+#define K3_CHECK_ERR(expr, status, needle)                                                         \
+    do {                                                                                           \
+        k3_clear_error();                                                                          \
+        k3_status k3_t_s_ = (expr);                                                                \
+        K3_CHECK(k3_t_s_ == (status) && strstr(k3_last_error(), (needle)) != NULL,                 \
+                 "%s -> %s '%s' (wanted %s containing '%s')", #expr, k3_status_name(k3_t_s_),      \
+                 k3_last_error(), k3_status_name(status), (needle));                               \
     } while (0)
 
 static inline int k3_test_done(const char *name) {

@@ -40,7 +40,7 @@
  * critical value is the Wilson-Hilferty quantile df*(1 - a + z*sqrt(a))^3, a = 2/(9 df), with z the
  * one-sided standard-normal quantile of that p-value (Phi^-1(1 - 1e-6) = 4.7534). */
 #define K3_TOL_CHI2_PVALUE 1e-6
-#define K3_TOL_CHI2_Z 4.7534
+#define K3_TOL_CHI2_Z      4.7534
 /* One whole KDA or MLA layer (fp32, a chain of ~6 ops of <= 64-term reductions) vs the float64
  * evaluation of the spec: errors of the ops add, ~6·sqrt(64)·u ≈ 3e-6 typical; 1e-5 bound. */
 #define K3_TOL_LAYER_REL_L2 1e-5

@@ -5,8 +5,10 @@ static void test_status(void) {
     k3_clear_error();
     k3_status s = K3_ERR(K3_ERR_CONFIG, "key '%s' is missing", "hidden_size");
     K3_CHECK(s == K3_ERR_CONFIG, "status passes through");
-    K3_CHECK(strstr(k3_last_error(), "key 'hidden_size' is missing") != NULL, "%s", k3_last_error());
-    K3_CHECK(strstr(k3_last_error(), "test_base.c:") != NULL, "file:line recorded: %s", k3_last_error());
+    K3_CHECK(strstr(k3_last_error(), "key 'hidden_size' is missing") != NULL, "%s",
+             k3_last_error());
+    K3_CHECK(strstr(k3_last_error(), "test_base.c:") != NULL, "file:line recorded: %s",
+             k3_last_error());
     for (int i = 0; i < K3_STATUS_COUNT; i++)
         K3_CHECK(strlen(k3_status_name((k3_status)i)) > 0, "status %d has a name", i);
 }
@@ -28,7 +30,10 @@ static void test_rng(void) {
     for (int i = 0; i < n; i++) {
         double u = k3_rng_uniform(&a), g = k3_rng_normal(&a);
         out_of_range += !(u >= 0 && u < 1);
-        su += u; su2 += u * u; sn += g; sn2 += g * g;
+        su += u;
+        su2 += u * u;
+        sn += g;
+        sn2 += g * g;
     }
     K3_CHECK(out_of_range == 0, "%d uniforms outside [0,1)", out_of_range);
     double mu = su / n, varu = su2 / n - mu * mu, mn = sn / n, varn = sn2 / n - mn * mn;
@@ -44,9 +49,12 @@ static void test_bf16(void) {
     K3_CHECK(k3_f32_to_bf16(-2.0f) == 0xc000, "-2.0");
     K3_CHECK(k3_bf16_to_f32(0x3f80) == 1.0f, "back to 1.0");
     float tie_even, tie_odd, above;
-    uint32_t u = 0x3f808000u; memcpy(&tie_even, &u, 4); /* halfway, lower is even -> down */
-    u = 0x3f818000u; memcpy(&tie_odd, &u, 4);           /* halfway, lower is odd -> up */
-    u = 0x3f808001u; memcpy(&above, &u, 4);
+    uint32_t u = 0x3f808000u;
+    memcpy(&tie_even, &u, 4); /* halfway, lower is even -> down */
+    u = 0x3f818000u;
+    memcpy(&tie_odd, &u, 4); /* halfway, lower is odd -> up */
+    u = 0x3f808001u;
+    memcpy(&above, &u, 4);
     K3_CHECK(k3_f32_to_bf16(tie_even) == 0x3f80, "tie to even (down)");
     K3_CHECK(k3_f32_to_bf16(tie_odd) == 0x3f82, "tie to even (up)");
     K3_CHECK(k3_f32_to_bf16(above) == 0x3f81, "above half rounds up");

@@ -77,7 +77,11 @@ static bool odd_expert(void *ctx, int layer, int e) {
     (void)layer;
     return e % 2 == 1;
 }
-typedef struct prog { uint64_t last, total; int calls; bool monotonic; } prog;
+typedef struct prog {
+    uint64_t last, total;
+    int calls;
+    bool monotonic;
+} prog;
 static void on_progress(void *ctx, uint64_t done, uint64_t total) {
     prog *p = ctx;
     p->monotonic = p->monotonic && done >= p->last;
@@ -111,10 +115,12 @@ int main(void) {
     K3_CHECK_OK(k3_make_tiny(c2, K3_PRESET_TINY, 2));
 
     /* determinism: same seed -> identical bytes; other seed -> other weights, same tokenizer */
-    static const char *files[] = {"config.json", "model.safetensors.index.json",
+    static const char *files[] = {"config.json",
+                                  "model.safetensors.index.json",
                                   "model-00001-of-00003.safetensors",
                                   "model-00002-of-00003.safetensors",
-                                  "model-00003-of-00003.safetensors", "tiktoken.model",
+                                  "model-00003-of-00003.safetensors",
+                                  "tiktoken.model",
                                   "tokenizer_config.json"};
     for (size_t i = 0; i < K3_ARRAY_LEN(files); i++) {
         snprintf(pa, sizeof pa, "%s/%s", a, files[i]);
@@ -171,7 +177,8 @@ int main(void) {
     if (alog) {
         float v[8];
         K3_CHECK_OK(k3_ckpt_read(ck, alog, v));
-        K3_CHECK(v[0] > 0 && v[3] <= logf(16.0f) && v[4] == 0 && v[7] == 0, "A_log = log U[1,16], zero-padded");
+        K3_CHECK(v[0] > 0 && v[3] <= logf(16.0f) && v[4] == 0 && v[7] == 0,
+                 "A_log = log U[1,16], zero-padded");
     }
 
     /* full load */
@@ -188,16 +195,21 @@ int main(void) {
              (unsigned long long)pg.total, pg.calls);
     if (w) {
         const k3_weights_view *v = k3_weights_get(w);
-        K3_CHECK(v->embed.dtype == K3_DT_BF16 && v->embed.shape[0] == 4096 && v->lm_head.data, "embed/head");
+        K3_CHECK(v->embed.dtype == K3_DT_BF16 && v->embed.shape[0] == 4096 && v->lm_head.data,
+                 "embed/head");
         const k3_layer_w *l1 = &v->layers[1], *l0 = &v->layers[0], *l3 = &v->layers[3];
         K3_CHECK(l1->present && l1->experts && l1->experts[5].w2.dtype == K3_DT_MXFP4 &&
-                 l1->experts[5].w2.shape[0] == 96 && l1->experts[5].w2.shape[1] == 64 &&
-                 l1->experts[5].w2.scale && l1->experts[5].w1.shape[1] == 96, "MXFP4 expert tensors");
+                     l1->experts[5].w2.shape[0] == 96 && l1->experts[5].w2.shape[1] == 64 &&
+                     l1->experts[5].w2.scale && l1->experts[5].w1.shape[1] == 96,
+                 "MXFP4 expert tensors");
         K3_CHECK(l0->experts == NULL && l0->gate_proj.data && l0->q_conv.dtype == K3_DT_F32 &&
-                 l3->q_a_proj.data && l3->g_proj.shape[0] == 64 && l3->q_proj.data == NULL, "layer fields");
+                     l3->q_a_proj.data && l3->g_proj.shape[0] == 64 && l3->q_proj.data == NULL,
+                 "layer fields");
         /* the fused score equals bf16(norm) * bf16(proj), read independently */
-        const k3_ckpt_tensor *tn = k3_ckpt_find(ck, "language_model.model.layers.2.mlp_res_norm.weight");
-        const k3_ckpt_tensor *tp = k3_ckpt_find(ck, "language_model.model.layers.2.mlp_res_proj.weight");
+        const k3_ckpt_tensor *tn =
+            k3_ckpt_find(ck, "language_model.model.layers.2.mlp_res_norm.weight");
+        const k3_ckpt_tensor *tp =
+            k3_ckpt_find(ck, "language_model.model.layers.2.mlp_res_proj.weight");
         uint16_t nb[128], pb2[128];
         K3_CHECK_OK(k3_ckpt_read(ck, tn, nb));
         K3_CHECK_OK(k3_ckpt_read(ck, tp, pb2));
@@ -207,7 +219,8 @@ int main(void) {
             mism += s[d] != k3_bf16_to_f32(nb[d]) * k3_bf16_to_f32(pb2[d]);
             nz += s[d] != 0;
         }
-        K3_CHECK(mism == 0 && nz > 100 && v->layers[2].mlp_res_score.dtype == K3_DT_F32, "fused score");
+        K3_CHECK(mism == 0 && nz > 100 && v->layers[2].mlp_res_score.dtype == K3_DT_F32,
+                 "fused score");
         K3_CHECK(v->out_res_score.data != NULL, "output AttnRes score");
         /* the loaded expert decodes to O(0.01-0.1) weights: not degenerate */
         float row[96];
@@ -228,8 +241,10 @@ int main(void) {
     if (w) {
         const k3_weights_view *v = k3_weights_get(w);
         K3_CHECK(!v->layers[1].present && v->layers[2].present && !v->layers[5].present &&
-                 v->embed.data == NULL && v->lm_head.data == NULL, "selection of layers");
-        K3_CHECK(v->layers[2].experts[3].w1.data && !v->layers[2].experts[2].w1.data, "odd experts only");
+                     v->embed.data == NULL && v->lm_head.data == NULL,
+                 "selection of layers");
+        K3_CHECK(v->layers[2].experts[3].w1.data && !v->layers[2].experts[2].w1.data,
+                 "odd experts only");
         K3_CHECK(v->layers[2].experts[3].present && !v->layers[2].experts[2].present,
                  "present marks exactly the owned experts");
     }
@@ -243,12 +258,14 @@ int main(void) {
     sh("cp -r %s %s", a, d);
     snprintf(f, sizeof f, "%s/model-00002-of-00003.safetensors", d);
     sh("truncate -s 900000 %s%s", f, "");
-    K3_CHECK_ERR(open_close(d), K3_ERR_FORMAT, "model-00002-of-00003.safetensors: tensor language_model.");
+    K3_CHECK_ERR(open_close(d), K3_ERR_FORMAT,
+                 "model-00002-of-00003.safetensors: tensor language_model.");
     K3_CHECK(strstr(k3_last_error(), "run past the end") != NULL, "%s", k3_last_error());
     /* 2. header length past the end */
     snprintf(f, sizeof f, "%s/model-00001-of-00003.safetensors", d);
     write_len(f, 5000000);
-    K3_CHECK_ERR(open_close(d), K3_ERR_FORMAT, "model-00001-of-00003.safetensors: header length 5000000 runs past the end");
+    K3_CHECK_ERR(open_close(d), K3_ERR_FORMAT,
+                 "model-00001-of-00003.safetensors: header length 5000000 runs past the end");
     write_len(f, 200ull << 20);
     K3_CHECK_ERR(open_close(d), K3_ERR_FORMAT, "exceeds the 104857600-byte limit");
     /* 3. invalid JSON */
@@ -256,18 +273,23 @@ int main(void) {
     sh("cp -r %s %s", a, d);
     snprintf(f, sizeof f, "%s/model-00003-of-00003.safetensors", d);
     K3_CHECK(patch(f, NULL, "{\"__metadata__\"", "[\"__metadata__\""), "patch");
-    K3_CHECK_ERR(open_close(d), K3_ERR_FORMAT, "model-00003-of-00003.safetensors: the header is not valid JSON");
+    K3_CHECK_ERR(open_close(d), K3_ERR_FORMAT,
+                 "model-00003-of-00003.safetensors: the header is not valid JSON");
     /* 4. missing shard */
     snprintf(d, sizeof d, "%s/noshard", root);
     sh("cp -r %s %s", a, d);
     sh("rm %s/model-00002-of-00003.safetensors%s", d, "");
-    K3_CHECK_ERR(open_close(d), K3_ERR_MISSING, "model-00002-of-00003.safetensors: cannot open shard listed in model.safetensors.index.json");
+    K3_CHECK_ERR(open_close(d), K3_ERR_MISSING,
+                 "model-00002-of-00003.safetensors: cannot open shard listed in "
+                 "model.safetensors.index.json");
     /* 5. index entry pointing to a shard that lacks the tensor */
     snprintf(d, sizeof d, "%s/index", root);
     sh("cp -r %s %s", a, d);
     snprintf(f, sizeof f, "%s/model.safetensors.index.json", d);
     K3_CHECK(patch(f, "\"language_model.lm_head.weight\"", "model-00003", "model-00001"), "patch");
-    K3_CHECK_ERR(open_close(d), K3_ERR_MISSING, "tensor language_model.lm_head.weight is mapped to model-00001-of-00003.safetensors, which does not contain it");
+    K3_CHECK_ERR(open_close(d), K3_ERR_MISSING,
+                 "tensor language_model.lm_head.weight is mapped to "
+                 "model-00001-of-00003.safetensors, which does not contain it");
     /* 6. missing tensor (renamed in both header and index): verify and load name it */
     snprintf(d, sizeof d, "%s/missing", root);
     sh("cp -r %s %s", a, d);
@@ -283,29 +305,39 @@ int main(void) {
     if (ck) {
         probs[0] = 0;
         K3_CHECK(k3_ckpt_verify(ck, &cfg, problem_count, probs) == 4, "4 problems: %s", probs);
-        K3_CHECK(strstr(probs, "missing tensor language_model.model.layers.0.self_attn.A_log ") &&
-                 strstr(probs, "unexpected tensor language_model.model.layers.0.self_attn.A_lof") &&
-                 strstr(probs, "tensor language_model.model.layers.1.self_attn.dt_bias is I32 [128], expected F32 [128]") &&
-                 strstr(probs, "f_a_proj.weight is BF16 [128, 32], expected BF16 [32, 128]"), "%s", probs);
-        K3_CHECK_ERR(k3_weights_load(ck, &cfg, &all, &w), K3_ERR_MISSING, "checkpoint lacks tensor language_model.model.layers.0.self_attn.A_log");
+        K3_CHECK(
+            strstr(probs, "missing tensor language_model.model.layers.0.self_attn.A_log ") &&
+                strstr(probs, "unexpected tensor language_model.model.layers.0.self_attn.A_lof") &&
+                strstr(probs, "tensor language_model.model.layers.1.self_attn.dt_bias is I32 "
+                              "[128], expected F32 [128]") &&
+                strstr(probs, "f_a_proj.weight is BF16 [128, 32], expected BF16 [32, 128]"),
+            "%s", probs);
+        K3_CHECK_ERR(k3_weights_load(ck, &cfg, &all, &w), K3_ERR_MISSING,
+                     "checkpoint lacks tensor language_model.model.layers.0.self_attn.A_log");
         k3_load_sel l1 = {.layer_begin = 1, .layer_end = 2};
-        K3_CHECK_ERR(k3_weights_load(ck, &cfg, &l1, &w), K3_ERR_SHAPE, "tensor language_model.model.layers.1.self_attn.f_a_proj.weight");
+        K3_CHECK_ERR(k3_weights_load(ck, &cfg, &l1, &w), K3_ERR_SHAPE,
+                     "tensor language_model.model.layers.1.self_attn.f_a_proj.weight");
         k3_ckpt_destroy(ck);
     }
     /* 8. hand-made single files: overlap, span mismatch, unknown dtype */
     snprintf(d, sizeof d, "%s/overlap", root);
-    write_st(d, "{\"x.a\":{\"dtype\":\"F32\",\"shape\":[4],\"data_offsets\":[0,16]},"
-                "\"x.b\":{\"dtype\":\"F32\",\"shape\":[4],\"data_offsets\":[8,24]}}", 24);
-    K3_CHECK_ERR(open_close(d), K3_ERR_FORMAT, "overlap/model.safetensors: tensors x.a and x.b overlap");
+    write_st(d,
+             "{\"x.a\":{\"dtype\":\"F32\",\"shape\":[4],\"data_offsets\":[0,16]},"
+             "\"x.b\":{\"dtype\":\"F32\",\"shape\":[4],\"data_offsets\":[8,24]}}",
+             24);
+    K3_CHECK_ERR(open_close(d), K3_ERR_FORMAT,
+                 "overlap/model.safetensors: tensors x.a and x.b overlap");
     snprintf(d, sizeof d, "%s/span", root);
     write_st(d, "{\"x.a\":{\"dtype\":\"BF16\",\"shape\":[4,3],\"data_offsets\":[0,16]}}", 16);
-    K3_CHECK_ERR(open_close(d), K3_ERR_FORMAT, "tensor x.a: data_offsets span 16 bytes but shape x BF16 needs 24");
+    K3_CHECK_ERR(open_close(d), K3_ERR_FORMAT,
+                 "tensor x.a: data_offsets span 16 bytes but shape x BF16 needs 24");
     snprintf(d, sizeof d, "%s/dtype", root);
     write_st(d, "{\"x.a\":{\"dtype\":\"Q4\",\"shape\":[4],\"data_offsets\":[0,2]}}", 2);
     K3_CHECK_ERR(open_close(d), K3_ERR_FORMAT, "tensor x.a: unknown dtype 'Q4'");
     snprintf(d, sizeof d, "%s/empty", root);
     mkdir(d, 0755);
-    K3_CHECK_ERR(open_close(d), K3_ERR_MISSING, "no model.safetensors.index.json or model.safetensors");
+    K3_CHECK_ERR(open_close(d), K3_ERR_MISSING,
+                 "no model.safetensors.index.json or model.safetensors");
 
     sh("rm -rf %s%s", root, "");
     return k3_test_done("model_ckpt");

@@ -8,44 +8,60 @@
 
 static const char *k3_json =
     "{\"architectures\":[\"KimiK3ForConditionalGeneration\"],\"model_type\":\"kimi_k3\","
-    "\"quantization_config\":{\"quant_method\":\"compressed-tensors\",\"format\":\"mxfp4-pack-quantized\","
-    " \"config_groups\":{\"group_0\":{\"weights\":{\"num_bits\":4,\"type\":\"float\",\"strategy\":\"group\","
+    "\"quantization_config\":{\"quant_method\":\"compressed-tensors\",\"format\":\"mxfp4-pack-"
+    "quantized\","
+    " \"config_groups\":{\"group_0\":{\"weights\":{\"num_bits\":4,\"type\":\"float\",\"strategy\":"
+    "\"group\","
     "  \"group_size\":32,\"symmetric\":true,\"dynamic\":false,\"scale_dtype\":\"torch.uint8\"}}},"
     " \"ignore\":[\"re:.*shared_experts.*\"]},"
     "\"text_config\":{\"model_type\":\"kimi_linear\",\"vocab_size\":163840,\"hidden_size\":7168,"
     " \"intermediate_size\":33792,\"num_hidden_layers\":93,\"num_attention_heads\":96,"
-    " \"num_key_value_heads\":96,\"q_lora_rank\":1536,\"kv_lora_rank\":512,\"qk_nope_head_dim\":128,"
-    " \"qk_rope_head_dim\":64,\"v_head_dim\":128,\"mla_use_nope\":true,\"mla_use_output_gate\":true,"
-    " \"linear_attn_config\":{\"full_attn_layers\":[4,8,12,16,20,24,28,32,36,40,44,48,52,56,60,64,68,"
-    "   72,76,80,84,88,92,93],\"kda_layers\":[1,2,3,5,6,7,9,10,11,13,14,15,17,18,19,21,22,23,25,26,27,"
-    "   29,30,31,33,34,35,37,38,39,41,42,43,45,46,47,49,50,51,53,54,55,57,58,59,61,62,63,65,66,67,69,70,"
+    " \"num_key_value_heads\":96,\"q_lora_rank\":1536,\"kv_lora_rank\":512,\"qk_nope_head_dim\":"
+    "128,"
+    " \"qk_rope_head_dim\":64,\"v_head_dim\":128,\"mla_use_nope\":true,\"mla_use_output_gate\":"
+    "true,"
+    " \"linear_attn_config\":{\"full_attn_layers\":[4,8,12,16,20,24,28,32,36,40,44,48,52,56,60,64,"
+    "68,"
+    "   "
+    "72,76,80,84,88,92,93],\"kda_layers\":[1,2,3,5,6,7,9,10,11,13,14,15,17,18,19,21,22,23,25,26,27,"
+    "   "
+    "29,30,31,33,34,35,37,38,39,41,42,43,45,46,47,49,50,51,53,54,55,57,58,59,61,62,63,65,66,67,69,"
+    "70,"
     "   71,73,74,75,77,78,79,81,82,83,85,86,87,89,90,91],\"num_heads\":96,\"head_dim\":128,"
     "   \"short_conv_kernel_size\":4,\"gate_lower_bound\":-5.0,\"use_full_rank_gate\":true},"
     " \"hidden_act\":\"situ\",\"activation_situ_beta\":4.0,\"activation_situ_linear_beta\":25.0,"
-    " \"attn_res_block_size\":12,\"first_k_dense_replace\":1,\"moe_layer_freq\":1,\"num_experts\":896,"
+    " \"attn_res_block_size\":12,\"first_k_dense_replace\":1,\"moe_layer_freq\":1,\"num_experts\":"
+    "896,"
     " \"num_experts_per_token\":16,\"num_shared_experts\":2,\"moe_intermediate_size\":3072,"
     " \"routed_expert_hidden_size\":3584,\"latent_moe_use_norm\":true,"
-    " \"moe_router_activation_func\":\"sigmoid\",\"moe_renormalize\":true,\"routed_scaling_factor\":1.0,"
-    " \"topk_method\":\"noaux_tc\",\"use_grouped_topk\":true,\"num_expert_group\":1,\"topk_group\":1,"
+    " \"moe_router_activation_func\":\"sigmoid\",\"moe_renormalize\":true,\"routed_scaling_"
+    "factor\":1.0,"
+    " \"topk_method\":\"noaux_tc\",\"use_grouped_topk\":true,\"num_expert_group\":1,\"topk_group\":"
+    "1,"
     " \"rms_norm_eps\":1e-5,\"max_position_embeddings\":1048576,\"num_nextn_predict_layers\":0,"
     " \"tie_word_embeddings\":false,\"eos_token_id\":163586}}";
 
 /* A flat Kimi-Linear-style config (no text_config, softplus gate, SwiGLU, no AttnRes, no q LoRA,
  * low-rank output gate, experts on D in BF16). */
 static const char *kl_json =
-    "{\"architectures\":[\"KimiLinearForCausalLM\"],\"model_type\":\"kimi_linear\",\"vocab_size\":1000,"
-    "\"hidden_size\":64,\"intermediate_size\":128,\"num_hidden_layers\":4,\"num_attention_heads\":2,"
+    "{\"architectures\":[\"KimiLinearForCausalLM\"],\"model_type\":\"kimi_linear\",\"vocab_size\":"
+    "1000,"
+    "\"hidden_size\":64,\"intermediate_size\":128,\"num_hidden_layers\":4,\"num_attention_heads\":"
+    "2,"
     "\"num_key_value_heads\":2,\"q_lora_rank\":null,\"kv_lora_rank\":16,\"qk_nope_head_dim\":8,"
     "\"qk_rope_head_dim\":4,\"v_head_dim\":8,\"mla_use_nope\":true,"
     "\"linear_attn_config\":{\"full_attn_layers\":[4],\"kda_layers\":[1,2,3],\"num_heads\":2,"
-    " \"head_dim\":16,\"short_conv_kernel_size\":4},\"hidden_act\":\"silu\",\"first_k_dense_replace\":1,"
+    " \"head_dim\":16,\"short_conv_kernel_size\":4},\"hidden_act\":\"silu\",\"first_k_dense_"
+    "replace\":1,"
     "\"moe_layer_freq\":1,\"num_experts\":8,\"num_experts_per_token\":2,\"num_shared_experts\":1,"
     "\"moe_intermediate_size\":32,\"moe_renormalize\":true,\"routed_scaling_factor\":2.5,"
     "\"num_expert_group\":1,\"topk_group\":1,\"rms_norm_eps\":1e-5,\"tie_word_embeddings\":false,"
     "\"eos_token_id\":999}";
 
 typedef void (*mutate_fn)(cJSON *tc, cJSON *top);
-static cJSON *tc_of(cJSON *top) { return cJSON_GetObjectItem(top, "text_config"); }
+static cJSON *tc_of(cJSON *top) {
+    return cJSON_GetObjectItem(top, "text_config");
+}
 
 static k3_status parse_mutated(void (*m)(cJSON *tc, cJSON *top), k3_config *c) {
     cJSON *top = cJSON_Parse(k3_json);
@@ -57,30 +73,94 @@ static k3_status parse_mutated(void (*m)(cJSON *tc, cJSON *top), k3_config *c) {
     return st;
 }
 
-static cJSON *la(cJSON *tc) { return cJSON_GetObjectItem(tc, "linear_attn_config"); }
-static void m_no_hidden(cJSON *tc, cJSON *t) { (void)t; cJSON_DeleteItemFromObject(tc, "hidden_size"); }
-static void m_str_hidden(cJSON *tc, cJSON *t) { (void)t; cJSON_ReplaceItemInObject(tc, "hidden_size", cJSON_CreateString("big")); }
-static void m_layers0(cJSON *tc, cJSON *t) { (void)t; cJSON_ReplaceItemInObject(tc, "num_hidden_layers", cJSON_CreateNumber(0)); }
-static void m_full94(cJSON *tc, cJSON *t) { (void)t; cJSON_AddItemToArray(cJSON_GetObjectItem(la(tc), "full_attn_layers"), cJSON_CreateNumber(94)); }
-static void m_full0(cJSON *tc, cJSON *t) { (void)t; cJSON_ReplaceItemInArray(cJSON_GetObjectItem(la(tc), "full_attn_layers"), 0, cJSON_CreateNumber(0)); }
-static void m_kda_dup(cJSON *tc, cJSON *t) { (void)t; cJSON_AddItemToArray(cJSON_GetObjectItem(la(tc), "kda_layers"), cJSON_CreateNumber(4)); }
-static void m_kda_gap(cJSON *tc, cJSON *t) { (void)t; cJSON_DeleteItemFromArray(cJSON_GetObjectItem(la(tc), "kda_layers"), 0); }
-static void m_topk(cJSON *tc, cJSON *t) { (void)t; cJSON_ReplaceItemInObject(tc, "num_experts_per_token", cJSON_CreateNumber(1000)); }
-static void m_act(cJSON *tc, cJSON *t) { (void)t; cJSON_ReplaceItemInObject(tc, "hidden_act", cJSON_CreateString("gelu")); }
-static void m_qfmt(cJSON *tc, cJSON *t) { (void)tc; cJSON_ReplaceItemInObject(cJSON_GetObjectItem(t, "quantization_config"), "format", cJSON_CreateString("nvfp4-pack-quantized")); }
-static void m_eps(cJSON *tc, cJSON *t) { (void)t; cJSON_ReplaceItemInObject(tc, "rms_norm_eps", cJSON_CreateNumber(-1)); }
-static void m_topkg(cJSON *tc, cJSON *t) { (void)t; cJSON_ReplaceItemInObject(tc, "topk_group", cJSON_CreateNumber(2)); }
-static void m_eos(cJSON *tc, cJSON *t) { (void)t; cJSON_ReplaceItemInObject(tc, "eos_token_id", cJSON_CreateNumber(999999)); }
-static void m_group(cJSON *tc, cJSON *t) { (void)t; cJSON_ReplaceItemInObject(tc, "num_expert_group", cJSON_CreateNumber(5)); }
-static void m_inter(cJSON *tc, cJSON *t) { (void)t; cJSON_ReplaceItemInObject(tc, "moe_intermediate_size", cJSON_CreateNumber(3070)); }
-static void m_situ(cJSON *tc, cJSON *t) { (void)t; cJSON_DeleteItemFromObject(tc, "activation_situ_beta"); }
-static void m_lb(cJSON *tc, cJSON *t) { (void)t; cJSON_ReplaceItemInObject(la(tc), "gate_lower_bound", cJSON_CreateNumber(2)); }
-static void m_frac(cJSON *tc, cJSON *t) { (void)t; cJSON_ReplaceItemInObject(tc, "kv_lora_rank", cJSON_CreateNumber(511.5)); }
-static void m_nolin(cJSON *tc, cJSON *t) { (void)t; cJSON_DeleteItemFromObject(tc, "linear_attn_config"); }
+static cJSON *la(cJSON *tc) {
+    return cJSON_GetObjectItem(tc, "linear_attn_config");
+}
+static void m_no_hidden(cJSON *tc, cJSON *t) {
+    (void)t;
+    cJSON_DeleteItemFromObject(tc, "hidden_size");
+}
+static void m_str_hidden(cJSON *tc, cJSON *t) {
+    (void)t;
+    cJSON_ReplaceItemInObject(tc, "hidden_size", cJSON_CreateString("big"));
+}
+static void m_layers0(cJSON *tc, cJSON *t) {
+    (void)t;
+    cJSON_ReplaceItemInObject(tc, "num_hidden_layers", cJSON_CreateNumber(0));
+}
+static void m_full94(cJSON *tc, cJSON *t) {
+    (void)t;
+    cJSON_AddItemToArray(cJSON_GetObjectItem(la(tc), "full_attn_layers"), cJSON_CreateNumber(94));
+}
+static void m_full0(cJSON *tc, cJSON *t) {
+    (void)t;
+    cJSON_ReplaceItemInArray(cJSON_GetObjectItem(la(tc), "full_attn_layers"), 0,
+                             cJSON_CreateNumber(0));
+}
+static void m_kda_dup(cJSON *tc, cJSON *t) {
+    (void)t;
+    cJSON_AddItemToArray(cJSON_GetObjectItem(la(tc), "kda_layers"), cJSON_CreateNumber(4));
+}
+static void m_kda_gap(cJSON *tc, cJSON *t) {
+    (void)t;
+    cJSON_DeleteItemFromArray(cJSON_GetObjectItem(la(tc), "kda_layers"), 0);
+}
+static void m_topk(cJSON *tc, cJSON *t) {
+    (void)t;
+    cJSON_ReplaceItemInObject(tc, "num_experts_per_token", cJSON_CreateNumber(1000));
+}
+static void m_act(cJSON *tc, cJSON *t) {
+    (void)t;
+    cJSON_ReplaceItemInObject(tc, "hidden_act", cJSON_CreateString("gelu"));
+}
+static void m_qfmt(cJSON *tc, cJSON *t) {
+    (void)tc;
+    cJSON_ReplaceItemInObject(cJSON_GetObjectItem(t, "quantization_config"), "format",
+                              cJSON_CreateString("nvfp4-pack-quantized"));
+}
+static void m_eps(cJSON *tc, cJSON *t) {
+    (void)t;
+    cJSON_ReplaceItemInObject(tc, "rms_norm_eps", cJSON_CreateNumber(-1));
+}
+static void m_topkg(cJSON *tc, cJSON *t) {
+    (void)t;
+    cJSON_ReplaceItemInObject(tc, "topk_group", cJSON_CreateNumber(2));
+}
+static void m_eos(cJSON *tc, cJSON *t) {
+    (void)t;
+    cJSON_ReplaceItemInObject(tc, "eos_token_id", cJSON_CreateNumber(999999));
+}
+static void m_group(cJSON *tc, cJSON *t) {
+    (void)t;
+    cJSON_ReplaceItemInObject(tc, "num_expert_group", cJSON_CreateNumber(5));
+}
+static void m_inter(cJSON *tc, cJSON *t) {
+    (void)t;
+    cJSON_ReplaceItemInObject(tc, "moe_intermediate_size", cJSON_CreateNumber(3070));
+}
+static void m_situ(cJSON *tc, cJSON *t) {
+    (void)t;
+    cJSON_DeleteItemFromObject(tc, "activation_situ_beta");
+}
+static void m_lb(cJSON *tc, cJSON *t) {
+    (void)t;
+    cJSON_ReplaceItemInObject(la(tc), "gate_lower_bound", cJSON_CreateNumber(2));
+}
+static void m_frac(cJSON *tc, cJSON *t) {
+    (void)t;
+    cJSON_ReplaceItemInObject(tc, "kv_lora_rank", cJSON_CreateNumber(511.5));
+}
+static void m_nolin(cJSON *tc, cJSON *t) {
+    (void)t;
+    cJSON_DeleteItemFromObject(tc, "linear_attn_config");
+}
 static void m_bits(cJSON *tc, cJSON *t) {
     (void)tc;
-    cJSON *w = cJSON_GetObjectItem(cJSON_GetObjectItem(cJSON_GetObjectItem(
-        cJSON_GetObjectItem(t, "quantization_config"), "config_groups"), "group_0"), "weights");
+    cJSON *w = cJSON_GetObjectItem(
+        cJSON_GetObjectItem(
+            cJSON_GetObjectItem(cJSON_GetObjectItem(t, "quantization_config"), "config_groups"),
+            "group_0"),
+        "weights");
     cJSON_ReplaceItemInObject(w, "num_bits", cJSON_CreateNumber(8));
 }
 
@@ -91,36 +171,47 @@ int main(void) {
     int n_mla = 0;
     for (int l = 0; l < 93; l++) n_mla += c.mixer[l] == K3_MIXER_MLA;
     K3_CHECK(n_mla == 24, "24 MLA layers, got %d", n_mla);
-    K3_CHECK(c.mixer[0] == K3_MIXER_KDA && c.mixer[3] == K3_MIXER_MLA && c.mixer[4] == K3_MIXER_KDA &&
-             c.mixer[91] == K3_MIXER_MLA && c.mixer[92] == K3_MIXER_MLA && c.mixer[90] == K3_MIXER_KDA,
+    K3_CHECK(c.mixer[0] == K3_MIXER_KDA && c.mixer[3] == K3_MIXER_MLA &&
+                 c.mixer[4] == K3_MIXER_KDA && c.mixer[91] == K3_MIXER_MLA &&
+                 c.mixer[92] == K3_MIXER_MLA && c.mixer[90] == K3_MIXER_KDA,
              "0-based layer kinds (MLA 3, 91, 92)");
     K3_CHECK(c.eos_token_id == 163586 && c.experts_mxfp4 && c.latent_size == 3584 &&
-             c.kda_has_lower_bound && c.kda_gate_lower_bound == -5.0f && c.kda_full_rank_gate &&
-             c.act == K3_ACT_SITU && c.situ_linear_beta == 25.0f && c.attn_res_block_size == 12 &&
-             c.kda_a_log_len == 128 && strcmp(c.tensor_prefix, "language_model.") == 0,
+                 c.kda_has_lower_bound && c.kda_gate_lower_bound == -5.0f && c.kda_full_rank_gate &&
+                 c.act == K3_ACT_SITU && c.situ_linear_beta == 25.0f &&
+                 c.attn_res_block_size == 12 && c.kda_a_log_len == 128 &&
+                 strcmp(c.tensor_prefix, "language_model.") == 0,
              "K3 fields");
-    K3_CHECK(!k3_config_is_moe(&c, 0) && k3_config_is_moe(&c, 1) && k3_config_is_moe(&c, 92), "moe");
+    K3_CHECK(!k3_config_is_moe(&c, 0) && k3_config_is_moe(&c, 1) && k3_config_is_moe(&c, 92),
+             "moe");
     K3_CHECK(k3_config_is_block_start(&c, 0) && k3_config_is_block_start(&c, 84) &&
-             !k3_config_is_block_start(&c, 83), "block starts");
+                 !k3_config_is_block_start(&c, 83),
+             "block starts");
     k3_preset_config(K3_PRESET_K3, &p);
     K3_CHECK(k3_config_hash(&c) == k3_config_hash(&p), "parsed K3 config == K3 preset");
 
     /* catalogue of the real K3: 5 globals + 6 x 93 (norms, AttnRes) + 14 x 69 KDA + 8 x 24 MLA
      * + 3 dense + 8 x 92 (router, bias, latent x3, shared x3) + 896 x 6 x 92 experts = 497052 */
     int64_t n = k3_catalog(&c, NULL, 0);
-    K3_CHECK(n == 5 + 6 * 93 + 14 * 69 + 8 * 24 + 3 + 8 * 92 + 896 * 6 * 92, "K3 tensors %lld", (long long)n);
+    K3_CHECK(n == 5 + 6 * 93 + 14 * 69 + 8 * 24 + 3 + 8 * 92 + 896 * 6 * 92, "K3 tensors %lld",
+             (long long)n);
     k3_config_counts k;
     k3_config_count(&c, &k);
     /* spec §0: ≈2.78T total, ≈104B active, checkpoint ≈1.56 TB */
-    K3_CHECK(k.params_total > 2.77e12 && k.params_total < 2.79e12, "total %lld", (long long)k.params_total);
-    K3_CHECK(k.params_active > 103e9 && k.params_active < 105e9, "active %lld", (long long)k.params_active);
-    K3_CHECK(k.bytes_total > 1.55e12 && k.bytes_total < 1.57e12, "bytes %lld", (long long)k.bytes_total);
+    K3_CHECK(k.params_total > 2.77e12 && k.params_total < 2.79e12, "total %lld",
+             (long long)k.params_total);
+    K3_CHECK(k.params_active > 103e9 && k.params_active < 105e9, "active %lld",
+             (long long)k.params_active);
+    K3_CHECK(k.bytes_total > 1.55e12 && k.bytes_total < 1.57e12, "bytes %lld",
+             (long long)k.bytes_total);
     {
         k3_tensor_spec *s = malloc((size_t)n * sizeof *s);
         k3_catalog(&c, s, n);
         int found = 0;
         for (int64_t i = 0; i < n; i++) {
-            if (strcmp(s[i].name, "language_model.model.layers.3.block_sparse_moe.experts.0.w2.weight_scale") == 0)
+            if (strcmp(
+                    s[i].name,
+                    "language_model.model.layers.3.block_sparse_moe.experts.0.w2.weight_scale") ==
+                0)
                 found += s[i].dtype == K3_DT_U8 && s[i].shape[0] == 3584 && s[i].shape[1] == 96;
             if (strcmp(s[i].name, "language_model.model.layers.0.self_attn.A_log") == 0)
                 found += s[i].dtype == K3_DT_F32 && s[i].shape[0] == 128;
@@ -135,8 +226,9 @@ int main(void) {
     /* Kimi-Linear style */
     K3_CHECK_OK(k3_config_parse(kl_json, "kl.json", &c));
     K3_CHECK(!c.kda_has_lower_bound && c.act == K3_ACT_SWIGLU && c.attn_res_block_size == 0 &&
-             !c.kda_full_rank_gate && c.latent_size == 0 && !c.experts_mxfp4 && c.q_lora_rank == 0 &&
-             !c.mla_use_output_gate && c.tensor_prefix[0] == 0 && c.mixer[3] == K3_MIXER_MLA,
+                 !c.kda_full_rank_gate && c.latent_size == 0 && !c.experts_mxfp4 &&
+                 c.q_lora_rank == 0 && !c.mla_use_output_gate && c.tensor_prefix[0] == 0 &&
+                 c.mixer[3] == K3_MIXER_MLA,
              "Kimi-Linear fields");
     {
         int64_t m = k3_catalog(&c, NULL, 0);
@@ -159,7 +251,10 @@ int main(void) {
     }
 
     /* every bad value is rejected with its key's name */
-    struct { mutate_fn m; const char *needle; } bad[] = {
+    struct {
+        mutate_fn m;
+        const char *needle;
+    } bad[] = {
         {m_no_hidden, "text_config.hidden_size: missing"},
         {m_str_hidden, "text_config.hidden_size: expected a number"},
         {m_layers0, "num_hidden_layers"},
@@ -183,7 +278,8 @@ int main(void) {
     };
     for (size_t i = 0; i < K3_ARRAY_LEN(bad); i++)
         K3_CHECK_ERR(parse_mutated(bad[i].m, &c), K3_ERR_CONFIG, bad[i].needle);
-    K3_CHECK_ERR(k3_config_parse("{\"text_config\": [1,", "x.json", &c), K3_ERR_CONFIG, "x.json: invalid JSON");
+    K3_CHECK_ERR(k3_config_parse("{\"text_config\": [1,", "x.json", &c), K3_ERR_CONFIG,
+                 "x.json: invalid JSON");
 
     /* presets round-trip through config.json (A_log length comes from the checkpoint) */
     for (int pi = 0; pi < 2; pi++) {
@@ -200,12 +296,15 @@ int main(void) {
     /* tiny: exactly the issue's shape */
     k3_preset_config(K3_PRESET_TINY, &p);
     K3_CHECK(p.hidden_size == 128 && p.n_layers == 8 && p.mixer[3] == K3_MIXER_MLA &&
-             p.mixer[6] == K3_MIXER_MLA && p.mixer[7] == K3_MIXER_MLA && p.mixer[5] == K3_MIXER_KDA &&
-             p.n_experts == 16 && p.n_experts_per_tok == 4 && p.n_group == 4 && p.topk_group == 2 &&
-             p.vocab_size == 4096 && p.eos_token_id == 3842 && p.kda_a_log_len == 8, "tiny preset");
+                 p.mixer[6] == K3_MIXER_MLA && p.mixer[7] == K3_MIXER_MLA &&
+                 p.mixer[5] == K3_MIXER_KDA && p.n_experts == 16 && p.n_experts_per_tok == 4 &&
+                 p.n_group == 4 && p.topk_group == 2 && p.vocab_size == 4096 &&
+                 p.eos_token_id == 3842 && p.kda_a_log_len == 8,
+             "tiny preset");
     k3_config_count(&p, &k);
     k3_preset_config(K3_PRESET_SMALL, &p);
     k3_config_count(&p, &k);
-    K3_CHECK(k.bytes_active >= 200000000, "small reads >= 200 MB per token (%lld)", (long long)k.bytes_active);
+    K3_CHECK(k.bytes_active >= 200000000, "small reads >= 200 MB per token (%lld)",
+             (long long)k.bytes_active);
     return k3_test_done("model_config");
 }

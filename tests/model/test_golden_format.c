@@ -17,7 +17,8 @@ static const k3_tensor *find(const k3_weights_view *v, const char *name, int *ki
     int layer = -1, e = -1;
     char w[8] = "";
     *kind = 0;
-    if (sscanf(name, "language_model.model.layers.%d.block_sparse_moe.experts.%d.%2s", &layer, &e, w) == 3) {
+    if (sscanf(name, "language_model.model.layers.%d.block_sparse_moe.experts.%d.%2s", &layer, &e,
+               w) == 3) {
         const k3_expert_w *x = &v->layers[layer].experts[e];
         *kind = 1;
         return w[1] == '1' ? &x->w1 : w[1] == '2' ? &x->w2 : &x->w3;
@@ -71,14 +72,16 @@ int main(int argc, char **argv) {
         size_t nb = 0;
         snprintf(path, sizeof path, "%s/%s", argv[2], cJSON_GetObjectItem(t, "file")->valuestring);
         K3_CHECK_OK(k3_read_file(path, (char **)&ref, &nb));
-        K3_CHECK(nb == (size_t)ne * 4, "%s: golden has %zu bytes, k3 %lld values", name, nb, (long long)ne);
+        K3_CHECK(nb == (size_t)ne * 4, "%s: golden has %zu bytes, k3 %lld values", name, nb,
+                 (long long)ne);
         if (ref && nb == (size_t)ne * 4) {
             if (kind == 1) {
                 for (int64_t r = 0; r < rows; r++)
                     k3_mxfp4_decode_row((const uint8_t *)x->data + r * cols / 2,
                                         x->scale + r * cols / 32, cols, mine + r * cols);
             } else if (x->dtype == K3_DT_BF16) {
-                for (int64_t i = 0; i < ne; i++) mine[i] = k3_bf16_to_f32(((const uint16_t *)x->data)[i]);
+                for (int64_t i = 0; i < ne; i++)
+                    mine[i] = k3_bf16_to_f32(((const uint16_t *)x->data)[i]);
             } else {
                 memcpy(mine, x->data, (size_t)ne * 4);
             }
@@ -88,10 +91,12 @@ int main(int argc, char **argv) {
                     diff++;
                     if (first < 0) first = i;
                 }
-            K3_CHECK(diff == 0, "%s: %lld of %lld values differ (first at %lld: k3 %g, reference %g)",
-                     name, (long long)diff, (long long)ne, (long long)first,
+            K3_CHECK(diff == 0,
+                     "%s: %lld of %lld values differ (first at %lld: k3 %g, reference %g)", name,
+                     (long long)diff, (long long)ne, (long long)first,
                      first >= 0 ? (double)mine[first] : 0.0, first >= 0 ? (double)ref[first] : 0.0);
-            printf("  %-72s %6lld values  %s\n", name, (long long)ne, diff ? "DIFFERS" : "bit-exact");
+            printf("  %-72s %6lld values  %s\n", name, (long long)ne,
+                   diff ? "DIFFERS" : "bit-exact");
             n_tensors++;
         }
         free(mine);

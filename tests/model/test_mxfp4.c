@@ -12,7 +12,7 @@ static uint32_t bits(float f) {
 
 int main(void) {
     /* E2M1: every code */
-    static const float want[16] = {0.0f, 0.5f, 1.0f, 1.5f, 2.0f, 3.0f, 4.0f, 6.0f,
+    static const float want[16] = {0.0f,  0.5f,  1.0f,  1.5f,  2.0f,  3.0f,  4.0f,  6.0f,
                                    -0.0f, -0.5f, -1.0f, -1.5f, -2.0f, -3.0f, -4.0f, -6.0f};
     static const int kv[16] = {0, 1, 2, 3, 4, 6, 8, 12, 0, -1, -2, -3, -4, -6, -8, -12};
     for (unsigned c = 0; c < 16; c++) {
@@ -59,7 +59,8 @@ int main(void) {
     for (int j = 0; j < 16; j++)
         K3_CHECK(blk[0].qs[j] == (uint8_t)(j | ((15 - j) << 4)), "qs[%d] = %02x", j, blk[0].qs[j]);
     for (int j = 0; j < 16; j++)
-        K3_CHECK(blk[1].qs[j] == (uint8_t)((j % 2 ? 9 : 7) | ((j % 2 ? 9 : 7) << 4)), "blk1 qs[%d]", j);
+        K3_CHECK(blk[1].qs[j] == (uint8_t)((j % 2 ? 9 : 7) | ((j % 2 ? 9 : 7) << 4)), "blk1 qs[%d]",
+                 j);
 
     /* repack -> ggml decode == native decode, for every code in every position and scales
      * 0, 1, 2, 126, 127, 128, 253, 254 (e = 255 differs by definition, see the header) */

@@ -33,3 +33,7 @@ set_tests_properties(plan_cli_k3 PROPERTIES LABELS "unit" ENVIRONMENT "${K3_TEST
 add_test(NAME plan_cli_bad_world COMMAND $<TARGET_FILE:k3> plan --preset tiny --world 5 --pp 2 --ep 2)
 set_tests_properties(plan_cli_bad_world PROPERTIES LABELS "unit" ENVIRONMENT "${K3_TEST_ENV}" TIMEOUT 60
                      PASS_REGULAR_EXPRESSION "--pp 2 x --ep 2 = 4 ranks, but the world has 5")
+
+k3_add_test_exe(test_rank_prompts ${CMAKE_CURRENT_LIST_DIR}/test_rank_prompts.c)
+add_test(NAME rank_prompts COMMAND test_rank_prompts)
+set_tests_properties(rank_prompts PROPERTIES LABELS "unit;sanitize" ENVIRONMENT "${K3_TEST_ENV}" TIMEOUT 60)
