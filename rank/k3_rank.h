@@ -14,6 +14,7 @@
  * return 2 and only rank 0 prints it; any other error on a rank is logged as
  * "rank R (stage S, lane E) failed: cause" and ends the whole job with MPI_Abort.
  * Test hooks (opts.test_fail, from env K3_TEST_FAIL): "load:R" makes rank R fail while loading;
+ * "plan:R" makes rank R's plan hash differ (every other rank must refuse to start);
  * "decode:R:N" makes rank R kill itself with SIGKILL when it starts its N-th forward step (a
  * worker) or has received N logits messages (a dedicated coordinator); "hang:R:N" makes it stop
  * answering there instead (the other ranks must time out after --comm-timeout and end the job). */

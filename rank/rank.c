@@ -52,7 +52,7 @@ typedef struct rank_ctx {
     k3_plan plan;
     k3_comm *comm;
     /* test hooks */
-    int fail_load_rank, fail_decode_rank, fail_decode_step;
+    int fail_load_rank, fail_decode_rank, fail_decode_step, fail_plan_rank;
     bool fail_hang; /* "hang:R:N": stop answering instead of dying */
     /* worker */
     k3_ckpt *ck;
@@ -106,7 +106,7 @@ static _Noreturn void die(rank_ctx *r, k3_status s) {
     } while (0)
 
 static void parse_test_fail(rank_ctx *r) {
-    r->fail_load_rank = r->fail_decode_rank = r->fail_decode_step = -1;
+    r->fail_load_rank = r->fail_decode_rank = r->fail_decode_step = r->fail_plan_rank = -1;
     const char *t = r->o->test_fail;
     if (!t || !*t) return;
     int a = -1, b = -1;
@@ -922,6 +922,7 @@ int k3_rank_run(const k3_rank_opts *o) {
     RTRY(r, k3_calloc((void **)&all, (size_t)r->world * sizeof(uint64_t), "plan hashes"));
     RTRY(r, k3_calloc((void **)&bytes, (size_t)r->world * sizeof(uint64_t), "bytes read"));
     RTRY(r, k3_calloc((void **)&load_us, (size_t)r->world * sizeof(uint64_t), "load times"));
+    if (r->fail_plan_rank == r->rank) r->plan.hash ^= 1; /* test hook: a rank with another plan */
     RTRY(r, k3_comm_allgather_u64(r->comm, r->plan.hash, all));
     for (int i = 0; i < r->world; i++)
         if (all[i] != r->plan.hash)

@@ -14,7 +14,8 @@ usage: dist_run.py MODE MPIEXEC   (K3_BIN = the k3 binary; a tiny model is made 
   fail   : K3_TEST_FAIL=load:K and decode:K:N on rank K of 4 (and a dedicated coordinator):
            every rank exits non-zero within 30 s, the output names rank K, no process is left;
            hang:K:N (rank K stops answering): the waiting ranks time out and end
-           the job, naming the timeout (--comm-timeout 5).
+           the job, naming the timeout (--comm-timeout 5); plan:K (rank K derives another plan):
+           the job refuses to start, naming rank K.
 """
 import json
 import os
@@ -206,7 +207,8 @@ def mode_fail(mpiexec, tmp):
     model = make_model(tmp)
     cases = [("load:2", 2, 4, 2, 2, "shared"), ("decode:3:12", 3, 4, 2, 2, "shared"),
              ("decode:1:20", 1, 4, 4, 1, "shared"), ("decode:0:15", 0, 5, 2, 2, "dedicated"),
-             ("load:4", 4, 5, 2, 2, "dedicated"), ("hang:2:8", None, 4, 4, 1, "shared")]
+             ("load:4", 4, 5, 2, 2, "dedicated"), ("hang:2:8", None, 4, 4, 1, "shared"),
+             ("plan:1", 1, 4, 2, 2, "shared")]
     for hook, k, world, S, E, coord in cases:
         # a hung rank is noticed by the --comm-timeout of whoever waits for it (5 s here)
         args = ["--model", model, "--prompt-ids", ids_arg(PROMPTS), "--n", str(N_NEW), "--pp", str(S), "--ep", str(E),

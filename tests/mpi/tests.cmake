@@ -20,10 +20,16 @@ endforeach()
 
 # the distributed `k3 run` end to end (python3 + numpy drive mpirun; see dist_run.py)
 find_program(K3_PYTHON3 python3)
+# splits and fail also run in the sanitize tier (K3_BIN is then the ASan build's k3)
 foreach(mode splits bytes fail)
   add_test(NAME dist_${mode}
            COMMAND ${K3_PYTHON3} ${CMAKE_CURRENT_LIST_DIR}/dist_run.py ${mode} ${MPIEXEC_EXECUTABLE})
-  set_tests_properties(dist_${mode} PROPERTIES LABELS "mpi" ENVIRONMENT "${K3_TEST_ENV}" TIMEOUT 240)
+  set(labels "mpi")
+  if(NOT mode STREQUAL "bytes")
+    set(labels "mpi;sanitize")
+  endif()
+  set_tests_properties(dist_${mode} PROPERTIES LABELS "${labels}" TIMEOUT 240
+                       ENVIRONMENT "${K3_TEST_ENV};ASAN_OPTIONS=detect_leaks=0:abort_on_error=0")
 endforeach()
 
 # k3 plan (no MPI): the real K3 over 4 x 8, and a request the grid cannot satisfy
