@@ -37,7 +37,7 @@ typedef struct k3_rank_opts {
     int64_t chunk;            /* prefill tokens per sequence per step; 0 = whole prompt */
     const char *dump_logits;  /* .npy of every position's logits (prompts concatenated) or NULL */
     bool json;                /* one JSON object on stdout instead of text lines */
-    int n_threads;            /* cpu threads per rank; <= 0: 1 (ranks usually share cores) */
+    int n_threads;            /* cpu threads per rank; <= 0: 1 when world > 1, else all cores */
     int kda_chunk;            /* k3_stage_params.kda_chunk (0 = default) */
     const struct k3_ops *ops; /* kernel backend; NULL = k3_ops_default() */
     const char *test_fail;    /* K3_TEST_FAIL value or NULL (read by the caller, once) */

@@ -2,16 +2,18 @@
  * of a stage lane, the coordinator loop, the report.
  *
  * Wire usage (all messages through comm/, tag = kind):
- *   BATCH  coordinator -> (stage 0, lane e)   meta = [group, step, all_logits, n_seqs,
- *                                              (seq, n_tokens) x n_seqs, token ids x T]
- *   ACTIV  (s, e) -> (s+1, e)                 meta = the same without token ids;
- *                                              f32 = h [T, D] | bank [n_bank, T, D]
- *   LOGITS (S-1, e) -> coordinator            meta as ACTIV; f32 = [R, V], R = T (all_logits) or
- * n_seqs STOP   coordinator -> every worker, after the last logits arrived. Every lane of a stage
- * receives the same sequence of (group, step) messages (possibly with no sequences), so the lanes'
- * MoE collectives line up; a lane with no tokens still serves its experts at each MoE layer
- * (dispatch with 0 rows). The loop allocates nothing per step: buffers are sized from the plan's
- * max_tokens up front (comm buffers grow to the largest message once). */
+ *   BATCH  coordinator -> (stage 0, lane e): meta = [group, step, all_logits, n_seqs,
+ *          (seq, n_tokens, want) x n_seqs, token ids x T]
+ *   ACTIV  (s, e) -> (s+1, e): meta = the same without the token ids;
+ *          f32 = h [T, D] | bank [n_bank, T, D]
+ *   LOGITS (S-1, e) -> coordinator: meta as ACTIV; f32 = [R, V] with R = T (all_logits) or the
+ *          number of sequences with want = 1 (those the coordinator samples from)
+ *   STOP   coordinator -> every worker, after the last logits arrived.
+ * Every lane of a stage receives the same sequence of (group, step) messages (possibly with no
+ * sequences), so the lanes' MoE collectives line up; a lane with no tokens still serves its
+ * experts at each MoE layer (dispatch with 0 rows). The loop allocates nothing per step: buffers
+ * are sized from the plan's max_tokens up front (comm buffers grow to the largest message once).
+ */
 #include "k3_rank.h"
 
 #include "k3_comm.h"
@@ -26,6 +28,7 @@
 #include <unistd.h>
 
 #define META_HDR 4 /* group, step, all_logits, n_seqs */
+#define META_SEQ 3 /* per sequence: id, n_tokens, want (its last logits row is sampled) */
 
 typedef struct seq_run {
     const int32_t *prompt;
@@ -112,12 +115,14 @@ static void parse_test_fail(rank_ctx *r) {
     int a = -1, b = -1;
     if (sscanf(t, "load:%d", &a) == 1)
         r->fail_load_rank = a;
+    else if (sscanf(t, "plan:%d", &a) == 1)
+        r->fail_plan_rank = a;
     else if (sscanf(t, "decode:%d:%d", &a, &b) == 2)
         r->fail_decode_rank = a, r->fail_decode_step = b;
     else if (sscanf(t, "hang:%d:%d", &a, &b) == 2)
         r->fail_decode_rank = a, r->fail_decode_step = b, r->fail_hang = true;
     else if (r->rank == 0)
-        K3_LOGW("K3_TEST_FAIL='%s' not understood (load:RANK | decode:RANK:STEP)", t);
+        K3_LOGW("K3_TEST_FAIL='%s' not understood (load:R | plan:R | decode:R:N | hang:R:N)", t);
 }
 
 static void maybe_die_now(rank_ctx *r, int count) {
@@ -255,7 +260,7 @@ static int setup(rank_ctx *r) {
     if (st2 != K3_OK) die(r, st2);
     /* a usage error is the same on every rank: rank 0 prints it; other errors each rank prints */
     if (local == 2 || (local == 1 && r->rank == 0))
-        fprintf(stderr, "k3 run: %s%s\n", local == 2 && r->world > 1 ? "" : "", k3_last_error());
+        fprintf(stderr, "k3 run: %s\n", k3_last_error());
     if (local == 2 && r->world > 1) K3_LOGE("rank %d failed during set-up (see above)", r->rank);
     if (worst) return worst == 1 ? 2 : 1;
     return 0;
@@ -423,7 +428,7 @@ static k3_status xchg_run(void *ctx, int layer, const float *rows, const int32_t
 static void worker_init(rank_ctx *r) {
     const k3_rank_opts *o = r->o;
     int S = r->plan.n_stages;
-    int threads = o->n_threads > 0 ? o->n_threads : 1;
+    int threads = o->n_threads > 0 ? o->n_threads : (r->world > 1 ? 1 : 0); /* ranks share cores */
     k3_stage_params sp = {.cfg = &r->cfg,
                           .w = r->view,
                           .ops = o->ops,
@@ -477,12 +482,12 @@ static void worker_step(rank_ctx *r, const k3_msg *m) {
     if (m->hdr.n_meta < META_HDR)
         die(r, K3_ERR(K3_ERR_FORMAT, "step message from %s: %d meta", who, m->hdr.n_meta));
     int group = mt[0], stepi = mt[1], all_logits = mt[2], n_seqs = mt[3];
-    if (n_seqs < 0 || n_seqs > r->o->n_prompts || m->hdr.n_meta < META_HDR + 2 * n_seqs)
+    if (n_seqs < 0 || n_seqs > r->o->n_prompts || m->hdr.n_meta < META_HDR + META_SEQ * n_seqs)
         die(r, K3_ERR(K3_ERR_FORMAT, "step message from %s: %d sequences, %d meta", who, n_seqs,
                       m->hdr.n_meta));
     int64_t T = 0;
     for (int i = 0; i < n_seqs; i++) {
-        int seq = mt[META_HDR + 2 * i], nt = mt[META_HDR + 2 * i + 1];
+        int seq = mt[META_HDR + META_SEQ * i], nt = mt[META_HDR + META_SEQ * i + 1];
         if (seq < 0 || seq >= r->o->n_prompts || !r->states[seq] || nt < 1)
             die(r, K3_ERR(K3_ERR_FORMAT,
                           "step %d of group %d from %s: sequence %d (%d tokens) is not on lane %d",
@@ -496,10 +501,10 @@ static void worker_step(rank_ctx *r, const k3_msg *m) {
                       (long long)r->max_tokens));
     const int32_t *tokens = NULL;
     if (r->stage == 0) {
-        if (m->hdr.n_meta != META_HDR + 2 * n_seqs + T)
+        if (m->hdr.n_meta != META_HDR + META_SEQ * n_seqs + T)
             die(r, K3_ERR(K3_ERR_FORMAT, "BATCH from %s: %d meta for %lld tokens", who,
                           m->hdr.n_meta, (long long)T));
-        tokens = mt + META_HDR + 2 * n_seqs;
+        tokens = mt + META_HDR + META_SEQ * n_seqs;
     } else {
         if (m->hdr.T != T || m->hdr.D != D || m->hdr.n_bank < 0 ||
             m->hdr.n_bank > k3_activ_max_bank(&r->cfg) ||
@@ -531,9 +536,17 @@ static void worker_step(rank_ctx *r, const k3_msg *m) {
             for (int l = r->plan.stage_begin[r->stage]; l < r->plan.stage_begin[r->stage + 1]; l++)
                 if (k3_config_is_moe(&r->cfg, l)) RTRY(r, xchg_run(r, l, NULL, NULL, 0, NULL));
     }
-    int n_meta_out = META_HDR + 2 * n_seqs;
+    int n_meta_out = META_HDR + META_SEQ * n_seqs;
     if (r->stage == S - 1) {
-        int64_t R = n_seqs == 0 ? 0 : (all_logits ? T : n_seqs);
+        int64_t R = all_logits ? T : 0;
+        if (!all_logits) /* keep only the rows the coordinator samples from */
+            for (int i = 0; i < n_seqs; i++)
+                if (mt[META_HDR + META_SEQ * i + 2]) {
+                    if (R != i)
+                        memmove(r->logits + R * V, r->logits + (int64_t)i * V,
+                                (size_t)V * sizeof(float));
+                    R++;
+                }
         RTRY(r, k3_comm_send(r->comm, 0, (k3_msg_hdr){.kind = K3_MSG_LOGITS, .T = R, .D = V}, mt,
                              n_meta_out, &(k3_f32_seg){r->logits, R * V}, 1));
     } else {
@@ -578,24 +591,25 @@ static void coord_send_step(rank_ctx *r, int g) {
                            : 1)
                     : 0;
             if (!q->n_tok_step) continue;
-            mt[META_HDR + 2 * ns] = i;
-            mt[META_HDR + 2 * ns + 1] = (int32_t)q->n_tok_step;
+            mt[META_HDR + META_SEQ * ns] = i;
+            mt[META_HDR + META_SEQ * ns + 1] = (int32_t)q->n_tok_step;
             ns++;
             T += q->n_tok_step;
         }
         mt[3] = ns;
-        int32_t *tok = mt + META_HDR + 2 * ns;
+        int32_t *tok = mt + META_HDR + META_SEQ * ns;
         for (int j = 0; j < ns; j++) {
-            seq_run *q = &r->seqs[mt[META_HDR + 2 * j]];
+            seq_run *q = &r->seqs[mt[META_HDR + META_SEQ * j]];
             for (int64_t t = 0; t < q->n_tok_step; t++) {
                 int64_t pos = q->fed + t;
                 *tok++ = pos < q->P ? q->prompt[pos] : q->gen[pos - q->P];
             }
             q->fed += q->n_tok_step;
+            mt[META_HDR + META_SEQ * j + 2] = q->fed >= q->P && q->n_gen < r->o->n_new;
         }
         RTRY(r, k3_comm_send(r->comm, k3_plan_rank(&r->plan, 0, e),
                              (k3_msg_hdr){.kind = K3_MSG_BATCH, .T = T}, mt,
-                             (int32_t)(META_HDR + 2 * ns + T), NULL, 0));
+                             (int32_t)(META_HDR + META_SEQ * ns + T), NULL, 0));
     }
 }
 
@@ -613,13 +627,14 @@ static void coord_on_logits(rank_ctx *r, const k3_msg *m) {
         die(r, K3_ERR(K3_ERR_FORMAT, "LOGITS from rank %d: %d meta", m->src, m->hdr.n_meta));
     int g = mt[0], stepi = mt[1], all = mt[2], ns = mt[3];
     if (g < 0 || g >= r->n_groups || stepi != r->groups[g].step || r->groups[g].pending <= 0 ||
-        ns < 0 || m->hdr.n_meta != META_HDR + 2 * ns)
+        ns < 0 || m->hdr.n_meta != META_HDR + META_SEQ * ns)
         die(r, K3_ERR(K3_ERR_FORMAT,
                       "LOGITS from rank %d: group %d step %d (expected step %d), %d sequences",
                       m->src, g, stepi, g >= 0 && g < r->n_groups ? r->groups[g].step : -1, ns));
-    int64_t T = 0;
-    for (int j = 0; j < ns; j++) T += mt[META_HDR + 2 * j + 1];
-    int64_t R = ns == 0 ? 0 : (all ? T : ns);
+    int64_t T = 0, n_want = 0;
+    for (int j = 0; j < ns; j++)
+        T += mt[META_HDR + META_SEQ * j + 1], n_want += mt[META_HDR + META_SEQ * j + 2] != 0;
+    int64_t R = all ? T : n_want;
     if (m->hdr.D != V || m->hdr.T != R || m->hdr.n_f32 != R * V)
         die(r,
             K3_ERR(K3_ERR_FORMAT, "LOGITS from rank %d: [%lld, %lld] rows, want [%lld, %lld]",
@@ -629,10 +644,11 @@ static void coord_on_logits(rank_ctx *r, const k3_msg *m) {
     if (!r->worker) maybe_die_now(r, r->n_logits_msgs);
     int64_t row = 0;
     for (int j = 0; j < ns; j++) {
-        int i = mt[META_HDR + 2 * j], nt = mt[META_HDR + 2 * j + 1];
+        int i = mt[META_HDR + META_SEQ * j], nt = mt[META_HDR + META_SEQ * j + 1];
+        bool want = mt[META_HDR + META_SEQ * j + 2] != 0;
         if (i < 0 || i >= r->o->n_prompts) die(r, K3_ERR(K3_ERR_FORMAT, "LOGITS: sequence %d", i));
         seq_run *q = &r->seqs[i];
-        const float *last;
+        const float *last = NULL;
         if (all) {
             if (q->dump)
                 memcpy(q->dump + q->dump_rows * V, m->f32 + row * V,
@@ -640,11 +656,14 @@ static void coord_on_logits(rank_ctx *r, const k3_msg *m) {
             q->dump_rows += nt;
             last = m->f32 + (row + nt - 1) * V;
             row += nt;
-        } else {
+        } else if (want) {
             last = m->f32 + row * V;
             row++;
         }
-        if (q->fed >= q->P && q->n_gen < r->o->n_new) {
+        if (want != (q->fed >= q->P && q->n_gen < r->o->n_new))
+            die(r, K3_ERR(K3_ERR_FORMAT, "LOGITS from rank %d: sequence %d: want=%d is out of step",
+                          m->src, i, want));
+        if (want) {
             for (int64_t v = 0; v < V; v++)
                 if (last[v] != last[v])
                     die(r, K3_ERR(K3_ERR_STATE, "sequence %d: NaN logit at vocab %lld", i,
@@ -690,7 +709,7 @@ static void coord_init(rank_ctx *r) {
                              (size_t)(q->P + o->n_new) * (size_t)r->cfg.vocab_size * sizeof(float),
                              "logits dump"));
     }
-    r->meta_cap = META_HDR + 2 * n + maxT + n;
+    r->meta_cap = META_HDR + META_SEQ * n + maxT;
     RTRY(r, k3_alloc((void **)&r->meta, (size_t)r->meta_cap * sizeof(int32_t), "step meta"));
 }
 

@@ -14,4 +14,4 @@ export OMPI_ALLOW_RUN_AS_ROOT=1 OMPI_ALLOW_RUN_AS_ROOT_CONFIRM=1   # containers 
 echo
 echo "== 4 ranks: 2 stages x 2 lanes, greedy, 24 new tokens =="
 mpirun --oversubscribe -np 4 build/k3 run --model "$MODEL" --pp 2 --ep 2 \
-  --prompt-ids 1,2,3,4,5 --prompt-ids 100,200,300 --n 24 --greedy
+  --prompt-ids "1,2,3,4,5;100,200,300" --n 24 --greedy

@@ -108,37 +108,41 @@ def mode_splits(mpiexec, tmp):
         use_map = coord == "map"
         coord = "shared" if use_map else coord
         world = S * E + (coord == "dedicated")
-        for batch in (1, 3):
-            for det in (True, False):
-                if not det and batch == 1:
-                    continue  # the per-row path is the same code; keep the tier short
-                out = os.path.join(tmp, "dist.npy")
-                args = ["--model", model, "--prompt-ids", ids_arg(PROMPTS[:batch]), "--n", str(N_NEW), "--chunk",
-                        str(CHUNK), "--pp", str(S), "--ep", str(E), "--coordinator", coord, "--dump-logits", out,
-                        "--json", "--comm-timeout", "60"] + (["--deterministic"] if det else [])
-                args += ["--expert-map", map_path] if use_map else []
-                p, dt = mpirun(mpiexec, world, args)
-                tag = f"S={S} E={E} {coord}{' +map' if use_map else ''} batch={batch} det={det}"
-                if p.returncode != 0:
-                    check(False, f"{tag}: rc {p.returncode}\n{p.stderr[-2000:]}")
-                    continue
-                j = json.loads(p.stdout.strip().splitlines()[-1])
-                got = load_npy(out)
-                want = np.concatenate(ref_logits[:batch], axis=0)
-                check(got.shape == want.shape, f"{tag}: logits shape {got.shape} vs {want.shape}")
-                if got.shape != want.shape:
-                    continue
+        # (batch, deterministic, dump): without a dump the last stage sends only the rows sampled
+        for batch, det, dump in ((1, True, True), (3, True, True), (3, False, True), (3, True, False)):
+            out = os.path.join(tmp, "dist.npy")
+            args = ["--model", model, "--prompt-ids", ids_arg(PROMPTS[:batch]), "--n", str(N_NEW), "--chunk",
+                    str(CHUNK), "--pp", str(S), "--ep", str(E), "--coordinator", coord,
+                    "--json", "--comm-timeout", "60"] + (["--deterministic"] if det else [])
+            args += ["--expert-map", map_path] if use_map else []
+            args += ["--dump-logits", out] if dump else []
+            p, dt = mpirun(mpiexec, world, args)
+            tag = f"S={S} E={E} {coord}{' +map' if use_map else ''} batch={batch} det={det} dump={dump}"
+            if p.returncode != 0:
+                check(False, f"{tag}: rc {p.returncode}\n{p.stderr[-2000:]}")
+                continue
+            j = json.loads(p.stdout.strip().splitlines()[-1])
+            if not dump:
                 toks = [r["generated_ids"] for r in j["results"]]
                 check(toks == ref_tokens[:batch], f"{tag}: greedy tokens differ")
-                if det:
-                    same = got.tobytes() == want.tobytes()
-                    check(same, f"{tag}: logits not bit-identical (max |diff| {np.abs(got - want).max():.3g})")
-                else:
-                    rel = float(np.linalg.norm((got - want).astype(np.float64)) /
-                                np.linalg.norm(want.astype(np.float64)))
-                    check(rel <= REL_L2_TOL, f"{tag}: rel-L2 {rel:.3g} > {REL_L2_TOL}")
-                check(j["dist"]["micro_batches"] == max(1, min(S, -(-batch // E))), f"{tag}: micro-batches")
                 print(f"ok {tag} ({dt:.1f} s)", flush=True)
+                continue
+            got = load_npy(out)
+            want = np.concatenate(ref_logits[:batch], axis=0)
+            check(got.shape == want.shape, f"{tag}: logits shape {got.shape} vs {want.shape}")
+            if got.shape != want.shape:
+                continue
+            toks = [r["generated_ids"] for r in j["results"]]
+            check(toks == ref_tokens[:batch], f"{tag}: greedy tokens differ")
+            if det:
+                same = got.tobytes() == want.tobytes()
+                check(same, f"{tag}: logits not bit-identical (max |diff| {np.abs(got - want).max():.3g})")
+            else:
+                rel = float(np.linalg.norm((got - want).astype(np.float64)) /
+                            np.linalg.norm(want.astype(np.float64)))
+                check(rel <= REL_L2_TOL, f"{tag}: rel-L2 {rel:.3g} > {REL_L2_TOL}")
+            check(j["dist"]["micro_batches"] == max(1, min(S, -(-batch // E))), f"{tag}: micro-batches")
+            print(f"ok {tag} ({dt:.1f} s)", flush=True)
 
 
 def st_header(path):
