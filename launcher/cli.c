@@ -136,6 +136,9 @@ int k3_args_parse(const k3_command *cmd, int argc, char **argv, k3_args *out, bo
                 return usage_error(cmd, "flag '%s' needs an integer", arg);
             if (fl->kind == K3_FLAG_FLOAT && !parse_float(val, &dv))
                 return usage_error(cmd, "flag '%s' needs a number", arg);
+            /* A repeated flag is an error, not "last one wins": silently dropping a value
+             * (e.g. a second --prompt-ids) would run something other than what was asked. */
+            if (out->values[fi]) return usage_error(cmd, "flag '%s' given twice", arg);
             out->values[fi] = val;
         } else if (!only_pos && arg[0] == '-' && arg[1] != 0) {
             return usage_error(cmd, "unknown flag '%s' (flags start with --)", arg);

@@ -21,5 +21,8 @@ for cmd in $(echo "$out" | awk '/^commands:/{f=1;next} f&&NF{print $1}'); do
   check "k3 $cmd --no-such-flag exits 2" "[ $rc = 2 ]"
   check "k3 $cmd names the bad flag" "echo \"\$err\" | head -1 | grep -q -- \"unknown flag '--no-such-flag'\""
 done
+err=$("$K3" tokenize --vocab a --vocab b x 2>&1 >/dev/null); rc=$?
+check "a repeated flag exits 2" "[ $rc = 2 ]"
+check "a repeated flag is named" "echo \"\$err\" | head -1 | grep -q -- \"flag '--vocab' given twice\""
 echo "cli: $pass passed, $fail failed"
 [ $fail = 0 ]
