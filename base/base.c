@@ -9,6 +9,7 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <time.h>
+#include <sys/stat.h>
 #include <unistd.h>
 
 static const char *const status_names[K3_STATUS_COUNT] = {
@@ -179,9 +180,20 @@ k3_status k3_read_file(const char *path, char **out, size_t *n_bytes) {
     *out = NULL;
     FILE *f = fopen(path, "rb");
     if (!f) return K3_ERR(K3_ERR_IO, "%s: cannot open: %s", path, strerror(errno));
-    if (fseek(f, 0, SEEK_END) != 0) goto io;
-    long n = ftell(f);
-    if (n < 0 || fseek(f, 0, SEEK_SET) != 0) goto io;
+    /* A directory opens fine and "seeks" to LONG_MAX: check for a regular file first. */
+    struct stat sb;
+    if (fstat(fileno(f), &sb) != 0) goto io;
+    if (!S_ISREG(sb.st_mode)) {
+        fclose(f);
+        return K3_ERR(K3_ERR_IO, "%s: not a regular file%s", path,
+                      S_ISDIR(sb.st_mode) ? " (it is a directory)" : "");
+    }
+    if (sb.st_size > K3_READ_FILE_MAX) {
+        fclose(f);
+        return K3_ERR(K3_ERR_IO, "%s: %lld bytes is over the %lld-byte limit for this file", path,
+                      (long long)sb.st_size, (long long)K3_READ_FILE_MAX);
+    }
+    long n = (long)sb.st_size;
     char *buf;
     k3_status s = k3_alloc((void **)&buf, (size_t)n + 1, path);
     if (s != K3_OK) {

@@ -102,7 +102,9 @@ double k3_now_s(void); /* monotonic seconds */
 k3_status k3_alloc(void **out, size_t n_bytes, const char *what);
 k3_status k3_calloc(void **out, size_t n_bytes, const char *what);
 void k3_free(void *p);
-/* Read a whole (small) file into a NUL-terminated buffer; caller frees with k3_free. */
+/* Read a whole (small) regular file into a NUL-terminated buffer; caller frees with k3_free.
+ * Directories, devices and files over K3_READ_FILE_MAX are errors naming the path. */
+#define K3_READ_FILE_MAX ((int64_t)1 << 32)
 k3_status k3_read_file(const char *path, char **out, size_t *n_bytes);
 
 #define K3_MIN(a, b)    ((a) < (b) ? (a) : (b))

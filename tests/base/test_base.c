@@ -1,4 +1,6 @@
 /* test_base.c — base module: status messages, PRNG statistics, bf16/f16 conversions, hashing. */
+#include <unistd.h>
+
 #include "k3_test.h"
 
 static void test_status(void) {
@@ -73,8 +75,29 @@ static void test_hash(void) {
     K3_CHECK(k3_hash_bytes("", 0, K3_HASH_INIT) == K3_HASH_INIT, "empty");
 }
 
+static void test_read_file(void) {
+    char path[64];
+    snprintf(path, sizeof path, "/tmp/k3_test_base_%d", (int)getpid());
+    FILE *f = fopen(path, "wb");
+    K3_CHECK(f != NULL, "temp file");
+    if (!f) return;
+    fputs("hello", f);
+    fclose(f);
+    char *buf = NULL;
+    size_t n = 0;
+    K3_CHECK_OK(k3_read_file(path, &buf, &n));
+    K3_CHECK(buf && n == 5 && strcmp(buf, "hello") == 0, "content read back");
+    k3_free(buf);
+    remove(path);
+    /* a directory must be an error naming it, not a 2^63-byte allocation */
+    K3_CHECK_ERR(k3_read_file("/tmp", &buf, &n), K3_ERR_IO, "/tmp: not a regular file");
+    K3_CHECK(buf == NULL, "no buffer on error");
+    K3_CHECK_ERR(k3_read_file(path, &buf, &n), K3_ERR_IO, "cannot open");
+}
+
 int main(void) {
     test_status();
+    test_read_file();
     test_rng();
     test_bf16();
     test_hash();

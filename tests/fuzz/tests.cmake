@@ -7,7 +7,7 @@
 # ---- tokenizer (owner: tokenizer, H5) ----
 k3_add_test_exe(fuzz_tokenizer_driver ${CMAKE_CURRENT_LIST_DIR}/fuzz_tokenizer.c)
 add_test(NAME fuzz_tokenizer_short COMMAND fuzz_tokenizer_driver --random 3000 --seed 1)
-set_tests_properties(fuzz_tokenizer_short PROPERTIES LABELS "fuzz" ENVIRONMENT "${K3_TEST_ENV}" TIMEOUT 300)
+set_tests_properties(fuzz_tokenizer_short PROPERTIES LABELS "fuzz;sanitize" ENVIRONMENT "${K3_TEST_ENV}" TIMEOUT 300)
 if(CMAKE_C_COMPILER_ID MATCHES "Clang")
   # The tokenizer sources are compiled into the target so libFuzzer sees their coverage.
   add_executable(fuzz_tokenizer ${CMAKE_CURRENT_LIST_DIR}/fuzz_tokenizer.c
@@ -23,7 +23,7 @@ endif()
 # ---- chat / parser (owner: chat, H6) ----
 k3_add_test_exe(fuzz_parser_driver ${CMAKE_CURRENT_LIST_DIR}/fuzz_parser.c)
 add_test(NAME fuzz_parser_short COMMAND fuzz_parser_driver --random 20000 --seed 1)
-set_tests_properties(fuzz_parser_short PROPERTIES LABELS "fuzz" ENVIRONMENT "${K3_TEST_ENV}" TIMEOUT 300)
+set_tests_properties(fuzz_parser_short PROPERTIES LABELS "fuzz;sanitize" ENVIRONMENT "${K3_TEST_ENV}" TIMEOUT 300)
 if(CMAKE_C_COMPILER_ID MATCHES "Clang")
   add_executable(fuzz_parser ${CMAKE_CURRENT_LIST_DIR}/fuzz_parser.c
                  ${CMAKE_SOURCE_DIR}/coordinator/chat_json.c ${CMAKE_SOURCE_DIR}/coordinator/chat_render.c
