@@ -384,7 +384,8 @@ static void test_decode(const k3_tokenizer *t) {
 }
 
 /* CPU time of this thread: unlike wall time it does not grow when other processes share the
- * cores (the suite runs tests in parallel on 2 cores), so the ratio below measures the algorithm. */
+ * cores (the suite runs tests in parallel on 2 cores), so the ratio below measures the algorithm.
+ */
 static double thread_cpu_s(void) {
     struct timespec ts;
     clock_gettime(CLOCK_THREAD_CPUTIME_ID, &ts);
