@@ -14,7 +14,11 @@
  *   - thinking_effort must be low|high|max (`medium` is rejected; the ggml-org template takes it);
  *   - the prompt is a segment list, not one string (no re-tokenisation with specials).
  * Request policy (ours, not the encoder's): role `developer` is rendered as `system` (the
- * encoder would silently drop it, losing the developer's instructions). */
+ * encoder would silently drop it, losing the developer's instructions). Malformed requests the
+ * encoder would skip or render as garbage are errors naming the field: a message that is not an
+ * object, a role that is not a string, `tools` that is not a list of
+ * {"function": {"name": "..."}} objects, an `image_url` part whose image_url is not an object
+ * or a string. Unknown string roles are skipped like the encoder does, with a warning. */
 #include "k3_chat.h"
 
 #include <stdio.h>
@@ -36,6 +40,60 @@ static const k3_chat_json *first_set(const k3_chat_json *a, const k3_chat_json *
     return NULL;
 }
 
+/* An OpenAI tools list: null, or a list of objects each with a `function` object whose `name`
+ * is a non-empty string. `where` names it in errors ("tools", "messages[2].tools"). */
+static k3_status check_tools(const k3_chat_json *tools, const char *where) {
+    if (!tools || tools->kind == K3_JSON_NULL) return K3_OK;
+    if (tools->kind != K3_JSON_ARRAY)
+        return K3_ERR(K3_ERR_ARG, "request: %s must be a list of tool objects", where);
+    for (size_t i = 0; i < tools->n_items; i++) {
+        const k3_chat_json *t = tools->items[i];
+        if (t->kind != K3_JSON_OBJECT)
+            return K3_ERR(K3_ERR_ARG, "request: %s[%zu] must be an object", where, i);
+        const k3_chat_json *fn = k3_chat_json_get(t, "function");
+        if (!fn || fn->kind != K3_JSON_OBJECT)
+            return K3_ERR(K3_ERR_ARG,
+                          "request: %s[%zu] has no \"function\" object ({\"type\": "
+                          "\"function\", \"function\": {\"name\": ...}})",
+                          where, i);
+        const k3_chat_json *name = k3_chat_json_get(fn, "name");
+        if (!name || name->kind != K3_JSON_STRING || name->n == 0)
+            return K3_ERR(K3_ERR_ARG, "request: %s[%zu].function.name must be a non-empty string",
+                          where, i);
+    }
+    return K3_OK;
+}
+
+static bool known_role(const k3_chat_json *role) {
+    static const char *const known[] = {"user", "system", "developer", "assistant", "tool"};
+    for (size_t i = 0; i < K3_ARRAY_LEN(known); i++)
+        if (k3_chat_json_is_str(role, known[i])) return true;
+    return false;
+}
+
+/* Messages are objects with a string role; unknown roles are warned about (render skips them). */
+static k3_status check_messages(const k3_chat_json *msgs) {
+    for (size_t i = 0; i < msgs->n_items; i++) {
+        const k3_chat_json *m = msgs->items[i];
+        if (m->kind != K3_JSON_OBJECT)
+            return K3_ERR(K3_ERR_ARG, "request: messages[%zu] must be an object", i);
+        const k3_chat_json *role = k3_chat_json_get(m, "role");
+        if (!role) return K3_ERR(K3_ERR_ARG, "request: messages[%zu] has no \"role\"", i);
+        if (role->kind != K3_JSON_STRING)
+            return K3_ERR(K3_ERR_ARG, "request: messages[%zu].role must be a string", i);
+        if (!known_role(role))
+            K3_LOGW("request: messages[%zu]: unknown role '%.40s' is skipped (as the official "
+                    "encoder does)",
+                    i, role->s);
+        if (k3_chat_json_is_str(role, "system") || k3_chat_json_is_str(role, "developer")) {
+            char where[48];
+            snprintf(where, sizeof where, "messages[%zu].tools", i);
+            K3_TRY(check_tools(k3_chat_json_get(m, "tools"), where));
+        }
+    }
+    return K3_OK;
+}
+
 static k3_status normalise(k3_chat_request *r) {
     const k3_chat_json *root = r->root;
     if (root->kind != K3_JSON_OBJECT) return K3_ERR(K3_ERR_ARG, "request: must be a JSON object");
@@ -43,6 +101,8 @@ static k3_status normalise(k3_chat_request *r) {
     if (!msgs) return K3_ERR(K3_ERR_ARG, "request: missing \"messages\"");
     if (msgs->kind != K3_JSON_ARRAY)
         return K3_ERR(K3_ERR_ARG, "request: \"messages\" must be a list");
+    K3_TRY(check_messages(msgs));
+    K3_TRY(check_tools(k3_chat_json_get(root, "tools"), "tools"));
     const k3_chat_json *ctk = k3_chat_json_get(root, "chat_template_kwargs");
     if (ctk && ctk->kind != K3_JSON_NULL && ctk->kind != K3_JSON_OBJECT)
         return K3_ERR(K3_ERR_ARG, "request: \"chat_template_kwargs\" must be an object");
@@ -279,6 +339,15 @@ static k3_status content(rctx *c, const k3_chat_json *v, const char *what) {
         }
         const k3_chat_json *ty = k3_chat_json_get(part, "type");
         if (k3_chat_json_is_str(ty, "image") || k3_chat_json_is_str(ty, "image_url")) {
+            const k3_chat_json *iu = k3_chat_json_get(part, "image_url");
+            if (iu && iu->kind != K3_JSON_NULL && iu->kind != K3_JSON_OBJECT &&
+                iu->kind != K3_JSON_STRING) {
+                s = K3_ERR(K3_ERR_ARG,
+                           "request: %s[%zu].image_url must be an object {\"url\": ...} or a "
+                           "string",
+                           what, i);
+                break;
+            }
             s = ctrl(c, "<|kimi_image_placeholder|>");
             continue;
         }
@@ -569,7 +638,7 @@ static k3_status render_all(rctx *c, const k3_chat_request *r, bool gen) {
         const k3_chat_json *m = msgs->items[i];
         char where[48];
         snprintf(where, sizeof where, "messages[%zu]", i);
-        if (m->kind != K3_JSON_OBJECT) continue; /* the encoder skips non-mappings */
+        if (m->kind != K3_JSON_OBJECT) continue; /* rejected by check_messages already */
         const k3_chat_json *role = k3_chat_json_get(m, "role");
         if (!role) return K3_ERR(K3_ERR_ARG, "request: %s has no \"role\"", where);
         /* `developer` (OpenAI) is rendered as `system`: our request policy, see the file head. */
@@ -595,7 +664,7 @@ static k3_status render_all(rctx *c, const k3_chat_request *r, bool gen) {
             size_t j = i;
             while (j < msgs->n_items && is_role(msgs->items[j], "tool")) j++;
             K3_TRY(tool_run(c, msgs, i, j));
-        } /* unknown roles are silently skipped, like the encoder */
+        } /* unknown roles are skipped, like the encoder (check_messages warned) */
     }
 
     const k3_chat_json *tc = k3_chat_json_get(root, "tool_choice");

@@ -14,8 +14,10 @@
 #include "tokenizer_internal.h"
 
 #include <cjson/cJSON.h>
+#include <errno.h>
 #include <stdio.h>
 #include <stdlib.h>
+#include <sys/stat.h>
 
 /* PCRE2 spellings of the pre-tokenizer patterns. K3: copied verbatim from spec/K3-CHAT.md §4.2
  * ("PCRE2 rewrite"). o200k / cl100k: tiktoken's pat_str (shared/vocab/<name>.meta.json) with \s and
@@ -668,6 +670,12 @@ k3_status k3_tok_create_model_dir(k3_tokenizer **out, const char *dir, const k3_
     if (snprintf(vocab, sizeof vocab, "%s/tiktoken.model", dir) >= (int)sizeof vocab ||
         snprintf(cfg, sizeof cfg, "%s/tokenizer_config.json", dir) >= (int)sizeof cfg)
         return K3_ERR(K3_ERR_ARG, "model directory path too long: %s", dir);
+    /* One clear error for a wrong directory, before any warning about its files. */
+    struct stat sb;
+    if (stat(dir, &sb) != 0)
+        return K3_ERR(errno == ENOENT ? K3_ERR_MISSING : K3_ERR_IO, "%s: cannot open the model directory: %s",
+                      dir, strerror(errno));
+    if (!S_ISDIR(sb.st_mode)) return K3_ERR(K3_ERR_ARG, "%s: not a directory (give the model directory)", dir);
     FILE *f = fopen(cfg, "rb");
     if (!f) {
         K3_LOGW("%s not found: using the K3 special-token layout past the last rank", cfg);

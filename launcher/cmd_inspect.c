@@ -3,8 +3,8 @@
  * Prints the config summary, the layer kinds (K = KDA, M = MLA; lower case = dense FFN), total
  * and active parameter counts, bytes by dtype, "active bytes/token" (what one decoded token
  * reads), the shards (name, size, tensor count), then checks every tensor the config implies
- * (k3_ckpt_verify) and lists the problems; exit 1 if there are any. --json prints the same as one
- * JSON object on stdout. --preset k3 summarises the real K3 config without a checkpoint. */
+ * (k3_ckpt_verify) and lists the problems (the first 1000; n_problems / the stderr line give the
+ * real count); exit 1 if there are any. --json prints the same as one JSON object on stdout. --preset k3 summarises the real K3 config without a checkpoint. */
 #include "k3_launcher.h"
 #include "k3_model.h"
 
@@ -38,12 +38,13 @@ static void layer_string(const k3_config *c, char *out, size_t cap) {
     out[n] = 0;
 }
 
+/* NULL (k3_last_error says why) when the counts cannot be computed. */
 static cJSON *summary(const k3_config *c) {
+    k3_config_counts k;
+    if (k3_config_count(c, &k) != K3_OK) return NULL;
     cJSON *o = cJSON_CreateObject();
     char ls[4 * K3_MAX_LAYERS];
     layer_string(c, ls, sizeof ls);
-    k3_config_counts k;
-    k3_config_count(c, &k);
     cJSON_AddNumberToObject(o, "vocab_size", (double)c->vocab_size);
     cJSON_AddNumberToObject(o, "hidden_size", (double)c->hidden_size);
     cJSON_AddNumberToObject(o, "n_layers", c->n_layers);
@@ -118,17 +119,18 @@ static int run_inspect(const k3_args *a) {
     const char *preset = k3_args_str(a, "preset");
     k3_config c;
     cJSON *root = cJSON_CreateObject(), *shards = cJSON_CreateArray(), *pr = cJSON_CreateArray();
+    probs p = {pr, 0}; /* p.n: every problem; pr holds at most the first 1000 */
     int rc = 0;
     if (preset) {
-        k3_preset p;
-        if (a->n_pos > 0 || k3_preset_parse(preset, &p) != K3_OK) {
+        k3_preset pre;
+        if (a->n_pos > 0 || k3_preset_parse(preset, &pre) != K3_OK) {
             fprintf(stderr, "k3 inspect: --preset %s: give tiny, small or k3 and no DIR\n", preset);
             cJSON_Delete(root);
             cJSON_Delete(shards);
             cJSON_Delete(pr);
             return 2;
         }
-        k3_preset_config(p, &c);
+        k3_preset_config(pre, &c);
         cJSON_AddStringToObject(root, "preset", preset);
     } else {
         if (a->n_pos != 1) {
@@ -149,7 +151,7 @@ static int run_inspect(const k3_args *a) {
         }
         k3_ckpt *ck = NULL;
         if (k3_ckpt_open(dir, &ck) != K3_OK) {
-            add_problem(&(probs){pr, 0}, k3_last_error());
+            add_problem(&p, k3_last_error());
             rc = 1;
         } else {
             for (int s = 0; s < k3_ckpt_n_shards(ck); s++) {
@@ -163,14 +165,22 @@ static int run_inspect(const k3_args *a) {
                 cJSON_AddNumberToObject(o, "tensors", (double)nt);
                 cJSON_AddItemToArray(shards, o);
             }
-            probs p = {pr, 0};
             if (k3_ckpt_verify(ck, &c, add_problem, &p) > 0) rc = 1;
             k3_ckpt_destroy(ck);
         }
     }
-    cJSON_AddItemToObject(root, "config", summary(&c));
+    cJSON *sum = summary(&c);
+    if (!sum) {
+        fprintf(stderr, "k3 inspect: %s\n", k3_last_error());
+        cJSON_Delete(root);
+        cJSON_Delete(shards);
+        cJSON_Delete(pr);
+        return 1;
+    }
+    cJSON_AddItemToObject(root, "config", sum);
     cJSON_AddItemToObject(root, "shards", shards);
     cJSON_AddItemToObject(root, "problems", pr);
+    cJSON_AddNumberToObject(root, "n_problems", (double)p.n);
     cJSON_AddBoolToObject(root, "ok", rc == 0);
     if (json) {
         char *s = cJSON_PrintUnformatted(root);
@@ -181,9 +191,10 @@ static int run_inspect(const k3_args *a) {
         printf("verdict  %s\n", rc == 0 ? "OK" : "PROBLEMS FOUND");
     }
     if (rc != 0) {
-        int np = cJSON_GetArraySize(pr);
-        fprintf(stderr, "k3 inspect: %d problem%s, first: %s\n", np, np == 1 ? "" : "s",
-                np ? cJSON_GetArrayItem(pr, 0)->valuestring : "?");
+        int listed = cJSON_GetArraySize(pr);
+        fprintf(stderr, "k3 inspect: %lld problem%s%s, first: %s\n", (long long)p.n,
+                p.n == 1 ? "" : "s", p.n > listed ? " (the first 1000 listed)" : "",
+                listed ? cJSON_GetArrayItem(pr, 0)->valuestring : "?");
     }
     cJSON_Delete(root);
     return rc;

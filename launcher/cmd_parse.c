@@ -40,7 +40,8 @@ static k3_status read_stdin(k3_chat_buf *b) {
 typedef struct acc {
     k3_chat_buf reasoning, content;
     k3_chat_buf *args; /* (n) per streamed call index */
-    char **names;
+    char **names;      /* (n) name from the call's header delta */
+    char **ids;        /* (n) id from the call's header delta */
     size_t n;
 } acc;
 
@@ -57,9 +58,13 @@ static k3_status acc_add(acc *a, const k3_parser_delta *d) {
             char **nm = realloc(a->names, n * sizeof *nm);
             if (!nm) return K3_ERR(K3_ERR_NOMEM, "out of memory");
             a->names = nm;
+            char **id = realloc(a->ids, n * sizeof *id);
+            if (!id) return K3_ERR(K3_ERR_NOMEM, "out of memory");
+            a->ids = id;
             for (size_t k = a->n; k < n; k++) {
                 memset(&a->args[k], 0, sizeof a->args[k]);
                 a->names[k] = NULL;
+                a->ids[k] = NULL;
             }
             a->n = n;
         }
@@ -67,6 +72,9 @@ static k3_status acc_add(acc *a, const k3_parser_delta *d) {
             if (a->names[c->index])
                 return K3_ERR(K3_ERR_INTERNAL, "call %zu: header sent twice", c->index);
             a->names[c->index] = strdup(c->name);
+            a->ids[c->index] = strdup(c->id ? c->id : "");
+            if (!a->names[c->index] || !a->ids[c->index])
+                return K3_ERR(K3_ERR_NOMEM, "out of memory");
         }
         if (!a->names[c->index])
             return K3_ERR(K3_ERR_INTERNAL, "call %zu: arguments before its header", c->index);
@@ -81,9 +89,11 @@ static void acc_free(acc *a) {
     for (size_t i = 0; i < a->n; i++) {
         k3_chat_buf_free(&a->args[i]);
         free(a->names[i]);
+        free(a->ids[i]);
     }
     free(a->args);
     free(a->names);
+    free(a->ids);
 }
 
 static bool same(const char *a, size_t na, const k3_chat_buf *b) {
@@ -117,11 +127,14 @@ static k3_status stream_check(const k3_tok_ids *ids, const k3_tokenizer *t, cons
         st = K3_ERR(K3_ERR_INTERNAL, "stream-check: reasoning deltas do not add up");
     if (!st && !same(m.content, m.n_content, &a.content))
         st = K3_ERR(K3_ERR_INTERNAL, "stream-check: content deltas do not add up");
-    /* every complete call, in order, is one streamed call with the same name and arguments */
+    /* Every complete call, in order, is one streamed call with the same id, name and arguments.
+     * Matched by position: the streamed calls are walked in the same order, skipping the ones
+     * that never completed (their deltas were sent, but the final message leaves them out); the
+     * id is compared as an opaque string, never parsed. */
     for (size_t i = 0, k = 0; !st && i < m.n_calls; i++, k++) {
-        size_t want = (size_t)strtoull(m.calls[i].id + 5, NULL, 10); /* "call_<index>" */
-        if (want >= a.n || !a.names[want] || strcmp(a.names[want], m.calls[i].name) != 0 ||
-            !same(m.calls[i].arguments, m.calls[i].n_arguments, &a.args[want]))
+        while (k < a.n && (!a.ids[k] || strcmp(a.ids[k], m.calls[i].id) != 0)) k++;
+        if (k >= a.n || !a.names[k] || strcmp(a.names[k], m.calls[i].name) != 0 ||
+            !same(m.calls[i].arguments, m.calls[i].n_arguments, &a.args[k]))
             st = K3_ERR(K3_ERR_INTERNAL, "stream-check: tool call %zu deltas do not add up", i);
     }
     k3_chat_buf_free(&j1);
@@ -134,8 +147,9 @@ static k3_status stream_check(const k3_tok_ids *ids, const k3_tokenizer *t, cons
 static int run_parse(const k3_args *a) {
     const char *model = k3_args_str(a, "model"), *vocab = k3_args_str(a, "vocab");
     const char *reqf = k3_args_str(a, "request");
-    if (!model && !vocab) {
-        fprintf(stderr, "k3 parse: needs --model DIR or --vocab FILE (the tokenizer)\n");
+    if (!model == !vocab) {
+        fprintf(stderr, "k3 parse: give exactly one of --model DIR or --vocab FILE (the "
+                        "tokenizer)\n");
         return 2;
     }
     k3_chat_buf in = {0}, out = {0}, dj = {0};

@@ -51,13 +51,24 @@ static int run_plan(const k3_args *a) {
         k3_args_has(a, "world") ? k3_args_int(a, "world") : pp * ep + (cm == K3_COORD_DEDICATED);
     int64_t ctx = k3_args_int(a, "max-ctx"), seqs = k3_args_int(a, "max-seqs"),
             toks = k3_args_int(a, "max-tokens");
-    if (pp < 1 || pp > 4096 || ep < 1 || ep > 4096 || world < 1 || world > 1 << 20 || ctx < 1 ||
-        seqs < 1 || seqs > 1 << 20 || toks < 1) {
-        fprintf(
-            stderr,
-            "k3 plan: --pp/--ep in [1, 4096], --world, --max-ctx, --max-seqs, --max-tokens >= 1\n");
+    if (pp < 1 || pp > 4096 || ep < 1 || ep > 4096 || world < 1 || world > 1 << 20) {
+        fprintf(stderr, "k3 plan: --pp and --ep must be in [1, 4096], --world in [1, %d]\n",
+                1 << 20);
         return 2;
     }
+    /* Bounds far above any real run (K3's max_position_embeddings is 2^20) that keep the byte
+     * estimates inside 64 bits; k3_plan_make also checks its products. */
+    static const struct {
+        const char *flag;
+        int64_t max;
+    } lim[] = {{"max-ctx", (int64_t)1 << 30}, {"max-seqs", 1 << 20}, {"max-tokens", 1 << 24}};
+    const int64_t val[] = {ctx, seqs, toks};
+    for (size_t i = 0; i < K3_ARRAY_LEN(lim); i++)
+        if (val[i] < 1 || val[i] > lim[i].max) {
+            fprintf(stderr, "k3 plan: --%s %lld is outside [1, %lld]\n", lim[i].flag,
+                    (long long)val[i], (long long)lim[i].max);
+            return 2;
+        }
     char *map = NULL;
     const char *map_path = k3_args_str(a, "expert-map");
     if (map_path) {

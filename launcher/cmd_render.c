@@ -2,7 +2,8 @@
  *
  * Owns: the command's flags and output formats. Default: the prompt text with the generation
  * prompt. --segments: the segment list as JSON `[[text, is_control], ...]` (what the tokenizer
- * sees, §4.6). --ids: the token ids (segment-wise encoding), which needs --model or --vocab.
+ * sees, §4.6). --ids: the token ids (segment-wise encoding), which needs exactly one of --model
+ * or --vocab (both are usage errors without --ids: they would be ignored).
  * The chat logic lives in coordinator/ (k3_chat.h); this file only does I/O.
  * Errors: one line on stderr naming the key or file, exit 1 (2 = usage). */
 #include "k3_chat.h"
@@ -13,9 +14,11 @@
 #include <stdlib.h>
 
 static const k3_flag render_flags[] = {
-    {"model", K3_FLAG_STR, "DIR", NULL, "model directory (tokenizer); needed only for --ids"},
+    {"model", K3_FLAG_STR, "DIR", NULL,
+     "model directory (its tokenizer) for --ids; rejected without --ids"},
     {"vocab", K3_FLAG_STR, "FILE", NULL,
-     "a .tiktoken rank file with the K3 specials past the last rank (for --ids)"},
+     "a .tiktoken rank file with the K3 specials past the last rank, for --ids (not with --model; "
+     "rejected without --ids)"},
     {"segments", K3_FLAG_BOOL, NULL, NULL, "print the segments as JSON [[text, is_control], ...]"},
     {"ids", K3_FLAG_BOOL, NULL, NULL, "print the token ids (each segment encoded on its own)"},
     {"no-generation-prompt", K3_FLAG_BOOL, NULL, NULL, "do not append the assistant opener"},
@@ -38,8 +41,18 @@ static int fail(const char *what) {
 static int run_render(const k3_args *a) {
     bool want_ids = k3_args_bool(a, "ids");
     const char *model = k3_args_str(a, "model"), *vocab = k3_args_str(a, "vocab");
-    if (want_ids && !model && !vocab) {
-        fprintf(stderr, "k3 render: --ids needs --model DIR or --vocab FILE\n");
+    if (want_ids && !model == !vocab) {
+        fprintf(stderr, "k3 render: --ids needs exactly one of --model DIR or --vocab FILE\n");
+        return 2;
+    }
+    if (!want_ids && (model || vocab)) { /* the text/segments do not depend on the tokenizer */
+        fprintf(stderr, "k3 render: --%s is only used with --ids (the prompt text and segments do "
+                        "not depend on the tokenizer)\n",
+                model ? "model" : "vocab");
+        return 2;
+    }
+    if (want_ids && k3_args_bool(a, "segments")) {
+        fprintf(stderr, "k3 render: give --ids or --segments, not both\n");
         return 2;
     }
     k3_chat_buf in = {0}, out = {0};

@@ -11,6 +11,7 @@
 #include "k3_tokenizer.h"
 
 #include <cjson/cJSON.h>
+#include <errno.h>
 #include <stdio.h>
 #include <stdlib.h>
 
@@ -52,6 +53,14 @@ static int run_jsonl(const k3_tokenizer *t, bool allow_special) {
             break;
         }
         cJSON *v = cJSON_ParseWithLength(line, (size_t)len);
+        if (!v) {
+            const char *at = cJSON_GetErrorPtr();
+            long off = at && at >= line && at <= line + len ? (long)(at - line) : -1;
+            fprintf(stderr, "k3 tokenize: stdin line %zu: invalid JSON (near byte %ld)\n", lineno,
+                    off);
+            rc = 1;
+            break;
+        }
         const cJSON *text = v;
         bool special = allow_special;
         if (cJSON_IsObject(v)) {
@@ -81,10 +90,38 @@ static int run_jsonl(const k3_tokenizer *t, bool allow_special) {
         print_ids_json(&ids);
         putchar('\n');
     }
+    if (rc == 0 && ferror(stdin)) {
+        fprintf(stderr, "k3 tokenize: reading stdin failed after line %zu: %s\n", lineno,
+                strerror(errno));
+        rc = 1;
+    }
     free(line);
     k3_tok_ids_free(&ids);
     fflush(stdout);
     return rc;
+}
+
+/* All of stdin into *buf (NUL-terminated, n bytes). A failed read or allocation is an error, never
+ * a silently shortened text. */
+static k3_status read_stdin(char **buf, size_t *n) {
+    size_t cap = 0;
+    char tmp[65536];
+    size_t got;
+    *buf = NULL;
+    *n = 0;
+    while ((got = fread(tmp, 1, sizeof tmp, stdin)) > 0) {
+        if (*n + got + 1 > cap) {
+            cap = (*n + got + 1) * 2;
+            char *nb = realloc(*buf, cap);
+            if (!nb) return K3_ERR(K3_ERR_NOMEM, "out of memory reading stdin (%zu bytes)", cap);
+            *buf = nb;
+        }
+        memcpy(*buf + *n, tmp, got);
+        *n += got;
+    }
+    if (ferror(stdin))
+        return K3_ERR(K3_ERR_IO, "reading stdin failed after %zu bytes: %s", *n, strerror(errno));
+    return K3_OK;
 }
 
 static int run_tokenize(const k3_args *a) {
@@ -121,21 +158,17 @@ static int run_tokenize(const k3_args *a) {
         size_t n = 0;
         if (a->n_pos > 0) {
             buf = strdup(a->pos[0]);
-            n = buf ? strlen(buf) : 0;
-        } else {
-            size_t cap = 0;
-            char tmp[65536];
-            size_t got;
-            while ((got = fread(tmp, 1, sizeof tmp, stdin)) > 0) {
-                if (n + got + 1 > cap) {
-                    cap = (n + got + 1) * 2;
-                    char *nb = realloc(buf, cap);
-                    if (!nb) break;
-                    buf = nb;
-                }
-                memcpy(buf + n, tmp, got);
-                n += got;
+            if (!buf) {
+                fprintf(stderr, "k3 tokenize: out of memory copying TEXT\n");
+                k3_tok_destroy(t);
+                return 1;
             }
+            n = strlen(buf);
+        } else if (read_stdin(&buf, &n) != K3_OK) {
+            fprintf(stderr, "k3 tokenize: %s\n", k3_last_error());
+            free(buf);
+            k3_tok_destroy(t);
+            return 1;
         }
         k3_tok_ids ids = {0};
         st = k3_tok_encode(t, buf ? buf : "", n, allow_special, &ids);

@@ -30,9 +30,17 @@ int64_t k3_tensor_n_elems(const k3_tensor *t) {
 
 int64_t k3_tensor_spec_bytes(const k3_tensor_spec *s) {
     int64_t n = (int64_t)k3_dtype_size(s->dtype);
-    for (int i = 0; i < s->ndim; i++) n *= s->shape[i];
+    for (int i = 0; i < s->ndim; i++)
+        if (s->shape[i] < 0 || __builtin_mul_overflow(n, s->shape[i], &n)) return -1;
     return n;
 }
+
+/* Running totals of k3_config_count (filled while the catalogue streams by). */
+typedef struct counting {
+    k3_config_counts *o;
+    int64_t exp_p, exp_b; /* all routed-expert params / bytes */
+    const char *overflow; /* the first total that overflowed, or NULL */
+} counting;
 
 typedef struct {
     const k3_config *c;
@@ -40,7 +48,57 @@ typedef struct {
     int64_t cap, n;
     int layer, expert;
     k3_tensor_kind kind;
+    counting *cnt; /* k3_config_count: accumulate instead of (or besides) listing */
 } cat;
+
+static void acc(counting *t, int64_t *sum, int64_t v, const char *what) {
+    if (!t->overflow && __builtin_add_overflow(*sum, v, sum)) t->overflow = what;
+}
+
+/* Logical parameters of one tensor (an MXFP4 packed tensor counts 2 per byte, its scale 0). */
+static int64_t role_params(k3_role role, int64_t elems, bool *ovf) {
+    switch (role) {
+    case K3_R_EXP_W1_PACKED:
+    case K3_R_EXP_W2_PACKED:
+    case K3_R_EXP_W3_PACKED: {
+        int64_t p;
+        if (__builtin_mul_overflow(elems, 2, &p)) *ovf = true;
+        return p;
+    }
+    case K3_R_EXP_W1_SCALE:
+    case K3_R_EXP_W2_SCALE:
+    case K3_R_EXP_W3_SCALE:
+        return 0;
+    default:
+        return elems;
+    }
+}
+
+static void count_one(cat *k, k3_role role, k3_dtype dt, int ndim, const int64_t *d) {
+    counting *t = k->cnt;
+    k3_config_counts *o = t->o;
+    const k3_config *c = k->c;
+    bool ovf = false;
+    int64_t elems = 1, b;
+    for (int i = 0; i < ndim; i++) ovf |= __builtin_mul_overflow(elems, d[i], &elems);
+    int64_t p = role_params(role, elems, &ovf);
+    ovf |= __builtin_mul_overflow(elems, (int64_t)k3_dtype_size(dt), &b);
+    if (ovf && !t->overflow) t->overflow = "a tensor's size";
+    if (t->overflow) return;
+    acc(t, &o->params_total, p, "params_total");
+    acc(t, &o->bytes_total, b, "bytes_total");
+    if ((unsigned)dt < 8) acc(t, &o->bytes_by_dtype[dt], b, "bytes_by_dtype");
+    if (k->kind == K3_TK_EXPERT) {
+        acc(t, &t->exp_p, p, "expert params");
+        acc(t, &t->exp_b, b, "expert bytes");
+    } else if (role == K3_R_EMBED) {
+        acc(t, &o->params_active, c->hidden_size, "params_active"); /* one row is looked up */
+        acc(t, &o->bytes_active, c->vocab_size > 0 ? b / c->vocab_size : 0, "bytes_active");
+    } else {
+        acc(t, &o->params_active, p, "params_active");
+        acc(t, &o->bytes_active, b, "bytes_active");
+    }
+}
 
 static void add(cat *k, k3_role role, k3_dtype dt, const char *fmt_suffix, int ndim, int64_t d0,
                 int64_t d1, int64_t d2) {
@@ -66,6 +124,7 @@ static void add(cat *k, k3_role role, k3_dtype dt, const char *fmt_suffix, int n
         s->first_stage = role == K3_R_EMBED;
         s->role = role;
     }
+    if (k->cnt) count_one(k, role, dt, ndim, (const int64_t[3]){d0, d1, d2});
     k->n++;
 }
 
@@ -136,8 +195,8 @@ static void expert_tensors(cat *k) {
     }
 }
 
-int64_t k3_catalog(const k3_config *c, k3_tensor_spec *out, int64_t cap) {
-    cat k = {.c = c, .out = out, .cap = out ? cap : 0, .kind = K3_TK_GLOBAL};
+static int64_t catalog_walk(const k3_config *c, k3_tensor_spec *out, int64_t cap, counting *cnt) {
+    cat k = {.c = c, .out = out, .cap = out ? cap : 0, .kind = K3_TK_GLOBAL, .cnt = cnt};
     int64_t D = c->hidden_size, V = c->vocab_size;
     bool ar = c->attn_res_block_size > 0;
     add(&k, K3_R_EMBED, BF, "model.embed_tokens.weight", 2, V, D, 0);
@@ -196,53 +255,30 @@ int64_t k3_catalog(const k3_config *c, k3_tensor_spec *out, int64_t cap) {
     return k.n;
 }
 
-/* Logical parameters of a spec (an MXFP4 packed tensor counts 2 per byte, its scale 0). */
-static int64_t spec_params(const k3_tensor_spec *s) {
-    int64_t n = 1;
-    for (int i = 0; i < s->ndim; i++) n *= s->shape[i];
-    switch (s->role) {
-    case K3_R_EXP_W1_PACKED:
-    case K3_R_EXP_W2_PACKED:
-    case K3_R_EXP_W3_PACKED:
-        return 2 * n;
-    case K3_R_EXP_W1_SCALE:
-    case K3_R_EXP_W2_SCALE:
-    case K3_R_EXP_W3_SCALE:
-        return 0;
-    default:
-        return n;
-    }
+int64_t k3_catalog(const k3_config *c, k3_tensor_spec *out, int64_t cap) {
+    return catalog_walk(c, out, cap, NULL);
 }
 
-void k3_config_count(const k3_config *c, k3_config_counts *o) {
+k3_status k3_config_count(const k3_config *c, k3_config_counts *o) {
     memset(o, 0, sizeof *o);
-    int64_t n = k3_catalog(c, NULL, 0);
-    k3_tensor_spec *specs = NULL;
-    if (k3_alloc((void **)&specs, (size_t)n * sizeof *specs, "catalogue") != K3_OK) return;
-    k3_catalog(c, specs, n);
-    o->n_tensors = n;
-    int64_t exp_p = 0, exp_b = 0;
-    for (int64_t i = 0; i < n; i++) {
-        const k3_tensor_spec *s = &specs[i];
-        int64_t p = spec_params(s), b = k3_tensor_spec_bytes(s);
-        o->params_total += p;
-        o->bytes_total += b;
-        if ((unsigned)s->dtype < 8) o->bytes_by_dtype[s->dtype] += b;
-        if (s->kind == K3_TK_EXPERT) {
-            exp_p += p;
-            exp_b += b;
-        } else if (s->role == K3_R_EMBED) {
-            o->params_active += c->hidden_size; /* one row is looked up */
-            o->bytes_active += b / c->vocab_size;
-        } else {
-            o->params_active += p;
-            o->bytes_active += b;
+    counting t = {.o = o};
+    o->n_tensors = catalog_walk(c, NULL, 0, &t);
+    /* top-k of n_experts per token (every MoE layer has the same expert shapes) */
+    if (!t.overflow && c->n_experts > 0) {
+        int64_t p, b;
+        if (__builtin_mul_overflow(t.exp_p / c->n_experts, (int64_t)c->n_experts_per_tok, &p) ||
+            __builtin_mul_overflow(t.exp_b / c->n_experts, (int64_t)c->n_experts_per_tok, &b))
+            t.overflow = "active expert totals";
+        else {
+            acc(&t, &o->params_active, p, "params_active");
+            acc(&t, &o->bytes_active, b, "bytes_active");
         }
     }
-    /* top-k of n_experts per token (every MoE layer has the same expert shapes) */
-    if (c->n_experts > 0) {
-        o->params_active += exp_p / c->n_experts * c->n_experts_per_tok;
-        o->bytes_active += exp_b / c->n_experts * c->n_experts_per_tok;
+    if (t.overflow) {
+        memset(o, 0, sizeof *o);
+        return K3_ERR(K3_ERR_CONFIG,
+                      "config: %s overflows a 64-bit integer (the config is too large)",
+                      t.overflow);
     }
-    k3_free(specs);
+    return K3_OK;
 }

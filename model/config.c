@@ -61,8 +61,8 @@ static k3_status get_i(const keyctx *k, const cJSON *o, const char *key, bool re
     int64_t v;
     K3_TRY(get_int(k, o, key, required, def, &v));
     if (v < lo || v > 1000000000)
-        return K3_ERR(K3_ERR_CONFIG, "%s: %s%s: %lld is out of range (must be >= %d)", k->path,
-                      k->ctx, key, (long long)v, lo);
+        return K3_ERR(K3_ERR_CONFIG, "%s: %s%s: %lld is out of range (must be in %d..1000000000)",
+                      k->path, k->ctx, key, (long long)v, lo);
     *out = (int)v;
     return K3_OK;
 }
@@ -332,9 +332,45 @@ static k3_status parse_obj(const cJSON *top, const char *path, k3_config *c) {
     return k3_config_validate(c, path);
 }
 
+/* Upper bounds (k3's limits, not the format's). They keep every tensor's element and byte count
+ * far inside int64 (largest product: heads x head dims x rank x 2 bytes <= 2^62) and the catalogue
+ * small enough to list in memory; the 64-bit totals are still computed with overflow checks. */
+#define K3_CFG_MAX_DIM     (1 << 20)   /* hidden, head dims, ranks, intermediate, head counts */
+#define K3_CFG_MAX_VOCAB   2147483647  /* token ids are int32 */
+#define K3_CFG_MAX_EXPERTS 32767       /* the plan stores expert lanes as int16 */
+#define K3_CFG_MAX_EXPERT_INSTANCES (1 << 18) /* MoE layers x experts (K3: 92 x 896 = 82432) */
+
 k3_status k3_config_validate(const k3_config *c, const char *path) {
     const char *x = c->tensor_prefix[0] ? "text_config." : "";
 #define BAD(...) return K3_ERR(K3_ERR_CONFIG, __VA_ARGS__)
+#define MAXD(val, key)                                                                             \
+    if ((int64_t)(val) > K3_CFG_MAX_DIM)                                                           \
+    BAD("%s: %s" key ": %lld exceeds k3's limit of %d", path, x, (long long)(val), K3_CFG_MAX_DIM)
+    if (c->vocab_size > K3_CFG_MAX_VOCAB)
+        BAD("%s: %svocab_size: %lld exceeds k3's limit of %d (token ids are int32)", path, x,
+            (long long)c->vocab_size, K3_CFG_MAX_VOCAB);
+    MAXD(c->hidden_size, "hidden_size");
+    MAXD(c->intermediate_size, "intermediate_size");
+    MAXD(c->n_heads, "num_attention_heads");
+    MAXD(c->q_lora_rank, "q_lora_rank");
+    MAXD(c->kv_lora_rank, "kv_lora_rank");
+    MAXD(c->qk_nope_head_dim, "qk_nope_head_dim");
+    MAXD(c->qk_rope_head_dim, "qk_rope_head_dim");
+    MAXD(c->v_head_dim, "v_head_dim");
+    MAXD(c->kda_n_heads, "linear_attn_config.num_heads");
+    MAXD(c->kda_head_dim, "linear_attn_config.head_dim");
+    MAXD(c->kda_gate_rank, "linear_attn_config.head_dim (gate rank)");
+    MAXD(c->kda_a_log_len, "linear_attn_config A_log length");
+    MAXD(c->moe_intermediate_size, "moe_intermediate_size");
+    MAXD(c->latent_size, "routed_expert_hidden_size");
+    MAXD(c->attn_res_block_size, "attn_res_block_size");
+    MAXD((int64_t)c->n_shared_experts * c->moe_intermediate_size,
+         "num_shared_experts x moe_intermediate_size");
+#undef MAXD
+    if (c->n_experts > K3_CFG_MAX_EXPERTS)
+        BAD("%s: %snum_experts: %d exceeds k3's limit of %d", path, x, c->n_experts,
+            K3_CFG_MAX_EXPERTS);
+    if (c->n_experts < 0) BAD("%s: %snum_experts: %d must be >= 0", path, x, c->n_experts);
     if (c->vocab_size <= 0)
         BAD("%s: %svocab_size: %lld must be > 0", path, x, (long long)c->vocab_size);
     if (c->hidden_size <= 0)
@@ -359,6 +395,15 @@ k3_status k3_config_validate(const k3_config *c, const char *path) {
             any_moe = true;
         else
             any_dense = true;
+    }
+    if (any_moe) {
+        int64_t n_moe = 0;
+        for (int l = 0; l < c->n_layers; l++) n_moe += k3_config_is_moe(c, l);
+        if (n_moe * c->n_experts > K3_CFG_MAX_EXPERT_INSTANCES)
+            BAD("%s: %snum_experts: %d experts x %lld MoE layers = %lld exceeds k3's limit of %d "
+                "expert instances",
+                path, x, c->n_experts, (long long)n_moe, (long long)(n_moe * c->n_experts),
+                K3_CFG_MAX_EXPERT_INSTANCES);
     }
     if (any_mla) {
         if (c->n_heads < 1) BAD("%s: %snum_attention_heads: %d must be >= 1", path, x, c->n_heads);
@@ -447,7 +492,19 @@ k3_status k3_config_load(const char *dir, k3_config *out) {
     char *text = NULL;
     size_t n = 0;
     k3_status s = k3_read_file(path, &text, &n);
-    if (s != K3_OK) return K3_ERR(s, "%s: cannot read the model config", path);
+    if (s != K3_OK) {
+        /* keep k3_read_file's reason (no such file, permission, size), without its repeated
+         * path prefix and its (file:line) suffix */
+        char why[512];
+        const char *e = k3_last_error();
+        size_t pl = strlen(path);
+        if (strncmp(e, path, pl) == 0 && strncmp(e + pl, ": ", 2) == 0) e += pl + 2;
+        snprintf(why, sizeof why, "%s", e);
+        char *at = strrchr(why, '(');
+        if (at && at > why && at[-1] == ' ' && strchr(at, ':') && why[strlen(why) - 1] == ')')
+            at[-1] = 0;
+        return K3_ERR(s, "%s: cannot read the model config: %s", path, why);
+    }
     s = k3_config_parse(text, path, out);
     k3_free(text);
     K3_TRY(s);

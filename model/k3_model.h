@@ -89,14 +89,16 @@ k3_status k3_config_to_json(const k3_config *c, char **out_json);
 uint64_t k3_config_hash(const k3_config *c);
 /* Counts from the catalogue: total parameters (MXFP4 counted per logical element), the
  * parameters one token touches (top-k routed experts of each MoE layer, one embedding row),
- * and the bytes one decoded token reads (same rule, stored sizes). */
+ * and the bytes one decoded token reads (same rule, stored sizes). Streams the catalogue (no
+ * allocation). K3_ERR_CONFIG (naming the total) when a sum overflows int64; `out` is then
+ * zeroed. */
 typedef struct k3_config_counts {
     int64_t n_tensors;
     int64_t params_total, params_active;
     int64_t bytes_total, bytes_active;
     int64_t bytes_by_dtype[8]; /* indexed by k3_dtype (stored dtypes: F32, BF16, U8, ...) */
 } k3_config_counts;
-void k3_config_count(const k3_config *c, k3_config_counts *out);
+k3_status k3_config_count(const k3_config *c, k3_config_counts *out);
 static inline bool k3_config_is_moe(const k3_config *c, int layer) {
     return layer >= c->first_k_dense_replace && c->n_experts > 0 &&
            (layer - c->first_k_dense_replace) % (c->moe_layer_freq > 0 ? c->moe_layer_freq : 1) ==
@@ -218,7 +220,8 @@ typedef struct k3_tensor_spec {
 /* Enumerate every tensor of the checkpoint in a stable order. Returns the count; fills up to
  * `cap` entries of `out` (call with out=NULL to size). */
 int64_t k3_catalog(const k3_config *c, k3_tensor_spec *out, int64_t cap);
-/* bytes of a spec as stored */
+/* bytes of a spec as stored; -1 if the product overflows int64 (never for a validated config:
+ * k3_config_validate's bounds keep every tensor under 2^63 bytes) */
 int64_t k3_tensor_spec_bytes(const k3_tensor_spec *s);
 
 /* ---- safetensors checkpoint ---------------------------------------------------------------- */

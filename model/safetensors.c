@@ -13,6 +13,7 @@
 #include <cjson/cJSON.h>
 #include <errno.h>
 #include <fcntl.h>
+#include <math.h>
 #include <stdatomic.h>
 #include <stdio.h>
 #include <stdlib.h>
@@ -213,10 +214,12 @@ static k3_status parse_header(k3_ckpt *ck, int s) {
             numel *= (uint64_t)t.shape[i];
         }
         const cJSON *b = cJSON_GetArrayItem(of, 0), *e = cJSON_GetArrayItem(of, 1);
+        /* integers only (like shape): 16.5 must not be truncated to 16; 2^53 keeps them exact */
         if (cJSON_GetArraySize(of) != 2 || !cJSON_IsNumber(b) || !cJSON_IsNumber(e) ||
-            b->valuedouble < 0 || e->valuedouble < b->valuedouble || e->valuedouble > 1.8e19) {
+            b->valuedouble < 0 || e->valuedouble < b->valuedouble || e->valuedouble > 9.0e15 ||
+            b->valuedouble != floor(b->valuedouble) || e->valuedouble != floor(e->valuedouble)) {
             st = K3_ERR(K3_ERR_FORMAT,
-                        "%s: tensor %s: data_offsets must be [begin, end] with "
+                        "%s: tensor %s: data_offsets must be [begin, end], integers with "
                         "0 <= begin <= end",
                         path, name);
             goto done;
@@ -267,18 +270,24 @@ static k3_status parse_header(k3_ckpt *ck, int s) {
                 sp[i] = (span){x->offset, x->offset + x->n_bytes, first + i};
             }
             qsort(sp, (size_t)m, sizeof *sp, span_cmp);
-            for (int64_t i = 1; i < m; i++) {
-                if (sp[i].b < sp[i - 1].e && sp[i].e > sp[i].b && sp[i - 1].e > sp[i - 1].b) {
+            /* Sorted by begin: a non-empty span overlaps an earlier one iff it begins before
+             * the furthest end seen so far (not just the previous span's end: [0,16] [4,4]
+             * [8,16] overlap). Empty spans hold no bytes and are skipped. */
+            int64_t far = -1; /* index into sp of the non-empty span with the furthest end */
+            for (int64_t i = 0; i < m; i++) {
+                if (sp[i].e == sp[i].b) continue;
+                if (far >= 0 && sp[i].b < sp[far].e) {
                     st = K3_ERR(K3_ERR_FORMAT,
                                 "%s: tensors %s and %s overlap (bytes %llu..%llu "
                                 "and %llu..%llu of the data)",
-                                path, ck->t[sp[i - 1].idx].name, ck->t[sp[i].idx].name,
-                                (unsigned long long)(sp[i - 1].b - data0),
-                                (unsigned long long)(sp[i - 1].e - data0),
+                                path, ck->t[sp[far].idx].name, ck->t[sp[i].idx].name,
+                                (unsigned long long)(sp[far].b - data0),
+                                (unsigned long long)(sp[far].e - data0),
                                 (unsigned long long)(sp[i].b - data0),
                                 (unsigned long long)(sp[i].e - data0));
                     break;
                 }
+                if (far < 0 || sp[i].e > sp[far].e) far = i;
             }
             k3_free(sp);
         }
@@ -589,27 +598,50 @@ static k3_status write_all(FILE *f, const void *p, size_t n, const char *path) {
 
 k3_status k3_st_write_shard(const char *path, const k3_tensor_spec *specs, int64_t n,
                             k3_st_fill_fn fill, void *ctx) {
-    /* header text: deterministic, tensors in the given order, contiguous offsets */
-    size_t cap = 256 + (size_t)n * 320, len = 0;
+    /* header text: deterministic, tensors in the given order, contiguous offsets. The buffer
+     * is sized from the real name lengths (each number <= 20 digits, + 8 padding); every
+     * snprintf is still checked against the room left. */
+    size_t cap = 64 + 8, len = 0;
+    for (int64_t i = 0; i < n; i++)
+        cap += strnlen(specs[i].name, sizeof specs[i].name) + 64 + 21 * ((size_t)K3_MAX_DIMS + 2);
     char *h = NULL;
     K3_TRY(k3_alloc((void **)&h, cap, "safetensors header"));
-    len += (size_t)snprintf(h + len, cap - len, "{\"__metadata__\":{\"format\":\"pt\"}");
+    k3_status st = K3_OK;
     uint64_t off = 0, max_bytes = 0;
+#define PUT(...)                                                                                   \
+    do {                                                                                           \
+        int w_ = snprintf(h + len, cap - len, __VA_ARGS__);                                        \
+        if (w_ < 0 || (size_t)w_ >= cap - len - 8) {                                               \
+            st = K3_ERR(K3_ERR_INTERNAL, "%s: safetensors header outgrew its %zu-byte buffer",   \
+                        path, cap);                                                                \
+            goto header_done;                                                                      \
+        }                                                                                          \
+        len += (size_t)w_;                                                                         \
+    } while (0)
+    PUT("{\"__metadata__\":{\"format\":\"pt\"}");
     for (int64_t i = 0; i < n; i++) {
         const k3_tensor_spec *s = &specs[i];
-        uint64_t nb = (uint64_t)k3_tensor_spec_bytes(s);
-        len += (size_t)snprintf(h + len, cap - len, ",\"%s\":{\"dtype\":\"%s\",\"shape\":[",
-                                s->name, k3_dtype_name(s->dtype));
-        for (int d = 0; d < s->ndim; d++)
-            len += (size_t)snprintf(h + len, cap - len, "%s%lld", d ? "," : "",
-                                    (long long)s->shape[d]);
-        len += (size_t)snprintf(h + len, cap - len, "],\"data_offsets\":[%llu,%llu]}",
-                                (unsigned long long)off, (unsigned long long)(off + nb));
+        int64_t nb_s = k3_tensor_spec_bytes(s);
+        if (nb_s < 0) {
+            st = K3_ERR(K3_ERR_INTERNAL, "%s: tensor %s: size overflows", path, s->name);
+            goto header_done;
+        }
+        uint64_t nb = (uint64_t)nb_s;
+        PUT(",\"%s\":{\"dtype\":\"%s\",\"shape\":[", s->name, k3_dtype_name(s->dtype));
+        for (int d = 0; d < s->ndim; d++) PUT("%s%lld", d ? "," : "", (long long)s->shape[d]);
+        PUT("],\"data_offsets\":[%llu,%llu]}", (unsigned long long)off,
+            (unsigned long long)(off + nb));
         off += nb;
         if (nb > max_bytes) max_bytes = nb;
     }
-    len += (size_t)snprintf(h + len, cap - len, "}");
+    PUT("}");
+#undef PUT
     while (len % 8) h[len++] = ' ';
+header_done:
+    if (st != K3_OK) {
+        k3_free(h);
+        return st;
+    }
     FILE *f = fopen(path, "wb");
     if (!f) {
         k3_free(h);
@@ -617,7 +649,7 @@ k3_status k3_st_write_shard(const char *path, const k3_tensor_spec *specs, int64
     }
     uint8_t lenb[8];
     for (int i = 0; i < 8; i++) lenb[i] = (uint8_t)((uint64_t)len >> (8 * i));
-    k3_status st = write_all(f, lenb, 8, path);
+    st = write_all(f, lenb, 8, path);
     if (st == K3_OK) st = write_all(f, h, len, path);
     k3_free(h);
     void *buf = NULL;

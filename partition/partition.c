@@ -27,10 +27,16 @@ k3_status k3_coord_mode_parse(const char *s, k3_coord_mode *out) {
                   s ? s : "(null)");
 }
 
-static uint64_t spec_bytes(const k3_tensor_spec *t) {
-    uint64_t n = 1;
-    for (int i = 0; i < t->ndim; i++) n *= (uint64_t)t->shape[i];
-    return n * (uint64_t)k3_dtype_size(t->dtype);
+/* Checked uint64 arithmetic: an overflow sets *ovf (the result is then meaningless). */
+static uint64_t u_mul(bool *ovf, uint64_t a, uint64_t b) {
+    uint64_t r;
+    if (__builtin_mul_overflow(a, b, &r)) *ovf = true;
+    return r;
+}
+static uint64_t u_add(bool *ovf, uint64_t a, uint64_t b) {
+    uint64_t r;
+    if (__builtin_add_overflow(a, b, &r)) *ovf = true;
+    return r;
 }
 
 /* Byte sizes per layer / expert / global, from the catalogue. */
@@ -55,23 +61,34 @@ static k3_status cat_sizes_make(const k3_config *c, cat_sizes *cs) {
         return st;
     }
     k3_catalog(c, specs, n);
+    bool ovf = false;
     for (int64_t i = 0; i < n; i++) {
         const k3_tensor_spec *t = &specs[i];
-        uint64_t b = spec_bytes(t);
+        int64_t sb = k3_tensor_spec_bytes(t);
+        if (sb < 0) ovf = true;
+        uint64_t b = (uint64_t)K3_MAX(sb, 0);
         if (t->kind == K3_TK_GLOBAL) {
             if (t->first_stage)
-                cs->embed += b;
+                cs->embed = u_add(&ovf, cs->embed, b);
             else
-                cs->head += b;
+                cs->head = u_add(&ovf, cs->head, b);
         } else if (t->layer >= 0 && t->layer < c->n_layers) {
             if (t->kind == K3_TK_LAYER)
-                cs->layer[t->layer] += b;
-            else if (t->expert >= 0 && t->expert < c->n_experts)
-                cs->expert[(int64_t)t->layer * c->n_experts + t->expert] += b;
+                cs->layer[t->layer] = u_add(&ovf, cs->layer[t->layer], b);
+            else if (t->expert >= 0 && t->expert < c->n_experts) {
+                uint64_t *e = &cs->expert[(int64_t)t->layer * c->n_experts + t->expert];
+                *e = u_add(&ovf, *e, b);
+            }
         }
     }
-    if (c->tie_word_embeddings) cs->head += cs->embed; /* the head reuses the embedding */
+    if (c->tie_word_embeddings) /* the head reuses the embedding */
+        cs->head = u_add(&ovf, cs->head, cs->embed);
     k3_free(specs);
+    if (ovf) {
+        k3_free(cs->expert);
+        cs->expert = NULL;
+        return K3_ERR(K3_ERR_CONFIG, "plan: the model's tensor bytes overflow 64 bits");
+    }
     return K3_OK;
 }
 
@@ -302,51 +319,76 @@ static int max_bank(const k3_config *c) {
                : 0;
 }
 
-static void fill_mem(k3_plan *p, const k3_config *c, const k3_plan_req *r, const cat_sizes *cs) {
+/* Per-rank bytes; every product and sum is checked (a huge --max-ctx/--max-seqs/--max-tokens
+ * must fail, not wrap to a small number). */
+static k3_status fill_mem(k3_plan *p, const k3_config *c, const k3_plan_req *r,
+                          const cat_sizes *cs) {
     int S = p->n_stages, E = p->n_lanes;
+    const uint64_t T = (uint64_t)K3_MAX(r->max_tokens, 1), D = (uint64_t)c->hidden_size;
+    const uint64_t CTX = (uint64_t)K3_MAX(r->max_ctx, 1);
+    const uint64_t SEQS = (uint64_t)K3_MAX(r->max_seqs_per_lane, 1);
     for (int rank = 0; rank < p->world; rank++) {
         k3_rank_mem *m = &p->mem[rank];
         memset(m, 0, sizeof *m);
+        bool wo = false, co = false, bo = false; /* overflow of weights / caches / buffers */
         int s, e;
-        const uint64_t T = (uint64_t)K3_MAX(r->max_tokens, 1), D = (uint64_t)c->hidden_size;
-        const uint64_t logits = T * (uint64_t)c->vocab_size * 4;
+        const uint64_t logits = u_mul(&bo, u_mul(&bo, T, (uint64_t)c->vocab_size), 4);
         if (!k3_plan_coords(p, rank, &s, &e)) {
             m->buffers = logits; /* the dedicated coordinator only receives logits */
-            continue;
-        }
-        int lb = p->stage_begin[s], le = p->stage_begin[s + 1];
-        uint64_t per_seq = 0;
-        bool has_moe = false;
-        for (int l = lb; l < le; l++) {
-            m->weights += cs->layer[l];
-            if (k3_config_is_moe(c, l)) {
-                has_moe = true;
-                for (int x = 0; x < c->n_experts; x++)
-                    if (k3_plan_owner_lane(p, l, x) == e)
-                        m->weights += cs->expert[(int64_t)l * c->n_experts + x];
+        } else {
+            int lb = p->stage_begin[s], le = p->stage_begin[s + 1];
+            uint64_t per_seq = 0;
+            bool has_moe = false;
+            for (int l = lb; l < le; l++) {
+                m->weights = u_add(&wo, m->weights, cs->layer[l]);
+                if (k3_config_is_moe(c, l)) {
+                    has_moe = true;
+                    for (int x = 0; x < c->n_experts; x++)
+                        if (k3_plan_owner_lane(p, l, x) == e)
+                            m->weights = u_add(&wo, m->weights,
+                                               cs->expert[(int64_t)l * c->n_experts + x]);
+                }
+                uint64_t st;
+                if (c->mixer[l] == K3_MIXER_KDA) {
+                    uint64_t P = (uint64_t)c->kda_n_heads * (uint64_t)c->kda_head_dim;
+                    uint64_t conv = u_mul(
+                        &co, u_mul(&co, 3ull * (uint64_t)K3_MAX(c->kda_conv_kernel - 1, 0), P), 4);
+                    uint64_t rec = u_mul(&co, u_mul(&co, P, (uint64_t)c->kda_head_dim), 4);
+                    st = u_add(&co, conv, rec);
+                } else {
+                    st = u_mul(&co, u_mul(&co, CTX, (uint64_t)(c->kv_lora_rank + c->qk_rope_head_dim)),
+                               4);
+                }
+                per_seq = u_add(&co, per_seq, st);
             }
-            if (c->mixer[l] == K3_MIXER_KDA) {
-                uint64_t P = (uint64_t)c->kda_n_heads * (uint64_t)c->kda_head_dim;
-                per_seq += 3ull * (uint64_t)K3_MAX(c->kda_conv_kernel - 1, 0) * P * 4;
-                per_seq += (uint64_t)c->kda_n_heads * (uint64_t)c->kda_head_dim *
-                           (uint64_t)c->kda_head_dim * 4;
-            } else {
-                per_seq += (uint64_t)K3_MAX(r->max_ctx, 1) *
-                           (uint64_t)(c->kv_lora_rank + c->qk_rope_head_dim) * 4;
+            if (s == 0) m->weights = u_add(&wo, m->weights, cs->embed);
+            if (s == S - 1) m->weights = u_add(&wo, m->weights, cs->head);
+            m->caches = u_mul(&co, per_seq, SEQS);
+            uint64_t act = u_mul(&bo, u_mul(&bo, u_mul(&bo, T, D), (uint64_t)(1 + max_bank(c))), 4);
+            m->buffers = u_mul(&bo, act, (uint64_t)((s > 0) + (s < S - 1)));
+            if (has_moe && E > 1) {
+                uint64_t W = (uint64_t)(c->latent_size > 0 ? c->latent_size : c->hidden_size);
+                uint64_t rows =
+                    u_mul(&bo, u_mul(&bo, u_mul(&bo, T, (uint64_t)c->n_experts_per_tok), W), 4);
+                /* send + worst-case recv, rows + outputs */
+                m->buffers = u_add(&bo, m->buffers, u_mul(&bo, u_mul(&bo, rows, 2), (uint64_t)(1 + E)));
             }
+            if (s == S - 1) m->buffers = u_add(&bo, m->buffers, logits);
         }
-        if (s == 0) m->weights += cs->embed;
-        if (s == S - 1) m->weights += cs->head;
-        m->caches = per_seq * (uint64_t)K3_MAX(r->max_seqs_per_lane, 1);
-        uint64_t act = T * D * (uint64_t)(1 + max_bank(c)) * 4;
-        m->buffers = act * (uint64_t)((s > 0) + (s < S - 1));
-        if (has_moe && E > 1) {
-            uint64_t W = (uint64_t)(c->latent_size > 0 ? c->latent_size : c->hidden_size);
-            uint64_t rows = T * (uint64_t)c->n_experts_per_tok * W * 4;
-            m->buffers += rows * 2 * (uint64_t)(1 + E); /* send + worst-case recv, rows + outputs */
-        }
-        if (s == S - 1) m->buffers += logits;
+        if (wo)
+            return K3_ERR(K3_ERR_CONFIG, "rank %d's weight bytes overflow 64 bits", rank);
+        if (co)
+            return K3_ERR(K3_ERR_ARG,
+                          "rank %d's cache bytes overflow 64 bits (--max-ctx %lld x "
+                          "--max-seqs %d is too large)",
+                          rank, (long long)r->max_ctx, r->max_seqs_per_lane);
+        if (bo)
+            return K3_ERR(K3_ERR_ARG,
+                          "rank %d's buffer bytes overflow 64 bits (--max-tokens %lld is "
+                          "too large)",
+                          rank, (long long)r->max_tokens);
     }
+    return K3_OK;
 }
 
 k3_status k3_plan_make(const k3_config *c, const k3_plan_req *r, k3_plan *out) {
@@ -412,7 +454,8 @@ k3_status k3_plan_make(const k3_config *c, const k3_plan_req *r, k3_plan *out) {
         if (s == r->pp - 1) x += last;
         out->stage_cost[s] = x;
     }
-    fill_mem(out, c, r, &cs);
+    st = fill_mem(out, c, r, &cs);
+    if (st != K3_OK) goto fail;
     k3_free(cs.expert);
     out->hash = k3_plan_hash(out);
     return K3_OK;

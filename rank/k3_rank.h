@@ -6,9 +6,12 @@
  * Owns: the sequence -> lane assignment (sequence i on lane i % E, so lane e of every stage holds
  * the caches of the same sequences), the micro-batch groups (group of sequence i =
  * (i / E) % M, M = min(S, ceil(B / E))), the MoE exchange hook that routes rows through
- * k3_comm_dispatch/combine, the sampling (greedy; ties -> lowest id), the logits dump and the
- * JSON report. Must not: parse files or sockets beyond the model directory and the expert map,
- * or call MPI directly (all traffic goes through comm/).
+ * k3_comm_dispatch/combine, the sampling (one k3_sampler per sequence on the coordinator, seeded
+ * from the run's seed and the prompt index, so a batch is reproducible and independent of the
+ * split), the stop rules (EOS / <|end_of_msg|> / stop strings: a stopped sequence leaves its
+ * group's batches), the logits dump and the JSON report. The single-process `k3 run` is this
+ * same loop on a world of one (MPI singleton). Must not: parse files or sockets beyond the model
+ * directory and the expert map, or call MPI directly (all traffic goes through comm/).
  *
  * Failure policy: an error every rank sees identically (bad flags, bad plan) makes every rank
  * return 2 and only rank 0 prints it; any other error on a rank is logged as
@@ -22,6 +25,8 @@
 #define K3_RANK_H
 
 #include "k3_partition.h"
+#include "k3_sampler.h"
+#include "k3_tokenizer.h"
 
 typedef struct k3_rank_opts {
     const char *model_dir;
@@ -33,7 +38,7 @@ typedef struct k3_rank_opts {
     const int32_t *prompt_ids;   /* all prompts concatenated */
     const int64_t *prompt_lens;  /* [n_prompts], each >= 1 */
     int n_prompts;
-    int n_new;                /* new tokens per prompt (greedy, no stop at EOS) */
+    int n_new;                /* most new tokens per prompt (fewer when a sequence stops) */
     int64_t chunk;            /* prefill tokens per sequence per step; 0 = whole prompt */
     const char *dump_logits;  /* .npy of every position's logits (prompts concatenated) or NULL */
     bool json;                /* one JSON object on stdout instead of text lines */
@@ -41,7 +46,37 @@ typedef struct k3_rank_opts {
     int kda_chunk;            /* k3_stage_params.kda_chunk (0 = default) */
     const struct k3_ops *ops; /* kernel backend; NULL = k3_ops_default() */
     const char *test_fail;    /* K3_TEST_FAIL value or NULL (read by the caller, once) */
+    /* sampling on the coordinator. `seed` is the run's seed: sequence i samples with
+     * k3_rank_seq_seed(seed, i). stop_ids are extra stop ids (copied); the model's EOS
+     * (config eos_token_id) and the tokenizer's <|end_of_msg|> / [EOS] are added unless
+     * ignore_eos. Stop strings need `tok`. The penalty history holds generated ids only. */
+    k3_sampler_params sampling;
+    bool ignore_eos;
+    const k3_tokenizer *tok;       /* borrowed, may be NULL: decoded text + stop strings */
+    bool quiet;                    /* rank 0 prints no results (the caller uses `result`) */
+    struct k3_rank_result *result; /* rank 0: filled when non-NULL (free: k3_rank_result_free) */
 } k3_rank_opts;
+
+typedef struct k3_rank_seq_result {
+    int32_t *gen; /* [n_gen] generated ids, a stop id included */
+    int n_gen;
+    k3_stop_kind stop; /* K3_STOP_NONE: the length limit was hit */
+    int stop_string;   /* index into sampling.stop_strings when stop == K3_STOP_STRING, else -1 */
+    char *text;        /* [n_text + 1] decoded UTF-8 (stop id / stop string excluded); NULL
+                        * without a tokenizer */
+    size_t n_text;
+} k3_rank_seq_result;
+
+typedef struct k3_rank_result {
+    int n_seqs;               /* 0 on ranks other than 0 */
+    k3_rank_seq_result *seqs; /* [n_seqs] */
+} k3_rank_result;
+void k3_rank_result_free(k3_rank_result *r); /* frees the members; NULL-safe */
+
+/* The seed of sequence `index` in a run seeded with `seed` (splitmix64 of both). */
+uint64_t k3_rank_seq_seed(uint64_t seed, int index);
+/* "length" or "stop" (OpenAI finish_reason of a plain completion). */
+const char *k3_rank_finish_reason(k3_stop_kind stop);
 
 /* Run the job on this rank. MPI must be initialised (a singleton world of 1 works). Returns the
  * process exit code (0 ok, 2 usage error agreed by all ranks); other failures abort the job. */

@@ -39,6 +39,10 @@ typedef struct seq_run {
     int64_t n_tok_step; /* tokens of this sequence in its group's current step */
     float *dump;        /* [dump_rows, V] when dumping */
     int64_t dump_rows;
+    k3_sampler *smp;   /* this sequence's sampler (seeded by k3_rank_seq_seed) */
+    k3_stop_kind stop; /* set when a stop id / stop string ended the sequence */
+    int stop_string;   /* which stop string, or -1 */
+    k3_tok_bytes text; /* decoded text so far (with a tokenizer) */
 } seq_run;
 
 typedef struct group_run {
@@ -54,6 +58,8 @@ typedef struct rank_ctx {
     k3_config cfg;
     k3_plan plan;
     k3_comm *comm;
+    int32_t *stop_ids; /* [n_stop_ids] the caller's + EOS ids unless ignore_eos (below V) */
+    size_t n_stop_ids;
     /* test hooks */
     int fail_load_rank, fail_decode_rank, fail_decode_step, fail_plan_rank;
     bool fail_hang; /* "hang:R:N": stop answering instead of dying */
@@ -205,6 +211,54 @@ static int ceil_div(int a, int b) {
     return (a + b - 1) / b;
 }
 
+/* Stop ids: the caller's, then (unless ignore_eos) config eos_token_id and the tokenizer's
+ * <|end_of_msg|> and [EOS]; duplicates and ids outside the logits (>= vocab_size) dropped. */
+static k3_status build_stops(rank_ctx *r) {
+    const k3_rank_opts *o = r->o;
+    size_t cap = o->sampling.n_stop_ids + 3;
+    K3_TRY(k3_alloc((void **)&r->stop_ids, cap * sizeof(int32_t), "stop ids"));
+    int32_t cand[3] = {-1, -1, -1};
+    if (!o->ignore_eos) {
+        cand[0] = r->cfg.eos_token_id;
+        if (o->tok) {
+            k3_tok_ctrl c = k3_tok_control_ids(o->tok);
+            cand[1] = c.end_of_msg;
+            cand[2] = c.eos;
+        }
+    }
+    for (size_t i = 0; i < cap; i++) {
+        int32_t id =
+            i < o->sampling.n_stop_ids ? o->sampling.stop_ids[i] : cand[i - o->sampling.n_stop_ids];
+        if (i < o->sampling.n_stop_ids && (id < 0 || id >= r->cfg.vocab_size))
+            return K3_ERR(K3_ERR_ARG, "stop id %d is outside the vocabulary (vocab_size %lld)", id,
+                          (long long)r->cfg.vocab_size);
+        if (id < 0 || id >= r->cfg.vocab_size) continue;
+        bool dup = false;
+        for (size_t k = 0; k < r->n_stop_ids; k++) dup |= r->stop_ids[k] == id;
+        if (!dup) r->stop_ids[r->n_stop_ids++] = id;
+    }
+    return K3_OK;
+}
+
+uint64_t k3_rank_seq_seed(uint64_t seed, int index) {
+    uint64_t z = seed + 0x9e3779b97f4a7c15ull * ((uint64_t)(uint32_t)index + 1);
+    z = (z ^ (z >> 30)) * 0xbf58476d1ce4e5b9ull;
+    z = (z ^ (z >> 27)) * 0x94d049bb133111ebull;
+    return z ^ (z >> 31);
+}
+
+const char *k3_rank_finish_reason(k3_stop_kind stop) {
+    return stop == K3_STOP_NONE ? "length" : "stop";
+}
+
+void k3_rank_result_free(k3_rank_result *res) {
+    if (!res) return;
+    for (int i = 0; i < res->n_seqs; i++) k3_free(res->seqs[i].gen), k3_free(res->seqs[i].text);
+    k3_free(res->seqs);
+    res->seqs = NULL;
+    res->n_seqs = 0;
+}
+
 /* Usage-type problems are identical on every rank: all return 2, rank 0 prints. Others: agree on
  * the worst status so nobody hangs in the next collective. */
 static int setup(rank_ctx *r) {
@@ -221,6 +275,15 @@ static int setup(rank_ctx *r) {
                 st = K3_ERR(K3_ERR_ARG,
                             "prompt %d: id %d at position %lld is not below vocab_size %lld", i + 1,
                             o->prompt_ids[tot], (long long)t, (long long)r->cfg.vocab_size);
+    if (st == K3_OK) st = build_stops(r);
+    if (st == K3_OK) { /* bad sampling parameters are a usage error every rank sees */
+        k3_sampler *probe = NULL;
+        k3_sampler_params sp = o->sampling;
+        sp.stop_ids = r->stop_ids;
+        sp.n_stop_ids = r->n_stop_ids;
+        st = k3_sampler_create(&probe, &sp, r->cfg.vocab_size, o->tok);
+        k3_sampler_destroy(probe);
+    }
     if (st == K3_OK && o->expert_map_path) {
         size_t nb;
         st = k3_read_file(o->expert_map_path, &map, &nb);
@@ -562,6 +625,7 @@ static void worker_step(rank_ctx *r, const k3_msg *m) {
 /* ---- coordinator -------------------------------------------------------------------------- */
 static bool seq_active(const rank_ctx *r, const seq_run *q) {
     if (q->fed < q->P) return true;
+    if (q->stop != K3_STOP_NONE) return false; /* a stopped sequence leaves the batch */
     return q->fed - q->P < q->n_gen && q->fed - q->P < r->o->n_new - 1;
 }
 
@@ -613,11 +677,16 @@ static void coord_send_step(rank_ctx *r, int g) {
     }
 }
 
-static int32_t argmax(const float *x, int64_t n) {
-    int64_t best = 0;
-    for (int64_t i = 1; i < n; i++)
-        if (x[i] > x[best]) best = i;
-    return (int32_t)best;
+/* Sample sequence q's next id from `logits` [V], record it, apply the stop rules. */
+static void coord_sample(rank_ctx *r, seq_run *q, const float *logits) {
+    int32_t id;
+    RTRY(r, k3_sampler_sample(q->smp, logits, &id));
+    q->gen[q->n_gen++] = id;
+    k3_tok_bytes *emit = r->o->tok ? &q->text : NULL;
+    RTRY(r, k3_sampler_accept(q->smp, id, emit, &q->stop));
+    if (q->stop == K3_STOP_STRING) q->stop_string = k3_sampler_matched_stop(q->smp);
+    if (q->stop == K3_STOP_NONE && q->n_gen == r->o->n_new)
+        RTRY(r, k3_sampler_finish(q->smp, emit)); /* length: flush held text */
 }
 
 static void coord_on_logits(rank_ctx *r, const k3_msg *m) {
@@ -668,7 +737,7 @@ static void coord_on_logits(rank_ctx *r, const k3_msg *m) {
                 if (last[v] != last[v])
                     die(r, K3_ERR(K3_ERR_STATE, "sequence %d: NaN logit at vocab %lld", i,
                                   (long long)v));
-            q->gen[q->n_gen++] = argmax(last, V);
+            coord_sample(r, q, last);
         }
     }
     if (--r->groups[g].pending == 0) {
@@ -704,6 +773,12 @@ static void coord_init(rank_ctx *r) {
         maxT += q->P;
         RTRY(r, k3_calloc((void **)&q->gen, (size_t)K3_MAX(o->n_new, 1) * sizeof(int32_t),
                           "generated ids"));
+        k3_sampler_params sp = o->sampling;
+        sp.seed = k3_rank_seq_seed(o->sampling.seed, i);
+        sp.stop_ids = r->stop_ids;
+        sp.n_stop_ids = r->n_stop_ids;
+        q->stop_string = -1;
+        RTRY(r, k3_sampler_create(&q->smp, &sp, r->cfg.vocab_size, o->tok));
         if (o->dump_logits)
             RTRY(r, k3_alloc((void **)&q->dump,
                              (size_t)(q->P + o->n_new) * (size_t)r->cfg.vocab_size * sizeof(float),
@@ -715,7 +790,11 @@ static void coord_init(rank_ctx *r) {
 
 static void coord_destroy(rank_ctx *r) {
     if (r->seqs)
-        for (int i = 0; i < r->o->n_prompts; i++) k3_free(r->seqs[i].gen), k3_free(r->seqs[i].dump);
+        for (int i = 0; i < r->o->n_prompts; i++) {
+            k3_free(r->seqs[i].gen), k3_free(r->seqs[i].dump);
+            k3_sampler_destroy(r->seqs[i].smp);
+            k3_tok_bytes_free(&r->seqs[i].text);
+        }
     k3_free(r->seqs), k3_free(r->groups), k3_free(r->meta);
 }
 
@@ -819,6 +898,10 @@ static cJSON *ids_json(const int32_t *p, int64_t n) {
     return a;
 }
 
+static const char *seq_text(const seq_run *q) {
+    return q->text.data ? q->text.data : "";
+}
+
 static void report(rank_ctx *r, const uint64_t *bytes, const uint64_t *load_us, double t_end) {
     const k3_rank_opts *o = r->o;
     int64_t V = r->cfg.vocab_size;
@@ -846,12 +929,39 @@ static void report(rank_ctx *r, const uint64_t *bytes, const uint64_t *load_us, 
     double pre = (r->t_prefill_done > 0 ? r->t_prefill_done : t_end) - r->t_gen0,
            dec = t_end - (r->t_prefill_done > 0 ? r->t_prefill_done : t_end);
     int64_t n_dec = n_gen_tok - o->n_prompts * (o->n_new > 0);
+    if (o->result) {
+        k3_rank_result *res = o->result;
+        RTRY(r, k3_calloc((void **)&res->seqs, (size_t)o->n_prompts * sizeof *res->seqs,
+                          "run results"));
+        res->n_seqs = o->n_prompts;
+        for (int i = 0; i < o->n_prompts; i++) {
+            seq_run *q = &r->seqs[i];
+            k3_rank_seq_result *d = &res->seqs[i];
+            RTRY(r, k3_alloc((void **)&d->gen, (size_t)K3_MAX(q->n_gen, 1) * sizeof(int32_t),
+                             "run results"));
+            memcpy(d->gen, q->gen, (size_t)q->n_gen * sizeof(int32_t));
+            d->n_gen = q->n_gen;
+            d->stop = q->stop;
+            d->stop_string = q->stop_string;
+            if (o->tok) {
+                RTRY(r, k3_alloc((void **)&d->text, q->text.n + 1, "run results"));
+                if (q->text.n) memcpy(d->text, q->text.data, q->text.n);
+                d->text[q->text.n] = 0;
+                d->n_text = q->text.n;
+            }
+        }
+    }
+    if (o->quiet) {
+        K3_LOGI("load %.2f s, prefill %.3f s, decode %.3f s", load_s, pre, dec);
+        return;
+    }
     if (!o->json) {
-        for (int i = 0; i < o->n_prompts;
-             i++) { /* one line of ids per prompt, like the 1-process run */
+        /* per prompt: one line of ids, then (with a tokenizer) the decoded text */
+        for (int i = 0; i < o->n_prompts; i++) {
             for (int k = 0; k < r->seqs[i].n_gen; k++)
                 printf("%s%d", k ? "," : "", r->seqs[i].gen[k]);
             printf("\n");
+            if (o->tok) printf("%s\n", r->seqs[i].text.data ? r->seqs[i].text.data : "");
         }
         K3_LOGI("load %.2f s, prefill %.3f s (%.1f tok/s), decode %.3f s (%.1f tok/s), logits %.2f "
                 "MB in %d messages",
@@ -862,11 +972,15 @@ static void report(rank_ctx *r, const uint64_t *bytes, const uint64_t *load_us, 
     cJSON *root = cJSON_CreateObject();
     cJSON_AddItemToObject(root, "prompt_ids", ids_json(r->seqs[0].prompt, r->seqs[0].P));
     cJSON_AddItemToObject(root, "generated_ids", ids_json(r->seqs[0].gen, r->seqs[0].n_gen));
+    if (o->tok) cJSON_AddStringToObject(root, "text", seq_text(&r->seqs[0]));
+    cJSON_AddStringToObject(root, "finish_reason", k3_rank_finish_reason(r->seqs[0].stop));
     cJSON *res = cJSON_AddArrayToObject(root, "results");
     for (int i = 0; i < o->n_prompts; i++) {
         cJSON *it = cJSON_CreateObject();
         cJSON_AddItemToObject(it, "prompt_ids", ids_json(r->seqs[i].prompt, r->seqs[i].P));
         cJSON_AddItemToObject(it, "generated_ids", ids_json(r->seqs[i].gen, r->seqs[i].n_gen));
+        if (o->tok) cJSON_AddStringToObject(it, "text", seq_text(&r->seqs[i]));
+        cJSON_AddStringToObject(it, "finish_reason", k3_rank_finish_reason(r->seqs[i].stop));
         cJSON_AddItemToArray(res, it);
     }
     cJSON *tm = cJSON_AddObjectToObject(root, "timings");
@@ -925,6 +1039,7 @@ int k3_rank_run(const k3_rank_opts *o) {
     int rc = setup(r);
     if (rc) {
         k3_plan_free(&r->plan);
+        k3_free(r->stop_ids);
         return rc;
     }
     r->worker = k3_plan_coords(&r->plan, r->rank, &r->stage, &r->lane);
@@ -950,10 +1065,12 @@ int k3_rank_run(const k3_rank_opts *o) {
                        "plan hash differs: rank %d has %016llx, rank %d has %016llx (different "
                        "config.json or expert map?)",
                        r->rank, (unsigned long long)r->plan.hash, i, (unsigned long long)all[i]));
-    if (r->rank == 0) {
+    if (r->rank == 0 && r->world > 1) { /* a world of one is the plain single-process run */
         char table[16384];
         k3_plan_format(&r->plan, &r->cfg, table, sizeof table);
         fprintf(stderr, "%s", table);
+    }
+    if (r->rank == 0) {
         K3_LOGI("%d prompt%s, %d micro-batch%s in flight, %s combine", o->n_prompts,
                 o->n_prompts > 1 ? "s" : "", r->n_groups, r->n_groups > 1 ? "es" : "",
                 o->deterministic ? "deterministic" : "per-row");
@@ -1001,5 +1118,6 @@ int k3_rank_run(const k3_rank_opts *o) {
     if (r->tty && r->tty != stderr) fclose(r->tty);
     k3_comm_destroy(r->comm);
     k3_plan_free(&r->plan);
+    k3_free(r->stop_ids);
     return 0;
 }

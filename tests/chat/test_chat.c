@@ -88,6 +88,76 @@ static k3_chat_request *req(const char *json) {
     return r;
 }
 
+/* Review: malformed requests the encoder would skip or render as garbage are errors naming the
+ * field and its index (k3 policy, chat_render.c head). image_url errors come at render. */
+static void malformed_cases(void) {
+    static const struct {
+        const char *json, *needle;
+    } bad[] = {
+        {"{\"messages\":[1]}", "request: messages[0] must be an object"},
+        {"{\"messages\":[{\"role\":\"user\",\"content\":\"a\"},\"x\"]}",
+         "request: messages[1] must be an object"},
+        {"{\"messages\":[{\"role\":5,\"content\":\"a\"}]}",
+         "request: messages[0].role must be a string"},
+        {"{\"messages\":[{\"content\":\"a\"}]}", "request: messages[0] has no \"role\""},
+        {"{\"messages\":[],\"tools\":5}", "request: tools must be a list"},
+        {"{\"messages\":[],\"tools\":{}}", "request: tools must be a list"},
+        {"{\"messages\":[],\"tools\":[5]}", "request: tools[0] must be an object"},
+        {"{\"messages\":[],\"tools\":[{\"type\":\"function\"}]}",
+         "request: tools[0] has no \"function\" object"},
+        {"{\"messages\":[],\"tools\":[{\"type\":\"function\",\"function\":{\"name\":\"f\"}},"
+         "{\"type\":\"function\",\"function\":{\"description\":\"d\"}}]}",
+         "request: tools[1].function.name must be a non-empty string"},
+        {"{\"messages\":[],\"tools\":[{\"function\":{\"name\":7}}]}",
+         "request: tools[0].function.name"},
+        {"{\"messages\":[{\"role\":\"user\",\"content\":\"a\"},{\"role\":\"system\","
+         "\"tools\":[{\"type\":\"function\"}]}]}",
+         "request: messages[1].tools[0] has no \"function\" object"},
+    };
+    for (size_t i = 0; i < K3_ARRAY_LEN(bad); i++) {
+        k3_chat_request *r = NULL;
+        K3_CHECK_ERR(k3_chat_request_parse(bad[i].json, strlen(bad[i].json), &r), K3_ERR_ARG,
+                     bad[i].needle);
+        K3_CHECK(r == NULL, "no request on error: %s", bad[i].json);
+        k3_chat_request_destroy(r);
+    }
+    /* accepted: null/empty tools, unknown string roles (skipped, with a warning on stderr) */
+    k3_chat_request *r = req("{\"messages\":[{\"role\":\"narrator\",\"content\":\"z\"},"
+                             "{\"role\":\"user\",\"content\":\"a\"}],\"tools\":null}");
+    k3_chat_prompt p;
+    if (r) {
+        K3_CHECK_OK(k3_chat_render(r, false, &p));
+        K3_CHECK(p.text && !strstr(p.text, "narrator") && !strstr(p.text, "z<") &&
+                     strstr(p.text, "role=\"user\""),
+                 "unknown role skipped: %s", p.text ? p.text : "");
+        k3_chat_prompt_free(&p);
+        k3_chat_request_destroy(r);
+    }
+    k3_chat_request_destroy(req("{\"messages\":[],\"tools\":[]}"));
+    /* image parts: image_url must be an object or a string (checked at render: names the part) */
+    static const char *img_ok[] = {"{\"url\":\"x\"}", "\"http://x\"", "null"};
+    for (size_t i = 0; i < K3_ARRAY_LEN(img_ok); i++) {
+        char js[256];
+        snprintf(js, sizeof js,
+                 "{\"messages\":[{\"role\":\"user\",\"content\":[{\"type\":\"image_url\","
+                 "\"image_url\":%s}]}]}",
+                 img_ok[i]);
+        r = req(js);
+        if (!r) continue;
+        K3_CHECK_OK(k3_chat_render(r, false, &p));
+        k3_chat_prompt_free(&p);
+        k3_chat_request_destroy(r);
+    }
+    r = req("{\"messages\":[{\"role\":\"user\",\"content\":\"a\"},{\"role\":\"user\","
+            "\"content\":[{\"type\":\"text\",\"text\":\"t\"},{\"type\":\"image_url\","
+            "\"image_url\":5}]}]}");
+    if (r) {
+        K3_CHECK_ERR(k3_chat_render(r, true, &p), K3_ERR_ARG,
+                     "request: messages[1].content[1].image_url must be an object");
+        k3_chat_request_destroy(r);
+    }
+}
+
 static void request_cases(void) {
     struct {
         const char *json;
@@ -195,6 +265,7 @@ static void segment_cases(void) {
 int main(void) {
     json_cases();
     request_cases();
+    malformed_cases();
     segment_cases();
     return k3_test_done("chat");
 }

@@ -28,6 +28,10 @@ asserts the official behaviour AND that the raw template really differs):
   D5 role developer: the encoder drops unknown roles; k3 renders it as system (policy).
   D6 segments: per-segment encoding (§4.6): user text that contains "<|open|>" stays a text
      segment; only structural markers are control segments.
+  D7 malformed requests (k3 policy): a message that is not an object, a non-string role, tools
+     that are not a list of {"function": {"name": ...}}, an image_url that is not an object or a
+     string are errors naming the field and index (the encoder skips or renders them); unknown
+     string roles are skipped like the encoder, with a warning on stderr.
 Exit: 0 pass, 1 fail, 77 skip (jinja2 missing).
 """
 import copy
@@ -287,7 +291,7 @@ case("reasoning: whitespace-only dropped, `reasoning` key", {"messages": [
     U("a"), A("b", reasoning_content="  \n "), U("c"), A("d", reasoning="r2"), U("e"),
     A("f", reasoning_content="", reasoning="r3"), U("g"), A("h", reasoning_content=" keep spaces ")]})
 case("marker text typed by the user", {"messages": [U("<|open|>tools<|sep|> & \"q\" <b>"), A("<|end_of_msg|>")]})
-case("unknown roles skipped", {"messages": [U("a"), {"role": "narrator", "content": "zzz"}, "not a mapping", U("b")]})
+case("unknown roles skipped", {"messages": [U("a"), {"role": "narrator", "content": "zzz"}, U("b")]})
 case("developer -> system (normalised)", {"messages": [{"role": "developer", "content": "rules"}, U("b")]})
 case("tools: unicode, floats, escapes", None, raw='{"messages":[{"role":"user","content":"q"}],"tools":'
      '[{"type":"function","function":{"name":"f","description":"ünï \\u0007 \\"x\\" \\\\ /",'
@@ -453,6 +457,43 @@ for bad, needle in [("{", "invalid JSON"), ("[]", "object"), ('{"messages": 3}',
     e = p.stderr.decode(errors="replace")
     if p.returncode != 1 or needle not in e or e.count("\n") != 1:
         fail(f"bad input {bad!r}", f"rc={p.returncode} stderr={e!r}")
+
+# D7: malformed requests are one clear error line naming the field and index (exit 1), although
+# the template renders them (skips the non-mapping, dumps the bad tools as JSON, ...).
+for bad, needle in [
+        ({"messages": [1]}, "messages[0] must be an object"),
+        ({"messages": [U("a"), "not a mapping"]}, "messages[1] must be an object"),
+        ({"messages": [{"role": 5, "content": "a"}]}, "messages[0].role must be a string"),
+        ({"messages": [U("a")], "tools": 5}, "tools must be a list"),
+        ({"messages": [U("a")], "tools": [5]}, "tools[0] must be an object"),
+        ({"messages": [U("a")], "tools": [WEATHER, {"type": "function"}]}, 'tools[1] has no "function" object'),
+        ({"messages": [U("a")], "tools": [{"type": "function", "function": {"description": "x"}}]},
+         "tools[0].function.name"),
+        ({"messages": [U([{"type": "image_url", "image_url": 5}])]}, "messages[0].content[0].image_url")]:
+    n_checked += 1
+    rc, _, err = k3(json.dumps(bad))
+    if rc != 1 or needle not in err or err.count("\n") != 1 or not err.startswith("k3 render: "):
+        fail("D7", f"{bad}: rc={rc} stderr={err!r} (want one line with {needle!r})")
+n_checked += 1
+try:
+    jinja_render({"messages": [U("a"), "not a mapping"]})
+except TemplateError as e:
+    fail("D7", f"the template rejects a non-mapping message now (divergence vanished?): {e}")
+n_checked += 1
+rc, out, err = k3(json.dumps({"messages": [U("a"), {"role": "narrator", "content": "zzz"}]}))
+if rc != 0 or "zzz" in out or "unknown role 'narrator'" not in err or "messages[1]" not in err:
+    fail("D7", f"unknown role: rc={rc} stderr={err!r}")
+
+# render flags: the tokenizer flags only with --ids, and not both at once (exit 2, one line)
+VOCAB = os.path.join(SHARED, "vocab/o200k_base.tiktoken")
+for flags, needle in [(["--model", "/tmp"], "--model is only used with --ids"),
+                      (["--vocab", VOCAB], "--vocab is only used with --ids"),
+                      (["--ids", "--model", "/tmp", "--vocab", VOCAB], "exactly one of --model DIR or --vocab FILE"),
+                      (["--ids"], "exactly one of")]:
+    n_checked += 1
+    rc, _, err = k3(json.dumps({"messages": [U("a")]}), *flags)
+    if rc != 2 or needle not in err or err.count("\n") != 1:
+        fail("render flags", f"{flags}: rc={rc} stderr={err!r}")
 
 print(f"vs_jinja: {n_checked} checks, {failures} failed")
 sys.exit(1 if failures else 0)

@@ -1,7 +1,7 @@
 #!/usr/bin/env python3
 """`k3 run` end to end against the forward goldens (tests/golden/forward/, made by the
 independent PyTorch reference): for each golden prompt, `k3 run --prompt-ids ... --n 32
---dump-logits F.npy --json [--chunk C]` must print the reference's 32 greedy ids, and the dumped
+--dump-logits F.npy --json --ignore-eos [--chunk C]` (exactly 32 tokens: no stop at EOS) must print the reference's 32 greedy ids, and the dumped
 .npy (read with numpy: checks the header k3 writes) must hold [T + 31, V] float32 rows whose
 first T rows match the golden logits to rel-L2 <= 1e-5 at every position (K3_TOL_GOLDEN_LOGITS_REL_L2).
 Also: bad flags exit 2 with one clear line. Exit code only; prints a summary."""
@@ -27,7 +27,7 @@ def main():
                 npy = os.path.join(tmp, "%s.%d.npy" % (p["name"], chunk))
                 r = subprocess.run([k3, "run", "--model", model, "--prompt-ids", ",".join(map(str, ids)),
                                     "--n", str(len(greedy)), "--chunk", str(chunk), "--dump-logits", npy,
-                                    "--json"], capture_output=True, text=True)
+                                    "--json", "--ignore-eos"], capture_output=True, text=True)
                 if r.returncode != 0:
                     print("FAIL %s chunk %d: exit %d: %s" % (p["name"], chunk, r.returncode, r.stderr.strip()))
                     fails += 1

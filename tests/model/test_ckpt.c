@@ -10,6 +10,7 @@
 #include "k3_model.h"
 #include "k3_mxfp4.h"
 #include "k3_test.h"
+#include "model_internal.h"
 
 static char root[256];
 
@@ -94,6 +95,13 @@ static void problem_count(void *ctx, const char *msg) {
     char *buf = ctx;
     size_t l = strlen(buf);
     snprintf(buf + l, 4096 - l, "%s\n", msg);
+}
+
+static k3_status fill_nothing(void *ctx, const k3_tensor_spec *spec, void *dst) {
+    (void)ctx;
+    (void)spec;
+    (void)dst;
+    return K3_OK;
 }
 
 static k3_status open_close(const char *dir) {
@@ -334,6 +342,71 @@ int main(void) {
     snprintf(d, sizeof d, "%s/dtype", root);
     write_st(d, "{\"x.a\":{\"dtype\":\"Q4\",\"shape\":[4],\"data_offsets\":[0,2]}}", 2);
     K3_CHECK_ERR(open_close(d), K3_ERR_FORMAT, "tensor x.a: unknown dtype 'Q4'");
+    /* review: an overlap hidden behind a shorter span / an empty span in between; the check
+     * must keep the furthest end over the non-empty spans, not just the previous one */
+    snprintf(d, sizeof d, "%s/overlap2", root);
+    write_st(d,
+             "{\"a\":{\"dtype\":\"U8\",\"shape\":[16],\"data_offsets\":[0,16]},"
+             "\"z\":{\"dtype\":\"U8\",\"shape\":[0],\"data_offsets\":[4,4]},"
+             "\"b\":{\"dtype\":\"U8\",\"shape\":[8],\"data_offsets\":[8,16]}}",
+             16);
+    K3_CHECK_ERR(open_close(d), K3_ERR_FORMAT, "tensors a and b overlap");
+    snprintf(d, sizeof d, "%s/overlap3", root); /* [0,16] [2,4] [8,12]: b is inside a */
+    write_st(d,
+             "{\"a\":{\"dtype\":\"U8\",\"shape\":[16],\"data_offsets\":[0,16]},"
+             "\"y\":{\"dtype\":\"U8\",\"shape\":[2],\"data_offsets\":[2,4]},"
+             "\"b\":{\"dtype\":\"U8\",\"shape\":[4],\"data_offsets\":[8,12]}}",
+             16);
+    K3_CHECK_ERR(open_close(d), K3_ERR_FORMAT, "overlap");
+    /* empty spans anywhere, adjacent spans: fine */
+    snprintf(d, sizeof d, "%s/adjacent", root);
+    write_st(d,
+             "{\"a\":{\"dtype\":\"U8\",\"shape\":[8],\"data_offsets\":[0,8]},"
+             "\"z\":{\"dtype\":\"U8\",\"shape\":[0,5],\"data_offsets\":[4,4]},"
+             "\"e\":{\"dtype\":\"U8\",\"shape\":[0],\"data_offsets\":[8,8]},"
+             "\"b\":{\"dtype\":\"U8\",\"shape\":[8],\"data_offsets\":[8,16]}}",
+             16);
+    K3_CHECK_OK(open_close(d));
+    /* fractional offsets are not truncated to integers */
+    snprintf(d, sizeof d, "%s/frac", root);
+    write_st(d, "{\"a\":{\"dtype\":\"U8\",\"shape\":[16],\"data_offsets\":[0.5,16.5]}}",
+             17);
+    K3_CHECK_ERR(open_close(d), K3_ERR_FORMAT, "tensor a: data_offsets must be [begin, end], integers");
+    /* the shard writer sizes its header from the real names: 64 tensors with 159-byte names and
+     * 4 wide dims (~330 header bytes each, over the old 320-byte-per-tensor guess) round-trip */
+    {
+        enum { NT = 64 };
+        k3_tensor_spec *sp = calloc(NT, sizeof *sp);
+        for (int i = 0; i < NT; i++) {
+            memset(sp[i].name, 'n', sizeof sp[i].name - 1);
+            snprintf(sp[i].name, 8, "t%04d.", i);
+            sp[i].name[7] = 'n';
+            sp[i].dtype = K3_DT_U8;
+            sp[i].ndim = 4;
+            sp[i].shape[0] = 0; /* no data: the long dims cost header bytes only */
+            sp[i].shape[1] = sp[i].shape[2] = sp[i].shape[3] = 999999999999999LL;
+        }
+        snprintf(d, sizeof d, "%s/longnames", root);
+        mkdir(d, 0755);
+        char path[700];
+        snprintf(path, sizeof path, "%s/model.safetensors", d);
+        K3_CHECK_OK(k3_st_write_shard(path, sp, NT, fill_nothing, NULL));
+        k3_ckpt *lk = NULL;
+        K3_CHECK_OK(k3_ckpt_open(d, &lk));
+        K3_CHECK(lk && k3_ckpt_n_tensors(lk) == NT, "long-name shard: %lld tensors",
+                 lk ? (long long)k3_ckpt_n_tensors(lk) : -1LL);
+        const k3_ckpt_tensor *t = lk ? k3_ckpt_find(lk, sp[NT - 1].name) : NULL;
+        K3_CHECK(t && t->ndim == 4 && t->shape[3] == 999999999999999LL, "last tensor intact");
+        k3_ckpt_destroy(lk);
+        /* a spec whose size is not a byte count (negative dims; 20-digit numbers) is a clean
+         * error, not a header written past its buffer */
+        for (int i = 0; i < NT; i++)
+            sp[i].shape[0] = sp[i].shape[1] = sp[i].shape[2] = sp[i].shape[3] = INT64_MIN + 1;
+        snprintf(path, sizeof path, "%s/model-neg.safetensors", d);
+        K3_CHECK_ERR(k3_st_write_shard(path, sp, NT, fill_nothing, NULL), K3_ERR_INTERNAL,
+                     "size overflows");
+        free(sp);
+    }
     snprintf(d, sizeof d, "%s/empty", root);
     mkdir(d, 0755);
     K3_CHECK_ERR(open_close(d), K3_ERR_MISSING,

@@ -164,8 +164,104 @@ static void m_bits(cJSON *tc, cJSON *t) {
     cJSON_ReplaceItemInObject(w, "num_bits", cJSON_CreateNumber(8));
 }
 
+/* Upper bounds (review: no bounds meant int64 overflow in the catalogue and minute-long
+ * catalogue walks). Each names the key and the limit. */
+static void m_hidden_2p50(cJSON *tc, cJSON *t) {
+    (void)t;
+    cJSON_ReplaceItemInObject(tc, "hidden_size", cJSON_CreateNumber(1125899906842624.0));
+}
+static void m_kda_hd_1e9(cJSON *tc, cJSON *t) {
+    (void)t;
+    cJSON_ReplaceItemInObject(la(tc), "head_dim", cJSON_CreateNumber(1e9));
+}
+static void m_experts_1e9(cJSON *tc, cJSON *t) {
+    (void)t;
+    cJSON_ReplaceItemInObject(tc, "num_experts", cJSON_CreateNumber(1e9));
+}
+static void m_experts_32768(cJSON *tc, cJSON *t) {
+    (void)t;
+    cJSON_ReplaceItemInObject(tc, "num_experts", cJSON_CreateNumber(32768));
+}
+static void m_experts_32000(cJSON *tc, cJSON *t) { /* 92 MoE layers x 32000 > 2^18 instances */
+    (void)t;
+    cJSON_ReplaceItemInObject(tc, "num_experts", cJSON_CreateNumber(32000));
+}
+static void m_vocab_2p31(cJSON *tc, cJSON *t) {
+    (void)t;
+    cJSON_ReplaceItemInObject(tc, "vocab_size", cJSON_CreateNumber(2147483648.0));
+}
+static void m_inter_big(cJSON *tc, cJSON *t) {
+    (void)t;
+    cJSON_ReplaceItemInObject(tc, "intermediate_size", cJSON_CreateNumber(1048577));
+}
+static void m_qlora_big(cJSON *tc, cJSON *t) {
+    (void)t;
+    cJSON_ReplaceItemInObject(tc, "q_lora_rank", cJSON_CreateNumber(1048577));
+}
+
+static void bound_cases(void) {
+    struct {
+        mutate_fn m;
+        const char *needle;
+    } big[] = {
+        {m_hidden_2p50, "text_config.hidden_size: 1125899906842624 exceeds k3's limit of 1048576"},
+        {m_kda_hd_1e9,
+         "text_config.linear_attn_config.head_dim: 1000000000 exceeds k3's limit of 1048576"},
+        {m_experts_1e9, "text_config.num_experts: 1000000000 exceeds k3's limit of 32767"},
+        {m_experts_32768, "num_experts: 32768 exceeds k3's limit of 32767"},
+        {m_experts_32000, "exceeds k3's limit of 262144 expert instances"},
+        {m_vocab_2p31, "text_config.vocab_size: 2147483648 exceeds k3's limit of 2147483647"},
+        {m_inter_big, "text_config.intermediate_size: 1048577 exceeds k3's limit"},
+        {m_qlora_big, "text_config.q_lora_rank: 1048577 exceeds k3's limit"},
+    };
+    k3_config c;
+    for (size_t i = 0; i < K3_ARRAY_LEN(big); i++)
+        K3_CHECK_ERR(parse_mutated(big[i].m, &c), K3_ERR_CONFIG, big[i].needle);
+
+    /* At the limits every single tensor still fits int64, but the totals do not: the count
+     * must say so instead of wrapping (signed overflow is UB; UBSan would flag it too). */
+    k3_preset_config(K3_PRESET_TINY, &c);
+    c.hidden_size = 1 << 20;
+    c.kda_n_heads = 1 << 20;
+    c.kda_head_dim = c.kda_gate_rank = 1 << 20;
+    c.kda_a_log_len = 1 << 20;
+    K3_CHECK_OK(k3_config_validate(&c, "limits"));
+    k3_config_counts k;
+    memset(&k, 0x5a, sizeof k);
+    K3_CHECK_ERR(k3_config_count(&c, &k), K3_ERR_CONFIG, "overflows a 64-bit integer");
+    K3_CHECK(k.params_total == 0 && k.n_tensors == 0, "counts zeroed on overflow");
+    /* one tensor at the limits: 2^40 x 2^20 BF16 = 2^61 bytes, exact */
+    k3_tensor_spec sp = {.dtype = K3_DT_BF16, .ndim = 2, .shape = {(int64_t)1 << 40, 1 << 20}};
+    K3_CHECK(k3_tensor_spec_bytes(&sp) == (int64_t)1 << 61, "2^61 bytes");
+    sp.shape[1] = (int64_t)1 << 23; /* 2^64 bytes */
+    K3_CHECK(k3_tensor_spec_bytes(&sp) == -1, "spec bytes overflow -> -1, got %lld",
+             (long long)k3_tensor_spec_bytes(&sp));
+
+    /* the largest expert count k3 takes is counted at once (was: a >60 s catalogue walk for
+     * 1e9 experts); 8 MoE layers x 32767 experts = 262136 instances */
+    k3_preset_config(K3_PRESET_TINY, &c);
+    c.n_experts = 32767;
+    c.n_group = 32767;
+    c.topk_group = 4;
+    c.n_experts_per_tok = 4;
+    K3_CHECK_OK(k3_config_validate(&c, "many experts"));
+    double t0 = k3_now_s();
+    K3_CHECK_OK(k3_config_count(&c, &k));
+    double dt = k3_now_s() - t0;
+    int64_t moe = 0;
+    for (int l = 0; l < c.n_layers; l++) moe += k3_config_is_moe(&c, l);
+    K3_CHECK(k.n_tensors > moe * 32767 * 6, "tensors %lld", (long long)k.n_tensors);
+    K3_CHECK(dt < 10.0, "count took %.1f s", dt);
+
+    /* a missing config keeps the cause (k3_read_file's reason) */
+    K3_CHECK_ERR(k3_config_load("/nonexistent-k3-dir", &c), K3_ERR_IO,
+                 "/nonexistent-k3-dir/config.json: cannot read the model config: cannot open: "
+                 "No such file or directory");
+}
+
 int main(void) {
     k3_config c, p;
+    bound_cases();
     K3_CHECK_OK(k3_config_parse(k3_json, "config.json", &c));
     K3_CHECK(c.n_layers == 93 && c.hidden_size == 7168 && c.vocab_size == 163840, "dims");
     int n_mla = 0;
@@ -195,7 +291,7 @@ int main(void) {
     K3_CHECK(n == 5 + 6 * 93 + 14 * 69 + 8 * 24 + 3 + 8 * 92 + 896 * 6 * 92, "K3 tensors %lld",
              (long long)n);
     k3_config_counts k;
-    k3_config_count(&c, &k);
+    K3_CHECK_OK(k3_config_count(&c, &k));
     /* spec §0: ≈2.78T total, ≈104B active, checkpoint ≈1.56 TB */
     K3_CHECK(k.params_total > 2.77e12 && k.params_total < 2.79e12, "total %lld",
              (long long)k.params_total);
@@ -301,9 +397,9 @@ int main(void) {
                  p.n_group == 4 && p.topk_group == 2 && p.vocab_size == 4096 &&
                  p.eos_token_id == 3842 && p.kda_a_log_len == 8,
              "tiny preset");
-    k3_config_count(&p, &k);
+    K3_CHECK_OK(k3_config_count(&p, &k));
     k3_preset_config(K3_PRESET_SMALL, &p);
-    k3_config_count(&p, &k);
+    K3_CHECK_OK(k3_config_count(&p, &k));
     K3_CHECK(k.bytes_active >= 200000000, "small reads >= 200 MB per token (%lld)",
              (long long)k.bytes_active);
     return k3_test_done("model_config");

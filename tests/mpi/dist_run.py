@@ -2,6 +2,7 @@
 """dist_run.py — end-to-end checks of the distributed `k3 run` (ctest label "mpi").
 
 usage: dist_run.py MODE MPIEXEC   (K3_BIN = the k3 binary; a tiny model is made in a temp dir)
+  (every run passes --ignore-eos: the checks compare exactly N_NEW tokens)
   splits : for (S,E) in (1,1) (2,1) (1,2) (2,2) (4,1) (1,4) (3,1) + dedicated (2,2):
            batch 1 and batch 3 ("A;B;C"), greedy, 32 new tokens, prefill chunk 5;
            --deterministic: the dumped logits are BIT-identical to the single-process runs
@@ -83,7 +84,7 @@ def singles(model, tmp):
     for i, pr in enumerate(PROMPTS):
         out = os.path.join(tmp, f"ref{i}.npy")
         p, _ = run([K3, "run", "--model", model, "--prompt-ids", ids_arg([pr]), "--n", str(N_NEW),
-                    "--chunk", str(CHUNK), "--dump-logits", out, "--json"])
+                    "--chunk", str(CHUNK), "--dump-logits", out, "--json", "--ignore-eos"])
         if p.returncode != 0:
             print(p.stdout, p.stderr)
             sys.exit("single-process k3 run failed")
@@ -113,7 +114,7 @@ def mode_splits(mpiexec, tmp):
             out = os.path.join(tmp, "dist.npy")
             args = ["--model", model, "--prompt-ids", ids_arg(PROMPTS[:batch]), "--n", str(N_NEW), "--chunk",
                     str(CHUNK), "--pp", str(S), "--ep", str(E), "--coordinator", coord,
-                    "--json", "--comm-timeout", "60"] + (["--deterministic"] if det else [])
+                    "--json", "--ignore-eos", "--comm-timeout", "60"] + (["--deterministic"] if det else [])
             args += ["--expert-map", map_path] if use_map else []
             args += ["--dump-logits", out] if dump else []
             p, dt = mpirun(mpiexec, world, args)

@@ -311,6 +311,34 @@ int main(void) {
         r.expert_map_name = "map.txt";
         K3_CHECK_ERR(k3_plan_make(&tiny, &r, &p), K3_ERR_ARG, bad[i].needle);
     }
+    /* review: huge --max-ctx / --max-tokens wrapped the uint64 byte estimates to small numbers
+     * and the plan "succeeded"; now a clear error naming the flag */
+    {
+        k3_plan_req r = req_of(1, 1, 1, K3_COORD_SHARED);
+        r.max_ctx = INT64_MAX;
+        K3_CHECK_ERR(k3_plan_make(&tiny, &r, &p), K3_ERR_ARG,
+                     "cache bytes overflow 64 bits (--max-ctx 9223372036854775807");
+        K3_CHECK(p.mem == NULL && p.expert_lane == NULL, "failed plan leaves nothing allocated");
+        r = req_of(1, 1, 1, K3_COORD_SHARED);
+        r.max_tokens = INT64_MAX / 2;
+        K3_CHECK_ERR(k3_plan_make(&tiny, &r, &p), K3_ERR_ARG,
+                     "buffer bytes overflow 64 bits (--max-tokens");
+        r = req_of(1, 1, 1, K3_COORD_SHARED);
+        r.max_ctx = (int64_t)1 << 40;
+        r.max_seqs_per_lane = 1 << 20;
+        K3_CHECK_ERR(k3_plan_make(&tiny, &r, &p), K3_ERR_ARG, "--max-seqs 1048576 is too large");
+        /* big but representable: the exact fp32 cache size of the tiny model, worked by hand:
+         * 5 KDA layers x (conv 3 x (4-1) x 128 x 4 + state 4 x 32 x 32 x 4 = 20992 B)
+         * + 3 MLA layers x ctx x (32 + 8) x 4 B, ctx = 2^30, x 3 sequences */
+        r = req_of(1, 1, 1, K3_COORD_SHARED);
+        r.max_ctx = (int64_t)1 << 30;
+        r.max_seqs_per_lane = 3;
+        K3_CHECK_OK(k3_plan_make(&tiny, &r, &p));
+        uint64_t want = 3 * (5 * 20992ull + 3 * (1ull << 30) * 40 * 4);
+        K3_CHECK(p.mem && p.mem[0].caches == want, "caches %llu, want %llu",
+                 p.mem ? (unsigned long long)p.mem[0].caches : 0ull, (unsigned long long)want);
+        k3_plan_free(&p);
+    }
     k3_coord_mode cm;
     K3_CHECK_ERR(k3_coord_mode_parse("both", &cm), K3_ERR_ARG, "--coordinator");
     return k3_test_done("partition");

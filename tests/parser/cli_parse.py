@@ -80,6 +80,24 @@ if len(deltas) < 5 or r != final["reasoning_content"] or ct != final["content"] 
         args != final["tool_calls"][0]["function"]["arguments"]:
     fail(f"--deltas do not add up: {deltas}")
 
+# --stream-check with a call that never closed (a new call opened first): its deltas were sent
+# but the final message leaves it out; the complete calls must still be matched to their streamed
+# calls in order (by position, skipping the dropped one), not by parsing the call id.
+CALL = '<|open|>call tool="special_function" index="{i}"<|sep|><|open|>argument key="arg1" type="number"<|sep|>{v}<|close|>argument<|sep|>'
+gen = ("r<|close|>think<|sep|><|open|>response<|sep|>ok<|close|>response<|sep|><|open|>tools<|sep|>"
+       + CALL.format(i=1, v=1) + CALL.format(i=2, v=2) + "<|close|>call<|sep|>"
+       + CALL.format(i=3, v=3) + "<|close|>call<|sep|><|close|>tools<|sep|><|close|>message<|sep|><|end_of_msg|>")
+rc, out, err = parse(gen, {"messages": [], "tools": [fx["tool_definitions"]["special_function_tool"]]}, "--stream-check")
+m = json.loads(out) if rc == 0 else {}
+got = [(t["id"], json.loads(t["function"]["arguments"])) for t in m.get("tool_calls", [])]
+if rc != 0 or len(got) != 2 or got[0][1] != {"arg1": 2} or got[1][1] != {"arg1": 3} or got[0][0] == got[1][0]:
+    fail(f"stream-check with a dropped call: rc={rc} {got} {err.strip()!r}")
+
+# --model and --vocab together: a usage error, like `k3 tokenize`
+p = subprocess.run([K3, "parse", "--model", "/tmp", "--vocab", VOCAB], input=b"x", capture_output=True)
+if p.returncode != 2 or b"exactly one of --model DIR or --vocab FILE" not in p.stderr:
+    fail(f"parse --model + --vocab: rc={p.returncode} {p.stderr!r}")
+
 # errors: one clear line
 for gen, req, needle in [("x", {"messages": 3}, "messages"), ("x", {"messages": [], "thinking_effort": "medium"}, "medium")]:
     rc, out, err = parse(gen, req)
