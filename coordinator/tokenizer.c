@@ -673,9 +673,10 @@ k3_status k3_tok_create_model_dir(k3_tokenizer **out, const char *dir, const k3_
     /* One clear error for a wrong directory, before any warning about its files. */
     struct stat sb;
     if (stat(dir, &sb) != 0)
-        return K3_ERR(errno == ENOENT ? K3_ERR_MISSING : K3_ERR_IO, "%s: cannot open the model directory: %s",
-                      dir, strerror(errno));
-    if (!S_ISDIR(sb.st_mode)) return K3_ERR(K3_ERR_ARG, "%s: not a directory (give the model directory)", dir);
+        return K3_ERR(errno == ENOENT ? K3_ERR_MISSING : K3_ERR_IO,
+                      "%s: cannot open the model directory: %s", dir, strerror(errno));
+    if (!S_ISDIR(sb.st_mode))
+        return K3_ERR(K3_ERR_ARG, "%s: not a directory (give the model directory)", dir);
     FILE *f = fopen(cfg, "rb");
     if (!f) {
         K3_LOGW("%s not found: using the K3 special-token layout past the last rank", cfg);

@@ -4,7 +4,8 @@
  * and active parameter counts, bytes by dtype, "active bytes/token" (what one decoded token
  * reads), the shards (name, size, tensor count), then checks every tensor the config implies
  * (k3_ckpt_verify) and lists the problems (the first 1000; n_problems / the stderr line give the
- * real count); exit 1 if there are any. --json prints the same as one JSON object on stdout. --preset k3 summarises the real K3 config without a checkpoint. */
+ * real count); exit 1 if there are any. --json prints the same as one JSON object on stdout.
+ * --preset k3 summarises the real K3 config without a checkpoint. */
 #include "k3_launcher.h"
 #include "k3_model.h"
 

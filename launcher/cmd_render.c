@@ -46,8 +46,9 @@ static int run_render(const k3_args *a) {
         return 2;
     }
     if (!want_ids && (model || vocab)) { /* the text/segments do not depend on the tokenizer */
-        fprintf(stderr, "k3 render: --%s is only used with --ids (the prompt text and segments do "
-                        "not depend on the tokenizer)\n",
+        fprintf(stderr,
+                "k3 render: --%s is only used with --ids (the prompt text and segments do "
+                "not depend on the tokenizer)\n",
                 model ? "model" : "vocab");
         return 2;
     }

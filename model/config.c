@@ -335,10 +335,11 @@ static k3_status parse_obj(const cJSON *top, const char *path, k3_config *c) {
 /* Upper bounds (k3's limits, not the format's). They keep every tensor's element and byte count
  * far inside int64 (largest product: heads x head dims x rank x 2 bytes <= 2^62) and the catalogue
  * small enough to list in memory; the 64-bit totals are still computed with overflow checks. */
-#define K3_CFG_MAX_DIM     (1 << 20)   /* hidden, head dims, ranks, intermediate, head counts */
-#define K3_CFG_MAX_VOCAB   2147483647  /* token ids are int32 */
-#define K3_CFG_MAX_EXPERTS 32767       /* the plan stores expert lanes as int16 */
-#define K3_CFG_MAX_EXPERT_INSTANCES (1 << 18) /* MoE layers x experts (K3: 92 x 896 = 82432) */
+/* hidden, head dims, ranks, intermediate sizes, head counts */
+#define K3_CFG_MAX_DIM              (1 << 20)
+#define K3_CFG_MAX_VOCAB            2147483647 /* token ids are int32 */
+#define K3_CFG_MAX_EXPERTS          32767      /* the plan stores expert lanes as int16 */
+#define K3_CFG_MAX_EXPERT_INSTANCES (1 << 18)  /* MoE layers x experts (K3: 92 x 896 = 82432) */
 
 k3_status k3_config_validate(const k3_config *c, const char *path) {
     const char *x = c->tensor_prefix[0] ? "text_config." : "";

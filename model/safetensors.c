@@ -612,7 +612,7 @@ k3_status k3_st_write_shard(const char *path, const k3_tensor_spec *specs, int64
     do {                                                                                           \
         int w_ = snprintf(h + len, cap - len, __VA_ARGS__);                                        \
         if (w_ < 0 || (size_t)w_ >= cap - len - 8) {                                               \
-            st = K3_ERR(K3_ERR_INTERNAL, "%s: safetensors header outgrew its %zu-byte buffer",   \
+            st = K3_ERR(K3_ERR_INTERNAL, "%s: safetensors header outgrew its %zu-byte buffer",     \
                         path, cap);                                                                \
             goto header_done;                                                                      \
         }                                                                                          \

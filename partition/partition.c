@@ -345,8 +345,8 @@ static k3_status fill_mem(k3_plan *p, const k3_config *c, const k3_plan_req *r,
                     has_moe = true;
                     for (int x = 0; x < c->n_experts; x++)
                         if (k3_plan_owner_lane(p, l, x) == e)
-                            m->weights = u_add(&wo, m->weights,
-                                               cs->expert[(int64_t)l * c->n_experts + x]);
+                            m->weights =
+                                u_add(&wo, m->weights, cs->expert[(int64_t)l * c->n_experts + x]);
                 }
                 uint64_t st;
                 if (c->mixer[l] == K3_MIXER_KDA) {
@@ -356,8 +356,8 @@ static k3_status fill_mem(k3_plan *p, const k3_config *c, const k3_plan_req *r,
                     uint64_t rec = u_mul(&co, u_mul(&co, P, (uint64_t)c->kda_head_dim), 4);
                     st = u_add(&co, conv, rec);
                 } else {
-                    st = u_mul(&co, u_mul(&co, CTX, (uint64_t)(c->kv_lora_rank + c->qk_rope_head_dim)),
-                               4);
+                    st = u_mul(
+                        &co, u_mul(&co, CTX, (uint64_t)(c->kv_lora_rank + c->qk_rope_head_dim)), 4);
                 }
                 per_seq = u_add(&co, per_seq, st);
             }
@@ -371,12 +371,12 @@ static k3_status fill_mem(k3_plan *p, const k3_config *c, const k3_plan_req *r,
                 uint64_t rows =
                     u_mul(&bo, u_mul(&bo, u_mul(&bo, T, (uint64_t)c->n_experts_per_tok), W), 4);
                 /* send + worst-case recv, rows + outputs */
-                m->buffers = u_add(&bo, m->buffers, u_mul(&bo, u_mul(&bo, rows, 2), (uint64_t)(1 + E)));
+                m->buffers =
+                    u_add(&bo, m->buffers, u_mul(&bo, u_mul(&bo, rows, 2), (uint64_t)(1 + E)));
             }
             if (s == S - 1) m->buffers = u_add(&bo, m->buffers, logits);
         }
-        if (wo)
-            return K3_ERR(K3_ERR_CONFIG, "rank %d's weight bytes overflow 64 bits", rank);
+        if (wo) return K3_ERR(K3_ERR_CONFIG, "rank %d's weight bytes overflow 64 bits", rank);
         if (co)
             return K3_ERR(K3_ERR_ARG,
                           "rank %d's cache bytes overflow 64 bits (--max-ctx %lld x "

@@ -369,9 +369,9 @@ int main(void) {
     K3_CHECK_OK(open_close(d));
     /* fractional offsets are not truncated to integers */
     snprintf(d, sizeof d, "%s/frac", root);
-    write_st(d, "{\"a\":{\"dtype\":\"U8\",\"shape\":[16],\"data_offsets\":[0.5,16.5]}}",
-             17);
-    K3_CHECK_ERR(open_close(d), K3_ERR_FORMAT, "tensor a: data_offsets must be [begin, end], integers");
+    write_st(d, "{\"a\":{\"dtype\":\"U8\",\"shape\":[16],\"data_offsets\":[0.5,16.5]}}", 17);
+    K3_CHECK_ERR(open_close(d), K3_ERR_FORMAT,
+                 "tensor a: data_offsets must be [begin, end], integers");
     /* the shard writer sizes its header from the real names: 64 tensors with 159-byte names and
      * 4 wide dims (~330 header bytes each, over the old 320-byte-per-tensor guess) round-trip */
     {

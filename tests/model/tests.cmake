@@ -16,3 +16,6 @@ add_test(NAME model_golden_format COMMAND bash ${CMAKE_CURRENT_LIST_DIR}/golden_
 set_tests_properties(model_golden_format PROPERTIES LABELS "golden" ENVIRONMENT "${K3_TEST_ENV}" TIMEOUT 120)
 add_test(NAME model_inspect COMMAND bash ${CMAKE_CURRENT_LIST_DIR}/inspect.sh)
 set_tests_properties(model_inspect PROPERTIES LABELS "unit" ENVIRONMENT "${K3_TEST_ENV}" TIMEOUT 120)
+# size limits end to end: huge config values (inspect) and plan flags fail fast with one line
+add_test(NAME model_cli_limits COMMAND bash ${CMAKE_CURRENT_LIST_DIR}/cli_limits.sh)
+set_tests_properties(model_cli_limits PROPERTIES LABELS "unit;sanitize" ENVIRONMENT "${K3_TEST_ENV}" TIMEOUT 180)
