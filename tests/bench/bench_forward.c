@@ -69,7 +69,9 @@ static k3_status bench_one(const tiny_model *m, int n_prompt, int n_decode, int 
     }
     if (e == K3_OK) {
         k3_config_counts cc;
-        k3_config_count(c, &cc);
+        e = k3_config_count(c, &cc);
+    }
+    if (e == K3_OK) {
         r->prefill_tok_s = n_prompt / best_p;
         r->decode_tok_s = n_decode / best_d;
         r->bytes_per_token = (double)cc.bytes_active;
