@@ -67,10 +67,8 @@ static k3_status bench_one(const tiny_model *m, int n_prompt, int n_decode, int 
         best_p = K3_MIN(best_p, t1 - t0);
         best_d = K3_MIN(best_d, t2 - t1);
     }
-    if (e == K3_OK) {
-        k3_config_counts cc;
-        e = k3_config_count(c, &cc);
-    }
+    k3_config_counts cc;
+    if (e == K3_OK) e = k3_config_count(c, &cc);
     if (e == K3_OK) {
         r->prefill_tok_s = n_prompt / best_p;
         r->decode_tok_s = n_decode / best_d;
