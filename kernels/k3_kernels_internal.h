@@ -20,6 +20,9 @@ void k3_ref_attn_latent_head(const float *qc, const float *cache, int64_t n_ctx,
 
 /* The cpu pool: run fn(ctx, i) for i in [0, n_tasks) on the workers + the caller; returns when
  * all are done. Which thread runs a task never changes a result (tasks own disjoint outputs). */
+/* A matmul weight must be 2-D [out, in], F32/BF16/MXFP4 (MXFP4: in % 32 == 0, with scales). */
+k3_status k3_kernels_check_weight(const k3_tensor *W, const char *op);
+
 typedef void (*k3_task_fn)(void *ctx, int64_t i);
 void k3_pool_run(int64_t n_tasks, k3_task_fn fn, void *ctx);
 

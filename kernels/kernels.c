@@ -4,6 +4,7 @@
  * F16, MXFP4 through model/k3_mxfp4.h — the one definition of the format). No compute loops live
  * here: they are in ref/ and cpu/. */
 #include "k3_kernels.h"
+#include "k3_kernels_internal.h"
 
 #include <math.h>
 
@@ -89,4 +90,18 @@ k3_status k3_tensor_to_f32(const k3_tensor *t, float *dst, int64_t n_elems) {
 size_t k3_kda_chunk_work_floats(int C, int dk, int dv) {
     /* doubles: Γ, exp Γ, exp(Γ_last − Γ), W [C, dk]; U/V', O [C, dv]; A/T̃, Aqk [C, C] */
     return 2 * ((size_t)C * (size_t)(4 * dk + 2 * dv) + 2 * (size_t)C * (size_t)C);
+}
+
+/* The weight checks every backend's matmul makes (one definition for all backends). */
+k3_status k3_kernels_check_weight(const k3_tensor *W, const char *op) {
+    if (W->ndim != 2)
+        return K3_ERR(K3_ERR_SHAPE, "%s: weight is %d-D, want 2-D [out, in]", op, W->ndim);
+    if (W->dtype != K3_DT_F32 && W->dtype != K3_DT_BF16 && W->dtype != K3_DT_MXFP4)
+        return K3_ERR(K3_ERR_SHAPE, "%s: weight dtype %s unsupported (F32, BF16, MXFP4)", op,
+                      k3_dtype_name(W->dtype));
+    if (W->dtype == K3_DT_MXFP4 && (W->shape[1] % 32 != 0 || !W->scale))
+        return K3_ERR(K3_ERR_SHAPE,
+                      "%s: MXFP4 weight with in=%lld not a multiple of 32 or no scale", op,
+                      (long long)W->shape[1]);
+    return K3_OK;
 }

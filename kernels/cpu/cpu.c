@@ -264,21 +264,8 @@ static void mm_task(void *ctx, int64_t task) {
     }
 }
 
-static k3_status check_w(const k3_tensor *W, const char *op) {
-    if (W->ndim != 2)
-        return K3_ERR(K3_ERR_SHAPE, "%s: weight is %d-D, want 2-D [out, in]", op, W->ndim);
-    if (W->dtype != K3_DT_F32 && W->dtype != K3_DT_BF16 && W->dtype != K3_DT_MXFP4)
-        return K3_ERR(K3_ERR_SHAPE, "%s: weight dtype %s unsupported (F32, BF16, MXFP4)", op,
-                      k3_dtype_name(W->dtype));
-    if (W->dtype == K3_DT_MXFP4 && (W->shape[1] % 32 != 0 || !W->scale))
-        return K3_ERR(K3_ERR_SHAPE,
-                      "%s: MXFP4 weight with in=%lld not a multiple of 32 or no scale", op,
-                      (long long)W->shape[1]);
-    return K3_OK;
-}
-
 static k3_status cpu_matmul(const float *x, int64_t T, const k3_tensor *W, float *y) {
-    K3_TRY(check_w(W, "matmul"));
+    K3_TRY(k3_kernels_check_weight(W, "matmul"));
     int64_t out = W->shape[0], in = W->shape[1];
     if (T <= 0 || out <= 0) return K3_OK;
     mm_job j = {.x = x, .T = T, .W = W, .y = y, .rows_per_task = out};
@@ -329,7 +316,7 @@ static void mmtn_task(void *ctx, int64_t task) {
 }
 
 static k3_status cpu_matmul_tn(const float *x, int64_t T, const k3_tensor *W, float *y) {
-    K3_TRY(check_w(W, "matmul_tn"));
+    K3_TRY(k3_kernels_check_weight(W, "matmul_tn"));
     int64_t out = W->shape[0], in = W->shape[1];
     if (T <= 0 || in <= 0) return K3_OK;
     mmtn_job j = {.x = x, .T = T, .W = W, .y = y, .cols_per_task = in};

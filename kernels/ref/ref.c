@@ -11,21 +11,9 @@
 #include <math.h>
 
 /* ---- weights ------------------------------------------------------------------------------ */
-static k3_status check_w(const k3_tensor *W, const char *op) {
-    if (W->ndim != 2)
-        return K3_ERR(K3_ERR_SHAPE, "%s: weight is %d-D, want 2-D [out, in]", op, W->ndim);
-    if (W->dtype != K3_DT_F32 && W->dtype != K3_DT_BF16 && W->dtype != K3_DT_MXFP4)
-        return K3_ERR(K3_ERR_SHAPE, "%s: weight dtype %s unsupported (F32, BF16, MXFP4)", op,
-                      k3_dtype_name(W->dtype));
-    if (W->dtype == K3_DT_MXFP4 && (W->shape[1] % 32 != 0 || !W->scale))
-        return K3_ERR(K3_ERR_SHAPE,
-                      "%s: MXFP4 weight with in=%lld not a multiple of 32 or no scale", op,
-                      (long long)W->shape[1]);
-    return K3_OK;
-}
 
 static k3_status ref_matmul(const float *x, int64_t T, const k3_tensor *W, float *y) {
-    K3_TRY(check_w(W, "matmul"));
+    K3_TRY(k3_kernels_check_weight(W, "matmul"));
     int64_t out = W->shape[0], in = W->shape[1];
     for (int64_t o = 0; o < out; o++)
         for (int64_t t = 0; t < T; t++) {
@@ -38,7 +26,7 @@ static k3_status ref_matmul(const float *x, int64_t T, const k3_tensor *W, float
 }
 
 static k3_status ref_matmul_tn(const float *x, int64_t T, const k3_tensor *W, float *y) {
-    K3_TRY(check_w(W, "matmul_tn"));
+    K3_TRY(k3_kernels_check_weight(W, "matmul_tn"));
     int64_t out = W->shape[0], in = W->shape[1];
     for (int64_t t = 0; t < T; t++)
         for (int64_t i = 0; i < in; i++) {
