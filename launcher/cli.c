@@ -1,4 +1,10 @@
-/* cli.c — the flag parser and help text, both driven by the command tables. */
+/* cli.c — the flag parser and the help text, both driven by the command tables.
+ *
+ * Owns: parsing `--name value`, `--name=value`, boolean `--name`, `--` and positionals against a
+ * command's k3_flag table; the generated `k3 --help` and `k3 <command> --help`.
+ * Invariants: every value a handler reads was validated here (ints are ints, numbers finite);
+ * unknown, repeated or value-less flags are usage errors (one line + usage on stderr, exit 2);
+ * a flag name that is not in the table asserts (a bug in the handler, not in the input). */
 #include "k3_launcher.h"
 
 #include <errno.h>

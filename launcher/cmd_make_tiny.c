@@ -1,5 +1,9 @@
-/* cmd_make_tiny.c — `k3 make-tiny DIR [--preset tiny|small] [--seed N]`: write a deterministic
- * random K3 checkpoint (model/make_tiny.c does the work; this file is flags and messages). */
+/* cmd_make_tiny.c — `k3 make-tiny DIR [--preset tiny|small] [--seed N]`.
+ *
+ * Writes a deterministic random K3 checkpoint in the real layout (config.json, safetensors index
+ * and shards, MXFP4 experts, tiktoken.model + tokenizer_config.json). model/make_tiny.c does the
+ * work; this file is flags and messages. Same seed, same bytes; the demo and every test use it,
+ * so nothing is ever downloaded. */
 #include "k3_launcher.h"
 #include "k3_model.h"
 

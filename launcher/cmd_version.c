@@ -1,4 +1,8 @@
-/* cmd_version.c — `k3 version`: the build's version and compiled-in backends. */
+/* cmd_version.c — `k3 version`: the build's version and the backends compiled in.
+ *
+ * The backends come from the build's K3_HAVE_* definitions (CMake options K3_CUDA, K3_NCCL), so
+ * a user can tell which binary they are running before starting a job on a cluster.
+ * No flags; never touches MPI or the model. */
 #include "k3_launcher.h"
 
 #include <stdio.h>

@@ -1,5 +1,9 @@
-/* commands.c — THE command table. A command is listed here only once it works; its flags and
- * handler live in cmd_<name>.c. The usage text (k3 --help) is generated from this table. */
+/* commands.c — THE command table.
+ *
+ * A command is listed here only once it works; its flags and handler live in cmd_<name>.c next
+ * to each other. The usage text (`k3 --help`) is generated from this table and the per-command
+ * help from each command's flag table, so help and parser cannot drift apart.
+ * Order here is the order in `k3 --help`. */
 #include "k3_launcher.h"
 
 extern const k3_command k3_cmd_version;

@@ -1,5 +1,9 @@
-/* main.c — k3's entry point: find the command, parse its flags, run it (inside MPI when the
- * command needs it). The only place that turns a status into a process exit code. */
+/* main.c — k3's entry point: find the command, parse its flags, run it.
+ *
+ * Owns: the process exit code (0 ok, 1 failure, 2 usage error) and, for commands marked
+ * `.uses_mpi`, MPI_Init/MPI_Finalize around the handler with MPI errors returned as codes.
+ * Commands that start MPI themselves (run: a world of one without mpirun) do so through comm/.
+ * Must not: contain command logic; print anything but usage errors. */
 #include "k3_launcher.h"
 
 #include <mpi.h>
