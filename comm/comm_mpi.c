@@ -224,8 +224,8 @@ static k3_status wait_req(k3_comm *c, MPI_Request *req, const char *what, const 
         MPI_TRY(MPI_Test(req, &done, MPI_STATUS_IGNORE));
         if (done) return K3_OK;
         if (k3_now_s() - t0 > c->timeout_s) {
-            MPI_Cancel(req);
-            MPI_Request_free(req);
+            /* No MPI_Cancel: cancelling a nonblocking collective is erroneous in MPI, and a
+             * timeout is fatal anyway (the caller aborts the job, which frees everything). */
             return K3_ERR(K3_ERR_COMM, "%s: no answer from %s within %.0f s (--comm-timeout)", what,
                           peer, c->timeout_s);
         }
