@@ -9,14 +9,17 @@
  * Semantics (documented choices; vLLM / HF order — temperature BEFORE the truncations):
  *  1. logit_bias: l[id] += bias (OpenAI logit_bias; any finite value accepted).
  *  2. repetition_penalty r (CTRL / HF / llama.cpp): for every id seen in the penalty window,
- *     l = l > 0 ? l / r : l * r.
+ *     l = l > 0 ? l / r : l * r (r >= K3_SAMPLER_MIN_REPETITION_PENALTY). Steps 1-3 compute in
+ *     double and saturate at +-FLT_MAX, so a processed logit is never +-inf unless the input was
+ *     (-inf = banned id).
  *  3. presence / frequency (OpenAI): l -= frequency * count + presence * (count > 0), count = the
  *     id's occurrences in the penalty window.
  *     Penalty window = every id passed to k3_sampler_accept / _accept_prompt (prompt ids count only
  *     if the caller passes them), or only the last `penalty_last_n` of them when > 0.
  *  4. temperature == 0 -> greedy: argmax (lowest id on ties); steps 5-8 are skipped.
  *  5. top_k > 0: keep the k largest logits (ties at the boundary broken by lower id).
- *  6. p = softmax(l / temperature) over the kept ids.
+ *  6. p = softmax(l / temperature) over the kept ids, as exp((l - max) / t) in double: a tiny
+ *     temperature (1/t overflowing a float) tends to greedy (ties share the mass), never NaN.
  *  7. top_p < 1: sort kept ids by p descending (id ascending on ties), keep the shortest prefix
  *     whose cumulative p >= top_p (at least one id).
  *  8. min_p > 0: keep ids with p >= min_p * max(p) (on the tempered p of step 6).
@@ -33,6 +36,10 @@
 
 typedef struct k3_sampler k3_sampler;
 
+/* The smallest repetition penalty accepted: l / r then stays a sane logit (|l| <= 1e4 gives
+ * <= 1e8); smaller values are rejected at validation rather than overflowing to inf. */
+#define K3_SAMPLER_MIN_REPETITION_PENALTY 1e-4f
+
 typedef struct k3_logit_bias {
     int32_t id;
     float bias;
@@ -43,7 +50,8 @@ typedef struct k3_sampler_params {
     int32_t top_k;                   /* 0 = off                                                   */
     float top_p;                     /* (0, 1]; 1 = off. 0 in a zeroed struct is read as 1 (off)  */
     float min_p;                     /* [0, 1]; 0 = off                                           */
-    float repetition_penalty;        /* > 0; 1 = off. 0 in a zeroed struct is read as 1 (off)     */
+    float repetition_penalty;        /* >= K3_SAMPLER_MIN_REPETITION_PENALTY, finite; 1 = off.
+                                      * 0 in a zeroed struct is read as 1 (off)                  */
     float presence_penalty;          /* OpenAI range [-2, 2]; 0 = off                            */
     float frequency_penalty;         /* OpenAI range [-2, 2]; 0 = off                            */
     int32_t penalty_last_n;          /* > 0: window of the last n accepted ids; <= 0: all of them */

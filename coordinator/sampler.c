@@ -10,6 +10,7 @@
  * sorted prefix is the same as with a full sort. */
 #include "k3_sampler.h"
 
+#include <float.h>
 #include <math.h>
 #include <stdlib.h>
 
@@ -69,9 +70,11 @@ static k3_status validate(const k3_sampler_params *p, int64_t n_vocab, const k3_
         return K3_ERR(K3_ERR_ARG, "sampler: top_p %g must be in (0, 1]", p->top_p);
     if (!(p->min_p >= 0 && p->min_p <= 1))
         return K3_ERR(K3_ERR_ARG, "sampler: min_p %g must be in [0, 1]", p->min_p);
-    if (!(p->repetition_penalty >= 0) || !isfinite(p->repetition_penalty))
-        return K3_ERR(K3_ERR_ARG, "sampler: repetition_penalty %g must be > 0",
-                      p->repetition_penalty);
+    if (p->repetition_penalty != 0 && /* 0 = off (a zeroed struct) */
+        (!(p->repetition_penalty >= K3_SAMPLER_MIN_REPETITION_PENALTY) ||
+         !isfinite(p->repetition_penalty)))
+        return K3_ERR(K3_ERR_ARG, "sampler: repetition_penalty %g must be finite and >= %g",
+                      p->repetition_penalty, K3_SAMPLER_MIN_REPETITION_PENALTY);
     if (!isfinite(p->presence_penalty) || !isfinite(p->frequency_penalty))
         return K3_ERR(K3_ERR_ARG, "sampler: presence/frequency penalties must be finite");
     for (size_t i = 0; i < p->n_logit_bias; i++) {
@@ -151,9 +154,19 @@ void k3_sampler_reset(k3_sampler *s, uint64_t seed) {
 }
 
 /* ---- logits ------------------------------------------------------------------------------ */
+/* A processed logit computed in double, kept finite: an overflow saturates at +-FLT_MAX instead of
+ * becoming inf (inf - inf would be NaN later); -inf stays -inf (a banned id). */
+static float sat_logit(double x) {
+    if (x == -INFINITY) return -INFINITY;
+    return x > FLT_MAX ? FLT_MAX : x < -FLT_MAX ? -FLT_MAX : (float)x;
+}
+
 k3_status k3_sampler_process_logits(k3_sampler *s, const float *logits, float *out) {
     memcpy(out, logits, (size_t)s->n_vocab * sizeof *out);
-    for (size_t i = 0; i < s->p.n_logit_bias; i++) out[s->bias[i].id] += s->bias[i].bias;
+    for (size_t i = 0; i < s->p.n_logit_bias; i++) {
+        const int32_t id = s->bias[i].id;
+        out[id] = sat_logit((double)out[id] + (double)s->bias[i].bias);
+    }
     const float rep = s->p.repetition_penalty, fr = s->p.frequency_penalty,
                 pr = s->p.presence_penalty;
     if (rep == 1 && fr == 0 && pr == 0) return K3_OK;
@@ -163,9 +176,9 @@ k3_status k3_sampler_process_logits(k3_sampler *s, const float *logits, float *o
         int32_t c = s->count[id];
         if (c == 0) continue;
         s->distinct[k++] = id;
-        float l = out[id];
+        double l = out[id];
         if (rep != 1) l = l > 0 ? l / rep : l * rep;
-        out[id] = l - fr * (float)c - pr;
+        out[id] = sat_logit(l - (double)fr * c - pr);
     }
     s->n_distinct = k;
     return K3_OK;
@@ -234,10 +247,15 @@ static k3_status build_dist(k3_sampler *s, const float *logits, int64_t *n_out, 
     float mx = -INFINITY;
     for (int64_t i = 0; i < m; i++) mx = c[i].v > mx ? c[i].v : mx;
     if (mx == -INFINITY) return K3_ERR(K3_ERR_ARG, "sampler: every candidate logit is -inf");
-    const float inv_t = 1.0f / s->p.temperature;
+    /* softmax(l / t) with the max subtracted first, in double: (l - mx) / t is <= 0 and finite for
+     * every finite l even when 1/t would overflow a float (t ~ 1e-39: the limit is greedy, ties
+     * sharing the mass); a +inf logit (raw input) takes all the mass, shared with other +infs. */
+    const double temp = s->p.temperature;
     double sum = 0;
     for (int64_t i = 0; i < m; i++) {
-        c[i].v = expf((c[i].v - mx) * inv_t);
+        double d = mx == INFINITY ? (c[i].v == INFINITY ? 0 : -INFINITY)
+                                  : ((double)c[i].v - mx) / temp;
+        c[i].v = (float)exp(d);
         sum += c[i].v;
     }
     if (s->p.top_p < 1) {

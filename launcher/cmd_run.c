@@ -8,12 +8,15 @@
  * field; otherwise the flag default).
  * Does not own: any math (layers/, experts/), the generation loop, the sampler, the report of a
  * plain run (rank/k3_rank.h), tokenisation (coordinator/).
- * Stop strings: --stop STR is one stop string; a value that parses as a JSON array of strings
- * (--stop '["\n\n", "###"]') gives several. The penalty history holds generated ids only (the
- * prompt is not penalised). */
+ * Stop strings: --stop STR is one stop string; a value starting with '[' must be a JSON array of
+ * strings (--stop '["\n\n", "###"]') and gives several. The penalty history holds generated ids
+ * only (the prompt is not penalised).
+ * Exit codes: a bad flag is a usage error (2); a bad request file or request content (including a
+ * sampling field of the request out of range) is a failure (1). */
 #include "k3_launcher.h"
 
 #include <errno.h>
+#include <float.h>
 #include <math.h>
 #include <stdio.h>
 #include <stdlib.h>
@@ -43,17 +46,20 @@ static const k3_flag flags[] = {
     {"top-p", K3_FLAG_FLOAT, "P", "1", "nucleus: smallest set with probability >= P (1 = off)"},
     {"min-p", K3_FLAG_FLOAT, "P", "0", "drop ids with p < P x max p (0 = off)"},
     {"repetition-penalty", K3_FLAG_FLOAT, "R", "1",
-     "divide positive / multiply negative logits of generated ids by R (1 = off)"},
+     "divide positive / multiply negative logits of generated ids by R (1 = off, R >= 1e-4)"},
     {"presence-penalty", K3_FLAG_FLOAT, "X", "0", "subtract X from logits of generated ids"},
     {"frequency-penalty", K3_FLAG_FLOAT, "X", "0",
      "subtract X x count from logits of generated ids"},
     {"logit-bias", K3_FLAG_STR, "ID:B,...", NULL, "add B to the logit of ID (several: 5:-100,7:2)"},
-    {"seed", K3_FLAG_INT, "S", "0",
-     "sampling seed; prompt i samples with a seed derived from S and i (same for every split)"},
+    {"seed", K3_FLAG_STR, "S", "0",
+     "sampling seed, an integer in [0, 2^64); prompt i samples with a seed derived from S and i "
+     "(same for every split)"},
     {"stop", K3_FLAG_STR, "STR", NULL,
-     "stop string (not printed); a JSON array of strings gives several: '[\"a\",\"b\"]'"},
+     "stop string (neither it nor what follows is printed, in every mode); a value starting with "
+     "'[' must be a JSON array of strings and gives several: '[\"a\",\"b\"]'"},
     {"ignore-eos", K3_FLAG_BOOL, NULL, NULL,
-     "do not stop at EOS / <|end_of_msg|>: generate exactly --n tokens"},
+     "do not stop at EOS / <|end_of_msg|> (stop strings still apply); with --chat they do not "
+     "end the message either"},
     {"chunk", K3_FLAG_INT, "C", "0", "prefill chunk in tokens (0 = whole prompt at once)"},
     {"kda-chunk", K3_FLAG_INT, "C", "0",
      "KDA form: 0/1 = recurrent (bit-exact), C >= 2 = chunked, C tokens"},
@@ -123,6 +129,9 @@ static k3_status load_chat(run_in *in, const char *path) {
         snprintf(why, sizeof why, "%s", k3_last_error());
         return K3_ERR(st, "--chat %s: %s", path, why);
     }
+    const k3_chat_json *msgs = k3_chat_json_get(in->req_doc, "messages");
+    if (msgs && msgs->kind == K3_JSON_ARRAY && msgs->n_items == 0)
+        return K3_ERR(K3_ERR_FORMAT, "--chat %s: messages is empty", path);
     k3_chat_prompt pr = {0};
     k3_tok_ids v = {0};
     st = k3_chat_render(in->req, true, &pr);
@@ -145,14 +154,41 @@ static bool json_num(const k3_chat_json *v, double *out) {
     return true;
 }
 
-/* The request's numeric field `key` into *out unless the flag was given; errors name the key. */
+/* The request's numeric field `key` into *out unless the flag was given; *from_req tells which.
+ * A bad request value is K3_ERR_FORMAT (exit 1) naming the key. */
 static k3_status req_num(const run_in *in, const k3_args *a, const char *key, const char *flag,
-                         double *out) {
+                         double *out, bool *from_req) {
     const k3_chat_json *v = k3_chat_json_get(in->req_doc, key);
     if (!v || v->kind == K3_JSON_NULL || k3_args_has(a, flag)) return K3_OK;
     if (!json_num(v, out))
-        return K3_ERR(K3_ERR_ARG, "--chat: request key '%s' is not a number", key);
+        return K3_ERR(K3_ERR_FORMAT, "--chat: request key '%s' is not a number", key);
+    *from_req = true;
     return K3_OK;
+}
+
+/* An out-of-range value: a usage error naming the flag, or (when it came from the request) a bad
+ * request naming the key. */
+static k3_status bad_value(bool from_req, const char *flag, const char *key, double v,
+                           const char *rule) {
+    if (from_req)
+        return K3_ERR(K3_ERR_FORMAT, "--chat: request key '%s': %g %s", key, v, rule);
+    return K3_ERR(K3_ERR_ARG, "--%s: %g %s", flag, v, rule);
+}
+
+/* An unsigned 64-bit integer from decimal digits only (no sign, no exponent). */
+static bool parse_u64(const char *s, uint64_t *out) {
+    if (!s || *s < '0' || *s > '9') return false;
+    char *end;
+    errno = 0;
+    unsigned long long v = strtoull(s, &end, 10);
+    if (errno || *end) return false;
+    *out = (uint64_t)v;
+    return true;
+}
+
+/* A bias that must fit a float (finite after the cast). */
+static bool bias_ok(double b) {
+    return isfinite(b) && fabs(b) <= FLT_MAX;
 }
 
 static k3_status parse_bias(run_in *in, const char *s) {
@@ -168,8 +204,12 @@ static k3_status parse_bias(run_in *in, const char *s) {
             return K3_ERR(K3_ERR_ARG, "--logit-bias: '%s' is not a list like 5:-100,7:2.5", s);
         p = end + 1;
         double b = strtod(p, &end);
-        if (end == p || !isfinite(b) || (*end && *end != ','))
+        if (end == p || (*end && *end != ','))
             return K3_ERR(K3_ERR_ARG, "--logit-bias: '%s' is not a list like 5:-100,7:2.5", s);
+        if (!bias_ok(b))
+            return K3_ERR(K3_ERR_ARG,
+                          "--logit-bias: the bias of id %ld (%.*s) does not fit a float", id,
+                          (int)(end - p), p);
         in->bias[i] = (k3_logit_bias){(int32_t)id, (float)b};
         p = *end ? end + 1 : end;
     }
@@ -177,23 +217,57 @@ static k3_status parse_bias(run_in *in, const char *s) {
     return K3_OK;
 }
 
+/* The request's OpenAI logit_bias: an object {"id": bias, ...} (ids as decimal strings). */
+static k3_status req_bias(run_in *in, const k3_chat_json *v) {
+    if (v->kind != K3_JSON_OBJECT)
+        return K3_ERR(K3_ERR_FORMAT, "--chat: request key 'logit_bias' must be an object");
+    K3_TRY(k3_alloc((void **)&in->bias, K3_MAX(v->n_items, 1) * sizeof *in->bias, "logit bias"));
+    for (size_t i = 0; i < v->n_items; i++) {
+        const char *key = v->keys[i]->s;
+        uint64_t id = 0;
+        double b = 0;
+        if (!parse_u64(key, &id) || id > INT32_MAX)
+            return K3_ERR(K3_ERR_FORMAT,
+                          "--chat: request key 'logit_bias': '%.40s' is not a token id", key);
+        if (!json_num(v->items[i], &b) || !bias_ok(b))
+            return K3_ERR(K3_ERR_FORMAT,
+                          "--chat: request key 'logit_bias': the bias of id %s is not a number "
+                          "that fits a float",
+                          key);
+        in->bias[i] = (k3_logit_bias){(int32_t)id, (float)b};
+    }
+    in->n_bias = v->n_items;
+    return K3_OK;
+}
+
+/* The request's seed: the JSON number lexeme as an unsigned 64-bit integer (never via double). */
+static k3_status req_seed(const k3_chat_json *v, uint64_t *seed) {
+    if (v->kind == K3_JSON_INT && parse_u64(v->s, seed)) return K3_OK;
+    if (v->kind == K3_JSON_FLOAT && v->f >= 0 && v->f < 9007199254740992.0 && v->f == floor(v->f)) {
+        *seed = (uint64_t)v->f; /* 5.0: exact below 2^53 */
+        return K3_OK;
+    }
+    return K3_ERR(K3_ERR_FORMAT, "--chat: request key 'seed' must be an integer in [0, 2^64)");
+}
+
 /* Stop strings from a JSON value (string or array of strings) or NULL. */
-static k3_status stops_from_json(run_in *in, const k3_chat_json *v, const char *what) {
+static k3_status stops_from_json(run_in *in, const k3_chat_json *v, const char *what,
+                                 k3_status bad) {
     if (v->kind == K3_JSON_STRING) {
         if (v->n == 0 || strlen(v->s) != v->n)
-            return K3_ERR(K3_ERR_ARG, "%s: must be a non-empty string without NUL", what);
+            return K3_ERR(bad, "%s: must be a non-empty string without NUL", what);
         K3_TRY(k3_alloc((void **)&in->stops, sizeof(char *), "stop strings"));
         in->stops[0] = v->s;
         in->n_stops = 1;
         return K3_OK;
     }
     if (v->kind != K3_JSON_ARRAY)
-        return K3_ERR(K3_ERR_ARG, "%s: must be a string or an array of strings", what);
+        return K3_ERR(bad, "%s: must be a string or an array of strings", what);
     K3_TRY(k3_alloc((void **)&in->stops, K3_MAX(v->n_items, 1) * sizeof(char *), "stop strings"));
     for (size_t i = 0; i < v->n_items; i++) {
         const k3_chat_json *e = v->items[i];
         if (e->kind != K3_JSON_STRING || e->n == 0 || strlen(e->s) != e->n)
-            return K3_ERR(K3_ERR_ARG, "%s[%zu]: must be a non-empty string without NUL", what, i);
+            return K3_ERR(bad, "%s[%zu]: must be a non-empty string without NUL", what, i);
         in->stops[i] = e->s;
     }
     in->n_stops = v->n_items;
@@ -205,52 +279,78 @@ static k3_status sampling(run_in *in, const k3_args *a) {
            min_p = k3_args_float(a, "min-p"), rep = k3_args_float(a, "repetition-penalty"),
            pres = k3_args_float(a, "presence-penalty"),
            freq = k3_args_float(a, "frequency-penalty");
-    double top_k = (double)k3_args_int(a, "top-k"), seed = (double)k3_args_int(a, "seed"),
-           n = (double)k3_args_int(a, "n");
+    double top_k = (double)k3_args_int(a, "top-k"), n = (double)k3_args_int(a, "n");
+    uint64_t seed = 0;
+    if (!parse_u64(k3_args_str(a, "seed"), &seed))
+        return K3_ERR(K3_ERR_ARG, "--seed: '%s' must be an integer in [0, 2^64)",
+                      k3_args_str(a, "seed"));
+    bool r_t = false, r_top_p = false, r_top_k = false, r_min_p = false, r_rep = false,
+         r_pres = false, r_freq = false, r_n = false;
     if (k3_args_bool(a, "greedy")) {
         if (k3_args_has(a, "temperature") && t != 0)
             return K3_ERR(K3_ERR_ARG, "--greedy contradicts --temperature %g", t);
         t = 0;
     }
     if (in->req_doc) { /* request fields, unless the flag was given */
+        const k3_chat_json *d = in->req_doc;
         bool t_flag = k3_args_has(a, "temperature") || k3_args_has(a, "greedy");
-        if (!t_flag) K3_TRY(req_num(in, a, "temperature", "temperature", &t));
-        K3_TRY(req_num(in, a, "top_p", "top-p", &top_p));
-        K3_TRY(req_num(in, a, "top_k", "top-k", &top_k));
-        K3_TRY(req_num(in, a, "min_p", "min-p", &min_p));
-        K3_TRY(req_num(in, a, "repetition_penalty", "repetition-penalty", &rep));
-        K3_TRY(req_num(in, a, "presence_penalty", "presence-penalty", &pres));
-        K3_TRY(req_num(in, a, "frequency_penalty", "frequency-penalty", &freq));
-        K3_TRY(req_num(in, a, "seed", "seed", &seed));
-        K3_TRY(req_num(in, a, "max_tokens", "n", &n));
-        K3_TRY(req_num(in, a, "max_completion_tokens", "n", &n));
-        const k3_chat_json *st = k3_chat_json_get(in->req_doc, "stop");
-        if (st && st->kind != K3_JSON_NULL && !k3_args_has(a, "stop"))
-            K3_TRY(stops_from_json(in, st, "--chat: request key 'stop'"));
+        if (!t_flag) K3_TRY(req_num(in, a, "temperature", "temperature", &t, &r_t));
+        K3_TRY(req_num(in, a, "top_p", "top-p", &top_p, &r_top_p));
+        K3_TRY(req_num(in, a, "top_k", "top-k", &top_k, &r_top_k));
+        K3_TRY(req_num(in, a, "min_p", "min-p", &min_p, &r_min_p));
+        K3_TRY(req_num(in, a, "repetition_penalty", "repetition-penalty", &rep, &r_rep));
+        K3_TRY(req_num(in, a, "presence_penalty", "presence-penalty", &pres, &r_pres));
+        K3_TRY(req_num(in, a, "frequency_penalty", "frequency-penalty", &freq, &r_freq));
+        K3_TRY(req_num(in, a, "max_tokens", "n", &n, &r_n));
+        K3_TRY(req_num(in, a, "max_completion_tokens", "n", &n, &r_n));
+        const k3_chat_json *v = k3_chat_json_get(d, "seed");
+        if (v && v->kind != K3_JSON_NULL && !k3_args_has(a, "seed")) K3_TRY(req_seed(v, &seed));
+        v = k3_chat_json_get(d, "n");
+        if (v && v->kind != K3_JSON_NULL) {
+            double nc = 0;
+            if (!json_num(v, &nc) || nc != 1)
+                return K3_ERR(K3_ERR_FORMAT,
+                              "--chat: request key 'n': only one choice (n = 1) is supported");
+        }
+        v = k3_chat_json_get(d, "logit_bias");
+        if (v && v->kind != K3_JSON_NULL && !k3_args_has(a, "logit-bias")) K3_TRY(req_bias(in, v));
+        v = k3_chat_json_get(d, "stop");
+        if (v && v->kind != K3_JSON_NULL && !k3_args_has(a, "stop"))
+            K3_TRY(stops_from_json(in, v, "--chat: request key 'stop'", K3_ERR_FORMAT));
     }
     if (!(n >= 0 && n <= 1000000) || n != floor(n))
-        return K3_ERR(K3_ERR_ARG, "--n / max_tokens: %g must be an integer in [0, 1000000]", n);
+        return bad_value(r_n, "n", "max_tokens", n, "must be an integer in [0, 1000000]");
     if (!(top_k >= 0 && top_k <= INT32_MAX) || top_k != floor(top_k))
-        return K3_ERR(K3_ERR_ARG, "--top-k: %g must be an integer >= 0", top_k);
-    if (!(seed >= 0 && seed < 18446744073709551616.0))
-        return K3_ERR(K3_ERR_ARG, "--seed: %g must be >= 0", seed);
+        return bad_value(r_top_k, "top-k", "top_k", top_k, "must be an integer >= 0");
     if (!(top_p > 0 && top_p <= 1))
-        return K3_ERR(K3_ERR_ARG, "--top-p: %g must be in (0, 1]", top_p);
-    if (!(rep > 0) || !isfinite(rep))
-        return K3_ERR(K3_ERR_ARG, "--repetition-penalty: %g must be > 0", rep);
-    if (!(t >= 0) || !isfinite(t))
-        return K3_ERR(K3_ERR_ARG, "--temperature: %g must be finite and >= 0", t);
+        return bad_value(r_top_p, "top-p", "top_p", top_p, "must be in (0, 1]");
+    if (!(rep >= K3_SAMPLER_MIN_REPETITION_PENALTY && rep <= FLT_MAX))
+        return bad_value(r_rep, "repetition-penalty", "repetition_penalty", rep,
+                         "must be finite and >= 1e-4");
+    if (!(t >= 0 && t <= FLT_MAX))
+        return bad_value(r_t, "temperature", "temperature", t, "must be finite and >= 0");
     if (!(min_p >= 0 && min_p <= 1))
-        return K3_ERR(K3_ERR_ARG, "--min-p: %g must be in [0, 1]", min_p);
-    if (!isfinite(pres) || !isfinite(freq))
-        return K3_ERR(K3_ERR_ARG, "--presence-penalty / --frequency-penalty must be finite");
+        return bad_value(r_min_p, "min-p", "min_p", min_p, "must be in [0, 1]");
+    if (!(fabs(pres) <= FLT_MAX))
+        return bad_value(r_pres, "presence-penalty", "presence_penalty", pres,
+                         "must be finite (fit a float)");
+    if (!(fabs(freq) <= FLT_MAX))
+        return bad_value(r_freq, "frequency-penalty", "frequency_penalty", freq,
+                         "must be finite (fit a float)");
     const char *stop = k3_args_str(a, "stop");
     if (stop) {
         if (!*stop) return K3_ERR(K3_ERR_ARG, "--stop: the stop string is empty");
-        if (stop[0] == '[' &&
-            k3_chat_json_parse(stop, strlen(stop), "--stop", &in->stop_doc) == K3_OK)
-            K3_TRY(stops_from_json(in, in->stop_doc, "--stop"));
-        else {
+        if (stop[0] == '[') {
+            if (k3_chat_json_parse(stop, strlen(stop), "--stop", &in->stop_doc) != K3_OK) {
+                char why[400];
+                snprintf(why, sizeof why, "%s", k3_last_error());
+                return K3_ERR(K3_ERR_ARG,
+                              "--stop: a value starting with '[' must be a JSON array of strings "
+                              "(%s)",
+                              why);
+            }
+            K3_TRY(stops_from_json(in, in->stop_doc, "--stop", K3_ERR_ARG));
+        } else {
             K3_TRY(k3_alloc((void **)&in->stops, sizeof(char *), "stop strings"));
             in->stops[0] = stop;
             in->n_stops = 1;
@@ -268,18 +368,66 @@ static k3_status sampling(run_in *in, const k3_args *a) {
                                  .frequency_penalty = (float)freq,
                                  .logit_bias = in->bias,
                                  .n_logit_bias = in->n_bias,
-                                 .seed = (uint64_t)seed,
+                                 .seed = seed,
                                  .stop_strings = in->stops,
                                  .n_stop_strings = in->n_stops};
     return K3_OK;
 }
 
 /* ---- --chat output ------------------------------------------------------------------------ */
-static k3_status print_chat(run_in *in, const k3_rank_seq_result *res) {
+/* Feeds the generated ids to the parser, replaying the sampler's text stream (the same
+ * detokenizer, so the same byte offsets as res->text): markers go in as markers, text as text,
+ * and nothing at or after byte `cut` of the stream reaches the parser — after a stop string
+ * cut = res->n_text (the text before the match), so the stop string and what follows it never
+ * become reasoning / content / a call, and markers after it are dropped too. With ignore_eos,
+ * <|end_of_msg|> / [EOS] do not end the message (generation went on past them). */
+static k3_status feed_chat(k3_parser *p, const k3_tokenizer *tok, const k3_rank_seq_result *res,
+                           bool ignore_eos) {
+    const size_t cut = res->stop == K3_STOP_STRING ? res->n_text : SIZE_MAX;
+    const k3_tok_ctrl c = k3_tok_control_ids(tok);
+    k3_tok_stream *ts = NULL;
+    k3_tok_bytes txt = {0};
+    K3_TRY(k3_tok_stream_create(&ts, tok));
+    k3_status st = K3_OK;
+    size_t fed = 0; /* stream bytes already handed to the parser (or dropped) */
+    for (int i = 0; i <= res->n_gen && st == K3_OK && fed < cut; i++) {
+        const bool last = i == res->n_gen;
+        const int32_t id = last ? -1 : res->gen[i];
+        st = last ? k3_tok_stream_finish(ts, &txt) : k3_tok_stream_push(ts, id, &txt);
+        if (st != K3_OK) break;
+        bool special = !last && k3_tok_is_special(tok, id);
+        size_t nb = 0;
+        if (special) {
+            const char *b;
+            st = k3_tok_id_bytes(tok, id, &b, &nb);
+            if (st != K3_OK) break;
+            nb = K3_MIN(nb, txt.n - fed); /* the marker's own text closes the chunk */
+        }
+        size_t text_end = K3_MIN(txt.n - nb, cut); /* text of this step (held UTF-8 included) */
+        if (text_end > fed) st = k3_parser_feed_text(p, txt.data + fed, text_end - fed);
+        fed = K3_MAX(fed, text_end);
+        if (st != K3_OK || !special) continue;
+        if (txt.n > cut) break; /* the stop string began inside the marker's text */
+        k3_parser_marker m = id == c.open         ? K3_MARK_OPEN
+                             : id == c.close      ? K3_MARK_CLOSE
+                             : id == c.sep        ? K3_MARK_SEP
+                             : id == c.end_of_msg ? K3_MARK_EOM
+                             : id == c.eos        ? K3_MARK_STOP
+                                                  : K3_MARK_OTHER;
+        if (ignore_eos && (m == K3_MARK_EOM || m == K3_MARK_STOP)) m = K3_MARK_OTHER;
+        st = k3_parser_feed_marker(p, m);
+        fed = txt.n;
+    }
+    k3_tok_bytes_free(&txt);
+    k3_tok_stream_destroy(ts);
+    return st;
+}
+
+static k3_status print_chat(run_in *in, const k3_rank_seq_result *res, bool ignore_eos) {
     k3_parser *p = NULL;
     k3_chat_buf out = {0};
     K3_TRY(k3_parser_create_for(in->req, &p));
-    k3_status st = k3_parser_feed_ids(p, in->tok, res->gen, (size_t)res->n_gen);
+    k3_status st = feed_chat(p, in->tok, res, ignore_eos);
     /* a stop string ends the message like <|end_of_msg|> would (finish_reason "stop") */
     if (st == K3_OK && res->stop == K3_STOP_STRING && !k3_parser_ended(p))
         st = k3_parser_feed_marker(p, K3_MARK_EOM);
@@ -362,7 +510,7 @@ static int run_run(const k3_args *a) {
             goto done;
         }
     }
-    if (st == K3_OK) st = sampling(&in, a);
+    if (st == K3_OK) st = sampling(&in, a); /* K3_ERR_ARG: a flag (2); else the request (1) */
     if (st != K3_OK) {
         rc = fail(st);
         goto done;
@@ -398,7 +546,8 @@ static int run_run(const k3_args *a) {
                       .quiet = chat,
                       .result = chat ? &res : NULL};
     rc = k3_rank_run(&o);
-    if (rc == 0 && chat && res.n_seqs == 1 && (st = print_chat(&in, &res.seqs[0])) != K3_OK)
+    if (rc == 0 && chat && res.n_seqs == 1 &&
+        (st = print_chat(&in, &res.seqs[0], k3_args_bool(a, "ignore-eos"))) != K3_OK)
         rc = fail(st);
     fflush(stdout);
     k3_rank_result_free(&res);

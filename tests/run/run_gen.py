@@ -105,7 +105,8 @@ def mode_unit(tmp):
     ids, greedy, N = ",".join(map(str, g["ids"])), g["greedy"], len(g["greedy"])
 
     # ---- greedy = the reference's greedy ids
-    for extra in (["--temperature", "0"], ["--greedy"], ["--temperature", "1", "--top-k", "1", "--seed", "9"]):
+    for extra in (["--temperature", "0"], ["--greedy"], ["--temperature", "1", "--top-k", "1", "--seed", "9"],
+                  ["--temperature", "1e-39"]):  # 1/t overflows a float: the greedy limit, not NaN -> id 0
         j = jrun(model, ["--prompt-ids", ids, "--n", str(N), "--ignore-eos"] + extra)
         check(j is not None and j["generated_ids"] == greedy, "%s = the golden greedy ids" % " ".join(extra))
 
@@ -120,6 +121,10 @@ def mode_unit(tmp):
         check(a["generated_ids"] != c["generated_ids"], "another seed -> other tokens")
         check(a["generated_ids"] != greedy, "temperature 1 is not greedy")
         check(a["finish_reason"] == "length" and len(a["generated_ids"]) == N, "--ignore-eos: exactly N")
+    big = 2 ** 53
+    s53, s53p1, smax = sample(big), sample(big + 1), sample(2 ** 64 - 1)
+    check(s53 is not None and s53p1 is not None and smax is not None and
+          s53["generated_ids"] != s53p1["generated_ids"], "--seed 2^53+1 and 2^53 differ (no double rounding)")
     npy = os.path.join(tmp, "k5.npy")
     j = sample(3, extra=["--top-k", "5", "--dump-logits", npy])
     if j:
@@ -200,6 +205,60 @@ def mode_unit(tmp):
     p = k3run(["--model", model, "--chat", off, "--logit-bias", "%d:100" % eos])
     check(p.returncode == 0 and json.loads(p.stdout or "{}").get("finish_reason") == "stop"
           and json.loads(p.stdout)["content"] == "", "--chat: <|end_of_msg|> -> finish_reason stop")
+    # a stop string in --chat: neither it nor what follows reaches reasoning / content
+    hi = {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 30}
+    p = k3run(["--model", model, "--chat", write(tmp, "hi.json", hi), "--ignore-eos"])
+    m = json.loads(p.stdout) if p.returncode == 0 else {}
+    fld = "reasoning_content" if m.get("reasoning_content") else "content"
+    txt = m.get(fld, "")
+    k = next((k for k in range(6, len(txt) - 2) if "\ufffd" not in txt[k:k + 2] and txt[k:k + 2].strip()
+              and txt[k:k + 2] not in txt[:k + 1]), None)
+    check(k is not None, "found a chat stop string: %r" % (txt[k:k + 2] if k else None))
+    if k is not None:
+        stop = txt[k:k + 2]
+        for how, req, extra in (("request stop", dict(hi, stop=stop), []),
+                                ("--stop JSON array", hi, ["--stop", json.dumps(["\x01zz", stop])])):
+            p = k3run(["--model", model, "--chat", write(tmp, "hs.json", req), "--ignore-eos"] + extra)
+            m2 = json.loads(p.stdout) if p.returncode == 0 else {}
+            check(m2.get(fld) == txt[:k] and stop not in m2.get("content", "") + m2.get("reasoning_content", "")
+                  and m2.get("finish_reason") == "stop",
+                  "--chat %s %r: the message ends before it: %r" % (how, stop, str(m2.get(fld))[-20:]))
+    # --chat --ignore-eos: <|end_of_msg|> / EOS do not end the message; the length limit -> "length"
+    p = k3run(["--model", model, "--chat", off, "--logit-bias", "%d:100" % eos, "--ignore-eos", "--n", "4"])
+    check(p.returncode == 0 and json.loads(p.stdout or "{}").get("finish_reason") == "length",
+          "--chat --ignore-eos at the length limit -> finish_reason length: %s" % p.stdout.strip()[-60:])
+    # the request's logit_bias is honoured; an explicit --logit-bias wins
+    lb = write(tmp, "lb.json", dict(CHAT, thinking=False, logit_bias={str(eos): 100}, max_tokens=5))
+    p = k3run(["--model", model, "--chat", lb])
+    check(p.returncode == 0 and json.loads(p.stdout or "{}").get("finish_reason") == "stop"
+          and json.loads(p.stdout)["content"] == "", "--chat: request logit_bias {EOS: 100} stops at once")
+    p = k3run(["--model", model, "--chat", lb, "--logit-bias", "%d:-100" % eos])
+    check(p.returncode == 0 and json.loads(p.stdout or "{}").get("finish_reason") == "length",
+          "--chat: an explicit --logit-bias wins over the request's: %s" % p.stdout.strip()[-60:])
+    # request seeds are uint64 (never through a double)
+    def chat_seed(seed_req, seed_flag=None):
+        r = dict(CHAT, thinking=False, temperature=1, max_tokens=12)
+        if seed_req is not None:
+            r["seed"] = seed_req
+        path = os.path.join(tmp, "seed.json")
+        with open(path, "w") as f:
+            f.write(json.dumps(r))  # Python ints serialise exactly
+        p = k3run(["--model", model, "--chat", path] + (["--seed", str(seed_flag)] if seed_flag is not None else []))
+        return p.stdout if p.returncode == 0 else "exit %d: %s" % (p.returncode, p.stderr.strip())
+    r1, f1, f0 = chat_seed(big + 1), chat_seed(None, big + 1), chat_seed(None, big)
+    check(r1 == f1 and r1 != f0, "--chat: request seed 2^53+1 = --seed 2^53+1 != --seed 2^53")
+    rm, fm = chat_seed(2 ** 64 - 1), chat_seed(None, 2 ** 64 - 1)
+    check(rm == fm and rm.startswith("{"), "--chat: request seed 2^64-1 accepted (= --seed 2^64-1): %s" % rm[:80])
+    for name, req, needle in (("empty", {"messages": []}, "messages is empty"),
+                              ("n2", dict(CHAT, n=2), "'n'"), ("t-1", dict(CHAT, temperature=-1), "'temperature'"),
+                              ("seedneg", dict(CHAT, seed=-1), "'seed'"),
+                              ("lbbad", dict(CHAT, logit_bias={"x": 1}), "logit_bias"),
+                              ("nan", dict(CHAT, max_tokens="5"), "'max_tokens'")):
+        p = k3run(["--model", model, "--chat", write(tmp, "b%s.json" % name, req)])
+        check(p.returncode == 1 and needle in p.stderr and len(p.stderr.strip().splitlines()) == 1 and not p.stdout,
+              "bad request (%s) -> exit 1 naming %s: %s" % (name, needle, p.stderr.strip()[:120]))
+    p = k3run(["--model", model, "--chat", write(tmp, "n1.json", dict(CHAT, n=1, max_tokens=2))])
+    check(p.returncode == 0, "--chat: request n = 1 is accepted")
     bad = write(tmp, "bad.json", {"messages": [{"role": "user", "content": 5}]})
     p = k3run(["--model", model, "--chat", bad])
     check(p.returncode == 1 and len(p.stderr.strip().splitlines()) == 1 and "content" in p.stderr and not p.stdout,
@@ -213,10 +272,18 @@ def mode_unit(tmp):
     for args, needle in ((["--greedy", "--temperature", "1"], "--greedy"), (["--top-p", "0"], "--top-p"),
                          (["--logit-bias", "5=1"], "--logit-bias"), (["--logit-bias", "999999:1"], "logit_bias"),
                          (["--stop", ""], "--stop"), (["--temperature", "-1"], "--temperature"),
-                         (["--min-p", "2"], "--min-p"), (["--n", "-1"], "--n")):
+                         (["--min-p", "2"], "--min-p"), (["--n", "-1"], "--n"),
+                         (["--stop", r'["\n\n"'], "--stop"), (["--logit-bias", "5:1e40"], "--logit-bias"),
+                         (["--repetition-penalty", "1e-40"], "--repetition-penalty"),
+                         (["--temperature", "1e39"], "--temperature"), (["--seed", "-1"], "--seed"),
+                         (["--seed", "18446744073709551616"], "--seed")):
         p = k3run(["--model", model, "--prompt-ids", "1,2"] + args)
         check(p.returncode == 2 and needle in p.stderr and len(p.stderr.strip().splitlines()) == 1,
               "usage error %s -> exit %d: %s" % (" ".join(args), p.returncode, p.stderr.strip()[:120]))
+
+
+    p = k3run(["--help"])
+    check("stop strings still apply" in p.stdout + p.stderr, "--ignore-eos help says stop strings still apply")
 
 
 def mode_mpi(tmp, mpi):

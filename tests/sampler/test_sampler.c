@@ -8,6 +8,8 @@
 #include "k3_test.h"
 #include "tolerances.h"
 
+#include <float.h>
+#include <math.h>
 #include <stdlib.h>
 
 #define NEAR(a, b) (fabs((double)(a) - (double)(b)) < 1e-6)
@@ -353,8 +355,67 @@ static void test_stops(void) {
     k3_tok_destroy(t);
 }
 
+/* Extreme parameters stay finite: a temperature so small that 1/t overflows a float is greedy in
+ * the limit (ties share the mass) instead of NaN -> id 0; a huge bias or penalty saturates at
+ * +-FLT_MAX instead of inf (inf - inf = NaN); a repetition penalty below the documented minimum is
+ * rejected. Expected values are the analytic limits. */
+static void test_extremes(void) {
+    const float l4[4] = {1, 3, 2, 3};
+    int32_t id = -1;
+    k3_sampler *s = mk((k3_sampler_params){.temperature = 1e-39f}, 4);
+    K3_CHECK(1.0f / 1e-39f == INFINITY, "1e-39 is a temperature whose float 1/t overflows");
+    check_probs(s, l4, (double[]){0, 0.5, 0, 0.5}, 4, "t = 1e-39: the two maxima share the mass");
+    const float l1[4] = {-5, 0.25f, 7, 6.5f};
+    K3_CHECK_OK(k3_sampler_sample(s, l1, &id));
+    K3_CHECK(id == 2, "t = 1e-39 samples the argmax, got %d", id);
+    k3_sampler_destroy(s);
+    s = mk((k3_sampler_params){.temperature = 1e-39f, .top_p = 0.3f, .min_p = 0.5f}, 4);
+    check_probs(s, l1, (double[]){0, 0, 1, 0}, 4, "t = 1e-39 with top_p / min_p");
+    k3_sampler_destroy(s);
+
+    /* repetition penalty at the minimum: l / r = 3e4 for seen ids, both finite */
+    s = mk((k3_sampler_params){.temperature = 1,
+                               .repetition_penalty = (float)K3_SAMPLER_MIN_REPETITION_PENALTY},
+           4);
+    const int32_t seen[2] = {1, 3};
+    K3_CHECK_OK(k3_sampler_accept_prompt(s, seen, 2));
+    float out[4];
+    K3_CHECK_OK(k3_sampler_process_logits(s, l4, out));
+    K3_CHECK(isfinite(out[1]) && isfinite(out[3]) && out[1] == out[3] && out[1] > 2.9e4f,
+             "min repetition penalty: finite %g %g", out[1], out[3]);
+    check_probs(s, l4, (double[]){0, 0.5, 0, 0.5}, 4, "min repetition penalty: no NaN");
+    k3_sampler_destroy(s);
+    k3_sampler *bad = NULL;
+    K3_CHECK_ERR(
+        k3_sampler_create(
+            &bad, &(k3_sampler_params){.temperature = 1, .repetition_penalty = 1e-40f}, 4, NULL),
+        K3_ERR_ARG, "repetition_penalty");
+    K3_CHECK_ERR(
+        k3_sampler_create(&bad, &(k3_sampler_params){.temperature = 1, .repetition_penalty = 1e-5f},
+                          4, NULL),
+        K3_ERR_ARG, "repetition_penalty");
+    K3_CHECK(bad == NULL, "no sampler on failure");
+
+    /* saturation: two ids pushed past FLT_MAX by bias + frequency penalty stay finite and tie */
+    k3_logit_bias big[2] = {{0, 3e38f}, {2, 3e38f}};
+    const float lb[4] = {1e38f, 0, 1e38f, 0};
+    s = mk((k3_sampler_params){.temperature = 1, .logit_bias = big, .n_logit_bias = 2}, 4);
+    K3_CHECK_OK(k3_sampler_process_logits(s, lb, out));
+    K3_CHECK(out[0] == FLT_MAX && out[2] == FLT_MAX, "bias saturates at FLT_MAX: %g", out[0]);
+    check_probs(s, lb, (double[]){0.5, 0, 0.5, 0}, 4, "saturated logits: no NaN");
+    k3_sampler_destroy(s);
+    s = mk((k3_sampler_params){.temperature = 1, .frequency_penalty = -3e38f}, 4);
+    const int32_t twice[4] = {1, 1, 3, 3};
+    K3_CHECK_OK(k3_sampler_accept_prompt(s, twice, 4));
+    K3_CHECK_OK(k3_sampler_process_logits(s, l4, out));
+    K3_CHECK(out[1] == FLT_MAX && out[3] == FLT_MAX, "frequency penalty saturates: %g", out[1]);
+    check_probs(s, l4, (double[]){0, 0.5, 0, 0.5}, 4, "frequency penalty overflow: no NaN");
+    k3_sampler_destroy(s);
+}
+
 int main(void) {
     test_exact();
+    test_extremes();
     test_chi2();
     test_determinism_and_big_vocab();
     test_stops();
