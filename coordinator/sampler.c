@@ -253,8 +253,8 @@ static k3_status build_dist(k3_sampler *s, const float *logits, int64_t *n_out, 
     const double temp = s->p.temperature;
     double sum = 0;
     for (int64_t i = 0; i < m; i++) {
-        double d = mx == INFINITY ? (c[i].v == INFINITY ? 0 : -INFINITY)
-                                  : ((double)c[i].v - mx) / temp;
+        double d =
+            mx == INFINITY ? (c[i].v == INFINITY ? 0 : -INFINITY) : ((double)c[i].v - mx) / temp;
         c[i].v = (float)exp(d);
         sum += c[i].v;
     }

@@ -170,8 +170,7 @@ static k3_status req_num(const run_in *in, const k3_args *a, const char *key, co
  * request naming the key. */
 static k3_status bad_value(bool from_req, const char *flag, const char *key, double v,
                            const char *rule) {
-    if (from_req)
-        return K3_ERR(K3_ERR_FORMAT, "--chat: request key '%s': %g %s", key, v, rule);
+    if (from_req) return K3_ERR(K3_ERR_FORMAT, "--chat: request key '%s': %g %s", key, v, rule);
     return K3_ERR(K3_ERR_ARG, "--%s: %g %s", flag, v, rule);
 }
 
