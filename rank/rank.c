@@ -259,6 +259,22 @@ void k3_rank_result_free(k3_rank_result *res) {
     res->n_seqs = 0;
 }
 
+/* Refuse a plan this rank cannot hold before allocating anything: a huge --n or prompt sizes
+ * every sequence's caches for its whole context up front, and an OOM kill names nobody. */
+static k3_status check_memory(const rank_ctx *r, const k3_plan_req *req) {
+    const k3_rank_mem *m = &r->plan.mem[r->rank];
+    uint64_t need = m->weights + m->caches + m->buffers;
+    long pages = sysconf(_SC_PHYS_PAGES), page = sysconf(_SC_PAGESIZE);
+    if (pages <= 0 || page <= 0) return K3_OK; /* unknown: nothing to compare against */
+    uint64_t have = (uint64_t)pages * (uint64_t)page;
+    if (need <= have) return K3_OK;
+    return K3_ERR(K3_ERR_NOMEM,
+                  "rank %d needs %.2f GB (weights %.2f, caches %.2f for %d sequences of up to "
+                  "%lld tokens (prompt + --n), buffers %.2f) but this machine has %.2f GB",
+                  r->rank, need / 1e9, m->weights / 1e9, m->caches / 1e9, req->max_seqs_per_lane,
+                  (long long)req->max_ctx, m->buffers / 1e9, have / 1e9);
+}
+
 /* Usage-type problems are identical on every rank: all return 2, rank 0 prints. Others: agree on
  * the worst status so nobody hangs in the next collective. */
 static int setup(rank_ctx *r) {
@@ -314,6 +330,7 @@ static int setup(rank_ctx *r) {
                            .max_seqs_per_lane = ceil_div(o->n_prompts, E),
                            .max_tokens = r->max_tokens};
         st = k3_plan_make(&r->cfg, &req, &r->plan);
+        if (st == K3_OK) st = check_memory(r, &req);
     }
     k3_free(map);
     /* agree before anything collective: 0 ok, 1 usage error, 2 other error */
