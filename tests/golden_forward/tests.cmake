@@ -5,4 +5,4 @@ add_test(NAME golden_forward COMMAND test_golden_forward)
 set_tests_properties(golden_forward PROPERTIES LABELS "golden" ENVIRONMENT "${K3_TEST_ENV}" TIMEOUT 600)
 # `k3 run` end to end (greedy ids + the dumped .npy logits) against the same goldens.
 add_test(NAME golden_run_cli COMMAND python3 ${CMAKE_CURRENT_LIST_DIR}/run_cli.py)
-set_tests_properties(golden_run_cli PROPERTIES LABELS "golden" ENVIRONMENT "${K3_TEST_ENV}" TIMEOUT 300)
+set_tests_properties(golden_run_cli PROPERTIES LABELS "golden" ENVIRONMENT "${K3_TEST_ENV_MPI}" TIMEOUT 300)

@@ -15,7 +15,7 @@ foreach(grid "4;2;2;0" "3;1;3;0" "5;2;2;1" "2;2;1;0")
                    $<TARGET_FILE:test_comm> ${S} ${E} ${F} 1234)
   # also in the sanitize tier; Open MPI's own allocations are not ours to leak-check (ENVIRONMENT.md)
   set_tests_properties(comm_np${np}_s${S}_e${E}_f${F} PROPERTIES LABELS "mpi;sanitize" TIMEOUT 60
-                       ENVIRONMENT "${K3_TEST_ENV}")
+                       ENVIRONMENT "${K3_TEST_ENV_MPI}")
 endforeach()
 
 # the distributed `k3 run` end to end (python3 + numpy drive mpirun; see dist_run.py)
@@ -28,8 +28,8 @@ foreach(mode splits bytes fail)
   if(NOT mode STREQUAL "bytes")
     set(labels "mpi;sanitize")
   endif()
-  set_tests_properties(dist_${mode} PROPERTIES LABELS "${labels}" TIMEOUT 240
-                       ENVIRONMENT "${K3_TEST_ENV}")
+  set_tests_properties(dist_${mode} PROPERTIES LABELS "${labels}" TIMEOUT 480
+                       ENVIRONMENT "${K3_TEST_ENV_MPI}")
 endforeach()
 
 # k3 plan (no MPI): the real K3 over 4 x 8, and a request the grid cannot satisfy

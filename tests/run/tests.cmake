@@ -3,8 +3,8 @@
 find_program(K3_RUN_PYTHON3 python3)
 add_test(NAME run_gen COMMAND ${K3_RUN_PYTHON3} ${CMAKE_CURRENT_LIST_DIR}/run_gen.py unit)
 set_tests_properties(run_gen PROPERTIES LABELS "unit;sanitize" TIMEOUT 240
-                     ENVIRONMENT "${K3_TEST_ENV}")
+                     ENVIRONMENT "${K3_TEST_ENV_MPI}")
 add_test(NAME run_gen_mpi
          COMMAND ${K3_RUN_PYTHON3} ${CMAKE_CURRENT_LIST_DIR}/run_gen.py mpi ${MPIEXEC_EXECUTABLE})
 set_tests_properties(run_gen_mpi PROPERTIES LABELS "mpi;sanitize" TIMEOUT 240
-                     ENVIRONMENT "${K3_TEST_ENV}")
+                     ENVIRONMENT "${K3_TEST_ENV_MPI}")
