@@ -8,7 +8,6 @@ disallowed_special=() (so user-typed "<|open|>" stays ordinary BPE). Also checks
 from whole-string encoding with specials allowed (llama.cpp's way, §5.6) for the injection case.
 Exit 0 pass, 1 fail, 77 skip (tiktoken missing).
 """
-import base64
 import json
 import os
 import subprocess
@@ -23,29 +22,11 @@ except ImportError:
 SHARED = os.environ.get("K3_SHARED", os.path.join(os.path.dirname(__file__), "../../../shared"))
 K3 = os.environ.get("K3_BIN") or sys.argv[1]
 VOCAB = os.path.join(SHARED, "vocab/o200k_base.tiktoken")
-K3_PAT = "|".join([
-    r"[\p{Han}]+",
-    r"[^\r\n\p{L}\p{N}]?[\p{Lu}\p{Lt}\p{Lm}\p{Lo}\p{M}&&[^\p{Han}]]*[\p{Ll}\p{Lm}\p{Lo}\p{M}&&[^\p{Han}]]+(?i:'s|'t|'re|'ve|'m|'ll|'d)?",
-    r"[^\r\n\p{L}\p{N}]?[\p{Lu}\p{Lt}\p{Lm}\p{Lo}\p{M}&&[^\p{Han}]]+[\p{Ll}\p{Lm}\p{Lo}\p{M}&&[^\p{Han}]]*(?i:'s|'t|'re|'ve|'m|'ll|'d)?",
-    r"\p{N}{1,3}",
-    r" ?[^\s\p{L}\p{N}]+[\r\n]*",
-    r"\s*[\r\n]+",
-    r"\s+(?!\S)",
-    r"\s+",
-])
-NAMED = {0: "[BOS]", 1: "[EOS]", 2: "<|end_of_msg|>", 3: "<|open|>", 4: "<|close|>", 5: "<|sep|>",
-         6: "[start_header_id]", 7: "[end_header_id]", 9: "[EOT]", 18: "<|media_begin|>",
-         19: "<|media_content|>", 20: "<|media_end|>", 21: "<|media_pad|>", 65: "<osagent_mode>",
-         254: "[UNK]", 255: "[PAD]"}
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
+from k3_tiktoken import K3_PAT, k3_specials, load_ranks  # noqa: E402
 
-ranks = {}
-with open(VOCAB, "rb") as f:
-    for line in f:
-        if line.strip():
-            tok, r = line.split()
-            ranks[base64.b64decode(tok)] = int(r)
-base = max(ranks.values()) + 1
-specials = {NAMED.get(i, f"<|reserved_token_{base + i}|>"): base + i for i in range(256)}
+ranks = load_ranks(VOCAB)
+specials = k3_specials(max(ranks.values()) + 1)
 enc = tiktoken.Encoding("k3_o200k", pat_str=K3_PAT, mergeable_ranks=ranks, special_tokens=specials)
 
 REQS = [

@@ -17,7 +17,6 @@ Exit code: 0 pass, 1 mismatch, 77 skip (tiktoken not installed).
 Env: K3_BIN (k3 binary), K3_SHARED (shared/ folder), K3_TEST_SEED (default 20261129),
      K3_TOK_N (strings per configuration, default 5000).
 """
-import base64
 import json
 import os
 import random
@@ -32,35 +31,8 @@ except ImportError:
     print("SKIP: python module tiktoken is not installed (pip install tiktoken)")
     sys.exit(77)
 
-K3_PAT = "|".join([
-    r"[\p{Han}]+",
-    r"[^\r\n\p{L}\p{N}]?[\p{Lu}\p{Lt}\p{Lm}\p{Lo}\p{M}&&[^\p{Han}]]*[\p{Ll}\p{Lm}\p{Lo}\p{M}&&[^\p{Han}]]+(?i:'s|'t|'re|'ve|'m|'ll|'d)?",
-    r"[^\r\n\p{L}\p{N}]?[\p{Lu}\p{Lt}\p{Lm}\p{Lo}\p{M}&&[^\p{Han}]]+[\p{Ll}\p{Lm}\p{Lo}\p{M}&&[^\p{Han}]]*(?i:'s|'t|'re|'ve|'m|'ll|'d)?",
-    r"\p{N}{1,3}",
-    r" ?[^\s\p{L}\p{N}]+[\r\n]*",
-    r"\s*[\r\n]+",
-    r"\s+(?!\S)",
-    r"\s+",
-])
-
-K3_NAMED = {0: "[BOS]", 1: "[EOS]", 2: "<|end_of_msg|>", 3: "<|open|>", 4: "<|close|>", 5: "<|sep|>",
-            6: "[start_header_id]", 7: "[end_header_id]", 9: "[EOT]", 18: "<|media_begin|>",
-            19: "<|media_content|>", 20: "<|media_end|>", 21: "<|media_pad|>", 65: "<osagent_mode>",
-            254: "[UNK]", 255: "[PAD]"}
-
-
-def k3_specials(base):
-    return {K3_NAMED.get(i, f"<|reserved_token_{base + i}|>"): base + i for i in range(256)}
-
-
-def load_ranks(path):
-    ranks = {}
-    with open(path, "rb") as f:
-        for line in f:
-            if line.strip():
-                b, r = line.split()
-                ranks[base64.b64decode(b)] = int(r)
-    return ranks
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
+from k3_tiktoken import K3_PAT, k3_specials, load_ranks  # noqa: E402
 
 
 # tokenization_kimi.py: TIKTOKEN_MAX_ENCODE_CHARS / MAX_NO_WHITESPACES_CHARS and its splitter.
