@@ -2,9 +2,10 @@
  *
  * Owns: the router (fp32 sigmoid scores, e_score_correction_bias for selection only, grouped
  * top-k, renormalise, routed_scaling_factor), the latent down-projection, the routed expert
- * compute on rows (W2 · act(W1 r, W3 r), MXFP4 or BF16 weights), the slot-order weighted sum +
- * latent RMSNorm + up-projection, the shared experts, and the pure token-permutation helper
- * used by the distributed dispatch (H7's comm/).
+ * compute on rows (W2 · act(W1 r, W3 r), MXFP4 or BF16 weights), latent RMSNorm + up-projection
+ * of the weighted expert sum, the shared experts, and the single-process layer forward. The
+ * distributed MoE step (dispatch, combine) is driven by the stage (layers/stage.c) through the
+ * comm handle it is given; this module never picks a transport.
  * Callers must not: pick a transport here, or sum expert outputs in any order other than the
  * top-k slot order (k = 0..K-1) — that order is what makes every S×E split bit-identical.
  *
@@ -25,10 +26,11 @@
  * - Every output row of k3_moe_expert_rows depends only on its own input row and expert (bitwise;
  *   it relies on the kernel determinism rule of kernels/k3_kernels.h).
  *
- * Scratch: every compute function takes a float scratch buffer of at least
+ * Scratch: every compute function takes a backend float scratch of at least
  * k3_moe_scratch_floats(c, T) floats (T = the token count of the call; for k3_moe_expert_rows
- * with n rows use k3_moe_rows_scratch_floats(c, n)), 8-byte aligned (k3_alloc gives 64; int64
- * indices live in it). The functions never allocate. */
+ * with n rows use k3_moe_rows_scratch_floats(c, n)) and, where it sorts rows, a host int64
+ * scratch of k3_moe_host_ints(c, T) (or k3_moe_rows_host_ints(c, n)). The functions never
+ * allocate. */
 #ifndef K3_EXPERTS_H
 #define K3_EXPERTS_H
 
@@ -36,7 +38,7 @@
 #include "k3_kernels.h"
 #include "k3_model.h"
 
-/* Upper bound on n_group handled by the grouped top-k (group scores live on the stack). */
+/* Upper bound on n_group (the moe_topk op keeps group scores on the stack). */
 #define K3_MOE_MAX_GROUPS 1024
 
 /* Width of one routed row: latent_size, or hidden_size when there is no latent. */
@@ -47,66 +49,46 @@ int64_t k3_moe_row_width(const k3_config *c);
 k3_status k3_moe_check_config(const k3_config *c);
 
 /* ---- routing ------------------------------------------------------------------------------ */
-/* x: [T, D] post-norm input. Writes topk ids [T, K] and weights [T, K] (renormalised, scaled).
- * scratch: >= k3_moe_scratch_floats(c, T) (it uses T·n_experts·2). */
-k3_status k3_moe_route(const k3_ops *ops, const k3_config *c, const k3_layer_w *lw, const float *x,
+/* x: [T, D] post-norm input. Writes topk ids [T, K] (int32) and weights [T, K] (renormalised,
+ * scaled) through the backend's moe_topk op. scratch: >= k3_moe_scratch_floats(c, T). */
+k3_status k3_moe_route(k3_backend *be, const k3_config *c, const k3_layer_w *lw, const float *x,
                        int64_t T, int32_t *topk_ids, float *topk_w, float *scratch);
 
-/* The selection step of the router alone (pure; exported for tests and the reference check).
- * scores: σ(z) [T, E]; biased: σ(z) + bias [T, E] — OVERWRITTEN (masked groups / taken experts).
- * Writes topk_ids [T, K] and topk_w [T, K]. Errors on non-finite scores (naming token and expert).
- */
-k3_status k3_moe_select(const k3_config *c, const float *scores, float *biased, int64_t T,
-                        int32_t *topk_ids, float *topk_w);
-
 /* ---- latent down-projection ---------------------------------------------------------------- */
-/* r[T, Lw] = lat_down · x (x [T, D]); a copy of x when latent_size == 0. */
-k3_status k3_moe_down(const k3_ops *ops, const k3_config *c, const k3_layer_w *lw, const float *x,
+/* r[T, Lw] = lat_down · x (x [T, D]); a copy of x when latent_size == 0. r must not alias x. */
+k3_status k3_moe_down(k3_backend *be, const k3_config *c, const k3_layer_w *lw, const float *x,
                       int64_t T, float *r);
-/* rows[T·K, Lw]: row t·K + k = r[t] (the slot-order rows handed to a k3_moe_exchange hook).
- * rows may alias r (the expansion runs backwards in place). */
-void k3_moe_expand_rows(const float *r, int64_t T, int K, int64_t Lw, float *rows);
 
 /* ---- routed experts ------------------------------------------------------------------------ */
-/* rows [n, Lw] with expert ids [n] -> out [n, Lw] = W2·act(W1 r, W3 r), row by row
- * (order-independent; rows of one expert are batched through ops->matmul in tiles).
+/* out [n, Lw]: out[i] = W2·act(W1 r_i, W3 r_i) of expert expert[i] with r_i = src[row_of[i]]
+ * (row_of NULL: r_i = src[i]). row_of, expert: host [n]. Rows of one expert are batched through
+ * ops->matmul in tiles; each output row depends only on its own input row and expert.
  * Errors: expert id out of range or not loaded on this rank (naming row and expert). An expert
  * counts as loaded when its k3_expert_w has .present set or holds tensor data.
- * scratch: >= k3_moe_rows_scratch_floats(c, n). */
-k3_status k3_moe_expert_rows(const k3_ops *ops, const k3_config *c, const k3_layer_w *lw,
-                             const float *rows, const int32_t *expert, int64_t n, float *out,
-                             float *scratch);
+ * scratch: >= k3_moe_rows_scratch_floats(c, n); hscratch: >= k3_moe_rows_host_ints(c, n). */
+k3_status k3_moe_expert_rows(k3_backend *be, const k3_config *c, const k3_layer_w *lw,
+                             const float *src, const int64_t *row_of, const int32_t *expert,
+                             int64_t n, float *out, float *scratch, int64_t *hscratch);
 size_t k3_moe_rows_scratch_floats(const k3_config *c, int64_t n);
+size_t k3_moe_rows_host_ints(const k3_config *c, int64_t n);
 
-/* ---- combine + shared ---------------------------------------------------------------------- */
-/* y[t] = up(RMSNorm(Σ_k w[t,k]·expert_out[t*K+k]  summed in k order)) + shared(x[t]) ; y [T, D].
- * x [T, D] (post-norm input, for the shared experts), topk_w [T, K], expert_out [T·K, Lw]
- * (UNWEIGHTED expert outputs in slot order). */
-k3_status k3_moe_finish(const k3_ops *ops, const k3_config *c, const k3_layer_w *lw, const float *x,
-                        const float *topk_w, const float *expert_out, int64_t T, float *y,
-                        float *scratch);
+/* ---- finish: latent norm + up-projection + shared ------------------------------------------ */
+/* y[t] = up(RMSNorm(acc[t])) + shared(x[t]) ; y [T, D]. acc [T, Lw] is the weighted expert sum
+ * (the slot sum Σ_k w[t,k]·out[t·K+k] in k order — the op rows_wsum — or, distributed without
+ * --deterministic, the sum of the owners' pre-sums); x [T, D] the post-norm input. */
+k3_status k3_moe_finish(k3_backend *be, const k3_config *c, const k3_layer_w *lw, const float *x,
+                        const float *acc, int64_t T, float *y, float *scratch);
 
 /* ---- the whole layer, single process ------------------------------------------------------- */
-/* route -> down -> expert rows -> finish with every expert local; bitwise identical to driving
- * the four steps by hand (the token loop is tiled, so the scratch does not hold T·K rows).
- * x [T, D] -> y [T, D]. y must not alias x. */
-k3_status k3_moe_forward(const k3_ops *ops, const k3_config *c, const k3_layer_w *lw,
-                         const float *x, int64_t T, float *y, float *scratch);
+/* route -> down -> expert rows -> slot sum -> finish with every expert local. x [T, D] ->
+ * y [T, D]; y must not alias x. The token loop is tiled, so the scratch does not hold T·K rows;
+ * results do not depend on the tiling. */
+k3_status k3_moe_forward(k3_backend *be, const k3_config *c, const k3_layer_w *lw,
+                         const float *x, int64_t T, float *y, float *scratch, int64_t *hscratch);
 
-/* Floats of scratch enough for every function above called with T tokens (k3_moe_expert_rows
- * with n <= T·K rows included). */
+/* Backend floats of scratch enough for every function above called with T tokens
+ * (k3_moe_expert_rows with n <= T·K rows included), and the host int64s. */
 size_t k3_moe_scratch_floats(const k3_config *c, int64_t T);
-
-/* ---- token permutation for dispatch (pure) -------------------------------------------------- */
-/* Given the n = T·K slot rows' expert ids [n] and owner[e] (rank owning expert e, in
- * [0, n_ranks)), computes
- *   counts[n_ranks]  rows going to each rank,
- *   perm[n]          perm[j] = slot row placed at send position j; positions are sorted by
- *                    (owner rank, expert, slot) — rank r's rows are the contiguous range starting
- *                    at Σ_{r'<r} counts[r'],
- *   inv[n]           inv[perm[j]] = j (where slot row i went).
- * work: int64_t [n_experts] scratch. Errors name the bad row / expert / owner. */
-k3_status k3_moe_permute(const int32_t *expert, int64_t n, const int32_t *owner, int n_experts,
-                         int n_ranks, int64_t *counts, int64_t *perm, int64_t *inv, int64_t *work);
+size_t k3_moe_host_ints(const k3_config *c, int64_t T);
 
 #endif /* K3_EXPERTS_H */

@@ -1,108 +1,237 @@
-/* kernels — the compute primitives of k3 behind ONE op table (STYLE.md §4, §14).
+/* kernels — the compute floor of k3: the tensor type (k3_tensor.h), the MXFP4 block format
+ * (k3_mxfp4.h), the backend object and the op list that covers the whole forward
+ * (DESIGN.md §1, STYLE.md §4, §14).
  *
- * Owns: the op list (K3_OP_LIST, an X-macro: names, the k3_ops struct, its count assert and the
- * test registry all come from it); the reference backend ref/ (plain C, defines the semantics);
- * the cpu backend cpu/ (AVX2+FMA or scalar, and a small persistent pthread pool); the choice
- * of backend (k3_ops_default). The cuda backend lives in kernels/cuda/ only.
- * Callers must not: know which backend runs, or allocate/free inside an op (ops never allocate;
- * scratch comes from the caller).
+ * A backend (k3_backend) is one object: a name, its op table, its context (the cpu backend's
+ * thread pool lives there, not in a global), and its memory: alloc/free of buffers in its memory
+ * space, upload/download between host memory and its buffers, synchronise, supports_op and
+ * free/total memory. Backends: "ref" (plain C, the semantics of every op), "cpu" (AVX2+FMA or
+ * scalar, threads), "guard" (a test backend: cpu ops on memory that is PROT_NONE outside its
+ * own ops and transfers, so any host code that touches an activation, a cache or a weight
+ * faults), "cuda" (kernels/cuda/, memory only so far).
+ * Callers must not: know which backend runs; read or write a non-host buffer except through
+ * upload/download; allocate inside an op (scratch comes from the caller).
+ *
+ * Every op takes the backend first and returns a k3_status (device backends report launch
+ * errors; the host backends return K3_OK or a shape/argument error). Pointers named "host" are
+ * host memory (small routing metadata: indices, segment offsets); every other pointer is a
+ * buffer of the backend (or a view into one).
  *
  * Determinism rule (what makes `--deterministic` bit-identical): every output element is ONE
  * fixed-order reduction that depends neither on how many tokens T share a call nor on the
  * number of threads. Threads split over output rows/heads/tokens, never inside one dot product.
- * Two backends may differ from each other (ref vs cpu) but each is reproducible on its own.
+ * Two backends may differ from each other (ref vs cpu) but each is reproducible on its own; the
+ * guard backend runs the cpu ops, so it is bit-identical to cpu.
  *
  * Layout conventions: row-major; "[T, n]" = T rows of n floats. Weights are k3_tensor [out, in]
- * (PyTorch order) of dtype F32, BF16 or MXFP4 (model/k3_model.h). */
+ * (PyTorch order) of dtype F32, BF16 or MXFP4. */
 #ifndef K3_KERNELS_H
 #define K3_KERNELS_H
 
 #include "k3_base.h"
-#include "k3_model.h"
+#include "k3_tensor.h"
 
-/* ---- the op list: X(name, return type, (parameters)) ------------------------------------- */
-#define K3_OP_LIST(X)                                                                                     \
-    /* y[T, out] = x[T, in] · Wᵀ ; W [out, in] F32/BF16/MXFP4. K3_ERR_SHAPE on other dtypes. */        \
-    X(matmul, k3_status, (const float *x, int64_t T, const k3_tensor *W, float *y))                       \
-    /* y[T, in] = x[T, out] · W ; W [out, in] (the transposed product, for absorbed MLA). */             \
-    X(matmul_tn, k3_status, (const float *x, int64_t T, const k3_tensor *W, float *y))                    \
-    /* y[t] = w ⊙ x[t] / sqrt(mean(x[t]²) + eps); x, y [T, n]; w [n] (NULL = ones). */                 \
-    X(rmsnorm, void, (const float *x, const float *w, int64_t T, int64_t n, float eps, float *y))         \
-    /* y[t] = x[t] · rsqrt(Σ x[t]² + eps)  (fla's l2norm); x, y [T, n]. */                             \
-    X(l2norm, void, (const float *x, int64_t T, int64_t n, float eps, float *y))                          \
-    /* y = x σ(x), elementwise over n. y may alias x. */                                                 \
-    X(silu, void, (const float *x, int64_t n, float *y))                                                  \
-    /* y = σ(x) = 1/(1+e^-x), elementwise. y may alias x. */                                             \
-    X(sigmoid, void, (const float *x, int64_t n, float *y))                                               \
+typedef struct k3_backend k3_backend;
+
+/* ---- the op list: X(name, (parameters), (argument names)) -------------------------------- */
+/* Every op returns k3_status; the argument list lets wrappers (the guard backend) forward. */
+#define K3_OP_LIST(X)                                                                              \
+    /* y[T, out] = x[T, in] · Wᵀ ; W [out, in] F32/BF16/MXFP4. K3_ERR_SHAPE on other dtypes. */ \
+    X(matmul, (k3_backend * be, const float *x, int64_t T, const k3_tensor *W, float *y),          \
+      (be, x, T, W, y))                                                                            \
+    /* y[T, in] = x[T, out] · W ; W [out, in] (the transposed product, for absorbed MLA). */      \
+    X(matmul_tn, (k3_backend * be, const float *x, int64_t T, const k3_tensor *W, float *y),       \
+      (be, x, T, W, y))                                                                            \
+    /* y[t] = w ⊙ x[t] / sqrt(mean(x[t]²) + eps); x, y [T, n]; w [n] (NULL = ones). */          \
+    X(rmsnorm,                                                                                     \
+      (k3_backend * be, const float *x, const float *w, int64_t T, int64_t n, float eps,           \
+       float *y),                                                                                  \
+      (be, x, w, T, n, eps, y))                                                                    \
+    /* y[t] = x[t] · rsqrt(Σ x[t]² + eps)  (fla's l2norm); x, y [T, n]. */                      \
+    X(l2norm, (k3_backend * be, const float *x, int64_t T, int64_t n, float eps, float *y),        \
+      (be, x, T, n, eps, y))                                                                       \
+    /* y = x σ(x), elementwise over n. y may alias x. */                                          \
+    X(silu, (k3_backend * be, const float *x, int64_t n, float *y), (be, x, n, y))                 \
+    /* y = σ(x) = 1/(1+e^-x), elementwise. y may alias x. */                                      \
+    X(sigmoid, (k3_backend * be, const float *x, int64_t n, float *y), (be, x, n, y))              \
     /* y = [β tanh(g/β) σ(g)]·[λ tanh(u/λ)] (λ ≤ 0: u unchanged); g, u, y [n]; y may alias g. */ \
-    X(situ, void,                                                                                         \
-      (const float *g, const float *u, int64_t n, float beta, float lin_beta, float *y))                  \
-    /* y = SiLU(g)·u ; y may alias g. */                                                                 \
-    X(swiglu, void, (const float *g, const float *u, int64_t n, float *y))                                \
-    /* row softmax: x, y [T, n] (max-subtracted, fp32). y may alias x. */                                 \
-    X(softmax, void, (const float *x, int64_t T, int64_t n, float *y))                                    \
-    /* AttnRes mix (K3-MODEL.md §1.3) per token t: sources v_0..v_{N-1} = bank[i][t], v_N = p[t];        \
-       s_i = Σ_d v_i[d]/sqrt(mean(v_i²)+eps)·w[d]; out[t] = Σ_i softmax(s)_i v_i (raw values).        \
-       bank [N, T, D] (slab stride T·D), p, out [T, D], w [D]; N ≥ 0. out may alias p. */              \
-    X(attnres_mix, void,                                                                                  \
-      (const float *bank, int n_bank, const float *p, const float *w, int64_t T, int64_t D,               \
-       float eps, float *out))                                                                            \
-    /* KDA delta rule, recurrent (ground truth), n tokens, H heads (K3-MODEL.md §2.2).                   \
-       q, k, g [n, H·dk] (q, k already L2-normed; q NOT scaled), v [n, H·dv], beta [n, H];              \
-       S [H, dk, dv] fp32 in/out; o [n, H·dv] = scale·Sᵀq read after each update. */                  \
-    X(kda_recurrent, void,                                                                                \
-      (const float *q, const float *k, const float *v, const float *g, const float *beta,                 \
-       int64_t n, int H, int dk, int dv, float scale, float *S, float *o))                                \
-    /* KDA chunked (WY/UT) form, same contract as kda_recurrent; full chunks of C tokens use the          \
-       chunked math (always exp of a difference ≤ 0, §2.4), a ragged tail the recurrence.              \
-       work: >= k3_kda_chunk_work_floats(C, dk, dv) floats per head, for H heads. */                      \
-    X(kda_chunked, void,                                                                                  \
-      (const float *q, const float *k, const float *v, const float *g, const float *beta,                 \
-       int64_t n, int H, int dk, int dv, float scale, float *S, float *o, int C, float *work))            \
-    /* Latent attention for ONE query token over n_ctx cached tokens (absorbed MLA, §3.2):               \
-       qc [H, W] (W = Rkv + dr: [q_abs | q_pe]), cache [n_ctx, W] ([c | k_pe] rows);                      \
-       s_h(j) = scale·qc[h]·cache[j]; p = softmax_j; o_lat[h] = Σ_j p_j cache[j][0:Rkv];               \
-       o_lat [H, Rkv]; work >= H·n_ctx floats. */                                                        \
-    X(attn_latent, void,                                                                                  \
-      (const float *qc, const float *cache, int64_t n_ctx, int H, int W, int Rkv, float scale,            \
-       float *o_lat, float *work))
+    X(situ,                                                                                        \
+      (k3_backend * be, const float *g, const float *u, int64_t n, float beta, float lin_beta,     \
+       float *y),                                                                                  \
+      (be, g, u, n, beta, lin_beta, y))                                                            \
+    /* y = SiLU(g)·u ; y may alias g. */                                                          \
+    X(swiglu, (k3_backend * be, const float *g, const float *u, int64_t n, float *y),              \
+      (be, g, u, n, y))                                                                            \
+    /* row softmax: x, y [T, n] (max-subtracted, fp32). y may alias x. */                          \
+    X(softmax, (k3_backend * be, const float *x, int64_t T, int64_t n, float *y), (be, x, T, n, y)) \
+    /* y = a + b elementwise over n (residual adds, shared-expert add). y may alias a or b. */    \
+    X(add, (k3_backend * be, const float *a, const float *b, int64_t n, float *y),                 \
+      (be, a, b, n, y))                                                                            \
+    /* y = a ⊙ b elementwise over n (output gates). y may alias a or b. */                        \
+    X(mul, (k3_backend * be, const float *a, const float *b, int64_t n, float *y),                 \
+      (be, a, b, n, y))                                                                            \
+    /* y[i] = v for i < n (state resets). */                                                      \
+    X(fill, (k3_backend * be, float *y, int64_t n, float v), (be, y, n, v))                        \
+    /* rows × cols floats: dst[r·dst_stride + c] = src[r·src_stride + c]; no overlap (strides in  \
+       floats). Stage hand-offs, bank slabs, cache writes, per-head staging, head rows. */        \
+    X(copy2d,                                                                                      \
+      (k3_backend * be, float *dst, int64_t dst_stride, const float *src, int64_t src_stride,      \
+       int64_t rows, int64_t cols),                                                                \
+      (be, dst, dst_stride, src, src_stride, rows, cols))                                          \
+    /* dst [n] = the n elements of t (F32/BF16/F16) decoded to f32 (small weight vectors). */     \
+    X(to_f32, (k3_backend * be, const k3_tensor *t, int64_t n, float *dst), (be, t, n, dst))       \
+    /* out[t] = row ids[t] of the embedding W [V, D] (F32/BF16) decoded to f32; ids [T] int32 in   \
+       backend memory, each in [0, V) (checked: K3_ERR_ARG naming the position). */               \
+    X(embed_rows,                                                                                  \
+      (k3_backend * be, const k3_tensor *W, const int32_t *ids, int64_t T, float *out),            \
+      (be, W, ids, T, out))                                                                        \
+    /* Depthwise causal conv (KDA short conv, K3-MODEL.md §2.1), NO activation: out[t, c] =       \
+       Σ_j w[c, j]·in_{t-(K-1)+j}[c], in_{<0} from state [K-1, P] (oldest first); then state =   \
+       the last K-1 inputs of (state ++ in). in, out [n, P]; w [P, K]. */                          \
+    X(short_conv,                                                                                  \
+      (k3_backend * be, const float *in, int64_t n, int64_t P, int K, const float *w,              \
+       float *state, float *out),                                                                  \
+      (be, in, n, P, K, w, state, out))                                                            \
+    /* KDA decay gate in log space (§2.1) over r [T, H·dk] in place: v = r + dt_bias[c],          \
+       a = exp(a_log[h]); lower_bound form: lb·σ(a·v); else −a·softplus(v). */                    \
+    X(kda_gate,                                                                                    \
+      (k3_backend * be, float *r, const float *dt_bias, const float *a_log, int64_t T, int H,      \
+       int dk, bool has_lower_bound, float lower_bound),                                           \
+      (be, r, dt_bias, a_log, T, H, dk, has_lower_bound, lower_bound))                             \
+    /* AttnRes mix (K3-MODEL.md §1.3) per token t: sources v_0..v_{N-1} = bank[i][t], v_N = p[t]; \
+       s_i = Σ_d v_i[d]/sqrt(mean(v_i²)+eps)·w[d]; out[t] = Σ_i softmax(s)_i v_i (raw values).   \
+       bank [N, T, D] (slab stride T·D), p, out [T, D], w [D]; N ≥ 0. out may alias p. */         \
+    X(attnres_mix,                                                                                 \
+      (k3_backend * be, const float *bank, int n_bank, const float *p, const float *w, int64_t T,  \
+       int64_t D, float eps, float *out),                                                          \
+      (be, bank, n_bank, p, w, T, D, eps, out))                                                    \
+    /* KDA delta rule, recurrent (ground truth), n tokens, H heads (K3-MODEL.md §2.2).            \
+       q, k, g [n, H·dk] (q, k already L2-normed; q NOT scaled), v [n, H·dv], beta [n, H];        \
+       S [H, dk, dv] fp32 in/out; o [n, H·dv] = scale·Sᵀq read after each update. */            \
+    X(kda_recurrent,                                                                               \
+      (k3_backend * be, const float *q, const float *k, const float *v, const float *g,            \
+       const float *beta, int64_t n, int H, int dk, int dv, float scale, float *S, float *o),      \
+      (be, q, k, v, g, beta, n, H, dk, dv, scale, S, o))                                           \
+    /* KDA chunked (WY/UT) form, same contract as kda_recurrent; full chunks of C tokens use the  \
+       chunked math (always exp of a difference ≤ 0, §2.4), a ragged tail the recurrence.        \
+       work: >= k3_kda_chunk_work_floats(C, dk, dv) floats per head, for H heads. */             \
+    X(kda_chunked,                                                                                 \
+      (k3_backend * be, const float *q, const float *k, const float *v, const float *g,            \
+       const float *beta, int64_t n, int H, int dk, int dv, float scale, float *S, float *o,       \
+       int C, float *work),                                                                        \
+      (be, q, k, v, g, beta, n, H, dk, dv, scale, S, o, C, work))                                  \
+    /* Latent attention for ONE query token over n_ctx cached tokens (absorbed MLA, §3.2):        \
+       qc [H, W] (W = Rkv + dr: [q_abs | q_pe]), cache [n_ctx, W] ([c | k_pe] rows);              \
+       s_h(j) = scale·qc[h]·cache[j]; p = softmax_j; o_lat[h] = Σ_j p_j cache[j][0:Rkv];         \
+       o_lat [H, Rkv]; work >= H·n_ctx floats. */                                                 \
+    X(attn_latent,                                                                                 \
+      (k3_backend * be, const float *qc, const float *cache, int64_t n_ctx, int H, int W, int Rkv,  \
+       float scale, float *o_lat, float *work),                                                    \
+      (be, qc, cache, n_ctx, H, W, Rkv, scale, o_lat, work))                                       \
+    /* MoE router selection (K3-MODEL.md §4.3, experts/k3_experts.h "Slot order"): scores σ(z)    \
+       [T, E]; bias [E] (NULL = none) added for selection only; grouped top-k (n_group groups,    \
+       topk_group kept; group score = sum of its two best biased scores; ties to the lower        \
+       index); ids [T, K] int32, w [T, K] = σ(z)[id], renormalised (sum in slot order + 1e-20)   \
+       when renorm, × scale. work: [T, E] floats. K3_ERR_INTERNAL names a non-finite score. */   \
+    X(moe_topk,                                                                                    \
+      (k3_backend * be, const float *scores, const float *bias, int64_t T, int E, int K,           \
+       int n_group, int topk_group, bool renorm, float scale, float *work, int32_t *ids,           \
+       float *w),                                                                                  \
+      (be, scores, bias, T, E, K, n_group, topk_group, renorm, scale, work, ids, w))               \
+    /* dst[j] = src[idx[j]] (rows of width floats), j < n; idx host int64. */                      \
+    X(rows_gather,                                                                                 \
+      (k3_backend * be, const float *src, int64_t width, const int64_t *idx, int64_t n,            \
+       float *dst),                                                                                \
+      (be, src, width, idx, n, dst))                                                               \
+    /* dst[idx[j]] = src[j] (rows of width floats), j < n; idx host int64, distinct. */            \
+    X(rows_scatter,                                                                                \
+      (k3_backend * be, const float *src, int64_t width, const int64_t *idx, int64_t n,            \
+       float *dst),                                                                                \
+      (be, src, width, idx, n, dst))                                                               \
+    /* Segment-weighted row sums: y[j] = Σ_{i in segment j} w[i]·x[i] accumulated in i order, the \
+       first term initialising (w NULL: weights 1). Segment j = [seg[j], seg[j+1]) with seg host   \
+       int64 [n_seg + 1], or, when seg is NULL, [j·seg_len, (j+1)·seg_len). Every segment is      \
+       non-empty. x [rows, width], y [n_seg, width]. The MoE slot sum (segments of K slots) and  \
+       the per-owner pre-sum of the combine. */                                                    \
+    X(rows_wsum,                                                                                   \
+      (k3_backend * be, const float *x, const float *w, const int64_t *seg, int64_t seg_len,       \
+       int64_t n_seg, int64_t width, float *y),                                                    \
+      (be, x, w, seg, seg_len, n_seg, width, y))
 
-#define K3_OP_FIELD(name, ret, args) ret(*name) args;
+#define K3_OP_FIELD(name, params, args) k3_status(*name) params;
 typedef struct k3_ops {
-    const char *backend; /* "ref", "cpu", "cuda" */
     K3_OP_LIST(K3_OP_FIELD)
 } k3_ops;
 #undef K3_OP_FIELD
 
-#define K3_OP_ENUM(name, ret, args) K3_OP_##name,
+#define K3_OP_ENUM(name, params, args) K3_OP_##name,
 enum { K3_OP_LIST(K3_OP_ENUM) K3_OP_COUNT };
 #undef K3_OP_ENUM
-_Static_assert(sizeof(k3_ops) == sizeof(const char *) + K3_OP_COUNT * sizeof(void (*)(void)),
+_Static_assert(sizeof(k3_ops) == K3_OP_COUNT * sizeof(void (*)(void)),
                "k3_ops must hold exactly one pointer per op of K3_OP_LIST");
+const char *k3_op_name(int op); /* "matmul", ... ; "?" out of range */
 
-const k3_ops *k3_ops_ref(void);
-const k3_ops *k3_ops_cpu(void);
-/* The backend layers use unless told otherwise: cpu (the only one built without CUDA). */
-const k3_ops *k3_ops_default(void);
-/* Lookup by name ("ref" | "cpu"); NULL if unknown. */
-const k3_ops *k3_ops_by_name(const char *name);
+/* ---- the backend object ------------------------------------------------------------------ */
+/* The memory half of a backend (ggml's buffer interface in spirit). n bytes; buffers are
+ * zero-filled and 64-byte aligned. */
+typedef struct k3_backend_iface {
+    k3_status (*alloc)(k3_backend *be, size_t n_bytes, void **out);
+    void (*free)(k3_backend *be, void *p);
+    k3_status (*upload)(k3_backend *be, void *dst, const void *src_host, size_t n_bytes);
+    k3_status (*download)(k3_backend *be, void *dst_host, const void *src, size_t n_bytes);
+    k3_status (*synchronize)(k3_backend *be);
+    /* Whether the backend runs op (K3_OP_*) on weights of dtype wt (K3_DT_COUNT: any). */
+    bool (*supports_op)(const k3_backend *be, int op, k3_dtype wt);
+    /* Free and total bytes of the backend's memory (host: MemAvailable / MemTotal). */
+    k3_status (*memory)(const k3_backend *be, size_t *free_bytes, size_t *total_bytes);
+    void (*destroy)(k3_backend *be);
+} k3_backend_iface;
 
-/* Threads of the cpu backend's process-wide pool (default: online CPUs, at most 64). May be
- * called any time no op is running; n <= 0 restores the default. The pool is created lazily
- * and its worker count only affects speed, never results (determinism rule). */
-void k3_kernels_set_threads(int n);
-int k3_kernels_threads(void);
+struct k3_backend {
+    const char *name;             /* "ref", "cpu", "guard", "cuda" */
+    k3_mem_space mem;             /* where its buffers live */
+    const k3_ops *ops;            /* the op table (every op takes this backend first) */
+    const k3_backend_iface *mem_; /* memory functions (call through the k3_backend_* helpers) */
+    void *ctx;                    /* backend-private state (cpu: the thread pool) */
+};
+
+typedef struct k3_backend_params {
+    int n_threads;           /* cpu/guard pool size; <= 0 = online CPUs (at most 64) */
+    size_t guard_reserve;    /* guard: bytes of address space to reserve; 0 = 16 GiB */
+} k3_backend_params;
+
+/* Names this build knows: "ref", "cpu", "guard" (+ "cuda" with K3_CUDA). */
+k3_status k3_backend_create(const char *name, const k3_backend_params *p, k3_backend **out);
+void k3_backend_destroy(k3_backend *be);
+/* A process-wide host backend ("cpu", one thread) for host-side helpers and tests that need an
+ * op on host memory (e.g. experts' k3_moe_select). Never destroyed; thread-safe. */
+k3_backend *k3_backend_host(void);
+/* true when host code may touch this backend's buffers directly (ref, cpu). */
+static inline bool k3_backend_host_visible(const k3_backend *be) {
+    return be->mem == K3_MEM_HOST;
+}
+/* Helpers with errors that name what the buffer is for. */
+k3_status k3_backend_alloc(k3_backend *be, size_t n_bytes, const char *what, void **out);
+void k3_backend_free(k3_backend *be, void *p); /* NULL is a no-op */
+k3_status k3_backend_upload(k3_backend *be, void *dst, const void *src_host, size_t n_bytes);
+k3_status k3_backend_download(k3_backend *be, void *dst_host, const void *src, size_t n_bytes);
+k3_status k3_backend_sync(k3_backend *be);
+bool k3_backend_supports_op(const k3_backend *be, int op, k3_dtype wt);
+k3_status k3_backend_memory(const k3_backend *be, size_t *free_bytes, size_t *total_bytes);
+/* The cpu/guard pool size (1 for ref). */
+int k3_backend_threads(const k3_backend *be);
 
 /* Scratch of kda_chunked per head (floats). */
 size_t k3_kda_chunk_work_floats(int C, int dk, int dv);
 
-/* ---- tensor helpers ---------------------------------------------------------------------- */
+/* ---- tensor helpers (no memory access: safe on any backend's tensors) --------------------- */
 /* A view of rows [r0, r0+n) of a 2-D weight [out, in] (F32/BF16/MXFP4): no copy. */
 k3_status k3_tensor_rows(const k3_tensor *W, int64_t r0, int64_t n, k3_tensor *out);
-/* Element (o, i) of a 2-D weight, decoded to float (any supported dtype; slow, for tests and
- * small vectors). */
+
+/* ---- host-only helpers (tensor bytes in host memory: tests, loaders, staging) ------------- */
+/* Element (o, i) of a 2-D weight, decoded to float (any supported dtype; slow). */
 float k3_tensor_get(const k3_tensor *W, int64_t o, int64_t i);
-/* Decode a 1-D (or any) tensor of F32/BF16/F16 to floats: dst [n_elems]. */
+/* Decode a host tensor of F32/BF16/F16 to floats: dst [n_elems]. */
 k3_status k3_tensor_to_f32(const k3_tensor *t, float *dst, int64_t n_elems);
 
 #endif /* K3_KERNELS_H */

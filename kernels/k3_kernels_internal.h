@@ -1,10 +1,17 @@
-/* k3_kernels_internal.h — private to kernels/: the per-head pieces of the reference backend that
- * the cpu backend reuses from its worker threads (so the two cannot drift), and the pool API.
+/* k3_kernels_internal.h — private to kernels/: the reference op table and the per-head / per-row
+ * pieces of the reference backend that the cpu backend reuses from its worker threads (so the
+ * two cannot drift), the thread pool, and the host memory functions shared by ref and cpu.
  * Nothing outside kernels/ includes this. */
 #ifndef K3_KERNELS_INTERNAL_H
 #define K3_KERNELS_INTERNAL_H
 
 #include "k3_kernels.h"
+
+/* Upper bound on n_group handled by moe_topk (group scores live on the stack). */
+#define K3_MOE_TOPK_MAX_GROUPS 1024
+
+extern const k3_ops k3_ref_ops;
+extern const k3_ops k3_cpu_ops;
 
 /* One KDA head over n tokens. Row strides (floats) of q/k/g (sqk), v/o (svo) and beta (sb);
  * pointers already offset to the head. S [dk, dv]. */
@@ -17,13 +24,50 @@ void k3_ref_kda_head_chunked(const float *q, const float *k, const float *v, con
 /* One head of attn_latent: qc [W], cache [n_ctx, W], o [Rkv], work [n_ctx]. */
 void k3_ref_attn_latent_head(const float *qc, const float *cache, int64_t n_ctx, int W, int Rkv,
                              float scale, float *o, float *work);
+/* kda_gate on token rows [t0, t1). */
+void k3_ref_kda_gate_rows(float *r, const float *dt_bias, const float *a_log, int64_t t0,
+                          int64_t t1, int H, int dk, bool has_lower_bound, float lower_bound);
+/* moe_topk on token rows [t0, t1) (arguments checked by the caller). */
+k3_status k3_ref_moe_topk_rows(const float *scores, const float *bias, int64_t t0, int64_t t1,
+                               int E, int K, int G, int topk_group, bool renorm, float scale,
+                               float *work, int32_t *ids, float *w);
+k3_status k3_kernels_check_topk(int E, int K, int G, int topk_group);
+/* rows_wsum of segment j. */
+void k3_ref_rows_wsum_seg(const float *x, const float *w, const int64_t *seg, int64_t seg_len,
+                          int64_t j, int64_t width, float *y);
+k3_status k3_kernels_check_seg(const int64_t *seg, int64_t seg_len, int64_t n_seg);
 
-/* The cpu pool: run fn(ctx, i) for i in [0, n_tasks) on the workers + the caller; returns when
- * all are done. Which thread runs a task never changes a result (tasks own disjoint outputs). */
 /* A matmul weight must be 2-D [out, in], F32/BF16/MXFP4 (MXFP4: in % 32 == 0, with scales). */
 k3_status k3_kernels_check_weight(const k3_tensor *W, const char *op);
 
+/* The cpu backend's thread pool (one per cpu/guard backend, in its context): run fn(ctx, i) for
+ * i in [0, n_tasks) on the workers + the caller; returns when all are done. Which thread runs a
+ * task never changes a result (tasks own disjoint outputs). */
+typedef struct k3_pool k3_pool;
 typedef void (*k3_task_fn)(void *ctx, int64_t i);
-void k3_pool_run(int64_t n_tasks, k3_task_fn fn, void *ctx);
+k3_status k3_pool_create(int n_threads, k3_pool **out); /* n <= 0: online CPUs (<= 64) */
+void k3_pool_destroy(k3_pool *p);
+int k3_pool_threads(const k3_pool *p);
+void k3_pool_run(k3_pool *p, int64_t n_tasks, k3_task_fn fn, void *ctx);
+
+/* The cpu backend's context: its pool. The guard backend embeds a cpu backend. */
+typedef struct k3_cpu_ctx {
+    k3_pool *pool;
+} k3_cpu_ctx;
+static inline k3_pool *k3_cpu_pool(k3_backend *be) {
+    return be && be->ctx ? ((k3_cpu_ctx *)be->ctx)->pool : NULL;
+}
+
+/* Host memory functions shared by the ref and cpu backends. */
+extern const k3_backend_iface k3_host_mem_iface;
+k3_status k3_host_memory(size_t *free_bytes, size_t *total_bytes); /* /proc/meminfo */
+
+/* Constructors used by k3_backend_create. */
+k3_status k3_backend_create_cpu(const k3_backend_params *p, k3_backend **out);
+k3_status k3_backend_create_ref(k3_backend **out);
+k3_status k3_backend_create_guard(const k3_backend_params *p, k3_backend **out);
+#ifdef K3_HAVE_CUDA
+k3_status k3_backend_create_cuda(const k3_backend_params *p, k3_backend **out);
+#endif
 
 #endif /* K3_KERNELS_INTERNAL_H */

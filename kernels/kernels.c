@@ -1,24 +1,173 @@
-/* kernels.c — backend choice and the small tensor helpers shared by every backend.
- *
- * Owns: k3_ops_default / k3_ops_by_name, the row view of a weight, element decode (F32, BF16,
- * F16, MXFP4 through model/k3_mxfp4.h — the one definition of the format). No compute loops live
- * here: they are in ref/ and cpu/. */
+/* kernels.c — the backend object: creation by name, the host memory functions of the ref and
+ * cpu backends, the helpers every caller goes through (errors name the buffer), the process-wide
+ * host backend; and the small tensor helpers shared by every backend: the row view of a weight,
+ * element decode (F32, BF16, F16, MXFP4 through k3_mxfp4.h — the one definition of the format).
+ * No compute loops live here: they are in ref/ and cpu/. */
 #include "k3_kernels.h"
 #include "k3_kernels_internal.h"
 
 #include <math.h>
+#include <pthread.h>
+#include <stdio.h>
+#include <stdlib.h>
 
 #include "k3_mxfp4.h"
 
-const k3_ops *k3_ops_default(void) {
-    return k3_ops_cpu();
+static const char *const k_op_names[] = {
+#define OP_NAME(name, params, args) #name,
+    K3_OP_LIST(OP_NAME)
+#undef OP_NAME
+};
+const char *k3_op_name(int op) {
+    return op >= 0 && op < K3_OP_COUNT ? k_op_names[op] : "?";
 }
 
-const k3_ops *k3_ops_by_name(const char *name) {
-    if (!name) return NULL;
-    if (strcmp(name, "ref") == 0) return k3_ops_ref();
-    if (strcmp(name, "cpu") == 0) return k3_ops_cpu();
-    return NULL;
+/* ---- host memory (ref, cpu) ------------------------------------------------------------------ */
+static k3_status host_alloc(k3_backend *be, size_t n, void **out) {
+    return k3_calloc(out, n ? n : 1, be->name);
+}
+static void host_free(k3_backend *be, void *p) {
+    k3_free(p);
+}
+static k3_status host_copy(k3_backend *be, void *dst, const void *src, size_t n) {
+    if (n) memcpy(dst, src, n);
+    return K3_OK;
+}
+static k3_status host_sync(k3_backend *be) {
+    return K3_OK;
+}
+static bool host_supports(const k3_backend *be, int op, k3_dtype wt) {
+    if (op < 0 || op >= K3_OP_COUNT) return false;
+    return wt == K3_DT_COUNT || wt == K3_DT_F32 || wt == K3_DT_BF16 || wt == K3_DT_F16 ||
+           wt == K3_DT_MXFP4;
+}
+k3_status k3_host_memory(size_t *free_bytes, size_t *total_bytes) {
+    *free_bytes = *total_bytes = 0;
+    FILE *f = fopen("/proc/meminfo", "r");
+    if (!f) return K3_ERR(K3_ERR_IO, "cannot read /proc/meminfo");
+    char line[256];
+    unsigned long long v;
+    while (fgets(line, sizeof line, f)) {
+        if (sscanf(line, "MemTotal: %llu kB", &v) == 1) *total_bytes = (size_t)v * 1024;
+        if (sscanf(line, "MemAvailable: %llu kB", &v) == 1) *free_bytes = (size_t)v * 1024;
+    }
+    fclose(f);
+    if (!*total_bytes) return K3_ERR(K3_ERR_IO, "/proc/meminfo has no MemTotal");
+    return K3_OK;
+}
+static k3_status host_memory(const k3_backend *be, size_t *fr, size_t *tot) {
+    return k3_host_memory(fr, tot);
+}
+static void cpu_destroy(k3_backend *be) {
+    if (be->ctx) k3_pool_destroy(((k3_cpu_ctx *)be->ctx)->pool);
+    k3_free(be->ctx);
+    k3_free(be);
+}
+const k3_backend_iface k3_host_mem_iface = {
+    .alloc = host_alloc,
+    .free = host_free,
+    .upload = host_copy,
+    .download = host_copy,
+    .synchronize = host_sync,
+    .supports_op = host_supports,
+    .memory = host_memory,
+    .destroy = cpu_destroy,
+};
+
+k3_status k3_backend_create_cpu(const k3_backend_params *p, k3_backend **out) {
+    *out = NULL;
+    k3_backend *be;
+    K3_TRY(k3_calloc((void **)&be, sizeof *be, "cpu backend"));
+    k3_status st = k3_calloc(&be->ctx, sizeof(k3_cpu_ctx), "cpu backend context");
+    if (st == K3_OK) st = k3_pool_create(p ? p->n_threads : 0, &((k3_cpu_ctx *)be->ctx)->pool);
+    if (st != K3_OK) {
+        k3_free(be->ctx);
+        k3_free(be);
+        return st;
+    }
+    be->name = "cpu";
+    be->mem = K3_MEM_HOST;
+    be->ops = &k3_cpu_ops;
+    be->mem_ = &k3_host_mem_iface;
+    *out = be;
+    return K3_OK;
+}
+
+k3_status k3_backend_create_ref(k3_backend **out) {
+    *out = NULL;
+    k3_backend *be;
+    K3_TRY(k3_calloc((void **)&be, sizeof *be, "ref backend"));
+    be->name = "ref";
+    be->mem = K3_MEM_HOST;
+    be->ops = &k3_ref_ops;
+    be->mem_ = &k3_host_mem_iface; /* ctx NULL: cpu_destroy frees just the object */
+    *out = be;
+    return K3_OK;
+}
+
+/* ---- creation and helpers -------------------------------------------------------------------- */
+k3_status k3_backend_create(const char *name, const k3_backend_params *p, k3_backend **out) {
+    *out = NULL;
+    if (!name) name = "cpu";
+    if (strcmp(name, "cpu") == 0) return k3_backend_create_cpu(p, out);
+    if (strcmp(name, "ref") == 0) return k3_backend_create_ref(out);
+    if (strcmp(name, "guard") == 0) return k3_backend_create_guard(p, out);
+#ifdef K3_HAVE_CUDA
+    if (strcmp(name, "cuda") == 0) return k3_backend_create_cuda(p, out);
+#endif
+    return K3_ERR(K3_ERR_ARG, "unknown backend '%s' (this build has: ref, cpu, guard%s)", name,
+#ifdef K3_HAVE_CUDA
+                  ", cuda"
+#else
+                  ""
+#endif
+    );
+}
+
+void k3_backend_destroy(k3_backend *be) {
+    if (be) be->mem_->destroy(be);
+}
+
+static pthread_once_t g_host_once = PTHREAD_ONCE_INIT;
+static k3_backend *g_host;
+static void host_init(void) {
+    k3_backend_params p = {.n_threads = 1};
+    if (k3_backend_create_cpu(&p, &g_host) != K3_OK) g_host = NULL;
+}
+k3_backend *k3_backend_host(void) {
+    pthread_once(&g_host_once, host_init);
+    K3_ASSERT(g_host != NULL);
+    return g_host;
+}
+
+k3_status k3_backend_alloc(k3_backend *be, size_t n_bytes, const char *what, void **out) {
+    *out = NULL;
+    k3_status st = be->mem_->alloc(be, n_bytes, out);
+    if (st != K3_OK)
+        return K3_ERR(st, "%s backend: cannot allocate %zu bytes for %s: %s", be->name, n_bytes,
+                      what, k3_last_error());
+    return K3_OK;
+}
+void k3_backend_free(k3_backend *be, void *p) {
+    if (p) be->mem_->free(be, p);
+}
+k3_status k3_backend_upload(k3_backend *be, void *dst, const void *src_host, size_t n_bytes) {
+    return be->mem_->upload(be, dst, src_host, n_bytes);
+}
+k3_status k3_backend_download(k3_backend *be, void *dst_host, const void *src, size_t n_bytes) {
+    return be->mem_->download(be, dst_host, src, n_bytes);
+}
+k3_status k3_backend_sync(k3_backend *be) {
+    return be->mem_->synchronize(be);
+}
+bool k3_backend_supports_op(const k3_backend *be, int op, k3_dtype wt) {
+    return be->mem_->supports_op(be, op, wt);
+}
+k3_status k3_backend_memory(const k3_backend *be, size_t *free_bytes, size_t *total_bytes) {
+    return be->mem_->memory(be, free_bytes, total_bytes);
+}
+int k3_backend_threads(const k3_backend *be) {
+    return k3_pool_threads(k3_cpu_pool((k3_backend *)be));
 }
 
 k3_status k3_tensor_rows(const k3_tensor *W, int64_t r0, int64_t n, k3_tensor *out) {

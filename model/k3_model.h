@@ -2,7 +2,7 @@
  *
  * Owns: config.json -> k3_config (parse + validate); the catalogue of tensors a config implies
  * (ONE source of truth used by make-tiny, inspect and the loader); safetensors index + shards
- * with per-tensor byte-range reads; MXFP4 formats (k3_mxfp4.h); the in-memory weights of the
+ * with per-tensor byte-range reads; MXFP4 checkpoint parts (the format itself is kernels/k3_mxfp4.h); the in-memory weights of the
  * layers a rank owns (k3_weights); the tiny/small checkpoint writer and its tokenizer files.
  * Callers must not: open shard files themselves, or hard-code a shape (read it from k3_config).
  *
@@ -11,9 +11,9 @@
 #define K3_MODEL_H
 
 #include "k3_base.h"
+#include "k3_tensor.h"
 
 #define K3_MAX_LAYERS 256
-#define K3_MAX_DIMS   4
 
 /* ---- config ----------------------------------------------------------------------------- */
 typedef enum { K3_MIXER_KDA = 0, K3_MIXER_MLA = 1 } k3_mixer;
@@ -110,30 +110,7 @@ static inline bool k3_config_is_block_start(const k3_config *c, int layer) {
 }
 
 /* ---- tensors ------------------------------------------------------------------------------ */
-typedef enum {
-    K3_DT_F32 = 0,
-    K3_DT_BF16,
-    K3_DT_F16,
-    K3_DT_U8,
-    K3_DT_I32,
-    K3_DT_I64,
-    K3_DT_MXFP4, /* in-memory only: data = weight_packed U8 [out, in/2], scale = E8M0 [out, in/32]
-                  */
-    K3_DT_COUNT
-} k3_dtype;
-const char *k3_dtype_name(k3_dtype t); /* safetensors spelling: "F32", "BF16", ... */
-size_t k3_dtype_size(k3_dtype t);      /* bytes per element (0 for MXFP4) */
-
-/* A tensor in memory. shape is logical, PyTorch order ([out, in] for a weight). For MXFP4 the
- * logical shape is the dequantised one ([out, in]). */
-typedef struct k3_tensor {
-    k3_dtype dtype;
-    int ndim;
-    int64_t shape[K3_MAX_DIMS];
-    void *data;
-    uint8_t *scale; /* MXFP4 only: E8M0 [shape[0], shape[1]/32] */
-} k3_tensor;
-int64_t k3_tensor_n_elems(const k3_tensor *t);
+/* k3_dtype, k3_tensor and the memory spaces are kernels/k3_tensor.h. */
 
 /* ---- the catalogue: which tensors a config implies ----------------------------------------- */
 typedef enum {

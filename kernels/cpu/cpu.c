@@ -264,13 +264,13 @@ static void mm_task(void *ctx, int64_t task) {
     }
 }
 
-static k3_status cpu_matmul(const float *x, int64_t T, const k3_tensor *W, float *y) {
+static k3_status cpu_matmul(k3_backend *be, const float *x, int64_t T, const k3_tensor *W, float *y) {
     K3_TRY(k3_kernels_check_weight(W, "matmul"));
     int64_t out = W->shape[0], in = W->shape[1];
     if (T <= 0 || out <= 0) return K3_OK;
     mm_job j = {.x = x, .T = T, .W = W, .y = y, .rows_per_task = out};
     int64_t macs = T * out * in;
-    int nth = k3_kernels_threads();
+    int nth = k3_pool_threads(k3_cpu_pool(be));
     if (macs >= K3_CPU_PAR_MIN_MACS && nth > 1) {
         /* ~4 tasks per thread for balance; rows per task a multiple of 4. Task boundaries never
            change any result (each y[t,o] is computed whole by one task). */
@@ -279,7 +279,7 @@ static k3_status cpu_matmul(const float *x, int64_t T, const k3_tensor *W, float
         j.rows_per_task = (j.rows_per_task + 3) & ~(int64_t)3;
     }
     int64_t n_tasks = (out + j.rows_per_task - 1) / j.rows_per_task;
-    k3_pool_run(n_tasks, mm_task, &j);
+    k3_pool_run(k3_cpu_pool(be), n_tasks, mm_task, &j);
     return K3_OK;
 }
 
@@ -315,17 +315,17 @@ static void mmtn_task(void *ctx, int64_t task) {
     }
 }
 
-static k3_status cpu_matmul_tn(const float *x, int64_t T, const k3_tensor *W, float *y) {
+static k3_status cpu_matmul_tn(k3_backend *be, const float *x, int64_t T, const k3_tensor *W, float *y) {
     K3_TRY(k3_kernels_check_weight(W, "matmul_tn"));
     int64_t out = W->shape[0], in = W->shape[1];
     if (T <= 0 || in <= 0) return K3_OK;
     mmtn_job j = {.x = x, .T = T, .W = W, .y = y, .cols_per_task = in};
-    int nth = k3_kernels_threads();
+    int nth = k3_pool_threads(k3_cpu_pool(be));
     if (T * out * in >= K3_CPU_PAR_MIN_MACS && nth > 1) {
         int64_t n_tasks = K3_MIN((in + 31) / 32, (int64_t)nth * 2);
         j.cols_per_task = ((in + n_tasks - 1) / n_tasks + 31) & ~(int64_t)31;
     }
-    k3_pool_run((in + j.cols_per_task - 1) / j.cols_per_task, mmtn_task, &j);
+    k3_pool_run(k3_cpu_pool(be), (in + j.cols_per_task - 1) / j.cols_per_task, mmtn_task, &j);
     return K3_OK;
 }
 
@@ -341,25 +341,27 @@ typedef struct {
 static void norm_task(void *ctx, int64_t t) {
     const norm_job *j = ctx;
     if (j->l2)
-        k3_ops_ref()->l2norm(j->x + t * j->n, 1, j->n, j->eps, j->y + t * j->n);
+        k3_ref_ops.l2norm(NULL, j->x + t * j->n, 1, j->n, j->eps, j->y + t * j->n);
     else
-        k3_ops_ref()->rmsnorm(j->x + t * j->n, j->w, 1, j->n, j->eps, j->y + t * j->n);
+        k3_ref_ops.rmsnorm(NULL, j->x + t * j->n, j->w, 1, j->n, j->eps, j->y + t * j->n);
 }
-static void cpu_rmsnorm(const float *x, const float *w, int64_t T, int64_t n, float eps, float *y) {
+static k3_status cpu_rmsnorm(k3_backend *be, const float *x, const float *w, int64_t T, int64_t n, float eps, float *y) {
     norm_job j = {x, w, n, eps, y, false};
     if (T * n < K3_CPU_PAR_MIN_MACS) {
-        k3_ops_ref()->rmsnorm(x, w, T, n, eps, y);
-        return;
+        k3_ref_ops.rmsnorm(be, x, w, T, n, eps, y);
+        return K3_OK;
     }
-    k3_pool_run(T, norm_task, &j);
+    k3_pool_run(k3_cpu_pool(be), T, norm_task, &j);
+    return K3_OK;
 }
-static void cpu_l2norm(const float *x, int64_t T, int64_t n, float eps, float *y) {
+static k3_status cpu_l2norm(k3_backend *be, const float *x, int64_t T, int64_t n, float eps, float *y) {
     norm_job j = {x, NULL, n, eps, y, true};
     if (T * n < K3_CPU_PAR_MIN_MACS) {
-        k3_ops_ref()->l2norm(x, T, n, eps, y);
-        return;
+        k3_ref_ops.l2norm(be, x, T, n, eps, y);
+        return K3_OK;
     }
-    k3_pool_run(T, norm_task, &j);
+    k3_pool_run(k3_cpu_pool(be), T, norm_task, &j);
+    return K3_OK;
 }
 
 /* ---- KDA and latent attention: per head on the pool --------------------------------------- */
@@ -384,17 +386,19 @@ static void kda_task(void *ctx, int64_t h) {
                                   j->g + h * j->dk, j->beta + h, j->n, sqk, svo, j->H, j->dk, j->dv,
                                   j->scale, S, j->o + h * j->dv);
 }
-static void cpu_kda_recurrent(const float *q, const float *k, const float *v, const float *g,
+static k3_status cpu_kda_recurrent(k3_backend *be, const float *q, const float *k, const float *v, const float *g,
                               const float *beta, int64_t n, int H, int dk, int dv, float scale,
                               float *S, float *o) {
     kda_job j = {q, k, v, g, beta, n, H, dk, dv, 0, scale, S, o, NULL};
-    k3_pool_run(H, kda_task, &j);
+    k3_pool_run(k3_cpu_pool(be), H, kda_task, &j);
+    return K3_OK;
 }
-static void cpu_kda_chunked(const float *q, const float *k, const float *v, const float *g,
+static k3_status cpu_kda_chunked(k3_backend *be, const float *q, const float *k, const float *v, const float *g,
                             const float *beta, int64_t n, int H, int dk, int dv, float scale,
                             float *S, float *o, int C, float *work) {
     kda_job j = {q, k, v, g, beta, n, H, dk, dv, C, scale, S, o, work};
-    k3_pool_run(H, kda_task, &j);
+    k3_pool_run(k3_cpu_pool(be), H, kda_task, &j);
+    return K3_OK;
 }
 
 typedef struct {
@@ -409,55 +413,167 @@ static void lat_task(void *ctx, int64_t h) {
     k3_ref_attn_latent_head(j->qc + h * j->W, j->cache, j->n_ctx, j->W, j->Rkv, j->scale,
                             j->o + h * j->Rkv, j->work + h * j->n_ctx);
 }
-static void cpu_attn_latent(const float *qc, const float *cache, int64_t n_ctx, int H, int W,
+static k3_status cpu_attn_latent(k3_backend *be, const float *qc, const float *cache, int64_t n_ctx, int H, int W,
                             int Rkv, float scale, float *o_lat, float *work) {
     lat_job j = {qc, cache, n_ctx, W, Rkv, scale, o_lat, work};
     if (n_ctx * H * W < K3_CPU_PAR_MIN_MACS) {
         for (int h = 0; h < H; h++) lat_task(&j, h);
-        return;
+        return K3_OK;
     }
-    k3_pool_run(H, lat_task, &j);
+    k3_pool_run(k3_cpu_pool(be), H, lat_task, &j);
+    return K3_OK;
 }
 
 /* elementwise ops are a negligible share of time: the reference code */
-static void cpu_silu(const float *x, int64_t n, float *y) {
-    k3_ops_ref()->silu(x, n, y);
+static k3_status cpu_silu(k3_backend *be, const float *x, int64_t n, float *y) {
+    k3_ref_ops.silu(be, x, n, y);
+    return K3_OK;
 }
-static void cpu_sigmoid(const float *x, int64_t n, float *y) {
-    k3_ops_ref()->sigmoid(x, n, y);
+static k3_status cpu_sigmoid(k3_backend *be, const float *x, int64_t n, float *y) {
+    k3_ref_ops.sigmoid(be, x, n, y);
+    return K3_OK;
 }
-static void cpu_situ(const float *g, const float *u, int64_t n, float beta, float lin_beta,
+static k3_status cpu_situ(k3_backend *be, const float *g, const float *u, int64_t n, float beta, float lin_beta,
                      float *y) {
-    k3_ops_ref()->situ(g, u, n, beta, lin_beta, y);
+    k3_ref_ops.situ(be, g, u, n, beta, lin_beta, y);
+    return K3_OK;
 }
-static void cpu_swiglu(const float *g, const float *u, int64_t n, float *y) {
-    k3_ops_ref()->swiglu(g, u, n, y);
+static k3_status cpu_swiglu(k3_backend *be, const float *g, const float *u, int64_t n, float *y) {
+    k3_ref_ops.swiglu(be, g, u, n, y);
+    return K3_OK;
 }
-static void cpu_softmax(const float *x, int64_t T, int64_t n, float *y) {
-    k3_ops_ref()->softmax(x, T, n, y);
+static k3_status cpu_softmax(k3_backend *be, const float *x, int64_t T, int64_t n, float *y) {
+    k3_ref_ops.softmax(be, x, T, n, y);
+    return K3_OK;
 }
-static void cpu_attnres_mix(const float *bank, int n_bank, const float *p, const float *w,
+static k3_status cpu_attnres_mix(k3_backend *be, const float *bank, int n_bank, const float *p, const float *w,
                             int64_t T, int64_t D, float eps, float *out) {
-    k3_ops_ref()->attnres_mix(bank, n_bank, p, w, T, D, eps, out);
+    k3_ref_ops.attnres_mix(be, bank, n_bank, p, w, T, D, eps, out);
+    return K3_OK;
 }
 
-static const k3_ops k_cpu_ops = {
-    .backend = "cpu",
-    .matmul = cpu_matmul,
-    .matmul_tn = cpu_matmul_tn,
-    .rmsnorm = cpu_rmsnorm,
-    .l2norm = cpu_l2norm,
-    .silu = cpu_silu,
-    .sigmoid = cpu_sigmoid,
-    .situ = cpu_situ,
-    .swiglu = cpu_swiglu,
-    .softmax = cpu_softmax,
-    .attnres_mix = cpu_attnres_mix,
-    .kda_recurrent = cpu_kda_recurrent,
-    .kda_chunked = cpu_kda_chunked,
-    .attn_latent = cpu_attn_latent,
-};
-
-const k3_ops *k3_ops_cpu(void) {
-    return &k_cpu_ops;
+static k3_status cpu_add(k3_backend *be, const float *a, const float *b, int64_t n, float *y) {
+    return k3_ref_ops.add(be, a, b, n, y);
 }
+static k3_status cpu_mul(k3_backend *be, const float *a, const float *b, int64_t n, float *y) {
+    return k3_ref_ops.mul(be, a, b, n, y);
+}
+static k3_status cpu_fill(k3_backend *be, float *y, int64_t n, float v) {
+    return k3_ref_ops.fill(be, y, n, v);
+}
+static k3_status cpu_copy2d(k3_backend *be, float *dst, int64_t dst_stride, const float *src,
+                            int64_t src_stride, int64_t rows, int64_t cols) {
+    return k3_ref_ops.copy2d(be, dst, dst_stride, src, src_stride, rows, cols);
+}
+static k3_status cpu_to_f32(k3_backend *be, const k3_tensor *t, int64_t n, float *dst) {
+    return k3_ref_ops.to_f32(be, t, n, dst);
+}
+static k3_status cpu_embed_rows(k3_backend *be, const k3_tensor *W, const int32_t *ids, int64_t T,
+                                float *out) {
+    return k3_ref_ops.embed_rows(be, W, ids, T, out);
+}
+static k3_status cpu_short_conv(k3_backend *be, const float *in, int64_t n, int64_t P, int K,
+                                const float *w, float *state, float *out) {
+    return k3_ref_ops.short_conv(be, in, n, P, K, w, state, out);
+}
+
+/* kda_gate and moe_topk: per token on the pool (each token's outputs are its own). */
+typedef struct {
+    float *r;
+    const float *dt_bias, *a_log;
+    int64_t T;
+    int H, dk;
+    bool lb_form;
+    float lb;
+} gate_job;
+static void gate_task(void *ctx, int64_t t) {
+    const gate_job *j = ctx;
+    k3_ref_kda_gate_rows(j->r, j->dt_bias, j->a_log, t, t + 1, j->H, j->dk, j->lb_form, j->lb);
+}
+static k3_status cpu_kda_gate(k3_backend *be, float *r, const float *dt_bias, const float *a_log,
+                              int64_t T, int H, int dk, bool has_lower_bound, float lower_bound) {
+    gate_job j = {r, dt_bias, a_log, T, H, dk, has_lower_bound, lower_bound};
+    if (T * H * dk < K3_CPU_PAR_MIN_MACS / 8) {
+        k3_ref_kda_gate_rows(r, dt_bias, a_log, 0, T, H, dk, has_lower_bound, lower_bound);
+        return K3_OK;
+    }
+    k3_pool_run(k3_cpu_pool(be), T, gate_task, &j);
+    return K3_OK;
+}
+
+typedef struct {
+    const float *scores, *bias;
+    int E, K, G, topk_group;
+    bool renorm;
+    float scale;
+    float *work, *w;
+    int32_t *ids;
+    k3_status *st; /* [T] */
+} topk_job;
+static void topk_task(void *ctx, int64_t t) {
+    const topk_job *j = ctx;
+    j->st[t] = k3_ref_moe_topk_rows(j->scores, j->bias, t, t + 1, j->E, j->K, j->G, j->topk_group,
+                                    j->renorm, j->scale, j->work, j->ids, j->w);
+}
+static k3_status cpu_moe_topk(k3_backend *be, const float *scores, const float *bias, int64_t T,
+                              int E, int K, int n_group, int topk_group, bool renorm, float scale,
+                              float *work, int32_t *ids, float *w) {
+    K3_TRY(k3_kernels_check_topk(E, K, n_group, topk_group));
+    /* Small batches (and every error path: the first failing token, as ref reports it) run on
+       the caller; large ones per token on the pool with the statuses kept on the stack in
+       tiles, so an error still names the first bad token. */
+    enum { TILE = 256 };
+    k3_status st[TILE];
+    for (int64_t t0 = 0; t0 < T; t0 += TILE) {
+        int64_t n = K3_MIN((int64_t)TILE, T - t0);
+        if (n * E < K3_CPU_PAR_MIN_MACS / 8) {
+            K3_TRY(k3_ref_moe_topk_rows(scores, bias, t0, t0 + n, E, K, n_group, topk_group, renorm,
+                                        scale, work, ids, w));
+            continue;
+        }
+        topk_job j = {scores + t0 * E, bias, E, K, n_group, topk_group, renorm, scale,
+                      work + t0 * E,   w + t0 * K, ids + t0 * K, st};
+        k3_pool_run(k3_cpu_pool(be), n, topk_task, &j);
+        for (int64_t i = 0; i < n; i++)
+            if (st[i] != K3_OK) /* redo serially from this tile for the message of the first */
+                return k3_ref_moe_topk_rows(scores, bias, t0, t0 + n, E, K, n_group, topk_group,
+                                            renorm, scale, work, ids, w);
+    }
+    return K3_OK;
+}
+
+static k3_status cpu_rows_gather(k3_backend *be, const float *src, int64_t width,
+                                 const int64_t *idx, int64_t n, float *dst) {
+    return k3_ref_ops.rows_gather(be, src, width, idx, n, dst);
+}
+static k3_status cpu_rows_scatter(k3_backend *be, const float *src, int64_t width,
+                                  const int64_t *idx, int64_t n, float *dst) {
+    return k3_ref_ops.rows_scatter(be, src, width, idx, n, dst);
+}
+
+typedef struct {
+    const float *x, *w;
+    const int64_t *seg;
+    int64_t seg_len, width;
+    float *y;
+} wsum_job;
+static void wsum_task(void *ctx, int64_t j) {
+    const wsum_job *q = ctx;
+    k3_ref_rows_wsum_seg(q->x, q->w, q->seg, q->seg_len, j, q->width, q->y);
+}
+static k3_status cpu_rows_wsum(k3_backend *be, const float *x, const float *w, const int64_t *seg,
+                               int64_t seg_len, int64_t n_seg, int64_t width, float *y) {
+    K3_TRY(k3_kernels_check_seg(seg, seg_len, n_seg));
+    wsum_job j = {x, w, seg, seg_len, width, y};
+    int64_t rows = seg ? (n_seg > 0 ? seg[n_seg] - seg[0] : 0) : n_seg * seg_len;
+    if (rows * width < K3_CPU_PAR_MIN_MACS) {
+        for (int64_t s = 0; s < n_seg; s++) wsum_task(&j, s);
+        return K3_OK;
+    }
+    k3_pool_run(k3_cpu_pool(be), n_seg, wsum_task, &j);
+    return K3_OK;
+}
+
+#define CPU_OP(name, params, args) .name = cpu_##name,
+const k3_ops k3_cpu_ops = {K3_OP_LIST(CPU_OP)};
+#undef CPU_OP

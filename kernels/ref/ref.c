@@ -12,7 +12,7 @@
 
 /* ---- weights ------------------------------------------------------------------------------ */
 
-static k3_status ref_matmul(const float *x, int64_t T, const k3_tensor *W, float *y) {
+static k3_status ref_matmul(k3_backend *be, const float *x, int64_t T, const k3_tensor *W, float *y) {
     K3_TRY(k3_kernels_check_weight(W, "matmul"));
     int64_t out = W->shape[0], in = W->shape[1];
     for (int64_t o = 0; o < out; o++)
@@ -25,7 +25,7 @@ static k3_status ref_matmul(const float *x, int64_t T, const k3_tensor *W, float
     return K3_OK;
 }
 
-static k3_status ref_matmul_tn(const float *x, int64_t T, const k3_tensor *W, float *y) {
+static k3_status ref_matmul_tn(k3_backend *be, const float *x, int64_t T, const k3_tensor *W, float *y) {
     K3_TRY(k3_kernels_check_weight(W, "matmul_tn"));
     int64_t out = W->shape[0], in = W->shape[1];
     for (int64_t t = 0; t < T; t++)
@@ -39,7 +39,7 @@ static k3_status ref_matmul_tn(const float *x, int64_t T, const k3_tensor *W, fl
 }
 
 /* ---- elementwise / rows ------------------------------------------------------------------- */
-static void ref_rmsnorm(const float *x, const float *w, int64_t T, int64_t n, float eps, float *y) {
+static k3_status ref_rmsnorm(k3_backend *be, const float *x, const float *w, int64_t T, int64_t n, float eps, float *y) {
     for (int64_t t = 0; t < T; t++) {
         const float *xt = x + t * n;
         float ss = 0.0f;
@@ -47,9 +47,10 @@ static void ref_rmsnorm(const float *x, const float *w, int64_t T, int64_t n, fl
         float r = 1.0f / sqrtf(ss / (float)n + eps);
         for (int64_t i = 0; i < n; i++) y[t * n + i] = (w ? w[i] : 1.0f) * (xt[i] * r);
     }
+    return K3_OK;
 }
 
-static void ref_l2norm(const float *x, int64_t T, int64_t n, float eps, float *y) {
+static k3_status ref_l2norm(k3_backend *be, const float *x, int64_t T, int64_t n, float eps, float *y) {
     for (int64_t t = 0; t < T; t++) {
         const float *xt = x + t * n;
         float ss = 0.0f;
@@ -57,30 +58,35 @@ static void ref_l2norm(const float *x, int64_t T, int64_t n, float eps, float *y
         float r = 1.0f / sqrtf(ss + eps);
         for (int64_t i = 0; i < n; i++) y[t * n + i] = xt[i] * r;
     }
+    return K3_OK;
 }
 
 static inline float sigm(float x) {
     return 1.0f / (1.0f + expf(-x));
 }
 
-static void ref_silu(const float *x, int64_t n, float *y) {
+static k3_status ref_silu(k3_backend *be, const float *x, int64_t n, float *y) {
     for (int64_t i = 0; i < n; i++) y[i] = x[i] * sigm(x[i]);
+    return K3_OK;
 }
-static void ref_sigmoid(const float *x, int64_t n, float *y) {
+static k3_status ref_sigmoid(k3_backend *be, const float *x, int64_t n, float *y) {
     for (int64_t i = 0; i < n; i++) y[i] = sigm(x[i]);
+    return K3_OK;
 }
-static void ref_situ(const float *g, const float *u, int64_t n, float beta, float lin_beta,
+static k3_status ref_situ(k3_backend *be, const float *g, const float *u, int64_t n, float beta, float lin_beta,
                      float *y) {
     for (int64_t i = 0; i < n; i++) {
         float a = beta * tanhf(g[i] / beta) * sigm(g[i]);
         float b = lin_beta > 0.0f ? lin_beta * tanhf(u[i] / lin_beta) : u[i];
         y[i] = a * b;
     }
+    return K3_OK;
 }
-static void ref_swiglu(const float *g, const float *u, int64_t n, float *y) {
+static k3_status ref_swiglu(k3_backend *be, const float *g, const float *u, int64_t n, float *y) {
     for (int64_t i = 0; i < n; i++) y[i] = g[i] * sigm(g[i]) * u[i];
+    return K3_OK;
 }
-static void ref_softmax(const float *x, int64_t T, int64_t n, float *y) {
+static k3_status ref_softmax(k3_backend *be, const float *x, int64_t T, int64_t n, float *y) {
     for (int64_t t = 0; t < T; t++) {
         const float *xt = x + t * n;
         float *yt = y + t * n;
@@ -93,11 +99,12 @@ static void ref_softmax(const float *x, int64_t T, int64_t n, float *y) {
         }
         for (int64_t i = 0; i < n; i++) yt[i] /= s;
     }
+    return K3_OK;
 }
 
 /* ---- AttnRes ------------------------------------------------------------------------------ */
 #define K3_MAX_SOURCES 64
-static void ref_attnres_mix(const float *bank, int n_bank, const float *p, const float *w,
+static k3_status ref_attnres_mix(k3_backend *be, const float *bank, int n_bank, const float *p, const float *w,
                             int64_t T, int64_t D, float eps, float *out) {
     K3_ASSERT(n_bank + 1 <= K3_MAX_SOURCES);
     for (int64_t t = 0; t < T; t++) {
@@ -125,6 +132,7 @@ static void ref_attnres_mix(const float *bank, int n_bank, const float *p, const
             out[t * D + d] = acc;
         }
     }
+    return K3_OK;
 }
 
 /* ---- KDA ---------------------------------------------------------------------------------- */
@@ -274,16 +282,17 @@ void k3_ref_kda_head_chunked(const float *q, const float *k, const float *v, con
                                   o + t0 * svo);
 }
 
-static void ref_kda_recurrent(const float *q, const float *k, const float *v, const float *g,
+static k3_status ref_kda_recurrent(k3_backend *be, const float *q, const float *k, const float *v, const float *g,
                               const float *beta, int64_t n, int H, int dk, int dv, float scale,
                               float *S, float *o) {
     int64_t sqk = (int64_t)H * dk, svo = (int64_t)H * dv;
     for (int h = 0; h < H; h++)
         k3_ref_kda_head_recurrent(q + h * dk, k + h * dk, v + h * dv, g + h * dk, beta + h, n, sqk,
                                   svo, H, dk, dv, scale, S + (int64_t)h * dk * dv, o + h * dv);
+    return K3_OK;
 }
 
-static void ref_kda_chunked(const float *q, const float *k, const float *v, const float *g,
+static k3_status ref_kda_chunked(k3_backend *be, const float *q, const float *k, const float *v, const float *g,
                             const float *beta, int64_t n, int H, int dk, int dv, float scale,
                             float *S, float *o, int C, float *work) {
     int64_t sqk = (int64_t)H * dk, svo = (int64_t)H * dv;
@@ -292,6 +301,7 @@ static void ref_kda_chunked(const float *q, const float *k, const float *v, cons
         k3_ref_kda_head_chunked(q + h * dk, k + h * dk, v + h * dv, g + h * dk, beta + h, n, sqk,
                                 svo, H, dk, dv, scale, S + (int64_t)h * dk * dv, o + h * dv, C,
                                 work + (size_t)h * wf);
+    return K3_OK;
 }
 
 /* ---- latent attention --------------------------------------------------------------------- */
@@ -318,30 +328,255 @@ void k3_ref_attn_latent_head(const float *qc, const float *cache, int64_t n_ctx,
     }
 }
 
-static void ref_attn_latent(const float *qc, const float *cache, int64_t n_ctx, int H, int W,
+static k3_status ref_attn_latent(k3_backend *be, const float *qc, const float *cache, int64_t n_ctx, int H, int W,
                             int Rkv, float scale, float *o_lat, float *work) {
     for (int h = 0; h < H; h++)
         k3_ref_attn_latent_head(qc + (int64_t)h * W, cache, n_ctx, W, Rkv, scale,
                                 o_lat + (int64_t)h * Rkv, work + (int64_t)h * n_ctx);
+    return K3_OK;
 }
 
-static const k3_ops k_ref_ops = {
-    .backend = "ref",
-    .matmul = ref_matmul,
-    .matmul_tn = ref_matmul_tn,
-    .rmsnorm = ref_rmsnorm,
-    .l2norm = ref_l2norm,
-    .silu = ref_silu,
-    .sigmoid = ref_sigmoid,
-    .situ = ref_situ,
-    .swiglu = ref_swiglu,
-    .softmax = ref_softmax,
-    .attnres_mix = ref_attnres_mix,
-    .kda_recurrent = ref_kda_recurrent,
-    .kda_chunked = ref_kda_chunked,
-    .attn_latent = ref_attn_latent,
-};
-
-const k3_ops *k3_ops_ref(void) {
-    return &k_ref_ops;
+/* ---- element-wise, copies, decode ---------------------------------------------------------- */
+static k3_status ref_add(k3_backend *be, const float *a, const float *b, int64_t n, float *y) {
+    for (int64_t i = 0; i < n; i++) y[i] = a[i] + b[i];
+    return K3_OK;
 }
+static k3_status ref_mul(k3_backend *be, const float *a, const float *b, int64_t n, float *y) {
+    for (int64_t i = 0; i < n; i++) y[i] = a[i] * b[i];
+    return K3_OK;
+}
+static k3_status ref_fill(k3_backend *be, float *y, int64_t n, float v) {
+    for (int64_t i = 0; i < n; i++) y[i] = v;
+    return K3_OK;
+}
+static k3_status ref_copy2d(k3_backend *be, float *dst, int64_t dst_stride, const float *src,
+                            int64_t src_stride, int64_t rows, int64_t cols) {
+    if (rows < 0 || cols < 0 || (rows > 1 && (dst_stride < cols || src_stride < cols)))
+        return K3_ERR(K3_ERR_ARG, "copy2d: %lld x %lld with strides %lld / %lld", (long long)rows,
+                      (long long)cols, (long long)dst_stride, (long long)src_stride);
+    for (int64_t r = 0; r < rows; r++)
+        memcpy(dst + r * dst_stride, src + r * src_stride, (size_t)cols * sizeof(float));
+    return K3_OK;
+}
+static k3_status ref_to_f32(k3_backend *be, const k3_tensor *t, int64_t n, float *dst) {
+    return k3_tensor_to_f32(t, dst, n);
+}
+static k3_status ref_embed_rows(k3_backend *be, const k3_tensor *W, const int32_t *ids, int64_t T,
+                                float *out) {
+    if (W->ndim != 2 || (W->dtype != K3_DT_F32 && W->dtype != K3_DT_BF16 && W->dtype != K3_DT_F16))
+        return K3_ERR(K3_ERR_SHAPE, "embed_rows: embedding must be a 2-D F32/BF16/F16 table");
+    const int64_t D = W->shape[1];
+    for (int64_t t = 0; t < T; t++) {
+        if (ids[t] < 0 || ids[t] >= W->shape[0])
+            return K3_ERR(K3_ERR_ARG, "embed_rows: token id %d at position %lld outside [0, %lld)",
+                          ids[t], (long long)t, (long long)W->shape[0]);
+        k3_tensor row;
+        K3_TRY(k3_tensor_rows(W, ids[t], 1, &row));
+        K3_TRY(k3_tensor_to_f32(&row, out + t * D, D));
+    }
+    return K3_OK;
+}
+
+/* ---- KDA pieces ---------------------------------------------------------------------------- */
+static k3_status ref_short_conv(k3_backend *be, const float *in, int64_t n, int64_t P, int K,
+                                const float *w, float *state, float *out) {
+    for (int64_t t = 0; t < n; t++) {
+        float *o = out + t * P;
+        for (int64_t c = 0; c < P; c++) {
+            float acc = 0.0f;
+            for (int j = 0; j < K; j++) {
+                int64_t idx = t - (K - 1) + j;
+                float v = idx >= 0 ? in[idx * P + c] : state[(idx + (K - 1)) * P + c];
+                acc += w[c * K + j] * v;
+            }
+            o[c] = acc;
+        }
+    }
+    /* new state: the window of the last K-1 inputs */
+    int km1 = K - 1;
+    if (km1 <= 0) return K3_OK;
+    if (n >= km1) {
+        memcpy(state, in + (n - km1) * P, (size_t)km1 * (size_t)P * sizeof(float));
+    } else {
+        int64_t keep = km1 - n; /* oldest rows shift up */
+        memmove(state, state + n * P, (size_t)keep * (size_t)P * sizeof(float));
+        memcpy(state + keep * P, in, (size_t)n * (size_t)P * sizeof(float));
+    }
+    return K3_OK;
+}
+
+/* PyTorch softplus (beta 1, threshold 20). */
+static inline float softplus(float x) {
+    return x > 20.0f ? x : log1pf(expf(x));
+}
+void k3_ref_kda_gate_rows(float *r, const float *dt_bias, const float *a_log, int64_t t0,
+                          int64_t t1, int H, int dk, bool has_lower_bound, float lower_bound) {
+    const int64_t P = (int64_t)H * dk;
+    for (int64_t t = t0; t < t1; t++) {
+        float *rt = r + t * P;
+        for (int h = 0; h < H; h++) {
+            float a = expf(a_log[h]);
+            for (int i = 0; i < dk; i++) {
+                int64_t ch = (int64_t)h * dk + i;
+                float v = rt[ch] + dt_bias[ch];
+                rt[ch] = has_lower_bound ? lower_bound * (1.0f / (1.0f + expf(-a * v)))
+                                         : -a * softplus(v);
+            }
+        }
+    }
+}
+static k3_status ref_kda_gate(k3_backend *be, float *r, const float *dt_bias, const float *a_log,
+                              int64_t T, int H, int dk, bool has_lower_bound, float lower_bound) {
+    k3_ref_kda_gate_rows(r, dt_bias, a_log, 0, T, H, dk, has_lower_bound, lower_bound);
+    return K3_OK;
+}
+
+/* ---- MoE routing and rows ------------------------------------------------------------------ */
+/* Index of the largest v[i] over i in [0, n) with allowed[i]; ties -> lowest index. */
+static int argmax_lowest(const float *v, int n, const unsigned char *allowed) {
+    int best = -1;
+    for (int i = 0; i < n; i++) {
+        if (!allowed[i]) continue;
+        if (best < 0 || v[i] > v[best]) best = i;
+    }
+    return best;
+}
+
+k3_status k3_ref_moe_topk_rows(const float *scores, const float *bias, int64_t t0, int64_t t1,
+                               int E, int K, int G, int topk_group, bool renorm, float scale,
+                               float *work, int32_t *ids_all, float *w_all) {
+    const int gsz = E / G;
+    unsigned char gkeep[K3_MOE_TOPK_MAX_GROUPS];
+    float gscore[K3_MOE_TOPK_MAX_GROUPS];
+    for (int64_t t = t0; t < t1; t++) {
+        const float *s = scores + t * E;
+        float *b = work + t * E;
+        for (int e = 0; e < E; e++) b[e] = bias ? s[e] + bias[e] : s[e];
+        for (int e = 0; e < E; e++) {
+            if (!isfinite(s[e]) || !isfinite(b[e]))
+                return K3_ERR(
+                    K3_ERR_INTERNAL,
+                    "MoE router: non-finite score at token %lld, expert %d (%g, biased %g)",
+                    (long long)t, e, (double)s[e], (double)b[e]);
+        }
+        /* group scores: sum of the two best biased scores of each group (one if gsz == 1) */
+        for (int g = 0; g < G; g++) {
+            const float *bg = b + (int64_t)g * gsz;
+            int i1 = 0;
+            for (int i = 1; i < gsz; i++)
+                if (bg[i] > bg[i1]) i1 = i;
+            int i2 = -1;
+            for (int i = 0; i < gsz; i++)
+                if (i != i1 && (i2 < 0 || bg[i] > bg[i2])) i2 = i;
+            gscore[g] = i2 < 0 ? bg[i1] : bg[i1] + bg[i2];
+            gkeep[g] = 0;
+        }
+        if (G > 1) {
+            unsigned char avail[K3_MOE_TOPK_MAX_GROUPS];
+            memset(avail, 1, (size_t)G);
+            for (int j = 0; j < topk_group; j++) {
+                int g = argmax_lowest(gscore, G, avail);
+                avail[g] = 0;
+                gkeep[g] = 1;
+            }
+        } else {
+            gkeep[0] = 1;
+        }
+        /* top-K of the biased scores among experts of kept groups; ties -> lower expert index;
+           a taken expert becomes -inf in the work row */
+        int32_t *ids = ids_all + t * K;
+        for (int k = 0; k < K; k++) {
+            int best = -1;
+            for (int e = 0; e < E; e++) {
+                if (!gkeep[e / gsz] || isinf(b[e])) continue;
+                if (best < 0 || b[e] > b[best]) best = e;
+            }
+            if (best < 0) /* cannot happen when K <= kept experts (checked) and scores are finite */
+                return K3_ERR(K3_ERR_INTERNAL, "MoE router: ran out of experts at token %lld",
+                              (long long)t);
+            ids[k] = best;
+            b[best] = -INFINITY;
+        }
+        float *w = w_all + t * K;
+        float sum = 0.0f;
+        for (int k = 0; k < K; k++) {
+            w[k] = s[ids[k]];
+            sum += w[k];
+        }
+        if (renorm) {
+            float den = sum + 1e-20f;
+            for (int k = 0; k < K; k++) w[k] = w[k] / den;
+        }
+        for (int k = 0; k < K; k++) w[k] *= scale;
+    }
+    return K3_OK;
+}
+
+k3_status k3_kernels_check_topk(int E, int K, int G, int topk_group) {
+    if (E <= 0 || K <= 0 || K > E || G <= 0 || G > K3_MOE_TOPK_MAX_GROUPS || E % G != 0 ||
+        topk_group <= 0 || topk_group > G || (int64_t)topk_group * (E / G) < K)
+        return K3_ERR(K3_ERR_ARG,
+                      "moe_topk: E=%d K=%d n_group=%d topk_group=%d is not a valid selection", E,
+                      K, G, topk_group);
+    return K3_OK;
+}
+
+static k3_status ref_moe_topk(k3_backend *be, const float *scores, const float *bias, int64_t T,
+                              int E, int K, int n_group, int topk_group, bool renorm, float scale,
+                              float *work, int32_t *ids, float *w) {
+    K3_TRY(k3_kernels_check_topk(E, K, n_group, topk_group));
+    return k3_ref_moe_topk_rows(scores, bias, 0, T, E, K, n_group, topk_group, renorm, scale, work,
+                                ids, w);
+}
+
+static k3_status ref_rows_gather(k3_backend *be, const float *src, int64_t width,
+                                 const int64_t *idx, int64_t n, float *dst) {
+    for (int64_t j = 0; j < n; j++)
+        memcpy(dst + j * width, src + idx[j] * width, (size_t)width * sizeof(float));
+    return K3_OK;
+}
+static k3_status ref_rows_scatter(k3_backend *be, const float *src, int64_t width,
+                                  const int64_t *idx, int64_t n, float *dst) {
+    for (int64_t j = 0; j < n; j++)
+        memcpy(dst + idx[j] * width, src + j * width, (size_t)width * sizeof(float));
+    return K3_OK;
+}
+
+void k3_ref_rows_wsum_seg(const float *x, const float *w, const int64_t *seg, int64_t seg_len,
+                          int64_t j, int64_t width, float *y) {
+    float *a = y + j * width;
+    const int64_t i0 = seg ? seg[j] : j * seg_len, i1 = seg ? seg[j + 1] : (j + 1) * seg_len;
+    const float *x0 = x + i0 * width;
+    if (w)
+        for (int64_t d = 0; d < width; d++) a[d] = w[i0] * x0[d];
+    else
+        for (int64_t d = 0; d < width; d++) a[d] = x0[d];
+    for (int64_t i = i0 + 1; i < i1; i++) {
+        const float *xi = x + i * width;
+        if (w) {
+            const float wi = w[i];
+            for (int64_t d = 0; d < width; d++) a[d] += wi * xi[d];
+        } else {
+            for (int64_t d = 0; d < width; d++) a[d] += xi[d];
+        }
+    }
+}
+k3_status k3_kernels_check_seg(const int64_t *seg, int64_t seg_len, int64_t n_seg) {
+    if (!seg && seg_len < 1 && n_seg > 0)
+        return K3_ERR(K3_ERR_ARG, "rows_wsum: uniform segments of %lld rows", (long long)seg_len);
+    for (int64_t j = 0; seg && j < n_seg; j++)
+        if (seg[j + 1] <= seg[j])
+            return K3_ERR(K3_ERR_ARG, "rows_wsum: segment %lld is empty or reversed [%lld, %lld)",
+                          (long long)j, (long long)seg[j], (long long)seg[j + 1]);
+    return K3_OK;
+}
+static k3_status ref_rows_wsum(k3_backend *be, const float *x, const float *w, const int64_t *seg,
+                               int64_t seg_len, int64_t n_seg, int64_t width, float *y) {
+    K3_TRY(k3_kernels_check_seg(seg, seg_len, n_seg));
+    for (int64_t j = 0; j < n_seg; j++) k3_ref_rows_wsum_seg(x, w, seg, seg_len, j, width, y);
+    return K3_OK;
+}
+
+#define REF_OP(name, params, args) .name = ref_##name,
+const k3_ops k3_ref_ops = {K3_OP_LIST(REF_OP)};
+#undef REF_OP
