@@ -1,0 +1,9 @@
+# layering — the module graph of DESIGN.md §1 read from the #include lines of every module
+# folder: a forbidden edge (kernels → model, layers → rank, ...), a cycle, or MPI/CUDA outside
+# their folders fails. The self-test injects such includes into a temporary copy and checks that
+# each one is caught (the checker seen to fail, STYLE.md §18).
+add_test(NAME module_graph COMMAND python3 ${CMAKE_CURRENT_LIST_DIR}/module_graph.py ${CMAKE_SOURCE_DIR})
+set_tests_properties(module_graph PROPERTIES LABELS "unit" ENVIRONMENT "${K3_TEST_ENV}" TIMEOUT 60)
+add_test(NAME module_graph_self_test
+         COMMAND python3 ${CMAKE_CURRENT_LIST_DIR}/module_graph.py --self-test ${CMAKE_SOURCE_DIR})
+set_tests_properties(module_graph_self_test PROPERTIES LABELS "unit" ENVIRONMENT "${K3_TEST_ENV}" TIMEOUT 60)
