@@ -4,9 +4,11 @@
  * and active parameter counts, bytes by dtype, "active bytes/token" (what one decoded token
  * reads), the shards (name, size, tensor count), then checks every tensor the config implies
  * (k3_ckpt_verify) and lists the problems (the first 1000; n_problems / the stderr line give the
- * real count); exit 1 if there are any. --json prints the same as one JSON object on stdout.
+ * real count); exit 1 if there are any. --json prints the same as one JSON object on stdout; its
+ * "config" is config.json's text_config from the one writer (k3_config_json) + the derived values.
  * --preset k3 summarises the real K3 config without a checkpoint. */
 #include "k3_launcher.h"
+#include "k3_config_json.h"
 #include "k3_model.h"
 
 #include <cjson/cJSON.h>
@@ -39,16 +41,18 @@ static void layer_string(const k3_config *c, char *out, size_t cap) {
     out[n] = 0;
 }
 
-/* NULL (k3_last_error says why) when the counts cannot be computed. */
+/* The config as config.json spells it (k3_config_json, the one writer) plus what inspect derives:
+ * layer kinds, counts, bytes. NULL (k3_last_error says why) when the counts cannot be computed. */
 static cJSON *summary(const k3_config *c) {
     k3_config_counts k;
     if (k3_config_count(c, &k) != K3_OK) return NULL;
-    cJSON *o = cJSON_CreateObject();
+    cJSON *o = k3_config_json(c);
+    if (!o) {
+        K3_ERR(K3_ERR_NOMEM, "inspect: out of memory");
+        return NULL;
+    }
     char ls[4 * K3_MAX_LAYERS];
     layer_string(c, ls, sizeof ls);
-    cJSON_AddNumberToObject(o, "vocab_size", (double)c->vocab_size);
-    cJSON_AddNumberToObject(o, "hidden_size", (double)c->hidden_size);
-    cJSON_AddNumberToObject(o, "n_layers", c->n_layers);
     cJSON_AddStringToObject(o, "layers", ls);
     int nm = 0, nmoe = 0;
     for (int l = 0; l < c->n_layers; l++) {
@@ -59,17 +63,8 @@ static cJSON *summary(const k3_config *c) {
     cJSON_AddNumberToObject(o, "n_mla", nm);
     cJSON_AddNumberToObject(o, "n_dense", c->n_layers - nmoe);
     cJSON_AddNumberToObject(o, "n_moe", nmoe);
-    cJSON_AddNumberToObject(o, "attn_res_block_size", c->attn_res_block_size);
-    cJSON_AddNumberToObject(o, "n_experts", c->n_experts);
-    cJSON_AddNumberToObject(o, "n_experts_per_tok", c->n_experts_per_tok);
-    cJSON_AddNumberToObject(o, "n_shared_experts", c->n_shared_experts);
-    cJSON_AddNumberToObject(o, "latent_size", c->latent_size);
-    cJSON_AddNumberToObject(o, "n_group", c->n_group);
-    cJSON_AddNumberToObject(o, "topk_group", c->topk_group);
     cJSON_AddStringToObject(o, "experts", c->experts_mxfp4 ? "mxfp4" : "bf16");
-    cJSON_AddStringToObject(o, "act", c->act == K3_ACT_SITU ? "situ" : "swiglu");
     cJSON_AddStringToObject(o, "kda_gate", c->kda_has_lower_bound ? "lower_bound" : "softplus");
-    cJSON_AddNumberToObject(o, "eos_token_id", c->eos_token_id);
     cJSON_AddNumberToObject(o, "n_tensors", (double)k.n_tensors);
     cJSON_AddNumberToObject(o, "params_total", (double)k.params_total);
     cJSON_AddNumberToObject(o, "params_active", (double)k.params_active);
@@ -82,22 +77,24 @@ static cJSON *summary(const k3_config *c) {
     return o;
 }
 
-static void print_text(const cJSON *s, const cJSON *shards, const cJSON *problems) {
+/* The summary lines read the config from `c` (the JSON omits keys a config does not use, e.g.
+ * routed_expert_hidden_size without a latent) and the derived values from `s`. */
+static void print_text(const k3_config *c, const cJSON *s, const cJSON *shards,
+                       const cJSON *problems) {
 #define N(key) cJSON_GetObjectItem(s, key)->valuedouble
-    printf("config   vocab %.0f, hidden %.0f, %.0f layers (%.0f KDA, %.0f MLA; %.0f dense, %.0f "
+    printf("config   vocab %lld, hidden %lld, %d layers (%.0f KDA, %.0f MLA; %.0f dense, %.0f "
            "MoE)\n",
-           N("vocab_size"), N("hidden_size"), N("n_layers"), N("n_kda"), N("n_mla"), N("n_dense"),
-           N("n_moe"));
+           (long long)c->vocab_size, (long long)c->hidden_size, c->n_layers, N("n_kda"), N("n_mla"),
+           N("n_dense"), N("n_moe"));
     printf("layers   %s   (K KDA, M MLA; lower case = dense FFN)\n",
            cJSON_GetObjectItem(s, "layers")->valuestring);
-    printf(
-        "moe      %.0f experts, top-%.0f, groups %.0f/%.0f, %.0f shared, latent %.0f, %s experts\n",
-        N("n_experts"), N("n_experts_per_tok"), N("n_group"), N("topk_group"),
-        N("n_shared_experts"), N("latent_size"), cJSON_GetObjectItem(s, "experts")->valuestring);
-    printf("misc     act %s, KDA gate %s, AttnRes block %.0f, eos %.0f\n",
-           cJSON_GetObjectItem(s, "act")->valuestring,
-           cJSON_GetObjectItem(s, "kda_gate")->valuestring, N("attn_res_block_size"),
-           N("eos_token_id"));
+    printf("moe      %d experts, top-%d, groups %d/%d, %d shared, latent %d, %s experts\n",
+           c->n_experts, c->n_experts_per_tok, c->n_group, c->topk_group, c->n_shared_experts,
+           c->latent_size, cJSON_GetObjectItem(s, "experts")->valuestring);
+    printf("misc     act %s, KDA gate %s, AttnRes block %d, eos %d\n",
+           c->act == K3_ACT_SITU ? "situ" : "swiglu",
+           cJSON_GetObjectItem(s, "kda_gate")->valuestring, c->attn_res_block_size,
+           c->eos_token_id);
     printf("params   %.0f total, %.0f active per token, %.0f tensors\n", N("params_total"),
            N("params_active"), N("n_tensors"));
     printf("bytes    %.0f total (%.2f GB); active bytes/token %.0f (%.1f MB)\n", N("bytes_total"),
@@ -188,7 +185,7 @@ static int run_inspect(const k3_args *a) {
         if (s) printf("%s\n", s);
         cJSON_free(s);
     } else {
-        print_text(cJSON_GetObjectItem(root, "config"), shards, pr);
+        print_text(&c, cJSON_GetObjectItem(root, "config"), shards, pr);
         printf("verdict  %s\n", rc == 0 ? "OK" : "PROBLEMS FOUND");
     }
     if (rc != 0) {

@@ -9,6 +9,7 @@
  * One value is not in config.json: the stored length of KDA `A_log` (K3 stores 128 for 96 heads,
  * zero-padded). Parsing gives the next power of two >= heads (right for K3); k3_config_load then
  * reads the real length from the checkpoint header when a checkpoint is present. */
+#include "k3_config_json.h"
 #include "k3_model.h"
 
 #include <cjson/cJSON.h>
@@ -674,8 +675,9 @@ static cJSON *layer_list(const k3_config *c, k3_mixer m) {
     return a;
 }
 
-k3_status k3_config_to_json(const k3_config *c, char **out_json) {
+cJSON *k3_config_json(const k3_config *c) {
     cJSON *tc = cJSON_CreateObject();
+    if (!tc) return NULL;
     cJSON_AddStringToObject(tc, "model_type", "kimi_linear");
     cJSON_AddNumberToObject(tc, "vocab_size", (double)c->vocab_size);
     cJSON_AddNumberToObject(tc, "hidden_size", (double)c->hidden_size);
@@ -733,7 +735,12 @@ k3_status k3_config_to_json(const k3_config *c, char **out_json) {
     cJSON_AddNumberToObject(tc, "num_nextn_predict_layers", 0);
     cJSON_AddBoolToObject(tc, "tie_word_embeddings", c->tie_word_embeddings);
     cJSON_AddNumberToObject(tc, "eos_token_id", c->eos_token_id);
+    return tc;
+}
 
+k3_status k3_config_to_json(const k3_config *c, char **out_json) {
+    cJSON *tc = k3_config_json(c);
+    if (!tc) return K3_ERR(K3_ERR_NOMEM, "config.json: out of memory");
     cJSON *q = NULL;
     if (c->experts_mxfp4) {
         q = cJSON_CreateObject();

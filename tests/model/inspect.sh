@@ -20,8 +20,19 @@ check() { # check NAME EXPECTED_RC NEEDLE -- command...
 check good 0 "layers   k K K M K K M M" -- "$K3_BIN" inspect "$T/m"
 check good-verdict 0 "verdict  OK" -- "$K3_BIN" inspect "$T/m"
 check json 0 '"ok":true' -- "$K3_BIN" inspect "$T/m" --json
-"$K3_BIN" inspect "$T/m" --json | python3 -c "import json,sys; d=json.load(sys.stdin); c=d['config']; assert c['n_layers']==8 and len(d['shards'])>=3 and c['active_bytes_per_token']>0, d" \
+"$K3_BIN" inspect "$T/m" --json | python3 -c "import json,sys; d=json.load(sys.stdin); c=d['config']; assert c['num_hidden_layers']==8 and len(d['shards'])>=3 and c['active_bytes_per_token']>0, d" \
   && echo "ok   json-parses" || { echo "FAIL json-parses"; fail=1; }
+# one config -> JSON writer (model/k3_config_json.h): inspect's "config" holds config.json's
+# text_config key for key, with the same values, plus only the derived keys
+"$K3_BIN" inspect "$T/m" --json | python3 -c "
+import json, sys
+c = json.load(sys.stdin)['config']
+tc = json.load(open(sys.argv[1]))['text_config']
+diff = [k for k in tc if c.get(k) != tc[k]]
+extra = set(c) - set(tc) - {'layers', 'n_kda', 'n_mla', 'n_dense', 'n_moe', 'experts', 'kda_gate',
+    'n_tensors', 'params_total', 'params_active', 'bytes_total', 'active_bytes_per_token', 'bytes_by_dtype'}
+assert not diff and not extra, (diff, extra)
+" "$T/m/config.json" && echo "ok   json-config-is-config.json" || { echo "FAIL json-config-is-config.json"; fail=1; }
 # The real K3 (--preset k3) against published figures, never against k3's own output. Each
 # tolerance is the rounding half-width of the published number (its last printed digit):
 #   params total   ≈2.78T         spec/K3-MODEL.md §0 table ("params")       ± 0.005e12
@@ -47,10 +58,10 @@ near("params_active", c["params_active"], 104e9, 0.5e9)
 gguf = {"layers": 93, "kda": 69, "mla": 24, "dense": 1, "moe": 92}
 if 4 + 4 * 93 + 14 * 69 + 9 * 24 + 3 * 1 + 11 * 92 != 2573:
     bad.append("GGUF derivation multipliers do not sum to 2573")
-for k, key in [("layers", "n_layers"), ("kda", "n_kda"), ("mla", "n_mla"), ("dense", "n_dense"), ("moe", "n_moe")]:
+for k, key in [("layers", "num_hidden_layers"), ("kda", "n_kda"), ("mla", "n_mla"), ("dense", "n_dense"), ("moe", "n_moe")]:
     if c[key] != gguf[k]:
         bad.append(f"{key}: k3 {c[key]} vs {gguf[k]} (GGUF derivation)")
-n_exp = c["n_moe"] * c["n_experts"]
+n_exp = c["n_moe"] * c["num_experts"]
 if n_exp != 82432:
     bad.append(f"experts: k3 {n_exp} vs 82432")
 u8 = c["bytes_by_dtype"].get("U8", 0)
