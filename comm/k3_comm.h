@@ -1,22 +1,30 @@
-/* comm — every byte between ranks, behind one interface with no MPI (or NCCL) types.
+/* comm — every byte between ranks, behind one function table (k3_comm_iface, comm_internal.h)
+ * with no MPI or NCCL types in this header. Transports: "mpi" (comm_mpi.c, host buffers; backend
+ * buffers are staged through host memory); "nccl" (device buffers) slots in behind the same table.
  *
  * Owns: the rank grid's communicators (world + one EP group per stage), typed messages for the
- * stage hand-off and the control plane (versioned wire header, checked on receipt), the MoE
- * dispatch/combine inside a stage's EP group, a few world collectives (bcast, allgather, barrier)
- * and abort. Every blocking wait polls (MPI_Test + short sleeps, never a busy spin) and fails
- * with K3_ERR_COMM after the timeout, naming the peer (or EP group) that did not answer.
- * Must not: know what a layer, a token or a sequence is (payloads are ints + floats), or make a
- * failure fatal (it returns a status; the top level aborts).
+ * stage hand-off and the control plane (a versioned wire header that knows nothing of the model;
+ * the caller's payload struct travels as opaque bytes), the MoE dispatch/combine inside a stage's
+ * EP group (deduplicated rows, two combine modes, traffic counters), a few world collectives
+ * (bcast, allgather, barrier) and abort. Every blocking wait polls (test + short sleeps, never a
+ * busy spin) and fails with K3_ERR_COMM after the timeout, naming the peer (or EP group) that did
+ * not answer.
+ * Must not: know what a layer, a token or a sequence is (payloads are bytes, ints and floats), or
+ * make a failure fatal (it returns a status; the top level aborts).
  *
- * Sends are asynchronous: k3_comm_send copies the message into an internal slot and returns;
+ * Sends are asynchronous: k3_comm_post copies the message into an internal slot and returns;
  * pending sends progress inside every other comm call, so two ranks that send to each other
  * before receiving never deadlock. Received messages stay valid until the next receive of the
  * same kind. Buffers grow to the largest message seen and are then reused (no steady-state
- * allocation). Backends: MPI with host buffers (comm_mpi.c); NCCL later behind the same API. */
+ * allocation); the MoE exchange's backend buffers are allocated with k3_backend_alloc, grow-only,
+ * and freed by k3_comm_destroy. */
 #ifndef K3_COMM_H
 #define K3_COMM_H
 
+#include <stddef.h>
+
 #include "k3_base.h"
+#include "k3_kernels.h" /* k3_backend: the MoE exchange reads and writes backend buffers */
 
 typedef struct k3_comm k3_comm;
 
@@ -26,9 +34,13 @@ typedef struct k3_comm_params {
     double timeout_s;      /* limit of every blocking wait (> 0) */
 } k3_comm_params;
 
-/* Collective over the world: splits the EP groups. World size must equal first_worker + S x E. */
+/* Collective over the world: splits the EP groups. transport: "mpi" (the names this build has are
+ * listed in the error for any other). World size must equal first_worker + S x E. */
+k3_status k3_comm_create(const char *transport, const k3_comm_params *p, k3_comm **out);
+/* deprecated: removed when rank switches. Same as k3_comm_create("mpi", p, out). */
 k3_status k3_comm_create_mpi(const k3_comm_params *p, k3_comm **out);
-void k3_comm_destroy(k3_comm *c);
+void k3_comm_destroy(k3_comm *c);                /* NULL-safe; frees the MoE backend buffers too */
+const char *k3_comm_transport(const k3_comm *c); /* "mpi" */
 int k3_comm_rank(const k3_comm *c);
 int k3_comm_size(const k3_comm *c);
 int k3_comm_stage(const k3_comm *c); /* -1 on a dedicated coordinator */
@@ -39,8 +51,8 @@ _Noreturn void k3_comm_abort(k3_comm *c, int code);
 
 /* ---- messages -------------------------------------------------------------------------- */
 typedef enum k3_msg_kind {
-    K3_MSG_BATCH = 1, /* coordinator -> stage 0: which sequences, how many tokens, the ids */
-    K3_MSG_ACTIV,     /* stage s -> stage s+1 (same lane): hidden state + AttnRes bank */
+    K3_MSG_BATCH = 1, /* coordinator -> stage 0 */
+    K3_MSG_ACTIV,     /* stage s -> stage s+1 (same lane): the stage hand-off */
     K3_MSG_LOGITS,    /* last stage -> coordinator */
     K3_MSG_PROGRESS,  /* any rank -> rank 0: load progress */
     K3_MSG_STOP,      /* coordinator -> workers: end of the run */
@@ -49,13 +61,67 @@ typedef enum k3_msg_kind {
 #define K3_ANY_RANK (-1)
 
 #define K3_MSG_MAGIC   0x534d334bu /* "K3MS" little-endian */
-#define K3_MSG_VERSION 1
-/* The wire header. Message = header | int32 meta[n_meta] (padded to 8 bytes) | float f32[n_f32]. */
+#define K3_MSG_VERSION 2           /* 2: no model fields in the header; typed meta bytes */
+/* The wire header. Message = header | meta (n_meta_bytes, zero-padded to a multiple of 8) |
+ * float f32[n_f32]. The meta bytes are the caller's own typed payload struct (it should carry its
+ * own version and be _Static_assert-ed by its owner); comm checks only the lengths. */
+typedef struct k3_comm_wire_hdr {
+    uint32_t magic;       /* K3_MSG_MAGIC */
+    uint16_t version;     /* K3_MSG_VERSION */
+    uint16_t kind;        /* k3_msg_kind */
+    uint64_t n_bytes;     /* whole message incl. this header */
+    int64_t n_meta_bytes; /* meta bytes after the header (before padding) */
+    int64_t n_f32;        /* floats after the padded meta */
+    uint64_t seq;         /* the sender's message counter (for error reports) */
+} k3_comm_wire_hdr;
+_Static_assert(sizeof(k3_comm_wire_hdr) == 40,
+               "k3_comm_wire_hdr is a wire struct: its size is part of version 2");
+_Static_assert(offsetof(k3_comm_wire_hdr, n_bytes) == 8 &&
+                   offsetof(k3_comm_wire_hdr, n_meta_bytes) == 16 &&
+                   offsetof(k3_comm_wire_hdr, n_f32) == 24 && offsetof(k3_comm_wire_hdr, seq) == 32,
+               "k3_comm_wire_hdr field offsets are part of version 2");
+
+/* A received message (valid until the next receive of the same kind). */
+typedef struct k3_comm_msg {
+    k3_msg_kind kind;
+    int src;              /* world rank of the sender */
+    uint64_t seq;         /* the sender's message counter */
+    const void *meta;     /* [n_meta_bytes], 8-byte aligned: the caller's typed payload */
+    int64_t n_meta_bytes; /* exactly what the sender posted */
+    const float *f32;     /* [n_f32], 8-byte aligned */
+    int64_t n_f32;
+} k3_comm_msg;
+
+/* A piece of a message's float payload (messages are gathered from several pieces, e.g. the
+ * hidden state and the bank, without a staging copy by the caller). Host memory. */
+typedef struct k3_f32_seg {
+    const float *p;
+    int64_t n; /* floats */
+} k3_f32_seg;
+/* Queue a message (copied; returns at once): meta = n_meta_bytes opaque bytes (may be NULL when
+ * 0), f32 = the segments concatenated. Host memory only. */
+k3_status k3_comm_post(k3_comm *c, int peer, k3_msg_kind kind, const void *meta,
+                       int64_t n_meta_bytes, const k3_f32_seg *seg, int n_seg);
+/* Wait (with the timeout) for a message of `kind` from `peer` (or K3_ANY_RANK). The header is
+ * checked (magic, version, kind, lengths) with errors naming the sender. */
+k3_status k3_comm_wait(k3_comm *c, int peer, k3_msg_kind kind, k3_comm_msg *out);
+/* Non-blocking: *got = false when nothing is waiting. */
+k3_status k3_comm_poll(k3_comm *c, int peer, k3_msg_kind kind, k3_comm_msg *out, bool *got);
+/* Wait until every queued send has completed. */
+k3_status k3_comm_flush(k3_comm *c);
+/* Sleep a little (backoff 10 us .. 500 us) while progressing pending sends: for callers' own poll
+ * loops. */
+void k3_comm_idle(k3_comm *c, int *backoff);
+
+/* ---- deprecated: removed when rank switches (to k3_comm_post / k3_comm_wait / k3_comm_poll) ----
+ * The version-1 message shape, now carried over the version-2 wire: T, n_bank, D and the int32
+ * meta travel inside the meta bytes (a 24-byte legacy prefix + int32 meta[n_meta]). A message
+ * posted with k3_comm_post is rejected by k3_comm_recv (its meta has no legacy prefix). */
 typedef struct k3_msg_hdr {
-    uint32_t magic;   /* K3_MSG_MAGIC */
-    uint16_t version; /* K3_MSG_VERSION */
+    uint32_t magic;   /* K3_MSG_MAGIC (filled on receipt) */
+    uint16_t version; /* K3_MSG_VERSION (filled on receipt) */
     uint16_t kind;    /* k3_msg_kind */
-    uint64_t n_bytes; /* whole message incl. this header */
+    uint64_t n_bytes; /* whole wire message (filled on receipt) */
     int64_t T;        /* rows of the hidden state (tokens) */
     int32_t n_bank;   /* AttnRes banked states following h */
     int32_t n_meta;   /* int32 metadata entries */
@@ -63,52 +129,99 @@ typedef struct k3_msg_hdr {
     int64_t n_f32;    /* floats after the metadata */
     uint64_t seq;     /* the sender's message counter (for error reports) */
 } k3_msg_hdr;
-_Static_assert(sizeof(k3_msg_hdr) == 56,
-               "k3_msg_hdr is a wire struct: its size is part of version 1");
-
 typedef struct k3_msg {
     k3_msg_hdr hdr;
     int src;             /* world rank of the sender */
     const int32_t *meta; /* [n_meta] */
     const float *f32;    /* [n_f32] */
 } k3_msg;
-
-/* A piece of a message's float payload (messages are gathered from several pieces, e.g. the
- * hidden state and the bank, without a staging copy by the caller). */
-typedef struct k3_f32_seg {
-    const float *p;
-    int64_t n; /* floats */
-} k3_f32_seg;
-/* Queue a message (copied; returns at once). hdr: kind, T, n_bank, D set by the caller; magic,
- * version, n_bytes, n_meta, n_f32 and seq are filled here. f32 = the segments concatenated. */
+/* hdr: kind, T, n_bank, D set by the caller. */
 k3_status k3_comm_send(k3_comm *c, int peer, k3_msg_hdr hdr, const int32_t *meta, int32_t n_meta,
                        const k3_f32_seg *seg, int n_seg);
-/* Wait (with the timeout) for a message of `kind` from `peer` (or K3_ANY_RANK). */
 k3_status k3_comm_recv(k3_comm *c, int peer, k3_msg_kind kind, k3_msg *out);
-/* Non-blocking: *got = false when nothing is waiting. */
 k3_status k3_comm_try_recv(k3_comm *c, int peer, k3_msg_kind kind, k3_msg *out, bool *got);
-/* Wait until every queued send has completed. */
-k3_status k3_comm_flush(k3_comm *c);
-/* Sleep a little (backoff) while progressing pending sends: for callers' own poll loops. */
-void k3_comm_idle(k3_comm *c, int *backoff);
 
-/* ---- MoE dispatch / combine inside this rank's stage EP group (collective over its E lanes) -- */
+/* ---- MoE exchange inside this rank's stage EP group (collective over its E lanes) ----------
+ * Items are the (token, expert) slot rows of the sender, in slot order; rows are its tokens. The
+ * dispatch sends each source row ONCE to each lane that owns >= 1 of its items, with the items'
+ * (tag, weight); the combine returns either one output per item (PER_ITEM: the owner's caller
+ * writes each item's expert output; the source sums in slot order, bit-identical for every
+ * split) or one pre-summed output per (row, lane) pair (PRESUM: the owner sums its items of the
+ * row; fewer bytes when a row has several items on one lane).
+ * Buffers named "backend" are k3_backend memory: comm reads them only through
+ * k3_backend_download and writes them only through k3_backend_upload (host staging inside comm;
+ * skipped when k3_backend_host_visible). Pointers named "host" are host memory. */
+typedef enum { K3_COMBINE_PER_ITEM = 0, K3_COMBINE_PRESUM = 1 } k3_combine_mode;
+const char *k3_combine_mode_name(k3_combine_mode m); /* "per-item", "presum" */
+
+/* Sender side (host metadata). */
+typedef struct k3_moe_route {
+    int64_t n_rows;           /* source rows in x (tokens) */
+    int64_t n_items;          /* items (T*K) */
+    const int32_t *item_row;  /* [n_items] source row of item i, nondecreasing, in [0, n_rows) */
+    const int32_t *item_lane; /* [n_items] destination lane (0..n_lanes-1 of this EP group) */
+    const int32_t *item_tag;  /* [n_items] opaque int carried to the receiver (the expert id) */
+    const float *item_w;      /* [n_items] float carried to the receiver (the routing weight) */
+} k3_moe_route;
+
+/* Receiver view, valid until the next dispatch (the buffers belong to comm). */
 typedef struct k3_dispatch_view {
+    int64_t n_rows; /* rows received: one per distinct (source lane, source row) */
+    int64_t width;  /* floats per row */
+    float *rows;    /* backend [n_rows, width]: by source lane ascending, then source row order */
+    int64_t n_items;
+    const int64_t *item_row;  /* host [n_items]: index into rows, nondecreasing */
+    const int64_t *row_seg;   /* host [n_rows + 1]: items of row j are [row_seg[j], row_seg[j+1]) */
+    const int32_t *item_tag;  /* host [n_items] */
+    const float *item_w_host; /* host [n_items] */
+    float *item_w;            /* backend [n_items] (uploaded copy of item_w_host) */
+    float *out;               /* backend, the caller fills: PER_ITEM [n_items, width] (item order);
+                                 PRESUM [n_rows, width] */
+    k3_combine_mode mode;     /* the mode of this exchange */
+    /* deprecated: removed when rank switches. Filled only by k3_comm_dispatch, which also sets
+     * width and points rows/out at HOST buffers [n_recv, width]. */
     int64_t n_recv;        /* rows this lane must compute */
-    int64_t width;         /* floats per row (the latent width) */
-    const float *rows;     /* [n_recv, width], grouped by source lane, in the source's slot order */
     const int32_t *src;    /* [n_recv] world rank that sent the row */
     const int32_t *slot;   /* [n_recv] the row's slot index at its source */
     const int32_t *expert; /* [n_recv] expert id */
-    float *out;            /* [n_recv, width] the caller writes each row's expert output here */
 } k3_dispatch_view;
 
-/* Send row i of rows [n, width] (expert[i], owner lane dest_lane[i]) to its owner. Every lane of
- * the stage must call this (n may be 0). Fills *v with what this lane received. */
+/* Collective over the stage's EP group (every lane calls it; n_rows and n_items may be 0, x may
+ * then be NULL). x: backend [n_rows, width]. Every lane must pass the same mode and width (checked:
+ * all lanes fail with an error naming the lane that differs). A route that fails validation on one
+ * lane makes every lane fail (nobody waits for the timeout). Fills *v. */
+k3_status k3_comm_moe_dispatch(k3_comm *c, k3_backend *be, const float *x, int64_t width,
+                               const k3_moe_route *r, k3_combine_mode mode, k3_dispatch_view *v);
+/* Returns v->out to the sources (collective; follows k3_comm_moe_dispatch on every lane, with the
+ * same backend). y is backend memory:
+ *   PER_ITEM: y [n_items, width], row i = item i's output (the sender's item order);
+ *   PRESUM:   y [n_pairs, width], pairs = the distinct (row, lane) of the sender's items ordered by
+ *             row, then lane ascending; *pair_seg (host [n_rows + 1], valid until the next
+ *             dispatch) = the pairs of each source row. pair_seg may be NULL in PER_ITEM mode,
+ *             where *pair_seg is set to NULL. */
+k3_status k3_comm_moe_combine(k3_comm *c, k3_backend *be, float *y, const int64_t **pair_seg);
+
+/* Cumulative MoE traffic of this rank: bytes this rank handed to the transport, including its own
+ * lane's share (the collective copies it locally) and the metadata. Per dispatch:
+ *   dispatch_bytes += n_pairs·width·4 + n_items·12 (row, tag, weight) + n_lanes·24 (counts header)
+ *   dispatch_rows  += n_pairs (rows sent; the deprecated k3_comm_dispatch: rows sent)
+ * Per combine (rows this rank returns as an owner):
+ *   PER_ITEM: combine_rows += n_items received;  PRESUM: combine_rows += n_rows received;
+ *   combine_bytes += combine_rows·width·4
+ * n_exchanges counts dispatches. The deprecated k3_comm_dispatch/combine are counted too
+ * (dispatch: n·width·4 + n·12 + n_lanes·12 bytes; combine: n_recv rows). */
+typedef struct k3_comm_stats {
+    uint64_t dispatch_bytes, combine_bytes, dispatch_rows, combine_rows, n_exchanges;
+} k3_comm_stats;
+void k3_comm_get_stats(const k3_comm *c, k3_comm_stats *out);
+
+/* deprecated: removed when rank switches (to k3_comm_moe_dispatch / k3_comm_moe_combine).
+ * Send row i of host rows [n, width] (expert[i], owner lane dest_lane[i]) to its owner; one row
+ * per item, no deduplication. Fills v->n_recv, width, rows, src, slot, expert, out (host). */
 k3_status k3_comm_dispatch(k3_comm *c, const float *rows, int64_t n, int64_t width,
                            const int32_t *expert, const int32_t *dest_lane, k3_dispatch_view *v);
-/* Return v->out rows to their sources; out [n, width] gets row i's output in slot order i.
- * Must follow k3_comm_dispatch on every lane of the stage. */
+/* deprecated: removed when rank switches. out (host) [n, width] gets row i's output in slot
+ * order i. */
 k3_status k3_comm_combine(k3_comm *c, float *out);
 
 /* ---- world collectives (with the timeout) ---------------------------------------------- */
@@ -120,7 +233,8 @@ k3_status k3_comm_allgather_u64(k3_comm *c, uint64_t v, uint64_t *all /* [world]
 /* True when started by an MPI launcher (mpirun, srun --mpi=pmix): OMPI_COMM_WORLD_SIZE, PMIX_RANK
  * or PMI_RANK is set. */
 bool k3_comm_launched(void);
-/* MPI_Init_thread (FUNNELED) with errors returned as codes, unless MPI is already initialised. */
+/* MPI_Init_thread (FUNNELED) with errors returned as codes, unless MPI is already initialised
+ * (MPI also bootstraps the other transports). */
 k3_status k3_comm_init(void);
 /* MPI_Finalize if k3_comm_init initialised MPI. */
 void k3_comm_finalize(void);

@@ -1,0 +1,335 @@
+/* comm.c — the transport-neutral front end of k3_comm: the transport table and creation by name,
+ * the public k3_comm_* functions as thin wrappers over the transport's function table, the wire
+ * format of messages (header packing and the checks on receipt, once for every transport), the
+ * waiting loops with their timeouts, and the deprecated version-1 message calls expressed over
+ * the version-2 wire. The MoE protocol is in comm_moe.c; the bytes move in comm_mpi.c.
+ * Invariant: every blocking loop here sleeps with backoff and ends at c->timeout_s with an error
+ * that names the peer and says --comm-timeout. */
+#include "k3_comm.h"
+#include "comm_internal.h"
+
+#include <limits.h>
+#include <stdio.h>
+#include <time.h>
+
+/* ---- transports ------------------------------------------------------------------------- */
+typedef struct transport {
+    const char *name;
+    k3_status (*create)(const k3_comm_params *p, k3_comm **out);
+} transport;
+static const transport k_transports[] = {
+    {"mpi", k3_comm_mpi_create},
+};
+
+k3_status k3_comm_create(const char *transport_name, const k3_comm_params *p, k3_comm **out) {
+    *out = NULL;
+    if (!p || p->n_stages < 1 || p->n_lanes < 1 || p->first_worker < 0 || p->first_worker > 1 ||
+        !(p->timeout_s > 0))
+        return K3_ERR(K3_ERR_ARG, "comm: bad grid %d x %d (first worker %d, timeout %g s)",
+                      p ? p->n_stages : 0, p ? p->n_lanes : 0, p ? p->first_worker : 0,
+                      p ? p->timeout_s : 0.0);
+    const char *name = transport_name ? transport_name : "mpi";
+    for (size_t i = 0; i < K3_ARRAY_LEN(k_transports); i++)
+        if (strcmp(k_transports[i].name, name) == 0) return k_transports[i].create(p, out);
+    return K3_ERR(K3_ERR_ARG, "comm: unknown transport '%s' (this build has: mpi)", name);
+}
+
+k3_status k3_comm_create_mpi(const k3_comm_params *p, k3_comm **out) {
+    return k3_comm_create("mpi", p, out);
+}
+
+void k3_comm_destroy(k3_comm *c) {
+    if (!c) return;
+    comm_moe_free(c);
+    c->iface->destroy(c);
+}
+
+const char *k3_comm_transport(const k3_comm *c) {
+    return c->iface->name;
+}
+int k3_comm_rank(const k3_comm *c) {
+    return c->rank;
+}
+int k3_comm_size(const k3_comm *c) {
+    return c->size;
+}
+int k3_comm_stage(const k3_comm *c) {
+    return c->stage;
+}
+int k3_comm_lane(const k3_comm *c) {
+    return c->lane;
+}
+void k3_comm_set_timeout(k3_comm *c, double t) {
+    if (t > 0) c->timeout_s = t;
+}
+void k3_comm_get_stats(const k3_comm *c, k3_comm_stats *out) {
+    *out = c->stats;
+}
+
+_Noreturn void k3_comm_abort(k3_comm *c, int code) {
+    fflush(stdout);
+    fflush(stderr);
+    if (c) c->iface->abort(c, code);
+    k3_comm_world_abort(code);
+}
+
+/* ---- shared helpers --------------------------------------------------------------------- */
+k3_status comm_grow(void **p, size_t *cap, size_t need, size_t elem, const char *what) {
+    if (need <= *cap && *p) return K3_OK;
+    size_t n = K3_MAX(need, K3_MAX(*cap * 2, (size_t)16));
+    void *q = NULL;
+    K3_TRY(k3_alloc(&q, n * elem, what));
+    k3_free(*p);
+    *p = q;
+    *cap = n;
+    return K3_OK;
+}
+
+void comm_describe(const k3_comm *c, int r, char *buf, size_t cap) {
+    if (r < 0) {
+        snprintf(buf, cap, "any rank");
+        return;
+    }
+    int w = r - c->first_worker;
+    if (w < 0)
+        snprintf(buf, cap, "rank %d (coordinator)", r);
+    else
+        snprintf(buf, cap, "rank %d (stage %d, lane %d)", r, w / c->n_lanes, w % c->n_lanes);
+}
+
+void comm_group_name(const k3_comm *c, char *buf, size_t cap) {
+    int r0 = c->first_worker + c->stage * c->n_lanes;
+    snprintf(buf, cap, "the EP group of stage %d (ranks %d-%d)", c->stage, r0, r0 + c->n_lanes - 1);
+}
+
+void comm_sleep(k3_comm *c, int *backoff) {
+    if (c) c->iface->progress(c);
+    int us = *backoff <= 0 ? 10 : *backoff;
+    struct timespec ts = {0, (long)us * 1000L};
+    nanosleep(&ts, NULL);
+    *backoff = us * 2 > 500 ? 500 : us * 2;
+}
+
+void k3_comm_idle(k3_comm *c, int *backoff) {
+    comm_sleep(c, backoff);
+}
+
+static const char *kind_name(int k) {
+    static const char *names[] = {"?", "BATCH", "ACTIV", "LOGITS", "PROGRESS", "STOP"};
+    _Static_assert(K3_ARRAY_LEN(names) == K3_MSG_KIND_COUNT, "one name per message kind");
+    return k > 0 && k < K3_MSG_KIND_COUNT ? names[k] : "?";
+}
+
+/* ---- messages: the version-2 wire ------------------------------------------------------- */
+static size_t pad8(int64_t n_bytes) {
+    return ((size_t)n_bytes + 7) & ~(size_t)7;
+}
+
+/* Post header | meta | padding | f32 pieces | extra f32 segments. `pre` (n_pre bytes) goes in
+ * front of meta inside the meta bytes (the legacy prefix); NULL for version-2 callers. */
+static k3_status post(k3_comm *c, int peer, k3_msg_kind kind, const void *pre, size_t n_pre,
+                      const void *meta, int64_t n_meta_bytes, const k3_f32_seg *seg, int n_seg) {
+    enum { MAX_SEG = 16 };
+    if (peer < 0 || peer >= c->size)
+        return K3_ERR(K3_ERR_ARG, "comm post: peer %d not in the world of %d", peer, c->size);
+    if (kind < 1 || kind >= K3_MSG_KIND_COUNT || n_meta_bytes < 0 || (n_meta_bytes > 0 && !meta) ||
+        n_seg < 0 || n_seg > MAX_SEG || (n_seg > 0 && !seg))
+        return K3_ERR(K3_ERR_ARG, "comm post: bad message (kind %d, %lld meta bytes, %d segments)",
+                      kind, (long long)n_meta_bytes, n_seg);
+    int64_t n_f32 = 0;
+    for (int i = 0; i < n_seg; i++) {
+        if (seg[i].n < 0 || (seg[i].n > 0 && !seg[i].p))
+            return K3_ERR(K3_ERR_ARG, "comm post: bad payload segment %d", i);
+        n_f32 += seg[i].n;
+    }
+    int64_t n_meta_all = (int64_t)n_pre + n_meta_bytes;
+    size_t n_bytes = sizeof(k3_comm_wire_hdr) + pad8(n_meta_all) + (size_t)n_f32 * sizeof(float);
+    if (n_bytes > (size_t)INT_MAX)
+        return K3_ERR(K3_ERR_COMM,
+                      "comm post: a %s message of %zu bytes exceeds the transport limit of %d "
+                      "bytes",
+                      kind_name(kind), n_bytes, INT_MAX);
+    k3_comm_wire_hdr h = {.magic = K3_MSG_MAGIC,
+                          .version = K3_MSG_VERSION,
+                          .kind = (uint16_t)kind,
+                          .n_bytes = n_bytes,
+                          .n_meta_bytes = n_meta_all,
+                          .n_f32 = n_f32,
+                          .seq = c->send_seq};
+    static const uint8_t zeros[8];
+    comm_piece pc[MAX_SEG + 4];
+    int np = 0;
+    pc[np++] = (comm_piece){&h, sizeof h};
+    if (n_pre) pc[np++] = (comm_piece){pre, n_pre};
+    if (n_meta_bytes) pc[np++] = (comm_piece){meta, (size_t)n_meta_bytes};
+    if (pad8(n_meta_all) > (size_t)n_meta_all)
+        pc[np++] = (comm_piece){zeros, pad8(n_meta_all) - (size_t)n_meta_all};
+    for (int i = 0; i < n_seg; i++)
+        if (seg[i].n) pc[np++] = (comm_piece){seg[i].p, (size_t)seg[i].n * sizeof(float)};
+    K3_TRY(c->iface->send(c, peer, kind, pc, np, n_bytes));
+    c->send_seq++;
+    return K3_OK;
+}
+
+k3_status k3_comm_post(k3_comm *c, int peer, k3_msg_kind kind, const void *meta,
+                       int64_t n_meta_bytes, const k3_f32_seg *seg, int n_seg) {
+    return post(c, peer, kind, NULL, 0, meta, n_meta_bytes, seg, n_seg);
+}
+
+static k3_status check_msg(const k3_comm *c, int kind, int src, const void *buf, size_t n_bytes,
+                           k3_comm_msg *out) {
+    char who[64];
+    comm_describe(c, src, who, sizeof who);
+    k3_comm_wire_hdr h;
+    if (n_bytes < sizeof h)
+        return K3_ERR(K3_ERR_FORMAT, "%s message from %s: %zu bytes, shorter than the header",
+                      kind_name(kind), who, n_bytes);
+    memcpy(&h, buf, sizeof h);
+    if (h.magic != K3_MSG_MAGIC || h.version != K3_MSG_VERSION || h.kind != kind)
+        return K3_ERR(K3_ERR_FORMAT,
+                      "%s message from %s: bad header (magic %08x, version %u (want %d), kind %u)",
+                      kind_name(kind), who, h.magic, h.version, K3_MSG_VERSION, h.kind);
+    /* bound each field before the sum so a hostile header cannot overflow it */
+    if (h.n_meta_bytes < 0 || h.n_f32 < 0 || h.n_meta_bytes > INT_MAX || h.n_f32 > INT_MAX ||
+        h.n_bytes != (uint64_t)n_bytes ||
+        h.n_bytes != sizeof h + pad8(h.n_meta_bytes) + (uint64_t)h.n_f32 * sizeof(float))
+        return K3_ERR(K3_ERR_FORMAT,
+                      "%s message %llu from %s: length %zu does not match the header (%llu "
+                      "bytes, %lld meta bytes, %lld floats)",
+                      kind_name(kind), (unsigned long long)h.seq, who, n_bytes,
+                      (unsigned long long)h.n_bytes, (long long)h.n_meta_bytes, (long long)h.n_f32);
+    const char *b = buf;
+    *out = (k3_comm_msg){.kind = (k3_msg_kind)kind,
+                         .src = src,
+                         .seq = h.seq,
+                         .meta = b + sizeof h,
+                         .n_meta_bytes = h.n_meta_bytes,
+                         .f32 = (const float *)(const void *)(b + sizeof h + pad8(h.n_meta_bytes)),
+                         .n_f32 = h.n_f32};
+    return K3_OK;
+}
+
+k3_status k3_comm_poll(k3_comm *c, int peer, k3_msg_kind kind, k3_comm_msg *out, bool *got) {
+    *got = false;
+    if (kind < 1 || kind >= K3_MSG_KIND_COUNT)
+        return K3_ERR(K3_ERR_ARG, "comm poll: bad kind %d", kind);
+    if (peer != K3_ANY_RANK && (peer < 0 || peer >= c->size))
+        return K3_ERR(K3_ERR_ARG, "comm poll: peer %d not in the world of %d", peer, c->size);
+    const void *bytes = NULL;
+    size_t n_bytes = 0;
+    int src = -1;
+    bool have = false;
+    K3_TRY(c->iface->poll(c, peer, kind, &bytes, &n_bytes, &src, &have));
+    if (!have) return K3_OK;
+    K3_TRY(check_msg(c, kind, src, bytes, n_bytes, out));
+    *got = true;
+    return K3_OK;
+}
+
+k3_status k3_comm_wait(k3_comm *c, int peer, k3_msg_kind kind, k3_comm_msg *out) {
+    double t0 = k3_now_s();
+    int backoff = 0;
+    for (;;) {
+        bool got;
+        K3_TRY(k3_comm_poll(c, peer, kind, out, &got));
+        if (got) return K3_OK;
+        if (k3_now_s() - t0 > c->timeout_s) {
+            char who[64];
+            comm_describe(c, peer, who, sizeof who);
+            return K3_ERR(
+                K3_ERR_COMM,
+                "waiting for a %s message: no answer from %s within %.0f s (--comm-timeout)",
+                kind_name(kind), who, c->timeout_s);
+        }
+        comm_sleep(c, &backoff);
+    }
+}
+
+k3_status k3_comm_flush(k3_comm *c) {
+    double t0 = k3_now_s();
+    int backoff = 0;
+    while (c->iface->progress(c)) {
+        if (k3_now_s() - t0 > c->timeout_s)
+            return K3_ERR(K3_ERR_COMM,
+                          "comm flush: a send is still pending after %.0f s (--comm-timeout)",
+                          c->timeout_s);
+        comm_sleep(c, &backoff);
+    }
+    return K3_OK;
+}
+
+/* ---- deprecated: version-1 message calls over the version-2 wire ------------------------ */
+typedef struct legacy_prefix { /* the first bytes of a legacy message's meta */
+    int64_t T, D;
+    int32_t n_bank, n_meta;
+} legacy_prefix;
+_Static_assert(sizeof(legacy_prefix) == 24, "legacy_prefix is a wire struct");
+
+k3_status k3_comm_send(k3_comm *c, int peer, k3_msg_hdr hdr, const int32_t *meta, int32_t n_meta,
+                       const k3_f32_seg *seg, int n_seg) {
+    if (n_meta < 0 || (n_meta > 0 && !meta))
+        return K3_ERR(K3_ERR_ARG, "comm send: bad metadata (%d entries)", n_meta);
+    legacy_prefix pre = {.T = hdr.T, .D = hdr.D, .n_bank = hdr.n_bank, .n_meta = n_meta};
+    return post(c, peer, (k3_msg_kind)hdr.kind, &pre, sizeof pre, meta, (int64_t)n_meta * 4, seg,
+                n_seg);
+}
+
+static k3_status from_legacy(const k3_comm *c, const k3_comm_msg *m, k3_msg *out) {
+    legacy_prefix pre = {0};
+    bool ok = m->n_meta_bytes >= (int64_t)sizeof pre;
+    if (ok) memcpy(&pre, m->meta, sizeof pre);
+    ok = ok && pre.n_meta >= 0 && m->n_meta_bytes == (int64_t)sizeof pre + (int64_t)pre.n_meta * 4;
+    if (!ok) {
+        char who[64];
+        comm_describe(c, m->src, who, sizeof who);
+        return K3_ERR(K3_ERR_FORMAT,
+                      "%s message %llu from %s: %lld meta bytes are not a legacy (T, n_bank, D) "
+                      "message",
+                      kind_name(m->kind), (unsigned long long)m->seq, who,
+                      (long long)m->n_meta_bytes);
+    }
+    const char *mb = m->meta;
+    *out = (k3_msg){.hdr = {.magic = K3_MSG_MAGIC,
+                            .version = K3_MSG_VERSION,
+                            .kind = (uint16_t)m->kind,
+                            .n_bytes = sizeof(k3_comm_wire_hdr) + pad8(m->n_meta_bytes) +
+                                       (uint64_t)m->n_f32 * sizeof(float),
+                            .T = pre.T,
+                            .n_bank = pre.n_bank,
+                            .n_meta = pre.n_meta,
+                            .D = pre.D,
+                            .n_f32 = m->n_f32,
+                            .seq = m->seq},
+                    .src = m->src,
+                    .meta = (const int32_t *)(const void *)(mb + sizeof pre),
+                    .f32 = m->f32};
+    return K3_OK;
+}
+
+k3_status k3_comm_try_recv(k3_comm *c, int peer, k3_msg_kind kind, k3_msg *out, bool *got) {
+    k3_comm_msg m = {0};
+    K3_TRY(k3_comm_poll(c, peer, kind, &m, got));
+    if (!*got) return K3_OK;
+    k3_status st = from_legacy(c, &m, out);
+    if (st != K3_OK) *got = false;
+    return st;
+}
+
+k3_status k3_comm_recv(k3_comm *c, int peer, k3_msg_kind kind, k3_msg *out) {
+    k3_comm_msg m = {0};
+    K3_TRY(k3_comm_wait(c, peer, kind, &m));
+    return from_legacy(c, &m, out);
+}
+
+/* ---- world collectives ------------------------------------------------------------------ */
+k3_status k3_comm_barrier(k3_comm *c) {
+    return c->iface->barrier(c);
+}
+k3_status k3_comm_bcast(k3_comm *c, int root, void *buf, size_t n_bytes) {
+    if (root < 0 || root >= c->size)
+        return K3_ERR(K3_ERR_ARG, "comm bcast: root %d not in the world of %d", root, c->size);
+    return c->iface->bcast(c, root, buf, n_bytes);
+}
+k3_status k3_comm_allgather_u64(k3_comm *c, uint64_t v, uint64_t *all) {
+    return c->iface->allgather_u64(c, v, all);
+}

@@ -1,0 +1,124 @@
+/* comm_internal.h — private to comm/: the transport function table (k3_comm_iface), the state
+ * every transport shares (struct k3_comm, embedded first in each transport's own struct), and
+ * the transport-neutral pieces the front end (comm.c) and the MoE protocol (comm_moe.c) use.
+ * Nothing outside comm/ includes this.
+ *
+ * A transport moves bytes; the protocol above it (wire header checks, MoE deduplication, combine
+ * modes, backend staging, counters) is written once in comm.c / comm_moe.c. A transport provides
+ * messages (send gathered pieces / poll one kind), world collectives, and two EP-group
+ * collectives: an alltoall of int32 words and an alltoallv whose counts are 4-byte words. With
+ * device_buffers = false (mpi) the alltoallv buffers are host memory and comm_moe.c stages backend
+ * buffers through host; a device transport (nccl) will take backend buffers directly. */
+#ifndef K3_COMM_INTERNAL_H
+#define K3_COMM_INTERNAL_H
+
+#include "k3_comm.h"
+
+/* One piece of an outgoing message (host bytes). */
+typedef struct comm_piece {
+    const void *p;
+    size_t n_bytes;
+} comm_piece;
+
+typedef struct k3_comm_iface {
+    const char *name;    /* "mpi" */
+    bool device_buffers; /* false: ep_alltoallv buffers are host memory */
+    /* Free the transport's resources and the object (the front end freed its own state). */
+    void (*destroy)(k3_comm *c);
+    /* End the job (does not return). c may be NULL. */
+    void (*abort)(k3_comm *c, int code);
+    /* Queue one message of n_bytes = the pieces concatenated, tag `kind`, to world rank peer. */
+    k3_status (*send)(k3_comm *c, int peer, int kind, const comm_piece *pieces, int n_pieces,
+                      size_t n_bytes);
+    /* Receive one message of `kind` from peer (K3_ANY_RANK) if one is waiting: *bytes (owned by
+     * the transport, 8-byte aligned, valid until the next poll of this kind), *n_bytes, *src. */
+    k3_status (*poll)(k3_comm *c, int peer, int kind, const void **bytes, size_t *n_bytes, int *src,
+                      bool *got);
+    /* Progress pending sends; returns true while any is still in flight. */
+    bool (*progress)(k3_comm *c);
+    k3_status (*barrier)(k3_comm *c);
+    k3_status (*bcast)(k3_comm *c, int root, void *buf, size_t n_bytes);
+    k3_status (*allgather_u64)(k3_comm *c, uint64_t v, uint64_t *all);
+    /* EP group of this rank's stage: send[e·k .. e·k+k) goes to lane e, recv[e·k ..) comes from
+     * lane e (k int32 words per lane). `what` names the operation in a timeout. */
+    k3_status (*ep_alltoall)(k3_comm *c, const int32_t *send, int32_t *recv, int k,
+                             const char *what);
+    /* Counts and displacements [n_lanes] in 4-byte words. */
+    k3_status (*ep_alltoallv)(k3_comm *c, const void *send, const int64_t *scount,
+                              const int64_t *sdispl, void *recv, const int64_t *rcount,
+                              const int64_t *rdispl, const char *what);
+} k3_comm_iface;
+
+/* Words of the per-lane header of the MoE counts exchange: status (0 ok, 1 this lane's route is
+ * bad), mode, width, rows, items, exchange number (low 31 bits). The deprecated dispatch sends
+ * status, width, rows. */
+#define COMM_MOE_HDR_WORDS    6
+#define COMM_LEGACY_HDR_WORDS 3
+
+/* The MoE exchange state (comm_moe.c): host arrays grow-only (capacities in elements), backend
+ * buffers grow-only (capacities in bytes, owned by `be`). */
+typedef struct comm_moe {
+    bool dispatched, legacy;
+    k3_combine_mode mode;
+    int64_t width;
+    uint32_t n_calls; /* header exchanges so far (the lanes' step check) */
+    k3_backend *be;   /* owner of b_rows / b_w / b_out */
+    /* per lane [E]: rows/items sent and received, word counts/displacements of the alltoallv */
+    int64_t *s_rows, *s_items, *r_rows, *r_items, *scount, *sdispl, *rcount, *rdispl;
+    int32_t *hdr_s, *hdr_r; /* [E, COMM_MOE_HDR_WORDS] */
+    int64_t *mark, *cur;    /* [E] dedup scratch */
+    int32_t *lanes;         /* [E] */
+    /* sender */
+    int64_t n_items, n_pairs;
+    int64_t *item_pos;  /* [n_items] lane-local item index, then index in the return order */
+    int64_t *item_prow; /* [n_items] lane-local row of the item's pair */
+    int32_t *pair_lane; /* [n_pairs] */
+    int64_t *pair_pos;  /* [n_pairs] lane-local row, then index in the return order */
+    int64_t *pair_seg;  /* [n_rows + 1] */
+    /* receiver */
+    int64_t n_rows_r, n_items_r;
+    int64_t *item_row; /* [n_items_r] */
+    int64_t *row_seg;  /* [n_rows_r + 1] */
+    int32_t *item_tag; /* [n_items_r] */
+    float *item_wh;    /* [n_items_r] */
+    /* host staging */
+    uint32_t *sbuf, *rbuf; /* alltoallv buffers (4-byte words) */
+    float *xh, *hh;        /* x download / y staging; received rows / out download */
+    /* backend buffers */
+    float *b_rows, *b_w, *b_out;
+    size_t cap_b_rows, cap_b_w, cap_b_out; /* bytes */
+    /* deprecated k3_comm_dispatch: host views */
+    int32_t *l_src, *l_slot, *l_expert;
+    float *l_rows, *l_out;
+    /* host capacities in elements */
+    size_t cap_item_pos, cap_item_prow, cap_pair_lane, cap_pair_pos, cap_pair_seg, cap_item_row,
+        cap_row_seg, cap_item_tag, cap_item_wh, cap_sbuf, cap_rbuf, cap_xh, cap_hh, cap_l_src,
+        cap_l_slot, cap_l_expert, cap_l_rows, cap_l_out;
+} comm_moe;
+
+struct k3_comm {
+    const k3_comm_iface *iface;
+    int rank, size, stage, lane, n_stages, n_lanes, first_worker;
+    double timeout_s;
+    uint64_t send_seq;
+    k3_comm_stats stats;
+    comm_moe moe;
+};
+
+/* Transports: create the transport object (its struct embeds k3_comm first), fill the grid fields
+ * and iface; the front end has validated p. */
+k3_status k3_comm_mpi_create(const k3_comm_params *p, k3_comm **out);
+
+/* Shared helpers (comm.c). */
+/* Grow a host array to >= need elements (contents not kept). */
+k3_status comm_grow(void **p, size_t *cap, size_t need, size_t elem, const char *what);
+/* "rank 3 (stage 1, lane 0)", "rank 0 (coordinator)", "any rank". */
+void comm_describe(const k3_comm *c, int world_rank, char *buf, size_t cap);
+/* "the EP group of stage 1 (ranks 2-3)". */
+void comm_group_name(const k3_comm *c, char *buf, size_t cap);
+/* Sleep with backoff (10 us doubling to 500 us); progresses sends when c is not NULL. */
+void comm_sleep(k3_comm *c, int *backoff);
+/* Free the MoE state (comm_moe.c). */
+void comm_moe_free(k3_comm *c);
+
+#endif /* K3_COMM_INTERNAL_H */
