@@ -51,8 +51,8 @@ k3_status k3_moe_check_config(const k3_config *c);
 /* ---- routing ------------------------------------------------------------------------------ */
 /* x: [T, D] post-norm input. Writes topk ids [T, K] (int32) and weights [T, K] (renormalised,
  * scaled) through the backend's moe_topk op. scratch: >= k3_moe_scratch_floats(c, T). */
-k3_status k3_moe_route(k3_backend *be, const k3_config *c, const k3_layer_w *lw, const float *x,
-                       int64_t T, int32_t *topk_ids, float *topk_w, float *scratch);
+k3_status k3_moe_router(k3_backend *be, const k3_config *c, const k3_layer_w *lw, const float *x,
+                        int64_t T, int32_t *topk_ids, float *topk_w, float *scratch);
 
 /* ---- latent down-projection ---------------------------------------------------------------- */
 /* r[T, Lw] = lat_down · x (x [T, D]); a copy of x when latent_size == 0. r must not alias x. */
@@ -83,8 +83,8 @@ k3_status k3_moe_finish(k3_backend *be, const k3_config *c, const k3_layer_w *lw
 /* route -> down -> expert rows -> slot sum -> finish with every expert local. x [T, D] ->
  * y [T, D]; y must not alias x. The token loop is tiled, so the scratch does not hold T·K rows;
  * results do not depend on the tiling. */
-k3_status k3_moe_forward(k3_backend *be, const k3_config *c, const k3_layer_w *lw,
-                         const float *x, int64_t T, float *y, float *scratch, int64_t *hscratch);
+k3_status k3_moe_forward(k3_backend *be, const k3_config *c, const k3_layer_w *lw, const float *x,
+                         int64_t T, float *y, float *scratch, int64_t *hscratch);
 
 /* Backend floats of scratch enough for every function above called with T tokens
  * (k3_moe_expert_rows with n <= T·K rows included), and the host int64s. */

@@ -85,8 +85,8 @@ static k3_status check_w(const k3_tensor *w, int64_t out, int64_t in, const char
 }
 
 /* ---- routing ------------------------------------------------------------------------------- */
-k3_status k3_moe_route(k3_backend *be, const k3_config *c, const k3_layer_w *lw, const float *x,
-                       int64_t T, int32_t *topk_ids, float *topk_w, float *scratch) {
+k3_status k3_moe_router(k3_backend *be, const k3_config *c, const k3_layer_w *lw, const float *x,
+                        int64_t T, int32_t *topk_ids, float *topk_w, float *scratch) {
     K3_TRY(k3_moe_check_config(c));
     const int64_t E = c->n_experts, D = c->hidden_size;
     K3_TRY(check_w(&lw->router, E, D, "block_sparse_moe.gate.weight", -1));
@@ -95,7 +95,7 @@ k3_status k3_moe_route(k3_backend *be, const k3_config *c, const k3_layer_w *lw,
     if (has_bias && k3_tensor_n_elems(&lw->router_bias) != E)
         return K3_ERR(K3_ERR_SHAPE, "MoE: e_score_correction_bias has %lld elements, expected %lld",
                       (long long)k3_tensor_n_elems(&lw->router_bias), (long long)E);
-    float *scores = scratch;                  /* [T, E] σ(z) */
+    float *scores = scratch;                        /* [T, E] σ(z) */
     float *work = scratch + pad16((size_t)(T * E)); /* [T, E] biased scores */
     float *bias = work + pad16((size_t)(T * E));    /* [E] */
     K3_TRY(be->ops->matmul(be, x, T, &lw->router, scores));
@@ -184,8 +184,7 @@ k3_status k3_moe_expert_rows(k3_backend *be, const k3_config *c, const k3_layer_
         K3_TRY(check_w(&ew->w2, Lw, I, "w2", e));
         for (int64_t j0 = b; j0 < end; j0 += MOE_ROW_TILE) {
             int64_t m = K3_MIN((int64_t)MOE_ROW_TILE, end - j0);
-            for (int64_t j = 0; j < m; j++)
-                idx[j] = row_of ? row_of[order[j0 + j]] : order[j0 + j];
+            for (int64_t j = 0; j < m; j++) idx[j] = row_of ? row_of[order[j0 + j]] : order[j0 + j];
             K3_TRY(be->ops->rows_gather(be, src, Lw, idx, m, xin));
             K3_TRY(be->ops->matmul(be, xin, m, &ew->w1, g));
             K3_TRY(be->ops->matmul(be, xin, m, &ew->w3, u));
@@ -300,8 +299,8 @@ size_t k3_moe_host_ints(const k3_config *c, int64_t T) {
     return (size_t)((T * K + 1) / 2) + (size_t)(Tt * K) + k3_moe_rows_host_ints(c, Tt * K);
 }
 
-k3_status k3_moe_forward(k3_backend *be, const k3_config *c, const k3_layer_w *lw,
-                         const float *x, int64_t T, float *y, float *scratch, int64_t *hscratch) {
+k3_status k3_moe_forward(k3_backend *be, const k3_config *c, const k3_layer_w *lw, const float *x,
+                         int64_t T, float *y, float *scratch, int64_t *hscratch) {
     K3_TRY(k3_moe_check_config(c));
     if (T <= 0) return K3_OK;
     const int K = c->n_experts_per_tok;
@@ -309,7 +308,7 @@ k3_status k3_moe_forward(k3_backend *be, const k3_config *c, const k3_layer_w *l
     int32_t *ids = (int32_t *)(void *)scratch; /* backend */
     float *w = scratch + pad16((size_t)T * (size_t)K);
     float *work = w + pad16((size_t)T * (size_t)K);
-    K3_TRY(k3_moe_route(be, c, lw, x, T, ids, w, work));
+    K3_TRY(k3_moe_router(be, c, lw, x, T, ids, w, work));
     /* the expert ids are routing metadata: sort rows by expert on host */
     int32_t *h_ids = (int32_t *)(void *)hscratch;
     int64_t *row_of = hscratch + (T * K + 1) / 2;
@@ -330,8 +329,8 @@ k3_status k3_moe_forward(k3_backend *be, const k3_config *c, const k3_layer_w *l
         }
         /* slot row t·K + k reads src[t] */
         for (int64_t i = 0; i < Tc * K; i++) row_of[i] = i / K;
-        K3_TRY(k3_moe_expert_rows(be, c, lw, src, row_of, h_ids + t0 * K, Tc * K, eo, tail,
-                                  rows_h));
+        K3_TRY(
+            k3_moe_expert_rows(be, c, lw, src, row_of, h_ids + t0 * K, Tc * K, eo, tail, rows_h));
         K3_TRY(be->ops->rows_wsum(be, eo, w + t0 * K, NULL, K, Tc, Lw, acc));
         K3_TRY(k3_moe_finish(be, c, lw, x + t0 * D, acc, Tc, y + t0 * D, tail));
     }

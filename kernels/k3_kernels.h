@@ -35,127 +35,128 @@ typedef struct k3_backend k3_backend;
 
 /* ---- the op list: X(name, (parameters), (argument names)) -------------------------------- */
 /* Every op returns k3_status; the argument list lets wrappers (the guard backend) forward. */
-#define K3_OP_LIST(X)                                                                              \
-    /* y[T, out] = x[T, in] · Wᵀ ; W [out, in] F32/BF16/MXFP4. K3_ERR_SHAPE on other dtypes. */ \
-    X(matmul, (k3_backend * be, const float *x, int64_t T, const k3_tensor *W, float *y),          \
-      (be, x, T, W, y))                                                                            \
-    /* y[T, in] = x[T, out] · W ; W [out, in] (the transposed product, for absorbed MLA). */      \
-    X(matmul_tn, (k3_backend * be, const float *x, int64_t T, const k3_tensor *W, float *y),       \
-      (be, x, T, W, y))                                                                            \
-    /* y[t] = w ⊙ x[t] / sqrt(mean(x[t]²) + eps); x, y [T, n]; w [n] (NULL = ones). */          \
-    X(rmsnorm,                                                                                     \
-      (k3_backend * be, const float *x, const float *w, int64_t T, int64_t n, float eps,           \
-       float *y),                                                                                  \
-      (be, x, w, T, n, eps, y))                                                                    \
-    /* y[t] = x[t] · rsqrt(Σ x[t]² + eps)  (fla's l2norm); x, y [T, n]. */                      \
-    X(l2norm, (k3_backend * be, const float *x, int64_t T, int64_t n, float eps, float *y),        \
-      (be, x, T, n, eps, y))                                                                       \
-    /* y = x σ(x), elementwise over n. y may alias x. */                                          \
-    X(silu, (k3_backend * be, const float *x, int64_t n, float *y), (be, x, n, y))                 \
-    /* y = σ(x) = 1/(1+e^-x), elementwise. y may alias x. */                                      \
-    X(sigmoid, (k3_backend * be, const float *x, int64_t n, float *y), (be, x, n, y))              \
+#define K3_OP_LIST(X)                                                                                     \
+    /* y[T, out] = x[T, in] · Wᵀ ; W [out, in] F32/BF16/MXFP4. K3_ERR_SHAPE on other dtypes. */        \
+    X(matmul, (k3_backend * be, const float *x, int64_t T, const k3_tensor *W, float *y),                 \
+      (be, x, T, W, y))                                                                                   \
+    /* y[T, in] = x[T, out] · W ; W [out, in] (the transposed product, for absorbed MLA). */             \
+    X(matmul_tn, (k3_backend * be, const float *x, int64_t T, const k3_tensor *W, float *y),              \
+      (be, x, T, W, y))                                                                                   \
+    /* y[t] = w ⊙ x[t] / sqrt(mean(x[t]²) + eps); x, y [T, n]; w [n] (NULL = ones). */                 \
+    X(rmsnorm,                                                                                            \
+      (k3_backend * be, const float *x, const float *w, int64_t T, int64_t n, float eps,                  \
+       float *y),                                                                                         \
+      (be, x, w, T, n, eps, y))                                                                           \
+    /* y[t] = x[t] · rsqrt(Σ x[t]² + eps)  (fla's l2norm); x, y [T, n]. */                             \
+    X(l2norm, (k3_backend * be, const float *x, int64_t T, int64_t n, float eps, float *y),               \
+      (be, x, T, n, eps, y))                                                                              \
+    /* y = x σ(x), elementwise over n. y may alias x. */                                                 \
+    X(silu, (k3_backend * be, const float *x, int64_t n, float *y), (be, x, n, y))                        \
+    /* y = σ(x) = 1/(1+e^-x), elementwise. y may alias x. */                                             \
+    X(sigmoid, (k3_backend * be, const float *x, int64_t n, float *y), (be, x, n, y))                     \
     /* y = [β tanh(g/β) σ(g)]·[λ tanh(u/λ)] (λ ≤ 0: u unchanged); g, u, y [n]; y may alias g. */ \
-    X(situ,                                                                                        \
-      (k3_backend * be, const float *g, const float *u, int64_t n, float beta, float lin_beta,     \
-       float *y),                                                                                  \
-      (be, g, u, n, beta, lin_beta, y))                                                            \
-    /* y = SiLU(g)·u ; y may alias g. */                                                          \
-    X(swiglu, (k3_backend * be, const float *g, const float *u, int64_t n, float *y),              \
-      (be, g, u, n, y))                                                                            \
-    /* row softmax: x, y [T, n] (max-subtracted, fp32). y may alias x. */                          \
-    X(softmax, (k3_backend * be, const float *x, int64_t T, int64_t n, float *y), (be, x, T, n, y)) \
-    /* y = a + b elementwise over n (residual adds, shared-expert add). y may alias a or b. */    \
-    X(add, (k3_backend * be, const float *a, const float *b, int64_t n, float *y),                 \
-      (be, a, b, n, y))                                                                            \
-    /* y = a ⊙ b elementwise over n (output gates). y may alias a or b. */                        \
-    X(mul, (k3_backend * be, const float *a, const float *b, int64_t n, float *y),                 \
-      (be, a, b, n, y))                                                                            \
-    /* y[i] = v for i < n (state resets). */                                                      \
-    X(fill, (k3_backend * be, float *y, int64_t n, float v), (be, y, n, v))                        \
-    /* rows × cols floats: dst[r·dst_stride + c] = src[r·src_stride + c]; no overlap (strides in  \
-       floats). Stage hand-offs, bank slabs, cache writes, per-head staging, head rows. */        \
-    X(copy2d,                                                                                      \
-      (k3_backend * be, float *dst, int64_t dst_stride, const float *src, int64_t src_stride,      \
-       int64_t rows, int64_t cols),                                                                \
-      (be, dst, dst_stride, src, src_stride, rows, cols))                                          \
-    /* dst [n] = the n elements of t (F32/BF16/F16) decoded to f32 (small weight vectors). */     \
-    X(to_f32, (k3_backend * be, const k3_tensor *t, int64_t n, float *dst), (be, t, n, dst))       \
-    /* out[t] = row ids[t] of the embedding W [V, D] (F32/BF16) decoded to f32; ids [T] int32 in   \
-       backend memory, each in [0, V) (checked: K3_ERR_ARG naming the position). */               \
-    X(embed_rows,                                                                                  \
-      (k3_backend * be, const k3_tensor *W, const int32_t *ids, int64_t T, float *out),            \
-      (be, W, ids, T, out))                                                                        \
-    /* Depthwise causal conv (KDA short conv, K3-MODEL.md §2.1), NO activation: out[t, c] =       \
-       Σ_j w[c, j]·in_{t-(K-1)+j}[c], in_{<0} from state [K-1, P] (oldest first); then state =   \
-       the last K-1 inputs of (state ++ in). in, out [n, P]; w [P, K]. */                          \
-    X(short_conv,                                                                                  \
-      (k3_backend * be, const float *in, int64_t n, int64_t P, int K, const float *w,              \
-       float *state, float *out),                                                                  \
-      (be, in, n, P, K, w, state, out))                                                            \
-    /* KDA decay gate in log space (§2.1) over r [T, H·dk] in place: v = r + dt_bias[c],          \
-       a = exp(a_log[h]); lower_bound form: lb·σ(a·v); else −a·softplus(v). */                    \
-    X(kda_gate,                                                                                    \
-      (k3_backend * be, float *r, const float *dt_bias, const float *a_log, int64_t T, int H,      \
-       int dk, bool has_lower_bound, float lower_bound),                                           \
-      (be, r, dt_bias, a_log, T, H, dk, has_lower_bound, lower_bound))                             \
-    /* AttnRes mix (K3-MODEL.md §1.3) per token t: sources v_0..v_{N-1} = bank[i][t], v_N = p[t]; \
-       s_i = Σ_d v_i[d]/sqrt(mean(v_i²)+eps)·w[d]; out[t] = Σ_i softmax(s)_i v_i (raw values).   \
-       bank [N, T, D] (slab stride T·D), p, out [T, D], w [D]; N ≥ 0. out may alias p. */         \
-    X(attnres_mix,                                                                                 \
-      (k3_backend * be, const float *bank, int n_bank, const float *p, const float *w, int64_t T,  \
-       int64_t D, float eps, float *out),                                                          \
-      (be, bank, n_bank, p, w, T, D, eps, out))                                                    \
-    /* KDA delta rule, recurrent (ground truth), n tokens, H heads (K3-MODEL.md §2.2).            \
-       q, k, g [n, H·dk] (q, k already L2-normed; q NOT scaled), v [n, H·dv], beta [n, H];        \
-       S [H, dk, dv] fp32 in/out; o [n, H·dv] = scale·Sᵀq read after each update. */            \
-    X(kda_recurrent,                                                                               \
-      (k3_backend * be, const float *q, const float *k, const float *v, const float *g,            \
-       const float *beta, int64_t n, int H, int dk, int dv, float scale, float *S, float *o),      \
-      (be, q, k, v, g, beta, n, H, dk, dv, scale, S, o))                                           \
-    /* KDA chunked (WY/UT) form, same contract as kda_recurrent; full chunks of C tokens use the  \
-       chunked math (always exp of a difference ≤ 0, §2.4), a ragged tail the recurrence.        \
-       work: >= k3_kda_chunk_work_floats(C, dk, dv) floats per head, for H heads. */             \
-    X(kda_chunked,                                                                                 \
-      (k3_backend * be, const float *q, const float *k, const float *v, const float *g,            \
-       const float *beta, int64_t n, int H, int dk, int dv, float scale, float *S, float *o,       \
-       int C, float *work),                                                                        \
-      (be, q, k, v, g, beta, n, H, dk, dv, scale, S, o, C, work))                                  \
-    /* Latent attention for ONE query token over n_ctx cached tokens (absorbed MLA, §3.2):        \
-       qc [H, W] (W = Rkv + dr: [q_abs | q_pe]), cache [n_ctx, W] ([c | k_pe] rows);              \
-       s_h(j) = scale·qc[h]·cache[j]; p = softmax_j; o_lat[h] = Σ_j p_j cache[j][0:Rkv];         \
-       o_lat [H, Rkv]; work >= H·n_ctx floats. */                                                 \
-    X(attn_latent,                                                                                 \
-      (k3_backend * be, const float *qc, const float *cache, int64_t n_ctx, int H, int W, int Rkv,  \
-       float scale, float *o_lat, float *work),                                                    \
-      (be, qc, cache, n_ctx, H, W, Rkv, scale, o_lat, work))                                       \
-    /* MoE router selection (K3-MODEL.md §4.3, experts/k3_experts.h "Slot order"): scores σ(z)    \
-       [T, E]; bias [E] (NULL = none) added for selection only; grouped top-k (n_group groups,    \
-       topk_group kept; group score = sum of its two best biased scores; ties to the lower        \
-       index); ids [T, K] int32, w [T, K] = σ(z)[id], renormalised (sum in slot order + 1e-20)   \
-       when renorm, × scale. work: [T, E] floats. K3_ERR_INTERNAL names a non-finite score. */   \
-    X(moe_topk,                                                                                    \
-      (k3_backend * be, const float *scores, const float *bias, int64_t T, int E, int K,           \
-       int n_group, int topk_group, bool renorm, float scale, float *work, int32_t *ids,           \
-       float *w),                                                                                  \
-      (be, scores, bias, T, E, K, n_group, topk_group, renorm, scale, work, ids, w))               \
-    /* dst[j] = src[idx[j]] (rows of width floats), j < n; idx host int64. */                      \
-    X(rows_gather,                                                                                 \
-      (k3_backend * be, const float *src, int64_t width, const int64_t *idx, int64_t n,            \
-       float *dst),                                                                                \
-      (be, src, width, idx, n, dst))                                                               \
-    /* dst[idx[j]] = src[j] (rows of width floats), j < n; idx host int64, distinct. */            \
-    X(rows_scatter,                                                                                \
-      (k3_backend * be, const float *src, int64_t width, const int64_t *idx, int64_t n,            \
-       float *dst),                                                                                \
-      (be, src, width, idx, n, dst))                                                               \
-    /* Segment-weighted row sums: y[j] = Σ_{i in segment j} w[i]·x[i] accumulated in i order, the \
-       first term initialising (w NULL: weights 1). Segment j = [seg[j], seg[j+1]) with seg host   \
-       int64 [n_seg + 1], or, when seg is NULL, [j·seg_len, (j+1)·seg_len). Every segment is      \
-       non-empty. x [rows, width], y [n_seg, width]. The MoE slot sum (segments of K slots) and  \
-       the per-owner pre-sum of the combine. */                                                    \
-    X(rows_wsum,                                                                                   \
-      (k3_backend * be, const float *x, const float *w, const int64_t *seg, int64_t seg_len,       \
-       int64_t n_seg, int64_t width, float *y),                                                    \
+    X(situ,                                                                                               \
+      (k3_backend * be, const float *g, const float *u, int64_t n, float beta, float lin_beta,            \
+       float *y),                                                                                         \
+      (be, g, u, n, beta, lin_beta, y))                                                                   \
+    /* y = SiLU(g)·u ; y may alias g. */                                                                 \
+    X(swiglu, (k3_backend * be, const float *g, const float *u, int64_t n, float *y),                     \
+      (be, g, u, n, y))                                                                                   \
+    /* row softmax: x, y [T, n] (max-subtracted, fp32). y may alias x. */                                 \
+    X(softmax, (k3_backend * be, const float *x, int64_t T, int64_t n, float *y),                         \
+      (be, x, T, n, y))                                                                                   \
+    /* y = a + b elementwise over n (residual adds, shared-expert add). y may alias a or b. */            \
+    X(add, (k3_backend * be, const float *a, const float *b, int64_t n, float *y),                        \
+      (be, a, b, n, y))                                                                                   \
+    /* y = a ⊙ b elementwise over n (output gates). y may alias a or b. */                              \
+    X(mul, (k3_backend * be, const float *a, const float *b, int64_t n, float *y),                        \
+      (be, a, b, n, y))                                                                                   \
+    /* y[i] = v for i < n (state resets). */                                                              \
+    X(fill, (k3_backend * be, float *y, int64_t n, float v), (be, y, n, v))                               \
+    /* rows × cols floats: dst[r·dst_stride + c] = src[r·src_stride + c]; no overlap (strides in       \
+       floats). Stage hand-offs, bank slabs, cache writes, per-head staging, head rows. */                \
+    X(copy2d,                                                                                             \
+      (k3_backend * be, float *dst, int64_t dst_stride, const float *src, int64_t src_stride,             \
+       int64_t rows, int64_t cols),                                                                       \
+      (be, dst, dst_stride, src, src_stride, rows, cols))                                                 \
+    /* dst [n] = the n elements of t (F32/BF16/F16) decoded to f32 (small weight vectors). */             \
+    X(to_f32, (k3_backend * be, const k3_tensor *t, int64_t n, float *dst), (be, t, n, dst))              \
+    /* out[t] = row ids[t] of the embedding W [V, D] (F32/BF16) decoded to f32; ids [T] int32 in          \
+       backend memory, each in [0, V) (checked: K3_ERR_ARG naming the position). */                       \
+    X(embed_rows,                                                                                         \
+      (k3_backend * be, const k3_tensor *W, const int32_t *ids, int64_t T, float *out),                   \
+      (be, W, ids, T, out))                                                                               \
+    /* Depthwise causal conv (KDA short conv, K3-MODEL.md §2.1), NO activation: out[t, c] =              \
+       Σ_j w[c, j]·in_{t-(K-1)+j}[c], in_{<0} from state [K-1, P] (oldest first); then state =          \
+       the last K-1 inputs of (state ++ in). in, out [n, P]; w [P, K]. */                                 \
+    X(short_conv,                                                                                         \
+      (k3_backend * be, const float *in, int64_t n, int64_t P, int K, const float *w,                     \
+       float *state, float *out),                                                                         \
+      (be, in, n, P, K, w, state, out))                                                                   \
+    /* KDA decay gate in log space (§2.1) over r [T, H·dk] in place: v = r + dt_bias[c],                \
+       a = exp(a_log[h]); lower_bound form: lb·σ(a·v); else −a·softplus(v). */                      \
+    X(kda_gate,                                                                                           \
+      (k3_backend * be, float *r, const float *dt_bias, const float *a_log, int64_t T, int H,             \
+       int dk, bool has_lower_bound, float lower_bound),                                                  \
+      (be, r, dt_bias, a_log, T, H, dk, has_lower_bound, lower_bound))                                    \
+    /* AttnRes mix (K3-MODEL.md §1.3) per token t: sources v_0..v_{N-1} = bank[i][t], v_N = p[t];        \
+       s_i = Σ_d v_i[d]/sqrt(mean(v_i²)+eps)·w[d]; out[t] = Σ_i softmax(s)_i v_i (raw values).        \
+       bank [N, T, D] (slab stride T·D), p, out [T, D], w [D]; N ≥ 0. out may alias p. */              \
+    X(attnres_mix,                                                                                        \
+      (k3_backend * be, const float *bank, int n_bank, const float *p, const float *w, int64_t T,         \
+       int64_t D, float eps, float *out),                                                                 \
+      (be, bank, n_bank, p, w, T, D, eps, out))                                                           \
+    /* KDA delta rule, recurrent (ground truth), n tokens, H heads (K3-MODEL.md §2.2).                   \
+       q, k, g [n, H·dk] (q, k already L2-normed; q NOT scaled), v [n, H·dv], beta [n, H];              \
+       S [H, dk, dv] fp32 in/out; o [n, H·dv] = scale·Sᵀq read after each update. */                  \
+    X(kda_recurrent,                                                                                      \
+      (k3_backend * be, const float *q, const float *k, const float *v, const float *g,                   \
+       const float *beta, int64_t n, int H, int dk, int dv, float scale, float *S, float *o),             \
+      (be, q, k, v, g, beta, n, H, dk, dv, scale, S, o))                                                  \
+    /* KDA chunked (WY/UT) form, same contract as kda_recurrent; full chunks of C tokens use the          \
+       chunked math (always exp of a difference ≤ 0, §2.4), a ragged tail the recurrence.              \
+       work: >= k3_kda_chunk_work_floats(C, dk, dv) floats per head, for H heads. */                      \
+    X(kda_chunked,                                                                                        \
+      (k3_backend * be, const float *q, const float *k, const float *v, const float *g,                   \
+       const float *beta, int64_t n, int H, int dk, int dv, float scale, float *S, float *o,              \
+       int C, float *work),                                                                               \
+      (be, q, k, v, g, beta, n, H, dk, dv, scale, S, o, C, work))                                         \
+    /* Latent attention for ONE query token over n_ctx cached tokens (absorbed MLA, §3.2):               \
+       qc [H, W] (W = Rkv + dr: [q_abs | q_pe]), cache [n_ctx, W] ([c | k_pe] rows);                      \
+       s_h(j) = scale·qc[h]·cache[j]; p = softmax_j; o_lat[h] = Σ_j p_j cache[j][0:Rkv];               \
+       o_lat [H, Rkv]; work >= H·n_ctx floats. */                                                        \
+    X(attn_latent,                                                                                        \
+      (k3_backend * be, const float *qc, const float *cache, int64_t n_ctx, int H, int W, int Rkv,        \
+       float scale, float *o_lat, float *work),                                                           \
+      (be, qc, cache, n_ctx, H, W, Rkv, scale, o_lat, work))                                              \
+    /* MoE router selection (K3-MODEL.md §4.3, experts/k3_experts.h "Slot order"): scores σ(z)          \
+       [T, E]; bias [E] (NULL = none) added for selection only; grouped top-k (n_group groups,            \
+       topk_group kept; group score = sum of its two best biased scores; ties to the lower                \
+       index); ids [T, K] int32, w [T, K] = σ(z)[id], renormalised (sum in slot order + 1e-20)           \
+       when renorm, × scale. work: [T, E] floats. K3_ERR_INTERNAL names a non-finite score. */           \
+    X(moe_topk,                                                                                           \
+      (k3_backend * be, const float *scores, const float *bias, int64_t T, int E, int K,                  \
+       int n_group, int topk_group, bool renorm, float scale, float *work, int32_t *ids,                  \
+       float *w),                                                                                         \
+      (be, scores, bias, T, E, K, n_group, topk_group, renorm, scale, work, ids, w))                      \
+    /* dst[j] = src[idx[j]] (rows of width floats), j < n; idx host int64. */                             \
+    X(rows_gather,                                                                                        \
+      (k3_backend * be, const float *src, int64_t width, const int64_t *idx, int64_t n,                   \
+       float *dst),                                                                                       \
+      (be, src, width, idx, n, dst))                                                                      \
+    /* dst[idx[j]] = src[j] (rows of width floats), j < n; idx host int64, distinct. */                   \
+    X(rows_scatter,                                                                                       \
+      (k3_backend * be, const float *src, int64_t width, const int64_t *idx, int64_t n,                   \
+       float *dst),                                                                                       \
+      (be, src, width, idx, n, dst))                                                                      \
+    /* Segment-weighted row sums: y[j] = Σ_{i in segment j} w[i]·x[i] accumulated in i order, the       \
+       first term initialising (w NULL: weights 1). Segment j = [seg[j], seg[j+1]) with seg host          \
+       int64 [n_seg + 1], or, when seg is NULL, [j·seg_len, (j+1)·seg_len). Every segment is            \
+       non-empty. x [rows, width], y [n_seg, width]. The MoE slot sum (segments of K slots) and           \
+       the per-owner pre-sum of the combine. */                                                           \
+    X(rows_wsum,                                                                                          \
+      (k3_backend * be, const float *x, const float *w, const int64_t *seg, int64_t seg_len,              \
+       int64_t n_seg, int64_t width, float *y),                                                           \
       (be, x, w, seg, seg_len, n_seg, width, y))
 
 #define K3_OP_FIELD(name, params, args) k3_status(*name) params;
@@ -196,8 +197,8 @@ struct k3_backend {
 };
 
 typedef struct k3_backend_params {
-    int n_threads;           /* cpu/guard pool size; <= 0 = online CPUs (at most 64) */
-    size_t guard_reserve;    /* guard: bytes of address space to reserve; 0 = 16 GiB */
+    int n_threads;        /* cpu/guard pool size; <= 0 = online CPUs (at most 64) */
+    size_t guard_reserve; /* guard: bytes of address space to reserve; 0 = 16 GiB */
 } k3_backend_params;
 
 /* Names this build knows: "ref", "cpu", "guard" (+ "cuda" with K3_CUDA). */

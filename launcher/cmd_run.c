@@ -65,7 +65,8 @@ static const k3_flag flags[] = {
      "KDA form: 0/1 = recurrent (bit-exact), C >= 2 = chunked, C tokens"},
     {"threads", K3_FLAG_INT, "N", "0",
      "cpu threads per rank (0 = all cores alone, 1 under mpirun)"},
-    {"backend", K3_FLAG_STR, "NAME", "cpu", "kernel backend: cpu or ref"},
+    {"backend", K3_FLAG_STR, "NAME", "cpu",
+     "kernel backend: cpu, ref, or guard (a test backend: cpu ops on memory host code cannot touch)"},
     {"dump-logits", K3_FLAG_STR, "FILE", NULL,
      "write float32 logits [positions, V] as .npy (every consumed token, prompts concatenated)"},
     {"json", K3_FLAG_BOOL, NULL, NULL, "print one JSON object instead of ids + text lines"},
@@ -468,9 +469,10 @@ static int run_run(const k3_args *a) {
         fprintf(stderr, "k3 run: --pp and --ep must be in [1, 4096], --comm-timeout > 0\n");
         return 2;
     }
-    const k3_ops *ops = k3_ops_by_name(k3_args_str(a, "backend"));
-    if (!ops) {
-        fprintf(stderr, "k3 run: --backend: '%s' is not cpu or ref\n", k3_args_str(a, "backend"));
+    const char *backend = k3_args_str(a, "backend");
+    if (strcmp(backend, "cpu") != 0 && strcmp(backend, "ref") != 0 &&
+        strcmp(backend, "guard") != 0) {
+        fprintf(stderr, "k3 run: --backend: '%s' is not cpu, ref or guard\n", backend);
         return 2;
     }
     k3_coord_mode cm = K3_COORD_SHARED;
@@ -537,7 +539,7 @@ static int run_run(const k3_args *a) {
                       .json = k3_args_bool(a, "json"),
                       .n_threads = (int)threads,
                       .kda_chunk = (int)kc,
-                      .ops = ops,
+                      .backend = backend,
                       .test_fail = getenv("K3_TEST_FAIL"),
                       .sampling = in.sp,
                       .ignore_eos = k3_args_bool(a, "ignore-eos"),

@@ -5,10 +5,15 @@
  * Owns: k3_stage (a contiguous range of layers [layer_begin, layer_end) plus the embedding when
  * first and the head when last: f32 copies of the small vectors, all scratch, sized at create);
  * k3_seq_state (one sequence's caches for the stage's layers: MLA latent cache, KDA conv and
- * recurrent state, position). Memory is allocated at create; k3_stage_forward never allocates.
- * Callers must not: call MPI here (the MoE exchange hook is how experts elsewhere are reached),
- * share one k3_stage between threads concurrently, or create a k3_seq_state while a forward of
- * the same stage runs (it may grow the stage's attention scratch).
+ * recurrent state, position). Memory comes from the stage's backend (weights, states, scratch)
+ * and is allocated at create; k3_stage_forward never allocates. layers/ holds op calls and
+ * bookkeeping only: every loop over activations is an op of the backend.
+ * The MoE step is driven here, in phases: route and down-project; exchange through the comm
+ * handle the stage was given (k3_comm_moe_dispatch); local experts; combine
+ * (k3_comm_moe_combine); finish (weighted sum, latent norm, up-projection, shared experts).
+ * Without a comm handle every expert is local. No call goes up into rank/.
+ * Callers must not: share one k3_stage between threads concurrently, or create a k3_seq_state
+ * while a forward of the same stage runs (it may grow the stage's attention scratch).
  *
  * Determinism: with the recurrent KDA form (the default, kda_chunk 0 or 1) every logit is
  * bit-identical for every split of a prompt into prefill chunks / decode steps, every batch
@@ -21,6 +26,7 @@
 #define K3_LAYERS_H
 
 #include "k3_base.h"
+#include "k3_comm.h"
 #include "k3_kernels.h"
 #include "k3_model.h"
 
@@ -36,14 +42,25 @@ typedef struct k3_seq_state k3_seq_state; /* one sequence's caches for the stage
 typedef struct k3_stage_params {
     const k3_config *cfg;
     const k3_weights_view *w;
-    const k3_ops *ops; /* NULL = k3_ops_default() */
+    k3_backend *be; /* where weights (already loaded there), states and scratch live; NULL =
+                       the stage makes (and owns) a cpu backend of n_threads threads */
     int layer_begin, layer_end;
     bool first, last;   /* first: embeds token ids; last: final mix/norm/head */
     int64_t max_tokens; /* max tokens per forward call (sizes scratch) */
-    int n_threads;      /* cpu pool threads (k3_kernels_set_threads); <= 0 = leave as is */
+    int n_threads;      /* threads of the stage's own cpu backend (be == NULL); <= 0 = all */
     int kda_chunk;      /* KDA form: 0 = default (K3_KDA_CHUNK_DEFAULT), 1 = recurrent
                            everywhere (bit-identical across chunkings), C >= 2 = chunked
                            form on full chunks of C tokens of a run, recurrent tail */
+    /* Expert parallelism: the comm handle of this rank (its stage's EP group) and the owner lane
+       of every (layer, expert): expert_lane[layer·n_experts + e] in [0, n_lanes). comm NULL:
+       every expert is local (single process, or one lane). */
+    k3_comm *comm;
+    const int32_t *expert_lane;
+    int n_lanes;
+    /* Combine mode: true = per-(token, expert) rows summed by the token's lane in slot order
+       (bit-identical for every split); false = each owner pre-sums its experts per token (one
+       row per (token, owner); less traffic; within K3_TOL_PRESUM of the former). */
+    bool deterministic;
 } k3_stage_params;
 
 k3_status k3_stage_create(const k3_stage_params *p, k3_stage **out);
@@ -52,7 +69,7 @@ const k3_stage_params *k3_stage_get_params(const k3_stage *s);
 
 k3_status k3_seq_state_create(const k3_stage *s, int64_t max_ctx, k3_seq_state **out);
 void k3_seq_state_destroy(k3_seq_state *st);
-void k3_seq_state_reset(k3_seq_state *st);
+k3_status k3_seq_state_reset(k3_seq_state *st);
 int64_t k3_seq_state_pos(const k3_seq_state *st); /* tokens consumed so far */
 int64_t k3_seq_state_max_ctx(const k3_seq_state *st);
 size_t k3_seq_state_bytes(const k3_seq_state *st);
@@ -71,34 +88,29 @@ typedef struct k3_batch {
 typedef struct k3_activ {
     int64_t T;
     int n_bank;  /* banked block states so far (0..k3_activ_max_bank(cfg)) */
-    float *h;    /* [T, D] */
+    float *h;    /* [T, D] (backend memory) */
     float *bank; /* [max_bank, T, D] (slab i at bank + i·T·D), first n_bank valid */
 } k3_activ;
 int k3_activ_max_bank(const k3_config *cfg); /* ceil(n_layers / block_size), 0 without AttnRes */
-/* Allocate h [max_tokens, D] and bank [max_bank, max_tokens, D]; T = n_bank = 0. */
-k3_status k3_activ_alloc(k3_activ *a, const k3_config *cfg, int64_t max_tokens);
-void k3_activ_free(k3_activ *a);
+/* Allocate h [max_tokens, D] and bank [max_bank, max_tokens, D] in be; T = n_bank = 0. */
+k3_status k3_activ_alloc(k3_backend *be, k3_activ *a, const k3_config *cfg, int64_t max_tokens);
+void k3_activ_free(k3_backend *be, k3_activ *a);
 
-/* MoE exchange hook: at each MoE layer, after routing and the latent down-projection, the stage
- * hands the n = T·K rows (slot order t*K + k) of latent vectors [n, L] and their expert ids [n]
- * to `run`, which must fill out[n, L] with the UNWEIGHTED expert outputs (wherever the experts
- * live). NULL hook = compute locally (all experts present: the single-process path). */
-typedef struct k3_moe_exchange {
-    k3_status (*run)(void *ctx, int layer, const float *rows, const int32_t *expert, int64_t n,
-                     float *out);
-    void *ctx;
-} k3_moe_exchange;
+/* Run the stage's layers on the batch. First stage: reads token ids (host memory), writes
+ * act->h (and bank). Other stages: read act (from the previous stage). Last stage: writes logits
+ * (backend memory): all_logits ? [T, V] : [n_seqs, V] (each sequence's last token). Advances each
+ * state's position. On error the states are left as they were before the call only for argument
+ * errors (checked up front); a failure in the middle leaves them undefined (reset them). */
+k3_status k3_stage_forward(k3_stage *s, const k3_batch *b, k3_activ *act, bool all_logits,
+                           float *logits);
+/* A step in which this lane has no tokens: still take part in every MoE exchange of the stage
+ * (the other lanes may route tokens to this lane's experts). No-op without a comm handle. */
+k3_status k3_stage_idle_step(k3_stage *s);
+k3_backend *k3_stage_backend(const k3_stage *s);
 
-/* Run the stage's layers on the batch. First stage: reads token ids, writes act->h (and bank).
- * Other stages: read act (from the previous stage). Last stage: writes logits:
- * all_logits ? [T, V] : [n_seqs, V] (each sequence's last token). Advances each state's
- * position. On error the states are left as they were before the call only for argument errors
- * (checked up front); a failure in the middle leaves them undefined (reset them). */
-k3_status k3_stage_forward(k3_stage *s, const k3_batch *b, k3_activ *act, const k3_moe_exchange *ex,
-                           bool all_logits, float *logits);
-
-/* Optional debugging tap: after each layer l, copy act->h [T, D] (for per-layer golden reports). */
+/* Optional debugging tap: after each layer l, a host copy of act->h [T, D] (per-layer golden
+ * reports). */
 typedef void (*k3_layer_tap)(void *ctx, int layer, const float *h, int64_t T, int64_t D);
-void k3_stage_set_tap(k3_stage *s, k3_layer_tap tap, void *ctx);
+k3_status k3_stage_set_tap(k3_stage *s, k3_layer_tap tap, void *ctx);
 
 #endif /* K3_LAYERS_H */

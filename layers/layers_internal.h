@@ -12,7 +12,7 @@ typedef struct layer_vecs {
     /* KDA */
     float *conv[3]; /* q, k, v: [P, K] */
     float *dt_bias; /* [P] */
-    float *a_exp;   /* [H] exp(A_log[h]) */
+    float *a_log;   /* [A] A_log (exp taken by the kda_gate op) */
     float *o_norm;  /* [dv] */
     /* MLA */
     float *q_a_norm;  /* [Rq] */
@@ -23,7 +23,8 @@ struct k3_stage {
     k3_stage_params p;
     const k3_config *c;
     const k3_weights_view *w;
-    const k3_ops *ops;
+    k3_backend *be; /* every buffer below except the host ones lives here */
+    bool own_be;    /* made by the stage (params.be == NULL) */
     int64_t D, T_max;
     int kda_chunk;
     int slot[K3_MAX_LAYERS]; /* index among the stage's KDA or MLA layers (by mixer) */
@@ -33,9 +34,11 @@ struct k3_stage {
     float *final_norm, *out_res; /* [D] (last stage) */
     k3_layer_tap tap;
     void *tap_ctx;
+    float *tap_buf; /* host [T_max, D] */
 
     /* scratch, sized for T_max tokens at create */
     float *xa, *xn, *y; /* [T, D] mix output, normed input, sublayer output */
+    int32_t *ids;       /* [T] token ids (first stage) */
     /* KDA */
     float *kq, *kk, *kv, *kqc, *kkc, *kvc, *kr, *kg, *ko; /* [T, P] each */
     float *kfa;                                           /* [T, R] */
@@ -52,11 +55,20 @@ struct k3_stage {
     float *mwork; /* [H, max_ctx] attention probabilities (grown by seq_state_create) */
     int64_t mwork_ctx;
     /* FFN */
-    float *fg, *fu;            /* [T, F] */
-    float *moe_scratch;        /* k3_moe_scratch_floats(T) */
-    float *moe_rows, *moe_out; /* [T·K, Lw] (exchange path) */
-    int32_t *moe_ids;          /* [T, K] */
-    float *moe_w;              /* [T, K] */
+    float *fg, *fu;        /* [T, F] */
+    float *moe_scratch;    /* k3_moe_scratch_floats(T) */
+    int64_t *moe_hscratch; /* host: k3_moe_host_ints(T) */
+    /* the distributed MoE step (comm != NULL) */
+    int32_t *moe_ids; /* [T, K] */
+    float *moe_w;     /* [T, K] */
+    float *moe_r;     /* [T, Lw] latent rows */
+    float *moe_comb;  /* [T·K, Lw] what the combine returns */
+    float *moe_acc;   /* [T, Lw] weighted expert sum */
+    float *moe_eo;    /* [n_lanes·T·K, Lw] received items' outputs (pre-sum mode) */
+    float *moe_xs;    /* expert rows scratch for n_lanes·T·K rows */
+    int64_t *moe_xh;  /* host: expert rows host scratch */
+    int32_t *h_ids, *h_row, *h_lane; /* host [T·K] routing metadata */
+    float *h_w;                      /* host [T·K] */
     /* head */
     float *hsel;  /* [T, D] rows that get logits */
     float *bank1; /* [max_bank, D] one token's bank rows (final mix of last tokens) */
@@ -65,7 +77,7 @@ struct k3_stage {
 struct k3_seq_state {
     const k3_stage *s;
     int64_t max_ctx, pos;
-    float *mla;  /* [n_mla, max_ctx, Rkv+dr] */
+    float *mla;  /* [n_mla, max_ctx, Rkv+dr] (backend memory) */
     float *conv; /* [n_kda, 3, K-1, P] */
     float *S;    /* [n_kda, H, dk, dv] */
     size_t n_bytes;

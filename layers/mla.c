@@ -17,7 +17,8 @@ k3_status k3_layers_mla(k3_stage *s, int layer, const k3_batch *b, const float *
     const k3_config *c = s->c;
     const k3_layer_w *lw = &s->w->layers[layer];
     const layer_vecs *lv = &s->vec[layer];
-    const k3_ops *ops = s->ops;
+    k3_backend *be = s->be;
+    const k3_ops *ops = be->ops;
     const int H = c->n_heads, dn = c->qk_nope_head_dim, dr = c->qk_rope_head_dim,
               dv = c->v_head_dim;
     const int Rkv = c->kv_lora_rank, W = Rkv + dr;
@@ -27,23 +28,24 @@ k3_status k3_layers_mla(k3_stage *s, int layer, const k3_batch *b, const float *
 
     /* q */
     if (c->q_lora_rank > 0) {
-        K3_TRY(ops->matmul(x, T, &lw->q_a_proj, s->mcq));
-        ops->rmsnorm(s->mcq, lv->q_a_norm, T, c->q_lora_rank, c->mla_norm_eps, s->mcq);
-        K3_TRY(ops->matmul(s->mcq, T, &lw->q_b_proj, s->mq));
+        K3_TRY(ops->matmul(be, x, T, &lw->q_a_proj, s->mcq));
+        K3_TRY(ops->rmsnorm(be, s->mcq, lv->q_a_norm, T, c->q_lora_rank, c->mla_norm_eps, s->mcq));
+        K3_TRY(ops->matmul(be, s->mcq, T, &lw->q_b_proj, s->mq));
     } else {
-        K3_TRY(ops->matmul(x, T, &lw->q_proj_mla, s->mq));
+        K3_TRY(ops->matmul(be, x, T, &lw->q_proj_mla, s->mq));
     }
     /* latent [c | k_pe] of every new token, into each sequence's cache */
-    K3_TRY(ops->matmul(x, T, &lw->kv_a_proj, s->mckv));
+    K3_TRY(ops->matmul(be, x, T, &lw->kv_a_proj, s->mckv));
     for (int64_t t = 0; t < T; t++)
-        ops->rmsnorm(s->mckv + t * W, lv->kv_a_norm, 1, Rkv, c->mla_norm_eps, s->mckv + t * W);
+        K3_TRY(ops->rmsnorm(be, s->mckv + t * W, lv->kv_a_norm, 1, Rkv, c->mla_norm_eps,
+                            s->mckv + t * W));
     {
         int64_t t0 = 0;
         for (int i = 0; i < b->n_seqs; i++) {
             k3_seq_state *st = b->states[i];
             float *cache =
                 st->mla + ((size_t)s->slot[layer] * (size_t)st->max_ctx + (size_t)st->pos) * W;
-            memcpy(cache, s->mckv + t0 * W, (size_t)b->n_tokens[i] * W * sizeof(float));
+            K3_TRY(ops->copy2d(be, cache, W, s->mckv + t0 * W, W, b->n_tokens[i], W));
             t0 += b->n_tokens[i];
         }
     }
@@ -52,16 +54,12 @@ k3_status k3_layers_mla(k3_stage *s, int layer, const k3_batch *b, const float *
     for (int h = 0; h < H; h++) {
         k3_tensor wuk;
         K3_TRY(k3_tensor_rows(&lw->kv_b_proj, (int64_t)h * (dn + dv), dn, &wuk));
-        for (int64_t t = 0; t < T; t++)
-            memcpy(s->mtmp_in + t * dn, s->mq + t * qw + (int64_t)h * (dn + dr),
-                   (size_t)dn * sizeof(float));
-        K3_TRY(ops->matmul_tn(s->mtmp_in, T, &wuk, s->mtmp_out)); /* [T, Rkv] */
-        for (int64_t t = 0; t < T; t++) {
-            float *qc = s->mqc + (t * H + h) * W;
-            memcpy(qc, s->mtmp_out + t * Rkv, (size_t)Rkv * sizeof(float));
-            memcpy(qc + Rkv, s->mq + t * qw + (int64_t)h * (dn + dr) + dn,
-                   (size_t)dr * sizeof(float));
-        }
+        K3_TRY(ops->copy2d(be, s->mtmp_in, dn, s->mq + (int64_t)h * (dn + dr), qw, T, dn));
+        K3_TRY(ops->matmul_tn(be, s->mtmp_in, T, &wuk, s->mtmp_out)); /* [T, Rkv] */
+        float *qc = s->mqc + (int64_t)h * W;                          /* row t at + t·H·W */
+        K3_TRY(ops->copy2d(be, qc, (int64_t)H * W, s->mtmp_out, Rkv, T, Rkv));
+        K3_TRY(ops->copy2d(be, qc + Rkv, (int64_t)H * W, s->mq + (int64_t)h * (dn + dr) + dn, qw, T,
+                           dr));
     }
 
     /* attention of each token over its own sequence's cache up to its position */
@@ -72,8 +70,8 @@ k3_status k3_layers_mla(k3_stage *s, int layer, const k3_batch *b, const float *
             k3_seq_state *st = b->states[i];
             const float *cache = st->mla + (size_t)s->slot[layer] * (size_t)st->max_ctx * W;
             for (int j = 0; j < b->n_tokens[i]; j++, t++)
-                ops->attn_latent(s->mqc + t * H * W, cache, st->pos + j + 1, H, W, Rkv, scale,
-                                 s->molat + t * H * Rkv, s->mwork);
+                K3_TRY(ops->attn_latent(be, s->mqc + t * H * W, cache, st->pos + j + 1, H, W, Rkv,
+                                        scale, s->molat + t * H * Rkv, s->mwork));
         }
     }
 
@@ -81,18 +79,17 @@ k3_status k3_layers_mla(k3_stage *s, int layer, const k3_batch *b, const float *
     for (int h = 0; h < H; h++) {
         k3_tensor wuv;
         K3_TRY(k3_tensor_rows(&lw->kv_b_proj, (int64_t)h * (dn + dv) + dn, dv, &wuv));
-        for (int64_t t = 0; t < T; t++)
-            memcpy(s->mtmp_in + t * Rkv, s->molat + (t * H + h) * Rkv, (size_t)Rkv * sizeof(float));
-        K3_TRY(ops->matmul(s->mtmp_in, T, &wuv, s->mtmp_out)); /* [T, dv] */
-        for (int64_t t = 0; t < T; t++)
-            memcpy(s->mattn + t * H * dv + (int64_t)h * dv, s->mtmp_out + t * dv,
-                   (size_t)dv * sizeof(float));
+        K3_TRY(ops->copy2d(be, s->mtmp_in, Rkv, s->molat + (int64_t)h * Rkv, (int64_t)H * Rkv, T,
+                           Rkv));
+        K3_TRY(ops->matmul(be, s->mtmp_in, T, &wuv, s->mtmp_out)); /* [T, dv] */
+        K3_TRY(
+            ops->copy2d(be, s->mattn + (int64_t)h * dv, (int64_t)H * dv, s->mtmp_out, dv, T, dv));
     }
 
     if (c->mla_use_output_gate) {
-        K3_TRY(ops->matmul(x, T, &lw->g_proj, s->mgate));
-        ops->sigmoid(s->mgate, T * H * dv, s->mgate);
-        for (int64_t e = 0; e < T * H * dv; e++) s->mattn[e] *= s->mgate[e];
+        K3_TRY(ops->matmul(be, x, T, &lw->g_proj, s->mgate));
+        K3_TRY(ops->sigmoid(be, s->mgate, T * H * dv, s->mgate));
+        K3_TRY(ops->mul(be, s->mattn, s->mgate, T * H * dv, s->mattn));
     }
-    return ops->matmul(s->mattn, T, &lw->o_proj, y);
+    return ops->matmul(be, s->mattn, T, &lw->o_proj, y);
 }

@@ -1,12 +1,13 @@
 /* stage.c — the per-stage forward: stage/state lifetimes, the layer loop with Attention
  * Residuals (K3-MODEL.md §1.2-1.3) or a plain pre-norm residual (attn_res_block_size == 0),
- * the dense FFN, the MoE layer (experts/ compute, or the exchange hook), embedding, final
- * mix + norm + LM head.
+ * the dense FFN, the MoE step (local, or driven through the comm handle: route + down,
+ * dispatch, local experts, combine, finish), embedding, final mix + norm + LM head.
  *
- * Invariants: everything is allocated in k3_stage_create / k3_seq_state_create; the forward
- * only validates the batch, then runs. AttnRes state of a token lives in k3_activ (partial sum
- * h + bank), so a stage boundary may fall anywhere. Weights are checked (presence, dtype
- * family, shape) once at create with errors naming the layer and tensor. */
+ * Invariants: everything is allocated from the stage's backend in k3_stage_create /
+ * k3_seq_state_create; the forward only validates the batch, then runs ops (no host loop touches
+ * an activation, a cache or a weight: the guard backend proves it). AttnRes state of a token lives
+ * in k3_activ (partial sum h + bank), so a stage boundary may fall anywhere. Weights are checked
+ * (presence, dtype family, shape) once at create with errors naming the layer and tensor. */
 #include "layers_internal.h"
 
 #include <math.h>
@@ -35,16 +36,16 @@ int k3_activ_max_bank(const k3_config *cfg) {
     return (cfg->n_layers + cfg->attn_res_block_size - 1) / cfg->attn_res_block_size;
 }
 
-k3_status k3_activ_alloc(k3_activ *a, const k3_config *cfg, int64_t max_tokens) {
+k3_status k3_activ_alloc(k3_backend *be, k3_activ *a, const k3_config *cfg, int64_t max_tokens) {
     memset(a, 0, sizeof(*a));
     size_t td = (size_t)max_tokens * (size_t)cfg->hidden_size;
-    K3_TRY(k3_calloc((void **)&a->h, td * sizeof(float), "activation h"));
+    K3_TRY(k3_backend_alloc(be, td * sizeof(float), "activation h", (void **)&a->h));
     int mb = k3_activ_max_bank(cfg);
     if (mb > 0) {
-        k3_status st =
-            k3_calloc((void **)&a->bank, (size_t)mb * td * sizeof(float), "AttnRes bank");
+        k3_status st = k3_backend_alloc(be, (size_t)mb * td * sizeof(float), "AttnRes bank",
+                                        (void **)&a->bank);
         if (st != K3_OK) {
-            k3_free(a->h);
+            k3_backend_free(be, a->h);
             a->h = NULL;
             return st;
         }
@@ -52,18 +53,18 @@ k3_status k3_activ_alloc(k3_activ *a, const k3_config *cfg, int64_t max_tokens) 
     return K3_OK;
 }
 
-void k3_activ_free(k3_activ *a) {
+void k3_activ_free(k3_backend *be, k3_activ *a) {
     if (!a) return;
-    k3_free(a->h);
-    k3_free(a->bank);
+    k3_backend_free(be, a->h);
+    k3_backend_free(be, a->bank);
     memset(a, 0, sizeof(*a));
 }
 
 /* ---- create ------------------------------------------------------------------------------ */
-static k3_status vec_f32(const k3_tensor *t, int64_t n, int layer, const char *name, float **cursor,
-                         float **out) {
+static k3_status vec_f32(k3_backend *be, const k3_tensor *t, int64_t n, int layer, const char *name,
+                         float **cursor, float **out) {
     K3_TRY(k3_layers_need(t, layer, name, n, -1));
-    k3_status st = k3_tensor_to_f32(t, *cursor, n);
+    k3_status st = be->ops->to_f32(be, t, n, *cursor);
     if (st != K3_OK) return K3_ERR(st, "layer %d: tensor %s: %s", layer, name, k3_last_error());
     *out = *cursor;
     *cursor += n;
@@ -132,7 +133,7 @@ static k3_status make_vecs(k3_stage *s) {
     size_t per = (size_t)(4 * D + 3 * P * K + P + c->kda_n_heads + c->kda_head_dim +
                           c->q_lora_rank + c->kv_lora_rank);
     size_t n = per * (size_t)(s->p.layer_end - s->p.layer_begin) + 2 * (size_t)D;
-    K3_TRY(k3_calloc((void **)&s->vec_mem, n * sizeof(float), "stage vectors"));
+    K3_TRY(k3_backend_alloc(s->be, n * sizeof(float), "stage vectors", (void **)&s->vec_mem));
     K3_TRY(k3_calloc((void **)&s->vec, (size_t)c->n_layers * sizeof(layer_vecs),
                      "stage vector table"));
     float *cur = s->vec_mem;
@@ -140,45 +141,46 @@ static k3_status make_vecs(k3_stage *s) {
     for (int l = s->p.layer_begin; l < s->p.layer_end; l++) {
         const k3_layer_w *lw = &s->w->layers[l];
         layer_vecs *v = &s->vec[l];
-        K3_TRY(vec_f32(&lw->input_norm, D, l, "input_layernorm", &cur, &v->input_norm));
-        K3_TRY(vec_f32(&lw->post_attn_norm, D, l, "post_attention_layernorm", &cur, &v->post_norm));
+        K3_TRY(vec_f32(s->be, &lw->input_norm, D, l, "input_layernorm", &cur, &v->input_norm));
+        K3_TRY(vec_f32(s->be, &lw->post_attn_norm, D, l, "post_attention_layernorm", &cur,
+                       &v->post_norm));
         if (res) {
-            K3_TRY(
-                vec_f32(&lw->attn_res_score, D, l, "self_attention_res score", &cur, &v->attn_res));
-            K3_TRY(vec_f32(&lw->mlp_res_score, D, l, "mlp_res score", &cur, &v->mlp_res));
+            K3_TRY(vec_f32(s->be, &lw->attn_res_score, D, l, "self_attention_res score", &cur,
+                           &v->attn_res));
+            K3_TRY(vec_f32(s->be, &lw->mlp_res_score, D, l, "mlp_res score", &cur, &v->mlp_res));
         }
         if (c->mixer[l] == K3_MIXER_KDA) {
             const k3_tensor *cv[3] = {&lw->q_conv, &lw->k_conv, &lw->v_conv};
             const char *cn[3] = {"q_conv1d", "k_conv1d", "v_conv1d"};
-            for (int j = 0; j < 3; j++) K3_TRY(vec_f32(cv[j], P * K, l, cn[j], &cur, &v->conv[j]));
-            K3_TRY(vec_f32(&lw->dt_bias, P, l, "dt_bias", &cur, &v->dt_bias));
-            K3_TRY(vec_f32(&lw->o_norm, c->kda_head_dim, l, "o_norm", &cur, &v->o_norm));
-            float *alog;
-            K3_TRY(k3_layers_need(&lw->a_log, l, "A_log", c->kda_a_log_len, -1));
-            K3_TRY(vec_f32(&lw->a_log, c->kda_a_log_len, l, "A_log", &cur, &alog));
-            /* only the first kda_n_heads entries are used (K3 pads A_log to 128); exp in place */
-            for (int h = 0; h < c->kda_n_heads; h++) alog[h] = expf(alog[h]);
-            v->a_exp = alog;
+            for (int j = 0; j < 3; j++)
+                K3_TRY(vec_f32(s->be, cv[j], P * K, l, cn[j], &cur, &v->conv[j]));
+            K3_TRY(vec_f32(s->be, &lw->dt_bias, P, l, "dt_bias", &cur, &v->dt_bias));
+            K3_TRY(vec_f32(s->be, &lw->o_norm, c->kda_head_dim, l, "o_norm", &cur, &v->o_norm));
+            /* only the first kda_n_heads entries are used (K3 pads A_log to 128) */
+            K3_TRY(vec_f32(s->be, &lw->a_log, c->kda_a_log_len, l, "A_log", &cur, &v->a_log));
         } else {
             if (c->q_lora_rank > 0)
-                K3_TRY(
-                    vec_f32(&lw->q_a_norm, c->q_lora_rank, l, "q_a_layernorm", &cur, &v->q_a_norm));
-            K3_TRY(
-                vec_f32(&lw->kv_a_norm, c->kv_lora_rank, l, "kv_a_layernorm", &cur, &v->kv_a_norm));
+                K3_TRY(vec_f32(s->be, &lw->q_a_norm, c->q_lora_rank, l, "q_a_layernorm", &cur,
+                               &v->q_a_norm));
+            K3_TRY(vec_f32(s->be, &lw->kv_a_norm, c->kv_lora_rank, l, "kv_a_layernorm", &cur,
+                           &v->kv_a_norm));
         }
         K3_ASSERT((size_t)(cur - s->vec_mem) <= n);
     }
     if (s->p.last) {
-        K3_TRY(vec_f32(&s->w->final_norm, D, -1, "model.norm", &cur, &s->final_norm));
+        K3_TRY(vec_f32(s->be, &s->w->final_norm, D, -1, "model.norm", &cur, &s->final_norm));
         if (res)
-            K3_TRY(
-                vec_f32(&s->w->out_res_score, D, -1, "output_attn_res score", &cur, &s->out_res));
+            K3_TRY(vec_f32(s->be, &s->w->out_res_score, D, -1, "output_attn_res score", &cur,
+                           &s->out_res));
     }
     return K3_OK;
 }
 
-static k3_status buf(float **p, size_t n_floats, const char *what) {
-    return k3_calloc((void **)p, (n_floats ? n_floats : 1) * sizeof(float), what);
+static k3_status buf(k3_stage *s, void *p, size_t n_floats, const char *what) {
+    return k3_backend_alloc(s->be, (n_floats ? n_floats : 1) * sizeof(float), what, (void **)p);
+}
+static k3_status hbuf(void *p, size_t n_bytes, const char *what) {
+    return k3_calloc((void **)p, n_bytes ? n_bytes : 1, what);
 }
 
 static k3_status make_scratch(k3_stage *s) {
@@ -195,22 +197,22 @@ static k3_status make_scratch(k3_stage *s) {
         else
             any_dense = true;
     }
-    K3_TRY(buf(&s->xa, T * D, "scratch xa"));
-    K3_TRY(buf(&s->xn, T * D, "scratch xn"));
-    K3_TRY(buf(&s->y, T * D, "scratch y"));
-    K3_TRY(buf(&s->hsel, T * D, "scratch head rows"));
-    K3_TRY(buf(&s->bank1, (size_t)k3_activ_max_bank(c) * D, "scratch bank rows of one token"));
+    K3_TRY(buf(s, &s->xa, T * D, "scratch xa"));
+    K3_TRY(buf(s, &s->xn, T * D, "scratch xn"));
+    K3_TRY(buf(s, &s->y, T * D, "scratch y"));
+    K3_TRY(buf(s, &s->hsel, T * D, "scratch head rows"));
+    K3_TRY(buf(s, &s->bank1, (size_t)k3_activ_max_bank(c) * D, "scratch bank rows of one token"));
     if (any_kda) {
         const size_t P = (size_t)c->kda_n_heads * (size_t)c->kda_head_dim;
         float **big[] = {&s->kq, &s->kk, &s->kv, &s->kqc, &s->kkc, &s->kvc, &s->kr, &s->kg, &s->ko};
-        for (size_t i = 0; i < K3_ARRAY_LEN(big); i++) K3_TRY(buf(big[i], T * P, "KDA scratch"));
+        for (size_t i = 0; i < K3_ARRAY_LEN(big); i++) K3_TRY(buf(s, big[i], T * P, "KDA scratch"));
         size_t R = (size_t)c->kda_gate_rank;
         for (int l = s->p.layer_begin; l < s->p.layer_end; l++)
             if (s->w->layers[l].g_a.data) R = K3_MAX(R, (size_t)s->w->layers[l].g_a.shape[0]);
-        K3_TRY(buf(&s->kfa, T * R, "KDA gate scratch"));
-        K3_TRY(buf(&s->kbeta, T * (size_t)c->kda_n_heads, "KDA beta"));
+        K3_TRY(buf(s, &s->kfa, T * R, "KDA gate scratch"));
+        K3_TRY(buf(s, &s->kbeta, T * (size_t)c->kda_n_heads, "KDA beta"));
         if (s->kda_chunk > 1)
-            K3_TRY(buf(&s->kwork,
+            K3_TRY(buf(s, &s->kwork,
                        (size_t)c->kda_n_heads *
                            k3_kda_chunk_work_floats(s->kda_chunk, c->kda_head_dim, c->kda_head_dim),
                        "KDA chunk work"));
@@ -219,28 +221,45 @@ static k3_status make_scratch(k3_stage *s) {
         const size_t H = (size_t)c->n_heads, dn = (size_t)c->qk_nope_head_dim,
                      dr = (size_t)c->qk_rope_head_dim, dv = (size_t)c->v_head_dim,
                      Rkv = (size_t)c->kv_lora_rank, W = Rkv + dr;
-        K3_TRY(buf(&s->mcq, T * (size_t)K3_MAX(c->q_lora_rank, 1), "MLA cq"));
-        K3_TRY(buf(&s->mq, T * H * (dn + dr), "MLA q"));
-        K3_TRY(buf(&s->mckv, T * W, "MLA ckv"));
-        K3_TRY(buf(&s->mtmp_in, T * K3_MAX(dn, Rkv), "MLA head in"));
-        K3_TRY(buf(&s->mtmp_out, T * K3_MAX(Rkv, dv), "MLA head out"));
-        K3_TRY(buf(&s->mqc, T * H * W, "MLA absorbed q"));
-        K3_TRY(buf(&s->molat, T * H * Rkv, "MLA latent out"));
-        K3_TRY(buf(&s->mattn, T * H * dv, "MLA attn"));
-        K3_TRY(buf(&s->mgate, T * H * dv, "MLA gate"));
+        K3_TRY(buf(s, &s->mcq, T * (size_t)K3_MAX(c->q_lora_rank, 1), "MLA cq"));
+        K3_TRY(buf(s, &s->mq, T * H * (dn + dr), "MLA q"));
+        K3_TRY(buf(s, &s->mckv, T * W, "MLA ckv"));
+        K3_TRY(buf(s, &s->mtmp_in, T * K3_MAX(dn, Rkv), "MLA head in"));
+        K3_TRY(buf(s, &s->mtmp_out, T * K3_MAX(Rkv, dv), "MLA head out"));
+        K3_TRY(buf(s, &s->mqc, T * H * W, "MLA absorbed q"));
+        K3_TRY(buf(s, &s->molat, T * H * Rkv, "MLA latent out"));
+        K3_TRY(buf(s, &s->mattn, T * H * dv, "MLA attn"));
+        K3_TRY(buf(s, &s->mgate, T * H * dv, "MLA gate"));
     }
     if (any_dense) {
-        K3_TRY(buf(&s->fg, T * (size_t)c->intermediate_size, "FFN gate"));
-        K3_TRY(buf(&s->fu, T * (size_t)c->intermediate_size, "FFN up"));
+        K3_TRY(buf(s, &s->fg, T * (size_t)c->intermediate_size, "FFN gate"));
+        K3_TRY(buf(s, &s->fu, T * (size_t)c->intermediate_size, "FFN up"));
     }
+    if (s->p.first) K3_TRY(buf(s, &s->ids, T, "token ids"));
     if (any_moe) {
         const size_t K = (size_t)c->n_experts_per_tok, Lw = (size_t)k3_moe_row_width(c);
         K3_TRY(k3_moe_check_config(c));
-        K3_TRY(buf(&s->moe_scratch, k3_moe_scratch_floats(c, (int64_t)T), "MoE scratch"));
-        K3_TRY(buf(&s->moe_rows, T * K * Lw, "MoE rows"));
-        K3_TRY(buf(&s->moe_out, T * K * Lw, "MoE expert outputs"));
-        K3_TRY(buf(&s->moe_w, T * K, "MoE weights"));
-        K3_TRY(k3_calloc((void **)&s->moe_ids, T * K * sizeof(int32_t), "MoE ids"));
+        K3_TRY(buf(s, &s->moe_scratch, k3_moe_scratch_floats(c, (int64_t)T), "MoE scratch"));
+        K3_TRY(hbuf(&s->moe_hscratch, k3_moe_host_ints(c, (int64_t)T) * sizeof(int64_t),
+                    "MoE host scratch"));
+        if (s->p.comm) {
+            /* a lane receives at most n_lanes·T·K items (every lane's T tokens, K slots each) */
+            const size_t TK = T * K, R = (size_t)s->p.n_lanes * TK;
+            K3_TRY(buf(s, &s->moe_ids, TK, "MoE ids"));
+            K3_TRY(buf(s, &s->moe_w, TK, "MoE weights"));
+            K3_TRY(buf(s, &s->moe_r, T * Lw, "MoE latent rows"));
+            K3_TRY(buf(s, &s->moe_comb, TK * Lw, "MoE combined rows"));
+            K3_TRY(buf(s, &s->moe_acc, T * Lw, "MoE weighted sum"));
+            K3_TRY(buf(s, &s->moe_eo, R * Lw, "MoE received item outputs"));
+            K3_TRY(buf(s, &s->moe_xs, k3_moe_rows_scratch_floats(c, (int64_t)R),
+                       "MoE expert scratch"));
+            K3_TRY(hbuf(&s->moe_xh, k3_moe_rows_host_ints(c, (int64_t)R) * sizeof(int64_t),
+                        "MoE expert host scratch"));
+            K3_TRY(hbuf(&s->h_ids, TK * sizeof(int32_t), "MoE host ids"));
+            K3_TRY(hbuf(&s->h_row, TK * sizeof(int32_t), "MoE host rows"));
+            K3_TRY(hbuf(&s->h_lane, TK * sizeof(int32_t), "MoE host lanes"));
+            K3_TRY(hbuf(&s->h_w, TK * sizeof(float), "MoE host weights"));
+        }
     }
     return K3_OK;
 }
@@ -263,12 +282,18 @@ k3_status k3_stage_create(const k3_stage_params *p, k3_stage **out) {
     s->p = *p;
     s->c = c;
     s->w = p->w;
-    s->ops = p->ops ? p->ops : k3_ops_default();
+    s->be = p->be;
     s->D = c->hidden_size;
     s->T_max = p->max_tokens;
     s->kda_chunk = p->kda_chunk == 0 ? K3_KDA_CHUNK_DEFAULT : p->kda_chunk;
-    if (p->n_threads > 0) k3_kernels_set_threads(p->n_threads);
     k3_status st = K3_OK;
+    if (!s->be) {
+        k3_backend_params bp = {.n_threads = p->n_threads};
+        st = k3_backend_create("cpu", &bp, &s->be);
+        s->own_be = st == K3_OK;
+    }
+    if (st == K3_OK && p->comm && (p->n_lanes < 1 || !p->expert_lane))
+        st = K3_ERR(K3_ERR_ARG, "stage: a comm handle needs n_lanes >= 1 and the expert lane map");
     if (p->first && !s->w->embed.data)
         st = K3_ERR(K3_ERR_MISSING, "first stage: embedding not loaded");
     if (st == K3_OK && p->first &&
@@ -298,16 +323,22 @@ k3_status k3_stage_create(const k3_stage_params *p, k3_stage **out) {
 
 void k3_stage_destroy(k3_stage *s) {
     if (!s) return;
-    float *bufs[] = {s->xa,       s->xn,      s->y,       s->hsel,     s->bank1, s->kq,
-                     s->kk,       s->kv,      s->kqc,     s->kkc,      s->kvc,   s->kr,
-                     s->kg,       s->ko,      s->kfa,     s->kbeta,    s->kwork, s->mcq,
-                     s->mq,       s->mckv,    s->mtmp_in, s->mtmp_out, s->mqc,   s->molat,
-                     s->mattn,    s->mgate,   s->mwork,   s->fg,       s->fu,    s->moe_scratch,
-                     s->moe_rows, s->moe_out, s->moe_w};
-    for (size_t i = 0; i < K3_ARRAY_LEN(bufs); i++) k3_free(bufs[i]);
-    k3_free(s->moe_ids);
-    k3_free(s->vec_mem);
+    if (s->be) {
+        float *bufs[] = {s->xa,     s->xn,    s->y,        s->hsel,     s->bank1,  s->kq,
+                         s->kk,     s->kv,    s->kqc,      s->kkc,      s->kvc,    s->kr,
+                         s->kg,     s->ko,    s->kfa,      s->kbeta,    s->kwork,  s->mcq,
+                         s->mq,     s->mckv,  s->mtmp_in,  s->mtmp_out, s->mqc,    s->molat,
+                         s->mattn,  s->mgate, s->mwork,    s->fg,       s->fu,     s->moe_scratch,
+                         s->moe_w,  s->moe_r, s->moe_comb, s->moe_acc,  s->moe_eo, s->moe_xs,
+                         s->vec_mem};
+        for (size_t i = 0; i < K3_ARRAY_LEN(bufs); i++) k3_backend_free(s->be, bufs[i]);
+        k3_backend_free(s->be, s->ids);
+        k3_backend_free(s->be, s->moe_ids);
+    }
+    void *hosts[] = {s->moe_hscratch, s->moe_xh, s->h_ids, s->h_row, s->h_lane, s->h_w, s->tap_buf};
+    for (size_t i = 0; i < K3_ARRAY_LEN(hosts); i++) k3_free(hosts[i]);
     k3_free(s->vec);
+    if (s->own_be) k3_backend_destroy(s->be);
     k3_free(s);
 }
 
@@ -315,9 +346,17 @@ const k3_stage_params *k3_stage_get_params(const k3_stage *s) {
     return &s->p;
 }
 
-void k3_stage_set_tap(k3_stage *s, k3_layer_tap tap, void *ctx) {
+k3_status k3_stage_set_tap(k3_stage *s, k3_layer_tap tap, void *ctx) {
+    if (tap && !s->tap_buf)
+        K3_TRY(k3_calloc((void **)&s->tap_buf, (size_t)s->T_max * (size_t)s->D * sizeof(float),
+                         "layer tap buffer"));
     s->tap = tap;
     s->tap_ctx = ctx;
+    return K3_OK;
+}
+
+k3_backend *k3_stage_backend(const k3_stage *s) {
+    return s->be;
 }
 
 /* ---- sequence state ------------------------------------------------------------------------ */
@@ -336,17 +375,18 @@ k3_status k3_seq_state_create(const k3_stage *cs, int64_t max_ctx, k3_seq_state 
     size_t n_conv = (size_t)s->n_kda * 3 * (size_t)K3_MAX(c->kda_conv_kernel - 1, 0) * P;
     size_t n_S = (size_t)s->n_kda * P * (size_t)c->kda_head_dim;
     k3_status e = K3_OK;
-    if (n_mla) e = k3_calloc((void **)&st->mla, n_mla * sizeof(float), "MLA latent cache");
+    if (n_mla)
+        e = k3_backend_alloc(s->be, n_mla * sizeof(float), "MLA latent cache", (void **)&st->mla);
     if (e == K3_OK && n_conv)
-        e = k3_calloc((void **)&st->conv, n_conv * sizeof(float), "KDA conv state");
+        e = k3_backend_alloc(s->be, n_conv * sizeof(float), "KDA conv state", (void **)&st->conv);
     if (e == K3_OK && n_S)
-        e = k3_calloc((void **)&st->S, n_S * sizeof(float), "KDA recurrent state");
+        e = k3_backend_alloc(s->be, n_S * sizeof(float), "KDA recurrent state", (void **)&st->S);
     if (e == K3_OK && s->n_mla > 0 && max_ctx > s->mwork_ctx) {
         float *w;
-        e = k3_calloc((void **)&w, (size_t)c->n_heads * (size_t)max_ctx * sizeof(float),
-                      "attention scratch");
+        e = k3_backend_alloc(s->be, (size_t)c->n_heads * (size_t)max_ctx * sizeof(float),
+                             "attention scratch", (void **)&w);
         if (e == K3_OK) {
-            k3_free(s->mwork);
+            k3_backend_free(s->be, s->mwork);
             s->mwork = w;
             s->mwork_ctx = max_ctx;
         }
@@ -362,20 +402,23 @@ k3_status k3_seq_state_create(const k3_stage *cs, int64_t max_ctx, k3_seq_state 
 
 void k3_seq_state_destroy(k3_seq_state *st) {
     if (!st) return;
-    k3_free(st->mla);
-    k3_free(st->conv);
-    k3_free(st->S);
+    k3_backend *be = st->s->be;
+    k3_backend_free(be, st->mla);
+    k3_backend_free(be, st->conv);
+    k3_backend_free(be, st->S);
     k3_free(st);
 }
 
-void k3_seq_state_reset(k3_seq_state *st) {
+k3_status k3_seq_state_reset(k3_seq_state *st) {
     const k3_config *c = st->s->c;
-    size_t P = (size_t)c->kda_n_heads * (size_t)c->kda_head_dim;
+    k3_backend *be = st->s->be;
+    int64_t P = (int64_t)c->kda_n_heads * c->kda_head_dim;
     if (st->conv)
-        memset(st->conv, 0,
-               (size_t)st->s->n_kda * 3 * (size_t)(c->kda_conv_kernel - 1) * P * sizeof(float));
-    if (st->S) memset(st->S, 0, (size_t)st->s->n_kda * P * (size_t)c->kda_head_dim * sizeof(float));
+        K3_TRY(be->ops->fill(be, st->conv, (int64_t)st->s->n_kda * 3 * (c->kda_conv_kernel - 1) * P,
+                             0.0f));
+    if (st->S) K3_TRY(be->ops->fill(be, st->S, (int64_t)st->s->n_kda * P * c->kda_head_dim, 0.0f));
     st->pos = 0; /* the MLA cache beyond pos is never read */
+    return K3_OK;
 }
 
 int64_t k3_seq_state_pos(const k3_seq_state *st) {
@@ -392,29 +435,80 @@ size_t k3_seq_state_bytes(const k3_seq_state *st) {
 static k3_status dense_ffn(k3_stage *s, int l, const float *x, int64_t T, float *y) {
     const k3_config *c = s->c;
     const k3_layer_w *lw = &s->w->layers[l];
+    k3_backend *be = s->be;
     int64_t n = T * c->intermediate_size;
-    K3_TRY(s->ops->matmul(x, T, &lw->gate_proj, s->fg));
-    K3_TRY(s->ops->matmul(x, T, &lw->up_proj, s->fu));
+    K3_TRY(be->ops->matmul(be, x, T, &lw->gate_proj, s->fg));
+    K3_TRY(be->ops->matmul(be, x, T, &lw->up_proj, s->fu));
     if (c->act == K3_ACT_SWIGLU)
-        s->ops->swiglu(s->fg, s->fu, n, s->fg);
+        K3_TRY(be->ops->swiglu(be, s->fg, s->fu, n, s->fg));
     else
-        s->ops->situ(s->fg, s->fu, n, c->situ_beta, c->situ_linear_beta, s->fg);
-    return s->ops->matmul(s->fg, T, &lw->down_proj, y);
+        K3_TRY(be->ops->situ(be, s->fg, s->fu, n, c->situ_beta, c->situ_linear_beta, s->fg));
+    return be->ops->matmul(be, s->fg, T, &lw->down_proj, y);
 }
 
-static k3_status moe_ffn(k3_stage *s, int l, const float *x, int64_t T, const k3_moe_exchange *ex,
-                         float *y) {
+/* The distributed MoE step of layer l over T tokens (T may be 0: the lane only serves its
+ * experts). Phases: route + down (T tokens) → dispatch (each token row once to each owner lane
+ * of its experts) → local experts on the received items → [pre-sum per (token, owner)] →
+ * combine → weighted sum in slot order (deterministic) or sum of the owners' pre-sums in lane
+ * order → finish. */
+static k3_status moe_step(k3_stage *s, int l, const float *x, int64_t T, float *y) {
     const k3_config *c = s->c;
     const k3_layer_w *lw = &s->w->layers[l];
-    if (!ex || !ex->run) return k3_moe_forward(s->ops, c, lw, x, T, y, s->moe_scratch);
+    k3_backend *be = s->be;
     const int K = c->n_experts_per_tok;
     const int64_t Lw = k3_moe_row_width(c), n = T * K;
-    K3_TRY(k3_moe_route(s->ops, c, lw, x, T, s->moe_ids, s->moe_w, s->moe_scratch));
-    K3_TRY(k3_moe_down(s->ops, c, lw, x, T, s->moe_rows));
-    k3_moe_expand_rows(s->moe_rows, T, K, Lw, s->moe_rows);
-    k3_status st = ex->run(ex->ctx, l, s->moe_rows, s->moe_ids, n, s->moe_out);
-    if (st != K3_OK) return st;
-    return k3_moe_finish(s->ops, c, lw, x, s->moe_w, s->moe_out, T, y, s->moe_scratch);
+    const k3_combine_mode mode = s->p.deterministic ? K3_COMBINE_PER_ITEM : K3_COMBINE_PRESUM;
+    if (T > 0) {
+        K3_TRY(k3_moe_router(be, c, lw, x, T, s->moe_ids, s->moe_w, s->moe_scratch));
+        K3_TRY(k3_moe_down(be, c, lw, x, T, s->moe_r));
+        K3_TRY(k3_backend_download(be, s->h_ids, s->moe_ids, (size_t)n * sizeof(int32_t)));
+        K3_TRY(k3_backend_download(be, s->h_w, s->moe_w, (size_t)n * sizeof(float)));
+    }
+    const int32_t *lane = s->p.expert_lane + (size_t)l * (size_t)c->n_experts;
+    for (int64_t i = 0; i < n; i++) {
+        if (s->h_ids[i] < 0 || s->h_ids[i] >= c->n_experts)
+            return K3_ERR(K3_ERR_INTERNAL, "layer %d: MoE row %lld has expert %d", l, (long long)i,
+                          s->h_ids[i]);
+        s->h_row[i] = (int32_t)(i / K);
+        s->h_lane[i] = lane[s->h_ids[i]];
+    }
+    k3_moe_route route = {.n_rows = T,
+                          .n_items = n,
+                          .item_row = s->h_row,
+                          .item_lane = s->h_lane,
+                          .item_tag = s->h_ids,
+                          .item_w = s->h_w};
+    k3_dispatch_view v;
+    K3_TRY(k3_comm_moe_dispatch(s->p.comm, be, s->moe_r, Lw, &route, mode, &v));
+    if (v.n_items > 0) {
+        float *item_out = mode == K3_COMBINE_PER_ITEM ? v.out : s->moe_eo;
+        K3_TRY(k3_moe_expert_rows(be, c, lw, v.rows, v.item_row, v.item_tag, v.n_items, item_out,
+                                  s->moe_xs, s->moe_xh));
+        if (mode == K3_COMBINE_PRESUM) /* Σ over this owner's experts of each row, slot order */
+            K3_TRY(be->ops->rows_wsum(be, item_out, v.item_w, v.row_seg, 0, v.n_rows, Lw, v.out));
+    }
+    const int64_t *pair_seg = NULL;
+    K3_TRY(k3_comm_moe_combine(s->p.comm, be, s->moe_comb, &pair_seg));
+    if (T == 0) return K3_OK;
+    if (mode == K3_COMBINE_PER_ITEM)
+        K3_TRY(be->ops->rows_wsum(be, s->moe_comb, s->moe_w, NULL, K, T, Lw, s->moe_acc));
+    else
+        K3_TRY(be->ops->rows_wsum(be, s->moe_comb, NULL, pair_seg, 0, T, Lw, s->moe_acc));
+    return k3_moe_finish(be, c, lw, x, s->moe_acc, T, y, s->moe_scratch);
+}
+
+static k3_status moe_ffn(k3_stage *s, int l, const float *x, int64_t T, float *y) {
+    if (!s->p.comm)
+        return k3_moe_forward(s->be, s->c, &s->w->layers[l], x, T, y, s->moe_scratch,
+                              s->moe_hscratch);
+    return moe_step(s, l, x, T, y);
+}
+
+k3_status k3_stage_idle_step(k3_stage *s) {
+    if (!s->p.comm) return K3_OK;
+    for (int l = s->p.layer_begin; l < s->p.layer_end; l++)
+        if (k3_config_is_moe(s->c, l)) K3_TRY(moe_step(s, l, NULL, 0, NULL));
+    return K3_OK;
 }
 
 /* ---- the forward ---------------------------------------------------------------------------- */
@@ -459,10 +553,11 @@ static k3_status check_batch(const k3_stage *s, const k3_batch *b, const k3_acti
     return K3_OK;
 }
 
-k3_status k3_stage_forward(k3_stage *s, const k3_batch *b, k3_activ *act, const k3_moe_exchange *ex,
-                           bool all_logits, float *logits) {
+k3_status k3_stage_forward(k3_stage *s, const k3_batch *b, k3_activ *act, bool all_logits,
+                           float *logits) {
     const k3_config *c = s->c;
-    const k3_ops *ops = s->ops;
+    k3_backend *be = s->be;
+    const k3_ops *ops = be->ops;
     const int64_t D = s->D;
     int64_t T = 0;
     K3_TRY(check_batch(s, b, act, &T));
@@ -472,11 +567,8 @@ k3_status k3_stage_forward(k3_stage *s, const k3_batch *b, k3_activ *act, const 
     if (s->p.first) {
         act->T = T;
         act->n_bank = 0;
-        for (int64_t t = 0; t < T; t++) {
-            k3_tensor row;
-            K3_TRY(k3_tensor_rows(&s->w->embed, b->token_ids[t], 1, &row));
-            K3_TRY(k3_tensor_to_f32(&row, act->h + t * D, D));
-        }
+        K3_TRY(k3_backend_upload(be, s->ids, b->token_ids, (size_t)T * sizeof(int32_t)));
+        K3_TRY(ops->embed_rows(be, &s->w->embed, s->ids, T, act->h));
     }
     float *h = act->h;
     const int64_t slab = T * D;
@@ -486,39 +578,43 @@ k3_status k3_stage_forward(k3_stage *s, const k3_batch *b, k3_activ *act, const 
         bool restart = false;
         if (res) {
             if (act->n_bank > 0) {
-                ops->attnres_mix(act->bank, act->n_bank, h, lv->attn_res, T, D, eps, s->xa);
+                K3_TRY(ops->attnres_mix(be, act->bank, act->n_bank, h, lv->attn_res, T, D, eps,
+                                        s->xa));
                 a = s->xa;
             }
             if (k3_config_is_block_start(c, l)) {
                 if (act->n_bank >= k3_activ_max_bank(c))
                     return K3_ERR(K3_ERR_STATE, "layer %d: AttnRes bank full (%d)", l, act->n_bank);
-                memcpy(act->bank + act->n_bank * slab, h, (size_t)slab * sizeof(float));
+                K3_TRY(ops->copy2d(be, act->bank + act->n_bank * slab, slab, h, slab, 1, slab));
                 act->n_bank++;
                 restart = true;
             }
         }
-        ops->rmsnorm(a, lv->input_norm, T, D, eps, s->xn);
+        K3_TRY(ops->rmsnorm(be, a, lv->input_norm, T, D, eps, s->xn));
         if (c->mixer[l] == K3_MIXER_KDA)
             K3_TRY(k3_layers_kda(s, l, b, s->xn, s->y));
         else
             K3_TRY(k3_layers_mla(s, l, b, s->xn, s->y));
         if (restart)
-            memcpy(h, s->y, (size_t)slab * sizeof(float));
+            K3_TRY(ops->copy2d(be, h, slab, s->y, slab, 1, slab));
         else
-            for (int64_t e = 0; e < slab; e++) h[e] += s->y[e];
+            K3_TRY(ops->add(be, h, s->y, slab, h));
 
         a = h;
         if (res && act->n_bank > 0) {
-            ops->attnres_mix(act->bank, act->n_bank, h, lv->mlp_res, T, D, eps, s->xa);
+            K3_TRY(ops->attnres_mix(be, act->bank, act->n_bank, h, lv->mlp_res, T, D, eps, s->xa));
             a = s->xa;
         }
-        ops->rmsnorm(a, lv->post_norm, T, D, eps, s->xn);
+        K3_TRY(ops->rmsnorm(be, a, lv->post_norm, T, D, eps, s->xn));
         if (k3_config_is_moe(c, l))
-            K3_TRY(moe_ffn(s, l, s->xn, T, ex, s->y));
+            K3_TRY(moe_ffn(s, l, s->xn, T, s->y));
         else
             K3_TRY(dense_ffn(s, l, s->xn, T, s->y));
-        for (int64_t e = 0; e < slab; e++) h[e] += s->y[e];
-        if (s->tap) s->tap(s->tap_ctx, l, h, T, D);
+        K3_TRY(ops->add(be, h, s->y, slab, h));
+        if (s->tap) {
+            K3_TRY(k3_backend_download(be, s->tap_buf, h, (size_t)slab * sizeof(float)));
+            s->tap(s->tap_ctx, l, s->tap_buf, T, D);
+        }
     }
     for (int i = 0; i < b->n_seqs; i++) b->states[i]->pos += b->n_tokens[i];
 
@@ -527,36 +623,36 @@ k3_status k3_stage_forward(k3_stage *s, const k3_batch *b, k3_activ *act, const 
         /* rows that get logits: all, or each sequence's last token */
         int64_t n_rows = 0;
         if (all_logits) {
-            memcpy(s->hsel, h, (size_t)slab * sizeof(float));
+            K3_TRY(ops->copy2d(be, s->hsel, slab, h, slab, 1, slab));
             n_rows = T;
         } else {
             int64_t t0 = 0;
             for (int i = 0; i < b->n_seqs; i++) {
                 t0 += b->n_tokens[i];
-                memcpy(s->hsel + n_rows * D, h + (t0 - 1) * D, (size_t)D * sizeof(float));
+                K3_TRY(ops->copy2d(be, s->hsel + n_rows * D, D, h + (t0 - 1) * D, D, 1, D));
                 n_rows++;
             }
         }
         if (res && act->n_bank > 0) {
             if (all_logits) {
-                ops->attnres_mix(act->bank, act->n_bank, s->hsel, s->out_res, T, D, eps, s->hsel);
+                K3_TRY(ops->attnres_mix(be, act->bank, act->n_bank, s->hsel, s->out_res, T, D, eps,
+                                        s->hsel));
             } else {
                 /* the bank slabs are [n_bank, T, D]: mix each selected token on its own (T = 1
                    views need contiguous sources, so stage them in bank1 [n_bank, D]) */
                 int64_t t0 = 0;
                 for (int i = 0; i < b->n_seqs; i++) {
                     t0 += b->n_tokens[i];
-                    for (int j = 0; j < act->n_bank; j++)
-                        memcpy(s->bank1 + j * D, act->bank + j * slab + (t0 - 1) * D,
-                               (size_t)D * sizeof(float));
-                    ops->attnres_mix(s->bank1, act->n_bank, s->hsel + i * D, s->out_res, 1, D, eps,
-                                     s->hsel + i * D);
+                    K3_TRY(ops->copy2d(be, s->bank1, D, act->bank + (t0 - 1) * D, slab, act->n_bank,
+                                       D));
+                    K3_TRY(ops->attnres_mix(be, s->bank1, act->n_bank, s->hsel + i * D, s->out_res,
+                                            1, D, eps, s->hsel + i * D));
                 }
             }
         }
-        ops->rmsnorm(s->hsel, s->final_norm, n_rows, D, eps, s->hsel);
+        K3_TRY(ops->rmsnorm(be, s->hsel, s->final_norm, n_rows, D, eps, s->hsel));
         const k3_tensor *head = c->tie_word_embeddings ? &s->w->embed : &s->w->lm_head;
-        K3_TRY(ops->matmul(s->hsel, n_rows, head, logits));
+        K3_TRY(ops->matmul(be, s->hsel, n_rows, head, logits));
     }
     return K3_OK;
 }

@@ -2,9 +2,10 @@
  *
  * Owns: config.json -> k3_config (parse + validate); the catalogue of tensors a config implies
  * (ONE source of truth used by make-tiny, inspect and the loader); safetensors index + shards
- * with per-tensor byte-range reads; MXFP4 checkpoint parts (the format itself is kernels/k3_mxfp4.h); the in-memory weights of the
- * layers a rank owns (k3_weights); the tiny/small checkpoint writer and its tokenizer files.
- * Callers must not: open shard files themselves, or hard-code a shape (read it from k3_config).
+ * with per-tensor byte-range reads; MXFP4 checkpoint parts (the format itself is
+ * kernels/k3_mxfp4.h); the in-memory weights of the layers a rank owns (k3_weights); the tiny/small
+ * checkpoint writer and its tokenizer files. Callers must not: open shard files themselves, or
+ * hard-code a shape (read it from k3_config).
  *
  * Layer indices are 0-based everywhere in k3 (config.json lists are 1-based; converted here). */
 #ifndef K3_MODEL_H
@@ -286,6 +287,11 @@ typedef struct k3_load_sel {
     bool (*expert_owned)(void *ctx, int layer, int expert);
     void *ctx;
     void (*progress)(void *ctx, uint64_t done_bytes, uint64_t total_bytes); /* may be NULL */
+    /* Where the weights live: NULL = host memory (k3_alloc). A host-visible backend gets the
+       bytes read straight into its buffer; any other is filled by one upload of the host arena
+       (which is then freed), so a load peaks at twice the weight bytes of the rank in host
+       memory for device/guard backends. */
+    struct k3_backend *be;
 } k3_load_sel;
 k3_status k3_weights_load(k3_ckpt *ck, const k3_config *c, const k3_load_sel *sel,
                           k3_weights **out);

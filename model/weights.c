@@ -13,17 +13,22 @@
 
 #include <stdlib.h>
 
+#include "k3_kernels.h"
+
 struct k3_weights {
     k3_config cfg; /* copy: the view points here */
     k3_weights_view view;
     k3_layer_w *layers; /* [n_layers] */
     uint8_t *arena;     /* all tensor bytes */
     uint64_t arena_bytes;
+    k3_backend *be; /* owner of the arena (NULL: k3_alloc) */
 };
 
 typedef struct job {
     const k3_ckpt_tensor *src;
     void *dst;
+    k3_tensor *t; /* the tensor whose data (part 0) or scale (part 1) this is; NULL: staged */
+    int part;
 } job;
 
 typedef struct fuse {
@@ -248,9 +253,15 @@ k3_status k3_weights_load(k3_ckpt *ck, const k3_config *c, const k3_load_sel *se
         }
         total_read += nb;
     }
-    if ((st = k3_alloc((void **)&w->arena, bytes ? bytes : 64, "weights")) != K3_OK ||
-        (st = k3_alloc((void **)&stage, stage_bytes ? stage_bytes : 64, "AttnRes staging")) !=
-            K3_OK) {
+    const bool direct = sel->be && k3_backend_host_visible(sel->be);
+    if (direct) {
+        w->be = sel->be;
+        st = k3_backend_alloc(sel->be, bytes ? bytes : 64, "weights", (void **)&w->arena);
+    } else {
+        st = k3_alloc((void **)&w->arena, bytes ? bytes : 64, "weights");
+    }
+    if (st != K3_OK || (st = k3_alloc((void **)&stage, stage_bytes ? stage_bytes : 64,
+                                      "AttnRes staging")) != K3_OK) {
         k3_free(src);
         goto fail;
     }
@@ -304,7 +315,7 @@ k3_status k3_weights_load(k3_ckpt *ck, const k3_config *c, const k3_load_sel *se
                 }
             }
         }
-        jobs[nj++] = (job){src[i], dst};
+        jobs[nj++] = (job){src[i], dst, part < 2 ? t : NULL, part};
     }
     k3_free(src);
     qsort(jobs, (size_t)nj, sizeof *jobs, job_cmp);
@@ -321,6 +332,32 @@ k3_status k3_weights_load(k3_ckpt *ck, const k3_config *c, const k3_load_sel *se
         float *o = fz[f].t->data;
         for (int64_t d = 0; d < c->hidden_size; d++)
             o[d] = k3_bf16_to_f32(fz[f].norm[d]) * k3_bf16_to_f32(fz[f].proj[d]);
+    }
+    if (sel->be && !direct) { /* one upload, then every tensor points into the backend's copy */
+        uint8_t *dev = NULL;
+        st = k3_backend_alloc(sel->be, bytes ? bytes : 64, "weights", (void **)&dev);
+        if (st == K3_OK) st = k3_backend_upload(sel->be, dev, w->arena, bytes);
+        if (st != K3_OK) {
+            if (dev) k3_backend_free(sel->be, dev);
+            goto fail;
+        }
+        for (int64_t j = 0; j < nj; j++) {
+            k3_tensor *t = jobs[j].t;
+            if (!t) continue;
+            if (jobs[j].part == 1)
+                t->scale = dev + ((uint8_t *)t->scale - w->arena);
+            else
+                t->data = dev + ((uint8_t *)t->data - w->arena);
+        }
+        for (int f = 0; f < nf; f++) fz[f].t->data = dev + ((uint8_t *)fz[f].t->data - w->arena);
+        k3_free(w->arena);
+        w->arena = dev;
+        w->be = sel->be;
+    }
+    if (sel->be) { /* mark where every tensor lives */
+        for (int64_t j = 0; j < nj; j++)
+            if (jobs[j].t) jobs[j].t->mem = sel->be->mem;
+        for (int f = 0; f < nf; f++) fz[f].t->mem = sel->be->mem;
     }
     if (sel->head && c->tie_word_embeddings) w->view.lm_head = w->view.embed;
     k3_free(stage);
@@ -348,6 +385,9 @@ void k3_weights_destroy(k3_weights *w) {
     if (w->layers)
         for (int l = 0; l < w->cfg.n_layers; l++) k3_free(w->layers[l].experts);
     k3_free(w->layers);
-    k3_free(w->arena);
+    if (w->be)
+        k3_backend_free(w->be, w->arena);
+    else
+        k3_free(w->arena);
     k3_free(w);
 }

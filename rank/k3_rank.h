@@ -33,19 +33,20 @@ typedef struct k3_rank_opts {
     int pp, ep; /* stages S, lanes E (world = S x E [+ 1 dedicated coordinator]) */
     k3_coord_mode coord;
     const char *expert_map_path; /* NULL = contiguous expert ranges */
-    bool deterministic;          /* combine per (token, expert) row, owner sums in slot order */
+    bool deterministic;          /* combine per (token, expert) row, summed in slot order
+                                    (bit-identical for every split); else each owner pre-sums */
     double comm_timeout_s;       /* every blocking wait; <= 0 means 600 */
     const int32_t *prompt_ids;   /* all prompts concatenated */
     const int64_t *prompt_lens;  /* [n_prompts], each >= 1 */
     int n_prompts;
-    int n_new;                /* most new tokens per prompt (fewer when a sequence stops) */
-    int64_t chunk;            /* prefill tokens per sequence per step; 0 = whole prompt */
-    const char *dump_logits;  /* .npy of every position's logits (prompts concatenated) or NULL */
-    bool json;                /* one JSON object on stdout instead of text lines */
-    int n_threads;            /* cpu threads per rank; <= 0: 1 when world > 1, else all cores */
-    int kda_chunk;            /* k3_stage_params.kda_chunk (0 = default) */
-    const struct k3_ops *ops; /* kernel backend; NULL = k3_ops_default() */
-    const char *test_fail;    /* K3_TEST_FAIL value or NULL (read by the caller, once) */
+    int n_new;               /* most new tokens per prompt (fewer when a sequence stops) */
+    int64_t chunk;           /* prefill tokens per sequence per step; 0 = whole prompt */
+    const char *dump_logits; /* .npy of every position's logits (prompts concatenated) or NULL */
+    bool json;               /* one JSON object on stdout instead of text lines */
+    int n_threads;           /* cpu threads per rank; <= 0: 1 when world > 1, else all cores */
+    int kda_chunk;           /* k3_stage_params.kda_chunk (0 = default) */
+    const char *backend;     /* kernel backend name (k3_backend_create); NULL = "cpu" */
+    const char *test_fail;   /* K3_TEST_FAIL value or NULL (read by the caller, once) */
     /* sampling on the coordinator. `seed` is the run's seed: sequence i samples with
      * k3_rank_seq_seed(seed, i). stop_ids are extra stop ids (copied); the model's EOS
      * (config eos_token_id) and the tokenizer's <|end_of_msg|> / [EOS] are added unless

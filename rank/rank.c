@@ -11,7 +11,10 @@
  *   STOP   coordinator -> every worker, after the last logits arrived.
  * Every lane of a stage receives the same sequence of (group, step) messages (possibly with no
  * sequences), so the lanes' MoE collectives line up; a lane with no tokens still serves its
- * experts at each MoE layer (dispatch with 0 rows). The loop allocates nothing per step: buffers
+ * experts at each MoE layer (k3_stage_idle_step). The stage drives the MoE step itself through
+ * the comm handle it is given; rank only builds the lane map and moves messages. Activations,
+ * caches and logits live in the rank's backend; they cross to host memory only by
+ * k3_backend_download/upload at a message boundary. The loop allocates nothing per step: buffers
  * are sized from the plan's max_tokens up front (comm buffers grow to the largest message once).
  */
 #include "k3_rank.h"
@@ -69,14 +72,14 @@ typedef struct rank_ctx {
     const k3_weights_view *view;
     k3_stage *st;
     k3_seq_state **states; /* [n_prompts]; non-NULL for this lane's sequences */
+    k3_backend *be;        /* the rank's kernel backend: weights, states, activations */
     k3_activ act;
-    float *logits; /* [max_tokens, V] on the last stage */
+    float *logits;    /* [max_tokens, V] on the last stage (backend memory) */
+    float *h_logits;  /* host staging of logits (NULL: the backend is host-visible) */
+    float *h_act;     /* host staging of h | bank for ACTIV (NULL: host-visible) */
+    int32_t *lane_of; /* [n_layers * n_experts] owner lane of each (layer, expert) */
     int64_t max_tokens;
     int n_forward;
-    int32_t *dest;   /* [max_tokens * K] owner lane per row */
-    float *xscratch; /* expert-rows scratch */
-    size_t xscratch_floats;
-    uint64_t rows_sent, rows_recv;
     k3_seq_state **bstates; /* [n_prompts] batch scratch */
     int32_t *bntok;         /* [n_prompts] */
     /* load */
@@ -94,6 +97,8 @@ typedef struct rank_ctx {
     int64_t meta_cap;
     uint64_t logits_bytes;
     int n_logits_msgs;
+    uint64_t moe_dispatch_bytes, moe_combine_bytes; /* summed over the world */
+    uint64_t n_steps;                               /* forward steps the coordinator sent */
     double t_gen0, t_prefill_done;
 } rank_ctx;
 
@@ -414,7 +419,11 @@ static void load(rank_ctx *r) {
                           r->rank));
         RTRY(r, k3_ckpt_open(r->o->model_dir, &r->ck));
         int S = r->plan.n_stages;
-        k3_load_sel sel = {.layer_begin = r->plan.stage_begin[r->stage],
+        k3_backend_params bp = {.n_threads =
+                                    r->o->n_threads > 0 ? r->o->n_threads : (r->world > 1 ? 1 : 0)};
+        RTRY(r, k3_backend_create(r->o->backend ? r->o->backend : "cpu", &bp, &r->be));
+        k3_load_sel sel = {.be = r->be,
+                           .layer_begin = r->plan.stage_begin[r->stage],
                            .layer_end = r->plan.stage_begin[r->stage + 1],
                            .embed = r->stage == 0,
                            .head = r->stage == S - 1,
@@ -471,54 +480,35 @@ static void load(rank_ctx *r) {
     }
 }
 
-/* ---- the MoE exchange hook ---------------------------------------------------------------- */
-static k3_status xchg_run(void *ctx, int layer, const float *rows, const int32_t *expert, int64_t n,
-                          float *out) {
-    rank_ctx *r = ctx;
-    const int64_t W = k3_moe_row_width(&r->cfg);
-    if (n > r->max_tokens * r->cfg.n_experts_per_tok)
-        return K3_ERR(K3_ERR_STATE, "MoE exchange: %lld rows exceed the planned %lld", (long long)n,
-                      (long long)(r->max_tokens * r->cfg.n_experts_per_tok));
-    for (int64_t i = 0; i < n; i++) {
-        if (expert[i] < 0 || expert[i] >= r->cfg.n_experts)
-            return K3_ERR(K3_ERR_INTERNAL, "MoE exchange: layer %d row %lld has expert %d", layer,
-                          (long long)i, expert[i]);
-        r->dest[i] = k3_plan_owner_lane(&r->plan, layer, expert[i]);
-    }
-    k3_dispatch_view v;
-    K3_TRY(k3_comm_dispatch(r->comm, rows, n, W, expert, r->dest, &v));
-    size_t need = k3_moe_rows_scratch_floats(&r->cfg, v.n_recv);
-    if (need > r->xscratch_floats) { /* only if more rows arrive than the plan's worst case */
-        k3_free(r->xscratch);
-        r->xscratch = NULL;
-        r->xscratch_floats = 0;
-        K3_TRY(k3_alloc((void **)&r->xscratch, need * sizeof(float), "expert scratch"));
-        r->xscratch_floats = need;
-    }
-    if (v.n_recv > 0)
-        K3_TRY(k3_moe_expert_rows(
-            k3_stage_get_params(r->st)->ops ? k3_stage_get_params(r->st)->ops : k3_ops_default(),
-            &r->cfg, &r->view->layers[layer], v.rows, v.expert, v.n_recv, v.out, r->xscratch));
-    r->rows_sent += (uint64_t)n;
-    r->rows_recv += (uint64_t)v.n_recv;
-    return k3_comm_combine(r->comm, out);
-}
-
 /* ---- worker ------------------------------------------------------------------------------- */
 static void worker_init(rank_ctx *r) {
     const k3_rank_opts *o = r->o;
-    int S = r->plan.n_stages;
-    int threads = o->n_threads > 0 ? o->n_threads : (r->world > 1 ? 1 : 0); /* ranks share cores */
-    k3_stage_params sp = {.cfg = &r->cfg,
+    const k3_config *c = &r->cfg;
+    int S = r->plan.n_stages, E = r->plan.n_lanes;
+    const bool moe_remote = E > 1;
+    if (moe_remote) { /* the owner lane of every (layer, expert) of this stage */
+        RTRY(r, k3_calloc((void **)&r->lane_of,
+                          (size_t)c->n_layers * (size_t)K3_MAX(c->n_experts, 1) * sizeof(int32_t),
+                          "expert lane map"));
+        for (int l = r->plan.stage_begin[r->stage]; l < r->plan.stage_begin[r->stage + 1]; l++)
+            if (k3_config_is_moe(c, l))
+                for (int x = 0; x < c->n_experts; x++)
+                    r->lane_of[(size_t)l * (size_t)c->n_experts + (size_t)x] =
+                        k3_plan_owner_lane(&r->plan, l, x);
+    }
+    k3_stage_params sp = {.cfg = c,
                           .w = r->view,
-                          .ops = o->ops,
+                          .be = r->be,
                           .layer_begin = r->plan.stage_begin[r->stage],
                           .layer_end = r->plan.stage_begin[r->stage + 1],
                           .first = r->stage == 0,
                           .last = r->stage == S - 1,
                           .max_tokens = r->max_tokens,
-                          .n_threads = threads,
-                          .kda_chunk = o->kda_chunk};
+                          .kda_chunk = o->kda_chunk,
+                          .comm = moe_remote ? r->comm : NULL,
+                          .expert_lane = r->lane_of,
+                          .n_lanes = E,
+                          .deterministic = o->deterministic};
     RTRY(r, k3_stage_create(&sp, &r->st));
     RTRY(r, k3_calloc((void **)&r->states, (size_t)o->n_prompts * sizeof *r->states, "seq states"));
     RTRY(r, k3_calloc((void **)&r->bstates, (size_t)o->n_prompts * sizeof *r->bstates,
@@ -527,29 +517,33 @@ static void worker_init(rank_ctx *r) {
     for (int i = 0; i < o->n_prompts; i++)
         if (k3_plan_lane_of_seq(&r->plan, i) == r->lane)
             RTRY(r, k3_seq_state_create(r->st, o->prompt_lens[i] + o->n_new, &r->states[i]));
-    RTRY(r, k3_activ_alloc(&r->act, &r->cfg, r->max_tokens));
-    if (r->stage == S - 1)
+    RTRY(r, k3_activ_alloc(r->be, &r->act, c, r->max_tokens));
+    const size_t TD = (size_t)r->max_tokens * (size_t)c->hidden_size;
+    const bool host = k3_backend_host_visible(r->be);
+    if (r->stage == S - 1) {
+        size_t nb = (size_t)r->max_tokens * (size_t)c->vocab_size * sizeof(float);
+        RTRY(r, k3_backend_alloc(r->be, nb, "logits", (void **)&r->logits));
+        if (!host) RTRY(r, k3_alloc((void **)&r->h_logits, nb, "logits (host)"));
+    } else if (!host) {
         RTRY(r,
-             k3_alloc((void **)&r->logits,
-                      (size_t)r->max_tokens * (size_t)r->cfg.vocab_size * sizeof(float), "logits"));
-    int64_t rows = r->max_tokens * r->cfg.n_experts_per_tok;
-    RTRY(r,
-         k3_alloc((void **)&r->dest, (size_t)K3_MAX(rows, 1) * sizeof(int32_t), "dispatch lanes"));
-    /* worst case: every lane of the stage sends all its rows here */
-    r->xscratch_floats = k3_moe_rows_scratch_floats(&r->cfg, rows * r->plan.n_lanes);
-    RTRY(r, k3_alloc((void **)&r->xscratch, K3_MAX(r->xscratch_floats, 1) * sizeof(float),
-                     "expert scratch"));
+             k3_alloc((void **)&r->h_act, TD * (size_t)(1 + k3_activ_max_bank(c)) * sizeof(float),
+                      "activation staging (host)"));
+    }
 }
 
 static void worker_destroy(rank_ctx *r) {
     if (r->states)
         for (int i = 0; i < r->o->n_prompts; i++) k3_seq_state_destroy(r->states[i]);
     k3_free(r->states), k3_free(r->bstates), k3_free(r->bntok);
-    k3_activ_free(&r->act);
-    k3_free(r->logits), k3_free(r->dest), k3_free(r->xscratch);
+    if (r->be) {
+        k3_activ_free(r->be, &r->act);
+        k3_backend_free(r->be, r->logits);
+    }
+    k3_free(r->h_logits), k3_free(r->h_act), k3_free(r->lane_of);
     k3_stage_destroy(r->st);
     k3_weights_destroy(r->w);
     k3_ckpt_destroy(r->ck);
+    k3_backend_destroy(r->be);
 }
 
 /* Process one BATCH/ACTIV message and send the result on. */
@@ -595,43 +589,55 @@ static void worker_step(rank_ctx *r, const k3_msg *m) {
                           (long long)m->hdr.n_f32, (long long)T, D));
         r->act.T = T;
         r->act.n_bank = m->hdr.n_bank;
-        memcpy(r->act.h, m->f32, (size_t)(T * D) * sizeof(float));
+        /* the message is host memory; the bank slabs follow h: [1 + n_bank, T, D] */
+        RTRY(r, k3_backend_upload(r->be, r->act.h, m->f32, (size_t)(T * D) * sizeof(float)));
         if (m->hdr.n_bank)
-            memcpy(r->act.bank, m->f32 + T * D, (size_t)(T * D * m->hdr.n_bank) * sizeof(float));
+            RTRY(r, k3_backend_upload(r->be, r->act.bank, m->f32 + T * D,
+                                      (size_t)(T * D * m->hdr.n_bank) * sizeof(float)));
     }
     r->n_forward++;
     maybe_die_now(r, r->n_forward);
-    const bool moe_remote = r->plan.n_lanes > 1;
-    k3_moe_exchange ex = {.run = xchg_run, .ctx = r};
     if (n_seqs > 0) {
         k3_batch b = {
             .n_seqs = n_seqs, .states = r->bstates, .n_tokens = r->bntok, .token_ids = tokens};
-        RTRY(r, k3_stage_forward(r->st, &b, &r->act, moe_remote ? &ex : NULL, all_logits != 0,
+        RTRY(r, k3_stage_forward(r->st, &b, &r->act, all_logits != 0,
                                  r->stage == S - 1 ? r->logits : NULL));
     } else {
         /* no sequences of this lane in the step: still serve our experts at every MoE layer */
         r->act.T = 0;
         r->act.n_bank = 0;
-        if (moe_remote)
-            for (int l = r->plan.stage_begin[r->stage]; l < r->plan.stage_begin[r->stage + 1]; l++)
-                if (k3_config_is_moe(&r->cfg, l)) RTRY(r, xchg_run(r, l, NULL, NULL, 0, NULL));
+        RTRY(r, k3_stage_idle_step(r->st));
     }
     int n_meta_out = META_HDR + META_SEQ * n_seqs;
     if (r->stage == S - 1) {
         int64_t R = all_logits ? T : 0;
+        float *lg = r->logits;
+        if (r->h_logits) { /* logits cross to host memory here, and only here */
+            int64_t rows = all_logits ? T : n_seqs;
+            RTRY(r, k3_backend_download(r->be, r->h_logits, r->logits,
+                                        (size_t)(rows * V) * sizeof(float)));
+            lg = r->h_logits;
+        }
         if (!all_logits) /* keep only the rows the coordinator samples from */
             for (int i = 0; i < n_seqs; i++)
                 if (mt[META_HDR + META_SEQ * i + 2]) {
-                    if (R != i)
-                        memmove(r->logits + R * V, r->logits + (int64_t)i * V,
-                                (size_t)V * sizeof(float));
+                    if (R != i) memmove(lg + R * V, lg + (int64_t)i * V, (size_t)V * sizeof(float));
                     R++;
                 }
         RTRY(r, k3_comm_send(r->comm, 0, (k3_msg_hdr){.kind = K3_MSG_LOGITS, .T = R, .D = V}, mt,
-                             n_meta_out, &(k3_f32_seg){r->logits, R * V}, 1));
+                             n_meta_out, &(k3_f32_seg){lg, R * V}, 1));
     } else {
         int64_t nb = n_seqs ? r->act.n_bank : 0;
         k3_f32_seg seg[2] = {{r->act.h, T * D}, {r->act.bank, T * D * nb}};
+        if (r->h_act) { /* h | bank to host memory for the wire */
+            RTRY(r,
+                 k3_backend_download(r->be, r->h_act, r->act.h, (size_t)(T * D) * sizeof(float)));
+            if (nb)
+                RTRY(r, k3_backend_download(r->be, r->h_act + T * D, r->act.bank,
+                                            (size_t)(T * D * nb) * sizeof(float)));
+            seg[0].p = r->h_act;
+            seg[1].p = r->h_act + T * D;
+        }
         RTRY(r,
              k3_comm_send(r->comm, k3_plan_rank(&r->plan, r->stage + 1, r->lane),
                           (k3_msg_hdr){.kind = K3_MSG_ACTIV, .T = T, .n_bank = (int32_t)nb, .D = D},
@@ -658,6 +664,7 @@ static void coord_send_step(rank_ctx *r, int g) {
     }
     gr->step++;
     gr->pending = E;
+    r->n_steps++;
     for (int e = 0; e < E; e++) {
         int32_t *mt = r->meta;
         int ns = 0;
@@ -984,6 +991,16 @@ static void report(rank_ctx *r, const uint64_t *bytes, const uint64_t *load_us, 
                 "MB in %d messages",
                 load_s, pre, pre > 0 ? n_prompt_tok / pre : 0.0, dec, dec > 0 ? n_dec / dec : 0.0,
                 r->logits_bytes / 1e6, r->n_logits_msgs);
+        if (r->plan.n_lanes > 1)
+            K3_LOGI("MoE exchange (%s combine): dispatch %llu B, combine %llu B, %.0f B per step "
+                    "(%llu steps)",
+                    o->deterministic ? "deterministic per-item" : "pre-summed",
+                    (unsigned long long)r->moe_dispatch_bytes,
+                    (unsigned long long)r->moe_combine_bytes,
+                    r->n_steps ? (double)(r->moe_dispatch_bytes + r->moe_combine_bytes) /
+                                     (double)r->n_steps
+                               : 0.0,
+                    (unsigned long long)r->n_steps);
         return;
     }
     cJSON *root = cJSON_CreateObject();
@@ -1019,6 +1036,14 @@ static void report(rank_ctx *r, const uint64_t *bytes, const uint64_t *load_us, 
     cJSON_AddNumberToObject(d, "micro_batches", r->n_groups);
     cJSON_AddNumberToObject(d, "logits_bytes", (double)r->logits_bytes);
     cJSON_AddNumberToObject(d, "logits_messages", r->n_logits_msgs);
+    cJSON_AddStringToObject(d, "combine", o->deterministic ? "per-item" : "presum");
+    cJSON_AddNumberToObject(d, "moe_dispatch_bytes", (double)r->moe_dispatch_bytes);
+    cJSON_AddNumberToObject(d, "moe_combine_bytes", (double)r->moe_combine_bytes);
+    cJSON_AddNumberToObject(d, "steps", (double)r->n_steps);
+    cJSON_AddNumberToObject(d, "moe_bytes_per_step",
+                            r->n_steps ? (double)(r->moe_dispatch_bytes + r->moe_combine_bytes) /
+                                             (double)r->n_steps
+                                       : 0.0);
     cJSON *st = cJSON_AddArrayToObject(d, "stages");
     for (int s = 0; s < r->plan.n_stages; s++) {
         cJSON *a = cJSON_CreateArray();
@@ -1090,7 +1115,7 @@ int k3_rank_run(const k3_rank_opts *o) {
     if (r->rank == 0) {
         K3_LOGI("%d prompt%s, %d micro-batch%s in flight, %s combine", o->n_prompts,
                 o->n_prompts > 1 ? "s" : "", r->n_groups, r->n_groups > 1 ? "es" : "",
-                o->deterministic ? "deterministic" : "per-row");
+                o->deterministic ? "deterministic (per-item)" : "pre-summed");
     }
     /* the bar: on rank 0's terminal; under mpirun stderr is a pipe, but /dev/tty may be ours */
     if (r->rank == 0)
@@ -1123,12 +1148,23 @@ int k3_rank_run(const k3_rank_opts *o) {
     RTRY(r, k3_comm_barrier(r->comm));
     run_loop(r);
     double t_end = k3_now_s();
+    { /* MoE traffic of the whole world (both combine modes report it, to be compared) */
+        k3_comm_stats cs;
+        k3_comm_get_stats(r->comm, &cs);
+        RTRY(r, k3_comm_allgather_u64(r->comm, cs.dispatch_bytes, all));
+        for (int i = 0; i < r->world; i++) r->moe_dispatch_bytes += all[i];
+        RTRY(r, k3_comm_allgather_u64(r->comm, cs.combine_bytes, all));
+        for (int i = 0; i < r->world; i++) r->moe_combine_bytes += all[i];
+    }
     if (r->coord) report(r, bytes, load_us, t_end);
     fflush(stdout);
     RTRY(r, k3_comm_barrier(r->comm));
-    if (r->worker)
-        K3_LOGD("forward steps %d, MoE rows sent %llu, received %llu", r->n_forward,
-                (unsigned long long)r->rows_sent, (unsigned long long)r->rows_recv);
+    if (r->worker) {
+        k3_comm_stats cs;
+        k3_comm_get_stats(r->comm, &cs);
+        K3_LOGD("forward steps %d, MoE rows sent %llu (dispatch) + %llu (combine)", r->n_forward,
+                (unsigned long long)cs.dispatch_rows, (unsigned long long)cs.combine_rows);
+    }
     coord_destroy(r);
     worker_destroy(r);
     k3_free(all), k3_free(bytes), k3_free(load_us), k3_free(r->pct);

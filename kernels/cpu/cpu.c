@@ -264,7 +264,8 @@ static void mm_task(void *ctx, int64_t task) {
     }
 }
 
-static k3_status cpu_matmul(k3_backend *be, const float *x, int64_t T, const k3_tensor *W, float *y) {
+static k3_status cpu_matmul(k3_backend *be, const float *x, int64_t T, const k3_tensor *W,
+                            float *y) {
     K3_TRY(k3_kernels_check_weight(W, "matmul"));
     int64_t out = W->shape[0], in = W->shape[1];
     if (T <= 0 || out <= 0) return K3_OK;
@@ -315,7 +316,8 @@ static void mmtn_task(void *ctx, int64_t task) {
     }
 }
 
-static k3_status cpu_matmul_tn(k3_backend *be, const float *x, int64_t T, const k3_tensor *W, float *y) {
+static k3_status cpu_matmul_tn(k3_backend *be, const float *x, int64_t T, const k3_tensor *W,
+                               float *y) {
     K3_TRY(k3_kernels_check_weight(W, "matmul_tn"));
     int64_t out = W->shape[0], in = W->shape[1];
     if (T <= 0 || in <= 0) return K3_OK;
@@ -345,7 +347,8 @@ static void norm_task(void *ctx, int64_t t) {
     else
         k3_ref_ops.rmsnorm(NULL, j->x + t * j->n, j->w, 1, j->n, j->eps, j->y + t * j->n);
 }
-static k3_status cpu_rmsnorm(k3_backend *be, const float *x, const float *w, int64_t T, int64_t n, float eps, float *y) {
+static k3_status cpu_rmsnorm(k3_backend *be, const float *x, const float *w, int64_t T, int64_t n,
+                             float eps, float *y) {
     norm_job j = {x, w, n, eps, y, false};
     if (T * n < K3_CPU_PAR_MIN_MACS) {
         k3_ref_ops.rmsnorm(be, x, w, T, n, eps, y);
@@ -354,7 +357,8 @@ static k3_status cpu_rmsnorm(k3_backend *be, const float *x, const float *w, int
     k3_pool_run(k3_cpu_pool(be), T, norm_task, &j);
     return K3_OK;
 }
-static k3_status cpu_l2norm(k3_backend *be, const float *x, int64_t T, int64_t n, float eps, float *y) {
+static k3_status cpu_l2norm(k3_backend *be, const float *x, int64_t T, int64_t n, float eps,
+                            float *y) {
     norm_job j = {x, NULL, n, eps, y, true};
     if (T * n < K3_CPU_PAR_MIN_MACS) {
         k3_ref_ops.l2norm(be, x, T, n, eps, y);
@@ -386,16 +390,16 @@ static void kda_task(void *ctx, int64_t h) {
                                   j->g + h * j->dk, j->beta + h, j->n, sqk, svo, j->H, j->dk, j->dv,
                                   j->scale, S, j->o + h * j->dv);
 }
-static k3_status cpu_kda_recurrent(k3_backend *be, const float *q, const float *k, const float *v, const float *g,
-                              const float *beta, int64_t n, int H, int dk, int dv, float scale,
-                              float *S, float *o) {
+static k3_status cpu_kda_recurrent(k3_backend *be, const float *q, const float *k, const float *v,
+                                   const float *g, const float *beta, int64_t n, int H, int dk,
+                                   int dv, float scale, float *S, float *o) {
     kda_job j = {q, k, v, g, beta, n, H, dk, dv, 0, scale, S, o, NULL};
     k3_pool_run(k3_cpu_pool(be), H, kda_task, &j);
     return K3_OK;
 }
-static k3_status cpu_kda_chunked(k3_backend *be, const float *q, const float *k, const float *v, const float *g,
-                            const float *beta, int64_t n, int H, int dk, int dv, float scale,
-                            float *S, float *o, int C, float *work) {
+static k3_status cpu_kda_chunked(k3_backend *be, const float *q, const float *k, const float *v,
+                                 const float *g, const float *beta, int64_t n, int H, int dk,
+                                 int dv, float scale, float *S, float *o, int C, float *work) {
     kda_job j = {q, k, v, g, beta, n, H, dk, dv, C, scale, S, o, work};
     k3_pool_run(k3_cpu_pool(be), H, kda_task, &j);
     return K3_OK;
@@ -413,8 +417,8 @@ static void lat_task(void *ctx, int64_t h) {
     k3_ref_attn_latent_head(j->qc + h * j->W, j->cache, j->n_ctx, j->W, j->Rkv, j->scale,
                             j->o + h * j->Rkv, j->work + h * j->n_ctx);
 }
-static k3_status cpu_attn_latent(k3_backend *be, const float *qc, const float *cache, int64_t n_ctx, int H, int W,
-                            int Rkv, float scale, float *o_lat, float *work) {
+static k3_status cpu_attn_latent(k3_backend *be, const float *qc, const float *cache, int64_t n_ctx,
+                                 int H, int W, int Rkv, float scale, float *o_lat, float *work) {
     lat_job j = {qc, cache, n_ctx, W, Rkv, scale, o_lat, work};
     if (n_ctx * H * W < K3_CPU_PAR_MIN_MACS) {
         for (int h = 0; h < H; h++) lat_task(&j, h);
@@ -433,8 +437,8 @@ static k3_status cpu_sigmoid(k3_backend *be, const float *x, int64_t n, float *y
     k3_ref_ops.sigmoid(be, x, n, y);
     return K3_OK;
 }
-static k3_status cpu_situ(k3_backend *be, const float *g, const float *u, int64_t n, float beta, float lin_beta,
-                     float *y) {
+static k3_status cpu_situ(k3_backend *be, const float *g, const float *u, int64_t n, float beta,
+                          float lin_beta, float *y) {
     k3_ref_ops.situ(be, g, u, n, beta, lin_beta, y);
     return K3_OK;
 }
@@ -446,8 +450,8 @@ static k3_status cpu_softmax(k3_backend *be, const float *x, int64_t T, int64_t 
     k3_ref_ops.softmax(be, x, T, n, y);
     return K3_OK;
 }
-static k3_status cpu_attnres_mix(k3_backend *be, const float *bank, int n_bank, const float *p, const float *w,
-                            int64_t T, int64_t D, float eps, float *out) {
+static k3_status cpu_attnres_mix(k3_backend *be, const float *bank, int n_bank, const float *p,
+                                 const float *w, int64_t T, int64_t D, float eps, float *out) {
     k3_ref_ops.attnres_mix(be, bank, n_bank, p, w, T, D, eps, out);
     return K3_OK;
 }
@@ -531,8 +535,9 @@ static k3_status cpu_moe_topk(k3_backend *be, const float *scores, const float *
                                         scale, work, ids, w));
             continue;
         }
-        topk_job j = {scores + t0 * E, bias, E, K, n_group, topk_group, renorm, scale,
-                      work + t0 * E,   w + t0 * K, ids + t0 * K, st};
+        topk_job j = {
+            scores + t0 * E, bias,         E, K, n_group, topk_group, renorm, scale, work + t0 * E,
+            w + t0 * K,      ids + t0 * K, st};
         k3_pool_run(k3_cpu_pool(be), n, topk_task, &j);
         for (int64_t i = 0; i < n; i++)
             if (st[i] != K3_OK) /* redo serially from this tile for the message of the first */

@@ -75,8 +75,8 @@ static k3_status g_alloc(k3_backend *be, size_t n, void **out) {
     pthread_mutex_lock(&g->mu);
     k3_status st = K3_OK;
     if (sz > g->reserved - g->used) {
-        st = K3_ERR(K3_ERR_NOMEM, "guard backend: %zu bytes requested, %zu of %zu reserved left",
-                    n, g->reserved - g->used, g->reserved);
+        st = K3_ERR(K3_ERR_NOMEM, "guard backend: %zu bytes requested, %zu of %zu reserved left", n,
+                    g->reserved - g->used, g->reserved);
     } else {
         *out = g->base + g->used;
         g->used += sz;
@@ -156,8 +156,8 @@ k3_status k3_backend_create_guard(const k3_backend_params *p, k3_backend **out) 
         g->cpu.pool = k3_cpu_pool(g->inner);
         g->reserved = p && p->guard_reserve ? p->guard_reserve : GUARD_DEFAULT_SIZE;
         g->reserved = (g->reserved + GUARD_PAGE - 1) / GUARD_PAGE * GUARD_PAGE;
-        void *m = mmap(NULL, g->reserved, PROT_NONE, MAP_PRIVATE | MAP_ANONYMOUS | MAP_NORESERVE,
-                       -1, 0);
+        void *m =
+            mmap(NULL, g->reserved, PROT_NONE, MAP_PRIVATE | MAP_ANONYMOUS | MAP_NORESERVE, -1, 0);
         if (m == MAP_FAILED)
             st = K3_ERR(K3_ERR_NOMEM, "guard backend: cannot reserve %zu bytes of address space",
                         g->reserved);

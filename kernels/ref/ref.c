@@ -12,7 +12,8 @@
 
 /* ---- weights ------------------------------------------------------------------------------ */
 
-static k3_status ref_matmul(k3_backend *be, const float *x, int64_t T, const k3_tensor *W, float *y) {
+static k3_status ref_matmul(k3_backend *be, const float *x, int64_t T, const k3_tensor *W,
+                            float *y) {
     K3_TRY(k3_kernels_check_weight(W, "matmul"));
     int64_t out = W->shape[0], in = W->shape[1];
     for (int64_t o = 0; o < out; o++)
@@ -25,7 +26,8 @@ static k3_status ref_matmul(k3_backend *be, const float *x, int64_t T, const k3_
     return K3_OK;
 }
 
-static k3_status ref_matmul_tn(k3_backend *be, const float *x, int64_t T, const k3_tensor *W, float *y) {
+static k3_status ref_matmul_tn(k3_backend *be, const float *x, int64_t T, const k3_tensor *W,
+                               float *y) {
     K3_TRY(k3_kernels_check_weight(W, "matmul_tn"));
     int64_t out = W->shape[0], in = W->shape[1];
     for (int64_t t = 0; t < T; t++)
@@ -39,7 +41,8 @@ static k3_status ref_matmul_tn(k3_backend *be, const float *x, int64_t T, const 
 }
 
 /* ---- elementwise / rows ------------------------------------------------------------------- */
-static k3_status ref_rmsnorm(k3_backend *be, const float *x, const float *w, int64_t T, int64_t n, float eps, float *y) {
+static k3_status ref_rmsnorm(k3_backend *be, const float *x, const float *w, int64_t T, int64_t n,
+                             float eps, float *y) {
     for (int64_t t = 0; t < T; t++) {
         const float *xt = x + t * n;
         float ss = 0.0f;
@@ -50,7 +53,8 @@ static k3_status ref_rmsnorm(k3_backend *be, const float *x, const float *w, int
     return K3_OK;
 }
 
-static k3_status ref_l2norm(k3_backend *be, const float *x, int64_t T, int64_t n, float eps, float *y) {
+static k3_status ref_l2norm(k3_backend *be, const float *x, int64_t T, int64_t n, float eps,
+                            float *y) {
     for (int64_t t = 0; t < T; t++) {
         const float *xt = x + t * n;
         float ss = 0.0f;
@@ -73,8 +77,8 @@ static k3_status ref_sigmoid(k3_backend *be, const float *x, int64_t n, float *y
     for (int64_t i = 0; i < n; i++) y[i] = sigm(x[i]);
     return K3_OK;
 }
-static k3_status ref_situ(k3_backend *be, const float *g, const float *u, int64_t n, float beta, float lin_beta,
-                     float *y) {
+static k3_status ref_situ(k3_backend *be, const float *g, const float *u, int64_t n, float beta,
+                          float lin_beta, float *y) {
     for (int64_t i = 0; i < n; i++) {
         float a = beta * tanhf(g[i] / beta) * sigm(g[i]);
         float b = lin_beta > 0.0f ? lin_beta * tanhf(u[i] / lin_beta) : u[i];
@@ -104,8 +108,8 @@ static k3_status ref_softmax(k3_backend *be, const float *x, int64_t T, int64_t 
 
 /* ---- AttnRes ------------------------------------------------------------------------------ */
 #define K3_MAX_SOURCES 64
-static k3_status ref_attnres_mix(k3_backend *be, const float *bank, int n_bank, const float *p, const float *w,
-                            int64_t T, int64_t D, float eps, float *out) {
+static k3_status ref_attnres_mix(k3_backend *be, const float *bank, int n_bank, const float *p,
+                                 const float *w, int64_t T, int64_t D, float eps, float *out) {
     K3_ASSERT(n_bank + 1 <= K3_MAX_SOURCES);
     for (int64_t t = 0; t < T; t++) {
         float s[K3_MAX_SOURCES], m = -INFINITY;
@@ -282,9 +286,9 @@ void k3_ref_kda_head_chunked(const float *q, const float *k, const float *v, con
                                   o + t0 * svo);
 }
 
-static k3_status ref_kda_recurrent(k3_backend *be, const float *q, const float *k, const float *v, const float *g,
-                              const float *beta, int64_t n, int H, int dk, int dv, float scale,
-                              float *S, float *o) {
+static k3_status ref_kda_recurrent(k3_backend *be, const float *q, const float *k, const float *v,
+                                   const float *g, const float *beta, int64_t n, int H, int dk,
+                                   int dv, float scale, float *S, float *o) {
     int64_t sqk = (int64_t)H * dk, svo = (int64_t)H * dv;
     for (int h = 0; h < H; h++)
         k3_ref_kda_head_recurrent(q + h * dk, k + h * dk, v + h * dv, g + h * dk, beta + h, n, sqk,
@@ -292,9 +296,9 @@ static k3_status ref_kda_recurrent(k3_backend *be, const float *q, const float *
     return K3_OK;
 }
 
-static k3_status ref_kda_chunked(k3_backend *be, const float *q, const float *k, const float *v, const float *g,
-                            const float *beta, int64_t n, int H, int dk, int dv, float scale,
-                            float *S, float *o, int C, float *work) {
+static k3_status ref_kda_chunked(k3_backend *be, const float *q, const float *k, const float *v,
+                                 const float *g, const float *beta, int64_t n, int H, int dk,
+                                 int dv, float scale, float *S, float *o, int C, float *work) {
     int64_t sqk = (int64_t)H * dk, svo = (int64_t)H * dv;
     size_t wf = k3_kda_chunk_work_floats(C, dk, dv);
     for (int h = 0; h < H; h++)
@@ -328,8 +332,8 @@ void k3_ref_attn_latent_head(const float *qc, const float *cache, int64_t n_ctx,
     }
 }
 
-static k3_status ref_attn_latent(k3_backend *be, const float *qc, const float *cache, int64_t n_ctx, int H, int W,
-                            int Rkv, float scale, float *o_lat, float *work) {
+static k3_status ref_attn_latent(k3_backend *be, const float *qc, const float *cache, int64_t n_ctx,
+                                 int H, int W, int Rkv, float scale, float *o_lat, float *work) {
     for (int h = 0; h < H; h++)
         k3_ref_attn_latent_head(qc + (int64_t)h * W, cache, n_ctx, W, Rkv, scale,
                                 o_lat + (int64_t)h * Rkv, work + (int64_t)h * n_ctx);
@@ -516,8 +520,8 @@ k3_status k3_kernels_check_topk(int E, int K, int G, int topk_group) {
     if (E <= 0 || K <= 0 || K > E || G <= 0 || G > K3_MOE_TOPK_MAX_GROUPS || E % G != 0 ||
         topk_group <= 0 || topk_group > G || (int64_t)topk_group * (E / G) < K)
         return K3_ERR(K3_ERR_ARG,
-                      "moe_topk: E=%d K=%d n_group=%d topk_group=%d is not a valid selection", E,
-                      K, G, topk_group);
+                      "moe_topk: E=%d K=%d n_group=%d topk_group=%d is not a valid selection", E, K,
+                      G, topk_group);
     return K3_OK;
 }
 

@@ -23,11 +23,14 @@ typedef struct {
     double prefill_tok_s, decode_tok_s, decode_gbs, bytes_per_token;
 } bench_res;
 
+static k3_backend *g_be;
+
 static k3_status bench_one(const tiny_model *m, int n_prompt, int n_decode, int reps, int kda_chunk,
                            bench_res *r) {
     const k3_config *c = &m->cfg;
     k3_stage_params sp = {.cfg = c,
                           .w = m->view,
+                          .be = g_be,
                           .layer_begin = 0,
                           .layer_end = c->n_layers,
                           .first = true,
@@ -41,7 +44,7 @@ static k3_status bench_one(const tiny_model *m, int n_prompt, int n_decode, int 
     int32_t *ids = NULL;
     k3_status e = k3_stage_create(&sp, &s);
     if (e == K3_OK) e = k3_seq_state_create(s, n_prompt + n_decode, &st);
-    if (e == K3_OK) e = k3_activ_alloc(&act, c, n_prompt);
+    if (e == K3_OK) e = k3_activ_alloc(g_be, &act, c, n_prompt);
     if (e == K3_OK) e = k3_alloc((void **)&logits, sizeof(float) * (size_t)c->vocab_size, "logits");
     if (e == K3_OK)
         e = k3_alloc((void **)&ids, sizeof(int32_t) * (size_t)(n_prompt + n_decode), "ids");
@@ -51,17 +54,18 @@ static k3_status bench_one(const tiny_model *m, int n_prompt, int n_decode, int 
         ids[i] = (int32_t)(k3_rng_u64(&rng) % (uint64_t)c->vocab_size);
     double best_p = 1e30, best_d = 1e30;
     for (int rep = 0; e == K3_OK && rep < reps; rep++) {
-        k3_seq_state_reset(st);
+        e = k3_seq_state_reset(st);
+        if (e != K3_OK) break;
         int32_t n = n_prompt;
         k3_batch b = {.n_seqs = 1, .states = &st, .n_tokens = &n, .token_ids = ids};
         double t0 = k3_now_s();
-        e = k3_stage_forward(s, &b, &act, NULL, false, logits);
+        e = k3_stage_forward(s, &b, &act, false, logits);
         double t1 = k3_now_s();
         for (int i = 0; e == K3_OK && i < n_decode; i++) {
             int32_t one = 1;
             k3_batch d = {
                 .n_seqs = 1, .states = &st, .n_tokens = &one, .token_ids = ids + n_prompt + i};
-            e = k3_stage_forward(s, &d, &act, NULL, false, logits);
+            e = k3_stage_forward(s, &d, &act, false, logits);
         }
         double t2 = k3_now_s();
         best_p = K3_MIN(best_p, t1 - t0);
@@ -77,7 +81,7 @@ static k3_status bench_one(const tiny_model *m, int n_prompt, int n_decode, int 
     }
     k3_free(ids);
     k3_free(logits);
-    k3_activ_free(&act);
+    k3_activ_free(g_be, &act);
     k3_seq_state_destroy(st);
     k3_stage_destroy(s);
     return e;
@@ -117,7 +121,10 @@ int main(int argc, char **argv) {
         fprintf(stderr, "bench_forward: --threads, --prompt, --decode, --reps must be >= 1\n");
         return 2;
     }
-    k3_kernels_set_threads(threads);
+    if (k3_backend_create("cpu", &(k3_backend_params){.n_threads = threads}, &g_be) != K3_OK) {
+        fprintf(stderr, "bench_forward: %s\n", k3_last_error());
+        return 1;
+    }
     const char *presets[2] = {"tiny", "small"};
     int n_runs = n_models ? n_models : 2;
     double roof = ROOFLINE_GBS_PER_CORE * threads;
@@ -126,7 +133,7 @@ int main(int argc, char **argv) {
     cJSON_AddNumberToObject(root, "prompt_tokens", n_prompt);
     cJSON_AddNumberToObject(root, "decode_tokens", n_decode);
     cJSON_AddNumberToObject(root, "roofline_gbs", roof);
-    cJSON_AddStringToObject(root, "backend", k3_ops_default()->backend);
+    cJSON_AddStringToObject(root, "backend", g_be->name);
     printf("%-28s %8s %12s %12s %12s %10s %9s\n", "model", "layers", "prefill t/s", "decode t/s",
            "MB/token", "GB/s", "roofline");
     int rc = 0;
@@ -184,5 +191,6 @@ int main(int argc, char **argv) {
     }
     cJSON_free(s);
     cJSON_Delete(root);
+    k3_backend_destroy(g_be);
     return rc;
 }

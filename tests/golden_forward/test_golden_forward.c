@@ -102,7 +102,7 @@ static int32_t argmax(const float *x, int64_t n) {
 }
 
 /* One prompt through one configuration. */
-static void check_prompt(const tiny_model *m, const k3_ops *ops, int kda_chunk, const char *gdir,
+static void check_prompt(const tiny_model *m, k3_backend *be, int kda_chunk, const char *gdir,
                          const cJSON *pr, bool verbose) {
     const k3_config *c = &m->cfg;
     const int64_t V = c->vocab_size, D = c->hidden_size;
@@ -128,7 +128,7 @@ static void check_prompt(const tiny_model *m, const k3_ops *ops, int kda_chunk, 
 
     k3_stage_params sp = {.cfg = c,
                           .w = m->view,
-                          .ops = ops,
+                          .be = be,
                           .layer_begin = 0,
                           .layer_end = c->n_layers,
                           .first = true,
@@ -140,13 +140,13 @@ static void check_prompt(const tiny_model *m, const k3_ops *ops, int kda_chunk, 
     k3_activ act = {0};
     K3_CHECK_OK(k3_stage_create(&sp, &s));
     K3_CHECK_OK(k3_seq_state_create(s, T + G, &st));
-    K3_CHECK_OK(k3_activ_alloc(&act, c, T));
+    K3_CHECK_OK(k3_activ_alloc(be, &act, c, T));
     tap_buf tb = {.hidden = calloc((size_t)c->n_layers * T * D, sizeof(float)), .T = T, .D = D};
-    k3_stage_set_tap(s, tap, &tb);
+    K3_CHECK_OK(k3_stage_set_tap(s, tap, &tb));
     float *got = malloc(sizeof(float) * T * V);
     int32_t n = T;
     k3_batch b = {.n_seqs = 1, .states = &st, .n_tokens = &n, .token_ids = ids};
-    K3_CHECK_OK(k3_stage_forward(s, &b, &act, NULL, true, got));
+    K3_CHECK_OK(k3_stage_forward(s, &b, &act, true, got));
 
     double worst = 0, all = k3_rel_l2(got, want, (size_t)(T * V));
     int worst_t = 0;
@@ -159,18 +159,18 @@ static void check_prompt(const tiny_model *m, const k3_ops *ops, int kda_chunk, 
        sensitive position, t=68 of "long", where any rounding change moves logits most) */
     if (kda_chunk <= 1)
         K3_CHECK(worst <= K3_TOL_GOLDEN_LOGITS_REL_L2,
-                 "%s [%s, kda_chunk %d]: logits rel-L2 %.3g at position %d", name, ops->backend,
+                 "%s [%s, kda_chunk %d]: logits rel-L2 %.3g at position %d", name, be->name,
                  kda_chunk, worst, worst_t);
     K3_CHECK(all <= K3_TOL_GOLDEN_LOGITS_REL_L2,
-             "%s [%s, kda_chunk %d]: logits rel-L2 %.3g over [T, V]", name, ops->backend, kda_chunk,
+             "%s [%s, kda_chunk %d]: logits rel-L2 %.3g over [T, V]", name, be->name, kda_chunk,
              all);
     printf("  %-7s T=%3d [%s kda_chunk %2d] logits rel-L2: all %.2e, worst position %.2e (t=%d)\n",
-           name, T, ops->backend, kda_chunk, all, worst, worst_t);
+           name, T, be->name, kda_chunk, all, worst, worst_t);
     for (int l = 0; l < c->n_layers; l++) {
         double e =
             k3_rel_l2(tb.hidden + (int64_t)l * T * D, want_h + (int64_t)l * T * D, (size_t)(T * D));
         K3_CHECK(e <= K3_TOL_GOLDEN_LOGITS_REL_L2, "%s [%s]: hidden after layer %d rel-L2 %.3g",
-                 name, ops->backend, l, e);
+                 name, be->name, l, e);
         if (verbose || e > K3_TOL_GOLDEN_LOGITS_REL_L2)
             printf("      layer %2d (%s%s) hidden rel-L2 %.2e\n", l,
                    c->mixer[l] == K3_MIXER_KDA ? "KDA" : "MLA",
@@ -181,23 +181,23 @@ static void check_prompt(const tiny_model *m, const k3_ops *ops, int kda_chunk, 
         int32_t next = argmax(got + (int64_t)(T - 1) * V, V);
         int first_diff = -1;
         float *lg = malloc(sizeof(float) * V);
-        k3_stage_set_tap(s, NULL, NULL);
+        K3_CHECK_OK(k3_stage_set_tap(s, NULL, NULL));
         for (int i = 0; i < G; i++) {
             int32_t want_id = (int32_t)cJSON_GetArrayItem(jg, i)->valueint;
             if (next != want_id && first_diff < 0) first_diff = i;
             if (i + 1 == G) break;
             int32_t one = 1;
             k3_batch d = {.n_seqs = 1, .states = &st, .n_tokens = &one, .token_ids = &want_id};
-            K3_CHECK_OK(k3_stage_forward(s, &d, &act, NULL, false, lg));
+            K3_CHECK_OK(k3_stage_forward(s, &d, &act, false, lg));
             next = argmax(lg, V);
         }
         K3_CHECK(first_diff < 0, "%s [%s]: greedy token %d differs from the reference", name,
-                 ops->backend, first_diff);
+                 be->name, first_diff);
         printf("      greedy %d tokens: %s\n", G, first_diff < 0 ? "identical" : "DIFFER");
         free(lg);
     }
     free(got), free(tb.hidden), free(ids), free(want), free(want_h);
-    k3_activ_free(&act);
+    k3_activ_free(be, &act);
     k3_seq_state_destroy(st);
     k3_stage_destroy(s);
 }
@@ -223,7 +223,10 @@ int main(int argc, char **argv) {
     const char *preset = cJSON_GetObjectItem(man, "preset")->valuestring;
     int seed = cJSON_GetObjectItem(man, "seed")->valueint;
     printf("golden %s: preset %s seed %d\n", gdir, preset, seed);
-    k3_kernels_set_threads(2);
+    k3_backend *cpu = NULL, *ref = NULL;
+    K3_CHECK_OK(k3_backend_create("cpu", &(k3_backend_params){.n_threads = 2}, &cpu));
+    K3_CHECK_OK(k3_backend_create("ref", NULL, &ref));
+    if (!cpu || !ref) return k3_test_done("golden_forward");
     tiny_model m;
     k3_status st = tiny_make(&m, preset, (uint64_t)seed);
     K3_CHECK_OK(st);
@@ -245,13 +248,15 @@ int main(int argc, char **argv) {
             const cJSON *prompts = cJSON_GetObjectItem(man, "prompts"), *pr;
             K3_CHECK(cJSON_GetArraySize(prompts) >= 1, "no prompts in the manifest");
             cJSON_ArrayForEach(pr, prompts) {
-                check_prompt(&m, k3_ops_cpu(), 0, gdir, pr, true);
-                check_prompt(&m, k3_ops_cpu(), 16, gdir, pr, false); /* chunked KDA form */
-                check_prompt(&m, k3_ops_ref(), 0, gdir, pr, false);
+                check_prompt(&m, cpu, 0, gdir, pr, true);
+                check_prompt(&m, cpu, 16, gdir, pr, false); /* chunked KDA form */
+                check_prompt(&m, ref, 0, gdir, pr, false);
             }
         }
     }
     tiny_close(&m);
+    k3_backend_destroy(cpu);
+    k3_backend_destroy(ref);
     cJSON_Delete(man);
     k3_free(text);
     return k3_test_done("golden_forward");

@@ -268,8 +268,11 @@ typedef k3_status (*mixer_fn)(k3_stage *, int, const k3_batch *, const float *, 
 
 /* Run `layer` over 10 tokens split 5 + 3 + 1 + 1 for sequence A, with sequence B (4 tokens, the
  * first 4 of A) sharing the first call's batch; compare with the float64 pass. */
-static void run_case(const char *name, bool lower_bound, bool full_gate, const k3_ops *ops,
+static void run_case(const char *name, bool lower_bound, bool full_gate, const char *backend,
                      int kda_chunk) {
+    k3_backend *be = NULL;
+    K3_CHECK_OK(k3_backend_create(backend, NULL, &be));
+    if (!be) return;
     k3_config c;
     config(&c, lower_bound, full_gate);
     k3_layer_w L[2];
@@ -277,7 +280,7 @@ static void run_case(const char *name, bool lower_bound, bool full_gate, const k
     k3_weights_view wv = {.cfg = &c, .layers = L};
     k3_stage_params sp = {.cfg = &c,
                           .w = &wv,
-                          .ops = ops,
+                          .be = be,
                           .layer_begin = 0,
                           .layer_end = 2,
                           .max_tokens = 16,
@@ -296,8 +299,8 @@ static void run_case(const char *name, bool lower_bound, bool full_gate, const k
         mixer_fn fn = layer == 0 ? k3_layers_kda : k3_layers_mla;
         double want[10 * 48];
         (layer == 0 ? kda_f64 : mla_f64)(&c, &L[layer], x, n, want);
-        k3_seq_state_reset(A);
-        k3_seq_state_reset(B);
+        K3_CHECK_OK(k3_seq_state_reset(A));
+        K3_CHECK_OK(k3_seq_state_reset(B));
         float got[10 * 48], gotB[4 * 48], buf[16 * 48], out[16 * 48];
         const int split[4] = {5, 3, 1, 1};
         int t0 = 0;
@@ -324,15 +327,16 @@ static void run_case(const char *name, bool lower_bound, bool full_gate, const k
         eB = sqrt(num / den);
         K3_CHECK(e < K3_TOL_LAYER_REL_L2 && eB < K3_TOL_LAYER_REL_L2,
                  "%s %s layer (%s): rel-L2 %.3g, seq B %.3g", name, layer == 0 ? "KDA" : "MLA",
-                 ops->backend, e, eB);
+                 be->name, e, eB);
         K3_CHECK(den > 1e-3, "degenerate reference output");
         printf("  %-22s %s %s: rel-L2 %.2e (batched seq %.2e)\n", name, layer == 0 ? "KDA" : "MLA",
-               ops->backend, e, eB);
+               be->name, e, eB);
     }
     /* capacity: 32 - 10 = 22 tokens left; a 23-token call is refused up front */
     k3_seq_state_destroy(A);
     k3_seq_state_destroy(B);
     k3_stage_destroy(s);
+    k3_backend_destroy(be);
 }
 
 /* A whole 2-layer stage (embedding -> KDA+dense -> MLA+dense -> final norm -> tied head) with
@@ -401,14 +405,14 @@ static void test_plain_residual(k3_act act) {
     k3_seq_state *st = NULL;
     K3_CHECK_OK(k3_seq_state_create(s, 16, &st));
     k3_activ act_buf;
-    K3_CHECK_OK(k3_activ_alloc(&act_buf, &c, 8));
+    K3_CHECK_OK(k3_activ_alloc(k3_stage_backend(s), &act_buf, &c, 8));
     float got[7 * 50];
     int32_t nt = 4;
     k3_batch b = {.n_seqs = 1, .states = &st, .n_tokens = &nt, .token_ids = ids};
-    K3_CHECK_OK(k3_stage_forward(s, &b, &act_buf, NULL, true, got));
+    K3_CHECK_OK(k3_stage_forward(s, &b, &act_buf, true, got));
     nt = 3;
     b.token_ids = ids + 4;
-    K3_CHECK_OK(k3_stage_forward(s, &b, &act_buf, NULL, true, got + 4 * V));
+    K3_CHECK_OK(k3_stage_forward(s, &b, &act_buf, true, got + 4 * V));
     double num = 0, den = 0;
     for (int64_t i = 0; i < n * V; i++)
         num += (got[i] - want[i]) * (got[i] - want[i]), den += want[i] * want[i];
@@ -416,7 +420,7 @@ static void test_plain_residual(k3_act act) {
              act == K3_ACT_SWIGLU ? "SwiGLU" : "SiTU", sqrt(num / den));
     printf("  plain-residual stage, tied head, %s: logits rel-L2 %.2e\n",
            act == K3_ACT_SWIGLU ? "SwiGLU" : "SiTU", sqrt(num / den));
-    k3_activ_free(&act_buf);
+    k3_activ_free(k3_stage_backend(s), &act_buf);
     k3_seq_state_destroy(st);
     k3_stage_destroy(s);
 }
@@ -446,21 +450,21 @@ static void test_errors(void) {
     k3_seq_state *A = NULL;
     K3_CHECK_OK(k3_seq_state_create(s, 3, &A));
     k3_activ act;
-    K3_CHECK_OK(k3_activ_alloc(&act, &c, 4));
+    K3_CHECK_OK(k3_activ_alloc(k3_stage_backend(s), &act, &c, 4));
     int32_t n = 4;
     k3_batch b = {.n_seqs = 1, .states = &A, .n_tokens = &n};
     act.T = 4;
-    K3_CHECK_ERR(k3_stage_forward(s, &b, &act, NULL, false, NULL), K3_ERR_STATE, "max_ctx 3");
+    K3_CHECK_ERR(k3_stage_forward(s, &b, &act, false, NULL), K3_ERR_STATE, "max_ctx 3");
     k3_seq_state *Z = NULL;
     K3_CHECK_OK(k3_seq_state_create(s, 10, &Z));
     b.states = &Z;
     n = 5;
-    K3_CHECK_ERR(k3_stage_forward(s, &b, &act, NULL, false, NULL), K3_ERR_ARG, "max_tokens 4");
+    K3_CHECK_ERR(k3_stage_forward(s, &b, &act, false, NULL), K3_ERR_ARG, "max_tokens 4");
     n = 0;
-    K3_CHECK_ERR(k3_stage_forward(s, &b, &act, NULL, false, NULL), K3_ERR_ARG, "has 0 tokens");
+    K3_CHECK_ERR(k3_stage_forward(s, &b, &act, false, NULL), K3_ERR_ARG, "has 0 tokens");
     K3_CHECK(k3_seq_state_pos(Z) == 0, "refused calls must not advance the position");
     k3_seq_state_destroy(Z);
-    k3_activ_free(&act);
+    k3_activ_free(k3_stage_backend(s), &act);
     k3_seq_state_destroy(A);
     k3_stage_destroy(s);
     k3_stage_destroy(NULL);
@@ -470,12 +474,11 @@ static void test_errors(void) {
 int main(void) {
     printf("test_layers seed %llu\n", (unsigned long long)k_seed);
     k3_rng_seed(&g_rng, k_seed);
-    k3_kernels_set_threads(2);
-    run_case("K3 gate, full-rank", true, true, k3_ops_cpu(), 0);
-    run_case("K3 gate, recurrent", true, true, k3_ops_cpu(), 1);
-    run_case("K3 gate, chunk 2", true, true, k3_ops_ref(), 2);
-    run_case("softplus gate, low-rank", false, false, k3_ops_cpu(), 0);
-    run_case("softplus gate, ref", false, false, k3_ops_ref(), 0);
+    run_case("K3 gate, full-rank", true, true, "cpu", 0);
+    run_case("K3 gate, recurrent", true, true, "cpu", 1);
+    run_case("K3 gate, chunk 2", true, true, "ref", 2);
+    run_case("softplus gate, low-rank", false, false, "cpu", 0);
+    run_case("softplus gate, ref", false, false, "ref", 0);
     test_plain_residual(K3_ACT_SWIGLU);
     test_plain_residual(K3_ACT_SITU);
     test_errors();

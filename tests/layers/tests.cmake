@@ -8,3 +8,6 @@ set_tests_properties(layers PROPERTIES LABELS "unit;sanitize" ENVIRONMENT "${K3_
 k3_add_test_exe(test_invariance ${CMAKE_CURRENT_LIST_DIR}/test_invariance.c)
 add_test(NAME forward_invariance COMMAND test_invariance)
 set_tests_properties(forward_invariance PROPERTIES LABELS "unit;sanitize" ENVIRONMENT "${K3_TEST_ENV}" TIMEOUT 300)
+k3_add_test_exe(test_guard ${CMAKE_CURRENT_LIST_DIR}/test_guard.c)
+add_test(NAME forward_guard COMMAND test_guard)
+set_tests_properties(forward_guard PROPERTIES LABELS "unit;sanitize" ENVIRONMENT "${K3_TEST_ENV}" TIMEOUT 300)

@@ -21,18 +21,26 @@ typedef struct tiny_model {
     const k3_weights_view *view;
 } tiny_model;
 
-static inline k3_status tiny_open_dir(tiny_model *m, const char *dir) {
+/* Load every tensor of the checkpoint in DIR into be's memory (NULL: host memory). */
+static inline k3_status tiny_open_dir_on(tiny_model *m, const char *dir, k3_backend *be) {
     snprintf(m->dir, sizeof m->dir, "%s", dir);
     K3_TRY(k3_config_load(m->dir, &m->cfg));
     K3_TRY(k3_ckpt_open(m->dir, &m->ck));
-    k3_load_sel sel = {.layer_begin = 0, .layer_end = m->cfg.n_layers, .embed = true, .head = true};
+    k3_load_sel sel = {
+        .be = be, .layer_begin = 0, .layer_end = m->cfg.n_layers, .embed = true, .head = true};
     K3_TRY(k3_weights_load(m->ck, &m->cfg, &sel, &m->w));
     m->view = k3_weights_get(m->w);
     return K3_OK;
 }
 
-/* Make the checkpoint with the k3 binary ($K3_BIN) into a new temp dir and load it. */
-static inline k3_status tiny_make(tiny_model *m, const char *preset, uint64_t seed) {
+static inline k3_status tiny_open_dir(tiny_model *m, const char *dir) {
+    return tiny_open_dir_on(m, dir, NULL);
+}
+
+/* Make the checkpoint with the k3 binary ($K3_BIN) into a new temp dir and load it (into be's
+ * memory; NULL: host memory). */
+static inline k3_status tiny_make_on(tiny_model *m, const char *preset, uint64_t seed,
+                                     k3_backend *be) {
     memset(m, 0, sizeof *m);
     const char *bin = getenv("K3_BIN");
     if (!bin) return K3_ERR(K3_ERR_ARG, "K3_BIN is not set (run through ctest)");
@@ -46,7 +54,10 @@ static inline k3_status tiny_make(tiny_model *m, const char *preset, uint64_t se
     if (system(cmd) != 0) return K3_ERR(K3_ERR_IO, "'%s' failed", cmd);
     char dir[256];
     snprintf(dir, sizeof dir, "%s", m->dir);
-    return tiny_open_dir(m, dir);
+    return tiny_open_dir_on(m, dir, be);
+}
+static inline k3_status tiny_make(tiny_model *m, const char *preset, uint64_t seed) {
+    return tiny_make_on(m, preset, seed, NULL);
 }
 
 static inline void tiny_close(tiny_model *m) {
