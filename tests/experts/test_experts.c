@@ -1,12 +1,16 @@
 /* test_experts.c — the latent MoE (experts/) against float64 computations written here from
  * K3-MODEL.md §4.3 and §7.1 (own MXFP4 decode, own SiTU, own sort-based top-k), never against
- * k3's own output. Covers: grouped top-k with exact ties (grid-valued scores), the full router
- * through the kernels, experts with zero tokens, all tokens to one expert, K = 1, bitwise row
- * independence of k3_moe_expert_rows (a row alone vs inside batches of 37 and 150 rows), the
- * whole layer (latent K3 form and the Kimi-Linear form) vs float64, forward == the four steps
- * by hand (bitwise), the dispatch permutation, error paths, and scratch guard bands.
- * Runs every check for each kernel backend (ref, cpu). Seed printed; inputs checked
- * non-degenerate. */
+ * k3's own output. Covers: the moe_topk op (the router's selection) with exact ties (grid-valued
+ * scores) in experts and group sums, the full router through a backend, experts with zero
+ * tokens, all tokens to one expert, K = 1, bitwise row independence of k3_moe_expert_rows (a row
+ * alone vs inside batches of 37 and 150 rows; row_of indirection vs copied rows), the whole layer
+ * (latent K3 form and the Kimi-Linear form) vs float64, k3_moe_forward == router → down → expert
+ * rows (row_of = i/K) → rows_wsum → finish by hand (bitwise), thread-count invariance, error
+ * paths naming row / expert / config key, scratch sizes and guard bands, and the whole layer on
+ * the guard backend (weights and activations in PROT_NONE memory: any host loop over them in
+ * experts/ faults) == the cpu backend, bit for bit.
+ * Runs every check for each host backend (ref, cpu), then the guard check. Seed printed; inputs
+ * checked non-degenerate. */
 #include <float.h>
 #include <ftw.h>
 #include <math.h>
@@ -22,10 +26,9 @@
 
 #define SEED  20261129ull
 #define GUARD 64 /* guard floats after every scratch buffer */
-/* A routing decided by a float64 score gap below this may legitimately differ in fp32 (the
- * router's fp32 logits are off by ~sqrt(D)·u ≈ 1e-6 at most here): such tokens are "ambiguous"
- * and skipped (and counted: a handful at most, else the input is degenerate). */
-#define NEAR_TIE 1e-5
+/* A routing decided by a float64 score gap below this may legitimately differ in fp32: such
+ * tokens are "ambiguous" and skipped (and counted). Derived in tests/tolerances.h. */
+#define NEAR_TIE K3_TOL_ROUTER_NEAR_TIE
 
 /* ---- synthetic weights --------------------------------------------------------------------- */
 typedef struct {
@@ -303,8 +306,10 @@ static void ref_moe_token(const moe_model *m, const float *xf, double *y, int32_
 
 /* ---- scratch with a guard band ----------------------------------------------------------------
  */
+/* Float scratch of n floats + GUARD NaN floats, 64-byte aligned like a backend buffer. */
 static float *scratch_new(size_t n) {
-    float *p = malloc((n + GUARD) * sizeof(float));
+    size_t bytes = ((n + GUARD) * sizeof(float) + 63) / 64 * 64;
+    float *p = aligned_alloc(64, bytes);
     if (!p) abort();
     for (size_t i = 0; i < n + GUARD; i++) p[i] = NAN;
     return p;
@@ -318,6 +323,20 @@ static void poison(float *p, size_t n) {
     for (size_t i = 0; i < n; i++) p[i] = NAN;
 }
 
+/* Host int64 scratch of n + GUARD entries, all HSENT; the band must stay HSENT. */
+#define HSENT ((int64_t)0x5a5a5a5a5a5a5a5bll)
+static int64_t *hscratch_new(size_t n) {
+    int64_t *p = malloc((n + GUARD) * sizeof(int64_t));
+    if (!p) abort();
+    for (size_t i = 0; i < n + GUARD; i++) p[i] = HSENT;
+    return p;
+}
+static bool hguard_ok(const int64_t *p, size_t n) {
+    for (size_t i = n; i < n + GUARD; i++)
+        if (p[i] != HSENT) return false;
+    return true;
+}
+
 static void randn(k3_rng *r, float *x, size_t n, float std) {
     for (size_t i = 0; i < n; i++) x[i] = std * k3_rng_normal(r);
 }
@@ -325,13 +344,14 @@ static void randn(k3_rng *r, float *x, size_t n, float std) {
 /* ---- tests ------------------------------------------------------------------------------------
  */
 
-/* k3_moe_select on grid-valued scores: many exact ties in expert scores and group sums. */
-static void test_select_ties(void) {
+/* The moe_topk op on grid-valued scores: many exact ties in expert scores and group sums, vs the
+ * float64 brute force; scores are read-only; hand cases; errors. */
+static void test_topk_ties(k3_backend *be) {
     k3_config c;
     memset(&c, 0, sizeof c);
-    const int E = 16, T = 400;
+    const int E = 16, T = 400, K = 4;
     c.n_experts = E;
-    c.n_experts_per_tok = 4;
+    c.n_experts_per_tok = K;
     c.n_group = 4;
     c.topk_group = 2;
     c.moe_intermediate_size = 8;
@@ -339,37 +359,46 @@ static void test_select_ties(void) {
     c.routed_scaling_factor = 2.5f;
     k3_rng r;
     k3_rng_seed(&r, SEED + 1);
-    float *s = malloc(sizeof(float) * T * E), *b = malloc(sizeof(float) * T * E);
-    int32_t *ids = malloc(sizeof(int32_t) * T * 4);
-    float *w = malloc(sizeof(float) * T * 4);
+    float *s = malloc(sizeof(float) * T * E), *s_copy = malloc(sizeof(float) * T * E);
+    float bias[16];
+    float *work = scratch_new((size_t)T * E);
+    int32_t *ids = malloc(sizeof(int32_t) * T * K);
+    float *w = malloc(sizeof(float) * T * K);
     int ties_e = 0, ties_g = 0, mism = 0;
     for (int variant = 0; variant < 3; variant++) {
         if (variant == 1) c.moe_renormalize = false;
-        if (variant == 2) {
+        if (variant == 2) { /* plain top-k, no bias */
             c.n_group = 1;
             c.topk_group = 1;
             c.moe_renormalize = true;
             c.routed_scaling_factor = 1.0f;
         }
-        for (int i = 0; i < T * E; i++) {
+        const bool use_bias = variant < 2;
+        for (int i = 0; i < T * E; i++)
             s[i] = (float)(k3_rng_u64(&r) % 9) / 8.0f; /* {0, 1/8, ..., 1} */
-            b[i] =
-                s[i] + (float)((int)(k3_rng_u64(&r) % 3) - 1) / 8.0f; /* bias in {-1/8, 0, 1/8} */
-        }
-        float *b_copy = malloc(sizeof(float) * T * E);
-        memcpy(b_copy, b, sizeof(float) * T * E);
-        K3_CHECK_OK(k3_moe_select(&c, s, b, T, ids, w));
+        for (int e = 0; e < E; e++)                    /* bias in {-1/8, 0, 1/8}: sums exact */
+            bias[e] = use_bias ? (float)((int)(k3_rng_u64(&r) % 3) - 1) / 8.0f : 0.0f;
+        memcpy(s_copy, s, sizeof(float) * T * E);
+        for (int i = 0; i < T * K; i++) ids[i] = -7;
+        poison(w, (size_t)T * K);
+        K3_CHECK_OK(be->ops->moe_topk(be, s, use_bias ? bias : NULL, T, E, K, c.n_group,
+                                      c.topk_group, c.moe_renormalize, c.routed_scaling_factor,
+                                      work, ids, w));
+        K3_CHECK(memcmp(s, s_copy, sizeof(float) * T * E) == 0,
+                 "%s variant %d: moe_topk wrote its (const) scores", be->name, variant);
+        K3_CHECK(guard_ok(work, (size_t)T * E), "%s: moe_topk wrote past its work [T, E]",
+                 be->name);
         for (int t = 0; t < T; t++) {
             double ds[16], db[16], rw[16], gap;
             int32_t rid[16];
-            for (int e = 0; e < E; e++) ds[e] = s[t * E + e], db[e] = b_copy[t * E + e];
+            for (int e = 0; e < E; e++) ds[e] = s[t * E + e], db[e] = ds[e] + bias[e];
             ref_select(&c, ds, db, rid, rw, &gap);
             if (gap == 0.0) ties_e++;
-            for (int k = 0; k < 4; k++) {
-                if (ids[t * 4 + k] != rid[k]) mism++;
-                K3_CHECK(fabs(w[t * 4 + k] - rw[k]) <= 4 * K3_FP32_U * fabs(rw[k]) + 1e-30,
-                         "variant %d token %d slot %d weight %g vs %g", variant, t, k,
-                         (double)w[t * 4 + k], rw[k]);
+            for (int k = 0; k < K; k++) {
+                if (ids[t * K + k] != rid[k]) mism++;
+                K3_CHECK(fabs(w[t * K + k] - rw[k]) <= 4 * K3_FP32_U * fabs(rw[k]) + 1e-30,
+                         "%s variant %d token %d slot %d weight %g vs %g", be->name, variant, t, k,
+                         (double)w[t * K + k], rw[k]);
             }
         }
         /* ties across groups: equal group sums happen on this grid — verify directly */
@@ -379,7 +408,7 @@ static void test_select_ties(void) {
                 for (int g = 0; g < 4; g++) {
                     double a = -1e9, bb = -1e9;
                     for (int i = 0; i < 4; i++) {
-                        double v = b_copy[t * E + g * 4 + i];
+                        double v = (double)s[t * E + g * 4 + i] + bias[g * 4 + i];
                         if (v > a) {
                             bb = a;
                             a = v;
@@ -397,19 +426,17 @@ static void test_select_ties(void) {
                         }
             }
         }
-        free(b_copy);
     }
-    K3_CHECK(mism == 0, "%d slot ids differ from the float64 brute force", mism);
+    K3_CHECK(mism == 0, "%s: %d slot ids differ from the float64 brute force", be->name, mism);
     K3_CHECK(ties_e > 50,
              "grid produced only %d tokens with an exact expert tie (degenerate input)", ties_e);
     K3_CHECK(ties_g > 50, "grid produced only %d tokens with an exact group tie (degenerate input)",
              ties_g);
-    printf("select: %d tokens with exact expert ties, %d with group ties\n", ties_e, ties_g);
+    printf("topk[%s]: %d tokens with exact expert ties, %d with group ties\n", be->name, ties_e,
+           ties_g);
     /* a hand case: all equal -> experts 0..3 (groups 0 and 1 kept, lowest indices) */
-    for (int e = 0; e < E; e++) s[e] = 0.5f, b[e] = 0.5f;
-    c.n_group = 4;
-    c.topk_group = 2;
-    K3_CHECK_OK(k3_moe_select(&c, s, b, 1, ids, w));
+    for (int e = 0; e < E; e++) s[e] = 0.5f;
+    K3_CHECK_OK(be->ops->moe_topk(be, s, NULL, 1, E, K, 4, 2, true, 1.0f, work, ids, w));
     K3_CHECK(ids[0] == 0 && ids[1] == 1 && ids[2] == 2 && ids[3] == 3, "all-equal -> %d %d %d %d",
              ids[0], ids[1], ids[2], ids[3]);
     /* hand case: group 3 holds the best single expert but group sums prefer groups 0 and 2 */
@@ -417,27 +444,40 @@ static void test_select_ties(void) {
     s[15] = 0.9f;               /* group 3: 0.9 + 0.1 = 1.0 */
     s[0] = 0.6f, s[1] = 0.6f;   /* group 0: 1.2 */
     s[9] = 0.55f, s[10] = 0.5f; /* group 2: 1.05 */
-    memcpy(b, s, sizeof(float) * E);
-    K3_CHECK_OK(k3_moe_select(&c, s, b, 1, ids, w));
+    K3_CHECK_OK(be->ops->moe_topk(be, s, NULL, 1, E, K, 4, 2, true, 1.0f, work, ids, w));
     K3_CHECK(ids[0] == 0 && ids[1] == 1 && ids[2] == 9 && ids[3] == 10,
              "grouped hand case -> %d %d %d %d", ids[0], ids[1], ids[2], ids[3]);
-    /* non-finite router output is an error naming the token */
-    s[3] = NAN;
-    memcpy(b, s, sizeof(float) * E);
-    K3_CHECK_ERR(k3_moe_select(&c, s, b, 1, ids, w), K3_ERR_INTERNAL, "token 0, expert 3");
-    /* config errors */
-    c.topk_group = 1;
-    c.n_experts_per_tok = 5; /* one group of 4 cannot supply 5 */
-    K3_CHECK_ERR(k3_moe_select(&c, s, b, 1, ids, w), K3_ERR_CONFIG, "topk_group");
-    c.n_experts_per_tok = 4;
-    c.n_group = 3;
-    K3_CHECK_ERR(k3_moe_select(&c, s, b, 1, ids, w), K3_ERR_CONFIG, "num_expert_group");
-    free(s), free(b), free(ids), free(w);
+    /* the bias selects, the weights stay unbiased: 0.1 + 0.6 lifts expert 3 above experts 0, 1 */
+    for (int e = 0; e < E; e++) bias[e] = 0.0f;
+    bias[3] = 0.6f;
+    K3_CHECK_OK(be->ops->moe_topk(be, s, bias, 1, E, K, 4, 2, false, 1.0f, work, ids, w));
+    K3_CHECK(ids[0] == 3 && ids[1] == 0 && ids[2] == 1 && ids[3] == 9 && w[0] == s[3],
+             "biased hand case -> %d %d %d %d, w0 %g (want 3 0 1 9, w0 = sigma = %g)", ids[0],
+             ids[1], ids[2], ids[3], (double)w[0], (double)s[3]);
+    /* non-finite router output is an error naming the FIRST bad token and its expert (T = 400:
+       the cpu backend's pooled path for the first 256 tokens) */
+    for (int i = 0; i < T * E; i++) s[i] = 0.25f;
+    s[300 * E + 7] = NAN;
+    s[200 * E + 3] = NAN;
+    K3_CHECK_ERR(be->ops->moe_topk(be, s, NULL, T, E, K, 4, 2, true, 1.0f, work, ids, w),
+                 K3_ERR_INTERNAL, "token 200, expert 3");
+    s[200 * E + 3] = 0.25f;
+    s[300 * E + 7] = 0.25f;
+    bias[5] = INFINITY;
+    K3_CHECK_ERR(be->ops->moe_topk(be, s, bias, 3, E, K, 4, 2, true, 1.0f, work, ids, w),
+                 K3_ERR_INTERNAL, "token 0, expert 5");
+    /* an impossible selection is an argument error of the op (the config keys are checked by
+       k3_moe_router: test_route) */
+    K3_CHECK_ERR(be->ops->moe_topk(be, s, NULL, 1, E, 5, 4, 1, true, 1.0f, work, ids, w),
+                 K3_ERR_ARG, "K=5 n_group=4 topk_group=1");
+    K3_CHECK_ERR(be->ops->moe_topk(be, s, NULL, 1, E, K, 3, 1, true, 1.0f, work, ids, w),
+                 K3_ERR_ARG, "n_group=3");
+    free(s), free(s_copy), free(work), free(ids), free(w);
 }
 
 /* The full router (matmul + sigmoid + bias + grouped top-k) vs float64, plus exact ties made by
- * duplicated router rows and biases. */
-static void test_route(const k3_ops *ops) {
+ * duplicated router rows and biases; config errors name the config key. */
+static void test_route(k3_backend *be) {
     moe_shape sh = {.D = 96,
                     .E = 16,
                     .K = 4,
@@ -471,8 +511,8 @@ static void test_route(const k3_ops *ops) {
     int32_t *ids = malloc(sizeof(int32_t) * T * 4);
     float *w = malloc(sizeof(float) * T * 4);
     poison(w, (size_t)T * 4);
-    K3_CHECK_OK(k3_moe_route(ops, &m.cfg, &m.lw, x, T, ids, w, scr));
-    K3_CHECK(guard_ok(scr, ns), "route wrote past its scratch");
+    K3_CHECK_OK(k3_moe_router(be, &m.cfg, &m.lw, x, T, ids, w, scr));
+    K3_CHECK(guard_ok(scr, ns), "router wrote past its scratch");
     int ambiguous = 0, bad = 0, both56 = 0, used[16] = {0};
     for (int t = 0; t < T; t++) {
         double gap, rwt[16];
@@ -512,7 +552,7 @@ static void test_route(const k3_ops *ops) {
                  "token %d weights sum %g, want routed_scaling_factor 2.5", t, wsum);
     }
     K3_CHECK(bad == 0, "%s: %d tokens route differently from float64 without being ambiguous",
-             ops->backend, bad);
+             be->name, bad);
     K3_CHECK(ambiguous <= T / 50, "%d ambiguous tokens (too many near-ties: degenerate input?)",
              ambiguous);
     K3_CHECK(both56 > 5,
@@ -521,15 +561,42 @@ static void test_route(const k3_ops *ops) {
     int n_used = 0;
     for (int e = 0; e < 16; e++) n_used += used[e] > 0;
     K3_CHECK(n_used >= 12, "only %d experts ever used (degenerate router)", n_used);
-    printf("route[%s]: %d ambiguous tokens, tie pair chosen %d times, %d experts used\n",
-           ops->backend, ambiguous, both56, n_used);
+    printf("route[%s]: %d ambiguous tokens, tie pair chosen %d times, %d experts used\n", be->name,
+           ambiguous, both56, n_used);
+    /* config errors name the config key (K3_ERR_CONFIG), missing / misshapen router tensors
+       name the tensor */
+    k3_config keep = m.cfg;
+    m.cfg.topk_group = 1;
+    m.cfg.n_experts_per_tok = 5; /* one group of 4 cannot supply 5 */
+    K3_CHECK_ERR(k3_moe_router(be, &m.cfg, &m.lw, x, 1, ids, w, scr), K3_ERR_CONFIG,
+                 "num_experts_per_token = 5");
+    m.cfg = keep;
+    m.cfg.n_group = 3;
+    m.cfg.topk_group = 1;
+    K3_CHECK_ERR(k3_moe_router(be, &m.cfg, &m.lw, x, 1, ids, w, scr), K3_ERR_CONFIG,
+                 "num_expert_group = 3");
+    m.cfg = keep;
+    m.cfg.topk_group = 5;
+    K3_CHECK_ERR(k3_moe_router(be, &m.cfg, &m.lw, x, 1, ids, w, scr), K3_ERR_CONFIG,
+                 "topk_group = 5");
+    m.cfg = keep;
+    m.lw.router_bias.shape[0] = 15;
+    K3_CHECK_ERR(k3_moe_router(be, &m.cfg, &m.lw, x, 1, ids, w, scr), K3_ERR_SHAPE,
+                 "e_score_correction_bias has 15 elements");
+    m.lw.router_bias.shape[0] = 16;
+    void *keep_router = m.lw.router.data;
+    m.lw.router.data = NULL;
+    K3_CHECK_ERR(k3_moe_router(be, &m.cfg, &m.lw, x, 1, ids, w, scr), K3_ERR_MISSING,
+                 "block_sparse_moe.gate.weight");
+    m.lw.router.data = keep_router;
     free(x), free(scr), free(ids), free(w);
     model_free(&m);
 }
 
-/* Expert rows vs float64; a row alone vs inside batches (bitwise); zero-token experts; one
- * expert for every row; missing experts and bad ids. */
-static void test_rows(const k3_ops *ops, bool mxfp4) {
+/* Expert rows vs float64; a row alone vs inside batches (bitwise); row_of indirection vs the rows
+ * copied out (bitwise); zero-token experts; one expert for every row; missing experts and bad
+ * ids (errors name the row and the expert). */
+static void test_rows(k3_backend *be, bool mxfp4) {
     moe_shape sh = {.D = 96,
                     .E = 16,
                     .K = 4,
@@ -545,7 +612,8 @@ static void test_rows(const k3_ops *ops, bool mxfp4) {
                     .act = K3_ACT_SITU};
     moe_model m;
     model_make(&m, &sh, SEED + 4);
-    const int Lw = 64, I = 32, N = 150;
+    const int Lw = 64, I = 32, N = 150, NS = 37 * 4; /* NS <= N: 37 tokens × 4 slots */
+    const char *wt = mxfp4 ? "mxfp4" : "bf16";
     k3_rng r;
     k3_rng_seed(&r, SEED + 5);
     float *rows = malloc(sizeof(float) * N * Lw), *out = malloc(sizeof(float) * N * Lw);
@@ -554,16 +622,19 @@ static void test_rows(const k3_ops *ops, bool mxfp4) {
     randn(&r, rows, (size_t)N * Lw, 1.0f);
     /* 37 rows over experts {0..5} (experts 6..15 get zero rows), then 113 rows all to expert 3 */
     for (int i = 0; i < N; i++) ex[i] = i < 37 ? (int32_t)(k3_rng_u64(&r) % 6) : 3;
-    size_t ns = k3_moe_rows_scratch_floats(&m.cfg, N);
+    /* sized for the largest call (N rows); a guard band after each */
+    size_t ns = k3_moe_rows_scratch_floats(&m.cfg, N), nh = k3_moe_rows_host_ints(&m.cfg, N);
     float *scr = scratch_new(ns);
+    int64_t *hs = hscratch_new(nh);
     /* batch of 37 */
     poison(out, (size_t)N * Lw);
-    K3_CHECK_OK(k3_moe_expert_rows(ops, &m.cfg, &m.lw, rows, ex, 37, out, scr));
+    K3_CHECK_OK(k3_moe_expert_rows(be, &m.cfg, &m.lw, rows, NULL, ex, 37, out, scr, hs));
     K3_CHECK(guard_ok(scr, ns), "expert_rows wrote past its scratch");
     int bit_bad = 0;
     double num = 0, den = 0;
     for (int i = 0; i < 37; i++) {
-        K3_CHECK_OK(k3_moe_expert_rows(ops, &m.cfg, &m.lw, rows + i * Lw, ex + i, 1, one, scr));
+        K3_CHECK_OK(
+            k3_moe_expert_rows(be, &m.cfg, &m.lw, rows + i * Lw, NULL, ex + i, 1, one, scr, hs));
         if (memcmp(one, out + i * Lw, sizeof(float) * Lw) != 0) bit_bad++;
         /* float64 */
         double rd[64], g[32], u[32], o[64];
@@ -580,44 +651,94 @@ static void test_rows(const k3_ops *ops, bool mxfp4) {
     }
     double rel = sqrt(num / den);
     K3_CHECK(bit_bad == 0, "%s %s: %d of 37 rows differ (bits) between alone and in the batch",
-             ops->backend, mxfp4 ? "mxfp4" : "bf16", bit_bad);
-    K3_CHECK(rel <= K3_TOL_MOE_F64_REL_L2, "%s: expert rows rel-L2 vs float64 %.3g", ops->backend,
-             rel);
+             be->name, wt, bit_bad);
+    K3_CHECK(rel <= K3_TOL_MOE_F64_REL_L2, "%s %s: expert rows rel-L2 vs float64 %.3g", be->name,
+             wt, rel);
     K3_CHECK(sqrt(den / (37.0 * Lw)) > 0.05, "expert outputs nearly zero (rms %g): degenerate",
              sqrt(den / (37.0 * Lw)));
     /* all 150 rows (113 to expert 3: more than one row tile) vs alone */
     poison(out, (size_t)N * Lw);
-    K3_CHECK_OK(k3_moe_expert_rows(ops, &m.cfg, &m.lw, rows, ex, N, out, scr));
+    K3_CHECK_OK(k3_moe_expert_rows(be, &m.cfg, &m.lw, rows, NULL, ex, N, out, scr, hs));
     bit_bad = 0;
     for (int i = 0; i < N; i++) {
-        K3_CHECK_OK(k3_moe_expert_rows(ops, &m.cfg, &m.lw, rows + i * Lw, ex + i, 1, one, scr));
+        K3_CHECK_OK(
+            k3_moe_expert_rows(be, &m.cfg, &m.lw, rows + i * Lw, NULL, ex + i, 1, one, scr, hs));
         if (memcmp(one, out + i * Lw, sizeof(float) * Lw) != 0) bit_bad++;
     }
-    K3_CHECK(bit_bad == 0, "%s: %d of %d rows differ between alone and a 150-row batch",
-             ops->backend, bit_bad, N);
+    K3_CHECK(bit_bad == 0, "%s %s: %d of %d rows differ between alone and a 150-row batch",
+             be->name, wt, bit_bad, N);
     K3_CHECK(guard_ok(scr, ns), "expert_rows wrote past its scratch (150 rows)");
+    /* row_of: out[i] reads src[row_of[i]]. The slot form (row_of[i] = i/4: each source row read
+       by 4 rows of different experts) and a permutation, vs the rows copied out, bit for bit. */
+    {
+        float *cp = malloc(sizeof(float) * N * Lw), *o1 = malloc(sizeof(float) * N * Lw),
+              *o2 = malloc(sizeof(float) * N * Lw);
+        int64_t *row_of = malloc(sizeof(int64_t) * N);
+        int32_t *ex2 = malloc(sizeof(int32_t) * N);
+        for (int form = 0; form < 2; form++) {
+            const int n = form == 0 ? NS : N;
+            for (int i = 0; i < n; i++) {
+                row_of[i] = form == 0 ? i / 4 : (i * 37 + 11) % N; /* gcd(37, 150) = 1 */
+                ex2[i] = (int32_t)(k3_rng_u64(&r) % 16);
+                memcpy(cp + (size_t)i * Lw, rows + row_of[i] * Lw, sizeof(float) * Lw);
+            }
+            poison(o1, (size_t)N * Lw);
+            poison(o2, (size_t)N * Lw);
+            K3_CHECK_OK(k3_moe_expert_rows(be, &m.cfg, &m.lw, rows, row_of, ex2, n, o1, scr, hs));
+            K3_CHECK_OK(k3_moe_expert_rows(be, &m.cfg, &m.lw, cp, NULL, ex2, n, o2, scr, hs));
+            K3_CHECK(memcmp(o1, o2, sizeof(float) * (size_t)n * Lw) == 0,
+                     "%s %s: row_of (%s) differs from the copied rows (bits)", be->name, wt,
+                     form == 0 ? "i/4" : "permutation");
+        }
+        K3_CHECK(guard_ok(scr, ns) && hguard_ok(hs, nh),
+                 "expert_rows wrote past its scratch (%d rows with row_of)", NS);
+        free(cp), free(o1), free(o2), free(row_of), free(ex2);
+    }
     /* n = 0 is fine and touches nothing */
-    K3_CHECK_OK(k3_moe_expert_rows(ops, &m.cfg, &m.lw, rows, ex, 0, out, scr));
-    /* errors */
-    int32_t bad_id = 16;
-    K3_CHECK_ERR(k3_moe_expert_rows(ops, &m.cfg, &m.lw, rows, &bad_id, 1, out, scr), K3_ERR_ARG,
-                 "expert id 16");
+    K3_CHECK_OK(k3_moe_expert_rows(be, &m.cfg, &m.lw, rows, NULL, ex, 0, out, scr, hs));
+    /* errors name the row and the expert */
+    int32_t bad_id[3] = {0, 4, 16};
+    K3_CHECK_ERR(k3_moe_expert_rows(be, &m.cfg, &m.lw, rows, NULL, bad_id, 3, out, scr, hs),
+                 K3_ERR_ARG, "row 2 has expert id 16");
+    bad_id[2] = -1;
+    K3_CHECK_ERR(k3_moe_expert_rows(be, &m.cfg, &m.lw, rows, NULL, bad_id, 3, out, scr, hs),
+                 K3_ERR_ARG, "row 2 has expert id -1");
     k3_expert_w keep7 = m.ex[7];
     memset(&m.ex[7], 0, sizeof m.ex[7]); /* what a rank that does not own expert 7 holds */
     int32_t e7[2] = {1, 7};
-    K3_CHECK_ERR(k3_moe_expert_rows(ops, &m.cfg, &m.lw, rows, e7, 2, out, scr), K3_ERR_MISSING,
-                 "expert 7");
+    K3_CHECK_ERR(k3_moe_expert_rows(be, &m.cfg, &m.lw, rows, NULL, e7, 2, out, scr, hs),
+                 K3_ERR_MISSING, "row 1 needs expert 7");
     m.ex[7] = keep7;
     m.ex[2].w2.shape[0] = 63;
     int32_t e2 = 2;
-    K3_CHECK_ERR(k3_moe_expert_rows(ops, &m.cfg, &m.lw, rows, &e2, 1, out, scr), K3_ERR_SHAPE,
-                 "w2");
-    free(rows), free(out), free(one), free(ex), free(scr);
+    K3_CHECK_ERR(k3_moe_expert_rows(be, &m.cfg, &m.lw, rows, NULL, &e2, 1, out, scr, hs),
+                 K3_ERR_SHAPE, "w2 (expert 2) has shape [63, 32]");
+    m.ex[2].w2.shape[0] = 64;
+    K3_CHECK(hguard_ok(hs, nh), "expert_rows wrote past its host scratch");
+    free(rows), free(out), free(one), free(ex), free(scr), free(hs);
     model_free(&m);
 }
 
-/* Whole layer vs float64, forward == four steps by hand (bitwise), forward T-tiling invariance. */
-static void test_layer(const k3_ops *ops, const moe_shape *sh, int T, const char *name) {
+/* The single-process layer driven by hand, the way k3_moe_forward documents itself: router →
+ * down → expert rows (row_of[i] = i/K: slot row t·K + k reads the latent row of token t) →
+ * rows_wsum (segments of K slots) → finish. ids/w/r/eo/acc/y are buffers of be. */
+static void moe_steps(k3_backend *be, const k3_config *c, const k3_layer_w *lw, const float *x,
+                      int T, int32_t *ids, int32_t *ids_host, float *w, float *r, int64_t *row_of,
+                      float *eo, float *acc, float *y, float *scr, int64_t *hs) {
+    const int K = c->n_experts_per_tok;
+    const int64_t Lw = k3_moe_row_width(c);
+    K3_CHECK_OK(k3_moe_router(be, c, lw, x, T, ids, w, scr));
+    K3_CHECK_OK(k3_backend_download(be, ids_host, ids, sizeof(int32_t) * (size_t)T * K));
+    K3_CHECK_OK(k3_moe_down(be, c, lw, x, T, r));
+    for (int64_t i = 0; i < (int64_t)T * K; i++) row_of[i] = i / K;
+    K3_CHECK_OK(k3_moe_expert_rows(be, c, lw, r, row_of, ids_host, (int64_t)T * K, eo, scr, hs));
+    K3_CHECK_OK(be->ops->rows_wsum(be, eo, w, NULL, K, T, Lw, acc));
+    K3_CHECK_OK(k3_moe_finish(be, c, lw, x, acc, T, y, scr));
+}
+
+/* Whole layer vs float64, forward == the steps by hand (bitwise), thread-count and token-count
+ * invariance (bitwise). */
+static void test_layer(k3_backend *be, const moe_shape *sh, int T, const char *name) {
     moe_model m;
     model_make(&m, sh, SEED + 6 + (uint64_t)T);
     const k3_config *c = &m.cfg;
@@ -627,40 +748,47 @@ static void test_layer(const k3_ops *ops, const moe_shape *sh, int T, const char
     float *x = malloc(sizeof(float) * T * D), *y = malloc(sizeof(float) * T * D),
           *y2 = malloc(sizeof(float) * T * D);
     randn(&r, x, (size_t)T * D, 1.0f);
-    size_t ns = k3_moe_scratch_floats(c, T);
+    size_t ns = k3_moe_scratch_floats(c, T), nh = k3_moe_host_ints(c, T);
     float *scr = scratch_new(ns);
+    int64_t *hs = hscratch_new(nh);
     poison(y, (size_t)T * D);
-    K3_CHECK_OK(k3_moe_forward(ops, c, &m.lw, x, T, y, scr));
+    K3_CHECK_OK(k3_moe_forward(be, c, &m.lw, x, T, y, scr, hs));
     K3_CHECK(guard_ok(scr, ns), "%s: forward wrote past its scratch", name);
-    /* by hand: route -> down -> expand -> rows -> finish */
-    int32_t *ids = malloc(sizeof(int32_t) * T * K);
+    K3_CHECK(hguard_ok(hs, nh), "%s: forward wrote past its host scratch", name);
+    /* by hand, the whole batch at once (forward tiles tokens: T = 300 spans two tiles), with the
+       scratch sizes the header promises for T tokens */
+    int32_t *ids = malloc(sizeof(int32_t) * T * K), *ids_h = malloc(sizeof(int32_t) * T * K);
     float *w = malloc(sizeof(float) * T * K);
-    float *rows = malloc(sizeof(float) * T * K * Lw), *eo = malloc(sizeof(float) * T * K * Lw);
+    float *lat = malloc(sizeof(float) * T * Lw), *eo = malloc(sizeof(float) * T * K * Lw),
+          *acc = malloc(sizeof(float) * T * Lw);
+    int64_t *row_of = malloc(sizeof(int64_t) * T * K);
     float *scr2 = scratch_new(ns);
-    K3_CHECK_OK(k3_moe_route(ops, c, &m.lw, x, T, ids, w, scr2));
-    K3_CHECK_OK(k3_moe_down(ops, c, &m.lw, x, T, rows));
-    k3_moe_expand_rows(rows, T, K, Lw, rows);
-    K3_CHECK_OK(k3_moe_expert_rows(ops, c, &m.lw, rows, ids, (int64_t)T * K, eo, scr2));
+    int64_t *hs2 = hscratch_new(nh);
     poison(y2, (size_t)T * D);
-    K3_CHECK_OK(k3_moe_finish(ops, c, &m.lw, x, w, eo, T, y2, scr2));
-    K3_CHECK(guard_ok(scr2, ns), "%s: steps wrote past the scratch", name);
+    moe_steps(be, c, &m.lw, x, T, ids, ids_h, w, lat, row_of, eo, acc, y2, scr2, hs2);
+    K3_CHECK(guard_ok(scr2, ns) && hguard_ok(hs2, nh), "%s: steps wrote past the scratch", name);
     K3_CHECK(memcmp(y, y2, sizeof(float) * T * D) == 0,
-             "%s[%s]: forward differs from the four steps (bits)", name, ops->backend);
-    /* thread-count invariance (cpu backend): one worker vs the default pool, bit for bit */
-    if (strcmp(ops->backend, "cpu") == 0) {
-        int nt = k3_kernels_threads();
-        k3_kernels_set_threads(1);
-        poison(y2, (size_t)T * D);
-        K3_CHECK_OK(k3_moe_forward(ops, c, &m.lw, x, T, y2, scr2));
-        k3_kernels_set_threads(nt);
-        K3_CHECK(memcmp(y, y2, sizeof(float) * T * D) == 0,
-                 "%s[cpu]: 1 thread differs from %d threads (bits)", name, nt);
+             "%s[%s]: forward differs from router→down→rows→rows_wsum→finish (bits)", name,
+             be->name);
+    /* thread-count invariance (cpu backend): 1 and 3 workers vs the default pool, bit for bit */
+    if (strcmp(be->name, "cpu") == 0) {
+        for (int nt = 1; nt <= 3; nt += 2) {
+            k3_backend *b1 = NULL;
+            K3_CHECK_OK(k3_backend_create("cpu", &(k3_backend_params){.n_threads = nt}, &b1));
+            if (!b1) continue;
+            poison(y2, (size_t)T * D);
+            K3_CHECK_OK(k3_moe_forward(b1, c, &m.lw, x, T, y2, scr2, hs2));
+            K3_CHECK(memcmp(y, y2, sizeof(float) * T * D) == 0,
+                     "%s[cpu]: %d threads differ from %d threads (bits)", name,
+                     k3_backend_threads(b1), k3_backend_threads(be));
+            k3_backend_destroy(b1);
+        }
     }
     /* token-count invariance: the last token alone */
     float *y1 = malloc(sizeof(float) * D);
-    K3_CHECK_OK(k3_moe_forward(ops, c, &m.lw, x + (T - 1) * D, 1, y1, scr2));
+    K3_CHECK_OK(k3_moe_forward(be, c, &m.lw, x + (T - 1) * D, 1, y1, scr2, hs2));
     K3_CHECK(memcmp(y1, y + (T - 1) * D, sizeof(float) * D) == 0,
-             "%s[%s]: last token alone differs (bits)", name, ops->backend);
+             "%s[%s]: last token alone differs (bits)", name, be->name);
     /* float64 */
     double num = 0, den = 0;
     int amb = 0, bad = 0, used[4096] = {0};
@@ -670,8 +798,8 @@ static void test_layer(const k3_ops *ops, const moe_shape *sh, int T, const char
         double gap;
         ref_moe_token(&m, x + t * D, yd, rid, &gap);
         bool same = true;
-        for (int k = 0; k < K; k++) same = same && rid[k] == ids[t * K + k];
-        for (int k = 0; k < K; k++) used[ids[t * K + k]]++;
+        for (int k = 0; k < K; k++) same = same && rid[k] == ids_h[t * K + k];
+        for (int k = 0; k < K; k++) used[ids_h[t * K + k]]++;
         if (!same) {
             if (gap < NEAR_TIE)
                 amb++;
@@ -690,20 +818,20 @@ static void test_layer(const k3_ops *ops, const moe_shape *sh, int T, const char
     for (int e = 0; e < sh->E; e++) n_used += used[e] > 0;
     printf("layer %s[%s] T=%d: rel-L2 vs float64 %.3g (%d ambiguous tokens skipped), %d experts "
            "used\n",
-           name, ops->backend, T, rel, amb, n_used);
+           name, be->name, T, rel, amb, n_used);
     K3_CHECK(bad == 0, "%s: %d tokens routed differently from float64 (not near-ties)", name, bad);
     K3_CHECK(amb <= T / 50 + 1, "%s: %d ambiguous tokens", name, amb);
-    K3_CHECK(rel <= K3_TOL_MOE_F64_REL_L2, "%s[%s]: layer rel-L2 vs float64 %.3g", name,
-             ops->backend, rel);
+    K3_CHECK(rel <= K3_TOL_MOE_F64_REL_L2, "%s[%s]: layer rel-L2 vs float64 %.3g", name, be->name,
+             rel);
     K3_CHECK(sqrt(den / ((double)T * D)) > 0.05, "%s: outputs nearly zero: degenerate", name);
     K3_CHECK(n_used >= (sh->E < 8 ? sh->E : 8), "%s: only %d experts used", name, n_used);
-    free(x), free(y), free(y2), free(ids), free(w), free(rows), free(eo), free(scr), free(scr2),
-        free(y1), free(yd);
+    free(x), free(y), free(y2), free(ids), free(ids_h), free(w), free(lat), free(eo), free(acc),
+        free(row_of), free(scr), free(scr2), free(hs), free(hs2), free(y1), free(yd);
     model_free(&m);
 }
 
 /* Every token to one expert: a router whose bias makes expert 9 win by far; K = 1. */
-static void test_one_expert(const k3_ops *ops) {
+static void test_one_expert(k3_backend *be) {
     moe_shape sh = {.D = 64,
                     .E = 16,
                     .K = 1,
@@ -725,16 +853,17 @@ static void test_one_expert(const k3_ops *ops) {
     k3_rng_seed(&r, SEED + 9);
     float *x = malloc(sizeof(float) * T * D), *y = malloc(sizeof(float) * T * D);
     randn(&r, x, (size_t)T * D, 1.0f);
-    size_t ns = k3_moe_scratch_floats(&m.cfg, T);
+    size_t ns = k3_moe_scratch_floats(&m.cfg, T), nh = k3_moe_host_ints(&m.cfg, T);
     float *scr = scratch_new(ns);
+    int64_t *hs = hscratch_new(nh);
     int32_t ids[70];
     float w[70];
-    K3_CHECK_OK(k3_moe_route(ops, &m.cfg, &m.lw, x, T, ids, w, scr));
+    K3_CHECK_OK(k3_moe_router(be, &m.cfg, &m.lw, x, T, ids, w, scr));
     int n9 = 0;
     for (int t = 0; t < T; t++)
         n9 += ids[t] == 9 && w[t] == 1.0f; /* K = 1 renormalised: exactly s/(s+1e-20) = 1 */
     K3_CHECK(n9 == T, "K=1: %d of %d tokens routed to expert 9 with weight 1", n9, T);
-    K3_CHECK_OK(k3_moe_forward(ops, &m.cfg, &m.lw, x, T, y, scr));
+    K3_CHECK_OK(k3_moe_forward(be, &m.cfg, &m.lw, x, T, y, scr, hs));
     double num = 0, den = 0, yd[64], gap;
     int32_t rid[1];
     for (int t = 0; t < T; t++) {
@@ -747,86 +876,47 @@ static void test_one_expert(const k3_ops *ops) {
         }
     }
     K3_CHECK(sqrt(num / den) <= K3_TOL_MOE_F64_REL_L2, "one expert: rel-L2 %.3g", sqrt(num / den));
-    K3_CHECK(guard_ok(scr, ns), "one expert: scratch overrun");
-    free(x), free(y), free(scr);
+    K3_CHECK(guard_ok(scr, ns) && hguard_ok(hs, nh), "one expert: scratch overrun");
+    free(x), free(y), free(scr), free(hs);
     model_free(&m);
 }
 
-/* The dispatch permutation: counts, ordering by (rank, expert, slot), inverse, round trip. */
-static void test_permute(void) {
-    k3_rng r;
-    k3_rng_seed(&r, SEED + 10);
-    const int E = 24, R = 5;
-    const int64_t n = 37 * 4;
-    int32_t ex[148], own_c[24], own_r[24];
-    int64_t counts[5], perm[148], inv[148], work[24];
-    for (int64_t i = 0; i < n; i++)
-        ex[i] = (int32_t)(k3_rng_u64(&r) % 20);       /* experts 20..23 get no rows */
-    for (int e = 0; e < E; e++) own_c[e] = e * R / E; /* contiguous ranges */
-    for (int e = 0; e < E; e++) own_r[e] = (int32_t)(k3_rng_u64(&r) % 4); /* rank 4 owns nothing */
-    for (int map = 0; map < 2; map++) {
-        const int32_t *own = map ? own_r : own_c;
-        K3_CHECK_OK(k3_moe_permute(ex, n, own, E, R, counts, perm, inv, work));
-        int64_t want[5] = {0}, tot = 0;
-        for (int64_t i = 0; i < n; i++) want[own[ex[i]]]++;
-        for (int q = 0; q < R; q++) {
-            K3_CHECK(counts[q] == want[q], "map %d rank %d count %lld want %lld", map, q,
-                     (long long)counts[q], (long long)want[q]);
-            tot += counts[q];
+/* The scratch contract of experts/k3_experts.h: k3_moe_scratch_floats(c, T) and
+ * k3_moe_host_ints(c, T) are enough for every function called with T tokens, k3_moe_expert_rows
+ * with n <= T·K rows included. Checked on the sizes alone, over T that cross the forward's token
+ * tile, for the test shapes and the presets. */
+static void test_scratch_sizes(void) {
+    k3_config cs[4];
+    memset(&cs[0], 0, sizeof cs[0]);
+    cs[0].hidden_size = 96, cs[0].n_experts = 16, cs[0].n_experts_per_tok = 4, cs[0].n_group = 4;
+    cs[0].topk_group = 2, cs[0].moe_intermediate_size = 32, cs[0].latent_size = 64;
+    cs[0].n_shared_experts = 2;
+    for (int p = 0; p < 3; p++) k3_preset_config((k3_preset)p, &cs[1 + p]);
+    const int64_t Ts[] = {1, 37, 255, 256, 257, 300, 1024, 1025, 2048, 8192};
+    int bad_f = 0, bad_h = 0;
+    for (int i = 0; i < 4; i++) {
+        const k3_config *c = &cs[i];
+        const int64_t K = c->n_experts_per_tok;
+        for (size_t j = 0; j < sizeof Ts / sizeof Ts[0]; j++) {
+            const int64_t T = Ts[j];
+            size_t f = k3_moe_scratch_floats(c, T), h = k3_moe_host_ints(c, T);
+            size_t fr = k3_moe_rows_scratch_floats(c, T * K), hr = k3_moe_rows_host_ints(c, T * K);
+            if (f < fr && bad_f++ < 3)
+                K3_CHECK(false,
+                         "config %d T=%lld: k3_moe_scratch_floats %zu < rows scratch %zu "
+                         "for T·K = %lld rows",
+                         i, (long long)T, f, fr, (long long)(T * K));
+            if (h < hr && bad_h++ < 3)
+                K3_CHECK(false,
+                         "config %d T=%lld: k3_moe_host_ints %zu < k3_moe_rows_host_ints "
+                         "%zu for T·K = %lld rows",
+                         i, (long long)T, h, hr, (long long)(T * K));
         }
-        K3_CHECK(tot == n, "counts sum %lld", (long long)tot);
-        if (map)
-            K3_CHECK(counts[4] == 0, "rank 4 owns no expert but got %lld rows",
-                     (long long)counts[4]);
-        int seen[148] = {0}, ord_bad = 0, inv_bad = 0, range_bad = 0;
-        int64_t base = 0;
-        for (int q = 0; q < R; q++) {
-            for (int64_t j = base; j < base + counts[q]; j++)
-                if (own[ex[perm[j]]] != q) range_bad++;
-            base += counts[q];
-        }
-        for (int64_t j = 0; j < n; j++) {
-            K3_CHECK(perm[j] >= 0 && perm[j] < n, "perm[%lld] = %lld", (long long)j,
-                     (long long)perm[j]);
-            seen[perm[j]]++;
-            if (inv[perm[j]] != j) inv_bad++;
-            if (j > 0) {
-                int64_t a = perm[j - 1], b = perm[j];
-                long long ka = (long long)own[ex[a]] * 1000000 + ex[a] * 1000 + a;
-                long long kb = (long long)own[ex[b]] * 1000000 + ex[b] * 1000 + b;
-                if (!(ka < kb)) ord_bad++;
-            }
-        }
-        int dup = 0;
-        for (int64_t i = 0; i < n; i++) dup += seen[i] != 1;
-        K3_CHECK(dup == 0 && inv_bad == 0 && ord_bad == 0 && range_bad == 0,
-                 "map %d: %d not-a-permutation, %d inverse, %d order, %d rank-range errors", map,
-                 dup, inv_bad, ord_bad, range_bad);
-        /* round trip of payloads encoding (slot, expert) */
-        float send[148], back[148];
-        for (int64_t j = 0; j < n; j++) send[j] = (float)(perm[j] * 100 + ex[perm[j]]);
-        for (int64_t i = 0; i < n; i++) back[i] = send[inv[i]];
-        int rt_bad = 0;
-        for (int64_t i = 0; i < n; i++) rt_bad += back[i] != (float)(i * 100 + ex[i]);
-        K3_CHECK(rt_bad == 0, "map %d: %d rows wrong after the round trip", map, rt_bad);
     }
-    /* deterministic: same input, same output */
-    int64_t perm2[148], inv2[148];
-    K3_CHECK_OK(k3_moe_permute(ex, n, own_r, E, R, counts, perm2, inv2, work));
-    K3_CHECK(memcmp(perm, perm2, sizeof perm) == 0 && memcmp(inv, inv2, sizeof inv) == 0,
-             "permute not deterministic");
-    /* n = 0 */
-    K3_CHECK_OK(k3_moe_permute(ex, 0, own_c, E, R, counts, perm, inv, work));
-    K3_CHECK(counts[0] == 0 && counts[4] == 0, "n = 0 counts not zero");
-    /* errors */
-    int32_t bad_ex = 24;
-    K3_CHECK_ERR(k3_moe_permute(&bad_ex, 1, own_c, E, R, counts, perm, inv, work), K3_ERR_ARG,
-                 "expert id 24");
-    own_c[3] = 5;
-    K3_CHECK_ERR(k3_moe_permute(ex, n, own_c, E, R, counts, perm, inv, work), K3_ERR_ARG,
-                 "expert 3 has owner rank 5");
+    K3_CHECK(bad_f == 0 && bad_h == 0,
+             "scratch contract: %d float and %d host-int sizes too small (first 3 of each above)",
+             bad_f, bad_h);
 }
-
 /* The MoE layers of a real tiny checkpoint (k3_make_tiny -> k3_ckpt_open -> k3_weights_load):
  * checks that the loader's conventions (MXFP4 data/scale, BF16 norms, F32 bias, expert table)
  * are the ones experts/ reads, vs the float64 reference. Also: presets pass the MoE config check,
@@ -841,7 +931,7 @@ static bool own_even(void *ctx, int layer, int expert) {
     return expert % 2 == 0;
 }
 
-static void test_tiny(const k3_ops *ops) {
+static void test_tiny(k3_backend *be) {
     for (int p = 0; p < 3; p++) {
         k3_config pc;
         k3_preset_config((k3_preset)p, &pc);
@@ -868,16 +958,17 @@ static void test_tiny(const k3_ops *ops) {
     k3_rng_seed(&r, SEED + 11);
     float *x = malloc(sizeof(float) * T * D), *y = malloc(sizeof(float) * T * D);
     double *yd = malloc(sizeof(double) * D);
-    size_t ns = k3_moe_scratch_floats(&c, T);
+    size_t ns = k3_moe_scratch_floats(&c, T), nh = k3_moe_host_ints(&c, T);
     float *scr = scratch_new(ns);
+    int64_t *hs = hscratch_new(nh);
     int n_moe = 0;
     for (int l = 0; l < c.n_layers; l++) {
         if (!k3_config_is_moe(&c, l)) continue;
         n_moe++;
         randn(&r, x, (size_t)T * D, 1.0f);
         poison(y, (size_t)T * D);
-        K3_CHECK_OK(k3_moe_forward(ops, &c, &v->layers[l], x, T, y, scr));
-        K3_CHECK(guard_ok(scr, ns), "tiny layer %d: scratch overrun", l);
+        K3_CHECK_OK(k3_moe_forward(be, &c, &v->layers[l], x, T, y, scr, hs));
+        K3_CHECK(guard_ok(scr, ns) && hguard_ok(hs, nh), "tiny layer %d: scratch overrun", l);
         moe_model m;
         memset(&m, 0, sizeof m);
         m.cfg = c;
@@ -889,7 +980,7 @@ static void test_tiny(const k3_ops *ops) {
         for (int t = 0; t < T; t++) {
             double gap;
             ref_moe_token(&m, x + t * D, yd, ids_ref, &gap);
-            K3_CHECK_OK(k3_moe_route(ops, &c, &v->layers[l], x + t * D, 1, ids_c, wtmp, scr));
+            K3_CHECK_OK(k3_moe_router(be, &c, &v->layers[l], x + t * D, 1, ids_c, wtmp, scr));
             bool same = memcmp(ids_ref, ids_c, sizeof(int32_t) * (size_t)K) == 0;
             if (!same) {
                 if (gap < NEAR_TIE)
@@ -906,7 +997,7 @@ static void test_tiny(const k3_ops *ops) {
         }
         double rel = sqrt(num / den);
         printf("tiny[%s] layer %d: rel-L2 vs float64 %.3g, output rms %.3g, %d ambiguous\n",
-               ops->backend, l, rel, sqrt(den / ((double)T * D)), amb);
+               be->name, l, rel, sqrt(den / ((double)T * D)), amb);
         K3_CHECK(bad == 0, "tiny layer %d: %d tokens routed differently from float64", l, bad);
         K3_CHECK(amb <= 2, "tiny layer %d: %d ambiguous tokens", l, amb);
         K3_CHECK(rel <= K3_TOL_MOE_F64_REL_L2, "tiny layer %d: rel-L2 %.3g", l, rel);
@@ -914,18 +1005,18 @@ static void test_tiny(const k3_ops *ops) {
     }
     K3_CHECK(n_moe >= 1, "tiny preset has no MoE layer");
     /* a rank holding only the even experts: rows for an odd expert must fail clearly */
-    k3_load_sel hs = {.layer_begin = 1, .layer_end = 2, .expert_owned = own_even};
-    K3_CHECK_OK(k3_weights_load(ck, &c, &hs, &half));
+    k3_load_sel half_sel = {.layer_begin = 1, .layer_end = 2, .expert_owned = own_even};
+    K3_CHECK_OK(k3_weights_load(ck, &c, &half_sel, &half));
     if (half) {
         const k3_layer_w *hl = &k3_weights_get(half)->layers[1];
         int32_t ex2[2] = {2, 3};
         float *o2 = malloc(sizeof(float) * 2 * (size_t)k3_moe_row_width(&c));
-        K3_CHECK_OK(k3_moe_expert_rows(ops, &c, hl, x, ex2, 1, o2, scr));
-        K3_CHECK_ERR(k3_moe_expert_rows(ops, &c, hl, x, ex2, 2, o2, scr), K3_ERR_MISSING,
-                     "expert 3");
+        K3_CHECK_OK(k3_moe_expert_rows(be, &c, hl, x, NULL, ex2, 1, o2, scr, hs));
+        K3_CHECK_ERR(k3_moe_expert_rows(be, &c, hl, x, NULL, ex2, 2, o2, scr, hs), K3_ERR_MISSING,
+                     "row 1 needs expert 3");
         free(o2);
     }
-    free(x), free(y), free(yd), free(scr);
+    free(x), free(y), free(yd), free(scr), free(hs);
 out:
     k3_weights_destroy(half);
     k3_weights_destroy(wts);
@@ -934,7 +1025,7 @@ out:
 }
 
 /* Dump mode for the PyTorch cross-check (tests/experts/moe_vs_torch.py): for every MoE layer of
- * the checkpoint in MODEL_DIR, random x [T, D] -> k3_moe_forward with the default backend; writes
+ * the checkpoint in MODEL_DIR, random x [T, D] -> k3_moe_forward with the cpu backend; writes
  * OUT/x_L.f32, OUT/y_L.f32 (float32 [T, D]) and OUT/ids_L.i32 (int32 [T, K], slot order). */
 static int write_raw(const char *dir, const char *stem, int l, const void *p, size_t n_bytes) {
     char path[4096];
@@ -962,20 +1053,27 @@ static int dump_layers(const char *model_dir, const char *out_dir) {
         return 1;
     }
     const k3_weights_view *v = k3_weights_get(wts);
-    const k3_ops *ops = k3_ops_default();
+    k3_backend *be = NULL;
+    if (k3_backend_create("cpu", &(k3_backend_params){.n_threads = 0}, &be) != K3_OK) {
+        fprintf(stderr, "dump: %s\n", k3_last_error());
+        k3_weights_destroy(wts);
+        k3_ckpt_destroy(ck);
+        return 1;
+    }
     const int T = 48, D = (int)c.hidden_size, K = c.n_experts_per_tok;
     float *x = malloc(sizeof(float) * T * D), *y = malloc(sizeof(float) * T * D),
           *w = malloc(sizeof(float) * T * K);
     int32_t *ids = malloc(sizeof(int32_t) * T * K);
-    float *scr = malloc(sizeof(float) * k3_moe_scratch_floats(&c, T));
+    float *scr = scratch_new(k3_moe_scratch_floats(&c, T));
+    int64_t *hs = hscratch_new(k3_moe_host_ints(&c, T));
     int rc = 0;
     for (int l = 0; l < c.n_layers && rc == 0; l++) {
         if (!k3_config_is_moe(&c, l)) continue;
         k3_rng r;
         k3_rng_seed(&r, SEED + 100 + (uint64_t)l);
         randn(&r, x, (size_t)T * D, 1.0f);
-        if (k3_moe_forward(ops, &c, &v->layers[l], x, T, y, scr) != K3_OK ||
-            k3_moe_route(ops, &c, &v->layers[l], x, T, ids, w, scr) != K3_OK) {
+        if (k3_moe_forward(be, &c, &v->layers[l], x, T, y, scr, hs) != K3_OK ||
+            k3_moe_router(be, &c, &v->layers[l], x, T, ids, w, scr) != K3_OK) {
             fprintf(stderr, "dump: layer %d: %s\n", l, k3_last_error());
             rc = 1;
             break;
@@ -984,66 +1082,210 @@ static int dump_layers(const char *model_dir, const char *out_dir) {
         rc |= write_raw(out_dir, "y", l, y, sizeof(float) * T * D);
         rc |= write_raw(out_dir, "ids", l, ids, sizeof(int32_t) * T * K);
     }
-    free(x), free(y), free(w), free(ids), free(scr);
+    free(x), free(y), free(w), free(ids), free(scr), free(hs);
+    k3_backend_destroy(be);
     k3_weights_destroy(wts);
     k3_ckpt_destroy(ck);
     return rc;
 }
 
-/* usage: test_experts [ref|cpu|tiny]  (default: ref and cpu backends, no checkpoint)
+/* ---- the guard backend ------------------------------------------------------------------------
+ */
+/* Replace t's data (and MXFP4 scale) by copies in be's memory; a tensor without data stays. */
+static void tensor_to_backend(k3_backend *be, k3_tensor *t) {
+    if (!t->data) return;
+    const int64_t n = k3_tensor_n_elems(t);
+    const bool fp4 = t->dtype == K3_DT_MXFP4;
+    const size_t db = fp4 ? (size_t)n / 2 : (size_t)n * k3_dtype_size(t->dtype);
+    const size_t sb = fp4 ? (size_t)n / 32 : 0;
+    void *d = NULL, *s = NULL;
+    K3_CHECK_OK(k3_backend_alloc(be, db, "test weight", &d));
+    if (d) K3_CHECK_OK(k3_backend_upload(be, d, t->data, db));
+    if (sb) {
+        K3_CHECK_OK(k3_backend_alloc(be, sb, "test weight scale", &s));
+        if (s) K3_CHECK_OK(k3_backend_upload(be, s, t->scale, sb));
+    }
+    t->data = d;
+    t->scale = s;
+    t->mem = be->mem;
+}
+
+static void *be_alloc_upload(k3_backend *be, const void *host, size_t n_bytes) {
+    void *p = NULL;
+    K3_CHECK_OK(k3_backend_alloc(be, n_bytes, "test buffer", &p));
+    if (p && host) K3_CHECK_OK(k3_backend_upload(be, p, host, n_bytes));
+    return p;
+}
+
+/* k3_moe_forward on the guard backend — every weight, the input, the output and the scratch in
+ * guard memory (PROT_NONE outside the backend's ops and transfers, so a host loop over any of
+ * them in experts/ takes SIGSEGV) — equals the cpu backend bit for bit; so do the steps driven
+ * by hand on the guard backend. Only the routing metadata (expert ids, row_of, the row sort) is
+ * host memory. */
+static void test_guard(k3_backend *cpu, k3_backend *gb, const moe_shape *sh, int T,
+                       const char *name) {
+    moe_model m;
+    model_make(&m, sh, SEED + 12 + (uint64_t)T);
+    const k3_config *c = &m.cfg;
+    const int D = sh->D, K = sh->K, E = sh->E, Lw = sh->L > 0 ? sh->L : sh->D;
+    k3_rng r;
+    k3_rng_seed(&r, SEED + 13);
+    float *x = malloc(sizeof(float) * T * D), *y_c = malloc(sizeof(float) * T * D),
+          *y_g = malloc(sizeof(float) * T * D), *y_s = malloc(sizeof(float) * T * D);
+    randn(&r, x, (size_t)T * D, 1.0f);
+    const size_t ns = k3_moe_scratch_floats(c, T), nh = k3_moe_host_ints(c, T);
+    float *scr = scratch_new(ns); /* also the NaN pattern uploaded to the guard scratch */
+    int64_t *hs = hscratch_new(nh);
+    poison(y_c, (size_t)T * D);
+    K3_CHECK_OK(k3_moe_forward(cpu, c, &m.lw, x, T, y_c, scr, hs));
+    for (size_t i = 0; i < ns + GUARD; i++) scr[i] = NAN;
+
+    /* the layer's weights, copied into guard memory (the descriptors stay host structs) */
+    k3_layer_w glw = m.lw;
+    k3_expert_w *gex = malloc(sizeof(k3_expert_w) * (size_t)E);
+    memcpy(gex, m.ex, sizeof(k3_expert_w) * (size_t)E);
+    glw.experts = gex;
+    k3_tensor *ts[] = {&glw.router, &glw.router_bias, &glw.lat_down, &glw.lat_norm,
+                       &glw.lat_up, &glw.sh_gate,     &glw.sh_up,    &glw.sh_down};
+    for (size_t i = 0; i < sizeof ts / sizeof ts[0]; i++) tensor_to_backend(gb, ts[i]);
+    for (int e = 0; e < E; e++) {
+        tensor_to_backend(gb, &gex[e].w1);
+        tensor_to_backend(gb, &gex[e].w3);
+        tensor_to_backend(gb, &gex[e].w2);
+    }
+    float *x_d = be_alloc_upload(gb, x, sizeof(float) * T * D);
+    float *y_d = be_alloc_upload(gb, NULL, sizeof(float) * T * D);
+    float *scr_d = be_alloc_upload(gb, scr, sizeof(float) * (ns + GUARD));
+    int32_t *ids_d = be_alloc_upload(gb, NULL, sizeof(int32_t) * T * K);
+    float *w_d = be_alloc_upload(gb, NULL, sizeof(float) * T * K);
+    float *lat_d = be_alloc_upload(gb, NULL, sizeof(float) * T * Lw);
+    float *eo_d = be_alloc_upload(gb, NULL, sizeof(float) * T * K * Lw);
+    float *acc_d = be_alloc_upload(gb, NULL, sizeof(float) * T * Lw);
+    float *ys_d = be_alloc_upload(gb, NULL, sizeof(float) * T * D);
+    int32_t *ids_h = malloc(sizeof(int32_t) * T * K);
+    int64_t *row_of = malloc(sizeof(int64_t) * T * K);
+    if (!x_d || !y_d || !scr_d || !ids_d || !w_d || !lat_d || !eo_d || !acc_d || !ys_d) goto out;
+
+    poison(y_g, (size_t)T * D);
+    K3_CHECK_OK(k3_moe_forward(gb, c, &glw, x_d, T, y_d, scr_d, hs));
+    K3_CHECK_OK(k3_backend_download(gb, y_g, y_d, sizeof(float) * T * D));
+    K3_CHECK(memcmp(y_g, y_c, sizeof(float) * T * D) == 0,
+             "%s: forward on the guard backend differs from cpu (bits; rel-L2 %.3g)", name,
+             k3_rel_l2(y_g, y_c, (size_t)T * D));
+    K3_CHECK_OK(k3_backend_download(gb, scr, scr_d, sizeof(float) * (ns + GUARD)));
+    K3_CHECK(guard_ok(scr, ns) && hguard_ok(hs, nh), "%s[guard]: forward wrote past its scratch",
+             name);
+    /* the steps by hand, on the guard backend */
+    poison(y_s, (size_t)T * D);
+    moe_steps(gb, c, &glw, x_d, T, ids_d, ids_h, w_d, lat_d, row_of, eo_d, acc_d, ys_d, scr_d, hs);
+    K3_CHECK_OK(k3_backend_download(gb, y_s, ys_d, sizeof(float) * T * D));
+    K3_CHECK(memcmp(y_s, y_g, sizeof(float) * T * D) == 0,
+             "%s[guard]: forward differs from the steps by hand (bits)", name);
+    /* an error path on guard memory: refused before any buffer is touched */
+    ids_h[0] = (int32_t)E;
+    K3_CHECK_ERR(k3_moe_expert_rows(gb, c, &glw, lat_d, NULL, ids_h, 1, eo_d, scr_d, hs),
+                 K3_ERR_ARG, "row 0 has expert id");
+    printf("guard %s T=%d: forward and steps == cpu, bit for bit\n", name, T);
+out:
+    /* guard buffers are never reused; free them anyway (the contract every backend keeps) */
+    for (size_t i = 0; i < sizeof ts / sizeof ts[0]; i++) {
+        k3_backend_free(gb, ts[i]->data);
+        k3_backend_free(gb, ts[i]->scale);
+    }
+    for (int e = 0; e < E; e++) {
+        k3_tensor *et[3] = {&gex[e].w1, &gex[e].w3, &gex[e].w2};
+        for (int j = 0; j < 3; j++) {
+            k3_backend_free(gb, et[j]->data);
+            k3_backend_free(gb, et[j]->scale);
+        }
+    }
+    void *bufs[] = {x_d, y_d, scr_d, ids_d, w_d, lat_d, eo_d, acc_d, ys_d};
+    for (size_t i = 0; i < sizeof bufs / sizeof bufs[0]; i++) k3_backend_free(gb, bufs[i]);
+    free(gex), free(x), free(y_c), free(y_g), free(y_s), free(scr), free(hs), free(ids_h),
+        free(row_of);
+    model_free(&m);
+}
+
+/* usage: test_experts [ref|cpu|guard|tiny]  (default: ref and cpu backends, then guard; no
+ *        checkpoint)
  *        test_experts dump MODEL_DIR OUT_DIR */
 int main(int argc, char **argv) {
     setvbuf(stdout, NULL, _IONBF, 0);
     if (argc == 4 && strcmp(argv[1], "dump") == 0) return dump_layers(argv[2], argv[3]);
+    const char *only = argc > 1 ? argv[1] : NULL;
+    if (argc > 2 || (only && strcmp(only, "tiny") != 0 && strcmp(only, "ref") != 0 &&
+                     strcmp(only, "cpu") != 0 && strcmp(only, "guard") != 0)) {
+        fprintf(stderr, "usage: test_experts [ref|cpu|guard|tiny] | dump MODEL_DIR OUT_DIR\n");
+        return 2;
+    }
     printf("test_experts: seed %llu\n", (unsigned long long)SEED);
-    if (argc > 1 && strcmp(argv[1], "tiny") == 0) {
-        test_tiny(k3_ops_ref());
+    if (only && strcmp(only, "tiny") == 0) {
+        k3_backend *ref = NULL;
+        K3_CHECK_OK(k3_backend_create("ref", NULL, &ref));
+        if (ref) test_tiny(ref);
+        k3_backend_destroy(ref);
         return k3_test_done("experts_tiny");
     }
-    test_select_ties();
-    test_permute();
-    const k3_ops *backends[2] = {k3_ops_ref(), k3_ops_cpu()};
+    moe_shape k3s = {.D = 96,
+                     .E = 16,
+                     .K = 4,
+                     .G = 4,
+                     .TG = 2,
+                     .I = 32,
+                     .L = 64,
+                     .n_shared = 2,
+                     .mxfp4 = true,
+                     .renorm = true,
+                     .use_norm = true,
+                     .scale = 2.5f,
+                     .act = K3_ACT_SITU};
+    moe_shape kl = {.D = 64,
+                    .E = 8,
+                    .K = 2,
+                    .G = 1,
+                    .TG = 1,
+                    .I = 48,
+                    .L = 0,
+                    .n_shared = 1,
+                    .mxfp4 = false,
+                    .renorm = true,
+                    .use_norm = false,
+                    .scale = 1.0f,
+                    .act = K3_ACT_SWIGLU};
+    moe_shape nonorm = k3s;
+    nonorm.use_norm = false;
+    nonorm.renorm = false;
+    nonorm.n_shared = 0;
+    if (!only) test_scratch_sizes();
+    const char *names[2] = {"ref", "cpu"};
     for (int b = 0; b < 2; b++) {
-        const k3_ops *ops = backends[b];
-        if (argc > 1 && strcmp(argv[1], ops->backend) != 0) continue;
-        test_route(ops);
-        test_rows(ops, true);
-        test_rows(ops, false);
-        test_one_expert(ops);
-        moe_shape k3s = {.D = 96,
-                         .E = 16,
-                         .K = 4,
-                         .G = 4,
-                         .TG = 2,
-                         .I = 32,
-                         .L = 64,
-                         .n_shared = 2,
-                         .mxfp4 = true,
-                         .renorm = true,
-                         .use_norm = true,
-                         .scale = 2.5f,
-                         .act = K3_ACT_SITU};
-        test_layer(ops, &k3s, 37, "latent-k3");
-        test_layer(ops, &k3s, 300, "latent-k3-tiled"); /* > the 256-token tile of k3_moe_forward */
-        moe_shape kl = {.D = 64,
-                        .E = 8,
-                        .K = 2,
-                        .G = 1,
-                        .TG = 1,
-                        .I = 48,
-                        .L = 0,
-                        .n_shared = 1,
-                        .mxfp4 = false,
-                        .renorm = true,
-                        .use_norm = false,
-                        .scale = 1.0f,
-                        .act = K3_ACT_SWIGLU};
-        test_layer(ops, &kl, 29, "kimi-linear");
-        moe_shape nonorm = k3s;
-        nonorm.use_norm = false;
-        nonorm.renorm = false;
-        nonorm.n_shared = 0;
-        test_layer(ops, &nonorm, 21, "latent-no-norm-no-renorm");
+        if (only && strcmp(only, names[b]) != 0) continue;
+        k3_backend *be = NULL;
+        K3_CHECK_OK(k3_backend_create(names[b], &(k3_backend_params){.n_threads = 0}, &be));
+        if (!be) continue;
+        test_topk_ties(be);
+        test_route(be);
+        test_rows(be, true);
+        test_rows(be, false);
+        test_one_expert(be);
+        test_layer(be, &k3s, 37, "latent-k3");
+        test_layer(be, &k3s, 300, "latent-k3-tiled"); /* > the 256-token tile of k3_moe_forward */
+        test_layer(be, &kl, 29, "kimi-linear");
+        test_layer(be, &nonorm, 21, "latent-no-norm-no-renorm");
+        k3_backend_destroy(be);
+    }
+    if (!only || strcmp(only, "guard") == 0) {
+        k3_backend *cpu = NULL, *gb = NULL;
+        K3_CHECK_OK(k3_backend_create("cpu", &(k3_backend_params){.n_threads = 0}, &cpu));
+        K3_CHECK_OK(k3_backend_create(
+            "guard", &(k3_backend_params){.n_threads = 0, .guard_reserve = (size_t)1 << 30}, &gb));
+        if (cpu && gb) {
+            test_guard(cpu, gb, &k3s, 300, "latent-k3-tiled");
+            test_guard(cpu, gb, &kl, 29, "kimi-linear");
+            test_guard(cpu, gb, &nonorm, 21, "latent-no-norm-no-renorm");
+        }
+        k3_backend_destroy(gb);
+        k3_backend_destroy(cpu);
     }
     return k3_test_done("experts");
 }
