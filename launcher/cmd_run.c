@@ -66,7 +66,8 @@ static const k3_flag flags[] = {
     {"threads", K3_FLAG_INT, "N", "0",
      "cpu threads per rank (0 = all cores alone, 1 under mpirun)"},
     {"backend", K3_FLAG_STR, "NAME", "cpu",
-     "kernel backend: cpu, ref, or guard (a test backend: cpu ops on memory host code cannot touch)"},
+     "kernel backend: cpu, ref, guard (a test backend: cpu ops on memory host code cannot touch) "
+     "or cuda (builds with K3_CUDA; device memory, ops still being ported)"},
     {"dump-logits", K3_FLAG_STR, "FILE", NULL,
      "write float32 logits [positions, V] as .npy (every consumed token, prompts concatenated)"},
     {"json", K3_FLAG_BOOL, NULL, NULL, "print one JSON object instead of ids + text lines"},
@@ -471,8 +472,8 @@ static int run_run(const k3_args *a) {
     }
     const char *backend = k3_args_str(a, "backend");
     if (strcmp(backend, "cpu") != 0 && strcmp(backend, "ref") != 0 &&
-        strcmp(backend, "guard") != 0) {
-        fprintf(stderr, "k3 run: --backend: '%s' is not cpu, ref or guard\n", backend);
+        strcmp(backend, "guard") != 0 && strcmp(backend, "cuda") != 0) {
+        fprintf(stderr, "k3 run: --backend: '%s' is not cpu, ref, guard or cuda\n", backend);
         return 2;
     }
     k3_coord_mode cm = K3_COORD_SHARED;

@@ -292,6 +292,10 @@ k3_status k3_stage_create(const k3_stage_params *p, k3_stage **out) {
         st = k3_backend_create("cpu", &bp, &s->be);
         s->own_be = st == K3_OK;
     }
+    for (int op = 0; st == K3_OK && op < K3_OP_COUNT; op++)
+        if (!k3_backend_supports_op(s->be, op, K3_DT_COUNT))
+            st = K3_ERR(K3_ERR_ARG, "stage: backend %s does not run op %s (needed by the forward)",
+                        s->be->name, k3_op_name(op));
     if (st == K3_OK && p->comm && (p->n_lanes < 1 || !p->expert_lane))
         st = K3_ERR(K3_ERR_ARG, "stage: a comm handle needs n_lanes >= 1 and the expert lane map");
     if (p->first && !s->w->embed.data)
