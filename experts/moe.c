@@ -295,8 +295,10 @@ size_t k3_moe_host_ints(const k3_config *c, int64_t T) {
     if (T < 1) T = 1;
     const int64_t K = c->n_experts_per_tok > 0 ? c->n_experts_per_tok : 1;
     const int64_t Tt = K3_MIN(T, (int64_t)MOE_TOKEN_TILE);
-    /* ids of the whole call (int32, two per int64 rounded up), row_of of a tile, rows scratch */
-    return (size_t)((T * K + 1) / 2) + (size_t)(Tt * K) + k3_moe_rows_host_ints(c, Tt * K);
+    /* k3_moe_forward: ids of the whole call (int32, two per int64 rounded up), row_of of a tile
+       and the rows scratch of a tile; k3_moe_expert_rows alone with up to T·K rows */
+    size_t fwd = (size_t)((T * K + 1) / 2) + (size_t)(Tt * K) + k3_moe_rows_host_ints(c, Tt * K);
+    return K3_MAX(fwd, k3_moe_rows_host_ints(c, T * K));
 }
 
 k3_status k3_moe_forward(k3_backend *be, const k3_config *c, const k3_layer_w *lw, const float *x,

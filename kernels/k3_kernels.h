@@ -205,7 +205,7 @@ typedef struct k3_backend_params {
 k3_status k3_backend_create(const char *name, const k3_backend_params *p, k3_backend **out);
 void k3_backend_destroy(k3_backend *be);
 /* A process-wide host backend ("cpu", one thread) for host-side helpers and tests that need an
- * op on host memory (e.g. experts' k3_moe_select). Never destroyed; thread-safe. */
+ * op on host memory. Never destroyed; thread-safe. */
 k3_backend *k3_backend_host(void);
 /* true when host code may touch this backend's buffers directly (ref, cpu). */
 static inline bool k3_backend_host_visible(const k3_backend *be) {
