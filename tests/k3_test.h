@@ -1,6 +1,6 @@
 /* k3_test.h — the tiny harness every C test uses. A test reports only through its exit code:
  * K3_CHECK records a failure (with file:line) and goes on; k3_test_done() returns 1 if any
- * check failed, and prints the plain closing line "k3-test NAME: N passed, M failed". */
+ * check failed or none ran, and prints the plain closing line "k3-test NAME: N passed, M failed". */
 #ifndef K3_TEST_H
 #define K3_TEST_H
 
@@ -41,8 +41,14 @@ static int k3_t_pass, k3_t_fail;
                  k3_last_error(), k3_status_name(status), (needle));                               \
     } while (0)
 
+/* A test that ran no check proved nothing: it fails too (a test that legitimately cannot run
+ * exits 77 and is registered with SKIP_RETURN_CODE 77 instead). */
 static inline int k3_test_done(const char *name) {
     printf("k3-test %s: %d passed, %d failed\n", name, k3_t_pass, k3_t_fail);
+    if (k3_t_pass + k3_t_fail == 0) {
+        printf("FAIL k3-test %s: no check ran\n", name);
+        return 1;
+    }
     return k3_t_fail ? 1 : 0;
 }
 

@@ -7,7 +7,7 @@ usage: dist_run.py MODE MPIEXEC   (K3_BIN = the k3 binary; a tiny model is made 
            batch 1 and batch 3 ("A;B;C"), greedy, 32 new tokens, prefill chunk 5;
            --deterministic: the dumped logits are BIT-identical to the single-process runs
            (`k3 run` without mpirun, one prompt at a time; the batch-3 dump is the prompts' dumps
-           concatenated); without it: rel-L2 <= 1e-5 and identical greedy tokens.
+           concatenated); without it: rel-L2 <= K3_TOL_DISTRIBUTED_REL_L2 and identical greedy tokens.
   bytes  : per-rank bytes read (from --json) equal the bytes computed HERE from the safetensors
            headers for the tensors that rank must own (its stage's layers, its lane's contiguous
            experts, embedding on stage 0, head on the last stage) — so no rank read another rank's
@@ -31,7 +31,10 @@ import time
 import numpy as np
 
 K3 = os.environ.get("K3_BIN")
-REL_L2_TOL = 1e-5  # tests/tolerances.h K3_TOL_DISTRIBUTED_REL_L2
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
+from k3_tolerances import TOL  # noqa: E402
+
+REL_L2_TOL = TOL["K3_TOL_DISTRIBUTED_REL_L2"]  # tests/tolerances.h
 PROMPTS = [
     list(range(1, 21)),
     [100, 200, 300],
