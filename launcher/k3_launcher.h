@@ -35,7 +35,6 @@ typedef struct k3_command {
     const char *summary; /* one line */
     const k3_flag *flags;
     int n_flags;
-    bool uses_mpi;                /* main() calls MPI_Init/Finalize around the handler */
     int (*run)(const k3_args *a); /* returns the process exit code */
 } k3_command;
 

@@ -1,12 +1,11 @@
 /* main.c — k3's entry point: find the command, parse its flags, run it.
  *
- * Owns: the process exit code (0 ok, 1 failure, 2 usage error) and, for commands marked
- * `.uses_mpi`, MPI_Init/MPI_Finalize around the handler with MPI errors returned as codes.
- * Commands that start MPI themselves (run: a world of one without mpirun) do so through comm/.
+ * Owns: the process exit code (0 ok, 1 failure, 2 usage error). MPI is started by the command
+ * that needs it, through comm/ (run: under mpirun, or a world of one without it); the other
+ * commands never touch MPI.
  * Must not: contain command logic; print anything but usage errors. */
 #include "k3_launcher.h"
 
-#include <mpi.h>
 #include <stdio.h>
 
 int main(int argc, char **argv) {
@@ -27,13 +26,5 @@ int main(int argc, char **argv) {
     bool done;
     int rc = k3_args_parse(cmd, argc - 2, argv + 2, &args, &done);
     if (rc != 0 || done) return rc;
-    if (!cmd->uses_mpi) return cmd->run(&args);
-
-    int provided = 0;
-    MPI_Init_thread(&argc, &argv, MPI_THREAD_FUNNELED, &provided);
-    /* Errors come back as codes; the top level decides to abort (STYLE.md §7). */
-    MPI_Comm_set_errhandler(MPI_COMM_WORLD, MPI_ERRORS_RETURN);
-    rc = cmd->run(&args);
-    MPI_Finalize();
-    return rc;
+    return cmd->run(&args);
 }

@@ -6,7 +6,8 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 BUILD=${1:-build}; shift || true
 
-APT_PKGS="build-essential cmake pkg-config libopenmpi-dev openmpi-bin libucx-dev libhwloc-dev hwloc
+# (hwloc is not listed: k3 does not use it; Open MPI's libopenmpi-dev brings libhwloc-dev itself.)
+APT_PKGS="build-essential cmake pkg-config libopenmpi-dev openmpi-bin libucx-dev
           libcjson-dev libpcre2-dev clang clang-format python3"
 missing=""
 for p in $APT_PKGS; do
