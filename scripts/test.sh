@@ -11,9 +11,13 @@ cd "$(dirname "$0")/.."
 JOBS=$(nproc)
 
 scripts/setup.sh build -DK3_WERROR=ON
-# Python references for the tests (tiktoken, jinja2, numpy); the PyTorch goldens are committed.
-# A failed install is fatal: the tests that need them would otherwise skip and prove nothing.
-PIP_ROOT_USER_ACTION=ignore python3 -m pip install -q --disable-pip-version-check -r tests/requirements.txt
+# Python references for the tests (tiktoken, jinja2, numpy), and the independent PyTorch reference
+# that experts_torch and reference_goldens_current run (torch, fla, compressed-tensors,
+# safetensors; PyPI's torch is the CUDA build: ~2.9 GB download, ~5.7 GB installed, ~2.5 min on
+# a fresh machine, see tests/reference/README.md). A failed install is fatal: the tests that need
+# them would otherwise skip and prove nothing (under CI=true a skipped reference test fails).
+PIP_ROOT_USER_ACTION=ignore python3 -m pip install -q --disable-pip-version-check \
+  -r tests/requirements.txt -r tests/reference/requirements.txt
 
 echo "== tier: unit, golden, mpi, fuzz =="
 ctest --test-dir build -L 'unit|golden|mpi|fuzz' --output-on-failure -j"$JOBS"
