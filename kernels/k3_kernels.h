@@ -81,8 +81,8 @@ typedef struct k3_backend k3_backend;
       (be, dst, dst_stride, src, src_stride, rows, cols))                                                 \
     /* dst [n] = the n elements of t (F32/BF16/F16) decoded to f32 (small weight vectors). */             \
     X(to_f32, (k3_backend * be, const k3_tensor *t, int64_t n, float *dst), (be, t, n, dst))              \
-    /* out[t] = row ids[t] of the embedding W [V, D] (F32/BF16) decoded to f32; ids [T] int32 in          \
-       backend memory, each in [0, V) (checked: K3_ERR_ARG naming the position). */                       \
+    /* out[t] = row ids[t] of the embedding W [V, D] (F32/BF16/F16) decoded to f32; ids [T] int32         \
+       in backend memory, each in [0, V) (checked: K3_ERR_ARG naming the position). */                             \
     X(embed_rows,                                                                                         \
       (k3_backend * be, const k3_tensor *W, const int32_t *ids, int64_t T, float *out),                   \
       (be, W, ids, T, out))                                                                               \
@@ -181,7 +181,8 @@ typedef struct k3_backend_iface {
     k3_status (*upload)(k3_backend *be, void *dst, const void *src_host, size_t n_bytes);
     k3_status (*download)(k3_backend *be, void *dst_host, const void *src, size_t n_bytes);
     k3_status (*synchronize)(k3_backend *be);
-    /* Whether the backend runs op (K3_OP_*) on weights of dtype wt (K3_DT_COUNT: any). */
+    /* Whether the backend runs op (K3_OP_*) at all (wt = K3_DT_COUNT), or with a weight tensor of
+       dtype wt (ops without a weight tensor: false for any dtype). */
     bool (*supports_op)(const k3_backend *be, int op, k3_dtype wt);
     /* Free and total bytes of the backend's memory (host: MemAvailable / MemTotal). */
     k3_status (*memory)(const k3_backend *be, size_t *free_bytes, size_t *total_bytes);

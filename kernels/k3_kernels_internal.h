@@ -24,6 +24,8 @@ void k3_ref_kda_head_chunked(const float *q, const float *k, const float *v, con
 /* One head of attn_latent: qc [W], cache [n_ctx, W], o [Rkv], work [n_ctx]. */
 void k3_ref_attn_latent_head(const float *qc, const float *cache, int64_t n_ctx, int W, int Rkv,
                              float scale, float *o, float *work);
+/* The KDA ops' limits (stack rows of the reference code): K3_ERR_ARG naming them. */
+k3_status k3_kernels_check_kda(int dk, int dv, int C);
 /* kda_gate on token rows [t0, t1). */
 void k3_ref_kda_gate_rows(float *r, const float *dt_bias, const float *a_log, int64_t t0,
                           int64_t t1, int H, int dk, bool has_lower_bound, float lower_bound);

@@ -38,8 +38,17 @@ static k3_status host_sync(k3_backend *be) {
 }
 static bool host_supports(const k3_backend *be, int op, k3_dtype wt) {
     if (op < 0 || op >= K3_OP_COUNT) return false;
-    return wt == K3_DT_COUNT || wt == K3_DT_F32 || wt == K3_DT_BF16 || wt == K3_DT_F16 ||
-           wt == K3_DT_MXFP4;
+    if (wt == K3_DT_COUNT) return true; /* the op at all */
+    switch (op) {
+    case K3_OP_matmul:
+    case K3_OP_matmul_tn:
+        return wt == K3_DT_F32 || wt == K3_DT_BF16 || wt == K3_DT_MXFP4;
+    case K3_OP_to_f32:
+    case K3_OP_embed_rows:
+        return wt == K3_DT_F32 || wt == K3_DT_BF16 || wt == K3_DT_F16;
+    default:
+        return false; /* the other ops take no weight tensor */
+    }
 }
 k3_status k3_host_memory(size_t *free_bytes, size_t *total_bytes) {
     *free_bytes = *total_bytes = 0;

@@ -351,8 +351,7 @@ static k3_status cpu_rmsnorm(k3_backend *be, const float *x, const float *w, int
                              float eps, float *y) {
     norm_job j = {x, w, n, eps, y, false};
     if (T * n < K3_CPU_PAR_MIN_MACS) {
-        k3_ref_ops.rmsnorm(be, x, w, T, n, eps, y);
-        return K3_OK;
+        return k3_ref_ops.rmsnorm(be, x, w, T, n, eps, y);
     }
     k3_pool_run(k3_cpu_pool(be), T, norm_task, &j);
     return K3_OK;
@@ -361,8 +360,7 @@ static k3_status cpu_l2norm(k3_backend *be, const float *x, int64_t T, int64_t n
                             float *y) {
     norm_job j = {x, NULL, n, eps, y, true};
     if (T * n < K3_CPU_PAR_MIN_MACS) {
-        k3_ref_ops.l2norm(be, x, T, n, eps, y);
-        return K3_OK;
+        return k3_ref_ops.l2norm(be, x, T, n, eps, y);
     }
     k3_pool_run(k3_cpu_pool(be), T, norm_task, &j);
     return K3_OK;
@@ -393,6 +391,7 @@ static void kda_task(void *ctx, int64_t h) {
 static k3_status cpu_kda_recurrent(k3_backend *be, const float *q, const float *k, const float *v,
                                    const float *g, const float *beta, int64_t n, int H, int dk,
                                    int dv, float scale, float *S, float *o) {
+    K3_TRY(k3_kernels_check_kda(dk, dv, 1));
     kda_job j = {q, k, v, g, beta, n, H, dk, dv, 0, scale, S, o, NULL};
     k3_pool_run(k3_cpu_pool(be), H, kda_task, &j);
     return K3_OK;
@@ -400,6 +399,7 @@ static k3_status cpu_kda_recurrent(k3_backend *be, const float *q, const float *
 static k3_status cpu_kda_chunked(k3_backend *be, const float *q, const float *k, const float *v,
                                  const float *g, const float *beta, int64_t n, int H, int dk,
                                  int dv, float scale, float *S, float *o, int C, float *work) {
+    K3_TRY(k3_kernels_check_kda(dk, dv, C));
     kda_job j = {q, k, v, g, beta, n, H, dk, dv, C, scale, S, o, work};
     k3_pool_run(k3_cpu_pool(be), H, kda_task, &j);
     return K3_OK;
@@ -430,30 +430,24 @@ static k3_status cpu_attn_latent(k3_backend *be, const float *qc, const float *c
 
 /* elementwise ops are a negligible share of time: the reference code */
 static k3_status cpu_silu(k3_backend *be, const float *x, int64_t n, float *y) {
-    k3_ref_ops.silu(be, x, n, y);
-    return K3_OK;
+    return k3_ref_ops.silu(be, x, n, y);
 }
 static k3_status cpu_sigmoid(k3_backend *be, const float *x, int64_t n, float *y) {
-    k3_ref_ops.sigmoid(be, x, n, y);
-    return K3_OK;
+    return k3_ref_ops.sigmoid(be, x, n, y);
 }
 static k3_status cpu_situ(k3_backend *be, const float *g, const float *u, int64_t n, float beta,
                           float lin_beta, float *y) {
-    k3_ref_ops.situ(be, g, u, n, beta, lin_beta, y);
-    return K3_OK;
+    return k3_ref_ops.situ(be, g, u, n, beta, lin_beta, y);
 }
 static k3_status cpu_swiglu(k3_backend *be, const float *g, const float *u, int64_t n, float *y) {
-    k3_ref_ops.swiglu(be, g, u, n, y);
-    return K3_OK;
+    return k3_ref_ops.swiglu(be, g, u, n, y);
 }
 static k3_status cpu_softmax(k3_backend *be, const float *x, int64_t T, int64_t n, float *y) {
-    k3_ref_ops.softmax(be, x, T, n, y);
-    return K3_OK;
+    return k3_ref_ops.softmax(be, x, T, n, y);
 }
 static k3_status cpu_attnres_mix(k3_backend *be, const float *bank, int n_bank, const float *p,
                                  const float *w, int64_t T, int64_t D, float eps, float *out) {
-    k3_ref_ops.attnres_mix(be, bank, n_bank, p, w, T, D, eps, out);
-    return K3_OK;
+    return k3_ref_ops.attnres_mix(be, bank, n_bank, p, w, T, D, eps, out);
 }
 
 static k3_status cpu_add(k3_backend *be, const float *a, const float *b, int64_t n, float *y) {

@@ -110,7 +110,9 @@ static k3_status ref_softmax(k3_backend *be, const float *x, int64_t T, int64_t 
 #define K3_MAX_SOURCES 64
 static k3_status ref_attnres_mix(k3_backend *be, const float *bank, int n_bank, const float *p,
                                  const float *w, int64_t T, int64_t D, float eps, float *out) {
-    K3_ASSERT(n_bank + 1 <= K3_MAX_SOURCES);
+    if (n_bank < 0 || n_bank + 1 > K3_MAX_SOURCES)
+        return K3_ERR(K3_ERR_ARG, "attnres_mix: %d banked sources (0..%d)", n_bank,
+                      K3_MAX_SOURCES - 1);
     for (int64_t t = 0; t < T; t++) {
         float s[K3_MAX_SOURCES], m = -INFINITY;
         for (int i = 0; i <= n_bank; i++) {
@@ -289,6 +291,7 @@ void k3_ref_kda_head_chunked(const float *q, const float *k, const float *v, con
 static k3_status ref_kda_recurrent(k3_backend *be, const float *q, const float *k, const float *v,
                                    const float *g, const float *beta, int64_t n, int H, int dk,
                                    int dv, float scale, float *S, float *o) {
+    K3_TRY(k3_kernels_check_kda(dk, dv, 1));
     int64_t sqk = (int64_t)H * dk, svo = (int64_t)H * dv;
     for (int h = 0; h < H; h++)
         k3_ref_kda_head_recurrent(q + h * dk, k + h * dk, v + h * dv, g + h * dk, beta + h, n, sqk,
@@ -299,12 +302,20 @@ static k3_status ref_kda_recurrent(k3_backend *be, const float *q, const float *
 static k3_status ref_kda_chunked(k3_backend *be, const float *q, const float *k, const float *v,
                                  const float *g, const float *beta, int64_t n, int H, int dk,
                                  int dv, float scale, float *S, float *o, int C, float *work) {
+    K3_TRY(k3_kernels_check_kda(dk, dv, C));
     int64_t sqk = (int64_t)H * dk, svo = (int64_t)H * dv;
     size_t wf = k3_kda_chunk_work_floats(C, dk, dv);
     for (int h = 0; h < H; h++)
         k3_ref_kda_head_chunked(q + h * dk, k + h * dk, v + h * dv, g + h * dk, beta + h, n, sqk,
                                 svo, H, dk, dv, scale, S + (int64_t)h * dk * dv, o + h * dv, C,
                                 work + (size_t)h * wf);
+    return K3_OK;
+}
+
+k3_status k3_kernels_check_kda(int dk, int dv, int C) {
+    if (dk < 1 || dv < 1 || dv > 1024 || C < 1 || C > 1024)
+        return K3_ERR(K3_ERR_ARG, "KDA: head dims dk=%d dv=%d (dv <= 1024), chunk %d (1..1024)", dk,
+                      dv, C);
     return K3_OK;
 }
 
