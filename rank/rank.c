@@ -1,7 +1,7 @@
 /* rank.c — k3_rank_run: set-up, partial loading with an aggregate progress bar, the worker loop
  * of a stage lane, the coordinator loop, the report.
  *
- * Wire usage (all messages through comm/, tag = kind):
+ * Wire usage (all messages through comm/, tag = kind; payload layouts in wire.h):
  *   BATCH  coordinator -> (stage 0, lane e): meta = [group, step, all_logits, n_seqs,
  *          (seq, n_tokens, want) x n_seqs, token ids x T]
  *   ACTIV  (s, e) -> (s+1, e): meta = the same without the token ids;
@@ -22,6 +22,7 @@
 #include "k3_comm.h"
 #include "k3_experts.h"
 #include "k3_layers.h"
+#include "wire.h"
 
 #include <cjson/cJSON.h>
 #include <errno.h>
@@ -29,9 +30,6 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <unistd.h>
-
-#define META_HDR 4 /* group, step, all_logits, n_seqs */
-#define META_SEQ 3 /* per sequence: id, n_tokens, want (its last logits row is sampled) */
 
 typedef struct seq_run {
     const int32_t *prompt;
@@ -95,6 +93,8 @@ typedef struct rank_ctx {
     group_run *groups;
     int32_t *meta; /* message meta scratch */
     int64_t meta_cap;
+    uint8_t *wire; /* k3_wire_step + int32 meta: the bytes of one outgoing step message */
+    size_t wire_cap;
     uint64_t logits_bytes;
     int n_logits_msgs;
     uint64_t moe_dispatch_bytes, moe_combine_bytes; /* summed over the world */
@@ -147,6 +147,61 @@ static void maybe_die_now(rank_ctx *r, int count) {
                 r->rank, r->rank, count);
         raise(SIGKILL);
     }
+}
+
+/* ---- the wire (wire.h) --------------------------------------------------------------------- */
+/* A received step message, checked against wire.h. */
+typedef struct step_msg {
+    k3_wire_step h;
+    int src;
+    const int32_t *meta; /* [h.n_meta] */
+    const float *f32;    /* [n_f32] */
+    int64_t n_f32;
+    uint64_t n_bytes; /* on the wire, header included */
+} step_msg;
+
+static void post_step(rank_ctx *r, int peer, k3_msg_kind kind, k3_wire_step h, const int32_t *meta,
+                      const k3_f32_seg *seg, int n_seg) {
+    h.version = K3_WIRE_VERSION;
+    h.kind = (uint32_t)kind;
+    size_t nb = sizeof h + (size_t)h.n_meta * sizeof(int32_t);
+    if (nb > r->wire_cap) {
+        k3_free(r->wire);
+        r->wire = NULL;
+        r->wire_cap = 0;
+        RTRY(r, k3_alloc((void **)&r->wire, nb, "step message"));
+        r->wire_cap = nb;
+    }
+    memcpy(r->wire, &h, sizeof h);
+    if (h.n_meta) memcpy(r->wire + sizeof h, meta, (size_t)h.n_meta * sizeof(int32_t));
+    RTRY(r, k3_comm_post(r->comm, peer, kind, r->wire, (int64_t)nb, seg, n_seg));
+}
+
+/* Poll for a step message of `kind` from `peer`; *got false when none waits. */
+static void poll_step(rank_ctx *r, int peer, k3_msg_kind kind, step_msg *out, bool *got) {
+    k3_comm_msg m;
+    RTRY(r, k3_comm_poll(r->comm, peer, kind, &m, got));
+    if (!*got) return;
+    k3_wire_step h;
+    if (m.n_meta_bytes < (int64_t)sizeof h)
+        die(r, K3_ERR(K3_ERR_FORMAT, "step message from rank %d: %lld meta bytes < %zu", m.src,
+                      (long long)m.n_meta_bytes, sizeof h));
+    memcpy(&h, m.meta, sizeof h);
+    if (h.version != K3_WIRE_VERSION || h.kind != (uint32_t)kind || h.n_meta < 0 ||
+        m.n_meta_bytes != (int64_t)(sizeof h + (size_t)h.n_meta * sizeof(int32_t)))
+        die(r, K3_ERR(K3_ERR_FORMAT,
+                      "step message from rank %d: wire version %u (want %u), kind %u (want %d), "
+                      "%d meta in %lld bytes",
+                      m.src, h.version, K3_WIRE_VERSION, h.kind, (int)kind, h.n_meta,
+                      (long long)m.n_meta_bytes));
+    *out =
+        (step_msg){.h = h,
+                   .src = m.src,
+                   .meta = (const int32_t *)(const void *)((const uint8_t *)m.meta + sizeof h),
+                   .f32 = m.f32,
+                   .n_f32 = m.n_f32,
+                   .n_bytes = sizeof(k3_comm_wire_hdr) + (uint64_t)((m.n_meta_bytes + 7) / 8 * 8) +
+                              (uint64_t)m.n_f32 * sizeof(float)};
 }
 
 /* ---- prompts ------------------------------------------------------------------------------ */
@@ -379,12 +434,15 @@ static void draw_progress(rank_ctx *r) {
 static bool poll_progress(rank_ctx *r) { /* true when some rank reported */
     bool any = false;
     for (;;) {
-        k3_msg m;
+        k3_comm_msg m;
         bool got = false;
-        RTRY(r, k3_comm_try_recv(r->comm, K3_ANY_RANK, K3_MSG_PROGRESS, &m, &got));
+        RTRY(r, k3_comm_poll(r->comm, K3_ANY_RANK, K3_MSG_PROGRESS, &m, &got));
         if (!got) return any;
-        if (m.hdr.n_meta >= 1 && m.src >= 0 && m.src < r->world)
-            r->pct[m.src] = K3_MAX(r->pct[m.src], m.meta[0]);
+        k3_wire_progress wp;
+        if (m.n_meta_bytes == (int64_t)sizeof wp && m.src >= 0 && m.src < r->world) {
+            memcpy(&wp, m.meta, sizeof wp);
+            if (wp.version == K3_WIRE_VERSION) r->pct[m.src] = K3_MAX(r->pct[m.src], wp.pct);
+        }
         any = true;
     }
 }
@@ -396,8 +454,8 @@ static void send_progress(rank_ctx *r, int pct) {
         draw_progress(r);
         return;
     }
-    int32_t m = pct;
-    RTRY(r, k3_comm_send(r->comm, 0, (k3_msg_hdr){.kind = K3_MSG_PROGRESS}, &m, 1, NULL, 0));
+    k3_wire_progress wp = {.version = K3_WIRE_VERSION, .pct = pct};
+    RTRY(r, k3_comm_post(r->comm, 0, K3_MSG_PROGRESS, &wp, sizeof wp, NULL, 0));
 }
 
 static void on_progress(void *ctx, uint64_t done, uint64_t total) {
@@ -547,18 +605,18 @@ static void worker_destroy(rank_ctx *r) {
 }
 
 /* Process one BATCH/ACTIV message and send the result on. */
-static void worker_step(rank_ctx *r, const k3_msg *m) {
+static void worker_step(rank_ctx *r, const step_msg *m) {
     const int S = r->plan.n_stages, D = (int)r->cfg.hidden_size;
     const int64_t V = r->cfg.vocab_size;
     const int32_t *mt = m->meta;
     char who[32];
     snprintf(who, sizeof who, "rank %d", m->src);
-    if (m->hdr.n_meta < META_HDR)
-        die(r, K3_ERR(K3_ERR_FORMAT, "step message from %s: %d meta", who, m->hdr.n_meta));
+    if (m->h.n_meta < META_HDR)
+        die(r, K3_ERR(K3_ERR_FORMAT, "step message from %s: %d meta", who, m->h.n_meta));
     int group = mt[0], stepi = mt[1], all_logits = mt[2], n_seqs = mt[3];
-    if (n_seqs < 0 || n_seqs > r->o->n_prompts || m->hdr.n_meta < META_HDR + META_SEQ * n_seqs)
+    if (n_seqs < 0 || n_seqs > r->o->n_prompts || m->h.n_meta < META_HDR + META_SEQ * n_seqs)
         die(r, K3_ERR(K3_ERR_FORMAT, "step message from %s: %d sequences, %d meta", who, n_seqs,
-                      m->hdr.n_meta));
+                      m->h.n_meta));
     int64_t T = 0;
     for (int i = 0; i < n_seqs; i++) {
         int seq = mt[META_HDR + META_SEQ * i], nt = mt[META_HDR + META_SEQ * i + 1];
@@ -575,25 +633,25 @@ static void worker_step(rank_ctx *r, const k3_msg *m) {
                       (long long)r->max_tokens));
     const int32_t *tokens = NULL;
     if (r->stage == 0) {
-        if (m->hdr.n_meta != META_HDR + META_SEQ * n_seqs + T)
-            die(r, K3_ERR(K3_ERR_FORMAT, "BATCH from %s: %d meta for %lld tokens", who,
-                          m->hdr.n_meta, (long long)T));
+        if (m->h.n_meta != META_HDR + META_SEQ * n_seqs + T || m->h.T != T || m->n_f32 != 0)
+            die(r, K3_ERR(K3_ERR_FORMAT, "BATCH from %s: %d meta, %lld floats for %lld tokens", who,
+                          m->h.n_meta, (long long)m->n_f32, (long long)T));
         tokens = mt + META_HDR + META_SEQ * n_seqs;
     } else {
-        if (m->hdr.T != T || m->hdr.D != D || m->hdr.n_bank < 0 ||
-            m->hdr.n_bank > k3_activ_max_bank(&r->cfg) ||
-            m->hdr.n_f32 != T * D * (1 + (int64_t)m->hdr.n_bank))
+        if (m->h.T != T || m->h.D != D || m->h.n_bank < 0 ||
+            m->h.n_bank > k3_activ_max_bank(&r->cfg) ||
+            m->n_f32 != T * D * (1 + (int64_t)m->h.n_bank))
             die(r, K3_ERR(K3_ERR_FORMAT,
                           "ACTIV from %s: T %lld D %lld bank %d floats %lld (want T %lld D %d)",
-                          who, (long long)m->hdr.T, (long long)m->hdr.D, m->hdr.n_bank,
-                          (long long)m->hdr.n_f32, (long long)T, D));
+                          who, (long long)m->h.T, (long long)m->h.D, m->h.n_bank,
+                          (long long)m->n_f32, (long long)T, D));
         r->act.T = T;
-        r->act.n_bank = m->hdr.n_bank;
+        r->act.n_bank = m->h.n_bank;
         /* the message is host memory; the bank slabs follow h: [1 + n_bank, T, D] */
         RTRY(r, k3_backend_upload(r->be, r->act.h, m->f32, (size_t)(T * D) * sizeof(float)));
-        if (m->hdr.n_bank)
+        if (m->h.n_bank)
             RTRY(r, k3_backend_upload(r->be, r->act.bank, m->f32 + T * D,
-                                      (size_t)(T * D * m->hdr.n_bank) * sizeof(float)));
+                                      (size_t)(T * D * m->h.n_bank) * sizeof(float)));
     }
     r->n_forward++;
     maybe_die_now(r, r->n_forward);
@@ -624,8 +682,8 @@ static void worker_step(rank_ctx *r, const k3_msg *m) {
                     if (R != i) memmove(lg + R * V, lg + (int64_t)i * V, (size_t)V * sizeof(float));
                     R++;
                 }
-        RTRY(r, k3_comm_send(r->comm, 0, (k3_msg_hdr){.kind = K3_MSG_LOGITS, .T = R, .D = V}, mt,
-                             n_meta_out, &(k3_f32_seg){lg, R * V}, 1));
+        post_step(r, 0, K3_MSG_LOGITS, (k3_wire_step){.T = T, .D = V, .R = R, .n_meta = n_meta_out},
+                  mt, &(k3_f32_seg){lg, R * V}, 1);
     } else {
         int64_t nb = n_seqs ? r->act.n_bank : 0;
         k3_f32_seg seg[2] = {{r->act.h, T * D}, {r->act.bank, T * D * nb}};
@@ -638,10 +696,10 @@ static void worker_step(rank_ctx *r, const k3_msg *m) {
             seg[0].p = r->h_act;
             seg[1].p = r->h_act + T * D;
         }
-        RTRY(r,
-             k3_comm_send(r->comm, k3_plan_rank(&r->plan, r->stage + 1, r->lane),
-                          (k3_msg_hdr){.kind = K3_MSG_ACTIV, .T = T, .n_bank = (int32_t)nb, .D = D},
-                          mt, n_meta_out, seg, 2));
+        post_step(
+            r, k3_plan_rank(&r->plan, r->stage + 1, r->lane), K3_MSG_ACTIV,
+            (k3_wire_step){.T = T, .D = D, .R = T, .n_bank = (int32_t)nb, .n_meta = n_meta_out}, mt,
+            seg, 2);
     }
 }
 
@@ -695,9 +753,9 @@ static void coord_send_step(rank_ctx *r, int g) {
             q->fed += q->n_tok_step;
             mt[META_HDR + META_SEQ * j + 2] = q->fed >= q->P && q->n_gen < r->o->n_new;
         }
-        RTRY(r, k3_comm_send(r->comm, k3_plan_rank(&r->plan, 0, e),
-                             (k3_msg_hdr){.kind = K3_MSG_BATCH, .T = T}, mt,
-                             (int32_t)(META_HDR + META_SEQ * ns + T), NULL, 0));
+        post_step(r, k3_plan_rank(&r->plan, 0, e), K3_MSG_BATCH,
+                  (k3_wire_step){.T = T, .n_meta = (int32_t)(META_HDR + META_SEQ * ns + T)}, mt,
+                  NULL, 0);
     }
 }
 
@@ -713,14 +771,14 @@ static void coord_sample(rank_ctx *r, seq_run *q, const float *logits) {
         RTRY(r, k3_sampler_finish(q->smp, emit)); /* length: flush held text */
 }
 
-static void coord_on_logits(rank_ctx *r, const k3_msg *m) {
+static void coord_on_logits(rank_ctx *r, const step_msg *m) {
     const int64_t V = r->cfg.vocab_size;
     const int32_t *mt = m->meta;
-    if (m->hdr.n_meta < META_HDR)
-        die(r, K3_ERR(K3_ERR_FORMAT, "LOGITS from rank %d: %d meta", m->src, m->hdr.n_meta));
+    if (m->h.n_meta < META_HDR)
+        die(r, K3_ERR(K3_ERR_FORMAT, "LOGITS from rank %d: %d meta", m->src, m->h.n_meta));
     int g = mt[0], stepi = mt[1], all = mt[2], ns = mt[3];
     if (g < 0 || g >= r->n_groups || stepi != r->groups[g].step || r->groups[g].pending <= 0 ||
-        ns < 0 || m->hdr.n_meta != META_HDR + META_SEQ * ns)
+        ns < 0 || m->h.n_meta != META_HDR + META_SEQ * ns)
         die(r, K3_ERR(K3_ERR_FORMAT,
                       "LOGITS from rank %d: group %d step %d (expected step %d), %d sequences",
                       m->src, g, stepi, g >= 0 && g < r->n_groups ? r->groups[g].step : -1, ns));
@@ -728,11 +786,10 @@ static void coord_on_logits(rank_ctx *r, const k3_msg *m) {
     for (int j = 0; j < ns; j++)
         T += mt[META_HDR + META_SEQ * j + 1], n_want += mt[META_HDR + META_SEQ * j + 2] != 0;
     int64_t R = all ? T : n_want;
-    if (m->hdr.D != V || m->hdr.T != R || m->hdr.n_f32 != R * V)
-        die(r,
-            K3_ERR(K3_ERR_FORMAT, "LOGITS from rank %d: [%lld, %lld] rows, want [%lld, %lld]",
-                   m->src, (long long)m->hdr.T, (long long)m->hdr.D, (long long)R, (long long)V));
-    r->logits_bytes += (uint64_t)m->hdr.n_bytes;
+    if (m->h.D != V || m->h.R != R || m->n_f32 != R * V)
+        die(r, K3_ERR(K3_ERR_FORMAT, "LOGITS from rank %d: [%lld, %lld] rows, want [%lld, %lld]",
+                      m->src, (long long)m->h.R, (long long)m->h.D, (long long)R, (long long)V));
+    r->logits_bytes += m->n_bytes;
     r->n_logits_msgs++;
     if (!r->worker) maybe_die_now(r, r->n_logits_msgs);
     int64_t row = 0;
@@ -840,10 +897,10 @@ static void run_loop(rank_ctx *r) {
     int backoff = 0;
     while (worker_live || coord_live) {
         bool progressed = false;
-        k3_msg m;
+        step_msg m;
         bool got;
         if (coord_live) {
-            RTRY(r, k3_comm_try_recv(r->comm, K3_ANY_RANK, K3_MSG_LOGITS, &m, &got));
+            poll_step(r, K3_ANY_RANK, K3_MSG_LOGITS, &m, &got);
             if (got) {
                 coord_on_logits(r, &m);
                 progressed = true;
@@ -851,20 +908,20 @@ static void run_loop(rank_ctx *r) {
             if (coord_done(r) && !stop_sent) {
                 for (int w = 0; w < r->world; w++)
                     if (k3_plan_coords(&r->plan, w, NULL, NULL))
-                        RTRY(r, k3_comm_send(r->comm, w, (k3_msg_hdr){.kind = K3_MSG_STOP}, NULL, 0,
-                                             NULL, 0));
+                        RTRY(r, k3_comm_post(r->comm, w, K3_MSG_STOP, NULL, 0, NULL, 0));
                 stop_sent = true;
                 coord_live = false;
                 progressed = true;
             }
         }
         if (worker_live) {
-            RTRY(r, k3_comm_try_recv(r->comm, in_peer, in_kind, &m, &got));
+            poll_step(r, in_peer, in_kind, &m, &got);
             if (got) {
                 worker_step(r, &m);
                 progressed = true;
             } else {
-                RTRY(r, k3_comm_try_recv(r->comm, 0, K3_MSG_STOP, &m, &got));
+                k3_comm_msg stop;
+                RTRY(r, k3_comm_poll(r->comm, 0, K3_MSG_STOP, &stop, &got));
                 if (got) worker_live = false, progressed = true;
             }
         }
@@ -1088,11 +1145,12 @@ int k3_rank_run(const k3_rank_opts *o) {
     r->coord = r->rank == 0;
     k3_log_set_rank(r->rank, r->stage, r->lane);
     double tmo = o->comm_timeout_s > 0 ? o->comm_timeout_s : 600;
-    RTRY(r, k3_comm_create_mpi(&(k3_comm_params){.n_stages = r->plan.n_stages,
-                                                 .n_lanes = r->plan.n_lanes,
-                                                 .first_worker = r->plan.first_worker,
-                                                 .timeout_s = tmo},
-                               &r->comm));
+    RTRY(r, k3_comm_create("mpi",
+                           &(k3_comm_params){.n_stages = r->plan.n_stages,
+                                             .n_lanes = r->plan.n_lanes,
+                                             .first_worker = r->plan.first_worker,
+                                             .timeout_s = tmo},
+                           &r->comm));
     /* every rank derived the plan itself; they must agree */
     uint64_t *all = NULL, *bytes = NULL, *load_us = NULL;
     RTRY(r, k3_calloc((void **)&all, (size_t)r->world * sizeof(uint64_t), "plan hashes"));
@@ -1172,5 +1230,6 @@ int k3_rank_run(const k3_rank_opts *o) {
     k3_comm_destroy(r->comm);
     k3_plan_free(&r->plan);
     k3_free(r->stop_ids);
+    k3_free(r->wire);
     return 0;
 }

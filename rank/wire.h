@@ -1,0 +1,41 @@
+/* wire.h — the typed payloads rank/ puts on the wire (comm/ carries them as opaque meta bytes
+ * behind its own versioned header, so comm knows nothing of steps, tokens or the AttnRes bank).
+ *
+ * BATCH, ACTIV, LOGITS: one k3_wire_step, then int32 meta[n_meta] =
+ *   [group, step, all_logits, n_seqs, (seq, n_tokens, want) x n_seqs, (BATCH only) token ids x T];
+ *   f32 = ACTIV: h [T, D] | bank [n_bank, T, D]; LOGITS: [R, V]; BATCH: none.
+ * PROGRESS: one k3_wire_progress. STOP: no payload.
+ * Bump K3_WIRE_VERSION on any change of these layouts; a receiver refuses another version,
+ * naming the sender. */
+#ifndef K3_RANK_WIRE_H
+#define K3_RANK_WIRE_H
+
+#include <stddef.h>
+#include <stdint.h>
+
+#define K3_WIRE_VERSION 1
+
+typedef struct k3_wire_step {
+    uint32_t version; /* K3_WIRE_VERSION */
+    uint32_t kind;    /* the k3_msg_kind it was made for */
+    int64_t T;        /* tokens of the step */
+    int64_t D;        /* floats per f32 row (hidden size; vocab size for LOGITS) */
+    int64_t R;        /* f32 rows (ACTIV: T; LOGITS: rows sent; BATCH: 0) */
+    int32_t n_bank;   /* ACTIV: AttnRes slabs after h */
+    int32_t n_meta;   /* int32 entries after this struct */
+} k3_wire_step;
+_Static_assert(sizeof(k3_wire_step) == 40 && offsetof(k3_wire_step, T) == 8 &&
+                   offsetof(k3_wire_step, n_bank) == 32 && offsetof(k3_wire_step, n_meta) == 36,
+               "k3_wire_step is a wire struct: its layout is part of K3_WIRE_VERSION 1");
+
+typedef struct k3_wire_progress {
+    uint32_t version; /* K3_WIRE_VERSION */
+    int32_t pct;      /* load progress of the sender, 0..100 */
+} k3_wire_progress;
+_Static_assert(sizeof(k3_wire_progress) == 8,
+               "k3_wire_progress is a wire struct: its layout is part of K3_WIRE_VERSION 1");
+
+#define META_HDR 4 /* group, step, all_logits, n_seqs */
+#define META_SEQ 3 /* per sequence: id, n_tokens, want (its last logits row is sampled) */
+
+#endif /* K3_RANK_WIRE_H */
