@@ -205,7 +205,8 @@ static k3_status check_msg(const k3_comm *c, int kind, int src, const void *buf,
                          .meta = b + sizeof h,
                          .n_meta_bytes = h.n_meta_bytes,
                          .f32 = (const float *)(const void *)(b + sizeof h + pad8(h.n_meta_bytes)),
-                         .n_f32 = h.n_f32};
+                         .n_f32 = h.n_f32,
+                         .n_bytes = h.n_bytes};
     return K3_OK;
 }
 
@@ -292,8 +293,7 @@ static k3_status from_legacy(const k3_comm *c, const k3_comm_msg *m, k3_msg *out
     *out = (k3_msg){.hdr = {.magic = K3_MSG_MAGIC,
                             .version = K3_MSG_VERSION,
                             .kind = (uint16_t)m->kind,
-                            .n_bytes = sizeof(k3_comm_wire_hdr) + pad8(m->n_meta_bytes) +
-                                       (uint64_t)m->n_f32 * sizeof(float),
+                            .n_bytes = m->n_bytes,
                             .T = pre.T,
                             .n_bank = pre.n_bank,
                             .n_meta = pre.n_meta,

@@ -90,6 +90,7 @@ typedef struct k3_comm_msg {
     int64_t n_meta_bytes; /* exactly what the sender posted */
     const float *f32;     /* [n_f32], 8-byte aligned */
     int64_t n_f32;
+    uint64_t n_bytes; /* the whole message on the wire, header and padding included */
 } k3_comm_msg;
 
 /* A piece of a message's float payload (messages are gathered from several pieces, e.g. the

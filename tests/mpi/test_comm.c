@@ -84,9 +84,14 @@ static void test_messages(k3_comm *c, int rank, int size) {
     K3_CHECK_OK(k3_comm_post(c, next, K3_MSG_BATCH, odd, sizeof odd, NULL, 0));
     K3_CHECK_OK(k3_comm_post(c, next, K3_MSG_BATCH, NULL, 0, &(k3_f32_seg){buf, 3}, 1));
     K3_CHECK_OK(k3_comm_wait(c, prev, K3_MSG_BATCH, &m));
-    K3_CHECK(m.n_meta_bytes == 13 && memcmp(m.meta, odd, 13) == 0 && m.n_f32 == 0, "odd meta");
+    K3_CHECK(m.n_meta_bytes == 13 && memcmp(m.meta, odd, 13) == 0 && m.n_f32 == 0 &&
+                 m.n_bytes == sizeof(k3_comm_wire_hdr) + 16,
+             "odd meta: %lld bytes, %llu on the wire", (long long)m.n_meta_bytes,
+             (unsigned long long)m.n_bytes);
     K3_CHECK_OK(k3_comm_wait(c, prev, K3_MSG_BATCH, &m));
-    K3_CHECK(m.n_meta_bytes == 0 && m.n_f32 == 3 && m.f32[2] == enc(prev, 2, 0), "no meta");
+    K3_CHECK(m.n_meta_bytes == 0 && m.n_f32 == 3 && m.f32[2] == enc(prev, 2, 0) &&
+                 m.n_bytes == sizeof(k3_comm_wire_hdr) + 12,
+             "no meta");
     /* deprecated: the version-1 calls still carry T, n_bank, D and int32 meta */
     int32_t meta[3] = {rank, 7, -rank};
     K3_CHECK_OK(k3_comm_send(c, next,
