@@ -5,8 +5,8 @@
  *
  * Owns: the sequence -> lane assignment (sequence i on lane i % E, so lane e of every stage holds
  * the caches of the same sequences), the micro-batch groups (group of sequence i =
- * (i / E) % M, M = min(S, ceil(B / E))), the MoE exchange hook that routes rows through
- * k3_comm_dispatch/combine, the sampling (one k3_sampler per sequence on the coordinator, seeded
+ * (i / E) % M, M = min(S, ceil(B / E))), the expert -> lane map handed to each stage (the stage
+ * drives its MoE step through k3_comm_moe_dispatch/combine itself), the sampling (one k3_sampler per sequence on the coordinator, seeded
  * from the run's seed and the prompt index, so a batch is reproducible and independent of the
  * split), the stop rules (EOS / <|end_of_msg|> / stop strings: a stopped sequence leaves its
  * group's batches), the logits dump and the JSON report. The single-process `k3 run` is this

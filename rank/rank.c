@@ -200,8 +200,7 @@ static void poll_step(rank_ctx *r, int peer, k3_msg_kind kind, step_msg *out, bo
                    .meta = (const int32_t *)(const void *)((const uint8_t *)m.meta + sizeof h),
                    .f32 = m.f32,
                    .n_f32 = m.n_f32,
-                   .n_bytes = sizeof(k3_comm_wire_hdr) + (uint64_t)((m.n_meta_bytes + 7) / 8 * 8) +
-                              (uint64_t)m.n_f32 * sizeof(float)};
+                   .n_bytes = m.n_bytes};
 }
 
 /* ---- prompts ------------------------------------------------------------------------------ */

@@ -7,7 +7,9 @@ usage: dist_run.py MODE MPIEXEC   (K3_BIN = the k3 binary; a tiny model is made 
            batch 1 and batch 3 ("A;B;C"), greedy, 32 new tokens, prefill chunk 5;
            --deterministic: the dumped logits are BIT-identical to the single-process runs
            (`k3 run` without mpirun, one prompt at a time; the batch-3 dump is the prompts' dumps
-           concatenated); without it: rel-L2 <= K3_TOL_DISTRIBUTED_REL_L2 and identical greedy tokens.
+           concatenated); without it: rel-L2 <= K3_TOL_DISTRIBUTED_REL_L2 and identical greedy tokens,
+           and (E > 1) fewer MoE combine bytes than --deterministic with the same dispatch bytes;
+           (1,1) and (2,2) also run on the guard backend, bit-identical.
   bytes  : per-rank bytes read (from --json) equal the bytes computed HERE from the safetensors
            headers for the tensors that rank must own (its stage's layers, its lane's contiguous
            experts, embedding on stage 0, head on the last stage) — so no rank read another rank's
@@ -112,16 +114,22 @@ def mode_splits(mpiexec, tmp):
         use_map = coord == "map"
         coord = "shared" if use_map else coord
         world = S * E + (coord == "dedicated")
-        # (batch, deterministic, dump): without a dump the last stage sends only the rows sampled
-        for batch, det, dump in ((1, True, True), (3, True, True), (3, False, True), (3, True, False)):
+        # (batch, deterministic, dump, backend): without a dump the last stage sends only the rows
+        # sampled; the guard backend (memory host code cannot touch) must give the cpu's bits
+        runs = [(1, True, True, "cpu"), (3, True, True, "cpu"), (3, False, True, "cpu"), (3, True, False, "cpu")]
+        if (S, E, coord, use_map) in ((1, 1, "shared", False), (2, 2, "shared", False)):
+            runs.append((3, True, True, "guard"))
+        moe = {}  # deterministic? -> (dispatch bytes, combine bytes) of the batch-3 dump run
+        for batch, det, dump, backend in runs:
             out = os.path.join(tmp, "dist.npy")
             args = ["--model", model, "--prompt-ids", ids_arg(PROMPTS[:batch]), "--n", str(N_NEW), "--chunk",
                     str(CHUNK), "--pp", str(S), "--ep", str(E), "--coordinator", coord,
                     "--json", "--ignore-eos", "--comm-timeout", "60"] + (["--deterministic"] if det else [])
             args += ["--expert-map", map_path] if use_map else []
             args += ["--dump-logits", out] if dump else []
+            args += ["--backend", backend]
             p, dt = mpirun(mpiexec, world, args)
-            tag = f"S={S} E={E} {coord}{' +map' if use_map else ''} batch={batch} det={det} dump={dump}"
+            tag = f"S={S} E={E} {coord}{' +map' if use_map else ''} batch={batch} det={det} dump={dump} {backend}"
             if p.returncode != 0:
                 check(False, f"{tag}: rc {p.returncode}\n{p.stderr[-2000:]}")
                 continue
@@ -146,7 +154,14 @@ def mode_splits(mpiexec, tmp):
                             np.linalg.norm(want.astype(np.float64)))
                 check(rel <= REL_L2_TOL, f"{tag}: rel-L2 {rel:.3g} > {REL_L2_TOL}")
             check(j["dist"]["micro_batches"] == max(1, min(S, -(-batch // E))), f"{tag}: micro-batches")
+            if batch == 3 and backend == "cpu":
+                moe[det] = (j["dist"]["moe_dispatch_bytes"], j["dist"]["moe_combine_bytes"])
             print(f"ok {tag} ({dt:.1f} s)", flush=True)
+        if E > 1 and len(moe) == 2:  # the pre-summed combine moves fewer bytes, dispatch the same
+            (d_det, c_det), (d_pre, c_pre) = moe[True], moe[False]
+            check(d_det == d_pre and d_det > 0, f"S={S} E={E}: dispatch bytes {d_det} vs {d_pre}")
+            check(0 < c_pre < c_det, f"S={S} E={E}: pre-summed combine {c_pre} B not below per-item {c_det} B")
+            print(f"ok S={S} E={E} {coord}: MoE combine {c_pre} B pre-summed vs {c_det} B per-item", flush=True)
 
 
 def st_header(path):
