@@ -1,10 +1,9 @@
 /* comm.c — the transport-neutral front end of k3_comm: the transport table and creation by name,
  * the public k3_comm_* functions as thin wrappers over the transport's function table, the wire
  * format of messages (header packing and the checks on receipt, once for every transport), the
- * waiting loops with their timeouts, and the deprecated version-1 message calls expressed over
- * the version-2 wire. The MoE protocol is in comm_moe.c; the bytes move in comm_mpi.c.
- * Invariant: every blocking loop here sleeps with backoff and ends at c->timeout_s with an error
- * that names the peer and says --comm-timeout. */
+ * waiting loops with their timeouts. The MoE protocol is in comm_moe.c; the bytes move in
+ * comm_mpi.c. Invariant: every blocking loop here sleeps with backoff and ends at c->timeout_s with
+ * an error that names the peer and says --comm-timeout. */
 #include "k3_comm.h"
 #include "comm_internal.h"
 
@@ -32,10 +31,6 @@ k3_status k3_comm_create(const char *transport_name, const k3_comm_params *p, k3
     for (size_t i = 0; i < K3_ARRAY_LEN(k_transports); i++)
         if (strcmp(k_transports[i].name, name) == 0) return k_transports[i].create(p, out);
     return K3_ERR(K3_ERR_ARG, "comm: unknown transport '%s' (this build has: mpi)", name);
-}
-
-k3_status k3_comm_create_mpi(const k3_comm_params *p, k3_comm **out) {
-    return k3_comm_create("mpi", p, out);
 }
 
 void k3_comm_destroy(k3_comm *c) {
@@ -125,10 +120,9 @@ static size_t pad8(int64_t n_bytes) {
     return ((size_t)n_bytes + 7) & ~(size_t)7;
 }
 
-/* Post header | meta | padding | f32 pieces | extra f32 segments. `pre` (n_pre bytes) goes in
- * front of meta inside the meta bytes (the legacy prefix); NULL for version-2 callers. */
-static k3_status post(k3_comm *c, int peer, k3_msg_kind kind, const void *pre, size_t n_pre,
-                      const void *meta, int64_t n_meta_bytes, const k3_f32_seg *seg, int n_seg) {
+/* Queue header | meta | padding | the f32 segments. */
+k3_status k3_comm_post(k3_comm *c, int peer, k3_msg_kind kind, const void *meta,
+                       int64_t n_meta_bytes, const k3_f32_seg *seg, int n_seg) {
     enum { MAX_SEG = 16 };
     if (peer < 0 || peer >= c->size)
         return K3_ERR(K3_ERR_ARG, "comm post: peer %d not in the world of %d", peer, c->size);
@@ -142,8 +136,7 @@ static k3_status post(k3_comm *c, int peer, k3_msg_kind kind, const void *pre, s
             return K3_ERR(K3_ERR_ARG, "comm post: bad payload segment %d", i);
         n_f32 += seg[i].n;
     }
-    int64_t n_meta_all = (int64_t)n_pre + n_meta_bytes;
-    size_t n_bytes = sizeof(k3_comm_wire_hdr) + pad8(n_meta_all) + (size_t)n_f32 * sizeof(float);
+    size_t n_bytes = sizeof(k3_comm_wire_hdr) + pad8(n_meta_bytes) + (size_t)n_f32 * sizeof(float);
     if (n_bytes > (size_t)INT_MAX)
         return K3_ERR(K3_ERR_COMM,
                       "comm post: a %s message of %zu bytes exceeds the transport limit of %d "
@@ -153,27 +146,21 @@ static k3_status post(k3_comm *c, int peer, k3_msg_kind kind, const void *pre, s
                           .version = K3_MSG_VERSION,
                           .kind = (uint16_t)kind,
                           .n_bytes = n_bytes,
-                          .n_meta_bytes = n_meta_all,
+                          .n_meta_bytes = n_meta_bytes,
                           .n_f32 = n_f32,
                           .seq = c->send_seq};
     static const uint8_t zeros[8];
-    comm_piece pc[MAX_SEG + 4];
+    comm_piece pc[MAX_SEG + 3];
     int np = 0;
     pc[np++] = (comm_piece){&h, sizeof h};
-    if (n_pre) pc[np++] = (comm_piece){pre, n_pre};
     if (n_meta_bytes) pc[np++] = (comm_piece){meta, (size_t)n_meta_bytes};
-    if (pad8(n_meta_all) > (size_t)n_meta_all)
-        pc[np++] = (comm_piece){zeros, pad8(n_meta_all) - (size_t)n_meta_all};
+    if (pad8(n_meta_bytes) > (size_t)n_meta_bytes)
+        pc[np++] = (comm_piece){zeros, pad8(n_meta_bytes) - (size_t)n_meta_bytes};
     for (int i = 0; i < n_seg; i++)
         if (seg[i].n) pc[np++] = (comm_piece){seg[i].p, (size_t)seg[i].n * sizeof(float)};
     K3_TRY(c->iface->send(c, peer, kind, pc, np, n_bytes));
     c->send_seq++;
     return K3_OK;
-}
-
-k3_status k3_comm_post(k3_comm *c, int peer, k3_msg_kind kind, const void *meta,
-                       int64_t n_meta_bytes, const k3_f32_seg *seg, int n_seg) {
-    return post(c, peer, kind, NULL, 0, meta, n_meta_bytes, seg, n_seg);
 }
 
 static k3_status check_msg(const k3_comm *c, int kind, int src, const void *buf, size_t n_bytes,
@@ -257,68 +244,6 @@ k3_status k3_comm_flush(k3_comm *c) {
         comm_sleep(c, &backoff);
     }
     return K3_OK;
-}
-
-/* ---- deprecated: version-1 message calls over the version-2 wire ------------------------ */
-typedef struct legacy_prefix { /* the first bytes of a legacy message's meta */
-    int64_t T, D;
-    int32_t n_bank, n_meta;
-} legacy_prefix;
-_Static_assert(sizeof(legacy_prefix) == 24, "legacy_prefix is a wire struct");
-
-k3_status k3_comm_send(k3_comm *c, int peer, k3_msg_hdr hdr, const int32_t *meta, int32_t n_meta,
-                       const k3_f32_seg *seg, int n_seg) {
-    if (n_meta < 0 || (n_meta > 0 && !meta))
-        return K3_ERR(K3_ERR_ARG, "comm send: bad metadata (%d entries)", n_meta);
-    legacy_prefix pre = {.T = hdr.T, .D = hdr.D, .n_bank = hdr.n_bank, .n_meta = n_meta};
-    return post(c, peer, (k3_msg_kind)hdr.kind, &pre, sizeof pre, meta, (int64_t)n_meta * 4, seg,
-                n_seg);
-}
-
-static k3_status from_legacy(const k3_comm *c, const k3_comm_msg *m, k3_msg *out) {
-    legacy_prefix pre = {0};
-    bool ok = m->n_meta_bytes >= (int64_t)sizeof pre;
-    if (ok) memcpy(&pre, m->meta, sizeof pre);
-    ok = ok && pre.n_meta >= 0 && m->n_meta_bytes == (int64_t)sizeof pre + (int64_t)pre.n_meta * 4;
-    if (!ok) {
-        char who[64];
-        comm_describe(c, m->src, who, sizeof who);
-        return K3_ERR(K3_ERR_FORMAT,
-                      "%s message %llu from %s: %lld meta bytes are not a legacy (T, n_bank, D) "
-                      "message",
-                      kind_name(m->kind), (unsigned long long)m->seq, who,
-                      (long long)m->n_meta_bytes);
-    }
-    const char *mb = m->meta;
-    *out = (k3_msg){.hdr = {.magic = K3_MSG_MAGIC,
-                            .version = K3_MSG_VERSION,
-                            .kind = (uint16_t)m->kind,
-                            .n_bytes = m->n_bytes,
-                            .T = pre.T,
-                            .n_bank = pre.n_bank,
-                            .n_meta = pre.n_meta,
-                            .D = pre.D,
-                            .n_f32 = m->n_f32,
-                            .seq = m->seq},
-                    .src = m->src,
-                    .meta = (const int32_t *)(const void *)(mb + sizeof pre),
-                    .f32 = m->f32};
-    return K3_OK;
-}
-
-k3_status k3_comm_try_recv(k3_comm *c, int peer, k3_msg_kind kind, k3_msg *out, bool *got) {
-    k3_comm_msg m = {0};
-    K3_TRY(k3_comm_poll(c, peer, kind, &m, got));
-    if (!*got) return K3_OK;
-    k3_status st = from_legacy(c, &m, out);
-    if (st != K3_OK) *got = false;
-    return st;
-}
-
-k3_status k3_comm_recv(k3_comm *c, int peer, k3_msg_kind kind, k3_msg *out) {
-    k3_comm_msg m = {0};
-    K3_TRY(k3_comm_wait(c, peer, kind, &m));
-    return from_legacy(c, &m, out);
 }
 
 /* ---- world collectives ------------------------------------------------------------------ */

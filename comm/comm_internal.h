@@ -50,15 +50,13 @@ typedef struct k3_comm_iface {
 } k3_comm_iface;
 
 /* Words of the per-lane header of the MoE counts exchange: status (0 ok, 1 this lane's route is
- * bad), mode, width, rows, items, exchange number (low 31 bits). The deprecated dispatch sends
- * status, width, rows. */
-#define COMM_MOE_HDR_WORDS    6
-#define COMM_LEGACY_HDR_WORDS 3
+ * bad), mode, width, rows, items, exchange number (low 31 bits). */
+#define COMM_MOE_HDR_WORDS 6
 
 /* The MoE exchange state (comm_moe.c): host arrays grow-only (capacities in elements), backend
  * buffers grow-only (capacities in bytes, owned by `be`). */
 typedef struct comm_moe {
-    bool dispatched, legacy;
+    bool dispatched;
     k3_combine_mode mode;
     int64_t width;
     uint32_t n_calls; /* header exchanges so far (the lanes' step check) */
@@ -87,13 +85,9 @@ typedef struct comm_moe {
     /* backend buffers */
     float *b_rows, *b_w, *b_out;
     size_t cap_b_rows, cap_b_w, cap_b_out; /* bytes */
-    /* deprecated k3_comm_dispatch: host views */
-    int32_t *l_src, *l_slot, *l_expert;
-    float *l_rows, *l_out;
     /* host capacities in elements */
     size_t cap_item_pos, cap_item_prow, cap_pair_lane, cap_pair_pos, cap_pair_seg, cap_item_row,
-        cap_row_seg, cap_item_tag, cap_item_wh, cap_sbuf, cap_rbuf, cap_xh, cap_hh, cap_l_src,
-        cap_l_slot, cap_l_expert, cap_l_rows, cap_l_out;
+        cap_row_seg, cap_item_tag, cap_item_wh, cap_sbuf, cap_rbuf, cap_xh, cap_hh;
 } comm_moe;
 
 struct k3_comm {

@@ -14,13 +14,10 @@
  * (row, lane ascending) pair order. Counts are known from the dispatch, so no header.
  * Backend buffers (x, rows, item_w, out, y) are read only through k3_backend_download and written
  * only through k3_backend_upload, staged in host arrays; when the backend is host-visible the
- * staging copy is skipped. Every array grows to the largest exchange seen, then is reused.
- * The deprecated k3_comm_dispatch/combine (one row per item, host buffers) use the same path with
- * a 3-word header. */
+ * staging copy is skipped. Every array grows to the largest exchange seen, then is reused. */
 #include "k3_comm.h"
 #include "comm_internal.h"
 
-#include <limits.h>
 #include <stdio.h>
 
 #define ITEM_WORDS 3 /* lane-local row, tag, weight bits */
@@ -63,8 +60,7 @@ void comm_moe_free(k3_comm *c) {
                  mo->mark,      mo->cur,      mo->lanes,    mo->item_pos, mo->item_prow,
                  mo->pair_lane, mo->pair_pos, mo->pair_seg, mo->item_row, mo->row_seg,
                  mo->item_tag,  mo->item_wh,  mo->sbuf,     mo->rbuf,     mo->xh,
-                 mo->hh,        mo->l_src,    mo->l_slot,   mo->l_expert, mo->l_rows,
-                 mo->l_out};
+                 mo->hh};
     for (size_t i = 0; i < K3_ARRAY_LEN(p); i++) k3_free(p[i]);
     memset(mo, 0, sizeof *mo);
 }
@@ -98,10 +94,12 @@ static k3_status read_be(k3_backend *be, const float *src, int64_t n, float **st
     return K3_OK;
 }
 
-/* Exchange the per-lane headers (k words each, status first) and check that every lane reports
- * status 0. `bad`: this lane's own validation result, carried in its status word. */
-static k3_status exchange_headers(k3_comm *c, int k, k3_status bad, const char *what) {
+/* Exchange the per-lane headers (COMM_MOE_HDR_WORDS words each, status first) and check that
+ * every lane reports status 0. `bad`: this lane's own validation result, carried in its status
+ * word. */
+static k3_status exchange_headers(k3_comm *c, k3_status bad, const char *what) {
     comm_moe *mo = &c->moe;
+    const int k = COMM_MOE_HDR_WORDS;
     for (int e = 0; e < c->n_lanes; e++) mo->hdr_s[e * k] = bad != K3_OK;
     k3_status st = c->iface->ep_alltoall(c, mo->hdr_s, mo->hdr_r, k, what);
     if (st == K3_OK) mo->n_calls++; /* on every lane, so a failed exchange keeps them in step */
@@ -133,8 +131,8 @@ static k3_status mismatch(k3_comm *c, const char *what, int e, const char *field
 
 /* Counters of a dispatch: the words of the alltoallv (mo->scount) and of the headers, all lanes
  * including this one. */
-static void count_dispatch(k3_comm *c, int hdr_words, int64_t rows_sent) {
-    uint64_t words = (uint64_t)c->n_lanes * (uint64_t)hdr_words;
+static void count_dispatch(k3_comm *c, int64_t rows_sent) {
+    uint64_t words = (uint64_t)c->n_lanes * COMM_MOE_HDR_WORDS;
     for (int e = 0; e < c->n_lanes; e++) words += (uint64_t)c->moe.scount[e];
     c->stats.dispatch_bytes += 4 * words;
     c->stats.dispatch_rows += (uint64_t)rows_sent;
@@ -330,7 +328,7 @@ k3_status k3_comm_moe_dispatch(k3_comm *c, k3_backend *be, const float *x, int64
         h[5] = (int32_t)(mo->n_calls & 0x7fffffffu);
     }
     /* count unit: COMM_MOE_HDR_WORDS int32 words per lane */
-    K3_TRY(exchange_headers(c, COMM_MOE_HDR_WORDS, bad, what));
+    K3_TRY(exchange_headers(c, bad, what));
     /* 2. every lane must agree on mode, width and the exchange number */
     int64_t n_rows_r = 0, n_items_r = 0;
     for (int e = 0; e < E; e++) {
@@ -390,12 +388,11 @@ k3_status k3_comm_moe_dispatch(k3_comm *c, k3_backend *be, const float *x, int64
         K3_TRY(k3_backend_upload(be, mo->b_rows, mo->hh, (size_t)(n_rows_r * W) * sizeof(float)));
     if (n_items_r)
         K3_TRY(k3_backend_upload(be, mo->b_w, mo->item_wh, (size_t)n_items_r * sizeof(float)));
-    count_dispatch(c, COMM_MOE_HDR_WORDS, mo->n_pairs);
+    count_dispatch(c, mo->n_pairs);
     mo->mode = mode;
     mo->width = W;
     mo->n_rows_r = n_rows_r;
     mo->n_items_r = n_items_r;
-    mo->legacy = false;
     mo->dispatched = true;
     *v = (k3_dispatch_view){.n_rows = n_rows_r,
                             .width = W,
@@ -434,7 +431,7 @@ static k3_status return_rows(k3_comm *c, const float *src_host, const int64_t *b
 k3_status k3_comm_moe_combine(k3_comm *c, k3_backend *be, float *y, const int64_t **pair_seg) {
     comm_moe *mo = &c->moe;
     if (pair_seg) *pair_seg = NULL;
-    if (!mo->dispatched || mo->legacy)
+    if (!mo->dispatched)
         return K3_ERR(K3_ERR_STATE, "MoE combine without a k3_comm_moe_dispatch before it");
     if (be != mo->be)
         return K3_ERR(K3_ERR_ARG, "MoE combine: backend %s is not the dispatch's (%s)",
@@ -465,129 +462,5 @@ k3_status k3_comm_moe_combine(k3_comm *c, k3_backend *be, float *y, const int64_
         memcpy(dst + i * W, back + pos[i] * W, (size_t)W * sizeof(float));
     if (!host && n_y) K3_TRY(k3_backend_upload(be, y, dst, (size_t)(n_y * W) * sizeof(float)));
     if (pair_seg && !per_item) *pair_seg = mo->pair_seg;
-    return K3_OK;
-}
-
-/* ---- deprecated: one row per item, host buffers ------------------------------------------- */
-k3_status k3_comm_dispatch(k3_comm *c, const float *rows, int64_t n, int64_t width,
-                           const int32_t *expert, const int32_t *dest_lane, k3_dispatch_view *v) {
-    static const char what[] = "MoE dispatch";
-    comm_moe *mo = &c->moe;
-    memset(v, 0, sizeof *v);
-    mo->dispatched = false;
-    if (c->stage < 0) return K3_ERR(K3_ERR_STATE, "comm dispatch on a rank without a stage");
-    K3_TRY(lanes_alloc(c));
-    const int E = c->n_lanes;
-    const int64_t W = width;
-    k3_status bad = K3_OK;
-    if (n < 0 || width < 1 || n > INT_MAX / 2 || width > INT32_MAX / 4 ||
-        (n > 0 && (!rows || !expert || !dest_lane)))
-        bad = K3_ERR(K3_ERR_ARG, "comm dispatch: bad shape [%lld, %lld]", (long long)n,
-                     (long long)width);
-    for (int64_t i = 0; i < n && bad == K3_OK; i++)
-        if (dest_lane[i] < 0 || dest_lane[i] >= E || expert[i] < 0)
-            bad = K3_ERR(K3_ERR_ARG, "comm dispatch: row %lld has lane %d / expert %d (E = %d)",
-                         (long long)i, dest_lane[i], expert[i], E);
-    if (bad == K3_OK) bad = GROW(mo, item_pos, K3_MAX(n, 1), "dispatch positions");
-    int64_t total = 0;
-    if (bad == K3_OK) {
-        for (int e = 0; e < E; e++) mo->s_rows[e] = 0;
-        for (int64_t i = 0; i < n; i++) mo->item_pos[i] = mo->s_rows[dest_lane[i]]++;
-        for (int e = 0; e < E; e++) mo->scount[e] = mo->s_rows[e] * (W + ITEM_WORDS);
-        set_displ(mo->scount, mo->sdispl, E, &total);
-        bad = GROW(mo, sbuf, K3_MAX(total, 1), "dispatch send buffer");
-    }
-    if (bad == K3_OK)
-        for (int64_t i = 0; i < n; i++) {
-            int e = dest_lane[i];
-            int64_t p = mo->item_pos[i];
-            memcpy(mo->sbuf + mo->sdispl[e] + p * W, rows + i * W, (size_t)W * sizeof(float));
-            uint32_t *t = mo->sbuf + mo->sdispl[e] + mo->s_rows[e] * W + p * ITEM_WORDS;
-            t[0] = (uint32_t)c->rank, t[1] = (uint32_t)i, t[2] = (uint32_t)expert[i];
-        }
-    if (bad == K3_OK) { /* lane-local -> global position in the combine's return order */
-        int64_t acc = 0;
-        for (int e = 0; e < E; e++) mo->cur[e] = acc, acc += mo->s_rows[e];
-        for (int64_t i = 0; i < n; i++) mo->item_pos[i] += mo->cur[dest_lane[i]];
-    }
-    for (int e = 0; e < E; e++) {
-        int32_t *h = mo->hdr_s + e * COMM_LEGACY_HDR_WORDS;
-        h[1] = bad == K3_OK ? (int32_t)W : 0;
-        h[2] = bad == K3_OK ? (int32_t)mo->s_rows[e] : 0;
-    }
-    /* count unit: COMM_LEGACY_HDR_WORDS int32 words per lane */
-    K3_TRY(exchange_headers(c, COMM_LEGACY_HDR_WORDS, bad, what));
-    int64_t nr = 0;
-    for (int e = 0; e < E; e++) {
-        const int32_t *h = mo->hdr_r + e * COMM_LEGACY_HDR_WORDS;
-        if (h[1] != (int32_t)W) {
-            char mine[32], theirs[32];
-            snprintf(mine, sizeof mine, "%lld", (long long)W);
-            snprintf(theirs, sizeof theirs, "%d", h[1]);
-            return mismatch(c, what, e, "row width", mine, theirs);
-        }
-        if (h[2] < 0)
-            return K3_ERR(K3_ERR_COMM, "MoE dispatch: lane %d announced %d rows", e, h[2]);
-        mo->r_rows[e] = h[2];
-        mo->rcount[e] = mo->r_rows[e] * (W + ITEM_WORDS);
-        nr += h[2];
-    }
-    if (nr > INT_MAX / 2)
-        return K3_ERR(K3_ERR_COMM, "MoE dispatch: %lld rows received", (long long)nr);
-    int64_t total_r = 0;
-    set_displ(mo->rcount, mo->rdispl, E, &total_r);
-    size_t r1 = (size_t)K3_MAX(nr, 1);
-    K3_TRY(GROW(mo, rbuf, K3_MAX(total_r, 1), "dispatch recv buffer"));
-    K3_TRY(GROW(mo, l_rows, r1 * (size_t)W, "dispatch recv rows"));
-    K3_TRY(GROW(mo, l_out, r1 * (size_t)W, "dispatch outputs"));
-    K3_TRY(GROW(mo, l_src, r1, "dispatch src"));
-    K3_TRY(GROW(mo, l_slot, r1, "dispatch slot"));
-    K3_TRY(GROW(mo, l_expert, r1, "dispatch expert"));
-    /* count unit: 4-byte words (rows · (width + 3) per lane) */
-    K3_TRY(c->iface->ep_alltoallv(c, mo->sbuf, mo->scount, mo->sdispl, mo->rbuf, mo->rcount,
-                                  mo->rdispl, what));
-    int64_t j = 0;
-    for (int e = 0; e < E; e++) {
-        const uint32_t *blk = mo->rbuf + mo->rdispl[e];
-        int64_t cnt = mo->r_rows[e];
-        int src_rank = c->first_worker + c->stage * E + e;
-        if (cnt) memcpy(mo->l_rows + j * W, blk, (size_t)(cnt * W) * sizeof(float));
-        const uint32_t *t = blk + cnt * W;
-        for (int64_t k = 0; k < cnt; k++, t += ITEM_WORDS, j++) {
-            int32_t m0 = (int32_t)t[0], m1 = (int32_t)t[1], m2 = (int32_t)t[2];
-            if (m0 != src_rank || m1 < 0 || m2 < 0)
-                return K3_ERR(
-                    K3_ERR_COMM,
-                    "MoE dispatch: row %lld from lane %d carries (rank %d, slot %d, expert %d)",
-                    (long long)j, e, m0, m1, m2);
-            mo->l_src[j] = m0, mo->l_slot[j] = m1, mo->l_expert[j] = m2;
-        }
-    }
-    count_dispatch(c, COMM_LEGACY_HDR_WORDS, n);
-    mo->n_items = n;
-    mo->n_rows_r = nr;
-    mo->width = W;
-    mo->legacy = true;
-    mo->dispatched = true;
-    v->n_recv = nr;
-    v->width = W;
-    v->rows = mo->l_rows;
-    v->src = mo->l_src;
-    v->slot = mo->l_slot;
-    v->expert = mo->l_expert;
-    v->out = mo->l_out;
-    return K3_OK;
-}
-
-k3_status k3_comm_combine(k3_comm *c, float *out) {
-    comm_moe *mo = &c->moe;
-    if (!mo->dispatched || !mo->legacy)
-        return K3_ERR(K3_ERR_STATE, "comm combine without a dispatch");
-    mo->dispatched = false;
-    const int64_t W = mo->width;
-    K3_TRY(return_rows(c, mo->l_out, mo->r_rows, mo->s_rows, W, "MoE combine"));
-    const float *back = (const float *)(const void *)mo->rbuf;
-    for (int64_t i = 0; i < mo->n_items; i++)
-        memcpy(out + i * W, back + mo->item_pos[i] * W, (size_t)W * sizeof(float));
     return K3_OK;
 }

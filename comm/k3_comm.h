@@ -37,8 +37,6 @@ typedef struct k3_comm_params {
 /* Collective over the world: splits the EP groups. transport: "mpi" (the names this build has are
  * listed in the error for any other). World size must equal first_worker + S x E. */
 k3_status k3_comm_create(const char *transport, const k3_comm_params *p, k3_comm **out);
-/* deprecated: removed when rank switches. Same as k3_comm_create("mpi", p, out). */
-k3_status k3_comm_create_mpi(const k3_comm_params *p, k3_comm **out);
 void k3_comm_destroy(k3_comm *c);                /* NULL-safe; frees the MoE backend buffers too */
 const char *k3_comm_transport(const k3_comm *c); /* "mpi" */
 int k3_comm_rank(const k3_comm *c);
@@ -114,34 +112,6 @@ k3_status k3_comm_flush(k3_comm *c);
  * loops. */
 void k3_comm_idle(k3_comm *c, int *backoff);
 
-/* ---- deprecated: removed when rank switches (to k3_comm_post / k3_comm_wait / k3_comm_poll) ----
- * The version-1 message shape, now carried over the version-2 wire: T, n_bank, D and the int32
- * meta travel inside the meta bytes (a 24-byte legacy prefix + int32 meta[n_meta]). A message
- * posted with k3_comm_post is rejected by k3_comm_recv (its meta has no legacy prefix). */
-typedef struct k3_msg_hdr {
-    uint32_t magic;   /* K3_MSG_MAGIC (filled on receipt) */
-    uint16_t version; /* K3_MSG_VERSION (filled on receipt) */
-    uint16_t kind;    /* k3_msg_kind */
-    uint64_t n_bytes; /* whole wire message (filled on receipt) */
-    int64_t T;        /* rows of the hidden state (tokens) */
-    int32_t n_bank;   /* AttnRes banked states following h */
-    int32_t n_meta;   /* int32 metadata entries */
-    int64_t D;        /* row width (hidden size / vocab) */
-    int64_t n_f32;    /* floats after the metadata */
-    uint64_t seq;     /* the sender's message counter (for error reports) */
-} k3_msg_hdr;
-typedef struct k3_msg {
-    k3_msg_hdr hdr;
-    int src;             /* world rank of the sender */
-    const int32_t *meta; /* [n_meta] */
-    const float *f32;    /* [n_f32] */
-} k3_msg;
-/* hdr: kind, T, n_bank, D set by the caller. */
-k3_status k3_comm_send(k3_comm *c, int peer, k3_msg_hdr hdr, const int32_t *meta, int32_t n_meta,
-                       const k3_f32_seg *seg, int n_seg);
-k3_status k3_comm_recv(k3_comm *c, int peer, k3_msg_kind kind, k3_msg *out);
-k3_status k3_comm_try_recv(k3_comm *c, int peer, k3_msg_kind kind, k3_msg *out, bool *got);
-
 /* ---- MoE exchange inside this rank's stage EP group (collective over its E lanes) ----------
  * Items are the (token, expert) slot rows of the sender, in slot order; rows are its tokens. The
  * dispatch sends each source row ONCE to each lane that owns >= 1 of its items, with the items'
@@ -179,12 +149,6 @@ typedef struct k3_dispatch_view {
     float *out;               /* backend, the caller fills: PER_ITEM [n_items, width] (item order);
                                  PRESUM [n_rows, width] */
     k3_combine_mode mode;     /* the mode of this exchange */
-    /* deprecated: removed when rank switches. Filled only by k3_comm_dispatch, which also sets
-     * width and points rows/out at HOST buffers [n_recv, width]. */
-    int64_t n_recv;        /* rows this lane must compute */
-    const int32_t *src;    /* [n_recv] world rank that sent the row */
-    const int32_t *slot;   /* [n_recv] the row's slot index at its source */
-    const int32_t *expert; /* [n_recv] expert id */
 } k3_dispatch_view;
 
 /* Collective over the stage's EP group (every lane calls it; n_rows and n_items may be 0, x may
@@ -205,25 +169,15 @@ k3_status k3_comm_moe_combine(k3_comm *c, k3_backend *be, float *y, const int64_
 /* Cumulative MoE traffic of this rank: bytes this rank handed to the transport, including its own
  * lane's share (the collective copies it locally) and the metadata. Per dispatch:
  *   dispatch_bytes += n_pairs·width·4 + n_items·12 (row, tag, weight) + n_lanes·24 (counts header)
- *   dispatch_rows  += n_pairs (rows sent; the deprecated k3_comm_dispatch: rows sent)
+ *   dispatch_rows  += n_pairs (rows sent)
  * Per combine (rows this rank returns as an owner):
  *   PER_ITEM: combine_rows += n_items received;  PRESUM: combine_rows += n_rows received;
  *   combine_bytes += combine_rows·width·4
- * n_exchanges counts dispatches. The deprecated k3_comm_dispatch/combine are counted too
- * (dispatch: n·width·4 + n·12 + n_lanes·12 bytes; combine: n_recv rows). */
+ * n_exchanges counts dispatches. */
 typedef struct k3_comm_stats {
     uint64_t dispatch_bytes, combine_bytes, dispatch_rows, combine_rows, n_exchanges;
 } k3_comm_stats;
 void k3_comm_get_stats(const k3_comm *c, k3_comm_stats *out);
-
-/* deprecated: removed when rank switches (to k3_comm_moe_dispatch / k3_comm_moe_combine).
- * Send row i of host rows [n, width] (expert[i], owner lane dest_lane[i]) to its owner; one row
- * per item, no deduplication. Fills v->n_recv, width, rows, src, slot, expert, out (host). */
-k3_status k3_comm_dispatch(k3_comm *c, const float *rows, int64_t n, int64_t width,
-                           const int32_t *expert, const int32_t *dest_lane, k3_dispatch_view *v);
-/* deprecated: removed when rank switches. out (host) [n, width] gets row i's output in slot
- * order i. */
-k3_status k3_comm_combine(k3_comm *c, float *out);
 
 /* ---- world collectives (with the timeout) ---------------------------------------------- */
 k3_status k3_comm_barrier(k3_comm *c);

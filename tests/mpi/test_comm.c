@@ -3,11 +3,8 @@
  * 1. messages (k3_comm_post/wait/poll): every rank posts large (rendezvous-sized) ACTIV messages
  *    with a typed meta struct to the next rank BEFORE receiving from the previous one (async sends
  *    must not deadlock); payloads encode (source rank, index); odd meta sizes are padded; corrupt
- *    headers (junk, a wrong length, version 1) are rejected naming the sender; the deprecated
- *    k3_comm_send/recv still round-trip T, n_bank, D and their int32 meta.
- * 2. deprecated k3_comm_dispatch/combine: rows encode (source rank, slot, column); combine(dispatch
- *    (x)) returns f(x) in slot order bit for bit.
- * 3. k3_comm_moe_dispatch/combine on each backend (guard: the buffers are PROT_NONE outside the
+ *    headers (junk, a wrong length, version 1) are rejected naming the sender.
+ * 2. k3_comm_moe_dispatch/combine on each backend (guard: the buffers are PROT_NONE outside the
  *    backend, so a host access inside comm faults), both combine modes, random routes that every
  *    rank regenerates for every lane of its stage (so each receiver knows exactly what it must
  *    get): lanes that own no expert, rows whose items all go to one lane, rows without items,
@@ -17,7 +14,7 @@
  *    counters equal the documented formula and PRESUM returns fewer bytes than PER_ITEM. Every
  *    lane fails together on a combine-mode or width mismatch and on one lane's bad route, and the
  *    group stays in step afterwards.
- * 4. a receive that never comes times out after --comm-timeout naming the silent peer.
+ * 3. a receive that never comes times out after --comm-timeout naming the silent peer.
  * One verdict on all ranks (MPI_Allreduce of the failure count). */
 #include "k3_comm.h"
 #include "k3_test.h"
@@ -92,20 +89,6 @@ static void test_messages(k3_comm *c, int rank, int size) {
     K3_CHECK(m.n_meta_bytes == 0 && m.n_f32 == 3 && m.f32[2] == enc(prev, 2, 0) &&
                  m.n_bytes == sizeof(k3_comm_wire_hdr) + 12,
              "no meta");
-    /* deprecated: the version-1 calls still carry T, n_bank, D and int32 meta */
-    int32_t meta[3] = {rank, 7, -rank};
-    K3_CHECK_OK(k3_comm_send(c, next,
-                             (k3_msg_hdr){.kind = K3_MSG_LOGITS, .T = T, .n_bank = nb, .D = D},
-                             meta, 3, &(k3_f32_seg){buf, nf}, 1));
-    k3_msg lm;
-    K3_CHECK_OK(k3_comm_recv(c, prev, K3_MSG_LOGITS, &lm));
-    K3_CHECK(lm.src == prev && lm.hdr.T == T && lm.hdr.n_bank == nb && lm.hdr.D == D &&
-                 lm.hdr.n_f32 == nf && lm.hdr.n_meta == 3 && lm.hdr.kind == K3_MSG_LOGITS,
-             "legacy header from %d: T %lld bank %d D %lld", lm.src, (long long)lm.hdr.T,
-             lm.hdr.n_bank, (long long)lm.hdr.D);
-    K3_CHECK(lm.meta[0] == prev && lm.meta[1] == 7 && lm.meta[2] == -prev &&
-                 lm.f32[nf - 1] == enc(prev, nf - 1, 0),
-             "legacy meta %d %d %d", lm.meta[0], lm.meta[1], lm.meta[2]);
     K3_CHECK_OK(k3_comm_flush(c));
     free(buf);
     /* corrupt headers are rejected, naming the sender (raw MPI messages on the BATCH tag) */
@@ -134,65 +117,12 @@ static void test_messages(k3_comm *c, int rank, int size) {
         if (rank == 1)
             K3_CHECK_ERR(k3_comm_wait(c, 0, K3_MSG_BATCH, &m), K3_ERR_FORMAT, "version 1 (want 2)");
         if (rank == 0) MPI_Wait(&rq, MPI_STATUS_IGNORE);
-        /* a version-2 message is not a legacy one */
-        if (rank == 0) K3_CHECK_OK(k3_comm_post(c, 1, K3_MSG_BATCH, odd, sizeof odd, NULL, 0));
-        if (rank == 1)
-            K3_CHECK_ERR(k3_comm_recv(c, 0, K3_MSG_BATCH, &lm), K3_ERR_FORMAT,
-                         "not a legacy (T, n_bank, D) message");
-        K3_CHECK_OK(k3_comm_flush(c));
     }
     K3_CHECK_ERR(k3_comm_post(c, size, K3_MSG_BATCH, NULL, 0, NULL, 0), K3_ERR_ARG,
                  "not in the world");
 }
 
-/* ---- 2. deprecated dispatch / combine ----------------------------------------------------- */
-static void test_legacy_exchange(k3_comm *c, int rank, int stage, int lane, int E, int F,
-                                 uint64_t seed) {
-    k3_rng rng;
-    k3_rng_seed(&rng, seed * 7919 + (uint64_t)rank);
-    const int X = 11, K = 3, W = 5; /* experts, top-k, row width */
-    int owner[11];
-    for (int x = 0; x < X; x++) owner[x] = E >= 3 ? (x * 7 + 3) % (E - 1) : x % E;
-    for (int round = 0; round < 3; round++) {
-        int64_t T = (lane == 0 && round % 2 == 1) ? 0 : (int64_t)(1 + k3_rng_u64(&rng) % 9) + lane;
-        int64_t n = T * K;
-        size_t n1 = (size_t)K3_MAX(n, 1);
-        float *rows = malloc(n1 * W * sizeof(float)), *out = malloc(n1 * W * sizeof(float));
-        int32_t *ex = malloc(n1 * sizeof(int32_t)), *dl = malloc(n1 * sizeof(int32_t));
-        for (int64_t i = 0; i < n; i++) {
-            ex[i] = (int32_t)(k3_rng_u64(&rng) % (uint64_t)(X - 1)); /* expert X-1: nobody's */
-            dl[i] = owner[ex[i]];
-            for (int j = 0; j < W; j++) rows[i * W + j] = enc(rank, i, j);
-        }
-        for (int64_t i = 0; i < n * W; i++) out[i] = NAN;
-        k3_dispatch_view v;
-        K3_CHECK_OK(k3_comm_dispatch(c, rows, n, W, ex, dl, &v));
-        int64_t bad = 0;
-        for (int64_t j = 0; j < v.n_recv; j++) {
-            int src = v.src[j], slot = v.slot[j], x = v.expert[j];
-            bad += (x < 0 || x >= X || owner[x] != lane);
-            bad += src < F + stage * E || src >= F + (stage + 1) * E;
-            for (int k = 0; k < W; k++) {
-                bad += v.rows[j * W + k] != enc(src, slot, k);
-                v.out[j * W + k] = f_expert(v.rows[j * W + k], x);
-            }
-        }
-        K3_CHECK(bad == 0, "legacy round %d: %lld bad received rows/metadata", round,
-                 (long long)bad);
-        if (E >= 3 && lane == E - 1)
-            K3_CHECK(v.n_recv == 0, "lane %d owns nothing but got %lld rows", lane,
-                     (long long)v.n_recv);
-        K3_CHECK_OK(k3_comm_combine(c, out));
-        bad = 0;
-        for (int64_t i = 0; i < n; i++)
-            for (int j = 0; j < W; j++) bad += out[i * W + j] != f_expert(rows[i * W + j], ex[i]);
-        K3_CHECK(bad == 0, "legacy round %d: combine(dispatch(x)) differs in %lld values", round,
-                 (long long)bad);
-        free(rows), free(out), free(ex), free(dl);
-    }
-}
-
-/* ---- 3. the MoE exchange ----------------------------------------------------------------- */
+/* ---- 2. the MoE exchange ----------------------------------------------------------------- */
 enum { X = 13, K = 4, W = 6 }; /* experts, max items per row, row width */
 
 typedef struct route_t {
@@ -504,7 +434,6 @@ int main(int argc, char **argv) {
 
     test_messages(c, rank, size);
     if (stage >= 0) {
-        test_legacy_exchange(c, rank, stage, lane, E, F, seed);
         /* each backend in turn on the same handle (comm re-allocates with the new backend) */
         char list[128];
         snprintf(list, sizeof list, "%s", backends);
@@ -523,8 +452,6 @@ int main(int argc, char **argv) {
         }
     } else {
         k3_dispatch_view v;
-        K3_CHECK_ERR(k3_comm_dispatch(c, NULL, 0, 4, NULL, NULL, &v), K3_ERR_STATE,
-                     "without a stage");
         K3_CHECK_ERR(k3_comm_moe_dispatch(c, k3_backend_host(), NULL, 4, &(k3_moe_route){0},
                                           K3_COMBINE_PER_ITEM, &v),
                      K3_ERR_STATE, "without a stage");
@@ -540,7 +467,7 @@ int main(int argc, char **argv) {
         }
     }
 
-    /* ---- 4. timeouts name the silent peer ---- */
+    /* ---- 3. timeouts name the silent peer ---- */
     K3_CHECK_OK(k3_comm_barrier(c));
     if (rank == 0 && size > 1) {
         k3_comm_set_timeout(c, 1.0);
