@@ -130,12 +130,19 @@ k3_status k3_comm_post(k3_comm *c, int peer, k3_msg_kind kind, const void *meta,
         n_seg < 0 || n_seg > MAX_SEG || (n_seg > 0 && !seg))
         return K3_ERR(K3_ERR_ARG, "comm post: bad message (kind %d, %lld meta bytes, %d segments)",
                       kind, (long long)n_meta_bytes, n_seg);
+    /* bound every term before adding, so no sum can wrap: the limit is INT_MAX bytes */
     int64_t n_f32 = 0;
     for (int i = 0; i < n_seg; i++) {
         if (seg[i].n < 0 || (seg[i].n > 0 && !seg[i].p))
             return K3_ERR(K3_ERR_ARG, "comm post: bad payload segment %d", i);
+        if (seg[i].n > INT_MAX || n_f32 > INT_MAX) break; /* refused below */
         n_f32 += seg[i].n;
     }
+    if (n_meta_bytes > INT_MAX || n_f32 > INT_MAX / (int64_t)sizeof(float))
+        return K3_ERR(K3_ERR_COMM,
+                      "comm post: a %s message with %lld meta bytes and %lld+ floats exceeds the "
+                      "transport limit of %d bytes",
+                      kind_name(kind), (long long)n_meta_bytes, (long long)n_f32, INT_MAX);
     size_t n_bytes = sizeof(k3_comm_wire_hdr) + pad8(n_meta_bytes) + (size_t)n_f32 * sizeof(float);
     if (n_bytes > (size_t)INT_MAX)
         return K3_ERR(K3_ERR_COMM,
