@@ -1,6 +1,7 @@
 /* k3_test.h — the tiny harness every C test uses. A test reports only through its exit code:
  * K3_CHECK records a failure (with file:line) and goes on; k3_test_done() returns 1 if any
- * check failed or none ran, and prints the plain closing line "k3-test NAME: N passed, M failed". */
+ * check failed or none ran, and prints the plain closing line
+ * "k3-test NAME: N passed, M failed". */
 #ifndef K3_TEST_H
 #define K3_TEST_H
 
