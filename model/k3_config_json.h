@@ -7,7 +7,7 @@
  * (kda_a_log_len comes from the checkpoint header; mla_norm_eps and kda_gate_rank are fixed or
  * derived, not keys).
  * Callers must not: add config fields under other names beside it (one writer, one spelling).
- * (A separate header only while k3_model.h is being reworked; it belongs in k3_model.h.) */
+ * Kept apart from k3_model.h so that including the model header does not pull in cJSON. */
 #ifndef K3_CONFIG_JSON_H
 #define K3_CONFIG_JSON_H
 

@@ -47,6 +47,7 @@ ONLY = {
     "kernels": {"kernels", "base"},          # the floor: nothing above it (DESIGN.md §1 table)
     "coordinator": {"coordinator", "base"},  # tokenizer, chat, parser, sampler: touches no weights
     "partition": {"partition", "model", "base"},  # pure functions of the config
+    "comm": {"comm", "kernels", "base"},     # knows no layer or config: bytes and backend buffers
 }
 # Sibling edges on the middle level: (from, to) -> the headers of `to` that may be included.
 SIBLING = {
