@@ -82,7 +82,7 @@ typedef struct k3_backend k3_backend;
     /* dst [n] = the n elements of t (F32/BF16/F16) decoded to f32 (small weight vectors). */             \
     X(to_f32, (k3_backend * be, const k3_tensor *t, int64_t n, float *dst), (be, t, n, dst))              \
     /* out[t] = row ids[t] of the embedding W [V, D] (F32/BF16/F16) decoded to f32; ids [T] int32         \
-       in backend memory, each in [0, V) (checked: K3_ERR_ARG naming the position). */                             \
+       in backend memory, each in [0, V) (checked: K3_ERR_ARG naming the position). */                    \
     X(embed_rows,                                                                                         \
       (k3_backend * be, const k3_tensor *W, const int32_t *ids, int64_t T, float *out),                   \
       (be, W, ids, T, out))                                                                               \

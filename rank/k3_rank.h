@@ -6,12 +6,13 @@
  * Owns: the sequence -> lane assignment (sequence i on lane i % E, so lane e of every stage holds
  * the caches of the same sequences), the micro-batch groups (group of sequence i =
  * (i / E) % M, M = min(S, ceil(B / E))), the expert -> lane map handed to each stage (the stage
- * drives its MoE step through k3_comm_moe_dispatch/combine itself), the sampling (one k3_sampler per sequence on the coordinator, seeded
- * from the run's seed and the prompt index, so a batch is reproducible and independent of the
- * split), the stop rules (EOS / <|end_of_msg|> / stop strings: a stopped sequence leaves its
- * group's batches), the logits dump and the JSON report. The single-process `k3 run` is this
- * same loop on a world of one (MPI singleton). Must not: parse files or sockets beyond the model
- * directory and the expert map, or call MPI directly (all traffic goes through comm/).
+ * drives its MoE step through k3_comm_moe_dispatch/combine itself), the sampling (one k3_sampler
+ * per sequence on the coordinator, seeded from the run's seed and the prompt index, so a batch is
+ * reproducible and independent of the split), the stop rules (EOS / <|end_of_msg|> / stop strings:
+ * a stopped sequence leaves its group's batches), the logits dump and the JSON report. The
+ * single-process `k3 run` is this same loop on a world of one (MPI singleton). Must not: parse
+ * files or sockets beyond the model directory and the expert map, or call MPI directly (all traffic
+ * goes through comm/).
  *
  * Failure policy: an error every rank sees identically (bad flags, bad plan) makes every rank
  * return 2 and only rank 0 prints it; any other error on a rank is logged as

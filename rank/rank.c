@@ -194,13 +194,12 @@ static void poll_step(rank_ctx *r, int peer, k3_msg_kind kind, step_msg *out, bo
                       "%d meta in %lld bytes",
                       m.src, h.version, K3_WIRE_VERSION, h.kind, (int)kind, h.n_meta,
                       (long long)m.n_meta_bytes));
-    *out =
-        (step_msg){.h = h,
-                   .src = m.src,
-                   .meta = (const int32_t *)(const void *)((const uint8_t *)m.meta + sizeof h),
-                   .f32 = m.f32,
-                   .n_f32 = m.n_f32,
-                   .n_bytes = m.n_bytes};
+    *out = (step_msg){.h = h,
+                      .src = m.src,
+                      .meta = (const int32_t *)(const void *)((const uint8_t *)m.meta + sizeof h),
+                      .f32 = m.f32,
+                      .n_f32 = m.n_f32,
+                      .n_bytes = m.n_bytes};
 }
 
 /* ---- prompts ------------------------------------------------------------------------------ */
