@@ -599,7 +599,7 @@ static void worker_destroy(rank_ctx *r) {
     k3_stage_destroy(r->st);
     k3_weights_destroy(r->w);
     k3_ckpt_destroy(r->ck);
-    k3_backend_destroy(r->be);
+    /* r->be outlives the comm handle (its MoE buffers are the backend's): see k3_rank_run */
 }
 
 /* Process one BATCH/ACTIV message and send the result on. */
@@ -1226,6 +1226,7 @@ int k3_rank_run(const k3_rank_opts *o) {
     k3_free(all), k3_free(bytes), k3_free(load_us), k3_free(r->pct);
     if (r->tty && r->tty != stderr) fclose(r->tty);
     k3_comm_destroy(r->comm);
+    k3_backend_destroy(r->be);
     k3_plan_free(&r->plan);
     k3_free(r->stop_ids);
     k3_free(r->wire);
