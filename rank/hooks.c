@@ -1,0 +1,49 @@
+/* hooks.c — failure of a rank (log naming rank, stage and lane, then abort the job) and the
+ * K3_TEST_FAIL hooks the mpi tests use to kill or stall a rank on purpose. */
+#include "rank_internal.h"
+
+#include <signal.h>
+#include <stdlib.h>
+#include <unistd.h>
+
+/* ---- failure ------------------------------------------------------------------------------ */
+_Noreturn void rank_die(rank_ctx *r, k3_status s) {
+    if (r->stage >= 0)
+        K3_LOGE("rank %d (stage %d, lane %d) failed: %s: %s", r->rank, r->stage, r->lane,
+                k3_status_name(s), k3_last_error());
+    else
+        K3_LOGE("rank %d (coordinator) failed: %s: %s", r->rank, k3_status_name(s),
+                k3_last_error());
+    if (r->comm) k3_comm_abort(r->comm, 1);
+    k3_comm_world_abort(1);
+}
+
+void rank_hooks_parse(rank_ctx *r) {
+    r->fail_load_rank = r->fail_decode_rank = r->fail_decode_step = r->fail_plan_rank = -1;
+    const char *t = r->o->test_fail;
+    if (!t || !*t) return;
+    int a = -1, b = -1;
+    if (sscanf(t, "load:%d", &a) == 1)
+        r->fail_load_rank = a;
+    else if (sscanf(t, "plan:%d", &a) == 1)
+        r->fail_plan_rank = a;
+    else if (sscanf(t, "decode:%d:%d", &a, &b) == 2)
+        r->fail_decode_rank = a, r->fail_decode_step = b;
+    else if (sscanf(t, "hang:%d:%d", &a, &b) == 2)
+        r->fail_decode_rank = a, r->fail_decode_step = b, r->fail_hang = true;
+    else if (r->rank == 0)
+        K3_LOGW("K3_TEST_FAIL='%s' not understood (load:R | plan:R | decode:R:N | hang:R:N)", t);
+}
+
+void rank_hooks_maybe_die(rank_ctx *r, int count) {
+    if (r->fail_decode_rank == r->rank && count == r->fail_decode_step && r->fail_hang) {
+        K3_LOGE("rank %d: test hook K3_TEST_FAIL=hang:%d:%d: no longer answering", r->rank, r->rank,
+                count);
+        for (;;) pause(); /* the others must time out and end the job */
+    }
+    if (r->fail_decode_rank == r->rank && count == r->fail_decode_step) {
+        K3_LOGE("rank %d: test hook K3_TEST_FAIL=decode:%d:%d: killing myself with SIGKILL",
+                r->rank, r->rank, count);
+        raise(SIGKILL);
+    }
+}

@@ -1,0 +1,187 @@
+/* worker.c — the stage worker of a lane, and the wire protocol of a step.
+ *
+ * Wire usage (all messages through comm/, tag = kind; payload layouts in wire.h):
+ *   BATCH  coordinator -> (stage 0, lane e): meta = [group, step, all_logits, n_seqs,
+ *          (seq, n_tokens, want) x n_seqs, token ids x T]
+ *   ACTIV  (s, e) -> (s+1, e): meta = the same without the token ids;
+ *          f32 = h [T, D] | bank [n_bank, T, D]
+ *   LOGITS (S-1, e) -> coordinator: meta as ACTIV; f32 = [R, V] with R = T (all_logits) or the
+ *          number of sequences with want = 1 (those the coordinator samples from)
+ *   STOP   coordinator -> every worker, after the last logits arrived.
+ * Every lane of a stage receives the same sequence of (group, step) messages (possibly with no
+ * sequences), so the lanes' MoE collectives line up; a lane with no tokens still serves its
+ * experts at each MoE layer (k3_stage_idle_step). The stage drives the MoE step itself through
+ * the comm handle it is given; rank only builds the lane map and moves messages. Activations,
+ * caches and logits live in the rank's backend; they cross to host memory only by
+ * k3_backend_download/upload at a message boundary. The loop allocates nothing per step: buffers
+ * are sized from the plan's max_tokens up front (comm buffers grow to the largest message once).
+ */
+#include "rank_internal.h"
+
+/* ---- worker ------------------------------------------------------------------------------- */
+void rank_worker_init(rank_ctx *r) {
+    const k3_rank_opts *o = r->o;
+    const k3_config *c = &r->cfg;
+    int S = r->plan.n_stages, E = r->plan.n_lanes;
+    const bool moe_remote = E > 1;
+    if (moe_remote) { /* the owner lane of every (layer, expert) of this stage */
+        RTRY(r, k3_calloc((void **)&r->lane_of,
+                          (size_t)c->n_layers * (size_t)K3_MAX(c->n_experts, 1) * sizeof(int32_t),
+                          "expert lane map"));
+        for (int l = r->plan.stage_begin[r->stage]; l < r->plan.stage_begin[r->stage + 1]; l++)
+            if (k3_config_is_moe(c, l))
+                for (int x = 0; x < c->n_experts; x++)
+                    r->lane_of[(size_t)l * (size_t)c->n_experts + (size_t)x] =
+                        k3_plan_owner_lane(&r->plan, l, x);
+    }
+    k3_stage_params sp = {.cfg = c,
+                          .w = r->view,
+                          .be = r->be,
+                          .layer_begin = r->plan.stage_begin[r->stage],
+                          .layer_end = r->plan.stage_begin[r->stage + 1],
+                          .first = r->stage == 0,
+                          .last = r->stage == S - 1,
+                          .max_tokens = r->max_tokens,
+                          .kda_chunk = o->kda_chunk,
+                          .comm = moe_remote ? r->comm : NULL,
+                          .expert_lane = r->lane_of,
+                          .n_lanes = E,
+                          .deterministic = o->deterministic};
+    RTRY(r, k3_stage_create(&sp, &r->st));
+    RTRY(r, k3_calloc((void **)&r->states, (size_t)o->n_prompts * sizeof *r->states, "seq states"));
+    RTRY(r, k3_calloc((void **)&r->bstates, (size_t)o->n_prompts * sizeof *r->bstates,
+                      "batch states"));
+    RTRY(r, k3_calloc((void **)&r->bntok, (size_t)o->n_prompts * sizeof *r->bntok, "batch tokens"));
+    for (int i = 0; i < o->n_prompts; i++)
+        if (k3_plan_lane_of_seq(&r->plan, i) == r->lane)
+            RTRY(r, k3_seq_state_create(r->st, o->prompt_lens[i] + o->n_new, &r->states[i]));
+    RTRY(r, k3_activ_alloc(r->be, &r->act, c, r->max_tokens));
+    const size_t TD = (size_t)r->max_tokens * (size_t)c->hidden_size;
+    const bool host = k3_backend_host_visible(r->be);
+    if (r->stage == S - 1) {
+        size_t nb = (size_t)r->max_tokens * (size_t)c->vocab_size * sizeof(float);
+        RTRY(r, k3_backend_alloc(r->be, nb, "logits", (void **)&r->logits));
+        if (!host) RTRY(r, k3_alloc((void **)&r->h_logits, nb, "logits (host)"));
+    } else if (!host) {
+        RTRY(r,
+             k3_alloc((void **)&r->h_act, TD * (size_t)(1 + k3_activ_max_bank(c)) * sizeof(float),
+                      "activation staging (host)"));
+    }
+}
+
+void rank_worker_destroy(rank_ctx *r) {
+    if (r->states)
+        for (int i = 0; i < r->o->n_prompts; i++) k3_seq_state_destroy(r->states[i]);
+    k3_free(r->states), k3_free(r->bstates), k3_free(r->bntok);
+    if (r->be) {
+        k3_activ_free(r->be, &r->act);
+        k3_backend_free(r->be, r->logits);
+    }
+    k3_free(r->h_logits), k3_free(r->h_act), k3_free(r->lane_of);
+    k3_stage_destroy(r->st);
+    k3_weights_destroy(r->w);
+    k3_ckpt_destroy(r->ck);
+    /* r->be outlives the comm handle (its MoE buffers are the backend's): see k3_rank_run */
+}
+
+/* Process one BATCH/ACTIV message and send the result on. */
+void rank_worker_step(rank_ctx *r, const step_msg *m) {
+    const int S = r->plan.n_stages, D = (int)r->cfg.hidden_size;
+    const int64_t V = r->cfg.vocab_size;
+    const int32_t *mt = m->meta;
+    char who[32];
+    snprintf(who, sizeof who, "rank %d", m->src);
+    if (m->h.n_meta < META_HDR)
+        rank_die(r, K3_ERR(K3_ERR_FORMAT, "step message from %s: %d meta", who, m->h.n_meta));
+    int group = mt[0], stepi = mt[1], all_logits = mt[2], n_seqs = mt[3];
+    if (n_seqs < 0 || n_seqs > r->o->n_prompts || m->h.n_meta < META_HDR + META_SEQ * n_seqs)
+        rank_die(r, K3_ERR(K3_ERR_FORMAT, "step message from %s: %d sequences, %d meta", who,
+                           n_seqs, m->h.n_meta));
+    int64_t T = 0;
+    for (int i = 0; i < n_seqs; i++) {
+        int seq = mt[META_HDR + META_SEQ * i], nt = mt[META_HDR + META_SEQ * i + 1];
+        if (seq < 0 || seq >= r->o->n_prompts || !r->states[seq] || nt < 1)
+            rank_die(
+                r, K3_ERR(K3_ERR_FORMAT,
+                          "step %d of group %d from %s: sequence %d (%d tokens) is not on lane %d",
+                          stepi, group, who, seq, nt, r->lane));
+        r->bstates[i] = r->states[seq];
+        r->bntok[i] = nt;
+        T += nt;
+    }
+    if (T > r->max_tokens)
+        rank_die(r, K3_ERR(K3_ERR_STATE, "step with %lld tokens > planned %lld", (long long)T,
+                           (long long)r->max_tokens));
+    const int32_t *tokens = NULL;
+    if (r->stage == 0) {
+        if (m->h.n_meta != META_HDR + META_SEQ * n_seqs + T || m->h.T != T || m->n_f32 != 0)
+            rank_die(r, K3_ERR(K3_ERR_FORMAT, "BATCH from %s: %d meta, %lld floats for %lld tokens",
+                               who, m->h.n_meta, (long long)m->n_f32, (long long)T));
+        tokens = mt + META_HDR + META_SEQ * n_seqs;
+    } else {
+        if (m->h.T != T || m->h.D != D || m->h.n_bank < 0 ||
+            m->h.n_bank > k3_activ_max_bank(&r->cfg) ||
+            m->n_f32 != T * D * (1 + (int64_t)m->h.n_bank))
+            rank_die(r,
+                     K3_ERR(K3_ERR_FORMAT,
+                            "ACTIV from %s: T %lld D %lld bank %d floats %lld (want T %lld D %d)",
+                            who, (long long)m->h.T, (long long)m->h.D, m->h.n_bank,
+                            (long long)m->n_f32, (long long)T, D));
+        r->act.T = T;
+        r->act.n_bank = m->h.n_bank;
+        /* the message is host memory; the bank slabs follow h: [1 + n_bank, T, D] */
+        RTRY(r, k3_backend_upload(r->be, r->act.h, m->f32, (size_t)(T * D) * sizeof(float)));
+        if (m->h.n_bank)
+            RTRY(r, k3_backend_upload(r->be, r->act.bank, m->f32 + T * D,
+                                      (size_t)(T * D * m->h.n_bank) * sizeof(float)));
+    }
+    r->n_forward++;
+    rank_hooks_maybe_die(r, r->n_forward);
+    if (n_seqs > 0) {
+        k3_batch b = {
+            .n_seqs = n_seqs, .states = r->bstates, .n_tokens = r->bntok, .token_ids = tokens};
+        RTRY(r, k3_stage_forward(r->st, &b, &r->act, all_logits != 0,
+                                 r->stage == S - 1 ? r->logits : NULL));
+    } else {
+        /* no sequences of this lane in the step: still serve our experts at every MoE layer */
+        r->act.T = 0;
+        r->act.n_bank = 0;
+        RTRY(r, k3_stage_idle_step(r->st));
+    }
+    int n_meta_out = META_HDR + META_SEQ * n_seqs;
+    if (r->stage == S - 1) {
+        int64_t R = all_logits ? T : 0;
+        float *lg = r->logits;
+        if (r->h_logits) { /* logits cross to host memory here, and only here */
+            int64_t rows = all_logits ? T : n_seqs;
+            RTRY(r, k3_backend_download(r->be, r->h_logits, r->logits,
+                                        (size_t)(rows * V) * sizeof(float)));
+            lg = r->h_logits;
+        }
+        if (!all_logits) /* keep only the rows the coordinator samples from */
+            for (int i = 0; i < n_seqs; i++)
+                if (mt[META_HDR + META_SEQ * i + 2]) {
+                    if (R != i) memmove(lg + R * V, lg + (int64_t)i * V, (size_t)V * sizeof(float));
+                    R++;
+                }
+        rank_post_step(r, 0, K3_MSG_LOGITS,
+                       (k3_wire_step){.T = T, .D = V, .R = R, .n_meta = n_meta_out}, mt,
+                       &(k3_f32_seg){lg, R * V}, 1);
+    } else {
+        int64_t nb = n_seqs ? r->act.n_bank : 0;
+        k3_f32_seg seg[2] = {{r->act.h, T * D}, {r->act.bank, T * D * nb}};
+        if (r->h_act) { /* h | bank to host memory for the wire */
+            RTRY(r,
+                 k3_backend_download(r->be, r->h_act, r->act.h, (size_t)(T * D) * sizeof(float)));
+            if (nb)
+                RTRY(r, k3_backend_download(r->be, r->h_act + T * D, r->act.bank,
+                                            (size_t)(T * D * nb) * sizeof(float)));
+            seg[0].p = r->h_act;
+            seg[1].p = r->h_act + T * D;
+        }
+        rank_post_step(
+            r, k3_plan_rank(&r->plan, r->stage + 1, r->lane), K3_MSG_ACTIV,
+            (k3_wire_step){.T = T, .D = D, .R = T, .n_bank = (int32_t)nb, .n_meta = n_meta_out}, mt,
+            seg, 2);
+    }
+}
