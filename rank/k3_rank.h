@@ -40,14 +40,17 @@ typedef struct k3_rank_opts {
     const int32_t *prompt_ids;   /* all prompts concatenated */
     const int64_t *prompt_lens;  /* [n_prompts], each >= 1 */
     int n_prompts;
-    int n_new;               /* most new tokens per prompt (fewer when a sequence stops) */
-    int64_t chunk;           /* prefill tokens per sequence per step; 0 = whole prompt */
-    const char *dump_logits; /* .npy of every position's logits (prompts concatenated) or NULL */
-    bool json;               /* one JSON object on stdout instead of text lines */
-    int n_threads;           /* cpu threads per rank; <= 0: 1 when world > 1, else all cores */
-    int kda_chunk;           /* k3_stage_params.kda_chunk (0 = default) */
-    const char *backend;     /* kernel backend name (k3_backend_create); NULL = "cpu" */
-    const char *test_fail;   /* K3_TEST_FAIL value or NULL (read by the caller, once) */
+    int n_new;                /* most new tokens per prompt (fewer when a sequence stops) */
+    int64_t chunk;            /* prefill tokens per sequence per step; 0 = whole prompt */
+    int max_seqs;             /* engine slots per lane; 0 = what the prompts need */
+    int64_t max_ctx;          /* tokens per sequence; 0 = longest prompt + n_new */
+    int64_t max_batch_tokens; /* tokens per step of a lane; 0 = every prefill in one step */
+    const char *dump_logits;  /* .npy of every position's logits (prompts concatenated) or NULL */
+    bool json;                /* one JSON object on stdout instead of text lines */
+    int n_threads;            /* cpu threads per rank; <= 0: 1 when world > 1, else all cores */
+    int kda_chunk;            /* k3_stage_params.kda_chunk (0 = default) */
+    const char *backend;      /* kernel backend name (k3_backend_create); NULL = "cpu" */
+    const char *test_fail;    /* K3_TEST_FAIL value or NULL (read by the caller, once) */
     /* sampling on the coordinator. `seed` is the run's seed: sequence i samples with
      * k3_rank_seq_seed(seed, i). stop_ids are extra stop ids (copied); the model's EOS
      * (config eos_token_id) and the tokenizer's <|end_of_msg|> / [EOS] are added unless
@@ -80,8 +83,9 @@ uint64_t k3_rank_seq_seed(uint64_t seed, int index);
 /* "length" or "stop" (OpenAI finish_reason of a plain completion). */
 const char *k3_rank_finish_reason(k3_stop_kind stop);
 
-/* Run the job on this rank. MPI must be initialised (a singleton world of 1 works). Returns the
- * process exit code (0 ok, 2 usage error agreed by all ranks); other failures abort the job. */
+/* Run the job on this rank: a client of the engine (k3_engine.h). MPI must be initialised (a
+ * singleton world of 1 works). Returns the process exit code (0 ok, 2 usage error agreed by all
+ * ranks, 1 when a prompt failed — its error printed); a rank failure aborts the job. */
 int k3_rank_run(const k3_rank_opts *o);
 
 /* Parse "1,2,3;4,5" (prompts separated by ';', ids by ',') into ids/lens (k3_alloc'd; free with

@@ -1,15 +1,17 @@
 /* rank_internal.h — private to rank/: the state of one rank (rank_ctx), the sequence and group
  * records of the scheduler, and the functions the role files share:
- *   setup.c      config, plan + hash agreement, loading with progress, k3_rank_run
+ *   engine.c     the engine API (k3_engine.h): open, serve, submit, step, cancel, close
+ *   setup.c      config, plan + hash agreement, loading with progress
  *   worker.c     the stage worker of a lane: BATCH/ACTIV in, forward, ACTIV/LOGITS out
- *   scheduler.c  the coordinator: sequences, micro-batch groups, steps, sampling, stops; the loop
- *   report.c     logits dump, the text and JSON report
+ *   scheduler.c  the coordinator: requests, slots, micro-batch groups, steps, sampling, events
+ *   run.c        `k3 run` as a client of the engine: prompts in, ids/text/JSON/.npy out
  *   hooks.c      failure (die) and the K3_TEST_FAIL test hooks
  *   wire.c       the typed payloads of wire.h on comm's messages
  * Nothing outside rank/ includes this. */
 #ifndef K3_RANK_INTERNAL_H
 #define K3_RANK_INTERNAL_H
 
+#include "k3_engine.h"
 #include "k3_rank.h"
 
 #include "k3_comm.h"
@@ -19,76 +21,109 @@
 
 #include <stdio.h>
 
-typedef struct seq_run {
-    const int32_t *prompt;
-    int64_t P, fed; /* prompt length, tokens fed so far */
+/* One request on the coordinator (scheduler.c). */
+typedef enum { RQ_QUEUED = 0, RQ_RUNNING, RQ_ENDED } rq_state;
+typedef struct req_run {
+    int64_t id;
+    uint64_t user;
+    rq_state state;
+    int32_t *prompt; /* [P] (copied) */
+    int64_t P, fed;  /* prompt length, tokens fed so far (prompt, then generated) */
+    int max_tokens;
     int n_gen;
-    int32_t *gen; /* [n_new] */
-    int lane, group;
-    int64_t n_tok_step; /* tokens of this sequence in its group's current step */
-    float *dump;        /* [dump_rows, V] when dumping */
-    int64_t dump_rows;
-    k3_sampler *smp;   /* this sequence's sampler (seeded by k3_rank_seq_seed) */
-    k3_stop_kind stop; /* set when a stop id / stop string ended the sequence */
-    int stop_string;   /* which stop string, or -1 */
-    k3_tok_bytes text; /* decoded text so far (with a tokenizer) */
-} seq_run;
+    int32_t *gen; /* [max_tokens] */
+    int lane, group, slot;
+    bool opened;        /* its first step (the OPEN flag) was sent */
+    int64_t n_tok_step; /* tokens in its group's current step */
+    k3_sampler *smp;
+    k3_stop_kind stop;
+    int stop_string;
+    int logprobs;
+    bool keep_logits, all_logits, cancel;
+    float *prompt_logits; /* all_logits: [P, V] */
+    int64_t prompt_rows;
+    k3_tok_bytes text; /* text emitted so far (deltas are its new bytes) */
+    size_t text_sent;
+    char *error; /* a request that can never run: reported by the next step */
+} req_run;
 
 typedef struct group_run {
     int step;    /* current step id */
-    int pending; /* LOGITS messages still expected for this step */
-    bool done;
+    int pending; /* LOGITS messages still expected for its step in flight (0: idle) */
 } group_run;
 
 typedef struct rank_ctx {
-    const k3_rank_opts *o;
+    k3_engine_opts o_; /* the engine options (copied at open) */
+    const k3_engine_opts *o;
     int rank, world, stage, lane;
     bool worker, coord;
     k3_config cfg;
     k3_plan plan;
     k3_comm *comm;
-    int32_t *stop_ids; /* [n_stop_ids] the caller's + EOS ids unless ignore_eos (below V) */
-    size_t n_stop_ids;
+    int32_t base_stops[3]; /* EOS of the config, <|end_of_msg|>, [EOS] (-1: none) */
     /* test hooks */
     int fail_load_rank, fail_decode_rank, fail_decode_step, fail_plan_rank;
     bool fail_hang; /* "hang:R:N": stop answering instead of dying */
+    /* capacity */
+    int max_seqs;
+    int64_t max_ctx, max_tokens, chunk; /* max_tokens: per forward step of a lane */
     /* worker */
     k3_ckpt *ck;
     k3_weights *w;
     const k3_weights_view *view;
     k3_stage *st;
-    k3_seq_state **states; /* [n_prompts]; non-NULL for this lane's sequences */
+    k3_seq_state **states; /* [max_seqs] this lane's slots */
     k3_backend *be;        /* the rank's kernel backend: weights, states, activations */
     k3_activ act;
     float *logits;    /* [max_tokens, V] on the last stage (backend memory) */
     float *h_logits;  /* host staging of logits (NULL: the backend is host-visible) */
     float *h_act;     /* host staging of h | bank for ACTIV (NULL: host-visible) */
     int32_t *lane_of; /* [n_layers * n_experts] owner lane of each (layer, expert) */
-    int64_t max_tokens;
     int n_forward;
-    k3_seq_state **bstates; /* [n_prompts] batch scratch */
-    int32_t *bntok;         /* [n_prompts] */
+    k3_seq_state **bstates; /* [max_seqs] batch scratch */
+    int32_t *bntok;         /* [max_seqs] */
+    bool serving;           /* worker loop live (no STOP yet) */
+    int in_peer;            /* where this worker's steps come from */
+    k3_msg_kind in_kind;
     /* load */
     bool show_progress;
     FILE *tty; /* rank 0: where the bar goes (stderr, or /dev/tty under mpirun) */
     int last_pct_sent;
     int *pct; /* [world] rank 0: progress per rank */
     double load_s;
-    uint64_t bytes_read;
+    uint64_t bytes_read, bytes_read_total;
+    uint64_t *bytes_read_all, *load_us_all; /* [world], gathered at open */
+    double load_s_max;
     /* coordinator */
     int n_groups;
-    seq_run *seqs;
     group_run *groups;
-    int32_t *meta; /* message meta scratch */
+    req_run **reqs; /* every request not yet reported ended, by submit order */
+    int n_reqs, cap_reqs;
+    int64_t next_id;
+    req_run **slot_req; /* [E * max_seqs] the running request in each (lane, slot) */
+    int32_t *meta;      /* message meta scratch */
     int64_t meta_cap;
-    uint8_t *wire; /* k3_wire_step + int32 meta: the bytes of one outgoing step message */
+    float *row;   /* [V] scratch (logprobs) */
+    int32_t *top; /* [V] scratch (top logprobs) */
+    /* events of the current k3_engine_step */
+    k3_event *ev;
+    int n_ev, cap_ev;
+    char **ev_mem; /* memory the events point into, freed at the next step */
+    int n_ev_mem, cap_ev_mem;
+    double last_progress; /* coordinator: when a message last arrived */
+    uint8_t *wire;        /* k3_wire_step + int32 meta: the bytes of one outgoing step message */
     size_t wire_cap;
     uint64_t logits_bytes;
     int n_logits_msgs;
-    uint64_t moe_dispatch_bytes, moe_combine_bytes; /* summed over the world */
+    int64_t prompt_tokens, gen_tokens;
     uint64_t n_steps;                               /* forward steps the coordinator sent */
-    double t_gen0, t_prefill_done;
+    uint64_t moe_dispatch_bytes, moe_combine_bytes; /* world sums, at close */
+    double t_open;
 } rank_ctx;
+
+struct k3_engine {
+    rank_ctx r;
+};
 
 /* ---- hooks.c: failure and test hooks ------------------------------------------------------- */
 /* Log the failure naming this rank (stage, lane) and end the whole job. */
@@ -120,6 +155,8 @@ void rank_poll_step(rank_ctx *r, int peer, k3_msg_kind kind, step_msg *out, bool
 /* ---- setup.c --------------------------------------------------------------------------------- */
 int rank_setup(rank_ctx *r); /* 0 ok, 2 usage error, 1 other error (agreed by every rank) */
 void rank_load(rank_ctx *r);
+/* engine.c: stdout/stderr prefix of set-up errors ("k3 run", "k3 batch") */
+extern const char *k3_engine_cmd_name;
 
 /* ---- worker.c -------------------------------------------------------------------------------- */
 void rank_worker_init(rank_ctx *r);
@@ -129,10 +166,14 @@ void rank_worker_step(rank_ctx *r, const step_msg *m);
 /* ---- scheduler.c ----------------------------------------------------------------------------- */
 void rank_coord_init(rank_ctx *r);
 void rank_coord_destroy(rank_ctx *r);
-/* The event loop: coordinator and/or worker on one thread, until STOP. */
-void rank_run_loop(rank_ctx *r);
-
-/* ---- report.c -------------------------------------------------------------------------------- */
-void rank_report(rank_ctx *r, const uint64_t *bytes, const uint64_t *load_us, double t_end);
+k3_status rank_coord_submit(rank_ctx *r, const k3_request *rq, int64_t *id);
+k3_status rank_coord_cancel(rank_ctx *r, int64_t id);
+/* Progress until at least one event is ready or nothing is left (coordinator, + its worker). */
+void rank_coord_step(rank_ctx *r);
+int rank_coord_pending(const rank_ctx *r);
+/* Worker ranks: serve until STOP. */
+void rank_worker_serve(rank_ctx *r);
+/* One poll of this rank's worker input; true when a step was processed or STOP arrived. */
+bool rank_worker_poll(rank_ctx *r);
 
 #endif /* K3_RANK_INTERNAL_H */

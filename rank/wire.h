@@ -2,7 +2,7 @@
  * behind its own versioned header, so comm knows nothing of steps, tokens or the AttnRes bank).
  *
  * BATCH, ACTIV, LOGITS: one k3_wire_step, then int32 meta[n_meta] =
- *   [group, step, all_logits, n_seqs, (seq, n_tokens, want) x n_seqs, (BATCH only) token ids x T];
+ *   [group, step, all_logits, n_seqs, (slot, n_tokens, flags) x n_seqs, (BATCH) token ids x T];
  *   f32 = ACTIV: h [T, D] | bank [n_bank, T, D]; LOGITS: [R, V]; BATCH: none.
  * PROGRESS: one k3_wire_progress. STOP: no payload.
  * Bump K3_WIRE_VERSION on any change of these layouts; a receiver refuses another version,
@@ -13,7 +13,7 @@
 #include <stddef.h>
 #include <stdint.h>
 
-#define K3_WIRE_VERSION 1
+#define K3_WIRE_VERSION 2 /* 2: slots + OPEN/WANT flags */
 
 typedef struct k3_wire_step {
     uint32_t version; /* K3_WIRE_VERSION */
@@ -26,16 +26,22 @@ typedef struct k3_wire_step {
 } k3_wire_step;
 _Static_assert(sizeof(k3_wire_step) == 40 && offsetof(k3_wire_step, T) == 8 &&
                    offsetof(k3_wire_step, n_bank) == 32 && offsetof(k3_wire_step, n_meta) == 36,
-               "k3_wire_step is a wire struct: its layout is part of K3_WIRE_VERSION 1");
+               "k3_wire_step is a wire struct: its layout is part of K3_WIRE_VERSION 2");
 
 typedef struct k3_wire_progress {
     uint32_t version; /* K3_WIRE_VERSION */
     int32_t pct;      /* load progress of the sender, 0..100 */
 } k3_wire_progress;
 _Static_assert(sizeof(k3_wire_progress) == 8,
-               "k3_wire_progress is a wire struct: its layout is part of K3_WIRE_VERSION 1");
+               "k3_wire_progress is a wire struct: its layout is part of K3_WIRE_VERSION 2");
 
 #define META_HDR 4 /* group, step, all_logits, n_seqs */
-#define META_SEQ 3 /* per sequence: id, n_tokens, want (its last logits row is sampled) */
+#define META_SEQ 3 /* per sequence: slot (on the lane), n_tokens, flags */
+/* Sequence flags. OPEN: a new sequence starts in this slot (the worker resets the slot's caches;
+ * this is how workers learn of sequences — there is no separate message, so an OPEN can never
+ * overtake or trail the step it belongs to). WANT: its last row of the step is sampled (the
+ * last stage returns it). A sequence that ends needs no message: its slot is simply reused. */
+#define K3_WIRE_WANT 1
+#define K3_WIRE_OPEN 2
 
 #endif /* K3_RANK_WIRE_H */

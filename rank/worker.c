@@ -20,7 +20,7 @@
 
 /* ---- worker ------------------------------------------------------------------------------- */
 void rank_worker_init(rank_ctx *r) {
-    const k3_rank_opts *o = r->o;
+    const k3_engine_opts *o = r->o;
     const k3_config *c = &r->cfg;
     int S = r->plan.n_stages, E = r->plan.n_lanes;
     const bool moe_remote = E > 1;
@@ -48,13 +48,16 @@ void rank_worker_init(rank_ctx *r) {
                           .n_lanes = E,
                           .deterministic = o->deterministic};
     RTRY(r, k3_stage_create(&sp, &r->st));
-    RTRY(r, k3_calloc((void **)&r->states, (size_t)o->n_prompts * sizeof *r->states, "seq states"));
-    RTRY(r, k3_calloc((void **)&r->bstates, (size_t)o->n_prompts * sizeof *r->bstates,
-                      "batch states"));
-    RTRY(r, k3_calloc((void **)&r->bntok, (size_t)o->n_prompts * sizeof *r->bntok, "batch tokens"));
-    for (int i = 0; i < o->n_prompts; i++)
-        if (k3_plan_lane_of_seq(&r->plan, i) == r->lane)
-            RTRY(r, k3_seq_state_create(r->st, o->prompt_lens[i] + o->n_new, &r->states[i]));
+    /* the lane's sequence slots: allocated once, reset when a new sequence opens in them */
+    const size_t ns = (size_t)r->max_seqs;
+    RTRY(r, k3_calloc((void **)&r->states, ns * sizeof *r->states, "sequence slots"));
+    RTRY(r, k3_calloc((void **)&r->bstates, ns * sizeof *r->bstates, "batch states"));
+    RTRY(r, k3_calloc((void **)&r->bntok, ns * sizeof *r->bntok, "batch tokens"));
+    for (int i = 0; i < r->max_seqs; i++)
+        RTRY(r, k3_seq_state_create(r->st, r->max_ctx, &r->states[i]));
+    r->serving = true;
+    r->in_peer = r->stage == 0 ? 0 : k3_plan_rank(&r->plan, r->stage - 1, r->lane);
+    r->in_kind = r->stage == 0 ? K3_MSG_BATCH : K3_MSG_ACTIV;
     RTRY(r, k3_activ_alloc(r->be, &r->act, c, r->max_tokens));
     const size_t TD = (size_t)r->max_tokens * (size_t)c->hidden_size;
     const bool host = k3_backend_host_visible(r->be);
@@ -71,7 +74,7 @@ void rank_worker_init(rank_ctx *r) {
 
 void rank_worker_destroy(rank_ctx *r) {
     if (r->states)
-        for (int i = 0; i < r->o->n_prompts; i++) k3_seq_state_destroy(r->states[i]);
+        for (int i = 0; i < r->max_seqs; i++) k3_seq_state_destroy(r->states[i]);
     k3_free(r->states), k3_free(r->bstates), k3_free(r->bntok);
     if (r->be) {
         k3_activ_free(r->be, &r->act);
@@ -94,18 +97,24 @@ void rank_worker_step(rank_ctx *r, const step_msg *m) {
     if (m->h.n_meta < META_HDR)
         rank_die(r, K3_ERR(K3_ERR_FORMAT, "step message from %s: %d meta", who, m->h.n_meta));
     int group = mt[0], stepi = mt[1], all_logits = mt[2], n_seqs = mt[3];
-    if (n_seqs < 0 || n_seqs > r->o->n_prompts || m->h.n_meta < META_HDR + META_SEQ * n_seqs)
+    if (n_seqs < 0 || n_seqs > r->max_seqs || m->h.n_meta < META_HDR + META_SEQ * n_seqs)
         rank_die(r, K3_ERR(K3_ERR_FORMAT, "step message from %s: %d sequences, %d meta", who,
                            n_seqs, m->h.n_meta));
     int64_t T = 0;
     for (int i = 0; i < n_seqs; i++) {
-        int seq = mt[META_HDR + META_SEQ * i], nt = mt[META_HDR + META_SEQ * i + 1];
-        if (seq < 0 || seq >= r->o->n_prompts || !r->states[seq] || nt < 1)
-            rank_die(
-                r, K3_ERR(K3_ERR_FORMAT,
-                          "step %d of group %d from %s: sequence %d (%d tokens) is not on lane %d",
-                          stepi, group, who, seq, nt, r->lane));
-        r->bstates[i] = r->states[seq];
+        int slot = mt[META_HDR + META_SEQ * i], nt = mt[META_HDR + META_SEQ * i + 1],
+            flags = mt[META_HDR + META_SEQ * i + 2];
+        if (slot < 0 || slot >= r->max_seqs || nt < 1)
+            rank_die(r, K3_ERR(K3_ERR_FORMAT,
+                               "step %d of group %d from %s: slot %d (%d tokens) is not a slot of "
+                               "lane %d (%d slots)",
+                               stepi, group, who, slot, nt, r->lane, r->max_seqs));
+        for (int j = 0; j < i; j++)
+            if (r->bstates[j] == r->states[slot])
+                rank_die(r, K3_ERR(K3_ERR_FORMAT, "step %d of group %d from %s: slot %d twice",
+                                   stepi, group, who, slot));
+        if (flags & K3_WIRE_OPEN) RTRY(r, k3_seq_state_reset(r->states[slot])); /* a new sequence */
+        r->bstates[i] = r->states[slot];
         r->bntok[i] = nt;
         T += nt;
     }
@@ -160,7 +169,7 @@ void rank_worker_step(rank_ctx *r, const step_msg *m) {
         }
         if (!all_logits) /* keep only the rows the coordinator samples from */
             for (int i = 0; i < n_seqs; i++)
-                if (mt[META_HDR + META_SEQ * i + 2]) {
+                if (mt[META_HDR + META_SEQ * i + 2] & K3_WIRE_WANT) {
                     if (R != i) memmove(lg + R * V, lg + (int64_t)i * V, (size_t)V * sizeof(float));
                     R++;
                 }
@@ -183,5 +192,34 @@ void rank_worker_step(rank_ctx *r, const step_msg *m) {
             r, k3_plan_rank(&r->plan, r->stage + 1, r->lane), K3_MSG_ACTIV,
             (k3_wire_step){.T = T, .D = D, .R = T, .n_bank = (int32_t)nb, .n_meta = n_meta_out}, mt,
             seg, 2);
+    }
+}
+
+/* ---- serving --------------------------------------------------------------------------------- */
+bool rank_worker_poll(rank_ctx *r) {
+    if (!r->serving) return false;
+    step_msg m;
+    bool got;
+    rank_poll_step(r, r->in_peer, r->in_kind, &m, &got);
+    if (got) {
+        rank_worker_step(r, &m);
+        return true;
+    }
+    k3_comm_msg stop;
+    RTRY(r, k3_comm_poll(r->comm, 0, K3_MSG_STOP, &stop, &got));
+    if (got) r->serving = false;
+    return got;
+}
+
+/* Waits without a time limit: between requests a worker may idle for hours. A rank that stalls
+ * in the middle of a step is caught by the coordinator's --comm-timeout (and by the MoE
+ * collectives' own timeouts), which ends the job. */
+void rank_worker_serve(rank_ctx *r) {
+    int backoff = 0;
+    while (r->serving) {
+        if (rank_worker_poll(r))
+            backoff = 0;
+        else
+            k3_comm_idle(r->comm, &backoff);
     }
 }

@@ -1,0 +1,155 @@
+/* k3_engine — the one API every client of the distributed model goes through (`k3 run`,
+ * `k3 batch`, later `k3 serve` and `k3 bench`): requests arrive and leave while the ranks stay
+ * loaded (continuous batching).
+ *
+ * Roles. Every rank calls k3_engine_open (collective: plan, hash agreement, load, slots). Rank 0
+ * is the coordinator: only it accepts requests (k3_engine_submit), runs steps (k3_engine_step)
+ * and receives events. Every other rank calls k3_engine_serve, which returns when rank 0 calls
+ * k3_engine_close. With a shared coordinator rank 0 is also (stage 0, lane 0) and serves its
+ * stage inside k3_engine_step. Only rank 0 tokenizes; workers learn of sequences from the step
+ * messages (a sequence's first step carries the OPEN flag, which resets its slot).
+ *
+ * Slots. Sizes come from the plan, not from the requests: each lane holds max_seqs sequence
+ * slots of max_ctx tokens (MLA latent cache + KDA state per slot, allocated once at open and
+ * reused), and one forward step of a lane carries at most max_batch_tokens tokens. A request
+ * that does not fit now waits in a FIFO queue; a request longer than max_ctx (prompt + max
+ * tokens) is refused with an error event for that request alone.
+ *
+ * Steps. M = max(S, 1) micro-batch groups circulate through the pipeline; whenever group g's
+ * logits are back, its next step is formed: decode rows of its sequences first (one token each),
+ * then prefill chunks (at most `chunk` tokens per sequence, within the step's token budget), and
+ * new requests join (least-loaded lane with a free slot). A finished sequence leaves and frees
+ * its slot at once.
+ *
+ * Determinism. A sequence's logits never depend on what shares its steps or when it joined
+ * (the kernels' determinism rule + per-sequence state): its tokens and logits are bit-identical to
+ * running it alone on the same split, and with --deterministic to every split.
+ *
+ * Errors belong to their request: a bad request (an id outside the vocabulary, too long, bad
+ * sampling parameters), a non-finite logit or a sampler error ends that request with an error
+ * event and the job goes on. A rank failure still ends the whole job (rank named). */
+#ifndef K3_ENGINE_H
+#define K3_ENGINE_H
+
+#include "k3_partition.h"
+#include "k3_sampler.h"
+#include "k3_tokenizer.h"
+
+typedef struct k3_engine k3_engine;
+
+typedef struct k3_engine_opts {
+    const char *model_dir;
+    int pp, ep; /* stages S, lanes E (world = S x E [+ 1 dedicated coordinator]) */
+    k3_coord_mode coord;
+    const char *expert_map_path; /* NULL = contiguous expert ranges */
+    bool deterministic;          /* per-(token, expert) combine: bit-identical for every split */
+    double comm_timeout_s;       /* every blocking wait; <= 0 means 600 */
+    int n_threads;               /* cpu threads per rank; <= 0: 1 when world > 1, else all */
+    int kda_chunk;               /* k3_stage_params.kda_chunk (0 = default) */
+    const char *backend;         /* kernel backend (k3_backend_create); NULL = "cpu" */
+    const char *test_fail;       /* K3_TEST_FAIL value or NULL */
+    /* capacity (0 = the default named) */
+    int max_seqs;             /* sequence slots per lane (default 8) */
+    int64_t max_ctx;          /* tokens per sequence: prompt + generated (default 4096) */
+    int64_t max_batch_tokens; /* tokens per forward step of one lane (default 512) */
+    int64_t chunk;            /* prefill tokens per sequence per step (default max_batch_tokens) */
+    const k3_tokenizer *tok;  /* rank 0, borrowed, may be NULL: text deltas + stop strings */
+    bool progress;            /* load progress bar on rank 0's terminal */
+} k3_engine_opts;
+
+/* Defaults of the capacity fields. */
+#define K3_ENGINE_DEFAULT_MAX_SEQS         8
+#define K3_ENGINE_DEFAULT_MAX_CTX          4096
+#define K3_ENGINE_DEFAULT_MAX_BATCH_TOKENS 512
+
+/* Collective. Returns 0 with *out set, 2 for a usage error every rank agrees on (rank 0 printed
+ * it), 1 for any other error (printed by the rank that failed). A failure after the agreement
+ * (e.g. while loading) ends the job instead, naming the rank. */
+int k3_engine_open(const k3_engine_opts *o, k3_engine **out);
+bool k3_engine_is_coordinator(const k3_engine *e);
+/* Ranks other than 0: serve steps until rank 0 closes the engine. */
+k3_status k3_engine_serve(k3_engine *e);
+/* Collective. Rank 0: finish the steps in flight (their events are dropped), tell every rank to
+ * stop; then every rank sums the MoE traffic over the world into *final (may be NULL; filled on
+ * rank 0) and frees everything. Other ranks call it after k3_engine_serve returned. */
+typedef struct k3_engine_stats k3_engine_stats;
+void k3_engine_close(k3_engine *e, k3_engine_stats *final);
+
+/* A request (rank 0). Everything is copied at submit. */
+typedef struct k3_request {
+    const int32_t *ids; /* prompt ids [n_ids], n_ids >= 1 */
+    int64_t n_ids;
+    int max_tokens;             /* new tokens at most (>= 0; 0 = only prefill) */
+    k3_sampler_params sampling; /* per request: seed, penalties, logit_bias, stop strings */
+    bool ignore_eos;            /* no stop at EOS / <|end_of_msg|> / [EOS] */
+    int logprobs;               /* 0: none; n > 0: the chosen token's logprob + the top n */
+    bool keep_logits;           /* events carry the logits row each token was sampled from */
+    bool all_logits;            /* + the logits of every prompt position (dumps; costly) */
+    uint64_t user;              /* the caller's tag, returned in every event */
+} k3_request;
+
+typedef enum k3_event_kind {
+    K3_EV_TOKEN = 1, /* one generated token (and its text delta, logprobs, logits) */
+    K3_EV_DONE,      /* the request finished: finish reason; the last event of the request */
+    K3_EV_ERROR,     /* the request failed: message; the last event of the request */
+} k3_event_kind;
+
+#define K3_EV_MAX_TOP 20
+typedef struct k3_event {
+    k3_event_kind kind;
+    int64_t id;    /* the engine's request id (from submit) */
+    uint64_t user; /* the request's tag */
+    /* TOKEN */
+    int32_t token;
+    const char *text; /* new text (UTF-8, cut at character boundaries; stop strings held back) */
+    size_t n_text;
+    float logprob;                  /* log p(token) after the sampler's processing; NAN if off */
+    int n_top;                      /* top logprobs (request.logprobs) */
+    int32_t top_ids[K3_EV_MAX_TOP]; /* best first */
+    float top_logprobs[K3_EV_MAX_TOP];
+    const float *logits;        /* keep_logits: [V] the row the token was sampled from */
+    const float *prompt_logits; /* all_logits, first TOKEN event (or DONE with max_tokens 0):
+                                   [n_prompt_rows, V] */
+    int64_t n_prompt_rows;
+    /* DONE (text: what was held back for a possible stop string, flushed at the end) */
+    k3_stop_kind stop; /* K3_STOP_NONE: length limit (or cancelled) */
+    int stop_string;   /* index when stop == K3_STOP_STRING, else -1 */
+    int64_t n_prompt;  /* prompt tokens */
+    int64_t n_gen;     /* generated tokens */
+    /* ERROR */
+    const char *error;
+} k3_event;
+
+/* Rank 0: queue a request. A request that can never run (too long, ids outside the vocabulary,
+ * bad sampling parameters) is still accepted: its first step() reports an ERROR event for it, so
+ * every outcome arrives as events. *id gets its engine id. */
+k3_status k3_engine_submit(k3_engine *e, const k3_request *rq, int64_t *id);
+/* Rank 0: end a request; its DONE event (stop = K3_STOP_NONE, n_gen so far) comes next step. */
+k3_status k3_engine_cancel(k3_engine *e, int64_t id);
+/* Rank 0: make progress until at least one event is ready or nothing is left to do. The events
+ * (and their text, logits and error strings) are valid until the next step. */
+k3_status k3_engine_step(k3_engine *e, const k3_event **events, int *n_events);
+/* Rank 0: requests queued + running. */
+int k3_engine_pending(const k3_engine *e);
+
+/* What the run moved and took (rank 0). moe_* are the world's sums, filled by k3_engine_close. */
+struct k3_engine_stats {
+    int world, pp, ep, micro_batches, max_seqs;
+    bool dedicated;
+    uint64_t plan_hash;
+    int64_t max_ctx, max_batch_tokens;
+    int64_t prompt_tokens, gen_tokens, steps;
+    uint64_t logits_bytes;
+    int logits_messages;
+    double load_s;       /* the slowest rank's load */
+    uint64_t bytes_read; /* checkpoint bytes read by all ranks */
+    uint64_t plan_bytes; /* weights the plan assigns to all ranks */
+    uint64_t moe_dispatch_bytes, moe_combine_bytes;
+    int stages[2 * 64]; /* [s*2], [s*2+1]: layers [begin, end) of stage s (s < 64) */
+};
+void k3_engine_get_stats(const k3_engine *e, k3_engine_stats *out);
+/* Rank r's (stage, lane) and bytes read, for reports (rank 0; false past the world). */
+bool k3_engine_rank_info(const k3_engine *e, int rank, int *stage, int *lane, uint64_t *bytes_read,
+                         uint64_t *plan_weight_bytes, double *load_s);
+
+#endif /* K3_ENGINE_H */
