@@ -1,0 +1,310 @@
+/* chat_job.c — an OpenAI chat request as a generation job (see chat_job.h): prompt ids and
+ * sampling parameters in, the assistant message out. Used by `k3 run --chat` and `k3 batch`.
+ *
+ * Merge rule, per setting: a flag given explicitly (settings.fixed) wins; otherwise the request's
+ * key when present and not null; otherwise the flag's default. max_completion_tokens is read
+ * after max_tokens and wins over it (OpenAI deprecated max_tokens for it).
+ * Validation happens once, after the merge, on the value that will be used, so the message names
+ * where that value came from: "--chat: request key 'top_p': 0 must be in (0, 1]" (K3_ERR_FORMAT,
+ * a bad request) or "--top-p: 0 must be in (0, 1]" (K3_ERR_ARG, a usage error).
+ * logit_bias: an object {"id": bias} (ids as decimal strings, OpenAI); a bias must fit a float;
+ * -Infinity (a ban) is passed on for the sampler to judge. seed: the JSON lexeme as an unsigned
+ * 64-bit integer (never through a double). n: only 1. */
+#include "chat_job.h"
+
+#include <errno.h>
+#include <float.h>
+#include <math.h>
+#include <stdio.h>
+#include <stdlib.h>
+
+#include "k3_parser.h"
+
+/* ---- the prompt ---------------------------------------------------------------------------- */
+k3_status k3_job_parse(k3_job *j, const char *text, size_t n_bytes, const char *what,
+                       const k3_tokenizer *tok) {
+    k3_status st = k3_chat_json_parse(text, n_bytes, what, &j->doc);
+    if (st == K3_OK) st = k3_chat_request_parse(text, n_bytes, &j->req);
+    if (st != K3_OK) {
+        char why[512];
+        snprintf(why, sizeof why, "%s", k3_last_error());
+        return K3_ERR(K3_ERR_FORMAT, "%s: %s", what, why);
+    }
+    const k3_chat_json *msgs = k3_chat_json_get(j->doc, "messages");
+    if (msgs && msgs->kind == K3_JSON_ARRAY && msgs->n_items == 0)
+        return K3_ERR(K3_ERR_FORMAT, "%s: messages is empty", what);
+    k3_chat_prompt pr = {0};
+    k3_tok_ids v = {0};
+    st = k3_chat_render(j->req, true, &pr);
+    if (st == K3_OK) st = k3_chat_encode(&pr, tok, &v);
+    if (st == K3_OK && v.n == 0) st = K3_ERR(K3_ERR_FORMAT, "%s: encodes to no tokens", what);
+    if (st == K3_OK) st = k3_alloc((void **)&j->ids, v.n * sizeof(int32_t), "prompt");
+    if (st == K3_OK) {
+        memcpy(j->ids, v.ids, v.n * sizeof(int32_t));
+        j->n_ids = (int64_t)v.n;
+    } else if (st != K3_ERR_NOMEM) {
+        char why[512];
+        snprintf(why, sizeof why, "%s", k3_last_error());
+        st = K3_ERR(K3_ERR_FORMAT, "%s: %s", what, why);
+    }
+    k3_chat_prompt_free(&pr);
+    k3_tok_ids_free(&v);
+    return st;
+}
+
+void k3_job_free(k3_job *j) {
+    if (!j) return;
+    k3_chat_json_free(j->doc);
+    k3_chat_request_destroy(j->req);
+    k3_chat_json_free(j->stop_doc);
+    k3_free(j->ids), k3_free(j->bias), k3_free(j->stops);
+    memset(j, 0, sizeof *j);
+}
+
+/* ---- the request's sampling keys ------------------------------------------------------------ */
+static bool json_num(const k3_chat_json *v, double *out) {
+    if (!v) return false;
+    if (v->kind == K3_JSON_INT)
+        *out = strtod(v->s, NULL);
+    else if (v->kind == K3_JSON_FLOAT)
+        *out = v->f;
+    else
+        return false;
+    return true;
+}
+
+bool k3_job_parse_u64(const char *s, uint64_t *out) {
+    if (!s || *s < '0' || *s > '9') return false;
+    char *end;
+    errno = 0;
+    unsigned long long v = strtoull(s, &end, 10);
+    if (errno || *end) return false;
+    *out = (uint64_t)v;
+    return true;
+}
+
+bool k3_job_bias_ok(double b, bool allow_ban) {
+    return (isfinite(b) && fabs(b) <= FLT_MAX) || (allow_ban && b == -INFINITY);
+}
+
+/* The request's OpenAI logit_bias: an object {"id": bias, ...}. */
+static k3_status req_bias(k3_job *j, const k3_chat_json *v, const char *what) {
+    if (v->kind != K3_JSON_OBJECT)
+        return K3_ERR(K3_ERR_FORMAT, "%s: request key 'logit_bias' must be an object", what);
+    K3_TRY(k3_alloc((void **)&j->bias, K3_MAX(v->n_items, 1) * sizeof *j->bias, "logit bias"));
+    for (size_t i = 0; i < v->n_items; i++) {
+        const char *key = v->keys[i]->s;
+        uint64_t id = 0;
+        double b = 0;
+        if (!k3_job_parse_u64(key, &id) || id > INT32_MAX)
+            return K3_ERR(K3_ERR_FORMAT, "%s: request key 'logit_bias': '%.40s' is not a token id",
+                          what, key);
+        if (!json_num(v->items[i], &b) || !k3_job_bias_ok(b, true))
+            return K3_ERR(K3_ERR_FORMAT,
+                          "%s: request key 'logit_bias': the bias of id %s is not a number "
+                          "that fits a float",
+                          what, key);
+        j->bias[i] = (k3_logit_bias){(int32_t)id, (float)b};
+    }
+    j->n_bias = v->n_items;
+    return K3_OK;
+}
+
+/* The request's seed: the JSON number lexeme as an unsigned 64-bit integer (never via double). */
+static k3_status req_seed(const k3_chat_json *v, uint64_t *seed, const char *what) {
+    if (v->kind == K3_JSON_INT && k3_job_parse_u64(v->s, seed)) return K3_OK;
+    if (v->kind == K3_JSON_FLOAT && v->f >= 0 && v->f < 9007199254740992.0 && v->f == floor(v->f)) {
+        *seed = (uint64_t)v->f; /* 5.0: exact below 2^53 */
+        return K3_OK;
+    }
+    return K3_ERR(K3_ERR_FORMAT, "%s: request key 'seed' must be an integer in [0, 2^64)", what);
+}
+
+k3_status k3_job_stops_json(k3_job *j, const k3_chat_json *v, const char *what, k3_status bad) {
+    if (v->kind == K3_JSON_STRING) {
+        if (v->n == 0 || strlen(v->s) != v->n)
+            return K3_ERR(bad, "%s: must be a non-empty string without NUL", what);
+        K3_TRY(k3_alloc((void **)&j->stops, sizeof(char *), "stop strings"));
+        j->stops[0] = v->s;
+        j->n_stops = 1;
+        return K3_OK;
+    }
+    if (v->kind != K3_JSON_ARRAY)
+        return K3_ERR(bad, "%s: must be a string or an array of strings", what);
+    K3_TRY(k3_alloc((void **)&j->stops, K3_MAX(v->n_items, 1) * sizeof(char *), "stop strings"));
+    for (size_t i = 0; i < v->n_items; i++) {
+        const k3_chat_json *e = v->items[i];
+        if (e->kind != K3_JSON_STRING || e->n == 0 || strlen(e->s) != e->n)
+            return K3_ERR(bad, "%s[%zu]: must be a non-empty string without NUL", what, i);
+        j->stops[i] = e->s;
+    }
+    j->n_stops = v->n_items;
+    return K3_OK;
+}
+
+/* Request key of each numeric setting (max_tokens: also max_completion_tokens, read after). */
+static const char *const num_key[K3_JOB_N_NUM] = {
+    [K3_JOB_TEMPERATURE] = "temperature",
+    [K3_JOB_TOP_K] = "top_k",
+    [K3_JOB_TOP_P] = "top_p",
+    [K3_JOB_MIN_P] = "min_p",
+    [K3_JOB_REPETITION_PENALTY] = "repetition_penalty",
+    [K3_JOB_PRESENCE_PENALTY] = "presence_penalty",
+    [K3_JOB_FREQUENCY_PENALTY] = "frequency_penalty",
+    [K3_JOB_MAX_TOKENS] = "max_tokens",
+};
+
+/* The request's numeric key into num[i] unless the setting is fixed. */
+static k3_status take_num(k3_job *j, const k3_job_settings *s, int i, const char *key, double *num,
+                          const char *what) {
+    const k3_chat_json *v = k3_chat_json_get(j->doc, key);
+    if (!v || v->kind == K3_JSON_NULL || s->fixed[i]) return K3_OK;
+    if (!json_num(v, &num[i]))
+        return K3_ERR(K3_ERR_FORMAT, "%s: request key '%s' is not a number", what, key);
+    j->from_req[i] = true;
+    return K3_OK;
+}
+
+static k3_status take_request(k3_job *j, const k3_job_settings *s, double *num, uint64_t *seed,
+                              const char *what) {
+    for (int i = 0; i < K3_JOB_N_NUM; i++) K3_TRY(take_num(j, s, i, num_key[i], num, what));
+    K3_TRY(take_num(j, s, K3_JOB_MAX_TOKENS, "max_completion_tokens", num, what));
+    const k3_chat_json *v = k3_chat_json_get(j->doc, "seed");
+    if (v && v->kind != K3_JSON_NULL && !s->seed_fixed) K3_TRY(req_seed(v, seed, what));
+    v = k3_chat_json_get(j->doc, "n");
+    if (v && v->kind != K3_JSON_NULL) {
+        double nc = 0;
+        if (!json_num(v, &nc) || nc != 1)
+            return K3_ERR(K3_ERR_FORMAT,
+                          "%s: request key 'n': only one choice (n = 1) is supported", what);
+    }
+    v = k3_chat_json_get(j->doc, "logit_bias");
+    if (v && v->kind != K3_JSON_NULL && !s->bias_fixed) K3_TRY(req_bias(j, v, what));
+    v = k3_chat_json_get(j->doc, "stop");
+    if (v && v->kind != K3_JSON_NULL && !s->stop_fixed) {
+        char w[160];
+        snprintf(w, sizeof w, "%s: request key 'stop'", what);
+        K3_TRY(k3_job_stops_json(j, v, w, K3_ERR_FORMAT));
+    }
+    return K3_OK;
+}
+
+/* Range of each numeric setting: [lo, hi], integer or not, and the rule as a message says it. */
+static const struct {
+    double lo, hi;
+    bool integer;
+    const char *rule;
+} num_range[K3_JOB_N_NUM] = {
+    [K3_JOB_TEMPERATURE] = {0, FLT_MAX, false, "must be finite and >= 0"},
+    [K3_JOB_TOP_K] = {0, INT32_MAX, true, "must be an integer >= 0"},
+    [K3_JOB_TOP_P] = {0, 1, false, "must be in (0, 1]"}, /* lo excluded: see check_num */
+    [K3_JOB_MIN_P] = {0, 1, false, "must be in [0, 1]"},
+    [K3_JOB_REPETITION_PENALTY] = {K3_SAMPLER_MIN_REPETITION_PENALTY, FLT_MAX, false,
+                                   "must be finite and >= 1e-4"},
+    [K3_JOB_PRESENCE_PENALTY] = {-FLT_MAX, FLT_MAX, false, "must be finite (fit a float)"},
+    [K3_JOB_FREQUENCY_PENALTY] = {-FLT_MAX, FLT_MAX, false, "must be finite (fit a float)"},
+    [K3_JOB_MAX_TOKENS] = {0, 1000000, true, "must be an integer in [0, 1000000]"},
+};
+
+static k3_status check_num(const k3_job *j, const k3_job_settings *s, int i, double v,
+                           const char *what) {
+    bool ok = v >= num_range[i].lo && v <= num_range[i].hi &&
+              (!num_range[i].integer || v == floor(v)) && (i != K3_JOB_TOP_P || v > 0);
+    if (ok) return K3_OK;
+    if (j->from_req[i] || !s->flag[i]) {
+        const char *key = num_key[i];
+        const k3_chat_json *mct = k3_chat_json_get(j->doc, "max_completion_tokens");
+        if (i == K3_JOB_MAX_TOKENS && mct && mct->kind != K3_JSON_NULL)
+            key = "max_completion_tokens";
+        return K3_ERR(K3_ERR_FORMAT, "%s: request key '%s': %g %s", what, key, v,
+                      num_range[i].rule);
+    }
+    return K3_ERR(K3_ERR_ARG, "--%s: %g %s", s->flag[i], v, num_range[i].rule);
+}
+
+k3_status k3_job_sampling(k3_job *j, const k3_job_settings *s, const char *what) {
+    double num[K3_JOB_N_NUM];
+    memcpy(num, s->num, sizeof num);
+    memset(j->from_req, 0, sizeof j->from_req);
+    uint64_t seed = s->seed;
+    if (j->doc) K3_TRY(take_request(j, s, num, &seed, what));
+    for (int i = 0; i < K3_JOB_N_NUM; i++) K3_TRY(check_num(j, s, i, num[i], what));
+    j->max_tokens = (int64_t)num[K3_JOB_MAX_TOKENS];
+    j->sp = (k3_sampler_params){.temperature = (float)num[K3_JOB_TEMPERATURE],
+                                .top_k = (int32_t)num[K3_JOB_TOP_K],
+                                .top_p = (float)num[K3_JOB_TOP_P],
+                                .min_p = (float)num[K3_JOB_MIN_P],
+                                .repetition_penalty = (float)num[K3_JOB_REPETITION_PENALTY],
+                                .presence_penalty = (float)num[K3_JOB_PRESENCE_PENALTY],
+                                .frequency_penalty = (float)num[K3_JOB_FREQUENCY_PENALTY],
+                                .logit_bias = j->bias,
+                                .n_logit_bias = j->n_bias,
+                                .seed = seed,
+                                .stop_strings = j->stops,
+                                .n_stop_strings = j->n_stops};
+    return K3_OK;
+}
+
+/* ---- the assistant message ------------------------------------------------------------------ */
+/* Feeds the generated ids to the parser, replaying the sampler's text stream (the same
+ * detokenizer, so the same byte offsets as the emitted text): markers go in as markers, text as
+ * text, and nothing at or after byte `cut` of the stream reaches the parser — after a stop string
+ * cut = g->n_text (the text before the match), so the stop string and what follows it never
+ * become reasoning / content / a call, and markers after it are dropped too. With ignore_eos,
+ * <|end_of_msg|> / [EOS] do not end the message (generation went on past them). */
+static k3_status feed_chat(k3_parser *p, const k3_tokenizer *tok, const k3_job_gen *g,
+                           bool ignore_eos) {
+    const size_t cut = g->stop == K3_STOP_STRING ? g->n_text : SIZE_MAX;
+    const k3_tok_ctrl c = k3_tok_control_ids(tok);
+    k3_tok_stream *ts = NULL;
+    k3_tok_bytes txt = {0};
+    K3_TRY(k3_tok_stream_create(&ts, tok));
+    k3_status st = K3_OK;
+    size_t fed = 0; /* stream bytes already handed to the parser (or dropped) */
+    for (int64_t i = 0; i <= g->n && st == K3_OK && fed < cut; i++) {
+        const bool last = i == g->n;
+        const int32_t id = last ? -1 : g->ids[i];
+        st = last ? k3_tok_stream_finish(ts, &txt) : k3_tok_stream_push(ts, id, &txt);
+        if (st != K3_OK) break;
+        bool special = !last && k3_tok_is_special(tok, id);
+        size_t nb = 0;
+        if (special) {
+            const char *b;
+            st = k3_tok_id_bytes(tok, id, &b, &nb);
+            if (st != K3_OK) break;
+            nb = K3_MIN(nb, txt.n - fed); /* the marker's own text closes the chunk */
+        }
+        size_t text_end = K3_MIN(txt.n - nb, cut); /* text of this step (held UTF-8 included) */
+        if (text_end > fed) st = k3_parser_feed_text(p, txt.data + fed, text_end - fed);
+        fed = K3_MAX(fed, text_end);
+        if (st != K3_OK || !special) continue;
+        if (txt.n > cut) break; /* the stop string began inside the marker's text */
+        k3_parser_marker m = id == c.open         ? K3_MARK_OPEN
+                             : id == c.close      ? K3_MARK_CLOSE
+                             : id == c.sep        ? K3_MARK_SEP
+                             : id == c.end_of_msg ? K3_MARK_EOM
+                             : id == c.eos        ? K3_MARK_STOP
+                                                  : K3_MARK_OTHER;
+        if (ignore_eos && (m == K3_MARK_EOM || m == K3_MARK_STOP)) m = K3_MARK_OTHER;
+        st = k3_parser_feed_marker(p, m);
+        fed = txt.n;
+    }
+    k3_tok_bytes_free(&txt);
+    k3_tok_stream_destroy(ts);
+    return st;
+}
+
+k3_status k3_job_message(const k3_job *j, const k3_tokenizer *tok, const k3_job_gen *g,
+                         bool ignore_eos, k3_chat_buf *out) {
+    k3_parser *p = NULL;
+    K3_TRY(k3_parser_create_for(j->req, &p));
+    k3_status st = feed_chat(p, tok, g, ignore_eos);
+    /* a stop string (or a stop id the markers did not show) ends the message like
+     * <|end_of_msg|> would: finish_reason "stop" */
+    if (st == K3_OK && g->stop != K3_STOP_NONE && !k3_parser_ended(p))
+        st = k3_parser_feed_marker(p, K3_MARK_EOM);
+    if (st == K3_OK) st = k3_parser_finish(p);
+    if (st == K3_OK) st = k3_parser_message_json(p, out);
+    k3_parser_destroy(p);
+    return st;
+}

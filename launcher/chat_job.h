@@ -1,0 +1,97 @@
+/* chat_job — one OpenAI chat request as a generation job, shared by `k3 run --chat` and
+ * `k3 batch` (launcher-internal).
+ *
+ * Owns: the request body -> prompt ids (render, then segment-wise encode: k3_chat.h); the
+ * sampling keys of the request (temperature, top_p, top_k, min_p, repetition_penalty,
+ * presence_penalty, frequency_penalty, max_tokens / max_completion_tokens, seed, n, logit_bias,
+ * stop) merged with the command line's settings (a flag given explicitly wins, otherwise the
+ * request's key, otherwise the flag's default); the one validation of the merged values (an
+ * error names the request key, K3_ERR_FORMAT, or the flag, K3_ERR_ARG); and the generated ids ->
+ * the assistant message (the sampler's text stream replayed through k3_parser).
+ * Does not own: generation (rank/), flags (each command's table), the output format of a
+ * command.
+ * Lifetime: the sampler parameters in k3_job.sp point into the job (bias, stop strings), so the
+ * job must outlive every use of sp (an engine copies them at submit). */
+#ifndef K3_CHAT_JOB_H
+#define K3_CHAT_JOB_H
+
+#include "k3_chat.h"
+#include "k3_sampler.h"
+#include "k3_tokenizer.h"
+
+/* The numeric sampling settings, in one order for the key and flag tables of chat_job.c. */
+typedef enum k3_job_num {
+    K3_JOB_TEMPERATURE,
+    K3_JOB_TOP_K,
+    K3_JOB_TOP_P,
+    K3_JOB_MIN_P,
+    K3_JOB_REPETITION_PENALTY,
+    K3_JOB_PRESENCE_PENALTY,
+    K3_JOB_FREQUENCY_PENALTY,
+    K3_JOB_MAX_TOKENS,
+    K3_JOB_N_NUM
+} k3_job_num;
+
+/* What the command line says. A setting that is not `fixed` is a default: the request's key
+ * replaces it. */
+typedef struct k3_job_settings {
+    double num[K3_JOB_N_NUM];
+    bool fixed[K3_JOB_N_NUM];
+    const char *flag[K3_JOB_N_NUM]; /* the flag that sets it ("top-p"), for messages; NULL: none */
+    uint64_t seed;
+    bool seed_fixed;
+    bool bias_fixed, stop_fixed; /* the caller filled job.bias / job.stops from its flags */
+} k3_job_settings;
+
+typedef struct k3_job {
+    k3_chat_json *doc;    /* the request body (NULL: no request, the settings alone) */
+    k3_chat_request *req; /* parsed + normalised */
+    int32_t *ids;         /* (n_ids) the rendered prompt */
+    int64_t n_ids;
+    k3_logit_bias *bias; /* (n_bias) */
+    size_t n_bias;
+    const char **stops; /* (n_stops) point into doc, stop_doc or the caller's strings */
+    size_t n_stops;
+    k3_chat_json *stop_doc; /* the caller's stop list as JSON (k3_job_stops_json), owned */
+    /* k3_job_sampling's result */
+    k3_sampler_params sp; /* points into bias / stops */
+    int64_t max_tokens;
+    bool from_req[K3_JOB_N_NUM]; /* the value came from the request's key */
+} k3_job;
+
+/* Parse an OpenAI chat request (`n_bytes` of JSON text), render it with the generation prompt
+ * and encode it with `tok`. Errors start with `what` ("--chat FILE", "line 12"); K3_ERR_FORMAT
+ * for a bad request. */
+k3_status k3_job_parse(k3_job *j, const char *text, size_t n_bytes, const char *what,
+                       const k3_tokenizer *tok);
+/* Merge the settings with the request's keys (if j->doc), validate, fill j->sp and
+ * j->max_tokens. A request value out of range is K3_ERR_FORMAT "<what>: request key 'top_p': ...",
+ * a flag value out of range K3_ERR_ARG "--top-p: ...". */
+k3_status k3_job_sampling(k3_job *j, const k3_job_settings *s, const char *what);
+/* Stop strings from a JSON string or array of strings into j->stops (`bad`: the status of an
+ * error, which starts with `what`). */
+k3_status k3_job_stops_json(k3_job *j, const k3_chat_json *v, const char *what, k3_status bad);
+void k3_job_free(k3_job *j); /* frees the members, zeroes; NULL-safe */
+/* An unsigned 64-bit integer from decimal digits only (no sign, no exponent): seeds. */
+bool k3_job_parse_u64(const char *s, uint64_t *out);
+/* A logit bias that fits a float; with allow_ban also -inf (the sampler decides). */
+bool k3_job_bias_ok(double b, bool allow_ban);
+
+/* How a generation ended, as the parser needs it. */
+typedef struct k3_job_gen {
+    const int32_t *ids; /* (n) generated ids, a stop id included */
+    int64_t n;
+    k3_stop_kind stop; /* K3_STOP_NONE: the length limit */
+    size_t n_text;     /* bytes of text the sampler emitted: with K3_STOP_STRING, the text
+                        * before the stop string */
+} k3_job_gen;
+
+/* The assistant message of a finished generation, appended to `out` as k3_parser_message_json
+ * writes it ({"role","content","reasoning_content"?,"tool_calls","finish_reason"}). A stop
+ * string or a stop id ends the message like <|end_of_msg|> (finish_reason "stop"); nothing at or
+ * after a stop string reaches the message. With ignore_eos, <|end_of_msg|> / [EOS] in the ids do
+ * not end the message (generation went on past them). */
+k3_status k3_job_message(const k3_job *j, const k3_tokenizer *tok, const k3_job_gen *g,
+                         bool ignore_eos, k3_chat_buf *out);
+
+#endif /* K3_CHAT_JOB_H */
