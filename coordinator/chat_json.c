@@ -11,6 +11,7 @@
  * Deviations (clear errors instead of odd Python objects): invalid UTF-8, lone surrogates,
  * nesting deeper than K3_JSON_MAX_DEPTH. */
 #include "k3_chat.h"
+#include "k3_utf8.h"
 
 #include <math.h>
 #include <stdio.h>
@@ -113,55 +114,9 @@ static k3_status new_node(k3_json_kind kind, k3_chat_json **out) {
     return K3_OK;
 }
 
-/* Length of a valid UTF-8 sequence at p (1..4), or 0 if invalid/truncated. Rejects overlongs
- * and encoded surrogates (what Python's strict UTF-8 decoder rejects). */
-static int utf8_len(const unsigned char *p, const unsigned char *end) {
-    unsigned c = p[0];
-    if (c < 0x80) return 1;
-    int n;
-    unsigned lo = 0x80, hi = 0xBF;
-    if (c >= 0xC2 && c <= 0xDF)
-        n = 2;
-    else if (c >= 0xE0 && c <= 0xEF) {
-        n = 3;
-        if (c == 0xE0) lo = 0xA0;
-        if (c == 0xED) hi = 0x9F;
-    } else if (c >= 0xF0 && c <= 0xF4) {
-        n = 4;
-        if (c == 0xF0) lo = 0x90;
-        if (c == 0xF4) hi = 0x8F;
-    } else
-        return 0;
-    if (end - p < n) return 0;
-    if (p[1] < lo || p[1] > hi) return 0;
-    for (int i = 2; i < n; i++)
-        if (p[i] < 0x80 || p[i] > 0xBF) return 0;
-    return n;
-}
-
 static k3_status put_utf8(k3_chat_buf *b, uint32_t cp) {
-    char u[4];
-    size_t n;
-    if (cp < 0x80) {
-        u[0] = (char)cp;
-        n = 1;
-    } else if (cp < 0x800) {
-        u[0] = (char)(0xC0 | (cp >> 6));
-        u[1] = (char)(0x80 | (cp & 63));
-        n = 2;
-    } else if (cp < 0x10000) {
-        u[0] = (char)(0xE0 | (cp >> 12));
-        u[1] = (char)(0x80 | ((cp >> 6) & 63));
-        u[2] = (char)(0x80 | (cp & 63));
-        n = 3;
-    } else {
-        u[0] = (char)(0xF0 | (cp >> 18));
-        u[1] = (char)(0x80 | ((cp >> 12) & 63));
-        u[2] = (char)(0x80 | ((cp >> 6) & 63));
-        u[3] = (char)(0x80 | (cp & 63));
-        n = 4;
-    }
-    return k3_chat_buf_put(b, u, n);
+    uint8_t u[4];
+    return k3_chat_buf_put(b, u, k3_utf8_put(cp, u));
 }
 
 static int hex4(const char *p) {
@@ -197,8 +152,8 @@ static k3_status read_string(jreader *r, k3_chat_json **out) {
             break;
         }
         if (c != '\\') {
-            int n = utf8_len((const unsigned char *)r->p, (const unsigned char *)r->end);
-            if (!n) {
+            int n = k3_utf8_next((const uint8_t *)r->p, (size_t)(r->end - r->p), NULL);
+            if (n <= 0) {
                 s = jerr(r, "invalid UTF-8");
                 break;
             }

@@ -20,6 +20,7 @@
  * {"function": {"name": "..."}} objects, an `image_url` part whose image_url is not an object
  * or a string. Unknown string roles are skipped like the encoder does, with a warning. */
 #include "k3_chat.h"
+#include "k3_utf8.h"
 
 #include <stdio.h>
 #include <stdlib.h>
@@ -360,25 +361,15 @@ static k3_status content(rctx *c, const k3_chat_json *v, const char *what) {
     return s;
 }
 
-/* Python str.isspace for one code point (what .strip() removes). */
-static bool py_space(uint32_t cp) {
-    return (cp >= 0x09 && cp <= 0x0D) || (cp >= 0x1C && cp <= 0x20) || cp == 0x85 || cp == 0xA0 ||
-           cp == 0x1680 || (cp >= 0x2000 && cp <= 0x200A) || cp == 0x2028 || cp == 0x2029 ||
-           cp == 0x202F || cp == 0x205F || cp == 0x3000;
-}
-
 /* str(s).strip() != "" for valid UTF-8 bytes. */
 static bool has_non_space(const char *s, size_t n) {
-    const unsigned char *p = (const unsigned char *)s;
+    const uint8_t *p = (const uint8_t *)s;
     for (size_t i = 0; i < n;) {
-        uint32_t cp = p[i];
-        size_t len = cp < 0x80 ? 1 : cp < 0xE0 ? 2 : cp < 0xF0 ? 3 : 4;
-        if (len > 1 && i + len <= n) {
-            cp &= (uint32_t)(0x7F >> len);
-            for (size_t k = 1; k < len; k++) cp = (cp << 6) | (p[i + k] & 0x3F);
-        }
-        if (!py_space(cp)) return true;
-        i += len;
+        uint32_t cp;
+        int len = k3_utf8_next(p + i, n - i, &cp);
+        if (len <= 0) return true; /* not text at all: certainly not blank */
+        if (!k3_py_isspace(cp)) return true;
+        i += (size_t)len;
     }
     return false;
 }

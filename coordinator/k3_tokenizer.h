@@ -45,6 +45,10 @@ typedef struct k3_tok_options {
      * non-whitespace split). tokenization_kimi.py does it, raw tiktoken does not.
      * The zero value means ON; set `no_kimi_chunking` to get raw tiktoken behaviour. */
     bool no_kimi_chunking;
+    /* Spell the pattern's Unicode classes as explicit code point ranges even where PCRE2's own
+     * tables fit (tests compare the two spellings; both give the classes of Unicode 16.0, the
+     * version of tiktoken 0.14's regex crate). Slower on non-Latin text. */
+    bool explicit_unicode_classes;
 } k3_tok_options;
 
 /* The K3 special-token layout of §4.1 relative to `base` (the first special id; 163584 in the real
@@ -71,6 +75,9 @@ void k3_tok_destroy(k3_tokenizer *t);
 /* ---- queries -------------------------------------------------------------------------- */
 int64_t k3_tok_n_vocab(const k3_tokenizer *t); /* max(id) + 1 over ranks and specials */
 int64_t k3_tok_n_ranks(const k3_tokenizer *t); /* max rank + 1 */
+/* True when the pre-tokenizer spells its Unicode classes as explicit ranges (PCRE2's tables are of
+ * another Unicode version than [14.0, 16.0], or k3_tok_options.explicit_unicode_classes). */
+bool k3_tok_explicit_classes(const k3_tokenizer *t);
 /* Id of a special token by content ("<|open|>"); -1 if the tokenizer has none. */
 int32_t k3_tok_special_id(const k3_tokenizer *t, const char *content);
 bool k3_tok_is_special(const k3_tokenizer *t, int32_t id);

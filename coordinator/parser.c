@@ -11,6 +11,7 @@
  * else as a JSON string); `}` at `<|close|>call<|sep|>`.
  * Does not: trim anything, look at marker *text* inside bodies, or invent closing brackets. */
 #include "k3_parser.h"
+#include "k3_utf8.h"
 
 #include <stdio.h>
 #include <stdlib.h>
@@ -110,40 +111,13 @@ bool k3_parser_ended(const k3_parser *p) {
 /* ---- UTF-8 with Python errors="replace" ------------------------------------------------ */
 static const char REPL[] = "\xEF\xBF\xBD"; /* U+FFFD */
 
-/* Status of the sequence at s[0..n): >0 = valid length; 0 = a valid prefix cut by the end;
- * <0 = invalid, -k = length of the maximal invalid subpart to replace by one U+FFFD. */
-static int utf8_check(const unsigned char *s, size_t n) {
-    unsigned c = s[0];
-    if (c < 0x80) return 1;
-    int len;
-    unsigned lo = 0x80, hi = 0xBF;
-    if (c >= 0xC2 && c <= 0xDF)
-        len = 2;
-    else if (c >= 0xE0 && c <= 0xEF) {
-        len = 3;
-        if (c == 0xE0) lo = 0xA0;
-        if (c == 0xED) hi = 0x9F;
-    } else if (c >= 0xF0 && c <= 0xF4) {
-        len = 4;
-        if (c == 0xF0) lo = 0x90;
-        if (c == 0xF4) hi = 0x8F;
-    } else
-        return -1;
-    for (int k = 1; k < len; k++) {
-        if ((size_t)k >= n) return 0;
-        unsigned b = s[k];
-        if (k == 1 ? (b < lo || b > hi) : (b < 0x80 || b > 0xBF)) return -k;
-    }
-    return len;
-}
-
 /* Append bytes to `sink` as valid UTF-8; an incomplete tail is kept in p->pend. */
 static k3_status utf8_feed(k3_parser *p, const char *bytes, size_t n, k3_chat_buf *sink) {
     /* Complete the held sequence first, byte by byte (at most 3 extra bytes). */
     while (p->n_pend && n) {
         p->pend[p->n_pend++] = (unsigned char)*bytes++;
         n--;
-        int r = utf8_check(p->pend, (size_t)p->n_pend);
+        int r = k3_utf8_next(p->pend, (size_t)p->n_pend, NULL);
         if (r == 0) continue;
         int used = r > 0 ? r : -r;
         K3_TRY(r > 0 ? k3_chat_buf_put(sink, p->pend, (size_t)r) : k3_chat_buf_put(sink, REPL, 3));
@@ -163,7 +137,7 @@ static k3_status utf8_feed(k3_parser *p, const char *bytes, size_t n, k3_chat_bu
             i++;
             continue;
         }
-        int r = utf8_check(s + i, n - i);
+        int r = k3_utf8_next(s + i, n - i, NULL);
         if (r > 0) {
             i += (size_t)r;
             continue;
@@ -193,7 +167,7 @@ static k3_status utf8_sanitize(const char *b, size_t n, k3_chat_buf *out) {
     const unsigned char *s = (const unsigned char *)b;
     size_t i = 0, run = 0;
     while (i < n) {
-        int r = s[i] < 0x80 ? 1 : utf8_check(s + i, n - i);
+        int r = s[i] < 0x80 ? 1 : k3_utf8_next(s + i, n - i, NULL);
         if (r > 0) {
             i += (size_t)r;
             continue;

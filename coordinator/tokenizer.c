@@ -12,6 +12,7 @@
  * leftmost on ties) in O(n log n). */
 #include "k3_tokenizer.h"
 #include "tokenizer_internal.h"
+#include "tokenizer_unicode.h"
 
 #include <cjson/cJSON.h>
 #include <errno.h>
@@ -19,43 +20,101 @@
 #include <stdlib.h>
 #include <sys/stat.h>
 
-/* PCRE2 spellings of the pre-tokenizer patterns. K3: copied verbatim from spec/K3-CHAT.md §4.2
- * ("PCRE2 rewrite"). o200k / cl100k: tiktoken's pat_str (shared/vocab/<name>.meta.json) with \s and
- * \S spelled out as the Unicode White_Space set, because PCRE2's UCP \s lacks U+0085. */
-static const char K3_PAT_K3[] =
-    "\\p{Han}+|[^\\r\\n\\p{L}\\p{N}]?(?:(?!\\p{Han})[\\p{Lu}\\p{Lt}\\p{Lm}\\p{Lo}\\p{M}])*(?:"
-    "(?!\\p{Han})[\\p{Ll}\\p{Lm}\\p{Lo}\\p{M}])+(?i:'s|'t|'re|'ve|'m|'ll|'d)?|[^\\r\\n\\p{L}\\p{N}]"
-    "?(?:(?!\\p{Han})[\\p{Lu}\\p{Lt}\\p{Lm}\\p{Lo}\\p{M}])+(?:(?!\\p{Han})[\\p{Ll}\\p{L"
-    "m}\\p{Lo}\\p{M}])*(?i:'s|'t|'re|'ve|'m|'ll|'d)?|\\p{N}{1,3}| ?[^\\t\\n\\x0B\\x0C\\r\\x20"
-    "\\x{85}\\x{A0}\\x{1680}\\x{2000}-\\x{200A}\\x{2028}\\x{2029}\\x{202F}\\x{205F}\\x{3000}\\p{L}"
-    "\\p{N}]+[\\r\\n]*|[\\t\\n\\x0B\\x0C\\r\\x20\\x{85}\\x{A0}\\x{1680}\\x{2000}-\\x{200"
-    "A}\\x{2028}\\x{2029}\\x{202F}\\x{205F}\\x{3000}]*[\\r\\n]+|[\\t\\n\\x0B\\x0C\\r\\x20\\x{"
-    "85}\\x{A0}\\x{1680}\\x{2000}-\\x{200A}\\x{2028}\\x{2029}\\x{202F}\\x{205F}\\x{3000}]+(?!"
-    "[^\\t\\n\\x0B\\x0C\\r\\x20\\x{85}\\x{A0}\\x{1680}\\x{2000}-\\x{200A}\\x{2028}\\x{2029}\\"
-    "x{202F}\\x{205F}\\x{3000}])|[\\t\\n\\x0B\\x0C\\r\\x20\\x{85}\\x{A0}\\x{1680}\\x{2000}-\\"
-    "x{200A}\\x{2028}\\x{2029}\\x{202F}\\x{205F}\\x{3000}]+";
-static const char K3_PAT_O200K[] =
-    "[^\\r\\n\\p{L}\\p{N}]?[\\p{Lu}\\p{Lt}\\p{Lm}\\p{Lo}\\p{M}]*[\\p{Ll}\\p{Lm}\\p{Lo}\\p{M}]"
-    "+('s|'S|'t|'T|'re|'rE|'Re|'RE|'ve|'vE|'Ve|'VE|'m|'M|'ll|'lL|'Ll|'LL|'d|'D)?|[^\\r\\n\\p{"
-    "L}\\p{N}]?[\\p{Lu}\\p{Lt}\\p{Lm}\\p{Lo}\\p{M}]+[\\p{Ll}\\p{Lm}\\p{Lo}\\p{M}]*('s|'S|'t|'"
-    "T|'re|'rE|'Re|'RE|'ve|'vE|'Ve|'VE|'m|'M|'ll|'lL|'Ll|'LL|'d|'D)?|\\p{N}{1,3}| ?[^\\t\\n\\"
-    "x0B\\x0C\\r\\x20\\x{85}\\x{A0}\\x{1680}\\x{2000}-\\x{200A}\\x{2028}\\x{2029}\\x{202F}\\x"
-    "{205F}\\x{3000}\\p{L}\\p{N}]+[\\r\\n/]*|[\\t\\n\\x0B\\x0C\\r\\x20\\x{85}\\x{A0}\\x{1680}"
-    "\\x{2000}-\\x{200A}\\x{2028}\\x{2029}\\x{202F}\\x{205F}\\x{3000}]*[\\r\\n]+|[\\t\\n\\x0B"
-    "\\x0C\\r\\x20\\x{85}\\x{A0}\\x{1680}\\x{2000}-\\x{200A}\\x{2028}\\x{2029}\\x{202F}\\x{20"
-    "5F}\\x{3000}]+(?![^\\t\\n\\x0B\\x0C\\r\\x20\\x{85}\\x{A0}\\x{1680}\\x{2000}-\\x{200A}\\x"
-    "{2028}\\x{2029}\\x{202F}\\x{205F}\\x{3000}])|[\\t\\n\\x0B\\x0C\\r\\x20\\x{85}\\x{A0}\\x{"
-    "1680}\\x{2000}-\\x{200A}\\x{2028}\\x{2029}\\x{202F}\\x{205F}\\x{3000}]+";
-static const char K3_PAT_CL100K[] =
-    "('s|'S|'t|'T|'re|'rE|'Re|'RE|'ve|'vE|'Ve|'VE|'m|'M|'ll|'lL|'Ll|'LL|'d|'D)|[^\\r\\n\\p{L}"
-    "\\p{N}]?\\p{L}+|\\p{N}{1,3}| ?[^\\t\\n\\x0B\\x0C\\r\\x20\\x{85}\\x{A0}\\x{1680}\\x{2000}"
-    "-\\x{200A}\\x{2028}\\x{2029}\\x{202F}\\x{205F}\\x{3000}\\p{L}\\p{N}]+[\\r\\n]*|[\\t\\n\\"
-    "x0B\\x0C\\r\\x20\\x{85}\\x{A0}\\x{1680}\\x{2000}-\\x{200A}\\x{2028}\\x{2029}\\x{202F}\\x"
-    "{205F}\\x{3000}]*[\\r\\n]+|[\\t\\n\\x0B\\x0C\\r\\x20\\x{85}\\x{A0}\\x{1680}\\x{2000}-\\x"
-    "{200A}\\x{2028}\\x{2029}\\x{202F}\\x{205F}\\x{3000}]+(?![^\\t\\n\\x0B\\x0C\\r\\x20\\x{85"
-    "}\\x{A0}\\x{1680}\\x{2000}-\\x{200A}\\x{2028}\\x{2029}\\x{202F}\\x{205F}\\x{3000}])|[\\t"
-    "\\n\\x0B\\x0C\\r\\x20\\x{85}\\x{A0}\\x{1680}\\x{2000}-\\x{200A}\\x{2028}\\x{2029}\\x{202"
-    "F}\\x{205F}\\x{3000}]+";
+/* PCRE2 spellings of the pre-tokenizer patterns (spec/K3-CHAT.md §4.2). o200k / cl100k are
+ * tiktoken's pat_str (shared/vocab/<name>.meta.json). The Unicode classes must be the reference's
+ * (tiktoken 0.14: Rust regex, Unicode 16.0), not PCRE2's: Debian 12's PCRE2 10.42 has Unicode 14.0
+ * tables, and a bare \p{Han} there means Script_Extensions (、。〆・ ... would be Han, so "。\n"
+ * split in two). tokenizer_unicode.h (generated from the UCD) makes three exact spellings:
+ *   BASE      PCRE2's own \p{..}, \p{sc:Han}: for text without a code point of
+ *             K3_UC_DIFF_RANGES (class members assigned after 14.0), when PCRE2's tables are of a
+ *             version in [K3_UC_BASE_VERSION, K3_UC_UNICODE_VERSION]: there PCRE2's classes differ
+ *             from 16.0's only at those code points, and a regex only sees its subject's
+ * characters; ADDED     the same + K3_UCADD_* (the members assigned after 14.0): text with such a
+ * code point. The extra ranges cost ~2x in regex time on ASCII text (PCRE2's JIT tests a class's
+ * ranges one by one after its property lookups), hence BASE for the rest; EXPLICIT  the whole
+ * classes as ranges (K3_UC_*), for a PCRE2 of another Unicode version (or
+ *             k3_tok_options.explicit_unicode_classes): exact everywhere, ~10x slower on CJK text.
+ * K3's class intersections `[... && [^\p{Han}]]`: a lookahead in BASE/ADDED, the precomputed set
+ * differences K3_UC_*_NOHAN in EXPLICIT. \s is the White_Space set spelled out (PCRE2's UCP \s
+ * lacks U+0085; White_Space is unchanged since Unicode 6.3), \S its complement. */
+#define WS                                                                                         \
+    "\\t\\n\\x0B\\x0C\\r\\x20\\x{85}\\x{A0}\\x{1680}\\x{2000}-\\x{200A}\\x{2028}\\x{2029}\\x{"     \
+    "202F}\\x{205F}\\x{3000}"
+#define WS_RUNS         "|[" WS "]*[\\r\\n]+|[" WS "]+(?![^" WS "])|[" WS "]+"
+#define CONTRACTIONS_CI "(?i:'s|'t|'re|'ve|'m|'ll|'d)?"
+#define CONTRACTIONS_CS "('s|'S|'t|'T|'re|'rE|'Re|'RE|'ve|'vE|'Ve|'VE|'m|'M|'ll|'lL|'Ll|'LL|'d|'D)"
+/* Class bodies: LN = L|N, L, N, HAN = Script=Han; UP / LO = an atom matching one character of
+ * [\p{Lu}\p{Lt}\p{Lm}\p{Lo}\p{M}] / [\p{Ll}\p{Lm}\p{Lo}\p{M}] (K3: minus Han). */
+#define PAT_K3(LN, N, HAN, UP, LO)                                                                 \
+    "[" HAN "]+|[^\\r\\n" LN "]?" UP "*" LO "+" CONTRACTIONS_CI "|[^\\r\\n" LN "]?" UP "+" LO      \
+    "*" CONTRACTIONS_CI "|[" N "]{1,3}| ?[^" WS LN "]+[\\r\\n]*" WS_RUNS
+#define PAT_O200K(LN, N, UP, LO)                                                                   \
+    "[^\\r\\n" LN "]?" UP "*" LO "+" CONTRACTIONS_CS "?|[^\\r\\n" LN "]?" UP "+" LO                \
+    "*" CONTRACTIONS_CS "?|[" N "]{1,3}| ?[^" WS LN "]+[\\r\\n/]*" WS_RUNS
+#define PAT_CL100K(LN, L, N)                                                                       \
+    CONTRACTIONS_CS "|[^\\r\\n" LN "]?[" L "]+|[" N "]{1,3}| ?[^" WS LN "]+[\\r\\n]*" WS_RUNS
+/* BASE (A = "") and ADDED (A = the K3_UCADD_ macro) class bodies */
+#define P_LN(A)  "\\p{L}\\p{N}" A
+#define P_HAN(A) "\\p{sc:Han}" A
+#define P_UP(A)  "\\p{Lu}\\p{Lt}\\p{Lm}\\p{Lo}\\p{M}" A
+#define P_LO(A)  "\\p{Ll}\\p{Lm}\\p{Lo}\\p{M}" A
+enum { SP_BASE, SP_ADDED, SP_EXPLICIT };
+/* [pattern][spelling] */
+static const char *const PATTERNS[3][3] = {
+    [K3_TOK_PAT_K3] = {PAT_K3(P_LN(""), "\\p{N}", P_HAN(""), "(?:(?!\\p{sc:Han})[" P_UP("") "])",
+                              "(?:(?!\\p{sc:Han})[" P_LO("") "])"),
+                       PAT_K3(P_LN(K3_UCADD_LN), "\\p{N}" K3_UCADD_N, P_HAN(K3_UCADD_HAN),
+                              "(?:(?![" P_HAN(K3_UCADD_HAN) "])[" P_UP(K3_UCADD_UPPER) "])",
+                              "(?:(?![" P_HAN(K3_UCADD_HAN) "])[" P_LO(K3_UCADD_LOWER) "])"),
+                       PAT_K3(K3_UC_LN, K3_UC_N, K3_UC_HAN, "[" K3_UC_UPPER_NOHAN "]",
+                              "[" K3_UC_LOWER_NOHAN "]")},
+    [K3_TOK_PAT_O200K] = {PAT_O200K(P_LN(""), "\\p{N}", "[" P_UP("") "]", "[" P_LO("") "]"),
+                          PAT_O200K(P_LN(K3_UCADD_LN), "\\p{N}" K3_UCADD_N,
+                                    "[" P_UP(K3_UCADD_UPPER) "]", "[" P_LO(K3_UCADD_LOWER) "]"),
+                          PAT_O200K(K3_UC_LN, K3_UC_N, "[" K3_UC_UPPER "]", "[" K3_UC_LOWER "]")},
+    [K3_TOK_PAT_CL100K] = {PAT_CL100K(P_LN(""), "\\p{L}", "\\p{N}"),
+                           PAT_CL100K(P_LN(K3_UCADD_LN), "\\p{L}" K3_UCADD_L, "\\p{N}" K3_UCADD_N),
+                           PAT_CL100K(K3_UC_LN, K3_UC_L, K3_UC_N)},
+};
+/* Class members assigned after K3_UC_BASE_VERSION: where BASE and the reference differ. */
+static const uint32_t DIFF_RANGES[][2] = {K3_UC_DIFF_RANGES};
+
+/* "14.0.0" -> 14000000 (major, minor, update; 0 for an unparsable string). */
+static long unicode_version_num(const char *v) {
+    long part[3] = {0, 0, 0};
+    for (int i = 0; i < 3 && *v; i++) {
+        char *end;
+        part[i] = strtol(v, &end, 10);
+        if (end == v) return 0;
+        v = *end == '.' ? end + 1 : end;
+    }
+    return part[0] * 1000000 + part[1] * 1000 + part[2];
+}
+
+/* BASE / ADDED are exact iff PCRE2's tables are of a version in [base, target]. */
+static bool pcre2_unicode_fits(void) {
+    char v[32] = "";
+    if (pcre2_config(PCRE2_CONFIG_UNICODE_VERSION, v) < 0) return false;
+    long n = unicode_version_num(v);
+    return n >= unicode_version_num(K3_UC_BASE_VERSION) &&
+           n <= unicode_version_num(K3_UC_UNICODE_VERSION);
+}
+
+/* cp is in DIFF_RANGES (binary search; all ranges lie above U+0800). */
+static bool is_diff_cp(uint32_t cp) {
+    size_t lo = 0, hi = K3_ARRAY_LEN(DIFF_RANGES);
+    if (cp < DIFF_RANGES[0][0]) return false;
+    while (lo < hi) {
+        size_t mid = (lo + hi) / 2;
+        if (cp < DIFF_RANGES[mid][0])
+            hi = mid;
+        else if (cp > DIFF_RANGES[mid][1])
+            lo = mid + 1;
+        else
+            return true;
+    }
+    return false;
+}
 
 /* Kimi chunking constants (tokenization_kimi.py): TIKTOKEN_MAX_ENCODE_CHARS,
  * MAX_NO_WHITESPACES_CHARS. */
@@ -125,86 +184,33 @@ k3_status k3_tok_bytes_append(k3_tok_bytes *b, const char *p, size_t n) {
 }
 
 /* ---- UTF-8 ------------------------------------------------------------------------------- */
-int k3_tok_utf8_check(const uint8_t *s, size_t n, size_t *len) {
-    uint8_t c = s[0];
-    size_t need;
-    uint8_t lo = 0x80, hi = 0xBF; /* allowed range of the second byte */
-    if (c < 0x80) {
-        *len = 1;
-        return 0;
-    }
-    if (c >= 0xC2 && c <= 0xDF)
-        need = 2;
-    else if (c >= 0xE0 && c <= 0xEF) {
-        need = 3;
-        if (c == 0xE0) lo = 0xA0;
-        if (c == 0xED) hi = 0x9F;
-    } else if (c >= 0xF0 && c <= 0xF4) {
-        need = 4;
-        if (c == 0xF0) lo = 0x90;
-        if (c == 0xF4) hi = 0x8F;
-    } else {
-        *len = 1;
-        return -1;
-    }
-    for (size_t k = 1; k < need; k++) {
-        if (k >= n) {
-            *len = n;
-            return 1;
-        }
-        uint8_t b = s[k];
-        uint8_t l = k == 1 ? lo : 0x80, h = k == 1 ? hi : 0xBF;
-        if (b < l || b > h) {
-            *len = k;
-            return -1;
-        }
-    }
-    *len = need;
-    return 0;
-}
-
-/* Validate the whole text once. */
-static k3_status utf8_validate(const char *text, size_t n) {
+/* Validate the whole text once (k3_utf8, Python's strict rules); *diff = it holds a code point of
+ * DIFF_RANGES (the ADDED spelling is needed). */
+static k3_status utf8_validate(const char *text, size_t n, bool *diff) {
     const uint8_t *s = (const uint8_t *)text;
     size_t i = 0;
+    *diff = false;
     while (i < n) {
         if (s[i] < 0x80) {
             i++;
             continue;
         }
-        size_t len;
-        if (k3_tok_utf8_check(s + i, n - i, &len) != 0)
+        uint32_t cp;
+        int len = k3_utf8_next(s + i, n - i, &cp);
+        if (len <= 0)
             return K3_ERR(K3_ERR_ARG, "text is not valid UTF-8 at byte offset %zu (byte 0x%02x)", i,
                           s[i]);
-        i += len;
+        if (len >= 3 && !*diff) *diff = is_diff_cp(cp);
+        i += (size_t)len;
     }
     return K3_OK;
 }
 
-/* Decode one code point of valid UTF-8 at s (caller guarantees validity); returns its length. */
-static size_t utf8_cp(const uint8_t *s, uint32_t *cp) {
-    if (s[0] < 0x80) {
-        *cp = s[0];
-        return 1;
-    }
-    if (s[0] < 0xE0) {
-        *cp = ((uint32_t)(s[0] & 0x1F) << 6) | (s[1] & 0x3F);
-        return 2;
-    }
-    if (s[0] < 0xF0) {
-        *cp = ((uint32_t)(s[0] & 0x0F) << 12) | ((uint32_t)(s[1] & 0x3F) << 6) | (s[2] & 0x3F);
-        return 3;
-    }
-    *cp = ((uint32_t)(s[0] & 0x07) << 18) | ((uint32_t)(s[1] & 0x3F) << 12) |
-          ((uint32_t)(s[2] & 0x3F) << 6) | (s[3] & 0x3F);
-    return 4;
-}
-
-/* Python str.isspace(). */
-static bool py_isspace(uint32_t c) {
-    if (c <= 0x20) return (c >= 0x09 && c <= 0x0D) || (c >= 0x1C && c <= 0x20);
-    return c == 0x85 || c == 0xA0 || c == 0x1680 || (c >= 0x2000 && c <= 0x200A) || c == 0x2028 ||
-           c == 0x2029 || c == 0x202F || c == 0x205F || c == 0x3000;
+/* Decode one code point of valid UTF-8 at s[0..n); returns its length. */
+static size_t utf8_cp(const uint8_t *s, size_t n, uint32_t *cp) {
+    int len = k3_utf8_next(s, n, cp);
+    K3_ASSERT(len > 0); /* the text was validated */
+    return (size_t)len;
 }
 
 /* ---- hash map bytes -> rank -------------------------------------------------------------- */
@@ -533,33 +539,39 @@ static k3_status set_specials(k3_tokenizer *t, const k3_tok_special *sp, size_t 
 }
 
 /* ---- create / destroy -------------------------------------------------------------------- */
-static const char *pattern_str(k3_tok_pattern p) {
-    switch (p) {
-    case K3_TOK_PAT_K3:
-        return K3_PAT_K3;
-    case K3_TOK_PAT_O200K:
-        return K3_PAT_O200K;
-    case K3_TOK_PAT_CL100K:
-        return K3_PAT_CL100K;
-    }
-    return NULL;
-}
-
-static k3_status compile_pattern(k3_tokenizer *t, k3_tok_pattern p) {
-    const char *pat = pattern_str(p);
-    if (!pat) return K3_ERR(K3_ERR_ARG, "unknown pre-tokenizer pattern %d", (int)p);
+static k3_status compile_one(const char *pat, pcre2_code **re, bool *jit, bool report) {
     int err = 0;
     PCRE2_SIZE off = 0;
-    t->re = pcre2_compile((PCRE2_SPTR)pat, PCRE2_ZERO_TERMINATED, PCRE2_UTF | PCRE2_UCP, &err, &off,
-                          NULL);
-    if (!t->re) {
+    *re = pcre2_compile((PCRE2_SPTR)pat, PCRE2_ZERO_TERMINATED, PCRE2_UTF | PCRE2_UCP, &err, &off,
+                        NULL);
+    if (!*re) {
+        if (!report) return K3_ERR_INTERNAL; /* the caller falls back to EXPLICIT, no message */
         PCRE2_UCHAR msg[256];
         pcre2_get_error_message(err, msg, sizeof msg);
         return K3_ERR(K3_ERR_INTERNAL, "pre-tokenizer pattern does not compile at offset %zu: %s",
                       (size_t)off, (const char *)msg);
     }
-    t->jit = pcre2_jit_compile(t->re, PCRE2_JIT_COMPLETE) == 0;
+    *jit = pcre2_jit_compile(*re, PCRE2_JIT_COMPLETE) == 0;
     return K3_OK;
+}
+
+static k3_status compile_pattern(k3_tokenizer *t, k3_tok_pattern p, bool force_explicit) {
+    if ((unsigned)p >= K3_ARRAY_LEN(PATTERNS))
+        return K3_ERR(K3_ERR_ARG, "unknown pre-tokenizer pattern %d", (int)p);
+    /* BASE + ADDED need PCRE2 tables of a fitting version (and \p{sc:..}: PCRE2 >= 10.40; an
+     * older library does not compile them and gets EXPLICIT). */
+    if (!force_explicit && pcre2_unicode_fits() &&
+        compile_one(PATTERNS[p][SP_BASE], &t->re, &t->jit, false) == K3_OK &&
+        compile_one(PATTERNS[p][SP_ADDED], &t->re_added, &t->jit_added, false) == K3_OK)
+        return K3_OK;
+    if (t->re) pcre2_code_free(t->re);
+    t->re = NULL;
+    t->explicit_classes = true;
+    return compile_one(PATTERNS[p][SP_EXPLICIT], &t->re, &t->jit, true);
+}
+
+bool k3_tok_explicit_classes(const k3_tokenizer *t) {
+    return t->explicit_classes;
 }
 
 void k3_tok_destroy(k3_tokenizer *t) {
@@ -575,6 +587,7 @@ void k3_tok_destroy(k3_tokenizer *t) {
     free(t->id_special);
     free(t->trie);
     if (t->re) pcre2_code_free(t->re);
+    if (t->re_added) pcre2_code_free(t->re_added);
     free(t);
 }
 
@@ -587,7 +600,7 @@ k3_status k3_tok_create_tiktoken(k3_tokenizer **out, const char *path,
     if (!t) return K3_ERR(K3_ERR_NOMEM, "tokenizer");
     t->kimi_chunking = !o.no_kimi_chunking;
     k3_status st = load_ranks(t, path);
-    if (st == K3_OK) st = compile_pattern(t, o.pattern);
+    if (st == K3_OK) st = compile_pattern(t, o.pattern, o.explicit_unicode_classes);
     if (st == K3_OK) {
         if (!specials && n_specials == K3_TOK_K3_LAYOUT) {
             k3_tok_special *sp = NULL;
@@ -737,6 +750,8 @@ typedef struct heap_ent {
 } heap_ent;
 
 typedef struct tok_scratch {
+    const pcre2_code *re; /* the spelling for the current text (t->re or t->re_added) */
+    bool jit;
     pcre2_match_data *md;
     pcre2_match_context *mctx;
     pcre2_jit_stack *jstack;
@@ -762,6 +777,9 @@ static void scratch_free(tok_scratch *s) {
 
 static k3_status scratch_init(tok_scratch *s, const k3_tokenizer *t) {
     memset(s, 0, sizeof *s);
+    s->re = t->re;
+    s->jit = t->jit;
+    /* BASE and ADDED have the same groups, so one match data serves both. */
     s->md = pcre2_match_data_create_from_pattern(t->re, NULL);
     s->mctx = pcre2_match_context_create(NULL);
     if (!s->md || !s->mctx) {
@@ -911,11 +929,11 @@ static int regex_next(const k3_tokenizer *t, tok_scratch *s, const uint8_t *subj
                       size_t off, size_t *ms, size_t *me) {
     int rc;
     for (int attempt = 0;; attempt++) {
-        if (t->jit && attempt < 2)
-            rc = pcre2_jit_match(t->re, subj, n, off, 0, s->md, s->mctx);
+        if (s->jit && attempt < 2)
+            rc = pcre2_jit_match(s->re, subj, n, off, 0, s->md, s->mctx);
         else
             rc =
-                pcre2_match(t->re, subj, n, off, PCRE2_NO_UTF_CHECK | PCRE2_NO_JIT, s->md, s->mctx);
+                pcre2_match(s->re, subj, n, off, PCRE2_NO_UTF_CHECK | PCRE2_NO_JIT, s->md, s->mctx);
         if (rc == PCRE2_ERROR_JIT_STACKLIMIT && attempt == 0) {
             /* Deep backtracking on a long piece: give JIT a large stack and retry once;
              * the interpreter (heap frames) is the last resort. */
@@ -932,6 +950,14 @@ static int regex_next(const k3_tokenizer *t, tok_scratch *s, const uint8_t *subj
     *ms = ov[0];
     *me = ov[1];
     return 1;
+}
+
+/* The spelling for a text: ADDED when it holds a code point of DIFF_RANGES (and BASE/ADDED are in
+ * use), else `re` (BASE, or EXPLICIT for everything). */
+static void scratch_pick(tok_scratch *s, const k3_tokenizer *t, bool diff) {
+    bool added = diff && t->re_added;
+    s->re = added ? t->re_added : t->re;
+    s->jit = added ? t->jit_added : t->jit;
 }
 
 /* Regex split + BPE of a text run with no specials (tiktoken's _encode_ordinary on a slice:
@@ -951,7 +977,7 @@ static k3_status encode_ordinary(const k3_tokenizer *t, tok_scratch *s, const ui
         }
         if (me == ms) { /* cannot happen with our patterns; step one code point to be safe */
             uint32_t cp;
-            off = ms + utf8_cp(p + ms, &cp);
+            off = ms + utf8_cp(p + ms, n - ms, &cp);
             continue;
         }
         K3_TRY(bpe_piece(t, s, p + ms, me - ms, out));
@@ -1006,7 +1032,7 @@ static k3_status encode_kimi_chunks(const k3_tokenizer *t, tok_scratch *s, const
         size_t cend = pos, ncp = 0;
         while (cend < n && ncp < KIMI_MAX_ENCODE_CHARS) {
             uint32_t cp;
-            cend += utf8_cp(p + cend, &cp);
+            cend += utf8_cp(p + cend, n - cend, &cp);
             ncp++;
         }
         /* _split_whitespaces_or_nonwhitespaces(chunk, 25000). */
@@ -1014,13 +1040,13 @@ static k3_status encode_kimi_chunks(const k3_tokenizer *t, tok_scratch *s, const
         bool run_space = false;
         if (pos < cend) {
             uint32_t cp;
-            utf8_cp(p + pos, &cp);
-            run_space = py_isspace(cp);
+            utf8_cp(p + pos, n - pos, &cp);
+            run_space = k3_py_isspace(cp);
         }
         while (i < cend) {
             uint32_t cp;
-            size_t l = utf8_cp(p + i, &cp);
-            bool sp = py_isspace(cp);
+            size_t l = utf8_cp(p + i, n - i, &cp);
+            bool sp = k3_py_isspace(cp);
             if (sp != run_space) {
                 run = 1;
                 run_space = sp;
@@ -1040,8 +1066,10 @@ static k3_status encode_kimi_chunks(const k3_tokenizer *t, tok_scratch *s, const
 static k3_status encode_with(const k3_tokenizer *t, tok_scratch *s, const char *text, size_t n,
                              bool allow_special, k3_tok_ids *out) {
     if (n && !text) return K3_ERR(K3_ERR_ARG, "text is NULL");
-    K3_TRY(utf8_validate(text, n));
+    bool diff;
+    K3_TRY(utf8_validate(text, n, &diff));
     if (n == 0) return K3_OK;
+    scratch_pick(s, t, diff);
     if (t->kimi_chunking)
         return encode_kimi_chunks(t, s, (const uint8_t *)text, n, allow_special, out);
     return encode_chunk(t, s, (const uint8_t *)text, n, allow_special, out);
@@ -1078,9 +1106,11 @@ k3_status k3_tok_split(const k3_tokenizer *t, const char *text, size_t n_bytes, 
     *offsets = NULL;
     *n_pieces = 0;
     if (n_bytes && !text) return K3_ERR(K3_ERR_ARG, "text is NULL");
-    K3_TRY(utf8_validate(text, n_bytes));
+    bool diff;
+    K3_TRY(utf8_validate(text, n_bytes, &diff));
     tok_scratch s;
     K3_TRY(scratch_init(&s, t));
+    scratch_pick(&s, t, diff);
     size_t cap = 0, np = 0, off = 0;
     size_t *v = NULL;
     k3_status st = K3_OK;
@@ -1107,7 +1137,7 @@ k3_status k3_tok_split(const k3_tokenizer *t, const char *text, size_t n_bytes, 
         np++;
         if (me == ms) {
             uint32_t cp;
-            me = ms + utf8_cp((const uint8_t *)text + ms, &cp);
+            me = ms + utf8_cp((const uint8_t *)text + ms, n_bytes - ms, &cp);
         }
         off = me;
     }

@@ -42,20 +42,19 @@ static k3_status utf8_repair(const uint8_t *s, size_t n, bool final, k3_tok_byte
                 run++;
                 continue;
             }
-            size_t len;
-            if (k3_tok_utf8_check(s + run, n - run, &len) != 0) break;
-            run += len;
+            int len = k3_utf8_next(s + run, n - run, NULL);
+            if (len <= 0) break;
+            run += (size_t)len;
         }
         if (run > i) {
             K3_TRY(k3_tok_bytes_append(out, (const char *)s + i, run - i));
             i = run;
             continue;
         }
-        size_t len;
-        int r = k3_tok_utf8_check(s + i, n - i, &len);
-        if (r == 1 && !final) break; /* incomplete at the end: wait for more bytes */
+        int r = k3_utf8_next(s + i, n - i, NULL);
+        if (r == 0 && !final) break; /* incomplete at the end: wait for more bytes */
         K3_TRY(k3_tok_bytes_append(out, REPLACEMENT, 3));
-        i += len;
+        i += r < 0 ? (size_t)-r : n - i; /* an invalid subpart, or a truncated tail */
     }
     *consumed = i;
     return K3_OK;
@@ -104,11 +103,10 @@ k3_status k3_tok_stream_push_bytes(k3_tok_stream *s, const char *bytes, size_t n
     /* Complete (or reject) the held prefix byte by byte. */
     while (s->n_held > 0 && i < n) {
         s->held[s->n_held++] = p[i++];
-        size_t len;
-        int r = k3_tok_utf8_check(s->held, s->n_held, &len);
-        if (r == 1) continue;
-        if (r == 0) {
-            K3_TRY(k3_tok_bytes_append(out, (const char *)s->held, len));
+        int r = k3_utf8_next(s->held, s->n_held, NULL);
+        if (r == 0) continue;
+        if (r > 0) {
+            K3_TRY(k3_tok_bytes_append(out, (const char *)s->held, (size_t)r));
             s->n_held = 0;
             continue;
         }

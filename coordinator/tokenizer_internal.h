@@ -8,6 +8,7 @@
 #include <pcre2.h>
 
 #include "k3_tokenizer.h"
+#include "k3_utf8.h"
 
 typedef struct tok_trie_node {
     int32_t first_child;  /* index into trie, -1 = none */
@@ -36,16 +37,14 @@ struct k3_tokenizer {
     size_t n_trie;
     k3_tok_ctrl ctrl;
     /* pre-tokenizer */
-    pcre2_code *re;
-    bool jit; /* pcre2_jit_compile succeeded */
+    /* Two compiled spellings of the pattern (tokenizer.c "PCRE2 spellings"): `re` for text
+     * without a code point of K3_UC_DIFF_RANGES, `re_added` for text with one. In EXPLICIT mode
+     * re_added is NULL and `re` is exact for all text. */
+    pcre2_code *re, *re_added;
+    bool jit, jit_added;   /* pcre2_jit_compile succeeded */
+    bool explicit_classes; /* EXPLICIT mode */
     bool kimi_chunking;
 };
-
-/* UTF-8 classification of the sequence at s[0..n) (n >= 1), strict like Python's decoder
- * (no overlongs, no surrogates, <= U+10FFFF). Returns 0 and *len = sequence length when a
- * complete valid sequence starts at s; -1 and *len = maximal invalid subpart (>= 1) when it is
- * invalid; 1 when all n bytes are a valid but incomplete prefix (need more bytes). */
-int k3_tok_utf8_check(const uint8_t *s, size_t n, size_t *len);
 
 /* Make room for `extra` more bytes + NUL (K3_ERR_NOMEM with a message). */
 k3_status k3_tok_bytes_reserve(k3_tok_bytes *b, size_t extra);

@@ -7,10 +7,10 @@
  * Specials are allowed by default, like tokenization_kimi.py encode(). --vocab uses the K3
  * special-token layout past the last rank (§4.1). Errors: one line on stderr, exit 1 (2 = usage).
  */
+#include "k3_chat.h"
 #include "k3_launcher.h"
 #include "k3_tokenizer.h"
 
-#include <cjson/cJSON.h>
 #include <errno.h>
 #include <stdio.h>
 #include <stdlib.h>
@@ -28,10 +28,16 @@ static const k3_flag tokenize_flags[] = {
      "read one JSON string (or {text,special}) per stdin line, print one id array per line"},
 };
 
-static void print_ids_json(const k3_tok_ids *ids) {
-    putchar('[');
-    for (size_t i = 0; i < ids->n; i++) printf(i ? ",%d" : "%d", ids->ids[i]);
-    putchar(']');
+/* "[id,id,...]\n" appended to out (one --jsonl answer; printf per id is the bottleneck of a
+ * long batch). */
+static k3_status ids_json(const k3_tok_ids *ids, k3_chat_buf *out) {
+    char num[16];
+    K3_TRY(k3_chat_buf_put(out, "[", 1));
+    for (size_t i = 0; i < ids->n; i++) {
+        int n = snprintf(num, sizeof num, i ? ",%d" : "%d", ids->ids[i]);
+        K3_TRY(k3_chat_buf_put(out, num, (size_t)n));
+    }
+    return k3_chat_buf_put(out, "]\n", 2);
 }
 
 static int run_jsonl(const k3_tokenizer *t, bool allow_special) {
@@ -41,54 +47,50 @@ static int run_jsonl(const k3_tokenizer *t, bool allow_special) {
     size_t lineno = 0;
     int rc = 0;
     k3_tok_ids ids = {0};
+    k3_chat_buf out = {0};
     while ((len = getline(&line, &cap, stdin)) >= 0) {
         lineno++;
-        /* cJSON strings are NUL-terminated: a \u0000 escape would silently truncate the text. */
-        if (strstr(line, "\\u0000")) {
-            fprintf(
-                stderr,
-                "k3 tokenize: stdin line %zu: \\u0000 (NUL) is not supported in --jsonl input\n",
-                lineno);
+        /* coordinator's JSON reader (Python json.loads semantics): strings carry their length,
+         * so "\u0000" is an ordinary character (byte 0), never the end of the text. */
+        char what[48];
+        snprintf(what, sizeof what, "stdin line %zu", lineno);
+        k3_chat_json *v = NULL;
+        if (k3_chat_json_parse(line, (size_t)len, what, &v) != K3_OK) {
+            fprintf(stderr, "k3 tokenize: %s\n", k3_last_error());
             rc = 1;
             break;
         }
-        cJSON *v = cJSON_ParseWithLength(line, (size_t)len);
-        if (!v) {
-            const char *at = cJSON_GetErrorPtr();
-            long off = at && at >= line && at <= line + len ? (long)(at - line) : -1;
-            fprintf(stderr, "k3 tokenize: stdin line %zu: invalid JSON (near byte %ld)\n", lineno,
-                    off);
-            rc = 1;
-            break;
-        }
-        const cJSON *text = v;
+        const k3_chat_json *text = v;
         bool special = allow_special;
-        if (cJSON_IsObject(v)) {
-            text = cJSON_GetObjectItemCaseSensitive(v, "text");
-            const cJSON *sp = cJSON_GetObjectItemCaseSensitive(v, "special");
-            if (sp && !cJSON_IsBool(sp)) text = NULL;
-            if (sp) special = cJSON_IsTrue(sp);
+        if (v->kind == K3_JSON_OBJECT) {
+            text = k3_chat_json_get(v, "text");
+            const k3_chat_json *sp = k3_chat_json_get(v, "special");
+            if (sp && sp->kind != K3_JSON_BOOL) text = NULL;
+            if (sp && sp->kind == K3_JSON_BOOL) special = sp->b;
         }
-        if (!cJSON_IsString(text)) {
+        if (!text || text->kind != K3_JSON_STRING) {
             fprintf(stderr,
                     "k3 tokenize: stdin line %zu: expected a JSON string or {\"text\": string, "
                     "\"special\": bool}\n",
                     lineno);
-            cJSON_Delete(v);
+            k3_chat_json_free(v);
             rc = 1;
             break;
         }
         ids.n = 0;
-        k3_status st =
-            k3_tok_encode(t, text->valuestring, strlen(text->valuestring), special, &ids);
-        cJSON_Delete(v);
+        k3_status st = k3_tok_encode(t, text->s, text->n, special, &ids);
+        k3_chat_json_free(v);
         if (st != K3_OK) {
             fprintf(stderr, "k3 tokenize: stdin line %zu: %s\n", lineno, k3_last_error());
             rc = 1;
             break;
         }
-        print_ids_json(&ids);
-        putchar('\n');
+        out.n = 0;
+        if (ids_json(&ids, &out) != K3_OK || fwrite(out.p, 1, out.n, stdout) != out.n) {
+            fprintf(stderr, "k3 tokenize: writing stdout failed after line %zu\n", lineno);
+            rc = 1;
+            break;
+        }
     }
     if (rc == 0 && ferror(stdin)) {
         fprintf(stderr, "k3 tokenize: reading stdin failed after line %zu: %s\n", lineno,
@@ -97,8 +99,32 @@ static int run_jsonl(const k3_tokenizer *t, bool allow_special) {
     }
     free(line);
     k3_tok_ids_free(&ids);
-    fflush(stdout);
+    k3_chat_buf_free(&out);
+    if (fflush(stdout) != 0 && rc == 0) {
+        fprintf(stderr, "k3 tokenize: writing stdout failed: %s\n", strerror(errno));
+        rc = 1;
+    }
     return rc;
+}
+
+/* {"ids":[...],"pieces":[...]}\n: each piece is one id decoded (invalid UTF-8 as U+FFFD), written
+ * with its length (a piece may hold byte 0). */
+static k3_status ids_pieces_json(const k3_tokenizer *t, const k3_tok_ids *ids, k3_chat_buf *o) {
+    K3_TRY(k3_chat_buf_puts(o, "{\"ids\":"));
+    K3_TRY(ids_json(ids, o));
+    o->n--; /* drop the newline of ids_json */
+    K3_TRY(k3_chat_buf_puts(o, ",\"pieces\":["));
+    k3_tok_bytes piece = {0};
+    k3_status st = K3_OK;
+    for (size_t i = 0; st == K3_OK && i < ids->n; i++) {
+        piece.n = 0;
+        st = k3_tok_decode(t, &ids->ids[i], 1, &piece);
+        if (st == K3_OK && i) st = k3_chat_buf_put(o, ",", 1);
+        if (st == K3_OK) st = k3_chat_json_dump_str(piece.data ? piece.data : "", piece.n, o);
+    }
+    k3_tok_bytes_free(&piece);
+    K3_TRY(st);
+    return k3_chat_buf_puts(o, "]}\n");
 }
 
 /* All of stdin into *buf (NUL-terminated, n bytes). A failed read or allocation is an error, never
@@ -176,19 +202,15 @@ static int run_tokenize(const k3_args *a) {
             fprintf(stderr, "k3 tokenize: %s\n", k3_last_error());
             rc = 1;
         } else if (k3_args_bool(a, "json")) {
-            cJSON *o = cJSON_CreateObject(), *ia = cJSON_AddArrayToObject(o, "ids"),
-                  *pa = cJSON_AddArrayToObject(o, "pieces");
-            for (size_t i = 0; i < ids.n; i++) {
-                k3_tok_bytes piece = {0};
-                cJSON_AddItemToArray(ia, cJSON_CreateNumber(ids.ids[i]));
-                if (k3_tok_decode(t, &ids.ids[i], 1, &piece) == K3_OK)
-                    cJSON_AddItemToArray(pa, cJSON_CreateString(piece.data ? piece.data : ""));
-                k3_tok_bytes_free(&piece);
+            k3_chat_buf o = {0};
+            st = ids_pieces_json(t, &ids, &o);
+            if (st == K3_OK) {
+                fwrite(o.p, 1, o.n, stdout);
+            } else {
+                fprintf(stderr, "k3 tokenize: %s\n", k3_last_error());
+                rc = 1;
             }
-            char *s = cJSON_PrintUnformatted(o);
-            if (s) printf("%s\n", s);
-            free(s);
-            cJSON_Delete(o);
+            k3_chat_buf_free(&o);
         } else {
             for (size_t i = 0; i < ids.n; i++) printf(i ? " %d" : "%d", ids.ids[i]);
             printf("\n");

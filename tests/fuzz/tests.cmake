@@ -12,7 +12,7 @@ if(CMAKE_C_COMPILER_ID MATCHES "Clang")
   # The tokenizer sources are compiled into the target so libFuzzer sees their coverage.
   add_executable(fuzz_tokenizer ${CMAKE_CURRENT_LIST_DIR}/fuzz_tokenizer.c
                  ${CMAKE_SOURCE_DIR}/coordinator/tokenizer.c ${CMAKE_SOURCE_DIR}/coordinator/tokenizer_decode.c
-                 ${CMAKE_SOURCE_DIR}/base/base.c)
+                 ${CMAKE_SOURCE_DIR}/base/base.c ${CMAKE_SOURCE_DIR}/base/utf8.c)
   target_compile_definitions(fuzz_tokenizer PRIVATE K3_LIBFUZZER=1 _GNU_SOURCE)
   target_include_directories(fuzz_tokenizer PRIVATE ${CMAKE_SOURCE_DIR}/base ${CMAKE_SOURCE_DIR}/coordinator)
   target_compile_options(fuzz_tokenizer PRIVATE -g -O1 -fsanitize=fuzzer,address,undefined)
@@ -28,7 +28,8 @@ if(CMAKE_C_COMPILER_ID MATCHES "Clang")
   add_executable(fuzz_parser ${CMAKE_CURRENT_LIST_DIR}/fuzz_parser.c
                  ${CMAKE_SOURCE_DIR}/coordinator/chat_json.c ${CMAKE_SOURCE_DIR}/coordinator/chat_render.c
                  ${CMAKE_SOURCE_DIR}/coordinator/parser.c ${CMAKE_SOURCE_DIR}/coordinator/tokenizer.c
-                 ${CMAKE_SOURCE_DIR}/coordinator/tokenizer_decode.c ${CMAKE_SOURCE_DIR}/base/base.c)
+                 ${CMAKE_SOURCE_DIR}/coordinator/tokenizer_decode.c ${CMAKE_SOURCE_DIR}/base/base.c
+                 ${CMAKE_SOURCE_DIR}/base/utf8.c)
   target_compile_definitions(fuzz_parser PRIVATE K3_LIBFUZZER=1 _GNU_SOURCE)
   target_include_directories(fuzz_parser PRIVATE ${CMAKE_SOURCE_DIR}/base ${CMAKE_SOURCE_DIR}/coordinator)
   target_compile_options(fuzz_parser PRIVATE -g -O1 -fsanitize=fuzzer,address,undefined)

@@ -11,11 +11,19 @@
  * 5. Decoding: Python errors="replace" cases (expected strings computed with CPython), streaming
  *    equals whole decoding and never emits broken UTF-8.
  * 6. No quadratic blow-up: encoding time of 1 MiB vs 256 KiB (ratio bound, not absolute speed).
- * Needs K3_SHARED (ctest sets it). */
+ * 7. (--spellings, a ctest of its own) The spellings of the Unicode classes
+ * (coordinator/tokenizer.c): for every scalar value in several contexts, the default tokenizer
+ * (BASE for text without a code point assigned after Unicode 14.0 in a class, ADDED for text with
+ * one, on a PCRE2 with 14.0-16.0 tables) splits exactly like EXPLICIT (the whole classes as
+ * ranges), for the K3, o200k and cl100k patterns (planes 4-13, all unassigned in Unicode 16.0,
+ * sampled: one block in 16). tests/tokenizer/unicode_sweep.py proves the default against tiktoken;
+ * this carries it to EXPLICIT, the spelling used with a PCRE2 of any other Unicode version. Needs
+ * K3_SHARED (ctest sets it). */
 #include <time.h>
 
 #include "k3_test.h"
 #include "k3_tokenizer.h"
+#include "k3_utf8.h"
 
 #include <cjson/cJSON.h>
 #include <stdio.h>
@@ -430,7 +438,73 @@ static void test_no_quadratic(const k3_tokenizer *t, const char *label) {
     free(s);
 }
 
-int main(void) {
+/* Blocks of 64 code points, each in 5 contexts that show membership in every class (a+c: lower
+ * letters, A+c: letters, 中+c: Han, 1c2: numbers, c+\n: letters/numbers/space), split by the
+ * default and the EXPLICIT tokenizer: the piece offsets must be equal. Blocks keep BASE and ADDED
+ * apart (a block without a new code point uses BASE). */
+static void test_spellings(const char *path) {
+    static const char *const names[] = {"k3", "o200k", "cl100k"};
+    char *text = malloc(64 * 5 * 16);
+    long n_blocks = 0, n_diff = 0;
+    for (int pat = 0; pat < 3; pat++) {
+        k3_tok_options oa = {.pattern = (k3_tok_pattern)pat};
+        k3_tok_options ob = {.pattern = (k3_tok_pattern)pat, .explicit_unicode_classes = true};
+        k3_tokenizer *a = NULL, *b = NULL;
+        K3_CHECK_OK(k3_tok_create_tiktoken(&a, path, NULL, 0, &oa));
+        K3_CHECK_OK(k3_tok_create_tiktoken(&b, path, NULL, 0, &ob));
+        if (!a || !b) break;
+        K3_CHECK(k3_tok_explicit_classes(b), "explicit_unicode_classes is honoured");
+        if (pat == 0)
+            printf("  default spelling: %s\n",
+                   k3_tok_explicit_classes(a) ? "EXPLICIT (PCRE2 tables of another Unicode version)"
+                                              : "BASE + ADDED");
+        for (uint32_t start = 0; start < 0x110000; start += 64) {
+            if (start >= 0x40000 && start < 0xE0000 && (start / 64) % 16) continue;
+            size_t n = 0;
+            for (uint32_t cp = start; cp < start + 64; cp++) {
+                if (cp >= 0xD800 && cp <= 0xDFFF) continue;
+                uint8_t c[4];
+                size_t l = k3_utf8_put(cp, c);
+                static const char *const pre[] = {"a", "A", "\xE4\xB8\xAD", "1", ""};
+                static const char *const post[] = {"", "", "", "2", "\n"};
+                for (int k = 0; k < 5; k++) {
+                    memcpy(text + n, pre[k], strlen(pre[k]));
+                    n += strlen(pre[k]);
+                    memcpy(text + n, c, l);
+                    n += l;
+                    memcpy(text + n, post[k], strlen(post[k]));
+                    n += strlen(post[k]);
+                }
+            }
+            size_t *pa = NULL, *pb = NULL, na = 0, nb = 0;
+            k3_status sa = k3_tok_split(a, text, n, &pa, &na);
+            k3_status sb = k3_tok_split(b, text, n, &pb, &nb);
+            n_blocks++;
+            if (sa != K3_OK || sb != K3_OK || na != nb || memcmp(pa, pb, 2 * na * sizeof *pa)) {
+                if (n_diff++ < 5)
+                    fprintf(stderr, "  %s: block U+%04X: %zu vs %zu pieces\n", names[pat],
+                            (unsigned)start, na, nb);
+            }
+            free(pa);
+            free(pb);
+        }
+        k3_tok_destroy(a);
+        k3_tok_destroy(b);
+    }
+    free(text);
+    K3_CHECK(n_blocks == 3 * (0x40000 / 64 + 0xA0000 / 64 / 16 + 0x30000 / 64),
+             "every block was split (%ld)", n_blocks);
+    K3_CHECK(n_diff == 0, "%ld blocks split differently by the default and the EXPLICIT spelling",
+             n_diff);
+}
+
+int main(int argc, char **argv) {
+    if (argc > 1 && strcmp(argv[1], "--spellings") == 0) { /* its own ctest: ~20 s */
+        char vocab[1024];
+        snprintf(vocab, sizeof vocab, "%s/vocab/o200k_base.tiktoken", k3_test_shared());
+        test_spellings(vocab);
+        return k3_test_done("tokenizer-spellings");
+    }
     snprintf(g_tmp, sizeof g_tmp, "/tmp/k3_test_tok_%d", (int)getpid());
     mkdir(g_tmp, 0755);
     test_hand_bpe();
