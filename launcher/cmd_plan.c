@@ -18,8 +18,10 @@ static const k3_flag flags[] = {
     {"coordinator", K3_FLAG_STR, "MODE", "shared", "shared | dedicated (world = 1 + S x E)"},
     {"expert-map", K3_FLAG_STR, "FILE", NULL, "expert -> lane map (see partition/k3_partition.h)"},
     {"max-ctx", K3_FLAG_INT, "N", "4096", "context per sequence (sizes caches)"},
-    {"max-seqs", K3_FLAG_INT, "N", "1", "sequences per lane (sizes caches)"},
-    {"max-tokens", K3_FLAG_INT, "N", "256", "tokens per forward on a lane (sizes buffers)"},
+    {"max-seqs", K3_FLAG_INT, "N", "8", "sequence slots per lane (sizes caches; as run/batch)"},
+    {"max-batch-tokens", K3_FLAG_INT, "N", "512",
+     "tokens per forward step of a lane (sizes buffers; the same flag as run/batch)"},
+    {"max-tokens", K3_FLAG_INT, "N", NULL, "old name of --max-batch-tokens"},
     {"json", K3_FLAG_BOOL, NULL, NULL, "print one JSON object instead of the table"},
 };
 
@@ -50,7 +52,7 @@ static int run_plan(const k3_args *a) {
     int64_t world =
         k3_args_has(a, "world") ? k3_args_int(a, "world") : pp * ep + (cm == K3_COORD_DEDICATED);
     int64_t ctx = k3_args_int(a, "max-ctx"), seqs = k3_args_int(a, "max-seqs"),
-            toks = k3_args_int(a, "max-tokens");
+            toks = k3_args_int(a, k3_args_has(a, "max-tokens") ? "max-tokens" : "max-batch-tokens");
     if (pp < 1 || pp > 4096 || ep < 1 || ep > 4096 || world < 1 || world > 1 << 20) {
         fprintf(stderr, "k3 plan: --pp and --ep must be in [1, 4096], --world in [1, %d]\n",
                 1 << 20);
@@ -61,7 +63,7 @@ static int run_plan(const k3_args *a) {
     static const struct {
         const char *flag;
         int64_t max;
-    } lim[] = {{"max-ctx", (int64_t)1 << 30}, {"max-seqs", 1 << 20}, {"max-tokens", 1 << 24}};
+    } lim[] = {{"max-ctx", (int64_t)1 << 30}, {"max-seqs", 1 << 20}, {"max-batch-tokens", 1 << 24}};
     const int64_t val[] = {ctx, seqs, toks};
     for (size_t i = 0; i < K3_ARRAY_LEN(lim); i++)
         if (val[i] < 1 || val[i] > lim[i].max) {

@@ -58,6 +58,11 @@ static const k3_flag flags[] = {
      "do not stop at EOS / <|end_of_msg|> (stop strings still apply); with --chat they do not "
      "end the message either"},
     {"chunk", K3_FLAG_INT, "C", "0", "prefill chunk in tokens (0 = whole prompt at once)"},
+    {"max-seqs", K3_FLAG_INT, "N", "0",
+     "sequence slots per lane (0 = as many as the prompts need); more prompts wait in a queue"},
+    {"max-ctx", K3_FLAG_INT, "N", "0", "tokens per sequence, prompt + new (0 = what they need)"},
+    {"max-batch-tokens", K3_FLAG_INT, "N", "0",
+     "tokens per forward step of a lane (0 = every prefill in one step)"},
     {"kda-chunk", K3_FLAG_INT, "C", "0",
      "KDA form: 0/1 = recurrent (bit-exact), C >= 2 = chunked, C tokens"},
     {"threads", K3_FLAG_INT, "N", "0",
@@ -235,6 +240,14 @@ static int run_run(const k3_args *a) {
             threads = k3_args_int(a, "threads"), pp = k3_args_int(a, "pp"),
             ep = k3_args_int(a, "ep");
     double tmo = k3_args_float(a, "comm-timeout");
+    int64_t max_seqs = k3_args_int(a, "max-seqs"), max_ctx = k3_args_int(a, "max-ctx"),
+            max_bt = k3_args_int(a, "max-batch-tokens");
+    if (max_seqs < 0 || max_seqs > (1 << 20) || max_ctx < 0 || max_ctx > ((int64_t)1 << 30) ||
+        max_bt < 0 || max_bt > (1 << 24)) {
+        fprintf(stderr, "k3 run: --max-seqs (<= 2^20), --max-ctx (<= 2^30) and --max-batch-tokens "
+                        "(<= 2^24) must be >= 0\n");
+        return 2;
+    }
     if (chunk < 0 || kc < 0 || kc > 1024 || threads < 0 || threads > 1024) {
         fprintf(stderr, "k3 run: --chunk, --kda-chunk (<= 1024) and --threads must be >= 0\n");
         return 2;
@@ -309,6 +322,9 @@ static int run_run(const k3_args *a) {
                       .n_prompts = in.n_prompts,
                       .n_new = (int)in.job.max_tokens,
                       .chunk = chunk,
+                      .max_seqs = (int)max_seqs,
+                      .max_ctx = max_ctx,
+                      .max_batch_tokens = max_bt,
                       .dump_logits = k3_args_str(a, "dump-logits"),
                       .json = k3_args_bool(a, "json"),
                       .n_threads = (int)threads,

@@ -165,6 +165,7 @@ void k3_engine_get_stats(const k3_engine *e, k3_engine_stats *out) {
     }
     out->moe_dispatch_bytes = r->moe_dispatch_bytes;
     out->moe_combine_bytes = r->moe_combine_bytes;
+    for (int i = 0; i < r->world && i < 256; i++) out->busy_s[i] = r->busy_final[i];
 }
 
 bool k3_engine_rank_info(const k3_engine *e, int rank, int *stage, int *lane, uint64_t *bytes_read,
@@ -202,6 +203,8 @@ void k3_engine_close(k3_engine *e, k3_engine_stats *final) {
         for (int i = 0; i < r->world; i++) r->moe_dispatch_bytes += all[i];
         RTRY(r, k3_comm_allgather_u64(r->comm, cs.combine_bytes, all));
         for (int i = 0; i < r->world; i++) r->moe_combine_bytes += all[i];
+        RTRY(r, k3_comm_allgather_u64(r->comm, (uint64_t)(r->busy_s * 1e6), all));
+        for (int i = 0; i < r->world && i < 256; i++) r->busy_final[i] = all[i] / 1e6;
         if (r->worker)
             K3_LOGD("forward steps %d, MoE rows sent %llu (dispatch) + %llu (combine)",
                     r->n_forward, (unsigned long long)cs.dispatch_rows,

@@ -146,10 +146,13 @@ struct k3_engine_stats {
     uint64_t plan_bytes; /* weights the plan assigns to all ranks */
     uint64_t moe_dispatch_bytes, moe_combine_bytes;
     int stages[2 * 64]; /* [s*2], [s*2+1]: layers [begin, end) of stage s (s < 64) */
+    double busy_s[256]; /* time in forward steps per rank (rank < 256), at close */
 };
 void k3_engine_get_stats(const k3_engine *e, k3_engine_stats *out);
 /* Rank r's (stage, lane) and bytes read, for reports (rank 0; false past the world). */
 bool k3_engine_rank_info(const k3_engine *e, int rank, int *stage, int *lane, uint64_t *bytes_read,
                          uint64_t *plan_weight_bytes, double *load_s);
+/* Seconds rank r spent inside forward steps (its MoE exchanges included) — its busy time; the
+ * pipeline bubble is 1 - busy / wall. Gathered by k3_engine_close into *final's busy_s. */
 
 #endif /* K3_ENGINE_H */

@@ -80,6 +80,8 @@ typedef struct rank_ctx {
     float *h_act;     /* host staging of h | bank for ACTIV (NULL: host-visible) */
     int32_t *lane_of; /* [n_layers * n_experts] owner lane of each (layer, expert) */
     int n_forward;
+    double busy_s;          /* time inside forward steps */
+    double busy_final[256]; /* every rank's busy_s, gathered at close */
     k3_seq_state **bstates; /* [max_seqs] batch scratch */
     int32_t *bntok;         /* [max_seqs] */
     bool serving;           /* worker loop live (no STOP yet) */

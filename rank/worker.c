@@ -146,6 +146,7 @@ void rank_worker_step(rank_ctx *r, const step_msg *m) {
     }
     r->n_forward++;
     rank_hooks_maybe_die(r, r->n_forward);
+    double t_busy = k3_now_s();
     if (n_seqs > 0) {
         k3_batch b = {
             .n_seqs = n_seqs, .states = r->bstates, .n_tokens = r->bntok, .token_ids = tokens};
@@ -157,6 +158,7 @@ void rank_worker_step(rank_ctx *r, const step_msg *m) {
         r->act.n_bank = 0;
         RTRY(r, k3_stage_idle_step(r->st));
     }
+    r->busy_s += k3_now_s() - t_busy; /* time in the forward (and its MoE exchanges) */
     int n_meta_out = META_HDR + META_SEQ * n_seqs;
     if (r->stage == S - 1) {
         int64_t R = all_logits ? T : 0;
