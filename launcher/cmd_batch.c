@@ -1,0 +1,719 @@
+/* cmd_batch.c — `k3 batch --model DIR --input IN.jsonl --output OUT.jsonl`: an OpenAI Batch API
+ * file of chat requests through the engine (rank/k3_engine.h) on any S x E, resumable.
+ *
+ * Owns: the batch file formats, the validation of the input, the resume of the output, feeding
+ * the engine (a bounded window of requests in flight), one output line per request as soon as it
+ * ends, the progress line and the summary. Only rank 0 reads and writes files and tokenizes; the
+ * other ranks serve the engine. Does not own: the chat request -> ids + sampling and the ids ->
+ * message (chat_job.h, shared with `k3 run --chat`), the engine flags (engine_args.h).
+ *
+ * Input: one JSON object a line, {"custom_id": "<unique non-empty string>", "method": "POST",
+ * "url": "/v1/chat/completions", "body": {<chat request>}}; blank lines are skipped. A line that
+ * is not such an object (not JSON, no custom_id, a custom_id used before, another url or method,
+ * no body object) fails the whole job before the model loads, every bad line named (the OpenAI
+ * batch validation): such a line cannot get an output line.
+ * Output: one line per request, in the order requests finish:
+ *   {"id": "batch_req_<hex>", "custom_id": ..., "response": {"status_code": 200, "request_id":
+ *    "req_<hex>", "body": <chat.completion>}, "error": null}
+ * chat.completion = {"id": "chatcmpl-<hex>", "object": "chat.completion", "created": <unix s>,
+ * "model": <basename of --model>, "choices": [{"index": 0, "message": {"role": "assistant",
+ * "content", "reasoning_content" (thinking on), "tool_calls" (when any)}, "logprobs": null,
+ * "finish_reason": "stop" | "length" | "tool_calls"}], "usage": {"prompt_tokens",
+ * "completion_tokens", "total_tokens"}}.
+ * A request that fails (the OpenAI form of a request without an HTTP response) gets
+ *   {"id", "custom_id", "response": null, "error": {"code": C, "message": M}}
+ * with C = "invalid_request" (the body: rendering, a sampling key out of range; M names the key),
+ * "context_length_exceeded" (prompt + max_tokens > --max-ctx) or "engine_error" (the engine's
+ * error event: sampler, non-finite logits). The job goes on; failed lines are results too.
+ * Request defaults are OpenAI's (temperature 1, top_p 1), max_tokens the rest of --max-ctx unless
+ * --max-tokens; the seed of a request without one comes from --seed and its custom_id, so a
+ * rerun or a resume samples the same tokens.
+ * Resume: custom_ids already in OUT are skipped (error lines included: delete them to retry); a
+ * truncated last line (a killed run) is cut off first; new lines are appended. OUT is locked
+ * (flock) while a job writes it. */
+#include "k3_launcher.h"
+
+#include <errno.h>
+#include <fcntl.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <sys/file.h>
+#include <sys/stat.h>
+#include <time.h>
+#include <unistd.h>
+
+#include "chat_job.h"
+#include "engine_args.h"
+#include "k3_comm.h"
+#include "k3_rank.h"
+
+static const k3_flag flags[] = {
+    {"model", K3_FLAG_STR, "DIR", NULL, "checkpoint directory (config.json + safetensors)"},
+    {"input", K3_FLAG_STR, "IN.jsonl", NULL,
+     "requests, one a line: {\"custom_id\", \"method\": \"POST\", \"url\": "
+     "\"/v1/chat/completions\", \"body\": {chat request}}; a malformed line (named) fails the job "
+     "before the model loads"},
+    {"output", K3_FLAG_STR, "OUT.jsonl", NULL,
+     "results, one a line as each request finishes: {\"id\", \"custom_id\", \"response\": "
+     "{\"status_code\": 200, \"request_id\", \"body\": chat.completion}, \"error\": null}; a "
+     "failed request: \"response\": null, \"error\": {\"code\": invalid_request | "
+     "context_length_exceeded | engine_error, \"message\"}. Appended to: custom_ids already "
+     "there (failed ones too) are skipped, so a killed job run again completes the file"},
+    {"max-tokens", K3_FLAG_INT, "N", NULL,
+     "max_tokens of a request that sets neither max_tokens nor max_completion_tokens (default: "
+     "the rest of --max-ctx)"},
+    {"seed", K3_FLAG_STR, "S", "0",
+     "a request without a seed samples with one derived from S and its custom_id (same tokens "
+     "on a rerun or resume)"},
+    {"progress-every", K3_FLAG_FLOAT, "SEC", "10",
+     "seconds between progress lines when stderr is not a terminal (on a terminal: one "
+     "updating line)"},
+    K3_ENGINE_FLAGS,
+};
+
+/* ---- state ---------------------------------------------------------------------------------- */
+typedef struct in_line {
+    int64_t off, len; /* the line's bytes in the input text */
+    int64_t lineno;   /* 1-based */
+    char *cid;        /* (n_cid + 1) custom_id bytes, NUL-terminated (may hold NUL) */
+    size_t n_cid;
+    bool done; /* already in the output */
+} in_line;
+
+/* A request in the engine. */
+typedef struct live {
+    int64_t line; /* index into b->lines; -1: a free entry */
+    k3_job job;
+    int32_t *gen; /* (cap_gen) generated ids */
+    int64_t n_gen, cap_gen;
+    size_t n_text; /* bytes of text the sampler emitted */
+} live;
+
+typedef struct batch {
+    const k3_args *a;
+    const char *in_path, *out_path;
+    char *in_text;
+    in_line *lines;
+    int64_t n_lines;
+    uint64_t *set; /* open addressing over lines: line index + 1, 0 = empty; (set_cap) */
+    size_t set_cap;
+    int64_t *todo; /* (n_todo) line indexes still to run, in input order */
+    int64_t n_todo, next;
+    int out_fd;
+    k3_tokenizer *tok;
+    k3_engine *e;
+    live *live; /* (cap_live) */
+    int n_live, cap_live;
+    int64_t max_ctx;
+    char model_name[256];
+    uint64_t nonce, seed;
+    bool max_tokens_flag;
+    /* counters */
+    int64_t n_ok, n_failed, n_skipped, prompt_tokens, completion_tokens;
+    double t_start, t_gen, t_progress, progress_every;
+    bool tty, progress_shown;
+} batch;
+
+/* "message (file.c:123)" -> "message": the output file is for users, not for a debugger. */
+static void strip_where(char *s) {
+    size_t n = strlen(s);
+    while (n > 4 && s[n - 1] == ')') {
+        char *open = strrchr(s, '(');
+        if (!open || open == s || open[-1] != ' ' || !strchr(open, ':')) break;
+        const char *c = strrchr(open, ':');
+        bool digits = c[1] >= '0' && c[1] <= '9';
+        for (const char *p = c + 1; p < s + n - 1; p++) digits = digits && *p >= '0' && *p <= '9';
+        if (!digits || !memchr(open, '.', (size_t)(c - open))) break;
+        open[-1] = 0;
+        n = strlen(s);
+    }
+}
+
+/* ---- custom_id set -------------------------------------------------------------------------- */
+static uint64_t cid_hash(const char *s, size_t n) {
+    return k3_hash_bytes(s, n, K3_HASH_INIT);
+}
+
+/* The line holding custom_id s, or -1. With insert >= 0, adds that line when absent. */
+static int64_t set_find(batch *b, const char *s, size_t n, int64_t insert) {
+    size_t mask = b->set_cap - 1, i = (size_t)cid_hash(s, n) & mask;
+    for (; b->set[i]; i = (i + 1) & mask) {
+        const in_line *L = &b->lines[b->set[i] - 1];
+        if (L->n_cid == n && memcmp(L->cid, s, n) == 0) return (int64_t)(b->set[i] - 1);
+    }
+    if (insert >= 0) b->set[i] = (uint64_t)insert + 1;
+    return -1;
+}
+
+/* ---- input ---------------------------------------------------------------------------------- */
+static bool blank(const char *p, int64_t n) {
+    for (int64_t i = 0; i < n; i++)
+        if (p[i] != ' ' && p[i] != '\t' && p[i] != '\r') return false;
+    return true;
+}
+
+/* Why line L is not a batch request (NULL when it is); the custom_id into L. */
+static const char *check_line(const k3_chat_json *d, in_line *L, char *why, size_t n_why) {
+    if (d->kind != K3_JSON_OBJECT) return "not a JSON object";
+    const k3_chat_json *cid = k3_chat_json_get(d, "custom_id");
+    if (!cid) return "no custom_id";
+    if (cid->kind != K3_JSON_STRING || cid->n == 0) return "custom_id must be a non-empty string";
+    const k3_chat_json *m = k3_chat_json_get(d, "method"), *u = k3_chat_json_get(d, "url");
+    if (!k3_chat_json_is_str(m, "POST")) return "method must be \"POST\"";
+    if (!k3_chat_json_is_str(u, "/v1/chat/completions")) {
+        snprintf(why, n_why,
+                 "url %s%.60s%s is not \"/v1/chat/completions\" (the endpoint k3 serves)",
+                 u && u->kind == K3_JSON_STRING ? "\"" : "",
+                 u && u->kind == K3_JSON_STRING ? u->s : "missing",
+                 u && u->kind == K3_JSON_STRING ? "\"" : "");
+        return why;
+    }
+    const k3_chat_json *body = k3_chat_json_get(d, "body");
+    if (!body || body->kind != K3_JSON_OBJECT) return "body must be a JSON object (a chat request)";
+    if (k3_alloc((void **)&L->cid, cid->n + 1, "custom_id") != K3_OK) return "out of memory";
+    memcpy(L->cid, cid->s, cid->n + 1);
+    L->n_cid = cid->n;
+    return NULL;
+}
+
+/* Index and check every line; prints each bad line (the first 20) and fails when any. */
+static k3_status read_input(batch *b) {
+    size_t n = 0;
+    K3_TRY(k3_read_file(b->in_path, &b->in_text, &n));
+    int64_t n_nl = 1;
+    for (size_t i = 0; i < n; i++) n_nl += b->in_text[i] == '\n';
+    K3_TRY(k3_calloc((void **)&b->lines, (size_t)n_nl * sizeof *b->lines, "input lines"));
+    b->set_cap = 64;
+    while (b->set_cap < 2 * (size_t)n_nl) b->set_cap *= 2;
+    K3_TRY(k3_calloc((void **)&b->set, b->set_cap * sizeof *b->set, "custom_id set"));
+    int64_t n_bad = 0, lineno = 0;
+    for (size_t off = 0; off < n;) {
+        const char *p = b->in_text + off, *nl = memchr(p, '\n', n - off);
+        int64_t len = nl ? nl - p : (int64_t)(n - off);
+        lineno++;
+        size_t here = off;
+        off += (size_t)len + 1;
+        if (blank(p, len)) continue;
+        in_line *L = &b->lines[b->n_lines];
+        *L = (in_line){.off = (int64_t)here, .len = len, .lineno = lineno};
+        char what[64], why[256];
+        snprintf(what, sizeof what, "line %lld", (long long)lineno);
+        k3_chat_json *d = NULL;
+        const char *bad = NULL;
+        if (k3_chat_json_parse(p, (size_t)len, what, &d) != K3_OK) {
+            snprintf(why, sizeof why, "not valid JSON: %s", k3_last_error());
+            strip_where(why);
+            bad = why;
+        } else {
+            bad = check_line(d, L, why, sizeof why);
+        }
+        k3_chat_json_free(d);
+        int64_t prev = bad ? -1 : set_find(b, L->cid, L->n_cid, b->n_lines);
+        if (prev >= 0) {
+            snprintf(why, sizeof why, "custom_id \"%.60s\" is already used on line %lld", L->cid,
+                     (long long)b->lines[prev].lineno);
+            bad = why;
+            k3_free(L->cid);
+            L->cid = NULL;
+        }
+        if (bad) {
+            if (n_bad++ < 20)
+                fprintf(stderr, "k3 batch: %s line %lld: %s\n", b->in_path, (long long)lineno, bad);
+            continue;
+        }
+        b->n_lines++;
+    }
+    if (n_bad > 20)
+        fprintf(stderr, "k3 batch: %s: ... %lld bad lines in all\n", b->in_path, (long long)n_bad);
+    if (n_bad)
+        return K3_ERR(K3_ERR_FORMAT, "%s: %lld bad line%s (named above); nothing was run",
+                      b->in_path, (long long)n_bad, n_bad > 1 ? "s" : "");
+    return K3_OK;
+}
+
+/* ---- output: resume, then append ------------------------------------------------------------ */
+static k3_status read_fd(int fd, const char *path, char **out, size_t *n) {
+    struct stat sb;
+    if (fstat(fd, &sb) != 0) return K3_ERR(K3_ERR_IO, "%s: %s", path, strerror(errno));
+    K3_TRY(k3_alloc((void **)out, (size_t)sb.st_size + 1, path));
+    size_t got = 0;
+    while (got < (size_t)sb.st_size) {
+        ssize_t r = pread(fd, *out + got, (size_t)sb.st_size - got, (off_t)got);
+        if (r < 0 && errno == EINTR) continue;
+        if (r <= 0) return K3_ERR(K3_ERR_IO, "%s: read failed: %s", path, strerror(errno));
+        got += (size_t)r;
+    }
+    (*out)[got] = 0;
+    *n = got;
+    return K3_OK;
+}
+
+/* Open (create) OUT, lock it, cut a truncated last line, mark the custom_ids it holds. */
+static k3_status open_output(batch *b) {
+    const char *path = b->out_path;
+    b->out_fd = open(path, O_RDWR | O_CREAT | O_CLOEXEC, 0644);
+    if (b->out_fd < 0) return K3_ERR(K3_ERR_IO, "%s: cannot open: %s", path, strerror(errno));
+    if (flock(b->out_fd, LOCK_EX | LOCK_NB) != 0) {
+        if (errno == EWOULDBLOCK)
+            return K3_ERR(K3_ERR_IO, "%s: another k3 batch is writing it", path);
+        K3_LOGW("%s: cannot lock it (%s); make sure no other job writes it", path, strerror(errno));
+    }
+    struct stat so, si;
+    if (fstat(b->out_fd, &so) == 0 && stat(b->in_path, &si) == 0 && so.st_dev == si.st_dev &&
+        so.st_ino == si.st_ino)
+        return K3_ERR(K3_ERR_ARG, "--output %s is the input file", path);
+    if (!S_ISREG(so.st_mode)) return K3_ERR(K3_ERR_IO, "%s: not a regular file", path);
+    char *text = NULL;
+    size_t n = 0;
+    K3_TRY(read_fd(b->out_fd, path, &text, &n));
+    size_t keep = n;
+    while (keep > 0 && text[keep - 1] != '\n') keep--;
+    k3_status st = K3_OK;
+    if (keep < n) {
+        K3_LOGW("%s: cut a truncated last line (%zu bytes) left by an interrupted run", path,
+                n - keep);
+        if (ftruncate(b->out_fd, (off_t)keep) != 0)
+            st = K3_ERR(K3_ERR_IO, "%s: cannot truncate: %s", path, strerror(errno));
+    }
+    int64_t lineno = 0, unknown = 0;
+    for (size_t off = 0; off < keep && st == K3_OK;) {
+        const char *p = text + off, *nl = memchr(p, '\n', keep - off);
+        size_t len = (size_t)(nl - p);
+        off += len + 1;
+        lineno++;
+        if (blank(p, (int64_t)len)) continue;
+        k3_chat_json *d = NULL;
+        const k3_chat_json *cid = NULL;
+        if (k3_chat_json_parse(p, len, "output", &d) == K3_OK)
+            cid = k3_chat_json_get(d, "custom_id");
+        if (!cid || cid->kind != K3_JSON_STRING) {
+            st = K3_ERR(K3_ERR_FORMAT,
+                        "%s line %lld: not an output line of a batch (no custom_id); not "
+                        "appending to this file",
+                        path, (long long)lineno);
+        } else {
+            int64_t i = set_find(b, cid->s, cid->n, -1);
+            if (i < 0)
+                unknown++;
+            else if (!b->lines[i].done)
+                b->lines[i].done = true, b->n_skipped++;
+        }
+        k3_chat_json_free(d);
+    }
+    k3_free(text);
+    if (unknown)
+        K3_LOGW("%s: %lld line%s with a custom_id not in %s (kept)", path, (long long)unknown,
+                unknown > 1 ? "s" : "", b->in_path);
+    if (st == K3_OK && lseek(b->out_fd, 0, SEEK_END) < 0)
+        st = K3_ERR(K3_ERR_IO, "%s: %s", path, strerror(errno));
+    return st;
+}
+
+static k3_status write_line(batch *b, const k3_chat_buf *line) {
+    size_t done = 0;
+    while (done < line->n) {
+        ssize_t w = write(b->out_fd, line->p + done, line->n - done);
+        if (w < 0 && errno == EINTR) continue;
+        if (w <= 0) return K3_ERR(K3_ERR_IO, "%s: write failed: %s", b->out_path, strerror(errno));
+        done += (size_t)w;
+    }
+    return K3_OK;
+}
+
+/* {"id":"batch_req_<hex>","custom_id":... */
+static k3_status put_head(const batch *b, const in_line *L, k3_chat_buf *o) {
+    char t[64];
+    snprintf(t, sizeof t, "{\"id\":\"batch_req_%016llx\",\"custom_id\":",
+             (unsigned long long)k3_rank_seq_seed(b->nonce ^ cid_hash(L->cid, L->n_cid), 1));
+    K3_TRY(k3_chat_buf_puts(o, t));
+    return k3_chat_json_dump_str(L->cid, L->n_cid, o);
+}
+
+static k3_status write_error(batch *b, const in_line *L, const char *code, const char *msg) {
+    char m[1600];
+    snprintf(m, sizeof m, "%s", msg);
+    strip_where(m);
+    k3_chat_buf o = {0};
+    k3_status st = put_head(b, L, &o);
+    if (st == K3_OK) st = k3_chat_buf_puts(&o, ",\"response\":null,\"error\":{\"code\":");
+    if (st == K3_OK) st = k3_chat_json_dump_str(code, strlen(code), &o);
+    if (st == K3_OK) st = k3_chat_buf_puts(&o, ",\"message\":");
+    if (st == K3_OK) st = k3_chat_json_dump_str(m, strlen(m), &o);
+    if (st == K3_OK) st = k3_chat_buf_puts(&o, "}}\n");
+    if (st == K3_OK) st = write_line(b, &o);
+    k3_chat_buf_free(&o);
+    b->n_failed++;
+    return st;
+}
+
+/* The parser's message object as an OpenAI choice: the message without finish_reason (and
+ * without an empty tool_calls), then "logprobs" and "finish_reason". */
+static k3_status put_choice(const char *msg, size_t n, k3_chat_buf *o) {
+    k3_chat_json *m = NULL;
+    K3_TRY(k3_chat_json_parse(msg, n, "message", &m));
+    const k3_chat_json *fr = NULL;
+    k3_status st = k3_chat_buf_puts(o, "{\"index\":0,\"message\":{");
+    bool first = true;
+    for (size_t i = 0; i < m->n_items && st == K3_OK; i++) {
+        const k3_chat_json *k = m->keys[i], *v = m->items[i];
+        if (k3_chat_json_is_str(k, "finish_reason")) {
+            fr = v;
+            continue;
+        }
+        if (k3_chat_json_is_str(k, "tool_calls") && v->n_items == 0) continue;
+        if (!first) st = k3_chat_buf_puts(o, ",");
+        first = false;
+        if (st == K3_OK) st = k3_chat_json_dump_str(k->s, k->n, o);
+        if (st == K3_OK) st = k3_chat_buf_puts(o, ":");
+        if (st == K3_OK) st = k3_chat_json_dump(v, K3_JSON_COMPACT, o);
+    }
+    if (st == K3_OK) st = k3_chat_buf_puts(o, "},\"logprobs\":null,\"finish_reason\":");
+    if (st == K3_OK)
+        st = fr ? k3_chat_json_dump(fr, K3_JSON_COMPACT, o) : k3_chat_buf_puts(o, "null");
+    if (st == K3_OK) st = k3_chat_buf_puts(o, "}");
+    k3_chat_json_free(m);
+    return st;
+}
+
+static k3_status write_ok(batch *b, const in_line *L, live *q, const k3_event *ev) {
+    k3_job_gen g = {.ids = q->gen, .n = q->n_gen, .stop = ev->stop, .n_text = q->n_text};
+    k3_chat_buf msg = {0}, o = {0};
+    k3_status st = k3_job_message(&q->job, b->tok, &g, false, &msg);
+    if (st != K3_OK) {
+        k3_chat_buf_free(&msg);
+        char why[1600];
+        snprintf(why, sizeof why, "the output parser failed: %s", k3_last_error());
+        return write_error(b, L, "engine_error", why);
+    }
+    uint64_t h = b->nonce ^ cid_hash(L->cid, L->n_cid);
+    char t[256];
+    st = put_head(b, L, &o);
+    snprintf(t, sizeof t,
+             ",\"response\":{\"status_code\":200,\"request_id\":\"req_%016llx\",\"body\":{\"id\":"
+             "\"chatcmpl-%016llx\",\"object\":\"chat.completion\",\"created\":%lld,\"model\":",
+             (unsigned long long)k3_rank_seq_seed(h, 2), (unsigned long long)k3_rank_seq_seed(h, 3),
+             (long long)time(NULL));
+    if (st == K3_OK) st = k3_chat_buf_puts(&o, t);
+    if (st == K3_OK) st = k3_chat_json_dump_str(b->model_name, strlen(b->model_name), &o);
+    if (st == K3_OK) st = k3_chat_buf_puts(&o, ",\"choices\":[");
+    if (st == K3_OK) st = put_choice(msg.p, msg.n, &o);
+    snprintf(
+        t, sizeof t,
+        "],\"usage\":{\"prompt_tokens\":%lld,\"completion_tokens\":%lld,\"total_tokens\":%lld}}"
+        "},\"error\":null}\n",
+        (long long)ev->n_prompt, (long long)ev->n_gen, (long long)(ev->n_prompt + ev->n_gen));
+    if (st == K3_OK) st = k3_chat_buf_puts(&o, t);
+    if (st == K3_OK) st = write_line(b, &o);
+    k3_chat_buf_free(&msg);
+    k3_chat_buf_free(&o);
+    b->n_ok++;
+    b->prompt_tokens += ev->n_prompt;
+    b->completion_tokens += ev->n_gen;
+    return st;
+}
+
+/* ---- feeding the engine --------------------------------------------------------------------- */
+/* The request's settings: OpenAI's defaults; --max-tokens; the seed from --seed + custom_id. */
+static void settings(const batch *b, const in_line *L, k3_job_settings *s) {
+    memset(s, 0, sizeof *s);
+    s->num[K3_JOB_TEMPERATURE] = 1;
+    s->num[K3_JOB_TOP_P] = 1;
+    s->num[K3_JOB_REPETITION_PENALTY] = 1;
+    s->num[K3_JOB_MAX_TOKENS] = b->max_tokens_flag ? (double)k3_args_int(b->a, "max-tokens") : 0;
+    s->flag[K3_JOB_MAX_TOKENS] = "max-tokens";
+    s->seed = k3_rank_seq_seed(b->seed ^ cid_hash(L->cid, L->n_cid), 0);
+}
+
+static live *free_live(batch *b) {
+    for (int i = 0; i < b->cap_live; i++)
+        if (b->live[i].line < 0) return &b->live[i];
+    return NULL;
+}
+
+static void end_live(batch *b, live *q) {
+    k3_job_free(&q->job);
+    k3_free(q->gen);
+    memset(q, 0, sizeof *q);
+    q->line = -1;
+    b->n_live--;
+}
+
+/* Prepare the next line: submit it, or write its error line. Fails only for I/O and memory. */
+static k3_status submit_next(batch *b) {
+    int64_t li = b->todo[b->next++];
+    in_line *L = &b->lines[li];
+    live *q = free_live(b);
+    K3_ASSERT(q != NULL);
+    q->line = li;
+    b->n_live++;
+    char what[64];
+    snprintf(what, sizeof what, "line %lld", (long long)L->lineno);
+    k3_chat_json *d = NULL;
+    k3_chat_buf body = {0};
+    k3_status st = k3_chat_json_parse(b->in_text + L->off, (size_t)L->len, what, &d);
+    if (st == K3_OK) st = k3_chat_json_dump(k3_chat_json_get(d, "body"), K3_JSON_COMPACT, &body);
+    k3_chat_json_free(d);
+    if (st == K3_OK) st = k3_job_parse(&q->job, body.p, body.n, what, b->tok);
+    k3_chat_buf_free(&body);
+    k3_job_settings s;
+    settings(b, L, &s);
+    if (st == K3_OK) st = k3_job_sampling(&q->job, &s, what);
+    if (st == K3_ERR_NOMEM) return st;
+    if (st != K3_OK) {
+        st = write_error(b, L, "invalid_request", k3_last_error());
+        end_live(b, q);
+        return st;
+    }
+    k3_job *j = &q->job;
+    const char *code = "context_length_exceeded";
+    char why[256] = "";
+    if (j->from_req[K3_JOB_MAX_TOKENS] && j->max_tokens == 0) {
+        code = "invalid_request";
+        snprintf(why, sizeof why, "%s: request key 'max_tokens': 0 must be >= 1", what);
+    } else if (!j->from_req[K3_JOB_MAX_TOKENS] && !b->max_tokens_flag) {
+        j->max_tokens = K3_MAX(b->max_ctx - j->n_ids, 0); /* the rest of the context */
+    }
+    if (!*why && j->max_tokens == 0)
+        snprintf(why, sizeof why,
+                 "%s: the prompt (%lld tokens) leaves no room in the context of %lld tokens "
+                 "(--max-ctx)",
+                 what, (long long)j->n_ids, (long long)b->max_ctx);
+    else if (!*why && j->n_ids + j->max_tokens > b->max_ctx)
+        snprintf(why, sizeof why,
+                 "%s: the prompt (%lld tokens) + max_tokens (%lld) exceeds the context of %lld "
+                 "tokens (--max-ctx)",
+                 what, (long long)j->n_ids, (long long)j->max_tokens, (long long)b->max_ctx);
+    if (*why) {
+        st = write_error(b, L, code, why);
+        end_live(b, q);
+        return st;
+    }
+    q->cap_gen = K3_MAX(j->max_tokens, 1);
+    K3_TRY(k3_alloc((void **)&q->gen, (size_t)q->cap_gen * sizeof(int32_t), "generated ids"));
+    k3_request rq = {.ids = j->ids,
+                     .n_ids = j->n_ids,
+                     .max_tokens = (int)j->max_tokens,
+                     .sampling = j->sp,
+                     .user = (uint64_t)(q - b->live)};
+    int64_t id;
+    return k3_engine_submit(b->e, &rq, &id);
+}
+
+static k3_status on_event(batch *b, const k3_event *ev) {
+    if (ev->user >= (uint64_t)b->cap_live || b->live[ev->user].line < 0)
+        return K3_ERR(K3_ERR_INTERNAL, "engine event for an unknown request (tag %llu)",
+                      (unsigned long long)ev->user);
+    live *q = &b->live[ev->user];
+    const in_line *L = &b->lines[q->line];
+    q->n_text += ev->n_text;
+    k3_status st = K3_OK;
+    if (ev->kind == K3_EV_TOKEN) {
+        if (q->n_gen == q->cap_gen)
+            return K3_ERR(K3_ERR_INTERNAL, "line %lld: more tokens than max_tokens (%lld)",
+                          (long long)L->lineno, (long long)q->cap_gen);
+        q->gen[q->n_gen++] = ev->token;
+        return K3_OK;
+    }
+    if (ev->kind == K3_EV_DONE)
+        st = write_ok(b, L, q, ev);
+    else
+        st = write_error(b, L, "engine_error", ev->error ? ev->error : "unknown engine error");
+    end_live(b, q);
+    return st;
+}
+
+/* ---- progress -------------------------------------------------------------------------------- */
+static void fmt_eta(double s, char *out, size_t n) {
+    if (!(s >= 0) || s > 1e8) {
+        snprintf(out, n, "?");
+        return;
+    }
+    long t = (long)(s + 0.5);
+    snprintf(out, n, "%ld:%02ld:%02ld", t / 3600, t / 60 % 60, t % 60);
+}
+
+static void progress(batch *b, bool last) {
+    double now = k3_now_s();
+    if (!last && now - b->t_progress < (b->tty ? 0.25 : b->progress_every)) return;
+    if (last && !b->tty) return;
+    b->t_progress = now;
+    int64_t done = b->n_ok + b->n_failed, total = b->n_todo;
+    double el = now - b->t_gen, tps = el > 0 ? (double)b->completion_tokens / el : 0;
+    char eta[32];
+    fmt_eta(done ? el * (double)(total - done) / (double)done : -1, eta, sizeof eta);
+    if (b->tty) {
+        fprintf(stderr, "\r\033[Kk3 batch: %lld/%lld requests (%lld failed), %.1f tok/s, ETA %s%s",
+                (long long)done, (long long)total, (long long)b->n_failed, tps, eta,
+                last ? "\n" : "");
+        b->progress_shown = !last;
+    } else {
+        K3_LOGI("%lld/%lld requests (%lld failed), %.1f tok/s, ETA %s", (long long)done,
+                (long long)total, (long long)b->n_failed, tps, eta);
+    }
+}
+
+static void summary(const batch *b) {
+    double now = k3_now_s(), gen = b->t_gen > 0 ? now - b->t_gen : 0;
+    K3_LOGI("batch: %lld requests: %lld ok, %lld failed, %lld skipped (already in %s)",
+            (long long)b->n_lines, (long long)b->n_ok, (long long)b->n_failed,
+            (long long)b->n_skipped, b->out_path);
+    K3_LOGI("batch: prompt tokens %lld, completion tokens %lld; wall %.2f s (generation %.2f s); "
+            "%.1f completion tok/s, %.1f total tok/s",
+            (long long)b->prompt_tokens, (long long)b->completion_tokens, now - b->t_start, gen,
+            gen > 0 ? (double)b->completion_tokens / gen : 0.0,
+            gen > 0 ? (double)(b->prompt_tokens + b->completion_tokens) / gen : 0.0);
+}
+
+/* Rank 0: submit and step until every line is written. */
+static k3_status drive(batch *b) {
+    k3_engine_stats es;
+    k3_engine_get_stats(b->e, &es);
+    b->max_ctx = es.max_ctx;
+    /* in flight: every slot busy plus as many waiting, so a freed slot is refilled at once */
+    b->cap_live = (int)K3_MIN(K3_MAX(2 * (int64_t)es.max_seqs * es.ep, 64), 4096);
+    K3_TRY(k3_calloc((void **)&b->live, (size_t)b->cap_live * sizeof *b->live, "requests"));
+    for (int i = 0; i < b->cap_live; i++) b->live[i].line = -1;
+    b->t_gen = b->t_progress = k3_now_s();
+    while (b->next < b->n_todo || b->n_live > 0) {
+        while (b->n_live < b->cap_live && b->next < b->n_todo) K3_TRY(submit_next(b));
+        if (b->n_live == 0) continue;
+        const k3_event *ev;
+        int n = 0;
+        K3_TRY(k3_engine_step(b->e, &ev, &n));
+        if (n == 0 && k3_engine_pending(b->e) == 0)
+            return K3_ERR(K3_ERR_INTERNAL, "the engine has no work but %d requests are open",
+                          b->n_live);
+        for (int k = 0; k < n; k++) K3_TRY(on_event(b, &ev[k]));
+        progress(b, false);
+    }
+    progress(b, true);
+    return K3_OK;
+}
+
+/* Rank 0 before the engine opens: flags, the input, the output, the tokenizer. */
+static k3_status prepare(batch *b) {
+    const k3_args *a = b->a;
+    if (b->max_tokens_flag) {
+        int64_t v = k3_args_int(a, "max-tokens");
+        if (v < 1 || v > 1000000)
+            return K3_ERR(K3_ERR_ARG, "--max-tokens: %lld must be in [1, 1000000]", (long long)v);
+    }
+    if (!k3_job_parse_u64(k3_args_str(a, "seed"), &b->seed))
+        return K3_ERR(K3_ERR_ARG, "--seed: '%s' must be an integer in [0, 2^64)",
+                      k3_args_str(a, "seed"));
+    if (!(b->progress_every > 0)) return K3_ERR(K3_ERR_ARG, "--progress-every must be > 0");
+    K3_TRY(read_input(b));
+    K3_TRY(open_output(b));
+    K3_TRY(k3_calloc((void **)&b->todo, (size_t)K3_MAX(b->n_lines, 1) * sizeof(int64_t), "todo"));
+    for (int64_t i = 0; i < b->n_lines; i++)
+        if (!b->lines[i].done) b->todo[b->n_todo++] = i;
+    K3_LOGI("%s: %lld requests, %lld already in %s, %lld to run", b->in_path, (long long)b->n_lines,
+            (long long)b->n_skipped, b->out_path, (long long)b->n_todo);
+    if (b->n_todo == 0) return K3_OK;
+    K3_TRY(k3_tok_create_model_dir(&b->tok, k3_args_str(a, "model"), NULL));
+    const char *m = k3_args_str(a, "model");
+    size_t n = strlen(m);
+    while (n > 1 && m[n - 1] == '/') n--;
+    size_t s = n;
+    while (s > 0 && m[s - 1] != '/') s--;
+    snprintf(b->model_name, sizeof b->model_name, "%.*s", (int)(n - s), m + s);
+    uint64_t t = (uint64_t)time(NULL) ^ ((uint64_t)getpid() << 32);
+    b->nonce = k3_rank_seq_seed(k3_hash_bytes(&t, sizeof t, K3_HASH_INIT), 7);
+    return K3_OK;
+}
+
+static void batch_free(batch *b) {
+    for (int i = 0; b->live && i < b->cap_live; i++)
+        if (b->live[i].line >= 0) end_live(b, &b->live[i]);
+    for (int64_t i = 0; b->lines && i < b->n_lines; i++) k3_free(b->lines[i].cid);
+    k3_free(b->live), k3_free(b->lines), k3_free(b->set), k3_free(b->todo), k3_free(b->in_text);
+    k3_tok_destroy(b->tok);
+    if (b->out_fd >= 0) close(b->out_fd); /* also releases the lock */
+}
+
+/* ---- the command ---------------------------------------------------------------------------- */
+static int run_batch(const k3_args *a) {
+    if (k3_comm_init() != K3_OK) {
+        fprintf(stderr, "k3 batch: %s\n", k3_last_error());
+        return 1;
+    }
+    int rank = 0, world = 1;
+    k3_comm_world(&rank, &world);
+    k3_engine_opts eo = {0};
+    int rc = k3_engine_args(a, rank == 0, &eo);
+    if (rc == 0 &&
+        (!k3_args_has(a, "model") || !k3_args_has(a, "input") || !k3_args_has(a, "output"))) {
+        if (rank == 0)
+            fprintf(stderr, "k3 batch: --model DIR, --input IN.jsonl and --output OUT.jsonl are "
+                            "required\n");
+        rc = 2;
+    }
+    if (rc) {
+        k3_comm_finalize();
+        return rc;
+    }
+    batch b = {.a = a,
+               .in_path = k3_args_str(a, "input"),
+               .out_path = k3_args_str(a, "output"),
+               .out_fd = -1,
+               .max_tokens_flag = k3_args_has(a, "max-tokens"),
+               .progress_every = k3_args_float(a, "progress-every"),
+               .t_start = k3_now_s(),
+               .tty = isatty(2)};
+    /* rank 0 decides whether there is a job: 0 run, 1 failed, 2 usage, 3 nothing to run */
+    int verdict = 0;
+    if (rank == 0) {
+        k3_status st = prepare(&b);
+        verdict = st == K3_OK ? (b.n_todo ? 0 : 3) : st == K3_ERR_ARG ? 2 : 1;
+        if (st != K3_OK) fprintf(stderr, "k3 batch: %s\n", k3_last_error());
+    }
+    int agreed = verdict;
+    if (k3_comm_world_max(verdict, &agreed, eo.comm_timeout_s) != K3_OK) {
+        fprintf(stderr, "k3 batch: rank %d: %s\n", rank, k3_last_error());
+        k3_comm_world_abort(1);
+    }
+    if (agreed) {
+        if (agreed == 3 && rank == 0) summary(&b);
+        batch_free(&b);
+        k3_comm_finalize();
+        return agreed == 3 ? 0 : agreed;
+    }
+    eo.model_dir = k3_args_str(a, "model");
+    eo.tok = b.tok;
+    eo.test_fail = getenv("K3_TEST_FAIL");
+    eo.progress = true;
+    rc = k3_engine_open(&eo, &b.e);
+    if (rc == 0 && !k3_engine_is_coordinator(b.e)) {
+        k3_status st = k3_engine_serve(b.e);
+        k3_engine_close(b.e, NULL);
+        rc = st == K3_OK ? 0 : 1;
+    } else if (rc == 0) {
+        k3_status st = drive(&b);
+        if (b.progress_shown) fprintf(stderr, "\n");
+        if (st != K3_OK)
+            fprintf(stderr,
+                    "k3 batch: %s (the lines written so far are kept; run again to "
+                    "finish)\n",
+                    k3_last_error());
+        k3_engine_close(b.e, NULL);
+        if (st == K3_OK && fsync(b.out_fd) != 0 && errno != EINVAL)
+            K3_LOGW("%s: fsync: %s", b.out_path, strerror(errno));
+        summary(&b);
+        rc = st == K3_OK ? 0 : 1;
+    }
+    batch_free(&b);
+    k3_comm_finalize();
+    return rc;
+}
+
+const k3_command k3_cmd_batch = {
+    .name = "batch",
+    .positional = "",
+    .min_pos = 0,
+    .max_pos = 0,
+    .summary = "an OpenAI Batch API file of chat requests -> one result line each, resumable "
+               "(one process, or every rank under mpirun)",
+    .flags = flags,
+    .n_flags = (int)K3_ARRAY_LEN(flags),
+    .run = run_batch,
+};

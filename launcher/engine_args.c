@@ -1,0 +1,61 @@
+/* engine_args.c — K3_ENGINE_FLAGS -> k3_engine_opts, validated (see engine_args.h).
+ * Rejects, never clamps (STYLE.md §16): each bad value is a usage error naming its flag. Limits
+ * against memory are the engine's (it checks the slots against the plan at open). */
+#include "engine_args.h"
+
+#include <stdio.h>
+
+static int bad(const k3_args *a, bool print, const char *flag, const char *rule) {
+    if (print)
+        fprintf(stderr, "k3 %s: --%s: '%s' %s\n", a->cmd->name, flag, k3_args_str(a, flag), rule);
+    return 2;
+}
+
+/* An integer flag in [lo, hi]. */
+static bool in_range(const k3_args *a, const char *flag, int64_t lo, int64_t hi) {
+    int64_t v = k3_args_int(a, flag);
+    return v >= lo && v <= hi;
+}
+
+int k3_engine_args(const k3_args *a, bool print, k3_engine_opts *o) {
+    static const struct {
+        const char *flag;
+        int64_t lo, hi;
+        const char *rule;
+    } ints[] = {
+        {"pp", 1, 4096, "must be in [1, 4096]"},
+        {"ep", 1, 4096, "must be in [1, 4096]"},
+        {"threads", 0, 1024, "must be in [0, 1024]"},
+        {"kda-chunk", 0, 1024, "must be in [0, 1024]"},
+        {"max-seqs", 1, 1 << 20, "must be in [1, 2^20]"},
+        {"max-ctx", 1, (int64_t)1 << 30, "must be in [1, 2^30]"},
+        {"max-batch-tokens", 1, 1 << 24, "must be in [1, 2^24]"},
+        {"chunk", 0, (int64_t)1 << 30, "must be in [0, 2^30]"},
+    };
+    for (size_t i = 0; i < K3_ARRAY_LEN(ints); i++)
+        if (!in_range(a, ints[i].flag, ints[i].lo, ints[i].hi))
+            return bad(a, print, ints[i].flag, ints[i].rule);
+    if (!(k3_args_float(a, "comm-timeout") > 0))
+        return bad(a, print, "comm-timeout", "must be > 0");
+    const char *backend = k3_args_str(a, "backend");
+    if (strcmp(backend, "cpu") != 0 && strcmp(backend, "ref") != 0 &&
+        strcmp(backend, "guard") != 0 && strcmp(backend, "cuda") != 0)
+        return bad(a, print, "backend", "is not cpu, ref, guard or cuda");
+    k3_coord_mode cm = K3_COORD_SHARED;
+    if (k3_coord_mode_parse(k3_args_str(a, "coordinator"), &cm) != K3_OK)
+        return bad(a, print, "coordinator", "is not shared or dedicated");
+    o->pp = (int)k3_args_int(a, "pp");
+    o->ep = (int)k3_args_int(a, "ep");
+    o->coord = cm;
+    o->expert_map_path = k3_args_str(a, "expert-map");
+    o->deterministic = k3_args_bool(a, "deterministic");
+    o->comm_timeout_s = k3_args_float(a, "comm-timeout");
+    o->n_threads = (int)k3_args_int(a, "threads");
+    o->kda_chunk = (int)k3_args_int(a, "kda-chunk");
+    o->backend = backend;
+    o->max_seqs = (int)k3_args_int(a, "max-seqs");
+    o->max_ctx = k3_args_int(a, "max-ctx");
+    o->max_batch_tokens = k3_args_int(a, "max-batch-tokens");
+    o->chunk = k3_args_int(a, "chunk");
+    return 0;
+}

@@ -1,0 +1,50 @@
+/* engine_args — the flags every client of the engine (rank/k3_engine.h) shares: the grid, the
+ * transport, the kernels and the capacity, as entries of a command's flag table, and their
+ * reading + validation into k3_engine_opts (launcher-internal). `k3 batch` uses it; `k3 run` and
+ * `k3 serve` can take the same entries, so the flags mean the same in every command.
+ * The capacity defaults are the engine's own (K3_ENGINE_DEFAULT_*), stringified here, so the
+ * help text cannot drift from what the engine does. */
+#ifndef K3_ENGINE_ARGS_H
+#define K3_ENGINE_ARGS_H
+
+#include "k3_engine.h"
+#include "k3_launcher.h"
+
+#define K3_ENGINE_ARGS_STR_(x) #x
+#define K3_ENGINE_ARGS_STR(x)  K3_ENGINE_ARGS_STR_(x)
+
+/* Entries of a k3_flag table (k3_engine_args reads them by name). */
+/* clang-format off */
+#define K3_ENGINE_FLAGS                                                                            \
+    {"pp", K3_FLAG_INT, "S", "1", "pipeline stages (under mpirun; world = S x E [+1])"},           \
+    {"ep", K3_FLAG_INT, "E", "1", "expert-parallel lanes per stage (under mpirun)"},               \
+    {"coordinator", K3_FLAG_STR, "MODE", "shared",                                                 \
+     "shared (rank 0 is also stage 0 lane 0) or dedicated"},                                       \
+    {"expert-map", K3_FLAG_STR, "FILE", NULL,                                                      \
+     "expert -> lane map (partition/k3_partition.h format)"},                                      \
+    {"deterministic", K3_FLAG_BOOL, NULL, NULL,                                                    \
+     "per-(token, expert) combine: logits bit-identical for every split"},                         \
+    {"comm-timeout", K3_FLAG_FLOAT, "SEC", "600", "limit of every blocking wait between ranks"},   \
+    {"threads", K3_FLAG_INT, "N", "0",                                                             \
+     "cpu threads per rank (0 = all cores alone, 1 under mpirun)"},                                \
+    {"backend", K3_FLAG_STR, "NAME", "cpu",                                                        \
+     "kernel backend: cpu, ref, guard (a test backend: cpu ops on memory host code cannot "        \
+     "touch) or cuda (builds with K3_CUDA)"},                                                      \
+    {"kda-chunk", K3_FLAG_INT, "C", "0",                                                           \
+     "KDA form: 0/1 = recurrent (bit-exact), C >= 2 = chunked, C tokens"},                         \
+    {"max-seqs", K3_FLAG_INT, "N", K3_ENGINE_ARGS_STR(K3_ENGINE_DEFAULT_MAX_SEQS),                 \
+     "sequence slots per lane: requests running at once on each lane"},                           \
+    {"max-ctx", K3_FLAG_INT, "T", K3_ENGINE_ARGS_STR(K3_ENGINE_DEFAULT_MAX_CTX),                   \
+     "tokens per sequence, prompt + generated; a longer request fails alone"},                     \
+    {"max-batch-tokens", K3_FLAG_INT, "T", K3_ENGINE_ARGS_STR(K3_ENGINE_DEFAULT_MAX_BATCH_TOKENS), \
+     "tokens per forward step of one lane (decode rows + prefill chunks)"},                        \
+    {"chunk", K3_FLAG_INT, "C", "0",                                                               \
+     "prefill tokens per sequence per step (0 = up to --max-batch-tokens)"}
+/* clang-format on */
+
+/* The K3_ENGINE_FLAGS of `a` into *o (model_dir, tok, test_fail and progress are the caller's).
+ * Returns 0, or 2 for a usage error, printed as one line "k3 <cmd>: --flag: ..." when `print`
+ * (rank 0 under mpirun: every rank decides the same, one prints). */
+int k3_engine_args(const k3_args *a, bool print, k3_engine_opts *o);
+
+#endif /* K3_ENGINE_ARGS_H */
