@@ -201,7 +201,10 @@ static k3_status read_input(batch *b) {
         k3_chat_json *d = NULL;
         const char *bad = NULL;
         if (k3_chat_json_parse(p, (size_t)len, what, &d) != K3_OK) {
-            snprintf(why, sizeof why, "not valid JSON: %s", k3_last_error());
+            const char *m = k3_last_error(); /* "line N: invalid JSON: ..." */
+            size_t nw = strlen(what);
+            snprintf(why, sizeof why, "%s",
+                     strncmp(m, what, nw) == 0 && m[nw] == ':' ? m + nw + 2 : m);
             strip_where(why);
             bad = why;
         } else {

@@ -1,0 +1,271 @@
+#!/usr/bin/env python3
+"""batch_test.py — `k3 batch` end to end (owner: batch).
+
+usage: batch_test.py input          (K3_BIN = the k3 binary; one process, no model load)
+       batch_test.py mpi MPIEXEC    (2 stages x 2 lanes under mpirun)
+  input: malformed input lines (not JSON, no custom_id, a custom_id used twice, another url,
+         another method, a body that is not an object) fail the job before the model loads: exit
+         1, every bad line named by its number, no output file; a clean input next to them runs;
+         an output file another job holds (flock) is refused; a usage error exits 2.
+  mpi  : 200 chat requests (greedy, sampled without a seed, thinking on and off, short
+         max_tokens) on 2x2 --deterministic write exactly one line per custom_id, each a valid
+         chat.completion (keys, usage sums) or, for the 3 requests that must fail, an error line:
+         logit_bias -Infinity on every id (the engine's error event), a prompt longer than
+         --max-ctx (context_length_exceeded), temperature -1 (invalid_request naming the key);
+         the others complete. A run SIGKILLed after about half the lines, plus a truncated last
+         line, then run again: the file completes with no duplicate and no loss, and every result
+         equals the uninterrupted run's (greedy and seeded sampling alike). A third run has
+         nothing to do and leaves the file as it is. 24 of the requests on one process give the
+         same messages as on 2x2.
+Exit code only; prints one line per check."""
+import json
+import os
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
+from k3_check import check, verdict  # noqa: E402
+
+K3 = os.environ.get("K3_BIN")
+
+
+def line(cid, body, **kw):
+    d = {"custom_id": cid, "method": "POST", "url": "/v1/chat/completions", "body": body}
+    d.update(kw)
+    return json.dumps(d)
+
+
+def batch(args, mpi=None, np_=1, **kw):
+    cmd = ([mpi, "-np", str(np_), "--oversubscribe"] if mpi else []) + [K3, "batch"] + args
+    return subprocess.run(cmd, capture_output=True, text=True, timeout=kw.get("timeout", 180))
+
+
+def read_out(path):
+    """custom_id -> parsed line; and the list of custom_ids in file order."""
+    rows, order = {}, []
+    with open(path) as f:
+        for ln in f:
+            o = json.loads(ln)
+            order.append(o["custom_id"])
+            rows[o["custom_id"]] = o
+    return rows, order
+
+
+def mode_input(tmp):
+    model = os.path.join(tmp, "model")  # never loaded: validation comes first
+    good = {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 2}
+    lines = [line("a", good),                                   # 1 ok
+             "{not json",                                       # 2
+             json.dumps({"method": "POST", "url": "/v1/chat/completions", "body": good}),  # 3
+             line("b", good, url="/v1/embeddings"),             # 4
+             line("a", good),                                   # 5 duplicate of line 1
+             line("c", good, method="GET"),                     # 6
+             "",                                                # 7 blank: skipped
+             line("d", [1, 2]),                                 # 8
+             json.dumps([1, 2])]                                # 9
+    inp, out = os.path.join(tmp, "bad.jsonl"), os.path.join(tmp, "bad.out.jsonl")
+    with open(inp, "w") as f:
+        f.write("\n".join(lines) + "\n")
+    p = batch(["--model", model, "--input", inp, "--output", out])
+    err = p.stderr
+    want = {2: "invalid JSON", 3: "no custom_id", 4: "url", 5: "already used on line 1", 6: "method",
+            8: "body", 9: "not a JSON object"}
+    for n, needle in want.items():
+        hit = [ln for ln in err.splitlines() if ("line %d:" % n) in ln]
+        check(hit and needle in hit[0], "bad input line %d named (%s): %s" % (n, needle, hit[:1]))
+    check(p.returncode == 1 and "line 1:" not in err and "line 7:" not in err,
+          "good and blank lines are not named; exit %d" % p.returncode)
+    check(not os.path.exists(out), "no output file when the input is bad")
+    p = batch(["--model", model, "--input", inp])
+    check(p.returncode == 2 and "--output" in p.stderr, "no --output: usage error (exit %d)" % p.returncode)
+    p = batch(["--model", model, "--input", inp, "--output", out, "--max-seqs", "0"])
+    check(p.returncode == 2 and "--max-seqs" in p.stderr and len(p.stderr.strip().splitlines()) == 1,
+          "--max-seqs 0: one line naming the flag, exit 2: %s" % p.stderr.strip()[:100])
+    # an output file another job holds is refused (before the model loads)
+    ok_in = os.path.join(tmp, "ok.jsonl")
+    with open(ok_in, "w") as f:
+        f.write(line("a", good) + "\n")
+    import fcntl
+    held = os.path.join(tmp, "held.jsonl")
+    with open(held, "w") as h:
+        fcntl.flock(h, fcntl.LOCK_EX)
+        p = batch(["--model", model, "--input", ok_in, "--output", held])
+    check(p.returncode == 1 and "another k3 batch" in p.stderr, "a locked output file is refused: %s"
+          % p.stderr.strip()[-100:])
+    p = batch(["--help"])
+    check(p.returncode == 0 and "context_length_exceeded" in p.stdout and "--max-ctx" in p.stdout,
+          "--help documents the error lines and the capacity flags")
+
+
+def requests(vocab, eom):
+    """200 requests: 197 that complete ('eom' stops at once: <|end_of_msg|> biased up), 3 that must
+    fail (ids 'bias-inf', 'too-long', 'bad-temp')."""
+    rows = []
+    for i in range(196):
+        body = {"model": "k3", "messages": [{"role": "user", "content": "question %d %s" % (i, "why " * (i % 5))}],
+                "max_tokens": 2 + i % 4}
+        if i % 7:
+            body["thinking"] = False  # a short prompt; every 7th thinks (the long system prompt)
+        if i % 4 == 1:
+            body["temperature"] = 0.9  # sampled with the seed k3 batch derives from the custom_id
+        else:
+            body["temperature"] = 0
+        if i % 11 == 3:
+            body["max_completion_tokens"] = 3
+        rows.append(("q%03d" % i, body))
+    short = {"model": "k3", "messages": [{"role": "user", "content": "hi"}], "thinking": False, "max_tokens": 4}
+    rows.insert(10, ("eom", dict(short, logit_bias={str(eom): 100})))
+    rows.insert(50, ("bias-inf", dict(short, logit_bias={str(t): float("-inf") for t in range(vocab)})))
+    rows.insert(120, ("too-long", dict(short, messages=[{"role": "user", "content": "word " * 700}])))
+    rows.insert(160, ("bad-temp", dict(short, temperature=-1)))
+    return rows
+
+
+def kill_session(sid):
+    """SIGKILL every process of session `sid` (mpirun started with start_new_session; Open MPI
+    puts each rank in a process group of its own, so killpg would leave the ranks running)."""
+    for _ in range(50):
+        pids = []
+        for d in os.listdir("/proc"):
+            try:
+                with open("/proc/%s/stat" % d) as f:
+                    st = f.read()
+                if int(st.rsplit(")", 1)[1].split()[3]) == sid and st.rsplit(")", 1)[1].split()[0] != "Z":
+                    pids.append(int(d))
+            except (ValueError, OSError, IndexError):
+                pass
+        if not pids:
+            return
+        for pid in pids:
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except OSError:
+                pass
+        time.sleep(0.05)
+
+
+def valid_completion(o):
+    try:
+        r = o["response"]
+        b = r["body"]
+        c = b["choices"][0]
+        m = c["message"]
+        u = b["usage"]
+        return (o["error"] is None and o["id"].startswith("batch_req_") and r["status_code"] == 200
+                and r["request_id"] and b["object"] == "chat.completion" and b["id"].startswith("chatcmpl-")
+                and isinstance(b["created"], int) and b["model"] == "model" and len(b["choices"]) == 1
+                and c["index"] == 0 and m["role"] == "assistant" and isinstance(m["content"], str)
+                and c["finish_reason"] in ("stop", "length", "tool_calls") and "logprobs" in c
+                and u["total_tokens"] == u["prompt_tokens"] + u["completion_tokens"]
+                and u["prompt_tokens"] > 0)
+    except (KeyError, TypeError, IndexError):
+        return False
+
+
+def mode_mpi(tmp, mpi):
+    model = os.path.join(tmp, "model")
+    subprocess.run([K3, "make-tiny", model], check=True, stderr=subprocess.DEVNULL)
+    vocab = json.load(open(os.path.join(model, "config.json")))["text_config"]["vocab_size"]
+    added = json.load(open(os.path.join(model, "tokenizer_config.json")))["added_tokens_decoder"]
+    eom = [int(i) for i, t in added.items() if t["content"] == "<|end_of_msg|>"][0]
+    rows = requests(vocab, eom)
+    inp = os.path.join(tmp, "in.jsonl")
+    with open(inp, "w") as f:
+        for cid, body in rows:
+            f.write(line(cid, body) + "\n")
+    cids = [c for c, _ in rows]
+    common = ["--model", model, "--input", inp, "--pp", "2", "--ep", "2", "--deterministic", "--max-ctx", "512",
+              "--comm-timeout", "60", "--progress-every", "1"]
+
+    # ---- uninterrupted
+    full = os.path.join(tmp, "full.jsonl")
+    t0 = time.time()
+    p = batch(common + ["--output", full], mpi=mpi, np_=4)
+    check(p.returncode == 0, "2x2 batch of %d requests: exit %d in %.1f s %s" % (len(rows), p.returncode,
+                                                                          time.time() - t0, p.stderr[-600:] if p.returncode else ""))
+    ref, order = read_out(full)
+    check(sorted(order) == sorted(cids), "one line per custom_id (%d lines, %d distinct)" % (len(order), len(set(order))))
+    bad = [c for c in cids if c not in ("bias-inf", "too-long", "bad-temp") and not valid_completion(ref.get(c, {}))]
+    check(not bad, "every other line is a valid chat.completion (invalid: %s)" % bad[:3])
+    errs = {c: ref.get(c, {}) for c in ("bias-inf", "too-long", "bad-temp")}
+    for c, code, needle in (("bias-inf", "engine_error", "logit_bias"), ("too-long", "context_length_exceeded", "512"),
+                            ("bad-temp", "invalid_request", "'temperature'")):
+        e = errs[c]
+        check(e.get("response", 0) is None and e.get("error", {}).get("code") == code
+              and needle in e["error"].get("message", ""), "%s -> error line %s naming %s: %s" % (c, code, needle, e.get("error")))
+    check("197 ok, 3 failed, 0 skipped" in p.stderr and "completion tokens" in p.stderr and "tok/s" in p.stderr,
+          "summary on stderr: %s" % [ln for ln in p.stderr.splitlines() if "batch:" in ln][:2])
+    check("ETA" in p.stderr, "progress lines (requests done/total, tok/s, ETA) on stderr")
+    fr = {ref[c]["response"]["body"]["choices"][0]["finish_reason"] for c in cids if valid_completion(ref.get(c, {}))}
+    check(fr == {"length", "stop"}, "finish reasons seen: %s" % sorted(fr))
+    m = ref["eom"]["response"]["body"] if valid_completion(ref["eom"]) else {}
+    check(m and m["choices"][0]["finish_reason"] == "stop" and m["choices"][0]["message"]["content"] == ""
+          and m["usage"]["completion_tokens"] == 1, "<|end_of_msg|> first: finish_reason stop, empty content, 1 token")
+
+    # ---- killed halfway, then resumed
+    part = os.path.join(tmp, "part.jsonl")
+    cmd = [mpi, "-np", "4", "--oversubscribe", K3, "batch"] + common + ["--output", part]
+    pr = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
+    n_at_kill, t0 = 0, time.time()
+    while time.time() - t0 < 120 and pr.poll() is None:
+        if os.path.exists(part):
+            with open(part, "rb") as f:
+                n_at_kill = f.read().count(b"\n")
+            if n_at_kill >= len(rows) // 2:
+                break
+        time.sleep(0.02)
+    kill_session(pr.pid)  # mpirun and every rank at once, as a scheduler ends a job
+    pr.wait()
+    with open(part, "rb") as f:
+        data = f.read()
+    n_lines = data.count(b"\n")
+    check(0 < n_lines < len(rows), "SIGKILL of mpirun after %d lines: %d lines written, not all" % (n_at_kill, n_lines))
+    # a line cut short by the kill (as if the write was interrupted): it must not count
+    with open(part, "ab") as f:
+        f.write(b'{"id":"batch_req_0","custom_id":"q199","response":{"status_co')
+    p = batch(common + ["--output", part], mpi=mpi, np_=4)
+    check(p.returncode == 0 and "truncated last line" in p.stderr, "the resumed run exits 0 and cuts the truncated "
+          "line (exit %d) %s" % (p.returncode, p.stderr[-400:] if p.returncode else ""))
+    check(("%d already in" % n_lines) in p.stderr, "the resumed run skips the %d lines already there" % n_lines)
+    got, order = read_out(part)
+    check(len(order) == len(set(order)) == len(cids) and set(order) == set(cids),
+          "resumed file: %d lines, %d distinct, %d requests: no duplicate, no loss" % (len(order), len(set(order)), len(cids)))
+    same = [c for c in cids if c in got and (got[c]["error"] == ref[c]["error"] if ref[c]["error"] else
+                                             got[c]["response"]["body"]["choices"] == ref[c]["response"]["body"]["choices"]
+                                             and got[c]["response"]["body"]["usage"] == ref[c]["response"]["body"]["usage"])]
+    check(len(same) == len(cids), "resumed results equal the uninterrupted run's: %d of %d (differ: %s)"
+          % (len(same), len(cids), [c for c in cids if c not in same][:3]))
+    before = open(part, "rb").read()
+    p = batch(common + ["--output", part], mpi=mpi, np_=4)
+    check(p.returncode == 0 and open(part, "rb").read() == before and "0 to run" in p.stderr,
+          "a complete file: nothing to run, unchanged (exit %d)" % p.returncode)
+
+    # ---- one process gives the same messages (--deterministic) for a subset
+    sub_in, sub_out = os.path.join(tmp, "sub.jsonl"), os.path.join(tmp, "sub.out.jsonl")
+    with open(sub_in, "w") as f:
+        for cid, body in rows[:24]:
+            f.write(line(cid, body) + "\n")
+    p = batch(["--model", model, "--input", sub_in, "--output", sub_out, "--deterministic", "--max-ctx", "512"])
+    one, _ = read_out(sub_out) if p.returncode == 0 else ({}, [])
+    diff = [c for c, _ in rows[:24] if c not in one or
+            (one[c]["response"] or {}).get("body", {}).get("choices") != (ref[c]["response"] or {}).get("body", {}).get("choices")]
+    check(p.returncode == 0 and not diff, "1 process = 2x2 for 24 requests (differ: %s)" % diff[:3])
+
+
+def main():
+    if len(sys.argv) < 2 or sys.argv[1] not in ("input", "mpi") or (sys.argv[1] == "mpi" and len(sys.argv) < 3):
+        print(__doc__)
+        return 2
+    with tempfile.TemporaryDirectory() as tmp:
+        if sys.argv[1] == "input":
+            mode_input(tmp)
+        else:
+            mode_mpi(tmp, sys.argv[2])
+    return verdict("batch_test " + sys.argv[1])
+
+
+if __name__ == "__main__":
+    sys.exit(main())

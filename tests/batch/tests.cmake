@@ -1,0 +1,11 @@
+# tests/batch — `k3 batch` end to end (owner: batch): the input validation and the output lock
+# without loading a model ("unit"), and 200 chat requests on 2 stages x 2 lanes under mpirun
+# ("mpi"): one valid line per custom_id, error lines for requests that fail alone, a run killed
+# halfway and resumed equal to an uninterrupted one. See batch_test.py.
+find_program(K3_BATCH_PYTHON3 python3)
+add_test(NAME batch_input COMMAND ${K3_BATCH_PYTHON3} ${CMAKE_CURRENT_LIST_DIR}/batch_test.py input)
+set_tests_properties(batch_input PROPERTIES LABELS "unit;sanitize" TIMEOUT 60 ENVIRONMENT "${K3_TEST_ENV}")
+add_test(NAME batch_mpi
+         COMMAND ${K3_BATCH_PYTHON3} ${CMAKE_CURRENT_LIST_DIR}/batch_test.py mpi ${MPIEXEC_EXECUTABLE})
+set_tests_properties(batch_mpi PROPERTIES LABELS "mpi;sanitize" TIMEOUT 300
+                     ENVIRONMENT "${K3_TEST_ENV_MPI}")
