@@ -17,9 +17,13 @@
  *    "req_<hex>", "body": <chat.completion>}, "error": null}
  * chat.completion = {"id": "chatcmpl-<hex>", "object": "chat.completion", "created": <unix s>,
  * "model": <basename of --model>, "choices": [{"index": 0, "message": {"role": "assistant",
- * "content", "reasoning_content" (thinking on), "tool_calls" (when any)}, "logprobs": null,
+ * "content", "reasoning_content" (thinking on), "tool_calls" (when any)}, "logprobs",
  * "finish_reason": "stop" | "length" | "tool_calls"}], "usage": {"prompt_tokens",
- * "completion_tokens", "total_tokens"}}.
+ * "completion_tokens", "total_tokens"}}. "logprobs" is null unless the request set
+ * "logprobs": true (and "top_logprobs": 0-20): then {"content": [{"token", "logprob", "bytes",
+ * "top_logprobs": [{"token", "logprob", "bytes"}]}], "refusal": null} with one entry per
+ * generated token — reasoning, control tokens and the stop token included (the engine's tokens,
+ * not only the content's); logprobs after the sampler's bias and penalties.
  * A request that fails (the OpenAI form of a request without an HTTP response) gets
  *   {"id", "custom_id", "response": null, "error": {"code": C, "message": M}}
  * with C = "invalid_request" (the body: rendering, a sampling key out of range; M names the key),
@@ -35,6 +39,7 @@
 
 #include <errno.h>
 #include <fcntl.h>
+#include <math.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <sys/file.h>
@@ -87,6 +92,8 @@ typedef struct live {
     int32_t *gen; /* (cap_gen) generated ids */
     int64_t n_gen, cap_gen;
     size_t n_text; /* bytes of text the sampler emitted */
+    int n_top;     /* logprobs: -1 off, else top_logprobs (0-20) */
+    k3_event *lp;  /* (cap_gen) logprobs: each TOKEN event's token, logprob and top ids */
 } live;
 
 typedef struct batch {
@@ -110,8 +117,9 @@ typedef struct batch {
     bool max_tokens_flag;
     /* counters */
     int64_t n_ok, n_failed, n_skipped, prompt_tokens, completion_tokens;
-    double t_start, t_gen, t_progress, progress_every;
+    double t_start, t_gen, t_end, t_progress, progress_every;
     bool tty, progress_shown;
+    k3_engine_stats final; /* at close: each rank's busy time */
 } batch;
 
 /* "message (file.c:123)" -> "message": the output file is for users, not for a debugger. */
@@ -349,9 +357,50 @@ static k3_status write_error(batch *b, const in_line *L, const char *code, const
     return st;
 }
 
+/* {"token": <text, invalid UTF-8 replaced>, "logprob": x, "bytes": [..]} of one id. */
+static k3_status put_token(const batch *b, int32_t id, float logprob, k3_chat_buf *o) {
+    const char *p = "";
+    size_t n = 0;
+    if (k3_tok_id_bytes(b->tok, id, &p, &n) != K3_OK) p = "", n = 0; /* an id past the vocab */
+    k3_tok_bytes txt = {0};
+    k3_status st = k3_tok_utf8_replace(p, n, &txt);
+    if (st == K3_OK) st = k3_chat_buf_puts(o, "{\"token\":");
+    if (st == K3_OK) st = k3_chat_json_dump_str(txt.data ? txt.data : "", txt.n, o);
+    k3_tok_bytes_free(&txt);
+    char f[40];
+    /* -9999.0: OpenAI's stand-in for a probability that underflows */
+    k3_chat_json_float_repr(isfinite(logprob) ? K3_MAX((double)logprob, -9999.0) : -9999.0, f);
+    if (st == K3_OK) st = k3_chat_buf_puts(o, ",\"logprob\":");
+    if (st == K3_OK) st = k3_chat_buf_puts(o, f);
+    if (st == K3_OK) st = k3_chat_buf_puts(o, ",\"bytes\":[");
+    for (size_t i = 0; i < n && st == K3_OK; i++) {
+        snprintf(f, sizeof f, "%s%u", i ? "," : "", (unsigned)(unsigned char)p[i]);
+        st = k3_chat_buf_puts(o, f);
+    }
+    return st == K3_OK ? k3_chat_buf_puts(o, "]") : st;
+}
+
+static k3_status put_logprobs(const batch *b, const live *q, k3_chat_buf *o) {
+    k3_status st = k3_chat_buf_puts(o, "{\"content\":[");
+    for (int64_t t = 0; t < q->n_gen && st == K3_OK; t++) {
+        const k3_event *e = &q->lp[t];
+        if (t) st = k3_chat_buf_puts(o, ",");
+        if (st == K3_OK) st = put_token(b, e->token, e->logprob, o);
+        if (st == K3_OK) st = k3_chat_buf_puts(o, ",\"top_logprobs\":[");
+        for (int k = 0; k < K3_MIN(e->n_top, q->n_top) && st == K3_OK; k++) {
+            if (k) st = k3_chat_buf_puts(o, ",");
+            if (st == K3_OK) st = put_token(b, e->top_ids[k], e->top_logprobs[k], o);
+            if (st == K3_OK) st = k3_chat_buf_puts(o, "}");
+        }
+        if (st == K3_OK) st = k3_chat_buf_puts(o, "]}");
+    }
+    return st == K3_OK ? k3_chat_buf_puts(o, "],\"refusal\":null}") : st;
+}
+
 /* The parser's message object as an OpenAI choice: the message without finish_reason (and
  * without an empty tool_calls), then "logprobs" and "finish_reason". */
-static k3_status put_choice(const char *msg, size_t n, k3_chat_buf *o) {
+static k3_status put_choice(const char *msg, size_t n, const batch *b, const live *q,
+                            k3_chat_buf *o) {
     k3_chat_json *m = NULL;
     K3_TRY(k3_chat_json_parse(msg, n, "message", &m));
     const k3_chat_json *fr = NULL;
@@ -370,7 +419,9 @@ static k3_status put_choice(const char *msg, size_t n, k3_chat_buf *o) {
         if (st == K3_OK) st = k3_chat_buf_puts(o, ":");
         if (st == K3_OK) st = k3_chat_json_dump(v, K3_JSON_COMPACT, o);
     }
-    if (st == K3_OK) st = k3_chat_buf_puts(o, "},\"logprobs\":null,\"finish_reason\":");
+    if (st == K3_OK) st = k3_chat_buf_puts(o, "},\"logprobs\":");
+    if (st == K3_OK) st = q->n_top < 0 ? k3_chat_buf_puts(o, "null") : put_logprobs(b, q, o);
+    if (st == K3_OK) st = k3_chat_buf_puts(o, ",\"finish_reason\":");
     if (st == K3_OK)
         st = fr ? k3_chat_json_dump(fr, K3_JSON_COMPACT, o) : k3_chat_buf_puts(o, "null");
     if (st == K3_OK) st = k3_chat_buf_puts(o, "}");
@@ -399,7 +450,7 @@ static k3_status write_ok(batch *b, const in_line *L, live *q, const k3_event *e
     if (st == K3_OK) st = k3_chat_buf_puts(&o, t);
     if (st == K3_OK) st = k3_chat_json_dump_str(b->model_name, strlen(b->model_name), &o);
     if (st == K3_OK) st = k3_chat_buf_puts(&o, ",\"choices\":[");
-    if (st == K3_OK) st = put_choice(msg.p, msg.n, &o);
+    if (st == K3_OK) st = put_choice(msg.p, msg.n, b, q, &o);
     snprintf(
         t, sizeof t,
         "],\"usage\":{\"prompt_tokens\":%lld,\"completion_tokens\":%lld,\"total_tokens\":%lld}}"
@@ -435,10 +486,35 @@ static live *free_live(batch *b) {
 
 static void end_live(batch *b, live *q) {
     k3_job_free(&q->job);
-    k3_free(q->gen);
+    k3_free(q->gen), k3_free(q->lp);
     memset(q, 0, sizeof *q);
     q->line = -1;
     b->n_live--;
+}
+
+/* The request's "logprobs" (boolean) and "top_logprobs" (0-20, with logprobs true): *n_top = -1
+ * when off. */
+static k3_status logprobs_keys(const k3_chat_json *doc, const char *what, int *n_top) {
+    const k3_chat_json *lp = k3_chat_json_get(doc, "logprobs"),
+                       *top = k3_chat_json_get(doc, "top_logprobs");
+    *n_top = -1;
+    if (lp && lp->kind != K3_JSON_NULL && lp->kind != K3_JSON_BOOL)
+        return K3_ERR(K3_ERR_FORMAT, "%s: request key 'logprobs' must be a boolean", what);
+    bool on = lp && lp->kind == K3_JSON_BOOL && lp->b;
+    if (!top || top->kind == K3_JSON_NULL) {
+        *n_top = on ? 0 : -1;
+        return K3_OK;
+    }
+    char *end = NULL;
+    long v = top->kind == K3_JSON_INT ? strtol(top->s, &end, 10) : -1;
+    if (top->kind != K3_JSON_INT || *end || v < 0 || v > K3_EV_MAX_TOP)
+        return K3_ERR(K3_ERR_FORMAT, "%s: request key 'top_logprobs' must be an integer in [0, %d]",
+                      what, K3_EV_MAX_TOP);
+    if (!on)
+        return K3_ERR(K3_ERR_FORMAT, "%s: request key 'top_logprobs' needs \"logprobs\": true",
+                      what);
+    *n_top = (int)v;
+    return K3_OK;
 }
 
 /* Prepare the next line: submit it, or write its error line. Fails only for I/O and memory. */
@@ -448,6 +524,7 @@ static k3_status submit_next(batch *b) {
     live *q = free_live(b);
     K3_ASSERT(q != NULL);
     q->line = li;
+    q->n_top = -1;
     b->n_live++;
     char what[64];
     snprintf(what, sizeof what, "line %lld", (long long)L->lineno);
@@ -461,6 +538,7 @@ static k3_status submit_next(batch *b) {
     k3_job_settings s;
     settings(b, L, &s);
     if (st == K3_OK) st = k3_job_sampling(&q->job, &s, what);
+    if (st == K3_OK) st = logprobs_keys(q->job.doc, what, &q->n_top);
     if (st == K3_ERR_NOMEM) return st;
     if (st != K3_OK) {
         st = write_error(b, L, "invalid_request", k3_last_error());
@@ -493,10 +571,13 @@ static k3_status submit_next(batch *b) {
     }
     q->cap_gen = K3_MAX(j->max_tokens, 1);
     K3_TRY(k3_alloc((void **)&q->gen, (size_t)q->cap_gen * sizeof(int32_t), "generated ids"));
+    if (q->n_top >= 0)
+        K3_TRY(k3_alloc((void **)&q->lp, (size_t)q->cap_gen * sizeof *q->lp, "logprobs"));
     k3_request rq = {.ids = j->ids,
                      .n_ids = j->n_ids,
                      .max_tokens = (int)j->max_tokens,
                      .sampling = j->sp,
+                     .logprobs = q->n_top < 0 ? 0 : K3_MAX(q->n_top, 1),
                      .user = (uint64_t)(q - b->live)};
     int64_t id;
     return k3_engine_submit(b->e, &rq, &id);
@@ -514,6 +595,11 @@ static k3_status on_event(batch *b, const k3_event *ev) {
         if (q->n_gen == q->cap_gen)
             return K3_ERR(K3_ERR_INTERNAL, "line %lld: more tokens than max_tokens (%lld)",
                           (long long)L->lineno, (long long)q->cap_gen);
+        if (q->lp) {
+            q->lp[q->n_gen] = *ev;
+            q->lp[q->n_gen].text = NULL, q->lp[q->n_gen].logits = NULL; /* valid until next step */
+            q->lp[q->n_gen].prompt_logits = NULL, q->lp[q->n_gen].error = NULL;
+        }
         q->gen[q->n_gen++] = ev->token;
         return K3_OK;
     }
@@ -556,7 +642,7 @@ static void progress(batch *b, bool last) {
 }
 
 static void summary(const batch *b) {
-    double now = k3_now_s(), gen = b->t_gen > 0 ? now - b->t_gen : 0;
+    double now = k3_now_s(), gen = b->t_gen > 0 ? (b->t_end > 0 ? b->t_end : now) - b->t_gen : 0;
     K3_LOGI("batch: %lld requests: %lld ok, %lld failed, %lld skipped (already in %s)",
             (long long)b->n_lines, (long long)b->n_ok, (long long)b->n_failed,
             (long long)b->n_skipped, b->out_path);
@@ -565,6 +651,13 @@ static void summary(const batch *b) {
             (long long)b->prompt_tokens, (long long)b->completion_tokens, now - b->t_start, gen,
             gen > 0 ? (double)b->completion_tokens / gen : 0.0,
             gen > 0 ? (double)(b->prompt_tokens + b->completion_tokens) / gen : 0.0);
+    if (b->final.world < 1 || gen <= 0) return;
+    char busy[1024];
+    int n = 0;
+    for (int r = 0; r < b->final.world && r < 256 && n < (int)sizeof busy - 16; r++)
+        n += snprintf(busy + n, sizeof busy - (size_t)n, "%s r%d %.0f%%", r ? "," : "", r,
+                      100.0 * b->final.busy_s[r] / gen);
+    K3_LOGI("batch: busy (time in forward steps / generation wall):%s", busy);
 }
 
 /* Rank 0: submit and step until every line is written. */
@@ -590,6 +683,7 @@ static k3_status drive(batch *b) {
         progress(b, false);
     }
     progress(b, true);
+    b->t_end = k3_now_s();
     return K3_OK;
 }
 
@@ -698,7 +792,7 @@ static int run_batch(const k3_args *a) {
                     "k3 batch: %s (the lines written so far are kept; run again to "
                     "finish)\n",
                     k3_last_error());
-        k3_engine_close(b.e, NULL);
+        k3_engine_close(b.e, &b.final);
         if (st == K3_OK && fsync(b.out_fd) != 0 && errno != EINVAL)
             K3_LOGW("%s: fsync: %s", b.out_path, strerror(errno));
         summary(&b);

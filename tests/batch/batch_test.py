@@ -12,7 +12,8 @@ usage: batch_test.py input          (K3_BIN = the k3 binary; one process, no mod
          chat.completion (keys, usage sums) or, for the 3 requests that must fail, an error line:
          logit_bias -Infinity on every id (the engine's error event), a prompt longer than
          --max-ctx (context_length_exceeded), temperature -1 (invalid_request naming the key);
-         the others complete. A run SIGKILLed after about half the lines, plus a truncated last
+         the others complete; <|end_of_msg|> first gives finish_reason "stop"; logprobs (one
+         entry per token, greedy = top 1, tops sorted) only when asked. A run SIGKILLed after about half the lines, plus a truncated last
          line, then run again: the file completes with no duplicate and no loss, and every result
          equals the uninterrupted run's (greedy and seeded sampling alike). A third run has
          nothing to do and leaves the file as it is. 24 of the requests on one process give the
@@ -101,10 +102,10 @@ def mode_input(tmp):
 
 
 def requests(vocab, eom):
-    """200 requests: 197 that complete ('eom' stops at once: <|end_of_msg|> biased up), 3 that must
-    fail (ids 'bias-inf', 'too-long', 'bad-temp')."""
+    """200 requests: 197 that complete ('eom' stops at once: <|end_of_msg|> biased up; 'logprobs'
+    asks for logprobs), 3 that must fail (ids 'bias-inf', 'too-long', 'bad-temp')."""
     rows = []
-    for i in range(196):
+    for i in range(195):
         body = {"model": "k3", "messages": [{"role": "user", "content": "question %d %s" % (i, "why " * (i % 5))}],
                 "max_tokens": 2 + i % 4}
         if i % 7:
@@ -117,6 +118,7 @@ def requests(vocab, eom):
             body["max_completion_tokens"] = 3
         rows.append(("q%03d" % i, body))
     short = {"model": "k3", "messages": [{"role": "user", "content": "hi"}], "thinking": False, "max_tokens": 4}
+    rows.insert(30, ("logprobs", dict(short, temperature=0, logprobs=True, top_logprobs=3)))
     rows.insert(10, ("eom", dict(short, logit_bias={str(eom): 100})))
     rows.insert(50, ("bias-inf", dict(short, logit_bias={str(t): float("-inf") for t in range(vocab)})))
     rows.insert(120, ("too-long", dict(short, messages=[{"role": "user", "content": "word " * 700}])))
@@ -204,6 +206,17 @@ def mode_mpi(tmp, mpi):
     m = ref["eom"]["response"]["body"] if valid_completion(ref["eom"]) else {}
     check(m and m["choices"][0]["finish_reason"] == "stop" and m["choices"][0]["message"]["content"] == ""
           and m["usage"]["completion_tokens"] == 1, "<|end_of_msg|> first: finish_reason stop, empty content, 1 token")
+
+    lp = ref["logprobs"]["response"]["body"] if valid_completion(ref["logprobs"]) else {}
+    content = lp["choices"][0]["logprobs"]["content"] if lp else []
+    check(lp and len(content) == lp["usage"]["completion_tokens"] and all(
+        len(t["top_logprobs"]) == 3 and t["logprob"] <= 0 and t["top_logprobs"][0]["token"] == t["token"]
+        and t["top_logprobs"][0]["logprob"] == t["logprob"]
+        and [x["logprob"] for x in t["top_logprobs"]] == sorted([x["logprob"] for x in t["top_logprobs"]], reverse=True)
+        for t in content) and all(isinstance(b, int) and 0 <= b < 256 for t in content for b in t["bytes"]),
+        "logprobs: one entry per token, greedy = top 1, 3 tops sorted, bytes: %s" % str(content[:1])[:160])
+    check(all(ref[c]["response"]["body"]["choices"][0]["logprobs"] is None for c in cids
+              if c != "logprobs" and valid_completion(ref[c])), "logprobs null when not asked for")
 
     # ---- killed halfway, then resumed
     part = os.path.join(tmp, "part.jsonl")
