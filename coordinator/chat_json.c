@@ -62,8 +62,11 @@ void k3_chat_json_free(k3_chat_json *v) {
 }
 
 const k3_chat_json *k3_chat_json_get(const k3_chat_json *obj, const char *key) {
+    return k3_chat_json_get_n(obj, key, strlen(key));
+}
+
+const k3_chat_json *k3_chat_json_get_n(const k3_chat_json *obj, const char *key, size_t n) {
     if (!obj || obj->kind != K3_JSON_OBJECT) return NULL;
-    size_t n = strlen(key);
     for (size_t i = 0; i < obj->n_items; i++)
         if (obj->keys[i]->n == n && memcmp(obj->keys[i]->s, key, n) == 0) return obj->items[i];
     return NULL;

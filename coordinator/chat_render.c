@@ -28,7 +28,10 @@
 struct k3_chat_request {
     k3_chat_json *root;
     bool thinking;
-    const char *effort; /* "low" | "high" | "max" (static), NULL when thinking is off */
+    const char *effort;     /* "low" | "high" | "max" (static), NULL when thinking is off */
+    bool generation_prompt; /* add_generation_prompt (default true) */
+    bool continue_final;    /* continue_final_message (default false) */
+    k3_chat_prompt_end end; /* where the rendered prompt ends (derived from the above) */
 };
 
 /* ---- request ------------------------------------------------------------------------- */
@@ -95,6 +98,49 @@ static k3_status check_messages(const k3_chat_json *msgs) {
     return K3_OK;
 }
 
+static bool content_renders(const k3_chat_json *v);
+
+/* A boolean request key: absent or null = the default (the ?? rule of spec §5.1), else a bool. */
+static k3_status bool_key(const k3_chat_json *root, const char *key, bool def, bool *out) {
+    const k3_chat_json *v = k3_chat_json_get(root, key);
+    if (v && v->kind != K3_JSON_NULL && v->kind != K3_JSON_BOOL)
+        return K3_ERR(K3_ERR_ARG, "request: \"%s\" must be true or false", key);
+    *out = v && v->kind == K3_JSON_BOOL ? v->b : def;
+    return K3_OK;
+}
+
+/* Where the prompt ends, from the switches (add_generation_prompt, continue_final_message,
+ * thinking) and the final message; also refuses the combinations that have no form. */
+static k3_status prompt_end(k3_chat_request *r, const k3_chat_json *msgs) {
+    if (r->continue_final && r->generation_prompt)
+        return K3_ERR(
+            K3_ERR_ARG,
+            "request: \"continue_final_message\": true cannot be combined with "
+            "\"add_generation_prompt\": true (its default): set \"add_generation_prompt\": "
+            "false to continue the final assistant message");
+    if (!r->continue_final) {
+        r->end = !r->generation_prompt ? K3_CHAT_ENDS_CLOSED
+                 : r->thinking         ? K3_CHAT_ENDS_IN_THINK
+                                       : K3_CHAT_ENDS_IN_RESPONSE;
+        return K3_OK;
+    }
+    size_t n = msgs->n_items;
+    const k3_chat_json *last = n ? msgs->items[n - 1] : NULL;
+    if (!last || !k3_chat_json_is_str(k3_chat_json_get(last, "role"), "assistant"))
+        return K3_ERR(K3_ERR_ARG, "request: \"continue_final_message\": true needs an assistant "
+                                  "message last in \"messages\"");
+    if (k3_chat_json_truthy(k3_chat_json_get(last, "tool_calls")))
+        return K3_ERR(K3_ERR_ARG,
+                      "request: \"continue_final_message\": true cannot continue messages[%zu]: it "
+                      "has tool_calls (only reasoning and content can be continued)",
+                      n - 1);
+    /* §1.8: open think (+ reasoning); with content, close think and open response (+ content). */
+    r->end = r->thinking && !content_renders(k3_chat_json_get(last, "content"))
+                 ? K3_CHAT_ENDS_IN_THINK
+                 : K3_CHAT_ENDS_IN_RESPONSE;
+    return K3_OK;
+}
+
 static k3_status normalise(k3_chat_request *r) {
     const k3_chat_json *root = r->root;
     if (root->kind != K3_JSON_OBJECT) return K3_ERR(K3_ERR_ARG, "request: must be a JSON object");
@@ -117,8 +163,15 @@ static k3_status normalise(k3_chat_request *r) {
     r->thinking = th ? th->b : true;
     const k3_chat_json *re = k3_chat_json_get(root, "reasoning_effort");
     if (k3_chat_json_is_str(re, "none")) r->thinking = false; /* vLLM/OpenAI: effort none = off */
+    /* vLLM's chat endpoint keys */
+    K3_TRY(bool_key(root, "add_generation_prompt", true, &r->generation_prompt));
+    K3_TRY(bool_key(root, "continue_final_message", false, &r->continue_final));
+    /* A refused combination is reported by k3_chat_render, so that an override
+     * (k3_chat_request_set_generation_prompt) can still make the request valid. */
+    if (prompt_end(r, msgs) != K3_OK) k3_clear_error();
     r->effort = NULL;
     if (!r->thinking) return K3_OK;
+    /* null means "not given" at every level (spec §5.1 `??`): thinking_effort: null -> max */
     const k3_chat_json *eff = first_set(k3_chat_json_get(ctk, "thinking_effort"),
                                         k3_chat_json_get(root, "thinking_effort"), re);
     if (!eff) {
@@ -168,6 +221,15 @@ bool k3_chat_request_thinking(const k3_chat_request *r) {
 const char *k3_chat_request_effort(const k3_chat_request *r) {
     return r->effort;
 }
+k3_chat_prompt_end k3_chat_request_prompt_end(const k3_chat_request *r) {
+    return r->end;
+}
+
+k3_status k3_chat_request_set_generation_prompt(k3_chat_request *r, bool on) {
+    r->generation_prompt = on;
+    return prompt_end(r, k3_chat_json_get(r->root, "messages"));
+}
+
 const k3_chat_json *k3_chat_request_tools(const k3_chat_request *r) {
     const k3_chat_json *t = k3_chat_json_get(r->root, "tools");
     return t && t->kind == K3_JSON_ARRAY && t->n_items ? t : NULL;
@@ -361,6 +423,24 @@ static k3_status content(rctx *c, const k3_chat_json *v, const char *what) {
     return s;
 }
 
+/* Whether CONTENT renders at least one segment (a string that is not empty, an image part, a
+ * part with non-empty text); what render would refuse counts as rendering (it fails there). */
+static bool content_renders(const k3_chat_json *v) {
+    if (!v || v->kind == K3_JSON_NULL) return false;
+    if (v->kind == K3_JSON_STRING) return v->n > 0;
+    if (v->kind != K3_JSON_ARRAY) return true;
+    for (size_t i = 0; i < v->n_items; i++) {
+        const k3_chat_json *part = v->items[i], *ty = k3_chat_json_get(part, "type");
+        if (part->kind != K3_JSON_OBJECT || k3_chat_json_is_str(ty, "image") ||
+            k3_chat_json_is_str(ty, "image_url"))
+            return true;
+        const k3_chat_json *tx = k3_chat_json_get(part, "text");
+        if (tx && tx->kind != K3_JSON_NULL && (tx->kind != K3_JSON_STRING || tx->n > 0))
+            return true;
+    }
+    return false;
+}
+
 /* str(s).strip() != "" for valid UTF-8 bytes. */
 static bool has_non_space(const char *s, size_t n) {
     const uint8_t *p = (const uint8_t *)s;
@@ -473,7 +553,11 @@ static k3_status name_attrs(const k3_chat_json *m, const char *role, attr a[2], 
     return K3_OK;
 }
 
-static k3_status assistant(rctx *c, const k3_chat_json *m, const char *where) {
+/* An assistant message (§1.3), or with `open` the final one left open for continuation in the
+ * §1.8 form (inferred from llama.cpp, not the official encoder, which cannot continue): open
+ * `think` + reasoning, and when the message has content, close `think`, open `response` + the
+ * content; nothing is closed after it (prompt_end() chose where it ends and refused tool_calls). */
+static k3_status assistant(rctx *c, const k3_chat_json *m, const char *where, bool open) {
     const k3_chat_json *calls = k3_chat_json_get(m, "tool_calls");
     if (calls && calls->kind != K3_JSON_NULL && calls->kind != K3_JSON_ARRAY)
         return K3_ERR(K3_ERR_ARG, "request: %s.tool_calls must be a list", where);
@@ -483,6 +567,7 @@ static k3_status assistant(rctx *c, const k3_chat_json *m, const char *where) {
     int n;
     K3_TRY(name_attrs(m, "assistant", a, &n));
     K3_TRY(open_tag(c, "message", a, n, "an assistant name"));
+    const k3_chat_json *body = k3_chat_json_get(m, "content");
     if (c->thinking) { /* with thinking off the think channel is absent, not empty */
         K3_TRY(open_tag(c, "think", NULL, 0, ""));
         const k3_chat_json *r = k3_chat_json_get(m, "reasoning_content");
@@ -494,12 +579,14 @@ static k3_status assistant(rctx *c, const k3_chat_json *m, const char *where) {
             k3_chat_buf_free(&t);
             K3_TRY(s);
         }
+        if (open && !content_renders(body)) return K3_OK; /* the reasoning goes on */
         K3_TRY(close_tag(c, "think"));
     }
     K3_TRY(open_tag(c, "response", NULL, 0, ""));
     char what[64];
     snprintf(what, sizeof what, "%s.content", where);
-    K3_TRY(content(c, k3_chat_json_get(m, "content"), what));
+    K3_TRY(content(c, body, what));
+    if (open) return K3_OK; /* the response goes on */
     K3_TRY(close_tag(c, "response"));
     if (calls && calls->kind == K3_JSON_ARRAY && calls->n_items) {
         K3_TRY(open_tag(c, "tools", NULL, 0, ""));
@@ -608,7 +695,7 @@ static k3_status tool_run(rctx *c, const k3_chat_json *msgs, size_t i0, size_t i
     return K3_OK;
 }
 
-static k3_status render_all(rctx *c, const k3_chat_request *r, bool gen) {
+static k3_status render_all(rctx *c, const k3_chat_request *r) {
     const k3_chat_json *root = r->root;
     const k3_chat_json *tools = k3_chat_json_get(root, "tools");
     if (k3_chat_json_truthy(tools)) K3_TRY(tool_declare(c, tools, false));
@@ -625,7 +712,11 @@ static k3_status render_all(rctx *c, const k3_chat_request *r, bool gen) {
     }
 
     const k3_chat_json *msgs = k3_chat_json_get(root, "messages");
-    for (size_t i = 0; i < msgs->n_items; i++) {
+    /* continue_final_message: the final (assistant) message is rendered last and left open, after
+     * the internal system messages of §1.2 steps 4-5 (our placement: they address the message
+     * being generated, and nothing may follow an open message). */
+    size_t n_msgs = msgs->n_items - (r->continue_final ? 1 : 0);
+    for (size_t i = 0; i < n_msgs; i++) {
         const k3_chat_json *m = msgs->items[i];
         char where[48];
         snprintf(where, sizeof where, "messages[%zu]", i);
@@ -649,11 +740,11 @@ static k3_status render_all(rctx *c, const k3_chat_request *r, bool gen) {
             K3_TRY(content(c, k3_chat_json_get(m, "content"), what));
             K3_TRY(end_msg(c));
         } else if (k3_chat_json_is_str(role, "assistant")) {
-            K3_TRY(assistant(c, m, where));
+            K3_TRY(assistant(c, m, where, false));
         } else if (k3_chat_json_is_str(role, "tool")) {
             if (i > 0 && is_role(msgs->items[i - 1], "tool")) continue; /* inside a run */
             size_t j = i;
-            while (j < msgs->n_items && is_role(msgs->items[j], "tool")) j++;
+            while (j < n_msgs && is_role(msgs->items[j], "tool")) j++;
             K3_TRY(tool_run(c, msgs, i, j));
         } /* unknown roles are skipped, like the encoder (check_messages warned) */
     }
@@ -709,7 +800,12 @@ static k3_status render_all(rctx *c, const k3_chat_request *r, bool gen) {
         K3_TRY(s);
     }
 
-    if (gen) {
+    if (r->continue_final) {
+        char where[48];
+        snprintf(where, sizeof where, "messages[%zu]", n_msgs);
+        return assistant(c, msgs->items[n_msgs], where, true);
+    }
+    if (r->generation_prompt) {
         attr a[] = {{"role", NULL, "assistant"}};
         K3_TRY(open_tag(c, "message", a, 1, "role"));
         K3_TRY(open_tag(c, c->thinking ? "think" : "response", NULL, 0, ""));
@@ -717,11 +813,11 @@ static k3_status render_all(rctx *c, const k3_chat_request *r, bool gen) {
     return K3_OK;
 }
 
-k3_status k3_chat_render(const k3_chat_request *r, bool add_generation_prompt,
-                         k3_chat_prompt *out) {
+k3_status k3_chat_render(k3_chat_request *r, k3_chat_prompt *out) {
     memset(out, 0, sizeof *out);
+    K3_TRY(prompt_end(r, k3_chat_json_get(r->root, "messages")));
     rctx c = {.out = out, .thinking = r->thinking};
-    k3_status s = render_all(&c, r, add_generation_prompt);
+    k3_status s = render_all(&c, r);
     if (s == K3_OK) s = k3_chat_buf_put(&c.text, "", 0); /* a prompt may be empty */
     if (s != K3_OK) {
         k3_chat_buf_free(&c.text);

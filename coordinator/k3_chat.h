@@ -56,6 +56,8 @@ k3_status k3_chat_json_parse(const char *text, size_t n_bytes, const char *what,
 void k3_chat_json_free(k3_chat_json *v); /* NULL-safe */
 /* Member of an object (last value for duplicate keys); NULL if absent or `obj` is not an object. */
 const k3_chat_json *k3_chat_json_get(const k3_chat_json *obj, const char *key);
+/* The same for a key of n bytes (which may hold NUL). */
+const k3_chat_json *k3_chat_json_get_n(const k3_chat_json *obj, const char *key, size_t n);
 /* Python truthiness (None, False, 0, 0.0, "", [], {} are false). NULL counts as absent: false. */
 bool k3_chat_json_truthy(const k3_chat_json *v);
 bool k3_chat_json_is_str(const k3_chat_json *v, const char *s); /* v is the string s */
@@ -80,12 +82,32 @@ typedef struct k3_chat_request k3_chat_request; /* opaque: parsed + normalised r
  *   thinking = chat_template_kwargs.thinking ?? chat_template_kwargs.enable_thinking
  *              ?? thinking ?? true;  reasoning_effort == "none" => thinking off;
  *   effort   = chat_template_kwargs.thinking_effort ?? thinking_effort ?? reasoning_effort
- *              ?? "max", which must be low|high|max when thinking is on.
+ *              ?? "max", which must be low|high|max when thinking is on (`??` skips absent AND
+ *              null keys: "thinking_effort": null means the default).
+ * vLLM's chat-endpoint keys: add_generation_prompt (default true): append the assistant opener;
+ * continue_final_message (default false): leave the final message, which must be an assistant
+ * message without tool_calls, open in the §1.8 form (inferred: the official encoder cannot
+ * continue); refused together with add_generation_prompt true, so it needs an explicit
+ * "add_generation_prompt": false (as in HF transformers). With it, the internal system messages
+ * of §1.2 steps 4-5 come before the continued message.
  * Errors name the offending key. */
 k3_status k3_chat_request_parse(const char *json, size_t n_bytes, k3_chat_request **out);
 void k3_chat_request_destroy(k3_chat_request *r); /* NULL-safe */
 bool k3_chat_request_thinking(const k3_chat_request *r);
 const char *k3_chat_request_effort(const k3_chat_request *r); /* NULL when thinking is off */
+/* Where the rendered prompt ends: inside `think`, inside `response` (the generation prompt, or a
+ * continued message), or after a closed message (add_generation_prompt false): the parser's
+ * initial state. */
+typedef enum k3_chat_prompt_end {
+    K3_CHAT_ENDS_IN_THINK,
+    K3_CHAT_ENDS_IN_RESPONSE,
+    K3_CHAT_ENDS_CLOSED,
+} k3_chat_prompt_end;
+k3_chat_prompt_end k3_chat_request_prompt_end(const k3_chat_request *r);
+/* Override add_generation_prompt (e.g. `k3 render --no-generation-prompt`); returns K3_ERR_ARG
+ * when the resulting combination is refused (on with continue_final_message), which
+ * k3_chat_render reports too. */
+k3_status k3_chat_request_set_generation_prompt(k3_chat_request *r, bool on);
 /* The request's top-level "tools" array (NULL if none): the parser types arguments by it. */
 const k3_chat_json *k3_chat_request_tools(const k3_chat_request *r);
 
@@ -100,9 +122,11 @@ typedef struct k3_chat_prompt {
     size_t cap_segs;
 } k3_chat_prompt;
 
-/* Build the segments (§1.2 order). `add_generation_prompt` appends the assistant opener
- * (`think` when thinking is on, `response` when off). On error `out` is left empty. */
-k3_status k3_chat_render(const k3_chat_request *r, bool add_generation_prompt, k3_chat_prompt *out);
+/* Build the segments (§1.2 order) as the request's keys say: the assistant opener (`think` when
+ * thinking is on, `response` when off) when add_generation_prompt, the final message left open
+ * when continue_final_message, neither otherwise; K3_ERR_ARG naming both keys when they are
+ * both true. On error `out` is left empty. (Not const: it settles where the prompt ends.) */
+k3_status k3_chat_render(k3_chat_request *r, k3_chat_prompt *out);
 void k3_chat_prompt_free(k3_chat_prompt *p); /* frees the members; NULL-safe */
 
 /* The prompt's token ids, appended to `out`: each segment encoded on its own (§4.6), control

@@ -23,13 +23,15 @@
 typedef struct k3_parser k3_parser;
 
 typedef struct k3_parser_opts {
-    bool thinking;             /* the prompt ended in `think` (true) or `response` (false) */
+    bool thinking; /* thinking is on: reasoning_content is reported; the completion starts in
+                      `think` unless start_in_response (off: always in `response`) */
+    bool start_in_response;    /* the prompt ended inside `response` (a continued message) */
     const k3_chat_json *tools; /* the request's OpenAI tools list, borrowed; NULL = untyped */
 } k3_parser_opts;
 
 k3_status k3_parser_create(const k3_parser_opts *o, k3_parser **out);
-/* Options from a request: its thinking flag (the same bit the renderer used) and its tools.
- * The request must outlive the parser. */
+/* Options from a request: its thinking flag (the same bit the renderer used), where its prompt
+ * ends (k3_chat_request_prompt_end) and its tools. The request must outlive the parser. */
 k3_status k3_parser_create_for(const k3_chat_request *r, k3_parser **out);
 void k3_parser_destroy(k3_parser *p); /* NULL-safe */
 
@@ -56,8 +58,9 @@ bool k3_parser_ended(const k3_parser *p); /* an end-of-message/stop marker arriv
 
 /* ---- output --------------------------------------------------------------------------- */
 typedef struct k3_parser_call {
-    const char *id;        /* "call_<n>" */
-    const char *name;      /* unescaped tool attribute */
+    const char *id;   /* "call_<n>" */
+    const char *name; /* (n_name) unescaped tool attribute, NUL-terminated (may hold NUL) */
+    size_t n_name;
     const char *arguments; /* compact JSON object text (or a raw json block verbatim) */
     size_t n_arguments;
 } k3_parser_call;
@@ -82,7 +85,8 @@ k3_status k3_parser_message_json(k3_parser *p, k3_chat_buf *out);
 typedef struct k3_parser_call_delta {
     size_t index;     /* OpenAI tool_calls[].index: order in which calls opened */
     const char *id;   /* non-NULL only in the call's first delta */
-    const char *name; /* idem */
+    const char *name; /* idem; (n_name) bytes, may hold NUL */
+    size_t n_name;
     const char *args; /* (n_args) bytes appended to function.arguments */
     size_t n_args;
 } k3_parser_call_delta;

@@ -37,7 +37,8 @@ typedef enum { ARG_STREAM_STRING, ARG_TYPED, ARG_SCHEMA, ARG_SKIP } arg_mode;
 
 typedef struct pcall {
     char id[32];
-    char *name;
+    char *name; /* (n_name + 1) NUL-terminated, may hold NUL */
+    size_t n_name;
     k3_chat_buf args; /* function.arguments as built so far */
     size_t n_args_sent;
     bool header_sent;
@@ -77,13 +78,16 @@ k3_status k3_parser_create(const k3_parser_opts *o, k3_parser **out) {
     k3_parser *p = calloc(1, sizeof *p);
     if (!p) return K3_ERR(K3_ERR_NOMEM, "out of memory allocating a parser");
     p->o = *o;
-    p->st = o->thinking ? ST_THINK : ST_RESPONSE;
+    p->st = o->thinking && !o->start_in_response ? ST_THINK : ST_RESPONSE;
     *out = p;
     return K3_OK;
 }
 
 k3_status k3_parser_create_for(const k3_chat_request *r, k3_parser **out) {
-    k3_parser_opts o = {.thinking = k3_chat_request_thinking(r), .tools = k3_chat_request_tools(r)};
+    k3_parser_opts o = {.thinking = k3_chat_request_thinking(r),
+                        .start_in_response =
+                            k3_chat_request_prompt_end(r) == K3_CHAT_ENDS_IN_RESPONSE,
+                        .tools = k3_chat_request_tools(r)};
     return k3_parser_create(&o, out);
 }
 
@@ -195,14 +199,27 @@ static pcall *cur_call(k3_parser *p) {
     return p->n_calls ? &p->calls[p->n_calls - 1] : NULL;
 }
 
+/* Length-carrying string view: header attributes and schema types may hold any byte (NUL too). */
+typedef struct sv {
+    const char *p;
+    size_t n;
+} sv;
+
+static bool sv_is(sv a, const char *lit) {
+    return a.n == strlen(lit) && memcmp(a.p, lit, a.n) == 0;
+}
+
 /* The tool's parameters.properties (OpenAI {"type":"function","function":{...}} or flat). */
-static const k3_chat_json *tool_props(const k3_parser *p, const char *name) {
+static const k3_chat_json *tool_props(const k3_parser *p, sv name) {
     const k3_chat_json *tools = p->o.tools;
     if (!tools || tools->kind != K3_JSON_ARRAY) return NULL;
     for (size_t i = 0; i < tools->n_items; i++) {
         const k3_chat_json *fn = k3_chat_json_get(tools->items[i], "function");
         if (!fn) fn = tools->items[i];
-        if (!k3_chat_json_is_str(k3_chat_json_get(fn, "name"), name)) continue;
+        const k3_chat_json *nm = k3_chat_json_get(fn, "name");
+        if (!nm || nm->kind != K3_JSON_STRING || nm->n != name.n ||
+            (name.n && memcmp(nm->s, name.p, name.n)))
+            continue;
         const k3_chat_json *props =
             k3_chat_json_get(k3_chat_json_get(fn, "parameters"), "properties");
         return props && props->kind == K3_JSON_OBJECT ? props : NULL;
@@ -210,7 +227,7 @@ static const k3_chat_json *tool_props(const k3_parser *p, const char *name) {
     return NULL;
 }
 
-static k3_status open_call(k3_parser *p, const char *name) {
+static k3_status open_call(k3_parser *p, sv name) {
     pcall *c = cur_call(p);
     /* A call opened before the previous closed: the previous stays incomplete (dropped). */
     if (p->n_calls == p->cap_calls) {
@@ -223,8 +240,11 @@ static k3_status open_call(k3_parser *p, const char *name) {
     c = &p->calls[p->n_calls];
     memset(c, 0, sizeof *c);
     snprintf(c->id, sizeof c->id, "call_%zu", p->n_calls);
-    c->name = strdup(name);
+    c->name = malloc(name.n + 1);
     if (!c->name) return K3_ERR(K3_ERR_NOMEM, "out of memory copying a tool name");
+    if (name.n) memcpy(c->name, name.p, name.n);
+    c->name[name.n] = 0;
+    c->n_name = name.n;
     p->n_calls++;
     c->props = tool_props(p, name);
     c->header_sent = false;
@@ -232,14 +252,15 @@ static k3_status open_call(k3_parser *p, const char *name) {
 }
 
 /* Collect the `type` strings of a schema node: "type": "T" | ["T", ...], anyOf/oneOf members. */
-static int schema_types(const k3_chat_json *s, const char **out, int max) {
+static int schema_types(const k3_chat_json *s, sv *out, int max) {
     int n = 0;
     if (!s || s->kind != K3_JSON_OBJECT) return 0;
     const k3_chat_json *t = k3_chat_json_get(s, "type");
-    if (t && t->kind == K3_JSON_STRING && n < max) out[n++] = t->s;
+    if (t && t->kind == K3_JSON_STRING && n < max) out[n++] = (sv){t->s, t->n};
     if (t && t->kind == K3_JSON_ARRAY)
         for (size_t i = 0; i < t->n_items && n < max; i++)
-            if (t->items[i]->kind == K3_JSON_STRING) out[n++] = t->items[i]->s;
+            if (t->items[i]->kind == K3_JSON_STRING)
+                out[n++] = (sv){t->items[i]->s, t->items[i]->n};
     static const char *const unions[] = {"anyOf", "oneOf"};
     for (size_t u = 0; u < 2; u++) {
         const k3_chat_json *a = k3_chat_json_get(s, unions[u]);
@@ -250,26 +271,27 @@ static int schema_types(const k3_chat_json *s, const char **out, int max) {
     return n;
 }
 
-static bool kind_fits(k3_json_kind k, const char *type) {
-    if (strcmp(type, "string") == 0) return k == K3_JSON_STRING;
-    if (strcmp(type, "number") == 0 || strcmp(type, "integer") == 0)
+static bool kind_fits(k3_json_kind k, sv type) {
+    if (sv_is(type, "string")) return k == K3_JSON_STRING;
+    if (sv_is(type, "number") || sv_is(type, "integer"))
         return k == K3_JSON_INT || k == K3_JSON_FLOAT;
-    if (strcmp(type, "boolean") == 0) return k == K3_JSON_BOOL;
-    if (strcmp(type, "null") == 0) return k == K3_JSON_NULL;
-    if (strcmp(type, "object") == 0) return k == K3_JSON_OBJECT;
-    if (strcmp(type, "array") == 0) return k == K3_JSON_ARRAY;
+    if (sv_is(type, "boolean")) return k == K3_JSON_BOOL;
+    if (sv_is(type, "null")) return k == K3_JSON_NULL;
+    if (sv_is(type, "object")) return k == K3_JSON_OBJECT;
+    if (sv_is(type, "array")) return k == K3_JSON_ARRAY;
     return false;
 }
 
-static bool is_xtml_type(const char *t) {
+static bool is_xtml_type(sv t) {
     static const char *const ok[] = {"string", "number", "boolean", "null", "object", "array"};
     for (size_t i = 0; i < K3_ARRAY_LEN(ok); i++)
-        if (strcmp(t, ok[i]) == 0) return true;
+        if (sv_is(t, ok[i])) return true;
     return false;
 }
 
-/* Argument header: emit `{`/`,` + "key": and choose how the value is typed (§3.3). */
-static k3_status open_arg(k3_parser *p, const char *key, const char *type) {
+/* Argument header: emit `{`/`,` + "key": and choose how the value is typed (§3.3). `type`
+ * has p == NULL when the header has no type attribute. */
+static k3_status open_arg(k3_parser *p, sv key, sv type) {
     pcall *c = cur_call(p);
     p->araw.n = 0;
     if (c->json_block) {
@@ -278,19 +300,20 @@ static k3_status open_arg(k3_parser *p, const char *key, const char *type) {
     } /* json block is the whole body */
     K3_TRY(k3_chat_buf_puts(&c->args, c->has_args ? "," : "{"));
     c->has_args = true;
-    K3_TRY(k3_chat_json_dump_str(key, strlen(key), &c->args));
+    K3_TRY(k3_chat_json_dump_str(key.p, key.n, &c->args));
     K3_TRY(k3_chat_buf_puts(&c->args, ":"));
-    p->aschema = k3_chat_json_get(c->props, key);
-    if (type && is_xtml_type(type)) { /* rule 1/2: the type attribute first */
-        p->amode = strcmp(type, "string") == 0 ? ARG_STREAM_STRING : ARG_TYPED;
-        snprintf(p->atype, sizeof p->atype, "%s", type);
+    p->aschema = k3_chat_json_get_n(c->props, key.p, key.n);
+    if (type.p && is_xtml_type(type)) { /* rule 1/2: the type attribute first */
+        p->amode = sv_is(type, "string") ? ARG_STREAM_STRING : ARG_TYPED;
+        memcpy(p->atype, type.p, type.n); /* one of the six names: fits */
+        p->atype[type.n] = 0;
     } else { /* rule 3: the schema; string-only (or string|null) streams as a string */
-        const char *ts[16];
+        sv ts[16];
         int nt = schema_types(p->aschema, ts, 16), n_str = 0, n_other = 0;
         for (int i = 0; i < nt; i++) {
-            if (strcmp(ts[i], "string") == 0)
+            if (sv_is(ts[i], "string"))
                 n_str++;
-            else if (strcmp(ts[i], "null") != 0)
+            else if (!sv_is(ts[i], "null"))
                 n_other++;
         }
         p->amode = n_str && !n_other ? ARG_STREAM_STRING : ARG_SCHEMA;
@@ -317,13 +340,13 @@ static k3_status close_arg(k3_parser *p) {
     k3_chat_json *v = NULL;
     bool ok = k3_chat_json_parse(p->araw.p, p->araw.n, "argument", &v) == K3_OK;
     k3_clear_error();
-    if (ok && p->amode == ARG_TYPED) ok = kind_fits(v->kind, p->atype);
+    if (ok && p->amode == ARG_TYPED) ok = kind_fits(v->kind, (sv){p->atype, strlen(p->atype)});
     if (ok && p->amode == ARG_SCHEMA) {
-        const char *ts[16];
+        sv ts[16];
         int nt = schema_types(p->aschema, ts, 16);
         bool fits = nt == 0; /* no schema entry: any JSON value */
         for (int i = 0; i < nt && !fits; i++)
-            fits = strcmp(ts[i], "string") != 0 && kind_fits(v->kind, ts[i]);
+            fits = !sv_is(ts[i], "string") && kind_fits(v->kind, ts[i]);
         ok = fits;
     }
     k3_status s = ok ? k3_chat_json_dump(v, K3_JSON_COMPACT, &c->args)
@@ -443,7 +466,8 @@ static k3_status on_open(k3_parser *p, const char *h, size_t n) {
         if (IS("call")) {
             k3_chat_buf name = {0};
             if (!header_attr(h, n, "tool", &name)) K3_TRY(k3_chat_buf_put(&name, "", 0));
-            k3_status s = name.p ? open_call(p, name.p) : K3_ERR(K3_ERR_NOMEM, "out of memory");
+            k3_status s =
+                name.p ? open_call(p, (sv){name.p, name.n}) : K3_ERR(K3_ERR_NOMEM, "out of memory");
             k3_chat_buf_free(&name);
             K3_TRY(s);
             p->st = ST_CALL;
@@ -457,7 +481,8 @@ static k3_status on_open(k3_parser *p, const char *h, size_t n) {
             bool has_type = header_attr(h, n, "type", &type);
             k3_status s = K3_OK;
             if (has_key)
-                s = open_arg(p, key.p, has_type ? type.p : NULL);
+                s = open_arg(p, (sv){key.p, key.n},
+                             has_type ? (sv){type.p, type.n} : (sv){NULL, 0});
             else
                 p->amode = ARG_SKIP; /* no key: nothing sensible to attach the value to */
             k3_chat_buf_free(&key);
@@ -662,7 +687,7 @@ k3_status k3_parser_message_view(k3_parser *p, k3_parser_message *out) {
         pcall *c = &p->calls[i];
         if (!c->complete) continue;
         p->view[out->n_calls++] =
-            (k3_parser_call){c->id, c->name, c->args.p ? c->args.p : "", c->args.n};
+            (k3_parser_call){c->id, c->name, c->n_name, c->args.p ? c->args.p : "", c->args.n};
     }
     out->calls = p->view;
     if (p->finished)
@@ -692,7 +717,7 @@ k3_status k3_parser_message_json(k3_parser *p, k3_chat_buf *out) {
         K3_TRY(k3_chat_buf_puts(out, i ? ",{" : "{"));
         K3_TRY(put_key_str(out, "id", m.calls[i].id, strlen(m.calls[i].id)));
         K3_TRY(k3_chat_buf_puts(out, ",\"type\":\"function\",\"function\":{"));
-        K3_TRY(put_key_str(out, "name", m.calls[i].name, strlen(m.calls[i].name)));
+        K3_TRY(put_key_str(out, "name", m.calls[i].name, m.calls[i].n_name));
         K3_TRY(k3_chat_buf_puts(out, ","));
         K3_TRY(put_key_str(out, "arguments", m.calls[i].arguments, m.calls[i].n_arguments));
         K3_TRY(k3_chat_buf_puts(out, "}}"));
@@ -723,6 +748,7 @@ k3_status k3_parser_take_delta(k3_parser *p, k3_parser_delta *out) {
         if (!c->header_sent) {
             d->id = c->id;
             d->name = c->name;
+            d->n_name = c->n_name;
             c->header_sent = true;
         }
         d->args = c->args.p ? c->args.p + c->n_args_sent : "";
@@ -763,7 +789,7 @@ k3_status k3_parser_delta_json(const k3_parser_delta *d, k3_chat_buf *out) {
             }
             K3_TRY(k3_chat_buf_puts(out, "\"function\":{"));
             if (c->name) {
-                K3_TRY(put_key_str(out, "name", c->name, strlen(c->name)));
+                K3_TRY(put_key_str(out, "name", c->name, c->n_name));
                 K3_TRY(k3_chat_buf_puts(out, ","));
             }
             K3_TRY(put_key_str(out, "arguments", c->args, c->n_args));

@@ -35,7 +35,8 @@ k3_status k3_job_parse(k3_job *j, const char *text, size_t n_bytes, const char *
         return K3_ERR(K3_ERR_FORMAT, "%s: messages is empty", what);
     k3_chat_prompt pr = {0};
     k3_tok_ids v = {0};
-    st = k3_chat_render(j->req, true, &pr);
+    st =
+        k3_chat_render(j->req, &pr); /* as its add_generation_prompt / continue_final_message say */
     if (st == K3_OK) st = k3_chat_encode(&pr, tok, &v);
     if (st == K3_OK && v.n == 0) st = K3_ERR(K3_ERR_FORMAT, "%s: encodes to no tokens", what);
     if (st == K3_OK) st = k3_alloc((void **)&j->ids, v.n * sizeof(int32_t), "prompt");

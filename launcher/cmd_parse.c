@@ -39,9 +39,9 @@ static k3_status read_stdin(k3_chat_buf *b) {
 /* Streamed accumulation of one response. */
 typedef struct acc {
     k3_chat_buf reasoning, content;
-    k3_chat_buf *args; /* (n) per streamed call index */
-    char **names;      /* (n) name from the call's header delta */
-    char **ids;        /* (n) id from the call's header delta */
+    k3_chat_buf *args;  /* (n) per streamed call index */
+    k3_chat_buf *names; /* (n) name from the call's header delta (may hold NUL); p NULL = none */
+    char **ids;         /* (n) id from the call's header delta */
     size_t n;
 } acc;
 
@@ -55,7 +55,7 @@ static k3_status acc_add(acc *a, const k3_parser_delta *d) {
             k3_chat_buf *v = realloc(a->args, n * sizeof *v);
             if (!v) return K3_ERR(K3_ERR_NOMEM, "out of memory");
             a->args = v;
-            char **nm = realloc(a->names, n * sizeof *nm);
+            k3_chat_buf *nm = realloc(a->names, n * sizeof *nm);
             if (!nm) return K3_ERR(K3_ERR_NOMEM, "out of memory");
             a->names = nm;
             char **id = realloc(a->ids, n * sizeof *id);
@@ -63,20 +63,19 @@ static k3_status acc_add(acc *a, const k3_parser_delta *d) {
             a->ids = id;
             for (size_t k = a->n; k < n; k++) {
                 memset(&a->args[k], 0, sizeof a->args[k]);
-                a->names[k] = NULL;
+                memset(&a->names[k], 0, sizeof a->names[k]);
                 a->ids[k] = NULL;
             }
             a->n = n;
         }
         if (c->name) {
-            if (a->names[c->index])
+            if (a->names[c->index].p)
                 return K3_ERR(K3_ERR_INTERNAL, "call %zu: header sent twice", c->index);
-            a->names[c->index] = strdup(c->name);
+            K3_TRY(k3_chat_buf_put(&a->names[c->index], c->name, c->n_name));
             a->ids[c->index] = strdup(c->id ? c->id : "");
-            if (!a->names[c->index] || !a->ids[c->index])
-                return K3_ERR(K3_ERR_NOMEM, "out of memory");
+            if (!a->ids[c->index]) return K3_ERR(K3_ERR_NOMEM, "out of memory");
         }
-        if (!a->names[c->index])
+        if (!a->names[c->index].p)
             return K3_ERR(K3_ERR_INTERNAL, "call %zu: arguments before its header", c->index);
         K3_TRY(k3_chat_buf_put(&a->args[c->index], c->args, c->n_args));
     }
@@ -88,7 +87,7 @@ static void acc_free(acc *a) {
     k3_chat_buf_free(&a->content);
     for (size_t i = 0; i < a->n; i++) {
         k3_chat_buf_free(&a->args[i]);
-        free(a->names[i]);
+        k3_chat_buf_free(&a->names[i]);
         free(a->ids[i]);
     }
     free(a->args);
@@ -133,7 +132,7 @@ static k3_status stream_check(const k3_tok_ids *ids, const k3_tokenizer *t, cons
      * id is compared as an opaque string, never parsed. */
     for (size_t i = 0, k = 0; !st && i < m.n_calls; i++, k++) {
         while (k < a.n && (!a.ids[k] || strcmp(a.ids[k], m.calls[i].id) != 0)) k++;
-        if (k >= a.n || !a.names[k] || strcmp(a.names[k], m.calls[i].name) != 0 ||
+        if (k >= a.n || !a.names[k].p || !same(m.calls[i].name, m.calls[i].n_name, &a.names[k]) ||
             !same(m.calls[i].arguments, m.calls[i].n_arguments, &a.args[k]))
             st = K3_ERR(K3_ERR_INTERNAL, "stream-check: tool call %zu deltas do not add up", i);
     }
@@ -172,6 +171,8 @@ static int run_parse(const k3_args *a) {
     what = "stdin";
     if (read_stdin(&in) || k3_tok_encode(tok, in.p, in.n, true, &ids)) goto fail;
     k3_parser_opts o = {.thinking = req ? k3_chat_request_thinking(req) : true,
+                        .start_in_response =
+                            req && k3_chat_request_prompt_end(req) == K3_CHAT_ENDS_IN_RESPONSE,
                         .tools = req ? k3_chat_request_tools(req) : NULL};
     what = "";
     if (k3_parser_create(&o, &p)) goto fail;

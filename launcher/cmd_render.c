@@ -1,9 +1,12 @@
 /* cmd_render.c — `k3 render`: an OpenAI-style chat request on stdin -> the K3 prompt.
  *
- * Owns: the command's flags and output formats. Default: the prompt text with the generation
- * prompt. --segments: the segment list as JSON `[[text, is_control], ...]` (what the tokenizer
- * sees, §4.6). --ids: the token ids (segment-wise encoding), which needs exactly one of --model
- * or --vocab (both are usage errors without --ids: they would be ignored).
+ * Owns: the command's flags and output formats. Default: the prompt text, ending as the request
+ * says (add_generation_prompt, default true: the assistant opener; continue_final_message: the
+ * final assistant message left open; --no-generation-prompt = add_generation_prompt false).
+ * --segments: the segment list as JSON `[[text, is_control], ...]` (what the tokenizer sees,
+ * §4.6). --ids: the token ids (segment-wise encoding), which needs exactly one of --model or
+ * --vocab. Without --ids a --model/--vocab is not needed: a note on stderr says so, and the text
+ * is rendered all the same (it does not depend on the tokenizer).
  * The chat logic lives in coordinator/ (k3_chat.h); this file only does I/O.
  * Errors: one line on stderr naming the key or file, exit 1 (2 = usage). */
 #include "k3_chat.h"
@@ -15,13 +18,18 @@
 
 static const k3_flag render_flags[] = {
     {"model", K3_FLAG_STR, "DIR", NULL,
-     "model directory (its tokenizer) for --ids; rejected without --ids"},
+     "model directory (its tokenizer) for --ids; not needed for the text or --segments"},
     {"vocab", K3_FLAG_STR, "FILE", NULL,
      "a .tiktoken rank file with the K3 specials past the last rank, for --ids (not with --model; "
-     "rejected without --ids)"},
+     "not needed for the text or --segments)"},
     {"segments", K3_FLAG_BOOL, NULL, NULL, "print the segments as JSON [[text, is_control], ...]"},
     {"ids", K3_FLAG_BOOL, NULL, NULL, "print the token ids (each segment encoded on its own)"},
-    {"no-generation-prompt", K3_FLAG_BOOL, NULL, NULL, "do not append the assistant opener"},
+    {"no-generation-prompt", K3_FLAG_BOOL, NULL, NULL,
+     "do not append the assistant opener, as request key \"add_generation_prompt\": false. "
+     "Request keys: add_generation_prompt (default true); continue_final_message (default false; "
+     "needs add_generation_prompt false) leaves the last (assistant) message open in the form of "
+     "spec/K3-CHAT.md §1.8, which is inferred from llama.cpp: the official encoder cannot continue "
+     "a message"},
 };
 
 /* Read all of stdin (shared shape with cmd_parse.c). */
@@ -45,13 +53,11 @@ static int run_render(const k3_args *a) {
         fprintf(stderr, "k3 render: --ids needs exactly one of --model DIR or --vocab FILE\n");
         return 2;
     }
-    if (!want_ids && (model || vocab)) { /* the text/segments do not depend on the tokenizer */
+    if (!want_ids && (model || vocab)) /* harmless: the text does not depend on the tokenizer */
         fprintf(stderr,
-                "k3 render: --%s is only used with --ids (the prompt text and segments do "
-                "not depend on the tokenizer)\n",
+                "k3 render: note: --%s is not needed without --ids (the prompt text and segments "
+                "do not depend on the tokenizer); rendering the text\n",
                 model ? "model" : "vocab");
-        return 2;
-    }
     if (want_ids && k3_args_bool(a, "segments")) {
         fprintf(stderr, "k3 render: give --ids or --segments, not both\n");
         return 2;
@@ -62,8 +68,15 @@ static int run_render(const k3_args *a) {
     k3_tokenizer *tok = NULL;
     k3_tok_ids ids = {0};
     int rc = 0;
-    if (read_stdin(&in) || k3_chat_request_parse(in.p, in.n, &req) ||
-        k3_chat_render(req, !k3_args_bool(a, "no-generation-prompt"), &prompt)) {
+    if (read_stdin(&in) || k3_chat_request_parse(in.p, in.n, &req)) {
+        rc = fail("");
+        goto done;
+    }
+    /* the flag overrides the request's key; a refused combination is k3_chat_render's error */
+    if (k3_args_bool(a, "no-generation-prompt") &&
+        k3_chat_request_set_generation_prompt(req, false) != K3_OK)
+        k3_clear_error();
+    if (k3_chat_render(req, &prompt)) {
         rc = fail("");
         goto done;
     }

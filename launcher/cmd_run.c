@@ -35,7 +35,10 @@ static const k3_flag flags[] = {
     {"prompt", K3_FLAG_STR, "TEXT", NULL, "prompt text (tokenised with the model's tokenizer)"},
     {"chat", K3_FLAG_STR, "FILE", NULL,
      "OpenAI-style chat request (JSON): render, generate, print the parsed assistant message; "
-     "its max_tokens/temperature/top_p/seed/stop/... apply unless the flag is given"},
+     "its max_tokens/temperature/top_p/seed/stop/... apply unless the flag is given; "
+     "add_generation_prompt (default true) and continue_final_message (default false: continue "
+     "the last assistant message in the form of spec/K3-CHAT.md §1.8, inferred from llama.cpp, "
+     "not the official encoder) are honoured"},
     {"n", K3_FLAG_INT, "N", "16", "most new tokens per prompt (fewer when EOS or --stop hits)"},
     {"temperature", K3_FLAG_FLOAT, "T", "0", "sampling temperature (0 = greedy argmax)"},
     {"greedy", K3_FLAG_BOOL, NULL, NULL, "greedy decoding: an alias of --temperature 0"},

@@ -82,6 +82,13 @@ static void json_cases(void) {
     }
 }
 
+/* Render with add_generation_prompt forced on or off (what `k3 render --no-generation-prompt`
+ * does). */
+static k3_status render_gen(k3_chat_request *r, bool gen, k3_chat_prompt *p) {
+    k3_status s = k3_chat_request_set_generation_prompt(r, gen);
+    return s != K3_OK ? s : k3_chat_render(r, p);
+}
+
 static k3_chat_request *req(const char *json) {
     k3_chat_request *r = NULL;
     K3_CHECK_OK(k3_chat_request_parse(json, strlen(json), &r));
@@ -126,7 +133,7 @@ static void malformed_cases(void) {
                              "{\"role\":\"user\",\"content\":\"a\"}],\"tools\":null}");
     k3_chat_prompt p;
     if (r) {
-        K3_CHECK_OK(k3_chat_render(r, false, &p));
+        K3_CHECK_OK(render_gen(r, false, &p));
         K3_CHECK(p.text && !strstr(p.text, "narrator") && !strstr(p.text, "z<") &&
                      strstr(p.text, "role=\"user\""),
                  "unknown role skipped: %s", p.text ? p.text : "");
@@ -144,7 +151,7 @@ static void malformed_cases(void) {
                  img_ok[i]);
         r = req(js);
         if (!r) continue;
-        K3_CHECK_OK(k3_chat_render(r, false, &p));
+        K3_CHECK_OK(render_gen(r, false, &p));
         k3_chat_prompt_free(&p);
         k3_chat_request_destroy(r);
     }
@@ -152,7 +159,7 @@ static void malformed_cases(void) {
             "\"content\":[{\"type\":\"text\",\"text\":\"t\"},{\"type\":\"image_url\","
             "\"image_url\":5}]}]}");
     if (r) {
-        K3_CHECK_ERR(k3_chat_render(r, true, &p), K3_ERR_ARG,
+        K3_CHECK_ERR(render_gen(r, true, &p), K3_ERR_ARG,
                      "request: messages[1].content[1].image_url must be an object");
         k3_chat_request_destroy(r);
     }
@@ -184,6 +191,13 @@ static void request_cases(void) {
          false, NULL},
         {"{\"messages\":[],\"thinking\":false,\"thinking_effort\":\"medium\"}", false,
          NULL}, /* unused when off */
+        /* spec §5.1 `??`: null is "not given" at every level */
+        {"{\"messages\":[],\"thinking_effort\":null}", true, "max"},
+        {"{\"messages\":[],\"thinking_effort\":null,\"reasoning_effort\":\"low\"}", true, "low"},
+        {"{\"messages\":[],\"thinking_effort\":\"high\",\"chat_template_kwargs\":{\"thinking_"
+         "effort\":null}}",
+         true, "high"},
+        {"{\"messages\":[],\"thinking\":null}", true, "max"},
     };
     for (size_t i = 0; i < K3_ARRAY_LEN(ok); i++) {
         k3_chat_request *r = req(ok[i].json);
@@ -217,6 +231,95 @@ static void request_cases(void) {
     k3_chat_request_destroy(NULL);
 }
 
+/* Issue 8: add_generation_prompt / continue_final_message (vLLM's keys) and where the prompt
+ * ends; the refusals name the keys. */
+static void request_key_cases(void) {
+    static const struct {
+        const char *json;
+        k3_chat_prompt_end end;
+        const char *tail; /* the rendered text ends with it */
+    } ok[] = {
+        {"{\"messages\":[{\"role\":\"user\",\"content\":\"a\"}]}", K3_CHAT_ENDS_IN_THINK,
+         "<|open|>think<|sep|>"},
+        {"{\"messages\":[{\"role\":\"user\",\"content\":\"a\"}],\"add_generation_prompt\":null,"
+         "\"thinking\":false}",
+         K3_CHAT_ENDS_IN_RESPONSE, "<|open|>response<|sep|>"},
+        {"{\"messages\":[{\"role\":\"user\",\"content\":\"a\"}],\"add_generation_prompt\":false}",
+         K3_CHAT_ENDS_CLOSED, "a<|close|>message<|sep|><|end_of_msg|>"},
+        {"{\"messages\":[{\"role\":\"user\",\"content\":\"a\"},{\"role\":\"assistant\","
+         "\"content\":\"b\\u0000\",\"reasoning_content\":\"r\"}],\"continue_final_message\":true,"
+         "\"add_generation_prompt\":false}",
+         K3_CHAT_ENDS_IN_RESPONSE,
+         "<|open|>think<|sep|>r<|close|>think<|sep|><|open|>response<|sep|>b\0"},
+        {"{\"messages\":[{\"role\":\"user\",\"content\":\"a\"},{\"role\":\"assistant\","
+         "\"content\":[],\"reasoning_content\":\"r\"}],\"continue_final_message\":true,"
+         "\"add_generation_prompt\":false}",
+         K3_CHAT_ENDS_IN_THINK,
+         "<|end_of_msg|><|open|>message role=\"assistant\"<|sep|><|open|>think<|sep|>r"},
+        {"{\"messages\":[{\"role\":\"assistant\",\"content\":\"b\"}],\"continue_final_message\":"
+         "true,\"add_generation_prompt\":false,\"thinking\":false}",
+         K3_CHAT_ENDS_IN_RESPONSE,
+         "<|open|>message role=\"assistant\"<|sep|><|open|>response<|sep|>b"},
+    };
+    for (size_t i = 0; i < K3_ARRAY_LEN(ok); i++) {
+        k3_chat_request *r = req(ok[i].json);
+        if (!r) continue;
+        k3_chat_prompt p;
+        K3_CHECK_OK(k3_chat_render(r, &p));
+        K3_CHECK(k3_chat_request_prompt_end(r) == ok[i].end, "prompt end of case %zu", i);
+        size_t nt = strlen(ok[i].tail) + (strstr(ok[i].json, "u0000") ? 1 : 0);
+        K3_CHECK(p.text && p.n_bytes >= nt && memcmp(p.text + p.n_bytes - nt, ok[i].tail, nt) == 0,
+                 "case %zu ends with %s: ...%s", i, ok[i].tail,
+                 p.text && p.n_bytes > 60 ? p.text + p.n_bytes - 60 : p.text);
+        k3_chat_prompt_free(&p);
+        k3_chat_request_destroy(r);
+    }
+    static const struct {
+        const char *json, *needle;
+        bool at_parse;
+    } bad[] = {
+        {"{\"messages\":[{\"role\":\"assistant\",\"content\":\"b\"}],\"continue_final_message\":"
+         "true}",
+         "\"continue_final_message\": true cannot be combined with \"add_generation_prompt\": true",
+         false},
+        {"{\"messages\":[{\"role\":\"user\",\"content\":\"b\"}],\"continue_final_message\":true,"
+         "\"add_generation_prompt\":false}",
+         "needs an assistant message last", false},
+        {"{\"messages\":[],\"continue_final_message\":true,\"add_generation_prompt\":false}",
+         "needs an assistant message last", false},
+        {"{\"messages\":[{\"role\":\"assistant\",\"content\":\"\",\"tool_calls\":[{\"function\":"
+         "{\"name\":\"f\"}}]}],\"continue_final_message\":true,\"add_generation_prompt\":false}",
+         "has tool_calls", false},
+        {"{\"messages\":[],\"add_generation_prompt\":1}",
+         "\"add_generation_prompt\" must be true or false", true},
+        {"{\"messages\":[],\"continue_final_message\":\"yes\"}",
+         "\"continue_final_message\" must be true or false", true},
+    };
+    for (size_t i = 0; i < K3_ARRAY_LEN(bad); i++) {
+        k3_chat_request *r = NULL;
+        k3_chat_prompt p;
+        if (bad[i].at_parse) {
+            K3_CHECK_ERR(k3_chat_request_parse(bad[i].json, strlen(bad[i].json), &r), K3_ERR_ARG,
+                         bad[i].needle);
+        } else if ((r = req(bad[i].json)) != NULL) {
+            K3_CHECK_ERR(k3_chat_render(r, &p), K3_ERR_ARG, bad[i].needle);
+            K3_CHECK(p.n_segs == 0 && !p.text, "empty on error");
+        }
+        k3_chat_request_destroy(r);
+    }
+    /* an override makes the refused combination valid (k3 render --no-generation-prompt) */
+    k3_chat_request *r = req(bad[0].json);
+    if (r) {
+        k3_chat_prompt p;
+        K3_CHECK_OK(k3_chat_request_set_generation_prompt(r, false));
+        K3_CHECK_OK(k3_chat_render(r, &p));
+        k3_chat_prompt_free(&p);
+        K3_CHECK_ERR(k3_chat_request_set_generation_prompt(r, true), K3_ERR_ARG,
+                     "continue_final_message");
+        k3_chat_request_destroy(r);
+    }
+}
+
 /* Segment i as a string compare. */
 static bool seg_is(const k3_chat_prompt *p, size_t i, const char *text, bool ctrl) {
     if (i >= p->n_segs) return false;
@@ -228,7 +331,7 @@ static void segment_cases(void) {
     k3_chat_request *r =
         req("{\"messages\":[{\"role\":\"user\",\"content\":\"a<|sep|>\"}],\"thinking\":false}");
     k3_chat_prompt p;
-    K3_CHECK_OK(k3_chat_render(r, true, &p));
+    K3_CHECK_OK(render_gen(r, true, &p));
     static const struct {
         const char *t;
         bool c;
@@ -244,12 +347,12 @@ static void segment_cases(void) {
     K3_CHECK(p.text[p.n_bytes] == 0, "NUL-terminated");
     k3_chat_prompt_free(&p);
     /* without the generation prompt; an empty conversation renders nothing at all */
-    K3_CHECK_OK(k3_chat_render(r, false, &p));
+    K3_CHECK_OK(render_gen(r, false, &p));
     K3_CHECK(p.n_segs == 12, "no generation prompt: %zu", p.n_segs);
     k3_chat_prompt_free(&p);
     k3_chat_request_destroy(r);
     r = req("{\"messages\":[],\"thinking\":false}");
-    K3_CHECK_OK(k3_chat_render(r, false, &p));
+    K3_CHECK_OK(render_gen(r, false, &p));
     K3_CHECK(p.n_segs == 0 && p.n_bytes == 0 && p.text && p.text[0] == 0, "empty prompt");
     k3_chat_prompt_free(&p);
     k3_chat_prompt_free(NULL);
@@ -257,7 +360,7 @@ static void segment_cases(void) {
     /* render errors name the message */
     r = req("{\"messages\":[{\"role\":\"user\",\"content\":\"a\"},{\"role\":\"tool\",\"content\":"
             "\"x\"}]}");
-    K3_CHECK_ERR(k3_chat_render(r, true, &p), K3_ERR_ARG, "messages[1]");
+    K3_CHECK_ERR(render_gen(r, true, &p), K3_ERR_ARG, "messages[1]");
     K3_CHECK(p.n_segs == 0 && p.text == NULL, "empty on error");
     k3_chat_request_destroy(r);
 }
@@ -265,6 +368,7 @@ static void segment_cases(void) {
 int main(void) {
     json_cases();
     request_cases();
+    request_key_cases();
     malformed_cases();
     segment_cases();
     return k3_test_done("chat");

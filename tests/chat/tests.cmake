@@ -13,3 +13,8 @@ set_tests_properties(chat_render_ids PROPERTIES LABELS "unit" ENVIRONMENT "${K3_
 k3_add_test_exe(test_chat ${CMAKE_CURRENT_LIST_DIR}/test_chat.c)
 add_test(NAME chat_unit COMMAND test_chat)
 set_tests_properties(chat_unit PROPERTIES LABELS "unit;sanitize" ENVIRONMENT "${K3_TEST_ENV}" TIMEOUT 60)
+# Issue 8 end to end: U+0000 through tokenize --jsonl, render (= jinja), render --ids, run --chat
+# and parse; add_generation_prompt / continue_final_message through render, parse and run --chat.
+add_test(NAME chat_request_e2e COMMAND ${K3_PYTHON3} ${CMAKE_CURRENT_LIST_DIR}/request_e2e.py)
+set_tests_properties(chat_request_e2e PROPERTIES LABELS "unit" ENVIRONMENT "${K3_TEST_ENV_MPI}"
+                     TIMEOUT 180 SKIP_RETURN_CODE 77)

@@ -34,16 +34,13 @@ asserts the official behaviour AND that the raw template really differs):
      string roles are skipped like the encoder, with a warning on stderr.
 Exit: 0 pass, 1 fail, 77 skip (jinja2 missing).
 """
-import copy
 import json
 import os
 import subprocess
 import sys
 
 try:
-    import jinja2
-    import jinja2.ext
-    from jinja2.sandbox import ImmutableSandboxedEnvironment
+    import jinja2  # noqa: F401  (k3_jinja needs it)
 except ImportError:
     print("vs_jinja: jinja2 not installed, skipping")
     sys.exit(77)
@@ -53,87 +50,9 @@ K3 = os.environ.get("K3_BIN") or (sys.argv[1] if len(sys.argv) > 1 else None)
 if not K3:
     print("vs_jinja: set K3_BIN or pass the k3 binary")
     sys.exit(1)
-TPL_PR = os.path.join(SHARED, "fixtures/chat/Kimi-K3.llama.cpp-pr26185.jinja")
-TPL_GG = os.path.join(SHARED, "fixtures/chat/Kimi-K3.ggml-org-181a4a8f.jinja")
-MARKERS = ["<|open|>", "<|close|>", "<|sep|>", "<|end_of_msg|>"]
-
-
-class TemplateError(Exception):
-    pass
-
-
-def raise_exception(msg):
-    raise TemplateError(msg)
-
-
-def tojson(x, ensure_ascii=False, indent=None, separators=None, sort_keys=False):
-    # transformers' chat-template tojson
-    return json.dumps(x, ensure_ascii=ensure_ascii, indent=indent, separators=separators,
-                      sort_keys=sort_keys)
-
-
-def make_template(src):
-    env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True,
-                                        extensions=[jinja2.ext.loopcontrols])
-    env.filters["tojson"] = tojson
-    env.globals["raise_exception"] = raise_exception
-    env.globals["strftime_now"] = lambda fmt: "1970-01-01"
-    return env.from_string(src)
-
-
-SRC_PR = open(TPL_PR, encoding="utf-8").read()
-T_PR = make_template(SRC_PR)
-T_GG = make_template(open(TPL_GG, encoding="utf-8").read())
-# The official key order (D1): the same template with json_sorted -> Python sort_keys.
-SRC_OFFICIAL = (SRC_PR.replace("{{- json_sorted(tool_list) -}}",
-                               "{{- tool_list|tojson(sort_keys=true, separators=(',', ':')) -}}")
-                .replace("' + json_sorted(state.response_schema) + '",
-                         "' + state.response_schema|tojson(sort_keys=true, separators=(',', ':')) + '"))
-assert SRC_OFFICIAL.count("sort_keys=true") == 2, "template changed: update the D1 patch"
-T_OFFICIAL = make_template(SRC_OFFICIAL)
-
-
-def normalise(req, parse_args=True, map_developer=True):
-    """The official encoder's / server's pre-normalisation, as the spec states it."""
-    req = copy.deepcopy(req)
-    ctk = req.get("chat_template_kwargs") or {}
-    thinking = next((v for v in (ctk.get("thinking"), ctk.get("enable_thinking"),
-                                 req.get("thinking")) if v is not None), True)
-    if req.get("reasoning_effort") == "none":
-        thinking = False
-    effort = next((v for v in (ctk.get("thinking_effort"), req.get("thinking_effort"),
-                               req.get("reasoning_effort")) if v is not None), "max")
-    msgs = []
-    for m in req.get("messages", []):
-        m = copy.deepcopy(m)
-        if map_developer and isinstance(m, dict) and m.get("role") == "developer":
-            m["role"] = "system"
-        if parse_args and isinstance(m, dict) and m.get("tool_calls"):
-            for tc in m["tool_calls"]:
-                fn = tc["function"] if isinstance(tc.get("function"), dict) else tc
-                a = fn.get("arguments")
-                if a is None or (isinstance(a, str) and not a.strip()):
-                    fn["arguments"] = {}
-                elif isinstance(a, str):
-                    try:
-                        v = json.loads(a)
-                    except ValueError:
-                        fn["_xtml_json_block"] = a
-                        continue
-                    if not isinstance(v, dict):
-                        raise TemplateError("arguments parse to a non-object")
-                    fn["arguments"] = v
-        msgs.append(m)
-    kw = {"messages": msgs, "thinking": thinking, "thinking_effort": effort,
-          "add_generation_prompt": True}
-    for k in ("tools", "tool_choice", "response_format"):
-        if k in req:
-            kw[k] = req[k]
-    return kw
-
-
-def jinja_render(req, tpl=T_PR, **nk):
-    return tpl.render(**normalise(req, **nk))
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from k3_jinja import (MARKERS, T_GG, T_OFFICIAL, T_PR, TemplateError, jinja_render,  # noqa: E402
+                      normalise)
 
 
 def k3(req_text, *flags):
@@ -484,16 +403,107 @@ rc, out, err = k3(json.dumps({"messages": [U("a"), {"role": "narrator", "content
 if rc != 0 or "zzz" in out or "unknown role 'narrator'" not in err or "messages[1]" not in err:
     fail("D7", f"unknown role: rc={rc} stderr={err!r}")
 
-# render flags: the tokenizer flags only with --ids, and not both at once (exit 2, one line)
+# render flags: --model / --vocab without --ids are harmless (a one-line note, the same text);
+# with --ids exactly one of them (exit 2, one line)
 VOCAB = os.path.join(SHARED, "vocab/o200k_base.tiktoken")
-for flags, needle in [(["--model", "/tmp"], "--model is only used with --ids"),
-                      (["--vocab", VOCAB], "--vocab is only used with --ids"),
-                      (["--ids", "--model", "/tmp", "--vocab", VOCAB], "exactly one of --model DIR or --vocab FILE"),
+_, plain, _ = k3(json.dumps({"messages": [U("a")]}))
+for flags in (["--model", "/tmp"], ["--vocab", VOCAB]):
+    n_checked += 1
+    rc, out, err = k3(json.dumps({"messages": [U("a")]}), *flags)
+    if rc != 0 or out != plain or "not needed without --ids" not in err or err.count("\n") != 1:
+        fail("render flags", f"{flags}: rc={rc} stderr={err!r} (want the text and a one-line note)")
+for flags, needle in [(["--ids", "--model", "/tmp", "--vocab", VOCAB], "exactly one of --model DIR or --vocab FILE"),
                       (["--ids"], "exactly one of")]:
     n_checked += 1
     rc, _, err = k3(json.dumps({"messages": [U("a")]}), *flags)
     if rc != 2 or needle not in err or err.count("\n") != 1:
         fail("render flags", f"{flags}: rc={rc} stderr={err!r}")
+
+# ---- issue 8: request keys -------------------------------------------------------------------
+# add_generation_prompt: false (vLLM's key) is byte-identical to the template rendered with it,
+# thinking on and off, with and without a final assistant turn; null = the default (true).
+for think in (True, False):
+    for msgs in ([U("hi")], [S("sys"), U("hi"), A("hello", reasoning_content="r")],
+                 {"messages": TOOLCONV, "tools": [WEATHER, SEARCH]}):
+        req = dict(msgs) if isinstance(msgs, dict) else {"messages": msgs}
+        req.update({"add_generation_prompt": False, "thinking": think})
+        case(f"add_generation_prompt false, thinking {think}, {len(req['messages'])} messages", req)
+case("add_generation_prompt true", {"messages": [U("hi")], "add_generation_prompt": True})
+case("add_generation_prompt null = true", {"messages": [U("hi")], "add_generation_prompt": None})
+case("add_generation_prompt false + tool_choice + response_format",
+     {"messages": [U("q"), A("a")], "tools": [WEATHER], "tool_choice": "required",
+      "response_format": {"type": "json_object"}, "add_generation_prompt": False})
+n_checked += 1
+rc, out, err = k3(json.dumps({"messages": [U("hi"), A("x")]}), "--no-generation-prompt")
+_, out2, _ = k3(json.dumps({"messages": [U("hi"), A("x")], "add_generation_prompt": False}))
+if rc != 0 or out != out2 or out != jinja_render({"messages": [U("hi"), A("x")], "add_generation_prompt": False}):
+    fail("--no-generation-prompt", "differs from add_generation_prompt false")
+# thinking_effort null means the default (spec §5.1 `??`): max, or the next key in the chain
+case("thinking_effort null = max", {"messages": [U("hi")], "thinking_effort": None})
+case("thinking_effort null -> reasoning_effort", {"messages": [U("hi")], "thinking_effort": None,
+                                                   "reasoning_effort": "low"})
+case("ctk.thinking_effort null -> top-level", {"messages": [U("hi")], "thinking_effort": "high",
+                                                "chat_template_kwargs": {"thinking_effort": None}})
+case("thinking null = on", {"messages": [U("hi")], "thinking": None})
+n_checked += 1
+if k3(json.dumps({"messages": [U("hi")], "thinking_effort": None}))[1] != k3(json.dumps({"messages": [U("hi")]}))[1]:
+    fail("thinking_effort null", "differs from no thinking_effort")
+
+# continue_final_message (vLLM's key): the final assistant message stays open in the §1.8 form
+# (inferred; the template has no such form, so the expected text is written out here): the
+# history as the template renders it without a generation prompt, then the message opener,
+# `think` + reasoning, and with content: close `think`, open `response` + content.
+HIST = [S("sys"), U("hi")]
+hist = jinja_render({"messages": HIST, "add_generation_prompt": False})
+hist_off = jinja_render({"messages": HIST, "add_generation_prompt": False, "thinking": False})
+OPEN = '<|open|>message role="assistant"<|sep|>'
+for name, last, think, want in [
+        ("reasoning + content", A("The ans", reasoning_content="Let me"), True,
+         hist + OPEN + "<|open|>think<|sep|>Let me<|close|>think<|sep|><|open|>response<|sep|>The ans"),
+        ("reasoning only", A("", reasoning_content="Let me"), True, hist + OPEN + "<|open|>think<|sep|>Let me"),
+        ("content null, no reasoning", A(None), True, hist + OPEN + "<|open|>think<|sep|>"),
+        ("content, no reasoning", A("Sure"), True,
+         hist + OPEN + "<|open|>think<|sep|><|close|>think<|sep|><|open|>response<|sep|>Sure"),
+        ("thinking off", A("Sure", reasoning_content="dropped"), False,
+         hist_off + OPEN + "<|open|>response<|sep|>Sure"),
+        ("named, parts", A([{"type": "text", "text": "a"}, {"type": "text", "text": "b"}], name="k"), True,
+         hist + '<|open|>message role="assistant" name="k"<|sep|><|open|>think<|sep|><|close|>think<|sep|>'
+                '<|open|>response<|sep|>ab')]:
+    n_checked += 1
+    req = {"messages": HIST + [last], "continue_final_message": True, "add_generation_prompt": False,
+           "thinking": think}
+    rc, out, err = k3(json.dumps(req))
+    if rc != 0 or out != want:
+        fail(f"continue_final_message: {name}", f"rc={rc} {err.strip()}\n  got:  {out[-160:]!r}\n  want: {want[-160:]!r}")
+# the internal system messages of §1.2 steps 4-5 come before the continued message
+n_checked += 1
+req = {"messages": HIST + [A("x")], "tools": [WEATHER], "tool_choice": "required", "continue_final_message": True,
+       "add_generation_prompt": False, "thinking": False}
+rc, out, err = k3(json.dumps(req))
+tc = jinja_render({"messages": HIST, "tools": [WEATHER], "tool_choice": "required", "add_generation_prompt": False,
+                   "thinking": False})
+if rc != 0 or out != tc + OPEN + "<|open|>response<|sep|>x":
+    fail("continue_final_message + tool_choice", f"rc={rc} {err.strip()} {out[-200:]!r}")
+# refusals: one clear line naming the keys
+for req, needle in [
+        ({"messages": [U("a"), A("b")], "continue_final_message": True},
+         '"continue_final_message": true cannot be combined with "add_generation_prompt": true'),
+        ({"messages": [U("a"), A("b")], "continue_final_message": True, "add_generation_prompt": True},
+         '"add_generation_prompt": false'),
+        ({"messages": [U("a")], "continue_final_message": True, "add_generation_prompt": False},
+         "needs an assistant message last"),
+        ({"messages": [U("a"), A("", tool_calls=CALLS)], "continue_final_message": True,
+          "add_generation_prompt": False}, "has tool_calls"),
+        ({"messages": [U("a")], "add_generation_prompt": "yes"}, '"add_generation_prompt" must be true or false'),
+        ({"messages": [U("a")], "continue_final_message": 1}, '"continue_final_message" must be true or false')]:
+    n_checked += 1
+    rc, _, err = k3(json.dumps(req))
+    if rc != 1 or needle not in err or err.count("\n") != 1 or not err.startswith("k3 render: "):
+        fail("request keys", f"{req}: rc={rc} stderr={err!r} (want one line with {needle!r})")
+n_checked += 1
+rc, _, err = k3(json.dumps({"messages": [U("a"), A("b")], "continue_final_message": True}), "--no-generation-prompt")
+if rc != 0:
+    fail("request keys", f"--no-generation-prompt makes continue_final_message valid: rc={rc} {err!r}")
 
 print(f"vs_jinja: {n_checked} checks, {failures} failed")
 sys.exit(1 if failures else 0)

@@ -117,7 +117,8 @@ static void fuzz_render(const uint8_t *d, size_t n) {
     if (k3_chat_request_parse((const char *)d, n, &req) != K3_OK) return;
     for (int gen = 0; gen < 2; gen++) {
         k3_chat_prompt pr;
-        if (k3_chat_render(req, gen, &pr) != K3_OK) continue;
+        if (k3_chat_request_set_generation_prompt(req, gen) != K3_OK) continue;
+        if (k3_chat_render(req, &pr) != K3_OK) continue;
         size_t prev = 0;
         for (size_t i = 0; i < pr.n_segs; i++) {
             FZ_CHECK(pr.seg_end[i] > prev && pr.seg_end[i] <= pr.n_bytes,

@@ -489,6 +489,74 @@ static void request_state(void) {
              "thinking off from the request");
     k3_parser_destroy(p);
     k3_chat_request_destroy(r);
+    /* a continued message (continue_final_message) that ends inside `response`: the completion
+     * is content from its first byte, though thinking is on (reasoning_content reported, "") */
+    req = "{\"messages\":[{\"role\":\"assistant\",\"content\":\"The an\"}],"
+          "\"continue_final_message\":true,\"add_generation_prompt\":false}";
+    r = NULL;
+    K3_CHECK_OK(k3_chat_request_parse(req, strlen(req), &r));
+    p = NULL;
+    K3_CHECK_OK(k3_parser_create_for(r, &p));
+    K3_CHECK_OK(k3_parser_feed_text(p, "swer", 4));
+    K3_CHECK_OK(k3_parser_finish(p));
+    K3_CHECK_OK(k3_parser_message_view(p, &m));
+    K3_CHECK(m.has_reasoning && m.n_reasoning == 0 && eqn(m.content, m.n_content, "swer"),
+             "a continued response starts in content");
+    k3_parser_destroy(p);
+    k3_chat_request_destroy(r);
+}
+
+/* U+0000 is ordinary text: in reasoning, content, a tool name, an argument key and value, and a
+ * raw json block it survives, and the message JSON escapes it (\u0000) instead of ending there. */
+static void nul_cases(void) {
+    const char tools[] = "[{\"type\":\"function\",\"function\":{\"name\":\"f\\u0000g\","
+                         "\"parameters\":{\"properties\":{\"k\\u0000\":{\"type\":\"integer\"}}}}}]";
+    k3_chat_json *tj = NULL;
+    K3_CHECK_OK(k3_chat_json_parse(tools, sizeof tools - 1, "tools", &tj));
+    k3_parser_opts o = {.thinking = true, .tools = tj};
+    k3_parser *p = NULL;
+    K3_CHECK_OK(k3_parser_create(&o, &p));
+    static const char gen[] =
+        "r\0s<|close|>think<|sep|><|open|>response<|sep|>c\0<|close|>response<|sep|><|open|>tools"
+        "<|sep|><|open|>call tool=\"f\0g\" index=\"1\"<|sep|><|open|>argument key=\"k\0\"<|sep|>5"
+        "<|close|>argument<|sep|><|open|>argument key=\"v\" type=\"string\"<|sep|>x\0<|close|>"
+        "argument<|sep|><|close|>call<|sep|><|open|>call tool=\"h\" index=\"2\"<|sep|><|open|>json "
+        "type=\"object\"<|sep|>{\"q\0\"<|close|>json<|sep|><|close|>call<|sep|><|close|>tools<|sep|"
+        ">";
+    k3_tok_ids ids = {0};
+    K3_CHECK_OK(k3_tok_encode(g_tok, gen, sizeof gen - 1, true, &ids));
+    K3_CHECK_OK(k3_parser_feed_ids(p, g_tok, ids.ids, ids.n));
+    K3_CHECK_OK(k3_parser_finish(p));
+    k3_parser_message m;
+    K3_CHECK_OK(k3_parser_message_view(p, &m));
+    K3_CHECK(m.n_reasoning == 3 && memcmp(m.reasoning, "r\0s", 3) == 0, "NUL in reasoning");
+    K3_CHECK(m.n_content == 2 && memcmp(m.content, "c\0", 2) == 0, "NUL in content");
+    K3_CHECK(m.n_calls == 2 && m.calls[0].n_name == 3 && memcmp(m.calls[0].name, "f\0g", 3) == 0,
+             "NUL in a tool name");
+    /* the key with NUL found its schema (integer): 5 stays a number */
+    static const char args0[] = "{\"k\\u0000\":5,\"v\":\"x\\u0000\"}";
+    K3_CHECK(m.n_calls == 2 && m.calls[0].n_arguments == sizeof args0 - 1 &&
+                 memcmp(m.calls[0].arguments, args0, sizeof args0 - 1) == 0,
+             "arguments: %.*s", m.n_calls ? (int)m.calls[0].n_arguments : 0,
+             m.n_calls ? m.calls[0].arguments : "");
+    K3_CHECK(m.n_calls == 2 && m.calls[1].n_arguments == 5 &&
+                 memcmp(m.calls[1].arguments, "{\"q\0\"", 5) == 0,
+             "raw json block verbatim");
+    k3_chat_buf j = {0};
+    K3_CHECK_OK(k3_parser_message_json(p, &j));
+    k3_chat_json *v = NULL;
+    K3_CHECK_OK(k3_chat_json_parse(j.p, j.n, "message", &v));
+    const k3_chat_json *calls = k3_chat_json_get(v, "tool_calls");
+    const k3_chat_json *name =
+        calls && calls->n_items
+            ? k3_chat_json_get(k3_chat_json_get(calls->items[0], "function"), "name")
+            : NULL;
+    K3_CHECK(name && name->n == 3 && memcmp(name->s, "f\0g", 3) == 0, "name \\u0000 in the JSON");
+    k3_chat_json_free(v);
+    k3_chat_buf_free(&j);
+    k3_tok_ids_free(&ids);
+    k3_parser_destroy(p);
+    k3_chat_json_free(tj);
 }
 
 int main(void) {
@@ -502,6 +570,7 @@ int main(void) {
     extra_cases();
     utf8_cases();
     request_state();
+    nul_cases();
     k3_tok_destroy(g_tok);
     return k3_test_done("parser");
 }
