@@ -63,7 +63,9 @@ static int run_plan(const k3_args *a) {
     static const struct {
         const char *flag;
         int64_t max;
-    } lim[] = {{"max-ctx", (int64_t)1 << 30}, {"max-seqs", 1 << 20}, {"max-batch-tokens", 1 << 24}};
+    } lim[] = {{"max-ctx", (int64_t)1 << 30},
+               {"max-seqs", 1 << 20},
+               {k3_args_has(a, "max-tokens") ? "max-tokens" : "max-batch-tokens", 1 << 24}};
     const int64_t val[] = {ctx, seqs, toks};
     for (size_t i = 0; i < K3_ARRAY_LEN(lim); i++)
         if (val[i] < 1 || val[i] > lim[i].max) {
