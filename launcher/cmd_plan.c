@@ -60,7 +60,7 @@ static int run_plan(const k3_args *a) {
     }
     /* Bounds far above any real run (K3's max_position_embeddings is 2^20) that keep the byte
      * estimates inside 64 bits; k3_plan_make also checks its products. */
-    static const struct {
+    const struct {
         const char *flag;
         int64_t max;
     } lim[] = {{"max-ctx", (int64_t)1 << 30},
