@@ -57,7 +57,8 @@ static const k3_flag flags[] = {
     {"input", K3_FLAG_STR, "IN.jsonl", NULL,
      "requests, one a line: {\"custom_id\", \"method\": \"POST\", \"url\": "
      "\"/v1/chat/completions\", \"body\": {chat request}}; a malformed line (named) fails the job "
-     "before the model loads"},
+     "before the model loads. Body keys as `k3 run --chat` takes them, plus logprobs / "
+     "top_logprobs; unset sampling keys take OpenAI's defaults (temperature 1, top_p 1)"},
     {"output", K3_FLAG_STR, "OUT.jsonl", NULL,
      "results, one a line as each request finishes: {\"id\", \"custom_id\", \"response\": "
      "{\"status_code\": 200, \"request_id\", \"body\": chat.completion}, \"error\": null}; a "

@@ -4,7 +4,8 @@
 # halfway and resumed equal to an uninterrupted one. See batch_test.py.
 find_program(K3_BATCH_PYTHON3 python3)
 add_test(NAME batch_input COMMAND ${K3_BATCH_PYTHON3} ${CMAKE_CURRENT_LIST_DIR}/batch_test.py input)
-set_tests_properties(batch_input PROPERTIES LABELS "unit;sanitize" TIMEOUT 60 ENVIRONMENT "${K3_TEST_ENV}")
+set_tests_properties(batch_input PROPERTIES LABELS "unit;sanitize" TIMEOUT 60
+                     ENVIRONMENT "${K3_TEST_ENV_MPI}") # it starts MPI: see K3_TEST_ENV_MPI
 add_test(NAME batch_mpi
          COMMAND ${K3_BATCH_PYTHON3} ${CMAKE_CURRENT_LIST_DIR}/batch_test.py mpi ${MPIEXEC_EXECUTABLE})
 set_tests_properties(batch_mpi PROPERTIES LABELS "mpi;sanitize" TIMEOUT 300
