@@ -737,6 +737,7 @@ static int run_batch(const k3_args *a) {
     }
     int rank = 0, world = 1;
     k3_comm_world(&rank, &world);
+    k3_log_set_rank(rank, -1, -1); /* the engine adds (stage, lane) at open */
     k3_engine_opts eo = {0};
     int rc = k3_engine_args(a, rank == 0, &eo);
     if (rc == 0 &&
