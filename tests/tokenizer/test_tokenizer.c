@@ -438,13 +438,14 @@ static void test_no_quadratic(const k3_tokenizer *t, const char *label) {
     free(s);
 }
 
-/* Blocks of 64 code points, each in 5 contexts that show membership in every class (a+c: lower
- * letters, A+c: letters, 中+c: Han, 1c2: numbers, c+\n: letters/numbers/space), split by the
+/* Blocks of 64 code points, each in 6 contexts that show membership in every class (a+c: lower
+ * letters, A+c: letters, 中+c: Han, 1c2: numbers, c+\n: letters/numbers/space, !!+c: L|N as
+ * the end of a punctuation run), split by the
  * default and the EXPLICIT tokenizer: the piece offsets must be equal. Blocks keep BASE and ADDED
  * apart (a block without a new code point uses BASE). */
 static void test_spellings(const char *path) {
     static const char *const names[] = {"k3", "o200k", "cl100k"};
-    char *text = malloc(64 * 5 * 16);
+    char *text = malloc(64 * 6 * 16);
     long n_blocks = 0, n_diff = 0;
     for (int pat = 0; pat < 3; pat++) {
         k3_tok_options oa = {.pattern = (k3_tok_pattern)pat};
@@ -465,9 +466,9 @@ static void test_spellings(const char *path) {
                 if (cp >= 0xD800 && cp <= 0xDFFF) continue;
                 uint8_t c[4];
                 size_t l = k3_utf8_put(cp, c);
-                static const char *const pre[] = {"a", "A", "\xE4\xB8\xAD", "1", ""};
-                static const char *const post[] = {"", "", "", "2", "\n"};
-                for (int k = 0; k < 5; k++) {
+                static const char *const pre[] = {"a", "A", "\xE4\xB8\xAD", "1", "", "!!"};
+                static const char *const post[] = {"", "", "", "2", "\n", ""};
+                for (int k = 0; k < 6; k++) {
                     memcpy(text + n, pre[k], strlen(pre[k]));
                     n += strlen(pre[k]);
                     memcpy(text + n, c, l);

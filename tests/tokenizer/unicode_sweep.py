@@ -1,9 +1,11 @@
 #!/usr/bin/env python3
 """unicode_sweep.py — k3's tokenizer against PyPI tiktoken over ALL of Unicode (issue 8).
 
-Cases. Every scalar value U+0000..U+10FFFF (surrogates excluded) in 7 contexts:
+Cases. Every scalar value U+0000..U+10FFFF (surrogates excluded) in 8 contexts:
     alone | before "\\n" | after a Latin letter | after a Han ideograph | between digits |
-    after a space | a run of three copies of itself
+    after a space | a run of three copies of itself | after a punctuation run "!!" (the only one
+    of these where a letter's or number's membership in [^\\s\\p{L}\\p{N}] shows: elsewhere the
+    letter/number alternatives take it first)
 plus every code point whose Script differs from its Script_Extensions (e.g. U+3001 、 U+3002 。
 U+3006 〆 U+30FB ・, which PCRE2 >= 10.40 puts in a bare \\p{Han}) next to Han, Latin and a newline
 (8 contexts), and every General_Category boundary: each pair of adjacent code points (c-1, c) whose
@@ -70,7 +72,7 @@ from k3_tiktoken import K3_PAT, k3_specials, load_ranks  # noqa: E402
 
 UNICODE_VERSION = "16.0.0"  # of coordinator/tokenizer_unicode.h = tiktoken 0.14's regex crate
 SEP = "[EOT]"  # a K3 special token: cases never contain it, nor a prefix of it after one of theirs
-BATCH = 1001   # cases per line (a multiple of the 7 contexts)
+BATCH = 1000   # cases per line (a multiple of the 8 contexts)
 
 CONTEXTS = [
     ("alone", lambda c: c),
@@ -80,6 +82,7 @@ CONTEXTS = [
     ("between digits", lambda c: "1" + c + "2"),
     ("after a space", lambda c: " " + c),
     ("run of 3", lambda c: c * 3),
+    ("after a punctuation run '!!'", lambda c: "!!" + c),  # L|N membership: does it end the run?
 ]
 SCX_CONTEXTS = [
     ("scx: after Han", lambda c: "中" + c), ("scx: before Han", lambda c: c + "中"),
@@ -135,7 +138,7 @@ class Cases:
             parts = []
             for cp in self.cps[lo // len(CONTEXTS):hi // len(CONTEXTS)]:
                 c = chr(cp)
-                parts += (c, c + "\n", "a" + c, "中" + c, "1" + c + "2", " " + c, c + c + c)
+                parts += (c, c + "\n", "a" + c, "中" + c, "1" + c + "2", " " + c, c + c + c, "!!" + c)
             return SEP.join(parts)
         return SEP.join(self.case(i)[2] for i in range(lo, hi))
 
@@ -145,11 +148,13 @@ class Cases:
 
 def pieces_vocab(path):
     """The 256 bytes + every (end of a character, start of a character) byte pair, so that BPE
-    merges two adjacent characters iff the pre-tokenizer put them in one piece."""
+    merges two adjacent characters only if the pre-tokenizer put them in one piece. Pairs that
+    start a multi-byte character rank first: in "!!" + c, (!, lead byte of c) merges before (!, !),
+    so "!!c" as one piece and "!!" | "c" give different ids."""
     import base64
     ends = list(range(0x00, 0x80)) + list(range(0x80, 0xC0))    # ASCII or a continuation byte
-    starts = list(range(0x00, 0x80)) + list(range(0xC2, 0xF5))  # ASCII or a lead byte
-    toks = [bytes([b]) for b in range(256)] + [bytes([x, y]) for x in ends for y in starts]
+    starts = list(range(0xC2, 0xF5)) + list(range(0x00, 0x80))  # a lead byte, or ASCII
+    toks = [bytes([b]) for b in range(256)] + [bytes([x, y]) for y in starts for x in ends]
     with open(path, "wb") as f:
         for r, t in enumerate(toks):
             f.write(base64.b64encode(t) + b" %d\n" % r)
