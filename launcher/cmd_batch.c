@@ -607,7 +607,11 @@ static k3_status on_event(batch *b, const k3_event *ev) {
     if (ev->kind == K3_EV_DONE)
         st = write_ok(b, L, q, ev);
     else
-        st = write_error(b, L, "engine_error", ev->error ? ev->error : "unknown engine error");
+        st = write_error(b, L,
+                         ev->error_kind == K3_EVERR_CONTEXT   ? "context_length_exceeded"
+                         : ev->error_kind == K3_EVERR_REQUEST ? "invalid_request"
+                                                              : "engine_error",
+                         ev->error ? ev->error : "unknown engine error");
     end_live(b, q);
     return st;
 }
@@ -738,7 +742,7 @@ static int run_batch(const k3_args *a) {
     int rank = 0, world = 1;
     k3_comm_world(&rank, &world);
     k3_log_set_rank(rank, -1, -1); /* the engine adds (stage, lane) at open */
-    k3_engine_opts eo = {0};
+    k3_engine_opts eo = {.name = "k3 batch"};
     int rc = k3_engine_args(a, rank == 0, &eo);
     if (rc == 0 &&
         (!k3_args_has(a, "model") || !k3_args_has(a, "input") || !k3_args_has(a, "output"))) {

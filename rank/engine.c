@@ -6,13 +6,11 @@
 #include <stdlib.h>
 #include <unistd.h>
 
-const char *k3_engine_cmd_name = "k3";
-
 int k3_engine_open(const k3_engine_opts *o, k3_engine **out) {
     *out = NULL;
     k3_engine *e = calloc(1, sizeof *e);
     if (!e) {
-        fprintf(stderr, "%s: out of memory\n", k3_engine_cmd_name);
+        fprintf(stderr, "%s: out of memory\n", o->name ? o->name : "k3");
         return 1;
     }
     rank_ctx *r = &e->r;

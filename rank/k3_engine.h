@@ -55,6 +55,7 @@ typedef struct k3_engine_opts {
     int64_t chunk;            /* prefill tokens per sequence per step (default max_batch_tokens) */
     const k3_tokenizer *tok;  /* rank 0, borrowed, may be NULL: text deltas + stop strings */
     bool progress;            /* load progress bar on rank 0's terminal */
+    const char *name;         /* prefix of set-up error lines ("k3 batch"); NULL = "k3" */
 } k3_engine_opts;
 
 /* Defaults of the capacity fields. */
@@ -88,6 +89,14 @@ typedef struct k3_request {
     uint64_t user;              /* the caller's tag, returned in every event */
 } k3_request;
 
+/* Why a request failed (ERROR events), so clients can map it (HTTP status, batch error code). */
+typedef enum k3_error_kind {
+    K3_EVERR_REQUEST = 1, /* invalid request: ids outside the vocabulary, empty prompt, logprobs */
+    K3_EVERR_CONTEXT,     /* prompt + max_tokens longer than max_ctx */
+    K3_EVERR_SAMPLING,    /* sampling parameters refused, or the sampler failed on a row */
+    K3_EVERR_NUMERIC,     /* a non-finite logit */
+} k3_error_kind;
+
 typedef enum k3_event_kind {
     K3_EV_TOKEN = 1, /* one generated token (and its text delta, logprobs, logits) */
     K3_EV_DONE,      /* the request finished: finish reason; the last event of the request */
@@ -118,6 +127,7 @@ typedef struct k3_event {
     int64_t n_gen;     /* generated tokens */
     /* ERROR */
     const char *error;
+    k3_error_kind error_kind;
 } k3_event;
 
 /* Rank 0: queue a request. A request that can never run (too long, ids outside the vocabulary,

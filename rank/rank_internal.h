@@ -45,6 +45,7 @@ typedef struct req_run {
     k3_tok_bytes text; /* text emitted so far (deltas are its new bytes) */
     size_t text_sent;
     char *error; /* a request that can never run: reported by the next step */
+    k3_error_kind error_kind;
 } req_run;
 
 typedef struct group_run {
@@ -105,8 +106,7 @@ typedef struct rank_ctx {
     req_run **slot_req; /* [E * max_seqs] the running request in each (lane, slot) */
     int32_t *meta;      /* message meta scratch */
     int64_t meta_cap;
-    float *row;   /* [V] scratch (logprobs) */
-    int32_t *top; /* [V] scratch (top logprobs) */
+    float *row; /* [V] scratch (logprobs) */
     /* events of the current k3_engine_step */
     k3_event *ev;
     int n_ev, cap_ev;
@@ -157,8 +157,10 @@ void rank_poll_step(rank_ctx *r, int peer, k3_msg_kind kind, step_msg *out, bool
 /* ---- setup.c --------------------------------------------------------------------------------- */
 int rank_setup(rank_ctx *r); /* 0 ok, 2 usage error, 1 other error (agreed by every rank) */
 void rank_load(rank_ctx *r);
-/* engine.c: stdout/stderr prefix of set-up errors ("k3 run", "k3 batch") */
-extern const char *k3_engine_cmd_name;
+/* The prefix of set-up error lines (k3_engine_opts.name, default "k3"). */
+static inline const char *rank_cmd_name(const rank_ctx *r) {
+    return r->o && r->o->name ? r->o->name : "k3";
+}
 
 /* ---- worker.c -------------------------------------------------------------------------------- */
 void rank_worker_init(rank_ctx *r);

@@ -336,8 +336,8 @@ int k3_rank_run(const k3_rank_opts *o) {
                                                  : K3_MAX(1, (int64_t)per_lane * K3_MAX(step, 1)),
                          .chunk = o->chunk > 0 ? o->chunk : 0,
                          .tok = o->tok,
-                         .progress = true};
-    k3_engine_cmd_name = "k3 run";
+                         .progress = true,
+                         .name = "k3 run"};
     k3_engine *e = NULL;
     int rc = k3_engine_open(&eo, &e);
     if (rc) return rc;

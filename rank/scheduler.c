@@ -95,8 +95,9 @@ static void finish_req(rank_ctx *r, req_run *q) {
     end_req(r, q);
 }
 
-static void fail_req(rank_ctx *r, req_run *q, const char *why) {
+static void fail_req(rank_ctx *r, req_run *q, k3_error_kind kind, const char *why) {
     k3_event *e = ev_push(r, K3_EV_ERROR, q);
+    e->error_kind = kind;
     size_t n = strlen(why);
     char *t = ev_alloc(r, n + 1);
     memcpy(t, why, n + 1);
@@ -112,7 +113,9 @@ static req_run *find_req(const rank_ctx *r, int64_t id) {
 }
 
 /* Why a request can never run (NULL when it can). Message into buf. */
-static const char *check_request(rank_ctx *r, const k3_request *rq, char *buf, size_t n) {
+static const char *check_request(rank_ctx *r, const k3_request *rq, char *buf, size_t n,
+                                 k3_error_kind *kind) {
+    *kind = K3_EVERR_REQUEST;
     const int64_t V = r->cfg.vocab_size;
     if (rq->n_ids < 1) return "the prompt is empty";
     if (rq->max_tokens < 0) return "max_tokens must be >= 0";
@@ -123,6 +126,7 @@ static const char *check_request(rank_ctx *r, const k3_request *rq, char *buf, s
             return buf;
         }
     if (rq->n_ids + (int64_t)rq->max_tokens > r->max_ctx) {
+        *kind = K3_EVERR_CONTEXT;
         snprintf(buf, n,
                  "prompt (%lld tokens) + max_tokens (%d) exceeds the context of %lld tokens "
                  "(--max-ctx)",
@@ -163,7 +167,8 @@ k3_status rank_coord_submit(rank_ctx *r, const k3_request *rq, int64_t *id) {
     r->reqs[r->n_reqs++] = q;
     *id = q->id;
     char why[256];
-    const char *bad = check_request(r, rq, why, sizeof why);
+    k3_error_kind kind;
+    const char *bad = check_request(r, rq, why, sizeof why, &kind);
     k3_status st = K3_OK;
     if (!bad) {
         st = k3_alloc((void **)&q->prompt, (size_t)q->P * sizeof(int32_t), "prompt");
@@ -186,17 +191,19 @@ k3_status rank_coord_submit(rank_ctx *r, const k3_request *rq, int64_t *id) {
         k3_sampler_params sp = rq->sampling;
         sp.stop_ids = stops;
         sp.n_stop_ids = ns;
-        if (rq->sampling.n_stop_ids > 64)
+        if (rq->sampling.n_stop_ids > 64) {
             bad = "more than 64 stop ids";
-        else if (k3_sampler_create(&q->smp, &sp, r->cfg.vocab_size, r->o->tok) != K3_OK) {
+        } else if (k3_sampler_create(&q->smp, &sp, r->cfg.vocab_size, r->o->tok) != K3_OK) {
             snprintf(why, sizeof why, "sampling: %s", k3_last_error());
             bad = why;
+            kind = K3_EVERR_SAMPLING;
         }
     }
     if (bad) {
         size_t nb = strlen(bad) + 1;
         K3_TRY(k3_alloc((void **)&q->error, nb, "request error text"));
         memcpy(q->error, bad, nb);
+        q->error_kind = kind;
         q->state = RQ_ENDED; /* reported by the next step */
         return K3_OK;
     }
@@ -329,13 +336,6 @@ static bool send_step(rank_ctx *r, int g) {
 }
 
 /* ---- logits -> tokens --------------------------------------------------------------------- */
-static int cmp_desc(const void *a, const void *b, void *ctx) {
-    const float *v = ctx;
-    float x = v[*(const int32_t *)a], y = v[*(const int32_t *)b];
-    if (x != y) return x > y ? -1 : 1;
-    return *(const int32_t *)a < *(const int32_t *)b ? -1 : 1;
-}
-
 /* log-softmax of the sampler's processed logits (bias, penalties): the chosen id's logprob and
  * the top n. */
 static void logprobs(rank_ctx *r, req_run *q, const float *logits, k3_event *e) {
@@ -346,14 +346,21 @@ static void logprobs(rank_ctx *r, req_run *q, const float *logits, k3_event *e) 
     for (int64_t v = 0; v < V; v++) z += exp((double)r->row[v] - m);
     double lz = m + log(z);
     e->logprob = (float)((double)r->row[e->token] - lz);
-    if (q->logprobs > 0) {
-        for (int64_t v = 0; v < V; v++) r->top[v] = (int32_t)v;
-        qsort_r(r->top, (size_t)V, sizeof(int32_t), cmp_desc, r->row);
-        e->n_top = (int)K3_MIN((int64_t)q->logprobs, V);
-        for (int k = 0; k < e->n_top; k++) {
-            e->top_ids[k] = r->top[k];
-            e->top_logprobs[k] = (float)((double)r->row[r->top[k]] - lz);
+    if (q->logprobs > 0) { /* the best n by insertion into a short sorted list: O(V n) */
+        int n = (int)K3_MIN((int64_t)q->logprobs, V), have = 0;
+        for (int64_t v = 0; v < V; v++) {
+            float x = r->row[v];
+            if (have == n && !(x > r->row[e->top_ids[n - 1]])) continue; /* ties: lower id first */
+            int k = have < n ? have++ : n - 1;
+            while (k > 0 && x > r->row[e->top_ids[k - 1]]) {
+                e->top_ids[k] = e->top_ids[k - 1];
+                k--;
+            }
+            e->top_ids[k] = (int32_t)v;
         }
+        e->n_top = n;
+        for (int k = 0; k < n; k++)
+            e->top_logprobs[k] = (float)((double)r->row[e->top_ids[k]] - lz);
     }
 }
 
@@ -364,14 +371,14 @@ static void sample(rank_ctx *r, req_run *q, const float *logits) {
             char why[160];
             snprintf(why, sizeof why, "non-finite logit (%g) at vocabulary id %lld",
                      (double)logits[v], (long long)v);
-            fail_req(r, q, why);
+            fail_req(r, q, K3_EVERR_NUMERIC, why);
             return;
         }
     int32_t id;
     if (k3_sampler_sample(q->smp, logits, &id) != K3_OK) {
         char why[300];
         snprintf(why, sizeof why, "sampling failed: %s", k3_last_error());
-        fail_req(r, q, why);
+        fail_req(r, q, K3_EVERR_SAMPLING, why);
         return;
     }
     k3_event ev = {.token = id, .logprob = NAN};
@@ -381,7 +388,7 @@ static void sample(rank_ctx *r, req_run *q, const float *logits) {
     if (k3_sampler_accept(q->smp, id, r->o->tok ? &q->text : NULL, &q->stop) != K3_OK) {
         char why[300];
         snprintf(why, sizeof why, "sampling failed: %s", k3_last_error());
-        fail_req(r, q, why);
+        fail_req(r, q, K3_EVERR_SAMPLING, why);
         return;
     }
     if (q->stop == K3_STOP_STRING) q->stop_string = k3_sampler_matched_stop(q->smp);
@@ -476,7 +483,6 @@ void rank_coord_init(rank_ctx *r) {
     r->meta_cap = META_HDR + META_SEQ * (int64_t)r->max_seqs + r->max_tokens;
     RTRY(r, k3_alloc((void **)&r->meta, (size_t)r->meta_cap * sizeof(int32_t), "step meta"));
     RTRY(r, k3_alloc((void **)&r->row, (size_t)r->cfg.vocab_size * sizeof(float), "logprob row"));
-    RTRY(r, k3_alloc((void **)&r->top, (size_t)r->cfg.vocab_size * sizeof(int32_t), "top ids"));
     r->last_progress = k3_now_s();
 }
 
@@ -502,8 +508,8 @@ void rank_coord_destroy(rank_ctx *r) {
     free(r->reqs), free(r->ev), free(r->ev_mem);
     r->reqs = NULL, r->ev = NULL, r->ev_mem = NULL;
     r->n_reqs = r->cap_reqs = r->n_ev = r->cap_ev = r->n_ev_mem = r->cap_ev_mem = 0;
-    k3_free(r->groups), k3_free(r->slot_req), k3_free(r->meta), k3_free(r->row), k3_free(r->top);
-    r->groups = NULL, r->slot_req = NULL, r->meta = NULL, r->row = NULL, r->top = NULL;
+    k3_free(r->groups), k3_free(r->slot_req), k3_free(r->meta), k3_free(r->row);
+    r->groups = NULL, r->slot_req = NULL, r->meta = NULL, r->row = NULL;
 }
 
 static bool any_in_flight(const rank_ctx *r) {
@@ -517,7 +523,7 @@ void rank_coord_step(rank_ctx *r) {
     for (int i = 0; i < r->n_reqs; i++) { /* requests refused at submit */
         req_run *q = r->reqs[i];
         if (q->error) {
-            fail_req(r, q, q->error);
+            fail_req(r, q, q->error_kind, q->error);
             k3_free(q->error);
             q->error = NULL;
         }

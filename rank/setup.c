@@ -72,7 +72,7 @@ int rank_setup(rank_ctx *r) {
     if (st2 != K3_OK) rank_die(r, st2);
     /* a usage error is the same on every rank: rank 0 prints it; other errors each rank prints */
     if (local == 2 || (local == 1 && r->rank == 0))
-        fprintf(stderr, "%s: %s\n", k3_engine_cmd_name, k3_last_error());
+        fprintf(stderr, "%s: %s\n", rank_cmd_name(r), k3_last_error());
     if (local == 2 && r->world > 1) K3_LOGE("rank %d failed during set-up (see above)", r->rank);
     if (worst) return worst == 1 ? 2 : 1;
     return 0;
