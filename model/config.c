@@ -4,7 +4,11 @@
  * `text_config`, `quantization_config` at the top) and flat Kimi-Linear-style configs with the
  * same code (spec/K3-MODEL.md §6.1). Every missing or invalid value is K3_ERR_CONFIG naming the
  * key ("config.json: text_config.linear_attn_config.full_attn_layers[3]: ..."); nothing is
- * clamped. Layer lists are 1-based in the file and 0-based in k3_config.mixer[].
+ * clamped. The text is held strictly (k3_json_parse_strict: no NUL, UTF-8, no key twice, nothing
+ * after the object). Every key k3 reads is bounded, including those the forward does not use
+ * but that say what the model is (max_position_embeddings >= 1, num_nextn_predict_layers >= 0,
+ * topk_method, use_grouped_topk). Layer lists are 1-based in the file and 0-based in
+ * k3_config.mixer[].
  *
  * One value is not in config.json: the stored length of KDA `A_log` (K3 stores 128 for 96 heads,
  * zero-padded). Parsing gives the next power of two >= heads (right for K3); k3_config_load then
@@ -18,6 +22,9 @@
 #include <stdlib.h>
 
 #include "model_internal.h"
+
+/* k3's bound on max_position_embeddings (K3: 2^20); the other bounds are by k3_config_validate */
+#define K3_CFG_MAX_POSITIONS ((int64_t)1 << 40)
 
 /* ---- typed getters that name the key ------------------------------------------------------ */
 typedef struct {
@@ -200,6 +207,25 @@ static k3_status parse_obj(const cJSON *top, const char *path, k3_config *c) {
     K3_TRY(get_num(&k, tc, "rms_norm_eps", true, 0, &d));
     c->rms_norm_eps = (float)d;
     c->mla_norm_eps = 1e-6f; /* HF q_a/kv_a layernorm eps (spec §3, §11.1); not a config key */
+    {
+        /* NoPE: no position table reads it, but it is the trained context (the engine's bound on
+         * --max-ctx); absent = unknown (0), given = at least one position */
+        const cJSON *mp = cJSON_GetObjectItemCaseSensitive(tc, "max_position_embeddings");
+        if (mp && !cJSON_IsNull(mp)) {
+            K3_TRY(get_int(&k, tc, "max_position_embeddings", true, 0, &v64));
+            if (v64 < 1 || v64 > K3_CFG_MAX_POSITIONS)
+                return K3_ERR(K3_ERR_CONFIG,
+                              "%s: %smax_position_embeddings: %lld is out of range (must be in "
+                              "1..%lld)",
+                              path, k.ctx, (long long)v64, (long long)K3_CFG_MAX_POSITIONS);
+            c->max_position_embeddings = v64;
+        }
+        /* multi-token-prediction layers are not run; their count must still be a count */
+        K3_TRY(get_int(&k, tc, "num_nextn_predict_layers", false, 0, &v64));
+        if (v64 < 0)
+            return K3_ERR(K3_ERR_CONFIG, "%s: %snum_nextn_predict_layers: %lld must be >= 0", path,
+                          k.ctx, (long long)v64);
+    }
     K3_TRY(get_bool(&k, tc, "tie_word_embeddings", false, false, &c->tie_word_embeddings));
     {
         const cJSON *eos = cJSON_GetObjectItemCaseSensitive(tc, "eos_token_id");
@@ -325,6 +351,19 @@ static k3_status parse_obj(const cJSON *top, const char *path, k3_config *c) {
             return K3_ERR(K3_ERR_CONFIG,
                           "%s: %smoe_router_activation_func: '%s' is not supported (sigmoid)", path,
                           k.ctx, fn);
+        /* the router k3 runs: sigmoid scores + correction bias, grouped top-k (spec §4.3) */
+        const char *tm;
+        K3_TRY(get_str(&k, tc, "topk_method", &tm));
+        if (tm && strcmp(tm, "noaux_tc") != 0)
+            return K3_ERR(K3_ERR_CONFIG, "%s: %stopk_method: '%s' is not supported (noaux_tc)",
+                          path, k.ctx, tm);
+        bool grouped;
+        K3_TRY(get_bool(&k, tc, "use_grouped_topk", false, true, &grouped));
+        if (!grouped && c->n_group != 1)
+            return K3_ERR(K3_ERR_CONFIG,
+                          "%s: %suse_grouped_topk: false with num_expert_group %d (k3 always "
+                          "groups; give 1 group)",
+                          path, k.ctx, c->n_group);
     }
 
     const cJSON *q = cJSON_GetObjectItemCaseSensitive(top, "quantization_config");
@@ -423,9 +462,10 @@ k3_status k3_config_validate(const k3_config *c, const char *path) {
         if (c->kda_conv_kernel < 1 || c->kda_conv_kernel > 64)
             BAD("%s: %slinear_attn_config.short_conv_kernel_size: %d is outside 1..64", path, x,
                 c->kda_conv_kernel);
-        if (c->kda_has_lower_bound && !(c->kda_gate_lower_bound < 0))
-            BAD("%s: %slinear_attn_config.gate_lower_bound: %g must be negative", path, x,
-                c->kda_gate_lower_bound);
+        if (c->kda_has_lower_bound &&
+            (!(c->kda_gate_lower_bound < 0) || !isfinite(c->kda_gate_lower_bound)))
+            BAD("%s: %slinear_attn_config.gate_lower_bound: %g must be negative and finite", path,
+                x, c->kda_gate_lower_bound);
         if (c->kda_gate_rank < 1)
             BAD("%s: %slinear_attn_config.head_dim: gate rank %d invalid", path, x,
                 c->kda_gate_rank);
@@ -433,8 +473,15 @@ k3_status k3_config_validate(const k3_config *c, const char *path) {
             BAD("%s: A_log length %d < %slinear_attn_config.num_heads %d", path, c->kda_a_log_len,
                 x, c->kda_n_heads);
     }
-    if (c->act == K3_ACT_SITU && !(c->situ_beta > 0))
-        BAD("%s: %sactivation_situ_beta: %g must be > 0", path, x, (double)c->situ_beta);
+    if (c->max_position_embeddings < 0 || c->max_position_embeddings > K3_CFG_MAX_POSITIONS)
+        BAD("%s: %smax_position_embeddings: %lld is outside 1..%lld (0 = not given)", path, x,
+            (long long)c->max_position_embeddings, (long long)K3_CFG_MAX_POSITIONS);
+    /* the float keys: finite as floats too (a finite double like 1e300 becomes inf) */
+    if (c->act == K3_ACT_SITU && (!(c->situ_beta > 0) || !isfinite(c->situ_beta)))
+        BAD("%s: %sactivation_situ_beta: %g must be > 0 and finite", path, x, (double)c->situ_beta);
+    if (c->act == K3_ACT_SITU && !isfinite(c->situ_linear_beta))
+        BAD("%s: %sactivation_situ_linear_beta: %g is not finite as a float", path, x,
+            (double)c->situ_linear_beta);
     if (c->act != K3_ACT_SITU && c->act != K3_ACT_SWIGLU) BAD("%s: %shidden_act: invalid", path, x);
     if (c->first_k_dense_replace < 0 || c->first_k_dense_replace > c->n_layers)
         BAD("%s: %sfirst_k_dense_replace: %d is outside 0..%d", path, x, c->first_k_dense_replace,
@@ -477,12 +524,9 @@ k3_status k3_config_validate(const k3_config *c, const char *path) {
 k3_status k3_config_parse(const char *json_text, const char *path, k3_config *out) {
     if (!path) path = "config.json";
     if (!json_text || !out) return K3_ERR(K3_ERR_ARG, "k3_config_parse: NULL argument");
-    cJSON *top = cJSON_Parse(json_text);
-    if (!top) {
-        const char *at = cJSON_GetErrorPtr();
-        long off = at ? (long)(at - json_text) : -1;
-        return K3_ERR(K3_ERR_CONFIG, "%s: invalid JSON near byte %ld", path, off);
-    }
+    cJSON *top = NULL;
+    K3_TRY(k3_json_parse_strict(json_text, strlen(json_text), path, "invalid JSON", "",
+                                K3_ERR_CONFIG, &top));
     k3_status s = parse_obj(top, path, out);
     cJSON_Delete(top);
     return s;
@@ -507,7 +551,10 @@ k3_status k3_config_load(const char *dir, k3_config *out) {
             at[-1] = 0;
         return K3_ERR(s, "%s: cannot read the model config: %s", path, why);
     }
-    s = k3_config_parse(text, path, out);
+    const char *nul = memchr(text, 0, n); /* the parser would stop there */
+    s = nul ? K3_ERR(K3_ERR_CONFIG, "%s: a NUL byte at offset %zu (a text file holds none)", path,
+                     (size_t)(nul - text))
+            : k3_config_parse(text, path, out);
     k3_free(text);
     K3_TRY(s);
     /* The stored A_log length is only in the checkpoint (K3 pads 96 -> 128). */
@@ -559,6 +606,7 @@ void k3_preset_config(k3_preset p, k3_config *c) {
     c->routed_scaling_factor = 1.0f;
     c->experts_mxfp4 = true;
     c->kda_conv_kernel = 4;
+    c->max_position_embeddings = 1048576; /* K3's (spec §6.1); the tiny and small say the same */
     if (p == K3_PRESET_K3) {
         c->vocab_size = 163840;
         c->hidden_size = 7168;
@@ -731,7 +779,8 @@ cJSON *k3_config_json(const k3_config *c) {
     cJSON_AddNumberToObject(tc, "num_expert_group", c->n_group);
     cJSON_AddNumberToObject(tc, "topk_group", c->topk_group);
     cJSON_AddNumberToObject(tc, "rms_norm_eps", fd(c->rms_norm_eps));
-    cJSON_AddNumberToObject(tc, "max_position_embeddings", 1048576);
+    if (c->max_position_embeddings > 0)
+        cJSON_AddNumberToObject(tc, "max_position_embeddings", (double)c->max_position_embeddings);
     cJSON_AddNumberToObject(tc, "num_nextn_predict_layers", 0);
     cJSON_AddBoolToObject(tc, "tie_word_embeddings", c->tie_word_embeddings);
     cJSON_AddNumberToObject(tc, "eos_token_id", c->eos_token_id);

@@ -30,6 +30,8 @@ typedef struct k3_config {
     bool tie_word_embeddings; /* false for K3; true => no lm_head tensor, head = embedding */
     int eos_token_id;         /* 163586 */
     int attn_res_block_size;  /* 12; 0 = no AttnRes (Kimi-Linear: plain pre-norm residual) */
+    int64_t max_position_embeddings; /* 1048576: the trained context (NoPE: no table reads
+                                        it); 0 = not given in config.json */
     k3_mixer mixer[K3_MAX_LAYERS];
 
     /* MLA (every layer with mixer == K3_MIXER_MLA) */
@@ -215,9 +217,10 @@ typedef struct k3_ckpt_tensor {
 } k3_ckpt_tensor;
 
 /* Open DIR: model.safetensors.index.json (or a single model.safetensors) and every shard's
- * header, with strict checks (K3 header rules: 8-byte length vs file size and a sane maximum,
- * JSON, dtype names, shape x dtype = span, offsets inside the data, no overlaps). Errors name
- * the file and the tensor. No tensor data is read here. */
+ * header, with strict checks (8-byte length vs file size and a sane maximum; strict JSON: UTF-8
+ * names with no NUL, no key twice; dtype names; shape x dtype = span; the spans cover the data
+ * section exactly: no overlap, hole or trailing byte; index and shards agree). Errors name the
+ * file and the tensor or key. No tensor data is read here. */
 k3_status k3_ckpt_open(const char *dir, k3_ckpt **out);
 void k3_ckpt_destroy(k3_ckpt *ck);
 const k3_ckpt_tensor *k3_ckpt_find(const k3_ckpt *ck, const char *name);

@@ -5,6 +5,8 @@
 #ifndef K3_MODEL_INTERNAL_H
 #define K3_MODEL_INTERNAL_H
 
+#include <cjson/cJSON.h>
+
 #include "k3_model.h"
 
 /* Largest safetensors header we accept (the real K3 shards have ~0.2 MB headers). */
@@ -24,6 +26,14 @@ k3_status k3_st_peek_shape(const char *dir, const char *name, int64_t shape[K3_M
 typedef k3_status (*k3_st_fill_fn)(void *ctx, const k3_tensor_spec *spec, void *dst);
 k3_status k3_st_write_shard(const char *path, const k3_tensor_spec *specs, int64_t n,
                             k3_st_fill_fn fill, void *ctx);
+
+/* Parse text[0..n) as one JSON value held strictly (strict_json.c): only whitespace after it,
+ * every string valid UTF-8 with no control byte and no \u0000, no key twice in an object. Errors
+ * are `code`: "PATH: SYNTAX (near byte B of N)" for bad syntax, else "PATH: WHAT<key path> ..."
+ * naming the key (WHAT: "header key " for a shard header, "" for config.json). On success *out is
+ * the tree (cJSON_Delete). */
+k3_status k3_json_parse_strict(const char *text, size_t n, const char *path, const char *syntax,
+                               const char *what, k3_status code, cJSON **out);
 
 /* ---- tokenizer training ---------------------------------------------------------------- */
 typedef struct k3_bpe_vocab {

@@ -3,10 +3,14 @@
  *
  * Strict header rules (every violation names the file and, where there is one, the tensor):
  * the 8-byte little-endian header length against the file size and K3_ST_MAX_HEADER; the header
- * is a JSON object; dtype names known; shape x dtype size == the data_offsets span; spans inside
- * the data section; no two spans overlap; no tensor in two shards; every index entry points to a
- * shard that holds the tensor. No tensor data is read at open; reads are pread of one tensor's
- * span (thread-safe), counted in an atomic bytes-read counter.
+ * is one JSON object beginning with '{', held strictly (k3_json_parse_strict: UTF-8 keys and
+ * strings with no NUL or control byte, no key twice, only spaces after it); __metadata__ maps
+ * strings to strings; an entry holds dtype, shape and data_offsets only; dtype names known;
+ * shape x dtype size == the data_offsets span; the spans tile the data section exactly (no
+ * overlap, no hole, no trailing byte: check_layout); no tensor in two shards; every index entry
+ * points to a shard that holds the tensor and every tensor is in the index. No tensor data is
+ * read at open; reads are pread of one tensor's span (thread-safe), counted in an atomic
+ * bytes-read counter.
  * Lookup is an open-addressing hash table over the names (the real K3 has ~170k tensors). */
 #include "k3_model.h"
 
@@ -118,6 +122,91 @@ static k3_status add_tensor(k3_ckpt *ck, k3_ckpt_tensor *t) {
     return K3_OK;
 }
 
+/* The tensors of shard s (ck->t[first..]) must tile its data section exactly, as the
+ * safetensors reference reader requires (sorted by offsets, each tensor begins where the
+ * previous one ends, the last ends at the end of the file): no overlap, no hole (bytes no tensor
+ * owns: a polyglot file), no trailing byte (junk appended, or a header length that is off, which
+ * shifts every tensor). An empty tensor may sit at any boundary but not inside another's bytes. */
+static k3_status check_layout(const k3_ckpt *ck, int s, int64_t first, uint64_t data0,
+                              uint64_t dsize) {
+    const char *path = ck->shard_path[s];
+    int64_t m = ck->n - first;
+    if (m == 0) {
+        if (dsize == 0) return K3_OK;
+        return K3_ERR(K3_ERR_FORMAT,
+                      "%s: %llu bytes of data after the header, which lists no tensor (header "
+                      "length wrong?)",
+                      path, (unsigned long long)dsize);
+    }
+    span *sp = NULL;
+    K3_TRY(k3_alloc((void **)&sp, (size_t)m * sizeof *sp, "span list"));
+    for (int64_t i = 0; i < m; i++) {
+        const k3_ckpt_tensor *x = &ck->t[first + i];
+        sp[i] = (span){x->offset - data0, x->offset - data0 + x->n_bytes, first + i};
+    }
+    qsort(sp, (size_t)m, sizeof *sp, span_cmp);
+#define NAME(i) ck->t[sp[i].idx].name
+    k3_status st = K3_OK;
+    /* Overlaps first. Sorted by begin: a non-empty span overlaps an earlier one iff it begins
+     * before the furthest end seen so far (not just the previous span's end: [0,16] [4,4]
+     * [8,16] overlap). Empty spans hold no bytes and are checked below. */
+    int64_t far = -1; /* index into sp of the non-empty span with the furthest end */
+    for (int64_t i = 0; i < m && st == K3_OK; i++) {
+        if (sp[i].e == sp[i].b) continue;
+        if (far >= 0 && sp[i].b < sp[far].e)
+            st = K3_ERR(K3_ERR_FORMAT,
+                        "%s: tensors %s and %s overlap (bytes %llu..%llu and %llu..%llu of the "
+                        "data)",
+                        path, NAME(far), NAME(i), (unsigned long long)sp[far].b,
+                        (unsigned long long)sp[far].e, (unsigned long long)sp[i].b,
+                        (unsigned long long)sp[i].e);
+        if (far < 0 || sp[i].e > sp[far].e) far = i;
+    }
+    /* Holes and the end: the non-empty spans, now disjoint and in order, cover [0, dsize). */
+    uint64_t at = 0;
+    int64_t last = -1;
+    for (int64_t i = 0; i < m && st == K3_OK; i++) {
+        if (sp[i].e == sp[i].b) continue;
+        if (sp[i].b != at)
+            st = K3_ERR(K3_ERR_FORMAT,
+                        "%s: bytes %llu..%llu of the data section belong to no tensor (a hole "
+                        "before tensor %s; the format allows none)",
+                        path, (unsigned long long)at, (unsigned long long)sp[i].b, NAME(i));
+        at = sp[i].e;
+        last = i;
+    }
+    if (st == K3_OK && at != dsize) {
+        if (last >= 0)
+            st = K3_ERR(K3_ERR_FORMAT,
+                        "%s: %llu byte(s) after the last tensor %s (its data ends at byte %llu of "
+                        "the %llu-byte data section: a wrong header length, or bytes appended)",
+                        path, (unsigned long long)(dsize - at), NAME(last), (unsigned long long)at,
+                        (unsigned long long)dsize);
+        else
+            st = K3_ERR(K3_ERR_FORMAT,
+                        "%s: %llu bytes of data but every tensor is empty (tensor %s; header "
+                        "length wrong?)",
+                        path, (unsigned long long)dsize, NAME(0));
+    }
+    /* An empty span sorts before the span that begins at its offset, so the last non-empty span
+     * before it must end at or before that offset. */
+    int64_t prev = -1;
+    for (int64_t i = 0; i < m && st == K3_OK; i++) {
+        if (sp[i].e != sp[i].b) {
+            prev = i;
+        } else if (prev >= 0 && sp[prev].e > sp[i].b) {
+            st = K3_ERR(K3_ERR_FORMAT,
+                        "%s: tensor %s is empty but its data_offsets [%llu, %llu] lie inside "
+                        "tensor %s [%llu, %llu]",
+                        path, NAME(i), (unsigned long long)sp[i].b, (unsigned long long)sp[i].e,
+                        NAME(prev), (unsigned long long)sp[prev].b, (unsigned long long)sp[prev].e);
+        }
+    }
+#undef NAME
+    k3_free(sp);
+    return st;
+}
+
 /* Read and check the header of an open shard file; its tensors are appended to ck->t. */
 static k3_status parse_header(k3_ckpt *ck, int s) {
     const char *path = ck->shard_path[s];
@@ -150,20 +239,21 @@ static k3_status parse_header(k3_ckpt *ck, int s) {
                       (unsigned long long)hlen);
     }
     h[hlen] = 0;
-    cJSON *root = cJSON_ParseWithLength(h, (size_t)hlen);
-    if (!root) {
-        const char *at = cJSON_GetErrorPtr();
-        long off = at && at >= h && at <= h + hlen ? (long)(at - h) : -1;
-        k3_free(h);
-        return K3_ERR(K3_ERR_FORMAT, "%s: the header is not valid JSON (near byte %ld of %llu)",
-                      path, off, (unsigned long long)hlen);
-    }
+    cJSON *root = NULL;
+    k3_status st = k3_json_parse_strict(h, (size_t)hlen, path, "the header is not valid JSON",
+                                        "header key ", K3_ERR_FORMAT, &root);
+    char lead = h[0];
     k3_free(h);
-    k3_status st = K3_OK;
+    K3_TRY(st);
     uint64_t data0 = 8 + hlen, dsize = fsize - data0;
     int64_t first = ck->n;
     if (!cJSON_IsObject(root)) {
         st = K3_ERR(K3_ERR_FORMAT, "%s: the header is not a JSON object", path);
+        goto done;
+    }
+    if (lead != '{') { /* the format: "MUST begin with a { character (0x7B)" */
+        st = K3_ERR(K3_ERR_FORMAT, "%s: the header begins with byte 0x%02x, not '{'", path,
+                    (unsigned char)lead);
         goto done;
     }
     const cJSON *it;
@@ -172,6 +262,11 @@ static k3_status parse_header(k3_ckpt *ck, int s) {
         if (strcmp(name, "__metadata__") == 0) {
             if (!cJSON_IsObject(it)) {
                 st = K3_ERR(K3_ERR_FORMAT, "%s: __metadata__ is not an object", path);
+                goto done;
+            }
+            const cJSON *mv; /* the format: a string -> string map */
+            cJSON_ArrayForEach(mv, it) if (!cJSON_IsString(mv)) {
+                st = K3_ERR(K3_ERR_FORMAT, "%s: __metadata__.%s is not a string", path, mv->string);
                 goto done;
             }
             continue;
@@ -184,6 +279,17 @@ static k3_status parse_header(k3_ckpt *ck, int s) {
             !cJSON_IsArray(of)) {
             st = K3_ERR(K3_ERR_FORMAT, "%s: tensor %s: entry needs dtype, shape and data_offsets",
                         path, name);
+            goto done;
+        }
+        if (cJSON_GetArraySize(it) != 3) { /* keys are unique (k3_json_parse_strict) */
+            const cJSON *k = it->child;
+            while (k && (strcmp(k->string, "dtype") == 0 || strcmp(k->string, "shape") == 0 ||
+                         strcmp(k->string, "data_offsets") == 0))
+                k = k->next;
+            st = K3_ERR(K3_ERR_FORMAT,
+                        "%s: tensor %s: unknown key '%s' (an entry holds dtype, shape and "
+                        "data_offsets only)",
+                        path, name, k ? k->string : "?");
             goto done;
         }
         if (!k3_st_dtype_parse(dt->valuestring, &t.dtype)) {
@@ -258,40 +364,7 @@ static k3_status parse_header(k3_ckpt *ck, int s) {
             goto done;
         }
     }
-    /* overlaps within this shard */
-    {
-        int64_t m = ck->n - first;
-        span *sp = NULL;
-        if (m > 1) {
-            if ((st = k3_alloc((void **)&sp, (size_t)m * sizeof *sp, "span list")) != K3_OK)
-                goto done;
-            for (int64_t i = 0; i < m; i++) {
-                const k3_ckpt_tensor *x = &ck->t[first + i];
-                sp[i] = (span){x->offset, x->offset + x->n_bytes, first + i};
-            }
-            qsort(sp, (size_t)m, sizeof *sp, span_cmp);
-            /* Sorted by begin: a non-empty span overlaps an earlier one iff it begins before
-             * the furthest end seen so far (not just the previous span's end: [0,16] [4,4]
-             * [8,16] overlap). Empty spans hold no bytes and are skipped. */
-            int64_t far = -1; /* index into sp of the non-empty span with the furthest end */
-            for (int64_t i = 0; i < m; i++) {
-                if (sp[i].e == sp[i].b) continue;
-                if (far >= 0 && sp[i].b < sp[far].e) {
-                    st = K3_ERR(K3_ERR_FORMAT,
-                                "%s: tensors %s and %s overlap (bytes %llu..%llu "
-                                "and %llu..%llu of the data)",
-                                path, ck->t[sp[far].idx].name, ck->t[sp[i].idx].name,
-                                (unsigned long long)(sp[far].b - data0),
-                                (unsigned long long)(sp[far].e - data0),
-                                (unsigned long long)(sp[i].b - data0),
-                                (unsigned long long)(sp[i].e - data0));
-                    break;
-                }
-                if (far < 0 || sp[i].e > sp[far].e) far = i;
-            }
-            k3_free(sp);
-        }
-    }
+    st = check_layout(ck, s, first, data0, dsize);
 done:
     cJSON_Delete(root);
     return st;
@@ -338,11 +411,13 @@ static k3_status open_index(k3_ckpt *ck, const char *ipath) {
     char *text = NULL;
     size_t n = 0;
     K3_TRY(k3_read_file(ipath, &text, &n));
-    cJSON *root = cJSON_ParseWithLength(text, n);
+    cJSON *root = NULL;
+    k3_status st =
+        k3_json_parse_strict(text, n, ipath, "invalid JSON", "key ", K3_ERR_FORMAT, &root);
     k3_free(text);
-    if (!root) return K3_ERR(K3_ERR_FORMAT, "%s: invalid JSON", ipath);
-    k3_status st = K3_OK;
+    K3_TRY(st);
     const char **names = NULL;
+    uint8_t *listed = NULL;
     const cJSON *wm = cJSON_GetObjectItemCaseSensitive(root, "weight_map");
     if (!cJSON_IsObject(wm)) {
         st = K3_ERR(K3_ERR_FORMAT, "%s: weight_map is missing or not an object", ipath);
@@ -377,7 +452,9 @@ static k3_status open_index(k3_ckpt *ck, const char *ipath) {
         if ((st = open_shard(ck, i, " listed in model.safetensors.index.json")) != K3_OK) goto done;
     }
     if ((st = ht_build(ck)) != K3_OK) goto done;
-    /* every index entry must point to a shard that holds the tensor */
+    /* every index entry must point to a shard that holds the tensor, and every tensor of the
+     * shards must be listed (a reader that goes by the index would not see it) */
+    if ((st = k3_calloc((void **)&listed, (size_t)ck->n + 1, "index marks")) != K3_OK) goto done;
     cJSON_ArrayForEach(e, wm) {
         int64_t k = ht_lookup(ck, e->string);
         if (k < 0 || strcmp(ck->shard_name[ck->t[k].shard], e->valuestring) != 0) {
@@ -385,8 +462,16 @@ static k3_status open_index(k3_ckpt *ck, const char *ipath) {
                         ipath, e->string, e->valuestring);
             goto done;
         }
+        listed[k] = 1;
     }
+    for (int64_t k = 0; k < ck->n; k++)
+        if (!listed[k]) {
+            st = K3_ERR(K3_ERR_FORMAT, "%s: tensor %s is not listed in %s",
+                        ck->shard_path[ck->t[k].shard], ck->t[k].name, ipath);
+            goto done;
+        }
 done:
+    k3_free(listed);
     k3_free(names);
     cJSON_Delete(root);
     return st;
@@ -559,8 +644,11 @@ k3_status k3_st_peek_shape(const char *dir, const char *name, int64_t shape[K3_M
     size_t n = 0;
     if (access(path, F_OK) == 0) {
         K3_TRY(k3_read_file(path, &text, &n));
-        cJSON *root = cJSON_ParseWithLength(text, n);
+        cJSON *root = NULL;
+        k3_status st =
+            k3_json_parse_strict(text, n, path, "invalid JSON", "key ", K3_ERR_FORMAT, &root);
         k3_free(text);
+        K3_TRY(st);
         const cJSON *f = cJSON_GetObjectItemCaseSensitive(
             cJSON_GetObjectItemCaseSensitive(root, "weight_map"), name);
         bool ok = cJSON_IsString(f) && !strchr(f->valuestring, '/');

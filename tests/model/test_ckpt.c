@@ -358,15 +358,27 @@ int main(void) {
              "\"b\":{\"dtype\":\"U8\",\"shape\":[4],\"data_offsets\":[8,12]}}",
              16);
     K3_CHECK_ERR(open_close(d), K3_ERR_FORMAT, "overlap");
-    /* empty spans anywhere, adjacent spans: fine */
+    /* adjacent spans, empty spans at any boundary (start, between, end): fine */
     snprintf(d, sizeof d, "%s/adjacent", root);
     write_st(d,
              "{\"a\":{\"dtype\":\"U8\",\"shape\":[8],\"data_offsets\":[0,8]},"
-             "\"z\":{\"dtype\":\"U8\",\"shape\":[0,5],\"data_offsets\":[4,4]},"
+             "\"y\":{\"dtype\":\"U8\",\"shape\":[0,5],\"data_offsets\":[0,0]},"
              "\"e\":{\"dtype\":\"U8\",\"shape\":[0],\"data_offsets\":[8,8]},"
-             "\"b\":{\"dtype\":\"U8\",\"shape\":[8],\"data_offsets\":[8,16]}}",
+             "\"b\":{\"dtype\":\"U8\",\"shape\":[8],\"data_offsets\":[8,16]},"
+             "\"w\":{\"dtype\":\"U8\",\"shape\":[0],\"data_offsets\":[16,16]}}",
              16);
     K3_CHECK_OK(open_close(d));
+    /* an empty span inside another tensor's bytes: the safetensors reference reader (sorted by
+     * offsets, each begins where the previous ended) refuses it, and so does k3 (issue 11) */
+    snprintf(d, sizeof d, "%s/inside", root);
+    write_st(d,
+             "{\"a\":{\"dtype\":\"U8\",\"shape\":[8],\"data_offsets\":[0,8]},"
+             "\"z\":{\"dtype\":\"U8\",\"shape\":[0,5],\"data_offsets\":[4,4]},"
+             "\"b\":{\"dtype\":\"U8\",\"shape\":[8],\"data_offsets\":[8,16]}}",
+             16);
+    K3_CHECK_ERR(open_close(d), K3_ERR_FORMAT,
+                 "inside/model.safetensors: tensor z is empty but its data_offsets [4, 4] lie "
+                 "inside tensor a [0, 8]");
     /* fractional offsets are not truncated to integers */
     snprintf(d, sizeof d, "%s/frac", root);
     write_st(d, "{\"a\":{\"dtype\":\"U8\",\"shape\":[16],\"data_offsets\":[0.5,16.5]}}", 17);

@@ -259,9 +259,91 @@ static void bound_cases(void) {
                  "No such file or directory");
 }
 
+/* issue 11: every key k3 reads is bounded, and the text is held strictly */
+static void m_mpe0(cJSON *tc, cJSON *t) {
+    (void)t;
+    cJSON_ReplaceItemInObject(tc, "max_position_embeddings", cJSON_CreateNumber(0));
+}
+static void m_mpe_frac(cJSON *tc, cJSON *t) {
+    (void)t;
+    cJSON_ReplaceItemInObject(tc, "max_position_embeddings", cJSON_CreateNumber(4096.5));
+}
+static void m_mtp_neg(cJSON *tc, cJSON *t) {
+    (void)t;
+    cJSON_ReplaceItemInObject(tc, "num_nextn_predict_layers", cJSON_CreateNumber(-1));
+}
+static void m_topk_method(cJSON *tc, cJSON *t) {
+    (void)t;
+    cJSON_ReplaceItemInObject(tc, "topk_method", cJSON_CreateString("greedy"));
+}
+static void m_ungrouped(cJSON *tc, cJSON *t) { /* 8 groups of 112, but grouping said off */
+    (void)t;
+    cJSON_ReplaceItemInObject(tc, "num_expert_group", cJSON_CreateNumber(8));
+    cJSON_ReplaceItemInObject(tc, "use_grouped_topk", cJSON_CreateFalse());
+}
+static void m_situ_inf(cJSON *tc, cJSON *t) { /* a finite double, inf as a float */
+    (void)t;
+    cJSON_ReplaceItemInObject(tc, "activation_situ_beta", cJSON_CreateNumber(1e300));
+}
+static void m_lb_inf(cJSON *tc, cJSON *t) {
+    (void)t;
+    cJSON_ReplaceItemInObject(la(tc), "gate_lower_bound", cJSON_CreateNumber(-1e300));
+}
+
+static void strict_cases(void) {
+    struct {
+        mutate_fn m;
+        const char *needle;
+    } bad[] = {
+        {m_mpe0, "text_config.max_position_embeddings: 0 is out of range"},
+        {m_mpe_frac, "text_config.max_position_embeddings: expected an integer"},
+        {m_mtp_neg, "text_config.num_nextn_predict_layers: -1 must be >= 0"},
+        {m_topk_method, "text_config.topk_method: 'greedy' is not supported"},
+        {m_ungrouped, "text_config.use_grouped_topk: false with num_expert_group 8"},
+        {m_situ_inf, "text_config.activation_situ_beta"},
+        {m_lb_inf, "text_config.linear_attn_config.gate_lower_bound"},
+    };
+    k3_config c;
+    for (size_t i = 0; i < K3_ARRAY_LEN(bad); i++)
+        K3_CHECK_ERR(parse_mutated(bad[i].m, &c), K3_ERR_CONFIG, bad[i].needle);
+    /* text edits of the K3 config: each names the key */
+    struct {
+        const char *from, *to, *needle;
+    } txt[] = {
+        {"\"max_position_embeddings\"", "\"max_position_embeddings\\u0000x\"",
+         "text_config.max_position_embeddings\\u0000x (byte"},
+        {"\"hidden_act\":\"situ\"", "\"hidden_act\":\"situ\\u0000x\"",
+         "text_config.hidden_act (its value)"},
+        {"\"v_head_dim\"", "\"v_head_dim\xff\"", "text_config.v_head_dim\\xff (byte"},
+        {"\"v_head_dim\"", "\"v_head\tdim\"", "the key holds the control byte 0x09"},
+        {"\"v_head_dim\":128,", "\"v_head_dim\":128,\"v_head_dim\":64,",
+         "text_config.v_head_dim: the key appears twice"},
+        {"\"eos_token_id\":163586}}", "\"eos_token_id\":163586}} x", "after the JSON value"},
+    };
+    for (size_t i = 0; i < K3_ARRAY_LEN(txt); i++) {
+        const char *at = strstr(k3_json, txt[i].from);
+        K3_CHECK(at != NULL, "fixture holds %s", txt[i].from);
+        if (!at) continue;
+        size_t n0 = (size_t)(at - k3_json), nf = strlen(txt[i].from), nt = strlen(txt[i].to);
+        char *s = malloc(strlen(k3_json) + nt + 1);
+        memcpy(s, k3_json, n0);
+        memcpy(s + n0, txt[i].to, nt);
+        strcpy(s + n0 + nt, at + nf);
+        K3_CHECK_ERR(k3_config_parse(s, "config.json", &c), K3_ERR_CONFIG, txt[i].needle);
+        free(s);
+    }
+    /* absent max_position_embeddings is "not given" (0); K3's is read */
+    K3_CHECK_OK(k3_config_parse(k3_json, "config.json", &c));
+    K3_CHECK(c.max_position_embeddings == 1048576, "max_position_embeddings %lld",
+             (long long)c.max_position_embeddings);
+    K3_CHECK_OK(k3_config_parse(kl_json, "kl.json", &c));
+    K3_CHECK(c.max_position_embeddings == 0, "absent max_position_embeddings -> 0");
+}
+
 int main(void) {
     k3_config c, p;
     bound_cases();
+    strict_cases();
     K3_CHECK_OK(k3_config_parse(k3_json, "config.json", &c));
     K3_CHECK(c.n_layers == 93 && c.hidden_size == 7168 && c.vocab_size == 163840, "dims");
     int n_mla = 0;
