@@ -6,7 +6,10 @@
  * (k3_ckpt_verify) and lists the problems (the first 1000; n_problems / the stderr line give the
  * real count); exit 1 if there are any. --json prints the same as one JSON object on stdout; its
  * "config" is config.json's text_config from the one writer (k3_config_json) + the derived values.
- * --preset k3 summarises the real K3 config without a checkpoint. */
+ * --preset k3 summarises the real K3 config without a checkpoint.
+ * --verify also reads every tensor (k3_ckpt_scan: streaming, bounded memory) and lists each
+ * non-finite F32/BF16/F16 value and each E8M0 scale of 0xFF by file, tensor and row; progress
+ * with GB/s on stderr, and the bytes checked and the GB/s on stdout ("verify" in --json). */
 #include "k3_launcher.h"
 #include "k3_config_json.h"
 #include "k3_model.h"
@@ -14,10 +17,13 @@
 #include <cjson/cJSON.h>
 #include <stdio.h>
 #include <stdlib.h>
+#include <unistd.h>
 
 static const k3_flag flags[] = {
     {"json", K3_FLAG_BOOL, NULL, NULL, "print one JSON object on stdout"},
     {"preset", K3_FLAG_STR, "NAME", NULL, "summarise a preset's config (tiny, small, k3); no DIR"},
+    {"verify", K3_FLAG_BOOL, NULL, NULL,
+     "also read every tensor: non-finite F32/BF16 values and E8M0 0xFF scales, by tensor and row"},
 };
 
 typedef struct probs {
@@ -28,6 +34,57 @@ static void add_problem(void *ctx, const char *msg) {
     probs *p = ctx;
     p->n++;
     if (cJSON_GetArraySize(p->arr) < 1000) cJSON_AddItemToArray(p->arr, cJSON_CreateString(msg));
+}
+
+/* --verify: problems go to the inspect list, progress to stderr (a line redrawn 4 times a second
+ * on a terminal, else one line every 10 s). */
+typedef struct vctx {
+    probs *p;
+    double t0, last;
+    bool tty;
+} vctx;
+static void on_verify_problem(void *ctx, const char *msg) {
+    add_problem(((vctx *)ctx)->p, msg);
+}
+static void on_verify_progress(void *ctx, uint64_t done, uint64_t total) {
+    vctx *v = ctx;
+    double now = k3_now_s();
+    if (done == total || now - v->last < (v->tty ? 0.25 : 10.0)) return; /* the end: summary */
+    v->last = now;
+    fprintf(stderr, "%sk3 inspect: verify %.2f of %.2f GB (%.0f%%), %.2f GB/s%s",
+            v->tty ? "\r" : "", (double)done / 1e9, (double)total / 1e9,
+            100.0 * (double)done / (double)total, (double)done / 1e9 / K3_MAX(now - v->t0, 1e-9),
+            v->tty ? "" : "\n");
+}
+
+/* Read every tensor of ck and check the values; adds "verify" to root and prints the summary
+ * (one line on stderr; the text output prints it before the verdict). Returns 1 on any problem or a
+ * failed read. */
+static int verify_values(k3_ckpt *ck, probs *p, cJSON *root) {
+    vctx v = {.p = p, .t0 = k3_now_s(), .last = k3_now_s(), .tty = isatty(2)};
+    k3_scan_opts o = {.progress = on_verify_progress, .report = on_verify_problem, .ctx = &v};
+    k3_scan_result r;
+    k3_status st = k3_ckpt_scan(ck, &o, &r);
+    if (st != K3_OK) add_problem(p, k3_last_error());
+    double gbs = (double)r.n_bytes / 1e9 / K3_MAX(r.seconds, 1e-9);
+    cJSON *vj = cJSON_AddObjectToObject(root, "verify");
+    cJSON_AddNumberToObject(vj, "bytes", (double)r.n_bytes);
+    cJSON_AddNumberToObject(vj, "tensors", (double)r.n_tensors);
+    cJSON_AddNumberToObject(vj, "seconds", r.seconds);
+    cJSON_AddNumberToObject(vj, "gb_per_s", gbs);
+    cJSON_AddNumberToObject(vj, "bad_values", (double)r.n_bad_values);
+    cJSON_AddNumberToObject(vj, "bad_tensors", (double)r.n_bad_tensors);
+    cJSON_AddBoolToObject(vj, "complete", st == K3_OK);
+    char line[256];
+    snprintf(line, sizeof line,
+             "%llu bytes of %lld tensors checked in %.2f s (%.2f GB/s)%s: %lld bad values in %lld "
+             "tensors",
+             (unsigned long long)r.n_bytes, (long long)r.n_tensors, r.seconds, gbs,
+             st == K3_OK ? "" : " (stopped by a read error)", (long long)r.n_bad_values,
+             (long long)r.n_bad_tensors);
+    fprintf(stderr, "%sk3 inspect: verify: %s\n", v.tty ? "\r\033[K" : "", line);
+    cJSON_AddStringToObject(vj, "summary", line);
+    return st == K3_OK && r.n_reports == 0 ? 0 : 1;
 }
 
 static void layer_string(const k3_config *c, char *out, size_t cap) {
@@ -113,7 +170,7 @@ static void print_text(const k3_config *c, const cJSON *s, const cJSON *shards,
 }
 
 static int run_inspect(const k3_args *a) {
-    bool json = k3_args_bool(a, "json");
+    bool json = k3_args_bool(a, "json"), verify = k3_args_bool(a, "verify");
     const char *preset = k3_args_str(a, "preset");
     k3_config c;
     cJSON *root = cJSON_CreateObject(), *shards = cJSON_CreateArray(), *pr = cJSON_CreateArray();
@@ -121,8 +178,10 @@ static int run_inspect(const k3_args *a) {
     int rc = 0;
     if (preset) {
         k3_preset pre;
-        if (a->n_pos > 0 || k3_preset_parse(preset, &pre) != K3_OK) {
-            fprintf(stderr, "k3 inspect: --preset %s: give tiny, small or k3 and no DIR\n", preset);
+        if (a->n_pos > 0 || verify || k3_preset_parse(preset, &pre) != K3_OK) {
+            fprintf(stderr,
+                    "k3 inspect: --preset %s: give tiny, small or k3, and no DIR or --verify\n",
+                    preset);
             cJSON_Delete(root);
             cJSON_Delete(shards);
             cJSON_Delete(pr);
@@ -164,6 +223,7 @@ static int run_inspect(const k3_args *a) {
                 cJSON_AddItemToArray(shards, o);
             }
             if (k3_ckpt_verify(ck, &c, add_problem, &p) > 0) rc = 1;
+            if (verify && verify_values(ck, &p, root)) rc = 1;
             k3_ckpt_destroy(ck);
         }
     }
@@ -186,6 +246,8 @@ static int run_inspect(const k3_args *a) {
         cJSON_free(s);
     } else {
         print_text(&c, cJSON_GetObjectItem(root, "config"), shards, pr);
+        const cJSON *vs = cJSON_GetObjectItem(cJSON_GetObjectItem(root, "verify"), "summary");
+        if (cJSON_IsString(vs)) printf("verify   %s\n", vs->valuestring);
         printf("verdict  %s\n", rc == 0 ? "OK" : "PROBLEMS FOUND");
     }
     if (rc != 0) {

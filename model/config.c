@@ -199,6 +199,9 @@ static k3_status parse_obj(const cJSON *top, const char *path, k3_config *c) {
     int64_t v64;
     double d;
     K3_TRY(get_int(&k, tc, "vocab_size", true, 0, &c->vocab_size));
+    if (c->vocab_size < 1) /* before eos_token_id is checked against it */
+        return K3_ERR(K3_ERR_CONFIG, "%s: %svocab_size: %lld must be >= 1", path, k.ctx,
+                      (long long)c->vocab_size);
     K3_TRY(get_int(&k, tc, "hidden_size", true, 0, &c->hidden_size));
     K3_TRY(get_i(&k, tc, "num_hidden_layers", true, 0, 1, &c->n_layers));
     if (c->n_layers > K3_MAX_LAYERS)
@@ -525,8 +528,8 @@ k3_status k3_config_parse(const char *json_text, const char *path, k3_config *ou
     if (!path) path = "config.json";
     if (!json_text || !out) return K3_ERR(K3_ERR_ARG, "k3_config_parse: NULL argument");
     cJSON *top = NULL;
-    K3_TRY(k3_json_parse_strict(json_text, strlen(json_text), path, "invalid JSON", "",
-                                K3_ERR_CONFIG, &top));
+    K3_TRY(k3_json_parse_strict(json_text, strlen(json_text), path, "the config", "invalid JSON",
+                                "", K3_ERR_CONFIG, &top));
     k3_status s = parse_obj(top, path, out);
     cJSON_Delete(top);
     return s;

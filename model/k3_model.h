@@ -238,6 +238,34 @@ uint64_t k3_ckpt_bytes_read(const k3_ckpt *ck);
 int64_t k3_ckpt_verify(const k3_ckpt *ck, const k3_config *c,
                        void (*report)(void *ctx, const char *problem), void *ctx);
 
+/* ---- values check: every byte of the selected tensors (k3 inspect --verify) ---------------- */
+/* Streams the data of the selected tensors (by file offset, n_threads readers with one buffer
+ * each, so memory is n_threads x buf_bytes) and reports, by file, tensor and row: non-finite
+ * F32/BF16/F16 values (NaN, +-Inf) and E8M0 scales of 0xFF (NaN in OCP MX) in U8 tensors named
+ * "*.weight_scale" (the MXFP4 experts, spec/K3-MODEL.md §7.1). A row is the last dimension; a
+ * 1-D tensor is one row. Per tensor the first rows_listed rows with a problem are reported, then
+ * one line with the totals; reports come in checkpoint order (deterministic). Other dtypes are
+ * read (so an unreadable byte shows) but not interpreted. Returns an error only when a read
+ * fails (naming the file and tensor); problems go through report. */
+typedef struct k3_scan_opts {
+    int n_threads;                                      /* readers at once; 0 = 4 */
+    size_t buf_bytes;                                   /* per reader; 0 = 16 MiB */
+    int rows_listed;                                    /* per tensor; 0 = 4 */
+    bool (*select)(void *ctx, const k3_ckpt_tensor *t); /* NULL = all */
+    void (*progress)(void *ctx, uint64_t done_bytes, uint64_t total_bytes); /* may be NULL */
+    void (*report)(void *ctx, const char *problem);                         /* may be NULL */
+    void *ctx; /* progress and report are called one at a time, never concurrently */
+} k3_scan_opts;
+typedef struct k3_scan_result {
+    uint64_t n_bytes;     /* read and checked */
+    int64_t n_tensors;    /* scanned */
+    int64_t n_bad_values; /* non-finite values + 0xFF scales */
+    int64_t n_bad_tensors;
+    int64_t n_reports; /* lines given to report */
+    double seconds;
+} k3_scan_result;
+k3_status k3_ckpt_scan(k3_ckpt *ck, const k3_scan_opts *opts, k3_scan_result *out);
+
 /* ---- weights in memory ------------------------------------------------------------------- */
 typedef struct k3_expert_w {
     bool present;         /* owned and loaded by this rank */

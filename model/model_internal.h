@@ -27,13 +27,19 @@ typedef k3_status (*k3_st_fill_fn)(void *ctx, const k3_tensor_spec *spec, void *
 k3_status k3_st_write_shard(const char *path, const k3_tensor_spec *specs, int64_t n,
                             k3_st_fill_fn fill, void *ctx);
 
+/* pread bytes [off, off + n) of tensor t's data into dst (k3_ckpt_read is the whole span).
+ * Thread-safe; adds to the bytes-read counter. */
+k3_status k3_ckpt_read_range(k3_ckpt *ck, const k3_ckpt_tensor *t, uint64_t off, uint64_t n,
+                             void *dst);
+
 /* Parse text[0..n) as one JSON value held strictly (strict_json.c): only whitespace after it,
  * every string valid UTF-8 with no control byte and no \u0000, no key twice in an object. Errors
- * are `code`: "PATH: SYNTAX (near byte B of N)" for bad syntax, else "PATH: WHAT<key path> ..."
- * naming the key (WHAT: "header key " for a shard header, "" for config.json). On success *out is
- * the tree (cJSON_Delete). */
-k3_status k3_json_parse_strict(const char *text, size_t n, const char *path, const char *syntax,
-                               const char *what, k3_status code, cJSON **out);
+ * are `code`: "PATH: SYNTAX (near byte B of N)" for bad syntax, "PATH: N byte(s) after the JSON
+ * value of NOUN ..." for text after it, else "PATH: WHAT<key path> ..." naming the key (WHAT:
+ * "header key " for a shard header, "" for config.json). On success *out is the tree
+ * (cJSON_Delete). */
+k3_status k3_json_parse_strict(const char *text, size_t n, const char *path, const char *noun,
+                               const char *syntax, const char *what, k3_status code, cJSON **out);
 
 /* ---- tokenizer training ---------------------------------------------------------------- */
 typedef struct k3_bpe_vocab {

@@ -28,6 +28,7 @@
 
 struct k3_ckpt {
     char *dir;
+    char *listing; /* dir/model.safetensors.index.json, or the single dir/model.safetensors */
     int n_shards;
     char **shard_name;    /* [n_shards] file names ("model-00001-of-00003.safetensors") */
     char **shard_path;    /* [n_shards] dir/name */
@@ -240,8 +241,9 @@ static k3_status parse_header(k3_ckpt *ck, int s) {
     }
     h[hlen] = 0;
     cJSON *root = NULL;
-    k3_status st = k3_json_parse_strict(h, (size_t)hlen, path, "the header is not valid JSON",
-                                        "header key ", K3_ERR_FORMAT, &root);
+    k3_status st =
+        k3_json_parse_strict(h, (size_t)hlen, path, "the header", "the header is not valid JSON",
+                             "header key ", K3_ERR_FORMAT, &root);
     char lead = h[0];
     k3_free(h);
     K3_TRY(st);
@@ -412,8 +414,8 @@ static k3_status open_index(k3_ckpt *ck, const char *ipath) {
     size_t n = 0;
     K3_TRY(k3_read_file(ipath, &text, &n));
     cJSON *root = NULL;
-    k3_status st =
-        k3_json_parse_strict(text, n, ipath, "invalid JSON", "key ", K3_ERR_FORMAT, &root);
+    k3_status st = k3_json_parse_strict(text, n, ipath, "the index", "invalid JSON", "key ",
+                                        K3_ERR_FORMAT, &root);
     k3_free(text);
     K3_TRY(st);
     const char **names = NULL;
@@ -492,10 +494,16 @@ k3_status k3_ckpt_open(const char *dir, k3_ckpt **out) {
     char path[4096];
     snprintf(path, sizeof path, "%s/model.safetensors.index.json", dir);
     k3_status st;
-    if (access(path, F_OK) == 0) {
+    bool indexed = access(path, F_OK) == 0;
+    if (!indexed) snprintf(path, sizeof path, "%s/model.safetensors", dir);
+    ck->listing = strdup(path);
+    if (!ck->listing) {
+        k3_ckpt_destroy(ck);
+        return K3_ERR(K3_ERR_NOMEM, "checkpoint dir");
+    }
+    if (indexed) {
         st = open_index(ck, path);
     } else {
-        snprintf(path, sizeof path, "%s/model.safetensors", dir);
         if (access(path, F_OK) != 0) {
             k3_ckpt_destroy(ck);
             return K3_ERR(K3_ERR_MISSING,
@@ -530,6 +538,7 @@ static void ckpt_release(k3_ckpt *ck) {
     k3_free(ck->shard_path);
     k3_free(ck->shard_size);
     free(ck->dir);
+    free(ck->listing);
 }
 
 void k3_ckpt_destroy(k3_ckpt *ck) {
@@ -562,17 +571,24 @@ uint64_t k3_ckpt_bytes_read(const k3_ckpt *ck) {
 }
 
 k3_status k3_ckpt_read(k3_ckpt *ck, const k3_ckpt_tensor *t, void *dst) {
-    if (!t || t->shard < 0 || t->shard >= ck->n_shards)
-        return K3_ERR(K3_ERR_ARG, "k3_ckpt_read: not a tensor of this checkpoint");
+    return k3_ckpt_read_range(ck, t, 0, t ? t->n_bytes : 0, dst);
+}
+
+k3_status k3_ckpt_read_range(k3_ckpt *ck, const k3_ckpt_tensor *t, uint64_t off, uint64_t n,
+                             void *dst) {
+    if (!t || t->shard < 0 || t->shard >= ck->n_shards || off > t->n_bytes || n > t->n_bytes - off)
+        return K3_ERR(K3_ERR_ARG, "k3_ckpt_read: not a byte range of a tensor of this checkpoint");
     uint64_t got = 0;
-    if (pread_all(ck->fd[t->shard], dst, t->n_bytes, t->offset, &got) != K3_OK)
+    if (pread_all(ck->fd[t->shard], dst, n, t->offset + off, &got) != K3_OK)
         return K3_ERR(K3_ERR_IO, "%s: tensor %s: read failed: %s", ck->shard_path[t->shard],
                       t->name, strerror(errno));
     atomic_fetch_add(&ck->bytes_read, got);
-    if (got != t->n_bytes)
-        return K3_ERR(K3_ERR_IO, "%s: tensor %s: read %llu of %llu bytes (file truncated?)",
+    if (got != n)
+        return K3_ERR(K3_ERR_IO,
+                      "%s: tensor %s: read %llu of %llu bytes at byte %llu of its data (file "
+                      "truncated?)",
                       ck->shard_path[t->shard], t->name, (unsigned long long)got,
-                      (unsigned long long)t->n_bytes);
+                      (unsigned long long)n, (unsigned long long)off);
     return K3_OK;
 }
 
@@ -594,8 +610,8 @@ int64_t k3_ckpt_verify(const k3_ckpt *ck, const k3_config *c,
         const k3_ckpt_tensor *t = k3_ckpt_find(ck, s->name);
         if (!t) {
             problems++;
-            snprintf(msg, sizeof msg, "missing tensor %s (%s, shape from the config)", s->name,
-                     k3_dtype_name(s->dtype));
+            snprintf(msg, sizeof msg, "missing tensor %s (%s, shape from the config): not in %s",
+                     s->name, k3_dtype_name(s->dtype), ck->listing);
             if (report) report(ctx, msg);
             continue;
         }
@@ -645,8 +661,8 @@ k3_status k3_st_peek_shape(const char *dir, const char *name, int64_t shape[K3_M
     if (access(path, F_OK) == 0) {
         K3_TRY(k3_read_file(path, &text, &n));
         cJSON *root = NULL;
-        k3_status st =
-            k3_json_parse_strict(text, n, path, "invalid JSON", "key ", K3_ERR_FORMAT, &root);
+        k3_status st = k3_json_parse_strict(text, n, path, "the index", "invalid JSON", "key ",
+                                            K3_ERR_FORMAT, &root);
         k3_free(text);
         K3_TRY(st);
         const cJSON *f = cJSON_GetObjectItemCaseSensitive(

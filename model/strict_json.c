@@ -168,8 +168,8 @@ static k3_status check_dups(const cJSON *o, char *kp, size_t kp_len, size_t cap,
     return K3_OK;
 }
 
-k3_status k3_json_parse_strict(const char *text, size_t n, const char *path, const char *syntax,
-                               const char *what, k3_status code, cJSON **out) {
+k3_status k3_json_parse_strict(const char *text, size_t n, const char *path, const char *noun,
+                               const char *syntax, const char *what, k3_status code, cJSON **out) {
     *out = NULL;
     const char *end = NULL;
     cJSON *root = cJSON_ParseWithLengthOpts(text, n, &end, false);
@@ -183,9 +183,9 @@ k3_status k3_json_parse_strict(const char *text, size_t n, const char *path, con
         if (text[i] != ' ' && text[i] != '\t' && text[i] != '\n' && text[i] != '\r') {
             cJSON_Delete(root);
             return K3_ERR(code,
-                          "%s: %zu byte(s) after the JSON value (from byte %zu, 0x%02x); only "
-                          "whitespace may follow it",
-                          path, n - used, i, (unsigned char)text[i]);
+                          "%s: %zu byte(s) after the JSON value of %s (from byte %zu, 0x%02x); "
+                          "only whitespace may follow it",
+                          path, n - used, noun, i, (unsigned char)text[i]);
         }
     k3_status st = check_strings(text, used, path, what, code);
     if (st == K3_OK) {

@@ -10,6 +10,10 @@ k3_add_test_exe(test_model_ckpt ${CMAKE_CURRENT_LIST_DIR}/test_ckpt.c)
 target_include_directories(test_model_ckpt PRIVATE ${CMAKE_SOURCE_DIR}/model)
 add_test(NAME model_ckpt COMMAND test_model_ckpt)
 set_tests_properties(model_ckpt PROPERTIES LABELS "unit;sanitize" ENVIRONMENT "${K3_TEST_ENV}" TIMEOUT 120)
+k3_add_test_exe(test_model_scan ${CMAKE_CURRENT_LIST_DIR}/test_scan.c)
+target_include_directories(test_model_scan PRIVATE ${CMAKE_SOURCE_DIR}/model)
+add_test(NAME model_scan COMMAND test_model_scan)
+set_tests_properties(model_scan PROPERTIES LABELS "unit;sanitize" ENVIRONMENT "${K3_TEST_ENV}" TIMEOUT 60)
 k3_add_test_exe(test_model_golden ${CMAKE_CURRENT_LIST_DIR}/test_golden_format.c)
 target_include_directories(test_model_golden PRIVATE ${CMAKE_SOURCE_DIR}/model)
 add_test(NAME model_golden_format COMMAND bash ${CMAKE_CURRENT_LIST_DIR}/golden_format.sh $<TARGET_FILE:test_model_golden>)
@@ -19,3 +23,7 @@ set_tests_properties(model_inspect PROPERTIES LABELS "unit" ENVIRONMENT "${K3_TE
 # size limits end to end: huge config values (inspect) and plan flags fail fast with one line
 add_test(NAME model_cli_limits COMMAND bash ${CMAKE_CURRENT_LIST_DIR}/cli_limits.sh)
 set_tests_properties(model_cli_limits PROPERTIES LABELS "unit;sanitize" ENVIRONMENT "${K3_TEST_ENV}" TIMEOUT 180)
+# issue 11: >= 80 corrupt checkpoints made by a script (headers, layout, strings, index, config
+# keys, NaN/Inf/0xFF data under --verify); every one refused, naming the file and tensor or key
+add_test(NAME model_corrupt_corpus COMMAND python3 ${CMAKE_CURRENT_LIST_DIR}/corrupt_corpus.py --k3 $<TARGET_FILE:k3>)
+set_tests_properties(model_corrupt_corpus PROPERTIES LABELS "unit" ENVIRONMENT "${K3_TEST_ENV}" TIMEOUT 120)
