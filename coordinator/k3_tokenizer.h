@@ -12,7 +12,10 @@
  *  - A k3_tokenizer is immutable after _create; every function taking `const k3_tokenizer *` is
  *    thread-safe (scratch is per call).
  *  - Input text must be valid UTF-8 (what tiktoken's `str` guarantees). Invalid UTF-8 is rejected
- *    with K3_ERR_ARG naming the byte offset; nothing is replaced silently.
+ *    with K3_ERR_ARG naming the byte offset; nothing is replaced silently. Every text carries its
+ *    length: U+0000 is an ordinary character (byte 0), as in tiktoken.
+ *  - The pre-tokenizer splits as tiktoken 0.14 does over all of Unicode (its regex crate's
+ *    Unicode 16.0 classes, whatever the PCRE2 library's tables; tests/tokenizer/unicode_sweep.py).
  *  - encode(text, allow_special=false) never yields a special id.
  *  - For valid UTF-8 `s`: decode(encode(s, any)) == s byte for byte.
  *  - Ids are int32_t; ordinary ids are ranks (0..n_ranks-1), specials sit past them. */

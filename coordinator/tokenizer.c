@@ -1,12 +1,14 @@
 /* tokenizer.c — loading and encoding of the k3 tokenizer (spec/K3-CHAT.md §4.1–4.6).
  *
  * Owns: the rank file parser (base64 + rank per line), the bytes -> rank hash map, the special
- * token table and its byte trie (longest match), the PCRE2 pre-tokenizer (compiled once, JIT),
- * the Kimi chunking of §4.4, and BPE per piece.
+ * token table and its byte trie (longest match), the PCRE2 pre-tokenizer (compiled once, JIT;
+ * its Unicode classes are those of tiktoken's Unicode 16.0, see "PCRE2 spellings" below), the
+ * Kimi chunking of §4.4, and BPE per piece.
  * Does not own: decoding / UTF-8 replacement / streaming (tokenizer_decode.c).
  * Invariants: the tokenizer is immutable after create; every encode call uses its own scratch
  * (match data, BPE arrays), so encoding is thread-safe. Input must be valid UTF-8 (checked once
- * per call; PCRE2 then runs with PCRE2_NO_UTF_CHECK so a long text is not re-validated per match).
+ * per call, k3_utf8; the same pass picks the regex spelling; PCRE2 then runs with
+ * PCRE2_NO_UTF_CHECK so a long text is not re-validated per match). U+0000 is ordinary text.
  * BPE: pieces up to BPE_SCAN_MAX bytes use tiktoken's min-scan; longer pieces use a linked list +
  * binary heap keyed by (rank, start) with lazy invalidation — the same merge order (lowest rank,
  * leftmost on ties) in O(n log n). */
