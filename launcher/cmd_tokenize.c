@@ -3,9 +3,11 @@
  * Owns: the command's flags and output formats. Plain: ids space-separated on one line. --json:
  * {"ids":[...],"pieces":[...]} (pieces = each id decoded, invalid UTF-8 replaced by U+FFFD).
  * --jsonl: one JSON value per stdin line -> one JSON array of ids per stdout line; a line is a
- * string (encoded with specials allowed unless --no-special) or {"text": "...", "special": bool}.
- * Specials are allowed by default, like tokenization_kimi.py encode(). --vocab uses the K3
- * special-token layout past the last rank (§4.1). Errors: one line on stderr, exit 1 (2 = usage).
+ * string (encoded with specials allowed unless --no-special) or {"text": "...", "special": bool},
+ * read with coordinator's JSON reader (Python json.loads rules, lengths kept: "\u0000" is byte 0,
+ * tokenized as tiktoken does). Specials are allowed by default, like tokenization_kimi.py encode().
+ * --vocab uses the K3 special-token layout past the last rank (§4.1). Errors: one line on stderr,
+ * exit 1 (2 = usage).
  */
 #include "k3_chat.h"
 #include "k3_launcher.h"
