@@ -81,7 +81,7 @@ MARKERS = ["<|open|>", "<|close|>", "<|sep|>", "<|end_of_msg|>", "[EOS]", "[BOS]
 SPACES = [" ", "  ", "\t", "\n", "\r\n", "\u00a0", "\u3000", "\u2003", "\u0085", "\u200b", "\u2028", "\x0b",
           "\x0c", "\x1c", "\x1f", "\u202f"]
 COMBINING = ["e\u0301", "a\u0308\u0323", "\u0915\u094d\u0937", "n\u0303", "\u0301", "Z\u0351\u0352\u0353"]
-CONTROL = ["\x01", "\x07", "\x1b[31m", "\x7f", "\u0080", "\u200d", "\ufeff", "\ufffd", "\U000e0001", "\uffff"]
+CONTROL = ["\x00", "\x01", "\x07", "\x1b[31m", "\x7f", "\u0080", "\u200d", "\ufeff", "\ufffd", "\U000e0001", "\uffff"]
 
 
 def rand_cp(rng):
@@ -158,7 +158,8 @@ def run_config(name, k3_bin, vocab_path, ranks, k3_pattern, tk_pat, kimi, seed, 
     cases += [("", False), ("<|open|>", True), ("<|open|>", False), ("[EOS][BOS]<|sep|>x", True),
               ("<|media_begin|>image 640x480<|media_content|><|media_pad|><|media_end|>", True),
               ("a" * 48, False), ("a" * 49, False), ("ab" * 400, False), (" " * 1000 + "x", False),
-              ("'s'S'ſ'K", False), ("x\u0085y", False), ("\r\n\r\n \n", False)]
+              ("'s'S'ſ'K", False), ("x\u0085y", False), ("\r\n\r\n \n", False),
+              ("a\x00b", False), ("\x00<|open|>\x00", True), ("\x00" * 50, False)]
     if long_runs:  # > 25,000 code points: only where the Kimi chunking bounds tiktoken's O(n^2) BPE
         cases += [("a" * 60_001, False), (" " * 30_000 + "b", False), ("é" * 26_000 + " x", False),
                   ("x" + " \t" * 20_000, False), (("ab " * 9000) + "c" * 26_000, True)]
