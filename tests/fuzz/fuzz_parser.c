@@ -126,6 +126,21 @@ static void fuzz_render(const uint8_t *d, size_t n) {
             prev = pr.seg_end[i];
         }
         FZ_CHECK(prev == pr.n_bytes, "segments cover the text");
+        /* where the prompt ends: a closed prompt ends with <|end_of_msg|> (or is empty); a
+         * generation prompt with the opener of think/response */
+        k3_chat_prompt_end end = k3_chat_request_prompt_end(req);
+        static const char eom[] = "<|end_of_msg|>";
+        const char *opener =
+            k3_chat_request_thinking(req) ? "<|open|>think<|sep|>" : "<|open|>response<|sep|>";
+        size_t no = strlen(opener);
+        if (end == K3_CHAT_ENDS_CLOSED)
+            FZ_CHECK(pr.n_bytes == 0 ||
+                         (pr.n_bytes >= sizeof eom - 1 &&
+                          !memcmp(pr.text + pr.n_bytes - (sizeof eom - 1), eom, sizeof eom - 1)),
+                     "a closed prompt ends with <|end_of_msg|>");
+        else if (gen)
+            FZ_CHECK(pr.n_bytes >= no && !memcmp(pr.text + pr.n_bytes - no, opener, no),
+                     "the generation prompt ends with its opener");
         k3_chat_buf sj = {0};
         FZ_CHECK(k3_chat_prompt_segments_json(&pr, &sj) == K3_OK, "segments json");
         k3_chat_json *v = NULL;
@@ -384,6 +399,11 @@ static void gen_request(k3_rng *r, k3_chat_buf *b) {
         ",\"thinking\":false",
         ",\"chat_template_kwargs\":{\"enable_thinking\":false}",
         ",\"thinking\":\"x\"",
+        ",\"add_generation_prompt\":false",
+        ",\"add_generation_prompt\":null,\"thinking_effort\":null",
+        ",\"continue_final_message\":true,\"add_generation_prompt\":false",
+        ",\"continue_final_message\":true",
+        ",\"continue_final_message\":3",
         ""};
     int ne = (int)(k3_rng_u64(r) % 3);
     for (int i = 0; i < ne; i++) put(b, pick(r, extras, K3_ARRAY_LEN(extras)));
