@@ -31,6 +31,7 @@ int k3_engine_args(const k3_args *a, bool print, k3_engine_opts *o) {
         {"max-ctx", 1, (int64_t)1 << 30, "must be in [1, 2^30]"},
         {"max-batch-tokens", 1, 1 << 24, "must be in [1, 2^24]"},
         {"chunk", 0, (int64_t)1 << 30, "must be in [0, 2^30]"},
+        {"micro-batches", 0, 1024, "must be in [0, 1024]"},
     };
     for (size_t i = 0; i < K3_ARRAY_LEN(ints); i++)
         if (!in_range(a, ints[i].flag, ints[i].lo, ints[i].hi))
@@ -57,5 +58,6 @@ int k3_engine_args(const k3_args *a, bool print, k3_engine_opts *o) {
     o->max_ctx = k3_args_int(a, "max-ctx");
     o->max_batch_tokens = k3_args_int(a, "max-batch-tokens");
     o->chunk = k3_args_int(a, "chunk");
+    o->micro_batches = (int)k3_args_int(a, "micro-batches");
     return 0;
 }

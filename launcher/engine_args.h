@@ -39,7 +39,9 @@
     {"max-batch-tokens", K3_FLAG_INT, "T", K3_ENGINE_ARGS_STR(K3_ENGINE_DEFAULT_MAX_BATCH_TOKENS), \
      "tokens per forward step of one lane (decode rows + prefill chunks)"},                        \
     {"chunk", K3_FLAG_INT, "C", "0",                                                               \
-     "prefill tokens per sequence per step (0 = up to --max-batch-tokens)"}
+     "prefill tokens per sequence per step (0 = up to --max-batch-tokens)"},                       \
+    {"micro-batches", K3_FLAG_INT, "M", "0",                                                       \
+     "micro-batches in flight through the pipeline (0 = one per stage)"}
 /* clang-format on */
 
 /* The K3_ENGINE_FLAGS of `a` into *o (model_dir, tok, test_fail and progress are the caller's).

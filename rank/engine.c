@@ -58,7 +58,7 @@ int k3_engine_open(const k3_engine_opts *o, k3_engine **out) {
         K3_LOGI("slots: %d sequences of %lld tokens per lane, %lld tokens per step (prefill "
                 "chunks of %lld), %d micro-batch%s, %s combine",
                 r->max_seqs, (long long)r->max_ctx, (long long)r->max_tokens, (long long)r->chunk,
-                K3_MAX(1, r->plan.n_stages), r->plan.n_stages > 1 ? "es" : "",
+                o->micro_batches > 0 ? o->micro_batches : K3_MAX(1, r->plan.n_stages), "es",
                 o->deterministic ? "deterministic (per-item)" : "pre-summed");
     /* the bar: on rank 0's terminal; under mpirun stderr is a pipe, but /dev/tty may be ours */
     if (r->rank == 0 && o->progress)

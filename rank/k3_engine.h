@@ -15,10 +15,10 @@
  * that does not fit now waits in a FIFO queue; a request longer than max_ctx (prompt + max
  * tokens) is refused with an error event for that request alone.
  *
- * Steps. M = max(S, 1) micro-batch groups circulate through the pipeline; whenever group g's
- * logits are back, its next step is formed: decode rows of its sequences first (one token each),
- * then prefill chunks (at most `chunk` tokens per sequence, within the step's token budget), and
- * new requests join (least-loaded lane with a free slot). A finished sequence leaves and frees
+ * Steps. M micro-batch groups (default S, at least 1) circulate through the pipeline; whenever
+ * group g's logits are back, its next step is formed: decode rows of its sequences first (one token
+ * each), then prefill chunks (at most `chunk` tokens per sequence, within the step's token budget),
+ * and new requests join (least-loaded lane with a free slot). A finished sequence leaves and frees
  * its slot at once.
  *
  * Determinism. A sequence's logits never depend on what shares its steps or when it joined
@@ -53,6 +53,7 @@ typedef struct k3_engine_opts {
     int64_t max_ctx;          /* tokens per sequence: prompt + generated (default 4096) */
     int64_t max_batch_tokens; /* tokens per forward step of one lane (default 512) */
     int64_t chunk;            /* prefill tokens per sequence per step (default max_batch_tokens) */
+    int micro_batches;        /* groups in flight through the pipeline (default S) */
     const k3_tokenizer *tok;  /* rank 0, borrowed, may be NULL: text deltas + stop strings */
     bool progress;            /* load progress bar on rank 0's terminal */
     const char *name;         /* prefix of set-up error lines ("k3 batch"); NULL = "k3" */

@@ -476,7 +476,7 @@ static void on_logits(rank_ctx *r, const step_msg *m) {
 /* ---- the loop ----------------------------------------------------------------------------- */
 void rank_coord_init(rank_ctx *r) {
     const int E = r->plan.n_lanes;
-    r->n_groups = K3_MAX(1, r->plan.n_stages);
+    r->n_groups = r->o->micro_batches > 0 ? r->o->micro_batches : K3_MAX(1, r->plan.n_stages);
     RTRY(r, k3_calloc((void **)&r->groups, (size_t)r->n_groups * sizeof *r->groups, "groups"));
     RTRY(r, k3_calloc((void **)&r->slot_req, (size_t)E * (size_t)r->max_seqs * sizeof *r->slot_req,
                       "slot table"));

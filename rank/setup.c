@@ -34,9 +34,10 @@ int rank_setup(rank_ctx *r) {
     r->max_tokens =
         o->max_batch_tokens > 0 ? o->max_batch_tokens : K3_ENGINE_DEFAULT_MAX_BATCH_TOKENS;
     r->chunk = o->chunk > 0 ? K3_MIN(o->chunk, r->max_tokens) : r->max_tokens;
-    if (o->max_seqs < 0 || o->max_ctx < 0 || o->max_batch_tokens < 0 || o->chunk < 0)
-        st = K3_ERR(K3_ERR_ARG,
-                    "--max-seqs, --max-ctx, --max-batch-tokens and --chunk must be >= 0");
+    if (o->max_seqs < 0 || o->max_ctx < 0 || o->max_batch_tokens < 0 || o->chunk < 0 ||
+        o->micro_batches < 0 || o->micro_batches > 1024)
+        st = K3_ERR(K3_ERR_ARG, "--max-seqs, --max-ctx, --max-batch-tokens, --chunk and "
+                                "--micro-batches (<= 1024) must be >= 0");
     if (st == K3_OK) st = k3_config_load(o->model_dir, &r->cfg);
     r->base_stops[0] = r->cfg.eos_token_id;
     r->base_stops[1] = r->base_stops[2] = -1;

@@ -1,7 +1,8 @@
 /* bench_engine.c — continuous batching through the engine API, measured (a benchmark, never
  * pass/fail). Under mpirun on any split:
  *   mpirun -np W bench_engine --model DIR [--pp S --ep E] [--requests N] [--prompt P] [--gen G]
- *                             [--max-seqs N] [--max-batch-tokens T] [--json FILE]
+ *                             [--max-seqs N] [--max-batch-tokens T] [--micro-batches M]
+ *                             [--json FILE]
  * rank 0 runs N requests (random prompts of P tokens, G new tokens each, greedy, ignore EOS)
  * twice: all submitted at once (continuous batching), then one at a time. It prints a table and
  * writes JSON: wall time and tok/s of both, and for the batched run each rank's busy fraction
@@ -95,7 +96,8 @@ int main(int argc, char **argv) {
                         .comm_timeout_s = 600,
                         .max_seqs = parse(argc, argv, "--max-seqs", 16),
                         .max_ctx = P + G,
-                        .max_batch_tokens = parse(argc, argv, "--max-batch-tokens", 256)};
+                        .max_batch_tokens = parse(argc, argv, "--max-batch-tokens", 256),
+                        .micro_batches = parse(argc, argv, "--micro-batches", 0)};
     k3_config cfg;
     if (k3_config_load(model, &cfg) != K3_OK) {
         fprintf(stderr, "bench_engine: %s\n", k3_last_error());
