@@ -341,6 +341,46 @@ k3_status k3_comm_world_max(int v, int *max, double timeout_s) {
     return wait_req(NULL, timeout_s, &req, "agreement (allreduce)", "some rank of the world");
 }
 
+k3_status k3_comm_world_where(uint64_t v, k3_comm_where *all, double timeout_s) {
+    int inited = 0, rank = 0, size = 1;
+    MPI_Initialized(&inited);
+    k3_comm_where me = {.node = 0, .v = v};
+    if (inited) MPI_Comm_rank(MPI_COMM_WORLD, &rank), MPI_Comm_size(MPI_COMM_WORLD, &size);
+    me.node = rank;
+    if (inited) {
+        char name[MPI_MAX_PROCESSOR_NAME];
+        int len = 0;
+        if (MPI_Get_processor_name(name, &len) == MPI_SUCCESS && len > 0)
+            snprintf(me.host, sizeof me.host, "%.*s", len, name);
+    }
+    if (!me.host[0] && gethostname(me.host, sizeof me.host - 1) != 0)
+        snprintf(me.host, sizeof me.host, "?");
+    if (!inited || size == 1) {
+        all[0] = me;
+        return K3_OK;
+    }
+    int dummy = 0;
+    K3_TRY(k3_comm_world_max(0, &dummy, timeout_s)); /* everyone is here: the split cannot hang */
+    MPI_Comm node = MPI_COMM_NULL;
+    MPI_TRY(MPI_Comm_split_type(MPI_COMM_WORLD, MPI_COMM_TYPE_SHARED, rank, MPI_INFO_NULL, &node));
+    MPI_Request req;
+    int lead = rank;
+    /* count unit: one int (the lowest world rank of the node) */
+    int rc = MPI_Iallreduce(&rank, &lead, 1, MPI_INT, MPI_MIN, node, &req);
+    k3_status st = rc == MPI_SUCCESS ? wait_req(NULL, timeout_s, &req, "node split (allreduce)",
+                                                "some rank of this node")
+                                     : mpi_err(rc, "MPI_Iallreduce (node)", __FILE__, __LINE__);
+    MPI_Comm_free(&node);
+    K3_TRY(st);
+    me.node = lead;
+    /* count unit: bytes, sizeof(k3_comm_where) per rank */
+    MPI_TRY(MPI_Iallgather(&me, (int)sizeof me, MPI_BYTE, all, (int)sizeof me, MPI_BYTE,
+                           MPI_COMM_WORLD, &req));
+    K3_TRY(wait_req(NULL, timeout_s, &req, "node map (allgather)", "some rank of the world"));
+    for (int i = 0; i < size; i++) all[i].host[K3_HOST_BYTES - 1] = 0;
+    return K3_OK;
+}
+
 _Noreturn void k3_comm_world_abort(int code) {
     fflush(stdout);
     fflush(stderr);

@@ -198,6 +198,21 @@ void k3_comm_finalize(void);
 void k3_comm_world(int *rank, int *size); /* 0 / 1 when MPI is not initialised */
 /* The maximum of v over the world (e.g. a status), waiting at most timeout_s. */
 k3_status k3_comm_world_max(int v, int *max, double timeout_s);
+/* Where every world rank runs, before a grid exists (collective over the world; every rank must
+ * call it, also one whose set-up failed). node = the lowest world rank that shares memory with it
+ * (MPI_Comm_split_type SHARED: the ranks of one node); host = its processor name (cut to
+ * K3_HOST_BYTES - 1); v = the value that rank passed (e.g. its MemAvailable). A bounded
+ * agreement first makes sure every rank has arrived, so the (blocking) split cannot hang on a
+ * rank that never comes; the exchange itself waits at most timeout_s. Without MPI: one entry. */
+#define K3_HOST_BYTES 48
+typedef struct k3_comm_where {
+    int32_t node;             /* lowest world rank on the same node */
+    int32_t pad_;             /* zero */
+    uint64_t v;               /* the caller's value */
+    char host[K3_HOST_BYTES]; /* NUL-terminated */
+} k3_comm_where;
+_Static_assert(sizeof(k3_comm_where) == 64, "k3_comm_where travels as 64 bytes per rank");
+k3_status k3_comm_world_where(uint64_t v, k3_comm_where *all /* [world] */, double timeout_s);
 /* Abort the world without a handle (see k3_comm_abort). */
 _Noreturn void k3_comm_world_abort(int code);
 

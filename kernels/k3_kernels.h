@@ -220,6 +220,9 @@ k3_status k3_backend_download(k3_backend *be, void *dst_host, const void *src, s
 k3_status k3_backend_sync(k3_backend *be);
 bool k3_backend_supports_op(const k3_backend *be, int op, k3_dtype wt);
 k3_status k3_backend_memory(const k3_backend *be, size_t *free_bytes, size_t *total_bytes);
+/* The host's memory from /proc/meminfo: free = MemAvailable, total = MemTotal (what the ref/cpu
+ * backends report, and what callers check before any backend exists). */
+k3_status k3_host_memory(size_t *free_bytes, size_t *total_bytes);
 /* The cpu/guard pool size (1 for ref). */
 int k3_backend_threads(const k3_backend *be);
 

@@ -62,7 +62,6 @@ static inline k3_pool *k3_cpu_pool(k3_backend *be) {
 
 /* Host memory functions shared by the ref and cpu backends. */
 extern const k3_backend_iface k3_host_mem_iface;
-k3_status k3_host_memory(size_t *free_bytes, size_t *total_bytes); /* /proc/meminfo */
 
 /* Constructors used by k3_backend_create. */
 k3_status k3_backend_create_cpu(const k3_backend_params *p, k3_backend **out);

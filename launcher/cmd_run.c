@@ -86,6 +86,9 @@ static const k3_flag flags[] = {
     {"deterministic", K3_FLAG_BOOL, NULL, NULL,
      "logits bit-identical for every split (today the combine is per-row in both modes)"},
     {"comm-timeout", K3_FLAG_FLOAT, "SEC", "600", "limit of every blocking wait between ranks"},
+    {"load-timeout", K3_FLAG_FLOAT, "SEC", "0",
+     "limit of the whole load (0 = 60 s + the largest rank's planned bytes at 50 MB/s); a rank "
+     "with no load progress for --comm-timeout is named sooner"},
 };
 
 /* Everything a run needs besides the flags; freed by run_free. */
@@ -243,6 +246,7 @@ static int run_run(const k3_args *a) {
             threads = k3_args_int(a, "threads"), pp = k3_args_int(a, "pp"),
             ep = k3_args_int(a, "ep");
     double tmo = k3_args_float(a, "comm-timeout");
+    double load_tmo = k3_args_float(a, "load-timeout");
     int64_t max_seqs = k3_args_int(a, "max-seqs"), max_ctx = k3_args_int(a, "max-ctx"),
             max_bt = k3_args_int(a, "max-batch-tokens");
     if (max_seqs < 0 || max_seqs > (1 << 20) || max_ctx < 0 || max_ctx > ((int64_t)1 << 30) ||
@@ -255,8 +259,9 @@ static int run_run(const k3_args *a) {
         fprintf(stderr, "k3 run: --chunk, --kda-chunk (<= 1024) and --threads must be >= 0\n");
         return 2;
     }
-    if (pp < 1 || pp > 4096 || ep < 1 || ep > 4096 || !(tmo > 0)) {
-        fprintf(stderr, "k3 run: --pp and --ep must be in [1, 4096], --comm-timeout > 0\n");
+    if (pp < 1 || pp > 4096 || ep < 1 || ep > 4096 || !(tmo > 0) || !(load_tmo >= 0)) {
+        fprintf(stderr, "k3 run: --pp and --ep must be in [1, 4096], --comm-timeout > 0, "
+                        "--load-timeout >= 0\n");
         return 2;
     }
     const char *backend = k3_args_str(a, "backend");
@@ -320,6 +325,7 @@ static int run_run(const k3_args *a) {
                       .expert_map_path = k3_args_str(a, "expert-map"),
                       .deterministic = k3_args_bool(a, "deterministic"),
                       .comm_timeout_s = tmo,
+                      .load_timeout_s = load_tmo,
                       .prompt_ids = in.ids,
                       .prompt_lens = in.lens,
                       .n_prompts = in.n_prompts,

@@ -38,6 +38,8 @@ int k3_engine_args(const k3_args *a, bool print, k3_engine_opts *o) {
             return bad(a, print, ints[i].flag, ints[i].rule);
     if (!(k3_args_float(a, "comm-timeout") > 0))
         return bad(a, print, "comm-timeout", "must be > 0");
+    if (!(k3_args_float(a, "load-timeout") >= 0))
+        return bad(a, print, "load-timeout", "must be >= 0 (0 = derived from the plan)");
     const char *backend = k3_args_str(a, "backend");
     if (strcmp(backend, "cpu") != 0 && strcmp(backend, "ref") != 0 &&
         strcmp(backend, "guard") != 0 && strcmp(backend, "cuda") != 0)
@@ -51,6 +53,7 @@ int k3_engine_args(const k3_args *a, bool print, k3_engine_opts *o) {
     o->expert_map_path = k3_args_str(a, "expert-map");
     o->deterministic = k3_args_bool(a, "deterministic");
     o->comm_timeout_s = k3_args_float(a, "comm-timeout");
+    o->load_timeout_s = k3_args_float(a, "load-timeout");
     o->n_threads = (int)k3_args_int(a, "threads");
     o->kda_chunk = (int)k3_args_int(a, "kda-chunk");
     o->backend = backend;

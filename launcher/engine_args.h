@@ -25,6 +25,9 @@
     {"deterministic", K3_FLAG_BOOL, NULL, NULL,                                                    \
      "per-(token, expert) combine: logits bit-identical for every split"},                         \
     {"comm-timeout", K3_FLAG_FLOAT, "SEC", "600", "limit of every blocking wait between ranks"},   \
+    {"load-timeout", K3_FLAG_FLOAT, "SEC", "0",                                                    \
+     "limit of the whole load (0 = 60 s + the largest rank's planned bytes at 50 MB/s); a rank "   \
+     "with no load progress for --comm-timeout is named sooner"},                                  \
     {"threads", K3_FLAG_INT, "N", "0",                                                             \
      "cpu threads per rank (0 = all cores alone, 1 under mpirun)"},                                \
     {"backend", K3_FLAG_STR, "NAME", "cpu",                                                        \

@@ -22,6 +22,7 @@ int k3_engine_open(const k3_engine_opts *o, k3_engine **out) {
     rank_hooks_parse(r);
     int rc = rank_setup(r);
     if (rc) {
+        k3_free(r->where);
         k3_plan_free(&r->plan);
         free(e);
         return rc;
@@ -66,13 +67,9 @@ int k3_engine_open(const k3_engine_opts *o, k3_engine **out) {
     int tty = r->tty != NULL, any_tty = 0;
     RTRY(r, k3_comm_world_max(tty, &any_tty, tmo));
     r->show_progress = any_tty != 0;
-    if (r->show_progress && r->rank == 0)
-        RTRY(r, k3_calloc((void **)&r->pct, (size_t)r->world * sizeof(int), "progress"));
+    /* every rank has loaded when it returns (heartbeat, --load-timeout): the usual limit again */
     rank_load(r);
-    /* other ranks may still be loading (a real checkpoint takes minutes): wait longer here */
-    k3_comm_set_timeout(r->comm, K3_MAX(tmo, 3600.0));
     RTRY(r, k3_comm_allgather_u64(r->comm, r->bytes_read, all));
-    k3_comm_set_timeout(r->comm, tmo);
     uint64_t *load_us = NULL;
     RTRY(r, k3_calloc((void **)&load_us, (size_t)r->world * sizeof(uint64_t), "load times"));
     RTRY(r, k3_comm_allgather_u64(r->comm, (uint64_t)(r->load_s * 1e6), load_us));
@@ -92,6 +89,7 @@ int k3_engine_open(const k3_engine_opts *o, k3_engine **out) {
     if (r->worker) rank_worker_init(r);
     if (r->coord) rank_coord_init(r);
     RTRY(r, k3_comm_barrier(r->comm));
+    rank_load_drain(r);
     *out = e;
     return 0;
 }
@@ -213,8 +211,8 @@ void k3_engine_close(k3_engine *e, k3_engine_stats *final) {
     RTRY(r, k3_comm_barrier(r->comm));
     if (r->coord) rank_coord_destroy(r);
     rank_worker_destroy(r);
-    k3_free(r->pct);
-    k3_free(r->bytes_read_all), k3_free(r->load_us_all);
+    k3_free(r->pct), k3_free(r->hb_state), k3_free(r->hb_bytes), k3_free(r->seen);
+    k3_free(r->bytes_read_all), k3_free(r->load_us_all), k3_free(r->where);
     if (r->tty && r->tty != stderr) fclose(r->tty);
     k3_comm_destroy(r->comm);
     k3_backend_destroy(r->be);

@@ -1,8 +1,9 @@
-/* hooks.c — failure of a rank (log naming rank, stage and lane, then abort the job) and the
- * K3_TEST_FAIL hooks the mpi tests use to kill or stall a rank on purpose. */
+/* hooks.c — failure of a rank (log naming rank, stage and lane, or the peer to blame, then abort
+ * the job) and the K3_TEST_FAIL hooks the mpi tests use to kill or stall a rank on purpose. */
 #include "rank_internal.h"
 
 #include <signal.h>
+#include <stdarg.h>
 #include <stdlib.h>
 #include <unistd.h>
 
@@ -18,13 +19,27 @@ _Noreturn void rank_die(rank_ctx *r, k3_status s) {
     k3_comm_world_abort(1);
 }
 
+_Noreturn void rank_die_blame(rank_ctx *r, const char *fmt, ...) {
+    char msg[2048];
+    va_list ap;
+    va_start(ap, fmt);
+    vsnprintf(msg, sizeof msg, fmt, ap);
+    va_end(ap);
+    K3_LOGE("%s; noticed by rank %d, ending the job", msg, r->rank);
+    if (r->comm) k3_comm_abort(r->comm, 1);
+    k3_comm_world_abort(1);
+}
+
 void rank_hooks_parse(rank_ctx *r) {
     r->fail_load_rank = r->fail_decode_rank = r->fail_decode_step = r->fail_plan_rank = -1;
+    r->stall_load_rank = -1;
     const char *t = r->o->test_fail;
     if (!t || !*t) return;
     int a = -1, b = -1;
     if (sscanf(t, "load:%d", &a) == 1)
         r->fail_load_rank = a;
+    else if (sscanf(t, "stall-load:%d", &a) == 1)
+        r->stall_load_rank = a;
     else if (sscanf(t, "plan:%d", &a) == 1)
         r->fail_plan_rank = a;
     else if (sscanf(t, "decode:%d:%d", &a, &b) == 2)
@@ -32,7 +47,9 @@ void rank_hooks_parse(rank_ctx *r) {
     else if (sscanf(t, "hang:%d:%d", &a, &b) == 2)
         r->fail_decode_rank = a, r->fail_decode_step = b, r->fail_hang = true;
     else if (r->rank == 0)
-        K3_LOGW("K3_TEST_FAIL='%s' not understood (load:R | plan:R | decode:R:N | hang:R:N)", t);
+        K3_LOGW("K3_TEST_FAIL='%s' not understood (load:R | stall-load:R | plan:R | decode:R:N | "
+                "hang:R:N)",
+                t);
 }
 
 void rank_hooks_maybe_die(rank_ctx *r, int count) {

@@ -44,6 +44,8 @@ typedef struct k3_engine_opts {
     const char *expert_map_path; /* NULL = contiguous expert ranges */
     bool deterministic;          /* per-(token, expert) combine: bit-identical for every split */
     double comm_timeout_s;       /* every blocking wait; <= 0 means 600 */
+    double load_timeout_s;       /* the whole load; <= 0: K3_LOAD_TIMEOUT_FLOOR_S + the largest
+                                    rank's planned bytes at K3_LOAD_TIMEOUT_MIN_BPS */
     int n_threads;               /* cpu threads per rank; <= 0: 1 when world > 1, else all */
     int kda_chunk;               /* k3_stage_params.kda_chunk (0 = default) */
     const char *backend;         /* kernel backend (k3_backend_create); NULL = "cpu" */
@@ -63,6 +65,10 @@ typedef struct k3_engine_opts {
 #define K3_ENGINE_DEFAULT_MAX_SEQS         8
 #define K3_ENGINE_DEFAULT_MAX_CTX          4096
 #define K3_ENGINE_DEFAULT_MAX_BATCH_TOKENS 512
+/* The default --load-timeout: a floor plus the largest rank's planned weight bytes read at a
+ * stated minimum bandwidth (a slow shared file system still passes; a hung one is caught). */
+#define K3_LOAD_TIMEOUT_FLOOR_S 60.0
+#define K3_LOAD_TIMEOUT_MIN_BPS 50e6
 
 /* Collective. Returns 0 with *out set, 2 for a usage error every rank agrees on (rank 0 printed
  * it), 1 for any other error (printed by the rank that failed). A failure after the agreement

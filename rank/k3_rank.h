@@ -18,6 +18,8 @@
  * return 2 and only rank 0 prints it; any other error on a rank is logged as
  * "rank R (stage S, lane E) failed: cause" and ends the whole job with MPI_Abort.
  * Test hooks (opts.test_fail, from env K3_TEST_FAIL): "load:R" makes rank R fail while loading;
+ * "stall-load:R" makes rank R stop itself (SIGSTOP) half-way through its load (the others must
+ * name it after --comm-timeout without load progress and end the job);
  * "plan:R" makes rank R's plan hash differ (every other rank must refuse to start);
  * "decode:R:N" makes rank R kill itself with SIGKILL when it starts its N-th forward step (a
  * worker) or has received N logits messages (a dedicated coordinator); "hang:R:N" makes it stop
@@ -37,6 +39,7 @@ typedef struct k3_rank_opts {
     bool deterministic;          /* combine per (token, expert) row, summed in slot order
                                     (bit-identical for every split); else each owner pre-sums */
     double comm_timeout_s;       /* every blocking wait; <= 0 means 600 */
+    double load_timeout_s;       /* the whole load; <= 0: derived (k3_engine_opts) */
     const int32_t *prompt_ids;   /* all prompts concatenated */
     const int64_t *prompt_lens;  /* [n_prompts], each >= 1 */
     int n_prompts;

@@ -61,6 +61,7 @@ typedef struct rank_ctx {
     k3_config cfg;
     k3_plan plan;
     k3_comm *comm;
+    k3_comm_where *where;  /* [world] node, host and MemAvailable of every rank (set-up) */
     int32_t base_stops[3]; /* EOS of the config, <|end_of_msg|>, [EOS] (-1: none) */
     /* test hooks */
     int fail_load_rank, fail_decode_rank, fail_decode_step, fail_plan_rank;
@@ -91,8 +92,14 @@ typedef struct rank_ctx {
     /* load */
     bool show_progress;
     FILE *tty; /* rank 0: where the bar goes (stderr, or /dev/tty under mpirun) */
-    int last_pct_sent;
-    int *pct; /* [world] rank 0: progress per rank */
+    int *pct;  /* [world] load progress per rank (rank 0 hears every rank, workers rank 0) */
+    /* the load heartbeat (setup.c): what each peer last reported, and when */
+    int *hb_state;              /* [world] K3_LOAD_* */
+    uint64_t *hb_bytes;         /* [world] bytes read so far */
+    double *seen;               /* [world] k3_now_s() of the last beat */
+    uint64_t hb_done, hb_total; /* this rank's own load */
+    double hb_sent, t_load0, load_timeout_s;
+    int stall_load_rank; /* test hook "stall-load:R": SIGSTOP itself half-way through the load */
     double load_s;
     uint64_t bytes_read, bytes_read_total;
     uint64_t *bytes_read_all, *load_us_all; /* [world], gathered at open */
@@ -130,12 +137,16 @@ struct k3_engine {
 /* ---- hooks.c: failure and test hooks ------------------------------------------------------- */
 /* Log the failure naming this rank (stage, lane) and end the whole job. */
 _Noreturn void rank_die(rank_ctx *r, k3_status s);
+/* Log one line naming a peer as the cause (fmt says who and what; the line adds who noticed) and
+ * end the whole job. */
+_Noreturn void rank_die_blame(rank_ctx *r, const char *fmt, ...)
+    __attribute__((format(printf, 2, 3)));
 #define RTRY(r, expr)                                                                              \
     do {                                                                                           \
         k3_status s_ = (expr);                                                                     \
         if (s_ != K3_OK) rank_die((r), s_);                                                        \
     } while (0)
-/* K3_TEST_FAIL: load:R, decode:R:N, hang:R:N, plan:R. */
+/* K3_TEST_FAIL: load:R, stall-load:R, decode:R:N, hang:R:N, plan:R. */
 void rank_hooks_parse(rank_ctx *r);
 /* Die or hang now if the decode hook names this rank and count. */
 void rank_hooks_maybe_die(rank_ctx *r, int count);
@@ -155,8 +166,9 @@ void rank_post_step(rank_ctx *r, int peer, k3_msg_kind kind, k3_wire_step h, con
 void rank_poll_step(rank_ctx *r, int peer, k3_msg_kind kind, step_msg *out, bool *got);
 
 /* ---- setup.c --------------------------------------------------------------------------------- */
-int rank_setup(rank_ctx *r); /* 0 ok, 2 usage error, 1 other error (agreed by every rank) */
-void rank_load(rank_ctx *r);
+int rank_setup(rank_ctx *r);       /* 0 ok, 2 usage error, 1 other error (agreed by every rank) */
+void rank_load(rank_ctx *r);       /* the load, with the heartbeat and --load-timeout */
+void rank_load_drain(rank_ctx *r); /* take stray beats (after the barrier that ends open) */
 /* The prefix of set-up error lines (k3_engine_opts.name, default "k3"). */
 static inline const char *rank_cmd_name(const rank_ctx *r) {
     return r->o && r->o->name ? r->o->name : "k3";

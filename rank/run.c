@@ -325,6 +325,7 @@ int k3_rank_run(const k3_rank_opts *o) {
                          .expert_map_path = o->expert_map_path,
                          .deterministic = o->deterministic,
                          .comm_timeout_s = o->comm_timeout_s,
+                         .load_timeout_s = o->load_timeout_s,
                          .n_threads = o->n_threads,
                          .kda_chunk = o->kda_chunk,
                          .backend = o->backend,

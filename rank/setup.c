@@ -3,24 +3,62 @@
 #include "rank_internal.h"
 
 #include <errno.h>
+#include <signal.h>
 #include <stdlib.h>
 #include <unistd.h>
 
 /* ---- set-up ------------------------------------------------------------------------------- */
-/* Refuse a plan this rank cannot hold before allocating anything: a huge --n or prompt sizes
- * every sequence's caches for its whole context up front, and an OOM kill names nobody. */
+/* The memory rule (issue 11 item 5): the plan's need of every rank (weights + caches + buffers),
+ * summed over the ranks that share a node (an MPI shared-memory split), must fit in that node's
+ * MemAvailable (read by the node's lowest rank at open) less a margin of 10%, at least 256 MiB,
+ * left for MPI's buffers, the tokenizer, the allocator's slack and the OS. */
+#define MEM_MARGIN_FRAC  0.10
+#define MEM_MARGIN_FLOOR (256ull << 20)
+
+static uint64_t rank_need(const rank_ctx *r, int i) {
+    const k3_rank_mem *m = &r->plan.mem[i];
+    return m->weights + m->caches + m->buffers;
+}
+
+/* Refuse a plan a node cannot hold before allocating anything: a huge --n or prompt sizes every
+ * sequence's caches for its whole context up front, and an OOM kill names nobody. Every rank
+ * decides the same for every node (same plan, same gathered readings), so the error is identical
+ * on every rank. */
 static k3_status check_memory(const rank_ctx *r, const k3_plan_req *req) {
-    const k3_rank_mem *m = &r->plan.mem[r->rank];
-    uint64_t need = m->weights + m->caches + m->buffers;
-    long pages = sysconf(_SC_PHYS_PAGES), page = sysconf(_SC_PAGESIZE);
-    if (pages <= 0 || page <= 0) return K3_OK; /* unknown: nothing to compare against */
-    uint64_t have = (uint64_t)pages * (uint64_t)page;
-    if (need <= have) return K3_OK;
-    return K3_ERR(K3_ERR_NOMEM,
-                  "rank %d needs %.2f GB (weights %.2f, caches %.2f for %d sequence slots of "
-                  "%lld tokens (--max-seqs, --max-ctx), buffers %.2f) but this machine has %.2f GB",
-                  r->rank, need / 1e9, m->weights / 1e9, m->caches / 1e9, req->max_seqs_per_lane,
-                  (long long)req->max_ctx, m->buffers / 1e9, have / 1e9);
+    for (int n = 0; n < r->world; n++) {
+        if (r->where[n].node != n) continue; /* n is not the lowest rank of a node */
+        uint64_t avail = r->where[n].v, need = 0;
+        if (avail == 0) continue; /* unknown: nothing to compare against */
+        uint64_t margin = K3_MAX((uint64_t)(avail * MEM_MARGIN_FRAC), MEM_MARGIN_FLOOR);
+        uint64_t usable = avail > margin ? avail - margin : 0;
+        int n_ranks = 0;
+        for (int i = 0; i < r->world; i++)
+            if (r->where[i].node == n) need += rank_need(r, i), n_ranks++;
+        if (need <= usable) continue;
+        char list[2048];
+        size_t at = 0;
+        for (int i = 0; i < r->world && at < sizeof list - 64; i++) {
+            if (r->where[i].node != n) continue;
+            const k3_rank_mem *m = &r->plan.mem[i];
+            int s = -1, e = -1;
+            k3_plan_coords(&r->plan, i, &s, &e);
+            at += (size_t)snprintf(list + at, sizeof list - at,
+                                   "%s rank %d (stage %d, lane %d) %.2f GB = weights %.2f + caches "
+                                   "%.2f + buffers %.2f",
+                                   at ? ";" : "", i, s, e, rank_need(r, i) / 1e9, m->weights / 1e9,
+                                   m->caches / 1e9, m->buffers / 1e9);
+        }
+        return K3_ERR(K3_ERR_NOMEM,
+                      "memory: the %d rank%s on host %s need %.2f GB together but the node can "
+                      "give %.2f GB (MemAvailable %.2f GB less a margin of %.2f GB: 10%%, at "
+                      "least 256 MiB); caches are %d sequence slots of %lld tokens per lane "
+                      "(--max-seqs, --max-ctx): lower them or spread the ranks over more "
+                      "nodes;%s",
+                      n_ranks, n_ranks == 1 ? "" : "s", r->where[n].host, need / 1e9, usable / 1e9,
+                      avail / 1e9, margin / 1e9, req->max_seqs_per_lane, (long long)req->max_ctx,
+                      list);
+    }
+    return K3_OK;
 }
 
 /* Usage-type problems are identical on every rank: all return 2, rank 0 prints. Others: agree on
@@ -29,6 +67,15 @@ int rank_setup(rank_ctx *r) {
     const k3_engine_opts *o = r->o;
     k3_status st = K3_OK;
     char *map = NULL;
+    double tmo = o->comm_timeout_s > 0 ? o->comm_timeout_s : 600;
+    bool same = false; /* the error is the same on every rank (the memory verdict) */
+    { /* where every rank runs (every rank takes part, whatever its own set-up does next) */
+        size_t avail = 0, total = 0;
+        if (k3_host_memory(&avail, &total) != K3_OK) avail = 0; /* unknown: no check */
+        k3_status ws = k3_calloc((void **)&r->where, (size_t)r->world * sizeof *r->where, "hosts");
+        if (ws == K3_OK) ws = k3_comm_world_where((uint64_t)avail, r->where, tmo);
+        if (ws != K3_OK) rank_die(r, ws);
+    }
     r->max_seqs = o->max_seqs > 0 ? o->max_seqs : K3_ENGINE_DEFAULT_MAX_SEQS;
     r->max_ctx = o->max_ctx > 0 ? o->max_ctx : K3_ENGINE_DEFAULT_MAX_CTX;
     r->max_tokens =
@@ -63,18 +110,18 @@ int rank_setup(rank_ctx *r) {
                            .max_seqs_per_lane = r->max_seqs,
                            .max_tokens = r->max_tokens};
         st = k3_plan_make(&r->cfg, &req, &r->plan);
-        if (st == K3_OK) st = check_memory(r, &req);
+        if (st == K3_OK) st = check_memory(r, &req), same = st != K3_OK;
     }
     k3_free(map);
-    /* agree before anything collective: 0 ok, 1 usage error, 2 other error */
-    int local = st == K3_OK ? 0 : (st == K3_ERR_ARG ? 1 : 2), worst = 0;
-    k3_status st2 =
-        k3_comm_world_max(local, &worst, o->comm_timeout_s > 0 ? o->comm_timeout_s : 600);
+    /* agree before anything collective: 0 ok, 1 usage error, 2 an error every rank has (memory),
+     * 3 another error */
+    int local = st == K3_OK ? 0 : (st == K3_ERR_ARG ? 1 : (same ? 2 : 3)), worst = 0;
+    k3_status st2 = k3_comm_world_max(local, &worst, tmo);
     if (st2 != K3_OK) rank_die(r, st2);
-    /* a usage error is the same on every rank: rank 0 prints it; other errors each rank prints */
-    if (local == 2 || (local == 1 && r->rank == 0))
+    /* errors that are the same on every rank: rank 0 prints them; other errors each rank prints */
+    if (local == 3 || ((local == 1 || local == 2) && r->rank == 0))
         fprintf(stderr, "%s: %s\n", rank_cmd_name(r), k3_last_error());
-    if (local == 2 && r->world > 1) K3_LOGE("rank %d failed during set-up (see above)", r->rank);
+    if (local == 3 && r->world > 1) K3_LOGE("rank %d failed during set-up (see above)", r->rank);
     if (worst) return worst == 1 ? 2 : 1;
     return 0;
 }
@@ -86,6 +133,7 @@ static bool expert_owned(void *ctx, int layer, int expert) {
 }
 
 static void draw_progress(rank_ctx *r) {
+    if (!r->tty) return;
     double have = 0, tot = 0;
     int done = 0;
     for (int i = 0; i < r->world; i++) {
@@ -104,7 +152,34 @@ static void draw_progress(rank_ctx *r) {
     fflush(r->tty);
 }
 
-static bool poll_progress(rank_ctx *r) { /* true when some rank reported */
+/* ---- the load heartbeat ---------------------------------------------------------------------
+ * Loading has no collective until every rank is done, so a rank that stops (SIGSTOP, a dead
+ * file system) would otherwise hold the job until the next wait's timeout. Every worker beats to
+ * rank 0 and rank 0 beats to every worker, at most every hb_interval, from the loader's progress
+ * callback (so a beat means bytes moved) and, once a rank has loaded, from its wait loop. Rank 0
+ * names a worker it has not heard from for --comm-timeout; a worker names rank 0 the same way.
+ * Rank 0 declares the end (K3_LOAD_ALL) when every rank reported K3_LOAD_DONE, and enforces
+ * --load-timeout on the whole phase, naming the ranks not done. */
+static double comm_tmo(const rank_ctx *r) {
+    return r->o->comm_timeout_s > 0 ? r->o->comm_timeout_s : 600;
+}
+static double hb_interval(const rank_ctx *r) {
+    return K3_MIN(1.0, comm_tmo(r) / 5);
+}
+
+static void hb_send(rank_ctx *r, int state) {
+    k3_wire_progress wp = {.version = K3_WIRE_VERSION,
+                           .pct = r->pct[r->rank],
+                           .state = state,
+                           .done_bytes = r->hb_done,
+                           .total_bytes = r->hb_total};
+    for (int w = r->rank == 0 ? 1 : 0; w < (r->rank == 0 ? r->world : 1); w++)
+        RTRY(r, k3_comm_post(r->comm, w, K3_MSG_PROGRESS, &wp, sizeof wp, NULL, 0));
+    r->hb_sent = k3_now_s();
+}
+
+/* Take every beat that arrived; true when one did. */
+static bool hb_poll(rank_ctx *r) {
     bool any = false;
     for (;;) {
         k3_comm_msg m;
@@ -112,43 +187,121 @@ static bool poll_progress(rank_ctx *r) { /* true when some rank reported */
         RTRY(r, k3_comm_poll(r->comm, K3_ANY_RANK, K3_MSG_PROGRESS, &m, &got));
         if (!got) return any;
         k3_wire_progress wp;
-        if (m.n_meta_bytes == (int64_t)sizeof wp && m.src >= 0 && m.src < r->world) {
-            memcpy(&wp, m.meta, sizeof wp);
-            if (wp.version == K3_WIRE_VERSION) r->pct[m.src] = K3_MAX(r->pct[m.src], wp.pct);
-        }
+        if (m.n_meta_bytes != (int64_t)sizeof wp || m.src < 0 || m.src >= r->world) continue;
+        memcpy(&wp, m.meta, sizeof wp);
+        if (wp.version != K3_WIRE_VERSION) continue;
+        r->seen[m.src] = k3_now_s();
+        r->pct[m.src] = K3_MAX(r->pct[m.src], wp.pct);
+        r->hb_state[m.src] = K3_MAX(r->hb_state[m.src], wp.state);
+        r->hb_bytes[m.src] = wp.done_bytes;
         any = true;
     }
 }
 
-void rank_send_progress(rank_ctx *r, int pct) {
-    if (r->rank == 0) {
-        r->pct[0] = pct;
-        poll_progress(r);
-        draw_progress(r);
+static void describe(const rank_ctx *r, int i, char *buf, size_t cap) {
+    int s = -1, e = -1;
+    k3_plan_coords(&r->plan, i, &s, &e);
+    const char *host = r->where ? r->where[i].host : "?";
+    if (s >= 0)
+        snprintf(buf, cap, "rank %d (stage %d, lane %d, host %s)", i, s, e, host);
+    else
+        snprintf(buf, cap, "rank %d (coordinator, host %s)", i, host);
+}
+
+/* Die naming a silent peer or the ranks over --load-timeout. */
+static void hb_check(rank_ctx *r) {
+    double now = k3_now_s(), tmo = comm_tmo(r);
+    char who[160];
+    for (int i = 0; i < r->world; i++) {
+        if (i == r->rank || (r->rank != 0 && i != 0)) continue; /* rank 0 <-> workers */
+        if (r->rank == 0 && !k3_plan_coords(&r->plan, i, NULL, NULL)) continue;
+        if (now - r->seen[i] <= tmo) continue;
+        describe(r, i, who, sizeof who);
+        const k3_rank_mem *m = &r->plan.mem[i];
+        rank_die_blame(r,
+                       "%s made no load progress for %.1f s (--comm-timeout %.0f s): it last "
+                       "reported %s, %.2f of %.2f MB",
+                       who, now - r->seen[i], tmo,
+                       r->hb_state[i] >= K3_LOAD_DONE ? "done, waiting for the others" : "loading",
+                       r->hb_bytes[i] / 1e6, m->weights / 1e6);
+    }
+    if (now - r->t_load0 <= r->load_timeout_s) return;
+    if (r->rank != 0 && r->hb_state[r->rank] >= K3_LOAD_DONE) { /* rank 0 names the slow ones */
+        if (now - r->t_load0 <= r->load_timeout_s + tmo) return;
+        describe(r, 0, who, sizeof who);
+        rank_die_blame(r, "%s did not end the load within --load-timeout %.0f s + %.0f s", who,
+                       r->load_timeout_s, tmo);
+    }
+    char list[1024];
+    size_t at = 0;
+    int first = -1;
+    for (int i = 0; i < r->world && at < sizeof list - 200; i++) {
+        if (r->hb_state[i] >= K3_LOAD_DONE || (r->rank != 0 && i != r->rank)) continue;
+        if (!k3_plan_coords(&r->plan, i, NULL, NULL)) continue;
+        describe(r, i, who, sizeof who);
+        at +=
+            (size_t)snprintf(list + at, sizeof list - at, "%s%s at %.2f of %.2f MB", at ? "; " : "",
+                             who, r->hb_bytes[i] / 1e6, r->plan.mem[i].weights / 1e6);
+        if (first < 0) first = i;
+    }
+    rank_die_blame(r, "loading took longer than --load-timeout %.0f s; not done: %s",
+                   r->load_timeout_s, list);
+}
+
+/* One turn of the heartbeat: take beats, beat when due, check. */
+static void hb_tick(rank_ctx *r, int state) {
+    if (r->world == 1) {
+        hb_check(r); /* only --load-timeout */
         return;
     }
-    k3_wire_progress wp = {.version = K3_WIRE_VERSION, .pct = pct};
-    RTRY(r, k3_comm_post(r->comm, 0, K3_MSG_PROGRESS, &wp, sizeof wp, NULL, 0));
+    bool got = hb_poll(r);
+    if (k3_now_s() - r->hb_sent >= hb_interval(r)) hb_send(r, state);
+    if (got && r->rank == 0) draw_progress(r);
+    hb_check(r);
 }
 
 static void on_progress(void *ctx, uint64_t done, uint64_t total) {
     rank_ctx *r = ctx;
-    if (!r->show_progress || total == 0) return;
-    int pct = (int)(100.0 * (double)done / (double)total);
-    pct = pct >= 100 ? 100 : pct / 25 * 25; /* a few reports per rank keep it cheap */
-    if (pct > r->last_pct_sent) {
-        r->last_pct_sent = pct;
-        rank_send_progress(r, pct);
+    r->hb_done = done;
+    r->hb_total = total;
+    r->hb_bytes[r->rank] = done;
+    r->pct[r->rank] = total ? (int)(100.0 * (double)done / (double)total) : 100;
+    if (r->stall_load_rank == r->rank && 2 * done >= total) {
+        r->stall_load_rank = -1;
+        K3_LOGE("rank %d: test hook K3_TEST_FAIL=stall-load:%d: stopping myself (SIGSTOP) at "
+                "%.2f of %.2f MB",
+                r->rank, r->rank, done / 1e6, total / 1e6);
+        fflush(stderr);
+        raise(SIGSTOP);
     }
+    hb_tick(r, K3_LOAD_RUNNING);
 }
 
 void rank_load(rank_ctx *r) {
     double t0 = k3_now_s();
+    r->t_load0 = t0;
+    /* --load-timeout: given, or 60 s + the largest rank's planned bytes at 50 MB/s */
+    uint64_t most = 0;
+    for (int i = 0; i < r->world; i++) most = K3_MAX(most, r->plan.mem[i].weights);
+    r->load_timeout_s = r->o->load_timeout_s > 0
+                            ? r->o->load_timeout_s
+                            : K3_LOAD_TIMEOUT_FLOOR_S + (double)most / K3_LOAD_TIMEOUT_MIN_BPS;
+    if (r->rank == 0 && r->world > 1)
+        K3_LOGI("load: --load-timeout %.0f s%s; a rank with no load progress for %.0f s "
+                "(--comm-timeout) is named",
+                r->load_timeout_s,
+                r->o->load_timeout_s > 0 ? "" : " (60 s + largest rank at 50 MB/s)", comm_tmo(r));
+    RTRY(r, k3_calloc((void **)&r->pct, (size_t)r->world * sizeof(int), "load progress"));
+    RTRY(r, k3_calloc((void **)&r->hb_state, (size_t)r->world * sizeof(int), "load states"));
+    RTRY(r, k3_calloc((void **)&r->hb_bytes, (size_t)r->world * sizeof(uint64_t), "load bytes"));
+    RTRY(r, k3_calloc((void **)&r->seen, (size_t)r->world * sizeof(double), "load beats"));
+    for (int i = 0; i < r->world; i++) r->seen[i] = t0;
     if (r->worker) {
         if (r->fail_load_rank == r->rank)
             rank_die(r, K3_ERR(K3_ERR_IO,
                                "test hook K3_TEST_FAIL=load:%d: failing the load on purpose",
                                r->rank));
+        hb_tick(r, K3_LOAD_RUNNING);
         RTRY(r, k3_ckpt_open(r->o->model_dir, &r->ck));
         int S = r->plan.n_stages;
         k3_backend_params bp = {.n_threads =
@@ -181,33 +334,43 @@ void rank_load(rank_ctx *r) {
                                        l, x, loaded, own));
             }
         }
-        if (r->show_progress && r->last_pct_sent < 100) {
-            r->last_pct_sent = 100;
-            rank_send_progress(r, 100);
-        }
     }
     r->load_s = k3_now_s() - t0;
     if (r->worker)
         K3_LOGI("loaded %.2f MB in %.2f s (%.2f GB/s); plan: %.2f MB", r->bytes_read / 1e6,
                 r->load_s, r->load_s > 0 ? r->bytes_read / 1e9 / r->load_s : 0.0,
                 r->plan.mem[r->rank].weights / 1e6);
-    if (r->rank == 0 && r->show_progress) { /* wait for everyone's last report */
-        r->pct[0] = 100 * r->worker + 100 * !r->worker;
-        double t1 = k3_now_s();
+    r->pct[r->rank] = 100;
+    r->hb_state[r->rank] = K3_LOAD_DONE;
+    r->hb_bytes[r->rank] = r->hb_done = r->bytes_read;
+    if (r->world > 1) {
+        if (r->rank != 0) hb_send(r, K3_LOAD_DONE);
         int backoff = 0;
-        for (;;) {
-            bool changed = poll_progress(r);
-            int done = 0;
-            for (int i = 0; i < r->world; i++)
-                done += r->pct[i] >= 100 || !k3_plan_coords(&r->plan, i, NULL, NULL);
-            if (changed || done == r->world) draw_progress(r);
-            if (done == r->world) break;
-            if (k3_now_s() - t1 > (r->o->comm_timeout_s > 0 ? r->o->comm_timeout_s : 600))
-                rank_die(r, K3_ERR(K3_ERR_COMM,
-                                   "load progress: some rank did not finish loading in time"));
+        for (;;) { /* rank 0: until every rank is done; workers: until rank 0 says so */
+            hb_tick(r, K3_LOAD_DONE);
+            if (r->rank != 0 && r->hb_state[0] >= K3_LOAD_ALL) break;
+            if (r->rank == 0) {
+                int done = 0;
+                for (int i = 0; i < r->world; i++)
+                    done +=
+                        r->hb_state[i] >= K3_LOAD_DONE || !k3_plan_coords(&r->plan, i, NULL, NULL);
+                if (done == r->world) break;
+            }
             k3_comm_idle(r->comm, &backoff);
         }
+        if (r->rank == 0) hb_send(r, K3_LOAD_ALL);
+    }
+    if (r->tty) {
+        draw_progress(r);
         fprintf(r->tty, "\n");
         fflush(r->tty);
+    }
+}
+
+void rank_load_drain(rank_ctx *r) {
+    for (bool got = true; got && r->world > 1;) {
+        k3_comm_msg m;
+        got = false;
+        RTRY(r, k3_comm_poll(r->comm, K3_ANY_RANK, K3_MSG_PROGRESS, &m, &got));
     }
 }

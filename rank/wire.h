@@ -4,7 +4,8 @@
  * BATCH, ACTIV, LOGITS: one k3_wire_step, then int32 meta[n_meta] =
  *   [group, step, all_logits, n_seqs, (slot, n_tokens, flags) x n_seqs, (BATCH) token ids x T];
  *   f32 = ACTIV: h [T, D] | bank [n_bank, T, D]; LOGITS: [R, V]; BATCH: none.
- * PROGRESS: one k3_wire_progress. STOP: no payload.
+ * PROGRESS: one k3_wire_progress (the load heartbeat: workers -> rank 0, rank 0 -> every worker).
+ * STOP: no payload.
  * Bump K3_WIRE_VERSION on any change of these layouts; a receiver refuses another version,
  * naming the sender. */
 #ifndef K3_RANK_WIRE_H
@@ -13,7 +14,7 @@
 #include <stddef.h>
 #include <stdint.h>
 
-#define K3_WIRE_VERSION 2 /* 2: slots + OPEN/WANT flags */
+#define K3_WIRE_VERSION 3 /* 2: slots + OPEN/WANT flags; 3: the progress heartbeat */
 
 typedef struct k3_wire_step {
     uint32_t version; /* K3_WIRE_VERSION */
@@ -26,14 +27,22 @@ typedef struct k3_wire_step {
 } k3_wire_step;
 _Static_assert(sizeof(k3_wire_step) == 40 && offsetof(k3_wire_step, T) == 8 &&
                    offsetof(k3_wire_step, n_bank) == 32 && offsetof(k3_wire_step, n_meta) == 36,
-               "k3_wire_step is a wire struct: its layout is part of K3_WIRE_VERSION 2");
+               "k3_wire_step is a wire struct: its layout is part of K3_WIRE_VERSION 3");
 
+/* Load states of a heartbeat. */
+#define K3_LOAD_RUNNING 0 /* the sender is still reading its weights */
+#define K3_LOAD_DONE    1 /* the sender has loaded (it keeps beating until K3_LOAD_ALL) */
+#define K3_LOAD_ALL     2 /* rank 0 -> workers: every rank has loaded; the beats end */
 typedef struct k3_wire_progress {
-    uint32_t version; /* K3_WIRE_VERSION */
-    int32_t pct;      /* load progress of the sender, 0..100 */
+    uint32_t version;     /* K3_WIRE_VERSION */
+    int32_t pct;          /* load progress of the sender, 0..100 */
+    int32_t state;        /* K3_LOAD_* */
+    int32_t pad;          /* zero */
+    uint64_t done_bytes;  /* the sender's bytes read so far */
+    uint64_t total_bytes; /* the sender's bytes to read */
 } k3_wire_progress;
-_Static_assert(sizeof(k3_wire_progress) == 8,
-               "k3_wire_progress is a wire struct: its layout is part of K3_WIRE_VERSION 2");
+_Static_assert(sizeof(k3_wire_progress) == 32 && offsetof(k3_wire_progress, done_bytes) == 16,
+               "k3_wire_progress is a wire struct: its layout is part of K3_WIRE_VERSION 3");
 
 #define META_HDR 4 /* group, step, all_logits, n_seqs */
 #define META_SEQ 3 /* per sequence: slot (on the lane), n_tokens, flags */

@@ -1,7 +1,7 @@
 #!/usr/bin/env python3
 """dist_run.py — end-to-end checks of the distributed `k3 run` (ctest label "mpi").
 
-usage: dist_run.py MODE MPIEXEC   (K3_BIN = the k3 binary; a tiny model is made in a temp dir)
+usage: dist_run.py MODE MPIEXEC  (MODE: splits | bytes | fail | load)   (K3_BIN = the k3 binary; a tiny model is made in a temp dir)
   (every run passes --ignore-eos: the checks compare exactly N_NEW tokens)
   splits : for (S,E) in (1,1) (2,1) (1,2) (2,2) (4,1) (1,4) (3,1) + dedicated (2,2):
            batch 1 and batch 3 ("A;B;C"), greedy, 32 new tokens, prefill chunk 5;
@@ -19,6 +19,17 @@ usage: dist_run.py MODE MPIEXEC   (K3_BIN = the k3 binary; a tiny model is made 
            hang:K:N (rank K stops answering): the waiting ranks time out and end
            the job, naming the timeout (--comm-timeout 5); plan:K (rank K derives another plan):
            the job refuses to start, naming rank K.
+  load   : K3_TEST_FAIL=stall-load:K on 4 ranks (S=2, E=2), --comm-timeout 5: rank K stops itself
+           (a real SIGSTOP) half-way through its load; the job must end within 10 s of the stop
+           (asserted on mpirun's whole wall time, which includes ~1 s of start-up and load before
+           the stop, plus MPI_Abort's teardown: limit 10 + 2 s), stderr names rank K with its
+           stage, lane and host as the rank that made no load progress, no process is left.
+           K = 1 (first stage), 3 (last stage), 0 (coordinator, first stage). Then --load-timeout
+           3 with --comm-timeout 60: rank 0 names the stalled rank as not done in time. Then the
+           memory check: --max-ctx sized (from `k3 plan --json`) so that each rank alone needs at
+           most half of MemAvailable but the 4 ranks of this node together need more than it:
+           refused before loading (exit 1, within 10 s), the message names the host and all 4
+           ranks with their sizes.
 """
 import json
 import os
@@ -255,13 +266,76 @@ def mode_fail(mpiexec, tmp):
         print(f"ok {tag} ({dt:.1f} s, rc {p.returncode})", flush=True)
 
 
+def meminfo_available():
+    with open("/proc/meminfo") as f:
+        for line in f:
+            if line.startswith("MemAvailable:"):
+                return int(line.split()[1]) * 1024
+    return 0
+
+
+def mode_load(mpiexec, tmp):
+    model = make_model(tmp)
+    base = ["--model", model, "--prompt-ids", ids_arg(PROMPTS), "--n", "4", "--pp", "2", "--ep", "2"]
+    limit = 10 + 2  # the issue's 10 s, + 2 s for mpirun's start-up before the stop and its teardown
+    cases = [("stall-load:1", 1, 0, 1, ["--comm-timeout", "5"], "made no load progress"),
+             ("stall-load:3", 3, 1, 1, ["--comm-timeout", "5"], "made no load progress"),
+             ("stall-load:0", 0, 0, 0, ["--comm-timeout", "5"], "made no load progress"),
+             ("stall-load:2", 2, 1, 0, ["--comm-timeout", "60", "--load-timeout", "3"],
+              "longer than --load-timeout 3 s")]
+    for hook, k, st, ln, extra, what in cases:
+        tag = f"K3_TEST_FAIL={hook} {' '.join(extra)}"
+        try:
+            p, dt = mpirun(mpiexec, 4, base + extra, timeout=60, env={"K3_TEST_FAIL": hook})
+        except subprocess.TimeoutExpired:
+            check(False, f"{tag}: the job did not end within 60 s")
+            for pid in leftovers(model):  # our own ranks, one of them stopped: do not leave them
+                try:
+                    os.kill(int(pid), 9)
+                except OSError:
+                    pass
+            continue
+        check(p.returncode != 0, f"{tag}: exit code 0")
+        check(dt < limit, f"{tag}: took {dt:.1f} s (limit {limit} s)")
+        named = [ln_ for ln_ in p.stderr.splitlines() if what in ln_]
+        want = rf"\brank {k} \(stage {st}, lane {ln}, host [^)]+\)"
+        check(any(re.search(want, x) for x in named),
+              f"{tag}: no line names rank {k} (stage {st}, lane {ln}, host) with '{what}':\n{p.stderr[-2000:]}")
+        time.sleep(0.5)
+        left = leftovers(model)
+        check(not left, f"{tag}: processes left behind: {left}")
+        print(f"ok {tag} ({dt:.1f} s, rc {p.returncode})", flush=True)
+    # memory per node: one rank alone fits, the node's 4 ranks together do not
+    avail = meminfo_available()
+    cap = ["--max-seqs", "1", "--max-batch-tokens", "64"]
+    p, _ = run([K3, "plan", "--model", model, "--pp", "2", "--ep", "2", "--max-ctx", "1000000", "--json"] + cap)
+    ranks = json.loads(p.stdout)["ranks"]
+    per_tok = [r["cache_bytes"] / 1e6 for r in ranks]  # cache bytes per token of context, per rank
+    ctx = int(0.5 * avail / max(per_tok))  # the biggest rank needs about half of MemAvailable alone
+    need = sum(x * ctx for x in per_tok)
+    check(need > avail, f"memory: the 4 ranks would need {need / 1e9:.1f} GB, not above {avail / 1e9:.1f} GB")
+    tag = f"memory --max-ctx {ctx}"
+    p, dt = mpirun(mpiexec, 4, base + ["--comm-timeout", "5", "--max-ctx", str(ctx)] + cap, timeout=60)
+    err = p.stderr
+    check(p.returncode == 1, f"{tag}: rc {p.returncode}, want 1:\n{err[-2000:]}")
+    check(dt < 10, f"{tag}: took {dt:.1f} s")
+    check("memory: the 4 ranks on host" in err and "MemAvailable" in err and "margin" in err,
+          f"{tag}: no per-node memory message:\n{err[-2000:]}")
+    for k in range(4):
+        check(re.search(rf"rank {k} \(stage \d, lane \d\) [0-9.]+ GB", err) is not None,
+              f"{tag}: the message does not list rank {k} with its size")
+    check("loaded" not in err, f"{tag}: some rank loaded before the refusal")
+    check(not leftovers(model), f"{tag}: processes left behind")
+    print(f"ok {tag} ({dt:.1f} s, rc {p.returncode})", flush=True)
+
+
 def main():
     if len(sys.argv) != 3 or not K3:
         sys.exit(__doc__)
     mode, mpiexec = sys.argv[1], sys.argv[2]
     tmp = tempfile.mkdtemp(prefix=f"k3-mpi-{mode}-")
     try:
-        {"splits": mode_splits, "bytes": mode_bytes, "fail": mode_fail}[mode](mpiexec, tmp)
+        {"splits": mode_splits, "bytes": mode_bytes, "fail": mode_fail, "load": mode_load}[mode](mpiexec, tmp)
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
     print(f"dist_run {mode}: {len(failures)} failures")

@@ -21,7 +21,7 @@ endforeach()
 # the distributed `k3 run` end to end (python3 + numpy drive mpirun; see dist_run.py)
 find_program(K3_PYTHON3 python3)
 # splits and fail also run in the sanitize tier (K3_BIN is then the ASan build's k3)
-foreach(mode splits bytes fail)
+foreach(mode splits bytes fail load)
   add_test(NAME dist_${mode}
            COMMAND ${K3_PYTHON3} ${CMAKE_CURRENT_LIST_DIR}/dist_run.py ${mode} ${MPIEXEC_EXECUTABLE})
   set(labels "mpi")
