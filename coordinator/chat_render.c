@@ -18,7 +18,11 @@
  * encoder would skip or render as garbage are errors naming the field: a message that is not an
  * object, a role that is not a string, `tools` that is not a list of
  * {"function": {"name": "..."}} objects, an `image_url` part whose image_url is not an object
- * or a string. Unknown string roles are skipped like the encoder does, with a warning. */
+ * or a string. Validated before anything is rendered (issue 11): a tool's `parameters` and a
+ * json_schema response format's schema must be JSON objects (the encoder dumps any value, a
+ * missing schema as `null`), and a tool name (declared, in a tool call, or of a tool result)
+ * must hold no control-token text (K3 special-token text, "<|" or "|>"). Unknown string roles
+ * are skipped like the encoder does, with a warning. */
 #include "k3_chat.h"
 #include "k3_utf8.h"
 
@@ -44,8 +48,37 @@ static const k3_chat_json *first_set(const k3_chat_json *a, const k3_chat_json *
     return NULL;
 }
 
+static const char *kind_name(const k3_chat_json *v) {
+    static const char *const names[] = {
+        [K3_JSON_NULL] = "null",       [K3_JSON_BOOL] = "a boolean",  [K3_JSON_INT] = "a number",
+        [K3_JSON_FLOAT] = "a number",  [K3_JSON_STRING] = "a string", [K3_JSON_ARRAY] = "an array",
+        [K3_JSON_OBJECT] = "an object"};
+    return names[v->kind];
+}
+
+/* A tool name (declared, called, or answered) must hold no control-token text: the K3 special
+ * tokens of §4.1 ([EOS], <|open|>, <|reserved_token_N|>, ...) and any "<|" or "|>" (the K2 names
+ * such as <|im_end|>, the image placeholder, a marker cut in two). The renderer would put it in a
+ * text segment, so it would not become a control id here, but the model was never trained on a
+ * tool named like a marker, and the parser, a log or another engine (whole-string tokenisation,
+ * §5.6) would read it as one. `what` names the key in the error. */
+static k3_status check_tool_name(const k3_chat_json *name, const char *what) {
+    if (!name || name->kind != K3_JSON_STRING) return K3_OK; /* the callers judge the kind */
+    const char *tok = k3_tok_k3_special_in(name->s, name->n);
+    if (!tok && memmem(name->s, name->n, "<|", 2)) tok = "<|";
+    if (!tok && memmem(name->s, name->n, "|>", 2)) tok = "|>";
+    if (tok)
+        return K3_ERR(K3_ERR_ARG,
+                      "request: %s holds control-token text '%s' (a tool name must not contain "
+                      "special-token text such as <|...|> or [EOS])",
+                      what, tok);
+    return K3_OK;
+}
+
 /* An OpenAI tools list: null, or a list of objects each with a `function` object whose `name`
- * is a non-empty string. `where` names it in errors ("tools", "messages[2].tools"). */
+ * is a non-empty string without control-token text and whose `parameters`, when present and not
+ * null, is an object (a JSON Schema; anything else would go into the tool-declare block as
+ * written). `where` names it in errors ("tools", "messages[2].tools"). */
 static k3_status check_tools(const k3_chat_json *tools, const char *where) {
     if (!tools || tools->kind == K3_JSON_NULL) return K3_OK;
     if (tools->kind != K3_JSON_ARRAY)
@@ -64,7 +97,57 @@ static k3_status check_tools(const k3_chat_json *tools, const char *where) {
         if (!name || name->kind != K3_JSON_STRING || name->n == 0)
             return K3_ERR(K3_ERR_ARG, "request: %s[%zu].function.name must be a non-empty string",
                           where, i);
+        char what[96];
+        snprintf(what, sizeof what, "%s[%zu].function.name", where, i);
+        K3_TRY(check_tool_name(name, what));
+        const k3_chat_json *par = k3_chat_json_get(fn, "parameters");
+        if (par && par->kind != K3_JSON_NULL && par->kind != K3_JSON_OBJECT)
+            return K3_ERR(K3_ERR_ARG,
+                          "request: %s[%zu].function.parameters must be a JSON object (a JSON "
+                          "Schema), not %s",
+                          where, i, kind_name(par));
     }
+    return K3_OK;
+}
+
+/* response_format {"type": "json_schema", ...}: the schema is json_schema.schema, else
+ * json_schema.json_schema, else json_schema itself (§1.6); *key names the one taken. NULL (key
+ * "response_format.json_schema") when json_schema is absent or null. */
+static const k3_chat_json *rf_schema(const k3_chat_json *rf, const char **key) {
+    const k3_chat_json *w = k3_chat_json_get(rf, "json_schema");
+    *key = "response_format.json_schema";
+    if (!w || w->kind == K3_JSON_NULL) return NULL;
+    if (k3_chat_json_get(w, "schema")) {
+        *key = "response_format.json_schema.schema";
+        return k3_chat_json_get(w, "schema");
+    }
+    if (k3_chat_json_get(w, "json_schema")) {
+        *key = "response_format.json_schema.json_schema";
+        return k3_chat_json_get(w, "json_schema");
+    }
+    return w;
+}
+
+/* The response_format's type ("json_object", "json_schema", ...): rf.type, or rf itself when it
+ * is not an object (a bare string). */
+static const k3_chat_json *rf_type(const k3_chat_json *rf) {
+    return rf && rf->kind == K3_JSON_OBJECT ? k3_chat_json_get(rf, "type") : rf;
+}
+
+/* A json_schema response format must carry an object schema: the official encoder would render
+ * a missing one as `null` and any other value as written. */
+static k3_status check_response_format(const k3_chat_json *rf) {
+    if (!k3_chat_json_is_str(rf_type(rf), "json_schema")) return K3_OK;
+    const char *key;
+    const k3_chat_json *schema = rf_schema(rf, &key);
+    if (!schema)
+        return K3_ERR(K3_ERR_ARG,
+                      "request: %s is missing: a \"json_schema\" response format needs "
+                      "{\"json_schema\": {\"name\": ..., \"schema\": {...}}}",
+                      key);
+    if (schema->kind != K3_JSON_OBJECT)
+        return K3_ERR(K3_ERR_ARG, "request: %s must be a JSON object (a JSON Schema), not %s", key,
+                      kind_name(schema));
     return K3_OK;
 }
 
@@ -73,6 +156,33 @@ static bool known_role(const k3_chat_json *role) {
     for (size_t i = 0; i < K3_ARRAY_LEN(known); i++)
         if (k3_chat_json_is_str(role, known[i])) return true;
     return false;
+}
+
+/* The tool names of the history: an assistant's tool_calls[k].function.name (or .name of a call
+ * without a function object) and a tool result's `tool` / `name`. Their kinds and presence are
+ * render's to judge (it names them); here only their text. */
+static k3_status check_history_names(const k3_chat_json *m, size_t i) {
+    char what[96];
+    const k3_chat_json *role = k3_chat_json_get(m, "role");
+    if (k3_chat_json_is_str(role, "tool")) {
+        static const char *const keys[] = {"tool", "name"};
+        for (size_t k = 0; k < K3_ARRAY_LEN(keys); k++) {
+            snprintf(what, sizeof what, "messages[%zu].%s", i, keys[k]);
+            K3_TRY(check_tool_name(k3_chat_json_get(m, keys[k]), what));
+        }
+        return K3_OK;
+    }
+    const k3_chat_json *calls = k3_chat_json_get(m, "tool_calls");
+    if (!k3_chat_json_is_str(role, "assistant") || !calls || calls->kind != K3_JSON_ARRAY)
+        return K3_OK;
+    for (size_t k = 0; k < calls->n_items; k++) {
+        const k3_chat_json *fn = k3_chat_json_get(calls->items[k], "function");
+        bool nested = fn && fn->kind == K3_JSON_OBJECT;
+        snprintf(what, sizeof what, "messages[%zu].tool_calls[%zu]%s.name", i, k,
+                 nested ? ".function" : "");
+        K3_TRY(check_tool_name(k3_chat_json_get(nested ? fn : calls->items[k], "name"), what));
+    }
+    return K3_OK;
 }
 
 /* Messages are objects with a string role; unknown roles are warned about (render skips them). */
@@ -94,6 +204,7 @@ static k3_status check_messages(const k3_chat_json *msgs) {
             snprintf(where, sizeof where, "messages[%zu].tools", i);
             K3_TRY(check_tools(k3_chat_json_get(m, "tools"), where));
         }
+        K3_TRY(check_history_names(m, i));
     }
     return K3_OK;
 }
@@ -150,6 +261,7 @@ static k3_status normalise(k3_chat_request *r) {
         return K3_ERR(K3_ERR_ARG, "request: \"messages\" must be a list");
     K3_TRY(check_messages(msgs));
     K3_TRY(check_tools(k3_chat_json_get(root, "tools"), "tools"));
+    K3_TRY(check_response_format(k3_chat_json_get(root, "response_format")));
     const k3_chat_json *ctk = k3_chat_json_get(root, "chat_template_kwargs");
     if (ctk && ctk->kind != K3_JSON_NULL && ctk->kind != K3_JSON_OBJECT)
         return K3_ERR(K3_ERR_ARG, "request: \"chat_template_kwargs\" must be an object");
@@ -761,8 +873,7 @@ static k3_status render_all(rctx *c, const k3_chat_request *r) {
     } /* an object (a named function) produces no message */
 
     const k3_chat_json *rf = k3_chat_json_get(root, "response_format");
-    const k3_chat_json *rtype =
-        rf && rf->kind == K3_JSON_OBJECT ? k3_chat_json_get(rf, "type") : rf;
+    const k3_chat_json *rtype = rf_type(rf);
     static const char rf_head[] =
         "Your response must be raw JSON data without markdown code blocks "
         "(```json) or any additional formatting.";
@@ -775,25 +886,16 @@ static k3_status render_all(rctx *c, const k3_chat_request *r) {
         k3_chat_buf_free(&b);
         K3_TRY(s);
     } else if (k3_chat_json_is_str(rtype, "json_schema")) {
-        /* schema = json_schema.schema, else json_schema.json_schema, else json_schema itself */
-        const k3_chat_json *w = k3_chat_json_get(rf, "json_schema"), *schema = NULL;
-        if (w && w->kind != K3_JSON_NULL) {
-            schema = w;
-            if (k3_chat_json_get(w, "schema"))
-                schema = k3_chat_json_get(w, "schema");
-            else if (k3_chat_json_get(w, "json_schema"))
-                schema = k3_chat_json_get(w, "json_schema");
-        }
-        k3_chat_json null_node = {.kind = K3_JSON_NULL};
+        const char *key;
+        const k3_chat_json *schema = rf_schema(rf, &key); /* an object: check_response_format */
+        K3_ASSERT(schema && schema->kind == K3_JSON_OBJECT);
         k3_chat_buf b = {0};
         k3_status s =
             k3_chat_buf_puts(&b, "The system is invoked with `response_format=json_schema`.\n");
         if (!s) s = k3_chat_buf_puts(&b, rf_head);
         if (!s)
             s = k3_chat_buf_puts(&b, "\nThe JSON data must match the following schema:\n```json\n");
-        if (!s)
-            s = k3_chat_json_dump(schema ? schema : &null_node, K3_JSON_SORT_KEYS | K3_JSON_COMPACT,
-                                  &b);
+        if (!s) s = k3_chat_json_dump(schema, K3_JSON_SORT_KEYS | K3_JSON_COMPACT, &b);
         if (!s) s = k3_chat_buf_puts(&b, "\n```");
         if (!s) s = internal_msg(c, "response-format", b.p, b.n);
         k3_chat_buf_free(&b);

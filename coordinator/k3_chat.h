@@ -90,7 +90,11 @@ typedef struct k3_chat_request k3_chat_request; /* opaque: parsed + normalised r
  * continue); refused together with add_generation_prompt true, so it needs an explicit
  * "add_generation_prompt": false (as in HF transformers). With it, the internal system messages
  * of §1.2 steps 4-5 come before the continued message.
- * Errors name the offending key. */
+ * Validated here, before anything is rendered: tools[i].function.parameters (when present and
+ * not null) and a json_schema response format's schema must be JSON objects; tool names must
+ * hold no control-token text (k3_tok_k3_special_in, "<|", "|>"): declared tools, tool_calls in
+ * the history, tool results' tool/name.
+ * Errors (K3_ERR_ARG) name the offending key. */
 k3_status k3_chat_request_parse(const char *json, size_t n_bytes, k3_chat_request **out);
 void k3_chat_request_destroy(k3_chat_request *r); /* NULL-safe */
 bool k3_chat_request_thinking(const k3_chat_request *r);

@@ -61,6 +61,10 @@ typedef struct k3_tok_options {
 #define K3_TOK_N_K3_SPECIALS 256
 k3_status k3_tok_k3_specials(int32_t base, k3_tok_special **out, size_t *n_out);
 void k3_tok_specials_free(k3_tok_special *sp, size_t n);
+/* The first K3 special-token text of that layout found in s[0..n_bytes) (any of the named slots,
+ * or a "<|reserved_token_" prefix), as a static string naming it; NULL when there is none. Needs
+ * no loaded tokenizer: request validation uses it to refuse names that hold control-token text. */
+const char *k3_tok_k3_special_in(const char *s, size_t n_bytes);
 
 /* Load a tiktoken rank file ("<base64> <rank>" per line). `specials` (may be NULL with n = 0)
  * are copied. specials == NULL && n_specials == SIZE_MAX means "K3 layout at max_rank + 1". */

@@ -435,6 +435,19 @@ void k3_tok_specials_free(k3_tok_special *sp, size_t n) {
     free(sp);
 }
 
+const char *k3_tok_k3_special_in(const char *s, size_t n_bytes) {
+    static const char reserved[] = "<|reserved_token_";
+    const char *first = NULL, *at = s + n_bytes;
+    for (size_t k = 0; k < K3_ARRAY_LEN(k3_named_specials); k++) {
+        const char *hit =
+            memmem(s, n_bytes, k3_named_specials[k].name, strlen(k3_named_specials[k].name));
+        if (hit && hit < at) first = k3_named_specials[k].name, at = hit;
+    }
+    const char *hit = memmem(s, n_bytes, reserved, sizeof reserved - 1);
+    if (hit && hit < at) first = "<|reserved_token_N|>";
+    return first;
+}
+
 k3_status k3_tok_k3_specials(int32_t base, k3_tok_special **out, size_t *n_out) {
     *out = NULL;
     *n_out = 0;

@@ -7,7 +7,8 @@
  * Validation happens once, after the merge, on the value that will be used, so the message names
  * where that value came from: "--chat: request key 'top_p': 0 must be in (0, 1]" (K3_ERR_FORMAT,
  * a bad request) or "--top-p: 0 must be in (0, 1]" (K3_ERR_ARG, a usage error).
- * logit_bias: an object {"id": bias} (ids as decimal strings, OpenAI); a bias must fit a float;
+ * logit_bias: an object {"id": bias} (ids as decimal strings, OpenAI) with ids below the model's
+ * vocab_size (settings.n_vocab); a bias must fit a float;
  * -Infinity (a ban) is passed on for the sampler to judge. seed: the JSON lexeme as an unsigned
  * 64-bit integer (never through a double). n: only 1. */
 #include "chat_job.h"
@@ -230,6 +231,18 @@ k3_status k3_job_sampling(k3_job *j, const k3_job_settings *s, const char *what)
     uint64_t seed = s->seed;
     if (j->doc) K3_TRY(take_request(j, s, num, &seed, what));
     for (int i = 0; i < K3_JOB_N_NUM; i++) K3_TRY(check_num(j, s, i, num[i], what));
+    for (size_t i = 0; s->n_vocab > 0 && i < j->n_bias; i++) {
+        if (j->bias[i].id < s->n_vocab) continue; /* ids are >= 0: parsed as unsigned */
+        if (s->bias_fixed)
+            return K3_ERR(K3_ERR_ARG,
+                          "--logit-bias: id %d is outside the vocabulary (vocab_size "
+                          "%lld)",
+                          j->bias[i].id, (long long)s->n_vocab);
+        return K3_ERR(K3_ERR_FORMAT,
+                      "%s: request key 'logit_bias': id %d is outside the vocabulary (vocab_size "
+                      "%lld)",
+                      what, j->bias[i].id, (long long)s->n_vocab);
+    }
     j->max_tokens = (int64_t)num[K3_JOB_MAX_TOKENS];
     j->sp = (k3_sampler_params){.temperature = (float)num[K3_JOB_TEMPERATURE],
                                 .top_k = (int32_t)num[K3_JOB_TOP_K],

@@ -41,6 +41,7 @@ typedef struct k3_job_settings {
     uint64_t seed;
     bool seed_fixed;
     bool bias_fixed, stop_fixed; /* the caller filled job.bias / job.stops from its flags */
+    int64_t n_vocab; /* the model's vocab_size: logit_bias ids must be below it (0: unchecked) */
 } k3_job_settings;
 
 typedef struct k3_job {
@@ -66,7 +67,9 @@ k3_status k3_job_parse(k3_job *j, const char *text, size_t n_bytes, const char *
                        const k3_tokenizer *tok);
 /* Merge the settings with the request's keys (if j->doc), validate, fill j->sp and
  * j->max_tokens. A request value out of range is K3_ERR_FORMAT "<what>: request key 'top_p': ...",
- * a flag value out of range K3_ERR_ARG "--top-p: ...". */
+ * a flag value out of range K3_ERR_ARG "--top-p: ..."; so is a logit_bias id at or past
+ * s->n_vocab ("request key 'logit_bias'" or "--logit-bias"), before the sampler would refuse it
+ * without naming where it came from. */
 k3_status k3_job_sampling(k3_job *j, const k3_job_settings *s, const char *what);
 /* Stop strings from a JSON string or array of strings into j->stops (`bad`: the status of an
  * error, which starts with `what`). */

@@ -26,7 +26,8 @@
  * not only the content's); logprobs after the sampler's bias and penalties.
  * A request that fails (the OpenAI form of a request without an HTTP response) gets
  *   {"id", "custom_id", "response": null, "error": {"code": C, "message": M}}
- * with C = "invalid_request" (the body: rendering, a sampling key out of range; M names the key),
+ * with C = "invalid_request" (the body: rendering, a sampling key out of range, a logit_bias id
+ * outside the vocabulary; M names the key),
  * "context_length_exceeded" (prompt + max_tokens > --max-ctx) or "engine_error" (the engine's
  * error event: sampler, non-finite logits). The job goes on; failed lines are results too.
  * Request defaults are OpenAI's (temperature 1, top_p 1), max_tokens the rest of --max-ctx unless
@@ -50,6 +51,7 @@
 #include "chat_job.h"
 #include "engine_args.h"
 #include "k3_comm.h"
+#include "k3_model.h"
 #include "k3_rank.h"
 
 static const k3_flag flags[] = {
@@ -113,6 +115,7 @@ typedef struct batch {
     live *live; /* (cap_live) */
     int n_live, cap_live;
     int64_t max_ctx;
+    int64_t n_vocab; /* the model's vocab_size (logit_bias ids); 0: the config did not load */
     char model_name[256];
     uint64_t nonce, seed;
     bool max_tokens_flag;
@@ -477,6 +480,7 @@ static void settings(const batch *b, const in_line *L, k3_job_settings *s) {
     s->num[K3_JOB_MAX_TOKENS] = b->max_tokens_flag ? (double)k3_args_int(b->a, "max-tokens") : 0;
     s->flag[K3_JOB_MAX_TOKENS] = "max-tokens";
     s->seed = k3_rank_seq_seed(b->seed ^ cid_hash(L->cid, L->n_cid), 0);
+    s->n_vocab = b->n_vocab;
 }
 
 static live *free_live(batch *b) {
@@ -713,6 +717,13 @@ static k3_status prepare(batch *b) {
             (long long)b->n_skipped, b->out_path, (long long)b->n_todo);
     if (b->n_todo == 0) return K3_OK;
     K3_TRY(k3_tok_create_model_dir(&b->tok, k3_args_str(a, "model"), NULL));
+    /* vocab_size for the requests' logit_bias ids (an invalid_request line naming the key);
+     * a config that does not load fails the engine's open, which says why */
+    k3_config cfg;
+    if (k3_config_load(k3_args_str(a, "model"), &cfg) == K3_OK)
+        b->n_vocab = cfg.vocab_size;
+    else
+        k3_clear_error();
     const char *m = k3_args_str(a, "model");
     size_t n = strlen(m);
     while (n > 1 && m[n - 1] == '/') n--;

@@ -211,7 +211,26 @@ static k3_status sampling(run_in *in, const k3_args *a) {
         if (!in->tok) return K3_ERR(K3_ERR_ARG, "--stop: the model directory has no tokenizer");
     }
     if (s.bias_fixed) K3_TRY(parse_bias(&in->job, k3_args_str(a, "logit-bias")));
-    return k3_job_sampling(&in->job, &s, "--chat");
+    /* logit_bias ids are checked against vocab_size here, where the error can name the request
+     * key or the flag; a config that does not load is reported by k3_rank_run */
+    k3_config cfg;
+    if (k3_config_load(k3_args_str(a, "model"), &cfg) == K3_OK)
+        s.n_vocab = cfg.vocab_size;
+    else
+        k3_clear_error();
+    K3_TRY(k3_job_sampling(&in->job, &s, "--chat"));
+    /* A request's logit_bias -Infinity (a ban) passes k3_job_sampling for the sampler to judge;
+     * ask it now, with the bias alone, so that a refusal is a request error (exit 1) naming the
+     * key rather than a usage error from the run. (The flag's biases are finite.) */
+    if (!in->job.req || s.bias_fixed || in->job.n_bias == 0 || s.n_vocab <= 0) return K3_OK;
+    k3_sampler *probe = NULL;
+    k3_sampler_params bias_only = {.logit_bias = in->job.bias, .n_logit_bias = in->job.n_bias};
+    k3_status st = k3_sampler_create(&probe, &bias_only, s.n_vocab, NULL);
+    k3_sampler_destroy(probe);
+    if (st == K3_OK || st == K3_ERR_NOMEM) return st;
+    char why[512];
+    snprintf(why, sizeof why, "%s", k3_last_error());
+    return K3_ERR(K3_ERR_FORMAT, "--chat: request key 'logit_bias': %s", why);
 }
 
 /* ---- --chat output ------------------------------------------------------------------------ */

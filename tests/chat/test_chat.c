@@ -120,6 +120,57 @@ static void malformed_cases(void) {
         {"{\"messages\":[{\"role\":\"user\",\"content\":\"a\"},{\"role\":\"system\","
          "\"tools\":[{\"type\":\"function\"}]}]}",
          "request: messages[1].tools[0] has no \"function\" object"},
+        /* issue 11: validated before rendering (parameters and schemas are objects, tool names
+         * hold no control-token text) */
+        {"{\"messages\":[],\"tools\":[{\"function\":{\"name\":\"f\",\"parameters\":\"{}\"}}]}",
+         "request: tools[0].function.parameters must be a JSON object (a JSON Schema), not a "
+         "string"},
+        {"{\"messages\":[],\"tools\":[{\"function\":{\"name\":\"f\",\"parameters\":{}}},"
+         "{\"function\":{\"name\":\"g\",\"parameters\":[{}]}}]}",
+         "request: tools[1].function.parameters must be a JSON object (a JSON Schema), not an "
+         "array"},
+        {"{\"messages\":[],\"tools\":[{\"function\":{\"name\":\"f\",\"parameters\":1.5}}]}",
+         "tools[0].function.parameters must be a JSON object (a JSON Schema), not a number"},
+        {"{\"messages\":[],\"tools\":[{\"function\":{\"name\":\"f\",\"parameters\":false}}]}",
+         "not a boolean"},
+        {"{\"messages\":[{\"role\":\"developer\",\"tools\":[{\"function\":{\"name\":\"f\","
+         "\"parameters\":3}}]}]}",
+         "request: messages[0].tools[0].function.parameters must be a JSON object"},
+        {"{\"messages\":[],\"response_format\":{\"type\":\"json_schema\",\"json_schema\":{"
+         "\"name\":\"x\",\"schema\":\"{}\"}}}",
+         "request: response_format.json_schema.schema must be a JSON object (a JSON Schema), not a "
+         "string"},
+        {"{\"messages\":[],\"response_format\":{\"type\":\"json_schema\",\"json_schema\":{"
+         "\"schema\":null}}}",
+         "request: response_format.json_schema.schema must be a JSON object (a JSON Schema), not "
+         "null"},
+        {"{\"messages\":[],\"response_format\":{\"type\":\"json_schema\",\"json_schema\":{"
+         "\"json_schema\":[]}}}",
+         "request: response_format.json_schema.json_schema must be a JSON object"},
+        {"{\"messages\":[],\"response_format\":{\"type\":\"json_schema\",\"json_schema\":7}}",
+         "request: response_format.json_schema must be a JSON object (a JSON Schema), not a "
+         "number"},
+        {"{\"messages\":[],\"response_format\":{\"type\":\"json_schema\",\"json_schema\":null}}",
+         "request: response_format.json_schema is missing"},
+        {"{\"messages\":[],\"response_format\":\"json_schema\"}",
+         "request: response_format.json_schema is missing"},
+        {"{\"messages\":[],\"tools\":[{\"function\":{\"name\":\"get<|open|>w\"}}]}",
+         "request: tools[0].function.name holds control-token text '<|open|>'"},
+        {"{\"messages\":[],\"tools\":[{\"function\":{\"name\":\"f\"}},{\"function\":{\"name\":"
+         "\"[EOS]\"}}]}",
+         "request: tools[1].function.name holds control-token text '[EOS]'"},
+        {"{\"messages\":[],\"tools\":[{\"function\":{\"name\":\"f<|im_end|>\"}}]}",
+         "tools[0].function.name holds control-token text '<|'"},
+        {"{\"messages\":[],\"tools\":[{\"function\":{\"name\":\"f|>\"}}]}",
+         "tools[0].function.name holds control-token text '|>'"},
+        {"{\"messages\":[],\"tools\":[{\"function\":{\"name\":\"a[start_header_id]\"}}]}",
+         "control-token text '[start_header_id]'"},
+        {"{\"messages\":[],\"tools\":[{\"function\":{\"name\":\"<osagent_mode>\"}}]}",
+         "control-token text '<osagent_mode>'"},
+        {"{\"messages\":[{\"role\":\"system\",\"tools\":[{\"function\":{\"name\":"
+         "\"x<|reserved_token_163700|>\"}}]}]}",
+         "request: messages[0].tools[0].function.name holds control-token text "
+         "'<|reserved_token_N|>'"},
     };
     for (size_t i = 0; i < K3_ARRAY_LEN(bad); i++) {
         k3_chat_request *r = NULL;
@@ -141,6 +192,46 @@ static void malformed_cases(void) {
         k3_chat_request_destroy(r);
     }
     k3_chat_request_destroy(req("{\"messages\":[],\"tools\":[]}"));
+    /* accepted: parameters absent or null, object schemas from each place, a json_object or a
+     * text format without a schema, names with brackets and bars that are no special token */
+    static const char *const valid[] = {
+        "{\"messages\":[],\"tools\":[{\"function\":{\"name\":\"f\"}},{\"function\":{\"name\":"
+        "\"g\",\"parameters\":null}},{\"function\":{\"name\":\"a[b]|c<d>\",\"parameters\":{}}}]}",
+        "{\"messages\":[],\"response_format\":{\"type\":\"json_schema\",\"json_schema\":{"
+        "\"schema\":{}}}}",
+        "{\"messages\":[],\"response_format\":{\"type\":\"json_schema\",\"json_schema\":{"
+        "\"json_schema\":{\"type\":\"object\"}}}}",
+        "{\"messages\":[],\"response_format\":{\"type\":\"json_schema\",\"json_schema\":{}}}",
+        "{\"messages\":[],\"response_format\":{\"type\":\"json_object\"}}",
+        "{\"messages\":[],\"response_format\":{\"type\":\"text\",\"json_schema\":5}}",
+    };
+    for (size_t i = 0; i < K3_ARRAY_LEN(valid); i++) k3_chat_request_destroy(req(valid[i]));
+    /* tool names in a tool call or a tool result: refused by the parse too */
+    static const struct {
+        const char *json, *needle;
+    } bad_names[] = {
+        {"{\"messages\":[{\"role\":\"user\",\"content\":\"a\"},{\"role\":\"assistant\","
+         "\"content\":\"\",\"tool_calls\":[{\"function\":{\"name\":\"f\"}},{\"function\":{"
+         "\"name\":\"g<|sep|>\"}}]}]}",
+         "request: messages[1].tool_calls[1].function.name holds control-token text '<|sep|>'"},
+        {"{\"messages\":[{\"role\":\"assistant\",\"content\":\"\",\"tool_calls\":[{\"name\":"
+         "\"[EOT]\"}]}]}",
+         "request: messages[0].tool_calls[0].name holds control-token text '[EOT]'"},
+        {"{\"messages\":[{\"role\":\"user\",\"content\":\"a\"},{\"role\":\"tool\",\"tool\":"
+         "\"t<|end_of_msg|>\",\"content\":\"r\"}]}",
+         "request: messages[1].tool holds control-token text '<|end_of_msg|>'"},
+        {"{\"messages\":[{\"role\":\"tool\",\"name\":\"<|media_pad|>\",\"content\":\"r\"}]}",
+         "request: messages[0].name holds control-token text '<|media_pad|>'"},
+    };
+    for (size_t i = 0; i < K3_ARRAY_LEN(bad_names); i++) {
+        k3_chat_request *rn = NULL;
+        K3_CHECK_ERR(k3_chat_request_parse(bad_names[i].json, strlen(bad_names[i].json), &rn),
+                     K3_ERR_ARG, bad_names[i].needle);
+        k3_chat_request_destroy(rn);
+    }
+    /* a user's name is no tool name: it may hold such text (an attribute value, a text segment) */
+    k3_chat_request_destroy(req("{\"messages\":[{\"role\":\"user\",\"name\":\"<|x|>\","
+                                "\"content\":\"a\"}]}"));
     /* image parts: image_url must be an object or a string (checked at render: names the part) */
     static const char *img_ok[] = {"{\"url\":\"x\"}", "\"http://x\"", "null"};
     for (size_t i = 0; i < K3_ARRAY_LEN(img_ok); i++) {

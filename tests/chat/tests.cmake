@@ -18,3 +18,9 @@ set_tests_properties(chat_unit PROPERTIES LABELS "unit;sanitize" ENVIRONMENT "${
 add_test(NAME chat_request_e2e COMMAND ${K3_PYTHON3} ${CMAKE_CURRENT_LIST_DIR}/request_e2e.py)
 set_tests_properties(chat_request_e2e PROPERTIES LABELS "unit" ENVIRONMENT "${K3_TEST_ENV_MPI}"
                      TIMEOUT 180 SKIP_RETURN_CODE 77)
+# Issue 11 item 4: bad requests (tool parameters / response_format schema not objects, tool
+# names with control-token text, logit_bias ids outside the vocabulary) through `k3 run --chat`
+# (exit 1, one line naming the key) and `k3 batch` (invalid_request lines) on the tiny model.
+add_test(NAME chat_request_errors COMMAND ${K3_PYTHON3} ${CMAKE_CURRENT_LIST_DIR}/request_errors.py)
+set_tests_properties(chat_request_errors PROPERTIES LABELS "unit" ENVIRONMENT "${K3_TEST_ENV_MPI}"
+                     TIMEOUT 180)

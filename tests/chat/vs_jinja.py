@@ -32,6 +32,10 @@ asserts the official behaviour AND that the raw template really differs):
      that are not a list of {"function": {"name": ...}}, an image_url that is not an object or a
      string are errors naming the field and index (the encoder skips or renders them); unknown
      string roles are skipped like the encoder, with a warning on stderr.
+  D8 request validation (issue 11, k3 policy): tool `parameters` that is not an object, a
+     json_schema response format whose schema is not an object (or is missing: the encoder
+     renders `null`), and a tool name holding control-token text (a K3 special token, "<|", "|>")
+     are errors naming the key; the template renders them as written.
 Exit: 0 pass, 1 fail, 77 skip (jinja2 missing).
 """
 import json
@@ -201,7 +205,6 @@ SCHEMA = {"type": "object", "properties": {"b": {"type": "number", "minimum": 1.
 case("json_schema .schema", {"messages": [U("q")], "response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": SCHEMA}}})
 case("json_schema .json_schema fallback", {"messages": [U("q")], "response_format": {"type": "json_schema", "json_schema": {"json_schema": SCHEMA}}})
 case("json_schema wrapper itself", {"messages": [U("q")], "response_format": {"type": "json_schema", "json_schema": SCHEMA}})
-case("json_schema missing -> null", {"messages": [U("q")], "response_format": {"type": "json_schema"}})
 case("response_format text", {"messages": [U("q")], "response_format": {"type": "text"}})
 case("content parts + image", {"messages": [
     U([{"type": "text", "text": "look: "}, {"type": "image_url", "image_url": {"url": "x"}}, {"type": "text", "text": " ok"}]),
@@ -271,10 +274,13 @@ def rand_value(rng, depth=0):
 
 for seed in range(1, 7):
     rng = random.Random(seed)
-    tools = [{"type": "function", "function": {"name": f"t{seed}", "parameters": rand_value(rng, 1) or {"x": 1}}}]
+    # parameters and the schema must be objects (D8): a random non-object goes one level down
+    par, sch = rand_value(rng, 1) or {"x": 1}, rand_value(rng, 1)
+    par, sch = par if isinstance(par, dict) else {"v": par}, sch if isinstance(sch, dict) else {"v": sch}
+    tools = [{"type": "function", "function": {"name": f"t{seed}", "parameters": par}}]
     args = {f"a{i}": rand_value(rng) for i in range(8)}
     req = {"messages": [U("q"), A("", tool_calls=[{"id": "1", "function": {"name": "f", "arguments": args}}])],
-           "tools": tools, "response_format": {"type": "json_schema", "json_schema": {"schema": rand_value(rng, 1)}}}
+           "tools": tools, "response_format": {"type": "json_schema", "json_schema": {"schema": sch}}}
     n_checked += 1
     got = k3_ok(f"random seed {seed}", req)
     if got is not None and got != T_OFFICIAL.render(**normalise(req)):
@@ -402,6 +408,71 @@ n_checked += 1
 rc, out, err = k3(json.dumps({"messages": [U("a"), {"role": "narrator", "content": "zzz"}]}))
 if rc != 0 or "zzz" in out or "unknown role 'narrator'" not in err or "messages[1]" not in err:
     fail("D7", f"unknown role: rc={rc} stderr={err!r}")
+
+# D8: request validation before rendering (issue 11): one clear line naming the key, exit 1,
+# although the template renders each of these as written (checked for the first of each kind).
+def tool(name, **fn):
+    return {"type": "function", "function": dict(name=name, **fn)}
+
+
+def rf_schema(js):
+    return {"type": "json_schema", "json_schema": js}
+
+
+D8 = [({"messages": [U("a")], "tools": [tool("f", parameters="{\"type\": \"object\"}")]},
+       "tools[0].function.parameters must be a JSON object", True),
+      ({"messages": [U("a")], "tools": [WEATHER, tool("f", parameters=[{"type": "object"}])]},
+       "tools[1].function.parameters must be a JSON object", False),
+      ({"messages": [U("a")], "tools": [tool("f", parameters=3)]}, "tools[0].function.parameters", False),
+      ({"messages": [U("a")], "tools": [tool("f", parameters=True)]}, "tools[0].function.parameters", False),
+      ({"messages": [S("s", tools=[tool("g", parameters="x")]), U("a")]},
+       "messages[0].tools[0].function.parameters", False),
+      ({"messages": [U("a")], "response_format": rf_schema({"name": "x", "schema": "{}"})},
+       "response_format.json_schema.schema must be a JSON object", True),
+      ({"messages": [U("a")], "response_format": rf_schema({"name": "x", "schema": [1]})},
+       "response_format.json_schema.schema", False),
+      ({"messages": [U("a")], "response_format": rf_schema({"name": "x", "schema": None})},
+       "response_format.json_schema.schema", False),
+      ({"messages": [U("a")], "response_format": rf_schema({"json_schema": 5})},
+       "response_format.json_schema.json_schema", False),
+      ({"messages": [U("a")], "response_format": rf_schema("x")}, "response_format.json_schema must", False),
+      ({"messages": [U("a")], "response_format": {"type": "json_schema"}}, "response_format.json_schema is missing",
+       True),
+      ({"messages": [U("a")], "response_format": "json_schema"}, "response_format.json_schema is missing", False),
+      ({"messages": [U("a")], "tools": [tool("get<|open|>x", parameters={})]},
+       "tools[0].function.name holds control-token text '<|open|>'", True),
+      ({"messages": [U("a")], "tools": [WEATHER, tool("f[EOS]")]}, "tools[1].function.name holds control-token text '[EOS]'",
+       False),
+      ({"messages": [U("a")], "tools": [tool("f<|im_end|>")]}, "control-token text '<|'", False),
+      ({"messages": [U("a")], "tools": [tool("f|>")]}, "control-token text '|>'", False),
+      ({"messages": [U("a")], "tools": [tool("x<|reserved_token_163600|>")]}, "<|reserved_token_N|>", False),
+      ({"messages": [U("a")], "tools": [tool("<osagent_mode>")]}, "'<osagent_mode>'", False),
+      ({"messages": [S("s", tools=[tool("a<|end_of_msg|>")]), U("a")]},
+       "messages[0].tools[0].function.name holds control-token text '<|end_of_msg|>'", False),
+      ({"messages": [U("a"), A("", tool_calls=[{"id": "1", "function": {"name": "f<|sep|>", "arguments": {}}}])]},
+       "messages[1].tool_calls[0].function.name holds control-token text '<|sep|>'", True),
+      ({"messages": [U("a"), A(""), {"role": "tool", "name": "t[BOS]", "content": "r"}]},
+       "messages[2].name holds control-token text '[BOS]'", True)]
+for bad, needle, vs_template in D8:
+    n_checked += 1
+    rc, _, err = k3(json.dumps(bad))
+    if rc != 1 or needle not in err or err.count("\n") != 1 or not err.startswith("k3 render: "):
+        fail("D8", f"{bad}: rc={rc} stderr={err!r} (want one line with {needle!r})")
+    if vs_template:
+        try:
+            jinja_render(bad)
+        except TemplateError as e:
+            fail("D8", f"the template rejects {bad} now (divergence vanished?): {e}")
+# accepted: absent or null parameters, an object schema from each of the three places, names
+# with brackets or bars that are no special token
+for good in ({"messages": [U("a")], "tools": [tool("f"), tool("g", parameters=None)]},
+             {"messages": [U("a")], "tools": [tool("a[b]|c<d>")]},
+             {"messages": [U("a")], "response_format": rf_schema({"json_schema": {}})},
+             {"messages": [U("a")], "response_format": rf_schema({"type": "object"})}):
+    n_checked += 1
+    rc, _, err = k3(json.dumps(good))
+    if rc != 0:
+        fail("D8", f"{good} refused: {err.strip()}")
 
 # render flags: --model / --vocab without --ids are harmless (a one-line note, the same text);
 # with --ids exactly one of them (exit 2, one line)

@@ -270,7 +270,7 @@ def mode_unit(tmp):
 
     # ---- usage errors
     for args, needle in ((["--greedy", "--temperature", "1"], "--greedy"), (["--top-p", "0"], "--top-p"),
-                         (["--logit-bias", "5=1"], "--logit-bias"), (["--logit-bias", "999999:1"], "logit_bias"),
+                         (["--logit-bias", "5=1"], "--logit-bias"), (["--logit-bias", "999999:1"], "--logit-bias"),
                          (["--stop", ""], "--stop"), (["--temperature", "-1"], "--temperature"),
                          (["--min-p", "2"], "--min-p"), (["--n", "-1"], "--n"),
                          (["--stop", r'["\n\n"'], "--stop"), (["--logit-bias", "5:1e40"], "--logit-bias"),
