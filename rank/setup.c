@@ -248,15 +248,15 @@ static void hb_check(rank_ctx *r) {
                    r->load_timeout_s, list);
 }
 
-/* One turn of the heartbeat: take beats, beat when due, check. */
+/* One turn of the heartbeat: take beats, beat when due (and redraw rank 0's bar), check. */
 static void hb_tick(rank_ctx *r, int state) {
-    if (r->world == 1) {
-        hb_check(r); /* only --load-timeout */
-        return;
-    }
-    bool got = hb_poll(r);
-    if (k3_now_s() - r->hb_sent >= hb_interval(r)) hb_send(r, state);
-    if (got && r->rank == 0) draw_progress(r);
+    bool got = r->world > 1 && hb_poll(r);
+    bool due = k3_now_s() - r->hb_sent >= hb_interval(r);
+    if (due && r->world > 1)
+        hb_send(r, state);
+    else if (due)
+        r->hb_sent = k3_now_s(); /* a world of one: only the bar and --load-timeout */
+    if (r->rank == 0 && (got || due)) draw_progress(r);
     hb_check(r);
 }
 

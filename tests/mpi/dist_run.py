@@ -24,7 +24,8 @@ usage: dist_run.py MODE MPIEXEC  (MODE: splits | bytes | fail | load)   (K3_BIN 
            (asserted on mpirun's whole wall time, which includes ~1 s of start-up and load before
            the stop, plus MPI_Abort's teardown: limit 10 + 2 s), stderr names rank K with its
            stage, lane and host as the rank that made no load progress, no process is left.
-           K = 1 (first stage), 3 (last stage), 0 (coordinator, first stage). Then --load-timeout
+           K = 1 (first stage), 3 (last stage), 0 (coordinator, first stage), and 4 (last stage)
+           behind a dedicated coordinator (world 5). Then --load-timeout
            3 with --comm-timeout 60: rank 0 names the stalled rank as not done in time. Then the
            memory check: --max-ctx sized (from `k3 plan --json`) so that each rank alone needs at
            most half of MemAvailable but the 4 ranks of this node together need more than it:
@@ -278,15 +279,17 @@ def mode_load(mpiexec, tmp):
     model = make_model(tmp)
     base = ["--model", model, "--prompt-ids", ids_arg(PROMPTS), "--n", "4", "--pp", "2", "--ep", "2"]
     limit = 10 + 2  # the 10 s, + 2 s for mpirun's start-up before the stop and its teardown
-    cases = [("stall-load:1", 1, 0, 1, ["--comm-timeout", "5"], "made no load progress"),
-             ("stall-load:3", 3, 1, 1, ["--comm-timeout", "5"], "made no load progress"),
-             ("stall-load:0", 0, 0, 0, ["--comm-timeout", "5"], "made no load progress"),
-             ("stall-load:2", 2, 1, 0, ["--comm-timeout", "60", "--load-timeout", "3"],
+    stall = "made no load progress"
+    cases = [("stall-load:1", 1, 0, 1, 4, ["--comm-timeout", "5"], stall),
+             ("stall-load:3", 3, 1, 1, 4, ["--comm-timeout", "5"], stall),
+             ("stall-load:0", 0, 0, 0, 4, ["--comm-timeout", "5"], stall),
+             ("stall-load:4", 4, 1, 1, 5, ["--comm-timeout", "5", "--coordinator", "dedicated"], stall),
+             ("stall-load:2", 2, 1, 0, 4, ["--comm-timeout", "60", "--load-timeout", "3"],
               "longer than --load-timeout 3 s")]
-    for hook, k, st, ln, extra, what in cases:
-        tag = f"K3_TEST_FAIL={hook} {' '.join(extra)}"
+    for hook, k, st, ln, world, extra, what in cases:
+        tag = f"K3_TEST_FAIL={hook} world={world} {' '.join(extra)}"
         try:
-            p, dt = mpirun(mpiexec, 4, base + extra, timeout=60, env={"K3_TEST_FAIL": hook})
+            p, dt = mpirun(mpiexec, world, base + extra, timeout=60, env={"K3_TEST_FAIL": hook})
         except subprocess.TimeoutExpired:
             check(False, f"{tag}: the job did not end within 60 s")
             for pid in leftovers(model):  # our own ranks, one of them stopped: do not leave them
