@@ -32,33 +32,45 @@ typedef struct {
 
 static int64_t V;
 
+static void submit(k3_engine *e, req *rq, int i, int ph) {
+    k3_request r = {.ids = rq[i].ids,
+                    .n_ids = rq[i].P,
+                    .max_tokens = rq[i].max_tokens,
+                    .ignore_eos = true,
+                    .keep_logits = true,
+                    .user = (uint64_t)i};
+    K3_CHECK_OK(k3_engine_submit(e, &r, &rq[i].id[ph]));
+}
+
+/* One step: record tokens and logits rows; returns the number of requests that ended. */
+static int step(k3_engine *e, req *rq, int ph, int *n_events) {
+    const k3_event *ev;
+    int ne, ended = 0;
+    K3_CHECK_OK(k3_engine_step(e, &ev, &ne));
+    for (int k = 0; k < ne; k++) {
+        req *q = &rq[ev[k].user];
+        if (ev[k].kind == K3_EV_TOKEN) {
+            memcpy(q->rows[ph] + q->n_gen[ph] * V, ev[k].logits, sizeof(float) * V);
+            q->gen[ph][q->n_gen[ph]++] = ev[k].token;
+        } else {
+            q->done[ph] = true;
+            q->failed[ph] = ev[k].kind == K3_EV_ERROR;
+            ended++;
+        }
+    }
+    *n_events = ne;
+    return ended;
+}
+
 /* Run phase ph: alone (one at a time) or with arrivals. */
 static void run_phase(k3_engine *e, req *rq, int n, int ph, k3_rng *rng) {
-    int next = 0, left = n;
+    int next = 0, left = n, ne;
     if (ph == 0) {
         for (int i = 0; i < n; i++) {
-            k3_request r = {.ids = rq[i].ids,
-                            .n_ids = rq[i].P,
-                            .max_tokens = rq[i].max_tokens,
-                            .ignore_eos = true,
-                            .keep_logits = true,
-                            .user = (uint64_t)i};
-            K3_CHECK_OK(k3_engine_submit(e, &r, &rq[i].id[ph]));
+            submit(e, rq, i, ph);
             while (!rq[i].done[ph]) {
-                const k3_event *ev;
-                int ne;
-                K3_CHECK_OK(k3_engine_step(e, &ev, &ne));
+                step(e, rq, ph, &ne);
                 if (ne == 0 && k3_engine_pending(e) == 0) break;
-                for (int k = 0; k < ne; k++) {
-                    req *q = &rq[ev[k].user];
-                    if (ev[k].kind == K3_EV_TOKEN) {
-                        memcpy(q->rows[ph] + q->n_gen[ph] * V, ev[k].logits, sizeof(float) * V);
-                        q->gen[ph][q->n_gen[ph]++] = ev[k].token;
-                    } else {
-                        q->done[ph] = true;
-                        q->failed[ph] = ev[k].kind == K3_EV_ERROR;
-                    }
-                }
             }
         }
         return;
@@ -67,29 +79,8 @@ static void run_phase(k3_engine *e, req *rq, int n, int ph, k3_rng *rng) {
         /* arrivals: 0-3 new requests before this step */
         int arrive = next < n ? (int)(k3_rng_u64(rng) % 4) : 0;
         if (next < n && k3_engine_pending(e) == 0) arrive = K3_MAX(arrive, 1);
-        for (int a = 0; a < arrive && next < n; a++, next++) {
-            k3_request r = {.ids = rq[next].ids,
-                            .n_ids = rq[next].P,
-                            .max_tokens = rq[next].max_tokens,
-                            .ignore_eos = true,
-                            .keep_logits = true,
-                            .user = (uint64_t)next};
-            K3_CHECK_OK(k3_engine_submit(e, &r, &rq[next].id[ph]));
-        }
-        const k3_event *ev;
-        int ne;
-        K3_CHECK_OK(k3_engine_step(e, &ev, &ne));
-        for (int k = 0; k < ne; k++) {
-            req *q = &rq[ev[k].user];
-            if (ev[k].kind == K3_EV_TOKEN) {
-                memcpy(q->rows[ph] + q->n_gen[ph] * V, ev[k].logits, sizeof(float) * V);
-                q->gen[ph][q->n_gen[ph]++] = ev[k].token;
-            } else {
-                q->done[ph] = true;
-                q->failed[ph] = ev[k].kind == K3_EV_ERROR;
-                left--;
-            }
-        }
+        for (int a = 0; a < arrive && next < n; a++, next++) submit(e, rq, next, ph);
+        left -= step(e, rq, ph, &ne);
         if (ne == 0 && k3_engine_pending(e) == 0 && next >= n) break;
     }
 }
