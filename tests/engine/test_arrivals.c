@@ -162,6 +162,43 @@ int main(int argc, char **argv) {
     }
     K3_CHECK(n_err == 2, "both bad requests failed (%d)", n_err);
     run_phase(e, rq, N_REQ, 1, &rng);
+    { /* cancel: a request cancelled after its first token ends with DONE, the others run on */
+        int32_t ids[8] = {5, 6, 7, 8, 9, 10, 11, 12};
+        int64_t id[3];
+        for (int i = 0; i < 3; i++) {
+            k3_request r = {.ids = ids,
+                            .n_ids = 4 + i,
+                            .max_tokens = 8,
+                            .ignore_eos = true,
+                            .user = 2000 + (uint64_t)i};
+            K3_CHECK_OK(k3_engine_submit(e, &r, &id[i]));
+        }
+        int n_tok[3] = {0}, ended = 0, kinds[3] = {0};
+        bool cancelled = false;
+        for (int guard = 0; ended < 3 && guard < 1000; guard++) {
+            const k3_event *ev;
+            int ne;
+            K3_CHECK_OK(k3_engine_step(e, &ev, &ne));
+            for (int k = 0; k < ne; k++) {
+                int i = (int)(ev[k].user - 2000);
+                if (ev[k].kind == K3_EV_TOKEN)
+                    n_tok[i]++;
+                else
+                    kinds[i] = ev[k].kind, ended++;
+            }
+            if (!cancelled && n_tok[1] >= 1) {
+                K3_CHECK_OK(k3_engine_cancel(e, id[1]));
+                cancelled = true;
+            }
+        }
+        K3_CHECK(ended == 3 && kinds[0] == K3_EV_DONE && kinds[1] == K3_EV_DONE &&
+                     kinds[2] == K3_EV_DONE,
+                 "cancel: every request ends with DONE (%d ended)", ended);
+        K3_CHECK(n_tok[0] == 8 && n_tok[2] == 8 && n_tok[1] >= 1 && n_tok[1] < 8,
+                 "cancel: tokens %d %d %d", n_tok[0], n_tok[1], n_tok[2]);
+        K3_CHECK(k3_engine_cancel(e, id[1]) != K3_OK, "cancelling an ended request is refused");
+        printf("  cancel after the first token: %d of 8 tokens, the others 8 and 8\n", n_tok[1]);
+    }
     int same = 0;
     uint64_t h = 0x6b33;
     for (int i = 0; i < N_REQ; i++) {
