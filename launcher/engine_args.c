@@ -62,5 +62,6 @@ int k3_engine_args(const k3_args *a, bool print, k3_engine_opts *o) {
     o->max_batch_tokens = k3_args_int(a, "max-batch-tokens");
     o->chunk = k3_args_int(a, "chunk");
     o->micro_batches = (int)k3_args_int(a, "micro-batches");
+    o->verify = k3_args_bool(a, "verify");
     return 0;
 }

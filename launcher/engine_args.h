@@ -44,7 +44,9 @@
     {"chunk", K3_FLAG_INT, "C", "0",                                                               \
      "prefill tokens per sequence per step (0 = up to --max-batch-tokens)"},                       \
     {"micro-batches", K3_FLAG_INT, "M", "0",                                                       \
-     "micro-batches in flight through the pipeline (0 = one per stage)"}
+     "micro-batches in flight through the pipeline (0 = one per stage)"},                          \
+    {"verify", K3_FLAG_BOOL, NULL, NULL,                                                           \
+     "after loading, check each rank's own tensors for NaN/Inf and E8M0 0xFF scales (cost shown)"}
 /* clang-format on */
 
 /* The K3_ENGINE_FLAGS of `a` into *o (model_dir, tok, test_fail and progress are the caller's).

@@ -253,7 +253,7 @@ typedef struct k3_scan_opts {
     int rows_listed;                                    /* per tensor; 0 = 4 */
     bool (*select)(void *ctx, const k3_ckpt_tensor *t); /* NULL = all */
     void (*progress)(void *ctx, uint64_t done_bytes, uint64_t total_bytes); /* may be NULL */
-    void (*report)(void *ctx, const char *problem);                         /* may be NULL */
+    void (*report)(void *ctx, const char *problem); /* may be NULL */
     void *ctx; /* progress and report are called one at a time, never concurrently */
 } k3_scan_opts;
 typedef struct k3_scan_result {
@@ -323,6 +323,8 @@ typedef struct k3_load_sel {
        (which is then freed), so a load peaks at twice the weight bytes of the rank in host
        memory for device/guard backends. */
     struct k3_backend *be;
+    /* Called once per checkpoint tensor read (in read order), with ctx; may be NULL. */
+    void (*on_read)(void *ctx, const k3_ckpt_tensor *t);
 } k3_load_sel;
 k3_status k3_weights_load(k3_ckpt *ck, const k3_config *c, const k3_load_sel *sel,
                           k3_weights **out);

@@ -59,6 +59,8 @@ typedef struct k3_engine_opts {
     const k3_tokenizer *tok;  /* rank 0, borrowed, may be NULL: text deltas + stop strings */
     bool progress;            /* load progress bar on rank 0's terminal */
     const char *name;         /* prefix of set-up error lines ("k3 batch"); NULL = "k3" */
+    bool verify; /* after loading, check the rank's own tensors for non-finite values and E8M0
+                    0xFF scales (k3_ckpt_scan); a problem ends the job naming tensor, row, file */
 } k3_engine_opts;
 
 /* Defaults of the capacity fields. */

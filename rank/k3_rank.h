@@ -48,6 +48,7 @@ typedef struct k3_rank_opts {
     int max_seqs;             /* engine slots per lane; 0 = what the prompts need */
     int64_t max_ctx;          /* tokens per sequence; 0 = longest prompt + n_new */
     int64_t max_batch_tokens; /* tokens per step of a lane; 0 = every prefill in one step */
+    bool verify;              /* k3_engine_opts.verify */
     const char *dump_logits;  /* .npy of every position's logits (prompts concatenated) or NULL */
     bool json;                /* one JSON object on stdout instead of text lines */
     int n_threads;            /* cpu threads per rank; <= 0: 1 when world > 1, else all cores */

@@ -103,6 +103,8 @@ typedef struct rank_ctx {
     double load_s;
     uint64_t bytes_read, bytes_read_total;
     uint64_t *bytes_read_all, *load_us_all; /* [world], gathered at open */
+    const k3_ckpt_tensor **read_list;       /* --verify: the tensors this rank read */
+    int64_t n_read, cap_read;
     double load_s_max;
     /* coordinator */
     int n_groups;

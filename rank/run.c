@@ -338,7 +338,8 @@ int k3_rank_run(const k3_rank_opts *o) {
                          .chunk = o->chunk > 0 ? o->chunk : 0,
                          .tok = o->tok,
                          .progress = true,
-                         .name = "k3 run"};
+                         .name = "k3 run",
+                         .verify = o->verify};
     k3_engine *e = NULL;
     int rc = k3_engine_open(&eo, &e);
     if (rc) return rc;

@@ -260,6 +260,57 @@ static void hb_tick(rank_ctx *r, int state) {
     hb_check(r);
 }
 
+static void on_read(void *ctx, const k3_ckpt_tensor *t) {
+    rank_ctx *r = ctx;
+    if (r->n_read == r->cap_read) {
+        int64_t cap = r->cap_read ? 2 * r->cap_read : 256;
+        const k3_ckpt_tensor **a = realloc(r->read_list, (size_t)cap * sizeof *a);
+        if (!a) rank_die(r, K3_ERR(K3_ERR_NOMEM, "--verify: read list"));
+        r->read_list = a, r->cap_read = cap;
+    }
+    r->read_list[r->n_read++] = t;
+}
+
+static int ptr_cmp(const void *a, const void *b) {
+    uintptr_t x = (uintptr_t) * (const void *const *)a, y = (uintptr_t) * (const void *const *)b;
+    return x < y ? -1 : x > y;
+}
+
+static bool verify_select(void *ctx, const k3_ckpt_tensor *t) {
+    const rank_ctx *r = ctx;
+    return bsearch(&t, r->read_list, (size_t)r->n_read, sizeof *r->read_list, ptr_cmp) != NULL;
+}
+
+static void verify_report(void *ctx, const char *problem) {
+    rank_ctx *r = ctx;
+    K3_LOGE("--verify: rank %d (stage %d, lane %d): %s", r->rank, r->stage, r->lane, problem);
+}
+
+static void verify_progress(void *ctx, uint64_t done, uint64_t total) {
+    hb_tick((rank_ctx *)ctx, K3_LOAD_RUNNING); /* a long scan is progress, not a stall */
+}
+
+/* --verify: every byte this rank read, checked for non-finite values and 0xFF E8M0 scales. */
+static void verify_own(rank_ctx *r) {
+    qsort(r->read_list, (size_t)r->n_read, sizeof *r->read_list, ptr_cmp);
+    k3_scan_opts so = {
+        .select = verify_select, .progress = verify_progress, .report = verify_report, .ctx = r};
+    k3_scan_result res;
+    RTRY(r, k3_ckpt_scan(r->ck, &so, &res));
+    K3_LOGI("--verify: checked %.2f MB of %lld tensors in %.2f s (%.2f GB/s), the cost on top of "
+            "the load",
+            res.n_bytes / 1e6, (long long)res.n_tensors, res.seconds,
+            res.seconds > 0 ? res.n_bytes / 1e9 / res.seconds : 0.0);
+    if (res.n_bad_values > 0)
+        rank_die(r, K3_ERR(K3_ERR_FORMAT,
+                           "--verify: %lld bad values in %lld of this rank's tensors (listed above "
+                           "by tensor, row and file)",
+                           (long long)res.n_bad_values, (long long)res.n_bad_tensors));
+    free(r->read_list);
+    r->read_list = NULL;
+    r->n_read = r->cap_read = 0;
+}
+
 static void on_progress(void *ctx, uint64_t done, uint64_t total) {
     rank_ctx *r = ctx;
     r->hb_done = done;
@@ -314,8 +365,10 @@ void rank_load(rank_ctx *r) {
                            .head = r->stage == S - 1,
                            .expert_owned = expert_owned,
                            .ctx = r,
-                           .progress = on_progress};
+                           .progress = on_progress,
+                           .on_read = r->o->verify ? on_read : NULL};
         RTRY(r, k3_weights_load(r->ck, &r->cfg, &sel, &r->w));
+        if (r->o->verify) verify_own(r);
         r->view = k3_weights_get(r->w);
         r->bytes_read = k3_ckpt_bytes_read(r->ck);
         /* the loader must have honoured the plan: own experts present, others absent */

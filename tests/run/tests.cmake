@@ -8,3 +8,8 @@ add_test(NAME run_gen_mpi
          COMMAND ${K3_RUN_PYTHON3} ${CMAKE_CURRENT_LIST_DIR}/run_gen.py mpi ${MPIEXEC_EXECUTABLE})
 set_tests_properties(run_gen_mpi PROPERTIES LABELS "mpi;sanitize" TIMEOUT 240
                      ENVIRONMENT "${K3_TEST_ENV_MPI}")
+# `k3 run --verify`: a NaN weight / an E8M0 0xFF scale is named by tensor, row and file, on 1 rank
+# and on 2 x 2 (only the owning ranks scan it); the good checkpoint passes and shows the cost
+add_test(NAME run_verify
+         COMMAND ${K3_RUN_PYTHON3} ${CMAKE_CURRENT_LIST_DIR}/verify.py ${MPIEXEC_EXECUTABLE})
+set_tests_properties(run_verify PROPERTIES LABELS "mpi" TIMEOUT 300 ENVIRONMENT "${K3_TEST_ENV_MPI}")
