@@ -253,7 +253,7 @@ typedef struct k3_scan_opts {
     int rows_listed;                                    /* per tensor; 0 = 4 */
     bool (*select)(void *ctx, const k3_ckpt_tensor *t); /* NULL = all */
     void (*progress)(void *ctx, uint64_t done_bytes, uint64_t total_bytes); /* may be NULL */
-    void (*report)(void *ctx, const char *problem); /* may be NULL */
+    void (*report)(void *ctx, const char *problem);                         /* may be NULL */
     void *ctx; /* progress and report are called one at a time, never concurrently */
 } k3_scan_opts;
 typedef struct k3_scan_result {
