@@ -52,11 +52,12 @@ static k3_status check_memory(const rank_ctx *r, const k3_plan_req *req) {
                       "memory: the %d rank%s on host %s need %.2f GB together but the node can "
                       "give %.2f GB (MemAvailable %.2f GB less a margin of %.2f GB: 10%%, at "
                       "least 256 MiB); caches are %d sequence slots of %lld tokens per lane "
-                      "(--max-seqs, --max-ctx): lower them or spread the ranks over more "
-                      "nodes;%s",
+                      "(--max-seqs, --max-ctx) and buffers hold %lld tokens per step "
+                      "(--max-batch-tokens, or --chunk for a long prompt): lower them or spread "
+                      "the ranks over more nodes;%s",
                       n_ranks, n_ranks == 1 ? "" : "s", r->where[n].host, need / 1e9, usable / 1e9,
                       avail / 1e9, margin / 1e9, req->max_seqs_per_lane, (long long)req->max_ctx,
-                      list);
+                      (long long)req->max_tokens, list);
     }
     return K3_OK;
 }

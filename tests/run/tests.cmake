@@ -13,3 +13,7 @@ set_tests_properties(run_gen_mpi PROPERTIES LABELS "mpi;sanitize" TIMEOUT 240
 add_test(NAME run_verify
          COMMAND ${K3_RUN_PYTHON3} ${CMAKE_CURRENT_LIST_DIR}/verify.py ${MPIEXEC_EXECUTABLE})
 set_tests_properties(run_verify PROPERTIES LABELS "mpi" TIMEOUT 300 ENVIRONMENT "${K3_TEST_ENV_MPI}")
+# a ~4M-token prompt is refused up front by the memory check, naming the flags that size it
+add_test(NAME run_long_prompt COMMAND ${K3_RUN_PYTHON3} ${CMAKE_CURRENT_LIST_DIR}/long_prompt.py)
+set_tests_properties(run_long_prompt PROPERTIES LABELS "unit" TIMEOUT 120 SKIP_RETURN_CODE 77
+                     ENVIRONMENT "${K3_TEST_ENV_MPI}")
