@@ -51,8 +51,10 @@ static int run_plan(const k3_args *a) {
     int64_t pp = k3_args_int(a, "pp"), ep = k3_args_int(a, "ep");
     int64_t world =
         k3_args_has(a, "world") ? k3_args_int(a, "world") : pp * ep + (cm == K3_COORD_DEDICATED);
+    /* --max-tokens is the old name of --max-batch-tokens */
+    const char *toks_flag = k3_args_has(a, "max-tokens") ? "max-tokens" : "max-batch-tokens";
     int64_t ctx = k3_args_int(a, "max-ctx"), seqs = k3_args_int(a, "max-seqs"),
-            toks = k3_args_int(a, k3_args_has(a, "max-tokens") ? "max-tokens" : "max-batch-tokens");
+            toks = k3_args_int(a, toks_flag);
     if (pp < 1 || pp > 4096 || ep < 1 || ep > 4096 || world < 1 || world > 1 << 20) {
         fprintf(stderr, "k3 plan: --pp and --ep must be in [1, 4096], --world in [1, %d]\n",
                 1 << 20);
@@ -63,9 +65,7 @@ static int run_plan(const k3_args *a) {
     const struct {
         const char *flag;
         int64_t max;
-    } lim[] = {{"max-ctx", (int64_t)1 << 30},
-               {"max-seqs", 1 << 20},
-               {k3_args_has(a, "max-tokens") ? "max-tokens" : "max-batch-tokens", 1 << 24}};
+    } lim[] = {{"max-ctx", (int64_t)1 << 30}, {"max-seqs", 1 << 20}, {toks_flag, 1 << 24}};
     const int64_t val[] = {ctx, seqs, toks};
     for (size_t i = 0; i < K3_ARRAY_LEN(lim); i++)
         if (val[i] < 1 || val[i] > lim[i].max) {
