@@ -31,10 +31,11 @@
  *             K3_UC_DIFF_RANGES (class members assigned after 14.0), when PCRE2's tables are of a
  *             version in [K3_UC_BASE_VERSION, K3_UC_UNICODE_VERSION]: there PCRE2's classes differ
  *             from 16.0's only at those code points, and a regex only sees its subject's
- * characters; ADDED     the same + K3_UCADD_* (the members assigned after 14.0): text with such a
- * code point. The extra ranges cost ~2x in regex time on ASCII text (PCRE2's JIT tests a class's
- * ranges one by one after its property lookups), hence BASE for the rest; EXPLICIT  the whole
- * classes as ranges (K3_UC_*), for a PCRE2 of another Unicode version (or
+ *             characters;
+ *   ADDED     the same + K3_UCADD_* (the members assigned after 14.0): text with such a code
+ *             point. The extra ranges cost ~2x in regex time on ASCII text (PCRE2's JIT tests a
+ *             class's ranges one by one after its property lookups), hence BASE for the rest;
+ *   EXPLICIT  the whole classes as ranges (K3_UC_*), for a PCRE2 of another Unicode version (or
  *             k3_tok_options.explicit_unicode_classes): exact everywhere, ~10x slower on CJK text.
  * K3's class intersections `[... && [^\p{Han}]]`: a lookahead in BASE/ADDED, the precomputed set
  * differences K3_UC_*_NOHAN in EXPLICIT. \s is the White_Space set spelled out (PCRE2's UCP \s
