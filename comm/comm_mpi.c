@@ -274,18 +274,15 @@ k3_status k3_comm_mpi_create(const k3_comm_params *p, k3_comm **out) {
     int w = c->rank - c->first_worker;
     c->stage = w >= 0 ? w / c->n_lanes : -1;
     c->lane = w >= 0 ? w % c->n_lanes : -1;
+    /* Collective over the world, before anything that can fail on one rank alone (it would leave
+     * the others blocked in the split); a dedicated coordinator joins no EP group. */
     k3_status st = K3_OK;
+    int rc = MPI_Comm_split(m->world, c->stage >= 0 ? c->stage : MPI_UNDEFINED, c->lane, &m->ep);
+    if (rc != MPI_SUCCESS) st = mpi_err(rc, "MPI_Comm_split (EP groups)", __FILE__, __LINE__);
     int **arrs[] = {&m->scnt, &m->sdsp, &m->rcnt, &m->rdsp};
     for (size_t i = 0; i < K3_ARRAY_LEN(arrs) && st == K3_OK; i++)
         st = k3_calloc((void **)arrs[i], (size_t)c->n_lanes * sizeof(int), "comm lane counts");
     if (st != K3_OK) {
-        mpi_destroy(c);
-        return st;
-    }
-    /* Collective over the world; a dedicated coordinator joins no EP group. */
-    int rc = MPI_Comm_split(m->world, c->stage >= 0 ? c->stage : MPI_UNDEFINED, c->lane, &m->ep);
-    if (rc != MPI_SUCCESS) {
-        st = mpi_err(rc, "MPI_Comm_split (EP groups)", __FILE__, __LINE__);
         mpi_destroy(c);
         return st;
     }
