@@ -17,7 +17,6 @@ int k3_engine_open(const k3_engine_opts *o, k3_engine **out) {
     r->o_ = *o;
     r->o = &r->o_;
     r->stage = r->lane = -1;
-    r->t_open = k3_now_s();
     k3_comm_world(&r->rank, &r->world);
     rank_hooks_parse(r);
     int rc = rank_setup(r);
@@ -64,9 +63,6 @@ int k3_engine_open(const k3_engine_opts *o, k3_engine **out) {
     /* the bar: on rank 0's terminal; under mpirun stderr is a pipe, but /dev/tty may be ours */
     if (r->rank == 0 && o->progress)
         r->tty = isatty(2) ? stderr : (k3_comm_launched() ? fopen("/dev/tty", "w") : NULL);
-    int tty = r->tty != NULL, any_tty = 0;
-    RTRY(r, k3_comm_world_max(tty, &any_tty, tmo));
-    r->show_progress = any_tty != 0;
     /* every rank has loaded when it returns (heartbeat, --load-timeout): the usual limit again */
     rank_load(r);
     RTRY(r, k3_comm_allgather_u64(r->comm, r->bytes_read, all));

@@ -48,6 +48,11 @@ typedef struct req_run {
     k3_error_kind error_kind;
 } req_run;
 
+typedef struct ev_block {
+    char *data;
+    size_t size, used;
+} ev_block;
+
 typedef struct group_run {
     int step;    /* current step id */
     int pending; /* LOGITS messages still expected for its step in flight (0: idle) */
@@ -90,7 +95,6 @@ typedef struct rank_ctx {
     int in_peer;            /* where this worker's steps come from */
     k3_msg_kind in_kind;
     /* load */
-    bool show_progress;
     FILE *tty; /* rank 0: where the bar goes (stderr, or /dev/tty under mpirun) */
     int *pct;  /* [world] load progress per rank (rank 0 hears every rank, workers rank 0) */
     /* the load heartbeat (setup.c): what each peer last reported, and when */
@@ -119,8 +123,8 @@ typedef struct rank_ctx {
     /* events of the current k3_engine_step */
     k3_event *ev;
     int n_ev, cap_ev;
-    char **ev_mem; /* memory the events point into, freed at the next step */
-    int n_ev_mem, cap_ev_mem;
+    struct ev_block *ev_mem; /* memory the events point into, rewound at the next step */
+    int n_ev_mem, cap_ev_mem, ev_cur;
     double last_progress; /* coordinator: when a message last arrived */
     uint8_t *wire;        /* k3_wire_step + int32 meta: the bytes of one outgoing step message */
     size_t wire_cap;
@@ -129,7 +133,6 @@ typedef struct rank_ctx {
     int64_t prompt_tokens, gen_tokens;
     uint64_t n_steps;                               /* forward steps the coordinator sent */
     uint64_t moe_dispatch_bytes, moe_combine_bytes; /* world sums, at close */
-    double t_open;
 } rank_ctx;
 
 struct k3_engine {

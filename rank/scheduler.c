@@ -17,17 +17,31 @@
 #include <stdlib.h>
 
 /* ---- events ------------------------------------------------------------------------------- */
+/* Event data (text deltas, logits rows) comes from blocks that are kept and reused: clearing the
+ * events only rewinds them, so a step allocates nothing once the blocks have grown. */
+#define EV_BLOCK (256 * 1024)
 static void *ev_alloc(rank_ctx *r, size_t n) {
+    n = (n + 63) & ~(size_t)63; /* 64-byte aligned pieces (float rows) */
+    for (; r->ev_cur < r->n_ev_mem; r->ev_cur++) {
+        ev_block *b = &r->ev_mem[r->ev_cur];
+        if (b->size - b->used >= n) {
+            void *p = b->data + b->used;
+            b->used += n;
+            return p;
+        }
+    }
     if (r->n_ev_mem == r->cap_ev_mem) {
-        int cap = r->cap_ev_mem ? 2 * r->cap_ev_mem : 64;
-        char **m = realloc(r->ev_mem, (size_t)cap * sizeof *m);
+        int cap = r->cap_ev_mem ? 2 * r->cap_ev_mem : 16;
+        ev_block *m = realloc(r->ev_mem, (size_t)cap * sizeof *m);
         if (!m) rank_die(r, K3_ERR(K3_ERR_NOMEM, "event memory table"));
         r->ev_mem = m, r->cap_ev_mem = cap;
     }
-    void *p = NULL;
-    RTRY(r, k3_alloc(&p, n ? n : 1, "event data"));
-    r->ev_mem[r->n_ev_mem++] = p;
-    return p;
+    ev_block *b = &r->ev_mem[r->n_ev_mem];
+    b->size = n > EV_BLOCK ? n : EV_BLOCK;
+    b->used = n;
+    RTRY(r, k3_alloc((void **)&b->data, b->size, "event data"));
+    r->ev_cur = r->n_ev_mem++;
+    return b->data;
 }
 
 static k3_event *ev_push(rank_ctx *r, k3_event_kind kind, const req_run *q) {
@@ -488,8 +502,8 @@ void rank_coord_init(rank_ctx *r) {
 
 /* Free what the previous step's events pointed to, and the requests they ended. */
 static void clear_events(rank_ctx *r) {
-    for (int i = 0; i < r->n_ev_mem; i++) k3_free(r->ev_mem[i]);
-    r->n_ev_mem = 0;
+    for (int i = 0; i < r->n_ev_mem; i++) r->ev_mem[i].used = 0;
+    r->ev_cur = 0;
     r->n_ev = 0;
     int k = 0;
     for (int i = 0; i < r->n_reqs; i++) {
@@ -505,6 +519,7 @@ static void clear_events(rank_ctx *r) {
 void rank_coord_destroy(rank_ctx *r) {
     clear_events(r);
     for (int i = 0; i < r->n_reqs; i++) free_req(r->reqs[i]);
+    for (int i = 0; i < r->n_ev_mem; i++) k3_free(r->ev_mem[i].data);
     free(r->reqs), free(r->ev), free(r->ev_mem);
     r->reqs = NULL, r->ev = NULL, r->ev_mem = NULL;
     r->n_reqs = r->cap_reqs = r->n_ev = r->cap_ev = r->n_ev_mem = r->cap_ev_mem = 0;
