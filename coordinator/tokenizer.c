@@ -188,11 +188,13 @@ k3_status k3_tok_bytes_append(k3_tok_bytes *b, const char *p, size_t n) {
 
 /* ---- UTF-8 ------------------------------------------------------------------------------- */
 /* Validate the whole text once (k3_utf8, Python's strict rules); *diff = it holds a code point of
- * DIFF_RANGES (the ADDED spelling is needed). */
-static k3_status utf8_validate(const char *text, size_t n, bool *diff) {
+ * DIFF_RANGES (the ADDED spelling is needed). Without an ADDED spelling (EXPLICIT) there is
+ * nothing to choose: the code points are not looked up. */
+static k3_status utf8_validate(const k3_tokenizer *t, const char *text, size_t n, bool *diff) {
     const uint8_t *s = (const uint8_t *)text;
     size_t i = 0;
     *diff = false;
+    bool look = t->re_added != NULL;
     while (i < n) {
         if (s[i] < 0x80) {
             i++;
@@ -203,7 +205,7 @@ static k3_status utf8_validate(const char *text, size_t n, bool *diff) {
         if (len <= 0)
             return K3_ERR(K3_ERR_ARG, "text is not valid UTF-8 at byte offset %zu (byte 0x%02x)", i,
                           s[i]);
-        if (len >= 3 && !*diff) *diff = is_diff_cp(cp);
+        if (look && len >= 3 && !*diff) *diff = is_diff_cp(cp);
         i += (size_t)len;
     }
     return K3_OK;
@@ -1083,7 +1085,7 @@ static k3_status encode_with(const k3_tokenizer *t, tok_scratch *s, const char *
                              bool allow_special, k3_tok_ids *out) {
     if (n && !text) return K3_ERR(K3_ERR_ARG, "text is NULL");
     bool diff;
-    K3_TRY(utf8_validate(text, n, &diff));
+    K3_TRY(utf8_validate(t, text, n, &diff));
     if (n == 0) return K3_OK;
     scratch_pick(s, t, diff);
     if (t->kimi_chunking)
@@ -1123,7 +1125,7 @@ k3_status k3_tok_split(const k3_tokenizer *t, const char *text, size_t n_bytes, 
     *n_pieces = 0;
     if (n_bytes && !text) return K3_ERR(K3_ERR_ARG, "text is NULL");
     bool diff;
-    K3_TRY(utf8_validate(text, n_bytes, &diff));
+    K3_TRY(utf8_validate(t, text, n_bytes, &diff));
     tok_scratch s;
     K3_TRY(scratch_init(&s, t));
     scratch_pick(&s, t, diff);
