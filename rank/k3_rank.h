@@ -1,18 +1,11 @@
-/* rank — what one rank runs in a distributed `k3 run`: set-up (config, plan, hash agreement),
- * partial loading of the rank's own tensors, the coordinator loop (rank 0) and the stage worker
- * loop, the step scheduler (micro-batches of sequences, at least S in flight when there are
- * enough sequences) and per-sequence state slots.
- *
- * Owns: the sequence -> lane assignment (sequence i on lane i % E, so lane e of every stage holds
- * the caches of the same sequences), the micro-batch groups (group of sequence i =
- * (i / E) % M, M = min(S, ceil(B / E))), the expert -> lane map handed to each stage (the stage
- * drives its MoE step through k3_comm_moe_dispatch/combine itself), the sampling (one k3_sampler
- * per sequence on the coordinator, seeded from the run's seed and the prompt index, so a batch is
- * reproducible and independent of the split), the stop rules (EOS / <|end_of_msg|> / stop strings:
- * a stopped sequence leaves its group's batches), the logits dump and the JSON report. The
- * single-process `k3 run` is this same loop on a world of one (MPI singleton). Must not: parse
- * files or sockets beyond the model directory and the expert map, or call MPI directly (all traffic
- * goes through comm/).
+/* rank — `k3 run` as a client of the engine (k3_engine.h): every rank opens the engine; rank 0
+ * submits the command line's prompts at once (prompt i samples with k3_rank_seq_seed(seed, i), so
+ * a batch is reproducible and independent of the split), steps until every request ended and
+ * prints the ids + text lines or one JSON object (streaming text to a terminal for one prompt) and
+ * the logits dump; the other ranks serve. Lanes, slots, micro-batches, sampling and stop rules are
+ * the engine's. The single-process `k3 run` is the same on a world of one (MPI singleton). Must
+ * not: parse files beyond the model directory and the expert map, or call MPI directly (all
+ * traffic goes through comm/).
  *
  * Failure policy: an error every rank sees identically (bad flags, bad plan) makes every rank
  * return 2 and only rank 0 prints it; any other error on a rank is logged as

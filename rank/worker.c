@@ -84,7 +84,7 @@ void rank_worker_destroy(rank_ctx *r) {
     k3_stage_destroy(r->st);
     k3_weights_destroy(r->w);
     k3_ckpt_destroy(r->ck);
-    /* r->be outlives the comm handle (its MoE buffers are the backend's): see k3_rank_run */
+    /* r->be outlives the comm handle (its MoE buffers are the backend's): see k3_engine_close */
 }
 
 /* Process one BATCH/ACTIV message and send the result on. */
