@@ -21,6 +21,7 @@
 #include <sys/stat.h>
 
 #include "chat_job.h"
+#include "engine_args.h"
 #include "k3_comm.h"
 #include "k3_kernels.h"
 #include "k3_model.h"
@@ -286,8 +287,7 @@ static int run_run(const k3_args *a) {
         return 2;
     }
     const char *backend = k3_args_str(a, "backend");
-    if (strcmp(backend, "cpu") != 0 && strcmp(backend, "ref") != 0 &&
-        strcmp(backend, "guard") != 0 && strcmp(backend, "cuda") != 0) {
+    if (!k3_engine_backend_ok(backend)) {
         fprintf(stderr, "k3 run: --backend: '%s' is not cpu, ref, guard or cuda\n", backend);
         return 2;
     }

@@ -17,6 +17,13 @@ static bool in_range(const k3_args *a, const char *flag, int64_t lo, int64_t hi)
     return v >= lo && v <= hi;
 }
 
+bool k3_engine_backend_ok(const char *name) {
+    static const char *const names[] = {"cpu", "ref", "guard", "cuda"};
+    for (size_t i = 0; i < K3_ARRAY_LEN(names); i++)
+        if (strcmp(name, names[i]) == 0) return true;
+    return false;
+}
+
 int k3_engine_args(const k3_args *a, bool print, k3_engine_opts *o) {
     static const struct {
         const char *flag;
@@ -41,8 +48,7 @@ int k3_engine_args(const k3_args *a, bool print, k3_engine_opts *o) {
     if (!(k3_args_float(a, "load-timeout") >= 0))
         return bad(a, print, "load-timeout", "must be >= 0 (0 = derived from the plan)");
     const char *backend = k3_args_str(a, "backend");
-    if (strcmp(backend, "cpu") != 0 && strcmp(backend, "ref") != 0 &&
-        strcmp(backend, "guard") != 0 && strcmp(backend, "cuda") != 0)
+    if (!k3_engine_backend_ok(backend))
         return bad(a, print, "backend", "is not cpu, ref, guard or cuda");
     k3_coord_mode cm = K3_COORD_SHARED;
     if (k3_coord_mode_parse(k3_args_str(a, "coordinator"), &cm) != K3_OK)

@@ -53,5 +53,8 @@
  * Returns 0, or 2 for a usage error, printed as one line "k3 <cmd>: --flag: ..." when `print`
  * (rank 0 under mpirun: every rank decides the same, one prints). */
 int k3_engine_args(const k3_args *a, bool print, k3_engine_opts *o);
+/* Whether --backend NAME is one the flag takes (cpu, ref, guard, cuda; a build without K3_CUDA
+ * refuses cuda when the engine creates the backend). */
+bool k3_engine_backend_ok(const char *name);
 
 #endif /* K3_ENGINE_ARGS_H */
