@@ -8,7 +8,7 @@ BUILD=${1:-build}; shift || true
 
 # (hwloc is not listed: k3 does not use it; Open MPI's libopenmpi-dev brings libhwloc-dev itself.)
 APT_PKGS="build-essential cmake pkg-config libopenmpi-dev openmpi-bin libucx-dev
-          libcjson-dev libpcre2-dev clang clang-format python3"
+          libcjson-dev libpcre2-dev libmicrohttpd-dev clang clang-format python3"
 missing=""
 for p in $APT_PKGS; do
   dpkg-query -W -f='${Status}' "$p" 2>/dev/null | grep -q "install ok installed" || missing="$missing $p"

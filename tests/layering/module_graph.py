@@ -5,7 +5,7 @@ Reads every `#include "..."` of every .c/.h/.cu under the module folders, maps t
 header to the module (top-level folder) that holds it, and fails on any edge the layering
 forbids. Dependencies point down:
 
-    launcher → rank → {coordinator, layers, experts, comm, partition} → model → kernels → base
+    launcher → server → rank → {coordinator, layers, experts, comm, partition} → model → kernels → base
 
 Any module may include a module below it, except where the table below narrows it (coordinator
 touches no weights, partition is pure, kernels is the floor). Among the middle siblings only
@@ -19,7 +19,8 @@ Usage: module_graph.py [ROOT]   (ROOT = the repository; default: K3_SRC or this 
 Prints each forbidden edge as `file:line: module A includes B (header)`; exit 0 = clean, 1 = a
 forbidden edge, an unknown header or a cycle, 2 = usage. --self-test copies the module folders
 to a temporary directory, injects one forbidden include at a time (kernels → model, layers →
-rank, coordinator → model, experts → layers, a cycle, <mpi.h> in layers/) and checks that each
+rank, coordinator → model, experts → layers, a cycle, <mpi.h> in layers/, server → model,
+<mpi.h> in server/) and checks that each
 is reported with its file and line; exit 0 only if every injection is caught.
 """
 import io
@@ -37,7 +38,8 @@ LEVEL = {
     "model": 2,
     "coordinator": 3, "layers": 3, "experts": 3, "comm": 3, "partition": 3,
     "rank": 4,
-    "launcher": 5,
+    "server": 5,     # the HTTP server of `k3 serve` + the OpenAI request layer (chat_job.h)
+    "launcher": 6,
 }
 MODULES = sorted(LEVEL)
 
@@ -48,6 +50,7 @@ ONLY = {
     "coordinator": {"coordinator", "base"},  # tokenizer, chat, parser, sampler: touches no weights
     "partition": {"partition", "model", "base"},  # pure functions of the config
     "comm": {"comm", "kernels", "base"},     # knows no layer or config: bytes and backend buffers
+    "server": {"server", "rank", "coordinator", "base"},  # a client of the engine API: no weights
 }
 # Sibling edges on the middle level: (from, to) -> the headers of `to` that may be included.
 SIBLING = {
@@ -198,6 +201,9 @@ INJECTIONS = [
      "experts/moe.c:{n}: module experts includes layers (k3_layers.h)"),
     ("model/config.c", '#include "k3_partition.h"', "module_graph: cycle"),
     ("layers/kda.c", "#include <mpi.h>", "layers/kda.c:{n}: module layers includes <mpi.h>"),
+    ("server/server.c", '#include "k3_model.h"',
+     "server/server.c:{n}: module server includes model (k3_model.h)"),
+    ("server/server.c", "#include <mpi.h>", "server/server.c:{n}: module server includes <mpi.h>"),
 ]
 
 

@@ -260,65 +260,175 @@ k3_status k3_job_sampling(k3_job *j, const k3_job_settings *s, const char *what)
 }
 
 /* ---- the assistant message ------------------------------------------------------------------ */
-/* Feeds the generated ids to the parser, replaying the sampler's text stream (the same
- * detokenizer, so the same byte offsets as the emitted text): markers go in as markers, text as
- * text, and nothing at or after byte `cut` of the stream reaches the parser — after a stop string
- * cut = g->n_text (the text before the match), so the stop string and what follows it never
- * become reasoning / content / a call, and markers after it are dropped too. With ignore_eos,
- * <|end_of_msg|> / [EOS] do not end the message (generation went on past them). */
-static k3_status feed_chat(k3_parser *p, const k3_tokenizer *tok, const k3_job_gen *g,
-                           bool ignore_eos) {
-    const size_t cut = g->stop == K3_STOP_STRING ? g->n_text : SIZE_MAX;
-    const k3_tok_ctrl c = k3_tok_control_ids(tok);
-    k3_tok_stream *ts = NULL;
-    k3_tok_bytes txt = {0};
-    K3_TRY(k3_tok_stream_create(&ts, tok));
-    k3_status st = K3_OK;
-    size_t fed = 0; /* stream bytes already handed to the parser (or dropped) */
-    for (int64_t i = 0; i <= g->n && st == K3_OK && fed < cut; i++) {
-        const bool last = i == g->n;
-        const int32_t id = last ? -1 : g->ids[i];
-        st = last ? k3_tok_stream_finish(ts, &txt) : k3_tok_stream_push(ts, id, &txt);
-        if (st != K3_OK) break;
-        bool special = !last && k3_tok_is_special(tok, id);
+/* The feeder replays the sampler's text stream (the same detokenizer, so the same byte offsets as
+ * the engine's emitted text) into the parser: markers go in as markers, text as text. Nothing past
+ * byte `limit` of the stream reaches the parser: while generating, limit = the bytes the engine
+ * has released (text that could still start a stop string is held back there, so it is held back
+ * here too); at the end after a stop string limit = the text before the match, so neither the
+ * stop string nor what follows (markers included) becomes reasoning / content / a call. With
+ * ignore_eos, <|end_of_msg|> / [EOS] do not end the message (generation went on past them). */
+typedef struct feed_mark {
+    size_t start, end; /* the marker's own text in the stream */
+    k3_parser_marker m;
+} feed_mark;
+
+struct k3_job_feed {
+    const k3_tokenizer *tok;
+    k3_tok_ctrl ctrl;
+    bool ignore_eos, ended;
+    k3_parser *p;
+    k3_tok_stream *ts;
+    k3_tok_bytes txt; /* the whole stream so far */
+    feed_mark *marks; /* (n_marks, cap_marks) markers in stream order */
+    size_t n_marks, cap_marks, next_mark;
+    size_t fed;      /* stream bytes handed to the parser (or dropped) */
+    size_t released; /* the engine's emitted text so far (sum of event n_text) */
+};
+
+k3_status k3_job_feed_create(const k3_job *j, const k3_tokenizer *tok, bool ignore_eos,
+                             k3_job_feed **out) {
+    k3_job_feed *f = NULL;
+    K3_TRY(k3_calloc((void **)&f, sizeof *f, "chat feed"));
+    f->tok = tok;
+    f->ctrl = k3_tok_control_ids(tok);
+    f->ignore_eos = ignore_eos;
+    k3_status st = k3_parser_create_for(j->req, &f->p);
+    if (st == K3_OK) st = k3_tok_stream_create(&f->ts, tok);
+    if (st != K3_OK) {
+        k3_job_feed_destroy(f);
+        return st;
+    }
+    *out = f;
+    return K3_OK;
+}
+
+void k3_job_feed_destroy(k3_job_feed *f) {
+    if (!f) return;
+    k3_parser_destroy(f->p);
+    k3_tok_stream_destroy(f->ts);
+    k3_tok_bytes_free(&f->txt);
+    free(f->marks); /* grown with realloc */
+    k3_free(f);
+}
+
+k3_parser *k3_job_feed_parser(k3_job_feed *f) {
+    return f->p;
+}
+
+/* Hand the stream up to byte `limit` to the parser: text, then each marker whose text is wholly
+ * below the limit. A marker that crosses the limit waits (or, at the end, is dropped). */
+static k3_status advance(k3_job_feed *f, size_t limit) {
+    limit = K3_MIN(limit, f->txt.n);
+    for (;;) {
+        const feed_mark *m = f->next_mark < f->n_marks ? &f->marks[f->next_mark] : NULL;
+        size_t text_end = K3_MIN(m ? m->start : f->txt.n, limit);
+        if (text_end > f->fed)
+            K3_TRY(k3_parser_feed_text(f->p, f->txt.data + f->fed, text_end - f->fed));
+        f->fed = K3_MAX(f->fed, text_end);
+        if (!m || f->fed < m->start || m->end > limit) return K3_OK;
+        K3_TRY(k3_parser_feed_marker(f->p, m->m));
+        f->fed = m->end;
+        f->next_mark++;
+    }
+}
+
+k3_status k3_job_feed_token(k3_job_feed *f, int32_t id, size_t released) {
+    if (f->ended) return K3_ERR(K3_ERR_STATE, "chat feed: a token after the end");
+    size_t before = f->txt.n;
+    K3_TRY(k3_tok_stream_push(f->ts, id, &f->txt));
+    if (k3_tok_is_special(f->tok, id)) {
+        const char *b;
         size_t nb = 0;
-        if (special) {
-            const char *b;
-            st = k3_tok_id_bytes(tok, id, &b, &nb);
-            if (st != K3_OK) break;
-            nb = K3_MIN(nb, txt.n - fed); /* the marker's own text closes the chunk */
-        }
-        size_t text_end = K3_MIN(txt.n - nb, cut); /* text of this step (held UTF-8 included) */
-        if (text_end > fed) st = k3_parser_feed_text(p, txt.data + fed, text_end - fed);
-        fed = K3_MAX(fed, text_end);
-        if (st != K3_OK || !special) continue;
-        if (txt.n > cut) break; /* the stop string began inside the marker's text */
+        K3_TRY(k3_tok_id_bytes(f->tok, id, &b, &nb));
+        nb = K3_MIN(nb, f->txt.n - before); /* the marker's own text closes the chunk */
+        const k3_tok_ctrl c = f->ctrl;
         k3_parser_marker m = id == c.open         ? K3_MARK_OPEN
                              : id == c.close      ? K3_MARK_CLOSE
                              : id == c.sep        ? K3_MARK_SEP
                              : id == c.end_of_msg ? K3_MARK_EOM
                              : id == c.eos        ? K3_MARK_STOP
                                                   : K3_MARK_OTHER;
-        if (ignore_eos && (m == K3_MARK_EOM || m == K3_MARK_STOP)) m = K3_MARK_OTHER;
-        st = k3_parser_feed_marker(p, m);
-        fed = txt.n;
+        if (f->ignore_eos && (m == K3_MARK_EOM || m == K3_MARK_STOP)) m = K3_MARK_OTHER;
+        if (f->n_marks == f->cap_marks) {
+            size_t cap = K3_MAX(2 * f->cap_marks, 16);
+            feed_mark *nm = realloc(f->marks, cap * sizeof *nm);
+            if (!nm) return K3_ERR(K3_ERR_NOMEM, "chat feed: %zu markers", cap);
+            f->marks = nm, f->cap_marks = cap;
+        }
+        f->marks[f->n_marks++] = (feed_mark){f->txt.n - nb, f->txt.n, m};
     }
-    k3_tok_bytes_free(&txt);
-    k3_tok_stream_destroy(ts);
-    return st;
+    f->released = K3_MAX(f->released, released);
+    return advance(f, f->released);
+}
+
+k3_status k3_job_feed_end(k3_job_feed *f, k3_stop_kind stop, size_t released) {
+    if (f->ended) return K3_ERR(K3_ERR_STATE, "chat feed: ended twice");
+    f->ended = true;
+    K3_TRY(k3_tok_stream_finish(f->ts, &f->txt));
+    f->released = K3_MAX(f->released, released);
+    K3_TRY(advance(f, stop == K3_STOP_STRING ? f->released : SIZE_MAX));
+    /* a stop string (or a stop id the markers did not show) ends the message like
+     * <|end_of_msg|> would: finish_reason "stop" */
+    if (stop != K3_STOP_NONE && !k3_parser_ended(f->p))
+        K3_TRY(k3_parser_feed_marker(f->p, K3_MARK_EOM));
+    return k3_parser_finish(f->p);
 }
 
 k3_status k3_job_message(const k3_job *j, const k3_tokenizer *tok, const k3_job_gen *g,
                          bool ignore_eos, k3_chat_buf *out) {
-    k3_parser *p = NULL;
-    K3_TRY(k3_parser_create_for(j->req, &p));
-    k3_status st = feed_chat(p, tok, g, ignore_eos);
-    /* a stop string (or a stop id the markers did not show) ends the message like
-     * <|end_of_msg|> would: finish_reason "stop" */
-    if (st == K3_OK && g->stop != K3_STOP_NONE && !k3_parser_ended(p))
-        st = k3_parser_feed_marker(p, K3_MARK_EOM);
-    if (st == K3_OK) st = k3_parser_finish(p);
-    if (st == K3_OK) st = k3_parser_message_json(p, out);
-    k3_parser_destroy(p);
+    k3_job_feed *f = NULL;
+    K3_TRY(k3_job_feed_create(j, tok, ignore_eos, &f));
+    k3_status st = K3_OK;
+    /* the whole generation is known: everything but what follows a stop string is released */
+    for (int64_t i = 0; i < g->n && st == K3_OK; i++)
+        st = k3_job_feed_token(f, g->ids[i], g->stop == K3_STOP_STRING ? g->n_text : SIZE_MAX);
+    if (st == K3_OK) st = k3_job_feed_end(f, g->stop, g->n_text);
+    if (st == K3_OK) st = k3_parser_message_json(f->p, out);
+    k3_job_feed_destroy(f);
     return st;
+}
+
+/* ---- logprobs -------------------------------------------------------------------------------- */
+k3_status k3_job_logprobs_keys(const k3_chat_json *doc, const char *what, int *n_top) {
+    const k3_chat_json *lp = k3_chat_json_get(doc, "logprobs"),
+                       *top = k3_chat_json_get(doc, "top_logprobs");
+    *n_top = -1;
+    if (lp && lp->kind != K3_JSON_NULL && lp->kind != K3_JSON_BOOL)
+        return K3_ERR(K3_ERR_FORMAT, "%s: request key 'logprobs' must be a boolean", what);
+    const bool on = lp && lp->kind == K3_JSON_BOOL && lp->b;
+    if (!top || top->kind == K3_JSON_NULL) {
+        *n_top = on ? 0 : -1;
+        return K3_OK;
+    }
+    uint64_t v = 0;
+    if (top->kind != K3_JSON_INT || !k3_job_parse_u64(top->s, &v) || v > K3_JOB_MAX_TOP)
+        return K3_ERR(K3_ERR_FORMAT, "%s: request key 'top_logprobs' must be an integer in [0, %d]",
+                      what, K3_JOB_MAX_TOP);
+    if (!on)
+        return K3_ERR(K3_ERR_FORMAT, "%s: request key 'top_logprobs' needs \"logprobs\": true",
+                      what);
+    *n_top = (int)v;
+    return K3_OK;
+}
+
+k3_status k3_job_logprob_entry(const k3_tokenizer *tok, int32_t id, float logprob,
+                               k3_chat_buf *out) {
+    const char *p = "";
+    size_t n = 0;
+    if (k3_tok_id_bytes(tok, id, &p, &n) != K3_OK) p = "", n = 0; /* an id past the vocab */
+    k3_tok_bytes txt = {0};
+    k3_status st = k3_tok_utf8_replace(p, n, &txt);
+    if (st == K3_OK) st = k3_chat_buf_puts(out, "{\"token\":");
+    if (st == K3_OK) st = k3_chat_json_dump_str(txt.data ? txt.data : "", txt.n, out);
+    k3_tok_bytes_free(&txt);
+    char f[40];
+    k3_chat_json_float_repr(isfinite(logprob) ? K3_MAX((double)logprob, -9999.0) : -9999.0, f);
+    if (st == K3_OK) st = k3_chat_buf_puts(out, ",\"logprob\":");
+    if (st == K3_OK) st = k3_chat_buf_puts(out, f);
+    if (st == K3_OK) st = k3_chat_buf_puts(out, ",\"bytes\":[");
+    for (size_t i = 0; i < n && st == K3_OK; i++) {
+        snprintf(f, sizeof f, "%s%u", i ? "," : "", (unsigned)(unsigned char)p[i]);
+        st = k3_chat_buf_puts(out, f);
+    }
+    return st == K3_OK ? k3_chat_buf_puts(out, "]") : st;
 }

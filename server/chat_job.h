@@ -1,5 +1,7 @@
-/* chat_job — one OpenAI chat request as a generation job, shared by `k3 run --chat` and
- * `k3 batch` (launcher-internal).
+/* chat_job — one OpenAI chat request as a generation job, shared by `k3 run --chat`, `k3 batch`
+ * and `k3 serve` (a second public header of server/, prefix k3_job_: the OpenAI request layer the
+ * HTTP server and the launcher's commands share; it lives here, below launcher/, so that the
+ * server can use it).
  *
  * Owns: the request body -> prompt ids (render, then segment-wise encode: k3_chat.h); the
  * sampling keys of the request (temperature, top_p, top_k, min_p, repetition_penalty,
@@ -7,7 +9,8 @@
  * stop) merged with the command line's settings (a flag given explicitly wins, otherwise the
  * request's key, otherwise the flag's default); the one validation of the merged values (an
  * error names the request key, K3_ERR_FORMAT, or the flag, K3_ERR_ARG); and the generated ids ->
- * the assistant message (the sampler's text stream replayed through k3_parser).
+ * the assistant message (the sampler's text stream replayed through k3_parser), whole or token by
+ * token for streaming (k3_job_feed); the OpenAI logprobs keys and entries.
  * Does not own: generation (rank/), flags (each command's table), the output format of a
  * command.
  * Lifetime: the sampler parameters in k3_job.sp point into the job (bias, stop strings), so the
@@ -16,6 +19,7 @@
 #define K3_CHAT_JOB_H
 
 #include "k3_chat.h"
+#include "k3_parser.h"
 #include "k3_sampler.h"
 #include "k3_tokenizer.h"
 
@@ -96,5 +100,28 @@ typedef struct k3_job_gen {
  * not end the message (generation went on past them). */
 k3_status k3_job_message(const k3_job *j, const k3_tokenizer *tok, const k3_job_gen *g,
                          bool ignore_eos, k3_chat_buf *out);
+
+/* The same, token by token, for streaming: the parser sees each token as soon as the engine has
+ * released its text (`released`: the sum of the events' n_text so far; text held back for a
+ * possible stop string is held back from the parser too). k3_parser_take_delta on
+ * k3_job_feed_parser gives the streamed deltas; after k3_job_feed_end (the DONE event's stop and
+ * the final released count) k3_parser_message_json gives the message k3_job_message gives. */
+typedef struct k3_job_feed k3_job_feed;
+k3_status k3_job_feed_create(const k3_job *j, const k3_tokenizer *tok, bool ignore_eos,
+                             k3_job_feed **out);
+k3_status k3_job_feed_token(k3_job_feed *f, int32_t id, size_t released);
+k3_status k3_job_feed_end(k3_job_feed *f, k3_stop_kind stop, size_t released);
+k3_parser *k3_job_feed_parser(k3_job_feed *f); /* borrowed */
+void k3_job_feed_destroy(k3_job_feed *f);      /* NULL-safe */
+
+#define K3_JOB_MAX_TOP 20 /* OpenAI's largest top_logprobs (k3_engine.h: K3_EV_MAX_TOP) */
+/* The chat request's "logprobs" (boolean) and "top_logprobs" (0-20, needs logprobs true):
+ * *n_top = -1 when off. K3_ERR_FORMAT naming the key. */
+k3_status k3_job_logprobs_keys(const k3_chat_json *doc, const char *what, int *n_top);
+/* One OpenAI logprob entry {"token": <text, invalid UTF-8 replaced>, "logprob": x, "bytes": [..]
+ * (without the closing brace, so a caller can add "top_logprobs"); a logprob that is not finite
+ * or below -9999 is written as -9999.0, OpenAI's stand-in for an underflow. */
+k3_status k3_job_logprob_entry(const k3_tokenizer *tok, int32_t id, float logprob,
+                               k3_chat_buf *out);
 
 #endif /* K3_CHAT_JOB_H */

@@ -1,0 +1,180 @@
+/* cmd_serve.c — `k3 serve --model DIR`: the OpenAI-compatible HTTP server (server/k3_server.h)
+ * on rank 0, the engine (rank/k3_engine.h) on every rank, under mpirun on any S x E or alone.
+ *
+ * Owns: the flags, the API key (--api-key, else $K3_API_KEY), the served model name (default:
+ * the basename of --model), the signal handling and the order of start and shutdown. Does not
+ * own: HTTP, the wire format, generation.
+ * Start: flags agreed on every rank -> the engine opens (collective: plan, load) -> rank 0 binds
+ * the port and serves; the others serve the engine's steps. /health answers only once the model
+ * is loaded.
+ * Shutdown: SIGINT or SIGTERM sets a flag on each rank; rank 0 stops accepting, lets in-flight
+ * requests finish for --shutdown-grace seconds, cancels the rest, closes the engine (which
+ * releases every other rank) and every rank exits 0. */
+#include "k3_launcher.h"
+
+#include <signal.h>
+#include <stdio.h>
+#include <stdlib.h>
+
+#include "engine_args.h"
+#include "k3_comm.h"
+#include "k3_model.h"
+#include "k3_server.h"
+
+static const k3_flag flags[] = {
+    {"model", K3_FLAG_STR, "DIR", NULL, "checkpoint directory (config.json + safetensors)"},
+    {"host", K3_FLAG_STR, "ADDR", "127.0.0.1",
+     "numeric IPv4 or IPv6 address to listen on (0.0.0.0: every interface)"},
+    {"port", K3_FLAG_INT, "PORT", "8000", "TCP port (0: any free port, logged at start)"},
+    {"api-key", K3_FLAG_STR, "KEY", NULL,
+     "require `Authorization: Bearer KEY` on /v1/*, /tokenize, /detokenize (default: "
+     "$K3_API_KEY; neither: no key)"},
+    {"served-model-name", K3_FLAG_STR, "NAME", NULL,
+     "the model id in /v1/models and responses (default: the basename of --model)"},
+    {"max-body-bytes", K3_FLAG_INT, "N", "4194304", "a larger request body gets 413"},
+    {"max-messages", K3_FLAG_INT, "N", "2048", "messages per chat request (more: 400)"},
+    {"max-queue", K3_FLAG_INT, "N", "256",
+     "requests admitted at once, running + waiting (more: 429 with Retry-After)"},
+    {"shutdown-grace", K3_FLAG_FLOAT, "SEC", "10",
+     "on SIGINT/SIGTERM, in-flight requests may finish this long before they are cancelled"},
+    K3_ENGINE_FLAGS,
+};
+
+static volatile sig_atomic_t stop_flag;
+
+static void on_signal(int sig) {
+    (void)sig;
+    stop_flag = 1;
+}
+
+/* Every rank: SIGINT/SIGTERM end the job through rank 0, never by killing one rank. */
+static void install_signals(void) {
+    struct sigaction sa = {0};
+    sa.sa_handler = on_signal;
+    sigemptyset(&sa.sa_mask);
+    sigaction(SIGINT, &sa, NULL);
+    sigaction(SIGTERM, &sa, NULL);
+    signal(SIGPIPE, SIG_IGN); /* a client that went away is a failed write, not a death */
+}
+
+/* Rank 0 before the engine opens: flags into the server options, the tokenizer. */
+static k3_status prepare(const k3_args *a, k3_server_opts *so, k3_tokenizer **tok, char *name,
+                         size_t n_name) {
+    const int64_t port = k3_args_int(a, "port"), body = k3_args_int(a, "max-body-bytes"),
+                  msgs = k3_args_int(a, "max-messages"), queue = k3_args_int(a, "max-queue");
+    if (port < 0 || port > 65535)
+        return K3_ERR(K3_ERR_ARG, "--port: %lld must be in [0, 65535]", (long long)port);
+    if (body < 1024 || body > ((int64_t)1 << 30))
+        return K3_ERR(K3_ERR_ARG, "--max-body-bytes: %lld must be in [1024, 2^30]",
+                      (long long)body);
+    if (msgs < 1 || msgs > 1000000)
+        return K3_ERR(K3_ERR_ARG, "--max-messages: %lld must be in [1, 1000000]", (long long)msgs);
+    if (queue < 1 || queue > 65536)
+        return K3_ERR(K3_ERR_ARG, "--max-queue: %lld must be in [1, 65536]", (long long)queue);
+    if (!(k3_args_float(a, "shutdown-grace") >= 0))
+        return K3_ERR(K3_ERR_ARG, "--shutdown-grace must be >= 0");
+    const char *m = k3_args_str(a, "model");
+    if (k3_args_has(a, "served-model-name")) {
+        snprintf(name, n_name, "%s", k3_args_str(a, "served-model-name"));
+    } else {
+        size_t n = strlen(m);
+        while (n > 1 && m[n - 1] == '/') n--;
+        size_t s = n;
+        while (s > 0 && m[s - 1] != '/') s--;
+        snprintf(name, n_name, "%.*s", (int)(n - s), m + s);
+    }
+    const char *key = k3_args_has(a, "api-key") ? k3_args_str(a, "api-key") : getenv("K3_API_KEY");
+    *so = (k3_server_opts){.host = k3_args_str(a, "host"),
+                           .port = (int)port,
+                           .api_key = key && *key ? key : NULL,
+                           .model_name = name,
+                           .max_body_bytes = (size_t)body,
+                           .max_messages = (int)msgs,
+                           .max_queue = (int)queue,
+                           .grace_s = k3_args_float(a, "shutdown-grace")};
+    K3_TRY(k3_tok_create_model_dir(tok, m, NULL));
+    k3_config cfg;
+    K3_TRY(k3_config_load(m, &cfg));
+    so->n_vocab = cfg.vocab_size;
+    so->tok = *tok;
+    return K3_OK;
+}
+
+static int run_serve(const k3_args *a) {
+    if (k3_comm_init() != K3_OK) {
+        fprintf(stderr, "k3 serve: %s\n", k3_last_error());
+        return 1;
+    }
+    int rank = 0, world = 1;
+    k3_comm_world(&rank, &world);
+    k3_log_set_rank(rank, -1, -1);
+    install_signals();
+    k3_engine_opts eo = {.name = "k3 serve"};
+    int rc = k3_engine_args(a, rank == 0, &eo);
+    if (rc == 0 && !k3_args_has(a, "model")) {
+        if (rank == 0) fprintf(stderr, "k3 serve: --model DIR is required\n");
+        rc = 2;
+    }
+    if (rc) {
+        k3_comm_finalize();
+        return rc;
+    }
+    k3_server_opts so = {0};
+    k3_tokenizer *tok = NULL;
+    char name[256] = "";
+    int verdict = 0; /* rank 0 decides: 0 serve, 1 failed, 2 usage */
+    if (rank == 0) {
+        k3_status st = prepare(a, &so, &tok, name, sizeof name);
+        verdict = st == K3_OK ? 0 : st == K3_ERR_ARG ? 2 : 1;
+        if (st != K3_OK) fprintf(stderr, "k3 serve: %s\n", k3_last_error());
+    }
+    int agreed = verdict;
+    if (k3_comm_world_max(verdict, &agreed, eo.comm_timeout_s) != K3_OK) {
+        fprintf(stderr, "k3 serve: rank %d: %s\n", rank, k3_last_error());
+        k3_comm_world_abort(1);
+    }
+    if (agreed) {
+        k3_tok_destroy(tok);
+        k3_comm_finalize();
+        return agreed;
+    }
+    eo.model_dir = k3_args_str(a, "model");
+    eo.tok = tok;
+    eo.test_fail = getenv("K3_TEST_FAIL");
+    eo.progress = true;
+    k3_engine *e = NULL;
+    rc = k3_engine_open(&eo, &e);
+    if (rc == 0 && !k3_engine_is_coordinator(e)) {
+        k3_status st = k3_engine_serve(e);
+        k3_engine_close(e, NULL);
+        rc = st == K3_OK ? 0 : 1;
+    } else if (rc == 0) {
+        k3_engine_stats es;
+        k3_engine_get_stats(e, &es);
+        so.max_ctx = es.max_ctx;
+        so.slots = es.max_seqs * es.ep;
+        k3_server *srv = NULL;
+        k3_status st = k3_server_create(&so, &srv);
+        if (st == K3_OK) st = k3_server_run(srv, e, &stop_flag);
+        if (st != K3_OK) fprintf(stderr, "k3 serve: %s\n", k3_last_error());
+        k3_engine_close(e, NULL); /* releases the other ranks */
+        k3_server_destroy(srv);   /* joins the HTTP threads: their requests have ended */
+        if (st == K3_OK) K3_LOGI("k3 serve: stopped");
+        rc = st == K3_OK ? 0 : 1;
+    }
+    k3_tok_destroy(tok);
+    k3_comm_finalize();
+    return rc;
+}
+
+const k3_command k3_cmd_serve = {
+    .name = "serve",
+    .positional = "",
+    .min_pos = 0,
+    .max_pos = 0,
+    .summary = "an OpenAI-compatible HTTP server (chat, completions, models, tokenize, metrics) "
+               "on rank 0; every rank under mpirun runs the model",
+    .flags = flags,
+    .n_flags = (int)K3_ARRAY_LEN(flags),
+    .run = run_serve,
+};

@@ -1,0 +1,62 @@
+/* k3_server — the OpenAI-compatible HTTP server of `k3 serve`, on rank 0 (libmicrohttpd).
+ *
+ * Owns: the HTTP daemon (its threads, one per connection), the routes (/v1/chat/completions,
+ * /v1/completions, /v1/models, /health, /tokenize, /detokenize, /metrics), the bearer check, the
+ * limits (body bytes, message count, context, queue), OpenAI-style error objects, the SSE stream,
+ * the Prometheus metrics and the access log. Also (chat_job.h, prefix k3_job_) the OpenAI chat
+ * request <-> generation job layer that `k3 run --chat` and `k3 batch` share with it.
+ * Does not own: generation (rank/k3_engine.h), the flags (launcher/cmd_serve.c), MPI.
+ *
+ * Threads. The HTTP threads parse, render and tokenize a request (the tokenizer is thread-safe),
+ * then hand it to rank 0's main thread through a mutex-guarded queue; only the main thread
+ * (k3_server_run) calls the engine, so no MPI call ever happens on an HTTP thread. Events go back
+ * into per-request buffers (allocated at admission, sized by max_tokens) and wake the request's
+ * thread, which writes the response or the SSE chunks. A client that goes away (a failed write,
+ * or its socket closed while it waits) cancels its request, which frees its slot.
+ * Callers must not: call k3_server_run from a thread other than the one that steps the engine. */
+#ifndef K3_SERVER_H
+#define K3_SERVER_H
+
+#include <signal.h>
+
+#include "k3_engine.h"
+#include "k3_tokenizer.h"
+
+typedef struct k3_server k3_server;
+
+typedef struct k3_server_opts {
+    const char *host;       /* numeric IPv4/IPv6 address to bind; NULL = 127.0.0.1 */
+    int port;               /* 0 = any free port (k3_server_port says which) */
+    const char *api_key;    /* NULL or "": no auth; else `Authorization: Bearer KEY` on /v1/ routes,
+                               /tokenize and /detokenize (checked in constant time) */
+    const char *model_name; /* the id in /v1/models and in every response */
+    const k3_tokenizer *tok;
+    int64_t n_vocab;       /* the model's vocab_size (logit_bias and prompt ids below it) */
+    int64_t max_ctx;       /* the engine's tokens per sequence: prompt + max_tokens */
+    int slots;             /* sequence slots of all lanes (metrics: running vs waiting) */
+    size_t max_body_bytes; /* a longer body is refused with 413 (0 = 4 MiB) */
+    int max_messages;      /* messages per chat request (0 = 2048) */
+    int max_queue;         /* requests admitted (running + waiting); more get 429 (0 = 256) */
+    int max_connections;   /* open connections (0 = 512) */
+    double idle_timeout_s; /* a connection idle this long is closed (0 = 120) */
+    double grace_s;        /* at shutdown: in-flight requests may finish this long (0 = 10) */
+} k3_server_opts;
+
+/* Bind and start the HTTP threads. Requests are queued until k3_server_run steps the engine. */
+k3_status k3_server_create(const k3_server_opts *o, k3_server **out);
+int k3_server_port(const k3_server *s);
+/* Rank 0's main thread: admit queued requests into the engine, step it, route its events, until
+ * *stop becomes non-zero (a signal handler sets it); then stop accepting, let in-flight requests
+ * finish within grace_s, cancel the rest and return once every response has ended. The engine is
+ * still open afterwards (the caller closes it). */
+k3_status k3_server_run(k3_server *s, k3_engine *e, volatile sig_atomic_t *stop);
+void k3_server_destroy(k3_server *s); /* NULL-safe; stops the daemon */
+
+/* The request parser alone, as the HTTP threads run it on a body (the fuzz target drives it):
+ * path ("/v1/chat/completions", "/v1/completions", "/tokenize", "/detokenize") + body -> 200 when
+ * the request would be admitted, else the HTTP status (400, 404, 413) with the error message in
+ * why. Needs no engine; o->tok may be a small vocabulary. */
+int k3_server_check_request(const k3_server_opts *o, const char *path, const char *body,
+                            size_t n_bytes, char *why, size_t n_why);
+
+#endif /* K3_SERVER_H */

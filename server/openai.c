@@ -1,0 +1,686 @@
+/* openai.c — the OpenAI wire format of `k3 serve`: request bodies -> generation jobs, and jobs'
+ * tokens -> chat.completion / text_completion bodies and their SSE chunks; /v1/models,
+ * /tokenize, /detokenize and the error objects.
+ *
+ * Owns: the validation of a body before it can reach the engine (JSON, key types, the message
+ * count, prompt ids inside the vocabulary, prompt + max_tokens within the context), the
+ * response and chunk layouts. Does not own: the chat template, sampling keys and the message
+ * parser (chat_job.h), HTTP (server.c).
+ * Chat defaults are OpenAI's (temperature 1, top_p 1; max_tokens = the rest of the context);
+ * /v1/completions takes a prompt string (encoded without specials, as `k3 run --prompt`), a list
+ * of ids, or a one-element list of either; its max_tokens defaults to 16 (OpenAI's). vLLM's
+ * "return_token_ids": true adds "prompt_token_ids" and choices[0].token_ids (non-streamed).
+ * Streaming, chat: a first chunk with the role, then one chunk per batch of parser deltas
+ * (reasoning_content / content / tool_calls, a call's id and name first, then its argument
+ * fragments), each carrying the logprobs of the tokens it consumed, then a chunk with an empty
+ * delta and finish_reason; with stream_options.include_usage every chunk has "usage": null and a
+ * last chunk with no choices carries it; then `data: [DONE]`. */
+#include "server_internal.h"
+
+#include <math.h>
+#include <stdio.h>
+#include <stdlib.h>
+
+static k3_status puts_(k3_chat_buf *o, const char *s) {
+    return k3_chat_buf_puts(o, s);
+}
+
+static k3_status put_str(k3_chat_buf *o, const char *s, size_t n) {
+    return k3_chat_json_dump_str(s, n, o);
+}
+
+static k3_status put_i64(k3_chat_buf *o, int64_t v) {
+    char t[32];
+    snprintf(t, sizeof t, "%lld", (long long)v);
+    return puts_(o, t);
+}
+
+/* ---- errors -----------------------------------------------------------------------------------
+ */
+k3_status srv_error_json(int status, const char *message, k3_chat_buf *out) {
+    const char *type = status == 401   ? "authentication_error"
+                       : status == 404 ? "not_found_error"
+                       : status == 429 ? "rate_limit_error"
+                       : status >= 500 ? "server_error"
+                                       : "invalid_request_error";
+    K3_TRY(puts_(out, "{\"error\":{\"message\":"));
+    K3_TRY(put_str(out, message, strlen(message)));
+    K3_TRY(puts_(out, ",\"type\":"));
+    K3_TRY(put_str(out, type, strlen(type)));
+    K3_TRY(puts_(out, ",\"param\":null,\"code\":"));
+    K3_TRY(put_i64(out, status));
+    return puts_(out, "}}");
+}
+
+/* "message (file.c:123)" -> "message": errors are for clients, not for a debugger. */
+static void strip_where(char *s) {
+    for (;;) {
+        size_t n = strlen(s);
+        if (n < 5 || s[n - 1] != ')') return;
+        char *open = strrchr(s, '(');
+        if (!open || open == s || open[-1] != ' ' || !strstr(open, ".c:")) return;
+        open[-1] = 0;
+    }
+}
+
+static int fail(char *why, size_t n_why, int status, const char *fmt, ...)
+    __attribute__((format(printf, 4, 5)));
+static int fail(char *why, size_t n_why, int status, const char *fmt, ...) {
+    va_list ap;
+    va_start(ap, fmt);
+    vsnprintf(why, n_why, fmt, ap);
+    va_end(ap);
+    strip_where(why);
+    return status;
+}
+
+/* ---- request parsing --------------------------------------------------------------------------
+ */
+static const k3_chat_json *key(const k3_chat_json *d, const char *k) {
+    const k3_chat_json *v = k3_chat_json_get(d, k);
+    return v && v->kind != K3_JSON_NULL ? v : NULL;
+}
+
+/* Keys whose type the job layer does not check, checked here: the name and the expected kind. */
+static int check_types(const k3_chat_json *d, char *why, size_t n_why) {
+    static const struct {
+        const char *key;
+        k3_json_kind kind;
+    } typed[] = {
+        {"model", K3_JSON_STRING},          {"stream", K3_JSON_BOOL},
+        {"stream_options", K3_JSON_OBJECT}, {"return_token_ids", K3_JSON_BOOL},
+        {"user", K3_JSON_STRING},           {"echo", K3_JSON_BOOL},
+    };
+    for (size_t i = 0; i < K3_ARRAY_LEN(typed); i++) {
+        const k3_chat_json *v = key(d, typed[i].key);
+        if (v && v->kind != typed[i].kind)
+            return fail(why, n_why, 400, "request key '%s' must be a %s", typed[i].key,
+                        typed[i].kind == K3_JSON_STRING ? "string"
+                        : typed[i].kind == K3_JSON_BOOL ? "boolean"
+                                                        : "object");
+    }
+    const k3_chat_json *so = key(d, "stream_options"), *iu = key(so, "include_usage");
+    if (iu && iu->kind != K3_JSON_BOOL)
+        return fail(why, n_why, 400,
+                    "request key 'stream_options.include_usage' must be a boolean");
+    if (so && !key(d, "stream"))
+        return fail(why, n_why, 400, "request key 'stream_options' is only allowed with stream");
+    const k3_chat_json *echo = key(d, "echo");
+    if (echo && echo->b) return fail(why, n_why, 400, "request key 'echo' is not supported");
+    return 200;
+}
+
+/* Ids of a JSON array, each in [0, n_vocab). */
+static int take_ids(const k3_server_opts *o, const k3_chat_json *a, k3_job *j, const char *what,
+                    char *why, size_t n_why) {
+    if (a->n_items == 0) return fail(why, n_why, 400, "%s: the prompt is empty", what);
+    if (k3_alloc((void **)&j->ids, a->n_items * sizeof(int32_t), "prompt ids") != K3_OK)
+        return fail(why, n_why, 500, "out of memory");
+    for (size_t i = 0; i < a->n_items; i++) {
+        const k3_chat_json *v = a->items[i];
+        uint64_t id = 0;
+        if (v->kind != K3_JSON_INT || !k3_job_parse_u64(v->s, &id) || (int64_t)id >= o->n_vocab)
+            return fail(why, n_why, 400, "%s[%zu]: not a token id in [0, %lld)", what, i,
+                        (long long)o->n_vocab);
+        j->ids[i] = (int32_t)id;
+    }
+    j->n_ids = (int64_t)a->n_items;
+    return 200;
+}
+
+/* A completion prompt: a string, ids, or a list holding one of either. */
+static int completion_prompt(const k3_server_opts *o, const k3_chat_json *p, k3_job *j, char *why,
+                             size_t n_why) {
+    if (!p) return fail(why, n_why, 400, "request key 'prompt' is required");
+    if (p->kind == K3_JSON_ARRAY && p->n_items == 1 &&
+        (p->items[0]->kind == K3_JSON_STRING || p->items[0]->kind == K3_JSON_ARRAY))
+        p = p->items[0];
+    if (p->kind == K3_JSON_ARRAY) return take_ids(o, p, j, "request key 'prompt'", why, n_why);
+    if (p->kind != K3_JSON_STRING)
+        return fail(why, n_why, 400,
+                    "request key 'prompt' must be a string, a list of token ids, or a list "
+                    "holding one of them (one prompt per request)");
+    k3_tok_ids v = {0};
+    if (k3_tok_encode(o->tok, p->s, p->n, false, &v) != K3_OK) {
+        int st = fail(why, n_why, 400, "request key 'prompt': %s", k3_last_error());
+        k3_tok_ids_free(&v);
+        return st;
+    }
+    int st = v.n ? 200 : fail(why, n_why, 400, "request key 'prompt' encodes to no tokens");
+    if (st == 200 && k3_alloc((void **)&j->ids, v.n * sizeof(int32_t), "prompt") != K3_OK)
+        st = fail(why, n_why, 500, "out of memory");
+    if (st == 200) memcpy(j->ids, v.ids, v.n * sizeof(int32_t)), j->n_ids = (int64_t)v.n;
+    k3_tok_ids_free(&v);
+    return st;
+}
+
+/* /v1/completions' "logprobs": an integer 0-20 (the top entries per token); -1 when absent. */
+static int completion_logprobs(const k3_chat_json *d, int *n_top, char *why, size_t n_why) {
+    const k3_chat_json *v = key(d, "logprobs");
+    uint64_t n = 0;
+    *n_top = -1;
+    if (!v) return 200;
+    if (v->kind != K3_JSON_INT || !k3_job_parse_u64(v->s, &n) || n > K3_JOB_MAX_TOP)
+        return fail(why, n_why, 400, "request key 'logprobs' must be an integer in [0, %d]",
+                    K3_JOB_MAX_TOP);
+    *n_top = (int)n;
+    return 200;
+}
+
+static int parse_job(const k3_server_opts *o, sreq *q, const char *body, size_t n, char *why,
+                     size_t n_why) {
+    k3_job *j = &q->job;
+    const int max_messages = o->max_messages > 0 ? o->max_messages : 2048;
+    if (k3_chat_json_parse(body, n, "request", &j->doc) != K3_OK)
+        return fail(why, n_why, 400, "%s", k3_last_error());
+    if (j->doc->kind != K3_JSON_OBJECT)
+        return fail(why, n_why, 400, "the request body must be a JSON object");
+    int st = check_types(j->doc, why, n_why);
+    if (st != 200) return st;
+    if (q->kind == SREQ_CHAT) {
+        const k3_chat_json *m = key(j->doc, "messages");
+        if (!m || m->kind != K3_JSON_ARRAY)
+            return fail(why, n_why, 400, "request key 'messages' must be an array");
+        if (m->n_items > (size_t)max_messages)
+            return fail(why, n_why, 400,
+                        "request key 'messages': %zu messages, more than the "
+                        "limit of %d",
+                        m->n_items, max_messages);
+        k3_chat_json_free(j->doc); /* k3_job_parse keeps its own */
+        j->doc = NULL;
+        if (k3_job_parse(j, body, n, "request", o->tok) != K3_OK)
+            return fail(why, n_why, 400, "%s", k3_last_error());
+        if (k3_job_logprobs_keys(j->doc, "request", &q->n_top) != K3_OK)
+            return fail(why, n_why, 400, "%s", k3_last_error());
+    } else {
+        st = completion_prompt(o, k3_chat_json_get(j->doc, "prompt"), j, why, n_why);
+        if (st != 200) return st;
+        st = completion_logprobs(j->doc, &q->n_top, why, n_why);
+        if (st != 200) return st;
+    }
+    k3_job_settings s = {.num = {[K3_JOB_TEMPERATURE] = 1,
+                                 [K3_JOB_TOP_P] = 1,
+                                 [K3_JOB_REPETITION_PENALTY] = 1,
+                                 [K3_JOB_MAX_TOKENS] = q->kind == SREQ_COMPLETION ? 16 : 0},
+                         .n_vocab = o->n_vocab};
+    const k3_chat_json *seed = key(j->doc, "seed");
+    uint64_t t = (uint64_t)k3_now_s() * 1000003u ^ (uint64_t)(uintptr_t)q;
+    s.seed = seed ? 0 : k3_hash_bytes(&t, sizeof t, K3_HASH_INIT); /* unseeded: a fresh one */
+    if (k3_job_sampling(j, &s, "request") != K3_OK)
+        return fail(why, n_why, 400, "%s", k3_last_error());
+    if (j->from_req[K3_JOB_MAX_TOKENS] && j->max_tokens == 0)
+        return fail(why, n_why, 400, "request key '%s': 0 must be >= 1",
+                    key(j->doc, "max_completion_tokens") ? "max_completion_tokens" : "max_tokens");
+    if (j->n_ids >= o->max_ctx)
+        return fail(why, n_why, 400,
+                    "the prompt has %lld tokens; the context limit (--max-ctx) is %lld tokens, "
+                    "prompt + completion",
+                    (long long)j->n_ids, (long long)o->max_ctx);
+    if (q->kind == SREQ_CHAT && !j->from_req[K3_JOB_MAX_TOKENS])
+        j->max_tokens = o->max_ctx - j->n_ids; /* the rest of the context */
+    if (j->n_ids + j->max_tokens > o->max_ctx)
+        return fail(why, n_why, 400,
+                    "the prompt (%lld tokens) + max_tokens (%lld) exceeds the context limit of "
+                    "%lld tokens (--max-ctx)",
+                    (long long)j->n_ids, (long long)j->max_tokens, (long long)o->max_ctx);
+    q->stream = k3_chat_json_truthy(key(j->doc, "stream"));
+    q->include_usage = k3_chat_json_truthy(key(key(j->doc, "stream_options"), "include_usage"));
+    q->return_token_ids = k3_chat_json_truthy(key(j->doc, "return_token_ids"));
+    return 200;
+}
+
+void srv_sreq_free(sreq *q) {
+    if (!q) return;
+    k3_job_free(&q->job);
+    k3_free(q->gen), k3_free(q->lp), free(q->text);
+    pthread_cond_destroy(&q->cv);
+    k3_free(q);
+}
+
+int srv_parse(const k3_server_opts *o, sreq_kind kind, const char *body, size_t n, sreq **out,
+              char *why, size_t n_why) {
+    sreq *q = NULL;
+    *out = NULL;
+    if (k3_calloc((void **)&q, sizeof *q, "request") != K3_OK)
+        return fail(why, n_why, 500, "out of memory");
+    pthread_cond_init(&q->cv, NULL);
+    q->kind = kind;
+    q->n_top = -1;
+    int st = parse_job(o, q, body, n, why, n_why);
+    if (st == 200) {
+        q->cap_gen = K3_MAX(q->job.max_tokens, 1);
+        if (k3_alloc((void **)&q->gen, (size_t)q->cap_gen * sizeof *q->gen, "tokens") != K3_OK ||
+            (q->n_top >= 0 &&
+             k3_alloc((void **)&q->lp, (size_t)q->cap_gen * sizeof *q->lp, "logprobs") != K3_OK))
+            st = fail(why, n_why, 500, "out of memory");
+    }
+    if (st != 200) {
+        srv_sreq_free(q);
+        return st;
+    }
+    *out = q;
+    return 200;
+}
+
+int k3_server_check_request(const k3_server_opts *o, const char *path, const char *body,
+                            size_t n_bytes, char *why, size_t n_why) {
+    const size_t max_body = o->max_body_bytes ? o->max_body_bytes : (size_t)4 << 20;
+    if (n_bytes > max_body)
+        return fail(why, n_why, 413, "the body has %zu bytes, more than the limit of %zu", n_bytes,
+                    max_body);
+    k3_chat_buf out = {0};
+    int st = 404;
+    if (strcmp(path, "/tokenize") == 0) {
+        st = srv_tokenize(o, body, n_bytes, &out);
+    } else if (strcmp(path, "/detokenize") == 0) {
+        st = srv_detokenize(o, body, n_bytes, &out);
+    } else if (strcmp(path, "/v1/chat/completions") == 0 || strcmp(path, "/v1/completions") == 0) {
+        sreq *q = NULL;
+        st = srv_parse(o, path[4] == 'c' && path[5] == 'h' ? SREQ_CHAT : SREQ_COMPLETION, body,
+                       n_bytes, &q, why, n_why);
+        srv_sreq_free(q);
+        return st;
+    } else {
+        fail(why, n_why, 404, "no route %s", path);
+    }
+    if (st != 200) snprintf(why, n_why, "%s", out.p ? out.p : "");
+    k3_chat_buf_free(&out);
+    return st;
+}
+
+/* ---- response bodies --------------------------------------------------------------------------
+ */
+static k3_status put_head(const k3_server_opts *o, const sreq *q, const char *object,
+                          k3_chat_buf *out) {
+    K3_TRY(puts_(out, "{\"id\":"));
+    K3_TRY(put_str(out, q->id, strlen(q->id)));
+    K3_TRY(puts_(out, ",\"object\":"));
+    K3_TRY(put_str(out, object, strlen(object)));
+    K3_TRY(puts_(out, ",\"created\":"));
+    K3_TRY(put_i64(out, q->created));
+    K3_TRY(puts_(out, ",\"model\":"));
+    K3_TRY(put_str(out, o->model_name, strlen(o->model_name)));
+    return puts_(out, ",\"choices\":[");
+}
+
+static k3_status put_usage(int64_t n_prompt, int64_t n_gen, k3_chat_buf *out) {
+    char t[160];
+    snprintf(t, sizeof t,
+             "{\"prompt_tokens\":%lld,\"completion_tokens\":%lld,\"total_tokens\":%lld}",
+             (long long)n_prompt, (long long)n_gen, (long long)(n_prompt + n_gen));
+    return puts_(out, t);
+}
+
+/* Chat logprobs entries of tokens [a, b): {"token","logprob","bytes","top_logprobs":[..]}. */
+static k3_status put_chat_lp(const k3_server_opts *o, const sreq *q, const sreq_tok *toks,
+                             const sreq_lp *lps, int64_t a, int64_t b, k3_chat_buf *out) {
+    for (int64_t t = a; t < b; t++) {
+        if (t > a) K3_TRY(puts_(out, ","));
+        K3_TRY(k3_job_logprob_entry(o->tok, toks[t].id, lps[t].logprob, out));
+        K3_TRY(puts_(out, ",\"top_logprobs\":["));
+        for (int k = 0; k < K3_MIN(lps[t].n_top, q->n_top); k++) {
+            if (k) K3_TRY(puts_(out, ","));
+            K3_TRY(k3_job_logprob_entry(o->tok, lps[t].top_ids[k], lps[t].top_logprobs[k], out));
+            K3_TRY(puts_(out, "}"));
+        }
+        K3_TRY(puts_(out, "]}"));
+    }
+    return K3_OK;
+}
+
+/* Completion logprobs of tokens [a, b): {"tokens","token_logprobs","top_logprobs","text_offset"};
+ * text_offset counts bytes of the completion's text before the token (base: the first token's). */
+static k3_status put_completion_lp(const k3_server_opts *o, const sreq *q, const sreq_tok *toks,
+                                   const sreq_lp *lps, int64_t a, int64_t b, k3_chat_buf *out) {
+    static const char *const part[] = {"{\"tokens\":[", "],\"token_logprobs\":[",
+                                       "],\"top_logprobs\":[", "],\"text_offset\":["};
+    for (int f = 0; f < 4; f++) {
+        K3_TRY(puts_(out, part[f]));
+        for (int64_t t = a; t < b; t++) {
+            if (t > a) K3_TRY(puts_(out, ","));
+            k3_chat_buf e = {0};
+            k3_status st = K3_OK;
+            if (f == 0 || f == 1) {
+                st = k3_job_logprob_entry(o->tok, toks[t].id, lps[t].logprob, &e);
+                /* {"token":T,"logprob":L,... -> T or L */
+                const char *lp = e.p ? strstr(e.p, ",\"logprob\":") : NULL;
+                const char *bytes = lp ? strstr(lp, ",\"bytes\":") : NULL;
+                if (st == K3_OK && (!lp || !bytes)) st = K3_ERR(K3_ERR_INTERNAL, "logprob entry");
+                if (st == K3_OK && f == 0)
+                    st = k3_chat_buf_put(out, e.p + 9, (size_t)(lp - e.p - 9));
+                if (st == K3_OK && f == 1)
+                    st = k3_chat_buf_put(out, lp + 11, (size_t)(bytes - lp - 11));
+            } else if (f == 2) {
+                st = puts_(out, "{");
+                for (int k = 0; k < K3_MIN(lps[t].n_top, q->n_top) && st == K3_OK; k++) {
+                    k3_tok_bytes tb = {0};
+                    const char *p = "";
+                    size_t nb = 0;
+                    if (k3_tok_id_bytes(o->tok, lps[t].top_ids[k], &p, &nb) != K3_OK)
+                        p = "", nb = 0;
+                    st = k3_tok_utf8_replace(p, nb, &tb);
+                    char f32[40];
+                    k3_chat_json_float_repr(isfinite(lps[t].top_logprobs[k])
+                                                ? K3_MAX((double)lps[t].top_logprobs[k], -9999.0)
+                                                : -9999.0,
+                                            f32);
+                    if (st == K3_OK && k) st = puts_(out, ",");
+                    if (st == K3_OK) st = put_str(out, tb.data ? tb.data : "", tb.n);
+                    if (st == K3_OK) st = puts_(out, ":");
+                    if (st == K3_OK) st = puts_(out, f32);
+                    k3_tok_bytes_free(&tb);
+                }
+                if (st == K3_OK) st = puts_(out, "}");
+            } else {
+                st = put_i64(out, (int64_t)(t ? toks[t - 1].text_end : 0));
+            }
+            k3_chat_buf_free(&e);
+            K3_TRY(st);
+        }
+    }
+    return puts_(out, "]}");
+}
+
+/* The message of a parser: {"role","content","reasoning_content"?,"tool_calls"?}. */
+static k3_status put_message(k3_parser *p, k3_chat_buf *out) {
+    k3_parser_message m;
+    K3_TRY(k3_parser_message_view(p, &m));
+    K3_TRY(puts_(out, "{\"role\":\"assistant\",\"content\":"));
+    K3_TRY(put_str(out, m.content, m.n_content));
+    if (m.has_reasoning) {
+        K3_TRY(puts_(out, ",\"reasoning_content\":"));
+        K3_TRY(put_str(out, m.reasoning, m.n_reasoning));
+    }
+    if (m.n_calls) K3_TRY(puts_(out, ",\"tool_calls\":["));
+    for (size_t i = 0; i < m.n_calls; i++) {
+        K3_TRY(puts_(out, i ? ",{\"id\":" : "{\"id\":"));
+        K3_TRY(put_str(out, m.calls[i].id, strlen(m.calls[i].id)));
+        K3_TRY(puts_(out, ",\"type\":\"function\",\"function\":{\"name\":"));
+        K3_TRY(put_str(out, m.calls[i].name, m.calls[i].n_name));
+        K3_TRY(puts_(out, ",\"arguments\":"));
+        K3_TRY(put_str(out, m.calls[i].arguments, m.calls[i].n_arguments));
+        K3_TRY(puts_(out, "}}"));
+    }
+    if (m.n_calls) K3_TRY(puts_(out, "]"));
+    return puts_(out, "}");
+}
+
+static const char *completion_finish(k3_stop_kind stop) {
+    return stop == K3_STOP_NONE ? "length" : "stop";
+}
+
+static k3_status put_ids(const sreq_tok *toks, int64_t n, k3_chat_buf *out) {
+    K3_TRY(puts_(out, "["));
+    for (int64_t i = 0; i < n; i++) {
+        if (i) K3_TRY(puts_(out, ","));
+        K3_TRY(put_i64(out, toks[i].id));
+    }
+    return puts_(out, "]");
+}
+
+/* Feed tokens [st->n_fed, s->n_gen) to the chat parser (and end it when s->done). */
+static k3_status feed_chat(const sreq *q, srv_stream *st, const srv_snapshot *s,
+                           const k3_tokenizer *tok) {
+    if (!st->feed) K3_TRY(k3_job_feed_create(&q->job, tok, false, &st->feed));
+    for (; st->n_fed < s->n_gen; st->n_fed++)
+        K3_TRY(k3_job_feed_token(st->feed, s->toks[st->n_fed].id, s->toks[st->n_fed].text_end));
+    if (s->done && !s->failed) K3_TRY(k3_job_feed_end(st->feed, s->stop, s->n_text));
+    return K3_OK;
+}
+
+k3_status srv_response(const k3_server_opts *o, const sreq *q, k3_chat_buf *out) {
+    const bool chat = q->kind == SREQ_CHAT;
+    K3_TRY(put_head(o, q, chat ? "chat.completion" : "text_completion", out));
+    K3_TRY(puts_(out, "{\"index\":0,"));
+    const char *finish = completion_finish(q->stop);
+    if (chat) {
+        srv_stream st = {0};
+        const srv_snapshot s = {
+            .toks = q->gen, .n_gen = q->n_gen, .n_text = q->n_text, .done = true, .stop = q->stop};
+        k3_status r = feed_chat(q, &st, &s, o->tok);
+        k3_parser_message m = {0};
+        if (r == K3_OK) r = puts_(out, "\"message\":");
+        if (r == K3_OK) r = put_message(k3_job_feed_parser(st.feed), out);
+        if (r == K3_OK) r = k3_parser_message_view(k3_job_feed_parser(st.feed), &m);
+        if (r == K3_OK && m.finish_reason) finish = m.finish_reason;
+        if (r == K3_OK) r = puts_(out, ",\"logprobs\":");
+        if (r == K3_OK && q->lp) {
+            r = puts_(out, "{\"content\":[");
+            if (r == K3_OK) r = put_chat_lp(o, q, q->gen, q->lp, 0, q->n_gen, out);
+            if (r == K3_OK) r = puts_(out, "],\"refusal\":null}");
+        } else if (r == K3_OK) {
+            r = puts_(out, "null");
+        }
+        if (r == K3_OK) r = puts_(out, ",\"finish_reason\":");
+        if (r == K3_OK) r = put_str(out, finish, strlen(finish));
+        srv_stream_free(&st);
+        K3_TRY(r);
+    } else {
+        K3_TRY(puts_(out, "\"text\":"));
+        K3_TRY(put_str(out, q->text ? q->text : "", q->n_text));
+        K3_TRY(puts_(out, ",\"logprobs\":"));
+        if (q->lp)
+            K3_TRY(put_completion_lp(o, q, q->gen, q->lp, 0, q->n_gen, out));
+        else
+            K3_TRY(puts_(out, "null"));
+        K3_TRY(puts_(out, ",\"finish_reason\":"));
+        K3_TRY(put_str(out, finish, strlen(finish)));
+    }
+    if (q->return_token_ids) {
+        K3_TRY(puts_(out, ",\"token_ids\":"));
+        K3_TRY(put_ids(q->gen, q->n_gen, out));
+    }
+    K3_TRY(puts_(out, "}],\"usage\":"));
+    K3_TRY(put_usage(q->n_prompt, q->n_gen, out));
+    if (q->return_token_ids) {
+        K3_TRY(puts_(out, ",\"prompt_token_ids\":["));
+        for (int64_t i = 0; i < q->job.n_ids; i++) {
+            if (i) K3_TRY(puts_(out, ","));
+            K3_TRY(put_i64(out, q->job.ids[i]));
+        }
+        K3_TRY(puts_(out, "]"));
+    }
+    return puts_(out, "}");
+}
+
+/* ---- streaming --------------------------------------------------------------------------------
+ */
+/* One SSE chunk: "data: {head, choices:[{index:0, <choice>, finish_reason}]<, usage:null>}\n\n"
+ * where `choice` is written by the caller between the two calls. */
+static k3_status chunk_open(const k3_server_opts *o, const sreq *q, k3_chat_buf *out) {
+    K3_TRY(puts_(out, "data: "));
+    K3_TRY(put_head(o, q, q->kind == SREQ_CHAT ? "chat.completion.chunk" : "text_completion", out));
+    return puts_(out, "{\"index\":0,");
+}
+
+static k3_status chunk_close(const sreq *q, const char *finish, k3_chat_buf *out) {
+    K3_TRY(puts_(out, ",\"finish_reason\":"));
+    K3_TRY(finish ? put_str(out, finish, strlen(finish)) : puts_(out, "null"));
+    K3_TRY(puts_(out, "}]"));
+    if (q->include_usage) K3_TRY(puts_(out, ",\"usage\":null"));
+    return puts_(out, "}\n\n");
+}
+
+/* The logprobs of tokens [a, b) as a chunk's "logprobs" value. */
+static k3_status chunk_lp(const k3_server_opts *o, const sreq *q, const srv_snapshot *s, int64_t a,
+                          int64_t b, k3_chat_buf *out) {
+    K3_TRY(puts_(out, ",\"logprobs\":"));
+    if (!s->lps || a == b) return puts_(out, "null");
+    if (q->kind != SREQ_CHAT) return put_completion_lp(o, q, s->toks, s->lps, a, b, out);
+    K3_TRY(puts_(out, "{\"content\":["));
+    K3_TRY(put_chat_lp(o, q, s->toks, s->lps, a, b, out));
+    return puts_(out, "],\"refusal\":null}");
+}
+
+static k3_status chat_chunks(const k3_server_opts *o, const sreq *q, srv_stream *st,
+                             const srv_snapshot *s, k3_chat_buf *out) {
+    if (!st->role_sent) {
+        K3_TRY(chunk_open(o, q, out));
+        K3_TRY(puts_(out, "\"delta\":{\"role\":\"assistant\",\"content\":\"\"},\"logprobs\":null"));
+        K3_TRY(chunk_close(q, NULL, out));
+        st->role_sent = true;
+    }
+    if (s->failed) return K3_OK;
+    K3_TRY(feed_chat(q, st, s, o->tok));
+    k3_parser *p = k3_job_feed_parser(st->feed);
+    k3_parser_delta d;
+    K3_TRY(k3_parser_take_delta(p, &d));
+    /* tokens that made no delta yet (held text, markers) give their logprobs to the next chunk */
+    const bool news = !k3_parser_delta_empty(&d);
+    if (news) {
+        K3_TRY(chunk_open(o, q, out));
+        K3_TRY(puts_(out, "\"delta\":"));
+        K3_TRY(k3_parser_delta_json(&d, out));
+        K3_TRY(chunk_lp(o, q, s, st->n_lp, s->n_gen, out));
+        K3_TRY(chunk_close(q, NULL, out));
+        st->n_lp = s->n_gen;
+    }
+    if (!s->done) return K3_OK;
+    k3_parser_message m;
+    K3_TRY(k3_parser_message_view(p, &m));
+    const char *finish = m.finish_reason ? m.finish_reason : completion_finish(s->stop);
+    K3_TRY(chunk_open(o, q, out));
+    K3_TRY(puts_(out, "\"delta\":{}"));
+    K3_TRY(chunk_lp(o, q, s, st->n_lp, s->n_gen, out));
+    st->n_lp = s->n_gen;
+    return chunk_close(q, finish, out);
+}
+
+static k3_status completion_chunks(const k3_server_opts *o, const sreq *q, srv_stream *st,
+                                   const srv_snapshot *s, k3_chat_buf *out) {
+    if (s->failed) return K3_OK;
+    const bool news = s->n_text > st->text_seen;
+    if (!news && !s->done) return K3_OK;
+    K3_TRY(chunk_open(o, q, out));
+    K3_TRY(puts_(out, "\"text\":"));
+    K3_TRY(put_str(out, s->text + st->text_seen, s->n_text - st->text_seen));
+    K3_TRY(chunk_lp(o, q, s, st->n_lp, s->n_gen, out));
+    K3_TRY(chunk_close(q, s->done ? completion_finish(s->stop) : NULL, out));
+    st->text_seen = s->n_text;
+    st->n_fed = st->n_lp = s->n_gen;
+    return K3_OK;
+}
+
+k3_status srv_stream_chunks(const k3_server_opts *o, const sreq *q, srv_stream *st,
+                            const srv_snapshot *s, k3_chat_buf *out) {
+    if (st->end_sent) return K3_OK;
+    K3_TRY(q->kind == SREQ_CHAT ? chat_chunks(o, q, st, s, out)
+                                : completion_chunks(o, q, st, s, out));
+    if (!s->done) return K3_OK;
+    if (s->failed) {
+        k3_chat_buf e = {0};
+        k3_status r = srv_error_json(500, s->error, &e);
+        if (r == K3_OK) r = puts_(out, "data: ");
+        if (r == K3_OK) r = k3_chat_buf_put(out, e.p, e.n);
+        if (r == K3_OK) r = puts_(out, "\n\n");
+        k3_chat_buf_free(&e);
+        K3_TRY(r);
+    } else if (q->include_usage) {
+        K3_TRY(puts_(out, "data: "));
+        K3_TRY(put_head(o, q, q->kind == SREQ_CHAT ? "chat.completion.chunk" : "text_completion",
+                        out));
+        K3_TRY(puts_(out, "],\"usage\":"));
+        K3_TRY(put_usage(s->n_prompt, s->n_gen, out));
+        K3_TRY(puts_(out, "}\n\n"));
+    }
+    st->end_sent = true;
+    return puts_(out, "data: [DONE]\n\n");
+}
+
+void srv_stream_free(srv_stream *st) {
+    k3_job_feed_destroy(st->feed);
+    memset(st, 0, sizeof *st);
+}
+
+/* ---- models, tokenize, detokenize -------------------------------------------------------------
+ */
+k3_status srv_models_json(const k3_server_opts *o, int64_t created, k3_chat_buf *out) {
+    K3_TRY(puts_(out, "{\"object\":\"list\",\"data\":[{\"id\":"));
+    K3_TRY(put_str(out, o->model_name, strlen(o->model_name)));
+    K3_TRY(puts_(out, ",\"object\":\"model\",\"created\":"));
+    K3_TRY(put_i64(out, created));
+    K3_TRY(puts_(out, ",\"owned_by\":\"k3\",\"root\":"));
+    K3_TRY(put_str(out, o->model_name, strlen(o->model_name)));
+    K3_TRY(puts_(out, ",\"max_model_len\":"));
+    K3_TRY(put_i64(out, o->max_ctx));
+    return puts_(out, "}]}");
+}
+
+static int error_body(int status, const char *why, k3_chat_buf *out) {
+    char m[1024];
+    snprintf(m, sizeof m, "%s", why);
+    strip_where(m);
+    out->n = 0;
+    return srv_error_json(status, m, out) == K3_OK ? status : 500;
+}
+
+/* vLLM's /tokenize: {"prompt": text} or a chat request ({"messages": [...], ...}) ->
+ * {"count", "max_model_len", "tokens"}. */
+int srv_tokenize(const k3_server_opts *o, const char *body, size_t n, k3_chat_buf *out) {
+    char why[1024];
+    sreq *q = NULL;
+    k3_chat_json *d = NULL;
+    if (k3_chat_json_parse(body, n, "request", &d) != K3_OK)
+        return error_body(400, k3_last_error(), out);
+    const bool chat = k3_chat_json_get(d, "messages") != NULL;
+    k3_chat_json_free(d);
+    k3_job j = {0};
+    int st = 200;
+    if (chat) {
+        if (k3_job_parse(&j, body, n, "request", o->tok) != K3_OK)
+            st = error_body(400, k3_last_error(), out);
+    } else {
+        if (k3_calloc((void **)&q, sizeof *q, "request") != K3_OK)
+            return error_body(500, "oom", out);
+        if (k3_chat_json_parse(body, n, "request", &q->job.doc) != K3_OK)
+            st = error_body(400, k3_last_error(), out);
+        if (st == 200) {
+            st = completion_prompt(o, k3_chat_json_get(q->job.doc, "prompt"), &q->job, why,
+                                   sizeof why);
+            if (st != 200) st = error_body(st, why, out);
+        }
+        j = q->job;
+        memset(&q->job, 0, sizeof q->job);
+        k3_free(q);
+    }
+    if (st == 200) {
+        k3_status r = puts_(out, "{\"count\":");
+        if (r == K3_OK) r = put_i64(out, j.n_ids);
+        if (r == K3_OK) r = puts_(out, ",\"max_model_len\":");
+        if (r == K3_OK) r = put_i64(out, o->max_ctx);
+        if (r == K3_OK) r = puts_(out, ",\"tokens\":[");
+        for (int64_t i = 0; i < j.n_ids && r == K3_OK; i++) {
+            if (i) r = puts_(out, ",");
+            if (r == K3_OK) r = put_i64(out, j.ids[i]);
+        }
+        if (r == K3_OK) r = puts_(out, "]}");
+        if (r != K3_OK) st = error_body(500, k3_last_error(), out);
+    }
+    k3_job_free(&j);
+    return st;
+}
+
+/* vLLM's /detokenize: {"tokens": [ids]} -> {"prompt": text}. */
+int srv_detokenize(const k3_server_opts *o, const char *body, size_t n, k3_chat_buf *out) {
+    char why[1024];
+    k3_chat_json *d = NULL;
+    if (k3_chat_json_parse(body, n, "request", &d) != K3_OK)
+        return error_body(400, k3_last_error(), out);
+    const k3_chat_json *t = k3_chat_json_get(d, "tokens");
+    k3_job j = {0};
+    int st = t && t->kind == K3_JSON_ARRAY
+                 ? take_ids(o, t, &j, "request key 'tokens'", why, sizeof why)
+                 : fail(why, sizeof why, 400, "request key 'tokens' must be a list of token ids");
+    if (st != 200) st = error_body(st, why, out);
+    k3_tok_bytes txt = {0};
+    if (st == 200 && k3_tok_decode(o->tok, j.ids, (size_t)j.n_ids, &txt) != K3_OK)
+        st = error_body(400, k3_last_error(), out);
+    if (st == 200 &&
+        (puts_(out, "{\"prompt\":") != K3_OK ||
+         put_str(out, txt.data ? txt.data : "", txt.n) != K3_OK || puts_(out, "}") != K3_OK))
+        st = error_body(500, k3_last_error(), out);
+    k3_tok_bytes_free(&txt);
+    k3_job_free(&j);
+    k3_chat_json_free(d);
+    return st;
+}

@@ -1,0 +1,668 @@
+/* server.c — the HTTP side of `k3 serve` (libmicrohttpd, one thread per connection) and rank 0's
+ * engine loop (k3_server_run), joined by a mutex-guarded admission queue (see k3_server.h).
+ *
+ * Owns: routing, the bearer check, the body limit, admission (429 + Retry-After when
+ * max_queue requests are open, 503 while shutting down), the waits of the HTTP threads (a
+ * non-streamed request waits for its DONE; a stream's content reader waits for the next tokens),
+ * client-disconnect detection (a failed write, or a peek on the socket every 200 ms of waiting:
+ * the request is cancelled and its slot freed), the access log, the metrics counters and the
+ * shutdown sequence (quiesce, grace, cancel, wait for the responses to end).
+ * Invariants: only the thread in k3_server_run calls the engine; an sreq's token and logprob
+ * arrays never move (sized by max_tokens at admission), so an HTTP thread reads entries below
+ * n_gen without the lock; the released text may move (grown by the main thread) and is copied
+ * under the lock. */
+#include "k3_server.h"
+
+#include <arpa/inet.h>
+#include <errno.h>
+#include <microhttpd.h>
+#include <netinet/in.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <sys/socket.h>
+#include <time.h>
+
+#include "server_internal.h"
+
+#define WAIT_SLICE_S 0.2 /* how often a waiting HTTP thread looks at its client's socket */
+
+struct k3_server {
+    k3_server_opts o;
+    struct MHD_Daemon *d;
+    int port;
+    size_t max_body;
+    int max_queue;
+    uint64_t nonce, counter;
+    int64_t started;
+    pthread_mutex_t mu;
+    pthread_cond_t work; /* the main thread waits here for requests */
+    /* under mu */
+    sreq *head, *tail; /* admission queue */
+    sreq **live;       /* (max_queue) submitted, waiting for their last event */
+    int n_live;
+    bool stopping;
+    int n_busy; /* connections with a model request whose response has not ended */
+    srv_metrics m;
+};
+
+/* One HTTP request (MHD's per-request pointer). */
+typedef struct conn {
+    k3_server *s;
+    struct MHD_Connection *c;
+    char method[8], path[64];
+    char *body; /* (cap) */
+    size_t n, cap;
+    int status; /* a refusal decided while the body arrives (401, 413), else 0 */
+    double t0;
+    sreq *q;          /* a model request (chat / completion), or NULL */
+    int64_t n_prompt; /* for the access log */
+    srv_stream st;    /* streaming: progress */
+    k3_chat_buf out;  /* streaming: bytes not yet handed to MHD */
+    size_t out_off;
+    char *text; /* streaming: a copy of the released text (cap_text) */
+    size_t n_text, cap_text;
+} conn;
+
+/* ---- helpers ----------------------------------------------------------------------------------
+ */
+static void timed_wait(pthread_cond_t *cv, pthread_mutex_t *mu, double seconds) {
+    struct timespec ts;
+    clock_gettime(CLOCK_REALTIME, &ts);
+    double ns = (double)ts.tv_nsec + seconds * 1e9;
+    ts.tv_sec += (time_t)(ns / 1e9);
+    ts.tv_nsec = (long)(ns - (double)(time_t)(ns / 1e9) * 1e9);
+    pthread_cond_timedwait(cv, mu, &ts);
+}
+
+/* The client closed its side (EOF or an error on a non-blocking peek). */
+static bool client_gone(struct MHD_Connection *c) {
+    const union MHD_ConnectionInfo *ci =
+        MHD_get_connection_info(c, MHD_CONNECTION_INFO_CONNECTION_FD);
+    if (!ci) return false;
+    char b;
+    ssize_t r = recv(ci->connect_fd, &b, 1, MSG_PEEK | MSG_DONTWAIT);
+    return r == 0 || (r < 0 && errno != EAGAIN && errno != EWOULDBLOCK && errno != EINTR);
+}
+
+/* Equal without an early exit: the time does not depend on where the strings differ. */
+static bool same_secret(const char *given, size_t n_given, const char *key) {
+    size_t n_key = strlen(key);
+    unsigned diff = (unsigned)(n_given != n_key);
+    for (size_t i = 0; i < n_key; i++)
+        diff |=
+            (unsigned)(unsigned char)key[i] ^ (unsigned)(unsigned char)(i < n_given ? given[i] : 0);
+    return diff == 0;
+}
+
+static bool authorized(const k3_server *s, struct MHD_Connection *c) {
+    if (!s->o.api_key || !*s->o.api_key) return true;
+    const char *h = MHD_lookup_connection_value(c, MHD_HEADER_KIND, MHD_HTTP_HEADER_AUTHORIZATION);
+    if (!h || strncasecmp(h, "Bearer ", 7) != 0) return false;
+    h += 7;
+    while (*h == ' ') h++;
+    return same_secret(h, strlen(h), s->o.api_key);
+}
+
+static void count_status(k3_server *s, int status) {
+    pthread_mutex_lock(&s->mu);
+    srv_count_status(&s->m, status);
+    pthread_mutex_unlock(&s->mu);
+}
+
+static enum MHD_Result send_body(conn *k, int status, const char *type, const char *body,
+                                 size_t n) {
+    struct MHD_Response *r =
+        MHD_create_response_from_buffer(n, (void *)body, MHD_RESPMEM_MUST_COPY);
+    if (!r) return MHD_NO;
+    MHD_add_response_header(r, MHD_HTTP_HEADER_CONTENT_TYPE, type);
+    if (status == 429) MHD_add_response_header(r, MHD_HTTP_HEADER_RETRY_AFTER, "1");
+    if (status == 401) MHD_add_response_header(r, MHD_HTTP_HEADER_WWW_AUTHENTICATE, "Bearer");
+    enum MHD_Result ret = MHD_queue_response(k->c, (unsigned)status, r);
+    MHD_destroy_response(r);
+    k->status = status;
+    count_status(k->s, status);
+    return ret;
+}
+
+static enum MHD_Result send_json(conn *k, int status, const k3_chat_buf *b) {
+    return send_body(k, status, "application/json", b->p ? b->p : "", b->n);
+}
+
+static enum MHD_Result send_error(conn *k, int status, const char *msg) {
+    k3_chat_buf b = {0};
+    if (srv_error_json(status, msg, &b) != K3_OK) {
+        k3_chat_buf_free(&b);
+        return MHD_NO;
+    }
+    enum MHD_Result r = send_json(k, status, &b);
+    k3_chat_buf_free(&b);
+    return r;
+}
+
+/* ---- requests and the main thread -------------------------------------------------------------
+ */
+/* Drop one reference (mu held); frees the request at zero. */
+static void unref(sreq *q) {
+    if (--q->refs == 0) srv_sreq_free(q);
+}
+
+/* Hand a parsed request to the main thread. 200, or 429 / 503 when it is refused. */
+static int admit(k3_server *s, sreq *q) {
+    pthread_mutex_lock(&s->mu);
+    int st = s->stopping ? 503 : s->m.admitted >= s->max_queue ? 429 : 200;
+    if (st == 200) {
+        uint64_t h = k3_hash_bytes(&s->counter, sizeof s->counter, s->nonce);
+        s->counter++;
+        snprintf(q->id, sizeof q->id, "%s%016llx", q->kind == SREQ_CHAT ? "chatcmpl-" : "cmpl-",
+                 (unsigned long long)h);
+        q->created = (int64_t)time(NULL);
+        q->t_arrive = k3_now_s();
+        q->refs = 2;
+        if (s->tail)
+            s->tail->next = q;
+        else
+            s->head = q;
+        s->tail = q;
+        s->m.admitted++;
+        s->n_busy++;
+        pthread_cond_signal(&s->work);
+    }
+    pthread_mutex_unlock(&s->mu);
+    return st;
+}
+
+/* mu held: the request's last event (or its cancellation before admission). */
+static void finish(k3_server *s, sreq *q) {
+    q->done = true;
+    q->t_done = k3_now_s();
+    s->m.admitted--;
+    s->m.prompt_tokens += (uint64_t)q->n_prompt;
+    s->m.generation_tokens += (uint64_t)q->n_gen;
+    if (q->n_gen > 0) srv_hist_add(&s->m.ttft, q->t_first - q->t_arrive);
+    if (q->n_gen > 1) srv_hist_add(&s->m.tpot, (q->t_done - q->t_first) / (double)(q->n_gen - 1));
+    srv_hist_add(&s->m.e2e, q->t_done - q->t_arrive);
+    pthread_cond_broadcast(&q->cv);
+    unref(q);
+}
+
+static k3_status append_text(sreq *q, const char *t, size_t n) {
+    if (n == 0) return K3_OK;
+    if (q->n_text + n > q->cap_text) {
+        size_t cap = K3_MAX(2 * q->cap_text, q->n_text + n + 256);
+        char *p = realloc(q->text, cap);
+        if (!p) return K3_ERR(K3_ERR_NOMEM, "response text (%zu bytes)", cap);
+        q->text = p, q->cap_text = cap;
+    }
+    memcpy(q->text + q->n_text, t, n);
+    q->n_text += n;
+    return K3_OK;
+}
+
+/* mu held: one engine event into its request's buffers. */
+static k3_status route(k3_server *s, const k3_event *ev) {
+    sreq *q = (sreq *)(uintptr_t)ev->user;
+    K3_TRY(append_text(q, ev->text, ev->n_text));
+    if (ev->kind == K3_EV_TOKEN) {
+        if (q->n_gen == q->cap_gen)
+            return K3_ERR(K3_ERR_INTERNAL, "%s: more tokens than max_tokens (%lld)", q->id,
+                          (long long)q->cap_gen);
+        if (q->n_gen == 0) q->t_first = k3_now_s();
+        q->gen[q->n_gen] = (sreq_tok){ev->token, q->n_text};
+        if (q->lp) {
+            sreq_lp *l = &q->lp[q->n_gen];
+            l->logprob = ev->logprob;
+            l->n_top = K3_MIN(ev->n_top, K3_EV_MAX_TOP);
+            memcpy(l->top_ids, ev->top_ids, sizeof l->top_ids);
+            memcpy(l->top_logprobs, ev->top_logprobs, sizeof l->top_logprobs);
+        }
+        q->n_gen++;
+        pthread_cond_broadcast(&q->cv);
+        return K3_OK;
+    }
+    q->n_prompt = ev->n_prompt;
+    if (ev->kind == K3_EV_DONE) {
+        q->stop = ev->stop;
+    } else {
+        q->failed = true;
+        q->error_kind = ev->error_kind;
+        snprintf(q->error, sizeof q->error, "%s", ev->error ? ev->error : "engine error");
+    }
+    for (int i = 0; i < s->n_live; i++)
+        if (s->live[i] == q) s->live[i] = s->live[--s->n_live];
+    finish(s, q);
+    return K3_OK;
+}
+
+/* mu held: queued requests into the engine; cancellations out of it. */
+static k3_status admit_and_cancel(k3_server *s, k3_engine *e, bool cancel_all) {
+    sreq *q;
+    while ((q = s->head)) {
+        s->head = q->next;
+        if (!s->head) s->tail = NULL;
+        q->next = NULL;
+        if (q->cancel || cancel_all) {
+            finish(s, q); /* never reached the engine: stop NONE, no tokens */
+            continue;
+        }
+        const k3_job *j = &q->job;
+        k3_request rq = {.ids = j->ids,
+                         .n_ids = j->n_ids,
+                         .max_tokens = (int)j->max_tokens,
+                         .sampling = j->sp,
+                         .logprobs = q->n_top < 0 ? 0 : K3_MAX(q->n_top, 1),
+                         .user = (uint64_t)(uintptr_t)q};
+        K3_TRY(k3_engine_submit(e, &rq, &q->eng_id));
+        q->submitted = true;
+        s->live[s->n_live++] = q;
+    }
+    for (int i = 0; i < s->n_live; i++) {
+        q = s->live[i];
+        if ((q->cancel || cancel_all) && !q->cancel_sent) {
+            K3_TRY(k3_engine_cancel(e, q->eng_id));
+            q->cancel_sent = true;
+        }
+    }
+    return K3_OK;
+}
+
+k3_status k3_server_run(k3_server *s, k3_engine *e, volatile sig_atomic_t *stop) {
+    const double grace = s->o.grace_s > 0 ? s->o.grace_s : 10;
+    double t_stop = -1;
+    k3_status st = K3_OK;
+    K3_LOGI("k3 serve: listening on http://%s:%d (model \"%s\")",
+            s->o.host ? s->o.host : "127.0.0.1", s->port, s->o.model_name);
+    while (st == K3_OK) {
+        if (*stop && t_stop < 0) {
+            t_stop = k3_now_s();
+            MHD_socket fd = MHD_quiesce_daemon(s->d); /* no new connections */
+            if (fd != MHD_INVALID_SOCKET) close(fd);
+            pthread_mutex_lock(&s->mu);
+            s->stopping = true;
+            K3_LOGI("k3 serve: stopping: %d requests open, %.0f s to finish", s->m.admitted, grace);
+            pthread_mutex_unlock(&s->mu);
+        }
+        const bool cancel_all = t_stop >= 0 && k3_now_s() - t_stop > grace;
+        pthread_mutex_lock(&s->mu);
+        st = admit_and_cancel(s, e, cancel_all);
+        const int pending = k3_engine_pending(e);
+        s->m.pending = pending;
+        if (st == K3_OK && pending == 0) {
+            const bool idle = t_stop >= 0 && s->n_busy == 0 && s->m.admitted == 0;
+            if (!idle) timed_wait(&s->work, &s->mu, 0.05);
+            pthread_mutex_unlock(&s->mu);
+            if (idle) break;
+            continue;
+        }
+        pthread_mutex_unlock(&s->mu);
+        if (st != K3_OK) break;
+        const k3_event *ev = NULL;
+        int n = 0;
+        const double t0 = k3_now_s();
+        st = k3_engine_step(e, &ev, &n);
+        pthread_mutex_lock(&s->mu);
+        srv_hist_add(&s->m.step, k3_now_s() - t0);
+        for (int i = 0; i < n && st == K3_OK; i++) st = route(s, &ev[i]);
+        pthread_mutex_unlock(&s->mu);
+    }
+    if (st != K3_OK) {
+        /* wake every waiting HTTP thread: their requests end with an error */
+        pthread_mutex_lock(&s->mu);
+        s->stopping = true;
+        for (int i = 0; i < s->n_live; i++) {
+            s->live[i]->failed = true;
+            snprintf(s->live[i]->error, sizeof s->live[i]->error, "the engine failed");
+            finish(s, s->live[i]);
+        }
+        s->n_live = 0;
+        pthread_mutex_unlock(&s->mu);
+    }
+    return st;
+}
+
+/* ---- HTTP threads: model requests -------------------------------------------------------------
+ */
+/* The request's end from the HTTP side: cancel it when it is still running. */
+static void release(conn *k) {
+    if (!k->q) return;
+    k3_server *s = k->s;
+    pthread_mutex_lock(&s->mu);
+    if (!k->q->done) {
+        k->q->cancel = true;
+        pthread_cond_signal(&s->work);
+    }
+    k->n_prompt = k->q->done ? k->q->n_prompt : 0;
+    s->n_busy--;
+    unref(k->q);
+    k->q = NULL;
+    pthread_mutex_unlock(&s->mu);
+}
+
+/* Wait until the request is done; false when the client went away first. */
+static bool wait_done(conn *k) {
+    k3_server *s = k->s;
+    sreq *q = k->q;
+    pthread_mutex_lock(&s->mu);
+    while (!q->done) {
+        timed_wait(&q->cv, &s->mu, WAIT_SLICE_S);
+        if (q->done) break;
+        pthread_mutex_unlock(&s->mu);
+        bool gone = client_gone(k->c);
+        pthread_mutex_lock(&s->mu);
+        if (gone) break;
+    }
+    bool done = q->done;
+    pthread_mutex_unlock(&s->mu);
+    return done;
+}
+
+static int engine_error_status(const sreq *q) {
+    return q->error_kind == K3_EVERR_NUMERIC ? 500 : 400;
+}
+
+/* mu held: whether there is nothing new for the stream. */
+static bool nothing_new(const conn *k) {
+    const sreq *q = k->q;
+    if (q->done) return false;
+    if (q->kind == SREQ_CHAT && !k->st.role_sent) return false;
+    return q->n_gen == k->st.n_fed && q->n_text == k->n_text;
+}
+
+/* MHD's content reader of a stream: SSE bytes as they come; blocks (its own thread) until then. */
+static ssize_t read_stream(void *cls, uint64_t pos, char *buf, size_t max) {
+    conn *k = cls;
+    k3_server *s = k->s;
+    for (;;) {
+        if (k->out_off < k->out.n) {
+            size_t n = K3_MIN(max, k->out.n - k->out_off);
+            memcpy(buf, k->out.p + k->out_off, n);
+            k->out_off += n;
+            return (ssize_t)n;
+        }
+        k->out.n = k->out_off = 0;
+        if (k->st.end_sent) return MHD_CONTENT_READER_END_OF_STREAM;
+        sreq *q = k->q;
+        pthread_mutex_lock(&s->mu);
+        while (nothing_new(k)) {
+            timed_wait(&q->cv, &s->mu, WAIT_SLICE_S);
+            if (!nothing_new(k)) break;
+            pthread_mutex_unlock(&s->mu);
+            bool gone = client_gone(k->c);
+            pthread_mutex_lock(&s->mu);
+            if (gone) {
+                pthread_mutex_unlock(&s->mu);
+                return MHD_CONTENT_READER_END_WITH_ERROR; /* the completion callback cancels */
+            }
+        }
+        k3_status st = K3_OK;
+        if (q->n_text > k->cap_text) {
+            char *p = realloc(k->text, q->n_text);
+            if (p)
+                k->text = p, k->cap_text = q->n_text;
+            else
+                st = K3_ERR(K3_ERR_NOMEM, "stream text");
+        }
+        if (st == K3_OK && q->n_text > k->n_text)
+            memcpy(k->text + k->n_text, q->text + k->n_text, q->n_text - k->n_text);
+        k->n_text = st == K3_OK ? q->n_text : k->n_text;
+        const srv_snapshot snap = {.toks = q->gen,
+                                   .lps = q->lp,
+                                   .n_gen = q->n_gen,
+                                   .text = k->text,
+                                   .n_text = k->n_text,
+                                   .done = q->done,
+                                   .failed = q->failed,
+                                   .stop = q->stop,
+                                   .n_prompt = q->n_prompt,
+                                   .error = q->error};
+        pthread_mutex_unlock(&s->mu);
+        if (st == K3_OK) st = srv_stream_chunks(&s->o, q, &k->st, &snap, &k->out);
+        if (st != K3_OK) {
+            K3_LOGE("k3 serve: %s: %s", q->id, k3_last_error());
+            return MHD_CONTENT_READER_END_WITH_ERROR;
+        }
+    }
+}
+
+static enum MHD_Result model_request(conn *k, sreq_kind kind) {
+    k3_server *s = k->s;
+    char why[1024];
+    sreq *q = NULL;
+    int st = srv_parse(&s->o, kind, k->body ? k->body : "", k->n, &q, why, sizeof why);
+    if (st != 200) return send_error(k, st, why);
+    st = admit(s, q);
+    if (st != 200) {
+        srv_sreq_free(q);
+        return send_error(k, st,
+                          st == 429 ? "the server's request queue is full (--max-queue); retry "
+                                      "later"
+                                    : "the server is shutting down");
+    }
+    k->q = q;
+    if (q->stream) {
+        struct MHD_Response *r =
+            MHD_create_response_from_callback(MHD_SIZE_UNKNOWN, 16 * 1024, read_stream, k, NULL);
+        if (!r) return MHD_NO;
+        MHD_add_response_header(r, MHD_HTTP_HEADER_CONTENT_TYPE, "text/event-stream");
+        MHD_add_response_header(r, MHD_HTTP_HEADER_CACHE_CONTROL, "no-cache");
+        enum MHD_Result ret = MHD_queue_response(k->c, MHD_HTTP_OK, r);
+        MHD_destroy_response(r);
+        k->status = 200;
+        count_status(s, 200);
+        return ret;
+    }
+    if (!wait_done(k)) return MHD_NO; /* the client is gone: close; release() cancels */
+    if (q->failed) return send_error(k, engine_error_status(q), q->error);
+    k3_chat_buf b = {0};
+    enum MHD_Result ret;
+    if (srv_response(&s->o, q, &b) == K3_OK) {
+        ret = send_json(k, 200, &b);
+    } else {
+        snprintf(why, sizeof why, "the response failed: %s", k3_last_error());
+        ret = send_error(k, 500, why);
+    }
+    k3_chat_buf_free(&b);
+    return ret;
+}
+
+/* ---- HTTP threads: routes ---------------------------------------------------------------------
+ */
+static enum MHD_Result get_route(conn *k) {
+    k3_server *s = k->s;
+    k3_chat_buf b = {0};
+    enum MHD_Result ret;
+    if (strcmp(k->path, "/health") == 0) {
+        return send_body(k, 200, "application/json", "{\"status\":\"ok\"}", 15);
+    } else if (strcmp(k->path, "/v1/models") == 0) {
+        if (!authorized(s, k->c)) return send_error(k, 401, "a valid API key is required");
+        ret = srv_models_json(&s->o, s->started, &b) == K3_OK ? send_json(k, 200, &b) : MHD_NO;
+    } else {
+        pthread_mutex_lock(&s->mu);
+        srv_metrics m = s->m;
+        pthread_mutex_unlock(&s->mu);
+        ret = srv_metrics_text(&m, s->o.slots, &b) == K3_OK
+                  ? send_body(k, 200, "text/plain; version=0.0.4", b.p, b.n)
+                  : MHD_NO;
+    }
+    k3_chat_buf_free(&b);
+    return ret;
+}
+
+static enum MHD_Result post_route(conn *k) {
+    k3_server *s = k->s;
+    if (strcmp(k->path, "/v1/chat/completions") == 0) return model_request(k, SREQ_CHAT);
+    if (strcmp(k->path, "/v1/completions") == 0) return model_request(k, SREQ_COMPLETION);
+    k3_chat_buf b = {0};
+    const char *body = k->body ? k->body : "";
+    int st = strcmp(k->path, "/tokenize") == 0 ? srv_tokenize(&s->o, body, k->n, &b)
+                                               : srv_detokenize(&s->o, body, k->n, &b);
+    enum MHD_Result ret = st == 500 && !b.n ? MHD_NO : send_json(k, st, &b);
+    k3_chat_buf_free(&b);
+    return ret;
+}
+
+/* Which method a path takes: 'G', 'P', or 0 for no such path. */
+static char route_method(const char *path) {
+    static const struct {
+        const char *path;
+        char method;
+    } routes[] = {{"/health", 'G'},
+                  {"/v1/models", 'G'},
+                  {"/metrics", 'G'},
+                  {"/tokenize", 'P'},
+                  {"/detokenize", 'P'},
+                  {"/v1/completions", 'P'},
+                  {"/v1/chat/completions", 'P'}};
+    for (size_t i = 0; i < K3_ARRAY_LEN(routes); i++)
+        if (strcmp(path, routes[i].path) == 0) return routes[i].method;
+    return 0;
+}
+
+static enum MHD_Result on_request(void *cls, struct MHD_Connection *c, const char *url,
+                                  const char *method, const char *version, const char *upload,
+                                  size_t *n_upload, void **req_cls) {
+    k3_server *s = cls;
+    conn *k = *req_cls;
+    if (!k) { /* headers only: set up, check the key and the declared length */
+        if (k3_calloc((void **)&k, sizeof *k, "connection") != K3_OK) return MHD_NO;
+        k->s = s, k->c = c, k->t0 = k3_now_s();
+        snprintf(k->method, sizeof k->method, "%s", method);
+        snprintf(k->path, sizeof k->path, "%s", url);
+        *req_cls = k;
+        const char m = route_method(k->path);
+        const bool open = strcmp(k->path, "/health") == 0 || strcmp(k->path, "/metrics") == 0;
+        if (m && !open && !authorized(s, c)) k->status = 401;
+        const char *cl = MHD_lookup_connection_value(c, MHD_HEADER_KIND, "Content-Length");
+        if (!k->status && cl && strtoull(cl, NULL, 10) > s->max_body) k->status = 413;
+        return MHD_YES;
+    }
+    if (*n_upload) { /* a piece of the body: kept up to the limit, then discarded */
+        if (!k->status && k->n + *n_upload > s->max_body) k->status = 413;
+        if (!k->status) {
+            if (k->n + *n_upload + 1 > k->cap) {
+                size_t cap = K3_MAX(2 * k->cap, k->n + *n_upload + 1);
+                char *p = realloc(k->body, cap);
+                if (!p) return MHD_NO;
+                k->body = p, k->cap = cap;
+            }
+            memcpy(k->body + k->n, upload, *n_upload);
+            k->n += *n_upload;
+            k->body[k->n] = 0;
+        }
+        *n_upload = 0;
+        return MHD_YES;
+    }
+    char why[160];
+    const char m = route_method(k->path);
+    if (!m) {
+        snprintf(why, sizeof why, "no route %.60s", k->path);
+        return send_error(k, 404, why);
+    }
+    if (k->status == 401) return send_error(k, 401, "a valid API key is required");
+    if (k->status == 413) {
+        snprintf(why, sizeof why, "the request body is larger than the limit of %zu bytes",
+                 s->max_body);
+        return send_error(k, 413, why);
+    }
+    const bool get = strcmp(method, "GET") == 0 || strcmp(method, "HEAD") == 0;
+    if ((m == 'G') != get || (m == 'P' && strcmp(method, "POST") != 0)) {
+        snprintf(why, sizeof why, "%.60s takes %s", k->path, m == 'G' ? "GET" : "POST");
+        return send_error(k, 405, why);
+    }
+    return m == 'G' ? get_route(k) : post_route(k);
+}
+
+/* MHD: the request ended (response sent, or the client went away). One access log line. */
+static void on_completed(void *cls, struct MHD_Connection *c, void **req_cls,
+                         enum MHD_RequestTerminationCode toe) {
+    conn *k = *req_cls;
+    if (!k) return;
+    char id[48] = "-";
+    int64_t n_gen = 0;
+    double ttft = -1;
+    if (k->q) {
+        pthread_mutex_lock(&k->s->mu);
+        snprintf(id, sizeof id, "%s", k->q->id);
+        n_gen = k->q->n_gen;
+        ttft = k->q->n_gen ? k->q->t_first - k->q->t_arrive : -1;
+        pthread_mutex_unlock(&k->s->mu);
+    }
+    release(k);
+    const bool ok = toe == MHD_REQUEST_TERMINATED_COMPLETED_OK;
+    k3_log(K3_LOG_INFO,
+           "access id=%s method=%s path=%s status=%d%s prompt_tokens=%lld completion_tokens=%lld "
+           "ttft_ms=%.1f total_ms=%.1f",
+           id, k->method, k->path, k->status, ok ? "" : " aborted=1", (long long)k->n_prompt,
+           (long long)n_gen, ttft >= 0 ? ttft * 1e3 : -1.0, (k3_now_s() - k->t0) * 1e3);
+    srv_stream_free(&k->st);
+    k3_chat_buf_free(&k->out);
+    free(k->body);
+    free(k->text);
+    k3_free(k);
+    *req_cls = NULL;
+}
+
+/* ---- lifetime ---------------------------------------------------------------------------------
+ */
+k3_status k3_server_create(const k3_server_opts *o, k3_server **out) {
+    k3_server *s = NULL;
+    K3_TRY(k3_calloc((void **)&s, sizeof *s, "server"));
+    s->o = *o;
+    s->max_body = o->max_body_bytes ? o->max_body_bytes : (size_t)4 << 20;
+    s->max_queue = o->max_queue > 0 ? o->max_queue : 256;
+    s->started = (int64_t)time(NULL);
+    uint64_t t = (uint64_t)time(NULL) ^ ((uint64_t)getpid() << 32) ^ (uint64_t)(k3_now_s() * 1e9);
+    s->nonce = k3_hash_bytes(&t, sizeof t, K3_HASH_INIT);
+    pthread_mutex_init(&s->mu, NULL);
+    pthread_cond_init(&s->work, NULL);
+    k3_status st = k3_calloc((void **)&s->live, (size_t)s->max_queue * sizeof *s->live, "requests");
+    if (st != K3_OK) {
+        k3_server_destroy(s);
+        return st;
+    }
+    const char *host = o->host ? o->host : "127.0.0.1";
+    struct sockaddr_in6 a6 = {0};
+    struct sockaddr_in a4 = {0};
+    const struct sockaddr *sa = NULL;
+    unsigned flags = MHD_USE_THREAD_PER_CONNECTION | MHD_USE_INTERNAL_POLLING_THREAD | MHD_USE_ITC;
+    if (inet_pton(AF_INET, host, &a4.sin_addr) == 1) {
+        a4.sin_family = AF_INET;
+        a4.sin_port = htons((uint16_t)o->port);
+        sa = (const struct sockaddr *)&a4;
+    } else if (inet_pton(AF_INET6, host, &a6.sin6_addr) == 1) {
+        a6.sin6_family = AF_INET6;
+        a6.sin6_port = htons((uint16_t)o->port);
+        sa = (const struct sockaddr *)&a6;
+        flags |= MHD_USE_IPv6;
+    } else {
+        k3_server_destroy(s);
+        return K3_ERR(K3_ERR_ARG, "--host %s: not a numeric IPv4 or IPv6 address", host);
+    }
+    const unsigned timeout = (unsigned)(o->idle_timeout_s > 0 ? o->idle_timeout_s : 120);
+    const unsigned limit = (unsigned)(o->max_connections > 0 ? o->max_connections : 512);
+    s->d = MHD_start_daemon(flags, (uint16_t)o->port, NULL, NULL, on_request, s,
+                            MHD_OPTION_SOCK_ADDR, sa, MHD_OPTION_NOTIFY_COMPLETED, on_completed, s,
+                            MHD_OPTION_CONNECTION_TIMEOUT, timeout, MHD_OPTION_CONNECTION_LIMIT,
+                            limit, MHD_OPTION_END);
+    if (!s->d) {
+        k3_server_destroy(s);
+        return K3_ERR(K3_ERR_IO, "cannot listen on %s:%d (in use, or not an address of this host)",
+                      host, o->port);
+    }
+    const union MHD_DaemonInfo *di = MHD_get_daemon_info(s->d, MHD_DAEMON_INFO_BIND_PORT);
+    s->port = di ? (int)di->port : o->port;
+    *out = s;
+    return K3_OK;
+}
+
+int k3_server_port(const k3_server *s) {
+    return s->port;
+}
+
+void k3_server_destroy(k3_server *s) {
+    if (!s) return;
+    if (s->d) MHD_stop_daemon(s->d); /* joins the connection threads */
+    k3_free(s->live);
+    pthread_cond_destroy(&s->work);
+    pthread_mutex_destroy(&s->mu);
+    k3_free(s);
+}

@@ -1,0 +1,127 @@
+/* server_internal.h — what server.c (HTTP + the engine loop), openai.c (request parsing and
+ * response bodies) and metrics.c share. Not for other modules.
+ *
+ * Lifetimes. An sreq is made by an HTTP thread (openai.c: parsed, buffers sized by max_tokens),
+ * queued for the main thread, and referenced by both (refs): the HTTP thread drops its reference
+ * when the response has ended, the main thread when the engine's last event for it arrived (or
+ * when it was cancelled before admission). Fields under "shared" are read and written only with
+ * the server's mutex held; the rest is fixed before the request is queued, or belongs to the HTTP
+ * thread alone. */
+#ifndef K3_SERVER_INTERNAL_H
+#define K3_SERVER_INTERNAL_H
+
+#include <pthread.h>
+
+#include "chat_job.h"
+#include "k3_server.h"
+
+typedef enum sreq_kind { SREQ_CHAT, SREQ_COMPLETION } sreq_kind;
+
+/* One generated token as the HTTP thread needs it. */
+typedef struct sreq_tok {
+    int32_t id;
+    size_t text_end; /* the engine's released text after this token (bytes, cumulative) */
+} sreq_tok;
+
+/* A token's logprobs (only when the request asked). */
+typedef struct sreq_lp {
+    float logprob;
+    int n_top;
+    int32_t top_ids[K3_EV_MAX_TOP];
+    float top_logprobs[K3_EV_MAX_TOP];
+} sreq_lp;
+
+typedef struct sreq {
+    /* fixed once queued */
+    sreq_kind kind;
+    bool stream, include_usage, return_token_ids;
+    int n_top; /* chat: top_logprobs (-1: logprobs off); completions: logprobs (-1: off) */
+    k3_job job;
+    char id[48];
+    int64_t created;
+    pthread_cond_t cv;
+    /* shared (server mutex) */
+    int refs;
+    struct sreq *next; /* the admission queue */
+    bool submitted, cancel, cancel_sent, done, failed;
+    int64_t eng_id;
+    sreq_tok *gen; /* (cap_gen) */
+    sreq_lp *lp;   /* (cap_gen) or NULL */
+    int64_t n_gen, cap_gen;
+    char *text; /* (cap_text) the engine's released text */
+    size_t n_text, cap_text;
+    k3_stop_kind stop;
+    int64_t n_prompt;
+    char error[512];
+    k3_error_kind error_kind;
+    double t_arrive, t_first, t_done;
+} sreq;
+
+/* Prometheus histogram with fixed bucket bounds (seconds). */
+#define SRV_N_BUCKETS 14
+typedef struct srv_hist {
+    uint64_t count[SRV_N_BUCKETS + 1]; /* per bucket; the last is +Inf */
+    double sum;
+    uint64_t n;
+} srv_hist;
+
+#define SRV_N_STATUS 16
+typedef struct srv_metrics {
+    int status_code[SRV_N_STATUS];
+    uint64_t status_count[SRV_N_STATUS];
+    uint64_t prompt_tokens, generation_tokens;
+    srv_hist ttft, tpot, e2e, step;
+    int pending;  /* engine: queued + running (after the last step) */
+    int admitted; /* requests admitted, not yet done */
+} srv_metrics;
+
+/* ---- openai.c ----------------------------------------------------------------------------- */
+/* Parse a body for `path` into a new sreq (refs 0, buffers allocated). Returns the HTTP status:
+ * 200 with *out set, or 4xx with an OpenAI error message in why. */
+int srv_parse(const k3_server_opts *o, sreq_kind kind, const char *body, size_t n, sreq **out,
+              char *why, size_t n_why);
+void srv_sreq_free(sreq *q); /* NULL-safe */
+/* The non-streamed response body of a finished request (q->done, not failed). */
+k3_status srv_response(const k3_server_opts *o, const sreq *q, k3_chat_buf *out);
+
+/* Streaming: the HTTP thread's progress through a request. */
+typedef struct srv_stream {
+    k3_job_feed *feed; /* chat */
+    int64_t n_fed;     /* tokens given to the parser (completions: turned into chunks) */
+    int64_t n_lp;      /* tokens whose logprobs went out (they ride on the next chunk) */
+    size_t text_seen;  /* completions: released text already sent */
+    bool role_sent, end_sent;
+} srv_stream;
+/* Append the SSE events for tokens [st->n_fed, n_gen) (a snapshot of q's shared fields taken
+ * under the mutex: toks, lps, text) and, when `done`, the finish chunk, the usage chunk and
+ * `data: [DONE]`. */
+typedef struct srv_snapshot {
+    const sreq_tok *toks;
+    const sreq_lp *lps;
+    int64_t n_gen;
+    const char *text; /* (n_text) the released text (a copy the HTTP thread owns) */
+    size_t n_text;
+    bool done, failed;
+    k3_stop_kind stop;
+    int64_t n_prompt;
+    const char *error;
+} srv_snapshot;
+k3_status srv_stream_chunks(const k3_server_opts *o, const sreq *q, srv_stream *st,
+                            const srv_snapshot *s, k3_chat_buf *out);
+void srv_stream_free(srv_stream *st);
+
+/* {"error": {"message", "type", "param": null, "code"}} for an HTTP status. */
+k3_status srv_error_json(int status, const char *message, k3_chat_buf *out);
+/* GET /v1/models */
+k3_status srv_models_json(const k3_server_opts *o, int64_t created, k3_chat_buf *out);
+/* POST /tokenize and /detokenize: the status and the body (a result or an error object). */
+int srv_tokenize(const k3_server_opts *o, const char *body, size_t n, k3_chat_buf *out);
+int srv_detokenize(const k3_server_opts *o, const char *body, size_t n, k3_chat_buf *out);
+
+/* ---- metrics.c ---------------------------------------------------------------------------- */
+void srv_hist_add(srv_hist *h, double seconds);
+void srv_count_status(srv_metrics *m, int status);
+/* Prometheus text exposition (format 0.0.4) of a snapshot of the metrics. */
+k3_status srv_metrics_text(const srv_metrics *m, int slots, k3_chat_buf *out);
+
+#endif /* K3_SERVER_INTERNAL_H */
