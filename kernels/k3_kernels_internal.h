@@ -52,9 +52,21 @@ void k3_pool_destroy(k3_pool *p);
 int k3_pool_threads(const k3_pool *p);
 void k3_pool_run(k3_pool *p, int64_t n_tasks, k3_task_fn fn, void *ctx);
 
-/* The cpu backend's context: its pool. The guard backend embeds a cpu backend. */
+/* The cpu backend's kernel table for one ISA (kernels/cpu/cpu_kern.h), chosen at backend
+ * creation by cpuid or K3_ISA=avx512|avx2|scalar (K3_ERR_ARG naming an unknown or unsupported
+ * value). */
+typedef struct k3_cpu_kern k3_cpu_kern;
+k3_status k3_cpu_kern_select(const k3_cpu_kern **out);
+/* Whether this CPU can run the named ISA ("avx512", "avx2", "scalar"; false for other names). */
+bool k3_cpu_isa_supported(const char *name);
+/* The ISA a cpu (or guard) backend runs ("avx512", "avx2", "scalar"); "-" for other backends. */
+const char *k3_cpu_isa_name(const k3_backend *be);
+
+/* The cpu backend's context: its pool and kernel table. The guard backend embeds a cpu
+ * backend. */
 typedef struct k3_cpu_ctx {
     k3_pool *pool;
+    const k3_cpu_kern *kern;
 } k3_cpu_ctx;
 static inline k3_pool *k3_cpu_pool(k3_backend *be) {
     return be && be->ctx ? ((k3_cpu_ctx *)be->ctx)->pool : NULL;

@@ -1,6 +1,8 @@
-/* cpu.c — the cpu backend: SIMD (AVX2+FMA when built with them, scalar otherwise) and the
- * persistent pool of pool.c. Semantics are ref/'s; results differ from ref only by summation
- * order inside a dot product (8-lane partial sums), and are bit-reproducible on their own:
+/* cpu.c — the cpu backend: the ops of k3_kernels.h over the kernel table of its ISA (cpu_kern.h:
+ * AVX-512, AVX2 + FMA or scalar, picked by cpuid or K3_ISA at creation) and the persistent pool
+ * of pool.c. Semantics are ref/'s; results differ from ref only by summation order inside a dot
+ * product (VL-lane partial sums) and by the exp/tanh polynomials of the activations, and are
+ * bit-reproducible on their own within one ISA:
  *
  * Determinism: y[t,o] of matmul is one dot product whose lane assignment and final reduction
  * depend only on `in` — the same code path computes it whether the call has 1 token or 512,
@@ -12,211 +14,13 @@
 
 #include <math.h>
 
-#include "k3_mxfp4.h"
-
-#if defined(__AVX2__) && defined(__FMA__)
-#include <immintrin.h>
-#define K3_CPU_AVX2 1
-#endif
+#include "cpu_kern.h"
 
 /* Work below this many multiply-adds runs on the calling thread only. */
 #define K3_CPU_PAR_MIN_MACS (1 << 15)
-#define K3_CPU_MAX_NT       4 /* tokens per micro-tile */
 
-/* ---- dot-product micro kernels: NT tokens × one weight row ------------------------------- */
-#ifdef K3_CPU_AVX2
-static inline float hsum8(__m256 v) {
-    __m128 lo = _mm256_castps256_ps128(v), hi = _mm256_extractf128_ps(v, 1);
-    lo = _mm_add_ps(lo, hi); /* 4 */
-    __m128 sh = _mm_movehl_ps(lo, lo);
-    lo = _mm_add_ps(lo, sh); /* 2 */
-    sh = _mm_shuffle_ps(lo, lo, 1);
-    return _mm_cvtss_f32(_mm_add_ss(lo, sh));
-}
-static inline __m256 load_bf16x8(const uint16_t *p) {
-    __m128i h = _mm_loadu_si128((const __m128i *)p);
-    return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16));
-}
-#endif
-
-/* Dot-product micro kernels: out[u] = Σ_i x_u[i] w[i] for one weight row and 1 or 4 tokens.
- * The 4-token kernel shares each weight load between 4 tokens (prefill); the 1-token kernel is
- * the decode path. Both do EXACTLY the same arithmetic per token — lanes: elements of each
- * 16-block go to accumulators a0 (first 8) and a1 (next 8); one 8-block tail into a0; scalar
- * tail t in index order; result hsum8(a0 + a1) + t — so a token's result never depends on which
- * kernel (i.e. on T) computed it. Accumulators are named variables (no arrays) so they stay in
- * registers. */
-#define FOR1(M)  M(0)
-#define FOR4(M)  M(0) M(1) M(2) M(3)
-#define XDECL(u) const float *x##u = x[u];
-#ifdef K3_CPU_AVX2
-#define ACC_DECL(u)                                                                                \
-    __m256 a0_##u = _mm256_setzero_ps(), a1_##u = _mm256_setzero_ps();                             \
-    float t_##u = 0.0f;
-#define ACC_16(u)                                                                                  \
-    a0_##u = _mm256_fmadd_ps(_mm256_loadu_ps(x##u + i), w0, a0_##u);                               \
-    a1_##u = _mm256_fmadd_ps(_mm256_loadu_ps(x##u + i + 8), w1, a1_##u);
-#define ACC_8(u)   a0_##u = _mm256_fmadd_ps(_mm256_loadu_ps(x##u + i), w0, a0_##u);
-#define ACC_OUT(u) out[u] = hsum8(_mm256_add_ps(a0_##u, a1_##u)) + t_##u;
-#define SIMD_LOOPS(FORN, LOADW)                                                                    \
-    for (; i + 16 <= n; i += 16) {                                                                 \
-        __m256 w0 = LOADW(i), w1 = LOADW(i + 8);                                                   \
-        FORN(ACC_16)                                                                               \
-    }                                                                                              \
-    for (; i + 8 <= n; i += 8) {                                                                   \
-        __m256 w0 = LOADW(i);                                                                      \
-        FORN(ACC_8)                                                                                \
-    }
-#define LOADW_F32(j)  _mm256_loadu_ps(w + (j))
-#define LOADW_BF16(j) load_bf16x8(w + (j))
-#else
-#define ACC_DECL(u) float t_##u = 0.0f;
-#define ACC_OUT(u)  out[u] = t_##u;
-#define SIMD_LOOPS(FORN, LOADW)
-#endif
-#define ACC_S(u)       t_##u += x##u[i] * wi;
-#define SCALAR_F32(j)  w[j]
-#define SCALAR_BF16(j) k3_bf16_to_f32(w[j])
-
-#define DEF_DOT(NAME, WT, FORN, LOADW, SCALARW)                                                    \
-    static void NAME(const WT *w, const float *const *x, int64_t n, float *out) {                  \
-        FORN(XDECL)                                                                                \
-        FORN(ACC_DECL)                                                                             \
-        int64_t i = 0;                                                                             \
-        SIMD_LOOPS(FORN, LOADW)                                                                    \
-        for (; i < n; i++) {                                                                       \
-            float wi = SCALARW(i);                                                                 \
-            FORN(ACC_S)                                                                            \
-        }                                                                                          \
-        FORN(ACC_OUT)                                                                              \
-    }
-DEF_DOT(dot1_f32, float, FOR1, LOADW_F32, SCALAR_F32)
-DEF_DOT(dot4_f32, float, FOR4, LOADW_F32, SCALAR_F32)
-DEF_DOT(dot1_bf16, uint16_t, FOR1, LOADW_BF16, SCALAR_BF16)
-DEF_DOT(dot4_bf16, uint16_t, FOR4, LOADW_BF16, SCALAR_BF16)
-
-/* MXFP4 row: codes [n/2] bytes (low nibble = even element), e8m0 [n/32]. Per 32-block: the
- * codes map through a byte LUT to ggml's doubled E2M1 integers k (vpshufb), the 32 products
- * x·k are summed in-block (p0: elements 0..15, p1: 16..31) and the block joins the token's
- * accumulators as a0 += p0·d, a1 += p1·d with d = 2^(e−128) (k·d = E2M1·2^(e−127), the value
- * k3_mxfp4_get defines; scaling by a power of two is exact, so only the summation order differs
- * from ref). Same arithmetic for 1 and 4 tokens. */
-#ifdef K3_CPU_AVX2
-#define ACC_MX(u)                                                                                  \
-    {                                                                                              \
-        __m256 p0 = _mm256_mul_ps(_mm256_loadu_ps(x##u + i), wv0);                                 \
-        __m256 p1 = _mm256_mul_ps(_mm256_loadu_ps(x##u + i + 16), wv2);                            \
-        p0 = _mm256_fmadd_ps(_mm256_loadu_ps(x##u + i + 8), wv1, p0);                              \
-        p1 = _mm256_fmadd_ps(_mm256_loadu_ps(x##u + i + 24), wv3, p1);                             \
-        a0_##u = _mm256_fmadd_ps(p0, vs, a0_##u);                                                  \
-        a1_##u = _mm256_fmadd_ps(p1, vs, a1_##u);                                                  \
-    }
-#define DEF_DOT_MX(NAME, FORN)                                                                     \
-    static void NAME(const uint8_t *codes, const uint8_t *e8, const float *const *x, int64_t n,    \
-                     float *out) {                                                                 \
-        FORN(XDECL)                                                                                \
-        FORN(ACC_DECL)                                                                             \
-        const __m128i lut =                                                                        \
-            _mm_setr_epi8(0, 1, 2, 3, 4, 6, 8, 12, 0, -1, -2, -3, -4, -6, -8, -12);                \
-        const __m128i m4 = _mm_set1_epi8(0x0f);                                                    \
-        for (int64_t b = 0; b < n / 32; b++) {                                                     \
-            __m128i raw = _mm_loadu_si128((const __m128i *)(codes + b * 16));                      \
-            __m128i vlo = _mm_shuffle_epi8(lut, _mm_and_si128(raw, m4));                           \
-            __m128i vhi = _mm_shuffle_epi8(lut, _mm_and_si128(_mm_srli_epi16(raw, 4), m4));        \
-            __m128i e0 = _mm_unpacklo_epi8(vlo, vhi), e1 = _mm_unpackhi_epi8(vlo, vhi);            \
-            __m256 wv0 = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(e0));                             \
-            __m256 wv1 = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_srli_si128(e0, 8)));          \
-            __m256 wv2 = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(e1));                             \
-            __m256 wv3 = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_srli_si128(e1, 8)));          \
-            __m256 vs = _mm256_set1_ps(k3_e8m0_to_f32_half_ggml(e8[b]));                           \
-            const int64_t i = b * 32;                                                              \
-            FORN(ACC_MX)                                                                           \
-        }                                                                                          \
-        FORN(ACC_OUT)                                                                              \
-    }
-#else
-#define ACC_MXS(u)                                                                                 \
-    for (int j = 0; j < 32; j++) t_##u += x##u[b * 32 + j] * wbuf[j];
-#define DEF_DOT_MX(NAME, FORN)                                                                     \
-    static void NAME(const uint8_t *codes, const uint8_t *e8, const float *const *x, int64_t n,    \
-                     float *out) {                                                                 \
-        FORN(XDECL)                                                                                \
-        FORN(ACC_DECL)                                                                             \
-        float wbuf[32];                                                                            \
-        for (int64_t b = 0; b < n / 32; b++) {                                                     \
-            k3_mxfp4_decode_row(codes + b * 16, e8 + b, 32, wbuf);                                 \
-            FORN(ACC_MXS)                                                                          \
-        }                                                                                          \
-        FORN(ACC_OUT)                                                                              \
-    }
-#endif
-DEF_DOT_MX(dot1_mx, FOR1)
-DEF_DOT_MX(dot4_mx, FOR4)
-
-/* Decode (one token): two weight rows at once — four independent FMA chains instead of two hide
- * the FMA latency; each row's arithmetic is exactly dot1's (a0/a1 lanes, 8-tail, scalar tail). */
-#ifdef K3_CPU_AVX2
-#define DEF_DOT_R2(NAME, WT, LOADF, SCALARF)                                                       \
-    static void NAME(const WT *wa, const WT *wb, const float *x0, int64_t n, float *oa,            \
-                     float *ob) {                                                                  \
-        __m256 a0a = _mm256_setzero_ps(), a1a = a0a, a0b = a0a, a1b = a0a;                         \
-        float ta = 0.0f, tb = 0.0f;                                                                \
-        int64_t i = 0;                                                                             \
-        for (; i + 16 <= n; i += 16) {                                                             \
-            __m256 xv0 = _mm256_loadu_ps(x0 + i), xv1 = _mm256_loadu_ps(x0 + i + 8);               \
-            a0a = _mm256_fmadd_ps(xv0, LOADF(wa + i), a0a);                                        \
-            a1a = _mm256_fmadd_ps(xv1, LOADF(wa + i + 8), a1a);                                    \
-            a0b = _mm256_fmadd_ps(xv0, LOADF(wb + i), a0b);                                        \
-            a1b = _mm256_fmadd_ps(xv1, LOADF(wb + i + 8), a1b);                                    \
-        }                                                                                          \
-        for (; i + 8 <= n; i += 8) {                                                               \
-            __m256 xv0 = _mm256_loadu_ps(x0 + i);                                                  \
-            a0a = _mm256_fmadd_ps(xv0, LOADF(wa + i), a0a);                                        \
-            a0b = _mm256_fmadd_ps(xv0, LOADF(wb + i), a0b);                                        \
-        }                                                                                          \
-        for (; i < n; i++) {                                                                       \
-            ta += x0[i] * SCALARF(wa[i]);                                                          \
-            tb += x0[i] * SCALARF(wb[i]);                                                          \
-        }                                                                                          \
-        *oa = hsum8(_mm256_add_ps(a0a, a1a)) + ta;                                                 \
-        *ob = hsum8(_mm256_add_ps(a0b, a1b)) + tb;                                                 \
-    }
-#define SCALAR_ID(v) (v)
-DEF_DOT_R2(dot1x2_f32, float, _mm256_loadu_ps, SCALAR_ID)
-DEF_DOT_R2(dot1x2_bf16, uint16_t, load_bf16x8, k3_bf16_to_f32)
-#define K3_CPU_HAVE_R2 1
-#endif
-
-/* One weight row against nt <= 4 tokens: the 4-token kernel for full tiles, else 1 at a time. */
-static inline void row_dot(const k3_tensor *W, int64_t o, const float *const *xs, int nt,
-                           float *out) {
-    int64_t in = W->shape[1];
-    switch (W->dtype) {
-    case K3_DT_F32: {
-        const float *w = (const float *)W->data + o * in;
-        if (nt == 4)
-            dot4_f32(w, xs, in, out);
-        else
-            for (int u = 0; u < nt; u++) dot1_f32(w, xs + u, in, out + u);
-        break;
-    }
-    case K3_DT_BF16: {
-        const uint16_t *w = (const uint16_t *)W->data + o * in;
-        if (nt == 4)
-            dot4_bf16(w, xs, in, out);
-        else
-            for (int u = 0; u < nt; u++) dot1_bf16(w, xs + u, in, out + u);
-        break;
-    }
-    default: {
-        const uint8_t *c = (const uint8_t *)W->data + o * (in / 2), *e = W->scale + o * (in / 32);
-        if (nt == 4)
-            dot4_mx(c, e, xs, in, out);
-        else
-            for (int u = 0; u < nt; u++) dot1_mx(c, e, xs + u, in, out + u);
-        break;
-    }
-    }
+static const k3_cpu_kern *kern(k3_backend *be) {
+    return ((k3_cpu_ctx *)be->ctx)->kern;
 }
 
 typedef struct {
@@ -225,43 +29,13 @@ typedef struct {
     const k3_tensor *W;
     float *y;
     int64_t rows_per_task;
+    const k3_cpu_kern *kern;
 } mm_job;
 
-/* Rows of one task are walked in blocks of K3_CPU_ROW_BLOCK (a few KB of weights, cache
- * resident) and every token tile meets a block before the next block is read, so a weight row
- * leaves memory once per call whatever T is. Loop order never changes a result. */
-#define K3_CPU_ROW_BLOCK 16
 static void mm_task(void *ctx, int64_t task) {
     const mm_job *j = ctx;
-    int64_t out = j->W->shape[0], in = j->W->shape[1];
-    int64_t o0 = task * j->rows_per_task, o1 = K3_MIN(out, o0 + j->rows_per_task);
-    for (int64_t ob = o0; ob < o1; ob += K3_CPU_ROW_BLOCK) {
-        int64_t oe = K3_MIN(o1, ob + K3_CPU_ROW_BLOCK);
-        for (int64_t t0 = 0; t0 < j->T; t0 += K3_CPU_MAX_NT) {
-            int nt = (int)K3_MIN((int64_t)K3_CPU_MAX_NT, j->T - t0);
-            const float *xs[K3_CPU_MAX_NT];
-            for (int u = 0; u < nt; u++) xs[u] = j->x + (t0 + u) * in;
-            int64_t o = ob;
-#ifdef K3_CPU_HAVE_R2
-            if (nt == 1 && j->W->dtype != K3_DT_MXFP4) /* decode: row pairs */
-                for (; o + 2 <= oe; o += 2) {
-                    float *y0 = j->y + t0 * out + o;
-                    if (j->W->dtype == K3_DT_BF16) {
-                        const uint16_t *w = (const uint16_t *)j->W->data + o * in;
-                        dot1x2_bf16(w, w + in, xs[0], in, y0, y0 + 1);
-                    } else {
-                        const float *w = (const float *)j->W->data + o * in;
-                        dot1x2_f32(w, w + in, xs[0], in, y0, y0 + 1);
-                    }
-                }
-#endif
-            for (; o < oe; o++) {
-                float r[K3_CPU_MAX_NT];
-                row_dot(j->W, o, xs, nt, r);
-                for (int u = 0; u < nt; u++) j->y[(t0 + u) * out + o] = r[u];
-            }
-        }
-    }
+    int64_t o0 = task * j->rows_per_task, o1 = K3_MIN(j->W->shape[0], o0 + j->rows_per_task);
+    j->kern->mm_rows(j->W, j->x, j->T, o0, o1, j->y);
 }
 
 static k3_status cpu_matmul(k3_backend *be, const float *x, int64_t T, const k3_tensor *W,
@@ -269,7 +43,7 @@ static k3_status cpu_matmul(k3_backend *be, const float *x, int64_t T, const k3_
     K3_TRY(k3_kernels_check_weight(W, "matmul"));
     int64_t out = W->shape[0], in = W->shape[1];
     if (T <= 0 || out <= 0) return K3_OK;
-    mm_job j = {.x = x, .T = T, .W = W, .y = y, .rows_per_task = out};
+    mm_job j = {.x = x, .T = T, .W = W, .y = y, .rows_per_task = out, .kern = kern(be)};
     int64_t macs = T * out * in;
     int nth = k3_pool_threads(k3_cpu_pool(be));
     if (macs >= K3_CPU_PAR_MIN_MACS && nth > 1) {
@@ -291,29 +65,13 @@ typedef struct {
     const k3_tensor *W;
     float *y;
     int64_t cols_per_task;
+    const k3_cpu_kern *kern;
 } mmtn_job;
 
 static void mmtn_task(void *ctx, int64_t task) {
     const mmtn_job *j = ctx;
-    int64_t out = j->W->shape[0], in = j->W->shape[1];
-    int64_t c0 = task * j->cols_per_task, c1 = K3_MIN(in, c0 + j->cols_per_task);
-    for (int64_t t = 0; t < j->T; t++) {
-        float *yt = j->y + t * in;
-        for (int64_t c = c0; c < c1; c++) yt[c] = 0.0f;
-        for (int64_t o = 0; o < out; o++) {
-            float xo = j->x[t * out + o];
-            if (j->W->dtype == K3_DT_F32) {
-                const float *w = (const float *)j->W->data + o * in;
-                for (int64_t c = c0; c < c1; c++) yt[c] = fmaf(xo, w[c], yt[c]);
-            } else if (j->W->dtype == K3_DT_BF16) {
-                const uint16_t *w = (const uint16_t *)j->W->data + o * in;
-                for (int64_t c = c0; c < c1; c++) yt[c] = fmaf(xo, k3_bf16_to_f32(w[c]), yt[c]);
-            } else {
-                for (int64_t c = c0; c < c1; c++)
-                    yt[c] = fmaf(xo, k3_tensor_get(j->W, o, c), yt[c]);
-            }
-        }
-    }
+    int64_t c0 = task * j->cols_per_task, c1 = K3_MIN(j->W->shape[1], c0 + j->cols_per_task);
+    j->kern->mmtn_cols(j->W, j->x, j->T, c0, c1, j->y);
 }
 
 static k3_status cpu_matmul_tn(k3_backend *be, const float *x, int64_t T, const k3_tensor *W,
@@ -321,7 +79,7 @@ static k3_status cpu_matmul_tn(k3_backend *be, const float *x, int64_t T, const 
     K3_TRY(k3_kernels_check_weight(W, "matmul_tn"));
     int64_t out = W->shape[0], in = W->shape[1];
     if (T <= 0 || in <= 0) return K3_OK;
-    mmtn_job j = {.x = x, .T = T, .W = W, .y = y, .cols_per_task = in};
+    mmtn_job j = {.x = x, .T = T, .W = W, .y = y, .cols_per_task = in, .kern = kern(be)};
     int nth = k3_pool_threads(k3_cpu_pool(be));
     if (T * out * in >= K3_CPU_PAR_MIN_MACS && nth > 1) {
         int64_t n_tasks = K3_MIN((in + 31) / 32, (int64_t)nth * 2);
@@ -428,22 +186,69 @@ static k3_status cpu_attn_latent(k3_backend *be, const float *qc, const float *c
     return K3_OK;
 }
 
-/* elementwise ops are a negligible share of time: the reference code */
+/* Activations and softmax: the ISA's vector code, split over the pool in chunks of whole
+ * vectors (every element is one function of its inputs, so chunking never changes a bit). */
+typedef struct {
+    const float *a, *b;
+    int64_t n, chunk, row;
+    float beta, lin_beta;
+    float *y;
+    const k3_cpu_kern *kern;
+    int which; /* 0 silu, 1 sigmoid, 2 situ, 3 swiglu, 4 softmax rows */
+} ew_job;
+static void ew_task(void *ctx, int64_t task) {
+    const ew_job *j = ctx;
+    int64_t i0 = task * j->chunk, m = K3_MIN(j->n, i0 + j->chunk) - i0;
+    const float *a = j->a + i0, *b = j->b ? j->b + i0 : NULL;
+    float *y = j->y + i0;
+    switch (j->which) {
+    case 0:
+        j->kern->silu(a, m, y);
+        break;
+    case 1:
+        j->kern->sigmoid(a, m, y);
+        break;
+    case 2:
+        j->kern->situ(a, b, m, j->beta, j->lin_beta, y);
+        break;
+    case 3:
+        j->kern->swiglu(a, b, m, y);
+        break;
+    default:
+        for (int64_t r = 0; r < m; r += j->row) j->kern->softmax_row(a + r, j->row, y + r);
+        break;
+    }
+}
+/* n elements (softmax: n = T·row, chunks of whole rows); one chunk per 16K elements. */
+static k3_status ew_run(k3_backend *be, ew_job *j) {
+    const int64_t per = 1 << 14;
+    int64_t unit = j->which == 4 ? j->row : 64;
+    int64_t units = unit > 0 ? (j->n + unit - 1) / unit : 0;
+    if (units == 0) return K3_OK;
+    int64_t per_task = K3_MAX((int64_t)1, per / unit);
+    j->chunk = per_task * unit;
+    j->kern = kern(be);
+    k3_pool_run(k3_cpu_pool(be), (units + per_task - 1) / per_task, ew_task, j);
+    return K3_OK;
+}
 static k3_status cpu_silu(k3_backend *be, const float *x, int64_t n, float *y) {
-    return k3_ref_ops.silu(be, x, n, y);
+    return ew_run(be, &(ew_job){.a = x, .n = n, .y = y, .which = 0});
 }
 static k3_status cpu_sigmoid(k3_backend *be, const float *x, int64_t n, float *y) {
-    return k3_ref_ops.sigmoid(be, x, n, y);
+    return ew_run(be, &(ew_job){.a = x, .n = n, .y = y, .which = 1});
 }
 static k3_status cpu_situ(k3_backend *be, const float *g, const float *u, int64_t n, float beta,
                           float lin_beta, float *y) {
-    return k3_ref_ops.situ(be, g, u, n, beta, lin_beta, y);
+    return ew_run(
+        be,
+        &(ew_job){.a = g, .b = u, .n = n, .beta = beta, .lin_beta = lin_beta, .y = y, .which = 2});
 }
 static k3_status cpu_swiglu(k3_backend *be, const float *g, const float *u, int64_t n, float *y) {
-    return k3_ref_ops.swiglu(be, g, u, n, y);
+    return ew_run(be, &(ew_job){.a = g, .b = u, .n = n, .y = y, .which = 3});
 }
 static k3_status cpu_softmax(k3_backend *be, const float *x, int64_t T, int64_t n, float *y) {
-    return k3_ref_ops.softmax(be, x, T, n, y);
+    if (n <= 0) return K3_OK;
+    return ew_run(be, &(ew_job){.a = x, .n = T * n, .row = n, .y = y, .which = 4});
 }
 static k3_status cpu_attnres_mix(k3_backend *be, const float *bank, int n_bank, const float *p,
                                  const float *w, int64_t T, int64_t D, float eps, float *out) {

@@ -1,6 +1,8 @@
 /* test_ops.c — every op of kernels/k3_kernels.h, on every host backend:
  *   - ref against float64 (or hand-computed / exactly known) values;
  *   - cpu against ref (bit-identical where cpu runs the reference code, else both vs float64);
+ *     the cpu backend runs the kernel table of one ISA (kernels/cpu/cpu_kern.h): the default
+ *     one, or K3_ISA=avx512|avx2|scalar (ctest runs each ISA this CPU has; exit 77 = skip);
  *   - the determinism rule: cpu results are bit-identical for any T split (one token at a time,
  *     odd splits) and any thread count (cpu backends with 1, 2 and 4 threads);
  *   - the guard backend: every case runs once more on buffers from k3_backend_alloc +
@@ -9,9 +11,11 @@
  * The test registry comes from K3_OP_LIST: an op without a test_<op> function here does not
  * compile. Inputs come from k3_rng with a printed seed. */
 #include "k3_kernels.h"
+#include "k3_kernels_internal.h" /* k3_cpu_isa_supported, k3_cpu_isa_name */
 #include "k3_test.h"
 #include "tolerances.h"
 
+#include <stdlib.h>
 #include <string.h>
 
 #include "k3_mxfp4.h"
@@ -608,7 +612,6 @@ static void elementwise_case(const char *name, int which) {
         K3_CHECK(rel_l2_d(ys[b], yd, n) < K3_TOL_OP_REL_L2, "%s (%s) vs float64: %g", name,
                  k_be_label[b], rel_l2_d(ys[b], yd, n));
     }
-    check_cpu_is_ref(ys, n, name);
     check_family(ys, n, name);
     /* split 100 + 157, and in place (y aliases the first input) */
     K3_CHECK_OK(run_elementwise(BE(B_CPU4), which, g, u, 100, y1));
@@ -623,20 +626,68 @@ static void elementwise_case(const char *name, int which) {
     free(g), free(u), free(y1), free(yd);
     ys_free(ys);
 }
+/* The vectorised activations (exp/tanh polynomials in the cpu kernels) over their whole range:
+ * g, u = ±10^k for k in [-8, 2] (through tanh's series/exp switch at 0.55, sigmoid's saturation
+ * and exp's under/overflow), each element within K3_TOL_OP_REL_L2 of float64, with an absolute
+ * floor of 1e-30: σ(x) = 1/(1 + e^-x) in fp32 is 0 once e^-x overflows (x < -88.7) — ref's
+ * expf does it too — where float64 still has ~1e-39; NaN in gives NaN out. */
+static void activation_sweep(const char *name, int which) {
+    const int64_t n = 2001;
+    float *g = fa(n), *u = fa(n), *y = fa(n);
+    for (int64_t i = 0; i < n; i++) {
+        double k = -8.0 + 10.0 * (double)(i / 2) / (double)(n / 2);
+        g[i] = (float)((i % 2 ? -1.0 : 1.0) * pow(10.0, k));
+        u[i] = (float)((i % 3 ? 1.0 : -1.0) * pow(10.0, 2.0 - k / 4.0));
+    }
+    g[n - 1] = NAN;
+    for (int b = 0; b < B_COUNT; b++) {
+        K3_CHECK_OK(run_elementwise(BE(b), which, g, u, n, y));
+        int64_t bad = 0, worst = -1;
+        double worst_e = 0;
+        for (int64_t i = 0; i < n - 1; i++) {
+            double gd = g[i], ud = u[i], want = 0;
+            switch (which) {
+            case 0:
+                want = gd * sigd(gd);
+                break;
+            case 1:
+                want = sigd(gd);
+                break;
+            case 2:
+                want = 4.0 * tanh(gd / 4.0) * sigd(gd) * 25.0 * tanh(ud / 25.0);
+                break;
+            default:
+                want = gd * sigd(gd) * ud;
+                break;
+            }
+            double e = fabs(y[i] - want) / (fabs(want) + 1e-30 / K3_TOL_OP_REL_L2);
+            if (!(e <= K3_TOL_OP_REL_L2)) bad++;
+            if (!(e <= worst_e)) worst_e = e, worst = i;
+        }
+        K3_CHECK(bad == 0, "%s (%s) sweep: %lld elements off; worst %.3g at g=%g u=%g (y=%g)", name,
+                 k_be_label[b], (long long)bad, worst_e, worst >= 0 ? g[worst] : 0.0,
+                 worst >= 0 ? u[worst] : 0.0, worst >= 0 ? y[worst] : 0.0);
+        K3_CHECK(isnan(y[n - 1]), "%s (%s): NaN in, %g out", name, k_be_label[b], y[n - 1]);
+    }
+    free(g), free(u), free(y);
+}
 static void test_silu(void) {
     elementwise_case("silu", 0);
+    activation_sweep("silu", 0);
     float x = 1.0f, y;
     K3_CHECK_OK(run_silu(BE(B_CPU2), &x, 1, &y));
     K3_CHECK(fabsf(y - 0.7310585786f) < 1e-6f, "silu(1) = %g", y);
 }
 static void test_sigmoid(void) {
     elementwise_case("sigmoid", 1);
+    activation_sweep("sigmoid", 1);
     float x[2] = {0.0f, -100.0f}, y[2];
     K3_CHECK_OK(run_sigmoid(BE(B_CPU2), x, 2, y));
     K3_CHECK(y[0] == 0.5f && y[1] >= 0.0f && y[1] < 1e-40f, "sigmoid hand");
 }
 static void test_situ(void) {
     elementwise_case("situ", 2);
+    activation_sweep("situ", 2);
     /* hand case (K3-MODEL.md §4.1): g = 1, u = 2 -> 4 tanh(1/4) σ(1) · 25 tanh(2/25) */
     float g = 1.0f, u = 2.0f, y, y2;
     K3_CHECK_OK(run_situ(BE(B_CPU2), &g, &u, 1, 4.0f, 25.0f, &y));
@@ -648,6 +699,7 @@ static void test_situ(void) {
 }
 static void test_swiglu(void) {
     elementwise_case("swiglu", 3);
+    activation_sweep("swiglu", 3);
 }
 
 static void test_softmax(void) {
@@ -660,8 +712,8 @@ static void test_softmax(void) {
                  "softmax hand (%s)", k_be_label[b]);
         K3_CHECK(y[3] == 0.5f && y[4] == 0.5f && y[5] == 0.0f,
                  "softmax large values (max-subtracted) (%s)", k_be_label[b]);
-        K3_CHECK(memcmp(ys6[b], ys6[B_REF], sizeof ys6[b]) == 0, "softmax %s != ref",
-                 k_be_label[b]);
+        K3_CHECK(memcmp(ys6[b], ys6[B_CPU1], sizeof ys6[b]) == 0 || b < B_CPU1,
+                 "softmax %s != cpu/1t", k_be_label[b]);
     }
     /* random rows vs float64; in place; one row at a time */
     const int64_t T = 20, n = 100;
@@ -676,9 +728,9 @@ static void test_softmax(void) {
     }
     ys_alloc(ys, T * n);
     for (int b = 0; b < B_COUNT; b++) K3_CHECK_OK(run_softmax(BE(b), xr, T, n, ys[b]));
-    K3_CHECK(rel_l2_d(ys[B_REF], yd, T * n) < K3_TOL_OP_REL_L2, "softmax vs float64: %g",
-             rel_l2_d(ys[B_REF], yd, T * n));
-    check_cpu_is_ref(ys, T * n, "softmax");
+    for (int b = 0; b < B_COUNT; b++)
+        K3_CHECK(rel_l2_d(ys[b], yd, T * n) < K3_TOL_OP_REL_L2, "softmax (%s) vs float64: %g",
+                 k_be_label[b], rel_l2_d(ys[b], yd, T * n));
     check_family(ys, T * n, "softmax");
     for (int64_t t = 0; t < T; t++)
         K3_CHECK_OK(run_softmax(BE(B_CPU4), xr + t * n, 1, n, y1 + t * n));
@@ -1660,6 +1712,12 @@ _Static_assert(sizeof(k_tests) / sizeof(k_tests[0]) == K3_OP_COUNT, "one test pe
 
 int main(void) {
     printf("test_ops seed %llu\n", (unsigned long long)k_seed);
+    const char *isa = getenv("K3_ISA");
+    if (isa && *isa && !k3_cpu_isa_supported(isa)) {
+        printf("SKIP test_ops: K3_ISA=%s: this CPU does not support it\n", isa);
+        return 77;
+    }
+    printf("cpu backend ISA: %s\n", isa && *isa ? isa : "default (cpuid)");
     k3_rng_seed(&g_rng, k_seed);
     for (int b = 0; b < B_COUNT; b++) {
         k3_backend_params p = {.n_threads = k_be_threads[b], .guard_reserve = (size_t)1 << 30};
@@ -1677,6 +1735,18 @@ int main(void) {
     }
     k3_backend *nope = NULL;
     K3_CHECK_ERR(k3_backend_create("x", NULL, &nope), K3_ERR_ARG, "unknown backend 'x'");
+    /* the ISA in use is the one asked for; an unknown K3_ISA is an error naming it */
+    K3_CHECK(!isa || !*isa || strcmp(k3_cpu_isa_name(BE(B_CPU1)), isa) == 0, "cpu ISA %s, asked %s",
+             k3_cpu_isa_name(BE(B_CPU1)), isa);
+    char *saved = isa ? strdup(isa) : NULL;
+    setenv("K3_ISA", "avx9", 1);
+    K3_CHECK_ERR(k3_backend_create("cpu", NULL, &nope), K3_ERR_ARG, "K3_ISA='avx9'");
+    K3_CHECK(nope == NULL, "a failed create leaves *out NULL");
+    if (saved)
+        setenv("K3_ISA", saved, 1);
+    else
+        unsetenv("K3_ISA");
+    free(saved);
     K3_CHECK(nope == NULL, "a failed create leaves *out NULL");
     K3_CHECK(strcmp(k3_backend_host()->name, "cpu") == 0 &&
                  k3_backend_threads(k3_backend_host()) == 1,

@@ -31,6 +31,11 @@ foreach(mode splits bytes fail load)
   set_tests_properties(dist_${mode} PROPERTIES LABELS "${labels}" TIMEOUT 480
                        ENVIRONMENT "${K3_TEST_ENV_MPI}")
 endforeach()
+# the splits (bit-identical with --deterministic) once more on the AVX2 kernels forced
+add_test(NAME dist_splits_avx2
+         COMMAND ${K3_PYTHON3} ${CMAKE_CURRENT_LIST_DIR}/dist_run.py splits ${MPIEXEC_EXECUTABLE})
+set_tests_properties(dist_splits_avx2 PROPERTIES LABELS "mpi" TIMEOUT 480
+                     ENVIRONMENT "${K3_TEST_ENV_MPI};K3_ISA=avx2")
 
 # k3 plan (no MPI): the real K3 over 4 x 8, and a request the grid cannot satisfy
 add_test(NAME plan_cli_k3 COMMAND $<TARGET_FILE:k3> plan --preset k3 --pp 4 --ep 8)

@@ -1,0 +1,40 @@
+/* cpu_kern.h — private to kernels/cpu/: the per-ISA kernel table of the cpu backend.
+ *
+ * Owns: the k3_cpu_kern struct (the hot loops: matmul row ranges, matmul_tn column ranges, the
+ * elementwise activations, one softmax row) and the three tables built from one template
+ * (kern_tmpl.h) in three translation units compiled with their own flags: kern_avx512.c
+ * (AVX-512 F/BW/VL/DQ), kern_avx2.c (AVX2 + FMA + F16C), kern_scalar.c (no SIMD flags).
+ * isa.c picks one at backend creation from cpuid, or K3_ISA=avx512|avx2|scalar.
+ * Invariants: a table's results are bit-reproducible on their own (every output is one fixed-order
+ * reduction, independent of T, of the row/column range and of the thread); two tables may differ
+ * from each other by summation order and by their exp/tanh polynomials (within the reference
+ * tolerances of tests/tolerances.h), never from ref's semantics.
+ * Callers must not call a table whose ISA the CPU lacks (only isa.c hands them out). */
+#ifndef K3_CPU_KERN_H
+#define K3_CPU_KERN_H
+
+#include "k3_kernels.h"
+
+typedef struct k3_cpu_kern k3_cpu_kern;
+struct k3_cpu_kern {
+    const char *name; /* "avx512", "avx2", "scalar" */
+    /* y[t, o] for t < T, o in [o0, o1): W [out, in] F32/BF16/MXFP4 (checked by the caller);
+       x [T, in]; y [T, out]. */
+    void (*mm_rows)(const k3_tensor *W, const float *x, int64_t T, int64_t o0, int64_t o1,
+                    float *y);
+    /* y[t, c] = Σ_o x[t, o] W[o, c] (o ascending, one fma per term) for c in [c0, c1). */
+    void (*mmtn_cols)(const k3_tensor *W, const float *x, int64_t T, int64_t c0, int64_t c1,
+                      float *y);
+    void (*silu)(const float *x, int64_t n, float *y);
+    void (*sigmoid)(const float *x, int64_t n, float *y);
+    void (*situ)(const float *g, const float *u, int64_t n, float beta, float lin_beta, float *y);
+    void (*swiglu)(const float *g, const float *u, int64_t n, float *y);
+    /* one row: y = softmax(x), max-subtracted; y may alias x */
+    void (*softmax_row)(const float *x, int64_t n, float *y);
+};
+
+extern const k3_cpu_kern k3_cpu_kern_scalar;
+extern const k3_cpu_kern k3_cpu_kern_avx2;
+extern const k3_cpu_kern k3_cpu_kern_avx512;
+
+#endif /* K3_CPU_KERN_H */

@@ -1,0 +1,77 @@
+/* kern_avx2.c — the cpu kernels for AVX2 + FMA (8 lanes): kern_tmpl.h compiled with
+ * -mavx2 -mfma -mf16c (CMakeLists.txt sets the flags for this file only; isa.c hands the table
+ * out only when cpuid reports them). BF16 widens by a shift; an MXFP4 block decodes in registers
+ * through a byte table of the doubled E2M1 values (vpshufb), scaled by half the block's E8M0
+ * (exact: k·2^(e−128) = E2M1·2^(e−127)), no dequantised copy. */
+#include "cpu_kern.h"
+
+#include <immintrin.h>
+#include <math.h>
+
+#include "k3_mxfp4.h"
+
+#if !defined(__AVX2__) || !defined(__FMA__)
+#error "kern_avx2.c needs -mavx2 -mfma (set in CMakeLists.txt)"
+#endif
+
+#define VEC                  __m256
+#define VL                   8
+#define MR                   1
+#define KERN_NAME            k3_cpu_kern_avx2
+#define KERN_ISA             "avx2"
+#define V_ZERO()             _mm256_setzero_ps()
+#define V_SET1(f)            _mm256_set1_ps(f)
+#define V_LOAD(p)            _mm256_loadu_ps(p)
+#define V_STORE(p, v)        _mm256_storeu_ps(p, v)
+#define V_ADD                _mm256_add_ps
+#define V_SUB                _mm256_sub_ps
+#define V_MUL                _mm256_mul_ps
+#define V_DIV                _mm256_div_ps
+#define V_MIN                _mm256_min_ps
+#define V_MAX                _mm256_max_ps
+#define V_FMA(a, b, c)       _mm256_fmadd_ps(a, b, c)
+#define V_SFMA(a, b, c)      fmaf(a, b, c)
+#define V_ABS(v)             _mm256_andnot_ps(_mm256_set1_ps(-0.0f), v)
+#define V_COPYSIGN(m, s)     _mm256_or_ps(m, _mm256_and_ps(s, _mm256_set1_ps(-0.0f)))
+#define V_SEL_LT(a, b, x, y) _mm256_blendv_ps(y, x, _mm256_cmp_ps(a, b, _CMP_LT_OQ))
+#define V_POW2I(n)                                                                                 \
+    _mm256_castsi256_ps(                                                                           \
+        _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23))
+#define V_LOAD_BF16(p)                                                                             \
+    _mm256_castsi256_ps(                                                                           \
+        _mm256_slli_epi32(_mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i *)(p))), 16))
+
+static inline float hsum8(__m256 v) {
+    __m128 lo = _mm256_castps256_ps128(v), hi = _mm256_extractf128_ps(v, 1);
+    lo = _mm_add_ps(lo, hi); /* 4 */
+    __m128 sh = _mm_movehl_ps(lo, lo);
+    lo = _mm_add_ps(lo, sh); /* 2 */
+    sh = _mm_shuffle_ps(lo, lo, 1);
+    return _mm_cvtss_f32(_mm_add_ss(lo, sh));
+}
+static inline float hmax8(__m256 v) {
+    __m128 m = _mm_max_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+    m = _mm_max_ps(m, _mm_movehl_ps(m, m));
+    m = _mm_max_ss(m, _mm_shuffle_ps(m, m, 1));
+    return _mm_cvtss_f32(m);
+}
+#define V_HSUM(v) hsum8(v)
+#define V_HMAX(v) hmax8(v)
+
+/* the byte table gives ggml's doubled E2M1 integers; unpacking the low/high nibble results
+ * byte by byte restores element order (byte m holds elements 2m, 2m+1). */
+static inline void mx32(const uint8_t *codes, uint8_t e8, VEC *w) {
+    const __m128i lut = _mm_setr_epi8(0, 1, 2, 3, 4, 6, 8, 12, 0, -1, -2, -3, -4, -6, -8, -12);
+    const __m128i m4 = _mm_set1_epi8(0x0f);
+    __m128i raw = _mm_loadu_si128((const __m128i *)codes);
+    __m128i vlo = _mm_shuffle_epi8(lut, _mm_and_si128(raw, m4));
+    __m128i vhi = _mm_shuffle_epi8(lut, _mm_and_si128(_mm_srli_epi16(raw, 4), m4));
+    __m128i e0 = _mm_unpacklo_epi8(vlo, vhi), e1 = _mm_unpackhi_epi8(vlo, vhi);
+    __m256 dh = _mm256_set1_ps(0.5f * k3_e8m0_to_f32(e8));
+    w[0] = _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(e0)), dh);
+    w[1] = _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_srli_si128(e0, 8))), dh);
+    w[2] = _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(e1)), dh);
+    w[3] = _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_srli_si128(e1, 8))), dh);
+}
+
+#include "kern_tmpl.h"

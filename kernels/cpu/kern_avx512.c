@@ -1,0 +1,67 @@
+/* kern_avx512.c — the cpu kernels for AVX-512 F/BW/VL (16 lanes): kern_tmpl.h compiled with
+ * -mavx512f -mavx512bw -mavx512vl -mavx512dq -mfma (CMakeLists.txt sets the flags for this file
+ * only; isa.c hands the table out only when cpuid reports them). BF16 widens by a shift; an
+ * MXFP4 block decodes in registers through a 16-entry float table scaled by the block's E8M0
+ * (vpermps), no dequantised copy. */
+#include "cpu_kern.h"
+
+#include <immintrin.h>
+#include <math.h>
+
+#include "k3_mxfp4.h"
+
+#if !defined(__AVX512F__) || !defined(__AVX512BW__) || !defined(__AVX512VL__)
+#error "kern_avx512.c needs -mavx512f -mavx512bw -mavx512vl (set in CMakeLists.txt)"
+#endif
+
+#define VEC             __m512
+#define VL              16
+#define MR              2
+#define KERN_NAME       k3_cpu_kern_avx512
+#define KERN_ISA        "avx512"
+#define V_ZERO()        _mm512_setzero_ps()
+#define V_SET1(f)       _mm512_set1_ps(f)
+#define V_LOAD(p)       _mm512_loadu_ps(p)
+#define V_STORE(p, v)   _mm512_storeu_ps(p, v)
+#define V_ADD           _mm512_add_ps
+#define V_SUB           _mm512_sub_ps
+#define V_MUL           _mm512_mul_ps
+#define V_DIV           _mm512_div_ps
+#define V_MIN           _mm512_min_ps
+#define V_MAX           _mm512_max_ps
+#define V_FMA(a, b, c)  _mm512_fmadd_ps(a, b, c)
+#define V_SFMA(a, b, c) fmaf(a, b, c)
+#define V_HSUM(v)       _mm512_reduce_add_ps(v)
+#define V_HMAX(v)       _mm512_reduce_max_ps(v)
+#define V_ABS(v)        _mm512_abs_ps(v)
+#define V_COPYSIGN(m, s)                                                                           \
+    _mm512_castsi512_ps(_mm512_or_si512(                                                           \
+        _mm512_castps_si512(m),                                                                    \
+        _mm512_and_si512(_mm512_castps_si512(s), _mm512_set1_epi32((int)0x80000000u))))
+#define V_SEL_LT(a, b, x, y) _mm512_mask_blend_ps(_mm512_cmp_ps_mask(a, b, _CMP_LT_OQ), y, x)
+#define V_POW2I(n)                                                                                 \
+    _mm512_castsi512_ps(                                                                           \
+        _mm512_slli_epi32(_mm512_add_epi32(_mm512_cvtps_epi32(n), _mm512_set1_epi32(127)), 23))
+#define V_LOAD_BF16(p)                                                                             \
+    _mm512_castsi512_ps(                                                                           \
+        _mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)(p))), 16))
+
+/* codes byte m: low nibble = element 2m, high = 2m+1. Both nibbles index the scaled E2M1 table
+ * (vpermps reads index bits 3..0 only, so the low nibble needs no mask); two two-source permutes
+ * interleave evens and odds back into element order. */
+static inline void mx32(const uint8_t *codes, uint8_t e8, VEC *w) {
+    const __m512 tbl = _mm512_setr_ps(0.0f, 0.5f, 1.0f, 1.5f, 2.0f, 3.0f, 4.0f, 6.0f, -0.0f, -0.5f,
+                                      -1.0f, -1.5f, -2.0f, -3.0f, -4.0f, -6.0f);
+    const __m512i lo_idx =
+        _mm512_setr_epi32(0, 16, 1, 17, 2, 18, 3, 19, 4, 20, 5, 21, 6, 22, 7, 23);
+    const __m512i hi_idx =
+        _mm512_setr_epi32(8, 24, 9, 25, 10, 26, 11, 27, 12, 28, 13, 29, 14, 30, 15, 31);
+    __m512 ts = _mm512_mul_ps(tbl, _mm512_set1_ps(k3_e8m0_to_f32(e8)));
+    __m512i v = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)codes));
+    __m512 ev = _mm512_permutexvar_ps(v, ts);
+    __m512 od = _mm512_permutexvar_ps(_mm512_srli_epi32(v, 4), ts);
+    w[0] = _mm512_permutex2var_ps(ev, lo_idx, od);
+    w[1] = _mm512_permutex2var_ps(ev, hi_idx, od);
+}
+
+#include "kern_tmpl.h"

@@ -1,0 +1,54 @@
+/* kern_scalar.c — the cpu kernels with no SIMD (one lane): kern_tmpl.h compiled with the
+ * project's default flags. The fallback on a CPU without AVX2 + FMA, and K3_ISA=scalar for
+ * tests. V_FMA is a*b + c, not fused (the build has -ffp-contract=off through -std=c11), so the
+ * arithmetic is the same whatever the compiler's target. */
+#include "cpu_kern.h"
+
+#include <math.h>
+#include <stdint.h>
+#include <string.h>
+
+#include "k3_mxfp4.h"
+
+#define VEC                  float
+#define VL                   1
+#define MR                   1
+#define KERN_NAME            k3_cpu_kern_scalar
+#define KERN_ISA             "scalar"
+#define V_ZERO()             0.0f
+#define V_SET1(f)            (f)
+#define V_LOAD(p)            (*(p))
+#define V_STORE(p, v)        (*(p) = (v))
+#define V_ADD(a, b)          ((a) + (b))
+#define V_SUB(a, b)          ((a) - (b))
+#define V_MUL(a, b)          ((a) * (b))
+#define V_DIV(a, b)          ((a) / (b))
+#define V_MIN(a, b)          ((a) < (b) ? (a) : (b))
+#define V_MAX(a, b)          ((a) > (b) ? (a) : (b))
+#define V_FMA(a, b, c)       ((a) * (b) + (c))
+#define V_SFMA(a, b, c)      ((a) * (b) + (c))
+#define V_HSUM(v)            (v)
+#define V_HMAX(v)            (v)
+#define V_ABS(v)             fabsf(v)
+#define V_COPYSIGN(m, s)     copysignf(m, s)
+#define V_SEL_LT(a, b, x, y) ((a) < (b) ? (x) : (y))
+#define V_LOAD_BF16(p)       k3_bf16_to_f32(*(p))
+
+static inline float pow2i(float n) {
+    if (n != n) return n; /* NaN: the cast below would be undefined */
+    uint32_t u = (uint32_t)((int32_t)n + 127) << 23;
+    float f;
+    memcpy(&f, &u, 4);
+    return f;
+}
+#define V_POW2I(n) pow2i(n)
+
+static inline void mx32(const uint8_t *codes, uint8_t e8, VEC *w) {
+    float d = k3_e8m0_to_f32(e8);
+    for (int m = 0; m < 16; m++) {
+        w[2 * m] = k3_mxfp4_e2m1(codes[m] & 15u) * d;
+        w[2 * m + 1] = k3_mxfp4_e2m1(codes[m] >> 4) * d;
+    }
+}
+
+#include "kern_tmpl.h"

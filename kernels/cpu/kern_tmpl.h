@@ -1,0 +1,361 @@
+/* kern_tmpl.h — the one body of the cpu backend's hot loops, included once by each ISA's
+ * translation unit (kern_avx512.c, kern_avx2.c, kern_scalar.c) after it defines the vector
+ * vocabulary below; the unit's compile flags decide which instructions the same code becomes.
+ * Not a header of its own: no include guard, no declarations for others.
+ *
+ * Vocabulary each unit defines: VEC (a vector of VL floats), VL, KERN_NAME (the table's
+ * symbol), KERN_ISA (its name), MR (weight rows per prefill tile), and the operations
+ *   V_ZERO() V_SET1(f) V_LOAD(p) V_STORE(p, v) V_ADD V_SUB V_MUL V_DIV V_MIN V_MAX
+ *   V_FMA(a, b, c) = a·b + c   V_SFMA(a, b, c): the same on one float
+ *   V_HSUM(v)   V_HMAX(v)   V_ABS(v)   V_COPYSIGN(mag, sgn)   V_SEL_LT(a, b, x, y) = a < b ? x : y
+ *   V_POW2I(n)  2^n for an integral float n in [-126, 127]
+ *   V_LOAD_BF16(p)  VL bf16 widened to f32 (a shift: bf16 is the top half of an f32)
+ *   mx32(codes, e8, w)  one MXFP4 block (16 code bytes, its E8M0 byte) decoded in registers to
+ *                       32/VL vectors in element order, values exactly k3_mxfp4_get's.
+ *   V_MIN(a, b)/V_MAX(a, b) return b when either is NaN (the SSE rule), so clamps are written
+ *   V_MIN(bound, x) to let a NaN through.
+ *
+ * Reduction order (the determinism rule of k3_kernels.h): y[t, o] of matmul is
+ * hsum(a0 + a1) + t with a0 += x·w over vectors 0, 2, 4, ... of the row and a1 over vectors
+ * 1, 3, 5, ... (one VL-tail vector into a0, the last in % VL elements into t, in order). The
+ * tiles below (1 or 4 tokens × 1, 2 or MR rows) all do exactly that per output element, so a
+ * result depends neither on T nor on the row range a thread got. Elementwise ops compute each
+ * element by one function of its inputs (tails go through a padded vector), so splits never
+ * change a bit. */
+
+#define NVX (32 / VL) /* vectors per MXFP4 block */
+
+/* ---- weight loaders -------------------------------------------------------------------------- */
+static inline VEC ldw_f32(const float *w) {
+    return V_LOAD(w);
+}
+static inline VEC ldw_bf16(const uint16_t *w) {
+    return V_LOAD_BF16(w);
+}
+static inline float sw_f32(const float *w) {
+    return *w;
+}
+static inline float sw_bf16(const uint16_t *w) {
+    return k3_bf16_to_f32(*w);
+}
+
+/* ---- dot tiles: NR weight rows (ld elements apart) × NT tokens, out[r·NT + u] --------------- */
+#define DEF_TILE(NAME, WT, LDW, SW, NR, NT)                                                        \
+    static void NAME(const WT *w, int64_t ld, const float *const *xs, int64_t n, float *out) {     \
+        VEC a0[NR][NT], a1[NR][NT];                                                                \
+        float t[NR][NT];                                                                           \
+        _Pragma("GCC unroll 8") for (int r = 0; r < NR; r++)                                       \
+            _Pragma("GCC unroll 8") for (int u = 0; u < NT; u++) a0[r][u] = a1[r][u] = V_ZERO(),   \
+                                                                 t[r][u] = 0.0f;                   \
+        int64_t i = 0;                                                                             \
+        for (; i + 2 * VL <= n; i += 2 * VL) {                                                     \
+            VEC x0[NT], x1[NT];                                                                    \
+            _Pragma("GCC unroll 8") for (int u = 0; u < NT; u++) x0[u] = V_LOAD(xs[u] + i),        \
+                                                                 x1[u] = V_LOAD(xs[u] + i + VL);   \
+            _Pragma("GCC unroll 8") for (int r = 0; r < NR; r++) {                                 \
+                VEC w0 = LDW(w + r * ld + i), w1 = LDW(w + r * ld + i + VL);                       \
+                _Pragma("GCC unroll 8") for (int u = 0; u < NT; u++) {                             \
+                    a0[r][u] = V_FMA(x0[u], w0, a0[r][u]);                                         \
+                    a1[r][u] = V_FMA(x1[u], w1, a1[r][u]);                                         \
+                }                                                                                  \
+            }                                                                                      \
+        }                                                                                          \
+        if (i + VL <= n) {                                                                         \
+            _Pragma("GCC unroll 8") for (int r = 0; r < NR; r++) {                                 \
+                VEC w0 = LDW(w + r * ld + i);                                                      \
+                _Pragma("GCC unroll 8") for (int u = 0; u < NT; u++) a0[r][u] =                    \
+                    V_FMA(V_LOAD(xs[u] + i), w0, a0[r][u]);                                        \
+            }                                                                                      \
+            i += VL;                                                                               \
+        }                                                                                          \
+        for (; i < n; i++)                                                                         \
+            for (int r = 0; r < NR; r++)                                                           \
+                for (int u = 0; u < NT; u++) t[r][u] += xs[u][i] * SW(w + r * ld + i);             \
+        _Pragma("GCC unroll 8") for (int r = 0; r < NR; r++)                                       \
+            _Pragma("GCC unroll 8") for (int u = 0; u < NT; u++) out[r * NT + u] =                 \
+                V_HSUM(V_ADD(a0[r][u], a1[r][u])) + t[r][u];                                       \
+    }
+
+/* MXFP4 rows: codes [n/2] bytes per row (ld_c apart), E8M0 [n/32] per row (ld_e apart). Each
+ * block is decoded once into registers and met by every token of the tile; vector k of a block
+ * joins a(k % 2), the same lanes as the f32/bf16 rows (n % 32 == 0: no tails). */
+#define DEF_TILE_MX(NAME, NR, NT)                                                                  \
+    static void NAME(const uint8_t *c, const uint8_t *e, int64_t ld_c, int64_t ld_e,               \
+                     const float *const *xs, int64_t n, float *out) {                              \
+        VEC a0[NR][NT], a1[NR][NT];                                                                \
+        _Pragma("GCC unroll 8") for (int r = 0; r < NR; r++)                                       \
+            _Pragma("GCC unroll 8") for (int u = 0; u < NT; u++) a0[r][u] = a1[r][u] = V_ZERO();   \
+        for (int64_t b = 0; b < n / 32; b++) {                                                     \
+            _Pragma("GCC unroll 8") for (int r = 0; r < NR; r++) {                                 \
+                VEC wv[NVX];                                                                       \
+                mx32(c + r * ld_c + b * 16, e[r * ld_e + b], wv);                                  \
+                _Pragma("GCC unroll 32") for (int k = 0; k < NVX; k += 2)                          \
+                    _Pragma("GCC unroll 8") for (int u = 0; u < NT; u++) {                         \
+                    const float *xb = xs[u] + b * 32 + k * VL;                                     \
+                    a0[r][u] = V_FMA(V_LOAD(xb), wv[k], a0[r][u]);                                 \
+                    a1[r][u] = V_FMA(V_LOAD(xb + VL), wv[k + 1], a1[r][u]);                        \
+                }                                                                                  \
+            }                                                                                      \
+        }                                                                                          \
+        _Pragma("GCC unroll 8") for (int r = 0; r < NR; r++)                                       \
+            _Pragma("GCC unroll 8") for (int u = 0; u < NT; u++) out[r * NT + u] =                 \
+                V_HSUM(V_ADD(a0[r][u], a1[r][u]));                                                 \
+    }
+
+DEF_TILE(f32_r1t1, float, ldw_f32, sw_f32, 1, 1)
+DEF_TILE(f32_r2t1, float, ldw_f32, sw_f32, 2, 1)
+DEF_TILE(f32_r1t4, float, ldw_f32, sw_f32, 1, 4)
+DEF_TILE(f32_rmt4, float, ldw_f32, sw_f32, MR, 4)
+DEF_TILE(bf16_r1t1, uint16_t, ldw_bf16, sw_bf16, 1, 1)
+DEF_TILE(bf16_r2t1, uint16_t, ldw_bf16, sw_bf16, 2, 1)
+DEF_TILE(bf16_r1t4, uint16_t, ldw_bf16, sw_bf16, 1, 4)
+DEF_TILE(bf16_rmt4, uint16_t, ldw_bf16, sw_bf16, MR, 4)
+DEF_TILE_MX(mx_r1t1, 1, 1)
+DEF_TILE_MX(mx_r2t1, 2, 1)
+DEF_TILE_MX(mx_r1t4, 1, 4)
+DEF_TILE_MX(mx_rmt4, MR, 4)
+
+/* Rows [ob, oe) × tokens [t0, t0 + nt) (nt = 1 or 4): tiles of nr rows, then single rows. */
+static void rows_tile(const k3_tensor *W, const float *const *xs, int nt, int64_t t0, int64_t ob,
+                      int64_t oe, float *y) {
+    int64_t out = W->shape[0], in = W->shape[1];
+    int nr = nt == 1 ? 2 : MR;
+    float r[8 * 4];
+    for (int64_t o = ob; o < oe;) {
+        int k = oe - o >= nr ? nr : 1;
+        switch (W->dtype) {
+        case K3_DT_F32: {
+            const float *w = (const float *)W->data + o * in;
+            if (nt == 1)
+                (k == 2 ? f32_r2t1 : f32_r1t1)(w, in, xs, in, r);
+            else
+                (k == MR ? f32_rmt4 : f32_r1t4)(w, in, xs, in, r);
+            break;
+        }
+        case K3_DT_BF16: {
+            const uint16_t *w = (const uint16_t *)W->data + o * in;
+            if (nt == 1)
+                (k == 2 ? bf16_r2t1 : bf16_r1t1)(w, in, xs, in, r);
+            else
+                (k == MR ? bf16_rmt4 : bf16_r1t4)(w, in, xs, in, r);
+            break;
+        }
+        default: {
+            const uint8_t *c = (const uint8_t *)W->data + o * (in / 2),
+                          *e = W->scale + o * (in / 32);
+            if (nt == 1)
+                (k == 2 ? mx_r2t1 : mx_r1t1)(c, e, in / 2, in / 32, xs, in, r);
+            else
+                (k == MR ? mx_rmt4 : mx_r1t4)(c, e, in / 2, in / 32, xs, in, r);
+            break;
+        }
+        }
+        for (int i = 0; i < k; i++)
+            for (int u = 0; u < nt; u++) y[(t0 + u) * out + o + i] = r[i * nt + u];
+        o += k;
+    }
+}
+
+/* Rows are walked in blocks of ROW_BLOCK (a few KB of weights, cache resident) and every token
+ * tile meets a block before the next block is read, so a weight row leaves memory once per call
+ * whatever T is. Loop order never changes a result. */
+#define ROW_BLOCK 16
+static void mm_rows(const k3_tensor *W, const float *x, int64_t T, int64_t o0, int64_t o1,
+                    float *y) {
+    int64_t in = W->shape[1];
+    for (int64_t ob = o0; ob < o1; ob += ROW_BLOCK) {
+        int64_t oe = ob + ROW_BLOCK < o1 ? ob + ROW_BLOCK : o1;
+        for (int64_t t0 = 0; t0 < T;) {
+            int nt = T - t0 >= 4 ? 4 : 1;
+            const float *xs[4];
+            for (int u = 0; u < nt; u++) xs[u] = x + (t0 + u) * in;
+            rows_tile(W, xs, nt, t0, ob, oe, y);
+            t0 += nt;
+        }
+    }
+}
+
+/* matmul_tn: y[t, c] = Σ_o x[t, o] W[o, c], one fused multiply-add per term in o order — the
+ * same per element in a vector lane and in the scalar tail, so the column split never matters.
+ * Columns go 32 at a time (an MXFP4 block; c0 is a multiple of 32), kept in registers over o. */
+static void mmtn_cols(const k3_tensor *W, const float *x, int64_t T, int64_t c0, int64_t c1,
+                      float *y) {
+    int64_t out = W->shape[0], in = W->shape[1];
+    for (int64_t t = 0; t < T; t++) {
+        const float *xt = x + t * out;
+        float *yt = y + t * in;
+        int64_t c = c0;
+        for (; c + 32 <= c1; c += 32) {
+            VEC acc[NVX];
+            _Pragma("GCC unroll 32") for (int k = 0; k < NVX; k++) acc[k] = V_ZERO();
+            for (int64_t o = 0; o < out; o++) {
+                VEC xo = V_SET1(xt[o]), wv[NVX];
+                if (W->dtype == K3_DT_F32) {
+                    _Pragma("GCC unroll 32") for (int k = 0; k < NVX; k++) wv[k] =
+                        V_LOAD((const float *)W->data + o * in + c + k * VL);
+                } else if (W->dtype == K3_DT_BF16) {
+                    _Pragma("GCC unroll 32") for (int k = 0; k < NVX; k++) wv[k] =
+                        V_LOAD_BF16((const uint16_t *)W->data + o * in + c + k * VL);
+                } else {
+                    mx32((const uint8_t *)W->data + o * (in / 2) + c / 2,
+                         W->scale[o * (in / 32) + c / 32], wv);
+                }
+                _Pragma("GCC unroll 32") for (int k = 0; k < NVX; k++) acc[k] =
+                    V_FMA(xo, wv[k], acc[k]);
+            }
+            _Pragma("GCC unroll 32") for (int k = 0; k < NVX; k++) V_STORE(yt + c + k * VL, acc[k]);
+        }
+        for (; c < c1; c++) { /* f32/bf16 only: MXFP4 rows are whole blocks */
+            float s = 0.0f;
+            for (int64_t o = 0; o < out; o++) s = V_SFMA(xt[o], k3_tensor_get(W, o, c), s);
+            yt[c] = s;
+        }
+    }
+}
+
+/* ---- exp, sigmoid, tanh ------------------------------------------------------------------------
+ * exp: n = round(x·log2 e) (the 1.5·2^23 trick), r = x − n·ln2 in two parts (Cody-Waite; the
+ * high part has 9 bits so n·C1 is exact), a degree-6 polynomial on |r| <= ln2/2 (Cephes expf,
+ * ~1 ulp), times 2^n applied as two halves so results down to the subnormals are right and
+ * x > 88.73 overflows to +inf as expf does. exp(0) is exactly 1. */
+static inline VEC v_exp(VEC x) {
+    const VEC magic = V_SET1(12582912.0f); /* 1.5·2^23 */
+    x = V_MAX(V_SET1(-104.0f), V_MIN(V_SET1(89.0f), x));
+    VEC n = V_SUB(V_FMA(x, V_SET1(1.44269504088896341f), magic), magic);
+    VEC r = V_FMA(n, V_SET1(-0.693359375f), x);
+    r = V_FMA(n, V_SET1(2.12194440e-4f), r);
+    VEC p = V_SET1(1.9875691500e-4f);
+    p = V_FMA(p, r, V_SET1(1.3981999507e-3f));
+    p = V_FMA(p, r, V_SET1(8.3334519073e-3f));
+    p = V_FMA(p, r, V_SET1(4.1665795894e-2f));
+    p = V_FMA(p, r, V_SET1(1.6666665459e-1f));
+    p = V_FMA(p, r, V_SET1(5.0000001201e-1f));
+    p = V_ADD(V_FMA(V_MUL(p, r), r, r), V_SET1(1.0f));
+    VEC n1 = V_SUB(V_FMA(n, V_SET1(0.5f), magic), magic); /* n = n1 + n2, both in [-75, 65] */
+    VEC n2 = V_SUB(n, n1);
+    return V_MUL(V_MUL(p, V_POW2I(n1)), V_POW2I(n2));
+}
+static inline VEC v_sigmoid(VEC x) {
+    return V_DIV(V_SET1(1.0f), V_ADD(V_SET1(1.0f), v_exp(V_SUB(V_ZERO(), x))));
+}
+/* tanh: |z| < 0.55: the odd Taylor series to z^17 (next term < 1e-8 relative); else
+ * (1 − e^{−2|z|})/(1 + e^{−2|z|}) (no cancellation: e^{−2|z|} < 1/3); the sign of z restored. */
+static inline VEC v_tanh(VEC z) {
+    VEC a = V_ABS(z), z2 = V_MUL(z, z);
+    VEC p = V_SET1(6404582.0f / 10854718875.0f);
+    p = V_FMA(p, z2, V_SET1(-929569.0f / 638512875.0f));
+    p = V_FMA(p, z2, V_SET1(21844.0f / 6081075.0f));
+    p = V_FMA(p, z2, V_SET1(-1382.0f / 155925.0f));
+    p = V_FMA(p, z2, V_SET1(62.0f / 2835.0f));
+    p = V_FMA(p, z2, V_SET1(-17.0f / 315.0f));
+    p = V_FMA(p, z2, V_SET1(2.0f / 15.0f));
+    p = V_FMA(p, z2, V_SET1(-1.0f / 3.0f));
+    VEC small = V_FMA(V_MUL(a, z2), p, a);
+    VEC t = v_exp(V_MUL(V_SET1(-2.0f), a));
+    VEC big = V_DIV(V_SUB(V_SET1(1.0f), t), V_ADD(V_SET1(1.0f), t));
+    return V_COPYSIGN(V_SEL_LT(a, V_SET1(0.55f), small, big), z);
+}
+
+/* ---- elementwise ops: whole vectors, then the tail through a padded vector ------------------- */
+#define EW_LOOP(n, BODY)                                                                           \
+    do {                                                                                           \
+        int64_t i_ = 0;                                                                            \
+        for (; i_ + VL <= (n); i_ += VL) {                                                         \
+            const int64_t o_ = i_;                                                                 \
+            BODY(o_, (n))                                                                          \
+        }                                                                                          \
+        if (i_ < (n)) {                                                                            \
+            const int64_t o_ = i_;                                                                 \
+            BODY(o_, (n))                                                                          \
+        }                                                                                          \
+    } while (0)
+/* load/store VL elements at i of an array of n (padding with 0 past n, storing only < n) */
+static inline VEC ld_pad(const float *p, int64_t i, int64_t n) {
+    if (i + VL <= n) return V_LOAD(p + i);
+    float b[VL] = {0};
+    for (int64_t j = i; j < n; j++) b[j - i] = p[j];
+    return V_LOAD(b);
+}
+static inline void st_pad(float *p, int64_t i, int64_t n, VEC v) {
+    if (i + VL <= n) {
+        V_STORE(p + i, v);
+        return;
+    }
+    float b[VL];
+    V_STORE(b, v);
+    for (int64_t j = i; j < n; j++) p[j] = b[j - i];
+}
+
+#define SILU_BODY(i, n)                                                                            \
+    {                                                                                              \
+        VEC v = ld_pad(x, i, n);                                                                   \
+        st_pad(y, i, n, V_MUL(v, v_sigmoid(v)));                                                   \
+    }
+static void silu(const float *x, int64_t n, float *y) {
+    EW_LOOP(n, SILU_BODY);
+}
+#define SIGMOID_BODY(i, n) st_pad(y, i, n, v_sigmoid(ld_pad(x, i, n)));
+static void sigmoid(const float *x, int64_t n, float *y) {
+    EW_LOOP(n, SIGMOID_BODY);
+}
+#define SWIGLU_BODY(i, n)                                                                          \
+    {                                                                                              \
+        VEC v = ld_pad(g, i, n);                                                                   \
+        st_pad(y, i, n, V_MUL(V_MUL(v, v_sigmoid(v)), ld_pad(u, i, n)));                           \
+    }
+static void swiglu(const float *g, const float *u, int64_t n, float *y) {
+    EW_LOOP(n, SWIGLU_BODY);
+}
+/* SiTU (K3-MODEL.md §4.1): [β tanh(g/β) σ(g)]·[λ tanh(u/λ)] (λ <= 0: u) */
+#define SITU_BODY(i, n)                                                                            \
+    {                                                                                              \
+        VEC gv = ld_pad(g, i, n), uv = ld_pad(u, i, n);                                            \
+        VEC a = V_MUL(V_MUL(vb, v_tanh(V_DIV(gv, vb))), v_sigmoid(gv));                            \
+        VEC b = lin_beta > 0.0f ? V_MUL(vl, v_tanh(V_DIV(uv, vl))) : uv;                           \
+        st_pad(y, i, n, V_MUL(a, b));                                                              \
+    }
+static void situ(const float *g, const float *u, int64_t n, float beta, float lin_beta, float *y) {
+    const VEC vb = V_SET1(beta), vl = V_SET1(lin_beta);
+    EW_LOOP(n, SITU_BODY);
+}
+
+/* softmax of one row: max, exp(x − max) with lane-wise partial sums, divide. */
+static void softmax_row(const float *x, int64_t n, float *y) {
+    float m = -INFINITY;
+    int64_t i = 0;
+    if (n >= VL) {
+        VEC vm = V_LOAD(x);
+        for (i = VL; i + VL <= n; i += VL) vm = V_MAX(vm, V_LOAD(x + i));
+        m = V_HMAX(vm);
+    }
+    for (; i < n; i++) m = x[i] > m ? x[i] : m;
+    const VEC vmax = V_SET1(m);
+    VEC vs = V_ZERO();
+    for (i = 0; i + VL <= n; i += VL) {
+        VEC e = v_exp(V_SUB(V_LOAD(x + i), vmax));
+        V_STORE(y + i, e);
+        vs = V_ADD(vs, e);
+    }
+    float s = V_HSUM(vs);
+    if (i < n) {
+        VEC e = v_exp(V_SUB(ld_pad(x, i, n), vmax));
+        st_pad(y, i, n, e);
+        float b[VL];
+        V_STORE(b, e);
+        for (int64_t j = i; j < n; j++) s += b[j - i];
+    }
+    const VEC vsum = V_SET1(s);
+    for (i = 0; i + VL <= n; i += VL) V_STORE(y + i, V_DIV(V_LOAD(y + i), vsum));
+    for (; i < n; i++) y[i] /= s;
+}
+
+const k3_cpu_kern KERN_NAME = {
+    .name = KERN_ISA,
+    .mm_rows = mm_rows,
+    .mmtn_cols = mmtn_cols,
+    .silu = silu,
+    .sigmoid = sigmoid,
+    .situ = situ,
+    .swiglu = swiglu,
+    .softmax_row = softmax_row,
+};
