@@ -47,7 +47,8 @@ static void on_signal(int sig) {
     stop_flag = 1;
 }
 
-/* Every rank: SIGINT/SIGTERM end the job through rank 0, never by killing one rank. */
+/* Every rank: SIGINT/SIGTERM end the job through rank 0's close, never by killing one rank (the
+ * other ranks only note the signal: they leave k3_engine_serve when rank 0 closes). */
 static void install_signals(void) {
     struct sigaction sa = {0};
     sa.sa_handler = on_signal;
@@ -108,7 +109,6 @@ static int run_serve(const k3_args *a) {
     int rank = 0, world = 1;
     k3_comm_world(&rank, &world);
     k3_log_set_rank(rank, -1, -1);
-    install_signals();
     k3_engine_opts eo = {.name = "k3 serve"};
     int rc = k3_engine_args(a, rank == 0, &eo);
     if (rc == 0 && !k3_args_has(a, "model")) {
@@ -144,6 +144,9 @@ static int run_serve(const k3_args *a) {
     eo.progress = true;
     k3_engine *e = NULL;
     rc = k3_engine_open(&eo, &e);
+    /* after the open: the comm layer installs its own SIGTERM handler (it names vanished peers
+     * and dies); a server ends through rank 0's orderly close instead */
+    if (rc == 0) install_signals();
     if (rc == 0 && !k3_engine_is_coordinator(e)) {
         k3_status st = k3_engine_serve(e);
         k3_engine_close(e, NULL);

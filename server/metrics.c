@@ -3,10 +3,11 @@
  * Owns: the histogram buckets, the per-status request counts and the exposition text. The
  * counters live in the server (server_internal.h: srv_metrics, under its mutex); this file only
  * adds to them and prints a snapshot.
- * Names: k3_requests_total{status}, k3_prompt_tokens_total, k3_generation_tokens_total,
- * k3_time_to_first_token_seconds, k3_time_per_output_token_seconds, k3_e2e_request_latency_seconds,
- * k3_step_seconds{rank="0"} (histograms: rank 0's engine steps, the pipeline's pace as the
- * coordinator sees it), k3_num_requests_running, k3_num_requests_waiting, k3_slot_usage_ratio. */
+ * Names: k3_requests_total{endpoint,status} (endpoint: a route, or "other"),
+ * k3_prompt_tokens_total, k3_generation_tokens_total, k3_time_to_first_token_seconds,
+ * k3_time_per_output_token_seconds, k3_e2e_request_latency_seconds, k3_step_seconds{rank="0"}
+ * (histograms: rank 0's engine steps, the pipeline's pace as the coordinator sees it),
+ * k3_num_requests_running, k3_num_requests_waiting, k3_slot_usage_ratio. */
 #include "server_internal.h"
 
 #include <stdio.h>
@@ -23,10 +24,10 @@ void srv_hist_add(srv_hist *h, double seconds) {
     h->n++;
 }
 
-void srv_count_status(srv_metrics *m, int status) {
+void srv_count_status(srv_metrics *m, const char *path, int status) {
     for (int i = 0; i < SRV_N_STATUS; i++) {
-        if (m->status_code[i] == 0) m->status_code[i] = status;
-        if (m->status_code[i] == status) {
+        if (m->status_code[i] == 0) m->status_code[i] = status, m->status_path[i] = path;
+        if (m->status_code[i] == status && strcmp(m->status_path[i], path) == 0) {
             m->status_count[i]++;
             return;
         }
@@ -69,10 +70,11 @@ static k3_status hist(k3_chat_buf *o, const char *name, const char *labels, cons
 }
 
 k3_status srv_metrics_text(const srv_metrics *m, int slots, k3_chat_buf *o) {
-    K3_TRY(head(o, "k3_requests_total", "counter", "HTTP requests answered, by status code"));
+    K3_TRY(
+        head(o, "k3_requests_total", "counter", "HTTP requests answered, by endpoint and status"));
     for (int i = 0; i < SRV_N_STATUS && m->status_code[i]; i++)
-        K3_TRY(put(o, "k3_requests_total{status=\"%d\"} %llu\n", m->status_code[i],
-                   (unsigned long long)m->status_count[i]));
+        K3_TRY(put(o, "k3_requests_total{endpoint=\"%s\",status=\"%d\"} %llu\n", m->status_path[i],
+                   m->status_code[i], (unsigned long long)m->status_count[i]));
     K3_TRY(head(o, "k3_prompt_tokens_total", "counter", "prompt tokens of finished requests"));
     K3_TRY(put(o, "k3_prompt_tokens_total %llu\n", (unsigned long long)m->prompt_tokens));
     K3_TRY(head(o, "k3_generation_tokens_total", "counter", "generated tokens"));

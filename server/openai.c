@@ -9,7 +9,8 @@
  * Chat defaults are OpenAI's (temperature 1, top_p 1; max_tokens = the rest of the context);
  * /v1/completions takes a prompt string (encoded without specials, as `k3 run --prompt`), a list
  * of ids, or a one-element list of either; its max_tokens defaults to 16 (OpenAI's). vLLM's
- * "return_token_ids": true adds "prompt_token_ids" and choices[0].token_ids (non-streamed).
+ * "return_token_ids": true adds "prompt_token_ids" and choices[0].token_ids (non-streamed); its
+ * "ignore_eos": true generates past <|end_of_msg|> / [EOS] (max_tokens ends the request).
  * Streaming, chat: a first chunk with the role, then one chunk per batch of parser deltas
  * (reasoning_content / content / tool_calls, a call's id and name first, then its argument
  * fragments), each carrying the logprobs of the tokens it consumed, then a chunk with an empty
@@ -35,8 +36,7 @@ static k3_status put_i64(k3_chat_buf *o, int64_t v) {
     return puts_(o, t);
 }
 
-/* ---- errors -----------------------------------------------------------------------------------
- */
+/* ---- errors ---------------------------------------------------------------------------------- */
 k3_status srv_error_json(int status, const char *message, k3_chat_buf *out) {
     const char *type = status == 401   ? "authentication_error"
                        : status == 404 ? "not_found_error"
@@ -74,8 +74,7 @@ static int fail(char *why, size_t n_why, int status, const char *fmt, ...) {
     return status;
 }
 
-/* ---- request parsing --------------------------------------------------------------------------
- */
+/* ---- request parsing ------------------------------------------------------------------------- */
 static const k3_chat_json *key(const k3_chat_json *d, const char *k) {
     const k3_chat_json *v = k3_chat_json_get(d, k);
     return v && v->kind != K3_JSON_NULL ? v : NULL;
@@ -90,6 +89,7 @@ static int check_types(const k3_chat_json *d, char *why, size_t n_why) {
         {"model", K3_JSON_STRING},          {"stream", K3_JSON_BOOL},
         {"stream_options", K3_JSON_OBJECT}, {"return_token_ids", K3_JSON_BOOL},
         {"user", K3_JSON_STRING},           {"echo", K3_JSON_BOOL},
+        {"ignore_eos", K3_JSON_BOOL},
     };
     for (size_t i = 0; i < K3_ARRAY_LEN(typed); i++) {
         const k3_chat_json *v = key(d, typed[i].key);
@@ -226,6 +226,7 @@ static int parse_job(const k3_server_opts *o, sreq *q, const char *body, size_t 
     q->stream = k3_chat_json_truthy(key(j->doc, "stream"));
     q->include_usage = k3_chat_json_truthy(key(key(j->doc, "stream_options"), "include_usage"));
     q->return_token_ids = k3_chat_json_truthy(key(j->doc, "return_token_ids"));
+    q->ignore_eos = k3_chat_json_truthy(key(j->doc, "ignore_eos"));
     return 200;
 }
 
@@ -288,8 +289,7 @@ int k3_server_check_request(const k3_server_opts *o, const char *path, const cha
     return st;
 }
 
-/* ---- response bodies --------------------------------------------------------------------------
- */
+/* ---- response bodies ------------------------------------------------------------------------- */
 static k3_status put_head(const k3_server_opts *o, const sreq *q, const char *object,
                           k3_chat_buf *out) {
     K3_TRY(puts_(out, "{\"id\":"));
@@ -421,7 +421,7 @@ static k3_status put_ids(const sreq_tok *toks, int64_t n, k3_chat_buf *out) {
 /* Feed tokens [st->n_fed, s->n_gen) to the chat parser (and end it when s->done). */
 static k3_status feed_chat(const sreq *q, srv_stream *st, const srv_snapshot *s,
                            const k3_tokenizer *tok) {
-    if (!st->feed) K3_TRY(k3_job_feed_create(&q->job, tok, false, &st->feed));
+    if (!st->feed) K3_TRY(k3_job_feed_create(&q->job, tok, q->ignore_eos, &st->feed));
     for (; st->n_fed < s->n_gen; st->n_fed++)
         K3_TRY(k3_job_feed_token(st->feed, s->toks[st->n_fed].id, s->toks[st->n_fed].text_end));
     if (s->done && !s->failed) K3_TRY(k3_job_feed_end(st->feed, s->stop, s->n_text));
@@ -483,8 +483,7 @@ k3_status srv_response(const k3_server_opts *o, const sreq *q, k3_chat_buf *out)
     return puts_(out, "}");
 }
 
-/* ---- streaming --------------------------------------------------------------------------------
- */
+/* ---- streaming ------------------------------------------------------------------------------- */
 /* One SSE chunk: "data: {head, choices:[{index:0, <choice>, finish_reason}]<, usage:null>}\n\n"
  * where `choice` is written by the caller between the two calls. */
 static k3_status chunk_open(const k3_server_opts *o, const sreq *q, k3_chat_buf *out) {
@@ -592,8 +591,7 @@ void srv_stream_free(srv_stream *st) {
     memset(st, 0, sizeof *st);
 }
 
-/* ---- models, tokenize, detokenize -------------------------------------------------------------
- */
+/* ---- models, tokenize, detokenize ------------------------------------------------------------ */
 k3_status srv_models_json(const k3_server_opts *o, int64_t created, k3_chat_buf *out) {
     K3_TRY(puts_(out, "{\"object\":\"list\",\"data\":[{\"id\":"));
     K3_TRY(put_str(out, o->model_name, strlen(o->model_name)));

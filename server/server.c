@@ -21,6 +21,7 @@
 #include <stdlib.h>
 #include <sys/socket.h>
 #include <time.h>
+#include <unistd.h>
 
 #include "server_internal.h"
 
@@ -63,8 +64,32 @@ typedef struct conn {
     size_t n_text, cap_text;
 } conn;
 
-/* ---- helpers ----------------------------------------------------------------------------------
- */
+/* ---- helpers --------------------------------------------------------------------------------- */
+static const struct {
+    const char *path;
+    char method; /* 'G' GET (and HEAD), 'P' POST */
+} routes[] = {{"/health", 'G'},
+              {"/v1/models", 'G'},
+              {"/metrics", 'G'},
+              {"/tokenize", 'P'},
+              {"/detokenize", 'P'},
+              {"/v1/completions", 'P'},
+              {"/v1/chat/completions", 'P'}};
+
+/* Which method a path takes, or 0 for no such path. */
+static char route_method(const char *path) {
+    for (size_t i = 0; i < K3_ARRAY_LEN(routes); i++)
+        if (strcmp(path, routes[i].path) == 0) return routes[i].method;
+    return 0;
+}
+
+/* The route's own (static) name for the metrics; "other" for any other path. */
+static const char *route_name(const char *path) {
+    for (size_t i = 0; i < K3_ARRAY_LEN(routes); i++)
+        if (strcmp(path, routes[i].path) == 0) return routes[i].path;
+    return "other";
+}
+
 static void timed_wait(pthread_cond_t *cv, pthread_mutex_t *mu, double seconds) {
     struct timespec ts;
     clock_gettime(CLOCK_REALTIME, &ts);
@@ -103,9 +128,9 @@ static bool authorized(const k3_server *s, struct MHD_Connection *c) {
     return same_secret(h, strlen(h), s->o.api_key);
 }
 
-static void count_status(k3_server *s, int status) {
+static void count_status(k3_server *s, const char *path, int status) {
     pthread_mutex_lock(&s->mu);
-    srv_count_status(&s->m, status);
+    srv_count_status(&s->m, route_name(path), status);
     pthread_mutex_unlock(&s->mu);
 }
 
@@ -120,7 +145,7 @@ static enum MHD_Result send_body(conn *k, int status, const char *type, const ch
     enum MHD_Result ret = MHD_queue_response(k->c, (unsigned)status, r);
     MHD_destroy_response(r);
     k->status = status;
-    count_status(k->s, status);
+    count_status(k->s, k->path, status);
     return ret;
 }
 
@@ -139,8 +164,7 @@ static enum MHD_Result send_error(conn *k, int status, const char *msg) {
     return r;
 }
 
-/* ---- requests and the main thread -------------------------------------------------------------
- */
+/* ---- requests and the main thread ------------------------------------------------------------ */
 /* Drop one reference (mu held); frees the request at zero. */
 static void unref(sreq *q) {
     if (--q->refs == 0) srv_sreq_free(q);
@@ -250,6 +274,7 @@ static k3_status admit_and_cancel(k3_server *s, k3_engine *e, bool cancel_all) {
                          .max_tokens = (int)j->max_tokens,
                          .sampling = j->sp,
                          .logprobs = q->n_top < 0 ? 0 : K3_MAX(q->n_top, 1),
+                         .ignore_eos = q->ignore_eos,
                          .user = (uint64_t)(uintptr_t)q};
         K3_TRY(k3_engine_submit(e, &rq, &q->eng_id));
         q->submitted = true;
@@ -269,8 +294,8 @@ k3_status k3_server_run(k3_server *s, k3_engine *e, volatile sig_atomic_t *stop)
     const double grace = s->o.grace_s > 0 ? s->o.grace_s : 10;
     double t_stop = -1;
     k3_status st = K3_OK;
-    K3_LOGI("k3 serve: listening on http://%s:%d (model \"%s\")",
-            s->o.host ? s->o.host : "127.0.0.1", s->port, s->o.model_name);
+    K3_LOGI("k3 serve: listening on http://%s:%d (model \"%s\", pid %d)",
+            s->o.host ? s->o.host : "127.0.0.1", s->port, s->o.model_name, (int)getpid());
     while (st == K3_OK) {
         if (*stop && t_stop < 0) {
             t_stop = k3_now_s();
@@ -319,8 +344,7 @@ k3_status k3_server_run(k3_server *s, k3_engine *e, volatile sig_atomic_t *stop)
     return st;
 }
 
-/* ---- HTTP threads: model requests -------------------------------------------------------------
- */
+/* ---- HTTP threads: model requests ------------------------------------------------------------ */
 /* The request's end from the HTTP side: cancel it when it is still running. */
 static void release(conn *k) {
     if (!k->q) return;
@@ -447,7 +471,7 @@ static enum MHD_Result model_request(conn *k, sreq_kind kind) {
         enum MHD_Result ret = MHD_queue_response(k->c, MHD_HTTP_OK, r);
         MHD_destroy_response(r);
         k->status = 200;
-        count_status(s, 200);
+        count_status(s, k->path, 200);
         return ret;
     }
     if (!wait_done(k)) return MHD_NO; /* the client is gone: close; release() cancels */
@@ -464,8 +488,7 @@ static enum MHD_Result model_request(conn *k, sreq_kind kind) {
     return ret;
 }
 
-/* ---- HTTP threads: routes ---------------------------------------------------------------------
- */
+/* ---- HTTP threads: routes -------------------------------------------------------------------- */
 static enum MHD_Result get_route(conn *k) {
     k3_server *s = k->s;
     k3_chat_buf b = {0};
@@ -498,23 +521,6 @@ static enum MHD_Result post_route(conn *k) {
     enum MHD_Result ret = st == 500 && !b.n ? MHD_NO : send_json(k, st, &b);
     k3_chat_buf_free(&b);
     return ret;
-}
-
-/* Which method a path takes: 'G', 'P', or 0 for no such path. */
-static char route_method(const char *path) {
-    static const struct {
-        const char *path;
-        char method;
-    } routes[] = {{"/health", 'G'},
-                  {"/v1/models", 'G'},
-                  {"/metrics", 'G'},
-                  {"/tokenize", 'P'},
-                  {"/detokenize", 'P'},
-                  {"/v1/completions", 'P'},
-                  {"/v1/chat/completions", 'P'}};
-    for (size_t i = 0; i < K3_ARRAY_LEN(routes); i++)
-        if (strcmp(path, routes[i].path) == 0) return routes[i].method;
-    return 0;
 }
 
 static enum MHD_Result on_request(void *cls, struct MHD_Connection *c, const char *url,
@@ -601,8 +607,7 @@ static void on_completed(void *cls, struct MHD_Connection *c, void **req_cls,
     *req_cls = NULL;
 }
 
-/* ---- lifetime ---------------------------------------------------------------------------------
- */
+/* ---- lifetime -------------------------------------------------------------------------------- */
 k3_status k3_server_create(const k3_server_opts *o, k3_server **out) {
     k3_server *s = NULL;
     K3_TRY(k3_calloc((void **)&s, sizeof *s, "server"));

@@ -34,7 +34,7 @@ typedef struct sreq_lp {
 typedef struct sreq {
     /* fixed once queued */
     sreq_kind kind;
-    bool stream, include_usage, return_token_ids;
+    bool stream, include_usage, return_token_ids, ignore_eos;
     int n_top; /* chat: top_logprobs (-1: logprobs off); completions: logprobs (-1: off) */
     k3_job job;
     char id[48];
@@ -65,8 +65,9 @@ typedef struct srv_hist {
     uint64_t n;
 } srv_hist;
 
-#define SRV_N_STATUS 16
+#define SRV_N_STATUS 64 /* distinct (endpoint, status) pairs counted */
 typedef struct srv_metrics {
+    const char *status_path[SRV_N_STATUS]; /* a static route name ("/v1/models", "other") */
     int status_code[SRV_N_STATUS];
     uint64_t status_count[SRV_N_STATUS];
     uint64_t prompt_tokens, generation_tokens;
@@ -120,7 +121,8 @@ int srv_detokenize(const k3_server_opts *o, const char *body, size_t n, k3_chat_
 
 /* ---- metrics.c ---------------------------------------------------------------------------- */
 void srv_hist_add(srv_hist *h, double seconds);
-void srv_count_status(srv_metrics *m, int status);
+/* `path`: a string that outlives the metrics (the route table's, or "other"). */
+void srv_count_status(srv_metrics *m, const char *path, int status);
 /* Prometheus text exposition (format 0.0.4) of a snapshot of the metrics. */
 k3_status srv_metrics_text(const srv_metrics *m, int slots, k3_chat_buf *out);
 

@@ -1,0 +1,365 @@
+"""serve_test.py — `k3 serve` end to end with the official `openai` Python client (owner: serve).
+
+Run by ctest through pytest (tests/serve/tests.cmake):  python3 -m pytest serve_test.py -k GROUP
+Environment: K3_BIN (the k3 binary), K3_MPIEXEC (mpirun, for the 2x2 groups), K3_SERVE_REPLAY (the
+serve_replay helper), K3_SHARED (fixtures), K3_SERVE_SOAK_S (the soak's seconds, default 30).
+
+Groups (pytest -k):
+  api_1x1 / api_2x2 : one server per topology (tiny model, --deterministic, an API key): chat
+      streamed and not (the streamed message put together equals the non-streamed one for the
+      same seed; role delta first, usage chunk, [DONE] last), reasoning on and off, stop strings,
+      max_tokens -> finish_reason "length", usage, logprobs (greedy = top 1, sorted), completions
+      (text and ids), models, tokenize/detokenize, metrics (prometheus_client's parser; deltas
+      match the requests made), 401 without / with a wrong key, a client that disconnects
+      mid-stream (its request is cancelled: generation stops, the slot frees), greedy output ==
+      `k3 run --prompt-ids` on the rendered prompt token for token, shutdown by SIGTERM (1x1:
+      SIGINT) with every rank exiting 0.
+  replay            : tool calls (the tiny random model never writes one): the K3 completions of
+      shared/fixtures/chat go through the server's real request parser, response writer and SSE
+      writer (serve_replay), and the official client's types parse them: typed arguments come
+      back as the same JSON values, the streamed calls put together equal the non-streamed ones.
+  limits            : a server with one slot and --max-queue 2: 429 + Retry-After; 200 malformed
+      requests (truncated JSON, wrong types, huge numbers, invalid UTF-8, 10 MB bodies, bad
+      routes and methods) all get a 4xx with an OpenAI error object, and /health still answers.
+  soak              : 16 concurrent streaming clients for K3_SERVE_SOAK_S seconds on 2x2: no
+      error, every stream ends with [DONE]; rank 0's RSS after the run within 10% of after the
+      warm-up.
+"""
+import json
+import os
+import random
+import re
+import signal
+import socket
+import subprocess
+import tempfile
+import threading
+import time
+
+import openai
+import pytest
+import requests
+from prometheus_client.parser import text_string_to_metric_families
+
+K3 = os.environ.get("K3_BIN", "k3")
+MPI = os.environ.get("K3_MPIEXEC", "mpirun")
+KEY = "sk-k3-test-key"
+HERE = os.path.dirname(os.path.abspath(__file__))
+
+
+# ---- the server ------------------------------------------------------------------------------
+@pytest.fixture(scope="session")
+def model_dir():
+    d = tempfile.mkdtemp(prefix="k3_serve_")
+    m = os.path.join(d, "tiny")
+    subprocess.run([K3, "make-tiny", m], check=True, capture_output=True, timeout=120)
+    return m
+
+
+class Server:
+    """`k3 serve` on --port 0; rank 0's pid and port come from its 'listening' log line."""
+
+    def __init__(self, model, pp=1, ep=1, extra=(), env=None):
+        self.np = pp * ep
+        self.log = tempfile.NamedTemporaryFile(prefix="k3_serve_log_", suffix=".txt", delete=False)
+        cmd = [K3, "serve", "--model", model, "--port", "0", "--threads", "1", "--pp", str(pp),
+               "--ep", str(ep)] + list(extra)
+        if self.np > 1:
+            cmd = [MPI, "-np", str(self.np), "--oversubscribe"] + cmd
+        self.proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=self.log,
+                                     env=dict(os.environ, **(env or {})))
+        t0 = time.time()
+        self.port = self.pid = None
+        while time.time() - t0 < 120 and self.proc.poll() is None:
+            m = re.search(r"listening on http://127\.0\.0\.1:(\d+) \(model \"([^\"]*)\", pid (\d+)\)",
+                          self.text())
+            if m:
+                self.port, self.name, self.pid = int(m.group(1)), m.group(2), int(m.group(3))
+                break
+            time.sleep(0.1)
+        assert self.port, "the server did not start:\n" + self.text()[-3000:]
+        self.url = "http://127.0.0.1:%d" % self.port
+
+    def text(self):
+        with open(self.log.name, errors="replace") as f:
+            return f.read()
+
+    def client(self, key=KEY, **kw):
+        return openai.OpenAI(base_url=self.url + "/v1", api_key=key, max_retries=0, **kw)
+
+    def rss_kb(self):
+        with open("/proc/%d/status" % self.pid) as f:
+            return int(re.search(r"VmRSS:\s+(\d+)", f.read()).group(1))
+
+    def stop(self, sig=signal.SIGTERM, timeout=60):
+        """Signal rank 0; the exit code of the whole job (mpirun's with several ranks)."""
+        if self.proc.poll() is None:
+            os.kill(self.pid, sig)
+        try:
+            return self.proc.wait(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+            return "hung"
+
+
+def metrics(srv):
+    r = requests.get(srv.url + "/metrics", timeout=10)
+    assert r.status_code == 200
+    out = {}
+    for fam in text_string_to_metric_families(r.text):
+        for s in fam.samples:
+            out[(s.name, tuple(sorted(s.labels.items())))] = s.value
+    return out
+
+
+def metric(m, name, **labels):
+    return m.get((name, tuple(sorted(labels.items()))), 0.0)
+
+
+MSG = [{"role": "system", "content": "You are terse."}, {"role": "user", "content": "Name three colours."}]
+
+
+@pytest.fixture(scope="module", params=["1x1", "2x2"], ids=["api_1x1", "api_2x2"])
+def srv(request, model_dir):
+    pp, ep = (1, 1) if request.param == "1x1" else (2, 2)
+    s = Server(model_dir, pp, ep, extra=["--api-key", KEY, "--deterministic", "--max-seqs", "4",
+                                         "--served-model-name", "k3-tiny"])
+    s.topology = request.param
+    yield s
+    rc = s.stop(signal.SIGINT if request.param == "1x1" else signal.SIGTERM)
+    log = s.text()
+    assert rc == 0, "shutdown: exit %s\n%s" % (rc, log[-2000:])
+    assert "k3 serve: stopped" in log
+
+
+# ---- chat ------------------------------------------------------------------------------------
+def test_chat_nonstream(srv):
+    c = srv.client()
+    r = c.chat.completions.create(model="k3-tiny", messages=MSG, max_tokens=8, temperature=0)
+    ch = r.choices[0]
+    assert r.object == "chat.completion" and r.model == "k3-tiny" and r.id.startswith("chatcmpl-")
+    assert ch.message.role == "assistant" and isinstance(ch.message.content, str)
+    assert isinstance(ch.message.reasoning_content, str)  # thinking is on by default
+    assert ch.finish_reason in ("length", "stop")
+    u = r.usage
+    assert u.prompt_tokens > 10 and 1 <= u.completion_tokens <= 8
+    assert u.total_tokens == u.prompt_tokens + u.completion_tokens
+    assert ch.logprobs is None
+
+
+def collect_stream(stream):
+    """Put the chunks together as a client does; the message and the chunk list."""
+    msg = {"role": None, "content": "", "reasoning_content": "", "tool_calls": {}}
+    chunks = list(stream)
+    finish, usage = None, None
+    for k in chunks:
+        if k.usage is not None:
+            usage = k.usage
+        for ch in k.choices:
+            d = ch.delta
+            msg["role"] = msg["role"] or d.role
+            msg["content"] += d.content or ""
+            msg["reasoning_content"] += getattr(d, "reasoning_content", None) or ""
+            for tc in d.tool_calls or []:
+                t = msg["tool_calls"].setdefault(tc.index, {"id": None, "name": "", "arguments": ""})
+                t["id"] = t["id"] or tc.id
+                t["name"] += (tc.function.name or "") if tc.function else ""
+                t["arguments"] += (tc.function.arguments or "") if tc.function else ""
+            finish = ch.finish_reason or finish
+    return msg, chunks, finish, usage
+
+
+def test_chat_stream_equals_nonstream(srv):
+    c = srv.client()
+    kw = dict(model="k3-tiny", messages=MSG, max_tokens=24, temperature=0.9, top_p=0.95, seed=1234)
+    full = c.chat.completions.create(**kw)
+    msg, chunks, finish, usage = collect_stream(
+        c.chat.completions.create(stream=True, stream_options={"include_usage": True}, **kw))
+    assert chunks[0].choices[0].delta.role == "assistant"
+    assert all(k.object == "chat.completion.chunk" and k.id == chunks[0].id for k in chunks)
+    assert chunks[-1].choices == [] and usage is not None  # the usage chunk comes last
+    assert all(k.usage is None for k in chunks[:-1])
+    m = full.choices[0].message
+    assert msg["content"] == m.content
+    assert msg["reasoning_content"] == m.reasoning_content
+    assert finish == full.choices[0].finish_reason
+    assert usage.completion_tokens == full.usage.completion_tokens
+    assert usage.prompt_tokens == full.usage.prompt_tokens
+    assert len(chunks) >= 3
+
+
+def test_stream_raw_sse_ends_with_done(srv):
+    body = {"model": "k3-tiny", "messages": MSG, "max_tokens": 6, "stream": True}
+    with requests.post(srv.url + "/v1/chat/completions", json=body, stream=True, timeout=60,
+                       headers={"Authorization": "Bearer " + KEY}) as r:
+        assert r.status_code == 200
+        assert r.headers["Content-Type"].startswith("text/event-stream")
+        raw = r.raw.read().decode("utf-8")
+    # SSE lines end at \n only (str.splitlines would also split at U+2028 etc. inside JSON strings)
+    assert raw.endswith("\n\n")
+    events = [e for e in raw.split("\n\n") if e]
+    assert all(e.startswith("data: ") for e in events)
+    assert events[-1] == "data: [DONE]"
+    first = json.loads(events[0][6:])
+    assert first["choices"][0]["delta"] == {"role": "assistant", "content": ""}
+    last = json.loads(events[-2][6:])
+    assert last["choices"][0]["finish_reason"] in ("length", "stop") and last["choices"][0]["delta"] == {}
+    assert "usage" not in last  # no include_usage: no usage key at all
+
+
+def test_reasoning_on_off(srv):
+    c = srv.client()
+    on = c.chat.completions.create(model="k3-tiny", messages=MSG, max_tokens=6, temperature=0)
+    off = c.chat.completions.create(model="k3-tiny", messages=MSG, max_tokens=6, temperature=0,
+                                    extra_body={"chat_template_kwargs": {"thinking": False}})
+    off2 = c.chat.completions.create(model="k3-tiny", messages=MSG, max_tokens=6, temperature=0,
+                                     reasoning_effort="none")
+    assert isinstance(on.choices[0].message.reasoning_content, str)
+    for r in (off, off2):
+        assert getattr(r.choices[0].message, "reasoning_content", None) is None
+        assert isinstance(r.choices[0].message.content, str)
+    # thinking off renders another prompt (the `response` opener, no effort line)
+    assert off.usage.prompt_tokens != on.usage.prompt_tokens
+
+
+def test_max_tokens_length(srv):
+    c = srv.client()
+    r = c.chat.completions.create(model="k3-tiny", messages=MSG, max_completion_tokens=3,
+                                  temperature=0, extra_body={"ignore_eos": True})
+    assert r.choices[0].finish_reason == "length" and r.usage.completion_tokens == 3
+
+
+def test_stop_string(srv):
+    c = srv.client()
+    base = dict(model="k3-tiny", prompt="The colour of the sky is", max_tokens=16, temperature=0)
+    full = c.completions.create(**base)
+    text = full.choices[0].text
+    # a stop string from the middle of the greedy text: the answer is what came before it
+    cut = next((i for i in range(3, len(text) - 2) if text[i:i + 2].strip() and text[i:i + 2].isprintable()),
+               None)
+    assert cut is not None, "degenerate greedy text %r" % text
+    stop = text[cut:cut + 2]
+    first = text.index(stop)
+    r = c.completions.create(stop=[stop], **base)
+    assert r.choices[0].finish_reason == "stop"
+    assert r.choices[0].text == text[:first]
+    # chat: the same rule on the message content
+    off = {"chat_template_kwargs": {"thinking": False}}
+    fc = c.chat.completions.create(model="k3-tiny", messages=MSG, max_tokens=16, temperature=0,
+                                   extra_body=off).choices[0].message.content
+    if len(fc) > 6:
+        s2 = fc[3:5]
+        r2 = c.chat.completions.create(model="k3-tiny", messages=MSG, max_tokens=16, temperature=0,
+                                       stop=s2, extra_body=off)
+        assert r2.choices[0].finish_reason == "stop"
+        assert r2.choices[0].message.content == fc[:fc.index(s2)]
+
+
+def test_logprobs(srv):
+    c = srv.client()
+    r = c.chat.completions.create(model="k3-tiny", messages=MSG, max_tokens=6, temperature=0,
+                                  logprobs=True, top_logprobs=3)
+    lp = r.choices[0].logprobs.content
+    assert len(lp) == r.usage.completion_tokens
+    for e in lp:
+        assert e.logprob <= 0 and len(e.top_logprobs) == 3
+        tops = [t.logprob for t in e.top_logprobs]
+        assert tops == sorted(tops, reverse=True)
+        assert e.top_logprobs[0].token == e.token and abs(e.top_logprobs[0].logprob - e.logprob) < 1e-6
+        assert bytes(e.bytes).decode("utf-8", errors="replace") == e.token
+    # streamed: the chunks' logprobs add up to the same entries
+    _, chunks, _, _ = collect_stream(c.chat.completions.create(
+        model="k3-tiny", messages=MSG, max_tokens=6, temperature=0, logprobs=True, top_logprobs=3,
+        stream=True))
+    streamed = [e for k in chunks for ch in k.choices if ch.logprobs for e in ch.logprobs.content]
+    assert [(e.token, e.logprob) for e in streamed] == [(e.token, e.logprob) for e in lp]
+
+
+def test_completions(srv):
+    c = srv.client()
+    r = c.completions.create(model="k3-tiny", prompt="Hello", max_tokens=5, temperature=0, logprobs=2)
+    ch = r.choices[0]
+    assert r.object == "text_completion" and isinstance(ch.text, str)
+    assert r.usage.completion_tokens == len(ch.logprobs.tokens) == len(ch.logprobs.token_logprobs)
+    assert all(len(t) == 2 for t in ch.logprobs.top_logprobs)
+    ids = requests.post(srv.url + "/tokenize", json={"prompt": "Hello"},
+                        headers={"Authorization": "Bearer " + KEY}).json()["tokens"]
+    r2 = c.completions.create(model="k3-tiny", prompt=ids, max_tokens=5, temperature=0)
+    assert r2.choices[0].text == ch.text and r2.usage.prompt_tokens == len(ids)
+    text = "".join(k.choices[0].text for k in c.completions.create(
+        model="k3-tiny", prompt="Hello", max_tokens=5, temperature=0, stream=True) if k.choices)
+    assert text == ch.text
+    d = requests.post(srv.url + "/detokenize", json={"tokens": ids},
+                      headers={"Authorization": "Bearer " + KEY}).json()
+    assert d["prompt"] == "Hello"
+
+
+def test_models(srv):
+    ms = srv.client().models.list().data
+    assert [m.id for m in ms] == ["k3-tiny"] and ms[0].object == "model"
+
+
+def test_auth(srv):
+    for key in ("wrong-key", "sk-k3-test-kez", KEY + "x"):
+        with pytest.raises(openai.AuthenticationError):
+            srv.client(key=key).chat.completions.create(model="k3-tiny", messages=MSG, max_tokens=2)
+    r = requests.post(srv.url + "/v1/chat/completions", json={"messages": MSG, "max_tokens": 2})
+    assert r.status_code == 401 and r.json()["error"]["type"] == "authentication_error"
+    assert requests.get(srv.url + "/v1/models").status_code == 401
+    assert requests.get(srv.url + "/health").status_code == 200  # health and metrics stay open
+
+
+def test_metrics(srv):
+    before = metrics(srv)
+    r = srv.client().chat.completions.create(model="k3-tiny", messages=MSG, max_tokens=5, temperature=0)
+    after = metrics(srv)
+    d = lambda name, **lb: metric(after, name, **lb) - metric(before, name, **lb)  # noqa: E731
+    assert d("k3_requests_total", endpoint="/v1/chat/completions", status="200") == 1
+    assert d("k3_generation_tokens_total") == r.usage.completion_tokens
+    assert d("k3_prompt_tokens_total") == r.usage.prompt_tokens
+    assert d("k3_time_to_first_token_seconds_count") == 1
+    assert d("k3_e2e_request_latency_seconds_count") == 1
+    assert d("k3_time_per_output_token_seconds_count") == (1 if r.usage.completion_tokens > 1 else 0)
+    assert metric(after, "k3_step_seconds_count", rank="0") > 0
+    for g in ("k3_num_requests_running", "k3_num_requests_waiting", "k3_slot_usage_ratio"):
+        assert (g, ()) in after
+
+
+def test_disconnect_cancels(srv):
+    before = metrics(srv)
+    body = {"model": "k3-tiny", "messages": MSG, "max_tokens": 3000, "stream": True,
+            "ignore_eos": True}
+    with requests.Session() as h:
+        with h.post(srv.url + "/v1/chat/completions", json=body, stream=True, timeout=60,
+                    headers={"Authorization": "Bearer " + KEY}) as r:
+            assert r.status_code == 200
+            n = 0
+            for line in r.iter_lines():
+                n += line.startswith(b"data: ")
+                if n >= 4:
+                    break  # leave mid-stream: closing the response closes the socket
+    t0 = time.time()
+    while time.time() - t0 < 20:
+        m = metrics(srv)
+        if metric(m, "k3_e2e_request_latency_seconds_count") > metric(before, "k3_e2e_request_latency_seconds_count"):
+            break
+        time.sleep(0.2)
+    gen = metric(m, "k3_generation_tokens_total") - metric(before, "k3_generation_tokens_total")
+    assert metric(m, "k3_num_requests_running") == 0, "the request still runs"
+    assert 3 <= gen < 3000, "generation went on after the disconnect (%d tokens)" % gen
+    assert re.search(r"access id=chatcmpl-\S+ method=POST path=/v1/chat/completions status=200 aborted=1",
+                     srv.text())
+
+
+def test_greedy_equals_k3_run(srv, model_dir):
+    h = {"Authorization": "Bearer " + KEY}
+    ids = requests.post(srv.url + "/tokenize", json={"messages": MSG}, headers=h).json()["tokens"]
+    r = requests.post(srv.url + "/v1/chat/completions", headers=h, json={
+        "messages": MSG, "max_tokens": 12, "temperature": 0, "return_token_ids": True}).json()
+    assert r["prompt_token_ids"] == ids
+    p = subprocess.run([K3, "run", "--model", model_dir, "--prompt-ids", ",".join(map(str, ids)),
+                        "--n", "12", "--json", "--deterministic", "--threads", "1"],
+                       capture_output=True, text=True, timeout=120)
+    assert p.returncode == 0, p.stderr
+    gen = json.loads(p.stdout)["generated_ids"]
+    assert r["choices"][0]["token_ids"] == gen and len(gen) >= 1

@@ -1,0 +1,21 @@
+# tests/serve — `k3 serve` (owner: serve): pytest with the official openai client against the
+# server on the tiny model (serve_test.py says what each group checks), the replay helper that
+# drives the server's wire writer with scripted K3 completions, and the request parser's fuzz
+# target (tests/fuzz/tests.cmake). Needs tests/requirements.txt (openai, prometheus_client,
+# pytest, requests, httpx).
+find_program(K3_SERVE_PYTHON3 python3)
+k3_add_test_exe(serve_replay ${CMAKE_CURRENT_LIST_DIR}/serve_replay.c)
+set(K3_SERVE_ENV ${K3_TEST_ENV_MPI} "K3_MPIEXEC=${MPIEXEC_EXECUTABLE}"
+    "K3_SERVE_REPLAY=$<TARGET_FILE:serve_replay>")
+function(k3_serve_test name group labels timeout)
+  add_test(NAME ${name}
+           COMMAND ${K3_SERVE_PYTHON3} -m pytest -q -x -p no:cacheprovider
+                   ${CMAKE_CURRENT_LIST_DIR}/serve_test.py -k ${group})
+  set_tests_properties(${name} PROPERTIES LABELS "${labels}" TIMEOUT ${timeout}
+                       ENVIRONMENT "${K3_SERVE_ENV}")
+endfunction()
+k3_serve_test(serve_api_1x1 api_1x1 "unit;sanitize" 180)
+k3_serve_test(serve_api_2x2 api_2x2 "mpi" 240)
+k3_serve_test(serve_replay_tools replay "unit;sanitize" 60)
+k3_serve_test(serve_limits limits "unit;sanitize" 180)
+k3_serve_test(serve_soak soak "mpi" 240)
