@@ -110,7 +110,8 @@ void k3_comm_idle(k3_comm *c, int *backoff) {
 }
 
 static const char *kind_name(int k) {
-    static const char *names[] = {"?", "BATCH", "ACTIV", "LOGITS", "PROGRESS", "STOP"};
+    static const char *names[] = {"?",        "BATCH", "ACTIV", "LOGITS",
+                                  "PROGRESS", "STOP",  "FAULT", "BEAT"};
     _Static_assert(K3_ARRAY_LEN(names) == K3_MSG_KIND_COUNT, "one name per message kind");
     return k > 0 && k < K3_MSG_KIND_COUNT ? names[k] : "?";
 }
@@ -210,6 +211,7 @@ k3_status k3_comm_poll(k3_comm *c, int peer, k3_msg_kind kind, k3_comm_msg *out,
         return K3_ERR(K3_ERR_ARG, "comm poll: bad kind %d", kind);
     if (peer != K3_ANY_RANK && (peer < 0 || peer >= c->size))
         return K3_ERR(K3_ERR_ARG, "comm poll: peer %d not in the world of %d", peer, c->size);
+    if (comm_fault_arrived(c)) return comm_fault_error(c, "comm poll");
     const void *bytes = NULL;
     size_t n_bytes = 0;
     int src = -1;
@@ -228,9 +230,12 @@ k3_status k3_comm_wait(k3_comm *c, int peer, k3_msg_kind kind, k3_comm_msg *out)
         bool got;
         K3_TRY(k3_comm_poll(c, peer, kind, out, &got));
         if (got) return K3_OK;
-        if (k3_now_s() - t0 > c->timeout_s) {
-            char who[64];
+        double waited = k3_now_s() - t0;
+        if (waited > c->timeout_s) {
+            char who[64], what[160];
             comm_describe(c, peer, who, sizeof who);
+            snprintf(what, sizeof what, "a %s message from %s", kind_name(kind), who);
+            comm_note_wait(c, peer >= 0 ? peer : COMM_PEER_ANY, what, waited);
             return K3_ERR(
                 K3_ERR_COMM,
                 "waiting for a %s message: no answer from %s within %.0f s (--comm-timeout)",
@@ -244,10 +249,13 @@ k3_status k3_comm_flush(k3_comm *c) {
     double t0 = k3_now_s();
     int backoff = 0;
     while (c->iface->progress(c)) {
-        if (k3_now_s() - t0 > c->timeout_s)
+        if (comm_fault_arrived(c)) return comm_fault_error(c, "comm flush");
+        if (k3_now_s() - t0 > c->timeout_s) {
+            comm_note_wait(c, COMM_PEER_ANY, "sends to complete", k3_now_s() - t0);
             return K3_ERR(K3_ERR_COMM,
                           "comm flush: a send is still pending after %.0f s (--comm-timeout)",
                           c->timeout_s);
+        }
         comm_sleep(c, &backoff);
     }
     return K3_OK;

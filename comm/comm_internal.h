@@ -90,6 +90,26 @@ typedef struct comm_moe {
         cap_row_seg, cap_item_tag, cap_item_wh, cap_sbuf, cap_rbuf, cap_xh, cap_hh;
 } comm_moe;
 
+/* A fault report (the meta bytes of a K3_MSG_FAULT message; comm_fault.c). */
+#define COMM_FAULT_VERSION 1
+enum { COMM_FAULT_NONE = 0, COMM_FAULT_TIMEOUT = 1, COMM_FAULT_NOTICE = 2 };
+typedef struct comm_fault_report {
+    uint32_t version; /* COMM_FAULT_VERSION */
+    int32_t rank;
+    int32_t reason;   /* COMM_FAULT_TIMEOUT: my own wait ran out; NOTICE: woken by a report */
+    int32_t n_waited; /* ranks I waited for (may exceed K3_FAULT_MAX_WAITS: counted only) */
+    double waited_s;  /* how long I had waited */
+    int32_t waited[K3_FAULT_MAX_WAITS];
+    int32_t notified_by; /* NOTICE: whose report arrived first; else -1 */
+    int32_t pad_;
+    char doing[96]; /* k3_comm_set_doing */
+    char what[160]; /* the wait ("a MoE combine in the EP group of stage 1 (ranks 2-3)") */
+} comm_fault_report;
+_Static_assert(sizeof(comm_fault_report) == 416, "comm_fault_report is a wire struct");
+
+/* Who a wait was for (comm_note_wait): a world rank >= 0, or one of these. */
+enum { COMM_PEER_ANY = -1, COMM_PEER_GROUP = -2 };
+
 struct k3_comm {
     const k3_comm_iface *iface;
     int rank, size, stage, lane, n_stages, n_lanes, first_worker;
@@ -97,6 +117,15 @@ struct k3_comm {
     uint64_t send_seq;
     k3_comm_stats stats;
     comm_moe moe;
+    /* faults (comm_fault.c) */
+    char doing[96];
+    int fault;                   /* COMM_FAULT_* */
+    comm_fault_report mine;      /* this rank's report, filled when the fault is noted */
+    comm_fault_report *reports;  /* [size] reports received (have[r]) */
+    bool *have;                  /* [size] */
+    double *heard;               /* [size] k3_now_s() of the last message from each rank */
+    double t_beat;               /* the coordinator's last K3_MSG_BEAT */
+    char (*host)[K3_HOST_BYTES]; /* [size] processor names (the transport fills them) */
 };
 
 /* Transports: create the transport object (its struct embeds k3_comm first), fill the grid fields
@@ -112,6 +141,15 @@ void comm_describe(const k3_comm *c, int world_rank, char *buf, size_t cap);
 void comm_group_name(const k3_comm *c, char *buf, size_t cap);
 /* Sleep with backoff (10 us doubling to 500 us); progresses sends when c is not NULL. */
 void comm_sleep(k3_comm *c, int *backoff);
+/* Faults (comm_fault.c). Allocate the per-rank arrays (the transport fills host). */
+k3_status comm_fault_init(k3_comm *c);
+void comm_fault_free(k3_comm *c);
+/* A wait timed out: note it as this rank's fault (peer: a rank or COMM_PEER_*). */
+void comm_note_wait(k3_comm *c, int peer, const char *what, double waited_s);
+/* Receive a waiting fault report, if any: stores it, notes the fault (NOTICE) and returns true.
+ * Every wait loop calls it; the caller then fails with comm_fault_error. */
+bool comm_fault_arrived(k3_comm *c);
+k3_status comm_fault_error(const k3_comm *c, const char *what);
 /* Free the MoE state (comm_moe.c). */
 void comm_moe_free(k3_comm *c);
 

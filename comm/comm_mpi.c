@@ -14,8 +14,10 @@
 #include "k3_comm.h"
 #include "comm_internal.h"
 
+#include <errno.h>
 #include <limits.h>
 #include <mpi.h>
+#include <signal.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <unistd.h>
@@ -53,24 +55,157 @@ static k3_status mpi_err(int rc, const char *what, const char *file, int line) {
         if (rc_ != MPI_SUCCESS) return mpi_err(rc_, #call, __FILE__, __LINE__);                    \
     } while (0)
 
-/* Wait for one request until timeout_s; `what` and `peer` name it in the error. c (may be NULL)
- * progresses pending sends while waiting. */
+/* Wait for one request until timeout_s; `what` and `peer` name it in the error, peer_code says
+ * whom it waited for (a world rank or COMM_PEER_*) in the fault report. c (may be NULL)
+ * progresses pending sends and listens for other ranks' fault reports while waiting. */
 static k3_status wait_req(k3_comm *c, double timeout_s, MPI_Request *req, const char *what,
-                          const char *peer) {
+                          const char *peer, int peer_code) {
     double t0 = k3_now_s();
     int backoff = 0;
     for (;;) {
         int done = 0;
         MPI_TRY(MPI_Test(req, &done, MPI_STATUS_IGNORE));
         if (done) return K3_OK;
-        if (k3_now_s() - t0 > timeout_s) {
-            /* No MPI_Cancel: cancelling a nonblocking collective is erroneous in MPI, and a
-             * timeout is fatal anyway (the caller aborts the job, which frees everything). */
+        /* No MPI_Cancel below: cancelling a nonblocking collective is erroneous in MPI, and a
+         * fault is fatal anyway (the caller aborts the job, which frees everything). */
+        if (comm_fault_arrived(c)) return comm_fault_error(c, what);
+        double waited = k3_now_s() - t0;
+        if (waited > timeout_s) {
+            char w[160];
+            snprintf(w, sizeof w, "%s with %s", what, peer);
+            comm_note_wait(c, peer_code, w, waited);
             return K3_ERR(K3_ERR_COMM, "%s: no answer from %s within %.0f s (--comm-timeout)", what,
                           peer, timeout_s);
         }
         comm_sleep(c, &backoff);
     }
+}
+
+/* ---- vanished peers ------------------------------------------------------------------------
+ * A SIGKILLed or crashed rank sends no fault report; mpirun notices the dead process and ends the
+ * job by sending SIGTERM to the others (then SIGKILL after odls_base_sigkill_timeout, 1 s). In that
+ * second, each survivor's SIGTERM handler names the ranks of its node whose process is gone while
+ * their state still says running. The states live in an MPI shared-memory window of the node (one
+ * slot per local rank: pid, state), so a rank that exits on purpose (abort, close, SIGTERM) first
+ * marks itself leaving and is never mistaken for a vanished one. Process-wide: made at the first
+ * k3_comm_create, freed by k3_comm_finalize. Ranks on other nodes are not visible from here. */
+enum { PEER_RUNNING = 1, PEER_LEAVING = 2 };
+typedef struct node_slot {
+    volatile int32_t pid;
+    volatile int32_t state;
+} node_slot;
+static node_slot *g_slots; /* [g_n_local] this node's window (NULL: none) */
+static int g_n_local, g_my_local;
+static MPI_Win g_win = MPI_WIN_NULL;
+static MPI_Comm g_node = MPI_COMM_NULL;
+static char (*g_desc)[128]; /* [g_n_local] "rank 2 (stage 1, lane 0, host vm, pid 77)" */
+static char g_prefix[40];   /* "[k3 r01 s0 e1 E] " */
+
+static void mark_leaving(void) {
+    if (g_slots) g_slots[g_my_local].state = PEER_LEAVING;
+}
+
+static size_t cat(char *dst, size_t n, size_t cap, const char *src) { /* async-signal-safe */
+    while (*src && n + 1 < cap) dst[n++] = *src++;
+    dst[n] = 0;
+    return n;
+}
+
+bool k3_comm_report_vanished(void) {
+    if (!g_slots) return false;
+    mark_leaving();
+    bool any = false;
+    for (int i = 0; i < g_n_local; i++) {
+        if (i == g_my_local || g_slots[i].state != PEER_RUNNING || g_slots[i].pid <= 0) continue;
+        if (kill((pid_t)g_slots[i].pid, 0) == 0 || errno != ESRCH) continue;
+        char line[512];
+        size_t n = cat(line, 0, sizeof line, g_prefix);
+        n = cat(line, n, sizeof line, g_desc[i]);
+        n = cat(line, n, sizeof line,
+                " vanished: its process is gone (killed or crashed) while the job ran; the "
+                "launcher is ending the job\n");
+        ssize_t wr = write(STDERR_FILENO, line, n);
+        (void)wr;
+        any = true;
+    }
+    return any;
+}
+
+static void on_term(int sig) {
+    int saved = errno;
+    k3_comm_report_vanished();
+    errno = saved;
+    signal(sig, SIG_DFL);
+    raise(sig);
+}
+
+/* Collective over the world (inside the first k3_comm_create). Best effort: without the window
+ * (an MPI without shared-memory windows) the SIGTERM handler simply names nobody. */
+static void watch_node(const k3_comm *c) {
+    if (g_slots) return;
+    int me = 0, n = 1;
+    if (MPI_Comm_split_type(MPI_COMM_WORLD, MPI_COMM_TYPE_SHARED, c->rank, MPI_INFO_NULL,
+                            &g_node) != MPI_SUCCESS)
+        return;
+    MPI_Comm_rank(g_node, &me);
+    MPI_Comm_size(g_node, &n);
+    node_slot *mine = NULL, *base = NULL;
+    MPI_Aint sz = 0;
+    int du = 0;
+    int *world_of = calloc((size_t)n, sizeof *world_of);
+    char(*desc)[128] = calloc((size_t)n, sizeof *desc);
+    /* count unit: bytes, one node_slot per local rank */
+    int ok = world_of && desc &&
+             MPI_Win_allocate_shared((MPI_Aint)sizeof(node_slot), (int)sizeof(node_slot),
+                                     MPI_INFO_NULL, g_node, &mine, &g_win) == MPI_SUCCESS;
+    if (ok) ok = MPI_Win_shared_query(g_win, 0, &sz, &du, &base) == MPI_SUCCESS;
+    if (ok) {
+        mine->pid = (int32_t)getpid();
+        mine->state = PEER_RUNNING;
+    }
+    /* count unit: one int (world rank) per local rank; also the barrier that publishes the slots */
+    int okall = 0;
+    if (MPI_Allreduce(&ok, &okall, 1, MPI_INT, MPI_MIN, g_node) != MPI_SUCCESS) okall = 0;
+    if (okall && MPI_Allgather(&c->rank, 1, MPI_INT, world_of, 1, MPI_INT, g_node) != MPI_SUCCESS)
+        okall = 0;
+    if (!okall) {
+        free(world_of), free(desc);
+        return;
+    }
+    for (int i = 0; i < n; i++) {
+        int r = world_of[i], w = r - c->first_worker;
+        if (w < 0)
+            snprintf(desc[i], sizeof desc[i], "rank %d (coordinator, host %s, pid %d)", r,
+                     c->host[r], (int)base[i].pid);
+        else
+            snprintf(desc[i], sizeof desc[i], "rank %d (stage %d, lane %d, host %s, pid %d)", r,
+                     w / c->n_lanes, w % c->n_lanes, c->host[r], (int)base[i].pid);
+    }
+    free(world_of);
+    if (c->stage >= 0)
+        snprintf(g_prefix, sizeof g_prefix, "[k3 r%02d s%d e%d E] ", c->rank, c->stage, c->lane);
+    else
+        snprintf(g_prefix, sizeof g_prefix, "[k3 r%02d E] ", c->rank);
+    g_desc = desc;
+    g_n_local = n;
+    g_my_local = me;
+    g_slots = base;
+    struct sigaction sa;
+    memset(&sa, 0, sizeof sa);
+    sa.sa_handler = on_term;
+    sigemptyset(&sa.sa_mask);
+    sigaction(SIGTERM, &sa, NULL);
+}
+
+static void unwatch_node(void) {
+    if (!g_slots) return;
+    mark_leaving();
+    g_slots = NULL;
+    signal(SIGTERM, SIG_DFL);
+    if (g_win != MPI_WIN_NULL) MPI_Win_free(&g_win);
+    if (g_node != MPI_COMM_NULL) MPI_Comm_free(&g_node);
+    free(g_desc);
+    g_desc = NULL;
 }
 
 /* ---- the transport functions -------------------------------------------------------------- */
@@ -143,6 +278,8 @@ static k3_status mpi_poll(k3_comm *c, int peer, int kind, const void **bytes, si
     *bytes = m->rbuf[kind];
     *n_bytes = (size_t)n;
     *src = st.MPI_SOURCE;
+    if (c->heard && st.MPI_SOURCE >= 0 && st.MPI_SOURCE < c->size)
+        c->heard[st.MPI_SOURCE] = k3_now_s();
     *got = true;
     return K3_OK;
 }
@@ -150,7 +287,7 @@ static k3_status mpi_poll(k3_comm *c, int peer, int kind, const void **bytes, si
 static k3_status mpi_barrier(k3_comm *c) {
     MPI_Request req;
     MPI_TRY(MPI_Ibarrier(M(c)->world, &req));
-    return wait_req(c, c->timeout_s, &req, "barrier", "some rank of the world");
+    return wait_req(c, c->timeout_s, &req, "barrier", "some rank of the world", COMM_PEER_ANY);
 }
 
 static k3_status mpi_bcast(k3_comm *c, int root, void *buf, size_t n_bytes) {
@@ -160,14 +297,14 @@ static k3_status mpi_bcast(k3_comm *c, int root, void *buf, size_t n_bytes) {
     MPI_Request req;
     /* count unit: bytes */
     MPI_TRY(MPI_Ibcast(buf, (int)n_bytes, MPI_BYTE, root, M(c)->world, &req));
-    return wait_req(c, c->timeout_s, &req, "bcast", who);
+    return wait_req(c, c->timeout_s, &req, "bcast", who, root);
 }
 
 static k3_status mpi_allgather_u64(k3_comm *c, uint64_t v, uint64_t *all) {
     MPI_Request req;
     /* count unit: one uint64 per rank */
     MPI_TRY(MPI_Iallgather(&v, 1, MPI_UINT64_T, all, 1, MPI_UINT64_T, M(c)->world, &req));
-    return wait_req(c, c->timeout_s, &req, "allgather", "some rank of the world");
+    return wait_req(c, c->timeout_s, &req, "allgather", "some rank of the world", COMM_PEER_ANY);
 }
 
 static k3_status mpi_ep_alltoall(k3_comm *c, const int32_t *send, int32_t *recv, int k,
@@ -179,7 +316,7 @@ static k3_status mpi_ep_alltoall(k3_comm *c, const int32_t *send, int32_t *recv,
     MPI_Request req;
     /* count unit: k int32 words per lane */
     MPI_TRY(MPI_Ialltoall(send, k, MPI_INT32_T, recv, k, MPI_INT32_T, m->ep, &req));
-    return wait_req(c, c->timeout_s, &req, what, grp);
+    return wait_req(c, c->timeout_s, &req, what, grp, COMM_PEER_GROUP);
 }
 
 static k3_status mpi_ep_alltoallv(k3_comm *c, const void *send, const int64_t *scount,
@@ -207,7 +344,7 @@ static k3_status mpi_ep_alltoallv(k3_comm *c, const void *send, const int64_t *s
     /* count unit: 4-byte words */
     MPI_TRY(MPI_Ialltoallv(send ? send : &dummy, m->scnt, m->sdsp, MPI_UINT32_T,
                            recv ? recv : &dummy, m->rcnt, m->rdsp, MPI_UINT32_T, m->ep, &req));
-    return wait_req(c, c->timeout_s, &req, what, grp);
+    return wait_req(c, c->timeout_s, &req, what, grp, COMM_PEER_GROUP);
 }
 
 static void mpi_destroy(k3_comm *c) {
@@ -222,6 +359,7 @@ static void mpi_destroy(k3_comm *c) {
     k3_free(m->slots);
     for (int k = 0; k < K3_MSG_KIND_COUNT; k++) k3_free(m->rbuf[k]);
     k3_free(m->scnt), k3_free(m->sdsp), k3_free(m->rcnt), k3_free(m->rdsp);
+    comm_fault_free(c);
     int fin = 0;
     MPI_Finalized(&fin);
     if (!fin && m->ep != MPI_COMM_NULL) MPI_Comm_free(&m->ep);
@@ -282,10 +420,30 @@ k3_status k3_comm_mpi_create(const k3_comm_params *p, k3_comm **out) {
     int **arrs[] = {&m->scnt, &m->sdsp, &m->rcnt, &m->rdsp};
     for (size_t i = 0; i < K3_ARRAY_LEN(arrs) && st == K3_OK; i++)
         st = k3_calloc((void **)arrs[i], (size_t)c->n_lanes * sizeof(int), "comm lane counts");
+    if (st == K3_OK) st = comm_fault_init(c);
+    /* every rank's host name, for fault reports (collective: every rank gets here, failed or
+       not, so nobody waits for a rank that dropped out above) */
+    char host[K3_HOST_BYTES] = {0};
+    int len = 0;
+    char name[MPI_MAX_PROCESSOR_NAME];
+    if (MPI_Get_processor_name(name, &len) == MPI_SUCCESS && len > 0)
+        snprintf(host, sizeof host, "%.*s", len, name);
+    else if (gethostname(host, sizeof host - 1) != 0)
+        snprintf(host, sizeof host, "?");
+    MPI_Request req;
+    /* count unit: bytes, K3_HOST_BYTES per rank */
+    if (st == K3_OK && c->host)
+        st = MPI_Iallgather(host, K3_HOST_BYTES, MPI_BYTE, c->host, K3_HOST_BYTES, MPI_BYTE,
+                            m->world, &req) == MPI_SUCCESS
+                 ? wait_req(c, c->timeout_s, &req, "host names (allgather)",
+                            "some rank of the world", COMM_PEER_ANY)
+                 : K3_ERR(K3_ERR_COMM, "MPI_Iallgather (host names) failed");
     if (st != K3_OK) {
         mpi_destroy(c);
         return st;
     }
+    for (int i = 0; i < c->size; i++) c->host[i][K3_HOST_BYTES - 1] = 0;
+    watch_node(c);
     *out = c;
     return K3_OK;
 }
@@ -312,6 +470,7 @@ k3_status k3_comm_init(void) {
 void k3_comm_finalize(void) {
     int fin = 0;
     MPI_Finalized(&fin);
+    if (!fin) unwatch_node();
     if (g_we_initialised && !fin) MPI_Finalize();
     g_we_initialised = false;
 }
@@ -335,7 +494,8 @@ k3_status k3_comm_world_max(int v, int *max, double timeout_s) {
     MPI_Request req;
     /* count unit: one int */
     MPI_TRY(MPI_Iallreduce(&v, max, 1, MPI_INT, MPI_MAX, MPI_COMM_WORLD, &req));
-    return wait_req(NULL, timeout_s, &req, "agreement (allreduce)", "some rank of the world");
+    return wait_req(NULL, timeout_s, &req, "agreement (allreduce)", "some rank of the world",
+                    COMM_PEER_ANY);
 }
 
 k3_status k3_comm_world_where(uint64_t v, k3_comm_where *all, double timeout_s) {
@@ -365,7 +525,7 @@ k3_status k3_comm_world_where(uint64_t v, k3_comm_where *all, double timeout_s) 
     /* count unit: one int (the lowest world rank of the node) */
     int rc = MPI_Iallreduce(&rank, &lead, 1, MPI_INT, MPI_MIN, node, &req);
     k3_status st = rc == MPI_SUCCESS ? wait_req(NULL, timeout_s, &req, "node split (allreduce)",
-                                                "some rank of this node")
+                                                "some rank of this node", COMM_PEER_ANY)
                                      : mpi_err(rc, "MPI_Iallreduce (node)", __FILE__, __LINE__);
     MPI_Comm_free(&node);
     K3_TRY(st);
@@ -373,7 +533,8 @@ k3_status k3_comm_world_where(uint64_t v, k3_comm_where *all, double timeout_s) 
     /* count unit: bytes, sizeof(k3_comm_where) per rank */
     MPI_TRY(MPI_Iallgather(&me, (int)sizeof me, MPI_BYTE, all, (int)sizeof me, MPI_BYTE,
                            MPI_COMM_WORLD, &req));
-    K3_TRY(wait_req(NULL, timeout_s, &req, "node map (allgather)", "some rank of the world"));
+    K3_TRY(wait_req(NULL, timeout_s, &req, "node map (allgather)", "some rank of the world",
+                    COMM_PEER_ANY));
     for (int i = 0; i < size; i++) all[i].host[K3_HOST_BYTES - 1] = 0;
     return K3_OK;
 }
@@ -384,6 +545,7 @@ _Noreturn void k3_comm_world_abort(int code) {
     int inited = 0, size = 1;
     MPI_Initialized(&inited);
     if (inited) MPI_Comm_size(MPI_COMM_WORLD, &size);
+    mark_leaving(); /* on purpose: the others' SIGTERM handlers must not call this rank vanished */
     if (!inited || size == 1)
         _exit(code); /* nobody else to stop (a singleton's MPI_Abort can linger) */
     MPI_Abort(MPI_COMM_WORLD, code);

@@ -54,6 +54,8 @@ typedef enum k3_msg_kind {
     K3_MSG_LOGITS,    /* last stage -> coordinator */
     K3_MSG_PROGRESS,  /* any rank -> rank 0: load progress */
     K3_MSG_STOP,      /* coordinator -> workers: end of the run */
+    K3_MSG_FAULT,     /* any rank -> every rank: a fault report (k3_comm_blame; comm's own) */
+    K3_MSG_BEAT,      /* coordinator -> workers: alive while idle (k3_comm_beat) */
     K3_MSG_KIND_COUNT
 } k3_msg_kind;
 #define K3_ANY_RANK (-1)
@@ -178,6 +180,43 @@ typedef struct k3_comm_stats {
     uint64_t dispatch_bytes, combine_bytes, dispatch_rows, combine_rows, n_exchanges;
 } k3_comm_stats;
 void k3_comm_get_stats(const k3_comm *c, k3_comm_stats *out);
+
+/* ---- faults: a bounded exchange that agrees on the root cause -------------------------------
+ * A blocking wait that times out, or that receives another rank's fault report (every wait loop
+ * and every k3_comm_poll looks for one), returns K3_ERR_COMM and leaves k3_comm_fault_pending
+ * true. The top level then calls k3_comm_blame: this rank sends its report (what it was doing,
+ * whom it waited for, for how long) to every rank and collects the others' for a bounded window
+ * (K3_FAULT_WINDOW_S). Ranks that send no report are silent (stopped, hung or dead). From the
+ * reports every rank derives the same verdict: the silent ranks that others waited for are the
+ * root cause (named with stage, lane and host); the waits of the ranks that answered are the
+ * cascade. The lowest answering rank prints it; the others stay quiet so there is one line. */
+#define K3_FAULT_WINDOW_S  1.5
+#define K3_FAULT_GRACE_S   1.0 /* non-printers wait this long before aborting (the line first) */
+#define K3_FAULT_MAX_WAITS 32  /* ranks one report can name as waited for (more are counted) */
+/* What this rank is doing now, in a few words ("decode step 12, micro-batch 1"); shown in fault
+ * reports. Copied into a fixed buffer; cheap enough for every step. */
+void k3_comm_set_doing(k3_comm *c, const char *doing);
+/* True after a comm call failed by a timeout or by another rank's fault report. */
+bool k3_comm_fault_pending(const k3_comm *c);
+/* A timeout the caller detected in its own loop above comm: waited = the ranks it waited for
+ * (n may be 0: unknown), what = the wait ("logits of micro-batch 0 step 7"), waited_s. */
+void k3_comm_note_timeout(k3_comm *c, const int *waited, int n, const char *what, double waited_s);
+/* The exchange (see above; call once, then end the job). out gets the verdict line; *printer is
+ * true on the one rank that should print it. Never blocks longer than K3_FAULT_WINDOW_S. */
+void k3_comm_blame(k3_comm *c, char *out, size_t cap, bool *printer);
+/* Coordinator while idle: tell every worker it is alive (at most every timeout/3; cheap to call
+ * often). A worker that hears nothing from the coordinator for the timeout blames it. */
+k3_status k3_comm_beat(k3_comm *c);
+/* Seconds since the last message of any kind from world rank `peer` arrived here (since the
+ * grid was created when none did). */
+double k3_comm_silent_s(const k3_comm *c, int peer);
+/* A vanished peer (SIGKILL, OOM kill, crash) gives no report: mpirun then ends the job with
+ * SIGTERM. k3_comm_create installs a SIGTERM handler that, before the process dies, names every
+ * rank on this node whose process is gone while it was still running (an MPI shared-memory
+ * window holds each local rank's pid and state), with its stage, lane and host. A program with
+ * its own SIGTERM handler (k3 serve) calls k3_comm_report_vanished from it: async-signal-safe,
+ * returns true when some peer vanished (then exit at once rather than gracefully). */
+bool k3_comm_report_vanished(void);
 
 /* ---- world collectives (with the timeout) ---------------------------------------------- */
 k3_status k3_comm_barrier(k3_comm *c);

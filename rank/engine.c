@@ -65,6 +65,7 @@ int k3_engine_open(const k3_engine_opts *o, k3_engine **out) {
         r->tty = isatty(2) ? stderr : (k3_comm_launched() ? fopen("/dev/tty", "w") : NULL);
     /* every rank has loaded when it returns (heartbeat, --load-timeout): the usual limit again */
     rank_load(r);
+    k3_comm_set_doing(r->comm, "idle (between steps)");
     RTRY(r, k3_comm_allgather_u64(r->comm, r->bytes_read, all));
     uint64_t *load_us = NULL;
     RTRY(r, k3_calloc((void **)&load_us, (size_t)r->world * sizeof(uint64_t), "load times"));
@@ -125,6 +126,11 @@ k3_status k3_engine_step(k3_engine *e, const k3_event **events, int *n_events) {
     *events = e->r.ev;
     *n_events = e->r.n_ev;
     return K3_OK;
+}
+
+k3_status k3_engine_heartbeat(k3_engine *e) {
+    K3_TRY(need_coord(&e->r, "heartbeat"));
+    return k3_comm_beat(e->r.comm);
 }
 
 int k3_engine_pending(const k3_engine *e) {

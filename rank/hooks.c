@@ -8,7 +8,25 @@
 #include <unistd.h>
 
 /* ---- failure ------------------------------------------------------------------------------ */
+/* A comm fault (a timeout, or another rank's fault report): agree on the root cause with the
+ * ranks that can still answer, print it once, end the job. This rank's own view is in the
+ * cascade part of the line. */
+static _Noreturn void die_agreed(rank_ctx *r) {
+    char verdict[4096];
+    bool printer = true;
+    k3_comm_blame(r->comm, verdict, sizeof verdict, &printer);
+    if (printer) {
+        K3_LOGE("%s", verdict);
+    } else { /* the printer aborts right after its line: give it the time to write it */
+        double t0 = k3_now_s();
+        int backoff = 0;
+        while (k3_now_s() - t0 < K3_FAULT_GRACE_S) k3_comm_idle(r->comm, &backoff);
+    }
+    k3_comm_abort(r->comm, 1);
+}
+
 _Noreturn void rank_die(rank_ctx *r, k3_status s) {
+    if (r->comm && k3_comm_fault_pending(r->comm)) die_agreed(r);
     if (r->stage >= 0)
         K3_LOGE("rank %d (stage %d, lane %d) failed: %s: %s", r->rank, r->stage, r->lane,
                 k3_status_name(s), k3_last_error());
@@ -32,7 +50,8 @@ _Noreturn void rank_die_blame(rank_ctx *r, const char *fmt, ...) {
 
 void rank_hooks_parse(rank_ctx *r) {
     r->fail_load_rank = r->fail_decode_rank = r->fail_decode_step = r->fail_plan_rank = -1;
-    r->stall_load_rank = -1;
+    r->stall_load_rank = r->kill_load_rank = -1;
+    r->fail_signal = SIGKILL;
     const char *t = r->o->test_fail;
     if (!t || !*t) return;
     int a = -1, b = -1;
@@ -40,6 +59,10 @@ void rank_hooks_parse(rank_ctx *r) {
         r->fail_load_rank = a;
     else if (sscanf(t, "stall-load:%d", &a) == 1)
         r->stall_load_rank = a;
+    else if (sscanf(t, "kill-load:%d", &a) == 1)
+        r->kill_load_rank = a;
+    else if (sscanf(t, "stop:%d:%d", &a, &b) == 2)
+        r->fail_decode_rank = a, r->fail_decode_step = b, r->fail_signal = SIGSTOP;
     else if (sscanf(t, "plan:%d", &a) == 1)
         r->fail_plan_rank = a;
     else if (sscanf(t, "decode:%d:%d", &a, &b) == 2)
@@ -47,8 +70,8 @@ void rank_hooks_parse(rank_ctx *r) {
     else if (sscanf(t, "hang:%d:%d", &a, &b) == 2)
         r->fail_decode_rank = a, r->fail_decode_step = b, r->fail_hang = true;
     else if (r->rank == 0)
-        K3_LOGW("K3_TEST_FAIL='%s' not understood (load:R | stall-load:R | plan:R | decode:R:N | "
-                "hang:R:N)",
+        K3_LOGW("K3_TEST_FAIL='%s' not understood (load:R | stall-load:R | kill-load:R | plan:R | "
+                "decode:R:N | stop:R:N | hang:R:N)",
                 t);
 }
 
@@ -59,8 +82,10 @@ void rank_hooks_maybe_die(rank_ctx *r, int count) {
         for (;;) pause(); /* the others must time out and end the job */
     }
     if (r->fail_decode_rank == r->rank && count == r->fail_decode_step) {
-        K3_LOGE("rank %d: test hook K3_TEST_FAIL=decode:%d:%d: killing myself with SIGKILL",
-                r->rank, r->rank, count);
-        raise(SIGKILL);
+        bool stop = r->fail_signal == SIGSTOP;
+        K3_LOGE("rank %d: test hook K3_TEST_FAIL=%s:%d:%d: %s myself with %s", r->rank,
+                stop ? "stop" : "decode", r->rank, count, stop ? "stopping" : "killing",
+                stop ? "SIGSTOP" : "SIGKILL");
+        raise(r->fail_signal);
     }
 }

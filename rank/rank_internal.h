@@ -70,7 +70,9 @@ typedef struct rank_ctx {
     int32_t base_stops[3]; /* EOS of the config, <|end_of_msg|>, [EOS] (-1: none) */
     /* test hooks */
     int fail_load_rank, fail_decode_rank, fail_decode_step, fail_plan_rank;
-    bool fail_hang; /* "hang:R:N": stop answering instead of dying */
+    bool fail_hang;     /* "hang:R:N": stop answering instead of dying */
+    int fail_signal;    /* decode:R:N SIGKILL, stop:R:N SIGSTOP */
+    int kill_load_rank; /* "kill-load:R": SIGKILL itself half-way through the load */
     /* capacity */
     int max_seqs;
     int64_t max_ctx, max_tokens, chunk; /* max_tokens: per forward step of a lane */
@@ -151,7 +153,9 @@ _Noreturn void rank_die_blame(rank_ctx *r, const char *fmt, ...)
         k3_status s_ = (expr);                                                                     \
         if (s_ != K3_OK) rank_die((r), s_);                                                        \
     } while (0)
-/* K3_TEST_FAIL: load:R, stall-load:R, decode:R:N, hang:R:N, plan:R. */
+/* K3_TEST_FAIL: load:R, stall-load:R, kill-load:R, decode:R:N (SIGKILL at step N), stop:R:N
+ * (SIGSTOP at step N), hang:R:N, plan:R. A worker counts its forward steps, a dedicated
+ * coordinator the logits messages it received. */
 void rank_hooks_parse(rank_ctx *r);
 /* Die or hang now if the decode hook names this rank and count. */
 void rank_hooks_maybe_die(rank_ctx *r, int count);

@@ -546,6 +546,7 @@ void rank_coord_step(rank_ctx *r) {
     const double timeout = r->o->comm_timeout_s > 0 ? r->o->comm_timeout_s : 600;
     int backoff = 0;
     for (;;) {
+        RTRY(r, k3_comm_beat(r->comm)); /* rate-limited inside: every --comm-timeout / 3 */
         bool progressed = false;
         step_msg m;
         bool got;
@@ -571,6 +572,18 @@ void rank_coord_step(rank_ctx *r) {
         if (k3_now_s() - r->last_progress > timeout) {
             int g = 0;
             while (g < r->n_groups && r->groups[g].pending == 0) g++;
+            /* the lanes of the last stage owe the logits; the fault exchange finds the root */
+            int waited[K3_FAULT_MAX_WAITS], n = 0;
+            for (int e = 0; e < r->plan.n_lanes; e++) {
+                if (n < K3_FAULT_MAX_WAITS)
+                    waited[n] = k3_plan_rank(&r->plan, r->plan.n_stages - 1, e);
+                n++;
+            }
+            char what[160];
+            snprintf(what, sizeof what,
+                     "the logits of micro-batch %d step %d (%d of %d lanes missing)", g,
+                     r->groups[g].step, r->groups[g].pending, r->plan.n_lanes);
+            k3_comm_note_timeout(r->comm, waited, n, what, k3_now_s() - r->last_progress);
             rank_die(r, K3_ERR(K3_ERR_COMM,
                                "coordinator: no logits for micro-batch %d step %d (%d of %d lanes "
                                "of the last stage, ranks %d-%d, missing) within %.0f s "

@@ -145,6 +145,10 @@ void rank_worker_step(rank_ctx *r, const step_msg *m) {
                                       (size_t)(T * D * m->h.n_bank) * sizeof(float)));
     }
     r->n_forward++;
+    char doing[96];
+    snprintf(doing, sizeof doing, "forward step %d (%s, micro-batch %d, %lld tokens)", r->n_forward,
+             T > n_seqs ? "prefill" : "decode", group, (long long)T);
+    k3_comm_set_doing(r->comm, doing);
     rank_hooks_maybe_die(r, r->n_forward);
     double t_busy = k3_now_s();
     if (n_seqs > 0) {
@@ -209,19 +213,39 @@ bool rank_worker_poll(rank_ctx *r) {
     }
     k3_comm_msg stop;
     RTRY(r, k3_comm_poll(r->comm, 0, K3_MSG_STOP, &stop, &got));
-    if (got) r->serving = false;
-    return got;
+    if (got) {
+        r->serving = false;
+        return true;
+    }
+    k3_comm_msg beat; /* the coordinator's heartbeat: only its arrival time matters */
+    do RTRY(r, k3_comm_poll(r->comm, 0, K3_MSG_BEAT, &beat, &got));
+    while (got);
+    return false;
 }
 
-/* Waits without a time limit: between requests a worker may idle for hours. A rank that stalls
- * in the middle of a step is caught by the coordinator's --comm-timeout (and by the MoE
- * collectives' own timeouts), which ends the job. */
+/* Between requests a worker may idle for hours, so it waits for steps without a limit, but not
+ * for the coordinator: rank 0 beats while idle (k3_comm_beat), and a worker that hears nothing
+ * from it for --comm-timeout starts the fault exchange. A rank that stalls in the middle of a
+ * step is caught by the coordinator's --comm-timeout and by the MoE collectives' own timeouts;
+ * a fault report from any rank interrupts the wait here too. */
 void rank_worker_serve(rank_ctx *r) {
     int backoff = 0;
+    const double timeout = r->o->comm_timeout_s > 0 ? r->o->comm_timeout_s : 600;
     while (r->serving) {
-        if (rank_worker_poll(r))
+        if (rank_worker_poll(r)) {
             backoff = 0;
-        else
-            k3_comm_idle(r->comm, &backoff);
+            continue;
+        }
+        double silent = k3_comm_silent_s(r->comm, 0);
+        if (silent > timeout) {
+            int coord = 0;
+            k3_comm_note_timeout(r->comm, &coord, 1, "a step or a heartbeat from the coordinator",
+                                 silent);
+            rank_die(r, K3_ERR(K3_ERR_COMM,
+                               "no step or heartbeat from the coordinator (rank 0) within %.0f s "
+                               "(--comm-timeout)",
+                               timeout));
+        }
+        k3_comm_idle(r->comm, &backoff);
     }
 }

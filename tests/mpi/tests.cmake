@@ -48,3 +48,10 @@ set_tests_properties(plan_cli_bad_world PROPERTIES LABELS "unit" ENVIRONMENT "${
 k3_add_test_exe(test_rank_prompts ${CMAKE_CURRENT_LIST_DIR}/test_rank_prompts.c)
 add_test(NAME rank_prompts COMMAND test_rank_prompts)
 set_tests_properties(rank_prompts PROPERTIES LABELS "unit;sanitize" ENVIRONMENT "${K3_TEST_ENV}" TIMEOUT 60)
+
+# chaos: SIGKILL and SIGSTOP of one rank in every phase (load, prefill, decode, batch) and role
+# (coordinator, first, middle, last stage) on 6 ranks (3 stages x 2 lanes): every process gone
+# within --comm-timeout + 5 s, the signalled rank named with its stage and lane as the root cause,
+# no other rank blamed. ~2 min on 2 cores; not in the sanitize tier (timing-bound).
+add_test(NAME chaos COMMAND ${K3_PYTHON3} ${CMAKE_CURRENT_LIST_DIR}/chaos.py ${MPIEXEC_EXECUTABLE})
+set_tests_properties(chaos PROPERTIES LABELS "mpi" TIMEOUT 600 ENVIRONMENT "${K3_TEST_ENV_MPI}")
