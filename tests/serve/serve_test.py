@@ -363,3 +363,50 @@ def test_greedy_equals_k3_run(srv, model_dir):
     assert p.returncode == 0, p.stderr
     gen = json.loads(p.stdout)["generated_ids"]
     assert r["choices"][0]["token_ids"] == gen and len(gen) >= 1
+
+
+# ---- tool calls through the wire writer (replay) ---------------------------------------------
+def replay_cases():
+    shared = os.environ.get("K3_SHARED", os.path.join(HERE, "..", "..", "..", "shared"))
+    with open(os.path.join(shared, "fixtures", "chat", "k3-test-chat-cases.json")) as f:
+        d = json.load(f)
+    return [(c, d["tool_definitions"]) for c in d["cases"] if c["expected"].get("tool_calls")]
+
+
+@pytest.mark.parametrize("case,tools", replay_cases(), ids=lambda v: v["comment"][:40] if isinstance(v, dict) and "comment" in v else "")
+def test_replay_tool_calls(case, tools, model_dir, tmp_path):
+    from openai.types.chat import ChatCompletion, ChatCompletionChunk
+    o = case["options"]
+    thinking = o["reasoning_format"] != "COMMON_REASONING_FORMAT_NONE"
+    body = {"model": "replay", "messages": o["messages"], "tools": [tools[t] for t in o["tools"]],
+            "max_tokens": 4096, "chat_template_kwargs": {"thinking": thinking}}
+    (tmp_path / "req.json").write_text(json.dumps(body))
+    (tmp_path / "comp.txt").write_text(case["input"])
+    out = str(tmp_path / "out")
+    p = subprocess.run([os.environ["K3_SERVE_REPLAY"], model_dir, str(tmp_path / "req.json"),
+                        str(tmp_path / "comp.txt"), out], capture_output=True, text=True, timeout=60)
+    assert p.returncode == 0, p.stderr
+    full = ChatCompletion.model_validate_json(open(out + ".json").read())
+    m, exp = full.choices[0].message, case["expected"]
+    assert full.choices[0].finish_reason == "tool_calls"
+    assert (m.content or "") == exp["content"]
+    if thinking:
+        assert m.reasoning_content == exp["reasoning_content"]
+    got = [(t.function.name, json.loads(t.function.arguments)) for t in m.tool_calls]
+    want = [(t["name"], json.loads(t["arguments"])) for t in exp["tool_calls"]]
+    assert got == want
+    # typed: the same JSON types, not only equal values (1 is an int, "print('hey')" a string)
+    assert [[type(v) for v in a.values()] for _, a in got] == [[type(v) for v in a.values()] for _, a in want]
+    assert all(t.type == "function" and t.id for t in m.tool_calls)
+    assert len({t.id for t in m.tool_calls}) == len(m.tool_calls)
+    # the stream: SSE events, each chunk a ChatCompletionChunk; put together = the message
+    raw = open(out + ".sse").read()
+    events = [e for e in raw.split("\n\n") if e]
+    assert raw.endswith("\n\n") and events[-1] == "data: [DONE]"
+    chunks = [ChatCompletionChunk.model_validate_json(e[len("data: "):]) for e in events[:-1]]
+    msg, _, finish, _ = collect_stream(chunks)
+    assert msg["role"] == "assistant" and finish == "tool_calls"
+    assert msg["content"] == (m.content or "")
+    calls = [msg["tool_calls"][i] for i in sorted(msg["tool_calls"])]
+    assert [(c["id"], c["name"], c["arguments"]) for c in calls] == \
+        [(t.id, t.function.name, t.function.arguments) for t in m.tool_calls]
