@@ -72,7 +72,8 @@ static const k3_flag flags[] = {
     {"kda-chunk", K3_FLAG_INT, "C", "0",
      "KDA form: 0/1 = recurrent (bit-exact), C >= 2 = chunked, C tokens"},
     {"threads", K3_FLAG_INT, "N", "0",
-     "cpu threads per rank (0 = all cores alone, 1 under mpirun)"},
+     "cpu threads per rank (0 = the cores of its binding; --bind none: all alone, 1 under mpirun)"},
+    K3_BIND_FLAG,
     {"backend", K3_FLAG_STR, "NAME", "cpu",
      "kernel backend: cpu, ref, guard (a test backend: cpu ops on memory host code cannot touch) "
      "or cuda (builds with K3_CUDA; device memory, ops still being ported)"},
@@ -293,6 +294,8 @@ static int run_run(const k3_args *a) {
     }
     k3_coord_mode cm = K3_COORD_SHARED;
     if (k3_coord_mode_parse(k3_args_str(a, "coordinator"), &cm) != K3_OK) return fail(K3_ERR_ARG);
+    const char *bind;
+    if (k3_engine_bind_arg(a, true, &bind)) return 2;
 
     run_in in;
     memset(&in, 0, sizeof in);
@@ -359,6 +362,7 @@ static int run_run(const k3_args *a) {
                       .dump_logits = k3_args_str(a, "dump-logits"),
                       .json = k3_args_bool(a, "json"),
                       .n_threads = (int)threads,
+                      .bind = bind,
                       .kda_chunk = (int)kc,
                       .backend = backend,
                       .test_fail = getenv("K3_TEST_FAIL"),

@@ -24,6 +24,14 @@ bool k3_engine_backend_ok(const char *name) {
     return false;
 }
 
+int k3_engine_bind_arg(const k3_args *a, bool print, const char **mode) {
+    const char *m = k3_args_str(a, "bind");
+    if (strcmp(m, "auto") != 0 && strcmp(m, "none") != 0)
+        return bad(a, print, "bind", "is not auto or none");
+    *mode = m;
+    return 0;
+}
+
 int k3_engine_args(const k3_args *a, bool print, k3_engine_opts *o) {
     static const struct {
         const char *flag;
@@ -69,5 +77,5 @@ int k3_engine_args(const k3_args *a, bool print, k3_engine_opts *o) {
     o->chunk = k3_args_int(a, "chunk");
     o->micro_batches = (int)k3_args_int(a, "micro-batches");
     o->verify = k3_args_bool(a, "verify");
-    return 0;
+    return k3_engine_bind_arg(a, print, &o->bind);
 }

@@ -13,6 +13,13 @@
 #define K3_ENGINE_ARGS_STR_(x) #x
 #define K3_ENGINE_ARGS_STR(x)  K3_ENGINE_ARGS_STR_(x)
 
+/* --bind, also in `k3 run`'s table (k3_engine_bind_arg checks it). */
+/* clang-format off */
+#define K3_BIND_FLAG                                                                               \
+    {"bind", K3_FLAG_STR, "MODE", "auto",                                                          \
+     "auto: bind each rank to its share of its node's cores (hwloc; threads = its cores); none"}
+/* clang-format on */
+
 /* Entries of a k3_flag table (k3_engine_args reads them by name). */
 /* clang-format off */
 #define K3_ENGINE_FLAGS                                                                            \
@@ -45,6 +52,7 @@
      "prefill tokens per sequence per step (0 = up to --max-batch-tokens)"},                       \
     {"micro-batches", K3_FLAG_INT, "M", "0",                                                       \
      "micro-batches in flight through the pipeline (0 = one per stage)"},                          \
+    K3_BIND_FLAG,                                                                                  \
     {"verify", K3_FLAG_BOOL, NULL, NULL,                                                           \
      "after loading, check each rank's own tensors for NaN/Inf and E8M0 0xFF scales (cost shown)"}
 /* clang-format on */
@@ -56,5 +64,7 @@ int k3_engine_args(const k3_args *a, bool print, k3_engine_opts *o);
 /* Whether --backend NAME is one the flag takes (cpu, ref, guard, cuda; a build without K3_CUDA
  * refuses cuda when the engine creates the backend). */
 bool k3_engine_backend_ok(const char *name);
+/* --bind MODE: "auto" or "none" into *mode; 2 (printed when `print`) otherwise, 0 ok. */
+int k3_engine_bind_arg(const k3_args *a, bool print, const char **mode);
 
 #endif /* K3_ENGINE_ARGS_H */

@@ -35,12 +35,37 @@ typedef struct k3_plan_req {
     int64_t max_tokens;          /* tokens per forward call on a lane (sizes buffers) */
 } k3_plan_req;
 
-/* Bytes one rank must hold. */
+/* Bytes one rank must hold, by kind. The engine sizes its allocations from the same numbers
+ * (rank/setup.c checks k3_rank_mem_total against each node's memory), and `k3 plan` prints them,
+ * so what the plan says is what run, batch and serve allocate. */
 typedef struct k3_rank_mem {
     uint64_t weights; /* as stored: the stage's non-expert tensors + owned experts (+embed/head) */
-    uint64_t caches; /* max_seqs_per_lane x (MLA latent cache + KDA conv + recurrent state), fp32 */
-    uint64_t buffers; /* hand-off, dispatch/combine and logits buffers (estimate, fp32) */
+    uint64_t weights_bf16, weights_mxfp4, weights_other; /* `weights` by stored dtype: BF16;
+                         MXFP4 (U8 nibbles + E8M0 scales); F32 and the rest */
+    uint64_t caches;                                     /* = mla_cache + kda_state */
+    uint64_t mla_cache; /* max_seqs_per_lane x MLA layers x max_ctx x (kv_lora + rope), fp32 */
+    uint64_t kda_state; /* max_seqs_per_lane x KDA layers x (conv + recurrent state), fp32 */
+    uint64_t buffers;   /* comm: the stage hand-off activation (h + AttnRes bank) and its message
+                           copies, MoE dispatch/combine rows, logits (fp32) */
+    uint64_t workspace; /* per-step scratch of the stage forward (k3_plan_workspace_bytes) */
 } k3_rank_mem;
+/* weights + caches + buffers + workspace: what rank/setup.c checks against a node's memory. */
+uint64_t k3_rank_mem_total(const k3_rank_mem *m);
+
+/* AttnRes blocks banked with the hand-off activation: ceil(n_layers / block), 0 without. */
+int k3_plan_max_bank(const k3_config *c);
+
+/* The sizing functions the plan is made of (pure; exported for `k3 plan` and the tests).
+ * Per-sequence cache bytes of layers [lb, lb + n): the MLA latent cache at max_ctx tokens and
+ * the KDA conv + recurrent state, fp32 as layers/ allocates them (k3_seq_state_create). */
+void k3_plan_seq_bytes(const k3_config *c, int lb, int le, int64_t max_ctx, uint64_t *mla,
+                       uint64_t *kda_conv, uint64_t *kda_rec);
+/* Scratch of one stage's forward for steps of up to T tokens (layers/stage.c make_scratch and the
+ * attention scratch k3_seq_state_create grows to max_ctx): the [T, *]-sized buffers of the
+ * layer kinds present, the MoE scratch and, with n_lanes > 1, the expert-parallel rows. The
+ * tile-sized MoE scratch (64-row tiles) is not counted. */
+uint64_t k3_plan_workspace_bytes(const k3_config *c, int lb, int le, bool first, int64_t T,
+                                 int n_lanes, int64_t max_ctx);
 
 typedef struct k3_plan {
     int world, n_stages, n_lanes;
@@ -81,5 +106,73 @@ uint64_t k3_plan_hash(const k3_plan *p);
 
 /* The plan as a human table (stages, layers, costs, per-rank bytes). Truncates at cap. */
 void k3_plan_format(const k3_plan *p, const k3_config *c, char *buf, size_t cap);
+
+/* ---- sites and the cost model (site.c) -----------------------------------------------------
+ * A site is where a plan runs: nodes x devices per node (a device is a GPU, or a cpu rank's share
+ * of a node) and the rates of one device. k3_site_builtin has profiles with their sources;
+ * `k3 plan --site FILE.json` fills the same struct (launcher/cmd_plan.c reads the file). */
+typedef struct k3_site {
+    char name[32];      /* "h200", "h100", "b200", "cpu" or the site file's "name" */
+    int nodes;          /* nodes of the allocation */
+    int ranks_per_node; /* one rank per GPU; cpu: ranks sharing a node */
+    int cores_per_node; /* CPU cores of a node (binding, #SBATCH --cpus-per-task) */
+    bool gpu;           /* ranks drive a GPU each (local rank -> device) */
+    double mem_bytes;   /* memory of one device (cpu: the node's memory / ranks_per_node) */
+    double mem_bw;      /* bytes/s one device streams from its memory */
+    double flops;       /* dense FLOP/s of one device at the engine's matmul precision */
+    double intra_bw;    /* bytes/s one device sends to a peer of its node (one direction) */
+    double inter_bw;    /* bytes/s one device sends to other nodes */
+    double intra_lat_s, inter_lat_s; /* one message's latency inside / across nodes */
+    char source[512];                /* where the figures come from */
+} k3_site;
+
+/* "h200" | "h100" | "b200" | "cpu" for nodes x ranks_per_node; K3_ERR_ARG naming --gpu. */
+k3_status k3_site_builtin(const char *gpu, int nodes, int ranks_per_node, k3_site *out);
+/* Rejects a site with a non-positive rate or count (name the field). */
+k3_status k3_site_check(const k3_site *s);
+
+/* The predicted performance of a plan on a site (the model is documented in site.c). */
+typedef struct k3_perf {
+    int micro_batches;             /* M: groups in flight (the engine's default: S) */
+    int seqs_per_group;            /* b: decode sequences per lane per group step */
+    double decode_tok_s;           /* generated tokens/s of the whole job, all slots busy */
+    double prefill_tok_s;          /* prompt tokens/s of the whole job, chunks of max_tokens */
+    double stage_s[K3_MAX_LAYERS]; /* [S] one decode group step of each stage */
+    double stage_mem_s[K3_MAX_LAYERS], stage_flop_s[K3_MAX_LAYERS], stage_a2a_s[K3_MAX_LAYERS];
+    double handoff_s;    /* one group's activation hand-off between two stages */
+    double logits_s;     /* one group's logits of every lane into rank 0 */
+    double latency_s;    /* one group through every stage + hand-offs + logits */
+    double period_s;     /* one decode round: every group advanced by one token */
+    double bubble;       /* fraction of the round the slowest stage idles */
+    double decode_bytes; /* bytes one decode round reads from device memory (all ranks) */
+    double decode_flops; /* FLOPs of one round (all ranks) */
+    double a2a_bytes;    /* MoE dispatch + combine bytes of one round (all ranks) */
+    double load_s;       /* weights at fs_bps per node */
+    const char *bound;   /* "memory", "compute", "all-to-all", "pipeline latency", "logits" */
+} k3_perf;
+
+/* fs_bps: file-system read bandwidth of one node in bytes/s (load time). max_ctx of the request
+ * sizes attention (sequences are taken half-way through their context). */
+void k3_plan_predict(const k3_config *c, const k3_plan *p, const k3_plan_req *r, const k3_site *s,
+                     double fs_bps, k3_perf *out);
+
+/* Ranks a plan on a site fits: every rank's k3_rank_mem_total within its device's memory less
+ * the engine's margin (10%, as rank/setup.c). Returns the largest rank total in *max_bytes. */
+bool k3_plan_fits(const k3_plan *p, const k3_site *s, uint64_t *max_bytes);
+
+/* Without --pp/--ep: every S x E = nodes x ranks_per_node with E dividing n_experts and
+ * S <= n_layers, ranked: plans that fit first, then by predicted decode throughput, then by less
+ * memory. `req` gives the capacity (its world/pp/ep are ignored). Fills *best_pp, *best_ep and a
+ * one-line reason; the candidates (at most cap) go to cand[] when non-NULL. K3_ERR_ARG when no
+ * split exists at all. */
+typedef struct k3_plan_cand {
+    int pp, ep;
+    bool fits;
+    uint64_t max_bytes;
+    double decode_tok_s, prefill_tok_s;
+} k3_plan_cand;
+k3_status k3_plan_search(const k3_config *c, const k3_plan_req *req, const k3_site *s, int *best_pp,
+                         int *best_ep, char *reason, size_t reason_cap, k3_plan_cand *cand, int cap,
+                         int *n_cand);
 
 #endif /* K3_PARTITION_H */

@@ -40,11 +40,19 @@ static uint64_t u_add(bool *ovf, uint64_t a, uint64_t b) {
 }
 
 /* Byte sizes per layer / expert / global, from the catalogue. */
+typedef enum { DT_BF16 = 0, DT_MXFP4, DT_OTHER, DT_N } dt_kind; /* k3_rank_mem weights_* */
 typedef struct cat_sizes {
-    uint64_t layer[K3_MAX_LAYERS]; /* non-expert tensors of each layer */
-    uint64_t *expert;              /* [n_layers, n_experts] */
-    uint64_t embed, head;          /* first-stage globals, last-stage globals */
+    uint64_t layer[K3_MAX_LAYERS];          /* non-expert tensors of each layer */
+    uint64_t layer_dt[K3_MAX_LAYERS][DT_N]; /* the same by stored dtype */
+    uint64_t *expert;                       /* [n_layers, n_experts] */
+    uint64_t expert_dt[DT_N];               /* one expert's bytes by dtype (all experts alike) */
+    uint64_t embed, head;                   /* first-stage globals, last-stage globals */
+    uint64_t embed_dt[DT_N], head_dt[DT_N];
 } cat_sizes;
+
+static dt_kind dt_of(k3_dtype d) {
+    return d == K3_DT_BF16 ? DT_BF16 : d == K3_DT_U8 ? DT_MXFP4 : DT_OTHER;
+}
 
 static k3_status cat_sizes_make(const k3_config *c, cat_sizes *cs) {
     memset(cs, 0, sizeof *cs);
@@ -67,22 +75,31 @@ static k3_status cat_sizes_make(const k3_config *c, cat_sizes *cs) {
         int64_t sb = k3_tensor_spec_bytes(t);
         if (sb < 0) ovf = true;
         uint64_t b = (uint64_t)K3_MAX(sb, 0);
+        dt_kind k = dt_of(t->dtype);
         if (t->kind == K3_TK_GLOBAL) {
-            if (t->first_stage)
+            if (t->first_stage) {
                 cs->embed = u_add(&ovf, cs->embed, b);
-            else
+                cs->embed_dt[k] = u_add(&ovf, cs->embed_dt[k], b);
+            } else {
                 cs->head = u_add(&ovf, cs->head, b);
+                cs->head_dt[k] = u_add(&ovf, cs->head_dt[k], b);
+            }
         } else if (t->layer >= 0 && t->layer < c->n_layers) {
-            if (t->kind == K3_TK_LAYER)
+            if (t->kind == K3_TK_LAYER) {
                 cs->layer[t->layer] = u_add(&ovf, cs->layer[t->layer], b);
-            else if (t->expert >= 0 && t->expert < c->n_experts) {
+                cs->layer_dt[t->layer][k] = u_add(&ovf, cs->layer_dt[t->layer][k], b);
+            } else if (t->expert >= 0 && t->expert < c->n_experts) {
                 uint64_t *e = &cs->expert[(int64_t)t->layer * c->n_experts + t->expert];
                 *e = u_add(&ovf, *e, b);
+                if (t->layer == c->first_k_dense_replace && t->expert == 0) cs->expert_dt[k] += b;
             }
         }
     }
-    if (c->tie_word_embeddings) /* the head reuses the embedding */
+    if (c->tie_word_embeddings) { /* the head reuses the embedding */
         cs->head = u_add(&ovf, cs->head, cs->embed);
+        for (int k = 0; k < DT_N; k++)
+            cs->head_dt[k] = u_add(&ovf, cs->head_dt[k], cs->embed_dt[k]);
+    }
     k3_free(specs);
     if (ovf) {
         k3_free(cs->expert);
@@ -313,14 +330,95 @@ uint64_t k3_plan_hash(const k3_plan *p) {
     return h;
 }
 
-static int max_bank(const k3_config *c) {
+int k3_plan_max_bank(const k3_config *c) {
     return c->attn_res_block_size > 0
                ? (c->n_layers + c->attn_res_block_size - 1) / c->attn_res_block_size
                : 0;
 }
 
+uint64_t k3_rank_mem_total(const k3_rank_mem *m) {
+    return m->weights + m->caches + m->buffers + m->workspace;
+}
+
+void k3_plan_seq_bytes(const k3_config *c, int lb, int le, int64_t max_ctx, uint64_t *mla,
+                       uint64_t *kda_conv, uint64_t *kda_rec) {
+    const uint64_t P = (uint64_t)c->kda_n_heads * (uint64_t)c->kda_head_dim;
+    const uint64_t conv = 3ull * (uint64_t)K3_MAX(c->kda_conv_kernel - 1, 0) * P * 4;
+    const uint64_t rec = P * (uint64_t)c->kda_head_dim * 4;
+    const uint64_t lat = (uint64_t)K3_MAX(max_ctx, 1) *
+                         (uint64_t)(c->kv_lora_rank + c->qk_rope_head_dim) * 4; /* per layer */
+    *mla = *kda_conv = *kda_rec = 0;
+    for (int l = lb; l < le; l++) {
+        if (c->mixer[l] == K3_MIXER_KDA)
+            *kda_conv += conv, *kda_rec += rec;
+        else
+            *mla += lat;
+    }
+}
+
+/* Floats of the [T, *] scratch of the MoE step (experts/moe.c: routing scores, the finish step
+ * and the ids + weights of the call); the 64-row tile scratch is left out. */
+static uint64_t moe_scratch_floats(const k3_config *c, uint64_t T) {
+    const uint64_t X = (uint64_t)c->n_experts, K = (uint64_t)c->n_experts_per_tok;
+    const uint64_t Lw = (uint64_t)(c->latent_size > 0 ? c->latent_size : c->hidden_size);
+    const uint64_t S = (uint64_t)c->n_shared_experts * (uint64_t)c->moe_intermediate_size;
+    const uint64_t route = 2 * T * X + X;
+    const uint64_t finish = T * Lw + Lw + 2 * T * S + T * (uint64_t)c->hidden_size;
+    return K3_MAX(2 * T * K + route, finish);
+}
+
+uint64_t k3_plan_workspace_bytes(const k3_config *c, int lb, int le, bool first, int64_t T_,
+                                 int n_lanes, int64_t max_ctx) {
+    const uint64_t T = (uint64_t)K3_MAX(T_, 1), D = (uint64_t)c->hidden_size;
+    bool kda = false, mla = false, dense = false, moe = false;
+    for (int l = lb; l < le; l++) {
+        if (c->mixer[l] == K3_MIXER_KDA)
+            kda = true;
+        else
+            mla = true;
+        if (k3_config_is_moe(c, l))
+            moe = true;
+        else
+            dense = true;
+    }
+    uint64_t f =
+        4 * T * D + (uint64_t)k3_plan_max_bank(c) * D; /* xa, xn, y, head rows; bank rows */
+    if (kda) {
+        const uint64_t P = (uint64_t)c->kda_n_heads * (uint64_t)c->kda_head_dim;
+        f += 9 * T * P + T * (uint64_t)c->kda_gate_rank + T * (uint64_t)c->kda_n_heads;
+    }
+    if (mla) {
+        const uint64_t H = (uint64_t)c->n_heads, dn = (uint64_t)c->qk_nope_head_dim,
+                       dr = (uint64_t)c->qk_rope_head_dim, dv = (uint64_t)c->v_head_dim,
+                       R = (uint64_t)c->kv_lora_rank, W = R + dr;
+        f += T * (uint64_t)K3_MAX(c->q_lora_rank, 1) + T * H * (dn + dr) + T * W +
+             T * K3_MAX(dn, R) + T * K3_MAX(R, dv) + T * H * W + T * H * R + 2 * T * H * dv;
+        f += H * (uint64_t)K3_MAX(max_ctx, 1); /* attention scores of one head row at max_ctx */
+    }
+    if (dense) f += 2 * T * (uint64_t)c->intermediate_size;
+    if (first) f += T; /* token ids */
+    uint64_t host = 0; /* host-side scratch bytes (ids, rows, lanes, weights) */
+    if (moe) {
+        f += moe_scratch_floats(c, T);
+        if (n_lanes > 1) { /* the expert-parallel rows: a lane receives <= n_lanes T K items */
+            const uint64_t K = (uint64_t)c->n_experts_per_tok, TK = T * K;
+            const uint64_t Lw = (uint64_t)(c->latent_size > 0 ? c->latent_size : c->hidden_size);
+            f += 2 * TK + 2 * T * Lw + TK * Lw + (uint64_t)n_lanes * TK * Lw;
+            host = TK * 16 + (uint64_t)n_lanes * TK * 8;
+        }
+    }
+    return f * 4 + host;
+}
+
+static void add_dt(k3_rank_mem *m, const uint64_t dt[DT_N]) {
+    m->weights_bf16 += dt[DT_BF16];
+    m->weights_mxfp4 += dt[DT_MXFP4];
+    m->weights_other += dt[DT_OTHER];
+}
+
 /* Per-rank bytes; every product and sum is checked (a huge --max-ctx/--max-seqs/--max-tokens
- * must fail, not wrap to a small number). */
+ * must fail, not wrap to a small number): the caller's bounds keep each factor small enough that
+ * the sizing functions above cannot overflow once the checked products here pass. */
 static k3_status fill_mem(k3_plan *p, const k3_config *c, const k3_plan_req *r,
                           const cat_sizes *cs) {
     int S = p->n_stages, E = p->n_lanes;
@@ -333,39 +431,50 @@ static k3_status fill_mem(k3_plan *p, const k3_config *c, const k3_plan_req *r,
         bool wo = false, co = false, bo = false; /* overflow of weights / caches / buffers */
         int s, e;
         const uint64_t logits = u_mul(&bo, u_mul(&bo, T, (uint64_t)c->vocab_size), 4);
-        if (!k3_plan_coords(p, rank, &s, &e)) {
-            m->buffers = logits; /* the dedicated coordinator only receives logits */
-        } else {
+        /* the coordinator receives logits messages (rows <= T per lane step) */
+        if (rank == 0) m->buffers = logits;
+        if (k3_plan_coords(p, rank, &s, &e)) {
             int lb = p->stage_begin[s], le = p->stage_begin[s + 1];
-            uint64_t per_seq = 0;
             bool has_moe = false;
             for (int l = lb; l < le; l++) {
                 m->weights = u_add(&wo, m->weights, cs->layer[l]);
+                add_dt(m, cs->layer_dt[l]);
                 if (k3_config_is_moe(c, l)) {
                     has_moe = true;
                     for (int x = 0; x < c->n_experts; x++)
-                        if (k3_plan_owner_lane(p, l, x) == e)
+                        if (k3_plan_owner_lane(p, l, x) == e) {
                             m->weights =
                                 u_add(&wo, m->weights, cs->expert[(int64_t)l * c->n_experts + x]);
+                            add_dt(m, cs->expert_dt);
+                        }
                 }
-                uint64_t st;
-                if (c->mixer[l] == K3_MIXER_KDA) {
-                    uint64_t P = (uint64_t)c->kda_n_heads * (uint64_t)c->kda_head_dim;
-                    uint64_t conv = u_mul(
-                        &co, u_mul(&co, 3ull * (uint64_t)K3_MAX(c->kda_conv_kernel - 1, 0), P), 4);
-                    uint64_t rec = u_mul(&co, u_mul(&co, P, (uint64_t)c->kda_head_dim), 4);
-                    st = u_add(&co, conv, rec);
-                } else {
-                    st = u_mul(
-                        &co, u_mul(&co, CTX, (uint64_t)(c->kv_lora_rank + c->qk_rope_head_dim)), 4);
-                }
-                per_seq = u_add(&co, per_seq, st);
             }
-            if (s == 0) m->weights = u_add(&wo, m->weights, cs->embed);
-            if (s == S - 1) m->weights = u_add(&wo, m->weights, cs->head);
-            m->caches = u_mul(&co, per_seq, SEQS);
-            uint64_t act = u_mul(&bo, u_mul(&bo, u_mul(&bo, T, D), (uint64_t)(1 + max_bank(c))), 4);
-            m->buffers = u_mul(&bo, act, (uint64_t)((s > 0) + (s < S - 1)));
+            if (s == 0) {
+                m->weights = u_add(&wo, m->weights, cs->embed);
+                add_dt(m, cs->embed_dt);
+            }
+            if (s == S - 1) {
+                m->weights = u_add(&wo, m->weights, cs->head);
+                add_dt(m, cs->head_dt);
+            }
+            /* caches: per-sequence bytes (checked here first: CTX may be up to 2^30) */
+            uint64_t per_tok = 0, n_mla = 0;
+            for (int l = lb; l < le; l++) n_mla += c->mixer[l] != K3_MIXER_KDA;
+            per_tok = u_mul(&co, n_mla, (uint64_t)(c->kv_lora_rank + c->qk_rope_head_dim) * 4);
+            (void)u_mul(&co, u_mul(&co, per_tok, CTX), SEQS);
+            if (!co) {
+                uint64_t mla, kconv, krec;
+                k3_plan_seq_bytes(c, lb, le, r->max_ctx, &mla, &kconv, &krec);
+                m->mla_cache = u_mul(&co, mla, SEQS);
+                m->kda_state = u_mul(&co, kconv + krec, SEQS);
+                m->caches = u_add(&co, m->mla_cache, m->kda_state);
+            }
+            /* the hand-off activation h | bank [T, D] x (1 + bank): allocated on every worker,
+               plus one message copy per neighbour stage (send to s+1, receive from s-1) */
+            uint64_t act =
+                u_mul(&bo, u_mul(&bo, u_mul(&bo, T, D), (uint64_t)(1 + k3_plan_max_bank(c))), 4);
+            m->buffers =
+                u_add(&bo, m->buffers, u_mul(&bo, act, (uint64_t)(1 + (s > 0) + (s < S - 1))));
             if (has_moe && E > 1) {
                 uint64_t W = (uint64_t)(c->latent_size > 0 ? c->latent_size : c->hidden_size);
                 uint64_t rows =
@@ -375,6 +484,9 @@ static k3_status fill_mem(k3_plan *p, const k3_config *c, const k3_plan_req *r,
                     u_add(&bo, m->buffers, u_mul(&bo, u_mul(&bo, rows, 2), (uint64_t)(1 + E)));
             }
             if (s == S - 1) m->buffers = u_add(&bo, m->buffers, logits);
+            if (!bo)
+                m->workspace =
+                    k3_plan_workspace_bytes(c, lb, le, s == 0, r->max_tokens, E, r->max_ctx);
         }
         if (wo) return K3_ERR(K3_ERR_CONFIG, "rank %d's weight bytes overflow 64 bits", rank);
         if (co)

@@ -46,7 +46,10 @@ typedef struct k3_engine_opts {
     double comm_timeout_s;       /* every blocking wait; <= 0 means 600 */
     double load_timeout_s;       /* the whole load; <= 0: K3_LOAD_TIMEOUT_FLOOR_S + the largest
                                     rank's planned bytes at K3_LOAD_TIMEOUT_MIN_BPS */
-    int n_threads;               /* cpu threads per rank; <= 0: 1 when world > 1, else all */
+    int n_threads;               /* cpu threads per rank; <= 0: the cores of the rank's binding
+                                    (--bind none: 1 when world > 1, else all) */
+    const char *bind;            /* "auto" (NULL): bind each rank to its share of its node's
+                                    cores (k3_bind_apply); "none": leave the process as it is */
     int kda_chunk;               /* k3_stage_params.kda_chunk (0 = default) */
     const char *backend;         /* kernel backend (k3_backend_create); NULL = "cpu" */
     const char *test_fail;       /* K3_TEST_FAIL value or NULL */
@@ -145,11 +148,6 @@ typedef struct k3_event {
 k3_status k3_engine_submit(k3_engine *e, const k3_request *rq, int64_t *id);
 /* Rank 0: end a request; its DONE event (stop = K3_STOP_NONE, n_gen so far) comes next step. */
 k3_status k3_engine_cancel(k3_engine *e, int64_t id);
-/* Rank 0, while idle (no step for a while, e.g. a server waiting for requests): tell the workers
- * the coordinator is alive. Call it at least every --comm-timeout / 3 (cheap: rate-limited inside;
- * k3_engine_step also beats). A worker that hears nothing from rank 0 for --comm-timeout ends the
- * job naming it, so a stopped coordinator cannot leave the workers waiting forever. */
-k3_status k3_engine_heartbeat(k3_engine *e);
 /* Rank 0: make progress until at least one event is ready or nothing is left to do. The events
  * (and their text, logits and error strings) are valid until the next step. */
 k3_status k3_engine_step(k3_engine *e, const k3_event **events, int *n_events);

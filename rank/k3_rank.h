@@ -44,7 +44,8 @@ typedef struct k3_rank_opts {
     bool verify;              /* k3_engine_opts.verify */
     const char *dump_logits;  /* .npy of every position's logits (prompts concatenated) or NULL */
     bool json;                /* one JSON object on stdout instead of text lines */
-    int n_threads;            /* cpu threads per rank; <= 0: 1 when world > 1, else all cores */
+    int n_threads;            /* cpu threads per rank; <= 0: k3_engine_opts.n_threads */
+    const char *bind;         /* k3_engine_opts.bind ("auto"/NULL or "none") */
     int kda_chunk;            /* k3_stage_params.kda_chunk (0 = default) */
     const char *backend;      /* kernel backend name (k3_backend_create); NULL = "cpu" */
     const char *test_fail;    /* K3_TEST_FAIL value or NULL (read by the caller, once) */
@@ -88,5 +89,20 @@ int k3_rank_run(const k3_rank_opts *o);
 /* Parse "1,2,3;4,5" (prompts separated by ';', ids by ',') into ids/lens (k3_alloc'd; free with
  * k3_free). Errors name the prompt and the position. */
 k3_status k3_rank_parse_prompts(const char *text, int32_t **ids, int64_t **lens, int *n_prompts);
+
+/* ---- binding (bind.c, libhwloc) --------------------------------------------------------------
+ * Local rank `local` of the `n_local` ranks on this node gets a contiguous share of the node's
+ * cores (with gpu: of the cores near its GPU, device = local rank); k3_engine_open applies it
+ * unless --bind none, and sizes the cpu thread pool by its cores. */
+typedef struct k3_bind_info {
+    int n_cores;    /* cores in the share (the cpu pool's threads) */
+    int device;     /* the GPU found for this local rank, -1 none */
+    bool bound;     /* k3_bind_apply: the process is bound to `cores` */
+    bool kept;      /* the launcher had already narrowed the process: its binding was kept */
+    char cores[96]; /* OS indices of the PUs, hwloc list syntax ("0-3,8") */
+    char numa[32];  /* NUMA nodes of those cores */
+} k3_bind_info;
+k3_status k3_bind_describe(int local, int n_local, bool gpu, k3_bind_info *out); /* no binding */
+k3_status k3_bind_apply(int local, int n_local, bool gpu, k3_bind_info *out);    /* this process */
 
 #endif /* K3_RANK_H */

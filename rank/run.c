@@ -327,6 +327,7 @@ int k3_rank_run(const k3_rank_opts *o) {
                          .comm_timeout_s = o->comm_timeout_s,
                          .load_timeout_s = o->load_timeout_s,
                          .n_threads = o->n_threads,
+                         .bind = o->bind,
                          .kda_chunk = o->kda_chunk,
                          .backend = o->backend,
                          .test_fail = o->test_fail,

@@ -16,8 +16,7 @@
 #define MEM_MARGIN_FLOOR (256ull << 20)
 
 static uint64_t rank_need(const rank_ctx *r, int i) {
-    const k3_rank_mem *m = &r->plan.mem[i];
-    return m->weights + m->caches + m->buffers;
+    return k3_rank_mem_total(&r->plan.mem[i]); /* what `k3 plan` prints */
 }
 
 /* Refuse a plan a node cannot hold before allocating anything: a huge --n or prompt sizes every
@@ -44,9 +43,9 @@ static k3_status check_memory(const rank_ctx *r, const k3_plan_req *req) {
             k3_plan_coords(&r->plan, i, &s, &e);
             at += (size_t)snprintf(list + at, sizeof list - at,
                                    "%s rank %d (stage %d, lane %d) %.2f GB = weights %.2f + caches "
-                                   "%.2f + buffers %.2f",
+                                   "%.2f + buffers %.2f + workspace %.2f",
                                    at ? ";" : "", i, s, e, rank_need(r, i) / 1e9, m->weights / 1e9,
-                                   m->caches / 1e9, m->buffers / 1e9);
+                                   m->caches / 1e9, m->buffers / 1e9, m->workspace / 1e9);
         }
         return K3_ERR(K3_ERR_NOMEM,
                       "memory: the %d rank%s on host %s need %.2f GB together but the node can "
@@ -60,6 +59,35 @@ static k3_status check_memory(const rank_ctx *r, const k3_plan_req *req) {
                       (long long)req->max_tokens, list);
     }
     return K3_OK;
+}
+
+/* --bind (bind.c): this rank's share of its node's cores; local rank = its order among the ranks
+ * on its node (r->where). The cpu pool then takes one thread per core of the binding. */
+static void bind_rank(rank_ctx *r) {
+    int local = 0, n_local = 0;
+    for (int i = 0; i < r->world; i++)
+        if (r->where[i].node == r->where[r->rank].node) {
+            local += i < r->rank;
+            n_local++;
+        }
+    const char *mode = r->o->bind ? r->o->bind : "auto";
+    if (strcmp(mode, "none") == 0) {
+        K3_LOGI("bind: rank %d (local %d of %d on %s): none (--bind none)", r->rank, local, n_local,
+                r->where[r->rank].host);
+        return;
+    }
+    const bool gpu = r->o->backend && strcmp(r->o->backend, "cuda") == 0;
+    k3_bind_info b;
+    k3_status st = k3_bind_apply(local, n_local, gpu, &b);
+    if (st != K3_OK) { /* a machine without the rights or the topology: run unbound, say so */
+        K3_LOGW("bind: rank %d: %s; running unbound", r->rank, k3_last_error());
+        return;
+    }
+    if (r->o_.n_threads <= 0) r->o_.n_threads = b.n_cores;
+    K3_LOGI("bind: rank %d (local %d of %d on %s): cores %s, NUMA %s, %d thread%s, GPU %d%s",
+            r->rank, local, n_local, r->where[r->rank].host, b.cores, b.numa, r->o_.n_threads,
+            r->o_.n_threads == 1 ? "" : "s", b.device,
+            b.kept ? " (the launcher's binding, kept)" : "");
 }
 
 /* Usage-type problems are identical on every rank: all return 2, rank 0 prints. Others: agree on
@@ -77,6 +105,7 @@ int rank_setup(rank_ctx *r) {
         if (ws == K3_OK) ws = k3_comm_world_where((uint64_t)avail, r->where, tmo);
         if (ws != K3_OK) rank_die(r, ws);
     }
+    bind_rank(r);
     r->max_seqs = o->max_seqs > 0 ? o->max_seqs : K3_ENGINE_DEFAULT_MAX_SEQS;
     r->max_ctx = o->max_ctx > 0 ? o->max_ctx : K3_ENGINE_DEFAULT_MAX_CTX;
     r->max_tokens =
@@ -326,18 +355,10 @@ static void on_progress(void *ctx, uint64_t done, uint64_t total) {
         fflush(stderr);
         raise(SIGSTOP);
     }
-    if (r->kill_load_rank == r->rank && 2 * done >= total) {
-        K3_LOGE("rank %d: test hook K3_TEST_FAIL=kill-load:%d: killing myself (SIGKILL) at "
-                "%.2f of %.2f MB",
-                r->rank, r->rank, done / 1e6, total / 1e6);
-        fflush(stderr);
-        raise(SIGKILL);
-    }
     hb_tick(r, K3_LOAD_RUNNING);
 }
 
 void rank_load(rank_ctx *r) {
-    k3_comm_set_doing(r->comm, "loading weights");
     double t0 = k3_now_s();
     r->t_load0 = t0;
     /* --load-timeout: given, or 60 s + the largest rank's planned bytes at 50 MB/s */

@@ -6,8 +6,9 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 BUILD=${1:-build}; shift || true
 
-# (hwloc is not listed: k3 does not use it; Open MPI's libopenmpi-dev brings libhwloc-dev itself.)
-APT_PKGS="build-essential cmake pkg-config libopenmpi-dev openmpi-bin libucx-dev
+# libhwloc-dev: rank/bind.c binds each rank to its share of a node's cores (and `k3 plan` shows
+# them). The Slurm daemons for tests/slurm are installed by that test itself.
+APT_PKGS="build-essential cmake pkg-config libopenmpi-dev openmpi-bin libucx-dev libhwloc-dev
           libcjson-dev libpcre2-dev libmicrohttpd-dev clang clang-format python3"
 missing=""
 for p in $APT_PKGS; do

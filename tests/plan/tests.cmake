@@ -1,0 +1,6 @@
+# tests/plan — `k3 plan` on sites (owner: plan): DISTRIBUTED.md §0's memory arithmetic, the
+# site flags, --slurm, --site FILE (plan_spec.py); the tiny model's per-rank memory prediction
+# against the RSS growth of `k3 run` under 2 x 2 (plan_rss.py).
+find_program(K3_PLAN_PYTHON3 python3)
+add_test(NAME plan_spec COMMAND ${K3_PLAN_PYTHON3} ${CMAKE_CURRENT_LIST_DIR}/plan_spec.py)
+set_tests_properties(plan_spec PROPERTIES LABELS "unit" TIMEOUT 120 ENVIRONMENT "${K3_TEST_ENV}")
