@@ -410,3 +410,153 @@ def test_replay_tool_calls(case, tools, model_dir, tmp_path):
     calls = [msg["tool_calls"][i] for i in sorted(msg["tool_calls"])]
     assert [(c["id"], c["name"], c["arguments"]) for c in calls] == \
         [(t.id, t.function.name, t.function.arguments) for t in m.tool_calls]
+
+
+# ---- limits, malformed requests, 429 ----------------------------------------------------------
+def malformed_requests(rng):
+    """(method, path, body bytes, content type) of 200 bad requests, every kind several times."""
+    good = json.dumps({"model": "m", "messages": MSG, "max_tokens": 4}).encode()
+    chat = "/v1/chat/completions"
+    kinds = [
+        lambda: ("POST", chat, good[:rng.randrange(1, len(good) - 1)]),             # truncated JSON
+        lambda: ("POST", chat, b"{\"messages\": " + json.dumps(rng.choice(
+            [5, "hi", None, {"a": 1}, [1, 2], [{"role": 7}], [{"role": "user", "content": 5}]])).encode() + b"}"),
+        lambda: ("POST", chat, json.dumps({"messages": MSG, rng.choice(
+            ["temperature", "top_p", "max_tokens", "seed", "n", "top_k", "stream", "logprobs",
+             "stop", "logit_bias", "stream_options", "tools", "top_logprobs"]): rng.choice(
+            ["x", [1], {"a": 1}, -5, 10 ** 400])}).encode()),  # wrong types
+        lambda: ("POST", chat, b'{"messages":' + json.dumps(MSG).encode() + b',"max_tokens":'
+                 + str(10 ** rng.randrange(20, 400)).encode() + b"}"),             # huge numbers
+        lambda: ("POST", chat, b'{"messages":[{"role":"user","content":"\\xff\\xfe' +
+                 bytes([rng.randrange(128, 256)]) + b'"}]}'),                      # invalid UTF-8
+        lambda: ("POST", "/v1/completions", b'{"prompt":[' + b",".join(
+            str(rng.choice([-1, 10 ** 12, 2 ** 31])).encode() for _ in range(3)) + b"]}"),
+        lambda: ("POST", "/v1/completions", b'{"prompt":"' + b"\xc3" + b'"}'),
+        lambda: ("POST", "/tokenize", b"[1,2"),
+        lambda: ("POST", "/detokenize", b'{"tokens":["a"]}'),
+        lambda: ("GET", chat, b""),                                                   # wrong method
+        lambda: ("POST", "/v1/nothing", b"{}"),                                       # no route
+        lambda: ("POST", chat, b'{"messages":' + json.dumps(MSG).encode() +
+                 b',"max_tokens":100000000}'),                                        # > context
+        lambda: ("POST", chat, json.dumps({"messages": [{"role": "user", "content": "x"}] * 3000}).encode()),
+        lambda: ("POST", chat, b"[" * 100000 + b"]" * 100000),                        # deep nesting
+        lambda: ("POST", chat, b""),
+    ]
+    out = [kinds[i % len(kinds)]() for i in range(197)]
+    big = b'{"messages":[{"role":"user","content":"' + b"a" * (10 << 20) + b'"}]}'
+    out += [("POST", chat, big), ("POST", "/v1/completions", big), ("POST", "/tokenize", big)]
+    return out
+
+
+@pytest.fixture(scope="module")
+def small_srv(model_dir):
+    s = Server(model_dir, extra=["--max-seqs", "1", "--max-queue", "2", "--max-ctx", "512",
+                                 "--max-messages", "2048"])
+    yield s
+    assert s.stop(signal.SIGINT) == 0
+
+
+def test_limits_malformed(small_srv):
+    rng = random.Random(12)
+    reqs = malformed_requests(rng)
+    assert len(reqs) == 200
+    bad = []
+    for method, path, body in reqs:
+        r = requests.request(method, small_srv.url + path, data=body, timeout=60,
+                             headers={"Content-Type": "application/json"})
+        ok = 400 <= r.status_code < 500
+        if ok and r.content:
+            e = r.json()["error"]
+            ok = isinstance(e["message"], str) and e["type"].endswith("_error")
+        if not ok:
+            bad.append((path, body[:80], r.status_code, r.text[:200]))
+        assert requests.get(small_srv.url + "/health", timeout=10).status_code == 200
+    assert not bad, bad[:5]
+    big = [r for r in reqs if len(r[2]) > (4 << 20)]
+    assert len(big) == 3
+    # the limits name themselves
+    r = requests.post(small_srv.url + "/v1/chat/completions", timeout=30,
+                      json={"messages": MSG, "max_tokens": 100000})
+    assert r.status_code == 400 and "context" in r.json()["error"]["message"]
+    r = requests.post(small_srv.url + "/v1/chat/completions", timeout=30, data=reqs[-3][2])
+    assert r.status_code == 413 and "limit" in r.json()["error"]["message"]
+
+
+def test_limits_queue_full_429(small_srv):
+    """One slot, two admitted: of 6 long requests at once, some get 429 with Retry-After."""
+    body = {"prompt": "hi", "max_tokens": 400, "ignore_eos": True}
+    res = []
+
+    def go():
+        r = requests.post(small_srv.url + "/v1/completions", json=body, timeout=120)
+        res.append((r.status_code, r.headers.get("Retry-After"), r.json()))
+
+    ts = [threading.Thread(target=go) for _ in range(6)]
+    for t in ts:
+        t.start()
+    for t in ts:
+        t.join()
+    codes = sorted(c for c, _, _ in res)
+    assert codes.count(200) >= 2 and codes.count(429) >= 1 and set(codes) <= {200, 429}, codes
+    for c, ra, j in res:
+        if c == 429:
+            assert ra == "1" and j["error"]["type"] == "rate_limit_error"
+        else:
+            assert j["usage"]["completion_tokens"] == 400
+
+
+# ---- soak: 16 concurrent streams on 2x2 --------------------------------------------------------
+def test_soak_16_streams(model_dir):
+    seconds = float(os.environ.get("K3_SERVE_SOAK_S", "30"))
+    s = Server(model_dir, 2, 2, extra=["--max-seqs", "8"])
+    errors, done, total = [], [0], [0]
+    lock = threading.Lock()
+
+    def stream_once(rng):
+        body = {"messages": [{"role": "user", "content": "tell me %d" % rng.randrange(1000)}],
+                "max_tokens": rng.randrange(4, 24), "stream": True, "temperature": 0.8,
+                "stream_options": {"include_usage": True}}
+        with requests.post(s.url + "/v1/chat/completions", json=body, stream=True, timeout=120) as r:
+            raw = r.raw.read().decode("utf-8")
+        ev = [e for e in raw.split("\n\n") if e]
+        if r.status_code != 200 or not ev or ev[-1] != "data: [DONE]":
+            raise RuntimeError("status %d, last event %r" % (r.status_code, ev[-1:]))
+        usage = json.loads(ev[-2][6:])["usage"]
+        if usage["completion_tokens"] > body["max_tokens"]:
+            raise RuntimeError("usage %r" % usage)
+
+    def client(i, until):
+        rng = random.Random(i)
+        while time.time() < until:
+            try:
+                stream_once(rng)
+                with lock:
+                    done[0] += 1
+            except Exception as e:  # noqa: BLE001 — every failure is counted
+                with lock:
+                    errors.append(repr(e))
+            with lock:
+                total[0] += 1
+
+    def run(sec):
+        until = time.time() + sec
+        ts = [threading.Thread(target=client, args=(i, until)) for i in range(16)]
+        for t in ts:
+            t.start()
+        for t in ts:
+            t.join()
+
+    try:
+        run(min(5.0, seconds / 4))  # warm-up: every slot and buffer size in use once
+        rss_warm = s.rss_kb()
+        n_warm = done[0]
+        run(seconds)
+        rss_end = s.rss_kb()
+    finally:
+        rc = s.stop()
+    print("soak: %d streams after warm-up, %d errors; RSS %d kB after warm-up, %d kB after"
+          % (done[0] - n_warm, len(errors), rss_warm, rss_end))
+    assert not errors, errors[:5]
+    assert done[0] - n_warm >= 16
+    assert abs(rss_end - rss_warm) <= 0.10 * rss_warm, (rss_warm, rss_end)
+    assert rc == 0
