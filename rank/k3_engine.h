@@ -148,6 +148,11 @@ typedef struct k3_event {
 k3_status k3_engine_submit(k3_engine *e, const k3_request *rq, int64_t *id);
 /* Rank 0: end a request; its DONE event (stop = K3_STOP_NONE, n_gen so far) comes next step. */
 k3_status k3_engine_cancel(k3_engine *e, int64_t id);
+/* Rank 0, while idle (no step for a while, e.g. a server waiting for requests): tell the workers
+ * the coordinator is alive. Call it at least every --comm-timeout / 3 (cheap: rate-limited inside;
+ * k3_engine_step also beats). A worker that hears nothing from rank 0 for --comm-timeout ends the
+ * job naming it, so a stopped coordinator cannot leave the workers waiting forever. */
+k3_status k3_engine_heartbeat(k3_engine *e);
 /* Rank 0: make progress until at least one event is ready or nothing is left to do. The events
  * (and their text, logits and error strings) are valid until the next step. */
 k3_status k3_engine_step(k3_engine *e, const k3_event **events, int *n_events);

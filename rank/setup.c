@@ -355,10 +355,18 @@ static void on_progress(void *ctx, uint64_t done, uint64_t total) {
         fflush(stderr);
         raise(SIGSTOP);
     }
+    if (r->kill_load_rank == r->rank && 2 * done >= total) {
+        K3_LOGE("rank %d: test hook K3_TEST_FAIL=kill-load:%d: killing myself (SIGKILL) at "
+                "%.2f of %.2f MB",
+                r->rank, r->rank, done / 1e6, total / 1e6);
+        fflush(stderr);
+        raise(SIGKILL);
+    }
     hb_tick(r, K3_LOAD_RUNNING);
 }
 
 void rank_load(rank_ctx *r) {
+    k3_comm_set_doing(r->comm, "loading weights");
     double t0 = k3_now_s();
     r->t_load0 = t0;
     /* --load-timeout: given, or 60 s + the largest rank's planned bytes at 50 MB/s */
