@@ -82,7 +82,34 @@ typedef struct k3_batch {
     k3_seq_state **states;    /* [n_seqs] */
     const int32_t *n_tokens;  /* [n_seqs] */
     const int32_t *token_ids; /* [T]; used by the first stage only */
+    /* out, may be NULL: per sequence, 0 or k3_nf_code(layer, op) of the first sub-block of this
+     * stage whose output held a NaN or Inf in the sequence's rows (checked after the embedding,
+     * every mixer, every FFN and the head; each sequence's rows, in order) */
+    int32_t *nonfinite; /* [n_seqs] */
 } k3_batch;
+
+/* Where a non-finite activation first appeared: the sub-block that produced it. */
+typedef enum k3_nf_op {
+    K3_NF_EMBED = 1, /* the embedding rows */
+    K3_NF_KDA,       /* a KDA mixer's output */
+    K3_NF_MLA,       /* an MLA mixer's output */
+    K3_NF_MOE,       /* a MoE FFN's output (router, experts, shared experts, combine) */
+    K3_NF_DENSE,     /* a dense FFN's output */
+    K3_NF_HEAD,      /* the logits (final AttnRes mix, norm, lm_head) */
+    K3_NF_OP_COUNT
+} k3_nf_op;
+#define K3_NF_MAX_LAYER (1 << 20)
+static inline int32_t k3_nf_code(int layer, k3_nf_op op) {
+    return (int32_t)(((layer + 1) << 4) | (int)op); /* layer -1: the head; never 0 */
+}
+static inline int k3_nf_layer(int32_t code) {
+    return (code >> 4) - 1;
+}
+static inline k3_nf_op k3_nf_op_of(int32_t code) {
+    return (k3_nf_op)(code & 15);
+}
+/* "MLA attention output", "MoE FFN output", ... */
+const char *k3_nf_op_name(k3_nf_op op);
 
 /* The activation handed from stage to stage: current hidden/partial sum + the AttnRes bank. */
 typedef struct k3_activ {

@@ -35,6 +35,7 @@ struct k3_stage {
     k3_layer_tap tap;
     void *tap_ctx;
     float *tap_buf; /* host [T_max, D] */
+    float *nf_buf;  /* host [max(T_max * D, V)]: the non-finite check (k3_batch.nonfinite) */
 
     /* scratch, sized for T_max tokens at create */
     float *xa, *xn, *y; /* [T, D] mix output, normed input, sublayer output */

@@ -11,6 +11,7 @@
 #include "layers_internal.h"
 
 #include <math.h>
+#include <stdio.h>
 
 #include "k3_experts.h"
 
@@ -198,6 +199,8 @@ static k3_status make_scratch(k3_stage *s) {
             any_dense = true;
     }
     K3_TRY(buf(s, &s->xa, T * D, "scratch xa"));
+    K3_TRY(hbuf(&s->nf_buf, K3_MAX(T * D, (size_t)c->vocab_size) * sizeof(float),
+                "non-finite check buffer (host)"));
     K3_TRY(buf(s, &s->xn, T * D, "scratch xn"));
     K3_TRY(buf(s, &s->y, T * D, "scratch y"));
     K3_TRY(buf(s, &s->hsel, T * D, "scratch head rows"));
@@ -339,7 +342,8 @@ void k3_stage_destroy(k3_stage *s) {
         k3_backend_free(s->be, s->ids);
         k3_backend_free(s->be, s->moe_ids);
     }
-    void *hosts[] = {s->moe_hscratch, s->moe_xh, s->h_ids, s->h_row, s->h_lane, s->h_w, s->tap_buf};
+    void *hosts[] = {s->moe_hscratch, s->moe_xh, s->h_ids,   s->h_row,
+                     s->h_lane,       s->h_w,    s->tap_buf, s->nf_buf};
     for (size_t i = 0; i < K3_ARRAY_LEN(hosts); i++) k3_free(hosts[i]);
     k3_free(s->vec);
     if (s->own_be) k3_backend_destroy(s->be);
@@ -557,6 +561,76 @@ static k3_status check_batch(const k3_stage *s, const k3_batch *b, const k3_acti
     return K3_OK;
 }
 
+/* ---- where a non-finite activation first appears (k3_batch.nonfinite) -------------------------
+ * After each sub-block the stage copies its output rows to host memory and looks for NaN/Inf in
+ * the rows of each sequence not yet marked: one read of [T, D] per sub-block, small beside the
+ * sub-block itself (a decode step reads megabytes of weights per layer). */
+const char *k3_nf_op_name(k3_nf_op op) {
+    static const char *names[] = {"?",
+                                  "embedding rows",
+                                  "KDA attention output",
+                                  "MLA attention output",
+                                  "MoE FFN output",
+                                  "dense FFN output",
+                                  "logits (final norm + lm_head)"};
+    _Static_assert(K3_ARRAY_LEN(names) == K3_NF_OP_COUNT, "one name per k3_nf_op");
+    return op > 0 && op < K3_NF_OP_COUNT ? names[op] : "?";
+}
+
+/* An op's error inside layer l, with the layer in front ("layer 2: MoE router: ..."). */
+static k3_status in_layer(k3_status st, int l) {
+    if (st == K3_OK) return st;
+    char msg[512];
+    snprintf(msg, sizeof msg, "%s", k3_last_error());
+    return K3_ERR(st, "layer %d: %s", l, msg);
+}
+
+static bool all_finite(const float *x, int64_t n) {
+    float acc = 0; /* x * 0 is NaN exactly when x is NaN or Inf */
+    for (int64_t i = 0; i < n; i++) acc += x[i] * 0.0f;
+    return acc == 0;
+}
+
+/* y: backend [T, D] rows of the batch in sequence order. A sequence marked here gets its rows of
+ * y zeroed: its request fails anyway, and the layers after this one (a router refuses NaN
+ * scores) must not fail the other sequences of the step because of it. */
+static k3_status check_rows(k3_stage *s, const k3_batch *b, float *y, int64_t T, int64_t D,
+                            int layer, k3_nf_op op) {
+    if (!b->nonfinite) return K3_OK;
+    bool open = false;
+    for (int i = 0; i < b->n_seqs; i++) open |= b->nonfinite[i] == 0;
+    if (!open) return K3_OK;
+    K3_TRY(k3_backend_download(s->be, s->nf_buf, y, (size_t)(T * D) * sizeof(float)));
+    int64_t t0 = 0;
+    for (int i = 0; i < b->n_seqs; i++) {
+        int64_t nt = b->n_tokens[i];
+        if (b->nonfinite[i] == 0 && !all_finite(s->nf_buf + t0 * D, nt * D)) {
+            b->nonfinite[i] = k3_nf_code(layer, op);
+            K3_TRY(s->be->ops->fill(s->be, y + t0 * D, nt * D, 0.0f));
+        }
+        t0 += nt;
+    }
+    return K3_OK;
+}
+
+/* The logits rows: [n_rows, V], row i of sequence i (one each) or every token (all_logits). */
+static k3_status check_logits(k3_stage *s, const k3_batch *b, const float *logits, bool all) {
+    if (!b->nonfinite) return K3_OK;
+    const int64_t V = s->c->vocab_size;
+    int64_t row = 0;
+    for (int i = 0; i < b->n_seqs; i++) {
+        int64_t nr = all ? b->n_tokens[i] : 1;
+        if (b->nonfinite[i] == 0)
+            for (int64_t j = 0; j < nr && b->nonfinite[i] == 0; j++) {
+                K3_TRY(k3_backend_download(s->be, s->nf_buf, logits + (row + j) * V,
+                                           (size_t)V * sizeof(float)));
+                if (!all_finite(s->nf_buf, V)) b->nonfinite[i] = k3_nf_code(-1, K3_NF_HEAD);
+            }
+        row += nr;
+    }
+    return K3_OK;
+}
+
 k3_status k3_stage_forward(k3_stage *s, const k3_batch *b, k3_activ *act, bool all_logits,
                            float *logits) {
     const k3_config *c = s->c;
@@ -573,6 +647,7 @@ k3_status k3_stage_forward(k3_stage *s, const k3_batch *b, k3_activ *act, bool a
         act->n_bank = 0;
         K3_TRY(k3_backend_upload(be, s->ids, b->token_ids, (size_t)T * sizeof(int32_t)));
         K3_TRY(ops->embed_rows(be, &s->w->embed, s->ids, T, act->h));
+        K3_TRY(check_rows(s, b, act->h, T, s->D, s->p.layer_begin, K3_NF_EMBED));
     }
     float *h = act->h;
     const int64_t slab = T * D;
@@ -596,9 +671,11 @@ k3_status k3_stage_forward(k3_stage *s, const k3_batch *b, k3_activ *act, bool a
         }
         K3_TRY(ops->rmsnorm(be, a, lv->input_norm, T, D, eps, s->xn));
         if (c->mixer[l] == K3_MIXER_KDA)
-            K3_TRY(k3_layers_kda(s, l, b, s->xn, s->y));
+            K3_TRY(in_layer(k3_layers_kda(s, l, b, s->xn, s->y), l));
         else
-            K3_TRY(k3_layers_mla(s, l, b, s->xn, s->y));
+            K3_TRY(in_layer(k3_layers_mla(s, l, b, s->xn, s->y), l));
+        K3_TRY(
+            check_rows(s, b, s->y, T, D, l, c->mixer[l] == K3_MIXER_KDA ? K3_NF_KDA : K3_NF_MLA));
         if (restart)
             K3_TRY(ops->copy2d(be, h, slab, s->y, slab, 1, slab));
         else
@@ -611,9 +688,10 @@ k3_status k3_stage_forward(k3_stage *s, const k3_batch *b, k3_activ *act, bool a
         }
         K3_TRY(ops->rmsnorm(be, a, lv->post_norm, T, D, eps, s->xn));
         if (k3_config_is_moe(c, l))
-            K3_TRY(moe_ffn(s, l, s->xn, T, s->y));
+            K3_TRY(in_layer(moe_ffn(s, l, s->xn, T, s->y), l));
         else
-            K3_TRY(dense_ffn(s, l, s->xn, T, s->y));
+            K3_TRY(in_layer(dense_ffn(s, l, s->xn, T, s->y), l));
+        K3_TRY(check_rows(s, b, s->y, T, D, l, k3_config_is_moe(c, l) ? K3_NF_MOE : K3_NF_DENSE));
         K3_TRY(ops->add(be, h, s->y, slab, h));
         if (s->tap) {
             K3_TRY(k3_backend_download(be, s->tap_buf, h, (size_t)slab * sizeof(float)));
@@ -657,6 +735,7 @@ k3_status k3_stage_forward(k3_stage *s, const k3_batch *b, k3_activ *act, bool a
         K3_TRY(ops->rmsnorm(be, s->hsel, s->final_norm, n_rows, D, eps, s->hsel));
         const k3_tensor *head = c->tie_word_embeddings ? &s->w->embed : &s->w->lm_head;
         K3_TRY(ops->matmul(be, s->hsel, n_rows, head, logits));
+        K3_TRY(check_logits(s, b, logits, all_logits));
     }
     return K3_OK;
 }

@@ -93,6 +93,8 @@ typedef struct rank_ctx {
     double busy_final[256]; /* every rank's busy_s, gathered at close */
     k3_seq_state **bstates; /* [max_seqs] batch scratch */
     int32_t *bntok;         /* [max_seqs] */
+    int32_t *bnf;           /* [max_seqs] k3_batch.nonfinite */
+    int32_t *wmeta;         /* [META_HDR + META_SEQ * max_seqs] the meta this worker sends on */
     bool serving;           /* worker loop live (no STOP yet) */
     int in_peer;            /* where this worker's steps come from */
     k3_msg_kind in_kind;

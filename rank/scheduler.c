@@ -479,6 +479,20 @@ static void on_logits(rank_ctx *r, const step_msg *m) {
             finish_req(r, q);
             continue;
         }
+        int fl = mt[META_HDR + META_SEQ * j + 2];
+        if (fl & K3_WIRE_NF) { /* its state holds NaN/Inf now: what follows would be noise */
+            int32_t code = fl >> K3_WIRE_NF_SHIFT;
+            int layer = k3_nf_layer(code), st = r->plan.n_stages - 1;
+            for (int s = 0; layer >= 0 && s < r->plan.n_stages; s++)
+                if (layer >= r->plan.stage_begin[s] && layer < r->plan.stage_begin[s + 1]) st = s;
+            char why[200], at[32] = "";
+            if (layer >= 0) snprintf(at, sizeof at, "layer %d, ", layer);
+            snprintf(why, sizeof why,
+                     "non-finite activation (NaN/Inf): first in %s%s (rank %d: stage %d, lane %d)",
+                     at, k3_nf_op_name(k3_nf_op_of(code)), k3_plan_rank(&r->plan, st, e), st, e);
+            fail_req(r, q, K3_EVERR_NUMERIC, why);
+            continue;
+        }
         if (want)
             sample(r, q, last);
         else if (q->max_tokens == 0 && q->fed >= q->P)

@@ -116,6 +116,14 @@ int rank_setup(rank_ctx *r) {
         st = K3_ERR(K3_ERR_ARG, "--max-seqs, --max-ctx, --max-batch-tokens, --chunk and "
                                 "--micro-batches (<= 1024) must be >= 0");
     if (st == K3_OK) st = k3_config_load(o->model_dir, &r->cfg);
+    if (st == K3_OK && r->cfg.max_position_embeddings > 0 &&
+        r->max_ctx > r->cfg.max_position_embeddings) { /* past it: no trained meaning */
+        st = K3_ERR(K3_ERR_STATE,
+                    "--max-ctx %lld (prompt + new tokens per sequence) exceeds the model's "
+                    "max_position_embeddings %lld (%s/config.json)",
+                    (long long)r->max_ctx, (long long)r->cfg.max_position_embeddings, o->model_dir);
+        same = true; /* every rank has it: rank 0 says it once, exit 1 */
+    }
     r->base_stops[0] = r->cfg.eos_token_id;
     r->base_stops[1] = r->base_stops[2] = -1;
     if (st == K3_OK && o->tok) {

@@ -14,7 +14,7 @@
 #include <stddef.h>
 #include <stdint.h>
 
-#define K3_WIRE_VERSION 3 /* 2: slots + OPEN/WANT flags; 3: the progress heartbeat */
+#define K3_WIRE_VERSION 4 /* 2: slots + OPEN/WANT flags; 3: the progress heartbeat; 4: NF flag */
 
 typedef struct k3_wire_step {
     uint32_t version; /* K3_WIRE_VERSION */
@@ -52,5 +52,11 @@ _Static_assert(sizeof(k3_wire_progress) == 32 && offsetof(k3_wire_progress, done
  * last stage returns it). A sequence that ends needs no message: its slot is simply reused. */
 #define K3_WIRE_WANT 1
 #define K3_WIRE_OPEN 2
+/* NF: a NaN/Inf appeared in the sequence's activations in this step; the bits from
+ * K3_WIRE_NF_SHIFT up hold k3_nf_code(layer, op) of the first sub-block that produced one (set by
+ * the first stage that saw it, carried on by the next ones; the coordinator fails the request
+ * naming it). */
+#define K3_WIRE_NF       4
+#define K3_WIRE_NF_SHIFT 8
 
 #endif /* K3_RANK_WIRE_H */

@@ -53,6 +53,9 @@ void rank_worker_init(rank_ctx *r) {
     RTRY(r, k3_calloc((void **)&r->states, ns * sizeof *r->states, "sequence slots"));
     RTRY(r, k3_calloc((void **)&r->bstates, ns * sizeof *r->bstates, "batch states"));
     RTRY(r, k3_calloc((void **)&r->bntok, ns * sizeof *r->bntok, "batch tokens"));
+    RTRY(r, k3_calloc((void **)&r->bnf, ns * sizeof *r->bnf, "batch non-finite marks"));
+    RTRY(r, k3_calloc((void **)&r->wmeta, (META_HDR + META_SEQ * ns) * sizeof *r->wmeta,
+                      "step meta (out)"));
     for (int i = 0; i < r->max_seqs; i++)
         RTRY(r, k3_seq_state_create(r->st, r->max_ctx, &r->states[i]));
     r->serving = true;
@@ -75,7 +78,7 @@ void rank_worker_init(rank_ctx *r) {
 void rank_worker_destroy(rank_ctx *r) {
     if (r->states)
         for (int i = 0; i < r->max_seqs; i++) k3_seq_state_destroy(r->states[i]);
-    k3_free(r->states), k3_free(r->bstates), k3_free(r->bntok);
+    k3_free(r->states), k3_free(r->bstates), k3_free(r->bntok), k3_free(r->bnf), k3_free(r->wmeta);
     if (r->be) {
         k3_activ_free(r->be, &r->act);
         k3_backend_free(r->be, r->logits);
@@ -152,10 +155,30 @@ void rank_worker_step(rank_ctx *r, const step_msg *m) {
     rank_hooks_maybe_die(r, r->n_forward);
     double t_busy = k3_now_s();
     if (n_seqs > 0) {
-        k3_batch b = {
-            .n_seqs = n_seqs, .states = r->bstates, .n_tokens = r->bntok, .token_ids = tokens};
+        for (int i = 0; i < n_seqs; i++) /* marked by an earlier stage: keep its origin */
+            r->bnf[i] = (mt[META_HDR + META_SEQ * i + 2] & K3_WIRE_NF) ? -1 : 0;
+        k3_batch b = {.n_seqs = n_seqs,
+                      .states = r->bstates,
+                      .n_tokens = r->bntok,
+                      .token_ids = tokens,
+                      .nonfinite = r->bnf};
         RTRY(r, k3_stage_forward(r->st, &b, &r->act, all_logits != 0,
                                  r->stage == S - 1 ? r->logits : NULL));
+        /* the first non-finite activation of a sequence travels on in its flags (wire.h) */
+        memcpy(r->wmeta, mt, (size_t)(META_HDR + META_SEQ * n_seqs) * sizeof *mt);
+        mt = r->wmeta;
+        for (int i = 0; i < n_seqs; i++) {
+            if (r->bnf[i] <= 0) continue;
+            int32_t *fl = &r->wmeta[META_HDR + META_SEQ * i + 2];
+            *fl = (*fl & (K3_WIRE_NF - 1)) | K3_WIRE_NF | (r->bnf[i] << K3_WIRE_NF_SHIFT);
+            int layer = k3_nf_layer(r->bnf[i]);
+            char where[32] = "";
+            if (layer >= 0) snprintf(where, sizeof where, "layer %d, ", layer);
+            K3_LOGW("non-finite values (NaN/Inf) first appear in %s%s, for the sequence in slot %d "
+                    "of lane %d (micro-batch %d, step %d); its request fails",
+                    where, k3_nf_op_name(k3_nf_op_of(r->bnf[i])), r->wmeta[META_HDR + META_SEQ * i],
+                    r->lane, group, stepi);
+        }
     } else {
         /* no sequences of this lane in the step: still serve our experts at every MoE layer */
         r->act.T = 0;

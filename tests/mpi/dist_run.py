@@ -27,7 +27,7 @@ usage: dist_run.py MODE MPIEXEC  (MODE: splits | bytes | fail | load)   (K3_BIN 
            K = 1 (first stage), 3 (last stage), 0 (coordinator, first stage), and 4 (last stage)
            behind a dedicated coordinator (world 5). Then --load-timeout
            3 with --comm-timeout 60: rank 0 names the stalled rank as not done in time. Then the
-           memory check: --max-ctx sized (from `k3 plan --json`) so that each rank alone needs at
+           memory check: --max-seqs sized at --max-ctx 2^20 (from `k3 plan --json`) so that each rank alone needs at
            most half of MemAvailable but the 4 ranks of this node together need more than it:
            refused before loading (exit 1, within 10 s), the message names the host and all 4
            ranks with their sizes.
@@ -308,17 +308,21 @@ def mode_load(mpiexec, tmp):
         left = leftovers(model)
         check(not left, f"{tag}: processes left behind: {left}")
         print(f"ok {tag} ({dt:.1f} s, rc {p.returncode})", flush=True)
-    # memory per node: one rank alone fits, the node's 4 ranks together do not
+    # memory per node: one rank alone fits, the node's 4 ranks together do not. The context stays
+    # within the model's max_position_embeddings (2^20); the sequence slots per lane scale the need.
     avail = meminfo_available()
-    cap = ["--max-seqs", "1", "--max-batch-tokens", "64"]
-    p, _ = run([K3, "plan", "--model", model, "--pp", "2", "--ep", "2", "--max-ctx", "1000000", "--json"] + cap)
+    ctx = 1 << 20
+    cap = ["--max-batch-tokens", "64"]
+    p, _ = run([K3, "plan", "--model", model, "--pp", "2", "--ep", "2", "--max-ctx", str(ctx), "--max-seqs", "1",
+                "--json"] + cap)
     ranks = json.loads(p.stdout)["ranks"]
-    per_tok = [r["cache_bytes"] / 1e6 for r in ranks]  # cache bytes per token of context, per rank
-    ctx = int(0.5 * avail / max(per_tok))  # the biggest rank needs about half of MemAvailable alone
-    need = sum(x * ctx for x in per_tok)
+    per_seq = [r["cache_bytes"] for r in ranks]  # cache bytes of one slot per lane, per rank
+    seqs = max(1, int(0.5 * avail / max(per_seq)))  # the biggest rank needs about half of MemAvailable alone
+    need = sum(x * seqs for x in per_seq)
     check(need > avail, f"memory: the 4 ranks would need {need / 1e9:.1f} GB, not above {avail / 1e9:.1f} GB")
-    tag = f"memory --max-ctx {ctx}"
-    p, dt = mpirun(mpiexec, 4, base + ["--comm-timeout", "5", "--max-ctx", str(ctx)] + cap, timeout=60)
+    tag = f"memory --max-ctx {ctx} --max-seqs {seqs}"
+    p, dt = mpirun(mpiexec, 4, base + ["--comm-timeout", "5", "--max-ctx", str(ctx), "--max-seqs", str(seqs)] + cap,
+                   timeout=60)
     err = p.stderr
     check(p.returncode == 1, f"{tag}: rc {p.returncode}, want 1:\n{err[-2000:]}")
     check(dt < 10, f"{tag}: took {dt:.1f} s")

@@ -17,3 +17,9 @@ set_tests_properties(run_verify PROPERTIES LABELS "mpi" TIMEOUT 300 ENVIRONMENT 
 add_test(NAME run_long_prompt COMMAND ${K3_RUN_PYTHON3} ${CMAKE_CURRENT_LIST_DIR}/long_prompt.py)
 set_tests_properties(run_long_prompt PROPERTIES LABELS "unit" TIMEOUT 120 SKIP_RETURN_CODE 77
                      ENVIRONMENT "${K3_TEST_ENV_MPI}")
+# a NaN weight met at run time (no --verify): the request fails naming the layer and the sub-block
+# whose output first held the NaN, and the rank (stage, lane); 1 rank and 2 x 2
+add_test(NAME run_nonfinite
+         COMMAND ${K3_RUN_PYTHON3} ${CMAKE_CURRENT_LIST_DIR}/nonfinite.py ${MPIEXEC_EXECUTABLE})
+set_tests_properties(run_nonfinite PROPERTIES LABELS "mpi;sanitize" TIMEOUT 300
+                     ENVIRONMENT "${K3_TEST_ENV_MPI}")
