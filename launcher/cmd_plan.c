@@ -335,12 +335,14 @@ static void print_slurm(const plan_out *po) {
     printf("#!/bin/bash\n");
     printf("#SBATCH --job-name=k3\n");
     printf("#SBATCH --nodes=%d\n", s->nodes);
-    printf("#SBATCH --ntasks-per-node=%d\n", s->ranks_per_node);
-    if (s->gpu) printf("#SBATCH --gpus-per-node=%d\n", s->ranks_per_node);
-    if (over)
+    if (over) { /* more ranks than cores: Slurm refuses --ntasks-per-node above the CPUs */
+        printf("#SBATCH --ntasks=%d\n", s->nodes * s->ranks_per_node);
         printf("#SBATCH --overcommit\n");
-    else
+    } else {
+        printf("#SBATCH --ntasks-per-node=%d\n", s->ranks_per_node);
         printf("#SBATCH --cpus-per-task=%d\n", cpt);
+    }
+    if (s->gpu) printf("#SBATCH --gpus-per-node=%d\n", s->ranks_per_node);
     printf("#SBATCH --time=%02d:00:00\n", 1 + (int)(po->perf->load_s / 3600));
     printf("#SBATCH --output=k3-%%j.out\n");
     uint64_t most;
@@ -349,6 +351,9 @@ static void print_slurm(const plan_out *po) {
            "s\n",
            (unsigned long long)p->hash, p->n_stages, p->n_lanes, most / 1e9, s->mem_bytes / 1e9,
            fits ? "" : " (DOES NOT FIT)", po->perf->load_s);
+    printf("# the same with the site knobs of slurm/site.env: K3_MODEL=DIR K3_PP=%d K3_EP=%d "
+           "sbatch <these options> slurm/k3.sbatch run ...\n",
+           p->n_stages, p->n_lanes);
     printf("set -euo pipefail\n");
     printf("srun --mpi=pmix --cpu-bind=none k3 run --model %s --pp %d --ep %d --max-seqs %d "
            "--max-ctx %lld --max-batch-tokens %lld%s --bind auto \"$@\"\n",
