@@ -313,9 +313,12 @@ k3_status k3_server_run(k3_server *s, k3_engine *e, volatile sig_atomic_t *stop)
         s->m.pending = pending;
         if (st == K3_OK && pending == 0) {
             const bool idle = t_stop >= 0 && s->n_busy == 0 && s->m.admitted == 0;
-            if (!idle) timed_wait(&s->work, &s->mu, 0.05);
+            /* no step to run: tell the workers rank 0 is alive (rate-limited inside); without
+               it they would end the job after --comm-timeout of quiet */
+            if (!idle) st = k3_engine_heartbeat(e);
+            if (!idle && st == K3_OK) timed_wait(&s->work, &s->mu, 0.05);
             pthread_mutex_unlock(&s->mu);
-            if (idle) break;
+            if (idle || st != K3_OK) break;
             continue;
         }
         pthread_mutex_unlock(&s->mu);
