@@ -119,7 +119,7 @@ static int take_ids(const k3_server_opts *o, const k3_chat_json *a, k3_job *j, c
     for (size_t i = 0; i < a->n_items; i++) {
         const k3_chat_json *v = a->items[i];
         uint64_t id = 0;
-        if (v->kind != K3_JSON_INT || !k3_job_parse_u64(v->s, &id) || (int64_t)id >= o->n_vocab)
+        if (v->kind != K3_JSON_INT || !k3_job_parse_u64(v->s, &id) || id >= (uint64_t)o->n_vocab)
             return fail(why, n_why, 400, "%s[%zu]: not a token id in [0, %lld)", what, i,
                         (long long)o->n_vocab);
         j->ids[i] = (int32_t)id;
