@@ -2,7 +2,8 @@
  * tokens -> chat.completion / text_completion bodies and their SSE chunks; /v1/models,
  * /tokenize, /detokenize and the error objects.
  *
- * Owns: the validation of a body before it can reach the engine (JSON, key types, the message
+ * Owns: the validation of a body before it can reach the engine (JSON, key types, the model name
+ * (another one: 404, as OpenAI and vLLM answer), the message
  * count, prompt ids inside the vocabulary, prompt + max_tokens within the context), the
  * response and chunk layouts. Does not own: the chat template, sampling keys and the message
  * parser (chat_job.h), HTTP (server.c).
@@ -177,6 +178,10 @@ static int parse_job(const k3_server_opts *o, sreq *q, const char *body, size_t 
         return fail(why, n_why, 400, "the request body must be a JSON object");
     int st = check_types(j->doc, why, n_why);
     if (st != 200) return st;
+    const k3_chat_json *model = key(j->doc, "model");
+    if (model && o->model_name && !k3_chat_json_is_str(model, o->model_name))
+        return fail(why, n_why, 404, "the model '%.100s' does not exist (this server serves '%s')",
+                    model->s, o->model_name);
     if (q->kind == SREQ_CHAT) {
         const k3_chat_json *m = key(j->doc, "messages");
         if (!m || m->kind != K3_JSON_ARRAY)

@@ -63,7 +63,7 @@ int LLVMFuzzerTestOneInput(const uint8_t *data, size_t size) {
 #ifndef K3_LIBFUZZER
 /* ---- the plain driver ------------------------------------------------------------------------ */
 static const char *const seeds[] = {
-    "\x00{\"model\":\"m\",\"messages\":[{\"role\":\"system\",\"content\":\"be brief\"},{\"role\":"
+    "\x00{\"model\":\"fuzz\",\"messages\":[{\"role\":\"system\",\"content\":\"be brief\"},{\"role\":"
     "\"user\",\"content\":\"hi\"}],\"max_tokens\":8,\"temperature\":0.7,\"top_p\":0.9,\"seed\":3,"
     "\"stop\":[\"x\"],\"logprobs\":true,\"top_logprobs\":2,\"stream\":true,\"stream_options\":{"
     "\"include_usage\":true}}",

@@ -303,6 +303,8 @@ def test_auth(srv):
     for key in ("wrong-key", "sk-k3-test-kez", KEY + "x"):
         with pytest.raises(openai.AuthenticationError):
             srv.client(key=key).chat.completions.create(model="k3-tiny", messages=MSG, max_tokens=2)
+    with pytest.raises(openai.NotFoundError):
+        srv.client().chat.completions.create(model="gpt-4o", messages=MSG, max_tokens=2)
     r = requests.post(srv.url + "/v1/chat/completions", json={"messages": MSG, "max_tokens": 2})
     assert r.status_code == 401 and r.json()["error"]["type"] == "authentication_error"
     assert requests.get(srv.url + "/v1/models").status_code == 401
