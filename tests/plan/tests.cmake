@@ -4,3 +4,6 @@
 find_program(K3_PLAN_PYTHON3 python3)
 add_test(NAME plan_spec COMMAND ${K3_PLAN_PYTHON3} ${CMAKE_CURRENT_LIST_DIR}/plan_spec.py)
 set_tests_properties(plan_spec PROPERTIES LABELS "unit" TIMEOUT 120 ENVIRONMENT "${K3_TEST_ENV}")
+add_test(NAME plan_rss
+         COMMAND ${K3_PLAN_PYTHON3} ${CMAKE_CURRENT_LIST_DIR}/plan_rss.py ${MPIEXEC_EXECUTABLE})
+set_tests_properties(plan_rss PROPERTIES LABELS "mpi" TIMEOUT 240 ENVIRONMENT "${K3_TEST_ENV_MPI}")
