@@ -204,6 +204,12 @@ typedef struct k3_backend_params {
 
 /* Names this build knows: "ref", "cpu", "guard" (+ "cuda" with K3_CUDA). */
 k3_status k3_backend_create(const char *name, const k3_backend_params *p, k3_backend **out);
+/* "auto" -> "cuda" when this build has it, a device is visible and the cuda backend implements
+ * every op of the op list; else "cpu", with the reason in why (""). Other names pass through. */
+const char *k3_backend_resolve(const char *name, char *why, size_t n);
+/* The backends compiled into this build ("ref cpu guard cuda") and those usable on this machine,
+ * with the reason for each one that is not ("ref cpu guard; cuda: no CUDA device visible"). */
+void k3_backend_inventory(char *compiled, size_t nc, char *usable, size_t nu);
 void k3_backend_destroy(k3_backend *be);
 /* A process-wide host backend ("cpu", one thread) for host-side helpers and tests that need an
  * op on host memory. Never destroyed; thread-safe. */

@@ -81,6 +81,10 @@ k3_status k3_backend_create_ref(k3_backend **out);
 k3_status k3_backend_create_guard(const k3_backend_params *p, k3_backend **out);
 #ifdef K3_HAVE_CUDA
 k3_status k3_backend_create_cuda(const k3_backend_params *p, k3_backend **out);
+/* Without creating anything: the CUDA devices visible (0 with *why set when none or the runtime
+ * fails) and the ops of K3_OP_LIST the cuda backend implements. */
+int k3_backend_cuda_devices(char *why, size_t n);
+int k3_backend_cuda_ops_done(void);
 #endif
 
 #endif /* K3_KERNELS_INTERNAL_H */

@@ -134,6 +134,44 @@ k3_status k3_backend_create(const char *name, const k3_backend_params *p, k3_bac
     );
 }
 
+/* Why cuda cannot serve a whole forward here ("" when it can). */
+static void cuda_unusable(char *why, size_t n) {
+#ifdef K3_HAVE_CUDA
+    why[0] = 0;
+    if (k3_backend_cuda_devices(why, n) < 1) return;
+    int done = k3_backend_cuda_ops_done();
+    if (done < K3_OP_COUNT)
+        snprintf(why, n, "the cuda backend implements %d of the %d ops so far", done, K3_OP_COUNT);
+#else
+    snprintf(why, n, "not compiled in (build with -DK3_CUDA=ON)");
+#endif
+}
+
+const char *k3_backend_resolve(const char *name, char *why, size_t n) {
+    if (n) why[0] = 0;
+    if (!name || strcmp(name, "auto") != 0) return name;
+    char w[160];
+    cuda_unusable(w, sizeof w);
+    if (!w[0]) return "cuda";
+    snprintf(why, n, "cpu, since cuda: %s", w);
+    return "cpu";
+}
+
+void k3_backend_inventory(char *compiled, size_t nc, char *usable, size_t nu) {
+    char w[160];
+    cuda_unusable(w, sizeof w);
+#ifdef K3_HAVE_CUDA
+    snprintf(compiled, nc, "ref cpu guard cuda");
+    if (w[0])
+        snprintf(usable, nu, "ref cpu guard; cuda: %s", w);
+    else
+        snprintf(usable, nu, "ref cpu guard cuda");
+#else
+    snprintf(compiled, nc, "ref cpu guard");
+    snprintf(usable, nu, "ref cpu guard; cuda: %s", w);
+#endif
+}
+
 void k3_backend_destroy(k3_backend *be) {
     if (be) be->mem_->destroy(be);
 }

@@ -74,8 +74,10 @@ static const k3_flag flags[] = {
     {"threads", K3_FLAG_INT, "N", "0",
      "cpu threads per rank (0 = the cores of its binding; --bind none: all alone, 1 under mpirun)"},
     K3_BIND_FLAG,
-    {"backend", K3_FLAG_STR, "NAME", "cpu",
-     "kernel backend: cpu, ref, guard (a test backend: cpu ops on memory host code cannot touch) "
+    {"backend", K3_FLAG_STR, "NAME", "auto",
+     "kernel backend: auto (cuda when compiled in, a device is visible and every op is ported; "
+     "else cpu, saying why), cpu, ref, guard (a test backend: cpu ops on memory host code cannot "
+     "touch) "
      "or cuda (builds with K3_CUDA; device memory, ops still being ported)"},
     {"dump-logits", K3_FLAG_STR, "FILE", NULL,
      "write float32 logits [positions, V] as .npy (every consumed token, prompts concatenated)"},
@@ -289,8 +291,13 @@ static int run_run(const k3_args *a) {
     }
     const char *backend = k3_args_str(a, "backend");
     if (!k3_engine_backend_ok(backend)) {
-        fprintf(stderr, "k3 run: --backend: '%s' is not cpu, ref, guard or cuda\n", backend);
+        fprintf(stderr, "k3 run: --backend: '%s' is not auto, cpu, ref, guard or cuda\n", backend);
         return 2;
+    }
+    {
+        int wr = 0, ws = 1;
+        k3_comm_world(&wr, &ws);
+        backend = k3_engine_backend_pick(backend, wr == 0);
     }
     k3_coord_mode cm = K3_COORD_SHARED;
     if (k3_coord_mode_parse(k3_args_str(a, "coordinator"), &cm) != K3_OK) return fail(K3_ERR_ARG);

@@ -3,6 +3,8 @@
  * against memory are the engine's (it checks the slots against the plan at open). */
 #include "engine_args.h"
 
+#include "k3_kernels.h"
+
 #include <stdio.h>
 
 static int bad(const k3_args *a, bool print, const char *flag, const char *rule) {
@@ -18,10 +20,18 @@ static bool in_range(const k3_args *a, const char *flag, int64_t lo, int64_t hi)
 }
 
 bool k3_engine_backend_ok(const char *name) {
-    static const char *const names[] = {"cpu", "ref", "guard", "cuda"};
+    static const char *const names[] = {"auto", "cpu", "ref", "guard", "cuda"};
     for (size_t i = 0; i < K3_ARRAY_LEN(names); i++)
         if (strcmp(name, names[i]) == 0) return true;
     return false;
+}
+
+const char *k3_engine_backend_pick(const char *name, bool print) {
+    char why[200];
+    const char *b = k3_backend_resolve(name, why, sizeof why);
+    if (print && strcmp(name, "auto") == 0)
+        K3_LOGI("--backend auto: %s", why[0] ? why : "cuda (a device is visible)");
+    return b;
 }
 
 int k3_engine_bind_arg(const k3_args *a, bool print, const char **mode) {
@@ -57,7 +67,7 @@ int k3_engine_args(const k3_args *a, bool print, k3_engine_opts *o) {
         return bad(a, print, "load-timeout", "must be >= 0 (0 = derived from the plan)");
     const char *backend = k3_args_str(a, "backend");
     if (!k3_engine_backend_ok(backend))
-        return bad(a, print, "backend", "is not cpu, ref, guard or cuda");
+        return bad(a, print, "backend", "is not auto, cpu, ref, guard or cuda");
     k3_coord_mode cm = K3_COORD_SHARED;
     if (k3_coord_mode_parse(k3_args_str(a, "coordinator"), &cm) != K3_OK)
         return bad(a, print, "coordinator", "is not shared or dedicated");
@@ -70,7 +80,7 @@ int k3_engine_args(const k3_args *a, bool print, k3_engine_opts *o) {
     o->load_timeout_s = k3_args_float(a, "load-timeout");
     o->n_threads = (int)k3_args_int(a, "threads");
     o->kda_chunk = (int)k3_args_int(a, "kda-chunk");
-    o->backend = backend;
+    o->backend = k3_engine_backend_pick(backend, print);
     o->max_seqs = (int)k3_args_int(a, "max-seqs");
     o->max_ctx = k3_args_int(a, "max-ctx");
     o->max_batch_tokens = k3_args_int(a, "max-batch-tokens");

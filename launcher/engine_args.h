@@ -37,8 +37,9 @@
      "with no load progress for --comm-timeout is named sooner"},                                  \
     {"threads", K3_FLAG_INT, "N", "0",                                                             \
      "cpu threads per rank (0 = all cores alone, 1 under mpirun)"},                                \
-    {"backend", K3_FLAG_STR, "NAME", "cpu",                                                        \
-     "kernel backend: cpu, ref, guard (a test backend: cpu ops on memory host code cannot "        \
+    {"backend", K3_FLAG_STR, "NAME", "auto",                                                       \
+     "kernel backend: auto (cuda when compiled in, a device is visible and every op is ported; "   \
+     "else cpu, saying why), cpu, ref, guard (a test backend: cpu ops on memory host code cannot " \
      "touch) or cuda (builds with K3_CUDA)"},                                                      \
     {"kda-chunk", K3_FLAG_INT, "C", "0",                                                           \
      "KDA form: 0/1 = recurrent (bit-exact), C >= 2 = chunked, C tokens"},                         \
@@ -61,9 +62,12 @@
  * Returns 0, or 2 for a usage error, printed as one line "k3 <cmd>: --flag: ..." when `print`
  * (rank 0 under mpirun: every rank decides the same, one prints). */
 int k3_engine_args(const k3_args *a, bool print, k3_engine_opts *o);
-/* Whether --backend NAME is one the flag takes (cpu, ref, guard, cuda; a build without K3_CUDA
- * refuses cuda when the engine creates the backend). */
+/* Whether --backend NAME is one the flag takes (auto, cpu, ref, guard, cuda; a build without
+ * K3_CUDA refuses cuda when the engine creates the backend). */
 bool k3_engine_backend_ok(const char *name);
+/* --backend NAME as the engine takes it: "auto" resolved (k3_backend_resolve); when `print`, one
+ * log line says what auto chose and why. */
+const char *k3_engine_backend_pick(const char *name, bool print);
 /* --bind MODE: "auto" or "none" into *mode; 2 (printed when `print`) otherwise, 0 ok. */
 int k3_engine_bind_arg(const k3_args *a, bool print, const char **mode);
 

@@ -7,6 +7,7 @@
 #include "k3_kernels_internal.h"
 
 #include <cuda_runtime_api.h>
+#include <stdio.h>
 
 int k3_cuda_fill(float *y, int64_t n, float v); /* fill.cu */
 
@@ -71,6 +72,23 @@ K3_OP_LIST(CU_MISSING)
 static const k3_ops k_cuda_missing = {K3_OP_LIST(CU_FIELD)};
 #undef CU_FIELD
 static k3_ops k_cuda_ops;
+
+int k3_backend_cuda_devices(char *why, size_t n) {
+    int count = 0;
+    cudaError_t e = cudaGetDeviceCount(&count);
+    if (e != cudaSuccess || count < 1) {
+        snprintf(why, n, "no CUDA device visible (%s)",
+                 e != cudaSuccess ? cudaGetErrorString(e) : "count 0");
+        return 0;
+    }
+    return count;
+}
+
+int k3_backend_cuda_ops_done(void) {
+    int n = 0;
+    for (int op = 0; op < K3_OP_COUNT; op++) n += cu_supports(NULL, op, K3_DT_F32);
+    return n;
+}
 
 k3_status k3_backend_create_cuda(const k3_backend_params *p, k3_backend **out) {
     *out = NULL;

@@ -24,5 +24,17 @@ done
 err=$("$K3" tokenize --vocab a --vocab b x 2>&1 >/dev/null); rc=$?
 check "a repeated flag exits 2" "[ $rc = 2 ]"
 check "a repeated flag is named" "echo \"\$err\" | head -1 | grep -q -- \"flag '--vocab' given twice\""
+# backends: what this build has, what this machine can use, what --backend auto picks (and why)
+out=$("$K3" version); rc=$?
+check "k3 version exits 0" "[ $rc = 0 ]"
+check "k3 version lists compiled backends" "echo \"\$out\" | grep -q '^backends compiled: ref cpu guard'"
+check "k3 version lists usable backends" "echo \"\$out\" | grep -q '^backends usable here: ref cpu guard'"
+if ! echo "$out" | grep -q '^backends usable here: ref cpu guard cuda$'; then
+  check "without usable cuda, auto picks cpu and says why" \
+    "echo \"\$out\" | grep -q '^--backend auto picks: cpu, since cuda: '"
+fi
+err=$("$K3" run --model /nonexistent --prompt-ids 1 --backend frob 2>&1 >/dev/null); rc=$?
+check "an unknown --backend exits 2 naming the choices" \
+  "[ $rc = 2 ] && echo \"\$err\" | grep -q 'is not auto, cpu, ref, guard or cuda'"
 echo "cli: $pass passed, $fail failed"
 [ $fail = 0 ]
