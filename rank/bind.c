@@ -118,6 +118,8 @@ static k3_status run(int local, int n_local, bool gpu, bool apply, k3_bind_info 
             char buf[128];
             hwloc_bitmap_list_snprintf(buf, sizeof buf, set);
             st = K3_ERR(K3_ERR_IO, "bind: hwloc_set_cpubind to cores %s failed", buf);
+        } else if (hwloc_get_cpubind(t, cur, HWLOC_CPUBIND_PROCESS) == 0) {
+            hwloc_bitmap_copy(set, cur); /* report what the OS now holds, not what was asked */
         }
         o->bound = st == K3_OK;
     }

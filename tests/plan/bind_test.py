@@ -1,0 +1,81 @@
+#!/usr/bin/env python3
+"""bind_test.py — hwloc binding at run time (rank/bind.c): every rank reports one binding line at
+start-up; one process takes every core (threads = cores); 4 ranks on this node split its cores
+(each rank's share = local rank mod cores when there are more ranks than cores, one thread each,
+every core used); --bind none binds nothing; `k3 plan` on a cpu site shows the same cores the run
+binds; a bad --bind is a usage error.   usage: bind_test.py MPIEXEC   (K3_BIN = the k3 binary)"""
+import json
+import os
+import re
+import subprocess
+import sys
+import tempfile
+
+K3 = os.environ["K3_BIN"]
+MPIEXEC = sys.argv[1] if len(sys.argv) > 1 else "mpirun"
+fails = []
+LINE = re.compile(r"bind: rank (\d+) \(local (\d+) of (\d+) on [^)]*\): (?:cores (\S+), NUMA (\S+), "
+                  r"(\d+) threads?|none)")
+
+
+def binds(cmd):
+    p = subprocess.run(cmd, capture_output=True, text=True, timeout=120)
+    if p.returncode != 0:
+        fails.append(f"{' '.join(cmd[:6])}...: exit {p.returncode}: {p.stderr[-800:]}")
+    got = {}
+    for m in LINE.finditer(p.stderr):
+        r = int(m[1])
+        if r in got:
+            fails.append(f"rank {r} reported its binding twice")
+        got[r] = (int(m[2]), int(m[3]), m[4], int(m[6]) if m[6] else None)
+    return got
+
+
+def cores_of(spec):  # hwloc list syntax "0-3,8" -> set
+    out = set()
+    for part in spec.split(","):
+        a, _, b = part.partition("-")
+        out |= set(range(int(a), int(b or a) + 1))
+    return out
+
+
+n_cores = len(os.sched_getaffinity(0))
+with tempfile.TemporaryDirectory() as tmp:
+    model = os.path.join(tmp, "tiny")
+    subprocess.run([K3, "make-tiny", model], check=True, capture_output=True)
+    run = [K3, "run", "--model", model, "--prompt-ids", "1,2,3", "--n", "2"]
+    one = binds(run)
+    if list(one) != [0] or cores_of(one[0][2]) != set(os.sched_getaffinity(0)) or one[0][3] != n_cores:
+        fails.append(f"one process: {one}, want every core ({n_cores}) and {n_cores} threads")
+    mpi = [MPIEXEC, "--oversubscribe", "-np", "4"]
+    four = binds(mpi + run + ["--pp", "2", "--ep", "2"])
+    print(f"{n_cores} cores; 4 ranks: {four}")
+    if sorted(four) != [0, 1, 2, 3]:
+        fails.append(f"4 ranks: binding lines of ranks {sorted(four)}")
+    else:
+        shares = [cores_of(four[r][2]) for r in range(4)]
+        for r in range(4):
+            loc, n_loc, _, thr = four[r]
+            if n_loc != 4 or thr != len(shares[r]):
+                fails.append(f"rank {r}: local {loc} of {n_loc}, {thr} threads for {len(shares[r])} cores")
+        if n_cores <= 4 and any(len(s) != 1 for s in shares):
+            fails.append(f"more ranks than cores: each rank should have one core: {shares}")
+        if n_cores >= 4 and any(a & b for i, a in enumerate(shares) for b in shares[i + 1:]):
+            fails.append(f"enough cores, yet shares overlap: {shares}")
+        if set().union(*shares) != set(os.sched_getaffinity(0)):
+            fails.append(f"the shares do not cover the node's cores: {shares}")
+        # `k3 plan` shows the cores the run binds, rank by rank
+        plan = json.loads(subprocess.run(
+            [K3, "plan", "--model", model, "--nodes", "1", "--gpus-per-node", "4", "--gpu", "cpu",
+             "--pp", "2", "--ep", "2", "--json"], check=True, capture_output=True, text=True).stdout)
+        for r in plan["ranks"]:
+            if cores_of(r["cores"]) != shares[r["rank"]]:
+                fails.append(f"plan says rank {r['rank']} gets cores {r['cores']}, the run bound {four[r['rank']][2]}")
+    none = binds(mpi[:3] + ["2"] + run + ["--ep", "2", "--bind", "none"])
+    if sorted(none) != [0, 1] or any(v[2] is not None for v in none.values()):
+        fails.append(f"--bind none: {none}")
+    p = subprocess.run(run + ["--bind", "numa"], capture_output=True, text=True)
+    if p.returncode != 2 or "--bind" not in p.stderr:
+        fails.append(f"--bind numa: exit {p.returncode}: {p.stderr.strip()}")
+print("bind_test:", "PASS" if not fails else "FAIL: " + "; ".join(fails))
+sys.exit(1 if fails else 0)
