@@ -18,6 +18,14 @@
 
 /* Work below this many multiply-adds runs on the calling thread only. */
 #define K3_CPU_PAR_MIN_MACS (1 << 15)
+/* A matmul task streams at least this many weight bytes (~10 µs at DRAM speed). */
+#define K3_CPU_TASK_BYTES (128 * 1024)
+
+/* Bytes of one weight row (F32, BF16, or MXFP4 codes + E8M0 scales). */
+static int64_t row_bytes(const k3_tensor *W) {
+    int64_t in = W->shape[1];
+    return W->dtype == K3_DT_F32 ? 4 * in : W->dtype == K3_DT_BF16 ? 2 * in : in / 2 + in / 32;
+}
 
 static const k3_cpu_kern *kern(k3_backend *be) {
     return ((k3_cpu_ctx *)be->ctx)->kern;
@@ -44,17 +52,21 @@ static k3_status cpu_matmul(k3_backend *be, const float *x, int64_t T, const k3_
     int64_t out = W->shape[0], in = W->shape[1];
     if (T <= 0 || out <= 0) return K3_OK;
     mm_job j = {.x = x, .T = T, .W = W, .y = y, .rows_per_task = out, .kern = kern(be)};
-    int64_t macs = T * out * in;
     int nth = k3_pool_threads(k3_cpu_pool(be));
-    if (macs >= K3_CPU_PAR_MIN_MACS && nth > 1) {
-        /* ~4 tasks per thread for balance; rows per task a multiple of 4. Task boundaries never
-           change any result (each y[t,o] is computed whole by one task). */
-        int64_t n_tasks = K3_MIN(out, (int64_t)nth * 4);
+    /* Rows split by bytes: a task streams at least K3_CPU_TASK_BYTES of weights (or does
+       K3_CPU_PAR_MIN_MACS · 4 multiply-adds, for prefill), at most 4 tasks per thread for balance,
+       rows per task a multiple of 4. Smaller products run on the caller: a dispatch costs more
+       than it saves. Task boundaries never change a result (each y[t,o] is one task's). */
+    double w_bytes = (double)out * (double)row_bytes(W),
+           macs = (double)T * (double)out * (double)in;
+    int64_t n_tasks =
+        (int64_t)K3_MAX(w_bytes / K3_CPU_TASK_BYTES, macs / (4.0 * K3_CPU_PAR_MIN_MACS));
+    n_tasks = K3_MIN(K3_MIN(n_tasks, (int64_t)nth * 4), out);
+    if (n_tasks >= 2 && nth > 1) {
         j.rows_per_task = (out + n_tasks - 1) / n_tasks;
         j.rows_per_task = (j.rows_per_task + 3) & ~(int64_t)3;
     }
-    int64_t n_tasks = (out + j.rows_per_task - 1) / j.rows_per_task;
-    k3_pool_run(k3_cpu_pool(be), n_tasks, mm_task, &j);
+    k3_pool_run(k3_cpu_pool(be), (out + j.rows_per_task - 1) / j.rows_per_task, mm_task, &j);
     return K3_OK;
 }
 
@@ -151,6 +163,10 @@ static k3_status cpu_kda_recurrent(k3_backend *be, const float *q, const float *
                                    int dv, float scale, float *S, float *o) {
     K3_TRY(k3_kernels_check_kda(dk, dv, 1));
     kda_job j = {q, k, v, g, beta, n, H, dk, dv, 0, scale, S, o, NULL};
+    if (n * H * dk * dv < K3_CPU_PAR_MIN_MACS) { /* a decode step of small heads: inline */
+        for (int h = 0; h < H; h++) kda_task(&j, h);
+        return K3_OK;
+    }
     k3_pool_run(k3_cpu_pool(be), H, kda_task, &j);
     return K3_OK;
 }

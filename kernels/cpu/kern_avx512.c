@@ -19,6 +19,7 @@
 #define MR              2
 #define KERN_NAME       k3_cpu_kern_avx512
 #define KERN_ISA        "avx512"
+#define V_PREFETCH(p)   _mm_prefetch((const char *)(p), _MM_HINT_T0)
 #define V_ZERO()        _mm512_setzero_ps()
 #define V_SET1(f)       _mm512_set1_ps(f)
 #define V_LOAD(p)       _mm512_loadu_ps(p)

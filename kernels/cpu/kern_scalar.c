@@ -15,6 +15,7 @@
 #define MR                   1
 #define KERN_NAME            k3_cpu_kern_scalar
 #define KERN_ISA             "scalar"
+#define V_PREFETCH(p)        ((void)(p))
 #define V_ZERO()             0.0f
 #define V_SET1(f)            (f)
 #define V_LOAD(p)            (*(p))

@@ -10,6 +10,7 @@
  *   V_HSUM(v)   V_HMAX(v)   V_ABS(v)   V_COPYSIGN(mag, sgn)   V_SEL_LT(a, b, x, y) = a < b ? x : y
  *   V_POW2I(n)  2^n for an integral float n in [-126, 127]
  *   V_LOAD_BF16(p)  VL bf16 widened to f32 (a shift: bf16 is the top half of an f32)
+ *   V_PREFETCH(p)   a software prefetch of the cache line at p (no-op without SIMD)
  *   mx32(codes, e8, w)  one MXFP4 block (16 code bytes, its E8M0 byte) decoded in registers to
  *                       32/VL vectors in element order, values exactly k3_mxfp4_get's.
  *   V_MIN(a, b)/V_MAX(a, b) return b when either is NaN (the SSE rule), so clamps are written
@@ -24,6 +25,8 @@
  * change a bit. */
 
 #define NVX (32 / VL) /* vectors per MXFP4 block */
+/* Decode tiles (one token: pure weight streaming) prefetch each row this far ahead. */
+#define PF_BYTES 1024
 
 /* ---- weight loaders -------------------------------------------------------------------------- */
 static inline VEC ldw_f32(const float *w) {
@@ -53,6 +56,9 @@ static inline float sw_bf16(const uint16_t *w) {
             _Pragma("GCC unroll 8") for (int u = 0; u < NT; u++) x0[u] = V_LOAD(xs[u] + i),        \
                                                                  x1[u] = V_LOAD(xs[u] + i + VL);   \
             _Pragma("GCC unroll 8") for (int r = 0; r < NR; r++) {                                 \
+                if (NT == 1) /* one prefetch per cache line this iteration reads */                \
+                    for (int pf = 0; pf < (int)sizeof(WT) * 2 * VL; pf += 64)                      \
+                        V_PREFETCH((const char *)(w + r * ld + i) + PF_BYTES + pf);                \
                 VEC w0 = LDW(w + r * ld + i), w1 = LDW(w + r * ld + i + VL);                       \
                 _Pragma("GCC unroll 8") for (int u = 0; u < NT; u++) {                             \
                     a0[r][u] = V_FMA(x0[u], w0, a0[r][u]);                                         \
@@ -87,6 +93,8 @@ static inline float sw_bf16(const uint16_t *w) {
             _Pragma("GCC unroll 8") for (int u = 0; u < NT; u++) a0[r][u] = a1[r][u] = V_ZERO();   \
         for (int64_t b = 0; b < n / 32; b++) {                                                     \
             _Pragma("GCC unroll 8") for (int r = 0; r < NR; r++) {                                 \
+                if (NT == 1 && b % 4 == 0)                                                         \
+                    V_PREFETCH((const char *)(c + r * ld_c + b * 16) + PF_BYTES);                  \
                 VEC wv[NVX];                                                                       \
                 mx32(c + r * ld_c + b * 16, e[r * ld_e + b], wv);                                  \
                 _Pragma("GCC unroll 32") for (int k = 0; k < NVX; k += 2)                          \

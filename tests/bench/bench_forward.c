@@ -4,8 +4,10 @@
  * k3_make_tiny into temp dirs): prefill tokens/s (one call of --prompt tokens) and decode
  * tokens/s (--decode steps of one token), best of --reps runs, cpu backend, --threads threads;
  * plus the weight bytes one decoded token reads (k3_config_count: non-expert weights + top-k
- * experts of every MoE layer + one embedding row) and the implied GB/s against the DRAM roofline
- * of the machine (ENVIRONMENT.md §7: ~25-30 GB/s per core, ~50-55 GB/s for 2 cores).
+ * experts of every MoE layer + one embedding row) and the implied GB/s as % of this machine's
+ * STREAM triad for --threads threads, and the prefill's weight FLOPs (2 · active parameters per
+ * token; attention not counted) as % of its fp32 FMA peak — both measured at start
+ * (bench_limits.h), no constants.
  * Prints a table; writes JSON (--json FILE, default bench_forward.json).
  * Usage: bench_forward [--model DIR]... [--threads N] [--prompt N] [--decode N] [--reps N]
  *                      [--json FILE] [--kda-chunk C] */
@@ -17,10 +19,10 @@
 #include "k3_model.h"
 #include "layers/tiny_model.h"
 
-#define ROOFLINE_GBS_PER_CORE 27.5 /* ENVIRONMENT.md §7: 25-30 GB/s per core */
+#include "bench_limits.h"
 
 typedef struct {
-    double prefill_tok_s, decode_tok_s, decode_gbs, bytes_per_token;
+    double prefill_tok_s, decode_tok_s, decode_gbs, bytes_per_token, flops_per_token;
 } bench_res;
 
 static k3_backend *g_be;
@@ -77,6 +79,7 @@ static k3_status bench_one(const tiny_model *m, int n_prompt, int n_decode, int 
         r->prefill_tok_s = n_prompt / best_p;
         r->decode_tok_s = n_decode / best_d;
         r->bytes_per_token = (double)cc.bytes_active;
+        r->flops_per_token = 2.0 * (double)cc.params_active;
         r->decode_gbs = r->bytes_per_token * r->decode_tok_s / 1e9;
     }
     k3_free(ids);
@@ -127,15 +130,20 @@ int main(int argc, char **argv) {
     }
     const char *presets[2] = {"tiny", "small"};
     int n_runs = n_models ? n_models : 2;
-    double roof = ROOFLINE_GBS_PER_CORE * threads;
+    bench_limits lim;
+    bench_measure_limits(threads, 5, 256, &lim);
+    double roof = lim.triad_gbs;
+    printf("measured with %d threads: triad %.1f GB/s, fp32 FMA peak %.1f GFLOP/s (%s)\n", threads,
+           lim.triad_gbs, lim.fma_gflops, lim.fma_isa);
     cJSON *root = cJSON_CreateObject(), *arr = cJSON_AddArrayToObject(root, "results");
     cJSON_AddNumberToObject(root, "threads", threads);
     cJSON_AddNumberToObject(root, "prompt_tokens", n_prompt);
     cJSON_AddNumberToObject(root, "decode_tokens", n_decode);
-    cJSON_AddNumberToObject(root, "roofline_gbs", roof);
+    cJSON_AddNumberToObject(root, "triad_gbs", lim.triad_gbs);
+    cJSON_AddNumberToObject(root, "fma_peak_gflops", lim.fma_gflops);
     cJSON_AddStringToObject(root, "backend", g_be->name);
-    printf("%-28s %8s %12s %12s %12s %10s %9s\n", "model", "layers", "prefill t/s", "decode t/s",
-           "MB/token", "GB/s", "roofline");
+    printf("%-28s %8s %12s %8s %12s %12s %10s %8s\n", "model", "layers", "prefill t/s", "% peak",
+           "decode t/s", "MB/token", "GB/s", "% triad");
     int rc = 0;
     for (int i = 0; i < n_runs; i++) {
         tiny_model m;
@@ -161,9 +169,10 @@ int main(int argc, char **argv) {
             fprintf(stderr, "bench_forward: %s: %s\n", label, k3_last_error());
             rc = 1;
         } else {
-            printf("%-28s %8d %12.1f %12.1f %12.1f %10.2f %8.0f%%\n", label, m.cfg.n_layers,
-                   r.prefill_tok_s, r.decode_tok_s, r.bytes_per_token / 1e6, r.decode_gbs,
-                   100.0 * r.decode_gbs / roof);
+            double pf_gflops = r.prefill_tok_s * r.flops_per_token / 1e9;
+            printf("%-28s %8d %12.1f %7.0f%% %12.1f %12.1f %10.2f %7.0f%%\n", label, m.cfg.n_layers,
+                   r.prefill_tok_s, 100.0 * pf_gflops / lim.fma_gflops, r.decode_tok_s,
+                   r.bytes_per_token / 1e6, r.decode_gbs, 100.0 * r.decode_gbs / roof);
             cJSON *o = cJSON_CreateObject();
             cJSON_AddStringToObject(o, "model", label);
             cJSON_AddNumberToObject(o, "n_layers", m.cfg.n_layers);
@@ -172,25 +181,14 @@ int main(int argc, char **argv) {
             cJSON_AddNumberToObject(o, "decode_tok_s", r.decode_tok_s);
             cJSON_AddNumberToObject(o, "decode_bytes_per_token", r.bytes_per_token);
             cJSON_AddNumberToObject(o, "decode_gbs", r.decode_gbs);
-            cJSON_AddNumberToObject(o, "roofline_fraction", r.decode_gbs / roof);
+            cJSON_AddNumberToObject(o, "triad_fraction", r.decode_gbs / roof);
+            cJSON_AddNumberToObject(o, "prefill_gflops", pf_gflops);
+            cJSON_AddNumberToObject(o, "peak_fraction", pf_gflops / lim.fma_gflops);
             cJSON_AddItemToArray(arr, o);
         }
         tiny_close(&m);
     }
-    char *s = cJSON_Print(root);
-    FILE *f = fopen(json_path, "w");
-    if (f && s) {
-        fputs(s, f);
-        fputc('\n', f);
-        fclose(f);
-        printf("wrote %s\n", json_path);
-    } else {
-        fprintf(stderr, "bench_forward: cannot write %s\n", json_path);
-        if (f) fclose(f);
-        rc = 1;
-    }
-    cJSON_free(s);
-    cJSON_Delete(root);
+    if (bench_write_json(root, json_path, "bench_forward")) rc = 1;
     k3_backend_destroy(g_be);
     return rc;
 }

@@ -399,10 +399,11 @@ static void free_w(wbuf *w) {
 /* ---- matmul -------------------------------------------------------------------------------- */
 static void test_matmul(void) {
     const k3_dtype dts[3] = {K3_DT_F32, K3_DT_BF16, K3_DT_MXFP4};
-    const int64_t ins[3] = {77, 200, 96}, outs[3] = {45, 130, 70};
+    const int64_t ins[3] = {77, 200, 96}, outs[3] = {301, 130, 250};
     for (int d = 0; d < 3; d++) {
-        /* T·out·in is above the cpu's parallel threshold (2^15 MACs) for every dtype, so the
-           thread counts really split the rows; T = 12 = three 4-token tiles */
+        /* T·out·in is above twice the cpu's per-task minimum (4 · 2^15 MACs, kernels/cpu/cpu.c)
+           for every dtype, so the thread counts really split the rows; T = 12 = three 4-token
+           tiles; out odd or not a multiple of 4 (row tails) */
         const int64_t in = ins[d], out = outs[d], T = 12;
         const char *dn = k3_dtype_name(dts[d]);
         wbuf w = make_w(dts[d], out, in);
