@@ -25,6 +25,7 @@ Groups (pytest -k):
       error, every stream ends with [DONE]; rank 0's RSS after the run within 10% of after the
       warm-up.
 """
+import atexit
 import json
 import os
 import random
@@ -62,6 +63,7 @@ class Server:
     def __init__(self, model, pp=1, ep=1, extra=(), env=None):
         self.np = pp * ep
         self.log = tempfile.NamedTemporaryFile(prefix="k3_serve_log_", suffix=".txt", delete=False)
+        atexit.register(os.unlink, self.log.name)
         cmd = [K3, "serve", "--model", model, "--port", "0", "--threads", "1", "--pp", str(pp),
                "--ep", str(ep)] + list(extra)
         if self.np > 1:
@@ -562,3 +564,36 @@ def test_soak_16_streams(model_dir):
     assert done[0] - n_warm >= 16
     assert abs(rss_end - rss_warm) <= 0.10 * rss_warm, (rss_warm, rss_end)
     assert rc == 0
+
+
+def test_limits_shutdown_grace(model_dir):
+    """SIGTERM with a long stream in flight: no new connections, the stream is cancelled after
+    --shutdown-grace and still ends properly (finish_reason, [DONE]), the server exits 0."""
+    s = Server(model_dir, extra=["--shutdown-grace", "1"])
+    body = {"prompt": "hi", "max_tokens": 4000, "ignore_eos": True, "stream": True}
+    got = {}
+
+    def go():
+        with requests.post(s.url + "/v1/completions", json=body, stream=True, timeout=120) as r:
+            got["raw"] = r.raw.read().decode("utf-8")
+
+    t = threading.Thread(target=go)
+    t.start()
+    time.sleep(1.0)
+    t0 = time.time()
+    os.kill(s.pid, signal.SIGTERM)
+    t.join(timeout=60)
+    rc = s.proc.wait(timeout=60)
+    took = time.time() - t0
+    ev = [e for e in got.get("raw", "").split("\n\n") if e]
+    assert ev and ev[-1] == "data: [DONE]", ev[-2:]
+    last = json.loads(ev[-2][6:])
+    assert last["choices"][0]["finish_reason"] == "length"
+    n_text = sum(len(json.loads(e[6:])["choices"][0]["text"]) for e in ev[:-1])
+    assert n_text > 0
+    assert rc == 0 and took < 30, (rc, took)
+    assert "stopping: 1 requests open" in s.text()
+    m = re.search(r"path=/v1/completions status=200 prompt_tokens=\d+ completion_tokens=(\d+)", s.text())
+    assert m and 0 < int(m.group(1)) < 4000, "not cancelled at the end of the grace period"
+    with pytest.raises(requests.ConnectionError):
+        requests.get(s.url + "/health", timeout=5)

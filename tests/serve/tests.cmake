@@ -9,7 +9,7 @@ set(K3_SERVE_ENV ${K3_TEST_ENV_MPI} "K3_MPIEXEC=${MPIEXEC_EXECUTABLE}"
     "K3_SERVE_REPLAY=$<TARGET_FILE:serve_replay>")
 function(k3_serve_test name group labels timeout)
   add_test(NAME ${name}
-           COMMAND ${K3_SERVE_PYTHON3} -m pytest -q -x -p no:cacheprovider
+           COMMAND ${K3_SERVE_PYTHON3} -m pytest -q -x -s -p no:cacheprovider
                    ${CMAKE_CURRENT_LIST_DIR}/serve_test.py -k ${group})
   set_tests_properties(${name} PROPERTIES LABELS "${labels}" TIMEOUT ${timeout}
                        ENVIRONMENT "${K3_SERVE_ENV}")
