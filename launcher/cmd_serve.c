@@ -105,6 +105,19 @@ static k3_status prepare(const k3_args *a, k3_server_opts *so, k3_tokenizer **to
     return K3_OK;
 }
 
+/* Each rank's time in forward steps over the serving time (the engine gathers it at close). */
+static void busy_summary(const k3_engine_stats *f, double wall_s) {
+    if (f->world < 1 || wall_s <= 0) return;
+    char busy[1024];
+    int n = 0;
+    for (int r = 0; r < f->world && r < 256 && n < (int)sizeof busy - 16; r++)
+        n += snprintf(busy + n, sizeof busy - (size_t)n, "%s r%d %.1f s (%.0f%%)", r ? "," : "", r,
+                      f->busy_s[r], 100.0 * f->busy_s[r] / wall_s);
+    K3_LOGI("k3 serve: %lld prompt + %lld generated tokens in %lld steps; time in forward steps "
+            "per rank:%s",
+            (long long)f->prompt_tokens, (long long)f->gen_tokens, (long long)f->steps, busy);
+}
+
 static int run_serve(const k3_args *a) {
     if (k3_comm_init() != K3_OK) {
         fprintf(stderr, "k3 serve: %s\n", k3_last_error());
@@ -156,6 +169,7 @@ static int run_serve(const k3_args *a) {
         k3_engine_close(e, NULL);
         rc = st == K3_OK ? 0 : 1;
     } else if (rc == 0) {
+        const double t_open = k3_now_s();
         k3_engine_stats es;
         k3_engine_get_stats(e, &es);
         so.max_ctx = es.max_ctx;
@@ -164,8 +178,11 @@ static int run_serve(const k3_args *a) {
         k3_status st = k3_server_create(&so, &srv);
         if (st == K3_OK) st = k3_server_run(srv, e, &stop_flag);
         if (st != K3_OK) fprintf(stderr, "k3 serve: %s\n", k3_last_error());
-        k3_engine_close(e, NULL); /* releases the other ranks */
+        const double t_serve = k3_now_s() - t_open;
+        k3_engine_stats fin = {0};
+        k3_engine_close(e, &fin); /* releases the other ranks */
         k3_server_destroy(srv);   /* joins the HTTP threads: their requests have ended */
+        busy_summary(&fin, t_serve);
         if (st == K3_OK) K3_LOGI("k3 serve: stopped");
         rc = st == K3_OK ? 0 : 1;
     }

@@ -104,7 +104,7 @@ static int check_types(const k3_chat_json *d, char *why, size_t n_why) {
     if (iu && iu->kind != K3_JSON_BOOL)
         return fail(why, n_why, 400,
                     "request key 'stream_options.include_usage' must be a boolean");
-    if (so && !key(d, "stream"))
+    if (so && !k3_chat_json_truthy(key(d, "stream")))
         return fail(why, n_why, 400, "request key 'stream_options' is only allowed with stream");
     const k3_chat_json *echo = key(d, "echo");
     if (echo && echo->b) return fail(why, n_why, 400, "request key 'echo' is not supported");

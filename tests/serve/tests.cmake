@@ -2,7 +2,7 @@
 # server on the tiny model (serve_test.py says what each group checks), the replay helper that
 # drives the server's wire writer with scripted K3 completions, and the request parser's fuzz
 # target (tests/fuzz/tests.cmake). Needs tests/requirements.txt (openai, prometheus_client,
-# pytest, requests, httpx).
+# pytest, requests).
 find_program(K3_SERVE_PYTHON3 python3)
 k3_add_test_exe(serve_replay ${CMAKE_CURRENT_LIST_DIR}/serve_replay.c)
 set(K3_SERVE_ENV ${K3_TEST_ENV_MPI} "K3_MPIEXEC=${MPIEXEC_EXECUTABLE}"
