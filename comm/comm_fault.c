@@ -207,15 +207,19 @@ void k3_comm_blame(k3_comm *c, char *out, size_t cap, bool *printer) {
     for (int r = 0; r < c->size; r++) {
         if (c->have[r]) continue;
         n_silent++;
-        bool waited_for = false;
-        for (int q = 0; q < c->size && !waited_for; q++)
+        int owed = -1; /* the rank that waited for it most specifically: what r was due to do */
+        for (int q = 0; q < c->size; q++)
             if (c->have[q])
                 for (int i = 0; i < K3_MIN(c->reports[q].n_waited, K3_FAULT_MAX_WAITS); i++)
-                    if (c->reports[q].waited[i] == r) waited_for = true;
-        if (!waited_for) continue;
+                    if (c->reports[q].waited[i] == r &&
+                        (owed < 0 || c->reports[q].n_waited < c->reports[owed].n_waited))
+                        owed = q;
+        if (owed < 0) continue;
         put(&b, n_root ? "; " : "root cause: ");
         put_rank(&b, c, r);
         put(&b, ", last message here %.1f s ago", k3_comm_silent_s(c, r));
+        if (c->reports[owed].what[0])
+            put(&b, ", due in %s (awaited by rank %d)", c->reports[owed].what, owed);
         n_root++;
     }
     if (n_silent > 0 && n_root == 0) /* nobody named them, but they did not answer either */
