@@ -19,8 +19,9 @@
  * Reduction order (the determinism rule of k3_kernels.h): y[t, o] of matmul is
  * hsum(a0 + a1) + t with a0 += x·w over vectors 0, 2, 4, ... of the row and a1 over vectors
  * 1, 3, 5, ... (one VL-tail vector into a0, the last in % VL elements into t, in order). The
- * tiles below (1 or 4 tokens × 1, 2 or MR rows) all do exactly that per output element, so a
- * result depends neither on T nor on the row range a thread got. Elementwise ops compute each
+ * tiles below (1 or 4 tokens × 1, 2 or MR rows, over a whole row or a chunk of it) all do
+ * exactly that per output element, so a result depends neither on T nor on the row range a
+ * thread got. Elementwise ops compute each
  * element by one function of its inputs (tails go through a padded vector), so splits never
  * change a bit. */
 
@@ -42,16 +43,28 @@ static inline float sw_bf16(const uint16_t *w) {
     return k3_bf16_to_f32(*w);
 }
 
-/* ---- dot tiles: NR weight rows (ld elements apart) × NT tokens, out[r·NT + u] --------------- */
-#define DEF_TILE(NAME, WT, LDW, SW, NR, NT)                                                        \
-    static void NAME(const WT *w, int64_t ld, const float *const *xs, int64_t n, float *out) {     \
-        VEC a0[NR][NT], a1[NR][NT];                                                                \
-        float t[NR][NT];                                                                           \
-        _Pragma("GCC unroll 8") for (int r = 0; r < NR; r++)                                       \
-            _Pragma("GCC unroll 8") for (int u = 0; u < NT; u++) a0[r][u] = a1[r][u] = V_ZERO(),   \
-                                                                 t[r][u] = 0.0f;                   \
-        int64_t i = 0;                                                                             \
-        for (; i + 2 * VL <= n; i += 2 * VL) {                                                     \
+/* ---- dot tiles: NR weight rows (ld elements apart) × NT tokens over elements [i0, i1) -------
+ * i0, i1 are multiples of 2·VL (MXFP4: of 32), so vector k of the row always lands in a(k % 2)
+ * whatever the chunking. The accumulators live in acc (row r, token u at acc[(r·acc_ld + u)·2],
+ * a0 then a1): loaded at entry, stored at exit, so a row can be walked in chunks (prefill: a chunk
+ * of x and of the weights stays in L1 while a block of tokens × rows meets it) with the same
+ * arithmetic, in the same order, as one pass (decode). */
+#define ACC_LOAD(NR, NT)                                                                           \
+    VEC a0[NR][NT], a1[NR][NT];                                                                    \
+    _Pragma("GCC unroll 8") for (int r = 0; r < NR; r++)                                           \
+        _Pragma("GCC unroll 8") for (int u = 0; u < NT; u++)                                       \
+            a0[r][u] = acc[(r * acc_ld + u) * 2],                                                  \
+            a1[r][u] = acc[(r * acc_ld + u) * 2 + 1];
+#define ACC_STORE(NR, NT)                                                                          \
+    _Pragma("GCC unroll 8") for (int r = 0; r < NR; r++)                                           \
+        _Pragma("GCC unroll 8") for (int u = 0; u < NT; u++)                                       \
+            acc[(r * acc_ld + u) * 2] = a0[r][u],                                                  \
+                                   acc[(r * acc_ld + u) * 2 + 1] = a1[r][u];
+#define DEF_TILE(NAME, WT, LDW, NR, NT)                                                            \
+    static void NAME(const WT *w, int64_t ld, const float *const *xs, int64_t i0, int64_t i1,      \
+                     VEC *acc, int64_t acc_ld) {                                                   \
+        ACC_LOAD(NR, NT)                                                                           \
+        for (int64_t i = i0; i < i1; i += 2 * VL) {                                                \
             VEC x0[NT], x1[NT];                                                                    \
             _Pragma("GCC unroll 8") for (int u = 0; u < NT; u++) x0[u] = V_LOAD(xs[u] + i),        \
                                                                  x1[u] = V_LOAD(xs[u] + i + VL);   \
@@ -66,32 +79,17 @@ static inline float sw_bf16(const uint16_t *w) {
                 }                                                                                  \
             }                                                                                      \
         }                                                                                          \
-        if (i + VL <= n) {                                                                         \
-            _Pragma("GCC unroll 8") for (int r = 0; r < NR; r++) {                                 \
-                VEC w0 = LDW(w + r * ld + i);                                                      \
-                _Pragma("GCC unroll 8") for (int u = 0; u < NT; u++) a0[r][u] =                    \
-                    V_FMA(V_LOAD(xs[u] + i), w0, a0[r][u]);                                        \
-            }                                                                                      \
-            i += VL;                                                                               \
-        }                                                                                          \
-        for (; i < n; i++)                                                                         \
-            for (int r = 0; r < NR; r++)                                                           \
-                for (int u = 0; u < NT; u++) t[r][u] += xs[u][i] * SW(w + r * ld + i);             \
-        _Pragma("GCC unroll 8") for (int r = 0; r < NR; r++)                                       \
-            _Pragma("GCC unroll 8") for (int u = 0; u < NT; u++) out[r * NT + u] =                 \
-                V_HSUM(V_ADD(a0[r][u], a1[r][u])) + t[r][u];                                       \
+        ACC_STORE(NR, NT)                                                                          \
     }
 
-/* MXFP4 rows: codes [n/2] bytes per row (ld_c apart), E8M0 [n/32] per row (ld_e apart). Each
+/* MXFP4 rows: codes [in/2] bytes per row (ld_c apart), E8M0 [in/32] per row (ld_e apart). Each
  * block is decoded once into registers and met by every token of the tile; vector k of a block
- * joins a(k % 2), the same lanes as the f32/bf16 rows (n % 32 == 0: no tails). */
+ * joins a(k % 2), the same lanes as the f32/bf16 rows. */
 #define DEF_TILE_MX(NAME, NR, NT)                                                                  \
     static void NAME(const uint8_t *c, const uint8_t *e, int64_t ld_c, int64_t ld_e,               \
-                     const float *const *xs, int64_t n, float *out) {                              \
-        VEC a0[NR][NT], a1[NR][NT];                                                                \
-        _Pragma("GCC unroll 8") for (int r = 0; r < NR; r++)                                       \
-            _Pragma("GCC unroll 8") for (int u = 0; u < NT; u++) a0[r][u] = a1[r][u] = V_ZERO();   \
-        for (int64_t b = 0; b < n / 32; b++) {                                                     \
+                     const float *const *xs, int64_t i0, int64_t i1, VEC *acc, int64_t acc_ld) {   \
+        ACC_LOAD(NR, NT)                                                                           \
+        for (int64_t b = i0 / 32; b < i1 / 32; b++) {                                              \
             _Pragma("GCC unroll 8") for (int r = 0; r < NR; r++) {                                 \
                 if (NT == 1 && b % 4 == 0)                                                         \
                     V_PREFETCH((const char *)(c + r * ld_c + b * 16) + PF_BYTES);                  \
@@ -105,80 +103,104 @@ static inline float sw_bf16(const uint16_t *w) {
                 }                                                                                  \
             }                                                                                      \
         }                                                                                          \
-        _Pragma("GCC unroll 8") for (int r = 0; r < NR; r++)                                       \
-            _Pragma("GCC unroll 8") for (int u = 0; u < NT; u++) out[r * NT + u] =                 \
-                V_HSUM(V_ADD(a0[r][u], a1[r][u]));                                                 \
+        ACC_STORE(NR, NT)                                                                          \
     }
 
-DEF_TILE(f32_r1t1, float, ldw_f32, sw_f32, 1, 1)
-DEF_TILE(f32_r2t1, float, ldw_f32, sw_f32, 2, 1)
-DEF_TILE(f32_r1t4, float, ldw_f32, sw_f32, 1, 4)
-DEF_TILE(f32_rmt4, float, ldw_f32, sw_f32, MR, 4)
-DEF_TILE(bf16_r1t1, uint16_t, ldw_bf16, sw_bf16, 1, 1)
-DEF_TILE(bf16_r2t1, uint16_t, ldw_bf16, sw_bf16, 2, 1)
-DEF_TILE(bf16_r1t4, uint16_t, ldw_bf16, sw_bf16, 1, 4)
-DEF_TILE(bf16_rmt4, uint16_t, ldw_bf16, sw_bf16, MR, 4)
+DEF_TILE(f32_r1t1, float, ldw_f32, 1, 1)
+DEF_TILE(f32_r2t1, float, ldw_f32, 2, 1)
+DEF_TILE(f32_r1t4, float, ldw_f32, 1, 4)
+DEF_TILE(f32_rmt4, float, ldw_f32, MR, 4)
+DEF_TILE(bf16_r1t1, uint16_t, ldw_bf16, 1, 1)
+DEF_TILE(bf16_r2t1, uint16_t, ldw_bf16, 2, 1)
+DEF_TILE(bf16_r1t4, uint16_t, ldw_bf16, 1, 4)
+DEF_TILE(bf16_rmt4, uint16_t, ldw_bf16, MR, 4)
 DEF_TILE_MX(mx_r1t1, 1, 1)
 DEF_TILE_MX(mx_r2t1, 2, 1)
 DEF_TILE_MX(mx_r1t4, 1, 4)
 DEF_TILE_MX(mx_rmt4, MR, 4)
 
-/* Rows [ob, oe) × tokens [t0, t0 + nt) (nt = 1 or 4): tiles of nr rows, then single rows. */
-static void rows_tile(const k3_tensor *W, const float *const *xs, int nt, int64_t t0, int64_t ob,
-                      int64_t oe, float *y) {
-    int64_t out = W->shape[0], in = W->shape[1];
-    int nr = nt == 1 ? 2 : MR;
-    float r[8 * 4];
-    for (int64_t o = ob; o < oe;) {
-        int k = oe - o >= nr ? nr : 1;
-        switch (W->dtype) {
-        case K3_DT_F32: {
-            const float *w = (const float *)W->data + o * in;
-            if (nt == 1)
-                (k == 2 ? f32_r2t1 : f32_r1t1)(w, in, xs, in, r);
-            else
-                (k == MR ? f32_rmt4 : f32_r1t4)(w, in, xs, in, r);
-            break;
-        }
-        case K3_DT_BF16: {
-            const uint16_t *w = (const uint16_t *)W->data + o * in;
-            if (nt == 1)
-                (k == 2 ? bf16_r2t1 : bf16_r1t1)(w, in, xs, in, r);
-            else
-                (k == MR ? bf16_rmt4 : bf16_r1t4)(w, in, xs, in, r);
-            break;
-        }
-        default: {
-            const uint8_t *c = (const uint8_t *)W->data + o * (in / 2),
-                          *e = W->scale + o * (in / 32);
-            if (nt == 1)
-                (k == 2 ? mx_r2t1 : mx_r1t1)(c, e, in / 2, in / 32, xs, in, r);
-            else
-                (k == MR ? mx_rmt4 : mx_r1t4)(c, e, in / 2, in / 32, xs, in, r);
-            break;
-        }
-        }
-        for (int i = 0; i < k; i++)
-            for (int u = 0; u < nt; u++) y[(t0 + u) * out + o + i] = r[i * nt + u];
-        o += k;
+/* Rows [o, o + k) (k = nr or 1) × nt tokens (1 or 4) over [i0, i1): the matching tile. */
+static void tile(const k3_tensor *W, int64_t o, int k, const float *const *xs, int nt, int64_t i0,
+                 int64_t i1, VEC *acc, int64_t acc_ld) {
+    int64_t in = W->shape[1];
+    const bool wide = nt == 1 ? k == 2 : k == MR;
+    switch (W->dtype) {
+    case K3_DT_F32: {
+        const float *w = (const float *)W->data + o * in;
+        (nt == 1 ? (wide ? f32_r2t1 : f32_r1t1) : (wide ? f32_rmt4 : f32_r1t4))(w, in, xs, i0, i1,
+                                                                                acc, acc_ld);
+        break;
+    }
+    case K3_DT_BF16: {
+        const uint16_t *w = (const uint16_t *)W->data + o * in;
+        (nt == 1 ? (wide ? bf16_r2t1 : bf16_r1t1)
+                 : (wide ? bf16_rmt4 : bf16_r1t4))(w, in, xs, i0, i1, acc, acc_ld);
+        break;
+    }
+    default: {
+        const uint8_t *c = (const uint8_t *)W->data + o * (in / 2), *e = W->scale + o * (in / 32);
+        (nt == 1 ? (wide ? mx_r2t1 : mx_r1t1)
+                 : (wide ? mx_rmt4 : mx_r1t4))(c, e, in / 2, in / 32, xs, i0, i1, acc, acc_ld);
+        break;
+    }
     }
 }
 
-/* Rows are walked in blocks of ROW_BLOCK (a few KB of weights, cache resident) and every token
- * tile meets a block before the next block is read, so a weight row leaves memory once per call
- * whatever T is. Loop order never changes a result. */
+/* The end of one output: the VL-tail vector into a0, the last in % VL elements in order into t,
+ * hsum(a0 + a1) + t (F32/BF16; an MXFP4 row has no tail). */
+static float finish(const k3_tensor *W, int64_t o, const float *x, int64_t i, VEC a0, VEC a1) {
+    int64_t in = W->shape[1];
+    float t = 0.0f;
+    if (W->dtype == K3_DT_F32) {
+        const float *w = (const float *)W->data + o * in;
+        if (i + VL <= in) a0 = V_FMA(V_LOAD(x + i), ldw_f32(w + i), a0), i += VL;
+        for (; i < in; i++) t += x[i] * sw_f32(w + i);
+    } else if (W->dtype == K3_DT_BF16) {
+        const uint16_t *w = (const uint16_t *)W->data + o * in;
+        if (i + VL <= in) a0 = V_FMA(V_LOAD(x + i), ldw_bf16(w + i), a0), i += VL;
+        for (; i < in; i++) t += x[i] * sw_bf16(w + i);
+    }
+    return V_HSUM(V_ADD(a0, a1)) + t;
+}
+
+/* y[t, o] for rows [o0, o1), by blocks of ROW_BLOCK rows × TOK_BLOCK tokens whose accumulators
+ * stay in acc while the row is walked in chunks of K_CHUNK elements (one chunk when T < 4: a
+ * decode streams each row once). Tiles: 4 tokens × MR rows, else 1 token × 2 rows, then
+ * singles. Loop order and chunking never change a result (see the tiles). */
 #define ROW_BLOCK 16
+#define TOK_BLOCK 8
+#define K_CHUNK   512 /* a multiple of 32 and of 2·VL */
 static void mm_rows(const k3_tensor *W, const float *x, int64_t T, int64_t o0, int64_t o1,
                     float *y) {
-    int64_t in = W->shape[1];
+    int64_t in = W->shape[1], out = W->shape[0];
+    const int64_t n_main = in - in % (2 * VL), chunk = T >= 4 ? K_CHUNK : n_main;
+    VEC acc[ROW_BLOCK * TOK_BLOCK * 2];
     for (int64_t ob = o0; ob < o1; ob += ROW_BLOCK) {
-        int64_t oe = ob + ROW_BLOCK < o1 ? ob + ROW_BLOCK : o1;
-        for (int64_t t0 = 0; t0 < T;) {
-            int nt = T - t0 >= 4 ? 4 : 1;
-            const float *xs[4];
-            for (int u = 0; u < nt; u++) xs[u] = x + (t0 + u) * in;
-            rows_tile(W, xs, nt, t0, ob, oe, y);
-            t0 += nt;
+        int64_t nrow = o1 - ob < ROW_BLOCK ? o1 - ob : ROW_BLOCK;
+        for (int64_t tb = 0; tb < T; tb += TOK_BLOCK) {
+            int64_t ntok = T - tb < TOK_BLOCK ? T - tb : TOK_BLOCK;
+            for (int64_t i = 0; i < nrow * TOK_BLOCK * 2; i++) acc[i] = V_ZERO();
+            for (int64_t i0 = 0; i0 < n_main; i0 += chunk) {
+                int64_t i1 = i0 + chunk < n_main ? i0 + chunk : n_main;
+                for (int64_t u0 = 0; u0 < ntok;) {
+                    int nt = ntok - u0 >= 4 ? 4 : 1, nr = nt == 1 ? 2 : MR;
+                    const float *xs[4];
+                    for (int u = 0; u < nt; u++) xs[u] = x + (tb + u0 + u) * in;
+                    for (int64_t r = 0; r < nrow;) {
+                        int k = nrow - r >= nr ? nr : 1;
+                        tile(W, ob + r, k, xs, nt, i0, i1, acc + (r * TOK_BLOCK + u0) * 2,
+                             TOK_BLOCK);
+                        r += k;
+                    }
+                    u0 += nt;
+                }
+            }
+            for (int64_t r = 0; r < nrow; r++)
+                for (int64_t u = 0; u < ntok; u++) {
+                    const VEC *a = acc + (r * TOK_BLOCK + u) * 2;
+                    y[(tb + u) * out + ob + r] =
+                        finish(W, ob + r, x + (tb + u) * in, n_main, a[0], a[1]);
+                }
         }
     }
 }
