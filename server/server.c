@@ -276,7 +276,14 @@ static k3_status admit_and_cancel(k3_server *s, k3_engine *e, bool cancel_all) {
                          .logprobs = q->n_top < 0 ? 0 : K3_MAX(q->n_top, 1),
                          .ignore_eos = q->ignore_eos,
                          .user = (uint64_t)(uintptr_t)q};
-        K3_TRY(k3_engine_submit(e, &rq, &q->eng_id));
+        if (k3_engine_submit(e, &rq, &q->eng_id) != K3_OK) { /* this request alone fails */
+            q->failed = true;
+            q->error_kind = 0; /* not the request's fault: 500 */
+            snprintf(q->error, sizeof q->error, "the engine refused the request: %s",
+                     k3_last_error());
+            finish(s, q);
+            continue;
+        }
         q->submitted = true;
         s->live[s->n_live++] = q;
     }
@@ -336,6 +343,11 @@ k3_status k3_server_run(k3_server *s, k3_engine *e, volatile sig_atomic_t *stop)
         /* wake every waiting HTTP thread: their requests end with an error */
         pthread_mutex_lock(&s->mu);
         s->stopping = true;
+        for (sreq *q; (q = s->head);) { /* never submitted */
+            s->head = q->next;
+            s->live[s->n_live++] = q;
+        }
+        s->tail = NULL;
         for (int i = 0; i < s->n_live; i++) {
             s->live[i]->failed = true;
             snprintf(s->live[i]->error, sizeof s->live[i]->error, "the engine failed");
@@ -382,8 +394,12 @@ static bool wait_done(conn *k) {
     return done;
 }
 
+/* The request's own fault (400) or the server's (500). */
 static int engine_error_status(const sreq *q) {
-    return q->error_kind == K3_EVERR_NUMERIC ? 500 : 400;
+    return q->error_kind == K3_EVERR_REQUEST || q->error_kind == K3_EVERR_CONTEXT ||
+                   q->error_kind == K3_EVERR_SAMPLING
+               ? 400
+               : 500;
 }
 
 /* mu held: whether there is nothing new for the stream. */
