@@ -185,15 +185,16 @@ typedef struct {
     int W, Rkv;
     float scale;
     float *o, *work;
+    const k3_cpu_kern *kern;
 } lat_job;
 static void lat_task(void *ctx, int64_t h) {
     const lat_job *j = ctx;
-    k3_ref_attn_latent_head(j->qc + h * j->W, j->cache, j->n_ctx, j->W, j->Rkv, j->scale,
-                            j->o + h * j->Rkv, j->work + h * j->n_ctx);
+    j->kern->attn_head(j->qc + h * j->W, j->cache, j->n_ctx, j->W, j->Rkv, j->scale,
+                       j->o + h * j->Rkv, j->work + h * j->n_ctx);
 }
 static k3_status cpu_attn_latent(k3_backend *be, const float *qc, const float *cache, int64_t n_ctx,
                                  int H, int W, int Rkv, float scale, float *o_lat, float *work) {
-    lat_job j = {qc, cache, n_ctx, W, Rkv, scale, o_lat, work};
+    lat_job j = {qc, cache, n_ctx, W, Rkv, scale, o_lat, work, kern(be)};
     if (n_ctx * H * W < K3_CPU_PAR_MIN_MACS) {
         for (int h = 0; h < H; h++) lat_task(&j, h);
         return K3_OK;

@@ -1,15 +1,15 @@
 /* cpu_kern.h — private to kernels/cpu/: the per-ISA kernel table of the cpu backend.
  *
  * Owns: the k3_cpu_kern struct (the hot loops: matmul row ranges, matmul_tn column ranges, the
- * elementwise activations, one softmax row) and the three tables built from one template
- * (kern_tmpl.h) in three translation units compiled with their own flags: kern_avx512.c
- * (AVX-512 F/BW/VL/DQ), kern_avx2.c (AVX2 + FMA + F16C), kern_scalar.c (no SIMD flags).
- * isa.c picks one at backend creation from cpuid, or K3_ISA=avx512|avx2|scalar.
- * Invariants: a table's results are bit-reproducible on their own (every output is one fixed-order
- * reduction, independent of T, of the row/column range and of the thread); two tables may differ
- * from each other by summation order and by their exp/tanh polynomials (within the reference
- * tolerances of tests/tolerances.h), never from ref's semantics.
- * Callers must not call a table whose ISA the CPU lacks (only isa.c hands them out). */
+ * elementwise activations, one softmax row, one head of latent attention) and the three tables
+ * built from one template (kern_tmpl.h) in three translation units compiled with their own flags:
+ * kern_avx512.c (AVX-512 F/BW/VL/DQ), kern_avx2.c (AVX2 + FMA + F16C), kern_scalar.c (no SIMD
+ * flags). isa.c picks one at backend creation from cpuid, or K3_ISA=avx512|avx2|scalar. Invariants:
+ * a table's results are bit-reproducible on their own (every output is one fixed-order reduction,
+ * independent of T, of the row/column range and of the thread); two tables may differ from each
+ * other by summation order and by their exp/tanh polynomials (within the reference tolerances of
+ * tests/tolerances.h), never from ref's semantics. Callers must not call a table whose ISA the CPU
+ * lacks (only isa.c hands them out). */
 #ifndef K3_CPU_KERN_H
 #define K3_CPU_KERN_H
 
@@ -31,6 +31,9 @@ struct k3_cpu_kern {
     void (*swiglu)(const float *g, const float *u, int64_t n, float *y);
     /* one row: y = softmax(x), max-subtracted; y may alias x */
     void (*softmax_row)(const float *x, int64_t n, float *y);
+    /* one head of attn_latent: qc [W], cache [n_ctx, W], o [Rkv], work [n_ctx] */
+    void (*attn_head)(const float *qc, const float *cache, int64_t n_ctx, int W, int Rkv,
+                      float scale, float *o, float *work);
 };
 
 extern const k3_cpu_kern k3_cpu_kern_scalar;
