@@ -287,7 +287,7 @@ int k3_server_check_request(const k3_server_opts *o, const char *path, const cha
         srv_sreq_free(q);
         return st;
     } else {
-        fail(why, n_why, 404, "no route %s", path);
+        return fail(why, n_why, 404, "no route %.200s", path);
     }
     if (st != 200) snprintf(why, n_why, "%s", out.p ? out.p : "");
     k3_chat_buf_free(&out);

@@ -63,7 +63,8 @@ int LLVMFuzzerTestOneInput(const uint8_t *data, size_t size) {
 #ifndef K3_LIBFUZZER
 /* ---- the plain driver ------------------------------------------------------------------------ */
 static const char *const seeds[] = {
-    "\x00{\"model\":\"fuzz\",\"messages\":[{\"role\":\"system\",\"content\":\"be brief\"},{\"role\":"
+    "\x00{\"model\":\"fuzz\",\"messages\":[{\"role\":\"system\",\"content\":\"be "
+    "brief\"},{\"role\":"
     "\"user\",\"content\":\"hi\"}],\"max_tokens\":8,\"temperature\":0.7,\"top_p\":0.9,\"seed\":3,"
     "\"stop\":[\"x\"],\"logprobs\":true,\"top_logprobs\":2,\"stream\":true,\"stream_options\":{"
     "\"include_usage\":true}}",
@@ -110,6 +111,7 @@ static const char *const frags[] = {"{",
 static void mutate(k3_rng *r, const char *seed, size_t n_seed, char *out, size_t *n) {
     size_t len = n_seed;
     memcpy(out, seed, len);
+    if (k3_rng_u64(r) % 8 == 0) out[0] = (char)(k3_rng_u64(r) % 256); /* another route */
     int edits = 1 + (int)(k3_rng_u64(r) % 6);
     for (int e = 0; e < edits; e++) {
         size_t at = 1 + (len > 1 ? k3_rng_u64(r) % (len - 1) : 0);
