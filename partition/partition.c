@@ -356,15 +356,21 @@ void k3_plan_seq_bytes(const k3_config *c, int lb, int le, int64_t max_ctx, uint
     }
 }
 
-/* Floats of the [T, *] scratch of the MoE step (experts/moe.c: routing scores, the finish step
- * and the ids + weights of the call); the 64-row tile scratch is left out. */
+/* Floats of the MoE step's scratch (experts/moe.c k3_moe_scratch_floats, mirrored: the largest
+ * of routing, the expert rows of a 64-row tile, the finish step, and the whole-layer forward,
+ * which runs tokens in tiles of up to 256 with K expert outputs each); pad16 rounding left out. */
 static uint64_t moe_scratch_floats(const k3_config *c, uint64_t T) {
     const uint64_t X = (uint64_t)c->n_experts, K = (uint64_t)c->n_experts_per_tok;
     const uint64_t Lw = (uint64_t)(c->latent_size > 0 ? c->latent_size : c->hidden_size);
-    const uint64_t S = (uint64_t)c->n_shared_experts * (uint64_t)c->moe_intermediate_size;
-    const uint64_t route = 2 * T * X + X;
-    const uint64_t finish = T * Lw + Lw + 2 * T * S + T * (uint64_t)c->hidden_size;
-    return K3_MAX(2 * T * K + route, finish);
+    const uint64_t I = (uint64_t)c->moe_intermediate_size;
+    const uint64_t S = (uint64_t)c->n_shared_experts * I, D = (uint64_t)c->hidden_size;
+    const uint64_t route = 2 * T * X + X, rows = 2 * 64 * Lw + 2 * 64 * I;
+    const uint64_t Tc = K3_MIN(T, 256);
+    const uint64_t fin_T = T * Lw + Lw + 2 * T * S + T * D,
+                   fin_c = Tc * Lw + Lw + 2 * Tc * S + Tc * D;
+    const uint64_t tile = Tc * Lw * (2 + K) + K3_MAX(rows, fin_c);
+    const uint64_t fwd = 2 * T * K + K3_MAX(route, tile);
+    return K3_MAX(K3_MAX(route, rows), K3_MAX(fin_T, fwd));
 }
 
 uint64_t k3_plan_workspace_bytes(const k3_config *c, int lb, int le, bool first, int64_t T_,
@@ -381,10 +387,9 @@ uint64_t k3_plan_workspace_bytes(const k3_config *c, int lb, int le, bool first,
         else
             dense = true;
     }
-    uint64_t f =
-        4 * T * D + (uint64_t)k3_plan_max_bank(c) * D; /* xa, xn, y, head rows; bank rows */
+    const uint64_t P = (uint64_t)c->kda_n_heads * (uint64_t)c->kda_head_dim;
+    uint64_t f = 4 * T * D + (uint64_t)k3_plan_max_bank(c) * D; /* xa, xn, y, head rows, bank */
     if (kda) {
-        const uint64_t P = (uint64_t)c->kda_n_heads * (uint64_t)c->kda_head_dim;
         f += 9 * T * P + T * (uint64_t)c->kda_gate_rank + T * (uint64_t)c->kda_n_heads;
     }
     if (mla) {
@@ -397,6 +402,12 @@ uint64_t k3_plan_workspace_bytes(const k3_config *c, int lb, int le, bool first,
     }
     if (dense) f += 2 * T * (uint64_t)c->intermediate_size;
     if (first) f += T; /* token ids */
+    /* f32 copies of each layer's small vectors (norms, conv taps, dt_bias, A_log; an upper bound
+       per layer, as layers/stage.c make_vecs sizes them) + the final norm and mixing score */
+    f += (uint64_t)(le - lb) *
+             (4 * D + 3 * P * (uint64_t)c->kda_conv_kernel + P + (uint64_t)c->kda_n_heads +
+              (uint64_t)c->kda_head_dim + (uint64_t)c->q_lora_rank + (uint64_t)c->kv_lora_rank) +
+         2 * D;
     uint64_t host = 0; /* host-side scratch bytes (ids, rows, lanes, weights) */
     if (moe) {
         f += moe_scratch_floats(c, T);

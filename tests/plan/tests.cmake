@@ -12,3 +12,7 @@ set_tests_properties(plan_rss PROPERTIES LABELS "mpi" TIMEOUT 240 ENVIRONMENT "$
 add_test(NAME plan_bind
          COMMAND ${K3_PLAN_PYTHON3} ${CMAKE_CURRENT_LIST_DIR}/bind_test.py ${MPIEXEC_EXECUTABLE})
 set_tests_properties(plan_bind PROPERTIES LABELS "mpi" TIMEOUT 120 ENVIRONMENT "${K3_TEST_ENV_MPI}")
+# the plan's sizes against the engine's allocations, byte for byte (guard backend, page slack)
+k3_add_test_exe(test_plan_sizes ${CMAKE_CURRENT_LIST_DIR}/test_plan_sizes.c)
+add_test(NAME plan_sizes COMMAND test_plan_sizes)
+set_tests_properties(plan_sizes PROPERTIES LABELS "unit" TIMEOUT 120 ENVIRONMENT "${K3_TEST_ENV}")
