@@ -349,6 +349,25 @@ static void situ(const float *g, const float *u, int64_t n, float beta, float li
     EW_LOOP(n, SITU_BODY);
 }
 
+/* y = exp(x − m) over n elements (y may alias x); returns Σ y with lane-wise partial sums, then
+ * the tail in order. */
+static float exp_sub_sum(const float *x, int64_t n, float m, float *y) {
+    const VEC vm = V_SET1(m);
+    VEC vs = V_ZERO();
+    int64_t i = 0;
+    for (; i + VL <= n; i += VL) {
+        VEC e = v_exp(V_SUB(V_LOAD(x + i), vm));
+        V_STORE(y + i, e);
+        vs = V_ADD(vs, e);
+    }
+    float s = V_HSUM(vs);
+    if (i < n) {
+        st_pad(y, i, n, v_exp(V_SUB(ld_pad(x, i, n), vm)));
+        for (; i < n; i++) s += y[i];
+    }
+    return s;
+}
+
 /* softmax of one row: max, exp(x − max) with lane-wise partial sums, divide. */
 static void softmax_row(const float *x, int64_t n, float *y) {
     float m = -INFINITY;
@@ -359,21 +378,7 @@ static void softmax_row(const float *x, int64_t n, float *y) {
         m = V_HMAX(vm);
     }
     for (; i < n; i++) m = x[i] > m ? x[i] : m;
-    const VEC vmax = V_SET1(m);
-    VEC vs = V_ZERO();
-    for (i = 0; i + VL <= n; i += VL) {
-        VEC e = v_exp(V_SUB(V_LOAD(x + i), vmax));
-        V_STORE(y + i, e);
-        vs = V_ADD(vs, e);
-    }
-    float s = V_HSUM(vs);
-    if (i < n) {
-        VEC e = v_exp(V_SUB(ld_pad(x, i, n), vmax));
-        st_pad(y, i, n, e);
-        float b[VL];
-        V_STORE(b, e);
-        for (int64_t j = i; j < n; j++) s += b[j - i];
-    }
+    float s = exp_sub_sum(x, n, m, y);
     const VEC vsum = V_SET1(s);
     for (i = 0; i + VL <= n; i += VL) V_STORE(y + i, V_DIV(V_LOAD(y + i), vsum));
     for (; i < n; i++) y[i] /= s;
@@ -402,22 +407,9 @@ static void attn_head(const float *qc, const float *cache, int64_t n_ctx, int W,
         work[j] = dot_n(qc, cache + j * W, W) * scale;
         m = work[j] > m ? work[j] : m;
     }
-    const VEC vm = V_SET1(m);
-    VEC vz = V_ZERO();
-    int64_t j = 0;
-    for (; j + VL <= n_ctx; j += VL) {
-        VEC e = v_exp(V_SUB(V_LOAD(work + j), vm));
-        V_STORE(work + j, e);
-        vz = V_ADD(vz, e);
-    }
-    float z = V_HSUM(vz);
-    if (j < n_ctx) {
-        VEC e = v_exp(V_SUB(ld_pad(work, j, n_ctx), vm));
-        st_pad(work, j, n_ctx, e);
-        for (; j < n_ctx; j++) z += work[j];
-    }
-    for (j = 0; j < n_ctx; j++) work[j] /= z; /* p_j */
-    const int nv = Rkv - Rkv % VL;            /* o in L1; the cache streamed once, row by row */
+    float z = exp_sub_sum(work, n_ctx, m, work);
+    for (int64_t j = 0; j < n_ctx; j++) work[j] /= z; /* p_j */
+    const int nv = Rkv - Rkv % VL; /* o in L1; the cache streamed once, row by row */
     for (int i = 0; i < Rkv; i++) o[i] = 0.0f;
     for (int64_t k = 0; k < n_ctx; k++) {
         const float *c = cache + k * W;
