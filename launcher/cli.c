@@ -71,6 +71,19 @@ bool k3_args_bool(const k3_args *a, const char *name) {
     return s && strcmp(s, "0") != 0 && strcmp(s, "false") != 0;
 }
 
+/* The long flag that -c stands for, or NULL. */
+static const char *alias_of(const k3_command *cmd, char c) {
+    for (int i = 0; i < cmd->n_aliases; i++)
+        if (cmd->aliases[i].short_name == c) return cmd->aliases[i].name;
+    return NULL;
+}
+
+static char short_of(const k3_command *cmd, const char *name) {
+    for (int i = 0; i < cmd->n_aliases; i++)
+        if (strcmp(cmd->aliases[i].name, name) == 0) return cmd->aliases[i].short_name;
+    return 0;
+}
+
 void k3_print_command_help(const k3_command *cmd, void *file) {
     FILE *f = file;
     fprintf(f, "usage: k3 %s%s%s [flags]\n\n%s\n", cmd->name, *cmd->positional ? " " : "",
@@ -78,8 +91,9 @@ void k3_print_command_help(const k3_command *cmd, void *file) {
     if (cmd->n_flags) fprintf(f, "\nflags:\n");
     for (int i = 0; i < cmd->n_flags; i++) {
         const k3_flag *fl = &cmd->flags[i];
-        char left[64];
-        snprintf(left, sizeof left, "--%s%s%s", fl->name, fl->metavar ? " " : "",
+        char left[64], sh[8] = "";
+        if (short_of(cmd, fl->name)) snprintf(sh, sizeof sh, "-%c, ", short_of(cmd, fl->name));
+        snprintf(left, sizeof left, "%s--%s%s%s", sh, fl->name, fl->metavar ? " " : "",
                  fl->metavar ? fl->metavar : "");
         fprintf(f, "  %-26s %s", left, fl->help);
         if (fl->def && fl->kind != K3_FLAG_BOOL) fprintf(f, " (default %s)", fl->def);
@@ -111,6 +125,12 @@ int k3_args_parse(const k3_command *cmd, int argc, char **argv, k3_args *out, bo
     bool only_pos = false;
     for (int i = 0; i < argc; i++) {
         const char *arg = argv[i];
+        char alias[80]; /* "-p" -> "--n-prompt" */
+        if (!only_pos && arg[0] == '-' && arg[1] && arg[1] != '-' && !arg[2] &&
+            alias_of(cmd, arg[1])) {
+            snprintf(alias, sizeof alias, "--%s", alias_of(cmd, arg[1]));
+            arg = alias;
+        }
         if (!only_pos && strcmp(arg, "--") == 0) {
             only_pos = true;
             continue;

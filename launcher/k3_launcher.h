@@ -28,6 +28,13 @@ typedef struct k3_args {
     int n_pos;
 } k3_args;
 
+/* A one-letter alias of a long flag ("-p" for "--n-prompt"), for commands that keep another
+ * tool's short flags (`k3 bench` takes llama-bench's -p -n -r). */
+typedef struct k3_flag_alias {
+    char short_name;
+    const char *name; /* the long flag it stands for */
+} k3_flag_alias;
+
 typedef struct k3_command {
     const char *name;
     const char *positional; /* usage of positional arguments, "" if none ("DIR", "[TEXT]") */
@@ -36,6 +43,8 @@ typedef struct k3_command {
     const k3_flag *flags;
     int n_flags;
     int (*run)(const k3_args *a); /* returns the process exit code */
+    const k3_flag_alias *aliases; /* (n_aliases) may be NULL */
+    int n_aliases;
 } k3_command;
 
 /* Lookup of parsed values. A name not in the command's flag table is a bug (asserts). */

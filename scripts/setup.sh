@@ -9,7 +9,7 @@ BUILD=${1:-build}; shift || true
 # libhwloc-dev: rank/bind.c binds each rank to its share of a node's cores (and `k3 plan` shows
 # them). The Slurm daemons for tests/slurm are installed by that test itself.
 APT_PKGS="build-essential cmake pkg-config libopenmpi-dev openmpi-bin libucx-dev libhwloc-dev
-          libcjson-dev libpcre2-dev libmicrohttpd-dev clang clang-format python3"
+          libcjson-dev libpcre2-dev libmicrohttpd-dev libcurl4-openssl-dev clang clang-format python3"
 missing=""
 for p in $APT_PKGS; do
   dpkg-query -W -f='${Status}' "$p" 2>/dev/null | grep -q "install ok installed" || missing="$missing $p"
