@@ -104,7 +104,7 @@ submit() { sbatch --parsable "${SB[@]}" "$@"; }
 j_run=$(K3_CACHE_DIR=$S/cache submit -J k3run "$K3_SRC/slurm/k3.sbatch" run --prompt-ids "1,2,3;4,5" --n 4)
 j_mpi=$(submit -J k3mpi "$K3_SRC/slurm/k3-mpirun.sbatch" run --prompt-ids "1,2,3;4,5" --n 4)
 j_bat=$(K3_BATCH_INPUT=$S/work/in.jsonl K3_BATCH_OUTPUT=$S/work/out.jsonl submit -J k3batch "$K3_SRC/slurm/k3-batch.sbatch")
-j_ben=$(K3_BENCH_ARGS="--requests 4 --prompt 8 --gen 4" K3_BENCH_JSON=$S/work/bench.json submit -J k3bench "$K3_SRC/slurm/k3-bench.sbatch")
+j_ben=$(K3_BENCH_MODE=throughput K3_BENCH_ARGS="--input-len 8 --output-len 4 --num-prompts 4 --num-warmups 0" K3_BENCH_ENGINE_ARGS="--requests 4 --prompt 8 --gen 4" K3_BENCH_JSON=$S/work/bench.json submit -J k3bench "$K3_SRC/slurm/k3-bench.sbatch")
 j_bad=$(K3_TEST_FAIL=load:3 submit -J k3bad "$K3_SRC/slurm/k3.sbatch" run --prompt-ids "1,2,3" --n 4)
 jobs=("$j_run" "$j_mpi" "$j_bat" "$j_ben" "$j_bad")
 t0=$SECONDS
