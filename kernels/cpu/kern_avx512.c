@@ -48,21 +48,33 @@
         _mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)(p))), 16))
 
 /* codes byte m: low nibble = element 2m, high = 2m+1. Both nibbles index the scaled E2M1 table
- * (vpermps reads index bits 3..0 only, so the low nibble needs no mask); two two-source permutes
- * interleave evens and odds back into element order. */
+ * (vpermps reads index bits 3..0 only, so the low nibble needs no mask): w[0] = the 16 even
+ * elements, w[1] = the 16 odd ones (MX_XPERM: x is copied in that order once, by mx_xperm, instead
+ * of interleaving every weight block back). */
+#define MX_XPERM 1
 static inline void mx32(const uint8_t *codes, uint8_t e8, VEC *w) {
     const __m512 tbl = _mm512_setr_ps(0.0f, 0.5f, 1.0f, 1.5f, 2.0f, 3.0f, 4.0f, 6.0f, -0.0f, -0.5f,
                                       -1.0f, -1.5f, -2.0f, -3.0f, -4.0f, -6.0f);
-    const __m512i lo_idx =
-        _mm512_setr_epi32(0, 16, 1, 17, 2, 18, 3, 19, 4, 20, 5, 21, 6, 22, 7, 23);
-    const __m512i hi_idx =
-        _mm512_setr_epi32(8, 24, 9, 25, 10, 26, 11, 27, 12, 28, 13, 29, 14, 30, 15, 31);
     __m512 ts = _mm512_mul_ps(tbl, _mm512_set1_ps(k3_e8m0_to_f32(e8)));
     __m512i v = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)codes));
-    __m512 ev = _mm512_permutexvar_ps(v, ts);
-    __m512 od = _mm512_permutexvar_ps(_mm512_srli_epi32(v, 4), ts);
-    w[0] = _mm512_permutex2var_ps(ev, lo_idx, od);
-    w[1] = _mm512_permutex2var_ps(ev, hi_idx, od);
+    w[0] = _mm512_permutexvar_ps(v, ts);
+    w[1] = _mm512_permutexvar_ps(_mm512_srli_epi32(v, 4), ts);
+}
+static inline void mx_xperm(const float *x, float *xd, int64_t n) {
+    const __m512i ev = _mm512_setr_epi32(0, 2, 4, 6, 8, 10, 12, 14, 16, 18, 20, 22, 24, 26, 28, 30);
+    const __m512i od = _mm512_setr_epi32(1, 3, 5, 7, 9, 11, 13, 15, 17, 19, 21, 23, 25, 27, 29, 31);
+    for (int64_t i = 0; i < n; i += 32) {
+        __m512 a = _mm512_loadu_ps(x + i), b = _mm512_loadu_ps(x + i + 16);
+        _mm512_storeu_ps(xd + i, _mm512_permutex2var_ps(a, ev, b));
+        _mm512_storeu_ps(xd + i + 16, _mm512_permutex2var_ps(a, od, b));
+    }
+}
+static inline void mx_store32(float *y, const VEC *v) {
+    const __m512i lo = _mm512_setr_epi32(0, 16, 1, 17, 2, 18, 3, 19, 4, 20, 5, 21, 6, 22, 7, 23);
+    const __m512i hi =
+        _mm512_setr_epi32(8, 24, 9, 25, 10, 26, 11, 27, 12, 28, 13, 29, 14, 30, 15, 31);
+    _mm512_storeu_ps(y, _mm512_permutex2var_ps(v[0], lo, v[1]));
+    _mm512_storeu_ps(y + 16, _mm512_permutex2var_ps(v[0], hi, v[1]));
 }
 
 #include "kern_tmpl.h"

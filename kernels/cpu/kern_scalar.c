@@ -52,4 +52,12 @@ static inline void mx32(const uint8_t *codes, uint8_t e8, VEC *w) {
     }
 }
 
+#define MX_XPERM 0 /* mx32 gives element order */
+static inline void mx_xperm(const float *x, float *xd, int64_t n) {
+    (void)x, (void)xd, (void)n;
+}
+static inline void mx_store32(float *y, const VEC *v) {
+    for (int k = 0; k < 32 / VL; k++) V_STORE(y + k * VL, v[k]);
+}
+
 #include "kern_tmpl.h"

@@ -12,7 +12,10 @@
  *   V_LOAD_BF16(p)  VL bf16 widened to f32 (a shift: bf16 is the top half of an f32)
  *   V_PREFETCH(p)   a software prefetch of the cache line at p (no-op without SIMD)
  *   mx32(codes, e8, w)  one MXFP4 block (16 code bytes, its E8M0 byte) decoded in registers to
- *                       32/VL vectors in element order, values exactly k3_mxfp4_get's.
+ *                       32/VL vectors, values exactly k3_mxfp4_get's: in element order, or with
+ *                       MX_XPERM 1 the 16 even elements then the 16 odd ones, and then
+ *   mx_xperm(x, xd, n)  copies n floats (n % 32 == 0) into that order, per 32-block, and
+ *   mx_store32(y, v)    stores 32 values held in mx32's order to y in element order.
  *   V_MIN(a, b)/V_MAX(a, b) return b when either is NaN (the SSE rule), so clamps are written
  *   V_MIN(bound, x) to let a NaN through.
  *
@@ -45,10 +48,11 @@ static inline float sw_bf16(const uint16_t *w) {
 
 /* ---- dot tiles: NR weight rows (ld elements apart) × NT tokens over elements [i0, i1) -------
  * i0, i1 are multiples of 2·VL (MXFP4: of 32), so vector k of the row always lands in a(k % 2)
- * whatever the chunking. The accumulators live in acc (row r, token u at acc[(r·acc_ld + u)·2],
- * a0 then a1): loaded at entry, stored at exit, so a row can be walked in chunks (prefill: a chunk
- * of x and of the weights stays in L1 while a block of tokens × rows meets it) with the same
- * arithmetic, in the same order, as one pass (decode). */
+ * whatever the chunking; xs[u] points at token u's element i0 (for MXFP4 on an ISA with
+ * MX_XPERM, at its copy in even/odd order, see mx_xperm). The accumulators live in acc (row r,
+ * token u at acc[(r·acc_ld + u)·2], a0 then a1): loaded at entry, stored at exit, so a row can be
+ * walked in chunks (prefill: a chunk of x and of the weights stays in L1 while a block of tokens ×
+ * rows meets it) with the same arithmetic, in the same order, as one pass (decode). */
 #define ACC_LOAD(NR, NT)                                                                           \
     VEC a0[NR][NT], a1[NR][NT];                                                                    \
     _Pragma("GCC unroll 8") for (int r = 0; r < NR; r++)                                           \
@@ -66,8 +70,9 @@ static inline float sw_bf16(const uint16_t *w) {
         ACC_LOAD(NR, NT)                                                                           \
         for (int64_t i = i0; i < i1; i += 2 * VL) {                                                \
             VEC x0[NT], x1[NT];                                                                    \
-            _Pragma("GCC unroll 8") for (int u = 0; u < NT; u++) x0[u] = V_LOAD(xs[u] + i),        \
-                                                                 x1[u] = V_LOAD(xs[u] + i + VL);   \
+            _Pragma("GCC unroll 8") for (int u = 0; u < NT; u++)                                   \
+                x0[u] = V_LOAD(xs[u] + (i - i0)),                                                  \
+                x1[u] = V_LOAD(xs[u] + (i - i0) + VL);                                             \
             _Pragma("GCC unroll 8") for (int r = 0; r < NR; r++) {                                 \
                 if (NT == 1) /* one prefetch per cache line this iteration reads */                \
                     for (int pf = 0; pf < (int)sizeof(WT) * 2 * VL; pf += 64)                      \
@@ -97,7 +102,7 @@ static inline float sw_bf16(const uint16_t *w) {
                 mx32(c + r * ld_c + b * 16, e[r * ld_e + b], wv);                                  \
                 _Pragma("GCC unroll 32") for (int k = 0; k < NVX; k += 2)                          \
                     _Pragma("GCC unroll 8") for (int u = 0; u < NT; u++) {                         \
-                    const float *xb = xs[u] + b * 32 + k * VL;                                     \
+                    const float *xb = xs[u] + (b * 32 - i0) + k * VL;                              \
                     a0[r][u] = V_FMA(V_LOAD(xb), wv[k], a0[r][u]);                                 \
                     a1[r][u] = V_FMA(V_LOAD(xb + VL), wv[k + 1], a1[r][u]);                        \
                 }                                                                                  \
@@ -166,15 +171,25 @@ static float finish(const k3_tensor *W, int64_t o, const float *x, int64_t i, VE
 /* y[t, o] for rows [o0, o1), by blocks of ROW_BLOCK rows × TOK_BLOCK tokens whose accumulators
  * stay in acc while the row is walked in chunks of K_CHUNK elements (one chunk when T < 4: a
  * decode streams each row once). Tiles: 4 tokens × MR rows, else 1 token × 2 rows, then
- * singles. Loop order and chunking never change a result (see the tiles). */
+ * singles. Loop order and chunking never change a result (see the tiles).
+ * MXFP4 on an ISA whose mx32 yields even/odd elements (MX_XPERM): the x values a tile reads are
+ * first copied in that order into xbuf (once per call for a decode, else per block and chunk),
+ * so the weights need no interleaving permute — the same products, the same lanes. */
 #define ROW_BLOCK 16
 #define TOK_BLOCK 8
-#define K_CHUNK   512 /* a multiple of 32 and of 2·VL */
+#define K_CHUNK   512   /* a multiple of 32 and of 2·VL */
+#define XB_FLOATS 24576 /* xbuf: a decode of up to 3 tokens × 8192, or TOK_BLOCK × K_CHUNK */
 static void mm_rows(const k3_tensor *W, const float *x, int64_t T, int64_t o0, int64_t o1,
                     float *y) {
     int64_t in = W->shape[1], out = W->shape[0];
-    const int64_t n_main = in - in % (2 * VL), chunk = T >= 4 ? K_CHUNK : n_main;
+    const int64_t n_main = in - in % (2 * VL);
+    const bool perm = MX_XPERM && W->dtype == K3_DT_MXFP4;
+    const bool whole = T < 4 && (!perm || T * n_main <= XB_FLOATS); /* one chunk per row */
+    const int64_t chunk = whole ? n_main : K_CHUNK;
     VEC acc[ROW_BLOCK * TOK_BLOCK * 2];
+    float xbuf[perm ? XB_FLOATS : 1];
+    if (perm && whole)
+        for (int64_t t = 0; t < T; t++) mx_xperm(x + t * in, xbuf + t * n_main, n_main);
     for (int64_t ob = o0; ob < o1; ob += ROW_BLOCK) {
         int64_t nrow = o1 - ob < ROW_BLOCK ? o1 - ob : ROW_BLOCK;
         for (int64_t tb = 0; tb < T; tb += TOK_BLOCK) {
@@ -182,10 +197,16 @@ static void mm_rows(const k3_tensor *W, const float *x, int64_t T, int64_t o0, i
             for (int64_t i = 0; i < nrow * TOK_BLOCK * 2; i++) acc[i] = V_ZERO();
             for (int64_t i0 = 0; i0 < n_main; i0 += chunk) {
                 int64_t i1 = i0 + chunk < n_main ? i0 + chunk : n_main;
+                if (perm && !whole)
+                    for (int64_t u = 0; u < ntok; u++)
+                        mx_xperm(x + (tb + u) * in + i0, xbuf + u * (i1 - i0), i1 - i0);
                 for (int64_t u0 = 0; u0 < ntok;) {
                     int nt = ntok - u0 >= 4 ? 4 : 1, nr = nt == 1 ? 2 : MR;
                     const float *xs[4];
-                    for (int u = 0; u < nt; u++) xs[u] = x + (tb + u0 + u) * in;
+                    for (int u = 0; u < nt; u++)
+                        xs[u] = !perm   ? x + (tb + u0 + u) * in + i0
+                                : whole ? xbuf + (tb + u0 + u) * n_main
+                                        : xbuf + (u0 + u) * (i1 - i0);
                     for (int64_t r = 0; r < nrow;) {
                         int k = nrow - r >= nr ? nr : 1;
                         tile(W, ob + r, k, xs, nt, i0, i1, acc + (r * TOK_BLOCK + u0) * 2,
@@ -233,7 +254,11 @@ static void mmtn_cols(const k3_tensor *W, const float *x, int64_t T, int64_t c0,
                 _Pragma("GCC unroll 32") for (int k = 0; k < NVX; k++) acc[k] =
                     V_FMA(xo, wv[k], acc[k]);
             }
-            _Pragma("GCC unroll 32") for (int k = 0; k < NVX; k++) V_STORE(yt + c + k * VL, acc[k]);
+            if (W->dtype == K3_DT_MXFP4) /* lanes in mx32's order */
+                mx_store32(yt + c, acc);
+            else
+                _Pragma("GCC unroll 32") for (int k = 0; k < NVX; k++)
+                    V_STORE(yt + c + k * VL, acc[k]);
         }
         for (; c < c1; c++) { /* f32/bf16 only: MXFP4 rows are whole blocks */
             float s = 0.0f;
