@@ -22,12 +22,16 @@ import csv
 import json
 import os
 import re
+import signal
 import statistics
 import subprocess
 import tempfile
+import time
 
 import jsonschema
 import pytest
+import requests
+from prometheus_client.parser import text_string_to_metric_families
 
 K3 = os.environ.get("K3_BIN", "k3")
 MPI = os.environ.get("K3_MPIEXEC", "mpirun")
@@ -163,3 +167,117 @@ def test_pptg(model_dir, tmp_path):
     # a serve flag in the pp/tg mode is a usage error
     r = k3(["bench", "--model", model_dir, "--request-rate", "3"])
     assert r.returncode == 2 and "--request-rate does not apply" in r.stderr
+
+
+# ---- serve ---------------------------------------------------------------------------------------
+class Server:
+    """`k3 serve` under mpirun on --port 0; rank 0's port and pid come from its 'listening' log
+    line (as tests/serve does it), then /health must answer 200."""
+
+    def __init__(self, model, pp, ep):
+        self.log = tempfile.NamedTemporaryFile(prefix="k3_bench_srv_", suffix=".txt", delete=False)
+        cmd = [MPI, "-np", str(pp * ep), "--oversubscribe", K3, "serve", "--model", model,
+               "--port", "0", "--threads", "1", "--pp", str(pp), "--ep", str(ep)]
+        self.proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=self.log)
+        t0, self.url, self.pid = time.time(), None, None
+        while time.time() - t0 < 120 and self.proc.poll() is None and not self.url:
+            m = re.search(r"listening on (http://127\.0\.0\.1:\d+) \(model \"[^\"]*\", pid (\d+)\)",
+                          self.text())
+            if m:
+                self.url, self.pid = m.group(1), int(m.group(2))
+            time.sleep(0.1)
+        assert self.url, "the server did not start:\n" + self.text()[-3000:]
+        while requests.get(self.url + "/health", timeout=10).status_code != 200:
+            assert time.time() - t0 < 120, "no /health"
+            time.sleep(0.1)
+
+    def text(self):
+        with open(self.log.name, errors="replace") as f:
+            return f.read()
+
+    def metrics(self):
+        r = requests.get(self.url + "/metrics", timeout=10)
+        assert r.status_code == 200
+        return {(s.name, tuple(sorted(s.labels.items()))): s.value
+                for fam in text_string_to_metric_families(r.text) for s in fam.samples}
+
+    def stop(self):
+        if self.proc.poll() is None:
+            os.kill(self.pid, signal.SIGTERM)
+        try:
+            rc = self.proc.wait(timeout=60)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+            rc = "hung"
+        os.unlink(self.log.name)
+        return rc
+
+
+@pytest.fixture(scope="module")
+def server_2x2(model_dir):
+    s = Server(model_dir, 2, 2)
+    yield s
+    assert s.stop() == 0
+
+
+def counters(srv, endpoint):
+    m = srv.metrics()
+    return (m.get(("k3_prompt_tokens_total", ()), 0.0), m.get(("k3_generation_tokens_total", ()), 0.0),
+            m.get(("k3_requests_total", (("endpoint", endpoint), ("status", "200"))), 0.0))
+
+
+@pytest.mark.parametrize("endpoint,extra", [
+    ("/v1/completions", ["--request-rate", "40", "--max-concurrency", "3", "--num-warmups", "2"]),
+    ("/v1/chat/completions", ["--num-warmups", "1"]),
+], ids=["serve_2x2_completions", "serve_2x2_chat"])
+def test_serve(server_2x2, model_dir, endpoint, extra, tmp_path):
+    srv, n, il, ol = server_2x2, 7, 12, 5
+    js, cs = tmp_path / "sv.json", tmp_path / "sv.csv"
+    before = counters(srv, endpoint)
+    r = k3(["bench", "serve", "--base-url", srv.url, "--endpoint", endpoint, "--tokenizer", model_dir,
+            "--input-len", str(il), "--output-len", str(ol), "--num-prompts", str(n), "--seed", "5",
+            "--output-json", str(js), "--output-csv", str(cs)] + extra)
+    assert r.returncode == 0, r.stderr[-3000:]
+    after = counters(srv, endpoint)
+    d = json.loads(js.read_text())
+    jsonschema.validate(d, schema("bench_serve.schema.json"))
+    warm = int(extra[extra.index("--num-warmups") + 1])
+    assert d["model_id"] == "tiny" and d["num_warmups"] == warm and d["endpoint"] == endpoint
+    assert d["completed"] == n and d["failed"] == 0 and d["num_prompts"] == n
+    # the token counts are the server's own: equal to its /metrics counters over the run
+    assert after[0] - before[0] == d["total_input_tokens"] + d["warmup_input_tokens"]
+    assert after[1] - before[1] == d["total_output_tokens"] + d["warmup_output_tokens"]
+    assert after[2] - before[2] == n + warm
+    # ignore_eos: exactly output_len each; token-id prompts: exactly input_len each
+    assert d["output_lens"] == [ol] * n and d["total_output_tokens"] == n * ol
+    assert d["warmup_output_tokens"] == warm * ol
+    if endpoint == "/v1/completions":
+        assert d["input_lens"] == [il] * n and d["total_input_tokens"] == n * il
+        assert d["request_rate"] == 40 and d["max_concurrency"] == 3
+    else:
+        assert d["request_rate"] == "inf" and d["max_concurrency"] is None
+    assert sum(d["input_lens"]) == d["total_input_tokens"]
+    dur = d["duration"]
+    assert abs(d["request_throughput"] - n / dur) <= 1e-9 * d["request_throughput"]
+    assert abs(d["output_throughput"] - n * ol / dur) <= 1e-9 * d["output_throughput"]
+    for m in ("ttft", "tpot", "itl", "e2el"):
+        assert d["median_%s_ms" % m] <= d["p90_%s_ms" % m] <= d["p99_%s_ms" % m]
+        assert d["mean_%s_ms" % m] > 0
+    assert d["mean_ttft_ms"] < d["mean_e2el_ms"] <= dur * 1e3
+    assert abs(statistics.mean(d["ttfts"]) * 1e3 - d["mean_ttft_ms"]) <= 1e-6 * d["mean_ttft_ms"]
+    # the flat keys equal results[0]; the CSV has the run
+    assert all(d[k] == v for k, v in d["results"][0].items())
+    row = list(csv.DictReader(cs.open()))
+    assert len(row) == 1 and int(row[0]["total_output_tokens"]) == n * ol
+    assert "| completed | %d |" % n in r.stdout
+
+
+def test_serve_errors(server_2x2):
+    r = k3(["bench", "serve", "--num-prompts", "2"])
+    assert r.returncode == 2 and "--base-url URL is required" in r.stderr
+    r = k3(["bench", "serve", "--base-url", server_2x2.url, "--pp", "2"])  # an engine flag
+    assert r.returncode == 2 and "--pp does not apply" in r.stderr
+    # a model the server does not serve: every request fails (HTTP 404), named, exit 1
+    r = k3(["bench", "serve", "--base-url", server_2x2.url, "--model", "nope", "--num-prompts", "2",
+            "--num-warmups", "0", "--input-len", "4", "--output-len", "2"])
+    assert r.returncode == 1 and "HTTP 404" in r.stderr and "2 of 2 requests failed" in r.stderr
