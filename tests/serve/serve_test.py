@@ -327,6 +327,14 @@ def test_metrics(srv):
     assert metric(after, "k3_step_seconds_count", rank="0") > 0
     for g in ("k3_num_requests_running", "k3_num_requests_waiting", "k3_slot_usage_ratio"):
         assert (g, ()) in after
+    # one access log line for the request: id, status, tokens, TTFT, total time
+    pat = (r"access id=%s method=POST path=/v1/chat/completions status=200 prompt_tokens=%d "
+           r"completion_tokens=%d ttft_ms=[0-9.]+ total_ms=[0-9.]+\n" %
+           (re.escape(r.id), r.usage.prompt_tokens, r.usage.completion_tokens))
+    t0 = time.time()
+    while not re.search(pat, srv.text()) and time.time() - t0 < 5:
+        time.sleep(0.1)
+    assert len(re.findall(pat, srv.text())) == 1, pat
 
 
 def test_disconnect_cancels(srv):
