@@ -8,8 +8,9 @@
  * or shared, one thread each. The binding covers the whole process (threads made later inherit
  * it), and the cpu backend's pool takes as many threads as the binding has cores, so several
  * ranks on a node do not oversubscribe it.
- * A launcher that already narrowed the process (mpirun's default core binding, srun
- * --cpu-bind=cores) is left as it is; its cores are reported and size the pool the same way.
+ * A launcher that already narrowed the process keeps control where its binding does not contain
+ * the share (taskset, mpirun --cpu-list: that binding is reported and sizes the pool); a binding
+ * that contains it (mpirun's core or socket binding) is narrowed to the share.
  * Owns nothing past a call: the topology is loaded and destroyed inside each function. */
 #include "k3_rank.h"
 
@@ -106,9 +107,12 @@ static k3_status run(int local, int n_local, bool gpu, bool apply, k3_bind_info 
     int n = share(t, local, n_local, gpu, set);
     o->device = gpu && gpu_obj(t, local) ? local : -1;
     if (apply) {
-        /* a launcher's narrower binding wins: keep it */
+        /* A launcher's narrower binding: our share inside it is applied (mpirun --bind-to
+           socket with several ranks a socket: each still gets its own cores); a binding that
+           does not contain our share (taskset, mpirun --cpu-list) is the user's choice: kept. */
         bool narrowed = hwloc_get_cpubind(t, cur, HWLOC_CPUBIND_PROCESS) == 0 &&
-                        !hwloc_bitmap_isincluded(hwloc_topology_get_allowed_cpuset(t), cur);
+                        !hwloc_bitmap_isincluded(hwloc_topology_get_allowed_cpuset(t), cur) &&
+                        !hwloc_bitmap_isincluded(set, cur);
         if (narrowed) {
             int nc = hwloc_get_nbobjs_inside_cpuset_by_type(t, cur, HWLOC_OBJ_CORE);
             hwloc_bitmap_copy(set, cur);

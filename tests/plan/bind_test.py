@@ -2,8 +2,9 @@
 """bind_test.py — hwloc binding at run time (rank/bind.c): every rank reports one binding line at
 start-up; one process takes every core (threads = cores); 4 ranks on this node split its cores
 (each rank's share = local rank mod cores when there are more ranks than cores, one thread each,
-every core used); --bind none binds nothing; `k3 plan` on a cpu site shows the same cores the run
-binds; a bad --bind is a usage error.   usage: bind_test.py MPIEXEC   (K3_BIN = the k3 binary)"""
+every core used); a binding the launcher made that does not hold the share is kept (taskset);
+--bind none binds nothing; `k3 plan` on a cpu site shows the same cores the run binds; a bad
+--bind is a usage error.   usage: bind_test.py MPIEXEC   (K3_BIN = the k3 binary)"""
 import json
 import os
 import re
@@ -74,6 +75,12 @@ with tempfile.TemporaryDirectory() as tmp:
     none = binds(mpi[:3] + ["2"] + run + ["--ep", "2", "--bind", "none"])
     if sorted(none) != [0, 1] or any(v[2] is not None for v in none.values()):
         fails.append(f"--bind none: {none}")
+    # a launcher's binding that does not hold the share (all cores for one process) is kept
+    if n_cores >= 2:
+        kept = subprocess.run(["taskset", "-c", "1"] + run, capture_output=True, text=True)
+        m = LINE.search(kept.stderr)
+        if not (m and m[4] == "1" and m[6] == "1" and "binding, kept" in kept.stderr):
+            fails.append(f"taskset -c 1: {m[0] if m else kept.stderr[-300:]}")
     p = subprocess.run(run + ["--bind", "numa"], capture_output=True, text=True)
     if p.returncode != 2 or "--bind" not in p.stderr:
         fails.append(f"--bind numa: exit {p.returncode}: {p.stderr.strip()}")
