@@ -25,7 +25,8 @@
 
 #include "server_internal.h"
 
-#define WAIT_SLICE_S 0.2 /* how often a waiting HTTP thread looks at its client's socket */
+#define WAIT_SLICE_S   0.2 /* how often a waiting HTTP thread looks at its client's socket */
+#define STUCK_CLIENT_S 10  /* at shutdown, after the grace: how long responses may take to drain */
 
 struct k3_server {
     k3_server_opts o;
@@ -319,7 +320,16 @@ k3_status k3_server_run(k3_server *s, k3_engine *e, volatile sig_atomic_t *stop)
         const int pending = k3_engine_pending(e);
         s->m.pending = pending;
         if (st == K3_OK && pending == 0) {
-            const bool idle = t_stop >= 0 && s->n_busy == 0 && s->m.admitted == 0;
+            bool idle = t_stop >= 0 && s->n_busy == 0 && s->m.admitted == 0;
+            if (!idle && t_stop >= 0 && s->m.admitted == 0 &&
+                k3_now_s() - t_stop > grace + STUCK_CLIENT_S) {
+                /* every request has ended; a client that does not read its last bytes must not
+                   hold the job: the daemon's stop closes its connection */
+                K3_LOGW("k3 serve: %d responses still being written %.0f s after the signal; "
+                        "closing them",
+                        s->n_busy, grace + STUCK_CLIENT_S);
+                idle = true;
+            }
             /* no step to run: tell the workers rank 0 is alive (rate-limited inside); without
                it they would end the job after --comm-timeout of quiet */
             if (!idle) st = k3_engine_heartbeat(e);

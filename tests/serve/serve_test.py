@@ -605,3 +605,24 @@ def test_limits_shutdown_grace(model_dir):
     assert m and 0 < int(m.group(1)) < 4000, "not cancelled at the end of the grace period"
     with pytest.raises(requests.ConnectionError):
         requests.get(s.url + "/health", timeout=5)
+
+
+def test_limits_stuck_client(model_dir):
+    """A client that never reads its stream cannot hold the server at shutdown: after the grace
+    its request is cancelled, and 10 s later its connection is closed; exit 0."""
+    s = Server(model_dir, extra=["--shutdown-grace", "1", "--max-ctx", "16384"])
+    sock = socket.socket()
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
+    sock.connect(("127.0.0.1", s.port))
+    body = json.dumps({"prompt": "hi", "max_tokens": 16000, "ignore_eos": True, "stream": True,
+                       "logprobs": 20}).encode()
+    sock.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: k3\r\nContent-Type: application/json\r\n"
+                 b"Content-Length: %d\r\n\r\n" % len(body) + body)
+    time.sleep(4)  # megabytes of chunks wait in the socket buffers: the writer blocks
+    t0 = time.time()
+    os.kill(s.pid, signal.SIGTERM)
+    rc = s.proc.wait(timeout=90)
+    took = time.time() - t0
+    sock.close()
+    assert rc == 0 and took < 40, (rc, took)
+    assert "responses still being written" in s.text()
