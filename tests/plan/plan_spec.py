@@ -33,7 +33,7 @@ def near(what, got, want, tol=0.05):
     rel = abs(got - want) / want
     ok = rel <= tol
     print(f"{'ok  ' if ok else 'FAIL'} {what}: {got:.6g} vs {want:.6g} ({rel * 100:.1f}%, limit "
-          f"{tol * 100:.0f}%)")
+          f"{tol * 100:g}%)")
     if not ok:
         fails.append(what)
 
@@ -95,6 +95,27 @@ print(f"{'ok  ' if not j16['fits'] else 'FAIL'} EP16 on 16 H200 does not fit (§
       f"{j16['max_rank_bytes'] / GB:.1f} GB")
 if j16["fits"]:
     fails.append("EP16 on 2 x 8 H200 fits, §0 says it does not")
+
+# the cost model's outputs: present, finite, consistent with their inputs
+pr = j["prediction"]
+node_w = max(sum(r["weight_bytes"] for r in j["ranks"] if r["node"] == n) for n in range(4))
+near("load time at 2 GB/s a node = the largest node's weights / 2 GB/s, s", pr["load_s"], node_w / 2e9, tol=0.001)
+pr4 = jplan("--nodes", "4", "--gpus-per-node", "8", "--gpu", "h200", "--pp", "4", "--ep", "8", "--fs-gbps", "4")["prediction"]
+near("load time at 4 GB/s, s", pr4["load_s"], pr["load_s"] / 2, tol=0.001)
+if not (pr["decode_tok_s"] > 0 and pr["prefill_tok_s"] > pr["decode_tok_s"] and 0 <= pr["bubble"] < 1
+        and pr["decode_round_s"] >= pr["group_latency_s"] - 1e-12 and pr["bound"]):
+    fails.append(f"prediction not sane: {pr}")
+# a site with twice the memory bandwidth decodes faster (K3 decode is memory-bound here)
+with tempfile.NamedTemporaryFile("w", suffix=".json") as f:
+    site = json.load(open(os.path.join(SRC, "slurm", "site-example.json")))
+    site["mem_bw_gbs"] *= 2
+    json.dump(site, f)
+    f.flush()
+    fast = jplan("--site", f.name, "--pp", "4", "--ep", "8")["prediction"]
+    base = jplan("--site", os.path.join(SRC, "slurm", "site-example.json"), "--pp", "4", "--ep", "8")["prediction"]
+    print(f"decode {base['decode_tok_s']:.0f} tok/s ({base['bound']}-bound) -> {fast['decode_tok_s']:.0f} with 2x HBM")
+    if not fast["decode_tok_s"] > 1.3 * base["decode_tok_s"]:
+        fails.append("twice the memory bandwidth did not speed up a memory-bound decode")
 
 # the table, --slurm, a site file, and refusals
 t = plan("--nodes", "4", "--gpus-per-node", "8", "--gpu", "h200", "--pp", "4", "--ep", "8").stdout
