@@ -20,7 +20,11 @@ Groups (pytest -k):
       back as the same JSON values, the streamed calls put together equal the non-streamed ones.
   limits            : a server with one slot and --max-queue 2: 429 + Retry-After; 200 malformed
       requests (truncated JSON, wrong types, huge numbers, invalid UTF-8, 10 MB bodies, bad
-      routes and methods) all get a 4xx with an OpenAI error object, and /health still answers.
+      routes and methods) all get a 4xx with an OpenAI error object, and /health still answers;
+      SIGTERM with a stream in flight: cancelled after --shutdown-grace, the stream still ends
+      with [DONE], no new connections, exit 0.
+  stuck             : a client that never reads its stream (the server's send buffer full) does
+      not hold the server at shutdown.
   soak              : 16 concurrent streaming clients for K3_SERVE_SOAK_S seconds on 2x2: no
       error, every stream ends with [DONE]; rank 0's RSS after the run within 10% of after the
       warm-up.
@@ -607,7 +611,17 @@ def test_limits_shutdown_grace(model_dir):
         requests.get(s.url + "/health", timeout=5)
 
 
-def test_limits_stuck_client(model_dir):
+def tx_queue(local_port, remote_port):
+    """Bytes the kernel holds unsent on the server's socket (local_port -> remote_port), or -1."""
+    with open("/proc/net/tcp") as f:
+        for line in f.readlines()[1:]:
+            p = line.split()
+            if int(p[1].split(":")[1], 16) == local_port and int(p[2].split(":")[1], 16) == remote_port:
+                return int(p[4].split(":")[0], 16)
+    return -1
+
+
+def test_stuck_client(model_dir):
     """A client that never reads its stream cannot hold the server at shutdown: after the grace
     its request is cancelled, and 10 s later its connection is closed; exit 0."""
     s = Server(model_dir, extra=["--shutdown-grace", "1", "--max-ctx", "16384"])
@@ -618,7 +632,15 @@ def test_limits_stuck_client(model_dir):
                        "logprobs": 20}).encode()
     sock.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: k3\r\nContent-Type: application/json\r\n"
                  b"Content-Length: %d\r\n\r\n" % len(body) + body)
-    time.sleep(4)  # megabytes of chunks wait in the socket buffers: the writer blocks
+    # wait until the server's send buffer is full and stays full: its writer blocks
+    me, last, t0 = sock.getsockname()[1], -2, time.time()
+    while time.time() - t0 < 60:
+        time.sleep(1)
+        q = tx_queue(s.port, me)
+        if q > 0 and q == last:
+            break
+        last = q
+    assert q > 0 and q == last, "the server's writer never blocked (send queue %d)" % q
     t0 = time.time()
     os.kill(s.pid, signal.SIGTERM)
     rc = s.proc.wait(timeout=90)
