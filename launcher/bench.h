@@ -66,7 +66,9 @@ k3_status bench_report_write(const bench_report *rep, const char *json_path, con
 
 /* ---- statistics ---------------------------------------------------------------------------- */
 typedef struct bench_stats {
-    double mean, median, stddev, p90, p99; /* stddev: sample (n - 1); 0 for n < 2 */
+    double mean, median, p90, p99;
+    double stddev;     /* sample (n - 1; llama-bench's); 0 for n < 2 */
+    double stddev_pop; /* population (n; numpy's np.std, vLLM's std_*_ms) */
 } bench_stats;
 /* Sorts v (n >= 0; all zero for n == 0). Percentiles interpolate linearly between order
  * statistics (numpy's default, which vLLM uses). */

@@ -167,6 +167,7 @@ void bench_stats_of(double *v, int64_t n, bench_stats *s) {
     double ss = 0;
     for (int64_t i = 0; i < n; i++) ss += (v[i] - s->mean) * (v[i] - s->mean);
     s->stddev = n > 1 ? sqrt(ss / (double)(n - 1)) : 0;
+    s->stddev_pop = sqrt(ss / (double)n);
     s->median = quantile(v, n, 0.5);
     s->p90 = quantile(v, n, 0.9);
     s->p99 = quantile(v, n, 0.99);
@@ -188,7 +189,7 @@ static const struct {
 k3_status bench_put_ms_stats(bench_row *r, const char *name, double *v_s, int64_t n) {
     bench_stats s;
     bench_stats_of(v_s, n, &s);
-    const double val[5] = {s.mean, s.median, s.stddev, s.p90, s.p99};
+    const double val[5] = {s.mean, s.median, s.stddev_pop, s.p90, s.p99};
     for (size_t m = 0; m < K3_ARRAY_LEN(ms_metrics); m++) {
         if (strcmp(ms_metrics[m].name, name) != 0) continue;
         for (int k = 0; k < 5; k++)
