@@ -29,8 +29,12 @@ bool k3_engine_backend_ok(const char *name) {
 const char *k3_engine_backend_pick(const char *name, bool print) {
     char why[200];
     const char *b = k3_backend_resolve(name, why, sizeof why);
+#ifdef K3_HAVE_CUDA /* only a build that could have taken cuda says what it took and why */
     if (print && strcmp(name, "auto") == 0)
         K3_LOGI("--backend auto: %s", why[0] ? why : "cuda (a device is visible)");
+#else
+    (void)print;
+#endif
     return b;
 }
 
