@@ -6,7 +6,11 @@
  * (decode: weight streaming, bandwidth-bound) and T = --prefill tokens (compute-bound), with
  * weights larger than the caches. Every number is the median of --reps runs.
  * Prints a table; writes JSON (--json FILE, default bench_kernels.json).
- * Usage: bench_kernels [--threads N] [--reps N] [--prefill T] [--json FILE] */
+ * --backend NAME times another backend on the same shapes (cuda: inputs and weights uploaded
+ * once; each sample is 20 calls and one synchronise, divided by 20; the % columns stay relative
+ * to this host's measured limits, scripts/device-check.sh puts the device's beside them).
+ * Usage: bench_kernels [--backend cpu|cuda|...] [--threads N] [--reps N] [--prefill T]
+ *                      [--json FILE] */
 #include <cjson/cJSON.h>
 #include <stdio.h>
 #include <stdlib.h>
@@ -85,22 +89,37 @@ static k3_status run_op(op_kind k, const k3_tensor *W, const float *x, int64_t T
     }
 }
 
-/* Median time of reps calls (after one warm-up call). */
+/* A host array in the backend's memory: itself on host backends, else an uploaded copy. */
+static void *on_be(const void *host, size_t n_bytes) {
+    if (k3_backend_host_visible(g_be) || !host) return (void *)host;
+    void *d = NULL;
+    K3_ASSERT(k3_backend_alloc(g_be, n_bytes, "bench_kernels buffer", &d) == K3_OK);
+    K3_ASSERT(k3_backend_upload(g_be, d, host, n_bytes) == K3_OK);
+    return d;
+}
+static void off_be(void *dev) {
+    if (!k3_backend_host_visible(g_be)) k3_backend_free(g_be, dev);
+}
+
+/* Median time of reps calls (after one warm-up call); a device backend's sample is `inner` calls
+ * and one synchronise (launches are asynchronous). */
 static double time_op(op_kind k, const k3_tensor *W, const float *x, int64_t T, int64_t n, float *y,
                       int reps) {
     double t[64];
-    if (run_op(k, W, x, T, n, y) != K3_OK) return -1;
+    const int inner = k3_backend_host_visible(g_be) ? 1 : 20;
+    if (run_op(k, W, x, T, n, y) != K3_OK || k3_backend_sync(g_be) != K3_OK) return -1;
     for (int r = 0; r < reps && r < 64; r++) {
         double t0 = k3_now_s();
-        (void)run_op(k, W, x, T, n, y);
-        t[r] = k3_now_s() - t0;
+        for (int i = 0; i < inner; i++) (void)run_op(k, W, x, T, n, y);
+        if (k3_backend_sync(g_be) != K3_OK) return -1;
+        t[r] = (k3_now_s() - t0) / inner;
     }
     return bench_median(t, reps < 64 ? reps : 64);
 }
 
 int main(int argc, char **argv) {
     int threads = 2, reps = 7, prefill = 64;
-    const char *json_path = "bench_kernels.json";
+    const char *json_path = "bench_kernels.json", *backend = "cpu";
     for (int i = 1; i < argc; i++) {
         const char *a = argv[i], *v = i + 1 < argc ? argv[i + 1] : NULL;
         if (!v) {
@@ -115,6 +134,8 @@ int main(int argc, char **argv) {
             prefill = atoi(v);
         else if (strcmp(a, "--json") == 0)
             json_path = v;
+        else if (strcmp(a, "--backend") == 0)
+            backend = v;
         else {
             fprintf(stderr, "bench_kernels: unknown flag %s\n", a);
             return 2;
@@ -125,16 +146,16 @@ int main(int argc, char **argv) {
         fprintf(stderr, "bench_kernels: --threads in [1, 64], --reps and --prefill >= 1\n");
         return 2;
     }
-    if (k3_backend_create("cpu", &(k3_backend_params){.n_threads = threads}, &g_be) != K3_OK) {
+    if (k3_backend_create(backend, &(k3_backend_params){.n_threads = threads}, &g_be) != K3_OK) {
         fprintf(stderr, "bench_kernels: %s\n", k3_last_error());
         return 1;
     }
     k3_rng_seed(&g_rng, 7);
     bench_limits lim;
     bench_measure_limits(threads, reps, 256, &lim);
-    printf("bench_kernels: cpu backend, ISA %s, %d threads; measured triad %.1f GB/s, fp32 FMA "
+    printf("bench_kernels: %s backend, ISA %s, %d threads; measured triad %.1f GB/s, fp32 FMA "
            "peak %.1f GFLOP/s (%s)\n",
-           k3_cpu_isa_name(g_be), threads, lim.triad_gbs, lim.fma_gflops, lim.fma_isa);
+           g_be->name, k3_cpu_isa_name(g_be), threads, lim.triad_gbs, lim.fma_gflops, lim.fma_isa);
 
     /* weights past the caches: 64 MB f32, 64 MB bf16, 34 MB MXFP4 */
     const struct {
@@ -145,12 +166,18 @@ int main(int argc, char **argv) {
     const int64_t x_floats = K3_MAX((int64_t)prefill * 16384, 2 * n_ew);
     float *x = malloc((size_t)x_floats * 4), *y = malloc((size_t)x_floats * 4);
     fill(x, x_floats, 1.0f);
+    float *xh = x, *yh = y;
+    x = on_be(xh, (size_t)x_floats * 4), y = on_be(yh, (size_t)x_floats * 4);
     bench_row rows[32];
     int nr = 0;
     for (int d = 0; d < 3; d++) {
         void *mem;
         uint8_t *scale;
         k3_tensor W = make_weight(ws[d].dt, ws[d].out, ws[d].in, &mem, &scale);
+        W.data = on_be(W.data, (size_t)weight_bytes(&W) -
+                                   (scale ? (size_t)(ws[d].out * ws[d].in / 32) : 0));
+        W.scale = on_be(scale, scale ? (size_t)(ws[d].out * ws[d].in / 32) : 0);
+        W.mem = g_be->mem;
         double wb = weight_bytes(&W), in = (double)ws[d].in, out = (double)ws[d].out;
         const int64_t Ts[2] = {1, prefill};
         for (int ti = 0; ti < 2; ti++) {
@@ -170,6 +197,7 @@ int main(int argc, char **argv) {
             r->bytes = wb + 4.0 * (in + out);
             r->flops = 2.0 * in * out;
         }
+        if (W.data != mem) off_be(W.data), off_be(W.scale);
         free(mem);
         free(scale);
     }
@@ -192,6 +220,7 @@ int main(int argc, char **argv) {
     }
 
     cJSON *root = cJSON_CreateObject(), *arr = cJSON_AddArrayToObject(root, "ops");
+    cJSON_AddStringToObject(root, "backend", g_be->name);
     cJSON_AddStringToObject(root, "isa", k3_cpu_isa_name(g_be));
     cJSON_AddNumberToObject(root, "threads", threads);
     cJSON_AddNumberToObject(root, "reps", reps);
@@ -222,7 +251,8 @@ int main(int argc, char **argv) {
         cJSON_AddItemToArray(arr, o);
     }
     if (bench_write_json(root, json_path, "bench_kernels")) rc = 1;
-    free(x), free(y);
+    if (x != xh) off_be(x), off_be(y);
+    free(xh), free(yh);
     k3_backend_destroy(g_be);
     return rc;
 }
