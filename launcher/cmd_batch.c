@@ -361,39 +361,17 @@ static k3_status write_error(batch *b, const in_line *L, const char *code, const
     return st;
 }
 
-/* {"token": <text, invalid UTF-8 replaced>, "logprob": x, "bytes": [..]} of one id. */
-static k3_status put_token(const batch *b, int32_t id, float logprob, k3_chat_buf *o) {
-    const char *p = "";
-    size_t n = 0;
-    if (k3_tok_id_bytes(b->tok, id, &p, &n) != K3_OK) p = "", n = 0; /* an id past the vocab */
-    k3_tok_bytes txt = {0};
-    k3_status st = k3_tok_utf8_replace(p, n, &txt);
-    if (st == K3_OK) st = k3_chat_buf_puts(o, "{\"token\":");
-    if (st == K3_OK) st = k3_chat_json_dump_str(txt.data ? txt.data : "", txt.n, o);
-    k3_tok_bytes_free(&txt);
-    char f[40];
-    /* -9999.0: OpenAI's stand-in for a probability that underflows */
-    k3_chat_json_float_repr(isfinite(logprob) ? K3_MAX((double)logprob, -9999.0) : -9999.0, f);
-    if (st == K3_OK) st = k3_chat_buf_puts(o, ",\"logprob\":");
-    if (st == K3_OK) st = k3_chat_buf_puts(o, f);
-    if (st == K3_OK) st = k3_chat_buf_puts(o, ",\"bytes\":[");
-    for (size_t i = 0; i < n && st == K3_OK; i++) {
-        snprintf(f, sizeof f, "%s%u", i ? "," : "", (unsigned)(unsigned char)p[i]);
-        st = k3_chat_buf_puts(o, f);
-    }
-    return st == K3_OK ? k3_chat_buf_puts(o, "]") : st;
-}
-
 static k3_status put_logprobs(const batch *b, const live *q, k3_chat_buf *o) {
     k3_status st = k3_chat_buf_puts(o, "{\"content\":[");
     for (int64_t t = 0; t < q->n_gen && st == K3_OK; t++) {
         const k3_event *e = &q->lp[t];
         if (t) st = k3_chat_buf_puts(o, ",");
-        if (st == K3_OK) st = put_token(b, e->token, e->logprob, o);
+        if (st == K3_OK) st = k3_job_logprob_entry(b->tok, e->token, e->logprob, o);
         if (st == K3_OK) st = k3_chat_buf_puts(o, ",\"top_logprobs\":[");
         for (int k = 0; k < K3_MIN(e->n_top, q->n_top) && st == K3_OK; k++) {
             if (k) st = k3_chat_buf_puts(o, ",");
-            if (st == K3_OK) st = put_token(b, e->top_ids[k], e->top_logprobs[k], o);
+            if (st == K3_OK)
+                st = k3_job_logprob_entry(b->tok, e->top_ids[k], e->top_logprobs[k], o);
             if (st == K3_OK) st = k3_chat_buf_puts(o, "}");
         }
         if (st == K3_OK) st = k3_chat_buf_puts(o, "]}");
@@ -497,31 +475,6 @@ static void end_live(batch *b, live *q) {
     b->n_live--;
 }
 
-/* The request's "logprobs" (boolean) and "top_logprobs" (0-20, with logprobs true): *n_top = -1
- * when off. */
-static k3_status logprobs_keys(const k3_chat_json *doc, const char *what, int *n_top) {
-    const k3_chat_json *lp = k3_chat_json_get(doc, "logprobs"),
-                       *top = k3_chat_json_get(doc, "top_logprobs");
-    *n_top = -1;
-    if (lp && lp->kind != K3_JSON_NULL && lp->kind != K3_JSON_BOOL)
-        return K3_ERR(K3_ERR_FORMAT, "%s: request key 'logprobs' must be a boolean", what);
-    bool on = lp && lp->kind == K3_JSON_BOOL && lp->b;
-    if (!top || top->kind == K3_JSON_NULL) {
-        *n_top = on ? 0 : -1;
-        return K3_OK;
-    }
-    char *end = NULL;
-    long v = top->kind == K3_JSON_INT ? strtol(top->s, &end, 10) : -1;
-    if (top->kind != K3_JSON_INT || *end || v < 0 || v > K3_EV_MAX_TOP)
-        return K3_ERR(K3_ERR_FORMAT, "%s: request key 'top_logprobs' must be an integer in [0, %d]",
-                      what, K3_EV_MAX_TOP);
-    if (!on)
-        return K3_ERR(K3_ERR_FORMAT, "%s: request key 'top_logprobs' needs \"logprobs\": true",
-                      what);
-    *n_top = (int)v;
-    return K3_OK;
-}
-
 /* Prepare the next line: submit it, or write its error line. Fails only for I/O and memory. */
 static k3_status submit_next(batch *b) {
     int64_t li = b->todo[b->next++];
@@ -543,7 +496,7 @@ static k3_status submit_next(batch *b) {
     k3_job_settings s;
     settings(b, L, &s);
     if (st == K3_OK) st = k3_job_sampling(&q->job, &s, what);
-    if (st == K3_OK) st = logprobs_keys(q->job.doc, what, &q->n_top);
+    if (st == K3_OK) st = k3_job_logprobs_keys(q->job.doc, what, &q->n_top);
     if (st == K3_ERR_NOMEM) return st;
     if (st != K3_OK) {
         st = write_error(b, L, "invalid_request", k3_last_error());
