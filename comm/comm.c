@@ -16,8 +16,14 @@ typedef struct transport {
     const char *name;
     k3_status (*create)(const k3_comm_params *p, k3_comm **out);
 } transport;
+#ifdef K3_HAVE_NCCL
+k3_status k3_comm_nccl_create(const k3_comm_params *p, k3_comm **out); /* comm_nccl.c */
+#endif
 static const transport k_transports[] = {
     {"mpi", k3_comm_mpi_create},
+#ifdef K3_HAVE_NCCL
+    {"nccl", k3_comm_nccl_create},
+#endif
 };
 
 k3_status k3_comm_create(const char *transport_name, const k3_comm_params *p, k3_comm **out) {

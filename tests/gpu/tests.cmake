@@ -22,4 +22,11 @@ if(K3_CUDA)
   add_test(NAME cuda_ops COMMAND test_cuda_ops)
   set_tests_properties(cuda_ops PROPERTIES LABELS "gpu" TIMEOUT 300 SKIP_RETURN_CODE 77
                        ENVIRONMENT "${K3_TEST_ENV}")
+  if(K3_NCCL)
+    # the nccl comm transport on one rank and one GPU (skips with one line, 77, without one)
+    k3_add_test_exe(test_comm_nccl ${CMAKE_CURRENT_LIST_DIR}/test_comm_nccl.c)
+    add_test(NAME comm_nccl_1rank COMMAND test_comm_nccl)
+    set_tests_properties(comm_nccl_1rank PROPERTIES LABELS "gpu" TIMEOUT 120 SKIP_RETURN_CODE 77
+                         ENVIRONMENT "${K3_TEST_ENV_MPI}")
+  endif()
 endif()

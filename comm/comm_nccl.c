@@ -1,0 +1,252 @@
+/* comm_nccl.c — the NCCL transport of k3_comm ("nccl"; built only with K3_NCCL). Not yet run on
+ * a device, nor on more than zero GPUs: it compiles in the K3_NCCL build and nothing selects it
+ * yet (rank/engine.c creates "mpi"); the first device session should run the 1-rank case.
+ *
+ * Layering: the MPI transport (comm_mpi.c) stays the control plane — messages, the world
+ * collectives, the process set-up and the fault exchange — and this file replaces only the EP
+ * group's data plane: ep_alltoall (the count exchange) and ep_alltoallv (the MoE rows) run as
+ * grouped ncclSend/ncclRecv on a per-stage communicator. The transport object is the MPI one
+ * (k3_comm_mpi_create) whose iface pointer is switched to a table here that embeds the NCCL
+ * state (nccl_state, iface first) and forwards every other entry to the MPI functions.
+ *
+ * Set-up: local rank (OMPI_COMM_WORLD_LOCAL_RANK / SLURM_LOCALID / MPI_LOCALRANKID) → device
+ * local % devices; rank 0 makes the unique id, MPI_Bcast (the MPI transport's bcast) gives it to
+ * all; one world communicator (ncclCommInitRankConfig), then ncclCommSplit(color = stage, key =
+ * lane) — the coordinator (stage −1) passes NCCL_SPLIT_NOCOLOR. Every communicator is
+ * non-blocking (config.blocking = 0): each wait polls ncclCommGetAsyncError and the stream with
+ * the comm's backoff sleep, listens for fault reports, and on the deadline notes the fault
+ * naming the EP group and calls ncclCommAbort, so a dead peer never hangs a rank.
+ * Buffers: the comm_moe.c protocol hands this transport host buffers (device_buffers = false),
+ * so they are staged through pinned host and device buffers here (grow-only). Counts: int32 words
+ * (ncclInt32) for ep_alltoall, 4-byte words (ncclUint32) for ep_alltoallv. */
+#ifdef K3_HAVE_NCCL
+
+#include "k3_comm.h"
+#include "comm_internal.h"
+
+#include <cuda_runtime_api.h>
+#include <nccl.h>
+#include <stdint.h>
+#include <stdio.h>
+#include <stdlib.h>
+
+k3_status k3_comm_nccl_create(const k3_comm_params *p, k3_comm **out);
+
+typedef struct nccl_state {
+    k3_comm_iface iface;      /* first: c->iface points here */
+    const k3_comm_iface *mpi; /* the MPI transport's table (everything not overridden) */
+    ncclComm_t world, ep;     /* ep: NULL on the coordinator */
+    cudaStream_t stream;
+    int device;
+    void *hs, *hr, *ds, *dr; /* pinned host / device staging, send and receive */
+    size_t cap_s, cap_r;     /* bytes of each pair */
+} nccl_state;
+
+static nccl_state *N(k3_comm *c) {
+    return (nccl_state *)(uintptr_t)c->iface;
+}
+
+#define NCCL_TRY(call)                                                                             \
+    do {                                                                                           \
+        ncclResult_t r_ = (call);                                                                  \
+        if (r_ != ncclSuccess && r_ != ncclInProgress)                                             \
+            return K3_ERR(K3_ERR_COMM, "%s: %s", #call, ncclGetErrorString(r_));                   \
+    } while (0)
+#define CUDA_TRY(call)                                                                             \
+    do {                                                                                           \
+        cudaError_t e_ = (call);                                                                   \
+        if (e_ != cudaSuccess)                                                                     \
+            return K3_ERR(K3_ERR_DEVICE, "%s: %s", #call, cudaGetErrorString(e_));                 \
+    } while (0)
+
+/* Wait until comm has no pending operation (and, with_stream, the stream has drained); on the
+ * deadline note the fault, abort the communicator and fail naming `what`. */
+static k3_status nccl_wait(k3_comm *c, ncclComm_t *comm, bool with_stream, const char *what) {
+    nccl_state *st = N(c);
+    const double t0 = k3_now_s();
+    int backoff = 0;
+    for (;;) {
+        ncclResult_t a = ncclSuccess;
+        if (*comm) NCCL_TRY(ncclCommGetAsyncError(*comm, &a));
+        if (a != ncclSuccess && a != ncclInProgress)
+            return K3_ERR(K3_ERR_COMM, "nccl: %s failed: %s", what, ncclGetErrorString(a));
+        if (a == ncclSuccess) {
+            cudaError_t q = with_stream ? cudaStreamQuery(st->stream) : cudaSuccess;
+            if (q == cudaSuccess) return K3_OK;
+            if (q != cudaErrorNotReady)
+                return K3_ERR(K3_ERR_DEVICE, "nccl: %s: %s", what, cudaGetErrorString(q));
+        }
+        const double waited = k3_now_s() - t0;
+        if (waited > c->timeout_s) {
+            char g[128];
+            comm_group_name(c, g, sizeof g);
+            comm_note_wait(c, COMM_PEER_GROUP, what, waited);
+            if (*comm) ncclCommAbort(*comm);
+            *comm = NULL;
+            return K3_ERR(K3_ERR_COMM, "nccl: %s in %s did not complete within %.0f s (aborted)",
+                          what, g, c->timeout_s);
+        }
+        if (comm_fault_arrived(c)) return comm_fault_error(c, what);
+        comm_sleep(c, &backoff);
+    }
+}
+
+/* Grow one pinned + device staging pair to >= n bytes. */
+static k3_status stage_grow(void **h, void **d, size_t *cap, size_t n) {
+    if (n <= *cap) return K3_OK;
+    size_t want = *cap ? *cap : 4096;
+    while (want < n) want *= 2;
+    cudaFreeHost(*h);
+    cudaFree(*d);
+    *h = *d = NULL;
+    *cap = 0;
+    CUDA_TRY(cudaMallocHost(h, want));
+    CUDA_TRY(cudaMalloc(d, want));
+    *cap = want;
+    return K3_OK;
+}
+
+/* The grouped exchange: to lane e send scount[e] elements at sdispl[e], from lane e receive
+ * rcount[e] at rdispl[e] (elements of 4 bytes, type dt), through the staging buffers. */
+static k3_status exchange(k3_comm *c, const void *send, const int64_t *scount,
+                          const int64_t *sdispl, void *recv, const int64_t *rcount,
+                          const int64_t *rdispl, ncclDataType_t dt, const char *what) {
+    nccl_state *st = N(c);
+    if (!st->ep) return K3_ERR(K3_ERR_STATE, "nccl: %s: this rank has no EP group", what);
+    const int E = c->n_lanes;
+    int64_t ns = 0, nr = 0; /* elements spanned */
+    for (int e = 0; e < E; e++) {
+        ns = scount[e] && sdispl[e] + scount[e] > ns ? sdispl[e] + scount[e] : ns;
+        nr = rcount[e] && rdispl[e] + rcount[e] > nr ? rdispl[e] + rcount[e] : nr;
+    }
+    K3_TRY(stage_grow(&st->hs, &st->ds, &st->cap_s, (size_t)ns * 4));
+    K3_TRY(stage_grow(&st->hr, &st->dr, &st->cap_r, (size_t)nr * 4));
+    if (ns) {
+        memcpy(st->hs, send, (size_t)ns * 4);
+        CUDA_TRY(
+            cudaMemcpyAsync(st->ds, st->hs, (size_t)ns * 4, cudaMemcpyHostToDevice, st->stream));
+    }
+    NCCL_TRY(ncclGroupStart());
+    for (int e = 0; e < E; e++) { /* counts in elements of dt (4 bytes) */
+        if (scount[e])
+            NCCL_TRY(ncclSend((const char *)st->ds + sdispl[e] * 4, (size_t)scount[e], dt, e,
+                              st->ep, st->stream));
+        if (rcount[e])
+            NCCL_TRY(ncclRecv((char *)st->dr + rdispl[e] * 4, (size_t)rcount[e], dt, e, st->ep,
+                              st->stream));
+    }
+    NCCL_TRY(ncclGroupEnd());
+    if (nr)
+        CUDA_TRY(
+            cudaMemcpyAsync(st->hr, st->dr, (size_t)nr * 4, cudaMemcpyDeviceToHost, st->stream));
+    K3_TRY(nccl_wait(c, &st->ep, true, what));
+    if (nr) memcpy(recv, st->hr, (size_t)nr * 4);
+    return K3_OK;
+}
+
+static k3_status nccl_ep_alltoall(k3_comm *c, const int32_t *send, int32_t *recv, int k,
+                                  const char *what) {
+    const int E = c->n_lanes;
+    int64_t cnt[1024], dsp[1024];
+    if (E > 1024) return K3_ERR(K3_ERR_ARG, "nccl: %d lanes (at most 1024)", E);
+    for (int e = 0; e < E; e++) cnt[e] = k, dsp[e] = (int64_t)e * k;
+    return exchange(c, send, cnt, dsp, recv, cnt, dsp, ncclInt32, what);
+}
+
+static k3_status nccl_ep_alltoallv(k3_comm *c, const void *send, const int64_t *scount,
+                                   const int64_t *sdispl, void *recv, const int64_t *rcount,
+                                   const int64_t *rdispl, const char *what) {
+    return exchange(c, send, scount, sdispl, recv, rcount, rdispl, ncclUint32, what);
+}
+
+static void nccl_release(nccl_state *st, bool abort) {
+    if (st->ep) abort ? ncclCommAbort(st->ep) : ncclCommDestroy(st->ep);
+    if (st->world) abort ? ncclCommAbort(st->world) : ncclCommDestroy(st->world);
+    st->ep = st->world = NULL;
+    if (st->stream) cudaStreamDestroy(st->stream);
+    st->stream = NULL;
+    cudaFreeHost(st->hs), cudaFreeHost(st->hr), cudaFree(st->ds), cudaFree(st->dr);
+    st->hs = st->hr = st->ds = st->dr = NULL;
+}
+
+/* Free the NCCL state (abort: communicators that may be mid-operation or failed), then the MPI
+ * transport under it. */
+static void teardown(k3_comm *c, bool abort) {
+    nccl_state *st = N(c);
+    nccl_release(st, abort);
+    c->iface = st->mpi;
+    free(st);
+    c->iface->destroy(c);
+}
+static void nccl_destroy(k3_comm *c) {
+    teardown(c, false);
+}
+
+static void nccl_abort(k3_comm *c, int code) {
+    if (c) {
+        nccl_state *st = N(c);
+        nccl_release(st, true);
+        c->iface = st->mpi; /* st is left to the exit */
+    }
+    if (c) c->iface->abort(c, code);
+}
+
+static int local_rank(void) {
+    const char *v[3] = {"OMPI_COMM_WORLD_LOCAL_RANK", "SLURM_LOCALID", "MPI_LOCALRANKID"};
+    for (int i = 0; i < 3; i++) {
+        const char *s = getenv(v[i]);
+        if (s && *s) return atoi(s);
+    }
+    return 0;
+}
+
+static k3_status nccl_init(k3_comm *c, nccl_state *st) {
+    int n_dev = 0;
+    CUDA_TRY(cudaGetDeviceCount(&n_dev));
+    st->device = local_rank() % n_dev;
+    CUDA_TRY(cudaSetDevice(st->device));
+    CUDA_TRY(cudaStreamCreateWithFlags(&st->stream, cudaStreamNonBlocking));
+    ncclUniqueId id;
+    memset(&id, 0, sizeof id);
+    if (c->rank == 0) NCCL_TRY(ncclGetUniqueId(&id));
+    K3_TRY(c->iface->bcast(c, 0, &id, sizeof id)); /* MPI_Bcast over the world, bytes */
+    ncclConfig_t cfg = NCCL_CONFIG_INITIALIZER;
+    cfg.blocking = 0;
+    NCCL_TRY(ncclCommInitRankConfig(&st->world, c->size, id, c->rank, &cfg));
+    K3_TRY(nccl_wait(c, &st->world, false, "NCCL world communicator set-up"));
+    ncclConfig_t cfg2 = NCCL_CONFIG_INITIALIZER;
+    cfg2.blocking = 0;
+    NCCL_TRY(ncclCommSplit(st->world, c->stage >= 0 ? c->stage : NCCL_SPLIT_NOCOLOR,
+                           c->lane >= 0 ? c->lane : 0, &st->ep, &cfg2));
+    K3_TRY(nccl_wait(c, st->ep ? &st->ep : &st->world, false, "NCCL EP group split"));
+    return K3_OK;
+}
+
+k3_status k3_comm_nccl_create(const k3_comm_params *p, k3_comm **out) {
+    K3_TRY(k3_comm_mpi_create(p, out));
+    k3_comm *c = *out;
+    nccl_state *st = calloc(1, sizeof *st);
+    if (!st) {
+        c->iface->destroy(c);
+        *out = NULL;
+        return K3_ERR(K3_ERR_NOMEM, "nccl transport state");
+    }
+    st->mpi = c->iface;
+    st->iface = *c->iface;
+    st->iface.name = "nccl";
+    st->iface.destroy = nccl_destroy;
+    st->iface.abort = nccl_abort;
+    st->iface.ep_alltoall = nccl_ep_alltoall;
+    st->iface.ep_alltoallv = nccl_ep_alltoallv;
+    c->iface = &st->iface;
+    k3_status s = nccl_init(c, st);
+    if (s != K3_OK) {
+        teardown(c, true);
+        *out = NULL;
+    }
+    return s;
+}
+
+#else
+typedef int k3_comm_nccl_unused; /* an empty translation unit is not ISO C */
+#endif /* K3_HAVE_NCCL */
