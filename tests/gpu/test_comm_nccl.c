@@ -6,20 +6,14 @@
  * Without a device it prints one SKIP line and exits 77. */
 #include "k3_comm.h"
 #include "k3_kernels.h"
-#include "k3_kernels_internal.h" /* k3_backend_cuda_devices */
 #include "k3_test.h"
+#include "gpu/k3_gpu_test.h"
 
 #include <mpi.h>
 #include <string.h>
 
 int main(int argc, char **argv) {
-    char why[256] = "";
-    if (k3_backend_cuda_devices(why, sizeof why) < 1) {
-        char *r = strchr(why, '(');
-        if (r && why[strlen(why) - 1] == ')') why[strlen(why) - 1] = '\0';
-        printf("SKIP: no CUDA device visible: %s\n", r ? r + 1 : why);
-        return 77;
-    }
+    if (k3_gpu_skip()) return 77;
     MPI_Init(&argc, &argv);
     k3_comm_params prm = {.n_stages = 1, .n_lanes = 1, .first_worker = 0, .timeout_s = 60};
     k3_comm *c = NULL;

@@ -12,6 +12,7 @@
 #include "k3_kernels_internal.h"
 #include "k3_test.h"
 #include "tolerances.h"
+#include "gpu/k3_gpu_test.h"
 
 #include <stdlib.h>
 #include <string.h>
@@ -552,14 +553,7 @@ static const struct {
 _Static_assert(sizeof(k_tests) / sizeof(k_tests[0]) == K3_OP_COUNT, "one test per op");
 
 int main(void) {
-    char why[256] = "";
-    if (k3_backend_cuda_devices(why, sizeof why) < 1) {
-        /* why = "no CUDA device visible (reason)": print "SKIP: no CUDA device visible: reason" */
-        char *r = strchr(why, '(');
-        if (r && why[strlen(why) - 1] == ')') why[strlen(why) - 1] = '\0';
-        printf("SKIP: no CUDA device visible: %s\n", r ? r + 1 : why);
-        return 77;
-    }
+    if (k3_gpu_skip()) return 77;
     printf("test_cuda_ops seed %llu\n", (unsigned long long)k_seed);
     k3_rng_seed(&g_rng, k_seed);
     K3_CHECK_OK(k3_backend_create("ref", NULL, &g_ref));
