@@ -76,7 +76,10 @@ static void bind_rank(rank_ctx *r) {
                 r->where[r->rank].host);
         return;
     }
-    const bool gpu = r->o->backend && strcmp(r->o->backend, "cuda") == 0;
+    /* a GPU rank binds near its device (cuda, or an unresolved auto; no GPU found: a plain
+       share of the node) */
+    const char *be = r->o->backend ? r->o->backend : "auto";
+    const bool gpu = strcmp(be, "cpu") != 0 && strcmp(be, "ref") != 0 && strcmp(be, "guard") != 0;
     k3_bind_info b;
     k3_status st = k3_bind_apply(local, n_local, gpu, &b);
     if (st != K3_OK) { /* a machine without the rights or the topology: run unbound, say so */
