@@ -133,6 +133,16 @@ k3_status k3_engine_heartbeat(k3_engine *e) {
     return k3_comm_beat(e->r.comm);
 }
 
+bool k3_engine_rank_busy(const k3_engine *e, int rank, double *busy_s, uint64_t *steps) {
+    const rank_ctx *r = &e->r;
+    if (!r->coord || !r->rank_busy_s || rank < 0 || rank >= r->world ||
+        (r->plan.first_worker == 1 && rank == 0))
+        return false;
+    *busy_s = r->rank_busy_s[rank];
+    *steps = r->rank_steps[rank];
+    return true;
+}
+
 int k3_engine_pending(const k3_engine *e) {
     return e->r.coord ? rank_coord_pending(&e->r) : 0;
 }

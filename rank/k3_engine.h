@@ -179,7 +179,11 @@ void k3_engine_get_stats(const k3_engine *e, k3_engine_stats *out);
 /* Rank r's (stage, lane) and bytes read, for reports (rank 0; false past the world). */
 bool k3_engine_rank_info(const k3_engine *e, int rank, int *stage, int *lane, uint64_t *bytes_read,
                          uint64_t *plan_weight_bytes, double *load_s);
-/* Seconds rank r spent inside forward steps (its MoE exchanges included) — its busy time; the
- * pipeline bubble is 1 - busy / wall. Gathered by k3_engine_close into *final's busy_s. */
+/* Rank 0, live: the seconds worker rank r has spent inside forward steps (its MoE exchanges
+ * included) and how many steps, as the LOGITS messages reported them so far (each carries the
+ * step time of every stage of its lane). False for a rank that runs no stage or past the world.
+ * The pipeline bubble is 1 - busy / wall; k3_engine_close gathers the exact totals into
+ * *final's busy_s. */
+bool k3_engine_rank_busy(const k3_engine *e, int rank, double *busy_s, uint64_t *steps);
 
 #endif /* K3_ENGINE_H */

@@ -135,7 +135,9 @@ typedef struct rank_ctx {
     uint64_t logits_bytes;
     int n_logits_msgs;
     int64_t prompt_tokens, gen_tokens;
-    uint64_t n_steps;                               /* forward steps the coordinator sent */
+    uint64_t n_steps;     /* forward steps the coordinator sent */
+    double *rank_busy_s;  /* [world] forward time of each rank so far (from the LOGITS) */
+    uint64_t *rank_steps; /* [world] its steps counted there */
     uint64_t moe_dispatch_bytes, moe_combine_bytes; /* world sums, at close */
 } rank_ctx;
 

@@ -433,7 +433,7 @@ static void on_logits(rank_ctx *r, const step_msg *m) {
                            src_stage, m->h.n_meta));
     int g = mt[0], stepi = mt[1], all = mt[2], ns = mt[3];
     if (g < 0 || g >= r->n_groups || stepi != r->groups[g].step || r->groups[g].pending <= 0 ||
-        ns < 0 || m->h.n_meta != META_HDR + META_SEQ * ns)
+        ns < 0 || m->h.n_meta != META_HDR + META_SEQ * ns + r->plan.n_stages)
         rank_die(r,
                  K3_ERR(K3_ERR_FORMAT,
                         "LOGITS from rank %d: group %d step %d (expected step %d), %d sequences",
@@ -449,6 +449,12 @@ static void on_logits(rank_ctx *r, const step_msg *m) {
                         m->src, (long long)m->h.R, (long long)m->h.D, (long long)R, (long long)V));
     r->logits_bytes += m->n_bytes;
     r->n_logits_msgs++;
+    const int32_t *busy_us = mt + META_HDR + META_SEQ * ns; /* per stage of lane e (wire.h) */
+    for (int s = 0; s < r->plan.n_stages; s++) {
+        int w = k3_plan_rank(&r->plan, s, e);
+        r->rank_busy_s[w] += busy_us[s] * 1e-6;
+        r->rank_steps[w]++;
+    }
     if (!r->worker) rank_hooks_maybe_die(r, r->n_logits_msgs);
     int64_t row = 0;
     for (int j = 0; j < ns; j++) {
@@ -511,6 +517,10 @@ void rank_coord_init(rank_ctx *r) {
     r->meta_cap = META_HDR + META_SEQ * (int64_t)r->max_seqs + r->max_tokens;
     RTRY(r, k3_alloc((void **)&r->meta, (size_t)r->meta_cap * sizeof(int32_t), "step meta"));
     RTRY(r, k3_alloc((void **)&r->row, (size_t)r->cfg.vocab_size * sizeof(float), "logprob row"));
+    RTRY(r, k3_calloc((void **)&r->rank_busy_s, (size_t)r->world * sizeof *r->rank_busy_s,
+                      "per-rank busy time"));
+    RTRY(r, k3_calloc((void **)&r->rank_steps, (size_t)r->world * sizeof *r->rank_steps,
+                      "per-rank steps"));
     r->last_progress = k3_now_s();
 }
 
@@ -539,6 +549,8 @@ void rank_coord_destroy(rank_ctx *r) {
     r->n_reqs = r->cap_reqs = r->n_ev = r->cap_ev = r->n_ev_mem = r->cap_ev_mem = 0;
     k3_free(r->groups), k3_free(r->slot_req), k3_free(r->meta), k3_free(r->row);
     r->groups = NULL, r->slot_req = NULL, r->meta = NULL, r->row = NULL;
+    k3_free(r->rank_busy_s), k3_free(r->rank_steps);
+    r->rank_busy_s = NULL, r->rank_steps = NULL;
 }
 
 static bool any_in_flight(const rank_ctx *r) {

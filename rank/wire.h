@@ -14,7 +14,9 @@
 #include <stddef.h>
 #include <stdint.h>
 
-#define K3_WIRE_VERSION 4 /* 2: slots + OPEN/WANT flags; 3: the progress heartbeat; 4: NF flag */
+#define K3_WIRE_VERSION                                                                            \
+    5 /* 2: slots + OPEN/WANT flags; 3: the progress heartbeat; 4: NF flag;                        \
+         5: per-stage busy time on ACTIV/LOGITS */
 
 typedef struct k3_wire_step {
     uint32_t version; /* K3_WIRE_VERSION */
@@ -46,6 +48,10 @@ _Static_assert(sizeof(k3_wire_progress) == 32 && offsetof(k3_wire_progress, done
 
 #define META_HDR 4 /* group, step, all_logits, n_seqs */
 #define META_SEQ 3 /* per sequence: slot (on the lane), n_tokens, flags */
+/* Meta of a message: META_HDR | META_SEQ per sequence | then BATCH: the T token ids; ACTIV and
+ * LOGITS: S int32, the microseconds each stage of the lane spent in its forward of this step
+ * (the stages downstream of the sender still 0). The coordinator gets every rank's step time from
+ * the LOGITS without another message. */
 /* Sequence flags. OPEN: a new sequence starts in this slot (the worker resets the slot's caches;
  * this is how workers learn of sequences — there is no separate message, so an OPEN can never
  * overtake or trail the step it belongs to). WANT: its last row of the step is sampled (the

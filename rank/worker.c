@@ -54,7 +54,8 @@ void rank_worker_init(rank_ctx *r) {
     RTRY(r, k3_calloc((void **)&r->bstates, ns * sizeof *r->bstates, "batch states"));
     RTRY(r, k3_calloc((void **)&r->bntok, ns * sizeof *r->bntok, "batch tokens"));
     RTRY(r, k3_calloc((void **)&r->bnf, ns * sizeof *r->bnf, "batch non-finite marks"));
-    RTRY(r, k3_calloc((void **)&r->wmeta, (META_HDR + META_SEQ * ns) * sizeof *r->wmeta,
+    RTRY(r, k3_calloc((void **)&r->wmeta,
+                      (META_HDR + META_SEQ * ns + (size_t)r->plan.n_stages) * sizeof *r->wmeta,
                       "step meta (out)"));
     for (int i = 0; i < r->max_seqs; i++)
         RTRY(r, k3_seq_state_create(r->st, r->max_ctx, &r->states[i]));
@@ -131,6 +132,10 @@ void rank_worker_step(rank_ctx *r, const step_msg *m) {
                                who, m->h.n_meta, (long long)m->n_f32, (long long)T));
         tokens = mt + META_HDR + META_SEQ * n_seqs;
     } else {
+        if (m->h.n_meta != META_HDR + META_SEQ * n_seqs + S)
+            rank_die(r,
+                     K3_ERR(K3_ERR_FORMAT, "ACTIV from %s: %d meta for %d sequences and %d stages",
+                            who, m->h.n_meta, n_seqs, S));
         if (m->h.T != T || m->h.D != D || m->h.n_bank < 0 ||
             m->h.n_bank > k3_activ_max_bank(&r->cfg) ||
             m->n_f32 != T * D * (1 + (int64_t)m->h.n_bank))
@@ -185,8 +190,19 @@ void rank_worker_step(rank_ctx *r, const step_msg *m) {
         r->act.n_bank = 0;
         RTRY(r, k3_stage_idle_step(r->st));
     }
-    r->busy_s += k3_now_s() - t_busy; /* time in the forward (and its MoE exchanges) */
-    int n_meta_out = META_HDR + META_SEQ * n_seqs;
+    const double dt = k3_now_s() - t_busy;
+    r->busy_s += dt; /* time in the forward (and its MoE exchanges) */
+    /* out meta = the sequences | the busy time of each stage of this lane for this step (us):
+       upstream stages' from the ACTIV, this stage's own (wire.h) */
+    const int n_meta_seq = META_HDR + META_SEQ * n_seqs, n_meta_out = n_meta_seq + S;
+    if (mt != r->wmeta) memcpy(r->wmeta, mt, (size_t)n_meta_seq * sizeof *mt);
+    mt = r->wmeta;
+    int32_t *busy_us = r->wmeta + n_meta_seq;
+    if (r->stage > 0)
+        memcpy(busy_us, m->meta + n_meta_seq, (size_t)S * sizeof *busy_us);
+    else
+        memset(busy_us, 0, (size_t)S * sizeof *busy_us);
+    busy_us[r->stage] = (int32_t)K3_MIN(dt * 1e6, (double)INT32_MAX);
     if (r->stage == S - 1) {
         int64_t R = all_logits ? T : 0;
         float *lg = r->logits;

@@ -7,7 +7,9 @@
  * k3_prompt_tokens_total, k3_generation_tokens_total, k3_time_to_first_token_seconds,
  * k3_time_per_output_token_seconds, k3_e2e_request_latency_seconds, k3_step_seconds{rank="0"}
  * (histograms: rank 0's engine steps, the pipeline's pace as the coordinator sees it),
- * k3_num_requests_running, k3_num_requests_waiting, k3_slot_usage_ratio. */
+ * k3_rank_step_seconds{rank,stage,lane} (a summary, _sum and _count: every worker rank's time in
+ * its forward steps, reported to rank 0 inside the LOGITS messages), k3_num_requests_running,
+ * k3_num_requests_waiting, k3_slot_usage_ratio. */
 #include "server_internal.h"
 
 #include <stdio.h>
@@ -84,6 +86,17 @@ k3_status srv_metrics_text(const srv_metrics *m, int slots, k3_chat_buf *o) {
                 "mean time between tokens after the first, per request", &m->tpot));
     K3_TRY(hist(o, "k3_e2e_request_latency_seconds", "", "arrival to the last event", &m->e2e));
     K3_TRY(hist(o, "k3_step_seconds", "rank=\"0\"", "one engine step as rank 0 runs it", &m->step));
+    K3_TRY(head(o, "k3_rank_step_seconds", "summary",
+                "each worker rank's time inside its forward steps (MoE exchanges included)"));
+    for (int w = 0; w < m->n_ranks; w++) {
+        if (!m->rank_ok[w]) continue;
+        char lab[96];
+        snprintf(lab, sizeof lab, "rank=\"%d\",stage=\"%d\",lane=\"%d\"", w, m->rank_stage[w],
+                 m->rank_lane[w]);
+        K3_TRY(put(o, "k3_rank_step_seconds_sum{%s} %.9g\n", lab, m->rank_busy_s[w]));
+        K3_TRY(put(o, "k3_rank_step_seconds_count{%s} %llu\n", lab,
+                   (unsigned long long)m->rank_steps[w]));
+    }
     /* the engine places a request in a free slot at once, so at most `slots` run */
     const int running = K3_MIN(m->pending, slots), waiting = m->pending - running;
     K3_TRY(head(o, "k3_num_requests_running", "gauge", "sequences in a slot"));

@@ -302,6 +302,17 @@ k3_status k3_server_run(k3_server *s, k3_engine *e, volatile sig_atomic_t *stop)
     const double grace = s->o.grace_s > 0 ? s->o.grace_s : 10;
     double t_stop = -1;
     k3_status st = K3_OK;
+    k3_engine_stats es;
+    k3_engine_get_stats(e, &es);
+    pthread_mutex_lock(&s->mu);
+    s->m.n_ranks = K3_MIN(es.world, SRV_MAX_RANKS);
+    for (int w = 0; w < s->m.n_ranks; w++) {
+        uint64_t b = 0, pb = 0;
+        double ls = 0;
+        if (!k3_engine_rank_info(e, w, &s->m.rank_stage[w], &s->m.rank_lane[w], &b, &pb, &ls))
+            s->m.rank_stage[w] = s->m.rank_lane[w] = -1;
+    }
+    pthread_mutex_unlock(&s->mu);
     K3_LOGI("k3 serve: listening on http://%s:%d (model \"%s\", pid %d)",
             s->o.host ? s->o.host : "127.0.0.1", s->port, s->o.model_name, (int)getpid());
     while (st == K3_OK) {
@@ -346,6 +357,8 @@ k3_status k3_server_run(k3_server *s, k3_engine *e, volatile sig_atomic_t *stop)
         st = k3_engine_step(e, &ev, &n);
         pthread_mutex_lock(&s->mu);
         srv_hist_add(&s->m.step, k3_now_s() - t0);
+        for (int w = 0; w < s->m.n_ranks; w++) /* every rank's step time, from the LOGITS */
+            s->m.rank_ok[w] = k3_engine_rank_busy(e, w, &s->m.rank_busy_s[w], &s->m.rank_steps[w]);
         for (int i = 0; i < n && st == K3_OK; i++) st = route(s, &ev[i]);
         pthread_mutex_unlock(&s->mu);
     }

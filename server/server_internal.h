@@ -65,7 +65,8 @@ typedef struct srv_hist {
     uint64_t n;
 } srv_hist;
 
-#define SRV_N_STATUS 64 /* distinct (endpoint, status) pairs counted */
+#define SRV_N_STATUS  64  /* distinct (endpoint, status) pairs counted */
+#define SRV_MAX_RANKS 256 /* ranks whose step time /metrics lists */
 typedef struct srv_metrics {
     const char *status_path[SRV_N_STATUS]; /* a static route name ("/v1/models", "other") */
     int status_code[SRV_N_STATUS];
@@ -74,6 +75,12 @@ typedef struct srv_metrics {
     srv_hist ttft, tpot, e2e, step;
     int pending;  /* engine: queued + running (after the last step) */
     int admitted; /* requests admitted, not yet done */
+    /* per worker rank (k3_engine_rank_busy, copied after each step): forward time, steps */
+    int n_ranks;                 /* entries below (world, at most SRV_MAX_RANKS) */
+    bool rank_ok[SRV_MAX_RANKS]; /* false: the rank runs no stage (a dedicated coordinator) */
+    int rank_stage[SRV_MAX_RANKS], rank_lane[SRV_MAX_RANKS];
+    double rank_busy_s[SRV_MAX_RANKS];
+    uint64_t rank_steps[SRV_MAX_RANKS];
 } srv_metrics;
 
 /* ---- openai.c ----------------------------------------------------------------------------- */

@@ -329,6 +329,16 @@ def test_metrics(srv):
     assert d("k3_e2e_request_latency_seconds_count") == 1
     assert d("k3_time_per_output_token_seconds_count") == (1 if r.usage.completion_tokens > 1 else 0)
     assert metric(after, "k3_step_seconds_count", rank="0") > 0
+    # every worker rank's step time, labelled with its stage and lane; each stage of a lane does
+    # the same steps, and the request's steps add to every rank
+    ranks = [(0, 0, 0)] if srv.topology == "1x1" else [(0, 0, 0), (1, 0, 1), (2, 1, 0), (3, 1, 1)]
+    counts = []
+    for w, st, ln in ranks:
+        lb = dict(rank=str(w), stage=str(st), lane=str(ln))
+        counts.append(metric(after, "k3_rank_step_seconds_count", **lb))
+        assert d("k3_rank_step_seconds_count", **lb) >= r.usage.completion_tokens, (w, counts)
+        assert metric(after, "k3_rank_step_seconds_sum", **lb) > 0
+    assert len(set(counts)) == 1, counts
     for g in ("k3_num_requests_running", "k3_num_requests_waiting", "k3_slot_usage_ratio"):
         assert (g, ()) in after
     # one access log line for the request: id, status, tokens, TTFT, total time
