@@ -158,6 +158,7 @@ static int run_serve(const k3_args *a) {
     eo.model_dir = k3_args_str(a, "model");
     eo.tok = tok;
     eo.test_fail = getenv("K3_TEST_FAIL");
+    eo.test_force = getenv("K3_TEST_FORCE");
     eo.progress = true;
     k3_engine *e = NULL;
     rc = k3_engine_open(&eo, &e);

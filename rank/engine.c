@@ -29,6 +29,7 @@ int k3_engine_open(const k3_engine_opts *o, k3_engine **out) {
     r->worker = k3_plan_coords(&r->plan, r->rank, &r->stage, &r->lane);
     r->coord = r->rank == 0;
     k3_log_set_rank(r->rank, r->stage, r->lane);
+    rank_hooks_parse_force(r);
     double tmo = o->comm_timeout_s > 0 ? o->comm_timeout_s : 600;
     RTRY(r, k3_comm_create("mpi",
                            &(k3_comm_params){.n_stages = r->plan.n_stages,

@@ -48,6 +48,33 @@ _Noreturn void rank_die_blame(rank_ctx *r, const char *fmt, ...) {
     k3_comm_world_abort(1);
 }
 
+/* K3_TEST_FORCE="id,id,...": parsed on rank 0 once the config is known; a bad list is refused
+ * with a warning. */
+void rank_hooks_parse_force(rank_ctx *r) {
+    const char *t = r->o->test_force;
+    if (!t || !*t || r->rank != 0) return;
+    int n = 1;
+    for (const char *p = t; *p; p++) n += *p == ',';
+    if (k3_alloc((void **)&r->force, (size_t)n * sizeof *r->force, "K3_TEST_FORCE") != K3_OK)
+        return;
+    const char *p = t;
+    for (int i = 0; i < n; i++) {
+        char *end = NULL;
+        long v = strtol(p, &end, 10);
+        if (end == p || v < 0 || v >= r->cfg.vocab_size || (*end && *end != ',')) {
+            K3_LOGW("K3_TEST_FORCE: token %d ('%.20s') is not an id of the vocabulary; ignored", i,
+                    p);
+            k3_free(r->force);
+            r->force = NULL;
+            return;
+        }
+        r->force[i] = (int32_t)v;
+        p = *end ? end + 1 : end;
+    }
+    r->n_force = n;
+    K3_LOGW("K3_TEST_FORCE: every request generates these %d tokens first (a test hook)", n);
+}
+
 void rank_hooks_parse(rank_ctx *r) {
     r->fail_load_rank = r->fail_decode_rank = r->fail_decode_step = r->fail_plan_rank = -1;
     r->stall_load_rank = r->kill_load_rank = -1;

@@ -53,6 +53,9 @@ typedef struct k3_engine_opts {
     int kda_chunk;               /* k3_stage_params.kda_chunk (0 = default) */
     const char *backend;         /* kernel backend (k3_backend_create); NULL = "cpu" */
     const char *test_fail;       /* K3_TEST_FAIL value or NULL */
+    const char *test_force;      /* K3_TEST_FORCE value or NULL: "id,id,...", the tokens every
+                                    request generates first, whatever the logits (a test hook: a
+                                    random tiny model never writes e.g. a tool call by itself) */
     /* capacity (0 = the default named) */
     int max_seqs;             /* sequence slots per lane (default 8) */
     int64_t max_ctx;          /* tokens per sequence: prompt + generated (default 4096) */

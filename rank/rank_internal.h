@@ -73,6 +73,8 @@ typedef struct rank_ctx {
     bool fail_hang;     /* "hang:R:N": stop answering instead of dying */
     int fail_signal;    /* decode:R:N SIGKILL, stop:R:N SIGSTOP */
     int kill_load_rank; /* "kill-load:R": SIGKILL itself half-way through the load */
+    int32_t *force;     /* [n_force] K3_TEST_FORCE: the first tokens of every request (rank 0) */
+    int n_force;
     /* capacity */
     int max_seqs;
     int64_t max_ctx, max_tokens, chunk; /* max_tokens: per forward step of a lane */
@@ -161,6 +163,8 @@ _Noreturn void rank_die_blame(rank_ctx *r, const char *fmt, ...)
  * (SIGSTOP at step N), hang:R:N, plan:R. A worker counts its forward steps, a dedicated
  * coordinator the logits messages it received. */
 void rank_hooks_parse(rank_ctx *r);
+/* K3_TEST_FORCE (after the set-up: ids are checked against the vocabulary). */
+void rank_hooks_parse_force(rank_ctx *r);
 /* Die or hang now if the decode hook names this rank and count. */
 void rank_hooks_maybe_die(rank_ctx *r, int count);
 

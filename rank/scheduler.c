@@ -389,7 +389,9 @@ static void sample(rank_ctx *r, req_run *q, const float *logits) {
             return;
         }
     int32_t id;
-    if (k3_sampler_sample(q->smp, logits, &id) != K3_OK) {
+    if (q->n_gen < r->n_force) /* test hook K3_TEST_FORCE */
+        id = r->force[q->n_gen];
+    else if (k3_sampler_sample(q->smp, logits, &id) != K3_OK) {
         char why[300];
         snprintf(why, sizeof why, "sampling failed: %s", k3_last_error());
         fail_req(r, q, K3_EVERR_SAMPLING, why);
@@ -549,8 +551,9 @@ void rank_coord_destroy(rank_ctx *r) {
     r->n_reqs = r->cap_reqs = r->n_ev = r->cap_ev = r->n_ev_mem = r->cap_ev_mem = 0;
     k3_free(r->groups), k3_free(r->slot_req), k3_free(r->meta), k3_free(r->row);
     r->groups = NULL, r->slot_req = NULL, r->meta = NULL, r->row = NULL;
-    k3_free(r->rank_busy_s), k3_free(r->rank_steps);
-    r->rank_busy_s = NULL, r->rank_steps = NULL;
+    k3_free(r->rank_busy_s), k3_free(r->rank_steps), k3_free(r->force);
+    r->rank_busy_s = NULL, r->rank_steps = NULL, r->force = NULL;
+    r->n_force = 0;
 }
 
 static bool any_in_flight(const rank_ctx *r) {

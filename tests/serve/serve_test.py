@@ -14,6 +14,8 @@ Groups (pytest -k):
       mid-stream (its request is cancelled: generation stops, the slot frees), greedy output ==
       `k3 run --prompt-ids` on the rendered prompt token for token, shutdown by SIGTERM (1x1:
       SIGINT) with every rank exiting 0.
+  live_tool_calls   : the same tool-call cases from the live 1x1 server, the engine made to write
+                      the completion's tokens (K3_TEST_FORCE): message and stream typed equal
   replay            : tool calls (the tiny random model never writes one): the K3 completions of
       shared/fixtures/chat go through the server's real request parser, response writer and SSE
       writer (serve_replay), and the official client's types parse them: typed arguments come
@@ -436,6 +438,47 @@ def test_replay_tool_calls(case, tools, model_dir, tmp_path):
     calls = [msg["tool_calls"][i] for i in sorted(msg["tool_calls"])]
     assert [(c["id"], c["name"], c["arguments"]) for c in calls] == \
         [(t.id, t.function.name, t.function.arguments) for t in m.tool_calls]
+
+
+# ---- tool calls from the live server (the engine forced to write them) -----------------------
+# A random tiny model never writes a tool call by itself. The test hook K3_TEST_FORCE makes the
+# engine emit given token ids first (rank 0's sampler takes them instead of sampling): the ids of
+# a real K3 completion from the fixtures, tokenized by `k3 tokenize` with the model's vocabulary. Everything else
+# is the live path: engine events -> output parser -> JSON / SSE -> the official client's types.
+@pytest.mark.parametrize("case,tools", replay_cases(), ids=lambda v: v["comment"][:40] if isinstance(v, dict) and "comment" in v else "")
+def test_live_tool_calls(case, tools, model_dir):
+    o = case["options"]
+    thinking = o["reasoning_format"] != "COMMON_REASONING_FORMAT_NONE"
+    # the fixture's completion stops at the message's close tag; a model then writes
+    # <|end_of_msg|> (K3-CHAT.md), which ends the request. Control tokens as single ids: k3 tokenize.
+    p = subprocess.run([K3, "tokenize", "--model", model_dir, "--json", case["input"] + "<|end_of_msg|>"],
+                       capture_output=True, text=True, timeout=60)
+    assert p.returncode == 0, p.stderr
+    ids = json.loads(p.stdout)["ids"]
+    s = Server(model_dir, extra=["--served-model-name", "k3-tiny"],
+               env={"K3_TEST_FORCE": ",".join(map(str, ids))})
+    try:
+        args = dict(model="k3-tiny", messages=o["messages"], tools=[tools[t] for t in o["tools"]],
+                    max_tokens=len(ids) + 8, temperature=0,
+                    extra_body={"chat_template_kwargs": {"thinking": thinking}})
+        r = s.client(key="none").chat.completions.create(**args)
+        m, exp = r.choices[0].message, case["expected"]
+        assert r.choices[0].finish_reason == "tool_calls", (r, s.text()[-2000:])
+        assert r.usage.completion_tokens == len(ids)  # the forced tokens, the last one ended it
+        assert (m.content or "") == exp["content"]
+        if thinking:
+            assert getattr(m, "reasoning_content", None) == exp["reasoning_content"]
+        got = [(t.function.name, json.loads(t.function.arguments)) for t in m.tool_calls]
+        want = [(t["name"], json.loads(t["arguments"])) for t in exp["tool_calls"]]
+        assert got == want
+        assert [[type(v) for v in a.values()] for _, a in got] == \
+            [[type(v) for v in a.values()] for _, a in want]  # typed: 1 stays an int
+        msg, _, finish, _ = collect_stream(s.client(key="none").chat.completions.create(stream=True, **args))
+        assert finish == "tool_calls" and msg["content"] == (m.content or "")
+        calls = [msg["tool_calls"][i] for i in sorted(msg["tool_calls"])]
+        assert [(c["name"], json.loads(c["arguments"])) for c in calls] == got
+    finally:
+        assert s.stop() == 0
 
 
 # ---- limits, malformed requests, 429 ----------------------------------------------------------

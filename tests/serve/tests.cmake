@@ -21,3 +21,6 @@ k3_serve_test(serve_limits limits "unit;sanitize" 180)
 k3_serve_test(serve_soak soak "mpi" 240)
 # not in the sanitize tier: it needs the writer to fill the socket buffers (megabytes of chunks)
 k3_serve_test(serve_stuck_client stuck "unit" 180)
+# the same tool-call cases from the live server: the engine writes the completion's tokens
+# (K3_TEST_FORCE), everything after the sampler is the real path
+k3_serve_test(serve_live_tools live_tool_calls "unit" 120)
