@@ -13,8 +13,8 @@ static __global__ void scores_kernel(const float *qc, const float *cache, int64_
     const int h = blockIdx.y, lane = threadIdx.x & 31;
     const int64_t j = (int64_t)blockIdx.x * (blockDim.x / 32) + (threadIdx.x >> 5);
     if (j >= n_ctx) return;
-    const float s = k3c_warp_sum(
-        k3c_gemv_part(K3C_DT_F32, false, cache + j * W, nullptr, qc + (int64_t)h * W, W, lane));
+    const float s = k3c_warp_sum(k3c_gemv_part(K3C_DT_F32, false, cache + j * W, nullptr,
+                                               qc + (int64_t)h * W, W, lane, K3C_WARP));
     if (lane == 0) work[(int64_t)h * n_ctx + j] = s * scale;
 }
 

@@ -24,8 +24,9 @@
 
 #define K3C_WARP        32  /* lanes of a warp */
 #define K3C_ROW_THREADS 256 /* threads of a per-row block (norms, softmax, AttnRes, latent) */
-#define K3C_MM_WARPS    8   /* matmul: output rows per block (one per warp) */
-#define K3C_MM_TOK      8   /* matmul: tokens per pass (accumulators per lane) */
+#define K3C_MM_ROWS     32  /* matmul: output rows per block (one per lane of a warp) */
+#define K3C_MM_SLICES   8   /* matmul: K-slices per row (one per warp of the block) */
+#define K3C_MM_TOK      8   /* matmul: tokens per pass (accumulators per thread) */
 
 /* weight dtypes as the launchers see them (mirrors k3_dtype; checked in backend_cuda.c) */
 enum { K3C_DT_F32 = 0, K3C_DT_BF16 = 1, K3C_DT_F16 = 2, K3C_DT_MXFP4 = 6 };
@@ -135,62 +136,92 @@ K3C_FN float k3c_l2_scale(float ss, float eps) {
 }
 
 /* ---- matmul: one weight row against one token ---------------------------------------------- */
-/* A lane walks chunks c = lane, lane + 32, ... of CH elements (vector path: F32 CH = 4 (float4),
- * BF16 CH = 8 (uint4), MXFP4 CH = 32 (one 16-byte group + its E8M0 scale); scalar path CH = 1),
- * each chunk in element order into one fp32 accumulator; then the warp butterfly. */
+/* A row is cut into chunks of 16 bytes of weights (vector path: F32 4 values, BF16 8, MXFP4 one
+ * 32-element group + its E8M0 scale; scalar path: 1 value, F32/BF16 only). Slice s of nl walks
+ * chunks c = s, s + nl, ... in order into one fp32 accumulator (k3c_gemv_part); the matmul adds
+ * its K3C_MM_SLICES slices in slice order (k3c_gemv_row), attn_latent meets its 32 lanes in the
+ * warp butterfly. x is read 4 floats at a time on the vector path (16-byte aligned there). */
 K3C_FN int k3c_chunk(int dt, bool vec) {
     return dt == K3C_DT_MXFP4 ? 32 : !vec ? 1 : dt == K3C_DT_F32 ? 4 : 8;
 }
-/* One chunk of row wrow (bytes of the row's data; scale row for MXFP4) at chunk index c. */
+K3C_FN float4 k3c_ldx4(const float *x, bool aligned) {
+    return aligned ? *(const float4 *)x : make_float4(x[0], x[1], x[2], x[3]);
+}
 K3C_FN float k3c_dot_chunk_f32x4(float4 w, const float *x, float acc) {
-    acc = fmaf(w.x, x[0], acc);
-    acc = fmaf(w.y, x[1], acc);
-    acc = fmaf(w.z, x[2], acc);
-    return fmaf(w.w, x[3], acc);
+    const float4 v = k3c_ldx4(x, true);
+    acc = fmaf(w.x, v.x, acc);
+    acc = fmaf(w.y, v.y, acc);
+    acc = fmaf(w.z, v.z, acc);
+    return fmaf(w.w, v.w, acc);
 }
 K3C_FN float k3c_dot_chunk_bf16x8(uint4 w, const float *x, float acc) {
     const uint32_t u[4] = {w.x, w.y, w.z, w.w};
-    for (int m = 0; m < 4; m++) {
-        acc = fmaf(k3_mxfp4_bits_to_f32(u[m] << 16), x[2 * m], acc);
-        acc = fmaf(k3_mxfp4_bits_to_f32(u[m] & 0xffff0000u), x[2 * m + 1], acc);
+    for (int m = 0; m < 4; m += 2) {
+        const float4 v = k3c_ldx4(x + 2 * m, true);
+        acc = fmaf(k3_mxfp4_bits_to_f32(u[m] << 16), v.x, acc);
+        acc = fmaf(k3_mxfp4_bits_to_f32(u[m] & 0xffff0000u), v.y, acc);
+        acc = fmaf(k3_mxfp4_bits_to_f32(u[m + 1] << 16), v.z, acc);
+        acc = fmaf(k3_mxfp4_bits_to_f32(u[m + 1] & 0xffff0000u), v.w, acc);
     }
     return acc;
 }
 /* One MXFP4 group: E2M1 codes decoded in registers; Σ code·x first, then × 2^(e-127) once (a
- * power of two: the same as scaling each element unless the group sum under/overflows). */
-K3C_FN float k3c_dot_chunk_mxfp4(uint4 p, uint8_t e, const float *x, float acc) {
+ * power of two: the same as scaling each element unless the group sum under/overflows).
+ * xa: x is 16-byte aligned. */
+K3C_FN float k3c_dot_chunk_mxfp4(uint4 p, uint8_t e, const float *x, float acc, bool xa) {
     const uint32_t u[4] = {p.x, p.y, p.z, p.w};
     float g = 0.0f;
     for (int m = 0; m < 4; m++)
-        for (int b = 0; b < 4; b++) {
-            unsigned byte = (u[m] >> (8 * b)) & 0xffu;
-            g = fmaf(k3_mxfp4_e2m1(byte & 15u), x[8 * m + 2 * b], g);
-            g = fmaf(k3_mxfp4_e2m1(byte >> 4), x[8 * m + 2 * b + 1], g);
+        for (int h = 0; h < 2; h++) { /* two bytes = 4 elements = one float4 of x */
+            const float4 v = k3c_ldx4(x + 8 * m + 4 * h, xa);
+            const unsigned b0 = (u[m] >> (16 * h)) & 0xffu, b1 = (u[m] >> (16 * h + 8)) & 0xffu;
+            g = fmaf(k3_mxfp4_e2m1(b0 & 15u), v.x, g);
+            g = fmaf(k3_mxfp4_e2m1(b0 >> 4), v.y, g);
+            g = fmaf(k3_mxfp4_e2m1(b1 & 15u), v.z, g);
+            g = fmaf(k3_mxfp4_e2m1(b1 >> 4), v.w, g);
         }
     return fmaf(k3_e8m0_to_f32(e), g, acc);
+}
+/* The 16 bytes at p, aligned (one load) or not (byte loads). */
+K3C_FN uint4 k3c_ld16(const uint8_t *p, bool aligned) {
+    if (aligned) return *(const uint4 *)p;
+    uint32_t u[4];
+    for (int m = 0; m < 4; m++)
+        u[m] = (uint32_t)p[4 * m] | (uint32_t)p[4 * m + 1] << 8 | (uint32_t)p[4 * m + 2] << 16 |
+               (uint32_t)p[4 * m + 3] << 24;
+    return make_uint4(u[0], u[1], u[2], u[3]);
 }
 /* Element i of a weight row in the scalar path (F32/BF16; MXFP4 never takes it). */
 K3C_FN float k3c_w_elem(int dt, const void *row, int64_t i) {
     return dt == K3C_DT_F32 ? ((const float *)row)[i] : k3c_bf16(((const uint16_t *)row)[i]);
 }
-/* The lane's partial of row · x (in elements). row: the row's data; srow: its E8M0 scales. */
+/* Chunk c of a row against x (the chunk's first element of the row's x). vec: weights and x
+ * 16-byte aligned (MXFP4 without vec: unaligned loads of the same group). */
+K3C_FN float k3c_gemv_chunk(int dt, bool vec, const uint8_t *row, const uint8_t *srow,
+                            const float *xc, int64_t c, float acc) {
+    if (dt == K3C_DT_MXFP4)
+        return k3c_dot_chunk_mxfp4(k3c_ld16(row + c * 16, vec), srow[c], xc, acc, vec);
+    if (vec && dt == K3C_DT_F32) return k3c_dot_chunk_f32x4(((const float4 *)row)[c], xc, acc);
+    if (vec) return k3c_dot_chunk_bf16x8(((const uint4 *)row)[c], xc, acc);
+    return fmaf(k3c_w_elem(dt, row, c), xc[0], acc);
+}
+/* Slice s of nl: the partial of row · x over chunks s, s + nl, ... (in elements). */
 K3C_FN float k3c_gemv_part(int dt, bool vec, const void *row, const uint8_t *srow, const float *x,
-                           int64_t in, int lane) {
+                           int64_t in, int s, int nl) {
     const int ch = k3c_chunk(dt, vec);
     const int64_t nch = in / ch;
     float acc = 0.0f;
-    for (int64_t c = lane; c < nch; c += K3C_WARP) {
-        const float *xc = x + c * ch;
-        if (dt == K3C_DT_MXFP4)
-            acc = k3c_dot_chunk_mxfp4(((const uint4 *)row)[c], srow[c], xc, acc);
-        else if (vec && dt == K3C_DT_F32)
-            acc = k3c_dot_chunk_f32x4(((const float4 *)row)[c], xc, acc);
-        else if (vec)
-            acc = k3c_dot_chunk_bf16x8(((const uint4 *)row)[c], xc, acc);
-        else
-            acc = fmaf(k3c_w_elem(dt, row, c), xc[0], acc);
-    }
+    for (int64_t c = s; c < nch; c += nl)
+        acc = k3c_gemv_chunk(dt, vec, (const uint8_t *)row, srow, x + c * ch, c, acc);
     return acc;
+}
+/* The matmul's whole row: its K3C_MM_SLICES partials added in slice order. */
+K3C_FN float k3c_gemv_row(int dt, bool vec, const void *row, const uint8_t *srow, const float *x,
+                          int64_t in) {
+    float v = k3c_gemv_part(dt, vec, row, srow, x, in, 0, K3C_MM_SLICES);
+    for (int s = 1; s < K3C_MM_SLICES; s++)
+        v += k3c_gemv_part(dt, vec, row, srow, x, in, s, K3C_MM_SLICES);
+    return v;
 }
 /* Element (o, i) of a weight [out, in] (matmul_tn reads columns). */
 K3C_FN float k3c_w_get(int dt, const void *data, const uint8_t *scale, int64_t in, int64_t o,
