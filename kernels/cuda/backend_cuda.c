@@ -9,7 +9,9 @@
  * arrays: they are staged through a pinned buffer into a device buffer on the stream (the host
  * waits only for the previous staging copy to finish before reusing the pinned buffer).
  *
- * Owns: the stream, the error word, the staging buffers (in the backend's context).
+ * Owns: the stream, the error word, the staging buffers (in the backend's context), and the
+ * device: local rank (OMPI_COMM_WORLD_LOCAL_RANK / SLURM_LOCALID / MPI_LOCALRANKID) modulo the
+ * visible devices, made current on whichever host thread calls an op.
  * Verified on host math only; device run pending (no GPU was available when this was written):
  * supports_op lists the ops implemented, which is not a claim that they ran on a device. */
 #include "k3_kernels.h"
@@ -17,6 +19,7 @@
 
 #include <cuda_runtime_api.h>
 #include <stdio.h>
+#include <stdlib.h>
 
 #include "cuda_launch.h"
 
@@ -25,6 +28,7 @@ _Static_assert(K3_DT_F32 == 0 && K3_DT_BF16 == 1 && K3_DT_F16 == 2 && K3_DT_MXFP
 _Static_assert(K3_MOE_TOPK_MAX_GROUPS == 1024, "cuda_math.cuh K3C_TOPK_MAX_GROUPS");
 
 typedef struct cu_ctx {
+    int device; /* local rank % visible devices (comm_nccl.c maps ranks the same way) */
     cudaStream_t stream;
     unsigned long long *err_dev;  /* one error word (device) */
     unsigned long long *err_host; /* its pinned mirror */
@@ -37,7 +41,15 @@ typedef struct cu_ctx {
 static cu_ctx *CTX(k3_backend *be) {
     return (cu_ctx *)be->ctx;
 }
-#define STREAM(be) (CTX(be)->stream)
+/* The backend's stream, with its device made current on the calling thread (the current device
+ * is per host thread; a launch on another device's stream would fail). */
+static cudaStream_t cu_stream(k3_backend *be) {
+    int cur = -1;
+    if (cudaGetDevice(&cur) != cudaSuccess || cur != CTX(be)->device)
+        cudaSetDevice(CTX(be)->device);
+    return CTX(be)->stream;
+}
+#define STREAM(be) cu_stream(be)
 
 static k3_status cu_err(cudaError_t e, const char *file, int line, const char *what) {
     return k3_set_error(K3_ERR_DEVICE, file, line, "cuda backend: %s: %s (%s)", what,
@@ -52,6 +64,7 @@ static k3_status cu_err(cudaError_t e, const char *file, int line, const char *w
 
 /* ---- memory -------------------------------------------------------------------------------- */
 static k3_status cu_alloc(k3_backend *be, size_t n, void **out) {
+    (void)cu_stream(be); /* the backend's device is current: cudaMalloc allocates there */
     CU_TRY(cudaMalloc(out, n ? n : 1));
     CU_TRY(cudaMemsetAsync(*out, 0, n ? n : 1, STREAM(be)));
     CU_TRY(cudaStreamSynchronize(STREAM(be)));
@@ -94,6 +107,7 @@ static bool cu_supports(const k3_backend *be, int op, k3_dtype wt) {
     }
 }
 static k3_status cu_memory(const k3_backend *be, size_t *fr, size_t *tot) {
+    (void)cu_stream((k3_backend *)be); /* cudaMemGetInfo reports the current device */
     CU_TRY(cudaMemGetInfo(fr, tot));
     return K3_OK;
 }
@@ -101,6 +115,7 @@ static void cu_destroy(k3_backend *be) {
     if (!be) return;
     cu_ctx *c = CTX(be);
     if (c) {
+        cudaSetDevice(c->device);
         if (c->stream) cudaStreamSynchronize(c->stream);
         cudaFree(c->err_dev);
         cudaFreeHost(c->err_host);
@@ -125,6 +140,7 @@ static const k3_backend_iface k_cuda_iface = {
 
 /* Copy a host array into the staging device buffer (stream-ordered); *dev points at it. */
 static k3_status stage(k3_backend *be, const void *host, size_t n_bytes, const void **dev) {
+    (void)cu_stream(be);
     cu_ctx *c = CTX(be);
     if (n_bytes > c->stage_cap) { /* grows rarely (first calls); never inside a warm loop */
         size_t cap = c->stage_cap ? c->stage_cap : 4096;
@@ -362,7 +378,19 @@ int k3_backend_cuda_ops_done(void) {
     return n;
 }
 
-static k3_status cu_ctx_init(cu_ctx *c) {
+/* This process's rank on its node, from the launcher's environment (0 when none says). */
+static int local_rank(void) {
+    const char *v[3] = {"OMPI_COMM_WORLD_LOCAL_RANK", "SLURM_LOCALID", "MPI_LOCALRANKID"};
+    for (int i = 0; i < 3; i++) {
+        const char *s = getenv(v[i]);
+        if (s && *s) return atoi(s);
+    }
+    return 0;
+}
+
+static k3_status cu_ctx_init(cu_ctx *c, int n_devices) {
+    c->device = local_rank() % n_devices;
+    CU_TRY(cudaSetDevice(c->device));
     CU_TRY(cudaStreamCreateWithFlags(&c->stream, cudaStreamNonBlocking));
     CU_TRY(cudaMalloc((void **)&c->err_dev, sizeof *c->err_dev));
     CU_TRY(cudaMallocHost((void **)&c->err_host, sizeof *c->err_host));
@@ -385,7 +413,7 @@ k3_status k3_backend_create_cuda(const k3_backend_params *p, k3_backend **out) {
     be->ops = &k_cuda_ops;
     be->mem_ = &k_cuda_iface;
     k3_status st = k3_calloc(&be->ctx, sizeof(cu_ctx), "cuda backend context");
-    if (st == K3_OK) st = cu_ctx_init(CTX(be));
+    if (st == K3_OK) st = cu_ctx_init(CTX(be), n);
     if (st != K3_OK) {
         cu_destroy(be);
         return st;
