@@ -49,6 +49,7 @@ timeout 60 ctest --test-dir "$BUILD" -L unit -R cuda_math --output-on-failure \
   --output-junit "$LOG/unit.xml" >"$LOG/unit.log" 2>&1
 UNIT_RC=$?
 grep -E 'cuda vs cpu|op .*FAILED|^FAIL' "$LOG/gpu.log" | sed 's/^/    /'
+[ "$GPU_RC" = 0 ] || tail -40 "$LOG/gpu.log" | sed 's/^/    | /'
 
 BENCH_RC=0
 if [ "$DEVICE" = 1 ]; then
@@ -58,6 +59,27 @@ if [ "$DEVICE" = 1 ]; then
   timeout 200 "$BUILD/tests/bench_kernels" --backend cpu --threads "$JOBS" --reps 5 \
     --json "$LOG/bench_cpu.json" >"$LOG/bench_cpu.log" 2>&1 || BENCH_RC=1
 fi
+
+# Last (least essential, slowest): the op test under compute-sanitizer memcheck (out-of-bounds
+# and misaligned device accesses the result checks might not see). A timeout is reported, not
+# failed; errors found are a failure.
+MEMCHECK=""
+if [ "$DEVICE" = 1 ]; then
+  SAN=$(command -v compute-sanitizer || echo /usr/local/cuda/bin/compute-sanitizer)
+  if [ -x "$SAN" ]; then
+    say "compute-sanitizer memcheck of test_cuda_ops (<= 150 s)"
+    (cd "$BUILD/tests" && timeout 150 "$SAN" --tool memcheck --error-exitcode 99 ./test_cuda_ops) \
+      >"$LOG/memcheck.log" 2>&1
+    case $? in
+      0) MEMCHECK="passed" ;;
+      124) MEMCHECK="TIMEOUT after 150 s (no verdict)" ;;
+      *) MEMCHECK="FAILED"; tail -30 "$LOG/memcheck.log" | sed 's/^/    | /' ;;
+    esac
+  else
+    MEMCHECK="not run (no compute-sanitizer)"
+  fi
+fi
+export MEMCHECK
 
 # One table: test verdicts (from CTest's JUnit files) and the kernels vs the H200 and vs cpu.
 python3 - "$LOG" "$DEVICE" <<'EOF'
@@ -83,6 +105,8 @@ for f in ("unit.xml", "gpu.xml"):
         else:
             v = "passed"
         print(f"{tc.get('name', '?'):<34} {v}")
+if os.environ.get("MEMCHECK"):
+    print(f"{'cuda_ops (compute-sanitizer)':<34} {os.environ['MEMCHECK']}")
 def rows(name):
     p = os.path.join(log, name)
     if not os.path.exists(p):
@@ -112,6 +136,7 @@ FAIL=""
 [ "$UNIT_RC" = 0 ] || FAIL="$FAIL cuda_math(unit)"
 [ "$GPU_RC" = 0 ] || FAIL="$FAIL gpu-tests"
 [ "$BENCH_RC" = 0 ] || FAIL="$FAIL benchmarks(see $LOG/bench_*.log)"
+[ "$MEMCHECK" != FAILED ] || FAIL="$FAIL compute-sanitizer(see $LOG/memcheck.log)"
 [ -z "$FAIL" ] || die "$FAIL"
 if [ "$DEVICE" != 1 ]; then
   say "NO CUDA DEVICE visible here: built and skipped only; nothing was verified on a device (exit 77)"

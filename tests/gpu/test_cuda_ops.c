@@ -562,11 +562,13 @@ int main(void) {
     K3_CHECK(k3_backend_cuda_ops_done() == K3_OP_COUNT, "cuda implements %d of %d ops",
              k3_backend_cuda_ops_done(), K3_OP_COUNT);
     for (size_t i = 0; i < K3_ARRAY_LEN(k_tests); i++) {
+        fprintf(stderr, "  op %s ...\n", k_tests[i].name); /* unbuffered: names a crash */
         int before = k3_t_fail;
         double t0 = k3_now_s();
         k_tests[i].fn();
         printf("  op %-14s %s (%.2f s)\n", k_tests[i].name, k3_t_fail == before ? "ok" : "FAILED",
                k3_now_s() - t0);
+        fflush(stdout); /* a device fault aborts the process: keep the lines before it */
     }
     k3_backend_destroy(g_cu);
     k3_backend_destroy(g_ref);
