@@ -27,6 +27,7 @@
 #define K3C_MM_ROWS     32  /* matmul: output rows per block (one per lane of a warp) */
 #define K3C_MM_SLICES   8   /* matmul: K-slices per row (one per warp of the block) */
 #define K3C_MM_TOK      8   /* matmul: tokens per pass (accumulators per thread) */
+#define K3C_TN_SLICES   16  /* matmul_tn: slices of the summed dimension (one per warp) */
 
 /* weight dtypes as the launchers see them (mirrors k3_dtype; checked in backend_cuda.c) */
 enum { K3C_DT_F32 = 0, K3C_DT_BF16 = 1, K3C_DT_F16 = 2, K3C_DT_MXFP4 = 6 };
@@ -233,6 +234,23 @@ K3C_FN float k3c_w_get(int dt, const void *data, const uint8_t *scale, int64_t i
                k3_e8m0_to_f32(scale[o * (in / 32) + i / 32]);
     }
     return k3c_w_elem(dt, data, k);
+}
+
+/* matmul_tn, column i of token x (x [out]): slice s of nl sums rows o = s, s + nl, ... in order;
+ * the kernel adds its K3C_TN_SLICES slices in slice order (k3c_tn_col). */
+K3C_FN float k3c_tn_part(int dt, const void *data, const uint8_t *scale, int64_t out, int64_t in,
+                         const float *x, int64_t i, int s, int nl) {
+    float acc = 0.0f;
+    for (int64_t o = s; o < out; o += nl)
+        acc = fmaf(x[o], k3c_w_get(dt, data, scale, in, o, i), acc);
+    return acc;
+}
+K3C_FN float k3c_tn_col(int dt, const void *data, const uint8_t *scale, int64_t out, int64_t in,
+                        const float *x, int64_t i) {
+    float v = k3c_tn_part(dt, data, scale, out, in, x, i, 0, K3C_TN_SLICES);
+    for (int s = 1; s < K3C_TN_SLICES; s++)
+        v += k3c_tn_part(dt, data, scale, out, in, x, i, s, K3C_TN_SLICES);
+    return v;
 }
 
 /* ---- KDA recurrent: one value column j of one head, one token ------------------------------ */

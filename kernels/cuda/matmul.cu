@@ -11,7 +11,8 @@
 // Token t's sum has the same order whatever T is (the determinism rule). This is a CUDA-core
 // GEMV/GEMM: at decode batch it is bandwidth-bound, which is what it is for; prefill at large T
 // wants a tensor-core (bf16 MMA) path that this file does not have yet (no cuBLASLt either).
-// matmul_tn: one thread per input column i, summing over o in order (coalesced across i).
+// matmul_tn: a block owns 32 columns i (one per lane: a warp reads 32 adjacent weights of a row)
+// and cuts the summed rows o into K3C_TN_SLICES slices (one per warp), added in slice order.
 //
 // Verified on host math only; device run pending.
 #include "cuda_launch.h"
@@ -77,23 +78,36 @@ static __global__ void __launch_bounds__(K3C_MM_ROWS *K3C_MM_SLICES)
     }
 }
 
-static __global__ void matmul_tn_kernel(int dt, const void *data, const uint8_t *scale, int64_t out,
-                                        int64_t in, const float *x, int64_t T, float *y) {
-    const int64_t i = (int64_t)blockIdx.x * blockDim.x + threadIdx.x;
-    if (i >= in) return;
+/* a block: 32 columns (one per lane) x K3C_TN_SLICES slices of the rows o (one per warp) */
+static __global__ void __launch_bounds__(K3C_WARP *K3C_TN_SLICES)
+    matmul_tn_kernel(int dt, const void *data, const uint8_t *scale, int64_t out, int64_t in,
+                     const float *x, int64_t T, float *y) {
+    __shared__ float part[K3C_TN_SLICES][K3C_MM_TOK][K3C_WARP];
+    const int lane = threadIdx.x & 31, s = threadIdx.x >> 5;
+    const int64_t i = (int64_t)blockIdx.x * K3C_WARP + lane;
+    const bool live = i < in;
     for (int64_t t0 = (int64_t)blockIdx.y * K3C_MM_TOK; t0 < T;
-         t0 += (int64_t)gridDim.y * K3C_MM_TOK) {
+         t0 += (int64_t)gridDim.y * K3C_MM_TOK) { /* block-uniform */
         const int nt = T - t0 < K3C_MM_TOK ? (int)(T - t0) : K3C_MM_TOK;
         float acc[K3C_MM_TOK];
 #pragma unroll
         for (int tt = 0; tt < K3C_MM_TOK; tt++) acc[tt] = 0.0f;
-        for (int64_t o = 0; o < out; o++) {
+        for (int64_t o = s; live && o < out; o += K3C_TN_SLICES) { /* k3c_tn_part, 8 tokens */
             const float w = k3c_w_get(dt, data, scale, in, o, i);
 #pragma unroll
             for (int tt = 0; tt < K3C_MM_TOK; tt++)
                 if (tt < nt) acc[tt] = fmaf(x[(t0 + tt) * out + o], w, acc[tt]);
         }
-        for (int tt = 0; tt < nt; tt++) y[(t0 + tt) * in + i] = acc[tt];
+#pragma unroll
+        for (int tt = 0; tt < K3C_MM_TOK; tt++) part[s][tt][lane] = acc[tt];
+        __syncthreads();
+        if (s == 0 && live) /* the slices in slice order (k3c_tn_col) */
+            for (int tt = 0; tt < nt; tt++) {
+                float v = part[0][tt][lane];
+                for (int s2 = 1; s2 < K3C_TN_SLICES; s2++) v += part[s2][tt][lane];
+                y[(t0 + tt) * in + i] = v;
+            }
+        __syncthreads();
     }
 }
 
@@ -135,7 +149,7 @@ extern "C" int k3c_matmul_tn(cudaStream_t s, int dt, const void *data, const uin
                              int64_t out, int64_t in, const float *x, int64_t T, float *y) {
     if (T <= 0 || in <= 0) return 0;
     if (out <= 0) return k3c_fill(s, y, T * in, 0.0f);
-    dim3 grid((unsigned)((in + 255) / 256), tok_groups(T));
-    matmul_tn_kernel<<<grid, 256, 0, s>>>(dt, data, scale, out, in, x, T, y);
+    dim3 grid((unsigned)((in + K3C_WARP - 1) / K3C_WARP), tok_groups(T));
+    matmul_tn_kernel<<<grid, K3C_WARP * K3C_TN_SLICES, 0, s>>>(dt, data, scale, out, in, x, T, y);
     return (int)cudaGetLastError();
 }
