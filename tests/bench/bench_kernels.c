@@ -162,7 +162,7 @@ int main(int argc, char **argv) {
         k3_dtype dt;
         int64_t out, in;
     } ws[3] = {{K3_DT_F32, 4096, 4096}, {K3_DT_BF16, 8192, 4096}, {K3_DT_MXFP4, 16384, 4096}};
-    const int64_t n_ew = (int64_t)1 << 22; /* elementwise: 16 MB per array */
+    const int64_t n_ew = (int64_t)1 << 24; /* elementwise: 64 MB per array, past any L3 */
     const int64_t x_floats = K3_MAX((int64_t)prefill * 16384, 2 * n_ew);
     float *x = malloc((size_t)x_floats * 4), *y = malloc((size_t)x_floats * 4);
     fill(x, x_floats, 1.0f);
