@@ -204,8 +204,9 @@ typedef struct k3_backend_params {
 
 /* Names this build knows: "ref", "cpu", "guard" (+ "cuda" with K3_CUDA). */
 k3_status k3_backend_create(const char *name, const k3_backend_params *p, k3_backend **out);
-/* "auto" -> "cuda" when this build has it, a device is visible and the cuda backend implements
- * every op of the op list; else "cpu", with the reason in why (""). Other names pass through. */
+/* "auto" -> "cuda" when this build has it, a device is visible, the cuda backend implements
+ * every op of the op list and its kernels have passed a device run (scripts/device-check.sh);
+ * else "cpu", with the reason in why (""). Other names pass through. */
 const char *k3_backend_resolve(const char *name, char *why, size_t n);
 /* The backends compiled into this build ("ref cpu guard cuda") and those usable on this machine,
  * with the reason for each one that is not ("ref cpu guard; cuda: no CUDA device visible"). */

@@ -85,6 +85,10 @@ k3_status k3_backend_create_cuda(const k3_backend_params *p, k3_backend **out);
  * fails) and the ops of K3_OP_LIST the cuda backend implements. */
 int k3_backend_cuda_devices(char *why, size_t n);
 int k3_backend_cuda_ops_done(void);
+/* Whether the cuda kernels of this source tree have passed scripts/device-check.sh on a device
+ * (K3_CUDA_DEVICE_VERIFIED in backend_cuda.c; set by the session that ran it). Until then
+ * --backend auto does not pick cuda; --backend cuda still runs them, for that check. */
+bool k3_backend_cuda_verified(void);
 #endif
 
 #endif /* K3_KERNELS_INTERNAL_H */

@@ -134,7 +134,7 @@ k3_status k3_backend_create(const char *name, const k3_backend_params *p, k3_bac
     );
 }
 
-/* Why cuda cannot serve a whole forward here ("" when it can). */
+/* Why cuda cannot run a whole forward here ("" when it can: compiled in, a device, every op). */
 static void cuda_unusable(char *why, size_t n) {
 #ifdef K3_HAVE_CUDA
     why[0] = 0;
@@ -142,6 +142,7 @@ static void cuda_unusable(char *why, size_t n) {
     int done = k3_backend_cuda_ops_done();
     if (done < K3_OP_COUNT)
         snprintf(why, n, "the cuda backend implements %d of the %d ops so far", done, K3_OP_COUNT);
+
 #else
     snprintf(why, n, "not compiled in (build with -DK3_CUDA=ON)");
 #endif
@@ -152,6 +153,12 @@ const char *k3_backend_resolve(const char *name, char *why, size_t n) {
     if (!name || strcmp(name, "auto") != 0) return name;
     char w[160];
     cuda_unusable(w, sizeof w);
+#ifdef K3_HAVE_CUDA
+    if (!w[0] && !k3_backend_cuda_verified()) /* usable (--backend cuda), not yet trusted */
+        snprintf(w, sizeof w,
+                 "its kernels have not yet passed scripts/device-check.sh on a device "
+                 "(--backend cuda runs them anyway)");
+#endif
     if (!w[0]) return "cuda";
     snprintf(why, n, "cpu, since cuda: %s", w);
     return "cpu";

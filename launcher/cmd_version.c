@@ -17,7 +17,7 @@ static int run_version(const k3_args *a) {
     printf("k3 %s (commit %s)\nbackends compiled: %s%s\nbackends usable here: %s\n",
            k3_build_version, k3_build_commit, compiled,
 #ifdef K3_HAVE_NCCL
-           " (NCCL linked; the nccl comm transport is not written yet)",
+           " (+ the nccl comm transport, not yet run on a device)",
 #else
            "",
 #endif

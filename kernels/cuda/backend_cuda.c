@@ -372,6 +372,13 @@ int k3_backend_cuda_devices(char *why, size_t n) {
     return count;
 }
 
+/* 0 until scripts/device-check.sh has passed on a device with these kernels: they were written
+ * and checked on host math only (no GPU was lent to the session that wrote them). */
+#define K3_CUDA_DEVICE_VERIFIED 0
+bool k3_backend_cuda_verified(void) {
+    return K3_CUDA_DEVICE_VERIFIED != 0;
+}
+
 int k3_backend_cuda_ops_done(void) {
     int n = 0;
     for (int op = 0; op < K3_OP_COUNT; op++) n += cu_supports(NULL, op, K3_DT_COUNT);
