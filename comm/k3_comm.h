@@ -204,8 +204,10 @@ void k3_comm_note_timeout(k3_comm *c, const int *waited, int n, const char *what
 /* The exchange (see above; call once, then end the job). out gets the verdict line; *printer is
  * true on the one rank that should print it. Never blocks longer than K3_FAULT_WINDOW_S. */
 void k3_comm_blame(k3_comm *c, char *out, size_t cap, bool *printer);
-/* Coordinator while idle: tell every worker it is alive (at most every timeout/3; cheap to call
- * often). A worker that hears nothing from the coordinator for the timeout blames it. */
+/* Coordinator: tell every worker it is alive (at most every timeout/3; cheap to call often).
+ * Every comm wait on rank 0 also beats; call it while idle outside comm. A worker that hears
+ * nothing from the coordinator for the timeout blames it, so the timeout must exceed the longest
+ * stretch rank 0 computes without entering comm (its stage's longest forward step). */
 k3_status k3_comm_beat(k3_comm *c);
 /* Seconds since the last message of any kind from world rank `peer` arrived here (since the
  * grid was created when none did). */

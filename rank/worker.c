@@ -191,6 +191,8 @@ void rank_worker_step(rank_ctx *r, const step_msg *m) {
         RTRY(r, k3_stage_idle_step(r->st));
     }
     const double dt = k3_now_s() - t_busy;
+    snprintf(doing, sizeof doing, "waiting after its forward step %d", r->n_forward);
+    k3_comm_set_doing(r->comm, doing);
     r->busy_s += dt; /* time in the forward (and its MoE exchanges) */
     /* out meta = the sequences | the busy time of each stage of this lane for this step (us):
        upstream stages' from the ACTIV, this stage's own (wire.h) */
