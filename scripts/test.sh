@@ -3,7 +3,8 @@
 # builds, and runs every tier:
 #   1. build/       (warnings as errors)       ctest tiers unit, golden, mpi, fuzz
 #   2. build-asan/  (ASan + UBSan)             ctest tier sanitize
-#   3. build-cuda/  (CUDA + NCCL configuration; its gpu tier, which skips without a device; skipped
+#   3. build-cuda/  (CUDA + NCCL build: the kernels' host-math test and the gpu tier, which skips
+#                   without a device; the whole step is skipped
 #                   without nvcc)
 #   4. clang-format check of every C/CUDA source
 # Exit status 0 only if everything passed.
@@ -29,11 +30,12 @@ cmake --build build-asan -j"$JOBS"
 ctest --test-dir build-asan -L sanitize --output-on-failure -j"$JOBS"
 
 if command -v nvcc >/dev/null 2>&1 || [ -x /usr/local/cuda/bin/nvcc ]; then
-  echo "== CUDA configuration (compile only) =="
+  echo "== CUDA + NCCL build: the kernels' host-math test and the gpu tier (skips without a device) =="
   cmake -S . -B build-cuda -DK3_CUDA=ON -DK3_NCCL=ON -DK3_WERROR=ON >/dev/null
   cmake --build build-cuda -j"$JOBS"
   build-cuda/k3 version
   # label gpu: runs on a machine with a usable device; elsewhere each test skips with its reason
+  ctest --test-dir build-cuda -R cuda_math --output-on-failure
   ctest --test-dir build-cuda -L gpu --output-on-failure
 else
   echo "== CUDA configuration: skipped (no nvcc) =="
