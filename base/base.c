@@ -152,6 +152,16 @@ float k3_f16_to_f32(uint16_t h) {
 }
 
 /* ---- time / memory ---- */
+int k3_local_rank(void) {
+    static const char *const vars[] = {"OMPI_COMM_WORLD_LOCAL_RANK", "SLURM_LOCALID",
+                                       "MPI_LOCALRANKID"};
+    for (size_t i = 0; i < K3_ARRAY_LEN(vars); i++) {
+        const char *s = getenv(vars[i]);
+        if (s && *s) return atoi(s);
+    }
+    return 0;
+}
+
 double k3_now_s(void) {
     struct timespec ts;
     clock_gettime(CLOCK_MONOTONIC, &ts);

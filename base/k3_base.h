@@ -98,6 +98,9 @@ float k3_f16_to_f32(uint16_t h);
 
 /* ---- time / memory --------------------------------------------------------------------- */
 double k3_now_s(void); /* monotonic seconds */
+/* This process's rank on its node, from the launcher's environment (OMPI_COMM_WORLD_LOCAL_RANK,
+ * SLURM_LOCALID, MPI_LOCALRANKID; 0 when none is set): which local device a rank takes. */
+int k3_local_rank(void);
 /* Allocation helpers that set a K3_ERR_NOMEM message naming `what`. 64-byte aligned. */
 k3_status k3_alloc(void **out, size_t n_bytes, const char *what);
 k3_status k3_calloc(void **out, size_t n_bytes, const char *what);

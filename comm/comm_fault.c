@@ -21,6 +21,7 @@ k3_status comm_fault_init(k3_comm *c) {
     double now = k3_now_s();
     for (size_t i = 0; i < n; i++) c->heard[i] = now;
     c->t_beat = now;
+    c->fault_from = -1;
     snprintf(c->doing, sizeof c->doing, "setting up");
     return K3_OK;
 }
@@ -93,6 +94,7 @@ static bool store_report(k3_comm *c, int src, const void *bytes, size_t n_bytes)
     c->reports[src] = rep;
     c->have[src] = true;
     c->heard[src] = k3_now_s();
+    c->fault_from = src;
     return true;
 }
 
@@ -111,7 +113,7 @@ bool comm_fault_arrived(k3_comm *c) {
 
 k3_status comm_fault_error(const k3_comm *c, const char *what) {
     char who[64];
-    comm_describe(c, c->mine.notified_by, who, sizeof who);
+    comm_describe(c, c->fault_from, who, sizeof who);
     return K3_ERR(K3_ERR_COMM, "%s: interrupted by a fault report from %s", what, who);
 }
 
@@ -150,11 +152,10 @@ static void put_rank(sbuf *b, const k3_comm *c, int r) {
             c->host[r]);
 }
 
-static void put_waits(sbuf *b, const k3_comm *c, const comm_fault_report *rep) {
+static void put_waits(sbuf *b, const comm_fault_report *rep) {
     int n = K3_MIN(rep->n_waited, K3_FAULT_MAX_WAITS);
     for (int i = 0; i < n; i++) put(b, "%s%d", i ? "," : "", rep->waited[i]);
     if (rep->n_waited > n) put(b, ",+%d", rep->n_waited - n);
-    (void)c;
 }
 
 enum { MAX_LISTED = 8 }; /* cascade entries written out; the rest are counted */
@@ -261,7 +262,7 @@ void k3_comm_blame(k3_comm *c, char *out, size_t cap, bool *printer) {
             if (rep->what[0]) put(&b, " waiting for %s", rep->what);
             if (rep->n_waited > 0) {
                 put(&b, " [ranks ");
-                put_waits(&b, c, rep);
+                put_waits(&b, rep);
                 put(&b, "]");
             }
         } else {

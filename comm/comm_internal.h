@@ -120,6 +120,7 @@ struct k3_comm {
     /* faults (comm_fault.c) */
     char doing[96];
     int fault;                   /* COMM_FAULT_* */
+    int fault_from;              /* the sender of the last fault report received, -1 none */
     comm_fault_report mine;      /* this rank's report, filled when the fault is noted */
     comm_fault_report *reports;  /* [size] reports received (have[r]) */
     bool *have;                  /* [size] */

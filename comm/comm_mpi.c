@@ -421,8 +421,19 @@ k3_status k3_comm_mpi_create(const k3_comm_params *p, k3_comm **out) {
     for (size_t i = 0; i < K3_ARRAY_LEN(arrs) && st == K3_OK; i++)
         st = k3_calloc((void **)arrs[i], (size_t)c->n_lanes * sizeof(int), "comm lane counts");
     if (st == K3_OK) st = comm_fault_init(c);
-    /* every rank's host name, for fault reports (collective: every rank gets here, failed or
-       not, so nobody waits for a rank that dropped out above) */
+    /* agree first: a rank whose set-up failed above must not leave the others in the host-name
+       collective below (count unit: one int) */
+    int bad = st != K3_OK, any_bad = 0;
+    MPI_Request req;
+    k3_status sa =
+        MPI_Iallreduce(&bad, &any_bad, 1, MPI_INT, MPI_MAX, m->world, &req) == MPI_SUCCESS
+            ? wait_req(NULL, c->timeout_s, &req, "comm set-up (allreduce)",
+                       "some rank of the world", COMM_PEER_ANY)
+            : K3_ERR(K3_ERR_COMM, "MPI_Iallreduce (comm set-up) failed");
+    if (st == K3_OK && sa != K3_OK) st = sa;
+    if (st == K3_OK && any_bad)
+        st = K3_ERR(K3_ERR_COMM, "comm set-up failed on another rank (see its message)");
+    /* every rank's host name, for fault reports */
     char host[K3_HOST_BYTES] = {0};
     int len = 0;
     char name[MPI_MAX_PROCESSOR_NAME];
@@ -430,9 +441,8 @@ k3_status k3_comm_mpi_create(const k3_comm_params *p, k3_comm **out) {
         snprintf(host, sizeof host, "%.*s", len, name);
     else if (gethostname(host, sizeof host - 1) != 0)
         snprintf(host, sizeof host, "?");
-    MPI_Request req;
     /* count unit: bytes, K3_HOST_BYTES per rank */
-    if (st == K3_OK && c->host)
+    if (st == K3_OK)
         st = MPI_Iallgather(host, K3_HOST_BYTES, MPI_BYTE, c->host, K3_HOST_BYTES, MPI_BYTE,
                             m->world, &req) == MPI_SUCCESS
                  ? wait_req(c, c->timeout_s, &req, "host names (allgather)",

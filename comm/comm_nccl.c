@@ -191,19 +191,10 @@ static void nccl_abort(k3_comm *c, int code) {
     if (c) c->iface->abort(c, code);
 }
 
-static int local_rank(void) {
-    const char *v[3] = {"OMPI_COMM_WORLD_LOCAL_RANK", "SLURM_LOCALID", "MPI_LOCALRANKID"};
-    for (int i = 0; i < 3; i++) {
-        const char *s = getenv(v[i]);
-        if (s && *s) return atoi(s);
-    }
-    return 0;
-}
-
 static k3_status nccl_init(k3_comm *c, nccl_state *st) {
     int n_dev = 0;
     CUDA_TRY(cudaGetDeviceCount(&n_dev));
-    st->device = local_rank() % n_dev;
+    st->device = k3_local_rank() % n_dev;
     CUDA_TRY(cudaSetDevice(st->device));
     CUDA_TRY(cudaStreamCreateWithFlags(&st->stream, cudaStreamNonBlocking));
     ncclUniqueId id;

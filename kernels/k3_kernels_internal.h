@@ -81,6 +81,10 @@ k3_status k3_backend_create_ref(k3_backend **out);
 k3_status k3_backend_create_guard(const k3_backend_params *p, k3_backend **out);
 #ifdef K3_HAVE_CUDA
 k3_status k3_backend_create_cuda(const k3_backend_params *p, k3_backend **out);
+/* The weight dtypes each op of the op list takes (wt = K3_DT_COUNT: the op at all): matmul and
+ * matmul_tn F32/BF16/MXFP4, to_f32 and embed_rows F32/BF16/F16, the rest none. A backend that
+ * implements an op implements it for all of these; its supports_op calls this. */
+bool k3_op_takes(int op, k3_dtype wt);
 /* Without creating anything: the CUDA devices visible (0 with *why set when none or the runtime
  * fails) and the ops of K3_OP_LIST the cuda backend implements. */
 int k3_backend_cuda_devices(char *why, size_t n);

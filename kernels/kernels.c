@@ -36,7 +36,7 @@ static k3_status host_copy(k3_backend *be, void *dst, const void *src, size_t n)
 static k3_status host_sync(k3_backend *be) {
     return K3_OK;
 }
-static bool host_supports(const k3_backend *be, int op, k3_dtype wt) {
+bool k3_op_takes(int op, k3_dtype wt) {
     if (op < 0 || op >= K3_OP_COUNT) return false;
     if (wt == K3_DT_COUNT) return true; /* the op at all */
     switch (op) {
@@ -49,6 +49,10 @@ static bool host_supports(const k3_backend *be, int op, k3_dtype wt) {
     default:
         return false; /* the other ops take no weight tensor */
     }
+}
+static bool host_supports(const k3_backend *be, int op, k3_dtype wt) {
+    (void)be;
+    return k3_op_takes(op, wt);
 }
 k3_status k3_host_memory(size_t *free_bytes, size_t *total_bytes) {
     *free_bytes = *total_bytes = 0;

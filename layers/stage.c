@@ -562,9 +562,10 @@ static k3_status check_batch(const k3_stage *s, const k3_batch *b, const k3_acti
 }
 
 /* ---- where a non-finite activation first appears (k3_batch.nonfinite) -------------------------
- * After each sub-block the stage copies its output rows to host memory and looks for NaN/Inf in
- * the rows of each sequence not yet marked: one read of [T, D] per sub-block, small beside the
- * sub-block itself (a decode step reads megabytes of weights per layer). */
+ * After each sub-block the stage looks for NaN/Inf in the output rows of each sequence not yet
+ * marked: one read of [T, D] per sub-block (in place in host memory; a device backend's rows are
+ * copied, which a device-side reduction op should replace), small beside the sub-block itself (a
+ * decode step reads megabytes of weights per layer). */
 const char *k3_nf_op_name(k3_nf_op op) {
     static const char *names[] = {"?",
                                   "embedding rows",
@@ -600,11 +601,15 @@ static k3_status check_rows(k3_stage *s, const k3_batch *b, float *y, int64_t T,
     bool open = false;
     for (int i = 0; i < b->n_seqs; i++) open |= b->nonfinite[i] == 0;
     if (!open) return K3_OK;
-    K3_TRY(k3_backend_download(s->be, s->nf_buf, y, (size_t)(T * D) * sizeof(float)));
+    const float *rows = y; /* host memory is read where it is; a device's is copied */
+    if (!k3_backend_host_visible(s->be)) {
+        K3_TRY(k3_backend_download(s->be, s->nf_buf, y, (size_t)(T * D) * sizeof(float)));
+        rows = s->nf_buf;
+    }
     int64_t t0 = 0;
     for (int i = 0; i < b->n_seqs; i++) {
         int64_t nt = b->n_tokens[i];
-        if (b->nonfinite[i] == 0 && !all_finite(s->nf_buf + t0 * D, nt * D)) {
+        if (b->nonfinite[i] == 0 && !all_finite(rows + t0 * D, nt * D)) {
             b->nonfinite[i] = k3_nf_code(layer, op);
             K3_TRY(s->be->ops->fill(s->be, y + t0 * D, nt * D, 0.0f));
         }
@@ -622,9 +627,12 @@ static k3_status check_logits(k3_stage *s, const k3_batch *b, const float *logit
         int64_t nr = all ? b->n_tokens[i] : 1;
         if (b->nonfinite[i] == 0)
             for (int64_t j = 0; j < nr && b->nonfinite[i] == 0; j++) {
-                K3_TRY(k3_backend_download(s->be, s->nf_buf, logits + (row + j) * V,
-                                           (size_t)V * sizeof(float)));
-                if (!all_finite(s->nf_buf, V)) b->nonfinite[i] = k3_nf_code(-1, K3_NF_HEAD);
+                const float *lg = logits + (row + j) * V;
+                if (!k3_backend_host_visible(s->be)) {
+                    K3_TRY(k3_backend_download(s->be, s->nf_buf, lg, (size_t)V * sizeof(float)));
+                    lg = s->nf_buf;
+                }
+                if (!all_finite(lg, V)) b->nonfinite[i] = k3_nf_code(-1, K3_NF_HEAD);
             }
         row += nr;
     }

@@ -93,18 +93,8 @@ static k3_status cu_sync(k3_backend *be) {
 /* Every op of K3_OP_LIST has a kernel; weight dtypes as ref: matmul/matmul_tn F32/BF16/MXFP4,
  * to_f32 / embed_rows F32/BF16/F16. */
 static bool cu_supports(const k3_backend *be, int op, k3_dtype wt) {
-    if (op < 0 || op >= K3_OP_COUNT) return false;
-    if (wt == K3_DT_COUNT) return true;
-    switch (op) {
-    case K3_OP_matmul:
-    case K3_OP_matmul_tn:
-        return wt == K3_DT_F32 || wt == K3_DT_BF16 || wt == K3_DT_MXFP4;
-    case K3_OP_to_f32:
-    case K3_OP_embed_rows:
-        return wt == K3_DT_F32 || wt == K3_DT_BF16 || wt == K3_DT_F16;
-    default:
-        return false;
-    }
+    (void)be;
+    return k3_op_takes(op, wt); /* every op of the list is a kernel here */
 }
 static k3_status cu_memory(const k3_backend *be, size_t *fr, size_t *tot) {
     (void)cu_stream((k3_backend *)be); /* cudaMemGetInfo reports the current device */
@@ -385,18 +375,8 @@ int k3_backend_cuda_ops_done(void) {
     return n;
 }
 
-/* This process's rank on its node, from the launcher's environment (0 when none says). */
-static int local_rank(void) {
-    const char *v[3] = {"OMPI_COMM_WORLD_LOCAL_RANK", "SLURM_LOCALID", "MPI_LOCALRANKID"};
-    for (int i = 0; i < 3; i++) {
-        const char *s = getenv(v[i]);
-        if (s && *s) return atoi(s);
-    }
-    return 0;
-}
-
 static k3_status cu_ctx_init(cu_ctx *c, int n_devices) {
-    c->device = local_rank() % n_devices;
+    c->device = k3_local_rank() % n_devices;
     CU_TRY(cudaSetDevice(c->device));
     CU_TRY(cudaStreamCreateWithFlags(&c->stream, cudaStreamNonBlocking));
     CU_TRY(cudaMalloc((void **)&c->err_dev, sizeof *c->err_dev));

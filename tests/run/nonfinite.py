@@ -6,6 +6,7 @@ whose output first held the NaN, and the rank (stage, lane) that computed it:
   layers.3.self_attn.o_proj.weight (MLA)                 -> "layer 3, MLA attention output"
   layers.1.self_attn.o_proj.weight (KDA)                 -> "layer 1, KDA attention output"
   layers.5.block_sparse_moe.shared_experts.down_proj     -> "layer 5, MoE FFN output"
+  lm_head.weight (the last stage's logits; no layer)     -> "logits (final norm + lm_head)"
 on 1 rank, and under mpirun with 2 stages x 2 lanes (layer 5 is on stage 1 there). The good
 checkpoint runs clean (no such line).
 usage: nonfinite.py MPIEXEC   (K3_BIN = the k3 binary)"""
@@ -53,9 +54,10 @@ def run(model, world=1, extra=()):
 
 
 P = "language_model.model."
-CASES = [("layers.3.self_attn.o_proj.weight", 3, "MLA attention output"),
-         ("layers.1.self_attn.o_proj.weight", 1, "KDA attention output"),
-         ("layers.5.block_sparse_moe.shared_experts.down_proj.weight", 5, "MoE FFN output")]
+CASES = [(P + "layers.3.self_attn.o_proj.weight", 3, "MLA attention output"),
+         (P + "layers.1.self_attn.o_proj.weight", 1, "KDA attention output"),
+         (P + "layers.5.block_sparse_moe.shared_experts.down_proj.weight", 5, "MoE FFN output"),
+         ("language_model.lm_head.weight", None, "logits (final norm + lm_head)")]
 
 with tempfile.TemporaryDirectory() as tmp:
     good = os.path.join(tmp, "good")
@@ -65,17 +67,19 @@ with tempfile.TemporaryDirectory() as tmp:
     for i, (tensor, layer, op) in enumerate(CASES):
         bad = os.path.join(tmp, f"bad{i}")
         shutil.copytree(good, bad)
-        poke(bad, P + tensor, BF16_NAN)
+        poke(bad, tensor, BF16_NAN)
         for world, extra in ((1, []), (4, ["--pp", "2", "--ep", "2"])):
             tag = f"NaN in {tensor}, {'1 rank' if world == 1 else '2x2'}"
             p = run(bad, world, extra)
             err = p.stderr
-            want = rf"non-finite activation \(NaN/Inf\): first in layer {layer}, {op} \(rank \d+: stage (\d+), lane \d+\)"
+            at = f"layer {layer}, " if layer is not None else ""
+            want = rf"non-finite activation \(NaN/Inf\): first in {re.escape(at + op)} \(rank \d+: stage (\d+), lane \d+\)"
             m = re.search(want, err)
-            check(p.returncode != 0 and m is not None, f"{tag}: the request fails naming layer {layer}, {op}"
+            check(p.returncode != 0 and m is not None, f"{tag}: the request fails naming {at}{op}"
                   + ("" if m else f"\n{err[-1500:]}"))
             if m and world > 1:
-                want_stage = 0 if layer < 5 else 1  # the 2-stage plan of the tiny model: layers 0-4 | 5-7
+                # the 2-stage plan of the tiny model: layers 0-4 | 5-7 and the head
+                want_stage = 0 if layer is not None and layer < 5 else 1
                 check(int(m.group(1)) == want_stage, f"{tag}: names stage {want_stage} (got {m.group(1)})")
 
 print(f"nonfinite: {len(fails)} failures")
