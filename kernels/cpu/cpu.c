@@ -28,7 +28,7 @@ static int64_t row_bytes(const k3_tensor *W) {
 }
 
 static const k3_cpu_kern *kern(k3_backend *be) {
-    return ((k3_cpu_ctx *)be->ctx)->kern;
+    return k3_cpu_kern_of(be);
 }
 
 typedef struct {
@@ -136,73 +136,6 @@ static k3_status cpu_l2norm(k3_backend *be, const float *x, int64_t T, int64_t n
     return K3_OK;
 }
 
-/* ---- KDA and latent attention: per head on the pool --------------------------------------- */
-typedef struct {
-    const float *q, *k, *v, *g, *beta;
-    int64_t n;
-    int H, dk, dv, C;
-    float scale;
-    float *S, *o, *work;
-} kda_job;
-static void kda_task(void *ctx, int64_t h) {
-    const kda_job *j = ctx;
-    int64_t sqk = (int64_t)j->H * j->dk, svo = (int64_t)j->H * j->dv;
-    float *S = j->S + h * j->dk * j->dv;
-    if (j->C > 1)
-        k3_ref_kda_head_chunked(j->q + h * j->dk, j->k + h * j->dk, j->v + h * j->dv,
-                                j->g + h * j->dk, j->beta + h, j->n, sqk, svo, j->H, j->dk, j->dv,
-                                j->scale, S, j->o + h * j->dv, j->C,
-                                j->work + (size_t)h * k3_kda_chunk_work_floats(j->C, j->dk, j->dv));
-    else
-        k3_ref_kda_head_recurrent(j->q + h * j->dk, j->k + h * j->dk, j->v + h * j->dv,
-                                  j->g + h * j->dk, j->beta + h, j->n, sqk, svo, j->H, j->dk, j->dv,
-                                  j->scale, S, j->o + h * j->dv);
-}
-static k3_status cpu_kda_recurrent(k3_backend *be, const float *q, const float *k, const float *v,
-                                   const float *g, const float *beta, int64_t n, int H, int dk,
-                                   int dv, float scale, float *S, float *o) {
-    K3_TRY(k3_kernels_check_kda(dk, dv, 1));
-    kda_job j = {q, k, v, g, beta, n, H, dk, dv, 0, scale, S, o, NULL};
-    if (n * H * dk * dv < K3_CPU_PAR_MIN_MACS) { /* a decode step of small heads: inline */
-        for (int h = 0; h < H; h++) kda_task(&j, h);
-        return K3_OK;
-    }
-    k3_pool_run(k3_cpu_pool(be), H, kda_task, &j);
-    return K3_OK;
-}
-static k3_status cpu_kda_chunked(k3_backend *be, const float *q, const float *k, const float *v,
-                                 const float *g, const float *beta, int64_t n, int H, int dk,
-                                 int dv, float scale, float *S, float *o, int C, float *work) {
-    K3_TRY(k3_kernels_check_kda(dk, dv, C));
-    kda_job j = {q, k, v, g, beta, n, H, dk, dv, C, scale, S, o, work};
-    k3_pool_run(k3_cpu_pool(be), H, kda_task, &j);
-    return K3_OK;
-}
-
-typedef struct {
-    const float *qc, *cache;
-    int64_t n_ctx;
-    int W, Rkv;
-    float scale;
-    float *o, *work;
-    const k3_cpu_kern *kern;
-} lat_job;
-static void lat_task(void *ctx, int64_t h) {
-    const lat_job *j = ctx;
-    j->kern->attn_head(j->qc + h * j->W, j->cache, j->n_ctx, j->W, j->Rkv, j->scale,
-                       j->o + h * j->Rkv, j->work + h * j->n_ctx);
-}
-static k3_status cpu_attn_latent(k3_backend *be, const float *qc, const float *cache, int64_t n_ctx,
-                                 int H, int W, int Rkv, float scale, float *o_lat, float *work) {
-    lat_job j = {qc, cache, n_ctx, W, Rkv, scale, o_lat, work, kern(be)};
-    if (n_ctx * H * W < K3_CPU_PAR_MIN_MACS) {
-        for (int h = 0; h < H; h++) lat_task(&j, h);
-        return K3_OK;
-    }
-    k3_pool_run(k3_cpu_pool(be), H, lat_task, &j);
-    return K3_OK;
-}
-
 /* Activations and softmax: the ISA's vector code, split over the pool in chunks of whole
  * vectors (every element is one function of its inputs, so chunking never changes a bit). */
 typedef struct {
@@ -297,30 +230,6 @@ static k3_status cpu_short_conv(k3_backend *be, const float *in, int64_t n, int6
     return k3_ref_ops.short_conv(be, in, n, P, K, w, state, out);
 }
 
-/* kda_gate and moe_topk: per token on the pool (each token's outputs are its own). */
-typedef struct {
-    float *r;
-    const float *dt_bias, *a_log;
-    int64_t T;
-    int H, dk;
-    bool lb_form;
-    float lb;
-} gate_job;
-static void gate_task(void *ctx, int64_t t) {
-    const gate_job *j = ctx;
-    k3_ref_kda_gate_rows(j->r, j->dt_bias, j->a_log, t, t + 1, j->H, j->dk, j->lb_form, j->lb);
-}
-static k3_status cpu_kda_gate(k3_backend *be, float *r, const float *dt_bias, const float *a_log,
-                              int64_t T, int H, int dk, bool has_lower_bound, float lower_bound) {
-    gate_job j = {r, dt_bias, a_log, T, H, dk, has_lower_bound, lower_bound};
-    if (T * H * dk < K3_CPU_PAR_MIN_MACS / 8) {
-        k3_ref_kda_gate_rows(r, dt_bias, a_log, 0, T, H, dk, has_lower_bound, lower_bound);
-        return K3_OK;
-    }
-    k3_pool_run(k3_cpu_pool(be), T, gate_task, &j);
-    return K3_OK;
-}
-
 typedef struct {
     const float *scores, *bias;
     int E, K, G, topk_group;
@@ -395,6 +304,11 @@ static k3_status cpu_rows_wsum(k3_backend *be, const float *x, const float *w, c
     return K3_OK;
 }
 
+/* ops whose bodies live in cpu_kda.c and cpu_attn.c */
+#define cpu_kda_recurrent          k3_cpu_kda_recurrent
+#define cpu_kda_chunked            k3_cpu_kda_chunked
+#define cpu_kda_gate               k3_cpu_kda_gate
+#define cpu_attn_latent            k3_cpu_attn_latent
 #define CPU_OP(name, params, args) .name = cpu_##name,
 const k3_ops k3_cpu_ops = {K3_OP_LIST(CPU_OP)};
 #undef CPU_OP

@@ -14,6 +14,7 @@
 #define K3_CPU_KERN_H
 
 #include "k3_kernels.h"
+#include "k3_kernels_internal.h"
 
 typedef struct k3_cpu_kern k3_cpu_kern;
 struct k3_cpu_kern {
@@ -35,6 +36,23 @@ struct k3_cpu_kern {
     void (*attn_head)(const float *qc, const float *cache, int64_t n_ctx, int W, int Rkv,
                       float scale, float *o, float *work);
 };
+
+/* The table of a cpu backend (its ISA's). */
+static inline const k3_cpu_kern *k3_cpu_kern_of(k3_backend *be) {
+    return ((k3_cpu_ctx *)be->ctx)->kern;
+}
+
+/* Ops of the cpu backend defined outside cpu.c (their contracts: k3_kernels.h). */
+k3_status k3_cpu_kda_recurrent(k3_backend *be, const float *q, const float *k, const float *v,
+                               const float *g, const float *beta, int64_t n, int H, int dk, int dv,
+                               float scale, float *S, float *o);
+k3_status k3_cpu_kda_chunked(k3_backend *be, const float *q, const float *k, const float *v,
+                             const float *g, const float *beta, int64_t n, int H, int dk, int dv,
+                             float scale, float *S, float *o, int C, float *work);
+k3_status k3_cpu_kda_gate(k3_backend *be, float *r, const float *dt_bias, const float *a_log,
+                          int64_t T, int H, int dk, bool has_lower_bound, float lower_bound);
+k3_status k3_cpu_attn_latent(k3_backend *be, const float *qc, const float *cache, int64_t n_ctx,
+                             int H, int W, int Rkv, float scale, float *o_lat, float *work);
 
 extern const k3_cpu_kern k3_cpu_kern_scalar;
 extern const k3_cpu_kern k3_cpu_kern_avx2;

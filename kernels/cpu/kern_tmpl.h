@@ -30,7 +30,9 @@
 
 #define NVX (32 / VL) /* vectors per MXFP4 block */
 /* Decode tiles (one token: pure weight streaming) prefetch each row this far ahead. */
+#ifndef PF_BYTES
 #define PF_BYTES 1024
+#endif
 
 /* ---- weight loaders -------------------------------------------------------------------------- */
 static inline VEC ldw_f32(const float *w) {
@@ -179,8 +181,8 @@ static float finish(const k3_tensor *W, int64_t o, const float *x, int64_t i, VE
 #define TOK_BLOCK 8
 #define K_CHUNK   512   /* a multiple of 32 and of 2·VL */
 #define XB_FLOATS 24576 /* xbuf: a decode of up to 3 tokens × 8192, or TOK_BLOCK × K_CHUNK */
-static void mm_rows(const k3_tensor *W, const float *x, int64_t T, int64_t o0, int64_t o1,
-                    float *y) {
+static void gemm_rows(const k3_tensor *W, const float *x, int64_t T, int64_t o0, int64_t o1,
+                      float *y) {
     int64_t in = W->shape[1], out = W->shape[0];
     const int64_t n_main = in - in % (2 * VL);
     const bool perm = MX_XPERM && W->dtype == K3_DT_MXFP4;
@@ -224,6 +226,17 @@ static void mm_rows(const k3_tensor *W, const float *x, int64_t T, int64_t o0, i
                 }
         }
     }
+}
+
+/* The decode path (T < 4: weight streaming): kern_gemv.h, the same per-element arithmetic. */
+#include "kern_gemv.h"
+
+static void mm_rows(const k3_tensor *W, const float *x, int64_t T, int64_t o0, int64_t o1,
+                    float *y) {
+    if (T < 4)
+        gemv_rows(W, x, T, o0, o1, y);
+    else
+        gemm_rows(W, x, T, o0, o1, y);
 }
 
 /* matmul_tn: y[t, c] = Σ_o x[t, o] W[o, c], one fused multiply-add per term in o order — the
@@ -443,6 +456,10 @@ static void attn_head(const float *qc, const float *cache, int64_t n_ctx, int W,
         for (int i = nv; i < Rkv; i++) o[i] = V_SFMA(work[k], c[i], o[i]);
     }
 }
+
+/* KDA (kern_kda.h) and latent attention (kern_attn.h) per head. */
+#include "kern_attn.h"
+#include "kern_kda.h"
 
 const k3_cpu_kern KERN_NAME = {
     .name = KERN_ISA,
