@@ -38,7 +38,7 @@ typedef struct bench_row {
 } bench_row;
 
 typedef struct bench_report {
-    const char *mode; /* "throughput", "serve", "pp-tg" */
+    const char *mode; /* "throughput", "serve", "pp-tg", "kernels", "forward" */
     bool vertical;    /* markdown as | metric | value | (one row of many fields) */
     bench_row meta;   /* hardware, versions, commit, plan, load time */
     bench_row *rows;  /* (n_rows) one per sweep point / test */
@@ -84,6 +84,46 @@ k3_status bench_parse_list(const char *flag, const char *s, int64_t lo, int64_t 
                            int cap, int *n);
 /* n random prompt ids in [0, n_vocab) from a seeded stream (never all equal for n > 1). */
 void bench_random_ids(k3_rng *rng, int64_t n_vocab, int32_t *ids, int64_t n);
+
+/* ---- this machine's limits (bench_limits.c) ------------------------------------------------ */
+/* Measured, never assumed: each bound is the BEST of `trials` trials (interference on a shared
+ * machine only slows a probe), the median beside it. */
+typedef struct bench_limits {
+    int threads, trials;
+    int64_t triad_bytes;     /* bytes of each of the three triad arrays */
+    double triad_gbs;        /* a[i] = b[i] + 3·c[i]: 3 x 4 bytes per element, best trial */
+    double triad_gbs_median; /* median trial */
+    double fma_gflops;       /* independent fp32 FMA chains in registers, best trial, per second
+                                of each thread's CPU time (time-slicing does not lower it) */
+    double fma_gflops_median;
+    double fma_gflops_wall; /* best trial by the wall clock (what the machine gave this run) */
+    double fma_trial_s;     /* the least length of one FMA trial */
+    const char *fma_isa;    /* "avx512", "avx2", or "none" (then fma_gflops is 0) */
+} bench_limits;
+/* Bytes past this machine's last-level cache: 2 x L3 (sysconf), 2 x 256 MB when unknown. */
+int64_t bench_big_bytes(void);
+/* Both probes with `threads` threads; array_bytes <= 0: bench_big_bytes(). */
+k3_status bench_measure_limits(int threads, int trials, int64_t array_bytes, bench_limits *out);
+/* One line: the bounds and how they were taken. */
+void bench_limits_describe(const bench_limits *l, char *buf, size_t n);
+/* The limits into a report's metadata: "limits" (that line), limits_threads, limits_trials,
+ * triad_gbs, triad_gbs_median, triad_array_bytes, fma_peak_gflops, fma_peak_gflops_median,
+ * fma_peak_gflops_wall, fma_trial_s, fma_peak_isa. */
+k3_status bench_put_limits(bench_row *meta, const bench_limits *l);
+
+/* ---- kernels (bench_kernels.c) -------------------------------------------------------------- */
+typedef struct bench_kernels_opts {
+    const char *backend; /* k3_backend_create name; NULL = "cpu" */
+    int threads;         /* backend pool and limit probes, >= 1 */
+    int reps;            /* timed calls of each op; each number is their median */
+    int warmups;         /* untimed calls first */
+    int64_t prefill;     /* T of the compute-bound matmuls */
+    int64_t bytes;       /* each weight matrix and elementwise array; <= 0: bench_big_bytes() */
+    uint64_t seed;       /* of the random contents */
+} bench_kernels_opts;
+/* Measure the limits, time every op; the metadata (host, backend, limits) and one row per op
+ * into rep (op, seconds, bytes, flops, gbs, triad_fraction, gflops, peak_fraction, samples_s). */
+k3_status bench_kernels_run(const bench_kernels_opts *o, bench_report *rep);
 
 /* ---- modes ----------------------------------------------------------------------------------- */
 /* `k3 bench serve` (bench_serve.c): rank-free, no MPI. Returns the exit code. */

@@ -5,8 +5,10 @@
  *   k3 bench throughput ...            offline through the engine (vLLM's `bench throughput`):
  *                                      sweeps input length x output length x concurrency
  *   k3 bench serve --base-url URL ...  online against an OpenAI-compatible server (bench_serve.c)
+ *   k3 bench kernels [--threads N ...] each kernel's GB/s and GFLOP/s against this machine's
+ *                                      measured triad bandwidth and fp32 FMA peak (bench_kernels.c)
  * The engine modes run on any S x E under mpirun (every rank opens the engine; rank 0 drives it,
- * writes the outputs); serve is one process with no MPI.
+ * writes the outputs); serve and kernels are one process with no MPI.
  *
  * Owns: the flag table (one table for all modes: each flag names the modes it applies to, and a
  * flag given to a mode it does not apply to is a usage error), the workloads and their timing.
@@ -18,6 +20,7 @@
 
 #include <stdio.h>
 #include <stdlib.h>
+#include <unistd.h>
 
 #include "bench.h"
 #include "engine_args.h"
@@ -25,18 +28,19 @@
 #include "k3_model.h"
 
 /* The modes a flag applies to. */
-enum { M_PT = 1, M_TP = 2, M_SV = 4, M_ENG = M_PT | M_TP, M_ALL = 7 };
+enum { M_PT = 1, M_TP = 2, M_SV = 4, M_KN = 8, M_ENG = M_PT | M_TP, M_ALL = 15 };
 
 /* X(name, kind, metavar, default, modes, help) */
 #define BENCH_FLAGS(X)                                                                             \
-    X("model", K3_FLAG_STR, "DIR", NULL, M_ALL,                                                    \
+    X("model", K3_FLAG_STR, "DIR", NULL, M_ENG | M_SV,                                             \
       "checkpoint directory (pp/tg, throughput); serve: the model name in request bodies "         \
       "(default: the server's first /v1/models entry)")                                            \
     X("n-prompt", K3_FLAG_STR, "N[,N]", "512", M_PT,                                               \
       "pp/tg: prompt tokens of each pp test (llama-bench's -p; 0 = none)")                         \
     X("n-gen", K3_FLAG_STR, "N[,N]", "128", M_PT,                                                  \
       "pp/tg: generated tokens of each tg test (llama-bench's -n; 0 = none)")                      \
-    X("repetitions", K3_FLAG_INT, "R", "5", M_PT, "pp/tg: timed runs of each test")                \
+    X("repetitions", K3_FLAG_INT, "R", "5", M_PT | M_KN,                                           \
+      "pp/tg: timed runs of each test; kernels: timed calls of each op (the median is reported)")  \
     X("input-len", K3_FLAG_STR, "N[,N]", "1024", M_TP | M_SV,                                      \
       "prompt tokens of each request (throughput: a comma list sweeps)")                           \
     X("output-len", K3_FLAG_STR, "N[,N]", "128", M_TP | M_SV,                                      \
@@ -58,7 +62,12 @@ enum { M_PT = 1, M_TP = 2, M_SV = 4, M_ENG = M_PT | M_TP, M_ALL = 7 };
       "ids below 1000)")                                                                           \
     X("request-timeout", K3_FLAG_FLOAT, "SEC", "600", M_SV, "serve: limit of one request")         \
     X("num-warmups", K3_FLAG_INT, "N", "1", M_ALL,                                                 \
-      "warm-up requests before each timed run (not counted)")                                      \
+      "warm-up requests before each timed run (not counted); kernels: untimed calls of each op")   \
+    X("prefill", K3_FLAG_INT, "T", "64", M_KN,                                                     \
+      "kernels: tokens of the compute-bound (prefill) matmuls")                                    \
+    X("size-mb", K3_FLAG_INT, "MB", "0", M_KN,                                                     \
+      "kernels: MB of each weight matrix, triad array and elementwise array (0 = 2 x the L3 "      \
+      "cache, so T = 1 matmuls stream from DRAM)")                                                 \
     X("seed", K3_FLAG_INT, "S", "0", M_ALL,                                                        \
       "seed of the random prompts and arrivals (sampling is greedy)")                              \
     X("output-json", K3_FLAG_STR, "FILE", NULL, M_ALL,                                             \
@@ -70,9 +79,13 @@ enum { M_PT = 1, M_TP = 2, M_SV = 4, M_ENG = M_PT | M_TP, M_ALL = 7 };
 #define FLAG_MODES(n, k, mv, d, m, h) m,
 static const k3_flag flags[] = {BENCH_FLAGS(FLAG_ENTRY) K3_ENGINE_FLAGS};
 static const int own_modes[] = {BENCH_FLAGS(FLAG_MODES)};
-/* the engine flags follow the bench's own; they apply to the engine modes */
+/* the engine flags follow the bench's own; they apply to the engine modes (--threads and
+ * --backend to kernels too) */
 static int flag_modes(int i) {
-    return i < (int)K3_ARRAY_LEN(own_modes) ? own_modes[i] : M_ENG;
+    if (i < (int)K3_ARRAY_LEN(own_modes)) return own_modes[i];
+    return strcmp(flags[i].name, "threads") == 0 || strcmp(flags[i].name, "backend") == 0
+               ? M_ENG | M_KN
+               : M_ENG;
 }
 
 static const k3_flag_alias aliases[] = {{'p', "n-prompt"}, {'n', "n-gen"}, {'r', "repetitions"}};
@@ -93,7 +106,10 @@ typedef struct bench_plan {
 /* ---- flags
  * --------------------------------------------------------------------------------------- */
 static const char *mode_name(int mode) {
-    return mode == M_PT ? "pp/tg" : mode == M_TP ? "throughput" : "serve";
+    return mode == M_PT   ? "pp/tg"
+           : mode == M_TP ? "throughput"
+           : mode == M_KN ? "kernels"
+                          : "serve";
 }
 
 static k3_status check_modes(const k3_args *a, int mode) {
@@ -399,6 +415,40 @@ static int run_engine_mode(const k3_args *a, int mode) {
     return rc;
 }
 
+/* ---- kernels
+ * -------------------------------------------------------------------------------------- */
+static int run_kernels(const k3_args *a) {
+    k3_status st = check_modes(a, M_KN);
+    if (st == K3_OK) st = nonneg(a, "repetitions", 1, 1000);
+    if (st == K3_OK) st = nonneg(a, "num-warmups", 0, 1000);
+    if (st == K3_OK) st = nonneg(a, "prefill", 1, 65536);
+    if (st == K3_OK) st = nonneg(a, "size-mb", 0, 1 << 20);
+    if (st == K3_OK) st = nonneg(a, "threads", 0, 256);
+    if (st == K3_OK) st = nonneg(a, "seed", 0, INT64_MAX);
+    const char *backend = k3_args_str(a, "backend");
+    if (st == K3_OK && !k3_engine_backend_ok(backend))
+        st = K3_ERR(K3_ERR_ARG, "--backend: '%s' is not auto, cpu, ref, guard or cuda", backend);
+    if (st != K3_OK) {
+        fprintf(stderr, "k3 bench: %s\n", k3_last_error());
+        return 2;
+    }
+    int64_t threads = k3_args_int(a, "threads");
+    bench_kernels_opts o = {.backend = k3_engine_backend_pick(backend, true),
+                            .threads = threads ? (int)threads : (int)sysconf(_SC_NPROCESSORS_ONLN),
+                            .reps = (int)k3_args_int(a, "repetitions"),
+                            .warmups = (int)k3_args_int(a, "num-warmups"),
+                            .prefill = k3_args_int(a, "prefill"),
+                            .bytes = k3_args_int(a, "size-mb") << 20,
+                            .seed = (uint64_t)k3_args_int(a, "seed")};
+    bench_report rep = {.mode = "kernels"};
+    st = bench_kernels_run(&o, &rep);
+    if (st == K3_OK)
+        st = bench_report_write(&rep, k3_args_str(a, "output-json"), k3_args_str(a, "output-csv"));
+    if (st != K3_OK) fprintf(stderr, "k3 bench: %s\n", k3_last_error());
+    bench_report_free(&rep);
+    return st == K3_OK ? 0 : st == K3_ERR_ARG ? 2 : 1;
+}
+
 static int run_bench(const k3_args *a) {
     const char *m = a->n_pos ? a->pos[0] : NULL;
     if (!m) return run_engine_mode(a, M_PT);
@@ -410,17 +460,20 @@ static int run_bench(const k3_args *a) {
         }
         return bench_serve(a);
     }
-    fprintf(stderr, "k3 bench: '%s' is not a mode (throughput, serve, or none for pp/tg)\n", m);
+    if (strcmp(m, "kernels") == 0) return run_kernels(a);
+    fprintf(stderr,
+            "k3 bench: '%s' is not a mode (throughput, serve, kernels, or none for pp/tg)\n", m);
     return 2;
 }
 
 const k3_command k3_cmd_bench = {
     .name = "bench",
-    .positional = "[throughput|serve]",
+    .positional = "[throughput|serve|kernels]",
     .min_pos = 0,
     .max_pos = 1,
     .summary = "throughput evaluation: pp/tg table (llama-bench), `throughput` offline through "
-               "the engine, `serve` online against a server (vLLM's field names)",
+               "the engine, `serve` online against a server (vLLM's field names), `kernels` each "
+               "kernel vs this machine's measured triad bandwidth and FMA peak",
     .flags = flags,
     .n_flags = (int)K3_ARRAY_LEN(flags),
     .run = run_bench,

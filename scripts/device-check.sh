@@ -111,7 +111,7 @@ def rows(name):
     p = os.path.join(log, name)
     if not os.path.exists(p):
         return {}
-    return {o["op"]: o for o in json.load(open(p)).get("ops", [])}
+    return {o["op"]: o for o in json.load(open(p)).get("results", [])}
 cu, cpu = rows("bench_cuda.json"), rows("bench_cpu.json")
 print()
 if not device:
@@ -127,8 +127,8 @@ for op, o in cu.items():
     print(f"{op:<34} {1e3 * o['seconds']:8.3f} {gbs:8.1f} {100 * gbs / HBM_GBS:5.1f}% "
           f"{tfl:8.3f} {100 * tfl / BF16_TFLOPS:6.2f}% {cms} {sp}")
 print("note: the matmuls are fp32-accumulating CUDA-core kernels (no tensor cores yet), so %bf16pk"
-      " is far from 100 by design; the MXFP4 weight (34 MB) can sit in the 50 MB L2, so its GB/s"
-      " at T=1 is an upper bound on HBM streaming.")
+      " is far from 100 by design; each weight is 2 x the host's L3 (bench_kernels --size-mb),"
+      " past the 50 MB L2 when that L3 is >= 25 MB.")
 EOF
 
 say "done in $(($(date +%s) - T0)) s (logs: $LOG/)"

@@ -1,17 +1,35 @@
-/* bench_forward.c — single-process forward throughput (never pass/fail; STYLE.md §22).
+/* bench_forward.c — single-process forward throughput against this machine's measured limits
+ * (never pass/fail; STYLE.md §22).
  *
- * For each model (--model DIR, repeatable; default: the tiny and small presets written with
- * k3_make_tiny into temp dirs): prefill tokens/s (one call of --prompt tokens) and decode
- * tokens/s (--decode steps of one token), best of --reps runs, cpu backend, --threads threads;
- * plus the weight bytes one decoded token reads (k3_config_count: non-expert weights + top-k
- * experts of every MoE layer + one embedding row) and the implied GB/s as % of this machine's
- * STREAM triad for --threads threads, and the prefill's weight FLOPs (2 · active parameters per
- * token; attention not counted) as % of its fp32 FMA peak — both measured at start
- * (bench_limits.h), no constants.
- * Prints a table; writes JSON (--json FILE, default bench_forward.json).
- * Usage: bench_forward [--model DIR]... [--threads N] [--prompt N] [--decode N] [--reps N]
- *                      [--json FILE] [--kda-chunk C] */
-#include <cjson/cJSON.h>
+ * For each model (--model DIR or --preset tiny|small, repeatable; default: the tiny and small
+ * presets written with k3_make_tiny into temp dirs), on the cpu backend with --threads threads,
+ * --reps times: prefill of --prompt random tokens into a fresh sequence (one forward call, or
+ * calls of --chunk tokens), then --decode steps of one token. Reported: the MEDIAN of the reps
+ * (and the best), as
+ *   decode:  tok/s, the weight bytes one token reads (k3_config_count: non-expert weights + top-k
+ *            experts of every MoE layer + one embedding row), GB/s = bytes x tok/s, and % of the
+ *            measured triad bandwidth (the decode bound: bytes per token / triad);
+ *   prefill: tok/s and GFLOP/s as % of the measured fp32 FMA peak, counted two ways (below).
+ * The limits are measured at start with the same thread count (launcher/bench_limits.c: best of
+ * 5 trials; arrays past the L3), never constants.
+ *
+ * FLOPs of one prefill of P tokens into an empty sequence (analytic; the kernels' extra work, the
+ * norms, gates, softmax and RoPE are not counted):
+ *   weights:   2·(A − D − L)·P + 2·L·n_calls, A = active params (k3_config_count), D = the one
+ *              embedding row in A (a lookup, no FLOPs), L = V·D the LM head (logits of the last
+ *              token of each forward call only). MLA's absorbed W_UK / W_UV products are
+ *              kv_b_proj's parameters, so they are in A already.
+ *   attention: per MLA layer Σ_{p<P} 2·(p+1)·H·(W + Rkv) = H·(W + Rkv)·P·(P + 1), with
+ *              W = kv_lora_rank + qk_rope_head_dim (scores q_abs·[c | k_pe]) and Rkv =
+ *              kv_lora_rank (o_lat = Σ p_s c_s), H = num_attention_heads; per KDA layer
+ *              P·H_kda·7·dk·dv (the recurrent delta rule per token and head: the decay of the
+ *              state dk·dv multiplies, kᵀS, the rank-1 update and qᵀS dk·dv FMAs each; the
+ *              chunked form's extra intra-chunk work is not counted).
+ * Columns: % peak of the weight FLOPs alone, and of weights + attention.
+ * Prints a table and writes JSON (--json FILE, default bench_forward.json) with every number:
+ * the host, versions, commit and limits; per model the samples of every rep.
+ * Usage: bench_forward [--model DIR | --preset tiny|small]... [--threads N] [--prompt N]
+ *                      [--decode N] [--reps N] [--chunk C] [--kda-chunk C] [--json FILE] */
 #include <stdio.h>
 #include <stdlib.h>
 
@@ -19,17 +37,24 @@
 #include "k3_model.h"
 #include "layers/tiny_model.h"
 
-#include "bench_limits.h"
+#include "bench.h"
+
+#define MAX_REPS 1000
 
 typedef struct {
-    double prefill_tok_s, decode_tok_s, decode_gbs, bytes_per_token, flops_per_token;
-} bench_res;
+    int n_prompt, n_decode, reps, chunk, kda_chunk;
+} bench_args;
+
+typedef struct {
+    double prefill_s[MAX_REPS], decode_s[MAX_REPS];
+    int64_t n_calls; /* forward calls of one prefill */
+} bench_times;
 
 static k3_backend *g_be;
 
-static k3_status bench_one(const tiny_model *m, int n_prompt, int n_decode, int reps, int kda_chunk,
-                           bench_res *r) {
+static k3_status bench_one(const tiny_model *m, const bench_args *a, bench_times *r) {
     const k3_config *c = &m->cfg;
+    const int C = a->chunk > 0 ? K3_MIN(a->chunk, a->n_prompt) : a->n_prompt;
     k3_stage_params sp = {.cfg = c,
                           .w = m->view,
                           .be = g_be,
@@ -37,50 +62,40 @@ static k3_status bench_one(const tiny_model *m, int n_prompt, int n_decode, int 
                           .layer_end = c->n_layers,
                           .first = true,
                           .last = true,
-                          .max_tokens = n_prompt,
-                          .kda_chunk = kda_chunk};
+                          .max_tokens = C,
+                          .kda_chunk = a->kda_chunk};
     k3_stage *s = NULL;
     k3_seq_state *st = NULL;
     k3_activ act = {0};
     float *logits = NULL;
     int32_t *ids = NULL;
     k3_status e = k3_stage_create(&sp, &s);
-    if (e == K3_OK) e = k3_seq_state_create(s, n_prompt + n_decode, &st);
-    if (e == K3_OK) e = k3_activ_alloc(g_be, &act, c, n_prompt);
+    if (e == K3_OK) e = k3_seq_state_create(s, a->n_prompt + a->n_decode, &st);
+    if (e == K3_OK) e = k3_activ_alloc(g_be, &act, c, C);
     if (e == K3_OK) e = k3_alloc((void **)&logits, sizeof(float) * (size_t)c->vocab_size, "logits");
     if (e == K3_OK)
-        e = k3_alloc((void **)&ids, sizeof(int32_t) * (size_t)(n_prompt + n_decode), "ids");
+        e = k3_alloc((void **)&ids, sizeof(int32_t) * (size_t)(a->n_prompt + a->n_decode), "ids");
     k3_rng rng;
     k3_rng_seed(&rng, 99);
-    for (int i = 0; e == K3_OK && i < n_prompt + n_decode; i++)
-        ids[i] = (int32_t)(k3_rng_u64(&rng) % (uint64_t)c->vocab_size);
-    double best_p = 1e30, best_d = 1e30;
-    for (int rep = 0; e == K3_OK && rep < reps; rep++) {
+    if (e == K3_OK) bench_random_ids(&rng, c->vocab_size, ids, a->n_prompt + a->n_decode);
+    r->n_calls = (a->n_prompt + C - 1) / C;
+    for (int rep = 0; e == K3_OK && rep < a->reps; rep++) {
         e = k3_seq_state_reset(st);
-        if (e != K3_OK) break;
-        int32_t n = n_prompt;
-        k3_batch b = {.n_seqs = 1, .states = &st, .n_tokens = &n, .token_ids = ids};
         double t0 = k3_now_s();
-        e = k3_stage_forward(s, &b, &act, false, logits);
+        for (int p0 = 0; e == K3_OK && p0 < a->n_prompt; p0 += C) {
+            int32_t n = K3_MIN(C, a->n_prompt - p0);
+            k3_batch b = {.n_seqs = 1, .states = &st, .n_tokens = &n, .token_ids = ids + p0};
+            e = k3_stage_forward(s, &b, &act, false, logits);
+        }
         double t1 = k3_now_s();
-        for (int i = 0; e == K3_OK && i < n_decode; i++) {
+        for (int i = 0; e == K3_OK && i < a->n_decode; i++) {
             int32_t one = 1;
             k3_batch d = {
-                .n_seqs = 1, .states = &st, .n_tokens = &one, .token_ids = ids + n_prompt + i};
+                .n_seqs = 1, .states = &st, .n_tokens = &one, .token_ids = ids + a->n_prompt + i};
             e = k3_stage_forward(s, &d, &act, false, logits);
         }
-        double t2 = k3_now_s();
-        best_p = K3_MIN(best_p, t1 - t0);
-        best_d = K3_MIN(best_d, t2 - t1);
-    }
-    k3_config_counts cc;
-    if (e == K3_OK) e = k3_config_count(c, &cc);
-    if (e == K3_OK) {
-        r->prefill_tok_s = n_prompt / best_p;
-        r->decode_tok_s = n_decode / best_d;
-        r->bytes_per_token = (double)cc.bytes_active;
-        r->flops_per_token = 2.0 * (double)cc.params_active;
-        r->decode_gbs = r->bytes_per_token * r->decode_tok_s / 1e9;
+        r->prefill_s[rep] = t1 - t0;
+        r->decode_s[rep] = k3_now_s() - t1;
     }
     k3_free(ids);
     k3_free(logits);
@@ -90,105 +105,196 @@ static k3_status bench_one(const tiny_model *m, int n_prompt, int n_decode, int 
     return e;
 }
 
+/* The analytic counts of the header comment. */
+typedef struct {
+    double weight, mla, kda;      /* FLOPs of one prefill */
+    double bytes_per_token;       /* decode: weights */
+    double state_bytes_per_token; /* decode: MLA cache read + KDA state read and written */
+    int n_mla, n_kda;
+} flop_count;
+
+static k3_status count(const k3_config *c, const bench_args *a, int64_t n_calls, flop_count *f) {
+    k3_config_counts cc;
+    K3_TRY(k3_config_count(c, &cc));
+    memset(f, 0, sizeof *f);
+    for (int l = 0; l < c->n_layers; l++) c->mixer[l] == K3_MIXER_MLA ? f->n_mla++ : f->n_kda++;
+    const double P = a->n_prompt, D = (double)c->hidden_size, L = (double)c->vocab_size * D;
+    const double body = (double)cc.params_active - D - (c->tie_word_embeddings ? 0 : L);
+    f->weight = 2 * body * P + 2 * L * (double)n_calls;
+    const double W = c->kv_lora_rank + c->qk_rope_head_dim, Rkv = c->kv_lora_rank;
+    f->mla = f->n_mla * (double)c->n_heads * (W + Rkv) * P * (P + 1);
+    const double dk = c->kda_head_dim, dv = c->kda_head_dim;
+    f->kda = f->n_kda * P * (double)c->kda_n_heads * 7 * dk * dv;
+    f->bytes_per_token = (double)cc.bytes_active;
+    const double mean_ctx = a->n_prompt + 0.5 * (a->n_decode + 1); /* cached tokens a step reads */
+    f->state_bytes_per_token =
+        f->n_mla * mean_ctx * W * 4 + f->n_kda * 2.0 * c->kda_n_heads * dk * dv * 4;
+    return K3_OK;
+}
+
+static void stats(double *v, int n, bench_stats *s) {
+    double tmp[MAX_REPS];
+    memcpy(tmp, v, (size_t)n * sizeof *v);
+    bench_stats_of(tmp, n, s);
+}
+
+static k3_status put_row(bench_report *rep, const char *label, const k3_config *c,
+                         const bench_args *a, const bench_times *t, const flop_count *f,
+                         const bench_limits *lim) {
+    bench_stats ps, ds;
+    stats((double *)t->prefill_s, a->reps, &ps);
+    stats((double *)t->decode_s, a->reps, &ds);
+    double best_p = t->prefill_s[0], best_d = t->decode_s[0];
+    for (int i = 1; i < a->reps; i++)
+        best_p = K3_MIN(best_p, t->prefill_s[i]), best_d = K3_MIN(best_d, t->decode_s[i]);
+    const double P = a->n_prompt, N = a->n_decode;
+    const double pf_w = f->weight / ps.median / 1e9,
+                 pf_t = (f->weight + f->mla + f->kda) / ps.median / 1e9;
+    const double dec = N / ds.median, gbs = f->bytes_per_token * dec / 1e9;
+    const double pk = lim->fma_gflops > 0 ? lim->fma_gflops : 1,
+                 tr = lim->triad_gbs > 0 ? lim->triad_gbs : 1;
+    bench_row *r;
+    K3_TRY(bench_add_row(rep, &r));
+    K3_TRY(bench_put_str(r, "model", "model", label));
+    K3_TRY(bench_put_num(r, "n_layers", "layers", -1, c->n_layers));
+    K3_TRY(bench_put_num(r, "n_mla_layers", NULL, -1, f->n_mla));
+    K3_TRY(bench_put_num(r, "n_kda_layers", NULL, -1, f->n_kda));
+    K3_TRY(bench_put_num(r, "hidden_size", NULL, -1, (double)c->hidden_size));
+    K3_TRY(bench_put_num(r, "prompt_tokens", "prompt", -1, P));
+    K3_TRY(bench_put_num(r, "decode_tokens", NULL, -1, N));
+    K3_TRY(bench_put_num(r, "prefill_calls", NULL, -1, (double)t->n_calls));
+    K3_TRY(bench_put_num(r, "reps", NULL, -1, a->reps));
+    K3_TRY(bench_put_num(r, "prefill_tok_s", "prefill t/s", 1, P / ps.median));
+    K3_TRY(bench_put_num(r, "prefill_tok_s_best", NULL, 1, P / best_p));
+    K3_TRY(bench_put_arr(r, "prefill_samples_s", t->prefill_s, a->reps));
+    K3_TRY(bench_put_num(r, "prefill_weight_flops", NULL, -1, f->weight));
+    K3_TRY(bench_put_num(r, "prefill_mla_attn_flops", NULL, -1, f->mla));
+    K3_TRY(bench_put_num(r, "prefill_kda_flops", NULL, -1, f->kda));
+    K3_TRY(bench_put_num(r, "prefill_gflops", "GFLOP/s (w)", 1, pf_w));
+    K3_TRY(bench_put_num(r, "peak_fraction", NULL, 4, pf_w / pk));
+    K3_TRY(bench_put_num(r, NULL, "% peak (w)", 1, 100 * pf_w / pk));
+    K3_TRY(bench_put_num(r, "prefill_gflops_with_attention", "GFLOP/s (w+attn)", 1, pf_t));
+    K3_TRY(bench_put_num(r, "peak_fraction_with_attention", NULL, 4, pf_t / pk));
+    K3_TRY(bench_put_num(r, NULL, "% peak (w+attn)", 1, 100 * pf_t / pk));
+    K3_TRY(bench_put_num(r, "decode_tok_s", "decode t/s", 1, dec));
+    K3_TRY(bench_put_num(r, "decode_tok_s_best", NULL, 1, N / best_d));
+    K3_TRY(bench_put_arr(r, "decode_samples_s", t->decode_s, a->reps));
+    K3_TRY(bench_put_num(r, "decode_bytes_per_token", NULL, -1, f->bytes_per_token));
+    K3_TRY(bench_put_num(r, NULL, "MB/token", 1, f->bytes_per_token / 1e6));
+    K3_TRY(bench_put_num(r, "decode_state_bytes_per_token", NULL, -1, f->state_bytes_per_token));
+    K3_TRY(bench_put_num(r, "decode_gbs", "GB/s", 2, gbs));
+    K3_TRY(bench_put_num(r, "decode_bound_tok_s", "bound t/s", 1, tr * 1e9 / f->bytes_per_token));
+    K3_TRY(bench_put_num(r, "triad_fraction", NULL, 4, gbs / tr));
+    return bench_put_num(r, NULL, "% triad", 1, 100 * gbs / tr);
+}
+
+static const char flop_text[] =
+    "prefill weights 2(A-D-L)P + 2L per call (A active params, D embed row, L=V*D head); MLA "
+    "attention per layer H(W+Rkv)P(P+1), W=kv_lora_rank+qk_rope_head_dim, Rkv=kv_lora_rank; KDA "
+    "per layer 7*P*H*dk*dv; decode bound = active weight bytes per token / triad";
+
 int main(int argc, char **argv) {
-    const char *models[8];
-    int n_models = 0, threads = 2, n_prompt = 128, n_decode = 32, reps = 3, kda_chunk = 0;
+    const char *models[8], *presets[8];
+    int n_models = 0, n_presets = 0, threads = 2;
+    bench_args a = {.n_prompt = 128, .n_decode = 32, .reps = 5};
     const char *json_path = "bench_forward.json";
     for (int i = 1; i < argc; i++) {
-        const char *a = argv[i], *v = i + 1 < argc ? argv[i + 1] : NULL;
+        const char *k = argv[i], *v = i + 1 < argc ? argv[i + 1] : NULL;
         if (!v) {
-            fprintf(stderr, "bench_forward: %s needs a value\n", a);
+            fprintf(stderr, "bench_forward: %s needs a value\n", k);
             return 2;
         }
-        if (strcmp(a, "--model") == 0 && n_models < 8)
+        if (strcmp(k, "--model") == 0 && n_models + n_presets < 8)
             models[n_models++] = v;
-        else if (strcmp(a, "--threads") == 0)
+        else if (strcmp(k, "--preset") == 0 && n_models + n_presets < 8)
+            presets[n_presets++] = v;
+        else if (strcmp(k, "--threads") == 0)
             threads = atoi(v);
-        else if (strcmp(a, "--prompt") == 0)
-            n_prompt = atoi(v);
-        else if (strcmp(a, "--decode") == 0)
-            n_decode = atoi(v);
-        else if (strcmp(a, "--reps") == 0)
-            reps = atoi(v);
-        else if (strcmp(a, "--kda-chunk") == 0)
-            kda_chunk = atoi(v);
-        else if (strcmp(a, "--json") == 0)
+        else if (strcmp(k, "--prompt") == 0)
+            a.n_prompt = atoi(v);
+        else if (strcmp(k, "--decode") == 0)
+            a.n_decode = atoi(v);
+        else if (strcmp(k, "--reps") == 0)
+            a.reps = atoi(v);
+        else if (strcmp(k, "--chunk") == 0)
+            a.chunk = atoi(v);
+        else if (strcmp(k, "--kda-chunk") == 0)
+            a.kda_chunk = atoi(v);
+        else if (strcmp(k, "--json") == 0)
             json_path = v;
         else {
-            fprintf(stderr, "bench_forward: unknown flag %s\n", a);
+            fprintf(stderr, "bench_forward: unknown flag %s (or more than 8 models)\n", k);
             return 2;
         }
         i++;
     }
-    if (threads < 1 || n_prompt < 1 || n_decode < 1 || reps < 1) {
-        fprintf(stderr, "bench_forward: --threads, --prompt, --decode, --reps must be >= 1\n");
+    if (threads < 1 || threads > 256 || a.n_prompt < 1 || a.n_decode < 1 || a.reps < 1 ||
+        a.reps > MAX_REPS || a.chunk < 0 || a.kda_chunk < 0) {
+        fprintf(stderr, "bench_forward: --threads in [1, 256], --prompt, --decode >= 1, --reps in "
+                        "[1, 1000], --chunk, --kda-chunk >= 0\n");
         return 2;
     }
+    if (!n_models && !n_presets) presets[n_presets++] = "tiny", presets[n_presets++] = "small";
     if (k3_backend_create("cpu", &(k3_backend_params){.n_threads = threads}, &g_be) != K3_OK) {
         fprintf(stderr, "bench_forward: %s\n", k3_last_error());
         return 1;
     }
-    const char *presets[2] = {"tiny", "small"};
-    int n_runs = n_models ? n_models : 2;
     bench_limits lim;
-    bench_measure_limits(threads, 5, 256, &lim);
-    double roof = lim.triad_gbs;
-    printf("measured with %d threads: triad %.1f GB/s, fp32 FMA peak %.1f GFLOP/s (%s)\n", threads,
-           lim.triad_gbs, lim.fma_gflops, lim.fma_isa);
-    cJSON *root = cJSON_CreateObject(), *arr = cJSON_AddArrayToObject(root, "results");
-    cJSON_AddNumberToObject(root, "threads", threads);
-    cJSON_AddNumberToObject(root, "prompt_tokens", n_prompt);
-    cJSON_AddNumberToObject(root, "decode_tokens", n_decode);
-    cJSON_AddNumberToObject(root, "triad_gbs", lim.triad_gbs);
-    cJSON_AddNumberToObject(root, "fma_peak_gflops", lim.fma_gflops);
-    cJSON_AddStringToObject(root, "backend", g_be->name);
-    printf("%-28s %8s %12s %8s %12s %12s %10s %8s\n", "model", "layers", "prefill t/s", "% peak",
-           "decode t/s", "MB/token", "GB/s", "% triad");
+    bench_report rep = {.mode = "forward"};
+    bench_row *m = &rep.meta;
+    k3_status e = bench_measure_limits(threads, 5, 0, &lim);
+    if (e == K3_OK) e = bench_meta_host(m);
+    if (e == K3_OK) e = bench_put_str(m, "backend", "backend", g_be->name);
+    if (e == K3_OK) e = bench_put_num(m, "threads", "threads", -1, threads);
+    if (e == K3_OK) e = bench_put_num(m, "repetitions", "repetitions (median)", -1, a.reps);
+    if (e == K3_OK) e = bench_put_num(m, "chunk", "prefill chunk (0 = whole)", -1, a.chunk);
+    if (e == K3_OK) e = bench_put_num(m, "kda_chunk", "kda chunk", -1, a.kda_chunk);
+    if (e == K3_OK) e = bench_put_str(m, "flop_count", "counted", flop_text);
+    if (e == K3_OK) e = bench_put_limits(m, &lim);
+    if (e == K3_OK) {
+        char how[400];
+        bench_limits_describe(&lim, how, sizeof how);
+        K3_LOGI("bench_forward: measured with %s", how);
+    }
     int rc = 0;
-    for (int i = 0; i < n_runs; i++) {
-        tiny_model m;
-        memset(&m, 0, sizeof m);
-        k3_status e;
+    for (int i = 0; e == K3_OK && i < n_models + n_presets; i++) {
+        tiny_model tm;
+        memset(&tm, 0, sizeof tm);
         char label[300];
-        if (n_models) {
-            e = tiny_open_dir(&m, models[i]);
+        if (i < n_models) {
+            e = tiny_open_dir(&tm, models[i]);
             snprintf(label, sizeof label, "%s", models[i]);
         } else {
             char tmpl[] = "/tmp/k3-bench-XXXXXX";
-            if (!mkdtemp(tmpl)) return 1;
             k3_preset p;
-            k3_preset_parse(presets[i], &p);
-            e = k3_make_tiny(tmpl, p, 1);
-            if (e == K3_OK) e = tiny_open_dir(&m, tmpl);
-            m.own_dir = true;
-            snprintf(label, sizeof label, "%s (preset)", presets[i]);
+            e = k3_preset_parse(presets[i - n_models], &p);
+            if (e == K3_OK && !mkdtemp(tmpl)) e = K3_ERR(K3_ERR_IO, "mkdtemp failed");
+            if (e == K3_OK) e = k3_make_tiny(tmpl, p, 1);
+            if (e == K3_OK) e = tiny_open_dir(&tm, tmpl);
+            tm.own_dir = e == K3_OK;
+            snprintf(label, sizeof label, "%s (preset)", presets[i - n_models]);
         }
-        bench_res r = {0};
-        if (e == K3_OK) e = bench_one(&m, n_prompt, n_decode, reps, kda_chunk, &r);
+        bench_times *t = calloc(1, sizeof *t);
+        flop_count f;
+        if (!t) e = K3_ERR(K3_ERR_NOMEM, "bench times");
+        if (e == K3_OK) K3_LOGI("bench_forward: %s: %d reps", label, a.reps);
+        if (e == K3_OK) e = bench_one(&tm, &a, t);
+        if (e == K3_OK) e = count(&tm.cfg, &a, t->n_calls, &f);
+        if (e == K3_OK) e = put_row(&rep, label, &tm.cfg, &a, t, &f, &lim);
         if (e != K3_OK) {
             fprintf(stderr, "bench_forward: %s: %s\n", label, k3_last_error());
             rc = 1;
-        } else {
-            double pf_gflops = r.prefill_tok_s * r.flops_per_token / 1e9;
-            printf("%-28s %8d %12.1f %7.0f%% %12.1f %12.1f %10.2f %7.0f%%\n", label, m.cfg.n_layers,
-                   r.prefill_tok_s, 100.0 * pf_gflops / lim.fma_gflops, r.decode_tok_s,
-                   r.bytes_per_token / 1e6, r.decode_gbs, 100.0 * r.decode_gbs / roof);
-            cJSON *o = cJSON_CreateObject();
-            cJSON_AddStringToObject(o, "model", label);
-            cJSON_AddNumberToObject(o, "n_layers", m.cfg.n_layers);
-            cJSON_AddNumberToObject(o, "hidden_size", (double)m.cfg.hidden_size);
-            cJSON_AddNumberToObject(o, "prefill_tok_s", r.prefill_tok_s);
-            cJSON_AddNumberToObject(o, "decode_tok_s", r.decode_tok_s);
-            cJSON_AddNumberToObject(o, "decode_bytes_per_token", r.bytes_per_token);
-            cJSON_AddNumberToObject(o, "decode_gbs", r.decode_gbs);
-            cJSON_AddNumberToObject(o, "triad_fraction", r.decode_gbs / roof);
-            cJSON_AddNumberToObject(o, "prefill_gflops", pf_gflops);
-            cJSON_AddNumberToObject(o, "peak_fraction", pf_gflops / lim.fma_gflops);
-            cJSON_AddItemToArray(arr, o);
+            e = K3_OK; /* the next model still runs */
         }
-        tiny_close(&m);
+        free(t);
+        tiny_close(&tm);
     }
-    if (bench_write_json(root, json_path, "bench_forward")) rc = 1;
+    if (e == K3_OK) e = bench_report_write(&rep, json_path, NULL);
+    if (e != K3_OK) {
+        fprintf(stderr, "bench_forward: %s\n", k3_last_error());
+        rc = 1;
+    }
+    bench_report_free(&rep);
     k3_backend_destroy(g_be);
     return rc;
 }

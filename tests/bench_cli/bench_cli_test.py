@@ -17,6 +17,11 @@ Groups (pytest -k):
   serve_2x2     : `k3 bench serve` against `k3 serve` (2x2) on the tiny model; the JSON validates
       against bench_serve.schema.json and its token counts (warm-up requests included, reported
       apart) equal the deltas of the server's /metrics counters over the run.
+  kernels       : `k3 bench kernels` at small sizes (--size-mb, --prefill): the JSON validates
+      against bench_kernels.schema.json; every op is there once with repetitions samples, its
+      seconds their median, GB/s and GFLOP/s and the fractions of the measured limits agree with
+      the bytes, FLOPs and seconds; the table and the CSV have the same ops; model flags are
+      refused (exit 2).
 """
 import csv
 import json
@@ -168,6 +173,42 @@ def test_pptg(model_dir, tmp_path):
     # a serve flag in the pp/tg mode is a usage error
     r = k3(["bench", "--model", model_dir, "--request-rate", "3"])
     assert r.returncode == 2 and "--request-rate does not apply" in r.stderr
+
+
+# ---- kernels ------------------------------------------------------------------------------------
+def test_kernels(tmp_path):
+    js, cs = tmp_path / "kn.json", tmp_path / "kn.csv"
+    r = k3(["bench", "kernels", "--threads", "1", "-r", "3", "--num-warmups", "0", "--size-mb", "2",
+            "--prefill", "4", "--output-json", str(js), "--output-csv", str(cs)])
+    assert r.returncode == 0, r.stderr[-3000:]
+    d = json.loads(js.read_text())
+    jsonschema.validate(d, schema("bench_kernels.schema.json"))
+    assert (d["threads"], d["repetitions"], d["prefill"], d["array_bytes"]) == (1, 3, 4, 2 << 20)
+    assert d["limits_threads"] == 1 and d["triad_array_bytes"] == 2 << 20
+    assert d["triad_gbs"] >= d["triad_gbs_median"] and d["fma_peak_gflops"] >= d["fma_peak_gflops_median"]
+    assert "best of" in d["limits"]
+    res = d["results"]
+    ops = [x["op"] for x in res]
+    assert len(set(ops)) == len(ops)
+    for kind in ("matmul F32", "matmul BF16", "matmul_tn BF16", "matmul MXFP4", "silu", "sigmoid",
+                 "situ", "swiglu", "softmax"):
+        assert any(o.startswith(kind) for o in ops), (kind, ops)
+    assert sum(o.endswith("T=4") for o in ops) == 3 and sum(o.endswith("T=1") for o in ops) == 4
+    rel = lambda a, b, e=1e-9: abs(a - b) <= e * max(abs(b), 1e-30)
+    for x in res:
+        assert len(x["samples_s"]) == 3
+        assert rel(x["seconds"], statistics.median(x["samples_s"]))
+        assert rel(x["gbs"], x["bytes"] / x["seconds"] / 1e9)
+        assert rel(x["gflops"], x["flops"] / x["seconds"] / 1e9)
+        assert rel(x["triad_fraction"], x["gbs"] / d["triad_gbs"], 1e-6)
+        if d["fma_peak_gflops"] > 0:
+            assert rel(x["peak_fraction"], x["gflops"] / d["fma_peak_gflops"], 1e-6)
+    table = md_rows(r.stdout)
+    assert [c[0] for c in table] == ops
+    assert [row["op"] for row in csv.DictReader(cs.open())] == ops
+    for args in (["--model", "x"], ["--prefill", "0"], ["-p", "8"], ["--pp", "2"]):
+        r = k3(["bench", "kernels"] + args)
+        assert r.returncode == 2 and "k3 bench" in r.stderr, (args, r.stderr)
 
 
 # ---- serve ---------------------------------------------------------------------------------------
