@@ -17,6 +17,8 @@
 #define VEC                  __m256
 #define VL                   8
 #define MR                   1
+#define GR                   4
+#define GT                   3
 #define KERN_NAME            k3_cpu_kern_avx2
 #define KERN_ISA             "avx2"
 #define V_PREFETCH(p)        _mm_prefetch((const char *)(p), _MM_HINT_T0)
@@ -61,18 +63,24 @@ static inline float hmax8(__m256 v) {
 
 /* the byte table gives ggml's doubled E2M1 integers; unpacking the low/high nibble results
  * byte by byte restores element order (byte m holds elements 2m, 2m+1). */
-static inline void mx32(const uint8_t *codes, uint8_t e8, VEC *w) {
+static inline float mx_scale(uint8_t e8) { /* the table holds doubled values */
+    return 0.5f * k3_e8m0_to_f32(e8);
+}
+static inline void mx32s(const uint8_t *codes, float s, VEC *w) {
     const __m128i lut = _mm_setr_epi8(0, 1, 2, 3, 4, 6, 8, 12, 0, -1, -2, -3, -4, -6, -8, -12);
     const __m128i m4 = _mm_set1_epi8(0x0f);
     __m128i raw = _mm_loadu_si128((const __m128i *)codes);
     __m128i vlo = _mm_shuffle_epi8(lut, _mm_and_si128(raw, m4));
     __m128i vhi = _mm_shuffle_epi8(lut, _mm_and_si128(_mm_srli_epi16(raw, 4), m4));
     __m128i e0 = _mm_unpacklo_epi8(vlo, vhi), e1 = _mm_unpackhi_epi8(vlo, vhi);
-    __m256 dh = _mm256_set1_ps(0.5f * k3_e8m0_to_f32(e8));
+    __m256 dh = _mm256_set1_ps(s);
     w[0] = _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(e0)), dh);
     w[1] = _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_srli_si128(e0, 8))), dh);
     w[2] = _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(e1)), dh);
     w[3] = _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_srli_si128(e1, 8))), dh);
+}
+static inline void mx32(const uint8_t *codes, uint8_t e8, VEC *w) {
+    mx32s(codes, mx_scale(e8), w);
 }
 
 #define MX_XPERM 0 /* mx32 gives element order */

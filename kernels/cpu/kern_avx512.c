@@ -17,6 +17,8 @@
 #define VEC             __m512
 #define VL              16
 #define MR              2
+#define GR              6
+#define GT              4
 #define KERN_NAME       k3_cpu_kern_avx512
 #define KERN_ISA        "avx512"
 #define V_PREFETCH(p)   _mm_prefetch((const char *)(p), _MM_HINT_T0)
@@ -52,13 +54,21 @@
  * elements, w[1] = the 16 odd ones (MX_XPERM: x is copied in that order once, by mx_xperm, instead
  * of interleaving every weight block back). */
 #define MX_XPERM 1
-static inline void mx32(const uint8_t *codes, uint8_t e8, VEC *w) {
+/* mx_scale(e8): the factor mx32s takes for a block's E8M0 byte (decode paths convert a row's
+ * scales ahead, kern_gemv.h). */
+static inline float mx_scale(uint8_t e8) {
+    return k3_e8m0_to_f32(e8);
+}
+static inline void mx32s(const uint8_t *codes, float s, VEC *w) {
     const __m512 tbl = _mm512_setr_ps(0.0f, 0.5f, 1.0f, 1.5f, 2.0f, 3.0f, 4.0f, 6.0f, -0.0f, -0.5f,
                                       -1.0f, -1.5f, -2.0f, -3.0f, -4.0f, -6.0f);
-    __m512 ts = _mm512_mul_ps(tbl, _mm512_set1_ps(k3_e8m0_to_f32(e8)));
+    __m512 ts = _mm512_mul_ps(tbl, _mm512_set1_ps(s));
     __m512i v = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)codes));
     w[0] = _mm512_permutexvar_ps(v, ts);
     w[1] = _mm512_permutexvar_ps(_mm512_srli_epi32(v, 4), ts);
+}
+static inline void mx32(const uint8_t *codes, uint8_t e8, VEC *w) {
+    mx32s(codes, mx_scale(e8), w);
 }
 static inline void mx_xperm(const float *x, float *xd, int64_t n) {
     const __m512i ev = _mm512_setr_epi32(0, 2, 4, 6, 8, 10, 12, 14, 16, 18, 20, 22, 24, 26, 28, 30);

@@ -1,8 +1,138 @@
 /* kern_gemv.h — part of kern_tmpl.h (included there, once per ISA unit): the decode matmul,
- * y[t, o] for T < 4 tokens, rows [o0, o1). Same per-element arithmetic as gemm_rows (the
- * reduction-order rule in kern_tmpl.h's header), so a token's result never depends on T. */
+ * y[t, o] for T < 4 tokens, rows [o0, o1). Pure weight streaming: each row is read once, GV_R
+ * rows side by side (more independent loads in flight), the accumulators in registers for the
+ * whole row, a software prefetch GV_PF bytes ahead of every stream, no scratch to clear.
+ *
+ * Same per-element arithmetic as gemm_rows (the reduction-order rule in kern_tmpl.h's header:
+ * vector k of the row into a(k % 2), the VL-tail vector and the scalar tail by finish()), so a
+ * token's result never depends on T or on the rows a thread got. MXFP4: each block decodes in
+ * registers by mx32s, as mx32 does (mx32 = mx32s with mx_scale of its byte), but the E8M0
+ * scales of the rows are converted once per row into a small array first (a broadcast from
+ * memory per block instead of a scalar conversion with branches), and x is copied once into
+ * mx32's element order (mx_xperm) for the whole call. */
+
+#if VL == 16
+#define GV_R  4 /* F32/BF16 rows side by side: 4 × (a0, a1) + 2 x, well inside 32 zmm */
+#define GV_RM 2 /* MXFP4 rows: 2 (4 measured slower: the decode work per block dominates) */
+#elif VL == 8
+#define GV_R  2 /* 16 ymm */
+#define GV_RM 2
+#else
+#define GV_R  1
+#define GV_RM 1
+#endif
+#ifndef GV_PF
+#define GV_PF 4096 /* bytes ahead: measured best of 512..4096 for DRAM-resident weights */
+#endif
+#define GV_MAX_BLOCKS 1024 /* MXFP4 rows up to 32768 elements take this path */
+
+/* out[b] = mx_scale(e[b]) for b < nb, vectorised (bits e << 23; e = 0: 2^-127, a subnormal;
+ * e = 255: +inf, k3_e8m0_to_f32's decode). */
+static inline void mx_scales(const uint8_t *e, int64_t nb, float *out) {
+    int64_t b = 0;
+#if VL == 16
+    const __m512i sub = _mm512_set1_epi32(0x00400000), inf = _mm512_set1_epi32(0x7f800000);
+    for (; b + 16 <= nb; b += 16) {
+        __m512i v = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)(e + b)));
+        __m512i bits = _mm512_slli_epi32(v, 23);
+        bits = _mm512_mask_mov_epi32(bits, _mm512_cmpeq_epi32_mask(v, _mm512_setzero_si512()), sub);
+        bits = _mm512_mask_mov_epi32(bits, _mm512_cmpeq_epi32_mask(v, _mm512_set1_epi32(255)), inf);
+        _mm512_storeu_ps(out + b, _mm512_castsi512_ps(bits));
+    }
+#elif VL == 8
+    const __m256i sub = _mm256_set1_epi32(0x00400000), inf = _mm256_set1_epi32(0x7f800000);
+    for (; b + 8 <= nb; b += 8) {
+        __m256i v = _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)(e + b)));
+        __m256i bits = _mm256_slli_epi32(v, 23);
+        bits = _mm256_blendv_epi8(bits, sub, _mm256_cmpeq_epi32(v, _mm256_setzero_si256()));
+        bits = _mm256_blendv_epi8(bits, inf, _mm256_cmpeq_epi32(v, _mm256_set1_epi32(255)));
+        _mm256_storeu_ps(out + b, _mm256_mul_ps(_mm256_castsi256_ps(bits), _mm256_set1_ps(0.5f)));
+    }
+#endif
+    for (; b < nb; b++) out[b] = mx_scale(e[b]);
+}
+
+/* R rows (ld elements apart) × one token over the row's [0, n_main): acc[r] = (a0, a1). */
+#define DEF_GV(NAME, WT, LDW, R)                                                                   \
+    static void NAME(const WT *w, int64_t ld, const float *x, int64_t n_main, VEC *acc) {          \
+        VEC a0[R], a1[R];                                                                          \
+        _Pragma("GCC unroll 8") for (int r = 0; r < R; r++) a0[r] = V_ZERO(), a1[r] = V_ZERO();    \
+        for (int64_t i = 0; i < n_main; i += 2 * VL) {                                             \
+            VEC x0 = V_LOAD(x + i), x1 = V_LOAD(x + i + VL);                                       \
+            _Pragma("GCC unroll 8") for (int r = 0; r < R; r++) {                                  \
+                for (int pf = 0; pf < (int)sizeof(WT) * 2 * VL; pf += 64)                          \
+                    V_PREFETCH((const char *)(w + r * ld + i) + GV_PF + pf);                       \
+                a0[r] = V_FMA(x0, LDW(w + r * ld + i), a0[r]);                                     \
+                a1[r] = V_FMA(x1, LDW(w + r * ld + i + VL), a1[r]);                                \
+            }                                                                                      \
+        }                                                                                          \
+        _Pragma("GCC unroll 8") for (int r = 0; r < R; r++) acc[2 * r] = a0[r],                    \
+                                                                    acc[2 * r + 1] = a1[r];        \
+    }
+DEF_GV(gv_f32_r, float, ldw_f32, GV_R)
+DEF_GV(gv_f32_1, float, ldw_f32, 1)
+DEF_GV(gv_bf16_r, uint16_t, ldw_bf16, GV_R)
+DEF_GV(gv_bf16_1, uint16_t, ldw_bf16, 1)
+
+/* R MXFP4 rows (codes ld_c bytes apart, scales sc[r·nb + b] from mx_scale) × one token whose x is
+ * in mx32's order (xp), over nb blocks. */
+#define DEF_GV_MX(NAME, R)                                                                         \
+    static void NAME(const uint8_t *c, int64_t ld_c, const float *sc, int64_t nb, const float *xp, \
+                     VEC *acc) {                                                                   \
+        VEC a0[R], a1[R];                                                                          \
+        _Pragma("GCC unroll 8") for (int r = 0; r < R; r++) a0[r] = V_ZERO(), a1[r] = V_ZERO();    \
+        for (int64_t b = 0; b < nb; b++) {                                                         \
+            _Pragma("GCC unroll 8") for (int r = 0; r < R; r++) {                                  \
+                if (b % 4 == 0) V_PREFETCH((const char *)(c + r * ld_c + b * 16) + GV_PF);         \
+                VEC wv[NVX];                                                                       \
+                mx32s(c + r * ld_c + b * 16, sc[r * nb + b], wv);                                  \
+                _Pragma("GCC unroll 32") for (int k = 0; k < NVX; k += 2) {                        \
+                    a0[r] = V_FMA(V_LOAD(xp + b * 32 + k * VL), wv[k], a0[r]);                     \
+                    a1[r] = V_FMA(V_LOAD(xp + b * 32 + (k + 1) * VL), wv[k + 1], a1[r]);           \
+                }                                                                                  \
+            }                                                                                      \
+        }                                                                                          \
+        _Pragma("GCC unroll 8") for (int r = 0; r < R; r++) acc[2 * r] = a0[r],                    \
+                                                                    acc[2 * r + 1] = a1[r];        \
+    }
+DEF_GV_MX(gv_mx_r, GV_RM)
+DEF_GV_MX(gv_mx_1, 1)
 
 static void gemv_rows(const k3_tensor *W, const float *x, int64_t T, int64_t o0, int64_t o1,
                       float *y) {
-    gemm_rows(W, x, T, o0, o1, y);
+    const int64_t in = W->shape[1], out = W->shape[0];
+    const int64_t n_main = in - in % (2 * VL);
+    const bool mx = W->dtype == K3_DT_MXFP4;
+    const int64_t nb = in / 32;
+    if (mx && (nb > GV_MAX_BLOCKS || (MX_XPERM && T * in > XB_FLOATS))) {
+        gemm_rows(W, x, T, o0, o1, y); /* the same sums, walked in chunks */
+        return;
+    }
+    float xbuf[MX_XPERM ? XB_FLOATS : 1];
+    float sc[mx ? GV_RM * GV_MAX_BLOCKS : 1];
+    if (mx && MX_XPERM)
+        for (int64_t t = 0; t < T; t++) mx_xperm(x + t * in, xbuf + t * in, in);
+    VEC acc[2 * GV_R];
+    for (int64_t o = o0; o < o1;) {
+        const int Rw = mx ? GV_RM : GV_R, R = o1 - o >= Rw ? Rw : 1;
+        if (mx)
+            for (int r = 0; r < R; r++) mx_scales(W->scale + (o + r) * nb, nb, sc + r * nb);
+        for (int64_t t = 0; t < T; t++) {
+            const float *xt = x + t * in;
+            if (mx) {
+                const uint8_t *c = (const uint8_t *)W->data + o * (in / 2);
+                const float *xp = MX_XPERM ? xbuf + t * in : xt;
+                (R > 1 ? gv_mx_r : gv_mx_1)(c, in / 2, sc, nb, xp, acc);
+            } else if (W->dtype == K3_DT_BF16) {
+                const uint16_t *w = (const uint16_t *)W->data + o * in;
+                (R > 1 ? gv_bf16_r : gv_bf16_1)(w, in, xt, n_main, acc);
+            } else {
+                const float *w = (const float *)W->data + o * in;
+                (R > 1 ? gv_f32_r : gv_f32_1)(w, in, xt, n_main, acc);
+            }
+            for (int r = 0; r < R; r++)
+                y[t * out + o + r] = finish(W, o + r, xt, n_main, acc[2 * r], acc[2 * r + 1]);
+        }
+        o += R;
+    }
 }

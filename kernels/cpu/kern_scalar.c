@@ -13,6 +13,8 @@
 #define VEC                  float
 #define VL                   1
 #define MR                   1
+#define GR                   4
+#define GT                   4
 #define KERN_NAME            k3_cpu_kern_scalar
 #define KERN_ISA             "scalar"
 #define V_PREFETCH(p)        ((void)(p))
@@ -44,12 +46,17 @@ static inline float pow2i(float n) {
 }
 #define V_POW2I(n) pow2i(n)
 
-static inline void mx32(const uint8_t *codes, uint8_t e8, VEC *w) {
-    float d = k3_e8m0_to_f32(e8);
+static inline float mx_scale(uint8_t e8) {
+    return k3_e8m0_to_f32(e8);
+}
+static inline void mx32s(const uint8_t *codes, float d, VEC *w) {
     for (int m = 0; m < 16; m++) {
         w[2 * m] = k3_mxfp4_e2m1(codes[m] & 15u) * d;
         w[2 * m + 1] = k3_mxfp4_e2m1(codes[m] >> 4) * d;
     }
+}
+static inline void mx32(const uint8_t *codes, uint8_t e8, VEC *w) {
+    mx32s(codes, mx_scale(e8), w);
 }
 
 #define MX_XPERM 0 /* mx32 gives element order */
