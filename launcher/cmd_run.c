@@ -19,7 +19,9 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <sys/stat.h>
+#include <unistd.h>
 
+#include "bench.h"
 #include "chat_job.h"
 #include "engine_args.h"
 #include "k3_comm.h"
@@ -82,6 +84,10 @@ static const k3_flag flags[] = {
     {"dump-logits", K3_FLAG_STR, "FILE", NULL,
      "write float32 logits [positions, V] as .npy (every consumed token, prompts concatenated)"},
     {"json", K3_FLAG_BOOL, NULL, NULL, "print one JSON object instead of ids + text lines"},
+    {"bench-limits", K3_FLAG_BOOL, NULL, NULL,
+     "before loading, measure this machine's triad bandwidth and fp32 FMA peak (a few seconds, "
+     "rank 0, --threads threads or all cores) and give decode GB/s and prefill GFLOP/s as % of "
+     "them (without it: GB/s and GFLOP/s alone)"},
     /* distributed (under mpirun) */
     {"pp", K3_FLAG_INT, "S", "1", "pipeline stages (under mpirun; world = S x E [+1])"},
     {"ep", K3_FLAG_INT, "E", "1", "expert-parallel lanes per stage (under mpirun)"},
@@ -348,6 +354,20 @@ static int run_run(const k3_args *a) {
         goto done;
     }
     bool chat = in.job.req != NULL;
+    bench_limits lim = {0};
+    if (k3_args_bool(a, "bench-limits")) {
+        int wr = 0, ws = 1;
+        k3_comm_world(&wr, &ws);
+        if (wr == 0) {
+            char how[400];
+            st = bench_measure_limits(threads ? (int)threads : (int)sysconf(_SC_NPROCESSORS_ONLN),
+                                      5, 0, &lim);
+            bench_limits_describe(&lim, how, sizeof how);
+            if (st == K3_OK) K3_LOGI("measured limits, %s", how);
+            if (st != K3_OK) K3_LOGW("--bench-limits: %s", k3_last_error());
+            st = K3_OK;
+        }
+    }
     k3_rank_result res = {0};
     k3_rank_opts o = {.model_dir = model,
                       .pp = (int)pp,
@@ -377,6 +397,9 @@ static int run_run(const k3_args *a) {
                       .ignore_eos = k3_args_bool(a, "ignore-eos"),
                       .tok = in.tok,
                       .quiet = chat,
+                      .limit_triad_gbs = lim.triad_gbs,
+                      .limit_fma_gflops = lim.fma_gflops,
+                      .limit_threads = lim.threads,
                       .result = chat ? &res : NULL};
     rc = k3_rank_run(&o);
     if (rc == 0 && chat && res.n_seqs == 1 &&

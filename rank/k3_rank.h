@@ -55,8 +55,12 @@ typedef struct k3_rank_opts {
      * ignore_eos. Stop strings need `tok`. The penalty history holds generated ids only. */
     k3_sampler_params sampling;
     bool ignore_eos;
-    const k3_tokenizer *tok;       /* borrowed, may be NULL: decoded text + stop strings */
-    bool quiet;                    /* rank 0 prints no results (the caller uses `result`) */
+    const k3_tokenizer *tok; /* borrowed, may be NULL: decoded text + stop strings */
+    bool quiet;              /* rank 0 prints no results (the caller uses `result`) */
+    /* This machine's limits when the caller measured them (`k3 run --bench-limits`), else 0:
+     * the summary gives decode GB/s and prefill GFLOP/s, and with these also their % of them. */
+    double limit_triad_gbs, limit_fma_gflops;
+    int limit_threads;
     struct k3_rank_result *result; /* rank 0: filled when non-NULL (free: k3_rank_result_free) */
 } k3_rank_opts;
 

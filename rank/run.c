@@ -163,6 +163,68 @@ typedef struct rank_row {
     double load_s;
 } rank_row;
 
+/* Throughput against the weights: decode GB/s = the weight bytes one token reads
+ * (k3_config_count's bytes_active: non-expert weights, top-k experts, one embedding row) x decode
+ * tok/s (with several sequences in a step the weights are read once for all, so this can pass
+ * the bandwidth); prefill GFLOP/s = weight FLOPs / prefill time, 2 x active params per prompt
+ * token less the embedding row and the LM head, + the LM head once per prompt (attention is not
+ * counted: tests/bench/bench_forward counts it). */
+typedef struct run_perf {
+    bool ok;
+    double bytes_per_token, decode_gbs, prefill_flops, prefill_gflops;
+    double triad_frac, peak_frac; /* 0 without measured limits */
+} run_perf;
+
+static run_perf perf_of(const k3_rank_opts *o, double pre, double dec, int64_t n_prompt_tok,
+                        int64_t n_dec) {
+    run_perf p = {0};
+    k3_config c;
+    k3_config_counts cc;
+    if (k3_config_load(o->model_dir, &c) != K3_OK || k3_config_count(&c, &cc) != K3_OK) {
+        k3_clear_error();
+        return p;
+    }
+    const double D = (double)c.hidden_size, L = (double)c.vocab_size * D;
+    const double body = (double)cc.params_active - D - (c.tie_word_embeddings ? 0 : L);
+    p.ok = true;
+    p.bytes_per_token = (double)cc.bytes_active;
+    p.decode_gbs = dec > 0 ? p.bytes_per_token * (double)n_dec / dec / 1e9 : 0;
+    p.prefill_flops = 2 * body * (double)n_prompt_tok + 2 * L * o->n_prompts;
+    p.prefill_gflops = pre > 0 ? p.prefill_flops / pre / 1e9 : 0;
+    if (o->limit_triad_gbs > 0) p.triad_frac = p.decode_gbs / o->limit_triad_gbs;
+    if (o->limit_fma_gflops > 0) p.peak_frac = p.prefill_gflops / o->limit_fma_gflops;
+    return p;
+}
+
+static void perf_json(cJSON *tm, const k3_rank_opts *o, const run_perf *p) {
+    if (!p->ok) return;
+    cJSON_AddNumberToObject(tm, "decode_bytes_per_token", p->bytes_per_token);
+    cJSON_AddNumberToObject(tm, "decode_gbs", p->decode_gbs);
+    cJSON_AddNumberToObject(tm, "prefill_weight_flops", p->prefill_flops);
+    cJSON_AddNumberToObject(tm, "prefill_gflops", p->prefill_gflops);
+    if (o->limit_threads <= 0) return;
+    cJSON_AddNumberToObject(tm, "limits_threads", o->limit_threads);
+    cJSON_AddNumberToObject(tm, "triad_gbs", o->limit_triad_gbs);
+    cJSON_AddNumberToObject(tm, "fma_peak_gflops", o->limit_fma_gflops);
+    cJSON_AddNumberToObject(tm, "triad_fraction", p->triad_frac);
+    cJSON_AddNumberToObject(tm, "peak_fraction", p->peak_frac);
+}
+
+static void perf_log(const k3_rank_opts *o, const run_perf *p) {
+    if (!p->ok) return;
+    char tr[96] = "", pk[96] = "";
+    if (o->limit_triad_gbs > 0)
+        snprintf(tr, sizeof tr, " = %.0f%% of the measured triad %.1f GB/s", 100 * p->triad_frac,
+                 o->limit_triad_gbs);
+    if (o->limit_fma_gflops > 0)
+        snprintf(pk, sizeof pk, " = %.0f%% of the measured fp32 FMA peak %.1f GFLOP/s",
+                 100 * p->peak_frac, o->limit_fma_gflops);
+    K3_LOGI("decode %.2f GB/s of weights (%.1f MB a token)%s; prefill %.2f GFLOP/s of weight "
+            "FLOPs%s%s",
+            p->decode_gbs, p->bytes_per_token / 1e6, tr, p->prefill_gflops, pk,
+            o->limit_threads > 0 ? "" : " (--bench-limits: as % of this machine's limits)");
+}
+
 static void print_json(const k3_rank_opts *o, const run_seq *s, const k3_engine_stats *es,
                        const rank_row *ranks, double load_s, double pre, double dec,
                        int64_t n_prompt_tok, int64_t n_dec) {
@@ -186,6 +248,8 @@ static void print_json(const k3_rank_opts *o, const run_seq *s, const k3_engine_
     cJSON_AddNumberToObject(tm, "decode_s", dec);
     cJSON_AddNumberToObject(tm, "prefill_tok_s", pre > 0 ? n_prompt_tok / pre : 0);
     cJSON_AddNumberToObject(tm, "decode_tok_s", dec > 0 ? n_dec / dec : 0);
+    run_perf perf = perf_of(o, pre, dec, n_prompt_tok, n_dec);
+    perf_json(tm, o, &perf);
     cJSON *d = cJSON_AddObjectToObject(root, "dist");
     cJSON_AddNumberToObject(d, "world", es->world);
     cJSON_AddNumberToObject(d, "pp", es->pp);
@@ -448,6 +512,8 @@ int k3_rank_run(const k3_rank_opts *o) {
                 "MB in %d messages",
                 es.load_s, pre, pre > 0 ? n_prompt_tok / pre : 0.0, dec,
                 dec > 0 ? n_dec / dec : 0.0, es.logits_bytes / 1e6, es.logits_messages);
+        run_perf perf = perf_of(o, pre, dec, n_prompt_tok, n_dec);
+        perf_log(o, &perf);
         if (es.ep > 1)
             K3_LOGI(
                 "MoE exchange (%s combine): dispatch %llu B, combine %llu B, %.0f B per step "

@@ -1,0 +1,124 @@
+#!/usr/bin/env bash
+# bench-cpu.sh — issue 14's acceptance set for CPU speed, every number beside the bound this
+# machine measured (never pass/fail; STYLE.md §22). Runs, with an existing build:
+#   1. bench_forward --preset small, --prompt 512, --reps 5, at --threads 1 and 2: decode tok/s
+#      as % of (active weight bytes per token / measured triad) and the 2-thread speed-up;
+#      prefill of 512 tokens as % of the measured fp32 FMA peak (weight FLOPs; + attention);
+#   2. bench_forward --preset tiny the same way: 2 threads vs 1;
+#   3. bench_forward --preset small --prompt 32768 once (--reps 1, 2 threads, in chunks of
+#      $LONG_CHUNK tokens, which bounds the scratch memory and does not change the FLOP count but
+#      for the LM head, counted once per chunk): % of the peak counting the attention FLOPs;
+#   4. k3 bench kernels --threads 2 (weights 2 x L3): each op's GB/s and GFLOP/s vs the limits.
+# Each bench measures its own limits at its own thread count (launcher/bench_limits.c: best of
+# 5 trials; the FMA rate per second of each thread's CPU time). Every number is a median of the
+# reps. Prints one summary table; writes $OUT/bench-cpu.json (the summary rows + every run's
+# full JSON) beside each run's JSON and log.
+#
+# Usage: scripts/bench-cpu.sh        BUILD=dir (default build), OUT=dir (default $BUILD/bench-cpu),
+#                                    LONG=32768, LONG_CHUNK=4096, REPS=5, QUICK=1 (a smoke run:
+#                                    prompts of 64, LONG=1024, REPS=2, 16 MB kernels; minutes less)
+# Exit status: 0 when every run ran (whatever the numbers), 1 when one failed to run.
+set -uo pipefail
+cd "$(dirname "$0")/.."
+BUILD=${BUILD:-build}
+OUT=${OUT:-$BUILD/bench-cpu}
+REPS=${REPS:-5}
+PROMPT=512
+LONG=${LONG:-32768}
+LONG_CHUNK=${LONG_CHUNK:-4096}
+KN_ARGS=()
+if [ "${QUICK:-0}" = 1 ]; then
+  PROMPT=64 LONG=1024 LONG_CHUNK=512 REPS=2
+  KN_ARGS=(--size-mb 16 --prefill 16)
+fi
+T0=$(date +%s)
+say() { printf '[bench-cpu %5ds] %s\n' $(($(date +%s) - T0)) "$*" >&2; }
+FAIL=""
+for exe in "$BUILD/k3" "$BUILD/tests/bench_forward"; do
+  [ -x "$exe" ] || { say "no $exe: build first (cmake --build $BUILD)"; exit 1; }
+done
+mkdir -p "$OUT"
+
+fwd() { # name, then bench_forward flags
+  local name=$1
+  shift
+  say "$name: bench_forward $*"
+  "$BUILD/tests/bench_forward" "$@" --json "$OUT/$name.json" >"$OUT/$name.log" 2>&1 ||
+    { FAIL="$FAIL $name"; tail -5 "$OUT/$name.log" >&2; }
+}
+for t in 1 2; do
+  fwd "small_t$t" --preset small --threads $t --prompt $PROMPT --decode 32 --reps "$REPS"
+  fwd "tiny_t$t" --preset tiny --threads $t --prompt $PROMPT --decode 32 --reps "$REPS"
+done
+fwd small_long --preset small --threads 2 --prompt "$LONG" --decode 8 --reps 1 --chunk "$LONG_CHUNK"
+say "kernels: k3 bench kernels --threads 2 -r $REPS ${KN_ARGS[*]}"
+"$BUILD/k3" bench kernels --threads 2 -r "$REPS" "${KN_ARGS[@]}" --output-json "$OUT/kernels.json" \
+  >"$OUT/kernels.log" 2>&1 || { FAIL="$FAIL kernels"; tail -5 "$OUT/kernels.log" >&2; }
+
+python3 - "$OUT" <<'EOF'
+import json, os, sys
+out = sys.argv[1]
+def load(name):
+    p = os.path.join(out, name + ".json")
+    return json.load(open(p)) if os.path.exists(p) else None
+runs = {n: load(n) for n in ("small_t1", "small_t2", "tiny_t1", "tiny_t2", "small_long", "kernels")}
+rows = []  # (what, value, unit, bound, unit, % of bound, how the bound was taken)
+def fwd(name, label):
+    d = runs[name]
+    if not d or not d.get("results"):
+        rows.append((label, None, "", None, "", None, "did not run"))
+        return None
+    r = d["results"][0]
+    th = d["limits_threads"]
+    rows.append((f"{label} decode", r["decode_tok_s"], "tok/s", r["decode_bound_tok_s"], "tok/s",
+                 100 * r["triad_fraction"],
+                 f"{r['decode_bytes_per_token'] / 1e6:.1f} MB/token / triad {d['triad_gbs']:.1f} GB/s ({th} thr)"))
+    rows.append((f"{label} prefill {r['prompt_tokens']} (weights)", r["prefill_gflops"], "GFLOP/s",
+                 d["fma_peak_gflops"], "GFLOP/s", 100 * r["peak_fraction"],
+                 f"fp32 FMA peak ({th} thr), {r['prefill_tok_s']:.1f} tok/s"))
+    rows.append((f"{label} prefill {r['prompt_tokens']} (weights+attn)",
+                 r["prefill_gflops_with_attention"], "GFLOP/s", d["fma_peak_gflops"], "GFLOP/s",
+                 100 * r["peak_fraction_with_attention"], "MLA H(W+Rkv)P(P+1) + KDA 7PHdkdv"))
+    return r
+def speedup(a, b, label):
+    if not (a and b):
+        return
+    for k, what in (("decode_tok_s", "decode"), ("prefill_tok_s", "prefill")):
+        rows.append((f"{label} {what} 2 thr / 1 thr", b[k] / a[k], "x", 2.0, "x",
+                     100 * b[k] / a[k] / 2.0, "ideal 2x (2 cores)"))
+    s1, s2 = runs[label + "_t1"], runs[label + "_t2"]
+    rows.append((f"{label} triad 2 thr / 1 thr", s2["triad_gbs"] / s1["triad_gbs"], "x", None, "",
+                 None, "the decode bound's own speed-up"))
+s1, s2 = fwd("small_t1", "small 1 thr"), fwd("small_t2", "small 2 thr")
+speedup(s1, s2, "small")
+t1, t2 = fwd("tiny_t1", "tiny 1 thr"), fwd("tiny_t2", "tiny 2 thr")
+speedup(t1, t2, "tiny")
+fwd("small_long", "small 2 thr long")
+kn = runs["kernels"]
+if kn:
+    for r in kn["results"]:
+        bound_is_bw = r["triad_fraction"] >= r["peak_fraction"]
+        if bound_is_bw:
+            rows.append((f"kernel {r['op']}", r["gbs"], "GB/s", kn["triad_gbs"], "GB/s",
+                         100 * r["triad_fraction"], f"triad ({kn['threads']} thr); {r['gflops']:.1f} GFLOP/s"))
+        else:
+            rows.append((f"kernel {r['op']}", r["gflops"], "GFLOP/s", kn["fma_peak_gflops"],
+                         "GFLOP/s", 100 * r["peak_fraction"], f"FMA peak ({kn['threads']} thr); {r['gbs']:.2f} GB/s"))
+else:
+    rows.append(("kernels", None, "", None, "", None, "did not run"))
+f = lambda v, p=1: "-" if v is None else f"{v:.{p}f}"
+print(f"\n{'measured':<46} {'value':>10} {'unit':<8} {'bound':>9} {'unit':<8} {'% bound':>8}  bound from")
+for w, v, u, b, bu, pct, how in rows:
+    print(f"{w:<46} {f(v, 2):>10} {u:<8} {f(b, 2):>9} {bu:<8} {f(pct):>8}  {how}")
+lim = [(n, d["limits"]) for n, d in runs.items() if d]
+print("\nlimits as measured by each run:")
+for n, l in lim:
+    print(f"  {n}: {l}")
+summary = [dict(zip(("what", "value", "unit", "bound", "bound_unit", "percent_of_bound", "bound_from"), r))
+           for r in rows]
+json.dump({"summary": summary, "runs": runs}, open(os.path.join(out, "bench-cpu.json"), "w"), indent=1)
+print(f"\nwrote {os.path.join(out, 'bench-cpu.json')}")
+EOF
+say "done in $(($(date +%s) - T0)) s"
+[ -z "$FAIL" ] || { say "FAILED to run:$FAIL (logs in $OUT)"; exit 1; }
+exit 0
