@@ -21,7 +21,8 @@ Groups (pytest -k):
       against bench_kernels.schema.json; every op is there once with repetitions samples, its
       seconds their median, GB/s and GFLOP/s and the fractions of the measured limits agree with
       the bytes, FLOPs and seconds; the table and the CSV have the same ops; model flags are
-      refused (exit 2).
+      refused (exit 2). And `k3 run`'s summary: decode GB/s and prefill GFLOP/s agree with the
+      weight bytes / FLOPs and the times it reports.
 """
 import csv
 import json
@@ -209,6 +210,25 @@ def test_kernels(tmp_path):
     for args in (["--model", "x"], ["--prefill", "0"], ["-p", "8"], ["--pp", "2"]):
         r = k3(["bench", "kernels"] + args)
         assert r.returncode == 2 and "k3 bench" in r.stderr, (args, r.stderr)
+
+
+def test_kernels_run_summary(model_dir):
+    """`k3 run`'s summary against the weights: decode GB/s = weight bytes per token x decode tok/s,
+    prefill GFLOP/s = weight FLOPs / prefill time, in --json's timings and on stderr (without
+    --bench-limits no % and no limits; the probes are measured only when asked)."""
+    r = k3(["run", "--model", model_dir, "--prompt-ids", "1,2,3,4,5,6,7,8,9,10", "--n", "6",
+            "--ignore-eos", "--threads", "1", "--json"])
+    assert r.returncode == 0, r.stderr[-3000:]
+    t = json.loads(r.stdout)["timings"]
+    rel = lambda a, b: abs(a - b) <= 1e-9 * max(abs(b), 1e-30)
+    assert t["decode_bytes_per_token"] > 0 and t["prefill_weight_flops"] > 0
+    assert rel(t["decode_gbs"], t["decode_bytes_per_token"] * t["decode_tok_s"] / 1e9)
+    assert rel(t["prefill_gflops"], t["prefill_weight_flops"] / t["prefill_s"] / 1e9)
+    assert "triad_gbs" not in t and "peak_fraction" not in t
+    r = k3(["run", "--model", model_dir, "--prompt-ids", "1,2,3,4,5,6,7,8,9,10", "--n", "6",
+            "--ignore-eos", "--threads", "1"])
+    assert r.returncode == 0 and re.search(r"decode [0-9.]+ GB/s of weights .* prefill [0-9.]+ "
+                                           r"GFLOP/s of weight FLOPs", r.stderr), r.stderr[-2000:]
 
 
 # ---- serve ---------------------------------------------------------------------------------------
