@@ -18,8 +18,12 @@
 
 /* Work below this many multiply-adds runs on the calling thread only. */
 #define K3_CPU_PAR_MIN_MACS (1 << 15)
-/* A matmul task streams at least this many weight bytes (~10 µs at DRAM speed). */
-#define K3_CPU_TASK_BYTES (128 * 1024)
+/* A matmul task streams at least this many weight bytes (~10 µs at DRAM speed); a decode
+   (T < 4) task at least K3_CPU_GEMV_TASK_BYTES (~3 µs: the workers spin between the matmuls of
+   a decode step, so a hand-off costs well under that, and an expert's 166 KB matrix of the
+   small model then uses both cores instead of one). */
+#define K3_CPU_TASK_BYTES      (128 * 1024)
+#define K3_CPU_GEMV_TASK_BYTES (32 * 1024)
 
 /* Bytes of one weight row (F32, BF16, or MXFP4 codes + E8M0 scales). */
 static int64_t row_bytes(const k3_tensor *W) {
@@ -60,7 +64,8 @@ static k3_status cpu_matmul(k3_backend *be, const float *x, int64_t T, const k3_
     double w_bytes = (double)out * (double)row_bytes(W),
            macs = (double)T * (double)out * (double)in;
     int64_t n_tasks =
-        (int64_t)K3_MAX(w_bytes / K3_CPU_TASK_BYTES, macs / (4.0 * K3_CPU_PAR_MIN_MACS));
+        (int64_t)K3_MAX(w_bytes / (T < 4 ? K3_CPU_GEMV_TASK_BYTES : K3_CPU_TASK_BYTES),
+                        macs / (4.0 * K3_CPU_PAR_MIN_MACS));
     n_tasks = K3_MIN(K3_MIN(n_tasks, (int64_t)nth * 4), out);
     if (n_tasks >= 2 && nth > 1) {
         j.rows_per_task = (out + n_tasks - 1) / n_tasks;

@@ -1,58 +1,79 @@
-/* cpu_kda.c — the cpu backend's KDA ops (K3-MODEL.md §2): the delta-rule recurrence and its
- * chunked form per head on the pool, and the decay gate per token. A head's state and outputs are
- * its own, so the head split never changes a bit. */
+/* cpu_kda.c — the cpu backend's KDA ops (K3-MODEL.md §2): the delta-rule recurrence per head and
+ * block of value columns on the pool (the table's kda_head, kern_kda.h), its chunked form per head
+ * (ref's chunks, then the table's recurrence for the tokens after the last whole chunk), and the
+ * decay gate per token. A head's (and a column's) state and outputs are its own, and a column's
+ * arithmetic does not depend on its block, so the split never changes a bit. */
 #include "k3_kernels.h"
 #include "k3_kernels_internal.h"
 
 #include "cpu_kern.h"
 
+#include <math.h>
+
 /* Work below this many multiply-adds runs on the calling thread only (as in cpu.c). */
 #define K3_CPU_PAR_MIN_MACS (1 << 15)
+/* Value columns per recurrent task: a multiple of every table's column block (4·VL <= 64). */
+#define KDA_COLS 64
 
 typedef struct {
+    const k3_cpu_kern *kern;
     const float *q, *k, *v, *g, *beta;
     int64_t n;
-    int H, dk, dv, C;
+    int H, dk, dv, C, nb; /* nb: column blocks per head (recurrent tasks) */
     float scale;
     float *S, *o, *work;
 } kda_job;
-static void kda_task(void *ctx, int64_t h) {
+/* recurrent: task = (head, block of KDA_COLS value columns) */
+static void kda_rec_task(void *ctx, int64_t tb) {
     const kda_job *j = ctx;
-    int64_t sqk = (int64_t)j->H * j->dk, svo = (int64_t)j->H * j->dv;
+    int64_t h = tb / j->nb, sqk = (int64_t)j->H * j->dk, svo = (int64_t)j->H * j->dv;
+    int j0 = (int)(tb % j->nb) * KDA_COLS, j1 = j0 + KDA_COLS < j->dv ? j0 + KDA_COLS : j->dv;
+    j->kern->kda_head(j->q + h * j->dk, j->k + h * j->dk, j->v + h * j->dv, j->g + h * j->dk,
+                      j->beta + h, j->n, sqk, svo, j->H, j->dk, j->dv, j0, j1, j->scale,
+                      j->S + h * j->dk * j->dv, j->o + h * j->dv);
+}
+/* chunked: task = head; the whole chunks in ref's form, the rest by the recurrence */
+static void kda_chunk_task(void *ctx, int64_t h) {
+    const kda_job *j = ctx;
+    int64_t sqk = (int64_t)j->H * j->dk, svo = (int64_t)j->H * j->dv, nc = j->n / j->C * j->C;
     float *S = j->S + h * j->dk * j->dv;
-    if (j->C > 1)
-        k3_ref_kda_head_chunked(j->q + h * j->dk, j->k + h * j->dk, j->v + h * j->dv,
-                                j->g + h * j->dk, j->beta + h, j->n, sqk, svo, j->H, j->dk, j->dv,
-                                j->scale, S, j->o + h * j->dv, j->C,
-                                j->work + (size_t)h * k3_kda_chunk_work_floats(j->C, j->dk, j->dv));
-    else
-        k3_ref_kda_head_recurrent(j->q + h * j->dk, j->k + h * j->dk, j->v + h * j->dv,
-                                  j->g + h * j->dk, j->beta + h, j->n, sqk, svo, j->H, j->dk, j->dv,
-                                  j->scale, S, j->o + h * j->dv);
+    k3_ref_kda_head_chunked(j->q + h * j->dk, j->k + h * j->dk, j->v + h * j->dv, j->g + h * j->dk,
+                            j->beta + h, nc, sqk, svo, j->H, j->dk, j->dv, j->scale, S,
+                            j->o + h * j->dv, j->C,
+                            j->work + (size_t)h * k3_kda_chunk_work_floats(j->C, j->dk, j->dv));
+    if (nc < j->n)
+        j->kern->kda_head(j->q + nc * sqk + h * j->dk, j->k + nc * sqk + h * j->dk,
+                          j->v + nc * svo + h * j->dv, j->g + nc * sqk + h * j->dk,
+                          j->beta + nc * j->H + h, j->n - nc, sqk, svo, j->H, j->dk, j->dv, 0,
+                          j->dv, j->scale, S, j->o + nc * svo + h * j->dv);
 }
 k3_status k3_cpu_kda_recurrent(k3_backend *be, const float *q, const float *k, const float *v,
                                const float *g, const float *beta, int64_t n, int H, int dk, int dv,
                                float scale, float *S, float *o) {
     K3_TRY(k3_kernels_check_kda(dk, dv, 1));
-    kda_job j = {q, k, v, g, beta, n, H, dk, dv, 0, scale, S, o, NULL};
+    int nb = (dv + KDA_COLS - 1) / KDA_COLS;
+    kda_job j = {k3_cpu_kern_of(be), q, k, v, g, beta, n, H, dk, dv, 1, nb, scale, S, o, NULL};
     if (n * H * dk * dv < K3_CPU_PAR_MIN_MACS) { /* a decode step of small heads: inline */
-        for (int h = 0; h < H; h++) kda_task(&j, h);
+        for (int64_t t = 0; t < (int64_t)H * nb; t++) kda_rec_task(&j, t);
         return K3_OK;
     }
-    k3_pool_run(k3_cpu_pool(be), H, kda_task, &j);
+    k3_pool_run(k3_cpu_pool(be), (int64_t)H * nb, kda_rec_task, &j);
     return K3_OK;
 }
 k3_status k3_cpu_kda_chunked(k3_backend *be, const float *q, const float *k, const float *v,
                              const float *g, const float *beta, int64_t n, int H, int dk, int dv,
                              float scale, float *S, float *o, int C, float *work) {
     K3_TRY(k3_kernels_check_kda(dk, dv, C));
-    kda_job j = {q, k, v, g, beta, n, H, dk, dv, C, scale, S, o, work};
-    k3_pool_run(k3_cpu_pool(be), H, kda_task, &j);
+    if (C == 1) return k3_cpu_kda_recurrent(be, q, k, v, g, beta, n, H, dk, dv, scale, S, o);
+    kda_job j = {k3_cpu_kern_of(be), q, k, v, g, beta, n, H, dk, dv, C, 1, scale, S, o, work};
+    k3_pool_run(k3_cpu_pool(be), H, kda_chunk_task, &j);
     return K3_OK;
 }
 
-/* kda_gate: per token on the pool (each token's outputs are its own). */
+/* kda_gate: per token on the pool (each token's outputs are its own). The lower-bound form (K3)
+ * is lb·σ(a·(r + dt_bias)) with the table's vector sigmoid; the softplus form keeps ref's rows. */
 typedef struct {
+    const k3_cpu_kern *kern;
     float *r;
     const float *dt_bias, *a_log;
     int64_t T;
@@ -60,15 +81,29 @@ typedef struct {
     bool lb_form;
     float lb;
 } gate_job;
+static void gate_rows(const gate_job *j, int64_t t0, int64_t t1) {
+    if (!j->lb_form) {
+        k3_ref_kda_gate_rows(j->r, j->dt_bias, j->a_log, t0, t1, j->H, j->dk, false, 0.0f);
+        return;
+    }
+    const int64_t P = (int64_t)j->H * j->dk;
+    for (int64_t t = t0; t < t1; t++)
+        for (int h = 0; h < j->H; h++) {
+            float *x = j->r + t * P + (int64_t)h * j->dk;
+            const float *db = j->dt_bias + (int64_t)h * j->dk, a = expf(j->a_log[h]);
+            for (int i = 0; i < j->dk; i++) x[i] = a * (x[i] + db[i]);
+            j->kern->sigmoid(x, j->dk, x);
+            for (int i = 0; i < j->dk; i++) x[i] = j->lb * x[i];
+        }
+}
 static void gate_task(void *ctx, int64_t t) {
-    const gate_job *j = ctx;
-    k3_ref_kda_gate_rows(j->r, j->dt_bias, j->a_log, t, t + 1, j->H, j->dk, j->lb_form, j->lb);
+    gate_rows(ctx, t, t + 1);
 }
 k3_status k3_cpu_kda_gate(k3_backend *be, float *r, const float *dt_bias, const float *a_log,
                           int64_t T, int H, int dk, bool has_lower_bound, float lower_bound) {
-    gate_job j = {r, dt_bias, a_log, T, H, dk, has_lower_bound, lower_bound};
+    gate_job j = {k3_cpu_kern_of(be), r, dt_bias, a_log, T, H, dk, has_lower_bound, lower_bound};
     if (T * H * dk < K3_CPU_PAR_MIN_MACS / 8) {
-        k3_ref_kda_gate_rows(r, dt_bias, a_log, 0, T, H, dk, has_lower_bound, lower_bound);
+        gate_rows(&j, 0, T);
         return K3_OK;
     }
     k3_pool_run(k3_cpu_pool(be), T, gate_task, &j);

@@ -35,6 +35,13 @@ struct k3_cpu_kern {
     /* one head of attn_latent: qc [W], cache [n_ctx, W], o [Rkv], work [n_ctx] */
     void (*attn_head)(const float *qc, const float *cache, int64_t n_ctx, int W, int Rkv,
                       float scale, float *o, float *work);
+    /* the KDA recurrence of one head (K3-MODEL.md §2.2, ref's k3_ref_kda_head_recurrent) over n
+       tokens for value columns [j0, j1): q, k, g [n] rows sqk apart, v, o rows svo apart, beta
+       sb apart; S [dk, dv] (in/out). A column's bits depend neither on [j0, j1) nor on how a
+       sequence's tokens are split into calls. */
+    void (*kda_head)(const float *q, const float *k, const float *v, const float *g,
+                     const float *beta, int64_t n, int64_t sqk, int64_t svo, int64_t sb, int dk,
+                     int dv, int j0, int j1, float scale, float *S, float *o);
 };
 
 /* The table of a cpu backend (its ISA's). */

@@ -471,4 +471,5 @@ const k3_cpu_kern KERN_NAME = {
     .swiglu = swiglu,
     .softmax_row = softmax_row,
     .attn_head = attn_head,
+    .kda_head = kda_head,
 };
