@@ -89,7 +89,8 @@ void bench_random_ids(k3_rng *rng, int64_t n_vocab, int32_t *ids, int64_t n);
 /* Measured, never assumed: each bound is the BEST of `trials` trials (interference on a shared
  * machine only slows a probe), the median beside it. */
 typedef struct bench_limits {
-    int threads, trials;
+    int threads, trials;     /* trials of the FMA probe */
+    int triad_trials;        /* 2 x trials: a triad trial is short, its noise larger */
     int64_t triad_bytes;     /* bytes of each of the three triad arrays */
     double triad_gbs;        /* a[i] = b[i] + 3·c[i]: 3 x 4 bytes per element, best trial */
     double triad_gbs_median; /* median trial */
@@ -107,8 +108,8 @@ k3_status bench_measure_limits(int threads, int trials, int64_t array_bytes, ben
 /* One line: the bounds and how they were taken. */
 void bench_limits_describe(const bench_limits *l, char *buf, size_t n);
 /* The limits into a report's metadata: "limits" (that line), limits_threads, limits_trials,
- * triad_gbs, triad_gbs_median, triad_array_bytes, fma_peak_gflops, fma_peak_gflops_median,
- * fma_peak_gflops_wall, fma_trial_s, fma_peak_isa. */
+ * triad_trials, triad_gbs, triad_gbs_median, triad_array_bytes, fma_peak_gflops,
+ * fma_peak_gflops_median, fma_peak_gflops_wall, fma_trial_s, fma_peak_isa. */
 k3_status bench_put_limits(bench_row *meta, const bench_limits *l);
 
 /* ---- kernels (bench_kernels.c) -------------------------------------------------------------- */

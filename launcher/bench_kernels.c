@@ -266,7 +266,7 @@ k3_status bench_kernels_run(const bench_kernels_opts *o, bench_report *rep) {
     K3_TRY(k3_backend_create(o->backend ? o->backend : "cpu",
                              &(k3_backend_params){.n_threads = o->threads}, &be));
     bench_limits lim;
-    k3_status st = bench_measure_limits(o->threads, K3_MAX(o->reps, 5), bytes, &lim);
+    k3_status st = bench_measure_limits(o->threads, K3_MIN(K3_MAX(o->reps, 5), 16), bytes, &lim);
     char how[400];
     bench_limits_describe(&lim, how, sizeof how);
     if (st == K3_OK)
