@@ -77,6 +77,10 @@ def fwd(name, label):
     rows.append((f"{label} decode", r["decode_tok_s"], "tok/s", r["decode_bound_tok_s"], "tok/s",
                  100 * r["triad_fraction"],
                  f"{r['decode_bytes_per_token'] / 1e6:.1f} MB/token / triad {d['triad_gbs']:.1f} GB/s ({th} thr)"))
+    if r["decode_state_bytes_per_token"] > 0.1 * r["decode_bytes_per_token"]:  # a long context
+        rows.append((f"{label} decode (weights+state)", r["decode_gbs_with_state"], "GB/s",
+                     d["triad_gbs"], "GB/s", 100 * r["triad_fraction_with_state"],
+                     f"+ {r['decode_state_bytes_per_token'] / 1e6:.1f} MB/token MLA cache + KDA state"))
     rows.append((f"{label} prefill {r['prompt_tokens']} (weights)", r["prefill_gflops"], "GFLOP/s",
                  d["fma_peak_gflops"], "GFLOP/s", 100 * r["peak_fraction"],
                  f"fp32 FMA peak ({th} thr), {r['prefill_tok_s']:.1f} tok/s"))

@@ -8,7 +8,10 @@
  * (and the best), as
  *   decode:  tok/s, the weight bytes one token reads (k3_config_count: non-expert weights + top-k
  *            experts of every MoE layer + one embedding row), GB/s = bytes x tok/s, and % of the
- *            measured triad bandwidth (the decode bound: bytes per token / triad);
+ *            measured triad bandwidth (the decode bound: bytes per token / triad); beside it the
+ *            same with the state a step reads (MLA cache: (W)·4 bytes a cached token and MLA
+ *            layer, at the mean decode position; KDA state read and written: 2·H·dk·dv·4 bytes a
+ *            KDA layer), which passes the weights for a long prompt;
  *   prefill: tok/s and GFLOP/s as % of the measured fp32 FMA peak, counted two ways (below).
  * The limits are measured at start with the same thread count (launcher/bench_limits.c: best of
  * 5 trials; arrays past the L3), never constants.
@@ -185,7 +188,12 @@ static k3_status put_row(bench_report *rep, const char *label, const k3_config *
     K3_TRY(bench_put_num(r, "decode_gbs", "GB/s", 2, gbs));
     K3_TRY(bench_put_num(r, "decode_bound_tok_s", "bound t/s", 1, tr * 1e9 / f->bytes_per_token));
     K3_TRY(bench_put_num(r, "triad_fraction", NULL, 4, gbs / tr));
-    return bench_put_num(r, NULL, "% triad", 1, 100 * gbs / tr);
+    K3_TRY(bench_put_num(r, NULL, "% triad", 1, 100 * gbs / tr));
+    /* a long context: the MLA cache and KDA state a step reads can pass the weights */
+    const double gbs_s = (f->bytes_per_token + f->state_bytes_per_token) * dec / 1e9;
+    K3_TRY(bench_put_num(r, "decode_gbs_with_state", NULL, 2, gbs_s));
+    K3_TRY(bench_put_num(r, "triad_fraction_with_state", NULL, 4, gbs_s / tr));
+    return bench_put_num(r, NULL, "% triad (w+state)", 1, 100 * gbs_s / tr);
 }
 
 static const char flop_text[] =
