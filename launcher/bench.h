@@ -94,8 +94,11 @@ typedef struct bench_limits {
     int64_t triad_bytes;     /* bytes of each of the three triad arrays */
     double triad_gbs;        /* a[i] = b[i] + 3·c[i]: 3 x 4 bytes per element, best trial */
     double triad_gbs_median; /* median trial */
-    double fma_gflops;       /* independent fp32 FMA chains in registers, best trial, per second
-                                of each thread's CPU time (time-slicing does not lower it) */
+    double read_gbs;         /* Σ (b + c) over the same arrays, best trial: a read-only stream
+                                (decode's weights are read-only; not the bound, shown beside it) */
+    double read_gbs_median;
+    double fma_gflops; /* independent fp32 FMA chains in registers, best trial, per second
+                          of each thread's CPU time (time-slicing does not lower it) */
     double fma_gflops_median;
     double fma_gflops_wall; /* best trial by the wall clock (what the machine gave this run) */
     double fma_trial_s;     /* the least length of one FMA trial */
@@ -108,8 +111,8 @@ k3_status bench_measure_limits(int threads, int trials, int64_t array_bytes, ben
 /* One line: the bounds and how they were taken. */
 void bench_limits_describe(const bench_limits *l, char *buf, size_t n);
 /* The limits into a report's metadata: "limits" (that line), limits_threads, limits_trials,
- * triad_trials, triad_gbs, triad_gbs_median, triad_array_bytes, fma_peak_gflops,
- * fma_peak_gflops_median, fma_peak_gflops_wall, fma_trial_s, fma_peak_isa. */
+ * triad_trials, triad_gbs, triad_gbs_median, read_gbs, read_gbs_median, triad_array_bytes,
+ * fma_peak_gflops, fma_peak_gflops_median, fma_peak_gflops_wall, fma_trial_s, fma_peak_isa. */
 k3_status bench_put_limits(bench_row *meta, const bench_limits *l);
 
 /* ---- kernels (bench_kernels.c) -------------------------------------------------------------- */

@@ -37,7 +37,8 @@ typedef struct {
     size_t n;
     int trials; /* + 1 untimed pass first */
     pthread_barrier_t *bar;
-    double *t; /* [trials] per-trial time of this thread */
+    double *t;  /* [trials] per-trial time of this thread: triad */
+    double *tr; /* [trials] the same: read (Σ b + c) */
 } triad_arg;
 
 /* a = b + 3c with 256-bit vectors where the CPU has AVX (the default build targets plain x86-64,
@@ -49,6 +50,27 @@ __attribute__((target("avx"))) static void triad_avx(float *a, const float *b, c
         _mm256_storeu_ps(
             a + i, _mm256_add_ps(_mm256_loadu_ps(b + i), _mm256_mul_ps(s, _mm256_loadu_ps(c + i))));
 }
+/* Σ (b + c) with 4 vector accumulators: a read-only stream (a matmul's weights are read-only;
+ * the triad's stores cost bandwidth a decode does not spend). */
+__attribute__((target("avx"))) static float read_avx(const float *b, const float *c, size_t n) {
+    __m256 s0 = _mm256_setzero_ps(), s1 = s0, s2 = s0, s3 = s0;
+    for (size_t i = 0; i < n; i += 16) {
+        s0 = _mm256_add_ps(s0, _mm256_loadu_ps(b + i));
+        s1 = _mm256_add_ps(s1, _mm256_loadu_ps(b + i + 8));
+        s2 = _mm256_add_ps(s2, _mm256_loadu_ps(c + i));
+        s3 = _mm256_add_ps(s3, _mm256_loadu_ps(c + i + 8));
+    }
+    float o[8];
+    _mm256_storeu_ps(o, _mm256_add_ps(_mm256_add_ps(s0, s1), _mm256_add_ps(s2, s3)));
+    return o[0];
+}
+static float read_kernel(const float *b, const float *c, size_t n) {
+    if (__builtin_cpu_supports("avx")) return read_avx(b, c, n);
+    float s = 0;
+    for (size_t i = 0; i < n; i++) s += b[i] + c[i];
+    return s;
+}
+
 static void triad_kernel(float *a, const float *b, const float *c, size_t n) {
     if (__builtin_cpu_supports("avx")) {
         triad_avx(a, b, c, n);
@@ -67,11 +89,21 @@ static void *triad_thread(void *p) {
         pthread_barrier_wait(t->bar);
         if (r >= 0) t->t[r] = k3_now_s() - t0;
     }
+    volatile float sink = 0;
+    for (int r = 0; r < t->trials; r++) {
+        pthread_barrier_wait(t->bar);
+        double t0 = k3_now_s();
+        sink += read_kernel(t->b, t->c, t->n);
+        pthread_barrier_wait(t->bar);
+        t->tr[r] = k3_now_s() - t0;
+    }
+    (void)sink;
     return NULL;
 }
 
-/* g[trials]: GB/s of each trial (3 x 4 bytes per element: no write-allocate counted). */
-static k3_status triad(int threads, int trials, int64_t array_bytes, double *g) {
+/* g[trials]: GB/s of each triad trial (3 x 4 bytes per element: no write-allocate counted);
+ * gr[trials]: of each read trial (2 x 4 bytes per element). */
+static k3_status triad(int threads, int trials, int64_t array_bytes, double *g, double *gr) {
     size_t n = (size_t)array_bytes / sizeof(float);
     n -= n % (size_t)(16 * threads);
     if (n == 0)
@@ -80,10 +112,11 @@ static k3_status triad(int threads, int trials, int64_t array_bytes, double *g) 
     float *a = aligned_alloc(64, n * 4), *b = aligned_alloc(64, n * 4),
           *c = aligned_alloc(64, n * 4);
     double(*times)[2 * BENCH_MAX_TRIALS] = calloc((size_t)threads, sizeof *times);
+    double(*rtimes)[2 * BENCH_MAX_TRIALS] = calloc((size_t)threads, sizeof *rtimes);
     triad_arg *args = calloc((size_t)threads, sizeof *args);
     pthread_t *th = calloc((size_t)threads, sizeof *th);
     k3_status st = K3_OK;
-    if (!a || !b || !c || !times || !args || !th)
+    if (!a || !b || !c || !times || !rtimes || !args || !th)
         st = K3_ERR(K3_ERR_NOMEM, "bench limits: triad arrays of 3 x %lld bytes",
                     (long long)(n * 4));
     if (st == K3_OK) {
@@ -92,8 +125,14 @@ static k3_status triad(int threads, int trials, int64_t array_bytes, double *g) 
         size_t per = n / (size_t)threads;
         int started = 1;
         for (int i = 0; i < threads; i++) {
-            args[i] =
-                (triad_arg){a + per * i, b + per * i, c + per * i, per, trials, &bar, times[i]};
+            args[i] = (triad_arg){.a = a + per * i,
+                                  .b = b + per * i,
+                                  .c = c + per * i,
+                                  .n = per,
+                                  .trials = trials,
+                                  .bar = &bar,
+                                  .t = times[i],
+                                  .tr = rtimes[i]};
             if (i && pthread_create(&th[i], NULL, triad_thread, &args[i]) == 0) started++;
         }
         K3_ASSERT(started == threads); /* a barrier of `threads` would never open otherwise */
@@ -101,12 +140,14 @@ static k3_status triad(int threads, int trials, int64_t array_bytes, double *g) 
         for (int i = 1; i < threads; i++) pthread_join(th[i], NULL);
         pthread_barrier_destroy(&bar);
         for (int r = 0; r < trials; r++) {
-            double tmax = 0;
-            for (int i = 0; i < threads; i++) tmax = K3_MAX(tmax, times[i][r]);
+            double tmax = 0, rmax = 0;
+            for (int i = 0; i < threads; i++)
+                tmax = K3_MAX(tmax, times[i][r]), rmax = K3_MAX(rmax, rtimes[i][r]);
             g[r] = 3.0 * 4.0 * (double)(per * (size_t)threads) / tmax / 1e9;
+            gr[r] = 2.0 * 4.0 * (double)(per * (size_t)threads) / rmax / 1e9;
         }
     }
-    free(a), free(b), free(c), free(times), free(args), free(th);
+    free(a), free(b), free(c), free(times), free(rtimes), free(args), free(th);
     return st;
 }
 
@@ -212,9 +253,10 @@ k3_status bench_measure_limits(int threads, int trials, int64_t array_bytes, ben
     out->triad_trials = 2 * trials;
     out->triad_bytes = array_bytes;
     out->fma_trial_s = BENCH_FMA_TRIAL_S;
-    double g[2 * BENCH_MAX_TRIALS], gw[BENCH_MAX_TRIALS], unused;
-    K3_TRY(triad(threads, out->triad_trials, array_bytes, g));
+    double g[2 * BENCH_MAX_TRIALS], gr[2 * BENCH_MAX_TRIALS], gw[BENCH_MAX_TRIALS], unused;
+    K3_TRY(triad(threads, out->triad_trials, array_bytes, g, gr));
     best_median(g, out->triad_trials, &out->triad_gbs, &out->triad_gbs_median);
+    best_median(gr, out->triad_trials, &out->read_gbs, &out->read_gbs_median);
     int wide = __builtin_cpu_supports("avx512f")                                 ? 2
                : __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") ? 1
                                                                                  : 0;
@@ -229,10 +271,10 @@ k3_status bench_measure_limits(int threads, int trials, int64_t array_bytes, ben
 void bench_limits_describe(const bench_limits *l, char *buf, size_t n) {
     snprintf(buf, n,
              "%d threads: triad %.1f GB/s (best of %d trials over 3 arrays of %.0f MB; median "
-             "%.1f), fp32 FMA peak %.1f GFLOP/s (%s, best of %d trials of %.1f s of each thread's "
-             "CPU time; median %.1f; by wall clock %.1f)",
+             "%.1f; a read-only stream %.1f), fp32 FMA peak %.1f GFLOP/s (%s, best of %d trials of "
+             "%.1f s of each thread's CPU time; median %.1f; by wall clock %.1f)",
              l->threads, l->triad_gbs, l->triad_trials, (double)l->triad_bytes / 1e6,
-             l->triad_gbs_median, l->fma_gflops, l->fma_isa, l->trials, l->fma_trial_s,
+             l->triad_gbs_median, l->read_gbs, l->fma_gflops, l->fma_isa, l->trials, l->fma_trial_s,
              l->fma_gflops_median, l->fma_gflops_wall);
 }
 
@@ -245,6 +287,8 @@ k3_status bench_put_limits(bench_row *m, const bench_limits *l) {
     K3_TRY(bench_put_num(m, "triad_trials", NULL, -1, l->triad_trials));
     K3_TRY(bench_put_num(m, "triad_gbs", NULL, 2, l->triad_gbs));
     K3_TRY(bench_put_num(m, "triad_gbs_median", NULL, 2, l->triad_gbs_median));
+    K3_TRY(bench_put_num(m, "read_gbs", NULL, 2, l->read_gbs));
+    K3_TRY(bench_put_num(m, "read_gbs_median", NULL, 2, l->read_gbs_median));
     K3_TRY(bench_put_num(m, "triad_array_bytes", NULL, -1, (double)l->triad_bytes));
     K3_TRY(bench_put_num(m, "fma_peak_gflops", NULL, 2, l->fma_gflops));
     K3_TRY(bench_put_num(m, "fma_peak_gflops_median", NULL, 2, l->fma_gflops_median));

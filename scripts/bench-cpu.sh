@@ -76,7 +76,8 @@ def fwd(name, label):
     th = d["limits_threads"]
     rows.append((f"{label} decode", r["decode_tok_s"], "tok/s", r["decode_bound_tok_s"], "tok/s",
                  100 * r["triad_fraction"],
-                 f"{r['decode_bytes_per_token'] / 1e6:.1f} MB/token / triad {d['triad_gbs']:.1f} GB/s ({th} thr)"))
+                 f"{r['decode_bytes_per_token'] / 1e6:.1f} MB/token / triad {d['triad_gbs']:.1f} GB/s ({th} thr;"
+                 f" read-only stream {d['read_gbs']:.1f})"))
     if r["decode_state_bytes_per_token"] > 0.1 * r["decode_bytes_per_token"]:  # a long context
         rows.append((f"{label} decode (weights+state)", r["decode_gbs_with_state"], "GB/s",
                      d["triad_gbs"], "GB/s", 100 * r["triad_fraction_with_state"],
@@ -109,7 +110,8 @@ if kn:
         bound_is_bw = r["triad_fraction"] >= r["peak_fraction"]
         if bound_is_bw:
             rows.append((f"kernel {r['op']}", r["gbs"], "GB/s", kn["triad_gbs"], "GB/s",
-                         100 * r["triad_fraction"], f"triad ({kn['threads']} thr); {r['gflops']:.1f} GFLOP/s"))
+                         100 * r["triad_fraction"],
+                         f"triad ({kn['threads']} thr; read-only {kn['read_gbs']:.1f}); {r['gflops']:.1f} GFLOP/s"))
         else:
             rows.append((f"kernel {r['op']}", r["gflops"], "GFLOP/s", kn["fma_peak_gflops"],
                          "GFLOP/s", 100 * r["peak_fraction"], f"FMA peak ({kn['threads']} thr); {r['gbs']:.2f} GB/s"))
