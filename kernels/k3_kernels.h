@@ -124,11 +124,26 @@ typedef struct k3_backend k3_backend;
     /* Latent attention for ONE query token over n_ctx cached tokens (absorbed MLA, §3.2):               \
        qc [H, W] (W = Rkv + dr: [q_abs | q_pe]), cache [n_ctx, W] ([c | k_pe] rows);                      \
        s_h(j) = scale·qc[h]·cache[j]; p = softmax_j; o_lat[h] = Σ_j p_j cache[j][0:Rkv];               \
-       o_lat [H, Rkv]; work >= H·n_ctx floats. */                                                        \
+       o_lat [H, Rkv]; work >= H·n_ctx floats; 1 <= Rkv <= W <= K3_ATTN_MAX_W. The cpu backend           \
+       computes it as attn_latent_causal with pos0 = n_ctx − 1, n_q = 1 (the same bits). */             \
     X(attn_latent,                                                                                        \
       (k3_backend * be, const float *qc, const float *cache, int64_t n_ctx, int H, int W, int Rkv,        \
        float scale, float *o_lat, float *work),                                                           \
       (be, qc, cache, n_ctx, H, W, Rkv, scale, o_lat, work))                                              \
+    /* Causal latent attention of n_q consecutive query tokens of ONE sequence (prefill chunk or          \
+       decode step): query j < n_q sits at position pos0 + j and attends to cache rows                    \
+       [0, pos0 + j], i.e. o_lat[j] = attn_latent(qc[j], cache, n_ctx = pos0 + j + 1). qc [n_q, H,        \
+       W], cache [>= pos0 + n_q, W] (the queries' own rows written), o_lat [n_q, H, Rkv]; pos0 >=         \
+       0, 1 <= Rkv <= W <= K3_ATTN_MAX_W; work >= k3_attn_latent_causal_work_floats(pos0 + n_q,           \
+       H); no argument aliases another. Determinism: a query's result depends only on its qc row,         \
+       its context length and the cache — not on n_q, pos0 or the thread count — so one prefill       \
+       call, prefill in chunks and token-by-token decode agree bit for bit (cpu: flash-style              \
+       blocks of cache rows at fixed absolute boundaries with an online softmax,                          \
+       kernels/cpu/kern_attn.h). */                                                                       \
+    X(attn_latent_causal,                                                                                 \
+      (k3_backend * be, const float *qc, const float *cache, int64_t pos0, int64_t n_q, int H,            \
+       int W, int Rkv, float scale, float *o_lat, float *work),                                           \
+      (be, qc, cache, pos0, n_q, H, W, Rkv, scale, o_lat, work))                                          \
     /* MoE router selection (K3-MODEL.md §4.3, experts/k3_experts.h "Slot order"): scores σ(z)          \
        [T, E]; bias [E] (NULL = none) added for selection only; grouped top-k (n_group groups,            \
        topk_group kept; group score = sum of its two best biased scores; ties to the lower                \
@@ -235,6 +250,11 @@ int k3_backend_threads(const k3_backend *be);
 
 /* Scratch of kda_chunked per head (floats). */
 size_t k3_kda_chunk_work_floats(int C, int dk, int dv);
+/* The latent-attention ops' widest cache row (floats; K3: 576). */
+#define K3_ATTN_MAX_W 2048
+/* Scratch of attn_latent_causal (floats) for queries up to context n_ctx = pos0 + n_q over H
+ * heads: H·n_ctx (what attn_latent takes for its longest query). */
+size_t k3_attn_latent_causal_work_floats(int64_t n_ctx, int H);
 
 /* ---- tensor helpers (no memory access: safe on any backend's tensors) --------------------- */
 /* A view of rows [r0, r0+n) of a 2-D weight [out, in] (F32/BF16/MXFP4): no copy. */

@@ -24,6 +24,9 @@ void k3_ref_kda_head_chunked(const float *q, const float *k, const float *v, con
 /* One head of attn_latent: qc [W], cache [n_ctx, W], o [Rkv], work [n_ctx]. */
 void k3_ref_attn_latent_head(const float *qc, const float *cache, int64_t n_ctx, int W, int Rkv,
                              float scale, float *o, float *work);
+/* The latent-attention ops' shapes (H >= 1, 1 <= Rkv <= W <= K3_ATTN_MAX_W, n_ctx or pos0 and
+ * n_q >= 0): K3_ERR_ARG naming them. */
+k3_status k3_kernels_check_attn(const char *op, int64_t pos0, int64_t n_q, int H, int W, int Rkv);
 /* The KDA ops' limits (stack rows of the reference code): K3_ERR_ARG naming them. */
 k3_status k3_kernels_check_kda(int dk, int dv, int C);
 /* kda_gate on token rows [t0, t1). */

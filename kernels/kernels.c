@@ -300,6 +300,10 @@ size_t k3_kda_chunk_work_floats(int C, int dk, int dv) {
     return 2 * ((size_t)C * (size_t)(4 * dk + 2 * dv) + 2 * (size_t)C * (size_t)C);
 }
 
+size_t k3_attn_latent_causal_work_floats(int64_t n_ctx, int H) {
+    return (size_t)(n_ctx > 0 ? n_ctx : 0) * (size_t)(H > 0 ? H : 0);
+}
+
 /* The weight checks every backend's matmul makes (one definition for all backends). */
 k3_status k3_kernels_check_weight(const k3_tensor *W, const char *op) {
     if (W->ndim != 2)

@@ -62,16 +62,17 @@ k3_status k3_layers_mla(k3_stage *s, int layer, const k3_batch *b, const float *
                            dr));
     }
 
-    /* attention of each token over its own sequence's cache up to its position */
+    /* attention of each token over its own sequence's cache up to its position: one causal call
+       per sequence (its tokens sit at st->pos, st->pos + 1, ...; mwork is [H, max_ctx]) */
     const float scale = 1.0f / sqrtf((float)(dn + dr));
     {
         int64_t t = 0;
         for (int i = 0; i < b->n_seqs; i++) {
             k3_seq_state *st = b->states[i];
             const float *cache = st->mla + (size_t)s->slot[layer] * (size_t)st->max_ctx * W;
-            for (int j = 0; j < b->n_tokens[i]; j++, t++)
-                K3_TRY(ops->attn_latent(be, s->mqc + t * H * W, cache, st->pos + j + 1, H, W, Rkv,
-                                        scale, s->molat + t * H * Rkv, s->mwork));
+            K3_TRY(ops->attn_latent_causal(be, s->mqc + t * H * W, cache, st->pos, b->n_tokens[i],
+                                           H, W, Rkv, scale, s->molat + t * H * Rkv, s->mwork));
+            t += b->n_tokens[i];
         }
     }
 

@@ -314,6 +314,7 @@ static k3_status cpu_rows_wsum(k3_backend *be, const float *x, const float *w, c
 #define cpu_kda_chunked            k3_cpu_kda_chunked
 #define cpu_kda_gate               k3_cpu_kda_gate
 #define cpu_attn_latent            k3_cpu_attn_latent
+#define cpu_attn_latent_causal     k3_cpu_attn_latent_causal
 #define CPU_OP(name, params, args) .name = cpu_##name,
 const k3_ops k3_cpu_ops = {K3_OP_LIST(CPU_OP)};
 #undef CPU_OP

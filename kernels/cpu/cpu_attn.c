@@ -1,5 +1,9 @@
-/* cpu_attn.c — the cpu backend's latent attention (attn_latent, K3-MODEL.md §3.2): one query
- * token's heads over its sequence's latent cache, per head on the pool (the ISA's attn_head). */
+/* cpu_attn.c — the cpu backend's latent attention (attn_latent, attn_latent_causal,
+ * K3-MODEL.md §3.2): the (query, head) rows of a call cut into tiles of a few queries × a group
+ * of heads, run on the pool (the ISA's attn_rows, kernels/cpu/kern_attn.h: blocks of cache rows
+ * at fixed absolute boundaries, online softmax). attn_latent is the causal op's one-query case,
+ * so a decode step and a prefill of the same tokens give the same bits. How rows are grouped
+ * into tiles and tiles into threads never changes a row's result. */
 #include "k3_kernels.h"
 #include "k3_kernels_internal.h"
 
@@ -7,27 +11,66 @@
 
 /* Work below this many multiply-adds runs on the calling thread only (as in cpu.c). */
 #define K3_CPU_PAR_MIN_MACS (1 << 15)
+/* Rows of one task (queries × heads of a group); the kernel's tiles take up to 48. */
+#define ATT_TASK_ROWS 48
+/* A decode step's head groups: small enough to give the pool several tasks. */
+#define ATT_DECODE_HEADS 16
 
 typedef struct {
     const float *qc, *cache;
-    int64_t n_ctx;
-    int W, Rkv;
+    int64_t pos0, n_q, qb, n_qb;
+    int H, W, Rkv, hg, n_hg;
     float scale;
-    float *o, *work;
+    float *o;
     const k3_cpu_kern *kern;
 } lat_job;
-static void lat_task(void *ctx, int64_t h) {
+/* Task i: query block n_qb − 1 − i / n_hg (the longest contexts first, for balance), head group
+ * i % n_hg. */
+static void lat_task(void *ctx, int64_t i) {
     const lat_job *j = ctx;
-    j->kern->attn_head(j->qc + h * j->W, j->cache, j->n_ctx, j->W, j->Rkv, j->scale,
-                       j->o + h * j->Rkv, j->work + h * j->n_ctx);
+    const int64_t b = j->n_qb - 1 - i / j->n_hg, j0 = b * j->qb,
+                  j1 = j0 + j->qb < j->n_q ? j0 + j->qb : j->n_q;
+    const int h0 = (int)(i % j->n_hg) * j->hg, h1 = h0 + j->hg < j->H ? h0 + j->hg : j->H;
+    j->kern->attn_rows(j->qc, j->cache, j->pos0, j0, j1, h0, h1, j->H, j->W, j->Rkv, j->scale,
+                       j->o);
 }
-k3_status k3_cpu_attn_latent(k3_backend *be, const float *qc, const float *cache, int64_t n_ctx,
-                             int H, int W, int Rkv, float scale, float *o_lat, float *work) {
-    lat_job j = {qc, cache, n_ctx, W, Rkv, scale, o_lat, work, k3_cpu_kern_of(be)};
-    if (n_ctx * H * W < K3_CPU_PAR_MIN_MACS) {
-        for (int h = 0; h < H; h++) lat_task(&j, h);
+
+k3_status k3_cpu_attn_latent_causal(k3_backend *be, const float *qc, const float *cache,
+                                    int64_t pos0, int64_t n_q, int H, int W, int Rkv, float scale,
+                                    float *o_lat, float *work) {
+    (void)work; /* the tiles' scratch is on each thread's stack */
+    K3_TRY(k3_kernels_check_attn("attn_latent_causal", pos0, n_q, H, W, Rkv));
+    if (n_q == 0) return K3_OK;
+    lat_job j = {.qc = qc,
+                 .cache = cache,
+                 .pos0 = pos0,
+                 .n_q = n_q,
+                 .H = H,
+                 .W = W,
+                 .Rkv = Rkv,
+                 .scale = scale,
+                 .o = o_lat,
+                 .kern = k3_cpu_kern_of(be)};
+    j.hg = H < ATT_TASK_ROWS ? H : ATT_TASK_ROWS;
+    if (n_q == 1 && j.hg > ATT_DECODE_HEADS) j.hg = ATT_DECODE_HEADS;
+    j.qb = ATT_TASK_ROWS / j.hg;
+    j.n_hg = (H + j.hg - 1) / j.hg;
+    j.n_qb = (n_q + j.qb - 1) / j.qb;
+    const int64_t n_tasks = j.n_qb * j.n_hg;
+    if (n_tasks == 1 || n_q * (pos0 + n_q) * H * (int64_t)(W + Rkv) < K3_CPU_PAR_MIN_MACS) {
+        for (int64_t i = 0; i < n_tasks; i++) lat_task(&j, i);
         return K3_OK;
     }
-    k3_pool_run(k3_cpu_pool(be), H, lat_task, &j);
+    k3_pool_run(k3_cpu_pool(be), n_tasks, lat_task, &j);
     return K3_OK;
+}
+
+k3_status k3_cpu_attn_latent(k3_backend *be, const float *qc, const float *cache, int64_t n_ctx,
+                             int H, int W, int Rkv, float scale, float *o_lat, float *work) {
+    K3_TRY(k3_kernels_check_attn("attn_latent", 0, n_ctx, H, W, Rkv));
+    if (n_ctx == 0) { /* no context: ref's empty sum */
+        for (int64_t i = 0; i < (int64_t)H * Rkv; i++) o_lat[i] = 0.0f;
+        return K3_OK;
+    }
+    return k3_cpu_attn_latent_causal(be, qc, cache, n_ctx - 1, 1, H, W, Rkv, scale, o_lat, work);
 }

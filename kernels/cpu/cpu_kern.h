@@ -1,7 +1,7 @@
 /* cpu_kern.h — private to kernels/cpu/: the per-ISA kernel table of the cpu backend.
  *
  * Owns: the k3_cpu_kern struct (the hot loops: matmul row ranges, matmul_tn column ranges, the
- * elementwise activations, one softmax row, one head of latent attention) and the three tables
+ * elementwise activations, one softmax row, tiles of latent attention) and the three tables
  * built from one template (kern_tmpl.h) in three translation units compiled with their own flags:
  * kern_avx512.c (AVX-512 F/BW/VL/DQ), kern_avx2.c (AVX2 + FMA + F16C), kern_scalar.c (no SIMD
  * flags). isa.c picks one at backend creation from cpuid, or K3_ISA=avx512|avx2|scalar. Invariants:
@@ -32,9 +32,11 @@ struct k3_cpu_kern {
     void (*swiglu)(const float *g, const float *u, int64_t n, float *y);
     /* one row: y = softmax(x), max-subtracted; y may alias x */
     void (*softmax_row)(const float *x, int64_t n, float *y);
-    /* one head of attn_latent: qc [W], cache [n_ctx, W], o [Rkv], work [n_ctx] */
-    void (*attn_head)(const float *qc, const float *cache, int64_t n_ctx, int W, int Rkv,
-                      float scale, float *o, float *work);
+    /* attn_latent_causal on the (query j, head h) rows j in [j0, j1), h in [h0, h1): qc
+       [n_q, H, W], cache, o_lat [n_q, H, Rkv]; query j attends to cache rows [0, pos0 + j].
+       A row's bits depend only on its query, its context and the cache (kern_attn.h). */
+    void (*attn_rows)(const float *qc, const float *cache, int64_t pos0, int64_t j0, int64_t j1,
+                      int h0, int h1, int H, int W, int Rkv, float scale, float *o_lat);
     /* the KDA recurrence of one head (K3-MODEL.md §2.2, ref's k3_ref_kda_head_recurrent) over n
        tokens for value columns [j0, j1): q, k, g [n] rows sqk apart, v, o rows svo apart, beta
        sb apart; S [dk, dv] (in/out). A column's bits depend neither on [j0, j1) nor on how a
@@ -60,6 +62,9 @@ k3_status k3_cpu_kda_gate(k3_backend *be, float *r, const float *dt_bias, const 
                           int64_t T, int H, int dk, bool has_lower_bound, float lower_bound);
 k3_status k3_cpu_attn_latent(k3_backend *be, const float *qc, const float *cache, int64_t n_ctx,
                              int H, int W, int Rkv, float scale, float *o_lat, float *work);
+k3_status k3_cpu_attn_latent_causal(k3_backend *be, const float *qc, const float *cache,
+                                    int64_t pos0, int64_t n_q, int H, int W, int Rkv, float scale,
+                                    float *o_lat, float *work);
 
 extern const k3_cpu_kern k3_cpu_kern_scalar;
 extern const k3_cpu_kern k3_cpu_kern_avx2;

@@ -422,42 +422,7 @@ static void softmax_row(const float *x, int64_t n, float *y) {
     for (; i < n; i++) y[i] /= s;
 }
 
-/* ---- latent attention, one head (attn_latent, K3-MODEL.md §3.2) ------------------------------
- * ref's two passes in vector form: s_j = scale·(qc · cache[j]) (lanes as in matmul), softmax
- * over j (max, exp, a lane-wise sum), then o = Σ_j p_j cache[j][0:Rkv] with one fused
- * multiply-add per term and element, j ascending (vector lanes and the scalar tail alike). */
-static float dot_n(const float *a, const float *b, int64_t n) {
-    VEC a0 = V_ZERO(), a1 = V_ZERO();
-    int64_t i = 0;
-    for (; i + 2 * VL <= n; i += 2 * VL) {
-        a0 = V_FMA(V_LOAD(a + i), V_LOAD(b + i), a0);
-        a1 = V_FMA(V_LOAD(a + i + VL), V_LOAD(b + i + VL), a1);
-    }
-    if (i + VL <= n) a0 = V_FMA(V_LOAD(a + i), V_LOAD(b + i), a0), i += VL;
-    float t = 0.0f;
-    for (; i < n; i++) t += a[i] * b[i];
-    return V_HSUM(V_ADD(a0, a1)) + t;
-}
-static void attn_head(const float *qc, const float *cache, int64_t n_ctx, int W, int Rkv,
-                      float scale, float *o, float *work) {
-    float m = -INFINITY;
-    for (int64_t j = 0; j < n_ctx; j++) {
-        work[j] = dot_n(qc, cache + j * W, W) * scale;
-        m = work[j] > m ? work[j] : m;
-    }
-    float z = exp_sub_sum(work, n_ctx, m, work);
-    for (int64_t j = 0; j < n_ctx; j++) work[j] /= z; /* p_j */
-    const int nv = Rkv - Rkv % VL; /* o in L1; the cache streamed once, row by row */
-    for (int i = 0; i < Rkv; i++) o[i] = 0.0f;
-    for (int64_t k = 0; k < n_ctx; k++) {
-        const float *c = cache + k * W;
-        const VEC p = V_SET1(work[k]);
-        for (int i = 0; i < nv; i += VL) V_STORE(o + i, V_FMA(p, V_LOAD(c + i), V_LOAD(o + i)));
-        for (int i = nv; i < Rkv; i++) o[i] = V_SFMA(work[k], c[i], o[i]);
-    }
-}
-
-/* KDA (kern_kda.h) and latent attention (kern_attn.h) per head. */
+/* KDA per head (kern_kda.h) and latent attention by tiles of (query, head) rows (kern_attn.h). */
 #include "kern_attn.h"
 #include "kern_kda.h"
 
@@ -470,6 +435,6 @@ const k3_cpu_kern KERN_NAME = {
     .situ = situ,
     .swiglu = swiglu,
     .softmax_row = softmax_row,
-    .attn_head = attn_head,
+    .attn_rows = attn_rows,
     .kda_head = kda_head,
 };

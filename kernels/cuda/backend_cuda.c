@@ -297,7 +297,19 @@ static k3_status cu_kda_chunked(k3_backend *be, const float *q, const float *k, 
 }
 static k3_status cu_attn_latent(k3_backend *be, const float *qc, const float *cache, int64_t n_ctx,
                                 int H, int W, int Rkv, float scale, float *o_lat, float *work) {
+    K3_TRY(k3_kernels_check_attn("attn_latent", 0, n_ctx, H, W, Rkv));
     CU_TRY(k3c_attn_latent(STREAM(be), qc, cache, n_ctx, H, W, Rkv, scale, o_lat, work));
+    return K3_OK;
+}
+/* One attn_latent launch pair per query, in stream order (they share work): correct, not fast —
+ * a causal flash kernel is future work. */
+static k3_status cu_attn_latent_causal(k3_backend *be, const float *qc, const float *cache,
+                                       int64_t pos0, int64_t n_q, int H, int W, int Rkv,
+                                       float scale, float *o_lat, float *work) {
+    K3_TRY(k3_kernels_check_attn("attn_latent_causal", pos0, n_q, H, W, Rkv));
+    for (int64_t j = 0; j < n_q; j++)
+        CU_TRY(k3c_attn_latent(STREAM(be), qc + j * H * W, cache, pos0 + j + 1, H, W, Rkv, scale,
+                               o_lat + j * H * Rkv, work));
     return K3_OK;
 }
 static k3_status cu_moe_topk(k3_backend *be, const float *scores, const float *bias, int64_t T,

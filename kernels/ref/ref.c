@@ -345,9 +345,30 @@ void k3_ref_attn_latent_head(const float *qc, const float *cache, int64_t n_ctx,
 
 static k3_status ref_attn_latent(k3_backend *be, const float *qc, const float *cache, int64_t n_ctx,
                                  int H, int W, int Rkv, float scale, float *o_lat, float *work) {
+    K3_TRY(k3_kernels_check_attn("attn_latent", 0, n_ctx, H, W, Rkv));
     for (int h = 0; h < H; h++)
         k3_ref_attn_latent_head(qc + (int64_t)h * W, cache, n_ctx, W, Rkv, scale,
                                 o_lat + (int64_t)h * Rkv, work + (int64_t)h * n_ctx);
+    return K3_OK;
+}
+
+/* The definition: attn_latent per query over its own prefix of the cache. */
+static k3_status ref_attn_latent_causal(k3_backend *be, const float *qc, const float *cache,
+                                        int64_t pos0, int64_t n_q, int H, int W, int Rkv,
+                                        float scale, float *o_lat, float *work) {
+    K3_TRY(k3_kernels_check_attn("attn_latent_causal", pos0, n_q, H, W, Rkv));
+    for (int64_t j = 0; j < n_q; j++)
+        K3_TRY(ref_attn_latent(be, qc + j * H * W, cache, pos0 + j + 1, H, W, Rkv, scale,
+                               o_lat + j * H * Rkv, work));
+    return K3_OK;
+}
+
+k3_status k3_kernels_check_attn(const char *op, int64_t pos0, int64_t n_q, int H, int W, int Rkv) {
+    if (pos0 < 0 || n_q < 0 || H < 1 || Rkv < 1 || Rkv > W || W > K3_ATTN_MAX_W)
+        return K3_ERR(K3_ERR_ARG,
+                      "%s: pos0 %lld, %lld queries/rows, H %d, Rkv %d, W %d (need pos0, n >= 0, "
+                      "H >= 1, 1 <= Rkv <= W <= %d)",
+                      op, (long long)pos0, (long long)n_q, H, Rkv, W, K3_ATTN_MAX_W);
     return K3_OK;
 }
 

@@ -456,6 +456,24 @@ static void test_attn_latent(void) {
         free(qc), free(cache), free(work), free(want);
     }
 }
+static void test_attn_latent_causal(void) {
+    /* a prefill chunk of 70 queries after 40 cached tokens (pos0 = 40): each query over its own
+       prefix, against ref */
+    const int H = 4, Rkv = 512, W = 576;
+    const int64_t pos0 = 40, n_q = 70, n_ctx = pos0 + n_q;
+    const int64_t nq = n_q * H * W, no = n_q * H * Rkv;
+    float *qc = randn(nq, 1.0f), *cache = randn(n_ctx * W, 1.0f);
+    float *work = hnan(H * n_ctx), *want = hnan(no);
+    float *dq = dcopy(qc, nq), *dc = dcopy(cache, n_ctx * W);
+    float *dw = dpoison(H * n_ctx), *dy = dpoison(no);
+    const float scale = 1.0f / sqrtf((float)W);
+    K3_CHECK_OK(
+        g_ref->ops->attn_latent_causal(g_ref, qc, cache, pos0, n_q, H, W, Rkv, scale, want, work));
+    K3_CHECK_OK(g_cu->ops->attn_latent_causal(g_cu, dq, dc, pos0, n_q, H, W, Rkv, scale, dy, dw));
+    cmp(hget(dy, no), want, no, K3_TOL_OP_REL_L2, "attn_latent_causal");
+    dfree_all("attn_latent_causal");
+    free(qc), free(cache), free(work), free(want);
+}
 static void test_moe_topk(void) {
     const int64_t T = 33;
     const int E = 64, K = 6, G = 8, TG = 4;

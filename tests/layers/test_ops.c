@@ -1343,9 +1343,33 @@ static void test_kda_chunked(void) {
 }
 
 /* ---- latent attention ---------------------------------------------------------------------- */
+/* float64: o[j, h] = Σ_k softmax_k(scale·qc[j, h]·cache[k]) cache[k][0:Rkv], k <= pos0 + j. */
+static void attn_causal_f64(const float *qc, const float *cache, int64_t pos0, int64_t n_q, int H,
+                            int W, int Rkv, double scale, double *o) {
+    double *s = da(pos0 + n_q);
+    for (int64_t j = 0; j < n_q; j++)
+        for (int h = 0; h < H; h++) {
+            const float *q = qc + (j * H + h) * W;
+            const int64_t n = pos0 + j + 1;
+            double mx = -1e300, z = 0;
+            for (int64_t k = 0; k < n; k++) {
+                double d = 0;
+                for (int i = 0; i < W; i++) d += (double)q[i] * cache[k * W + i];
+                s[k] = d * scale;
+                mx = s[k] > mx ? s[k] : mx;
+            }
+            for (int64_t k = 0; k < n; k++) z += (s[k] = exp(s[k] - mx));
+            for (int i = 0; i < Rkv; i++) {
+                double acc = 0;
+                for (int64_t k = 0; k < n; k++) acc += s[k] / z * cache[k * W + i];
+                o[(j * H + h) * Rkv + i] = acc;
+            }
+        }
+    free(s);
+}
 static void test_attn_latent(void) {
     const int H = 4, Rkv = 24, dr = 8, W = Rkv + dr;
-    const int64_t n_ctx = 300; /* n_ctx·H·W above the parallel threshold: threads split heads */
+    const int64_t n_ctx = 300; /* five key blocks, the last one partial */
     float *qc = fa((int64_t)H * W), *cache = fa(n_ctx * W), *ys[B_COUNT],
           *oc = fa((int64_t)H * Rkv);
     float *work = fa((int64_t)H * n_ctx);
@@ -1353,26 +1377,11 @@ static void test_attn_latent(void) {
     fill_randn(qc, (int64_t)H * W, 1.0f);
     fill_randn(cache, n_ctx * W, 1.0f);
     float scale = 0.3f;
-    for (int h = 0; h < H; h++) {
-        double *s = da(n_ctx), m = -1e300, z = 0;
-        for (int64_t j = 0; j < n_ctx; j++) {
-            double d = 0;
-            for (int i = 0; i < W; i++) d += (double)qc[h * W + i] * cache[j * W + i];
-            s[j] = d * scale;
-            m = s[j] > m ? s[j] : m;
-        }
-        for (int64_t j = 0; j < n_ctx; j++) z += (s[j] = exp(s[j] - m));
-        for (int i = 0; i < Rkv; i++) {
-            double acc = 0;
-            for (int64_t j = 0; j < n_ctx; j++) acc += s[j] / z * cache[j * W + i];
-            od[h * Rkv + i] = acc;
-        }
-        free(s);
-    }
+    attn_causal_f64(qc, cache, n_ctx - 1, 1, H, W, Rkv, scale, od); /* one query */
     ys_alloc(ys, (int64_t)H * Rkv);
     for (int b = 0; b < B_COUNT; b++)
         K3_CHECK_OK(run_attn_latent(BE(b), qc, cache, n_ctx, H, W, Rkv, scale, ys[b], work));
-    for (int b = 0; b < B_COUNT; b++) /* cpu: the ISA's vector head (kernels/cpu/kern_tmpl.h) */
+    for (int b = 0; b < B_COUNT; b++) /* cpu: the ISA's tiles (kernels/cpu/kern_attn.h) */
         K3_CHECK(rel_l2_d(ys[b], od, (int64_t)H * Rkv) < K3_TOL_OP_REL_L2,
                  "attn_latent (%s) vs f64 %g", k_be_label[b],
                  rel_l2_d(ys[b], od, (int64_t)H * Rkv));
@@ -1384,6 +1393,108 @@ static void test_attn_latent(void) {
     }
     free(qc), free(cache), free(oc), free(work), free(od);
     ys_free(ys);
+}
+
+/* attn_latent_causal: n_q queries from position pos0 over the prefix of the cache each owns. */
+static k3_status run_attn_causal(k3_backend *be, const float *qc, const float *cache, int64_t pos0,
+                                 int64_t n_q, int H, int W, int Rkv, float scale, float *o_lat,
+                                 float *work) {
+    mshl m = {.be = be};
+    const float *dq = m_buf(&m, qc, FB(n_q * H * W), false),
+                *dc = m_buf(&m, cache, FB((pos0 + n_q) * W), false);
+    float *dO = m_buf(&m, o_lat, FB(n_q * H * Rkv), true),
+          *dw = m_buf(&m, work, FB(k3_attn_latent_causal_work_floats(pos0 + n_q, H)), true);
+    return m_done(&m, be->ops->attn_latent_causal(be, dq, dc, pos0, n_q, H, W, Rkv, scale, dO, dw));
+}
+static void test_attn_latent_causal(void) {
+    /* Rkv not a multiple of any vector (60 = 3·16 + 12 = 7·8 + 4), contexts 38..209 (several key
+       blocks, pos0 not on a block boundary), H = 5 (tiles cut between a query's heads); a second
+       shape with many heads (H = 52 > one tile; decode: head groups); the third with scores
+       spread wide (sd ~25: the running max moves and most terms underflow). */
+    static const struct {
+        int H, Rkv, dr;
+        int64_t pos0, n_q;
+        float sd, scale;
+    } cs[3] = {{5, 60, 12, 37, 172, 1.0f, 0.3f},
+               {52, 24, 8, 70, 11, 1.0f, 0.25f},
+               {3, 33, 7, 0, 130, 3.0f, 0.7f}};
+    for (int ci = 0; ci < 3; ci++) {
+        const int H = cs[ci].H, Rkv = cs[ci].Rkv, W = Rkv + cs[ci].dr;
+        const int64_t pos0 = cs[ci].pos0, n_q = cs[ci].n_q, n_ctx = pos0 + n_q;
+        const int64_t nq = n_q * H * W, no = n_q * H * Rkv, row = (int64_t)H * Rkv;
+        const float scale = cs[ci].scale;
+        float *qc = fa(nq), *cache = fa(n_ctx * W), *ys[B_COUNT], *oc = fa(no);
+        float *work = fa((int64_t)k3_attn_latent_causal_work_floats(n_ctx, H));
+        double *od = da(no);
+        fill_randn(qc, nq, cs[ci].sd);
+        fill_randn(cache, n_ctx * W, 1.0f);
+        attn_causal_f64(qc, cache, pos0, n_q, H, W, Rkv, scale, od);
+        ys_alloc(ys, no);
+        for (int b = 0; b < B_COUNT; b++) {
+            K3_CHECK_OK(
+                run_attn_causal(BE(b), qc, cache, pos0, n_q, H, W, Rkv, scale, ys[b], work));
+            K3_CHECK(all_finite(ys[b], no) && rel_l2_d(ys[b], od, no) < K3_TOL_OP_REL_L2,
+                     "attn_latent_causal case %d (%s) vs f64 %g", ci, k_be_label[b],
+                     rel_l2_d(ys[b], od, no));
+        }
+        K3_CHECK(nondegenerate(ys[B_REF], no), "attn_latent_causal output degenerate");
+        check_family(ys, no, "attn_latent_causal"); /* threads 1/2/4 and guard */
+        /* ref is attn_latent per query, bit for bit */
+        for (int64_t j = 0; j < n_q; j++)
+            K3_CHECK_OK(run_attn_latent(BE(B_REF), qc + j * H * W, cache, pos0 + j + 1, H, W, Rkv,
+                                        scale, oc + j * row, work));
+        K3_CHECK(same_f(oc, ys[B_REF], no), "ref attn_latent_causal != attn_latent per query");
+        /* cpu: a query's bits depend only on its own context — one query at a time (decode, and
+           through attn_latent), in uneven chunks, and as the tail of a call from position 0 */
+        for (int b = B_CPU1; b <= B_CPU4; b++) {
+            for (int64_t j = 0; j < n_q; j++)
+                K3_CHECK_OK(run_attn_causal(BE(b), qc + j * H * W, cache, pos0 + j, 1, H, W, Rkv,
+                                            scale, oc + j * row, work));
+            K3_CHECK(same_f(oc, ys[B_CPU1], no), "case %d %s: decode != one call", ci,
+                     k_be_label[b]);
+            memset(oc, 0xff, FB(no));
+            for (int64_t j = 0; j < n_q; j++)
+                K3_CHECK_OK(run_attn_latent(BE(b), qc + j * H * W, cache, pos0 + j + 1, H, W, Rkv,
+                                            scale, oc + j * row, work));
+            K3_CHECK(same_f(oc, ys[B_CPU1], no), "case %d %s: attn_latent != one causal call", ci,
+                     k_be_label[b]);
+            memset(oc, 0xff, FB(no));
+            const int64_t chunk[4] = {1, 13, 64, 3};
+            for (int64_t j = 0, c = 0; j < n_q; j += chunk[c % 4], c++) {
+                int64_t n = chunk[c % 4] < n_q - j ? chunk[c % 4] : n_q - j;
+                K3_CHECK_OK(run_attn_causal(BE(b), qc + j * H * W, cache, pos0 + j, n, H, W, Rkv,
+                                            scale, oc + j * row, work));
+            }
+            K3_CHECK(same_f(oc, ys[B_CPU1], no), "case %d %s: chunked != one call", ci,
+                     k_be_label[b]);
+        }
+        if (pos0 > 0) { /* the whole prefill from 0: its last n_q queries are ours */
+            float *qall = fa(n_ctx * H * W), *oall = fa(n_ctx * row);
+            fill_randn(qall, pos0 * H * W, 1.0f);
+            memcpy(qall + pos0 * H * W, qc, FB(nq));
+            K3_CHECK_OK(
+                run_attn_causal(BE(B_CPU2), qall, cache, 0, n_ctx, H, W, Rkv, scale, oall, work));
+            K3_CHECK(same_f(oall + pos0 * row, ys[B_CPU1], no),
+                     "case %d: prefill from 0 != the call from pos0", ci);
+            free(qall), free(oall);
+        }
+        ys_free(ys);
+        free(qc), free(cache), free(oc), free(work), free(od);
+    }
+    /* n_q = 0 touches nothing; shapes outside the contract are K3_ERR_ARG on every backend */
+    float q[4] = {1, 2, 3, 4}, c[4] = {1, 2, 3, 4}, o[2] = {7, 7}, w[4];
+    for (int b = 0; b < B_COUNT; b++) {
+        if (b == B_GUARD) continue; /* host pointers only */
+        K3_CHECK_OK(BE(b)->ops->attn_latent_causal(BE(b), q, c, 1, 0, 1, 4, 2, 1.0f, o, w));
+        K3_CHECK(o[0] == 7 && o[1] == 7, "attn_latent_causal n_q = 0 wrote (%s)", k_be_label[b]);
+        K3_CHECK_ERR(BE(b)->ops->attn_latent_causal(BE(b), q, c, -1, 1, 1, 4, 2, 1.0f, o, w),
+                     K3_ERR_ARG, "pos0 -1");
+        K3_CHECK_ERR(BE(b)->ops->attn_latent_causal(BE(b), q, c, 0, 1, 1, 4, 5, 1.0f, o, w),
+                     K3_ERR_ARG, "Rkv 5");
+        K3_CHECK_ERR(
+            BE(b)->ops->attn_latent_causal(BE(b), q, c, 0, 1, 1, K3_ATTN_MAX_W + 1, 2, 1.0f, o, w),
+            K3_ERR_ARG, "attn_latent_causal");
+    }
 }
 
 /* ---- MoE routing ------------------------------------------------------------------------------
