@@ -16,7 +16,6 @@
 
 #define VEC                  __m256
 #define VL                   8
-#define MR                   1
 #define GR                   4
 #define GT                   3
 #define KERN_NAME            k3_cpu_kern_avx2

@@ -16,7 +16,6 @@
 
 #define VEC             __m512
 #define VL              16
-#define MR              2
 #define GR              6
 #define GT              4
 #define KERN_NAME       k3_cpu_kern_avx512

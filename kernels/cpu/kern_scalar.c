@@ -12,7 +12,6 @@
 
 #define VEC                  float
 #define VL                   1
-#define MR                   1
 #define GR                   4
 #define GT                   4
 #define KERN_NAME            k3_cpu_kern_scalar

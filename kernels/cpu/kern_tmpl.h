@@ -4,7 +4,8 @@
  * Not a header of its own: no include guard, no declarations for others.
  *
  * Vocabulary each unit defines: VEC (a vector of VL floats), VL, KERN_NAME (the table's
- * symbol), KERN_ISA (its name), MR (weight rows per prefill tile), and the operations
+ * symbol), KERN_ISA (its name), GR × GT (weight rows × tokens of a prefill register tile: GR·GT
+ * accumulators + GT x vectors + one weight vector fit the ISA's registers), and the operations
  *   V_ZERO() V_SET1(f) V_LOAD(p) V_STORE(p, v) V_ADD V_SUB V_MUL V_DIV V_MIN V_MAX
  *   V_FMA(a, b, c) = a·b + c   V_SFMA(a, b, c): the same on one float
  *   V_HSUM(v)   V_HMAX(v)   V_ABS(v)   V_COPYSIGN(mag, sgn)   V_SEL_LT(a, b, x, y) = a < b ? x : y
@@ -22,11 +23,11 @@
  * Reduction order (the determinism rule of k3_kernels.h): y[t, o] of matmul is
  * hsum(a0 + a1) + t with a0 += x·w over vectors 0, 2, 4, ... of the row and a1 over vectors
  * 1, 3, 5, ... (one VL-tail vector into a0, the last in % VL elements into t, in order). The
- * tiles below (1 or 4 tokens × 1, 2 or MR rows, over a whole row or a chunk of it) all do
- * exactly that per output element, so a result depends neither on T nor on the row range a
- * thread got. Elementwise ops compute each
- * element by one function of its inputs (tails go through a padded vector), so splits never
- * change a bit. */
+ * decode tiles (one token × 1 or 2 rows), the prefill tiles (GR rows × up to GT tokens, a0's
+ * and a1's terms in two passes, over chunks of the row) and kern_gemv.h all do exactly that per
+ * output element, so a result depends neither on T nor on the row range a thread got.
+ * Elementwise ops compute each element by one function of its inputs (tails go through a padded
+ * vector), so splits never change a bit. */
 
 #define NVX (32 / VL) /* vectors per MXFP4 block */
 /* Decode tiles (one token: pure weight streaming) prefetch each row this far ahead. */
@@ -48,13 +49,13 @@ static inline float sw_bf16(const uint16_t *w) {
     return k3_bf16_to_f32(*w);
 }
 
-/* ---- dot tiles: NR weight rows (ld elements apart) × NT tokens over elements [i0, i1) -------
+/* ---- decode tiles (T < 4, until kern_gemv.h has its own): NR weight rows (ld elements apart) ×
+ * one token over elements [i0, i1) ---------------------------------------------------------------
  * i0, i1 are multiples of 2·VL (MXFP4: of 32), so vector k of the row always lands in a(k % 2)
- * whatever the chunking; xs[u] points at token u's element i0 (for MXFP4 on an ISA with
- * MX_XPERM, at its copy in even/odd order, see mx_xperm). The accumulators live in acc (row r,
- * token u at acc[(r·acc_ld + u)·2], a0 then a1): loaded at entry, stored at exit, so a row can be
- * walked in chunks (prefill: a chunk of x and of the weights stays in L1 while a block of tokens ×
- * rows meets it) with the same arithmetic, in the same order, as one pass (decode). */
+ * whatever the chunking; xs[0] points at the token's element i0 (for MXFP4 on an ISA with
+ * MX_XPERM, at its copy in even/odd order, see mx_xperm). The accumulators live in acc (row r at
+ * acc[r·acc_ld·2], a0 then a1): loaded at entry, stored at exit, so a row can be walked in chunks
+ * with the same arithmetic, in the same order, as one pass. */
 #define ACC_LOAD(NR, NT)                                                                           \
     VEC a0[NR][NT], a1[NR][NT];                                                                    \
     _Pragma("GCC unroll 8") for (int r = 0; r < NR; r++)                                           \
@@ -90,8 +91,8 @@ static inline float sw_bf16(const uint16_t *w) {
     }
 
 /* MXFP4 rows: codes [in/2] bytes per row (ld_c apart), E8M0 [in/32] per row (ld_e apart). Each
- * block is decoded once into registers and met by every token of the tile; vector k of a block
- * joins a(k % 2), the same lanes as the f32/bf16 rows. */
+ * block is decoded once into registers; vector k of a block joins a(k % 2), the same lanes as the
+ * f32/bf16 rows. */
 #define DEF_TILE_MX(NAME, NR, NT)                                                                  \
     static void NAME(const uint8_t *c, const uint8_t *e, int64_t ld_c, int64_t ld_e,               \
                      const float *const *xs, int64_t i0, int64_t i1, VEC *acc, int64_t acc_ld) {   \
@@ -115,41 +116,29 @@ static inline float sw_bf16(const uint16_t *w) {
 
 DEF_TILE(f32_r1t1, float, ldw_f32, 1, 1)
 DEF_TILE(f32_r2t1, float, ldw_f32, 2, 1)
-DEF_TILE(f32_r1t4, float, ldw_f32, 1, 4)
-DEF_TILE(f32_rmt4, float, ldw_f32, MR, 4)
 DEF_TILE(bf16_r1t1, uint16_t, ldw_bf16, 1, 1)
 DEF_TILE(bf16_r2t1, uint16_t, ldw_bf16, 2, 1)
-DEF_TILE(bf16_r1t4, uint16_t, ldw_bf16, 1, 4)
-DEF_TILE(bf16_rmt4, uint16_t, ldw_bf16, MR, 4)
 DEF_TILE_MX(mx_r1t1, 1, 1)
 DEF_TILE_MX(mx_r2t1, 2, 1)
-DEF_TILE_MX(mx_r1t4, 1, 4)
-DEF_TILE_MX(mx_rmt4, MR, 4)
 
-/* Rows [o, o + k) (k = nr or 1) × nt tokens (1 or 4) over [i0, i1): the matching tile. */
-static void tile(const k3_tensor *W, int64_t o, int k, const float *const *xs, int nt, int64_t i0,
+/* Rows [o, o + k) (k = 1 or 2) × one token over [i0, i1): the matching tile. */
+static void tile(const k3_tensor *W, int64_t o, int k, const float *const *xs, int64_t i0,
                  int64_t i1, VEC *acc, int64_t acc_ld) {
     int64_t in = W->shape[1];
-    const bool wide = nt == 1 ? k == 2 : k == MR;
     switch (W->dtype) {
-    case K3_DT_F32: {
-        const float *w = (const float *)W->data + o * in;
-        (nt == 1 ? (wide ? f32_r2t1 : f32_r1t1) : (wide ? f32_rmt4 : f32_r1t4))(w, in, xs, i0, i1,
-                                                                                acc, acc_ld);
+    case K3_DT_F32:
+        (k == 2 ? f32_r2t1 : f32_r1t1)((const float *)W->data + o * in, in, xs, i0, i1, acc,
+                                       acc_ld);
         break;
-    }
-    case K3_DT_BF16: {
-        const uint16_t *w = (const uint16_t *)W->data + o * in;
-        (nt == 1 ? (wide ? bf16_r2t1 : bf16_r1t1)
-                 : (wide ? bf16_rmt4 : bf16_r1t4))(w, in, xs, i0, i1, acc, acc_ld);
+    case K3_DT_BF16:
+        (k == 2 ? bf16_r2t1 : bf16_r1t1)((const uint16_t *)W->data + o * in, in, xs, i0, i1, acc,
+                                         acc_ld);
         break;
-    }
-    default: {
-        const uint8_t *c = (const uint8_t *)W->data + o * (in / 2), *e = W->scale + o * (in / 32);
-        (nt == 1 ? (wide ? mx_r2t1 : mx_r1t1)
-                 : (wide ? mx_rmt4 : mx_r1t4))(c, e, in / 2, in / 32, xs, i0, i1, acc, acc_ld);
+    default:
+        (k == 2 ? mx_r2t1 : mx_r1t1)((const uint8_t *)W->data + o * (in / 2),
+                                     W->scale + o * (in / 32), in / 2, in / 32, xs, i0, i1, acc,
+                                     acc_ld);
         break;
-    }
     }
 }
 
@@ -170,60 +159,202 @@ static float finish(const k3_tensor *W, int64_t o, const float *x, int64_t i, VE
     return V_HSUM(V_ADD(a0, a1)) + t;
 }
 
-/* y[t, o] for rows [o0, o1), by blocks of ROW_BLOCK rows × TOK_BLOCK tokens whose accumulators
- * stay in acc while the row is walked in chunks of K_CHUNK elements (one chunk when T < 4: a
- * decode streams each row once). Tiles: 4 tokens × MR rows, else 1 token × 2 rows, then
- * singles. Loop order and chunking never change a result (see the tiles).
- * MXFP4 on an ISA whose mx32 yields even/odd elements (MX_XPERM): the x values a tile reads are
- * first copied in that order into xbuf (once per call for a decode, else per block and chunk),
- * so the weights need no interleaving permute — the same products, the same lanes. */
-#define ROW_BLOCK 16
-#define TOK_BLOCK 8
+/* y[t, o] for T < 4 tokens, rows [o0, o1): each token streams each row once (2 rows at a time,
+ * then a single), the accumulators in acc; MXFP4 with MX_XPERM reads x from a copy in even/odd
+ * order (xbuf: the whole rows when they fit, else K_CHUNK at a time). */
+#define DEC_ROWS  16
 #define K_CHUNK   512   /* a multiple of 32 and of 2·VL */
-#define XB_FLOATS 24576 /* xbuf: a decode of up to 3 tokens × 8192, or TOK_BLOCK × K_CHUNK */
-static void gemm_rows(const k3_tensor *W, const float *x, int64_t T, int64_t o0, int64_t o1,
-                      float *y) {
+#define XB_FLOATS 24576 /* xbuf: up to 3 tokens × 8192 */
+static void gemm_few(const k3_tensor *W, const float *x, int64_t T, int64_t o0, int64_t o1,
+                     float *y) {
     int64_t in = W->shape[1], out = W->shape[0];
     const int64_t n_main = in - in % (2 * VL);
     const bool perm = MX_XPERM && W->dtype == K3_DT_MXFP4;
-    const bool whole = T < 4 && (!perm || T * n_main <= XB_FLOATS); /* one chunk per row */
+    const bool whole = !perm || T * n_main <= XB_FLOATS; /* one chunk per row */
     const int64_t chunk = whole ? n_main : K_CHUNK;
-    VEC acc[ROW_BLOCK * TOK_BLOCK * 2];
+    VEC acc[DEC_ROWS * 2];
     float xbuf[perm ? XB_FLOATS : 1];
     if (perm && whole)
         for (int64_t t = 0; t < T; t++) mx_xperm(x + t * in, xbuf + t * n_main, n_main);
-    for (int64_t ob = o0; ob < o1; ob += ROW_BLOCK) {
-        int64_t nrow = o1 - ob < ROW_BLOCK ? o1 - ob : ROW_BLOCK;
-        for (int64_t tb = 0; tb < T; tb += TOK_BLOCK) {
-            int64_t ntok = T - tb < TOK_BLOCK ? T - tb : TOK_BLOCK;
-            for (int64_t i = 0; i < nrow * TOK_BLOCK * 2; i++) acc[i] = V_ZERO();
+    for (int64_t ob = o0; ob < o1; ob += DEC_ROWS) {
+        int64_t nrow = o1 - ob < DEC_ROWS ? o1 - ob : DEC_ROWS;
+        for (int64_t t = 0; t < T; t++) {
+            for (int64_t i = 0; i < nrow * 2; i++) acc[i] = V_ZERO();
             for (int64_t i0 = 0; i0 < n_main; i0 += chunk) {
                 int64_t i1 = i0 + chunk < n_main ? i0 + chunk : n_main;
-                if (perm && !whole)
-                    for (int64_t u = 0; u < ntok; u++)
-                        mx_xperm(x + (tb + u) * in + i0, xbuf + u * (i1 - i0), i1 - i0);
-                for (int64_t u0 = 0; u0 < ntok;) {
-                    int nt = ntok - u0 >= 4 ? 4 : 1, nr = nt == 1 ? 2 : MR;
-                    const float *xs[4];
-                    for (int u = 0; u < nt; u++)
-                        xs[u] = !perm   ? x + (tb + u0 + u) * in + i0
-                                : whole ? xbuf + (tb + u0 + u) * n_main
-                                        : xbuf + (u0 + u) * (i1 - i0);
-                    for (int64_t r = 0; r < nrow;) {
-                        int k = nrow - r >= nr ? nr : 1;
-                        tile(W, ob + r, k, xs, nt, i0, i1, acc + (r * TOK_BLOCK + u0) * 2,
-                             TOK_BLOCK);
-                        r += k;
-                    }
-                    u0 += nt;
+                if (perm && !whole) mx_xperm(x + t * in + i0, xbuf, i1 - i0);
+                const float *xs[1] = {!perm ? x + t * in + i0 : whole ? xbuf + t * n_main : xbuf};
+                for (int64_t r = 0; r < nrow;) {
+                    int k = nrow - r >= 2 ? 2 : 1;
+                    tile(W, ob + r, k, xs, i0, i1, acc + r * 2, 1);
+                    r += k;
                 }
             }
             for (int64_t r = 0; r < nrow; r++)
-                for (int64_t u = 0; u < ntok; u++) {
-                    const VEC *a = acc + (r * TOK_BLOCK + u) * 2;
-                    y[(tb + u) * out + ob + r] =
-                        finish(W, ob + r, x + (tb + u) * in, n_main, a[0], a[1]);
+                y[t * out + ob + r] =
+                    finish(W, ob + r, x + t * in, n_main, acc[r * 2], acc[r * 2 + 1]);
+        }
+    }
+}
+
+/* ---- prefill (T >= 4): packed panels × register tiles of GR rows × GT tokens -----------------
+ * Blocks of GB_ROWS rows × GB_TOKS tokens, the rows walked in chunks of GB_K elements. Per chunk
+ * the block's x is packed once (in mx32's order for MXFP4 with MX_XPERM), and GR rows at a time
+ * are unpacked (BF16 widened, MXFP4 decoded: the same floats the decode tiles make) into a panel
+ * that stays in L1 while every token tile of the block meets it. A tile keeps the accumulators of
+ * one parity in registers (GR·GT of them, GT x vectors, one weight vector): a0's pass takes
+ * vectors 0, 2, 4, ... of the chunk, then a1's pass vectors 1, 3, 5, ... — per accumulator the
+ * decode tiles' terms in their order, so the results are theirs bit for bit. Between chunks the
+ * accumulators wait in acc; the last chunk finishes its outputs at once. Rows past the block's
+ * end repeat its last row (computed, never stored). */
+#define GB_ROWS  (8 * GR) /* a packed x block serves this many rows */
+#define GB_TOKS  64       /* acc: GB_ROWS × GB_TOKS outputs' a0 and a1 */
+#define GB_K     512      /* a multiple of 32 and of 2·VL */
+#define GB_TILES ((GB_TOKS + GT - 1) / GT)
+#define GB_TILE  (2 * GR * GT) /* one tile's accumulators in acc: [parity][row][token] */
+
+/* wp [parity p][j][row r][VL] = vector 2j + p (of VL elements; mx32's order for MXFP4) of row
+ * o + min(r, nr − 1), elements [i0, i0 + 2·VL·nv): a pass reads one sequential stream. */
+static void gb_pack_w(const k3_tensor *W, int64_t o, int nr, int64_t i0, int64_t nv, float *wp) {
+    const int64_t in = W->shape[1], half = nv * GR * VL;
+    for (int r = 0; r < GR; r++) {
+        const int64_t row = o + (r < nr ? r : nr - 1);
+        float *d = wp + r * VL;
+        if (W->dtype == K3_DT_F32) {
+            const float *w = (const float *)W->data + row * in + i0;
+            for (int64_t j = 0; j < nv; j++) {
+                V_STORE(d + j * GR * VL, ldw_f32(w + 2 * j * VL));
+                V_STORE(d + half + j * GR * VL, ldw_f32(w + (2 * j + 1) * VL));
+            }
+        } else if (W->dtype == K3_DT_BF16) {
+            const uint16_t *w = (const uint16_t *)W->data + row * in + i0;
+            for (int64_t j = 0; j < nv; j++) {
+                V_STORE(d + j * GR * VL, ldw_bf16(w + 2 * j * VL));
+                V_STORE(d + half + j * GR * VL, ldw_bf16(w + (2 * j + 1) * VL));
+            }
+        } else {
+            const uint8_t *c = (const uint8_t *)W->data + row * (in / 2) + i0 / 2;
+            const uint8_t *e = W->scale + row * (in / 32) + i0 / 32;
+            for (int64_t b = 0; b < 2 * nv * VL / 32; b++) {
+                VEC wv[NVX];
+                mx32(c + b * 16, e[b], wv);
+                _Pragma("GCC unroll 32") for (int m = 0; m < NVX; m += 2) {
+                    const int64_t j = (b * NVX + m) / 2;
+                    V_STORE(d + j * GR * VL, wv[m]);
+                    V_STORE(d + half + j * GR * VL, wv[m + 1]);
                 }
+            }
+        }
+    }
+}
+
+/* xp [tile][parity p][j][token u][VL] = vector 2j + p of token tb + tile·GT + u, elements
+ * [i0, i0 + 2·VL·nv) (MXFP4 with MX_XPERM: of its copy in mx32's order, made in tmp). */
+static void gb_pack_x(const float *x, int64_t in, bool perm, int64_t ntok, int64_t i0, int64_t nv,
+                      float *tmp, float *xp) {
+    for (int64_t t = 0; t < ntok; t++) {
+        const float *src = x + t * in + i0;
+        if (perm) mx_xperm(src, tmp, 2 * nv * VL), src = tmp;
+        float *d = xp + ((t / GT) * 2 * nv * GT + t % GT) * VL;
+        for (int64_t j = 0; j < nv; j++) {
+            V_STORE(d + j * GT * VL, V_LOAD(src + 2 * j * VL));
+            V_STORE(d + (nv + j) * GT * VL, V_LOAD(src + (2 * j + 1) * VL));
+        }
+    }
+}
+
+/* GR rows (the panel wp) × NT tokens (xp: their tile of the packed x) over nv pairs of vectors;
+ * acc [parity][GR][GT] is loaded (zero when init) and stored back. */
+#define DEF_GB(NAME, NT)                                                                           \
+    static void NAME(const float *wp, const float *xp, int64_t nv, bool init, VEC *acc) {          \
+        for (int p = 0; p < 2; p++) {                                                              \
+            VEC a[GR][NT];                                                                         \
+            VEC *ap = acc + p * GR * GT;                                                           \
+            _Pragma("GCC unroll 8") for (int r = 0; r < GR; r++)                                   \
+                _Pragma("GCC unroll 8") for (int u = 0; u < NT; u++) a[r][u] =                     \
+                    init ? V_ZERO() : ap[r * GT + u];                                              \
+            const float *w = wp + p * nv * GR * VL, *xq = xp + p * nv * GT * VL;                   \
+            for (int64_t j = 0; j < nv; j++) {                                                     \
+                VEC xv[NT];                                                                        \
+                _Pragma("GCC unroll 8") for (int u = 0; u < NT; u++) xv[u] =                       \
+                    V_LOAD(xq + (j * GT + u) * VL);                                                \
+                _Pragma("GCC unroll 8") for (int r = 0; r < GR; r++) {                             \
+                    VEC wv = V_LOAD(w + (j * GR + r) * VL);                                        \
+                    _Pragma("GCC unroll 8") for (int u = 0; u < NT; u++) a[r][u] =                 \
+                        V_FMA(xv[u], wv, a[r][u]);                                                 \
+                }                                                                                  \
+            }                                                                                      \
+            _Pragma("GCC unroll 8") for (int r = 0; r < GR; r++)                                   \
+                _Pragma("GCC unroll 8") for (int u = 0; u < NT; u++) ap[r * GT + u] = a[r][u];     \
+        }                                                                                          \
+    }
+DEF_GB(gb_t1, 1)
+#if GT >= 2
+DEF_GB(gb_t2, 2)
+#endif
+#if GT >= 3
+DEF_GB(gb_t3, 3)
+#endif
+#if GT >= 4
+DEF_GB(gb_t4, 4)
+#endif
+#if GT > 4
+#error "GT > 4: add gb_t5.."
+#endif
+typedef void (*gb_fn)(const float *, const float *, int64_t, bool, VEC *);
+static const gb_fn gb_tiles[GT + 1] = {
+    NULL,  gb_t1,
+#if GT >= 2
+    gb_t2,
+#endif
+#if GT >= 3
+    gb_t3,
+#endif
+#if GT >= 4
+    gb_t4,
+#endif
+};
+
+static void gemm_rows(const k3_tensor *W, const float *x, int64_t T, int64_t o0, int64_t o1,
+                      float *y) {
+    if (T < 4) {
+        gemm_few(W, x, T, o0, o1, y);
+        return;
+    }
+    const int64_t in = W->shape[1], out = W->shape[0];
+    const int64_t n_main = in - in % (2 * VL);
+    const bool perm = MX_XPERM && W->dtype == K3_DT_MXFP4;
+    VEC acc[GB_ROWS / GR * GB_TILES * GB_TILE];
+    _Alignas(64) float wp[GR * GB_K], xp[GB_TILES * GT * GB_K], tmp[MX_XPERM ? GB_K : 1];
+    for (int64_t ob = o0; ob < o1; ob += GB_ROWS) {
+        const int64_t nrow = o1 - ob < GB_ROWS ? o1 - ob : GB_ROWS;
+        for (int64_t tb = 0; tb < T; tb += GB_TOKS) {
+            const int64_t ntok = T - tb < GB_TOKS ? T - tb : GB_TOKS;
+            for (int64_t i0 = 0; i0 < n_main; i0 += GB_K) {
+                const int64_t i1 = i0 + GB_K < n_main ? i0 + GB_K : n_main;
+                const int64_t nv = (i1 - i0) / (2 * VL);
+                gb_pack_x(x + tb * in, in, perm, ntok, i0, nv, tmp, xp);
+                for (int64_t g = 0; g < nrow; g += GR) {
+                    const int nr = nrow - g < GR ? (int)(nrow - g) : GR;
+                    gb_pack_w(W, ob + g, nr, i0, nv, wp);
+                    for (int64_t u0 = 0; u0 < ntok; u0 += GT) {
+                        const int nt = ntok - u0 < GT ? (int)(ntok - u0) : GT;
+                        VEC *a = acc + (g / GR * GB_TILES + u0 / GT) * GB_TILE;
+                        gb_tiles[nt](wp, xp + u0 * 2 * nv * VL, nv, i0 == 0, a);
+                        if (i1 == n_main) /* the last chunk: finish these outputs */
+                            for (int r = 0; r < nr; r++)
+                                for (int u = 0; u < nt; u++)
+                                    y[(tb + u0 + u) * out + ob + g + r] =
+                                        finish(W, ob + g + r, x + (tb + u0 + u) * in, n_main,
+                                               a[r * GT + u], a[(GR + r) * GT + u]);
+                    }
+                }
+            }
+            if (n_main == 0) /* a row shorter than 2·VL: finish alone */
+                for (int64_t r = 0; r < nrow; r++)
+                    for (int64_t u = 0; u < ntok; u++)
+                        y[(tb + u) * out + ob + r] =
+                            finish(W, ob + r, x + (tb + u) * in, 0, V_ZERO(), V_ZERO());
         }
     }
 }

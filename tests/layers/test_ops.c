@@ -400,14 +400,16 @@ static void free_w(wbuf *w) {
 static void test_matmul(void) {
     const k3_dtype dts[6] = {K3_DT_F32, K3_DT_BF16, K3_DT_MXFP4,
                              K3_DT_F32, K3_DT_BF16, K3_DT_MXFP4};
-    const int64_t ins[6] = {77, 200, 96, 1100, 1100, 1088}, outs[6] = {301, 130, 250, 37, 37, 37};
+    const int64_t ins[6] = {77, 200, 96, 1116, 1116, 1088}, outs[6] = {301, 130, 250, 37, 37, 37};
     for (int d = 0; d < 6; d++) {
         /* T·out·in is above twice the cpu's per-task minimum (4 · 2^15 MACs, kernels/cpu/cpu.c)
-           for every dtype, so the thread counts really split the rows; T = 12 = three 4-token
-           tiles, and a block of 8 tokens + one of 4; out odd or not a multiple of 4 (row tails);
-           the last three rows are longer than the cpu's prefill K chunk (512), so a row is
-           walked in chunks at T = 12 and in one pass at T = 1 — the same sums either way */
-        const int64_t in = ins[d], out = outs[d], T = 12;
+           for every dtype, so the thread counts really split the rows; T = 70 is more than one
+           64-token prefill block and ends in a partial tile, T = 12 is three 4-token tiles; out
+           odd or not a multiple of 4 (row tails); the last three rows are longer than the cpu's
+           prefill K chunk (512), so a row is walked in chunks at T = 12 and in one pass at
+           T = 1 — the same sums either way; in = 1116 leaves a VL-tail vector and a scalar tail
+           on AVX-512 and AVX2 alike */
+        const int64_t in = ins[d], out = outs[d], T = d < 3 ? 70 : 12;
         const char *dn = k3_dtype_name(dts[d]);
         wbuf w = make_w(dts[d], out, in);
         float *x = fa(T * in), *ys[B_COUNT], *y1 = fa(T * out);
