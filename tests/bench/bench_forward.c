@@ -89,6 +89,9 @@ static k3_status bench_one(const tiny_model *m, const bench_args *a, bench_times
             int32_t n = K3_MIN(C, a->n_prompt - p0);
             k3_batch b = {.n_seqs = 1, .states = &st, .n_tokens = &n, .token_ids = ids + p0};
             e = k3_stage_forward(s, &b, &act, false, logits);
+            if (r->n_calls > 1) /* a long prompt: minutes; say how far it is */
+                K3_LOGI("bench_forward: rep %d: prefill %d / %d tokens, %.1f s", rep + 1, p0 + n,
+                        a->n_prompt, k3_now_s() - t0);
         }
         double t1 = k3_now_s();
         for (int i = 0; e == K3_OK && i < a->n_decode; i++) {
