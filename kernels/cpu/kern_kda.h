@@ -50,6 +50,12 @@ kda_block(const int nv, const float *q, const float *k, const float *v, const fl
             ac[c] = V_ZERO();
             u[c] = V_ZERO();
         }
+        if (t + 2 < n) /* rows of a token are sqk floats apart (4 KiB and more): prefetch */
+            for (int i = 0; i < dk; i += 16) {
+                V_PREFETCH(g + (t + 2) * sqk + i);
+                V_PREFETCH(k + (t + 2) * sqk + i);
+                V_PREFETCH(q + (t + 1) * sqk + i);
+            }
         if (t + 1 < n) { /* finish t, start t + 1 */
             const float *kn1 = kt + sqk, *gn = g + (t + 1) * sqk;
             for (int i0 = 0; i0 < dk; i0 += VL) {
