@@ -32,12 +32,13 @@ static inline void mx_scales(const uint8_t *e, int64_t nb, float *out) {
     int64_t b = 0;
 #if VL == 16
     const __m512i sub = _mm512_set1_epi32(0x00400000), inf = _mm512_set1_epi32(0x7f800000);
-    for (; b + 16 <= nb; b += 16) {
-        __m512i v = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)(e + b)));
+    for (; b < nb; b += 16) { /* the last 1..16 under a mask (rows of 384 have 12 blocks) */
+        const __mmask16 m = nb - b >= 16 ? (__mmask16)0xffff : (__mmask16)((1u << (nb - b)) - 1);
+        __m512i v = _mm512_cvtepu8_epi32(_mm_maskz_loadu_epi8(m, e + b));
         __m512i bits = _mm512_slli_epi32(v, 23);
         bits = _mm512_mask_mov_epi32(bits, _mm512_cmpeq_epi32_mask(v, _mm512_setzero_si512()), sub);
         bits = _mm512_mask_mov_epi32(bits, _mm512_cmpeq_epi32_mask(v, _mm512_set1_epi32(255)), inf);
-        _mm512_storeu_ps(out + b, _mm512_castsi512_ps(bits));
+        _mm512_mask_storeu_ps(out + b, m, _mm512_castsi512_ps(bits));
     }
 #elif VL == 8
     const __m256i sub = _mm256_set1_epi32(0x00400000), inf = _mm256_set1_epi32(0x7f800000);
