@@ -68,8 +68,11 @@ static k3_status cpu_matmul(k3_backend *be, const float *x, int64_t T, const k3_
                         macs / (4.0 * K3_CPU_PAR_MIN_MACS));
     n_tasks = K3_MIN(K3_MIN(n_tasks, (int64_t)nth * 4), out);
     if (n_tasks >= 2 && nth > 1) {
+        /* rows per task: a multiple of 4 (decode), of 24 for prefill (T >= 4: whole register
+           tiles of 6 or 4 rows, kern_tmpl.h's GR) */
+        const int64_t gran = T >= 4 ? 24 : 4;
         j.rows_per_task = (out + n_tasks - 1) / n_tasks;
-        j.rows_per_task = (j.rows_per_task + 3) & ~(int64_t)3;
+        j.rows_per_task = (j.rows_per_task + gran - 1) / gran * gran;
     }
     k3_pool_run(k3_cpu_pool(be), (out + j.rows_per_task - 1) / j.rows_per_task, mm_task, &j);
     return K3_OK;

@@ -406,7 +406,7 @@ static void test_matmul(void) {
            for every dtype, so the thread counts really split the rows; T = 70 is more than one
            64-token prefill block and ends in a partial tile, T = 12 is three 4-token tiles; out
            odd or not a multiple of 4 (row tails); the last three rows are longer than the cpu's
-           prefill K chunk (512), so a row is walked in chunks at T = 12 and in one pass at
+           prefill K chunk (1024), so a row is walked in chunks at T = 12 and in one pass at
            T = 1 — the same sums either way; in = 1116 leaves a VL-tail vector and a scalar tail
            on AVX-512 and AVX2 alike */
         const int64_t in = ins[d], out = outs[d], T = d < 3 ? 70 : 12;
