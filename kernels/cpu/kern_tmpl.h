@@ -327,6 +327,7 @@ static void gemm_rows(const k3_tensor *W, const float *x, int64_t T, int64_t o0,
     const bool perm = MX_XPERM && W->dtype == K3_DT_MXFP4;
     VEC acc[GB_ROWS / GR * GB_TILES * GB_TILE];
     _Alignas(64) float wp[GR * GB_K], xp[GB_TILES * GT * GB_K], tmp[MX_XPERM ? GB_K : 1];
+    int64_t xp_tb = -1, xp_i0 = -1; /* the token block and chunk xp holds */
     for (int64_t ob = o0; ob < o1; ob += GB_ROWS) {
         const int64_t nrow = o1 - ob < GB_ROWS ? o1 - ob : GB_ROWS;
         for (int64_t tb = 0; tb < T; tb += GB_TOKS) {
@@ -334,7 +335,9 @@ static void gemm_rows(const k3_tensor *W, const float *x, int64_t T, int64_t o0,
             for (int64_t i0 = 0; i0 < n_main; i0 += GB_K) {
                 const int64_t i1 = i0 + GB_K < n_main ? i0 + GB_K : n_main;
                 const int64_t nv = (i1 - i0) / (2 * VL);
-                gb_pack_x(x + tb * in, in, perm, ntok, i0, nv, tmp, xp);
+                if (tb != xp_tb ||
+                    i0 != xp_i0) /* one block and chunk (T <= 64, short rows): once */
+                    gb_pack_x(x + tb * in, in, perm, ntok, i0, nv, tmp, xp), xp_tb = tb, xp_i0 = i0;
                 for (int64_t g = 0; g < nrow; g += GR) {
                     const int nr = nrow - g < GR ? (int)(nrow - g) : GR;
                     gb_pack_w(W, ob + g, nr, i0, nv, wp);
