@@ -223,6 +223,9 @@ k3_status k3_backend_create(const char *name, const k3_backend_params *p, k3_bac
  * every op of the op list and its kernels have passed a device run (scripts/device-check.sh);
  * else "cpu", with the reason in why (""). Other names pass through. */
 const char *k3_backend_resolve(const char *name, char *why, size_t n);
+/* The SIMD kernels a cpu (or guard) backend runs ("avx512", "avx2", "scalar": cpuid's pick or
+   K3_ISA's); "-" for other backends. For reports (k3 bench kernels, k3 version). */
+const char *k3_cpu_isa_name(const k3_backend *be);
 /* The backends compiled into this build ("ref cpu guard cuda") and those usable on this machine,
  * with the reason for each one that is not ("ref cpu guard; cuda: no CUDA device visible"). */
 void k3_backend_inventory(char *compiled, size_t nc, char *usable, size_t nu);

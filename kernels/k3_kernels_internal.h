@@ -62,8 +62,6 @@ typedef struct k3_cpu_kern k3_cpu_kern;
 k3_status k3_cpu_kern_select(const k3_cpu_kern **out);
 /* Whether this CPU can run the named ISA ("avx512", "avx2", "scalar"; false for other names). */
 bool k3_cpu_isa_supported(const char *name);
-/* The ISA a cpu (or guard) backend runs ("avx512", "avx2", "scalar"); "-" for other backends. */
-const char *k3_cpu_isa_name(const k3_backend *be);
 
 /* The cpu backend's context: its pool and kernel table. The guard backend embeds a cpu
  * backend. */

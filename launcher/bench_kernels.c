@@ -21,7 +21,6 @@
 #include <stdlib.h>
 
 #include "k3_kernels.h"
-#include "k3_kernels_internal.h" /* k3_cpu_isa_name */
 
 typedef struct {
     k3_backend *be;

@@ -11,7 +11,7 @@
  * The test registry comes from K3_OP_LIST: an op without a test_<op> function here does not
  * compile. Inputs come from k3_rng with a printed seed. */
 #include "k3_kernels.h"
-#include "k3_kernels_internal.h" /* k3_cpu_isa_supported, k3_cpu_isa_name */
+#include "k3_kernels_internal.h" /* k3_cpu_isa_supported */
 #include "k3_test.h"
 #include "tolerances.h"
 
