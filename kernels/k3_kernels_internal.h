@@ -38,6 +38,16 @@ k3_status k3_ref_moe_topk_rows(const float *scores, const float *bias, int64_t t
                                float *work, int32_t *ids, float *w);
 k3_status k3_kernels_check_topk(int E, int K, int G, int topk_group);
 /* rows_wsum of segment j. */
+/* attnres_mix of tokens [t0, t1) (bank [n_bank, T, D]); the op checks n_bank first
+   (k3_ref_attnres_check). */
+void k3_ref_attnres_mix_rows(const float *bank, int n_bank, const float *p, const float *w,
+                             int64_t T, int64_t D, float eps, float *out, int64_t t0, int64_t t1);
+k3_status k3_ref_attnres_check(int n_bank);
+/* short_conv's outputs of channels [c0, c1) (state read, not written), and then its state update
+   (the op = every channel's outputs, then the state). */
+void k3_ref_short_conv_cols(const float *in, int64_t n, int64_t P, int K, const float *w,
+                            const float *state, float *out, int64_t c0, int64_t c1);
+void k3_ref_short_conv_state(const float *in, int64_t n, int64_t P, int K, float *state);
 void k3_ref_rows_wsum_seg(const float *x, const float *w, const int64_t *seg, int64_t seg_len,
                           int64_t j, int64_t width, float *y);
 k3_status k3_kernels_check_seg(const int64_t *seg, int64_t seg_len, int64_t n_seg);

@@ -208,16 +208,59 @@ static k3_status cpu_softmax(k3_backend *be, const float *x, int64_t T, int64_t 
     if (n <= 0) return K3_OK;
     return ew_run(be, &(ew_job){.a = x, .n = T * n, .row = n, .y = y, .which = 4});
 }
+/* ref's code on ranges from the pool: AttnRes per token, add/mul per chunk, short_conv per
+   block of channels (every output element is the same function of its inputs as in ref, so
+   these stay bit-identical to ref whatever the split). */
+typedef struct {
+    const float *bank, *p, *w;
+    int n_bank;
+    int64_t T, D, per;
+    float eps;
+    float *out;
+} mix_job;
+static void mix_task(void *ctx, int64_t i) {
+    const mix_job *j = ctx;
+    k3_ref_attnres_mix_rows(j->bank, j->n_bank, j->p, j->w, j->T, j->D, j->eps, j->out, i * j->per,
+                            K3_MIN(j->T, (i + 1) * j->per));
+}
 static k3_status cpu_attnres_mix(k3_backend *be, const float *bank, int n_bank, const float *p,
                                  const float *w, int64_t T, int64_t D, float eps, float *out) {
-    return k3_ref_ops.attnres_mix(be, bank, n_bank, p, w, T, D, eps, out);
+    K3_TRY(k3_ref_attnres_check(n_bank));
+    if (T <= 0) return K3_OK;
+    mix_job j = {bank, p, w, n_bank, T, D, T, eps, out};
+    if (T > 1 && T * D * (n_bank + 1) >= K3_CPU_PAR_MIN_MACS)
+        j.per = K3_MAX((int64_t)1, T / (4 * (int64_t)k3_pool_threads(k3_cpu_pool(be))));
+    k3_pool_run(k3_cpu_pool(be), (T + j.per - 1) / j.per, mix_task, &j);
+    return K3_OK;
 }
 
+typedef struct {
+    const float *a, *b;
+    float *y;
+    int64_t n, per;
+    bool mul;
+} bin_job;
+static void bin_task(void *ctx, int64_t i) {
+    const bin_job *j = ctx;
+    int64_t i0 = i * j->per, m = K3_MIN(j->n, i0 + j->per) - i0;
+    if (j->mul)
+        k3_ref_ops.mul(NULL, j->a + i0, j->b + i0, m, j->y + i0);
+    else
+        k3_ref_ops.add(NULL, j->a + i0, j->b + i0, m, j->y + i0);
+}
+static k3_status bin_run(k3_backend *be, const float *a, const float *b, int64_t n, float *y,
+                         bool mul) {
+    if (n <= 0) return K3_OK;
+    bin_job j = {a, b, y, n, n, mul};
+    if (n >= 4 * K3_CPU_PAR_MIN_MACS) j.per = 1 << 16; /* 256 KB of each operand per task */
+    k3_pool_run(k3_cpu_pool(be), (n + j.per - 1) / j.per, bin_task, &j);
+    return K3_OK;
+}
 static k3_status cpu_add(k3_backend *be, const float *a, const float *b, int64_t n, float *y) {
-    return k3_ref_ops.add(be, a, b, n, y);
+    return bin_run(be, a, b, n, y, false);
 }
 static k3_status cpu_mul(k3_backend *be, const float *a, const float *b, int64_t n, float *y) {
-    return k3_ref_ops.mul(be, a, b, n, y);
+    return bin_run(be, a, b, n, y, true);
 }
 static k3_status cpu_fill(k3_backend *be, float *y, int64_t n, float v) {
     return k3_ref_ops.fill(be, y, n, v);
@@ -233,9 +276,26 @@ static k3_status cpu_embed_rows(k3_backend *be, const k3_tensor *W, const int32_
                                 float *out) {
     return k3_ref_ops.embed_rows(be, W, ids, T, out);
 }
+typedef struct {
+    const float *in, *w, *state;
+    int64_t n, P, per;
+    int K;
+    float *out;
+} conv_job;
+static void conv_task(void *ctx, int64_t i) {
+    const conv_job *j = ctx;
+    k3_ref_short_conv_cols(j->in, j->n, j->P, j->K, j->w, j->state, j->out, i * j->per,
+                           K3_MIN(j->P, (i + 1) * j->per));
+}
 static k3_status cpu_short_conv(k3_backend *be, const float *in, int64_t n, int64_t P, int K,
                                 const float *w, float *state, float *out) {
-    return k3_ref_ops.short_conv(be, in, n, P, K, w, state, out);
+    if (n <= 0 || P <= 0) return k3_ref_ops.short_conv(be, in, n, P, K, w, state, out);
+    conv_job j = {in, w, state, n, P, P, K, out};
+    if (n * P * K >= K3_CPU_PAR_MIN_MACS) /* blocks of 64 channels: whole cache lines per task */
+        j.per = K3_MAX((int64_t)64, (P / (4 * (int64_t)k3_pool_threads(k3_cpu_pool(be)))) & ~63);
+    k3_pool_run(k3_cpu_pool(be), (P + j.per - 1) / j.per, conv_task, &j);
+    k3_ref_short_conv_state(in, n, P, K, state); /* after every output read the old state */
+    return K3_OK;
 }
 
 typedef struct {

@@ -108,12 +108,9 @@ static k3_status ref_softmax(k3_backend *be, const float *x, int64_t T, int64_t 
 
 /* ---- AttnRes ------------------------------------------------------------------------------ */
 #define K3_MAX_SOURCES 64
-static k3_status ref_attnres_mix(k3_backend *be, const float *bank, int n_bank, const float *p,
-                                 const float *w, int64_t T, int64_t D, float eps, float *out) {
-    if (n_bank < 0 || n_bank + 1 > K3_MAX_SOURCES)
-        return K3_ERR(K3_ERR_ARG, "attnres_mix: %d banked sources (0..%d)", n_bank,
-                      K3_MAX_SOURCES - 1);
-    for (int64_t t = 0; t < T; t++) {
+void k3_ref_attnres_mix_rows(const float *bank, int n_bank, const float *p, const float *w,
+                             int64_t T, int64_t D, float eps, float *out, int64_t t0, int64_t t1) {
+    for (int64_t t = t0; t < t1; t++) {
         float s[K3_MAX_SOURCES], m = -INFINITY;
         for (int i = 0; i <= n_bank; i++) {
             const float *v = i < n_bank ? bank + ((int64_t)i * T + t) * D : p + t * D;
@@ -138,6 +135,17 @@ static k3_status ref_attnres_mix(k3_backend *be, const float *bank, int n_bank, 
             out[t * D + d] = acc;
         }
     }
+}
+k3_status k3_ref_attnres_check(int n_bank) {
+    if (n_bank < 0 || n_bank + 1 > K3_MAX_SOURCES)
+        return K3_ERR(K3_ERR_ARG, "attnres_mix: %d banked sources (0..%d)", n_bank,
+                      K3_MAX_SOURCES - 1);
+    return K3_OK;
+}
+static k3_status ref_attnres_mix(k3_backend *be, const float *bank, int n_bank, const float *p,
+                                 const float *w, int64_t T, int64_t D, float eps, float *out) {
+    K3_TRY(k3_ref_attnres_check(n_bank));
+    k3_ref_attnres_mix_rows(bank, n_bank, p, w, T, D, eps, out, 0, T);
     return K3_OK;
 }
 
@@ -414,11 +422,11 @@ static k3_status ref_embed_rows(k3_backend *be, const k3_tensor *W, const int32_
 }
 
 /* ---- KDA pieces ---------------------------------------------------------------------------- */
-static k3_status ref_short_conv(k3_backend *be, const float *in, int64_t n, int64_t P, int K,
-                                const float *w, float *state, float *out) {
+void k3_ref_short_conv_cols(const float *in, int64_t n, int64_t P, int K, const float *w,
+                            const float *state, float *out, int64_t c0, int64_t c1) {
     for (int64_t t = 0; t < n; t++) {
         float *o = out + t * P;
-        for (int64_t c = 0; c < P; c++) {
+        for (int64_t c = c0; c < c1; c++) {
             float acc = 0.0f;
             for (int j = 0; j < K; j++) {
                 int64_t idx = t - (K - 1) + j;
@@ -428,9 +436,11 @@ static k3_status ref_short_conv(k3_backend *be, const float *in, int64_t n, int6
             o[c] = acc;
         }
     }
+}
+void k3_ref_short_conv_state(const float *in, int64_t n, int64_t P, int K, float *state) {
     /* new state: the window of the last K-1 inputs */
     int km1 = K - 1;
-    if (km1 <= 0) return K3_OK;
+    if (km1 <= 0) return;
     if (n >= km1) {
         memcpy(state, in + (n - km1) * P, (size_t)km1 * (size_t)P * sizeof(float));
     } else {
@@ -438,6 +448,11 @@ static k3_status ref_short_conv(k3_backend *be, const float *in, int64_t n, int6
         memmove(state, state + n * P, (size_t)keep * (size_t)P * sizeof(float));
         memcpy(state + keep * P, in, (size_t)n * (size_t)P * sizeof(float));
     }
+}
+static k3_status ref_short_conv(k3_backend *be, const float *in, int64_t n, int64_t P, int K,
+                                const float *w, float *state, float *out) {
+    k3_ref_short_conv_cols(in, n, P, K, w, state, out, 0, P);
+    k3_ref_short_conv_state(in, n, P, K, state);
     return K3_OK;
 }
 

@@ -785,7 +785,7 @@ static void test_softmax(void) {
 /* add and mul: fp32 + and × are correctly rounded, and so is (float) of the exact double result
  * (53 >= 2·24 + 2 bits: double rounding is innocuous), so every backend must match it exactly. */
 static void binary_case(const char *name, bool is_mul) {
-    const int64_t n = 1001;
+    const int64_t n = 300001; /* > 4·2^15: the cpu splits it over its pool, with a ragged tail */
     float *a = fa(n), *b = fa(n), *want = fa(n), *ys[B_COUNT], *y1 = fa(n);
     fill_randn(a, n, 3.0f);
     fill_randn(b, n, 3.0f);
@@ -1025,6 +1025,46 @@ static void test_embed_rows(void) {
 }
 
 /* ---- KDA pieces ------------------------------------------------------------------------------ */
+/* short_conv and attnres_mix at sizes the cpu splits over its pool (channels / tokens): every
+   backend bit-identical to ref, outputs and state, whatever the thread count. */
+static void short_conv_split_case(void) {
+    const int64_t P = 300, n = 40; /* P·n·K above 2^15; 300 channels: blocks of 64 + a tail */
+    const int K = 4;
+    float *in = fa(n * P), *w = fa(P * K), *st0 = fa((K - 1) * P), *ys[B_COUNT], *ss[B_COUNT];
+    fill_randn(in, n * P, 1.0f);
+    fill_randn(w, P * K, 0.5f);
+    fill_randn(st0, (K - 1) * P, 1.0f);
+    ys_alloc(ys, n * P);
+    ys_alloc(ss, (K - 1) * P);
+    for (int b = 0; b < B_COUNT; b++) {
+        memcpy(ss[b], st0, FB((K - 1) * P));
+        K3_CHECK_OK(run_short_conv(BE(b), in, n, P, K, w, ss[b], ys[b]));
+        K3_CHECK(same_f(ys[b], ys[B_REF], n * P) && same_f(ss[b], ss[B_REF], (K - 1) * P),
+                 "short_conv split over the pool (%s) differs from ref", k_be_label[b]);
+    }
+    free(in), free(w), free(st0);
+    ys_free(ys);
+    ys_free(ss);
+}
+static void attnres_split_case(void) {
+    const int64_t T = 37, D = 1024;
+    const int nb = 3;
+    float *bank = fa(nb * T * D), *p = fa(T * D), *w = fa(D), *ys[B_COUNT], *pin = fa(T * D);
+    fill_randn(bank, nb * T * D, 1.0f);
+    fill_randn(p, T * D, 1.0f);
+    fill_randn(w, D, 0.1f);
+    ys_alloc(ys, T * D);
+    for (int b = 0; b < B_COUNT; b++) {
+        K3_CHECK_OK(run_attnres_mix(BE(b), bank, nb, p, w, T, D, 1e-5f, ys[b]));
+        K3_CHECK(same_f(ys[b], ys[B_REF], T * D), "attnres_mix split over the pool (%s) differs",
+                 k_be_label[b]);
+    }
+    memcpy(pin, p, FB(T * D)); /* in place (out = p) on the 4-thread cpu */
+    K3_CHECK_OK(run_attnres_mix(BE(B_CPU4), bank, nb, pin, w, T, D, 1e-5f, pin));
+    K3_CHECK(same_f(pin, ys[B_REF], T * D), "attnres_mix in place split over the pool differs");
+    free(bank), free(p), free(w), free(pin);
+    ys_free(ys);
+}
 static void test_short_conv(void) {
     const int64_t P = 6, n = 11;
     const int K = 4, km1 = K - 1;
@@ -1089,6 +1129,7 @@ static void test_short_conv(void) {
     for (int b = 0; b < B_COUNT; b++) free(ss[b]);
     free(in), free(w), free(st0), free(ext), free(od);
     ys_free(ys);
+    short_conv_split_case();
 }
 
 static void test_kda_gate(void) {
@@ -1205,6 +1246,7 @@ static void test_attnres_mix(void) {
         free(bank), free(p), free(w), free(yd), free(bt), free(y1), free(pg);
         ys_free(ys);
     }
+    attnres_split_case();
 }
 
 /* ---- KDA ------------------------------------------------------------------------------------ */
