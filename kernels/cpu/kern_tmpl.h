@@ -316,6 +316,30 @@ static const gb_fn gb_tiles[GT + 1] = {
 #endif
 };
 
+/* Rows [ob, ob + nrow) × tokens [tb, tb + ntok) over the chunk [i0, i1) whose x is packed in xp:
+ * each GR-row group widened/decoded once into wp, met by every token tile; the last chunk
+ * finishes its outputs. */
+static void gb_block(const k3_tensor *W, const float *x, int64_t ob, int64_t nrow, int64_t tb,
+                     int64_t ntok, int64_t i0, int64_t i1, int64_t n_main, const float *xp,
+                     float *wp, VEC *acc, float *y) {
+    const int64_t in = W->shape[1], out = W->shape[0], nv = (i1 - i0) / (2 * VL);
+    for (int64_t g = 0; g < nrow; g += GR) {
+        const int nr = nrow - g < GR ? (int)(nrow - g) : GR;
+        gb_pack_w(W, ob + g, nr, i0, nv, wp);
+        for (int64_t u0 = 0; u0 < ntok; u0 += GT) {
+            const int nt = ntok - u0 < GT ? (int)(ntok - u0) : GT;
+            VEC *a = acc + (g / GR * GB_TILES + u0 / GT) * GB_TILE;
+            gb_tiles[nt](wp, xp + u0 * 2 * nv * VL, nv, i0 == 0, a);
+            if (i1 == n_main) /* the last chunk: finish these outputs */
+                for (int r = 0; r < nr; r++)
+                    for (int u = 0; u < nt; u++)
+                        y[(tb + u0 + u) * out + ob + g + r] =
+                            finish(W, ob + g + r, x + (tb + u0 + u) * in, n_main, a[r * GT + u],
+                                   a[(GR + r) * GT + u]);
+        }
+    }
+}
+
 static void gemm_rows(const k3_tensor *W, const float *x, int64_t T, int64_t o0, int64_t o1,
                       float *y) {
     if (T < 4) {
@@ -327,38 +351,33 @@ static void gemm_rows(const k3_tensor *W, const float *x, int64_t T, int64_t o0,
     const bool perm = MX_XPERM && W->dtype == K3_DT_MXFP4;
     VEC acc[GB_ROWS / GR * GB_TILES * GB_TILE];
     _Alignas(64) float wp[GR * GB_K], xp[GB_TILES * GT * GB_K], tmp[MX_XPERM ? GB_K : 1];
-    int64_t xp_tb = -1, xp_i0 = -1; /* the token block and chunk xp holds */
+    if (n_main == 0) { /* a row shorter than 2·VL: finish alone */
+        for (int64_t o = o0; o < o1; o++)
+            for (int64_t t = 0; t < T; t++)
+                y[t * out + o] = finish(W, o, x + t * in, 0, V_ZERO(), V_ZERO());
+        return;
+    }
+    if (n_main <= GB_K) {
+        /* one chunk per row: a token block's x is packed once and meets every row block (the
+           rows' panels come from L2 again per token block) */
+        for (int64_t tb = 0; tb < T; tb += GB_TOKS) {
+            const int64_t ntok = T - tb < GB_TOKS ? T - tb : GB_TOKS;
+            gb_pack_x(x + tb * in, in, perm, ntok, 0, n_main / (2 * VL), tmp, xp);
+            for (int64_t ob = o0; ob < o1; ob += GB_ROWS)
+                gb_block(W, x, ob, o1 - ob < GB_ROWS ? o1 - ob : GB_ROWS, tb, ntok, 0, n_main,
+                         n_main, xp, wp, acc, y);
+        }
+        return;
+    }
     for (int64_t ob = o0; ob < o1; ob += GB_ROWS) {
         const int64_t nrow = o1 - ob < GB_ROWS ? o1 - ob : GB_ROWS;
         for (int64_t tb = 0; tb < T; tb += GB_TOKS) {
             const int64_t ntok = T - tb < GB_TOKS ? T - tb : GB_TOKS;
             for (int64_t i0 = 0; i0 < n_main; i0 += GB_K) {
                 const int64_t i1 = i0 + GB_K < n_main ? i0 + GB_K : n_main;
-                const int64_t nv = (i1 - i0) / (2 * VL);
-                if (tb != xp_tb ||
-                    i0 != xp_i0) /* one block and chunk (T <= 64, short rows): once */
-                    gb_pack_x(x + tb * in, in, perm, ntok, i0, nv, tmp, xp), xp_tb = tb, xp_i0 = i0;
-                for (int64_t g = 0; g < nrow; g += GR) {
-                    const int nr = nrow - g < GR ? (int)(nrow - g) : GR;
-                    gb_pack_w(W, ob + g, nr, i0, nv, wp);
-                    for (int64_t u0 = 0; u0 < ntok; u0 += GT) {
-                        const int nt = ntok - u0 < GT ? (int)(ntok - u0) : GT;
-                        VEC *a = acc + (g / GR * GB_TILES + u0 / GT) * GB_TILE;
-                        gb_tiles[nt](wp, xp + u0 * 2 * nv * VL, nv, i0 == 0, a);
-                        if (i1 == n_main) /* the last chunk: finish these outputs */
-                            for (int r = 0; r < nr; r++)
-                                for (int u = 0; u < nt; u++)
-                                    y[(tb + u0 + u) * out + ob + g + r] =
-                                        finish(W, ob + g + r, x + (tb + u0 + u) * in, n_main,
-                                               a[r * GT + u], a[(GR + r) * GT + u]);
-                    }
-                }
+                gb_pack_x(x + tb * in, in, perm, ntok, i0, (i1 - i0) / (2 * VL), tmp, xp);
+                gb_block(W, x, ob, nrow, tb, ntok, i0, i1, n_main, xp, wp, acc, y);
             }
-            if (n_main == 0) /* a row shorter than 2·VL: finish alone */
-                for (int64_t r = 0; r < nrow; r++)
-                    for (int64_t u = 0; u < ntok; u++)
-                        y[(tb + u) * out + ob + r] =
-                            finish(W, ob + r, x + (tb + u) * in, 0, V_ZERO(), V_ZERO());
         }
     }
 }
