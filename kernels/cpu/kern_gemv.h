@@ -135,7 +135,9 @@ static void gemv_rows(const k3_tensor *W, const float *x, int64_t T, int64_t o0,
                 (R > 1 ? gv_f32_r : gv_f32_1)(w, in, xt, n_main, acc);
             }
             for (int r = 0; r < R; r++)
-                y[t * out + o + r] = finish(W, o + r, xt, n_main, acc[2 * r], acc[2 * r + 1]);
+                y[t * out + o + r] = n_main == in
+                                         ? finish0(acc[2 * r], acc[2 * r + 1])
+                                         : finish(W, o + r, xt, n_main, acc[2 * r], acc[2 * r + 1]);
         }
         o += R;
     }

@@ -158,6 +158,11 @@ static float finish(const k3_tensor *W, int64_t o, const float *x, int64_t i, VE
     }
     return V_HSUM(V_ADD(a0, a1)) + t;
 }
+/* finish of a row with no tail (in == n_main): the same value (+ 0.0f as finish adds t = 0:
+   -0 becomes +0 there too), inline, without the per-output call and dtype tests. */
+static inline float finish0(VEC a0, VEC a1) {
+    return V_HSUM(V_ADD(a0, a1)) + 0.0f;
+}
 
 /* y[t, o] for T < 4 tokens, rows [o0, o1): each token streams each row once (2 rows at a time,
  * then a single), the accumulators in acc; MXFP4 with MX_XPERM reads x from a copy in even/odd
@@ -330,7 +335,12 @@ static void gb_block(const k3_tensor *W, const float *x, int64_t ob, int64_t nro
             const int nt = ntok - u0 < GT ? (int)(ntok - u0) : GT;
             VEC *a = acc + (g / GR * GB_TILES + u0 / GT) * GB_TILE;
             gb_tiles[nt](wp, xp + u0 * 2 * nv * VL, nv, i0 == 0, a);
-            if (i1 == n_main) /* the last chunk: finish these outputs */
+            if (i1 == n_main && n_main == in) /* the last chunk: finish these outputs */
+                for (int r = 0; r < nr; r++)
+                    for (int u = 0; u < nt; u++)
+                        y[(tb + u0 + u) * out + ob + g + r] =
+                            finish0(a[r * GT + u], a[(GR + r) * GT + u]);
+            else if (i1 == n_main)
                 for (int r = 0; r < nr; r++)
                     for (int u = 0; u < nt; u++)
                         y[(tb + u0 + u) * out + ob + g + r] =
