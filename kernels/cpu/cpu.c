@@ -210,57 +210,69 @@ static k3_status cpu_softmax(k3_backend *be, const float *x, int64_t T, int64_t 
 }
 /* ref's code on ranges from the pool: AttnRes per token, add/mul per chunk, short_conv per
    block of channels (every output element is the same function of its inputs as in ref, so
-   these stay bit-identical to ref whatever the split). */
+   these stay bit-identical to ref whatever the split). run_ranges calls fn(ctx, i0, i1) over
+   [0, n) in ranges of `per` (per >= n: one range, on the caller). */
+typedef void (*range_fn)(const void *ctx, int64_t i0, int64_t i1);
+typedef struct {
+    range_fn fn;
+    const void *ctx;
+    int64_t n, per;
+} range_job;
+static void range_task(void *c, int64_t i) {
+    const range_job *r = c;
+    r->fn(r->ctx, i * r->per, K3_MIN(r->n, (i + 1) * r->per));
+}
+static void run_ranges(k3_backend *be, int64_t n, int64_t per, range_fn fn, const void *ctx) {
+    range_job r = {fn, ctx, n, per};
+    k3_pool_run(k3_cpu_pool(be), (n + per - 1) / per, range_task, &r);
+}
+
 typedef struct {
     const float *bank, *p, *w;
     int n_bank;
-    int64_t T, D, per;
+    int64_t T, D;
     float eps;
     float *out;
-} mix_job;
-static void mix_task(void *ctx, int64_t i) {
-    const mix_job *j = ctx;
-    k3_ref_attnres_mix_rows(j->bank, j->n_bank, j->p, j->w, j->T, j->D, j->eps, j->out, i * j->per,
-                            K3_MIN(j->T, (i + 1) * j->per));
+} mix_args;
+static void mix_range(const void *ctx, int64_t t0, int64_t t1) {
+    const mix_args *j = ctx;
+    k3_ref_attnres_mix_rows(j->bank, j->n_bank, j->p, j->w, j->T, j->D, j->eps, j->out, t0, t1);
 }
 static k3_status cpu_attnres_mix(k3_backend *be, const float *bank, int n_bank, const float *p,
                                  const float *w, int64_t T, int64_t D, float eps, float *out) {
     K3_TRY(k3_ref_attnres_check(n_bank));
     if (T <= 0) return K3_OK;
-    mix_job j = {bank, p, w, n_bank, T, D, T, eps, out};
+    mix_args j = {bank, p, w, n_bank, T, D, eps, out};
+    int64_t per = T;
     if (T > 1 && T * D * (n_bank + 1) >= K3_CPU_PAR_MIN_MACS)
-        j.per = K3_MAX((int64_t)1, T / (4 * (int64_t)k3_pool_threads(k3_cpu_pool(be))));
-    k3_pool_run(k3_cpu_pool(be), (T + j.per - 1) / j.per, mix_task, &j);
+        per = K3_MAX((int64_t)1, T / (4 * (int64_t)k3_pool_threads(k3_cpu_pool(be))));
+    run_ranges(be, T, per, mix_range, &j);
     return K3_OK;
 }
 
 typedef struct {
     const float *a, *b;
     float *y;
-    int64_t n, per;
-    bool mul;
-} bin_job;
-static void bin_task(void *ctx, int64_t i) {
-    const bin_job *j = ctx;
-    int64_t i0 = i * j->per, m = K3_MIN(j->n, i0 + j->per) - i0;
-    if (j->mul)
-        k3_ref_ops.mul(NULL, j->a + i0, j->b + i0, m, j->y + i0);
-    else
-        k3_ref_ops.add(NULL, j->a + i0, j->b + i0, m, j->y + i0);
+} bin_args;
+static void add_range(const void *ctx, int64_t i0, int64_t i1) {
+    const bin_args *j = ctx;
+    k3_ref_ops.add(NULL, j->a + i0, j->b + i0, i1 - i0, j->y + i0);
 }
-static k3_status bin_run(k3_backend *be, const float *a, const float *b, int64_t n, float *y,
-                         bool mul) {
-    if (n <= 0) return K3_OK;
-    bin_job j = {a, b, y, n, n, mul};
-    if (n >= 4 * K3_CPU_PAR_MIN_MACS) j.per = 1 << 16; /* 256 KB of each operand per task */
-    k3_pool_run(k3_cpu_pool(be), (n + j.per - 1) / j.per, bin_task, &j);
-    return K3_OK;
+static void mul_range(const void *ctx, int64_t i0, int64_t i1) {
+    const bin_args *j = ctx;
+    k3_ref_ops.mul(NULL, j->a + i0, j->b + i0, i1 - i0, j->y + i0);
+}
+/* 256 KB of each operand per task, once the whole is worth a dispatch */
+static int64_t bin_per(int64_t n) {
+    return n >= 4 * K3_CPU_PAR_MIN_MACS ? (int64_t)1 << 16 : K3_MAX(n, (int64_t)1);
 }
 static k3_status cpu_add(k3_backend *be, const float *a, const float *b, int64_t n, float *y) {
-    return bin_run(be, a, b, n, y, false);
+    if (n > 0) run_ranges(be, n, bin_per(n), add_range, &(bin_args){a, b, y});
+    return K3_OK;
 }
 static k3_status cpu_mul(k3_backend *be, const float *a, const float *b, int64_t n, float *y) {
-    return bin_run(be, a, b, n, y, true);
+    if (n > 0) run_ranges(be, n, bin_per(n), mul_range, &(bin_args){a, b, y});
+    return K3_OK;
 }
 static k3_status cpu_fill(k3_backend *be, float *y, int64_t n, float v) {
     return k3_ref_ops.fill(be, y, n, v);
@@ -278,22 +290,22 @@ static k3_status cpu_embed_rows(k3_backend *be, const k3_tensor *W, const int32_
 }
 typedef struct {
     const float *in, *w, *state;
-    int64_t n, P, per;
+    int64_t n, P;
     int K;
     float *out;
-} conv_job;
-static void conv_task(void *ctx, int64_t i) {
-    const conv_job *j = ctx;
-    k3_ref_short_conv_cols(j->in, j->n, j->P, j->K, j->w, j->state, j->out, i * j->per,
-                           K3_MIN(j->P, (i + 1) * j->per));
+} conv_args;
+static void conv_range(const void *ctx, int64_t c0, int64_t c1) {
+    const conv_args *j = ctx;
+    k3_ref_short_conv_cols(j->in, j->n, j->P, j->K, j->w, j->state, j->out, c0, c1);
 }
 static k3_status cpu_short_conv(k3_backend *be, const float *in, int64_t n, int64_t P, int K,
                                 const float *w, float *state, float *out) {
     if (n <= 0 || P <= 0) return k3_ref_ops.short_conv(be, in, n, P, K, w, state, out);
-    conv_job j = {in, w, state, n, P, P, K, out};
+    conv_args j = {in, w, state, n, P, K, out};
+    int64_t per = P;
     if (n * P * K >= K3_CPU_PAR_MIN_MACS) /* blocks of 64 channels: whole cache lines per task */
-        j.per = K3_MAX((int64_t)64, (P / (4 * (int64_t)k3_pool_threads(k3_cpu_pool(be)))) & ~63);
-    k3_pool_run(k3_cpu_pool(be), (P + j.per - 1) / j.per, conv_task, &j);
+        per = K3_MAX((int64_t)64, (P / (4 * (int64_t)k3_pool_threads(k3_cpu_pool(be)))) & ~63);
+    run_ranges(be, P, per, conv_range, &j);
     k3_ref_short_conv_state(in, n, P, K, state); /* after every output read the old state */
     return K3_OK;
 }

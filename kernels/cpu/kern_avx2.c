@@ -78,16 +78,7 @@ static inline void mx32s(const uint8_t *codes, float s, VEC *w) {
     w[2] = _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(e1)), dh);
     w[3] = _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_srli_si128(e1, 8))), dh);
 }
-static inline void mx32(const uint8_t *codes, uint8_t e8, VEC *w) {
-    mx32s(codes, mx_scale(e8), w);
-}
 
-#define MX_XPERM 0 /* mx32 gives element order */
-static inline void mx_xperm(const float *x, float *xd, int64_t n) {
-    (void)x, (void)xd, (void)n;
-}
-static inline void mx_store32(float *y, const VEC *v) {
-    for (int k = 0; k < 32 / VL; k++) V_STORE(y + k * VL, v[k]);
-}
+#define MX_XPERM 0 /* mx32s gives element order (kern_tmpl.h supplies mx_xperm, mx_store32) */
 
 #include "kern_tmpl.h"

@@ -66,9 +66,6 @@ static inline void mx32s(const uint8_t *codes, float s, VEC *w) {
     w[0] = _mm512_permutexvar_ps(v, ts);
     w[1] = _mm512_permutexvar_ps(_mm512_srli_epi32(v, 4), ts);
 }
-static inline void mx32(const uint8_t *codes, uint8_t e8, VEC *w) {
-    mx32s(codes, mx_scale(e8), w);
-}
 static inline void mx_xperm(const float *x, float *xd, int64_t n) {
     const __m512i ev = _mm512_setr_epi32(0, 2, 4, 6, 8, 10, 12, 14, 16, 18, 20, 22, 24, 26, 28, 30);
     const __m512i od = _mm512_setr_epi32(1, 3, 5, 7, 9, 11, 13, 15, 17, 19, 21, 23, 25, 27, 29, 31);

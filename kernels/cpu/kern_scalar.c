@@ -54,16 +54,7 @@ static inline void mx32s(const uint8_t *codes, float d, VEC *w) {
         w[2 * m + 1] = k3_mxfp4_e2m1(codes[m] >> 4) * d;
     }
 }
-static inline void mx32(const uint8_t *codes, uint8_t e8, VEC *w) {
-    mx32s(codes, mx_scale(e8), w);
-}
 
-#define MX_XPERM 0 /* mx32 gives element order */
-static inline void mx_xperm(const float *x, float *xd, int64_t n) {
-    (void)x, (void)xd, (void)n;
-}
-static inline void mx_store32(float *y, const VEC *v) {
-    for (int k = 0; k < 32 / VL; k++) V_STORE(y + k * VL, v[k]);
-}
+#define MX_XPERM 0 /* mx32s gives element order (kern_tmpl.h supplies mx_xperm, mx_store32) */
 
 #include "kern_tmpl.h"

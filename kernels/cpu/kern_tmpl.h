@@ -12,9 +12,11 @@
  *   V_POW2I(n)  2^n for an integral float n in [-126, 127]
  *   V_LOAD_BF16(p)  VL bf16 widened to f32 (a shift: bf16 is the top half of an f32)
  *   V_PREFETCH(p)   a software prefetch of the cache line at p (no-op without SIMD)
- *   mx32(codes, e8, w)  one MXFP4 block (16 code bytes, its E8M0 byte) decoded in registers to
- *                       32/VL vectors, values exactly k3_mxfp4_get's: in element order, or with
- *                       MX_XPERM 1 the 16 even elements then the 16 odd ones, and then
+ *   mx32s(codes, s, w)  one MXFP4 block (16 code bytes) decoded in registers to 32/VL vectors
+ *                       with the factor s = mx_scale(its E8M0 byte): values exactly
+ *                       k3_mxfp4_get's, in element order, or with MX_XPERM 1 the 16 even
+ *                       elements then the 16 odd ones, and then (MX_XPERM 1 only; element-order
+ *                       units get the trivial ones below)
  *   mx_xperm(x, xd, n)  copies n floats (n % 32 == 0) into that order, per 32-block, and
  *   mx_store32(y, v)    stores 32 values held in mx32's order to y in element order.
  *   V_MIN(a, b)/V_MAX(a, b) return b when either is NaN (the SSE rule), so clamps are written
@@ -31,8 +33,19 @@
 
 #define NVX (32 / VL) /* vectors per MXFP4 block */
 /* Decode tiles (one token: pure weight streaming) prefetch each row this far ahead. */
-#ifndef PF_BYTES
 #define PF_BYTES 1024
+
+/* One MXFP4 block from its E8M0 byte. */
+static inline void mx32(const uint8_t *codes, uint8_t e8, VEC *w) {
+    mx32s(codes, mx_scale(e8), w);
+}
+#if !MX_XPERM /* mx32s gives element order: x needs no copy, results store as they are */
+static inline void mx_xperm(const float *x, float *xd, int64_t n) {
+    (void)x, (void)xd, (void)n;
+}
+static inline void mx_store32(float *y, const VEC *v) {
+    for (int k = 0; k < 32 / VL; k++) V_STORE(y + k * VL, v[k]);
+}
 #endif
 
 /* ---- weight loaders -------------------------------------------------------------------------- */
