@@ -7,8 +7,32 @@
 #include "k3_launcher.h"
 
 #include <stdio.h>
+#include <sys/resource.h>
+
+/* The cpu kernels keep their tiles' scratch on the stack (prefill matmul ~0.7 MB; the pool's
+ * workers get 16 MB stacks of their own, kernels/cpu/pool.c). The caller thread runs tasks too,
+ * so a soft stack limit below K3_MAIN_STACK is raised to it (or to the hard limit): the main
+ * thread's stack grows on demand up to the limit read at each fault. A hard limit below
+ * K3_MIN_STACK is refused with a message rather than left to crash mid-forward. */
+#define K3_MAIN_STACK ((rlim_t)16 << 20)
+#define K3_MIN_STACK  ((rlim_t)2 << 20)
+static bool stack_limit_ok(void) {
+    struct rlimit r;
+    if (getrlimit(RLIMIT_STACK, &r) != 0 || r.rlim_cur == RLIM_INFINITY ||
+        r.rlim_cur >= K3_MAIN_STACK)
+        return true;
+    r.rlim_cur =
+        r.rlim_max == RLIM_INFINITY || r.rlim_max > K3_MAIN_STACK ? K3_MAIN_STACK : r.rlim_max;
+    if (setrlimit(RLIMIT_STACK, &r) == 0 && r.rlim_cur >= K3_MIN_STACK) return true;
+    fprintf(stderr,
+            "k3: the stack limit is %llu KB (ulimit -s) and cannot be raised; the cpu kernels "
+            "need %llu KB: raise the hard limit (ulimit -Hs)\n",
+            (unsigned long long)(r.rlim_cur / 1024), (unsigned long long)(K3_MIN_STACK / 1024));
+    return false;
+}
 
 int main(int argc, char **argv) {
+    if (!stack_limit_ok()) return 1;
     if (argc < 2 || strcmp(argv[1], "--help") == 0 || strcmp(argv[1], "-h") == 0 ||
         strcmp(argv[1], "help") == 0) {
         k3_print_usage(argc < 2 ? stderr : stdout);

@@ -29,7 +29,8 @@
 
 #define K3_POOL_MAX     64
 #define K3_POOL_SPIN_NS 50000
-#define JOB_CLOSED      0xffffffffu /* index of a closed job (>= any n_tasks) */
+#define K3_POOL_STACK   ((size_t)16 << 20) /* bytes of a worker's stack (reserved, not touched) */
+#define JOB_CLOSED      0xffffffffu        /* index of a closed job (>= any n_tasks) */
 
 struct k3_pool {
     pthread_mutex_t run_mu; /* held by the thread that owns the current job */
@@ -157,7 +158,14 @@ void k3_pool_run(k3_pool *p, int64_t n_tasks, k3_task_fn fn, void *ctx) {
         worker_arg *a;
         if (k3_alloc((void **)&a, sizeof *a, "pool worker") != K3_OK) break;
         *a = (worker_arg){p, atomic_load(&p->epoch)};
-        if (pthread_create(&p->th[p->n_started], NULL, worker, a) != 0) {
+        /* the kernels keep their tiles' scratch on the stack (prefill matmul ~0.7 MB, latent
+           attention ~0.15 MB): workers get a stack of their own size, whatever the ulimit */
+        pthread_attr_t at;
+        pthread_attr_init(&at);
+        pthread_attr_setstacksize(&at, K3_POOL_STACK);
+        int rc = pthread_create(&p->th[p->n_started], &at, worker, a);
+        pthread_attr_destroy(&at);
+        if (rc != 0) {
             k3_free(a);
             break;
         }

@@ -36,5 +36,12 @@ fi
 err=$("$K3" run --model /nonexistent --prompt-ids 1 --backend frob 2>&1 >/dev/null); rc=$?
 check "an unknown --backend exits 2 naming the choices" \
   "[ $rc = 2 ] && echo \"\$err\" | grep -q 'is not auto, cpu, ref, guard or cuda'"
+# the stack: a low soft limit is raised (the cpu kernels' tiles live on the stack); a hard limit
+# too low for them is refused with one line and exit 1, before any work (never a crash mid-forward)
+(ulimit -S -s 256 && "$K3" version >/dev/null 2>&1); rc=$?
+check "a 256 KB soft stack limit is raised" "[ $rc = 0 ]"
+err=$(ulimit -s 512 && "$K3" version 2>&1 >/dev/null); rc=$?
+check "a 512 KB hard stack limit exits 1 naming ulimit" \
+  "[ $rc = 1 ] && echo \"\$err\" | grep -q 'stack limit is 512 KB (ulimit -s)'"
 echo "cli: $pass passed, $fail failed"
 [ $fail = 0 ]
