@@ -57,6 +57,36 @@ static inline float hmax8(__m256 v) {
     m = _mm_max_ss(m, _mm_shuffle_ps(m, m, 1));
     return _mm_cvtss_f32(m);
 }
+/* hsum_n0(v, n, out): out[i] = hsum8(v[i]) + 0.0f for i < n <= HS_N, bit for bit: the rows
+ * folded together, two per instruction, along hsum8's tree — lanes (i, i+4), (k, k+2), (0, 1).
+ * Missing partners are zero vectors, whose sums are never stored. */
+#define HS_N 8
+static inline __attribute__((always_inline)) void hsum_n0(__m256 *v, int n, float *out) {
+    int m = n;
+    _Pragma("GCC unroll 3") for (int lv = 0; lv < 3; lv++) {
+        if (m % 2) v[m] = _mm256_setzero_ps();
+        const int h = (m + 1) / 2;
+        _Pragma("GCC unroll 4") for (int i = 0; i < h; i++) {
+            const __m256 a = v[2 * i], b = v[2 * i + 1];
+            __m256 lo, hi;
+            if (lv == 0) { /* 128-bit lane L: row 2i+L */
+                lo = _mm256_permute2f128_ps(a, b, 0x20), hi = _mm256_permute2f128_ps(a, b, 0x31);
+            } else if (lv == 1) { /* lane L: elements 0,1 row 4i+L, 2,3 row 4i+2+L */
+                lo = _mm256_castpd_ps(_mm256_unpacklo_pd(_mm256_castps_pd(a), _mm256_castps_pd(b)));
+                hi = _mm256_castpd_ps(_mm256_unpackhi_pd(_mm256_castps_pd(a), _mm256_castps_pd(b)));
+            } else { /* lane L, element k: row 2k+L */
+                lo = _mm256_shuffle_ps(a, b, 0x88), hi = _mm256_shuffle_ps(a, b, 0xdd);
+            }
+            v[i] = _mm256_add_ps(lo, hi);
+        }
+        m = h;
+    }
+    _Alignas(32) float s[8];
+    _mm256_store_ps(
+        s, _mm256_add_ps(_mm256_permutevar8x32_ps(v[0], _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7)),
+                         _mm256_setzero_ps()));
+    for (int i = 0; i < n; i++) out[i] = s[i];
+}
 #define V_HSUM(v) hsum8(v)
 #define V_HMAX(v) hmax8(v)
 

@@ -48,6 +48,38 @@
     _mm512_castsi512_ps(                                                                           \
         _mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)(p))), 16))
 
+/* hsum_n0(v, n, out): out[i] = V_HSUM(v[i]) + 0.0f for i < n <= HS_N, bit for bit: the rows are
+ * folded together, two per instruction, along _mm512_reduce_add_ps's own tree — lanes (i, i+8),
+ * then (j, j+4), (k, k+2), (0, 1) — instead of one row's latency chain at a time (16 rows: ~50
+ * instructions instead of ~180). Missing partners are zero vectors, whose sums are never stored. */
+#define HS_N 16
+static inline __attribute__((always_inline)) void hsum_n0(VEC *v, int n, float *out) {
+    int m = n;
+    _Pragma("GCC unroll 4") for (int lv = 0; lv < 4; lv++) {
+        if (m % 2) v[m] = V_ZERO();
+        const int h = (m + 1) / 2;
+        _Pragma("GCC unroll 8") for (int i = 0; i < h; i++) {
+            const __m512 a = v[2 * i], b = v[2 * i + 1];
+            __m512 lo, hi;
+            if (lv == 0) { /* row 2i in lanes 0-7, 2i+1 in 8-15 */
+                lo = _mm512_shuffle_f32x4(a, b, 0x44), hi = _mm512_shuffle_f32x4(a, b, 0xee);
+            } else if (lv == 1) { /* 128-bit lane L: row 4i+L */
+                lo = _mm512_shuffle_f32x4(a, b, 0x88), hi = _mm512_shuffle_f32x4(a, b, 0xdd);
+            } else if (lv == 2) { /* lane L: elements 0,1 row 8i+L, 2,3 row 8i+4+L */
+                lo = _mm512_castpd_ps(_mm512_unpacklo_pd(_mm512_castps_pd(a), _mm512_castps_pd(b)));
+                hi = _mm512_castpd_ps(_mm512_unpackhi_pd(_mm512_castps_pd(a), _mm512_castps_pd(b)));
+            } else { /* lane L, element k: row 4k+L */
+                lo = _mm512_shuffle_ps(a, b, 0x88), hi = _mm512_shuffle_ps(a, b, 0xdd);
+            }
+            v[i] = _mm512_add_ps(lo, hi);
+        }
+        m = h;
+    }
+    const __m512i rows = _mm512_setr_epi32(0, 4, 8, 12, 1, 5, 9, 13, 2, 6, 10, 14, 3, 7, 11, 15);
+    _mm512_mask_storeu_ps(out, (__mmask16)((1u << n) - 1),
+                          _mm512_add_ps(_mm512_permutexvar_ps(rows, v[0]), _mm512_setzero_ps()));
+}
+
 /* codes byte m: low nibble = element 2m, high = 2m+1. Both nibbles index the scaled E2M1 table
  * (vpermps reads index bits 3..0 only, so the low nibble needs no mask): w[0] = the 16 even
  * elements, w[1] = the 16 odd ones (MX_XPERM: x is copied in that order once, by mx_xperm, instead

@@ -134,10 +134,24 @@ static void gemv_rows(const k3_tensor *W, const float *x, int64_t T, int64_t o0,
                 const float *w = (const float *)W->data + o * in;
                 (R > 1 ? gv_f32_r : gv_f32_1)(w, in, xt, n_main, acc);
             }
-            for (int r = 0; r < R; r++)
-                y[t * out + o + r] = n_main == in
-                                         ? finish0(acc[2 * r], acc[2 * r + 1])
-                                         : finish(W, o + r, xt, n_main, acc[2 * r], acc[2 * r + 1]);
+            if (n_main == in && R == Rw) { /* no tail: the R sums folded together */
+                VEC v[GV_R > GV_RM ? GV_R : GV_RM];
+                if (mx) {
+                    _Pragma("GCC unroll 8") for (int r = 0; r < GV_RM; r++) v[r] =
+                        V_ADD(acc[2 * r], acc[2 * r + 1]);
+                    hsum_n0(v, GV_RM, y + t * out + o);
+                } else {
+                    _Pragma("GCC unroll 8") for (int r = 0; r < GV_R; r++) v[r] =
+                        V_ADD(acc[2 * r], acc[2 * r + 1]);
+                    hsum_n0(v, GV_R, y + t * out + o);
+                }
+            } else if (n_main == in) {
+                for (int r = 0; r < R; r++)
+                    y[t * out + o + r] = finish0(acc[2 * r], acc[2 * r + 1]);
+            } else {
+                for (int r = 0; r < R; r++)
+                    y[t * out + o + r] = finish(W, o + r, xt, n_main, acc[2 * r], acc[2 * r + 1]);
+            }
         }
         o += R;
     }

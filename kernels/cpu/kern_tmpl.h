@@ -9,6 +9,8 @@
  *   V_ZERO() V_SET1(f) V_LOAD(p) V_STORE(p, v) V_ADD V_SUB V_MUL V_DIV V_MIN V_MAX
  *   V_FMA(a, b, c) = a·b + c   V_SFMA(a, b, c): the same on one float
  *   V_HSUM(v)   V_HMAX(v)   V_ABS(v)   V_COPYSIGN(mag, sgn)   V_SEL_LT(a, b, x, y) = a < b ? x : y
+ *   hsum_n0(v, n, out)  out[i] = V_HSUM(v[i]) + 0.0f for i < n <= HS_N, the same bits, rows
+ *                       folded together (a matmul's finished rows: a decode group, a prefill tile)
  *   V_POW2I(n)  2^n for an integral float n in [-126, 127]
  *   V_LOAD_BF16(p)  VL bf16 widened to f32 (a shift: bf16 is the top half of an f32)
  *   V_PREFETCH(p)   a software prefetch of the cache line at p (no-op without SIMD)
@@ -348,12 +350,24 @@ static void gb_block(const k3_tensor *W, const float *x, int64_t ob, int64_t nro
             const int nt = ntok - u0 < GT ? (int)(ntok - u0) : GT;
             VEC *a = acc + (g / GR * GB_TILES + u0 / GT) * GB_TILE;
             gb_tiles[nt](wp, xp + u0 * 2 * nv * VL, nv, i0 == 0, a);
-            if (i1 == n_main && n_main == in) /* the last chunk: finish these outputs */
+            if (i1 == n_main && n_main == in && nr == GR && nt == GT) {
+                /* the last chunk of a whole tile: its GR·GT sums folded together */
+                VEC v[GR * GT];
+                float s[GR * GT];
+                _Pragma("GCC unroll 32") for (int u = 0; u < GT; u++)
+                    _Pragma("GCC unroll 8") for (int r = 0; r < GR; r++) v[u * GR + r] =
+                        V_ADD(a[r * GT + u], a[(GR + r) * GT + u]);
+                _Pragma("GCC unroll 8") for (int k0 = 0; k0 < GR * GT; k0 += HS_N)
+                    hsum_n0(v + k0, GR * GT - k0 < HS_N ? GR * GT - k0 : HS_N, s + k0);
+                _Pragma("GCC unroll 8") for (int u = 0; u < GT; u++)
+                    _Pragma("GCC unroll 8") for (int r = 0; r < GR; r++)
+                        y[(tb + u0 + u) * out + ob + g + r] = s[u * GR + r];
+            } else if (i1 == n_main && n_main == in) { /* a partial tile: one sum at a time */
                 for (int r = 0; r < nr; r++)
                     for (int u = 0; u < nt; u++)
                         y[(tb + u0 + u) * out + ob + g + r] =
                             finish0(a[r * GT + u], a[(GR + r) * GT + u]);
-            else if (i1 == n_main)
+            } else if (i1 == n_main)
                 for (int r = 0; r < nr; r++)
                     for (int u = 0; u < nt; u++)
                         y[(tb + u0 + u) * out + ob + g + r] =

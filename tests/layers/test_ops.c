@@ -397,7 +397,93 @@ static void free_w(wbuf *w) {
 }
 
 /* ---- matmul -------------------------------------------------------------------------------- */
+/* The cpu matmul's per-element arithmetic as kernels/cpu/kern_tmpl.h documents it ("Reduction
+ * order"), written out one lane at a time for an ISA of VL lanes, independently of the kernels:
+ * vector k of the row (VL elements; an MXFP4 block's 32 in the unit's order) multiply-adds into
+ * lane l of a0 (k even) or a1 (k odd); one VL-tail vector into a0; the last in % VL elements
+ * into t in order (multiply, then add); then the lanes of a0 + a1 summed as the unit's hsum
+ * does — lanes (i, i + VL/2), then halves again down to (0, 1) — plus t. fused: V_FMA is one
+ * rounding (AVX2, AVX-512), two on the scalar unit. */
+static float order_oracle(const float *x, const float *w, int64_t in, int VL, bool fused) {
+    float a0[16] = {0}, a1[16] = {0}, v[16];
+    const int64_t n_main = in - in % (2 * VL);
+    int64_t i = 0;
+    for (; i < n_main; i += VL)
+        for (int l = 0; l < VL; l++) {
+            float *a = (i / VL) % 2 ? a1 : a0;
+            a[l] = fused ? fmaf(x[i + l], w[i + l], a[l]) : x[i + l] * w[i + l] + a[l];
+        }
+    if (i + VL <= in) {
+        for (int l = 0; l < VL; l++)
+            a0[l] = fused ? fmaf(x[i + l], w[i + l], a0[l]) : x[i + l] * w[i + l] + a0[l];
+        i += VL;
+    }
+    float t = 0.0f;
+    for (; i < in; i++) t += x[i] * w[i];
+    for (int l = 0; l < VL; l++) v[l] = a0[l] + a1[l];
+    for (int h = VL / 2; h >= 1; h /= 2)
+        for (int l = 0; l < h; l++) v[l] = v[l] + v[l + h];
+    return v[0] + t;
+}
+
+/* Every cpu matmul output, decode (T < 4) and prefill tiles alike, is exactly order_oracle's
+ * value: rows alone and in groups (out 1..30, the decode's 4- and 2-row groups, the prefill's
+ * 6 × 4 tiles and their partial ends), rows with and without tails, rows of one prefill chunk
+ * and of several (in > 1024), 1 and 4 threads. */
+static void test_matmul_order(void) {
+    const char *isa = k3_cpu_isa_name(BE(B_CPU1));
+    const int VL = strcmp(isa, "avx512") == 0 ? 16 : strcmp(isa, "avx2") == 0 ? 8 : 1;
+    const bool fused = VL > 1,
+               xperm = VL == 16; /* AVX-512 takes a block's even then odd elements */
+    const k3_dtype dts[3] = {K3_DT_F32, K3_DT_BF16, K3_DT_MXFP4};
+    const int64_t ins[6] = {64, 1024, 2080, 1040, 1037, 48}, outs[4] = {1, 3, 7, 30},
+                  Ts[4] = {1, 3, 6, 9};
+    int64_t n_checked = 0;
+    for (int d = 0; d < 3; d++)
+        for (int ii = 0; ii < 6; ii++) {
+            const int64_t in = ins[ii];
+            if (dts[d] == K3_DT_MXFP4 && in % 32) continue;
+            for (int oi = 0; oi < 4; oi++) {
+                const int64_t out = outs[oi];
+                wbuf w = make_w(dts[d], out, in);
+                float *x = fa(9 * in), *y = fa(9 * out), *xo = fa(in), *wo = fa(in);
+                fill_randn(x, 9 * in, 1.0f);
+                for (int ti = 0; ti < 4; ti++) {
+                    const int64_t T = Ts[ti];
+                    for (int bi = 0; bi < 2; bi++) {
+                        const int b = bi ? B_CPU4 : B_CPU1;
+                        K3_CHECK_OK(run_matmul(BE(b), x, T, &w.t, y));
+                        for (int64_t t = 0; t < T; t++)
+                            for (int64_t o = 0; o < out; o++) {
+                                for (int64_t e = 0; e < in; e++) { /* the unit's element order */
+                                    int64_t src = e;
+                                    if (dts[d] == K3_DT_MXFP4 && xperm)
+                                        src = e - e % 32 +
+                                              (e % 32 < 16 ? 2 * (e % 32) : 2 * (e % 32 - 16) + 1);
+                                    xo[e] = x[t * in + src];
+                                    wo[e] = k3_tensor_get(&w.t, o, src);
+                                }
+                                const float want = order_oracle(xo, wo, in, VL, fused);
+                                const float got = y[t * out + o];
+                                K3_CHECK(memcmp(&want, &got, 4) == 0,
+                                         "matmul order (%s, %s in %lld out %lld T %lld, %s): "
+                                         "y[%lld, %lld] = %.9g, the documented order gives %.9g",
+                                         isa, k3_dtype_name(dts[d]), (long long)in, (long long)out,
+                                         (long long)T, k_be_label[b], (long long)t, (long long)o,
+                                         got, want);
+                                n_checked++;
+                            }
+                    }
+                }
+                free(x), free(y), free(xo), free(wo);
+                free_w(&w);
+            }
+        }
+    K3_CHECK(n_checked > 10000, "matmul order: only %lld outputs checked", (long long)n_checked);
+}
+
 static void test_matmul(void) {
+    test_matmul_order();
     const k3_dtype dts[6] = {K3_DT_F32, K3_DT_BF16, K3_DT_MXFP4,
                              K3_DT_F32, K3_DT_BF16, K3_DT_MXFP4};
     const int64_t ins[6] = {77, 200, 96, 1116, 1116, 1088}, outs[6] = {301, 130, 250, 37, 37, 37};
