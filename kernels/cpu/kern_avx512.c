@@ -7,6 +7,7 @@
 
 #include <immintrin.h>
 #include <math.h>
+#include <pthread.h>
 
 #include "k3_mxfp4.h"
 
@@ -94,6 +95,29 @@ static inline void mx32s(const uint8_t *codes, float s, VEC *w) {
     const __m512 tbl = _mm512_setr_ps(0.0f, 0.5f, 1.0f, 1.5f, 2.0f, 3.0f, 4.0f, 6.0f, -0.0f, -0.5f,
                                       -1.0f, -1.5f, -2.0f, -3.0f, -4.0f, -6.0f);
     __m512 ts = _mm512_mul_ps(tbl, _mm512_set1_ps(s));
+    __m512i v = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)codes));
+    w[0] = _mm512_permutexvar_ps(v, ts);
+    w[1] = _mm512_permutexvar_ps(_mm512_srli_epi32(v, 4), ts);
+}
+/* The decode matmul's form (MX_TAB): the scaled tables of all 256 E8M0 bytes, 16 KB made once
+ * (mx_tab[e][c] = the E2M1 value of c × mx_scale(e), the very products mx32s's vmulps makes),
+ * so a block's two permutes read their table from memory by its scale byte: one multiply and
+ * one broadcast fewer per block (6 vector uops instead of 7; the decode of MXFP4 rows is bound
+ * by them, not by DRAM). */
+#define MX_TAB 1
+static _Alignas(64) float mx_tab[256][16];
+static pthread_once_t mx_tab_once = PTHREAD_ONCE_INIT;
+static void mx_tab_fill(void) {
+    static const float e2m1[16] = {0.0f,  0.5f,  1.0f,  1.5f,  2.0f,  3.0f,  4.0f,  6.0f,
+                                   -0.0f, -0.5f, -1.0f, -1.5f, -2.0f, -3.0f, -4.0f, -6.0f};
+    for (int e = 0; e < 256; e++)
+        for (int c = 0; c < 16; c++) mx_tab[e][c] = e2m1[c] * mx_scale((uint8_t)e);
+}
+static inline void mx_tab_init(void) {
+    pthread_once(&mx_tab_once, mx_tab_fill);
+}
+static inline void mx32t(const uint8_t *codes, uint8_t e8, VEC *w) {
+    const __m512 ts = _mm512_load_ps(mx_tab[e8]);
     __m512i v = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)codes));
     w[0] = _mm512_permutexvar_ps(v, ts);
     w[1] = _mm512_permutexvar_ps(_mm512_srli_epi32(v, 4), ts);

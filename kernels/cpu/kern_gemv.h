@@ -6,10 +6,10 @@
  * Same per-element arithmetic as gemm_rows (the reduction-order rule in kern_tmpl.h's header:
  * vector k of the row into a(k % 2), the VL-tail vector and the scalar tail by finish()), so a
  * token's result never depends on T or on the rows a thread got. MXFP4: each block decodes in
- * registers by mx32s, as mx32 does (mx32 = mx32s with mx_scale of its byte), but the E8M0
- * scales of the rows are converted once per row into a small array first (a broadcast from
- * memory per block instead of a scalar conversion with branches), and x is copied once into
- * mx32's element order (mx_xperm) for the whole call. */
+ * registers as mx32 does: with the unit's scaled tables (MX_TAB, AVX-512) each block's table is
+ * read by its E8M0 byte; otherwise the rows' scales are converted once per row into a small
+ * array first (a broadcast from memory per block instead of a scalar conversion with branches).
+ * x is copied once into mx32's element order (mx_xperm) for the whole call. */
 
 #if VL == 16
 #define GV_R  4 /* F32/BF16 rows side by side: 4 × (a0, a1) + 2 x, well inside 32 zmm */
@@ -99,8 +99,35 @@ DEF_GV(gv_bf16_1, uint16_t, ldw_bf16, 1)
         _Pragma("GCC unroll 8") for (int r = 0; r < R; r++) acc[2 * r] = a0[r],                    \
                                                                     acc[2 * r + 1] = a1[r];        \
     }
+#if !MX_TAB
 DEF_GV_MX(gv_mx_r, GV_RM)
 DEF_GV_MX(gv_mx_1, 1)
+#else
+/* The same with the unit's scaled tables (mx32t): R rows' E8M0 bytes e[r·nb + b] read as they
+ * are, no scale array. */
+#define DEF_GV_MXT(NAME, R)                                                                        \
+    static void NAME(const uint8_t *c, int64_t ld_c, const uint8_t *e, int64_t nb,                 \
+                     const float *xp, VEC *acc) {                                                  \
+        VEC a0[R], a1[R];                                                                          \
+        const int64_t pfd = K3_MAX((int64_t)GV_PF, R * ld_c);                                      \
+        _Pragma("GCC unroll 8") for (int r = 0; r < R; r++) a0[r] = V_ZERO(), a1[r] = V_ZERO();    \
+        for (int64_t b = 0; b < nb; b++) {                                                         \
+            _Pragma("GCC unroll 8") for (int r = 0; r < R; r++) {                                  \
+                if (b % 4 == 0) V_PREFETCH((const char *)(c + r * ld_c + b * 16) + pfd);           \
+                VEC wv[NVX];                                                                       \
+                mx32t(c + r * ld_c + b * 16, e[r * nb + b], wv);                                   \
+                _Pragma("GCC unroll 32") for (int k = 0; k < NVX; k += 2) {                        \
+                    a0[r] = V_FMA(V_LOAD(xp + b * 32 + k * VL), wv[k], a0[r]);                     \
+                    a1[r] = V_FMA(V_LOAD(xp + b * 32 + (k + 1) * VL), wv[k + 1], a1[r]);           \
+                }                                                                                  \
+            }                                                                                      \
+        }                                                                                          \
+        _Pragma("GCC unroll 8") for (int r = 0; r < R; r++) acc[2 * r] = a0[r],                    \
+                                                                    acc[2 * r + 1] = a1[r];        \
+    }
+DEF_GV_MXT(gv_mxt_r, GV_RM)
+DEF_GV_MXT(gv_mxt_1, 1)
+#endif
 
 static void gemv_rows(const k3_tensor *W, const float *x, int64_t T, int64_t o0, int64_t o1,
                       float *y) {
@@ -113,20 +140,24 @@ static void gemv_rows(const k3_tensor *W, const float *x, int64_t T, int64_t o0,
         return;
     }
     float xbuf[MX_XPERM ? XB_FLOATS : 1];
-    float sc[mx ? GV_RM * GV_MAX_BLOCKS : 1];
+    float sc[mx && !MX_TAB ? GV_RM * GV_MAX_BLOCKS : 1];
     if (mx && MX_XPERM)
         for (int64_t t = 0; t < T; t++) mx_xperm(x + t * in, xbuf + t * in, in);
     VEC acc[2 * GV_R];
     for (int64_t o = o0; o < o1;) {
         const int Rw = mx ? GV_RM : GV_R, R = o1 - o >= Rw ? Rw : 1;
-        if (mx)
+        if (mx && !MX_TAB)
             for (int r = 0; r < R; r++) mx_scales(W->scale + (o + r) * nb, nb, sc + r * nb);
         for (int64_t t = 0; t < T; t++) {
             const float *xt = x + t * in;
             if (mx) {
                 const uint8_t *c = (const uint8_t *)W->data + o * (in / 2);
                 const float *xp = MX_XPERM ? xbuf + t * in : xt;
+#if MX_TAB
+                (R > 1 ? gv_mxt_r : gv_mxt_1)(c, in / 2, W->scale + o * nb, nb, xp, acc);
+#else
                 (R > 1 ? gv_mx_r : gv_mx_1)(c, in / 2, sc, nb, xp, acc);
+#endif
             } else if (W->dtype == K3_DT_BF16) {
                 const uint16_t *w = (const uint16_t *)W->data + o * in;
                 (R > 1 ? gv_bf16_r : gv_bf16_1)(w, in, xt, n_main, acc);

@@ -37,9 +37,20 @@
 /* Decode tiles (one token: pure weight streaming) prefetch each row this far ahead. */
 #define PF_BYTES 1024
 
+/* A unit may keep the scaled tables of all 256 E8M0 bytes (MX_TAB 1): mx32t(codes, e8, w) is
+ * mx32s(codes, mx_scale(e8), w) read from them, once mx_tab_init() has made them (the entry
+ * points below call it). */
+#ifndef MX_TAB
+#define MX_TAB 0
+static inline void mx_tab_init(void) {}
+#endif
 /* One MXFP4 block from its E8M0 byte. */
 static inline void mx32(const uint8_t *codes, uint8_t e8, VEC *w) {
+#if MX_TAB
+    mx32t(codes, e8, w);
+#else
     mx32s(codes, mx_scale(e8), w);
+#endif
 }
 #if !MX_XPERM /* mx32s gives element order: x needs no copy, results store as they are */
 static inline void mx_xperm(const float *x, float *xd, int64_t n) {
@@ -424,6 +435,7 @@ static void gemm_rows(const k3_tensor *W, const float *x, int64_t T, int64_t o0,
 
 static void mm_rows(const k3_tensor *W, const float *x, int64_t T, int64_t o0, int64_t o1,
                     float *y) {
+    if (W->dtype == K3_DT_MXFP4) mx_tab_init();
     if (T < 4)
         gemv_rows(W, x, T, o0, o1, y);
     else
@@ -436,6 +448,7 @@ static void mm_rows(const k3_tensor *W, const float *x, int64_t T, int64_t o0, i
 static void mmtn_cols(const k3_tensor *W, const float *x, int64_t T, int64_t c0, int64_t c1,
                       float *y) {
     int64_t out = W->shape[0], in = W->shape[1];
+    if (W->dtype == K3_DT_MXFP4) mx_tab_init();
     for (int64_t t = 0; t < T; t++) {
         const float *xt = x + t * out;
         float *yt = y + t * in;
