@@ -176,22 +176,49 @@ k3_status k3_moe_expert_rows(k3_backend *be, const k3_config *c, const k3_layer_
     start[0] = 0;
 
     for (int e = 0; e < E; e++) {
-        int64_t b = start[e], end = start[e + 1];
-        if (b == end) continue;
+        if (start[e] == start[e + 1]) continue;
         const k3_expert_w *ew = &lw->experts[e];
         K3_TRY(check_w(&ew->w1, I, Lw, "w1", e));
         K3_TRY(check_w(&ew->w3, I, Lw, "w3", e));
         K3_TRY(check_w(&ew->w2, Lw, I, "w2", e));
-        for (int64_t j0 = b; j0 < end; j0 += MOE_ROW_TILE) {
-            int64_t m = K3_MIN((int64_t)MOE_ROW_TILE, end - j0);
-            for (int64_t j = 0; j < m; j++) idx[j] = row_of ? row_of[order[j0 + j]] : order[j0 + j];
-            K3_TRY(be->ops->rows_gather(be, src, Lw, idx, m, xin));
-            K3_TRY(be->ops->matmul(be, xin, m, &ew->w1, g));
-            K3_TRY(be->ops->matmul(be, xin, m, &ew->w3, u));
-            K3_TRY(act(be, c, g, u, m * I));
-            K3_TRY(be->ops->matmul(be, g, m, &ew->w2, o));
-            K3_TRY(be->ops->rows_scatter(be, o, Lw, order + j0, m, out));
+    }
+    /* Tiles of up to MOE_ROW_TILE consecutive sorted rows: whole experts while they fit, an
+       expert with more rows in tiles of its own (its last piece then shares). Per tile one
+       gather, one matmul_group for every expert's w1 and w3 over its rows of the tile, one
+       activation, one matmul_group for the w2s, one scatter (a decode step's 8 experts: 2
+       dispatches instead of 24). Every row meets its own expert's matrices, and a matmul's
+       rows never depend on the others of its call, so the tiling changes no bit. */
+    k3_mm mm[2 * MOE_ROW_TILE];
+    int seg_e[MOE_ROW_TILE];
+    int64_t seg_j[MOE_ROW_TILE], seg_r[MOE_ROW_TILE];
+    for (int64_t p0 = 0, m; p0 < n; p0 += m) {
+        int64_t p1 = start[expert[order[p0]] + 1]; /* the end of p0's expert */
+        if (p1 - p0 >= MOE_ROW_TILE)
+            p1 = p0 + MOE_ROW_TILE;
+        else
+            while (p1 < n && start[expert[order[p1]] + 1] - p0 <= MOE_ROW_TILE)
+                p1 = start[expert[order[p1]] + 1];
+        m = p1 - p0;
+        for (int64_t j = 0; j < m; j++) idx[j] = row_of ? row_of[order[p0 + j]] : order[p0 + j];
+        K3_TRY(be->ops->rows_gather(be, src, Lw, idx, m, xin));
+        int ns = 0; /* segment s: rows [seg_j, seg_j + seg_r) of the tile, all of expert seg_e */
+        for (int64_t j = 0; j < m; j += seg_r[ns++]) {
+            seg_e[ns] = expert[order[p0 + j]];
+            seg_j[ns] = j;
+            seg_r[ns] = K3_MIN(start[seg_e[ns] + 1] - (p0 + j), m - j);
         }
+        for (int q = 0; q < ns; q++) {
+            const k3_expert_w *ew = &lw->experts[seg_e[q]];
+            mm[2 * q] = (k3_mm){xin + seg_j[q] * Lw, seg_r[q], &ew->w1, g + seg_j[q] * I};
+            mm[2 * q + 1] = (k3_mm){xin + seg_j[q] * Lw, seg_r[q], &ew->w3, u + seg_j[q] * I};
+        }
+        K3_TRY(be->ops->matmul_group(be, mm, 2 * ns));
+        K3_TRY(act(be, c, g, u, m * I));
+        for (int q = 0; q < ns; q++)
+            mm[q] =
+                (k3_mm){g + seg_j[q] * I, seg_r[q], &lw->experts[seg_e[q]].w2, o + seg_j[q] * Lw};
+        K3_TRY(be->ops->matmul_group(be, mm, ns));
+        K3_TRY(be->ops->rows_scatter(be, o, Lw, order + p0, m, out));
     }
     return K3_OK;
 }
@@ -245,8 +272,8 @@ k3_status k3_moe_finish(k3_backend *be, const k3_config *c, const k3_layer_w *lw
         K3_TRY(be->ops->copy2d(be, y, D, acc, D, T, D));
     }
     if (S > 0) {
-        K3_TRY(be->ops->matmul(be, x, T, &lw->sh_gate, g));
-        K3_TRY(be->ops->matmul(be, x, T, &lw->sh_up, u));
+        const k3_mm gu[2] = {{x, T, &lw->sh_gate, g}, {x, T, &lw->sh_up, u}};
+        K3_TRY(be->ops->matmul_group(be, gu, 2));
         K3_TRY(act(be, c, g, u, T * S));
         K3_TRY(be->ops->matmul(be, g, T, &lw->sh_down, sh));
         K3_TRY(be->ops->add(be, y, sh, T * D, y));

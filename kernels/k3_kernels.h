@@ -33,12 +33,25 @@
 
 typedef struct k3_backend k3_backend;
 
+/* One product of matmul_group: y [T, out] = x [T, in] · Wᵀ, as matmul computes it. */
+typedef struct k3_mm {
+    const float *x;
+    int64_t T;
+    const k3_tensor *W;
+    float *y;
+} k3_mm;
+
 /* ---- the op list: X(name, (parameters), (argument names)) -------------------------------- */
 /* Every op returns k3_status; the argument list lets wrappers (the guard backend) forward. */
 #define K3_OP_LIST(X)                                                                                     \
     /* y[T, out] = x[T, in] · Wᵀ ; W [out, in] F32/BF16/MXFP4. K3_ERR_SHAPE on other dtypes. */        \
     X(matmul, (k3_backend * be, const float *x, int64_t T, const k3_tensor *W, float *y),                 \
       (be, x, T, W, y))                                                                                   \
+    /* n independent matmuls in one call: mm[i].y = matmul(mm[i].x, mm[i].T, mm[i].W), bit for bit        \
+       what n matmul calls give; mm a host array (n >= 0); no item's y overlaps another's x or y.         \
+       One dispatch for a MoE step's experts or a layer's projections of one input: the cpu pool          \
+       shares the rows of all items among its threads at once. */                                         \
+    X(matmul_group, (k3_backend * be, const k3_mm *mm, int n), (be, mm, n))                               \
     /* y[T, in] = x[T, out] · W ; W [out, in] (the transposed product, for absorbed MLA). */             \
     X(matmul_tn, (k3_backend * be, const float *x, int64_t T, const k3_tensor *W, float *y),              \
       (be, x, T, W, y))                                                                                   \

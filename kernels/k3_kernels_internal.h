@@ -54,6 +54,8 @@ k3_status k3_kernels_check_seg(const int64_t *seg, int64_t seg_len, int64_t n_se
 
 /* A matmul weight must be 2-D [out, in], F32/BF16/MXFP4 (MXFP4: in % 32 == 0, with scales). */
 k3_status k3_kernels_check_weight(const k3_tensor *W, const char *op);
+/* The same for every item of a matmul_group (the message names "matmul_group item i"). */
+k3_status k3_kernels_check_group(const k3_mm *mm, int n);
 
 /* The cpu backend's thread pool (one per cpu/guard backend, in its context): run fn(ctx, i) for
  * i in [0, n_tasks) on the workers + the caller; returns when all are done. Which thread runs a

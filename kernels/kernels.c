@@ -41,6 +41,7 @@ bool k3_op_takes(int op, k3_dtype wt) {
     if (wt == K3_DT_COUNT) return true; /* the op at all */
     switch (op) {
     case K3_OP_matmul:
+    case K3_OP_matmul_group:
     case K3_OP_matmul_tn:
         return wt == K3_DT_F32 || wt == K3_DT_BF16 || wt == K3_DT_MXFP4;
     case K3_OP_to_f32:
@@ -305,6 +306,15 @@ size_t k3_attn_latent_causal_work_floats(int64_t n_ctx, int H) {
 }
 
 /* The weight checks every backend's matmul makes (one definition for all backends). */
+k3_status k3_kernels_check_group(const k3_mm *mm, int n) {
+    for (int i = 0; i < n; i++) {
+        char what[48];
+        snprintf(what, sizeof what, "matmul_group item %d", i);
+        K3_TRY(k3_kernels_check_weight(mm[i].W, what));
+    }
+    return K3_OK;
+}
+
 k3_status k3_kernels_check_weight(const k3_tensor *W, const char *op) {
     if (W->ndim != 2)
         return K3_ERR(K3_ERR_SHAPE, "%s: weight is %d-D, want 2-D [out, in]", op, W->ndim);

@@ -25,16 +25,14 @@ k3_status k3_layers_kda(k3_stage *s, int layer, const k3_batch *b, const float *
     int64_t T = 0;
     for (int i = 0; i < b->n_seqs; i++) T += b->n_tokens[i];
 
-    K3_TRY(ops->matmul(be, x, T, &lw->q_proj, s->kq));
-    K3_TRY(ops->matmul(be, x, T, &lw->k_proj, s->kk));
-    K3_TRY(ops->matmul(be, x, T, &lw->v_proj, s->kv));
-    K3_TRY(ops->matmul(be, x, T, &lw->f_a, s->kfa));
+    /* the projections of x in one dispatch (the low-rank gate's g_a after f_b: both use kfa) */
+    const k3_mm proj[6] = {{x, T, &lw->q_proj, s->kq},    {x, T, &lw->k_proj, s->kk},
+                           {x, T, &lw->v_proj, s->kv},    {x, T, &lw->f_a, s->kfa},
+                           {x, T, &lw->b_proj, s->kbeta}, {x, T, &lw->g_proj, s->kg}};
+    K3_TRY(ops->matmul_group(be, proj, c->kda_full_rank_gate ? 6 : 5));
     K3_TRY(ops->matmul(be, s->kfa, T, &lw->f_b, s->kr));
-    K3_TRY(ops->matmul(be, x, T, &lw->b_proj, s->kbeta));
     K3_TRY(ops->sigmoid(be, s->kbeta, T * H, s->kbeta));
-    if (c->kda_full_rank_gate) {
-        K3_TRY(ops->matmul(be, x, T, &lw->g_proj, s->kg));
-    } else {
+    if (!c->kda_full_rank_gate) {
         K3_TRY(ops->matmul(be, x, T, &lw->g_a, s->kfa));
         K3_TRY(ops->matmul(be, s->kfa, T, &lw->g_b, s->kg));
     }

@@ -26,16 +26,18 @@ k3_status k3_layers_mla(k3_stage *s, int layer, const k3_batch *b, const float *
     int64_t T = 0;
     for (int i = 0; i < b->n_seqs; i++) T += b->n_tokens[i];
 
-    /* q */
-    if (c->q_lora_rank > 0) {
-        K3_TRY(ops->matmul(be, x, T, &lw->q_a_proj, s->mcq));
+    /* the projections of x in one dispatch: q (low-rank: its first half), the latent
+       [c | k_pe] of every new token, the output gate */
+    const bool qlr = c->q_lora_rank > 0;
+    const k3_mm proj[3] = {qlr ? (k3_mm){x, T, &lw->q_a_proj, s->mcq}
+                               : (k3_mm){x, T, &lw->q_proj_mla, s->mq},
+                           {x, T, &lw->kv_a_proj, s->mckv},
+                           {x, T, &lw->g_proj, s->mgate}};
+    K3_TRY(ops->matmul_group(be, proj, c->mla_use_output_gate ? 3 : 2));
+    if (qlr) {
         K3_TRY(ops->rmsnorm(be, s->mcq, lv->q_a_norm, T, c->q_lora_rank, c->mla_norm_eps, s->mcq));
         K3_TRY(ops->matmul(be, s->mcq, T, &lw->q_b_proj, s->mq));
-    } else {
-        K3_TRY(ops->matmul(be, x, T, &lw->q_proj_mla, s->mq));
     }
-    /* latent [c | k_pe] of every new token, into each sequence's cache */
-    K3_TRY(ops->matmul(be, x, T, &lw->kv_a_proj, s->mckv));
     for (int64_t t = 0; t < T; t++)
         K3_TRY(ops->rmsnorm(be, s->mckv + t * W, lv->kv_a_norm, 1, Rkv, c->mla_norm_eps,
                             s->mckv + t * W));
@@ -88,7 +90,6 @@ k3_status k3_layers_mla(k3_stage *s, int layer, const k3_batch *b, const float *
     }
 
     if (c->mla_use_output_gate) {
-        K3_TRY(ops->matmul(be, x, T, &lw->g_proj, s->mgate));
         K3_TRY(ops->sigmoid(be, s->mgate, T * H * dv, s->mgate));
         K3_TRY(ops->mul(be, s->mattn, s->mgate, T * H * dv, s->mattn));
     }

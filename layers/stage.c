@@ -445,8 +445,8 @@ static k3_status dense_ffn(k3_stage *s, int l, const float *x, int64_t T, float 
     const k3_layer_w *lw = &s->w->layers[l];
     k3_backend *be = s->be;
     int64_t n = T * c->intermediate_size;
-    K3_TRY(be->ops->matmul(be, x, T, &lw->gate_proj, s->fg));
-    K3_TRY(be->ops->matmul(be, x, T, &lw->up_proj, s->fu));
+    const k3_mm gu[2] = {{x, T, &lw->gate_proj, s->fg}, {x, T, &lw->up_proj, s->fu}};
+    K3_TRY(be->ops->matmul_group(be, gu, 2));
     if (c->act == K3_ACT_SWIGLU)
         K3_TRY(be->ops->swiglu(be, s->fg, s->fu, n, s->fg));
     else

@@ -78,6 +78,87 @@ static k3_status cpu_matmul(k3_backend *be, const float *x, int64_t T, const k3_
     return K3_OK;
 }
 
+/* matmul_group: the rows of all items, end to end, cut into tasks by cpu_matmul's rule for the
+ * group's total (bytes and multiply-adds; at most 4 tasks per thread), all in one pool job: a
+ * decode step's 16 expert matrices are one hand-off and 8 tasks instead of 16 hand-offs and ~64
+ * tasks. A task is a run of pieces, each rows [r0, r1) of one item, cut at multiples of 4 rows
+ * (24 for prefill); so every output is the kernel's, bit for bit, whichever task it is in. */
+#define K3_CPU_GROUP_PIECES 512
+typedef struct {
+    const k3_mm *mm;
+    const k3_cpu_kern *kern;
+    int n_pieces, n_tasks;
+    int32_t item[K3_CPU_GROUP_PIECES];
+    int64_t r0[K3_CPU_GROUP_PIECES], r1[K3_CPU_GROUP_PIECES];
+    int32_t first[K3_CPU_GROUP_PIECES + 1]; /* task t: pieces [first[t], first[t + 1]) */
+} mmg_job;
+
+static void mmg_task(void *ctx, int64_t t) {
+    const mmg_job *j = ctx;
+    for (int p = j->first[t]; p < j->first[t + 1]; p++) {
+        const k3_mm *m = &j->mm[j->item[p]];
+        j->kern->mm_rows(m->W, m->x, m->T, j->r0[p], j->r1[p], m->y);
+    }
+}
+
+static k3_status cpu_matmul_group(k3_backend *be, const k3_mm *mm, int n) {
+    if (n > K3_CPU_GROUP_PIECES / 2) { /* in parts: pieces <= n + tasks stay within the table */
+        for (int b = 0; b < n; b += K3_CPU_GROUP_PIECES / 4)
+            K3_TRY(cpu_matmul_group(be, mm + b, K3_MIN(n - b, K3_CPU_GROUP_PIECES / 4)));
+        return K3_OK;
+    }
+    K3_TRY(k3_kernels_check_group(mm, n));
+    double bytes = 0, macs = 0;
+    bool decode = true;
+    for (int i = 0; i < n; i++)
+        if (mm[i].T > 0 && mm[i].W->shape[0] > 0) {
+            const double wb = (double)mm[i].W->shape[0] * (double)row_bytes(mm[i].W);
+            bytes += wb;
+            macs += (double)mm[i].T * (double)mm[i].W->shape[0] * (double)mm[i].W->shape[1];
+            decode = decode && mm[i].T < 4;
+        }
+    if (bytes == 0) return K3_OK;
+    const int nth = k3_pool_threads(k3_cpu_pool(be));
+    const int64_t n_tasks = K3_MAX(
+        1, K3_MIN((int64_t)nth * 4,
+                  (int64_t)K3_MAX(bytes / (decode ? K3_CPU_GEMV_TASK_BYTES : K3_CPU_TASK_BYTES),
+                                  macs / (4.0 * K3_CPU_PAR_MIN_MACS))));
+    mmg_job j = {.mm = mm, .kern = kern(be)};
+    /* pieces: the items' rows end to end, cut where the running byte count reaches the next
+       task's boundary (k · bytes / n_tasks, to the nearest whole 4- or 24-row group); at most
+       n + n_tasks of them */
+    const double share = bytes / (double)n_tasks;
+    double done = 0;
+    int cur = 0; /* tasks closed */
+    for (int i = 0; i < n; i++) {
+        const int64_t out = mm[i].W->shape[0];
+        if (mm[i].T <= 0 || out <= 0) continue;
+        const double rb = (double)row_bytes(mm[i].W);
+        const int64_t gran = mm[i].T >= 4 ? 24 : 4;
+        for (int64_t r = 0; r < out;) {
+            int64_t r1 = out;
+            if (cur + 1 < n_tasks) {
+                const int64_t k = llround(((cur + 1) * share - done) / rb / (double)gran) * gran;
+                if (k <= 0) { /* the boundary falls here */
+                    j.first[++cur] = j.n_pieces;
+                    continue;
+                }
+                if (k < out - r) r1 = r + k;
+            }
+            K3_ASSERT(j.n_pieces < K3_CPU_GROUP_PIECES);
+            j.item[j.n_pieces] = i, j.r0[j.n_pieces] = r, j.r1[j.n_pieces] = r1;
+            j.n_pieces++;
+            done += (double)(r1 - r) * rb;
+            if (r1 < out) j.first[++cur] = j.n_pieces; /* cut at a boundary */
+            r = r1;
+        }
+    }
+    j.first[++cur] = j.n_pieces;
+    j.n_tasks = cur;
+    k3_pool_run(k3_cpu_pool(be), j.n_tasks, mmg_task, &j);
+    return K3_OK;
+}
+
 /* y[t, i] = Σ_o x[t,o] W[o,i] with o ascending for every element; tasks split over columns. */
 typedef struct {
     const float *x;

@@ -173,6 +173,12 @@ static k3_status cu_matmul(k3_backend *be, const float *x, int64_t T, const k3_t
                       y));
     return K3_OK;
 }
+static k3_status cu_matmul_group(k3_backend *be, const k3_mm *mm, int n) {
+    /* one launch per item on the stream, in order (a grouped GEMM is the next step) */
+    K3_TRY(k3_kernels_check_group(mm, n));
+    for (int i = 0; i < n; i++) K3_TRY(cu_matmul(be, mm[i].x, mm[i].T, mm[i].W, mm[i].y));
+    return K3_OK;
+}
 static k3_status cu_matmul_tn(k3_backend *be, const float *x, int64_t T, const k3_tensor *W,
                               float *y) {
     K3_TRY(k3_kernels_check_weight(W, "matmul_tn"));

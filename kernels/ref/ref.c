@@ -26,6 +26,12 @@ static k3_status ref_matmul(k3_backend *be, const float *x, int64_t T, const k3_
     return K3_OK;
 }
 
+static k3_status ref_matmul_group(k3_backend *be, const k3_mm *mm, int n) {
+    K3_TRY(k3_kernels_check_group(mm, n));
+    for (int i = 0; i < n; i++) K3_TRY(ref_matmul(be, mm[i].x, mm[i].T, mm[i].W, mm[i].y));
+    return K3_OK;
+}
+
 static k3_status ref_matmul_tn(k3_backend *be, const float *x, int64_t T, const k3_tensor *W,
                                float *y) {
     K3_TRY(k3_kernels_check_weight(W, "matmul_tn"));

@@ -111,7 +111,7 @@ static void check_cpu_is_ref(float *const *ys, int64_t n, const char *what) {
  * so a test reads every backend's results in host arrays and never touches guard memory. Host
  * metadata (idx, seg) is passed through, as the contract says. Aliased arguments (in-place ops)
  * map to one buffer. */
-#define M_MAX 16
+#define M_MAX 32
 typedef struct {
     k3_backend *be;
     int n;
@@ -587,6 +587,65 @@ static void test_matmul(void) {
         }
         free(x), free(yr), free(yc), free(y1);
         free_w(&w);
+    }
+}
+
+/* matmul_group: items of every dtype, decode and prefill sizes, one with T = 0 and items that
+ * read one x, against one matmul call per item on the same backend — bit for bit on every
+ * backend (the cpu splits the rows of all items over its threads at once: 4 threads here, with
+ * items big enough to be cut into several tasks). Errors: a bad item is named, n = 0 is a no-op.
+ */
+static void test_matmul_group(void) {
+    enum { N = 6 };
+    const k3_dtype dts[N] = {K3_DT_MXFP4, K3_DT_MXFP4, K3_DT_BF16,
+                             K3_DT_F32,   K3_DT_BF16,  K3_DT_MXFP4};
+    const int64_t outs[N] = {384, 200, 77, 130, 1030, 96}, ins[N] = {768, 768, 200, 96, 256, 1056};
+    for (int pass = 0; pass < 2; pass++) {
+        const int64_t Tmax = pass ? 70 : 3; /* decode (gemv) and prefill (tiles) */
+        wbuf w[N];
+        float *x[N], *y[N], *want[N];
+        k3_mm mm[N];
+        for (int i = 0; i < N; i++) {
+            const int64_t T = i == 4 ? 0 : Tmax - i % 2; /* item 4: no tokens */
+            w[i] = make_w(dts[i], outs[i], ins[i]);
+            /* items 0 and 1 read one x (the gate and up of a MoE step) */
+            x[i] = i == 1 ? x[0] : fa(Tmax * ins[i]);
+            if (i != 1) fill_randn(x[i], Tmax * ins[i], 1.0f);
+            y[i] = fa(Tmax * outs[i] + 1);
+            want[i] = fa(Tmax * outs[i] + 1);
+            mm[i] = (k3_mm){x[i], T, &w[i].t, y[i]};
+        }
+        for (int b = 0; b < B_COUNT; b++) {
+            mshl m = {.be = BE(b)};
+            k3_mm dm[N];
+            k3_tensor dw[N];
+            for (int i = 0; i < N; i++) {
+                y[i][Tmax * outs[i]] = want[i][Tmax * outs[i]] = 12345.0f; /* past the end */
+                K3_CHECK_OK(run_matmul(BE(b), x[i], mm[i].T, &w[i].t, want[i]));
+                dw[i] = m_tensor(&m, &w[i].t);
+                dm[i] = (k3_mm){m_buf(&m, x[i], FB(Tmax * ins[i]), false), mm[i].T, &dw[i],
+                                m_buf(&m, y[i], FB(Tmax * outs[i] + 1), true)};
+            }
+            K3_CHECK_OK(m_done(&m, BE(b)->ops->matmul_group(BE(b), dm, N)));
+            for (int i = 0; i < N; i++)
+                K3_CHECK(same_f(y[i], want[i], mm[i].T * outs[i] + (mm[i].T == 0)) &&
+                             y[i][Tmax * outs[i]] == 12345.0f,
+                         "matmul_group (%s, T %lld): item %d (%s %lldx%lld) differs from matmul",
+                         k_be_label[b], (long long)Tmax, i, k3_dtype_name(dts[i]),
+                         (long long)outs[i], (long long)ins[i]);
+        }
+        for (int i = 0; i < N; i++) {
+            if (i != 1) free(x[i]);
+            free(y[i]), free(want[i]);
+            free_w(&w[i]);
+        }
+    }
+    k3_tensor bad = {.dtype = K3_DT_I32, .ndim = 2, .shape = {2, 2}};
+    float xx[4] = {0}, yy[4];
+    k3_mm mb[1] = {{xx, 1, &bad, yy}};
+    for (int b = 0; b < B_COUNT; b++) {
+        K3_CHECK_ERR(BE(b)->ops->matmul_group(BE(b), mb, 1), K3_ERR_SHAPE, "matmul_group item 0");
+        K3_CHECK_OK(BE(b)->ops->matmul_group(BE(b), mb, 0));
     }
 }
 
