@@ -66,7 +66,7 @@ static k3_status cpu_matmul(k3_backend *be, const float *x, int64_t T, const k3_
     int64_t n_tasks =
         (int64_t)K3_MAX(w_bytes / (T < 4 ? K3_CPU_GEMV_TASK_BYTES : K3_CPU_TASK_BYTES),
                         macs / (4.0 * K3_CPU_PAR_MIN_MACS));
-    n_tasks = K3_MIN(K3_MIN(n_tasks, (int64_t)nth * 4), out);
+    n_tasks = K3_MIN(K3_MIN(n_tasks, nth > 1 ? (int64_t)nth * 4 : 1), out);
     if (n_tasks >= 2 && nth > 1) {
         /* rows per task: a multiple of 4 (decode), of 24 for prefill (T >= 4: whole register
            tiles of 6 or 4 rows, kern_tmpl.h's GR) */
@@ -120,7 +120,7 @@ static k3_status cpu_matmul_group(k3_backend *be, const k3_mm *mm, int n) {
     if (bytes == 0) return K3_OK;
     const int nth = k3_pool_threads(k3_cpu_pool(be));
     const int64_t n_tasks = K3_MAX(
-        1, K3_MIN((int64_t)nth * 4,
+        1, K3_MIN(nth > 1 ? (int64_t)nth * 4 : 1,
                   (int64_t)K3_MAX(bytes / (decode ? K3_CPU_GEMV_TASK_BYTES : K3_CPU_TASK_BYTES),
                                   macs / (4.0 * K3_CPU_PAR_MIN_MACS))));
     mmg_job j = {.mm = mm, .kern = kern(be)};

@@ -57,11 +57,10 @@ static inline float hmax8(__m256 v) {
     m = _mm_max_ss(m, _mm_shuffle_ps(m, m, 1));
     return _mm_cvtss_f32(m);
 }
-/* hsum_n0(v, n, out): out[i] = hsum8(v[i]) + 0.0f for i < n <= HS_N, bit for bit: the rows
- * folded together, two per instruction, along hsum8's tree — lanes (i, i+4), (k, k+2), (0, 1).
- * Missing partners are zero vectors, whose sums are never stored. */
-#define HS_N 8
-static inline __attribute__((always_inline)) void hsum_n0(__m256 *v, int n, float *out) {
+/* hsum_v(v, n): lane i = hsum8(v[i]) + 0.0f for i < n <= VL (the others undefined), bit for
+ * bit: the rows folded together, two per instruction, along hsum8's tree — lanes (i, i+4),
+ * (k, k+2), (0, 1). Missing partners are zero vectors. */
+static inline __attribute__((always_inline)) __m256 hsum_v(__m256 *v, int n) {
     int m = n;
     _Pragma("GCC unroll 3") for (int lv = 0; lv < 3; lv++) {
         if (m % 2) v[m] = _mm256_setzero_ps();
@@ -81,12 +80,13 @@ static inline __attribute__((always_inline)) void hsum_n0(__m256 *v, int n, floa
         }
         m = h;
     }
-    _Alignas(32) float s[8];
-    _mm256_store_ps(
-        s, _mm256_add_ps(_mm256_permutevar8x32_ps(v[0], _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7)),
-                         _mm256_setzero_ps()));
-    for (int i = 0; i < n; i++) out[i] = s[i];
+    return _mm256_add_ps(_mm256_permutevar8x32_ps(v[0], _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7)),
+                         _mm256_setzero_ps());
 }
+/* lanes i < n of v to p[i] (n <= VL) */
+#define V_STOREN(p, v, n)                                                                          \
+    _mm256_maskstore_ps(                                                                           \
+        p, _mm256_cmpgt_epi32(_mm256_set1_epi32(n), _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7)), v)
 #define V_HSUM(v) hsum8(v)
 #define V_HMAX(v) hmax8(v)
 

@@ -49,12 +49,11 @@
     _mm512_castsi512_ps(                                                                           \
         _mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)(p))), 16))
 
-/* hsum_n0(v, n, out): out[i] = V_HSUM(v[i]) + 0.0f for i < n <= HS_N, bit for bit: the rows are
- * folded together, two per instruction, along _mm512_reduce_add_ps's own tree — lanes (i, i+8),
- * then (j, j+4), (k, k+2), (0, 1) — instead of one row's latency chain at a time (16 rows: ~50
- * instructions instead of ~180). Missing partners are zero vectors, whose sums are never stored. */
-#define HS_N 16
-static inline __attribute__((always_inline)) void hsum_n0(VEC *v, int n, float *out) {
+/* hsum_v(v, n): lane i = V_HSUM(v[i]) + 0.0f for i < n <= VL (the others undefined), bit for
+ * bit: the rows are folded together, two per instruction, along _mm512_reduce_add_ps's own tree
+ * — lanes (i, i+8), then (j, j+4), (k, k+2), (0, 1) — instead of one row's latency chain at a
+ * time (16 rows: ~50 instructions instead of ~180). Missing partners are zero vectors. */
+static inline __attribute__((always_inline)) VEC hsum_v(VEC *v, int n) {
     int m = n;
     _Pragma("GCC unroll 4") for (int lv = 0; lv < 4; lv++) {
         if (m % 2) v[m] = V_ZERO();
@@ -77,9 +76,10 @@ static inline __attribute__((always_inline)) void hsum_n0(VEC *v, int n, float *
         m = h;
     }
     const __m512i rows = _mm512_setr_epi32(0, 4, 8, 12, 1, 5, 9, 13, 2, 6, 10, 14, 3, 7, 11, 15);
-    _mm512_mask_storeu_ps(out, (__mmask16)((1u << n) - 1),
-                          _mm512_add_ps(_mm512_permutexvar_ps(rows, v[0]), _mm512_setzero_ps()));
+    return _mm512_add_ps(_mm512_permutexvar_ps(rows, v[0]), _mm512_setzero_ps());
 }
+/* lanes i < n of v to p[i] (n <= VL) */
+#define V_STOREN(p, v, n) _mm512_mask_storeu_ps(p, (__mmask16)((1u << (n)) - 1), v)
 
 /* codes byte m: low nibble = element 2m, high = 2m+1. Both nibbles index the scaled E2M1 table
  * (vpermps reads index bits 3..0 only, so the low nibble needs no mask): w[0] = the 16 even

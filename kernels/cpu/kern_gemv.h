@@ -170,11 +170,11 @@ static void gemv_rows(const k3_tensor *W, const float *x, int64_t T, int64_t o0,
                 if (mx) {
                     _Pragma("GCC unroll 8") for (int r = 0; r < GV_RM; r++) v[r] =
                         V_ADD(acc[2 * r], acc[2 * r + 1]);
-                    hsum_n0(v, GV_RM, y + t * out + o);
+                    V_STOREN(y + t * out + o, hsum_v(v, GV_RM), GV_RM);
                 } else {
                     _Pragma("GCC unroll 8") for (int r = 0; r < GV_R; r++) v[r] =
                         V_ADD(acc[2 * r], acc[2 * r + 1]);
-                    hsum_n0(v, GV_R, y + t * out + o);
+                    V_STOREN(y + t * out + o, hsum_v(v, GV_R), GV_R);
                 }
             } else if (n_main == in) {
                 for (int r = 0; r < R; r++)

@@ -35,11 +35,11 @@
 #define V_COPYSIGN(m, s)     copysignf(m, s)
 #define V_SEL_LT(a, b, x, y) ((a) < (b) ? (x) : (y))
 #define V_LOAD_BF16(p)       k3_bf16_to_f32(*(p))
-#define HS_N                 16
-static inline __attribute__((always_inline)) void
-hsum_n0(float *v, int n, float *out) { /* one lane: the sums are the values */
-    for (int i = 0; i < n; i++) out[i] = v[i] + 0.0f;
+static inline float hsum_v(float *v, int n) { /* one lane: the sum is the value */
+    (void)n;
+    return v[0] + 0.0f;
 }
+#define V_STOREN(p, v, n) ((void)(n), *(p) = (v))
 
 static inline float pow2i(float n) {
     if (n != n) return n; /* NaN: the cast below would be undefined */

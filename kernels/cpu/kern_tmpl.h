@@ -9,8 +9,9 @@
  *   V_ZERO() V_SET1(f) V_LOAD(p) V_STORE(p, v) V_ADD V_SUB V_MUL V_DIV V_MIN V_MAX
  *   V_FMA(a, b, c) = a·b + c   V_SFMA(a, b, c): the same on one float
  *   V_HSUM(v)   V_HMAX(v)   V_ABS(v)   V_COPYSIGN(mag, sgn)   V_SEL_LT(a, b, x, y) = a < b ? x : y
- *   hsum_n0(v, n, out)  out[i] = V_HSUM(v[i]) + 0.0f for i < n <= HS_N, the same bits, rows
- *                       folded together (a matmul's finished rows: a decode group, a prefill tile)
+ *   hsum_v(v, n)  a vector whose lane i < n <= VL is V_HSUM(v[i]) + 0.0f, the same bits, the
+ *                 rows folded together (a matmul's finished rows: a decode group, a prefill tile)
+ *   V_STOREN(p, v, n)  lanes i < n of v to p[i]
  *   V_POW2I(n)  2^n for an integral float n in [-126, 127]
  *   V_LOAD_BF16(p)  VL bf16 widened to f32 (a shift: bf16 is the top half of an f32)
  *   V_PREFETCH(p)   a software prefetch of the cache line at p (no-op without SIMD)
@@ -354,22 +355,32 @@ static void gb_block(const k3_tensor *W, const float *x, int64_t ob, int64_t nro
                      int64_t ntok, int64_t i0, int64_t i1, int64_t n_main, const float *xp,
                      float *wp, VEC *acc, float *y) {
     const int64_t in = W->shape[1], out = W->shape[0], nv = (i1 - i0) / (2 * VL);
+    /* the next GR rows' part of this chunk is prefetched while the tiles meet this group's
+       panel (the weights come from DRAM once per token block; gb_pack_w then finds them in
+       cache instead of waiting on each row) */
+    const int64_t esz2 = W->dtype == K3_DT_F32 ? 8 : W->dtype == K3_DT_BF16 ? 4 : 1; /* 2 × bytes */
+    const int64_t rlines = ((i1 - i0) * esz2 / 2 + 63) / 64, ntiles = (ntok + GT - 1) / GT;
     for (int64_t g = 0; g < nrow; g += GR) {
         const int nr = nrow - g < GR ? (int)(nrow - g) : GR;
         gb_pack_w(W, ob + g, nr, i0, nv, wp);
+        const int64_t pr0 = ob + g + GR, npr = K3_MAX(0, K3_MIN((int64_t)GR, out - pr0));
+        const int64_t per = (npr * rlines + ntiles - 1) / ntiles;
         for (int64_t u0 = 0; u0 < ntok; u0 += GT) {
             const int nt = ntok - u0 < GT ? (int)(ntok - u0) : GT;
             VEC *a = acc + (g / GR * GB_TILES + u0 / GT) * GB_TILE;
+            for (int64_t q = u0 / GT * per; q < K3_MIN(npr * rlines, (u0 / GT + 1) * per); q++)
+                V_PREFETCH((const char *)W->data + ((pr0 + q / rlines) * in + i0) * esz2 / 2 +
+                           q % rlines * 64);
             gb_tiles[nt](wp, xp + u0 * 2 * nv * VL, nv, i0 == 0, a);
             if (i1 == n_main && n_main == in && nr == GR && nt == GT) {
                 /* the last chunk of a whole tile: its GR·GT sums folded together */
                 VEC v[GR * GT];
-                float s[GR * GT];
+                _Alignas(64) float s[GR * GT + VL]; /* whole-vector stores: loads forward */
                 _Pragma("GCC unroll 32") for (int u = 0; u < GT; u++)
                     _Pragma("GCC unroll 8") for (int r = 0; r < GR; r++) v[u * GR + r] =
                         V_ADD(a[r * GT + u], a[(GR + r) * GT + u]);
-                _Pragma("GCC unroll 8") for (int k0 = 0; k0 < GR * GT; k0 += HS_N)
-                    hsum_n0(v + k0, GR * GT - k0 < HS_N ? GR * GT - k0 : HS_N, s + k0);
+                _Pragma("GCC unroll 8") for (int k0 = 0; k0 < GR * GT; k0 += VL)
+                    V_STORE(s + k0, hsum_v(v + k0, GR * GT - k0 < VL ? GR * GT - k0 : VL));
                 _Pragma("GCC unroll 8") for (int u = 0; u < GT; u++)
                     _Pragma("GCC unroll 8") for (int r = 0; r < GR; r++)
                         y[(tb + u0 + u) * out + ob + g + r] = s[u * GR + r];
