@@ -365,12 +365,15 @@ static void gb_block(const k3_tensor *W, const float *x, int64_t ob, int64_t nro
         gb_pack_w(W, ob + g, nr, i0, nv, wp);
         const int64_t pr0 = ob + g + GR, npr = K3_MAX(0, K3_MIN((int64_t)GR, out - pr0));
         const int64_t per = (npr * rlines + ntiles - 1) / ntiles;
+        int64_t prow = 0, pline = 0; /* the prefetch cursor: row pr0 + prow, its line pline */
         for (int64_t u0 = 0; u0 < ntok; u0 += GT) {
             const int nt = ntok - u0 < GT ? (int)(ntok - u0) : GT;
             VEC *a = acc + (g / GR * GB_TILES + u0 / GT) * GB_TILE;
-            for (int64_t q = u0 / GT * per; q < K3_MIN(npr * rlines, (u0 / GT + 1) * per); q++)
-                V_PREFETCH((const char *)W->data + ((pr0 + q / rlines) * in + i0) * esz2 / 2 +
-                           q % rlines * 64);
+            for (int64_t q = 0; q < per && prow < npr; q++) {
+                V_PREFETCH((const char *)W->data + ((pr0 + prow) * in + i0) * esz2 / 2 +
+                           pline * 64);
+                if (++pline == rlines) pline = 0, prow++;
+            }
             gb_tiles[nt](wp, xp + u0 * 2 * nv * VL, nv, i0 == 0, a);
             if (i1 == n_main && n_main == in && nr == GR && nt == GT) {
                 /* the last chunk of a whole tile: its GR·GT sums folded together */
