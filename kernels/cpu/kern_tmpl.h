@@ -245,6 +245,7 @@ static void gemm_few(const k3_tensor *W, const float *x, int64_t T, int64_t o0, 
 #define GB_K     1024     /* a multiple of 32 and of 2·VL; measured best of 512..2048 */
 #define GB_TILES ((GB_TOKS + GT - 1) / GT)
 #define GB_TILE  (2 * GR * GT) /* one tile's accumulators in acc: [parity][row][token] */
+#define GB_XP    (256 * 1024)  /* floats of the packed x block (1 MB: it lives in L2) */
 
 /* wp [parity p][j][row r][VL] = vector 2j + p (of VL elements; mx32's order for MXFP4) of row
  * o + min(r, nr − 1), elements [i0, i0 + 2·VL·nv): a pass reads one sequential stream. */
@@ -368,7 +369,7 @@ static void gb_block(const k3_tensor *W, const float *x, int64_t ob, int64_t nro
         int64_t prow = 0, pline = 0; /* the prefetch cursor: row pr0 + prow, its line pline */
         for (int64_t u0 = 0; u0 < ntok; u0 += GT) {
             const int nt = ntok - u0 < GT ? (int)(ntok - u0) : GT;
-            VEC *a = acc + (g / GR * GB_TILES + u0 / GT) * GB_TILE;
+            VEC *a = i0 == 0 && i1 == n_main ? acc : acc + (g / GR * GB_TILES + u0 / GT) * GB_TILE;
             for (int64_t q = 0; q < per && prow < npr; q++) {
                 V_PREFETCH((const char *)W->data + ((pr0 + prow) * in + i0) * esz2 / 2 +
                            pline * 64);
@@ -412,7 +413,7 @@ static void gemm_rows(const k3_tensor *W, const float *x, int64_t T, int64_t o0,
     const int64_t n_main = in - in % (2 * VL);
     const bool perm = MX_XPERM && W->dtype == K3_DT_MXFP4;
     VEC acc[GB_ROWS / GR * GB_TILES * GB_TILE];
-    _Alignas(64) float wp[GR * GB_K], xp[GB_TILES * GT * GB_K], tmp[MX_XPERM ? GB_K : 1];
+    _Alignas(64) float wp[GR * GB_K], xp[GB_XP], tmp[MX_XPERM ? GB_K : 1];
     if (n_main == 0) { /* a row shorter than 2·VL: finish alone */
         for (int64_t o = o0; o < o1; o++)
             for (int64_t t = 0; t < T; t++)
@@ -420,10 +421,12 @@ static void gemm_rows(const k3_tensor *W, const float *x, int64_t T, int64_t o0,
         return;
     }
     if (n_main <= GB_K) {
-        /* one chunk per row: a token block's x is packed once and meets every row block (the
-           rows' panels come from L2 again per token block) */
-        for (int64_t tb = 0; tb < T; tb += GB_TOKS) {
-            const int64_t ntok = T - tb < GB_TOKS ? T - tb : GB_TOKS;
+        /* one chunk per row: a token block's x (as many tokens as GB_XP holds: 256 of 1024
+           elements) is packed once and meets every row block; the weights stream once per
+           token block, each tile's sums finish at once (acc holds one tile) */
+        const int64_t tblk = K3_MAX((int64_t)GT, GB_XP / n_main / GT * GT);
+        for (int64_t tb = 0; tb < T; tb += tblk) {
+            const int64_t ntok = T - tb < tblk ? T - tb : tblk;
             gb_pack_x(x + tb * in, in, perm, ntok, 0, n_main / (2 * VL), tmp, xp);
             for (int64_t ob = o0; ob < o1; ob += GB_ROWS)
                 gb_block(W, x, ob, o1 - ob < GB_ROWS ? o1 - ob : GB_ROWS, tb, ntok, 0, n_main,
