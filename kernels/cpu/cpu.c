@@ -314,16 +314,17 @@ typedef struct {
     int64_t T, D;
     float eps;
     float *out;
+    const k3_cpu_kern *kern;
 } mix_args;
 static void mix_range(const void *ctx, int64_t t0, int64_t t1) {
     const mix_args *j = ctx;
-    k3_ref_attnres_mix_rows(j->bank, j->n_bank, j->p, j->w, j->T, j->D, j->eps, j->out, t0, t1);
+    j->kern->attnres_rows(j->bank, j->n_bank, j->p, j->w, j->T, j->D, j->eps, j->out, t0, t1);
 }
 static k3_status cpu_attnres_mix(k3_backend *be, const float *bank, int n_bank, const float *p,
                                  const float *w, int64_t T, int64_t D, float eps, float *out) {
     K3_TRY(k3_ref_attnres_check(n_bank));
     if (T <= 0) return K3_OK;
-    mix_args j = {bank, p, w, n_bank, T, D, eps, out};
+    mix_args j = {bank, p, w, n_bank, T, D, eps, out, kern(be)};
     int64_t per = T;
     if (T > 1 && T * D * (n_bank + 1) >= K3_CPU_PAR_MIN_MACS)
         per = K3_MAX((int64_t)1, T / (4 * (int64_t)k3_pool_threads(k3_cpu_pool(be))));
@@ -374,15 +375,19 @@ typedef struct {
     int64_t n, P;
     int K;
     float *out;
+    const k3_cpu_kern *kern;
 } conv_args;
 static void conv_range(const void *ctx, int64_t c0, int64_t c1) {
     const conv_args *j = ctx;
-    k3_ref_short_conv_cols(j->in, j->n, j->P, j->K, j->w, j->state, j->out, c0, c1);
+    if (j->K <= 16)
+        j->kern->conv_cols(j->in, j->n, j->P, j->K, j->w, j->state, j->out, c0, c1);
+    else
+        k3_ref_short_conv_cols(j->in, j->n, j->P, j->K, j->w, j->state, j->out, c0, c1);
 }
 static k3_status cpu_short_conv(k3_backend *be, const float *in, int64_t n, int64_t P, int K,
                                 const float *w, float *state, float *out) {
     if (n <= 0 || P <= 0) return k3_ref_ops.short_conv(be, in, n, P, K, w, state, out);
-    conv_args j = {in, w, state, n, P, K, out};
+    conv_args j = {in, w, state, n, P, K, out, kern(be)};
     int64_t per = P;
     if (n * P * K >= K3_CPU_PAR_MIN_MACS) /* blocks of 64 channels: whole cache lines per task */
         per = K3_MAX((int64_t)64, (P / (4 * (int64_t)k3_pool_threads(k3_cpu_pool(be)))) & ~63);
@@ -447,15 +452,16 @@ typedef struct {
     const int64_t *seg;
     int64_t seg_len, width;
     float *y;
+    const k3_cpu_kern *kern;
 } wsum_job;
 static void wsum_task(void *ctx, int64_t j) {
     const wsum_job *q = ctx;
-    k3_ref_rows_wsum_seg(q->x, q->w, q->seg, q->seg_len, j, q->width, q->y);
+    q->kern->wsum_seg(q->x, q->w, q->seg, q->seg_len, j, q->width, q->y);
 }
 static k3_status cpu_rows_wsum(k3_backend *be, const float *x, const float *w, const int64_t *seg,
                                int64_t seg_len, int64_t n_seg, int64_t width, float *y) {
     K3_TRY(k3_kernels_check_seg(seg, seg_len, n_seg));
-    wsum_job j = {x, w, seg, seg_len, width, y};
+    wsum_job j = {x, w, seg, seg_len, width, y, kern(be)};
     int64_t rows = seg ? (n_seg > 0 ? seg[n_seg] - seg[0] : 0) : n_seg * seg_len;
     if (rows * width < K3_CPU_PAR_MIN_MACS) {
         for (int64_t s = 0; s < n_seg; s++) wsum_task(&j, s);

@@ -44,6 +44,14 @@ struct k3_cpu_kern {
     void (*kda_head)(const float *q, const float *k, const float *v, const float *g,
                      const float *beta, int64_t n, int64_t sqk, int64_t svo, int64_t sb, int dk,
                      int dv, int j0, int j1, float scale, float *S, float *o);
+    /* ref's short_conv outputs of channels [c0, c1) (K <= 16), rows_wsum segment j, attnres_mix
+       tokens [t0, t1) (n_bank < 64): ref's bits, several elements at a time (kern_tmpl.h). */
+    void (*conv_cols)(const float *in, int64_t n, int64_t P, int K, const float *w,
+                      const float *state, float *out, int64_t c0, int64_t c1);
+    void (*wsum_seg)(const float *x, const float *w, const int64_t *seg, int64_t seg_len, int64_t j,
+                     int64_t width, float *y);
+    void (*attnres_rows)(const float *bank, int n_bank, const float *p, const float *w, int64_t T,
+                         int64_t D, float eps, float *out, int64_t t0, int64_t t1);
 };
 
 /* The table of a cpu backend (its ISA's). */

@@ -643,6 +643,122 @@ static void softmax_row(const float *x, int64_t n, float *y) {
     for (; i < n; i++) y[i] /= s;
 }
 
+/* ---- ref's loops, several outputs at a time ---------------------------------------------------
+ * short_conv, rows_wsum and attnres_mix compute each output element by a fixed sequence of
+ * multiplies and adds over K taps, rows or sources, never across elements. These run that same
+ * sequence for VL elements at once (V_MUL then V_ADD: two roundings, as ref's C under
+ * -ffp-contract=off does), so the results are ref's bit for bit; attnres's per-row sums over d
+ * stay sequential, as in ref, but AR_ROWS rows' chains run side by side instead of one after
+ * another. */
+
+/* short_conv's outputs for channels [c0, c1) (ref: k3_ref_short_conv_cols); K <= CONV_KMAX. */
+#define CONV_KMAX 16
+#define CONV_CB   256
+static void conv_cols(const float *in, int64_t n, int64_t P, int K, const float *w,
+                      const float *state, float *out, int64_t c0, int64_t c1) {
+    float wt[CONV_KMAX * CONV_CB]; /* the block's taps, [j][channel] */
+    for (int64_t b0 = c0; b0 < c1; b0 += CONV_CB) {
+        const int64_t nb = c1 - b0 < CONV_CB ? c1 - b0 : CONV_CB;
+        for (int j = 0; j < K; j++)
+            for (int64_t c = 0; c < nb; c++) wt[j * CONV_CB + c] = w[(b0 + c) * K + j];
+        for (int64_t t = 0; t < n; t++) {
+            float *o = out + t * P + b0;
+            int64_t c = 0;
+            for (; c + VL <= nb; c += VL) {
+                VEC acc = V_ZERO();
+                for (int j = 0; j < K; j++) {
+                    const int64_t idx = t - (K - 1) + j;
+                    const float *src = idx >= 0 ? in + idx * P : state + (idx + K - 1) * P;
+                    acc = V_ADD(acc, V_MUL(V_LOAD(wt + j * CONV_CB + c), V_LOAD(src + b0 + c)));
+                }
+                V_STORE(o + c, acc);
+            }
+            for (; c < nb; c++) {
+                float acc = 0.0f;
+                for (int j = 0; j < K; j++) {
+                    const int64_t idx = t - (K - 1) + j;
+                    const float *src = idx >= 0 ? in + idx * P : state + (idx + K - 1) * P;
+                    acc += wt[j * CONV_CB + c] * src[b0 + c];
+                }
+                o[c] = acc;
+            }
+        }
+    }
+}
+
+/* rows_wsum's segment j (ref: k3_ref_rows_wsum_seg). */
+static void wsum_seg(const float *x, const float *w, const int64_t *seg, int64_t seg_len, int64_t j,
+                     int64_t width, float *y) {
+    float *a = y + j * width;
+    const int64_t i0 = seg ? seg[j] : j * seg_len, i1 = seg ? seg[j + 1] : (j + 1) * seg_len;
+    int64_t d = 0;
+    for (; d + VL <= width; d += VL) {
+        VEC acc = w ? V_MUL(V_SET1(w[i0]), V_LOAD(x + i0 * width + d)) : V_LOAD(x + i0 * width + d);
+        for (int64_t i = i0 + 1; i < i1; i++)
+            acc = w ? V_ADD(acc, V_MUL(V_SET1(w[i]), V_LOAD(x + i * width + d)))
+                    : V_ADD(acc, V_LOAD(x + i * width + d));
+        V_STORE(a + d, acc);
+    }
+    for (; d < width; d++) {
+        float acc = w ? w[i0] * x[i0 * width + d] : x[i0 * width + d];
+        for (int64_t i = i0 + 1; i < i1; i++) acc += w ? w[i] * x[i * width + d] : x[i * width + d];
+        a[d] = acc;
+    }
+}
+
+/* attnres_mix for tokens [t0, t1) (ref: k3_ref_attnres_mix_rows; n_bank + 1 <= 64, checked by
+ * the caller). */
+#define AR_ROWS 8
+static void attnres_rows(const float *bank, int n_bank, const float *p, const float *w, int64_t T,
+                         int64_t D, float eps, float *out, int64_t t0, int64_t t1) {
+    const int N = n_bank + 1;
+    for (int64_t t = t0; t < t1; t++) {
+        float s[64], m = -INFINITY;
+        for (int i0 = 0; i0 < N; i0 += AR_ROWS) { /* the scores of sources [i0, i0 + AR_ROWS) */
+            const int nr = N - i0 < AR_ROWS ? N - i0 : AR_ROWS;
+            const float *v[AR_ROWS];
+            float ss[AR_ROWS], dot[AR_ROWS], r[AR_ROWS];
+            for (int k = 0; k < AR_ROWS; k++) {
+                const int i = i0 + (k < nr ? k : 0);
+                v[k] = i < n_bank ? bank + ((int64_t)i * T + t) * D : p + t * D;
+                ss[k] = 0.0f, dot[k] = 0.0f;
+            }
+            for (int64_t d = 0; d < D; d++)
+                _Pragma("GCC unroll 8") for (int k = 0; k < AR_ROWS; k++) ss[k] +=
+                    v[k][d] * v[k][d];
+            for (int k = 0; k < AR_ROWS; k++) r[k] = 1.0f / sqrtf(ss[k] / (float)D + eps);
+            for (int64_t d = 0; d < D; d++)
+                _Pragma("GCC unroll 8") for (int k = 0; k < AR_ROWS; k++) dot[k] +=
+                    (v[k][d] * r[k]) * w[d];
+            for (int k = 0; k < nr; k++) {
+                s[i0 + k] = dot[k];
+                m = dot[k] > m ? dot[k] : m;
+            }
+        }
+        float z = 0.0f;
+        for (int i = 0; i < N; i++) {
+            s[i] = expf(s[i] - m);
+            z += s[i];
+        }
+        for (int i = 0; i < N; i++) s[i] /= z;
+        /* out may alias p: each element's p is read before its write */
+        int64_t d = 0;
+        for (; d + VL <= D; d += VL) {
+            VEC acc = V_ZERO();
+            for (int i = 0; i < n_bank; i++)
+                acc = V_ADD(acc, V_MUL(V_SET1(s[i]), V_LOAD(bank + ((int64_t)i * T + t) * D + d)));
+            acc = V_ADD(acc, V_MUL(V_SET1(s[n_bank]), V_LOAD(p + t * D + d)));
+            V_STORE(out + t * D + d, acc);
+        }
+        for (; d < D; d++) {
+            float acc = 0.0f;
+            for (int i = 0; i < n_bank; i++) acc += s[i] * bank[((int64_t)i * T + t) * D + d];
+            acc += s[n_bank] * p[t * D + d];
+            out[t * D + d] = acc;
+        }
+    }
+}
+
 /* KDA per head (kern_kda.h) and latent attention by tiles of (query, head) rows (kern_attn.h). */
 #include "kern_attn.h"
 #include "kern_kda.h"
@@ -658,4 +774,7 @@ const k3_cpu_kern KERN_NAME = {
     .softmax_row = softmax_row,
     .attn_rows = attn_rows,
     .kda_head = kda_head,
+    .conv_cols = conv_cols,
+    .wsum_seg = wsum_seg,
+    .attnres_rows = attnres_rows,
 };
