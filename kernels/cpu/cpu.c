@@ -35,54 +35,16 @@ static const k3_cpu_kern *kern(k3_backend *be) {
     return k3_cpu_kern_of(be);
 }
 
-typedef struct {
-    const float *x;
-    int64_t T;
-    const k3_tensor *W;
-    float *y;
-    int64_t rows_per_task;
-    const k3_cpu_kern *kern;
-} mm_job;
-
-static void mm_task(void *ctx, int64_t task) {
-    const mm_job *j = ctx;
-    int64_t o0 = task * j->rows_per_task, o1 = K3_MIN(j->W->shape[0], o0 + j->rows_per_task);
-    j->kern->mm_rows(j->W, j->x, j->T, o0, o1, j->y);
-}
-
-static k3_status cpu_matmul(k3_backend *be, const float *x, int64_t T, const k3_tensor *W,
-                            float *y) {
-    K3_TRY(k3_kernels_check_weight(W, "matmul"));
-    int64_t out = W->shape[0], in = W->shape[1];
-    if (T <= 0 || out <= 0) return K3_OK;
-    mm_job j = {.x = x, .T = T, .W = W, .y = y, .rows_per_task = out, .kern = kern(be)};
-    int nth = k3_pool_threads(k3_cpu_pool(be));
-    /* Rows split by bytes: a task streams at least K3_CPU_TASK_BYTES of weights (or does
-       K3_CPU_PAR_MIN_MACS · 4 multiply-adds, for prefill), at most 4 tasks per thread for balance,
-       rows per task a multiple of 4. Smaller products run on the caller: a dispatch costs more
-       than it saves. Task boundaries never change a result (each y[t,o] is one task's). */
-    double w_bytes = (double)out * (double)row_bytes(W),
-           macs = (double)T * (double)out * (double)in;
-    int64_t n_tasks =
-        (int64_t)K3_MAX(w_bytes / (T < 4 ? K3_CPU_GEMV_TASK_BYTES : K3_CPU_TASK_BYTES),
-                        macs / (4.0 * K3_CPU_PAR_MIN_MACS));
-    n_tasks = K3_MIN(K3_MIN(n_tasks, nth > 1 ? (int64_t)nth * 4 : 1), out);
-    if (n_tasks >= 2 && nth > 1) {
-        /* rows per task: a multiple of 4 (decode), of 24 for prefill (T >= 4: whole register
-           tiles of 6 or 4 rows, kern_tmpl.h's GR) */
-        const int64_t gran = T >= 4 ? 24 : 4;
-        j.rows_per_task = (out + n_tasks - 1) / n_tasks;
-        j.rows_per_task = (j.rows_per_task + gran - 1) / gran * gran;
-    }
-    k3_pool_run(k3_cpu_pool(be), (out + j.rows_per_task - 1) / j.rows_per_task, mm_task, &j);
-    return K3_OK;
-}
-
-/* matmul_group: the rows of all items, end to end, cut into tasks by cpu_matmul's rule for the
- * group's total (bytes and multiply-adds; at most 4 tasks per thread), all in one pool job: a
- * decode step's 16 expert matrices are one hand-off and 8 tasks instead of 16 hand-offs and ~64
- * tasks. A task is a run of pieces, each rows [r0, r1) of one item, cut at multiples of 4 rows
- * (24 for prefill); so every output is the kernel's, bit for bit, whichever task it is in. */
+/* matmul and matmul_group: the rows of all items, end to end, cut into tasks all in one pool job
+ * (a decode step's 16 expert matrices: one hand-off instead of 16). Smaller products run on the
+ * caller: a dispatch costs more than it saves. Prefill (some item has T >= 4): equal shares, at
+ * most 4 tasks per thread, each at least K3_CPU_TASK_BYTES or 4·K3_CPU_PAR_MIN_MACS
+ * multiply-adds. Decode (all T < 4: weight streaming): guided shares, each 1/(2·threads) of the
+ * bytes left but at least K3_CPU_GEMV_TASK_BYTES, so tasks start long (the prefetchers ramp up
+ * once) and end short (a thread that falls behind costs one small task, not an eighth of the
+ * matrix). A task is a run of pieces, each rows [r0, r1) of one item, cut at multiples of 4 rows
+ * (24 for prefill: whole register tiles), so every output is the kernel's, bit for bit, whichever
+ * task has it. */
 #define K3_CPU_GROUP_PIECES 512
 typedef struct {
     const k3_mm *mm;
@@ -119,15 +81,25 @@ static k3_status cpu_matmul_group(k3_backend *be, const k3_mm *mm, int n) {
         }
     if (bytes == 0) return K3_OK;
     const int nth = k3_pool_threads(k3_cpu_pool(be));
-    const int64_t n_tasks = K3_MAX(
-        1, K3_MIN(nth > 1 ? (int64_t)nth * 4 : 1,
-                  (int64_t)K3_MAX(bytes / (decode ? K3_CPU_GEMV_TASK_BYTES : K3_CPU_TASK_BYTES),
-                                  macs / (4.0 * K3_CPU_PAR_MIN_MACS))));
+    /* the tasks' byte boundaries bound[1 .. nb - 1] (bound[nb] = bytes) */
+    double bound[K3_CPU_GROUP_PIECES / 2 + 1];
+    int nb = 1;
+    if (nth > 1 && decode) {
+        for (double at = 0; nb < K3_CPU_GROUP_PIECES / 2;) {
+            at += K3_MAX((double)K3_CPU_GEMV_TASK_BYTES, (bytes - at) / (2.0 * nth));
+            if (at >= bytes - 0.5 * K3_CPU_GEMV_TASK_BYTES) break;
+            bound[nb++] = at;
+        }
+    } else if (nth > 1) {
+        const int64_t k =
+            K3_MIN((int64_t)nth * 4,
+                   (int64_t)K3_MAX(bytes / K3_CPU_TASK_BYTES, macs / (4.0 * K3_CPU_PAR_MIN_MACS)));
+        for (; nb < k; nb++) bound[nb] = bytes * nb / (double)k;
+    }
+    bound[nb] = bytes;
     mmg_job j = {.mm = mm, .kern = kern(be)};
     /* pieces: the items' rows end to end, cut where the running byte count reaches the next
-       task's boundary (k · bytes / n_tasks, to the nearest whole 4- or 24-row group); at most
-       n + n_tasks of them */
-    const double share = bytes / (double)n_tasks;
+       task's boundary (to the nearest whole 4- or 24-row group); at most n + nb of them */
     double done = 0;
     int cur = 0; /* tasks closed */
     for (int i = 0; i < n; i++) {
@@ -137,8 +109,8 @@ static k3_status cpu_matmul_group(k3_backend *be, const k3_mm *mm, int n) {
         const int64_t gran = mm[i].T >= 4 ? 24 : 4;
         for (int64_t r = 0; r < out;) {
             int64_t r1 = out;
-            if (cur + 1 < n_tasks) {
-                const int64_t k = llround(((cur + 1) * share - done) / rb / (double)gran) * gran;
+            if (cur + 1 < nb) {
+                const int64_t k = llround((bound[cur + 1] - done) / rb / (double)gran) * gran;
                 if (k <= 0) { /* the boundary falls here */
                     j.first[++cur] = j.n_pieces;
                     continue;
@@ -157,6 +129,13 @@ static k3_status cpu_matmul_group(k3_backend *be, const k3_mm *mm, int n) {
     j.n_tasks = cur;
     k3_pool_run(k3_cpu_pool(be), j.n_tasks, mmg_task, &j);
     return K3_OK;
+}
+
+static k3_status cpu_matmul(k3_backend *be, const float *x, int64_t T, const k3_tensor *W,
+                            float *y) {
+    K3_TRY(k3_kernels_check_weight(W, "matmul"));
+    const k3_mm one = {x, T, W, y};
+    return cpu_matmul_group(be, &one, 1);
 }
 
 /* y[t, i] = Σ_o x[t,o] W[o,i] with o ascending for every element; tasks split over columns. */
