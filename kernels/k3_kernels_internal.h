@@ -7,6 +7,8 @@
 
 #include "k3_kernels.h"
 
+#include <stdatomic.h>
+
 /* Upper bound on n_group handled by moe_topk (group scores live on the stack). */
 #define K3_MOE_TOPK_MAX_GROUPS 1024
 
@@ -80,6 +82,11 @@ bool k3_cpu_isa_supported(const char *name);
 typedef struct k3_cpu_ctx {
     k3_pool *pool;
     const k3_cpu_kern *kern;
+    /* prefill's x, packed once per matmul for all its tasks (cpu.c): grown on demand, used by
+       one call at a time (a call that finds it busy packs per task instead) */
+    float *xpk;
+    size_t xpk_cap; /* floats */
+    atomic_bool xpk_busy;
 } k3_cpu_ctx;
 static inline k3_pool *k3_cpu_pool(k3_backend *be) {
     return be && be->ctx ? ((k3_cpu_ctx *)be->ctx)->pool : NULL;

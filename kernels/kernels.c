@@ -73,7 +73,10 @@ static k3_status host_memory(const k3_backend *be, size_t *fr, size_t *tot) {
     return k3_host_memory(fr, tot);
 }
 static void cpu_destroy(k3_backend *be) {
-    if (be->ctx) k3_pool_destroy(((k3_cpu_ctx *)be->ctx)->pool);
+    if (be->ctx) {
+        k3_pool_destroy(((k3_cpu_ctx *)be->ctx)->pool);
+        k3_free(((k3_cpu_ctx *)be->ctx)->xpk);
+    }
     k3_free(be->ctx);
     k3_free(be);
 }

@@ -49,6 +49,7 @@ static const k3_cpu_kern *kern(k3_backend *be) {
 typedef struct {
     const k3_mm *mm;
     const k3_cpu_kern *kern;
+    const float *xpk[K3_CPU_GROUP_PIECES / 2]; /* item i's x packed once (NULL: per task) */
     int n_pieces, n_tasks;
     int32_t item[K3_CPU_GROUP_PIECES];
     int64_t r0[K3_CPU_GROUP_PIECES], r1[K3_CPU_GROUP_PIECES];
@@ -59,8 +60,78 @@ static void mmg_task(void *ctx, int64_t t) {
     const mmg_job *j = ctx;
     for (int p = j->first[t]; p < j->first[t + 1]; p++) {
         const k3_mm *m = &j->mm[j->item[p]];
-        j->kern->mm_rows(m->W, m->x, m->T, j->r0[p], j->r1[p], m->y);
+        if (j->xpk[j->item[p]])
+            j->kern->mm_rows_xpk(m->W, m->x, j->xpk[j->item[p]], m->T, j->r0[p], j->r1[p], m->y);
+        else
+            j->kern->mm_rows(m->W, m->x, m->T, j->r0[p], j->r1[p], m->y);
     }
+}
+
+/* Prefill items' x packed once for all the tasks that split their rows (instead of once per
+ * task): one buffer per distinct (x, T, in, MXFP4 or not), packed by a pool job over token
+ * blocks, in the backend's scratch (at most K3_CPU_XPK_MAX floats; busy or too big: the tasks
+ * pack for themselves, the same bits). */
+#define K3_CPU_XPK_MAX   ((size_t)8 << 20) /* floats: 32 MB */
+#define K3_CPU_XPK_TASKS 256
+typedef struct {
+    const k3_cpu_kern *kern;
+    int n;
+    const k3_mm *mm[K3_CPU_XPK_TASKS];
+    float *dst[K3_CPU_XPK_TASKS];
+    int64_t t0[K3_CPU_XPK_TASKS], t1[K3_CPU_XPK_TASKS];
+} xpk_job;
+static void xpk_task(void *ctx, int64_t t) {
+    const xpk_job *j = ctx;
+    j->kern->xpk_pack(j->mm[t]->W, j->mm[t]->x, j->mm[t]->T, j->t0[t], j->t1[t], j->dst[t]);
+}
+static bool xpk_share(k3_backend *be, const k3_mm *mm, int n, const float **xpk) {
+    k3_cpu_ctx *c = be->ctx;
+    int key[K3_CPU_GROUP_PIECES / 2];
+    size_t off[K3_CPU_GROUP_PIECES / 2], total = 0;
+    int n_keys = 0;
+    for (int i = 0; i < n; i++) {
+        xpk[i] = NULL, key[i] = -1;
+        if (mm[i].T < 4 || mm[i].W->shape[0] <= 0) continue;
+        for (int q = 0; q < i && key[i] < 0; q++)
+            if (key[q] >= 0 && mm[q].x == mm[i].x && mm[q].T == mm[i].T &&
+                mm[q].W->shape[1] == mm[i].W->shape[1] &&
+                (mm[q].W->dtype == K3_DT_MXFP4) == (mm[i].W->dtype == K3_DT_MXFP4))
+                key[i] = key[q], off[i] = off[q];
+        if (key[i] < 0) {
+            key[i] = n_keys++, off[i] = total;
+            total += (size_t)c->kern->xpk_floats(mm[i].T, mm[i].W->shape[1]);
+        }
+    }
+    if (total == 0 || total > K3_CPU_XPK_MAX || atomic_exchange(&c->xpk_busy, true)) return false;
+    if (c->xpk_cap < total) {
+        k3_free(c->xpk);
+        c->xpk_cap = 0;
+        if (k3_alloc((void **)&c->xpk, total * sizeof(float), "packed prefill x") != K3_OK) {
+            c->xpk = NULL;
+            atomic_store(&c->xpk_busy, false);
+            return false;
+        }
+        c->xpk_cap = total;
+    }
+    xpk_job pj = {.kern = c->kern};
+    const int64_t per_key = K3_MAX(1, K3_CPU_XPK_TASKS / K3_MAX(n_keys, 1));
+    for (int i = 0; i < n; i++) {
+        if (key[i] < 0) continue;
+        xpk[i] = c->xpk + off[i];
+        bool first = true; /* pack each key once, at its first item */
+        for (int q = 0; q < i; q++) first = first && key[q] != key[i];
+        if (!first) continue;
+        const int64_t T = mm[i].T, gt = c->kern->gt;
+        const int64_t blk = K3_MAX(16 * gt, ((T + per_key - 1) / per_key + gt - 1) / gt * gt);
+        for (int64_t t0 = 0; t0 < T && pj.n < K3_CPU_XPK_TASKS; t0 += blk) {
+            pj.mm[pj.n] = &mm[i], pj.dst[pj.n] = c->xpk + off[i];
+            pj.t0[pj.n] = t0, pj.t1[pj.n] = K3_MIN(T, t0 + blk);
+            pj.n++;
+        }
+        K3_ASSERT(pj.t1[pj.n - 1] == T); /* per_key · blk >= T: every token packed */
+    }
+    k3_pool_run(k3_cpu_pool(be), pj.n, xpk_task, &pj);
+    return true;
 }
 
 static k3_status cpu_matmul_group(k3_backend *be, const k3_mm *mm, int n) {
@@ -127,7 +198,10 @@ static k3_status cpu_matmul_group(k3_backend *be, const k3_mm *mm, int n) {
     }
     j.first[++cur] = j.n_pieces;
     j.n_tasks = cur;
+    /* prefill rows split over several tasks: x packed once for all of them */
+    const bool shared = !decode && j.n_tasks > 1 && xpk_share(be, mm, n, j.xpk);
     k3_pool_run(k3_cpu_pool(be), j.n_tasks, mmg_task, &j);
+    if (shared) atomic_store(&((k3_cpu_ctx *)be->ctx)->xpk_busy, false);
     return K3_OK;
 }
 

@@ -23,6 +23,15 @@ struct k3_cpu_kern {
        x [T, in]; y [T, out]. */
     void (*mm_rows)(const k3_tensor *W, const float *x, int64_t T, int64_t o0, int64_t o1,
                     float *y);
+    /* Prefill (T >= 4) with x packed once per call for all tasks: xpk_floats(T, in) floats,
+       xpk_pack fills tokens [t0, t1) of them (t0 a multiple of gt, the tile's tokens; W gives
+       the layout: MXFP4 may pack x in another order), mm_rows_xpk = mm_rows reading them. */
+    int gt;
+    int64_t (*xpk_floats)(int64_t T, int64_t in);
+    void (*xpk_pack)(const k3_tensor *W, const float *x, int64_t T, int64_t t0, int64_t t1,
+                     float *xpk);
+    void (*mm_rows_xpk)(const k3_tensor *W, const float *x, const float *xpk, int64_t T, int64_t o0,
+                        int64_t o1, float *y);
     /* y[t, c] = Σ_o x[t, o] W[o, c] (o ascending, one fma per term) for c in [c0, c1). */
     void (*mmtn_cols)(const k3_tensor *W, const float *x, int64_t T, int64_t c0, int64_t c1,
                       float *y);

@@ -403,17 +403,34 @@ static void gb_block(const k3_tensor *W, const float *x, int64_t ob, int64_t nro
     }
 }
 
-static void gemm_rows(const k3_tensor *W, const float *x, int64_t T, int64_t o0, int64_t o1,
-                      float *y) {
-    if (T < 4) {
-        gemm_few(W, x, T, o0, o1, y);
-        return;
+/* x packed once for a whole call (the caller shares it among the tasks that split the rows):
+ * for each GB_K chunk [i0, i1) of the row, the tokens' gb_pack_x layout, chunk after chunk —
+ * chunk i0 at xpk + Tpad·i0 (Tpad = T rounded up to GT), token tile u of it at u·GT·(i1 − i0).
+ * xpk_pack packs tokens [t0, t1) (t0 a multiple of GT), so packing splits over tokens. */
+static int64_t xpk_floats(int64_t T, int64_t in) {
+    return (T + GT - 1) / GT * GT * (in - in % (2 * VL));
+}
+static void xpk_pack(const k3_tensor *W, const float *x, int64_t T, int64_t t0, int64_t t1,
+                     float *xpk) {
+    const int64_t in = W->shape[1], n_main = in - in % (2 * VL), Tpad = (T + GT - 1) / GT * GT;
+    const bool perm = MX_XPERM && W->dtype == K3_DT_MXFP4;
+    _Alignas(64) float tmp[MX_XPERM ? GB_K : 1];
+    for (int64_t i0 = 0; i0 < n_main; i0 += GB_K) {
+        const int64_t len = (i0 + GB_K < n_main ? i0 + GB_K : n_main) - i0;
+        gb_pack_x(x + t0 * in, in, perm, t1 - t0, i0, len / (2 * VL), tmp,
+                  xpk + Tpad * i0 + t0 * len);
     }
+}
+
+/* Prefill rows [o0, o1) × all T >= 4 tokens; x packed here per token block, or read from xpk
+ * (xpk_pack's layout of all T tokens) when the caller packed it once for all tasks. */
+static void gemm_rows_px(const k3_tensor *W, const float *x, const float *xpk, int64_t T,
+                         int64_t o0, int64_t o1, float *y) {
     const int64_t in = W->shape[1], out = W->shape[0];
-    const int64_t n_main = in - in % (2 * VL);
+    const int64_t n_main = in - in % (2 * VL), Tpad = (T + GT - 1) / GT * GT;
     const bool perm = MX_XPERM && W->dtype == K3_DT_MXFP4;
     VEC acc[GB_ROWS / GR * GB_TILES * GB_TILE];
-    _Alignas(64) float wp[GR * GB_K], xp[GB_XP], tmp[MX_XPERM ? GB_K : 1];
+    _Alignas(64) float wp[GR * GB_K], xp[xpk ? 1 : GB_XP], tmp[MX_XPERM && !xpk ? GB_K : 1];
     if (n_main == 0) { /* a row shorter than 2·VL: finish alone */
         for (int64_t o = o0; o < o1; o++)
             for (int64_t t = 0; t < T; t++)
@@ -421,16 +438,17 @@ static void gemm_rows(const k3_tensor *W, const float *x, int64_t T, int64_t o0,
         return;
     }
     if (n_main <= GB_K) {
-        /* one chunk per row: a token block's x (as many tokens as GB_XP holds: 256 of 1024
-           elements) is packed once and meets every row block; the weights stream once per
-           token block, each tile's sums finish at once (acc holds one tile) */
+        /* one chunk per row: a token block's x (256 tokens of 1024 elements: 1 MB, in L2) meets
+           every row block; the weights stream once per token block, each tile's sums finish at
+           once (acc holds one tile) */
         const int64_t tblk = K3_MAX((int64_t)GT, GB_XP / n_main / GT * GT);
         for (int64_t tb = 0; tb < T; tb += tblk) {
             const int64_t ntok = T - tb < tblk ? T - tb : tblk;
-            gb_pack_x(x + tb * in, in, perm, ntok, 0, n_main / (2 * VL), tmp, xp);
+            const float *xb = xpk ? xpk + tb * n_main : xp;
+            if (!xpk) gb_pack_x(x + tb * in, in, perm, ntok, 0, n_main / (2 * VL), tmp, xp);
             for (int64_t ob = o0; ob < o1; ob += GB_ROWS)
                 gb_block(W, x, ob, o1 - ob < GB_ROWS ? o1 - ob : GB_ROWS, tb, ntok, 0, n_main,
-                         n_main, xp, wp, acc, y);
+                         n_main, xb, wp, acc, y);
         }
         return;
     }
@@ -440,11 +458,20 @@ static void gemm_rows(const k3_tensor *W, const float *x, int64_t T, int64_t o0,
             const int64_t ntok = T - tb < GB_TOKS ? T - tb : GB_TOKS;
             for (int64_t i0 = 0; i0 < n_main; i0 += GB_K) {
                 const int64_t i1 = i0 + GB_K < n_main ? i0 + GB_K : n_main;
-                gb_pack_x(x + tb * in, in, perm, ntok, i0, (i1 - i0) / (2 * VL), tmp, xp);
-                gb_block(W, x, ob, nrow, tb, ntok, i0, i1, n_main, xp, wp, acc, y);
+                const float *xb = xpk ? xpk + Tpad * i0 + tb * (i1 - i0) : xp;
+                if (!xpk) gb_pack_x(x + tb * in, in, perm, ntok, i0, (i1 - i0) / (2 * VL), tmp, xp);
+                gb_block(W, x, ob, nrow, tb, ntok, i0, i1, n_main, xb, wp, acc, y);
             }
         }
     }
+}
+
+static void gemm_rows(const k3_tensor *W, const float *x, int64_t T, int64_t o0, int64_t o1,
+                      float *y) {
+    if (T < 4)
+        gemm_few(W, x, T, o0, o1, y);
+    else
+        gemm_rows_px(W, x, NULL, T, o0, o1, y);
 }
 
 /* The decode path (T < 4: weight streaming): kern_gemv.h, the same per-element arithmetic. */
@@ -457,6 +484,11 @@ static void mm_rows(const k3_tensor *W, const float *x, int64_t T, int64_t o0, i
         gemv_rows(W, x, T, o0, o1, y);
     else
         gemm_rows(W, x, T, o0, o1, y);
+}
+static void mm_rows_xpk(const k3_tensor *W, const float *x, const float *xpk, int64_t T, int64_t o0,
+                        int64_t o1, float *y) {
+    if (W->dtype == K3_DT_MXFP4) mx_tab_init();
+    gemm_rows_px(W, x, xpk, T, o0, o1, y);
 }
 
 /* matmul_tn: y[t, c] = Σ_o x[t, o] W[o, c], one fused multiply-add per term in o order — the
@@ -765,7 +797,11 @@ static void attnres_rows(const float *bank, int n_bank, const float *p, const fl
 
 const k3_cpu_kern KERN_NAME = {
     .name = KERN_ISA,
+    .gt = GT,
     .mm_rows = mm_rows,
+    .xpk_floats = xpk_floats,
+    .xpk_pack = xpk_pack,
+    .mm_rows_xpk = mm_rows_xpk,
     .mmtn_cols = mmtn_cols,
     .silu = silu,
     .sigmoid = sigmoid,
