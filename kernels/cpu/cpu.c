@@ -37,14 +37,14 @@ static const k3_cpu_kern *kern(k3_backend *be) {
 
 /* matmul and matmul_group: the rows of all items, end to end, cut into tasks all in one pool job
  * (a decode step's 16 expert matrices: one hand-off instead of 16). Smaller products run on the
- * caller: a dispatch costs more than it saves. Prefill (some item has T >= 4): equal shares, at
- * most 4 tasks per thread, each at least K3_CPU_TASK_BYTES or 4·K3_CPU_PAR_MIN_MACS
- * multiply-adds. Decode (all T < 4: weight streaming): guided shares, each 1/(2·threads) of the
- * bytes left but at least K3_CPU_GEMV_TASK_BYTES, so tasks start long (the prefetchers ramp up
- * once) and end short (a thread that falls behind costs one small task, not an eighth of the
- * matrix). A task is a run of pieces, each rows [r0, r1) of one item, cut at multiples of 4 rows
- * (24 for prefill: whole register tiles), so every output is the kernel's, bit for bit, whichever
- * task has it. */
+ * caller: a dispatch costs more than it saves. Guided shares: each task takes 1/(2·threads) of
+ * the bytes left, so tasks start long (the prefetchers ramp up once) and end short (a thread
+ * that falls behind, on a shared host, costs one small task, not an eighth of the matrix), but
+ * no less than K3_CPU_GEMV_TASK_BYTES for decode (all T < 4: weight streaming) or, for prefill,
+ * half of an equal share of k tasks (k: at most 4 per thread, each at least K3_CPU_TASK_BYTES
+ * or 4·K3_CPU_PAR_MIN_MACS multiply-adds). A task is a run of pieces, each rows [r0, r1) of one
+ * item, cut at multiples of 4 rows (24 for prefill: whole register tiles), so every output is the
+ * kernel's, bit for bit, whichever task has it. */
 #define K3_CPU_GROUP_PIECES 512
 typedef struct {
     const k3_mm *mm;
@@ -161,11 +161,16 @@ static k3_status cpu_matmul_group(k3_backend *be, const k3_mm *mm, int n) {
             if (at >= bytes - 0.5 * K3_CPU_GEMV_TASK_BYTES) break;
             bound[nb++] = at;
         }
-    } else if (nth > 1) {
+    } else if (nth > 1) { /* prefill: guided too, but no task under half an equal share */
         const int64_t k =
             K3_MIN((int64_t)nth * 4,
                    (int64_t)K3_MAX(bytes / K3_CPU_TASK_BYTES, macs / (4.0 * K3_CPU_PAR_MIN_MACS)));
-        for (; nb < k; nb++) bound[nb] = bytes * nb / (double)k;
+        const double minb = bytes / (double)(2 * K3_MAX(k, 1));
+        for (double at = 0; k > 1 && nb < K3_CPU_GROUP_PIECES / 2;) {
+            at += K3_MAX(minb, (bytes - at) / (2.0 * nth));
+            if (at >= bytes - 0.5 * minb) break;
+            bound[nb++] = at;
+        }
     }
     bound[nb] = bytes;
     mmg_job j = {.mm = mm, .kern = kern(be)};
