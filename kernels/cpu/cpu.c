@@ -20,10 +20,12 @@
 #define K3_CPU_PAR_MIN_MACS (1 << 15)
 /* A matmul task streams at least this many weight bytes (~10 µs at DRAM speed); a decode
    (T < 4) task at least K3_CPU_GEMV_TASK_BYTES (~3 µs: the workers spin between the matmuls of
-   a decode step, so a hand-off costs well under that, and an expert's 166 KB matrix of the
-   small model then uses both cores instead of one). */
+   a decode step, so a hand-off costs well under that), and a decode call is split at all only
+   when each thread gets K3_CPU_GEMV_PAR_BYTES (a hand-off and its wait cost ~2 µs: the tiny
+   model's 32 KB matrices, grouped or not, stay on the caller, so 2 threads are never slower). */
 #define K3_CPU_TASK_BYTES      (128 * 1024)
 #define K3_CPU_GEMV_TASK_BYTES (32 * 1024)
+#define K3_CPU_GEMV_PAR_BYTES  (128 * 1024)
 
 /* Bytes of one weight row (F32, BF16, or MXFP4 codes + E8M0 scales). */
 static int64_t row_bytes(const k3_tensor *W) {
@@ -155,7 +157,7 @@ static k3_status cpu_matmul_group(k3_backend *be, const k3_mm *mm, int n) {
     /* the tasks' byte boundaries bound[1 .. nb - 1] (bound[nb] = bytes) */
     double bound[K3_CPU_GROUP_PIECES / 2 + 1];
     int nb = 1;
-    if (nth > 1 && decode) {
+    if (nth > 1 && decode && bytes >= (double)nth * K3_CPU_GEMV_PAR_BYTES) {
         for (double at = 0; nb < K3_CPU_GROUP_PIECES / 2;) {
             at += K3_MAX((double)K3_CPU_GEMV_TASK_BYTES, (bytes - at) / (2.0 * nth));
             if (at >= bytes - 0.5 * K3_CPU_GEMV_TASK_BYTES) break;
