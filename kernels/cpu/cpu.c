@@ -23,7 +23,10 @@
    a decode step, so a hand-off costs well under that), and a decode call is split at all only
    when each thread gets K3_CPU_GEMV_PAR_BYTES (a hand-off and its wait cost ~2 µs: the tiny
    model's 32 KB matrices, grouped or not, stay on the caller, so 2 threads are never slower). */
-#define K3_CPU_TASK_BYTES      (128 * 1024)
+#define K3_CPU_TASK_BYTES (128 * 1024)
+/* A prefill task does at least this many multiply-adds (~10 µs on one core; the tiny model's
+   64-token prefill stays on the caller: two hand-offs would cost more than its matmuls). */
+#define K3_CPU_TASK_MACS       (1 << 20)
 #define K3_CPU_GEMV_TASK_BYTES (32 * 1024)
 #define K3_CPU_GEMV_PAR_BYTES  (128 * 1024)
 
@@ -44,7 +47,7 @@ static const k3_cpu_kern *kern(k3_backend *be) {
  * that falls behind, on a shared host, costs one small task, not an eighth of the matrix), but
  * no less than K3_CPU_GEMV_TASK_BYTES for decode (all T < 4: weight streaming) or, for prefill,
  * half of an equal share of k tasks (k: at most 4 per thread, each at least K3_CPU_TASK_BYTES
- * or 4·K3_CPU_PAR_MIN_MACS multiply-adds). A task is a run of pieces, each rows [r0, r1) of one
+ * or K3_CPU_TASK_MACS multiply-adds). A task is a run of pieces, each rows [r0, r1) of one
  * item, cut at multiples of 4 rows (24 for prefill: whole register tiles), so every output is the
  * kernel's, bit for bit, whichever task has it. */
 #define K3_CPU_GROUP_PIECES 512
@@ -132,7 +135,10 @@ static bool xpk_share(k3_backend *be, const k3_mm *mm, int n, const float **xpk)
         }
         K3_ASSERT(pj.t1[pj.n - 1] == T); /* per_key · blk >= T: every token packed */
     }
-    k3_pool_run(k3_cpu_pool(be), pj.n, xpk_task, &pj);
+    if (total < ((size_t)1 << 16)) /* 256 KB: a hand-off would cost more than the copy */
+        for (int t = 0; t < pj.n; t++) xpk_task(&pj, t);
+    else
+        k3_pool_run(k3_cpu_pool(be), pj.n, xpk_task, &pj);
     return true;
 }
 
@@ -164,9 +170,8 @@ static k3_status cpu_matmul_group(k3_backend *be, const k3_mm *mm, int n) {
             bound[nb++] = at;
         }
     } else if (nth > 1) { /* prefill: guided too, but no task under half an equal share */
-        const int64_t k =
-            K3_MIN((int64_t)nth * 4,
-                   (int64_t)K3_MAX(bytes / K3_CPU_TASK_BYTES, macs / (4.0 * K3_CPU_PAR_MIN_MACS)));
+        const int64_t k = K3_MIN(
+            (int64_t)nth * 4, (int64_t)K3_MAX(bytes / K3_CPU_TASK_BYTES, macs / K3_CPU_TASK_MACS));
         const double minb = bytes / (double)(2 * K3_MAX(k, 1));
         for (double at = 0; k > 1 && nb < K3_CPU_GROUP_PIECES / 2;) {
             at += K3_MAX(minb, (bytes - at) / (2.0 * nth));
