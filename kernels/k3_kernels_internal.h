@@ -7,8 +7,6 @@
 
 #include "k3_kernels.h"
 
-#include <stdatomic.h>
-
 /* Upper bound on n_group handled by moe_topk (group scores live on the stack). */
 #define K3_MOE_TOPK_MAX_GROUPS 1024
 
@@ -86,7 +84,7 @@ typedef struct k3_cpu_ctx {
        one call at a time (a call that finds it busy packs per task instead) */
     float *xpk;
     size_t xpk_cap; /* floats */
-    atomic_bool xpk_busy;
+    int xpk_busy;   /* taken and released with __atomic builtins (this header is also C++'s) */
 } k3_cpu_ctx;
 static inline k3_pool *k3_cpu_pool(k3_backend *be) {
     return be && be->ctx ? ((k3_cpu_ctx *)be->ctx)->pool : NULL;

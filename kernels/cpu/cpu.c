@@ -107,13 +107,15 @@ static bool xpk_share(k3_backend *be, const k3_mm *mm, int n, const float **xpk)
             total += (size_t)c->kern->xpk_floats(mm[i].T, mm[i].W->shape[1]);
         }
     }
-    if (total == 0 || total > K3_CPU_XPK_MAX || atomic_exchange(&c->xpk_busy, true)) return false;
+    if (total == 0 || total > K3_CPU_XPK_MAX ||
+        __atomic_exchange_n(&c->xpk_busy, 1, __ATOMIC_ACQUIRE))
+        return false;
     if (c->xpk_cap < total) {
         k3_free(c->xpk);
         c->xpk_cap = 0;
         if (k3_alloc((void **)&c->xpk, total * sizeof(float), "packed prefill x") != K3_OK) {
             c->xpk = NULL;
-            atomic_store(&c->xpk_busy, false);
+            __atomic_store_n(&c->xpk_busy, 0, __ATOMIC_RELEASE);
             return false;
         }
         c->xpk_cap = total;
@@ -213,7 +215,7 @@ static k3_status cpu_matmul_group(k3_backend *be, const k3_mm *mm, int n) {
     /* prefill rows split over several tasks: x packed once for all of them */
     const bool shared = !decode && j.n_tasks > 1 && xpk_share(be, mm, n, j.xpk);
     k3_pool_run(k3_cpu_pool(be), j.n_tasks, mmg_task, &j);
-    if (shared) atomic_store(&((k3_cpu_ctx *)be->ctx)->xpk_busy, false);
+    if (shared) __atomic_store_n(&((k3_cpu_ctx *)be->ctx)->xpk_busy, 0, __ATOMIC_RELEASE);
     return K3_OK;
 }
 

@@ -191,6 +191,35 @@ static void test_matmul(void) {
     mm_case(false, K3_DT_F32, 40, 1101, 3); /* scalar (unaligned-length) paths */
     mm_case(false, K3_DT_BF16, 40, 1100, 3);
 }
+/* matmul_group: three items (MXFP4, BF16, F32; two share x) equal one matmul call each on the
+ * device, bit for bit; a bad item is named. */
+static void test_matmul_group(void) {
+    const k3_dtype dts[3] = {K3_DT_MXFP4, K3_DT_BF16, K3_DT_F32};
+    const int64_t outs[3] = {300, 130, 77}, ins[3] = {1088, 1088, 200}, T = 5;
+    wt w[3];
+    float *x0 = randn(T * 1088, 1.0f), *x2 = randn(T * 200, 1.0f);
+    float *dx0 = dcopy(x0, T * 1088), *dx2 = dcopy(x2, T * 200), *dy[3], *dw1[3];
+    k3_mm mm[3];
+    for (int i = 0; i < 3; i++) {
+        w[i] = make_w(dts[i], outs[i], ins[i]);
+        dy[i] = dpoison(T * outs[i]), dw1[i] = dpoison(T * outs[i]);
+        mm[i] = (k3_mm){i == 2 ? dx2 : dx0, T, &w[i].dev, dy[i]};
+        K3_CHECK_OK(g_cu->ops->matmul(g_cu, mm[i].x, T, &w[i].dev, dw1[i]));
+    }
+    K3_CHECK_OK(g_cu->ops->matmul_group(g_cu, mm, 3));
+    for (int i = 0; i < 3; i++) {
+        float *got = hget(dy[i], T * outs[i]), *want = hget(dw1[i], T * outs[i]);
+        K3_CHECK(memcmp(got, want, (size_t)(T * outs[i]) * 4) == 0,
+                 "matmul_group item %d (%s) != its matmul", i, k3_dtype_name(dts[i]));
+        free(got), free(want);
+    }
+    k3_tensor bad = {.dtype = K3_DT_I32, .ndim = 2, .shape = {2, 2}};
+    k3_mm mb[1] = {{dx0, 1, &bad, dy[0]}};
+    K3_CHECK_ERR(g_cu->ops->matmul_group(g_cu, mb, 1), K3_ERR_SHAPE, "matmul_group item 0");
+    dfree_all("matmul_group");
+    for (int i = 0; i < 3; i++) free_w(&w[i]);
+    free(x0), free(x2);
+}
 static void test_matmul_tn(void) {
     const k3_dtype dts[3] = {K3_DT_F32, K3_DT_BF16, K3_DT_MXFP4};
     for (int d = 0; d < 3; d++) mm_case(true, dts[d], 200, 544, 9);
