@@ -240,9 +240,9 @@ static void gemm_few(const k3_tensor *W, const float *x, int64_t T, int64_t o0, 
  * accumulators wait in acc; the last chunk finishes its outputs at once. Rows past the block's
  * end repeat its last row (computed, never stored). Scratch on the stack: acc, the packed x block
  * and one panel (AVX-512: 384 + 256 + 24 KB). */
-#define GB_ROWS  (8 * GR) /* a packed x block serves this many rows */
-#define GB_TOKS  64       /* acc: GB_ROWS × GB_TOKS outputs' a0 and a1 */
-#define GB_K     1024     /* a multiple of 32 and of 2·VL; measured best of 512..2048 */
+#define GB_ROWS  (8 * GR)       /* a packed x block serves this many rows */
+#define GB_TOKS  (64 / GT * GT) /* whole tiles (xpk's blocks start at tiles); acc holds them */
+#define GB_K     1024           /* a multiple of 32 and of 2·VL; measured best of 512..2048 */
 #define GB_TILES ((GB_TOKS + GT - 1) / GT)
 #define GB_TILE  (2 * GR * GT) /* one tile's accumulators in acc: [parity][row][token] */
 #define GB_XP    (256 * 1024)  /* floats of the packed x block (1 MB: it lives in L2) */
