@@ -322,7 +322,18 @@ def test_auth(srv):
 def test_metrics(srv):
     before = metrics(srv)
     r = srv.client().chat.completions.create(model="k3-tiny", messages=MSG, max_tokens=5, temperature=0)
-    after = metrics(srv)
+    ranks = [(0, 0, 0)] if srv.topology == "1x1" else [(0, 0, 0), (1, 0, 1), (2, 1, 0), (3, 1, 1)]
+    steps = lambda m, w, st, ln: metric(m, "k3_rank_step_seconds_count",  # noqa: E731
+                                        rank=str(w), stage=str(st), lane=str(ln))
+    # a lane's step times arrive in its LOGITS, which may still be in flight when the response is
+    # done: read /metrics again (up to 3 s) until every rank has reported the request's steps
+    deadline = time.time() + 3
+    while True:
+        after = metrics(srv)
+        if time.time() > deadline or all(steps(after, *k) - steps(before, *k) >= r.usage.completion_tokens
+                                          for k in ranks):
+            break
+        time.sleep(0.05)
     d = lambda name, **lb: metric(after, name, **lb) - metric(before, name, **lb)  # noqa: E731
     assert d("k3_requests_total", endpoint="/v1/chat/completions", status="200") == 1
     assert d("k3_generation_tokens_total") == r.usage.completion_tokens
@@ -333,8 +344,7 @@ def test_metrics(srv):
     assert metric(after, "k3_step_seconds_count", rank="0") > 0
     # every worker rank's step time, labelled with its stage and lane: the stages of one lane
     # report together (in that lane's LOGITS), and the request's steps add to every rank. (Lanes
-    # may differ by the step in flight when /metrics is read.)
-    ranks = [(0, 0, 0)] if srv.topology == "1x1" else [(0, 0, 0), (1, 0, 1), (2, 1, 0), (3, 1, 1)]
+    # may differ by the step in flight when /metrics is read: read again above.)
     counts = {}
     for w, st, ln in ranks:
         lb = dict(rank=str(w), stage=str(st), lane=str(ln))
