@@ -77,36 +77,19 @@ DEF_GV(gv_f32_1, float, ldw_f32, 1)
 DEF_GV(gv_bf16_r, uint16_t, ldw_bf16, GV_R)
 DEF_GV(gv_bf16_1, uint16_t, ldw_bf16, 1)
 
-/* R MXFP4 rows (codes ld_c bytes apart, scales sc[r·nb + b] from mx_scale) × one token whose x is
- * in mx32's order (xp), over nb blocks. */
-#define DEF_GV_MX(NAME, R)                                                                         \
-    static void NAME(const uint8_t *c, int64_t ld_c, const float *sc, int64_t nb, const float *xp, \
-                     VEC *acc) {                                                                   \
-        VEC a0[R], a1[R];                                                                          \
-        const int64_t pfd = K3_MAX((int64_t)GV_PF, R * ld_c);                                      \
-        _Pragma("GCC unroll 8") for (int r = 0; r < R; r++) a0[r] = V_ZERO(), a1[r] = V_ZERO();    \
-        for (int64_t b = 0; b < nb; b++) {                                                         \
-            _Pragma("GCC unroll 8") for (int r = 0; r < R; r++) {                                  \
-                if (b % 4 == 0) V_PREFETCH((const char *)(c + r * ld_c + b * 16) + pfd);           \
-                VEC wv[NVX];                                                                       \
-                mx32s(c + r * ld_c + b * 16, sc[r * nb + b], wv);                                  \
-                _Pragma("GCC unroll 32") for (int k = 0; k < NVX; k += 2) {                        \
-                    a0[r] = V_FMA(V_LOAD(xp + b * 32 + k * VL), wv[k], a0[r]);                     \
-                    a1[r] = V_FMA(V_LOAD(xp + b * 32 + (k + 1) * VL), wv[k + 1], a1[r]);           \
-                }                                                                                  \
-            }                                                                                      \
-        }                                                                                          \
-        _Pragma("GCC unroll 8") for (int r = 0; r < R; r++) acc[2 * r] = a0[r],                    \
-                                                                    acc[2 * r + 1] = a1[r];        \
-    }
-#if !MX_TAB
-DEF_GV_MX(gv_mx_r, GV_RM)
-DEF_GV_MX(gv_mx_1, 1)
+/* A block's scale as the decode rows take it: with the unit's scaled tables (MX_TAB) the E8M0
+ * byte itself (mx32t reads its table), else mx_scale of it, converted once per row (mx_scales). */
+#if MX_TAB
+typedef uint8_t gv_scale;
+#define GV_MX_BLOCK(codes, s, w) mx32t(codes, s, w)
 #else
-/* The same with the unit's scaled tables (mx32t): R rows' E8M0 bytes e[r·nb + b] read as they
- * are, no scale array. */
-#define DEF_GV_MXT(NAME, R)                                                                        \
-    static void NAME(const uint8_t *c, int64_t ld_c, const uint8_t *e, int64_t nb,                 \
+typedef float gv_scale;
+#define GV_MX_BLOCK(codes, s, w) mx32s(codes, s, w)
+#endif
+/* R MXFP4 rows (codes ld_c bytes apart, scales sc[r·nb + b]) × one token whose x is in mx32's
+ * order (xp), over nb blocks. */
+#define DEF_GV_MX(NAME, R)                                                                         \
+    static void NAME(const uint8_t *c, int64_t ld_c, const gv_scale *sc, int64_t nb,               \
                      const float *xp, VEC *acc) {                                                  \
         VEC a0[R], a1[R];                                                                          \
         const int64_t pfd = K3_MAX((int64_t)GV_PF, R * ld_c);                                      \
@@ -115,7 +98,7 @@ DEF_GV_MX(gv_mx_1, 1)
             _Pragma("GCC unroll 8") for (int r = 0; r < R; r++) {                                  \
                 if (b % 4 == 0) V_PREFETCH((const char *)(c + r * ld_c + b * 16) + pfd);           \
                 VEC wv[NVX];                                                                       \
-                mx32t(c + r * ld_c + b * 16, e[r * nb + b], wv);                                   \
+                GV_MX_BLOCK(c + r * ld_c + b * 16, sc[r * nb + b], wv);                            \
                 _Pragma("GCC unroll 32") for (int k = 0; k < NVX; k += 2) {                        \
                     a0[r] = V_FMA(V_LOAD(xp + b * 32 + k * VL), wv[k], a0[r]);                     \
                     a1[r] = V_FMA(V_LOAD(xp + b * 32 + (k + 1) * VL), wv[k + 1], a1[r]);           \
@@ -125,9 +108,8 @@ DEF_GV_MX(gv_mx_1, 1)
         _Pragma("GCC unroll 8") for (int r = 0; r < R; r++) acc[2 * r] = a0[r],                    \
                                                                     acc[2 * r + 1] = a1[r];        \
     }
-DEF_GV_MXT(gv_mxt_r, GV_RM)
-DEF_GV_MXT(gv_mxt_1, 1)
-#endif
+DEF_GV_MX(gv_mx_r, GV_RM)
+DEF_GV_MX(gv_mx_1, 1)
 
 static void gemv_rows(const k3_tensor *W, const float *x, int64_t T, int64_t o0, int64_t o1,
                       float *y) {
@@ -140,24 +122,29 @@ static void gemv_rows(const k3_tensor *W, const float *x, int64_t T, int64_t o0,
         return;
     }
     float xbuf[MX_XPERM ? XB_FLOATS : 1];
-    float sc[mx && !MX_TAB ? GV_RM * GV_MAX_BLOCKS : 1];
+#if !MX_TAB
+    float sc[mx ? GV_RM * GV_MAX_BLOCKS : 1]; /* the rows' scales, converted once per row */
+#endif
     if (mx && MX_XPERM)
         for (int64_t t = 0; t < T; t++) mx_xperm(x + t * in, xbuf + t * in, in);
     VEC acc[2 * GV_R];
     for (int64_t o = o0; o < o1;) {
         const int Rw = mx ? GV_RM : GV_R, R = o1 - o >= Rw ? Rw : 1;
-        if (mx && !MX_TAB)
+#if !MX_TAB
+        if (mx)
             for (int r = 0; r < R; r++) mx_scales(W->scale + (o + r) * nb, nb, sc + r * nb);
+#endif
         for (int64_t t = 0; t < T; t++) {
             const float *xt = x + t * in;
             if (mx) {
                 const uint8_t *c = (const uint8_t *)W->data + o * (in / 2);
                 const float *xp = MX_XPERM ? xbuf + t * in : xt;
 #if MX_TAB
-                (R > 1 ? gv_mxt_r : gv_mxt_1)(c, in / 2, W->scale + o * nb, nb, xp, acc);
+                const gv_scale *s = W->scale + o * nb; /* the E8M0 bytes as they are */
 #else
-                (R > 1 ? gv_mx_r : gv_mx_1)(c, in / 2, sc, nb, xp, acc);
+                const gv_scale *s = sc;
 #endif
+                (R > 1 ? gv_mx_r : gv_mx_1)(c, in / 2, s, nb, xp, acc);
             } else if (W->dtype == K3_DT_BF16) {
                 const uint16_t *w = (const uint16_t *)W->data + o * in;
                 (R > 1 ? gv_bf16_r : gv_bf16_1)(w, in, xt, n_main, acc);
