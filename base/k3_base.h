@@ -104,6 +104,10 @@ int k3_local_rank(void);
 /* Allocation helpers that set a K3_ERR_NOMEM message naming `what`. 64-byte aligned. */
 k3_status k3_alloc(void **out, size_t n_bytes, const char *what);
 k3_status k3_calloc(void **out, size_t n_bytes, const char *what);
+/* The same for large buffers that are streamed (weights, benchmark arrays): from 8 MB up, 2 MB
+ * aligned and advised MADV_HUGEPAGE (base.c). Freed with k3_free. */
+k3_status k3_alloc_large(void **out, size_t n_bytes, const char *what);
+k3_status k3_calloc_large(void **out, size_t n_bytes, const char *what);
 void k3_free(void *p);
 /* Read a whole (small) regular file into a NUL-terminated buffer; caller frees with k3_free.
  * Directories, devices and files over K3_READ_FILE_MAX are errors naming the path. */

@@ -24,7 +24,7 @@ const char *k3_op_name(int op) {
 
 /* ---- host memory (ref, cpu) ------------------------------------------------------------------ */
 static k3_status host_alloc(k3_backend *be, size_t n, void **out) {
-    return k3_calloc(out, n ? n : 1, be->name);
+    return k3_calloc_large(out, n ? n : 1, be->name); /* weights: 2 MB pages (base.c) */
 }
 static void host_free(k3_backend *be, void *p) {
     k3_free(p);

@@ -103,6 +103,8 @@ typedef struct bench_limits {
     double fma_gflops_wall; /* best trial by the wall clock (what the machine gave this run) */
     double fma_trial_s;     /* the least length of one FMA trial */
     const char *fma_isa;    /* "avx512", "avx2", or "none" (then fma_gflops is 0) */
+    char thp[16]; /* transparent huge pages: the kernel's mode ("madvise", "always", "never",
+                     "unknown"); the triad arrays, like the weights, are advised 2 MB pages */
 } bench_limits;
 /* Bytes past this machine's last-level cache: 2 x L3 (sysconf), 2 x 256 MB when unknown. */
 int64_t bench_big_bytes(void);
@@ -112,7 +114,8 @@ k3_status bench_measure_limits(int threads, int trials, int64_t array_bytes, ben
 void bench_limits_describe(const bench_limits *l, char *buf, size_t n);
 /* The limits into a report's metadata: "limits" (that line), limits_threads, limits_trials,
  * triad_trials, triad_gbs, triad_gbs_median, read_gbs, read_gbs_median, triad_array_bytes,
- * fma_peak_gflops, fma_peak_gflops_median, fma_peak_gflops_wall, fma_trial_s, fma_peak_isa. */
+ * fma_peak_gflops, fma_peak_gflops_median, fma_peak_gflops_wall, fma_trial_s, fma_peak_isa,
+ * thp. */
 k3_status bench_put_limits(bench_row *meta, const bench_limits *l);
 
 /* ---- kernels (bench_kernels.c) -------------------------------------------------------------- */

@@ -258,7 +258,7 @@ k3_status k3_weights_load(k3_ckpt *ck, const k3_config *c, const k3_load_sel *se
         w->be = sel->be;
         st = k3_backend_alloc(sel->be, bytes ? bytes : 64, "weights", (void **)&w->arena);
     } else {
-        st = k3_alloc((void **)&w->arena, bytes ? bytes : 64, "weights");
+        st = k3_alloc_large((void **)&w->arena, bytes ? bytes : 64, "weights");
     }
     if (st != K3_OK || (st = k3_alloc((void **)&stage, stage_bytes ? stage_bytes : 64,
                                       "AttnRes staging")) != K3_OK) {
