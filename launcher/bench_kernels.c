@@ -64,7 +64,7 @@ static k3_status make_weight(k3_rng *r, k3_dtype dt, int64_t out, int64_t in, k3
     *t = (k3_tensor){.dtype = dt, .ndim = 2, .shape = {out, in}, .mem = K3_MEM_HOST};
     const int64_t n = out * in, nb = weight_data_bytes(dt, n);
     void *p = NULL;
-    K3_TRY(k3_alloc(&p, (size_t)nb, "bench weight"));
+    K3_TRY(k3_alloc_large(&p, (size_t)nb, "bench weight")); /* as the engine's weights */
     if (dt == K3_DT_F32)
         fill_f32(r, p, n);
     else if (dt == K3_DT_BF16)
@@ -74,7 +74,7 @@ static k3_status make_weight(k3_rng *r, k3_dtype dt, int64_t out, int64_t in, k3
     t->data = p;
     if (dt == K3_DT_MXFP4) {
         uint8_t *s = NULL;
-        k3_status st = k3_alloc((void **)&s, (size_t)(n / 32), "bench weight scales");
+        k3_status st = k3_alloc_large((void **)&s, (size_t)(n / 32), "bench weight scales");
         if (st != K3_OK) {
             k3_free(p);
             return st;
