@@ -65,6 +65,10 @@ typedef void (*k3_task_fn)(void *ctx, int64_t i);
 k3_status k3_pool_create(int n_threads, k3_pool **out); /* n <= 0: online CPUs (<= 64) */
 void k3_pool_destroy(k3_pool *p);
 int k3_pool_threads(const k3_pool *p);
+/* Whether a worker is awake (running a job or spinning for the next): a job then starts on it
+ * within ~1 µs; otherwise it would first be woken (a futex wake-up, tens of µs on a VM, more on
+ * a loaded host). False before the first job. */
+bool k3_pool_awake(const k3_pool *p);
 void k3_pool_run(k3_pool *p, int64_t n_tasks, k3_task_fn fn, void *ctx);
 
 /* The cpu backend's kernel table for one ISA (kernels/cpu/cpu_kern.h), chosen at backend

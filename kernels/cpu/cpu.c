@@ -22,13 +22,18 @@
    (T < 4) task at least K3_CPU_GEMV_TASK_BYTES (~3 µs: the workers spin between the matmuls of
    a decode step, so a hand-off costs well under that), and a decode call is split at all only
    when each thread gets K3_CPU_GEMV_PAR_BYTES (a hand-off and its wait cost ~2 µs: the tiny
-   model's 32 KB matrices, grouped or not, stay on the caller, so 2 threads are never slower). */
+   model's 32 KB matrices, grouped or not, stay on the caller, so 2 threads are never slower),
+   and, while every worker sleeps, only from K3_CPU_WAKE_BYTES: waking one costs tens of µs on
+   a VM, more on a loaded host. The tiny model's one split per token, its 1 MB LM head, woke a
+   worker each token, and its 2-thread decode fell to 0.7-0.9x of 1 thread in loaded phases; it
+   now runs no pool job at all. A decode step of a larger model keeps the workers awake. */
 #define K3_CPU_TASK_BYTES (128 * 1024)
 /* A prefill task does at least this many multiply-adds (~10 µs on one core; the tiny model's
    64-token prefill stays on the caller: two hand-offs would cost more than its matmuls). */
 #define K3_CPU_TASK_MACS       (1 << 20)
 #define K3_CPU_GEMV_TASK_BYTES (32 * 1024)
 #define K3_CPU_GEMV_PAR_BYTES  (128 * 1024)
+#define K3_CPU_WAKE_BYTES      (2 << 20)
 
 /* Bytes of one weight row (F32, BF16, or MXFP4 codes + E8M0 scales). */
 static int64_t row_bytes(const k3_tensor *W) {
@@ -165,13 +170,14 @@ static k3_status cpu_matmul_group(k3_backend *be, const k3_mm *mm, int n) {
     /* the tasks' byte boundaries bound[1 .. nb - 1] (bound[nb] = bytes) */
     double bound[K3_CPU_GROUP_PIECES / 2 + 1];
     int nb = 1;
-    if (nth > 1 && decode && bytes >= (double)nth * K3_CPU_GEMV_PAR_BYTES) {
+    if (nth > 1 && decode && bytes >= (double)nth * K3_CPU_GEMV_PAR_BYTES &&
+        (bytes >= K3_CPU_WAKE_BYTES || k3_pool_awake(k3_cpu_pool(be)))) {
         for (double at = 0; nb < K3_CPU_GROUP_PIECES / 2;) {
             at += K3_MAX((double)K3_CPU_GEMV_TASK_BYTES, (bytes - at) / (2.0 * nth));
             if (at >= bytes - 0.5 * K3_CPU_GEMV_TASK_BYTES) break;
             bound[nb++] = at;
         }
-    } else if (nth > 1) { /* prefill: guided too, but no task under half an equal share */
+    } else if (nth > 1 && !decode) { /* prefill: guided too, no task under half an equal share */
         const int64_t k = K3_MIN(
             (int64_t)nth * 4, (int64_t)K3_MAX(bytes / K3_CPU_TASK_BYTES, macs / K3_CPU_TASK_MACS));
         const double minb = bytes / (double)(2 * K3_MAX(k, 1));

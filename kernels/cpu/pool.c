@@ -106,6 +106,10 @@ int k3_pool_threads(const k3_pool *p) {
     return p ? p->want : 1;
 }
 
+bool k3_pool_awake(const k3_pool *p) {
+    return p && p->n_started > atomic_load(&((k3_pool *)p)->sleepers);
+}
+
 /* Claim and run tasks of generation gen until none is left (or the job is closed). */
 static void drain(k3_pool *p, uint64_t gen) {
     uint64_t j = atomic_load(&p->job);
