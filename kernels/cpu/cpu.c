@@ -511,13 +511,39 @@ static k3_status cpu_moe_topk(k3_backend *be, const float *scores, const float *
     return K3_OK;
 }
 
+/* rows_gather / rows_scatter: ref's row copies in ranges of rows from the pool once the whole
+   is worth a dispatch (a 512-token prefill moves 4096 rows of 768 per MoE layer each way) */
+typedef struct {
+    const float *src;
+    int64_t width;
+    const int64_t *idx;
+    float *dst;
+    bool scatter;
+} rows_args;
+static void rows_range(const void *ctx, int64_t j0, int64_t j1) {
+    const rows_args *a = ctx;
+    if (a->scatter)
+        k3_ref_ops.rows_scatter(NULL, a->src + j0 * a->width, a->width, a->idx + j0, j1 - j0,
+                                a->dst);
+    else
+        k3_ref_ops.rows_gather(NULL, a->src, a->width, a->idx + j0, j1 - j0,
+                               a->dst + j0 * a->width);
+}
+static k3_status rows_copy(k3_backend *be, const rows_args *a, int64_t n) {
+    if (n <= 0) return K3_OK;
+    const int64_t per = n * a->width >= 4 * K3_CPU_PAR_MIN_MACS
+                            ? K3_MAX((int64_t)1, (int64_t)(1 << 16) / K3_MAX(a->width, 1))
+                            : n; /* 256 KB of rows per task */
+    run_ranges(be, n, per, rows_range, a);
+    return K3_OK;
+}
 static k3_status cpu_rows_gather(k3_backend *be, const float *src, int64_t width,
                                  const int64_t *idx, int64_t n, float *dst) {
-    return k3_ref_ops.rows_gather(be, src, width, idx, n, dst);
+    return rows_copy(be, &(rows_args){src, width, idx, dst, false}, n);
 }
 static k3_status cpu_rows_scatter(k3_backend *be, const float *src, int64_t width,
                                   const int64_t *idx, int64_t n, float *dst) {
-    return k3_ref_ops.rows_scatter(be, src, width, idx, n, dst);
+    return rows_copy(be, &(rows_args){src, width, idx, dst, true}, n);
 }
 
 typedef struct {

@@ -1905,6 +1905,20 @@ static void test_rows_gather(void) {
     K3_CHECK(same_f(y1, ys[B_CPU1], n * width), "rows_gather: split differs / n = 0 wrote");
     free(src), free(y1);
     ys_free(ys);
+    /* a prefill's size (the cpu backend splits the rows over its pool): 700 rows of 768 */
+    const int64_t bw = 768, bn = 700, bsrc = 333;
+    int64_t *bidx = malloc((size_t)bn * sizeof *bidx);
+    float *bs = fa(bsrc * bw), *by = fa(bn * bw);
+    fill_randn(bs, bsrc * bw, 1.0f);
+    for (int64_t j = 0; j < bn; j++) bidx[j] = (j * 97 + 5) % bsrc;
+    for (int b = 0; b < B_COUNT; b++) {
+        memset(by, 0xff, FB(bn * bw)); /* NaN: a row left unwritten fails */
+        K3_CHECK_OK(run_rows_gather(BE(b), bs, bw, bidx, bn, by));
+        bool ok = true;
+        for (int64_t j = 0; j < bn; j++) ok = ok && same_f(by + j * bw, bs + bidx[j] * bw, bw);
+        K3_CHECK(ok, "rows_gather 700 x 768 (%s): dst[j] != src[idx[j]]", k_be_label[b]);
+    }
+    free(bidx), free(bs), free(by);
 }
 
 static void test_rows_scatter(void) {
@@ -1935,6 +1949,25 @@ static void test_rows_scatter(void) {
     K3_CHECK(same_f(y1, ys[B_CPU1], n_dst * width), "rows_scatter: split differs / n = 0 wrote");
     free(src), free(init), free(y1);
     ys_free(ys);
+    /* a prefill's size (split over the pool): 700 rows of 768 into 900, the others untouched */
+    const int64_t bw = 768, bn = 700, bdst = 900;
+    int64_t *bidx = malloc((size_t)bn * sizeof *bidx);
+    float *bs = fa(bn * bw), *binit = fa(bdst * bw), *by = fa(bdst * bw), *bwant = fa(bdst * bw);
+    fill_randn(bs, bn * bw, 1.0f);
+    fill_randn(binit, bdst * bw, 1.0f);
+    memcpy(bwant, binit, FB(bdst * bw));
+    for (int64_t j = 0; j < bn; j++) { /* distinct: 7 is coprime with 900 */
+        bidx[j] = (j * 7 + 3) % bdst;
+        memcpy(bwant + bidx[j] * bw, bs + j * bw, FB(bw));
+    }
+    for (int b = 0; b < B_COUNT; b++) {
+        memcpy(by, binit, FB(bdst * bw));
+        K3_CHECK_OK(run_rows_scatter(BE(b), bs, bw, bidx, bn, by));
+        K3_CHECK(same_f(by, bwant, bdst * bw),
+                 "rows_scatter 700 x 768 (%s): dst[idx[j]] != src[j] or another row written",
+                 k_be_label[b]);
+    }
+    free(bidx), free(bs), free(binit), free(by), free(bwant);
 }
 
 /* rows_wsum's contract in fp32, written plainly: the first term initialises, then += in i
