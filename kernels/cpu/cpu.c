@@ -331,13 +331,17 @@ static void ew_task(void *ctx, int64_t task) {
         break;
     }
 }
-/* n elements (softmax: n = T·row, chunks of whole rows); one chunk per 16K elements. */
+/* n elements (softmax: n = T·row, chunks of whole rows): under 8K elements on the caller, else
+   threads × k equal chunks of at most ~16K (a MoE tile's 64 × 384 activations: two halves,
+   not 16K and 8K). */
 static k3_status ew_run(k3_backend *be, ew_job *j) {
     const int64_t per = 1 << 14;
     int64_t unit = j->which == 4 ? j->row : 64;
     int64_t units = unit > 0 ? (j->n + unit - 1) / unit : 0;
     if (units == 0) return K3_OK;
-    int64_t per_task = K3_MAX((int64_t)1, per / unit);
+    const int64_t nth = k3_pool_threads(k3_cpu_pool(be));
+    const int64_t k = j->n < per / 2 ? 1 : nth * ((j->n + nth * per - 1) / (nth * per));
+    int64_t per_task = (units + k - 1) / k;
     j->chunk = per_task * unit;
     j->kern = kern(be);
     k3_pool_run(k3_cpu_pool(be), (units + per_task - 1) / per_task, ew_task, j);

@@ -27,8 +27,12 @@
 #include <time.h>
 #include <unistd.h>
 
-#define K3_POOL_MAX     64
-#define K3_POOL_SPIN_NS 50000
+#define K3_POOL_MAX 64
+/* 200 µs: a decode step's longest serial stretches (between tokens, a long attention) stay under
+   it, so its workers never sleep mid-step (the small preset at 2 threads: 50 µs let them sleep
+   ~4 times per token, each a futex wake-up, and made the cpu backend run its smaller matmuls
+   inline meanwhile; 200 µs: none in 256 tokens) */
+#define K3_POOL_SPIN_NS 200000
 #define K3_POOL_STACK   ((size_t)16 << 20) /* bytes of a worker's stack (reserved, not touched) */
 #define JOB_CLOSED      0xffffffffu        /* index of a closed job (>= any n_tasks) */
 
