@@ -18,9 +18,11 @@
 
 #include <math.h>
 
-/* Rows of one expert pushed through ops->matmul at once (bounds scratch; results do not depend
- * on it). */
-#define MOE_ROW_TILE 64
+/* Rows pushed through one gather, two matmul_groups, one activation and one scatter (bounds
+ * scratch; results do not depend on it). 256: a 512-token prefill's ~64 rows per expert go 4
+ * experts a tile, 16 tiles a layer instead of 64 (a quarter of the dispatches, and each tile's x
+ * big enough to pack on the pool). */
+#define MOE_ROW_TILE 256
 /* Tokens per tile of k3_moe_forward (bounds the T·K·Lw slot-row buffer). */
 #define MOE_TOKEN_TILE 256
 

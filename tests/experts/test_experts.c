@@ -3,7 +3,7 @@
  * k3's own output. Covers: the moe_topk op (the router's selection) with exact ties (grid-valued
  * scores) in experts and group sums, the full router through a backend, experts with zero
  * tokens, all tokens to one expert, K = 1, bitwise row independence of k3_moe_expert_rows (a row
- * alone vs inside batches of 37 and 150 rows; row_of indirection vs copied rows), the whole layer
+ * alone vs inside batches of 37 and 600 rows; row_of indirection vs copied rows), the whole layer
  * (latent K3 form and the Kimi-Linear form) vs float64, k3_moe_forward == router → down → expert
  * rows (row_of = i/K) → rows_wsum → finish by hand (bitwise), thread-count invariance, error
  * paths naming row / expert / config key, scratch sizes and guard bands, and the whole layer on
@@ -612,7 +612,7 @@ static void test_rows(k3_backend *be, bool mxfp4) {
                     .act = K3_ACT_SITU};
     moe_model m;
     model_make(&m, &sh, SEED + 4);
-    const int Lw = 64, I = 32, N = 150, NS = 37 * 4; /* NS <= N: 37 tokens × 4 slots */
+    const int Lw = 64, I = 32, N = 600, NS = 37 * 4; /* NS <= N: 37 tokens × 4 slots */
     const char *wt = mxfp4 ? "mxfp4" : "bf16";
     k3_rng r;
     k3_rng_seed(&r, SEED + 5);
@@ -620,7 +620,7 @@ static void test_rows(k3_backend *be, bool mxfp4) {
     float *one = malloc(sizeof(float) * Lw);
     int32_t *ex = malloc(sizeof(int32_t) * N);
     randn(&r, rows, (size_t)N * Lw, 1.0f);
-    /* 37 rows over experts {0..5} (experts 6..15 get zero rows), then 113 rows all to expert 3 */
+    /* 37 rows over experts {0..5} (experts 6..15 get zero rows), then 563 rows all to expert 3 */
     for (int i = 0; i < N; i++) ex[i] = i < 37 ? (int32_t)(k3_rng_u64(&r) % 6) : 3;
     /* sized for the largest call (N rows); a guard band after each */
     size_t ns = k3_moe_rows_scratch_floats(&m.cfg, N), nh = k3_moe_rows_host_ints(&m.cfg, N);
@@ -656,7 +656,7 @@ static void test_rows(k3_backend *be, bool mxfp4) {
              wt, rel);
     K3_CHECK(sqrt(den / (37.0 * Lw)) > 0.05, "expert outputs nearly zero (rms %g): degenerate",
              sqrt(den / (37.0 * Lw)));
-    /* all 150 rows (113 to expert 3: more than one row tile) vs alone */
+    /* all 600 rows (563 to expert 3: more than two row tiles of 256) vs alone */
     poison(out, (size_t)N * Lw);
     K3_CHECK_OK(k3_moe_expert_rows(be, &m.cfg, &m.lw, rows, NULL, ex, N, out, scr, hs));
     bit_bad = 0;
@@ -665,9 +665,9 @@ static void test_rows(k3_backend *be, bool mxfp4) {
             k3_moe_expert_rows(be, &m.cfg, &m.lw, rows + i * Lw, NULL, ex + i, 1, one, scr, hs));
         if (memcmp(one, out + i * Lw, sizeof(float) * Lw) != 0) bit_bad++;
     }
-    K3_CHECK(bit_bad == 0, "%s %s: %d of %d rows differ between alone and a 150-row batch",
-             be->name, wt, bit_bad, N);
-    K3_CHECK(guard_ok(scr, ns), "expert_rows wrote past its scratch (150 rows)");
+    K3_CHECK(bit_bad == 0, "%s %s: %d of %d rows differ between alone and a %d-row batch", be->name,
+             wt, bit_bad, N, N);
+    K3_CHECK(guard_ok(scr, ns), "expert_rows wrote past its scratch (600 rows)");
     /* row_of: out[i] reads src[row_of[i]]. The slot form (row_of[i] = i/4: each source row read
        by 4 rows of different experts) and a permutation, vs the rows copied out, bit for bit. */
     {
@@ -678,7 +678,7 @@ static void test_rows(k3_backend *be, bool mxfp4) {
         for (int form = 0; form < 2; form++) {
             const int n = form == 0 ? NS : N;
             for (int i = 0; i < n; i++) {
-                row_of[i] = form == 0 ? i / 4 : (i * 37 + 11) % N; /* gcd(37, 150) = 1 */
+                row_of[i] = form == 0 ? i / 4 : (i * 37 + 11) % N; /* gcd(37, 600) = 1 */
                 ex2[i] = (int32_t)(k3_rng_u64(&r) % 16);
                 memcpy(cp + (size_t)i * Lw, rows + row_of[i] * Lw, sizeof(float) * Lw);
             }
