@@ -19,10 +19,10 @@
 #include <math.h>
 
 /* Rows pushed through one gather, two matmul_groups, one activation and one scatter (bounds
- * scratch; results do not depend on it). 256: a 512-token prefill's ~64 rows per expert go 4
- * experts a tile, 16 tiles a layer instead of 64 (a quarter of the dispatches, and each tile's x
- * big enough to pack on the pool). */
-#define MOE_ROW_TILE 256
+ * scratch; results do not depend on it). K3_MOE_ROW_TILE = 256 (k3_model.h, where k3 plan reads
+ * it too): a 512-token prefill's ~64 rows per expert go 4 experts a tile, 16 tiles a layer
+ * instead of 64 (a quarter of the dispatches, and each tile's x big enough to pack on the pool). */
+#define MOE_ROW_TILE K3_MOE_ROW_TILE
 /* Tokens per tile of k3_moe_forward (bounds the T·K·Lw slot-row buffer). */
 #define MOE_TOKEN_TILE 256
 

@@ -107,6 +107,9 @@ static inline bool k3_config_is_moe(const k3_config *c, int layer) {
            (layer - c->first_k_dense_replace) % (c->moe_layer_freq > 0 ? c->moe_layer_freq : 1) ==
                0;
 }
+/* Rows of the MoE expert step's tiles (experts/moe.c; sizes its scratch, which k3 plan counts:
+ * partition/partition.c). Results do not depend on it. */
+#define K3_MOE_ROW_TILE 256
 /* AttnRes: does `layer` start a block (bank its input)? */
 static inline bool k3_config_is_block_start(const k3_config *c, int layer) {
     return c->attn_res_block_size > 0 && layer % c->attn_res_block_size == 0;

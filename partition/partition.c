@@ -357,14 +357,15 @@ void k3_plan_seq_bytes(const k3_config *c, int lb, int le, int64_t max_ctx, uint
 }
 
 /* Floats of the MoE step's scratch (experts/moe.c k3_moe_scratch_floats, mirrored: the largest
- * of routing, the expert rows of a 64-row tile, the finish step, and the whole-layer forward,
- * which runs tokens in tiles of up to 256 with K expert outputs each); pad16 rounding left out. */
+ * of routing, the expert rows of a K3_MOE_ROW_TILE-row tile, the finish step, and the whole-layer
+ * forward, which runs tokens in tiles of up to 256 with K expert outputs each); pad16 rounding left
+ * out. */
 static uint64_t moe_scratch_floats(const k3_config *c, uint64_t T) {
     const uint64_t X = (uint64_t)c->n_experts, K = (uint64_t)c->n_experts_per_tok;
     const uint64_t Lw = (uint64_t)(c->latent_size > 0 ? c->latent_size : c->hidden_size);
     const uint64_t I = (uint64_t)c->moe_intermediate_size;
     const uint64_t S = (uint64_t)c->n_shared_experts * I, D = (uint64_t)c->hidden_size;
-    const uint64_t route = 2 * T * X + X, rows = 2 * 64 * Lw + 2 * 64 * I;
+    const uint64_t route = 2 * T * X + X, rows = 2 * K3_MOE_ROW_TILE * (Lw + I);
     const uint64_t Tc = K3_MIN(T, 256);
     const uint64_t fin_T = T * Lw + Lw + 2 * T * S + T * D,
                    fin_c = Tc * Lw + Lw + 2 * Tc * S + Tc * D;
