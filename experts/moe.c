@@ -18,11 +18,10 @@
 
 #include <math.h>
 
-/* Rows pushed through one gather, two matmul_groups, one activation and one scatter (bounds
- * scratch; results do not depend on it). K3_MOE_ROW_TILE = 256 (k3_model.h, where k3 plan reads
- * it too): a 512-token prefill's ~64 rows per expert go 4 experts a tile, 16 tiles a layer
+/* K3_MOE_ROW_TILE (k3_model.h, where k3 plan reads it too; 256): the rows pushed through one
+ * gather, two matmul_groups, one activation and one scatter (bounds scratch; results do not
+ * depend on it). A 512-token prefill's ~64 rows per expert go 4 experts a tile, 16 tiles a layer
  * instead of 64 (a quarter of the dispatches, and each tile's x big enough to pack on the pool). */
-#define MOE_ROW_TILE K3_MOE_ROW_TILE
 /* Tokens per tile of k3_moe_forward (bounds the T·K·Lw slot-row buffer). */
 #define MOE_TOKEN_TILE 256
 
@@ -130,10 +129,10 @@ static k3_status act(k3_backend *be, const k3_config *c, float *g, const float *
 size_t k3_moe_rows_scratch_floats(const k3_config *c, int64_t n) {
     const size_t Lw = (size_t)k3_moe_row_width(c), I = (size_t)c->moe_intermediate_size;
     size_t f = 0;
-    f += pad16(MOE_ROW_TILE * Lw); /* xin [tile, Lw] */
-    f += pad16(MOE_ROW_TILE * I);  /* g   [tile, I]  */
-    f += pad16(MOE_ROW_TILE * I);  /* u   [tile, I]  */
-    f += pad16(MOE_ROW_TILE * Lw); /* o   [tile, Lw] */
+    f += pad16(K3_MOE_ROW_TILE * Lw); /* xin [tile, Lw] */
+    f += pad16(K3_MOE_ROW_TILE * I);  /* g   [tile, I]  */
+    f += pad16(K3_MOE_ROW_TILE * I);  /* u   [tile, I]  */
+    f += pad16(K3_MOE_ROW_TILE * Lw); /* o   [tile, Lw] */
     (void)n;
     return f;
 }
@@ -141,7 +140,7 @@ size_t k3_moe_rows_scratch_floats(const k3_config *c, int64_t n) {
 size_t k3_moe_rows_host_ints(const k3_config *c, int64_t n) {
     const size_t E = (size_t)(c->n_experts > 0 ? c->n_experts : 0);
     const size_t nn = (size_t)(n > 0 ? n : 0);
-    return nn + (E + 1) + MOE_ROW_TILE; /* order [n], start [E+1], gather indices [tile] */
+    return nn + (E + 1) + K3_MOE_ROW_TILE; /* order [n], start [E+1], gather indices [tile] */
 }
 
 k3_status k3_moe_expert_rows(k3_backend *be, const k3_config *c, const k3_layer_w *lw,
@@ -166,9 +165,9 @@ k3_status k3_moe_expert_rows(k3_backend *be, const k3_config *c, const k3_layer_
     /* counting sort of the rows by expert (stable: rows of one expert keep their order) */
     int64_t *order = hscratch, *start = hscratch + n, *idx = start + E + 1;
     float *xin = scratch;
-    float *g = xin + pad16((size_t)MOE_ROW_TILE * (size_t)Lw);
-    float *u = g + pad16((size_t)MOE_ROW_TILE * (size_t)I);
-    float *o = u + pad16((size_t)MOE_ROW_TILE * (size_t)I);
+    float *g = xin + pad16((size_t)K3_MOE_ROW_TILE * (size_t)Lw);
+    float *u = g + pad16((size_t)K3_MOE_ROW_TILE * (size_t)I);
+    float *o = u + pad16((size_t)K3_MOE_ROW_TILE * (size_t)I);
 
     for (int e = 0; e <= E; e++) start[e] = 0;
     for (int64_t i = 0; i < n; i++) start[expert[i] + 1]++;
@@ -184,21 +183,21 @@ k3_status k3_moe_expert_rows(k3_backend *be, const k3_config *c, const k3_layer_
         K3_TRY(check_w(&ew->w3, I, Lw, "w3", e));
         K3_TRY(check_w(&ew->w2, Lw, I, "w2", e));
     }
-    /* Tiles of up to MOE_ROW_TILE consecutive sorted rows: whole experts while they fit, an
+    /* Tiles of up to K3_MOE_ROW_TILE consecutive sorted rows: whole experts while they fit, an
        expert with more rows in tiles of its own (its last piece then shares). Per tile one
        gather, one matmul_group for every expert's w1 and w3 over its rows of the tile, one
        activation, one matmul_group for the w2s, one scatter (a decode step's 8 experts: 2
        dispatches instead of 24). Every row meets its own expert's matrices, and a matmul's
        rows never depend on the others of its call, so the tiling changes no bit. */
-    k3_mm mm[2 * MOE_ROW_TILE];
-    int seg_e[MOE_ROW_TILE];
-    int64_t seg_j[MOE_ROW_TILE], seg_r[MOE_ROW_TILE];
+    k3_mm mm[2 * K3_MOE_ROW_TILE];
+    int seg_e[K3_MOE_ROW_TILE];
+    int64_t seg_j[K3_MOE_ROW_TILE], seg_r[K3_MOE_ROW_TILE];
     for (int64_t p0 = 0, m; p0 < n; p0 += m) {
         int64_t p1 = start[expert[order[p0]] + 1]; /* the end of p0's expert */
-        if (p1 - p0 >= MOE_ROW_TILE)
-            p1 = p0 + MOE_ROW_TILE;
+        if (p1 - p0 >= K3_MOE_ROW_TILE)
+            p1 = p0 + K3_MOE_ROW_TILE;
         else
-            while (p1 < n && start[expert[order[p1]] + 1] - p0 <= MOE_ROW_TILE)
+            while (p1 < n && start[expert[order[p1]] + 1] - p0 <= K3_MOE_ROW_TILE)
                 p1 = start[expert[order[p1]] + 1];
         m = p1 - p0;
         for (int64_t j = 0; j < m; j++) idx[j] = row_of ? row_of[order[p0 + j]] : order[p0 + j];

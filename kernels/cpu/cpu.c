@@ -535,10 +535,9 @@ static void rows_range(const void *ctx, int64_t j0, int64_t j1) {
 }
 static k3_status rows_copy(k3_backend *be, const rows_args *a, int64_t n) {
     if (n <= 0) return K3_OK;
-    const int64_t per = n * a->width >= 4 * K3_CPU_PAR_MIN_MACS
-                            ? K3_MAX((int64_t)1, (int64_t)(1 << 16) / K3_MAX(a->width, 1))
-                            : n; /* 256 KB of rows per task */
-    run_ranges(be, n, per, rows_range, a);
+    /* add/mul's rule (bin_per) in whole rows: ~256 KB of rows per task, or all on the caller */
+    const int64_t w = K3_MAX(a->width, (int64_t)1);
+    run_ranges(be, n, K3_MAX((int64_t)1, bin_per(n * w) / w), rows_range, a);
     return K3_OK;
 }
 static k3_status cpu_rows_gather(k3_backend *be, const float *src, int64_t width,
