@@ -3,7 +3,10 @@
  * of heads, run on the pool (the ISA's attn_rows, kernels/cpu/kern_attn.h: blocks of cache rows
  * at fixed absolute boundaries, online softmax). attn_latent is the causal op's one-query case,
  * so a decode step and a prefill of the same tokens give the same bits. How rows are grouped
- * into tiles and tiles into threads never changes a row's result. */
+ * into tiles and tiles into threads never changes a row's result. A decode step over a long
+ * context also splits its keys: the superblocks of one query run as tasks into partials (the
+ * first into o_lat, the others into work), and the caller merges them in ascending order, the
+ * same steps a tile takes one after another (kern_attn.h), so the bits stay those of one tile. */
 #include "k3_kernels.h"
 #include "k3_kernels_internal.h"
 
@@ -35,12 +38,81 @@ static void lat_task(void *ctx, int64_t i) {
                        j->o);
 }
 
+/* A decode step by superblocks: task i of a wave is head group i % n_hg of superblock
+ * s0 + i / n_hg. Superblock 0 writes o_lat and the running max / sum (ML: M [H], then L [H]);
+ * any other goes to slot s − s0 − (s0 == 0) of slots ([H·Rkv] outputs, then m [H], l [H]). */
+typedef struct {
+    const float *qc, *cache;
+    int64_t n_ctx, s0;
+    int H, W, Rkv, hg, n_hg;
+    float scale;
+    float *o, *ML, *slots;
+    const k3_cpu_kern *kern;
+} dec_job;
+static int64_t dec_slot_floats(const dec_job *j) {
+    return (int64_t)j->H * (j->Rkv + 2);
+}
+static void dec_task(void *ctx, int64_t i) {
+    const dec_job *j = ctx;
+    const int64_t s = j->s0 + i / j->n_hg;
+    const int h0 = (int)(i % j->n_hg) * j->hg, h1 = h0 + j->hg < j->H ? h0 + j->hg : j->H;
+    float *o = j->o, *m = j->ML;
+    if (s > 0)
+        o = j->slots + (s - j->s0 - (j->s0 == 0)) * dec_slot_floats(j), m = o + j->H * j->Rkv;
+    j->kern->attn_part(j->qc, j->cache, j->n_ctx, h0, h1, j->W, j->Rkv, j->scale,
+                       s * j->kern->attn_sb, o + (int64_t)h0 * j->Rkv, m + h0, m + j->H + h0);
+}
+/* Runs the decode step of context n_ctx in waves of superblocks (as many as work holds) and
+ * merges each wave in order on the caller; false when work holds no slot beside o_lat's. */
+static bool attn_decode_split(k3_backend *be, const float *qc, const float *cache, int64_t n_ctx,
+                              int H, int W, int Rkv, float scale, float *o_lat, float *work) {
+    const k3_cpu_kern *kern = k3_cpu_kern_of(be);
+    const int64_t n_sb = (n_ctx + kern->attn_sb - 1) / kern->attn_sb;
+    dec_job j = {.qc = qc,
+                 .cache = cache,
+                 .n_ctx = n_ctx,
+                 .H = H,
+                 .W = W,
+                 .Rkv = Rkv,
+                 .hg = H < ATT_DECODE_HEADS ? H : ATT_DECODE_HEADS,
+                 .scale = scale,
+                 .o = o_lat,
+                 .ML = work,
+                 .slots = work + 2 * (int64_t)H,
+                 .kern = kern};
+    j.n_hg = (H + j.hg - 1) / j.hg;
+    const int64_t n_slots = ((int64_t)H * n_ctx - 2 * (int64_t)H) / dec_slot_floats(&j);
+    if (n_slots < 1) return false;
+    for (int64_t s0 = 0; s0 < n_sb;) {
+        const int64_t n_w = K3_MIN(n_sb - s0, n_slots + (s0 == 0));
+        j.s0 = s0;
+        k3_pool_run(k3_cpu_pool(be), n_w * j.n_hg, dec_task, &j);
+        for (int64_t s = s0 > 0 ? s0 : 1; s < s0 + n_w; s++) {
+            const float *op = j.slots + (s - s0 - (s0 == 0)) * dec_slot_floats(&j);
+            const float *m = op + (int64_t)H * Rkv;
+            for (int h0 = 0; h0 < H; h0 += j.hg) {
+                const int R = H - h0 < j.hg ? H - h0 : j.hg;
+                kern->attn_merge(R, j.ML + h0, j.ML + H + h0, o_lat + (int64_t)h0 * Rkv, m + h0,
+                                 m + H + h0, op + (int64_t)h0 * Rkv, Rkv);
+            }
+        }
+        s0 += n_w;
+    }
+    kern->attn_final(H, o_lat, j.ML + H, Rkv);
+    return true;
+}
+
 k3_status k3_cpu_attn_latent_causal(k3_backend *be, const float *qc, const float *cache,
                                     int64_t pos0, int64_t n_q, int H, int W, int Rkv, float scale,
                                     float *o_lat, float *work) {
-    (void)work; /* the tiles' scratch is on each thread's stack */
+    /* the tiles' scratch is on each thread's stack; work holds a split decode's partials */
     K3_TRY(k3_kernels_check_attn("attn_latent_causal", pos0, n_q, H, W, Rkv));
     if (n_q == 0) return K3_OK;
+    const k3_cpu_kern *kern = k3_cpu_kern_of(be);
+    /* a decode step over more than one superblock: its keys split over the pool */
+    if (n_q == 1 && pos0 + 1 > kern->attn_sb && k3_pool_threads(k3_cpu_pool(be)) > 1 && work &&
+        attn_decode_split(be, qc, cache, pos0 + 1, H, W, Rkv, scale, o_lat, work))
+        return K3_OK;
     lat_job j = {.qc = qc,
                  .cache = cache,
                  .pos0 = pos0,
@@ -50,7 +122,7 @@ k3_status k3_cpu_attn_latent_causal(k3_backend *be, const float *qc, const float
                  .Rkv = Rkv,
                  .scale = scale,
                  .o = o_lat,
-                 .kern = k3_cpu_kern_of(be)};
+                 .kern = kern};
     j.hg = H < ATT_TASK_ROWS ? H : ATT_TASK_ROWS;
     if (n_q == 1 && j.hg > ATT_DECODE_HEADS) j.hg = ATT_DECODE_HEADS;
     j.qb = ATT_TASK_ROWS / j.hg;

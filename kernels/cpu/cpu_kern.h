@@ -46,6 +46,19 @@ struct k3_cpu_kern {
        A row's bits depend only on its query, its context and the cache (kern_attn.h). */
     void (*attn_rows)(const float *qc, const float *cache, int64_t pos0, int64_t j0, int64_t j1,
                       int h0, int h1, int H, int W, int Rkv, float scale, float *o_lat);
+    /* A decode step split by superblocks of attn_sb keys at absolute boundaries (kern_attn.h),
+       attn_rows' bits: attn_part computes heads [h0, h1) (at most 16 of them, so that any W up
+       to K3_ATTN_MAX_W fits its tile) of the query qc [H, W] over the superblock from key k0s of
+       a context of n_ctx keys: an unnormalised output o [h1 − h0, Rkv], its max m and sum l
+       [h1 − h0]. attn_merge folds such a partial of R rows into their running (M, L, o), the
+       superblocks in ascending order, the first superblock's partial being the running state;
+       attn_final divides o [R, Rkv] by L. */
+    int attn_sb;
+    void (*attn_part)(const float *qc, const float *cache, int64_t n_ctx, int h0, int h1, int W,
+                      int Rkv, float scale, int64_t k0s, float *o, float *m, float *l);
+    void (*attn_merge)(int R, float *M, float *L, float *o, const float *m, const float *l,
+                       const float *op, int Rkv);
+    void (*attn_final)(int R, float *o, const float *L, int Rkv);
     /* the KDA recurrence of one head (K3-MODEL.md §2.2, ref's k3_ref_kda_head_recurrent) over n
        tokens for value columns [j0, j1): q, k, g [n] rows sqk apart, v, o rows svo apart, beta
        sb apart; S [dk, dv] (in/out). A column's bits depend neither on [j0, j1) nor on how a

@@ -12,8 +12,10 @@
  * have ABSOLUTE boundaries (cache rows [0, KB), [KB, 2KB), ...), whatever rows share the tile;
  * every score is one fma chain over i ascending from 0 (the same in every lane and in every
  * micro-tile shape), every output element one chain (·α, then fma over k ascending) per block;
- * the per-row softmax updates are lane-wise. A key at or past the row's n_ctx (the tile reaches
- * the longest row's context) gets score −inf and p = 0 exactly: it changes neither m, nor l
+ * the per-row softmax updates are lane-wise; superblocks of ATT_SB keys (absolute too) each run
+ * their own online softmax and merge in ascending order (below), so a decode step may run its
+ * superblocks as parallel tasks and merge them after. A key at or past the row's n_ctx (the tile
+ * reaches the longest row's context) gets score −inf and p = 0 exactly: it changes neither m, nor l
  * (l + 0), nor O (fma(0, v, o) = o for a finite cache), so a block past a row's context is an
  * exact no-op (α = exp(0) = 1). The cache is read only below the tile's longest context. */
 
@@ -89,24 +91,41 @@ DEF_ATT_PV(att_pv_r1cn, 1, ATT_CV)
 DEF_ATT_PV(att_pv_rnc1, ATT_NR, 1)
 DEF_ATT_PV(att_pv_r1c1, 1, 1)
 
-/* One tile of R <= rp rows (R <= ATT_ROWS): queries qs[r] [W], contexts nctx[r] >= 1, outputs
- * os[r] [Rkv]. qt [W·rp], st [ATT_KB·rp] are the caller's scratch. */
-static void att_tile(const float *const *qs, const int64_t *nctx, float *const *os, int R, int rp,
-                     const float *cache, int W, int Rkv, float scale, float *qt, float *st) {
-    float m[ATT_ROWS], l[ATT_ROWS], al[ATT_ROWS];
-    int64_t kmax = 0;
-    for (int r = 0; r < R; r++) kmax = nctx[r] > kmax ? nctx[r] : kmax;
-    for (int i = 0; i < W; i++) { /* queries transposed: row r of element i at qt[i·rp + r] */
+/* Superblocks: a row's keys are taken ATT_SB at a time, at absolute boundaries [0, SB),
+ * [SB, 2SB), ... Each superblock gets its own online softmax (att_part: running max m, sum l and
+ * unnormalised output o from m = −inf), and the partials are merged in ascending order into the
+ * row's running (M, L, O) (att_merge). The first superblock's partial is the running state
+ * itself, so a context of at most ATT_SB keys is computed exactly as one online softmax. The
+ * order is fixed by the row's context alone: a tile walking its superblocks one after another
+ * and a decode step whose superblocks run as separate tasks, merged afterwards by the caller
+ * (cpu_attn.c), give the same bits. */
+#define ATT_SB 256 /* keys per superblock: a multiple of ATT_KB */
+_Static_assert(ATT_SB % ATT_KB == 0, "superblocks are whole key blocks");
+
+/* queries transposed: row r of element i at qt[i·rp + r] (rows R..rp zero) */
+static void att_qt(const float *const *qs, int R, int rp, int W, float *qt) {
+    for (int i = 0; i < W; i++) {
         for (int r = 0; r < R; r++) qt[i * rp + r] = qs[r][i];
         for (int r = R; r < rp; r++) qt[i * rp + r] = 0.0f;
     }
+}
+
+/* The partial of keys [k0s, k1s) (k0s a multiple of ATT_SB, k1s <= k0s + ATT_SB) for R <= rp
+ * rows with contexts nctx[r] (R <= ATT_ROWS): os[r] [Rkv] = Σ_k p_k·cache[k, 0:Rkv], m [rp] the
+ * running max, l [rp] the running sum, block after block (K3-MODEL.md §3.2's softmax, online).
+ * A row with nctx[r] <= k0s has no key here: its partial is meaningless (att_merge skips it).
+ * qt: att_qt's transposed queries; st [ATT_KB·rp] scratch. */
+static void att_part(const float *qt, const int64_t *nctx, float *const *os, int R, int rp,
+                     const float *cache, int W, int Rkv, float scale, int64_t k0s, int64_t k1s,
+                     float *st, float *m, float *l) {
     for (int r = 0; r < rp; r++) m[r] = -INFINITY, l[r] = 0.0f;
     for (int r = 0; r < R; r++)
         for (int c = 0; c < Rkv; c++) os[r][c] = 0.0f;
+    float al[ATT_ROWS];
     const int nv = rp / VL, cmain = Rkv - Rkv % VL;
     const VEC vscale = V_SET1(scale), vlow = V_SET1(-3.0e38f);
-    for (int64_t k0 = 0; k0 < kmax; k0 += ATT_KB) {
-        const int nk = (int)(kmax - k0 < ATT_KB ? kmax - k0 : ATT_KB);
+    for (int64_t k0 = k0s; k0 < k1s; k0 += ATT_KB) {
+        const int nk = (int)(k1s - k0 < ATT_KB ? k1s - k0 : ATT_KB);
         const float *kb = cache + k0 * W;
         /* scores of the block (row vectors 3 at a time, keys ATT_NK at a time) */
         for (int v = 0; v < nv;) {
@@ -163,12 +182,66 @@ static void att_tile(const float *const *qs, const int64_t *nctx, float *const *
             r += nr;
         }
     }
+}
+
+/* Merges the partial (m, l, op) of the superblock from key k0s into the running (M, L, os) of
+ * rows r < R (M, L, m, l: rp lanes): M' = max(M, m), a = exp(M − M'), b = exp(m − M'),
+ * L = L·a + l·b, O = O·a + op·b (one fma per element). Rows with nctx[r] <= k0s are left as
+ * they are (nctx NULL: every row has keys there). */
+static void att_merge(const int64_t *nctx, int64_t k0s, int R, int rp, float *M, float *L,
+                      float *const *os, const float *m, const float *l, const float *const *op,
+                      int Rkv) {
+    float a[ATT_ROWS], b[ATT_ROWS], Mn[ATT_ROWS], Ln[ATT_ROWS];
+    for (int v = 0; v < rp / VL; v++) {
+        const VEC mo = V_LOAD(M + v * VL), ms = V_LOAD(m + v * VL), mn = V_MAX(mo, ms);
+        const VEC va = v_exp(V_SUB(mo, mn)), vb = v_exp(V_SUB(ms, mn));
+        V_STORE(a + v * VL, va);
+        V_STORE(b + v * VL, vb);
+        V_STORE(Mn + v * VL, mn);
+        V_STORE(Ln + v * VL, V_FMA(V_LOAD(L + v * VL), va, V_MUL(V_LOAD(l + v * VL), vb)));
+    }
+    const int cmain = Rkv - Rkv % VL;
     for (int r = 0; r < R; r++) {
-        const VEC vl = V_SET1(l[r]);
+        if (nctx && nctx[r] <= k0s) continue;
+        M[r] = Mn[r], L[r] = Ln[r];
+        const VEC va = V_SET1(a[r]), vb = V_SET1(b[r]);
+        int c = 0;
+        for (; c < cmain; c += VL)
+            V_STORE(os[r] + c, V_FMA(V_LOAD(os[r] + c), va, V_MUL(V_LOAD(op[r] + c), vb)));
+        for (; c < Rkv; c++) os[r][c] = V_SFMA(os[r][c], a[r], op[r][c] * b[r]);
+    }
+}
+
+/* os[r] /= L[r], the end of every row */
+static void att_final(float *const *os, const float *L, int R, int Rkv) {
+    const int cmain = Rkv - Rkv % VL;
+    for (int r = 0; r < R; r++) {
+        const VEC vl = V_SET1(L[r]);
         int c = 0;
         for (; c < cmain; c += VL) V_STORE(os[r] + c, V_DIV(V_LOAD(os[r] + c), vl));
-        for (; c < Rkv; c++) os[r][c] /= l[r];
+        for (; c < Rkv; c++) os[r][c] /= L[r];
     }
+}
+
+/* One tile of R <= rp rows (R <= ATT_ROWS): queries qs[r] [W], contexts nctx[r] >= 1, outputs
+ * os[r] [Rkv], superblock after superblock. qt [W·rp], st [ATT_KB·rp], opb [rp·Rkv] (the later
+ * superblocks' partials) are the caller's scratch. */
+static void att_tile(const float *const *qs, const int64_t *nctx, float *const *os, int R, int rp,
+                     const float *cache, int W, int Rkv, float scale, float *qt, float *st,
+                     float *opb) {
+    float M[ATT_ROWS], L[ATT_ROWS], m[ATT_ROWS], l[ATT_ROWS];
+    float *op[ATT_ROWS];
+    int64_t kmax = 0;
+    for (int r = 0; r < R; r++) kmax = nctx[r] > kmax ? nctx[r] : kmax;
+    for (int r = 0; r < R; r++) op[r] = opb + (int64_t)r * Rkv;
+    att_qt(qs, R, rp, W, qt);
+    att_part(qt, nctx, os, R, rp, cache, W, Rkv, scale, 0, kmax < ATT_SB ? kmax : ATT_SB, st, M, L);
+    for (int64_t k0s = ATT_SB; k0s < kmax; k0s += ATT_SB) {
+        att_part(qt, nctx, op, R, rp, cache, W, Rkv, scale, k0s,
+                 kmax - k0s < ATT_SB ? kmax : k0s + ATT_SB, st, m, l);
+        att_merge(nctx, k0s, R, rp, M, L, os, m, l, (const float *const *)op, Rkv);
+    }
+    att_final(os, L, R, Rkv);
 }
 
 /* attn_latent_causal on the rows (query j, head h), j in [j0, j1), h in [h0, h1), in that
@@ -176,7 +249,7 @@ static void att_tile(const float *const *qs, const int64_t *nctx, float *const *
  * within ATT_QT_FLOATS). qc [n_q, H, W], o_lat [n_q, H, Rkv]; query j's context pos0 + j + 1. */
 static void attn_rows(const float *qc, const float *cache, int64_t pos0, int64_t j0, int64_t j1,
                       int h0, int h1, int H, int W, int Rkv, float scale, float *o_lat) {
-    float qt[ATT_QT_FLOATS], st[ATT_KB * ATT_ROWS];
+    float qt[ATT_QT_FLOATS], st[ATT_KB * ATT_ROWS], opb[ATT_QT_FLOATS]; /* rp·Rkv <= rp·W */
     int rp = ATT_QT_FLOATS / W / VL * VL;
     rp = rp > ATT_ROWS ? ATT_ROWS : rp;
     const float *qs[ATT_ROWS];
@@ -189,9 +262,53 @@ static void attn_rows(const float *qc, const float *cache, int64_t pos0, int64_t
             os[R] = o_lat + (j * H + h) * Rkv;
             nctx[R] = pos0 + j + 1;
             if (++R == rp) {
-                att_tile(qs, nctx, os, R, rp, cache, W, Rkv, scale, qt, st);
+                att_tile(qs, nctx, os, R, rp, cache, W, Rkv, scale, qt, st, opb);
                 R = 0;
             }
         }
-    if (R > 0) att_tile(qs, nctx, os, R, (R + VL - 1) / VL * VL, cache, W, Rkv, scale, qt, st);
+    if (R > 0) att_tile(qs, nctx, os, R, (R + VL - 1) / VL * VL, cache, W, Rkv, scale, qt, st, opb);
+}
+
+/* A decode step by superblocks (cpu_attn.c runs the superblocks as tasks): heads [h0, h1)
+ * (h1 − h0 <= ATT_ROWS, (h1 − h0)·W within ATT_QT_FLOATS once rounded to whole vectors) of one
+ * query qc [H, W] over the superblock of keys from k0s of a context of n_ctx: o [h1 − h0, Rkv]
+ * (o may be the running output when k0s = 0), m, l [h1 − h0]. attn_rows' bits once merged
+ * (attn_merge) in superblock order and finished (attn_final). */
+static void attn_part(const float *qc, const float *cache, int64_t n_ctx, int h0, int h1, int W,
+                      int Rkv, float scale, int64_t k0s, float *o, float *m, float *l) {
+    float qt[ATT_QT_FLOATS], st[ATT_KB * ATT_ROWS], mm[ATT_ROWS], ll[ATT_ROWS];
+    const float *qs[ATT_ROWS] = {0}; /* (initialised: gcc cannot see that R >= 1) */
+    float *os[ATT_ROWS] = {0};
+    int64_t nctx[ATT_ROWS] = {0};
+    const int R = h1 - h0, rp = (R + VL - 1) / VL * VL;
+    for (int r = 0; r < R; r++)
+        qs[r] = qc + (int64_t)(h0 + r) * W, os[r] = o + (int64_t)r * Rkv, nctx[r] = n_ctx;
+    att_qt(qs, R, rp, W, qt);
+    att_part(qt, nctx, os, R, rp, cache, W, Rkv, scale, k0s,
+             n_ctx - k0s < ATT_SB ? n_ctx : k0s + ATT_SB, st, mm, ll);
+    for (int r = 0; r < R; r++) m[r] = mm[r], l[r] = ll[r];
+}
+/* att_merge of R <= ATT_ROWS rows, each with keys in the superblock: the partial (m, l, op
+ * [R, Rkv]) into the running (M, L, o [R, Rkv]). */
+static void attn_merge(int R, float *M, float *L, float *o, const float *m, const float *l,
+                       const float *op, int Rkv) {
+    float Mv[ATT_ROWS] = {0}, Lv[ATT_ROWS] = {0}, mv[ATT_ROWS] = {0}, lv[ATT_ROWS] = {0};
+    float *os[ATT_ROWS] = {0};
+    const float *ops[ATT_ROWS] = {0};
+    const int rp = (R + VL - 1) / VL * VL;
+    for (int r = 0; r < R; r++) {
+        Mv[r] = M[r], Lv[r] = L[r], mv[r] = m[r], lv[r] = l[r];
+        os[r] = o + (int64_t)r * Rkv, ops[r] = op + (int64_t)r * Rkv;
+    }
+    att_merge(NULL, 0, R, rp, Mv, Lv, os, mv, lv, ops, Rkv);
+    for (int r = 0; r < R; r++) M[r] = Mv[r], L[r] = Lv[r];
+}
+/* o [R, Rkv] /= L[r] */
+static void attn_final(int R, float *o, const float *L, int Rkv) {
+    float *os[ATT_ROWS];
+    for (int r0 = 0; r0 < R; r0 += ATT_ROWS) {
+        const int n = R - r0 < ATT_ROWS ? R - r0 : ATT_ROWS;
+        for (int r = 0; r < n; r++) os[r] = o + (int64_t)(r0 + r) * Rkv;
+        att_final(os, L + r0, n, Rkv);
+    }
 }

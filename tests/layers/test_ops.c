@@ -1610,15 +1610,20 @@ static void test_attn_latent_causal(void) {
     /* Rkv not a multiple of any vector (60 = 3·16 + 12 = 7·8 + 4), contexts 38..209 (several key
        blocks, pos0 not on a block boundary), H = 5 (tiles cut between a query's heads); a second
        shape with many heads (H = 52 > one tile; decode: head groups); the third with scores
-       spread wide (sd ~25: the running max moves and most terms underflow). */
+       spread wide (sd ~25: the running max moves and most terms underflow). The last two reach
+       past the 256-key superblocks (kern_attn.h): contexts 231..560 and 1..600 (wide scores, so
+       a later superblock's max can win the merge); a decode step there splits its superblocks
+       over the pool at 2 and 4 threads, against one tile walking them at 1 thread. */
     static const struct {
         int H, Rkv, dr;
         int64_t pos0, n_q;
         float sd, scale;
-    } cs[3] = {{5, 60, 12, 37, 172, 1.0f, 0.3f},
+    } cs[5] = {{5, 60, 12, 37, 172, 1.0f, 0.3f},
                {52, 24, 8, 70, 11, 1.0f, 0.25f},
-               {3, 33, 7, 0, 130, 3.0f, 0.7f}};
-    for (int ci = 0; ci < 3; ci++) {
+               {3, 33, 7, 0, 130, 3.0f, 0.7f},
+               {5, 60, 12, 230, 330, 1.0f, 0.3f},
+               {3, 33, 7, 0, 600, 3.0f, 0.7f}};
+    for (int ci = 0; ci < 5; ci++) {
         const int H = cs[ci].H, Rkv = cs[ci].Rkv, W = Rkv + cs[ci].dr;
         const int64_t pos0 = cs[ci].pos0, n_q = cs[ci].n_q, n_ctx = pos0 + n_q;
         const int64_t nq = n_q * H * W, no = n_q * H * Rkv, row = (int64_t)H * Rkv;
