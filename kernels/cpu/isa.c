@@ -27,7 +27,34 @@ bool k3_cpu_isa_supported(const char *name) {
     return false;
 }
 
+/* The decode rows' walk, measured on both CPUs this project runs on (one thread, DRAM-resident
+ * BF16, k3 bench kernels and bench_forward): an AMD EPYC (Zen 4) streams one row after another
+ * with its hardware prefetcher at the read-only stream's rate (rows of 1024: ~27 vs ~13 GB/s for
+ * 8 rows side by side; small decode 34 -> 58 tok/s), software prefetches only cost it; the Xeon
+ * reached 95% of its read-only stream with rows side by side and a prefetch a group ahead. So
+ * AMD: seq, others: rows; K3_GEMV=seq|rows forces one (tests run both; the same bits). */
+bool k3_cpu_gemv_seq = false;
+
+static k3_status gemv_select(void) {
+    const char *g = getenv("K3_GEMV");
+    if (!g || !*g) {
+        __builtin_cpu_init();
+        k3_cpu_gemv_seq = __builtin_cpu_is("amd");
+    } else if (strcmp(g, "seq") == 0 || strcmp(g, "rows") == 0) {
+        k3_cpu_gemv_seq = strcmp(g, "seq") == 0;
+    } else {
+        return K3_ERR(K3_ERR_ARG, "K3_GEMV='%s' is not a decode row order (seq, rows)", g);
+    }
+    return K3_OK;
+}
+
+const char *k3_cpu_gemv_name(void) {
+    return k3_cpu_gemv_seq ? "seq" : "rows";
+}
+
 k3_status k3_cpu_kern_select(const k3_cpu_kern **out) {
+    *out = NULL;
+    K3_TRY(gemv_select());
     const char *want = getenv("K3_ISA");
     if (!want || !*want) {
         *out = has_avx512() ? &k3_cpu_kern_avx512

@@ -1,7 +1,9 @@
 /* kern_gemv.h — part of kern_tmpl.h (included there, once per ISA unit): the decode matmul,
- * y[t, o] for T < 4 tokens, rows [o0, o1). Pure weight streaming: each row is read once, GV_R
- * rows side by side (more independent loads in flight), the accumulators in registers for the
- * whole row, a software prefetch of the next group of rows on every stream, no scratch to clear.
+ * y[t, o] for T < 4 tokens, rows [o0, o1). Pure weight streaming: each row is read once, the
+ * accumulators in registers for the whole row, no scratch to clear. F32/BF16 rows go GV_R side
+ * by side (more independent loads in flight) with a software prefetch of the next group of rows
+ * on every stream, or, with k3_cpu_gemv_seq (isa.c: AMD's pick), one after another, memory in
+ * order, for the hardware prefetcher alone. MXFP4 rows always go GV_RM side by side.
  *
  * Same per-element arithmetic as gemm_rows (the reduction-order rule in kern_tmpl.h's header:
  * vector k of the row into a(k % 2), the VL-tail vector and the scalar tail by finish()), so a
@@ -12,7 +14,7 @@
  * x is copied once into mx32's element order (mx_xperm) for the whole call. */
 
 #if VL == 16
-#define GV_R 4 /* F32/BF16 rows side by side: 4 × (a0, a1) + 2 x, well inside 32 zmm */
+#define GV_R 8 /* F32/BF16 rows side by side: 8 × (a0, a1) + 2 x, inside 32 zmm */
 /* MXFP4 rows: 4. With 2, rows of 768 spent ~26% of their time in the fold after each group;
    4 halve that (+10% GB/s measured, in L2 and from DRAM). */
 #define GV_RM 4
@@ -57,7 +59,7 @@ static inline void mx_scales(const uint8_t *e, int64_t nb, float *out) {
 }
 
 /* R rows (ld elements apart) × one token over the row's [0, n_main): acc[r] = (a0, a1). */
-#define DEF_GV(NAME, WT, LDW, R)                                                                   \
+#define DEF_GV(NAME, WT, LDW, R, PF)                                                               \
     static void NAME(const WT *w, int64_t ld, const float *x, int64_t n_main, VEC *acc) {          \
         VEC a0[R], a1[R];                                                                          \
         const int64_t pfd = K3_MAX((int64_t)GV_PF, R * ld * (int64_t)sizeof(WT));                  \
@@ -65,7 +67,7 @@ static inline void mx_scales(const uint8_t *e, int64_t nb, float *out) {
         for (int64_t i = 0; i < n_main; i += 2 * VL) {                                             \
             VEC x0 = V_LOAD(x + i), x1 = V_LOAD(x + i + VL);                                       \
             _Pragma("GCC unroll 8") for (int r = 0; r < R; r++) {                                  \
-                for (int pf = 0; pf < (int)sizeof(WT) * 2 * VL; pf += 64)                          \
+                for (int pf = 0; PF && pf < (int)sizeof(WT) * 2 * VL; pf += 64)                    \
                     V_PREFETCH((const char *)(w + r * ld + i) + pfd + pf);                         \
                 a0[r] = V_FMA(x0, LDW(w + r * ld + i), a0[r]);                                     \
                 a1[r] = V_FMA(x1, LDW(w + r * ld + i + VL), a1[r]);                                \
@@ -74,10 +76,12 @@ static inline void mx_scales(const uint8_t *e, int64_t nb, float *out) {
         _Pragma("GCC unroll 8") for (int r = 0; r < R; r++) acc[2 * r] = a0[r],                    \
                                                                     acc[2 * r + 1] = a1[r];        \
     }
-DEF_GV(gv_f32_r, float, ldw_f32, GV_R)
-DEF_GV(gv_f32_1, float, ldw_f32, 1)
-DEF_GV(gv_bf16_r, uint16_t, ldw_bf16, GV_R)
-DEF_GV(gv_bf16_1, uint16_t, ldw_bf16, 1)
+DEF_GV(gv_f32_r, float, ldw_f32, GV_R, 1)
+DEF_GV(gv_f32_1, float, ldw_f32, 1, 1)
+DEF_GV(gv_f32_s, float, ldw_f32, 1, 0)
+DEF_GV(gv_bf16_r, uint16_t, ldw_bf16, GV_R, 1)
+DEF_GV(gv_bf16_1, uint16_t, ldw_bf16, 1, 1)
+DEF_GV(gv_bf16_s, uint16_t, ldw_bf16, 1, 0)
 
 /* A block's scale as the decode rows take it: with the unit's scaled tables (MX_TAB) the E8M0
  * byte itself (mx32t reads its table), else mx_scale of it, converted once per row (mx_scales). */
@@ -118,6 +122,7 @@ static void gemv_rows(const k3_tensor *W, const float *x, int64_t T, int64_t o0,
     const int64_t in = W->shape[1], out = W->shape[0];
     const int64_t n_main = in - in % (2 * VL);
     const bool mx = W->dtype == K3_DT_MXFP4;
+    const bool seq = k3_cpu_gemv_seq;
     const int64_t nb = in / 32;
     if (mx && (nb > GV_MAX_BLOCKS || (MX_XPERM && T * in > XB_FLOATS))) {
         gemm_rows(W, x, T, o0, o1, y); /* the same sums, walked in chunks */
@@ -131,7 +136,7 @@ static void gemv_rows(const k3_tensor *W, const float *x, int64_t T, int64_t o0,
         for (int64_t t = 0; t < T; t++) mx_xperm(x + t * in, xbuf + t * in, in);
     VEC acc[2 * GV_R];
     for (int64_t o = o0; o < o1;) {
-        const int Rw = mx ? GV_RM : GV_R, R = o1 - o >= Rw ? Rw : 1;
+        const int Rw = mx ? GV_RM : seq ? 1 : GV_R, R = o1 - o >= Rw ? Rw : 1;
 #if !MX_TAB
         if (mx)
             for (int r = 0; r < R; r++) mx_scales(W->scale + (o + r) * nb, nb, sc + r * nb);
@@ -149,12 +154,12 @@ static void gemv_rows(const k3_tensor *W, const float *x, int64_t T, int64_t o0,
                 (R > 1 ? gv_mx_r : gv_mx_1)(c, in / 2, s, nb, xp, acc);
             } else if (W->dtype == K3_DT_BF16) {
                 const uint16_t *w = (const uint16_t *)W->data + o * in;
-                (R > 1 ? gv_bf16_r : gv_bf16_1)(w, in, xt, n_main, acc);
+                (R > 1 ? gv_bf16_r : seq ? gv_bf16_s : gv_bf16_1)(w, in, xt, n_main, acc);
             } else {
                 const float *w = (const float *)W->data + o * in;
-                (R > 1 ? gv_f32_r : gv_f32_1)(w, in, xt, n_main, acc);
+                (R > 1 ? gv_f32_r : seq ? gv_f32_s : gv_f32_1)(w, in, xt, n_main, acc);
             }
-            if (n_main == in && R == Rw) { /* no tail: the R sums folded together */
+            if (n_main == in && R == Rw && Rw > 1) { /* no tail: the R sums folded together */
                 VEC v[GV_R > GV_RM ? GV_R : GV_RM];
                 if (mx) {
                     _Pragma("GCC unroll 8") for (int r = 0; r < GV_RM; r++) v[r] =

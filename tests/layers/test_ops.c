@@ -2109,6 +2109,22 @@ static const struct {
 #undef K3_OP_TEST
 _Static_assert(sizeof(k_tests) / sizeof(k_tests[0]) == K3_OP_COUNT, "one test per op");
 
+/* a cpu backend asked for with var=bad is refused, naming both; var is as it was afterwards */
+static void check_env_refused(const char *var, const char *bad) {
+    const char *was = getenv(var);
+    char *saved = was ? strdup(was) : NULL, needle[64];
+    snprintf(needle, sizeof needle, "%s='%s'", var, bad);
+    setenv(var, bad, 1);
+    k3_backend *nope = NULL;
+    K3_CHECK_ERR(k3_backend_create("cpu", NULL, &nope), K3_ERR_ARG, needle);
+    K3_CHECK(nope == NULL, "a failed create leaves *out NULL");
+    if (saved)
+        setenv(var, saved, 1);
+    else
+        unsetenv(var);
+    free(saved);
+}
+
 int main(void) {
     printf("test_ops seed %llu\n", (unsigned long long)k_seed);
     const char *isa = getenv("K3_ISA");
@@ -2137,16 +2153,12 @@ int main(void) {
     /* the ISA in use is the one asked for; an unknown K3_ISA is an error naming it */
     K3_CHECK(!isa || !*isa || strcmp(k3_cpu_isa_name(BE(B_CPU1)), isa) == 0, "cpu ISA %s, asked %s",
              k3_cpu_isa_name(BE(B_CPU1)), isa);
-    char *saved = isa ? strdup(isa) : NULL;
-    setenv("K3_ISA", "avx9", 1);
-    K3_CHECK_ERR(k3_backend_create("cpu", NULL, &nope), K3_ERR_ARG, "K3_ISA='avx9'");
-    K3_CHECK(nope == NULL, "a failed create leaves *out NULL");
-    if (saved)
-        setenv("K3_ISA", saved, 1);
-    else
-        unsetenv("K3_ISA");
-    free(saved);
-    K3_CHECK(nope == NULL, "a failed create leaves *out NULL");
+    check_env_refused("K3_ISA", "avx9");
+    /* the decode row order in use is the one asked for (kernels/cpu/isa.c); unknown: an error */
+    const char *gemv = getenv("K3_GEMV");
+    K3_CHECK(!gemv || !*gemv || strcmp(k3_cpu_gemv_name(), gemv) == 0, "decode rows %s, asked %s",
+             k3_cpu_gemv_name(), gemv);
+    check_env_refused("K3_GEMV", "zigzag");
     K3_CHECK(strcmp(k3_backend_host()->name, "cpu") == 0 &&
                  k3_backend_threads(k3_backend_host()) == 1,
              "host backend: one-thread cpu");

@@ -8,6 +8,12 @@ foreach(isa avx512 avx2 scalar)
   set_tests_properties(ops_${isa} PROPERTIES LABELS "unit;sanitize" ENVIRONMENT "${K3_TEST_ENV};K3_ISA=${isa}"
                        TIMEOUT 120 SKIP_RETURN_CODE 77)
 endforeach()
+# both decode row orders (kernels/cpu/isa.c: the CPU's vendor picks one) on the native ISA
+foreach(gemv seq rows)
+  add_test(NAME ops_gemv_${gemv} COMMAND test_ops)
+  set_tests_properties(ops_gemv_${gemv} PROPERTIES LABELS "unit;sanitize"
+                       ENVIRONMENT "${K3_TEST_ENV};K3_GEMV=${gemv}" TIMEOUT 120)
+endforeach()
 k3_add_test_exe(test_layers ${CMAKE_CURRENT_LIST_DIR}/test_layers.c)
 add_test(NAME layers COMMAND test_layers)
 set_tests_properties(layers PROPERTIES LABELS "unit;sanitize" ENVIRONMENT "${K3_TEST_ENV}" TIMEOUT 120)
