@@ -49,19 +49,22 @@ fwd() { # name, then bench_forward flags
   "$BUILD/tests/bench_forward" "$@" --json "$OUT/$name.json" >"$OUT/$name.log" 2>&1 ||
     { FAIL="$FAIL $name"; tail -5 "$OUT/$name.log" >&2; }
 }
-# REPS rounds, each running every preset at 1 and 2 threads once (--reps 1; 1 then 2 in odd
+# REPS rounds, each running every preset at 1 and 2 threads once (--reps 1, tiny 3; 1 then 2 in odd
 # rounds, 2 then 1 in even ones): a slow phase of this shared host then hits both thread counts
 # alike instead of whichever ran during it (seen here: the same run 2000 or 2900 tok/s minutes
 # apart). Each number below is the median over the rounds (a round's % of bound uses that run's
-# own measured limits). tiny decodes 256 tokens (~0.1 s; 32 of them took 10 ms, one hiccup's worth).
+# own measured limits). tiny decodes 256 tokens (~0.1 s; 32 of them took 10 ms, one hiccup's worth)
+# and runs 3 reps per round (bench_forward reports their median): single 0.1 s runs made the tiny
+# 2-thread/1-thread ratio a coin toss (seen: 0.92x over 5 rounds, where 6 rounds of 3 reps each
+# had 2 threads ahead in every round, decode and prefill alike).
 for r in $(seq "$REPS"); do
   for preset in small tiny; do
-    n_dec=32
-    [ $preset = tiny ] && n_dec=256
+    n_dec=32 reps=1
+    [ $preset = tiny ] && n_dec=256 reps=3
     order="1 2"
     [ $((r % 2)) = 0 ] && order="2 1"
     for t in $order; do
-      fwd "${preset}_t${t}_r$r" --preset $preset --threads $t --prompt $PROMPT --decode $n_dec --reps 1
+      fwd "${preset}_t${t}_r$r" --preset $preset --threads $t --prompt $PROMPT --decode $n_dec --reps $reps
     done
   done
 done
