@@ -16,6 +16,8 @@
 #include "k3_kernels.h"
 #include "k3_kernels_internal.h"
 
+#include <stdatomic.h>
+
 typedef struct k3_cpu_kern k3_cpu_kern;
 struct k3_cpu_kern {
     const char *name; /* "avx512", "avx2", "scalar" */
@@ -97,8 +99,10 @@ k3_status k3_cpu_attn_latent_causal(k3_backend *be, const float *qc, const float
                                     float *o_lat, float *work);
 
 /* Decode (T < 4) F32/BF16 rows one at a time, memory in order, no software prefetch (true), or
- * GV_R rows side by side with a prefetch per stream (false): chosen with the ISA (isa.c). */
-extern bool k3_cpu_gemv_seq;
+ * GV_R rows side by side with a prefetch per stream (false): chosen with the ISA (isa.c) at each
+ * backend creation, read by every decode matmul (atomic: a backend may be made while another
+ * runs; relaxed, the value depends on nothing else). */
+extern atomic_bool k3_cpu_gemv_seq;
 extern const k3_cpu_kern k3_cpu_kern_scalar;
 extern const k3_cpu_kern k3_cpu_kern_avx2;
 extern const k3_cpu_kern k3_cpu_kern_avx512;

@@ -33,15 +33,15 @@ bool k3_cpu_isa_supported(const char *name) {
  * 8 rows side by side; small decode 34 -> 58 tok/s), software prefetches only cost it; the Xeon
  * reached 95% of its read-only stream with rows side by side and a prefetch a group ahead. So
  * AMD: seq, others: rows; K3_GEMV=seq|rows forces one (tests run both; the same bits). */
-bool k3_cpu_gemv_seq = false;
+atomic_bool k3_cpu_gemv_seq = false;
 
 static k3_status gemv_select(void) {
     const char *g = getenv("K3_GEMV");
     if (!g || !*g) {
         __builtin_cpu_init();
-        k3_cpu_gemv_seq = __builtin_cpu_is("amd");
+        atomic_store_explicit(&k3_cpu_gemv_seq, __builtin_cpu_is("amd"), memory_order_relaxed);
     } else if (strcmp(g, "seq") == 0 || strcmp(g, "rows") == 0) {
-        k3_cpu_gemv_seq = strcmp(g, "seq") == 0;
+        atomic_store_explicit(&k3_cpu_gemv_seq, strcmp(g, "seq") == 0, memory_order_relaxed);
     } else {
         return K3_ERR(K3_ERR_ARG, "K3_GEMV='%s' is not a decode row order (seq, rows)", g);
     }
@@ -49,7 +49,7 @@ static k3_status gemv_select(void) {
 }
 
 const char *k3_cpu_gemv_name(void) {
-    return k3_cpu_gemv_seq ? "seq" : "rows";
+    return atomic_load_explicit(&k3_cpu_gemv_seq, memory_order_relaxed) ? "seq" : "rows";
 }
 
 k3_status k3_cpu_kern_select(const k3_cpu_kern **out) {
@@ -66,7 +66,6 @@ k3_status k3_cpu_kern_select(const k3_cpu_kern **out) {
                            : strcmp(want, "avx2") == 0   ? &k3_cpu_kern_avx2
                            : strcmp(want, "scalar") == 0 ? &k3_cpu_kern_scalar
                                                          : NULL;
-    *out = NULL;
     if (!k)
         return K3_ERR(K3_ERR_ARG,
                       "K3_ISA='%s' is not an ISA of the cpu backend (avx512, avx2, scalar)", want);

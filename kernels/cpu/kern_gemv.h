@@ -122,7 +122,7 @@ static void gemv_rows(const k3_tensor *W, const float *x, int64_t T, int64_t o0,
     const int64_t in = W->shape[1], out = W->shape[0];
     const int64_t n_main = in - in % (2 * VL);
     const bool mx = W->dtype == K3_DT_MXFP4;
-    const bool seq = k3_cpu_gemv_seq;
+    const bool seq = atomic_load_explicit(&k3_cpu_gemv_seq, memory_order_relaxed);
     const int64_t nb = in / 32;
     if (mx && (nb > GV_MAX_BLOCKS || (MX_XPERM && T * in > XB_FLOATS))) {
         gemm_rows(W, x, T, o0, o1, y); /* the same sums, walked in chunks */
@@ -136,7 +136,8 @@ static void gemv_rows(const k3_tensor *W, const float *x, int64_t T, int64_t o0,
         for (int64_t t = 0; t < T; t++) mx_xperm(x + t * in, xbuf + t * in, in);
     VEC acc[2 * GV_R];
     for (int64_t o = o0; o < o1;) {
-        const int Rw = mx ? GV_RM : seq ? 1 : GV_R, R = o1 - o >= Rw ? Rw : 1;
+        const int Rg = mx ? GV_RM : GV_R; /* the rows the fold below takes at once */
+        const int Rw = mx || !seq ? Rg : 1, R = o1 - o >= Rw ? Rw : 1;
 #if !MX_TAB
         if (mx)
             for (int r = 0; r < R; r++) mx_scales(W->scale + (o + r) * nb, nb, sc + r * nb);
@@ -159,7 +160,7 @@ static void gemv_rows(const k3_tensor *W, const float *x, int64_t T, int64_t o0,
                 const float *w = (const float *)W->data + o * in;
                 (R > 1 ? gv_f32_r : seq ? gv_f32_s : gv_f32_1)(w, in, xt, n_main, acc);
             }
-            if (n_main == in && R == Rw && Rw > 1) { /* no tail: the R sums folded together */
+            if (n_main == in && R == Rg) { /* no tail, a whole group: its sums folded together */
                 VEC v[GV_R > GV_RM ? GV_R : GV_RM];
                 if (mx) {
                     _Pragma("GCC unroll 8") for (int r = 0; r < GV_RM; r++) v[r] =
