@@ -12,8 +12,10 @@
 #   4. k3 bench kernels --threads 2 (weights 2 x L3): each op's GB/s and GFLOP/s vs the limits.
 # Each bench measures its own limits at its own thread count (launcher/bench_limits.c: best of
 # 5 trials; the FMA rate per second of each thread's CPU time). Every number of 1. and 2. is a
-# median over the REPS rounds. Prints one summary table; writes $OUT/bench-cpu.json (the summary rows + every run's
-# full JSON) beside each run's JSON and log.
+# median over the REPS rounds; each 2-thread/1-thread ratio is also taken round by round (their
+# median, and in how many rounds 2 threads led: a round's two runs share the host's phase).
+# Prints one summary table; writes $OUT/bench-cpu.json (the summary rows + every run's full JSON)
+# beside each run's JSON and log.
 #
 # Usage: scripts/bench-cpu.sh        BUILD=dir (default build), OUT=dir (default $BUILD/bench-cpu),
 #                                    LONG=32768 (0: skip the long prompt: on 2 cores it is the
@@ -134,6 +136,21 @@ def speedup(a, b, label):
     for k, what in (("decode_tok_s", "decode"), ("prefill_tok_s", "prefill")):
         rows.append((f"{label} {what} 2 thr / 1 thr", b[k] / a[k], "x", 2.0, "x",
                      100 * b[k] / a[k] / 2.0, "ideal 2x (2 cores)"))
+        # the same ratio round by round (a round's two runs are minutes closer than the medians'
+        # runs, so a phase of the host moves both): its median, and how many rounds 2 thr led
+        pairs = []
+        for i in range(1, 1000):
+            x, y = load(f"{label}_t1_r{i}"), load(f"{label}_t2_r{i}")
+            if not (x or y):
+                break
+            if x and y and x.get("results") and y.get("results"):
+                pairs.append((x["results"][0][k], y["results"][0][k]))
+        if pairs:
+            ratios = [q / p for p, q in pairs]
+            rows.append((f"{label} {what} 2 thr / 1 thr, per round", median(ratios), "x", 2.0, "x",
+                         100 * median(ratios) / 2.0,
+                         f"median of {len(ratios)} rounds' ratios ({min(ratios):.2f}-{max(ratios):.2f});"
+                         f" 2 thr ahead in {sum(r > 1 for r in ratios)} of {len(ratios)}"))
     s1, s2 = runs[label + "_t1"], runs[label + "_t2"]
     rows.append((f"{label} triad 2 thr / 1 thr", s2["triad_gbs"] / s1["triad_gbs"], "x", None, "",
                  None, "the decode bound's own speed-up"))
