@@ -2,8 +2,8 @@
  * y[t, o] for T < 4 tokens, rows [o0, o1). Pure weight streaming: each row is read once, the
  * accumulators in registers for the whole row, no scratch to clear. F32/BF16 rows go GV_R side
  * by side (more independent loads in flight) with a software prefetch of the next group of rows
- * on every stream, or, with k3_cpu_gemv_seq (isa.c: AMD's pick), one after another, memory in
- * order, for the hardware prefetcher alone. MXFP4 rows always go GV_RM side by side.
+ * on every stream, or, with k3_cpu_gemv_seq (isa.c: AMD's pick), as a few streams each in memory
+ * order, for the hardware prefetcher alone (gemv_seq). MXFP4 rows always go GV_RM side by side.
  *
  * Same per-element arithmetic as gemm_rows (the reduction-order rule in kern_tmpl.h's header:
  * vector k of the row into a(k % 2), the VL-tail vector and the scalar tail by finish()), so a
@@ -82,6 +82,43 @@ DEF_GV(gv_f32_s, float, ldw_f32, 1, 0)
 DEF_GV(gv_bf16_r, uint16_t, ldw_bf16, GV_R, 1)
 DEF_GV(gv_bf16_1, uint16_t, ldw_bf16, 1, 1)
 DEF_GV(gv_bf16_s, uint16_t, ldw_bf16, 1, 0)
+/* seq's streams: rows k and h + k of a call (ld = h rows apart), no software prefetch. Two: in
+   the model (small preset, interleaved rounds) three were no faster at one thread and slower at
+   two (5 of 5 rounds), though a lone matrix streamed faster with three (below). */
+#define GV_SEQ 2
+DEF_GV(gv_f32_sn, float, ldw_f32, GV_SEQ, 0)
+DEF_GV(gv_bf16_sn, uint16_t, ldw_bf16, GV_SEQ, 0)
+
+/* k3_cpu_gemv_seq's walk of F32/BF16 rows [o0, o1): the range cut in GV_SEQ parts of h rows
+ * walked side by side, row k of each at a time, so memory is read in order as GV_SEQ streams
+ * (the last n % GV_SEQ rows then one by one). Rows of 1024 BF16 from DRAM, one thread, on the
+ * EPYC that picks seq: one stream 16 GB/s, two 25, three 31. Each row's sums are the one-row
+ * walk's, folded by finish0 / finish as before. */
+static void gemv_seq(const k3_tensor *W, const float *x, int64_t T, int64_t o0, int64_t o1,
+                     int64_t n_main, float *y) {
+    const int64_t in = W->shape[1], out = W->shape[0], h = (o1 - o0) / GV_SEQ;
+    const bool bf = W->dtype == K3_DT_BF16;
+    VEC acc[2 * GV_SEQ];
+    for (int64_t k = 0; k < h + (o1 - o0) % GV_SEQ; k++) {
+        const int n = k < h ? GV_SEQ : 1;
+        const int64_t o = k < h ? o0 + k : o0 + GV_SEQ * h + (k - h);
+        for (int64_t t = 0; t < T; t++) {
+            const float *xt = x + t * in;
+            if (bf)
+                (n > 1 ? gv_bf16_sn : gv_bf16_s)((const uint16_t *)W->data + o * in, h * in, xt,
+                                                 n_main, acc);
+            else
+                (n > 1 ? gv_f32_sn : gv_f32_s)((const float *)W->data + o * in, h * in, xt, n_main,
+                                               acc);
+            for (int r = 0; r < n; r++) {
+                const int64_t row = o + r * h;
+                y[t * out + row] = n_main == in
+                                       ? finish0(acc[2 * r], acc[2 * r + 1])
+                                       : finish(W, row, xt, n_main, acc[2 * r], acc[2 * r + 1]);
+            }
+        }
+    }
+}
 
 /* A block's scale as the decode rows take it: with the unit's scaled tables (MX_TAB) the E8M0
  * byte itself (mx32t reads its table), else mx_scale of it, converted once per row (mx_scales). */
@@ -128,6 +165,10 @@ static void gemv_rows(const k3_tensor *W, const float *x, int64_t T, int64_t o0,
         gemm_rows(W, x, T, o0, o1, y); /* the same sums, walked in chunks */
         return;
     }
+    if (seq && !mx) {
+        gemv_seq(W, x, T, o0, o1, n_main, y);
+        return;
+    }
     float xbuf[MX_XPERM ? XB_FLOATS : 1];
 #if !MX_TAB
     float sc[mx ? GV_RM * GV_MAX_BLOCKS : 1]; /* the rows' scales, converted once per row */
@@ -137,7 +178,7 @@ static void gemv_rows(const k3_tensor *W, const float *x, int64_t T, int64_t o0,
     VEC acc[2 * GV_R];
     for (int64_t o = o0; o < o1;) {
         const int Rg = mx ? GV_RM : GV_R; /* the rows the fold below takes at once */
-        const int Rw = mx || !seq ? Rg : 1, R = o1 - o >= Rw ? Rw : 1;
+        const int R = o1 - o >= Rg ? Rg : 1;
 #if !MX_TAB
         if (mx)
             for (int r = 0; r < R; r++) mx_scales(W->scale + (o + r) * nb, nb, sc + r * nb);
@@ -155,10 +196,10 @@ static void gemv_rows(const k3_tensor *W, const float *x, int64_t T, int64_t o0,
                 (R > 1 ? gv_mx_r : gv_mx_1)(c, in / 2, s, nb, xp, acc);
             } else if (W->dtype == K3_DT_BF16) {
                 const uint16_t *w = (const uint16_t *)W->data + o * in;
-                (R > 1 ? gv_bf16_r : seq ? gv_bf16_s : gv_bf16_1)(w, in, xt, n_main, acc);
+                (R > 1 ? gv_bf16_r : gv_bf16_1)(w, in, xt, n_main, acc);
             } else {
                 const float *w = (const float *)W->data + o * in;
-                (R > 1 ? gv_f32_r : seq ? gv_f32_s : gv_f32_1)(w, in, xt, n_main, acc);
+                (R > 1 ? gv_f32_r : gv_f32_1)(w, in, xt, n_main, acc);
             }
             if (n_main == in && R == Rg) { /* no tail, a whole group: its sums folded together */
                 VEC v[GV_R > GV_RM ? GV_R : GV_RM];
