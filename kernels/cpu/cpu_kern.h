@@ -98,10 +98,11 @@ k3_status k3_cpu_attn_latent_causal(k3_backend *be, const float *qc, const float
                                     int64_t pos0, int64_t n_q, int H, int W, int Rkv, float scale,
                                     float *o_lat, float *work);
 
-/* Decode (T < 4) F32/BF16 rows one at a time, memory in order, no software prefetch (true), or
- * GV_R rows side by side with a prefetch per stream (false): chosen with the ISA (isa.c) at each
- * backend creation, read by every decode matmul (atomic: a backend may be made while another
- * runs; relaxed, the value depends on nothing else). */
+/* Decode (T < 4) F32/BF16 rows as two streams in memory order (the call's two halves, a row of
+ * each at a time), no software prefetch (true), or GV_R rows side by side with a prefetch per
+ * stream (false): chosen with the ISA (isa.c) at each backend creation, read by every decode
+ * matmul (atomic: a backend may be made while another runs; relaxed, the value depends on
+ * nothing else). */
 extern atomic_bool k3_cpu_gemv_seq;
 extern const k3_cpu_kern k3_cpu_kern_scalar;
 extern const k3_cpu_kern k3_cpu_kern_avx2;

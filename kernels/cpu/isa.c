@@ -30,8 +30,9 @@ bool k3_cpu_isa_supported(const char *name) {
 /* The decode rows' walk, measured on both CPUs this project runs on (one thread, DRAM-resident
  * BF16, k3 bench kernels and bench_forward): an AMD EPYC (Zen 4) streams one row after another
  * with its hardware prefetcher at the read-only stream's rate (rows of 1024: ~27 vs ~13 GB/s for
- * 8 rows side by side; small decode 34 -> 58 tok/s), software prefetches only cost it; the Xeon
- * reached 95% of its read-only stream with rows side by side and a prefetch a group ahead. So
+ * 8 rows side by side; small decode 34 -> 58 tok/s; two such streams, 68 -> 79: kern_gemv.h's
+ * gemv_seq), software prefetches only cost it; the Xeon reached 95% of its read-only stream with
+ * rows side by side and a prefetch a group ahead. So
  * AMD: seq, others: rows; K3_GEMV=seq|rows forces one (tests run both; the same bits). */
 atomic_bool k3_cpu_gemv_seq = false;
 
