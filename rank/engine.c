@@ -148,6 +148,10 @@ int k3_engine_pending(const k3_engine *e) {
     return e->r.coord ? rank_coord_pending(&e->r) : 0;
 }
 
+bool k3_engine_in_flight(const k3_engine *e) {
+    return e->r.coord && rank_coord_in_flight(&e->r);
+}
+
 void k3_engine_get_stats(const k3_engine *e, k3_engine_stats *out) {
     const rank_ctx *r = &e->r;
     memset(out, 0, sizeof *out);

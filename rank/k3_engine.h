@@ -161,6 +161,10 @@ k3_status k3_engine_heartbeat(k3_engine *e);
 k3_status k3_engine_step(k3_engine *e, const k3_event **events, int *n_events);
 /* Rank 0: requests queued + running. */
 int k3_engine_pending(const k3_engine *e);
+/* Rank 0: a step is still in flight though every request may have ended (a step returns with the
+ * first lane's events; another lane's logits of that step, and the step times they carry for
+ * k3_engine_rank_busy, arrive later). k3_engine_step collects it without waiting for requests. */
+bool k3_engine_in_flight(const k3_engine *e);
 
 /* What the run moved and took (rank 0). moe_* are the world's sums, filled by k3_engine_close. */
 struct k3_engine_stats {

@@ -204,6 +204,9 @@ k3_status rank_coord_cancel(rank_ctx *r, int64_t id);
 /* Progress until at least one event is ready or nothing is left (coordinator, + its worker). */
 void rank_coord_step(rank_ctx *r);
 int rank_coord_pending(const rank_ctx *r);
+/* A step whose logits some lane still owes (every request may have ended: a step returns with the
+ * first lane's events). */
+bool rank_coord_in_flight(const rank_ctx *r);
 /* Worker ranks: serve until STOP. */
 void rank_worker_serve(rank_ctx *r);
 /* One poll of this rank's worker input; true when a step was processed or STOP arrived. */

@@ -550,7 +550,7 @@ void rank_coord_destroy(rank_ctx *r) {
     r->n_force = 0;
 }
 
-static bool any_in_flight(const rank_ctx *r) {
+bool rank_coord_in_flight(const rank_ctx *r) {
     for (int g = 0; g < r->n_groups; g++)
         if (r->groups[g].pending > 0) return true;
     return false;
@@ -586,7 +586,7 @@ void rank_coord_step(rank_ctx *r) {
             backoff = 0;
         }
         if (r->n_ev > 0) return;
-        if (!any_in_flight(r)) {
+        if (!rank_coord_in_flight(r)) {
             /* nothing in flight: if requests wait, no step could take them (cannot happen: an
                idle group always admits the queue head); otherwise there is nothing to do */
             return;

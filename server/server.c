@@ -330,7 +330,9 @@ k3_status k3_server_run(k3_server *s, k3_engine *e, volatile sig_atomic_t *stop)
         st = admit_and_cancel(s, e, cancel_all);
         const int pending = k3_engine_pending(e);
         s->m.pending = pending;
-        if (st == K3_OK && pending == 0) {
+        /* a step still in flight when the last request ended is collected before idling: its
+           lanes' step times reach /metrics now, not at the next request */
+        if (st == K3_OK && pending == 0 && !k3_engine_in_flight(e)) {
             bool idle = t_stop >= 0 && s->n_busy == 0 && s->m.admitted == 0;
             if (!idle && t_stop >= 0 && s->m.admitted == 0 &&
                 k3_now_s() - t_stop > grace + STUCK_CLIENT_S) {
