@@ -239,9 +239,9 @@ const char *k3_backend_resolve(const char *name, char *why, size_t n);
 /* The SIMD kernels a cpu (or guard) backend runs ("avx512", "avx2", "scalar": cpuid's pick or
    K3_ISA's); "-" for other backends. For reports (k3 bench kernels, k3 version). */
 const char *k3_cpu_isa_name(const k3_backend *be);
-/* How the cpu backend's decode matmuls walk F32/BF16 rows: "seq" (one row after another, the
-   hardware prefetcher's stream: AMD's pick) or "rows" (GV_R rows side by side with a software
-   prefetch a group ahead: the others'); K3_GEMV=seq|rows forces one. For reports. */
+/* How the cpu backend's decode matmuls walk F32/BF16 rows: "seq" (two streams in memory order,
+   for the hardware prefetcher alone: AMD's pick) or "rows" (GV_R rows side by side with a
+   software prefetch a group ahead: the others'); K3_GEMV=seq|rows forces one. For reports. */
 const char *k3_cpu_gemv_name(void);
 /* The backends compiled into this build ("ref cpu guard cuda") and those usable on this machine,
  * with the reason for each one that is not ("ref cpu guard; cuda: no CUDA device visible"). */

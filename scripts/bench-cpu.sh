@@ -88,11 +88,12 @@ def median(v):
     v = sorted(v)
     return None if not v else v[len(v) // 2] if len(v) % 2 else 0.5 * (v[len(v) // 2 - 1] + v[len(v) // 2])
 # the interleaved rounds of each configuration merged: every number the median over the rounds
-rounds = {}
+rounds, by_round = {}, {}  # by_round[cfg][i]: round i's run (those that ran)
 for cfg in ("small_t1", "small_t2", "tiny_t1", "tiny_t2"):
-    rs = [d for d in (load(f"{cfg}_r{i}") for i in range(1, 1000)) if d and d.get("results")] \
-        if os.path.exists(os.path.join(out, cfg + "_r1.json")) else []
-    rounds[cfg] = rs
+    by_round[cfg] = {i: d for i, d in ((i, load(f"{cfg}_r{i}")) for i in range(1, 1000))
+                     if d and d.get("results")} \
+        if os.path.exists(os.path.join(out, cfg + "_r1.json")) else {}
+    rs = rounds[cfg] = list(by_round[cfg].values())
     if not rs:
         runs[cfg] = None
         continue
@@ -138,13 +139,8 @@ def speedup(a, b, label):
                      100 * b[k] / a[k] / 2.0, "ideal 2x (2 cores)"))
         # the same ratio round by round (a round's two runs are minutes closer than the medians'
         # runs, so a phase of the host moves both): its median, and how many rounds 2 thr led
-        pairs = []
-        for i in range(1, 1000):
-            x, y = load(f"{label}_t1_r{i}"), load(f"{label}_t2_r{i}")
-            if not (x or y):
-                break
-            if x and y and x.get("results") and y.get("results"):
-                pairs.append((x["results"][0][k], y["results"][0][k]))
+        r1, r2 = by_round[label + "_t1"], by_round[label + "_t2"]
+        pairs = [(r1[i]["results"][0][k], r2[i]["results"][0][k]) for i in sorted(r1) if i in r2]
         if pairs:
             ratios = [q / p for p, q in pairs]
             rows.append((f"{label} {what} 2 thr / 1 thr, per round", median(ratios), "x", 2.0, "x",
