@@ -404,6 +404,7 @@ static void free_w(wbuf *w) {
  * into t in order (multiply, then add); then the lanes of a0 + a1 summed as the unit's hsum
  * does — lanes (i, i + VL/2), then halves again down to (0, 1) — plus t. fused: V_FMA is one
  * rounding (AVX2, AVX-512), two on the scalar unit. */
+static void test_matmul_tn_order(void);
 static float order_oracle(const float *x, const float *w, int64_t in, int VL, bool fused) {
     float a0[16] = {0}, a1[16] = {0}, v[16];
     const int64_t n_main = in - in % (2 * VL);
@@ -493,6 +494,7 @@ static void test_matmul_order(void) {
 
 static void test_matmul(void) {
     test_matmul_order();
+    test_matmul_tn_order();
     const k3_dtype dts[6] = {K3_DT_F32, K3_DT_BF16, K3_DT_MXFP4,
                              K3_DT_F32, K3_DT_BF16, K3_DT_MXFP4};
     const int64_t ins[6] = {77, 200, 96, 1116, 1116, 1088}, outs[6] = {301, 130, 250, 37, 37, 37};
@@ -696,6 +698,56 @@ static void test_matmul_tn(void) {
         ys_free(ys);
         free_w(&w);
     }
+}
+
+/* matmul_tn's documented order (kern_tmpl.h): y[t, c] is one multiply-add per term in o order
+ * from 0 (fused on AVX2 / AVX-512, two roundings on the scalar unit), whatever the column split:
+ * rows alone and 4 at a time with a leftover (out 1, 3, 7, 50), columns in one walk and in
+ * several (in > 1024), with a tail, 1 and 4 threads, 1 and 3 tokens. */
+static void test_matmul_tn_order(void) {
+    const char *isa = k3_cpu_isa_name(BE(B_CPU1));
+    const bool fused = strcmp(isa, "scalar") != 0;
+    const k3_dtype dts[3] = {K3_DT_F32, K3_DT_BF16, K3_DT_MXFP4};
+    const int64_t ins[3] = {70, 2080, 1100}, outs[4] = {1, 3, 7, 50};
+    int64_t n_checked = 0;
+    for (int d = 0; d < 3; d++)
+        for (int ii = 0; ii < 3; ii++) {
+            const int64_t in = ins[ii];
+            if (dts[d] == K3_DT_MXFP4 && in % 32) continue;
+            for (int oi = 0; oi < 4; oi++) {
+                const int64_t out = outs[oi], T = 3;
+                wbuf w = make_w(dts[d], out, in);
+                float *x = fa(T * out), *y = fa(T * in);
+                fill_randn(x, T * out, 1.0f);
+                for (int bi = 0; bi < 2; bi++)
+                    for (int64_t Tc = 1; Tc <= T; Tc += 2) {
+                        for (int64_t q = 0; q < T * in; q++) y[q] = NAN;
+                        K3_CHECK_OK(run_matmul_tn(BE(bi ? B_CPU4 : B_CPU1), x, Tc, &w.t, y));
+                        for (int64_t t = 0; t < Tc; t++)
+                            for (int64_t c = 0; c < in; c++) {
+                                float a = 0.0f;
+                                for (int64_t o = 0; o < out; o++) {
+                                    const float xv = x[t * out + o], wv = k3_tensor_get(&w.t, o, c);
+                                    a = fused ? fmaf(xv, wv, a) : xv * wv + a;
+                                }
+                                const float got = y[t * in + c];
+                                n_checked++;
+                                if (memcmp(&a, &got, 4) == 0) continue;
+                                K3_CHECK(false,
+                                         "matmul_tn order (%s, %s in %lld out %lld T %lld, %s): "
+                                         "y[%lld, %lld] = %.9g, the documented order gives %.9g",
+                                         isa, k3_dtype_name(dts[d]), (long long)in, (long long)out,
+                                         (long long)Tc, k_be_label[bi ? B_CPU4 : B_CPU1],
+                                         (long long)t, (long long)c, got, a);
+                                goto next;
+                            }
+                    }
+            next:
+                free(x), free(y);
+                free_w(&w);
+            }
+        }
+    K3_CHECK(n_checked > 50000, "matmul_tn order: only %lld outputs checked", (long long)n_checked);
 }
 
 /* ---- rows / elementwise -------------------------------------------------------------------- */
