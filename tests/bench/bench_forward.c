@@ -32,7 +32,8 @@
  * Prints a table and writes JSON (--json FILE, default bench_forward.json) with every number:
  * the host, versions, commit and limits; per model the samples of every rep.
  * Usage: bench_forward [--model DIR | --preset tiny|small]... [--threads N] [--prompt N]
- *                      [--decode N] [--reps N] [--chunk C] [--kda-chunk C] [--json FILE] */
+ *                      [--decode N] [--reps N] [--chunk C] [--kda-chunk C] [--json FILE]
+ *                      [--profile 1]  (per model: each op's share of a decode token, on stderr) */
 #include <stdio.h>
 #include <stdlib.h>
 
@@ -54,6 +55,148 @@ typedef struct {
 } bench_times;
 
 static k3_backend *g_be;
+/* --profile 1: the forward runs on a wrapper backend that times each op call (the cpu ops are
+ * synchronous) during the decode steps, with the weight bytes of the matmuls; printed per model as
+ * where a decode token's time goes. One run's ops share the host's phase, so their shares compare
+ * where whole runs minutes apart do not (this host moves those by ±20%). */
+static struct {
+    k3_backend *inner, outer;
+    k3_ops ops;
+    k3_backend_iface iface;
+    bool on;
+    double s[K3_OP_COUNT], bytes[K3_OP_COUNT];
+    int64_t calls[K3_OP_COUNT];
+} g_prof;
+static double w_bytes(const k3_tensor *W) {
+    const double n = (double)W->shape[0] * (double)W->shape[1];
+    return W->dtype == K3_DT_MXFP4 ? n / 2 + n / 32 : n * (double)k3_dtype_size(W->dtype);
+}
+static void prof_note(int op, double t0, double bytes) {
+    if (!g_prof.on) return;
+    g_prof.s[op] += k3_now_s() - t0;
+    g_prof.calls[op]++;
+    g_prof.bytes[op] += bytes;
+}
+/* every op: the inner backend's op, timed (be shadowed so the argument list forwards as written) */
+#pragma GCC diagnostic push
+#pragma GCC diagnostic ignored "-Wshadow"
+#define PROF_OP(name, params, args)                                                                \
+    static k3_status prof_##name params {                                                          \
+        (void)be;                                                                                  \
+        const double t0_ = k3_now_s();                                                             \
+        k3_status st_;                                                                             \
+        {                                                                                          \
+            k3_backend *be = g_prof.inner;                                                         \
+            st_ = be->ops->name args;                                                              \
+        }                                                                                          \
+        prof_note(K3_OP_##name, t0_, 0);                                                           \
+        return st_;                                                                                \
+    }
+K3_OP_LIST(PROF_OP)
+#undef PROF_OP
+#pragma GCC diagnostic pop
+/* the matmuls again, with their weight bytes */
+static k3_status prof_mm(k3_backend *be, const float *x, int64_t T, const k3_tensor *W, float *y) {
+    (void)be;
+    const double t0 = k3_now_s();
+    k3_status st = g_prof.inner->ops->matmul(g_prof.inner, x, T, W, y);
+    prof_note(K3_OP_matmul, t0, w_bytes(W));
+    return st;
+}
+static k3_status prof_mm_tn(k3_backend *be, const float *x, int64_t T, const k3_tensor *W,
+                            float *y) {
+    (void)be;
+    const double t0 = k3_now_s();
+    k3_status st = g_prof.inner->ops->matmul_tn(g_prof.inner, x, T, W, y);
+    prof_note(K3_OP_matmul_tn, t0, w_bytes(W));
+    return st;
+}
+static k3_status prof_mm_group(k3_backend *be, const k3_mm *mm, int n) {
+    (void)be;
+    const double t0 = k3_now_s();
+    k3_status st = g_prof.inner->ops->matmul_group(g_prof.inner, mm, n);
+    double b = 0;
+    for (int i = 0; i < n; i++) b += w_bytes(mm[i].W);
+    prof_note(K3_OP_matmul_group, t0, b);
+    return st;
+}
+/* memory calls go straight to the inner backend */
+static k3_status pm_alloc(k3_backend *be, size_t n, void **out) {
+    (void)be;
+    return g_prof.inner->mem_->alloc(g_prof.inner, n, out);
+}
+static void pm_free(k3_backend *be, void *p) {
+    (void)be;
+    g_prof.inner->mem_->free(g_prof.inner, p);
+}
+static k3_status pm_upload(k3_backend *be, void *dst, const void *src, size_t n) {
+    (void)be;
+    return g_prof.inner->mem_->upload(g_prof.inner, dst, src, n);
+}
+static k3_status pm_download(k3_backend *be, void *dst, const void *src, size_t n) {
+    (void)be;
+    return g_prof.inner->mem_->download(g_prof.inner, dst, src, n);
+}
+static k3_status pm_sync(k3_backend *be) {
+    (void)be;
+    return g_prof.inner->mem_->synchronize(g_prof.inner);
+}
+static bool pm_supports(const k3_backend *be, int op, k3_dtype wt) {
+    (void)be;
+    return g_prof.inner->mem_->supports_op(g_prof.inner, op, wt);
+}
+static k3_status pm_memory(const k3_backend *be, size_t *fr, size_t *tot) {
+    (void)be;
+    return g_prof.inner->mem_->memory(g_prof.inner, fr, tot);
+}
+/* The wrapper of inner (which stays owned by the caller). */
+static k3_backend *prof_wrap(k3_backend *inner) {
+    g_prof.inner = inner;
+#define PROF_FIELD(name, params, args) g_prof.ops.name = prof_##name;
+    K3_OP_LIST(PROF_FIELD)
+#undef PROF_FIELD
+    g_prof.ops.matmul = prof_mm, g_prof.ops.matmul_tn = prof_mm_tn,
+    g_prof.ops.matmul_group = prof_mm_group;
+    g_prof.iface = (k3_backend_iface){.alloc = pm_alloc,
+                                      .free = pm_free,
+                                      .upload = pm_upload,
+                                      .download = pm_download,
+                                      .synchronize = pm_sync,
+                                      .supports_op = pm_supports,
+                                      .memory = pm_memory};
+    g_prof.outer = (k3_backend){.name = inner->name,
+                                .mem = inner->mem,
+                                .ops = &g_prof.ops,
+                                .mem_ = &g_prof.iface,
+                                .ctx = inner->ctx};
+    return &g_prof.outer;
+}
+/* The decode steps' op table of one model (stderr), then the counters cleared. */
+static void prof_print(const char *label, int64_t n_tokens, double decode_s) {
+    double sum = 0;
+    for (int op = 0; op < K3_OP_COUNT; op++) sum += g_prof.s[op];
+    fprintf(stderr,
+            "\ndecode profile, %s: %lld tokens, %.1f us/token (ops %.1f, between ops %.1f)\n",
+            label, (long long)n_tokens, 1e6 * decode_s / (double)n_tokens,
+            1e6 * sum / (double)n_tokens, 1e6 * (decode_s - sum) / (double)n_tokens);
+    fprintf(
+        stderr,
+        "| op | calls/token | us/token | %% of decode | weight GB/s |\n|---|---|---|---|---|\n");
+    for (;;) { /* largest first */
+        int best = -1;
+        for (int op = 0; op < K3_OP_COUNT; op++)
+            if (g_prof.calls[op] && (best < 0 || g_prof.s[op] > g_prof.s[best])) best = op;
+        if (best < 0) break;
+        char gbs[32] = "";
+        if (g_prof.bytes[best] > 0)
+            snprintf(gbs, sizeof gbs, "%.1f", g_prof.bytes[best] / g_prof.s[best] / 1e9);
+        fprintf(stderr, "| %s | %.1f | %.1f | %.1f | %s |\n", k3_op_name(best),
+                (double)g_prof.calls[best] / (double)n_tokens,
+                1e6 * g_prof.s[best] / (double)n_tokens, 100 * g_prof.s[best] / decode_s, gbs);
+        g_prof.calls[best] = 0;
+    }
+    memset(g_prof.s, 0, sizeof g_prof.s), memset(g_prof.bytes, 0, sizeof g_prof.bytes);
+}
 
 static k3_status bench_one(const tiny_model *m, const bench_args *a, bench_times *r) {
     const k3_config *c = &m->cfg;
@@ -94,12 +237,14 @@ static k3_status bench_one(const tiny_model *m, const bench_args *a, bench_times
                         a->n_prompt, k3_now_s() - t0);
         }
         double t1 = k3_now_s();
+        g_prof.on = g_prof.inner != NULL;
         for (int i = 0; e == K3_OK && i < a->n_decode; i++) {
             int32_t one = 1;
             k3_batch d = {
                 .n_seqs = 1, .states = &st, .n_tokens = &one, .token_ids = ids + a->n_prompt + i};
             e = k3_stage_forward(s, &d, &act, false, logits);
         }
+        g_prof.on = false;
         r->prefill_s[rep] = t1 - t0;
         r->decode_s[rep] = k3_now_s() - t1;
     }
@@ -209,6 +354,7 @@ int main(int argc, char **argv) {
     int n_models = 0, n_presets = 0, threads = 2;
     bench_args a = {.n_prompt = 128, .n_decode = 32, .reps = 5};
     const char *json_path = "bench_forward.json";
+    bool profile = false;
     for (int i = 1; i < argc; i++) {
         const char *k = argv[i], *v = i + 1 < argc ? argv[i + 1] : NULL;
         if (!v) {
@@ -233,6 +379,8 @@ int main(int argc, char **argv) {
             a.kda_chunk = atoi(v);
         else if (strcmp(k, "--json") == 0)
             json_path = v;
+        else if (strcmp(k, "--profile") == 0)
+            profile = atoi(v) != 0;
         else {
             fprintf(stderr, "bench_forward: unknown flag %s (or more than 8 models)\n", k);
             return 2;
@@ -250,13 +398,15 @@ int main(int argc, char **argv) {
         fprintf(stderr, "bench_forward: %s\n", k3_last_error());
         return 1;
     }
+    k3_backend *cpu_be = g_be;
+    if (profile) g_be = prof_wrap(cpu_be);
     bench_limits lim;
     bench_report rep = {.mode = "forward"};
     bench_row *m = &rep.meta;
     k3_status e = bench_measure_limits(threads, 5, 0, &lim);
     if (e == K3_OK) e = bench_meta_host(m);
     if (e == K3_OK) e = bench_put_str(m, "backend", "backend", g_be->name);
-    if (e == K3_OK) e = bench_put_str(m, "isa", "ISA", k3_cpu_isa_name(g_be));
+    if (e == K3_OK) e = bench_put_str(m, "isa", "ISA", k3_cpu_isa_name(cpu_be));
     if (e == K3_OK) e = bench_put_str(m, "gemv", "decode row order (K3_GEMV)", k3_cpu_gemv_name());
     if (e == K3_OK) e = bench_put_num(m, "threads", "threads", -1, threads);
     if (e == K3_OK) e = bench_put_num(m, "repetitions", "repetitions (median)", -1, a.reps);
@@ -294,6 +444,11 @@ int main(int argc, char **argv) {
         if (e == K3_OK) e = bench_one(&tm, &a, t);
         if (e == K3_OK) e = count(&tm.cfg, &a, t->n_calls, &f);
         if (e == K3_OK) e = put_row(&rep, label, &tm.cfg, &a, t, &f, &lim);
+        if (e == K3_OK && profile) {
+            double ds = 0;
+            for (int r = 0; r < a.reps; r++) ds += t->decode_s[r];
+            prof_print(label, (int64_t)a.n_decode * a.reps, ds);
+        }
         if (e != K3_OK) {
             fprintf(stderr, "bench_forward: %s: %s\n", label, k3_last_error());
             rc = 1;
@@ -308,6 +463,6 @@ int main(int argc, char **argv) {
         rc = 1;
     }
     bench_report_free(&rep);
-    k3_backend_destroy(g_be);
+    k3_backend_destroy(cpu_be);
     return rc;
 }
