@@ -64,18 +64,23 @@ static struct {
     k3_ops ops;
     k3_backend_iface iface;
     bool on;
-    double s[K3_OP_COUNT], bytes[K3_OP_COUNT];
-    int64_t calls[K3_OP_COUNT];
+    /* per op and weight kind: 0 none or F32, 1 BF16, 2 MXFP4, 3 a group of several kinds */
+    double s[K3_OP_COUNT][4], bytes[K3_OP_COUNT][4];
+    int64_t calls[K3_OP_COUNT][4];
 } g_prof;
+static const char *const k_prof_kind[4] = {"", " BF16", " MXFP4", " mixed"};
+static int w_kind(const k3_tensor *W) {
+    return W->dtype == K3_DT_BF16 ? 1 : W->dtype == K3_DT_MXFP4 ? 2 : 0;
+}
 static double w_bytes(const k3_tensor *W) {
     const double n = (double)W->shape[0] * (double)W->shape[1];
     return W->dtype == K3_DT_MXFP4 ? n / 2 + n / 32 : n * (double)k3_dtype_size(W->dtype);
 }
-static void prof_note(int op, double t0, double bytes) {
+static void prof_note(int op, int kind, double t0, double bytes) {
     if (!g_prof.on) return;
-    g_prof.s[op] += k3_now_s() - t0;
-    g_prof.calls[op]++;
-    g_prof.bytes[op] += bytes;
+    g_prof.s[op][kind] += k3_now_s() - t0;
+    g_prof.calls[op][kind]++;
+    g_prof.bytes[op][kind] += bytes;
 }
 /* every op: the inner backend's op, timed (be shadowed so the argument list forwards as written) */
 #pragma GCC diagnostic push
@@ -89,7 +94,7 @@ static void prof_note(int op, double t0, double bytes) {
             k3_backend *be = g_prof.inner;                                                         \
             st_ = be->ops->name args;                                                              \
         }                                                                                          \
-        prof_note(K3_OP_##name, t0_, 0);                                                           \
+        prof_note(K3_OP_##name, 0, t0_, 0);                                                        \
         return st_;                                                                                \
     }
 K3_OP_LIST(PROF_OP)
@@ -100,7 +105,7 @@ static k3_status prof_mm(k3_backend *be, const float *x, int64_t T, const k3_ten
     (void)be;
     const double t0 = k3_now_s();
     k3_status st = g_prof.inner->ops->matmul(g_prof.inner, x, T, W, y);
-    prof_note(K3_OP_matmul, t0, w_bytes(W));
+    prof_note(K3_OP_matmul, w_kind(W), t0, w_bytes(W));
     return st;
 }
 static k3_status prof_mm_tn(k3_backend *be, const float *x, int64_t T, const k3_tensor *W,
@@ -108,7 +113,7 @@ static k3_status prof_mm_tn(k3_backend *be, const float *x, int64_t T, const k3_
     (void)be;
     const double t0 = k3_now_s();
     k3_status st = g_prof.inner->ops->matmul_tn(g_prof.inner, x, T, W, y);
-    prof_note(K3_OP_matmul_tn, t0, w_bytes(W));
+    prof_note(K3_OP_matmul_tn, w_kind(W), t0, w_bytes(W));
     return st;
 }
 static k3_status prof_mm_group(k3_backend *be, const k3_mm *mm, int n) {
@@ -116,8 +121,12 @@ static k3_status prof_mm_group(k3_backend *be, const k3_mm *mm, int n) {
     const double t0 = k3_now_s();
     k3_status st = g_prof.inner->ops->matmul_group(g_prof.inner, mm, n);
     double b = 0;
-    for (int i = 0; i < n; i++) b += w_bytes(mm[i].W);
-    prof_note(K3_OP_matmul_group, t0, b);
+    int kind = n > 0 ? w_kind(mm[0].W) : 0;
+    for (int i = 0; i < n; i++) {
+        b += w_bytes(mm[i].W);
+        if (w_kind(mm[i].W) != kind) kind = 3;
+    }
+    prof_note(K3_OP_matmul_group, kind, t0, b);
     return st;
 }
 /* memory calls go straight to the inner backend */
@@ -174,7 +183,8 @@ static k3_backend *prof_wrap(k3_backend *inner) {
 /* The decode steps' op table of one model (stderr), then the counters cleared. */
 static void prof_print(const char *label, int64_t n_tokens, double decode_s) {
     double sum = 0;
-    for (int op = 0; op < K3_OP_COUNT; op++) sum += g_prof.s[op];
+    for (int op = 0; op < K3_OP_COUNT; op++)
+        for (int k = 0; k < 4; k++) sum += g_prof.s[op][k];
     fprintf(stderr,
             "\ndecode profile, %s: %lld tokens, %.1f us/token (ops %.1f, between ops %.1f)\n",
             label, (long long)n_tokens, 1e6 * decode_s / (double)n_tokens,
@@ -183,17 +193,20 @@ static void prof_print(const char *label, int64_t n_tokens, double decode_s) {
         stderr,
         "| op | calls/token | us/token | %% of decode | weight GB/s |\n|---|---|---|---|---|\n");
     for (;;) { /* largest first */
-        int best = -1;
+        int bo = -1, bk = 0;
         for (int op = 0; op < K3_OP_COUNT; op++)
-            if (g_prof.calls[op] && (best < 0 || g_prof.s[op] > g_prof.s[best])) best = op;
-        if (best < 0) break;
+            for (int k = 0; k < 4; k++)
+                if (g_prof.calls[op][k] && (bo < 0 || g_prof.s[op][k] > g_prof.s[bo][bk]))
+                    bo = op, bk = k;
+        if (bo < 0) break;
+        const double t = g_prof.s[bo][bk];
         char gbs[32] = "";
-        if (g_prof.bytes[best] > 0)
-            snprintf(gbs, sizeof gbs, "%.1f", g_prof.bytes[best] / g_prof.s[best] / 1e9);
-        fprintf(stderr, "| %s | %.1f | %.1f | %.1f | %s |\n", k3_op_name(best),
-                (double)g_prof.calls[best] / (double)n_tokens,
-                1e6 * g_prof.s[best] / (double)n_tokens, 100 * g_prof.s[best] / decode_s, gbs);
-        g_prof.calls[best] = 0;
+        if (g_prof.bytes[bo][bk] > 0)
+            snprintf(gbs, sizeof gbs, "%.1f", g_prof.bytes[bo][bk] / t / 1e9);
+        fprintf(stderr, "| %s%s | %.1f | %.1f | %.1f | %s |\n", k3_op_name(bo), k_prof_kind[bk],
+                (double)g_prof.calls[bo][bk] / (double)n_tokens, 1e6 * t / (double)n_tokens,
+                100 * t / decode_s, gbs);
+        g_prof.calls[bo][bk] = 0;
     }
     memset(g_prof.s, 0, sizeof g_prof.s), memset(g_prof.bytes, 0, sizeof g_prof.bytes);
 }
