@@ -9,8 +9,9 @@
 #   3. bench_forward --preset small --prompt 32768 once (--reps 1, 2 threads, in chunks of
 #      $LONG_CHUNK tokens, which bounds the scratch memory and does not change the FLOP count but
 #      for the LM head, counted once per chunk): % of the peak counting the attention FLOPs;
-#   4. bench_forward --preset small --profile 1 at 1 and 2 threads: each op's share of a decode
-#      token and the matmuls' GB/s by weight kind (tables after the summary);
+#   4. bench_forward --preset small --profile decode, then --profile prefill (a 512-token prompt),
+#      at 1 and 2 threads: each op's share of a decode token (of the prefill) and the matmuls'
+#      GB/s by weight kind (tables after the summary);
 #   5. k3 bench kernels --threads 2 (weights 2 x L3): each op's GB/s and GFLOP/s vs the limits.
 # Each bench measures its own limits at its own thread count (launcher/bench_limits.c: best of
 # 5 trials; the FMA rate per second of each thread's CPU time). Every number of 1. and 2. is a
@@ -75,13 +76,18 @@ done
 if [ "$LONG" -gt 0 ]; then
   fwd small_long --preset small --threads 2 --prompt "$LONG" --decode 8 --reps 1 --chunk "$LONG_CHUNK"
 fi
-# where a decode token's time goes, op by op (bench_forward --profile 1: one run's ops share the
-# host's phase, so their shares compare where whole runs do not); printed after the summary
-for t in 1 2; do
-  say "small_profile_t$t: bench_forward --preset small --threads $t --profile 1"
-  "$BUILD/tests/bench_forward" --preset small --threads $t --prompt 16 --decode 100 --reps 1 \
-    --profile 1 --json "$OUT/small_profile_t$t.json" >"$OUT/small_profile_t$t.log" 2>&1 ||
-    { FAIL="$FAIL small_profile_t$t"; tail -5 "$OUT/small_profile_t$t.log" >&2; }
+# where a decode token's (a prompt's) time goes, op by op (bench_forward --profile: one run's ops
+# share the host's phase, so their shares compare where whole runs do not); printed after the
+# summary
+for ph in decode prefill; do
+  for t in 1 2; do
+    args=(--prompt 16 --decode 100)
+    [ "$ph" = decode ] || args=(--prompt "$PROMPT" --decode 4)
+    say "small_${ph}_profile_t$t: bench_forward --preset small --threads $t ${args[*]} --profile $ph"
+    "$BUILD/tests/bench_forward" --preset small --threads $t "${args[@]}" --reps 1 \
+      --profile $ph --json "$OUT/small_${ph}_profile_t$t.json" >"$OUT/small_${ph}_profile_t$t.log" 2>&1 ||
+      { FAIL="$FAIL small_${ph}_profile_t$t"; tail -5 "$OUT/small_${ph}_profile_t$t.log" >&2; }
+  done
 done
 say "kernels: k3 bench kernels --threads 2 -r $REPS ${KN_ARGS[*]}"
 "$BUILD/k3" bench kernels --threads 2 -r "$REPS" "${KN_ARGS[@]}" --output-json "$OUT/kernels.json" \
@@ -193,11 +199,14 @@ json.dump({"summary": summary, "runs": runs, "rounds": rounds},
           open(os.path.join(out, "bench-cpu.json"), "w"), indent=1)
 print(f"\nwrote {os.path.join(out, 'bench-cpu.json')}")
 EOF
-for t in 1 2; do # the profile tables (the lines bench_forward --profile writes)
-  [ -f "$OUT/small_profile_t$t.log" ] || continue
-  echo
-  awk -v t="$t" '/^decode profile/ { sub(/^decode profile/, "decode profile, " t " thread(s)"); on = 1; print; next }
-                 on && /^\|/ { print; next } { on = 0 }' "$OUT/small_profile_t$t.log"
+for ph in decode prefill; do # the profile tables (the lines bench_forward --profile writes)
+  for t in 1 2; do
+    f="$OUT/small_${ph}_profile_t$t.log"
+    [ -f "$f" ] || continue
+    echo
+    awk -v t="$t" -v ph="$ph" '$0 ~ "^" ph " profile" { sub("^" ph " profile", ph " profile, " t " thread(s)"); on = 1; print; next }
+                   on && /^\|/ { print; next } { on = 0 }' "$f"
+  done
 done
 say "done in $(($(date +%s) - T0)) s"
 [ -z "$FAIL" ] || { say "FAILED to run:$FAIL (logs in $OUT)"; exit 1; }

@@ -33,7 +33,8 @@
  * the host, versions, commit and limits; per model the samples of every rep.
  * Usage: bench_forward [--model DIR | --preset tiny|small]... [--threads N] [--prompt N]
  *                      [--decode N] [--reps N] [--chunk C] [--kda-chunk C] [--json FILE]
- *                      [--profile 1]  (per model: each op's share of a decode token, on stderr) */
+ *                      [--profile 1|decode|prefill]  (per model: each op's share of a decode
+ *                      token, or of the prefill's time, on stderr) */
 #include <stdio.h>
 #include <stdlib.h>
 
@@ -55,15 +56,17 @@ typedef struct {
 } bench_times;
 
 static k3_backend *g_be;
-/* --profile 1: the forward runs on a wrapper backend that times each op call (the cpu ops are
- * synchronous) during the decode steps, with the weight bytes of the matmuls; printed per model as
- * where a decode token's time goes. One run's ops share the host's phase, so their shares compare
- * where whole runs minutes apart do not (this host moves those by ±20%). */
+/* --profile 1 (or decode) | prefill: the forward runs on a wrapper backend that times each op call
+ * (the cpu ops are synchronous) during the decode steps (or the prefill calls), with the weight
+ * bytes of the matmuls; printed per model as where a decode token's (a prompt's) time goes. One
+ * run's ops share the host's phase, so their shares compare where whole runs minutes apart do not
+ * (this host moves those by ±20%). */
 static struct {
     k3_backend *inner, outer;
     k3_ops ops;
     k3_backend_iface iface;
     bool on;
+    int phase; /* 0 off, 1 the decode steps, 2 the prefill */
     /* per op and weight kind: 0 none or F32, 1 BF16, 2 MXFP4, 3 a group of several kinds */
     double s[K3_OP_COUNT][4], bytes[K3_OP_COUNT][4];
     int64_t calls[K3_OP_COUNT][4];
@@ -180,18 +183,19 @@ static k3_backend *prof_wrap(k3_backend *inner) {
                                 .ctx = inner->ctx};
     return &g_prof.outer;
 }
-/* The decode steps' op table of one model (stderr), then the counters cleared. */
+/* The profiled phase's op table of one model (stderr), then the counters cleared: per token of
+ * that phase (decode: generated tokens; prefill: prompt tokens). */
 static void prof_print(const char *label, int64_t n_tokens, double decode_s) {
+    const char *ph = g_prof.phase == 2 ? "prefill" : "decode";
     double sum = 0;
     for (int op = 0; op < K3_OP_COUNT; op++)
         for (int k = 0; k < 4; k++) sum += g_prof.s[op][k];
-    fprintf(stderr,
-            "\ndecode profile, %s: %lld tokens, %.1f us/token (ops %.1f, between ops %.1f)\n",
-            label, (long long)n_tokens, 1e6 * decode_s / (double)n_tokens,
+    fprintf(stderr, "\n%s profile, %s: %lld tokens, %.1f us/token (ops %.1f, between ops %.1f)\n",
+            ph, label, (long long)n_tokens, 1e6 * decode_s / (double)n_tokens,
             1e6 * sum / (double)n_tokens, 1e6 * (decode_s - sum) / (double)n_tokens);
-    fprintf(
-        stderr,
-        "| op | calls/token | us/token | %% of decode | weight GB/s |\n|---|---|---|---|---|\n");
+    fprintf(stderr,
+            "| op | calls/token | us/token | %% of %s | weight GB/s |\n|---|---|---|---|---|\n",
+            ph);
     for (;;) { /* largest first */
         int bo = -1, bk = 0;
         for (int op = 0; op < K3_OP_COUNT; op++)
@@ -241,6 +245,7 @@ static k3_status bench_one(const tiny_model *m, const bench_args *a, bench_times
     for (int rep = 0; e == K3_OK && rep < a->reps; rep++) {
         e = k3_seq_state_reset(st);
         double t0 = k3_now_s();
+        g_prof.on = g_prof.inner != NULL && g_prof.phase == 2;
         for (int p0 = 0; e == K3_OK && p0 < a->n_prompt; p0 += C) {
             int32_t n = K3_MIN(C, a->n_prompt - p0);
             k3_batch b = {.n_seqs = 1, .states = &st, .n_tokens = &n, .token_ids = ids + p0};
@@ -250,7 +255,7 @@ static k3_status bench_one(const tiny_model *m, const bench_args *a, bench_times
                         a->n_prompt, k3_now_s() - t0);
         }
         double t1 = k3_now_s();
-        g_prof.on = g_prof.inner != NULL;
+        g_prof.on = g_prof.inner != NULL && g_prof.phase == 1;
         for (int i = 0; e == K3_OK && i < a->n_decode; i++) {
             int32_t one = 1;
             k3_batch d = {
@@ -367,7 +372,7 @@ int main(int argc, char **argv) {
     int n_models = 0, n_presets = 0, threads = 2;
     bench_args a = {.n_prompt = 128, .n_decode = 32, .reps = 5};
     const char *json_path = "bench_forward.json";
-    bool profile = false;
+    int profile = 0;
     for (int i = 1; i < argc; i++) {
         const char *k = argv[i], *v = i + 1 < argc ? argv[i + 1] : NULL;
         if (!v) {
@@ -392,9 +397,19 @@ int main(int argc, char **argv) {
             a.kda_chunk = atoi(v);
         else if (strcmp(k, "--json") == 0)
             json_path = v;
-        else if (strcmp(k, "--profile") == 0)
-            profile = atoi(v) != 0;
-        else {
+        else if (strcmp(k, "--profile") == 0) {
+            profile = strcmp(v, "prefill") == 0                         ? 2
+                      : strcmp(v, "decode") == 0 || strcmp(v, "1") == 0 ? 1
+                      : strcmp(v, "0") == 0                             ? 0
+                                                                        : -1;
+            if (profile < 0) {
+                fprintf(stderr,
+                        "bench_forward: --profile %s: want 0, 1 (decode), decode or "
+                        "prefill\n",
+                        v);
+                return 2;
+            }
+        } else {
             fprintf(stderr, "bench_forward: unknown flag %s (or more than 8 models)\n", k);
             return 2;
         }
@@ -412,7 +427,7 @@ int main(int argc, char **argv) {
         return 1;
     }
     k3_backend *cpu_be = g_be;
-    if (profile) g_be = prof_wrap(cpu_be);
+    if (profile) g_be = prof_wrap(cpu_be), g_prof.phase = profile;
     bench_limits lim;
     bench_report rep = {.mode = "forward"};
     bench_row *m = &rep.meta;
@@ -459,8 +474,8 @@ int main(int argc, char **argv) {
         if (e == K3_OK) e = put_row(&rep, label, &tm.cfg, &a, t, &f, &lim);
         if (e == K3_OK && profile) {
             double ds = 0;
-            for (int r = 0; r < a.reps; r++) ds += t->decode_s[r];
-            prof_print(label, (int64_t)a.n_decode * a.reps, ds);
+            for (int r = 0; r < a.reps; r++) ds += profile == 2 ? t->prefill_s[r] : t->decode_s[r];
+            prof_print(label, (int64_t)(profile == 2 ? a.n_prompt : a.n_decode) * a.reps, ds);
         }
         if (e != K3_OK) {
             fprintf(stderr, "bench_forward: %s: %s\n", label, k3_last_error());
