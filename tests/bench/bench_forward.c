@@ -68,7 +68,7 @@ static struct {
     bool on;
     int phase; /* 0 off, 1 the decode steps, 2 the prefill */
     /* per op and weight kind: 0 none or F32, 1 BF16, 2 MXFP4, 3 a group of several kinds */
-    double s[K3_OP_COUNT][4], bytes[K3_OP_COUNT][4];
+    double s[K3_OP_COUNT][4], bytes[K3_OP_COUNT][4], flops[K3_OP_COUNT][4];
     int64_t calls[K3_OP_COUNT][4];
 } g_prof;
 static const char *const k_prof_kind[4] = {"", " BF16", " MXFP4", " mixed"};
@@ -79,11 +79,15 @@ static double w_bytes(const k3_tensor *W) {
     const double n = (double)W->shape[0] * (double)W->shape[1];
     return W->dtype == K3_DT_MXFP4 ? n / 2 + n / 32 : n * (double)k3_dtype_size(W->dtype);
 }
-static void prof_note(int op, int kind, double t0, double bytes) {
+static double w_flops(const k3_tensor *W, int64_t T) {
+    return 2.0 * (double)W->shape[0] * (double)W->shape[1] * (double)T;
+}
+static void prof_note(int op, int kind, double t0, double bytes, double flops) {
     if (!g_prof.on) return;
     g_prof.s[op][kind] += k3_now_s() - t0;
     g_prof.calls[op][kind]++;
     g_prof.bytes[op][kind] += bytes;
+    g_prof.flops[op][kind] += flops;
 }
 /* every op: the inner backend's op, timed (be shadowed so the argument list forwards as written) */
 #pragma GCC diagnostic push
@@ -97,7 +101,7 @@ static void prof_note(int op, int kind, double t0, double bytes) {
             k3_backend *be = g_prof.inner;                                                         \
             st_ = be->ops->name args;                                                              \
         }                                                                                          \
-        prof_note(K3_OP_##name, 0, t0_, 0);                                                        \
+        prof_note(K3_OP_##name, 0, t0_, 0, 0);                                                     \
         return st_;                                                                                \
     }
 K3_OP_LIST(PROF_OP)
@@ -108,7 +112,7 @@ static k3_status prof_mm(k3_backend *be, const float *x, int64_t T, const k3_ten
     (void)be;
     const double t0 = k3_now_s();
     k3_status st = g_prof.inner->ops->matmul(g_prof.inner, x, T, W, y);
-    prof_note(K3_OP_matmul, w_kind(W), t0, w_bytes(W));
+    prof_note(K3_OP_matmul, w_kind(W), t0, w_bytes(W), w_flops(W, T));
     return st;
 }
 static k3_status prof_mm_tn(k3_backend *be, const float *x, int64_t T, const k3_tensor *W,
@@ -116,20 +120,20 @@ static k3_status prof_mm_tn(k3_backend *be, const float *x, int64_t T, const k3_
     (void)be;
     const double t0 = k3_now_s();
     k3_status st = g_prof.inner->ops->matmul_tn(g_prof.inner, x, T, W, y);
-    prof_note(K3_OP_matmul_tn, w_kind(W), t0, w_bytes(W));
+    prof_note(K3_OP_matmul_tn, w_kind(W), t0, w_bytes(W), w_flops(W, T));
     return st;
 }
 static k3_status prof_mm_group(k3_backend *be, const k3_mm *mm, int n) {
     (void)be;
     const double t0 = k3_now_s();
     k3_status st = g_prof.inner->ops->matmul_group(g_prof.inner, mm, n);
-    double b = 0;
+    double b = 0, f = 0;
     int kind = n > 0 ? w_kind(mm[0].W) : 0;
     for (int i = 0; i < n; i++) {
-        b += w_bytes(mm[i].W);
+        b += w_bytes(mm[i].W), f += w_flops(mm[i].W, mm[i].T);
         if (w_kind(mm[i].W) != kind) kind = 3;
     }
-    prof_note(K3_OP_matmul_group, kind, t0, b);
+    prof_note(K3_OP_matmul_group, kind, t0, b, f);
     return st;
 }
 /* memory calls go straight to the inner backend */
@@ -194,7 +198,8 @@ static void prof_print(const char *label, int64_t n_tokens, double decode_s) {
             ph, label, (long long)n_tokens, 1e6 * decode_s / (double)n_tokens,
             1e6 * sum / (double)n_tokens, 1e6 * (decode_s - sum) / (double)n_tokens);
     fprintf(stderr,
-            "| op | calls/token | us/token | %% of %s | weight GB/s |\n|---|---|---|---|---|\n",
+            "| op | calls/token | us/token | %% of %s | weight GB/s | GFLOP/s |\n"
+            "|---|---|---|---|---|---|\n",
             ph);
     for (;;) { /* largest first */
         int bo = -1, bk = 0;
@@ -204,15 +209,18 @@ static void prof_print(const char *label, int64_t n_tokens, double decode_s) {
                     bo = op, bk = k;
         if (bo < 0) break;
         const double t = g_prof.s[bo][bk];
-        char gbs[32] = "";
+        char gbs[32] = "", gfs[32] = "";
         if (g_prof.bytes[bo][bk] > 0)
             snprintf(gbs, sizeof gbs, "%.1f", g_prof.bytes[bo][bk] / t / 1e9);
-        fprintf(stderr, "| %s%s | %.1f | %.1f | %.1f | %s |\n", k3_op_name(bo), k_prof_kind[bk],
-                (double)g_prof.calls[bo][bk] / (double)n_tokens, 1e6 * t / (double)n_tokens,
-                100 * t / decode_s, gbs);
+        if (g_prof.flops[bo][bk] > 0)
+            snprintf(gfs, sizeof gfs, "%.1f", g_prof.flops[bo][bk] / t / 1e9);
+        fprintf(stderr, "| %s%s | %.1f | %.1f | %.1f | %s | %s |\n", k3_op_name(bo),
+                k_prof_kind[bk], (double)g_prof.calls[bo][bk] / (double)n_tokens,
+                1e6 * t / (double)n_tokens, 100 * t / decode_s, gbs, gfs);
         g_prof.calls[bo][bk] = 0;
     }
     memset(g_prof.s, 0, sizeof g_prof.s), memset(g_prof.bytes, 0, sizeof g_prof.bytes);
+    memset(g_prof.flops, 0, sizeof g_prof.flops);
 }
 
 static k3_status bench_one(const tiny_model *m, const bench_args *a, bench_times *r) {
