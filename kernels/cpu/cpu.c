@@ -101,7 +101,7 @@ static bool xpk_share(k3_backend *be, const k3_mm *mm, int n, const float **xpk)
     int n_keys = 0;
     for (int i = 0; i < n; i++) {
         xpk[i] = NULL, key[i] = -1;
-        if (mm[i].T < 4 || mm[i].W->shape[0] <= 0) continue;
+        if (k3_cpu_gemv_path(c->kern, mm[i].W, mm[i].T) || mm[i].W->shape[0] <= 0) continue;
         for (int q = 0; q < i && key[i] < 0; q++)
             if (key[q] >= 0 && mm[q].x == mm[i].x && mm[q].T == mm[i].T &&
                 mm[q].W->shape[1] == mm[i].W->shape[1] &&
@@ -163,7 +163,7 @@ static k3_status cpu_matmul_group(k3_backend *be, const k3_mm *mm, int n) {
             const double wb = (double)mm[i].W->shape[0] * (double)row_bytes(mm[i].W);
             bytes += wb;
             macs += (double)mm[i].T * (double)mm[i].W->shape[0] * (double)mm[i].W->shape[1];
-            decode = decode && mm[i].T < 4;
+            decode = decode && k3_cpu_gemv_path(kern(be), mm[i].W, mm[i].T);
         }
     if (bytes == 0) return K3_OK;
     const int nth = k3_pool_threads(k3_cpu_pool(be));
@@ -197,7 +197,7 @@ static k3_status cpu_matmul_group(k3_backend *be, const k3_mm *mm, int n) {
         const int64_t out = mm[i].W->shape[0];
         if (mm[i].T <= 0 || out <= 0) continue;
         const double rb = (double)row_bytes(mm[i].W);
-        const int64_t gran = mm[i].T >= 4 ? 24 : 4;
+        const int64_t gran = k3_cpu_gemv_path(kern(be), mm[i].W, mm[i].T) ? 4 : 24;
         for (int64_t r = 0; r < out;) {
             int64_t r1 = out;
             if (cur + 1 < nb) {

@@ -29,6 +29,7 @@ struct k3_cpu_kern {
        xpk_pack fills tokens [t0, t1) of them (t0 a multiple of gt, the tile's tokens; W gives
        the layout: MXFP4 may pack x in another order), mm_rows_xpk = mm_rows reading them. */
     int gt;
+    int mx_gemv_t; /* MXFP4 products of fewer tokens take the decode path (k3_cpu_gemv_path) */
     int64_t (*xpk_floats)(int64_t T, int64_t in);
     void (*xpk_pack)(const k3_tensor *W, const float *x, int64_t T, int64_t t0, int64_t t1,
                      float *xpk);
@@ -104,6 +105,15 @@ k3_status k3_cpu_attn_latent_causal(k3_backend *be, const float *qc, const float
  * matmul (atomic: a backend may be made while another runs; relaxed, the value depends on
  * nothing else). */
 extern atomic_bool k3_cpu_gemv_seq;
+/* The decode path (kern_gemv.h: rows streamed once, a row group's sums of every token in
+ * registers) takes a product of T < 4 tokens, and MXFP4 up to k->mx_gemv_t - 1 tokens: its rows
+ * decode each block once per 3 tokens in registers, which beats the prefill path's panels (the
+ * decoded floats stored and loaded again) for a few tokens: on AVX-512 up to 11 (an expert's
+ * rows of a decode batch), on AVX2 3 (16 registers). The other products take the prefill path
+ * (kern_tmpl.h's packed panels and register tiles). Same bits either way. */
+static inline bool k3_cpu_gemv_path(const k3_cpu_kern *k, const k3_tensor *W, int64_t T) {
+    return T < 4 || (W->dtype == K3_DT_MXFP4 && T < k->mx_gemv_t);
+}
 extern const k3_cpu_kern k3_cpu_kern_scalar;
 extern const k3_cpu_kern k3_cpu_kern_avx2;
 extern const k3_cpu_kern k3_cpu_kern_avx512;

@@ -1,5 +1,6 @@
 /* kern_gemv.h — part of kern_tmpl.h (included there, once per ISA unit): the decode matmul,
- * y[t, o] for T < 4 tokens, rows [o0, o1). Pure weight streaming: each row is read once, the
+ * y[t, o] for T < 4 tokens (MXFP4: T < MX_GEMV_T, 3 tokens at a time), rows [o0, o1). Pure weight
+ * streaming: each row is read once (MXFP4: once per 3 tokens, the row group in L1), the
  * accumulators in registers for the whole row, no scratch to clear. F32/BF16 rows go GV_R side
  * by side (more independent loads in flight) with a software prefetch of the next group of rows
  * on every stream, or, with k3_cpu_gemv_seq (isa.c: AMD's pick), as a few streams each in memory
@@ -156,30 +157,78 @@ typedef uint8_t gv_scale;
 typedef float gv_scale;
 #define GV_MX_BLOCK(codes, s, w) mx32s(codes, s, w)
 #endif
-/* R MXFP4 rows (codes ld_c bytes apart, scales sc[r·nb + b]) × one token whose x is in mx32's
- * order (xp), over nb blocks. */
-#define DEF_GV_MX(NAME, R)                                                                         \
+/* R MXFP4 rows (codes ld_c bytes apart, scales sc[r·nb + b]) × NT tokens whose x is in mx32's
+ * order (token u's at xp + u·ldx), over nb blocks: each block is decoded once for all NT tokens
+ * (the decode, not the FMAs, bounds these rows: 2 or 3 tokens cost ~1.2-1.5 of one instead of 2
+ * or 3). Accumulator (r, u) meets the same terms in the same order as with NT = 1: the sums of a
+ * token never depend on its neighbours. acc[(u·R + r)·2] = a0, + 1 = a1. */
+#define DEF_GV_MX(NAME, R, NT)                                                                     \
     static void NAME(const uint8_t *c, int64_t ld_c, const gv_scale *sc, int64_t nb,               \
-                     const float *xp, VEC *acc) {                                                  \
-        VEC a0[R], a1[R];                                                                          \
+                     const float *xp, int64_t ldx, VEC *acc) {                                     \
+        VEC a0[R][NT], a1[R][NT];                                                                  \
         const int64_t pfd = K3_MAX((int64_t)GV_PF, R * ld_c);                                      \
-        _Pragma("GCC unroll 8") for (int r = 0; r < R; r++) a0[r] = V_ZERO(), a1[r] = V_ZERO();    \
+        _Pragma("GCC unroll 8") for (int r = 0; r < R; r++)                                        \
+            _Pragma("GCC unroll 4") for (int u = 0; u < NT; u++) a0[r][u] = V_ZERO(),              \
+                                                                 a1[r][u] = V_ZERO();              \
         for (int64_t b = 0; b < nb; b++) {                                                         \
             _Pragma("GCC unroll 8") for (int r = 0; r < R; r++) {                                  \
                 if (b % 4 == 0) V_PREFETCH((const char *)(c + r * ld_c + b * 16) + pfd);           \
                 VEC wv[NVX];                                                                       \
                 GV_MX_BLOCK(c + r * ld_c + b * 16, sc[r * nb + b], wv);                            \
-                _Pragma("GCC unroll 32") for (int k = 0; k < NVX; k += 2) {                        \
-                    a0[r] = V_FMA(V_LOAD(xp + b * 32 + k * VL), wv[k], a0[r]);                     \
-                    a1[r] = V_FMA(V_LOAD(xp + b * 32 + (k + 1) * VL), wv[k + 1], a1[r]);           \
+                _Pragma("GCC unroll 32") for (int k = 0; k < NVX; k += 2)                          \
+                    _Pragma("GCC unroll 4") for (int u = 0; u < NT; u++) {                         \
+                    const float *xu = xp + u * ldx + b * 32 + k * VL;                              \
+                    a0[r][u] = V_FMA(V_LOAD(xu), wv[k], a0[r][u]);                                 \
+                    a1[r][u] = V_FMA(V_LOAD(xu + VL), wv[k + 1], a1[r][u]);                        \
                 }                                                                                  \
             }                                                                                      \
         }                                                                                          \
-        _Pragma("GCC unroll 8") for (int r = 0; r < R; r++) acc[2 * r] = a0[r],                    \
-                                                                    acc[2 * r + 1] = a1[r];        \
+        _Pragma("GCC unroll 8") for (int r = 0; r < R; r++)                                        \
+            _Pragma("GCC unroll 4") for (int u = 0; u < NT; u++)                                   \
+                acc[(u * R + r) * 2] = a0[r][u],                                                   \
+                                  acc[(u * R + r) * 2 + 1] = a1[r][u];                             \
     }
-DEF_GV_MX(gv_mx_r, GV_RM)
-DEF_GV_MX(gv_mx_1, 1)
+DEF_GV_MX(gv_mx_r, GV_RM, 1)
+DEF_GV_MX(gv_mx_1, 1, 1)
+DEF_GV_MX(gv_mx_r_t2, GV_RM, 2)
+DEF_GV_MX(gv_mx_1_t2, 1, 2)
+DEF_GV_MX(gv_mx_r_t3, GV_RM, 3)
+DEF_GV_MX(gv_mx_1_t3, 1, 3)
+/* a group of R = GV_RM rows (rg) or one row × nt (1..3) tokens: the matching kernel, each called
+ * directly (the compiler inlines the one-token kernels of the decode step as before) */
+static inline __attribute__((always_inline)) void gv_mx_call(bool rg, int nt, const uint8_t *c,
+                                                             int64_t ld_c, const gv_scale *sc,
+                                                             int64_t nb, const float *xp,
+                                                             int64_t ldx, VEC *acc) {
+    if (rg)
+        nt == 1   ? gv_mx_r(c, ld_c, sc, nb, xp, ldx, acc)
+        : nt == 2 ? gv_mx_r_t2(c, ld_c, sc, nb, xp, ldx, acc)
+                  : gv_mx_r_t3(c, ld_c, sc, nb, xp, ldx, acc);
+    else
+        nt == 1   ? gv_mx_1(c, ld_c, sc, nb, xp, ldx, acc)
+        : nt == 2 ? gv_mx_1_t2(c, ld_c, sc, nb, xp, ldx, acc)
+                  : gv_mx_1_t3(c, ld_c, sc, nb, xp, ldx, acc);
+}
+
+#if MX_TAB && MX_XPERM
+/* GV_MXF MXFP4 rows from o (no tail) × nt tokens (x in mx32's order at xp, rows of W's width):
+ * GV_MXF / GV_RM groups, then one fold per token (called with nt constant: inlined per nt) */
+static inline __attribute__((always_inline)) void gv_mxf(const k3_tensor *W, int64_t nb, int64_t o,
+                                                         const float *xp, const int nt, float *y) {
+    const int64_t in = W->shape[1], out = W->shape[0];
+    VEC acc[2 * GV_RM * 3], v[3][GV_MXF];
+    _Pragma("GCC unroll 8") for (int g = 0; g < GV_MXF / GV_RM; g++) {
+        const int64_t og = o + g * GV_RM;
+        gv_mx_call(true, nt, (const uint8_t *)W->data + og * (in / 2), in / 2, W->scale + og * nb,
+                   nb, xp, in, acc);
+        _Pragma("GCC unroll 4") for (int u = 0; u < nt; u++)
+            _Pragma("GCC unroll 8") for (int r = 0; r < GV_RM; r++) v[u][g * GV_RM + r] =
+                V_ADD(acc[(u * GV_RM + r) * 2], acc[(u * GV_RM + r) * 2 + 1]);
+    }
+    _Pragma("GCC unroll 4") for (int u = 0; u < nt; u++)
+        V_STOREN(y + u * out + o, hsum_v(v[u], GV_MXF), GV_MXF);
+}
+#endif
 
 static void gemv_rows(const k3_tensor *W, const float *x, int64_t T, int64_t o0, int64_t o1,
                       float *y) {
@@ -202,21 +251,16 @@ static void gemv_rows(const k3_tensor *W, const float *x, int64_t T, int64_t o0,
 #endif
     if (mx && MX_XPERM)
         for (int64_t t = 0; t < T; t++) mx_xperm(x + t * in, xbuf + t * in, in);
-    VEC acc[2 * GV_R];
+    VEC acc[2 * (GV_R > 3 * GV_RM ? GV_R : 3 * GV_RM)]; /* F32/BF16 rows; MXFP4 rows × 3 tokens */
     for (int64_t o = o0; o < o1;) {
 #if MX_TAB && MX_XPERM
         /* MXFP4 rows without a tail, GV_MXF at a time: GV_MXF / GV_RM groups, then one fold */
         if (mx && n_main == in && o1 - o >= GV_MXF) {
-            for (int64_t t = 0; t < T; t++) {
-                VEC v[GV_MXF];
-                _Pragma("GCC unroll 8") for (int g = 0; g < GV_MXF / GV_RM; g++) {
-                    const int64_t og = o + g * GV_RM;
-                    gv_mx_r((const uint8_t *)W->data + og * (in / 2), in / 2, W->scale + og * nb,
-                            nb, xbuf + t * in, acc);
-                    _Pragma("GCC unroll 8") for (int r = 0; r < GV_RM; r++) v[g * GV_RM + r] =
-                        V_ADD(acc[2 * r], acc[2 * r + 1]);
-                }
-                V_STOREN(y + t * out + o, hsum_v(v, GV_MXF), GV_MXF);
+            for (int64_t t0 = 0; t0 < T; t0 += 3) { /* tokens 3 at a time: the rows in L1 */
+                const int nt = (int)K3_MIN((int64_t)3, T - t0);
+                nt == 1   ? gv_mxf(W, nb, o, xbuf + t0 * in, 1, y + t0 * out)
+                : nt == 2 ? gv_mxf(W, nb, o, xbuf + t0 * in, 2, y + t0 * out)
+                          : gv_mxf(W, nb, o, xbuf + t0 * in, 3, y + t0 * out);
             }
             o += GV_MXF;
             continue;
@@ -230,19 +274,24 @@ static void gemv_rows(const k3_tensor *W, const float *x, int64_t T, int64_t o0,
 #endif
         for (int64_t t = 0; t < T; t++) {
             const float *xt = x + t * in;
-            if (mx) {
-                const uint8_t *c = (const uint8_t *)W->data + o * (in / 2);
-                const float *xp = MX_XPERM ? xbuf + t * in : xt;
+            VEC *at = acc; /* this token's (a0, a1) of each row */
+            if (mx) {      /* tokens 3 at a time: each block decoded once for them */
+                if (t % 3 == 0) {
 #if MX_TAB
-                const gv_scale *s = W->scale + o * nb; /* the E8M0 bytes as they are */
+                    const gv_scale *s = W->scale + o * nb; /* the E8M0 bytes as they are */
 #else
-                const gv_scale *s = sc;
+                    const gv_scale *s = sc;
 #endif
-                (R > 1 ? gv_mx_r : gv_mx_1)(c, in / 2, s, nb, xp, acc);
-            } else if (W->dtype == K3_DT_BF16) {
+                    gv_mx_call(R > 1, (int)K3_MIN((int64_t)3, T - t),
+                               (const uint8_t *)W->data + o * (in / 2), in / 2, s, nb,
+                               (MX_XPERM ? xbuf : x) + t * in, in, acc);
+                }
+                at = acc + t % 3 * R * 2;
+            }
+            if (!mx && W->dtype == K3_DT_BF16) {
                 const uint16_t *w = (const uint16_t *)W->data + o * in;
                 (R > 1 ? gv_bf16_r : gv_bf16_1)(w, in, xt, n_main, acc);
-            } else {
+            } else if (!mx) {
                 const float *w = (const float *)W->data + o * in;
                 (R > 1 ? gv_f32_r : gv_f32_1)(w, in, xt, n_main, acc);
             }
@@ -250,7 +299,7 @@ static void gemv_rows(const k3_tensor *W, const float *x, int64_t T, int64_t o0,
                 VEC v[GV_R > GV_RM ? GV_R : GV_RM];
                 if (mx) {
                     _Pragma("GCC unroll 8") for (int r = 0; r < GV_RM; r++) v[r] =
-                        V_ADD(acc[2 * r], acc[2 * r + 1]);
+                        V_ADD(at[2 * r], at[2 * r + 1]);
                     V_STOREN(y + t * out + o, hsum_v(v, GV_RM), GV_RM);
                 } else {
                     _Pragma("GCC unroll 8") for (int r = 0; r < GV_R; r++) v[r] =
@@ -258,11 +307,10 @@ static void gemv_rows(const k3_tensor *W, const float *x, int64_t T, int64_t o0,
                     V_STOREN(y + t * out + o, hsum_v(v, GV_R), GV_R);
                 }
             } else if (n_main == in) {
-                for (int r = 0; r < R; r++)
-                    y[t * out + o + r] = finish0(acc[2 * r], acc[2 * r + 1]);
+                for (int r = 0; r < R; r++) y[t * out + o + r] = finish0(at[2 * r], at[2 * r + 1]);
             } else {
                 for (int r = 0; r < R; r++)
-                    y[t * out + o + r] = finish(W, o + r, xt, n_main, acc[2 * r], acc[2 * r + 1]);
+                    y[t * out + o + r] = finish(W, o + r, xt, n_main, at[2 * r], at[2 * r + 1]);
             }
         }
         o += R;

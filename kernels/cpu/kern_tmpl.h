@@ -474,13 +474,17 @@ static void gemm_rows(const k3_tensor *W, const float *x, int64_t T, int64_t o0,
         gemm_rows_px(W, x, NULL, T, o0, o1, y);
 }
 
-/* The decode path (T < 4: weight streaming): kern_gemv.h, the same per-element arithmetic. */
+/* The decode path (T < 4: weight streaming; MXFP4: T < MX_GEMV_T, see k3_cpu_gemv_path):
+ * kern_gemv.h, the same per-element arithmetic. */
+#ifndef MX_GEMV_T
+#define MX_GEMV_T 4
+#endif
 #include "kern_gemv.h"
 
 static void mm_rows(const k3_tensor *W, const float *x, int64_t T, int64_t o0, int64_t o1,
                     float *y) {
     if (W->dtype == K3_DT_MXFP4) mx_tab_init();
-    if (T < 4)
+    if (T < 4 || (W->dtype == K3_DT_MXFP4 && T < MX_GEMV_T)) /* k3_cpu_gemv_path */
         gemv_rows(W, x, T, o0, o1, y);
     else
         gemm_rows(W, x, T, o0, o1, y);
@@ -834,6 +838,7 @@ static void attnres_rows(const float *bank, int n_bank, const float *p, const fl
 const k3_cpu_kern KERN_NAME = {
     .name = KERN_ISA,
     .gt = GT,
+    .mx_gemv_t = MX_GEMV_T,
     .mm_rows = mm_rows,
     .xpk_floats = xpk_floats,
     .xpk_pack = xpk_pack,
