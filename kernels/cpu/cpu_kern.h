@@ -108,8 +108,9 @@ extern atomic_bool k3_cpu_gemv_seq;
 /* The decode path (kern_gemv.h: rows streamed once, a row group's sums of every token in
  * registers) takes a product of T < 4 tokens, and MXFP4 up to k->mx_gemv_t - 1 tokens: its rows
  * decode each block once per 3 tokens in registers, which beats the prefill path's panels (the
- * decoded floats stored and loaded again) for a few tokens: on AVX-512 up to 11 (an expert's
- * rows of a decode batch), on AVX2 3 (16 registers). The other products take the prefill path
+ * decoded floats stored and loaded again) for a few tokens: on AVX-512 up to 15 (an expert's
+ * rows of a decode batch; 1 thread, 4096-wide rows: T = 8-16 at 76-89 GFLOP/s against the
+ * panels' 53-62, as fast at 768-wide rows), on AVX2 3 (16 registers). The other products take the prefill path
  * (kern_tmpl.h's packed panels and register tiles). Same bits either way. */
 static inline bool k3_cpu_gemv_path(const k3_cpu_kern *k, const k3_tensor *W, int64_t T) {
     return T < 4 || (W->dtype == K3_DT_MXFP4 && T < k->mx_gemv_t);

@@ -19,7 +19,7 @@
 #define VL              16
 #define GR              6
 #define GT              4
-#define MX_GEMV_T       12 /* MXFP4 products of up to 11 tokens take the decode path */
+#define MX_GEMV_T       16 /* MXFP4 products of up to 15 tokens take the decode path */
 #define KERN_NAME       k3_cpu_kern_avx512
 #define KERN_ISA        "avx512"
 #define V_PREFETCH(p)   _mm_prefetch((const char *)(p), _MM_HINT_T0)

@@ -245,7 +245,7 @@ static void gemv_rows(const k3_tensor *W, const float *x, int64_t T, int64_t o0,
         gemv_seq(W, x, T, o0, o1, n_main, y);
         return;
     }
-    float xbuf[MX_XPERM ? XB_FLOATS : 1];
+    float xbuf[mx && MX_XPERM ? T * in : 1]; /* at most XB_FLOATS (above) */
 #if !MX_TAB
     float sc[mx ? GV_RM * GV_MAX_BLOCKS : 1]; /* the rows' scales, converted once per row */
 #endif

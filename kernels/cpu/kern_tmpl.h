@@ -196,7 +196,7 @@ static inline float finish0(VEC a0, VEC a1) {
  * order (xbuf: the whole rows when they fit, else K_CHUNK at a time). */
 #define DEC_ROWS  16
 #define K_CHUNK   512   /* a multiple of 32 and of 2·VL */
-#define XB_FLOATS 24576 /* xbuf: up to 3 tokens × 8192 */
+#define XB_FLOATS 65536 /* x in mx32's order on the stack: up to 256 KB (16 tokens × 4096) */
 static void gemm_few(const k3_tensor *W, const float *x, int64_t T, int64_t o0, int64_t o1,
                      float *y) {
     int64_t in = W->shape[1], out = W->shape[0];
@@ -205,7 +205,7 @@ static void gemm_few(const k3_tensor *W, const float *x, int64_t T, int64_t o0, 
     const bool whole = !perm || T * n_main <= XB_FLOATS; /* one chunk per row */
     const int64_t chunk = whole ? n_main : K_CHUNK;
     VEC acc[DEC_ROWS * 2];
-    float xbuf[perm ? XB_FLOATS : 1];
+    float xbuf[perm ? (whole ? T * n_main : K_CHUNK) : 1];
     if (perm && whole)
         for (int64_t t = 0; t < T; t++) mx_xperm(x + t * in, xbuf + t * n_main, n_main);
     for (int64_t ob = o0; ob < o1; ob += DEC_ROWS) {
