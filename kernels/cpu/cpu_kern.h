@@ -30,6 +30,7 @@ struct k3_cpu_kern {
        the layout: MXFP4 may pack x in another order), mm_rows_xpk = mm_rows reading them. */
     int gt;
     int mx_gemv_t; /* MXFP4 products of fewer tokens take the decode path (k3_cpu_gemv_path) */
+    int gemv_t;    /* F32/BF16 products of fewer tokens take it (>= 4) */
     int64_t (*xpk_floats)(int64_t T, int64_t in);
     void (*xpk_pack)(const k3_tensor *W, const float *x, int64_t T, int64_t t0, int64_t t1,
                      float *xpk);
@@ -106,14 +107,16 @@ k3_status k3_cpu_attn_latent_causal(k3_backend *be, const float *qc, const float
  * nothing else). */
 extern atomic_bool k3_cpu_gemv_seq;
 /* The decode path (kern_gemv.h: rows streamed once, a row group's sums of every token in
- * registers) takes a product of T < 4 tokens, and MXFP4 up to k->mx_gemv_t - 1 tokens: its rows
- * decode each block once per 3 tokens in registers, which beats the prefill path's panels (the
- * decoded floats stored and loaded again) for a few tokens: on AVX-512 up to 15 (an expert's
- * rows of a decode batch; 1 thread, 4096-wide rows: T = 8-16 at 76-89 GFLOP/s against the
- * panels' 53-62, as fast at 768-wide rows), on AVX2 3 (16 registers). The other products take the prefill path
- * (kern_tmpl.h's packed panels and register tiles). Same bits either way. */
+ * registers) takes a product of T < 4 tokens, and on AVX-512 more: MXFP4 up to k->mx_gemv_t - 1
+ * tokens (15), F32/BF16 up to k->gemv_t - 1 (23), 3 tokens at a time per pass over a row group
+ * (in L1): its weights are decoded / widened once per 3 tokens in registers, which beats the
+ * prefill path's panels (the decoded floats stored and loaded again, waiting on DRAM with too few
+ * tokens to hide it) for a decode batch's few tokens. 1 thread, 4096-wide rows: MXFP4 T = 8-15
+ * 79-84 GFLOP/s against the panels' 53-69; BF16 T = 4, 8, 15, 24: 36, 60, 74, 80 against 21,
+ * 36, 48, 52 (at 32 the panels lead). AVX2 (16 registers) keeps T < 4. The other products take
+ * the prefill path (kern_tmpl.h's packed panels and register tiles). Same bits either way. */
 static inline bool k3_cpu_gemv_path(const k3_cpu_kern *k, const k3_tensor *W, int64_t T) {
-    return T < 4 || (W->dtype == K3_DT_MXFP4 && T < k->mx_gemv_t);
+    return T < (W->dtype == K3_DT_MXFP4 ? k->mx_gemv_t : k->gemv_t);
 }
 extern const k3_cpu_kern k3_cpu_kern_scalar;
 extern const k3_cpu_kern k3_cpu_kern_avx2;

@@ -20,6 +20,7 @@
 #define GR              6
 #define GT              4
 #define MX_GEMV_T       16 /* MXFP4 products of up to 15 tokens take the decode path */
+#define GV_TMAX         24 /* F32/BF16: up to 23 */
 #define KERN_NAME       k3_cpu_kern_avx512
 #define KERN_ISA        "avx512"
 #define V_PREFETCH(p)   _mm_prefetch((const char *)(p), _MM_HINT_T0)

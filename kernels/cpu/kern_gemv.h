@@ -85,6 +85,103 @@ DEF_GV(gv_f32_s, float, ldw_f32, 1, 0)
 DEF_GV(gv_bf16_r, uint16_t, ldw_bf16, GV_R, 1)
 DEF_GV(gv_bf16_1, uint16_t, ldw_bf16, 1, 1)
 DEF_GV(gv_bf16_s, uint16_t, ldw_bf16, 1, 0)
+/* The accumulators of R rows × NT tokens (a0, a1 each), zeroed, and stored to acc at
+ * [(u·R + r)·2] (a0) and + 1 (a1) — the layout the folds read. */
+#define GVT_ZERO(R, NT)                                                                            \
+    VEC a0[R][NT], a1[R][NT];                                                                      \
+    _Pragma("GCC unroll 8") for (int r = 0; r < R; r++)                                            \
+        _Pragma("GCC unroll 4") for (int u = 0; u < NT; u++) a0[r][u] = V_ZERO(),                  \
+                                                             a1[r][u] = V_ZERO();
+#define GVT_STORE(R, NT)                                                                           \
+    _Pragma("GCC unroll 8") for (int r = 0; r < R; r++)                                            \
+        _Pragma("GCC unroll 4") for (int u = 0; u < NT; u++)                                       \
+            acc[(u * R + r) * 2] = a0[r][u],                                                       \
+                              acc[(u * R + r) * 2 + 1] = a1[r][u];
+/* GV_T rows (ld elements apart) × NT tokens (token u's x at x + u·ldx) over [0, n_main): each
+ * weight vector loaded (BF16: widened) once for the NT tokens. Accumulator (r, u) meets the terms
+ * of DEF_GV's row in its order. acc[(u·R + r)·2] = a0, + 1 = a1. For F32/BF16 products of 4 to
+ * GV_TMAX - 1 tokens (a decode batch's dense matmuls), where the prefill path's panels stall on
+ * the weights they widen from DRAM with too few tokens to hide it. */
+#define DEF_GVT(NAME, WT, LDW, R, NT)                                                              \
+    static void NAME(const WT *w, int64_t ld, const float *x, int64_t ldx, int64_t n_main,         \
+                     VEC *acc) {                                                                   \
+        const int64_t pfd = K3_MAX((int64_t)GV_PF, R * ld * (int64_t)sizeof(WT));                  \
+        GVT_ZERO(R, NT)                                                                            \
+        for (int64_t i = 0; i < n_main; i += 2 * VL) {                                             \
+            _Pragma("GCC unroll 8") for (int r = 0; r < R; r++) {                                  \
+                for (int pf = 0; pf < (int)sizeof(WT) * 2 * VL; pf += 64)                          \
+                    V_PREFETCH((const char *)(w + r * ld + i) + pfd + pf);                         \
+                const VEC w0 = LDW(w + r * ld + i), w1 = LDW(w + r * ld + i + VL);                 \
+                _Pragma("GCC unroll 4") for (int u = 0; u < NT; u++) {                             \
+                    a0[r][u] = V_FMA(V_LOAD(x + u * ldx + i), w0, a0[r][u]);                       \
+                    a1[r][u] = V_FMA(V_LOAD(x + u * ldx + i + VL), w1, a1[r][u]);                  \
+                }                                                                                  \
+            }                                                                                      \
+        }                                                                                          \
+        GVT_STORE(R, NT)                                                                           \
+    }
+#if GV_TMAX > 4
+#define GV_T 4 /* rows side by side: 4 × 3 tokens × (a0, a1) = 24 of the 32 zmm */
+/* P_call(rg, nt, ...): GV_T rows (rg) or one × nt (1..3) tokens of a dtype, called directly */
+#define DEF_GVT_SET(P, WT, LDW)                                                                    \
+    DEF_GVT(P##_r1, WT, LDW, GV_T, 1)                                                              \
+    DEF_GVT(P##_r2, WT, LDW, GV_T, 2)                                                              \
+    DEF_GVT(P##_r3, WT, LDW, GV_T, 3)                                                              \
+    DEF_GVT(P##_11, WT, LDW, 1, 1)                                                                 \
+    DEF_GVT(P##_12, WT, LDW, 1, 2)                                                                 \
+    DEF_GVT(P##_13, WT, LDW, 1, 3)                                                                 \
+    static inline __attribute__((always_inline)) void P##_call(                                    \
+        bool rg, int nt, const WT *w, int64_t ld, const float *x, int64_t ldx, int64_t n_main,     \
+        VEC *acc) {                                                                                \
+        if (rg)                                                                                    \
+            nt == 1   ? P##_r1(w, ld, x, ldx, n_main, acc)                                         \
+            : nt == 2 ? P##_r2(w, ld, x, ldx, n_main, acc)                                         \
+                      : P##_r3(w, ld, x, ldx, n_main, acc);                                        \
+        else                                                                                       \
+            nt == 1   ? P##_11(w, ld, x, ldx, n_main, acc)                                         \
+            : nt == 2 ? P##_12(w, ld, x, ldx, n_main, acc)                                         \
+                      : P##_13(w, ld, x, ldx, n_main, acc);                                        \
+    }
+DEF_GVT_SET(gvt_bf16, uint16_t, ldw_bf16)
+DEF_GVT_SET(gvt_f32, float, ldw_f32)
+/* F32/BF16 rows [o0, o1) × T tokens: GV_T rows at a time (then single rows), their tokens 3 at
+ * a time, each token's sums folded as gemv_seq / gemv_rows fold them (the same bits). */
+static void gemv_rows_t(const k3_tensor *W, const float *x, int64_t T, int64_t o0, int64_t o1,
+                        int64_t n_main, float *y) {
+    const int64_t in = W->shape[1], out = W->shape[0];
+    const bool bf = W->dtype == K3_DT_BF16;
+    VEC acc[2 * GV_T * 3];
+    for (int64_t o = o0; o < o1;) {
+        const int R = o1 - o >= GV_T ? GV_T : 1;
+        const uint16_t *wb = (const uint16_t *)W->data + o * in;
+        const float *wf = (const float *)W->data + o * in;
+        for (int64_t t0 = 0; t0 < T; t0 += 3) {
+            const int nt = (int)K3_MIN((int64_t)3, T - t0);
+            const float *xt = x + t0 * in;
+            if (bf)
+                gvt_bf16_call(R > 1, nt, wb, in, xt, in, n_main, acc);
+            else
+                gvt_f32_call(R > 1, nt, wf, in, xt, in, n_main, acc);
+            for (int u = 0; u < nt; u++) {
+                const VEC *at = acc + u * R * 2;
+                float *yt = y + (t0 + u) * out + o;
+                if (n_main == in && R == GV_T) {
+                    VEC v[GV_T];
+                    _Pragma("GCC unroll 8") for (int r = 0; r < GV_T; r++) v[r] =
+                        V_ADD(at[2 * r], at[2 * r + 1]);
+                    V_STOREN(yt, hsum_v(v, GV_T), GV_T);
+                } else
+                    for (int r = 0; r < R; r++)
+                        yt[r] = n_main == in ? finish0(at[2 * r], at[2 * r + 1])
+                                             : finish(W, o + r, x + (t0 + u) * in, n_main,
+                                                      at[2 * r], at[2 * r + 1]);
+            }
+        }
+        o += R;
+    }
+}
+#endif
+
 /* seq's streams: rows k and h + k of a call (ld = h rows apart), no software prefetch. Two: in
    the model (small preset, interleaved rounds) three were no faster at one thread and slower at
    two (5 of 5 rounds), though a lone matrix streamed faster with three (below). */
@@ -165,11 +262,8 @@ typedef float gv_scale;
 #define DEF_GV_MX(NAME, R, NT)                                                                     \
     static void NAME(const uint8_t *c, int64_t ld_c, const gv_scale *sc, int64_t nb,               \
                      const float *xp, int64_t ldx, VEC *acc) {                                     \
-        VEC a0[R][NT], a1[R][NT];                                                                  \
         const int64_t pfd = K3_MAX((int64_t)GV_PF, R * ld_c);                                      \
-        _Pragma("GCC unroll 8") for (int r = 0; r < R; r++)                                        \
-            _Pragma("GCC unroll 4") for (int u = 0; u < NT; u++) a0[r][u] = V_ZERO(),              \
-                                                                 a1[r][u] = V_ZERO();              \
+        GVT_ZERO(R, NT)                                                                            \
         for (int64_t b = 0; b < nb; b++) {                                                         \
             _Pragma("GCC unroll 8") for (int r = 0; r < R; r++) {                                  \
                 if (b % 4 == 0) V_PREFETCH((const char *)(c + r * ld_c + b * 16) + pfd);           \
@@ -183,10 +277,7 @@ typedef float gv_scale;
                 }                                                                                  \
             }                                                                                      \
         }                                                                                          \
-        _Pragma("GCC unroll 8") for (int r = 0; r < R; r++)                                        \
-            _Pragma("GCC unroll 4") for (int u = 0; u < NT; u++)                                   \
-                acc[(u * R + r) * 2] = a0[r][u],                                                   \
-                                  acc[(u * R + r) * 2 + 1] = a1[r][u];                             \
+        GVT_STORE(R, NT)                                                                           \
     }
 DEF_GV_MX(gv_mx_r, GV_RM, 1)
 DEF_GV_MX(gv_mx_1, 1, 1)
@@ -241,6 +332,12 @@ static void gemv_rows(const k3_tensor *W, const float *x, int64_t T, int64_t o0,
         gemm_rows(W, x, T, o0, o1, y); /* the same sums, walked in chunks */
         return;
     }
+#if GV_TMAX > 4
+    if (!mx && T >= 4) {
+        gemv_rows_t(W, x, T, o0, o1, n_main, y);
+        return;
+    }
+#endif
     if (seq && !mx) {
         gemv_seq(W, x, T, o0, o1, n_main, y);
         return;

@@ -479,12 +479,15 @@ static void gemm_rows(const k3_tensor *W, const float *x, int64_t T, int64_t o0,
 #ifndef MX_GEMV_T
 #define MX_GEMV_T 4
 #endif
+#ifndef GV_TMAX
+#define GV_TMAX 4 /* F32/BF16 products of fewer tokens take the decode path */
+#endif
 #include "kern_gemv.h"
 
 static void mm_rows(const k3_tensor *W, const float *x, int64_t T, int64_t o0, int64_t o1,
                     float *y) {
     if (W->dtype == K3_DT_MXFP4) mx_tab_init();
-    if (T < 4 || (W->dtype == K3_DT_MXFP4 && T < MX_GEMV_T)) /* k3_cpu_gemv_path */
+    if (T < (W->dtype == K3_DT_MXFP4 ? MX_GEMV_T : GV_TMAX)) /* k3_cpu_gemv_path */
         gemv_rows(W, x, T, o0, o1, y);
     else
         gemm_rows(W, x, T, o0, o1, y);
@@ -839,6 +842,7 @@ const k3_cpu_kern KERN_NAME = {
     .name = KERN_ISA,
     .gt = GT,
     .mx_gemv_t = MX_GEMV_T,
+    .gemv_t = GV_TMAX,
     .mm_rows = mm_rows,
     .xpk_floats = xpk_floats,
     .xpk_pack = xpk_pack,

@@ -440,7 +440,7 @@ static void test_matmul_order(void) {
     /* out 300 × in 2080 (F32: 2.5 MB) is big enough that 4 threads split a decode call (each
        thread >= 128 KB) into guided tasks */
     const int64_t ins[6] = {64, 1024, 2080, 1040, 1037, 48}, outs[5] = {1, 3, 7, 30, 300},
-                  Ts[7] = {1, 2, 3, 5, 6, 9, 70}; /* MXFP4 decode rows: 3 tokens at a time */
+                  Ts[8] = {1, 2, 3, 4, 5, 6, 9, 70}; /* decode rows: 3 tokens at a time */
     int64_t n_checked = 0;
     for (int d = 0; d < 3; d++)
         for (int ii = 0; ii < 6; ii++) {
@@ -460,7 +460,7 @@ static void test_matmul_order(void) {
                     for (int64_t t = 0; t < 70; t++) xo[t * in + e] = x[t * in + src];
                     for (int64_t o = 0; o < out; o++) wo[o * in + e] = k3_tensor_get(&w.t, o, src);
                 }
-                for (int ti = 0; ti < 7; ti++) {
+                for (int ti = 0; ti < 8; ti++) {
                     const int64_t T = Ts[ti];
                     /* 70 tokens (two 64-token blocks of a multi-chunk row, a partial tile):
                        rows of several chunks only, a few of them */
