@@ -113,8 +113,10 @@ extern atomic_bool k3_cpu_gemv_seq;
  * prefill path's panels (the decoded floats stored and loaded again, waiting on DRAM with too few
  * tokens to hide it) for a decode batch's few tokens. 1 thread, 4096-wide rows: MXFP4 T = 8-15
  * 79-84 GFLOP/s against the panels' 53-69; BF16 T = 4, 8, 15, 24: 36, 60, 74, 80 against 21,
- * 36, 48, 52 (at 32 the panels lead). AVX2 (16 registers) keeps T < 4. The other products take
- * the prefill path (kern_tmpl.h's packed panels and register tiles). Same bits either way. */
+ * 36, 48, 52 (at 32 the panels lead). AVX2 (16 registers): F32/BF16 up to 11 tokens, 2 rows
+ * at a time (forced on this Zen 4, BF16 T = 4, 6, 11: 25, 35, 34 -> 31, 42, 43), MXFP4 T < 4. The
+ * other products take the prefill path (kern_tmpl.h's packed panels and register tiles). Same bits
+ * either way. */
 static inline bool k3_cpu_gemv_path(const k3_cpu_kern *k, const k3_tensor *W, int64_t T) {
     return T < (W->dtype == K3_DT_MXFP4 ? k->mx_gemv_t : k->gemv_t);
 }

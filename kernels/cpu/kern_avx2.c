@@ -18,6 +18,7 @@
 #define VL                   8
 #define GR                   4
 #define GT                   3
+#define GV_TMAX              12 /* F32/BF16 products of up to 11 tokens take the decode rows */
 #define KERN_NAME            k3_cpu_kern_avx2
 #define KERN_ISA             "avx2"
 #define V_PREFETCH(p)        _mm_prefetch((const char *)(p), _MM_HINT_T0)

@@ -121,7 +121,11 @@ DEF_GV(gv_bf16_s, uint16_t, ldw_bf16, 1, 0)
         GVT_STORE(R, NT)                                                                           \
     }
 #if GV_TMAX > 4
+#if VL == 16
 #define GV_T 4 /* rows side by side: 4 × 3 tokens × (a0, a1) = 24 of the 32 zmm */
+#else
+#define GV_T 2 /* 2 × 3 × 2 = 12 of the 16 ymm */
+#endif
 /* P_call(rg, nt, ...): GV_T rows (rg) or one × nt (1..3) tokens of a dtype, called directly */
 #define DEF_GVT_SET(P, WT, LDW)                                                                    \
     DEF_GVT(P##_r1, WT, LDW, GV_T, 1)                                                              \
