@@ -21,8 +21,10 @@
 /* A matmul task streams at least this many weight bytes (~10 µs at DRAM speed); a decode
    (T < 4) task at least K3_CPU_GEMV_TASK_BYTES (~3 µs: the workers spin between the matmuls of
    a decode step, so a hand-off costs well under that), and a decode call is split at all only
-   when each thread gets K3_CPU_GEMV_PAR_BYTES (a hand-off and its wait cost ~2 µs: the tiny
+   when two threads get K3_CPU_GEMV_PAR_BYTES each (a hand-off and its wait cost ~2 µs: the tiny
    model's 32 KB matrices, grouped or not, stay on the caller, so 2 threads are never slower),
+   its guided shares sized for the threads it keeps busy that way (a 1 MB matrix on a 32-thread
+   pool: 8 threads' worth of tasks, not the caller alone as when every thread had to get 128 KB),
    and, while every worker sleeps, only from K3_CPU_WAKE_BYTES: waking one costs tens of µs on
    a VM, more on a loaded host. The tiny model's one split per token, its 1 MB LM head, woke a
    worker each token, and its 2-thread decode fell to 0.7-0.9x of 1 thread in loaded phases; it
@@ -170,10 +172,13 @@ static k3_status cpu_matmul_group(k3_backend *be, const k3_mm *mm, int n) {
     /* the tasks' byte boundaries bound[1 .. nb - 1] (bound[nb] = bytes) */
     double bound[K3_CPU_GROUP_PIECES / 2 + 1];
     int nb = 1;
-    if (nth > 1 && decode && bytes >= (double)nth * K3_CPU_GEMV_PAR_BYTES &&
+    /* decode: the threads the bytes keep busy, each with K3_CPU_GEMV_PAR_BYTES at least (all of
+       them on a big call; on 2 threads: 2 from 256 KB, as "each thread" was) */
+    const double busy = K3_MIN((double)nth, floor(bytes / K3_CPU_GEMV_PAR_BYTES));
+    if (nth > 1 && decode && busy >= 2 &&
         (bytes >= K3_CPU_WAKE_BYTES || k3_pool_awake(k3_cpu_pool(be)))) {
         for (double at = 0; nb < K3_CPU_GROUP_PIECES / 2;) {
-            at += K3_MAX((double)K3_CPU_GEMV_TASK_BYTES, (bytes - at) / (2.0 * nth));
+            at += K3_MAX((double)K3_CPU_GEMV_TASK_BYTES, (bytes - at) / (2.0 * busy));
             if (at >= bytes - 0.5 * K3_CPU_GEMV_TASK_BYTES) break;
             bound[nb++] = at;
         }
