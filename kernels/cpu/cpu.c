@@ -341,14 +341,16 @@ static void ew_task(void *ctx, int64_t task) {
 }
 /* n elements (softmax: n = T·row, chunks of whole rows): under 8K elements on the caller, else
    threads × k equal chunks of at most ~16K (a MoE tile's 64 × 384 activations: two halves,
-   not 16K and 8K). */
+   not 16K and 8K), and none under 2K (a pool of many threads: fewer chunks; on 2 threads the
+   chunks are 4K at least anyway). */
 static k3_status ew_run(k3_backend *be, ew_job *j) {
     const int64_t per = 1 << 14;
     int64_t unit = j->which == 4 ? j->row : 64;
     int64_t units = unit > 0 ? (j->n + unit - 1) / unit : 0;
     if (units == 0) return K3_OK;
     const int64_t nth = k3_pool_threads(k3_cpu_pool(be));
-    const int64_t k = j->n < per / 2 ? 1 : nth * ((j->n + nth * per - 1) / (nth * per));
+    const int64_t k =
+        j->n < per / 2 ? 1 : K3_MIN(nth * ((j->n + nth * per - 1) / (nth * per)), j->n / (per / 8));
     int64_t per_task = (units + k - 1) / k;
     j->chunk = per_task * unit;
     j->kern = kern(be);
