@@ -1,6 +1,7 @@
 /* kern_gemv.h — part of kern_tmpl.h (included there, once per ISA unit): the decode matmul,
- * y[t, o] for T < 4 tokens (MXFP4: T < MX_GEMV_T, 3 tokens at a time), rows [o0, o1). Pure weight
- * streaming: each row is read once (MXFP4: once per 3 tokens, the row group in L1), the
+ * y[t, o] for the products k3_cpu_gemv_path gives it (T < 4; on AVX-512 MXFP4 T < MX_GEMV_T and
+ * F32/BF16 T < GV_TMAX, those 3 tokens at a time: gemv_rows_t), rows [o0, o1). Pure weight
+ * streaming: each row is read once (3 tokens at a time: once per 3, the row group in L1), the
  * accumulators in registers for the whole row, no scratch to clear. F32/BF16 rows go GV_R side
  * by side (more independent loads in flight) with a software prefetch of the next group of rows
  * on every stream, or, with k3_cpu_gemv_seq (isa.c: AMD's pick), as a few streams each in memory
@@ -85,6 +86,24 @@ DEF_GV(gv_f32_s, float, ldw_f32, 1, 0)
 DEF_GV(gv_bf16_r, uint16_t, ldw_bf16, GV_R, 1)
 DEF_GV(gv_bf16_1, uint16_t, ldw_bf16, 1, 1)
 DEF_GV(gv_bf16_s, uint16_t, ldw_bf16, 1, 0)
+/* One token's sums of rows [o, o + R) (at[2·r] = a0, at[2·r + 1] = a1) to yt[0 .. R): a whole
+ * group of Rg rows without a row tail folded at once by hsum_v, else row by row by finish0 /
+ * finish (the same bits). Called with Rg constant. */
+#define GV_FOLD_MAX 8
+_Static_assert(GV_R <= GV_FOLD_MAX && GV_RM <= GV_FOLD_MAX, "gv_fold's group");
+static inline __attribute__((always_inline)) void gv_fold(const k3_tensor *W, const VEC *at, int R,
+                                                          const int Rg, int64_t o, const float *xt,
+                                                          int64_t n_main, float *yt) {
+    if (n_main == W->shape[1] && R == Rg) {
+        VEC v[GV_FOLD_MAX];
+        _Pragma("GCC unroll 8") for (int r = 0; r < Rg; r++) v[r] = V_ADD(at[2 * r], at[2 * r + 1]);
+        V_STOREN(yt, hsum_v(v, Rg), Rg);
+    } else {
+        for (int r = 0; r < R; r++)
+            yt[r] = n_main == W->shape[1] ? finish0(at[2 * r], at[2 * r + 1])
+                                          : finish(W, o + r, xt, n_main, at[2 * r], at[2 * r + 1]);
+    }
+}
 /* The accumulators of R rows × NT tokens (a0, a1 each), zeroed, and stored to acc at
  * [(u·R + r)·2] (a0) and + 1 (a1) — the layout the folds read. */
 #define GVT_ZERO(R, NT)                                                                            \
@@ -126,6 +145,7 @@ DEF_GV(gv_bf16_s, uint16_t, ldw_bf16, 1, 0)
 #else
 #define GV_T 2 /* 2 × 3 × 2 = 12 of the 16 ymm */
 #endif
+_Static_assert(GV_T <= GV_FOLD_MAX, "gv_fold's group");
 /* P_call(rg, nt, ...): GV_T rows (rg) or one × nt (1..3) tokens of a dtype, called directly */
 #define DEF_GVT_SET(P, WT, LDW)                                                                    \
     DEF_GVT(P##_r1, WT, LDW, GV_T, 1)                                                              \
@@ -166,20 +186,9 @@ static void gemv_rows_t(const k3_tensor *W, const float *x, int64_t T, int64_t o
                 gvt_bf16_call(R > 1, nt, wb, in, xt, in, n_main, acc);
             else
                 gvt_f32_call(R > 1, nt, wf, in, xt, in, n_main, acc);
-            for (int u = 0; u < nt; u++) {
-                const VEC *at = acc + u * R * 2;
-                float *yt = y + (t0 + u) * out + o;
-                if (n_main == in && R == GV_T) {
-                    VEC v[GV_T];
-                    _Pragma("GCC unroll 8") for (int r = 0; r < GV_T; r++) v[r] =
-                        V_ADD(at[2 * r], at[2 * r + 1]);
-                    V_STOREN(yt, hsum_v(v, GV_T), GV_T);
-                } else
-                    for (int r = 0; r < R; r++)
-                        yt[r] = n_main == in ? finish0(at[2 * r], at[2 * r + 1])
-                                             : finish(W, o + r, x + (t0 + u) * in, n_main,
-                                                      at[2 * r], at[2 * r + 1]);
-            }
+            for (int u = 0; u < nt; u++)
+                gv_fold(W, acc + u * R * 2, R, GV_T, o, x + (t0 + u) * in, n_main,
+                        y + (t0 + u) * out + o);
         }
         o += R;
     }
@@ -396,23 +405,10 @@ static void gemv_rows(const k3_tensor *W, const float *x, int64_t T, int64_t o0,
                 const float *w = (const float *)W->data + o * in;
                 (R > 1 ? gv_f32_r : gv_f32_1)(w, in, xt, n_main, acc);
             }
-            if (n_main == in && R == Rg) { /* no tail, a whole group: its sums folded together */
-                VEC v[GV_R > GV_RM ? GV_R : GV_RM];
-                if (mx) {
-                    _Pragma("GCC unroll 8") for (int r = 0; r < GV_RM; r++) v[r] =
-                        V_ADD(at[2 * r], at[2 * r + 1]);
-                    V_STOREN(y + t * out + o, hsum_v(v, GV_RM), GV_RM);
-                } else {
-                    _Pragma("GCC unroll 8") for (int r = 0; r < GV_R; r++) v[r] =
-                        V_ADD(acc[2 * r], acc[2 * r + 1]);
-                    V_STOREN(y + t * out + o, hsum_v(v, GV_R), GV_R);
-                }
-            } else if (n_main == in) {
-                for (int r = 0; r < R; r++) y[t * out + o + r] = finish0(at[2 * r], at[2 * r + 1]);
-            } else {
-                for (int r = 0; r < R; r++)
-                    y[t * out + o + r] = finish(W, o + r, xt, n_main, at[2 * r], at[2 * r + 1]);
-            }
+            if (mx)
+                gv_fold(W, at, R, GV_RM, o, xt, n_main, y + t * out + o);
+            else
+                gv_fold(W, at, R, GV_R, o, xt, n_main, y + t * out + o);
         }
         o += R;
     }

@@ -474,8 +474,8 @@ static void gemm_rows(const k3_tensor *W, const float *x, int64_t T, int64_t o0,
         gemm_rows_px(W, x, NULL, T, o0, o1, y);
 }
 
-/* The decode path (T < 4: weight streaming; MXFP4: T < MX_GEMV_T, see k3_cpu_gemv_path):
- * kern_gemv.h, the same per-element arithmetic. */
+/* The decode path (weight streaming; T < 4, MXFP4 T < MX_GEMV_T, F32/BF16 T < GV_TMAX: see
+ * k3_cpu_gemv_path): kern_gemv.h, the same per-element arithmetic. */
 #ifndef MX_GEMV_T
 #define MX_GEMV_T 4
 #endif
