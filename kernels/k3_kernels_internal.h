@@ -21,9 +21,10 @@ void k3_ref_kda_head_recurrent(const float *q, const float *k, const float *v, c
 void k3_ref_kda_head_chunked(const float *q, const float *k, const float *v, const float *g,
                              const float *beta, int64_t n, int64_t sqk, int64_t svo, int64_t sb,
                              int dk, int dv, float scale, float *S, float *o, int C, float *work);
-/* One head of attn_latent: qc [W], cache [n_ctx, W], o [Rkv], work [n_ctx]. */
-void k3_ref_attn_latent_head(const float *qc, const float *cache, int64_t n_ctx, int W, int Rkv,
-                             float scale, float *o, float *work);
+/* One head of attn_latent: qc [W], cache [n_ctx, W] rows (blk NULL) or a paged cache's rows
+ * through the block table blk (k3_seqs), o [Rkv], work [n_ctx]. */
+void k3_ref_attn_latent_head(const float *qc, const float *cache, const int32_t *blk,
+                             int64_t n_ctx, int W, int Rkv, float scale, float *o, float *work);
 /* The latent-attention ops' shapes (H >= 1, 1 <= Rkv <= W <= K3_ATTN_MAX_W, n_ctx or pos0 and
  * n_q >= 0): K3_ERR_ARG naming them. */
 k3_status k3_kernels_check_attn(const char *op, int64_t pos0, int64_t n_q, int H, int W, int Rkv);
@@ -51,6 +52,25 @@ void k3_ref_short_conv_state(const float *in, int64_t n, int64_t P, int K, float
 void k3_ref_rows_wsum_seg(const float *x, const float *w, const int64_t *seg, int64_t seg_len,
                           int64_t j, int64_t width, float *y);
 k3_status k3_kernels_check_seg(const int64_t *seg, int64_t seg_len, int64_t n_seg);
+
+/* The varlen ops of the ref and cpu backends (ref_seqs.c, ref_moe.c, cpu_seqs.c, cpu_moe.c). */
+#define K3_SEQ_OPS(X)                                                                              \
+    X(rmsnorm_rows) X(matmul_heads) X(kv_write) X(attn_paged) X(short_conv_seqs) X(kda_seqs)       \
+        X(nonfinite_rows) X(rows_last) X(moe_experts)
+
+
+/* parameter lists of those ops, as K3_OP_LIST has them */
+#define K3_OP_PARAMS_GET(name, params, args) typedef k3_status k3_op_fn_##name params;
+K3_OP_LIST(K3_OP_PARAMS_GET)
+#undef K3_OP_PARAMS_GET
+#define K3_SEQ_DECL(name) k3_op_fn_##name k3_ref_##name, k3_cpu_##name;
+K3_SEQ_OPS(K3_SEQ_DECL)
+#undef K3_SEQ_DECL
+/* The paged cache row of position p of sequence i (host-visible descriptor arrays). */
+static inline int64_t k3_seqs_kv_row(const k3_seqs *sq, int i, int64_t p) {
+    return (int64_t)sq->blocks[(int64_t)i * sq->max_blocks + p / K3_KV_BLOCK] * K3_KV_BLOCK +
+           p % K3_KV_BLOCK;
+}
 
 /* A matmul weight must be 2-D [out, in], F32/BF16/MXFP4 (MXFP4: in % 32 == 0, with scales). */
 k3_status k3_kernels_check_weight(const k3_tensor *W, const char *op);

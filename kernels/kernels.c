@@ -223,6 +223,76 @@ k3_status k3_backend_download(k3_backend *be, void *dst_host, const void *src, s
 k3_status k3_backend_sync(k3_backend *be) {
     return be->mem_->synchronize(be);
 }
+k3_status k3_backend_upload_async(k3_backend *be, void *dst, const void *src_host,
+                                  size_t n_bytes) {
+    if (be->mem_->upload_async) return be->mem_->upload_async(be, dst, src_host, n_bytes);
+    return be->mem_->upload(be, dst, src_host, n_bytes);
+}
+k3_status k3_backend_download_async(k3_backend *be, void *dst_host, const void *src,
+                                    size_t n_bytes) {
+    if (be->mem_->download_async) return be->mem_->download_async(be, dst_host, src, n_bytes);
+    return be->mem_->download(be, dst_host, src, n_bytes);
+}
+k3_status k3_backend_event_create(k3_backend *be, k3_event **out) {
+    *out = NULL;
+    return be->mem_->event_create ? be->mem_->event_create(be, out) : K3_OK;
+}
+k3_status k3_backend_event_record(k3_backend *be, k3_event *ev) {
+    return ev && be->mem_->event_record ? be->mem_->event_record(be, ev) : K3_OK;
+}
+k3_status k3_backend_event_sync(k3_backend *be, k3_event *ev) {
+    return ev && be->mem_->event_sync ? be->mem_->event_sync(be, ev) : K3_OK;
+}
+void k3_backend_event_destroy(k3_backend *be, k3_event *ev) {
+    if (ev && be->mem_->event_destroy) be->mem_->event_destroy(be, ev);
+}
+k3_status k3_backend_op_stats(const k3_backend *be, k3_op_stats *out) {
+    memset(out, 0, sizeof *out);
+    if (!be->mem_->op_stats)
+        return K3_ERR(K3_ERR_ARG, "the %s backend keeps no op counters (guard and cuda do)",
+                      be->name);
+    return be->mem_->op_stats(be, out);
+}
+
+/* ---- the batch descriptor ---------------------------------------------------------------- */
+size_t k3_seqs_floats(int n_seqs, int max_blocks) {
+    /* tok0 [n+1] | pos [n] | slot [n] | blocks [n, mb], int32 each (a float's size) */
+    return (size_t)(n_seqs + 1) + 2 * (size_t)n_seqs + (size_t)n_seqs * (size_t)max_blocks;
+}
+k3_status k3_seqs_build(int n_seqs, const int32_t *n_tokens, const int32_t *pos,
+                        const int32_t *slot, const int32_t *blocks_h, int max_blocks, void *h,
+                        void *dev, k3_seqs *out) {
+    memset(out, 0, sizeof *out);
+    if (n_seqs < 0 || max_blocks < 0)
+        return K3_ERR(K3_ERR_ARG, "batch descriptor: %d sequences, %d blocks", n_seqs, max_blocks);
+    int32_t *ht = h, *hp = ht + n_seqs + 1, *hs = hp + n_seqs, *hb = hs + n_seqs;
+    int32_t *dt = dev, *dp = dt + n_seqs + 1, *ds = dp + n_seqs, *db = ds + n_seqs;
+    int64_t T = 0;
+    ht[0] = 0;
+    for (int i = 0; i < n_seqs; i++) {
+        if (n_tokens[i] < 1 || pos[i] < 0)
+            return K3_ERR(K3_ERR_ARG, "batch descriptor: sequence %d has %d tokens at position %d",
+                          i, n_tokens[i], pos[i]);
+        T += n_tokens[i];
+        if (T > INT32_MAX) return K3_ERR(K3_ERR_ARG, "batch descriptor: over 2^31 tokens");
+        ht[i + 1] = (int32_t)T;
+        hp[i] = pos[i];
+        hs[i] = slot[i];
+        out->max_ctx = K3_MAX(out->max_ctx, (int64_t)pos[i] + n_tokens[i]);
+        out->max_new = K3_MAX(out->max_new, (int64_t)n_tokens[i]);
+    }
+    if (blocks_h && max_blocks > 0)
+        memcpy(hb, blocks_h, (size_t)n_seqs * (size_t)max_blocks * sizeof(int32_t));
+    out->n_seqs = n_seqs;
+    out->T = T;
+    out->max_blocks = max_blocks;
+    out->tok0 = dt;
+    out->pos = dp;
+    out->slot = ds;
+    out->blocks = blocks_h && max_blocks > 0 ? db : NULL;
+    return K3_OK;
+}
+
 bool k3_backend_supports_op(const k3_backend *be, int op, k3_dtype wt) {
     return be->mem_->supports_op(be, op, wt);
 }
@@ -306,6 +376,17 @@ size_t k3_kda_chunk_work_floats(int C, int dk, int dv) {
 
 size_t k3_attn_latent_causal_work_floats(int64_t n_ctx, int H) {
     return (size_t)(n_ctx > 0 ? n_ctx : 0) * (size_t)(H > 0 ? H : 0);
+}
+
+size_t k3_moe_experts_work_floats(int64_t Lw, int64_t I, int64_t n, int E) {
+    const size_t tile = K3_MOE_EXPERTS_TILE, nn = (size_t)(n > 0 ? n : 0);
+    /* xin [tile, Lw] | g, u [tile, I] | o [tile, Lw] | host int64: order [n], start [E + 1],
+       idx [tile] (two floats each), every part 16-float aligned */
+    size_t f = 0;
+    f += (tile * (size_t)Lw + 15) / 16 * 16 * 2;
+    f += (tile * (size_t)I + 15) / 16 * 16 * 2;
+    f += (2 * (nn + (size_t)(E > 0 ? E : 0) + 1 + tile) + 15) / 16 * 16;
+    return f;
 }
 
 /* The weight checks every backend's matmul makes (one definition for all backends). */

@@ -131,3 +131,70 @@ k3_status k3_cpu_kda_gate(k3_backend *be, float *r, const float *dt_bias, const 
     k3_pool_run(k3_cpu_pool(be), T, gate_task, &j);
     return K3_OK;
 }
+
+/* ---- kda_seqs: the whole varlen batch ------------------------------------------------------
+ * Sequences of fewer than KDA_SLICE_MIN_N tokens (a decode step's) are whole-head tasks of one
+ * pool run over (sequence, head), their states in place — what kda_recurrent does for each of
+ * them; a prompt piece runs as its own kda_recurrent / kda_chunked call (its column blocks or
+ * heads fill the pool). A head's recurrence is the same function either way: the same bits. */
+typedef struct {
+    const k3_cpu_kern *kern;
+    const k3_seqs *sq;
+    const float *q, *k, *v, *g, *beta;
+    int H, dk, dv, C;
+    float scale;
+    float *S, *o;
+    int64_t S_stride;
+} kda_seqs_job;
+static bool kda_seq_short(const kda_seqs_job *j, int s) {
+    const int64_t n = j->sq->tok0[s + 1] - j->sq->tok0[s];
+    return n < KDA_SLICE_MIN_N && !(j->C > 1 && n >= j->C);
+}
+static void kda_seqs_task(void *ctx, int64_t i) {
+    const kda_seqs_job *j = ctx;
+    const int s = (int)(i / j->H), h = (int)(i % j->H);
+    if (!kda_seq_short(j, s)) return;
+    const int64_t t0 = j->sq->tok0[s], n = j->sq->tok0[s + 1] - t0;
+    const int64_t sqk = (int64_t)j->H * j->dk, svo = (int64_t)j->H * j->dv;
+    float *S = j->S + (int64_t)j->sq->slot[s] * j->S_stride + (int64_t)h * j->dk * j->dv;
+    j->kern->kda_head(j->q + t0 * sqk + h * j->dk, j->k + t0 * sqk + h * j->dk,
+                      j->v + t0 * svo + h * j->dv, j->g + t0 * sqk + h * j->dk,
+                      j->beta + t0 * j->H + h, n, sqk, svo, j->H, j->dk, j->dv, 0, j->dv, j->scale,
+                      S, j->o + t0 * svo + h * j->dv);
+}
+k3_status k3_cpu_kda_seqs(k3_backend *be, const k3_seqs *sq, const float *q, const float *k,
+                          const float *v, const float *g, const float *beta, int H, int dk, int dv,
+                          float scale, float *S, int64_t S_stride, float *o, int C, float *work) {
+    K3_TRY(k3_kernels_check_kda(dk, dv, C > 1 ? C : 1));
+    kda_seqs_job j = {k3_cpu_kern_of(be), sq, q, k, v, g, beta, H, dk, dv, C, scale, S, o,
+                      S_stride};
+    int64_t n_short = 0, macs = 0;
+    for (int s = 0; s < sq->n_seqs; s++)
+        if (kda_seq_short(&j, s)) {
+            n_short++;
+            macs += (int64_t)(sq->tok0[s + 1] - sq->tok0[s]) * H * dk * dv;
+        }
+    if (n_short > 0) {
+        const int64_t n_tasks = (int64_t)sq->n_seqs * H;
+        if (macs < K3_CPU_PAR_MIN_MACS)
+            for (int64_t i = 0; i < n_tasks; i++) kda_seqs_task(&j, i);
+        else
+            k3_pool_run(k3_cpu_pool(be), n_tasks, kda_seqs_task, &j);
+    }
+    if (n_short == sq->n_seqs) return K3_OK;
+    const int64_t sqk = (int64_t)H * dk, svo = (int64_t)H * dv;
+    for (int s = 0; s < sq->n_seqs; s++) {
+        if (kda_seq_short(&j, s)) continue;
+        const int64_t t0 = sq->tok0[s], n = sq->tok0[s + 1] - t0;
+        float *Si = S + (int64_t)sq->slot[s] * S_stride;
+        if (C > 1 && n >= C)
+            K3_TRY(k3_cpu_kda_chunked(be, q + t0 * sqk, k + t0 * sqk, v + t0 * svo, g + t0 * sqk,
+                                      beta + t0 * H, n, H, dk, dv, scale, Si, o + t0 * svo, C,
+                                      work));
+        else
+            K3_TRY(k3_cpu_kda_recurrent(be, q + t0 * sqk, k + t0 * sqk, v + t0 * svo,
+                                        g + t0 * sqk, beta + t0 * H, n, H, dk, dv, scale, Si,
+                                        o + t0 * svo));
+    }
+    return K3_OK;
+}

@@ -47,9 +47,12 @@ struct k3_cpu_kern {
     void (*softmax_row)(const float *x, int64_t n, float *y);
     /* attn_latent_causal on the (query j, head h) rows j in [j0, j1), h in [h0, h1): qc
        [n_q, H, W], cache, o_lat [n_q, H, Rkv]; query j attends to cache rows [0, pos0 + j].
-       A row's bits depend only on its query, its context and the cache (kern_attn.h). */
-    void (*attn_rows)(const float *qc, const float *cache, int64_t pos0, int64_t j0, int64_t j1,
-                      int h0, int h1, int H, int W, int Rkv, float scale, float *o_lat);
+       blk NULL: the cache rows are contiguous; else the sequence's block table (row k is row
+       k % K3_KV_BLOCK of block blk[k / K3_KV_BLOCK] of a paged cache). A row's bits depend only
+       on its query, its context and the cache rows (kern_attn.h), not on where they lie. */
+    void (*attn_rows)(const float *qc, const float *cache, const int32_t *blk, int64_t pos0,
+                      int64_t j0, int64_t j1, int h0, int h1, int H, int W, int Rkv, float scale,
+                      float *o_lat);
     /* A decode step split by superblocks of attn_sb keys at absolute boundaries (kern_attn.h),
        attn_rows' bits: attn_part computes heads [h0, h1) (at most 16 of them, so that any W up
        to K3_ATTN_MAX_W fits its tile) of the query qc [H, W] over the superblock from key k0s of
@@ -58,8 +61,9 @@ struct k3_cpu_kern {
        superblocks in ascending order, the first superblock's partial being the running state;
        attn_final divides o [R, Rkv] by L. */
     int attn_sb;
-    void (*attn_part)(const float *qc, const float *cache, int64_t n_ctx, int h0, int h1, int W,
-                      int Rkv, float scale, int64_t k0s, float *o, float *m, float *l);
+    void (*attn_part)(const float *qc, const float *cache, const int32_t *blk, int64_t n_ctx,
+                      int h0, int h1, int W, int Rkv, float scale, int64_t k0s, float *o, float *m,
+                      float *l);
     void (*attn_merge)(int R, float *M, float *L, float *o, const float *m, const float *l,
                        const float *op, int Rkv);
     void (*attn_final)(int R, float *o, const float *L, int Rkv);

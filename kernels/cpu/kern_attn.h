@@ -22,6 +22,12 @@
 #define ATT_KB        64    /* keys per block; blocks start at multiples of ATT_KB (absolute) */
 #define ATT_ROWS      48    /* (query, head) rows per tile at most: a multiple of every VL */
 #define ATT_QT_FLOATS 32768 /* the transposed queries of a tile: W·rows (W <= K3_ATTN_MAX_W) */
+/* Row k of a cache, contiguous (blk NULL) or paged (k3_kernels.h k3_seqs: row k of the sequence
+ * is row k % K3_KV_BLOCK of block blk[k / K3_KV_BLOCK]); a key block lies within one page. */
+#define ATT_KROW(cache, blk, k, W)                                                                 \
+    ((blk) ? (cache) + ((int64_t)(blk)[(k) / K3_KV_BLOCK] * K3_KV_BLOCK + (k) % K3_KV_BLOCK) * (W) \
+           : (cache) + (int64_t)(k) * (W))
+_Static_assert(K3_KV_BLOCK % ATT_KB == 0, "a key block never straddles two cache pages");
 _Static_assert(ATT_ROWS % VL == 0, "tile rows are whole vectors");
 _Static_assert(K3_ATTN_MAX_W *VL <= ATT_QT_FLOATS, "one vector of rows fits any W");
 
@@ -127,24 +133,31 @@ static void att_qt(const float *const *qs, int R, int rp, int W, float *qt) {
  * A row with nctx[r] <= k0s has no key here: its partial is meaningless (att_merge skips it).
  * qt: att_qt's transposed queries; st [ATT_KB·rp] scratch. */
 static void att_part(const float *qt, const int64_t *nctx, float *const *os, int R, int rp,
-                     const float *cache, int W, int Rkv, float scale, int64_t k0s, int64_t k1s,
-                     float *st, float *m, float *l) {
+                     const float *cache, const int32_t *blk, int W, int Rkv, float scale,
+                     int64_t k0s, int64_t k1s, float *st, float *m, float *l) {
     for (int r = 0; r < rp; r++) m[r] = -INFINITY, l[r] = 0.0f;
     for (int r = 0; r < R; r++)
         for (int c = 0; c < Rkv; c++) os[r][c] = 0.0f;
     float al[ATT_ROWS];
     const int nv = rp / VL, cmain = Rkv - Rkv % VL;
     const VEC vscale = V_SET1(scale), vlow = V_SET1(-3.0e38f);
-    att_prefetch(cache + k0s * W, cache + k1s * W, ATT_KB * W); /* the first block at once */
+    { /* the first block at once */
+        const float *kb0 = ATT_KROW(cache, blk, k0s, W);
+        att_prefetch(kb0, kb0 + (k1s - k0s < ATT_KB ? k1s - k0s : ATT_KB) * W, ATT_KB * W);
+    }
     for (int64_t k0 = k0s; k0 < k1s; k0 += ATT_KB) {
         const int nk = (int)(k1s - k0 < ATT_KB ? k1s - k0 : ATT_KB);
-        const float *kb = cache + k0 * W;
+        const float *kb = ATT_KROW(cache, blk, k0, W);
+        /* the next block (another page of a paged cache), for the prefetch */
+        const float *nb = k0 + ATT_KB < k1s ? ATT_KROW(cache, blk, k0 + ATT_KB, W) : NULL;
+        const float *nb_end =
+            nb ? nb + (k1s - k0 - ATT_KB < ATT_KB ? k1s - k0 - ATT_KB : ATT_KB) * W : NULL;
         /* scores of the block (row vectors 3 at a time, keys ATT_NK at a time) */
         for (int v = 0; v < nv;) {
             const int rv = nv - v >= 3 ? 3 : 1;
             int u = 0;
             for (; u + ATT_NK <= nk; u += ATT_NK) {
-                if (v == 0) att_prefetch(kb + (ATT_KB + u) * W, cache + k1s * W, ATT_NK * W);
+                if (v == 0 && nb) att_prefetch(nb + u * W, nb_end, ATT_NK * W);
                 (rv == 3 ? att_sc_r3kn : att_sc_r1kn)(qt + v * VL, rp, kb + u * W, W,
                                                       st + u * rp + v * VL);
             }
@@ -241,17 +254,18 @@ static void att_final(float *const *os, const float *L, int R, int Rkv) {
  * os[r] [Rkv], superblock after superblock. qt [W·rp], st [ATT_KB·rp], opb [rp·Rkv] (the later
  * superblocks' partials) are the caller's scratch. */
 static void att_tile(const float *const *qs, const int64_t *nctx, float *const *os, int R, int rp,
-                     const float *cache, int W, int Rkv, float scale, float *qt, float *st,
-                     float *opb) {
+                     const float *cache, const int32_t *blk, int W, int Rkv, float scale, float *qt,
+                     float *st, float *opb) {
     float M[ATT_ROWS], L[ATT_ROWS], m[ATT_ROWS], l[ATT_ROWS];
     float *op[ATT_ROWS];
     int64_t kmax = 0;
     for (int r = 0; r < R; r++) kmax = nctx[r] > kmax ? nctx[r] : kmax;
     for (int r = 0; r < R; r++) op[r] = opb + (int64_t)r * Rkv;
     att_qt(qs, R, rp, W, qt);
-    att_part(qt, nctx, os, R, rp, cache, W, Rkv, scale, 0, kmax < ATT_SB ? kmax : ATT_SB, st, M, L);
+    att_part(qt, nctx, os, R, rp, cache, blk, W, Rkv, scale, 0, kmax < ATT_SB ? kmax : ATT_SB, st,
+             M, L);
     for (int64_t k0s = ATT_SB; k0s < kmax; k0s += ATT_SB) {
-        att_part(qt, nctx, op, R, rp, cache, W, Rkv, scale, k0s,
+        att_part(qt, nctx, op, R, rp, cache, blk, W, Rkv, scale, k0s,
                  kmax - k0s < ATT_SB ? kmax : k0s + ATT_SB, st, m, l);
         att_merge(nctx, k0s, R, rp, M, L, os, m, l, (const float *const *)op, Rkv);
     }
@@ -261,8 +275,9 @@ static void att_tile(const float *const *qs, const int64_t *nctx, float *const *
 /* attn_latent_causal on the rows (query j, head h), j in [j0, j1), h in [h0, h1), in that
  * order, tiles of up to ATT_ROWS rows (fewer when W is large: the transposed queries stay
  * within ATT_QT_FLOATS). qc [n_q, H, W], o_lat [n_q, H, Rkv]; query j's context pos0 + j + 1. */
-static void attn_rows(const float *qc, const float *cache, int64_t pos0, int64_t j0, int64_t j1,
-                      int h0, int h1, int H, int W, int Rkv, float scale, float *o_lat) {
+static void attn_rows(const float *qc, const float *cache, const int32_t *blk, int64_t pos0,
+                      int64_t j0, int64_t j1, int h0, int h1, int H, int W, int Rkv, float scale,
+                      float *o_lat) {
     float qt[ATT_QT_FLOATS], st[ATT_KB * ATT_ROWS], opb[ATT_QT_FLOATS]; /* rp·Rkv <= rp·W */
     int rp = ATT_QT_FLOATS / W / VL * VL;
     rp = rp > ATT_ROWS ? ATT_ROWS : rp;
@@ -276,11 +291,12 @@ static void attn_rows(const float *qc, const float *cache, int64_t pos0, int64_t
             os[R] = o_lat + (j * H + h) * Rkv;
             nctx[R] = pos0 + j + 1;
             if (++R == rp) {
-                att_tile(qs, nctx, os, R, rp, cache, W, Rkv, scale, qt, st, opb);
+                att_tile(qs, nctx, os, R, rp, cache, blk, W, Rkv, scale, qt, st, opb);
                 R = 0;
             }
         }
-    if (R > 0) att_tile(qs, nctx, os, R, (R + VL - 1) / VL * VL, cache, W, Rkv, scale, qt, st, opb);
+    if (R > 0)
+        att_tile(qs, nctx, os, R, (R + VL - 1) / VL * VL, cache, blk, W, Rkv, scale, qt, st, opb);
 }
 
 /* A decode step by superblocks (cpu_attn.c runs the superblocks as tasks): heads [h0, h1)
@@ -288,8 +304,9 @@ static void attn_rows(const float *qc, const float *cache, int64_t pos0, int64_t
  * query qc [H, W] over the superblock of keys from k0s of a context of n_ctx: o [h1 − h0, Rkv]
  * (o may be the running output when k0s = 0), m, l [h1 − h0]. attn_rows' bits once merged
  * (attn_merge) in superblock order and finished (attn_final). */
-static void attn_part(const float *qc, const float *cache, int64_t n_ctx, int h0, int h1, int W,
-                      int Rkv, float scale, int64_t k0s, float *o, float *m, float *l) {
+static void attn_part(const float *qc, const float *cache, const int32_t *blk, int64_t n_ctx, int h0,
+                      int h1, int W, int Rkv, float scale, int64_t k0s, float *o, float *m,
+                      float *l) {
     float qt[ATT_QT_FLOATS], st[ATT_KB * ATT_ROWS], mm[ATT_ROWS], ll[ATT_ROWS];
     const float *qs[ATT_ROWS] = {0}; /* (initialised: gcc cannot see that R >= 1) */
     float *os[ATT_ROWS] = {0};
@@ -298,7 +315,7 @@ static void attn_part(const float *qc, const float *cache, int64_t n_ctx, int h0
     for (int r = 0; r < R; r++)
         qs[r] = qc + (int64_t)(h0 + r) * W, os[r] = o + (int64_t)r * Rkv, nctx[r] = n_ctx;
     att_qt(qs, R, rp, W, qt);
-    att_part(qt, nctx, os, R, rp, cache, W, Rkv, scale, k0s,
+    att_part(qt, nctx, os, R, rp, cache, blk, W, Rkv, scale, k0s,
              n_ctx - k0s < ATT_SB ? n_ctx : k0s + ATT_SB, st, mm, ll);
     for (int r = 0; r < R; r++) m[r] = mm[r], l[r] = ll[r];
 }

@@ -7,6 +7,10 @@
  * weight directly — a host loop left in layers/ or experts/, a memcpy in rank/ — takes SIGSEGV
  * under test, exactly where a device backend would have read garbage. Results are the cpu
  * backend's, bit for bit (same op code, same thread pool rules).
+ * It also counts (k3_op_stats, `k3 run --op-stats`): op calls by op, bytes each way, and host
+ * syncs (download, synchronize, event_sync: the reads a device backend makes the host wait for;
+ * download_async is not one, the event_sync after it is). Counters are atomics, so ops called
+ * from several threads are safe; reading them (op_stats) counts nothing.
  * Not for production: every op costs two mprotect calls. */
 #include "k3_kernels.h"
 #include "k3_kernels_internal.h"
@@ -24,7 +28,17 @@ typedef struct guard_ctx {
     size_t reserved, used;
     pthread_mutex_t mu;
     int open_depth;
+    k3_op_stats stats; /* updated with __atomic builtins only */
 } guard_ctx;
+
+/* An event of the guard backend: copies are immediate, so it only exists (and is counted). */
+typedef struct guard_event {
+    uint64_t n_records;
+} guard_event;
+
+static void count(uint64_t *c, uint64_t n) {
+    __atomic_fetch_add(c, n, __ATOMIC_RELAXED);
+}
 
 static guard_ctx *G(k3_backend *be) {
     return (guard_ctx *)be->ctx;
@@ -51,6 +65,7 @@ static void guard_close(k3_backend *be) {
 #define GUARD_OP(name, params, args)                                                               \
     static k3_status guard_##name params {                                                         \
         k3_backend *outer_ = be;                                                                   \
+        count(&G(outer_)->stats.calls[K3_OP_##name], 1);                                           \
         guard_open(outer_);                                                                        \
         k3_status st_;                                                                             \
         {                                                                                          \
@@ -90,18 +105,61 @@ static void g_free(k3_backend *be, void *p) {
     /* never reused: a stale pointer keeps faulting (the pages stay PROT_NONE) */
 }
 static k3_status g_upload(k3_backend *be, void *dst, const void *src, size_t n) {
+    count(&G(be)->stats.h2d_bytes, n);
     guard_open(be);
     if (n) memcpy(dst, src, n);
     guard_close(be);
     return K3_OK;
 }
+/* a device -> host read the host waits for: a host sync */
 static k3_status g_download(k3_backend *be, void *dst, const void *src, size_t n) {
+    count(&G(be)->stats.d2h_bytes, n);
+    count(&G(be)->stats.host_syncs, 1);
     guard_open(be);
     if (n) memcpy(dst, src, n);
     guard_close(be);
     return K3_OK;
 }
 static k3_status g_sync(k3_backend *be) {
+    count(&G(be)->stats.host_syncs, 1);
+    return K3_OK;
+}
+/* The stream-ordered forms copy now (nothing is queued on a host backend); a download_async is
+   no host sync by itself (the event_sync that waits for it is). */
+static k3_status g_upload_async(k3_backend *be, void *dst, const void *src, size_t n) {
+    return g_upload(be, dst, src, n);
+}
+static k3_status g_download_async(k3_backend *be, void *dst, const void *src, size_t n) {
+    count(&G(be)->stats.d2h_bytes, n);
+    guard_open(be);
+    if (n) memcpy(dst, src, n);
+    guard_close(be);
+    return K3_OK;
+}
+static k3_status g_event_create(k3_backend *be, k3_event **out) {
+    guard_event *ev;
+    K3_TRY(k3_calloc((void **)&ev, sizeof *ev, "guard event"));
+    *out = (k3_event *)ev; /* opaque to callers; only this file looks inside */
+    return K3_OK;
+}
+static k3_status g_event_record(k3_backend *be, k3_event *ev) {
+    ((guard_event *)ev)->n_records++;
+    return K3_OK;
+}
+static k3_status g_event_sync(k3_backend *be, k3_event *ev) {
+    count(&G(be)->stats.host_syncs, 1);
+    return K3_OK;
+}
+static void g_event_destroy(k3_backend *be, k3_event *ev) {
+    k3_free(ev);
+}
+static k3_status g_op_stats(const k3_backend *be, k3_op_stats *out) {
+    const guard_ctx *g = be->ctx;
+    for (int i = 0; i < K3_OP_COUNT; i++)
+        out->calls[i] = __atomic_load_n(&g->stats.calls[i], __ATOMIC_RELAXED);
+    out->host_syncs = __atomic_load_n(&g->stats.host_syncs, __ATOMIC_RELAXED);
+    out->h2d_bytes = __atomic_load_n(&g->stats.h2d_bytes, __ATOMIC_RELAXED);
+    out->d2h_bytes = __atomic_load_n(&g->stats.d2h_bytes, __ATOMIC_RELAXED);
     return K3_OK;
 }
 static bool g_supports(const k3_backend *be, int op, k3_dtype wt) {
@@ -133,6 +191,13 @@ static const k3_backend_iface k_guard_iface = {
     .supports_op = g_supports,
     .memory = g_memory,
     .destroy = g_destroy,
+    .upload_async = g_upload_async,
+    .download_async = g_download_async,
+    .event_create = g_event_create,
+    .event_record = g_event_record,
+    .event_sync = g_event_sync,
+    .event_destroy = g_event_destroy,
+    .op_stats = g_op_stats,
 };
 
 k3_status k3_backend_create_guard(const k3_backend_params *p, k3_backend **out) {

@@ -334,11 +334,14 @@ k3_status k3_kernels_check_kda(int dk, int dv, int C) {
 }
 
 /* ---- latent attention --------------------------------------------------------------------- */
-void k3_ref_attn_latent_head(const float *qc, const float *cache, int64_t n_ctx, int W, int Rkv,
-                             float scale, float *o, float *work) {
+void k3_ref_attn_latent_head(const float *qc, const float *cache, const int32_t *blk,
+                             int64_t n_ctx, int W, int Rkv, float scale, float *o, float *work) {
+    /* row j: contiguous, or row j % K3_KV_BLOCK of page blk[j / K3_KV_BLOCK] */
+#define REF_ROW(j)                                                                                 \
+    (cache + (blk ? (int64_t)blk[(j) / K3_KV_BLOCK] * K3_KV_BLOCK + (j) % K3_KV_BLOCK : (j)) * W)
     float m = -INFINITY;
     for (int64_t j = 0; j < n_ctx; j++) {
-        const float *c = cache + j * W;
+        const float *c = REF_ROW(j);
         float s = 0.0f;
         for (int i = 0; i < W; i++) s += qc[i] * c[i];
         work[j] = s * scale;
@@ -352,16 +355,17 @@ void k3_ref_attn_latent_head(const float *qc, const float *cache, int64_t n_ctx,
     for (int i = 0; i < Rkv; i++) o[i] = 0.0f;
     for (int64_t j = 0; j < n_ctx; j++) {
         float p = work[j] / z;
-        const float *c = cache + j * W;
+        const float *c = REF_ROW(j);
         for (int i = 0; i < Rkv; i++) o[i] += p * c[i];
     }
+#undef REF_ROW
 }
 
 static k3_status ref_attn_latent(k3_backend *be, const float *qc, const float *cache, int64_t n_ctx,
                                  int H, int W, int Rkv, float scale, float *o_lat, float *work) {
     K3_TRY(k3_kernels_check_attn("attn_latent", 0, n_ctx, H, W, Rkv));
     for (int h = 0; h < H; h++)
-        k3_ref_attn_latent_head(qc + (int64_t)h * W, cache, n_ctx, W, Rkv, scale,
+        k3_ref_attn_latent_head(qc + (int64_t)h * W, cache, NULL, n_ctx, W, Rkv, scale,
                                 o_lat + (int64_t)h * Rkv, work + (int64_t)h * n_ctx);
     return K3_OK;
 }
@@ -634,6 +638,16 @@ static k3_status ref_rows_wsum(k3_backend *be, const float *x, const float *w, c
     return K3_OK;
 }
 
+/* the varlen ops (ref_seqs.c, ref_moe.c) */
+#define ref_rmsnorm_rows k3_ref_rmsnorm_rows
+#define ref_matmul_heads k3_ref_matmul_heads
+#define ref_kv_write k3_ref_kv_write
+#define ref_attn_paged k3_ref_attn_paged
+#define ref_short_conv_seqs k3_ref_short_conv_seqs
+#define ref_kda_seqs k3_ref_kda_seqs
+#define ref_nonfinite_rows k3_ref_nonfinite_rows
+#define ref_rows_last k3_ref_rows_last
+#define ref_moe_experts k3_ref_moe_experts
 #define REF_OP(name, params, args) .name = ref_##name,
 const k3_ops k3_ref_ops = {K3_OP_LIST(REF_OP)};
 #undef REF_OP

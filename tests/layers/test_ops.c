@@ -2152,6 +2152,10 @@ static void test_rows_wsum(void) {
     }
 }
 
+/* the varlen ops (one call for a whole batch) and the routed experts op */
+#include "test_ops_seqs.inc"
+#include "test_ops_moe.inc"
+
 /* The registry: one test per op of K3_OP_LIST (a missing test_<op> is a compile error). */
 #define K3_OP_TEST(name, params, args) {#name, test_##name},
 static const struct {
