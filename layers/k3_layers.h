@@ -13,7 +13,18 @@
  * (k3_comm_moe_combine); finish (weighted sum, latent norm, up-projection, shared experts).
  * Without a comm handle every expert is local. No call goes up into rank/.
  * Callers must not: share one k3_stage between threads concurrently, or create a k3_seq_state
- * while a forward of the same stage runs (it may grow the stage's attention scratch).
+ * while a forward of the same stage runs (it may grow the stage's pools).
+ *
+ * The step (DESIGN.md "The stage step"): k3_stage_forward lays the batch out once as a k3_seqs
+ * descriptor (token offsets, positions, state slots, block tables) in one upload with the
+ * token ids and the non-finite flags; every op that touches sequences takes it, so a step issues
+ * a number of op calls that depends on the stage's layers only, not on how many sequences,
+ * tokens or heads it carries. Its only device -> host read is the flags, once at the end.
+ * Paged cache and slots: the MLA latent cache is a pool of blocks of K3_KV_BLOCK tokens per
+ * stage, a sequence's positions mapped to blocks by its block table; blocks are taken as it grows
+ * and returned when it ends (release, reset, destroy); a pool that runs out fails that forward
+ * (K3_ERR_NOMEM naming the sequence) before it changes anything. KDA and short-conv states live
+ * in a slot pool, one slot per sequence, indexed by the descriptor.
  *
  * Determinism: with the recurrent KDA form (the default, kda_chunk 0 or 1) every logit is
  * bit-identical for every split of a prompt into prefill chunks / decode steps, every batch
@@ -31,10 +42,10 @@
 #include "k3_model.h"
 
 typedef struct k3_stage k3_stage; /* layers [layer_begin, layer_end) + embed/head if owned */
-typedef struct k3_seq_state k3_seq_state; /* one sequence's caches for the stage's layers:
-                                             MLA latent cache [n_mla, T_max, kv_lora+rope], KDA conv
-                                             state [n_kda, 3 (q,k,v), K-1, P] and recurrent state
-                                             [n_kda, H, dk, dv] fp32, position count */
+typedef struct k3_seq_state k3_seq_state; /* one sequence of the stage: its slot in the slot
+                                             pool (KDA conv state [n_kda, 3 (q,k,v), K-1, P] and
+                                             recurrent state [n_kda, H, dk, dv] fp32), its block
+                                             table into the paged MLA latent cache, position */
 
 #define K3_KDA_CHUNK_DEFAULT                                                                       \
     1 /* recurrent KDA (see "Determinism" above); 16 is the chunk llama.cpp uses */
@@ -61,15 +72,28 @@ typedef struct k3_stage_params {
        (bit-identical for every split); false = each owner pre-sums its experts per token (one
        row per (token, owner); less traffic; within K3_TOL_PRESUM of the former). */
     bool deterministic;
+    /* The state pools ("Paged cache and slots" above). max_seqs > 0: max_seqs slots, sequences of
+       up to max_ctx tokens, a paged MLA cache of kv_cache_tokens (0: max_seqs × max_ctx), all
+       allocated here. max_seqs 0: each k3_seq_state_create grows them (a slot, its max_ctx). */
+    int max_seqs;
+    int64_t max_ctx;
+    int64_t kv_cache_tokens;
 } k3_stage_params;
 
 k3_status k3_stage_create(const k3_stage_params *p, k3_stage **out);
 void k3_stage_destroy(k3_stage *s);
 const k3_stage_params *k3_stage_get_params(const k3_stage *s);
 
+/* A sequence of up to max_ctx tokens: takes a free slot (K3_ERR_STATE when none is left in a
+   stage sized by max_seqs); its cache blocks are taken from the pool as it grows. */
 k3_status k3_seq_state_create(const k3_stage *s, int64_t max_ctx, k3_seq_state **out);
-void k3_seq_state_destroy(k3_seq_state *st);
+void k3_seq_state_destroy(k3_seq_state *st); /* its blocks and slot back to the pools */
+/* A new sequence in the same slot: states zeroed, blocks returned, position 0. */
 k3_status k3_seq_state_reset(k3_seq_state *st);
+/* The sequence ended: its cache blocks go back to the pool (the slot stays; reset before reuse). */
+void k3_seq_state_release(k3_seq_state *st);
+/* The paged cache's blocks (K3_KV_BLOCK tokens each): free now, and in all. */
+void k3_stage_cache_usage(const k3_stage *s, int *free_blocks, int *total_blocks);
 int64_t k3_seq_state_pos(const k3_seq_state *st); /* tokens consumed so far */
 int64_t k3_seq_state_max_ctx(const k3_seq_state *st);
 size_t k3_seq_state_bytes(const k3_seq_state *st);

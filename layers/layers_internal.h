@@ -35,11 +35,9 @@ struct k3_stage {
     k3_layer_tap tap;
     void *tap_ctx;
     float *tap_buf; /* host [T_max, D] */
-    float *nf_buf;  /* host [max(T_max * D, V)]: the non-finite check (k3_batch.nonfinite) */
 
     /* scratch, sized for T_max tokens at create */
     float *xa, *xn, *y; /* [T, D] mix output, normed input, sublayer output */
-    int32_t *ids;       /* [T] token ids (first stage) */
     /* KDA */
     float *kq, *kk, *kv, *kqc, *kkc, *kvc, *kr, *kg, *ko; /* [T, P] each */
     float *kfa;                                           /* [T, R] */
@@ -49,12 +47,11 @@ struct k3_stage {
     float *mcq;                /* [T, Rq] */
     float *mq;                 /* [T, H·(dn+dr)] */
     float *mckv;               /* [T, Rkv+dr] */
-    float *mtmp_in, *mtmp_out; /* [T, max(dn, Rkv)], [T, max(Rkv, dv)] per-head staging */
+    float *mhwork;             /* [T, max(dn, Rkv) + max(Rkv, dv)]: matmul_heads' staging */
     float *mqc;                /* [T, H, Rkv+dr] */
     float *molat;              /* [T, H, Rkv] */
     float *mattn, *mgate;      /* [T, H·dv] */
-    float *mwork; /* [H, max_ctx] attention probabilities (grown by seq_state_create) */
-    int64_t mwork_ctx;
+    float *mwork; /* [H, max_ctx] attention scratch (grown with the pools) */
     /* FFN */
     float *fg, *fu;        /* [T, F] */
     float *moe_scratch;    /* k3_moe_scratch_floats(T) */
@@ -72,22 +69,47 @@ struct k3_stage {
     float *h_w;                      /* host [T·K] */
     /* head */
     float *hsel;  /* [T, D] rows that get logits */
-    float *bank1; /* [max_bank, D] one token's bank rows (final mix of last tokens) */
+    float *bank_sel; /* [max_bank, n_slots, D] the bank rows of each sequence's last token */
+
+    /* The state pools (k3_layers.h "Paged cache and slots"). fixed: sized at create from the
+       params; else grown by k3_seq_state_create (one slot and max_ctx of blocks each). */
+    bool fixed;
+    int n_slots;                 /* slot pool capacity (= the most sequences of one batch) */
+    bool *slot_used;             /* host [n_slots] */
+    float *conv_pool;            /* [n_slots, n_kda, 3, K-1, P] */
+    float *S_pool;               /* [n_slots, n_kda, H, dk, dv] */
+    int64_t conv_slot, S_slot;   /* floats of one slot in each pool */
+    int n_blocks;                /* paged MLA cache blocks (0 without MLA layers) */
+    int n_free;                  /* free blocks: free_blk[0, n_free) */
+    int32_t *free_blk;           /* host [n_blocks] */
+    float *kv_pool;              /* [n_mla, n_blocks, K3_KV_BLOCK, Rkv + dr] */
+    int max_blocks;              /* block table row: blocks of the longest sequence (max_ctx) */
+    int64_t max_ctx;             /* the longest sequence a state may be created for */
+    /* the step buffer, uploaded once a step: k3_seqs arrays [k3_seqs_floats(n_slots,
+       max_blocks)] | non-finite flags [n_slots] | token ids [T_max] (int32); host mirror */
+    int32_t *step_dev, *step_host;
+    size_t step_ints;
+    int32_t *h_ntok, *h_pos, *h_slot, *h_blk; /* host [n_slots] ×3, [n_slots, max_blocks] */
+    int32_t *h_nf;                            /* host [n_slots] the flags read back */
 };
 
+/* A sequence: its slot of the stage's slot pool and the paged cache blocks it holds. */
 struct k3_seq_state {
-    const k3_stage *s;
+    k3_stage *s;
+    int slot;
     int64_t max_ctx, pos;
-    float *mla;  /* [n_mla, max_ctx, Rkv+dr] (backend memory) */
-    float *conv; /* [n_kda, 3, K-1, P] */
-    float *S;    /* [n_kda, H, dk, dv] */
-    size_t n_bytes;
+    int n_blk;    /* blocks held: positions [0, n_blk·K3_KV_BLOCK) */
+    int32_t *blk; /* host [s->max_blocks] its block table */
 };
 
-/* KDA mixer over the batch: x [T, D] (normed) -> y [T, D]. */
-k3_status k3_layers_kda(k3_stage *s, int layer, const k3_batch *b, const float *x, float *y);
-/* MLA mixer over the batch: x [T, D] -> y [T, D]; writes the latent cache. */
-k3_status k3_layers_mla(k3_stage *s, int layer, const k3_batch *b, const float *x, float *y);
+/* KDA mixer over the batch (descriptor sq, in backend memory): x [T, D] (normed) -> y [T, D]. */
+k3_status k3_layers_kda(k3_stage *s, int layer, const k3_seqs *sq, const float *x, float *y);
+/* MLA mixer over the batch: x [T, D] -> y [T, D]; writes the paged latent cache. */
+k3_status k3_layers_mla(k3_stage *s, int layer, const k3_seqs *sq, const float *x, float *y);
+
+/* The step's descriptor of batch b (blocks taken, one upload): what k3_stage_forward does before
+ * its layers, for tests that run a mixer alone. */
+k3_status k3_layers_step_begin(k3_stage *s, const k3_batch *b, k3_seqs *sq);
 
 /* Shape check of one weight: names layer and tensor on mismatch. d1 < 0: 1-D [d0]. */
 k3_status k3_layers_need(const k3_tensor *t, int layer, const char *name, int64_t d0, int64_t d1);

@@ -15,6 +15,7 @@
 
 #include "k3_experts.h"
 
+
 /* ---- checks ------------------------------------------------------------------------------ */
 k3_status k3_layers_need(const k3_tensor *t, int layer, const char *name, int64_t d0, int64_t d1) {
     if (!t->data) return K3_ERR(K3_ERR_MISSING, "layer %d: tensor %s is not loaded", layer, name);
@@ -199,12 +200,10 @@ static k3_status make_scratch(k3_stage *s) {
             any_dense = true;
     }
     K3_TRY(buf(s, &s->xa, T * D, "scratch xa"));
-    K3_TRY(hbuf(&s->nf_buf, K3_MAX(T * D, (size_t)c->vocab_size) * sizeof(float),
-                "non-finite check buffer (host)"));
     K3_TRY(buf(s, &s->xn, T * D, "scratch xn"));
     K3_TRY(buf(s, &s->y, T * D, "scratch y"));
     K3_TRY(buf(s, &s->hsel, T * D, "scratch head rows"));
-    K3_TRY(buf(s, &s->bank1, (size_t)k3_activ_max_bank(c) * D, "scratch bank rows of one token"));
+
     if (any_kda) {
         const size_t P = (size_t)c->kda_n_heads * (size_t)c->kda_head_dim;
         float **big[] = {&s->kq, &s->kk, &s->kv, &s->kqc, &s->kkc, &s->kvc, &s->kr, &s->kg, &s->ko};
@@ -227,8 +226,7 @@ static k3_status make_scratch(k3_stage *s) {
         K3_TRY(buf(s, &s->mcq, T * (size_t)K3_MAX(c->q_lora_rank, 1), "MLA cq"));
         K3_TRY(buf(s, &s->mq, T * H * (dn + dr), "MLA q"));
         K3_TRY(buf(s, &s->mckv, T * W, "MLA ckv"));
-        K3_TRY(buf(s, &s->mtmp_in, T * K3_MAX(dn, Rkv), "MLA head in"));
-        K3_TRY(buf(s, &s->mtmp_out, T * K3_MAX(Rkv, dv), "MLA head out"));
+        K3_TRY(buf(s, &s->mhwork, T * (K3_MAX(dn, Rkv) + K3_MAX(Rkv, dv)), "MLA per-head staging"));
         K3_TRY(buf(s, &s->mqc, T * H * W, "MLA absorbed q"));
         K3_TRY(buf(s, &s->molat, T * H * Rkv, "MLA latent out"));
         K3_TRY(buf(s, &s->mattn, T * H * dv, "MLA attn"));
@@ -238,7 +236,6 @@ static k3_status make_scratch(k3_stage *s) {
         K3_TRY(buf(s, &s->fg, T * (size_t)c->intermediate_size, "FFN gate"));
         K3_TRY(buf(s, &s->fu, T * (size_t)c->intermediate_size, "FFN up"));
     }
-    if (s->p.first) K3_TRY(buf(s, &s->ids, T, "token ids"));
     if (any_moe) {
         const size_t K = (size_t)c->n_experts_per_tok, Lw = (size_t)k3_moe_row_width(c);
         K3_TRY(k3_moe_check_config(c));
@@ -266,6 +263,8 @@ static k3_status make_scratch(k3_stage *s) {
     }
     return K3_OK;
 }
+
+static k3_status pools_create(k3_stage *s);
 
 k3_status k3_stage_create(const k3_stage_params *p, k3_stage **out) {
     *out = NULL;
@@ -320,6 +319,7 @@ k3_status k3_stage_create(const k3_stage_params *p, k3_stage **out) {
     }
     if (st == K3_OK) st = make_vecs(s);
     if (st == K3_OK) st = make_scratch(s);
+    if (st == K3_OK) st = pools_create(s);
     if (st != K3_OK) {
         k3_stage_destroy(s);
         return st;
@@ -331,19 +331,21 @@ k3_status k3_stage_create(const k3_stage_params *p, k3_stage **out) {
 void k3_stage_destroy(k3_stage *s) {
     if (!s) return;
     if (s->be) {
-        float *bufs[] = {s->xa,     s->xn,    s->y,        s->hsel,     s->bank1,  s->kq,
-                         s->kk,     s->kv,    s->kqc,      s->kkc,      s->kvc,    s->kr,
-                         s->kg,     s->ko,    s->kfa,      s->kbeta,    s->kwork,  s->mcq,
-                         s->mq,     s->mckv,  s->mtmp_in,  s->mtmp_out, s->mqc,    s->molat,
-                         s->mattn,  s->mgate, s->mwork,    s->fg,       s->fu,     s->moe_scratch,
-                         s->moe_w,  s->moe_r, s->moe_comb, s->moe_acc,  s->moe_eo, s->moe_xs,
-                         s->vec_mem};
+        float *bufs[] = {s->xa,        s->xn,      s->y,       s->hsel,     s->bank_sel,
+                         s->kq,        s->kk,      s->kv,      s->kqc,      s->kkc,
+                         s->kvc,       s->kr,      s->kg,      s->ko,       s->kfa,
+                         s->kbeta,     s->kwork,   s->mcq,     s->mq,       s->mckv,
+                         s->mhwork,    s->mqc,     s->molat,   s->mattn,    s->mgate,
+                         s->mwork,     s->fg,      s->fu,      s->moe_scratch, s->moe_w,
+                         s->moe_r,     s->moe_comb, s->moe_acc, s->moe_eo,  s->moe_xs,
+                         s->vec_mem,   s->conv_pool, s->S_pool, s->kv_pool};
         for (size_t i = 0; i < K3_ARRAY_LEN(bufs); i++) k3_backend_free(s->be, bufs[i]);
-        k3_backend_free(s->be, s->ids);
+        k3_backend_free(s->be, s->step_dev);
         k3_backend_free(s->be, s->moe_ids);
     }
-    void *hosts[] = {s->moe_hscratch, s->moe_xh, s->h_ids,   s->h_row,
-                     s->h_lane,       s->h_w,    s->tap_buf, s->nf_buf};
+    void *hosts[] = {s->moe_hscratch, s->moe_xh,   s->h_ids,  s->h_row,  s->h_lane,
+                     s->h_w,          s->tap_buf,  s->slot_used, s->free_blk, s->step_host,
+                     s->h_ntok,       s->h_pos,    s->h_slot, s->h_blk,  s->h_nf};
     for (size_t i = 0; i < K3_ARRAY_LEN(hosts); i++) k3_free(hosts[i]);
     k3_free(s->vec);
     if (s->own_be) k3_backend_destroy(s->be);
@@ -367,65 +369,174 @@ k3_backend *k3_stage_backend(const k3_stage *s) {
     return s->be;
 }
 
-/* ---- sequence state ------------------------------------------------------------------------ */
+/* ---- the state pools and sequence states ----------------------------------------------------
+ * Slots (KDA recurrent + short-conv state of every KDA layer of the stage, slot-major so one
+ * sequence's states are one contiguous range: a prefix-cache snapshot is one copy) and the paged
+ * MLA latent cache (layer-major [n_mla, n_blocks, K3_KV_BLOCK, W]; a sequence's block table maps
+ * its positions to blocks, allocated from the free list as it grows and returned when it ends).
+ * A stage created with max_seqs sizes them once (what a serving rank does); without, each
+ * k3_seq_state_create grows them by one slot and max_ctx of blocks (tests, benchmarks). */
+static int blocks_of(int64_t n_tokens) {
+    return (int)((n_tokens + K3_KV_BLOCK - 1) / K3_KV_BLOCK);
+}
+static int64_t kv_block_floats(const k3_stage *s) {
+    return (int64_t)K3_KV_BLOCK * (s->c->kv_lora_rank + s->c->qk_rope_head_dim);
+}
+
+/* Backend buffer *p of old_n floats -> new_n floats (rows × old_row floats kept, each row now
+   new_row floats apart: the kv pool's layers), contents copied. */
+static k3_status regrow(k3_stage *s, float **p, int64_t rows, int64_t old_row, int64_t new_row,
+                        const char *what) {
+    if (new_row == old_row && *p) return K3_OK;
+    float *q;
+    K3_TRY(buf(s, &q, (size_t)(rows * new_row), what));
+    if (*p && old_row > 0 && rows > 0)
+        K3_TRY(s->be->ops->copy2d(s->be, q, new_row, *p, old_row, rows, old_row));
+    k3_backend_free(s->be, *p);
+    *p = q;
+    return K3_OK;
+}
+static k3_status hregrow(void *pp, size_t old_bytes, size_t new_bytes, const char *what) {
+    void **p = pp, *q;
+    K3_TRY(hbuf(&q, new_bytes, what));
+    if (*p) memcpy(q, *p, K3_MIN(old_bytes, new_bytes));
+    k3_free(*p);
+    *p = q;
+    return K3_OK;
+}
+
+/* The pools to n_slots slots, n_blocks blocks, block tables of max_blocks, contexts up to
+   max_ctx (never smaller than now). */
+static k3_status pools_resize(k3_stage *s, int n_slots, int n_blocks, int max_blocks,
+                              int64_t max_ctx) {
+    const k3_config *c = s->c;
+    const int os = s->n_slots, ob = s->n_blocks, omb = s->max_blocks;
+    if (s->n_mla == 0) n_blocks = max_blocks = 0;
+    const int64_t P = (int64_t)c->kda_n_heads * c->kda_head_dim;
+    s->conv_slot = (int64_t)s->n_kda * 3 * K3_MAX(c->kda_conv_kernel - 1, 0) * P;
+    s->S_slot = (int64_t)s->n_kda * P * c->kda_head_dim;
+    if (n_slots > os) {
+        if (s->conv_slot > 0)
+            K3_TRY(regrow(s, &s->conv_pool, 1, os * s->conv_slot, n_slots * s->conv_slot,
+                          "KDA conv state slots"));
+        if (s->S_slot > 0)
+            K3_TRY(regrow(s, &s->S_pool, 1, os * s->S_slot, n_slots * s->S_slot,
+                          "KDA recurrent state slots"));
+        K3_TRY(hregrow(&s->slot_used, (size_t)os, (size_t)n_slots, "slot table"));
+        int32_t **h[] = {&s->h_ntok, &s->h_pos, &s->h_slot, &s->h_nf};
+        for (size_t i = 0; i < K3_ARRAY_LEN(h); i++)
+            K3_TRY(hregrow(h[i], 0, (size_t)n_slots * sizeof(int32_t), "batch scratch (host)"));
+        s->n_slots = n_slots;
+    }
+    if (n_blocks > ob) {
+        K3_TRY(regrow(s, &s->kv_pool, s->n_mla, ob * kv_block_floats(s),
+                      n_blocks * kv_block_floats(s), "paged MLA latent cache"));
+        K3_TRY(hregrow(&s->free_blk, (size_t)s->n_free * sizeof(int32_t),
+                       (size_t)n_blocks * sizeof(int32_t), "cache free list"));
+        for (int b = n_blocks - 1; b >= ob; b--) s->free_blk[s->n_free++] = b;
+        s->n_blocks = n_blocks;
+    }
+    s->max_blocks = K3_MAX(omb, max_blocks);
+    if (n_slots > os || s->max_blocks > omb || !s->step_dev) {
+        K3_TRY(hregrow(&s->h_blk, 0, (size_t)s->n_slots * (size_t)s->max_blocks * sizeof(int32_t),
+                       "block tables (host)"));
+        s->step_ints = k3_seqs_floats(s->n_slots, s->max_blocks) + (size_t)s->n_slots +
+                       (size_t)s->T_max;
+        K3_TRY(hregrow(&s->step_host, 0, s->step_ints * sizeof(int32_t), "step buffer (host)"));
+        k3_backend_free(s->be, s->step_dev);
+        s->step_dev = NULL;
+        K3_TRY(buf(s, &s->step_dev, s->step_ints, "step buffer (descriptor, flags, ids)"));
+    }
+    if (max_ctx > s->max_ctx) {
+        if (s->n_mla > 0)
+            K3_TRY(regrow(s, &s->mwork, 1, 0,
+                          (int64_t)k3_attn_latent_causal_work_floats(max_ctx, c->n_heads),
+                          "attention scratch"));
+        s->max_ctx = max_ctx;
+    }
+    if (n_slots > os && k3_activ_max_bank(c) > 0)
+        K3_TRY(regrow(s, &s->bank_sel, 1, 0,
+                      (int64_t)k3_activ_max_bank(c) * s->n_slots * s->D, "last-token bank rows"));
+    return K3_OK;
+}
+
+static k3_status pools_create(k3_stage *s) {
+    const k3_stage_params *p = &s->p;
+    if (p->max_seqs <= 0) return K3_OK; /* grown by k3_seq_state_create */
+    if (p->max_ctx < 1)
+        return K3_ERR(K3_ERR_ARG, "stage: max_seqs %d needs max_ctx >= 1", p->max_seqs);
+    s->fixed = true;
+    const int64_t cache_tokens =
+        p->kv_cache_tokens > 0 ? p->kv_cache_tokens : (int64_t)p->max_seqs * p->max_ctx;
+    if (blocks_of(cache_tokens) < 1 || cache_tokens / K3_KV_BLOCK > INT32_MAX / 2)
+        return K3_ERR(K3_ERR_ARG, "stage: kv_cache_tokens %lld", (long long)cache_tokens);
+    return pools_resize(s, p->max_seqs, blocks_of(cache_tokens), blocks_of(p->max_ctx),
+                        p->max_ctx);
+}
+
+void k3_stage_cache_usage(const k3_stage *s, int *free_blocks, int *total_blocks) {
+    if (free_blocks) *free_blocks = s->n_free;
+    if (total_blocks) *total_blocks = s->n_blocks;
+}
+
 k3_status k3_seq_state_create(const k3_stage *cs, int64_t max_ctx, k3_seq_state **out) {
     *out = NULL;
     if (max_ctx < 1) return K3_ERR(K3_ERR_ARG, "sequence state: max_ctx must be >= 1");
-    k3_stage *s = (k3_stage *)cs; /* may grow the attention scratch (documented in the header) */
-    const k3_config *c = s->c;
+    k3_stage *s = (k3_stage *)cs; /* takes a slot (and may grow the pools: documented) */
+    if (s->fixed && max_ctx > s->max_ctx)
+        return K3_ERR(K3_ERR_ARG, "sequence state: max_ctx %lld > the stage's max_ctx %lld",
+                      (long long)max_ctx, (long long)s->max_ctx);
+    int slot = 0;
+    while (slot < s->n_slots && s->slot_used[slot]) slot++;
+    if (slot == s->n_slots && s->fixed)
+        return K3_ERR(K3_ERR_STATE, "sequence state: all %d slots of the stage are in use",
+                      s->n_slots);
+    if (!s->fixed) /* a slot (new or reused) and max_ctx of blocks more: never short */
+        K3_TRY(pools_resize(s, K3_MAX(s->n_slots, slot + 1), s->n_blocks + blocks_of(max_ctx),
+                            blocks_of(max_ctx), max_ctx));
     k3_seq_state *st;
     K3_TRY(k3_calloc((void **)&st, sizeof(*st), "sequence state"));
     st->s = s;
+    st->slot = slot;
     st->max_ctx = max_ctx;
-    size_t P = (size_t)c->kda_n_heads * (size_t)c->kda_head_dim;
-    size_t n_mla =
-        (size_t)s->n_mla * (size_t)max_ctx * (size_t)(c->kv_lora_rank + c->qk_rope_head_dim);
-    size_t n_conv = (size_t)s->n_kda * 3 * (size_t)K3_MAX(c->kda_conv_kernel - 1, 0) * P;
-    size_t n_S = (size_t)s->n_kda * P * (size_t)c->kda_head_dim;
-    k3_status e = K3_OK;
-    if (n_mla)
-        e = k3_backend_alloc(s->be, n_mla * sizeof(float), "MLA latent cache", (void **)&st->mla);
-    if (e == K3_OK && n_conv)
-        e = k3_backend_alloc(s->be, n_conv * sizeof(float), "KDA conv state", (void **)&st->conv);
-    if (e == K3_OK && n_S)
-        e = k3_backend_alloc(s->be, n_S * sizeof(float), "KDA recurrent state", (void **)&st->S);
-    if (e == K3_OK && s->n_mla > 0 && max_ctx > s->mwork_ctx) {
-        float *w;
-        e = k3_backend_alloc(s->be, (size_t)c->n_heads * (size_t)max_ctx * sizeof(float),
-                             "attention scratch", (void **)&w);
-        if (e == K3_OK) {
-            k3_backend_free(s->be, s->mwork);
-            s->mwork = w;
-            s->mwork_ctx = max_ctx;
-        }
+    k3_status e = hbuf(&st->blk, (size_t)K3_MAX(blocks_of(max_ctx), 1) * sizeof(int32_t),
+                       "block table");
+    if (e == K3_OK) {
+        s->slot_used[slot] = true;
+        e = k3_seq_state_reset(st);
     }
     if (e != K3_OK) {
         k3_seq_state_destroy(st);
         return e;
     }
-    st->n_bytes = (n_mla + n_conv + n_S) * sizeof(float);
     *out = st;
     return K3_OK;
 }
 
+void k3_seq_state_release(k3_seq_state *st) {
+    k3_stage *s = st->s;
+    for (int i = st->n_blk - 1; i >= 0; i--) s->free_blk[s->n_free++] = st->blk[i];
+    st->n_blk = 0;
+}
+
 void k3_seq_state_destroy(k3_seq_state *st) {
     if (!st) return;
-    k3_backend *be = st->s->be;
-    k3_backend_free(be, st->mla);
-    k3_backend_free(be, st->conv);
-    k3_backend_free(be, st->S);
+    k3_seq_state_release(st);
+    if (st->blk && st->slot < st->s->n_slots) st->s->slot_used[st->slot] = false;
+    k3_free(st->blk);
     k3_free(st);
 }
 
 k3_status k3_seq_state_reset(k3_seq_state *st) {
-    const k3_config *c = st->s->c;
-    k3_backend *be = st->s->be;
-    int64_t P = (int64_t)c->kda_n_heads * c->kda_head_dim;
-    if (st->conv)
-        K3_TRY(be->ops->fill(be, st->conv, (int64_t)st->s->n_kda * 3 * (c->kda_conv_kernel - 1) * P,
-                             0.0f));
-    if (st->S) K3_TRY(be->ops->fill(be, st->S, (int64_t)st->s->n_kda * P * c->kda_head_dim, 0.0f));
-    st->pos = 0; /* the MLA cache beyond pos is never read */
+    k3_stage *s = st->s;
+    k3_backend *be = s->be;
+    k3_seq_state_release(st); /* its pages back to the pool: the cache beyond pos is never read */
+    if (s->conv_slot > 0)
+        K3_TRY(be->ops->fill(be, s->conv_pool + (size_t)st->slot * (size_t)s->conv_slot,
+                             s->conv_slot, 0.0f));
+    if (s->S_slot > 0)
+        K3_TRY(be->ops->fill(be, s->S_pool + (size_t)st->slot * (size_t)s->S_slot, s->S_slot, 0.0f));
+    st->pos = 0;
     return K3_OK;
 }
 
@@ -436,7 +547,10 @@ int64_t k3_seq_state_max_ctx(const k3_seq_state *st) {
     return st->max_ctx;
 }
 size_t k3_seq_state_bytes(const k3_seq_state *st) {
-    return st->n_bytes;
+    const k3_stage *s = st->s;
+    return (size_t)(s->conv_slot + s->S_slot + (int64_t)blocks_of(st->max_ctx) * s->n_mla *
+                                                   kv_block_floats(s)) *
+           sizeof(float);
 }
 
 /* ---- FFN ------------------------------------------------------------------------------------ */
@@ -562,10 +676,9 @@ static k3_status check_batch(const k3_stage *s, const k3_batch *b, const k3_acti
 }
 
 /* ---- where a non-finite activation first appears (k3_batch.nonfinite) -------------------------
- * After each sub-block the stage looks for NaN/Inf in the output rows of each sequence not yet
- * marked: one read of [T, D] per sub-block (in place in host memory; a device backend's rows are
- * copied, which a device-side reduction op should replace), small beside the sub-block itself (a
- * decode step reads megabytes of weights per layer). */
+ * After each sub-block the nonfinite_rows op looks for NaN/Inf in the output rows of each
+ * sequence not yet marked and marks it in a flag array on the backend (the step buffer); the
+ * host reads the flags once, at the end of the step. */
 const char *k3_nf_op_name(k3_nf_op op) {
     static const char *names[] = {"?",
                                   "embedding rows",
@@ -586,57 +699,65 @@ static k3_status in_layer(k3_status st, int l) {
     return K3_ERR(st, "layer %d: %s", l, msg);
 }
 
-static bool all_finite(const float *x, int64_t n) {
-    float acc = 0; /* x * 0 is NaN exactly when x is NaN or Inf */
-    for (int64_t i = 0; i < n; i++) acc += x[i] * 0.0f;
-    return acc == 0;
+/* Blocks for every sequence's positions up to pos + n (none without MLA layers): all or none, so
+   a pool that runs out leaves every state as it was and names the sequence. */
+static k3_status take_blocks(k3_stage *s, const k3_batch *b) {
+    if (s->n_mla == 0) return K3_OK;
+    int need = 0;
+    for (int i = 0; i < b->n_seqs; i++) {
+        const k3_seq_state *st = b->states[i];
+        need += blocks_of(st->pos + b->n_tokens[i]) - st->n_blk;
+        if (need > s->n_free)
+            return K3_ERR(K3_ERR_NOMEM,
+                          "forward: the paged MLA cache is full: sequence %d (%lld + %d tokens) "
+                          "would take block %d of %d (%d tokens each, --kv-cache-tokens)",
+                          i, (long long)st->pos, b->n_tokens[i],
+                          s->n_blocks - s->n_free + need, s->n_blocks, K3_KV_BLOCK);
+    }
+    for (int i = 0; i < b->n_seqs; i++) {
+        k3_seq_state *st = b->states[i];
+        while (st->n_blk < blocks_of(st->pos + b->n_tokens[i]))
+            st->blk[st->n_blk++] = s->free_blk[--s->n_free];
+    }
+    return K3_OK;
 }
 
-/* y: backend [T, D] rows of the batch in sequence order. A sequence marked here gets its rows of
- * y zeroed: its request fails anyway, and the layers after this one (a router refuses NaN
- * scores) must not fail the other sequences of the step because of it. */
-static k3_status check_rows(k3_stage *s, const k3_batch *b, float *y, int64_t T, int64_t D,
-                            int layer, k3_nf_op op) {
-    if (!b->nonfinite) return K3_OK;
-    bool open = false;
-    for (int i = 0; i < b->n_seqs; i++) open |= b->nonfinite[i] == 0;
-    if (!open) return K3_OK;
-    const float *rows = y; /* host memory is read where it is; a device's is copied */
-    if (!k3_backend_host_visible(s->be)) {
-        K3_TRY(k3_backend_download(s->be, s->nf_buf, y, (size_t)(T * D) * sizeof(float)));
-        rows = s->nf_buf;
-    }
-    int64_t t0 = 0;
-    for (int i = 0; i < b->n_seqs; i++) {
-        int64_t nt = b->n_tokens[i];
-        if (b->nonfinite[i] == 0 && !all_finite(rows + t0 * D, nt * D)) {
-            b->nonfinite[i] = k3_nf_code(layer, op);
-            K3_TRY(s->be->ops->fill(s->be, y + t0 * D, nt * D, 0.0f));
+/* The step buffer: the descriptor, the non-finite flags (-1: marked by an earlier stage) and the
+   token ids, laid out on the host and uploaded in one copy. */
+static k3_status upload_step(k3_stage *s, const k3_batch *b, int64_t T, k3_seqs *sq,
+                             int32_t **flags, int32_t **ids) {
+    K3_TRY(take_blocks(s, b));
+    const int n = b->n_seqs, mb = s->max_blocks;
+    for (int i = 0; i < n; i++) {
+        const k3_seq_state *st = b->states[i];
+        s->h_ntok[i] = b->n_tokens[i];
+        s->h_pos[i] = (int32_t)st->pos;
+        s->h_slot[i] = st->slot;
+        if (mb > 0) {
+            memcpy(s->h_blk + (size_t)i * mb, st->blk, (size_t)st->n_blk * sizeof(int32_t));
+            for (int j = st->n_blk; j < mb; j++) s->h_blk[(size_t)i * mb + j] = -1;
         }
-        t0 += nt;
     }
-    return K3_OK;
+    const size_t nd = k3_seqs_floats(n, mb);
+    K3_TRY(k3_seqs_build(n, s->h_ntok, s->h_pos, s->h_slot, mb > 0 ? s->h_blk : NULL, mb,
+                         s->step_host, s->step_dev, sq));
+    int32_t *hf = s->step_host + nd, *hi = hf + n;
+    for (int i = 0; i < n; i++) hf[i] = b->nonfinite ? b->nonfinite[i] : 0;
+    size_t n_ints = nd + (size_t)n;
+    if (s->p.first && b->token_ids) {
+        memcpy(hi, b->token_ids, (size_t)T * sizeof(int32_t));
+        n_ints += (size_t)T;
+    }
+    *flags = s->step_dev + nd;
+    *ids = s->step_dev + nd + n;
+    return k3_backend_upload_async(s->be, s->step_dev, s->step_host, n_ints * sizeof(int32_t));
 }
 
-/* The logits rows: [n_rows, V], row i of sequence i (one each) or every token (all_logits). */
-static k3_status check_logits(k3_stage *s, const k3_batch *b, const float *logits, bool all) {
-    if (!b->nonfinite) return K3_OK;
-    const int64_t V = s->c->vocab_size;
-    int64_t row = 0;
-    for (int i = 0; i < b->n_seqs; i++) {
-        int64_t nr = all ? b->n_tokens[i] : 1;
-        if (b->nonfinite[i] == 0)
-            for (int64_t j = 0; j < nr && b->nonfinite[i] == 0; j++) {
-                const float *lg = logits + (row + j) * V;
-                if (!k3_backend_host_visible(s->be)) {
-                    K3_TRY(k3_backend_download(s->be, s->nf_buf, lg, (size_t)V * sizeof(float)));
-                    lg = s->nf_buf;
-                }
-                if (!all_finite(lg, V)) b->nonfinite[i] = k3_nf_code(-1, K3_NF_HEAD);
-            }
-        row += nr;
-    }
-    return K3_OK;
+k3_status k3_layers_step_begin(k3_stage *s, const k3_batch *b, k3_seqs *sq) {
+    int64_t T = 0;
+    int32_t *flags, *ids;
+    for (int i = 0; i < b->n_seqs; i++) T += b->n_tokens[i];
+    return upload_step(s, b, T, sq, &flags, &ids);
 }
 
 k3_status k3_stage_forward(k3_stage *s, const k3_batch *b, k3_activ *act, bool all_logits,
@@ -647,15 +768,22 @@ k3_status k3_stage_forward(k3_stage *s, const k3_batch *b, k3_activ *act, bool a
     const int64_t D = s->D;
     int64_t T = 0;
     K3_TRY(check_batch(s, b, act, &T));
-    const bool res = c->attn_res_block_size > 0;
+    if (s->p.last && !logits) return K3_ERR(K3_ERR_ARG, "forward: last stage needs a logits buffer");
+    const bool res = c->attn_res_block_size > 0, nf = b->nonfinite != NULL;
     const float eps = c->rms_norm_eps;
+    k3_seqs sq;
+    int32_t *flags, *ids;
+    K3_TRY(upload_step(s, b, T, &sq, &flags, &ids));
+#define NF_CHECK(y, layer, op)                                                                     \
+    do {                                                                                           \
+        if (nf) K3_TRY(ops->nonfinite_rows(be, &sq, (y), D, false, k3_nf_code((layer), (op)), flags)); \
+    } while (0)
 
     if (s->p.first) {
         act->T = T;
         act->n_bank = 0;
-        K3_TRY(k3_backend_upload(be, s->ids, b->token_ids, (size_t)T * sizeof(int32_t)));
-        K3_TRY(ops->embed_rows(be, &s->w->embed, s->ids, T, act->h));
-        K3_TRY(check_rows(s, b, act->h, T, s->D, s->p.layer_begin, K3_NF_EMBED));
+        K3_TRY(ops->embed_rows(be, &s->w->embed, ids, T, act->h));
+        NF_CHECK(act->h, s->p.layer_begin, K3_NF_EMBED);
     }
     float *h = act->h;
     const int64_t slab = T * D;
@@ -679,11 +807,10 @@ k3_status k3_stage_forward(k3_stage *s, const k3_batch *b, k3_activ *act, bool a
         }
         K3_TRY(ops->rmsnorm(be, a, lv->input_norm, T, D, eps, s->xn));
         if (c->mixer[l] == K3_MIXER_KDA)
-            K3_TRY(in_layer(k3_layers_kda(s, l, b, s->xn, s->y), l));
+            K3_TRY(in_layer(k3_layers_kda(s, l, &sq, s->xn, s->y), l));
         else
-            K3_TRY(in_layer(k3_layers_mla(s, l, b, s->xn, s->y), l));
-        K3_TRY(
-            check_rows(s, b, s->y, T, D, l, c->mixer[l] == K3_MIXER_KDA ? K3_NF_KDA : K3_NF_MLA));
+            K3_TRY(in_layer(k3_layers_mla(s, l, &sq, s->xn, s->y), l));
+        NF_CHECK(s->y, l, c->mixer[l] == K3_MIXER_KDA ? K3_NF_KDA : K3_NF_MLA);
         if (restart)
             K3_TRY(ops->copy2d(be, h, slab, s->y, slab, 1, slab));
         else
@@ -699,7 +826,7 @@ k3_status k3_stage_forward(k3_stage *s, const k3_batch *b, k3_activ *act, bool a
             K3_TRY(in_layer(moe_ffn(s, l, s->xn, T, s->y), l));
         else
             K3_TRY(in_layer(dense_ffn(s, l, s->xn, T, s->y), l));
-        K3_TRY(check_rows(s, b, s->y, T, D, l, k3_config_is_moe(c, l) ? K3_NF_MOE : K3_NF_DENSE));
+        NF_CHECK(s->y, l, k3_config_is_moe(c, l) ? K3_NF_MOE : K3_NF_DENSE);
         K3_TRY(ops->add(be, h, s->y, slab, h));
         if (s->tap) {
             K3_TRY(k3_backend_download(be, s->tap_buf, h, (size_t)slab * sizeof(float)));
@@ -709,41 +836,34 @@ k3_status k3_stage_forward(k3_stage *s, const k3_batch *b, k3_activ *act, bool a
     for (int i = 0; i < b->n_seqs; i++) b->states[i]->pos += b->n_tokens[i];
 
     if (s->p.last) {
-        if (!logits) return K3_ERR(K3_ERR_ARG, "forward: last stage needs a logits buffer");
-        /* rows that get logits: all, or each sequence's last token */
-        int64_t n_rows = 0;
+        /* rows that get logits: all, or each sequence's last token (with its bank rows) */
+        const bool mix = res && act->n_bank > 0;
+        const int64_t n_rows = all_logits ? T : b->n_seqs;
         if (all_logits) {
             K3_TRY(ops->copy2d(be, s->hsel, slab, h, slab, 1, slab));
-            n_rows = T;
-        } else {
-            int64_t t0 = 0;
-            for (int i = 0; i < b->n_seqs; i++) {
-                t0 += b->n_tokens[i];
-                K3_TRY(ops->copy2d(be, s->hsel + n_rows * D, D, h + (t0 - 1) * D, D, 1, D));
-                n_rows++;
-            }
-        }
-        if (res && act->n_bank > 0) {
-            if (all_logits) {
+            if (mix)
                 K3_TRY(ops->attnres_mix(be, act->bank, act->n_bank, s->hsel, s->out_res, T, D, eps,
                                         s->hsel));
-            } else {
-                /* the bank slabs are [n_bank, T, D]: mix each selected token on its own (T = 1
-                   views need contiguous sources, so stage them in bank1 [n_bank, D]) */
-                int64_t t0 = 0;
-                for (int i = 0; i < b->n_seqs; i++) {
-                    t0 += b->n_tokens[i];
-                    K3_TRY(ops->copy2d(be, s->bank1, D, act->bank + (t0 - 1) * D, slab, act->n_bank,
-                                       D));
-                    K3_TRY(ops->attnres_mix(be, s->bank1, act->n_bank, s->hsel + i * D, s->out_res,
-                                            1, D, eps, s->hsel + i * D));
-                }
+        } else {
+            K3_TRY(ops->rows_last(be, &sq, h, slab, 1, D, s->hsel));
+            if (mix) {
+                K3_TRY(ops->rows_last(be, &sq, act->bank, slab, act->n_bank, D, s->bank_sel));
+                K3_TRY(ops->attnres_mix(be, s->bank_sel, act->n_bank, s->hsel, s->out_res, n_rows,
+                                        D, eps, s->hsel));
             }
         }
         K3_TRY(ops->rmsnorm(be, s->hsel, s->final_norm, n_rows, D, eps, s->hsel));
         const k3_tensor *head = c->tie_word_embeddings ? &s->w->embed : &s->w->lm_head;
         K3_TRY(ops->matmul(be, s->hsel, n_rows, head, logits));
-        K3_TRY(check_logits(s, b, logits, all_logits));
+        if (nf)
+            K3_TRY(ops->nonfinite_rows(be, &sq, logits, c->vocab_size, !all_logits,
+                                       k3_nf_code(-1, K3_NF_HEAD), flags));
+    }
+#undef NF_CHECK
+    /* the step's one read of the flags (a sequence marked upstream keeps its -1) */
+    if (nf) {
+        K3_TRY(k3_backend_download(be, s->h_nf, flags, (size_t)b->n_seqs * sizeof(int32_t)));
+        memcpy(b->nonfinite, s->h_nf, (size_t)b->n_seqs * sizeof(int32_t));
     }
     return K3_OK;
 }

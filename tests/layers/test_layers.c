@@ -264,7 +264,7 @@ static void mla_f64(const k3_config *c, const k3_layer_w *L, const float *x, int
 }
 
 /* ---- the test ------------------------------------------------------------------------------ */
-typedef k3_status (*mixer_fn)(k3_stage *, int, const k3_batch *, const float *, float *);
+typedef k3_status (*mixer_fn)(k3_stage *, int, const k3_seqs *, const float *, float *);
 
 /* Run `layer` over 10 tokens split 5 + 3 + 1 + 1 for sequence A, with sequence B (4 tokens, the
  * first 4 of A) sharing the first call's batch; compare with the float64 pass. */
@@ -310,7 +310,9 @@ static void run_case(const char *name, bool lower_bound, bool full_gate, const c
             k3_batch b = {.n_seqs = call == 0 ? 2 : 1, .states = st, .n_tokens = nt};
             memcpy(buf, x + t0 * D, sizeof(float) * split[call] * D);
             if (call == 0) memcpy(buf + split[0] * D, x, sizeof(float) * 4 * D);
-            K3_CHECK_OK(fn(s, layer, &b, buf, out));
+            k3_seqs sq;
+            K3_CHECK_OK(k3_layers_step_begin(s, &b, &sq));
+            K3_CHECK_OK(fn(s, layer, &sq, buf, out));
             memcpy(got + t0 * D, out, sizeof(float) * split[call] * D);
             if (call == 0) memcpy(gotB, out + split[0] * D, sizeof(float) * 4 * D);
             A->pos += split[call]; /* k3_stage_forward does this; here the mixer runs alone */
