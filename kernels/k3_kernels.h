@@ -50,8 +50,7 @@ typedef struct k3_mm {
  * sits at position pos[i] (the tokens before it are in its cache and state); its KDA and
  * short-conv states are slot slot[i] of the stage's slot pool; position p of its latent cache is
  * row p % K3_KV_BLOCK of block blocks[i·max_blocks + p / K3_KV_BLOCK] of the paged cache. */
-#define K3_KV_BLOCK 64 /* tokens per paged-cache block: a multiple of the cpu attention's key block \
-                          (64), so a key block is contiguous; the prefix-cache granule */
+/* K3_KV_BLOCK (k3_tensor.h): tokens per paged-cache block. */
 typedef struct k3_seqs {
     int n_seqs;      /* >= 0 */
     int64_t T;       /* Σ tokens = tok0[n_seqs] */

@@ -46,4 +46,9 @@ typedef struct k3_tensor {
 } k3_tensor;
 int64_t k3_tensor_n_elems(const k3_tensor *t);
 
+/* Tokens per block of a paged cache (k3_kernels.h k3_seqs): a multiple of the cpu attention's key
+ * block (64), so a key block is contiguous; the granule of the prefix cache. Here, beside the
+ * tensor type, because the plan (partition/) sizes the cache with it too. */
+#define K3_KV_BLOCK 64
+
 #endif /* K3_TENSOR_H */

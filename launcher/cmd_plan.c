@@ -32,6 +32,8 @@ static const k3_flag flags[] = {
      "sequence slots per lane (sizes caches; as run/batch/serve)"},
     {"max-batch-tokens", K3_FLAG_INT, "T", K3_ENGINE_ARGS_STR(K3_ENGINE_DEFAULT_MAX_BATCH_TOKENS),
      "tokens per forward step of a lane (sizes buffers and workspace; as run/batch/serve)"},
+    {"kv-cache-tokens", K3_FLAG_INT, "N", "0",
+     "paged MLA cache per lane in tokens (0 = max-seqs x max-ctx; as run/batch/serve)"},
     {"max-tokens", K3_FLAG_INT, "N", NULL, "old name of --max-batch-tokens"},
     {"nodes", K3_FLAG_INT, "N", NULL, "nodes of the site (with --gpu; default 1)"},
     {"gpus-per-node", K3_FLAG_INT, "G", NULL,
@@ -429,6 +431,11 @@ static int run_plan(const k3_args *a) {
         int64_t max;
     } lim[] = {{"max-ctx", (int64_t)1 << 30}, {"max-seqs", 1 << 20}, {toks_flag, 1 << 24}};
     const int64_t val[] = {ctx, seqs, toks};
+    const int64_t kvt = k3_args_int(a, "kv-cache-tokens");
+    if (kvt < 0 || kvt > (int64_t)1 << 40) {
+        fprintf(stderr, "k3 plan: --kv-cache-tokens %lld is outside [0, 2^40]\n", (long long)kvt);
+        return 2;
+    }
     for (size_t i = 0; i < K3_ARRAY_LEN(lim); i++)
         if (val[i] < 1 || val[i] > lim[i].max) {
             fprintf(stderr, "k3 plan: --%s %lld is outside [1, %lld]\n", lim[i].flag,
@@ -469,7 +476,8 @@ static int run_plan(const k3_args *a) {
                        .coord = cm,
                        .max_ctx = ctx,
                        .max_seqs_per_lane = (int)seqs,
-                       .max_tokens = toks};
+                       .max_tokens = toks,
+                       .kv_cache_tokens = kvt};
     plan_out po = {.cfg = &cfg,
                    .req = &req,
                    .site = have_site ? &site : NULL,

@@ -67,6 +67,8 @@ static const k3_flag flags[] = {
     {"max-seqs", K3_FLAG_INT, "N", "0",
      "sequence slots per lane (0 = as many as the prompts need); more prompts wait in a queue"},
     {"max-ctx", K3_FLAG_INT, "N", "0", "tokens per sequence, prompt + new (0 = what they need)"},
+    {"kv-cache-tokens", K3_FLAG_INT, "N", "0",
+     "paged MLA cache per lane, in tokens (0 = max-seqs x max-ctx); prompts wait for room"},
     {"verify", K3_FLAG_BOOL, NULL, NULL,
      "after loading, check each rank's own tensors for NaN/Inf and E8M0 0xFF scales (cost shown)"},
     {"max-batch-tokens", K3_FLAG_INT, "N", "0",
@@ -84,6 +86,9 @@ static const k3_flag flags[] = {
     {"dump-logits", K3_FLAG_STR, "FILE", NULL,
      "write float32 logits [positions, V] as .npy (every consumed token, prompts concatenated)"},
     {"json", K3_FLAG_BOOL, NULL, NULL, "print one JSON object instead of ids + text lines"},
+    {"op-stats", K3_FLAG_STR, "FILE", NULL,
+     "write JSON: each worker rank's backend op calls, host syncs and host<->device bytes per "
+     "forward step, for decode, prefill and idle steps; needs --backend guard (or cuda)"},
     {"bench-limits", K3_FLAG_BOOL, NULL, NULL,
      "before loading, measure this machine's triad bandwidth and fp32 FMA peak (a few seconds, "
      "rank 0, --threads threads or all cores) and give decode GB/s and prefill GFLOP/s as % of "
@@ -279,11 +284,11 @@ static int run_run(const k3_args *a) {
     double tmo = k3_args_float(a, "comm-timeout");
     double load_tmo = k3_args_float(a, "load-timeout");
     int64_t max_seqs = k3_args_int(a, "max-seqs"), max_ctx = k3_args_int(a, "max-ctx"),
-            max_bt = k3_args_int(a, "max-batch-tokens");
+            max_bt = k3_args_int(a, "max-batch-tokens"), kvt = k3_args_int(a, "kv-cache-tokens");
     if (max_seqs < 0 || max_seqs > (1 << 20) || max_ctx < 0 || max_ctx > ((int64_t)1 << 30) ||
-        max_bt < 0 || max_bt > (1 << 24)) {
-        fprintf(stderr, "k3 run: --max-seqs (<= 2^20), --max-ctx (<= 2^30) and --max-batch-tokens "
-                        "(<= 2^24) must be >= 0\n");
+        max_bt < 0 || max_bt > (1 << 24) || kvt < 0 || kvt > ((int64_t)1 << 40)) {
+        fprintf(stderr, "k3 run: --max-seqs (<= 2^20), --max-ctx (<= 2^30), --max-batch-tokens "
+                        "(<= 2^24) and --kv-cache-tokens (<= 2^40) must be >= 0\n");
         return 2;
     }
     if (chunk < 0 || kc < 0 || kc > 1024 || threads < 0 || threads > 1024) {
@@ -384,9 +389,11 @@ static int run_run(const k3_args *a) {
                       .chunk = chunk,
                       .max_seqs = (int)max_seqs,
                       .max_ctx = max_ctx,
+                      .kv_cache_tokens = kvt,
                       .max_batch_tokens = max_bt,
                       .verify = k3_args_bool(a, "verify"),
                       .dump_logits = k3_args_str(a, "dump-logits"),
+                      .op_stats = k3_args_str(a, "op-stats"),
                       .json = k3_args_bool(a, "json"),
                       .n_threads = (int)threads,
                       .bind = bind,

@@ -58,6 +58,7 @@ int k3_engine_args(const k3_args *a, bool print, k3_engine_opts *o) {
         {"kda-chunk", 0, 1024, "must be in [0, 1024]"},
         {"max-seqs", 1, 1 << 20, "must be in [1, 2^20]"},
         {"max-ctx", 1, (int64_t)1 << 30, "must be in [1, 2^30]"},
+        {"kv-cache-tokens", 0, (int64_t)1 << 40, "must be in [0, 2^40]"},
         {"max-batch-tokens", 1, 1 << 24, "must be in [1, 2^24]"},
         {"chunk", 0, (int64_t)1 << 30, "must be in [0, 2^30]"},
         {"micro-batches", 0, 1024, "must be in [0, 1024]"},
@@ -87,6 +88,7 @@ int k3_engine_args(const k3_args *a, bool print, k3_engine_opts *o) {
     o->backend = k3_engine_backend_pick(backend, print);
     o->max_seqs = (int)k3_args_int(a, "max-seqs");
     o->max_ctx = k3_args_int(a, "max-ctx");
+    o->kv_cache_tokens = k3_args_int(a, "kv-cache-tokens");
     o->max_batch_tokens = k3_args_int(a, "max-batch-tokens");
     o->chunk = k3_args_int(a, "chunk");
     o->micro_batches = (int)k3_args_int(a, "micro-batches");

@@ -47,6 +47,8 @@
      "sequence slots per lane: requests running at once on each lane"},                           \
     {"max-ctx", K3_FLAG_INT, "T", K3_ENGINE_ARGS_STR(K3_ENGINE_DEFAULT_MAX_CTX),                   \
      "tokens per sequence, prompt + generated; a longer request fails alone"},                     \
+    {"kv-cache-tokens", K3_FLAG_INT, "N", "0",                                                     \
+     "paged MLA cache per lane, in tokens (0 = max-seqs x max-ctx); requests wait for room"},      \
     {"max-batch-tokens", K3_FLAG_INT, "T", K3_ENGINE_ARGS_STR(K3_ENGINE_DEFAULT_MAX_BATCH_TOKENS), \
      "tokens per forward step of one lane (decode rows + prefill chunks)"},                        \
     {"chunk", K3_FLAG_INT, "C", "0",                                                               \

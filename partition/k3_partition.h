@@ -33,6 +33,8 @@ typedef struct k3_plan_req {
     int64_t max_ctx;             /* per-sequence context capacity (sizes MLA caches) */
     int max_seqs_per_lane;       /* sequences one lane holds at once (sizes caches) */
     int64_t max_tokens;          /* tokens per forward call on a lane (sizes buffers) */
+    int64_t kv_cache_tokens;     /* paged MLA cache of a lane, tokens (0 = max_seqs x max_ctx;
+                                    rounded up to whole blocks of K3_KV_BLOCK) */
 } k3_plan_req;
 
 /* Bytes one rank must hold, by kind. The engine sizes its allocations from the same numbers
@@ -43,7 +45,8 @@ typedef struct k3_rank_mem {
     uint64_t weights_bf16, weights_mxfp4, weights_other; /* `weights` by stored dtype: BF16;
                          MXFP4 (U8 nibbles + E8M0 scales); F32 and the rest */
     uint64_t caches;                                     /* = mla_cache + kda_state */
-    uint64_t mla_cache; /* max_seqs_per_lane x MLA layers x max_ctx x (kv_lora + rope), fp32 */
+    uint64_t mla_cache; /* the paged cache: MLA layers x kv_cache_tokens (whole blocks) x
+                           (kv_lora + rope), fp32 */
     uint64_t kda_state; /* max_seqs_per_lane x KDA layers x (conv + recurrent state), fp32 */
     uint64_t buffers;   /* comm: the stage hand-off activation (h + AttnRes bank) and its message
                            copies, MoE dispatch/combine rows, logits (fp32) */

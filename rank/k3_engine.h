@@ -62,11 +62,17 @@ typedef struct k3_engine_opts {
     int64_t max_batch_tokens; /* tokens per forward step of one lane (default 512) */
     int64_t chunk;            /* prefill tokens per sequence per step (default max_batch_tokens) */
     int micro_batches;        /* groups in flight through the pipeline (default S) */
+    int64_t kv_cache_tokens;  /* paged MLA cache of a lane, tokens (default max_seqs x max_ctx):
+                                 a request waits until its prompt + max_tokens fit */
     const k3_tokenizer *tok;  /* rank 0, borrowed, may be NULL: text deltas + stop strings */
     bool progress;            /* load progress bar on rank 0's terminal */
     const char *name;         /* prefix of set-up error lines ("k3 batch"); NULL = "k3" */
     bool verify; /* after loading, check the rank's own tensors for non-finite values and E8M0
                     0xFF scales (k3_ckpt_scan); a problem ends the job naming tensor, row, file */
+    const char *op_stats; /* NULL, or a JSON file rank 0 writes at close: each worker rank's
+                             backend op calls, host syncs and host<->device bytes per forward
+                             step, by phase (decode, prefill, idle; rank/opstats.c). Needs a
+                             backend that counts (guard, cuda): open refuses others (exit 2) */
 } k3_engine_opts;
 
 /* Defaults of the capacity fields. */
@@ -181,6 +187,7 @@ struct k3_engine_stats {
     uint64_t moe_dispatch_bytes, moe_combine_bytes;
     int stages[2 * 64]; /* [s*2], [s*2+1]: layers [begin, end) of stage s (s < 64) */
     double busy_s[256]; /* time in forward steps per rank (rank < 256), at close */
+    int op_stats_rc;    /* 0, or 1 when k3_engine_opts.op_stats could not be written (printed) */
 };
 void k3_engine_get_stats(const k3_engine *e, k3_engine_stats *out);
 /* Rank r's (stage, lane) and bytes read, for reports (rank 0; false past the world). */

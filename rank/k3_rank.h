@@ -41,8 +41,10 @@ typedef struct k3_rank_opts {
     int max_seqs;             /* engine slots per lane; 0 = what the prompts need */
     int64_t max_ctx;          /* tokens per sequence; 0 = longest prompt + n_new */
     int64_t max_batch_tokens; /* tokens per step of a lane; 0 = every prefill in one step */
+    int64_t kv_cache_tokens;  /* paged MLA cache per lane; 0 = max_seqs x max_ctx */
     bool verify;              /* k3_engine_opts.verify */
     const char *dump_logits;  /* .npy of every position's logits (prompts concatenated) or NULL */
+    const char *op_stats;     /* k3_engine_opts.op_stats: JSON of the backend's ops per step */
     bool json;                /* one JSON object on stdout instead of text lines */
     int n_threads;            /* cpu threads per rank; <= 0: k3_engine_opts.n_threads */
     const char *bind;         /* k3_engine_opts.bind ("auto"/NULL or "none") */

@@ -33,6 +33,7 @@ typedef struct req_run {
     int n_gen;
     int32_t *gen; /* [max_tokens] */
     int lane, group, slot;
+    int blk_resv;       /* paged cache blocks reserved on its lane: prompt + max_tokens */
     bool opened;        /* its first step (the OPEN flag) was sent */
     int64_t n_tok_step; /* tokens in its group's current step */
     k3_sampler *smp;
@@ -123,6 +124,10 @@ typedef struct rank_ctx {
     int n_reqs, cap_reqs;
     int64_t next_id;
     req_run **slot_req; /* [E * max_seqs] the running request in each (lane, slot) */
+    int kv_blocks;       /* paged cache blocks of every stage of a lane (--kv-cache-tokens) */
+    int *lane_blk_free;  /* [E] blocks not reserved by a running request */
+    int32_t *pend_free;  /* [E * max_seqs] slots ended since the lane's last step */
+    int *n_pend_free;    /* [E] */
     int32_t *meta;      /* message meta scratch */
     int64_t meta_cap;
     float *row; /* [V] scratch (logprobs) */
@@ -141,6 +146,13 @@ typedef struct rank_ctx {
     double *rank_busy_s;  /* [world] forward time of each rank so far (from the LOGITS) */
     uint64_t *rank_steps; /* [world] its steps counted there */
     uint64_t moe_dispatch_bytes, moe_combine_bytes; /* world sums, at close */
+    /* --op-stats (opstats.c, worker ranks): the backend's counters when the current step began,
+       and each step's difference summed by phase (index: RANK_OPS_DECODE, _PREFILL, _IDLE) */
+    k3_op_stats ops_begin;
+    struct {
+        uint64_t steps, host_syncs_max; /* steps of the phase; the most host syncs in one */
+        k3_op_stats sum;
+    } ops_phase[3];
 } rank_ctx;
 
 struct k3_engine {
@@ -195,6 +207,23 @@ static inline const char *rank_cmd_name(const rank_ctx *r) {
 void rank_worker_init(rank_ctx *r);
 void rank_worker_destroy(rank_ctx *r);
 void rank_worker_step(rank_ctx *r, const step_msg *m);
+
+/* ---- opstats.c: --op-stats ------------------------------------------------------------------ */
+/* A worker step's phase: every sequence one token (decode), some sequence more (prefill), no
+   sequence of this lane in the step (idle: it only serves its experts). */
+enum { RANK_OPS_DECODE, RANK_OPS_PREFILL, RANK_OPS_IDLE, RANK_OPS_PHASES };
+_Static_assert(RANK_OPS_PHASES == 3, "rank_ctx.ops_phase has one entry per phase");
+/* k3_engine_open, before the set-up: --op-stats with a backend that does not count is a usage
+   error every rank agrees on (rank 0 prints it). Returns 0 or 2. */
+int rank_opstats_agree(rank_ctx *r);
+/* After the worker's backend exists: read its counters once (ends the job if it cannot). */
+void rank_opstats_init(rank_ctx *r);
+/* First and last statements of rank_worker_step (no-ops without --op-stats). */
+void rank_opstats_begin(rank_ctx *r);
+void rank_opstats_end(rank_ctx *r, int64_t T, int n_seqs);
+/* Collective, at close: every worker rank's totals to rank 0, which writes the JSON file.
+   Returns 0, or 1 on rank 0 when the file could not be written (printed). */
+int rank_opstats_write(rank_ctx *r);
 
 /* ---- scheduler.c ----------------------------------------------------------------------------- */
 void rank_coord_init(rank_ctx *r);

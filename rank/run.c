@@ -411,10 +411,12 @@ int k3_rank_run(const k3_rank_opts *o) {
                                                  ? o->max_batch_tokens
                                                  : K3_MAX(1, (int64_t)per_lane * K3_MAX(step, 1)),
                          .chunk = o->chunk > 0 ? o->chunk : 0,
+                         .kv_cache_tokens = o->kv_cache_tokens,
                          .tok = o->tok,
                          .progress = true,
                          .name = "k3 run",
-                         .verify = o->verify};
+                         .verify = o->verify,
+                         .op_stats = o->op_stats};
     k3_engine *e = NULL;
     int rc = k3_engine_open(&eo, &e);
     if (rc) return rc;
@@ -450,6 +452,7 @@ int k3_rank_run(const k3_rank_opts *o) {
     k3_engine_stats es;
     k3_engine_close(e, &es);
     e = NULL;
+    if (!rc && es.op_stats_rc) rc = 1; /* --op-stats FILE not written (printed) */
     if (!rc && o->dump_logits) {
         int64_t rows = 0;
         for (int i = 0; i < o->n_prompts; i++) rows += s[i].dump_rows;

@@ -91,9 +91,22 @@ static void free_req(req_run *q) {
 
 /* The request leaves: its slot is free for the next one (no message: OPEN resets it). */
 static void end_req(rank_ctx *r, req_run *q) {
-    if (q->state == RQ_RUNNING && q->slot >= 0)
+    if (q->state == RQ_RUNNING && q->slot >= 0) {
         r->slot_req[(size_t)q->lane * (size_t)r->max_seqs + (size_t)q->slot] = NULL;
+        /* its blocks are free for the next request here; the stages hear of it with the lane's
+           next step (a slot opened again in that step is reset anyway) */
+        r->lane_blk_free[q->lane] += q->blk_resv;
+        q->blk_resv = 0;
+        if (r->n_pend_free[q->lane] < r->max_seqs)
+            r->pend_free[(size_t)q->lane * r->max_seqs + (size_t)r->n_pend_free[q->lane]++] =
+                q->slot;
+    }
     q->state = RQ_ENDED;
+}
+
+/* Paged cache blocks a request reserves on its lane: its whole context, prompt + max_tokens. */
+static int blocks_needed(const req_run *q) {
+    return (int)((q->P + (int64_t)q->max_tokens + K3_KV_BLOCK - 1) / K3_KV_BLOCK);
 }
 
 static void finish_req(rank_ctx *r, req_run *q) {
@@ -139,6 +152,15 @@ static const char *check_request(rank_ctx *r, const k3_request *rq, char *buf, s
                      rq->ids[t], (long long)t, (long long)V);
             return buf;
         }
+    const int64_t ctx = rq->n_ids + (int64_t)rq->max_tokens;
+    if ((ctx + K3_KV_BLOCK - 1) / K3_KV_BLOCK > r->kv_blocks) {
+        *kind = K3_EVERR_CONTEXT;
+        snprintf(buf, n,
+                 "prompt (%lld tokens) + max_tokens (%d) needs more paged cache than a lane has "
+                 "(%lld tokens, --kv-cache-tokens)",
+                 (long long)rq->n_ids, rq->max_tokens, (long long)r->kv_blocks * K3_KV_BLOCK);
+        return buf;
+    }
     if (rq->n_ids + (int64_t)rq->max_tokens > r->max_ctx) {
         *kind = K3_EVERR_CONTEXT;
         snprintf(buf, n,
@@ -291,8 +313,9 @@ static bool send_step(rank_ctx *r, int g) {
             continue;
         }
         int best = -1, best_n = 0;
+        const int need = blocks_needed(q);
         for (int e = 0; e < E; e++) {
-            if (bud[e] < 1) continue;
+            if (bud[e] < 1 || r->lane_blk_free[e] < need) continue;
             int n = lane_running(r, e);
             if (n >= r->max_seqs) continue;
             if (best < 0 || n < best_n) best = e, best_n = n;
@@ -301,6 +324,8 @@ static bool send_step(rank_ctx *r, int g) {
         int slot = 0;
         while (r->slot_req[(size_t)best * r->max_seqs + slot]) slot++;
         r->slot_req[(size_t)best * r->max_seqs + slot] = q;
+        r->lane_blk_free[best] -= need;
+        q->blk_resv = need;
         q->state = RQ_RUNNING;
         q->lane = best, q->slot = slot, q->group = g, q->opened = false;
         int64_t n = K3_MIN(K3_MIN(q->P, r->chunk), bud[best]);
@@ -331,8 +356,12 @@ static bool send_step(rank_ctx *r, int g) {
             ns++;
             T += q->n_tok_step;
         }
-        mt[0] = g, mt[1] = gr->step, mt[2] = all, mt[3] = ns;
-        int32_t *tok = mt + META_HDR + META_SEQ * ns;
+        const int nf = r->n_pend_free[e];
+        memcpy(mt + META_HDR + META_SEQ * ns, r->pend_free + (size_t)e * r->max_seqs,
+               (size_t)nf * sizeof(int32_t));
+        r->n_pend_free[e] = 0;
+        mt[0] = g, mt[1] = gr->step, mt[2] = all, mt[3] = ns, mt[4] = nf;
+        int32_t *tok = mt + META_PREFIX(ns, nf);
         for (int j = 0; j < ns; j++) {
             req_run *q = r->slot_req[(size_t)e * r->max_seqs + mt[META_HDR + META_SEQ * j]];
             for (int64_t t = 0; t < q->n_tok_step; t++) {
@@ -343,7 +372,7 @@ static bool send_step(rank_ctx *r, int g) {
             r->prompt_tokens += K3_MAX(0, K3_MIN(q->fed, q->P) - (q->fed - q->n_tok_step));
         }
         rank_post_step(r, k3_plan_rank(&r->plan, 0, e), K3_MSG_BATCH,
-                       (k3_wire_step){.T = T, .n_meta = (int32_t)(META_HDR + META_SEQ * ns + T)},
+                       (k3_wire_step){.T = T, .n_meta = (int32_t)(META_PREFIX(ns, nf) + T)},
                        mt, NULL, 0);
     }
     return true;
@@ -427,9 +456,9 @@ static void on_logits(rank_ctx *r, const step_msg *m) {
     if (m->h.n_meta < META_HDR || src_stage != r->plan.n_stages - 1)
         rank_die(r, K3_ERR(K3_ERR_FORMAT, "LOGITS from rank %d (stage %d): %d meta", m->src,
                            src_stage, m->h.n_meta));
-    int g = mt[0], stepi = mt[1], all = mt[2], ns = mt[3];
+    int g = mt[0], stepi = mt[1], all = mt[2], ns = mt[3], nf = mt[4];
     if (g < 0 || g >= r->n_groups || stepi != r->groups[g].step || r->groups[g].pending <= 0 ||
-        ns < 0 || m->h.n_meta != META_HDR + META_SEQ * ns + r->plan.n_stages)
+        ns < 0 || nf < 0 || m->h.n_meta != META_PREFIX(ns, nf) + r->plan.n_stages)
         rank_die(r,
                  K3_ERR(K3_ERR_FORMAT,
                         "LOGITS from rank %d: group %d step %d (expected step %d), %d sequences",
@@ -445,7 +474,7 @@ static void on_logits(rank_ctx *r, const step_msg *m) {
                         m->src, (long long)m->h.R, (long long)m->h.D, (long long)R, (long long)V));
     r->logits_bytes += m->n_bytes;
     r->n_logits_msgs++;
-    const int32_t *busy_us = mt + META_HDR + META_SEQ * ns; /* per stage of lane e (wire.h) */
+    const int32_t *busy_us = mt + META_PREFIX(ns, nf); /* per stage of lane e (wire.h) */
     for (int s = 0; s < r->plan.n_stages; s++) {
         int w = k3_plan_rank(&r->plan, s, e);
         r->rank_busy_s[w] += busy_us[s] * 1e-6;
@@ -510,7 +539,12 @@ void rank_coord_init(rank_ctx *r) {
     RTRY(r, k3_calloc((void **)&r->groups, (size_t)r->n_groups * sizeof *r->groups, "groups"));
     RTRY(r, k3_calloc((void **)&r->slot_req, (size_t)E * (size_t)r->max_seqs * sizeof *r->slot_req,
                       "slot table"));
-    r->meta_cap = META_HDR + META_SEQ * (int64_t)r->max_seqs + r->max_tokens;
+    r->meta_cap = META_PREFIX((int64_t)r->max_seqs, (int64_t)r->max_seqs) + r->max_tokens;
+    RTRY(r, k3_calloc((void **)&r->lane_blk_free, (size_t)E * sizeof(int), "lane cache blocks"));
+    RTRY(r, k3_calloc((void **)&r->n_pend_free, (size_t)E * sizeof(int), "lane freed slots"));
+    RTRY(r, k3_calloc((void **)&r->pend_free, (size_t)E * (size_t)r->max_seqs * sizeof(int32_t),
+                      "lane freed slot lists"));
+    for (int e = 0; e < E; e++) r->lane_blk_free[e] = r->kv_blocks;
     RTRY(r, k3_alloc((void **)&r->meta, (size_t)r->meta_cap * sizeof(int32_t), "step meta"));
     RTRY(r, k3_alloc((void **)&r->row, (size_t)r->cfg.vocab_size * sizeof(float), "logprob row"));
     RTRY(r, k3_calloc((void **)&r->rank_busy_s, (size_t)r->world * sizeof *r->rank_busy_s,
@@ -545,6 +579,8 @@ void rank_coord_destroy(rank_ctx *r) {
     r->n_reqs = r->cap_reqs = r->n_ev = r->cap_ev = r->n_ev_mem = r->cap_ev_mem = 0;
     k3_free(r->groups), k3_free(r->slot_req), k3_free(r->meta), k3_free(r->row);
     r->groups = NULL, r->slot_req = NULL, r->meta = NULL, r->row = NULL;
+    k3_free(r->lane_blk_free), k3_free(r->n_pend_free), k3_free(r->pend_free);
+    r->lane_blk_free = r->n_pend_free = NULL, r->pend_free = NULL;
     k3_free(r->rank_busy_s), k3_free(r->rank_steps), k3_free(r->force);
     r->rank_busy_s = NULL, r->rank_steps = NULL, r->force = NULL;
     r->n_force = 0;

@@ -114,6 +114,11 @@ int rank_setup(rank_ctx *r) {
     r->max_tokens =
         o->max_batch_tokens > 0 ? o->max_batch_tokens : K3_ENGINE_DEFAULT_MAX_BATCH_TOKENS;
     r->chunk = o->chunk > 0 ? K3_MIN(o->chunk, r->max_tokens) : r->max_tokens;
+    { /* the paged cache of a lane: --kv-cache-tokens, by default every slot at max_ctx */
+        const int64_t kvt =
+            o->kv_cache_tokens > 0 ? o->kv_cache_tokens : (int64_t)r->max_seqs * r->max_ctx;
+        r->kv_blocks = (int)K3_MIN((kvt + K3_KV_BLOCK - 1) / K3_KV_BLOCK, (int64_t)INT32_MAX / 2);
+    }
     if (o->max_seqs < 0 || o->max_ctx < 0 || o->max_batch_tokens < 0 || o->chunk < 0 ||
         o->micro_batches < 0 || o->micro_batches > 1024)
         st = K3_ERR(K3_ERR_ARG, "--max-seqs, --max-ctx, --max-batch-tokens, --chunk and "
@@ -149,7 +154,8 @@ int rank_setup(rank_ctx *r) {
                            .expert_map_name = o->expert_map_path,
                            .max_ctx = r->max_ctx,
                            .max_seqs_per_lane = r->max_seqs,
-                           .max_tokens = r->max_tokens};
+                           .max_tokens = r->max_tokens,
+                           .kv_cache_tokens = (int64_t)r->kv_blocks * K3_KV_BLOCK};
         st = k3_plan_make(&r->cfg, &req, &r->plan);
         if (st == K3_OK) st = check_memory(r, &req), same = st != K3_OK;
     }

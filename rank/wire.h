@@ -2,7 +2,8 @@
  * behind its own versioned header, so comm knows nothing of steps, tokens or the AttnRes bank).
  *
  * BATCH, ACTIV, LOGITS: one k3_wire_step, then int32 meta[n_meta] =
- *   [group, step, all_logits, n_seqs, (slot, n_tokens, flags) x n_seqs, (BATCH) token ids x T];
+ *   [group, step, all_logits, n_seqs, n_free, (slot, n_tokens, flags) x n_seqs, freed slot x n_free,
+ *    (BATCH) token ids x T | (ACTIV, LOGITS) busy us x S];
  *   f32 = ACTIV: h [T, D] | bank [n_bank, T, D]; LOGITS: [R, V]; BATCH: none.
  * PROGRESS: one k3_wire_progress (the load heartbeat: workers -> rank 0, rank 0 -> every worker).
  * STOP: no payload.
@@ -15,8 +16,8 @@
 #include <stdint.h>
 
 #define K3_WIRE_VERSION                                                                            \
-    5 /* 2: slots + OPEN/WANT flags; 3: the progress heartbeat; 4: NF flag;                        \
-         5: per-stage busy time on ACTIV/LOGITS */
+    6 /* 2: slots + OPEN/WANT flags; 3: the progress heartbeat; 4: NF flag;                        \
+         5: per-stage busy time on ACTIV/LOGITS; 6: freed slots (paged cache) */
 
 typedef struct k3_wire_step {
     uint32_t version; /* K3_WIRE_VERSION */
@@ -46,8 +47,12 @@ typedef struct k3_wire_progress {
 _Static_assert(sizeof(k3_wire_progress) == 32 && offsetof(k3_wire_progress, done_bytes) == 16,
                "k3_wire_progress is a wire struct: its layout is part of K3_WIRE_VERSION 3");
 
-#define META_HDR 4 /* group, step, all_logits, n_seqs */
+#define META_HDR 5 /* group, step, all_logits, n_seqs, n_free */
 #define META_SEQ 3 /* per sequence: slot (on the lane), n_tokens, flags */
+/* The int32s before a message's tail (token ids, or the stages' busy times): the header, the
+ * sequences, then n_free slots whose sequences ended (each stage returns their cache blocks to
+ * its pool before the step; a slot opened again later is reset anyway). */
+#define META_PREFIX(n_seqs, n_free) (META_HDR + META_SEQ * (n_seqs) + (n_free))
 /* Meta of a message: META_HDR | META_SEQ per sequence | then BATCH: the T token ids; ACTIV and
  * LOGITS: S int32, the microseconds each stage of the lane spent in its forward of this step
  * (the stages downstream of the sender still 0). The coordinator gets every rank's step time from
@@ -55,7 +60,7 @@ _Static_assert(sizeof(k3_wire_progress) == 32 && offsetof(k3_wire_progress, done
 /* Sequence flags. OPEN: a new sequence starts in this slot (the worker resets the slot's caches;
  * this is how workers learn of sequences — there is no separate message, so an OPEN can never
  * overtake or trail the step it belongs to). WANT: its last row of the step is sampled (the
- * last stage returns it). A sequence that ends needs no message: its slot is simply reused. */
+ * last stage returns it). A sequence that ends is named in the next step's freed slots (META_PREFIX). */
 #define K3_WIRE_WANT 1
 #define K3_WIRE_OPEN 2
 /* NF: a NaN/Inf appeared in the sequence's activations in this step; the bits from

@@ -46,7 +46,10 @@ void rank_worker_init(rank_ctx *r) {
                           .comm = moe_remote ? r->comm : NULL,
                           .expert_lane = r->lane_of,
                           .n_lanes = E,
-                          .deterministic = o->deterministic};
+                          .deterministic = o->deterministic,
+                          .max_seqs = r->max_seqs,
+                          .max_ctx = r->max_ctx,
+                          .kv_cache_tokens = (int64_t)r->kv_blocks * K3_KV_BLOCK};
     RTRY(r, k3_stage_create(&sp, &r->st));
     /* the lane's sequence slots: allocated once, reset when a new sequence opens in them */
     const size_t ns = (size_t)r->max_seqs;
@@ -55,7 +58,7 @@ void rank_worker_init(rank_ctx *r) {
     RTRY(r, k3_calloc((void **)&r->bntok, ns * sizeof *r->bntok, "batch tokens"));
     RTRY(r, k3_calloc((void **)&r->bnf, ns * sizeof *r->bnf, "batch non-finite marks"));
     RTRY(r, k3_calloc((void **)&r->wmeta,
-                      (META_HDR + META_SEQ * ns + (size_t)r->plan.n_stages) * sizeof *r->wmeta,
+                      (META_PREFIX(ns, ns) + (size_t)r->plan.n_stages) * sizeof *r->wmeta,
                       "step meta (out)"));
     for (int i = 0; i < r->max_seqs; i++)
         RTRY(r, k3_seq_state_create(r->st, r->max_ctx, &r->states[i]));
@@ -100,10 +103,20 @@ void rank_worker_step(rank_ctx *r, const step_msg *m) {
     snprintf(who, sizeof who, "rank %d", m->src);
     if (m->h.n_meta < META_HDR)
         rank_die(r, K3_ERR(K3_ERR_FORMAT, "step message from %s: %d meta", who, m->h.n_meta));
-    int group = mt[0], stepi = mt[1], all_logits = mt[2], n_seqs = mt[3];
-    if (n_seqs < 0 || n_seqs > r->max_seqs || m->h.n_meta < META_HDR + META_SEQ * n_seqs)
-        rank_die(r, K3_ERR(K3_ERR_FORMAT, "step message from %s: %d sequences, %d meta", who,
-                           n_seqs, m->h.n_meta));
+    rank_opstats_begin(r);
+    int group = mt[0], stepi = mt[1], all_logits = mt[2], n_seqs = mt[3], n_free = mt[4];
+    if (n_seqs < 0 || n_seqs > r->max_seqs || n_free < 0 || n_free > r->max_seqs ||
+        m->h.n_meta < META_PREFIX(n_seqs, n_free))
+        rank_die(r, K3_ERR(K3_ERR_FORMAT, "step message from %s: %d sequences, %d freed, %d meta",
+                           who, n_seqs, n_free, m->h.n_meta));
+    /* sequences that ended: their cache blocks back to the pool before this step takes any */
+    for (int i = 0; i < n_free; i++) {
+        int slot = mt[META_HDR + META_SEQ * n_seqs + i];
+        if (slot < 0 || slot >= r->max_seqs)
+            rank_die(r, K3_ERR(K3_ERR_FORMAT, "step %d of group %d from %s: freed slot %d of %d",
+                               stepi, group, who, slot, r->max_seqs));
+        k3_seq_state_release(r->states[slot]);
+    }
     int64_t T = 0;
     for (int i = 0; i < n_seqs; i++) {
         int slot = mt[META_HDR + META_SEQ * i], nt = mt[META_HDR + META_SEQ * i + 1],
@@ -127,12 +140,12 @@ void rank_worker_step(rank_ctx *r, const step_msg *m) {
                            (long long)r->max_tokens));
     const int32_t *tokens = NULL;
     if (r->stage == 0) {
-        if (m->h.n_meta != META_HDR + META_SEQ * n_seqs + T || m->h.T != T || m->n_f32 != 0)
+        if (m->h.n_meta != META_PREFIX(n_seqs, n_free) + T || m->h.T != T || m->n_f32 != 0)
             rank_die(r, K3_ERR(K3_ERR_FORMAT, "BATCH from %s: %d meta, %lld floats for %lld tokens",
                                who, m->h.n_meta, (long long)m->n_f32, (long long)T));
-        tokens = mt + META_HDR + META_SEQ * n_seqs;
+        tokens = mt + META_PREFIX(n_seqs, n_free);
     } else {
-        if (m->h.n_meta != META_HDR + META_SEQ * n_seqs + S)
+        if (m->h.n_meta != META_PREFIX(n_seqs, n_free) + S)
             rank_die(r,
                      K3_ERR(K3_ERR_FORMAT, "ACTIV from %s: %d meta for %d sequences and %d stages",
                             who, m->h.n_meta, n_seqs, S));
@@ -170,7 +183,7 @@ void rank_worker_step(rank_ctx *r, const step_msg *m) {
         RTRY(r, k3_stage_forward(r->st, &b, &r->act, all_logits != 0,
                                  r->stage == S - 1 ? r->logits : NULL));
         /* the first non-finite activation of a sequence travels on in its flags (wire.h) */
-        memcpy(r->wmeta, mt, (size_t)(META_HDR + META_SEQ * n_seqs) * sizeof *mt);
+        memcpy(r->wmeta, mt, (size_t)META_PREFIX(n_seqs, n_free) * sizeof *mt);
         mt = r->wmeta;
         for (int i = 0; i < n_seqs; i++) {
             if (r->bnf[i] <= 0) continue;
@@ -196,7 +209,7 @@ void rank_worker_step(rank_ctx *r, const step_msg *m) {
     r->busy_s += dt; /* time in the forward (and its MoE exchanges) */
     /* out meta = the sequences | the busy time of each stage of this lane for this step (us):
        upstream stages' from the ACTIV, this stage's own (wire.h) */
-    const int n_meta_seq = META_HDR + META_SEQ * n_seqs, n_meta_out = n_meta_seq + S;
+    const int n_meta_seq = META_PREFIX(n_seqs, n_free), n_meta_out = n_meta_seq + S;
     if (mt != r->wmeta) memcpy(r->wmeta, mt, (size_t)n_meta_seq * sizeof *mt);
     mt = r->wmeta;
     int32_t *busy_us = r->wmeta + n_meta_seq;
@@ -240,6 +253,7 @@ void rank_worker_step(rank_ctx *r, const step_msg *m) {
             (k3_wire_step){.T = T, .D = D, .R = T, .n_bank = (int32_t)nb, .n_meta = n_meta_out}, mt,
             seg, 2);
     }
+    rank_opstats_end(r, T, n_seqs);
 }
 
 /* ---- serving --------------------------------------------------------------------------------- */
