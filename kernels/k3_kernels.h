@@ -52,11 +52,11 @@ typedef struct k3_mm {
  * row p % K3_KV_BLOCK of block blocks[i·max_blocks + p / K3_KV_BLOCK] of the paged cache. */
 /* K3_KV_BLOCK (k3_tensor.h): tokens per paged-cache block. */
 typedef struct k3_seqs {
-    int n_seqs;      /* >= 0 */
-    int64_t T;       /* Σ tokens = tok0[n_seqs] */
-    int64_t max_ctx; /* max over i of pos[i] + n_tokens[i] (sizes scratch and launches) */
-    int64_t max_new; /* max over i of n_tokens[i] (1: a pure decode step) */
-    int max_blocks;  /* row stride of blocks */
+    int n_seqs;            /* >= 0 */
+    int64_t T;             /* Σ tokens = tok0[n_seqs] */
+    int64_t max_ctx;       /* max over i of pos[i] + n_tokens[i] (sizes scratch and launches) */
+    int64_t max_new;       /* max over i of n_tokens[i] (1: a pure decode step) */
+    int max_blocks;        /* row stride of blocks */
     const int32_t *tok0;   /* [n_seqs + 1] token offsets, tok0[0] = 0 */
     const int32_t *pos;    /* [n_seqs] position of the first token */
     const int32_t *slot;   /* [n_seqs] state slot, distinct */
@@ -216,78 +216,81 @@ k3_status k3_seqs_build(int n_seqs, const int32_t *n_tokens, const int32_t *pos,
     X(rows_wsum,                                                                                          \
       (k3_backend * be, const float *x, const float *w, const int64_t *seg, int64_t seg_len,              \
        int64_t n_seg, int64_t width, float *y),                                                           \
-      (be, x, w, seg, seg_len, n_seg, width, y))                                               \
-    /* ---- varlen ops: one call for every sequence, head and token of a step ---- */              \
-    /* rmsnorm with row strides (floats): y[t·ys ..+n] = rmsnorm(x[t·xs ..+n]); the same bits as      \
-       rmsnorm row by row. y may alias x (same strides). */                                          \
-    X(rmsnorm_rows,                                                                                   \
-      (k3_backend * be, const float *x, int64_t xs, const float *w, int64_t T, int64_t n, float eps,  \
-       float *y, int64_t ys),                                                                         \
-      (be, x, xs, w, T, n, eps, y, ys))                                                               \
-    /* Per-head products of H heads over T tokens with strided rows (absorbed MLA): head h's          \
-       weight W_h = rows [r0 + h·rh, + nr) of W (F32/BF16), x_h[t] = x + t·xt + h·xh,                 \
-       y_h[t] = y + t·yt + h·yh. trans false: y_h[t] [nr] = W_h·x_h[t] (x rows W->shape[1] wide,     \
-       matmul); trans true: y_h[t] [W->shape[1]] = W_hᵀ·x_h[t] (x rows nr wide, matmul_tn). Bit     \
-       for bit H matmul / matmul_tn calls on contiguous copies. work >= T·(in + out) floats. */       \
-    X(matmul_heads,                                                                                   \
-      (k3_backend * be, const float *x, int64_t xt, int64_t xh, int64_t T, int H,                     \
-       const k3_tensor *W, int64_t r0, int64_t rh, int64_t nr, bool trans, float *y, int64_t yt,      \
-       int64_t yh, float *work),                                                                      \
-      (be, x, xt, xh, T, H, W, r0, rh, nr, trans, y, yt, yh, work))                                   \
-    /* Paged cache write: token row t of sequence i (src [T, W]) goes to its position's row of the    \
-       paged cache [n_blocks, K3_KV_BLOCK, W] through the block table. */                            \
-    X(kv_write, (k3_backend * be, const k3_seqs *sq, const float *src, int W, float *cache),          \
-      (be, sq, src, W, cache))                                                                        \
-    /* Latent attention of every token of the batch over its own sequence's paged cache: token t of   \
-       sequence i at position p attends to positions [0, p] (written by kv_write before): o_lat[t] =  \
-       attn_latent(qc[t], cache rows 0..p) bit for bit (attn_latent_causal of a contiguous copy).     \
-       qc [T, H, W], o_lat [T, H, Rkv]; work >= k3_attn_latent_causal_work_floats(sq->max_ctx, H). */ \
-    X(attn_paged,                                                                                     \
-      (k3_backend * be, const k3_seqs *sq, const float *qc, const float *cache, int H, int W,         \
-       int Rkv, float scale, float *o_lat, float *work),                                              \
-      (be, sq, qc, cache, H, W, Rkv, scale, o_lat, work))                                             \
-    /* short_conv of every sequence on its own token rows, its state at state + slot[i]·state_stride  \
-       ([K-1, P] floats, updated). in, out [T, P]. */                                                 \
-    X(short_conv_seqs,                                                                                \
-      (k3_backend * be, const k3_seqs *sq, const float *in, int64_t P, int K, const float *w,         \
-       float *state, int64_t state_stride, float *out),                                               \
-      (be, sq, in, P, K, w, state, state_stride, out))                                                \
-    /* The KDA delta rule of every sequence on its own token rows, state S + slot[i]·S_stride         \
-       ([H, dk, dv] fp32): kda_chunked (C >= 2 and the sequence has >= C tokens) or kda_recurrent,    \
-       bit for bit. q, k, g [T, H·dk], v, o [T, H·dv], beta [T, H]; work as kda_chunked (C >= 2). */  \
-    X(kda_seqs,                                                                                       \
-      (k3_backend * be, const k3_seqs *sq, const float *q, const float *k, const float *v,            \
-       const float *g, const float *beta, int H, int dk, int dv, float scale, float *S,               \
-       int64_t S_stride, float *o, int C, float *work),                                               \
-      (be, sq, q, k, v, g, beta, H, dk, dv, scale, S, S_stride, o, C, work))                          \
-    /* The non-finite check of a step, on the backend: for each sequence i with flags[i] == 0 whose   \
-       rows of y hold a NaN or Inf, flags[i] = code and those rows are zeroed (the layers after it    \
-       must not fail the other sequences). Rows: its token rows of y [T, D], or row i of y            \
-       [n_seqs, D] when per_seq. flags: backend int32 [n_seqs], read by the host once a step. */      \
-    X(nonfinite_rows,                                                                                 \
-      (k3_backend * be, const k3_seqs *sq, float *y, int64_t D, bool per_seq, int32_t code,           \
-       int32_t *flags),                                                                               \
-      (be, sq, y, D, per_seq, code, flags))                                                           \
-    /* Each sequence's last token row of n_slab slabs: dst[(j·n_seqs + i)·D ..] = src[j·slab +        \
-       (tok0[i+1] − 1)·D ..], j < n_slab (the rows that get logits, and their AttnRes bank). */       \
-    X(rows_last,                                                                                      \
-      (k3_backend * be, const k3_seqs *sq, const float *src, int64_t slab, int n_slab, int64_t D,     \
-       float *dst),                                                                                   \
-      (be, sq, src, slab, n_slab, D, dst))                                                            \
-    /* The routed experts of a MoE layer over n slot rows, expert ids in BACKEND memory (one op: the  \
-       cpu backend groups the rows by expert itself, a device runs a grouped GEMM): out[i] =         \
-       W2_e·act(W1_e·r_i, W3_e·r_i), e = ids[i], r_i = src row i / row_div (row_div K: the T·K slot  \
-       rows of T token rows). Expert e's matrices: *(const k3_tensor *)((const char *)w1 +          \
-       e·e_stride) (w3, w2 alike: fields of a table of structs); an expert with no data is not on    \
-       this rank (K3_ERR_MISSING naming row and expert). act: swiglu (beta < 0) or situ(beta,         \
-       lin_beta). w NULL: out [n, Lw], row i = item i, bit for bit k3_moe_expert_rows (experts/);     \
-       w [n] (backend): out [n / row_div, Lw], row t = Σ_k w[t·row_div + k]·item(t·row_div + k) in k  \
-       order, the first term initialising (rows_wsum's order), without an [n, Lw] buffer.           \
-       work >= k3_moe_experts_work_floats. */                                                         \
-    X(moe_experts,                                                                                    \
-      (k3_backend * be, const float *src, int64_t row_div, const int32_t *ids, const float *w,        \
-       int64_t n, int E, const k3_tensor *w1, const k3_tensor *w3, const k3_tensor *w2,               \
-       size_t e_stride, float beta, float lin_beta, float *out, float *work),                         \
+      (be, x, w, seg, seg_len, n_seg, width, y))                                                          \
+    /* ---- varlen ops: one call for every sequence, head and token of a step ---- */                     \
+    /* rmsnorm with row strides (floats): y[t·ys ..+n] = rmsnorm(x[t·xs ..+n]); the same bits as        \
+       rmsnorm row by row. y may alias x (same strides). */                                               \
+    X(rmsnorm_rows,                                                                                       \
+      (k3_backend * be, const float *x, int64_t xs, const float *w, int64_t T, int64_t n,                 \
+       float eps, float *y, int64_t ys),                                                                  \
+      (be, x, xs, w, T, n, eps, y, ys))                                                                   \
+    /* Per-head products of H heads over T tokens with strided rows (absorbed MLA): head h's              \
+       weight W_h = rows [r0 + h·rh, + nr) of W (F32/BF16), x_h[t] = x + t·xt + h·xh,                  \
+       y_h[t] = y + t·yt + h·yh. trans false: y_h[t] [nr] = W_h·x_h[t] (x rows W->shape[1] wide,       \
+       matmul); trans true: y_h[t] [W->shape[1]] = W_hᵀ·x_h[t] (x rows nr wide, matmul_tn). Bit        \
+       for bit H matmul / matmul_tn calls on contiguous copies. work >= T·(in + out) floats. */          \
+    X(matmul_heads,                                                                                       \
+      (k3_backend * be, const float *x, int64_t xt, int64_t xh, int64_t T, int H,                         \
+       const k3_tensor *W, int64_t r0, int64_t rh, int64_t nr, bool trans, float *y, int64_t yt,          \
+       int64_t yh, float *work),                                                                          \
+      (be, x, xt, xh, T, H, W, r0, rh, nr, trans, y, yt, yh, work))                                       \
+    /* Paged cache write: token row t of sequence i (src [T, W]) goes to its position's row of the        \
+       paged cache [n_blocks, K3_KV_BLOCK, W] through the block table. */                                 \
+    X(kv_write, (k3_backend * be, const k3_seqs *sq, const float *src, int W, float *cache),              \
+      (be, sq, src, W, cache))                                                                            \
+    /* Latent attention of every token of the batch over its own sequence's paged cache: token t          \
+       of sequence i at position p attends to positions [0, p] (written by kv_write before):                       \
+       o_lat[t] = attn_latent(qc[t], cache rows 0..p) bit for bit (attn_latent_causal of a                                 \
+       contiguous copy). qc [T, H, W], o_lat [T, H, Rkv]; work >=                                                                 \
+       k3_attn_latent_causal_work_floats(sq->max_ctx, H). */                                              \
+    X(attn_paged,                                                                                         \
+      (k3_backend * be, const k3_seqs *sq, const float *qc, const float *cache, int H, int W,             \
+       int Rkv, float scale, float *o_lat, float *work),                                                  \
+      (be, sq, qc, cache, H, W, Rkv, scale, o_lat, work))                                                 \
+    /* short_conv of every sequence on its own token rows, its state at state +                           \
+       slot[i]·state_stride                                                                              \
+       ([K-1, P] floats, updated). in, out [T, P]. */                                                     \
+    X(short_conv_seqs,                                                                                    \
+      (k3_backend * be, const k3_seqs *sq, const float *in, int64_t P, int K, const float *w,             \
+       float *state, int64_t state_stride, float *out),                                                   \
+      (be, sq, in, P, K, w, state, state_stride, out))                                                    \
+    /* The KDA delta rule of every sequence on its own token rows, state S + slot[i]·S_stride            \
+       ([H, dk, dv] fp32): kda_chunked (C >= 2 and the sequence has >= C tokens) or kda_recurrent,        \
+       bit for bit. q, k, g [T, H·dk], v, o [T, H·dv], beta [T, H]; work as kda_chunked (C >= 2).       \
+     */                                                                                                   \
+    X(kda_seqs,                                                                                           \
+      (k3_backend * be, const k3_seqs *sq, const float *q, const float *k, const float *v,                \
+       const float *g, const float *beta, int H, int dk, int dv, float scale, float *S,                   \
+       int64_t S_stride, float *o, int C, float *work),                                                   \
+      (be, sq, q, k, v, g, beta, H, dk, dv, scale, S, S_stride, o, C, work))                              \
+    /* The non-finite check of a step, on the backend: for each sequence i with flags[i] == 0             \
+       whose rows of y hold a NaN or Inf, flags[i] = code and those rows are zeroed (the layers                       \
+       after it must not fail the other sequences). Rows: its token rows of y [T, D], or row i of                        \
+       y [n_seqs, D] when per_seq. flags: backend int32 [n_seqs], read by the host once a step. */                \
+    X(nonfinite_rows,                                                                                     \
+      (k3_backend * be, const k3_seqs *sq, float *y, int64_t D, bool per_seq, int32_t code,               \
+       int32_t *flags),                                                                                   \
+      (be, sq, y, D, per_seq, code, flags))                                                               \
+    /* Each sequence's last token row of n_slab slabs: dst[(j·n_seqs + i)·D ..] = src[j·slab +         \
+       (tok0[i+1] − 1)·D ..], j < n_slab (the rows that get logits, and their AttnRes bank). */        \
+    X(rows_last,                                                                                          \
+      (k3_backend * be, const k3_seqs *sq, const float *src, int64_t slab, int n_slab, int64_t D,         \
+       float *dst),                                                                                       \
+      (be, sq, src, slab, n_slab, D, dst))                                                                \
+    /* The routed experts of a MoE layer over n slot rows, expert ids in BACKEND memory (one op:          \
+       the cpu backend groups the rows by expert itself, a device runs a grouped GEMM): out[i] =                    \
+       W2_e·act(W1_e·r_i, W3_e·r_i), e = ids[i], r_i = src row i / row_div (row_div K: the T·K        \
+       slot rows of T token rows). Expert e's matrices: *(const k3_tensor *)((const char *)w1 +                      \
+       e·e_stride) (w3, w2 alike: fields of a table of structs); an expert with no data is not on        \
+       this rank (K3_ERR_MISSING naming row and expert). act: swiglu (beta < 0) or situ(beta,             \
+       lin_beta). w NULL: out [n, Lw], row i = item i, bit for bit k3_moe_expert_rows (experts/);         \
+       w [n] (backend): out [n / row_div, Lw], row t = Σ_k w[t·row_div + k]·item(t·row_div + k) in    \
+       k order, the first term initialising (rows_wsum's order), without an [n, Lw] buffer. work                                                                                                     \
+       >= k3_moe_experts_work_floats. */                                                                  \
+    X(moe_experts,                                                                                        \
+      (k3_backend * be, const float *src, int64_t row_div, const int32_t *ids, const float *w,            \
+       int64_t n, int E, const k3_tensor *w1, const k3_tensor *w3, const k3_tensor *w2,                   \
+       size_t e_stride, float beta, float lin_beta, float *out, float *work),                             \
       (be, src, row_div, ids, w, n, E, w1, w3, w2, e_stride, beta, lin_beta, out, work))
 
 #define K3_OP_FIELD(name, params, args) k3_status(*name) params;
@@ -304,7 +307,8 @@ _Static_assert(sizeof(k3_ops) == K3_OP_COUNT * sizeof(void (*)(void)),
 const char *k3_op_name(int op); /* "matmul", ... ; "?" out of range */
 
 /* ---- the backend object ------------------------------------------------------------------ */
-typedef struct k3_event k3_event; /* opaque, backend-defined */
+/* opaque, backend-defined (not the engine's k3_event) */
+typedef struct k3_backend_event k3_backend_event;
 
 /* What a counting backend (guard, cuda) has done since it was created: op calls by op, host
  * syncs (device -> host reads the host waits for: download, synchronize, event_sync) and the
@@ -335,10 +339,10 @@ typedef struct k3_backend_iface {
     k3_status (*upload_async)(k3_backend *be, void *dst, const void *src_host, size_t n_bytes);
     k3_status (*download_async)(k3_backend *be, void *dst_host, const void *src, size_t n_bytes);
     /* Events: a point in the backend's stream that the host can wait for. */
-    k3_status (*event_create)(k3_backend *be, k3_event **out);
-    k3_status (*event_record)(k3_backend *be, k3_event *ev);
-    k3_status (*event_sync)(k3_backend *be, k3_event *ev); /* the host waits: a host sync */
-    void (*event_destroy)(k3_backend *be, k3_event *ev);
+    k3_status (*event_create)(k3_backend *be, k3_backend_event **out);
+    k3_status (*event_record)(k3_backend *be, k3_backend_event *ev);
+    k3_status (*event_sync)(k3_backend *be, k3_backend_event *ev); /* the host waits: a host sync */
+    void (*event_destroy)(k3_backend *be, k3_backend_event *ev);
     /* The backend's counters (guard, cuda), NULL for one that does not count. */
     k3_status (*op_stats)(const k3_backend *be, k3_op_stats *out);
 } k3_backend_iface;
@@ -391,10 +395,11 @@ bool k3_backend_supports_op(const k3_backend *be, int op, k3_dtype wt);
 k3_status k3_backend_upload_async(k3_backend *be, void *dst, const void *src_host, size_t n_bytes);
 k3_status k3_backend_download_async(k3_backend *be, void *dst_host, const void *src,
                                     size_t n_bytes);
-k3_status k3_backend_event_create(k3_backend *be, k3_event **out); /* *out NULL: no events */
-k3_status k3_backend_event_record(k3_backend *be, k3_event *ev);
-k3_status k3_backend_event_sync(k3_backend *be, k3_event *ev);
-void k3_backend_event_destroy(k3_backend *be, k3_event *ev); /* NULL is a no-op */
+k3_status k3_backend_event_create(k3_backend *be,
+                                  k3_backend_event **out); /* *out NULL: no events */
+k3_status k3_backend_event_record(k3_backend *be, k3_backend_event *ev);
+k3_status k3_backend_event_sync(k3_backend *be, k3_backend_event *ev);
+void k3_backend_event_destroy(k3_backend *be, k3_backend_event *ev); /* NULL is a no-op */
 /* The backend's counters: K3_ERR_ARG when it does not count (ref, cpu). */
 k3_status k3_backend_op_stats(const k3_backend *be, k3_op_stats *out);
 k3_status k3_backend_memory(const k3_backend *be, size_t *free_bytes, size_t *total_bytes);

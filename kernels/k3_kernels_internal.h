@@ -23,8 +23,8 @@ void k3_ref_kda_head_chunked(const float *q, const float *k, const float *v, con
                              int dk, int dv, float scale, float *S, float *o, int C, float *work);
 /* One head of attn_latent: qc [W], cache [n_ctx, W] rows (blk NULL) or a paged cache's rows
  * through the block table blk (k3_seqs), o [Rkv], work [n_ctx]. */
-void k3_ref_attn_latent_head(const float *qc, const float *cache, const int32_t *blk,
-                             int64_t n_ctx, int W, int Rkv, float scale, float *o, float *work);
+void k3_ref_attn_latent_head(const float *qc, const float *cache, const int32_t *blk, int64_t n_ctx,
+                             int W, int Rkv, float scale, float *o, float *work);
 /* The latent-attention ops' shapes (H >= 1, 1 <= Rkv <= W <= K3_ATTN_MAX_W, n_ctx or pos0 and
  * n_q >= 0): K3_ERR_ARG naming them. */
 k3_status k3_kernels_check_attn(const char *op, int64_t pos0, int64_t n_q, int H, int W, int Rkv);
@@ -55,9 +55,9 @@ k3_status k3_kernels_check_seg(const int64_t *seg, int64_t seg_len, int64_t n_se
 
 /* The varlen ops of the ref and cpu backends (ref_seqs.c, ref_moe.c, cpu_seqs.c, cpu_moe.c). */
 #define K3_SEQ_OPS(X)                                                                              \
-    X(rmsnorm_rows) X(matmul_heads) X(kv_write) X(attn_paged) X(short_conv_seqs) X(kda_seqs)       \
-        X(nonfinite_rows) X(rows_last) X(moe_experts)
-
+    X(rmsnorm_rows)                                                                                \
+    X(matmul_heads) X(kv_write) X(attn_paged) X(short_conv_seqs) X(kda_seqs) X(nonfinite_rows)     \
+        X(rows_last) X(moe_experts)
 
 /* parameter lists of those ops, as K3_OP_LIST has them */
 #define K3_OP_PARAMS_GET(name, params, args) typedef k3_status k3_op_fn_##name params;

@@ -223,8 +223,7 @@ k3_status k3_backend_download(k3_backend *be, void *dst_host, const void *src, s
 k3_status k3_backend_sync(k3_backend *be) {
     return be->mem_->synchronize(be);
 }
-k3_status k3_backend_upload_async(k3_backend *be, void *dst, const void *src_host,
-                                  size_t n_bytes) {
+k3_status k3_backend_upload_async(k3_backend *be, void *dst, const void *src_host, size_t n_bytes) {
     if (be->mem_->upload_async) return be->mem_->upload_async(be, dst, src_host, n_bytes);
     return be->mem_->upload(be, dst, src_host, n_bytes);
 }
@@ -233,17 +232,17 @@ k3_status k3_backend_download_async(k3_backend *be, void *dst_host, const void *
     if (be->mem_->download_async) return be->mem_->download_async(be, dst_host, src, n_bytes);
     return be->mem_->download(be, dst_host, src, n_bytes);
 }
-k3_status k3_backend_event_create(k3_backend *be, k3_event **out) {
+k3_status k3_backend_event_create(k3_backend *be, k3_backend_event **out) {
     *out = NULL;
     return be->mem_->event_create ? be->mem_->event_create(be, out) : K3_OK;
 }
-k3_status k3_backend_event_record(k3_backend *be, k3_event *ev) {
+k3_status k3_backend_event_record(k3_backend *be, k3_backend_event *ev) {
     return ev && be->mem_->event_record ? be->mem_->event_record(be, ev) : K3_OK;
 }
-k3_status k3_backend_event_sync(k3_backend *be, k3_event *ev) {
+k3_status k3_backend_event_sync(k3_backend *be, k3_backend_event *ev) {
     return ev && be->mem_->event_sync ? be->mem_->event_sync(be, ev) : K3_OK;
 }
-void k3_backend_event_destroy(k3_backend *be, k3_event *ev) {
+void k3_backend_event_destroy(k3_backend *be, k3_backend_event *ev) {
     if (ev && be->mem_->event_destroy) be->mem_->event_destroy(be, ev);
 }
 k3_status k3_backend_op_stats(const k3_backend *be, k3_op_stats *out) {

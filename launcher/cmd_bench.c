@@ -73,7 +73,11 @@ enum { M_PT = 1, M_TP = 2, M_SV = 4, M_KN = 8, M_ENG = M_PT | M_TP, M_ALL = 15 }
     X("output-json", K3_FLAG_STR, "FILE", NULL, M_ALL,                                             \
       "results as JSON (vLLM's / llama-bench's field names) with hardware, versions, commit, "     \
       "plan")                                                                                      \
-    X("output-csv", K3_FLAG_STR, "FILE", NULL, M_ALL, "results as CSV, one line per run")
+    X("output-csv", K3_FLAG_STR, "FILE", NULL, M_ALL, "results as CSV, one line per run")          \
+    X("op-stats", K3_FLAG_STR, "FILE", NULL, M_TP,                                                 \
+      "throughput: write JSON: each worker rank's backend op calls, host syncs and host<->device " \
+      "bytes per forward step (decode, prefill, idle; warm-ups included); needs --backend guard "  \
+      "(or cuda)")
 
 #define FLAG_ENTRY(n, k, mv, d, m, h) {n, k, mv, d, h},
 #define FLAG_MODES(n, k, mv, d, m, h) m,
@@ -387,6 +391,7 @@ static int run_engine_mode(const k3_args *a, int mode) {
         return rc;
     }
     eo.model_dir = k3_args_str(a, "model");
+    eo.op_stats = k3_args_str(a, "op-stats"); /* NULL but in throughput (check_modes) */
     eo.test_fail = getenv("K3_TEST_FAIL");
     eo.progress = true;
     k3_engine *e = NULL;
@@ -403,7 +408,10 @@ static int run_engine_mode(const k3_args *a, int mode) {
         if (st == K3_OK && mode == M_TP) st = run_throughput(e, &p, es.world, &rep);
         if (st == K3_OK && mode == M_PT)
             st = run_pt(e, &p, eo.backend ? eo.backend : "cpu", &es, &rep);
-        k3_engine_close(e, NULL);
+        k3_engine_stats fin;
+        k3_engine_close(e, &fin);
+        if (st == K3_OK && fin.op_stats_rc) /* --op-stats FILE not written (printed) */
+            st = K3_ERR(K3_ERR_IO, "--op-stats %s was not written", eo.op_stats);
         if (st == K3_OK)
             st = bench_report_write(&rep, k3_args_str(a, "output-json"),
                                     k3_args_str(a, "output-csv"));

@@ -45,8 +45,7 @@ k3_status k3_layers_kda(k3_stage *s, int layer, const k3_seqs *sq, const float *
     float *src[3] = {s->kq, s->kk, s->kv}, *dst[3] = {s->kqc, s->kkc, s->kvc};
     for (int j = 0; j < 3; j++) { /* q, k, v: three tensors, not a loop over the batch */
         float *conv = s->conv_pool + ((size_t)m * 3 + (size_t)j) * (size_t)(K - 1) * (size_t)P;
-        K3_TRY(ops->short_conv_seqs(be, sq, src[j], P, K, lv->conv[j], conv, s->conv_slot,
-                                    dst[j]));
+        K3_TRY(ops->short_conv_seqs(be, sq, src[j], P, K, lv->conv[j], conv, s->conv_slot, dst[j]));
         K3_TRY(ops->silu(be, dst[j], T * P, dst[j]));
     }
     K3_TRY(ops->l2norm(be, dst[0], T * H, dk, K3_KDA_L2_EPS, dst[0]));

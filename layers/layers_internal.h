@@ -44,14 +44,14 @@ struct k3_stage {
     float *kbeta;                                         /* [T, H] */
     float *kwork;                                         /* [H, chunk work] */
     /* MLA */
-    float *mcq;                /* [T, Rq] */
-    float *mq;                 /* [T, H·(dn+dr)] */
-    float *mckv;               /* [T, Rkv+dr] */
-    float *mhwork;             /* [T, max(dn, Rkv) + max(Rkv, dv)]: matmul_heads' staging */
-    float *mqc;                /* [T, H, Rkv+dr] */
-    float *molat;              /* [T, H, Rkv] */
-    float *mattn, *mgate;      /* [T, H·dv] */
-    float *mwork; /* [H, max_ctx] attention scratch (grown with the pools) */
+    float *mcq;           /* [T, Rq] */
+    float *mq;            /* [T, H·(dn+dr)] */
+    float *mckv;          /* [T, Rkv+dr] */
+    float *mhwork;        /* [T, max(dn, Rkv) + max(Rkv, dv)]: matmul_heads' staging */
+    float *mqc;           /* [T, H, Rkv+dr] */
+    float *molat;         /* [T, H, Rkv] */
+    float *mattn, *mgate; /* [T, H·dv] */
+    float *mwork;         /* [H, max_ctx] attention scratch (grown with the pools) */
     /* FFN */
     float *fg, *fu;        /* [T, F] */
     float *moe_scratch;    /* k3_moe_scratch_floats(T) */
@@ -68,23 +68,23 @@ struct k3_stage {
     int32_t *h_ids, *h_row, *h_lane; /* host [T·K] routing metadata */
     float *h_w;                      /* host [T·K] */
     /* head */
-    float *hsel;  /* [T, D] rows that get logits */
+    float *hsel;     /* [T, D] rows that get logits */
     float *bank_sel; /* [max_bank, n_slots, D] the bank rows of each sequence's last token */
 
     /* The state pools (k3_layers.h "Paged cache and slots"). fixed: sized at create from the
        params; else grown by k3_seq_state_create (one slot and max_ctx of blocks each). */
     bool fixed;
-    int n_slots;                 /* slot pool capacity (= the most sequences of one batch) */
-    bool *slot_used;             /* host [n_slots] */
-    float *conv_pool;            /* [n_slots, n_kda, 3, K-1, P] */
-    float *S_pool;               /* [n_slots, n_kda, H, dk, dv] */
-    int64_t conv_slot, S_slot;   /* floats of one slot in each pool */
-    int n_blocks;                /* paged MLA cache blocks (0 without MLA layers) */
-    int n_free;                  /* free blocks: free_blk[0, n_free) */
-    int32_t *free_blk;           /* host [n_blocks] */
-    float *kv_pool;              /* [n_mla, n_blocks, K3_KV_BLOCK, Rkv + dr] */
-    int max_blocks;              /* block table row: blocks of the longest sequence (max_ctx) */
-    int64_t max_ctx;             /* the longest sequence a state may be created for */
+    int n_slots;               /* slot pool capacity (= the most sequences of one batch) */
+    bool *slot_used;           /* host [n_slots] */
+    float *conv_pool;          /* [n_slots, n_kda, 3, K-1, P] */
+    float *S_pool;             /* [n_slots, n_kda, H, dk, dv] */
+    int64_t conv_slot, S_slot; /* floats of one slot in each pool */
+    int n_blocks;              /* paged MLA cache blocks (0 without MLA layers) */
+    int n_free;                /* free blocks: free_blk[0, n_free) */
+    int32_t *free_blk;         /* host [n_blocks] */
+    float *kv_pool;            /* [n_mla, n_blocks, K3_KV_BLOCK, Rkv + dr] */
+    int max_blocks;            /* block table row: blocks of the longest sequence (max_ctx) */
+    int64_t max_ctx;           /* the longest sequence a state may be created for */
     /* the step buffer, uploaded once a step: k3_seqs arrays [k3_seqs_floats(n_slots,
        max_blocks)] | non-finite flags [n_slots] | token ids [T_max] (int32); host mirror */
     int32_t *step_dev, *step_host;

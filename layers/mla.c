@@ -52,8 +52,8 @@ k3_status k3_layers_mla(k3_stage *s, int layer, const k3_seqs *sq, const float *
     K3_TRY(ops->attn_paged(be, sq, s->mqc, cache, H, W, Rkv, scale, s->molat, s->mwork));
 
     /* attn[t, h] = W_UV[h] o_lat[t, h]: W_UV[h] = kv_b_proj rows [h·(dn+dv) + dn, +dv) */
-    K3_TRY(ops->matmul_heads(be, s->molat, (int64_t)H * Rkv, Rkv, T, H, &lw->kv_b_proj, dn,
-                             dn + dv, dv, false, s->mattn, (int64_t)H * dv, dv, s->mhwork));
+    K3_TRY(ops->matmul_heads(be, s->molat, (int64_t)H * Rkv, Rkv, T, H, &lw->kv_b_proj, dn, dn + dv,
+                             dv, false, s->mattn, (int64_t)H * dv, dv, s->mhwork));
 
     if (c->mla_use_output_gate) {
         K3_TRY(ops->sigmoid(be, s->mgate, T * H * dv, s->mgate));

@@ -15,7 +15,6 @@
 
 #include "k3_experts.h"
 
-
 /* ---- checks ------------------------------------------------------------------------------ */
 k3_status k3_layers_need(const k3_tensor *t, int layer, const char *name, int64_t d0, int64_t d1) {
     if (!t->data) return K3_ERR(K3_ERR_MISSING, "layer %d: tensor %s is not loaded", layer, name);
@@ -331,21 +330,20 @@ k3_status k3_stage_create(const k3_stage_params *p, k3_stage **out) {
 void k3_stage_destroy(k3_stage *s) {
     if (!s) return;
     if (s->be) {
-        float *bufs[] = {s->xa,        s->xn,      s->y,       s->hsel,     s->bank_sel,
-                         s->kq,        s->kk,      s->kv,      s->kqc,      s->kkc,
-                         s->kvc,       s->kr,      s->kg,      s->ko,       s->kfa,
-                         s->kbeta,     s->kwork,   s->mcq,     s->mq,       s->mckv,
-                         s->mhwork,    s->mqc,     s->molat,   s->mattn,    s->mgate,
-                         s->mwork,     s->fg,      s->fu,      s->moe_scratch, s->moe_w,
-                         s->moe_r,     s->moe_comb, s->moe_acc, s->moe_eo,  s->moe_xs,
-                         s->vec_mem,   s->conv_pool, s->S_pool, s->kv_pool};
+        float *bufs[] = {
+            s->xa,          s->xn,        s->y,      s->hsel,     s->bank_sel, s->kq,     s->kk,
+            s->kv,          s->kqc,       s->kkc,    s->kvc,      s->kr,       s->kg,     s->ko,
+            s->kfa,         s->kbeta,     s->kwork,  s->mcq,      s->mq,       s->mckv,   s->mhwork,
+            s->mqc,         s->molat,     s->mattn,  s->mgate,    s->mwork,    s->fg,     s->fu,
+            s->moe_scratch, s->moe_w,     s->moe_r,  s->moe_comb, s->moe_acc,  s->moe_eo, s->moe_xs,
+            s->vec_mem,     s->conv_pool, s->S_pool, s->kv_pool};
         for (size_t i = 0; i < K3_ARRAY_LEN(bufs); i++) k3_backend_free(s->be, bufs[i]);
         k3_backend_free(s->be, s->step_dev);
         k3_backend_free(s->be, s->moe_ids);
     }
-    void *hosts[] = {s->moe_hscratch, s->moe_xh,   s->h_ids,  s->h_row,  s->h_lane,
-                     s->h_w,          s->tap_buf,  s->slot_used, s->free_blk, s->step_host,
-                     s->h_ntok,       s->h_pos,    s->h_slot, s->h_blk,  s->h_nf};
+    void *hosts[] = {s->moe_hscratch, s->moe_xh,  s->h_ids,     s->h_row,    s->h_lane,
+                     s->h_w,          s->tap_buf, s->slot_used, s->free_blk, s->step_host,
+                     s->h_ntok,       s->h_pos,   s->h_slot,    s->h_blk,    s->h_nf};
     for (size_t i = 0; i < K3_ARRAY_LEN(hosts); i++) k3_free(hosts[i]);
     k3_free(s->vec);
     if (s->own_be) k3_backend_destroy(s->be);
@@ -440,8 +438,8 @@ static k3_status pools_resize(k3_stage *s, int n_slots, int n_blocks, int max_bl
     if (n_slots > os || s->max_blocks > omb || !s->step_dev) {
         K3_TRY(hregrow(&s->h_blk, 0, (size_t)s->n_slots * (size_t)s->max_blocks * sizeof(int32_t),
                        "block tables (host)"));
-        s->step_ints = k3_seqs_floats(s->n_slots, s->max_blocks) + (size_t)s->n_slots +
-                       (size_t)s->T_max;
+        s->step_ints =
+            k3_seqs_floats(s->n_slots, s->max_blocks) + (size_t)s->n_slots + (size_t)s->T_max;
         K3_TRY(hregrow(&s->step_host, 0, s->step_ints * sizeof(int32_t), "step buffer (host)"));
         k3_backend_free(s->be, s->step_dev);
         s->step_dev = NULL;
@@ -455,8 +453,8 @@ static k3_status pools_resize(k3_stage *s, int n_slots, int n_blocks, int max_bl
         s->max_ctx = max_ctx;
     }
     if (n_slots > os && k3_activ_max_bank(c) > 0)
-        K3_TRY(regrow(s, &s->bank_sel, 1, 0,
-                      (int64_t)k3_activ_max_bank(c) * s->n_slots * s->D, "last-token bank rows"));
+        K3_TRY(regrow(s, &s->bank_sel, 1, 0, (int64_t)k3_activ_max_bank(c) * s->n_slots * s->D,
+                      "last-token bank rows"));
     return K3_OK;
 }
 
@@ -470,8 +468,7 @@ static k3_status pools_create(k3_stage *s) {
         p->kv_cache_tokens > 0 ? p->kv_cache_tokens : (int64_t)p->max_seqs * p->max_ctx;
     if (blocks_of(cache_tokens) < 1 || cache_tokens / K3_KV_BLOCK > INT32_MAX / 2)
         return K3_ERR(K3_ERR_ARG, "stage: kv_cache_tokens %lld", (long long)cache_tokens);
-    return pools_resize(s, p->max_seqs, blocks_of(cache_tokens), blocks_of(p->max_ctx),
-                        p->max_ctx);
+    return pools_resize(s, p->max_seqs, blocks_of(cache_tokens), blocks_of(p->max_ctx), p->max_ctx);
 }
 
 void k3_stage_cache_usage(const k3_stage *s, int *free_blocks, int *total_blocks) {
@@ -499,8 +496,8 @@ k3_status k3_seq_state_create(const k3_stage *cs, int64_t max_ctx, k3_seq_state 
     st->s = s;
     st->slot = slot;
     st->max_ctx = max_ctx;
-    k3_status e = hbuf(&st->blk, (size_t)K3_MAX(blocks_of(max_ctx), 1) * sizeof(int32_t),
-                       "block table");
+    k3_status e =
+        hbuf(&st->blk, (size_t)K3_MAX(blocks_of(max_ctx), 1) * sizeof(int32_t), "block table");
     if (e == K3_OK) {
         s->slot_used[slot] = true;
         e = k3_seq_state_reset(st);
@@ -535,7 +532,8 @@ k3_status k3_seq_state_reset(k3_seq_state *st) {
         K3_TRY(be->ops->fill(be, s->conv_pool + (size_t)st->slot * (size_t)s->conv_slot,
                              s->conv_slot, 0.0f));
     if (s->S_slot > 0)
-        K3_TRY(be->ops->fill(be, s->S_pool + (size_t)st->slot * (size_t)s->S_slot, s->S_slot, 0.0f));
+        K3_TRY(
+            be->ops->fill(be, s->S_pool + (size_t)st->slot * (size_t)s->S_slot, s->S_slot, 0.0f));
     st->pos = 0;
     return K3_OK;
 }
@@ -548,8 +546,8 @@ int64_t k3_seq_state_max_ctx(const k3_seq_state *st) {
 }
 size_t k3_seq_state_bytes(const k3_seq_state *st) {
     const k3_stage *s = st->s;
-    return (size_t)(s->conv_slot + s->S_slot + (int64_t)blocks_of(st->max_ctx) * s->n_mla *
-                                                   kv_block_floats(s)) *
+    return (size_t)(s->conv_slot + s->S_slot +
+                    (int64_t)blocks_of(st->max_ctx) * s->n_mla * kv_block_floats(s)) *
            sizeof(float);
 }
 
@@ -711,8 +709,8 @@ static k3_status take_blocks(k3_stage *s, const k3_batch *b) {
             return K3_ERR(K3_ERR_NOMEM,
                           "forward: the paged MLA cache is full: sequence %d (%lld + %d tokens) "
                           "would take block %d of %d (%d tokens each, --kv-cache-tokens)",
-                          i, (long long)st->pos, b->n_tokens[i],
-                          s->n_blocks - s->n_free + need, s->n_blocks, K3_KV_BLOCK);
+                          i, (long long)st->pos, b->n_tokens[i], s->n_blocks - s->n_free + need,
+                          s->n_blocks, K3_KV_BLOCK);
     }
     for (int i = 0; i < b->n_seqs; i++) {
         k3_seq_state *st = b->states[i];
@@ -768,7 +766,8 @@ k3_status k3_stage_forward(k3_stage *s, const k3_batch *b, k3_activ *act, bool a
     const int64_t D = s->D;
     int64_t T = 0;
     K3_TRY(check_batch(s, b, act, &T));
-    if (s->p.last && !logits) return K3_ERR(K3_ERR_ARG, "forward: last stage needs a logits buffer");
+    if (s->p.last && !logits)
+        return K3_ERR(K3_ERR_ARG, "forward: last stage needs a logits buffer");
     const bool res = c->attn_res_block_size > 0, nf = b->nonfinite != NULL;
     const float eps = c->rms_norm_eps;
     k3_seqs sq;
@@ -776,7 +775,8 @@ k3_status k3_stage_forward(k3_stage *s, const k3_batch *b, k3_activ *act, bool a
     K3_TRY(upload_step(s, b, T, &sq, &flags, &ids));
 #define NF_CHECK(y, layer, op)                                                                     \
     do {                                                                                           \
-        if (nf) K3_TRY(ops->nonfinite_rows(be, &sq, (y), D, false, k3_nf_code((layer), (op)), flags)); \
+        if (nf)                                                                                    \
+            K3_TRY(ops->nonfinite_rows(be, &sq, (y), D, false, k3_nf_code((layer), (op)), flags)); \
     } while (0)
 
     if (s->p.first) {

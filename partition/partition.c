@@ -478,10 +478,10 @@ static k3_status fill_mem(k3_plan *p, const k3_config *c, const k3_plan_req *r,
                 uint64_t mla, kconv, krec;
                 k3_plan_seq_bytes(c, lb, le, r->max_ctx, &mla, &kconv, &krec);
                 /* the paged cache: its blocks, however many sequences share them */
-                const uint64_t kvt = r->kv_cache_tokens > 0 ? (uint64_t)r->kv_cache_tokens
-                                                            : u_mul(&co, CTX, SEQS);
-                m->mla_cache = u_mul(
-                    &co, per_tok, (kvt + K3_KV_BLOCK - 1) / K3_KV_BLOCK * (uint64_t)K3_KV_BLOCK);
+                const uint64_t kvt =
+                    r->kv_cache_tokens > 0 ? (uint64_t)r->kv_cache_tokens : u_mul(&co, CTX, SEQS);
+                m->mla_cache = u_mul(&co, per_tok,
+                                     (kvt + K3_KV_BLOCK - 1) / K3_KV_BLOCK * (uint64_t)K3_KV_BLOCK);
                 m->kda_state = u_mul(&co, kconv + krec, SEQS);
                 m->caches = u_add(&co, m->mla_cache, m->kda_state);
             }

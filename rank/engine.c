@@ -19,7 +19,8 @@ int k3_engine_open(const k3_engine_opts *o, k3_engine **out) {
     r->stage = r->lane = -1;
     k3_comm_world(&r->rank, &r->world);
     rank_hooks_parse(r);
-    int rc = rank_setup(r);
+    int rc = rank_opstats_agree(r); /* --op-stats needs a backend that counts */
+    if (!rc) rc = rank_setup(r);
     if (rc) {
         k3_free(r->where);
         k3_plan_free(&r->plan);
@@ -85,6 +86,7 @@ int k3_engine_open(const k3_engine_opts *o, k3_engine **out) {
                     (unsigned long long)plan_sum);
     }
     if (r->worker) rank_worker_init(r);
+    if (r->worker) rank_opstats_init(r);
     if (r->coord) rank_coord_init(r);
     RTRY(r, k3_comm_barrier(r->comm));
     rank_load_drain(r);
@@ -223,7 +225,11 @@ void k3_engine_close(k3_engine *e, k3_engine_stats *final) {
                     r->n_forward, (unsigned long long)cs.dispatch_rows,
                     (unsigned long long)cs.combine_rows);
     }
-    if (final && r->coord) k3_engine_get_stats(e, final);
+    const int ops_rc = rank_opstats_write(r); /* collective with --op-stats; rank 0 writes */
+    if (final && r->coord) {
+        k3_engine_get_stats(e, final);
+        final->op_stats_rc = ops_rc;
+    }
     RTRY(r, k3_comm_flush(r->comm));
     RTRY(r, k3_comm_barrier(r->comm));
     if (r->coord) rank_coord_destroy(r);

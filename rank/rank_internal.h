@@ -124,10 +124,10 @@ typedef struct rank_ctx {
     int n_reqs, cap_reqs;
     int64_t next_id;
     req_run **slot_req; /* [E * max_seqs] the running request in each (lane, slot) */
-    int kv_blocks;       /* paged cache blocks of every stage of a lane (--kv-cache-tokens) */
-    int *lane_blk_free;  /* [E] blocks not reserved by a running request */
-    int32_t *pend_free;  /* [E * max_seqs] slots ended since the lane's last step */
-    int *n_pend_free;    /* [E] */
+    int kv_blocks;      /* paged cache blocks of every stage of a lane (--kv-cache-tokens) */
+    int *lane_blk_free; /* [E] blocks not reserved by a running request */
+    int32_t *pend_free; /* [E * max_seqs] slots ended since the lane's last step */
+    int *n_pend_free;   /* [E] */
     int32_t *meta;      /* message meta scratch */
     int64_t meta_cap;
     float *row; /* [V] scratch (logprobs) */

@@ -372,8 +372,8 @@ static bool send_step(rank_ctx *r, int g) {
             r->prompt_tokens += K3_MAX(0, K3_MIN(q->fed, q->P) - (q->fed - q->n_tok_step));
         }
         rank_post_step(r, k3_plan_rank(&r->plan, 0, e), K3_MSG_BATCH,
-                       (k3_wire_step){.T = T, .n_meta = (int32_t)(META_PREFIX(ns, nf) + T)},
-                       mt, NULL, 0);
+                       (k3_wire_step){.T = T, .n_meta = (int32_t)(META_PREFIX(ns, nf) + T)}, mt,
+                       NULL, 0);
     }
     return true;
 }

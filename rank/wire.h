@@ -2,13 +2,11 @@
  * behind its own versioned header, so comm knows nothing of steps, tokens or the AttnRes bank).
  *
  * BATCH, ACTIV, LOGITS: one k3_wire_step, then int32 meta[n_meta] =
- *   [group, step, all_logits, n_seqs, n_free, (slot, n_tokens, flags) x n_seqs, freed slot x n_free,
- *    (BATCH) token ids x T | (ACTIV, LOGITS) busy us x S];
- *   f32 = ACTIV: h [T, D] | bank [n_bank, T, D]; LOGITS: [R, V]; BATCH: none.
- * PROGRESS: one k3_wire_progress (the load heartbeat: workers -> rank 0, rank 0 -> every worker).
- * STOP: no payload.
- * Bump K3_WIRE_VERSION on any change of these layouts; a receiver refuses another version,
- * naming the sender. */
+ *   [group, step, all_logits, n_seqs, n_free, (slot, n_tokens, flags) x n_seqs, freed slot x
+ * n_free, (BATCH) token ids x T | (ACTIV, LOGITS) busy us x S]; f32 = ACTIV: h [T, D] | bank
+ * [n_bank, T, D]; LOGITS: [R, V]; BATCH: none. PROGRESS: one k3_wire_progress (the load heartbeat:
+ * workers -> rank 0, rank 0 -> every worker). STOP: no payload. Bump K3_WIRE_VERSION on any change
+ * of these layouts; a receiver refuses another version, naming the sender. */
 #ifndef K3_RANK_WIRE_H
 #define K3_RANK_WIRE_H
 
@@ -60,7 +58,8 @@ _Static_assert(sizeof(k3_wire_progress) == 32 && offsetof(k3_wire_progress, done
 /* Sequence flags. OPEN: a new sequence starts in this slot (the worker resets the slot's caches;
  * this is how workers learn of sequences — there is no separate message, so an OPEN can never
  * overtake or trail the step it belongs to). WANT: its last row of the step is sampled (the
- * last stage returns it). A sequence that ends is named in the next step's freed slots (META_PREFIX). */
+ * last stage returns it). A sequence that ends is named in the next step's freed slots
+ * (META_PREFIX). */
 #define K3_WIRE_WANT 1
 #define K3_WIRE_OPEN 2
 /* NF: a NaN/Inf appeared in the sequence's activations in this step; the bits from

@@ -310,7 +310,8 @@ static void norm_rows_task(void *ctx, int64_t t) {
 k3_status k3_cpu_rmsnorm_rows(k3_backend *be, const float *x, int64_t xs, const float *w, int64_t T,
                               int64_t n, float eps, float *y, int64_t ys) {
     if (T * n < K3_CPU_PAR_MIN_MACS) return k3_ref_rmsnorm_rows(be, x, xs, w, T, n, eps, y, ys);
-    if (xs < n || ys < n) return k3_ref_rmsnorm_rows(be, x, xs, w, 0, n, eps, y, ys); /* the error */
+    if (xs < n || ys < n)
+        return k3_ref_rmsnorm_rows(be, x, xs, w, 0, n, eps, y, ys); /* the error */
     norm_rows_job j = {x, w, xs, ys, n, eps, y};
     k3_pool_run(k3_cpu_pool(be), T, norm_rows_task, &j);
     return K3_OK;
@@ -603,21 +604,21 @@ static k3_status cpu_rows_wsum(k3_backend *be, const float *x, const float *w, c
 }
 
 /* ops whose bodies live in cpu_kda.c and cpu_attn.c */
-#define cpu_kda_recurrent          k3_cpu_kda_recurrent
-#define cpu_kda_chunked            k3_cpu_kda_chunked
-#define cpu_kda_gate               k3_cpu_kda_gate
-#define cpu_attn_latent            k3_cpu_attn_latent
-#define cpu_attn_latent_causal     k3_cpu_attn_latent_causal
+#define cpu_kda_recurrent      k3_cpu_kda_recurrent
+#define cpu_kda_chunked        k3_cpu_kda_chunked
+#define cpu_kda_gate           k3_cpu_kda_gate
+#define cpu_attn_latent        k3_cpu_attn_latent
+#define cpu_attn_latent_causal k3_cpu_attn_latent_causal
 /* the varlen ops (cpu_seqs.c, cpu_moe.c) */
-#define cpu_rmsnorm_rows k3_cpu_rmsnorm_rows
-#define cpu_matmul_heads k3_ref_matmul_heads /* per sequence: the cpu ops */
-#define cpu_kv_write k3_ref_kv_write /* per sequence: the cpu ops */
-#define cpu_attn_paged k3_cpu_attn_paged
-#define cpu_short_conv_seqs k3_ref_short_conv_seqs /* per sequence: the cpu ops */
-#define cpu_kda_seqs k3_cpu_kda_seqs
-#define cpu_nonfinite_rows k3_ref_nonfinite_rows /* per sequence: the cpu ops */
-#define cpu_rows_last k3_ref_rows_last /* per sequence: the cpu ops */
-#define cpu_moe_experts k3_cpu_moe_experts
+#define cpu_rmsnorm_rows           k3_cpu_rmsnorm_rows
+#define cpu_matmul_heads           k3_ref_matmul_heads /* per sequence: the cpu ops */
+#define cpu_kv_write               k3_ref_kv_write     /* per sequence: the cpu ops */
+#define cpu_attn_paged             k3_cpu_attn_paged
+#define cpu_short_conv_seqs        k3_ref_short_conv_seqs /* per sequence: the cpu ops */
+#define cpu_kda_seqs               k3_cpu_kda_seqs
+#define cpu_nonfinite_rows         k3_ref_nonfinite_rows /* per sequence: the cpu ops */
+#define cpu_rows_last              k3_ref_rows_last      /* per sequence: the cpu ops */
+#define cpu_moe_experts            k3_cpu_moe_experts
 #define CPU_OP(name, params, args) .name = cpu_##name,
 const k3_ops k3_cpu_ops = {K3_OP_LIST(CPU_OP)};
 #undef CPU_OP

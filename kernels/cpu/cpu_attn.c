@@ -196,9 +196,8 @@ k3_status k3_cpu_attn_paged(k3_backend *be, const k3_seqs *sq, const float *qc, 
     for (int s = 0; par && work && s < sq->n_seqs && s < PAGED_MAX_SPLIT; s++) {
         const int64_t t0 = sq->tok0[s], n = sq->tok0[s + 1] - t0, ctx = sq->pos[s] + n;
         if (n != 1 || ctx <= kern->attn_sb) continue;
-        if (attn_decode_split(be, qc + t0 * H * W, cache,
-                              sq->blocks + (int64_t)s * sq->max_blocks, ctx, H, W, Rkv, scale,
-                              o_lat + t0 * H * Rkv, work))
+        if (attn_decode_split(be, qc + t0 * H * W, cache, sq->blocks + (int64_t)s * sq->max_blocks,
+                              ctx, H, W, Rkv, scale, o_lat + t0 * H * Rkv, work))
             skip[s] = true, n_skip++;
     }
     if (n_skip == sq->n_seqs) return K3_OK;

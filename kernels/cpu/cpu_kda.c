@@ -166,8 +166,8 @@ k3_status k3_cpu_kda_seqs(k3_backend *be, const k3_seqs *sq, const float *q, con
                           const float *v, const float *g, const float *beta, int H, int dk, int dv,
                           float scale, float *S, int64_t S_stride, float *o, int C, float *work) {
     K3_TRY(k3_kernels_check_kda(dk, dv, C > 1 ? C : 1));
-    kda_seqs_job j = {k3_cpu_kern_of(be), sq, q, k, v, g, beta, H, dk, dv, C, scale, S, o,
-                      S_stride};
+    kda_seqs_job j = {
+        k3_cpu_kern_of(be), sq, q, k, v, g, beta, H, dk, dv, C, scale, S, o, S_stride};
     int64_t n_short = 0, macs = 0;
     for (int s = 0; s < sq->n_seqs; s++)
         if (kda_seq_short(&j, s)) {
@@ -192,9 +192,8 @@ k3_status k3_cpu_kda_seqs(k3_backend *be, const k3_seqs *sq, const float *q, con
                                       beta + t0 * H, n, H, dk, dv, scale, Si, o + t0 * svo, C,
                                       work));
         else
-            K3_TRY(k3_cpu_kda_recurrent(be, q + t0 * sqk, k + t0 * sqk, v + t0 * svo,
-                                        g + t0 * sqk, beta + t0 * H, n, H, dk, dv, scale, Si,
-                                        o + t0 * svo));
+            K3_TRY(k3_cpu_kda_recurrent(be, q + t0 * sqk, k + t0 * sqk, v + t0 * svo, g + t0 * sqk,
+                                        beta + t0 * H, n, H, dk, dv, scale, Si, o + t0 * svo));
     }
     return K3_OK;
 }

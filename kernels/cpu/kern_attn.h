@@ -304,8 +304,8 @@ static void attn_rows(const float *qc, const float *cache, const int32_t *blk, i
  * query qc [H, W] over the superblock of keys from k0s of a context of n_ctx: o [h1 − h0, Rkv]
  * (o may be the running output when k0s = 0), m, l [h1 − h0]. attn_rows' bits once merged
  * (attn_merge) in superblock order and finished (attn_final). */
-static void attn_part(const float *qc, const float *cache, const int32_t *blk, int64_t n_ctx, int h0,
-                      int h1, int W, int Rkv, float scale, int64_t k0s, float *o, float *m,
+static void attn_part(const float *qc, const float *cache, const int32_t *blk, int64_t n_ctx,
+                      int h0, int h1, int W, int Rkv, float scale, int64_t k0s, float *o, float *m,
                       float *l) {
     float qt[ATT_QT_FLOATS], st[ATT_KB * ATT_ROWS], mm[ATT_ROWS], ll[ATT_ROWS];
     const float *qs[ATT_ROWS] = {0}; /* (initialised: gcc cannot see that R >= 1) */

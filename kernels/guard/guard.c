@@ -136,21 +136,21 @@ static k3_status g_download_async(k3_backend *be, void *dst, const void *src, si
     guard_close(be);
     return K3_OK;
 }
-static k3_status g_event_create(k3_backend *be, k3_event **out) {
+static k3_status g_event_create(k3_backend *be, k3_backend_event **out) {
     guard_event *ev;
     K3_TRY(k3_calloc((void **)&ev, sizeof *ev, "guard event"));
-    *out = (k3_event *)ev; /* opaque to callers; only this file looks inside */
+    *out = (k3_backend_event *)ev; /* opaque to callers; only this file looks inside */
     return K3_OK;
 }
-static k3_status g_event_record(k3_backend *be, k3_event *ev) {
+static k3_status g_event_record(k3_backend *be, k3_backend_event *ev) {
     ((guard_event *)ev)->n_records++;
     return K3_OK;
 }
-static k3_status g_event_sync(k3_backend *be, k3_event *ev) {
+static k3_status g_event_sync(k3_backend *be, k3_backend_event *ev) {
     count(&G(be)->stats.host_syncs, 1);
     return K3_OK;
 }
-static void g_event_destroy(k3_backend *be, k3_event *ev) {
+static void g_event_destroy(k3_backend *be, k3_backend_event *ev) {
     k3_free(ev);
 }
 static k3_status g_op_stats(const k3_backend *be, k3_op_stats *out) {

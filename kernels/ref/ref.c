@@ -334,8 +334,8 @@ k3_status k3_kernels_check_kda(int dk, int dv, int C) {
 }
 
 /* ---- latent attention --------------------------------------------------------------------- */
-void k3_ref_attn_latent_head(const float *qc, const float *cache, const int32_t *blk,
-                             int64_t n_ctx, int W, int Rkv, float scale, float *o, float *work) {
+void k3_ref_attn_latent_head(const float *qc, const float *cache, const int32_t *blk, int64_t n_ctx,
+                             int W, int Rkv, float scale, float *o, float *work) {
     /* row j: contiguous, or row j % K3_KV_BLOCK of page blk[j / K3_KV_BLOCK] */
 #define REF_ROW(j)                                                                                 \
     (cache + (blk ? (int64_t)blk[(j) / K3_KV_BLOCK] * K3_KV_BLOCK + (j) % K3_KV_BLOCK : (j)) * W)
@@ -639,15 +639,15 @@ static k3_status ref_rows_wsum(k3_backend *be, const float *x, const float *w, c
 }
 
 /* the varlen ops (ref_seqs.c, ref_moe.c) */
-#define ref_rmsnorm_rows k3_ref_rmsnorm_rows
-#define ref_matmul_heads k3_ref_matmul_heads
-#define ref_kv_write k3_ref_kv_write
-#define ref_attn_paged k3_ref_attn_paged
-#define ref_short_conv_seqs k3_ref_short_conv_seqs
-#define ref_kda_seqs k3_ref_kda_seqs
-#define ref_nonfinite_rows k3_ref_nonfinite_rows
-#define ref_rows_last k3_ref_rows_last
-#define ref_moe_experts k3_ref_moe_experts
+#define ref_rmsnorm_rows           k3_ref_rmsnorm_rows
+#define ref_matmul_heads           k3_ref_matmul_heads
+#define ref_kv_write               k3_ref_kv_write
+#define ref_attn_paged             k3_ref_attn_paged
+#define ref_short_conv_seqs        k3_ref_short_conv_seqs
+#define ref_kda_seqs               k3_ref_kda_seqs
+#define ref_nonfinite_rows         k3_ref_nonfinite_rows
+#define ref_rows_last              k3_ref_rows_last
+#define ref_moe_experts            k3_ref_moe_experts
 #define REF_OP(name, params, args) .name = ref_##name,
 const k3_ops k3_ref_ops = {K3_OP_LIST(REF_OP)};
 #undef REF_OP

@@ -20,7 +20,8 @@ k3_status k3_ref_rmsnorm_rows(k3_backend *be, const float *x, int64_t xs, const 
     if (xs < n || ys < n)
         return K3_ERR(K3_ERR_ARG, "rmsnorm_rows: strides %lld, %lld < row %lld", (long long)xs,
                       (long long)ys, (long long)n);
-    for (int64_t t = 0; t < T; t++) K3_TRY(k3_ref_ops.rmsnorm(be, x + t * xs, w, 1, n, eps, y + t * ys));
+    for (int64_t t = 0; t < T; t++)
+        K3_TRY(k3_ref_ops.rmsnorm(be, x + t * xs, w, 1, n, eps, y + t * ys));
     return K3_OK;
 }
 
@@ -30,8 +31,9 @@ k3_status k3_ref_matmul_heads(k3_backend *be, const float *x, int64_t xt, int64_
                               bool trans, float *y, int64_t yt, int64_t yh, float *work) {
     if (W->ndim != 2 || H < 0 || T < 0 || nr < 1 || r0 < 0 ||
         (H > 0 && r0 + (int64_t)(H - 1) * rh + nr > W->shape[0]))
-        return K3_ERR(K3_ERR_SHAPE, "matmul_heads: %d heads of %lld rows from %lld (step %lld) of a "
-                                    "[%lld, %lld] weight",
+        return K3_ERR(K3_ERR_SHAPE,
+                      "matmul_heads: %d heads of %lld rows from %lld (step %lld) of a "
+                      "[%lld, %lld] weight",
                       H, (long long)nr, (long long)r0, (long long)rh, (long long)W->shape[0],
                       (long long)(W->ndim > 1 ? W->shape[1] : 0));
     if (T == 0) return K3_OK;

@@ -27,3 +27,6 @@ set_tests_properties(forward_invariance_avx2 PROPERTIES LABELS "unit" ENVIRONMEN
 k3_add_test_exe(test_guard ${CMAKE_CURRENT_LIST_DIR}/test_guard.c)
 add_test(NAME forward_guard COMMAND test_guard)
 set_tests_properties(forward_guard PROPERTIES LABELS "unit;sanitize" ENVIRONMENT "${K3_TEST_ENV}" TIMEOUT 300)
+k3_add_test_exe(test_paged ${CMAKE_CURRENT_LIST_DIR}/test_paged.c)
+add_test(NAME forward_paged COMMAND test_paged)
+set_tests_properties(forward_paged PROPERTIES LABELS "unit;sanitize" ENVIRONMENT "${K3_TEST_ENV}" TIMEOUT 300)

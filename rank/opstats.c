@@ -1,0 +1,184 @@
+/* opstats.c — `--op-stats FILE.json`: what each worker rank's backend did per forward step.
+ *
+ * Owns: the per-step difference of the backend's counters (k3_op_stats: op calls by op, host
+ * syncs, host<->device bytes), summed by phase in rank_ctx.ops_phase, the gather of every worker
+ * rank's sums at close and the JSON file rank 0 writes. Does not own: the counting itself (the
+ * backends: guard, cuda) nor the step (worker.c calls begin / end around all of it, so the logits
+ * and activation downloads after the forward are in the step).
+ * Phases: decode = every sequence one token, prefill = some sequence more (a step that mixes
+ * decode rows and prefill chunks is prefill), idle = no sequence of the lane (it serves its
+ * experts). Reading the counters is no host sync and counts nothing.
+ * File: {"backend", "world", "pp", "ep", "stages": [{"rank", "stage", "lane", "layers": [begin,
+ * end), "decode" | "prefill" | "idle": {"steps", "ops_per_step", "host_syncs_per_step",
+ * "host_syncs_max_per_step", "host_device_bytes_per_step", "h2d_bytes_per_step",
+ * "d2h_bytes_per_step", "ops": {op: calls per step, only ops called}}}], and with one worker
+ * rank its "decode", "prefill", "idle" also at the top level}. Per-step values are averages over
+ * the phase's steps (numbers with decimals where they are not integers). */
+#include "rank_internal.h"
+
+#include <cjson/cJSON.h>
+#include <errno.h>
+#include <stdlib.h>
+
+static const char *const k_phase_name[RANK_OPS_PHASES] = {"decode", "prefill", "idle"};
+
+/* The backends that keep counters (k3_backend_op_stats): checked by name before anything is
+   created, so every rank refuses alike; rank_opstats_init checks the backend itself. */
+static bool backend_counts(const char *name) {
+    return name && (strcmp(name, "guard") == 0 || strcmp(name, "cuda") == 0);
+}
+
+int rank_opstats_agree(rank_ctx *r) {
+    const k3_engine_opts *o = r->o;
+    if (!o->op_stats) return 0;
+    const char *be = o->backend ? o->backend : "cpu";
+    int local = backend_counts(be) ? 0 : 1, worst = local;
+    if (k3_comm_world_max(local, &worst, o->comm_timeout_s > 0 ? o->comm_timeout_s : 600) != K3_OK)
+        rank_die(r, K3_ERR(K3_ERR_COMM, "--op-stats: the ranks could not agree on the backend"));
+    if (worst && r->rank == 0) {
+        char which[64];
+        snprintf(which, sizeof which, local ? "the %s backend" : "another rank's backend", be);
+        fprintf(stderr, "%s: --op-stats: %s keeps no op counters; use --backend guard (or cuda)\n",
+                rank_cmd_name(r), which);
+    }
+    return worst ? 2 : 0;
+}
+
+void rank_opstats_init(rank_ctx *r) {
+    if (!r->o->op_stats || !r->be) return;
+    if (k3_backend_op_stats(r->be, &r->ops_begin) != K3_OK) {
+        char why[256];
+        snprintf(why, sizeof why, "%s", k3_last_error());
+        rank_die(r, K3_ERR(K3_ERR_ARG, "--op-stats: %s; use --backend guard (or cuda)", why));
+    }
+}
+
+void rank_opstats_begin(rank_ctx *r) {
+    if (!r->o->op_stats) return;
+    RTRY(r, k3_backend_op_stats(r->be, &r->ops_begin));
+}
+
+void rank_opstats_end(rank_ctx *r, int64_t T, int n_seqs) {
+    if (!r->o->op_stats) return;
+    k3_op_stats now;
+    RTRY(r, k3_backend_op_stats(r->be, &now));
+    const int ph = n_seqs == 0 ? RANK_OPS_IDLE : T > n_seqs ? RANK_OPS_PREFILL : RANK_OPS_DECODE;
+    k3_op_stats *sum = &r->ops_phase[ph].sum;
+    const k3_op_stats *b = &r->ops_begin;
+    for (int i = 0; i < K3_OP_COUNT; i++) sum->calls[i] += now.calls[i] - b->calls[i];
+    const uint64_t syncs = now.host_syncs - b->host_syncs;
+    sum->host_syncs += syncs;
+    sum->h2d_bytes += now.h2d_bytes - b->h2d_bytes;
+    sum->d2h_bytes += now.d2h_bytes - b->d2h_bytes;
+    r->ops_phase[ph].steps++;
+    r->ops_phase[ph].host_syncs_max = K3_MAX(r->ops_phase[ph].host_syncs_max, syncs);
+}
+
+/* ---- the gather and the file ------------------------------------------------------------------
+ */
+/* One rank's sums as it travels (u64 each): per phase steps, host_syncs_max, host_syncs,
+   h2d_bytes, d2h_bytes, calls[K3_OP_COUNT]. */
+#define PACK_PHASE (5 + K3_OP_COUNT)
+#define PACK_U64   (RANK_OPS_PHASES * PACK_PHASE)
+
+static void pack(const rank_ctx *r, uint64_t *p) {
+    for (int ph = 0; ph < RANK_OPS_PHASES; ph++, p += PACK_PHASE) {
+        const k3_op_stats *s = &r->ops_phase[ph].sum;
+        p[0] = r->ops_phase[ph].steps;
+        p[1] = r->ops_phase[ph].host_syncs_max;
+        p[2] = s->host_syncs;
+        p[3] = s->h2d_bytes;
+        p[4] = s->d2h_bytes;
+        memcpy(p + 5, s->calls, sizeof s->calls);
+    }
+}
+
+static cJSON *phase_json(const uint64_t *p) {
+    cJSON *o = cJSON_CreateObject();
+    const double n = (double)p[0], d = n > 0 ? n : 1;
+    uint64_t ops = 0;
+    for (int i = 0; i < K3_OP_COUNT; i++) ops += p[5 + i];
+    cJSON_AddNumberToObject(o, "steps", n);
+    cJSON_AddNumberToObject(o, "ops_per_step", (double)ops / d);
+    cJSON_AddNumberToObject(o, "host_syncs_per_step", (double)p[2] / d);
+    cJSON_AddNumberToObject(o, "host_syncs_max_per_step", (double)p[1]);
+    cJSON_AddNumberToObject(o, "host_device_bytes_per_step", (double)(p[3] + p[4]) / d);
+    cJSON_AddNumberToObject(o, "h2d_bytes_per_step", (double)p[3] / d);
+    cJSON_AddNumberToObject(o, "d2h_bytes_per_step", (double)p[4] / d);
+    cJSON *by = cJSON_AddObjectToObject(o, "ops");
+    for (int i = 0; i < K3_OP_COUNT; i++)
+        if (p[5 + i]) cJSON_AddNumberToObject(by, k3_op_name(i), (double)p[5 + i] / d);
+    return o;
+}
+
+/* Rank 0: the file from every worker rank's pack (all [world, PACK_U64]). */
+static int write_file(rank_ctx *r, const uint64_t *all) {
+    const char *path = r->o->op_stats;
+    cJSON *root = cJSON_CreateObject();
+    cJSON_AddStringToObject(root, "backend", r->o->backend ? r->o->backend : "cpu");
+    cJSON_AddNumberToObject(root, "world", r->world);
+    cJSON_AddNumberToObject(root, "pp", r->plan.n_stages);
+    cJSON_AddNumberToObject(root, "ep", r->plan.n_lanes);
+    cJSON *st = cJSON_AddArrayToObject(root, "stages");
+    int n_entries = 0, only = -1;
+    for (int w = 0; w < r->world; w++) {
+        int s = -1, e = -1;
+        if (!k3_plan_coords(&r->plan, w, &s, &e)) continue;
+        const uint64_t *p = all + (size_t)w * PACK_U64;
+        cJSON *it = cJSON_CreateObject();
+        cJSON_AddNumberToObject(it, "rank", w);
+        cJSON_AddNumberToObject(it, "stage", s);
+        cJSON_AddNumberToObject(it, "lane", e);
+        cJSON *ly = cJSON_AddArrayToObject(it, "layers");
+        cJSON_AddItemToArray(ly, cJSON_CreateNumber(r->plan.stage_begin[s]));
+        cJSON_AddItemToArray(ly, cJSON_CreateNumber(r->plan.stage_begin[s + 1]));
+        for (int ph = 0; ph < RANK_OPS_PHASES; ph++)
+            cJSON_AddItemToObject(it, k_phase_name[ph], phase_json(p + ph * PACK_PHASE));
+        cJSON_AddItemToArray(st, it);
+        n_entries++;
+        only = w;
+    }
+    if (n_entries == 1) /* a one-rank run: `jq .decode.ops_per_step` */
+        for (int ph = 0; ph < RANK_OPS_PHASES; ph++)
+            cJSON_AddItemToObject(root, k_phase_name[ph],
+                                  phase_json(all + (size_t)only * PACK_U64 + ph * PACK_PHASE));
+    char *txt = cJSON_Print(root);
+    cJSON_Delete(root);
+    int rc = 0;
+    FILE *f = txt ? fopen(path, "w") : NULL;
+    if (!txt) {
+        fprintf(stderr, "%s: --op-stats %s: out of memory\n", rank_cmd_name(r), path);
+        rc = 1;
+    } else if (!f) {
+        fprintf(stderr, "%s: --op-stats %s: %s\n", rank_cmd_name(r), path, strerror(errno));
+        rc = 1;
+    } else {
+        bool ok = fputs(txt, f) >= 0 && fputc('\n', f) != EOF;
+        if (fclose(f) != 0 || !ok) {
+            fprintf(stderr, "%s: --op-stats %s: write failed\n", rank_cmd_name(r), path);
+            rc = 1;
+        }
+    }
+    cJSON_free(txt);
+    if (rc == 0) K3_LOGI("op stats of %d worker rank(s) written to %s", n_entries, path);
+    return rc;
+}
+
+int rank_opstats_write(rank_ctx *r) {
+    if (!r->o->op_stats) return 0;
+    /* every worker rank in turn broadcasts its sums (a gather on the helpers comm/ has; at
+       close, a few KB a rank); rank 0 keeps them all */
+    uint64_t *all = NULL, mine[PACK_U64], scratch[PACK_U64];
+    if (r->rank == 0)
+        RTRY(r, k3_calloc((void **)&all, (size_t)r->world * sizeof mine, "op stats of every rank"));
+    pack(r, mine);
+    for (int w = 0; w < r->world; w++) {
+        if (!k3_plan_coords(&r->plan, w, NULL, NULL)) continue;
+        uint64_t *buf = r->rank == 0 ? all + (size_t)w * PACK_U64 : scratch;
+        if (w == r->rank) memcpy(buf, mine, sizeof mine);
+        RTRY(r, k3_comm_bcast(r->comm, w, buf, sizeof mine));
+    }
+    int rc = r->rank == 0 ? write_file(r, all) : 0;
+    k3_free(all);
+    return rc;
+}
