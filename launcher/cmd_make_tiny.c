@@ -1,4 +1,4 @@
-/* cmd_make_tiny.c — `k3 make-tiny DIR [--preset tiny|small] [--seed N]`.
+/* cmd_make_tiny.c — `k3 make-tiny DIR [--preset tiny|small|deep] [--seed N]`.
  *
  * Writes a deterministic random K3 checkpoint in the real layout (config.json, safetensors index
  * and shards, MXFP4 experts, tiktoken.model + tokenizer_config.json). model/make_tiny.c does the
@@ -10,7 +10,8 @@
 #include <stdio.h>
 
 static const k3_flag flags[] = {
-    {"preset", K3_FLAG_STR, "NAME", "tiny", "tiny (tests, demo) or small (CPU benchmarks)"},
+    {"preset", K3_FLAG_STR, "NAME", "tiny",
+     "tiny (tests, demo), small (CPU benchmarks) or deep (tiny widths, K3's 93 layers)"},
     {"seed", K3_FLAG_INT, "N", "1", "weights seed; same seed -> byte-identical files"},
 };
 
@@ -18,7 +19,7 @@ static int run_make_tiny(const k3_args *a) {
     const char *dir = a->pos[0];
     k3_preset p;
     if (k3_preset_parse(k3_args_str(a, "preset"), &p) != K3_OK || p == K3_PRESET_K3) {
-        fprintf(stderr, "k3 make-tiny: --preset: '%s' is not tiny or small\n",
+        fprintf(stderr, "k3 make-tiny: --preset: '%s' is not tiny, small or deep\n",
                 k3_args_str(a, "preset"));
         return 2;
     }
@@ -43,7 +44,7 @@ const k3_command k3_cmd_make_tiny = {
     .positional = "DIR",
     .min_pos = 1,
     .max_pos = 1,
-    .summary = "write a deterministic random K3 checkpoint (tiny or small preset)",
+    .summary = "write a deterministic random K3 checkpoint (tiny, small or deep preset)",
     .flags = flags,
     .n_flags = (int)K3_ARRAY_LEN(flags),
     .run = run_make_tiny,

@@ -610,6 +610,16 @@ void k3_preset_config(k3_preset p, k3_config *c) {
     c->experts_mxfp4 = true;
     c->kda_conv_kernel = 4;
     c->max_position_embeddings = 1048576; /* K3's (spec §6.1); the tiny and small say the same */
+    if (p == K3_PRESET_DEEP) {            /* the tiny's widths, below; K3's layer schedule */
+        k3_preset_config(K3_PRESET_TINY, c);
+        c->n_layers = 93;
+        c->attn_res_block_size = 12;
+        int mla[24];
+        for (int i = 0; i < 23; i++) mla[i] = 4 * (i + 1);
+        mla[23] = 93;
+        set_mla_layers(c, mla, 24);
+        return;
+    }
     if (p == K3_PRESET_K3) {
         c->vocab_size = 163840;
         c->hidden_size = 7168;
@@ -701,8 +711,11 @@ k3_status k3_preset_parse(const char *name, k3_preset *out) {
         *out = K3_PRESET_SMALL;
     else if (name && strcmp(name, "k3") == 0)
         *out = K3_PRESET_K3;
+    else if (name && strcmp(name, "deep") == 0)
+        *out = K3_PRESET_DEEP;
     else
-        return K3_ERR(K3_ERR_ARG, "unknown preset '%s' (tiny, small or k3)", name ? name : "");
+        return K3_ERR(K3_ERR_ARG, "unknown preset '%s' (tiny, small, deep or k3)",
+                      name ? name : "");
     return K3_OK;
 }
 

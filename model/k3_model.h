@@ -336,7 +336,9 @@ uint64_t k3_weights_bytes(const k3_weights *w);
 void k3_weights_destroy(k3_weights *w);
 
 /* ---- the tiny / small checkpoint writer --------------------------------------------------- */
-typedef enum { K3_PRESET_TINY = 0, K3_PRESET_SMALL, K3_PRESET_K3 } k3_preset;
+/* DEEP: the tiny's widths with K3's 93-layer schedule (MLA every 4th layer and the last, AttnRes
+ * blocks of 12, the first layer dense): counts of ops and syncs per step at the real depth. */
+typedef enum { K3_PRESET_TINY = 0, K3_PRESET_SMALL, K3_PRESET_K3, K3_PRESET_DEEP } k3_preset;
 k3_status k3_preset_parse(const char *name, k3_preset *out);
 /* The config of a preset (K3_PRESET_K3 is the real Kimi-K3). */
 void k3_preset_config(k3_preset p, k3_config *out);

@@ -246,8 +246,9 @@ static k3_status write_tokenizer(const char *dir, const k3_config *c) {
 }
 
 k3_status k3_make_tiny(const char *dir, k3_preset p, uint64_t seed) {
-    if (p != K3_PRESET_TINY && p != K3_PRESET_SMALL)
-        return K3_ERR(K3_ERR_ARG, "make-tiny: only the tiny and small presets can be generated");
+    if (p == K3_PRESET_K3)
+        return K3_ERR(K3_ERR_ARG,
+                      "make-tiny: only the tiny, small and deep presets can be generated");
     if (mkdir(dir, 0755) != 0 && errno != EEXIST)
         return K3_ERR(K3_ERR_IO, "%s: cannot create the directory: %s", dir, strerror(errno));
     k3_config c;

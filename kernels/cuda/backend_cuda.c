@@ -1,17 +1,32 @@
 /* backend_cuda.c — the cuda backend object: device memory (alloc, free, upload, download,
- * synchronise, free/total memory through the CUDA runtime), one stream per backend, and the op
- * table. Built only with K3_CUDA. Each op makes the same argument checks as kernels/ref (the
- * shared k3_kernels_check_* functions), then enqueues its kernel(s) on the backend's stream
- * (the .cu files of kernels/cuda through cuda_launch.h) and returns without waiting, with two
- * exceptions whose contract returns a host-visible verdict: moe_topk (K3_ERR_INTERNAL naming a
- * non-finite score) and embed_rows (K3_ERR_ARG naming an out-of-range id) read back one 8-byte
- * error word and so synchronise the stream. rows_gather / rows_scatter / rows_wsum take host index
+ * synchronise, free/total memory through the CUDA runtime), one stream per backend, stream-ordered
+ * copies and events (upload_async / download_async are cudaMemcpyAsync on the stream, events are
+ * cudaEvents recorded on it), the op counters (k3_op_stats) and the op table. Built only with
+ * K3_CUDA. Each op makes the same argument checks as kernels/ref (the shared k3_kernels_check_*
+ * functions), then enqueues its kernel(s) on the backend's stream (the .cu files of kernels/cuda
+ * through cuda_launch.h) and returns without waiting, with three exceptions whose contract
+ * returns a host-visible verdict: moe_topk (K3_ERR_INTERNAL naming a non-finite score),
+ * embed_rows (K3_ERR_ARG naming an out-of-range id) and moe_experts (K3_ERR_MISSING / K3_ERR_ARG
+ * naming the row whose expert is not on this rank or out of range) read back one 8-byte error
+ * word and so synchronise the stream. rows_gather / rows_scatter / rows_wsum take host index
  * arrays: they are staged through a pinned buffer into a device buffer on the stream (the host
  * waits only for the previous staging copy to finish before reusing the pinned buffer).
+ * The varlen ops (rmsnorm_rows, matmul_heads, kv_write, attn_paged, short_conv_seqs, kda_seqs,
+ * nonfinite_rows, rows_last, moe_experts) read the batch descriptor's arrays (k3_seqs) on the
+ * device; its host scalars size the grids, so each is one launch (kda_seqs two, moe_experts two
+ * per tile of rows after its check) however many sequences, heads and tokens the step mixes.
+ * moe_experts' expert table: the E experts' device pointers, built on the first call for a table
+ * of the caller (keyed by the w1 / w3 / w2 addresses, e_stride and E) and kept in the context; a
+ * spot check of its first and last present experts rebuilds it when those move, and every free
+ * drops the cache (weights are loaded once: a table is not expected to change in place).
+ * Counters (op_stats): calls by op (every op, as the caller calls it), host syncs (download,
+ * synchronize, event_sync, and the error-word reads above, which wait for the device too), bytes
+ * of upload(_async) and download(_async) (and the error words). Atomics: ops from several host
+ * threads count right.
  *
- * Owns: the stream, the error word, the staging buffers (in the backend's context), and the
- * device: local rank (OMPI_COMM_WORLD_LOCAL_RANK / SLURM_LOCALID / MPI_LOCALRANKID) modulo the
- * visible devices, made current on whichever host thread calls an op.
+ * Owns: the stream, the error word, the staging buffers, the expert tables and the counters (in
+ * the backend's context), and the device: local rank (OMPI_COMM_WORLD_LOCAL_RANK / SLURM_LOCALID /
+ * MPI_LOCALRANKID) modulo the visible devices, made current on whichever host thread calls an op.
  * Verified on host math only; device run pending (no GPU was available when this was written):
  * supports_op lists the ops implemented, which is not a claim that they ran on a device. */
 #include "k3_kernels.h"
@@ -20,12 +35,27 @@
 #include <cuda_runtime_api.h>
 #include <stdio.h>
 #include <stdlib.h>
+#include <string.h>
 
 #include "cuda_launch.h"
 
 _Static_assert(K3_DT_F32 == 0 && K3_DT_BF16 == 1 && K3_DT_F16 == 2 && K3_DT_MXFP4 == 6,
                "cuda_math.cuh K3C_DT_* mirror k3_dtype");
 _Static_assert(K3_MOE_TOPK_MAX_GROUPS == 1024, "cuda_math.cuh K3C_TOPK_MAX_GROUPS");
+_Static_assert(K3_KV_BLOCK == 64, "cuda_math.cuh K3C_KV_BLOCK");
+_Static_assert(K3_ATTN_MAX_W == 2048, "attn.cu K3C_ATTN_ACC holds Rkv <= 2048 per block");
+
+/* moe_experts' device table of one expert table of the caller (the key: its address, the other
+ * two matrices' addresses, the stride and E) */
+typedef struct moe_tab {
+    const void *w1, *w3, *w2;
+    size_t e_stride;
+    int E;
+    int e_first, e_last; /* the first and last present experts (-1: none): the spot check */
+    const void *d_first, *d_last; /* their w1 data when built */
+    int64_t I, Lw;                /* from the first present expert's w1 [I, Lw] */
+    k3c_expert *host, *dev;       /* [E] each */
+} moe_tab;
 
 typedef struct cu_ctx {
     int device; /* local rank % visible devices (comm_nccl.c maps ranks the same way) */
@@ -36,7 +66,14 @@ typedef struct cu_ctx {
     void *stage_dev;              /* their device copy */
     size_t stage_cap;             /* bytes of each */
     cudaEvent_t stage_done;       /* recorded after the last staging copy */
+    moe_tab *tabs;                /* moe_experts' expert tables [n_tabs] */
+    int n_tabs, cap_tabs;
+    k3_op_stats stats; /* updated with __atomic builtins only */
 } cu_ctx;
+
+static void count(uint64_t *c, uint64_t n) {
+    __atomic_fetch_add(c, n, __ATOMIC_RELAXED);
+}
 
 static cu_ctx *CTX(k3_backend *be) {
     return (cu_ctx *)be->ctx;
@@ -62,6 +99,14 @@ static k3_status cu_err(cudaError_t e, const char *file, int line, const char *w
         if (cu_e_ != cudaSuccess) return cu_err(cu_e_, __FILE__, __LINE__, #expr);                 \
     } while (0)
 
+static void tabs_drop(cu_ctx *c) {
+    for (int i = 0; i < c->n_tabs; i++) {
+        cudaFree(c->tabs[i].dev);
+        k3_free(c->tabs[i].host);
+    }
+    c->n_tabs = 0;
+}
+
 /* ---- memory -------------------------------------------------------------------------------- */
 static k3_status cu_alloc(k3_backend *be, size_t n, void **out) {
     (void)cu_stream(be); /* the backend's device is current: cudaMalloc allocates there */
@@ -73,27 +118,80 @@ static k3_status cu_alloc(k3_backend *be, size_t n, void **out) {
 static void cu_free(k3_backend *be, void *p) {
     if (!p) return;
     cudaStreamSynchronize(STREAM(be)); /* no kernel may still use it */
+    tabs_drop(CTX(be)); /* an expert table may point into it: rebuilt on the next use */
     cudaFree(p);
 }
 static k3_status cu_upload(k3_backend *be, void *dst, const void *src, size_t n) {
+    count(&CTX(be)->stats.h2d_bytes, n);
     CU_TRY(cudaMemcpyAsync(dst, src, n, cudaMemcpyHostToDevice, STREAM(be)));
     CU_TRY(cudaStreamSynchronize(STREAM(be))); /* the host may reuse src on return */
     return K3_OK;
 }
+/* a device -> host read the host waits for: a host sync */
 static k3_status cu_download(k3_backend *be, void *dst, const void *src, size_t n) {
+    count(&CTX(be)->stats.d2h_bytes, n);
+    count(&CTX(be)->stats.host_syncs, 1);
     CU_TRY(cudaMemcpyAsync(dst, src, n, cudaMemcpyDeviceToHost, STREAM(be)));
     CU_TRY(cudaStreamSynchronize(STREAM(be)));
     return K3_OK;
 }
 static k3_status cu_sync(k3_backend *be) {
+    count(&CTX(be)->stats.host_syncs, 1);
     CU_TRY(cudaStreamSynchronize(STREAM(be)));
     CU_TRY(cudaGetLastError());
     return K3_OK;
 }
+/* Stream-ordered copies: queued behind the ops before them; the host buffer must stay valid (and,
+   for a download, unread) until an event recorded after the copy has completed. Pageable host
+   memory makes the runtime stage the copy (it may then return later); pinned memory overlaps. A
+   download_async is no host sync by itself (the event_sync that waits for it is). */
+static k3_status cu_upload_async(k3_backend *be, void *dst, const void *src, size_t n) {
+    count(&CTX(be)->stats.h2d_bytes, n);
+    if (n) CU_TRY(cudaMemcpyAsync(dst, src, n, cudaMemcpyHostToDevice, STREAM(be)));
+    return K3_OK;
+}
+static k3_status cu_download_async(k3_backend *be, void *dst, const void *src, size_t n) {
+    count(&CTX(be)->stats.d2h_bytes, n);
+    if (n) CU_TRY(cudaMemcpyAsync(dst, src, n, cudaMemcpyDeviceToHost, STREAM(be)));
+    return K3_OK;
+}
+/* A k3_backend_event is a cudaEvent_t (itself an opaque pointer): no wrapper to allocate. */
+static k3_status cu_event_create(k3_backend *be, k3_backend_event **out) {
+    cudaEvent_t ev = NULL;
+    (void)cu_stream(be); /* the event belongs to the current device */
+    CU_TRY(cudaEventCreateWithFlags(&ev, cudaEventDisableTiming));
+    *out = (k3_backend_event *)ev;
+    return K3_OK;
+}
+static k3_status cu_event_record(k3_backend *be, k3_backend_event *ev) {
+    CU_TRY(cudaEventRecord((cudaEvent_t)ev, STREAM(be)));
+    return K3_OK;
+}
+static k3_status cu_event_sync(k3_backend *be, k3_backend_event *ev) {
+    count(&CTX(be)->stats.host_syncs, 1);
+    CU_TRY(cudaEventSynchronize((cudaEvent_t)ev));
+    return K3_OK;
+}
+static void cu_event_destroy(k3_backend *be, k3_backend_event *ev) {
+    (void)cu_stream(be);
+    if (ev) cudaEventDestroy((cudaEvent_t)ev);
+}
+static k3_status cu_op_stats(const k3_backend *be, k3_op_stats *out) {
+    const cu_ctx *c = be->ctx;
+    for (int i = 0; i < K3_OP_COUNT; i++)
+        out->calls[i] = __atomic_load_n(&c->stats.calls[i], __ATOMIC_RELAXED);
+    out->host_syncs = __atomic_load_n(&c->stats.host_syncs, __ATOMIC_RELAXED);
+    out->h2d_bytes = __atomic_load_n(&c->stats.h2d_bytes, __ATOMIC_RELAXED);
+    out->d2h_bytes = __atomic_load_n(&c->stats.d2h_bytes, __ATOMIC_RELAXED);
+    return K3_OK;
+}
 /* Every op of K3_OP_LIST has a kernel; weight dtypes as ref: matmul/matmul_tn F32/BF16/MXFP4,
- * to_f32 / embed_rows F32/BF16/F16. */
+ * to_f32 / embed_rows F32/BF16/F16, and the two varlen ops that take weights, matmul_heads and
+ * moe_experts, F32/BF16/MXFP4 as matmul (k3_op_takes does not list them yet). */
 static bool cu_supports(const k3_backend *be, int op, k3_dtype wt) {
     (void)be;
+    if (wt != K3_DT_COUNT && (op == K3_OP_matmul_heads || op == K3_OP_moe_experts))
+        return wt == K3_DT_F32 || wt == K3_DT_BF16 || wt == K3_DT_MXFP4;
     return k3_op_takes(op, wt); /* every op of the list is a kernel here */
 }
 static k3_status cu_memory(const k3_backend *be, size_t *fr, size_t *tot) {
@@ -113,6 +211,8 @@ static void cu_destroy(k3_backend *be) {
         cudaFreeHost(c->stage_host);
         if (c->stage_done) cudaEventDestroy(c->stage_done);
         if (c->stream) cudaStreamDestroy(c->stream);
+        tabs_drop(c);
+        k3_free(c->tabs);
         k3_free(c);
     }
     k3_free(be);
@@ -126,6 +226,13 @@ static const k3_backend_iface k_cuda_iface = {
     .supports_op = cu_supports,
     .memory = cu_memory,
     .destroy = cu_destroy,
+    .upload_async = cu_upload_async,
+    .download_async = cu_download_async,
+    .event_create = cu_event_create,
+    .event_record = cu_event_record,
+    .event_sync = cu_event_sync,
+    .event_destroy = cu_event_destroy,
+    .op_stats = cu_op_stats,
 };
 
 /* Copy a host array into the staging device buffer (stream-ordered); *dev points at it. */
@@ -159,6 +266,8 @@ static k3_status err_reset(k3_backend *be) {
 }
 static k3_status err_read(k3_backend *be, unsigned long long *v) {
     cu_ctx *c = CTX(be);
+    count(&c->stats.d2h_bytes, sizeof *v);
+    count(&c->stats.host_syncs, 1);
     CU_TRY(cudaMemcpyAsync(c->err_host, c->err_dev, sizeof *v, cudaMemcpyDeviceToHost, c->stream));
     CU_TRY(cudaStreamSynchronize(c->stream));
     *v = *c->err_host;
@@ -188,12 +297,12 @@ static k3_status cu_matmul_tn(k3_backend *be, const float *x, int64_t T, const k
 }
 static k3_status cu_rmsnorm(k3_backend *be, const float *x, const float *w, int64_t T, int64_t n,
                             float eps, float *y) {
-    CU_TRY(k3c_rownorm(STREAM(be), 0, x, w, T, n, eps, y));
+    CU_TRY(k3c_rownorm(STREAM(be), 0, x, n, w, T, n, eps, y, n));
     return K3_OK;
 }
 static k3_status cu_l2norm(k3_backend *be, const float *x, int64_t T, int64_t n, float eps,
                            float *y) {
-    CU_TRY(k3c_rownorm(STREAM(be), 1, x, NULL, T, n, eps, y));
+    CU_TRY(k3c_rownorm(STREAM(be), 1, x, n, NULL, T, n, eps, y, n));
     return K3_OK;
 }
 static k3_status cu_silu(k3_backend *be, const float *x, int64_t n, float *y) {
@@ -365,7 +474,288 @@ static k3_status cu_rows_wsum(k3_backend *be, const float *x, const float *w, co
     return K3_OK;
 }
 
-#define CU_FIELD(name, params, args) .name = cu_##name,
+/* ---- varlen ops (the batch descriptor's arrays are device memory; its scalars size grids) -- */
+static k3c_seqs cseqs(const k3_seqs *sq) {
+    k3c_seqs c = {sq->n_seqs, sq->max_blocks, sq->T,    sq->max_ctx, sq->max_new,
+                  sq->tok0,   sq->pos,        sq->slot, sq->blocks};
+    return c;
+}
+/* The descriptor checks of kernels/ref (ref_seqs.c). paged: a block table covering max_ctx (the
+   host's scalars bound every sequence's positions, so this needs no read of the arrays). */
+static k3_status check_seqs(const k3_seqs *sq, bool paged, const char *op) {
+    if (!sq || sq->n_seqs < 0 || sq->T < 0 ||
+        (sq->n_seqs > 0 && (!sq->tok0 || !sq->pos || !sq->slot)))
+        return K3_ERR(K3_ERR_ARG, "%s: no batch descriptor", op);
+    if (paged && sq->n_seqs > 0 && !sq->blocks)
+        return K3_ERR(K3_ERR_ARG, "%s: the descriptor has no block table", op);
+    if (paged && sq->T > 0 && (sq->max_ctx - 1) / K3_KV_BLOCK >= sq->max_blocks)
+        return K3_ERR(K3_ERR_ARG, "%s: position %lld past the %d blocks of a sequence", op,
+                      (long long)(sq->max_ctx - 1), sq->max_blocks);
+    return K3_OK;
+}
+
+static k3_status cu_rmsnorm_rows(k3_backend *be, const float *x, int64_t xs, const float *w,
+                                 int64_t T, int64_t n, float eps, float *y, int64_t ys) {
+    if (xs < n || ys < n || T < 0)
+        return K3_ERR(K3_ERR_ARG, "rmsnorm_rows: strides %lld, %lld < row %lld (%lld rows)",
+                      (long long)xs, (long long)ys, (long long)n, (long long)T);
+    CU_TRY(k3c_rownorm(STREAM(be), 0, x, xs, w, T, n, eps, y, ys));
+    return K3_OK;
+}
+/* One launch for all heads (grid.z = head): no use of work. */
+static k3_status cu_matmul_heads(k3_backend *be, const float *x, int64_t xt, int64_t xh, int64_t T,
+                                 int H, const k3_tensor *W, int64_t r0, int64_t rh, int64_t nr,
+                                 bool trans, float *y, int64_t yt, int64_t yh, float *work) {
+    (void)work;
+    if (W->ndim != 2 || H < 0 || T < 0 || nr < 1 || r0 < 0 || rh < 0 ||
+        (H > 0 && r0 + (int64_t)(H - 1) * rh + nr > W->shape[0]))
+        return K3_ERR(K3_ERR_SHAPE,
+                      "matmul_heads: %d heads of %lld rows from %lld (step %lld) of a "
+                      "[%lld, %lld] weight",
+                      H, (long long)nr, (long long)r0, (long long)rh, (long long)W->shape[0],
+                      (long long)(W->ndim > 1 ? W->shape[1] : 0));
+    K3_TRY(k3_kernels_check_weight(W, "matmul_heads"));
+    if (T == 0 || H == 0) return K3_OK;
+    k3_tensor v0; /* the view of row r0 on (data and scales offset by dtype) */
+    K3_TRY(k3_tensor_rows(W, r0, W->shape[0] - r0, &v0));
+    CU_TRY(k3c_matmul_heads(STREAM(be), (int)W->dtype, v0.data, v0.scale, nr, W->shape[1], rh, H, x,
+                            xt, xh, T, y, yt, yh, trans));
+    return K3_OK;
+}
+static k3_status cu_kv_write(k3_backend *be, const k3_seqs *sq, const float *src, int W,
+                             float *cache) {
+    K3_TRY(check_seqs(sq, true, "kv_write"));
+    if (W < 1) return K3_ERR(K3_ERR_ARG, "kv_write: rows of %d floats", W);
+    const k3c_seqs c = cseqs(sq);
+    CU_TRY(k3c_kv_write(STREAM(be), &c, src, W, cache));
+    return K3_OK;
+}
+/* One launch, no scratch (work is one query's worth; the kernel keeps scores in shared memory or
+   recomputes them): see attn.cu. */
+static k3_status cu_attn_paged(k3_backend *be, const k3_seqs *sq, const float *qc,
+                               const float *cache, int H, int W, int Rkv, float scale, float *o_lat,
+                               float *work) {
+    (void)work;
+    K3_TRY(check_seqs(sq, true, "attn_paged"));
+    K3_TRY(k3_kernels_check_attn("attn_paged", 0, sq->max_ctx, H, W, Rkv));
+    const k3c_seqs c = cseqs(sq);
+    CU_TRY(k3c_attn_paged(STREAM(be), &c, qc, cache, H, W, Rkv, scale, o_lat));
+    return K3_OK;
+}
+static k3_status cu_short_conv_seqs(k3_backend *be, const k3_seqs *sq, const float *in, int64_t P,
+                                    int K, const float *w, float *state, int64_t state_stride,
+                                    float *out) {
+    K3_TRY(check_seqs(sq, false, "short_conv_seqs"));
+    if (K < 1 || P < 0)
+        return K3_ERR(K3_ERR_ARG, "short_conv_seqs: %lld channels, kernel %d", (long long)P, K);
+    const k3c_seqs c = cseqs(sq);
+    CU_TRY(k3c_short_conv_seqs(STREAM(be), &c, in, P, K, w, state, state_stride, out));
+    return K3_OK;
+}
+static k3_status cu_kda_seqs(k3_backend *be, const k3_seqs *sq, const float *q, const float *k,
+                             const float *v, const float *g, const float *beta, int H, int dk,
+                             int dv, float scale, float *S, int64_t S_stride, float *o, int C,
+                             float *work) {
+    K3_TRY(check_seqs(sq, false, "kda_seqs"));
+    K3_TRY(k3_kernels_check_kda(dk, dv, C >= 2 ? C : 1));
+    const bool chunked = C >= 2 && sq->max_new >= C;
+    if (chunked && !work) return K3_ERR(K3_ERR_ARG, "kda_seqs: chunk %d needs its work", C);
+    const size_t wf = C >= 2 ? k3_kda_chunk_work_floats(C, dk, dv) : 0;
+    const k3c_seqs c = cseqs(sq);
+    CU_TRY(k3c_kda_seqs(STREAM(be), &c, q, k, v, g, beta, H, dk, dv, scale, S, S_stride, o, C, work,
+                        wf));
+    return K3_OK;
+}
+static k3_status cu_nonfinite_rows(k3_backend *be, const k3_seqs *sq, float *y, int64_t D,
+                                   bool per_seq, int32_t code, int32_t *flags) {
+    K3_TRY(check_seqs(sq, false, "nonfinite_rows"));
+    if (D < 0) return K3_ERR(K3_ERR_ARG, "nonfinite_rows: rows of %lld", (long long)D);
+    const k3c_seqs c = cseqs(sq);
+    CU_TRY(k3c_nonfinite_rows(STREAM(be), &c, y, D, per_seq, code, flags));
+    return K3_OK;
+}
+static k3_status cu_rows_last(k3_backend *be, const k3_seqs *sq, const float *src, int64_t slab,
+                              int n_slab, int64_t D, float *dst) {
+    K3_TRY(check_seqs(sq, false, "rows_last"));
+    if (n_slab < 0 || D < 0)
+        return K3_ERR(K3_ERR_ARG, "rows_last: %d slabs of rows of %lld", n_slab, (long long)D);
+    const k3c_seqs c = cseqs(sq);
+    CU_TRY(k3c_rows_last(STREAM(be), &c, src, slab, n_slab, D, dst));
+    return K3_OK;
+}
+
+/* ---- moe_experts ----------------------------------------------------------------------------- */
+static const k3_tensor *expert_mat(const k3_tensor *base, size_t e_stride, int e) {
+    return (const k3_tensor *)((const char *)base + (size_t)e * e_stride);
+}
+/* A matrix moe_experts can run: 2-D [rows, cols], F32/BF16/MXFP4 (MXFP4: cols % 32, scales). */
+static bool mat_ok(const k3_tensor *t, int64_t rows, int64_t cols) {
+    if (!t->data || t->ndim != 2 || t->shape[0] != rows || t->shape[1] != cols) return false;
+    if (t->dtype == K3_DT_MXFP4) return cols % 32 == 0 && t->scale;
+    return t->dtype == K3_DT_F32 || t->dtype == K3_DT_BF16;
+}
+/* The error naming what is wrong with expert e (a present expert whose table entry is bad). */
+static k3_status expert_error(const moe_tab *t, int e) {
+    const k3_tensor *m[3] = {expert_mat(t->w1, t->e_stride, e), expert_mat(t->w3, t->e_stride, e),
+                             expert_mat(t->w2, t->e_stride, e)};
+    const char *name[3] = {"w1", "w3", "w2"};
+    const int64_t rows[3] = {t->I, t->I, t->Lw}, cols[3] = {t->Lw, t->Lw, t->I};
+    for (int j = 0; j < 3; j++)
+        if (!mat_ok(m[j], rows[j], cols[j]))
+            return K3_ERR(K3_ERR_SHAPE,
+                          "moe_experts: expert %d: %s must be a 2-D [%lld, %lld] F32/BF16/MXFP4 "
+                          "matrix with its data (has %s [%lld, %lld]%s)",
+                          e, name[j], (long long)rows[j], (long long)cols[j],
+                          k3_dtype_name(m[j]->dtype), (long long)m[j]->shape[0],
+                          (long long)m[j]->shape[1], m[j]->data ? "" : ", no data");
+    return K3_ERR(K3_ERR_INTERNAL, "moe_experts: expert %d marked bad", e);
+}
+/* Build the device table of an expert table: every expert's three matrices (data NULL: not on
+   this rank; bad: present but not usable, named on use). */
+static k3_status tab_build(moe_tab *t) {
+    t->e_first = t->e_last = -1;
+    t->I = t->Lw = 0;
+    for (int e = 0; e < t->E; e++) {
+        const k3_tensor *w1 = expert_mat(t->w1, t->e_stride, e);
+        if (!w1->data || !expert_mat(t->w3, t->e_stride, e)->data ||
+            !expert_mat(t->w2, t->e_stride, e)->data)
+            continue;
+        if (t->e_first < 0) {
+            t->e_first = e;
+            t->I = w1->ndim == 2 ? w1->shape[0] : 0;
+            t->Lw = w1->ndim == 2 ? w1->shape[1] : 0;
+        }
+        t->e_last = e;
+    }
+    for (int e = 0; e < t->E; e++) {
+        const k3_tensor *m[3] = {expert_mat(t->w1, t->e_stride, e),
+                                 expert_mat(t->w3, t->e_stride, e),
+                                 expert_mat(t->w2, t->e_stride, e)};
+        k3c_expert *x = &t->host[e];
+        memset(x, 0, sizeof *x);
+        if (!m[0]->data || !m[1]->data || !m[2]->data) continue; /* not loaded here */
+        for (int j = 0; j < 3; j++) {
+            x->data[j] = m[j]->data;
+            x->scale[j] = m[j]->scale;
+            x->dt[j] = (int32_t)m[j]->dtype;
+        }
+        x->bad = !mat_ok(m[0], t->I, t->Lw) || !mat_ok(m[1], t->I, t->Lw) ||
+                 !mat_ok(m[2], t->Lw, t->I) || t->I < 1 || t->Lw < 1;
+    }
+    t->d_first = t->e_first >= 0 ? expert_mat(t->w1, t->e_stride, t->e_first)->data : NULL;
+    t->d_last = t->e_last >= 0 ? expert_mat(t->w1, t->e_stride, t->e_last)->data : NULL;
+    /* a new buffer no kernel uses yet, or (rebuild) the stream drained: a plain copy is ordered */
+    CU_TRY(cudaMemcpy(t->dev, t->host, (size_t)t->E * sizeof(k3c_expert), cudaMemcpyHostToDevice));
+    return K3_OK;
+}
+/* The cached device table of (w1, w3, w2, e_stride, E), built on first use. */
+static k3_status tab_get(k3_backend *be, const k3_tensor *w1, const k3_tensor *w3,
+                         const k3_tensor *w2, size_t e_stride, int E, moe_tab **out) {
+    cu_ctx *c = CTX(be);
+    (void)cu_stream(be);
+    for (int i = 0; i < c->n_tabs; i++) {
+        moe_tab *t = &c->tabs[i];
+        if (t->w1 != w1 || t->w3 != w3 || t->w2 != w2 || t->e_stride != e_stride || t->E != E)
+            continue;
+        const void *df = t->e_first >= 0 ? expert_mat(w1, e_stride, t->e_first)->data : NULL;
+        const void *dl = t->e_last >= 0 ? expert_mat(w1, e_stride, t->e_last)->data : NULL;
+        if (df != t->d_first || dl != t->d_last) { /* the table moved under its address */
+            CU_TRY(cudaStreamSynchronize(c->stream));
+            K3_TRY(tab_build(t));
+        }
+        *out = t;
+        return K3_OK;
+    }
+    if (c->n_tabs == c->cap_tabs) { /* grows on the first step (one table per MoE layer) */
+        int cap = c->cap_tabs ? 2 * c->cap_tabs : 16;
+        moe_tab *nt;
+        K3_TRY(k3_calloc((void **)&nt, (size_t)cap * sizeof *nt, "cuda expert tables"));
+        if (c->n_tabs) memcpy(nt, c->tabs, (size_t)c->n_tabs * sizeof *nt);
+        k3_free(c->tabs);
+        c->tabs = nt;
+        c->cap_tabs = cap;
+    }
+    moe_tab *t = &c->tabs[c->n_tabs];
+    memset(t, 0, sizeof *t);
+    t->w1 = w1, t->w3 = w3, t->w2 = w2, t->e_stride = e_stride, t->E = E;
+    K3_TRY(k3_calloc((void **)&t->host, (size_t)E * sizeof(k3c_expert), "cuda expert table"));
+    k3_status st = K3_OK;
+    cudaError_t e = cudaMalloc((void **)&t->dev, (size_t)E * sizeof(k3c_expert));
+    if (e != cudaSuccess) st = cu_err(e, __FILE__, __LINE__, "cudaMalloc(expert table)");
+    if (st == K3_OK) st = tab_build(t);
+    if (st != K3_OK) {
+        cudaFree(t->dev);
+        k3_free(t->host);
+        return st;
+    }
+    c->n_tabs++;
+    *out = t;
+    return K3_OK;
+}
+
+/* The ids are device memory: one check kernel names the first bad row (a host sync, as
+   embed_rows), then per tile of rows two launches (moe.cu): W1/W3 + act into h [tile, I] (work),
+   then W2 (and with w the slot sum). The tile is as many rows as the caller's work holds
+   (k3_moe_experts_work_floats), whole tokens when w sums them. */
+static k3_status cu_moe_experts(k3_backend *be, const float *src, int64_t row_div,
+                                const int32_t *ids, const float *w, int64_t n, int E,
+                                const k3_tensor *w1, const k3_tensor *w3, const k3_tensor *w2,
+                                size_t e_stride, float beta, float lin_beta, float *out,
+                                float *work) {
+    if (n <= 0) return K3_OK;
+    if (row_div < 1 || E < 1)
+        return K3_ERR(K3_ERR_ARG, "moe_experts: row_div %lld, %d experts (both must be >= 1)",
+                      (long long)row_div, E);
+    if (w && (n % row_div != 0 || row_div > K3_MOE_EXPERTS_TILE))
+        return K3_ERR(K3_ERR_ARG,
+                      "moe_experts: %lld slot rows are not whole tokens of row_div %lld slots "
+                      "(at most %d)",
+                      (long long)n, (long long)row_div, K3_MOE_EXPERTS_TILE);
+    if (!w1 || !w3 || !w2)
+        return K3_ERR(K3_ERR_MISSING, "moe_experts: no expert table (no expert on this rank)");
+    moe_tab *t = NULL;
+    K3_TRY(tab_get(be, w1, w3, w2, e_stride, E, &t));
+    K3_TRY(err_reset(be));
+    CU_TRY(k3c_moe_check(STREAM(be), ids, n, E, t->dev, CTX(be)->err_dev));
+    unsigned long long bad;
+    K3_TRY(err_read(be, &bad));
+    if (bad != ~0ull) { /* key: row (id or presence), else n + row (the expert's shapes) */
+        const int64_t row = (int64_t)(bad < (unsigned long long)n ? bad : bad - (uint64_t)n);
+        int32_t id = 0;
+        CU_TRY(cudaMemcpy(&id, ids + row, sizeof id, cudaMemcpyDeviceToHost));
+        if (id < 0 || id >= E)
+            return K3_ERR(K3_ERR_ARG, "moe_experts: row %lld has expert id %d outside [0, %d)",
+                          (long long)row, id, E);
+        if (!t->host[id].data[0])
+            return K3_ERR(K3_ERR_MISSING,
+                          "moe_experts: row %lld needs expert %d, which is not loaded on this rank",
+                          (long long)row, id);
+        return expert_error(t, id);
+    }
+    const int64_t Lw = t->Lw, I = t->I, per = w ? row_div : 1;
+    int64_t tile = (int64_t)(k3_moe_experts_work_floats(Lw, I, n, E) / (size_t)I);
+    if (tile > 65535) tile = 65535; /* grid.y */
+    tile = tile / per * per;
+    const bool x_vec = (uintptr_t)src % 16 == 0 && Lw % 4 == 0;
+    const bool h_vec = (uintptr_t)work % 16 == 0 && I % 4 == 0;
+    for (int64_t r0 = 0; r0 < n; r0 += tile) {
+        const int64_t m = n - r0 < tile ? n - r0 : tile;
+        CU_TRY(k3c_moe_up(STREAM(be), src, row_div, ids, t->dev, r0, m, Lw, I, x_vec, beta,
+                          lin_beta, work));
+        CU_TRY(k3c_moe_down(STREAM(be), work, ids, w, row_div, t->dev, r0, m, Lw, I, h_vec, out));
+    }
+    return K3_OK;
+}
+
+/* The op table: each entry counts its call, then runs cu_<name>. */
+#define CU_COUNTED(name, params, args)                                                             \
+    static k3_status cuc_##name params {                                                           \
+        count(&CTX(be)->stats.calls[K3_OP_##name], 1);                                             \
+        return cu_##name args;                                                                     \
+    }
+K3_OP_LIST(CU_COUNTED)
+#undef CU_COUNTED
+#define CU_FIELD(name, params, args) .name = cuc_##name,
 static const k3_ops k_cuda_ops = {K3_OP_LIST(CU_FIELD)};
 #undef CU_FIELD
 

@@ -30,9 +30,10 @@ int k3c_embed_rows(cudaStream_t s, int dt, const void *W, int64_t V, int64_t D, 
                    int64_t T, float *out, unsigned long long *err);
 
 /* norms.cu */
-/* rmsnorm (l2 = 0) or l2norm (l2 = 1) of T rows of n; w NULL = ones (rmsnorm only). */
-int k3c_rownorm(cudaStream_t s, int l2, const float *x, const float *w, int64_t T, int64_t n,
-                float eps, float *y);
+/* rmsnorm (l2 = 0) or l2norm (l2 = 1) of T rows of n, row t at x + t·xs -> y + t·ys (strides in
+ * floats); w NULL = ones (rmsnorm only). */
+int k3c_rownorm(cudaStream_t s, int l2, const float *x, int64_t xs, const float *w, int64_t T,
+                int64_t n, float eps, float *y, int64_t ys);
 int k3c_softmax(cudaStream_t s, const float *x, int64_t T, int64_t n, float *y);
 int k3c_attnres_mix(cudaStream_t s, const float *bank, int n_bank, const float *p, const float *w,
                     int64_t T, int64_t D, float eps, float *out);
@@ -42,6 +43,12 @@ int k3c_matmul(cudaStream_t s, int dt, const void *data, const uint8_t *scale, i
                int64_t in, const float *x, int64_t T, float *y);
 int k3c_matmul_tn(cudaStream_t s, int dt, const void *data, const uint8_t *scale, int64_t out,
                   int64_t in, const float *x, int64_t T, float *y);
+/* matmul_heads: H heads in one launch; head h's weight = nr rows from row h·rh of data/scale (the
+ * caller offsets them to row r0), x_h[t] = x + t·xt + h·xh, y_h[t] = y + t·yt + h·yh (floats).
+ * trans 0: y_h[t] [nr] = W_h·x_h[t] (matmul's kernel); trans 1: y_h[t] [in] = W_hᵀ·x_h[t]. */
+int k3c_matmul_heads(cudaStream_t s, int dt, const void *data, const uint8_t *scale, int64_t nr,
+                     int64_t in, int64_t rh, int H, const float *x, int64_t xt, int64_t xh,
+                     int64_t T, float *y, int64_t yt, int64_t yh, bool trans);
 
 /* kda.cu */
 int k3c_kda_gate(cudaStream_t s, float *r, const float *dt_bias, const float *a_log, int64_t T,
@@ -54,9 +61,30 @@ int k3c_kda(cudaStream_t s, const float *q, const float *k, const float *v, cons
             const float *beta, int64_t n, int H, int dk, int dv, float scale, float *S, float *o,
             int C, float *work, size_t wf);
 
+/* seqs kernels: the batch descriptor's device arrays (k3_seqs: tok0 [n_seqs + 1], pos, slot
+ * [n_seqs], blocks [n_seqs, max_blocks]) and its host scalars, which size the grids. */
+typedef struct k3c_seqs {
+    int n_seqs, max_blocks;
+    int64_t T, max_ctx, max_new;
+    const int32_t *tok0, *pos, *slot, *blocks;
+} k3c_seqs;
+/* short_conv of every sequence, state at state + slot[i]·state_stride. */
+int k3c_short_conv_seqs(cudaStream_t s, const k3c_seqs *sq, const float *in, int64_t P, int K,
+                        const float *w, float *state, int64_t state_stride, float *out);
+/* the KDA delta rule of every sequence (C >= 2: chunked for sequences of >= C tokens, work per
+ * head wf floats for H heads), state at S + slot[i]·S_stride. */
+int k3c_kda_seqs(cudaStream_t s, const k3c_seqs *sq, const float *q, const float *k, const float *v,
+                 const float *g, const float *beta, int H, int dk, int dv, float scale, float *S,
+                 int64_t S_stride, float *o, int C, float *work, size_t wf);
+
 /* attn.cu */
 int k3c_attn_latent(cudaStream_t s, const float *qc, const float *cache, int64_t n_ctx, int H,
                     int W, int Rkv, float scale, float *o_lat, float *work);
+/* attn_paged: every token over its own sequence's paged cache (one launch, no scratch). */
+int k3c_attn_paged(cudaStream_t s, const k3c_seqs *sq, const float *qc, const float *cache, int H,
+                   int W, int Rkv, float scale, float *o_lat);
+/* kv_write: token rows of src [T, W] to their positions' rows of the paged cache. */
+int k3c_kv_write(cudaStream_t s, const k3c_seqs *sq, const float *src, int W, float *cache);
 
 /* moe.cu */
 /* *err (preset to ~0) = min over bad tokens of t·(E+2) + (e, or E+1 = ran out of experts). */
@@ -69,6 +97,38 @@ int k3c_rows_copy(cudaStream_t s, const float *src, int64_t width, const int64_t
 /* rows_wsum with seg device int64 [n_seg + 1] or NULL (uniform seg_len). */
 int k3c_rows_wsum(cudaStream_t s, const float *x, const float *w, const int64_t *seg,
                   int64_t seg_len, int64_t n_seg, int64_t width, float *y);
+/* nonfinite_rows: per sequence with flags[i] == 0 and a NaN/Inf in its rows: zero them, flag. */
+int k3c_nonfinite_rows(cudaStream_t s, const k3c_seqs *sq, float *y, int64_t D, bool per_seq,
+                       int32_t code, int32_t *flags);
+/* rows_last: dst[(j·n_seqs + i)·D ..] = src[j·slab + (tok0[i+1] − 1)·D ..], j < n_slab. */
+int k3c_rows_last(cudaStream_t s, const k3c_seqs *sq, const float *src, int64_t slab, int n_slab,
+                  int64_t D, float *dst);
+
+/* moe_experts: one expert's three matrices on the device (w1, w3 [I, Lw]; w2 [Lw, I]); data[0]
+ * NULL: the expert is not on this rank (one of its three has no data); bad = 1: present, but its
+ * shapes or dtypes are not the table's. The backend keeps
+ * one table of E of them per expert table of the caller (backend_cuda.c). */
+typedef struct k3c_expert {
+    const void *data[3]; /* w1, w3, w2 */
+    const uint8_t *scale[3];
+    int32_t dt[3];
+    int32_t bad; /* present but unusable (dtype / shape): named by the host on use */
+} k3c_expert;
+/* *err (preset to ~0) = the first row i whose id is outside [0, E) or names an expert without
+ * data, else n + the first row whose expert is bad. */
+int k3c_moe_check(cudaStream_t s, const int32_t *ids, int64_t n, int E, const k3c_expert *tab,
+                  unsigned long long *err);
+/* Rows [r0, r0 + m) of the n slot rows: h [m, I] = act(W1_e·r_i, W3_e·r_i), e = ids[i], r_i =
+ * src row i / row_div (src rows Lw wide; x_vec: src rows 16-byte aligned). */
+int k3c_moe_up(cudaStream_t s, const float *src, int64_t row_div, const int32_t *ids,
+               const k3c_expert *tab, int64_t r0, int64_t m, int64_t Lw, int64_t I, bool x_vec,
+               float beta, float lin_beta, float *h);
+/* Then out: w NULL: out row i = W2_e·h[i − r0] for i in [r0, r0 + m); w: out row t =
+ * Σ_k w[t·K + k]·W2·h[..] in k order for tokens t in [r0 / K, (r0 + m) / K), K = row_div (m and r0
+ * multiples of K). h_vec: h rows 16-byte aligned. */
+int k3c_moe_down(cudaStream_t s, const float *h, const int32_t *ids, const float *w,
+                 int64_t row_div, const k3c_expert *tab, int64_t r0, int64_t m, int64_t Lw,
+                 int64_t I, bool h_vec, float *out);
 
 #ifdef __cplusplus
 }

@@ -148,17 +148,18 @@ K3C_FN int k3c_chunk(int dt, bool vec) {
 K3C_FN float4 k3c_ldx4(const float *x, bool aligned) {
     return aligned ? *(const float4 *)x : make_float4(x[0], x[1], x[2], x[3]);
 }
-K3C_FN float k3c_dot_chunk_f32x4(float4 w, const float *x, float acc) {
-    const float4 v = k3c_ldx4(x, true);
+/* xa: x is 16-byte aligned (the strided heads of matmul_heads may not be; same arithmetic) */
+K3C_FN float k3c_dot_chunk_f32x4(float4 w, const float *x, float acc, bool xa = true) {
+    const float4 v = k3c_ldx4(x, xa);
     acc = fmaf(w.x, v.x, acc);
     acc = fmaf(w.y, v.y, acc);
     acc = fmaf(w.z, v.z, acc);
     return fmaf(w.w, v.w, acc);
 }
-K3C_FN float k3c_dot_chunk_bf16x8(uint4 w, const float *x, float acc) {
+K3C_FN float k3c_dot_chunk_bf16x8(uint4 w, const float *x, float acc, bool xa = true) {
     const uint32_t u[4] = {w.x, w.y, w.z, w.w};
     for (int m = 0; m < 4; m += 2) {
-        const float4 v = k3c_ldx4(x + 2 * m, true);
+        const float4 v = k3c_ldx4(x + 2 * m, xa);
         acc = fmaf(k3_mxfp4_bits_to_f32(u[m] << 16), v.x, acc);
         acc = fmaf(k3_mxfp4_bits_to_f32(u[m] & 0xffff0000u), v.y, acc);
         acc = fmaf(k3_mxfp4_bits_to_f32(u[m + 1] << 16), v.z, acc);
@@ -491,12 +492,52 @@ K3C_FN int k3c_topk_token(const float *s, const float *bias, int E, int K, int G
 }
 
 /* ---- rows_wsum: one element d of segment [i0, i1) ------------------------------------------ */
+/* One term of a weighted row sum in row order: the first term initialises (w·x, or x when
+ * unweighted), each later one is fused in (the order rows_wsum and moe_experts' slot sum share). */
+K3C_FN float k3c_wsum_step(float a, const float *w, int64_t i, float x, bool first) {
+    if (first) return w ? w[i] * x : x;
+    return w ? fmaf(w[i], x, a) : a + x;
+}
 K3C_FN float k3c_wsum_elem(const float *x, const float *w, int64_t i0, int64_t i1, int64_t width,
                            int64_t d) {
-    float a = w ? w[i0] * x[i0 * width + d] : x[i0 * width + d];
-    for (int64_t i = i0 + 1; i < i1; i++)
-        a = w ? fmaf(w[i], x[i * width + d], a) : a + x[i * width + d];
+    float a = 0.0f;
+    for (int64_t i = i0; i < i1; i++) a = k3c_wsum_step(a, w, i, x[i * width + d], i == i0);
     return a;
+}
+
+/* ---- varlen batches (k3_seqs): the lookups every per-token kernel makes ------------------- */
+#define K3C_KV_BLOCK 64 /* = K3_KV_BLOCK (asserted in backend_cuda.c) */
+/* The sequence that owns token row t: the i with tok0[i] <= t < tok0[i + 1] (tok0 [n_seqs + 1]
+ * ascending from 0, every sequence non-empty, 0 <= t < tok0[n_seqs]): a binary search, log2
+ * n_seqs loads of a small array that stays in L1. */
+K3C_FN int k3c_seq_of(const int32_t *tok0, int n_seqs, int64_t t) {
+    int lo = 0, hi = n_seqs - 1;
+    while (lo < hi) {
+        const int mid = (lo + hi + 1) >> 1;
+        if ((int64_t)tok0[mid] <= t)
+            lo = mid;
+        else
+            hi = mid - 1;
+    }
+    return lo;
+}
+/* The paged-cache row of position p of a sequence whose block-table row is bt (blocks +
+ * i·max_blocks): row p % 64 of block bt[p / 64]. */
+K3C_FN int64_t k3c_kv_row(const int32_t *bt, int64_t p) {
+    return (int64_t)bt[p / K3C_KV_BLOCK] * K3C_KV_BLOCK + p % K3C_KV_BLOCK;
+}
+
+/* ---- moe_experts: the expert activation -------------------------------------------------- */
+/* act(g, u): SwiGLU when beta < 0, else SiTU(beta, lin_beta) (the elementwise ops' math). */
+K3C_FN float k3c_moe_act(float g, float u, float beta, float lin_beta) {
+    return beta < 0.0f ? k3c_swiglu(g, u) : k3c_situ(g, u, beta, lin_beta);
+}
+/* The vector path of a weight row as matmul picks it (k3c_matmul): 16-byte aligned rows of a
+ * whole number of 16-byte chunks, rows of a multiple of 4 elements, and x aligned. */
+K3C_FN bool k3c_mm_vec(int dt, const void *data, int64_t in, bool x_aligned) {
+    const uint64_t row_bytes = dt == K3C_DT_MXFP4 ? (uint64_t)in / 2
+                                                  : (uint64_t)in * (dt == K3C_DT_F32 ? 4u : 2u);
+    return (uintptr_t)data % 16 == 0 && row_bytes % 16 == 0 && in % 4 == 0 && x_aligned;
 }
 
 /* ---- device-only: the shuffles the host trees above emulate -------------------------------- */

@@ -9,6 +9,11 @@
 //     every decay factor is exp of a difference <= 0 — exp(Γ_i − Γ_j) for i >= j, exp(Γ_i) and
 //     exp(Γ_last − Γ_j) — never exp(−Γ). A ragged tail (< C tokens) runs the recurrence.
 // One block per head is little parallelism for long prefill (H blocks); it is correct first.
+//   kda_seqs / short_conv_seqs: the same per-head / per-channel code over a varlen batch, the
+//     state of sequence i at slot[i]: one launch over (head, sequence) for the sequences that
+//     take the recurrence (a decode step: all of them, in parallel), and, when some sequence has
+//     a full chunk (max_new >= C), one launch over heads that runs the chunked sequences in turn
+//     (their scratch is the op's: one chunk's worth per head, as kda_chunked's).
 //
 // Verified on host math only; device run pending.
 #include "cuda_launch.h"
@@ -62,18 +67,20 @@ static __global__ void recurrent_kernel(const float *q, const float *k, const fl
                    scale, S + (int64_t)h * dk * dv, o + h * dv, sh_rec);
 }
 
-static __global__ void chunked_kernel(const float *q_, const float *k_, const float *v_,
-                                      const float *g_, const float *beta_, int64_t n, int H, int dk,
-                                      int dv, float scale, float *S_, float *o_, int C,
-                                      float *work_, size_t wf) {
-    extern __shared__ double sh_chk[]; /* row [C], then 3·dk floats for the tail */
-    const int h = blockIdx.x, tid = threadIdx.x, nt = blockDim.x;
+/* The chunked form of one head over n tokens (pointers at the head's token-0 rows, strides as
+ * head_recurrent): full chunks by the phases, a ragged tail (< C tokens) by the recurrence. work:
+ * the head's wf floats; sh: C doubles, then 3·dk floats. */
+static __device__ void head_chunked(const float *q, const float *k, const float *v, const float *g,
+                                    const float *beta, int64_t n, int64_t sqk, int64_t svo,
+                                    int64_t sb, int dk, int dv, float scale, float *S, float *o,
+                                    int C, float *work, double *sh) {
+    const int tid = threadIdx.x, nt = blockDim.x;
     k3c_kda_chunk c;
-    c.q = q_ + h * dk, c.k = k_ + h * dk, c.v = v_ + h * dv, c.g = g_ + h * dk, c.beta = beta_ + h;
-    c.sqk = (int64_t)H * dk, c.svo = (int64_t)H * dv, c.sb = H;
+    c.q = q, c.k = k, c.v = v, c.g = g, c.beta = beta;
+    c.sqk = sqk, c.svo = svo, c.sb = sb;
     c.dk = dk, c.dv = dv, c.C = C, c.scale = scale;
-    c.S = S_ + (int64_t)h * dk * dv, c.o = o_ + h * dv;
-    k3c_kda_chunk_layout(&c, (double *)(work_ + (size_t)h * wf), sh_chk);
+    c.S = S, c.o = o;
+    k3c_kda_chunk_layout(&c, (double *)work, sh);
     for (c.t0 = 0; C > 1 && c.t0 + C <= n; c.t0 += C) {
         k3c_kda_chunk_p1(&c, tid, nt);
         __syncthreads();
@@ -96,9 +103,66 @@ static __global__ void chunked_kernel(const float *q_, const float *k_, const fl
     }
     const int64_t t0 = c.t0;
     if (t0 < n)
-        head_recurrent(c.q + t0 * c.sqk, c.k + t0 * c.sqk, c.v + t0 * c.svo, c.g + t0 * c.sqk,
-                       c.beta + t0 * c.sb, n - t0, c.sqk, c.svo, c.sb, dk, dv, scale, c.S,
-                       c.o + t0 * c.svo, (float *)(sh_chk + C));
+        head_recurrent(q + t0 * sqk, k + t0 * sqk, v + t0 * svo, g + t0 * sqk, beta + t0 * sb,
+                       n - t0, sqk, svo, sb, dk, dv, scale, S, o + t0 * svo, (float *)(sh + C));
+}
+
+static __global__ void chunked_kernel(const float *q, const float *k, const float *v,
+                                      const float *g, const float *beta, int64_t n, int H, int dk,
+                                      int dv, float scale, float *S, float *o, int C, float *work,
+                                      size_t wf) {
+    extern __shared__ double sh_chk[]; /* row [C], then 3·dk floats for the tail */
+    const int h = blockIdx.x;
+    head_chunked(q + h * dk, k + h * dk, v + h * dv, g + h * dk, beta + h, n, (int64_t)H * dk,
+                 (int64_t)H * dv, H, dk, dv, scale, S + (int64_t)h * dk * dv, o + h * dv, C,
+                 work + (size_t)h * wf, sh_chk);
+}
+
+/* kda_seqs, the recurrent sequences: block (h, i) runs head h of sequence i when the sequence
+ * takes the recurrence (C < 2 or fewer than C tokens); the others are chunked_seqs_kernel's. */
+static __global__ void recurrent_seqs_kernel(k3c_seqs sq, const float *q, const float *k,
+                                             const float *v, const float *g, const float *beta,
+                                             int H, int dk, int dv, float scale, float *S,
+                                             int64_t S_stride, float *o, int C) {
+    extern __shared__ float sh_rec[];
+    const int h = blockIdx.x, i = blockIdx.y;
+    const int64_t t0 = sq.tok0[i], n = sq.tok0[i + 1] - t0;
+    if (C >= 2 && n >= C) return; /* block-uniform */
+    const int64_t sqk = (int64_t)H * dk, svo = (int64_t)H * dv;
+    head_recurrent(q + t0 * sqk + h * dk, k + t0 * sqk + h * dk, v + t0 * svo + h * dv,
+                   g + t0 * sqk + h * dk, beta + t0 * H + h, n, sqk, svo, H, dk, dv, scale,
+                   S + sq.slot[i] * S_stride + (int64_t)h * dk * dv, o + t0 * svo + h * dv, sh_rec);
+}
+
+/* kda_seqs, the chunked sequences (>= C tokens): block h runs head h of each of them in turn,
+ * with the head's work (the op's scratch is kda_chunked's: H heads' worth, not a batch's). */
+static __global__ void chunked_seqs_kernel(k3c_seqs sq, const float *q, const float *k,
+                                           const float *v, const float *g, const float *beta, int H,
+                                           int dk, int dv, float scale, float *S, int64_t S_stride,
+                                           float *o, int C, float *work, size_t wf) {
+    extern __shared__ double sh_chk[];
+    const int h = blockIdx.x;
+    const int64_t sqk = (int64_t)H * dk, svo = (int64_t)H * dv;
+    for (int i = 0; i < sq.n_seqs; i++) {
+        const int64_t t0 = sq.tok0[i], n = sq.tok0[i + 1] - t0;
+        if (n < C) continue; /* block-uniform */
+        head_chunked(q + t0 * sqk + h * dk, k + t0 * sqk + h * dk, v + t0 * svo + h * dv,
+                     g + t0 * sqk + h * dk, beta + t0 * H + h, n, sqk, svo, H, dk, dv, scale,
+                     S + sq.slot[i] * S_stride + (int64_t)h * dk * dv, o + t0 * svo + h * dv, C,
+                     work + (size_t)h * wf, sh_chk);
+    }
+}
+
+/* short_conv_seqs: thread (c, i) = channel c of sequence i over its tokens */
+static __global__ void conv_seqs_kernel(k3c_seqs sq, const float *in, int64_t P, int K,
+                                        const float *w, float *state, int64_t state_stride,
+                                        float *out) {
+    const int64_t c = (int64_t)blockIdx.x * blockDim.x + threadIdx.x;
+    const int i = blockIdx.y;
+    if (c >= P) return;
+    const int64_t t0 = sq.tok0[i], n = sq.tok0[i + 1] - t0;
+    k3c_short_conv_col(in + t0 * P + c, n, P, K, w + c * K, state + sq.slot[i] * state_stride + c,
+                       out + t0 * P + c);
 }
 
 extern "C" int k3c_kda_gate(cudaStream_t s, float *r, const float *dt_bias, const float *a_log,
@@ -128,6 +192,32 @@ extern "C" int k3c_kda(cudaStream_t s, const float *q, const float *k, const flo
         const size_t sh = (size_t)C * sizeof(double) + sh_tail;
         chunked_kernel<<<(unsigned)H, 256, sh, s>>>(q, k, v, g, beta, n, H, dk, dv, scale, S, o, C,
                                                     work, wf);
+    }
+    return (int)cudaGetLastError();
+}
+
+extern "C" int k3c_short_conv_seqs(cudaStream_t s, const k3c_seqs *sq, const float *in, int64_t P,
+                                   int K, const float *w, float *state, int64_t state_stride,
+                                   float *out) {
+    if (sq->n_seqs <= 0 || P <= 0) return 0;
+    dim3 grid((unsigned)((P + 127) / 128), (unsigned)sq->n_seqs);
+    conv_seqs_kernel<<<grid, 128, 0, s>>>(*sq, in, P, K, w, state, state_stride, out);
+    return (int)cudaGetLastError();
+}
+
+extern "C" int k3c_kda_seqs(cudaStream_t s, const k3c_seqs *sq, const float *q, const float *k,
+                            const float *v, const float *g, const float *beta, int H, int dk,
+                            int dv, float scale, float *S, int64_t S_stride, float *o, int C,
+                            float *work, size_t wf) {
+    if (sq->n_seqs <= 0 || H <= 0) return 0;
+    const size_t sh_tail = 3 * (size_t)dk * sizeof(float);
+    dim3 grid((unsigned)H, (unsigned)sq->n_seqs);
+    recurrent_seqs_kernel<<<grid, 128, sh_tail, s>>>(*sq, q, k, v, g, beta, H, dk, dv, scale, S,
+                                                     S_stride, o, C);
+    if (C >= 2 && sq->max_new >= C) { /* some sequence has a full chunk */
+        const size_t sh = (size_t)C * sizeof(double) + sh_tail;
+        chunked_seqs_kernel<<<(unsigned)H, 256, sh, s>>>(*sq, q, k, v, g, beta, H, dk, dv, scale, S,
+                                                         S_stride, o, C, work, wf);
     }
     return (int)cudaGetLastError();
 }

@@ -1,8 +1,9 @@
-// norms.cu — the per-row reductions of the cuda backend: rmsnorm, l2norm, softmax and the AttnRes
-// mix. One block of K3C_ROW_THREADS per row (token); each thread takes a strided slice of the
-// row, and the partials meet in the fixed tree of k3c_block_reduce (cuda_math.cuh), so a row's
-// result depends only on its length, never on T or timing. out may alias the input (every
-// thread writes only elements it read itself, after the block's last reduction).
+// norms.cu — the per-row reductions of the cuda backend: rmsnorm (and rmsnorm_rows, its strided
+// form: the same kernel, so the same bits), l2norm, softmax and the AttnRes mix. One block of
+// K3C_ROW_THREADS per row (token); each thread takes a strided slice of the row, and the partials
+// meet in the fixed tree of k3c_block_reduce (cuda_math.cuh), so a row's result depends only on its
+// length, never on T or timing. out may alias the input (every thread writes only elements it read
+// itself, after the block's last reduction).
 //
 // Verified on host math only; device run pending.
 #include "cuda_launch.h"
@@ -10,15 +11,16 @@
 
 #define K3C_MAX_SOURCES 64 /* = ref's K3_MAX_SOURCES (AttnRes sources, checked by the caller) */
 
-static __global__ void rownorm_kernel(int l2, const float *x, const float *w, int64_t n, float eps,
-                                      float *y) {
+/* row t at x + t·xs -> y + t·ys (rmsnorm / l2norm: xs = ys = n; rmsnorm_rows: the strides) */
+static __global__ void rownorm_kernel(int l2, const float *x, int64_t xs, const float *w, int64_t n,
+                                      float eps, float *y, int64_t ys) {
     __shared__ float sh[32];
     const int64_t t = blockIdx.x;
-    const float *xt = x + t * n;
+    const float *xt = x + t * xs;
     float ss = k3c_block_reduce(k3c_sumsq_part(xt, n, threadIdx.x, blockDim.x), sh, false);
     float r = l2 ? k3c_l2_scale(ss, eps) : k3c_rms_scale(ss, n, eps);
     for (int64_t i = threadIdx.x; i < n; i += blockDim.x)
-        y[t * n + i] = (w ? w[i] : 1.0f) * (xt[i] * r);
+        y[t * ys + i] = (w ? w[i] : 1.0f) * (xt[i] * r);
 }
 
 static __global__ void softmax_kernel(const float *x, int64_t n, float *y) {
@@ -63,10 +65,10 @@ static __global__ void attnres_kernel(const float *bank, int n_bank, const float
     }
 }
 
-extern "C" int k3c_rownorm(cudaStream_t s, int l2, const float *x, const float *w, int64_t T,
-                           int64_t n, float eps, float *y) {
+extern "C" int k3c_rownorm(cudaStream_t s, int l2, const float *x, int64_t xs, const float *w,
+                           int64_t T, int64_t n, float eps, float *y, int64_t ys) {
     if (T <= 0 || n <= 0) return 0;
-    rownorm_kernel<<<(unsigned)T, K3C_ROW_THREADS, 0, s>>>(l2, x, w, n, eps, y);
+    rownorm_kernel<<<(unsigned)T, K3C_ROW_THREADS, 0, s>>>(l2, x, xs, w, n, eps, y, ys);
     return (int)cudaGetLastError();
 }
 

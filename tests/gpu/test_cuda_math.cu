@@ -437,6 +437,207 @@ static void test_wsum(void) {
         }
 }
 
+/* ---- varlen batches: the sequence of a token, the paged row, the paged attention -------- */
+/* k3c_seq_of against a linear scan over random batches (1..40 sequences of 1..9 tokens) */
+static void test_seq_of(void) {
+    int bad = 0, checked = 0;
+    for (int rep = 0; rep < 50; rep++) {
+        const int n = 1 + (int)(k3_rng_u64(&g_rng) % 40);
+        std::vector<int32_t> tok0((size_t)n + 1, 0);
+        for (int i = 0; i < n; i++) tok0[i + 1] = tok0[i] + 1 + (int32_t)(k3_rng_u64(&g_rng) % 9);
+        for (int64_t t = 0; t < tok0[n]; t++) {
+            int want = 0;
+            while (tok0[want + 1] <= t) want++;
+            bad += k3c_seq_of(tok0.data(), n, t) != want;
+            checked++;
+        }
+    }
+    K3_CHECK(bad == 0 && checked > 500, "k3c_seq_of: %d of %d tokens in the wrong sequence", bad,
+             checked);
+}
+/* k3c_kv_row against the host descriptor's k3_seqs_kv_row on a random block table */
+static void test_kv_row(void) {
+    const int n = 5, mb = 7;
+    std::vector<int32_t> blocks((size_t)n * mb);
+    for (size_t b = 0; b < blocks.size(); b++) blocks[b] = (int32_t)((b * 37 + 11) % blocks.size());
+    k3_seqs sq = {};
+    sq.n_seqs = n;
+    sq.max_blocks = mb;
+    sq.blocks = blocks.data();
+    int bad = 0;
+    for (int i = 0; i < n; i++)
+        for (int64_t p = 0; p < (int64_t)mb * K3C_KV_BLOCK; p++)
+            bad += k3c_kv_row(blocks.data() + (int64_t)i * mb, p) != k3_seqs_kv_row(&sq, i, p);
+    K3_CHECK(bad == 0 && K3C_KV_BLOCK == K3_KV_BLOCK, "k3c_kv_row: %d rows differ", bad);
+}
+/* The host image of one (token, head) block of attn.cu paged_kernel: warps' scores of a tile
+   (xor tree of the lanes' partials), thread tid's max / Σ exp over positions tid, tid + 256, ...,
+   the block trees, then p_j = exp(s_j − m) / z and o[e] = Σ_j p_j·row_j[e] in order. keep: the
+   scores the block keeps (a context longer than keep is recomputed per tile in each pass; the
+   numbers are the same, which the caller checks by running both). */
+static void emu_paged(const float *q, const float *cache, const int32_t *bt, int64_t n, int W,
+                      int Rkv, float scale, int64_t keep, float *o) {
+    const int TL = 256;
+    const bool store = (n + TL - 1) / TL * TL <= keep;
+    fv sc((size_t)(store ? keep : TL));
+    auto tile = [&](int64_t j0, float *st) {
+        for (int r = 0; r < TL && j0 + r < n; r++) {
+            const float *row = cache + k3c_kv_row(bt, j0 + r) * W;
+            float p[K3C_WARP];
+            for (int l = 0; l < K3C_WARP; l++)
+                p[l] = k3c_gemv_part(K3C_DT_F32, false, row, nullptr, q, W, l, K3C_WARP);
+            st[r] = k3c_xor_tree(p) * scale;
+        }
+    };
+    float m_t[TL], z_t[TL];
+    for (int tid = 0; tid < TL; tid++) m_t[tid] = -INFINITY, z_t[tid] = 0.0f;
+    for (int64_t j0 = 0; j0 < n; j0 += TL) {
+        float *st = store ? sc.data() + j0 : sc.data();
+        tile(j0, st);
+        for (int tid = 0; tid < TL; tid++)
+            if (j0 + tid < n) m_t[tid] = fmaxf(m_t[tid], st[tid]);
+    }
+    const float m = k3c_block_tree(m_t, TL, true);
+    for (int64_t j0 = 0; j0 < n; j0 += TL) {
+        float *st = store ? sc.data() + j0 : sc.data();
+        if (!store) tile(j0, st);
+        for (int tid = 0; tid < TL; tid++)
+            if (j0 + tid < n) z_t[tid] += expf(st[tid] - m);
+    }
+    const float z = k3c_block_tree(z_t, TL, false);
+    for (int e = 0; e < Rkv; e++) o[e] = 0.0f;
+    for (int64_t j0 = 0; j0 < n; j0 += TL) {
+        float *st = store ? sc.data() + j0 : sc.data();
+        if (!store) tile(j0, st);
+        for (int r = 0; r < TL && j0 + r < n; r++) st[r] = expf(st[r] - m) / z;
+        for (int r = 0; r < TL && j0 + r < n; r++) {
+            const float *row = cache + k3c_kv_row(bt, j0 + r) * W;
+            for (int e = 0; e < Rkv; e++) o[e] = fmaf(st[r], row[e], o[e]);
+        }
+    }
+}
+/* attn_paged's math: a sequence's positions scattered over shuffled blocks, stored and
+   recomputed scores, against ref attn_latent on the contiguous copy (rel-L2) and against the
+   host image of attn.cu's attn_latent kernels on that copy (bit for bit: the contract) */
+static void test_attn_paged(void) {
+    const int H = 2, Rkv = 48, W = 72, nb = 8;
+    const float scale = 0.125f;
+    const int64_t n_ctx = 300; /* 5 blocks, a ragged last one; two score tiles */
+    fv pool = randn((int64_t)nb * K3C_KV_BLOCK * W, 1.0f), qc = randn((int64_t)H * W, 1.0f);
+    const int32_t bt[5] = {6, 1, 7, 3, 0};
+    fv cont((size_t)(n_ctx * W));
+    for (int64_t j = 0; j < n_ctx; j++)
+        memcpy(cont.data() + j * W, pool.data() + k3c_kv_row(bt, j) * W, (size_t)W * 4);
+    fv want = nans((int64_t)H * Rkv), work((size_t)(H * n_ctx));
+    K3_CHECK_OK(g_ref->ops->attn_latent(g_ref, qc.data(), cont.data(), n_ctx, H, W, Rkv, scale,
+                                        want.data(), work.data()));
+    fv kept = nans((int64_t)H * Rkv), redo = nans((int64_t)H * Rkv), flat = nans((int64_t)H * Rkv);
+    for (int h = 0; h < H; h++) {
+        const float *q = qc.data() + (int64_t)h * W;
+        emu_paged(q, pool.data(), bt, n_ctx, W, Rkv, scale, 512, kept.data() + h * Rkv);
+        emu_paged(q, pool.data(), bt, n_ctx, W, Rkv, scale, 256, redo.data() + h * Rkv);
+        /* attn_latent's kernels (scores_kernel + mix_kernel) on the contiguous copy */
+        fv wk((size_t)n_ctx);
+        for (int64_t j = 0; j < n_ctx; j++) {
+            float p[K3C_WARP];
+            for (int l = 0; l < K3C_WARP; l++)
+                p[l] = k3c_gemv_part(K3C_DT_F32, false, cont.data() + j * W, nullptr, q, W, l,
+                                     K3C_WARP);
+            wk[j] = k3c_xor_tree(p) * scale;
+        }
+        float p[NT];
+        for (int l = 0; l < NT; l++) p[l] = k3c_max_part(wk.data(), n_ctx, l, NT);
+        const float m = k3c_block_tree(p, NT, true);
+        for (int l = 0; l < NT; l++) p[l] = k3c_expsum_part(wk.data(), m, n_ctx, l, NT, wk.data());
+        const float z = k3c_block_tree(p, NT, false);
+        for (int e = 0; e < Rkv; e++) {
+            float acc = 0.0f;
+            for (int64_t j = 0; j < n_ctx; j++) acc = fmaf(wk[j] / z, cont[j * W + e], acc);
+            flat[(int64_t)h * Rkv + e] = acc;
+        }
+    }
+    CHECK_REL(kept, want, K3_TOL_OP_REL_L2, "attn_paged (scores kept)");
+    K3_CHECK(memcmp(kept.data(), flat.data(), kept.size() * 4) == 0,
+             "attn_paged: not attn_latent's bits on the contiguous copy");
+    K3_CHECK(memcmp(kept.data(), redo.data(), kept.size() * 4) == 0,
+             "attn_paged: recomputed scores differ from kept ones");
+}
+
+/* ---- moe_experts: one item (W1, W3, act, W2 rows) and the slot sum ------------------------ */
+/* Items and their weighted slot sum by the helpers moe.cu's kernels call (k3c_gemv_row with
+   matmul's path choice, k3c_moe_act, k3c_wsum_step), against ref matmul -> swiglu / situ ->
+   matmul -> rows_wsum; and the sum bit for bit k3c_wsum_elem over the items (rows_wsum's
+   kernel on this backend). */
+static void test_moe_items(void) {
+    const int64_t Lw = 96, I = 64, K = 3, T = 4, n = T * K;
+    const k3_dtype dts[2] = {K3_DT_BF16, K3_DT_MXFP4};
+    for (int d = 0; d < 2; d++)
+        for (int a = 0; a < 2; a++) {
+            const float beta = a ? 4.0f : -1.0f, lin = a ? 2.5f : 0.0f;
+            weight W1 = make_weight(dts[d], I, Lw), W3 = make_weight(dts[d], I, Lw);
+            weight W2 = make_weight(dts[d], Lw, I);
+            fv src = randn(T * Lw, 1.0f), wts = randn(n, 0.5f);
+            fv g = nans(n * I), u = nans(n * I), item_r = nans(n * Lw), sum_r = nans(T * Lw);
+            fv x = nans(n * Lw);
+            for (int64_t i = 0; i < n; i++)
+                memcpy(x.data() + i * Lw, src.data() + (i / K) * Lw, (size_t)Lw * 4);
+            K3_CHECK_OK(g_ref->ops->matmul(g_ref, x.data(), n, &W1.t, g.data()));
+            K3_CHECK_OK(g_ref->ops->matmul(g_ref, x.data(), n, &W3.t, u.data()));
+            if (a)
+                K3_CHECK_OK(
+                    g_ref->ops->situ(g_ref, g.data(), u.data(), n * I, beta, lin, g.data()));
+            else
+                K3_CHECK_OK(g_ref->ops->swiglu(g_ref, g.data(), u.data(), n * I, g.data()));
+            K3_CHECK_OK(g_ref->ops->matmul(g_ref, g.data(), n, &W2.t, item_r.data()));
+            K3_CHECK_OK(g_ref->ops->rows_wsum(g_ref, item_r.data(), wts.data(), nullptr, K, T, Lw,
+                                              sum_r.data()));
+            const bool v1 = k3c_mm_vec((int)dts[d], W1.t.data, Lw, true);
+            const bool v2 = k3c_mm_vec((int)dts[d], W2.t.data, I, true);
+            K3_CHECK(v1 && v2, "moe items: the vector path (aligned weights, whole chunks)");
+            const int eb = dts[d] == K3_DT_MXFP4 ? 0 : 2;
+            auto row_of = [&](const weight &Wm, int64_t o, int64_t in) {
+                return eb ? Wm.data.data() + o * in * eb : Wm.data.data() + o * in / 2;
+            };
+            auto srow_of = [&](const weight &Wm, int64_t o, int64_t in) {
+                return eb ? (const uint8_t *)nullptr : Wm.scale.data() + o * (in / 32);
+            };
+            fv h = nans(n * I), item = nans(n * Lw), sum = nans(T * Lw), sum_e = nans(T * Lw);
+            for (int64_t i = 0; i < n; i++) {
+                const float *xi = src.data() + (i / K) * Lw;
+                for (int64_t o = 0; o < I; o++) {
+                    float gv = k3c_gemv_row((int)dts[d], v1, row_of(W1, o, Lw), srow_of(W1, o, Lw),
+                                            xi, Lw);
+                    float uv = k3c_gemv_row((int)dts[d], v1, row_of(W3, o, Lw), srow_of(W3, o, Lw),
+                                            xi, Lw);
+                    h[i * I + o] = k3c_moe_act(gv, uv, beta, lin);
+                }
+            }
+            for (int64_t t = 0; t < T; t++)
+                for (int64_t o = 0; o < Lw; o++) {
+                    float acc = 0.0f;
+                    for (int64_t k = 0; k < K; k++) {
+                        const int64_t i = t * K + k;
+                        const float v = k3c_gemv_row((int)dts[d], v2, row_of(W2, o, I),
+                                                     srow_of(W2, o, I), h.data() + i * I, I);
+                        item[i * Lw + o] = v;
+                        acc = k3c_wsum_step(acc, wts.data(), i, v, k == 0);
+                    }
+                    sum[t * Lw + o] = acc;
+                }
+            for (int64_t t = 0; t < T; t++)
+                for (int64_t o = 0; o < Lw; o++)
+                    sum_e[t * Lw + o] =
+                        k3c_wsum_elem(item.data(), wts.data(), t * K, (t + 1) * K, Lw, o);
+            char what[64];
+            snprintf(what, sizeof what, "moe items %s %s", k3_dtype_name(dts[d]),
+                     a ? "situ" : "swiglu");
+            CHECK_REL(item, item_r, K3_TOL_OP_REL_L2, what);
+            CHECK_REL(sum, sum_r, K3_TOL_OP_REL_L2, what);
+            K3_CHECK(memcmp(sum.data(), sum_e.data(), sum.size() * 4) == 0,
+                     "%s: slot sum is not rows_wsum's arithmetic", what);
+        }
+}
+
 int main(void) {
     printf("test_cuda_math seed %llu (host emulation of the cuda kernels' math)\n",
            (unsigned long long)k_seed);
@@ -454,6 +655,10 @@ int main(void) {
     test_attn_latent();
     test_topk();
     test_wsum();
+    test_seq_of();
+    test_kv_row();
+    test_attn_paged();
+    test_moe_items();
     k3_backend_destroy(g_ref);
     return k3_test_done("cuda_math");
 }

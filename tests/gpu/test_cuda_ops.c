@@ -6,6 +6,11 @@
  * two KDA forms; copies, gathers and the router's ids must be exact. Also: the determinism rule
  * (a second run is bit-identical; token 0 alone equals token 0 of a batch) and the two errors
  * whose contract names the culprit (a non-finite router score, an embedding id out of range).
+ * The varlen ops (rmsnorm_rows .. moe_experts) run one batch descriptor (two decode tokens and two
+ * prefill pieces, shuffled slots and cache blocks) against the cpu backend, and each is also
+ * checked bit for bit against the cuda ops its contract names (rmsnorm, matmul / matmul_tn per
+ * head, attn_latent per token, kda_chunked / kda_recurrent per sequence, matmul -> act -> matmul
+ * -> rows_wsum per row); then the counters, async copies and events.
  * Without a device it prints one SKIP line and exits 77. The registry comes from K3_OP_LIST:
  * an op without a test_<op> here does not compile. */
 #include "k3_kernels.h"
@@ -19,7 +24,7 @@
 
 static k3_rng g_rng;
 static const uint64_t k_seed = 20261201;
-static k3_backend *g_ref, *g_cu;
+static k3_backend *g_ref, *g_cpu, *g_cu; /* the varlen ops compare with cpu */
 
 #define GUARD    64          /* floats of guard band on each side of a device buffer */
 #define SENTINEL 0x7fc0de5du /* a NaN payload no kernel writes */
@@ -591,6 +596,424 @@ static void test_rows_wsum(void) {
     free(x), free(w);
 }
 
+/* ---- varlen ops: cuda against the cpu backend on the same batch ------------------------------ */
+/* A batch descriptor twice: its host view for the cpu backend (arrays in host memory) and its
+   device view for cuda (uploaded into a guarded device buffer). */
+typedef struct {
+    k3_seqs h, d;
+    void *hb;
+} seqs_pair;
+static seqs_pair make_seqs(int n, const int32_t *ntok, const int32_t *pos, const int32_t *slot,
+                           const int32_t *blocks, int mb) {
+    seqs_pair p;
+    const size_t nb = k3_seqs_floats(n, mb) * 4;
+    void *h2 = malloc(nb);
+    p.hb = malloc(nb);
+    K3_CHECK_OK(k3_seqs_build(n, ntok, pos, slot, blocks, mb, p.hb, p.hb, &p.h));
+    void *d = dput(NULL, nb);
+    K3_CHECK_OK(k3_seqs_build(n, ntok, pos, slot, blocks, mb, h2, d, &p.d));
+    K3_ASSERT(k3_backend_upload(g_cu, d, h2, nb) == K3_OK);
+    free(h2);
+    return p;
+}
+/* The step the varlen tests share: two decode tokens, a prefill of 70 from position 0 (a full
+   chunk of 64 and a tail), a prefill piece of 5 at 130; slots and cache blocks shuffled. */
+#define SQ_N      4
+#define SQ_MB     3  /* blocks per sequence: max_ctx 135 */
+#define SQ_BLOCKS 16 /* blocks of the cache pool */
+#define SQ_SLOTS  4
+static seqs_pair std_seqs(void) {
+    static const int32_t ntok[SQ_N] = {1, 70, 5, 1}, pos[SQ_N] = {10, 0, 130, 63};
+    static const int32_t slot[SQ_N] = {2, 0, 3, 1};
+    static const int32_t blocks[SQ_N * SQ_MB] = {9, 4, 14, 1, 12, 6, 3, 15, 0, 7, 11, 2};
+    return make_seqs(SQ_N, ntok, pos, slot, blocks, SQ_MB);
+}
+/* rows × n floats of a at row stride s, contiguous (malloc) */
+static float *rows_of(const float *a, int64_t rows, int64_t n, int64_t s) {
+    float *r = hnan(rows * n);
+    for (int64_t t = 0; t < rows; t++) memcpy(r + t * n, a + t * s, (size_t)n * 4);
+    return r;
+}
+static int64_t count_nan(const float *a, int64_t n) {
+    int64_t c = 0;
+    for (int64_t i = 0; i < n; i++) c += isnan(a[i]);
+    return c;
+}
+
+static void test_rmsnorm_rows(void) {
+    const int64_t T = 6, n = 1000, xs = 1100, ys = 1030;
+    float *x = randn(T * xs, 2.0f), *w = randn(n, 1.0f), *want = hnan(T * ys);
+    float *xc = rows_of(x, T, n, xs);
+    float *dx = dcopy(x, T * xs), *dw = dcopy(w, n), *dy = dpoison(T * ys);
+    float *dxc = dcopy(xc, T * n), *dyc = dpoison(T * n);
+    K3_CHECK_OK(g_cpu->ops->rmsnorm_rows(g_cpu, x, xs, w, T, n, 1e-6f, want, ys));
+    K3_CHECK_OK(g_cu->ops->rmsnorm_rows(g_cu, dx, xs, dw, T, n, 1e-6f, dy, ys));
+    K3_CHECK_OK(g_cu->ops->rmsnorm(g_cu, dxc, dw, T, n, 1e-6f, dyc));
+    float *got = hget(dy, T * ys), *gr = rows_of(got, T, n, ys), *wr = rows_of(want, T, n, ys);
+    K3_CHECK(count_nan(got, T * ys) == T * (ys - n), "rmsnorm_rows: wrote outside its rows");
+    float *flat = hget(dyc, T * n);
+    K3_CHECK(memcmp(flat, gr, (size_t)(T * n) * 4) == 0, "rmsnorm_rows: not rmsnorm's bits");
+    free(flat);
+    K3_CHECK_OK(g_cu->ops->rmsnorm_rows(g_cu, dx, xs, dw, T, n, 1e-6f, dx, xs)); /* in place */
+    float *ip = hget(dx, T * xs), *ipr = rows_of(ip, T, n, xs);
+    K3_CHECK(memcmp(ipr, gr, (size_t)(T * n) * 4) == 0, "rmsnorm_rows in place differs");
+    cmp(gr, wr, T * n, K3_TOL_OP_REL_L2, "rmsnorm_rows vs cpu");
+    K3_CHECK_ERR(g_cu->ops->rmsnorm_rows(g_cu, dx, 10, dw, T, n, 1e-6f, dy, ys), K3_ERR_ARG,
+                 "rmsnorm_rows");
+    dfree_all("rmsnorm_rows");
+    free(x), free(w), free(want), free(xc), free(got), free(wr), free(ip), free(ipr);
+}
+
+/* matmul_heads on unaligned strided views, against cpu (rel-L2) and bit for bit against H cuda
+   matmul / matmul_tn calls on contiguous copies (the contract) */
+static void heads_case(k3_dtype dt, bool trans) {
+    const int H = 4;
+    const int64_t T = 5, r0 = 3, rh = 40, nr = 32, in = 96, out = r0 + (H - 1) * rh + nr + 2;
+    const int64_t xl = trans ? nr : in, yl = trans ? in : nr; /* a head's x and y row */
+    const int64_t xh = xl + 2, xt = H * xh + 6, yh = yl + 1, yt = H * yh + 2;
+    const int64_t nx = (T - 1) * xt + (H - 1) * xh + xl, ny = (T - 1) * yt + (H - 1) * yh + yl;
+    char what[80];
+    snprintf(what, sizeof what, "matmul_heads %s%s", k3_dtype_name(dt), trans ? " trans" : "");
+    wt w = make_w(dt, out, in);
+    float *x = randn(nx, 1.0f), *want = hnan(ny), *work = hnan(T * (in + nr));
+    float *dx = dcopy(x, nx), *dy = dpoison(ny), *dwork = dpoison(T * (in + nr));
+    K3_CHECK_OK(g_cpu->ops->matmul_heads(g_cpu, x, xt, xh, T, H, &w.host, r0, rh, nr, trans, want,
+                                         yt, yh, work));
+    K3_CHECK_OK(g_cu->ops->matmul_heads(g_cu, dx, xt, xh, T, H, &w.dev, r0, rh, nr, trans, dy, yt,
+                                        yh, dwork));
+    float *got = hget(dy, ny);
+    K3_CHECK(count_nan(got, ny) == ny - T * H * yl, "%s: wrote outside its rows", what);
+    float *g = hnan(T * H * yl), *wv = hnan(T * H * yl);
+    for (int h = 0; h < H; h++) {
+        for (int64_t t = 0; t < T; t++) {
+            memcpy(g + (h * T + t) * yl, got + t * yt + h * yh, (size_t)yl * 4);
+            memcpy(wv + (h * T + t) * yl, want + t * yt + h * yh, (size_t)yl * 4);
+        }
+        k3_tensor view;
+        K3_CHECK_OK(k3_tensor_rows(&w.dev, r0 + h * rh, nr, &view));
+        float *xc = hnan(T * xl);
+        for (int64_t t = 0; t < T; t++) memcpy(xc + t * xl, x + t * xt + h * xh, (size_t)xl * 4);
+        float *dxc = dcopy(xc, T * xl), *dyc = dpoison(T * yl);
+        if (trans)
+            K3_CHECK_OK(g_cu->ops->matmul_tn(g_cu, dxc, T, &view, dyc));
+        else
+            K3_CHECK_OK(g_cu->ops->matmul(g_cu, dxc, T, &view, dyc));
+        float *one = hget(dyc, T * yl);
+        K3_CHECK(memcmp(one, g + h * T * yl, (size_t)(T * yl) * 4) == 0,
+                 "%s: head %d is not its matmul's bits", what, h);
+        free(one), free(xc);
+    }
+    cmp(g, wv, T * H * yl, K3_TOL_OP_REL_L2, what);
+    dfree_all(what);
+    free(x), free(want), free(work), free(got), free(wv), free_w(&w);
+}
+static void test_matmul_heads(void) {
+    for (int tr = 0; tr < 2; tr++) {
+        heads_case(K3_DT_F32, tr != 0);
+        heads_case(K3_DT_BF16, tr != 0);
+        heads_case(K3_DT_MXFP4, tr != 0);
+    }
+    wt w = make_w(K3_DT_BF16, 10, 64);
+    float *dx = dpoison(64), *dy = dpoison(64);
+    K3_CHECK_ERR(
+        g_cu->ops->matmul_heads(g_cu, dx, 64, 8, 1, 2, &w.dev, 0, 6, 5, false, dy, 5, 5, NULL),
+        K3_ERR_SHAPE, "matmul_heads");
+    dfree_all("matmul_heads errors");
+    free_w(&w);
+}
+
+static void test_kv_write(void) {
+    const int W = 72;
+    seqs_pair sq = std_seqs();
+    const int64_t T = sq.h.T, nc = (int64_t)SQ_BLOCKS * K3_KV_BLOCK * W;
+    float *src = randn(T * W, 1.0f), *cache = randn(nc, 1.0f);
+    float *dsrc = dcopy(src, T * W), *dcache = dcopy(cache, nc);
+    K3_CHECK_OK(g_cpu->ops->kv_write(g_cpu, &sq.h, src, W, cache));
+    K3_CHECK_OK(g_cu->ops->kv_write(g_cu, &sq.d, dsrc, W, dcache));
+    cmp_exact(hget(dcache, nc), cache, nc, "kv_write");
+    dfree_all("kv_write");
+    free(src), free(cache), free(sq.hb);
+}
+
+/* attn_paged vs cpu, and each token bit for bit cuda attn_latent over a contiguous copy of its
+   sequence's rows 0..p (the contract) */
+static void paged_case(int n, const int32_t *ntok, const int32_t *pos, int mb, int n_blocks, int H,
+                       int W, int Rkv, const char *what) {
+    int32_t *blocks = malloc((size_t)n * mb * 4), slot[8];
+    for (int b = 0; b < n * mb; b++) blocks[b] = (int32_t)((b * 7 + 3) % n_blocks); /* distinct */
+    for (int i = 0; i < n; i++) slot[i] = i;
+    seqs_pair sq = make_seqs(n, ntok, pos, slot, blocks, mb);
+    const int64_t T = sq.h.T, nc = (int64_t)n_blocks * K3_KV_BLOCK * W, nq = T * H * W;
+    const int64_t no = T * H * Rkv;
+    const size_t wf = k3_attn_latent_causal_work_floats(sq.h.max_ctx, H);
+    float *qc = randn(nq, 1.0f), *cache = randn(nc, 1.0f), *want = hnan(no), *work = hnan(wf);
+    float *dq = dcopy(qc, nq), *dc = dcopy(cache, nc), *dy = dpoison(no), *dw = dpoison(wf);
+    const float scale = 1.0f / sqrtf((float)W);
+    K3_CHECK_OK(g_cpu->ops->attn_paged(g_cpu, &sq.h, qc, cache, H, W, Rkv, scale, want, work));
+    K3_CHECK_OK(g_cu->ops->attn_paged(g_cu, &sq.d, dq, dc, H, W, Rkv, scale, dy, dw));
+    float *got = hget(dy, no);
+    int bad = 0;
+    for (int i = 0, t = 0; i < n; i++) {
+        const int64_t n_ctx = pos[i] + ntok[i];
+        float *cont = hnan(n_ctx * W);
+        for (int64_t p = 0; p < n_ctx; p++)
+            memcpy(cont + p * W, cache + k3_seqs_kv_row(&sq.h, i, p) * W, (size_t)W * 4);
+        float *dcont = dcopy(cont, n_ctx * W), *d1 = dpoison((int64_t)H * Rkv);
+        for (int j = 0; j < ntok[i]; j++, t++) {
+            K3_CHECK_OK(g_cu->ops->attn_latent(g_cu, dq + (int64_t)t * H * W, dcont, pos[i] + j + 1,
+                                               H, W, Rkv, scale, d1, dw));
+            float *one = hget(d1, (int64_t)H * Rkv);
+            bad += memcmp(one, got + (int64_t)t * H * Rkv, (size_t)H * Rkv * 4) != 0;
+            free(one);
+        }
+        free(cont);
+    }
+    K3_CHECK(bad == 0, "%s: %d tokens differ from attn_latent on a contiguous copy", what, bad);
+    cmp(got, want, no, K3_TOL_OP_REL_L2, what);
+    dfree_all(what);
+    free(blocks), free(qc), free(cache), free(want), free(work), free(sq.hb);
+}
+static void test_attn_paged(void) {
+    static const int32_t ntok[SQ_N] = {1, 70, 5, 1}, pos[SQ_N] = {10, 0, 130, 63};
+    paged_case(SQ_N, ntok, pos, SQ_MB, SQ_BLOCKS, 4, 576, 512, "attn_paged");
+    /* a context past the scores a block keeps (8192): recomputed per tile */
+    static const int32_t ntok2[2] = {1, 3}, pos2[2] = {8299, 5};
+    paged_case(2, ntok2, pos2, 130, 300, 2, 80, 64, "attn_paged long");
+}
+
+static void test_short_conv_seqs(void) {
+    const int64_t P = 300;
+    const int K = 4;
+    const int64_t ss = (K - 1) * P + 7, ns = SQ_SLOTS * ss;
+    seqs_pair sq = std_seqs();
+    const int64_t T = sq.h.T;
+    float *in = randn(T * P, 1.0f), *w = randn(P * K, 0.5f), *st = randn(ns, 1.0f);
+    float *want = hnan(T * P);
+    float *din = dcopy(in, T * P), *dw = dcopy(w, P * K), *dst = dcopy(st, ns);
+    float *dout = dpoison(T * P);
+    K3_CHECK_OK(g_cpu->ops->short_conv_seqs(g_cpu, &sq.h, in, P, K, w, st, ss, want));
+    K3_CHECK_OK(g_cu->ops->short_conv_seqs(g_cu, &sq.d, din, P, K, dw, dst, ss, dout));
+    cmp(hget(dout, T * P), want, T * P, K3_TOL_OP_REL_L2, "short_conv_seqs out");
+    cmp_exact(hget(dst, ns), st, ns, "short_conv_seqs state");
+    dfree_all("short_conv_seqs");
+    free(in), free(w), free(st), free(want), free(sq.hb);
+}
+
+/* kda_seqs vs cpu, and bit for bit the cuda kda_chunked / kda_recurrent of each sequence on its
+   own rows and state (the contract) */
+static void kda_seqs_case(int C) {
+    const int H = 2, dk = 64, dv = 48;
+    seqs_pair sq = std_seqs();
+    const int64_t T = sq.h.T, nqk = T * H * dk, nv = T * H * dv;
+    const int64_t Ss = (int64_t)H * dk * dv + 16, nS = SQ_SLOTS * Ss;
+    float *q = randn(nqk, 1.0f), *k = randn(nqk, 1.0f), *v = randn(nv, 1.0f);
+    float *g = randn(nqk, 1.0f), *beta = randn(T * H, 1.0f), *S = randn(nS, 0.5f);
+    for (int64_t i = 0; i < nqk; i++) g[i] = -0.3f * fabsf(g[i]) - 0.01f;
+    for (int64_t i = 0; i < T * H; i++) beta[i] = (float)k3_rng_uniform(&g_rng);
+    float *qk[2] = {q, k};
+    for (int a = 0; a < 2; a++)
+        for (int64_t r = 0; r < T * H; r++) {
+            float ss = 0;
+            for (int i = 0; i < dk; i++) ss += qk[a][r * dk + i] * qk[a][r * dk + i];
+            for (int i = 0; i < dk; i++) qk[a][r * dk + i] /= sqrtf(ss);
+        }
+    const size_t wf = (C >= 2 ? k3_kda_chunk_work_floats(C, dk, dv) : 1) * (size_t)H;
+    float *S0 = malloc((size_t)nS * 4), *want = hnan(nv), *work = hnan((int64_t)wf);
+    memcpy(S0, S, (size_t)nS * 4);
+    float *dq = dcopy(q, nqk), *dk_ = dcopy(k, nqk), *dv_ = dcopy(v, nv), *dg = dcopy(g, nqk);
+    float *db = dcopy(beta, T * H), *dS = dcopy(S0, nS), *dS1 = dcopy(S0, nS);
+    float *dO = dpoison(nv), *dO1 = dpoison(nv), *dwork = dpoison((int64_t)wf);
+    const float scale = 1.0f / sqrtf((float)dk);
+    K3_CHECK_OK(g_cpu->ops->kda_seqs(g_cpu, &sq.h, q, k, v, g, beta, H, dk, dv, scale, S, Ss, want,
+                                     C, work));
+    K3_CHECK_OK(g_cu->ops->kda_seqs(g_cu, &sq.d, dq, dk_, dv_, dg, db, H, dk, dv, scale, dS, Ss, dO,
+                                    C, dwork));
+    const int32_t *t0 = sq.h.tok0;
+    for (int i = 0; i < SQ_N; i++) {
+        const int64_t a = t0[i], n = t0[i + 1] - t0[i];
+        const int64_t oq = a * H * dk, ov = a * H * dv, os = sq.h.slot[i] * Ss;
+        if (C >= 2 && n >= C)
+            K3_CHECK_OK(g_cu->ops->kda_chunked(g_cu, dq + oq, dk_ + oq, dv_ + ov, dg + oq,
+                                               db + a * H, n, H, dk, dv, scale, dS1 + os, dO1 + ov,
+                                               C, dwork));
+        else
+            K3_CHECK_OK(g_cu->ops->kda_recurrent(g_cu, dq + oq, dk_ + oq, dv_ + ov, dg + oq,
+                                                 db + a * H, n, H, dk, dv, scale, dS1 + os,
+                                                 dO1 + ov));
+    }
+    float *got = hget(dO, nv), *gotS = hget(dS, nS), *one = hget(dO1, nv), *oneS = hget(dS1, nS);
+    K3_CHECK(memcmp(got, one, (size_t)nv * 4) == 0 && memcmp(gotS, oneS, (size_t)nS * 4) == 0,
+             "kda_seqs (C %d): not the per-sequence ops' bits", C);
+    free(one), free(oneS);
+    cmp(got, want, nv, K3_TOL_KDA_CHUNK_REL_L2, C ? "kda_seqs o (chunked)" : "kda_seqs o");
+    cmp(gotS, S, nS, K3_TOL_KDA_CHUNK_REL_L2, C ? "kda_seqs S (chunked)" : "kda_seqs S");
+    dfree_all("kda_seqs");
+    free(q), free(k), free(v), free(g), free(beta), free(S), free(S0), free(want), free(work);
+    free(sq.hb);
+}
+static void test_kda_seqs(void) {
+    kda_seqs_case(64); /* the 70-token prefill: a chunk and a tail; the rest recurrent */
+    kda_seqs_case(0);  /* every sequence by the recurrence */
+}
+
+/* non-finite rows: sequence 1 holds a NaN, sequence 2 an Inf but was flagged before (left as it
+   is), 0 and 3 are finite; then the per-sequence rows form */
+static void test_nonfinite_rows(void) {
+    const int64_t D = 130;
+    seqs_pair sq = std_seqs();
+    for (int per = 0; per < 2; per++) {
+        const int64_t rows = per ? SQ_N : sq.h.T, ny = rows * D;
+        float *y = randn(ny, 1.0f);
+        int32_t flags[SQ_N] = {0, 0, 7, 0}, got_f[SQ_N];
+        if (per) {
+            y[1 * D + 5] = NAN;
+            y[2 * D + 9] = INFINITY;
+        } else {
+            y[(sq.h.tok0[1] + 40) * D + 5] = NAN;
+            y[(sq.h.tok0[2] + 2) * D + 9] = INFINITY;
+        }
+        float *dy = dcopy(y, ny);
+        int32_t *dflags = dput(flags, sizeof flags);
+        K3_CHECK_OK(g_cpu->ops->nonfinite_rows(g_cpu, &sq.h, y, D, per != 0, 3, flags));
+        K3_CHECK_OK(g_cu->ops->nonfinite_rows(g_cu, &sq.d, dy, D, per != 0, 3, dflags));
+        dget(got_f, dflags, sizeof got_f);
+        K3_CHECK(memcmp(got_f, flags, sizeof flags) == 0 && flags[1] == 3 && flags[0] == 0 &&
+                     flags[2] == 7,
+                 "nonfinite_rows (per_seq %d): flags %d %d %d %d, cpu %d %d %d %d", per, got_f[0],
+                 got_f[1], got_f[2], got_f[3], flags[0], flags[1], flags[2], flags[3]);
+        cmp_exact(hget(dy, ny), y, ny, "nonfinite_rows");
+        dfree_all("nonfinite_rows");
+        free(y);
+    }
+    free(sq.hb);
+}
+
+static void test_rows_last(void) {
+    const int64_t D = 130;
+    const int n_slab = 3;
+    seqs_pair sq = std_seqs();
+    const int64_t slab = sq.h.T * D + 9, ns = n_slab * slab, nd = (int64_t)n_slab * SQ_N * D;
+    float *src = randn(ns, 1.0f), *want = hnan(nd);
+    float *dsrc = dcopy(src, ns), *ddst = dpoison(nd);
+    K3_CHECK_OK(g_cpu->ops->rows_last(g_cpu, &sq.h, src, slab, n_slab, D, want));
+    K3_CHECK_OK(g_cu->ops->rows_last(g_cu, &sq.d, dsrc, slab, n_slab, D, ddst));
+    cmp_exact(hget(ddst, nd), want, nd, "rows_last");
+    dfree_all("rows_last");
+    free(src), free(want), free(sq.hb);
+}
+
+/* moe_experts: a table of structs with one expert not on this rank; vs cpu, and bit for bit the
+   cuda matmul -> act -> matmul chain per row (+ rows_wsum for the weighted form); the errors */
+typedef struct {
+    k3_tensor w1, w3, w2;
+    int other; /* the stride is the struct's, not three tensors' */
+} expert_row;
+#define MOE_E 6
+static void moe_case(k3_dtype dt, bool weighted, bool situ_act) {
+    const int64_t Lw = 64, I = 96, T = 7, K = 3, n = T * K;
+    const int E = MOE_E, missing = 4;
+    const float beta = situ_act ? 4.0f : -1.0f, lin = situ_act ? 2.5f : 0.0f;
+    char what[80];
+    snprintf(what, sizeof what, "moe_experts %s%s%s", k3_dtype_name(dt),
+             weighted ? " weighted" : "", situ_act ? " situ" : "");
+    wt m[MOE_E][3];
+    expert_row th[MOE_E], td[MOE_E];
+    for (int e = 0; e < E; e++) {
+        memset(&th[e], 0, sizeof th[e]), memset(&td[e], 0, sizeof td[e]);
+        if (e == missing) continue;
+        m[e][0] = make_w(dt, I, Lw), m[e][1] = make_w(dt, I, Lw), m[e][2] = make_w(dt, Lw, I);
+        th[e] = (expert_row){m[e][0].host, m[e][1].host, m[e][2].host, e};
+        td[e] = (expert_row){m[e][0].dev, m[e][1].dev, m[e][2].dev, e};
+    }
+    int32_t ids[21];
+    for (int64_t i = 0; i < n; i++) {
+        ids[i] = (int32_t)(k3_rng_u64(&g_rng) % (E - 1));
+        if (ids[i] >= missing) ids[i]++;
+    }
+    const int64_t no = (weighted ? T : n) * Lw;
+    const size_t wf = k3_moe_experts_work_floats(Lw, I, n, E);
+    float *src = randn(T * Lw, 1.0f), *w = randn(n, 0.5f), *want = hnan(no), *work = hnan(wf);
+    float *dsrc = dcopy(src, T * Lw), *dwt = dcopy(w, n), *dout = dpoison(no), *dwork = dpoison(wf);
+    int32_t *dids = dput(ids, sizeof ids);
+    const size_t es = sizeof(expert_row);
+    K3_CHECK_OK(g_cpu->ops->moe_experts(g_cpu, src, K, ids, weighted ? w : NULL, n, E, &th[0].w1,
+                                        &th[0].w3, &th[0].w2, es, beta, lin, want, work));
+    K3_CHECK_OK(g_cu->ops->moe_experts(g_cu, dsrc, K, dids, weighted ? dwt : NULL, n, E, &td[0].w1,
+                                       &td[0].w3, &td[0].w2, es, beta, lin, dout, dwork));
+    /* the chain on this backend */
+    float *dg = dpoison(n * I), *du = dpoison(n * I), *ditem = dpoison(n * Lw);
+    float *dsum = dpoison(T * Lw);
+    for (int64_t i = 0; i < n; i++) {
+        K3_CHECK_OK(g_cu->ops->matmul(g_cu, dsrc + (i / K) * Lw, 1, &td[ids[i]].w1, dg + i * I));
+        K3_CHECK_OK(g_cu->ops->matmul(g_cu, dsrc + (i / K) * Lw, 1, &td[ids[i]].w3, du + i * I));
+    }
+    if (situ_act)
+        K3_CHECK_OK(g_cu->ops->situ(g_cu, dg, du, n * I, beta, lin, dg));
+    else
+        K3_CHECK_OK(g_cu->ops->swiglu(g_cu, dg, du, n * I, dg));
+    for (int64_t i = 0; i < n; i++)
+        K3_CHECK_OK(g_cu->ops->matmul(g_cu, dg + i * I, 1, &td[ids[i]].w2, ditem + i * Lw));
+    K3_CHECK_OK(g_cu->ops->rows_wsum(g_cu, ditem, dwt, NULL, K, T, Lw, dsum));
+    float *got = hget(dout, no), *chain = hget(weighted ? dsum : ditem, no);
+    K3_CHECK(memcmp(got, chain, (size_t)no * 4) == 0,
+             "%s: not the bits of matmul -> act -> matmul%s", what,
+             weighted ? " -> rows_wsum" : "");
+    free(chain);
+    cmp(got, want, no, K3_TOL_OP_REL_L2, what);
+    /* row 5 needs the missing expert; then row 2 an id out of range (the first is named) */
+    ids[5] = missing;
+    int32_t *dbad = dput(ids, sizeof ids);
+    K3_CHECK_ERR(g_cu->ops->moe_experts(g_cu, dsrc, K, dbad, NULL, n, E, &td[0].w1, &td[0].w3,
+                                        &td[0].w2, es, beta, lin, dout, dwork),
+                 K3_ERR_MISSING, "row 5 needs expert 4");
+    ids[2] = E;
+    int32_t *dbad2 = dput(ids, sizeof ids);
+    K3_CHECK_ERR(g_cu->ops->moe_experts(g_cu, dsrc, K, dbad2, NULL, n, E, &td[0].w1, &td[0].w3,
+                                        &td[0].w2, es, beta, lin, dout, dwork),
+                 K3_ERR_ARG, "row 2 has expert id 6");
+    dfree_all(what);
+    for (int e = 0; e < E; e++)
+        if (e != missing)
+            for (int j = 0; j < 3; j++) free_w(&m[e][j]);
+    free(src), free(w), free(want), free(work);
+}
+static void test_moe_experts(void) {
+    moe_case(K3_DT_MXFP4, false, false);
+    moe_case(K3_DT_MXFP4, true, true);
+    moe_case(K3_DT_BF16, true, false);
+}
+
+/* The counters: an op call, an upload and a download are counted; events and async copies run. */
+static void test_op_stats_events(void) {
+    k3_op_stats a, b;
+    K3_CHECK_OK(k3_backend_op_stats(g_cu, &a));
+    float h[100], back[100];
+    for (int i = 0; i < 100; i++) h[i] = (float)i;
+    float *d = dpoison(100);
+    k3_backend_event *ev = NULL;
+    K3_CHECK_OK(k3_backend_event_create(g_cu, &ev));
+    K3_CHECK(ev != NULL, "cuda: no event");
+    K3_CHECK_OK(k3_backend_upload_async(g_cu, d, h, sizeof h));
+    K3_CHECK_OK(g_cu->ops->fill(g_cu, d + 50, 50, 2.0f));
+    K3_CHECK_OK(k3_backend_download_async(g_cu, back, d, sizeof back));
+    K3_CHECK_OK(k3_backend_event_record(g_cu, ev));
+    K3_CHECK_OK(k3_backend_event_sync(g_cu, ev));
+    bool ok = true;
+    for (int i = 0; i < 100; i++) ok &= back[i] == (i < 50 ? (float)i : 2.0f);
+    K3_CHECK(ok, "upload_async -> fill -> download_async -> event: wrong values");
+    K3_CHECK_OK(k3_backend_op_stats(g_cu, &b));
+    K3_CHECK(b.calls[K3_OP_fill] == a.calls[K3_OP_fill] + 1 &&
+                 b.h2d_bytes - a.h2d_bytes >= sizeof h &&
+                 b.d2h_bytes - a.d2h_bytes >= sizeof back && b.host_syncs - a.host_syncs >= 1,
+             "op_stats: fill %llu -> %llu, h2d +%llu, d2h +%llu, syncs +%llu",
+             (unsigned long long)a.calls[K3_OP_fill], (unsigned long long)b.calls[K3_OP_fill],
+             (unsigned long long)(b.h2d_bytes - a.h2d_bytes),
+             (unsigned long long)(b.d2h_bytes - a.d2h_bytes),
+             (unsigned long long)(b.host_syncs - a.host_syncs));
+    k3_backend_event_destroy(g_cu, ev);
+    dfree_all("op_stats");
+}
+
 #define K3_OP_TEST(name, params, args) {#name, test_##name},
 static const struct {
     const char *name;
@@ -604,8 +1027,9 @@ int main(void) {
     printf("test_cuda_ops seed %llu\n", (unsigned long long)k_seed);
     k3_rng_seed(&g_rng, k_seed);
     K3_CHECK_OK(k3_backend_create("ref", NULL, &g_ref));
+    K3_CHECK_OK(k3_backend_create("cpu", NULL, &g_cpu));
     K3_CHECK_OK(k3_backend_create("cuda", NULL, &g_cu));
-    if (!g_ref || !g_cu) return k3_test_done("cuda_ops");
+    if (!g_ref || !g_cpu || !g_cu) return k3_test_done("cuda_ops");
     K3_CHECK(k3_backend_cuda_ops_done() == K3_OP_COUNT, "cuda implements %d of %d ops",
              k3_backend_cuda_ops_done(), K3_OP_COUNT);
     for (size_t i = 0; i < K3_ARRAY_LEN(k_tests); i++) {
@@ -617,7 +1041,9 @@ int main(void) {
                k3_now_s() - t0);
         fflush(stdout); /* a device fault aborts the process: keep the lines before it */
     }
+    test_op_stats_events();
     k3_backend_destroy(g_cu);
+    k3_backend_destroy(g_cpu);
     k3_backend_destroy(g_ref);
     return k3_test_done("cuda_ops");
 }
