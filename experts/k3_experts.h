@@ -28,9 +28,10 @@
  *
  * Scratch: every compute function takes a backend float scratch of at least
  * k3_moe_scratch_floats(c, T) floats (T = the token count of the call; for k3_moe_expert_rows
- * with n rows use k3_moe_rows_scratch_floats(c, n)) and, where it sorts rows, a host int64
- * scratch of k3_moe_host_ints(c, T) (or k3_moe_rows_host_ints(c, n)). The functions never
- * allocate. */
+ * with n rows use k3_moe_rows_scratch_floats(c, n)). k3_moe_expert_rows, whose rows and expert
+ * ids are host metadata, sorts them on the host in an int64 scratch of k3_moe_rows_host_ints(c,
+ * n) (k3_moe_host_ints(c, T) covers n <= T·K); nothing else touches host memory. The functions
+ * never allocate. */
 #ifndef K3_EXPERTS_H
 #define K3_EXPERTS_H
 
@@ -81,13 +82,19 @@ k3_status k3_moe_finish(k3_backend *be, const k3_config *c, const k3_layer_w *lw
 
 /* ---- the whole layer, single process ------------------------------------------------------- */
 /* route -> down -> expert rows -> slot sum -> finish with every expert local. x [T, D] ->
- * y [T, D]; y must not alias x. The token loop is tiled, so the scratch does not hold T·K rows;
- * results do not depend on the tiling. */
+ * y [T, D]; y must not alias x. Everything stays on the backend: the expert ids and weights
+ * never come to the host, and the op calls (about a dozen: router, down, ONE moe_experts for the
+ * expert rows and their slot sum, finish) do not depend on T or on the routing. The op tiles
+ * tokens itself, so the scratch does not hold T·K rows; results are bit for bit the steps above
+ * done one by one (k3_moe_expert_rows with row_of[i] = i / K, then rows_wsum). Every loaded
+ * expert's shapes are checked against the config; an expert a row needs that is not loaded is
+ * an error naming the row and the expert (K3_ERR_MISSING). hscratch is unused (may be NULL). */
 k3_status k3_moe_forward(k3_backend *be, const k3_config *c, const k3_layer_w *lw, const float *x,
                          int64_t T, float *y, float *scratch, int64_t *hscratch);
 
 /* Backend floats of scratch enough for every function above called with T tokens
- * (k3_moe_expert_rows with n <= T·K rows included), and the host int64s. */
+ * (k3_moe_expert_rows with n <= T·K rows included), and the host int64s that k3_moe_expert_rows
+ * needs for up to T·K rows (k3_moe_forward needs none). */
 size_t k3_moe_scratch_floats(const k3_config *c, int64_t T);
 size_t k3_moe_host_ints(const k3_config *c, int64_t T);
 

@@ -3,27 +3,30 @@
  * single-process layer forward that strings them together.
  *
  * Owns no state: every function works on caller memory (a backend float scratch sized by
- * k3_moe_scratch_floats / k3_moe_rows_scratch_floats and a host int64 scratch for row sorting)
- * and never allocates. Every loop over activations is an op of the backend; this file only
- * decides WHAT is computed and in which order, and sorts rows by expert on host metadata.
+ * k3_moe_scratch_floats / k3_moe_rows_scratch_floats and, for k3_moe_expert_rows, a host int64
+ * scratch for row sorting) and never allocates. Every loop over activations is an op of the
+ * backend; this file only decides WHAT is computed and in which order.
  * Invariants:
  * - the weighted expert sum of token t is Σ_k w[t,k]·out[t·K+k] accumulated for k = 0..K-1
- *   (the rows_wsum op over segments of K slots);
+ *   (rows_wsum's order over segments of K slots; the moe_experts op keeps it);
  * - an expert output row never depends on the other rows of the call (rows of one expert are
- *   gathered and pushed through ops->matmul, whose per-element reduction order is independent
- *   of T);
- * - k3_moe_forward == route → down → expert rows → slot sum → finish, bit for bit (token tiles
- *   only bound the scratch; slot row t·K + k reads the latent row of token t directly). */
+ *   gathered and pushed through ops->matmul_group, whose per-element reduction order is
+ *   independent of T);
+ * - k3_moe_forward == route → down → expert rows (slot row t·K + k reads the latent row of token
+ *   t) → slot sum → finish, bit for bit, in a fixed number of op calls: the routing stays in
+ *   backend memory and one moe_experts call groups the rows by expert and sums the slots. Only
+ *   k3_moe_expert_rows (the distributed path, whose rows arrive as host metadata) sorts on the
+ *   host. */
 #include "k3_experts.h"
 
 #include <math.h>
 
-/* K3_MOE_ROW_TILE (k3_model.h, where k3 plan reads it too; 256): the rows pushed through one
- * gather, two matmul_groups, one activation and one scatter (bounds scratch; results do not
- * depend on it). A 512-token prefill's ~64 rows per expert go 4 experts a tile, 16 tiles a layer
- * instead of 64 (a quarter of the dispatches, and each tile's x big enough to pack on the pool). */
-/* Tokens per tile of k3_moe_forward (bounds the T·K·Lw slot-row buffer). */
-#define MOE_TOKEN_TILE 256
+/* K3_MOE_ROW_TILE (k3_model.h, where k3 plan reads it too; 256): the rows k3_moe_expert_rows
+ * pushes through one gather, two matmul_groups, one activation and one scatter (bounds scratch;
+ * results do not depend on it). A 512-token prefill's ~64 rows per expert go 4 experts a tile,
+ * 16 tiles a layer instead of 64 (a quarter of the dispatches, and each tile's x big enough to
+ * pack on the pool). The moe_experts op tiles its rows the same way (K3_MOE_EXPERTS_TILE;
+ * with slot weights, tokens first so that a tile's items fit its scratch). */
 
 /* Keep every scratch sub-buffer a multiple of 16 floats (64 bytes) so SIMD loads stay aligned
  * when the base is. */
@@ -45,6 +48,10 @@ k3_status k3_moe_check_config(const k3_config *c) {
     if (c->n_experts_per_tok <= 0 || c->n_experts_per_tok > c->n_experts)
         return K3_ERR(K3_ERR_CONFIG, "num_experts_per_token = %d must be in [1, num_experts = %d]",
                       c->n_experts_per_tok, c->n_experts);
+    if (c->n_experts_per_tok > K3_MOE_EXPERTS_TILE) /* a token's slots share one op tile */
+        return K3_ERR(K3_ERR_CONFIG,
+                      "num_experts_per_token = %d: at most %d (the moe_experts op's row tile)",
+                      c->n_experts_per_tok, K3_MOE_EXPERTS_TILE);
     if (c->n_group <= 0 || c->n_group > K3_MOE_MAX_GROUPS || c->n_experts % c->n_group != 0)
         return K3_ERR(K3_ERR_CONFIG,
                       "num_expert_group = %d must divide num_experts = %d (and be <= %d)",
@@ -283,17 +290,20 @@ k3_status k3_moe_finish(k3_backend *be, const k3_config *c, const k3_layer_w *lw
 }
 
 /* ---- whole layer ---------------------------------------------------------------------------- */
-static size_t forward_tile_floats(const k3_config *c, int64_t Tc) {
-    const size_t Lw = (size_t)k3_moe_row_width(c), K = (size_t)c->n_experts_per_tok;
-    const size_t TT = (size_t)Tc;
-    size_t f = 0;
-    f += pad16(TT * Lw);     /* r   [Tc, Lw] latent rows, one per token (shared by its K slots) */
-    f += pad16(TT * K * Lw); /* eo  [Tc·K, Lw] expert outputs in slot order */
-    f += pad16(TT * Lw);     /* acc [Tc, Lw] slot sum */
-    size_t rs = k3_moe_rows_scratch_floats(c, Tc * (int64_t)K);
-    size_t fs = finish_scratch_floats(c, Tc);
-    f += K3_MAX(rs, fs);
-    return f;
+/* The expert tensors are checked against the config here, on the descriptors (host structs, no
+ * data access): the moe_experts op takes its widths from the tensors of the experts it meets and
+ * only checks that they agree with each other. Every loaded expert, since the ids the op reads
+ * are backend memory. */
+static k3_status check_experts(const k3_config *c, const k3_layer_w *lw) {
+    const int64_t Lw = k3_moe_row_width(c), I = c->moe_intermediate_size;
+    for (int e = 0; lw->experts && e < c->n_experts; e++) {
+        const k3_expert_w *ew = &lw->experts[e];
+        if (!ew->w1.data) continue; /* not on this rank: the op names the row that needs it */
+        K3_TRY(check_w(&ew->w1, I, Lw, "w1", e));
+        K3_TRY(check_w(&ew->w3, I, Lw, "w3", e));
+        K3_TRY(check_w(&ew->w2, Lw, I, "w2", e));
+    }
+    return K3_OK;
 }
 
 static size_t route_floats(const k3_config *c, int64_t T) {
@@ -301,11 +311,17 @@ static size_t route_floats(const k3_config *c, int64_t T) {
     return 2 * pad16(TT * E) + pad16(E);
 }
 
+/* k3_moe_forward: ids (int32) | w [T·K] | r [T, Lw] latent rows | acc [T, Lw] slot sums | a tail
+ * that the router, then the moe_experts op, then the finish step use in turn. */
 static size_t forward_scratch_floats(const k3_config *c, int64_t T) {
     const size_t K = (size_t)c->n_experts_per_tok, TT = (size_t)T;
-    size_t head = pad16(TT * K) + pad16(TT * K); /* ids (int32) + weights */
-    size_t tile = forward_tile_floats(c, K3_MIN(T, (int64_t)MOE_TOKEN_TILE));
-    return head + K3_MAX(route_floats(c, T), tile);
+    const size_t Lw = (size_t)k3_moe_row_width(c);
+    size_t head = 2 * pad16(TT * K) + 2 * pad16(TT * Lw);
+    size_t tail = k3_moe_experts_work_floats((int64_t)Lw, c->moe_intermediate_size, T * (int64_t)K,
+                                             c->n_experts);
+    tail = K3_MAX(tail, route_floats(c, T));
+    tail = K3_MAX(tail, finish_scratch_floats(c, T));
+    return head + tail;
 }
 
 size_t k3_moe_scratch_floats(const k3_config *c, int64_t T) {
@@ -322,47 +338,34 @@ size_t k3_moe_scratch_floats(const k3_config *c, int64_t T) {
 size_t k3_moe_host_ints(const k3_config *c, int64_t T) {
     if (T < 1) T = 1;
     const int64_t K = c->n_experts_per_tok > 0 ? c->n_experts_per_tok : 1;
-    const int64_t Tt = K3_MIN(T, (int64_t)MOE_TOKEN_TILE);
-    /* k3_moe_forward: ids of the whole call (int32, two per int64 rounded up), row_of of a tile
-       and the rows scratch of a tile; k3_moe_expert_rows alone with up to T·K rows */
-    size_t fwd = (size_t)((T * K + 1) / 2) + (size_t)(Tt * K) + k3_moe_rows_host_ints(c, Tt * K);
-    return K3_MAX(fwd, k3_moe_rows_host_ints(c, T * K));
+    /* k3_moe_forward sorts nothing on the host; k3_moe_expert_rows with up to T·K rows does */
+    return k3_moe_rows_host_ints(c, T * K);
 }
 
 k3_status k3_moe_forward(k3_backend *be, const k3_config *c, const k3_layer_w *lw, const float *x,
                          int64_t T, float *y, float *scratch, int64_t *hscratch) {
+    (void)hscratch; /* unused: the routing stays in backend memory */
     K3_TRY(k3_moe_check_config(c));
+    K3_TRY(check_experts(c, lw));
     if (T <= 0) return K3_OK;
     const int K = c->n_experts_per_tok;
-    const int64_t Lw = k3_moe_row_width(c), D = c->hidden_size;
+    const int64_t Lw = k3_moe_row_width(c);
     int32_t *ids = (int32_t *)(void *)scratch; /* backend */
     float *w = scratch + pad16((size_t)T * (size_t)K);
-    float *work = w + pad16((size_t)T * (size_t)K);
-    K3_TRY(k3_moe_router(be, c, lw, x, T, ids, w, work));
-    /* the expert ids are routing metadata: sort rows by expert on host */
-    int32_t *h_ids = (int32_t *)(void *)hscratch;
-    int64_t *row_of = hscratch + (T * K + 1) / 2;
-    int64_t *rows_h = row_of + K3_MIN(T, (int64_t)MOE_TOKEN_TILE) * K;
-    K3_TRY(k3_backend_download(be, h_ids, ids, (size_t)(T * K) * sizeof(int32_t)));
-
-    const int64_t Tmax = K3_MIN(T, (int64_t)MOE_TOKEN_TILE);
-    float *r = work;
-    float *eo = r + pad16((size_t)(Tmax * Lw));
-    float *acc = eo + pad16((size_t)(Tmax * K * Lw));
-    float *tail = acc + pad16((size_t)(Tmax * Lw));
-    for (int64_t t0 = 0; t0 < T; t0 += Tmax) {
-        const int64_t Tc = K3_MIN(Tmax, T - t0);
-        const float *src = x + t0 * D; /* no latent: the experts read x itself */
-        if (c->latent_size > 0) {
-            K3_TRY(k3_moe_down(be, c, lw, x + t0 * D, Tc, r));
-            src = r;
-        }
-        /* slot row t·K + k reads src[t] */
-        for (int64_t i = 0; i < Tc * K; i++) row_of[i] = i / K;
-        K3_TRY(
-            k3_moe_expert_rows(be, c, lw, src, row_of, h_ids + t0 * K, Tc * K, eo, tail, rows_h));
-        K3_TRY(be->ops->rows_wsum(be, eo, w + t0 * K, NULL, K, Tc, Lw, acc));
-        K3_TRY(k3_moe_finish(be, c, lw, x + t0 * D, acc, Tc, y + t0 * D, tail));
+    float *r = w + pad16((size_t)T * (size_t)K);
+    float *acc = r + pad16((size_t)T * (size_t)Lw);
+    float *tail = acc + pad16((size_t)T * (size_t)Lw);
+    K3_TRY(k3_moe_router(be, c, lw, x, T, ids, w, tail));
+    const float *src = x; /* no latent: the experts read x itself */
+    if (c->latent_size > 0) {
+        K3_TRY(k3_moe_down(be, c, lw, x, T, r));
+        src = r;
     }
-    return K3_OK;
+    /* every slot row t·K + k reads src row t; acc[t] = Σ_k w[t·K + k]·item in k order */
+    const k3_expert_w *ex = lw->experts;
+    const float beta = c->act == K3_ACT_SWIGLU ? -1.0f : c->situ_beta;
+    K3_TRY(be->ops->moe_experts(be, src, K, ids, w, T * K, c->n_experts, ex ? &ex->w1 : NULL,
+                                ex ? &ex->w3 : NULL, ex ? &ex->w2 : NULL, sizeof *ex, beta,
+                                c->situ_linear_beta, acc, tail));
+    return k3_moe_finish(be, c, lw, x, acc, T, y, tail);
 }

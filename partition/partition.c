@@ -356,22 +356,20 @@ void k3_plan_seq_bytes(const k3_config *c, int lb, int le, int64_t max_ctx, uint
     }
 }
 
-/* Floats of the MoE step's scratch (experts/moe.c k3_moe_scratch_floats, mirrored: the largest
- * of routing, the expert rows of a K3_MOE_ROW_TILE-row tile, the finish step, and the whole-layer
- * forward, which runs tokens in tiles of up to 256 with K expert outputs each); pad16 rounding left
- * out. */
+/* Floats of the MoE step's scratch (experts/moe.c k3_moe_scratch_floats, mirrored: the
+ * whole-layer forward's ids, weights, latent rows and slot sums of all T tokens, then the largest
+ * of routing, the moe_experts op's work (k3_moe_experts_work_floats: its row tiles and the host
+ * sort of T·K rows) and the finish step; it covers k3_moe_expert_rows of K3_MOE_ROW_TILE-row
+ * tiles too); pad16 rounding left out. */
 static uint64_t moe_scratch_floats(const k3_config *c, uint64_t T) {
     const uint64_t X = (uint64_t)c->n_experts, K = (uint64_t)c->n_experts_per_tok;
     const uint64_t Lw = (uint64_t)(c->latent_size > 0 ? c->latent_size : c->hidden_size);
     const uint64_t I = (uint64_t)c->moe_intermediate_size;
     const uint64_t S = (uint64_t)c->n_shared_experts * I, D = (uint64_t)c->hidden_size;
-    const uint64_t route = 2 * T * X + X, rows = 2 * K3_MOE_ROW_TILE * (Lw + I);
-    const uint64_t Tc = K3_MIN(T, 256);
-    const uint64_t fin_T = T * Lw + Lw + 2 * T * S + T * D,
-                   fin_c = Tc * Lw + Lw + 2 * Tc * S + Tc * D;
-    const uint64_t tile = Tc * Lw * (2 + K) + K3_MAX(rows, fin_c);
-    const uint64_t fwd = 2 * T * K + K3_MAX(route, tile);
-    return K3_MAX(K3_MAX(route, rows), K3_MAX(fin_T, fwd));
+    const uint64_t route = 2 * T * X + X, tile = K3_MOE_ROW_TILE;
+    const uint64_t work = 2 * tile * (Lw + I) + 2 * (T * K + X + 1 + tile);
+    const uint64_t fin = T * Lw + Lw + 2 * T * S + T * D;
+    return 2 * T * K + 2 * T * Lw + K3_MAX(work, K3_MAX(route, fin));
 }
 
 uint64_t k3_plan_workspace_bytes(const k3_config *c, int lb, int le, bool first, int64_t T_,

@@ -6,9 +6,10 @@
  * alone vs inside batches of 37 and 600 rows; row_of indirection vs copied rows), the whole layer
  * (latent K3 form and the Kimi-Linear form) vs float64, k3_moe_forward == router → down → expert
  * rows (row_of = i/K) → rows_wsum → finish by hand (bitwise), thread-count invariance, error
- * paths naming row / expert / config key, scratch sizes and guard bands, and the whole layer on
- * the guard backend (weights and activations in PROT_NONE memory: any host loop over them in
- * experts/ faults) == the cpu backend, bit for bit.
+ * paths naming row / expert / config key (the forward's too: an expert not loaded, misshapen),
+ * scratch sizes and guard bands, and the whole layer on the guard backend (weights and
+ * activations in PROT_NONE memory: any host loop over them in experts/ faults) == the cpu
+ * backend, bit for bit, with no host sync and the same op calls whatever T and the routing.
  * Runs every check for each host backend (ref, cpu), then the guard check. Seed printed; inputs
  * checked non-degenerate. */
 #include <float.h>
@@ -830,6 +831,67 @@ static void test_layer(k3_backend *be, const moe_shape *sh, int T, const char *n
     model_free(&m);
 }
 
+/* The forward's errors: an expert a row needs that is not loaded names the row and the expert
+ * (the moe_experts op reads the ids; the output is not written), no expert table at all, and a
+ * misshapen expert (checked against the config whether used or not, before anything runs). */
+static void test_forward_errors(k3_backend *be) {
+    moe_shape sh = {.D = 96,
+                    .E = 16,
+                    .K = 4,
+                    .G = 4,
+                    .TG = 2,
+                    .I = 32,
+                    .L = 64,
+                    .n_shared = 1,
+                    .mxfp4 = true,
+                    .renorm = true,
+                    .use_norm = true,
+                    .scale = 1.0f,
+                    .act = K3_ACT_SITU};
+    moe_model m;
+    model_make(&m, &sh, SEED + 14);
+    const int T = 37, D = 96, K = 4;
+    k3_rng r;
+    k3_rng_seed(&r, SEED + 15);
+    float *x = malloc(sizeof(float) * T * D), *y = malloc(sizeof(float) * T * D);
+    randn(&r, x, (size_t)T * D, 1.0f);
+    size_t ns = k3_moe_scratch_floats(&m.cfg, T);
+    float *scr = scratch_new(ns);
+    int32_t ids[37 * 4];
+    float w[37 * 4];
+    K3_CHECK_OK(k3_moe_router(be, &m.cfg, &m.lw, x, T, ids, w, scr));
+    int first7 = -1;
+    for (int i = 0; i < T * K && first7 < 0; i++)
+        if (ids[i] == 7) first7 = i;
+    K3_CHECK(first7 >= 0, "no token routed to expert 7: the test needs one");
+    char needle[64];
+    snprintf(needle, sizeof needle, "row %d needs expert 7, which is not loaded", first7);
+    k3_expert_w keep7 = m.ex[7];
+    memset(&m.ex[7], 0, sizeof m.ex[7]); /* what a rank that does not own expert 7 holds */
+    for (int i = 0; i < T * D; i++) y[i] = 3.0f;
+    K3_CHECK_ERR(k3_moe_forward(be, &m.cfg, &m.lw, x, T, y, scr, NULL), K3_ERR_MISSING, needle);
+    bool untouched = true;
+    for (int i = 0; i < T * D; i++) untouched = untouched && y[i] == 3.0f;
+    K3_CHECK(untouched, "%s: a forward that failed wrote its output", be->name);
+    m.ex[7] = keep7;
+    m.lw.experts = NULL;
+    K3_CHECK_ERR(k3_moe_forward(be, &m.cfg, &m.lw, x, T, y, scr, NULL), K3_ERR_MISSING,
+                 "row 0 needs expert");
+    m.lw.experts = m.ex;
+    m.ex[11].w2.shape[0] = 63;
+    K3_CHECK_ERR(k3_moe_forward(be, &m.cfg, &m.lw, x, T, y, scr, NULL), K3_ERR_SHAPE,
+                 "w2 (expert 11) has shape [63, 32]");
+    m.ex[11].w2.shape[0] = 64;
+    K3_CHECK_OK(k3_moe_forward(be, &m.cfg, &m.lw, x, T, y, scr, NULL));
+    K3_CHECK(guard_ok(scr, ns), "forward errors: scratch overrun");
+    /* a token's K slots must fit one tile of the moe_experts op */
+    k3_config wide = m.cfg;
+    wide.n_experts = 1024, wide.n_experts_per_tok = 300, wide.n_group = 1, wide.topk_group = 1;
+    K3_CHECK_ERR(k3_moe_check_config(&wide), K3_ERR_CONFIG, "num_experts_per_token = 300");
+    free(x), free(y), free(scr);
+    model_free(&m);
+}
+
 /* Every token to one expert: a router whose bias makes expert 9 win by far; K = 1. */
 static void test_one_expert(k3_backend *be) {
     moe_shape sh = {.D = 64,
@@ -1175,6 +1237,36 @@ static void test_guard(k3_backend *cpu, k3_backend *gb, const moe_shape *sh, int
     K3_CHECK_OK(k3_backend_download(gb, scr, scr_d, sizeof(float) * (ns + GUARD)));
     K3_CHECK(guard_ok(scr, ns) && hguard_ok(hs, nh), "%s[guard]: forward wrote past its scratch",
              name);
+    /* the layer stays on the backend: no host sync, no byte back to the host, one moe_experts
+       call, and the same op calls for T tokens as for the last token alone (another T, another
+       routing) */
+    {
+        k3_op_stats a, b, c1;
+        K3_CHECK_OK(k3_backend_op_stats(gb, &a));
+        K3_CHECK_OK(k3_moe_forward(gb, c, &glw, x_d, T, y_d, scr_d, NULL));
+        K3_CHECK_OK(k3_backend_op_stats(gb, &b));
+        K3_CHECK_OK(k3_moe_forward(gb, c, &glw, x_d + (int64_t)(T - 1) * D, 1, y_d, scr_d, NULL));
+        K3_CHECK_OK(k3_backend_op_stats(gb, &c1));
+        uint64_t n_t = 0, n_1 = 0;
+        int differ = 0;
+        for (int op = 0; op < K3_OP_COUNT; op++) {
+            n_t += b.calls[op] - a.calls[op];
+            n_1 += c1.calls[op] - b.calls[op];
+            differ += b.calls[op] - a.calls[op] != c1.calls[op] - b.calls[op];
+        }
+        K3_CHECK(c1.host_syncs == a.host_syncs && c1.d2h_bytes == a.d2h_bytes,
+                 "%s[guard]: forward synced with the host %llu times, read %llu bytes back", name,
+                 (unsigned long long)(c1.host_syncs - a.host_syncs),
+                 (unsigned long long)(c1.d2h_bytes - a.d2h_bytes));
+        K3_CHECK(b.calls[K3_OP_moe_experts] - a.calls[K3_OP_moe_experts] == 1,
+                 "%s[guard]: %llu moe_experts calls in one forward", name,
+                 (unsigned long long)(b.calls[K3_OP_moe_experts] - a.calls[K3_OP_moe_experts]));
+        K3_CHECK(differ == 0 && n_t == n_1 && n_t <= 16,
+                 "%s[guard]: forward made %llu op calls for T = %d, %llu for T = 1 (%d ops differ)",
+                 name, (unsigned long long)n_t, T, (unsigned long long)n_1, differ);
+        printf("guard %s: %llu op calls a layer for T = %d and T = 1, no host sync\n", name,
+               (unsigned long long)n_t, T);
+    }
     /* the steps by hand, on the guard backend */
     poison(y_s, (size_t)T * D);
     moe_steps(gb, c, &glw, x_d, T, ids_d, ids_h, w_d, lat_d, row_of, eo_d, acc_d, ys_d, scr_d, hs);
@@ -1268,6 +1360,7 @@ int main(int argc, char **argv) {
         test_rows(be, true);
         test_rows(be, false);
         test_one_expert(be);
+        test_forward_errors(be);
         test_layer(be, &k3s, 37, "latent-k3");
         test_layer(be, &k3s, 300, "latent-k3-tiled"); /* > the 256-token tile of k3_moe_forward */
         test_layer(be, &kl, 29, "kimi-linear");
