@@ -239,9 +239,9 @@ k3_status k3_seqs_build(int n_seqs, const int32_t *n_tokens, const int32_t *pos,
     X(kv_write, (k3_backend * be, const k3_seqs *sq, const float *src, int W, float *cache),              \
       (be, sq, src, W, cache))                                                                            \
     /* Latent attention of every token of the batch over its own sequence's paged cache: token t          \
-       of sequence i at position p attends to positions [0, p] (written by kv_write before):                       \
-       o_lat[t] = attn_latent(qc[t], cache rows 0..p) bit for bit (attn_latent_causal of a                                 \
-       contiguous copy). qc [T, H, W], o_lat [T, H, Rkv]; work >=                                                                 \
+       of sequence i at position p attends to positions [0, p] (written by kv_write before):              \
+       o_lat[t] = attn_latent(qc[t], cache rows 0..p) bit for bit (attn_latent_causal of a                \
+       contiguous copy). qc [T, H, W], o_lat [T, H, Rkv]; work >=                                         \
        k3_attn_latent_causal_work_floats(sq->max_ctx, H). */                                              \
     X(attn_paged,                                                                                         \
       (k3_backend * be, const k3_seqs *sq, const float *qc, const float *cache, int H, int W,             \
@@ -264,9 +264,9 @@ k3_status k3_seqs_build(int n_seqs, const int32_t *n_tokens, const int32_t *pos,
        int64_t S_stride, float *o, int C, float *work),                                                   \
       (be, sq, q, k, v, g, beta, H, dk, dv, scale, S, S_stride, o, C, work))                              \
     /* The non-finite check of a step, on the backend: for each sequence i with flags[i] == 0             \
-       whose rows of y hold a NaN or Inf, flags[i] = code and those rows are zeroed (the layers                       \
-       after it must not fail the other sequences). Rows: its token rows of y [T, D], or row i of                        \
-       y [n_seqs, D] when per_seq. flags: backend int32 [n_seqs], read by the host once a step. */                \
+       whose rows of y hold a NaN or Inf, flags[i] = code and those rows are zeroed (the layers           \
+       after it must not fail the other sequences). Rows: its token rows of y [T, D], or row i of         \
+       y [n_seqs, D] when per_seq. flags: backend int32 [n_seqs], read by the host once a step. */        \
     X(nonfinite_rows,                                                                                     \
       (k3_backend * be, const k3_seqs *sq, float *y, int64_t D, bool per_seq, int32_t code,               \
        int32_t *flags),                                                                                   \
@@ -278,14 +278,14 @@ k3_status k3_seqs_build(int n_seqs, const int32_t *n_tokens, const int32_t *pos,
        float *dst),                                                                                       \
       (be, sq, src, slab, n_slab, D, dst))                                                                \
     /* The routed experts of a MoE layer over n slot rows, expert ids in BACKEND memory (one op:          \
-       the cpu backend groups the rows by expert itself, a device runs a grouped GEMM): out[i] =                    \
+       the cpu backend groups the rows by expert itself, a device runs a grouped GEMM): out[i] =          \
        W2_e·act(W1_e·r_i, W3_e·r_i), e = ids[i], r_i = src row i / row_div (row_div K: the T·K        \
-       slot rows of T token rows). Expert e's matrices: *(const k3_tensor *)((const char *)w1 +                      \
+       slot rows of T token rows). Expert e's matrices: *(const k3_tensor *)((const char *)w1 +           \
        e·e_stride) (w3, w2 alike: fields of a table of structs); an expert with no data is not on        \
        this rank (K3_ERR_MISSING naming row and expert). act: swiglu (beta < 0) or situ(beta,             \
        lin_beta). w NULL: out [n, Lw], row i = item i, bit for bit k3_moe_expert_rows (experts/);         \
        w [n] (backend): out [n / row_div, Lw], row t = Σ_k w[t·row_div + k]·item(t·row_div + k) in    \
-       k order, the first term initialising (rows_wsum's order), without an [n, Lw] buffer. work                                                                                                     \
+       k order, the first term initialising (rows_wsum's order), without an [n, Lw] buffer. work          \
        >= k3_moe_experts_work_floats. */                                                                  \
     X(moe_experts,                                                                                        \
       (k3_backend * be, const float *src, int64_t row_div, const int32_t *ids, const float *w,            \
@@ -419,7 +419,8 @@ size_t k3_attn_latent_causal_work_floats(int64_t n_ctx, int H);
 /* Scratch of moe_experts (floats) for n slot rows over E experts of rows Lw wide and inner width
  * I (row tiles, the grouping of rows by expert). */
 size_t k3_moe_experts_work_floats(int64_t Lw, int64_t I, int64_t n, int E);
-#define K3_MOE_EXPERTS_TILE 256 /* rows of one tile of moe_experts (its scratch) */
+#define K3_MOE_EXPERTS_TILE  256  /* rows of one tile of moe_experts (its scratch) */
+#define K3_MOE_EXPERTS_ITEMS 4096 /* slot rows of one token tile of the weighted form */
 
 /* ---- tensor helpers (no memory access: safe on any backend's tensors) --------------------- */
 /* A view of rows [r0, r0+n) of a 2-D weight [out, in] (F32/BF16/MXFP4): no copy. */

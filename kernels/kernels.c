@@ -379,10 +379,12 @@ size_t k3_attn_latent_causal_work_floats(int64_t n_ctx, int H) {
 
 size_t k3_moe_experts_work_floats(int64_t Lw, int64_t I, int64_t n, int E) {
     const size_t tile = K3_MOE_EXPERTS_TILE, nn = (size_t)(n > 0 ? n : 0);
-    /* xin [tile, Lw] | g, u [tile, I] | o [tile, Lw] | host int64: order [n], start [E + 1],
-       idx [tile] (two floats each), every part 16-float aligned */
+    /* xin [tile, Lw] | g, u [tile, I] | o [tile, Lw] | items [min(n, ITEMS), Lw] (the weighted
+       form's token tile) | host int64: order [n], start [E + 1], idx [tile] (two floats each),
+       every part 16-float aligned */
     size_t f = 0;
     f += (tile * (size_t)Lw + 15) / 16 * 16 * 2;
+    f += (K3_MIN(nn, (size_t)K3_MOE_EXPERTS_ITEMS) * (size_t)Lw + 15) / 16 * 16;
     f += (tile * (size_t)I + 15) / 16 * 16 * 2;
     f += (2 * (nn + (size_t)(E > 0 ? E : 0) + 1 + tile) + 15) / 16 * 16;
     return f;

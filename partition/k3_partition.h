@@ -68,7 +68,7 @@ void k3_plan_seq_bytes(const k3_config *c, int lb, int le, int64_t max_ctx, uint
  * layer kinds present, the MoE scratch and, with n_lanes > 1, the expert-parallel rows. The
  * tile-sized MoE scratch (64-row tiles) is not counted. */
 uint64_t k3_plan_workspace_bytes(const k3_config *c, int lb, int le, bool first, int64_t T,
-                                 int n_lanes, int64_t max_ctx);
+                                 int n_lanes, int64_t max_ctx, int max_seqs);
 
 typedef struct k3_plan {
     int world, n_stages, n_lanes;

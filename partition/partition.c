@@ -367,13 +367,16 @@ static uint64_t moe_scratch_floats(const k3_config *c, uint64_t T) {
     const uint64_t I = (uint64_t)c->moe_intermediate_size;
     const uint64_t S = (uint64_t)c->n_shared_experts * I, D = (uint64_t)c->hidden_size;
     const uint64_t route = 2 * T * X + X, tile = K3_MOE_ROW_TILE;
-    const uint64_t work = 2 * tile * (Lw + I) + 2 * (T * K + X + 1 + tile);
+    /* row tiles, the weighted form's token tile of items (4096 slot rows: k3_kernels.h
+       K3_MOE_EXPERTS_ITEMS, not visible here), the host sort */
+    const uint64_t work =
+        2 * tile * (Lw + I) + K3_MIN(T * K, 4096) * Lw + 2 * (T * K + X + 1 + tile);
     const uint64_t fin = T * Lw + Lw + 2 * T * S + T * D;
     return 2 * T * K + 2 * T * Lw + K3_MAX(work, K3_MAX(route, fin));
 }
 
 uint64_t k3_plan_workspace_bytes(const k3_config *c, int lb, int le, bool first, int64_t T_,
-                                 int n_lanes, int64_t max_ctx) {
+                                 int n_lanes, int64_t max_ctx, int max_seqs) {
     const uint64_t T = (uint64_t)K3_MAX(T_, 1), D = (uint64_t)c->hidden_size;
     bool kda = false, mla = false, dense = false, moe = false;
     for (int l = lb; l < le; l++) {
@@ -387,7 +390,9 @@ uint64_t k3_plan_workspace_bytes(const k3_config *c, int lb, int le, bool first,
             dense = true;
     }
     const uint64_t P = (uint64_t)c->kda_n_heads * (uint64_t)c->kda_head_dim;
-    uint64_t f = 4 * T * D + (uint64_t)k3_plan_max_bank(c) * D; /* xa, xn, y, head rows, bank */
+    const uint64_t seqs = (uint64_t)K3_MAX(max_seqs, 1);
+    /* xa, xn, y, head rows; the bank rows of each sequence's last token [bank, seqs, D] */
+    uint64_t f = 4 * T * D + (uint64_t)k3_plan_max_bank(c) * seqs * D;
     if (kda) {
         f += 9 * T * P + T * (uint64_t)c->kda_gate_rank + T * (uint64_t)c->kda_n_heads;
     }
@@ -400,7 +405,11 @@ uint64_t k3_plan_workspace_bytes(const k3_config *c, int lb, int le, bool first,
         f += H * (uint64_t)K3_MAX(max_ctx, 1); /* attention scores of one head row at max_ctx */
     }
     if (dense) f += 2 * T * (uint64_t)c->intermediate_size;
-    if (first) f += T; /* token ids */
+    /* the step buffer (layers/stage.c): descriptor [(seqs + 1) + 3 seqs + seqs x blocks], flags,
+       token ids, int32 each */
+    const uint64_t blocks =
+        mla ? ((uint64_t)K3_MAX(max_ctx, 1) + K3_KV_BLOCK - 1) / K3_KV_BLOCK : 0;
+    f += (seqs + 1) + 3 * seqs + seqs * blocks + T;
     /* f32 copies of each layer's small vectors (norms, conv taps, dt_bias, A_log; an upper bound
        per layer, as layers/stage.c make_vecs sizes them) + the final norm and mixing score */
     f += (uint64_t)(le - lb) *
@@ -499,8 +508,8 @@ static k3_status fill_mem(k3_plan *p, const k3_config *c, const k3_plan_req *r,
             }
             if (s == S - 1) m->buffers = u_add(&bo, m->buffers, logits);
             if (!bo)
-                m->workspace =
-                    k3_plan_workspace_bytes(c, lb, le, s == 0, r->max_tokens, E, r->max_ctx);
+                m->workspace = k3_plan_workspace_bytes(c, lb, le, s == 0, r->max_tokens, E,
+                                                       r->max_ctx, r->max_seqs_per_lane);
         }
         if (wo) return K3_ERR(K3_ERR_CONFIG, "rank %d's weight bytes overflow 64 bits", rank);
         if (co)

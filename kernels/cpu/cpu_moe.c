@@ -8,13 +8,17 @@
  * - every item is W2_e·act(W1_e·r_i, W3_e·r_i) through matmul_group, whose rows do not depend on
  *   the other rows of the call: the bits of ref_moe.c's row-by-row definition on cpu ops, and of
  *   k3_moe_expert_rows, whatever the tiles;
- * - with weights, tokens go in tiles of K3_MOE_EXPERTS_TILE / row_div: their items land in the
- *   xin part of the work in slot order and one rows_wsum sums each token's row_div of them, so
- *   the output is rows_wsum(items, w, NULL, row_div, T, Lw) bit for bit with no [n, Lw] buffer;
+ * - with weights, tokens go in tiles of K3_MOE_EXPERTS_ITEMS / row_div (256 tokens of K3's 16
+ *   slots): their items land in the items part of the work in slot order and one rows_wsum sums
+ *   each token's row_div of them, so the output is rows_wsum(items, w, NULL, row_div, T, Lw) bit
+ *   for bit with no [n, Lw] buffer. The token tile is large on purpose: the rows of a tile are
+ *   grouped by expert, and an expert's rows share one pass over its weights (tiles of 32 tokens
+ *   left ~4 rows an expert on small's 64 experts: prefill 1.3x slower in the experts);
  * - ids, experts and shapes are checked (ref_moe.c's checks and messages) before any buffer is
  *   written.
- * Work (k3_moe_experts_work_floats): xin [tile, Lw] | o [tile, Lw] | g, u [tile, I] | host
- * int64 order [n], start [E + 1], idx [tile], each part 16-float aligned. */
+ * Work (k3_moe_experts_work_floats): xin [tile, Lw] | o [tile, Lw] | g, u [tile, I] | items
+ * [min(n, K3_MOE_EXPERTS_ITEMS), Lw] | host int64 order [n], start [E + 1], idx [tile], each part
+ * 16-float aligned. */
 #include "k3_kernels.h"
 #include "k3_kernels_internal.h"
 
@@ -52,6 +56,8 @@ static k3_status check_args(int64_t row_div, const int32_t *ids, const float *w,
                       "moe_experts: %lld slot rows are not whole tokens of row_div %lld slots "
                       "(at most %d)",
                       (long long)n, (long long)row_div, TILE);
+    _Static_assert(K3_MOE_EXPERTS_ITEMS % TILE == 0 && K3_MOE_EXPERTS_ITEMS >= TILE,
+                   "a token tile of the weighted form holds whole row tiles");
     if ((uintptr_t)work % sizeof(int64_t) != 0)
         return K3_ERR(K3_ERR_ARG, "moe_experts: work is not 8-byte aligned");
     for (int64_t i = 0; i < n; i++) {
@@ -88,6 +94,7 @@ typedef struct {
     size_t e_stride;
     float beta, lin_beta;
     float *xin, *o, *g, *u;       /* [TILE, Lw], [TILE, Lw], [TILE, I], [TILE, I] */
+    float *items;                 /* [min(n, K3_MOE_EXPERTS_ITEMS), Lw] (the weighted form) */
     int64_t *order, *start, *idx; /* host: [n], [E + 1], [TILE] */
 } moe_args;
 
@@ -174,17 +181,19 @@ k3_status k3_cpu_moe_experts(k3_backend *be, const float *src, int64_t row_div, 
     a.o = a.xin + pad16((size_t)TILE * (size_t)Lw);
     a.g = a.o + pad16((size_t)TILE * (size_t)Lw);
     a.u = a.g + pad16((size_t)TILE * (size_t)I);
-    a.order = (int64_t *)(void *)(a.u + pad16((size_t)TILE * (size_t)I));
+    a.items = a.u + pad16((size_t)TILE * (size_t)I);
+    a.order =
+        (int64_t *)(void *)(a.items + pad16((size_t)K3_MIN(n, K3_MOE_EXPERTS_ITEMS) * (size_t)Lw));
     a.start = a.order + n;
     a.idx = a.start + E + 1;
     if (!w) return expert_items(be, &a, 0, n, out);
-    /* tokens in tiles whose items fit the xin part; each tile's slot sum in one rows_wsum */
-    const int64_t T = n / row_div, Tt = TILE / row_div;
+    /* tokens in tiles whose items fit the items part; each tile's slot sum in one rows_wsum */
+    const int64_t T = n / row_div, Tt = K3_MOE_EXPERTS_ITEMS / row_div;
     for (int64_t t0 = 0; t0 < T; t0 += Tt) {
         const int64_t Tc = K3_MIN(Tt, T - t0);
-        K3_TRY(expert_items(be, &a, t0 * row_div, Tc * row_div, a.xin));
-        K3_TRY(
-            be->ops->rows_wsum(be, a.xin, w + t0 * row_div, NULL, row_div, Tc, Lw, out + t0 * Lw));
+        K3_TRY(expert_items(be, &a, t0 * row_div, Tc * row_div, a.items));
+        K3_TRY(be->ops->rows_wsum(be, a.items, w + t0 * row_div, NULL, row_div, Tc, Lw,
+                                  out + t0 * Lw));
     }
     return K3_OK;
 }

@@ -60,31 +60,33 @@ static void check_split(const char *preset, int S, int64_t T, int seqs, int64_t 
                               .first = s == 0,
                               .last = s == S - 1,
                               .max_tokens = T,
-                              .n_lanes = 1};
+                              .n_lanes = 1,
+                              .max_seqs = seqs,
+                              .max_ctx = ctx};
         k3_stage *st = NULL;
         K3_CHECK_OK(k3_stage_create(&sp, &st));
         uint64_t u2 = used(be);
         k3_seq_state *ss[64];
         for (int i = 0; i < seqs; i++) K3_CHECK_OK(k3_seq_state_create(st, ctx, &ss[i]));
-        uint64_t u3 = used(be);
+        K3_CHECK(used(be) == u2, "sequence states take their slots and blocks from the pools");
         /* the stage's scratch (+ the f32 copies of its small vectors, which the plan counts in
-         * neither: bounded by the slack) and the attention scratch the first slot grows */
+         * neither: bounded by the slack), its slot pool and paged cache, as the rank sizes them
+         * (--max-seqs slots, --kv-cache-tokens = max_seqs x max_ctx) */
         uint64_t mla, kconv, krec;
         k3_plan_seq_bytes(&m.cfg, lb, le, ctx, &mla, &kconv, &krec);
-        const uint64_t attn = (uint64_t)m.cfg.n_heads * (uint64_t)ctx * 4;
-        bool has_mla = mla > 0;
-        near("workspace", s, (u2 - u1) + (has_mla ? attn : 0), pm->workspace, 16);
-        near("caches", s, u3 - u2 - (has_mla ? attn : 0), pm->caches, 3 * seqs);
+        near("workspace + caches", s, u2 - u1, pm->workspace + pm->caches, 16 + 3 * seqs);
+        const uint64_t kv_tokens =
+            ((uint64_t)seqs * (uint64_t)ctx + K3_KV_BLOCK - 1) / K3_KV_BLOCK * K3_KV_BLOCK;
         K3_CHECK(pm->caches == pm->mla_cache + pm->kda_state &&
-                     pm->mla_cache == (uint64_t)seqs * mla &&
+                     pm->mla_cache == mla / (uint64_t)ctx * kv_tokens &&
                      pm->kda_state == (uint64_t)seqs * (kconv + krec),
-                 "caches = slots x per-sequence bytes");
+                 "caches = the paged cache's blocks + slots x KDA state");
         k3_activ act;
         K3_CHECK_OK(k3_activ_alloc(be, &act, &m.cfg, T));
         uint64_t u4 = used(be);
         const uint64_t act_plan = (uint64_t)T * (uint64_t)m.cfg.hidden_size *
                                   (uint64_t)(1 + k3_plan_max_bank(&m.cfg)) * 4;
-        near("hand-off", s, u4 - u3, act_plan, 2);
+        near("hand-off", s, u4 - u2, act_plan, 2);
         K3_CHECK(pm->buffers >= act_plan, "comm buffers hold at least the hand-off activation");
         k3_activ_free(be, &act);
         for (int i = 0; i < seqs; i++) k3_seq_state_destroy(ss[i]);
