@@ -133,21 +133,16 @@ static k3_status act(k3_backend *be, const k3_config *c, float *g, const float *
     return be->ops->situ(be, g, u, n, c->situ_beta, c->situ_linear_beta, g);
 }
 
+/* k3_moe_expert_rows: ids (int32) [n] | row_of (int32) [n] | the moe_experts op's work. */
 size_t k3_moe_rows_scratch_floats(const k3_config *c, int64_t n) {
-    const size_t Lw = (size_t)k3_moe_row_width(c), I = (size_t)c->moe_intermediate_size;
-    size_t f = 0;
-    f += pad16(K3_MOE_ROW_TILE * Lw); /* xin [tile, Lw] */
-    f += pad16(K3_MOE_ROW_TILE * I);  /* g   [tile, I]  */
-    f += pad16(K3_MOE_ROW_TILE * I);  /* u   [tile, I]  */
-    f += pad16(K3_MOE_ROW_TILE * Lw); /* o   [tile, Lw] */
-    (void)n;
-    return f;
+    const size_t nn = (size_t)(n > 0 ? n : 0);
+    return 2 * pad16(nn) + k3_moe_experts_work_floats(k3_moe_row_width(c), c->moe_intermediate_size,
+                                                      n, c->n_experts);
 }
 
 size_t k3_moe_rows_host_ints(const k3_config *c, int64_t n) {
-    const size_t E = (size_t)(c->n_experts > 0 ? c->n_experts : 0);
-    const size_t nn = (size_t)(n > 0 ? n : 0);
-    return nn + (E + 1) + K3_MOE_ROW_TILE; /* order [n], start [E+1], gather indices [tile] */
+    (void)c;
+    return (size_t)(n > 0 ? n : 0); /* the ids and rows as int32, staged for one upload */
 }
 
 k3_status k3_moe_expert_rows(k3_backend *be, const k3_config *c, const k3_layer_w *lw,
@@ -157,7 +152,8 @@ k3_status k3_moe_expert_rows(k3_backend *be, const k3_config *c, const k3_layer_
     const int E = c->n_experts;
     const int64_t Lw = k3_moe_row_width(c), I = c->moe_intermediate_size;
     if (n <= 0) return K3_OK;
-    /* validate ids and presence before touching anything */
+    if (n > INT32_MAX) return K3_ERR(K3_ERR_ARG, "MoE: %lld rows (at most 2^31)", (long long)n);
+    /* validate ids, presence and shapes before touching anything (the ids are host metadata) */
     for (int64_t i = 0; i < n; i++) {
         int32_t e = expert[i];
         if (e < 0 || e >= E)
@@ -168,67 +164,28 @@ k3_status k3_moe_expert_rows(k3_backend *be, const k3_config *c, const k3_layer_
             return K3_ERR(K3_ERR_MISSING,
                           "MoE: row %lld needs expert %d, which is not loaded on this rank",
                           (long long)i, e);
+        if (row_of && (row_of[i] < 0 || row_of[i] > INT32_MAX))
+            return K3_ERR(K3_ERR_ARG, "MoE: row %lld reads source row %lld", (long long)i,
+                          (long long)row_of[i]);
     }
-    /* counting sort of the rows by expert (stable: rows of one expert keep their order) */
-    int64_t *order = hscratch, *start = hscratch + n, *idx = start + E + 1;
-    float *xin = scratch;
-    float *g = xin + pad16((size_t)K3_MOE_ROW_TILE * (size_t)Lw);
-    float *u = g + pad16((size_t)K3_MOE_ROW_TILE * (size_t)I);
-    float *o = u + pad16((size_t)K3_MOE_ROW_TILE * (size_t)I);
-
-    for (int e = 0; e <= E; e++) start[e] = 0;
-    for (int64_t i = 0; i < n; i++) start[expert[i] + 1]++;
-    for (int e = 0; e < E; e++) start[e + 1] += start[e];
-    for (int64_t i = 0; i < n; i++) order[start[expert[i]]++] = i; /* start[e] -> end of e */
-    for (int e = E; e > 0; e--) start[e] = start[e - 1];           /* shift back to starts */
-    start[0] = 0;
-
-    for (int e = 0; e < E; e++) {
-        if (start[e] == start[e + 1]) continue;
+    for (int64_t i = 0; i < n; i++) {
+        const int e = expert[i];
         const k3_expert_w *ew = &lw->experts[e];
         K3_TRY(check_w(&ew->w1, I, Lw, "w1", e));
         K3_TRY(check_w(&ew->w3, I, Lw, "w3", e));
         K3_TRY(check_w(&ew->w2, Lw, I, "w2", e));
     }
-    /* Tiles of up to K3_MOE_ROW_TILE consecutive sorted rows: whole experts while they fit, an
-       expert with more rows in tiles of its own (its last piece then shares). Per tile one
-       gather, one matmul_group for every expert's w1 and w3 over its rows of the tile, one
-       activation, one matmul_group for the w2s, one scatter (a decode step's 8 experts: 2
-       dispatches instead of 24). Every row meets its own expert's matrices, and a matmul's
-       rows never depend on the others of its call, so the tiling changes no bit. */
-    k3_mm mm[2 * K3_MOE_ROW_TILE];
-    int seg_e[K3_MOE_ROW_TILE];
-    int64_t seg_j[K3_MOE_ROW_TILE], seg_r[K3_MOE_ROW_TILE];
-    for (int64_t p0 = 0, m; p0 < n; p0 += m) {
-        int64_t p1 = start[expert[order[p0]] + 1]; /* the end of p0's expert */
-        if (p1 - p0 >= K3_MOE_ROW_TILE)
-            p1 = p0 + K3_MOE_ROW_TILE;
-        else
-            while (p1 < n && start[expert[order[p1]] + 1] - p0 <= K3_MOE_ROW_TILE)
-                p1 = start[expert[order[p1]] + 1];
-        m = p1 - p0;
-        for (int64_t j = 0; j < m; j++) idx[j] = row_of ? row_of[order[p0 + j]] : order[p0 + j];
-        K3_TRY(be->ops->rows_gather(be, src, Lw, idx, m, xin));
-        int ns = 0; /* segment s: rows [seg_j, seg_j + seg_r) of the tile, all of expert seg_e */
-        for (int64_t j = 0; j < m; j += seg_r[ns++]) {
-            seg_e[ns] = expert[order[p0 + j]];
-            seg_j[ns] = j;
-            seg_r[ns] = K3_MIN(start[seg_e[ns] + 1] - (p0 + j), m - j);
-        }
-        for (int q = 0; q < ns; q++) {
-            const k3_expert_w *ew = &lw->experts[seg_e[q]];
-            mm[2 * q] = (k3_mm){xin + seg_j[q] * Lw, seg_r[q], &ew->w1, g + seg_j[q] * I};
-            mm[2 * q + 1] = (k3_mm){xin + seg_j[q] * Lw, seg_r[q], &ew->w3, u + seg_j[q] * I};
-        }
-        K3_TRY(be->ops->matmul_group(be, mm, 2 * ns));
-        K3_TRY(act(be, c, g, u, m * I));
-        for (int q = 0; q < ns; q++)
-            mm[q] =
-                (k3_mm){g + seg_j[q] * I, seg_r[q], &lw->experts[seg_e[q]].w2, o + seg_j[q] * Lw};
-        K3_TRY(be->ops->matmul_group(be, mm, ns));
-        K3_TRY(be->ops->rows_scatter(be, o, Lw, order + p0, m, out));
-    }
-    return K3_OK;
+    /* the ids and source rows to the backend in one copy, then one op for every row: the op
+       groups the rows by expert itself (k3_kernels.h moe_experts; each output row depends only
+       on its own row and expert, so this is the bits of every tiling) */
+    int32_t *h = (int32_t *)(void *)hscratch, *d = (int32_t *)(void *)scratch;
+    memcpy(h, expert, (size_t)n * sizeof(int32_t));
+    for (int64_t i = 0; row_of && i < n; i++) h[n + i] = (int32_t)row_of[i];
+    K3_TRY(k3_backend_upload_async(be, d, h, (size_t)(row_of ? 2 * n : n) * sizeof(int32_t)));
+    const k3_expert_w *ex = lw->experts;
+    return be->ops->moe_experts(be, src, 1, row_of ? d + n : NULL, d, NULL, n, E, &ex->w1, &ex->w3,
+                                &ex->w2, sizeof *ex, c->act == K3_ACT_SWIGLU ? -1.0f : c->situ_beta,
+                                c->situ_linear_beta, out, scratch + 2 * pad16((size_t)n));
 }
 
 /* ---- finish: latent norm + up + shared ------------------------------------------------------ */
@@ -364,7 +321,7 @@ k3_status k3_moe_forward(k3_backend *be, const k3_config *c, const k3_layer_w *l
     /* every slot row t·K + k reads src row t; acc[t] = Σ_k w[t·K + k]·item in k order */
     const k3_expert_w *ex = lw->experts;
     const float beta = c->act == K3_ACT_SWIGLU ? -1.0f : c->situ_beta;
-    K3_TRY(be->ops->moe_experts(be, src, K, ids, w, T * K, c->n_experts, ex ? &ex->w1 : NULL,
+    K3_TRY(be->ops->moe_experts(be, src, K, NULL, ids, w, T * K, c->n_experts, ex ? &ex->w1 : NULL,
                                 ex ? &ex->w3 : NULL, ex ? &ex->w2 : NULL, sizeof *ex, beta,
                                 c->situ_linear_beta, acc, tail));
     return k3_moe_finish(be, c, lw, x, acc, T, y, tail);

@@ -280,7 +280,8 @@ k3_status k3_seqs_build(int n_seqs, const int32_t *n_tokens, const int32_t *pos,
     /* The routed experts of a MoE layer over n slot rows, expert ids in BACKEND memory (one op:          \
        the cpu backend groups the rows by expert itself, a device runs a grouped GEMM): out[i] =          \
        W2_e·act(W1_e·r_i, W3_e·r_i), e = ids[i], r_i = src row i / row_div (row_div K: the T·K        \
-       slot rows of T token rows). Expert e's matrices: *(const k3_tensor *)((const char *)w1 +           \
+       slot rows of T token rows), or src row row_of[i] when row_of (backend int32 [n], >= 0: the  \
+       rows an expert-parallel lane received) is not NULL. Expert e's matrices: *(const k3_tensor *)((const char *)w1 +           \
        e·e_stride) (w3, w2 alike: fields of a table of structs); an expert with no data is not on        \
        this rank (K3_ERR_MISSING naming row and expert). act: swiglu (beta < 0) or situ(beta,             \
        lin_beta). w NULL: out [n, Lw], row i = item i, bit for bit k3_moe_expert_rows (experts/);         \
@@ -288,10 +289,11 @@ k3_status k3_seqs_build(int n_seqs, const int32_t *n_tokens, const int32_t *pos,
        k order, the first term initialising (rows_wsum's order), without an [n, Lw] buffer. work          \
        >= k3_moe_experts_work_floats. */                                                                  \
     X(moe_experts,                                                                                        \
-      (k3_backend * be, const float *src, int64_t row_div, const int32_t *ids, const float *w,            \
-       int64_t n, int E, const k3_tensor *w1, const k3_tensor *w3, const k3_tensor *w2,                   \
-       size_t e_stride, float beta, float lin_beta, float *out, float *work),                             \
-      (be, src, row_div, ids, w, n, E, w1, w3, w2, e_stride, beta, lin_beta, out, work))
+      (k3_backend * be, const float *src, int64_t row_div, const int32_t *row_of,                         \
+       const int32_t *ids, const float *w, int64_t n, int E, const k3_tensor *w1,                         \
+       const k3_tensor *w3, const k3_tensor *w2, size_t e_stride, float beta, float lin_beta,             \
+       float *out, float *work),                                                                          \
+      (be, src, row_div, row_of, ids, w, n, E, w1, w3, w2, e_stride, beta, lin_beta, out, work))
 
 #define K3_OP_FIELD(name, params, args) k3_status(*name) params;
 typedef struct k3_ops {

@@ -57,16 +57,15 @@ struct k3_stage {
     float *moe_scratch;    /* k3_moe_scratch_floats(T) */
     int64_t *moe_hscratch; /* host: k3_moe_host_ints(T) */
     /* the distributed MoE step (comm != NULL) */
-    int32_t *moe_ids; /* [T, K] */
-    float *moe_w;     /* [T, K] */
+    int32_t *moe_ids; /* [2, T_max, K]: a step's ids [T·K], then its weights [T·K] (float) */
     float *moe_r;     /* [T, Lw] latent rows */
     float *moe_comb;  /* [T·K, Lw] what the combine returns */
     float *moe_acc;   /* [T, Lw] weighted expert sum */
     float *moe_eo;    /* [n_lanes·T·K, Lw] received items' outputs (pre-sum mode) */
     float *moe_xs;    /* expert rows scratch for n_lanes·T·K rows */
     int64_t *moe_xh;  /* host: expert rows host scratch */
-    int32_t *h_ids, *h_row, *h_lane; /* host [T·K] routing metadata */
-    float *h_w;                      /* host [T·K] */
+    int32_t *h_ids, *h_row, *h_lane; /* host routing metadata: [2, T·K] (ids, weight bits),
+                                        [T·K], [T·K] */
     /* head */
     float *hsel;     /* [T, D] rows that get logits */
     float *bank_sel; /* [max_bank, n_slots, D] the bank rows of each sequence's last token */

@@ -244,8 +244,9 @@ static k3_status make_scratch(k3_stage *s) {
         if (s->p.comm) {
             /* a lane receives at most n_lanes·T·K items (every lane's T tokens, K slots each) */
             const size_t TK = T * K, R = (size_t)s->p.n_lanes * TK;
-            K3_TRY(buf(s, &s->moe_ids, TK, "MoE ids"));
-            K3_TRY(buf(s, &s->moe_w, TK, "MoE weights"));
+            /* ids [TK] | weights [TK] in one buffer: the step reads both back in one copy */
+            K3_TRY(buf(s, &s->moe_ids, 2 * TK, "MoE ids and weights"));
+
             K3_TRY(buf(s, &s->moe_r, T * Lw, "MoE latent rows"));
             K3_TRY(buf(s, &s->moe_comb, TK * Lw, "MoE combined rows"));
             K3_TRY(buf(s, &s->moe_acc, T * Lw, "MoE weighted sum"));
@@ -254,10 +255,10 @@ static k3_status make_scratch(k3_stage *s) {
                        "MoE expert scratch"));
             K3_TRY(hbuf(&s->moe_xh, k3_moe_rows_host_ints(c, (int64_t)R) * sizeof(int64_t),
                         "MoE expert host scratch"));
-            K3_TRY(hbuf(&s->h_ids, TK * sizeof(int32_t), "MoE host ids"));
+            K3_TRY(hbuf(&s->h_ids, 2 * TK * sizeof(int32_t), "MoE host ids and weights"));
+
             K3_TRY(hbuf(&s->h_row, TK * sizeof(int32_t), "MoE host rows"));
             K3_TRY(hbuf(&s->h_lane, TK * sizeof(int32_t), "MoE host lanes"));
-            K3_TRY(hbuf(&s->h_w, TK * sizeof(float), "MoE host weights"));
         }
     }
     return K3_OK;
@@ -331,19 +332,19 @@ void k3_stage_destroy(k3_stage *s) {
     if (!s) return;
     if (s->be) {
         float *bufs[] = {
-            s->xa,          s->xn,        s->y,      s->hsel,     s->bank_sel, s->kq,     s->kk,
-            s->kv,          s->kqc,       s->kkc,    s->kvc,      s->kr,       s->kg,     s->ko,
-            s->kfa,         s->kbeta,     s->kwork,  s->mcq,      s->mq,       s->mckv,   s->mhwork,
-            s->mqc,         s->molat,     s->mattn,  s->mgate,    s->mwork,    s->fg,     s->fu,
-            s->moe_scratch, s->moe_w,     s->moe_r,  s->moe_comb, s->moe_acc,  s->moe_eo, s->moe_xs,
-            s->vec_mem,     s->conv_pool, s->S_pool, s->kv_pool};
+            s->xa,          s->xn,     s->y,        s->hsel,    s->bank_sel, s->kq,     s->kk,
+            s->kv,          s->kqc,    s->kkc,      s->kvc,     s->kr,       s->kg,     s->ko,
+            s->kfa,         s->kbeta,  s->kwork,    s->mcq,     s->mq,       s->mckv,   s->mhwork,
+            s->mqc,         s->molat,  s->mattn,    s->mgate,   s->mwork,    s->fg,     s->fu,
+            s->moe_scratch, s->moe_r,  s->moe_comb, s->moe_acc, s->moe_eo,   s->moe_xs, s->vec_mem,
+            s->conv_pool,   s->S_pool, s->kv_pool};
         for (size_t i = 0; i < K3_ARRAY_LEN(bufs); i++) k3_backend_free(s->be, bufs[i]);
         k3_backend_free(s->be, s->step_dev);
         k3_backend_free(s->be, s->moe_ids);
     }
-    void *hosts[] = {s->moe_hscratch, s->moe_xh,  s->h_ids,     s->h_row,    s->h_lane,
-                     s->h_w,          s->tap_buf, s->slot_used, s->free_blk, s->step_host,
-                     s->h_ntok,       s->h_pos,   s->h_slot,    s->h_blk,    s->h_nf};
+    void *hosts[] = {s->moe_hscratch, s->moe_xh,    s->h_ids,    s->h_row,     s->h_lane,
+                     s->tap_buf,      s->slot_used, s->free_blk, s->step_host, s->h_ntok,
+                     s->h_pos,        s->h_slot,    s->h_blk,    s->h_nf};
     for (size_t i = 0; i < K3_ARRAY_LEN(hosts); i++) k3_free(hosts[i]);
     k3_free(s->vec);
     if (s->own_be) k3_backend_destroy(s->be);
@@ -578,11 +579,14 @@ static k3_status moe_step(k3_stage *s, int l, const float *x, int64_t T, float *
     const int K = c->n_experts_per_tok;
     const int64_t Lw = k3_moe_row_width(c), n = T * K;
     const k3_combine_mode mode = s->p.deterministic ? K3_COMBINE_PER_ITEM : K3_COMBINE_PRESUM;
+    /* the step's weights follow its ids: [n ids | n weights] at the start of moe_ids */
+    float *wd = (float *)(void *)(s->moe_ids + n);
     if (T > 0) {
-        K3_TRY(k3_moe_router(be, c, lw, x, T, s->moe_ids, s->moe_w, s->moe_scratch));
+        K3_TRY(k3_moe_router(be, c, lw, x, T, s->moe_ids, wd, s->moe_scratch));
         K3_TRY(k3_moe_down(be, c, lw, x, T, s->moe_r));
-        K3_TRY(k3_backend_download(be, s->h_ids, s->moe_ids, (size_t)n * sizeof(int32_t)));
-        K3_TRY(k3_backend_download(be, s->h_w, s->moe_w, (size_t)n * sizeof(float)));
+        /* the layer's one host read: the route is built on the host (the MPI exchange's
+           metadata); ids and weights come back in one copy */
+        K3_TRY(k3_backend_download(be, s->h_ids, s->moe_ids, (size_t)(2 * n) * sizeof(int32_t)));
     }
     const int32_t *lane = s->p.expert_lane + (size_t)l * (size_t)c->n_experts;
     for (int64_t i = 0; i < n; i++) {
@@ -597,7 +601,7 @@ static k3_status moe_step(k3_stage *s, int l, const float *x, int64_t T, float *
                           .item_row = s->h_row,
                           .item_lane = s->h_lane,
                           .item_tag = s->h_ids,
-                          .item_w = s->h_w};
+                          .item_w = (const float *)(const void *)(s->h_ids + n)};
     k3_dispatch_view v;
     K3_TRY(k3_comm_moe_dispatch(s->p.comm, be, s->moe_r, Lw, &route, mode, &v));
     if (v.n_items > 0) {
@@ -611,7 +615,7 @@ static k3_status moe_step(k3_stage *s, int l, const float *x, int64_t T, float *
     K3_TRY(k3_comm_moe_combine(s->p.comm, be, s->moe_comb, &pair_seg));
     if (T == 0) return K3_OK;
     if (mode == K3_COMBINE_PER_ITEM)
-        K3_TRY(be->ops->rows_wsum(be, s->moe_comb, s->moe_w, NULL, K, T, Lw, s->moe_acc));
+        K3_TRY(be->ops->rows_wsum(be, s->moe_comb, wd, NULL, K, T, Lw, s->moe_acc));
     else
         K3_TRY(be->ops->rows_wsum(be, s->moe_comb, NULL, pair_seg, 0, T, Lw, s->moe_acc));
     return k3_moe_finish(be, c, lw, x, s->moe_acc, T, y, s->moe_scratch);

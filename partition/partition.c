@@ -423,6 +423,10 @@ uint64_t k3_plan_workspace_bytes(const k3_config *c, int lb, int le, bool first,
             const uint64_t K = (uint64_t)c->n_experts_per_tok, TK = T * K;
             const uint64_t Lw = (uint64_t)(c->latent_size > 0 ? c->latent_size : c->hidden_size);
             f += 2 * TK + 2 * T * Lw + TK * Lw + (uint64_t)n_lanes * TK * Lw;
+            /* the received items' expert rows (k3_moe_expert_rows: ids and rows as int32, the
+               moe_experts work beyond the row tiles moe_scratch_floats counts) */
+            const uint64_t R = (uint64_t)n_lanes * TK, X = (uint64_t)c->n_experts;
+            f += 2 * R + K3_MIN(R, 4096) * Lw + 2 * (R + X + 1 + 256);
             host = TK * 16 + (uint64_t)n_lanes * TK * 8;
         }
     }

@@ -87,6 +87,7 @@ static k3_status check_args(int64_t row_div, const int32_t *ids, const float *w,
 
 typedef struct {
     const float *src;
+    const int32_t *row_of; /* NULL: slot row i reads src row i / row_div */
     int64_t row_div, Lw, I;
     const int32_t *ids;
     int E;
@@ -129,7 +130,10 @@ static k3_status expert_items(k3_backend *be, const moe_args *a, int64_t r0, int
             while (p1 < n_rows && start[ex[order[p1]] + 1] - p0 <= TILE)
                 p1 = start[ex[order[p1]] + 1];
         m = p1 - p0;
-        for (int64_t j = 0; j < m; j++) idx[j] = (r0 + order[p0 + j]) / a->row_div;
+        for (int64_t j = 0; j < m; j++) {
+            const int64_t i = r0 + order[p0 + j];
+            idx[j] = a->row_of ? a->row_of[i] : i / a->row_div;
+        }
         K3_TRY(be->ops->rows_gather(be, a->src, Lw, idx, m, a->xin));
         int ns = 0; /* segment s: rows [seg_j, seg_j + seg_r) of the tile, all of expert seg_e */
         for (int64_t j = 0; j < m; j += seg_r[ns++]) {
@@ -158,14 +162,19 @@ static k3_status expert_items(k3_backend *be, const moe_args *a, int64_t r0, int
     return K3_OK;
 }
 
-k3_status k3_cpu_moe_experts(k3_backend *be, const float *src, int64_t row_div, const int32_t *ids,
-                             const float *w, int64_t n, int E, const k3_tensor *w1,
-                             const k3_tensor *w3, const k3_tensor *w2, size_t e_stride, float beta,
-                             float lin_beta, float *out, float *work) {
+k3_status k3_cpu_moe_experts(k3_backend *be, const float *src, int64_t row_div,
+                             const int32_t *row_of, const int32_t *ids, const float *w, int64_t n,
+                             int E, const k3_tensor *w1, const k3_tensor *w3, const k3_tensor *w2,
+                             size_t e_stride, float beta, float lin_beta, float *out, float *work) {
     if (n <= 0) return K3_OK;
     int64_t Lw = 0, I = 0;
     K3_TRY(check_args(row_div, ids, w, n, E, w1, w3, w2, e_stride, work, &Lw, &I));
+    for (int64_t i = 0; row_of && i < n; i++)
+        if (row_of[i] < 0)
+            return K3_ERR(K3_ERR_ARG, "moe_experts: row %lld reads source row %d", (long long)i,
+                          row_of[i]);
     moe_args a = {.src = src,
+                  .row_of = row_of,
                   .row_div = row_div,
                   .Lw = Lw,
                   .I = I,

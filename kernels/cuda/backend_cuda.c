@@ -698,10 +698,10 @@ static k3_status tab_get(k3_backend *be, const k3_tensor *w1, const k3_tensor *w
    then W2 (and with w the slot sum). The tile is as many rows as the caller's work holds
    (k3_moe_experts_work_floats), whole tokens when w sums them. */
 static k3_status cu_moe_experts(k3_backend *be, const float *src, int64_t row_div,
-                                const int32_t *ids, const float *w, int64_t n, int E,
-                                const k3_tensor *w1, const k3_tensor *w3, const k3_tensor *w2,
-                                size_t e_stride, float beta, float lin_beta, float *out,
-                                float *work) {
+                                const int32_t *row_of, const int32_t *ids, const float *w,
+                                int64_t n, int E, const k3_tensor *w1, const k3_tensor *w3,
+                                const k3_tensor *w2, size_t e_stride, float beta, float lin_beta,
+                                float *out, float *work) {
     if (n <= 0) return K3_OK;
     if (row_div < 1 || E < 1)
         return K3_ERR(K3_ERR_ARG, "moe_experts: row_div %lld, %d experts (both must be >= 1)",
@@ -740,7 +740,7 @@ static k3_status cu_moe_experts(k3_backend *be, const float *src, int64_t row_di
     const bool h_vec = (uintptr_t)work % 16 == 0 && I % 4 == 0;
     for (int64_t r0 = 0; r0 < n; r0 += tile) {
         const int64_t m = n - r0 < tile ? n - r0 : tile;
-        CU_TRY(k3c_moe_up(STREAM(be), src, row_div, ids, t->dev, r0, m, Lw, I, x_vec, beta,
+        CU_TRY(k3c_moe_up(STREAM(be), src, row_div, row_of, ids, t->dev, r0, m, Lw, I, x_vec, beta,
                           lin_beta, work));
         CU_TRY(k3c_moe_down(STREAM(be), work, ids, w, row_div, t->dev, r0, m, Lw, I, h_vec, out));
     }

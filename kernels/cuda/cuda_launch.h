@@ -119,10 +119,11 @@ typedef struct k3c_expert {
 int k3c_moe_check(cudaStream_t s, const int32_t *ids, int64_t n, int E, const k3c_expert *tab,
                   unsigned long long *err);
 /* Rows [r0, r0 + m) of the n slot rows: h [m, I] = act(W1_e·r_i, W3_e·r_i), e = ids[i], r_i =
- * src row i / row_div (src rows Lw wide; x_vec: src rows 16-byte aligned). */
-int k3c_moe_up(cudaStream_t s, const float *src, int64_t row_div, const int32_t *ids,
-               const k3c_expert *tab, int64_t r0, int64_t m, int64_t Lw, int64_t I, bool x_vec,
-               float beta, float lin_beta, float *h);
+ * src row i / row_div, or row_of[i] when row_of is not NULL (src rows Lw wide; x_vec: src rows
+ * 16-byte aligned). */
+int k3c_moe_up(cudaStream_t s, const float *src, int64_t row_div, const int32_t *row_of,
+               const int32_t *ids, const k3c_expert *tab, int64_t r0, int64_t m, int64_t Lw,
+               int64_t I, bool x_vec, float beta, float lin_beta, float *h);
 /* Then out: w NULL: out row i = W2_e·h[i − r0] for i in [r0, r0 + m); w: out row t =
  * Σ_k w[t·K + k]·W2·h[..] in k order for tokens t in [r0 / K, (r0 + m) / K), K = row_div (m and r0
  * multiples of K). h_vec: h rows 16-byte aligned. */

@@ -160,16 +160,16 @@ static __device__ __forceinline__ float slices_sum(float (*part)[K3C_MM_ROWS], f
 }
 
 static __global__ void __launch_bounds__(K3C_MM_ROWS *K3C_MM_SLICES)
-    moe_up_kernel(const float *src, int64_t row_div, const int32_t *ids, const k3c_expert *tab,
-                  int64_t r0, int64_t Lw, int64_t I, bool x_vec, float beta, float lin_beta,
-                  float *h) {
+    moe_up_kernel(const float *src, int64_t row_div, const int32_t *row_of, const int32_t *ids,
+                  const k3c_expert *tab, int64_t r0, int64_t Lw, int64_t I, bool x_vec, float beta,
+                  float lin_beta, float *h) {
     __shared__ float part[K3C_MM_SLICES][K3C_MM_ROWS];
     const int lane = threadIdx.x & 31, s = threadIdx.x >> 5;
     const int64_t j = blockIdx.y, i = r0 + j; /* tile row j = slot row i */
     const int64_t o = (int64_t)blockIdx.x * K3C_MM_ROWS + lane;
     const bool live = o < I;
     const k3c_expert ex = tab[ids[i]]; /* checked by moe_check_kernel */
-    const float *x = src + (i / row_div) * Lw;
+    const float *x = src + (row_of ? (int64_t)row_of[i] : i / row_div) * Lw;
     const float g = slices_sum(part, live ? expert_part(ex, 0, o, Lw, x, x_vec, s) : 0.0f);
     const float u = slices_sum(part, live ? expert_part(ex, 1, o, Lw, x, x_vec, s) : 0.0f);
     if (s == 0 && live) h[j * I + o] = k3c_moe_act(g, u, beta, lin_beta);
@@ -204,13 +204,13 @@ extern "C" int k3c_moe_check(cudaStream_t s, const int32_t *ids, int64_t n, int 
     return (int)cudaGetLastError();
 }
 
-extern "C" int k3c_moe_up(cudaStream_t s, const float *src, int64_t row_div, const int32_t *ids,
-                          const k3c_expert *tab, int64_t r0, int64_t m, int64_t Lw, int64_t I,
-                          bool x_vec, float beta, float lin_beta, float *h) {
+extern "C" int k3c_moe_up(cudaStream_t s, const float *src, int64_t row_div, const int32_t *row_of,
+                          const int32_t *ids, const k3c_expert *tab, int64_t r0, int64_t m,
+                          int64_t Lw, int64_t I, bool x_vec, float beta, float lin_beta, float *h) {
     if (m <= 0 || I <= 0) return 0;
     dim3 grid((unsigned)((I + K3C_MM_ROWS - 1) / K3C_MM_ROWS), (unsigned)m);
-    moe_up_kernel<<<grid, K3C_MM_ROWS * K3C_MM_SLICES, 0, s>>>(src, row_div, ids, tab, r0, Lw, I,
-                                                               x_vec, beta, lin_beta, h);
+    moe_up_kernel<<<grid, K3C_MM_ROWS * K3C_MM_SLICES, 0, s>>>(src, row_div, row_of, ids, tab, r0,
+                                                               Lw, I, x_vec, beta, lin_beta, h);
     return (int)cudaGetLastError();
 }
 

@@ -76,13 +76,17 @@ static k3_status check_args(int64_t row_div, const int32_t *ids, const float *w,
     return K3_OK;
 }
 
-k3_status k3_ref_moe_experts(k3_backend *be, const float *src, int64_t row_div, const int32_t *ids,
-                             const float *w, int64_t n, int E, const k3_tensor *w1,
-                             const k3_tensor *w3, const k3_tensor *w2, size_t e_stride, float beta,
-                             float lin_beta, float *out, float *work) {
+k3_status k3_ref_moe_experts(k3_backend *be, const float *src, int64_t row_div,
+                             const int32_t *row_of, const int32_t *ids, const float *w, int64_t n,
+                             int E, const k3_tensor *w1, const k3_tensor *w3, const k3_tensor *w2,
+                             size_t e_stride, float beta, float lin_beta, float *out, float *work) {
     if (n <= 0) return K3_OK;
     int64_t Lw = 0, I = 0;
     K3_TRY(check_args(row_div, ids, w, n, E, w1, w3, w2, e_stride, work, &Lw, &I));
+    for (int64_t i = 0; row_of && i < n; i++)
+        if (row_of[i] < 0)
+            return K3_ERR(K3_ERR_ARG, "moe_experts: row %lld reads source row %d", (long long)i,
+                          row_of[i]);
     float *items = work; /* [row_div, Lw] in the xin part (row_div <= TILE with weights) */
     float *g = work + 2 * pad16((size_t)TILE * (size_t)Lw);
     float *u = g + pad16((size_t)TILE * (size_t)I);
@@ -91,7 +95,7 @@ k3_status k3_ref_moe_experts(k3_backend *be, const float *src, int64_t row_div, 
         for (int64_t k = 0; k < per; k++) {
             const int64_t i = t * per + k;
             const int e = ids[i];
-            const float *r = src + i / row_div * Lw;
+            const float *r = src + (row_of ? row_of[i] : i / row_div) * Lw;
             float *item = w ? items + k * Lw : out + i * Lw;
             K3_TRY(be->ops->matmul(be, r, 1, expert_t(w1, e, e_stride), g));
             K3_TRY(be->ops->matmul(be, r, 1, expert_t(w3, e, e_stride), u));

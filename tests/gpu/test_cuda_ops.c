@@ -936,10 +936,12 @@ static void moe_case(k3_dtype dt, bool weighted, bool situ_act) {
     float *dsrc = dcopy(src, T * Lw), *dwt = dcopy(w, n), *dout = dpoison(no), *dwork = dpoison(wf);
     int32_t *dids = dput(ids, sizeof ids);
     const size_t es = sizeof(expert_row);
-    K3_CHECK_OK(g_cpu->ops->moe_experts(g_cpu, src, K, ids, weighted ? w : NULL, n, E, &th[0].w1,
-                                        &th[0].w3, &th[0].w2, es, beta, lin, want, work));
-    K3_CHECK_OK(g_cu->ops->moe_experts(g_cu, dsrc, K, dids, weighted ? dwt : NULL, n, E, &td[0].w1,
-                                       &td[0].w3, &td[0].w2, es, beta, lin, dout, dwork));
+    K3_CHECK_OK(g_cpu->ops->moe_experts(g_cpu, src, K, NULL, ids, weighted ? w : NULL, n, E,
+                                        &th[0].w1, &th[0].w3, &th[0].w2, es, beta, lin, want,
+                                        work));
+    K3_CHECK_OK(g_cu->ops->moe_experts(g_cu, dsrc, K, NULL, dids, weighted ? dwt : NULL, n, E,
+                                       &td[0].w1, &td[0].w3, &td[0].w2, es, beta, lin, dout,
+                                       dwork));
     /* the chain on this backend */
     float *dg = dpoison(n * I), *du = dpoison(n * I), *ditem = dpoison(n * Lw);
     float *dsum = dpoison(T * Lw);
@@ -963,13 +965,13 @@ static void moe_case(k3_dtype dt, bool weighted, bool situ_act) {
     /* row 5 needs the missing expert; then row 2 an id out of range (the first is named) */
     ids[5] = missing;
     int32_t *dbad = dput(ids, sizeof ids);
-    K3_CHECK_ERR(g_cu->ops->moe_experts(g_cu, dsrc, K, dbad, NULL, n, E, &td[0].w1, &td[0].w3,
+    K3_CHECK_ERR(g_cu->ops->moe_experts(g_cu, dsrc, K, NULL, dbad, NULL, n, E, &td[0].w1, &td[0].w3,
                                         &td[0].w2, es, beta, lin, dout, dwork),
                  K3_ERR_MISSING, "row 5 needs expert 4");
     ids[2] = E;
     int32_t *dbad2 = dput(ids, sizeof ids);
-    K3_CHECK_ERR(g_cu->ops->moe_experts(g_cu, dsrc, K, dbad2, NULL, n, E, &td[0].w1, &td[0].w3,
-                                        &td[0].w2, es, beta, lin, dout, dwork),
+    K3_CHECK_ERR(g_cu->ops->moe_experts(g_cu, dsrc, K, NULL, dbad2, NULL, n, E, &td[0].w1,
+                                        &td[0].w3, &td[0].w2, es, beta, lin, dout, dwork),
                  K3_ERR_ARG, "row 2 has expert id 6");
     dfree_all(what);
     for (int e = 0; e < E; e++)

@@ -7,3 +7,10 @@ set_tests_properties(module_graph PROPERTIES LABELS "unit" ENVIRONMENT "${K3_TES
 add_test(NAME module_graph_self_test
          COMMAND python3 ${CMAKE_CURRENT_LIST_DIR}/module_graph.py --self-test ${CMAKE_SOURCE_DIR})
 set_tests_properties(module_graph_self_test PROPERTIES LABELS "unit" ENVIRONMENT "${K3_TEST_ENV}" TIMEOUT 60)
+# the step's op-count rule (docs/DESIGN.md §3a): no loop over sequences, heads or tokens around an
+# op call in layers/ or experts/; the self-test injects one such loop per folder and must catch it
+add_test(NAME op_loops COMMAND python3 ${CMAKE_CURRENT_LIST_DIR}/op_loops.py ${CMAKE_SOURCE_DIR})
+set_tests_properties(op_loops PROPERTIES LABELS "unit" ENVIRONMENT "${K3_TEST_ENV}" TIMEOUT 60)
+add_test(NAME op_loops_self_test
+         COMMAND python3 ${CMAKE_CURRENT_LIST_DIR}/op_loops.py --self-test ${CMAKE_SOURCE_DIR})
+set_tests_properties(op_loops_self_test PROPERTIES LABELS "unit" ENVIRONMENT "${K3_TEST_ENV}" TIMEOUT 60)
