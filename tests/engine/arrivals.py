@@ -1,6 +1,6 @@
 #!/usr/bin/env python3
 """arrivals.py — drive test_arrivals under mpirun for the splits of the issue (1x1, 2x2, 4x1, a
-dedicated 2x2), each with --deterministic, on a tiny model made by `k3 make-tiny`. Every run must
+dedicated 2x2, and 2x2 with a paged cache of 384 tokens a lane), each with --deterministic, on a tiny model made by `k3 make-tiny`. Every run must
 pass its own check (each request bit-identical alone vs with random arrivals) and every split must
 print the same digest (tokens + logits of all requests): a sequence's result depends neither on
 what shares its steps nor on the split.
@@ -13,17 +13,21 @@ import tempfile
 
 K3 = os.environ["K3_BIN"]
 test_bin, mpiexec = sys.argv[1], sys.argv[2]
-splits = [(1, 1, "shared"), (2, 2, "shared"), (4, 1, "shared"), (2, 2, "dedicated")]
+# the last: a paged cache of 384 tokens a lane (6 blocks) instead of 6 slots x 320: requests
+# also wait for cache blocks, with the same results
+splits = [(1, 1, "shared", None), (2, 2, "shared", None), (4, 1, "shared", None),
+          (2, 2, "dedicated", None), (2, 2, "shared", 384)]
 fails = []
 with tempfile.TemporaryDirectory() as tmp:
     model = os.path.join(tmp, "tiny")
     subprocess.run([K3, "make-tiny", model], check=True, capture_output=True)
     digests = {}
-    for S, E, coord in splits:
+    for S, E, coord, kv in splits:
         world = S * E + (coord == "dedicated")
         p = subprocess.run([mpiexec, "-np", str(world), "--oversubscribe", test_bin, str(S), str(E), coord,
-                            model, "20261130", "det"], capture_output=True, text=True, timeout=600)
-        tag = f"{S}x{E} {coord}"
+                            model, "20261130", "det"] + ([str(kv)] if kv else []),
+                           capture_output=True, text=True, timeout=600)
+        tag = f"{S}x{E} {coord}" + (f" kv {kv}" if kv else "")
         print(p.stdout.strip()[-1500:])
         m = re.search(r"digest ([0-9a-f]+)", p.stdout)
         if p.returncode != 0 or not m:

@@ -6,7 +6,9 @@
  * from are bit-identical between the two. Two more requests must fail alone without stopping the
  * others: one longer than --max-ctx, one with invalid sampling parameters.
  * It prints `digest <hex>` of every request's tokens + logits, so a driver can compare splits
- * (with --deterministic the digest must be the same for every split). */
+ * (with --deterministic the digest must be the same for every split). An optional 7th argument
+ * sizes the paged cache (--kv-cache-tokens) below max_seqs x max_ctx: requests then also wait for
+ * cache blocks, and the digest must not change. */
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -87,7 +89,8 @@ static void run_phase(k3_engine *e, req *rq, int n, int ph, k3_rng *rng) {
 
 int main(int argc, char **argv) {
     if (argc < 6) {
-        fprintf(stderr, "usage: test_arrivals PP EP shared|dedicated MODEL_DIR SEED [det]\n");
+        fprintf(stderr,
+                "usage: test_arrivals PP EP shared|dedicated MODEL_DIR SEED [det|nodet [KV]]\n");
         return 2;
     }
     if (k3_comm_init() != K3_OK) return 1;
@@ -101,7 +104,8 @@ int main(int argc, char **argv) {
                         .max_seqs = 6,
                         .max_ctx = 320,
                         .max_batch_tokens = 96,
-                        .chunk = 40};
+                        .chunk = 40,
+                        .kv_cache_tokens = argc > 7 ? atoll(argv[7]) : 0};
     k3_engine *e = NULL;
     int rc = k3_engine_open(&o, &e);
     if (rc) {
@@ -155,8 +159,11 @@ int main(int argc, char **argv) {
                 n_err++;
                 printf("  request %llu failed alone: %s\n", (unsigned long long)ev[k].user,
                        ev[k].error);
+                /* 404 tokens: past --max-ctx 320, and past a paged cache of 384 (7 blocks of
+                   64 > 6), which is checked first: it could never run on this lane */
+                const char *flag = argc > 7 ? "--kv-cache-tokens" : "--max-ctx";
                 if (ev[k].user == 1000)
-                    K3_CHECK(strstr(ev[k].error, "--max-ctx") != NULL, "names --max-ctx");
+                    K3_CHECK(strstr(ev[k].error, flag) != NULL, "names %s", flag);
             }
         }
     }
@@ -219,9 +226,10 @@ int main(int argc, char **argv) {
     }
     k3_engine_stats es;
     k3_engine_close(e, &es);
-    printf("  %s %dx%d: %d/%d requests bit-identical alone vs with arrivals (%lld prompt tokens, "
-           "%lld steps)\n",
-           argv[3], o.pp, o.ep, same, N_REQ, (long long)total_prompt, (long long)es.steps);
+    printf("  %s %dx%d (paged cache %s tokens): %d/%d requests bit-identical alone vs with "
+           "arrivals (%lld prompt tokens, %lld steps)\n",
+           argv[3], o.pp, o.ep, argc > 7 ? argv[7] : "6 x 320", same, N_REQ,
+           (long long)total_prompt, (long long)es.steps);
     printf("digest %016llx\n", (unsigned long long)h);
     for (int i = 0; i < N_REQ; i++) free(rq[i].ids), free(rq[i].rows[0]), free(rq[i].rows[1]);
     free(rq);
