@@ -280,13 +280,14 @@ k3_status k3_seqs_build(int n_seqs, const int32_t *n_tokens, const int32_t *pos,
     /* The routed experts of a MoE layer over n slot rows, expert ids in BACKEND memory (one op:          \
        the cpu backend groups the rows by expert itself, a device runs a grouped GEMM): out[i] =          \
        W2_e·act(W1_e·r_i, W3_e·r_i), e = ids[i], r_i = src row i / row_div (row_div K: the T·K        \
-       slot rows of T token rows), or src row row_of[i] when row_of (backend int32 [n], >= 0: the  \
-       rows an expert-parallel lane received) is not NULL. Expert e's matrices: *(const k3_tensor *)((const char *)w1 +           \
-       e·e_stride) (w3, w2 alike: fields of a table of structs); an expert with no data is not on        \
-       this rank (K3_ERR_MISSING naming row and expert). act: swiglu (beta < 0) or situ(beta,             \
-       lin_beta). w NULL: out [n, Lw], row i = item i, bit for bit k3_moe_expert_rows (experts/);         \
-       w [n] (backend): out [n / row_div, Lw], row t = Σ_k w[t·row_div + k]·item(t·row_div + k) in    \
-       k order, the first term initialising (rows_wsum's order), without an [n, Lw] buffer. work          \
+       slot rows of T token rows), or src row row_of[i] when row_of (backend int32 [n], >= 0: the         \
+       rows an expert-parallel lane received) is not NULL. Expert e's matrices: *(const k3_tensor         \
+       *)((const char *)w1 + e·e_stride) (w3, w2 alike: fields of a table of structs); an expert         \
+       with no data is not on this rank (K3_ERR_MISSING naming row and expert). act: swiglu (beta         \
+       < 0) or situ(beta, lin_beta). w NULL: out [n, Lw], row i = item i, bit for bit                     \
+       k3_moe_expert_rows (experts/); w [n] (backend): out [n / row_div, Lw], row t = Σ_k                \
+       w[t·row_div + k]·item(t·row_div + k) in k order, the first term initialising (rows_wsum's       \
+       order), without an [n, Lw] buffer. work                                                            \
        >= k3_moe_experts_work_floats. */                                                                  \
     X(moe_experts,                                                                                        \
       (k3_backend * be, const float *src, int64_t row_div, const int32_t *row_of,                         \

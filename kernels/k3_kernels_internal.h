@@ -54,10 +54,11 @@ void k3_ref_rows_wsum_seg(const float *x, const float *w, const int64_t *seg, in
 k3_status k3_kernels_check_seg(const int64_t *seg, int64_t seg_len, int64_t n_seg);
 
 /* The varlen ops of the ref and cpu backends (ref_seqs.c, ref_moe.c, cpu_seqs.c, cpu_moe.c). */
+/* clang-format off */
 #define K3_SEQ_OPS(X)                                                                              \
-    X(rmsnorm_rows)                                                                                \
-    X(matmul_heads) X(kv_write) X(attn_paged) X(short_conv_seqs) X(kda_seqs) X(nonfinite_rows)     \
-        X(rows_last) X(moe_experts)
+    X(rmsnorm_rows) X(matmul_heads) X(kv_write) X(attn_paged) X(short_conv_seqs) X(kda_seqs)       \
+    X(nonfinite_rows) X(rows_last) X(moe_experts)
+/* clang-format on */
 
 /* parameter lists of those ops, as K3_OP_LIST has them */
 #define K3_OP_PARAMS_GET(name, params, args) typedef k3_status k3_op_fn_##name params;

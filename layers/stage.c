@@ -202,7 +202,6 @@ static k3_status make_scratch(k3_stage *s) {
     K3_TRY(buf(s, &s->xn, T * D, "scratch xn"));
     K3_TRY(buf(s, &s->y, T * D, "scratch y"));
     K3_TRY(buf(s, &s->hsel, T * D, "scratch head rows"));
-
     if (any_kda) {
         const size_t P = (size_t)c->kda_n_heads * (size_t)c->kda_head_dim;
         float **big[] = {&s->kq, &s->kk, &s->kv, &s->kqc, &s->kkc, &s->kvc, &s->kr, &s->kg, &s->ko};
@@ -246,7 +245,6 @@ static k3_status make_scratch(k3_stage *s) {
             const size_t TK = T * K, R = (size_t)s->p.n_lanes * TK;
             /* ids [TK] | weights [TK] in one buffer: the step reads both back in one copy */
             K3_TRY(buf(s, &s->moe_ids, 2 * TK, "MoE ids and weights"));
-
             K3_TRY(buf(s, &s->moe_r, T * Lw, "MoE latent rows"));
             K3_TRY(buf(s, &s->moe_comb, TK * Lw, "MoE combined rows"));
             K3_TRY(buf(s, &s->moe_acc, T * Lw, "MoE weighted sum"));
@@ -256,7 +254,6 @@ static k3_status make_scratch(k3_stage *s) {
             K3_TRY(hbuf(&s->moe_xh, k3_moe_rows_host_ints(c, (int64_t)R) * sizeof(int64_t),
                         "MoE expert host scratch"));
             K3_TRY(hbuf(&s->h_ids, 2 * TK * sizeof(int32_t), "MoE host ids and weights"));
-
             K3_TRY(hbuf(&s->h_row, TK * sizeof(int32_t), "MoE host rows"));
             K3_TRY(hbuf(&s->h_lane, TK * sizeof(int32_t), "MoE host lanes"));
         }
