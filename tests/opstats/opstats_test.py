@@ -11,7 +11,9 @@ usage: opstats_test.py MODE [MPIEXEC]     (K3_BIN = the k3 binary)
          - `k3 bench throughput --backend guard ... --op-stats` writes the same shape;
          - --backend cpu (and ref) with --op-stats exits 2 with one line naming --op-stats and
            saying to use --backend guard, and writes no file;
-         - an unwritable FILE fails the run (exit 1) naming it.
+         - an unwritable FILE fails the run (exit 1) naming it;
+         - on `make-tiny --preset deep` (K3's 93 layers): a decode step issues the same op calls
+           with 1 sequence and with 12, and at most 2 host syncs.
   mpi  : mpirun -np 4 `k3 run --pp 2 --ep 2` with one prompt: one entry per worker rank with its
          (stage, lane) and layers; the lane without the sequence has idle steps and no decode
          steps; no top-level decode (several stages); --backend cpu is refused on every rank
@@ -129,6 +131,39 @@ def unit(tmp, model):
           "an unwritable FILE: exit %d, named" % p.returncode)
 
 
+def deep(tmp):
+    """The step's op count does not depend on the batch (docs/DESIGN.md §3a): on the 93-layer
+    `deep` preset a decode step issues the same number of op calls with 1 sequence and with 12,
+    and reads back from the backend at most twice (the non-finite flags, the logits)."""
+    model = os.path.join(tmp, "deep")
+    p = k3(["make-tiny", model, "--preset", "deep"])
+    check(p.returncode == 0, "make-tiny --preset deep: exit %d %s" % (p.returncode, p.stderr[-400:]))
+    if p.returncode != 0:
+        return
+    got = {}
+    for n in (1, 12):  # 32 was checked by hand (docs/DESIGN.md): guard's mprotect per op is slow
+        prompts = ";".join(",".join(str((i * 7 + j) % 3000 + 1) for j in range(3 + i % 5))
+                           for i in range(n))
+        f = os.path.join(tmp, "deep%d.json" % n)
+        p = k3(["run", "--model", model, "--backend", "guard", "--prompt-ids", prompts, "--n", "3",
+                "--ignore-eos", "--max-seqs", str(n), "--max-ctx", "16", "--max-batch-tokens",
+                "96", "--op-stats", f], timeout=600)
+        check(p.returncode == 0, "deep, %d sequences: exit %d %s" % (n, p.returncode,
+                                                                     p.stderr[-600:]))
+        d = load(f, "deep %d" % n)
+        if d:
+            phase_ok("deep %d decode" % n, d["decode"], 2 if n == 1 else None)
+            got[n] = d["decode"]
+    if len(got) == 2:
+        a, b = got[1], got[12]
+        check(a["ops_per_step"] == b["ops_per_step"] and a["ops"] == b["ops"],
+              "deep: a decode step's ops with 1 and 12 sequences: %s and %s"
+              % (a["ops_per_step"], b["ops_per_step"]))
+        check(max(a["host_syncs_max_per_step"], b["host_syncs_max_per_step"]) <= 2,
+              "deep: at most 2 host syncs a decode step (%s, %s)"
+              % (a["host_syncs_max_per_step"], b["host_syncs_max_per_step"]))
+
+
 def mpi(tmp, model, mpiexec):
     m = os.path.join(tmp, "m.json")
     p = k3(["run", "--model", model, "--backend", "guard", "--pp", "2", "--ep", "2",
@@ -175,6 +210,7 @@ def main():
         if p.returncode == 0:
             if sys.argv[1] == "unit":
                 unit(tmp, model)
+                deep(tmp)
             else:
                 mpi(tmp, model, sys.argv[2] if len(sys.argv) > 2 else "mpirun")
     print("opstats_test %s: %d failed" % (sys.argv[1], len(fails)))
