@@ -88,9 +88,9 @@ k3_status k3_moe_finish(k3_backend *be, const k3_config *c, const k3_layer_w *lw
  * tokens itself, so the scratch does not hold T·K rows; results are bit for bit the steps above
  * done one by one (k3_moe_expert_rows with row_of[i] = i / K, then rows_wsum). Every loaded
  * expert's shapes are checked against the config; an expert a row needs that is not loaded is
- * an error naming the row and the expert (K3_ERR_MISSING). hscratch is unused (may be NULL). */
+ * an error naming the row and the expert (K3_ERR_MISSING). No host scratch. */
 k3_status k3_moe_forward(k3_backend *be, const k3_config *c, const k3_layer_w *lw, const float *x,
-                         int64_t T, float *y, float *scratch, int64_t *hscratch);
+                         int64_t T, float *y, float *scratch);
 
 /* Backend floats of scratch enough for every function above called with T tokens
  * (k3_moe_expert_rows with n <= T·K rows included), and the host int64s that k3_moe_expert_rows

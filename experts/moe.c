@@ -300,8 +300,7 @@ size_t k3_moe_host_ints(const k3_config *c, int64_t T) {
 }
 
 k3_status k3_moe_forward(k3_backend *be, const k3_config *c, const k3_layer_w *lw, const float *x,
-                         int64_t T, float *y, float *scratch, int64_t *hscratch) {
-    (void)hscratch; /* unused: the routing stays in backend memory */
+                         int64_t T, float *y, float *scratch) {
     K3_TRY(k3_moe_check_config(c));
     K3_TRY(check_experts(c, lw));
     if (T <= 0) return K3_OK;

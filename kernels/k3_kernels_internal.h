@@ -53,7 +53,8 @@ void k3_ref_rows_wsum_seg(const float *x, const float *w, const int64_t *seg, in
                           int64_t j, int64_t width, float *y);
 k3_status k3_kernels_check_seg(const int64_t *seg, int64_t seg_len, int64_t n_seg);
 
-/* The varlen ops of the ref and cpu backends (ref_seqs.c, ref_moe.c, cpu_seqs.c, cpu_moe.c). */
+/* The varlen ops of the ref and cpu backends (ref_seqs.c, ref_moe.c; cpu.c, cpu_attn.c, cpu_kda.c,
+ * cpu_moe.c). */
 /* clang-format off */
 #define K3_SEQ_OPS(X)                                                                              \
     X(rmsnorm_rows) X(matmul_heads) X(kv_write) X(attn_paged) X(short_conv_seqs) X(kda_seqs)       \
@@ -67,6 +68,23 @@ K3_OP_LIST(K3_OP_PARAMS_GET)
 #define K3_SEQ_DECL(name) k3_op_fn_##name k3_ref_##name, k3_cpu_##name;
 K3_SEQ_OPS(K3_SEQ_DECL)
 #undef K3_SEQ_DECL
+/* The argument checks every backend of these ops makes (one definition, one set of messages):
+ * rmsnorm_rows' strides; matmul_heads' head rows within W; moe_experts' scalars (row_div, E, whole
+ * tokens with weights); and, for backends that read the ids on the host (ref, cpu), the ids, the
+ * loaded experts, their shapes (w1, w3 [I, Lw], w2 [Lw, I] as the first row's: *Lw, *I) and
+ * row_of, before any buffer is written. */
+k3_status k3_kernels_check_rows(int64_t xs, int64_t ys, int64_t n);
+k3_status k3_kernels_check_heads(const k3_tensor *W, int H, int64_t T, int64_t r0, int64_t rh,
+                                 int64_t nr);
+k3_status k3_kernels_check_moe(int64_t row_div, const float *w, int64_t n, int E);
+k3_status k3_ref_moe_check(int64_t row_div, const int32_t *row_of, const int32_t *ids,
+                           const float *w, int64_t n, int E, const k3_tensor *w1,
+                           const k3_tensor *w3, const k3_tensor *w2, size_t e_stride,
+                           const float *work, int64_t *Lw, int64_t *I);
+/* Expert e's tensor of a table whose entries are e_stride bytes apart (moe_experts). */
+static inline const k3_tensor *k3_moe_expert_t(const k3_tensor *t, int e, size_t e_stride) {
+    return (const k3_tensor *)(const void *)((const char *)t + (size_t)e * e_stride);
+}
 /* The paged cache row of position p of sequence i (host-visible descriptor arrays). */
 static inline int64_t k3_seqs_kv_row(const k3_seqs *sq, int i, int64_t p) {
     return (int64_t)sq->blocks[(int64_t)i * sq->max_blocks + p / K3_KV_BLOCK] * K3_KV_BLOCK +

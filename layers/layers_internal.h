@@ -53,9 +53,8 @@ struct k3_stage {
     float *mattn, *mgate; /* [T, H·dv] */
     float *mwork;         /* [H, max_ctx] attention scratch (grown with the pools) */
     /* FFN */
-    float *fg, *fu;        /* [T, F] */
-    float *moe_scratch;    /* k3_moe_scratch_floats(T) */
-    int64_t *moe_hscratch; /* host: k3_moe_host_ints(T) */
+    float *fg, *fu;     /* [T, F] */
+    float *moe_scratch; /* k3_moe_scratch_floats(T) */
     /* the distributed MoE step (comm != NULL) */
     int32_t *moe_ids; /* [2, T_max, K]: a step's ids [T·K], then its weights [T·K] (float) */
     float *moe_r;     /* [T, Lw] latent rows */

@@ -238,8 +238,6 @@ static k3_status make_scratch(k3_stage *s) {
         const size_t K = (size_t)c->n_experts_per_tok, Lw = (size_t)k3_moe_row_width(c);
         K3_TRY(k3_moe_check_config(c));
         K3_TRY(buf(s, &s->moe_scratch, k3_moe_scratch_floats(c, (int64_t)T), "MoE scratch"));
-        K3_TRY(hbuf(&s->moe_hscratch, k3_moe_host_ints(c, (int64_t)T) * sizeof(int64_t),
-                    "MoE host scratch"));
         if (s->p.comm) {
             /* a lane receives at most n_lanes·T·K items (every lane's T tokens, K slots each) */
             const size_t TK = T * K, R = (size_t)s->p.n_lanes * TK;
@@ -339,9 +337,9 @@ void k3_stage_destroy(k3_stage *s) {
         k3_backend_free(s->be, s->step_dev);
         k3_backend_free(s->be, s->moe_ids);
     }
-    void *hosts[] = {s->moe_hscratch, s->moe_xh,    s->h_ids,    s->h_row,     s->h_lane,
-                     s->tap_buf,      s->slot_used, s->free_blk, s->step_host, s->h_ntok,
-                     s->h_pos,        s->h_slot,    s->h_blk,    s->h_nf};
+    void *hosts[] = {s->moe_xh,    s->h_ids,    s->h_row,     s->h_lane, s->tap_buf,
+                     s->slot_used, s->free_blk, s->step_host, s->h_ntok, s->h_pos,
+                     s->h_slot,    s->h_blk,    s->h_nf};
     for (size_t i = 0; i < K3_ARRAY_LEN(hosts); i++) k3_free(hosts[i]);
     k3_free(s->vec);
     if (s->own_be) k3_backend_destroy(s->be);
@@ -619,9 +617,7 @@ static k3_status moe_step(k3_stage *s, int l, const float *x, int64_t T, float *
 }
 
 static k3_status moe_ffn(k3_stage *s, int l, const float *x, int64_t T, float *y) {
-    if (!s->p.comm)
-        return k3_moe_forward(s->be, s->c, &s->w->layers[l], x, T, y, s->moe_scratch,
-                              s->moe_hscratch);
+    if (!s->p.comm) return k3_moe_forward(s->be, s->c, &s->w->layers[l], x, T, y, s->moe_scratch);
     return moe_step(s, l, x, T, y);
 }
 
@@ -726,7 +722,13 @@ static k3_status take_blocks(k3_stage *s, const k3_batch *b) {
 static k3_status upload_step(k3_stage *s, const k3_batch *b, int64_t T, k3_seqs *sq,
                              int32_t **flags, int32_t **ids) {
     K3_TRY(take_blocks(s, b));
-    const int n = b->n_seqs, mb = s->max_blocks;
+    /* block table rows as wide as this batch's longest sequence needs, not max_ctx: what goes up
+       each step grows with the contexts in the batch (a short batch under --max-ctx 1M is not
+       16k blocks a row) */
+    const int n = b->n_seqs;
+    int mb = 0;
+    for (int i = 0; i < n; i++) mb = K3_MAX(mb, b->states[i]->n_blk);
+    K3_ASSERT(mb <= s->max_blocks);
     for (int i = 0; i < n; i++) {
         const k3_seq_state *st = b->states[i];
         s->h_ntok[i] = b->n_tokens[i];

@@ -589,6 +589,17 @@ static void set_mla_layers(k3_config *c, const int *one_based, int n) {
     for (int i = 0; i < n; i++) c->mixer[one_based[i] - 1] = K3_MIXER_MLA;
 }
 
+/* K3's layer schedule (spec §6.1): 93 layers, MLA at every 4th layer and the last (one-based),
+ * AttnRes blocks of 12 (the k3 preset, and the deep preset on the tiny's widths). */
+static void set_k3_schedule(k3_config *c) {
+    c->n_layers = 93;
+    c->attn_res_block_size = 12;
+    int mla[24];
+    for (int i = 0; i < 23; i++) mla[i] = 4 * (i + 1);
+    mla[23] = 93;
+    set_mla_layers(c, mla, 24);
+}
+
 void k3_preset_config(k3_preset p, k3_config *c) {
     memset(c, 0, sizeof *c);
     snprintf(c->tensor_prefix, sizeof c->tensor_prefix, "language_model.");
@@ -612,24 +623,14 @@ void k3_preset_config(k3_preset p, k3_config *c) {
     c->max_position_embeddings = 1048576; /* K3's (spec §6.1); the tiny and small say the same */
     if (p == K3_PRESET_DEEP) {            /* the tiny's widths, below; K3's layer schedule */
         k3_preset_config(K3_PRESET_TINY, c);
-        c->n_layers = 93;
-        c->attn_res_block_size = 12;
-        int mla[24];
-        for (int i = 0; i < 23; i++) mla[i] = 4 * (i + 1);
-        mla[23] = 93;
-        set_mla_layers(c, mla, 24);
+        set_k3_schedule(c);
         return;
     }
     if (p == K3_PRESET_K3) {
         c->vocab_size = 163840;
         c->hidden_size = 7168;
-        c->n_layers = 93;
         c->eos_token_id = 163586;
-        c->attn_res_block_size = 12;
-        int mla[24];
-        for (int i = 0; i < 23; i++) mla[i] = 4 * (i + 1);
-        mla[23] = 93;
-        set_mla_layers(c, mla, 24);
+        set_k3_schedule(c);
         c->n_heads = 96;
         c->q_lora_rank = 1536;
         c->kv_lora_rank = 512;

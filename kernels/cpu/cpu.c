@@ -309,9 +309,8 @@ static void norm_rows_task(void *ctx, int64_t t) {
 }
 k3_status k3_cpu_rmsnorm_rows(k3_backend *be, const float *x, int64_t xs, const float *w, int64_t T,
                               int64_t n, float eps, float *y, int64_t ys) {
+    K3_TRY(k3_kernels_check_rows(xs, ys, n));
     if (T * n < K3_CPU_PAR_MIN_MACS) return k3_ref_rmsnorm_rows(be, x, xs, w, T, n, eps, y, ys);
-    if (xs < n || ys < n)
-        return k3_ref_rmsnorm_rows(be, x, xs, w, 0, n, eps, y, ys); /* the error */
     norm_rows_job j = {x, w, xs, ys, n, eps, y};
     k3_pool_run(k3_cpu_pool(be), T, norm_rows_task, &j);
     return K3_OK;
@@ -609,15 +608,16 @@ static k3_status cpu_rows_wsum(k3_backend *be, const float *x, const float *w, c
 #define cpu_kda_gate           k3_cpu_kda_gate
 #define cpu_attn_latent        k3_cpu_attn_latent
 #define cpu_attn_latent_causal k3_cpu_attn_latent_causal
-/* the varlen ops (cpu_seqs.c, cpu_moe.c) */
+/* the varlen ops: ref's code where it is a loop of this backend's own ops (matmul_heads per
+   head, short_conv_seqs per sequence) or plain copies (kv_write, rows_last, nonfinite_rows) */
 #define cpu_rmsnorm_rows           k3_cpu_rmsnorm_rows
-#define cpu_matmul_heads           k3_ref_matmul_heads /* per sequence: the cpu ops */
-#define cpu_kv_write               k3_ref_kv_write     /* per sequence: the cpu ops */
+#define cpu_matmul_heads           k3_ref_matmul_heads
+#define cpu_kv_write               k3_ref_kv_write
 #define cpu_attn_paged             k3_cpu_attn_paged
-#define cpu_short_conv_seqs        k3_ref_short_conv_seqs /* per sequence: the cpu ops */
+#define cpu_short_conv_seqs        k3_ref_short_conv_seqs
 #define cpu_kda_seqs               k3_cpu_kda_seqs
-#define cpu_nonfinite_rows         k3_ref_nonfinite_rows /* per sequence: the cpu ops */
-#define cpu_rows_last              k3_ref_rows_last      /* per sequence: the cpu ops */
+#define cpu_nonfinite_rows         k3_ref_nonfinite_rows
+#define cpu_rows_last              k3_ref_rows_last
 #define cpu_moe_experts            k3_cpu_moe_experts
 #define CPU_OP(name, params, args) .name = cpu_##name,
 const k3_ops k3_cpu_ops = {K3_OP_LIST(CPU_OP)};

@@ -14,7 +14,7 @@
  *   for bit with no [n, Lw] buffer. The token tile is large on purpose: the rows of a tile are
  *   grouped by expert, and an expert's rows share one pass over its weights (tiles of 32 tokens
  *   left ~4 rows an expert on small's 64 experts: prefill 1.3x slower in the experts);
- * - ids, experts and shapes are checked (ref_moe.c's checks and messages) before any buffer is
+ * - ids, experts and shapes are checked (k3_ref_moe_check, shared with ref) before any buffer is
  *   written.
  * Work (k3_moe_experts_work_floats): xin [tile, Lw] | o [tile, Lw] | g, u [tile, I] | items
  * [min(n, K3_MOE_EXPERTS_ITEMS), Lw] | host int64 order [n], start [E + 1], idx [tile], each part
@@ -28,62 +28,8 @@ static size_t pad16(size_t n) {
     return (n + 15) & ~(size_t)15;
 }
 
-static const k3_tensor *expert_t(const k3_tensor *t, int e, size_t e_stride) {
-    return (const k3_tensor *)(const void *)((const char *)t + (size_t)e * e_stride);
-}
-
-static k3_status check_shape(const k3_tensor *t, int64_t out, int64_t in, const char *what, int e,
-                             int e0) {
-    if (t->ndim != 2 || t->shape[0] != out || t->shape[1] != in)
-        return K3_ERR(K3_ERR_SHAPE,
-                      "moe_experts: %s of expert %d has shape [%lld, %lld] (ndim %d), expected "
-                      "[%lld, %lld] as expert %d's",
-                      what, e, (long long)(t->ndim >= 1 ? t->shape[0] : -1),
-                      (long long)(t->ndim >= 2 ? t->shape[1] : -1), t->ndim, (long long)out,
-                      (long long)in, e0);
-    return K3_OK;
-}
-
-/* ref_moe.c check_args, word for word. */
-static k3_status check_args(int64_t row_div, const int32_t *ids, const float *w, int64_t n, int E,
-                            const k3_tensor *w1, const k3_tensor *w3, const k3_tensor *w2,
-                            size_t e_stride, const float *work, int64_t *Lw, int64_t *I) {
-    if (row_div < 1 || E < 1)
-        return K3_ERR(K3_ERR_ARG, "moe_experts: row_div %lld, %d experts (both must be >= 1)",
-                      (long long)row_div, E);
-    if (w && (n % row_div != 0 || row_div > TILE))
-        return K3_ERR(K3_ERR_ARG,
-                      "moe_experts: %lld slot rows are not whole tokens of row_div %lld slots "
-                      "(at most %d)",
-                      (long long)n, (long long)row_div, TILE);
-    _Static_assert(K3_MOE_EXPERTS_ITEMS % TILE == 0 && K3_MOE_EXPERTS_ITEMS >= TILE,
-                   "a token tile of the weighted form holds whole row tiles");
-    if ((uintptr_t)work % sizeof(int64_t) != 0)
-        return K3_ERR(K3_ERR_ARG, "moe_experts: work is not 8-byte aligned");
-    for (int64_t i = 0; i < n; i++) {
-        const int32_t e = ids[i];
-        if (e < 0 || e >= E)
-            return K3_ERR(K3_ERR_ARG, "moe_experts: row %lld has expert id %d outside [0, %d)",
-                          (long long)i, e, E);
-        if (!w1 || !w3 || !w2 || !expert_t(w1, e, e_stride)->data ||
-            !expert_t(w3, e, e_stride)->data || !expert_t(w2, e, e_stride)->data)
-            return K3_ERR(K3_ERR_MISSING,
-                          "moe_experts: row %lld needs expert %d, which is not loaded on this rank",
-                          (long long)i, e);
-    }
-    const int e0 = ids[0];
-    const k3_tensor *f = expert_t(w1, e0, e_stride);
-    if (f->ndim != 2 || f->shape[0] < 1 || f->shape[1] < 1)
-        return K3_ERR(K3_ERR_SHAPE, "moe_experts: w1 of expert %d is not a 2-D [I, Lw] weight", e0);
-    *I = f->shape[0], *Lw = f->shape[1];
-    for (int64_t i = 0; i < n; i++) {
-        const int e = ids[i];
-        K3_TRY(check_shape(expert_t(w1, e, e_stride), *I, *Lw, "w1", e, e0));
-        K3_TRY(check_shape(expert_t(w3, e, e_stride), *I, *Lw, "w3", e, e0));
-        K3_TRY(check_shape(expert_t(w2, e, e_stride), *Lw, *I, "w2", e, e0));
-    }
-    return K3_OK;
-}
+_Static_assert(K3_MOE_EXPERTS_ITEMS % TILE == 0 && K3_MOE_EXPERTS_ITEMS >= TILE,
+               "a token tile of the weighted form holds whole row tiles");
 
 typedef struct {
     const float *src;
@@ -143,10 +89,10 @@ static k3_status expert_items(k3_backend *be, const moe_args *a, int64_t r0, int
         }
         for (int q = 0; q < ns; q++) {
             const float *xq = a->xin + seg_j[q] * Lw;
-            mm[2 * q] =
-                (k3_mm){xq, seg_r[q], expert_t(a->w1, seg_e[q], a->e_stride), a->g + seg_j[q] * I};
-            mm[2 * q + 1] =
-                (k3_mm){xq, seg_r[q], expert_t(a->w3, seg_e[q], a->e_stride), a->u + seg_j[q] * I};
+            mm[2 * q] = (k3_mm){xq, seg_r[q], k3_moe_expert_t(a->w1, seg_e[q], a->e_stride),
+                                a->g + seg_j[q] * I};
+            mm[2 * q + 1] = (k3_mm){xq, seg_r[q], k3_moe_expert_t(a->w3, seg_e[q], a->e_stride),
+                                    a->u + seg_j[q] * I};
         }
         K3_TRY(be->ops->matmul_group(be, mm, 2 * ns));
         if (a->beta < 0)
@@ -154,8 +100,8 @@ static k3_status expert_items(k3_backend *be, const moe_args *a, int64_t r0, int
         else
             K3_TRY(be->ops->situ(be, a->g, a->u, m * I, a->beta, a->lin_beta, a->g));
         for (int q = 0; q < ns; q++)
-            mm[q] = (k3_mm){a->g + seg_j[q] * I, seg_r[q], expert_t(a->w2, seg_e[q], a->e_stride),
-                            a->o + seg_j[q] * Lw};
+            mm[q] = (k3_mm){a->g + seg_j[q] * I, seg_r[q],
+                            k3_moe_expert_t(a->w2, seg_e[q], a->e_stride), a->o + seg_j[q] * Lw};
         K3_TRY(be->ops->matmul_group(be, mm, ns));
         K3_TRY(be->ops->rows_scatter(be, a->o, Lw, order + p0, m, dst));
     }
@@ -168,11 +114,7 @@ k3_status k3_cpu_moe_experts(k3_backend *be, const float *src, int64_t row_div,
                              size_t e_stride, float beta, float lin_beta, float *out, float *work) {
     if (n <= 0) return K3_OK;
     int64_t Lw = 0, I = 0;
-    K3_TRY(check_args(row_div, ids, w, n, E, w1, w3, w2, e_stride, work, &Lw, &I));
-    for (int64_t i = 0; row_of && i < n; i++)
-        if (row_of[i] < 0)
-            return K3_ERR(K3_ERR_ARG, "moe_experts: row %lld reads source row %d", (long long)i,
-                          row_of[i]);
+    K3_TRY(k3_ref_moe_check(row_div, row_of, ids, w, n, E, w1, w3, w2, e_stride, work, &Lw, &I));
     moe_args a = {.src = src,
                   .row_of = row_of,
                   .row_div = row_div,

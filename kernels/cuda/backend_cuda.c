@@ -496,9 +496,8 @@ static k3_status check_seqs(const k3_seqs *sq, bool paged, const char *op) {
 
 static k3_status cu_rmsnorm_rows(k3_backend *be, const float *x, int64_t xs, const float *w,
                                  int64_t T, int64_t n, float eps, float *y, int64_t ys) {
-    if (xs < n || ys < n || T < 0)
-        return K3_ERR(K3_ERR_ARG, "rmsnorm_rows: strides %lld, %lld < row %lld (%lld rows)",
-                      (long long)xs, (long long)ys, (long long)n, (long long)T);
+    K3_TRY(k3_kernels_check_rows(xs, ys, n));
+    if (T < 0) return K3_ERR(K3_ERR_ARG, "rmsnorm_rows: %lld rows", (long long)T);
     CU_TRY(k3c_rownorm(STREAM(be), 0, x, xs, w, T, n, eps, y, ys));
     return K3_OK;
 }
@@ -507,13 +506,7 @@ static k3_status cu_matmul_heads(k3_backend *be, const float *x, int64_t xt, int
                                  int H, const k3_tensor *W, int64_t r0, int64_t rh, int64_t nr,
                                  bool trans, float *y, int64_t yt, int64_t yh, float *work) {
     (void)work;
-    if (W->ndim != 2 || H < 0 || T < 0 || nr < 1 || r0 < 0 || rh < 0 ||
-        (H > 0 && r0 + (int64_t)(H - 1) * rh + nr > W->shape[0]))
-        return K3_ERR(K3_ERR_SHAPE,
-                      "matmul_heads: %d heads of %lld rows from %lld (step %lld) of a "
-                      "[%lld, %lld] weight",
-                      H, (long long)nr, (long long)r0, (long long)rh, (long long)W->shape[0],
-                      (long long)(W->ndim > 1 ? W->shape[1] : 0));
+    K3_TRY(k3_kernels_check_heads(W, H, T, r0, rh, nr));
     K3_TRY(k3_kernels_check_weight(W, "matmul_heads"));
     if (T == 0 || H == 0) return K3_OK;
     k3_tensor v0; /* the view of row r0 on (data and scales offset by dtype) */
@@ -703,14 +696,7 @@ static k3_status cu_moe_experts(k3_backend *be, const float *src, int64_t row_di
                                 const k3_tensor *w2, size_t e_stride, float beta, float lin_beta,
                                 float *out, float *work) {
     if (n <= 0) return K3_OK;
-    if (row_div < 1 || E < 1)
-        return K3_ERR(K3_ERR_ARG, "moe_experts: row_div %lld, %d experts (both must be >= 1)",
-                      (long long)row_div, E);
-    if (w && (n % row_div != 0 || row_div > K3_MOE_EXPERTS_TILE))
-        return K3_ERR(K3_ERR_ARG,
-                      "moe_experts: %lld slot rows are not whole tokens of row_div %lld slots "
-                      "(at most %d)",
-                      (long long)n, (long long)row_div, K3_MOE_EXPERTS_TILE);
+    K3_TRY(k3_kernels_check_moe(row_div, w, n, E));
     if (!w1 || !w3 || !w2)
         return K3_ERR(K3_ERR_MISSING, "moe_experts: no expert table (no expert on this rank)");
     moe_tab *t = NULL;

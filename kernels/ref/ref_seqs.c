@@ -15,11 +15,28 @@ static k3_status check_seqs(const char *op, const k3_seqs *sq) {
     return K3_OK;
 }
 
-k3_status k3_ref_rmsnorm_rows(k3_backend *be, const float *x, int64_t xs, const float *w, int64_t T,
-                              int64_t n, float eps, float *y, int64_t ys) {
+k3_status k3_kernels_check_rows(int64_t xs, int64_t ys, int64_t n) {
     if (xs < n || ys < n)
         return K3_ERR(K3_ERR_ARG, "rmsnorm_rows: strides %lld, %lld < row %lld", (long long)xs,
                       (long long)ys, (long long)n);
+    return K3_OK;
+}
+
+k3_status k3_kernels_check_heads(const k3_tensor *W, int H, int64_t T, int64_t r0, int64_t rh,
+                                 int64_t nr) {
+    if (W->ndim != 2 || H < 0 || T < 0 || nr < 1 || r0 < 0 || rh < 0 ||
+        (H > 0 && r0 + (int64_t)(H - 1) * rh + nr > W->shape[0]))
+        return K3_ERR(K3_ERR_SHAPE,
+                      "matmul_heads: %d heads of %lld rows from %lld (step %lld) of a "
+                      "[%lld, %lld] weight",
+                      H, (long long)nr, (long long)r0, (long long)rh, (long long)W->shape[0],
+                      (long long)(W->ndim > 1 ? W->shape[1] : 0));
+    return K3_OK;
+}
+
+k3_status k3_ref_rmsnorm_rows(k3_backend *be, const float *x, int64_t xs, const float *w, int64_t T,
+                              int64_t n, float eps, float *y, int64_t ys) {
+    K3_TRY(k3_kernels_check_rows(xs, ys, n));
     for (int64_t t = 0; t < T; t++)
         K3_TRY(k3_ref_ops.rmsnorm(be, x + t * xs, w, 1, n, eps, y + t * ys));
     return K3_OK;
@@ -29,13 +46,7 @@ k3_status k3_ref_rmsnorm_rows(k3_backend *be, const float *x, int64_t xs, const 
 k3_status k3_ref_matmul_heads(k3_backend *be, const float *x, int64_t xt, int64_t xh, int64_t T,
                               int H, const k3_tensor *W, int64_t r0, int64_t rh, int64_t nr,
                               bool trans, float *y, int64_t yt, int64_t yh, float *work) {
-    if (W->ndim != 2 || H < 0 || T < 0 || nr < 1 || r0 < 0 ||
-        (H > 0 && r0 + (int64_t)(H - 1) * rh + nr > W->shape[0]))
-        return K3_ERR(K3_ERR_SHAPE,
-                      "matmul_heads: %d heads of %lld rows from %lld (step %lld) of a "
-                      "[%lld, %lld] weight",
-                      H, (long long)nr, (long long)r0, (long long)rh, (long long)W->shape[0],
-                      (long long)(W->ndim > 1 ? W->shape[1] : 0));
+    K3_TRY(k3_kernels_check_heads(W, H, T, r0, rh, nr));
     if (T == 0) return K3_OK;
     const int64_t in = trans ? nr : W->shape[1], out = trans ? W->shape[1] : nr;
     float *wi = work, *wo = work + T * in;

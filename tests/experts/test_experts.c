@@ -751,11 +751,9 @@ static void test_layer(k3_backend *be, const moe_shape *sh, int T, const char *n
     randn(&r, x, (size_t)T * D, 1.0f);
     size_t ns = k3_moe_scratch_floats(c, T), nh = k3_moe_host_ints(c, T);
     float *scr = scratch_new(ns);
-    int64_t *hs = hscratch_new(nh);
     poison(y, (size_t)T * D);
-    K3_CHECK_OK(k3_moe_forward(be, c, &m.lw, x, T, y, scr, hs));
+    K3_CHECK_OK(k3_moe_forward(be, c, &m.lw, x, T, y, scr));
     K3_CHECK(guard_ok(scr, ns), "%s: forward wrote past its scratch", name);
-    K3_CHECK(hguard_ok(hs, nh), "%s: forward wrote past its host scratch", name);
     /* by hand, the whole batch at once (forward tiles tokens: T = 300 spans two tiles), with the
        scratch sizes the header promises for T tokens */
     int32_t *ids = malloc(sizeof(int32_t) * T * K), *ids_h = malloc(sizeof(int32_t) * T * K);
@@ -778,7 +776,7 @@ static void test_layer(k3_backend *be, const moe_shape *sh, int T, const char *n
             K3_CHECK_OK(k3_backend_create("cpu", &(k3_backend_params){.n_threads = nt}, &b1));
             if (!b1) continue;
             poison(y2, (size_t)T * D);
-            K3_CHECK_OK(k3_moe_forward(b1, c, &m.lw, x, T, y2, scr2, hs2));
+            K3_CHECK_OK(k3_moe_forward(b1, c, &m.lw, x, T, y2, scr2));
             K3_CHECK(memcmp(y, y2, sizeof(float) * T * D) == 0,
                      "%s[cpu]: %d threads differ from %d threads (bits)", name,
                      k3_backend_threads(b1), k3_backend_threads(be));
@@ -787,7 +785,7 @@ static void test_layer(k3_backend *be, const moe_shape *sh, int T, const char *n
     }
     /* token-count invariance: the last token alone */
     float *y1 = malloc(sizeof(float) * D);
-    K3_CHECK_OK(k3_moe_forward(be, c, &m.lw, x + (T - 1) * D, 1, y1, scr2, hs2));
+    K3_CHECK_OK(k3_moe_forward(be, c, &m.lw, x + (T - 1) * D, 1, y1, scr2));
     K3_CHECK(memcmp(y1, y + (T - 1) * D, sizeof(float) * D) == 0,
              "%s[%s]: last token alone differs (bits)", name, be->name);
     /* float64 */
@@ -827,7 +825,7 @@ static void test_layer(k3_backend *be, const moe_shape *sh, int T, const char *n
     K3_CHECK(sqrt(den / ((double)T * D)) > 0.05, "%s: outputs nearly zero: degenerate", name);
     K3_CHECK(n_used >= (sh->E < 8 ? sh->E : 8), "%s: only %d experts used", name, n_used);
     free(x), free(y), free(y2), free(ids), free(ids_h), free(w), free(lat), free(eo), free(acc),
-        free(row_of), free(scr), free(scr2), free(hs), free(hs2), free(y1), free(yd);
+        free(row_of), free(scr), free(scr2), free(hs2), free(y1), free(yd);
     model_free(&m);
 }
 
@@ -869,20 +867,20 @@ static void test_forward_errors(k3_backend *be) {
     k3_expert_w keep7 = m.ex[7];
     memset(&m.ex[7], 0, sizeof m.ex[7]); /* what a rank that does not own expert 7 holds */
     for (int i = 0; i < T * D; i++) y[i] = 3.0f;
-    K3_CHECK_ERR(k3_moe_forward(be, &m.cfg, &m.lw, x, T, y, scr, NULL), K3_ERR_MISSING, needle);
+    K3_CHECK_ERR(k3_moe_forward(be, &m.cfg, &m.lw, x, T, y, scr), K3_ERR_MISSING, needle);
     bool untouched = true;
     for (int i = 0; i < T * D; i++) untouched = untouched && y[i] == 3.0f;
     K3_CHECK(untouched, "%s: a forward that failed wrote its output", be->name);
     m.ex[7] = keep7;
     m.lw.experts = NULL;
-    K3_CHECK_ERR(k3_moe_forward(be, &m.cfg, &m.lw, x, T, y, scr, NULL), K3_ERR_MISSING,
+    K3_CHECK_ERR(k3_moe_forward(be, &m.cfg, &m.lw, x, T, y, scr), K3_ERR_MISSING,
                  "row 0 needs expert");
     m.lw.experts = m.ex;
     m.ex[11].w2.shape[0] = 63;
-    K3_CHECK_ERR(k3_moe_forward(be, &m.cfg, &m.lw, x, T, y, scr, NULL), K3_ERR_SHAPE,
+    K3_CHECK_ERR(k3_moe_forward(be, &m.cfg, &m.lw, x, T, y, scr), K3_ERR_SHAPE,
                  "w2 (expert 11) has shape [63, 32]");
     m.ex[11].w2.shape[0] = 64;
-    K3_CHECK_OK(k3_moe_forward(be, &m.cfg, &m.lw, x, T, y, scr, NULL));
+    K3_CHECK_OK(k3_moe_forward(be, &m.cfg, &m.lw, x, T, y, scr));
     K3_CHECK(guard_ok(scr, ns), "forward errors: scratch overrun");
     /* a token's K slots must fit one tile of the moe_experts op */
     k3_config wide = m.cfg;
@@ -915,9 +913,8 @@ static void test_one_expert(k3_backend *be) {
     k3_rng_seed(&r, SEED + 9);
     float *x = malloc(sizeof(float) * T * D), *y = malloc(sizeof(float) * T * D);
     randn(&r, x, (size_t)T * D, 1.0f);
-    size_t ns = k3_moe_scratch_floats(&m.cfg, T), nh = k3_moe_host_ints(&m.cfg, T);
+    size_t ns = k3_moe_scratch_floats(&m.cfg, T);
     float *scr = scratch_new(ns);
-    int64_t *hs = hscratch_new(nh);
     int32_t ids[70];
     float w[70];
     K3_CHECK_OK(k3_moe_router(be, &m.cfg, &m.lw, x, T, ids, w, scr));
@@ -925,7 +922,7 @@ static void test_one_expert(k3_backend *be) {
     for (int t = 0; t < T; t++)
         n9 += ids[t] == 9 && w[t] == 1.0f; /* K = 1 renormalised: exactly s/(s+1e-20) = 1 */
     K3_CHECK(n9 == T, "K=1: %d of %d tokens routed to expert 9 with weight 1", n9, T);
-    K3_CHECK_OK(k3_moe_forward(be, &m.cfg, &m.lw, x, T, y, scr, hs));
+    K3_CHECK_OK(k3_moe_forward(be, &m.cfg, &m.lw, x, T, y, scr));
     double num = 0, den = 0, yd[64], gap;
     int32_t rid[1];
     for (int t = 0; t < T; t++) {
@@ -938,8 +935,8 @@ static void test_one_expert(k3_backend *be) {
         }
     }
     K3_CHECK(sqrt(num / den) <= K3_TOL_MOE_F64_REL_L2, "one expert: rel-L2 %.3g", sqrt(num / den));
-    K3_CHECK(guard_ok(scr, ns) && hguard_ok(hs, nh), "one expert: scratch overrun");
-    free(x), free(y), free(scr), free(hs);
+    K3_CHECK(guard_ok(scr, ns), "one expert: scratch overrun");
+    free(x), free(y), free(scr);
     model_free(&m);
 }
 
@@ -1029,8 +1026,8 @@ static void test_tiny(k3_backend *be) {
         n_moe++;
         randn(&r, x, (size_t)T * D, 1.0f);
         poison(y, (size_t)T * D);
-        K3_CHECK_OK(k3_moe_forward(be, &c, &v->layers[l], x, T, y, scr, hs));
-        K3_CHECK(guard_ok(scr, ns) && hguard_ok(hs, nh), "tiny layer %d: scratch overrun", l);
+        K3_CHECK_OK(k3_moe_forward(be, &c, &v->layers[l], x, T, y, scr));
+        K3_CHECK(guard_ok(scr, ns), "tiny layer %d: scratch overrun", l);
         moe_model m;
         memset(&m, 0, sizeof m);
         m.cfg = c;
@@ -1127,14 +1124,13 @@ static int dump_layers(const char *model_dir, const char *out_dir) {
           *w = malloc(sizeof(float) * T * K);
     int32_t *ids = malloc(sizeof(int32_t) * T * K);
     float *scr = scratch_new(k3_moe_scratch_floats(&c, T));
-    int64_t *hs = hscratch_new(k3_moe_host_ints(&c, T));
     int rc = 0;
     for (int l = 0; l < c.n_layers && rc == 0; l++) {
         if (!k3_config_is_moe(&c, l)) continue;
         k3_rng r;
         k3_rng_seed(&r, SEED + 100 + (uint64_t)l);
         randn(&r, x, (size_t)T * D, 1.0f);
-        if (k3_moe_forward(be, &c, &v->layers[l], x, T, y, scr, hs) != K3_OK ||
+        if (k3_moe_forward(be, &c, &v->layers[l], x, T, y, scr) != K3_OK ||
             k3_moe_router(be, &c, &v->layers[l], x, T, ids, w, scr) != K3_OK) {
             fprintf(stderr, "dump: layer %d: %s\n", l, k3_last_error());
             rc = 1;
@@ -1144,7 +1140,7 @@ static int dump_layers(const char *model_dir, const char *out_dir) {
         rc |= write_raw(out_dir, "y", l, y, sizeof(float) * T * D);
         rc |= write_raw(out_dir, "ids", l, ids, sizeof(int32_t) * T * K);
     }
-    free(x), free(y), free(w), free(ids), free(scr), free(hs);
+    free(x), free(y), free(w), free(ids), free(scr);
     k3_backend_destroy(be);
     k3_weights_destroy(wts);
     k3_ckpt_destroy(ck);
@@ -1199,7 +1195,7 @@ static void test_guard(k3_backend *cpu, k3_backend *gb, const moe_shape *sh, int
     float *scr = scratch_new(ns); /* also the NaN pattern uploaded to the guard scratch */
     int64_t *hs = hscratch_new(nh);
     poison(y_c, (size_t)T * D);
-    K3_CHECK_OK(k3_moe_forward(cpu, c, &m.lw, x, T, y_c, scr, hs));
+    K3_CHECK_OK(k3_moe_forward(cpu, c, &m.lw, x, T, y_c, scr));
     for (size_t i = 0; i < ns + GUARD; i++) scr[i] = NAN;
 
     /* the layer's weights, copied into guard memory (the descriptors stay host structs) */
@@ -1229,23 +1225,22 @@ static void test_guard(k3_backend *cpu, k3_backend *gb, const moe_shape *sh, int
     if (!x_d || !y_d || !scr_d || !ids_d || !w_d || !lat_d || !eo_d || !acc_d || !ys_d) goto out;
 
     poison(y_g, (size_t)T * D);
-    K3_CHECK_OK(k3_moe_forward(gb, c, &glw, x_d, T, y_d, scr_d, hs));
+    K3_CHECK_OK(k3_moe_forward(gb, c, &glw, x_d, T, y_d, scr_d));
     K3_CHECK_OK(k3_backend_download(gb, y_g, y_d, sizeof(float) * T * D));
     K3_CHECK(memcmp(y_g, y_c, sizeof(float) * T * D) == 0,
              "%s: forward on the guard backend differs from cpu (bits; rel-L2 %.3g)", name,
              k3_rel_l2(y_g, y_c, (size_t)T * D));
     K3_CHECK_OK(k3_backend_download(gb, scr, scr_d, sizeof(float) * (ns + GUARD)));
-    K3_CHECK(guard_ok(scr, ns) && hguard_ok(hs, nh), "%s[guard]: forward wrote past its scratch",
-             name);
+    K3_CHECK(guard_ok(scr, ns), "%s[guard]: forward wrote past its scratch", name);
     /* the layer stays on the backend: no host sync, no byte back to the host, one moe_experts
        call, and the same op calls for T tokens as for the last token alone (another T, another
        routing) */
     {
         k3_op_stats a, b, c1;
         K3_CHECK_OK(k3_backend_op_stats(gb, &a));
-        K3_CHECK_OK(k3_moe_forward(gb, c, &glw, x_d, T, y_d, scr_d, NULL));
+        K3_CHECK_OK(k3_moe_forward(gb, c, &glw, x_d, T, y_d, scr_d));
         K3_CHECK_OK(k3_backend_op_stats(gb, &b));
-        K3_CHECK_OK(k3_moe_forward(gb, c, &glw, x_d + (int64_t)(T - 1) * D, 1, y_d, scr_d, NULL));
+        K3_CHECK_OK(k3_moe_forward(gb, c, &glw, x_d + (int64_t)(T - 1) * D, 1, y_d, scr_d));
         K3_CHECK_OK(k3_backend_op_stats(gb, &c1));
         uint64_t n_t = 0, n_1 = 0;
         int differ = 0;
