@@ -594,23 +594,29 @@ static void test_route(k3_backend *be) {
     model_free(&m);
 }
 
+/* The layer of the expert-rows and forward-error tests: D 96, 16 experts top-4 in 4 groups (2
+ * kept), I 32, latent 64, one shared expert, SiTU. */
+static moe_shape rows_shape(bool mxfp4) {
+    return (moe_shape){.D = 96,
+                       .E = 16,
+                       .K = 4,
+                       .G = 4,
+                       .TG = 2,
+                       .I = 32,
+                       .L = 64,
+                       .n_shared = 1,
+                       .mxfp4 = mxfp4,
+                       .renorm = true,
+                       .use_norm = true,
+                       .scale = 1.0f,
+                       .act = K3_ACT_SITU};
+}
+
 /* Expert rows vs float64; a row alone vs inside batches (bitwise); row_of indirection vs the rows
  * copied out (bitwise); zero-token experts; one expert for every row; missing experts and bad
  * ids (errors name the row and the expert). */
 static void test_rows(k3_backend *be, bool mxfp4) {
-    moe_shape sh = {.D = 96,
-                    .E = 16,
-                    .K = 4,
-                    .G = 4,
-                    .TG = 2,
-                    .I = 32,
-                    .L = 64,
-                    .n_shared = 1,
-                    .mxfp4 = mxfp4,
-                    .renorm = true,
-                    .use_norm = true,
-                    .scale = 1.0f,
-                    .act = K3_ACT_SITU};
+    moe_shape sh = rows_shape(mxfp4);
     moe_model m;
     model_make(&m, &sh, SEED + 4);
     const int Lw = 64, I = 32, N = 600, NS = 37 * 4; /* NS <= N: 37 tokens × 4 slots */
@@ -833,19 +839,7 @@ static void test_layer(k3_backend *be, const moe_shape *sh, int T, const char *n
  * (the moe_experts op reads the ids; the output is not written), no expert table at all, and a
  * misshapen expert (checked against the config whether used or not, before anything runs). */
 static void test_forward_errors(k3_backend *be) {
-    moe_shape sh = {.D = 96,
-                    .E = 16,
-                    .K = 4,
-                    .G = 4,
-                    .TG = 2,
-                    .I = 32,
-                    .L = 64,
-                    .n_shared = 1,
-                    .mxfp4 = true,
-                    .renorm = true,
-                    .use_norm = true,
-                    .scale = 1.0f,
-                    .act = K3_ACT_SITU};
+    moe_shape sh = rows_shape(true);
     moe_model m;
     model_make(&m, &sh, SEED + 14);
     const int T = 37, D = 96, K = 4;
