@@ -34,7 +34,7 @@ static __global__ void scores_kernel(const float *qc, const float *cache, int64_
 
 static __global__ void mix_kernel(const float *cache, int64_t n_ctx, int W, int Rkv, float *o_lat,
                                   float *work) {
-    __shared__ float sh[32];
+    K3C_SHARED(float, sh, [32]);
     const int h = blockIdx.x;
     float *wk = work + (int64_t)h * n_ctx;
     const float m = k3c_block_reduce(k3c_max_part(wk, n_ctx, threadIdx.x, blockDim.x), sh, true);
@@ -53,8 +53,8 @@ extern "C" int k3c_attn_latent(cudaStream_t s, const float *qc, const float *cac
     if (H <= 0 || Rkv <= 0) return 0;
     if (n_ctx <= 0) return k3c_fill(s, o_lat, (int64_t)H * Rkv, 0.0f);
     dim3 grid((unsigned)((n_ctx + 7) / 8), (unsigned)H);
-    scores_kernel<<<grid, 256, 0, s>>>(qc, cache, n_ctx, W, scale, work);
-    mix_kernel<<<(unsigned)H, K3C_ROW_THREADS, 0, s>>>(cache, n_ctx, W, Rkv, o_lat, work);
+    K3C_LAUNCH(grid, 256, 0, s, scores_kernel)(qc, cache, n_ctx, W, scale, work);
+    K3C_LAUNCH((unsigned)H, K3C_ROW_THREADS, 0, s, mix_kernel)(cache, n_ctx, W, Rkv, o_lat, work);
     return (int)cudaGetLastError();
 }
 
@@ -74,7 +74,7 @@ static __device__ void paged_tile(const float *q, const float *cache, const int3
 static __global__ void __launch_bounds__(K3C_ATTN_TILE)
     paged_kernel(k3c_seqs sq, const float *qc, const float *cache, int H, int W, int Rkv,
                  float scale, float *o_lat, int64_t keep) {
-    extern __shared__ float sh_attn[]; /* red [32] | sc [keep] */
+    K3C_DYN_SHARED(float, sh_attn); /* red [32] | sc [keep] */
     float *red = sh_attn, *sc = sh_attn + 32;
     const int64_t t = blockIdx.x;
     const int h = blockIdx.y, tid = threadIdx.x;
@@ -151,7 +151,8 @@ extern "C" int k3c_attn_paged(cudaStream_t s, const k3c_seqs *sq, const float *q
     if (keep < K3C_ATTN_TILE) keep = K3C_ATTN_TILE;
     const size_t sh = (size_t)(32 + keep) * sizeof(float);
     dim3 grid((unsigned)sq->T, (unsigned)H);
-    paged_kernel<<<grid, K3C_ATTN_TILE, sh, s>>>(*sq, qc, cache, H, W, Rkv, scale, o_lat, keep);
+    K3C_LAUNCH(grid, K3C_ATTN_TILE, sh, s, paged_kernel)
+    (*sq, qc, cache, H, W, Rkv, scale, o_lat, keep);
     return (int)cudaGetLastError();
 }
 
@@ -159,6 +160,6 @@ extern "C" int k3c_kv_write(cudaStream_t s, const k3c_seqs *sq, const float *src
                             float *cache) {
     if (sq->T <= 0 || W <= 0) return 0;
     const unsigned blocks = (unsigned)(sq->T > (1 << 20) ? (1 << 20) : sq->T);
-    kv_write_kernel<<<blocks, 128, 0, s>>>(*sq, src, W, cache);
+    K3C_LAUNCH(blocks, 128, 0, s, kv_write_kernel)(*sq, src, W, cache);
     return (int)cudaGetLastError();
 }

@@ -22,6 +22,18 @@
 
 #define K3C_FN static __host__ __device__ __forceinline__
 
+/* Shared memory and launches, written once for both builds: nvcc gets the CUDA keywords here;
+ * the emulation build (kernels/cuda/emu, K3_CUDA_EMULATION from its cuda_runtime_api.h) defines
+ * the same three macros to run the kernels on host fibers.
+ *   K3C_SHARED(float, part, [8][32]);         a static __shared__ array of the block
+ *   K3C_DYN_SHARED(float, sh);                the block's dynamic (extern __shared__) array
+ *   K3C_LAUNCH(grid, block, shmem, stream, kernel)(args...);   kernel<<<...>>>(args...) */
+#ifndef K3_CUDA_EMULATION
+#define K3C_SHARED(T, name, dims)                   __shared__ T name dims
+#define K3C_DYN_SHARED(T, name)                     extern __shared__ T name[]
+#define K3C_LAUNCH(grid, block, shmem, stream, ...) __VA_ARGS__<<<grid, block, shmem, stream>>>
+#endif
+
 #define K3C_WARP        32  /* lanes of a warp */
 #define K3C_ROW_THREADS 256 /* threads of a per-row block (norms, softmax, AttnRes, latent) */
 #define K3C_MM_ROWS     32  /* matmul: output rows per block (one per lane of a warp) */
@@ -535,13 +547,13 @@ K3C_FN float k3c_moe_act(float g, float u, float beta, float lin_beta) {
 /* The vector path of a weight row as matmul picks it (k3c_matmul): 16-byte aligned rows of a
  * whole number of 16-byte chunks, rows of a multiple of 4 elements, and x aligned. */
 K3C_FN bool k3c_mm_vec(int dt, const void *data, int64_t in, bool x_aligned) {
-    const uint64_t row_bytes = dt == K3C_DT_MXFP4 ? (uint64_t)in / 2
-                                                  : (uint64_t)in * (dt == K3C_DT_F32 ? 4u : 2u);
+    const uint64_t row_bytes =
+        dt == K3C_DT_MXFP4 ? (uint64_t)in / 2 : (uint64_t)in * (dt == K3C_DT_F32 ? 4u : 2u);
     return (uintptr_t)data % 16 == 0 && row_bytes % 16 == 0 && in % 4 == 0 && x_aligned;
 }
 
-/* ---- device-only: the shuffles the host trees above emulate -------------------------------- */
-#ifdef __CUDACC__
+/* ---- device-only: the shuffles the host trees above emulate (nvcc, or the emulation) ------- */
+#if defined(__CUDACC__) || defined(K3_CUDA_EMULATION)
 static __device__ __forceinline__ float k3c_warp_sum(float v) {
     for (int off = K3C_WARP / 2; off > 0; off >>= 1) v = v + __shfl_xor_sync(0xffffffffu, v, off);
     return v;

@@ -69,26 +69,26 @@ static __global__ void embed_kernel(int dt, const void *W, int64_t V, int64_t D,
 
 extern "C" int k3c_fill(cudaStream_t s, float *y, int64_t n, float v) {
     if (n <= 0) return 0;
-    fill_kernel<<<k3c_blocks(n, 256), 256, 0, s>>>(y, n, v);
+    K3C_LAUNCH(k3c_blocks(n, 256), 256, 0, s, fill_kernel)(y, n, v);
     return (int)cudaGetLastError();
 }
 
 extern "C" int k3c_pointwise(cudaStream_t s, int op, const float *a, const float *b, int64_t n,
                              float p0, float p1, float *y) {
     if (n <= 0) return 0;
-    pointwise_kernel<<<k3c_blocks(n, 256), 256, 0, s>>>(op, a, b, n, p0, p1, y);
+    K3C_LAUNCH(k3c_blocks(n, 256), 256, 0, s, pointwise_kernel)(op, a, b, n, p0, p1, y);
     return (int)cudaGetLastError();
 }
 
 extern "C" int k3c_decode_f32(cudaStream_t s, int dt, const void *src, int64_t n, float *dst) {
     if (n <= 0) return 0;
-    decode_kernel<<<k3c_blocks(n, 256), 256, 0, s>>>(dt, src, n, dst);
+    K3C_LAUNCH(k3c_blocks(n, 256), 256, 0, s, decode_kernel)(dt, src, n, dst);
     return (int)cudaGetLastError();
 }
 
 extern "C" int k3c_embed_rows(cudaStream_t s, int dt, const void *W, int64_t V, int64_t D,
                               const int32_t *ids, int64_t T, float *out, unsigned long long *err) {
     if (T <= 0) return 0;
-    embed_kernel<<<(unsigned)T, 256, 0, s>>>(dt, W, V, D, ids, out, err);
+    K3C_LAUNCH((unsigned)T, 256, 0, s, embed_kernel)(dt, W, V, D, ids, out, err);
     return (int)cudaGetLastError();
 }

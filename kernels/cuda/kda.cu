@@ -60,7 +60,7 @@ static __device__ void head_recurrent(const float *q, const float *k, const floa
 static __global__ void recurrent_kernel(const float *q, const float *k, const float *v,
                                         const float *g, const float *beta, int64_t n, int H, int dk,
                                         int dv, float scale, float *S, float *o) {
-    extern __shared__ float sh_rec[];
+    K3C_DYN_SHARED(float, sh_rec);
     const int h = blockIdx.x;
     const int64_t sqk = (int64_t)H * dk, svo = (int64_t)H * dv;
     head_recurrent(q + h * dk, k + h * dk, v + h * dv, g + h * dk, beta + h, n, sqk, svo, H, dk, dv,
@@ -111,7 +111,7 @@ static __global__ void chunked_kernel(const float *q, const float *k, const floa
                                       const float *g, const float *beta, int64_t n, int H, int dk,
                                       int dv, float scale, float *S, float *o, int C, float *work,
                                       size_t wf) {
-    extern __shared__ double sh_chk[]; /* row [C], then 3·dk floats for the tail */
+    K3C_DYN_SHARED(double, sh_chk); /* row [C], then 3·dk floats for the tail */
     const int h = blockIdx.x;
     head_chunked(q + h * dk, k + h * dk, v + h * dv, g + h * dk, beta + h, n, (int64_t)H * dk,
                  (int64_t)H * dv, H, dk, dv, scale, S + (int64_t)h * dk * dv, o + h * dv, C,
@@ -124,7 +124,7 @@ static __global__ void recurrent_seqs_kernel(k3c_seqs sq, const float *q, const 
                                              const float *v, const float *g, const float *beta,
                                              int H, int dk, int dv, float scale, float *S,
                                              int64_t S_stride, float *o, int C) {
-    extern __shared__ float sh_rec[];
+    K3C_DYN_SHARED(float, sh_rec);
     const int h = blockIdx.x, i = blockIdx.y;
     const int64_t t0 = sq.tok0[i], n = sq.tok0[i + 1] - t0;
     if (C >= 2 && n >= C) return; /* block-uniform */
@@ -140,7 +140,7 @@ static __global__ void chunked_seqs_kernel(k3c_seqs sq, const float *q, const fl
                                            const float *v, const float *g, const float *beta, int H,
                                            int dk, int dv, float scale, float *S, int64_t S_stride,
                                            float *o, int C, float *work, size_t wf) {
-    extern __shared__ double sh_chk[];
+    K3C_DYN_SHARED(double, sh_chk);
     const int h = blockIdx.x;
     const int64_t sqk = (int64_t)H * dk, svo = (int64_t)H * dv;
     for (int i = 0; i < sq.n_seqs; i++) {
@@ -169,14 +169,14 @@ extern "C" int k3c_kda_gate(cudaStream_t s, float *r, const float *dt_bias, cons
                             int64_t T, int H, int dk, bool has_lb, float lb) {
     const int64_t n = T * H * dk;
     if (n <= 0) return 0;
-    gate_kernel<<<k3c_blocks(n, 256), 256, 0, s>>>(r, dt_bias, a_log, T, H, dk, has_lb, lb);
+    K3C_LAUNCH(k3c_blocks(n, 256), 256, 0, s, gate_kernel)(r, dt_bias, a_log, T, H, dk, has_lb, lb);
     return (int)cudaGetLastError();
 }
 
 extern "C" int k3c_short_conv(cudaStream_t s, const float *in, int64_t n, int64_t P, int K,
                               const float *w, float *state, float *out) {
     if (P <= 0 || (n <= 0 && K <= 1)) return 0;
-    conv_kernel<<<(unsigned)((P + 127) / 128), 128, 0, s>>>(in, n, P, K, w, state, out);
+    K3C_LAUNCH((unsigned)((P + 127) / 128), 128, 0, s, conv_kernel)(in, n, P, K, w, state, out);
     return (int)cudaGetLastError();
 }
 
@@ -186,12 +186,12 @@ extern "C" int k3c_kda(cudaStream_t s, const float *q, const float *k, const flo
     if (n <= 0 || H <= 0) return 0;
     const size_t sh_tail = 3 * (size_t)dk * sizeof(float);
     if (C == 0) {
-        recurrent_kernel<<<(unsigned)H, 128, sh_tail, s>>>(q, k, v, g, beta, n, H, dk, dv, scale, S,
-                                                           o);
+        K3C_LAUNCH((unsigned)H, 128, sh_tail, s, recurrent_kernel)
+        (q, k, v, g, beta, n, H, dk, dv, scale, S, o);
     } else {
         const size_t sh = (size_t)C * sizeof(double) + sh_tail;
-        chunked_kernel<<<(unsigned)H, 256, sh, s>>>(q, k, v, g, beta, n, H, dk, dv, scale, S, o, C,
-                                                    work, wf);
+        K3C_LAUNCH((unsigned)H, 256, sh, s, chunked_kernel)
+        (q, k, v, g, beta, n, H, dk, dv, scale, S, o, C, work, wf);
     }
     return (int)cudaGetLastError();
 }
@@ -201,7 +201,7 @@ extern "C" int k3c_short_conv_seqs(cudaStream_t s, const k3c_seqs *sq, const flo
                                    float *out) {
     if (sq->n_seqs <= 0 || P <= 0) return 0;
     dim3 grid((unsigned)((P + 127) / 128), (unsigned)sq->n_seqs);
-    conv_seqs_kernel<<<grid, 128, 0, s>>>(*sq, in, P, K, w, state, state_stride, out);
+    K3C_LAUNCH(grid, 128, 0, s, conv_seqs_kernel)(*sq, in, P, K, w, state, state_stride, out);
     return (int)cudaGetLastError();
 }
 
@@ -212,12 +212,12 @@ extern "C" int k3c_kda_seqs(cudaStream_t s, const k3c_seqs *sq, const float *q, 
     if (sq->n_seqs <= 0 || H <= 0) return 0;
     const size_t sh_tail = 3 * (size_t)dk * sizeof(float);
     dim3 grid((unsigned)H, (unsigned)sq->n_seqs);
-    recurrent_seqs_kernel<<<grid, 128, sh_tail, s>>>(*sq, q, k, v, g, beta, H, dk, dv, scale, S,
-                                                     S_stride, o, C);
+    K3C_LAUNCH(grid, 128, sh_tail, s, recurrent_seqs_kernel)
+    (*sq, q, k, v, g, beta, H, dk, dv, scale, S, S_stride, o, C);
     if (C >= 2 && sq->max_new >= C) { /* some sequence has a full chunk */
         const size_t sh = (size_t)C * sizeof(double) + sh_tail;
-        chunked_seqs_kernel<<<(unsigned)H, 256, sh, s>>>(*sq, q, k, v, g, beta, H, dk, dv, scale, S,
-                                                         S_stride, o, C, work, wf);
+        K3C_LAUNCH((unsigned)H, 256, sh, s, chunked_seqs_kernel)
+        (*sq, q, k, v, g, beta, H, dk, dv, scale, S, S_stride, o, C, work, wf);
     }
     return (int)cudaGetLastError();
 }

@@ -32,7 +32,7 @@ template <int DT, bool VEC>
 static __global__ void __launch_bounds__(K3C_MM_ROWS *K3C_MM_SLICES)
     matmul_kernel(const void *data, const uint8_t *scale, mm_view v, const float *x, int64_t T,
                   float *y) {
-    __shared__ float part[K3C_MM_SLICES][K3C_MM_TOK][K3C_MM_ROWS];
+    K3C_SHARED(float, part, [K3C_MM_SLICES][K3C_MM_TOK][K3C_MM_ROWS]);
     const int lane = threadIdx.x & 31, s = threadIdx.x >> 5;
     const int64_t out = v.out, in = v.in, h = blockIdx.z;
     const int64_t o = (int64_t)blockIdx.x * K3C_MM_ROWS + lane;
@@ -101,7 +101,7 @@ static __global__ void __launch_bounds__(K3C_MM_ROWS *K3C_MM_SLICES)
 static __global__ void __launch_bounds__(K3C_WARP *K3C_TN_SLICES)
     matmul_tn_kernel(int dt, const void *data, const uint8_t *scale, mm_view v, const float *x,
                      int64_t T, float *y) {
-    __shared__ float part[K3C_TN_SLICES][K3C_MM_TOK][K3C_WARP];
+    K3C_SHARED(float, part, [K3C_TN_SLICES][K3C_MM_TOK][K3C_WARP]);
     const int lane = threadIdx.x & 31, s = threadIdx.x >> 5;
     const int64_t out = v.out, in = v.in, h = blockIdx.z;
     const int64_t i = (int64_t)blockIdx.x * K3C_WARP + lane;
@@ -147,7 +147,8 @@ template <int DT, bool VEC>
 static void launch(cudaStream_t s, const void *data, const uint8_t *scale, const mm_view &v, int H,
                    const float *x, int64_t T, float *y) {
     dim3 grid((unsigned)((v.out + K3C_MM_ROWS - 1) / K3C_MM_ROWS), tok_groups(T), (unsigned)H);
-    matmul_kernel<DT, VEC><<<grid, K3C_MM_ROWS * K3C_MM_SLICES, 0, s>>>(data, scale, v, x, T, y);
+    K3C_LAUNCH(grid, K3C_MM_ROWS * K3C_MM_SLICES, 0, s, matmul_kernel<DT, VEC>)
+    (data, scale, v, x, T, y);
 }
 
 /* vec: the chunking of the vector path (weights aligned, whole chunks); v.xa: x aligned too */
@@ -181,7 +182,7 @@ extern "C" int k3c_matmul_tn(cudaStream_t s, int dt, const void *data, const uin
     if (out <= 0) return k3c_fill(s, y, T * in, 0.0f);
     const mm_view v = {out, in, 0, out, 0, in, 0, false};
     dim3 grid((unsigned)((in + K3C_WARP - 1) / K3C_WARP), tok_groups(T), 1);
-    matmul_tn_kernel<<<grid, K3C_WARP * K3C_TN_SLICES, 0, s>>>(dt, data, scale, v, x, T, y);
+    K3C_LAUNCH(grid, K3C_WARP * K3C_TN_SLICES, 0, s, matmul_tn_kernel)(dt, data, scale, v, x, T, y);
     return (int)cudaGetLastError();
 }
 
@@ -206,7 +207,8 @@ extern "C" int k3c_matmul_heads(cudaStream_t s, int dt, const void *data, const 
             return 0;
         }
         dim3 grid((unsigned)((in + K3C_WARP - 1) / K3C_WARP), tok_groups(T), (unsigned)H);
-        matmul_tn_kernel<<<grid, K3C_WARP * K3C_TN_SLICES, 0, s>>>(dt, data, scale, v, x, T, y);
+        K3C_LAUNCH(grid, K3C_WARP * K3C_TN_SLICES, 0, s, matmul_tn_kernel)
+        (dt, data, scale, v, x, T, y);
         return (int)cudaGetLastError();
     }
     if (nr <= 0) return 0;

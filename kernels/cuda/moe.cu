@@ -26,7 +26,7 @@
 static __global__ void topk_kernel(const float *scores, const float *bias, int E, int K, int G,
                                    int topk_group, bool renorm, float scale, float *work,
                                    int32_t *ids, float *w, unsigned long long *err) {
-    extern __shared__ float sh_topk[]; /* gscore [G], then gkeep [G] bytes */
+    K3C_DYN_SHARED(float, sh_topk); /* gscore [G], then gkeep [G] bytes */
     if (threadIdx.x != 0) return;
     const int64_t t = blockIdx.x;
     const int r =
@@ -60,8 +60,8 @@ extern "C" int k3c_moe_topk(cudaStream_t s, const float *scores, const float *bi
                             float *work, int32_t *ids, float *w, unsigned long long *err) {
     if (T <= 0) return 0;
     const size_t sh = (size_t)G * (sizeof(float) + 1);
-    topk_kernel<<<(unsigned)T, 32, sh, s>>>(scores, bias, E, K, G, topk_group, renorm, scale, work,
-                                            ids, w, err);
+    K3C_LAUNCH((unsigned)T, 32, sh, s, topk_kernel)
+    (scores, bias, E, K, G, topk_group, renorm, scale, work, ids, w, err);
     return (int)cudaGetLastError();
 }
 
@@ -69,7 +69,7 @@ extern "C" int k3c_rows_copy(cudaStream_t s, const float *src, int64_t width, co
                              int64_t n, float *dst, int scatter) {
     if (n <= 0 || width <= 0) return 0;
     const unsigned blocks = (unsigned)(n > (1 << 20) ? (1 << 20) : n);
-    rows_copy_kernel<<<blocks, 256, 0, s>>>(src, width, idx, n, dst, scatter);
+    K3C_LAUNCH(blocks, 256, 0, s, rows_copy_kernel)(src, width, idx, n, dst, scatter);
     return (int)cudaGetLastError();
 }
 
@@ -77,7 +77,7 @@ extern "C" int k3c_rows_wsum(cudaStream_t s, const float *x, const float *w, con
                              int64_t seg_len, int64_t n_seg, int64_t width, float *y) {
     if (n_seg <= 0 || width <= 0) return 0;
     const unsigned blocks = (unsigned)(n_seg > (1 << 20) ? (1 << 20) : n_seg);
-    wsum_kernel<<<blocks, 256, 0, s>>>(x, w, seg, seg_len, n_seg, width, y);
+    K3C_LAUNCH(blocks, 256, 0, s, wsum_kernel)(x, w, seg, seg_len, n_seg, width, y);
     return (int)cudaGetLastError();
 }
 
@@ -107,7 +107,7 @@ static __global__ void rows_last_kernel(k3c_seqs sq, const float *src, int64_t s
 extern "C" int k3c_nonfinite_rows(cudaStream_t s, const k3c_seqs *sq, float *y, int64_t D,
                                   bool per_seq, int32_t code, int32_t *flags) {
     if (sq->n_seqs <= 0 || D <= 0) return 0;
-    nonfinite_kernel<<<(unsigned)sq->n_seqs, 256, 0, s>>>(*sq, y, D, per_seq, code, flags);
+    K3C_LAUNCH((unsigned)sq->n_seqs, 256, 0, s, nonfinite_kernel)(*sq, y, D, per_seq, code, flags);
     return (int)cudaGetLastError();
 }
 
@@ -115,7 +115,7 @@ extern "C" int k3c_rows_last(cudaStream_t s, const k3c_seqs *sq, const float *sr
                              int n_slab, int64_t D, float *dst) {
     if (sq->n_seqs <= 0 || n_slab <= 0 || D <= 0) return 0;
     dim3 grid((unsigned)sq->n_seqs, (unsigned)n_slab);
-    rows_last_kernel<<<grid, 256, 0, s>>>(*sq, src, slab, D, dst);
+    K3C_LAUNCH(grid, 256, 0, s, rows_last_kernel)(*sq, src, slab, D, dst);
     return (int)cudaGetLastError();
 }
 
@@ -163,7 +163,7 @@ static __global__ void __launch_bounds__(K3C_MM_ROWS *K3C_MM_SLICES)
     moe_up_kernel(const float *src, int64_t row_div, const int32_t *row_of, const int32_t *ids,
                   const k3c_expert *tab, int64_t r0, int64_t Lw, int64_t I, bool x_vec, float beta,
                   float lin_beta, float *h) {
-    __shared__ float part[K3C_MM_SLICES][K3C_MM_ROWS];
+    K3C_SHARED(float, part, [K3C_MM_SLICES][K3C_MM_ROWS]);
     const int lane = threadIdx.x & 31, s = threadIdx.x >> 5;
     const int64_t j = blockIdx.y, i = r0 + j; /* tile row j = slot row i */
     const int64_t o = (int64_t)blockIdx.x * K3C_MM_ROWS + lane;
@@ -180,7 +180,7 @@ static __global__ void __launch_bounds__(K3C_MM_ROWS *K3C_MM_SLICES)
     moe_down_kernel(const float *h, const int32_t *ids, const float *w, int64_t per,
                     const k3c_expert *tab, int64_t r0, int64_t Lw, int64_t I, bool h_vec,
                     float *out) {
-    __shared__ float part[K3C_MM_SLICES][K3C_MM_ROWS];
+    K3C_SHARED(float, part, [K3C_MM_SLICES][K3C_MM_ROWS]);
     const int lane = threadIdx.x & 31, s = threadIdx.x >> 5;
     const int64_t o = (int64_t)blockIdx.x * K3C_MM_ROWS + lane;
     const bool live = o < Lw;
@@ -200,7 +200,7 @@ static __global__ void __launch_bounds__(K3C_MM_ROWS *K3C_MM_SLICES)
 extern "C" int k3c_moe_check(cudaStream_t s, const int32_t *ids, int64_t n, int E,
                              const k3c_expert *tab, unsigned long long *err) {
     if (n <= 0) return 0;
-    moe_check_kernel<<<k3c_blocks(n, 256), 256, 0, s>>>(ids, n, E, tab, err);
+    K3C_LAUNCH(k3c_blocks(n, 256), 256, 0, s, moe_check_kernel)(ids, n, E, tab, err);
     return (int)cudaGetLastError();
 }
 
@@ -209,8 +209,8 @@ extern "C" int k3c_moe_up(cudaStream_t s, const float *src, int64_t row_div, con
                           int64_t Lw, int64_t I, bool x_vec, float beta, float lin_beta, float *h) {
     if (m <= 0 || I <= 0) return 0;
     dim3 grid((unsigned)((I + K3C_MM_ROWS - 1) / K3C_MM_ROWS), (unsigned)m);
-    moe_up_kernel<<<grid, K3C_MM_ROWS * K3C_MM_SLICES, 0, s>>>(src, row_div, row_of, ids, tab, r0,
-                                                               Lw, I, x_vec, beta, lin_beta, h);
+    K3C_LAUNCH(grid, K3C_MM_ROWS * K3C_MM_SLICES, 0, s, moe_up_kernel)
+    (src, row_div, row_of, ids, tab, r0, Lw, I, x_vec, beta, lin_beta, h);
     return (int)cudaGetLastError();
 }
 
@@ -220,7 +220,7 @@ extern "C" int k3c_moe_down(cudaStream_t s, const float *h, const int32_t *ids, 
     if (m <= 0 || Lw <= 0) return 0;
     const int64_t per = w ? row_div : 1;
     dim3 grid((unsigned)((Lw + K3C_MM_ROWS - 1) / K3C_MM_ROWS), (unsigned)(m / per));
-    moe_down_kernel<<<grid, K3C_MM_ROWS * K3C_MM_SLICES, 0, s>>>(h, ids, w, per, tab, r0, Lw, I,
-                                                                 h_vec, out);
+    K3C_LAUNCH(grid, K3C_MM_ROWS * K3C_MM_SLICES, 0, s, moe_down_kernel)
+    (h, ids, w, per, tab, r0, Lw, I, h_vec, out);
     return (int)cudaGetLastError();
 }

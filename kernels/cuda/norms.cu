@@ -14,7 +14,7 @@
 /* row t at x + t·xs -> y + t·ys (rmsnorm / l2norm: xs = ys = n; rmsnorm_rows: the strides) */
 static __global__ void rownorm_kernel(int l2, const float *x, int64_t xs, const float *w, int64_t n,
                                       float eps, float *y, int64_t ys) {
-    __shared__ float sh[32];
+    K3C_SHARED(float, sh, [32]);
     const int64_t t = blockIdx.x;
     const float *xt = x + t * xs;
     float ss = k3c_block_reduce(k3c_sumsq_part(xt, n, threadIdx.x, blockDim.x), sh, false);
@@ -24,7 +24,7 @@ static __global__ void rownorm_kernel(int l2, const float *x, int64_t xs, const 
 }
 
 static __global__ void softmax_kernel(const float *x, int64_t n, float *y) {
-    __shared__ float sh[32];
+    K3C_SHARED(float, sh, [32]);
     const int64_t t = blockIdx.x;
     const float *xt = x + t * n;
     float *yt = y + t * n;
@@ -35,8 +35,8 @@ static __global__ void softmax_kernel(const float *x, int64_t n, float *y) {
 
 static __global__ void attnres_kernel(const float *bank, int n_bank, const float *p, const float *w,
                                       int64_t T, int64_t D, float eps, float *out) {
-    __shared__ float sh[32];
-    __shared__ float s[K3C_MAX_SOURCES];
+    K3C_SHARED(float, sh, [32]);
+    K3C_SHARED(float, s, [K3C_MAX_SOURCES]);
     const int64_t t = blockIdx.x;
     for (int i = 0; i <= n_bank; i++) {
         const float *v = i < n_bank ? bank + ((int64_t)i * T + t) * D : p + t * D;
@@ -68,19 +68,20 @@ static __global__ void attnres_kernel(const float *bank, int n_bank, const float
 extern "C" int k3c_rownorm(cudaStream_t s, int l2, const float *x, int64_t xs, const float *w,
                            int64_t T, int64_t n, float eps, float *y, int64_t ys) {
     if (T <= 0 || n <= 0) return 0;
-    rownorm_kernel<<<(unsigned)T, K3C_ROW_THREADS, 0, s>>>(l2, x, xs, w, n, eps, y, ys);
+    K3C_LAUNCH((unsigned)T, K3C_ROW_THREADS, 0, s, rownorm_kernel)(l2, x, xs, w, n, eps, y, ys);
     return (int)cudaGetLastError();
 }
 
 extern "C" int k3c_softmax(cudaStream_t s, const float *x, int64_t T, int64_t n, float *y) {
     if (T <= 0 || n <= 0) return 0;
-    softmax_kernel<<<(unsigned)T, K3C_ROW_THREADS, 0, s>>>(x, n, y);
+    K3C_LAUNCH((unsigned)T, K3C_ROW_THREADS, 0, s, softmax_kernel)(x, n, y);
     return (int)cudaGetLastError();
 }
 
 extern "C" int k3c_attnres_mix(cudaStream_t s, const float *bank, int n_bank, const float *p,
                                const float *w, int64_t T, int64_t D, float eps, float *out) {
     if (T <= 0 || D <= 0) return 0;
-    attnres_kernel<<<(unsigned)T, K3C_ROW_THREADS, 0, s>>>(bank, n_bank, p, w, T, D, eps, out);
+    K3C_LAUNCH((unsigned)T, K3C_ROW_THREADS, 0, s, attnres_kernel)
+    (bank, n_bank, p, w, T, D, eps, out);
     return (int)cudaGetLastError();
 }

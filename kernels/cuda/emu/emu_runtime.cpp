@@ -1,0 +1,709 @@
+/* emu_runtime.cpp — k3's CUDA emulation (K3_CUDA_EMULATE builds only): the runtime API of
+ * cuda_runtime_api.h on host memory, and the grid runner behind K3C_LAUNCH (k3emu_device.h).
+ *
+ * Grid runner: blocks one after another (x fastest, then y, z); the threads of a block are fibers
+ * on the calling host thread, switched by a 6-register swap (x86-64; ucontext elsewhere), each on
+ * its own stack with a guard page below it. A sweep resumes every runnable fiber until it
+ * waits or ends; then a barrier whose whole group has arrived is released. A sweep that can
+ * release nothing while threads still wait is a divergent barrier: reported, and the rest of the
+ * launch is skipped. Under ASan the switches are announced (__sanitizer_*_switch_fiber).
+ * Memory: cudaMalloc is posix_memalign(256) of exactly the bytes asked (so ASan's redzone starts
+ * at the first byte past the end); the free/total of cudaMemGetInfo are an emulated device of
+ * K3_EMU_DEVICE_MEM_GB GiB (default 64) less the bytes allocated. */
+#include "cuda_runtime.h"
+
+#include <malloc.h>
+#include <stdarg.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <sys/mman.h>
+#include <time.h>
+#include <unistd.h>
+
+#if defined(__SANITIZE_ADDRESS__)
+#define K3EMU_ASAN 1
+#elif defined(__has_feature)
+#if __has_feature(address_sanitizer)
+#define K3EMU_ASAN 1
+#endif
+#endif
+#ifdef K3EMU_ASAN
+#include <sanitizer/asan_interface.h>
+#include <sanitizer/common_interface_defs.h>
+#endif
+
+#if !defined(__x86_64__)
+#include <ucontext.h>
+#endif
+
+namespace k3emu {
+static thread_local fiber *cur_fiber;
+static thread_local launch_state *cur_launch;
+fiber *self(void) {
+    return cur_fiber;
+}
+launch_state *launch(void) {
+    return cur_launch;
+}
+} // namespace k3emu
+
+using k3emu::fiber;
+
+namespace {
+
+enum { ST_READY, ST_WAIT_BLOCK, ST_WAIT_WARP, ST_DONE };
+enum { MAX_THREADS = 1024, MAX_SHARED = 48 * 1024, MAX_DECLS = 64 };
+#ifdef K3EMU_ASAN
+const size_t STACK_BYTES = 512 * 1024;
+#else
+const size_t STACK_BYTES = 128 * 1024;
+#endif
+
+thread_local cudaError_t g_last_err = cudaSuccess;
+unsigned long long g_launches, g_blocks, g_threads, g_switches;
+size_t g_allocated;
+int g_device;
+
+cudaError_t set_err(cudaError_t e) {
+    if (e != cudaSuccess && g_last_err == cudaSuccess) g_last_err = e;
+    return e;
+}
+
+/* ---- fibers -------------------------------------------------------------------------------- */
+#if defined(__x86_64__)
+extern "C" void k3emu_switch(void **save_sp, void *to_sp);
+extern "C" void k3emu_fiber_start(void);
+__asm__(".text\n"
+        ".globl k3emu_switch\n"
+        ".type k3emu_switch,@function\n"
+        "k3emu_switch:\n"
+        "  pushq %rbp\n  pushq %rbx\n  pushq %r12\n  pushq %r13\n  pushq %r14\n  pushq %r15\n"
+        "  movq %rsp, (%rdi)\n"
+        "  movq %rsi, %rsp\n"
+        "  popq %r15\n  popq %r14\n  popq %r13\n  popq %r12\n  popq %rbx\n  popq %rbp\n"
+        "  ret\n"
+        ".size k3emu_switch, .-k3emu_switch\n"
+        ".globl k3emu_fiber_start\n"
+        ".type k3emu_fiber_start,@function\n"
+        "k3emu_fiber_start:\n"
+        "  call k3emu_fiber_main\n"
+        "  ud2\n"
+        ".size k3emu_fiber_start, .-k3emu_fiber_start\n");
+#endif
+
+struct block_run {
+    const char *name;
+    void (*body)(void *);
+    void *closure;
+    fiber *f;
+    unsigned n;
+    void *sched_sp;
+#if !defined(__x86_64__)
+    ucontext_t sched_uc, *uc;
+#endif
+    const void *sched_stack_bottom;
+    size_t sched_stack_size;
+    /* shared memory of this launch */
+    void *decl[MAX_DECLS];
+    size_t decl_bytes[MAX_DECLS];
+    unsigned n_decl;
+    size_t static_bytes;
+    void *dyn;
+    size_t dyn_bytes;
+    /* warp rounds: two buffers per warp (a thread can be at most one round ahead) */
+    uint64_t (*warp_val)[2][32];
+    int block_pred_count;
+    bool failed;
+    char what[256];
+};
+thread_local block_run *g_run;
+
+void fail(block_run *r, const char *fmt, ...) __attribute__((format(printf, 2, 3)));
+void fail(block_run *r, const char *fmt, ...) {
+    if (r->failed) return;
+    r->failed = true;
+    va_list ap;
+    va_start(ap, fmt);
+    vsnprintf(r->what, sizeof r->what, fmt, ap);
+    va_end(ap);
+    fprintf(stderr, "k3emu: kernel %s, block (%u,%u,%u): %s\n", r->name, k3emu::cur_launch->bid.x,
+            k3emu::cur_launch->bid.y, k3emu::cur_launch->bid.z, r->what);
+}
+
+/* switch from the current fiber to the scheduler */
+void to_scheduler(fiber *f, bool dying) {
+    block_run *r = g_run;
+    g_switches++;
+#ifdef K3EMU_ASAN
+    __sanitizer_start_switch_fiber(dying ? nullptr : &f->asan_fake, r->sched_stack_bottom,
+                                   r->sched_stack_size);
+#endif
+#if defined(__x86_64__)
+    k3emu_switch(&f->sp, r->sched_sp);
+#else
+    swapcontext(&r->uc[f->lin], &r->sched_uc);
+#endif
+#ifdef K3EMU_ASAN
+    __sanitizer_finish_switch_fiber(f->asan_fake, nullptr, nullptr);
+#endif
+    (void)dying;
+}
+
+/* resume fiber f from the scheduler until it waits or ends */
+void resume(block_run *r, fiber *f) {
+    k3emu::cur_fiber = f;
+    void *fake = nullptr;
+#ifdef K3EMU_ASAN
+    __sanitizer_start_switch_fiber(&fake, (char *)f->stack, f->stack_size);
+#endif
+#if defined(__x86_64__)
+    k3emu_switch(&r->sched_sp, f->sp);
+#else
+    swapcontext(&r->sched_uc, &r->uc[f->lin]);
+#endif
+#ifdef K3EMU_ASAN
+    __sanitizer_finish_switch_fiber(fake, nullptr, nullptr);
+#endif
+    (void)fake;
+    k3emu::cur_fiber = nullptr;
+}
+
+} // namespace
+
+extern "C" void k3emu_fiber_main(void) {
+    block_run *r = g_run;
+    fiber *f = k3emu::cur_fiber;
+#ifdef K3EMU_ASAN
+    __sanitizer_finish_switch_fiber(nullptr, &r->sched_stack_bottom, &r->sched_stack_size);
+#endif
+    r->body(r->closure);
+    f->state = ST_DONE;
+    to_scheduler(f, true);
+    abort(); /* a finished fiber is never resumed */
+}
+
+namespace {
+#if !defined(__x86_64__)
+void uc_entry(void) {
+    k3emu_fiber_main();
+}
+#endif
+
+/* The stacks: MAX_THREADS of STACK_BYTES with a PROT_NONE guard page below each, made once per
+ * host thread and reused by every block. */
+thread_local char *g_stacks;
+size_t page_bytes(void) {
+    static size_t p = (size_t)sysconf(_SC_PAGESIZE);
+    return p;
+}
+bool stacks_ready(void) {
+    if (g_stacks) return true;
+    const size_t one = STACK_BYTES + page_bytes();
+    void *m = mmap(nullptr, one * MAX_THREADS, PROT_READ | PROT_WRITE,
+                   MAP_PRIVATE | MAP_ANONYMOUS | MAP_NORESERVE, -1, 0);
+    if (m == MAP_FAILED) return false;
+    for (unsigned i = 0; i < MAX_THREADS; i++)
+        mprotect((char *)m + i * one, page_bytes(), PROT_NONE);
+    g_stacks = (char *)m;
+    return true;
+}
+
+void fiber_init(block_run *r, fiber *f, unsigned lin, const dim3 &b) {
+    const size_t one = STACK_BYTES + page_bytes();
+    f->stack = g_stacks + lin * one + page_bytes();
+    f->stack_size = STACK_BYTES;
+    f->lin = lin;
+    f->tid = uint3{lin % b.x, lin / b.x % b.y, lin / (b.x * b.y)};
+    f->state = ST_READY;
+    f->shared_ix = f->warp_seq = 0;
+    f->mask = 0;
+    f->pred = 0;
+    f->site = 0;
+    f->asan_fake = nullptr;
+#if defined(__x86_64__)
+    uintptr_t top = ((uintptr_t)f->stack + STACK_BYTES) & ~(uintptr_t)15;
+    uintptr_t *sp = (uintptr_t *)top;
+    *--sp = (uintptr_t)k3emu_fiber_start;  /* ret target; rsp = top (16-aligned) after it */
+    for (int i = 0; i < 6; i++) *--sp = 0; /* rbp rbx r12 r13 r14 r15 */
+    f->sp = sp;
+#else
+    ucontext_t *uc = &r->uc[lin];
+    getcontext(uc);
+    uc->uc_stack.ss_sp = f->stack;
+    uc->uc_stack.ss_size = STACK_BYTES;
+    uc->uc_link = nullptr;
+    makecontext(uc, uc_entry, 0);
+#endif
+    (void)r;
+}
+
+/* One sweep's bookkeeping: release the barriers whose group has fully arrived. Returns true when
+ * something was released; false with r->failed set on a divergent barrier. */
+bool release(block_run *r) {
+    const unsigned n = r->n;
+    unsigned live = 0, at_block = 0, done = 0;
+    for (unsigned i = 0; i < n; i++) {
+        live += r->f[i].state != ST_DONE;
+        done += r->f[i].state == ST_DONE;
+        at_block += r->f[i].state == ST_WAIT_BLOCK;
+    }
+    bool any = false;
+    /* warps: every lane the mask names must wait in the same round */
+    for (unsigned w = 0; w * 32 < n; w++) {
+        const unsigned lo = w * 32, hi = lo + 32 < n ? lo + 32 : n;
+        int first = -1;
+        for (unsigned i = lo; i < hi; i++)
+            if (r->f[i].state == ST_WAIT_WARP) {
+                first = (int)i;
+                break;
+            }
+        if (first < 0) continue;
+        const unsigned mask = r->f[first].mask, seq = r->f[first].warp_seq;
+        bool all = true;
+        for (unsigned l = 0; l < 32; l++) {
+            if (!(mask >> l & 1u)) continue;
+            const unsigned i = lo + l;
+            if (i >= hi) {
+                fail(r, "warp primitive with mask 0x%08x names lane %u of a warp of %u threads",
+                     mask, l, hi - lo);
+                return false;
+            }
+            const fiber &g = r->f[i];
+            if (g.state == ST_DONE) {
+                fail(r, "warp primitive with mask 0x%08x: lane %u (thread %u) has exited", mask, l,
+                     i);
+                return false;
+            }
+            if (g.state != ST_WAIT_WARP) {
+                all = false;
+                continue;
+            }
+            if (g.mask != mask || g.warp_seq != seq) {
+                fail(r,
+                     "threads %d and %u of one warp wait in different warp primitives (masks "
+                     "0x%08x / 0x%08x, rounds %u / %u)",
+                     first, i, mask, g.mask, seq, g.warp_seq);
+                return false;
+            }
+        }
+        for (unsigned i = lo; i < hi; i++)
+            if (r->f[i].state == ST_WAIT_WARP && !(mask >> (i - lo) & 1u)) {
+                fail(r, "thread %u waits in a warp primitive whose mask 0x%08x leaves it out", i,
+                     mask);
+                return false;
+            }
+        if (all) {
+            for (unsigned l = 0; l < 32; l++)
+                if (mask >> l & 1u) r->f[lo + l].state = ST_READY;
+            any = true;
+        }
+    }
+    if (any) return true;
+    if (at_block && at_block == live) {
+        if (done) {
+            fail(r, "__syncthreads() reached by %u of %u threads: %u have exited", at_block, n,
+                 done);
+            return false;
+        }
+        int cnt = 0;
+        for (unsigned i = 0; i < n; i++) cnt += r->f[i].pred;
+        r->block_pred_count = cnt;
+        for (unsigned i = 0; i < n; i++) r->f[i].state = ST_READY;
+        return true;
+    }
+    if (live) {
+        unsigned at_warp = live - at_block;
+        fail(r,
+             "deadlock: %u threads wait in __syncthreads() and %u in warp primitives that cannot "
+             "complete (a barrier in divergent code?)",
+             at_block, at_warp);
+    }
+    return false;
+}
+
+double now_s(void) {
+    struct timespec t;
+    clock_gettime(CLOCK_MONOTONIC, &t);
+    return (double)t.tv_sec + 1e-9 * (double)t.tv_nsec;
+}
+
+void poison_shared(block_run *r) {
+    for (unsigned i = 0; i < r->n_decl; i++) memset(r->decl[i], 0xff, r->decl_bytes[i]);
+    if (r->dyn_bytes) memset(r->dyn, 0xff, r->dyn_bytes);
+}
+
+} // namespace
+
+/* ---- device-side entry points (k3emu_device.h) ----------------------------------------------- */
+namespace k3emu {
+
+unsigned lane_id(void) {
+    return cur_fiber->lin & 31u;
+}
+
+void syncthreads(void) {
+    (void)syncthreads_count(0);
+}
+
+int syncthreads_count(int pred) {
+    fiber *f = cur_fiber;
+    f->pred = pred != 0;
+    f->state = ST_WAIT_BLOCK;
+    to_scheduler(f, false);
+    return g_run->block_pred_count;
+}
+
+const uint64_t *warp_exchange(unsigned mask, uint64_t v) {
+    fiber *f = cur_fiber;
+    block_run *r = g_run;
+    const unsigned w = f->lin / 32, buf = f->warp_seq & 1u;
+    r->warp_val[w][buf][f->lin & 31u] = v;
+    f->mask = mask;
+    f->state = ST_WAIT_WARP;
+    to_scheduler(f, false);
+    f->warp_seq++;
+    return r->warp_val[w][buf];
+}
+
+void *shared_static(size_t bytes, size_t align, const char *what) {
+    fiber *f = cur_fiber;
+    block_run *r = g_run;
+    const unsigned ix = f->shared_ix++;
+    if (ix < r->n_decl) {
+        if (r->decl_bytes[ix] != bytes)
+            fail(r, "shared declaration %u (%s) changes size", ix, what);
+        return r->decl[ix];
+    }
+    if (ix >= MAX_DECLS) {
+        fail(r, "more than %d shared declarations", MAX_DECLS);
+        abort();
+    }
+    void *p = nullptr;
+    if (posix_memalign(&p, align < 16 ? 16 : align, bytes ? bytes : 1)) abort();
+    memset(p, 0xff, bytes);
+    r->decl[ix] = p;
+    r->decl_bytes[ix] = bytes;
+    r->n_decl = ix + 1;
+    r->static_bytes += bytes;
+    if (r->static_bytes + r->dyn_bytes > MAX_SHARED)
+        fail(r, "%zu bytes of static + %zu of dynamic shared memory exceed the %d of a block",
+             r->static_bytes, r->dyn_bytes, MAX_SHARED);
+    return p;
+}
+
+void *shared_dynamic(void) {
+    return g_run->dyn;
+}
+
+void run_grid(const char *name, dim3 grid, dim3 block, size_t shmem, cudaStream_t s,
+              void (*body)(void *), void *closure) {
+    (void)s;
+    g_launches++;
+    const unsigned long long nt = (unsigned long long)block.x * block.y * block.z;
+    if (!grid.x || !grid.y || !grid.z || !nt || grid.x > 0x7fffffffu || grid.y > 65535 ||
+        grid.z > 65535 || block.x > 1024 || block.y > 1024 || block.z > 64 || nt > MAX_THREADS) {
+        fprintf(stderr,
+                "k3emu: kernel %s: invalid configuration: grid (%u,%u,%u), block (%u,%u,%u)\n",
+                name, grid.x, grid.y, grid.z, block.x, block.y, block.z);
+        set_err(cudaErrorInvalidConfiguration);
+        return;
+    }
+    if (shmem > MAX_SHARED) {
+        fprintf(stderr, "k3emu: kernel %s: %zu bytes of dynamic shared memory (at most %d)\n", name,
+                shmem, MAX_SHARED);
+        set_err(cudaErrorInvalidValue);
+        return;
+    }
+    if (!stacks_ready()) {
+        set_err(cudaErrorMemoryAllocation);
+        return;
+    }
+    static thread_local fiber fibers[MAX_THREADS];
+    static thread_local uint64_t warp_val[MAX_THREADS / 32][2][32];
+    block_run run;
+    memset(&run, 0, sizeof run);
+    run.name = name;
+    run.body = body;
+    run.closure = closure;
+    run.f = fibers;
+    run.n = (unsigned)nt;
+    run.warp_val = warp_val;
+    run.dyn_bytes = shmem;
+    if (posix_memalign(&run.dyn, 16, shmem ? shmem : 1)) abort();
+#if !defined(__x86_64__)
+    static thread_local ucontext_t ucs[MAX_THREADS];
+    run.uc = ucs;
+#endif
+    block_run *outer = g_run;
+    launch_state *outer_l = cur_launch;
+    launch_state ls;
+    ls.bdim = block;
+    ls.gdim = grid;
+    g_run = &run;
+    cur_launch = &ls;
+    for (unsigned z = 0; z < grid.z && !run.failed; z++)
+        for (unsigned y = 0; y < grid.y && !run.failed; y++)
+            for (unsigned x = 0; x < grid.x && !run.failed; x++) {
+                ls.bid = uint3{x, y, z};
+                g_blocks++;
+                g_threads += nt;
+                poison_shared(&run);
+                for (unsigned i = 0; i < run.n; i++) fiber_init(&run, &fibers[i], i, block);
+                unsigned done = 0;
+                while (done < run.n && !run.failed) {
+                    for (unsigned i = 0; i < run.n; i++)
+                        if (fibers[i].state == ST_READY) resume(&run, &fibers[i]);
+                    done = 0;
+                    for (unsigned i = 0; i < run.n; i++) done += fibers[i].state == ST_DONE;
+                    if (done < run.n) {
+                        for (unsigned i = 0; i < run.n; i++)
+                            if (fibers[i].state != ST_DONE) fibers[i].site = 0;
+                        if (!release(&run)) break;
+                    }
+                }
+                if (run.failed) {
+#ifdef K3EMU_ASAN
+                    /* fibers left mid-kernel: their frames' shadow must not leak into reuse */
+                    for (unsigned i = 0; i < run.n; i++)
+                        __asan_unpoison_memory_region(fibers[i].stack, fibers[i].stack_size);
+#endif
+                }
+            }
+    for (unsigned i = 0; i < run.n_decl; i++) free(run.decl[i]);
+    free(run.dyn);
+    g_run = outer;
+    cur_launch = outer_l;
+    if (run.failed) set_err(cudaErrorLaunchFailure);
+}
+
+} // namespace k3emu
+
+/* ---- the runtime API ---------------------------------------------------------------------- */
+struct k3emu_stream {
+    unsigned flags;
+};
+struct k3emu_event {
+    unsigned flags;
+    double t; /* < 0: never recorded */
+};
+
+extern "C" {
+
+const char *cudaGetErrorName(cudaError_t e) {
+    switch (e) {
+    case cudaSuccess:
+        return "cudaSuccess";
+    case cudaErrorInvalidValue:
+        return "cudaErrorInvalidValue";
+    case cudaErrorMemoryAllocation:
+        return "cudaErrorMemoryAllocation";
+    case cudaErrorInitializationError:
+        return "cudaErrorInitializationError";
+    case cudaErrorLaunchFailure:
+        return "cudaErrorLaunchFailure";
+    case cudaErrorInvalidConfiguration:
+        return "cudaErrorInvalidConfiguration";
+    case cudaErrorNoDevice:
+        return "cudaErrorNoDevice";
+    case cudaErrorInvalidDevice:
+        return "cudaErrorInvalidDevice";
+    case cudaErrorInvalidResourceHandle:
+        return "cudaErrorInvalidResourceHandle";
+    case cudaErrorNotReady:
+        return "cudaErrorNotReady";
+    default:
+        return "cudaErrorUnknown";
+    }
+}
+const char *cudaGetErrorString(cudaError_t e) {
+    switch (e) {
+    case cudaSuccess:
+        return "no error";
+    case cudaErrorInvalidValue:
+        return "invalid argument";
+    case cudaErrorMemoryAllocation:
+        return "out of memory";
+    case cudaErrorLaunchFailure:
+        return "unspecified launch failure (k3emu: a kernel broke a CUDA rule; see the k3emu line "
+               "above)";
+    case cudaErrorInvalidConfiguration:
+        return "invalid configuration argument";
+    case cudaErrorNoDevice:
+        return "no CUDA-capable device is detected";
+    case cudaErrorInvalidDevice:
+        return "invalid device ordinal";
+    case cudaErrorInvalidResourceHandle:
+        return "invalid resource handle";
+    case cudaErrorNotReady:
+        return "device not ready";
+    default:
+        return "unknown error";
+    }
+}
+cudaError_t cudaGetLastError(void) {
+    cudaError_t e = g_last_err;
+    g_last_err = cudaSuccess;
+    return e;
+}
+cudaError_t cudaPeekAtLastError(void) {
+    return g_last_err;
+}
+
+static int emu_devices(void) {
+    const char *v = getenv("K3_EMU_DEVICES");
+    return v && *v ? atoi(v) : 1;
+}
+cudaError_t cudaGetDeviceCount(int *count) {
+    if (!count) return set_err(cudaErrorInvalidValue);
+    *count = emu_devices();
+    return *count > 0 ? cudaSuccess : set_err(cudaErrorNoDevice);
+}
+cudaError_t cudaSetDevice(int device) {
+    if (device < 0 || device >= emu_devices()) return set_err(cudaErrorInvalidDevice);
+    g_device = device;
+    return cudaSuccess;
+}
+cudaError_t cudaGetDevice(int *device) {
+    if (!device) return set_err(cudaErrorInvalidValue);
+    *device = g_device;
+    return cudaSuccess;
+}
+cudaError_t cudaDeviceSynchronize(void) {
+    return cudaSuccess;
+}
+cudaError_t cudaMemGetInfo(size_t *free_bytes, size_t *total_bytes) {
+    const char *v = getenv("K3_EMU_DEVICE_MEM_GB");
+    const size_t total = (size_t)(v && *v ? atof(v) : 64.0) * ((size_t)1 << 30);
+    if (total_bytes) *total_bytes = total;
+    if (free_bytes) *free_bytes = g_allocated < total ? total - g_allocated : 0;
+    return cudaSuccess;
+}
+
+cudaError_t cudaMalloc(void **p, size_t n) {
+    if (!p) return set_err(cudaErrorInvalidValue);
+    *p = nullptr;
+    if (posix_memalign(p, 256, n ? n : 1)) return set_err(cudaErrorMemoryAllocation);
+    g_allocated += malloc_usable_size(*p);
+    return cudaSuccess;
+}
+cudaError_t cudaFree(void *p) {
+    if (p) g_allocated -= malloc_usable_size(p);
+    free(p);
+    return cudaSuccess;
+}
+cudaError_t cudaMallocHost(void **p, size_t n) {
+    if (!p) return set_err(cudaErrorInvalidValue);
+    *p = nullptr;
+    if (posix_memalign(p, 64, n ? n : 1)) return set_err(cudaErrorMemoryAllocation);
+    return cudaSuccess;
+}
+cudaError_t cudaFreeHost(void *p) {
+    free(p);
+    return cudaSuccess;
+}
+
+cudaError_t cudaMemcpy(void *dst, const void *src, size_t n, cudaMemcpyKind kind) {
+    if (n && (!dst || !src)) return set_err(cudaErrorInvalidValue);
+    if ((unsigned)kind > cudaMemcpyDefault) return set_err(cudaErrorInvalidValue);
+    if (n) memmove(dst, src, n);
+    return cudaSuccess;
+}
+cudaError_t cudaMemcpyAsync(void *dst, const void *src, size_t n, cudaMemcpyKind kind,
+                            cudaStream_t s) {
+    (void)s;
+    return cudaMemcpy(dst, src, n, kind);
+}
+cudaError_t cudaMemcpy2D(void *dst, size_t dpitch, const void *src, size_t spitch, size_t width,
+                         size_t height, cudaMemcpyKind kind) {
+    if (width > dpitch || width > spitch || (unsigned)kind > cudaMemcpyDefault)
+        return set_err(cudaErrorInvalidValue);
+    if (height && width && (!dst || !src)) return set_err(cudaErrorInvalidValue);
+    for (size_t r = 0; r < height && width; r++)
+        memmove((char *)dst + r * dpitch, (const char *)src + r * spitch, width);
+    return cudaSuccess;
+}
+cudaError_t cudaMemcpy2DAsync(void *dst, size_t dpitch, const void *src, size_t spitch,
+                              size_t width, size_t height, cudaMemcpyKind kind, cudaStream_t s) {
+    (void)s;
+    return cudaMemcpy2D(dst, dpitch, src, spitch, width, height, kind);
+}
+cudaError_t cudaMemset(void *p, int v, size_t n) {
+    if (n && !p) return set_err(cudaErrorInvalidValue);
+    if (n) memset(p, v, n);
+    return cudaSuccess;
+}
+cudaError_t cudaMemsetAsync(void *p, int v, size_t n, cudaStream_t s) {
+    (void)s;
+    return cudaMemset(p, v, n);
+}
+
+cudaError_t cudaStreamCreate(cudaStream_t *s) {
+    return cudaStreamCreateWithFlags(s, cudaStreamDefault);
+}
+cudaError_t cudaStreamCreateWithFlags(cudaStream_t *s, unsigned flags) {
+    if (!s) return set_err(cudaErrorInvalidValue);
+    *s = (cudaStream_t)calloc(1, sizeof(k3emu_stream));
+    if (!*s) return set_err(cudaErrorMemoryAllocation);
+    (*s)->flags = flags;
+    return cudaSuccess;
+}
+cudaError_t cudaStreamDestroy(cudaStream_t s) {
+    free(s);
+    return cudaSuccess;
+}
+cudaError_t cudaStreamSynchronize(cudaStream_t s) {
+    (void)s;
+    return cudaSuccess;
+}
+cudaError_t cudaStreamQuery(cudaStream_t s) {
+    (void)s;
+    return cudaSuccess; /* every operation completed when it was enqueued */
+}
+cudaError_t cudaStreamWaitEvent(cudaStream_t s, cudaEvent_t e, unsigned flags) {
+    (void)s, (void)flags;
+    return e ? cudaSuccess : set_err(cudaErrorInvalidResourceHandle);
+}
+
+cudaError_t cudaEventCreate(cudaEvent_t *e) {
+    return cudaEventCreateWithFlags(e, cudaEventDefault);
+}
+cudaError_t cudaEventCreateWithFlags(cudaEvent_t *e, unsigned flags) {
+    if (!e) return set_err(cudaErrorInvalidValue);
+    *e = (cudaEvent_t)calloc(1, sizeof(k3emu_event));
+    if (!*e) return set_err(cudaErrorMemoryAllocation);
+    (*e)->flags = flags;
+    (*e)->t = -1;
+    return cudaSuccess;
+}
+cudaError_t cudaEventDestroy(cudaEvent_t e) {
+    free(e);
+    return cudaSuccess;
+}
+cudaError_t cudaEventRecord(cudaEvent_t e, cudaStream_t s) {
+    (void)s;
+    if (!e) return set_err(cudaErrorInvalidResourceHandle);
+    e->t = now_s();
+    return cudaSuccess;
+}
+cudaError_t cudaEventSynchronize(cudaEvent_t e) {
+    return e ? cudaSuccess : set_err(cudaErrorInvalidResourceHandle);
+}
+cudaError_t cudaEventQuery(cudaEvent_t e) {
+    return e ? cudaSuccess : set_err(cudaErrorInvalidResourceHandle);
+}
+cudaError_t cudaEventElapsedTime(float *ms, cudaEvent_t a, cudaEvent_t b) {
+    if (!ms || !a || !b) return set_err(cudaErrorInvalidValue);
+    if (a->t < 0 || b->t < 0 || (a->flags | b->flags) & cudaEventDisableTiming)
+        return set_err(cudaErrorInvalidResourceHandle);
+    *ms = (float)((b->t - a->t) * 1e3);
+    return cudaSuccess;
+}
+
+void k3emu_get_counters(k3emu_counters *out) {
+    out->launches = g_launches;
+    out->blocks = g_blocks;
+    out->threads = g_threads;
+    out->switches = g_switches;
+}
+
+} // extern "C"
