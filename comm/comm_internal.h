@@ -8,7 +8,9 @@
  * messages (send gathered pieces / poll one kind), world collectives, and two EP-group
  * collectives: an alltoall of int32 words and an alltoallv whose counts are 4-byte words. With
  * device_buffers = false (mpi) the alltoallv buffers are host memory and comm_moe.c stages backend
- * buffers through host; a device transport (nccl) will take backend buffers directly. */
+ * buffers through host. A device transport (nccl: device_buffers = true) also has the two device
+ * entries: ep_alltoallv_dev (the MoE rows, backend buffer to backend buffer) and p2p_dev (the
+ * stage hand-off's floats); the counts and the item metadata stay host words. */
 #ifndef K3_COMM_INTERNAL_H
 #define K3_COMM_INTERNAL_H
 
@@ -47,6 +49,15 @@ typedef struct k3_comm_iface {
     k3_status (*ep_alltoallv)(k3_comm *c, const void *send, const int64_t *scount,
                               const int64_t *sdispl, void *recv, const int64_t *rcount,
                               const int64_t *rdispl, const char *what);
+    /* Optional (NULL on host transports): ep_alltoallv on backend buffers of be, queued in the
+     * backend's stream order; returns when the exchange has completed. */
+    k3_status (*ep_alltoallv_dev)(k3_comm *c, k3_backend *be, const void *send,
+                                  const int64_t *scount, const int64_t *sdispl, void *recv,
+                                  const int64_t *rcount, const int64_t *rdispl, const char *what);
+    /* Optional: n_bytes of backend memory to (send) or from world rank peer, in the backend's
+     * stream order, FIFO per pair of ranks; returns when complete. */
+    k3_status (*p2p_dev)(k3_comm *c, k3_backend *be, int peer, bool send, void *buf, size_t n_bytes,
+                         const char *what);
 } k3_comm_iface;
 
 /* Words of the per-lane header of the MoE counts exchange: status (0 ok, 1 this lane's route is
@@ -82,12 +93,15 @@ typedef struct comm_moe {
     /* host staging */
     uint32_t *sbuf, *rbuf; /* alltoallv buffers (4-byte words) */
     float *xh, *hh;        /* x download / y staging; received rows / out download */
-    /* backend buffers */
-    float *b_rows, *b_w, *b_out;
-    size_t cap_b_rows, cap_b_w, cap_b_out; /* bytes */
+    /* backend buffers; b_send / b_ret: the device path's packed rows out and rows back */
+    float *b_rows, *b_w, *b_out, *b_send, *b_ret;
+    size_t cap_b_rows, cap_b_w, cap_b_out, cap_b_send, cap_b_ret; /* bytes */
+    bool dev;      /* this exchange moves rows on the device (ep_alltoallv_dev) */
+    int64_t *gidx; /* device path: [n_pairs] the source row of each packed row */
+    int64_t *rows_s, *rows_sd, *rows_r, *rows_rd; /* [E] device path: row words per lane */
     /* host capacities in elements */
     size_t cap_item_pos, cap_item_prow, cap_pair_lane, cap_pair_pos, cap_pair_seg, cap_item_row,
-        cap_row_seg, cap_item_tag, cap_item_wh, cap_sbuf, cap_rbuf, cap_xh, cap_hh;
+        cap_row_seg, cap_item_tag, cap_item_wh, cap_sbuf, cap_rbuf, cap_xh, cap_hh, cap_gidx;
 } comm_moe;
 
 /* A fault report (the meta bytes of a K3_MSG_FAULT message; comm_fault.c). */

@@ -14,7 +14,13 @@
  * (row, lane ascending) pair order. Counts are known from the dispatch, so no header.
  * Backend buffers (x, rows, item_w, out, y) are read only through k3_backend_download and written
  * only through k3_backend_upload, staged in host arrays; when the backend is host-visible the
- * staging copy is skipped. Every array grows to the largest exchange seen, then is reused. */
+ * staging copy is skipped. Every array grows to the largest exchange seen, then is reused.
+ * Device path (a transport with ep_alltoallv_dev, e.g. nccl, and a device backend): the rows never
+ * cross to the host. The sender packs its pair rows into lane blocks with one rows_gather on the
+ * backend, the blocks go backend to backend, and arrive in the view's order (source lane, then
+ * source row), so the receiver uses them as they land; the item triples alone travel as host
+ * words (their own alltoallv). The combine returns v->out backend to backend and the sender puts
+ * the blocks in item / pair order with one rows_gather. Same protocol, same bytes per row. */
 #include "k3_comm.h"
 #include "comm_internal.h"
 
@@ -32,7 +38,8 @@ static k3_status lanes_alloc(k3_comm *c) {
     if (mo->s_rows) return K3_OK;
     size_t E = (size_t)c->n_lanes;
     int64_t **a64[] = {&mo->s_rows, &mo->s_items, &mo->r_rows, &mo->r_items, &mo->scount,
-                       &mo->sdispl, &mo->rcount,  &mo->rdispl, &mo->mark,    &mo->cur};
+                       &mo->sdispl, &mo->rcount,  &mo->rdispl, &mo->mark,    &mo->cur,
+                       &mo->rows_s, &mo->rows_sd, &mo->rows_r, &mo->rows_rd};
     for (size_t i = 0; i < K3_ARRAY_LEN(a64); i++)
         K3_TRY(k3_calloc((void **)a64[i], E * sizeof(int64_t), "MoE lane counts"));
     K3_TRY(k3_calloc((void **)&mo->hdr_s, E * COMM_MOE_HDR_WORDS * 4, "MoE counts header"));
@@ -46,9 +53,11 @@ static void free_backend(comm_moe *mo) {
         k3_backend_free(mo->be, mo->b_rows);
         k3_backend_free(mo->be, mo->b_w);
         k3_backend_free(mo->be, mo->b_out);
+        k3_backend_free(mo->be, mo->b_send);
+        k3_backend_free(mo->be, mo->b_ret);
     }
-    mo->b_rows = mo->b_w = mo->b_out = NULL;
-    mo->cap_b_rows = mo->cap_b_w = mo->cap_b_out = 0;
+    mo->b_rows = mo->b_w = mo->b_out = mo->b_send = mo->b_ret = NULL;
+    mo->cap_b_rows = mo->cap_b_w = mo->cap_b_out = mo->cap_b_send = mo->cap_b_ret = 0;
     mo->be = NULL;
 }
 
@@ -60,7 +69,8 @@ void comm_moe_free(k3_comm *c) {
                  mo->mark,      mo->cur,      mo->lanes,    mo->item_pos, mo->item_prow,
                  mo->pair_lane, mo->pair_pos, mo->pair_seg, mo->item_row, mo->row_seg,
                  mo->item_tag,  mo->item_wh,  mo->sbuf,     mo->rbuf,     mo->xh,
-                 mo->hh};
+                 mo->hh,        mo->gidx,     mo->rows_s,   mo->rows_sd,  mo->rows_r,
+                 mo->rows_rd};
     for (size_t i = 0; i < K3_ARRAY_LEN(p); i++) k3_free(p[i]);
     memset(mo, 0, sizeof *mo);
 }
@@ -133,7 +143,8 @@ static k3_status mismatch(k3_comm *c, const char *what, int e, const char *field
  * including this one. */
 static void count_dispatch(k3_comm *c, int64_t rows_sent) {
     uint64_t words = (uint64_t)c->n_lanes * COMM_MOE_HDR_WORDS;
-    for (int e = 0; e < c->n_lanes; e++) words += (uint64_t)c->moe.scount[e];
+    for (int e = 0; e < c->n_lanes; e++)
+        words += (uint64_t)c->moe.scount[e] + (c->moe.dev ? (uint64_t)c->moe.rows_s[e] : 0);
     c->stats.dispatch_bytes += 4 * words;
     c->stats.dispatch_rows += (uint64_t)rows_sent;
     c->stats.n_exchanges++;
@@ -221,26 +232,44 @@ static k3_status plan(k3_comm *c, const k3_moe_route *r) {
     return K3_OK;
 }
 
-/* Pack the per-lane blocks: pair rows, then item triples. */
+/* Pack the per-lane blocks: pair rows, then item triples (host path); on the device path the
+ * pair rows go into b_send's lane blocks (one rows_gather) and the host blocks hold the triples. */
 static k3_status pack(k3_comm *c, k3_backend *be, const float *x, int64_t W,
                       const k3_moe_route *r) {
     comm_moe *mo = &c->moe;
     const int E = c->n_lanes;
-    const float *xs = NULL;
-    K3_TRY(read_be(be, x, r->n_rows * W, &mo->xh, &mo->cap_xh, &xs));
+    const int64_t Wh = mo->dev ? 0 : W; /* row words in the host blocks */
     int64_t total = 0;
-    for (int e = 0; e < E; e++) mo->scount[e] = mo->s_rows[e] * W + mo->s_items[e] * ITEM_WORDS;
+    for (int e = 0; e < E; e++) mo->scount[e] = mo->s_rows[e] * Wh + mo->s_items[e] * ITEM_WORDS;
     set_displ(mo->scount, mo->sdispl, E, &total);
     K3_TRY(GROW(mo, sbuf, K3_MAX(total, 1), "MoE send buffer"));
-    for (int64_t row = 0; row < r->n_rows; row++)
-        for (int64_t p = mo->pair_seg[row]; p < mo->pair_seg[row + 1]; p++) {
-            int e = mo->pair_lane[p];
-            memcpy(mo->sbuf + mo->sdispl[e] + mo->pair_pos[p] * W, xs + row * W,
-                   (size_t)W * sizeof(float));
-        }
+    if (mo->dev) {
+        int64_t n_rows_s = 0;
+        for (int e = 0; e < E; e++) mo->rows_s[e] = mo->s_rows[e] * W;
+        set_displ(mo->rows_s, mo->rows_sd, E, &n_rows_s);
+        n_rows_s /= W;
+        K3_TRY(GROW(mo, gidx, K3_MAX(n_rows_s, 1), "MoE gather indices"));
+        for (int64_t row = 0; row < r->n_rows; row++)
+            for (int64_t p = mo->pair_seg[row]; p < mo->pair_seg[row + 1]; p++) {
+                int e = mo->pair_lane[p];
+                mo->gidx[mo->rows_sd[e] / W + mo->pair_pos[p]] = row;
+            }
+        K3_TRY(grow_be(mo, &mo->b_send, &mo->cap_b_send, (size_t)(n_rows_s * W) * sizeof(float),
+                       "MoE packed rows"));
+        if (n_rows_s) K3_TRY(be->ops->rows_gather(be, x, W, mo->gidx, n_rows_s, mo->b_send));
+    } else {
+        const float *xs = NULL;
+        K3_TRY(read_be(be, x, r->n_rows * W, &mo->xh, &mo->cap_xh, &xs));
+        for (int64_t row = 0; row < r->n_rows; row++)
+            for (int64_t p = mo->pair_seg[row]; p < mo->pair_seg[row + 1]; p++) {
+                int e = mo->pair_lane[p];
+                memcpy(mo->sbuf + mo->sdispl[e] + mo->pair_pos[p] * W, xs + row * W,
+                       (size_t)W * sizeof(float));
+            }
+    }
     for (int64_t k = 0; k < r->n_items; k++) {
         int e = r->item_lane[k];
-        uint32_t *t = mo->sbuf + mo->sdispl[e] + mo->s_rows[e] * W + mo->item_pos[k] * ITEM_WORDS;
+        uint32_t *t = mo->sbuf + mo->sdispl[e] + mo->s_rows[e] * Wh + mo->item_pos[k] * ITEM_WORDS;
         uint32_t wbits;
         memcpy(&wbits, &r->item_w[k], 4);
         t[0] = (uint32_t)mo->item_prow[k];
@@ -260,17 +289,20 @@ static k3_status pack(k3_comm *c, k3_backend *be, const float *x, int64_t W,
 }
 
 /* ---- dispatch: receiver ------------------------------------------------------------------- */
-/* Unpack the received blocks: rows into rows_host [n_rows_r, W], the triples into the view's
- * host arrays (checked: rows in range, nondecreasing, none without items). */
+/* Unpack the received blocks: rows into rows_host [n_rows_r, W] (NULL on the device path, whose
+ * blocks hold no rows), the triples into the view's host arrays (checked: rows in range,
+ * nondecreasing, none without items). */
 static k3_status unpack(k3_comm *c, int64_t W, float *rows_host) {
     comm_moe *mo = &c->moe;
     char grp[96];
+    const int64_t Wh = rows_host ? W : 0;
     int64_t row_base = 0, item_base = 0;
     for (int e = 0; e < c->n_lanes; e++) {
         const uint32_t *blk = mo->rbuf + mo->rdispl[e];
         int64_t nr = mo->r_rows[e], ni = mo->r_items[e];
-        if (nr) memcpy(rows_host + row_base * W, blk, (size_t)(nr * W) * sizeof(float));
-        const uint32_t *t = blk + nr * W;
+        if (nr && rows_host)
+            memcpy(rows_host + row_base * W, blk, (size_t)(nr * W) * sizeof(float));
+        const uint32_t *t = blk + nr * Wh;
         int64_t expect = 0; /* the next new row of this lane's block */
         for (int64_t k = 0; k < ni; k++, t += ITEM_WORDS) {
             int64_t prow = (int32_t)t[0];
@@ -315,6 +347,10 @@ k3_status k3_comm_moe_dispatch(k3_comm *c, k3_backend *be, const float *x, int64
     K3_TRY(lanes_alloc(c));
     const int E = c->n_lanes;
     const int64_t W = width;
+    mo->dev = c->iface->ep_alltoallv_dev && be && !k3_backend_host_visible(be);
+    const int64_t Wh = mo->dev ? 0 : W; /* row words in the host blocks */
+    if (mo->be != be) free_backend(mo);
+    mo->be = be;
     /* 1. local work; an error is carried into the header exchange so every lane stops */
     k3_status bad = check_route(c, be, x, width, r, mode);
     if (bad == K3_OK) bad = plan(c, r);
@@ -352,7 +388,8 @@ k3_status k3_comm_moe_dispatch(k3_comm *c, k3_backend *be, const float *x, int64
                           h[4]);
         mo->r_rows[e] = h[3];
         mo->r_items[e] = h[4];
-        mo->rcount[e] = mo->r_rows[e] * W + mo->r_items[e] * ITEM_WORDS;
+        mo->rcount[e] = mo->r_rows[e] * Wh + mo->r_items[e] * ITEM_WORDS;
+        mo->rows_r[e] = mo->r_rows[e] * W;
         n_rows_r += h[3];
         n_items_r += h[4];
     }
@@ -365,8 +402,6 @@ k3_status k3_comm_moe_dispatch(k3_comm *c, k3_backend *be, const float *x, int64
     K3_TRY(GROW(mo, item_tag, nir1, "MoE item tags"));
     K3_TRY(GROW(mo, item_wh, nir1, "MoE item weights"));
     K3_TRY(GROW(mo, row_seg, n_rows_r + 1, "MoE row segments"));
-    if (mo->be != be) free_backend(mo);
-    mo->be = be;
     int64_t n_out = mode == K3_COMBINE_PER_ITEM ? n_items_r : n_rows_r;
     K3_TRY(grow_be(mo, &mo->b_rows, &mo->cap_b_rows, (size_t)(n_rows_r * W) * sizeof(float),
                    "MoE received rows"));
@@ -374,17 +409,24 @@ k3_status k3_comm_moe_dispatch(k3_comm *c, k3_backend *be, const float *x, int64
                    "MoE received weights"));
     K3_TRY(grow_be(mo, &mo->b_out, &mo->cap_b_out, (size_t)(n_out * W) * sizeof(float),
                    "MoE expert outputs"));
-    /* count unit: 4-byte words (rows · width floats + items · 3 words per lane) */
+    /* count unit: 4-byte words (rows · width floats + items · 3 words per lane; the device
+       path: the triples here, the rows backend to backend) */
     K3_TRY(c->iface->ep_alltoallv(c, mo->sbuf, mo->scount, mo->sdispl, mo->rbuf, mo->rcount,
                                   mo->rdispl, what));
+    if (mo->dev) {
+        int64_t tot = 0;
+        set_displ(mo->rows_r, mo->rows_rd, E, &tot);
+        K3_TRY(c->iface->ep_alltoallv_dev(c, be, mo->b_send, mo->rows_s, mo->rows_sd, mo->b_rows,
+                                          mo->rows_r, mo->rows_rd, what));
+    }
     bool host = k3_backend_host_visible(be);
-    float *rows_host = mo->b_rows;
-    if (!host) {
+    float *rows_host = mo->dev ? NULL : mo->b_rows;
+    if (!host && !mo->dev) {
         K3_TRY(GROW(mo, hh, K3_MAX(n_rows_r * W, 1), "MoE host staging"));
         rows_host = mo->hh;
     }
     K3_TRY(unpack(c, W, rows_host));
-    if (!host && n_rows_r)
+    if (!host && !mo->dev && n_rows_r)
         K3_TRY(k3_backend_upload(be, mo->b_rows, mo->hh, (size_t)(n_rows_r * W) * sizeof(float)));
     if (n_items_r)
         K3_TRY(k3_backend_upload(be, mo->b_w, mo->item_wh, (size_t)n_items_r * sizeof(float)));
@@ -443,6 +485,25 @@ k3_status k3_comm_moe_combine(k3_comm *c, k3_backend *be, float *y, const int64_
     if (n_y > 0 && !y)
         return K3_ERR(K3_ERR_ARG, "MoE combine: y is NULL for %lld rows", (long long)n_y);
     mo->dispatched = false;
+    const int64_t *pos = per_item ? mo->item_pos : mo->pair_pos;
+    if (mo->dev) { /* v->out's lane blocks backend to backend, then into item / pair order */
+        const int E = c->n_lanes;
+        const int64_t *back = per_item ? mo->r_items : mo->r_rows,
+                      *ret = per_item ? mo->s_items : mo->s_rows;
+        int64_t total_s = 0, total_r = 0;
+        for (int e = 0; e < E; e++) mo->scount[e] = back[e] * W, mo->rcount[e] = ret[e] * W;
+        set_displ(mo->scount, mo->sdispl, E, &total_s);
+        set_displ(mo->rcount, mo->rdispl, E, &total_r);
+        K3_TRY(grow_be(mo, &mo->b_ret, &mo->cap_b_ret, (size_t)total_r * sizeof(float),
+                       "MoE returned rows"));
+        K3_TRY(c->iface->ep_alltoallv_dev(c, be, mo->b_out, mo->scount, mo->sdispl, mo->b_ret,
+                                          mo->rcount, mo->rdispl, "MoE combine"));
+        c->stats.combine_bytes += 4 * (uint64_t)total_s;
+        c->stats.combine_rows += (uint64_t)(total_s / W);
+        if (n_y) K3_TRY(be->ops->rows_gather(be, mo->b_ret, W, pos, n_y, y));
+        if (pair_seg && !per_item) *pair_seg = mo->pair_seg;
+        return K3_OK;
+    }
     /* owner side: v->out goes back to its sources */
     const float *outs = NULL;
     K3_TRY(read_be(be, mo->b_out, (per_item ? mo->n_items_r : mo->n_rows_r) * W, &mo->hh,
@@ -456,7 +517,6 @@ k3_status k3_comm_moe_combine(k3_comm *c, k3_backend *be, float *y, const int64_
         K3_TRY(GROW(mo, xh, K3_MAX(n_y * W, 1), "MoE host staging"));
         dst = mo->xh;
     }
-    const int64_t *pos = per_item ? mo->item_pos : mo->pair_pos;
     const float *back = (const float *)(const void *)mo->rbuf;
     for (int64_t i = 0; i < n_y; i++)
         memcpy(dst + i * W, back + pos[i] * W, (size_t)W * sizeof(float));

@@ -1,13 +1,17 @@
-/* comm_nccl.c — the NCCL transport of k3_comm ("nccl"; built only with K3_NCCL). Not yet run on
- * a device, nor on more than zero GPUs: it compiles in the K3_NCCL build and nothing selects it
- * yet (rank/engine.c creates "mpi"); the first device session should run the 1-rank case.
+/* comm_nccl.c — the NCCL transport of k3_comm ("nccl"; built with K3_NCCL). `--comm nccl` (or
+ * auto with the cuda backend) selects it. Tested under mpirun in every CI run through the
+ * emulation build (K3_CUDA_EMULATE: comm/nccl_emu, the NCCL API over MPI on host memory); not yet
+ * run on a device.
  *
  * Layering: the MPI transport (comm_mpi.c) stays the control plane — messages, the world
- * collectives, the process set-up and the fault exchange — and this file replaces only the EP
- * group's data plane: ep_alltoall (the count exchange) and ep_alltoallv (the MoE rows) run as
- * grouped ncclSend/ncclRecv on a per-stage communicator. The transport object is the MPI one
- * (k3_comm_mpi_create) whose iface pointer is switched to a table here that embeds the NCCL
- * state (nccl_state, iface first) and forwards every other entry to the MPI functions.
+ * collectives, the process set-up and the fault exchange — and this file replaces the data
+ * plane: ep_alltoall (the count exchange) and ep_alltoallv (host words: the MoE item triples) run
+ * as grouped ncclSend/ncclRecv on a per-stage communicator through staging buffers;
+ * ep_alltoallv_dev (the MoE rows) and p2p_dev (the stage hand-off's activations, on the world
+ * communicator) move backend buffers directly, queued in the backend's stream
+ * (k3_backend_native_stream) so that they follow the kernels that wrote them. The transport object
+ * is the MPI one (k3_comm_mpi_create) whose iface pointer is switched to a table here that embeds
+ * the NCCL state (nccl_state, iface first) and forwards every other entry to the MPI functions.
  *
  * Set-up: local rank (OMPI_COMM_WORLD_LOCAL_RANK / SLURM_LOCALID / MPI_LOCALRANKID) → device
  * local % devices; rank 0 makes the unique id, MPI_Bcast (the MPI transport's bcast) gives it to
@@ -59,10 +63,10 @@ static nccl_state *N(k3_comm *c) {
             return K3_ERR(K3_ERR_DEVICE, "%s: %s", #call, cudaGetErrorString(e_));                 \
     } while (0)
 
-/* Wait until comm has no pending operation (and, with_stream, the stream has drained); on the
+/* Wait until comm has no pending operation (and, with a stream, the stream has drained); on the
  * deadline note the fault, abort the communicator and fail naming `what`. */
-static k3_status nccl_wait(k3_comm *c, ncclComm_t *comm, bool with_stream, const char *what) {
-    nccl_state *st = N(c);
+static k3_status nccl_wait(k3_comm *c, ncclComm_t *comm, cudaStream_t stream, const char *what) {
+    const bool with_stream = stream != NULL;
     const double t0 = k3_now_s();
     int backoff = 0;
     for (;;) {
@@ -71,7 +75,7 @@ static k3_status nccl_wait(k3_comm *c, ncclComm_t *comm, bool with_stream, const
         if (a != ncclSuccess && a != ncclInProgress)
             return K3_ERR(K3_ERR_COMM, "nccl: %s failed: %s", what, ncclGetErrorString(a));
         if (a == ncclSuccess) {
-            cudaError_t q = with_stream ? cudaStreamQuery(st->stream) : cudaSuccess;
+            cudaError_t q = with_stream ? cudaStreamQuery(stream) : cudaSuccess;
             if (q == cudaSuccess) return K3_OK;
             if (q != cudaErrorNotReady)
                 return K3_ERR(K3_ERR_DEVICE, "nccl: %s: %s", what, cudaGetErrorString(q));
@@ -139,7 +143,7 @@ static k3_status exchange(k3_comm *c, const void *send, const int64_t *scount,
     if (nr)
         CUDA_TRY(
             cudaMemcpyAsync(st->hr, st->dr, (size_t)nr * 4, cudaMemcpyDeviceToHost, st->stream));
-    K3_TRY(nccl_wait(c, &st->ep, true, what));
+    K3_TRY(nccl_wait(c, &st->ep, st->stream, what));
     if (nr) memcpy(recv, st->hr, (size_t)nr * 4);
     return K3_OK;
 }
@@ -157,6 +161,57 @@ static k3_status nccl_ep_alltoallv(k3_comm *c, const void *send, const int64_t *
                                    const int64_t *sdispl, void *recv, const int64_t *rcount,
                                    const int64_t *rdispl, const char *what) {
     return exchange(c, send, scount, sdispl, recv, rcount, rdispl, ncclUint32, what);
+}
+
+/* The stream a device transfer on be's buffers goes in: the backend's own (ordered after the
+ * kernels that wrote them), else ours after a full backend sync. */
+static k3_status dev_stream(k3_comm *c, k3_backend *be, cudaStream_t *s) {
+    *s = (cudaStream_t)k3_backend_native_stream(be);
+    if (*s) return K3_OK;
+    K3_TRY(k3_backend_sync(be));
+    *s = N(c)->stream;
+    return K3_OK;
+}
+
+/* ep_alltoallv on backend buffers: no staging (counts in 4-byte words, sent as ncclUint32). */
+static k3_status nccl_ep_alltoallv_dev(k3_comm *c, k3_backend *be, const void *send,
+                                       const int64_t *scount, const int64_t *sdispl, void *recv,
+                                       const int64_t *rcount, const int64_t *rdispl,
+                                       const char *what) {
+    nccl_state *st = N(c);
+    if (!st->ep) return K3_ERR(K3_ERR_STATE, "nccl: %s: this rank has no EP group", what);
+    cudaStream_t s;
+    K3_TRY(dev_stream(c, be, &s));
+    NCCL_TRY(ncclGroupStart());
+    for (int e = 0; e < c->n_lanes; e++) {
+        if (scount[e])
+            NCCL_TRY(ncclSend((const char *)send + sdispl[e] * 4, (size_t)scount[e], ncclUint32, e,
+                              st->ep, s));
+        if (rcount[e])
+            NCCL_TRY(ncclRecv((char *)recv + rdispl[e] * 4, (size_t)rcount[e], ncclUint32, e,
+                              st->ep, s));
+    }
+    NCCL_TRY(ncclGroupEnd());
+    return nccl_wait(c, &st->ep, s, what);
+}
+
+/* The stage hand-off: n_bytes of backend memory to / from world rank peer. */
+static k3_status nccl_p2p_dev(k3_comm *c, k3_backend *be, int peer, bool send, void *buf,
+                              size_t n_bytes, const char *what) {
+    nccl_state *st = N(c);
+    if (n_bytes == 0) return K3_OK;
+    if (n_bytes % 4)
+        return K3_ERR(K3_ERR_ARG, "nccl: %s: %zu bytes is not a whole number of words", what,
+                      n_bytes);
+    cudaStream_t s;
+    K3_TRY(dev_stream(c, be, &s));
+    NCCL_TRY(ncclGroupStart());
+    if (send)
+        NCCL_TRY(ncclSend(buf, n_bytes / 4, ncclUint32, peer, st->world, s));
+    else
+        NCCL_TRY(ncclRecv(buf, n_bytes / 4, ncclUint32, peer, st->world, s));
+    NCCL_TRY(ncclGroupEnd());
+    return nccl_wait(c, &st->world, s, what);
 }
 
 static void nccl_release(nccl_state *st, bool abort) {
@@ -204,12 +259,12 @@ static k3_status nccl_init(k3_comm *c, nccl_state *st) {
     ncclConfig_t cfg = NCCL_CONFIG_INITIALIZER;
     cfg.blocking = 0;
     NCCL_TRY(ncclCommInitRankConfig(&st->world, c->size, id, c->rank, &cfg));
-    K3_TRY(nccl_wait(c, &st->world, false, "NCCL world communicator set-up"));
+    K3_TRY(nccl_wait(c, &st->world, NULL, "NCCL world communicator set-up"));
     ncclConfig_t cfg2 = NCCL_CONFIG_INITIALIZER;
     cfg2.blocking = 0;
     NCCL_TRY(ncclCommSplit(st->world, c->stage >= 0 ? c->stage : NCCL_SPLIT_NOCOLOR,
                            c->lane >= 0 ? c->lane : 0, &st->ep, &cfg2));
-    K3_TRY(nccl_wait(c, st->ep ? &st->ep : &st->world, false, "NCCL EP group split"));
+    K3_TRY(nccl_wait(c, st->ep ? &st->ep : &st->world, NULL, "NCCL EP group split"));
     return K3_OK;
 }
 
@@ -229,6 +284,9 @@ k3_status k3_comm_nccl_create(const k3_comm_params *p, k3_comm **out) {
     st->iface.abort = nccl_abort;
     st->iface.ep_alltoall = nccl_ep_alltoall;
     st->iface.ep_alltoallv = nccl_ep_alltoallv;
+    st->iface.ep_alltoallv_dev = nccl_ep_alltoallv_dev;
+    st->iface.p2p_dev = nccl_p2p_dev;
+    st->iface.device_buffers = true;
     c->iface = &st->iface;
     k3_status s = nccl_init(c, st);
     if (s != K3_OK) {

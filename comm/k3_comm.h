@@ -114,6 +114,20 @@ k3_status k3_comm_flush(k3_comm *c);
  * loops. */
 void k3_comm_idle(k3_comm *c, int *backoff);
 
+/* ---- device payloads (the nccl transport) ------------------------------------------------
+ * True when the transport moves backend (device) buffers between ranks itself: k3_comm_send_dev
+ * / k3_comm_recv_dev then carry a message's floats backend to backend, and the message itself
+ * (k3_comm_post) carries only its meta. False on mpi: the caller stages floats through host. */
+bool k3_comm_device_payloads(const k3_comm *c);
+/* n floats of backend memory x of be to / from world rank peer, in be's stream order, FIFO per
+ * pair of ranks; each returns when its transfer has completed (with the timeout). The sender
+ * posts the message that announces the sizes before the transfer; the receiver waits for that
+ * message, then receives. what names the transfer in a timeout. */
+k3_status k3_comm_send_dev(k3_comm *c, k3_backend *be, int peer, const float *x, int64_t n,
+                           const char *what);
+k3_status k3_comm_recv_dev(k3_comm *c, k3_backend *be, int peer, float *x, int64_t n,
+                           const char *what);
+
 /* ---- MoE exchange inside this rank's stage EP group (collective over its E lanes) ----------
  * Items are the (token, expert) slot rows of the sender, in slot order; rows are its tokens. The
  * dispatch sends each source row ONCE to each lane that owns >= 1 of its items, with the items'

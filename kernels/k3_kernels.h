@@ -348,6 +348,10 @@ typedef struct k3_backend_iface {
     void (*event_destroy)(k3_backend *be, k3_backend_event *ev);
     /* The backend's counters (guard, cuda), NULL for one that does not count. */
     k3_status (*op_stats)(const k3_backend *be, k3_op_stats *out);
+    /* The backend's native stream (cuda: its cudaStream_t, with its device made current), for a
+       transport that queues device-to-device transfers in the backend's stream order (comm's
+       nccl); NULL for host backends. */
+    void *(*native_stream)(k3_backend *be);
 } k3_backend_iface;
 
 struct k3_backend {
@@ -403,6 +407,8 @@ k3_status k3_backend_event_create(k3_backend *be,
 k3_status k3_backend_event_record(k3_backend *be, k3_backend_event *ev);
 k3_status k3_backend_event_sync(k3_backend *be, k3_backend_event *ev);
 void k3_backend_event_destroy(k3_backend *be, k3_backend_event *ev); /* NULL is a no-op */
+/* The backend's native stream (a cudaStream_t for cuda), NULL when it has none. */
+void *k3_backend_native_stream(k3_backend *be);
 /* The backend's counters: K3_ERR_ARG when it does not count (ref, cpu). */
 k3_status k3_backend_op_stats(const k3_backend *be, k3_op_stats *out);
 k3_status k3_backend_memory(const k3_backend *be, size_t *free_bytes, size_t *total_bytes);

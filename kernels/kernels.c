@@ -245,6 +245,9 @@ k3_status k3_backend_event_sync(k3_backend *be, k3_backend_event *ev) {
 void k3_backend_event_destroy(k3_backend *be, k3_backend_event *ev) {
     if (ev && be->mem_->event_destroy) be->mem_->event_destroy(be, ev);
 }
+void *k3_backend_native_stream(k3_backend *be) {
+    return be && be->mem_->native_stream ? be->mem_->native_stream(be) : NULL;
+}
 k3_status k3_backend_op_stats(const k3_backend *be, k3_op_stats *out) {
     memset(out, 0, sizeof *out);
     if (!be->mem_->op_stats)

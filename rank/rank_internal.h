@@ -89,7 +89,8 @@ typedef struct rank_ctx {
     k3_activ act;
     float *logits;    /* [max_tokens, V] on the last stage (backend memory) */
     float *h_logits;  /* host staging of logits (NULL: the backend is host-visible) */
-    float *h_act;     /* host staging of h | bank for ACTIV (NULL: host-visible) */
+    float *h_act;     /* host staging of h | bank for ACTIV (NULL: host-visible, or dev_act) */
+    bool dev_act;     /* ACTIV floats go backend to backend (k3_comm_send_dev: nccl) */
     int32_t *lane_of; /* [n_layers * n_experts] owner lane of each (layer, expert) */
     int n_forward;
     double busy_s;          /* time inside forward steps */

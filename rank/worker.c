@@ -8,6 +8,9 @@
  *   LOGITS (S-1, e) -> coordinator: meta as ACTIV; f32 = [R, V] with R = T (all_logits) or the
  *          number of sequences with want = 1 (those the coordinator samples from)
  *   STOP   coordinator -> every worker, after the last logits arrived.
+ * With a transport that has device payloads (nccl) and a device backend, ACTIV carries only its
+ * meta and the floats follow it backend to backend (k3_comm_send_dev / recv_dev), so activations
+ * never cross to the host between stages.
  * Every lane of a stage receives the same sequence of (group, step) messages (possibly with no
  * sequences), so the lanes' MoE collectives line up; a lane with no tokens still serves its
  * experts at each MoE layer (k3_stage_idle_step). The stage drives the MoE step itself through
@@ -68,11 +71,12 @@ void rank_worker_init(rank_ctx *r) {
     RTRY(r, k3_activ_alloc(r->be, &r->act, c, r->max_tokens));
     const size_t TD = (size_t)r->max_tokens * (size_t)c->hidden_size;
     const bool host = k3_backend_host_visible(r->be);
+    r->dev_act = !host && k3_comm_device_payloads(r->comm);
     if (r->stage == S - 1) {
         size_t nb = (size_t)r->max_tokens * (size_t)c->vocab_size * sizeof(float);
         RTRY(r, k3_backend_alloc(r->be, nb, "logits", (void **)&r->logits));
         if (!host) RTRY(r, k3_alloc((void **)&r->h_logits, nb, "logits (host)"));
-    } else if (!host) {
+    } else if (!host && !r->dev_act) {
         RTRY(r,
              k3_alloc((void **)&r->h_act, TD * (size_t)(1 + k3_activ_max_bank(c)) * sizeof(float),
                       "activation staging (host)"));
@@ -151,7 +155,7 @@ void rank_worker_step(rank_ctx *r, const step_msg *m) {
                             who, m->h.n_meta, n_seqs, S));
         if (m->h.T != T || m->h.D != D || m->h.n_bank < 0 ||
             m->h.n_bank > k3_activ_max_bank(&r->cfg) ||
-            m->n_f32 != T * D * (1 + (int64_t)m->h.n_bank))
+            m->n_f32 != (r->dev_act ? 0 : T * D * (1 + (int64_t)m->h.n_bank)))
             rank_die(r,
                      K3_ERR(K3_ERR_FORMAT,
                             "ACTIV from %s: T %lld D %lld bank %d floats %lld (want T %lld D %d)",
@@ -159,11 +163,18 @@ void rank_worker_step(rank_ctx *r, const step_msg *m) {
                             (long long)m->n_f32, (long long)T, D));
         r->act.T = T;
         r->act.n_bank = m->h.n_bank;
-        /* the message is host memory; the bank slabs follow h: [1 + n_bank, T, D] */
-        RTRY(r, k3_backend_upload(r->be, r->act.h, m->f32, (size_t)(T * D) * sizeof(float)));
-        if (m->h.n_bank)
-            RTRY(r, k3_backend_upload(r->be, r->act.bank, m->f32 + T * D,
-                                      (size_t)(T * D * m->h.n_bank) * sizeof(float)));
+        if (r->dev_act) { /* h, then the bank slabs, backend to backend from the sender */
+            RTRY(r, k3_comm_recv_dev(r->comm, r->be, m->src, r->act.h, T * D,
+                                     "activations from the previous stage"));
+            RTRY(r, k3_comm_recv_dev(r->comm, r->be, m->src, r->act.bank, T * D * m->h.n_bank,
+                                     "the attention-residual bank from the previous stage"));
+        } else {
+            /* the message is host memory; the bank slabs follow h: [1 + n_bank, T, D] */
+            RTRY(r, k3_backend_upload(r->be, r->act.h, m->f32, (size_t)(T * D) * sizeof(float)));
+            if (m->h.n_bank)
+                RTRY(r, k3_backend_upload(r->be, r->act.bank, m->f32 + T * D,
+                                          (size_t)(T * D * m->h.n_bank) * sizeof(float)));
+        }
     }
     r->n_forward++;
     char doing[96];
@@ -239,7 +250,7 @@ void rank_worker_step(rank_ctx *r, const step_msg *m) {
     } else {
         int64_t nb = n_seqs ? r->act.n_bank : 0;
         k3_f32_seg seg[2] = {{r->act.h, T * D}, {r->act.bank, T * D * nb}};
-        if (r->h_act) { /* h | bank to host memory for the wire */
+        if (r->h_act && !r->dev_act) { /* h | bank to host memory for the wire */
             RTRY(r,
                  k3_backend_download(r->be, r->h_act, r->act.h, (size_t)(T * D) * sizeof(float)));
             if (nb)
@@ -248,10 +259,18 @@ void rank_worker_step(rank_ctx *r, const step_msg *m) {
             seg[0].p = r->h_act;
             seg[1].p = r->h_act + T * D;
         }
-        rank_post_step(
-            r, k3_plan_rank(&r->plan, r->stage + 1, r->lane), K3_MSG_ACTIV,
-            (k3_wire_step){.T = T, .D = D, .R = T, .n_bank = (int32_t)nb, .n_meta = n_meta_out}, mt,
-            seg, 2);
+        const int next = k3_plan_rank(&r->plan, r->stage + 1, r->lane);
+        const k3_wire_step h = {
+            .T = T, .D = D, .R = T, .n_bank = (int32_t)nb, .n_meta = n_meta_out};
+        if (r->dev_act) { /* the meta first (it announces the sizes), then the floats */
+            rank_post_step(r, next, K3_MSG_ACTIV, h, mt, NULL, 0);
+            RTRY(r, k3_comm_send_dev(r->comm, r->be, next, r->act.h, T * D,
+                                     "activations to the next stage"));
+            RTRY(r, k3_comm_send_dev(r->comm, r->be, next, r->act.bank, T * D * nb,
+                                     "the attention-residual bank to the next stage"));
+        } else {
+            rank_post_step(r, next, K3_MSG_ACTIV, h, mt, seg, 2);
+        }
     }
     rank_opstats_end(r, T, n_seqs);
 }

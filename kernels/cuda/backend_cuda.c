@@ -217,6 +217,9 @@ static void cu_destroy(k3_backend *be) {
     }
     k3_free(be);
 }
+static void *cu_native_stream(k3_backend *be) {
+    return (void *)cu_stream(be);
+}
 static const k3_backend_iface k_cuda_iface = {
     .alloc = cu_alloc,
     .free = cu_free,
@@ -233,6 +236,7 @@ static const k3_backend_iface k_cuda_iface = {
     .event_sync = cu_event_sync,
     .event_destroy = cu_event_destroy,
     .op_stats = cu_op_stats,
+    .native_stream = cu_native_stream,
 };
 
 /* Copy a host array into the staging device buffer (stream-ordered); *dev points at it. */
