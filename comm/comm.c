@@ -36,7 +36,11 @@ k3_status k3_comm_create(const char *transport_name, const k3_comm_params *p, k3
     const char *name = transport_name ? transport_name : "mpi";
     for (size_t i = 0; i < K3_ARRAY_LEN(k_transports); i++)
         if (strcmp(k_transports[i].name, name) == 0) return k_transports[i].create(p, out);
-    return K3_ERR(K3_ERR_ARG, "comm: unknown transport '%s' (this build has: mpi)", name);
+    char have[64] = "";
+    for (size_t i = 0, at = 0; i < K3_ARRAY_LEN(k_transports) && at < sizeof have; i++)
+        at += (size_t)snprintf(have + at, sizeof have - at, "%s%s", i ? " " : "",
+                               k_transports[i].name);
+    return K3_ERR(K3_ERR_ARG, "comm: unknown transport '%s' (this build has: %s)", name, have);
 }
 
 void k3_comm_destroy(k3_comm *c) {

@@ -83,6 +83,7 @@ static const k3_flag flags[] = {
      "else cpu, saying why), cpu, ref, guard (a test backend: cpu ops on memory host code cannot "
      "touch) "
      "or cuda (builds with K3_CUDA; device memory, ops still being ported)"},
+    K3_COMM_FLAG,
     {"dump-logits", K3_FLAG_STR, "FILE", NULL,
      "write float32 logits [positions, V] as .npy (every consumed token, prompts concatenated)"},
     {"json", K3_FLAG_BOOL, NULL, NULL, "print one JSON object instead of ids + text lines"},
@@ -305,10 +306,12 @@ static int run_run(const k3_args *a) {
         fprintf(stderr, "k3 run: --backend: '%s' is not auto, cpu, ref, guard or cuda\n", backend);
         return 2;
     }
+    const char *comm = NULL;
     {
         int wr = 0, ws = 1;
         k3_comm_world(&wr, &ws);
         backend = k3_engine_backend_pick(backend, wr == 0);
+        if (k3_engine_comm_arg(a, backend, wr == 0, &comm)) return 2;
     }
     k3_coord_mode cm = K3_COORD_SHARED;
     if (k3_coord_mode_parse(k3_args_str(a, "coordinator"), &cm) != K3_OK) return fail(K3_ERR_ARG);
@@ -399,6 +402,7 @@ static int run_run(const k3_args *a) {
                       .bind = bind,
                       .kda_chunk = (int)kc,
                       .backend = backend,
+                      .comm = comm,
                       .test_fail = getenv("K3_TEST_FAIL"),
                       .sampling = in.job.sp,
                       .ignore_eos = k3_args_bool(a, "ignore-eos"),

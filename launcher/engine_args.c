@@ -38,6 +38,66 @@ const char *k3_engine_backend_pick(const char *name, bool print) {
     return b;
 }
 
+const char *k3_engine_transports(void) {
+#ifdef K3_HAVE_NCCL
+    return "mpi nccl";
+#else
+    return "mpi";
+#endif
+}
+
+const char *k3_engine_nccl_kind(void) {
+#if defined(K3_NCCL_EMULATE)
+    return "NCCL stand-in over MPI, emulated";
+#elif defined(K3_HAVE_NCCL)
+    return "libnccl, not yet run on a device";
+#else
+    return "";
+#endif
+}
+
+int k3_engine_comm_arg(const k3_args *a, const char *backend, bool print, const char **out) {
+    const char *name = k3_args_str(a, "comm");
+    const bool cuda = backend && strcmp(backend, "cuda") == 0;
+#ifdef K3_HAVE_NCCL
+    const bool have_nccl = true;
+#else
+    const bool have_nccl = false;
+#endif
+    char be[64]; /* "the backend is cpu" / "--backend auto picked cpu" */
+    snprintf(be, sizeof be, "%s %s",
+             strcmp(k3_args_str(a, "backend"), "auto") == 0 ? "--backend auto picked"
+                                                            : "the backend is",
+             backend ? backend : "cpu");
+    if (strcmp(name, "auto") == 0) { /* the engine logs the transport it opened ("comm: ...") */
+        *out = cuda && have_nccl ? "nccl" : "mpi";
+        return 0;
+    }
+    if (strcmp(name, "mpi") == 0) {
+        *out = "mpi";
+        return 0;
+    }
+    if (strcmp(name, "nccl") != 0) return bad(a, print, "comm", "is not auto, mpi or nccl");
+    if (!have_nccl) {
+        if (print)
+            fprintf(stderr,
+                    "k3 %s: --comm: 'nccl' needs a build with the nccl transport (cmake "
+                    "-DK3_CUDA=ON -DK3_NCCL=ON, or -DK3_CUDA_EMULATE=ON); this build has: %s\n",
+                    a->cmd->name, k3_engine_transports());
+        return 2;
+    }
+    if (!cuda) {
+        if (print)
+            fprintf(stderr,
+                    "k3 %s: --comm: 'nccl' moves the MoE rows as device buffers and needs "
+                    "--backend cuda, but %s\n",
+                    a->cmd->name, be);
+        return 2;
+    }
+    *out = "nccl";
+    return 0;
+}
+
 int k3_engine_bind_arg(const k3_args *a, bool print, const char **mode) {
     const char *m = k3_args_str(a, "bind");
     if (strcmp(m, "auto") != 0 && strcmp(m, "none") != 0)
@@ -93,5 +153,6 @@ int k3_engine_args(const k3_args *a, bool print, k3_engine_opts *o) {
     o->chunk = k3_args_int(a, "chunk");
     o->micro_batches = (int)k3_args_int(a, "micro-batches");
     o->verify = k3_args_bool(a, "verify");
-    return k3_engine_bind_arg(a, print, &o->bind);
+    int rc = k3_engine_comm_arg(a, o->backend, print, &o->comm);
+    return rc ? rc : k3_engine_bind_arg(a, print, &o->bind);
 }

@@ -1,9 +1,9 @@
 /* engine_args — the flags every client of the engine (rank/k3_engine.h) shares: the grid, the
- * transport, the kernels and the capacity, as entries of a command's flag table, and their
- * reading + validation into k3_engine_opts (launcher-internal). `k3 batch` uses it; `k3 run` and
- * `k3 serve` can take the same entries, so the flags mean the same in every command.
- * The capacity defaults are the engine's own (K3_ENGINE_DEFAULT_*), stringified here, so the
- * help text cannot drift from what the engine does. */
+ * transport (--comm), the kernels and the capacity, as entries of a command's flag table, and
+ * their reading + validation into k3_engine_opts (launcher-internal). `k3 batch` uses it; `k3 run`
+ * and `k3 serve` can take the same entries, so the flags mean the same in every command. The
+ * capacity defaults are the engine's own (K3_ENGINE_DEFAULT_*), stringified here, so the help text
+ * cannot drift from what the engine does. */
 #ifndef K3_ENGINE_ARGS_H
 #define K3_ENGINE_ARGS_H
 
@@ -18,6 +18,23 @@
 #define K3_BIND_FLAG                                                                               \
     {"bind", K3_FLAG_STR, "MODE", "auto",                                                          \
      "auto: bind each rank to its share of its node's cores (hwloc; threads = its cores); none"}
+/* clang-format on */
+
+/* --comm, also in `k3 run`'s table (k3_engine_comm_arg resolves it). The help names what this
+ * build has. */
+#if defined(K3_NCCL_EMULATE)
+#define K3_COMM_BUILD_HAS "mpi, nccl (emulated: the NCCL stand-in over MPI)"
+#elif defined(K3_HAVE_NCCL)
+#define K3_COMM_BUILD_HAS "mpi, nccl (not yet run on a device)"
+#else
+#define K3_COMM_BUILD_HAS "mpi only"
+#endif
+/* clang-format off */
+#define K3_COMM_FLAG                                                                               \
+    {"comm", K3_FLAG_STR, "NAME", "auto",                                                          \
+     "transport between ranks: auto (nccl when --backend is cuda and the build has it, else "     \
+     "mpi), mpi, or nccl (MoE rows move as device buffers: needs --backend cuda and a K3_NCCL "   \
+     "build); this build: " K3_COMM_BUILD_HAS}
 /* clang-format on */
 
 /* Entries of a k3_flag table (k3_engine_args reads them by name). */
@@ -41,6 +58,7 @@
      "kernel backend: auto (cuda when compiled in, a device is visible and every op is ported; "   \
      "else cpu, saying why), cpu, ref, guard (a test backend: cpu ops on memory host code cannot " \
      "touch) or cuda (builds with K3_CUDA)"},                                                      \
+    K3_COMM_FLAG,                                                                                  \
     {"kda-chunk", K3_FLAG_INT, "C", "0",                                                           \
      "KDA form: 0/1 = recurrent (bit-exact), C >= 2 = chunked, C tokens"},                         \
     {"max-seqs", K3_FLAG_INT, "N", K3_ENGINE_ARGS_STR(K3_ENGINE_DEFAULT_MAX_SEQS),                 \
@@ -70,6 +88,16 @@ bool k3_engine_backend_ok(const char *name);
 /* --backend NAME as the engine takes it: "auto" resolved (k3_backend_resolve); when `print`, one
  * log line says what auto chose and why. */
 const char *k3_engine_backend_pick(const char *name, bool print);
+/* --comm NAME for the engine, given the backend it runs (already resolved from auto): "auto" is
+ * "nccl" when backend is "cuda" and this build has the nccl transport, else "mpi" (silently: the
+ * engine logs the transport it opened, and `k3 version` the rule). "nccl" needs that build and
+ * the cuda backend (its MoE exchange moves device buffers). Returns 0 with *out set, or 2 for a
+ * usage error, printed as "k3 <cmd>: --comm: ..." when `print`. */
+int k3_engine_comm_arg(const k3_args *a, const char *backend, bool print, const char **out);
+/* The transports this build has ("mpi" or "mpi nccl") and, for `k3 version`, how nccl is built:
+ * "" (no nccl), "NCCL stand-in over MPI, emulated" or "libnccl, not yet run on a device". */
+const char *k3_engine_transports(void);
+const char *k3_engine_nccl_kind(void);
 /* --bind MODE: "auto" or "none" into *mode; 2 (printed when `print`) otherwise, 0 ok. */
 int k3_engine_bind_arg(const k3_args *a, bool print, const char **mode);
 

@@ -32,7 +32,7 @@ int k3_engine_open(const k3_engine_opts *o, k3_engine **out) {
     k3_log_set_rank(r->rank, r->stage, r->lane);
     rank_hooks_parse_force(r);
     double tmo = o->comm_timeout_s > 0 ? o->comm_timeout_s : 600;
-    RTRY(r, k3_comm_create("mpi",
+    RTRY(r, k3_comm_create(o->comm ? o->comm : "mpi",
                            &(k3_comm_params){.n_stages = r->plan.n_stages,
                                              .n_lanes = r->plan.n_lanes,
                                              .first_worker = r->plan.first_worker,
@@ -55,6 +55,15 @@ int k3_engine_open(const k3_engine_opts *o, k3_engine **out) {
         char table[16384];
         k3_plan_format(&r->plan, &r->cfg, table, sizeof table);
         fprintf(stderr, "%s", table);
+    }
+    if (r->rank == 0) {
+        const char *tr = k3_comm_transport(r->comm);
+#ifdef K3_NCCL_EMULATE
+        const bool emu = strcmp(tr, "nccl") == 0;
+#else
+        const bool emu = false;
+#endif
+        K3_LOGI("comm: %s%s", tr, emu ? " (NCCL stand-in over MPI, emulated)" : "");
     }
     if (r->rank == 0)
         K3_LOGI("slots: %d sequences of %lld tokens per lane, %lld tokens per step (prefill "

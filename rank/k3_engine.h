@@ -52,6 +52,8 @@ typedef struct k3_engine_opts {
                                     cores (k3_bind_apply); "none": leave the process as it is */
     int kda_chunk;               /* k3_stage_params.kda_chunk (0 = default) */
     const char *backend;         /* kernel backend (k3_backend_create); NULL = "cpu" */
+    const char *comm;            /* transport between ranks (k3_comm_create): "mpi" or "nccl"
+                                    (device buffers: with the cuda backend); NULL = "mpi" */
     const char *test_fail;       /* K3_TEST_FAIL value or NULL */
     const char *test_force;      /* K3_TEST_FORCE value or NULL: "id,id,...", the tokens every
                                     request generates first, whatever the logits (a test hook: a

@@ -50,6 +50,7 @@ typedef struct k3_rank_opts {
     const char *bind;         /* k3_engine_opts.bind ("auto"/NULL or "none") */
     int kda_chunk;            /* k3_stage_params.kda_chunk (0 = default) */
     const char *backend;      /* kernel backend name (k3_backend_create); NULL = "cpu" */
+    const char *comm;         /* k3_engine_opts.comm: "mpi" or "nccl"; NULL = "mpi" */
     const char *test_fail;    /* K3_TEST_FAIL value or NULL (read by the caller, once) */
     /* sampling on the coordinator. `seed` is the run's seed: sequence i samples with
      * k3_rank_seq_seed(seed, i). stop_ids are extra stop ids (copied); the model's EOS

@@ -266,6 +266,7 @@ static void print_json(const k3_rank_opts *o, const run_seq *s, const k3_engine_
     cJSON_AddNumberToObject(d, "logits_bytes", (double)es->logits_bytes);
     cJSON_AddNumberToObject(d, "logits_messages", es->logits_messages);
     cJSON_AddStringToObject(d, "combine", o->deterministic ? "per-item" : "presum");
+    cJSON_AddStringToObject(d, "comm", o->comm ? o->comm : "mpi");
     cJSON_AddNumberToObject(d, "moe_dispatch_bytes", (double)es->moe_dispatch_bytes);
     cJSON_AddNumberToObject(d, "moe_combine_bytes", (double)es->moe_combine_bytes);
     cJSON_AddNumberToObject(d, "steps", (double)es->steps);
@@ -404,6 +405,7 @@ int k3_rank_run(const k3_rank_opts *o) {
                          .bind = o->bind,
                          .kda_chunk = o->kda_chunk,
                          .backend = o->backend,
+                         .comm = o->comm,
                          .test_fail = o->test_fail,
                          .max_seqs = o->max_seqs > 0 ? o->max_seqs : per_lane,
                          .max_ctx = o->max_ctx > 0 ? o->max_ctx : maxP + o->n_new,

@@ -105,13 +105,14 @@ struct block_run {
     size_t sched_stack_size;
     /* shared memory of this launch */
     void *decl[MAX_DECLS];
+    const void *decl_site[MAX_DECLS];
     size_t decl_bytes[MAX_DECLS];
     unsigned n_decl;
     size_t static_bytes;
     void *dyn;
     size_t dyn_bytes;
-    /* warp rounds: two buffers per warp (a thread can be at most one round ahead) */
-    uint64_t (*warp_val)[2][32];
+    /* each waiting lane's value, per warp; copied into the group's fibers at release */
+    uint64_t (*warp_val)[32];
     int block_pred_count;
     bool failed;
     char what[256];
@@ -215,10 +216,8 @@ void fiber_init(block_run *r, fiber *f, unsigned lin, const dim3 &b) {
     f->lin = lin;
     f->tid = uint3{lin % b.x, lin / b.x % b.y, lin / (b.x * b.y)};
     f->state = ST_READY;
-    f->shared_ix = f->warp_seq = 0;
     f->mask = 0;
     f->pred = 0;
-    f->site = 0;
     f->asan_fake = nullptr;
 #if defined(__x86_64__)
     uintptr_t top = ((uintptr_t)f->stack + STACK_BYTES) & ~(uintptr_t)15;
@@ -248,53 +247,45 @@ bool release(block_run *r) {
         at_block += r->f[i].state == ST_WAIT_BLOCK;
     }
     bool any = false;
-    /* warps: every lane the mask names must wait in the same round */
+    /* warps: a group (the lanes one mask names) is released when all of them wait in a
+     * collective with that same mask; disjoint groups of one warp are independent */
     for (unsigned w = 0; w * 32 < n; w++) {
         const unsigned lo = w * 32, hi = lo + 32 < n ? lo + 32 : n;
-        int first = -1;
-        for (unsigned i = lo; i < hi; i++)
-            if (r->f[i].state == ST_WAIT_WARP) {
-                first = (int)i;
-                break;
-            }
-        if (first < 0) continue;
-        const unsigned mask = r->f[first].mask, seq = r->f[first].warp_seq;
-        bool all = true;
-        for (unsigned l = 0; l < 32; l++) {
-            if (!(mask >> l & 1u)) continue;
-            const unsigned i = lo + l;
-            if (i >= hi) {
-                fail(r, "warp primitive with mask 0x%08x names lane %u of a warp of %u threads",
-                     mask, l, hi - lo);
-                return false;
-            }
-            const fiber &g = r->f[i];
-            if (g.state == ST_DONE) {
-                fail(r, "warp primitive with mask 0x%08x: lane %u (thread %u) has exited", mask, l,
-                     i);
-                return false;
-            }
-            if (g.state != ST_WAIT_WARP) {
-                all = false;
-                continue;
-            }
-            if (g.mask != mask || g.warp_seq != seq) {
-                fail(r,
-                     "threads %d and %u of one warp wait in different warp primitives (masks "
-                     "0x%08x / 0x%08x, rounds %u / %u)",
-                     first, i, mask, g.mask, seq, g.warp_seq);
-                return false;
-            }
-        }
-        for (unsigned i = lo; i < hi; i++)
-            if (r->f[i].state == ST_WAIT_WARP && !(mask >> (i - lo) & 1u)) {
+        unsigned seen = 0;
+        for (unsigned i = lo; i < hi; i++) {
+            const fiber &fi = r->f[i];
+            if (fi.state != ST_WAIT_WARP || (seen >> (i - lo) & 1u)) continue;
+            const unsigned mask = fi.mask;
+            if (!(mask >> (i - lo) & 1u)) {
                 fail(r, "thread %u waits in a warp primitive whose mask 0x%08x leaves it out", i,
                      mask);
                 return false;
             }
-        if (all) {
+            seen |= mask;
+            bool all = true;
+            for (unsigned l = 0; l < 32; l++) {
+                if (!(mask >> l & 1u)) continue;
+                if (lo + l >= hi) {
+                    fail(r, "warp primitive with mask 0x%08x names lane %u of a warp of %u threads",
+                         mask, l, hi - lo);
+                    return false;
+                }
+                const fiber &g = r->f[lo + l];
+                if (g.state == ST_DONE) {
+                    fail(r, "warp primitive with mask 0x%08x: lane %u (thread %u) has exited", mask,
+                         l, lo + l);
+                    return false;
+                }
+                /* elsewhere (a barrier, or a collective with another mask): not arrived yet */
+                all = all && g.state == ST_WAIT_WARP && g.mask == mask;
+            }
+            if (!all) continue;
             for (unsigned l = 0; l < 32; l++)
-                if (mask >> l & 1u) r->f[lo + l].state = ST_READY;
+                if (mask >> l & 1u) {
+                    fiber &g = r->f[lo + l];
+                    memcpy(g.got, r->warp_val[w], sizeof g.got);
+                    g.state = ST_READY;
+                }
             any = true;
         }
     }
@@ -356,24 +347,18 @@ int syncthreads_count(int pred) {
 const uint64_t *warp_exchange(unsigned mask, uint64_t v) {
     fiber *f = cur_fiber;
     block_run *r = g_run;
-    const unsigned w = f->lin / 32, buf = f->warp_seq & 1u;
-    r->warp_val[w][buf][f->lin & 31u] = v;
+    r->warp_val[f->lin / 32][f->lin & 31u] = v;
     f->mask = mask;
     f->state = ST_WAIT_WARP;
     to_scheduler(f, false);
-    f->warp_seq++;
-    return r->warp_val[w][buf];
+    return f->got;
 }
 
-void *shared_static(size_t bytes, size_t align, const char *what) {
-    fiber *f = cur_fiber;
+void *shared_static(const void *site, size_t bytes, size_t align, const char *what) {
     block_run *r = g_run;
-    const unsigned ix = f->shared_ix++;
-    if (ix < r->n_decl) {
-        if (r->decl_bytes[ix] != bytes)
-            fail(r, "shared declaration %u (%s) changes size", ix, what);
-        return r->decl[ix];
-    }
+    for (unsigned i = 0; i < r->n_decl; i++)
+        if (r->decl_site[i] == site) return r->decl[i];
+    const unsigned ix = r->n_decl;
     if (ix >= MAX_DECLS) {
         fail(r, "more than %d shared declarations", MAX_DECLS);
         abort();
@@ -382,12 +367,15 @@ void *shared_static(size_t bytes, size_t align, const char *what) {
     if (posix_memalign(&p, align < 16 ? 16 : align, bytes ? bytes : 1)) abort();
     memset(p, 0xff, bytes);
     r->decl[ix] = p;
+    r->decl_site[ix] = site;
     r->decl_bytes[ix] = bytes;
     r->n_decl = ix + 1;
     r->static_bytes += bytes;
     if (r->static_bytes + r->dyn_bytes > MAX_SHARED)
-        fail(r, "%zu bytes of static + %zu of dynamic shared memory exceed the %d of a block",
-             r->static_bytes, r->dyn_bytes, MAX_SHARED);
+        fail(r,
+             "%zu bytes of static + %zu of dynamic shared memory (at %s) exceed the %d of a "
+             "block",
+             r->static_bytes, r->dyn_bytes, what, MAX_SHARED);
     return p;
 }
 
@@ -419,7 +407,7 @@ void run_grid(const char *name, dim3 grid, dim3 block, size_t shmem, cudaStream_
         return;
     }
     static thread_local fiber fibers[MAX_THREADS];
-    static thread_local uint64_t warp_val[MAX_THREADS / 32][2][32];
+    static thread_local uint64_t warp_val[MAX_THREADS / 32][32];
     block_run run;
     memset(&run, 0, sizeof run);
     run.name = name;
@@ -456,8 +444,6 @@ void run_grid(const char *name, dim3 grid, dim3 block, size_t shmem, cudaStream_
                     done = 0;
                     for (unsigned i = 0; i < run.n; i++) done += fibers[i].state == ST_DONE;
                     if (done < run.n) {
-                        for (unsigned i = 0; i < run.n; i++)
-                            if (fibers[i].state != ST_DONE) fibers[i].site = 0;
                         if (!release(&run)) break;
                     }
                 }
@@ -573,7 +559,7 @@ cudaError_t cudaDeviceSynchronize(void) {
 }
 cudaError_t cudaMemGetInfo(size_t *free_bytes, size_t *total_bytes) {
     const char *v = getenv("K3_EMU_DEVICE_MEM_GB");
-    const size_t total = (size_t)(v && *v ? atof(v) : 64.0) * ((size_t)1 << 30);
+    const size_t total = (size_t)((v && *v ? atof(v) : 64.0) * (double)((size_t)1 << 30));
     if (total_bytes) *total_bytes = total;
     if (free_bytes) *free_bytes = g_allocated < total ? total - g_allocated : 0;
     return cudaSuccess;

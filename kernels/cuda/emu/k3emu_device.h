@@ -71,17 +71,15 @@ namespace k3emu {
 
 /* the running fiber (one CUDA thread) and its launch; emu_runtime.cpp */
 struct fiber {
-    void *sp;           /* saved stack pointer while switched out */
-    uint3 tid;          /* threadIdx */
-    unsigned lin;       /* linear thread index in the block */
-    int state;          /* k3emu::ST_* (emu_runtime.cpp) */
-    unsigned shared_ix; /* K3C_SHARED declarations met so far in this block */
-    unsigned warp_seq;  /* warp collectives entered so far in this block */
-    unsigned mask;      /* the mask of the collective it waits in */
-    int pred;           /* the __syncthreads_* predicate it brought */
-    int site;           /* 1: __syncthreads, 2 + n: warp collective */
+    void *sp;      /* saved stack pointer while switched out */
+    uint3 tid;     /* threadIdx */
+    unsigned lin;  /* linear thread index in the block */
+    int state;     /* k3emu::ST_* (emu_runtime.cpp) */
+    unsigned mask; /* the mask of the collective it waits in */
+    int pred;      /* the __syncthreads_* predicate it brought */
     void *stack, *asan_fake;
     size_t stack_size;
+    uint64_t got[32]; /* the lanes' values of its last warp collective, copied at release */
 };
 struct launch_state {
     uint3 bid; /* blockIdx */
@@ -95,10 +93,12 @@ launch_state *launch(void);
 void syncthreads(void);
 int syncthreads_count(int pred); /* every thread gets the count of true predicates */
 /* The warp collective under every __shfl / vote: this thread's 8-byte value in; out, the 32
- * lanes' values of this round (lanes outside mask are left 0). */
+ * lanes' values of this round (lanes outside the mask: stale, not to be read). */
 const uint64_t *warp_exchange(unsigned mask, uint64_t v);
 unsigned lane_id(void);
-void *shared_static(size_t bytes, size_t align, const char *what);
+/* site: one address per K3C_SHARED declaration (so a declaration met twice, in a loop or a helper
+ * called twice, is one array, as on the device) */
+void *shared_static(const void *site, size_t bytes, size_t align, const char *what);
 void *shared_dynamic(void);
 /* Runs the grid: body(closure) per thread. Reports errors through cudaGetLastError. */
 void run_grid(const char *name, dim3 grid, dim3 block, size_t shmem, cudaStream_t s,
@@ -161,8 +161,10 @@ template <class T> static inline T shfl_from(unsigned mask, T v, int src, int wi
 #define warpSize  32
 
 #define K3C_SHARED(T, name, dims)                                                                  \
+    static const char k3emu_site_##name = 0;                                                       \
     T(&name)                                                                                       \
-    dims = *reinterpret_cast<T(*) dims>(k3emu::shared_static(sizeof(T dims), alignof(T), #name))
+    dims = *reinterpret_cast<T(*) dims>(                                                           \
+        k3emu::shared_static(&k3emu_site_##name, sizeof(T dims), alignof(T), #name))
 #define K3C_DYN_SHARED(T, name) T *name = reinterpret_cast<T *>(k3emu::shared_dynamic())
 #define K3C_LAUNCH(grid, block, shmem, stream, ...)                                                \
     k3emu::make_launcher(#__VA_ARGS__, grid, block, shmem, stream, __VA_ARGS__)
@@ -185,7 +187,8 @@ static inline void __syncwarp(unsigned mask = 0xffffffffu) {
 }
 template <class T> static inline T __shfl_sync(unsigned mask, T v, int src, int width = 32) {
     const int w = width > 0 && width <= 32 ? width : 32;
-    return k3emu::shfl_from(mask, v, (int)k3emu::lane_id() / w * w + src % w, width, false);
+    return k3emu::shfl_from(mask, v, (int)k3emu::lane_id() / w * w + (src % w + w) % w, width,
+                            false);
 }
 template <class T> static inline T __shfl_xor_sync(unsigned mask, T v, int lm, int width = 32) {
     return k3emu::shfl_from(mask, v, (int)k3emu::lane_id() ^ lm, width, false);

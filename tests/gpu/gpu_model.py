@@ -1,0 +1,180 @@
+#!/usr/bin/env python3
+"""gpu_model.py — the whole model on the cuda backend and the nccl transport (issue 28). Label
+"gpuemu" in the emulation build (K3_CUDA_EMULATE: the kernels on host fibers, NCCL over MPI), "gpu"
+in a device build, where scripts/device-check.sh runs the same checks on a real GPU.
+
+usage: gpu_model.py MPIEXEC   (K3_BIN = the k3 binary; a tiny and a deep model are made in a temp dir)
+  1x1     : `k3 run --backend cuda` on one rank against `--backend cpu`: greedy tokens identical,
+            dumped logits within K3_TOL_DISTRIBUTED_REL_L2 (rel-L2), prompts of several lengths in
+            one batch (decode and prefill pieces mixed, a prefill chunk that splits a prompt).
+  2x2     : mpirun -np 4 `--pp 2 --ep 2 --backend cuda --comm nccl`: the same bound against cpu on
+            one rank; the run names the transport it used (nccl).
+  det     : --deterministic: the 2x2 nccl logits and a 1x2 nccl run are bit-identical to 1x1 cuda.
+  deep    : `make-tiny --preset deep` (93 layers, the real K3 layer schedule) on cuda against cpu:
+            greedy tokens identical, logits within K3_TOL_BACKEND_DEEP_REL_L2 (the backend bound
+            scaled by depth; tests/tolerances.h).
+  serve   : `k3 serve --backend cuda --comm nccl --pp 2` under mpirun answers one /v1/completions
+            request (greedy, 12 tokens, ignore_eos) with the same text as `k3 serve --backend cpu`
+            on one rank, and token logprobs within 1e-4 of it.
+Without a usable cuda backend (`k3 version`) it prints one SKIP line and exits 77."""
+import json
+import os
+import re
+import subprocess
+import sys
+import tempfile
+import time
+import urllib.request
+
+import numpy as np
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
+from k3_tolerances import TOL  # noqa: E402
+
+K3 = os.environ["K3_BIN"]
+MPI = sys.argv[1] if len(sys.argv) > 1 else "mpirun"
+DIST_TOL = TOL["K3_TOL_DISTRIBUTED_REL_L2"]
+DEEP_TOL = TOL["K3_TOL_BACKEND_DEEP_REL_L2"]
+PROMPTS = "1,2,3,4,5,6,7,8,9,10,11;9,8,7;42"
+failures = []
+
+
+def check(cond, msg):
+    print(("ok  " if cond else "FAIL ") + msg, flush=True)
+    if not cond:
+        failures.append(msg)
+
+
+def rel_l2(a, b):
+    a, b = a.astype(np.float64), b.astype(np.float64)
+    return float(np.linalg.norm(a - b) / max(np.linalg.norm(a), 1e-30))
+
+
+def run(args, np_=1, timeout=600):
+    cmd = [K3, "run"] + args
+    if np_ > 1:
+        cmd = [MPI, "-np", str(np_), "--oversubscribe"] + cmd
+    t0 = time.time()
+    p = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout)
+    if p.returncode != 0:
+        print(f"FAIL: {' '.join(cmd)}: exit {p.returncode}\n{p.stderr[-3000:]}", flush=True)
+        failures.append(" ".join(args))
+    return p, time.time() - t0
+
+
+def gen(model, tmp, tag, be, np_=1, extra=(), n=12):
+    npy = os.path.join(tmp, tag + ".npy")
+    p, dt = run(["--model", model, "--prompt-ids", PROMPTS, "--n", str(n), "--ignore-eos",
+                 "--backend", be, "--chunk", "5", "--dump-logits", npy, "--json"] + list(extra), np_)
+    if p.returncode != 0:
+        return None, None, p.stderr
+    toks = [o["generated_ids"] for o in json.loads(p.stdout)["results"]]
+    print(f"     {tag}: {dt:.1f} s", flush=True)
+    return np.load(npy), toks, p.stderr
+
+
+def serve_answer(model, extra, np_=1):
+    cmd = [K3, "serve", "--model", model, "--port", "0", "--threads", "1"] + list(extra)
+    if np_ > 1:
+        cmd = [MPI, "-np", str(np_), "--oversubscribe"] + cmd
+    log = tempfile.NamedTemporaryFile(prefix="k3_gpu_serve_", suffix=".txt", delete=False)
+    proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=log)
+    try:
+        port = pid = None
+        t0 = time.time()
+        while time.time() - t0 < 180 and proc.poll() is None:
+            text = open(log.name, errors="replace").read()
+            m = re.search(r"listening on http://127\.0\.0\.1:(\d+) \(model \"[^\"]*\", pid (\d+)\)", text)
+            if m:
+                port, pid = int(m.group(1)), int(m.group(2))
+                break
+            time.sleep(0.2)
+        if not port:
+            return None, open(log.name, errors="replace").read()[-3000:]
+        body = json.dumps({"model": "tiny", "max_tokens": 12, "temperature": 0, "ignore_eos": True,
+                           "logprobs": 2, "prompt": "Name three colours."})
+        req = urllib.request.Request(f"http://127.0.0.1:{port}/v1/completions", data=body.encode(),
+                                     headers={"Content-Type": "application/json"})
+        with urllib.request.urlopen(req, timeout=300) as r:
+            out = json.loads(r.read())
+        os.kill(pid, 15)
+        proc.wait(timeout=60)
+        return out, open(log.name, errors="replace").read()
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+        os.unlink(log.name)
+
+
+def main():
+    ver = subprocess.run([K3, "version"], capture_output=True, text=True, check=True).stdout
+    usable = [ln for ln in ver.splitlines() if ln.startswith("backends usable here:")]
+    if not usable or not usable[0].rstrip().endswith(" cuda"):
+        print("SKIP: the cuda backend is not usable here: " + (usable[0] if usable else ver.strip()))
+        return 77
+    nccl = re.search(r"^transports compiled:.*\bnccl\b", ver, re.M) is not None
+    with tempfile.TemporaryDirectory() as tmp:
+        tiny, deep = os.path.join(tmp, "tiny"), os.path.join(tmp, "deep")
+        subprocess.run([K3, "make-tiny", tiny], check=True, capture_output=True)
+        subprocess.run([K3, "make-tiny", deep, "--preset", "deep"], check=True, capture_output=True)
+
+        print("1x1: cuda vs cpu, one rank", flush=True)
+        cpu, cpu_t, _ = gen(tiny, tmp, "cpu", "cpu")
+        cu, cu_t, _ = gen(tiny, tmp, "cuda", "cuda")
+        if cpu is not None and cu is not None:
+            r = rel_l2(cpu, cu)
+            check(r <= DIST_TOL, f"1x1 cuda vs cpu: logits rel-L2 {r:.3g} (limit {DIST_TOL:g})")
+            check(cu_t == cpu_t, "1x1 cuda vs cpu: greedy tokens identical")
+
+        if nccl:
+            print("2x2: --backend cuda --comm nccl on 4 ranks vs cpu on one", flush=True)
+            nc, nc_t, err = gen(tiny, tmp, "nccl22", "cuda", 4, ["--pp", "2", "--ep", "2", "--comm", "nccl"])
+            if nc is not None and cpu is not None:
+                r = rel_l2(cpu, nc)
+                check(r <= DIST_TOL, f"2x2 cuda+nccl vs cpu: logits rel-L2 {r:.3g} (limit {DIST_TOL:g})")
+                check(nc_t == cpu_t, "2x2 cuda+nccl vs cpu: greedy tokens identical")
+                check(re.search(r"\bcomm(unication)?\b[^\n]*\bnccl\b", err) is not None,
+                      "2x2: the run names the transport it used (nccl)")
+
+            print("det: --deterministic, nccl splits bit-identical to 1x1 cuda", flush=True)
+            det = ["--deterministic"]
+            d11, _, _ = gen(tiny, tmp, "det11", "cuda", 1, det)
+            for tag, np_, split in (("det22", 4, ["--pp", "2", "--ep", "2"]), ("det12", 2, ["--ep", "2"])):
+                d, _, _ = gen(tiny, tmp, tag, "cuda", np_, det + split + ["--comm", "nccl"])
+                if d is not None and d11 is not None:
+                    same = d.shape == d11.shape and d.tobytes() == d11.tobytes()
+                    check(same, f"{tag} cuda+nccl --deterministic: logits bit-identical to 1x1 cuda"
+                          + ("" if same else f" (max |diff| {np.abs(d - d11).max():.3g})"))
+        else:
+            print("SKIP 2x2 / det / serve: this build has no nccl transport", flush=True)
+
+        print("deep: 93 layers (the K3 layer schedule), cuda vs cpu", flush=True)
+        dc, dc_t, _ = gen(deep, tmp, "deep_cpu", "cpu", n=4)
+        du, du_t, _ = gen(deep, tmp, "deep_cuda", "cuda", n=4)
+        if dc is not None and du is not None:
+            r = rel_l2(dc, du)
+            check(r <= DEEP_TOL, f"deep cuda vs cpu: logits rel-L2 {r:.3g} (limit {DEEP_TOL:.3g})")
+            check(dc_t == du_t, "deep cuda vs cpu: greedy tokens identical")
+
+        if nccl:
+            print("serve: one request through cuda + nccl (2 stages) vs cpu", flush=True)
+            a, la = serve_answer(tiny, ["--backend", "cpu"])
+            b, lb = serve_answer(tiny, ["--backend", "cuda", "--comm", "nccl", "--pp", "2"], 2)
+            check(a is not None, "serve --backend cpu answered" + ("" if a else ":\n" + la))
+            check(b is not None, "serve --backend cuda --comm nccl --pp 2 answered" + ("" if b else ":\n" + lb))
+            if a and b:
+                ta, tb = a["choices"][0]["text"], b["choices"][0]["text"]
+                la = a["choices"][0]["logprobs"]["token_logprobs"]
+                lb = b["choices"][0]["logprobs"]["token_logprobs"]
+                check(len(tb) > 0 and ta == tb and a["usage"] == b["usage"],
+                      f"serve: the same 12 tokens on cuda+nccl as on cpu ({tb!r} vs {ta!r})")
+                d = max(abs(x - y) for x, y in zip(la, lb))
+                check(len(la) == 12 and d <= 1e-4,
+                      f"serve: token logprobs within 1e-4 of cpu (max |diff| {d:.3g})")
+    print(f"gpu_model: {len(failures)} failed")
+    return 1 if failures else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
