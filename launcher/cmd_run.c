@@ -306,11 +306,12 @@ static int run_run(const k3_args *a) {
         fprintf(stderr, "k3 run: --backend: '%s' is not auto, cpu, ref, guard or cuda\n", backend);
         return 2;
     }
-    const char *comm = NULL;
+    const char *comm = NULL, *backend_arg = backend;
+    int wr = 0;
     {
-        int wr = 0, ws = 1;
+        int ws = 1;
         k3_comm_world(&wr, &ws);
-        backend = k3_engine_backend_pick(backend, wr == 0);
+        backend = k3_engine_backend_pick(backend, false); /* said below, once the flags are good */
         if (k3_engine_comm_arg(a, backend, wr == 0, &comm)) return 2;
     }
     k3_coord_mode cm = K3_COORD_SHARED;
@@ -364,8 +365,6 @@ static int run_run(const k3_args *a) {
     bool chat = in.job.req != NULL;
     bench_limits lim = {0};
     if (k3_args_bool(a, "bench-limits")) {
-        int wr = 0, ws = 1;
-        k3_comm_world(&wr, &ws);
         if (wr == 0) {
             char how[400];
             st = bench_measure_limits(threads ? (int)threads : (int)sysconf(_SC_NPROCESSORS_ONLN),
@@ -412,6 +411,7 @@ static int run_run(const k3_args *a) {
                       .limit_fma_gflops = lim.fma_gflops,
                       .limit_threads = lim.threads,
                       .result = chat ? &res : NULL};
+    (void)k3_engine_backend_pick(backend_arg, wr == 0); /* --backend auto: what and why */
     rc = k3_rank_run(&o);
     if (rc == 0 && chat && res.n_seqs == 1 &&
         (st = print_chat(&in, &res.seqs[0], k3_args_bool(a, "ignore-eos"))) != K3_OK)

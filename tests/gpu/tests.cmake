@@ -11,7 +11,7 @@ endif()
 find_program(K3_GPU_PYTHON3 python3)
 add_test(NAME gpu_tiny COMMAND ${K3_GPU_PYTHON3} ${CMAKE_CURRENT_LIST_DIR}/gpu_tiny.py)
 set_tests_properties(gpu_tiny PROPERTIES LABELS "${K3_GPU_LABEL}" TIMEOUT 300 SKIP_RETURN_CODE 77
-                     ENVIRONMENT "${K3_TEST_ENV}")
+                     ENVIRONMENT "${K3_TEST_ENV_MPI}")   # k3 run initialises MPI: no leak check
 # the whole model on cuda (+ nccl under mpirun): 1x1 and 2x2 vs cpu, --deterministic splits
 # bit-identical, the 93-layer schedule, one `k3 serve` request (tests/gpu/gpu_model.py)
 add_test(NAME gpu_model COMMAND ${K3_GPU_PYTHON3} ${CMAKE_CURRENT_LIST_DIR}/gpu_model.py
