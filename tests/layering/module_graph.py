@@ -12,7 +12,8 @@ touches no weights, partition is pure, kernels is the floor). Among the middle s
 layers → experts, layers → comm and experts → comm are allowed, and into comm only through its
 interface header k3_comm.h. Another module's *_internal.h is never included. The observed module
 graph must have no cycle. System headers: <mpi.h> only in comm/ and launcher/ (MPI init/abort; layers never call MPI),
-CUDA/NCCL headers only in kernels/cuda/ and comm/comm_nccl.c (STYLE.md §13).
+CUDA/NCCL headers only in kernels/cuda/, comm/nccl_emu/ (the emulation's NCCL stand-in) and
+comm/comm_nccl.c (STYLE.md §13).
 
 Usage: module_graph.py [ROOT]   (ROOT = the repository; default: K3_SRC or this file's ../..)
        module_graph.py --self-test [ROOT]
@@ -60,7 +61,8 @@ SIBLING = {
 }
 
 MPI_OK = {"comm", "launcher"}                # <mpi.h>: comm, and MPI init/abort in launcher
-DEVICE_OK_DIRS = ("kernels/cuda/",)          # <cuda*.h>, <cu*.h>, <nccl.h>
+DEVICE_OK_DIRS = ("kernels/cuda/", "comm/nccl_emu/")  # <cuda*.h>, <cu*.h>, <nccl.h>; nccl_emu:
+# the NCCL stand-in of the emulation build (its nccl.h names cudaStream_t)
 DEVICE_OK_FILES = ("comm/comm_nccl.c",)
 DEVICE_RE = re.compile(r"^(cuda[^/]*\.h|cu[a-zA-Z_]*\.h|nccl\.h|nvml\.h|cub/.*|thrust/.*)$")
 
@@ -154,7 +156,7 @@ def check(root):
                         why = "MPI outside comm/ and launcher/"
                     elif DEVICE_RE.match(inc) and not (rel.startswith(DEVICE_OK_DIRS)
                                                         or rel in DEVICE_OK_FILES):
-                        why = "CUDA/NCCL outside kernels/cuda/ and comm/comm_nccl.c"
+                        why = "CUDA/NCCL outside kernels/cuda/, comm/nccl_emu/ and comm/comm_nccl.c"
                     if why:
                         print(f"{rel}:{ln}: module {mod} includes <{inc}> ({why})")
                         bad += 1
