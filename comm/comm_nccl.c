@@ -56,6 +56,15 @@ static nccl_state *N(k3_comm *c) {
         if (r_ != ncclSuccess && r_ != ncclInProgress)                                             \
             return K3_ERR(K3_ERR_COMM, "%s: %s", #call, ncclGetErrorString(r_));                   \
     } while (0)
+/* NCCL_TRY inside ncclGroupStart/End: a failed call ends the group before returning */
+#define NCCL_GROUP_TRY(call)                                                                       \
+    do {                                                                                           \
+        ncclResult_t r_ = (call);                                                                  \
+        if (r_ != ncclSuccess && r_ != ncclInProgress) {                                           \
+            (void)ncclGroupEnd();                                                                  \
+            return K3_ERR(K3_ERR_COMM, "%s: %s", #call, ncclGetErrorString(r_));                   \
+        }                                                                                          \
+    } while (0)
 #define CUDA_TRY(call)                                                                             \
     do {                                                                                           \
         cudaError_t e_ = (call);                                                                   \
@@ -133,11 +142,11 @@ static k3_status exchange(k3_comm *c, const void *send, const int64_t *scount,
     NCCL_TRY(ncclGroupStart());
     for (int e = 0; e < E; e++) { /* counts in elements of dt (4 bytes) */
         if (scount[e])
-            NCCL_TRY(ncclSend((const char *)st->ds + sdispl[e] * 4, (size_t)scount[e], dt, e,
-                              st->ep, st->stream));
+            NCCL_GROUP_TRY(ncclSend((const char *)st->ds + sdispl[e] * 4, (size_t)scount[e], dt, e,
+                                    st->ep, st->stream));
         if (rcount[e])
-            NCCL_TRY(ncclRecv((char *)st->dr + rdispl[e] * 4, (size_t)rcount[e], dt, e, st->ep,
-                              st->stream));
+            NCCL_GROUP_TRY(ncclRecv((char *)st->dr + rdispl[e] * 4, (size_t)rcount[e], dt, e,
+                                    st->ep, st->stream));
     }
     NCCL_TRY(ncclGroupEnd());
     if (nr)
@@ -185,11 +194,11 @@ static k3_status nccl_ep_alltoallv_dev(k3_comm *c, k3_backend *be, const void *s
     NCCL_TRY(ncclGroupStart());
     for (int e = 0; e < c->n_lanes; e++) {
         if (scount[e])
-            NCCL_TRY(ncclSend((const char *)send + sdispl[e] * 4, (size_t)scount[e], ncclUint32, e,
-                              st->ep, s));
+            NCCL_GROUP_TRY(ncclSend((const char *)send + sdispl[e] * 4, (size_t)scount[e],
+                                    ncclUint32, e, st->ep, s));
         if (rcount[e])
-            NCCL_TRY(ncclRecv((char *)recv + rdispl[e] * 4, (size_t)rcount[e], ncclUint32, e,
-                              st->ep, s));
+            NCCL_GROUP_TRY(ncclRecv((char *)recv + rdispl[e] * 4, (size_t)rcount[e], ncclUint32, e,
+                                    st->ep, s));
     }
     NCCL_TRY(ncclGroupEnd());
     return nccl_wait(c, &st->ep, s, what);
@@ -207,9 +216,9 @@ static k3_status nccl_p2p_dev(k3_comm *c, k3_backend *be, int peer, bool send, v
     K3_TRY(dev_stream(c, be, &s));
     NCCL_TRY(ncclGroupStart());
     if (send)
-        NCCL_TRY(ncclSend(buf, n_bytes / 4, ncclUint32, peer, st->world, s));
+        NCCL_GROUP_TRY(ncclSend(buf, n_bytes / 4, ncclUint32, peer, st->world, s));
     else
-        NCCL_TRY(ncclRecv(buf, n_bytes / 4, ncclUint32, peer, st->world, s));
+        NCCL_GROUP_TRY(ncclRecv(buf, n_bytes / 4, ncclUint32, peer, st->world, s));
     NCCL_TRY(ncclGroupEnd());
     return nccl_wait(c, &st->world, s, what);
 }

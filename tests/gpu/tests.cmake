@@ -41,17 +41,37 @@ if(K3_CUDA)
   set_tests_properties(cuda_ops PROPERTIES LABELS "${K3_GPU_LABEL}" TIMEOUT 600 SKIP_RETURN_CODE 77
                        ENVIRONMENT "${K3_TEST_ENV}")
   if(K3_NCCL)
-    # the nccl comm transport under mpirun on 1 and 3 ranks: MoE dispatch + combine checked
-    # element by element, and (stand-in only) a silent lane fails within the timeout. A device
-    # build needs a GPU per rank (skips with one line, 77, without); the emulation build runs it
-    # on the NCCL stand-in over MPI (comm/nccl_emu).
+    # the nccl comm transport under mpirun on 1 and 3 ranks: creation (EP split, a NOCOLOR
+    # coordinator) and (stand-in only) its API and a silent lane failing within the timeout. A
+    # device build needs a GPU per rank (skips with one line, 77, without); the emulation build
+    # runs it on the NCCL stand-in over MPI (comm/nccl_emu).
     k3_add_test_exe(test_comm_nccl ${CMAKE_CURRENT_LIST_DIR}/test_comm_nccl.c)
     foreach(np 1 3)
       add_test(NAME comm_nccl_${np}rank
                COMMAND ${MPIEXEC_EXECUTABLE} ${MPIEXEC_NUMPROC_FLAG} ${np} --oversubscribe
-                       ${MPIEXEC_PREFLAGS} $<TARGET_FILE:test_comm_nccl> 1234)
+                       ${MPIEXEC_PREFLAGS} $<TARGET_FILE:test_comm_nccl>)
       set_tests_properties(comm_nccl_${np}rank PROPERTIES LABELS "${K3_GPU_LABEL}" TIMEOUT 120
                            SKIP_RETURN_CODE 77 ENVIRONMENT "${K3_TEST_ENV_MPI}")
+    endforeach()
+    # the whole comm test (tests/mpi/test_comm.c: messages, MoE dispatch + combine element by
+    # element in both modes, counters, errors, timeouts) on the nccl transport, cpu and cuda
+    # backends (cuda: the rows packed and moved on the device). One GPU per rank on a device.
+    if(K3_CUDA_EMULATE)
+      set(k3_nccl_grids "3 1 3 0" "5 2 2 1")
+    else()
+      set(k3_nccl_grids "1 1 1 0")
+    endif()
+    foreach(grid ${k3_nccl_grids})
+      separate_arguments(g UNIX_COMMAND "${grid}")
+      list(GET g 0 np)
+      list(GET g 1 S)
+      list(GET g 2 E)
+      list(GET g 3 F)
+      add_test(NAME comm_nccl_np${np}_s${S}_e${E}_f${F}
+               COMMAND ${MPIEXEC_EXECUTABLE} ${MPIEXEC_NUMPROC_FLAG} ${np} --oversubscribe
+                       ${MPIEXEC_PREFLAGS} $<TARGET_FILE:test_comm> ${S} ${E} ${F} 1234 cpu,cuda nccl)
+      set_tests_properties(comm_nccl_np${np}_s${S}_e${E}_f${F} PROPERTIES LABELS "${K3_GPU_LABEL}"
+                           TIMEOUT 180 ENVIRONMENT "${K3_TEST_ENV_MPI}")
     endforeach()
   endif()
 endif()

@@ -1,5 +1,7 @@
-/* test_comm.c — k3_comm under mpirun: `test_comm S E FIRST_WORKER [SEED] [BACKENDS]`
- * (BACKENDS: comma-separated k3 backends for the MoE exchange, default "cpu,guard").
+/* test_comm.c — k3_comm under mpirun: `test_comm S E FIRST_WORKER [SEED] [BACKENDS] [TRANSPORT]`
+ * (BACKENDS: comma-separated k3 backends for the MoE exchange, default "cpu,guard"; TRANSPORT:
+ * "mpi" (default) or "nccl": tests/gpu registers the nccl runs, on cpu and cuda, where the cuda
+ * backend takes the transport's device path).
  * 1. messages (k3_comm_post/wait/poll): every rank posts large (rendezvous-sized) ACTIV messages
  *    with a typed meta struct to the next rank BEFORE receiving from the previous one (async sends
  *    must not deadlock); payloads encode (source rank, index); odd meta sizes are padded; corrupt
@@ -411,19 +413,20 @@ int main(int argc, char **argv) {
         F = argc > 3 ? atoi(argv[3]) : 0;
     uint64_t seed = argc > 4 ? strtoull(argv[4], NULL, 10) : 1234;
     const char *backends = argc > 5 ? argv[5] : "cpu,guard";
+    const char *tr = argc > 6 ? argv[6] : "mpi";
     int rank, size;
     MPI_Comm_rank(MPI_COMM_WORLD, &rank);
     MPI_Comm_size(MPI_COMM_WORLD, &size);
     if (rank == 0)
-        printf("test_comm: S=%d E=%d first_worker=%d seed=%llu backends=%s\n", S, E, F,
-               (unsigned long long)seed, backends);
+        printf("test_comm: S=%d E=%d first_worker=%d seed=%llu backends=%s transport=%s\n", S, E, F,
+               (unsigned long long)seed, backends, tr);
     k3_comm_params prm = {.n_stages = S, .n_lanes = E, .first_worker = F, .timeout_s = 60};
     k3_comm *c = NULL;
     K3_CHECK_ERR(k3_comm_create("carrier-pigeon", &prm, &c), K3_ERR_ARG, "unknown transport");
-    K3_CHECK_OK(k3_comm_create("mpi", &prm, &c));
+    K3_CHECK_OK(k3_comm_create(tr, &prm, &c));
     if (!c) MPI_Abort(MPI_COMM_WORLD, 1);
     K3_CHECK(k3_comm_rank(c) == rank && k3_comm_size(c) == size, "rank/size");
-    K3_CHECK(strcmp(k3_comm_transport(c), "mpi") == 0, "transport %s", k3_comm_transport(c));
+    K3_CHECK(strcmp(k3_comm_transport(c), tr) == 0, "transport %s", k3_comm_transport(c));
     int stage = k3_comm_stage(c), lane = k3_comm_lane(c);
     K3_CHECK(rank < F ? stage == -1 : (stage == (rank - F) / E && lane == (rank - F) % E),
              "grid (%d,%d)", stage, lane);
@@ -446,7 +449,7 @@ int main(int argc, char **argv) {
             test_moe(c, be, E, F, seed, ep);
             k3_comm_destroy(c); /* free comm's buffers of this backend before it goes */
             c = NULL;
-            K3_CHECK_OK(k3_comm_create("mpi", &prm, &c));
+            K3_CHECK_OK(k3_comm_create(tr, &prm, &c));
             k3_backend_destroy(be);
             if (!c) MPI_Abort(MPI_COMM_WORLD, 1);
         }
@@ -462,7 +465,7 @@ int main(int argc, char **argv) {
              name = strtok_r(NULL, ",", &save)) {
             k3_comm_destroy(c);
             c = NULL;
-            K3_CHECK_OK(k3_comm_create("mpi", &prm, &c));
+            K3_CHECK_OK(k3_comm_create(tr, &prm, &c));
             if (!c) MPI_Abort(MPI_COMM_WORLD, 1);
         }
     }
