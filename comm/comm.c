@@ -1,9 +1,12 @@
-/* comm.c — the transport-neutral front end of k3_comm: the transport table and creation by name,
- * the public k3_comm_* functions as thin wrappers over the transport's function table, the wire
- * format of messages (header packing and the checks on receipt, once for every transport), the
- * waiting loops with their timeouts. The MoE protocol is in comm_moe.c; the bytes move in
- * comm_mpi.c. Invariant: every blocking loop here sleeps with backoff and ends at c->timeout_s with
- * an error that names the peer and says --comm-timeout. */
+/* comm.c — the transport-neutral front end of k3_comm: the transport table ("mpi", and "nccl" in a
+ * K3_HAVE_NCCL build) and creation by name, the public k3_comm_* functions as thin wrappers over
+ * the transport's function table, the wire format of messages (header packing and the checks on
+ * receipt, once for every transport), the waiting loops with their timeouts; every poll and wait
+ * looks for a fault report first. The MoE protocol is in comm_moe.c, device payloads in
+ * comm_dev.c, fault reports, the verdict and the heartbeat in comm_fault.c; the bytes move in the
+ * transports: comm_mpi.c, and comm_nccl.c for the nccl data plane. Invariant: every blocking loop
+ * here sleeps with backoff and ends at c->timeout_s with an error that names the peer and says
+ * --comm-timeout. */
 #include "k3_comm.h"
 #include "comm_internal.h"
 

@@ -1,16 +1,21 @@
 /* comm — every byte between ranks, behind one function table (k3_comm_iface, comm_internal.h)
- * with no MPI or NCCL types in this header. Transports: "mpi" (comm_mpi.c, host buffers; backend
- * buffers are staged through host memory); "nccl" (device buffers) slots in behind the same table.
+ * with no MPI or NCCL types in this header. Transports (k3_comm_create by name): "mpi"
+ * (comm_mpi.c, host buffers; backend buffers the host cannot read are staged through host
+ * memory) and "nccl" (comm_nccl.c, in a K3_NCCL build; `--comm nccl`, or `auto` with the cuda
+ * backend): MPI stays its control plane (messages, world collectives, the fault exchange) and
+ * NCCL carries the MoE exchange and the device payloads, the rows backend to backend in the
+ * backend's stream. The emulation build links comm/nccl_emu (NCCL's calls over MPI) instead of
+ * libnccl.
  *
  * Owns: the rank grid's communicators (world + one EP group per stage), typed messages for the
  * stage hand-off and the control plane (a versioned wire header that knows nothing of the model;
- * the caller's payload struct travels as opaque bytes), the MoE dispatch/combine inside a stage's
- * EP group (deduplicated rows, two combine modes, traffic counters), a few world collectives
- * (bcast, allgather, barrier) and abort. Every blocking wait polls (test + short sleeps, never a
- * busy spin) and fails with K3_ERR_COMM after the timeout, naming the peer (or EP group) that did
- * not answer.
- * Must not: know what a layer, a token or a sequence is (payloads are bytes, ints and floats), or
- * make a failure fatal (it returns a status; the top level aborts).
+ * the caller's payload struct travels as opaque bytes), device payloads (k3_comm_send_dev), the
+ * MoE dispatch/combine inside a stage's EP group (deduplicated rows, two combine modes, traffic
+ * counters), the fault exchange and the coordinator's heartbeat (comm_fault.c), a few world
+ * collectives (bcast, allgather, barrier) and abort. Every blocking wait polls (test + short
+ * sleeps, never a busy spin) and fails with K3_ERR_COMM after the timeout, naming the peer (or EP
+ * group) that did not answer. Must not: know what a layer, a token or a sequence is (payloads are
+ * bytes, ints and floats), or make a failure fatal (it returns a status; the top level aborts).
  *
  * Sends are asynchronous: k3_comm_post copies the message into an internal slot and returns;
  * pending sends progress inside every other comm call, so two ranks that send to each other
@@ -34,11 +39,12 @@ typedef struct k3_comm_params {
     double timeout_s;      /* limit of every blocking wait (> 0) */
 } k3_comm_params;
 
-/* Collective over the world: splits the EP groups. transport: "mpi" (the names this build has are
- * listed in the error for any other). World size must equal first_worker + S x E. */
+/* Collective over the world: splits the EP groups. transport: "mpi", or "nccl" in a K3_NCCL build
+ * (NULL: "mpi"; the names this build has are listed in the error for any other). World size must
+ * equal first_worker + S x E. */
 k3_status k3_comm_create(const char *transport, const k3_comm_params *p, k3_comm **out);
 void k3_comm_destroy(k3_comm *c);                /* NULL-safe; frees the MoE backend buffers too */
-const char *k3_comm_transport(const k3_comm *c); /* "mpi" */
+const char *k3_comm_transport(const k3_comm *c); /* "mpi" or "nccl" */
 int k3_comm_rank(const k3_comm *c);
 int k3_comm_size(const k3_comm *c);
 int k3_comm_stage(const k3_comm *c); /* -1 on a dedicated coordinator */
@@ -137,7 +143,9 @@ k3_status k3_comm_recv_dev(k3_comm *c, k3_backend *be, int peer, float *x, int64
  * row; fewer bytes when a row has several items on one lane).
  * Buffers named "backend" are k3_backend memory: comm reads them only through
  * k3_backend_download and writes them only through k3_backend_upload (host staging inside comm;
- * skipped when k3_backend_host_visible). Pointers named "host" are host memory. */
+ * skipped when k3_backend_host_visible), or, on a transport with device payloads (nccl) and a
+ * device backend, moves the rows backend to backend (packed with the backend's rows_gather).
+ * Pointers named "host" are host memory. */
 typedef enum { K3_COMBINE_PER_ITEM = 0, K3_COMBINE_PRESUM = 1 } k3_combine_mode;
 const char *k3_combine_mode_name(k3_combine_mode m); /* "per-item", "presum" */
 

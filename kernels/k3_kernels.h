@@ -1,14 +1,18 @@
 /* kernels — the compute floor of k3: the tensor type (k3_tensor.h), the MXFP4 block format
- * (k3_mxfp4.h), the backend object and the op list that covers the whole forward
- * (DESIGN.md §1, STYLE.md §4, §14).
+ * (k3_mxfp4.h), the batch descriptor (k3_seqs), the backend object and the op list that covers
+ * the whole forward (docs/DESIGN.md §1 and §3a, STYLE.md §4, §14).
  *
  * A backend (k3_backend) is one object: a name, its op table, its context (the cpu backend's
  * thread pool lives there, not in a global), and its memory: alloc/free of buffers in its memory
  * space, upload/download between host memory and its buffers, synchronise, supports_op and
- * free/total memory. Backends: "ref" (plain C, the semantics of every op), "cpu" (AVX2+FMA or
- * scalar, threads), "guard" (a test backend: cpu ops on memory that is PROT_NONE outside its
- * own ops and transfers, so any host code that touches an activation, a cache or a weight
- * faults), "cuda" (kernels/cuda/, memory only so far).
+ * free/total memory; optionally stream-ordered copies, events, op counters (guard, cuda) and a
+ * native stream. Backends: "ref" (plain C, the semantics of every op), "cpu" (AVX-512, AVX2 + FMA
+ * or scalar kernels picked by cpuid or K3_ISA; a thread pool), "guard" (a test backend: cpu ops
+ * on memory that is PROT_NONE outside its own ops and transfers, so any host code that touches an
+ * activation, a cache or a weight faults), "cuda" (kernels/cuda/: every op as a kernel on the
+ * backend's stream; run under emulation, not yet on a device, so "auto" does not pick it).
+ * Every op that touches sequences takes the batch descriptor, so one call covers every sequence,
+ * head and token of a step.
  * Callers must not: know which backend runs; read or write a non-host buffer except through
  * upload/download; allocate inside an op (scratch comes from the caller).
  *

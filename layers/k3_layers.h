@@ -4,9 +4,11 @@
  *
  * Owns: k3_stage (a contiguous range of layers [layer_begin, layer_end) plus the embedding when
  * first and the head when last: f32 copies of the small vectors, all scratch, sized at create);
- * k3_seq_state (one sequence's caches for the stage's layers: MLA latent cache, KDA conv and
- * recurrent state, position). Memory comes from the stage's backend (weights, states, scratch)
- * and is allocated at create; k3_stage_forward never allocates. layers/ holds op calls and
+ * k3_seq_state (one sequence of the stage: its slot in the slot pool, which holds its KDA conv and
+ * recurrent state, its block table into the paged MLA latent cache, its position). Memory comes
+ * from the stage's backend (weights, pools, scratch) and is allocated at k3_stage_create (or, for
+ * a stage not sized by max_seqs, when k3_seq_state_create grows the pools); k3_stage_forward
+ * never allocates. layers/ holds op calls and
  * bookkeeping only: every loop over activations is an op of the backend.
  * The MoE step is driven here, in phases: route and down-project; exchange through the comm
  * handle the stage was given (k3_comm_moe_dispatch); local experts; combine
@@ -15,11 +17,13 @@
  * Callers must not: share one k3_stage between threads concurrently, or create a k3_seq_state
  * while a forward of the same stage runs (it may grow the stage's pools).
  *
- * The step (DESIGN.md "The stage step"): k3_stage_forward lays the batch out once as a k3_seqs
+ * The step (docs/DESIGN.md §3a): k3_stage_forward lays the batch out once as a k3_seqs
  * descriptor (token offsets, positions, state slots, block tables) in one upload with the
  * token ids and the non-finite flags; every op that touches sequences takes it, so a step issues
  * a number of op calls that depends on the stage's layers only, not on how many sequences,
- * tokens or heads it carries. Its only device -> host read is the flags, once at the end.
+ * tokens or heads it carries. Without a comm handle its only device -> host read is the flags,
+ * once at the end; with one, each MoE layer also reads its expert ids and weights once (the
+ * exchange's route is built on the host).
  * Paged cache and slots: the MLA latent cache is a pool of blocks of K3_KV_BLOCK tokens per
  * stage, a sequence's positions mapped to blocks by its block table; blocks are taken as it grows
  * and returned when it ends (release, reset, destroy); a pool that runs out fails that forward
@@ -70,7 +74,7 @@ typedef struct k3_stage_params {
     int n_lanes;
     /* Combine mode: true = per-(token, expert) rows summed by the token's lane in slot order
        (bit-identical for every split); false = each owner pre-sums its experts per token (one
-       row per (token, owner); less traffic; within K3_TOL_PRESUM of the former). */
+       row per (token, owner); less traffic; within K3_TOL_DISTRIBUTED_REL_L2 of it). */
     bool deterministic;
     /* The state pools ("Paged cache and slots" above). max_seqs > 0: max_seqs slots, sequences of
        up to max_ctx tokens, a paged MLA cache of kv_cache_tokens (0: max_seqs × max_ctx), all

@@ -1,13 +1,18 @@
 /* worker.c — the stage worker of a lane, and the wire protocol of a step.
  *
- * Wire usage (all messages through comm/, tag = kind; payload layouts in wire.h):
- *   BATCH  coordinator -> (stage 0, lane e): meta = [group, step, all_logits, n_seqs,
- *          (seq, n_tokens, want) x n_seqs, token ids x T]
- *   ACTIV  (s, e) -> (s+1, e): meta = the same without the token ids;
- *          f32 = h [T, D] | bank [n_bank, T, D]
+ * Wire usage (all messages through comm/, tag = kind; payload layouts and K3_WIRE_VERSION in
+ * wire.h; each message's meta is one k3_wire_step, then int32s):
+ *   BATCH  coordinator -> (stage 0, lane e): [group, step, all_logits, n_seqs, n_free,
+ *          (slot, n_tokens, flags) x n_seqs, freed slot x n_free, token ids x T]; flags: OPEN (a
+ *          new sequence in the slot: reset it), WANT (its last row is sampled), NF
+ *   ACTIV  (s, e) -> (s+1, e): the same prefix, then the busy microseconds of each of the lane's
+ *          S stages in this step; f32 = h [T, D] | bank [n_bank, T, D]
  *   LOGITS (S-1, e) -> coordinator: meta as ACTIV; f32 = [R, V] with R = T (all_logits) or the
- *          number of sequences with want = 1 (those the coordinator samples from)
+ *          number of sequences with WANT (those the coordinator samples from)
  *   STOP   coordinator -> every worker, after the last logits arrived.
+ * The freed slots are sequences that ended: each stage returns their cache blocks to its pool
+ * before the step. A NaN/Inf in a sequence's rows sets its NF flag with the first sub-block that
+ * produced one (k3_nf_code), carried on to the coordinator, which fails that request alone.
  * With a transport that has device payloads (nccl) and a device backend, ACTIV carries only its
  * meta and the floats follow it backend to backend (k3_comm_send_dev / recv_dev), so activations
  * never cross to the host between stages.

@@ -14,3 +14,11 @@ set_tests_properties(op_loops PROPERTIES LABELS "unit" ENVIRONMENT "${K3_TEST_EN
 add_test(NAME op_loops_self_test
          COMMAND python3 ${CMAKE_CURRENT_LIST_DIR}/op_loops.py --self-test ${CMAKE_SOURCE_DIR})
 set_tests_properties(op_loops_self_test PROPERTIES LABELS "unit" ENVIRONMENT "${K3_TEST_ENV}" TIMEOUT 60)
+# docs/DESIGN.md §1: the module table names exactly the project's folders (top-level folders,
+# K3_MODULES, deeper source folders); the self-test feeds it a table with a folder left out and
+# one made up, and must see both named
+add_test(NAME design_modules COMMAND python3 ${CMAKE_CURRENT_LIST_DIR}/design_modules.py ${CMAKE_SOURCE_DIR})
+set_tests_properties(design_modules PROPERTIES LABELS "unit" ENVIRONMENT "${K3_TEST_ENV}" TIMEOUT 60)
+add_test(NAME design_modules_self_test
+         COMMAND python3 ${CMAKE_CURRENT_LIST_DIR}/design_modules.py --self-test ${CMAKE_SOURCE_DIR})
+set_tests_properties(design_modules_self_test PROPERTIES LABELS "unit" ENVIRONMENT "${K3_TEST_ENV}" TIMEOUT 60)
