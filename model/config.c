@@ -1,128 +1,445 @@
 /* config.c — config.json -> k3_config (parse + validate), the presets, config.json writer.
  *
+ * One table of keys (CK_ROWS below; its row type is config_keys.h) drives all three: each row
+ * holds the key, the object that holds it, its type, its k3_config field, its bounds and its
+ * default. The parser and the writer walk the rows in order (the order config.json is printed
+ * in); k3_config_validate checks every field against its row's bounds, then the rules that tie
+ * keys together. Keys with their own structure (layer lists, the activation name, an alias at
+ * the top level, the quantization block) are SPECIAL rows read by small dedicated code below;
+ * their names still come from the table.
+ *
  * Reads the real K3 layout (top-level `model_type: kimi_k3` with the text model under
  * `text_config`, `quantization_config` at the top) and flat Kimi-Linear-style configs with the
  * same code (spec/K3-MODEL.md §6.1). Every missing or invalid value is K3_ERR_CONFIG naming the
  * key ("config.json: text_config.linear_attn_config.full_attn_layers[3]: ..."); nothing is
  * clamped. The text is held strictly (k3_json_parse_strict: no NUL, UTF-8, no key twice, nothing
  * after the object). Every key k3 reads is bounded, including those the forward does not use
- * but that say what the model is (max_position_embeddings >= 1, num_nextn_predict_layers >= 0,
- * topk_method, use_grouped_topk). Layer lists are 1-based in the file and 0-based in
+ * but that say what the model is. Layer lists are 1-based in the file and 0-based in
  * k3_config.mixer[].
  *
  * One value is not in config.json: the stored length of KDA `A_log` (K3 stores 128 for 96 heads,
  * zero-padded). Parsing gives the next power of two >= heads (right for K3); k3_config_load then
  * reads the real length from the checkpoint header when a checkpoint is present. */
 #include "k3_config_json.h"
+#include "config_keys.h"
 #include "k3_model.h"
 
 #include <cjson/cJSON.h>
 #include <math.h>
+#include <stdarg.h>
+#include <stddef.h>
 #include <stdio.h>
 #include <stdlib.h>
 
 #include "model_internal.h"
 
-/* k3's bound on max_position_embeddings (K3: 2^20); the other bounds are by k3_config_validate */
-#define K3_CFG_MAX_POSITIONS ((int64_t)1 << 40)
+/* Upper bounds (k3's limits, not the format's). They keep every tensor's element and byte count
+ * far inside int64 (largest product: heads x head dims x rank x 2 bytes <= 2^62) and the catalogue
+ * small enough to list in memory; the 64-bit totals are still computed with overflow checks. */
+#define K3_CFG_MAX_DIM              (1 << 20)  /* hidden, head dims, ranks, sizes, head counts */
+#define K3_CFG_MAX_VOCAB            2147483647 /* token ids are int32 */
+#define K3_CFG_MAX_EXPERTS          32767      /* the plan stores expert lanes as int16 */
+#define K3_CFG_MAX_EXPERT_INSTANCES (1 << 18)  /* MoE layers x experts (K3: 92 x 896 = 82432) */
+#define K3_CFG_MAX_POSITIONS        ((int64_t)1 << 40) /* K3: 2^20 */
+#define K3_CFG_MAX_INT              1000000000         /* a count with no tighter limit: fits int */
+#define K3_CFG_MAX_CONV             64                 /* KDA short-conv taps (K3: 4) */
 
-/* ---- typed getters that name the key ------------------------------------------------------ */
+/* ---- the key table -------------------------------------------------------------------------- */
+/* X(id, object, "key", type, field, flags, when, lo, hi, default, const string, why)
+ * Bounds are inclusive (floats: unless LO_OPEN/HI_OPEN); NO = no bound. `why` is appended to
+ * limit and unsupported-value errors. The rows are in the writer's order; the parser reads them
+ * in the same order, so a key that another's check or default needs comes first (vocab_size
+ * before eos_token_id, num_hidden_layers before the layer lists, num_experts before the MoE
+ * keys). */
+#define NO      HUGE_VAL
+#define FLD(f)  (int)offsetof(k3_config, f), (int)sizeof(((k3_config *)0)->f)
+#define NOF     -1, 0
+#define MAXD    K3_CFG_MAX_DIM
+#define TOP     K3_CO_TOP
+#define TEXT    K3_CO_TEXT
+#define LIN     K3_CO_LINEAR
+#define QNT     K3_CO_QUANT
+#define QGRP    K3_CO_QGROUP
+#define QW      K3_CO_QWEIGHTS
+#define REQ     K3_CK_REQ
+#define CONST   K3_CK_CONST
+#define NOREAD  K3_CK_NOREAD
+#define OMIT0   K3_CK_OMIT0
+#define NULL0   K3_CK_NULL0
+#define SPECIAL K3_CK_SPECIAL
+#define LO_OPEN K3_CK_LO_OPEN
+#define HI_OPEN K3_CK_HI_OPEN
+/* clang-format off */
+#define CK_ROWS(X)                                                                                 \
+  /* SPECIAL: optional nesting; its presence sets the tensor prefix */                             \
+  X(TEXT_CONFIG, TOP, "text_config", OBJ, NOF, SPECIAL, ALL, -NO, NO, 0, NULL, NULL)                \
+  /* written for HF tools; k3 reads the keys whatever the model type */                            \
+  X(MODEL_TYPE, TEXT, "model_type", STR, NOF, NOREAD | CONST, ALL, -NO, NO, 0, "kimi_linear", NULL) \
+  X(VOCAB_SIZE, TEXT, "vocab_size", I64, FLD(vocab_size), REQ, ALL, 1, K3_CFG_MAX_VOCAB, 0, NULL,   \
+    "token ids are int32")                                                                         \
+  X(HIDDEN_SIZE, TEXT, "hidden_size", I64, FLD(hidden_size), REQ, ALL, 1, MAXD, 0, NULL, NULL)      \
+  /* >= 1 when a layer is dense (a rule in k3_config_validate) */                                  \
+  X(INTERMEDIATE_SIZE, TEXT, "intermediate_size", I64, FLD(intermediate_size), REQ, ALL, 0, MAXD,   \
+    0, NULL, NULL)                                                                                 \
+  X(NUM_HIDDEN_LAYERS, TEXT, "num_hidden_layers", INT, FLD(n_layers), REQ, ALL, 1, K3_MAX_LAYERS,  \
+    0, NULL, NULL)                                                                                 \
+  X(NUM_ATTENTION_HEADS, TEXT, "num_attention_heads", INT, FLD(n_heads), REQ, ALL, 1, MAXD, 0,     \
+    NULL, NULL)                                                                                    \
+  /* SPECIAL: no field; defaults to and must equal num_attention_heads */                          \
+  X(NUM_KEY_VALUE_HEADS, TEXT, "num_key_value_heads", INT, NOF, SPECIAL, ALL, 1, MAXD, 0, NULL,    \
+    "MLA needs equal counts")                                                                      \
+  /* null or 0 = no q LoRA (q_proj directly) */                                                    \
+  X(Q_LORA_RANK, TEXT, "q_lora_rank", INT, FLD(q_lora_rank), NULL0, ALL, 0, MAXD, 0, NULL, NULL)    \
+  X(KV_LORA_RANK, TEXT, "kv_lora_rank", INT, FLD(kv_lora_rank), REQ, ALL, 1, MAXD, 0, NULL, NULL)   \
+  X(QK_NOPE_HEAD_DIM, TEXT, "qk_nope_head_dim", INT, FLD(qk_nope_head_dim), REQ, ALL, 1, MAXD, 0,  \
+    NULL, NULL)                                                                                    \
+  X(QK_ROPE_HEAD_DIM, TEXT, "qk_rope_head_dim", INT, FLD(qk_rope_head_dim), REQ, ALL, 0, MAXD, 0,  \
+    NULL, NULL)                                                                                    \
+  X(V_HEAD_DIM, TEXT, "v_head_dim", INT, FLD(v_head_dim), REQ, ALL, 1, MAXD, 0, NULL, NULL)         \
+  X(MLA_USE_NOPE, TEXT, "mla_use_nope", BOOL, NOF, CONST, ALL, -NO, NO, 1, NULL,                   \
+    "MLA with RoPE is not implemented")                                                            \
+  X(MLA_USE_OUTPUT_GATE, TEXT, "mla_use_output_gate", BOOL, FLD(mla_use_output_gate), 0, ALL, -NO, \
+    NO, 0, NULL, NULL)                                                                             \
+  X(LINEAR_ATTN_CONFIG, TEXT, "linear_attn_config", OBJ, NOF, REQ, ALL, -NO, NO, 0, NULL, NULL)     \
+  /* SPECIAL: 1-based layer lists -> mixer[]; every layer in exactly one when both are given */   \
+  X(FULL_ATTN_LAYERS, LIN, "full_attn_layers", LIST, FLD(mixer), REQ | SPECIAL, ALL, -NO, NO, 0,    \
+    NULL, NULL)                                                                                    \
+  X(KDA_LAYERS, LIN, "kda_layers", LIST, FLD(mixer), SPECIAL, ALL, -NO, NO, 0, NULL, NULL)          \
+  X(KDA_NUM_HEADS, LIN, "num_heads", INT, FLD(kda_n_heads), REQ, ALL, 1, MAXD, 0, NULL, NULL)       \
+  X(KDA_HEAD_DIM, LIN, "head_dim", INT, FLD(kda_head_dim), REQ, ALL, 1, MAXD, 0, NULL, NULL)        \
+  X(SHORT_CONV_KERNEL_SIZE, LIN, "short_conv_kernel_size", INT, FLD(kda_conv_kernel), REQ, ALL, 1, \
+    K3_CFG_MAX_CONV, 0, NULL, NULL)                                                                \
+  /* SPECIAL: presence sets kda_has_lower_bound (absent = the Kimi-Linear softplus gate) */        \
+  X(GATE_LOWER_BOUND, LIN, "gate_lower_bound", FLOAT, FLD(kda_gate_lower_bound),                   \
+    SPECIAL | HI_OPEN, LB, -NO, 0, 0, NULL, NULL)                                                  \
+  X(USE_FULL_RANK_GATE, LIN, "use_full_rank_gate", BOOL, FLD(kda_full_rank_gate), 0, ALL, -NO, NO, \
+    0, NULL, NULL)                                                                                 \
+  /* SPECIAL: an enum (act_names) */                                                               \
+  X(HIDDEN_ACT, TEXT, "hidden_act", STR, FLD(act), REQ | SPECIAL, ALL, -NO, NO, 0, NULL, NULL)      \
+  X(SITU_BETA, TEXT, "activation_situ_beta", FLOAT, FLD(situ_beta), REQ | LO_OPEN, SITU, 0, NO, 0, \
+    NULL, NULL)                                                                                    \
+  /* <= 0: the up branch is not capped */                                                          \
+  X(SITU_LINEAR_BETA, TEXT, "activation_situ_linear_beta", FLOAT, FLD(situ_linear_beta), 0, SITU,  \
+    -NO, NO, 0, NULL, NULL)                                                                        \
+  /* 0 = no AttnRes (Kimi-Linear: plain pre-norm residual) */                                      \
+  X(ATTN_RES_BLOCK_SIZE, TEXT, "attn_res_block_size", INT, FLD(attn_res_block_size), OMIT0, ALL, 0,\
+    MAXD, 0, NULL, NULL)                                                                           \
+  /* <= num_hidden_layers (a rule) */                                                              \
+  X(FIRST_K_DENSE_REPLACE, TEXT, "first_k_dense_replace", INT, FLD(first_k_dense_replace), 0, ALL, \
+    0, K3_MAX_LAYERS, 0, NULL, NULL)                                                               \
+  X(MOE_LAYER_FREQ, TEXT, "moe_layer_freq", INT, FLD(moe_layer_freq), 0, ALL, 1, K3_CFG_MAX_INT,   \
+    1, NULL, NULL)                                                                                 \
+  X(NUM_EXPERTS, TEXT, "num_experts", INT, FLD(n_experts), 0, ALL, 0, K3_CFG_MAX_EXPERTS, 0, NULL, \
+    NULL)                                                                                          \
+  /* <= num_experts, <= topk_group x experts per group (rules) */                                  \
+  X(NUM_EXPERTS_PER_TOKEN, TEXT, "num_experts_per_token", INT, FLD(n_experts_per_tok), REQ, MOE, 1,\
+    K3_CFG_MAX_EXPERTS, 0, NULL, NULL)                                                             \
+  X(NUM_SHARED_EXPERTS, TEXT, "num_shared_experts", INT, FLD(n_shared_experts), 0, MOE, 0, MAXD,   \
+    0, NULL, NULL)                                                                                 \
+  X(MOE_INTERMEDIATE_SIZE, TEXT, "moe_intermediate_size", INT, FLD(moe_intermediate_size), REQ,    \
+    MOE, 1, MAXD, 0, NULL, NULL)                                                                   \
+  /* 0 = no latent (experts on the hidden size) */                                                 \
+  X(ROUTED_EXPERT_HIDDEN_SIZE, TEXT, "routed_expert_hidden_size", INT, FLD(latent_size), OMIT0,    \
+    MOE, 0, MAXD, 0, NULL, NULL)                                                                   \
+  /* SPECIAL: read under MOE; its default is routed_expert_hidden_size > 0 */                     \
+  X(LATENT_MOE_USE_NORM, TEXT, "latent_moe_use_norm", BOOL, FLD(latent_moe_use_norm), SPECIAL,     \
+    LATENT, -NO, NO, 0, NULL, NULL)                                                                \
+  X(MOE_ROUTER_ACTIVATION_FUNC, TEXT, "moe_router_activation_func", STR, NOF, CONST, MOE, -NO, NO, \
+    0, "sigmoid", NULL)                                                                            \
+  X(MOE_RENORMALIZE, TEXT, "moe_renormalize", BOOL, FLD(moe_renormalize), 0, MOE, -NO, NO, 1, NULL,\
+    NULL)                                                                                          \
+  X(ROUTED_SCALING_FACTOR, TEXT, "routed_scaling_factor", FLOAT, FLD(routed_scaling_factor),       \
+    LO_OPEN, MOE, 0, NO, 1, NULL, NULL)                                                            \
+  /* the router k3 runs: sigmoid scores + correction bias, grouped top-k (spec §4.3) */            \
+  X(TOPK_METHOD, TEXT, "topk_method", STR, NOF, CONST, MOE, -NO, NO, 0, "noaux_tc", NULL)           \
+  /* SPECIAL: false is fine with one group (checked after num_expert_group is read) */            \
+  X(USE_GROUPED_TOPK, TEXT, "use_grouped_topk", BOOL, NOF, SPECIAL, MOE, -NO, NO, 1, NULL,         \
+    "k3 always groups; give 1 group")                                                              \
+  /* divides num_experts (a rule) */                                                               \
+  X(NUM_EXPERT_GROUP, TEXT, "num_expert_group", INT, FLD(n_group), 0, MOE, 1, K3_CFG_MAX_EXPERTS,  \
+    1, NULL, NULL)                                                                                 \
+  /* <= num_expert_group (a rule) */                                                               \
+  X(TOPK_GROUP, TEXT, "topk_group", INT, FLD(topk_group), 0, MOE, 1, K3_CFG_MAX_EXPERTS, 1, NULL,  \
+    NULL)                                                                                          \
+  X(RMS_NORM_EPS, TEXT, "rms_norm_eps", FLOAT, FLD(rms_norm_eps), REQ | LO_OPEN | HI_OPEN, ALL, 0, \
+    1, 0, NULL, NULL)                                                                              \
+  /* NoPE: no position table reads it, but it is the trained context (the engine's bound on      \
+   * --max-ctx); absent = not given (0) */                                                         \
+  X(MAX_POSITION_EMBEDDINGS, TEXT, "max_position_embeddings", I64, FLD(max_position_embeddings),   \
+    OMIT0, ALL, 1, (double)K3_CFG_MAX_POSITIONS, 0, NULL, NULL)                                    \
+  /* multi-token-prediction layers are not run; their count must still be a count (written 0) */  \
+  X(NUM_NEXTN_PREDICT_LAYERS, TEXT, "num_nextn_predict_layers", I64, NOF, 0, ALL, 0,               \
+    K3_CFG_MAX_INT, 0, NULL, NULL)                                                                 \
+  /* also written at the top level of the K3 layout (read from text_config) */                    \
+  X(TIE_WORD_EMBEDDINGS, TEXT, "tie_word_embeddings", BOOL, FLD(tie_word_embeddings), 0, ALL, -NO, \
+    NO, 0, NULL, NULL)                                                                             \
+  /* SPECIAL: text_config's, else the top level's; < vocab_size */                                 \
+  X(EOS_TOKEN_ID, TEXT, "eos_token_id", INT, FLD(eos_token_id), REQ | SPECIAL, ALL, 0,             \
+    K3_CFG_MAX_VOCAB - 1, 0, NULL, NULL)                                                           \
+  /* SPECIAL: at the top (or in text_config); presence = MXFP4 routed experts. The writer adds   \
+   * keys HF tools expect that k3 does not read (k3_config_to_json). */                            \
+  X(QUANTIZATION_CONFIG, TOP, "quantization_config", OBJ, FLD(experts_mxfp4), SPECIAL, ALL, -NO,   \
+    NO, 0, NULL, NULL)                                                                             \
+  X(QUANT_METHOD, QNT, "quant_method", STR, NOF, REQ | CONST, ALL, -NO, NO, 0,                     \
+    "compressed-tensors", NULL)                                                                    \
+  X(QUANT_FORMAT, QNT, "format", STR, NOF, REQ | CONST, ALL, -NO, NO, 0, "mxfp4-pack-quantized",   \
+    NULL)                                                                                          \
+  /* SPECIAL: a map of groups with any names */                                                   \
+  X(CONFIG_GROUPS, QNT, "config_groups", OBJ, NOF, SPECIAL, ALL, -NO, NO, 0, NULL, NULL)            \
+  X(QUANT_WEIGHTS, QGRP, "weights", OBJ, NOF, SPECIAL, ALL, -NO, NO, 0, NULL, NULL)                 \
+  X(NUM_BITS, QW, "num_bits", I64, NOF, CONST, ALL, -NO, NO, 4, NULL, "MXFP4")                      \
+  X(QUANT_TYPE, QW, "type", STR, NOF, CONST, ALL, -NO, NO, 0, "float", "MXFP4")                     \
+  X(GROUP_SIZE, QW, "group_size", I64, NOF, CONST, ALL, -NO, NO, 32, NULL, "MXFP4")
+/* clang-format on */
+
+#define CK_ID(id, ...) CK_##id,
+enum { CK_ROWS(CK_ID) CK_N };
+#undef CK_ID
+#define CK_ROW(id, obj, key, type, field, flags, when, lo, hi, def, str, why)                      \
+    {key, obj, K3_CK_##type, K3_CW_##when, flags, field, lo, hi, def, str, why},
+static const k3_config_key keys[CK_N] = {CK_ROWS(CK_ROW)};
+#undef CK_ROW
+
+const k3_config_key *k3_config_keys(int *n_rows) {
+    if (n_rows) *n_rows = CK_N;
+    return keys;
+}
+
+/* The one spelling of a key, for messages and dedicated code. */
+#define K(id) (keys[CK_##id].key)
+
+static const struct {
+    const char *name;
+    k3_act act;
+} act_names[] = {{"situ", K3_ACT_SITU}, {"silu", K3_ACT_SWIGLU}};
+
+/* The message prefix of the keys in object `obj`: "text_config.linear_attn_config." etc. */
+static void obj_ctx(bool nested, int obj, char *out, size_t n) {
+    const char *t = nested ? K(TEXT_CONFIG) : NULL;
+    switch (obj) {
+    case K3_CO_TEXT:
+        snprintf(out, n, "%s%s", t ? t : "", t ? "." : "");
+        break;
+    case K3_CO_LINEAR:
+        snprintf(out, n, "%s%s%s.", t ? t : "", t ? "." : "", K(LINEAR_ATTN_CONFIG));
+        break;
+    case K3_CO_QUANT:
+        snprintf(out, n, "%s.", K(QUANTIZATION_CONFIG));
+        break;
+    case K3_CO_QGROUP:
+        snprintf(out, n, "%s.%s.*.", K(QUANTIZATION_CONFIG), K(CONFIG_GROUPS));
+        break;
+    case K3_CO_QWEIGHTS:
+        snprintf(out, n, "%s.%s.*.%s.", K(QUANTIZATION_CONFIG), K(CONFIG_GROUPS), K(QUANT_WEIGHTS));
+        break;
+    default:
+        out[0] = 0;
+    }
+}
+
+/* "path: ctx key: <message>" */
+static k3_status key_err(const char *path, const char *ctx, const k3_config_key *r, const char *fmt,
+                         ...) {
+    char msg[384];
+    va_list ap;
+    va_start(ap, fmt);
+    vsnprintf(msg, sizeof msg, fmt, ap);
+    va_end(ap);
+    return K3_ERR(K3_ERR_CONFIG, "%s: %s%s: %s", path, ctx, r->key, msg);
+}
+
+static bool is_int(const k3_config_key *r) {
+    return r->type == K3_CK_INT || r->type == K3_CK_I64;
+}
+
+/* " (why)" or "" */
+static const char *why_of(const k3_config_key *r, char *buf, size_t n) {
+    if (!r->why) return "";
+    snprintf(buf, n, " (%s)", r->why);
+    return buf;
+}
+
+/* The row's bounds on a value (parsed or a field's): one message for the parser and
+ * k3_config_validate. */
+static k3_status check_bounds(const char *path, const char *ctx, const k3_config_key *r, double v) {
+    char w[128];
+    if (is_int(r)) {
+        if (v < r->lo)
+            return key_err(path, ctx, r, "%lld must be >= %lld", (long long)v, (long long)r->lo);
+        if (v > r->hi)
+            return key_err(path, ctx, r, "%lld exceeds k3's limit of %lld%s", (long long)v,
+                           (long long)r->hi, why_of(r, w, sizeof w));
+        return K3_OK;
+    }
+    if (r->type != K3_CK_FLOAT) return K3_OK;
+    bool lo_ok = (r->flags & K3_CK_LO_OPEN) ? v > r->lo : v >= r->lo;
+    bool hi_ok = (r->flags & K3_CK_HI_OPEN) ? v < r->hi : v <= r->hi;
+    if (lo_ok && hi_ok) return K3_OK;
+    if (isfinite(r->lo) && isfinite(r->hi))
+        return key_err(path, ctx, r, "%g must be in %c%g, %g%c", v,
+                       (r->flags & K3_CK_LO_OPEN) ? '(' : '[', r->lo, r->hi,
+                       (r->flags & K3_CK_HI_OPEN) ? ')' : ']');
+    if (!lo_ok)
+        return key_err(path, ctx, r, "%g must be %s %g", v,
+                       (r->flags & K3_CK_LO_OPEN) ? ">" : ">=", r->lo);
+    return key_err(path, ctx, r, "%g must be %s %g", v,
+                   (r->flags & K3_CK_HI_OPEN) ? "<" : "<=", r->hi);
+}
+
+/* A float row's value must be finite as a float too (a finite double like 1e300 becomes inf). */
+static k3_status check_float(const char *path, const char *ctx, const k3_config_key *r, double v) {
+    if (r->type == K3_CK_FLOAT && !isfinite((float)v))
+        return key_err(path, ctx, r, "%g is not finite as a float", v);
+    return K3_OK;
+}
+
+static double field_num(const k3_config *c, const k3_config_key *r) {
+    const char *p = (const char *)c + r->off;
+    switch (r->type) {
+    case K3_CK_INT:
+        return *(const int *)p;
+    case K3_CK_I64:
+        return (double)*(const int64_t *)p;
+    case K3_CK_FLOAT:
+        return *(const float *)p;
+    case K3_CK_BOOL:
+        return *(const bool *)p;
+    default:
+        return 0;
+    }
+}
+
+static void set_field(k3_config *c, const k3_config_key *r, double v) {
+    if (r->off < 0) return;
+    char *p = (char *)c + r->off;
+    switch (r->type) {
+    case K3_CK_INT:
+        *(int *)p = (int)v;
+        break;
+    case K3_CK_I64:
+        *(int64_t *)p = (int64_t)v;
+        break;
+    case K3_CK_FLOAT:
+        *(float *)p = (float)v;
+        break;
+    case K3_CK_BOOL:
+        *(bool *)p = v != 0;
+        break;
+    default:
+        break;
+    }
+}
+
+/* ---- the parser ----------------------------------------------------------------------------- */
 typedef struct {
-    const char *path; /* file name for messages */
-    const char *ctx;  /* "text_config." or "" */
-} keyctx;
+    const char *path;
+    bool nested;                                    /* the K3 layout (text_config) */
+    const cJSON *obj[K3_CO_QWEIGHTS + 1];           /* the objects the rows live in, as found */
+    char ctx[K3_CO_QWEIGHTS + 1][96];               /* their message prefixes */
+    int8_t full[K3_MAX_LAYERS], kda[K3_MAX_LAYERS]; /* the layer lists, 0-based marks */
+    bool have_full, grouped;
+} pstate;
 
-static k3_status missing(const keyctx *k, const char *key) {
-    return K3_ERR(K3_ERR_CONFIG, "%s: %s%s: missing", k->path, k->ctx, key);
+static const cJSON *item(const cJSON *o, const k3_config_key *r) {
+    const cJSON *v = o ? cJSON_GetObjectItemCaseSensitive(o, r->key) : NULL;
+    return v && !cJSON_IsNull(v) ? v : NULL;
 }
 
-static k3_status get_num(const keyctx *k, const cJSON *o, const char *key, bool required,
-                         double def, double *out) {
-    const cJSON *v = cJSON_GetObjectItemCaseSensitive(o, key);
-    if (!v || cJSON_IsNull(v)) {
-        if (required) return missing(k, key);
-        *out = def;
-        return K3_OK;
-    }
-    if (!cJSON_IsNumber(v))
-        return K3_ERR(K3_ERR_CONFIG, "%s: %s%s: expected a number", k->path, k->ctx, key);
-    if (!isfinite(v->valuedouble))
-        return K3_ERR(K3_ERR_CONFIG, "%s: %s%s: not finite", k->path, k->ctx, key);
-    *out = v->valuedouble;
+/* A numeric row's value from `o` (ctx: its prefix): *present = false and the default when it is
+ * absent or null. Type, bounds and the one supported value (CONST) are checked. */
+static k3_status read_num(const pstate *p, const char *ctx, const k3_config_key *r, const cJSON *o,
+                          double *out, bool *present) {
+    const cJSON *v = item(o, r);
+    *present = v != NULL;
+    *out = r->def;
+    if (!v) return (r->flags & K3_CK_REQ) ? key_err(p->path, ctx, r, "missing") : K3_OK;
+    if (!cJSON_IsNumber(v)) return key_err(p->path, ctx, r, "expected a number");
+    double d = v->valuedouble;
+    if (!isfinite(d)) return key_err(p->path, ctx, r, "not finite");
+    if (is_int(r) && (d != floor(d) || fabs(d) > 9.0e15))
+        return key_err(p->path, ctx, r, "expected an integer, got %g", d);
+    char w[128];
+    if ((r->flags & K3_CK_CONST) && d != r->def)
+        return key_err(p->path, ctx, r, "%g is not supported (only %g%s)", d, r->def,
+                       why_of(r, w, sizeof w));
+    K3_TRY(check_bounds(p->path, ctx, r, d));
+    K3_TRY(check_float(p->path, ctx, r, d));
+    *out = d;
     return K3_OK;
 }
 
-static k3_status get_int(const keyctx *k, const cJSON *o, const char *key, bool required,
-                         int64_t def, int64_t *out) {
-    double d;
-    K3_TRY(get_num(k, o, key, required, (double)def, &d));
-    if (d != floor(d) || fabs(d) > 9.0e15)
-        return K3_ERR(K3_ERR_CONFIG, "%s: %s%s: expected an integer, got %g", k->path, k->ctx, key,
-                      d);
-    *out = (int64_t)d;
-    return K3_OK;
-}
-
-/* An int that must fit `int` and be >= lo. */
-static k3_status get_i(const keyctx *k, const cJSON *o, const char *key, bool required, int def,
-                       int lo, int *out) {
-    int64_t v;
-    K3_TRY(get_int(k, o, key, required, def, &v));
-    if (v < lo || v > 1000000000)
-        return K3_ERR(K3_ERR_CONFIG, "%s: %s%s: %lld is out of range (must be in %d..1000000000)",
-                      k->path, k->ctx, key, (long long)v, lo);
-    *out = (int)v;
-    return K3_OK;
-}
-
-static k3_status get_bool(const keyctx *k, const cJSON *o, const char *key, bool required, bool def,
-                          bool *out) {
-    const cJSON *v = cJSON_GetObjectItemCaseSensitive(o, key);
-    if (!v || cJSON_IsNull(v)) {
-        if (required) return missing(k, key);
-        *out = def;
-        return K3_OK;
-    }
-    if (!cJSON_IsBool(v))
-        return K3_ERR(K3_ERR_CONFIG, "%s: %s%s: expected true or false", k->path, k->ctx, key);
+static k3_status read_bool(const pstate *p, const char *ctx, const k3_config_key *r, const cJSON *o,
+                           bool def, bool *out) {
+    const cJSON *v = item(o, r);
+    *out = def;
+    if (!v) return (r->flags & K3_CK_REQ) ? key_err(p->path, ctx, r, "missing") : K3_OK;
+    if (!cJSON_IsBool(v)) return key_err(p->path, ctx, r, "expected true or false");
     *out = cJSON_IsTrue(v);
+    char w[128];
+    if ((r->flags & K3_CK_CONST) && *out != (r->def != 0))
+        return key_err(p->path, ctx, r, "%s is not supported%s", *out ? "true" : "false",
+                       why_of(r, w, sizeof w));
     return K3_OK;
 }
 
-/* NULL when absent; error when present but not a string. */
-static k3_status get_str(const keyctx *k, const cJSON *o, const char *key, const char **out) {
-    const cJSON *v = cJSON_GetObjectItemCaseSensitive(o, key);
+/* NULL when absent (missing when required); an error when present but not a string, or not
+ * the one supported value (CONST). */
+static k3_status read_str(const pstate *p, const char *ctx, const k3_config_key *r, const cJSON *o,
+                          const char **out) {
+    const cJSON *v = item(o, r);
     *out = NULL;
-    if (!v || cJSON_IsNull(v)) return K3_OK;
-    if (!cJSON_IsString(v))
-        return K3_ERR(K3_ERR_CONFIG, "%s: %s%s: expected a string", k->path, k->ctx, key);
+    if (!v) return (r->flags & K3_CK_REQ) ? key_err(p->path, ctx, r, "missing") : K3_OK;
+    if (!cJSON_IsString(v)) return key_err(p->path, ctx, r, "expected a string");
+    if ((r->flags & K3_CK_CONST) && strcmp(v->valuestring, r->str) != 0)
+        return key_err(p->path, ctx, r, "'%s' is not supported (only %s%s%s)", v->valuestring,
+                       r->str, r->why ? "; " : "", r->why ? r->why : "");
     *out = v->valuestring;
     return K3_OK;
 }
 
+/* A plain row: read, check, store. */
+static k3_status read_row(const pstate *p, const k3_config_key *r, const cJSON *o, k3_config *c) {
+    const char *ctx = p->ctx[r->obj];
+    if (r->type == K3_CK_BOOL) {
+        bool b;
+        K3_TRY(read_bool(p, ctx, r, o, r->def != 0, &b));
+        set_field(c, r, b);
+        return K3_OK;
+    }
+    if (r->type == K3_CK_STR) {
+        const char *s;
+        return read_str(p, ctx, r, o, &s);
+    }
+    double d;
+    bool present;
+    K3_TRY(read_num(p, ctx, r, o, &d, &present));
+    set_field(c, r, d);
+    return K3_OK;
+}
+
 /* A 1-based layer list -> marks[] (0-based). */
-static k3_status get_layer_list(const keyctx *k, const cJSON *o, const char *key, int n_layers,
-                                int8_t *marks, bool *present) {
-    const cJSON *v = cJSON_GetObjectItemCaseSensitive(o, key);
-    *present = v != NULL && !cJSON_IsNull(v);
-    if (!*present) return K3_OK;
+static k3_status read_layer_list(const pstate *p, const k3_config_key *r, int n_layers,
+                                 int8_t *marks, bool *present) {
+    const char *ctx = p->ctx[r->obj];
+    const cJSON *v = item(p->obj[r->obj], r);
+    *present = v != NULL;
+    if (!v) return K3_OK;
     if (!cJSON_IsArray(v))
-        return K3_ERR(K3_ERR_CONFIG, "%s: %s%s: expected a list of 1-based layer numbers", k->path,
-                      k->ctx, key);
+        return key_err(p->path, ctx, r, "expected a list of 1-based layer numbers");
     int i = 0;
     const cJSON *e;
     cJSON_ArrayForEach(e, v) {
         if (!cJSON_IsNumber(e) || e->valuedouble != floor(e->valuedouble))
-            return K3_ERR(K3_ERR_CONFIG, "%s: %s%s[%d]: expected an integer", k->path, k->ctx, key,
+            return K3_ERR(K3_ERR_CONFIG, "%s: %s%s[%d]: expected an integer", p->path, ctx, r->key,
                           i);
         double d = e->valuedouble;
         if (d < 1 || d > n_layers)
             return K3_ERR(K3_ERR_CONFIG,
                           "%s: %s%s[%d]: layer %g is outside 1..%d (the lists are 1-based)",
-                          k->path, k->ctx, key, i, d, n_layers);
+                          p->path, ctx, r->key, i, d, n_layers);
         if (marks[(int)d - 1])
-            return K3_ERR(K3_ERR_CONFIG, "%s: %s%s[%d]: layer %g listed twice", k->path, k->ctx,
-                          key, i, d);
+            return K3_ERR(K3_ERR_CONFIG, "%s: %s%s[%d]: layer %g listed twice", p->path, ctx,
+                          r->key, i, d);
         marks[(int)d - 1] = 1;
         i++;
     }
@@ -135,390 +452,238 @@ static int next_pow2(int n) {
     return p;
 }
 
-static k3_status parse_quant(const char *path, const cJSON *q, k3_config *c) {
-    keyctx k = {path, "quantization_config."};
-    if (!cJSON_IsObject(q))
-        return K3_ERR(K3_ERR_CONFIG, "%s: quantization_config: expected an object", path);
-    const char *method, *fmt;
-    K3_TRY(get_str(&k, q, "quant_method", &method));
-    K3_TRY(get_str(&k, q, "format", &fmt));
-    if (!method) return missing(&k, "quant_method");
-    if (strcmp(method, "compressed-tensors") != 0)
-        return K3_ERR(K3_ERR_CONFIG,
-                      "%s: quantization_config.quant_method: '%s' is not supported (only "
-                      "compressed-tensors)",
-                      path, method);
-    if (!fmt) return missing(&k, "format");
-    if (strcmp(fmt, "mxfp4-pack-quantized") != 0)
-        return K3_ERR(K3_ERR_CONFIG,
-                      "%s: quantization_config.format: '%s' is not supported (only "
-                      "mxfp4-pack-quantized)",
-                      path, fmt);
-    const cJSON *groups = cJSON_GetObjectItemCaseSensitive(q, "config_groups");
-    if (groups) {
-        const cJSON *g;
-        cJSON_ArrayForEach(g, groups) {
-            const cJSON *w = cJSON_GetObjectItemCaseSensitive(g, "weights");
-            if (!w) continue;
-            keyctx kw = {path, "quantization_config.config_groups.*.weights."};
-            int64_t bits, gs;
-            const char *type;
-            K3_TRY(get_int(&kw, w, "num_bits", false, 4, &bits));
-            K3_TRY(get_int(&kw, w, "group_size", false, 32, &gs));
-            K3_TRY(get_str(&kw, w, "type", &type));
-            if (bits != 4)
-                return K3_ERR(K3_ERR_CONFIG, "%s: %snum_bits: %lld (MXFP4 needs 4)", path, kw.ctx,
-                              (long long)bits);
-            if (gs != 32)
-                return K3_ERR(K3_ERR_CONFIG, "%s: %sgroup_size: %lld (MXFP4 needs 32)", path,
-                              kw.ctx, (long long)gs);
-            if (type && strcmp(type, "float") != 0)
-                return K3_ERR(K3_ERR_CONFIG, "%s: %stype: '%s' (MXFP4 needs float)", path, kw.ctx,
-                              type);
+/* The rows of one quantization object (QUANT or QWEIGHTS), in table order. */
+static k3_status read_quant_rows(pstate *p, int obj, const cJSON *o, k3_config *c) {
+    p->obj[obj] = o;
+    for (int i = 0; i < CK_N; i++) {
+        const k3_config_key *r = &keys[i];
+        if (r->obj != obj) continue;
+        if (i == CK_CONFIG_GROUPS) {
+            const cJSON *groups = item(o, r), *g;
+            if (!groups) continue;
+            cJSON_ArrayForEach(g, groups) {
+                const cJSON *w = cJSON_IsObject(g) ? item(g, &keys[CK_QUANT_WEIGHTS]) : NULL;
+                if (w) K3_TRY(read_quant_rows(p, K3_CO_QWEIGHTS, w, c));
+            }
+            continue;
         }
+        K3_TRY(read_row(p, r, o, c));
     }
-    c->experts_mxfp4 = true;
     return K3_OK;
+}
+
+/* The SPECIAL rows of text_config and the top level (see the table's comments for why). */
+static k3_status read_special(pstate *p, int id, k3_config *c) {
+    const k3_config_key *r = &keys[id];
+    const char *ctx = p->ctx[r->obj];
+    const cJSON *o = p->obj[r->obj];
+    double d;
+    bool present;
+    switch (id) {
+    case CK_TEXT_CONFIG: /* read before the walk */
+        return K3_OK;
+    case CK_NUM_KEY_VALUE_HEADS:
+        K3_TRY(read_num(p, ctx, r, o, &d, &present));
+        if (present && d != c->n_heads)
+            return key_err(p->path, ctx, r, "%d != %s %d (%s)", (int)d, K(NUM_ATTENTION_HEADS),
+                           c->n_heads, r->why);
+        return K3_OK;
+    case CK_FULL_ATTN_LAYERS:
+        K3_TRY(read_layer_list(p, r, c->n_layers, p->full, &p->have_full));
+        return p->have_full ? K3_OK : key_err(p->path, ctx, r, "missing");
+    case CK_KDA_LAYERS: {
+        bool have_kda;
+        K3_TRY(read_layer_list(p, r, c->n_layers, p->kda, &have_kda));
+        for (int l = 0; l < c->n_layers; l++) {
+            if (have_kda && p->full[l] && p->kda[l])
+                return key_err(p->path, ctx, r, "layer %d is also in %s", l + 1,
+                               K(FULL_ATTN_LAYERS));
+            if (have_kda && !p->full[l] && !p->kda[l])
+                return key_err(p->path, ctx, r, "layer %d is in neither %s nor %s", l + 1, r->key,
+                               K(FULL_ATTN_LAYERS));
+            c->mixer[l] = p->full[l] ? K3_MIXER_MLA : K3_MIXER_KDA;
+        }
+        return K3_OK;
+    }
+    case CK_GATE_LOWER_BOUND:
+        c->kda_has_lower_bound = item(o, r) != NULL;
+        return c->kda_has_lower_bound ? read_row(p, r, o, c) : K3_OK;
+    case CK_HIDDEN_ACT: {
+        const char *act;
+        K3_TRY(read_str(p, ctx, r, o, &act));
+        for (size_t i = 0; i < K3_ARRAY_LEN(act_names); i++)
+            if (strcmp(act, act_names[i].name) == 0) {
+                c->act = act_names[i].act;
+                return K3_OK;
+            }
+        return key_err(p->path, ctx, r, "'%s' is not supported (situ or silu)", act);
+    }
+    case CK_LATENT_MOE_USE_NORM:
+        if (c->n_experts <= 0) return K3_OK;
+        return read_bool(p, ctx, r, o, c->latent_size > 0, &c->latent_moe_use_norm);
+    case CK_USE_GROUPED_TOPK:
+        return read_bool(p, ctx, r, o, true, &p->grouped);
+    case CK_EOS_TOKEN_ID:
+        if (!item(o, r)) { /* the top level's */
+            ctx = "";
+            o = p->obj[K3_CO_TOP];
+        }
+        K3_TRY(read_num(p, ctx, r, o, &d, &present));
+        if (d >= c->vocab_size)
+            return key_err(p->path, p->ctx[r->obj], r, "%lld is not a token id (%s %lld)",
+                           (long long)d, K(VOCAB_SIZE), (long long)c->vocab_size);
+        set_field(c, r, d);
+        return K3_OK;
+    case CK_QUANTIZATION_CONFIG: {
+        const cJSON *q = cJSON_GetObjectItemCaseSensitive(o, r->key);
+        if (!q) q = cJSON_GetObjectItemCaseSensitive(p->obj[K3_CO_TEXT], r->key);
+        if (!q || cJSON_IsNull(q)) return K3_OK;
+        if (!cJSON_IsObject(q)) return key_err(p->path, "", r, "expected an object");
+        K3_TRY(read_quant_rows(p, K3_CO_QUANT, q, c));
+        c->experts_mxfp4 = true;
+        return K3_OK;
+    }
+    default:
+        return K3_ERR(K3_ERR_INTERNAL, "config key %s: no reader", r->key);
+    }
 }
 
 static k3_status parse_obj(const cJSON *top, const char *path, k3_config *c) {
     if (!cJSON_IsObject(top))
         return K3_ERR(K3_ERR_CONFIG, "%s: expected a JSON object at the top level", path);
     memset(c, 0, sizeof *c);
-    const cJSON *tc = cJSON_GetObjectItemCaseSensitive(top, "text_config");
-    keyctx k = {path, ""};
-    if (tc) {
-        if (!cJSON_IsObject(tc))
-            return K3_ERR(K3_ERR_CONFIG, "%s: text_config: expected an object", path);
-        k.ctx = "text_config.";
-        snprintf(c->tensor_prefix, sizeof c->tensor_prefix, "language_model.");
-    } else {
-        tc = top;
-    }
-
-    int64_t v64;
-    double d;
-    K3_TRY(get_int(&k, tc, "vocab_size", true, 0, &c->vocab_size));
-    if (c->vocab_size < 1) /* before eos_token_id is checked against it */
-        return K3_ERR(K3_ERR_CONFIG, "%s: %svocab_size: %lld must be >= 1", path, k.ctx,
-                      (long long)c->vocab_size);
-    K3_TRY(get_int(&k, tc, "hidden_size", true, 0, &c->hidden_size));
-    K3_TRY(get_i(&k, tc, "num_hidden_layers", true, 0, 1, &c->n_layers));
-    if (c->n_layers > K3_MAX_LAYERS)
-        return K3_ERR(K3_ERR_CONFIG, "%s: %snum_hidden_layers: %d exceeds k3's limit of %d", path,
-                      k.ctx, c->n_layers, K3_MAX_LAYERS);
-    K3_TRY(get_num(&k, tc, "rms_norm_eps", true, 0, &d));
-    c->rms_norm_eps = (float)d;
+    pstate st = {.path = path, .grouped = true}, *p = &st;
+    const cJSON *tc = cJSON_GetObjectItemCaseSensitive(top, K(TEXT_CONFIG));
+    if (tc && !cJSON_IsObject(tc))
+        return key_err(path, "", &keys[CK_TEXT_CONFIG], "expected an object");
+    p->nested = tc != NULL;
+    if (tc) snprintf(c->tensor_prefix, sizeof c->tensor_prefix, "language_model.");
+    p->obj[K3_CO_TOP] = top;
+    p->obj[K3_CO_TEXT] = tc ? tc : top;
+    for (int o = 0; o <= K3_CO_QWEIGHTS; o++) obj_ctx(p->nested, o, p->ctx[o], sizeof p->ctx[o]);
     c->mla_norm_eps = 1e-6f; /* HF q_a/kv_a layernorm eps (spec §3, §11.1); not a config key */
-    {
-        /* NoPE: no position table reads it, but it is the trained context (the engine's bound on
-         * --max-ctx); absent = unknown (0), given = at least one position */
-        const cJSON *mp = cJSON_GetObjectItemCaseSensitive(tc, "max_position_embeddings");
-        if (mp && !cJSON_IsNull(mp)) {
-            K3_TRY(get_int(&k, tc, "max_position_embeddings", true, 0, &v64));
-            if (v64 < 1 || v64 > K3_CFG_MAX_POSITIONS)
-                return K3_ERR(K3_ERR_CONFIG,
-                              "%s: %smax_position_embeddings: %lld is out of range (must be in "
-                              "1..%lld)",
-                              path, k.ctx, (long long)v64, (long long)K3_CFG_MAX_POSITIONS);
-            c->max_position_embeddings = v64;
-        }
-        /* multi-token-prediction layers are not run; their count must still be a count */
-        K3_TRY(get_int(&k, tc, "num_nextn_predict_layers", false, 0, &v64));
-        if (v64 < 0)
-            return K3_ERR(K3_ERR_CONFIG, "%s: %snum_nextn_predict_layers: %lld must be >= 0", path,
-                          k.ctx, (long long)v64);
-    }
-    K3_TRY(get_bool(&k, tc, "tie_word_embeddings", false, false, &c->tie_word_embeddings));
-    {
-        const cJSON *eos = cJSON_GetObjectItemCaseSensitive(tc, "eos_token_id");
-        if (eos && !cJSON_IsNull(eos))
-            K3_TRY(get_int(&k, tc, "eos_token_id", true, 0, &v64));
-        else {
-            keyctx kt = {path, ""};
-            K3_TRY(get_int(&kt, top, "eos_token_id", true, 0, &v64));
-        }
-        if (v64 < 0 || v64 >= c->vocab_size)
-            return K3_ERR(K3_ERR_CONFIG, "%s: %seos_token_id: %lld is not a token id (vocab %lld)",
-                          path, k.ctx, (long long)v64, (long long)c->vocab_size);
-        c->eos_token_id = (int)v64;
-    }
-    K3_TRY(get_i(&k, tc, "attn_res_block_size", false, 0, 0, &c->attn_res_block_size));
 
-    /* MLA */
-    K3_TRY(get_i(&k, tc, "num_attention_heads", true, 0, 1, &c->n_heads));
-    {
-        int kvh;
-        K3_TRY(get_i(&k, tc, "num_key_value_heads", false, c->n_heads, 1, &kvh));
-        if (kvh != c->n_heads)
-            return K3_ERR(K3_ERR_CONFIG,
-                          "%s: %snum_key_value_heads: %d != num_attention_heads %d (MLA needs "
-                          "equal counts)",
-                          path, k.ctx, kvh, c->n_heads);
-    }
-    K3_TRY(get_i(&k, tc, "q_lora_rank", false, 0, 0, &c->q_lora_rank));
-    K3_TRY(get_i(&k, tc, "kv_lora_rank", true, 0, 1, &c->kv_lora_rank));
-    K3_TRY(get_i(&k, tc, "qk_nope_head_dim", true, 0, 1, &c->qk_nope_head_dim));
-    K3_TRY(get_i(&k, tc, "qk_rope_head_dim", true, 0, 0, &c->qk_rope_head_dim));
-    K3_TRY(get_i(&k, tc, "v_head_dim", true, 0, 1, &c->v_head_dim));
-    {
-        bool nope;
-        K3_TRY(get_bool(&k, tc, "mla_use_nope", false, true, &nope));
-        if (!nope)
-            return K3_ERR(K3_ERR_CONFIG,
-                          "%s: %smla_use_nope: false (MLA with RoPE) is not supported", path,
-                          k.ctx);
-    }
-    K3_TRY(get_bool(&k, tc, "mla_use_output_gate", false, false, &c->mla_use_output_gate));
-
-    /* KDA */
-    const cJSON *la = cJSON_GetObjectItemCaseSensitive(tc, "linear_attn_config");
-    if (!la || cJSON_IsNull(la)) return missing(&k, "linear_attn_config");
-    if (!cJSON_IsObject(la))
-        return K3_ERR(K3_ERR_CONFIG, "%s: %slinear_attn_config: expected an object", path, k.ctx);
-    char lctx[64];
-    snprintf(lctx, sizeof lctx, "%slinear_attn_config.", k.ctx);
-    keyctx kl = {path, lctx};
-    int8_t full[K3_MAX_LAYERS] = {0}, kda[K3_MAX_LAYERS] = {0};
-    bool have_full, have_kda;
-    K3_TRY(get_layer_list(&kl, la, "full_attn_layers", c->n_layers, full, &have_full));
-    K3_TRY(get_layer_list(&kl, la, "kda_layers", c->n_layers, kda, &have_kda));
-    if (!have_full) return missing(&kl, "full_attn_layers");
-    for (int l = 0; l < c->n_layers; l++) {
-        if (have_kda && full[l] && kda[l])
-            return K3_ERR(K3_ERR_CONFIG, "%s: %skda_layers: layer %d is also in full_attn_layers",
-                          path, lctx, l + 1);
-        if (have_kda && !full[l] && !kda[l])
-            return K3_ERR(K3_ERR_CONFIG,
-                          "%s: %skda_layers: layer %d is in neither kda_layers nor "
-                          "full_attn_layers",
-                          path, lctx, l + 1);
-        c->mixer[l] = full[l] ? K3_MIXER_MLA : K3_MIXER_KDA;
-    }
-    K3_TRY(get_i(&kl, la, "num_heads", true, 0, 1, &c->kda_n_heads));
-    K3_TRY(get_i(&kl, la, "head_dim", true, 0, 1, &c->kda_head_dim));
-    K3_TRY(get_i(&kl, la, "short_conv_kernel_size", true, 0, 1, &c->kda_conv_kernel));
-    {
-        const cJSON *lb = cJSON_GetObjectItemCaseSensitive(la, "gate_lower_bound");
-        c->kda_has_lower_bound = lb && !cJSON_IsNull(lb);
-        if (c->kda_has_lower_bound) {
-            K3_TRY(get_num(&kl, la, "gate_lower_bound", true, 0, &d));
-            if (!(d < 0))
-                return K3_ERR(K3_ERR_CONFIG, "%s: %sgate_lower_bound: %g must be negative", path,
-                              lctx, d);
-            c->kda_gate_lower_bound = (float)d;
+    k3_status s = K3_OK;
+    for (int i = 0; i < CK_N && s == K3_OK; i++) {
+        const k3_config_key *r = &keys[i];
+        if (r->flags & K3_CK_NOREAD) continue;
+        if (r->obj >= K3_CO_QUANT) continue; /* read under quantization_config */
+        if (r->when == K3_CW_MOE && c->n_experts <= 0) continue;
+        if (r->when == K3_CW_SITU && c->act != K3_ACT_SITU) continue;
+        if (r->flags & K3_CK_SPECIAL) {
+            s = read_special(p, i, c);
+        } else if (r->type == K3_CK_OBJ) { /* linear_attn_config */
+            const cJSON *v = item(p->obj[r->obj], r);
+            if (!v)
+                s = key_err(path, p->ctx[r->obj], r, "missing");
+            else if (!cJSON_IsObject(v))
+                s = key_err(path, p->ctx[r->obj], r, "expected an object");
+            p->obj[K3_CO_LINEAR] = v;
+        } else {
+            s = read_row(p, r, p->obj[r->obj], c);
         }
     }
-    K3_TRY(get_bool(&kl, la, "use_full_rank_gate", false, false, &c->kda_full_rank_gate));
+    if (s == K3_OK && c->n_experts > 0 && !p->grouped && c->n_group != 1)
+        s = key_err(path, p->ctx[K3_CO_TEXT], &keys[CK_USE_GROUPED_TOPK], "false with %s %d (%s)",
+                    K(NUM_EXPERT_GROUP), c->n_group, keys[CK_USE_GROUPED_TOPK].why);
     c->kda_gate_rank = c->kda_head_dim; /* f_a/f_b (and g_a/g_b) rank = head_dim in K3 and KL */
     c->kda_a_log_len = next_pow2(c->kda_n_heads);
-
-    /* FFN */
-    const char *act;
-    K3_TRY(get_str(&k, tc, "hidden_act", &act));
-    if (!act) return missing(&k, "hidden_act");
-    if (strcmp(act, "situ") == 0) {
-        c->act = K3_ACT_SITU;
-        K3_TRY(get_num(&k, tc, "activation_situ_beta", true, 0, &d));
-        if (!(d > 0))
-            return K3_ERR(K3_ERR_CONFIG, "%s: %sactivation_situ_beta: %g must be > 0", path, k.ctx,
-                          d);
-        c->situ_beta = (float)d;
-        K3_TRY(get_num(&k, tc, "activation_situ_linear_beta", false, 0, &d));
-        c->situ_linear_beta = (float)d;
-    } else if (strcmp(act, "silu") == 0) {
-        c->act = K3_ACT_SWIGLU;
-    } else {
-        return K3_ERR(K3_ERR_CONFIG, "%s: %shidden_act: '%s' is not supported (situ or silu)", path,
-                      k.ctx, act);
-    }
-    K3_TRY(get_int(&k, tc, "intermediate_size", true, 0, &c->intermediate_size));
-    K3_TRY(get_i(&k, tc, "first_k_dense_replace", false, 0, 0, &c->first_k_dense_replace));
-    K3_TRY(get_i(&k, tc, "moe_layer_freq", false, 1, 1, &c->moe_layer_freq));
-    K3_TRY(get_i(&k, tc, "num_experts", false, 0, 0, &c->n_experts));
-    if (c->n_experts > 0) {
-        K3_TRY(get_i(&k, tc, "num_experts_per_token", true, 0, 1, &c->n_experts_per_tok));
-        K3_TRY(get_i(&k, tc, "num_shared_experts", false, 0, 0, &c->n_shared_experts));
-        K3_TRY(get_i(&k, tc, "moe_intermediate_size", true, 0, 1, &c->moe_intermediate_size));
-        K3_TRY(get_i(&k, tc, "routed_expert_hidden_size", false, 0, 0, &c->latent_size));
-        K3_TRY(get_bool(&k, tc, "latent_moe_use_norm", false, c->latent_size > 0,
-                        &c->latent_moe_use_norm));
-        K3_TRY(get_bool(&k, tc, "moe_renormalize", false, true, &c->moe_renormalize));
-        K3_TRY(get_num(&k, tc, "routed_scaling_factor", false, 1.0, &d));
-        c->routed_scaling_factor = (float)d;
-        K3_TRY(get_i(&k, tc, "num_expert_group", false, 1, 1, &c->n_group));
-        K3_TRY(get_i(&k, tc, "topk_group", false, 1, 1, &c->topk_group));
-        const char *fn;
-        K3_TRY(get_str(&k, tc, "moe_router_activation_func", &fn));
-        if (fn && strcmp(fn, "sigmoid") != 0)
-            return K3_ERR(K3_ERR_CONFIG,
-                          "%s: %smoe_router_activation_func: '%s' is not supported (sigmoid)", path,
-                          k.ctx, fn);
-        /* the router k3 runs: sigmoid scores + correction bias, grouped top-k (spec §4.3) */
-        const char *tm;
-        K3_TRY(get_str(&k, tc, "topk_method", &tm));
-        if (tm && strcmp(tm, "noaux_tc") != 0)
-            return K3_ERR(K3_ERR_CONFIG, "%s: %stopk_method: '%s' is not supported (noaux_tc)",
-                          path, k.ctx, tm);
-        bool grouped;
-        K3_TRY(get_bool(&k, tc, "use_grouped_topk", false, true, &grouped));
-        if (!grouped && c->n_group != 1)
-            return K3_ERR(K3_ERR_CONFIG,
-                          "%s: %suse_grouped_topk: false with num_expert_group %d (k3 always "
-                          "groups; give 1 group)",
-                          path, k.ctx, c->n_group);
-    }
-
-    const cJSON *q = cJSON_GetObjectItemCaseSensitive(top, "quantization_config");
-    if (!q) q = cJSON_GetObjectItemCaseSensitive(tc, "quantization_config");
-    if (q && !cJSON_IsNull(q)) K3_TRY(parse_quant(path, q, c));
+    K3_TRY(s);
     return k3_config_validate(c, path);
 }
 
-/* Upper bounds (k3's limits, not the format's). They keep every tensor's element and byte count
- * far inside int64 (largest product: heads x head dims x rank x 2 bytes <= 2^62) and the catalogue
- * small enough to list in memory; the 64-bit totals are still computed with overflow checks. */
-/* hidden, head dims, ranks, intermediate sizes, head counts */
-#define K3_CFG_MAX_DIM              (1 << 20)
-#define K3_CFG_MAX_VOCAB            2147483647 /* token ids are int32 */
-#define K3_CFG_MAX_EXPERTS          32767      /* the plan stores expert lanes as int16 */
-#define K3_CFG_MAX_EXPERT_INSTANCES (1 << 18)  /* MoE layers x experts (K3: 92 x 896 = 82432) */
+/* ---- validation ----------------------------------------------------------------------------- */
+static bool row_applies(const k3_config *c, const k3_config_key *r) {
+    switch (r->when) {
+    case K3_CW_MOE:
+        return c->n_experts > 0;
+    case K3_CW_SITU:
+        return c->act == K3_ACT_SITU;
+    case K3_CW_LB:
+        return c->kda_has_lower_bound;
+    case K3_CW_LATENT:
+        return c->latent_size > 0;
+    default:
+        return true;
+    }
+}
 
 k3_status k3_config_validate(const k3_config *c, const char *path) {
-    const char *x = c->tensor_prefix[0] ? "text_config." : "";
+    bool nested = c->tensor_prefix[0] != 0;
+    char ctx[K3_CO_QWEIGHTS + 1][96];
+    for (int o = 0; o <= K3_CO_QWEIGHTS; o++) obj_ctx(nested, o, ctx[o], sizeof ctx[o]);
+    /* every field against its row's bounds */
+    for (int i = 0; i < CK_N; i++) {
+        const k3_config_key *r = &keys[i];
+        if (r->off < 0 || !(is_int(r) || r->type == K3_CK_FLOAT) || !row_applies(c, r)) continue;
+        double v = field_num(c, r);
+        if ((r->flags & K3_CK_OMIT0) && v == 0) continue;
+        K3_TRY(check_bounds(path, ctx[r->obj], r, v));
+        K3_TRY(check_float(path, ctx[r->obj], r, v));
+    }
+
+    /* the rules that tie keys together, and the derived values */
+    const char *x = ctx[K3_CO_TEXT], *xl = ctx[K3_CO_LINEAR];
 #define BAD(...) return K3_ERR(K3_ERR_CONFIG, __VA_ARGS__)
-#define MAXD(val, key)                                                                             \
-    if ((int64_t)(val) > K3_CFG_MAX_DIM)                                                           \
-    BAD("%s: %s" key ": %lld exceeds k3's limit of %d", path, x, (long long)(val), K3_CFG_MAX_DIM)
-    if (c->vocab_size > K3_CFG_MAX_VOCAB)
-        BAD("%s: %svocab_size: %lld exceeds k3's limit of %d (token ids are int32)", path, x,
-            (long long)c->vocab_size, K3_CFG_MAX_VOCAB);
-    MAXD(c->hidden_size, "hidden_size");
-    MAXD(c->intermediate_size, "intermediate_size");
-    MAXD(c->n_heads, "num_attention_heads");
-    MAXD(c->q_lora_rank, "q_lora_rank");
-    MAXD(c->kv_lora_rank, "kv_lora_rank");
-    MAXD(c->qk_nope_head_dim, "qk_nope_head_dim");
-    MAXD(c->qk_rope_head_dim, "qk_rope_head_dim");
-    MAXD(c->v_head_dim, "v_head_dim");
-    MAXD(c->kda_n_heads, "linear_attn_config.num_heads");
-    MAXD(c->kda_head_dim, "linear_attn_config.head_dim");
-    MAXD(c->kda_gate_rank, "linear_attn_config.head_dim (gate rank)");
-    MAXD(c->kda_a_log_len, "linear_attn_config A_log length");
-    MAXD(c->moe_intermediate_size, "moe_intermediate_size");
-    MAXD(c->latent_size, "routed_expert_hidden_size");
-    MAXD(c->attn_res_block_size, "attn_res_block_size");
-    MAXD((int64_t)c->n_shared_experts * c->moe_intermediate_size,
-         "num_shared_experts x moe_intermediate_size");
-#undef MAXD
-    if (c->n_experts > K3_CFG_MAX_EXPERTS)
-        BAD("%s: %snum_experts: %d exceeds k3's limit of %d", path, x, c->n_experts,
-            K3_CFG_MAX_EXPERTS);
-    if (c->n_experts < 0) BAD("%s: %snum_experts: %d must be >= 0", path, x, c->n_experts);
-    if (c->vocab_size <= 0)
-        BAD("%s: %svocab_size: %lld must be > 0", path, x, (long long)c->vocab_size);
-    if (c->hidden_size <= 0)
-        BAD("%s: %shidden_size: %lld must be > 0", path, x, (long long)c->hidden_size);
-    if (c->n_layers < 1 || c->n_layers > K3_MAX_LAYERS)
-        BAD("%s: %snum_hidden_layers: %d is outside 1..%d", path, x, c->n_layers, K3_MAX_LAYERS);
-    if (!(c->rms_norm_eps > 0) || !(c->rms_norm_eps < 1))
-        BAD("%s: %srms_norm_eps: %g must be in (0, 1)", path, x, (double)c->rms_norm_eps);
-    if (c->eos_token_id < 0 || c->eos_token_id >= c->vocab_size)
-        BAD("%s: %seos_token_id: %d is not a token id", path, x, c->eos_token_id);
-    if (c->attn_res_block_size < 0)
-        BAD("%s: %sattn_res_block_size: %d must be >= 0", path, x, c->attn_res_block_size);
-    bool any_mla = false, any_kda = false, any_moe = false, any_dense = false;
+    if ((int64_t)c->n_shared_experts * c->moe_intermediate_size > K3_CFG_MAX_DIM)
+        BAD("%s: %s%s x %s: %lld exceeds k3's limit of %d", path, x, K(NUM_SHARED_EXPERTS),
+            K(MOE_INTERMEDIATE_SIZE), (long long)c->n_shared_experts * c->moe_intermediate_size,
+            K3_CFG_MAX_DIM);
+    if (c->kda_gate_rank < 1 || c->kda_gate_rank > K3_CFG_MAX_DIM)
+        BAD("%s: %s%s: gate rank %d is outside 1..%d", path, xl, K(KDA_HEAD_DIM), c->kda_gate_rank,
+            K3_CFG_MAX_DIM);
+    if (c->kda_a_log_len > K3_CFG_MAX_DIM)
+        BAD("%s: %s A_log length: %d exceeds k3's limit of %d", path, xl, c->kda_a_log_len,
+            K3_CFG_MAX_DIM);
+    if (c->kda_a_log_len < c->kda_n_heads)
+        BAD("%s: A_log length %d < %s%s %d", path, c->kda_a_log_len, xl, K(KDA_NUM_HEADS),
+            c->kda_n_heads);
+    if (c->eos_token_id >= c->vocab_size)
+        BAD("%s: %s%s: %d is not a token id (%s %lld)", path, x, K(EOS_TOKEN_ID), c->eos_token_id,
+            K(VOCAB_SIZE), (long long)c->vocab_size);
+    if (c->act != K3_ACT_SITU && c->act != K3_ACT_SWIGLU)
+        BAD("%s: %s%s: invalid", path, x, K(HIDDEN_ACT));
+    bool any_moe = false, any_dense = false;
     for (int l = 0; l < c->n_layers; l++) {
-        if (c->mixer[l] == K3_MIXER_MLA)
-            any_mla = true;
-        else if (c->mixer[l] == K3_MIXER_KDA)
-            any_kda = true;
-        else
+        if (c->mixer[l] != K3_MIXER_MLA && c->mixer[l] != K3_MIXER_KDA)
             BAD("%s: layer %d: invalid mixer", path, l);
         if (k3_config_is_moe(c, l))
             any_moe = true;
         else
             any_dense = true;
     }
+    if (c->first_k_dense_replace > c->n_layers)
+        BAD("%s: %s%s: %d is outside 0..%s (%d)", path, x, K(FIRST_K_DENSE_REPLACE),
+            c->first_k_dense_replace, K(NUM_HIDDEN_LAYERS), c->n_layers);
+    if (any_dense && c->intermediate_size < 1)
+        BAD("%s: %s%s: %lld must be >= 1 (there are dense layers)", path, x, K(INTERMEDIATE_SIZE),
+            (long long)c->intermediate_size);
     if (any_moe) {
         int64_t n_moe = 0;
         for (int l = 0; l < c->n_layers; l++) n_moe += k3_config_is_moe(c, l);
         if (n_moe * c->n_experts > K3_CFG_MAX_EXPERT_INSTANCES)
-            BAD("%s: %snum_experts: %d experts x %lld MoE layers = %lld exceeds k3's limit of %d "
+            BAD("%s: %s%s: %d experts x %lld MoE layers = %lld exceeds k3's limit of %d "
                 "expert instances",
-                path, x, c->n_experts, (long long)n_moe, (long long)(n_moe * c->n_experts),
-                K3_CFG_MAX_EXPERT_INSTANCES);
-    }
-    if (any_mla) {
-        if (c->n_heads < 1) BAD("%s: %snum_attention_heads: %d must be >= 1", path, x, c->n_heads);
-        if (c->kv_lora_rank < 1)
-            BAD("%s: %skv_lora_rank: %d must be >= 1", path, x, c->kv_lora_rank);
-        if (c->q_lora_rank < 0) BAD("%s: %sq_lora_rank: %d must be >= 0", path, x, c->q_lora_rank);
-        if (c->qk_nope_head_dim < 1 || c->qk_rope_head_dim < 0 || c->v_head_dim < 1)
-            BAD("%s: %sqk_nope_head_dim/qk_rope_head_dim/v_head_dim: %d/%d/%d invalid", path, x,
-                c->qk_nope_head_dim, c->qk_rope_head_dim, c->v_head_dim);
-    }
-    if (any_kda) {
-        if (c->kda_n_heads < 1 || c->kda_head_dim < 1)
-            BAD("%s: %slinear_attn_config.num_heads/head_dim: %d/%d must be >= 1", path, x,
-                c->kda_n_heads, c->kda_head_dim);
-        if (c->kda_conv_kernel < 1 || c->kda_conv_kernel > 64)
-            BAD("%s: %slinear_attn_config.short_conv_kernel_size: %d is outside 1..64", path, x,
-                c->kda_conv_kernel);
-        if (c->kda_has_lower_bound &&
-            (!(c->kda_gate_lower_bound < 0) || !isfinite(c->kda_gate_lower_bound)))
-            BAD("%s: %slinear_attn_config.gate_lower_bound: %g must be negative and finite", path,
-                x, c->kda_gate_lower_bound);
-        if (c->kda_gate_rank < 1)
-            BAD("%s: %slinear_attn_config.head_dim: gate rank %d invalid", path, x,
-                c->kda_gate_rank);
-        if (c->kda_a_log_len < c->kda_n_heads)
-            BAD("%s: A_log length %d < %slinear_attn_config.num_heads %d", path, c->kda_a_log_len,
-                x, c->kda_n_heads);
-    }
-    if (c->max_position_embeddings < 0 || c->max_position_embeddings > K3_CFG_MAX_POSITIONS)
-        BAD("%s: %smax_position_embeddings: %lld is outside 1..%lld (0 = not given)", path, x,
-            (long long)c->max_position_embeddings, (long long)K3_CFG_MAX_POSITIONS);
-    /* the float keys: finite as floats too (a finite double like 1e300 becomes inf) */
-    if (c->act == K3_ACT_SITU && (!(c->situ_beta > 0) || !isfinite(c->situ_beta)))
-        BAD("%s: %sactivation_situ_beta: %g must be > 0 and finite", path, x, (double)c->situ_beta);
-    if (c->act == K3_ACT_SITU && !isfinite(c->situ_linear_beta))
-        BAD("%s: %sactivation_situ_linear_beta: %g is not finite as a float", path, x,
-            (double)c->situ_linear_beta);
-    if (c->act != K3_ACT_SITU && c->act != K3_ACT_SWIGLU) BAD("%s: %shidden_act: invalid", path, x);
-    if (c->first_k_dense_replace < 0 || c->first_k_dense_replace > c->n_layers)
-        BAD("%s: %sfirst_k_dense_replace: %d is outside 0..%d", path, x, c->first_k_dense_replace,
-            c->n_layers);
-    if (c->moe_layer_freq < 1)
-        BAD("%s: %smoe_layer_freq: %d must be >= 1", path, x, c->moe_layer_freq);
-    if (any_dense && c->intermediate_size < 1)
-        BAD("%s: %sintermediate_size: %lld must be >= 1 (there are dense layers)", path, x,
-            (long long)c->intermediate_size);
-    if (any_moe) {
+                path, x, K(NUM_EXPERTS), c->n_experts, (long long)n_moe,
+                (long long)(n_moe * c->n_experts), K3_CFG_MAX_EXPERT_INSTANCES);
         int64_t lat = c->latent_size > 0 ? c->latent_size : c->hidden_size;
-        if (c->n_experts_per_tok < 1 || c->n_experts_per_tok > c->n_experts)
-            BAD("%s: %snum_experts_per_token: %d is outside 1..num_experts (%d)", path, x,
-                c->n_experts_per_tok, c->n_experts);
-        if (c->n_shared_experts < 0) BAD("%s: %snum_shared_experts: must be >= 0", path, x);
-        if (c->moe_intermediate_size < 1)
-            BAD("%s: %smoe_intermediate_size: %d must be >= 1", path, x, c->moe_intermediate_size);
-        if (c->latent_size < 0) BAD("%s: %srouted_expert_hidden_size: must be >= 0", path, x);
-        if (c->n_group < 1 || c->n_experts % c->n_group != 0)
-            BAD("%s: %snum_expert_group: %d does not divide num_experts %d", path, x, c->n_group,
-                c->n_experts);
-        if (c->topk_group < 1 || c->topk_group > c->n_group)
-            BAD("%s: %stopk_group: %d is outside 1..num_expert_group (%d)", path, x, c->topk_group,
-                c->n_group);
+        if (c->n_experts_per_tok > c->n_experts)
+            BAD("%s: %s%s: %d is outside 1..%s (%d)", path, x, K(NUM_EXPERTS_PER_TOKEN),
+                c->n_experts_per_tok, K(NUM_EXPERTS), c->n_experts);
+        if (c->n_experts % c->n_group != 0)
+            BAD("%s: %s%s: %d does not divide %s %d", path, x, K(NUM_EXPERT_GROUP), c->n_group,
+                K(NUM_EXPERTS), c->n_experts);
+        if (c->topk_group > c->n_group)
+            BAD("%s: %s%s: %d is outside 1..%s (%d)", path, x, K(TOPK_GROUP), c->topk_group,
+                K(NUM_EXPERT_GROUP), c->n_group);
         if ((int64_t)c->n_experts_per_tok > (int64_t)c->topk_group * (c->n_experts / c->n_group))
-            BAD("%s: %snum_experts_per_token: %d > topk_group x experts per group (%d x %d)", path,
-                x, c->n_experts_per_tok, c->topk_group, c->n_experts / c->n_group);
-        if (!(c->routed_scaling_factor > 0) || !isfinite(c->routed_scaling_factor))
-            BAD("%s: %srouted_scaling_factor: %g must be > 0", path, x,
-                (double)c->routed_scaling_factor);
+            BAD("%s: %s%s: %d > %s x experts per group (%d x %d)", path, x,
+                K(NUM_EXPERTS_PER_TOKEN), c->n_experts_per_tok, K(TOPK_GROUP), c->topk_group,
+                c->n_experts / c->n_group);
         if (c->experts_mxfp4 && (lat % 32 != 0 || c->moe_intermediate_size % 32 != 0))
-            BAD("%s: %srouted_expert_hidden_size/moe_intermediate_size: %lld/%d must be multiples "
-                "of 32 for MXFP4 experts",
-                path, x, (long long)lat, c->moe_intermediate_size);
+            BAD("%s: %s%s/%s: %lld/%d must be multiples of 32 for MXFP4 experts", path, x,
+                K(ROUTED_EXPERT_HIDDEN_SIZE), K(MOE_INTERMEDIATE_SIZE), (long long)lat,
+                c->moe_intermediate_size);
     }
 #undef BAD
     return K3_OK;
@@ -740,121 +905,118 @@ static cJSON *layer_list(const k3_config *c, k3_mixer m) {
     return a;
 }
 
+/* The text_config and linear_attn_config rows, in table order. A row with no field writes its
+ * one value (its default); MOE rows are written whatever num_experts is. */
 cJSON *k3_config_json(const k3_config *c) {
-    cJSON *tc = cJSON_CreateObject();
-    if (!tc) return NULL;
-    cJSON_AddStringToObject(tc, "model_type", "kimi_linear");
-    cJSON_AddNumberToObject(tc, "vocab_size", (double)c->vocab_size);
-    cJSON_AddNumberToObject(tc, "hidden_size", (double)c->hidden_size);
-    cJSON_AddNumberToObject(tc, "intermediate_size", (double)c->intermediate_size);
-    cJSON_AddNumberToObject(tc, "num_hidden_layers", c->n_layers);
-    cJSON_AddNumberToObject(tc, "num_attention_heads", c->n_heads);
-    cJSON_AddNumberToObject(tc, "num_key_value_heads", c->n_heads);
-    if (c->q_lora_rank > 0)
-        cJSON_AddNumberToObject(tc, "q_lora_rank", c->q_lora_rank);
-    else
-        cJSON_AddNullToObject(tc, "q_lora_rank");
-    cJSON_AddNumberToObject(tc, "kv_lora_rank", c->kv_lora_rank);
-    cJSON_AddNumberToObject(tc, "qk_nope_head_dim", c->qk_nope_head_dim);
-    cJSON_AddNumberToObject(tc, "qk_rope_head_dim", c->qk_rope_head_dim);
-    cJSON_AddNumberToObject(tc, "v_head_dim", c->v_head_dim);
-    cJSON_AddBoolToObject(tc, "mla_use_nope", true);
-    cJSON_AddBoolToObject(tc, "mla_use_output_gate", c->mla_use_output_gate);
-    cJSON *la = cJSON_AddObjectToObject(tc, "linear_attn_config");
-    cJSON_AddItemToObject(la, "full_attn_layers", layer_list(c, K3_MIXER_MLA));
-    cJSON_AddItemToObject(la, "kda_layers", layer_list(c, K3_MIXER_KDA));
-    cJSON_AddNumberToObject(la, "num_heads", c->kda_n_heads);
-    cJSON_AddNumberToObject(la, "head_dim", c->kda_head_dim);
-    cJSON_AddNumberToObject(la, "short_conv_kernel_size", c->kda_conv_kernel);
-    if (c->kda_has_lower_bound)
-        cJSON_AddNumberToObject(la, "gate_lower_bound", fd(c->kda_gate_lower_bound));
-    cJSON_AddBoolToObject(la, "use_full_rank_gate", c->kda_full_rank_gate);
-    if (c->act == K3_ACT_SITU) {
-        cJSON_AddStringToObject(tc, "hidden_act", "situ");
-        cJSON_AddNumberToObject(tc, "activation_situ_beta", fd(c->situ_beta));
-        cJSON_AddNumberToObject(tc, "activation_situ_linear_beta", fd(c->situ_linear_beta));
-    } else {
-        cJSON_AddStringToObject(tc, "hidden_act", "silu");
+    cJSON *o[K3_CO_QWEIGHTS + 1] = {0};
+    o[K3_CO_TEXT] = cJSON_CreateObject();
+    if (!o[K3_CO_TEXT]) return NULL;
+    for (int i = 0; i < CK_N; i++) {
+        const k3_config_key *r = &keys[i];
+        cJSON *dst = o[r->obj];
+        if (r->obj != K3_CO_TEXT && r->obj != K3_CO_LINEAR) continue;
+        if (r->when != K3_CW_MOE && !row_applies(c, r)) continue;
+        double v = r->off >= 0 ? field_num(c, r) : r->def;
+        if ((r->flags & K3_CK_OMIT0) && v == 0) continue;
+        switch (i) { /* the SPECIAL rows the writer knows */
+        case CK_NUM_KEY_VALUE_HEADS:
+            cJSON_AddNumberToObject(dst, r->key, c->n_heads);
+            continue;
+        case CK_FULL_ATTN_LAYERS:
+        case CK_KDA_LAYERS:
+            cJSON_AddItemToObject(
+                dst, r->key, layer_list(c, i == CK_FULL_ATTN_LAYERS ? K3_MIXER_MLA : K3_MIXER_KDA));
+            continue;
+        case CK_HIDDEN_ACT:
+            for (size_t a = 0; a < K3_ARRAY_LEN(act_names); a++)
+                if (act_names[a].act == c->act)
+                    cJSON_AddStringToObject(dst, r->key, act_names[a].name);
+            continue;
+        default:
+            break;
+        }
+        switch (r->type) {
+        case K3_CK_OBJ:
+            o[K3_CO_LINEAR] = cJSON_AddObjectToObject(dst, r->key);
+            break;
+        case K3_CK_STR:
+            cJSON_AddStringToObject(dst, r->key, r->str);
+            break;
+        case K3_CK_BOOL:
+            cJSON_AddBoolToObject(dst, r->key, v != 0);
+            break;
+        case K3_CK_FLOAT:
+            cJSON_AddNumberToObject(dst, r->key, fd((float)v));
+            break;
+        default:
+            if ((r->flags & K3_CK_NULL0) && v == 0)
+                cJSON_AddNullToObject(dst, r->key);
+            else
+                cJSON_AddNumberToObject(dst, r->key, v);
+            break;
+        }
     }
-    if (c->attn_res_block_size > 0)
-        cJSON_AddNumberToObject(tc, "attn_res_block_size", c->attn_res_block_size);
-    cJSON_AddNumberToObject(tc, "first_k_dense_replace", c->first_k_dense_replace);
-    cJSON_AddNumberToObject(tc, "moe_layer_freq", c->moe_layer_freq);
-    cJSON_AddNumberToObject(tc, "num_experts", c->n_experts);
-    cJSON_AddNumberToObject(tc, "num_experts_per_token", c->n_experts_per_tok);
-    cJSON_AddNumberToObject(tc, "num_shared_experts", c->n_shared_experts);
-    cJSON_AddNumberToObject(tc, "moe_intermediate_size", c->moe_intermediate_size);
-    if (c->latent_size > 0) {
-        cJSON_AddNumberToObject(tc, "routed_expert_hidden_size", c->latent_size);
-        cJSON_AddBoolToObject(tc, "latent_moe_use_norm", c->latent_moe_use_norm);
-    }
-    cJSON_AddStringToObject(tc, "moe_router_activation_func", "sigmoid");
-    cJSON_AddBoolToObject(tc, "moe_renormalize", c->moe_renormalize);
-    cJSON_AddNumberToObject(tc, "routed_scaling_factor", fd(c->routed_scaling_factor));
-    cJSON_AddStringToObject(tc, "topk_method", "noaux_tc");
-    cJSON_AddBoolToObject(tc, "use_grouped_topk", true);
-    cJSON_AddNumberToObject(tc, "num_expert_group", c->n_group);
-    cJSON_AddNumberToObject(tc, "topk_group", c->topk_group);
-    cJSON_AddNumberToObject(tc, "rms_norm_eps", fd(c->rms_norm_eps));
-    if (c->max_position_embeddings > 0)
-        cJSON_AddNumberToObject(tc, "max_position_embeddings", (double)c->max_position_embeddings);
-    cJSON_AddNumberToObject(tc, "num_nextn_predict_layers", 0);
-    cJSON_AddBoolToObject(tc, "tie_word_embeddings", c->tie_word_embeddings);
-    cJSON_AddNumberToObject(tc, "eos_token_id", c->eos_token_id);
-    return tc;
+    return o[K3_CO_TEXT];
+}
+
+/* The quantization_config block. The keys k3 reads come from the table; the rest are written
+ * for HF tools (compressed-tensors) and never read: quantization_status, targets, strategy,
+ * symmetric, dynamic, scale_dtype, the activations, the group's format and ignore. */
+static cJSON *quant_json(void) {
+    cJSON *q = cJSON_CreateObject();
+    cJSON_AddStringToObject(q, K(QUANT_METHOD), keys[CK_QUANT_METHOD].str);
+    cJSON_AddStringToObject(q, K(QUANT_FORMAT), keys[CK_QUANT_FORMAT].str);
+    cJSON_AddStringToObject(q, "quantization_status", "compressed");
+    cJSON *g0 = cJSON_AddObjectToObject(cJSON_AddObjectToObject(q, K(CONFIG_GROUPS)), "group_0");
+    cJSON *tg = cJSON_AddArrayToObject(g0, "targets");
+    cJSON_AddItemToArray(tg, cJSON_CreateString("Linear"));
+    cJSON *w = cJSON_AddObjectToObject(g0, K(QUANT_WEIGHTS));
+    cJSON_AddNumberToObject(w, K(NUM_BITS), keys[CK_NUM_BITS].def);
+    cJSON_AddStringToObject(w, K(QUANT_TYPE), keys[CK_QUANT_TYPE].str);
+    cJSON_AddStringToObject(w, "strategy", "group");
+    cJSON_AddNumberToObject(w, K(GROUP_SIZE), keys[CK_GROUP_SIZE].def);
+    cJSON_AddBoolToObject(w, "symmetric", true);
+    cJSON_AddBoolToObject(w, "dynamic", false);
+    cJSON_AddStringToObject(w, "scale_dtype", "torch.uint8");
+    cJSON_AddNullToObject(g0, "input_activations");
+    cJSON_AddNullToObject(g0, "output_activations");
+    cJSON_AddStringToObject(g0, "format", keys[CK_QUANT_FORMAT].str);
+    cJSON *ig = cJSON_AddArrayToObject(q, "ignore");
+    static const char *const ign[] = {"lm_head",
+                                      "re:.*self_attn.*",
+                                      "re:.*shared_experts.*",
+                                      "re:.*mlp\\.(gate|up|down)_proj.*",
+                                      "re:.*block_sparse_moe\\.gate$",
+                                      "re:.*routed_expert_(down|up)_proj.*",
+                                      "re:vision_tower.*",
+                                      "re:mm_projector.*"};
+    for (size_t i = 0; i < K3_ARRAY_LEN(ign); i++)
+        cJSON_AddItemToArray(ig, cJSON_CreateString(ign[i]));
+    return q;
 }
 
 k3_status k3_config_to_json(const k3_config *c, char **out_json) {
     cJSON *tc = k3_config_json(c);
     if (!tc) return K3_ERR(K3_ERR_NOMEM, "config.json: out of memory");
-    cJSON *q = NULL;
-    if (c->experts_mxfp4) {
-        q = cJSON_CreateObject();
-        cJSON_AddStringToObject(q, "quant_method", "compressed-tensors");
-        cJSON_AddStringToObject(q, "format", "mxfp4-pack-quantized");
-        cJSON_AddStringToObject(q, "quantization_status", "compressed");
-        cJSON *g0 = cJSON_AddObjectToObject(cJSON_AddObjectToObject(q, "config_groups"), "group_0");
-        cJSON *tg = cJSON_AddArrayToObject(g0, "targets");
-        cJSON_AddItemToArray(tg, cJSON_CreateString("Linear"));
-        cJSON *w = cJSON_AddObjectToObject(g0, "weights");
-        cJSON_AddNumberToObject(w, "num_bits", 4);
-        cJSON_AddStringToObject(w, "type", "float");
-        cJSON_AddStringToObject(w, "strategy", "group");
-        cJSON_AddNumberToObject(w, "group_size", 32);
-        cJSON_AddBoolToObject(w, "symmetric", true);
-        cJSON_AddBoolToObject(w, "dynamic", false);
-        cJSON_AddStringToObject(w, "scale_dtype", "torch.uint8");
-        cJSON_AddNullToObject(g0, "input_activations");
-        cJSON_AddNullToObject(g0, "output_activations");
-        cJSON_AddStringToObject(g0, "format", "mxfp4-pack-quantized");
-        cJSON *ig = cJSON_AddArrayToObject(q, "ignore");
-        static const char *const ign[] = {"lm_head",
-                                          "re:.*self_attn.*",
-                                          "re:.*shared_experts.*",
-                                          "re:.*mlp\\.(gate|up|down)_proj.*",
-                                          "re:.*block_sparse_moe\\.gate$",
-                                          "re:.*routed_expert_(down|up)_proj.*",
-                                          "re:vision_tower.*",
-                                          "re:mm_projector.*"};
-        for (size_t i = 0; i < K3_ARRAY_LEN(ign); i++)
-            cJSON_AddItemToArray(ig, cJSON_CreateString(ign[i]));
-    }
+    cJSON *q = c->experts_mxfp4 ? quant_json() : NULL;
 
+    /* the layout around text_config (architectures, the top model_type) is not read */
     cJSON *root;
     if (c->tensor_prefix[0]) {
         root = cJSON_CreateObject();
         cJSON *ar = cJSON_AddArrayToObject(root, "architectures");
         cJSON_AddItemToArray(ar, cJSON_CreateString("KimiK3ForConditionalGeneration"));
         cJSON_AddStringToObject(root, "model_type", "kimi_k3");
-        cJSON_AddItemToObject(root, "text_config", tc);
-        if (q) cJSON_AddItemToObject(root, "quantization_config", q);
-        cJSON_AddNumberToObject(root, "eos_token_id", c->eos_token_id);
-        cJSON_AddBoolToObject(root, "tie_word_embeddings", c->tie_word_embeddings);
+        cJSON_AddItemToObject(root, K(TEXT_CONFIG), tc);
+        if (q) cJSON_AddItemToObject(root, K(QUANTIZATION_CONFIG), q);
+        /* the K3 release repeats these two at the top */
+        cJSON_AddNumberToObject(root, K(EOS_TOKEN_ID), c->eos_token_id);
+        cJSON_AddBoolToObject(root, K(TIE_WORD_EMBEDDINGS), c->tie_word_embeddings);
     } else {
         root = tc;
         cJSON *ar = cJSON_AddArrayToObject(root, "architectures");
         cJSON_AddItemToArray(ar, cJSON_CreateString("KimiLinearForCausalLM"));
-        if (q) cJSON_AddItemToObject(root, "quantization_config", q);
+        if (q) cJSON_AddItemToObject(root, K(QUANTIZATION_CONFIG), q);
     }
     char *s = cJSON_Print(root);
     cJSON_Delete(root);

@@ -295,7 +295,7 @@ static void strict_cases(void) {
         mutate_fn m;
         const char *needle;
     } bad[] = {
-        {m_mpe0, "text_config.max_position_embeddings: 0 is out of range"},
+        {m_mpe0, "text_config.max_position_embeddings: 0 must be >= 1"},
         {m_mpe_frac, "text_config.max_position_embeddings: expected an integer"},
         {m_mtp_neg, "text_config.num_nextn_predict_layers: -1 must be >= 0"},
         {m_topk_method, "text_config.topk_method: 'greedy' is not supported"},
