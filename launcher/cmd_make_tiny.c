@@ -1,11 +1,12 @@
 /* cmd_make_tiny.c — `k3 make-tiny DIR [--preset tiny|small|deep] [--seed N]`.
  *
  * Writes a deterministic random K3 checkpoint in the real layout (config.json, safetensors index
- * and shards, MXFP4 experts, tiktoken.model + tokenizer_config.json). model/make_tiny.c does the
+ * and shards, MXFP4 experts, tiktoken.model + tokenizer_config.json). tiny/make_tiny.c does the
  * work; this file is flags and messages. Same seed, same bytes; the demo and every test use it,
  * so nothing is ever downloaded. */
 #include "k3_launcher.h"
 #include "k3_model.h"
+#include "k3_tiny.h"
 
 #include <stdio.h>
 

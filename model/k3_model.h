@@ -2,10 +2,11 @@
  *
  * Owns: config.json -> k3_config (parse + validate); the catalogue of tensors a config implies
  * (ONE source of truth used by make-tiny, inspect and the loader); safetensors index + shards
- * with per-tensor byte-range reads; MXFP4 checkpoint parts (the format itself is
- * kernels/k3_mxfp4.h); the in-memory weights of the layers a rank owns (k3_weights); the tiny/small
- * checkpoint writer and its tokenizer files. Callers must not: open shard files themselves, or
- * hard-code a shape (read it from k3_config).
+ * with per-tensor byte-range reads and the shard writer; MXFP4 checkpoint parts (the format
+ * itself is kernels/k3_mxfp4.h); the in-memory weights of the layers a rank owns (k3_weights);
+ * the presets. The tiny/small checkpoint writer and its tokenizer are tiny/ (k3_tiny.h), a user
+ * of this header. Callers must not: open shard files themselves, or hard-code a shape (read it
+ * from k3_config).
  *
  * Layer indices are 0-based everywhere in k3 (config.json lists are 1-based; converted here). */
 #ifndef K3_MODEL_H
@@ -241,6 +242,14 @@ uint64_t k3_ckpt_bytes_read(const k3_ckpt *ck);
 int64_t k3_ckpt_verify(const k3_ckpt *ck, const k3_config *c,
                        void (*report)(void *ctx, const char *problem), void *ctx);
 
+/* Write one shard (make-tiny's writer, tiny/, and the tests' corrupters): header for
+ * specs[0..n) in order (data_offsets contiguous, header padded with spaces to a multiple of 8,
+ * metadata {"format":"pt"}), then each tensor's bytes as produced by fill(ctx, spec, dst) into a
+ * buffer of k3_tensor_spec_bytes(spec). */
+typedef k3_status (*k3_st_fill_fn)(void *ctx, const k3_tensor_spec *spec, void *dst);
+k3_status k3_st_write_shard(const char *path, const k3_tensor_spec *specs, int64_t n,
+                            k3_st_fill_fn fill, void *ctx);
+
 /* ---- values check: every byte of the selected tensors (k3 inspect --verify) ---------------- */
 /* Streams the data of the selected tensors (by file offset, n_threads readers with one buffer
  * each, so memory is n_threads x buf_bytes) and reports, by file, tensor and row: non-finite
@@ -335,14 +344,13 @@ const k3_weights_view *k3_weights_get(const k3_weights *w);
 uint64_t k3_weights_bytes(const k3_weights *w);
 void k3_weights_destroy(k3_weights *w);
 
-/* ---- the tiny / small checkpoint writer --------------------------------------------------- */
-/* DEEP: the tiny's widths with K3's 93-layer schedule (MLA every 4th layer and the last, AttnRes
+/* ---- presets ------------------------------------------------------------------------------ */
+/* The configs `k3 make-tiny` writes (tiny/k3_tiny.h) and `k3 inspect/plan --preset` read.
+ * DEEP: the tiny's widths with K3's 93-layer schedule (MLA every 4th layer and the last, AttnRes
  * blocks of 12, the first layer dense): counts of ops and syncs per step at the real depth. */
 typedef enum { K3_PRESET_TINY = 0, K3_PRESET_SMALL, K3_PRESET_K3, K3_PRESET_DEEP } k3_preset;
 k3_status k3_preset_parse(const char *name, k3_preset *out);
 /* The config of a preset (K3_PRESET_K3 is the real Kimi-K3). */
 void k3_preset_config(k3_preset p, k3_config *out);
-/* Write a deterministic random checkpoint (config.json, index, >= 3 shards, tokenizer files). */
-k3_status k3_make_tiny(const char *dir, k3_preset p, uint64_t seed);
 
 #endif /* K3_MODEL_H */

@@ -40,6 +40,7 @@
 
 #include "k3_layers.h"
 #include "k3_model.h"
+#include "k3_tiny.h"
 #include "layers/tiny_model.h"
 
 #include "bench.h"

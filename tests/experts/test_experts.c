@@ -23,6 +23,7 @@
 #include "k3_experts.h"
 #include "k3_kernels.h"
 #include "k3_test.h"
+#include "k3_tiny.h"
 #include "tolerances.h"
 
 #define SEED  20261129ull

@@ -10,7 +10,7 @@ the project has, and the table must list, are:
     kernels/cuda, kernels/cuda/emu, comm/nccl_emu — except under tests/, which is one row.
 Folders come from git (tracked + untracked, not ignored) when ROOT is a git work tree, else from a
 walk that skips hidden folders and the ignored ones of .gitignore's top level (build*, ...).
-A folder without sources below the top level (model/data/) is not a row.
+A folder without sources below the top level (tiny/data/) is not a row.
 
 Usage: design_modules.py [ROOT]              exit 0 = the table matches, 1 = a folder missing
                                              from it or listed but absent (each named), 2 = usage
@@ -25,7 +25,7 @@ import sys
 
 SOURCE_EXT = (".c", ".h", ".cu", ".cuh", ".cpp")
 ONE_ROW = ("tests",)  # top-level folders whose sub-folders are not rows of their own
-SKIP_TOP = re.compile(r"^(build.*|tiny|tiny-model|__pycache__)$")  # ignored by .gitignore
+SKIP_TOP = re.compile(r"^(build.*|tiny-model|__pycache__)$")  # ignored by .gitignore
 
 
 def repo_files(root):

@@ -8,7 +8,9 @@ forbids. Dependencies point down:
     launcher → server → rank → {coordinator, layers, experts, comm, partition} → model → kernels → base
 
 Any module may include a module below it, except where the table below narrows it (coordinator
-touches no weights, partition is pure, kernels is the floor). Among the middle siblings only
+touches no weights, partition is pure, kernels is the floor). tiny (the `k3 make-tiny` writer) sits
+on the middle level, above model: it may include only model, kernels and base, and only launcher
+includes it (model never does: the loader does not know the writer). Among the middle siblings only
 layers → experts, layers → comm and experts → comm are allowed, and into comm only through its
 interface header k3_comm.h. Another module's *_internal.h is never included. The observed module
 graph must have no cycle. System headers: <mpi.h> only in comm/ and launcher/ (MPI init/abort; layers never call MPI),
@@ -21,7 +23,7 @@ Prints each forbidden edge as `file:line: module A includes B (header)`; exit 0 
 forbidden edge, an unknown header or a cycle, 2 = usage. --self-test copies the module folders
 to a temporary directory, injects one forbidden include at a time (kernels → model, layers →
 rank, coordinator → model, experts → layers, a cycle, <mpi.h> in layers/, server → model,
-<mpi.h> in server/) and checks that each
+<mpi.h> in server/, model → tiny, rank → tiny, tiny → layers) and checks that each
 is reported with its file and line; exit 0 only if every injection is caught.
 """
 import io
@@ -38,6 +40,7 @@ LEVEL = {
     "kernels": 1,
     "model": 2,
     "coordinator": 3, "layers": 3, "experts": 3, "comm": 3, "partition": 3,
+    "tiny": 3,       # `k3 make-tiny`: the checkpoint writer, its BPE trainer and corpus
     "rank": 4,
     "server": 5,     # the HTTP server of `k3 serve` + the OpenAI request layer (chat_job.h)
     "launcher": 6,
@@ -52,6 +55,11 @@ ONLY = {
     "partition": {"partition", "model", "base"},  # pure functions of the config
     "comm": {"comm", "kernels", "base"},     # knows no layer or config: bytes and backend buffers
     "server": {"server", "rank", "coordinator", "base"},  # a client of the engine API: no weights
+    "tiny": {"tiny", "model", "kernels", "base"},  # writes through model's public API
+}
+# Narrower than "anything above": module -> the only modules that may include it.
+USED_BY = {
+    "tiny": {"launcher"},                    # `k3 make-tiny` (and the tests, not scanned here)
 }
 # Sibling edges on the middle level: (from, to) -> the headers of `to` that may be included.
 SIBLING = {
@@ -86,6 +94,8 @@ def allowed(a, b, header):
         return None
     if header.endswith("_internal.h"):
         return "another module's internal header"
+    if b in USED_BY and a not in USED_BY[b]:
+        return f"only {', '.join(sorted(USED_BY[b]))} may include {b}"
     if a in ONLY:
         return None if b in ONLY[a] else f"{a} may include only {', '.join(sorted(ONLY[a]))}"
     if LEVEL[b] < LEVEL[a]:
@@ -206,6 +216,12 @@ INJECTIONS = [
     ("server/server.c", '#include "k3_model.h"',
      "server/server.c:{n}: module server includes model (k3_model.h)"),
     ("server/server.c", "#include <mpi.h>", "server/server.c:{n}: module server includes <mpi.h>"),
+    ("model/catalog.c", '#include "k3_tiny.h"',
+     "model/catalog.c:{n}: module model includes tiny (k3_tiny.h)"),
+    ("rank/setup.c", '#include "k3_tiny.h"',
+     "rank/setup.c:{n}: module rank includes tiny (k3_tiny.h): only launcher may include tiny"),
+    ("tiny/make_tiny.c", '#include "k3_layers.h"',
+     "tiny/make_tiny.c:{n}: module tiny includes layers (k3_layers.h)"),
 ]
 
 

@@ -1,7 +1,7 @@
 #!/bin/bash
 # inspect.sh — `k3 make-tiny` + `k3 inspect` end to end: a good checkpoint passes (text and
 # --json), corrupt copies exit non-zero with a message naming the file/tensor, usage errors exit 2,
-# and the embedded tokenizer corpus equals model/data/tiny_corpus.txt.
+# and the embedded tokenizer corpus equals tiny/data/tiny_corpus.txt.
 set -u
 T=$(mktemp -d /tmp/k3-inspect-XXXXXX)
 trap 'rm -rf "$T"' EXIT
@@ -109,8 +109,8 @@ sys.exit(0 if ok else 1)
 if python3 - "$K3_SRC" <<'PY'
 import re, sys, ast
 src = sys.argv[1]
-txt = open(src + "/model/data/tiny_corpus.txt", "rb").read()
-c = open(src + "/model/tiny_corpus.c").read()
+txt = open(src + "/tiny/data/tiny_corpus.txt", "rb").read()
+c = open(src + "/tiny/tiny_corpus.c").read()
 body = c[c.index("k3_tiny_corpus[] =") + 18: c.index(";\nconst size_t")]
 parts = re.findall(r'"((?:[^"\\]|\\.)*)"', body)
 out = bytearray()
@@ -124,5 +124,5 @@ for p in parts:
 n = int(re.search(r"k3_tiny_corpus_len = (\d+);", c).group(1))
 sys.exit(0 if bytes(out) == txt and n == len(txt) else 1)
 PY
-then echo "ok   corpus-embedded"; else echo "FAIL corpus-embedded: model/tiny_corpus.c is stale (python3 model/data/embed_corpus.py)"; fail=1; fi
+then echo "ok   corpus-embedded"; else echo "FAIL corpus-embedded: tiny/tiny_corpus.c is stale (python3 tiny/data/embed_corpus.py)"; fail=1; fi
 exit $fail

@@ -10,6 +10,7 @@
 #include "k3_model.h"
 #include "k3_mxfp4.h"
 #include "k3_test.h"
+#include "k3_tiny.h"
 #include "model_internal.h"
 
 static char root[256];

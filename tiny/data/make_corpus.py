@@ -1,10 +1,10 @@
 #!/usr/bin/env python3
-"""Writes model/data/tiny_corpus.txt: the training text of the make-tiny BPE tokenizer.
+"""Writes tiny/data/tiny_corpus.txt: the training text of the make-tiny BPE tokenizer.
 
 k3's own varied corpus (~200 KB): hand-written English prose, templated sentences, code in
 several languages, numbers/dates/tables, accented European text, CJK, a little emoji. It is
-deterministic (fixed seed) and kept in the repo; model/tiny_corpus.c embeds it in the binary
-(regenerate both with: python3 model/data/make_corpus.py && python3 model/data/embed_corpus.py).
+deterministic (fixed seed) and kept in the repo; tiny/tiny_corpus.c embeds it in the binary
+(regenerate both with: python3 tiny/data/make_corpus.py && python3 tiny/data/embed_corpus.py).
 """
 import random, os
 

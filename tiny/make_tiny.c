@@ -3,7 +3,7 @@
  * Writes config.json (k3_config_to_json), model.safetensors.index.json, M >= 3 shards
  * model-0000N-of-0000M.safetensors holding the catalogue in order (the six tensors of one MXFP4
  * expert never straddle shards), and the tokenizer: tiktoken.model trained by k3's own BPE on the
- * embedded corpus (model/data/tiny_corpus.txt) and tokenizer_config.json with K3's 256-slot
+ * embedded corpus (tiny/data/tiny_corpus.txt) and tokenizer_config.json with K3's 256-slot
  * special block placed right after the mergeable ranks.
  * Every tensor draws from its own k3_rng stream seeded by hash(seed, tensor name), so the bytes
  * of one tensor do not depend on the order or on other tensors; same seed -> same files.
@@ -11,7 +11,7 @@
  * dt_bias = softplus^-1(dt), dt ~ logU[1e-3, 0.1], A_log = log U[1, 16] (zero past the heads),
  * router bias 0.02 N, AttnRes res_proj std D^-1/2 (scores ~ N(0, 1)), MXFP4 experts random codes
  * with E8M0 scales base ± 2 where base makes the expert outputs O(0.1-1) (see expert_base_exp). */
-#include "k3_model.h"
+#include "k3_tiny.h"
 
 #include <cjson/cJSON.h>
 #include <errno.h>
@@ -20,9 +20,7 @@
 #include <stdlib.h>
 #include <sys/stat.h>
 
-#include "model_internal.h"
-
-extern const char k3_tiny_corpus[]; /* tiny_corpus.c, generated from model/data/ */
+extern const char k3_tiny_corpus[]; /* tiny_corpus.c, generated from tiny/data/ */
 extern const size_t k3_tiny_corpus_len;
 
 typedef struct gen {

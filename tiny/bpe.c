@@ -13,13 +13,11 @@
  * by merging, only by a whole-piece match.
  * Pair counts are maintained incrementally (only words containing the merged pair are revisited)
  * with a lazily invalidated max-heap, so tiny (3840 ranks) trains well under a second. */
-#include "k3_model.h"
+#include "k3_tiny.h"
 
 #define PCRE2_CODE_UNIT_WIDTH 8
 #include <pcre2.h>
 #include <stdlib.h>
-
-#include "model_internal.h"
 
 static const char k3_pat[] =
     "\\p{Han}+|[^\\r\\n\\p{L}\\p{N}]?(?:(?!\\p{Han})[\\p{Lu}\\p{Lt}\\p{Lm}\\p{Lo}\\p{M}])*(?:(?"
