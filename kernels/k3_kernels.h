@@ -383,7 +383,7 @@ const char *k3_cpu_isa_name(const k3_backend *be);
 /* How the cpu backend's decode matmuls walk F32/BF16 rows: "seq" (two streams in memory order,
    for the hardware prefetcher alone: AMD's pick) or "rows" (GV_R rows side by side with a
    software prefetch a group ahead: the others'); K3_GEMV=seq|rows forces one. For reports. */
-const char *k3_cpu_gemv_name(void);
+const char *k3_cpu_gemv_name(const k3_backend *be); /* "-" for other backends */
 /* The backends compiled into this build ("ref cpu guard cuda") and those usable on this machine,
  * with the reason for each one that is not ("ref cpu guard; cuda: no CUDA device visible"). */
 void k3_backend_inventory(char *compiled, size_t nc, char *usable, size_t nu);

@@ -114,7 +114,7 @@ void k3_pool_run(k3_pool *p, int64_t n_tasks, k3_task_fn fn, void *ctx);
  * creation by cpuid or K3_ISA=avx512|avx2|scalar (K3_ERR_ARG naming an unknown or unsupported
  * value). */
 typedef struct k3_cpu_kern k3_cpu_kern;
-k3_status k3_cpu_kern_select(const k3_cpu_kern **out);
+k3_status k3_cpu_kern_select(const k3_cpu_kern **out, bool *gemv_seq);
 /* Whether this CPU can run the named ISA ("avx512", "avx2", "scalar"; false for other names). */
 bool k3_cpu_isa_supported(const char *name);
 
@@ -123,6 +123,9 @@ bool k3_cpu_isa_supported(const char *name);
 typedef struct k3_cpu_ctx {
     k3_pool *pool;
     const k3_cpu_kern *kern;
+    /* decode F32/BF16 rows as two streams in memory order (true: AMD's pick) or GV_R rows side
+       by side (false); chosen with the ISA at creation (isa.c, K3_GEMV forces one) */
+    bool gemv_seq;
     /* prefill's x, packed once per matmul for all its tasks (cpu.c): grown on demand, used by
        one call at a time (a call that finds it busy packs per task instead) */
     float *xpk;

@@ -96,7 +96,8 @@ k3_status k3_backend_create_cpu(const k3_backend_params *p, k3_backend **out) {
     k3_backend *be;
     K3_TRY(k3_calloc((void **)&be, sizeof *be, "cpu backend"));
     k3_status st = k3_calloc(&be->ctx, sizeof(k3_cpu_ctx), "cpu backend context");
-    if (st == K3_OK) st = k3_cpu_kern_select(&((k3_cpu_ctx *)be->ctx)->kern);
+    if (st == K3_OK)
+        st = k3_cpu_kern_select(&((k3_cpu_ctx *)be->ctx)->kern, &((k3_cpu_ctx *)be->ctx)->gemv_seq);
     if (st == K3_OK) st = k3_pool_create(p ? p->n_threads : 0, &((k3_cpu_ctx *)be->ctx)->pool);
     if (st != K3_OK) {
         k3_free(be->ctx);

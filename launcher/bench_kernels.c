@@ -230,7 +230,7 @@ static k3_status meta(bench_report *rep, const bench_kernels_opts *o, k3_backend
     K3_TRY(bench_meta_host(m));
     K3_TRY(bench_put_str(m, "backend", "backend", be->name));
     K3_TRY(bench_put_str(m, "isa", "ISA", k3_cpu_isa_name(be)));
-    K3_TRY(bench_put_str(m, "gemv", "decode row order (K3_GEMV)", k3_cpu_gemv_name()));
+    K3_TRY(bench_put_str(m, "gemv", "decode row order (K3_GEMV)", k3_cpu_gemv_name(be)));
     K3_TRY(bench_put_num(m, "threads", "threads", -1, o->threads));
     K3_TRY(bench_put_num(m, "repetitions", "repetitions (median)", -1, o->reps));
     K3_TRY(bench_put_num(m, "num_warmups", "warm-up calls", -1, o->warmups));

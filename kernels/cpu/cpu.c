@@ -61,6 +61,7 @@ static const k3_cpu_kern *kern(k3_backend *be) {
 typedef struct {
     const k3_mm *mm;
     const k3_cpu_kern *kern;
+    bool gemv_seq;                             /* the backend's decode row order (k3_cpu_ctx) */
     const float *xpk[K3_CPU_GROUP_PIECES / 2]; /* item i's x packed once (NULL: per task) */
     int n_pieces, n_tasks;
     int32_t item[K3_CPU_GROUP_PIECES];
@@ -75,7 +76,7 @@ static void mmg_task(void *ctx, int64_t t) {
         if (j->xpk[j->item[p]])
             j->kern->mm_rows_xpk(m->W, m->x, j->xpk[j->item[p]], m->T, j->r0[p], j->r1[p], m->y);
         else
-            j->kern->mm_rows(m->W, m->x, m->T, j->r0[p], j->r1[p], m->y);
+            j->kern->mm_rows(m->W, m->x, m->T, j->r0[p], j->r1[p], m->y, j->gemv_seq);
     }
 }
 
@@ -193,7 +194,7 @@ static k3_status cpu_matmul_group(k3_backend *be, const k3_mm *mm, int n) {
         }
     }
     bound[nb] = bytes;
-    mmg_job j = {.mm = mm, .kern = kern(be)};
+    mmg_job j = {.mm = mm, .kern = kern(be), .gemv_seq = ((k3_cpu_ctx *)be->ctx)->gemv_seq};
     /* pieces: the items' rows end to end, cut where the running byte count reaches the next
        task's boundary (to the nearest whole 4- or 24-row group); at most n + nb of them */
     double done = 0;

@@ -23,8 +23,8 @@ struct k3_cpu_kern {
     const char *name; /* "avx512", "avx2", "scalar" */
     /* y[t, o] for t < T, o in [o0, o1): W [out, in] F32/BF16/MXFP4 (checked by the caller);
        x [T, in]; y [T, out]. */
-    void (*mm_rows)(const k3_tensor *W, const float *x, int64_t T, int64_t o0, int64_t o1,
-                    float *y);
+    void (*mm_rows)(const k3_tensor *W, const float *x, int64_t T, int64_t o0, int64_t o1, float *y,
+                    bool gemv_seq /* the backend's decode row order (k3_cpu_ctx) */);
     /* Prefill (T >= 4) with x packed once per call for all tasks: xpk_floats(T, in) floats,
        xpk_pack fills tokens [t0, t1) of them (t0 a multiple of gt, the tile's tokens; W gives
        the layout: MXFP4 may pack x in another order), mm_rows_xpk = mm_rows reading them. */
@@ -104,12 +104,6 @@ k3_status k3_cpu_attn_latent_causal(k3_backend *be, const float *qc, const float
                                     int64_t pos0, int64_t n_q, int H, int W, int Rkv, float scale,
                                     float *o_lat, float *work);
 
-/* Decode (T < 4) F32/BF16 rows as two streams in memory order (the call's two halves, a row of
- * each at a time), no software prefetch (true), or GV_R rows side by side with a prefetch per
- * stream (false): chosen with the ISA (isa.c) at each backend creation, read by every decode
- * matmul (atomic: a backend may be made while another runs; relaxed, the value depends on
- * nothing else). */
-extern atomic_bool k3_cpu_gemv_seq;
 /* The decode path (kern_gemv.h: rows streamed once, a row group's sums of every token in
  * registers) takes a product of T < 4 tokens, and on AVX-512 more: MXFP4 up to k->mx_gemv_t - 1
  * tokens (15), F32/BF16 up to k->gemv_t - 1 (23), 3 tokens at a time per pass over a row group

@@ -33,29 +33,30 @@ bool k3_cpu_isa_supported(const char *name) {
  * 8 rows side by side; small decode 34 -> 58 tok/s; two such streams, 68 -> 79: kern_gemv.h's
  * gemv_seq), software prefetches only cost it; the Xeon reached 95% of its read-only stream with
  * rows side by side and a prefetch a group ahead. So
- * AMD: seq, others: rows; K3_GEMV=seq|rows forces one (tests run both; the same bits). */
-atomic_bool k3_cpu_gemv_seq = false;
-
-static k3_status gemv_select(void) {
+ * AMD: seq, others: rows; K3_GEMV=seq|rows forces one (tests run both; the same bits). Each
+ * backend keeps its pick in its context (k3_cpu_ctx.gemv_seq), read by its decode matmuls. */
+static k3_status gemv_select(bool *seq) {
     const char *g = getenv("K3_GEMV");
     if (!g || !*g) {
         __builtin_cpu_init();
-        atomic_store_explicit(&k3_cpu_gemv_seq, __builtin_cpu_is("amd"), memory_order_relaxed);
+        *seq = __builtin_cpu_is("amd");
     } else if (strcmp(g, "seq") == 0 || strcmp(g, "rows") == 0) {
-        atomic_store_explicit(&k3_cpu_gemv_seq, strcmp(g, "seq") == 0, memory_order_relaxed);
+        *seq = strcmp(g, "seq") == 0;
     } else {
         return K3_ERR(K3_ERR_ARG, "K3_GEMV='%s' is not a decode row order (seq, rows)", g);
     }
     return K3_OK;
 }
 
-const char *k3_cpu_gemv_name(void) {
-    return atomic_load_explicit(&k3_cpu_gemv_seq, memory_order_relaxed) ? "seq" : "rows";
+const char *k3_cpu_gemv_name(const k3_backend *be) {
+    if (!be || !be->ctx || (strcmp(be->name, "cpu") != 0 && strcmp(be->name, "guard") != 0))
+        return "-";
+    return ((const k3_cpu_ctx *)be->ctx)->gemv_seq ? "seq" : "rows";
 }
 
-k3_status k3_cpu_kern_select(const k3_cpu_kern **out) {
+k3_status k3_cpu_kern_select(const k3_cpu_kern **out, bool *gemv_seq) {
     *out = NULL;
-    K3_TRY(gemv_select());
+    K3_TRY(gemv_select(gemv_seq));
     const char *want = getenv("K3_ISA");
     if (!want || !*want) {
         *out = has_avx512() ? &k3_cpu_kern_avx512

@@ -4,8 +4,9 @@
  * streaming: each row is read once (3 tokens at a time: once per 3, the row group in L1), the
  * accumulators in registers for the whole row, no scratch to clear. F32/BF16 rows go GV_R side
  * by side (more independent loads in flight) with a software prefetch of the next group of rows
- * on every stream, or, with k3_cpu_gemv_seq (isa.c: AMD's pick), as a few streams each in memory
- * order, for the hardware prefetcher alone (gemv_seq). MXFP4 rows always go GV_RM side by side.
+ * on every stream, or, with the backend's gemv_seq (k3_cpu_ctx; isa.c: AMD's pick), as a few
+ * streams each in memory order, for the hardware prefetcher alone (gemv_seq). MXFP4 rows always go
+ * GV_RM side by side.
  *
  * Same per-element arithmetic as gemm_rows (the reduction-order rule in kern_tmpl.h's header:
  * vector k of the row into a(k % 2), the VL-tail vector and the scalar tail by finish()), so a
@@ -202,7 +203,7 @@ static void gemv_rows_t(const k3_tensor *W, const float *x, int64_t T, int64_t o
 DEF_GV(gv_f32_sn, float, ldw_f32, GV_SEQ, 0)
 DEF_GV(gv_bf16_sn, uint16_t, ldw_bf16, GV_SEQ, 0)
 
-/* k3_cpu_gemv_seq's walk of F32/BF16 rows [o0, o1): the range cut in GV_SEQ parts of h rows
+/* gemv_seq's walk of F32/BF16 rows [o0, o1): the range cut in GV_SEQ parts of h rows
  * walked side by side, row k of each at a time, so memory is read in order as GV_SEQ streams
  * (the last n % GV_SEQ rows then one by one). Rows of 1024 BF16 from DRAM, one thread, on the
  * EPYC that picks seq: one stream 16 GB/s, two 25, three 31. Each row's sums are the one-row
@@ -335,11 +336,10 @@ static inline __attribute__((always_inline)) void gv_mxf(const k3_tensor *W, int
 #endif
 
 static void gemv_rows(const k3_tensor *W, const float *x, int64_t T, int64_t o0, int64_t o1,
-                      float *y) {
+                      float *y, bool seq) {
     const int64_t in = W->shape[1], out = W->shape[0];
     const int64_t n_main = in - in % (2 * VL);
     const bool mx = W->dtype == K3_DT_MXFP4;
-    const bool seq = atomic_load_explicit(&k3_cpu_gemv_seq, memory_order_relaxed);
     const int64_t nb = in / 32;
     if (mx && (nb > GV_MAX_BLOCKS || (MX_XPERM && T * in > XB_FLOATS))) {
         gemm_rows(W, x, T, o0, o1, y); /* the same sums, walked in chunks */

@@ -484,11 +484,11 @@ static void gemm_rows(const k3_tensor *W, const float *x, int64_t T, int64_t o0,
 #endif
 #include "kern_gemv.h"
 
-static void mm_rows(const k3_tensor *W, const float *x, int64_t T, int64_t o0, int64_t o1,
-                    float *y) {
+static void mm_rows(const k3_tensor *W, const float *x, int64_t T, int64_t o0, int64_t o1, float *y,
+                    bool gemv_seq) {
     if (W->dtype == K3_DT_MXFP4) mx_tab_init();
     if (k3_cpu_gemv_path(&KERN_NAME, W, T)) /* the table gives MX_GEMV_T and GV_TMAX */
-        gemv_rows(W, x, T, o0, o1, y);
+        gemv_rows(W, x, T, o0, o1, y, gemv_seq);
     else
         gemm_rows(W, x, T, o0, o1, y);
 }

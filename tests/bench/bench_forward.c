@@ -444,7 +444,8 @@ int main(int argc, char **argv) {
     if (e == K3_OK) e = bench_meta_host(m);
     if (e == K3_OK) e = bench_put_str(m, "backend", "backend", g_be->name);
     if (e == K3_OK) e = bench_put_str(m, "isa", "ISA", k3_cpu_isa_name(cpu_be));
-    if (e == K3_OK) e = bench_put_str(m, "gemv", "decode row order (K3_GEMV)", k3_cpu_gemv_name());
+    if (e == K3_OK)
+        e = bench_put_str(m, "gemv", "decode row order (K3_GEMV)", k3_cpu_gemv_name(cpu_be));
     if (e == K3_OK) e = bench_put_num(m, "threads", "threads", -1, threads);
     if (e == K3_OK) e = bench_put_num(m, "repetitions", "repetitions (median)", -1, a.reps);
     if (e == K3_OK) e = bench_put_num(m, "chunk", "prefill chunk (0 = whole)", -1, a.chunk);

@@ -2212,8 +2212,8 @@ int main(void) {
     check_env_refused("K3_ISA", "avx9");
     /* the decode row order in use is the one asked for (kernels/cpu/isa.c); unknown: an error */
     const char *gemv = getenv("K3_GEMV");
-    K3_CHECK(!gemv || !*gemv || strcmp(k3_cpu_gemv_name(), gemv) == 0, "decode rows %s, asked %s",
-             k3_cpu_gemv_name(), gemv);
+    K3_CHECK(!gemv || !*gemv || strcmp(k3_cpu_gemv_name(BE(B_CPU1)), gemv) == 0,
+             "decode rows %s, asked %s", k3_cpu_gemv_name(BE(B_CPU1)), gemv);
     check_env_refused("K3_GEMV", "zigzag");
     K3_CHECK(strcmp(k3_backend_host()->name, "cpu") == 0 &&
                  k3_backend_threads(k3_backend_host()) == 1,
