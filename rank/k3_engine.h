@@ -1,6 +1,6 @@
 /* k3_engine — the one API every client of the distributed model goes through (`k3 run`,
- * `k3 batch`, later `k3 serve` and `k3 bench`): requests arrive and leave while the ranks stay
- * loaded (continuous batching).
+ * `k3 batch`, `k3 serve`, `k3 bench`): requests arrive and leave while the ranks stay loaded
+ * (continuous batching).
  *
  * Roles. Every rank calls k3_engine_open (collective: plan, hash agreement, load, slots). Rank 0
  * is the coordinator: only it accepts requests (k3_engine_submit), runs steps (k3_engine_step)
@@ -10,10 +10,12 @@
  * messages (a sequence's first step carries the OPEN flag, which resets its slot).
  *
  * Slots. Sizes come from the plan, not from the requests: each lane holds max_seqs sequence
- * slots of max_ctx tokens (MLA latent cache + KDA state per slot, allocated once at open and
- * reused), and one forward step of a lane carries at most max_batch_tokens tokens. A request
- * that does not fit now waits in a FIFO queue; a request longer than max_ctx (prompt + max
- * tokens) is refused with an error event for that request alone.
+ * slots (KDA and short-conv state per slot, allocated once at open and reused) and a paged MLA
+ * latent cache of kv_cache_tokens tokens in blocks of K3_KV_BLOCK, shared by the lane's
+ * sequences (docs/DESIGN.md §3a); one forward step of a lane carries at most max_batch_tokens
+ * tokens. Rank 0 reserves a request's blocks (prompt + max tokens) when it joins: a request that
+ * does not fit now waits in a FIFO queue; one longer than max_ctx, or larger than a lane's whole
+ * cache, is refused with an error event for that request alone.
  *
  * Steps. M micro-batch groups (default S, at least 1) circulate through the pipeline; whenever
  * group g's logits are back, its next step is formed: decode rows of its sequences first (one token
