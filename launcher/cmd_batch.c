@@ -50,6 +50,7 @@
 
 #include "chat_job.h"
 #include "engine_args.h"
+#include "k3_engine_test.h"
 #include "k3_comm.h"
 #include "k3_model.h"
 #include "k3_rank.h"
@@ -747,22 +748,28 @@ static int run_batch(const k3_args *a) {
     }
     eo.model_dir = k3_args_str(a, "model");
     eo.tok = b.tok;
-    eo.test_fail = getenv("K3_TEST_FAIL");
     eo.progress = true;
-    rc = k3_engine_open(&eo, &b.e);
+    k3_status ost = k3_engine_open_test(&eo, k3_engine_test_from_env(), &b.e);
+    if (ost != K3_OK && b.e) k3_engine_abort(b.e); /* a fatal fault: the job ends, rank named */
+    rc = ost == K3_OK ? 0 : ost == K3_ERR_ARG ? 2 : 1;
     if (rc == 0 && !k3_engine_is_coordinator(b.e)) {
         k3_status st = k3_engine_serve(b.e);
-        k3_engine_close(b.e, NULL);
-        rc = st == K3_OK ? 0 : 1;
+        if (st == K3_OK) st = k3_engine_close(b.e, NULL);
+        if (st != K3_OK) k3_engine_abort(b.e);
     } else if (rc == 0) {
         k3_status st = drive(&b);
+        if (k3_engine_failed(b.e)) { /* the lines written so far are kept */
+            if (fsync(b.out_fd) != 0 && errno != EINVAL)
+                K3_LOGW("%s: fsync: %s", b.out_path, strerror(errno));
+            k3_engine_abort(b.e);
+        }
         if (b.progress_shown) fprintf(stderr, "\n");
         if (st != K3_OK)
             fprintf(stderr,
                     "k3 batch: %s (the lines written so far are kept; run again to "
                     "finish)\n",
                     k3_last_error());
-        k3_engine_close(b.e, &b.final);
+        if (k3_engine_close(b.e, &b.final) != K3_OK) k3_engine_abort(b.e);
         if (st == K3_OK && fsync(b.out_fd) != 0 && errno != EINVAL)
             K3_LOGW("%s: fsync: %s", b.out_path, strerror(errno));
         summary(&b);

@@ -24,6 +24,7 @@
 
 #include "bench.h"
 #include "engine_args.h"
+#include "k3_engine_test.h"
 #include "k3_comm.h"
 #include "k3_model.h"
 
@@ -392,14 +393,15 @@ static int run_engine_mode(const k3_args *a, int mode) {
     }
     eo.model_dir = k3_args_str(a, "model");
     eo.op_stats = k3_args_str(a, "op-stats"); /* NULL but in throughput (check_modes) */
-    eo.test_fail = getenv("K3_TEST_FAIL");
     eo.progress = true;
     k3_engine *e = NULL;
-    rc = k3_engine_open(&eo, &e);
+    k3_status ost = k3_engine_open_test(&eo, k3_engine_test_from_env(), &e);
+    if (ost != K3_OK && e) k3_engine_abort(e); /* a fatal fault: the job ends, the rank named */
+    rc = ost == K3_OK ? 0 : ost == K3_ERR_ARG ? 2 : 1;
     if (rc == 0 && !k3_engine_is_coordinator(e)) {
         k3_status st = k3_engine_serve(e);
-        k3_engine_close(e, NULL);
-        rc = st == K3_OK ? 0 : 1;
+        if (st == K3_OK) st = k3_engine_close(e, NULL);
+        if (st != K3_OK) k3_engine_abort(e);
     } else if (rc == 0) {
         k3_engine_stats es;
         k3_engine_get_stats(e, &es);
@@ -408,8 +410,9 @@ static int run_engine_mode(const k3_args *a, int mode) {
         if (st == K3_OK && mode == M_TP) st = run_throughput(e, &p, es.world, &rep);
         if (st == K3_OK && mode == M_PT)
             st = run_pt(e, &p, eo.backend ? eo.backend : "cpu", &es, &rep);
+        if (k3_engine_failed(e)) k3_engine_abort(e);
         k3_engine_stats fin;
-        k3_engine_close(e, &fin);
+        if (k3_engine_close(e, &fin) != K3_OK) k3_engine_abort(e);
         if (st == K3_OK && fin.op_stats_rc) /* --op-stats FILE not written (printed) */
             st = K3_ERR(K3_ERR_IO, "--op-stats %s was not written", eo.op_stats);
         if (st == K3_OK)

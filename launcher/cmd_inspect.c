@@ -46,15 +46,16 @@ typedef struct vctx {
 static void on_verify_problem(void *ctx, const char *msg) {
     add_problem(((vctx *)ctx)->p, msg);
 }
-static void on_verify_progress(void *ctx, uint64_t done, uint64_t total) {
+static k3_status on_verify_progress(void *ctx, uint64_t done, uint64_t total) {
     vctx *v = ctx;
     double now = k3_now_s();
-    if (done == total || now - v->last < (v->tty ? 0.25 : 10.0)) return; /* the end: summary */
+    if (done == total || now - v->last < (v->tty ? 0.25 : 10.0)) return K3_OK; /* the end */
     v->last = now;
     fprintf(stderr, "%sk3 inspect: verify %.2f of %.2f GB (%.0f%%), %.2f GB/s%s",
             v->tty ? "\r" : "", (double)done / 1e9, (double)total / 1e9,
             100.0 * (double)done / (double)total, (double)done / 1e9 / K3_MAX(now - v->t0, 1e-9),
             v->tty ? "" : "\n");
+    return K3_OK;
 }
 
 /* Read every tensor of ck and check the values; adds "verify" to root and prints the summary

@@ -17,6 +17,7 @@
 #include <stdlib.h>
 
 #include "engine_args.h"
+#include "k3_engine_test.h"
 #include "k3_comm.h"
 #include "k3_model.h"
 #include "k3_server.h"
@@ -157,18 +158,18 @@ static int run_serve(const k3_args *a) {
     }
     eo.model_dir = k3_args_str(a, "model");
     eo.tok = tok;
-    eo.test_fail = getenv("K3_TEST_FAIL");
-    eo.test_force = getenv("K3_TEST_FORCE");
     eo.progress = true;
     k3_engine *e = NULL;
-    rc = k3_engine_open(&eo, &e);
+    k3_status ost = k3_engine_open_test(&eo, k3_engine_test_from_env(), &e);
+    if (ost != K3_OK && e) k3_engine_abort(e); /* a fatal fault: the job ends, the rank named */
+    rc = ost == K3_OK ? 0 : ost == K3_ERR_ARG ? 2 : 1;
     /* after the open: the comm layer installs its own SIGTERM handler (it names vanished peers
      * and dies); a server ends through rank 0's orderly close instead */
     if (rc == 0) install_signals();
     if (rc == 0 && !k3_engine_is_coordinator(e)) {
         k3_status st = k3_engine_serve(e);
-        k3_engine_close(e, NULL);
-        rc = st == K3_OK ? 0 : 1;
+        if (st == K3_OK) st = k3_engine_close(e, NULL);
+        if (st != K3_OK) k3_engine_abort(e);
     } else if (rc == 0) {
         const double t_open = k3_now_s();
         k3_engine_stats es;
@@ -178,11 +179,12 @@ static int run_serve(const k3_args *a) {
         k3_server *srv = NULL;
         k3_status st = k3_server_create(&so, &srv);
         if (st == K3_OK) st = k3_server_run(srv, e, &stop_flag);
+        if (k3_engine_failed(e)) k3_engine_abort(e); /* the job ends, the failed rank named */
         if (st != K3_OK) fprintf(stderr, "k3 serve: %s\n", k3_last_error());
         const double t_serve = k3_now_s() - t_open;
         k3_engine_stats fin = {0};
-        k3_engine_close(e, &fin); /* releases the other ranks */
-        k3_server_destroy(srv);   /* joins the HTTP threads: their requests have ended */
+        if (k3_engine_close(e, &fin) != K3_OK) k3_engine_abort(e); /* releases the other ranks */
+        k3_server_destroy(srv); /* joins the HTTP threads: their requests have ended */
         busy_summary(&fin, t_serve);
         if (st == K3_OK) K3_LOGI("k3 serve: stopped");
         rc = st == K3_OK ? 0 : 1;

@@ -223,7 +223,7 @@ static void *worker(void *arg) {
             off += n;
             pthread_mutex_lock(&S->mu);
             S->done += n;
-            if (S->o->progress) S->o->progress(S->o->ctx, S->done, S->total);
+            if (S->o->progress) st = S->o->progress(S->o->ctx, S->done, S->total);
             pthread_mutex_unlock(&S->mu);
         }
         if (st == K3_OK && f->n_values) {

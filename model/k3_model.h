@@ -264,8 +264,9 @@ typedef struct k3_scan_opts {
     size_t buf_bytes;                                   /* per reader; 0 = 16 MiB */
     int rows_listed;                                    /* per tensor; 0 = 4 */
     bool (*select)(void *ctx, const k3_ckpt_tensor *t); /* NULL = all */
-    void (*progress)(void *ctx, uint64_t done_bytes, uint64_t total_bytes); /* may be NULL */
-    void (*report)(void *ctx, const char *problem);                         /* may be NULL */
+    /* may be NULL; a status other than K3_OK stops the scan, which returns it */
+    k3_status (*progress)(void *ctx, uint64_t done_bytes, uint64_t total_bytes);
+    void (*report)(void *ctx, const char *problem); /* may be NULL */
     void *ctx; /* progress and report are called one at a time, never concurrently */
 } k3_scan_opts;
 typedef struct k3_scan_result {
@@ -329,14 +330,16 @@ typedef struct k3_load_sel {
     bool embed, head;
     bool (*expert_owned)(void *ctx, int layer, int expert);
     void *ctx;
-    void (*progress)(void *ctx, uint64_t done_bytes, uint64_t total_bytes); /* may be NULL */
+    /* may be NULL; a status other than K3_OK stops the load, which returns it */
+    k3_status (*progress)(void *ctx, uint64_t done_bytes, uint64_t total_bytes);
     /* Where the weights live: NULL = host memory (k3_alloc). A host-visible backend gets the
        bytes read straight into its buffer; any other is filled by one upload of the host arena
        (which is then freed), so a load peaks at twice the weight bytes of the rank in host
        memory for device/guard backends. */
     struct k3_backend *be;
-    /* Called once per checkpoint tensor read (in read order), with ctx; may be NULL. */
-    void (*on_read)(void *ctx, const k3_ckpt_tensor *t);
+    /* Called once per checkpoint tensor read (in read order), with ctx; may be NULL. A status
+       other than K3_OK stops the load, which returns it. */
+    k3_status (*on_read)(void *ctx, const k3_ckpt_tensor *t);
 } k3_load_sel;
 k3_status k3_weights_load(k3_ckpt *ck, const k3_config *c, const k3_load_sel *sel,
                           k3_weights **out);

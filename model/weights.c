@@ -323,8 +323,9 @@ k3_status k3_weights_load(k3_ckpt *ck, const k3_config *c, const k3_load_sel *se
     for (int64_t j = 0; j < nj; j++) {
         if ((st = k3_ckpt_read(ck, jobs[j].src, jobs[j].dst)) != K3_OK) goto fail;
         done_bytes += jobs[j].src->n_bytes;
-        if (sel->on_read) sel->on_read(sel->ctx, jobs[j].src);
-        if (sel->progress) sel->progress(sel->ctx, done_bytes, total_read);
+        if (sel->on_read && (st = sel->on_read(sel->ctx, jobs[j].src)) != K3_OK) goto fail;
+        if (sel->progress && (st = sel->progress(sel->ctx, done_bytes, total_read)) != K3_OK)
+            goto fail;
     }
 
     /* fuse AttnRes: w = res_norm ⊙ res_proj in F32 (both halves are selected together) */

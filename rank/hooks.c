@@ -1,5 +1,8 @@
-/* hooks.c — failure of a rank (log naming rank, stage and lane, or the peer to blame, then abort
- * the job) and the K3_TEST_FAIL hooks the mpi tests use to kill or stall a rank on purpose. */
+/* hooks.c — the fatal fault of a rank (recorded on its way up, then rank_abort: the one line
+ * naming rank, stage and lane, or the peer to blame, and the end of the job) and the test hooks
+ * of k3_engine_test.h: K3_TEST_FAIL, which the mpi tests use to kill or stall a rank on purpose,
+ * and K3_TEST_FORCE. */
+#include "k3_engine_test.h"
 #include "rank_internal.h"
 
 #include <signal.h>
@@ -7,11 +10,44 @@
 #include <stdlib.h>
 #include <unistd.h>
 
-/* ---- failure ------------------------------------------------------------------------------ */
+struct rank_hooks {
+    int fail_load_rank, fail_decode_rank, fail_decode_step, fail_plan_rank;
+    bool fail_hang;      /* "hang:R:N": stop answering instead of dying */
+    int fail_signal;     /* decode:R:N SIGKILL, stop:R:N SIGSTOP */
+    int kill_load_rank;  /* "kill-load:R": SIGKILL itself half-way through the load */
+    int stall_load_rank; /* "stall-load:R": SIGSTOP itself half-way through the load */
+    int32_t *force;      /* [n_force] K3_TEST_FORCE: the first tokens of every request (rank 0) */
+    int n_force;
+};
+
+/* ---- faults ------------------------------------------------------------------------------- */
+k3_status rank_fail(rank_ctx *r, k3_status s) {
+    if (s != K3_OK && r->fault == K3_OK) {
+        r->fault = s;
+        snprintf(r->fault_msg, sizeof r->fault_msg, "%s", k3_last_error());
+    }
+    return s;
+}
+
+k3_status rank_blame(rank_ctx *r, const char *fmt, ...) {
+    char msg[sizeof r->fault_msg];
+    va_list ap;
+    va_start(ap, fmt);
+    vsnprintf(msg, sizeof msg, fmt, ap);
+    va_end(ap);
+    k3_status s = K3_ERR(K3_ERR_COMM, "%s", msg);
+    if (r->fault == K3_OK) {
+        r->fault = s;
+        r->fault_blame = true;
+        snprintf(r->fault_msg, sizeof r->fault_msg, "%s", msg);
+    }
+    return s;
+}
+
 /* A comm fault (a timeout, or another rank's fault report): agree on the root cause with the
  * ranks that can still answer, print it once, end the job. This rank's own view is in the
  * cascade part of the line. */
-static _Noreturn void die_agreed(rank_ctx *r) {
+static _Noreturn void abort_agreed(rank_ctx *r) {
     char verdict[4096];
     bool printer = true;
     k3_comm_blame(r->comm, verdict, sizeof verdict, &printer);
@@ -25,38 +61,76 @@ static _Noreturn void die_agreed(rank_ctx *r) {
     k3_comm_abort(r->comm, 1);
 }
 
-_Noreturn void rank_die(rank_ctx *r, k3_status s) {
-    if (r->comm && k3_comm_fault_pending(r->comm)) die_agreed(r);
-    if (r->stage >= 0)
-        K3_LOGE("rank %d (stage %d, lane %d) failed: %s: %s", r->rank, r->stage, r->lane,
-                k3_status_name(s), k3_last_error());
-    else
-        K3_LOGE("rank %d (coordinator) failed: %s: %s", r->rank, k3_status_name(s),
-                k3_last_error());
+_Noreturn void rank_abort(rank_ctx *r) {
+    if (r->fault == K3_OK) rank_fail(r, K3_ERR(K3_ERR_INTERNAL, "aborted without a fault"));
+    if (r->fault_blame) {
+        K3_LOGE("%s; noticed by rank %d, ending the job", r->fault_msg, r->rank);
+    } else {
+        if (r->comm && k3_comm_fault_pending(r->comm)) abort_agreed(r);
+        if (r->stage >= 0)
+            K3_LOGE("rank %d (stage %d, lane %d) failed: %s: %s", r->rank, r->stage, r->lane,
+                    k3_status_name(r->fault), r->fault_msg);
+        else
+            K3_LOGE("rank %d (coordinator) failed: %s: %s", r->rank, k3_status_name(r->fault),
+                    r->fault_msg);
+    }
     if (r->comm) k3_comm_abort(r->comm, 1);
     k3_comm_world_abort(1);
 }
 
-_Noreturn void rank_die_blame(rank_ctx *r, const char *fmt, ...) {
-    char msg[2048];
-    va_list ap;
-    va_start(ap, fmt);
-    vsnprintf(msg, sizeof msg, fmt, ap);
-    va_end(ap);
-    K3_LOGE("%s; noticed by rank %d, ending the job", msg, r->rank);
-    if (r->comm) k3_comm_abort(r->comm, 1);
-    k3_comm_world_abort(1);
+/* ---- the test hooks (k3_engine_test.h) ------------------------------------------------------ */
+const k3_engine_test *k3_engine_test_from_env(void) {
+    static k3_engine_test t;
+    t.fail = getenv("K3_TEST_FAIL");
+    t.force = getenv("K3_TEST_FORCE");
+    return (t.fail && *t.fail) || (t.force && *t.force) ? &t : NULL;
+}
+
+k3_status rank_hooks_create(rank_ctx *r, const char *t) {
+    struct rank_hooks *h;
+    K3_TRY(k3_calloc((void **)&h, sizeof *h, "test hooks"));
+    r->hooks = h;
+    h->fail_load_rank = h->fail_decode_rank = h->fail_decode_step = h->fail_plan_rank = -1;
+    h->stall_load_rank = h->kill_load_rank = -1;
+    h->fail_signal = SIGKILL;
+    if (!t || !*t) return K3_OK;
+    int a = -1, b = -1;
+    if (sscanf(t, "load:%d", &a) == 1)
+        h->fail_load_rank = a;
+    else if (sscanf(t, "stall-load:%d", &a) == 1)
+        h->stall_load_rank = a;
+    else if (sscanf(t, "kill-load:%d", &a) == 1)
+        h->kill_load_rank = a;
+    else if (sscanf(t, "stop:%d:%d", &a, &b) == 2)
+        h->fail_decode_rank = a, h->fail_decode_step = b, h->fail_signal = SIGSTOP;
+    else if (sscanf(t, "plan:%d", &a) == 1)
+        h->fail_plan_rank = a;
+    else if (sscanf(t, "decode:%d:%d", &a, &b) == 2)
+        h->fail_decode_rank = a, h->fail_decode_step = b;
+    else if (sscanf(t, "hang:%d:%d", &a, &b) == 2)
+        h->fail_decode_rank = a, h->fail_decode_step = b, h->fail_hang = true;
+    else if (r->rank == 0)
+        K3_LOGW("K3_TEST_FAIL='%s' not understood (load:R | stall-load:R | kill-load:R | plan:R | "
+                "decode:R:N | stop:R:N | hang:R:N)",
+                t);
+    return K3_OK;
+}
+
+void rank_hooks_destroy(rank_ctx *r) {
+    if (!r->hooks) return;
+    k3_free(r->hooks->force);
+    k3_free(r->hooks);
+    r->hooks = NULL;
 }
 
 /* K3_TEST_FORCE="id,id,...": parsed on rank 0 once the config is known; a bad list is refused
  * with a warning. */
-void rank_hooks_parse_force(rank_ctx *r) {
-    const char *t = r->o->test_force;
-    if (!t || !*t || r->rank != 0) return;
+k3_status rank_hooks_force(rank_ctx *r, const char *t) {
+    struct rank_hooks *h = r->hooks;
+    if (!t || !*t || r->rank != 0) return K3_OK;
     int n = 1;
     for (const char *p = t; *p; p++) n += *p == ',';
-    if (k3_alloc((void **)&r->force, (size_t)n * sizeof *r->force, "K3_TEST_FORCE") != K3_OK)
-        return;
+    K3_TRY(k3_alloc((void **)&h->force, (size_t)n * sizeof *h->force, "K3_TEST_FORCE"));
     const char *p = t;
     for (int i = 0; i < n; i++) {
         char *end = NULL;
@@ -64,55 +138,65 @@ void rank_hooks_parse_force(rank_ctx *r) {
         if (end == p || v < 0 || v >= r->cfg.vocab_size || (*end && *end != ',')) {
             K3_LOGW("K3_TEST_FORCE: token %d ('%.20s') is not an id of the vocabulary; ignored", i,
                     p);
-            k3_free(r->force);
-            r->force = NULL;
-            return;
+            k3_free(h->force);
+            h->force = NULL;
+            return K3_OK;
         }
-        r->force[i] = (int32_t)v;
+        h->force[i] = (int32_t)v;
         p = *end ? end + 1 : end;
     }
-    r->n_force = n;
+    h->n_force = n;
     K3_LOGW("K3_TEST_FORCE: every request generates these %d tokens first (a test hook)", n);
+    return K3_OK;
 }
 
-void rank_hooks_parse(rank_ctx *r) {
-    r->fail_load_rank = r->fail_decode_rank = r->fail_decode_step = r->fail_plan_rank = -1;
-    r->stall_load_rank = r->kill_load_rank = -1;
-    r->fail_signal = SIGKILL;
-    const char *t = r->o->test_fail;
-    if (!t || !*t) return;
-    int a = -1, b = -1;
-    if (sscanf(t, "load:%d", &a) == 1)
-        r->fail_load_rank = a;
-    else if (sscanf(t, "stall-load:%d", &a) == 1)
-        r->stall_load_rank = a;
-    else if (sscanf(t, "kill-load:%d", &a) == 1)
-        r->kill_load_rank = a;
-    else if (sscanf(t, "stop:%d:%d", &a, &b) == 2)
-        r->fail_decode_rank = a, r->fail_decode_step = b, r->fail_signal = SIGSTOP;
-    else if (sscanf(t, "plan:%d", &a) == 1)
-        r->fail_plan_rank = a;
-    else if (sscanf(t, "decode:%d:%d", &a, &b) == 2)
-        r->fail_decode_rank = a, r->fail_decode_step = b;
-    else if (sscanf(t, "hang:%d:%d", &a, &b) == 2)
-        r->fail_decode_rank = a, r->fail_decode_step = b, r->fail_hang = true;
-    else if (r->rank == 0)
-        K3_LOGW("K3_TEST_FAIL='%s' not understood (load:R | stall-load:R | kill-load:R | plan:R | "
-                "decode:R:N | stop:R:N | hang:R:N)",
-                t);
+bool rank_hooks_forced(const rank_ctx *r, int n_gen, int32_t *id) {
+    const struct rank_hooks *h = r->hooks;
+    if (n_gen >= h->n_force) return false;
+    *id = h->force[n_gen];
+    return true;
 }
 
-void rank_hooks_maybe_die(rank_ctx *r, int count) {
-    if (r->fail_decode_rank == r->rank && count == r->fail_decode_step && r->fail_hang) {
+void rank_hooks_step(rank_ctx *r, int count) {
+    const struct rank_hooks *h = r->hooks;
+    if (h->fail_decode_rank != r->rank || count != h->fail_decode_step) return;
+    if (h->fail_hang) {
         K3_LOGE("rank %d: test hook K3_TEST_FAIL=hang:%d:%d: no longer answering", r->rank, r->rank,
                 count);
         for (;;) pause(); /* the others must time out and end the job */
     }
-    if (r->fail_decode_rank == r->rank && count == r->fail_decode_step) {
-        bool stop = r->fail_signal == SIGSTOP;
-        K3_LOGE("rank %d: test hook K3_TEST_FAIL=%s:%d:%d: %s myself with %s", r->rank,
-                stop ? "stop" : "decode", r->rank, count, stop ? "stopping" : "killing",
-                stop ? "SIGSTOP" : "SIGKILL");
-        raise(r->fail_signal);
+    bool stop = h->fail_signal == SIGSTOP;
+    K3_LOGE("rank %d: test hook K3_TEST_FAIL=%s:%d:%d: %s myself with %s", r->rank,
+            stop ? "stop" : "decode", r->rank, count, stop ? "stopping" : "killing",
+            stop ? "SIGSTOP" : "SIGKILL");
+    raise(h->fail_signal);
+}
+
+k3_status rank_hooks_load_begin(rank_ctx *r) {
+    if (r->hooks->fail_load_rank != r->rank) return K3_OK;
+    return K3_ERR(K3_ERR_IO, "test hook K3_TEST_FAIL=load:%d: failing the load on purpose",
+                  r->rank);
+}
+
+void rank_hooks_load_progress(rank_ctx *r, uint64_t done, uint64_t total) {
+    struct rank_hooks *h = r->hooks;
+    if (h->stall_load_rank == r->rank && 2 * done >= total) {
+        h->stall_load_rank = -1;
+        K3_LOGE("rank %d: test hook K3_TEST_FAIL=stall-load:%d: stopping myself (SIGSTOP) at "
+                "%.2f of %.2f MB",
+                r->rank, r->rank, done / 1e6, total / 1e6);
+        fflush(stderr);
+        raise(SIGSTOP);
     }
+    if (h->kill_load_rank == r->rank && 2 * done >= total) {
+        K3_LOGE("rank %d: test hook K3_TEST_FAIL=kill-load:%d: killing myself (SIGKILL) at "
+                "%.2f of %.2f MB",
+                r->rank, r->rank, done / 1e6, total / 1e6);
+        fflush(stderr);
+        raise(SIGKILL);
+    }
+}
+
+uint64_t rank_hooks_plan_hash(const rank_ctx *r, uint64_t hash) {
+    return r->hooks->fail_plan_rank == r->rank ? hash ^ 1 : hash;
 }

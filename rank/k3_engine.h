@@ -29,7 +29,13 @@
  *
  * Errors belong to their request: a bad request (an id outside the vocabulary, too long, bad
  * sampling parameters), a non-finite logit or a sampler error ends that request with an error
- * event and the job goes on. A rank failure still ends the whole job (rank named). */
+ * event and the job goes on.
+ *
+ * Faults. A fault of a rank (a lost or silent peer, a failed load, a broken message, a device
+ * error) is fatal for the job: the call that met it returns its status and the engine takes no
+ * more steps (k3_engine_failed). The client then ends the job with k3_engine_abort, which prints
+ * the one line naming the failed rank (or the peer the ranks agree was the cause) and aborts every
+ * rank: no rank exits alone. The library itself never exits or aborts. */
 #ifndef K3_ENGINE_H
 #define K3_ENGINE_H
 
@@ -56,10 +62,6 @@ typedef struct k3_engine_opts {
     const char *backend;         /* kernel backend (k3_backend_create); NULL = "cpu" */
     const char *comm;            /* transport between ranks (k3_comm_create): "mpi" or "nccl"
                                     (device buffers: with the cuda backend); NULL = "mpi" */
-    const char *test_fail;       /* K3_TEST_FAIL value or NULL */
-    const char *test_force;      /* K3_TEST_FORCE value or NULL: "id,id,...", the tokens every
-                                    request generates first, whatever the logits (a test hook: a
-                                    random tiny model never writes e.g. a tool call by itself) */
     /* capacity (0 = the default named) */
     int max_seqs;             /* sequence slots per lane (default 8) */
     int64_t max_ctx;          /* tokens per sequence: prompt + generated (default 4096) */
@@ -88,18 +90,27 @@ typedef struct k3_engine_opts {
 #define K3_LOAD_TIMEOUT_FLOOR_S 60.0
 #define K3_LOAD_TIMEOUT_MIN_BPS 50e6
 
-/* Collective. Returns 0 with *out set, 2 for a usage error every rank agrees on (rank 0 printed
- * it), 1 for any other error (printed by the rank that failed). A failure after the agreement
- * (e.g. while loading) ends the job instead, naming the rank. */
-int k3_engine_open(const k3_engine_opts *o, k3_engine **out);
+/* Collective. K3_OK with *out set. Otherwise:
+ * - K3_ERR_ARG, *out NULL: a usage error every rank agrees on (rank 0 printed it; exit 2);
+ * - another status, *out NULL: a set-up error every rank agreed on (printed; exit 1);
+ * - another status, *out set: a fatal fault after the agreement (e.g. while loading): the
+ *   client must end the job with k3_engine_abort(*out). */
+k3_status k3_engine_open(const k3_engine_opts *o, k3_engine **out);
 bool k3_engine_is_coordinator(const k3_engine *e);
-/* Ranks other than 0: serve steps until rank 0 closes the engine. */
+/* Ranks other than 0: serve steps until rank 0 closes the engine. A status other than K3_OK is
+ * a fatal fault (k3_engine_abort). */
 k3_status k3_engine_serve(k3_engine *e);
 /* Collective. Rank 0: finish the steps in flight (their events are dropped), tell every rank to
  * stop; then every rank sums the MoE traffic over the world into *final (may be NULL; filled on
- * rank 0) and frees everything. Other ranks call it after k3_engine_serve returned. */
+ * rank 0) and frees everything. Other ranks call it after k3_engine_serve returned. A status
+ * other than K3_OK is a fatal fault: e is not freed, the client ends the job (k3_engine_abort). */
 typedef struct k3_engine_stats k3_engine_stats;
-void k3_engine_close(k3_engine *e, k3_engine_stats *final);
+k3_status k3_engine_close(k3_engine *e, k3_engine_stats *final);
+/* A fatal fault was met: the engine takes no more steps; the job must end (k3_engine_abort). */
+bool k3_engine_failed(const k3_engine *e);
+/* End the whole job for the engine's fatal fault: agree on the root cause with the ranks that
+ * can still answer, print it once (naming the rank), abort every rank (exit code 1). Any rank. */
+_Noreturn void k3_engine_abort(k3_engine *e);
 
 /* A request (rank 0). Everything is copied at submit. */
 typedef struct k3_request {
@@ -167,7 +178,8 @@ k3_status k3_engine_cancel(k3_engine *e, int64_t id);
  * job naming it, so a stopped coordinator cannot leave the workers waiting forever. */
 k3_status k3_engine_heartbeat(k3_engine *e);
 /* Rank 0: make progress until at least one event is ready or nothing is left to do. The events
- * (and their text, logits and error strings) are valid until the next step. */
+ * (and their text, logits and error strings) are valid until the next step. A status other than
+ * K3_OK is a fatal fault (k3_engine_abort); a request's own failure is an ERROR event. */
 k3_status k3_engine_step(k3_engine *e, const k3_event **events, int *n_events);
 /* Rank 0: requests queued + running. */
 int k3_engine_pending(const k3_engine *e);

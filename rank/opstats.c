@@ -1,7 +1,7 @@
 /* opstats.c — `--op-stats FILE.json`: what each worker rank's backend did per forward step.
  *
  * Owns: the per-step difference of the backend's counters (k3_op_stats: op calls by op, host
- * syncs, host<->device bytes), summed by phase in rank_ctx.ops_phase, the gather of every worker
+ * syncs, host<->device bytes), summed by phase in struct rank_opstats, the gather of every worker
  * rank's sums at close and the JSON file rank 0 writes. Does not own: the counting itself (the
  * backends: guard, cuda) nor the step (worker.c calls begin / end around all of it, so the logits
  * and activation downloads after the forward are in the step).
@@ -20,7 +20,20 @@
 #include <errno.h>
 #include <stdlib.h>
 
-static const char *const k_phase_name[RANK_OPS_PHASES] = {"decode", "prefill", "idle"};
+/* A worker step's phase: every sequence one token (decode), some sequence more (prefill), no
+   sequence of this lane in the step (idle: it only serves its experts). */
+enum { OPS_DECODE, OPS_PREFILL, OPS_IDLE, OPS_PHASES };
+static const char *const k_phase_name[OPS_PHASES] = {"decode", "prefill", "idle"};
+
+/* A worker rank's counters: the backend's when the current step began, and each step's
+   difference summed by phase. */
+struct rank_opstats {
+    k3_op_stats begin;
+    struct {
+        uint64_t steps, host_syncs_max; /* steps of the phase; the most host syncs in one */
+        k3_op_stats sum;
+    } phase[OPS_PHASES];
+};
 
 /* The backends that keep counters (k3_backend_op_stats): checked by name before anything is
    created, so every rank refuses alike; rank_opstats_init checks the backend itself. */
@@ -28,50 +41,60 @@ static bool backend_counts(const char *name) {
     return name && (strcmp(name, "guard") == 0 || strcmp(name, "cuda") == 0);
 }
 
-int rank_opstats_agree(rank_ctx *r) {
+k3_status rank_opstats_agree(rank_ctx *r) {
     const k3_engine_opts *o = r->o;
-    if (!o->op_stats) return 0;
+    if (!o->op_stats) return K3_OK;
     const char *be = o->backend ? o->backend : "cpu";
     int local = backend_counts(be) ? 0 : 1, worst = local;
-    if (k3_comm_world_max(local, &worst, o->comm_timeout_s > 0 ? o->comm_timeout_s : 600) != K3_OK)
-        rank_die(r, K3_ERR(K3_ERR_COMM, "--op-stats: the ranks could not agree on the backend"));
+    if (k3_comm_world_max(local, &worst, rank_comm_timeout(r)) != K3_OK)
+        RTRY(r, K3_ERR(K3_ERR_COMM, "--op-stats: the ranks could not agree on the backend"));
     if (worst && r->rank == 0) {
         char which[64];
         snprintf(which, sizeof which, local ? "the %s backend" : "another rank's backend", be);
         fprintf(stderr, "%s: --op-stats: %s keeps no op counters; use --backend guard (or cuda)\n",
                 rank_cmd_name(r), which);
     }
-    return worst ? 2 : 0;
+    return worst ? K3_ERR(K3_ERR_ARG, "--op-stats: no op counters (printed by rank 0)") : K3_OK;
 }
 
-void rank_opstats_init(rank_ctx *r) {
-    if (!r->o->op_stats || !r->be) return;
-    if (k3_backend_op_stats(r->be, &r->ops_begin) != K3_OK) {
+k3_status rank_opstats_init(rank_ctx *r) {
+    if (!r->o->op_stats || !r->be) return K3_OK;
+    RTRY(r, k3_calloc((void **)&r->ops, sizeof *r->ops, "op stats"));
+    if (k3_backend_op_stats(r->be, &r->ops->begin) != K3_OK) {
         char why[256];
         snprintf(why, sizeof why, "%s", k3_last_error());
-        rank_die(r, K3_ERR(K3_ERR_ARG, "--op-stats: %s; use --backend guard (or cuda)", why));
+        RTRY(r, K3_ERR(K3_ERR_ARG, "--op-stats: %s; use --backend guard (or cuda)", why));
     }
+    return K3_OK;
 }
 
-void rank_opstats_begin(rank_ctx *r) {
-    if (!r->o->op_stats) return;
-    RTRY(r, k3_backend_op_stats(r->be, &r->ops_begin));
+void rank_opstats_destroy(rank_ctx *r) {
+    k3_free(r->ops);
+    r->ops = NULL;
 }
 
-void rank_opstats_end(rank_ctx *r, int64_t T, int n_seqs) {
-    if (!r->o->op_stats) return;
+k3_status rank_opstats_begin(rank_ctx *r) {
+    if (!r->ops) return K3_OK;
+    RTRY(r, k3_backend_op_stats(r->be, &r->ops->begin));
+    return K3_OK;
+}
+
+k3_status rank_opstats_end(rank_ctx *r, int64_t T, int n_seqs) {
+    struct rank_opstats *o = r->ops;
+    if (!o) return K3_OK;
     k3_op_stats now;
     RTRY(r, k3_backend_op_stats(r->be, &now));
-    const int ph = n_seqs == 0 ? RANK_OPS_IDLE : T > n_seqs ? RANK_OPS_PREFILL : RANK_OPS_DECODE;
-    k3_op_stats *sum = &r->ops_phase[ph].sum;
-    const k3_op_stats *b = &r->ops_begin;
+    const int ph = n_seqs == 0 ? OPS_IDLE : T > n_seqs ? OPS_PREFILL : OPS_DECODE;
+    k3_op_stats *sum = &o->phase[ph].sum;
+    const k3_op_stats *b = &o->begin;
     for (int i = 0; i < K3_OP_COUNT; i++) sum->calls[i] += now.calls[i] - b->calls[i];
     const uint64_t syncs = now.host_syncs - b->host_syncs;
     sum->host_syncs += syncs;
     sum->h2d_bytes += now.h2d_bytes - b->h2d_bytes;
     sum->d2h_bytes += now.d2h_bytes - b->d2h_bytes;
-    r->ops_phase[ph].steps++;
-    r->ops_phase[ph].host_syncs_max = K3_MAX(r->ops_phase[ph].host_syncs_max, syncs);
+    o->phase[ph].steps++;
+    o->phase[ph].host_syncs_max = K3_MAX(o->phase[ph].host_syncs_max, syncs);
+    return K3_OK;
 }
 
 /* ---- the gather and the file ------------------------------------------------------------------
@@ -79,13 +102,16 @@ void rank_opstats_end(rank_ctx *r, int64_t T, int n_seqs) {
 /* One rank's sums as it travels (u64 each): per phase steps, host_syncs_max, host_syncs,
    h2d_bytes, d2h_bytes, calls[K3_OP_COUNT]. */
 #define PACK_PHASE (5 + K3_OP_COUNT)
-#define PACK_U64   (RANK_OPS_PHASES * PACK_PHASE)
+#define PACK_U64   (OPS_PHASES * PACK_PHASE)
 
+/* A rank without counters (the dedicated coordinator) packs zeros. */
 static void pack(const rank_ctx *r, uint64_t *p) {
-    for (int ph = 0; ph < RANK_OPS_PHASES; ph++, p += PACK_PHASE) {
-        const k3_op_stats *s = &r->ops_phase[ph].sum;
-        p[0] = r->ops_phase[ph].steps;
-        p[1] = r->ops_phase[ph].host_syncs_max;
+    memset(p, 0, PACK_U64 * sizeof *p);
+    if (!r->ops) return;
+    for (int ph = 0; ph < OPS_PHASES; ph++, p += PACK_PHASE) {
+        const k3_op_stats *s = &r->ops->phase[ph].sum;
+        p[0] = r->ops->phase[ph].steps;
+        p[1] = r->ops->phase[ph].host_syncs_max;
         p[2] = s->host_syncs;
         p[3] = s->h2d_bytes;
         p[4] = s->d2h_bytes;
@@ -132,14 +158,14 @@ static int write_file(rank_ctx *r, const uint64_t *all) {
         cJSON *ly = cJSON_AddArrayToObject(it, "layers");
         cJSON_AddItemToArray(ly, cJSON_CreateNumber(r->plan.stage_begin[s]));
         cJSON_AddItemToArray(ly, cJSON_CreateNumber(r->plan.stage_begin[s + 1]));
-        for (int ph = 0; ph < RANK_OPS_PHASES; ph++)
+        for (int ph = 0; ph < OPS_PHASES; ph++)
             cJSON_AddItemToObject(it, k_phase_name[ph], phase_json(p + ph * PACK_PHASE));
         cJSON_AddItemToArray(st, it);
         n_entries++;
         only = w;
     }
     if (n_entries == 1) /* a one-rank run: `jq .decode.ops_per_step` */
-        for (int ph = 0; ph < RANK_OPS_PHASES; ph++)
+        for (int ph = 0; ph < OPS_PHASES; ph++)
             cJSON_AddItemToObject(root, k_phase_name[ph],
                                   phase_json(all + (size_t)only * PACK_U64 + ph * PACK_PHASE));
     char *txt = cJSON_Print(root);
@@ -164,8 +190,9 @@ static int write_file(rank_ctx *r, const uint64_t *all) {
     return rc;
 }
 
-int rank_opstats_write(rank_ctx *r) {
-    if (!r->o->op_stats) return 0;
+k3_status rank_opstats_write(rank_ctx *r, int *rc) {
+    *rc = 0;
+    if (!r->o->op_stats) return K3_OK;
     /* every worker rank in turn broadcasts its sums (a gather on the helpers comm/ has; at
        close, a few KB a rank); rank 0 keeps them all */
     uint64_t *all = NULL, mine[PACK_U64], scratch[PACK_U64];
@@ -178,7 +205,7 @@ int rank_opstats_write(rank_ctx *r) {
         if (w == r->rank) memcpy(buf, mine, sizeof mine);
         RTRY(r, k3_comm_bcast(r->comm, w, buf, sizeof mine));
     }
-    int rc = r->rank == 0 ? write_file(r, all) : 0;
+    *rc = r->rank == 0 ? write_file(r, all) : 0;
     k3_free(all);
-    return rc;
+    return K3_OK;
 }

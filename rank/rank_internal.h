@@ -1,18 +1,26 @@
-/* rank_internal.h — private to rank/: the state of one rank (rank_ctx), the sequence and group
- * records of the scheduler, and the functions the role files share:
- *   engine.c     the engine API (k3_engine.h): open, serve, submit, step, cancel, close
- *   setup.c      config, plan + hash agreement, loading with progress
- *   worker.c     the stage worker of a lane: BATCH/ACTIV in, forward, ACTIV/LOGITS out
+/* rank_internal.h — private to rank/: what every role of a rank shares (rank_ctx) and the
+ * functions the role files call on each other. Each role keeps its own state in a struct that
+ * only its file sees (tests/layering/module_graph.py checks where each is defined):
+ *   engine.c     the engine API (k3_engine.h): open, serve, submit, step, cancel, close, stats;
+ *                the world's totals gathered at open and close (struct k3_engine)
+ *   setup.c      config, capacity, plan + agreement, memory check, binding; the load with its
+ *                heartbeat and progress bar (struct rank_load: lives only during the load)
+ *   worker.c     the stage worker of a lane: decode a step message, upload, forward, send
+ *                (struct rank_worker)
  *   scheduler.c  the coordinator: requests, slots, micro-batch groups, steps, sampling, events
- *   run.c        `k3 run` as a client of the engine: prompts in, ids/text/JSON/.npy out
- *   hooks.c      failure (die) and the K3_TEST_FAIL test hooks
+ *                (struct rank_coord)
+ *   opstats.c    --op-stats: the backend's counters per worker step (struct rank_opstats)
+ *   hooks.c      fatal faults (record, then rank_abort) and the K3_TEST_FAIL / K3_TEST_FORCE
+ *                hooks (struct rank_hooks)
  *   wire.c       the typed payloads of wire.h on comm's messages
+ * Faults: every function that can fail returns k3_status; RTRY records the first fatal fault of
+ * the rank (rank_fail) on its way up, the engine API returns it, and the client ends the job with
+ * k3_engine_abort (rank_abort: the one line naming the rank, or the peer the ranks agree on).
  * Nothing outside rank/ includes this. */
 #ifndef K3_RANK_INTERNAL_H
 #define K3_RANK_INTERNAL_H
 
 #include "k3_engine.h"
-#include "k3_rank.h"
 
 #include "k3_comm.h"
 #include "k3_experts.h"
@@ -21,165 +29,86 @@
 
 #include <stdio.h>
 
-/* One request on the coordinator (scheduler.c). */
-typedef enum { RQ_QUEUED = 0, RQ_RUNNING, RQ_ENDED } rq_state;
-typedef struct req_run {
-    int64_t id;
-    uint64_t user;
-    rq_state state;
-    int32_t *prompt; /* [P] (copied) */
-    int64_t P, fed;  /* prompt length, tokens fed so far (prompt, then generated) */
-    int max_tokens;
-    int n_gen;
-    int32_t *gen; /* [max_tokens] */
-    int lane, group, slot;
-    int blk_resv;       /* paged cache blocks reserved on its lane: prompt + max_tokens */
-    bool opened;        /* its first step (the OPEN flag) was sent */
-    int64_t n_tok_step; /* tokens in its group's current step */
-    k3_sampler *smp;
-    k3_stop_kind stop;
-    int stop_string;
-    int logprobs;
-    bool keep_logits, all_logits, cancel;
-    float *prompt_logits; /* all_logits: [P, V] */
-    int64_t prompt_rows;
-    k3_tok_bytes text; /* text emitted so far (deltas are its new bytes) */
-    size_t text_sent;
-    char *error; /* a request that can never run: reported by the next step */
-    k3_error_kind error_kind;
-} req_run;
-
-typedef struct ev_block {
-    char *data;
-    size_t size, used;
-} ev_block;
-
-typedef struct group_run {
-    int step;    /* current step id */
-    int pending; /* LOGITS messages still expected for its step in flight (0: idle) */
-} group_run;
+struct rank_worker;  /* worker.c */
+struct rank_coord;   /* scheduler.c */
+struct rank_opstats; /* opstats.c */
+struct rank_hooks;   /* hooks.c */
 
 typedef struct rank_ctx {
     k3_engine_opts o_; /* the engine options (copied at open) */
     const k3_engine_opts *o;
-    int rank, world, stage, lane;
+    int rank, world, stage, lane; /* stage, lane: -1 on a dedicated coordinator */
     bool worker, coord;
     k3_config cfg;
     k3_plan plan;
     k3_comm *comm;
-    k3_comm_where *where;  /* [world] node, host and MemAvailable of every rank (set-up) */
-    int32_t base_stops[3]; /* EOS of the config, <|end_of_msg|>, [EOS] (-1: none) */
-    /* test hooks */
-    int fail_load_rank, fail_decode_rank, fail_decode_step, fail_plan_rank;
-    bool fail_hang;     /* "hang:R:N": stop answering instead of dying */
-    int fail_signal;    /* decode:R:N SIGKILL, stop:R:N SIGSTOP */
-    int kill_load_rank; /* "kill-load:R": SIGKILL itself half-way through the load */
-    int32_t *force;     /* [n_force] K3_TEST_FORCE: the first tokens of every request (rank 0) */
-    int n_force;
-    /* capacity */
+    k3_comm_where *where; /* [world] node, host and MemAvailable of every rank (set-up) */
+    /* capacity (setup.c, from the options and the engine's defaults) */
     int max_seqs;
     int64_t max_ctx, max_tokens, chunk; /* max_tokens: per forward step of a lane */
-    /* worker */
+    int kv_blocks;                      /* paged cache blocks of every stage of a lane */
+    /* what the load made (setup.c), the worker's to use; be outlives comm (k3_engine_close) */
+    k3_backend *be; /* the rank's kernel backend: weights, states, activations */
     k3_ckpt *ck;
     k3_weights *w;
     const k3_weights_view *view;
-    k3_stage *st;
-    k3_seq_state **states; /* [max_seqs] this lane's slots */
-    k3_backend *be;        /* the rank's kernel backend: weights, states, activations */
-    k3_activ act;
-    float *logits;    /* [max_tokens, V] on the last stage (backend memory) */
-    float *h_logits;  /* host staging of logits (NULL: the backend is host-visible) */
-    float *h_act;     /* host staging of h | bank for ACTIV (NULL: host-visible, or dev_act) */
-    bool dev_act;     /* ACTIV floats go backend to backend (k3_comm_send_dev: nccl) */
-    int32_t *lane_of; /* [n_layers * n_experts] owner lane of each (layer, expert) */
-    int n_forward;
-    double busy_s;          /* time inside forward steps */
-    double busy_final[256]; /* every rank's busy_s, gathered at close */
-    k3_seq_state **bstates; /* [max_seqs] batch scratch */
-    int32_t *bntok;         /* [max_seqs] */
-    int32_t *bnf;           /* [max_seqs] k3_batch.nonfinite */
-    int32_t *wmeta;         /* [META_HDR + META_SEQ * max_seqs] the meta this worker sends on */
-    bool serving;           /* worker loop live (no STOP yet) */
-    int in_peer;            /* where this worker's steps come from */
-    k3_msg_kind in_kind;
-    /* load */
-    FILE *tty; /* rank 0: where the bar goes (stderr, or /dev/tty under mpirun) */
-    int *pct;  /* [world] load progress per rank (rank 0 hears every rank, workers rank 0) */
-    /* the load heartbeat (setup.c): what each peer last reported, and when */
-    int *hb_state;              /* [world] K3_LOAD_* */
-    uint64_t *hb_bytes;         /* [world] bytes read so far */
-    double *seen;               /* [world] k3_now_s() of the last beat */
-    uint64_t hb_done, hb_total; /* this rank's own load */
-    double hb_sent, t_load0, load_timeout_s;
-    int stall_load_rank; /* test hook "stall-load:R": SIGSTOP itself half-way through the load */
+    uint64_t bytes_read;
     double load_s;
-    uint64_t bytes_read, bytes_read_total;
-    uint64_t *bytes_read_all, *load_us_all; /* [world], gathered at open */
-    const k3_ckpt_tensor **read_list;       /* --verify: the tensors this rank read */
-    int64_t n_read, cap_read;
-    double load_s_max;
-    /* coordinator */
-    int n_groups;
-    group_run *groups;
-    req_run **reqs; /* every request not yet reported ended, by submit order */
-    int n_reqs, cap_reqs;
-    int64_t next_id;
-    req_run **slot_req; /* [E * max_seqs] the running request in each (lane, slot) */
-    int kv_blocks;      /* paged cache blocks of every stage of a lane (--kv-cache-tokens) */
-    int *lane_blk_free; /* [E] blocks not reserved by a running request */
-    int32_t *pend_free; /* [E * max_seqs] slots ended since the lane's last step */
-    int *n_pend_free;   /* [E] */
-    int32_t *meta;      /* message meta scratch */
-    int64_t meta_cap;
-    float *row; /* [V] scratch (logprobs) */
-    /* events of the current k3_engine_step */
-    k3_event *ev;
-    int n_ev, cap_ev;
-    struct ev_block *ev_mem; /* memory the events point into, rewound at the next step */
-    int n_ev_mem, cap_ev_mem, ev_cur;
-    double last_progress; /* coordinator: when a message last arrived */
-    uint8_t *wire;        /* k3_wire_step + int32 meta: the bytes of one outgoing step message */
+    FILE *tty; /* rank 0: where the load bar goes (stderr, or /dev/tty under mpirun) */
+    /* the roles, each private to its file */
+    struct rank_hooks *hooks; /* always */
+    struct rank_worker *wk;   /* worker ranks */
+    struct rank_coord *co;    /* rank 0 */
+    struct rank_opstats *ops; /* worker ranks with --op-stats */
+    /* wire.c: the bytes of one outgoing step message (k3_wire_step + int32 meta) */
+    uint8_t *wire;
     size_t wire_cap;
-    uint64_t logits_bytes;
-    int n_logits_msgs;
-    int64_t prompt_tokens, gen_tokens;
-    uint64_t n_steps;     /* forward steps the coordinator sent */
-    double *rank_busy_s;  /* [world] forward time of each rank so far (from the LOGITS) */
-    uint64_t *rank_steps; /* [world] its steps counted there */
-    uint64_t moe_dispatch_bytes, moe_combine_bytes; /* world sums, at close */
-    /* --op-stats (opstats.c, worker ranks): the backend's counters when the current step began,
-       and each step's difference summed by phase (index: RANK_OPS_DECODE, _PREFILL, _IDLE) */
-    k3_op_stats ops_begin;
-    struct {
-        uint64_t steps, host_syncs_max; /* steps of the phase; the most host syncs in one */
-        k3_op_stats sum;
-    } ops_phase[3];
+    /* the first fatal fault (hooks.c); the engine takes no step after it */
+    k3_status fault;
+    bool fault_blame; /* fault_msg names a peer as the cause (rank_blame) */
+    char fault_msg[2048];
 } rank_ctx;
 
-struct k3_engine {
-    rank_ctx r;
-};
+/* The wait limit of --comm-timeout (<= 0: 600 s). */
+static inline double rank_comm_timeout(const rank_ctx *r) {
+    return r->o->comm_timeout_s > 0 ? r->o->comm_timeout_s : 600;
+}
+/* The prefix of set-up error lines (k3_engine_opts.name, default "k3"). */
+static inline const char *rank_cmd_name(const rank_ctx *r) {
+    return r->o && r->o->name ? r->o->name : "k3";
+}
 
-/* ---- hooks.c: failure and test hooks ------------------------------------------------------- */
-/* Log the failure naming this rank (stage, lane) and end the whole job. */
-_Noreturn void rank_die(rank_ctx *r, k3_status s);
-/* Log one line naming a peer as the cause (fmt says who and what; the line adds who noticed) and
- * end the whole job. */
-_Noreturn void rank_die_blame(rank_ctx *r, const char *fmt, ...)
-    __attribute__((format(printf, 2, 3)));
+/* ---- hooks.c: faults and test hooks ------------------------------------------------------- */
+/* Record s as this rank's fatal fault (the first one kept, with k3_last_error()) and return it. */
+k3_status rank_fail(rank_ctx *r, k3_status s);
+/* A fault whose cause is a peer: fmt says who and what; rank_abort adds who noticed. Returns
+ * K3_ERR_COMM. */
+k3_status rank_blame(rank_ctx *r, const char *fmt, ...) __attribute__((format(printf, 2, 3)));
+/* End the whole job for the recorded fault: with a comm fault pending, agree on the root cause
+ * with the ranks that can still answer and print it once; else log "rank R (stage S, lane E)
+ * failed: status: cause" (or the blame line); then abort every rank. */
+_Noreturn void rank_abort(rank_ctx *r);
 #define RTRY(r, expr)                                                                              \
     do {                                                                                           \
         k3_status s_ = (expr);                                                                     \
-        if (s_ != K3_OK) rank_die((r), s_);                                                        \
+        if (s_ != K3_OK) return rank_fail((r), s_);                                                \
     } while (0)
-/* K3_TEST_FAIL: load:R, stall-load:R, kill-load:R, decode:R:N (SIGKILL at step N), stop:R:N
- * (SIGSTOP at step N), hang:R:N, plan:R. A worker counts its forward steps, a dedicated
- * coordinator the logits messages it received. */
-void rank_hooks_parse(rank_ctx *r);
+/* K3_TEST_FAIL (k3_engine_test.h): load:R, stall-load:R, kill-load:R, decode:R:N (SIGKILL at
+ * step N), stop:R:N (SIGSTOP at step N), hang:R:N, plan:R. A worker counts its forward steps, a
+ * dedicated coordinator the logits messages it received. */
+k3_status rank_hooks_create(rank_ctx *r, const char *test_fail);
 /* K3_TEST_FORCE (after the set-up: ids are checked against the vocabulary). */
-void rank_hooks_parse_force(rank_ctx *r);
+k3_status rank_hooks_force(rank_ctx *r, const char *test_force);
+void rank_hooks_destroy(rank_ctx *r);
 /* Die or hang now if the decode hook names this rank and count. */
-void rank_hooks_maybe_die(rank_ctx *r, int count);
+void rank_hooks_step(rank_ctx *r, int count);
+/* The load hooks: fail (load:R) before reading; stop or kill itself half-way (done/total). */
+k3_status rank_hooks_load_begin(rank_ctx *r);
+void rank_hooks_load_progress(rank_ctx *r, uint64_t done, uint64_t total);
+/* plan:R: this rank's plan hash, altered when the hook names it. */
+uint64_t rank_hooks_plan_hash(const rank_ctx *r, uint64_t hash);
+/* K3_TEST_FORCE: the forced token of position n_gen of every request; false past the list. */
+bool rank_hooks_forced(const rank_ctx *r, int n_gen, int32_t *id);
 
 /* ---- wire.c ---------------------------------------------------------------------------------- */
 /* A received step message, checked against wire.h. */
@@ -191,55 +120,59 @@ typedef struct step_msg {
     int64_t n_f32;
     uint64_t n_bytes; /* on the wire, header included */
 } step_msg;
-void rank_post_step(rank_ctx *r, int peer, k3_msg_kind kind, k3_wire_step h, const int32_t *meta,
-                    const k3_f32_seg *seg, int n_seg);
-void rank_poll_step(rank_ctx *r, int peer, k3_msg_kind kind, step_msg *out, bool *got);
+k3_status rank_post_step(rank_ctx *r, int peer, k3_msg_kind kind, k3_wire_step h,
+                         const int32_t *meta, const k3_f32_seg *seg, int n_seg);
+k3_status rank_poll_step(rank_ctx *r, int peer, k3_msg_kind kind, step_msg *out, bool *got);
 
 /* ---- setup.c --------------------------------------------------------------------------------- */
-int rank_setup(rank_ctx *r);       /* 0 ok, 2 usage error, 1 other error (agreed by every rank) */
-void rank_load(rank_ctx *r);       /* the load, with the heartbeat and --load-timeout */
-void rank_load_drain(rank_ctx *r); /* take stray beats (after the barrier that ends open) */
-/* The prefix of set-up error lines (k3_engine_opts.name, default "k3"). */
-static inline const char *rank_cmd_name(const rank_ctx *r) {
-    return r->o && r->o->name ? r->o->name : "k3";
-}
+/* Set-up before anything collective: K3_OK, K3_ERR_ARG for a usage error every rank agrees on
+ * (rank 0 printed it), another status for an error every rank agreed on (printed); a fault
+ * after that is recorded (rank_fail) and returned too, with r->fault set. */
+k3_status rank_setup(rank_ctx *r);
+/* The load, with the heartbeat, the bar and --load-timeout. */
+k3_status rank_load(rank_ctx *r);
+k3_status rank_load_drain(rank_ctx *r); /* take stray beats (after the barrier that ends open) */
 
 /* ---- worker.c -------------------------------------------------------------------------------- */
-void rank_worker_init(rank_ctx *r);
+k3_status rank_worker_init(rank_ctx *r);
 void rank_worker_destroy(rank_ctx *r);
-void rank_worker_step(rank_ctx *r, const step_msg *m);
+/* Worker ranks: serve until STOP. */
+k3_status rank_worker_serve(rank_ctx *r);
+/* One poll of this rank's worker input; *did true when a step was processed or STOP arrived. */
+k3_status rank_worker_poll(rank_ctx *r, bool *did);
+/* What the worker did so far: forward steps and the seconds inside them. */
+void rank_worker_busy(const rank_ctx *r, int *n_forward, double *busy_s);
 
 /* ---- opstats.c: --op-stats ------------------------------------------------------------------ */
-/* A worker step's phase: every sequence one token (decode), some sequence more (prefill), no
-   sequence of this lane in the step (idle: it only serves its experts). */
-enum { RANK_OPS_DECODE, RANK_OPS_PREFILL, RANK_OPS_IDLE, RANK_OPS_PHASES };
-_Static_assert(RANK_OPS_PHASES == 3, "rank_ctx.ops_phase has one entry per phase");
 /* k3_engine_open, before the set-up: --op-stats with a backend that does not count is a usage
-   error every rank agrees on (rank 0 prints it). Returns 0 or 2. */
-int rank_opstats_agree(rank_ctx *r);
-/* After the worker's backend exists: read its counters once (ends the job if it cannot). */
-void rank_opstats_init(rank_ctx *r);
-/* First and last statements of rank_worker_step (no-ops without --op-stats). */
-void rank_opstats_begin(rank_ctx *r);
-void rank_opstats_end(rank_ctx *r, int64_t T, int n_seqs);
+   error every rank agrees on (rank 0 prints it): K3_ERR_ARG. */
+k3_status rank_opstats_agree(rank_ctx *r);
+/* After the worker's backend exists: read its counters once. */
+k3_status rank_opstats_init(rank_ctx *r);
+void rank_opstats_destroy(rank_ctx *r);
+/* First and last statements of a worker step (no-ops without --op-stats). */
+k3_status rank_opstats_begin(rank_ctx *r);
+k3_status rank_opstats_end(rank_ctx *r, int64_t T, int n_seqs);
 /* Collective, at close: every worker rank's totals to rank 0, which writes the JSON file.
-   Returns 0, or 1 on rank 0 when the file could not be written (printed). */
-int rank_opstats_write(rank_ctx *r);
+ *rc: 0, or 1 on rank 0 when the file could not be written (printed). */
+k3_status rank_opstats_write(rank_ctx *r, int *rc);
 
 /* ---- scheduler.c ----------------------------------------------------------------------------- */
-void rank_coord_init(rank_ctx *r);
+k3_status rank_coord_init(rank_ctx *r);
 void rank_coord_destroy(rank_ctx *r);
 k3_status rank_coord_submit(rank_ctx *r, const k3_request *rq, int64_t *id);
 k3_status rank_coord_cancel(rank_ctx *r, int64_t id);
+/* Every request ends (k3_engine_close): cancelled, their events dropped. */
+void rank_coord_cancel_all(rank_ctx *r);
 /* Progress until at least one event is ready or nothing is left (coordinator, + its worker). */
-void rank_coord_step(rank_ctx *r);
+k3_status rank_coord_step(rank_ctx *r, const k3_event **events, int *n_events);
 int rank_coord_pending(const rank_ctx *r);
 /* A step whose logits some lane still owes (every request may have ended: a step returns with the
  * first lane's events). */
 bool rank_coord_in_flight(const rank_ctx *r);
-/* Worker ranks: serve until STOP. */
-void rank_worker_serve(rank_ctx *r);
-/* One poll of this rank's worker input; true when a step was processed or STOP arrived. */
-bool rank_worker_poll(rank_ctx *r);
+/* The coordinator's part of k3_engine_stats (micro_batches, tokens, steps, logits). */
+void rank_coord_stats(const rank_ctx *r, k3_engine_stats *out);
+/* k3_engine_rank_busy: worker rank w's forward seconds and steps, from the LOGITS so far. */
+bool rank_coord_rank_busy(const rank_ctx *r, int w, double *busy_s, uint64_t *steps);
 
 #endif /* K3_RANK_INTERNAL_H */

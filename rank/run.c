@@ -3,6 +3,8 @@
  * results print as id lines + text, or one JSON object, and stream to a terminal as they come.
  * Usage errors (prompt ids outside the vocabulary, bad sampling parameters) are checked on
  * every rank before the engine opens, so every rank agrees on exit code 2. */
+#include "k3_engine_test.h"
+#include "k3_rank.h"
 #include "rank_internal.h"
 
 #include <cjson/cJSON.h>
@@ -327,6 +329,7 @@ static int drive(k3_engine *e, const k3_rank_opts *o, run_seq *s, int64_t V, boo
         const k3_event *ev;
         int n;
         if (k3_engine_step(e, &ev, &n) != K3_OK) {
+            if (k3_engine_failed(e)) k3_engine_abort(e); /* the job ends, the rank named */
             fprintf(stderr, "k3 run: %s\n", k3_last_error());
             return 1;
         }
@@ -406,7 +409,6 @@ int k3_rank_run(const k3_rank_opts *o) {
                          .kda_chunk = o->kda_chunk,
                          .backend = o->backend,
                          .comm = o->comm,
-                         .test_fail = o->test_fail,
                          .max_seqs = o->max_seqs > 0 ? o->max_seqs : per_lane,
                          .max_ctx = o->max_ctx > 0 ? o->max_ctx : maxP + o->n_new,
                          .max_batch_tokens = o->max_batch_tokens > 0
@@ -420,13 +422,16 @@ int k3_rank_run(const k3_rank_opts *o) {
                          .verify = o->verify,
                          .op_stats = o->op_stats};
     k3_engine *e = NULL;
-    int rc = k3_engine_open(&eo, &e);
-    if (rc) return rc;
+    k3_status ost = k3_engine_open_test(&eo, &(k3_engine_test){.fail = o->test_fail}, &e);
+    if (ost != K3_OK && e) k3_engine_abort(e); /* a fatal fault: the job ends, the rank named */
+    if (ost != K3_OK) return ost == K3_ERR_ARG ? 2 : 1;
     if (!k3_engine_is_coordinator(e)) {
         k3_status st = k3_engine_serve(e);
-        k3_engine_close(e, NULL);
-        return st == K3_OK ? 0 : 1;
+        if (st == K3_OK) st = k3_engine_close(e, NULL);
+        if (st != K3_OK) k3_engine_abort(e);
+        return 0;
     }
+    int rc = 0;
     run_seq *s = calloc((size_t)o->n_prompts, sizeof *s);
     rc = s ? 0 : 1;
     const int32_t *p = o->prompt_ids;
@@ -452,7 +457,7 @@ int k3_rank_run(const k3_rank_opts *o) {
         k3_engine_rank_info(e, i, &ranks[i].stage, &ranks[i].lane, &ranks[i].bytes_read,
                             &ranks[i].plan_weight_bytes, &ranks[i].load_s);
     k3_engine_stats es;
-    k3_engine_close(e, &es);
+    if (k3_engine_close(e, &es) != K3_OK) k3_engine_abort(e);
     e = NULL;
     if (!rc && es.op_stats_rc) rc = 1; /* --op-stats FILE not written (printed) */
     if (!rc && o->dump_logits) {

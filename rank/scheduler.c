@@ -16,42 +16,110 @@
 #include <math.h>
 #include <stdlib.h>
 
+/* One request on the coordinator. */
+typedef enum { RQ_QUEUED = 0, RQ_RUNNING, RQ_ENDED } rq_state;
+typedef struct req_run {
+    int64_t id;
+    uint64_t user;
+    rq_state state;
+    int32_t *prompt; /* [P] (copied) */
+    int64_t P, fed;  /* prompt length, tokens fed so far (prompt, then generated) */
+    int max_tokens;
+    int n_gen;
+    int32_t *gen; /* [max_tokens] */
+    int lane, group, slot;
+    int blk_resv;       /* paged cache blocks reserved on its lane: prompt + max_tokens */
+    bool opened;        /* its first step (the OPEN flag) was sent */
+    int64_t n_tok_step; /* tokens in its group's current step */
+    k3_sampler *smp;
+    k3_stop_kind stop;
+    int stop_string;
+    int logprobs;
+    bool keep_logits, all_logits, cancel;
+    float *prompt_logits; /* all_logits: [P, V] */
+    int64_t prompt_rows;
+    k3_tok_bytes text; /* text emitted so far (deltas are its new bytes) */
+    size_t text_sent;
+    char *error; /* a request that can never run: reported by the next step */
+    k3_error_kind error_kind;
+} req_run;
+
+typedef struct ev_block {
+    char *data;
+    size_t size, used;
+} ev_block;
+
+typedef struct group_run {
+    int step;    /* current step id */
+    int pending; /* LOGITS messages still expected for its step in flight (0: idle) */
+} group_run;
+
+/* The coordinator's state (rank 0). */
+struct rank_coord {
+    int32_t base_stops[3]; /* EOS of the config, <|end_of_msg|>, [EOS] (-1: none) */
+    int n_groups;
+    group_run *groups;
+    req_run **reqs; /* every request not yet reported ended, by submit order */
+    int n_reqs, cap_reqs;
+    int64_t next_id;
+    req_run **slot_req; /* [E * max_seqs] the running request in each (lane, slot) */
+    int *lane_blk_free; /* [E] blocks not reserved by a running request */
+    int32_t *pend_free; /* [E * max_seqs] slots ended since the lane's last step */
+    int *n_pend_free;   /* [E] */
+    int32_t *meta;      /* message meta scratch */
+    int64_t meta_cap;
+    float *row; /* [V] scratch (logprobs) */
+    /* events of the current k3_engine_step */
+    k3_event *ev;
+    int n_ev, cap_ev;
+    ev_block *ev_mem; /* memory the events point into, rewound at the next step */
+    int n_ev_mem, cap_ev_mem, ev_cur;
+    double last_progress; /* when a message last arrived */
+    uint64_t logits_bytes;
+    int n_logits_msgs;
+    int64_t prompt_tokens, gen_tokens;
+    uint64_t n_steps;     /* forward steps sent */
+    double *rank_busy_s;  /* [world] forward time of each rank so far (from the LOGITS) */
+    uint64_t *rank_steps; /* [world] its steps counted there */
+};
+
 /* ---- events ------------------------------------------------------------------------------- */
 /* Event data (text deltas, logits rows) comes from blocks that are kept and reused: clearing the
  * events only rewinds them, so a step allocates nothing once the blocks have grown. */
 #define EV_BLOCK (256 * 1024)
-static void *ev_alloc(rank_ctx *r, size_t n) {
+static k3_status ev_alloc(rank_ctx *r, size_t n, void **out) {
     n = (n + 63) & ~(size_t)63; /* 64-byte aligned pieces (float rows) */
-    for (; r->ev_cur < r->n_ev_mem; r->ev_cur++) {
-        ev_block *b = &r->ev_mem[r->ev_cur];
+    for (; r->co->ev_cur < r->co->n_ev_mem; r->co->ev_cur++) {
+        ev_block *b = &r->co->ev_mem[r->co->ev_cur];
         if (b->size - b->used >= n) {
-            void *p = b->data + b->used;
+            *out = b->data + b->used;
             b->used += n;
-            return p;
+            return K3_OK;
         }
     }
-    if (r->n_ev_mem == r->cap_ev_mem) {
-        int cap = r->cap_ev_mem ? 2 * r->cap_ev_mem : 16;
-        ev_block *m = realloc(r->ev_mem, (size_t)cap * sizeof *m);
-        if (!m) rank_die(r, K3_ERR(K3_ERR_NOMEM, "event memory table"));
-        r->ev_mem = m, r->cap_ev_mem = cap;
+    if (r->co->n_ev_mem == r->co->cap_ev_mem) {
+        int cap = r->co->cap_ev_mem ? 2 * r->co->cap_ev_mem : 16;
+        ev_block *m = realloc(r->co->ev_mem, (size_t)cap * sizeof *m);
+        if (!m) RTRY(r, K3_ERR(K3_ERR_NOMEM, "event memory table"));
+        r->co->ev_mem = m, r->co->cap_ev_mem = cap;
     }
-    ev_block *b = &r->ev_mem[r->n_ev_mem];
+    ev_block *b = &r->co->ev_mem[r->co->n_ev_mem];
     b->size = n > EV_BLOCK ? n : EV_BLOCK;
     b->used = n;
     RTRY(r, k3_alloc((void **)&b->data, b->size, "event data"));
-    r->ev_cur = r->n_ev_mem++;
-    return b->data;
+    r->co->ev_cur = r->co->n_ev_mem++;
+    *out = b->data;
+    return K3_OK;
 }
 
-static k3_event *ev_push(rank_ctx *r, k3_event_kind kind, const req_run *q) {
-    if (r->n_ev == r->cap_ev) {
-        int cap = r->cap_ev ? 2 * r->cap_ev : 64;
-        k3_event *e = realloc(r->ev, (size_t)cap * sizeof *e);
-        if (!e) rank_die(r, K3_ERR(K3_ERR_NOMEM, "event table"));
-        r->ev = e, r->cap_ev = cap;
+static k3_status ev_push(rank_ctx *r, k3_event_kind kind, const req_run *q, k3_event **out) {
+    if (r->co->n_ev == r->co->cap_ev) {
+        int cap = r->co->cap_ev ? 2 * r->co->cap_ev : 64;
+        k3_event *e = realloc(r->co->ev, (size_t)cap * sizeof *e);
+        if (!e) RTRY(r, K3_ERR(K3_ERR_NOMEM, "event table"));
+        r->co->ev = e, r->co->cap_ev = cap;
     }
-    k3_event *e = &r->ev[r->n_ev++];
+    k3_event *e = &r->co->ev[r->co->n_ev++];
     memset(e, 0, sizeof *e);
     e->kind = kind;
     e->id = q->id;
@@ -60,22 +128,25 @@ static k3_event *ev_push(rank_ctx *r, k3_event_kind kind, const req_run *q) {
     e->stop_string = -1;
     e->n_prompt = q->P;
     e->n_gen = q->n_gen;
-    return e;
+    *out = e;
+    return K3_OK;
 }
 
 /* New text of q since the last event: copied into event memory. */
-static void ev_text(rank_ctx *r, k3_event *e, req_run *q) {
+static k3_status ev_text(rank_ctx *r, k3_event *e, req_run *q) {
     size_t n = q->text.n - q->text_sent;
-    if (!n) return;
-    char *t = ev_alloc(r, n + 1);
+    if (!n) return K3_OK;
+    char *t;
+    RTRY(r, ev_alloc(r, n + 1, (void **)&t));
     memcpy(t, q->text.data + q->text_sent, n);
     t[n] = 0;
     e->text = t;
     e->n_text = n;
     q->text_sent = q->text.n;
+    return K3_OK;
 }
 
-static void ev_prompt_logits(rank_ctx *r, k3_event *e, req_run *q) {
+static void ev_prompt_logits(k3_event *e, req_run *q) {
     if (!q->all_logits || !q->prompt_logits) return;
     e->prompt_logits = q->prompt_logits; /* owned by q, freed with it after the next step */
     e->n_prompt_rows = q->prompt_rows;
@@ -92,13 +163,14 @@ static void free_req(req_run *q) {
 /* The request leaves: its slot is free for the next one (no message: OPEN resets it). */
 static void end_req(rank_ctx *r, req_run *q) {
     if (q->state == RQ_RUNNING && q->slot >= 0) {
-        r->slot_req[(size_t)q->lane * (size_t)r->max_seqs + (size_t)q->slot] = NULL;
+        r->co->slot_req[(size_t)q->lane * (size_t)r->max_seqs + (size_t)q->slot] = NULL;
         /* its blocks are free for the next request here; the stages hear of it with the lane's
            next step (a slot opened again in that step is reset anyway) */
-        r->lane_blk_free[q->lane] += q->blk_resv;
+        r->co->lane_blk_free[q->lane] += q->blk_resv;
         q->blk_resv = 0;
-        if (r->n_pend_free[q->lane] < r->max_seqs)
-            r->pend_free[(size_t)q->lane * r->max_seqs + (size_t)r->n_pend_free[q->lane]++] =
+        if (r->co->n_pend_free[q->lane] < r->max_seqs)
+            r->co
+                ->pend_free[(size_t)q->lane * r->max_seqs + (size_t)r->co->n_pend_free[q->lane]++] =
                 q->slot;
     }
     q->state = RQ_ENDED;
@@ -109,33 +181,38 @@ static int blocks_needed(const req_run *q) {
     return (int)((q->P + (int64_t)q->max_tokens + K3_KV_BLOCK - 1) / K3_KV_BLOCK);
 }
 
-static void finish_req(rank_ctx *r, req_run *q) {
+static k3_status finish_req(rank_ctx *r, req_run *q) {
     if (q->stop == K3_STOP_NONE && q->smp && q->n_gen > 0) {
         /* length (or cancel): flush text held back for a possible stop string */
         RTRY(r, k3_sampler_finish(q->smp, r->o->tok ? &q->text : NULL));
     }
-    k3_event *e = ev_push(r, K3_EV_DONE, q);
+    k3_event *e;
+    RTRY(r, ev_push(r, K3_EV_DONE, q, &e));
     e->stop = q->stop;
     e->stop_string = q->stop == K3_STOP_STRING ? q->stop_string : -1;
-    ev_text(r, e, q);
-    if (q->n_gen == 0) ev_prompt_logits(r, e, q);
+    RTRY(r, ev_text(r, e, q));
+    if (q->n_gen == 0) ev_prompt_logits(e, q);
     end_req(r, q);
+    return K3_OK;
 }
 
-static void fail_req(rank_ctx *r, req_run *q, k3_error_kind kind, const char *why) {
-    k3_event *e = ev_push(r, K3_EV_ERROR, q);
+static k3_status fail_req(rank_ctx *r, req_run *q, k3_error_kind kind, const char *why) {
+    k3_event *e;
+    RTRY(r, ev_push(r, K3_EV_ERROR, q, &e));
     e->error_kind = kind;
     size_t n = strlen(why);
-    char *t = ev_alloc(r, n + 1);
+    char *t;
+    RTRY(r, ev_alloc(r, n + 1, (void **)&t));
     memcpy(t, why, n + 1);
     e->error = t;
     end_req(r, q);
+    return K3_OK;
 }
 
 /* ---- submit / cancel ---------------------------------------------------------------------- */
 static req_run *find_req(const rank_ctx *r, int64_t id) {
-    for (int i = 0; i < r->n_reqs; i++)
-        if (r->reqs[i]->id == id) return r->reqs[i];
+    for (int i = 0; i < r->co->n_reqs; i++)
+        if (r->co->reqs[i]->id == id) return r->co->reqs[i];
     return NULL;
 }
 
@@ -183,15 +260,15 @@ static const char *check_request(rank_ctx *r, const k3_request *rq, char *buf, s
 }
 
 k3_status rank_coord_submit(rank_ctx *r, const k3_request *rq, int64_t *id) {
-    if (r->n_reqs == r->cap_reqs) {
-        int cap = r->cap_reqs ? 2 * r->cap_reqs : 64;
-        req_run **a = realloc(r->reqs, (size_t)cap * sizeof *a);
+    if (r->co->n_reqs == r->co->cap_reqs) {
+        int cap = r->co->cap_reqs ? 2 * r->co->cap_reqs : 64;
+        req_run **a = realloc(r->co->reqs, (size_t)cap * sizeof *a);
         if (!a) return K3_ERR(K3_ERR_NOMEM, "request table");
-        r->reqs = a, r->cap_reqs = cap;
+        r->co->reqs = a, r->co->cap_reqs = cap;
     }
     req_run *q;
     K3_TRY(k3_calloc((void **)&q, sizeof *q, "request"));
-    q->id = r->next_id++;
+    q->id = r->co->next_id++;
     q->user = rq->user;
     q->lane = q->group = q->slot = -1;
     q->stop_string = -1;
@@ -200,7 +277,7 @@ k3_status rank_coord_submit(rank_ctx *r, const k3_request *rq, int64_t *id) {
     q->keep_logits = rq->keep_logits;
     q->all_logits = rq->all_logits;
     q->P = rq->n_ids > 0 ? rq->n_ids : 0;
-    r->reqs[r->n_reqs++] = q;
+    r->co->reqs[r->co->n_reqs++] = q;
     *id = q->id;
     char why[256];
     k3_error_kind kind;
@@ -223,7 +300,7 @@ k3_status rank_coord_submit(rank_ctx *r, const k3_request *rq, int64_t *id) {
         for (size_t i = 0; i < rq->sampling.n_stop_ids && ns < 64; i++)
             stops[ns++] = rq->sampling.stop_ids[i];
         for (int i = 0; i < 3 && !rq->ignore_eos; i++)
-            if (r->base_stops[i] >= 0) stops[ns++] = r->base_stops[i];
+            if (r->co->base_stops[i] >= 0) stops[ns++] = r->co->base_stops[i];
         k3_sampler_params sp = rq->sampling;
         sp.stop_ids = stops;
         sp.n_stop_ids = ns;
@@ -257,7 +334,7 @@ k3_status rank_coord_cancel(rank_ctx *r, int64_t id) {
 
 int rank_coord_pending(const rank_ctx *r) {
     int n = 0;
-    for (int i = 0; i < r->n_reqs; i++) n += r->reqs[i]->state != RQ_ENDED;
+    for (int i = 0; i < r->co->n_reqs; i++) n += r->co->reqs[i]->state != RQ_ENDED;
     return n;
 }
 
@@ -272,18 +349,19 @@ static int64_t want_tokens(const rank_ctx *r, const req_run *q) {
 
 static int lane_running(const rank_ctx *r, int e) {
     int n = 0;
-    for (int s = 0; s < r->max_seqs; s++) n += r->slot_req[(size_t)e * r->max_seqs + s] != NULL;
+    for (int s = 0; s < r->max_seqs; s++) n += r->co->slot_req[(size_t)e * r->max_seqs + s] != NULL;
     return n;
 }
 
-/* Form and send group g's next step; false when it has nothing to do (it stays idle). */
-static bool send_step(rank_ctx *r, int g) {
+/* Form and send group g's next step; *sent false when it has nothing to do (it stays idle). */
+static k3_status send_step(rank_ctx *r, int g, bool *sent) {
+    *sent = false;
     const int E = r->plan.n_lanes;
-    group_run *gr = &r->groups[g];
+    group_run *gr = &r->co->groups[g];
     /* cancelled running requests of this idle group end now */
-    for (int i = 0; i < r->n_reqs; i++) {
-        req_run *q = r->reqs[i];
-        if (q->state == RQ_RUNNING && q->group == g && q->cancel) finish_req(r, q);
+    for (int i = 0; i < r->co->n_reqs; i++) {
+        req_run *q = r->co->reqs[i];
+        if (q->state == RQ_RUNNING && q->group == g && q->cancel) RTRY(r, finish_req(r, q));
     }
     enum { LANES_STACK = 64 };
     int64_t budget[LANES_STACK];
@@ -291,11 +369,11 @@ static bool send_step(rank_ctx *r, int g) {
     if (!bud) RTRY(r, k3_alloc((void **)&bud, (size_t)E * sizeof *bud, "lane budgets"));
     for (int e = 0; e < E; e++) bud[e] = r->max_tokens;
     int64_t total = 0;
-    for (int i = 0; i < r->n_reqs; i++) r->reqs[i]->n_tok_step = 0;
+    for (int i = 0; i < r->co->n_reqs; i++) r->co->reqs[i]->n_tok_step = 0;
     /* decode rows first, then prefill chunks, in request order */
     for (int pass = 0; pass < 2; pass++)
-        for (int i = 0; i < r->n_reqs; i++) {
-            req_run *q = r->reqs[i];
+        for (int i = 0; i < r->co->n_reqs; i++) {
+            req_run *q = r->co->reqs[i];
             if (q->state != RQ_RUNNING || q->group != g) continue;
             bool decode = q->fed >= q->P;
             if (decode != (pass == 0)) continue;
@@ -305,26 +383,26 @@ static bool send_step(rank_ctx *r, int g) {
             total += n;
         }
     /* queued requests join (FIFO): the least-loaded lane with a free slot and budget left */
-    for (int i = 0; i < r->n_reqs; i++) {
-        req_run *q = r->reqs[i];
+    for (int i = 0; i < r->co->n_reqs; i++) {
+        req_run *q = r->co->reqs[i];
         if (q->state != RQ_QUEUED) continue;
         if (q->cancel) {
-            finish_req(r, q);
+            RTRY(r, finish_req(r, q));
             continue;
         }
         int best = -1, best_n = 0;
         const int need = blocks_needed(q);
         for (int e = 0; e < E; e++) {
-            if (bud[e] < 1 || r->lane_blk_free[e] < need) continue;
+            if (bud[e] < 1 || r->co->lane_blk_free[e] < need) continue;
             int n = lane_running(r, e);
             if (n >= r->max_seqs) continue;
             if (best < 0 || n < best_n) best = e, best_n = n;
         }
         if (best < 0) break; /* strict FIFO: later requests wait behind this one */
         int slot = 0;
-        while (r->slot_req[(size_t)best * r->max_seqs + slot]) slot++;
-        r->slot_req[(size_t)best * r->max_seqs + slot] = q;
-        r->lane_blk_free[best] -= need;
+        while (r->co->slot_req[(size_t)best * r->max_seqs + slot]) slot++;
+        r->co->slot_req[(size_t)best * r->max_seqs + slot] = q;
+        r->co->lane_blk_free[best] -= need;
         q->blk_resv = need;
         q->state = RQ_RUNNING;
         q->lane = best, q->slot = slot, q->group = g, q->opened = false;
@@ -334,17 +412,17 @@ static bool send_step(rank_ctx *r, int g) {
         total += n;
     }
     if (bud != budget) k3_free(bud);
-    if (total == 0) return false;
+    if (total == 0) return K3_OK;
     gr->step++;
     gr->pending = E;
-    r->n_steps++;
+    r->co->n_steps++;
     for (int e = 0; e < E; e++) {
-        int32_t *mt = r->meta;
+        int32_t *mt = r->co->meta;
         int ns = 0;
         int64_t T = 0;
         bool all = false;
         for (int s = 0; s < r->max_seqs; s++) {
-            req_run *q = r->slot_req[(size_t)e * r->max_seqs + s];
+            req_run *q = r->co->slot_req[(size_t)e * r->max_seqs + s];
             if (!q || q->group != g || q->n_tok_step == 0) continue;
             int flags = q->opened ? 0 : K3_WIRE_OPEN;
             q->opened = true;
@@ -356,46 +434,48 @@ static bool send_step(rank_ctx *r, int g) {
             ns++;
             T += q->n_tok_step;
         }
-        const int nf = r->n_pend_free[e];
-        memcpy(mt + META_HDR + META_SEQ * ns, r->pend_free + (size_t)e * r->max_seqs,
+        const int nf = r->co->n_pend_free[e];
+        memcpy(mt + META_HDR + META_SEQ * ns, r->co->pend_free + (size_t)e * r->max_seqs,
                (size_t)nf * sizeof(int32_t));
-        r->n_pend_free[e] = 0;
+        r->co->n_pend_free[e] = 0;
         mt[0] = g, mt[1] = gr->step, mt[2] = all, mt[3] = ns, mt[4] = nf;
         int32_t *tok = mt + META_PREFIX(ns, nf);
         for (int j = 0; j < ns; j++) {
-            req_run *q = r->slot_req[(size_t)e * r->max_seqs + mt[META_HDR + META_SEQ * j]];
+            req_run *q = r->co->slot_req[(size_t)e * r->max_seqs + mt[META_HDR + META_SEQ * j]];
             for (int64_t t = 0; t < q->n_tok_step; t++) {
                 int64_t pos = q->fed + t;
                 *tok++ = pos < q->P ? q->prompt[pos] : q->gen[pos - q->P];
             }
             q->fed += q->n_tok_step;
-            r->prompt_tokens += K3_MAX(0, K3_MIN(q->fed, q->P) - (q->fed - q->n_tok_step));
+            r->co->prompt_tokens += K3_MAX(0, K3_MIN(q->fed, q->P) - (q->fed - q->n_tok_step));
         }
-        rank_post_step(r, k3_plan_rank(&r->plan, 0, e), K3_MSG_BATCH,
-                       (k3_wire_step){.T = T, .n_meta = (int32_t)(META_PREFIX(ns, nf) + T)}, mt,
-                       NULL, 0);
+        RTRY(r, rank_post_step(r, k3_plan_rank(&r->plan, 0, e), K3_MSG_BATCH,
+                               (k3_wire_step){.T = T, .n_meta = (int32_t)(META_PREFIX(ns, nf) + T)},
+                               mt, NULL, 0));
     }
-    return true;
+    *sent = true;
+    return K3_OK;
 }
 
 /* ---- logits -> tokens --------------------------------------------------------------------- */
 /* log-softmax of the sampler's processed logits (bias, penalties): the chosen id's logprob and
  * the top n. */
-static void logprobs(rank_ctx *r, req_run *q, const float *logits, k3_event *e) {
+static k3_status logprobs(rank_ctx *r, req_run *q, const float *logits, k3_event *e) {
     const int64_t V = r->cfg.vocab_size;
-    RTRY(r, k3_sampler_process_logits(q->smp, logits, r->row));
+    RTRY(r, k3_sampler_process_logits(q->smp, logits, r->co->row));
     double m = -INFINITY, z = 0;
-    for (int64_t v = 0; v < V; v++) m = r->row[v] > m ? r->row[v] : m;
-    for (int64_t v = 0; v < V; v++) z += exp((double)r->row[v] - m);
+    for (int64_t v = 0; v < V; v++) m = r->co->row[v] > m ? r->co->row[v] : m;
+    for (int64_t v = 0; v < V; v++) z += exp((double)r->co->row[v] - m);
     double lz = m + log(z);
-    e->logprob = (float)((double)r->row[e->token] - lz);
+    e->logprob = (float)((double)r->co->row[e->token] - lz);
     if (q->logprobs > 0) { /* the best n by insertion into a short sorted list: O(V n) */
         int n = (int)K3_MIN((int64_t)q->logprobs, V), have = 0;
         for (int64_t v = 0; v < V; v++) {
-            float x = r->row[v];
-            if (have == n && !(x > r->row[e->top_ids[n - 1]])) continue; /* ties: lower id first */
+            float x = r->co->row[v];
+            if (have == n && !(x > r->co->row[e->top_ids[n - 1]]))
+                continue; /* ties: lower id first */
             int k = have < n ? have++ : n - 1;
-            while (k > 0 && x > r->row[e->top_ids[k - 1]]) {
+            while (k > 0 && x > r->co->row[e->top_ids[k - 1]]) {
                 e->top_ids[k] = e->top_ids[k - 1];
                 k--;
             }
@@ -403,94 +483,96 @@ static void logprobs(rank_ctx *r, req_run *q, const float *logits, k3_event *e) 
         }
         e->n_top = n;
         for (int k = 0; k < n; k++)
-            e->top_logprobs[k] = (float)((double)r->row[e->top_ids[k]] - lz);
+            e->top_logprobs[k] = (float)((double)r->co->row[e->top_ids[k]] - lz);
     }
+    return K3_OK;
 }
 
 /* The row is finite: the last stage checked it (k3_batch.nonfinite) and a non-finite row came
  * back as the NF flag, which failed its request before this. */
-static void sample(rank_ctx *r, req_run *q, const float *logits) {
+static k3_status sample(rank_ctx *r, req_run *q, const float *logits) {
     const int64_t V = r->cfg.vocab_size;
     int32_t id;
-    if (q->n_gen < r->n_force) /* test hook K3_TEST_FORCE */
-        id = r->force[q->n_gen];
-    else if (k3_sampler_sample(q->smp, logits, &id) != K3_OK) {
+    if (rank_hooks_forced(r, q->n_gen, &id)) { /* test hook K3_TEST_FORCE */
+    } else if (k3_sampler_sample(q->smp, logits, &id) != K3_OK) {
         char why[300];
         snprintf(why, sizeof why, "sampling failed: %s", k3_last_error());
-        fail_req(r, q, K3_EVERR_SAMPLING, why);
-        return;
+        return fail_req(r, q, K3_EVERR_SAMPLING, why);
     }
     k3_event ev = {.token = id, .logprob = NAN};
-    if (q->logprobs > 0) logprobs(r, q, logits, &ev); /* before accept: the history of this row */
+    if (q->logprobs > 0)
+        RTRY(r, logprobs(r, q, logits, &ev)); /* before accept: this row's history */
     q->gen[q->n_gen++] = id;
-    r->gen_tokens++;
+    r->co->gen_tokens++;
     if (k3_sampler_accept(q->smp, id, r->o->tok ? &q->text : NULL, &q->stop) != K3_OK) {
         char why[300];
         snprintf(why, sizeof why, "sampling failed: %s", k3_last_error());
-        fail_req(r, q, K3_EVERR_SAMPLING, why);
-        return;
+        return fail_req(r, q, K3_EVERR_SAMPLING, why);
     }
     if (q->stop == K3_STOP_STRING) q->stop_string = k3_sampler_matched_stop(q->smp);
-    k3_event *e = ev_push(r, K3_EV_TOKEN, q);
+    k3_event *e;
+    RTRY(r, ev_push(r, K3_EV_TOKEN, q, &e));
     e->token = id;
     e->logprob = ev.logprob;
     e->n_top = ev.n_top;
     memcpy(e->top_ids, ev.top_ids, sizeof e->top_ids);
     memcpy(e->top_logprobs, ev.top_logprobs, sizeof e->top_logprobs);
     if (q->keep_logits) {
-        float *row = ev_alloc(r, (size_t)V * sizeof(float));
+        float *row;
+        RTRY(r, ev_alloc(r, (size_t)V * sizeof(float), (void **)&row));
         memcpy(row, logits, (size_t)V * sizeof(float));
         e->logits = row;
     }
-    if (q->n_gen == 1) ev_prompt_logits(r, e, q);
-    ev_text(r, e, q);
+    if (q->n_gen == 1) ev_prompt_logits(e, q);
+    RTRY(r, ev_text(r, e, q));
     if (q->stop != K3_STOP_NONE || q->n_gen >= q->max_tokens)
-        finish_req(r, q); /* DONE carries the text held back for a stop string, if any */
+        RTRY(r, finish_req(r, q)); /* DONE carries the text held back for a stop string, if any */
+    return K3_OK;
 }
 
-static void on_logits(rank_ctx *r, const step_msg *m) {
+static k3_status on_logits(rank_ctx *r, const step_msg *m) {
     const int64_t V = r->cfg.vocab_size;
     const int32_t *mt = m->meta;
     int src_stage = -1, e = -1;
     k3_plan_coords(&r->plan, m->src, &src_stage, &e);
     if (m->h.n_meta < META_HDR || src_stage != r->plan.n_stages - 1)
-        rank_die(r, K3_ERR(K3_ERR_FORMAT, "LOGITS from rank %d (stage %d): %d meta", m->src,
-                           src_stage, m->h.n_meta));
+        RTRY(r, K3_ERR(K3_ERR_FORMAT, "LOGITS from rank %d (stage %d): %d meta", m->src, src_stage,
+                       m->h.n_meta));
     int g = mt[0], stepi = mt[1], all = mt[2], ns = mt[3], nf = mt[4];
-    if (g < 0 || g >= r->n_groups || stepi != r->groups[g].step || r->groups[g].pending <= 0 ||
-        ns < 0 || nf < 0 || m->h.n_meta != META_PREFIX(ns, nf) + r->plan.n_stages)
-        rank_die(r,
-                 K3_ERR(K3_ERR_FORMAT,
-                        "LOGITS from rank %d: group %d step %d (expected step %d), %d sequences",
-                        m->src, g, stepi, g >= 0 && g < r->n_groups ? r->groups[g].step : -1, ns));
+    if (g < 0 || g >= r->co->n_groups || stepi != r->co->groups[g].step ||
+        r->co->groups[g].pending <= 0 || ns < 0 || nf < 0 ||
+        m->h.n_meta != META_PREFIX(ns, nf) + r->plan.n_stages)
+        RTRY(r, K3_ERR(K3_ERR_FORMAT,
+                       "LOGITS from rank %d: group %d step %d (expected step %d), %d sequences",
+                       m->src, g, stepi, g >= 0 && g < r->co->n_groups ? r->co->groups[g].step : -1,
+                       ns));
     int64_t T = 0, n_want = 0;
     for (int j = 0; j < ns; j++)
         T += mt[META_HDR + META_SEQ * j + 1],
             n_want += (mt[META_HDR + META_SEQ * j + 2] & K3_WIRE_WANT) != 0;
     int64_t R = all ? T : n_want;
     if (m->h.D != V || m->h.R != R || m->n_f32 != R * V)
-        rank_die(r,
-                 K3_ERR(K3_ERR_FORMAT, "LOGITS from rank %d: [%lld, %lld] rows, want [%lld, %lld]",
-                        m->src, (long long)m->h.R, (long long)m->h.D, (long long)R, (long long)V));
-    r->logits_bytes += m->n_bytes;
-    r->n_logits_msgs++;
+        RTRY(r, K3_ERR(K3_ERR_FORMAT, "LOGITS from rank %d: [%lld, %lld] rows, want [%lld, %lld]",
+                       m->src, (long long)m->h.R, (long long)m->h.D, (long long)R, (long long)V));
+    r->co->logits_bytes += m->n_bytes;
+    r->co->n_logits_msgs++;
     const int32_t *busy_us = mt + META_PREFIX(ns, nf); /* per stage of lane e (wire.h) */
     for (int s = 0; s < r->plan.n_stages; s++) {
         int w = k3_plan_rank(&r->plan, s, e);
-        r->rank_busy_s[w] += busy_us[s] * 1e-6;
-        r->rank_steps[w]++;
+        r->co->rank_busy_s[w] += busy_us[s] * 1e-6;
+        r->co->rank_steps[w]++;
     }
-    if (!r->worker) rank_hooks_maybe_die(r, r->n_logits_msgs);
+    if (!r->worker) rank_hooks_step(r, r->co->n_logits_msgs);
     int64_t row = 0;
     for (int j = 0; j < ns; j++) {
         int slot = mt[META_HDR + META_SEQ * j], nt = mt[META_HDR + META_SEQ * j + 1];
         bool want = (mt[META_HDR + META_SEQ * j + 2] & K3_WIRE_WANT) != 0;
         req_run *q = slot >= 0 && slot < r->max_seqs
-                         ? r->slot_req[(size_t)e * r->max_seqs + (size_t)slot]
+                         ? r->co->slot_req[(size_t)e * r->max_seqs + (size_t)slot]
                          : NULL;
         if (!q || q->group != g)
-            rank_die(r, K3_ERR(K3_ERR_FORMAT, "LOGITS from rank %d: lane %d slot %d is not in use",
-                               m->src, e, slot));
+            RTRY(r, K3_ERR(K3_ERR_FORMAT, "LOGITS from rank %d: lane %d slot %d is not in use",
+                           m->src, e, slot));
         const float *last = NULL;
         if (all) {
             int64_t p0 = q->fed - nt; /* position of this step's first row */
@@ -507,7 +589,7 @@ static void on_logits(rank_ctx *r, const step_msg *m) {
             row++;
         }
         if (q->cancel) {
-            finish_req(r, q);
+            RTRY(r, finish_req(r, q));
             continue;
         }
         int fl = mt[META_HDR + META_SEQ * j + 2];
@@ -521,137 +603,183 @@ static void on_logits(rank_ctx *r, const step_msg *m) {
             snprintf(why, sizeof why,
                      "non-finite activation (NaN/Inf): first in %s%s (rank %d: stage %d, lane %d)",
                      at, k3_nf_op_name(k3_nf_op_of(code)), k3_plan_rank(&r->plan, st, e), st, e);
-            fail_req(r, q, K3_EVERR_NUMERIC, why);
+            RTRY(r, fail_req(r, q, K3_EVERR_NUMERIC, why));
             continue;
         }
         if (want)
-            sample(r, q, last);
+            RTRY(r, sample(r, q, last));
         else if (q->max_tokens == 0 && q->fed >= q->P)
-            finish_req(r, q); /* prefill only: done when the prompt is in */
+            RTRY(r, finish_req(r, q)); /* prefill only: done when the prompt is in */
     }
-    r->groups[g].pending--;
+    r->co->groups[g].pending--;
+    return K3_OK;
 }
 
 /* ---- the loop ----------------------------------------------------------------------------- */
-void rank_coord_init(rank_ctx *r) {
+static k3_status coord_create(rank_ctx *r, struct rank_coord *C) {
     const int E = r->plan.n_lanes;
-    r->n_groups = r->o->micro_batches > 0 ? r->o->micro_batches : K3_MAX(1, r->plan.n_stages);
-    RTRY(r, k3_calloc((void **)&r->groups, (size_t)r->n_groups * sizeof *r->groups, "groups"));
-    RTRY(r, k3_calloc((void **)&r->slot_req, (size_t)E * (size_t)r->max_seqs * sizeof *r->slot_req,
+    /* stop ids of every request unless ignore_eos: EOS of the config, <|end_of_msg|>, [EOS] */
+    C->base_stops[0] = r->cfg.eos_token_id;
+    C->base_stops[1] = C->base_stops[2] = -1;
+    if (r->o->tok) {
+        k3_tok_ctrl c = k3_tok_control_ids(r->o->tok);
+        C->base_stops[1] = c.end_of_msg;
+        C->base_stops[2] = c.eos;
+    }
+    for (int i = 0; i < 3; i++)
+        if (C->base_stops[i] >= r->cfg.vocab_size) C->base_stops[i] = -1;
+    C->n_groups = r->o->micro_batches > 0 ? r->o->micro_batches : K3_MAX(1, r->plan.n_stages);
+    RTRY(r, k3_calloc((void **)&C->groups, (size_t)C->n_groups * sizeof *C->groups, "groups"));
+    RTRY(r, k3_calloc((void **)&C->slot_req, (size_t)E * (size_t)r->max_seqs * sizeof *C->slot_req,
                       "slot table"));
-    r->meta_cap = META_PREFIX((int64_t)r->max_seqs, (int64_t)r->max_seqs) + r->max_tokens;
-    RTRY(r, k3_calloc((void **)&r->lane_blk_free, (size_t)E * sizeof(int), "lane cache blocks"));
-    RTRY(r, k3_calloc((void **)&r->n_pend_free, (size_t)E * sizeof(int), "lane freed slots"));
-    RTRY(r, k3_calloc((void **)&r->pend_free, (size_t)E * (size_t)r->max_seqs * sizeof(int32_t),
+    C->meta_cap = META_PREFIX((int64_t)r->max_seqs, (int64_t)r->max_seqs) + r->max_tokens;
+    RTRY(r, k3_calloc((void **)&C->lane_blk_free, (size_t)E * sizeof(int), "lane cache blocks"));
+    RTRY(r, k3_calloc((void **)&C->n_pend_free, (size_t)E * sizeof(int), "lane freed slots"));
+    RTRY(r, k3_calloc((void **)&C->pend_free, (size_t)E * (size_t)r->max_seqs * sizeof(int32_t),
                       "lane freed slot lists"));
-    for (int e = 0; e < E; e++) r->lane_blk_free[e] = r->kv_blocks;
-    RTRY(r, k3_alloc((void **)&r->meta, (size_t)r->meta_cap * sizeof(int32_t), "step meta"));
-    RTRY(r, k3_alloc((void **)&r->row, (size_t)r->cfg.vocab_size * sizeof(float), "logprob row"));
-    RTRY(r, k3_calloc((void **)&r->rank_busy_s, (size_t)r->world * sizeof *r->rank_busy_s,
+    for (int e = 0; e < E; e++) C->lane_blk_free[e] = r->kv_blocks;
+    RTRY(r, k3_alloc((void **)&C->meta, (size_t)C->meta_cap * sizeof(int32_t), "step meta"));
+    RTRY(r, k3_alloc((void **)&C->row, (size_t)r->cfg.vocab_size * sizeof(float), "logprob row"));
+    RTRY(r, k3_calloc((void **)&C->rank_busy_s, (size_t)r->world * sizeof *C->rank_busy_s,
                       "per-rank busy time"));
-    RTRY(r, k3_calloc((void **)&r->rank_steps, (size_t)r->world * sizeof *r->rank_steps,
+    RTRY(r, k3_calloc((void **)&C->rank_steps, (size_t)r->world * sizeof *C->rank_steps,
                       "per-rank steps"));
-    r->last_progress = k3_now_s();
+    C->last_progress = k3_now_s();
+    return K3_OK;
+}
+
+k3_status rank_coord_init(rank_ctx *r) {
+    RTRY(r, k3_calloc((void **)&r->co, sizeof *r->co, "coordinator"));
+    return coord_create(r, r->co);
 }
 
 /* Free what the previous step's events pointed to, and the requests they ended. */
-static void clear_events(rank_ctx *r) {
-    for (int i = 0; i < r->n_ev_mem; i++) r->ev_mem[i].used = 0;
-    r->ev_cur = 0;
-    r->n_ev = 0;
+static void clear_events(struct rank_coord *C) {
+    for (int i = 0; i < C->n_ev_mem; i++) C->ev_mem[i].used = 0;
+    C->ev_cur = 0;
+    C->n_ev = 0;
     int k = 0;
-    for (int i = 0; i < r->n_reqs; i++) {
-        req_run *q = r->reqs[i];
+    for (int i = 0; i < C->n_reqs; i++) {
+        req_run *q = C->reqs[i];
         if (q->state == RQ_ENDED && !q->error)
             free_req(q);
         else
-            r->reqs[k++] = q;
+            C->reqs[k++] = q;
     }
-    r->n_reqs = k;
+    C->n_reqs = k;
 }
 
 void rank_coord_destroy(rank_ctx *r) {
-    clear_events(r);
-    for (int i = 0; i < r->n_reqs; i++) free_req(r->reqs[i]);
-    for (int i = 0; i < r->n_ev_mem; i++) k3_free(r->ev_mem[i].data);
-    free(r->reqs), free(r->ev), free(r->ev_mem);
-    r->reqs = NULL, r->ev = NULL, r->ev_mem = NULL;
-    r->n_reqs = r->cap_reqs = r->n_ev = r->cap_ev = r->n_ev_mem = r->cap_ev_mem = 0;
-    k3_free(r->groups), k3_free(r->slot_req), k3_free(r->meta), k3_free(r->row);
-    r->groups = NULL, r->slot_req = NULL, r->meta = NULL, r->row = NULL;
-    k3_free(r->lane_blk_free), k3_free(r->n_pend_free), k3_free(r->pend_free);
-    r->lane_blk_free = r->n_pend_free = NULL, r->pend_free = NULL;
-    k3_free(r->rank_busy_s), k3_free(r->rank_steps), k3_free(r->force);
-    r->rank_busy_s = NULL, r->rank_steps = NULL, r->force = NULL;
-    r->n_force = 0;
+    struct rank_coord *C = r->co;
+    if (!C) return;
+    clear_events(C);
+    for (int i = 0; i < C->n_reqs; i++) free_req(C->reqs[i]);
+    for (int i = 0; i < C->n_ev_mem; i++) k3_free(C->ev_mem[i].data);
+    free(C->reqs), free(C->ev), free(C->ev_mem);
+    k3_free(C->groups), k3_free(C->slot_req), k3_free(C->meta), k3_free(C->row);
+    k3_free(C->lane_blk_free), k3_free(C->n_pend_free), k3_free(C->pend_free);
+    k3_free(C->rank_busy_s), k3_free(C->rank_steps);
+    k3_free(C);
+    r->co = NULL;
+}
+
+void rank_coord_cancel_all(rank_ctx *r) {
+    for (int i = 0; i < r->co->n_reqs; i++)
+        if (r->co->reqs[i]->state != RQ_ENDED) r->co->reqs[i]->cancel = true;
 }
 
 bool rank_coord_in_flight(const rank_ctx *r) {
-    for (int g = 0; g < r->n_groups; g++)
-        if (r->groups[g].pending > 0) return true;
+    for (int g = 0; g < r->co->n_groups; g++)
+        if (r->co->groups[g].pending > 0) return true;
     return false;
 }
 
-void rank_coord_step(rank_ctx *r) {
-    clear_events(r);
-    for (int i = 0; i < r->n_reqs; i++) { /* requests refused at submit */
-        req_run *q = r->reqs[i];
+void rank_coord_stats(const rank_ctx *r, k3_engine_stats *out) {
+    const struct rank_coord *C = r->co;
+    out->micro_batches = C->n_groups;
+    out->prompt_tokens = C->prompt_tokens;
+    out->gen_tokens = C->gen_tokens;
+    out->steps = (int64_t)C->n_steps;
+    out->logits_bytes = C->logits_bytes;
+    out->logits_messages = C->n_logits_msgs;
+}
+
+bool rank_coord_rank_busy(const rank_ctx *r, int w, double *busy_s, uint64_t *steps) {
+    if (!r->co || !r->co->rank_busy_s) return false;
+    *busy_s = r->co->rank_busy_s[w];
+    *steps = r->co->rank_steps[w];
+    return true;
+}
+
+/* The coordinator waited --comm-timeout for logits: start the fault exchange (it finds the root
+ * cause) and return the fault. */
+static k3_status logits_timeout(rank_ctx *r, double timeout) {
+    const struct rank_coord *C = r->co;
+    int g = 0;
+    while (g < C->n_groups && C->groups[g].pending == 0) g++;
+    /* the lanes of the last stage owe the logits */
+    int waited[K3_FAULT_MAX_WAITS], n = 0;
+    for (int e = 0; e < r->plan.n_lanes; e++) {
+        if (n < K3_FAULT_MAX_WAITS) waited[n] = k3_plan_rank(&r->plan, r->plan.n_stages - 1, e);
+        n++;
+    }
+    char what[160];
+    snprintf(what, sizeof what, "the logits of micro-batch %d step %d (%d of %d lanes missing)", g,
+             C->groups[g].step, C->groups[g].pending, r->plan.n_lanes);
+    k3_comm_note_timeout(r->comm, waited, n, what, k3_now_s() - C->last_progress);
+    return rank_fail(
+        r, K3_ERR(K3_ERR_COMM,
+                  "coordinator: no logits for micro-batch %d step %d (%d of %d lanes of the last "
+                  "stage, ranks %d-%d, missing) within %.0f s (--comm-timeout)",
+                  g, C->groups[g].step, C->groups[g].pending, r->plan.n_lanes,
+                  k3_plan_rank(&r->plan, r->plan.n_stages - 1, 0),
+                  k3_plan_rank(&r->plan, r->plan.n_stages - 1, r->plan.n_lanes - 1), timeout));
+}
+
+k3_status rank_coord_step(rank_ctx *r, const k3_event **events, int *n_events) {
+    struct rank_coord *C = r->co;
+    *events = NULL;
+    *n_events = 0;
+    clear_events(C);
+    for (int i = 0; i < C->n_reqs; i++) { /* requests refused at submit */
+        req_run *q = C->reqs[i];
         if (q->error) {
-            fail_req(r, q, q->error_kind, q->error);
+            RTRY(r, fail_req(r, q, q->error_kind, q->error));
             k3_free(q->error);
             q->error = NULL;
         }
     }
-    const double timeout = r->o->comm_timeout_s > 0 ? r->o->comm_timeout_s : 600;
+    const double timeout = rank_comm_timeout(r);
     int backoff = 0;
     for (;;) {
         RTRY(r, k3_comm_beat(r->comm)); /* rate-limited inside: every --comm-timeout / 3 */
-        bool progressed = false;
+        bool progressed = false, did = false;
         step_msg m;
         bool got;
-        rank_poll_step(r, K3_ANY_RANK, K3_MSG_LOGITS, &m, &got);
+        RTRY(r, rank_poll_step(r, K3_ANY_RANK, K3_MSG_LOGITS, &m, &got));
         if (got) {
-            on_logits(r, &m);
+            RTRY(r, on_logits(r, &m));
             progressed = true;
         }
-        if (r->worker && rank_worker_poll(r)) progressed = true;
-        for (int g = 0; g < r->n_groups; g++)
-            if (r->groups[g].pending == 0 && send_step(r, g)) progressed = true;
+        if (r->worker) RTRY(r, rank_worker_poll(r, &did));
+        progressed |= did;
+        for (int g = 0; g < C->n_groups; g++) {
+            bool sent = false;
+            if (C->groups[g].pending == 0) RTRY(r, send_step(r, g, &sent));
+            progressed |= sent;
+        }
         if (progressed) {
-            r->last_progress = k3_now_s();
+            C->last_progress = k3_now_s();
             backoff = 0;
         }
-        if (r->n_ev > 0) return;
-        if (!rank_coord_in_flight(r)) {
-            /* nothing in flight: if requests wait, no step could take them (cannot happen: an
-               idle group always admits the queue head); otherwise there is nothing to do */
-            return;
-        }
+        /* nothing in flight and no events: if requests wait, no step could take them (cannot
+           happen: an idle group always admits the queue head); otherwise there is nothing to do */
+        if (C->n_ev > 0 || !rank_coord_in_flight(r)) break;
         if (progressed) continue;
-        if (k3_now_s() - r->last_progress > timeout) {
-            int g = 0;
-            while (g < r->n_groups && r->groups[g].pending == 0) g++;
-            /* the lanes of the last stage owe the logits; the fault exchange finds the root */
-            int waited[K3_FAULT_MAX_WAITS], n = 0;
-            for (int e = 0; e < r->plan.n_lanes; e++) {
-                if (n < K3_FAULT_MAX_WAITS)
-                    waited[n] = k3_plan_rank(&r->plan, r->plan.n_stages - 1, e);
-                n++;
-            }
-            char what[160];
-            snprintf(what, sizeof what,
-                     "the logits of micro-batch %d step %d (%d of %d lanes missing)", g,
-                     r->groups[g].step, r->groups[g].pending, r->plan.n_lanes);
-            k3_comm_note_timeout(r->comm, waited, n, what, k3_now_s() - r->last_progress);
-            rank_die(r, K3_ERR(K3_ERR_COMM,
-                               "coordinator: no logits for micro-batch %d step %d (%d of %d lanes "
-                               "of the last stage, ranks %d-%d, missing) within %.0f s "
-                               "(--comm-timeout)",
-                               g, r->groups[g].step, r->groups[g].pending, r->plan.n_lanes,
-                               k3_plan_rank(&r->plan, r->plan.n_stages - 1, 0),
-                               k3_plan_rank(&r->plan, r->plan.n_stages - 1, r->plan.n_lanes - 1),
-                               timeout));
-        }
+        if (k3_now_s() - C->last_progress > timeout) return logits_timeout(r, timeout);
         k3_comm_idle(r->comm, &backoff);
     }
+    *events = C->ev;
+    *n_events = C->n_ev;
+    return K3_OK;
 }

@@ -1,5 +1,6 @@
 /* setup.c — what a rank does before the first step: config, capacity, the plan and the agreement
  * on it, the memory check, and partial loading with an aggregate progress bar. */
+#include "k3_rank.h" /* k3_bind_apply */
 #include "rank_internal.h"
 
 #include <errno.h>
@@ -93,20 +94,20 @@ static void bind_rank(rank_ctx *r) {
             b.kept ? " (the launcher's binding, kept)" : "");
 }
 
-/* Usage-type problems are identical on every rank: all return 2, rank 0 prints. Others: agree on
- * the worst status so nobody hangs in the next collective. */
-int rank_setup(rank_ctx *r) {
+/* Usage-type problems are identical on every rank: all return K3_ERR_ARG, rank 0 prints. Others:
+ * agree on the worst status so nobody hangs in the next collective. */
+k3_status rank_setup(rank_ctx *r) {
     const k3_engine_opts *o = r->o;
     k3_status st = K3_OK;
     char *map = NULL;
-    double tmo = o->comm_timeout_s > 0 ? o->comm_timeout_s : 600;
+    const double tmo = rank_comm_timeout(r);
     bool same = false; /* the error is the same on every rank (the memory verdict) */
     { /* where every rank runs (every rank takes part, whatever its own set-up does next) */
         size_t avail = 0, total = 0;
         if (k3_host_memory(&avail, &total) != K3_OK) avail = 0; /* unknown: no check */
         k3_status ws = k3_calloc((void **)&r->where, (size_t)r->world * sizeof *r->where, "hosts");
         if (ws == K3_OK) ws = k3_comm_world_where((uint64_t)avail, r->where, tmo);
-        if (ws != K3_OK) rank_die(r, ws);
+        if (ws != K3_OK) return rank_fail(r, ws);
     }
     bind_rank(r);
     r->max_seqs = o->max_seqs > 0 ? o->max_seqs : K3_ENGINE_DEFAULT_MAX_SEQS;
@@ -132,15 +133,6 @@ int rank_setup(rank_ctx *r) {
                     (long long)r->max_ctx, (long long)r->cfg.max_position_embeddings, o->model_dir);
         same = true; /* every rank has it: rank 0 says it once, exit 1 */
     }
-    r->base_stops[0] = r->cfg.eos_token_id;
-    r->base_stops[1] = r->base_stops[2] = -1;
-    if (st == K3_OK && o->tok) {
-        k3_tok_ctrl c = k3_tok_control_ids(o->tok);
-        r->base_stops[1] = c.end_of_msg;
-        r->base_stops[2] = c.eos;
-    }
-    for (int i = 0; i < 3; i++)
-        if (r->base_stops[i] >= r->cfg.vocab_size) r->base_stops[i] = -1;
     if (st == K3_OK && o->expert_map_path) {
         size_t nb;
         st = k3_read_file(o->expert_map_path, &map, &nb);
@@ -164,30 +156,48 @@ int rank_setup(rank_ctx *r) {
      * 3 another error */
     int local = st == K3_OK ? 0 : (st == K3_ERR_ARG ? 1 : (same ? 2 : 3)), worst = 0;
     k3_status st2 = k3_comm_world_max(local, &worst, tmo);
-    if (st2 != K3_OK) rank_die(r, st2);
+    if (st2 != K3_OK) return rank_fail(r, st2);
     /* errors that are the same on every rank: rank 0 prints them; other errors each rank prints */
     if (local == 3 || ((local == 1 || local == 2) && r->rank == 0))
         fprintf(stderr, "%s: %s\n", rank_cmd_name(r), k3_last_error());
     if (local == 3 && r->world > 1) K3_LOGE("rank %d failed during set-up (see above)", r->rank);
-    if (worst) return worst == 1 ? 2 : 1;
-    return 0;
+    if (worst == 1) return K3_ERR(K3_ERR_ARG, "set-up: a usage error (printed by rank 0)");
+    if (worst) return K3_ERR(K3_ERR_STATE, "set-up failed (printed above)");
+    return K3_OK;
 }
 
-/* ---- loading ------------------------------------------------------------------------------ */
+/* ---- loading ------------------------------------------------------------------------------
+ * The load's own state: it lives from the start of rank_load to its end (the loader's callbacks
+ * get it as their ctx). */
+struct rank_load {
+    rank_ctx *r;
+    int *pct; /* [world] load progress per rank (rank 0 hears every rank, workers rank 0) */
+    /* the load heartbeat: what each peer last reported, and when */
+    int *hb_state;              /* [world] K3_LOAD_* */
+    uint64_t *hb_bytes;         /* [world] bytes read so far */
+    double *seen;               /* [world] k3_now_s() of the last beat */
+    uint64_t hb_done, hb_total; /* this rank's own load */
+    double hb_sent, t_load0, load_timeout_s;
+    const k3_ckpt_tensor **read_list; /* --verify: the tensors this rank read */
+    int64_t n_read, cap_read;
+};
+typedef struct rank_load rank_load_t;
+
 static bool expert_owned(void *ctx, int layer, int expert) {
-    rank_ctx *r = ctx;
-    return k3_plan_owner_lane(&r->plan, layer, expert) == r->lane;
+    const rank_load_t *L = ctx;
+    return k3_plan_owner_lane(&L->r->plan, layer, expert) == L->r->lane;
 }
 
-static void draw_progress(rank_ctx *r) {
+static void draw_progress(const rank_load_t *L) {
+    const rank_ctx *r = L->r;
     if (!r->tty) return;
     double have = 0, tot = 0;
     int done = 0;
     for (int i = 0; i < r->world; i++) {
         double w = (double)r->plan.mem[i].weights;
-        have += w * r->pct[i] / 100.0;
+        have += w * L->pct[i] / 100.0;
         tot += w;
-        done += r->pct[i] >= 100;
+        done += L->pct[i] >= 100;
     }
     double f = tot > 0 ? have / tot : 1;
     char bar[41];
@@ -207,41 +217,41 @@ static void draw_progress(rank_ctx *r) {
  * names a worker it has not heard from for --comm-timeout; a worker names rank 0 the same way.
  * Rank 0 declares the end (K3_LOAD_ALL) when every rank reported K3_LOAD_DONE, and enforces
  * --load-timeout on the whole phase, naming the ranks not done. */
-static double comm_tmo(const rank_ctx *r) {
-    return r->o->comm_timeout_s > 0 ? r->o->comm_timeout_s : 600;
-}
 static double hb_interval(const rank_ctx *r) {
-    return K3_MIN(1.0, comm_tmo(r) / 5);
+    return K3_MIN(1.0, rank_comm_timeout(r) / 5);
 }
 
-static void hb_send(rank_ctx *r, int state) {
+static k3_status hb_send(rank_load_t *L, int state) {
+    rank_ctx *r = L->r;
     k3_wire_progress wp = {.version = K3_WIRE_VERSION,
-                           .pct = r->pct[r->rank],
+                           .pct = L->pct[r->rank],
                            .state = state,
-                           .done_bytes = r->hb_done,
-                           .total_bytes = r->hb_total};
+                           .done_bytes = L->hb_done,
+                           .total_bytes = L->hb_total};
     for (int w = r->rank == 0 ? 1 : 0; w < (r->rank == 0 ? r->world : 1); w++)
         RTRY(r, k3_comm_post(r->comm, w, K3_MSG_PROGRESS, &wp, sizeof wp, NULL, 0));
-    r->hb_sent = k3_now_s();
+    L->hb_sent = k3_now_s();
+    return K3_OK;
 }
 
-/* Take every beat that arrived; true when one did. */
-static bool hb_poll(rank_ctx *r) {
-    bool any = false;
+/* Take every beat that arrived; *any true when one did. */
+static k3_status hb_poll(rank_load_t *L, bool *any) {
+    rank_ctx *r = L->r;
+    *any = false;
     for (;;) {
         k3_comm_msg m;
         bool got = false;
         RTRY(r, k3_comm_poll(r->comm, K3_ANY_RANK, K3_MSG_PROGRESS, &m, &got));
-        if (!got) return any;
+        if (!got) return K3_OK;
         k3_wire_progress wp;
         if (m.n_meta_bytes != (int64_t)sizeof wp || m.src < 0 || m.src >= r->world) continue;
         memcpy(&wp, m.meta, sizeof wp);
         if (wp.version != K3_WIRE_VERSION) continue;
-        r->seen[m.src] = k3_now_s();
-        r->pct[m.src] = K3_MAX(r->pct[m.src], wp.pct);
-        r->hb_state[m.src] = K3_MAX(r->hb_state[m.src], wp.state);
-        r->hb_bytes[m.src] = wp.done_bytes;
-        any = true;
+        L->seen[m.src] = k3_now_s();
+        L->pct[m.src] = K3_MAX(L->pct[m.src], wp.pct);
+        L->hb_state[m.src] = K3_MAX(L->hb_state[m.src], wp.state);
+        L->hb_bytes[m.src] = wp.done_bytes;
+        *any = true;
     }
 }
 
@@ -255,67 +265,70 @@ static void describe(const rank_ctx *r, int i, char *buf, size_t cap) {
         snprintf(buf, cap, "rank %d (coordinator, host %s)", i, host);
 }
 
-/* Die naming a silent peer or the ranks over --load-timeout. */
-static void hb_check(rank_ctx *r) {
-    double now = k3_now_s(), tmo = comm_tmo(r);
+/* A fault naming a silent peer or the ranks over --load-timeout. */
+static k3_status hb_check(rank_load_t *L) {
+    rank_ctx *r = L->r;
+    double now = k3_now_s(), tmo = rank_comm_timeout(r);
     char who[160];
     for (int i = 0; i < r->world; i++) {
         if (i == r->rank || (r->rank != 0 && i != 0)) continue; /* rank 0 <-> workers */
         if (r->rank == 0 && !k3_plan_coords(&r->plan, i, NULL, NULL)) continue;
-        if (now - r->seen[i] <= tmo) continue;
+        if (now - L->seen[i] <= tmo) continue;
         describe(r, i, who, sizeof who);
         const k3_rank_mem *m = &r->plan.mem[i];
-        rank_die_blame(r,
-                       "%s made no load progress for %.1f s (--comm-timeout %.0f s): it last "
-                       "reported %s, %.2f of %.2f MB",
-                       who, now - r->seen[i], tmo,
-                       r->hb_state[i] >= K3_LOAD_DONE ? "done, waiting for the others" : "loading",
-                       r->hb_bytes[i] / 1e6, m->weights / 1e6);
+        return rank_blame(r,
+                          "%s made no load progress for %.1f s (--comm-timeout %.0f s): it last "
+                          "reported %s, %.2f of %.2f MB",
+                          who, now - L->seen[i], tmo,
+                          L->hb_state[i] >= K3_LOAD_DONE ? "done, waiting for the others"
+                                                         : "loading",
+                          L->hb_bytes[i] / 1e6, m->weights / 1e6);
     }
-    if (now - r->t_load0 <= r->load_timeout_s) return;
-    if (r->rank != 0 && r->hb_state[r->rank] >= K3_LOAD_DONE) { /* rank 0 names the slow ones */
-        if (now - r->t_load0 <= r->load_timeout_s + tmo) return;
+    if (now - L->t_load0 <= L->load_timeout_s) return K3_OK;
+    if (r->rank != 0 && L->hb_state[r->rank] >= K3_LOAD_DONE) { /* rank 0 names the slow ones */
+        if (now - L->t_load0 <= L->load_timeout_s + tmo) return K3_OK;
         describe(r, 0, who, sizeof who);
-        rank_die_blame(r, "%s did not end the load within --load-timeout %.0f s + %.0f s", who,
-                       r->load_timeout_s, tmo);
+        return rank_blame(r, "%s did not end the load within --load-timeout %.0f s + %.0f s", who,
+                          L->load_timeout_s, tmo);
     }
     char list[1024];
     size_t at = 0;
-    int first = -1;
     for (int i = 0; i < r->world && at < sizeof list - 200; i++) {
-        if (r->hb_state[i] >= K3_LOAD_DONE || (r->rank != 0 && i != r->rank)) continue;
+        if (L->hb_state[i] >= K3_LOAD_DONE || (r->rank != 0 && i != r->rank)) continue;
         if (!k3_plan_coords(&r->plan, i, NULL, NULL)) continue;
         describe(r, i, who, sizeof who);
         at +=
             (size_t)snprintf(list + at, sizeof list - at, "%s%s at %.2f of %.2f MB", at ? "; " : "",
-                             who, r->hb_bytes[i] / 1e6, r->plan.mem[i].weights / 1e6);
-        if (first < 0) first = i;
+                             who, L->hb_bytes[i] / 1e6, r->plan.mem[i].weights / 1e6);
     }
-    rank_die_blame(r, "loading took longer than --load-timeout %.0f s; not done: %s",
-                   r->load_timeout_s, list);
+    return rank_blame(r, "loading took longer than --load-timeout %.0f s; not done: %s",
+                      L->load_timeout_s, list);
 }
 
 /* One turn of the heartbeat: take beats, beat when due (and redraw rank 0's bar), check. */
-static void hb_tick(rank_ctx *r, int state) {
-    bool got = r->world > 1 && hb_poll(r);
-    bool due = k3_now_s() - r->hb_sent >= hb_interval(r);
+static k3_status hb_tick(rank_load_t *L, int state) {
+    rank_ctx *r = L->r;
+    bool got = false;
+    if (r->world > 1) K3_TRY(hb_poll(L, &got));
+    bool due = k3_now_s() - L->hb_sent >= hb_interval(r);
     if (due && r->world > 1)
-        hb_send(r, state);
+        K3_TRY(hb_send(L, state));
     else if (due)
-        r->hb_sent = k3_now_s(); /* a world of one: only the bar and --load-timeout */
-    if (r->rank == 0 && (got || due)) draw_progress(r);
-    hb_check(r);
+        L->hb_sent = k3_now_s(); /* a world of one: only the bar and --load-timeout */
+    if (r->rank == 0 && (got || due)) draw_progress(L);
+    return hb_check(L);
 }
 
-static void on_read(void *ctx, const k3_ckpt_tensor *t) {
-    rank_ctx *r = ctx;
-    if (r->n_read == r->cap_read) {
-        int64_t cap = r->cap_read ? 2 * r->cap_read : 256;
-        const k3_ckpt_tensor **a = realloc(r->read_list, (size_t)cap * sizeof *a);
-        if (!a) rank_die(r, K3_ERR(K3_ERR_NOMEM, "--verify: read list"));
-        r->read_list = a, r->cap_read = cap;
+static k3_status on_read(void *ctx, const k3_ckpt_tensor *t) {
+    rank_load_t *L = ctx;
+    if (L->n_read == L->cap_read) {
+        int64_t cap = L->cap_read ? 2 * L->cap_read : 256;
+        const k3_ckpt_tensor **a = realloc(L->read_list, (size_t)cap * sizeof *a);
+        if (!a) return K3_ERR(K3_ERR_NOMEM, "--verify: read list");
+        L->read_list = a, L->cap_read = cap;
     }
-    r->read_list[r->n_read++] = t;
+    L->read_list[L->n_read++] = t;
+    return K3_OK;
 }
 
 static int ptr_cmp(const void *a, const void *b) {
@@ -324,24 +337,26 @@ static int ptr_cmp(const void *a, const void *b) {
 }
 
 static bool verify_select(void *ctx, const k3_ckpt_tensor *t) {
-    const rank_ctx *r = ctx;
-    return bsearch(&t, r->read_list, (size_t)r->n_read, sizeof *r->read_list, ptr_cmp) != NULL;
+    const rank_load_t *L = ctx;
+    return bsearch(&t, L->read_list, (size_t)L->n_read, sizeof *L->read_list, ptr_cmp) != NULL;
 }
 
 static void verify_report(void *ctx, const char *problem) {
-    rank_ctx *r = ctx;
+    const rank_ctx *r = ((const rank_load_t *)ctx)->r;
     K3_LOGE("--verify: rank %d (stage %d, lane %d): %s", r->rank, r->stage, r->lane, problem);
 }
 
-static void verify_progress(void *ctx, uint64_t done, uint64_t total) {
-    hb_tick((rank_ctx *)ctx, K3_LOAD_RUNNING); /* a long scan is progress, not a stall */
+static k3_status verify_progress(void *ctx, uint64_t done, uint64_t total) {
+    (void)done, (void)total;
+    return hb_tick(ctx, K3_LOAD_RUNNING); /* a long scan is progress, not a stall */
 }
 
 /* --verify: every byte this rank read, checked for non-finite values and 0xFF E8M0 scales. */
-static void verify_own(rank_ctx *r) {
-    qsort(r->read_list, (size_t)r->n_read, sizeof *r->read_list, ptr_cmp);
+static k3_status verify_own(rank_load_t *L) {
+    rank_ctx *r = L->r;
+    qsort(L->read_list, (size_t)L->n_read, sizeof *L->read_list, ptr_cmp);
     k3_scan_opts so = {
-        .select = verify_select, .progress = verify_progress, .report = verify_report, .ctx = r};
+        .select = verify_select, .progress = verify_progress, .report = verify_report, .ctx = L};
     k3_scan_result res;
     RTRY(r, k3_ckpt_scan(r->ck, &so, &res));
     K3_LOGI("--verify: checked %.2f MB of %lld tensors in %.2f s (%.2f GB/s), the cost on top of "
@@ -349,136 +364,141 @@ static void verify_own(rank_ctx *r) {
             res.n_bytes / 1e6, (long long)res.n_tensors, res.seconds,
             res.seconds > 0 ? res.n_bytes / 1e9 / res.seconds : 0.0);
     if (res.n_bad_values > 0)
-        rank_die(r, K3_ERR(K3_ERR_FORMAT,
-                           "--verify: %lld bad values in %lld of this rank's tensors (listed above "
-                           "by tensor, row and file)",
-                           (long long)res.n_bad_values, (long long)res.n_bad_tensors));
-    free(r->read_list);
-    r->read_list = NULL;
-    r->n_read = r->cap_read = 0;
+        RTRY(r, K3_ERR(K3_ERR_FORMAT,
+                       "--verify: %lld bad values in %lld of this rank's tensors (listed above by "
+                       "tensor, row and file)",
+                       (long long)res.n_bad_values, (long long)res.n_bad_tensors));
+    return K3_OK;
 }
 
-static void on_progress(void *ctx, uint64_t done, uint64_t total) {
-    rank_ctx *r = ctx;
-    r->hb_done = done;
-    r->hb_total = total;
-    r->hb_bytes[r->rank] = done;
-    r->pct[r->rank] = total ? (int)(100.0 * (double)done / (double)total) : 100;
-    if (r->stall_load_rank == r->rank && 2 * done >= total) {
-        r->stall_load_rank = -1;
-        K3_LOGE("rank %d: test hook K3_TEST_FAIL=stall-load:%d: stopping myself (SIGSTOP) at "
-                "%.2f of %.2f MB",
-                r->rank, r->rank, done / 1e6, total / 1e6);
-        fflush(stderr);
-        raise(SIGSTOP);
-    }
-    if (r->kill_load_rank == r->rank && 2 * done >= total) {
-        K3_LOGE("rank %d: test hook K3_TEST_FAIL=kill-load:%d: killing myself (SIGKILL) at "
-                "%.2f of %.2f MB",
-                r->rank, r->rank, done / 1e6, total / 1e6);
-        fflush(stderr);
-        raise(SIGKILL);
-    }
-    hb_tick(r, K3_LOAD_RUNNING);
+static k3_status on_progress(void *ctx, uint64_t done, uint64_t total) {
+    rank_load_t *L = ctx;
+    rank_ctx *r = L->r;
+    L->hb_done = done;
+    L->hb_total = total;
+    L->hb_bytes[r->rank] = done;
+    L->pct[r->rank] = total ? (int)(100.0 * (double)done / (double)total) : 100;
+    rank_hooks_load_progress(r, done, total); /* stall-load:R, kill-load:R */
+    return hb_tick(L, K3_LOAD_RUNNING);
 }
 
-void rank_load(rank_ctx *r) {
-    k3_comm_set_doing(r->comm, "loading weights");
+/* The worker's part: open the checkpoint, create the backend, read the stage's weights (and
+ * --verify them), check the plan was honoured. */
+static k3_status load_weights(rank_load_t *L) {
+    rank_ctx *r = L->r;
+    RTRY(r, rank_hooks_load_begin(r)); /* load:R */
+    RTRY(r, hb_tick(L, K3_LOAD_RUNNING));
+    RTRY(r, k3_ckpt_open(r->o->model_dir, &r->ck));
+    int S = r->plan.n_stages;
+    k3_backend_params bp = {.n_threads =
+                                r->o->n_threads > 0 ? r->o->n_threads : (r->world > 1 ? 1 : 0)};
+    RTRY(r, k3_backend_create(r->o->backend ? r->o->backend : "cpu", &bp, &r->be));
+    k3_load_sel sel = {.be = r->be,
+                       .layer_begin = r->plan.stage_begin[r->stage],
+                       .layer_end = r->plan.stage_begin[r->stage + 1],
+                       .embed = r->stage == 0,
+                       .head = r->stage == S - 1,
+                       .expert_owned = expert_owned,
+                       .ctx = L,
+                       .progress = on_progress,
+                       .on_read = r->o->verify ? on_read : NULL};
+    RTRY(r, k3_weights_load(r->ck, &r->cfg, &sel, &r->w));
+    if (r->o->verify) RTRY(r, verify_own(L));
+    r->view = k3_weights_get(r->w);
+    r->bytes_read = k3_ckpt_bytes_read(r->ck);
+    /* the loader must have honoured the plan: own experts present, others absent */
+    for (int l = sel.layer_begin; l < sel.layer_end; l++) {
+        const k3_layer_w *lw = &r->view->layers[l];
+        if (!lw->present)
+            RTRY(r, K3_ERR(K3_ERR_INTERNAL, "layer %d of my stage was not loaded", l));
+        if (!k3_config_is_moe(&r->cfg, l)) continue;
+        for (int x = 0; x < r->cfg.n_experts; x++) {
+            bool own = k3_plan_owner_lane(&r->plan, l, x) == r->lane;
+            const k3_expert_w *ew = &lw->experts[x];
+            bool loaded = ew->w1.data && ew->w2.data && ew->w3.data;
+            if (loaded != own || (ew->present && !loaded))
+                RTRY(r, K3_ERR(K3_ERR_INTERNAL,
+                               "layer %d expert %d: loaded=%d but the plan says owned=%d", l, x,
+                               loaded, own));
+        }
+    }
+    return K3_OK;
+}
+
+/* After this rank's own load: beat until every rank is done (rank 0) or rank 0 says so. */
+static k3_status load_wait(rank_load_t *L) {
+    rank_ctx *r = L->r;
+    L->pct[r->rank] = 100;
+    L->hb_state[r->rank] = K3_LOAD_DONE;
+    L->hb_bytes[r->rank] = L->hb_done = r->bytes_read;
+    if (r->world == 1) return K3_OK;
+    if (r->rank != 0) RTRY(r, hb_send(L, K3_LOAD_DONE));
+    int backoff = 0;
+    for (;;) { /* rank 0: until every rank is done; workers: until rank 0 says so */
+        RTRY(r, hb_tick(L, K3_LOAD_DONE));
+        if (r->rank != 0 && L->hb_state[0] >= K3_LOAD_ALL) break;
+        if (r->rank == 0) {
+            int done = 0;
+            for (int i = 0; i < r->world; i++)
+                done += L->hb_state[i] >= K3_LOAD_DONE || !k3_plan_coords(&r->plan, i, NULL, NULL);
+            if (done == r->world) break;
+        }
+        k3_comm_idle(r->comm, &backoff);
+    }
+    if (r->rank == 0) RTRY(r, hb_send(L, K3_LOAD_ALL));
+    return K3_OK;
+}
+
+static k3_status load_run(rank_load_t *L) {
+    rank_ctx *r = L->r;
     double t0 = k3_now_s();
-    r->t_load0 = t0;
+    L->t_load0 = t0;
     /* --load-timeout: given, or 60 s + the largest rank's planned bytes at 50 MB/s */
     uint64_t most = 0;
     for (int i = 0; i < r->world; i++) most = K3_MAX(most, r->plan.mem[i].weights);
-    r->load_timeout_s = r->o->load_timeout_s > 0
+    L->load_timeout_s = r->o->load_timeout_s > 0
                             ? r->o->load_timeout_s
                             : K3_LOAD_TIMEOUT_FLOOR_S + (double)most / K3_LOAD_TIMEOUT_MIN_BPS;
     if (r->rank == 0 && r->world > 1)
         K3_LOGI("load: --load-timeout %.0f s%s; a rank with no load progress for %.0f s "
                 "(--comm-timeout) is named",
-                r->load_timeout_s,
-                r->o->load_timeout_s > 0 ? "" : " (60 s + largest rank at 50 MB/s)", comm_tmo(r));
-    RTRY(r, k3_calloc((void **)&r->pct, (size_t)r->world * sizeof(int), "load progress"));
-    RTRY(r, k3_calloc((void **)&r->hb_state, (size_t)r->world * sizeof(int), "load states"));
-    RTRY(r, k3_calloc((void **)&r->hb_bytes, (size_t)r->world * sizeof(uint64_t), "load bytes"));
-    RTRY(r, k3_calloc((void **)&r->seen, (size_t)r->world * sizeof(double), "load beats"));
-    for (int i = 0; i < r->world; i++) r->seen[i] = t0;
-    if (r->worker) {
-        if (r->fail_load_rank == r->rank)
-            rank_die(r, K3_ERR(K3_ERR_IO,
-                               "test hook K3_TEST_FAIL=load:%d: failing the load on purpose",
-                               r->rank));
-        hb_tick(r, K3_LOAD_RUNNING);
-        RTRY(r, k3_ckpt_open(r->o->model_dir, &r->ck));
-        int S = r->plan.n_stages;
-        k3_backend_params bp = {.n_threads =
-                                    r->o->n_threads > 0 ? r->o->n_threads : (r->world > 1 ? 1 : 0)};
-        RTRY(r, k3_backend_create(r->o->backend ? r->o->backend : "cpu", &bp, &r->be));
-        k3_load_sel sel = {.be = r->be,
-                           .layer_begin = r->plan.stage_begin[r->stage],
-                           .layer_end = r->plan.stage_begin[r->stage + 1],
-                           .embed = r->stage == 0,
-                           .head = r->stage == S - 1,
-                           .expert_owned = expert_owned,
-                           .ctx = r,
-                           .progress = on_progress,
-                           .on_read = r->o->verify ? on_read : NULL};
-        RTRY(r, k3_weights_load(r->ck, &r->cfg, &sel, &r->w));
-        if (r->o->verify) verify_own(r);
-        r->view = k3_weights_get(r->w);
-        r->bytes_read = k3_ckpt_bytes_read(r->ck);
-        /* the loader must have honoured the plan: own experts present, others absent */
-        for (int l = sel.layer_begin; l < sel.layer_end; l++) {
-            const k3_layer_w *lw = &r->view->layers[l];
-            if (!lw->present)
-                rank_die(r, K3_ERR(K3_ERR_INTERNAL, "layer %d of my stage was not loaded", l));
-            if (!k3_config_is_moe(&r->cfg, l)) continue;
-            for (int x = 0; x < r->cfg.n_experts; x++) {
-                bool own = k3_plan_owner_lane(&r->plan, l, x) == r->lane;
-                const k3_expert_w *ew = &lw->experts[x];
-                bool loaded = ew->w1.data && ew->w2.data && ew->w3.data;
-                if (loaded != own || (ew->present && !loaded))
-                    rank_die(r, K3_ERR(K3_ERR_INTERNAL,
-                                       "layer %d expert %d: loaded=%d but the plan says owned=%d",
-                                       l, x, loaded, own));
-            }
-        }
-    }
+                L->load_timeout_s,
+                r->o->load_timeout_s > 0 ? "" : " (60 s + largest rank at 50 MB/s)",
+                rank_comm_timeout(r));
+    RTRY(r, k3_calloc((void **)&L->pct, (size_t)r->world * sizeof(int), "load progress"));
+    RTRY(r, k3_calloc((void **)&L->hb_state, (size_t)r->world * sizeof(int), "load states"));
+    RTRY(r, k3_calloc((void **)&L->hb_bytes, (size_t)r->world * sizeof(uint64_t), "load bytes"));
+    RTRY(r, k3_calloc((void **)&L->seen, (size_t)r->world * sizeof(double), "load beats"));
+    for (int i = 0; i < r->world; i++) L->seen[i] = t0;
+    if (r->worker) RTRY(r, load_weights(L));
     r->load_s = k3_now_s() - t0;
     if (r->worker)
         K3_LOGI("loaded %.2f MB in %.2f s (%.2f GB/s); plan: %.2f MB", r->bytes_read / 1e6,
                 r->load_s, r->load_s > 0 ? r->bytes_read / 1e9 / r->load_s : 0.0,
                 r->plan.mem[r->rank].weights / 1e6);
-    r->pct[r->rank] = 100;
-    r->hb_state[r->rank] = K3_LOAD_DONE;
-    r->hb_bytes[r->rank] = r->hb_done = r->bytes_read;
-    if (r->world > 1) {
-        if (r->rank != 0) hb_send(r, K3_LOAD_DONE);
-        int backoff = 0;
-        for (;;) { /* rank 0: until every rank is done; workers: until rank 0 says so */
-            hb_tick(r, K3_LOAD_DONE);
-            if (r->rank != 0 && r->hb_state[0] >= K3_LOAD_ALL) break;
-            if (r->rank == 0) {
-                int done = 0;
-                for (int i = 0; i < r->world; i++)
-                    done +=
-                        r->hb_state[i] >= K3_LOAD_DONE || !k3_plan_coords(&r->plan, i, NULL, NULL);
-                if (done == r->world) break;
-            }
-            k3_comm_idle(r->comm, &backoff);
-        }
-        if (r->rank == 0) hb_send(r, K3_LOAD_ALL);
-    }
+    RTRY(r, load_wait(L));
     if (r->tty) {
-        draw_progress(r);
+        draw_progress(L);
         fprintf(r->tty, "\n");
         fflush(r->tty);
     }
+    return K3_OK;
 }
 
-void rank_load_drain(rank_ctx *r) {
+k3_status rank_load(rank_ctx *r) {
+    k3_comm_set_doing(r->comm, "loading weights");
+    rank_load_t L = {.r = r};
+    k3_status st = load_run(&L);
+    k3_free(L.pct), k3_free(L.hb_state), k3_free(L.hb_bytes), k3_free(L.seen);
+    free(L.read_list);
+    return st;
+}
+
+k3_status rank_load_drain(rank_ctx *r) {
     for (bool got = true; got && r->world > 1;) {
         k3_comm_msg m;
         got = false;
         RTRY(r, k3_comm_poll(r->comm, K3_ANY_RANK, K3_MSG_PROGRESS, &m, &got));
     }
+    return K3_OK;
 }

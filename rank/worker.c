@@ -23,23 +23,57 @@
  * caches and logits live in the rank's backend; they cross to host memory only by
  * k3_backend_download/upload at a message boundary. The loop allocates nothing per step: buffers
  * are sized from the plan's max_tokens up front (comm buffers grow to the largest message once).
+ * A step is four steps: decode the message (check it, free the ended slots, bind the sequences),
+ * upload (the activations in), forward, send (the activations or the logits on).
  */
 #include "rank_internal.h"
 
-/* ---- worker ------------------------------------------------------------------------------- */
-void rank_worker_init(rank_ctx *r) {
+/* The worker of a lane: its stage, sequence slots, activations and step scratch. */
+struct rank_worker {
+    k3_stage *st;
+    k3_seq_state **states; /* [max_seqs] this lane's slots */
+    k3_activ act;
+    float *logits;    /* [max_tokens, V] on the last stage (backend memory) */
+    float *h_logits;  /* host staging of logits (NULL: the backend is host-visible) */
+    float *h_act;     /* host staging of h | bank for ACTIV (NULL: host-visible, or dev_act) */
+    bool dev_act;     /* ACTIV floats go backend to backend (k3_comm_send_dev: nccl) */
+    int32_t *lane_of; /* [n_layers * n_experts] owner lane of each (layer, expert) */
+    int n_forward;
+    double busy_s;          /* time inside forward steps */
+    k3_seq_state **bstates; /* [max_seqs] batch scratch */
+    int32_t *bntok;         /* [max_seqs] */
+    int32_t *bnf;           /* [max_seqs] k3_batch.nonfinite */
+    int32_t *wmeta;         /* [META_HDR + META_SEQ * max_seqs + max_seqs + S] the meta sent on */
+    bool serving;           /* no STOP yet */
+    int in_peer;            /* where this worker's steps come from */
+    k3_msg_kind in_kind;
+};
+
+/* One step as its message decoded it. */
+typedef struct wstep {
+    const step_msg *m;
+    char who[32]; /* "rank N": the sender, for errors */
+    int group, step, all_logits, n_seqs, n_free;
+    int64_t T;             /* tokens of this lane in the step */
+    const int32_t *tokens; /* stage 0: [T] */
+    const int32_t *meta;   /* the sequences' meta to send on (the received one, or wmeta) */
+    double busy_s;         /* this stage's forward time */
+} wstep;
+
+/* ---- set-up ------------------------------------------------------------------------------- */
+static k3_status worker_create(rank_ctx *r, struct rank_worker *w) {
     const k3_engine_opts *o = r->o;
     const k3_config *c = &r->cfg;
     int S = r->plan.n_stages, E = r->plan.n_lanes;
     const bool moe_remote = E > 1;
     if (moe_remote) { /* the owner lane of every (layer, expert) of this stage */
-        RTRY(r, k3_calloc((void **)&r->lane_of,
+        RTRY(r, k3_calloc((void **)&w->lane_of,
                           (size_t)c->n_layers * (size_t)K3_MAX(c->n_experts, 1) * sizeof(int32_t),
                           "expert lane map"));
         for (int l = r->plan.stage_begin[r->stage]; l < r->plan.stage_begin[r->stage + 1]; l++)
             if (k3_config_is_moe(c, l))
                 for (int x = 0; x < c->n_experts; x++)
-                    r->lane_of[(size_t)l * (size_t)c->n_experts + (size_t)x] =
+                    w->lane_of[(size_t)l * (size_t)c->n_experts + (size_t)x] =
                         k3_plan_owner_lane(&r->plan, l, x);
     }
     k3_stage_params sp = {.cfg = c,
@@ -52,254 +86,305 @@ void rank_worker_init(rank_ctx *r) {
                           .max_tokens = r->max_tokens,
                           .kda_chunk = o->kda_chunk,
                           .comm = moe_remote ? r->comm : NULL,
-                          .expert_lane = r->lane_of,
+                          .expert_lane = w->lane_of,
                           .n_lanes = E,
                           .deterministic = o->deterministic,
                           .max_seqs = r->max_seqs,
                           .max_ctx = r->max_ctx,
                           .kv_cache_tokens = (int64_t)r->kv_blocks * K3_KV_BLOCK};
-    RTRY(r, k3_stage_create(&sp, &r->st));
+    RTRY(r, k3_stage_create(&sp, &w->st));
     /* the lane's sequence slots: allocated once, reset when a new sequence opens in them */
     const size_t ns = (size_t)r->max_seqs;
-    RTRY(r, k3_calloc((void **)&r->states, ns * sizeof *r->states, "sequence slots"));
-    RTRY(r, k3_calloc((void **)&r->bstates, ns * sizeof *r->bstates, "batch states"));
-    RTRY(r, k3_calloc((void **)&r->bntok, ns * sizeof *r->bntok, "batch tokens"));
-    RTRY(r, k3_calloc((void **)&r->bnf, ns * sizeof *r->bnf, "batch non-finite marks"));
-    RTRY(r, k3_calloc((void **)&r->wmeta,
-                      (META_PREFIX(ns, ns) + (size_t)r->plan.n_stages) * sizeof *r->wmeta,
+    RTRY(r, k3_calloc((void **)&w->states, ns * sizeof *w->states, "sequence slots"));
+    RTRY(r, k3_calloc((void **)&w->bstates, ns * sizeof *w->bstates, "batch states"));
+    RTRY(r, k3_calloc((void **)&w->bntok, ns * sizeof *w->bntok, "batch tokens"));
+    RTRY(r, k3_calloc((void **)&w->bnf, ns * sizeof *w->bnf, "batch non-finite marks"));
+    RTRY(r, k3_calloc((void **)&w->wmeta,
+                      (META_PREFIX(ns, ns) + (size_t)r->plan.n_stages) * sizeof *w->wmeta,
                       "step meta (out)"));
     for (int i = 0; i < r->max_seqs; i++)
-        RTRY(r, k3_seq_state_create(r->st, r->max_ctx, &r->states[i]));
-    r->serving = true;
-    r->in_peer = r->stage == 0 ? 0 : k3_plan_rank(&r->plan, r->stage - 1, r->lane);
-    r->in_kind = r->stage == 0 ? K3_MSG_BATCH : K3_MSG_ACTIV;
-    RTRY(r, k3_activ_alloc(r->be, &r->act, c, r->max_tokens));
+        RTRY(r, k3_seq_state_create(w->st, r->max_ctx, &w->states[i]));
+    w->serving = true;
+    w->in_peer = r->stage == 0 ? 0 : k3_plan_rank(&r->plan, r->stage - 1, r->lane);
+    w->in_kind = r->stage == 0 ? K3_MSG_BATCH : K3_MSG_ACTIV;
+    RTRY(r, k3_activ_alloc(r->be, &w->act, c, r->max_tokens));
     const size_t TD = (size_t)r->max_tokens * (size_t)c->hidden_size;
     const bool host = k3_backend_host_visible(r->be);
-    r->dev_act = !host && k3_comm_device_payloads(r->comm);
+    w->dev_act = !host && k3_comm_device_payloads(r->comm);
     if (r->stage == S - 1) {
         size_t nb = (size_t)r->max_tokens * (size_t)c->vocab_size * sizeof(float);
-        RTRY(r, k3_backend_alloc(r->be, nb, "logits", (void **)&r->logits));
-        if (!host) RTRY(r, k3_alloc((void **)&r->h_logits, nb, "logits (host)"));
-    } else if (!host && !r->dev_act) {
+        RTRY(r, k3_backend_alloc(r->be, nb, "logits", (void **)&w->logits));
+        if (!host) RTRY(r, k3_alloc((void **)&w->h_logits, nb, "logits (host)"));
+    } else if (!host && !w->dev_act) {
         RTRY(r,
-             k3_alloc((void **)&r->h_act, TD * (size_t)(1 + k3_activ_max_bank(c)) * sizeof(float),
+             k3_alloc((void **)&w->h_act, TD * (size_t)(1 + k3_activ_max_bank(c)) * sizeof(float),
                       "activation staging (host)"));
     }
+    return K3_OK;
+}
+
+k3_status rank_worker_init(rank_ctx *r) {
+    RTRY(r, k3_calloc((void **)&r->wk, sizeof *r->wk, "worker"));
+    return worker_create(r, r->wk);
 }
 
 void rank_worker_destroy(rank_ctx *r) {
-    if (r->states)
-        for (int i = 0; i < r->max_seqs; i++) k3_seq_state_destroy(r->states[i]);
-    k3_free(r->states), k3_free(r->bstates), k3_free(r->bntok), k3_free(r->bnf), k3_free(r->wmeta);
+    struct rank_worker *w = r->wk;
+    if (!w) return;
+    if (w->states)
+        for (int i = 0; i < r->max_seqs; i++) k3_seq_state_destroy(w->states[i]);
+    k3_free(w->states), k3_free(w->bstates), k3_free(w->bntok), k3_free(w->bnf), k3_free(w->wmeta);
     if (r->be) {
-        k3_activ_free(r->be, &r->act);
-        k3_backend_free(r->be, r->logits);
+        k3_activ_free(r->be, &w->act);
+        k3_backend_free(r->be, w->logits);
     }
-    k3_free(r->h_logits), k3_free(r->h_act), k3_free(r->lane_of);
-    k3_stage_destroy(r->st);
-    k3_weights_destroy(r->w);
-    k3_ckpt_destroy(r->ck);
-    /* r->be outlives the comm handle (its MoE buffers are the backend's): see k3_engine_close */
+    k3_free(w->h_logits), k3_free(w->h_act), k3_free(w->lane_of);
+    k3_stage_destroy(w->st);
+    k3_free(w);
+    r->wk = NULL;
 }
 
-/* Process one BATCH/ACTIV message and send the result on. */
-void rank_worker_step(rank_ctx *r, const step_msg *m) {
+void rank_worker_busy(const rank_ctx *r, int *n_forward, double *busy_s) {
+    *n_forward = r->wk ? r->wk->n_forward : 0;
+    *busy_s = r->wk ? r->wk->busy_s : 0;
+}
+
+/* ---- a step ------------------------------------------------------------------------------- */
+/* Check the message against this lane, free the slots of ended sequences, bind the step's
+ * sequences to their slots (an OPEN one is reset). */
+static k3_status step_decode(rank_ctx *r, const step_msg *m, wstep *s) {
+    struct rank_worker *w = r->wk;
     const int S = r->plan.n_stages, D = (int)r->cfg.hidden_size;
-    const int64_t V = r->cfg.vocab_size;
     const int32_t *mt = m->meta;
-    char who[32];
-    snprintf(who, sizeof who, "rank %d", m->src);
+    s->m = m;
+    s->meta = mt;
+    snprintf(s->who, sizeof s->who, "rank %d", m->src);
+    const char *who = s->who;
     if (m->h.n_meta < META_HDR)
-        rank_die(r, K3_ERR(K3_ERR_FORMAT, "step message from %s: %d meta", who, m->h.n_meta));
-    rank_opstats_begin(r);
-    int group = mt[0], stepi = mt[1], all_logits = mt[2], n_seqs = mt[3], n_free = mt[4];
+        RTRY(r, K3_ERR(K3_ERR_FORMAT, "step message from %s: %d meta", who, m->h.n_meta));
+    s->group = mt[0], s->step = mt[1], s->all_logits = mt[2], s->n_seqs = mt[3], s->n_free = mt[4];
+    const int group = s->group, stepi = s->step, n_seqs = s->n_seqs, n_free = s->n_free;
     if (n_seqs < 0 || n_seqs > r->max_seqs || n_free < 0 || n_free > r->max_seqs ||
         m->h.n_meta < META_PREFIX(n_seqs, n_free))
-        rank_die(r, K3_ERR(K3_ERR_FORMAT, "step message from %s: %d sequences, %d freed, %d meta",
-                           who, n_seqs, n_free, m->h.n_meta));
+        RTRY(r, K3_ERR(K3_ERR_FORMAT, "step message from %s: %d sequences, %d freed, %d meta", who,
+                       n_seqs, n_free, m->h.n_meta));
     /* sequences that ended: their cache blocks back to the pool before this step takes any */
     for (int i = 0; i < n_free; i++) {
         int slot = mt[META_HDR + META_SEQ * n_seqs + i];
         if (slot < 0 || slot >= r->max_seqs)
-            rank_die(r, K3_ERR(K3_ERR_FORMAT, "step %d of group %d from %s: freed slot %d of %d",
-                               stepi, group, who, slot, r->max_seqs));
-        k3_seq_state_release(r->states[slot]);
+            RTRY(r, K3_ERR(K3_ERR_FORMAT, "step %d of group %d from %s: freed slot %d of %d", stepi,
+                           group, who, slot, r->max_seqs));
+        k3_seq_state_release(w->states[slot]);
     }
     int64_t T = 0;
     for (int i = 0; i < n_seqs; i++) {
         int slot = mt[META_HDR + META_SEQ * i], nt = mt[META_HDR + META_SEQ * i + 1],
             flags = mt[META_HDR + META_SEQ * i + 2];
         if (slot < 0 || slot >= r->max_seqs || nt < 1)
-            rank_die(r, K3_ERR(K3_ERR_FORMAT,
-                               "step %d of group %d from %s: slot %d (%d tokens) is not a slot of "
-                               "lane %d (%d slots)",
-                               stepi, group, who, slot, nt, r->lane, r->max_seqs));
+            RTRY(r, K3_ERR(K3_ERR_FORMAT,
+                           "step %d of group %d from %s: slot %d (%d tokens) is not a slot of "
+                           "lane %d (%d slots)",
+                           stepi, group, who, slot, nt, r->lane, r->max_seqs));
         for (int j = 0; j < i; j++)
-            if (r->bstates[j] == r->states[slot])
-                rank_die(r, K3_ERR(K3_ERR_FORMAT, "step %d of group %d from %s: slot %d twice",
-                                   stepi, group, who, slot));
-        if (flags & K3_WIRE_OPEN) RTRY(r, k3_seq_state_reset(r->states[slot])); /* a new sequence */
-        r->bstates[i] = r->states[slot];
-        r->bntok[i] = nt;
+            if (w->bstates[j] == w->states[slot])
+                RTRY(r, K3_ERR(K3_ERR_FORMAT, "step %d of group %d from %s: slot %d twice", stepi,
+                               group, who, slot));
+        if (flags & K3_WIRE_OPEN) RTRY(r, k3_seq_state_reset(w->states[slot])); /* a new one */
+        w->bstates[i] = w->states[slot];
+        w->bntok[i] = nt;
         T += nt;
     }
+    s->T = T;
     if (T > r->max_tokens)
-        rank_die(r, K3_ERR(K3_ERR_STATE, "step with %lld tokens > planned %lld", (long long)T,
-                           (long long)r->max_tokens));
-    const int32_t *tokens = NULL;
+        RTRY(r, K3_ERR(K3_ERR_STATE, "step with %lld tokens > planned %lld", (long long)T,
+                       (long long)r->max_tokens));
+    s->tokens = NULL;
     if (r->stage == 0) {
         if (m->h.n_meta != META_PREFIX(n_seqs, n_free) + T || m->h.T != T || m->n_f32 != 0)
-            rank_die(r, K3_ERR(K3_ERR_FORMAT, "BATCH from %s: %d meta, %lld floats for %lld tokens",
-                               who, m->h.n_meta, (long long)m->n_f32, (long long)T));
-        tokens = mt + META_PREFIX(n_seqs, n_free);
+            RTRY(r, K3_ERR(K3_ERR_FORMAT, "BATCH from %s: %d meta, %lld floats for %lld tokens",
+                           who, m->h.n_meta, (long long)m->n_f32, (long long)T));
+        s->tokens = mt + META_PREFIX(n_seqs, n_free);
     } else {
         if (m->h.n_meta != META_PREFIX(n_seqs, n_free) + S)
-            rank_die(r,
-                     K3_ERR(K3_ERR_FORMAT, "ACTIV from %s: %d meta for %d sequences and %d stages",
-                            who, m->h.n_meta, n_seqs, S));
+            RTRY(r, K3_ERR(K3_ERR_FORMAT, "ACTIV from %s: %d meta for %d sequences and %d stages",
+                           who, m->h.n_meta, n_seqs, S));
         if (m->h.T != T || m->h.D != D || m->h.n_bank < 0 ||
             m->h.n_bank > k3_activ_max_bank(&r->cfg) ||
-            m->n_f32 != (r->dev_act ? 0 : T * D * (1 + (int64_t)m->h.n_bank)))
-            rank_die(r,
-                     K3_ERR(K3_ERR_FORMAT,
-                            "ACTIV from %s: T %lld D %lld bank %d floats %lld (want T %lld D %d)",
-                            who, (long long)m->h.T, (long long)m->h.D, m->h.n_bank,
-                            (long long)m->n_f32, (long long)T, D));
-        r->act.T = T;
-        r->act.n_bank = m->h.n_bank;
-        if (r->dev_act) { /* h, then the bank slabs, backend to backend from the sender */
-            RTRY(r, k3_comm_recv_dev(r->comm, r->be, m->src, r->act.h, T * D,
-                                     "activations from the previous stage"));
-            RTRY(r, k3_comm_recv_dev(r->comm, r->be, m->src, r->act.bank, T * D * m->h.n_bank,
-                                     "the attention-residual bank from the previous stage"));
-        } else {
-            /* the message is host memory; the bank slabs follow h: [1 + n_bank, T, D] */
-            RTRY(r, k3_backend_upload(r->be, r->act.h, m->f32, (size_t)(T * D) * sizeof(float)));
-            if (m->h.n_bank)
-                RTRY(r, k3_backend_upload(r->be, r->act.bank, m->f32 + T * D,
-                                          (size_t)(T * D * m->h.n_bank) * sizeof(float)));
-        }
+            m->n_f32 != (w->dev_act ? 0 : T * D * (1 + (int64_t)m->h.n_bank)))
+            RTRY(r, K3_ERR(K3_ERR_FORMAT,
+                           "ACTIV from %s: T %lld D %lld bank %d floats %lld (want T %lld D %d)",
+                           who, (long long)m->h.T, (long long)m->h.D, m->h.n_bank,
+                           (long long)m->n_f32, (long long)T, D));
     }
-    r->n_forward++;
+    return K3_OK;
+}
+
+/* The previous stage's activations (h | bank) into the backend. Stage 0 has token ids only. */
+static k3_status step_upload(rank_ctx *r, const wstep *s) {
+    struct rank_worker *w = r->wk;
+    const step_msg *m = s->m;
+    if (r->stage == 0) return K3_OK;
+    const int64_t TD = s->T * r->cfg.hidden_size;
+    w->act.T = s->T;
+    w->act.n_bank = m->h.n_bank;
+    if (w->dev_act) { /* h, then the bank slabs, backend to backend from the sender */
+        RTRY(r, k3_comm_recv_dev(r->comm, r->be, m->src, w->act.h, TD,
+                                 "activations from the previous stage"));
+        RTRY(r, k3_comm_recv_dev(r->comm, r->be, m->src, w->act.bank, TD * m->h.n_bank,
+                                 "the attention-residual bank from the previous stage"));
+        return K3_OK;
+    }
+    /* the message is host memory; the bank slabs follow h: [1 + n_bank, T, D] */
+    RTRY(r, k3_backend_upload(r->be, w->act.h, m->f32, (size_t)TD * sizeof(float)));
+    if (m->h.n_bank)
+        RTRY(r, k3_backend_upload(r->be, w->act.bank, m->f32 + TD,
+                                  (size_t)(TD * m->h.n_bank) * sizeof(float)));
+    return K3_OK;
+}
+
+/* The stage's layers over the step's sequences (or, with none of this lane, its experts' share
+ * of every MoE exchange); a sequence's first non-finite activation goes into its flags. */
+static k3_status step_forward(rank_ctx *r, wstep *s) {
+    struct rank_worker *w = r->wk;
+    const int S = r->plan.n_stages, n_seqs = s->n_seqs;
+    const int32_t *mt = s->m->meta;
+    w->n_forward++;
     char doing[96];
-    snprintf(doing, sizeof doing, "forward step %d (%s, micro-batch %d, %lld tokens)", r->n_forward,
-             T > n_seqs ? "prefill" : "decode", group, (long long)T);
+    snprintf(doing, sizeof doing, "forward step %d (%s, micro-batch %d, %lld tokens)", w->n_forward,
+             s->T > n_seqs ? "prefill" : "decode", s->group, (long long)s->T);
     k3_comm_set_doing(r->comm, doing);
-    rank_hooks_maybe_die(r, r->n_forward);
+    rank_hooks_step(r, w->n_forward);
     double t_busy = k3_now_s();
     if (n_seqs > 0) {
         for (int i = 0; i < n_seqs; i++) /* marked by an earlier stage: keep its origin */
-            r->bnf[i] = (mt[META_HDR + META_SEQ * i + 2] & K3_WIRE_NF) ? -1 : 0;
+            w->bnf[i] = (mt[META_HDR + META_SEQ * i + 2] & K3_WIRE_NF) ? -1 : 0;
         k3_batch b = {.n_seqs = n_seqs,
-                      .states = r->bstates,
-                      .n_tokens = r->bntok,
-                      .token_ids = tokens,
-                      .nonfinite = r->bnf};
-        RTRY(r, k3_stage_forward(r->st, &b, &r->act, all_logits != 0,
-                                 r->stage == S - 1 ? r->logits : NULL));
+                      .states = w->bstates,
+                      .n_tokens = w->bntok,
+                      .token_ids = s->tokens,
+                      .nonfinite = w->bnf};
+        RTRY(r, k3_stage_forward(w->st, &b, &w->act, s->all_logits != 0,
+                                 r->stage == S - 1 ? w->logits : NULL));
         /* the first non-finite activation of a sequence travels on in its flags (wire.h) */
-        memcpy(r->wmeta, mt, (size_t)META_PREFIX(n_seqs, n_free) * sizeof *mt);
-        mt = r->wmeta;
+        memcpy(w->wmeta, mt, (size_t)META_PREFIX(n_seqs, s->n_free) * sizeof *mt);
+        s->meta = w->wmeta;
         for (int i = 0; i < n_seqs; i++) {
-            if (r->bnf[i] <= 0) continue;
-            int32_t *fl = &r->wmeta[META_HDR + META_SEQ * i + 2];
-            *fl = (*fl & (K3_WIRE_NF - 1)) | K3_WIRE_NF | (r->bnf[i] << K3_WIRE_NF_SHIFT);
-            int layer = k3_nf_layer(r->bnf[i]);
+            if (w->bnf[i] <= 0) continue;
+            int32_t *fl = &w->wmeta[META_HDR + META_SEQ * i + 2];
+            *fl = (*fl & (K3_WIRE_NF - 1)) | K3_WIRE_NF | (w->bnf[i] << K3_WIRE_NF_SHIFT);
+            int layer = k3_nf_layer(w->bnf[i]);
             char where[32] = "";
             if (layer >= 0) snprintf(where, sizeof where, "layer %d, ", layer);
             K3_LOGW("non-finite values (NaN/Inf) first appear in %s%s, for the sequence in slot %d "
                     "of lane %d (micro-batch %d, step %d); its request fails",
-                    where, k3_nf_op_name(k3_nf_op_of(r->bnf[i])), r->wmeta[META_HDR + META_SEQ * i],
-                    r->lane, group, stepi);
+                    where, k3_nf_op_name(k3_nf_op_of(w->bnf[i])), w->wmeta[META_HDR + META_SEQ * i],
+                    r->lane, s->group, s->step);
         }
     } else {
         /* no sequences of this lane in the step: still serve our experts at every MoE layer */
-        r->act.T = 0;
-        r->act.n_bank = 0;
-        RTRY(r, k3_stage_idle_step(r->st));
+        w->act.T = 0;
+        w->act.n_bank = 0;
+        RTRY(r, k3_stage_idle_step(w->st));
     }
-    const double dt = k3_now_s() - t_busy;
-    snprintf(doing, sizeof doing, "waiting after its forward step %d", r->n_forward);
+    s->busy_s = k3_now_s() - t_busy;
+    snprintf(doing, sizeof doing, "waiting after its forward step %d", w->n_forward);
     k3_comm_set_doing(r->comm, doing);
-    r->busy_s += dt; /* time in the forward (and its MoE exchanges) */
+    w->busy_s += s->busy_s; /* time in the forward (and its MoE exchanges) */
+    return K3_OK;
+}
+
+/* The step on: the logits rows the coordinator samples from (last stage), or h | bank to the
+ * next stage; the meta carries each stage's busy time. */
+static k3_status step_send(rank_ctx *r, const wstep *s) {
+    struct rank_worker *w = r->wk;
+    const int S = r->plan.n_stages, D = (int)r->cfg.hidden_size, n_seqs = s->n_seqs;
+    const int64_t V = r->cfg.vocab_size, T = s->T;
     /* out meta = the sequences | the busy time of each stage of this lane for this step (us):
        upstream stages' from the ACTIV, this stage's own (wire.h) */
-    const int n_meta_seq = META_PREFIX(n_seqs, n_free), n_meta_out = n_meta_seq + S;
-    if (mt != r->wmeta) memcpy(r->wmeta, mt, (size_t)n_meta_seq * sizeof *mt);
-    mt = r->wmeta;
-    int32_t *busy_us = r->wmeta + n_meta_seq;
+    const int n_meta_seq = META_PREFIX(n_seqs, s->n_free), n_meta_out = n_meta_seq + S;
+    if (s->meta != w->wmeta) memcpy(w->wmeta, s->meta, (size_t)n_meta_seq * sizeof *s->meta);
+    const int32_t *mt = w->wmeta;
+    int32_t *busy_us = w->wmeta + n_meta_seq;
     if (r->stage > 0)
-        memcpy(busy_us, m->meta + n_meta_seq, (size_t)S * sizeof *busy_us);
+        memcpy(busy_us, s->m->meta + n_meta_seq, (size_t)S * sizeof *busy_us);
     else
         memset(busy_us, 0, (size_t)S * sizeof *busy_us);
-    busy_us[r->stage] = (int32_t)K3_MIN(dt * 1e6, (double)INT32_MAX);
+    busy_us[r->stage] = (int32_t)K3_MIN(s->busy_s * 1e6, (double)INT32_MAX);
     if (r->stage == S - 1) {
-        int64_t R = all_logits ? T : 0;
-        float *lg = r->logits;
-        if (r->h_logits) { /* logits cross to host memory here, and only here */
-            int64_t rows = all_logits ? T : n_seqs;
-            RTRY(r, k3_backend_download(r->be, r->h_logits, r->logits,
+        int64_t R = s->all_logits ? T : 0;
+        float *lg = w->logits;
+        if (w->h_logits) { /* logits cross to host memory here, and only here */
+            int64_t rows = s->all_logits ? T : n_seqs;
+            RTRY(r, k3_backend_download(r->be, w->h_logits, w->logits,
                                         (size_t)(rows * V) * sizeof(float)));
-            lg = r->h_logits;
+            lg = w->h_logits;
         }
-        if (!all_logits) /* keep only the rows the coordinator samples from */
+        if (!s->all_logits) /* keep only the rows the coordinator samples from */
             for (int i = 0; i < n_seqs; i++)
                 if (mt[META_HDR + META_SEQ * i + 2] & K3_WIRE_WANT) {
                     if (R != i) memmove(lg + R * V, lg + (int64_t)i * V, (size_t)V * sizeof(float));
                     R++;
                 }
-        rank_post_step(r, 0, K3_MSG_LOGITS,
-                       (k3_wire_step){.T = T, .D = V, .R = R, .n_meta = n_meta_out}, mt,
-                       &(k3_f32_seg){lg, R * V}, 1);
-    } else {
-        int64_t nb = n_seqs ? r->act.n_bank : 0;
-        k3_f32_seg seg[2] = {{r->act.h, T * D}, {r->act.bank, T * D * nb}};
-        if (r->h_act && !r->dev_act) { /* h | bank to host memory for the wire */
-            RTRY(r,
-                 k3_backend_download(r->be, r->h_act, r->act.h, (size_t)(T * D) * sizeof(float)));
-            if (nb)
-                RTRY(r, k3_backend_download(r->be, r->h_act + T * D, r->act.bank,
-                                            (size_t)(T * D * nb) * sizeof(float)));
-            seg[0].p = r->h_act;
-            seg[1].p = r->h_act + T * D;
-        }
-        const int next = k3_plan_rank(&r->plan, r->stage + 1, r->lane);
-        const k3_wire_step h = {
-            .T = T, .D = D, .R = T, .n_bank = (int32_t)nb, .n_meta = n_meta_out};
-        if (r->dev_act) { /* the meta first (it announces the sizes), then the floats */
-            rank_post_step(r, next, K3_MSG_ACTIV, h, mt, NULL, 0);
-            RTRY(r, k3_comm_send_dev(r->comm, r->be, next, r->act.h, T * D,
-                                     "activations to the next stage"));
-            RTRY(r, k3_comm_send_dev(r->comm, r->be, next, r->act.bank, T * D * nb,
-                                     "the attention-residual bank to the next stage"));
-        } else {
-            rank_post_step(r, next, K3_MSG_ACTIV, h, mt, seg, 2);
-        }
+        return rank_post_step(r, 0, K3_MSG_LOGITS,
+                              (k3_wire_step){.T = T, .D = V, .R = R, .n_meta = n_meta_out}, mt,
+                              &(k3_f32_seg){lg, R * V}, 1);
     }
-    rank_opstats_end(r, T, n_seqs);
+    int64_t nb = n_seqs ? w->act.n_bank : 0;
+    k3_f32_seg seg[2] = {{w->act.h, T * D}, {w->act.bank, T * D * nb}};
+    if (w->h_act && !w->dev_act) { /* h | bank to host memory for the wire */
+        RTRY(r, k3_backend_download(r->be, w->h_act, w->act.h, (size_t)(T * D) * sizeof(float)));
+        if (nb)
+            RTRY(r, k3_backend_download(r->be, w->h_act + T * D, w->act.bank,
+                                        (size_t)(T * D * nb) * sizeof(float)));
+        seg[0].p = w->h_act;
+        seg[1].p = w->h_act + T * D;
+    }
+    const int next = k3_plan_rank(&r->plan, r->stage + 1, r->lane);
+    const k3_wire_step h = {.T = T, .D = D, .R = T, .n_bank = (int32_t)nb, .n_meta = n_meta_out};
+    if (!w->dev_act) return rank_post_step(r, next, K3_MSG_ACTIV, h, mt, seg, 2);
+    /* the meta first (it announces the sizes), then the floats */
+    RTRY(r, rank_post_step(r, next, K3_MSG_ACTIV, h, mt, NULL, 0));
+    RTRY(r,
+         k3_comm_send_dev(r->comm, r->be, next, w->act.h, T * D, "activations to the next stage"));
+    RTRY(r, k3_comm_send_dev(r->comm, r->be, next, w->act.bank, T * D * nb,
+                             "the attention-residual bank to the next stage"));
+    return K3_OK;
+}
+
+/* Process one BATCH/ACTIV message and send the result on. */
+static k3_status worker_step(rank_ctx *r, const step_msg *m) {
+    wstep s;
+    RTRY(r, rank_opstats_begin(r));
+    RTRY(r, step_decode(r, m, &s));
+    RTRY(r, step_upload(r, &s));
+    RTRY(r, step_forward(r, &s));
+    RTRY(r, step_send(r, &s));
+    return rank_opstats_end(r, s.T, s.n_seqs);
 }
 
 /* ---- serving --------------------------------------------------------------------------------- */
-bool rank_worker_poll(rank_ctx *r) {
-    if (!r->serving) return false;
+k3_status rank_worker_poll(rank_ctx *r, bool *did) {
+    struct rank_worker *w = r->wk;
+    *did = false;
+    if (!w->serving) return K3_OK;
     step_msg m;
     bool got;
-    rank_poll_step(r, r->in_peer, r->in_kind, &m, &got);
+    RTRY(r, rank_poll_step(r, w->in_peer, w->in_kind, &m, &got));
     if (got) {
-        rank_worker_step(r, &m);
-        return true;
+        *did = true;
+        return worker_step(r, &m);
     }
     k3_comm_msg stop;
     RTRY(r, k3_comm_poll(r->comm, 0, K3_MSG_STOP, &stop, &got));
     if (got) {
-        r->serving = false;
-        return true;
+        w->serving = false;
+        *did = true;
+        return K3_OK;
     }
     k3_comm_msg beat; /* the coordinator's heartbeat: only its arrival time matters */
     do RTRY(r, k3_comm_poll(r->comm, 0, K3_MSG_BEAT, &beat, &got));
     while (got);
-    return false;
+    return K3_OK;
 }
 
 /* Between requests a worker may idle for hours, so it waits for steps without a limit, but not
@@ -307,11 +392,13 @@ bool rank_worker_poll(rank_ctx *r) {
  * from it for --comm-timeout starts the fault exchange. A rank that stalls in the middle of a
  * step is caught by the coordinator's --comm-timeout and by the MoE collectives' own timeouts;
  * a fault report from any rank interrupts the wait here too. */
-void rank_worker_serve(rank_ctx *r) {
+k3_status rank_worker_serve(rank_ctx *r) {
     int backoff = 0;
-    const double timeout = r->o->comm_timeout_s > 0 ? r->o->comm_timeout_s : 600;
-    while (r->serving) {
-        if (rank_worker_poll(r)) {
+    const double timeout = rank_comm_timeout(r);
+    while (r->wk->serving) {
+        bool did;
+        RTRY(r, rank_worker_poll(r, &did));
+        if (did) {
             backoff = 0;
             continue;
         }
@@ -320,11 +407,12 @@ void rank_worker_serve(rank_ctx *r) {
             int coord = 0;
             k3_comm_note_timeout(r->comm, &coord, 1, "a step or a heartbeat from the coordinator",
                                  silent);
-            rank_die(r, K3_ERR(K3_ERR_COMM,
-                               "no step or heartbeat from the coordinator (rank 0) within %.0f s "
-                               "(--comm-timeout)",
-                               timeout));
+            RTRY(r, K3_ERR(K3_ERR_COMM,
+                           "no step or heartbeat from the coordinator (rank 0) within %.0f s "
+                           "(--comm-timeout)",
+                           timeout));
         }
         k3_comm_idle(r->comm, &backoff);
     }
+    return K3_OK;
 }

@@ -39,11 +39,13 @@ static const char *parse_s(int argc, char **argv, const char *name, const char *
 static int run(const k3_engine_opts *o, int n_req, int P, int G, bool batched, int64_t vocab,
                run_res *res) {
     k3_engine *e = NULL;
-    int rc = k3_engine_open(o, &e);
-    if (rc) return rc;
+    k3_status ost = k3_engine_open(o, &e);
+    if (ost != K3_OK && e) k3_engine_abort(e);
+    if (ost != K3_OK) return ost == K3_ERR_ARG ? 2 : 1;
     if (!k3_engine_is_coordinator(e)) {
-        k3_engine_serve(e);
-        k3_engine_close(e, NULL);
+        k3_status st = k3_engine_serve(e);
+        if (st == K3_OK) st = k3_engine_close(e, NULL);
+        if (st != K3_OK) k3_engine_abort(e);
         return 0;
     }
     k3_rng rng;
@@ -66,7 +68,7 @@ static int run(const k3_engine_opts *o, int n_req, int P, int G, bool batched, i
         }
         const k3_event *ev;
         int n;
-        if (k3_engine_step(e, &ev, &n) != K3_OK) return 1;
+        if (k3_engine_step(e, &ev, &n) != K3_OK) k3_engine_abort(e);
         for (int k = 0; k < n; k++) {
             if (ev[k].kind == K3_EV_TOKEN) res->gen++;
             if (ev[k].kind != K3_EV_TOKEN) done++, res->prompt += ev[k].n_prompt;
@@ -75,7 +77,7 @@ static int run(const k3_engine_opts *o, int n_req, int P, int G, bool batched, i
     }
     res->wall = k3_now_s() - t0;
     free(ids);
-    k3_engine_close(e, &res->es);
+    if (k3_engine_close(e, &res->es) != K3_OK) k3_engine_abort(e);
     return 0;
 }
 

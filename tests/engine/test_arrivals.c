@@ -49,6 +49,7 @@ static int step(k3_engine *e, req *rq, int ph, int *n_events) {
     const k3_event *ev;
     int ne, ended = 0;
     K3_CHECK_OK(k3_engine_step(e, &ev, &ne));
+    if (k3_engine_failed(e)) k3_engine_abort(e); /* the job ends, the rank named */
     for (int k = 0; k < ne; k++) {
         req *q = &rq[ev[k].user];
         if (ev[k].kind == K3_EV_TOKEN) {
@@ -107,14 +108,16 @@ int main(int argc, char **argv) {
                         .chunk = 40,
                         .kv_cache_tokens = argc > 7 ? atoll(argv[7]) : 0};
     k3_engine *e = NULL;
-    int rc = k3_engine_open(&o, &e);
-    if (rc) {
+    k3_status ost = k3_engine_open(&o, &e);
+    if (ost != K3_OK && e) k3_engine_abort(e);
+    if (ost != K3_OK) {
         k3_comm_finalize();
-        return rc;
+        return ost == K3_ERR_ARG ? 2 : 1;
     }
     if (!k3_engine_is_coordinator(e)) {
-        K3_CHECK_OK(k3_engine_serve(e));
-        k3_engine_close(e, NULL);
+        k3_status st = k3_engine_serve(e);
+        if (st == K3_OK) st = k3_engine_close(e, NULL);
+        if (st != K3_OK) k3_engine_abort(e);
         k3_comm_finalize();
         return 0; /* rank 0 reports */
     }
@@ -152,6 +155,7 @@ int main(int argc, char **argv) {
         const k3_event *ev;
         int ne;
         K3_CHECK_OK(k3_engine_step(e, &ev, &ne));
+        if (k3_engine_failed(e)) k3_engine_abort(e); /* the job ends, the rank named */
         for (int k = 0; k < ne; k++) {
             K3_CHECK(ev[k].kind == K3_EV_ERROR && ev[k].error,
                      "a bad request gives an error event");
@@ -186,6 +190,7 @@ int main(int argc, char **argv) {
             const k3_event *ev;
             int ne;
             K3_CHECK_OK(k3_engine_step(e, &ev, &ne));
+            if (k3_engine_failed(e)) k3_engine_abort(e); /* the job ends, the rank named */
             for (int k = 0; k < ne; k++) {
                 int i = (int)(ev[k].user - 2000);
                 if (ev[k].kind == K3_EV_TOKEN)
@@ -225,7 +230,7 @@ int main(int argc, char **argv) {
         h = k3_hash_bytes(q->rows[0], sizeof(float) * (size_t)q->n_gen[0] * V, h);
     }
     k3_engine_stats es;
-    k3_engine_close(e, &es);
+    if (k3_engine_close(e, &es) != K3_OK) k3_engine_abort(e);
     printf("  %s %dx%d (paged cache %s tokens): %d/%d requests bit-identical alone vs with "
            "arrivals (%lld prompt tokens, %lld steps)\n",
            argv[3], o.pp, o.ep, argc > 7 ? argv[7] : "6 x 320", same, N_REQ,

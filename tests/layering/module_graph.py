@@ -15,7 +15,8 @@ layers → experts, layers → comm and experts → comm are allowed, and into c
 interface header k3_comm.h. Another module's *_internal.h is never included. The observed module
 graph must have no cycle. System headers: <mpi.h> only in comm/ and launcher/ (MPI init/abort; layers never call MPI),
 CUDA/NCCL headers only in kernels/cuda/, comm/nccl_emu/ (the emulation's NCCL stand-in) and
-comm/comm_nccl.c (STYLE.md §13).
+comm/comm_nccl.c (STYLE.md §13). Inside rank/, each role's state struct (ROOMS) is defined only
+in its own file, so no other file of rank/ sees it.
 
 Usage: module_graph.py [ROOT]   (ROOT = the repository; default: K3_SRC or this file's ../..)
        module_graph.py --self-test [ROOT]
@@ -23,7 +24,8 @@ Prints each forbidden edge as `file:line: module A includes B (header)`; exit 0 
 forbidden edge, an unknown header or a cycle, 2 = usage. --self-test copies the module folders
 to a temporary directory, injects one forbidden include at a time (kernels → model, layers →
 rank, coordinator → model, experts → layers, a cycle, <mpi.h> in layers/, server → model,
-<mpi.h> in server/, model → tiny, rank → tiny, tiny → layers) and checks that each
+<mpi.h> in server/, model → tiny, rank → tiny, tiny → layers, a role's struct of rank/ defined
+outside its room) and checks that each
 is reported with its file and line; exit 0 only if every injection is caught.
 """
 import io
@@ -73,6 +75,18 @@ DEVICE_OK_DIRS = ("kernels/cuda/", "comm/nccl_emu/")  # <cuda*.h>, <cu*.h>, <ncc
 # the NCCL stand-in of the emulation build (its nccl.h names cudaStream_t)
 DEVICE_OK_FILES = ("comm/comm_nccl.c",)
 DEVICE_RE = re.compile(r"^(cuda[^/]*\.h|cu[a-zA-Z_]*\.h|nccl\.h|nvml\.h|cub/.*|thrust/.*)$")
+
+# The rooms of rank/ (rank/rank_internal.h): each role's state is a struct defined in its own file
+# only, so no other file of rank/ can see it (the shared rank_ctx holds opaque pointers).
+ROOMS = {
+    "k3_engine": "rank/engine.c",       # the engine API's own totals
+    "rank_worker": "rank/worker.c",     # the stage worker of a lane
+    "rank_coord": "rank/scheduler.c",   # the coordinator: requests, slots, groups, events
+    "rank_load": "rank/setup.c",        # the load: heartbeat, bar, --verify list
+    "rank_opstats": "rank/opstats.c",   # --op-stats counters
+    "rank_hooks": "rank/hooks.c",       # the test hooks (k3_engine_test.h)
+}
+STRUCT_DEF_RE = re.compile(r"\bstruct\s+(" + "|".join(ROOMS) + r")\s*\{")
 
 INCLUDE_RE = re.compile(r'^\s*#\s*include\s*([<"])([^">]+)[">]')
 SOURCE_EXT = (".c", ".h", ".cu", ".cuh")
@@ -190,6 +204,16 @@ def check(root):
                     print(f"{rel}:{ln}: module {mod} includes {target} ({name}): {why}")
                     bad += 1
 
+    for mod, path in files:  # the rooms of rank/
+        rel = os.path.relpath(path, root).replace(os.sep, "/")
+        with open(path, encoding="utf-8", errors="replace") as f:
+            for ln, line in enumerate(f, 1):
+                for m in STRUCT_DEF_RE.finditer(line):
+                    if ROOMS[m.group(1)] != rel:
+                        print(f"{rel}:{ln}: struct {m.group(1)} defined outside its room "
+                              f"{ROOMS[m.group(1)]} (another role's state)")
+                        bad += 1
+
     cycle = find_cycle(graph)
     if cycle:
         print("module_graph: cycle " + " → ".join(cycle))
@@ -222,6 +246,10 @@ INJECTIONS = [
      "rank/setup.c:{n}: module rank includes tiny (k3_tiny.h): only launcher may include tiny"),
     ("tiny/make_tiny.c", '#include "k3_layers.h"',
      "tiny/make_tiny.c:{n}: module tiny includes layers (k3_layers.h)"),
+    ("rank/rank_internal.h", "struct rank_coord { int n_reqs; };",
+     "rank/rank_internal.h:{n}: struct rank_coord defined outside its room rank/scheduler.c"),
+    ("rank/scheduler.c", "struct rank_worker {",
+     "rank/scheduler.c:{n}: struct rank_worker defined outside its room rank/worker.c"),
 ]
 
 

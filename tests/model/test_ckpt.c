@@ -84,12 +84,20 @@ typedef struct prog {
     int calls;
     bool monotonic;
 } prog;
-static void on_progress(void *ctx, uint64_t done, uint64_t total) {
+static k3_status on_progress(void *ctx, uint64_t done, uint64_t total) {
     prog *p = ctx;
     p->monotonic = p->monotonic && done >= p->last;
     p->last = done;
     p->total = total;
     p->calls++;
+    return K3_OK;
+}
+
+/* A progress callback that stops the load at its 10th call (the engine's load heartbeat does when
+ * a peer goes silent): the load must return its status, not go on. */
+static k3_status stop_at_10(void *ctx, uint64_t done, uint64_t total) {
+    (void)done, (void)total;
+    return ++*(int *)ctx == 10 ? K3_ERR(K3_ERR_COMM, "stopped by the progress callback") : K3_OK;
 }
 
 static void problem_count(void *ctx, const char *msg) {
@@ -202,6 +210,18 @@ int main(void) {
     K3_CHECK(pg.monotonic && pg.calls > 100 && pg.last == pg.total && pg.total == full_read,
              "progress %llu/%llu in %d calls", (unsigned long long)pg.last,
              (unsigned long long)pg.total, pg.calls);
+    { /* a callback's error stops the load and comes back as its status */
+        k3_load_sel stop = all;
+        int calls = 0;
+        stop.progress = stop_at_10;
+        stop.ctx = &calls;
+        k3_weights *w2 = NULL;
+        k3_status st = k3_weights_load(ck, &cfg, &stop, &w2);
+        K3_CHECK(st == K3_ERR_COMM && w2 == NULL && calls == 10,
+                 "progress error: status %s, %d calls, weights %p", k3_status_name(st), calls,
+                 (void *)w2);
+        k3_weights_destroy(w2);
+    }
     if (w) {
         const k3_weights_view *v = k3_weights_get(w);
         K3_CHECK(v->embed.dtype == K3_DT_BF16 && v->embed.shape[0] == 4096 && v->lm_head.data,
