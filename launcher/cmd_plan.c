@@ -14,8 +14,8 @@
 #include <stdio.h>
 
 #include "engine_args.h"
+#include "k3_bind.h"
 #include "k3_partition.h"
-#include "k3_rank.h"
 
 static const k3_flag flags[] = {
     {"model", K3_FLAG_STR, "DIR", NULL, "checkpoint directory (its config.json)"},
