@@ -4,7 +4,8 @@
  * `k3 serve` and `k3 bench` take the same entries, so the flags mean the same, with the same
  * defaults and ranges, in every command. The capacity defaults are the engine's own
  * (K3_ENGINE_DEFAULT_*), stringified here, so the help text cannot drift from what the engine
- * does. */
+ * does; the ranges are one table in engine_args.c (k3_engine_flag_range), which `k3 plan` uses
+ * for its capacity flags too. */
 #ifndef K3_ENGINE_ARGS_H
 #define K3_ENGINE_ARGS_H
 
@@ -83,6 +84,9 @@
  * Returns 0, or 2 for a usage error, printed as one line "k3 <cmd>: --flag: ..." when `print`
  * (rank 0 under mpirun: every rank decides the same, one prints). */
 int k3_engine_args(const k3_args *a, bool print, k3_engine_opts *o);
+/* The valid range [lo, hi] of an integer flag of K3_ENGINE_FLAGS (the one table k3_engine_args
+ * checks; `k3 plan` applies it to its capacity flags); false for a flag without one. */
+bool k3_engine_flag_range(const char *flag, int64_t *lo, int64_t *hi);
 /* Whether --backend NAME is one the flag takes (auto, cpu, ref, guard, cuda; a build without
  * K3_CUDA refuses cuda when the engine creates the backend). */
 bool k3_engine_backend_ok(const char *name);
