@@ -53,7 +53,7 @@
 #include "k3_engine_test.h"
 #include "k3_comm.h"
 #include "k3_model.h"
-#include "k3_rank.h"
+#include "k3_run.h"
 
 static const k3_flag flags[] = {
     {"model", K3_FLAG_STR, "DIR", NULL, "checkpoint directory (config.json + safetensors)"},
@@ -340,7 +340,7 @@ static k3_status write_line(batch *b, const k3_chat_buf *line) {
 static k3_status put_head(const batch *b, const in_line *L, k3_chat_buf *o) {
     char t[64];
     snprintf(t, sizeof t, "{\"id\":\"batch_req_%016llx\",\"custom_id\":",
-             (unsigned long long)k3_rank_seq_seed(b->nonce ^ cid_hash(L->cid, L->n_cid), 1));
+             (unsigned long long)k3_run_seq_seed(b->nonce ^ cid_hash(L->cid, L->n_cid), 1));
     K3_TRY(k3_chat_buf_puts(o, t));
     return k3_chat_json_dump_str(L->cid, L->n_cid, o);
 }
@@ -428,7 +428,7 @@ static k3_status write_ok(batch *b, const in_line *L, live *q, const k3_event *e
     snprintf(t, sizeof t,
              ",\"response\":{\"status_code\":200,\"request_id\":\"req_%016llx\",\"body\":{\"id\":"
              "\"chatcmpl-%016llx\",\"object\":\"chat.completion\",\"created\":%lld,\"model\":",
-             (unsigned long long)k3_rank_seq_seed(h, 2), (unsigned long long)k3_rank_seq_seed(h, 3),
+             (unsigned long long)k3_run_seq_seed(h, 2), (unsigned long long)k3_run_seq_seed(h, 3),
              (long long)time(NULL));
     if (st == K3_OK) st = k3_chat_buf_puts(&o, t);
     if (st == K3_OK) st = k3_chat_json_dump_str(b->model_name, strlen(b->model_name), &o);
@@ -458,7 +458,7 @@ static void settings(const batch *b, const in_line *L, k3_job_settings *s) {
     s->num[K3_JOB_REPETITION_PENALTY] = 1;
     s->num[K3_JOB_MAX_TOKENS] = b->max_tokens_flag ? (double)k3_args_int(b->a, "max-tokens") : 0;
     s->flag[K3_JOB_MAX_TOKENS] = "max-tokens";
-    s->seed = k3_rank_seq_seed(b->seed ^ cid_hash(L->cid, L->n_cid), 0);
+    s->seed = k3_run_seq_seed(b->seed ^ cid_hash(L->cid, L->n_cid), 0);
     s->n_vocab = b->n_vocab;
 }
 
@@ -685,7 +685,7 @@ static k3_status prepare(batch *b) {
     while (s > 0 && m[s - 1] != '/') s--;
     snprintf(b->model_name, sizeof b->model_name, "%.*s", (int)(n - s), m + s);
     uint64_t t = (uint64_t)time(NULL) ^ ((uint64_t)getpid() << 32);
-    b->nonce = k3_rank_seq_seed(k3_hash_bytes(&t, sizeof t, K3_HASH_INIT), 7);
+    b->nonce = k3_run_seq_seed(k3_hash_bytes(&t, sizeof t, K3_HASH_INIT), 7);
     return K3_OK;
 }
 

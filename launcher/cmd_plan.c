@@ -14,8 +14,8 @@
 #include <stdio.h>
 
 #include "engine_args.h"
+#include "k3_bind.h"
 #include "k3_partition.h"
-#include "k3_rank.h"
 
 static const k3_flag flags[] = {
     {"model", K3_FLAG_STR, "DIR", NULL, "checkpoint directory (its config.json)"},
@@ -426,22 +426,21 @@ static int run_plan(const k3_args *a) {
     const char *toks_flag = k3_args_has(a, "max-tokens") ? "max-tokens" : "max-batch-tokens";
     int64_t ctx = k3_args_int(a, "max-ctx"), seqs = k3_args_int(a, "max-seqs"),
             toks = k3_args_int(a, toks_flag);
-    const struct {
-        const char *flag;
-        int64_t max;
-    } lim[] = {{"max-ctx", (int64_t)1 << 30}, {"max-seqs", 1 << 20}, {toks_flag, 1 << 24}};
-    const int64_t val[] = {ctx, seqs, toks};
     const int64_t kvt = k3_args_int(a, "kv-cache-tokens");
-    if (kvt < 0 || kvt > (int64_t)1 << 40) {
-        fprintf(stderr, "k3 plan: --kv-cache-tokens %lld is outside [0, 2^40]\n", (long long)kvt);
-        return 2;
-    }
-    for (size_t i = 0; i < K3_ARRAY_LEN(lim); i++)
-        if (val[i] < 1 || val[i] > lim[i].max) {
-            fprintf(stderr, "k3 plan: --%s %lld is outside [1, %lld]\n", lim[i].flag,
-                    (long long)val[i], (long long)lim[i].max);
+    /* the ranges are the engine flags' (engine_args.c); --max-tokens is --max-batch-tokens */
+    const char *const cap_flag[] = {"max-ctx", "max-seqs", "max-batch-tokens", "kv-cache-tokens"};
+    const char *const cap_name[] = {"max-ctx", "max-seqs", toks_flag, "kv-cache-tokens"};
+    const int64_t val[] = {ctx, seqs, toks, kvt};
+    for (size_t i = 0; i < K3_ARRAY_LEN(cap_flag); i++) {
+        int64_t lo = 0, hi = 0;
+        const bool known = k3_engine_flag_range(cap_flag[i], &lo, &hi);
+        K3_ASSERT(known);
+        if (val[i] < lo || val[i] > hi) {
+            fprintf(stderr, "k3 plan: --%s %lld is outside [%lld, %lld]\n", cap_name[i],
+                    (long long)val[i], (long long)lo, (long long)hi);
             return 2;
         }
+    }
     const int ded = cm == K3_COORD_DEDICATED;
     int64_t world = have_site ? (int64_t)site.nodes * site.ranks_per_node : 0;
     if (k3_args_has(a, "world")) {

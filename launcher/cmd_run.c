@@ -1,13 +1,16 @@
 /* cmd_run.c — `k3 run`: the flags, the prompt (ids, text or an OpenAI chat request), the sampling
- * parameters, then ONE generation loop: k3_rank_run (rank/), on a world of one (MPI singleton,
- * initialised here lazily) for a plain run or on every rank under mpirun.
+ * parameters, then ONE generation loop: k3_run_generate (client/), on a world of one (MPI
+ * singleton, initialised here lazily) for a plain run or on every rank under mpirun.
  *
- * Owns: flag parsing and validation, --prompt tokenisation, printing the --chat message.
+ * Owns: the run's own flags (prompt, sampling, output) and their validation, --prompt
+ * tokenisation, printing the --chat message. The engine's flags (grid, backend, transport,
+ * capacity with the engine's defaults) are K3_ENGINE_FLAGS, read by k3_engine_args exactly as in
+ * batch/serve/bench (engine_args.h).
  * Does not own: the --chat request (render -> encode, its sampling keys merged with the flags: a
  * flag given explicitly wins, otherwise the request's key, otherwise the flag default; the
  * generated ids -> the assistant message): chat_job.h, shared with `k3 batch`. Nor any math
  * (layers/, experts/), the generation loop, the sampler, the report of a plain run
- * (rank/k3_rank.h), tokenisation (coordinator/).
+ * (client/k3_run.h), tokenisation (coordinator/).
  * Stop strings: --stop STR is one stop string; a value starting with '[' must be a JSON array of
  * strings (--stop '["\n\n", "###"]') and gives several. The penalty history holds generated ids
  * only (the prompt is not penalised).
@@ -27,7 +30,7 @@
 #include "k3_comm.h"
 #include "k3_kernels.h"
 #include "k3_model.h"
-#include "k3_rank.h"
+#include "k3_run.h"
 #include "k3_sampler.h"
 #include "k3_tokenizer.h"
 
@@ -63,27 +66,6 @@ static const k3_flag flags[] = {
     {"ignore-eos", K3_FLAG_BOOL, NULL, NULL,
      "do not stop at EOS / <|end_of_msg|> (stop strings still apply); with --chat they do not "
      "end the message either"},
-    {"chunk", K3_FLAG_INT, "C", "0", "prefill chunk in tokens (0 = whole prompt at once)"},
-    {"max-seqs", K3_FLAG_INT, "N", "0",
-     "sequence slots per lane (0 = as many as the prompts need); more prompts wait in a queue"},
-    {"max-ctx", K3_FLAG_INT, "N", "0", "tokens per sequence, prompt + new (0 = what they need)"},
-    {"kv-cache-tokens", K3_FLAG_INT, "N", "0",
-     "paged MLA cache per lane, in tokens (0 = max-seqs x max-ctx); prompts wait for room"},
-    {"verify", K3_FLAG_BOOL, NULL, NULL,
-     "after loading, check each rank's own tensors for NaN/Inf and E8M0 0xFF scales (cost shown)"},
-    {"max-batch-tokens", K3_FLAG_INT, "N", "0",
-     "tokens per forward step of a lane (0 = every prefill in one step)"},
-    {"kda-chunk", K3_FLAG_INT, "C", "0",
-     "KDA form: 0/1 = recurrent (bit-exact), C >= 2 = chunked, C tokens"},
-    {"threads", K3_FLAG_INT, "N", "0",
-     "cpu threads per rank (0 = the cores of its binding; --bind none: all alone, 1 under mpirun)"},
-    K3_BIND_FLAG,
-    {"backend", K3_FLAG_STR, "NAME", "auto",
-     "kernel backend: auto (cuda when compiled in, a device is visible and every op is ported; "
-     "else cpu, saying why), cpu, ref, guard (a test backend: cpu ops on memory host code cannot "
-     "touch) "
-     "or cuda (builds with K3_CUDA; device memory, ops still being ported)"},
-    K3_COMM_FLAG,
     {"dump-logits", K3_FLAG_STR, "FILE", NULL,
      "write float32 logits [positions, V] as .npy (every consumed token, prompts concatenated)"},
     {"json", K3_FLAG_BOOL, NULL, NULL, "print one JSON object instead of ids + text lines"},
@@ -94,19 +76,7 @@ static const k3_flag flags[] = {
      "before loading, measure this machine's triad bandwidth and fp32 FMA peak (a few seconds, "
      "rank 0, --threads threads or all cores) and give decode GB/s and prefill GFLOP/s as % of "
      "them (without it: GB/s and GFLOP/s alone)"},
-    /* distributed (under mpirun) */
-    {"pp", K3_FLAG_INT, "S", "1", "pipeline stages (under mpirun; world = S x E [+1])"},
-    {"ep", K3_FLAG_INT, "E", "1", "expert-parallel lanes per stage (under mpirun)"},
-    {"coordinator", K3_FLAG_STR, "MODE", "shared",
-     "shared (rank 0 is also stage 0 lane 0) or dedicated"},
-    {"expert-map", K3_FLAG_STR, "FILE", NULL,
-     "expert -> lane map (partition/k3_partition.h format)"},
-    {"deterministic", K3_FLAG_BOOL, NULL, NULL,
-     "logits bit-identical for every split (today the combine is per-row in both modes)"},
-    {"comm-timeout", K3_FLAG_FLOAT, "SEC", "600", "limit of every blocking wait between ranks"},
-    {"load-timeout", K3_FLAG_FLOAT, "SEC", "0",
-     "limit of the whole load (0 = 60 s + the largest rank's planned bytes at 50 MB/s); a rank "
-     "with no load progress for --comm-timeout is named sooner"},
+    K3_ENGINE_FLAGS,
 };
 
 /* Everything a run needs besides the flags; freed by run_free. */
@@ -230,7 +200,7 @@ static k3_status sampling(run_in *in, const k3_args *a) {
     }
     if (s.bias_fixed) K3_TRY(parse_bias(&in->job, k3_args_str(a, "logit-bias")));
     /* logit_bias ids are checked against vocab_size here, where the error can name the request
-     * key or the flag; a config that does not load is reported by k3_rank_run */
+     * key or the flag; a config that does not load is reported by k3_run_generate */
     k3_config cfg;
     if (k3_config_load(k3_args_str(a, "model"), &cfg) == K3_OK)
         s.n_vocab = cfg.vocab_size;
@@ -252,7 +222,7 @@ static k3_status sampling(run_in *in, const k3_args *a) {
 }
 
 /* ---- --chat output ------------------------------------------------------------------------ */
-static k3_status print_chat(run_in *in, const k3_rank_seq_result *res, bool ignore_eos) {
+static k3_status print_chat(run_in *in, const k3_run_seq_result *res, bool ignore_eos) {
     k3_job_gen g = {.ids = res->gen, .n = res->n_gen, .stop = res->stop, .n_text = res->n_text};
     k3_chat_buf out = {0};
     k3_status st = k3_job_message(&in->job, in->tok, &g, ignore_eos, &out);
@@ -279,46 +249,10 @@ static int run_run(const k3_args *a) {
                 "k3 run: give exactly one of --prompt-ids IDS, --prompt TEXT or --chat FILE\n");
         return 2;
     }
-    int64_t chunk = k3_args_int(a, "chunk"), kc = k3_args_int(a, "kda-chunk"),
-            threads = k3_args_int(a, "threads"), pp = k3_args_int(a, "pp"),
-            ep = k3_args_int(a, "ep");
-    double tmo = k3_args_float(a, "comm-timeout");
-    double load_tmo = k3_args_float(a, "load-timeout");
-    int64_t max_seqs = k3_args_int(a, "max-seqs"), max_ctx = k3_args_int(a, "max-ctx"),
-            max_bt = k3_args_int(a, "max-batch-tokens"), kvt = k3_args_int(a, "kv-cache-tokens");
-    if (max_seqs < 0 || max_seqs > (1 << 20) || max_ctx < 0 || max_ctx > ((int64_t)1 << 30) ||
-        max_bt < 0 || max_bt > (1 << 24) || kvt < 0 || kvt > ((int64_t)1 << 40)) {
-        fprintf(stderr, "k3 run: --max-seqs (<= 2^20), --max-ctx (<= 2^30), --max-batch-tokens "
-                        "(<= 2^24) and --kv-cache-tokens (<= 2^40) must be >= 0\n");
-        return 2;
-    }
-    if (chunk < 0 || kc < 0 || kc > 1024 || threads < 0 || threads > 1024) {
-        fprintf(stderr, "k3 run: --chunk, --kda-chunk (<= 1024) and --threads must be >= 0\n");
-        return 2;
-    }
-    if (pp < 1 || pp > 4096 || ep < 1 || ep > 4096 || !(tmo > 0) || !(load_tmo >= 0)) {
-        fprintf(stderr, "k3 run: --pp and --ep must be in [1, 4096], --comm-timeout > 0, "
-                        "--load-timeout >= 0\n");
-        return 2;
-    }
-    const char *backend = k3_args_str(a, "backend");
-    if (!k3_engine_backend_ok(backend)) {
-        fprintf(stderr, "k3 run: --backend: '%s' is not auto, cpu, ref, guard or cuda\n", backend);
-        return 2;
-    }
-    const char *comm = NULL, *backend_arg = backend;
-    int wr = 0;
-    {
-        int ws = 1;
-        k3_comm_world(&wr, &ws);
-        backend = k3_engine_backend_pick(backend, false); /* said below, once the flags are good */
-        if (k3_engine_comm_arg(a, backend, wr == 0, &comm)) return 2;
-    }
-    k3_coord_mode cm = K3_COORD_SHARED;
-    if (k3_coord_mode_parse(k3_args_str(a, "coordinator"), &cm) != K3_OK) return fail(K3_ERR_ARG);
-    const char *bind;
-    if (k3_engine_bind_arg(a, true, &bind)) return 2;
-
+    /* the engine's flags, as batch/serve/bench read them; MPI is not up yet, so every rank of an
+     * mpirun prints the same usage error (as it always did for run's flags) */
+    k3_engine_opts eo = {.name = "k3 run"};
+    if (k3_engine_args(a, true, &eo)) return 2;
     run_in in;
     memset(&in, 0, sizeof in);
     int rc = 0;
@@ -338,7 +272,7 @@ static int run_run(const k3_args *a) {
         st = K3_OK;
     }
     if (k3_args_has(a, "prompt-ids")) {
-        st = k3_rank_parse_prompts(k3_args_str(a, "prompt-ids"), &in.ids, &in.lens, &in.n_prompts);
+        st = k3_run_parse_prompts(k3_args_str(a, "prompt-ids"), &in.ids, &in.lens, &in.n_prompts);
     } else if (k3_args_has(a, "prompt")) {
         const char *text = k3_args_str(a, "prompt");
         k3_tok_ids v = {0};
@@ -365,59 +299,42 @@ static int run_run(const k3_args *a) {
     bool chat = in.job.req != NULL;
     bench_limits lim = {0};
     if (k3_args_bool(a, "bench-limits")) {
+        int wr = 0, ws = 1;
+        k3_comm_world(&wr, &ws);
         if (wr == 0) {
             char how[400];
-            st = bench_measure_limits(threads ? (int)threads : (int)sysconf(_SC_NPROCESSORS_ONLN),
-                                      5, 0, &lim);
+            st = bench_measure_limits(
+                eo.n_threads ? eo.n_threads : (int)sysconf(_SC_NPROCESSORS_ONLN), 5, 0, &lim);
             bench_limits_describe(&lim, how, sizeof how);
             if (st == K3_OK) K3_LOGI("measured limits, %s", how);
             if (st != K3_OK) K3_LOGW("--bench-limits: %s", k3_last_error());
             st = K3_OK;
         }
     }
-    k3_rank_result res = {0};
-    k3_rank_opts o = {.model_dir = model,
-                      .pp = (int)pp,
-                      .ep = (int)ep,
-                      .coord = cm,
-                      .expert_map_path = k3_args_str(a, "expert-map"),
-                      .deterministic = k3_args_bool(a, "deterministic"),
-                      .comm_timeout_s = tmo,
-                      .load_timeout_s = load_tmo,
-                      .prompt_ids = in.ids,
-                      .prompt_lens = in.lens,
-                      .n_prompts = in.n_prompts,
-                      .n_new = (int)in.job.max_tokens,
-                      .chunk = chunk,
-                      .max_seqs = (int)max_seqs,
-                      .max_ctx = max_ctx,
-                      .kv_cache_tokens = kvt,
-                      .max_batch_tokens = max_bt,
-                      .verify = k3_args_bool(a, "verify"),
-                      .dump_logits = k3_args_str(a, "dump-logits"),
-                      .op_stats = k3_args_str(a, "op-stats"),
-                      .json = k3_args_bool(a, "json"),
-                      .n_threads = (int)threads,
-                      .bind = bind,
-                      .kda_chunk = (int)kc,
-                      .backend = backend,
-                      .comm = comm,
-                      .test_fail = getenv("K3_TEST_FAIL"),
-                      .sampling = in.job.sp,
-                      .ignore_eos = k3_args_bool(a, "ignore-eos"),
-                      .tok = in.tok,
-                      .quiet = chat,
-                      .limit_triad_gbs = lim.triad_gbs,
-                      .limit_fma_gflops = lim.fma_gflops,
-                      .limit_threads = lim.threads,
-                      .result = chat ? &res : NULL};
-    (void)k3_engine_backend_pick(backend_arg, wr == 0); /* --backend auto: what and why */
-    rc = k3_rank_run(&o);
+    k3_run_result res = {0};
+    eo.model_dir = model;
+    eo.tok = in.tok;
+    eo.progress = true;
+    eo.op_stats = k3_args_str(a, "op-stats");
+    k3_run_opts o = {.prompt_ids = in.ids,
+                     .prompt_lens = in.lens,
+                     .n_prompts = in.n_prompts,
+                     .n_new = (int)in.job.max_tokens,
+                     .sampling = in.job.sp,
+                     .ignore_eos = k3_args_bool(a, "ignore-eos"),
+                     .dump_logits = k3_args_str(a, "dump-logits"),
+                     .json = k3_args_bool(a, "json"),
+                     .quiet = chat,
+                     .limit_triad_gbs = lim.triad_gbs,
+                     .limit_fma_gflops = lim.fma_gflops,
+                     .limit_threads = lim.threads,
+                     .result = chat ? &res : NULL};
+    rc = k3_run_generate(&eo, &o);
     if (rc == 0 && chat && res.n_seqs == 1 &&
         (st = print_chat(&in, &res.seqs[0], k3_args_bool(a, "ignore-eos"))) != K3_OK)
         rc = fail(st);
     fflush(stdout);
-    k3_rank_result_free(&res);
+    k3_run_result_free(&res);
     k3_comm_finalize();
 done:
     run_free(&in);

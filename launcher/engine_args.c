@@ -13,10 +13,41 @@ static int bad(const k3_args *a, bool print, const char *flag, const char *rule)
     return 2;
 }
 
-/* An integer flag in [lo, hi]. */
-static bool in_range(const k3_args *a, const char *flag, int64_t lo, int64_t hi) {
-    int64_t v = k3_args_int(a, flag);
-    return v >= lo && v <= hi;
+/* The integer flags and their ranges: the one statement of each bound (k3_engine_args checks
+ * them; `k3 plan` sizes with the same capacity flags through k3_engine_flag_range). */
+static const struct {
+    const char *flag;
+    int64_t lo, hi;
+} ranges[] = {
+    {"pp", 1, 4096},
+    {"ep", 1, 4096},
+    {"threads", 0, 1024},
+    {"kda-chunk", 0, 1024},
+    {"max-seqs", 1, (int64_t)1 << 20},
+    {"max-ctx", 1, (int64_t)1 << 30},
+    {"kv-cache-tokens", 0, (int64_t)1 << 40},
+    {"max-batch-tokens", 1, (int64_t)1 << 24},
+    {"chunk", 0, (int64_t)1 << 30},
+    {"micro-batches", 0, 1024},
+};
+
+bool k3_engine_flag_range(const char *flag, int64_t *lo, int64_t *hi) {
+    for (size_t i = 0; i < K3_ARRAY_LEN(ranges); i++)
+        if (strcmp(flag, ranges[i].flag) == 0) {
+            *lo = ranges[i].lo, *hi = ranges[i].hi;
+            return true;
+        }
+    return false;
+}
+
+/* "must be in [lo, hi]", a large power of two written 2^k rather than in decimal. */
+static void range_rule(int64_t lo, int64_t hi, char *out, size_t n) {
+    int k = 0;
+    while (k < 62 && ((int64_t)1 << k) < hi) k++;
+    if (k >= 16 && ((int64_t)1 << k) == hi)
+        snprintf(out, n, "must be in [%lld, 2^%d]", (long long)lo, k);
+    else
+        snprintf(out, n, "must be in [%lld, %lld]", (long long)lo, (long long)hi);
 }
 
 bool k3_engine_backend_ok(const char *name) {
@@ -107,25 +138,14 @@ int k3_engine_bind_arg(const k3_args *a, bool print, const char **mode) {
 }
 
 int k3_engine_args(const k3_args *a, bool print, k3_engine_opts *o) {
-    static const struct {
-        const char *flag;
-        int64_t lo, hi;
-        const char *rule;
-    } ints[] = {
-        {"pp", 1, 4096, "must be in [1, 4096]"},
-        {"ep", 1, 4096, "must be in [1, 4096]"},
-        {"threads", 0, 1024, "must be in [0, 1024]"},
-        {"kda-chunk", 0, 1024, "must be in [0, 1024]"},
-        {"max-seqs", 1, 1 << 20, "must be in [1, 2^20]"},
-        {"max-ctx", 1, (int64_t)1 << 30, "must be in [1, 2^30]"},
-        {"kv-cache-tokens", 0, (int64_t)1 << 40, "must be in [0, 2^40]"},
-        {"max-batch-tokens", 1, 1 << 24, "must be in [1, 2^24]"},
-        {"chunk", 0, (int64_t)1 << 30, "must be in [0, 2^30]"},
-        {"micro-batches", 0, 1024, "must be in [0, 1024]"},
-    };
-    for (size_t i = 0; i < K3_ARRAY_LEN(ints); i++)
-        if (!in_range(a, ints[i].flag, ints[i].lo, ints[i].hi))
-            return bad(a, print, ints[i].flag, ints[i].rule);
+    for (size_t i = 0; i < K3_ARRAY_LEN(ranges); i++) {
+        int64_t v = k3_args_int(a, ranges[i].flag);
+        if (v < ranges[i].lo || v > ranges[i].hi) {
+            char rule[64];
+            range_rule(ranges[i].lo, ranges[i].hi, rule, sizeof rule);
+            return bad(a, print, ranges[i].flag, rule);
+        }
+    }
     if (!(k3_args_float(a, "comm-timeout") > 0))
         return bad(a, print, "comm-timeout", "must be > 0");
     if (!(k3_args_float(a, "load-timeout") >= 0))

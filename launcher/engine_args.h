@@ -1,9 +1,11 @@
 /* engine_args — the flags every client of the engine (rank/k3_engine.h) shares: the grid, the
  * transport (--comm), the kernels and the capacity, as entries of a command's flag table, and
- * their reading + validation into k3_engine_opts (launcher-internal). `k3 batch` uses it; `k3 run`
- * and `k3 serve` can take the same entries, so the flags mean the same in every command. The
- * capacity defaults are the engine's own (K3_ENGINE_DEFAULT_*), stringified here, so the help text
- * cannot drift from what the engine does. */
+ * their reading + validation into k3_engine_opts (launcher-internal). `k3 run`, `k3 batch`,
+ * `k3 serve` and `k3 bench` take the same entries, so the flags mean the same, with the same
+ * defaults and ranges, in every command. The capacity defaults are the engine's own
+ * (K3_ENGINE_DEFAULT_*), stringified here, so the help text cannot drift from what the engine
+ * does; the ranges are one table in engine_args.c (k3_engine_flag_range), which `k3 plan` uses
+ * for its capacity flags too. */
 #ifndef K3_ENGINE_ARGS_H
 #define K3_ENGINE_ARGS_H
 
@@ -13,15 +15,14 @@
 #define K3_ENGINE_ARGS_STR_(x) #x
 #define K3_ENGINE_ARGS_STR(x)  K3_ENGINE_ARGS_STR_(x)
 
-/* --bind, also in `k3 run`'s table (k3_engine_bind_arg checks it). */
+/* --bind (k3_engine_bind_arg checks it). */
 /* clang-format off */
 #define K3_BIND_FLAG                                                                               \
     {"bind", K3_FLAG_STR, "MODE", "auto",                                                          \
      "auto: bind each rank to its share of its node's cores (hwloc; threads = its cores); none"}
 /* clang-format on */
 
-/* --comm, also in `k3 run`'s table (k3_engine_comm_arg resolves it). The help names what this
- * build has. */
+/* --comm (k3_engine_comm_arg resolves it). The help names what this build has. */
 #if defined(K3_NCCL_EMULATE)
 #define K3_COMM_BUILD_HAS "mpi, nccl (emulated: the NCCL stand-in over MPI)"
 #elif defined(K3_HAVE_NCCL)
@@ -53,7 +54,8 @@
      "limit of the whole load (0 = 60 s + the largest rank's planned bytes at 50 MB/s); a rank "   \
      "with no load progress for --comm-timeout is named sooner"},                                  \
     {"threads", K3_FLAG_INT, "N", "0",                                                             \
-     "cpu threads per rank (0 = all cores alone, 1 under mpirun)"},                                \
+     "cpu threads per rank (0 = the cores of its binding; --bind none: all alone, 1 under "        \
+     "mpirun)"},                                                                                   \
     {"backend", K3_FLAG_STR, "NAME", "auto",                                                       \
      "kernel backend: auto (cuda when compiled in, a device is visible and every op is ported; "   \
      "else cpu, saying why), cpu, ref, guard (a test backend: cpu ops on memory host code cannot " \
@@ -78,10 +80,13 @@
      "after loading, check each rank's own tensors for NaN/Inf and E8M0 0xFF scales (cost shown)"}
 /* clang-format on */
 
-/* The K3_ENGINE_FLAGS of `a` into *o (model_dir, tok, test_fail and progress are the caller's).
+/* The K3_ENGINE_FLAGS of `a` into *o (model_dir, tok and progress are the caller's).
  * Returns 0, or 2 for a usage error, printed as one line "k3 <cmd>: --flag: ..." when `print`
  * (rank 0 under mpirun: every rank decides the same, one prints). */
 int k3_engine_args(const k3_args *a, bool print, k3_engine_opts *o);
+/* The valid range [lo, hi] of an integer flag of K3_ENGINE_FLAGS (the one table k3_engine_args
+ * checks; `k3 plan` applies it to its capacity flags); false for a flag without one. */
+bool k3_engine_flag_range(const char *flag, int64_t *lo, int64_t *hi);
 /* Whether --backend NAME is one the flag takes (auto, cpu, ref, guard, cuda; a build without
  * K3_CUDA refuses cuda when the engine creates the backend). */
 bool k3_engine_backend_ok(const char *name);

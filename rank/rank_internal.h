@@ -21,6 +21,7 @@
 #define K3_RANK_INTERNAL_H
 
 #include "k3_engine.h"
+#include "k3_bind.h"
 
 #include "k3_comm.h"
 #include "k3_experts.h"

@@ -1,6 +1,5 @@
 /* setup.c — what a rank does before the first step: config, capacity, the plan and the agreement
  * on it, the memory check, and partial loading with an aggregate progress bar. */
-#include "k3_rank.h" /* k3_bind_apply */
 #include "rank_internal.h"
 
 #include <errno.h>
@@ -62,8 +61,8 @@ static k3_status check_memory(const rank_ctx *r, const k3_plan_req *req) {
     return K3_OK;
 }
 
-/* --bind (bind.c): this rank's share of its node's cores; local rank = its order among the ranks
- * on its node (r->where). The cpu pool then takes one thread per core of the binding. */
+/* --bind (host/bind.c): this rank's share of its node's cores; local rank = its order among the
+ * ranks on its node (r->where). The cpu pool then takes one thread per core of the binding. */
 static void bind_rank(rank_ctx *r) {
     int local = 0, n_local = 0;
     for (int i = 0; i < r->world; i++)

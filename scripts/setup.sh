@@ -6,7 +6,7 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 BUILD=${1:-build}; shift || true
 
-# libhwloc-dev: rank/bind.c binds each rank to its share of a node's cores (and `k3 plan` shows
+# libhwloc-dev: host/bind.c binds each rank to its share of a node's cores (and `k3 plan` shows
 # them). The Slurm daemons for tests/slurm are installed by that test itself.
 APT_PKGS="build-essential cmake pkg-config libopenmpi-dev openmpi-bin libucx-dev libhwloc-dev
           libcjson-dev libpcre2-dev libmicrohttpd-dev libcurl4-openssl-dev clang clang-format python3"

@@ -3,9 +3,10 @@
  * Owns: the HTTP daemon (its threads, one per connection), the routes (/v1/chat/completions,
  * /v1/completions, /v1/models, /health, /tokenize, /detokenize, /metrics), the bearer check, the
  * limits (body bytes, message count, context, queue), OpenAI-style error objects, the SSE stream,
- * the Prometheus metrics and the access log. Also (chat_job.h, prefix k3_job_) the OpenAI chat
- * request <-> generation job layer that `k3 run --chat` and `k3 batch` share with it.
- * Does not own: generation (rank/k3_engine.h), the flags (launcher/cmd_serve.c), MPI.
+ * the Prometheus metrics and the access log.
+ * Does not own: generation (rank/k3_engine.h), the OpenAI chat request <-> generation job layer
+ * (client/chat_job.h, shared with `k3 run --chat` and `k3 batch`), the flags
+ * (launcher/cmd_serve.c), MPI.
  *
  * Threads. The HTTP threads parse, render and tokenize a request (the tokenizer is thread-safe),
  * then hand it to rank 0's main thread through a mutex-guarded queue; only the main thread

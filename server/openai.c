@@ -6,7 +6,7 @@
  * (another one: 404, as OpenAI and vLLM answer), the message
  * count, prompt ids inside the vocabulary, prompt + max_tokens within the context), the
  * response and chunk layouts. Does not own: the chat template, sampling keys and the message
- * parser (chat_job.h), HTTP (server.c).
+ * parser (client/chat_job.h), HTTP (server.c).
  * Chat defaults are OpenAI's (temperature 1, top_p 1; max_tokens = the rest of the context);
  * /v1/completions takes a prompt string (encoded without specials, as `k3 run --prompt`), a list
  * of ids, or a one-element list of either; its max_tokens defaults to 16 (OpenAI's). vLLM's

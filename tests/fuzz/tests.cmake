@@ -43,14 +43,14 @@ add_test(NAME fuzz_serve_request_short COMMAND fuzz_serve_request_driver --rando
 set_tests_properties(fuzz_serve_request_short PROPERTIES LABELS "fuzz;sanitize" ENVIRONMENT "${K3_TEST_ENV}" TIMEOUT 300)
 if(CMAKE_C_COMPILER_ID MATCHES "Clang")
   add_executable(fuzz_serve_request ${CMAKE_CURRENT_LIST_DIR}/fuzz_serve_request.c
-                 ${CMAKE_SOURCE_DIR}/server/openai.c ${CMAKE_SOURCE_DIR}/server/chat_job.c
+                 ${CMAKE_SOURCE_DIR}/server/openai.c ${CMAKE_SOURCE_DIR}/client/chat_job.c
                  ${CMAKE_SOURCE_DIR}/coordinator/chat_json.c ${CMAKE_SOURCE_DIR}/coordinator/chat_render.c
                  ${CMAKE_SOURCE_DIR}/coordinator/parser.c ${CMAKE_SOURCE_DIR}/coordinator/tokenizer.c
                  ${CMAKE_SOURCE_DIR}/coordinator/tokenizer_decode.c ${CMAKE_SOURCE_DIR}/base/base.c
                  ${CMAKE_SOURCE_DIR}/base/utf8.c)
   target_compile_definitions(fuzz_serve_request PRIVATE K3_LIBFUZZER=1 _GNU_SOURCE)
   target_include_directories(fuzz_serve_request PRIVATE ${CMAKE_SOURCE_DIR}/base ${CMAKE_SOURCE_DIR}/coordinator
-                             ${CMAKE_SOURCE_DIR}/server ${CMAKE_SOURCE_DIR}/rank ${CMAKE_SOURCE_DIR}/partition
+                             ${CMAKE_SOURCE_DIR}/server ${CMAKE_SOURCE_DIR}/client ${CMAKE_SOURCE_DIR}/rank ${CMAKE_SOURCE_DIR}/partition
                              ${CMAKE_SOURCE_DIR}/model ${CMAKE_SOURCE_DIR}/kernels)
   target_compile_options(fuzz_serve_request PRIVATE -g -O1 -fsanitize=fuzzer,address,undefined)
   target_link_options(fuzz_serve_request PRIVATE -fsanitize=fuzzer,address,undefined)

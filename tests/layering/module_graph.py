@@ -5,10 +5,13 @@ Reads every `#include "..."` of every .c/.h/.cu under the module folders, maps t
 header to the module (top-level folder) that holds it, and fails on any edge the layering
 forbids. Dependencies point down:
 
-    launcher → server → rank → {coordinator, layers, experts, comm, partition} → model → kernels → base
+    launcher → server → client → rank → {coordinator, layers, experts, comm, partition, host}
+             → model → kernels → base
 
 Any module may include a module below it, except where the table below narrows it (coordinator
-touches no weights, partition is pure, kernels is the floor). tiny (the `k3 make-tiny` writer) sits
+touches no weights, partition is pure, kernels is the floor, host knows only base and hwloc,
+client is the engine's clients' layer: no kernels, layers or experts; server includes client but
+not comm or model). tiny (the `k3 make-tiny` writer) sits
 on the middle level, above model: it may include only model, kernels and base, and only launcher
 includes it (model never does: the loader does not know the writer). Among the middle siblings only
 layers → experts, layers → comm and experts → comm are allowed, and into comm only through its
@@ -24,9 +27,10 @@ Prints each forbidden edge as `file:line: module A includes B (header)`; exit 0 
 forbidden edge, an unknown header or a cycle, 2 = usage. --self-test copies the module folders
 to a temporary directory, injects one forbidden include at a time (kernels → model, layers →
 rank, coordinator → model, experts → layers, a cycle, <mpi.h> in layers/, server → model,
-<mpi.h> in server/, model → tiny, rank → tiny, tiny → layers, a role's struct of rank/ defined
-outside its room) and checks that each
-is reported with its file and line; exit 0 only if every injection is caught.
+<mpi.h> in server/, model → tiny, rank → tiny, tiny → layers, rank → client, host → rank,
+layers → host, client → layers, client → kernels, a role's struct of rank/ defined outside its
+room) and checks that each is reported with its file and line; exit 0 only if every injection is
+caught.
 """
 import io
 import os
@@ -43,9 +47,11 @@ LEVEL = {
     "model": 2,
     "coordinator": 3, "layers": 3, "experts": 3, "comm": 3, "partition": 3,
     "tiny": 3,       # `k3 make-tiny`: the checkpoint writer, its BPE trainer and corpus
-    "rank": 4,
-    "server": 5,     # the HTTP server of `k3 serve` + the OpenAI request layer (chat_job.h)
-    "launcher": 6,
+    "host": 3,       # the hwloc core binding of a rank (k3_bind.h): base + hwloc only
+    "rank": 4,       # the engine (k3_engine.h)
+    "client": 5,     # the engine's clients' layer: `k3 run`'s driver (k3_run.h), chat_job.h
+    "server": 6,     # the HTTP server of `k3 serve`
+    "launcher": 7,
 }
 MODULES = sorted(LEVEL)
 
@@ -56,7 +62,10 @@ ONLY = {
     "coordinator": {"coordinator", "base"},  # tokenizer, chat, parser, sampler: touches no weights
     "partition": {"partition", "model", "base"},  # pure functions of the config
     "comm": {"comm", "kernels", "base"},     # knows no layer or config: bytes and backend buffers
-    "server": {"server", "rank", "coordinator", "base"},  # a client of the engine API: no weights
+    "host": {"host", "base"},                # this machine's cores (hwloc): nothing of the model
+    # the clients of the engine API: requests, events, results; no weights or kernels
+    "client": {"client", "rank", "coordinator", "comm", "model", "partition", "base"},
+    "server": {"server", "client", "rank", "coordinator", "base"},  # no weights, no MPI
     "tiny": {"tiny", "model", "kernels", "base"},  # writes through model's public API
 }
 # Narrower than "anything above": module -> the only modules that may include it.
@@ -229,8 +238,8 @@ def check(root):
 INJECTIONS = [
     ("kernels/k3_kernels.h", '#include "k3_model.h"',
      "kernels/k3_kernels.h:{n}: module kernels includes model (k3_model.h)"),
-    ("layers/stage.c", '#include "k3_rank.h"',
-     "layers/stage.c:{n}: module layers includes rank (k3_rank.h)"),
+    ("layers/stage.c", '#include "k3_engine.h"',
+     "layers/stage.c:{n}: module layers includes rank (k3_engine.h)"),
     ("coordinator/sampler.c", '#include "k3_model.h"',
      "coordinator/sampler.c:{n}: module coordinator includes model (k3_model.h)"),
     ("experts/moe.c", '#include "k3_layers.h"',
@@ -246,6 +255,16 @@ INJECTIONS = [
      "rank/setup.c:{n}: module rank includes tiny (k3_tiny.h): only launcher may include tiny"),
     ("tiny/make_tiny.c", '#include "k3_layers.h"',
      "tiny/make_tiny.c:{n}: module tiny includes layers (k3_layers.h)"),
+    ("rank/setup.c", '#include "k3_run.h"',
+     "rank/setup.c:{n}: module rank includes client (k3_run.h): an upward edge"),
+    ("host/bind.c", '#include "k3_engine.h"',
+     "host/bind.c:{n}: module host includes rank (k3_engine.h)"),
+    ("layers/stage.c", '#include "k3_bind.h"',
+     "layers/stage.c:{n}: module layers includes host (k3_bind.h)"),
+    ("client/run.c", '#include "k3_layers.h"',
+     "client/run.c:{n}: module client includes layers (k3_layers.h)"),
+    ("client/chat_job.c", '#include "k3_kernels.h"',
+     "client/chat_job.c:{n}: module client includes kernels (k3_kernels.h)"),
     ("rank/rank_internal.h", "struct rank_coord { int n_reqs; };",
      "rank/rank_internal.h:{n}: struct rank_coord defined outside its room rank/scheduler.c"),
     ("rank/scheduler.c", "struct rank_worker {",

@@ -45,9 +45,9 @@ add_test(NAME plan_cli_bad_world COMMAND $<TARGET_FILE:k3> plan --preset tiny --
 set_tests_properties(plan_cli_bad_world PROPERTIES LABELS "unit" ENVIRONMENT "${K3_TEST_ENV}" TIMEOUT 60
                      PASS_REGULAR_EXPRESSION "--pp 2 x --ep 2 = 4 ranks, but the world has 5")
 
-k3_add_test_exe(test_rank_prompts ${CMAKE_CURRENT_LIST_DIR}/test_rank_prompts.c)
-add_test(NAME rank_prompts COMMAND test_rank_prompts)
-set_tests_properties(rank_prompts PROPERTIES LABELS "unit;sanitize" ENVIRONMENT "${K3_TEST_ENV}" TIMEOUT 60)
+k3_add_test_exe(test_run_prompts ${CMAKE_CURRENT_LIST_DIR}/test_run_prompts.c)
+add_test(NAME run_prompts COMMAND test_run_prompts)
+set_tests_properties(run_prompts PROPERTIES LABELS "unit;sanitize" ENVIRONMENT "${K3_TEST_ENV}" TIMEOUT 60)
 
 # chaos: SIGKILL and SIGSTOP of one rank in every phase (load, prefill, decode, batch) and role
 # (coordinator, first, middle, last stage) on 6 ranks (3 stages x 2 lanes): every process gone

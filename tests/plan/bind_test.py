@@ -1,5 +1,5 @@
 #!/usr/bin/env python3
-"""bind_test.py — hwloc binding at run time (rank/bind.c): every rank reports one binding line at
+"""bind_test.py — hwloc binding at run time (host/bind.c): every rank reports one binding line at
 start-up; one process takes every core (threads = cores); 4 ranks on this node split its cores
 (each rank's share = local rank mod cores when there are more ranks than cores, one thread each,
 every core used); a binding the launcher made that does not hold the share is kept (taskset);

@@ -7,7 +7,7 @@ set_tests_properties(plan_spec PROPERTIES LABELS "unit" TIMEOUT 120 ENVIRONMENT 
 add_test(NAME plan_rss
          COMMAND ${K3_PLAN_PYTHON3} ${CMAKE_CURRENT_LIST_DIR}/plan_rss.py ${MPIEXEC_EXECUTABLE})
 set_tests_properties(plan_rss PROPERTIES LABELS "mpi" TIMEOUT 240 ENVIRONMENT "${K3_TEST_ENV_MPI}")
-# hwloc binding at run time (rank/bind.c): one line per rank, shares of the node's cores, threads
+# hwloc binding at run time (host/bind.c): one line per rank, shares of the node's cores, threads
 # = cores bound, --bind none, `k3 plan` shows the cores the run binds
 add_test(NAME plan_bind
          COMMAND ${K3_PLAN_PYTHON3} ${CMAKE_CURRENT_LIST_DIR}/bind_test.py ${MPIEXEC_EXECUTABLE})

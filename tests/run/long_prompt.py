@@ -30,8 +30,13 @@ with tempfile.TemporaryDirectory() as tmp:
     req = os.path.join(tmp, "long.json")
     with open(req, "w") as f:
         json.dump({"messages": [{"role": "user", "content": "ab cd " * 1_000_000}], "max_tokens": 1}, f)
+    # capacity for this one prompt (k3 run takes the engine's defaults, 4096 tokens a sequence,
+    # which would refuse it as a request longer than --max-ctx, after the load): a sequence and a
+    # step as long as the prompt, so the engine must refuse the sizes up front
+    cap = ["--max-seqs", "1", "--max-ctx", str(1 << 22), "--max-batch-tokens", str(1 << 22)]
     t0 = time.time()
-    p = subprocess.run([K3, "run", "--model", model, "--chat", req], capture_output=True, text=True, timeout=120)
+    p = subprocess.run([K3, "run", "--model", model, "--chat", req, *cap], capture_output=True, text=True,
+                       timeout=120)
     dt = time.time() - t0
     rss_mb = resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss / 1024
     err = p.stderr.strip()

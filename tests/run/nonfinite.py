@@ -47,9 +47,12 @@ def poke(model, name, value, elem=5):
 
 
 def run(model, world=1, extra=()):
+    # --max-ctx 8 (the longest prompt + --n): the plan's layer costs count the MLA cache at
+    # --max-ctx, so the 2-stage split below (layers 0-4 | 5-7) is the one of this capacity (the
+    # engine's default 4096 puts layer 5 on stage 0)
     cmd = ([MPI, "-np", str(world), "--oversubscribe"] if world > 1 else []) + [K3, "run", "--model", model,
                                                                               "--prompt-ids", "1,2,3,4;5,6",
-                                                                              "--n", "4"] + list(extra)
+                                                                              "--n", "4", "--max-ctx", "8"] + list(extra)
     return subprocess.run(cmd, capture_output=True, text=True, timeout=300)
 
 

@@ -12,7 +12,7 @@
  * the share (taskset, mpirun --cpu-list: that binding is reported and sizes the pool); a binding
  * that contains it (mpirun's core or socket binding) is narrowed to the share.
  * Owns nothing past a call: the topology is loaded and destroyed inside each function. */
-#include "k3_rank.h"
+#include "k3_bind.h"
 
 #include <hwloc.h>
 #include <stdio.h>

@@ -1,19 +1,24 @@
-/* run.c — `k3 run` as a client of the engine (k3_engine.h): the prompts of the command line
+/* run.c — `k3 run` as a client of the engine (k3_run.h): the prompts of the command line
  * are submitted at once; the events give the tokens (and the logits for --dump-logits); the
  * results print as id lines + text, or one JSON object, and stream to a terminal as they come.
- * Usage errors (prompt ids outside the vocabulary, bad sampling parameters) are checked on
- * every rank before the engine opens, so every rank agrees on exit code 2. */
+ * The engine opens with the caller's k3_engine_opts unchanged: capacity, grid and backend are
+ * the shared engine flags' (launcher/engine_args.h), with the engine's defaults, as in every
+ * other client. Usage errors (prompt ids outside the vocabulary, bad sampling parameters) are
+ * checked on every rank before the engine opens, so every rank agrees on exit code 2. */
 #include "k3_engine_test.h"
-#include "k3_rank.h"
-#include "rank_internal.h"
+#include "k3_run.h"
 
 #include <cjson/cJSON.h>
 #include <errno.h>
+#include <stdio.h>
 #include <stdlib.h>
 #include <unistd.h>
 
+#include "k3_comm.h"
+#include "k3_model.h"
+
 /* ---- prompts ------------------------------------------------------------------------------ */
-k3_status k3_rank_parse_prompts(const char *text, int32_t **ids, int64_t **lens, int *n_prompts) {
+k3_status k3_run_parse_prompts(const char *text, int32_t **ids, int64_t **lens, int *n_prompts) {
     *ids = NULL;
     *lens = NULL;
     *n_prompts = 0;
@@ -75,18 +80,18 @@ fail:
 }
 
 /* ---- results ------------------------------------------------------------------------------ */
-uint64_t k3_rank_seq_seed(uint64_t seed, int index) {
+uint64_t k3_run_seq_seed(uint64_t seed, int index) {
     uint64_t z = seed + 0x9e3779b97f4a7c15ull * ((uint64_t)(uint32_t)index + 1);
     z = (z ^ (z >> 30)) * 0xbf58476d1ce4e5b9ull;
     z = (z ^ (z >> 27)) * 0x94d049bb133111ebull;
     return z ^ (z >> 31);
 }
 
-const char *k3_rank_finish_reason(k3_stop_kind stop) {
+const char *k3_run_finish_reason(k3_stop_kind stop) {
     return stop == K3_STOP_NONE ? "length" : "stop";
 }
 
-void k3_rank_result_free(k3_rank_result *res) {
+void k3_run_result_free(k3_run_result *res) {
     if (!res) return;
     for (int i = 0; i < res->n_seqs; i++) k3_free(res->seqs[i].gen), k3_free(res->seqs[i].text);
     k3_free(res->seqs);
@@ -136,11 +141,11 @@ typedef struct run_seq {
 } run_seq;
 
 /* Checks every rank makes the same way before the engine opens (exit 2 on all of them). */
-static k3_status validate(const k3_rank_opts *o, int64_t *vocab) {
-    if (o->n_prompts < 1 || o->n_new < 0 || o->chunk < 0)
-        return K3_ERR(K3_ERR_ARG, "run: need at least one prompt, --n >= 0 and --chunk >= 0");
+static k3_status validate(const k3_engine_opts *eo, const k3_run_opts *o, int64_t *vocab) {
+    if (o->n_prompts < 1 || o->n_new < 0)
+        return K3_ERR(K3_ERR_ARG, "run: need at least one prompt and --n >= 0");
     k3_config cfg;
-    K3_TRY(k3_config_load(o->model_dir, &cfg));
+    K3_TRY(k3_config_load(eo->model_dir, &cfg));
     *vocab = cfg.vocab_size;
     int64_t tot = 0;
     for (int i = 0; i < o->n_prompts; i++)
@@ -154,7 +159,7 @@ static k3_status validate(const k3_rank_opts *o, int64_t *vocab) {
             return K3_ERR(K3_ERR_ARG, "stop id %d is outside the vocabulary (vocab_size %lld)",
                           o->sampling.stop_ids[i], (long long)cfg.vocab_size);
     k3_sampler *probe = NULL; /* bad sampling parameters are a usage error every rank sees */
-    k3_status st = k3_sampler_create(&probe, &o->sampling, cfg.vocab_size, o->tok);
+    k3_status st = k3_sampler_create(&probe, &o->sampling, cfg.vocab_size, eo->tok);
     k3_sampler_destroy(probe);
     return st;
 }
@@ -177,12 +182,12 @@ typedef struct run_perf {
     double triad_frac, peak_frac; /* 0 without measured limits */
 } run_perf;
 
-static run_perf perf_of(const k3_rank_opts *o, double pre, double dec, int64_t n_prompt_tok,
-                        int64_t n_dec) {
+static run_perf perf_of(const k3_engine_opts *eo, const k3_run_opts *o, double pre, double dec,
+                        int64_t n_prompt_tok, int64_t n_dec) {
     run_perf p = {0};
     k3_config c;
     k3_config_counts cc;
-    if (k3_config_load(o->model_dir, &c) != K3_OK || k3_config_count(&c, &cc) != K3_OK) {
+    if (k3_config_load(eo->model_dir, &c) != K3_OK || k3_config_count(&c, &cc) != K3_OK) {
         k3_clear_error();
         return p;
     }
@@ -198,7 +203,7 @@ static run_perf perf_of(const k3_rank_opts *o, double pre, double dec, int64_t n
     return p;
 }
 
-static void perf_json(cJSON *tm, const k3_rank_opts *o, const run_perf *p) {
+static void perf_json(cJSON *tm, const k3_run_opts *o, const run_perf *p) {
     if (!p->ok) return;
     cJSON_AddNumberToObject(tm, "decode_bytes_per_token", p->bytes_per_token);
     cJSON_AddNumberToObject(tm, "decode_gbs", p->decode_gbs);
@@ -212,7 +217,7 @@ static void perf_json(cJSON *tm, const k3_rank_opts *o, const run_perf *p) {
     cJSON_AddNumberToObject(tm, "peak_fraction", p->peak_frac);
 }
 
-static void perf_log(const k3_rank_opts *o, const run_perf *p) {
+static void perf_log(const k3_run_opts *o, const run_perf *p) {
     if (!p->ok) return;
     char tr[96] = "", pk[96] = "";
     if (o->limit_triad_gbs > 0)
@@ -227,21 +232,21 @@ static void perf_log(const k3_rank_opts *o, const run_perf *p) {
             o->limit_threads > 0 ? "" : " (--bench-limits: as % of this machine's limits)");
 }
 
-static void print_json(const k3_rank_opts *o, const run_seq *s, const k3_engine_stats *es,
-                       const rank_row *ranks, double load_s, double pre, double dec,
-                       int64_t n_prompt_tok, int64_t n_dec) {
+static void print_json(const k3_engine_opts *eo, const k3_run_opts *o, const run_seq *s,
+                       const k3_engine_stats *es, const rank_row *ranks, double load_s, double pre,
+                       double dec, int64_t n_prompt_tok, int64_t n_dec) {
     cJSON *root = cJSON_CreateObject();
     cJSON_AddItemToObject(root, "prompt_ids", ids_json(s[0].prompt, s[0].P));
     cJSON_AddItemToObject(root, "generated_ids", ids_json(s[0].gen, s[0].n_gen));
-    if (o->tok) cJSON_AddStringToObject(root, "text", s[0].text.data ? s[0].text.data : "");
-    cJSON_AddStringToObject(root, "finish_reason", k3_rank_finish_reason(s[0].stop));
+    if (eo->tok) cJSON_AddStringToObject(root, "text", s[0].text.data ? s[0].text.data : "");
+    cJSON_AddStringToObject(root, "finish_reason", k3_run_finish_reason(s[0].stop));
     cJSON *res = cJSON_AddArrayToObject(root, "results");
     for (int i = 0; i < o->n_prompts; i++) {
         cJSON *it = cJSON_CreateObject();
         cJSON_AddItemToObject(it, "prompt_ids", ids_json(s[i].prompt, s[i].P));
         cJSON_AddItemToObject(it, "generated_ids", ids_json(s[i].gen, s[i].n_gen));
-        if (o->tok) cJSON_AddStringToObject(it, "text", s[i].text.data ? s[i].text.data : "");
-        cJSON_AddStringToObject(it, "finish_reason", k3_rank_finish_reason(s[i].stop));
+        if (eo->tok) cJSON_AddStringToObject(it, "text", s[i].text.data ? s[i].text.data : "");
+        cJSON_AddStringToObject(it, "finish_reason", k3_run_finish_reason(s[i].stop));
         cJSON_AddItemToArray(res, it);
     }
     cJSON *tm = cJSON_AddObjectToObject(root, "timings");
@@ -250,14 +255,14 @@ static void print_json(const k3_rank_opts *o, const run_seq *s, const k3_engine_
     cJSON_AddNumberToObject(tm, "decode_s", dec);
     cJSON_AddNumberToObject(tm, "prefill_tok_s", pre > 0 ? n_prompt_tok / pre : 0);
     cJSON_AddNumberToObject(tm, "decode_tok_s", dec > 0 ? n_dec / dec : 0);
-    run_perf perf = perf_of(o, pre, dec, n_prompt_tok, n_dec);
+    run_perf perf = perf_of(eo, o, pre, dec, n_prompt_tok, n_dec);
     perf_json(tm, o, &perf);
     cJSON *d = cJSON_AddObjectToObject(root, "dist");
     cJSON_AddNumberToObject(d, "world", es->world);
     cJSON_AddNumberToObject(d, "pp", es->pp);
     cJSON_AddNumberToObject(d, "ep", es->ep);
     cJSON_AddStringToObject(d, "coordinator", es->dedicated ? "dedicated" : "shared");
-    cJSON_AddBoolToObject(d, "deterministic", o->deterministic);
+    cJSON_AddBoolToObject(d, "deterministic", eo->deterministic);
     char hx[24];
     snprintf(hx, sizeof hx, "%016llx", (unsigned long long)es->plan_hash);
     cJSON_AddStringToObject(d, "plan_hash", hx);
@@ -267,8 +272,8 @@ static void print_json(const k3_rank_opts *o, const run_seq *s, const k3_engine_
     cJSON_AddNumberToObject(d, "max_batch_tokens", (double)es->max_batch_tokens);
     cJSON_AddNumberToObject(d, "logits_bytes", (double)es->logits_bytes);
     cJSON_AddNumberToObject(d, "logits_messages", es->logits_messages);
-    cJSON_AddStringToObject(d, "combine", o->deterministic ? "per-item" : "presum");
-    cJSON_AddStringToObject(d, "comm", o->comm ? o->comm : "mpi");
+    cJSON_AddStringToObject(d, "combine", eo->deterministic ? "per-item" : "presum");
+    cJSON_AddStringToObject(d, "comm", eo->comm ? eo->comm : "mpi");
     cJSON_AddNumberToObject(d, "moe_dispatch_bytes", (double)es->moe_dispatch_bytes);
     cJSON_AddNumberToObject(d, "moe_combine_bytes", (double)es->moe_combine_bytes);
     cJSON_AddNumberToObject(d, "steps", (double)es->steps);
@@ -305,8 +310,8 @@ static void print_json(const k3_rank_opts *o, const run_seq *s, const k3_engine_
  * was in (its first token, or its end without one: with continuous batching, later prompts are
  * prefilled while earlier ones decode), *n_gen_in = tokens generated by then. Returns 1 when a
  * request failed (its error printed), 0 otherwise. */
-static int drive(k3_engine *e, const k3_rank_opts *o, run_seq *s, int64_t V, bool stream,
-                 double *t_in, int64_t *n_gen_in) {
+static int drive(k3_engine *e, const k3_engine_opts *eo, const k3_run_opts *o, run_seq *s,
+                 int64_t V, bool stream, double *t_in, int64_t *n_gen_in) {
     int n_in = 0;
     int64_t n_gen_all = 0;
     for (int i = 0; i < o->n_prompts; i++) {
@@ -318,7 +323,7 @@ static int drive(k3_engine *e, const k3_rank_opts *o, run_seq *s, int64_t V, boo
                          .keep_logits = o->dump_logits != NULL,
                          .all_logits = o->dump_logits != NULL,
                          .user = (uint64_t)i};
-        rq.sampling.seed = k3_rank_seq_seed(o->sampling.seed, i);
+        rq.sampling.seed = k3_run_seq_seed(o->sampling.seed, i);
         if (k3_engine_submit(e, &rq, &s[i].id) != K3_OK) {
             fprintf(stderr, "k3 run: prompt %d: %s\n", i + 1, k3_last_error());
             return 1;
@@ -342,7 +347,7 @@ static int drive(k3_engine *e, const k3_rank_opts *o, run_seq *s, int64_t V, boo
                 q->dump_rows = ev[k].n_prompt_rows;
             }
             if (ev[k].n_text) {
-                if (o->tok && k3_tok_bytes_append(&q->text, ev[k].text, ev[k].n_text) != K3_OK)
+                if (eo->tok && k3_tok_bytes_append(&q->text, ev[k].text, ev[k].n_text) != K3_OK)
                     return 1;
                 if (stream) {
                     fwrite(ev[k].text, 1, ev[k].n_text, stdout);
@@ -379,50 +384,19 @@ static int drive(k3_engine *e, const k3_rank_opts *o, run_seq *s, int64_t V, boo
     return failed;
 }
 
-int k3_rank_run(const k3_rank_opts *o) {
+int k3_run_generate(const k3_engine_opts *eo, const k3_run_opts *o) {
     int rank = 0, world = 1;
     k3_comm_world(&rank, &world);
     int64_t V = 0;
-    k3_status vs = validate(o, &V);
+    k3_status vs = validate(eo, o, &V);
     int local = vs == K3_OK ? 0 : (vs == K3_ERR_ARG ? 1 : 2), worst = 0;
-    if (k3_comm_world_max(local, &worst, o->comm_timeout_s > 0 ? o->comm_timeout_s : 600) != K3_OK)
+    if (k3_comm_world_max(local, &worst, eo->comm_timeout_s > 0 ? eo->comm_timeout_s : 600) !=
+        K3_OK)
         k3_comm_world_abort(1);
     if (local == 2 || (local == 1 && rank == 0)) fprintf(stderr, "k3 run: %s\n", k3_last_error());
     if (worst) return worst == 1 ? 2 : 1;
-    /* capacity from the prompts unless given: every prompt fits, one step per lane holds every
-       sequence's prefill chunk */
-    int E = K3_MAX(o->ep, 1);
-    int64_t maxP = 0;
-    for (int i = 0; i < o->n_prompts; i++) maxP = K3_MAX(maxP, o->prompt_lens[i]);
-    int per_lane = (o->n_prompts + E - 1) / E;
-    int64_t step = o->chunk > 0 ? K3_MIN(o->chunk, maxP) : maxP;
-    k3_engine_opts eo = {.model_dir = o->model_dir,
-                         .pp = o->pp,
-                         .ep = o->ep,
-                         .coord = o->coord,
-                         .expert_map_path = o->expert_map_path,
-                         .deterministic = o->deterministic,
-                         .comm_timeout_s = o->comm_timeout_s,
-                         .load_timeout_s = o->load_timeout_s,
-                         .n_threads = o->n_threads,
-                         .bind = o->bind,
-                         .kda_chunk = o->kda_chunk,
-                         .backend = o->backend,
-                         .comm = o->comm,
-                         .max_seqs = o->max_seqs > 0 ? o->max_seqs : per_lane,
-                         .max_ctx = o->max_ctx > 0 ? o->max_ctx : maxP + o->n_new,
-                         .max_batch_tokens = o->max_batch_tokens > 0
-                                                 ? o->max_batch_tokens
-                                                 : K3_MAX(1, (int64_t)per_lane * K3_MAX(step, 1)),
-                         .chunk = o->chunk > 0 ? o->chunk : 0,
-                         .kv_cache_tokens = o->kv_cache_tokens,
-                         .tok = o->tok,
-                         .progress = true,
-                         .name = "k3 run",
-                         .verify = o->verify,
-                         .op_stats = o->op_stats};
     k3_engine *e = NULL;
-    k3_status ost = k3_engine_open_test(&eo, &(k3_engine_test){.fail = o->test_fail}, &e);
+    k3_status ost = k3_engine_open_test(eo, k3_engine_test_from_env(), &e);
     if (ost != K3_OK && e) k3_engine_abort(e); /* a fatal fault: the job ends, the rank named */
     if (ost != K3_OK) return ost == K3_ERR_ARG ? 2 : 1;
     if (!k3_engine_is_coordinator(e)) {
@@ -447,10 +421,10 @@ int k3_rank_run(const k3_rank_opts *o) {
             if (!s[i].dump) rc = 1;
         }
     }
-    bool stream = !rc && o->n_prompts == 1 && o->tok && !o->json && !o->quiet && isatty(1);
+    bool stream = !rc && o->n_prompts == 1 && eo->tok && !o->json && !o->quiet && isatty(1);
     double t0 = k3_now_s(), t_in = 0;
     int64_t n_gen_in = 0;
-    if (!rc) rc = drive(e, o, s, V, stream, &t_in, &n_gen_in);
+    if (!rc) rc = drive(e, eo, o, s, V, stream, &t_in, &n_gen_in);
     double t_end = k3_now_s();
     rank_row *ranks = calloc((size_t)world, sizeof *ranks);
     for (int i = 0; ranks && i < world; i++)
@@ -484,17 +458,17 @@ int k3_rank_run(const k3_rank_opts *o) {
     double pre = (t_in > 0 ? t_in : t_end) - t0, dec = t_end - (t_in > 0 ? t_in : t_end);
     int64_t n_dec = t_in > 0 ? n_gen_tok - n_gen_in : 0;
     if (!rc && o->result) {
-        k3_rank_result *res = o->result;
+        k3_run_result *res = o->result;
         res->seqs = calloc((size_t)o->n_prompts, sizeof *res->seqs);
         res->n_seqs = res->seqs ? o->n_prompts : 0;
         for (int i = 0; i < res->n_seqs; i++) {
-            k3_rank_seq_result *d = &res->seqs[i];
+            k3_run_seq_result *d = &res->seqs[i];
             d->gen = s[i].gen;
             s[i].gen = NULL;
             d->n_gen = s[i].n_gen;
             d->stop = s[i].stop;
             d->stop_string = s[i].stop_string;
-            if (o->tok) {
+            if (eo->tok) {
                 d->text = malloc(s[i].text.n + 1);
                 if (d->text) {
                     if (s[i].text.n) memcpy(d->text, s[i].text.data, s[i].text.n);
@@ -509,26 +483,26 @@ int k3_rank_run(const k3_rank_opts *o) {
     } else if (o->quiet) {
         K3_LOGI("load %.2f s, prefill %.3f s, decode %.3f s", es.load_s, pre, dec);
     } else if (o->json) {
-        if (ranks) print_json(o, s, &es, ranks, es.load_s, pre, dec, n_prompt_tok, n_dec);
+        if (ranks) print_json(eo, o, s, &es, ranks, es.load_s, pre, dec, n_prompt_tok, n_dec);
     } else {
         /* per prompt: one line of ids, then (with a tokenizer) the decoded text */
         if (stream) printf("\n");
         for (int i = 0; i < o->n_prompts; i++) {
             for (int k = 0; k < s[i].n_gen; k++) printf("%s%d", k ? "," : "", s[i].gen[k]);
             printf("\n");
-            if (o->tok && !stream) printf("%s\n", s[i].text.data ? s[i].text.data : "");
+            if (eo->tok && !stream) printf("%s\n", s[i].text.data ? s[i].text.data : "");
         }
         K3_LOGI("load %.2f s, prefill %.3f s (%.1f tok/s), decode %.3f s (%.1f tok/s), logits %.2f "
                 "MB in %d messages",
                 es.load_s, pre, pre > 0 ? n_prompt_tok / pre : 0.0, dec,
                 dec > 0 ? n_dec / dec : 0.0, es.logits_bytes / 1e6, es.logits_messages);
-        run_perf perf = perf_of(o, pre, dec, n_prompt_tok, n_dec);
+        run_perf perf = perf_of(eo, o, pre, dec, n_prompt_tok, n_dec);
         perf_log(o, &perf);
         if (es.ep > 1)
             K3_LOGI(
                 "MoE exchange (%s combine): dispatch %llu B, combine %llu B, %.0f B per step "
                 "(%lld steps)",
-                o->deterministic ? "deterministic per-item" : "pre-summed",
+                eo->deterministic ? "deterministic per-item" : "pre-summed",
                 (unsigned long long)es.moe_dispatch_bytes, (unsigned long long)es.moe_combine_bytes,
                 es.steps ? (double)(es.moe_dispatch_bytes + es.moe_combine_bytes) / (double)es.steps
                          : 0.0,

@@ -1,7 +1,7 @@
 /* chat_job — one OpenAI chat request as a generation job, shared by `k3 run --chat`, `k3 batch`
- * and `k3 serve` (a second public header of server/, prefix k3_job_: the OpenAI request layer the
- * HTTP server and the launcher's commands share; it lives here, below launcher/, so that the
- * server can use it).
+ * and `k3 serve` (the second public header of client/, prefix k3_job_: the OpenAI request layer
+ * the HTTP server and the launcher's commands share; it lives in client/, below server/ and
+ * launcher/, so that both can use it).
  *
  * Owns: the request body -> prompt ids (render, then segment-wise encode: k3_chat.h); the
  * sampling keys of the request (temperature, top_p, top_k, min_p, repetition_penalty,
@@ -11,10 +11,10 @@
  * error names the request key, K3_ERR_FORMAT, or the flag, K3_ERR_ARG); and the generated ids ->
  * the assistant message (the sampler's text stream replayed through k3_parser), whole or token by
  * token for streaming (k3_job_feed); the OpenAI logprobs keys and entries.
- * Does not own: generation (rank/), flags (each command's table), the output format of a
- * command.
- * Lifetime: the sampler parameters in k3_job.sp point into the job (bias, stop strings), so the
- * job must outlive every use of sp (an engine copies them at submit). */
+ * Does not own: generation (rank/; `k3 run`'s driver: k3_run.h), flags (each command's table), the
+ * output format of a command. Lifetime: the sampler parameters in k3_job.sp point into the job
+ * (bias, stop strings), so the job must outlive every use of sp (an engine copies them at submit).
+ */
 #ifndef K3_CHAT_JOB_H
 #define K3_CHAT_JOB_H
 
