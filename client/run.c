@@ -400,9 +400,7 @@ int k3_run_generate(const k3_engine_opts *eo, const k3_run_opts *o) {
     if (ost != K3_OK && e) k3_engine_abort(e); /* a fatal fault: the job ends, the rank named */
     if (ost != K3_OK) return ost == K3_ERR_ARG ? 2 : 1;
     if (!k3_engine_is_coordinator(e)) {
-        k3_status st = k3_engine_serve(e);
-        if (st == K3_OK) st = k3_engine_close(e, NULL);
-        if (st != K3_OK) k3_engine_abort(e);
+        if (k3_engine_serve(e) != K3_OK) k3_engine_abort(e); /* serves, then closes */
         return 0;
     }
     int rc = 0;

@@ -753,9 +753,7 @@ static int run_batch(const k3_args *a) {
     if (ost != K3_OK && b.e) k3_engine_abort(b.e); /* a fatal fault: the job ends, rank named */
     rc = ost == K3_OK ? 0 : ost == K3_ERR_ARG ? 2 : 1;
     if (rc == 0 && !k3_engine_is_coordinator(b.e)) {
-        k3_status st = k3_engine_serve(b.e);
-        if (st == K3_OK) st = k3_engine_close(b.e, NULL);
-        if (st != K3_OK) k3_engine_abort(b.e);
+        if (k3_engine_serve(b.e) != K3_OK) k3_engine_abort(b.e); /* serves, then closes */
     } else if (rc == 0) {
         k3_status st = drive(&b);
         if (k3_engine_failed(b.e)) { /* the lines written so far are kept */

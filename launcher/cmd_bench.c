@@ -399,9 +399,7 @@ static int run_engine_mode(const k3_args *a, int mode) {
     if (ost != K3_OK && e) k3_engine_abort(e); /* a fatal fault: the job ends, the rank named */
     rc = ost == K3_OK ? 0 : ost == K3_ERR_ARG ? 2 : 1;
     if (rc == 0 && !k3_engine_is_coordinator(e)) {
-        k3_status st = k3_engine_serve(e);
-        if (st == K3_OK) st = k3_engine_close(e, NULL);
-        if (st != K3_OK) k3_engine_abort(e);
+        if (k3_engine_serve(e) != K3_OK) k3_engine_abort(e); /* serves, then closes */
     } else if (rc == 0) {
         k3_engine_stats es;
         k3_engine_get_stats(e, &es);

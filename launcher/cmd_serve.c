@@ -167,9 +167,7 @@ static int run_serve(const k3_args *a) {
      * and dies); a server ends through rank 0's orderly close instead */
     if (rc == 0) install_signals();
     if (rc == 0 && !k3_engine_is_coordinator(e)) {
-        k3_status st = k3_engine_serve(e);
-        if (st == K3_OK) st = k3_engine_close(e, NULL);
-        if (st != K3_OK) k3_engine_abort(e);
+        if (k3_engine_serve(e) != K3_OK) k3_engine_abort(e); /* serves, then closes */
     } else if (rc == 0) {
         const double t_open = k3_now_s();
         k3_engine_stats es;

@@ -159,7 +159,8 @@ k3_status k3_engine_serve(k3_engine *e) {
     rank_ctx *r = &e->r;
     if (r->coord) return K3_ERR(K3_ERR_STATE, "engine: rank 0 steps, it does not serve");
     K3_TRY(usable(r));
-    return r->worker ? rank_fail(r, rank_worker_serve(r)) : K3_OK;
+    if (r->worker) K3_TRY(rank_fail(r, rank_worker_serve(r)));
+    return k3_engine_close(e, NULL);
 }
 
 static k3_status need_coord(const rank_ctx *r, const char *what) {

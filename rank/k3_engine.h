@@ -97,12 +97,13 @@ typedef struct k3_engine_opts {
  *   client must end the job with k3_engine_abort(*out). */
 k3_status k3_engine_open(const k3_engine_opts *o, k3_engine **out);
 bool k3_engine_is_coordinator(const k3_engine *e);
-/* Ranks other than 0: serve steps until rank 0 closes the engine. A status other than K3_OK is
- * a fatal fault (k3_engine_abort). */
+/* Ranks other than 0: serve steps until rank 0 closes the engine, then take part in the close
+ * (k3_engine_close, collective) and free the engine. A status other than K3_OK is a fatal fault:
+ * the engine is not freed and the client ends the job (k3_engine_abort). */
 k3_status k3_engine_serve(k3_engine *e);
 /* Collective. Rank 0: finish the steps in flight (their events are dropped), tell every rank to
  * stop; then every rank sums the MoE traffic over the world into *final (may be NULL; filled on
- * rank 0) and frees everything. Other ranks call it after k3_engine_serve returned. A status
+ * rank 0) and frees everything (other ranks: inside k3_engine_serve). A status
  * other than K3_OK is a fatal fault: e is not freed, the client ends the job (k3_engine_abort). */
 typedef struct k3_engine_stats k3_engine_stats;
 k3_status k3_engine_close(k3_engine *e, k3_engine_stats *final);

@@ -43,9 +43,7 @@ static int run(const k3_engine_opts *o, int n_req, int P, int G, bool batched, i
     if (ost != K3_OK && e) k3_engine_abort(e);
     if (ost != K3_OK) return ost == K3_ERR_ARG ? 2 : 1;
     if (!k3_engine_is_coordinator(e)) {
-        k3_status st = k3_engine_serve(e);
-        if (st == K3_OK) st = k3_engine_close(e, NULL);
-        if (st != K3_OK) k3_engine_abort(e);
+        if (k3_engine_serve(e) != K3_OK) k3_engine_abort(e); /* serves, then closes */
         return 0;
     }
     k3_rng rng;

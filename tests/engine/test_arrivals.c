@@ -115,9 +115,7 @@ int main(int argc, char **argv) {
         return ost == K3_ERR_ARG ? 2 : 1;
     }
     if (!k3_engine_is_coordinator(e)) {
-        k3_status st = k3_engine_serve(e);
-        if (st == K3_OK) st = k3_engine_close(e, NULL);
-        if (st != K3_OK) k3_engine_abort(e);
+        if (k3_engine_serve(e) != K3_OK) k3_engine_abort(e); /* serves, then closes */
         k3_comm_finalize();
         return 0; /* rank 0 reports */
     }
