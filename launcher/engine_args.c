@@ -29,6 +29,7 @@ static const struct {
     {"max-batch-tokens", 1, (int64_t)1 << 24},
     {"chunk", 0, (int64_t)1 << 30},
     {"micro-batches", 0, 1024},
+    {"load-readers", 0, 256},
 };
 
 bool k3_engine_flag_range(const char *flag, int64_t *lo, int64_t *hi) {
@@ -173,6 +174,8 @@ int k3_engine_args(const k3_args *a, bool print, k3_engine_opts *o) {
     o->chunk = k3_args_int(a, "chunk");
     o->micro_batches = (int)k3_args_int(a, "micro-batches");
     o->verify = k3_args_bool(a, "verify");
+    o->load_readers = (int)k3_args_int(a, "load-readers");
+    o->load_direct = k3_args_bool(a, "load-direct");
     int rc = k3_engine_comm_arg(a, o->backend, print, &o->comm);
     return rc ? rc : k3_engine_bind_arg(a, print, &o->bind);
 }

@@ -53,6 +53,12 @@
     {"load-timeout", K3_FLAG_FLOAT, "SEC", "0",                                                    \
      "limit of the whole load (0 = 60 s + the largest rank's planned bytes at 50 MB/s); a rank "   \
      "with no load progress for --comm-timeout is named sooner"},                                  \
+    {"load-readers", K3_FLAG_INT, "N", "0",                                                        \
+     "reads in flight per rank while loading, each a few MB (0 = " K3_ENGINE_ARGS_STR(            \
+         K3_LOAD_READERS_DEFAULT) "; 1 = one read at a time)"},                                    \
+    {"load-direct", K3_FLAG_BOOL, NULL, NULL,                                                      \
+     "read the checkpoint with O_DIRECT (no page cache) where the file system allows it; else "   \
+     "buffered, said once"},                                                                       \
     {"threads", K3_FLAG_INT, "N", "0",                                                             \
      "cpu threads per rank (0 = the cores of its binding; --bind none: all alone, 1 under "        \
      "mpirun)"},                                                                                   \

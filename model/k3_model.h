@@ -323,6 +323,10 @@ typedef struct k3_weights_view {
     k3_layer_w *layers;      /* [n_layers]; layers[l].present for owned layers */
 } k3_weights_view;
 
+/* Reads in flight while loading (k3_load_sel.n_readers = 0), and the size of one read. */
+#define K3_LOAD_READERS_DEFAULT 8
+#define K3_LOAD_PIECE_BYTES     ((size_t)4 << 20)
+
 /* What a rank loads: layers [layer_begin, layer_end), the embedding and/or the head, and the
  * routed experts for which expert_owned(ctx, layer, expert) is true (NULL = all). */
 typedef struct k3_load_sel {
@@ -340,6 +344,11 @@ typedef struct k3_load_sel {
     /* Called once per checkpoint tensor read (in read order), with ctx; may be NULL. A status
        other than K3_OK stops the load, which returns it. */
     k3_status (*on_read)(void *ctx, const k3_ckpt_tensor *t);
+    /* How: n_readers reads of K3_LOAD_PIECE_BYTES in flight (threads; 0 = the default, 1 = one
+       at a time), with O_DIRECT when `direct` and the file system allows it (else buffered).
+       The callbacks are called from the calling thread only. */
+    int n_readers;
+    bool direct;
 } k3_load_sel;
 k3_status k3_weights_load(k3_ckpt *ck, const k3_config *c, const k3_load_sel *sel,
                           k3_weights **out);

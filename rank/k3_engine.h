@@ -73,8 +73,11 @@ typedef struct k3_engine_opts {
     const k3_tokenizer *tok;  /* rank 0, borrowed, may be NULL: text deltas + stop strings */
     bool progress;            /* load progress bar on rank 0's terminal */
     const char *name;         /* prefix of set-up error lines ("k3 batch"); NULL = "k3" */
-    bool verify; /* after loading, check the rank's own tensors for non-finite values and E8M0
-                    0xFF scales (k3_ckpt_scan); a problem ends the job naming tensor, row, file */
+    int load_readers; /* reads in flight per rank while loading (k3_load_sel.n_readers; 0 = the
+                         default K3_LOAD_READERS_DEFAULT) */
+    bool load_direct; /* O_DIRECT reads where the file system allows them (k3_load_sel.direct) */
+    bool verify;      /* after loading, check the rank's own tensors for non-finite values and E8M0
+                         0xFF scales (k3_ckpt_scan); a problem ends the job naming tensor, row, file */
     const char *op_stats; /* NULL, or a JSON file rank 0 writes at close: each worker rank's
                              backend op calls, host syncs and host<->device bytes per forward
                              step, by phase (decode, prefill, idle; rank/opstats.c). Needs a
