@@ -25,6 +25,33 @@ k3_status k3_st_peek_shape(const char *dir, const char *name, int64_t shape[K3_M
 k3_status k3_ckpt_read_range(k3_ckpt *ck, const k3_ckpt_tensor *t, uint64_t off, uint64_t n,
                              void *dst);
 
+/* Add n bytes to the checkpoint's bytes-read counter (reads made outside k3_ckpt_read_range). */
+void k3_ckpt_count_read(k3_ckpt *ck, uint64_t n);
+
+/* ---- read_many.c: many reads in flight -----------------------------------------------------
+ * A whole tensor into dst: host memory, or (device) an address only `upload` touches. */
+typedef struct k3_read_req {
+    const k3_ckpt_tensor *t;
+    void *dst;
+    bool device; /* dst is backend memory: the bytes go through opts.upload, piece by piece */
+} k3_read_req;
+typedef struct k3_read_opts {
+    int n_readers; /* reader threads (0 = K3_LOAD_READERS_DEFAULT; 1 = on the calling thread) */
+    bool direct;   /* O_DIRECT where the file system takes it (else buffered, said once) */
+    /* called from the calling thread only: progress after pieces complete (its error stops
+       the reads); upload(ctx, dst, src, n) for each piece of a device request, from a staging
+       buffer that is reused once it returns */
+    k3_status (*progress)(void *ctx, uint64_t done_bytes, uint64_t total_bytes);
+    k3_status (*upload)(void *ctx, void *dst, const void *src, size_t n_bytes);
+    void *ctx;
+} k3_read_opts;
+/* Read every request, split into pieces of K3_LOAD_PIECE_BYTES, n_readers at a time. Host memory
+ * held besides the destinations: with device requests, 2 x n_readers staging pieces; with
+ * direct, one aligned bounce piece per reader. Errors name the file and the tensor; the first
+ * one stops the others. *direct_used: whether O_DIRECT was in effect (may be NULL). */
+k3_status k3_ckpt_read_many(k3_ckpt *ck, const k3_read_req *reqs, int64_t n, const k3_read_opts *o,
+                            bool *direct_used);
+
 /* Parse text[0..n) as one JSON value held strictly (strict_json.c): only whitespace after it,
  * every string valid UTF-8 with no control byte and no \u0000, no key twice in an object. Errors
  * are `code`: "PATH: SYNTAX (near byte B of N)" for bad syntax, "PATH: N byte(s) after the JSON

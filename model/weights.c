@@ -8,12 +8,17 @@
  * weight_packed bytes and whose scale is the weight_scale bytes). The AttnRes pairs
  * res_norm [D] and res_proj [1, D] are fused at load into one F32 score vector
  * w = res_norm ⊙ res_proj (products of two bf16 values, exact in f32).
- * Reads are sorted by (shard, offset) and reported through sel->progress. */
+ * Reads go through k3_ckpt_read_many (sel->n_readers pieces in flight, O_DIRECT with sel->direct)
+ * in (shard, offset) order, reported through sel->progress. A backend whose memory the host
+ * cannot touch gets its arena first and every piece is uploaded as it arrives, through the
+ * reader's bounded staging (2 x n_readers pieces of K3_LOAD_PIECE_BYTES): the host never holds
+ * the rank's weights, only the staging and the AttnRes halves being fused. */
 #include "k3_model.h"
 
 #include <stdlib.h>
 
 #include "k3_kernels.h"
+#include "model_internal.h"
 
 struct k3_weights {
     k3_config cfg; /* copy: the view points here */
@@ -36,6 +41,20 @@ typedef struct fuse {
     const uint16_t *norm; /* staged bf16 res_norm [D] */
     const uint16_t *proj; /* staged bf16 res_proj [1, D] */
 } fuse;
+
+/* Device loads: each staged piece into the backend's arena (k3_read_opts.upload). */
+typedef struct upload_ctx {
+    k3_backend *be;
+    k3_status (*progress)(void *ctx, uint64_t done, uint64_t total);
+    void *ctx;
+} upload_ctx;
+static k3_status upload_piece(void *ctx, void *dst, const void *src, size_t n) {
+    return k3_backend_upload(((upload_ctx *)ctx)->be, dst, src, n);
+}
+static k3_status progress_fwd(void *ctx, uint64_t done, uint64_t total) {
+    const upload_ctx *u = ctx;
+    return u->progress(u->ctx, done, total);
+}
 
 static int job_cmp(const void *a, const void *b) {
     const job *x = a, *y = b;
@@ -253,8 +272,10 @@ k3_status k3_weights_load(k3_ckpt *ck, const k3_config *c, const k3_load_sel *se
         }
         total_read += nb;
     }
-    const bool direct = sel->be && k3_backend_host_visible(sel->be);
-    if (direct) {
+    /* device: the arena is backend memory from the start; tensors point into it, and the reads
+       reach it through the staging (device requests) */
+    const bool device = sel->be && !k3_backend_host_visible(sel->be);
+    if (sel->be) {
         w->be = sel->be;
         st = k3_backend_alloc(sel->be, bytes ? bytes : 64, "weights", (void **)&w->arena);
     } else {
@@ -319,42 +340,44 @@ k3_status k3_weights_load(k3_ckpt *ck, const k3_config *c, const k3_load_sel *se
     }
     k3_free(src);
     qsort(jobs, (size_t)nj, sizeof *jobs, job_cmp);
-    uint64_t done_bytes = 0;
-    for (int64_t j = 0; j < nj; j++) {
-        if ((st = k3_ckpt_read(ck, jobs[j].src, jobs[j].dst)) != K3_OK) goto fail;
-        done_bytes += jobs[j].src->n_bytes;
-        if (sel->on_read && (st = sel->on_read(sel->ctx, jobs[j].src)) != K3_OK) goto fail;
-        if (sel->progress && (st = sel->progress(sel->ctx, done_bytes, total_read)) != K3_OK)
+    (void)total_read;
+    { /* the reads: staged AttnRes halves to host memory, everything else to the arena */
+        k3_read_req *rq = NULL;
+        if ((st = k3_alloc((void **)&rq, (size_t)K3_MAX(nj, 1) * sizeof *rq, "read requests")) !=
+            K3_OK)
             goto fail;
+        for (int64_t j = 0; j < nj; j++)
+            rq[j] = (k3_read_req){jobs[j].src, jobs[j].dst, device && jobs[j].part < 2};
+        k3_read_opts ro = {.n_readers = sel->n_readers,
+                           .direct = sel->direct,
+                           .progress = sel->progress,
+                           .upload = device ? upload_piece : NULL,
+                           .ctx = sel->ctx};
+        upload_ctx uc = {sel->be, sel->progress, sel->ctx};
+        if (device) ro.ctx = &uc, ro.progress = sel->progress ? progress_fwd : NULL;
+        st = k3_ckpt_read_many(ck, rq, nj, &ro, NULL);
+        k3_free(rq);
+        if (st != K3_OK) goto fail;
     }
+    for (int64_t j = 0; j < nj && sel->on_read; j++)
+        if ((st = sel->on_read(sel->ctx, jobs[j].src)) != K3_OK) goto fail;
 
     /* fuse AttnRes: w = res_norm ⊙ res_proj in F32 (both halves are selected together) */
-    for (int f = 0; f < nf; f++) {
-        K3_ASSERT(fz[f].norm && fz[f].proj);
-        float *o = fz[f].t->data;
-        for (int64_t d = 0; d < c->hidden_size; d++)
-            o[d] = k3_bf16_to_f32(fz[f].norm[d]) * k3_bf16_to_f32(fz[f].proj[d]);
-    }
-    if (sel->be && !direct) { /* one upload, then every tensor points into the backend's copy */
-        uint8_t *dev = NULL;
-        st = k3_backend_alloc(sel->be, bytes ? bytes : 64, "weights", (void **)&dev);
-        if (st == K3_OK) st = k3_backend_upload(sel->be, dev, w->arena, bytes);
-        if (st != K3_OK) {
-            if (dev) k3_backend_free(sel->be, dev);
+    if (nf > 0) { /* built in host memory, then to the arena (backend memory or not) */
+        float *o = NULL;
+        if ((st = k3_alloc((void **)&o, (size_t)c->hidden_size * 4, "AttnRes score")) != K3_OK)
             goto fail;
-        }
-        for (int64_t j = 0; j < nj; j++) {
-            k3_tensor *t = jobs[j].t;
-            if (!t) continue;
-            if (jobs[j].part == 1)
-                t->scale = dev + ((uint8_t *)t->scale - w->arena);
+        for (int f = 0; f < nf && st == K3_OK; f++) {
+            K3_ASSERT(fz[f].norm && fz[f].proj);
+            for (int64_t d = 0; d < c->hidden_size; d++)
+                o[d] = k3_bf16_to_f32(fz[f].norm[d]) * k3_bf16_to_f32(fz[f].proj[d]);
+            if (sel->be)
+                st = k3_backend_upload(sel->be, fz[f].t->data, o, (size_t)c->hidden_size * 4);
             else
-                t->data = dev + ((uint8_t *)t->data - w->arena);
+                memcpy(fz[f].t->data, o, (size_t)c->hidden_size * 4);
         }
-        for (int f = 0; f < nf; f++) fz[f].t->data = dev + ((uint8_t *)fz[f].t->data - w->arena);
-        k3_free(w->arena);
-        w->arena = dev;
-        w->be = sel->be;
+        k3_free(o);
+        if (st != K3_OK) goto fail;
     }
     if (sel->be) { /* mark where every tensor lives */
         for (int64_t j = 0; j < nj; j++)

@@ -400,7 +400,9 @@ static k3_status load_weights(rank_load_t *L) {
                        .expert_owned = expert_owned,
                        .ctx = L,
                        .progress = on_progress,
-                       .on_read = r->o->verify ? on_read : NULL};
+                       .on_read = r->o->verify ? on_read : NULL,
+                       .n_readers = r->o->load_readers,
+                       .direct = r->o->load_direct};
     RTRY(r, k3_weights_load(r->ck, &r->cfg, &sel, &r->w));
     if (r->o->verify) RTRY(r, verify_own(L));
     r->view = k3_weights_get(r->w);

@@ -93,6 +93,12 @@ static k3_status on_progress(void *ctx, uint64_t done, uint64_t total) {
     return K3_OK;
 }
 
+/* Bytes of a loaded tensor's data (MXFP4: two values a byte; scales apart). */
+static size_t tensor_bytes(const k3_tensor *t) {
+    const int64_t n = k3_tensor_n_elems(t);
+    return (size_t)(t->dtype == K3_DT_F32 ? 4 * n : t->dtype == K3_DT_MXFP4 ? n / 2 : 2 * n);
+}
+
 /* A progress callback that stops the load at its 10th call (the engine's load heartbeat does when
  * a peer goes silent): the load must return its status, not go on. */
 static k3_status stop_at_10(void *ctx, uint64_t done, uint64_t total) {
@@ -198,8 +204,9 @@ int main(void) {
                  "A_log = log U[1,16], zero-padded");
     }
 
-    /* full load */
-    k3_load_sel all = {.layer_begin = 0, .layer_end = cfg.n_layers, .embed = true, .head = true};
+    /* full load, one read at a time (the progress after every piece) */
+    k3_load_sel all = {
+        .layer_begin = 0, .layer_end = cfg.n_layers, .embed = true, .head = true, .n_readers = 1};
     prog pg = {0, 0, 0, true};
     all.progress = on_progress;
     all.ctx = &pg;
@@ -210,6 +217,41 @@ int main(void) {
     K3_CHECK(pg.monotonic && pg.calls > 100 && pg.last == pg.total && pg.total == full_read,
              "progress %llu/%llu in %d calls", (unsigned long long)pg.last,
              (unsigned long long)pg.total, pg.calls);
+    /* the same load with many reads in flight, buffered and O_DIRECT (where the file system of
+       the temporary directory takes it): the same bytes, the same count, progress up to the end */
+    for (int mode = 0; mode < 2 && w; mode++) {
+        k3_load_sel par = all;
+        prog pp = {0, 0, 0, true};
+        par.n_readers = 8;
+        par.direct = mode == 1;
+        par.ctx = &pp;
+        k3_weights *w3 = NULL;
+        uint64_t r1 = k3_ckpt_bytes_read(ck);
+        K3_CHECK_OK(k3_weights_load(ck, &cfg, &par, &w3));
+        K3_CHECK(k3_ckpt_bytes_read(ck) - r1 == full_read && pp.monotonic && pp.last == full_read &&
+                     pp.total == full_read && pp.calls >= 1,
+                 "%s load: read %llu of %llu, progress %llu in %d calls",
+                 mode ? "direct" : "parallel", (unsigned long long)(k3_ckpt_bytes_read(ck) - r1),
+                 (unsigned long long)full_read, (unsigned long long)pp.last, pp.calls);
+        if (!w3) continue;
+        const k3_weights_view *va = k3_weights_get(w), *vb = k3_weights_get(w3);
+        const k3_tensor *ta[] = {&va->embed, &va->lm_head, &va->layers[1].experts[5].w2,
+                                 &va->layers[2].mlp_res_score, &va->layers[3].kv_b_proj};
+        const k3_tensor *tb[] = {&vb->embed, &vb->lm_head, &vb->layers[1].experts[5].w2,
+                                 &vb->layers[2].mlp_res_score, &vb->layers[3].kv_b_proj};
+        for (size_t i = 0; i < K3_ARRAY_LEN(ta); i++) {
+            size_t nb = tensor_bytes(ta[i]);
+            K3_CHECK(nb > 0 && nb == tensor_bytes(tb[i]) &&
+                         memcmp(ta[i]->data, tb[i]->data, nb) == 0,
+                     "%s load: tensor %zu differs from the serial load",
+                     mode ? "direct" : "parallel", i);
+        }
+        K3_CHECK(memcmp(va->layers[1].experts[5].w2.scale, vb->layers[1].experts[5].w2.scale,
+                        (size_t)(va->layers[1].experts[5].w2.shape[0] *
+                                 va->layers[1].experts[5].w2.shape[1] / 32)) == 0,
+                 "%s load: expert scales differ", mode ? "direct" : "parallel");
+        k3_weights_destroy(w3);
+    }
     { /* a callback's error stops the load and comes back as its status */
         k3_load_sel stop = all;
         int calls = 0;
