@@ -50,11 +50,11 @@ typedef struct rm {
     pthread_cond_t cv;
     uint8_t **stage; /* [n_stage] device staging buffers */
     int n_stage;
-    int *free_slot, n_free;            /* staging buffers not in use */
-    int64_t *ready_pc;                 /* [n_stage] pieces read, waiting for the upload */
-    int *ready_slot, n_ready;          /* their buffers */
-    int running;                       /* readers not finished */
-    k3_status err;                     /* the first error */
+    int *free_slot, n_free;   /* staging buffers not in use */
+    int64_t *ready_pc;        /* [n_stage] pieces read, waiting for the upload */
+    int *ready_slot, n_ready; /* their buffers */
+    int running;              /* readers not finished */
+    k3_status err;            /* the first error */
     char err_msg[1024];
 } rm;
 
@@ -75,8 +75,8 @@ static void fail(rm *R, k3_status st) {
 static k3_status pread_full(int fd, uint8_t *p, uint64_t n, uint64_t off, uint64_t *got) {
     *got = 0;
     while (*got < n) {
-        ssize_t r = pread(fd, p + *got, (size_t)K3_MIN(n - *got, (uint64_t)1 << 30),
-                          (off_t)(off + *got));
+        ssize_t r =
+            pread(fd, p + *got, (size_t)K3_MIN(n - *got, (uint64_t)1 << 30), (off_t)(off + *got));
         if (r < 0 && errno == EINTR) continue;
         if (r < 0) return K3_ERR_IO;
         if (r == 0) break;
@@ -196,7 +196,8 @@ static k3_status drive(rm *R) {
         if (finished || atomic_load(&R->stop)) break;
         struct timespec now, until;
         clock_gettime(CLOCK_MONOTONIC, &now);
-        const double since = (double)(now.tv_sec - last.tv_sec) + 1e-9 * (now.tv_nsec - last.tv_nsec);
+        const double since =
+            (double)(now.tv_sec - last.tv_sec) + 1e-9 * (now.tv_nsec - last.tv_nsec);
         const uint64_t done = atomic_load(&R->done);
         if (o->progress && since >= PROGRESS_EVERY && done != reported) {
             pthread_mutex_unlock(&R->mu);
@@ -224,8 +225,8 @@ static k3_status drive(rm *R) {
 static k3_status serial(rm *R) {
     const k3_read_opts *o = R->o;
     uint8_t *bounce = NULL;
-    if (R->dfd && posix_memalign((void **)&bounce, DIRECT_ALIGN,
-                                 K3_LOAD_PIECE_BYTES + 2 * DIRECT_ALIGN) != 0)
+    if (R->dfd &&
+        posix_memalign((void **)&bounce, DIRECT_ALIGN, K3_LOAD_PIECE_BYTES + 2 * DIRECT_ALIGN) != 0)
         bounce = NULL;
     k3_status st = K3_OK;
     for (int64_t i = 0; i < R->n_pc && st == K3_OK; i++) {
@@ -277,8 +278,8 @@ static int piece_cmp(const void *a, const void *b, void *ctx) {
     return u < v ? -1 : u > v;
 }
 
-k3_status k3_ckpt_read_many(k3_ckpt *ck, const k3_read_req *reqs, int64_t n,
-                            const k3_read_opts *o, bool *direct_used) {
+k3_status k3_ckpt_read_many(k3_ckpt *ck, const k3_read_req *reqs, int64_t n, const k3_read_opts *o,
+                            bool *direct_used) {
     rm R = {.ck = ck, .reqs = reqs, .o = o, .err = K3_OK};
     if (direct_used) *direct_used = false;
     int64_t n_pc = 0;
@@ -296,16 +297,18 @@ k3_status k3_ckpt_read_many(k3_ckpt *ck, const k3_read_req *reqs, int64_t n,
             R.pc[k++] = (piece){i, off, K3_MIN(reqs[i].t->n_bytes - off, K3_LOAD_PIECE_BYTES)};
     R.n_pc = n_pc;
     qsort_r(R.pc, (size_t)n_pc, sizeof *R.pc, piece_cmp, &R); /* file order */
-    const int readers = (int)K3_MIN(o->n_readers > 0 ? o->n_readers : K3_LOAD_READERS_DEFAULT,
-                                    K3_MAX(n_pc, 1));
+    const int readers =
+        (int)K3_MIN(o->n_readers > 0 ? o->n_readers : K3_LOAD_READERS_DEFAULT, K3_MAX(n_pc, 1));
     atomic_store(&R.direct, o->direct && open_direct(&R));
     if (!atomic_load(&R.direct)) close_direct(&R);
     k3_status st = K3_OK;
     R.n_stage = any_device ? (readers > 1 ? 2 * readers : 1) : 0;
     if (R.n_stage) {
         st = k3_calloc((void **)&R.stage, (size_t)R.n_stage * sizeof *R.stage, "staging");
-        if (st == K3_OK) st = k3_calloc((void **)&R.free_slot, (size_t)R.n_stage * sizeof(int), "staging");
-        if (st == K3_OK) st = k3_calloc((void **)&R.ready_slot, (size_t)R.n_stage * sizeof(int), "staging");
+        if (st == K3_OK)
+            st = k3_calloc((void **)&R.free_slot, (size_t)R.n_stage * sizeof(int), "staging");
+        if (st == K3_OK)
+            st = k3_calloc((void **)&R.ready_slot, (size_t)R.n_stage * sizeof(int), "staging");
         if (st == K3_OK)
             st = k3_calloc((void **)&R.ready_pc, (size_t)R.n_stage * sizeof(int64_t), "staging");
         for (int s = 0; s < R.n_stage && st == K3_OK; s++) {

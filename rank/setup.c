@@ -177,6 +177,8 @@ struct rank_load {
     double *seen;               /* [world] k3_now_s() of the last beat */
     uint64_t hb_done, hb_total; /* this rank's own load */
     double hb_sent, t_load0, load_timeout_s;
+    double t_logged; /* rank 0 without a terminal: when the last progress line was logged */
+    int lines_drawn; /* rank 0 on a terminal: the lines of the last draw */
     const k3_ckpt_tensor **read_list; /* --verify: the tensors this rank read */
     int64_t n_read, cap_read;
 };
@@ -187,25 +189,64 @@ static bool expert_owned(void *ctx, int layer, int expert) {
     return k3_plan_owner_lane(&L->r->plan, layer, expert) == L->r->lane;
 }
 
-static void draw_progress(const rank_load_t *L) {
+/* Rank 0's view of the load: one line per node (bytes, GB/s, ETA) and a total, redrawn in place
+ * on a terminal (r->tty); without one (--progress on, no terminal), one log line every
+ * LOG_EVERY_S seconds. Bytes are each rank's last reported fraction of its planned weights. */
+#define LOG_EVERY_S 5.0
+static void draw_progress(rank_load_t *L, bool final) {
     const rank_ctx *r = L->r;
-    if (!r->tty) return;
-    double have = 0, tot = 0;
-    int done = 0;
-    for (int i = 0; i < r->world; i++) {
-        double w = (double)r->plan.mem[i].weights;
-        have += w * L->pct[i] / 100.0;
-        tot += w;
-        done += L->pct[i] >= 100;
+    if (!r->tty && !(r->o->progress && r->rank == 0)) return;
+    const double now = k3_now_s(), dt = K3_MAX(now - L->t_load0, 1e-6);
+    if (!r->tty && !final && now - L->t_logged < LOG_EVERY_S) return;
+    const char *pfx = r->tty ? "[k3] " : ""; /* a log line has its own prefix */
+    char line[8192];
+    size_t at = 0;
+    int n_lines = 0;
+    double have_all = 0, tot_all = 0;
+    for (int n = 0; n <= r->world; n++) { /* each node by its lowest rank, then the total */
+        if (n < r->world && r->where && r->where[n].node != n) continue;
+        double have = 0, tot = 0;
+        int ranks = 0, done = 0;
+        for (int i = 0; i < r->world; i++) {
+            if (n < r->world && r->where && r->where[i].node != n) continue;
+            if (n < r->world && !r->where && i != n) continue;
+            const double w = (double)r->plan.mem[i].weights;
+            have += w * L->pct[i] / 100.0, tot += w, ranks++, done += L->pct[i] >= 100;
+        }
+        if (n == r->world)
+            have = have_all, tot = tot_all;
+        else
+            have_all += have, tot_all += tot;
+        if (n < r->world && r->world == 1) continue; /* one rank: the total says it all */
+        const double gbs = have / dt / 1e9, eta = gbs > 0 ? (tot - have) / (gbs * 1e9) : -1;
+        char eta_s[32] = "?";
+        if (eta >= 0) snprintf(eta_s, sizeof eta_s, "%.0f s", eta);
+        if (n < r->world)
+            at += (size_t)snprintf(
+                line + at, sizeof line - at,
+                "%snode %s: %3.0f%%  %.2f of %.2f GB, %.2f GB/s, ETA %s, %d/%d ranks done\033[K\n",
+                pfx, r->where ? r->where[n].host : "?", tot > 0 ? 100 * have / tot : 100.0,
+                have / 1e9, tot / 1e9, gbs, eta_s, done, ranks);
+        else
+            at += (size_t)snprintf(line + at, sizeof line - at,
+                                   "%sloading: %3.0f%%  %.2f of %.2f GB, %.2f GB/s, ETA %s\033[K\n",
+                                   pfx, tot > 0 ? 100 * have / tot : 100.0, have / 1e9, tot / 1e9,
+                                   gbs, eta_s);
+        n_lines++;
+        if (at >= sizeof line - 256) break;
     }
-    double f = tot > 0 ? have / tot : 1;
-    char bar[41];
-    int n = (int)(f * 40 + 0.5);
-    for (int i = 0; i < 40; i++) bar[i] = i < n ? '#' : ' ';
-    bar[40] = 0;
-    fprintf(r->tty, "\r[k3] loading [%s] %3.0f%%  %.1f of %.1f MB, %d/%d ranks done", bar, f * 100,
-            have / 1e6, tot / 1e6, done, r->world);
-    fflush(r->tty);
+    if (r->tty) { /* back over the lines drawn last time, then the new ones */
+        if (L->lines_drawn > 0) fprintf(r->tty, "\033[%dA", L->lines_drawn);
+        fputs(line, r->tty);
+        fflush(r->tty);
+        L->lines_drawn = n_lines;
+    } else { /* a log: no escapes, one line */
+        for (char *e; (e = strstr(line, "\033[K"));) memmove(e, e + 3, strlen(e + 3) + 1);
+        for (char *c = line; *c; c++)
+            if (*c == '\n') *c = c[1] ? ';' : 0;
+        K3_LOGI("%s", line);
+        L->t_logged = now;
+    }
 }
 
 /* ---- the load heartbeat ---------------------------------------------------------------------
@@ -314,7 +355,7 @@ static k3_status hb_tick(rank_load_t *L, int state) {
         K3_TRY(hb_send(L, state));
     else if (due)
         L->hb_sent = k3_now_s(); /* a world of one: only the bar and --load-timeout */
-    if (r->rank == 0 && (got || due)) draw_progress(L);
+    if (r->rank == 0 && (got || due)) draw_progress(L, false);
     return hb_check(L);
 }
 
@@ -478,11 +519,7 @@ static k3_status load_run(rank_load_t *L) {
                 r->load_s, r->load_s > 0 ? r->bytes_read / 1e9 / r->load_s : 0.0,
                 r->plan.mem[r->rank].weights / 1e6);
     RTRY(r, load_wait(L));
-    if (r->tty) {
-        draw_progress(L);
-        fprintf(r->tty, "\n");
-        fflush(r->tty);
-    }
+    if (r->rank == 0 && (r->tty || r->world > 1)) draw_progress(L, true);
     return K3_OK;
 }
 
