@@ -422,6 +422,25 @@ static k3_status on_progress(void *ctx, uint64_t done, uint64_t total) {
     return hb_tick(L, K3_LOAD_RUNNING);
 }
 
+/* A device backend: the plan's need of this rank (weights + caches + buffers + workspace, what
+ * `k3 plan` prints) against the device's free memory, before anything is allocated on it. */
+static k3_status check_device_memory(rank_ctx *r) {
+    if (k3_backend_host_visible(r->be)) return K3_OK; /* host memory: check_memory at set-up */
+    size_t free_b = 0, total_b = 0;
+    if (k3_backend_memory(r->be, &free_b, &total_b) != K3_OK) return K3_OK; /* unknown */
+    const k3_rank_mem *m = &r->plan.mem[r->rank];
+    const uint64_t need = k3_rank_mem_total(m);
+    if (need <= free_b) return K3_OK;
+    return K3_ERR(K3_ERR_NOMEM,
+                  "device memory: the plan needs %.3f GB on this rank (weights %.3f + caches %.3f "
+                  "+ buffers %.3f + workspace %.3f) but the %s device has %.3f GB free of %.3f GB: "
+                  "short by %.3f GB; lower --max-seqs, --max-ctx or --max-batch-tokens, or spread "
+                  "the weights over more ranks (--pp, --ep)",
+                  need / 1e9, m->weights / 1e9, m->caches / 1e9, m->buffers / 1e9,
+                  m->workspace / 1e9, r->be->name, free_b / 1e9, total_b / 1e9,
+                  (need - free_b) / 1e9);
+}
+
 /* The worker's part: open the checkpoint, create the backend, read the stage's weights (and
  * --verify them), check the plan was honoured. */
 static k3_status load_weights(rank_load_t *L) {
@@ -433,6 +452,7 @@ static k3_status load_weights(rank_load_t *L) {
     k3_backend_params bp = {.n_threads =
                                 r->o->n_threads > 0 ? r->o->n_threads : (r->world > 1 ? 1 : 0)};
     RTRY(r, k3_backend_create(r->o->backend ? r->o->backend : "cpu", &bp, &r->be));
+    RTRY(r, check_device_memory(r));
     k3_load_sel sel = {.be = r->be,
                        .layer_begin = r->plan.stage_begin[r->stage],
                        .layer_end = r->plan.stage_begin[r->stage + 1],

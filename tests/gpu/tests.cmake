@@ -18,6 +18,14 @@ add_test(NAME gpu_model COMMAND ${K3_GPU_PYTHON3} ${CMAKE_CURRENT_LIST_DIR}/gpu_
                                 ${MPIEXEC_EXECUTABLE})
 set_tests_properties(gpu_model PROPERTIES LABELS "${K3_GPU_LABEL}" TIMEOUT 900 SKIP_RETURN_CODE 77
                      ENVIRONMENT "${K3_TEST_ENV_MPI}")
+if(K3_CUDA_EMULATE)
+  # A device load holds the staging in host memory, not the weights: the small preset's peak RSS
+  # less the emulated device's bytes stays below the weights (tests/gpu/test_load_rss.c).
+  k3_add_test_exe(test_load_rss ${CMAKE_CURRENT_LIST_DIR}/test_load_rss.c)
+  add_test(NAME gpu_load_rss COMMAND test_load_rss ${CMAKE_CURRENT_BINARY_DIR}/load_rss_small)
+  set_tests_properties(gpu_load_rss PROPERTIES LABELS "${K3_GPU_LABEL}" TIMEOUT 300
+                       ENVIRONMENT "${K3_TEST_ENV}")
+endif()
 if(K3_CUDA)
   # The cuda kernels' math on the host (no device): nvcc compiles it, the CPU runs it against
   # kernels/ref. Unit tier, so it runs in every K3_CUDA build. (tests/gpu/test_cuda_math.cu)
