@@ -709,6 +709,7 @@ static int run_batch(const k3_args *a) {
     k3_log_set_rank(rank, -1, -1); /* the engine adds (stage, lane) at open */
     k3_engine_opts eo = {.name = "k3 batch"};
     int rc = k3_engine_args(a, rank == 0, &eo);
+    if (rc == 0) k3_engine_backend_say(a, rank == 0);
     if (rc == 0 &&
         (!k3_args_has(a, "model") || !k3_args_has(a, "input") || !k3_args_has(a, "output"))) {
         if (rank == 0)

@@ -381,6 +381,7 @@ static int run_engine_mode(const k3_args *a, int mode) {
     k3_engine_opts eo = {.name = "k3 bench"};
     bench_plan p;
     int rc = k3_engine_args(a, rank == 0, &eo);
+    if (rc == 0) k3_engine_backend_say(a, rank == 0);
     if (rc == 0) {
         /* every rank decides the same; rank 0 says why */
         k3_status st = plan_of(a, mode, eo.max_ctx, &p);

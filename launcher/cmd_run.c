@@ -329,6 +329,11 @@ static int run_run(const k3_args *a) {
                      .limit_fma_gflops = lim.fma_gflops,
                      .limit_threads = lim.threads,
                      .result = chat ? &res : NULL};
+    {
+        int wr = 0, ws = 1;
+        k3_comm_world(&wr, &ws);
+        k3_engine_backend_say(a, wr == 0); /* --backend auto: what and why, flags known good */
+    }
     rc = k3_run_generate(&eo, &o);
     if (rc == 0 && chat && res.n_seqs == 1 &&
         (st = print_chat(&in, &res.seqs[0], k3_args_bool(a, "ignore-eos"))) != K3_OK)

@@ -129,6 +129,7 @@ static int run_serve(const k3_args *a) {
     k3_log_set_rank(rank, -1, -1);
     k3_engine_opts eo = {.name = "k3 serve"};
     int rc = k3_engine_args(a, rank == 0, &eo);
+    if (rc == 0) k3_engine_backend_say(a, rank == 0);
     if (rc == 0 && !k3_args_has(a, "model")) {
         if (rank == 0) fprintf(stderr, "k3 serve: --model DIR is required\n");
         rc = 2;

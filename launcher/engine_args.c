@@ -70,6 +70,10 @@ const char *k3_engine_backend_pick(const char *name, bool print) {
     return b;
 }
 
+void k3_engine_backend_say(const k3_args *a, bool print) {
+    (void)k3_engine_backend_pick(k3_args_str(a, "backend"), print);
+}
+
 const char *k3_engine_transports(void) {
 #ifdef K3_HAVE_NCCL
     return "mpi nccl";
@@ -166,7 +170,7 @@ int k3_engine_args(const k3_args *a, bool print, k3_engine_opts *o) {
     o->load_timeout_s = k3_args_float(a, "load-timeout");
     o->n_threads = (int)k3_args_int(a, "threads");
     o->kda_chunk = (int)k3_args_int(a, "kda-chunk");
-    o->backend = k3_engine_backend_pick(backend, print);
+    o->backend = k3_engine_backend_pick(backend, false); /* said by k3_engine_backend_say */
     o->max_seqs = (int)k3_args_int(a, "max-seqs");
     o->max_ctx = k3_args_int(a, "max-ctx");
     o->kv_cache_tokens = k3_args_int(a, "kv-cache-tokens");

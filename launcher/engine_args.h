@@ -99,6 +99,9 @@ bool k3_engine_backend_ok(const char *name);
 /* --backend NAME as the engine takes it: "auto" resolved (k3_backend_resolve); when `print`, one
  * log line says what auto chose and why. */
 const char *k3_engine_backend_pick(const char *name, bool print);
+/* The log line of --backend auto (what it chose and why; nothing for a named backend), once the
+ * command's other flags are known to be good (k3_engine_args picks silently). */
+void k3_engine_backend_say(const k3_args *a, bool print);
 /* --comm NAME for the engine, given the backend it runs (already resolved from auto): "auto" is
  * "nccl" when backend is "cuda" and this build has the nccl transport, else "mpi" (silently: the
  * engine logs the transport it opened, and `k3 version` the rule). "nccl" needs that build and
