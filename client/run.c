@@ -298,6 +298,11 @@ static void print_json(const k3_engine_opts *eo, const k3_run_opts *o, const run
         cJSON_AddNumberToObject(it, "bytes_read", (double)w->bytes_read);
         cJSON_AddNumberToObject(it, "plan_weight_bytes", (double)w->plan_weight_bytes);
         cJSON_AddNumberToObject(it, "load_s", w->load_s);
+        if (i < 256) { /* memory at close (k3_engine_stats) */
+            cJSON_AddNumberToObject(it, "rss_bytes", (double)es->rss_bytes[i]);
+            cJSON_AddNumberToObject(it, "peak_rss_bytes", (double)es->hwm_bytes[i]);
+            cJSON_AddNumberToObject(it, "pss_bytes", (double)es->pss_bytes[i]);
+        }
         cJSON_AddItemToArray(rk, it);
     }
     char *txt = cJSON_PrintUnformatted(root);

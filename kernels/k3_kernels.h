@@ -419,6 +419,10 @@ k3_status k3_backend_memory(const k3_backend *be, size_t *free_bytes, size_t *to
 /* The host's memory from /proc/meminfo: free = MemAvailable, total = MemTotal (what the ref/cpu
  * backends report, and what callers check before any backend exists). */
 k3_status k3_host_memory(size_t *free_bytes, size_t *total_bytes);
+/* This process's memory: resident (VmRSS), its peak (VmHWM) and proportional (Pss of
+ * /proc/self/smaps_rollup: a page shared by n processes counts 1/n, so the Pss of a node's ranks
+ * add up to the node's memory). 0 where the kernel does not say. */
+void k3_proc_memory(uint64_t *rss_bytes, uint64_t *hwm_bytes, uint64_t *pss_bytes);
 /* The cpu/guard pool size (1 for ref). */
 int k3_backend_threads(const k3_backend *be);
 

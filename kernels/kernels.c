@@ -69,6 +69,21 @@ k3_status k3_host_memory(size_t *free_bytes, size_t *total_bytes) {
     if (!*total_bytes) return K3_ERR(K3_ERR_IO, "/proc/meminfo has no MemTotal");
     return K3_OK;
 }
+static uint64_t proc_kb(const char *path, const char *key) {
+    FILE *f = fopen(path, "r");
+    char line[256];
+    unsigned long long v = 0;
+    const size_t n = strlen(key);
+    while (f && fgets(line, sizeof line, f))
+        if (strncmp(line, key, n) == 0 && sscanf(line + n, " %llu", &v) == 1) break;
+    if (f) fclose(f);
+    return (uint64_t)v * 1024;
+}
+void k3_proc_memory(uint64_t *rss, uint64_t *hwm, uint64_t *pss) {
+    if (rss) *rss = proc_kb("/proc/self/status", "VmRSS:");
+    if (hwm) *hwm = proc_kb("/proc/self/status", "VmHWM:");
+    if (pss) *pss = proc_kb("/proc/self/smaps_rollup", "Pss:");
+}
 static k3_status host_memory(const k3_backend *be, size_t *fr, size_t *tot) {
     return k3_host_memory(fr, tot);
 }

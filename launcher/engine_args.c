@@ -180,6 +180,7 @@ int k3_engine_args(const k3_args *a, bool print, k3_engine_opts *o) {
     o->verify = k3_args_bool(a, "verify");
     o->load_readers = (int)k3_args_int(a, "load-readers");
     o->load_direct = k3_args_bool(a, "load-direct");
+    o->load_private = k3_args_bool(a, "load-private");
     int rc = k3_engine_comm_arg(a, o->backend, print, &o->comm);
     return rc ? rc : k3_engine_bind_arg(a, print, &o->bind);
 }

@@ -349,9 +349,21 @@ typedef struct k3_load_sel {
        The callbacks are called from the calling thread only. */
     int n_readers;
     bool direct;
+    /* Node sharing (host ranks of one stage on one node): the dense tensors (all but the routed
+       experts, AttnRes scores fused) live in `dense`, dense_bytes long (k3_weights_dense_bytes),
+       not in the rank's arena; only the dense_reader reads (and fuses) them, the others only
+       point into the region and must not use it before the reader is done (the caller
+       synchronises). The region is not owned. NULL: no sharing. Host memory only. */
+    void *dense;
+    uint64_t dense_bytes;
+    bool dense_reader;
 } k3_load_sel;
 k3_status k3_weights_load(k3_ckpt *ck, const k3_config *c, const k3_load_sel *sel,
                           k3_weights **out);
+/* The bytes of the dense region a selection needs (k3_load_sel.dense), and (stored, may be NULL)
+ * the checkpoint bytes of those tensors: what a rank that does not read the region skips. */
+k3_status k3_weights_dense_bytes(const k3_config *c, const k3_load_sel *sel, uint64_t *out,
+                                 uint64_t *stored);
 const k3_weights_view *k3_weights_get(const k3_weights *w);
 uint64_t k3_weights_bytes(const k3_weights *w);
 void k3_weights_destroy(k3_weights *w);

@@ -24,9 +24,10 @@ struct k3_weights {
     k3_config cfg; /* copy: the view points here */
     k3_weights_view view;
     k3_layer_w *layers; /* [n_layers] */
-    uint8_t *arena;     /* all tensor bytes */
+    uint8_t *arena;     /* all tensor bytes (with a shared dense region: the routed experts) */
     uint64_t arena_bytes;
-    k3_backend *be; /* owner of the arena (NULL: k3_alloc) */
+    uint64_t dense_bytes; /* in k3_load_sel.dense (not owned), 0 without */
+    k3_backend *be;       /* owner of the arena (NULL: k3_alloc) */
 };
 
 typedef struct job {
@@ -206,6 +207,50 @@ static uint64_t align64(uint64_t x) {
     return (x + 63) & ~(uint64_t)63;
 }
 
+/* The bytes a selected tensor takes in its region: the AttnRes norm half stands for the fused
+ * F32 score (the proj half takes none); everything else as stored. */
+static uint64_t placed_bytes(const k3_config *c, const k3_tensor_spec *s, int part) {
+    if (part == 2) return align64((uint64_t)c->hidden_size * 4);
+    if (part == 3) return 0;
+    return align64((uint64_t)k3_tensor_spec_bytes(s));
+}
+
+static int part_of(const k3_tensor_spec *s) {
+    switch (s->role) {
+    case K3_R_OUT_RES_NORM:
+    case K3_R_ATTN_RES_NORM:
+    case K3_R_MLP_RES_NORM:
+        return 2;
+    case K3_R_OUT_RES_PROJ:
+    case K3_R_ATTN_RES_PROJ:
+    case K3_R_MLP_RES_PROJ:
+        return 3;
+    case K3_R_EXP_W1_SCALE:
+    case K3_R_EXP_W2_SCALE:
+    case K3_R_EXP_W3_SCALE:
+        return 1;
+    default:
+        return 0;
+    }
+}
+
+k3_status k3_weights_dense_bytes(const k3_config *c, const k3_load_sel *sel, uint64_t *out,
+                                 uint64_t *stored) {
+    *out = 0;
+    if (stored) *stored = 0;
+    const int64_t n = k3_catalog(c, NULL, 0);
+    k3_tensor_spec *specs = NULL;
+    K3_TRY(k3_alloc((void **)&specs, (size_t)n * sizeof *specs, "catalogue"));
+    k3_catalog(c, specs, n);
+    for (int64_t i = 0; i < n; i++)
+        if (specs[i].kind != K3_TK_EXPERT && selected(c, sel, &specs[i])) {
+            *out += placed_bytes(c, &specs[i], part_of(&specs[i]));
+            if (stored) *stored += (uint64_t)k3_tensor_spec_bytes(&specs[i]);
+        }
+    k3_free(specs);
+    return K3_OK;
+}
+
 static k3_status check_src(const k3_ckpt *ck, const k3_tensor_spec *s, const k3_ckpt_tensor **out) {
     const k3_ckpt_tensor *t = k3_ckpt_find(ck, s->name);
     if (!t) return K3_ERR(K3_ERR_MISSING, "checkpoint lacks tensor %s", s->name);
@@ -251,8 +296,15 @@ k3_status k3_weights_load(k3_ckpt *ck, const k3_config *c, const k3_load_sel *se
             goto fail;
     }
 
+    /* a dense region shared with other ranks: host memory only, exactly the selection's size */
+    const bool share = sel->dense != NULL;
+    if (share && sel->be && !k3_backend_host_visible(sel->be)) {
+        st = K3_ERR(K3_ERR_ARG, "load selection: a shared dense region with a device backend");
+        goto fail;
+    }
+
     /* pass 1: check and size */
-    uint64_t bytes = 0, stage_bytes = 0, total_read = 0;
+    uint64_t bytes = 0, dense_bytes = 0, stage_bytes = 0, total_read = 0;
     const k3_ckpt_tensor **src = NULL;
     if ((st = k3_calloc((void **)&src, (size_t)n * sizeof *src, "sources")) != K3_OK) goto fail;
     for (int64_t i = 0; i < n; i++) {
@@ -261,16 +313,20 @@ k3_status k3_weights_load(k3_ckpt *ck, const k3_config *c, const k3_load_sel *se
             k3_free(src);
             goto fail;
         }
-        int part;
-        slot(w, &specs[i], &part);
+        const int part = part_of(&specs[i]);
+        const bool dense = share && specs[i].kind != K3_TK_EXPERT;
         uint64_t nb = (uint64_t)k3_tensor_spec_bytes(&specs[i]);
-        if (part >= 2) {
-            stage_bytes += align64(nb);
-            if (part == 2) bytes += align64((uint64_t)c->hidden_size * 4); /* fused F32 */
-        } else {
-            bytes += align64(nb);
-        }
-        total_read += nb;
+        *(dense ? &dense_bytes : &bytes) += placed_bytes(c, &specs[i], part);
+        if (part >= 2) stage_bytes += align64(nb);
+        if (!dense || sel->dense_reader) total_read += nb;
+    }
+    if (share && dense_bytes != sel->dense_bytes) {
+        k3_free(src);
+        st = K3_ERR(K3_ERR_ARG,
+                    "load selection: the shared dense region has %llu bytes, the selection's "
+                    "dense tensors take %llu",
+                    (unsigned long long)sel->dense_bytes, (unsigned long long)dense_bytes);
+        goto fail;
     }
     /* device: the arena is backend memory from the start; tensors point into it, and the reads
        reach it through the staging (device requests) */
@@ -287,9 +343,11 @@ k3_status k3_weights_load(k3_ckpt *ck, const k3_config *c, const k3_load_sel *se
         goto fail;
     }
     w->arena_bytes = bytes;
+    w->dense_bytes = dense_bytes;
 
-    /* pass 2: place, describe, list reads */
-    uint64_t at = 0, sat = 0;
+    /* pass 2: place, describe, list reads (a dense tensor of a region another rank reads: placed
+       and described only) */
+    uint64_t at = 0, dat = 0, sat = 0;
     int64_t nj = 0;
     fuse fz[2 * K3_MAX_LAYERS + 1];
     int nf = 0;
@@ -300,7 +358,11 @@ k3_status k3_weights_load(k3_ckpt *ck, const k3_config *c, const k3_load_sel *se
         k3_tensor *t = slot(w, s, &part);
         uint64_t nb = (uint64_t)k3_tensor_spec_bytes(s);
         void *dst;
+        const bool dense = share && s->kind != K3_TK_EXPERT, read = !dense || sel->dense_reader;
+        uint8_t *const base = dense ? (uint8_t *)sel->dense : w->arena;
+        uint64_t *const pos = dense ? &dat : &at;
         if (s->kind == K3_TK_EXPERT) w->layers[s->layer].experts[s->expert].present = true;
+        if (sel->be) t->mem = sel->be->mem;
         if (part >= 2) {
             dst = stage + sat;
             sat += align64(nb);
@@ -311,16 +373,16 @@ k3_status k3_weights_load(k3_ckpt *ck, const k3_config *c, const k3_load_sel *se
                 t->dtype = K3_DT_F32;
                 t->ndim = 1;
                 t->shape[0] = c->hidden_size;
-                t->data = w->arena + at;
-                at += align64((uint64_t)c->hidden_size * 4);
+                t->data = base + *pos;
+                *pos += align64((uint64_t)c->hidden_size * 4);
             }
             if (part == 2)
                 fz[f].norm = dst;
             else
                 fz[f].proj = dst;
         } else {
-            dst = w->arena + at;
-            at += align64(nb);
+            dst = base + *pos;
+            *pos += align64(nb);
             if (part == 1) {
                 t->scale = dst;
             } else {
@@ -336,8 +398,9 @@ k3_status k3_weights_load(k3_ckpt *ck, const k3_config *c, const k3_load_sel *se
                 }
             }
         }
-        jobs[nj++] = (job){src[i], dst, part < 2 ? t : NULL, part};
+        if (read) jobs[nj++] = (job){src[i], dst, part < 2 ? t : NULL, part};
     }
+    if (share && !sel->dense_reader) nf = 0; /* the reader fuses the shared scores */
     k3_free(src);
     qsort(jobs, (size_t)nj, sizeof *jobs, job_cmp);
     (void)total_read;
@@ -379,11 +442,6 @@ k3_status k3_weights_load(k3_ckpt *ck, const k3_config *c, const k3_load_sel *se
         k3_free(o);
         if (st != K3_OK) goto fail;
     }
-    if (sel->be) { /* mark where every tensor lives */
-        for (int64_t j = 0; j < nj; j++)
-            if (jobs[j].t) jobs[j].t->mem = sel->be->mem;
-        for (int f = 0; f < nf; f++) fz[f].t->mem = sel->be->mem;
-    }
     if (sel->head && c->tie_word_embeddings) w->view.lm_head = w->view.embed;
     k3_free(stage);
     k3_free(jobs);
@@ -402,7 +460,7 @@ const k3_weights_view *k3_weights_get(const k3_weights *w) {
     return w ? &w->view : NULL;
 }
 uint64_t k3_weights_bytes(const k3_weights *w) {
-    return w ? w->arena_bytes : 0;
+    return w ? w->arena_bytes + w->dense_bytes : 0;
 }
 
 void k3_weights_destroy(k3_weights *w) {

@@ -6,6 +6,7 @@
 #include "rank_internal.h"
 
 #include <stdlib.h>
+#include <sys/mman.h>
 #include <unistd.h>
 
 struct k3_engine {
@@ -15,6 +16,7 @@ struct k3_engine {
     double load_s_max;                              /* rank 0: the slowest rank's load */
     uint64_t moe_dispatch_bytes, moe_combine_bytes; /* world sums, at close */
     double busy_final[256];                         /* every rank's forward time, at close */
+    uint64_t rss[256], hwm[256], pss[256];          /* every rank's memory, at close */
 };
 
 static void engine_free(k3_engine *e) {
@@ -27,6 +29,7 @@ static void engine_free(k3_engine *e) {
     if (r->tty && r->tty != stderr) fclose(r->tty);
     k3_comm_destroy(r->comm);
     k3_weights_destroy(r->w);
+    if (r->dense) munmap(r->dense, r->dense_bytes); /* the node's shared copy: after the weights */
     k3_ckpt_destroy(r->ck);
     k3_backend_destroy(r->be); /* after comm: its MoE buffers are the backend's */
     k3_plan_free(&r->plan);
@@ -79,11 +82,15 @@ static k3_status open_world(k3_engine *e, const k3_engine_test *t) {
     /* the bar: on rank 0's terminal; under mpirun stderr is a pipe, but /dev/tty may be ours */
     if (r->rank == 0 && o->progress)
         r->tty = isatty(2) ? stderr : (k3_comm_launched() ? fopen("/dev/tty", "w") : NULL);
+    RTRY(r, rank_share_dense(r)); /* one copy of a stage's dense weights per node */
     /* every rank has loaded when it returns (heartbeat, --load-timeout): the usual limit again */
     RTRY(r, rank_load(r));
     k3_comm_set_doing(r->comm, "idle (between steps)");
-    RTRY(r, k3_comm_allgather_u64(r->comm, r->bytes_read, all));
     RTRY(r, k3_calloc((void **)&load_us, (size_t)r->world * sizeof(uint64_t), "load times"));
+    RTRY(r, k3_comm_allgather_u64(r->comm, r->dense_skipped, load_us)); /* node sharing */
+    uint64_t skipped = 0;
+    for (int i = 0; i < r->world; i++) skipped += load_us[i];
+    RTRY(r, k3_comm_allgather_u64(r->comm, r->bytes_read, all));
     e->load_us_all = load_us;
     RTRY(r, k3_comm_allgather_u64(r->comm, (uint64_t)(r->load_s * 1e6), load_us));
     if (r->rank == 0) {
@@ -91,11 +98,13 @@ static k3_status open_world(k3_engine *e, const k3_engine_test *t) {
         for (int i = 0; i < r->world; i++) sum += all[i], plan_sum += r->plan.mem[i].weights;
         for (int i = 0; i < r->world; i++) e->load_s_max = K3_MAX(e->load_s_max, load_us[i] / 1e6);
         e->bytes_read_total = sum;
-        K3_LOGI("all ranks loaded %.2f MB in %.2f s (%.2f GB/s aggregate); plan %.2f MB", sum / 1e6,
-                e->load_s_max, e->load_s_max > 0 ? sum / 1e9 / e->load_s_max : 0.0, plan_sum / 1e6);
-        if (sum != plan_sum)
-            K3_LOGW("bytes read (%llu) differ from the plan (%llu)", (unsigned long long)sum,
-                    (unsigned long long)plan_sum);
+        K3_LOGI("all ranks loaded %.2f MB in %.2f s (%.2f GB/s aggregate); plan %.2f MB%s",
+                sum / 1e6, e->load_s_max, e->load_s_max > 0 ? sum / 1e9 / e->load_s_max : 0.0,
+                plan_sum / 1e6, skipped ? " (dense weights read once per node and stage)" : "");
+        if (sum != plan_sum - skipped)
+            K3_LOGW("bytes read (%llu) differ from the plan (%llu, less %llu shared within nodes)",
+                    (unsigned long long)sum, (unsigned long long)plan_sum,
+                    (unsigned long long)skipped);
     }
     if (r->worker) RTRY(r, rank_worker_init(r));
     if (r->worker) RTRY(r, rank_opstats_init(r));
@@ -228,7 +237,10 @@ void k3_engine_get_stats(const k3_engine *e, k3_engine_stats *out) {
     }
     out->moe_dispatch_bytes = e->moe_dispatch_bytes;
     out->moe_combine_bytes = e->moe_combine_bytes;
-    for (int i = 0; i < r->world && i < 256; i++) out->busy_s[i] = e->busy_final[i];
+    for (int i = 0; i < r->world && i < 256; i++) {
+        out->busy_s[i] = e->busy_final[i];
+        out->rss_bytes[i] = e->rss[i], out->hwm_bytes[i] = e->hwm[i], out->pss_bytes[i] = e->pss[i];
+    }
 }
 
 bool k3_engine_rank_info(const k3_engine *e, int rank, int *stage, int *lane, uint64_t *bytes_read,
@@ -272,6 +284,13 @@ static k3_status close_world(k3_engine *e, k3_engine_stats *final) {
         for (int i = 0; i < r->world; i++) e->moe_combine_bytes += all[i];
         RTRY(r, k3_comm_allgather_u64(r->comm, (uint64_t)(busy_s * 1e6), all));
         for (int i = 0; i < r->world && i < 256; i++) e->busy_final[i] = all[i] / 1e6;
+        uint64_t mem[3];
+        k3_proc_memory(&mem[0], &mem[1], &mem[2]);
+        uint64_t *dst[3] = {e->rss, e->hwm, e->pss};
+        for (int k = 0; k < 3; k++) {
+            RTRY(r, k3_comm_allgather_u64(r->comm, mem[k], all));
+            for (int i = 0; i < r->world && i < 256; i++) dst[k][i] = all[i];
+        }
         if (r->worker)
             K3_LOGD("forward steps %d, MoE rows sent %llu (dispatch) + %llu (combine)", n_forward,
                     (unsigned long long)cs.dispatch_rows, (unsigned long long)cs.combine_rows);

@@ -73,11 +73,13 @@ typedef struct k3_engine_opts {
     const k3_tokenizer *tok;  /* rank 0, borrowed, may be NULL: text deltas + stop strings */
     bool progress;            /* load progress bar on rank 0's terminal */
     const char *name;         /* prefix of set-up error lines ("k3 batch"); NULL = "k3" */
-    int load_readers; /* reads in flight per rank while loading (k3_load_sel.n_readers; 0 = the
-                         default K3_LOAD_READERS_DEFAULT) */
-    bool load_direct; /* O_DIRECT reads where the file system allows them (k3_load_sel.direct) */
-    bool verify;      /* after loading, check the rank's own tensors for non-finite values and E8M0
-                         0xFF scales (k3_ckpt_scan); a problem ends the job naming tensor, row, file */
+    int load_readers;  /* reads in flight per rank while loading (k3_load_sel.n_readers; 0 = the
+                          default K3_LOAD_READERS_DEFAULT) */
+    bool load_direct;  /* O_DIRECT reads where the file system allows them (k3_load_sel.direct) */
+    bool load_private; /* every rank reads its own copy of its stage's dense weights; default:
+                          host ranks of one stage on one node share one copy (k3_load_sel.dense) */
+    bool verify;       /* after loading, check the rank's own tensors for non-finite values and E8M0
+                          0xFF scales (k3_ckpt_scan); a problem ends the job naming tensor, row, file */
     const char *op_stats; /* NULL, or a JSON file rank 0 writes at close: each worker rank's
                              backend op calls, host syncs and host<->device bytes per forward
                              step, by phase (decode, prefill, idle; rank/opstats.c). Needs a
@@ -207,7 +209,10 @@ struct k3_engine_stats {
     uint64_t moe_dispatch_bytes, moe_combine_bytes;
     int stages[2 * 64]; /* [s*2], [s*2+1]: layers [begin, end) of stage s (s < 64) */
     double busy_s[256]; /* time in forward steps per rank (rank < 256), at close */
-    int op_stats_rc;    /* 0, or 1 when k3_engine_opts.op_stats could not be written (printed) */
+    /* each rank's memory at close (k3_proc_memory: resident, peak, proportional: a node's Pss
+       add up to its memory even where ranks share pages) */
+    uint64_t rss_bytes[256], hwm_bytes[256], pss_bytes[256];
+    int op_stats_rc; /* 0, or 1 when k3_engine_opts.op_stats could not be written (printed) */
 };
 void k3_engine_get_stats(const k3_engine *e, k3_engine_stats *out);
 /* Rank r's (stage, lane) and bytes read, for reports (rank 0; false past the world). */

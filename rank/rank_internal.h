@@ -55,7 +55,13 @@ typedef struct rank_ctx {
     const k3_weights_view *view;
     uint64_t bytes_read;
     double load_s;
-    FILE *tty; /* rank 0: where the load bar goes (stderr, or /dev/tty under mpirun) */
+    /* node sharing (setup.c, rank_share_dense): the stage's dense weights in node memory, read
+       by the lowest rank of the stage on the node; NULL: the rank holds its own */
+    void *dense;
+    uint64_t dense_bytes;
+    bool dense_reader;
+    uint64_t dense_skipped; /* checkpoint bytes of the plan this rank does not read (shared) */
+    FILE *tty;              /* rank 0: where the load bar goes (stderr, or /dev/tty under mpirun) */
     /* the roles, each private to its file */
     struct rank_hooks *hooks; /* always */
     struct rank_worker *wk;   /* worker ranks */
@@ -130,6 +136,9 @@ k3_status rank_poll_step(rank_ctx *r, int peer, k3_msg_kind kind, step_msg *out,
  * (rank 0 printed it), another status for an error every rank agreed on (printed); a fault
  * after that is recorded (rank_fail) and returned too, with r->fault set. */
 k3_status rank_setup(rank_ctx *r);
+/* Collective, before the load: the host ranks of one stage on one node map one shared region for
+ * the stage's dense weights (the lowest of them reads it); a group that cannot is left alone. */
+k3_status rank_share_dense(rank_ctx *r);
 /* The load, with the heartbeat, the bar and --load-timeout. */
 k3_status rank_load(rank_ctx *r);
 k3_status rank_load_drain(rank_ctx *r); /* take stray beats (after the barrier that ends open) */

@@ -3,8 +3,10 @@
 #include "rank_internal.h"
 
 #include <errno.h>
+#include <fcntl.h>
 #include <signal.h>
 #include <stdlib.h>
+#include <sys/mman.h>
 #include <unistd.h>
 
 /* ---- set-up ------------------------------------------------------------------------------- */
@@ -23,6 +25,30 @@ static uint64_t rank_need(const rank_ctx *r, int i) {
  * sequence's caches for its whole context up front, and an OOM kill names nobody. Every rank
  * decides the same for every node (same plan, same gathered readings), so the error is identical
  * on every rank. */
+/* With node sharing (rank_share_dense) the host ranks of one stage on one node hold its dense
+ * weights once: the node's need drops by (ranks of the stage there - 1) x the stage's dense
+ * region. Each rank of a group but the lowest counts that region off. */
+static k3_status shared_off(const rank_ctx *r, int i, uint64_t *off) {
+    *off = 0;
+    const char *be = r->o->backend ? r->o->backend : "cpu";
+    int s = -1;
+    if ((strcmp(be, "cpu") != 0 && strcmp(be, "ref") != 0) || r->o->load_private ||
+        !k3_plan_coords(&r->plan, i, &s, NULL))
+        return K3_OK;
+    for (int j = 0; j < i; j++) { /* a lower rank of the same stage on the node reads it */
+        int sj = -1;
+        if (r->where[j].node == r->where[i].node && k3_plan_coords(&r->plan, j, &sj, NULL) &&
+            sj == s) {
+            k3_load_sel sel = {.layer_begin = r->plan.stage_begin[s],
+                               .layer_end = r->plan.stage_begin[s + 1],
+                               .embed = s == 0,
+                               .head = s == r->plan.n_stages - 1};
+            return k3_weights_dense_bytes(&r->cfg, &sel, off, NULL);
+        }
+    }
+    return K3_OK;
+}
+
 static k3_status check_memory(const rank_ctx *r, const k3_plan_req *req) {
     for (int n = 0; n < r->world; n++) {
         if (r->where[n].node != n) continue; /* n is not the lowest rank of a node */
@@ -32,7 +58,11 @@ static k3_status check_memory(const rank_ctx *r, const k3_plan_req *req) {
         uint64_t usable = avail > margin ? avail - margin : 0;
         int n_ranks = 0;
         for (int i = 0; i < r->world; i++)
-            if (r->where[i].node == n) need += rank_need(r, i), n_ranks++;
+            if (r->where[i].node == n) {
+                uint64_t off = 0;
+                K3_TRY(shared_off(r, i, &off));
+                need += rank_need(r, i) - K3_MIN(off, rank_need(r, i)), n_ranks++;
+            }
         if (need <= usable) continue;
         char list[2048];
         size_t at = 0;
@@ -162,6 +192,89 @@ k3_status rank_setup(rank_ctx *r) {
     if (local == 3 && r->world > 1) K3_LOGE("rank %d failed during set-up (see above)", r->rank);
     if (worst == 1) return K3_ERR(K3_ERR_ARG, "set-up: a usage error (printed by rank 0)");
     if (worst) return K3_ERR(K3_ERR_STATE, "set-up failed (printed above)");
+    return K3_OK;
+}
+
+/* ---- node sharing -----------------------------------------------------------------------------
+ * The host ranks of one stage on one node (its lanes there) need the same dense weights
+ * (attention, norms, shared experts, routers, embedding or head). The lowest of them creates a
+ * POSIX shared-memory object of the stage's dense bytes (k3_weights_dense_bytes) and reads them
+ * into it during its load; the others map it read-only and read only their routed experts. They
+ * use it only after open's last barrier, when every rank has loaded. The name is unlinked as soon
+ * as every rank has mapped it, so nothing is left behind when the job ends. A group whose reader
+ * cannot create the object (no /dev/shm, no room) loads as before, each rank its own copy; a
+ * rank that cannot map it reads its own copy. Device ranks and --load-private do not share. */
+k3_status rank_share_dense(rank_ctx *r) {
+    const char *be = r->o->backend ? r->o->backend : "cpu";
+    const bool host = strcmp(be, "cpu") == 0 || strcmp(be, "ref") == 0;
+    const bool can = host && !r->o->load_private && r->worker;
+    uint64_t *all = NULL;
+    RTRY(r, k3_calloc((void **)&all, (size_t)r->world * sizeof *all, "node sharing"));
+    k3_status st = K3_OK;
+    /* a name unique to the job: rank 0's pid and clock, the same on every rank */
+    const uint64_t mine =
+        r->rank == 0 ? ((uint64_t)getpid() << 32) ^ (uint64_t)(k3_now_s() * 1e6) : 0;
+    if ((st = k3_comm_allgather_u64(r->comm, mine, all)) != K3_OK) goto out;
+    const uint64_t token = all[0];
+    const int node = r->where[r->rank].node;
+    int reader = -1, size = 0;
+    for (int i = 0; can && i < r->world; i++) {
+        int s = -1;
+        if (r->where[i].node != node || !k3_plan_coords(&r->plan, i, &s, NULL) || s != r->stage)
+            continue;
+        if (reader < 0) reader = i;
+        size++;
+    }
+    uint64_t nd = 0, stored = 0;
+    if (can && size > 1) {
+        const int S = r->plan.n_stages;
+        k3_load_sel sel = {.layer_begin = r->plan.stage_begin[r->stage],
+                           .layer_end = r->plan.stage_begin[r->stage + 1],
+                           .embed = r->stage == 0,
+                           .head = r->stage == S - 1};
+        if ((st = k3_weights_dense_bytes(&r->cfg, &sel, &nd, &stored)) != K3_OK) goto out;
+    }
+    const bool share = can && size > 1 && nd > 0;
+    char name[96];
+    snprintf(name, sizeof name, "/k3-%016llx-n%d-s%d", (unsigned long long)token, node, r->stage);
+    void *p = MAP_FAILED;
+    if (share && reader == r->rank) {
+        int fd = shm_open(name, O_CREAT | O_EXCL | O_RDWR, 0600);
+        if (fd >= 0 && ftruncate(fd, (off_t)nd) == 0)
+            p = mmap(NULL, nd, PROT_READ | PROT_WRITE, MAP_SHARED, fd, 0);
+        if (p == MAP_FAILED) {
+            K3_LOGW("load: no shared memory for stage %d's dense weights (%.2f MB, %s: %s); each "
+                    "rank of the stage on this node reads its own copy",
+                    r->stage, nd / 1e6, name, strerror(errno));
+            if (fd >= 0) shm_unlink(name);
+        }
+        if (fd >= 0) close(fd);
+    }
+    /* every reader's verdict, then the others map what their reader made */
+    if ((st = k3_comm_allgather_u64(r->comm, p != MAP_FAILED, all)) != K3_OK) goto out;
+    if (share && reader != r->rank && all[reader]) {
+        int fd = shm_open(name, O_RDONLY, 0);
+        if (fd >= 0) p = mmap(NULL, nd, PROT_READ, MAP_SHARED, fd, 0);
+        if (p == MAP_FAILED)
+            K3_LOGW("load: cannot map %s (%s); reading my own copy of stage %d's dense weights",
+                    name, strerror(errno), r->stage);
+        if (fd >= 0) close(fd);
+    }
+    if ((st = k3_comm_barrier(r->comm)) != K3_OK) goto out;
+    if (share && reader == r->rank && p != MAP_FAILED) shm_unlink(name); /* every rank mapped it */
+    if (p != MAP_FAILED) {
+        r->dense = p;
+        r->dense_bytes = nd;
+        r->dense_reader = reader == r->rank;
+        r->dense_skipped = r->dense_reader ? 0 : stored;
+        K3_LOGI("load: stage %d's dense weights (%.2f MB) once for the %d ranks of the stage on %s "
+                "(%s)",
+                r->stage, nd / 1e6, size, r->where[r->rank].host,
+                r->dense_reader ? "I read them" : "shared, read by another rank");
+    }
+out:
+    k3_free(all);
+    RTRY(r, st);
     return K3_OK;
 }
 
@@ -463,7 +576,10 @@ static k3_status load_weights(rank_load_t *L) {
                        .progress = on_progress,
                        .on_read = r->o->verify ? on_read : NULL,
                        .n_readers = r->o->load_readers,
-                       .direct = r->o->load_direct};
+                       .direct = r->o->load_direct,
+                       .dense = r->dense,
+                       .dense_bytes = r->dense_bytes,
+                       .dense_reader = r->dense_reader};
     RTRY(r, k3_weights_load(r->ck, &r->cfg, &sel, &r->w));
     if (r->o->verify) RTRY(r, verify_own(L));
     r->view = k3_weights_get(r->w);

@@ -252,6 +252,51 @@ int main(void) {
                  "%s load: expert scales differ", mode ? "direct" : "parallel");
         k3_weights_destroy(w3);
     }
+    if (w) { /* node sharing: a reader fills the dense region, a follower only points into it */
+        k3_load_sel rd = all, fo = all;
+        rd.progress = fo.progress = NULL;
+        uint64_t nd = 0;
+        K3_CHECK_OK(k3_weights_dense_bytes(&cfg, &all, &nd, NULL));
+        void *region = NULL;
+        K3_CHECK_OK(k3_alloc(&region, nd ? nd : 64, "dense region"));
+        rd.dense = fo.dense = region;
+        rd.dense_bytes = fo.dense_bytes = nd;
+        rd.dense_reader = true;
+        k3_weights *wr = NULL, *wf = NULL;
+        uint64_t r1 = k3_ckpt_bytes_read(ck);
+        K3_CHECK_OK(k3_weights_load(ck, &cfg, &rd, &wr));
+        const uint64_t read_r = k3_ckpt_bytes_read(ck) - r1;
+        K3_CHECK_OK(k3_weights_load(ck, &cfg, &fo, &wf));
+        const uint64_t read_f = k3_ckpt_bytes_read(ck) - r1 - read_r;
+        /* the follower read the routed experts only */
+        uint64_t experts = 0;
+        for (int64_t i = 0; i < k3_ckpt_n_tensors(ck); i++) {
+            const k3_ckpt_tensor *t = k3_ckpt_tensor_at(ck, i);
+            if (strstr(t->name, ".block_sparse_moe.experts.")) experts += t->n_bytes;
+        }
+        K3_CHECK(read_r == full_read && read_f == experts && experts > 0 && nd > 0 &&
+                     nd < k3_weights_bytes(wr),
+                 "sharing: the reader read %llu (all: %llu), the follower %llu (experts: %llu), "
+                 "dense region %llu",
+                 (unsigned long long)read_r, (unsigned long long)full_read,
+                 (unsigned long long)read_f, (unsigned long long)experts, (unsigned long long)nd);
+        if (wr && wf) {
+            const k3_weights_view *va = k3_weights_get(w), *vf = k3_weights_get(wf);
+            const k3_tensor *ta[] = {&va->embed, &va->layers[2].mlp_res_score,
+                                     &va->layers[3].kv_b_proj, &va->layers[1].experts[5].w2};
+            const k3_tensor *tf[] = {&vf->embed, &vf->layers[2].mlp_res_score,
+                                     &vf->layers[3].kv_b_proj, &vf->layers[1].experts[5].w2};
+            for (size_t i = 0; i < K3_ARRAY_LEN(ta); i++)
+                K3_CHECK(memcmp(ta[i]->data, tf[i]->data, tensor_bytes(ta[i])) == 0,
+                         "sharing: the follower's tensor %zu differs from a plain load", i);
+            K3_CHECK((uint8_t *)vf->embed.data >= (uint8_t *)region &&
+                         (uint8_t *)vf->embed.data < (uint8_t *)region + nd,
+                     "sharing: the follower's embedding is not in the shared region");
+        }
+        k3_weights_destroy(wr);
+        k3_weights_destroy(wf);
+        k3_free(region);
+    }
     { /* a callback's error stops the load and comes back as its status */
         k3_load_sel stop = all;
         int calls = 0;

@@ -11,9 +11,11 @@ usage: dist_run.py MODE MPIEXEC  (MODE: splits | bytes | fail | load)   (K3_BIN 
            and (E > 1) fewer MoE combine bytes than --deterministic with the same dispatch bytes;
            (1,1) and (2,2) also run on the guard backend, bit-identical.
   bytes  : per-rank bytes read (from --json) equal the bytes computed HERE from the safetensors
-           headers for the tensors that rank must own (its stage's layers, its lane's contiguous
-           experts, embedding on stage 0, head on the last stage) — so no rank read another rank's
-           experts — and their sum equals the plan's sum.
+           headers for the tensors that rank must read (its lane's contiguous experts; the dense
+           tensors of its stage — its layers, embedding on stage 0, head on the last stage — only
+           on the lowest rank of the stage, which reads them for the node, or on every rank with
+           --load-private) — so no rank read another rank's experts — and their sum is every
+           tensor once (one node), or the plan's sum with --load-private.
   fail   : K3_TEST_FAIL=load:K and decode:K:N on rank K of 4 (and a dedicated coordinator):
            every rank exits non-zero within 30 s, the output names rank K, no process is left;
            hang:K:N (rank K stops answering): the waiting ranks time out and end
@@ -193,29 +195,41 @@ def mode_bytes(mpiexec, tmp):
             for name, meta in st_header(os.path.join(model, f)).items():
                 if name != "__metadata__":
                     sizes[name] = meta["data_offsets"][1] - meta["data_offsets"][0]
-    for S, E, coord in [(2, 2, "shared"), (1, 4, "shared"), (2, 1, "dedicated")]:
+    # node sharing (the default): the lowest rank of each stage reads the stage's dense tensors into
+    # node memory, its other lanes read only their experts; --load-private: every rank reads all
+    # of its tensors, as the plan counts them
+    for S, E, coord, private in [(2, 2, "shared", False), (1, 4, "shared", False),
+                                 (2, 1, "dedicated", False), (2, 2, "shared", True)]:
         world = S * E + (coord == "dedicated")
         p, _ = mpirun(mpiexec, world, ["--model", model, "--prompt-ids", ids_arg(PROMPTS), "--n", "4", "--pp", str(S),
-                                       "--ep", str(E), "--coordinator", coord, "--json"])
-        tag = f"bytes S={S} E={E} {coord}"
+                                       "--ep", str(E), "--coordinator", coord, "--json"]
+                      + (["--load-private"] if private else []))
+        tag = f"bytes S={S} E={E} {coord}" + (" --load-private" if private else "")
         if p.returncode != 0:
             check(False, f"{tag}: rc {p.returncode}\n{p.stderr[-2000:]}")
             continue
         d = json.loads(p.stdout.strip().splitlines()[-1])["dist"]
         stages = d["stages"]
         total_read = 0
+        first_of_stage = {}
+        for rk in d["ranks"]:
+            if rk["stage"] >= 0:
+                first_of_stage.setdefault(rk["stage"], rk["rank"])
         for rk in d["ranks"]:
             s, e = rk["stage"], rk["lane"]
+            reader = private or (s >= 0 and first_of_stage[s] == rk["rank"])
             want = 0
             if s >= 0:
                 lb, le = stages[s]
                 for name, nb in sizes.items():
+                    x = re.search(r"\.experts\.(\d+)\.", name)
+                    if not x and not reader:
+                        continue  # a dense tensor another lane of the stage reads for the node
                     m = re.search(r"\.layers\.(\d+)\.", name)
                     if m:
                         l = int(m.group(1))
                         if not (lb <= l < le):
                             continue
-                        x = re.search(r"\.experts\.(\d+)\.", name)
                         if x and int(x.group(1)) // (n_exp // E) != e:
                             continue  # another lane's expert
                         want += nb
@@ -225,11 +239,16 @@ def mode_bytes(mpiexec, tmp):
                         want += nb if s == S - 1 else 0
             check(rk["bytes_read"] == want, f"{tag}: rank {rk['rank']} read {rk['bytes_read']} bytes, "
                                             f"its tensors are {want}")
-            check(rk["bytes_read"] == rk["plan_weight_bytes"], f"{tag}: rank {rk['rank']} read "
-                                                               f"{rk['bytes_read']}, plan {rk['plan_weight_bytes']}")
+            if reader:
+                check(rk["bytes_read"] == rk["plan_weight_bytes"], f"{tag}: rank {rk['rank']} read "
+                                                                   f"{rk['bytes_read']}, plan {rk['plan_weight_bytes']}")
             total_read += rk["bytes_read"]
         plan_sum = sum(r["plan_weight_bytes"] for r in d["ranks"])
-        check(total_read == plan_sum, f"{tag}: sum read {total_read} vs plan {plan_sum}")
+        if private or E == 1:
+            check(total_read == plan_sum, f"{tag}: sum read {total_read} vs plan {plan_sum}")
+        else:  # one node: every tensor of the checkpoint read exactly once
+            check(total_read == sum(sizes.values()), f"{tag}: sum read {total_read} vs the "
+                                                     f"checkpoint's {sum(sizes.values())}")
         print(f"ok {tag}", flush=True)
 
 

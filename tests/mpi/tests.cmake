@@ -55,3 +55,7 @@ set_tests_properties(run_prompts PROPERTIES LABELS "unit;sanitize" ENVIRONMENT "
 # no other rank blamed. ~2 min on 2 cores; not in the sanitize tier (timing-bound).
 add_test(NAME chaos COMMAND ${K3_PYTHON3} ${CMAKE_CURRENT_LIST_DIR}/chaos.py ${MPIEXEC_EXECUTABLE})
 set_tests_properties(chaos PROPERTIES LABELS "mpi" TIMEOUT 600 ENVIRONMENT "${K3_TEST_ENV_MPI}")
+# one read per node of a stage's dense weights: bytes read and node memory (Pss) of 1 x 4 on the
+# small preset, shared vs --load-private (tests/mpi/load_share.py)
+add_test(NAME load_share COMMAND ${K3_PYTHON3} ${CMAKE_CURRENT_LIST_DIR}/load_share.py ${MPIEXEC_EXECUTABLE})
+set_tests_properties(load_share PROPERTIES LABELS "mpi" TIMEOUT 600 ENVIRONMENT "${K3_TEST_ENV_MPI}")
