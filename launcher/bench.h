@@ -1,7 +1,8 @@
 /* bench.h — `k3 bench` internals (launcher-only): the report every bench mode fills (ordered
  * result rows of named values + one row of metadata), its three outputs (a markdown table on
  * stdout, JSON with vLLM's / llama-bench's field names, CSV), summary statistics, comma lists,
- * the prompt generator, and the online mode's entry point (bench_serve.c).
+ * the prompt generator, and the entry points of the modes in their own files (bench_serve.c,
+ * bench_load.c).
  *
  * Owns: field names and formats of the outputs (bench_report.c). Callers must not print results
  * themselves (stdout carries only the table; logs go to stderr).
@@ -18,17 +19,22 @@ extern const char k3_build_commit[];
 extern const char k3_build_version[];
 
 /* ---- the report --------------------------------------------------------------------------- */
-typedef enum { BENCH_NUM = 1, BENCH_STR, BENCH_ARR, BENCH_NULL } bench_kind;
+typedef enum { BENCH_NUM = 1, BENCH_STR, BENCH_ARR, BENCH_NULL, BENCH_ROWS } bench_kind;
+struct bench_row;
 
 typedef struct bench_field {
     const char *key;   /* JSON / CSV name (a string literal); NULL: a table-only cell */
     const char *label; /* markdown column (or row) header; NULL: not in the table */
     bench_kind kind;
-    int prec;      /* BENCH_NUM: decimals in the table (-1: an integer) */
-    double num;    /* BENCH_NUM */
-    char *str;     /* BENCH_STR: owned */
-    double *arr;   /* BENCH_ARR: (n_arr) owned; JSON only */
-    int64_t n_arr; /* BENCH_ARR */
+    int prec;               /* BENCH_NUM: decimals in the table (-1: an integer) */
+    double num;             /* BENCH_NUM */
+    char *str;              /* BENCH_STR: owned */
+    double *arr;            /* BENCH_ARR: (n_arr) owned; JSON only */
+    int64_t n_arr;          /* BENCH_ARR */
+    struct bench_row *rows; /* BENCH_ROWS: (n_rows) owned; JSON (an array of objects, or one
+                               object), and a table of their own below the main one */
+    int n_rows;
+    bool object; /* BENCH_ROWS: JSON as one object (n_rows == 1), not an array */
 } bench_field;
 
 #define BENCH_MAX_FIELDS 64
@@ -38,10 +44,11 @@ typedef struct bench_row {
 } bench_row;
 
 typedef struct bench_report {
-    const char *mode; /* "throughput", "serve", "pp-tg", "kernels", "forward" */
-    bool vertical;    /* markdown as | metric | value | (one row of many fields) */
-    bench_row meta;   /* hardware, versions, commit, plan, load time */
-    bench_row *rows;  /* (n_rows) one per sweep point / test */
+    const char *mode;     /* "throughput", "serve", "pp-tg", "kernels", "forward", "load" */
+    const char *rows_key; /* the JSON key of the rows; NULL = "results" */
+    bool vertical;        /* markdown as | metric | value | (one row of many fields) */
+    bench_row meta;       /* hardware, versions, commit, plan, load time */
+    bench_row *rows;      /* (n_rows) one per sweep point / test */
     int n_rows, cap_rows;
 } bench_report;
 
@@ -50,6 +57,11 @@ k3_status bench_put_num(bench_row *r, const char *key, const char *label, int pr
 k3_status bench_put_str(bench_row *r, const char *key, const char *label, const char *s);
 k3_status bench_put_arr(bench_row *r, const char *key, const double *v, int64_t n);
 k3_status bench_put_null(bench_row *r, const char *key, const char *label);
+/* Nested rows (e.g. one per rank of a load): *rows (n of them, from k3_calloc) is taken over
+ * and *rows set to NULL, also on failure (then freed). object: JSON as one object (n == 1).
+ * With a label, the markdown shows them as a table of their own after the main table. */
+k3_status bench_put_rows(bench_row *r, const char *key, const char *label, bench_row **rows, int n,
+                         bool object);
 /* A new empty row at the end of the report (valid until the next bench_add_row). */
 k3_status bench_add_row(bench_report *rep, bench_row **out);
 void bench_row_free(bench_row *r);
@@ -82,6 +94,8 @@ k3_status bench_put_ms_stats(bench_row *r, const char *name, double *v_s, int64_
  * K3_ERR_ARG naming the flag otherwise. */
 k3_status bench_parse_list(const char *flag, const char *s, int64_t lo, int64_t hi, int64_t *out,
                            int cap, int *n);
+/* The name a report gives the model: the last component of its directory ("a/tiny/" -> "tiny"). */
+void bench_model_name(const char *dir, char *out, size_t n);
 /* n random prompt ids in [0, n_vocab) from a seeded stream (never all equal for n > 1). */
 void bench_random_ids(k3_rng *rng, int64_t n_vocab, int32_t *ids, int64_t n);
 
@@ -135,5 +149,9 @@ k3_status bench_kernels_run(const bench_kernels_opts *o, bench_report *rep);
 /* ---- modes ----------------------------------------------------------------------------------- */
 /* `k3 bench serve` (bench_serve.c): rank-free, no MPI. Returns the exit code. */
 int bench_serve(const k3_args *a);
+/* `k3 bench load` (bench_load.c): every rank of the job (or one process) takes part. usage: NULL,
+ * or the usage error the caller found in the flags (every rank finds the same; rank 0 prints it,
+ * exit 2). Returns the exit code. */
+int bench_load(const k3_args *a, const char *usage);
 
 #endif /* K3_BENCH_H */

@@ -1,6 +1,8 @@
 /* bench_report.c — the report of `k3 bench` (bench.h): rows of named values, the metadata of the
  * machine and the build, summary statistics, and the three outputs (markdown on stdout, JSON,
  * CSV).
+ * Nested rows (BENCH_ROWS, e.g. the ranks of one load) go to JSON as objects and to the markdown
+ * as tables of their own below the main table; CSV leaves them out, like arrays.
  *
  * Owns: how a value prints in each output. Numbers go to JSON as numbers (cJSON), to CSV with
  * %.17g (round-trips), to the table with the field's own decimals. Strings are escaped for CSV
@@ -60,6 +62,21 @@ k3_status bench_put_null(bench_row *r, const char *key, const char *label) {
     return next_field(r, key, label, BENCH_NULL, &f);
 }
 
+k3_status bench_put_rows(bench_row *r, const char *key, const char *label, bench_row **rows, int n,
+                         bool object) {
+    bench_field *f = NULL;
+    k3_status st = object && n != 1
+                       ? K3_ERR(K3_ERR_INTERNAL, "bench: '%s' as an object needs one row", key)
+                       : next_field(r, key, label, BENCH_ROWS, &f);
+    if (st != K3_OK) {
+        for (int i = 0; *rows && i < n; i++) bench_row_free(&(*rows)[i]);
+        k3_free(*rows);
+    } else
+        f->rows = *rows, f->n_rows = n, f->object = object;
+    *rows = NULL;
+    return st;
+}
+
 k3_status bench_add_row(bench_report *rep, bench_row **out) {
     if (rep->n_rows == rep->cap_rows) {
         int cap = rep->cap_rows ? 2 * rep->cap_rows : 8;
@@ -75,7 +92,10 @@ k3_status bench_add_row(bench_report *rep, bench_row **out) {
 }
 
 void bench_row_free(bench_row *r) {
-    for (int i = 0; i < r->n; i++) k3_free(r->f[i].str), k3_free(r->f[i].arr);
+    for (int i = 0; i < r->n; i++) {
+        for (int k = 0; k < r->f[i].n_rows; k++) bench_row_free(&r->f[i].rows[k]);
+        k3_free(r->f[i].str), k3_free(r->f[i].arr), k3_free(r->f[i].rows);
+    }
     r->n = 0;
 }
 
@@ -218,6 +238,14 @@ k3_status bench_parse_list(const char *flag, const char *s, int64_t lo, int64_t 
     }
 }
 
+void bench_model_name(const char *dir, char *out, size_t n) {
+    size_t e = strlen(dir);
+    while (e > 1 && dir[e - 1] == '/') e--;
+    size_t b = e;
+    while (b > 0 && dir[b - 1] != '/') b--;
+    snprintf(out, n, "%.*s", (int)(e - b), dir + b);
+}
+
 void bench_random_ids(k3_rng *rng, int64_t n_vocab, int32_t *ids, int64_t n) {
     for (int64_t i = 0; i < n; i++) ids[i] = (int32_t)(k3_rng_u64(rng) % (uint64_t)n_vocab);
     /* never a constant prompt: a degenerate input would hide a broken generator */
@@ -243,11 +271,47 @@ static void md_cell(FILE *f, const bench_field *x, const char *end) {
     fputs(end, f);
 }
 
+/* Rows as a markdown table, the columns of the first row's labelled cells. */
+static void md_table(FILE *f, const bench_row *rows, int n) {
+    const bench_row *h = &rows[0];
+    fputc('|', f);
+    for (int i = 0; i < h->n; i++)
+        if (h->f[i].label && h->f[i].kind != BENCH_ROWS) fprintf(f, " %s |", h->f[i].label);
+    fputs("\n|", f);
+    for (int i = 0; i < h->n; i++)
+        if (h->f[i].label && h->f[i].kind != BENCH_ROWS)
+            fputs(h->f[i].kind == BENCH_STR ? "---|" : "---:|", f);
+    fputc('\n', f);
+    for (int r = 0; r < n; r++) {
+        fputc('|', f);
+        for (int i = 0; i < rows[r].n; i++)
+            if (rows[r].f[i].label && rows[r].f[i].kind != BENCH_ROWS)
+                md_cell(f, &rows[r].f[i], " |");
+        fputc('\n', f);
+    }
+}
+
+/* The labelled nested rows of each row, a table each, headed by the label and the row's first
+ * string cell ("### ranks: serial warm"). */
+static void md_nested(FILE *f, const bench_row *rows, int n) {
+    for (int r = 0; r < n; r++) {
+        const char *name = NULL;
+        for (int i = 0; !name && i < rows[r].n; i++)
+            if (rows[r].f[i].kind == BENCH_STR) name = rows[r].f[i].str;
+        for (int i = 0; i < rows[r].n; i++) {
+            const bench_field *x = &rows[r].f[i];
+            if (x->kind != BENCH_ROWS || !x->label || x->n_rows == 0) continue;
+            fprintf(f, "\n### %s%s%s\n\n", x->label, name ? ": " : "", name ? name : "");
+            md_table(f, x->rows, x->n_rows);
+        }
+    }
+}
+
 static void write_md(const bench_report *rep, FILE *f) {
     const bench_row *m = &rep->meta;
     fprintf(f, "## k3 bench %s\n\n", rep->mode);
     for (int i = 0; i < m->n; i++) {
-        if (!m->f[i].label) continue;
+        if (!m->f[i].label || m->f[i].kind == BENCH_ROWS) continue;
         fprintf(f, "- %s:", m->f[i].label);
         md_cell(f, &m->f[i], "");
         fputc('\n', f);
@@ -260,42 +324,46 @@ static void write_md(const bench_report *rep, FILE *f) {
             for (int i = 0; i < rep->rows[r].n; i++) {
                 const bench_field *x = &rep->rows[r].f[i];
                 if (!x->label) continue;
+                if (x->kind == BENCH_ROWS) continue;
                 fprintf(f, "| %s |", x->label);
                 md_cell(f, x, " |");
                 fputc('\n', f);
             }
         return;
     }
-    const bench_row *h = &rep->rows[0];
-    fputc('|', f);
-    for (int i = 0; i < h->n; i++)
-        if (h->f[i].label) fprintf(f, " %s |", h->f[i].label);
-    fputs("\n|", f);
-    for (int i = 0; i < h->n; i++)
-        if (h->f[i].label) fputs(h->f[i].kind == BENCH_STR ? "---|" : "---:|", f);
-    fputc('\n', f);
-    for (int r = 0; r < rep->n_rows; r++) {
-        fputc('|', f);
-        for (int i = 0; i < rep->rows[r].n; i++)
-            if (rep->rows[r].f[i].label) md_cell(f, &rep->rows[r].f[i], " |");
-        fputc('\n', f);
-    }
+    md_table(f, rep->rows, rep->n_rows);
+    md_nested(f, rep->rows, rep->n_rows);
+}
+
+static bool json_add(cJSON *o, const bench_row *r);
+
+/* A field's JSON value, NULL when out of memory (nothing left allocated). */
+static cJSON *json_value(const bench_field *x) {
+    if (x->kind == BENCH_NUM) return cJSON_CreateNumber(x->num);
+    if (x->kind == BENCH_STR) return cJSON_CreateString(x->str);
+    if (x->kind == BENCH_NULL) return cJSON_CreateNull();
+    bool ok = true;
+    cJSON *v = x->kind == BENCH_ROWS && x->object ? cJSON_CreateObject() : cJSON_CreateArray();
+    if (!v) return NULL;
+    if (x->kind == BENCH_ROWS && x->object)
+        ok = json_add(v, &x->rows[0]);
+    else if (x->kind == BENCH_ROWS)
+        for (int k = 0; ok && k < x->n_rows; k++) {
+            cJSON *row = cJSON_CreateObject();
+            ok = row && cJSON_AddItemToArray(v, row) && json_add(row, &x->rows[k]);
+        }
+    else
+        for (int64_t k = 0; ok && k < x->n_arr; k++)
+            ok = cJSON_AddItemToArray(v, cJSON_CreateNumber(x->arr[k]));
+    if (!ok) cJSON_Delete(v);
+    return ok ? v : NULL;
 }
 
 static bool json_add(cJSON *o, const bench_row *r) {
     for (int i = 0; i < r->n; i++) {
         const bench_field *x = &r->f[i];
         if (!x->key) continue; /* a table-only cell */
-        cJSON *v = NULL;
-        if (x->kind == BENCH_NUM)
-            v = cJSON_CreateNumber(x->num);
-        else if (x->kind == BENCH_STR)
-            v = cJSON_CreateString(x->str);
-        else if (x->kind == BENCH_NULL)
-            v = cJSON_CreateNull();
-        else if ((v = cJSON_CreateArray()) != NULL)
-            for (int64_t k = 0; k < x->n_arr; k++)
-                if (!cJSON_AddItemToArray(v, cJSON_CreateNumber(x->arr[k]))) return false;
+        cJSON *v = json_value(x);
         if (!v || !cJSON_AddItemToObject(o, x->key, v)) return false;
     }
     return true;
@@ -305,7 +373,7 @@ static k3_status write_json(const bench_report *rep, const char *path) {
     cJSON *o = cJSON_CreateObject(), *res = NULL;
     bool ok = o && cJSON_AddStringToObject(o, "k3_bench", rep->mode) && json_add(o, &rep->meta);
     if (ok && rep->n_rows == 1) ok = json_add(o, &rep->rows[0]);
-    ok = ok && (res = cJSON_AddArrayToObject(o, "results")) != NULL;
+    ok = ok && (res = cJSON_AddArrayToObject(o, rep->rows_key ? rep->rows_key : "results")) != NULL;
     for (int r = 0; ok && r < rep->n_rows; r++) {
         cJSON *row = cJSON_CreateObject();
         ok = row && cJSON_AddItemToArray(res, row) && json_add(row, &rep->rows[r]);
@@ -340,7 +408,7 @@ static void csv_line(FILE *f, const bench_row *m, const bench_row *r, bool heade
     for (int p = 0; p < 2; p++)
         for (int i = 0; i < parts[p]->n; i++) {
             const bench_field *x = &parts[p]->f[i];
-            if (x->kind == BENCH_ARR || !x->key) continue;
+            if (x->kind == BENCH_ARR || x->kind == BENCH_ROWS || !x->key) continue;
             if (!first) fputc(',', f);
             first = false;
             if (header)

@@ -97,6 +97,9 @@ void k3_print_command_help(const k3_command *cmd, void *file) {
                  fl->metavar ? fl->metavar : "");
         fprintf(f, "  %-26s %s", left, fl->help);
         if (fl->def && fl->kind != K3_FLAG_BOOL) fprintf(f, " (default %s)", fl->def);
+        char note[128] = "";
+        if (cmd->flag_note) cmd->flag_note(i, note, sizeof note);
+        if (note[0]) fprintf(f, " [%s]", note);
         fprintf(f, "\n");
     }
     fprintf(f, "  %-26s %s\n", "--help", "show this help");

@@ -7,8 +7,11 @@
  *   k3 bench serve --base-url URL ...  online against an OpenAI-compatible server (bench_serve.c)
  *   k3 bench kernels [--threads N ...] each kernel's GB/s and GFLOP/s against this machine's
  *                                      measured triad bandwidth and fp32 FMA peak (bench_kernels.c)
- * The engine modes run on any S x E under mpirun (every rank opens the engine; rank 0 drives it,
- * writes the outputs); serve and kernels are one process with no MPI.
+ *   k3 bench load --model DIR ...      the checkpoint load: per rank and node bytes, seconds,
+ *                                      GB/s, peak RSS; serial vs parallel loader, warm vs cold,
+ *                                      against the raw read rate of the shards (bench_load.c)
+ * The engine modes and load run on any S x E under mpirun (every rank opens the engine; rank 0
+ * drives it, writes the outputs); serve and kernels are one process with no MPI.
  *
  * Owns: the flag table (one table for all modes: each flag names the modes it applies to, and a
  * flag given to a mode it does not apply to is a usage error), the workloads and their timing.
@@ -29,12 +32,12 @@
 #include "k3_model.h"
 
 /* The modes a flag applies to. */
-enum { M_PT = 1, M_TP = 2, M_SV = 4, M_KN = 8, M_ENG = M_PT | M_TP, M_ALL = 15 };
+enum { M_PT = 1, M_TP = 2, M_SV = 4, M_KN = 8, M_LD = 16, M_ENG = M_PT | M_TP, M_ALL = 31 };
 
 /* X(name, kind, metavar, default, modes, help) */
 #define BENCH_FLAGS(X)                                                                             \
-    X("model", K3_FLAG_STR, "DIR", NULL, M_ENG | M_SV,                                             \
-      "checkpoint directory (pp/tg, throughput); serve: the model name in request bodies "         \
+    X("model", K3_FLAG_STR, "DIR", NULL, M_ENG | M_SV | M_LD,                                      \
+      "checkpoint directory (pp/tg, throughput, load); serve: the model name in request bodies "   \
       "(default: the server's first /v1/models entry)")                                            \
     X("n-prompt", K3_FLAG_STR, "N[,N]", "512", M_PT,                                               \
       "pp/tg: prompt tokens of each pp test (llama-bench's -p; 0 = none)")                         \
@@ -62,14 +65,14 @@ enum { M_PT = 1, M_TP = 2, M_SV = 4, M_KN = 8, M_ENG = M_PT | M_TP, M_ALL = 15 }
       "serve: a checkpoint directory whose vocab_size bounds the random prompt ids (default: "     \
       "ids below 1000)")                                                                           \
     X("request-timeout", K3_FLAG_FLOAT, "SEC", "600", M_SV, "serve: limit of one request")         \
-    X("num-warmups", K3_FLAG_INT, "N", "1", M_ALL,                                                 \
+    X("num-warmups", K3_FLAG_INT, "N", "1", M_ALL & ~M_LD,                                         \
       "warm-up requests before each timed run (not counted); kernels: untimed calls of each op")   \
     X("prefill", K3_FLAG_INT, "T", "64", M_KN,                                                     \
       "kernels: tokens of the compute-bound (prefill) matmuls")                                    \
     X("size-mb", K3_FLAG_INT, "MB", "0", M_KN,                                                     \
       "kernels: MB of each weight matrix, triad array and elementwise array (0 = 2 x the L3 "      \
       "cache, so T = 1 matmuls stream from DRAM)")                                                 \
-    X("seed", K3_FLAG_INT, "S", "0", M_ALL,                                                        \
+    X("seed", K3_FLAG_INT, "S", "0", M_ALL & ~M_LD,                                                \
       "seed of the random prompts and arrivals (sampling is greedy)")                              \
     X("output-json", K3_FLAG_STR, "FILE", NULL, M_ALL,                                             \
       "results as JSON (vLLM's / llama-bench's field names) with hardware, versions, commit, "     \
@@ -84,13 +87,13 @@ enum { M_PT = 1, M_TP = 2, M_SV = 4, M_KN = 8, M_ENG = M_PT | M_TP, M_ALL = 15 }
 #define FLAG_MODES(n, k, mv, d, m, h) m,
 static const k3_flag flags[] = {BENCH_FLAGS(FLAG_ENTRY) K3_ENGINE_FLAGS};
 static const int own_modes[] = {BENCH_FLAGS(FLAG_MODES)};
-/* the engine flags follow the bench's own; they apply to the engine modes (--threads and
- * --backend to kernels too) */
+/* the engine flags follow the bench's own; they apply to the engine modes and load (the engine
+ * opens with them; --threads and --backend to kernels too) */
 static int flag_modes(int i) {
     if (i < (int)K3_ARRAY_LEN(own_modes)) return own_modes[i];
     return strcmp(flags[i].name, "threads") == 0 || strcmp(flags[i].name, "backend") == 0
-               ? M_ENG | M_KN
-               : M_ENG;
+               ? M_ENG | M_LD | M_KN
+               : M_ENG | M_LD;
 }
 
 static const k3_flag_alias aliases[] = {{'p', "n-prompt"}, {'n', "n-gen"}, {'r', "repetitions"}};
@@ -114,7 +117,24 @@ static const char *mode_name(int mode) {
     return mode == M_PT   ? "pp/tg"
            : mode == M_TP ? "throughput"
            : mode == M_KN ? "kernels"
+           : mode == M_LD ? "load"
                           : "serve";
+}
+
+/* --help: the modes each flag applies to, from the same masks check_modes refuses by. */
+static void flag_note(int i, char *buf, size_t n) {
+    const int m = flag_modes(i);
+    size_t off = 0;
+    buf[0] = 0;
+    if (m == M_ALL) {
+        snprintf(buf, n, "all modes");
+        return;
+    }
+    for (int b = M_PT; b <= M_LD && off < n; b <<= 1)
+        if (m & b) {
+            int w = snprintf(buf + off, n - off, "%s%s", off ? ", " : "", mode_name(b));
+            if (w > 0) off += (size_t)w;
+        }
 }
 
 static k3_status check_modes(const k3_args *a, int mode) {
@@ -176,11 +196,7 @@ static k3_status plan_of(const k3_args *a, int mode, int64_t max_ctx, bench_plan
     K3_TRY(k3_config_load(model, &cfg));
     K3_TRY(k3_config_count(&cfg, &p->counts));
     p->n_vocab = cfg.vocab_size;
-    size_t n = strlen(model);
-    while (n > 1 && model[n - 1] == '/') n--;
-    size_t s = n;
-    while (s > 0 && model[s - 1] != '/') s--;
-    snprintf(p->model_name, sizeof p->model_name, "%.*s", (int)(n - s), model + s);
+    bench_model_name(model, p->model_name, sizeof p->model_name);
     return K3_OK;
 }
 
@@ -471,22 +487,31 @@ static int run_bench(const k3_args *a) {
         return bench_serve(a);
     }
     if (strcmp(m, "kernels") == 0) return run_kernels(a);
+    if (strcmp(m, "load") == 0) { /* under mpirun: rank 0 prints the usage error (bench_load) */
+        char why[512] = "";
+        if (check_modes(a, M_LD) != K3_OK) snprintf(why, sizeof why, "%s", k3_last_error());
+        return bench_load(a, why[0] ? why : NULL);
+    }
     fprintf(stderr,
-            "k3 bench: '%s' is not a mode (throughput, serve, kernels, or none for pp/tg)\n", m);
+            "k3 bench: '%s' is not a mode (throughput, serve, kernels, load, or none for pp/tg)\n",
+            m);
     return 2;
 }
 
 const k3_command k3_cmd_bench = {
     .name = "bench",
-    .positional = "[throughput|serve|kernels]",
+    .positional = "[throughput|serve|kernels|load]",
     .min_pos = 0,
     .max_pos = 1,
     .summary = "throughput evaluation: pp/tg table (llama-bench), `throughput` offline through "
                "the engine, `serve` online against a server (vLLM's field names), `kernels` each "
-               "kernel vs this machine's measured triad bandwidth and FMA peak",
+               "kernel vs this machine's measured triad bandwidth and FMA peak, `load` the "
+               "checkpoint load (serial vs parallel loader, warm vs cold) vs the raw read rate; "
+               "[...] after a flag: the modes it applies to",
     .flags = flags,
     .n_flags = (int)K3_ARRAY_LEN(flags),
     .run = run_bench,
     .aliases = aliases,
     .n_aliases = (int)K3_ARRAY_LEN(aliases),
+    .flag_note = flag_note,
 };

@@ -45,6 +45,9 @@ typedef struct k3_command {
     int (*run)(const k3_args *a); /* returns the process exit code */
     const k3_flag_alias *aliases; /* (n_aliases) may be NULL */
     int n_aliases;
+    /* may be NULL: a note for flag i's help line, shown as " [note]" (e.g. the modes of
+       `k3 bench` a flag applies to); "" for none */
+    void (*flag_note)(int i, char *buf, size_t n);
 } k3_command;
 
 /* Lookup of parsed values. A name not in the command's flag table is a bug (asserts). */

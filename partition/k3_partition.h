@@ -107,6 +107,16 @@ static inline int k3_plan_lane_of_seq(const k3_plan *p, int seq) {
 }
 uint64_t k3_plan_hash(const k3_plan *p);
 
+/* The bytes of the distinct checkpoint tensors that the ranks ranks[0..n_ranks) read together
+ * (e.g. the ranks of one node; `k3 bench load`'s unique bytes): a tensor counts once however
+ * many of them read it. Each rank reads what fill_mem gives it: its stage's non-expert tensors
+ * (stage 0 the embedding, the last stage the head side, which with tied embeddings reads the
+ * embedding), and the routed experts its lane owns; a dedicated coordinator reads nothing. So
+ * the lanes of one stage share its non-expert bytes, and their experts are disjoint. Ranks
+ * outside the world are refused (K3_ERR_ARG). Pure: allocates only the catalogue it walks. */
+k3_status k3_plan_unique_weights(const k3_config *c, const k3_plan *p, const int *ranks,
+                                 int n_ranks, uint64_t *out);
+
 /* The plan as a human table (stages, layers, costs, per-rank bytes). Truncates at cap. */
 void k3_plan_format(const k3_plan *p, const k3_config *c, char *buf, size_t cap);
 

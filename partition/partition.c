@@ -604,6 +604,57 @@ fail:
     return st;
 }
 
+/* Whether the ranks' set `in_stage[s]` (any rank of stage s) / `lanes[s * E + e]` (rank (s, e))
+ * read catalogue tensor t: the rule of fill_mem and the loader (model/weights.c). */
+static bool read_by(const k3_config *c, const k3_plan *p, const k3_tensor_spec *t,
+                    const bool *in_stage, const bool *lanes) {
+    const int S = p->n_stages, E = p->n_lanes;
+    if (t->kind == K3_TK_GLOBAL) {
+        if (t->first_stage) /* the embedding; a tied head reads it on the last stage */
+            return in_stage[0] ||
+                   (c->tie_word_embeddings && t->role == K3_R_EMBED && in_stage[S - 1]);
+        return in_stage[S - 1];
+    }
+    if (t->layer < 0 || t->layer >= c->n_layers) return false;
+    const int s = k3_plan_stage_of_layer(p, t->layer);
+    if (s < 0) return false;
+    if (t->kind == K3_TK_LAYER) return in_stage[s];
+    const int e = t->expert >= 0 && t->expert < p->n_experts
+                      ? k3_plan_owner_lane(p, t->layer, t->expert)
+                      : -1;
+    return e >= 0 && e < E && lanes[s * E + e];
+}
+
+k3_status k3_plan_unique_weights(const k3_config *c, const k3_plan *p, const int *ranks,
+                                 int n_ranks, uint64_t *out) {
+    *out = 0;
+    const int S = p->n_stages, E = p->n_lanes;
+    bool *in_stage = NULL, *lanes = NULL;
+    K3_TRY(k3_calloc((void **)&in_stage, (size_t)S, "unique weights"));
+    k3_status st = k3_calloc((void **)&lanes, (size_t)S * (size_t)E, "unique weights");
+    for (int i = 0; st == K3_OK && i < n_ranks; i++) {
+        int s, e;
+        if (ranks[i] < 0 || ranks[i] >= p->world)
+            st = K3_ERR(K3_ERR_ARG, "plan: rank %d outside the world of %d", ranks[i], p->world);
+        else if (k3_plan_coords(p, ranks[i], &s, &e))
+            in_stage[s] = lanes[s * E + e] = true;
+    }
+    k3_tensor_spec *specs = NULL;
+    const int64_t n = k3_catalog(c, NULL, 0);
+    if (st == K3_OK && n > 0)
+        st = k3_alloc((void **)&specs, (size_t)n * sizeof *specs, "unique weights catalogue");
+    if (st == K3_OK && n > 0) {
+        k3_catalog(c, specs, n);
+        bool ovf = false;
+        for (int64_t i = 0; i < n; i++)
+            if (read_by(c, p, &specs[i], in_stage, lanes))
+                *out = u_add(&ovf, *out, (uint64_t)K3_MAX(k3_tensor_spec_bytes(&specs[i]), 0));
+        if (ovf) st = K3_ERR(K3_ERR_CONFIG, "plan: the model's tensor bytes overflow 64 bits");
+    }
+    k3_free(specs), k3_free(lanes), k3_free(in_stage);
+    return st;
+}
+
 void k3_plan_free(k3_plan *p) {
     if (!p) return;
     k3_free(p->expert_lane);

@@ -23,12 +23,21 @@ Groups (pytest -k):
       the bytes, FLOPs and seconds; the table and the CSV have the same ops; model flags are
       refused (exit 2). And `k3 run`'s summary: decode GB/s and prefill GFLOP/s agree with the
       weight bytes / FLOPs and the times it reports.
+  load_1x1 / load_1x2 : `k3 bench load` alone and under mpirun -np 2 (--ep 2): the JSON validates
+      against bench_load.schema.json; a serial (1 reader) and a parallel load, warm (and cold where
+      the page cache could be dropped); each rank read exactly its plan's weight bytes; a node's
+      unique bytes are every tensor of the checkpoint (summed from the shards' safetensors headers
+      here) and, with both lanes on one node, less than the bytes read (each lane reads the dense
+      weights); GB/s and % of raw agree with the bytes, seconds and raw rates; peak RSS > 0; the
+      table and the CSV have one row per load. load_usage: flags of other modes and bad values are
+      usage errors (exit 2) naming the flag.
 """
 import csv
 import json
 import os
 import re
 import signal
+import struct
 import statistics
 import subprocess
 import tempfile
@@ -229,6 +238,87 @@ def test_kernels_run_summary(model_dir):
             "--ignore-eos", "--threads", "1"])
     assert r.returncode == 0 and re.search(r"decode [0-9.]+ GB/s of weights .* prefill [0-9.]+ "
                                            r"GFLOP/s of weight FLOPs", r.stderr), r.stderr[-2000:]
+
+
+# ---- load ----------------------------------------------------------------------------------------
+def checkpoint_tensor_bytes(model_dir):
+    """Bytes of every tensor in the shards, from their safetensors headers (not from k3)."""
+    total = 0
+    for name in sorted(os.listdir(model_dir)):
+        if not name.endswith(".safetensors"):
+            continue
+        with open(os.path.join(model_dir, name), "rb") as f:
+            (n,) = struct.unpack("<Q", f.read(8))
+            header = json.loads(f.read(n))
+        total += sum(t["data_offsets"][1] - t["data_offsets"][0]
+                     for k, t in header.items() if k != "__metadata__")
+    return total
+
+
+@pytest.mark.parametrize("ep", [1, 2], ids=["load_1x1", "load_1x2"])
+def test_load(model_dir, ep, tmp_path):
+    js, cs = tmp_path / "ld.json", tmp_path / "ld.csv"
+    r = k3(["bench", "load", "--model", model_dir, "--pp", "1", "--ep", str(ep), "--threads", "1",
+            "--output-json", str(js), "--output-csv", str(cs)], np=ep)
+    assert r.returncode == 0, r.stderr[-3000:]
+    d = json.loads(js.read_text())
+    jsonschema.validate(d, schema("bench_load.schema.json"))
+    assert (d["mode"], d["pp"], d["ep"], d["world"], d["nodes"]) == ("load", 1, ep, ep, 1)
+    raw = d["raw"]
+    assert raw["warm_gbs"] > 0 and raw["bytes"] > 0
+    cold_ok = raw["cold_gbs"] is not None
+    assert cold_ok or "still cached" in raw["cold_note"] or raw["cold_note"], raw
+    loads = d["loads"]
+    want = [("serial", "warm"), ("parallel", "warm")] + (
+        [("serial", "cold"), ("parallel", "cold")] if cold_ok else [])
+    assert [(x["loader"], x["cache"]) for x in loads] == want
+    total = checkpoint_tensor_bytes(model_dir)
+    rel = lambda a, b: abs(a - b) <= 1e-9 * max(abs(b), 1e-30)
+    for x in loads:
+        assert x["readers"] == (1 if x["loader"] == "serial" else d["parallel_readers"])
+        ranks, nodes = x["ranks"], x["nodes"]
+        assert [k["rank"] for k in ranks] == list(range(ep))
+        assert [(k["stage"], k["lane"]) for k in ranks] == [(0, e) for e in range(ep)]
+        for k in ranks:
+            assert k["bytes_read"] == k["plan_weight_bytes"] > 0, k
+            assert k["peak_rss_bytes"] > 0 and k["node"] == 0
+        assert x["bytes_read"] == sum(k["bytes_read"] for k in ranks)
+        assert x["seconds"] == max(k["load_s"] for k in ranks) > 0
+        assert rel(x["gbs"], x["bytes_read"] / x["seconds"] / 1e9)
+        raw_rate = raw["cold_gbs"] if x["cache"] == "cold" else raw["warm_gbs"]
+        assert rel(x["pct_of_raw"], 100 * x["gbs"] / raw_rate)
+        assert x["peak_rss_max_bytes"] == max(k["peak_rss_bytes"] for k in ranks)
+        assert len(nodes) == 1
+        n = nodes[0]
+        assert (n["node"], n["ranks"], n["bytes_read"]) == (0, ep, x["bytes_read"])
+        assert n["peak_rss_sum_bytes"] == sum(k["peak_rss_bytes"] for k in ranks)
+        # every tensor is read on the one node, once as unique bytes
+        assert n["unique_bytes"] == x["unique_bytes"] == total, (n, total)
+        assert n["bytes_read"] >= n["unique_bytes"]
+        if ep == 1:
+            assert n["bytes_read"] == n["unique_bytes"]
+        else:  # both lanes read the stage's dense weights
+            assert n["unique_bytes"] < n["bytes_read"]
+    main, *subs = r.stdout.split("\n### ")  # the loads, then a ranks and a nodes table each
+    assert [c[0] for c in md_rows(main)] == [f"{a} {b}" for a, b in want]
+    assert [t.split("\n")[0] for t in subs] == [f"{k}: {a} {b}" for a, b in want
+                                                for k in ("ranks", "nodes")]
+    assert all(len(md_rows(t)) == (ep if t.startswith("ranks") else 1) for t in subs)
+    rows = list(csv.DictReader(cs.open()))
+    assert [(row["loader"], row["cache"]) for row in rows] == want
+    assert "ranks" not in rows[0] and int(rows[0]["bytes_read"]) == loads[0]["bytes_read"]
+
+
+def test_load_usage(model_dir):
+    for args, flag in ((["--seed", "3"], "--seed"), (["--op-stats", "x"], "--op-stats"),
+                       (["--load-readers", "999"], "--load-readers"), (["--pp", "2"], "--pp"),
+                       (["-p", "8"], "--n-prompt")):
+        r = k3(["bench", "load", "--model", model_dir] + args)
+        assert r.returncode == 2 and flag in r.stderr, (args, r.stderr)
+    r = k3(["bench", "load"])
+    assert r.returncode == 2 and "--model" in r.stderr, r.stderr
+    r = k3(["bench", "load", "--help"])
+    assert r.returncode == 0 and re.search(r"--load-readers N .*\[.*load\]", r.stdout), r.stdout
 
 
 # ---- serve ---------------------------------------------------------------------------------------

@@ -207,6 +207,46 @@ int main(void) {
         K3_CHECK(sum == 2 * (total - total_experts) + total_experts, "sum %llu",
                  (unsigned long long)sum);
         K3_CHECK(p.mem[1].caches > 0 && p.mem[1].buffers > 0, "caches/buffers estimated");
+        /* unique bytes of sets of ranks: one rank alone is its own weights; two lanes of one
+           stage share the stage's non-expert bytes (each rank's weights less its experts); the
+           coordinator reads nothing; every rank together reads each tensor once */
+        uint64_t experts[16] = {0};
+        for (int64_t i = 0; i < n; i++) {
+            const k3_tensor_spec *t = &specs[i];
+            for (int r = 1; t->kind == K3_TK_EXPERT && r < 7; r++) {
+                int s = (r - 1) / 2, e = (r - 1) % 2;
+                if (t->layer >= p.stage_begin[s] && t->layer < p.stage_begin[s + 1] &&
+                    t->expert / (tiny.n_experts / 2) == e)
+                    experts[r] += spec_bytes(t);
+            }
+        }
+        for (int r = 0; r < 7; r++) {
+            uint64_t u = 0;
+            K3_CHECK_OK(k3_plan_unique_weights(&tiny, &p, &r, 1, &u));
+            K3_CHECK(u == want[r], "rank %d alone: unique %llu, weights %llu", r,
+                     (unsigned long long)u, (unsigned long long)want[r]);
+        }
+        for (int s = 0; s < 3; s++) {
+            const int pair[2] = {1 + 2 * s, 2 + 2 * s};
+            uint64_t u = 0;
+            const uint64_t dense = want[pair[0]] - experts[pair[0]];
+            K3_CHECK(dense == want[pair[1]] - experts[pair[1]] && experts[pair[0]] > 0,
+                     "stage %d: the lanes' non-expert bytes differ", s);
+            K3_CHECK_OK(k3_plan_unique_weights(&tiny, &p, pair, 2, &u));
+            K3_CHECK(u == dense + experts[pair[0]] + experts[pair[1]] &&
+                         u < want[pair[0]] + want[pair[1]],
+                     "stage %d lanes: unique %llu", s, (unsigned long long)u);
+        }
+        {
+            const int all[8] = {0, 1, 2, 3, 4, 5, 6, 6}; /* a rank twice counts once */
+            uint64_t u = 0;
+            K3_CHECK_OK(k3_plan_unique_weights(&tiny, &p, all, 8, &u));
+            K3_CHECK(u == total, "all ranks: unique %llu, checkpoint %llu", (unsigned long long)u,
+                     (unsigned long long)total);
+            const int bad = 7;
+            K3_CHECK(k3_plan_unique_weights(&tiny, &p, &bad, 1, &u) == K3_ERR_ARG,
+                     "rank 7 of 7 refused");
+        }
         free(specs);
         k3_plan_free(&p);
     }
