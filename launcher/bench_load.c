@@ -227,7 +227,8 @@ static k3_status raw_measure(const shards *s, int threads, raw_result *out) {
     if (k3_host_memory(&avail, &total) == K3_OK && avail > 0) /* warm must fit the page cache */
         cap = K3_MIN(cap, (uint64_t)avail / 2);
     int64_t n = 0;
-    for (int i = 0; i < s->n; i++) n += (int64_t)((s->f[i].n_bytes + RAW_PIECE_BYTES - 1) / RAW_PIECE_BYTES);
+    for (int i = 0; i < s->n; i++)
+        n += (int64_t)((s->f[i].n_bytes + RAW_PIECE_BYTES - 1) / RAW_PIECE_BYTES);
     piece *p = NULL;
     int *fds = NULL;
     K3_TRY(k3_calloc((void **)&p, (size_t)K3_MAX(n, 1) * sizeof *p, "raw pieces"));
@@ -240,7 +241,8 @@ static k3_status raw_measure(const shards *s, int threads, raw_result *out) {
         if (fds[i] < 0) st = K3_ERR(K3_ERR_IO, "%s: %s", s->f[i].path, strerror(errno));
         for (uint64_t off = 0; st == K3_OK && off < s->f[i].n_bytes && planned < cap;
              off += RAW_PIECE_BYTES) {
-            p[k] = (piece){i, off, (size_t)K3_MIN((uint64_t)RAW_PIECE_BYTES, s->f[i].n_bytes - off)};
+            p[k] =
+                (piece){i, off, (size_t)K3_MIN((uint64_t)RAW_PIECE_BYTES, s->f[i].n_bytes - off)};
             planned += p[k++].n_bytes;
         }
     }
@@ -264,7 +266,8 @@ static k3_status raw_measure(const shards *s, int threads, raw_result *out) {
             out->cold_gbs = -1;
             if (out->cold_resident >= 0)
                 snprintf(out->cold_why, sizeof out->cold_why,
-                         "%.0f%% still cached after posix_fadvise DONTNEED", 100 * out->cold_resident);
+                         "%.0f%% still cached after posix_fadvise DONTNEED",
+                         100 * out->cold_resident);
         }
     }
     for (int i = 0; fds && i < s->n; i++)
@@ -308,17 +311,17 @@ typedef struct rank_rec {
 typedef struct load_res {
     const char *loader, *cache;
     int readers;
-    double seconds; /* the slowest rank's load */
+    double seconds;  /* the slowest rank's load */
     rank_rec *ranks; /* [world] */
 } load_res;
 
 typedef struct job {
     int rank, world;
-    double tmo;               /* --comm-timeout: every collective of the bench */
-    k3_engine_opts eo;        /* as the flags gave them */
-    k3_comm_where *where;     /* [world] node and host of each rank */
-    raw_result raw;           /* this rank's (a node leader's) */
-    uint64_t *raw_all[3];     /* [world] each rank's raw warm, cold (double bits), bytes */
+    double tmo;           /* --comm-timeout: every collective of the bench */
+    k3_engine_opts eo;    /* as the flags gave them */
+    k3_comm_where *where; /* [world] node and host of each rank */
+    raw_result raw;       /* this rank's (a node leader's) */
+    uint64_t *raw_all[3]; /* [world] each rank's raw warm, cold (double bits), bytes */
     load_res loads[MAX_LOADS];
     int n_loads;
     bool rss_reset; /* rank 0 could reset its peak RSS before each open */
@@ -409,8 +412,7 @@ static double raw_of(const job *J, int node, bool cold) {
 }
 
 /* 100 x gbs / raw, or null without a raw rate. */
-static k3_status put_pct(bench_row *r, const char *key, const char *label, double gbs,
-                         double raw) {
+static k3_status put_pct(bench_row *r, const char *key, const char *label, double gbs, double raw) {
     if (!(raw > 0)) return bench_put_null(r, key, label);
     return bench_put_num(r, key, label, 1, 100 * gbs / raw);
 }
@@ -427,7 +429,8 @@ static k3_status put_ranks(const job *J, const load_res *L, bench_row *row) {
         if (st == K3_OK) st = bench_put_num(o, "lane", "lane", -1, x->lane);
         if (st == K3_OK) st = bench_put_num(o, "node", "node", -1, J->where[r].node);
         if (st == K3_OK) st = bench_put_str(o, "host", "host", J->where[r].host);
-        if (st == K3_OK) st = bench_put_num(o, "bytes_read", "bytes read", -1, (double)x->bytes_read);
+        if (st == K3_OK)
+            st = bench_put_num(o, "bytes_read", "bytes read", -1, (double)x->bytes_read);
         if (st == K3_OK)
             st = bench_put_num(o, "plan_weight_bytes", "plan bytes", -1, (double)x->plan_bytes);
         if (st == K3_OK) st = bench_put_num(o, "load_s", "load (s)", 3, x->load_s);
@@ -459,8 +462,10 @@ static k3_status put_nodes(const job *J, const node_sum *ns, int n_nodes, bool c
         st = bench_put_num(o, "node", "node", -1, node);
         if (st == K3_OK) st = bench_put_str(o, "host", "host", J->where[node].host);
         if (st == K3_OK) st = bench_put_num(o, "ranks", "ranks", -1, x->n_ranks);
-        if (st == K3_OK) st = bench_put_num(o, "bytes_read", "bytes read", -1, (double)x->bytes_read);
-        if (st == K3_OK) st = bench_put_num(o, "unique_bytes", "unique bytes", -1, (double)x->unique);
+        if (st == K3_OK)
+            st = bench_put_num(o, "bytes_read", "bytes read", -1, (double)x->bytes_read);
+        if (st == K3_OK)
+            st = bench_put_num(o, "unique_bytes", "unique bytes", -1, (double)x->unique);
         if (st == K3_OK) st = bench_put_num(o, "load_s", "load (s)", 3, x->load_s);
         if (st == K3_OK) st = bench_put_num(o, "gbs", "GB/s", 2, gbs);
         if (st == K3_OK) st = bench_put_num(o, "raw_gbs", "raw GB/s", 2, raw_of(J, node, cold));
@@ -561,8 +566,7 @@ static k3_status put_load(const job *J, const load_res *L, const uint64_t *uniqu
     if (st == K3_OK) st = bench_put_num(row, "gbs", "GB/s", 2, gbs);
     if (st == K3_OK) st = put_pct(row, "pct_of_raw", "% of raw", gbs, raw);
     if (st == K3_OK) st = bench_put_num(row, "peak_rss_max_bytes", NULL, -1, (double)rss_max);
-    if (st == K3_OK)
-        st = bench_put_num(row, NULL, "peak RSS max (MB)", 1, (double)rss_max / 1e6);
+    if (st == K3_OK) st = bench_put_num(row, NULL, "peak RSS max (MB)", 1, (double)rss_max / 1e6);
     if (st == K3_OK) st = put_ranks(J, L, row);
     if (st == K3_OK) st = put_nodes(J, ns, n_nodes, cold, row);
     k3_free(ns);
@@ -601,7 +605,8 @@ static k3_status put_meta(const job *J, const char *model_dir, int readers, benc
     if (st == K3_OK) st = bench_put_num(raw, "threads", NULL, -1, J->raw.threads);
     if (st == K3_OK) st = bench_put_num(raw, "piece_bytes", NULL, -1, (double)RAW_PIECE_BYTES);
     if (st == K3_OK) st = bench_put_str(raw, "cold_note", NULL, J->raw.cold_why);
-    if (st == K3_OK) st = bench_put_rows(m, "raw", NULL, &raw, 1, true);
+    if (st == K3_OK)
+        st = bench_put_rows(m, "raw", NULL, &raw, 1, true);
     else {
         bench_row_free(raw);
         k3_free(raw);
@@ -624,7 +629,8 @@ static k3_status report(const job *J, const k3_args *a, const k3_config *cfg, in
     k3_status st = k3_calloc((void **)&unique, (size_t)J->world * sizeof *unique, "bench unique");
     if (st == K3_OK) st = unique_per_node(J, cfg, &J->loads[0], unique);
     if (st == K3_OK) st = put_meta(J, k3_args_str(a, "model"), readers, &rep.meta);
-    for (int k = 0; st == K3_OK && k < J->n_loads; k++) st = put_load(J, &J->loads[k], unique, &rep);
+    for (int k = 0; st == K3_OK && k < J->n_loads; k++)
+        st = put_load(J, &J->loads[k], unique, &rep);
     if (st == K3_OK)
         st = bench_report_write(&rep, k3_args_str(a, "output-json"), k3_args_str(a, "output-csv"));
     bench_report_free(&rep);
@@ -700,8 +706,8 @@ int bench_load(const k3_args *a, const char *usage) {
             K3_LOGI("bench load: raw read %.2f GB/s warm, %.2f GB/s cold", J.raw.warm_gbs,
                     J.raw.cold_gbs);
         else if (J.rank == 0)
-            K3_LOGI("bench load: raw read %.2f GB/s warm; cold: not permitted (%s)",
-                    J.raw.warm_gbs, J.raw.cold_why);
+            K3_LOGI("bench load: raw read %.2f GB/s warm; cold: not permitted (%s)", J.raw.warm_gbs,
+                    J.raw.cold_why);
     }
     /* cold loads only where every node could drop its cache (the same decision everywhere) */
     bool cold_ok = true;
@@ -709,8 +715,8 @@ int bench_load(const k3_args *a, const char *usage) {
         if (J.where[r].node == r && dbl_of(J.raw_all[1][r]) < 0) cold_ok = false;
     static const struct {
         const char *loader, *cache;
-    } seq[MAX_LOADS] = {{"serial", "warm"}, {"parallel", "warm"}, {"serial", "cold"},
-                        {"parallel", "cold"}};
+    } seq[MAX_LOADS] = {
+        {"serial", "warm"}, {"parallel", "warm"}, {"serial", "cold"}, {"parallel", "cold"}};
     for (int k = 0; rc == 0 && k < MAX_LOADS; k++) {
         const bool cold = strcmp(seq[k].cache, "cold") == 0, serial = k % 2 == 0;
         if (cold && !cold_ok) continue;

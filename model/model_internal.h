@@ -25,6 +25,9 @@ k3_status k3_st_peek_shape(const char *dir, const char *name, int64_t shape[K3_M
 k3_status k3_ckpt_read_range(k3_ckpt *ck, const k3_ckpt_tensor *t, uint64_t off, uint64_t n,
                              void *dst);
 
+/* pread until n bytes or the end of the file (*got says how many; EINTR retried). K3_ERR_IO, with
+ * errno set and no message, when a read fails. */
+k3_status k3_pread_all(int fd, void *dst, uint64_t n, uint64_t off, uint64_t *got);
 /* Add n bytes to the checkpoint's bytes-read counter (reads made outside k3_ckpt_read_range). */
 void k3_ckpt_count_read(k3_ckpt *ck, uint64_t n);
 

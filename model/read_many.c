@@ -72,19 +72,6 @@ static void fail(rm *R, k3_status st) {
     pthread_mutex_unlock(&R->mu);
 }
 
-static k3_status pread_full(int fd, uint8_t *p, uint64_t n, uint64_t off, uint64_t *got) {
-    *got = 0;
-    while (*got < n) {
-        ssize_t r =
-            pread(fd, p + *got, (size_t)K3_MIN(n - *got, (uint64_t)1 << 30), (off_t)(off + *got));
-        if (r < 0 && errno == EINTR) continue;
-        if (r < 0) return K3_ERR_IO;
-        if (r == 0) break;
-        *got += (uint64_t)r;
-    }
-    return K3_OK;
-}
-
 /* One piece into `to` (host memory). bounce: this reader's aligned buffer (direct) or NULL. */
 static k3_status read_piece(rm *R, const piece *p, uint8_t *to, uint8_t *bounce) {
     const k3_ckpt_tensor *t = R->reqs[p->req].t;
@@ -93,7 +80,7 @@ static k3_status read_piece(rm *R, const piece *p, uint8_t *to, uint8_t *bounce)
         const uint64_t off = t->offset + p->off, a0 = off & ~(uint64_t)(DIRECT_ALIGN - 1);
         const uint64_t a1 = (off + p->n + DIRECT_ALIGN - 1) & ~(uint64_t)(DIRECT_ALIGN - 1);
         uint64_t got = 0;
-        if (pread_full(fd, bounce, a1 - a0, a0, &got) == K3_OK) {
+        if (k3_pread_all(fd, bounce, a1 - a0, a0, &got) == K3_OK) {
             if (got < off - a0 + p->n)
                 return K3_ERR(K3_ERR_IO,
                               "%s: tensor %s: read %llu of %llu bytes at byte %llu of its data "

@@ -87,7 +87,7 @@ static k3_status ht_build(k3_ckpt *ck) {
     return K3_OK;
 }
 
-static k3_status pread_all(int fd, void *dst, uint64_t n, uint64_t off, uint64_t *got) {
+k3_status k3_pread_all(int fd, void *dst, uint64_t n, uint64_t off, uint64_t *got) {
     uint8_t *p = dst;
     *got = 0;
     while (*got < n) {
@@ -219,7 +219,7 @@ static k3_status parse_header(k3_ckpt *ck, int s) {
                       "%s: file is %llu bytes, too short for the 8-byte header "
                       "length (truncated?)",
                       path, (unsigned long long)fsize);
-    if (pread_all(fd, lenb, 8, 0, &got) != K3_OK || got != 8)
+    if (k3_pread_all(fd, lenb, 8, 0, &got) != K3_OK || got != 8)
         return K3_ERR(K3_ERR_IO, "%s: cannot read the header length: %s", path, strerror(errno));
     uint64_t hlen = 0;
     for (int i = 7; i >= 0; i--) hlen = (hlen << 8) | lenb[i];
@@ -234,7 +234,7 @@ static k3_status parse_header(k3_ckpt *ck, int s) {
     if (hlen < 2) return K3_ERR(K3_ERR_FORMAT, "%s: empty header", path);
     char *h = NULL;
     K3_TRY(k3_alloc((void **)&h, hlen + 1, "safetensors header"));
-    if (pread_all(fd, h, hlen, 8, &got) != K3_OK || got != hlen) {
+    if (k3_pread_all(fd, h, hlen, 8, &got) != K3_OK || got != hlen) {
         k3_free(h);
         return K3_ERR(K3_ERR_IO, "%s: cannot read the %llu-byte header", path,
                       (unsigned long long)hlen);
@@ -582,7 +582,7 @@ k3_status k3_ckpt_read_range(k3_ckpt *ck, const k3_ckpt_tensor *t, uint64_t off,
     if (!t || t->shard < 0 || t->shard >= ck->n_shards || off > t->n_bytes || n > t->n_bytes - off)
         return K3_ERR(K3_ERR_ARG, "k3_ckpt_read: not a byte range of a tensor of this checkpoint");
     uint64_t got = 0;
-    if (pread_all(ck->fd[t->shard], dst, n, t->offset + off, &got) != K3_OK)
+    if (k3_pread_all(ck->fd[t->shard], dst, n, t->offset + off, &got) != K3_OK)
         return K3_ERR(K3_ERR_IO, "%s: tensor %s: read failed: %s", ck->shard_path[t->shard],
                       t->name, strerror(errno));
     atomic_fetch_add(&ck->bytes_read, got);

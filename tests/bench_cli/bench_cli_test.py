@@ -255,11 +255,13 @@ def checkpoint_tensor_bytes(model_dir):
     return total
 
 
-@pytest.mark.parametrize("ep", [1, 2], ids=["load_1x1", "load_1x2"])
-def test_load(model_dir, ep, tmp_path):
+@pytest.mark.parametrize("ep,private", [(1, False), (2, False), (2, True)],
+                         ids=["load_1x1", "load_1x2", "load_1x2_private"])
+def test_load(model_dir, ep, private, tmp_path):
     js, cs = tmp_path / "ld.json", tmp_path / "ld.csv"
     r = k3(["bench", "load", "--model", model_dir, "--pp", "1", "--ep", str(ep), "--threads", "1",
-            "--output-json", str(js), "--output-csv", str(cs)], np=ep)
+            "--output-json", str(js), "--output-csv", str(cs)]
+           + (["--load-private"] if private else []), np=ep)
     assert r.returncode == 0, r.stderr[-3000:]
     d = json.loads(js.read_text())
     jsonschema.validate(d, schema("bench_load.schema.json"))
@@ -279,8 +281,11 @@ def test_load(model_dir, ep, tmp_path):
         ranks, nodes = x["ranks"], x["nodes"]
         assert [k["rank"] for k in ranks] == list(range(ep))
         assert [(k["stage"], k["lane"]) for k in ranks] == [(0, e) for e in range(ep)]
-        for k in ranks:
-            assert k["bytes_read"] == k["plan_weight_bytes"] > 0, k
+        for k in ranks:  # rank 0 reads the stage's dense weights for the node, unless private
+            if private or k["rank"] == 0:
+                assert k["bytes_read"] == k["plan_weight_bytes"] > 0, k
+            else:
+                assert 0 < k["bytes_read"] < k["plan_weight_bytes"], k
             assert k["peak_rss_bytes"] > 0 and k["node"] == 0
         assert x["bytes_read"] == sum(k["bytes_read"] for k in ranks)
         assert x["seconds"] == max(k["load_s"] for k in ranks) > 0
@@ -295,9 +300,9 @@ def test_load(model_dir, ep, tmp_path):
         # every tensor is read on the one node, once as unique bytes
         assert n["unique_bytes"] == x["unique_bytes"] == total, (n, total)
         assert n["bytes_read"] >= n["unique_bytes"]
-        if ep == 1:
+        if ep == 1 or not private:  # one read per node of the dense weights
             assert n["bytes_read"] == n["unique_bytes"]
-        else:  # both lanes read the stage's dense weights
+        else:  # --load-private: both lanes read the stage's dense weights
             assert n["unique_bytes"] < n["bytes_read"]
     main, *subs = r.stdout.split("\n### ")  # the loads, then a ranks and a nodes table each
     assert [c[0] for c in md_rows(main)] == [f"{a} {b}" for a, b in want]
