@@ -57,8 +57,9 @@
      "reads in flight per rank while loading, each a few MB (0 = " K3_ENGINE_ARGS_STR(            \
          K3_LOAD_READERS_DEFAULT) "; 1 = one read at a time)"},                                    \
     {"load-private", K3_FLAG_BOOL, NULL, NULL,                                                     \
-     "every rank reads and holds its own copy of its stage's dense weights (default: cpu ranks "   \
-     "of one stage on one node read them once and share one copy in node memory)"},                \
+     "every rank reads and holds its own copy of its stage's dense weights (default: the ranks "   \
+     "of one stage on one node read them once: cpu ranks share one copy in node memory, cuda "     \
+     "ranks on nccl get theirs from the reader)"},                                                 \
     {"load-direct", K3_FLAG_BOOL, NULL, NULL,                                                      \
      "read the checkpoint with O_DIRECT (no page cache) where the file system allows it; else "   \
      "buffered, said once"},                                                                       \

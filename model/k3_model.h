@@ -353,7 +353,8 @@ typedef struct k3_load_sel {
        experts, AttnRes scores fused) live in `dense`, dense_bytes long (k3_weights_dense_bytes),
        not in the rank's arena; only the dense_reader reads (and fuses) them, the others only
        point into the region and must not use it before the reader is done (the caller
-       synchronises). The region is not owned. NULL: no sharing. Host memory only. */
+       synchronises). The region is not owned; it is backend memory when `be` is set (a device:
+       the caller copies the reader's region to the others). NULL: no sharing. */
     void *dense;
     uint64_t dense_bytes;
     bool dense_reader;

@@ -296,12 +296,9 @@ k3_status k3_weights_load(k3_ckpt *ck, const k3_config *c, const k3_load_sel *se
             goto fail;
     }
 
-    /* a dense region shared with other ranks: host memory only, exactly the selection's size */
+    /* a dense region shared with other ranks (host: node memory; device: this device's copy,
+       which the caller fills from the reader's): exactly the selection's size */
     const bool share = sel->dense != NULL;
-    if (share && sel->be && !k3_backend_host_visible(sel->be)) {
-        st = K3_ERR(K3_ERR_ARG, "load selection: a shared dense region with a device backend");
-        goto fail;
-    }
 
     /* pass 1: check and size */
     uint64_t bytes = 0, dense_bytes = 0, stage_bytes = 0, total_read = 0;

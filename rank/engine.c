@@ -29,7 +29,10 @@ static void engine_free(k3_engine *e) {
     if (r->tty && r->tty != stderr) fclose(r->tty);
     k3_comm_destroy(r->comm);
     k3_weights_destroy(r->w);
-    if (r->dense) munmap(r->dense, r->dense_bytes); /* the node's shared copy: after the weights */
+    if (r->dense && r->dense_device)
+        k3_backend_free(r->be, r->dense);
+    else if (r->dense)
+        munmap(r->dense, r->dense_bytes); /* the node's shared copy: after the weights */
     k3_ckpt_destroy(r->ck);
     k3_backend_destroy(r->be); /* after comm: its MoE buffers are the backend's */
     k3_plan_free(&r->plan);
@@ -85,6 +88,7 @@ static k3_status open_world(k3_engine *e, const k3_engine_test *t) {
     RTRY(r, rank_share_dense(r)); /* one copy of a stage's dense weights per node */
     /* every rank has loaded when it returns (heartbeat, --load-timeout): the usual limit again */
     RTRY(r, rank_load(r));
+    RTRY(r, rank_spread_dense(r)); /* device groups: the reader's dense region to the others */
     k3_comm_set_doing(r->comm, "idle (between steps)");
     RTRY(r, k3_calloc((void **)&load_us, (size_t)r->world * sizeof(uint64_t), "load times"));
     RTRY(r, k3_comm_allgather_u64(r->comm, r->dense_skipped, load_us)); /* node sharing */

@@ -77,7 +77,8 @@ typedef struct k3_engine_opts {
                           default K3_LOAD_READERS_DEFAULT) */
     bool load_direct;  /* O_DIRECT reads where the file system allows them (k3_load_sel.direct) */
     bool load_private; /* every rank reads its own copy of its stage's dense weights; default:
-                          host ranks of one stage on one node share one copy (k3_load_sel.dense) */
+                          host ranks of one stage on one node share one copy in node memory, and
+                          device ranks (nccl) get theirs from one reader (k3_load_sel.dense) */
     bool verify;       /* after loading, check the rank's own tensors for non-finite values and E8M0
                           0xFF scales (k3_ckpt_scan); a problem ends the job naming tensor, row, file */
     const char *op_stats; /* NULL, or a JSON file rank 0 writes at close: each worker rank's

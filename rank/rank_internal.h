@@ -61,6 +61,7 @@ typedef struct rank_ctx {
     uint64_t dense_bytes;
     bool dense_reader;
     uint64_t dense_skipped; /* checkpoint bytes of the plan this rank does not read (shared) */
+    bool dense_device;      /* dense is backend memory, filled from the reader over comm */
     FILE *tty;              /* rank 0: where the load bar goes (stderr, or /dev/tty under mpirun) */
     /* the roles, each private to its file */
     struct rank_hooks *hooks; /* always */
@@ -139,6 +140,8 @@ k3_status rank_setup(rank_ctx *r);
 /* Collective, before the load: the host ranks of one stage on one node map one shared region for
  * the stage's dense weights (the lowest of them reads it); a group that cannot is left alone. */
 k3_status rank_share_dense(rank_ctx *r);
+/* After the load (collective): device groups copy the reader's dense region to the others. */
+k3_status rank_spread_dense(rank_ctx *r);
 /* The load, with the heartbeat, the bar and --load-timeout. */
 k3_status rank_load(rank_ctx *r);
 k3_status rank_load_drain(rank_ctx *r); /* take stray beats (after the barrier that ends open) */

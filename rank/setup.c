@@ -203,11 +203,47 @@ k3_status rank_setup(rank_ctx *r) {
  * use it only after open's last barrier, when every rank has loaded. The name is unlinked as soon
  * as every rank has mapped it, so nothing is left behind when the job ends. A group whose reader
  * cannot create the object (no /dev/shm, no room) loads as before, each rank its own copy; a
- * rank that cannot map it reads its own copy. Device ranks and --load-private do not share. */
+ * rank that cannot map it reads its own copy. Device ranks (cuda, with a transport that moves
+ * device buffers: nccl) keep a copy each on their device, but only the reader reads it from the
+ * files: once every rank has loaded, it sends its region to the others of the group over the
+ * comm table (rank_spread_dense). --load-private: no sharing. */
+
+/* The ranks of r's stage on r's node (ascending): *reader the lowest, *size how many. */
+static void dense_group(const rank_ctx *r, int *reader, int *size, int *members, int cap) {
+    const int node = r->where[r->rank].node;
+    *reader = -1, *size = 0;
+    for (int i = 0; i < r->world; i++) {
+        int s = -1;
+        if (r->where[i].node != node || !k3_plan_coords(&r->plan, i, &s, NULL) || s != r->stage)
+            continue;
+        if (*reader < 0) *reader = i;
+        if (members && *size < cap) members[*size] = i;
+        (*size)++;
+    }
+}
+
+/* This rank takes part in its group's sharing: p the node's region (host), or NULL (device: the
+ * region is allocated with the backend). */
+static void shared_set(rank_ctx *r, void *p, bool device, uint64_t nd, uint64_t stored, int reader,
+                       int size) {
+    r->dense = p;
+    r->dense_device = device;
+    r->dense_bytes = nd;
+    r->dense_reader = reader == r->rank;
+    r->dense_skipped = r->dense_reader ? 0 : stored;
+    K3_LOGI("load: stage %d's dense weights (%.2f MB) read once for the %d %sranks of the stage on "
+            "%s (%s)",
+            r->stage, nd / 1e6, size, device ? "device " : "", r->where[r->rank].host,
+            r->dense_reader ? (device ? "I read them and send them on" : "I read them")
+            : device        ? "received from the reader"
+                            : "shared, read by another rank");
+}
+
 k3_status rank_share_dense(rank_ctx *r) {
     const char *be = r->o->backend ? r->o->backend : "cpu";
     const bool host = strcmp(be, "cpu") == 0 || strcmp(be, "ref") == 0;
-    const bool can = host && !r->o->load_private && r->worker;
+    const bool dev = strcmp(be, "cuda") == 0 && k3_comm_device_payloads(r->comm);
+    const bool can = (host || dev) && !r->o->load_private && r->worker;
     uint64_t *all = NULL;
     RTRY(r, k3_calloc((void **)&all, (size_t)r->world * sizeof *all, "node sharing"));
     k3_status st = K3_OK;
@@ -218,13 +254,7 @@ k3_status rank_share_dense(rank_ctx *r) {
     const uint64_t token = all[0];
     const int node = r->where[r->rank].node;
     int reader = -1, size = 0;
-    for (int i = 0; can && i < r->world; i++) {
-        int s = -1;
-        if (r->where[i].node != node || !k3_plan_coords(&r->plan, i, &s, NULL) || s != r->stage)
-            continue;
-        if (reader < 0) reader = i;
-        size++;
-    }
+    if (can) dense_group(r, &reader, &size, NULL, 0);
     uint64_t nd = 0, stored = 0;
     if (can && size > 1) {
         const int S = r->plan.n_stages;
@@ -235,6 +265,10 @@ k3_status rank_share_dense(rank_ctx *r) {
         if ((st = k3_weights_dense_bytes(&r->cfg, &sel, &nd, &stored)) != K3_OK) goto out;
     }
     const bool share = can && size > 1 && nd > 0;
+    if (dev) { /* each device keeps a copy: no shared memory, the region comes with the backend */
+        if (share) shared_set(r, NULL, true, nd, stored, reader, size);
+        goto out;
+    }
     char name[96];
     snprintf(name, sizeof name, "/k3-%016llx-n%d-s%d", (unsigned long long)token, node, r->stage);
     void *p = MAP_FAILED;
@@ -262,19 +296,38 @@ k3_status rank_share_dense(rank_ctx *r) {
     }
     if ((st = k3_comm_barrier(r->comm)) != K3_OK) goto out;
     if (share && reader == r->rank && p != MAP_FAILED) shm_unlink(name); /* every rank mapped it */
-    if (p != MAP_FAILED) {
-        r->dense = p;
-        r->dense_bytes = nd;
-        r->dense_reader = reader == r->rank;
-        r->dense_skipped = r->dense_reader ? 0 : stored;
-        K3_LOGI("load: stage %d's dense weights (%.2f MB) once for the %d ranks of the stage on %s "
-                "(%s)",
-                r->stage, nd / 1e6, size, r->where[r->rank].host,
-                r->dense_reader ? "I read them" : "shared, read by another rank");
-    }
+    if (p != MAP_FAILED) shared_set(r, p, false, nd, stored, reader, size);
 out:
     k3_free(all);
     RTRY(r, st);
+    return K3_OK;
+}
+
+#define SPREAD_FLOATS ((int64_t)1 << 28) /* floats per transfer (1 GiB) */
+
+k3_status rank_spread_dense(rank_ctx *r) {
+    if (!r->dense_device) return K3_OK;
+    int reader = -1, size = 0, members[256];
+    dense_group(r, &reader, &size, members, (int)K3_ARRAY_LEN(members));
+    if (size > (int)K3_ARRAY_LEN(members))
+        RTRY(r, K3_ERR(K3_ERR_STATE, "node sharing: %d ranks of stage %d on one node (at most %d)",
+                       size, r->stage, (int)K3_ARRAY_LEN(members)));
+    k3_comm_set_doing(r->comm, "copying the stage's dense weights from the node's reader");
+    const int64_t n = (int64_t)(r->dense_bytes / sizeof(float)); /* align64: whole floats */
+    float *x = r->dense;
+    for (int k = 0; k < size; k++) {
+        const int peer = members[k];
+        if (peer == reader || (r->rank != reader && r->rank != peer)) continue;
+        for (int64_t at = 0; at < n; at += SPREAD_FLOATS) {
+            const int64_t m = K3_MIN(SPREAD_FLOATS, n - at);
+            if (r->rank == reader)
+                RTRY(r, k3_comm_send_dev(r->comm, r->be, peer, x + at, m,
+                                         "the stage's dense weights to a lane on the node"));
+            else
+                RTRY(r, k3_comm_recv_dev(r->comm, r->be, reader, x + at, m,
+                                         "the stage's dense weights from the node's reader"));
+        }
+    }
     return K3_OK;
 }
 
@@ -566,6 +619,8 @@ static k3_status load_weights(rank_load_t *L) {
                                 r->o->n_threads > 0 ? r->o->n_threads : (r->world > 1 ? 1 : 0)};
     RTRY(r, k3_backend_create(r->o->backend ? r->o->backend : "cpu", &bp, &r->be));
     RTRY(r, check_device_memory(r));
+    if (r->dense_device) /* this device's copy of the stage's dense weights (rank_share_dense) */
+        RTRY(r, k3_backend_alloc(r->be, r->dense_bytes, "dense weights", &r->dense));
     k3_load_sel sel = {.be = r->be,
                        .layer_begin = r->plan.stage_begin[r->stage],
                        .layer_end = r->plan.stage_begin[r->stage + 1],

@@ -8,7 +8,8 @@ usage: gpu_model.py MPIEXEC   (K3_BIN = the k3 binary; a tiny and a deep model a
             dumped logits within K3_TOL_DISTRIBUTED_REL_L2 (rel-L2), prompts of several lengths in
             one batch (decode and prefill pieces mixed, a prefill chunk that splits a prompt).
   2x2     : mpirun -np 4 `--pp 2 --ep 2 --backend cuda --comm nccl`: the same bound against cpu on
-            one rank; the run names the transport it used (nccl).
+            one rank; the run names the transport it used (nccl); lane 1 of each stage read only its
+            experts (its stage's dense weights came from lane 0 over nccl).
   det     : --deterministic: the 2x2 nccl logits and a 1x2 nccl run are bit-identical to 1x1 cuda.
   deep    : `make-tiny --preset deep` (93 layers, the real K3 layer schedule) on cuda against cpu:
             greedy tokens identical, logits within K3_TOL_BACKEND_DEEP_REL_L2 (the backend bound
@@ -63,13 +64,18 @@ def run(args, np_=1, timeout=600):
     return p, time.time() - t0
 
 
+DIST = {}  # tag -> the run's --json "dist"
+
+
 def gen(model, tmp, tag, be, np_=1, extra=(), n=12):
     npy = os.path.join(tmp, tag + ".npy")
     p, dt = run(["--model", model, "--prompt-ids", PROMPTS, "--n", str(n), "--ignore-eos",
                  "--backend", be, "--chunk", "5", "--dump-logits", npy, "--json"] + list(extra), np_)
     if p.returncode != 0:
         return None, None, p.stderr
-    toks = [o["generated_ids"] for o in json.loads(p.stdout)["results"]]
+    out = json.loads(p.stdout)
+    toks = [o["generated_ids"] for o in out["results"]]
+    DIST[tag] = out["dist"]
     print(f"     {tag}: {dt:.1f} s", flush=True)
     return np.load(npy), toks, p.stderr
 
@@ -144,6 +150,13 @@ def main():
                 check(nc_t == cpu_t, "2x2 cuda+nccl vs cpu: greedy tokens identical")
                 check(re.search(r"\bcomm(unication)?\b[^\n]*\bnccl\b", err) is not None,
                       "2x2: the run names the transport it used (nccl)")
+                # one node: lane 0 of each stage read the stage's dense weights and sent them to
+                # lane 1 over nccl; lane 1 read only its experts (the logits above say it got them)
+                rk = DIST["nccl22"]["ranks"]
+                check([r["bytes_read"] == r["plan_weight_bytes"] for r in rk] == [True, False, True, False]
+                      and all(0 < r["bytes_read"] for r in rk),
+                      "2x2: the dense weights read once per stage on the node (lane 1 received them): "
+                      + str([(r["bytes_read"], r["plan_weight_bytes"]) for r in rk]))
 
             print("det: --deterministic, nccl splits bit-identical to 1x1 cuda", flush=True)
             det = ["--deterministic"]
