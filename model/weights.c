@@ -328,7 +328,12 @@ k3_status k3_weights_load(k3_ckpt *ck, const k3_config *c, const k3_load_sel *se
     /* device: the arena is backend memory from the start; tensors point into it, and the reads
        reach it through the staging (device requests) */
     const bool device = sel->be && !k3_backend_host_visible(sel->be);
-    if (sel->be) {
+    if (sel->be && sel->be->mem == K3_MEM_HOST) { /* plain host memory: not zeroed first (every
+                                                     tensor byte is read into it); the backend's
+                                                     free is k3_free */
+        w->be = sel->be;
+        st = k3_alloc_large((void **)&w->arena, bytes ? bytes : 64, "weights");
+    } else if (sel->be) {
         w->be = sel->be;
         st = k3_backend_alloc(sel->be, bytes ? bytes : 64, "weights", (void **)&w->arena);
     } else {
