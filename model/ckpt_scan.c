@@ -188,10 +188,7 @@ static void fail(scan *S, k3_status st) {
     pthread_mutex_lock(&S->mu);
     if (S->err == K3_OK) {
         S->err = st;
-        snprintf(S->err_msg, sizeof S->err_msg, "%s", k3_last_error());
-        /* drop the " (file.c:NN)" that K3_ERR added; the caller's K3_ERR adds its own */
-        char *at = strrchr(S->err_msg, '(');
-        if (at && at > S->err_msg && at[-1] == ' ' && strchr(at, ':')) at[-1] = 0;
+        k3_error_capture(S->err_msg, sizeof S->err_msg);
     }
     pthread_mutex_unlock(&S->mu);
     atomic_store(&S->stop, true);

@@ -28,6 +28,9 @@ k3_status k3_ckpt_read_range(k3_ckpt *ck, const k3_ckpt_tensor *t, uint64_t off,
 /* pread until n bytes or the end of the file (*got says how many; EINTR retried). K3_ERR_IO, with
  * errno set and no message, when a read fails. */
 k3_status k3_pread_all(int fd, void *dst, uint64_t n, uint64_t off, uint64_t *got);
+/* k3_last_error() into buf without the " (file.c:NN)" its K3_ERR added: a worker thread's error
+ * that the calling thread re-raises with its own K3_ERR (errors are per thread). */
+void k3_error_capture(char *buf, size_t cap);
 /* Add n bytes to the checkpoint's bytes-read counter (reads made outside k3_ckpt_read_range). */
 void k3_ckpt_count_read(k3_ckpt *ck, uint64_t n);
 

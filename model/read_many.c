@@ -62,10 +62,7 @@ static void fail(rm *R, k3_status st) {
     pthread_mutex_lock(&R->mu);
     if (R->err == K3_OK) {
         R->err = st;
-        snprintf(R->err_msg, sizeof R->err_msg, "%s", k3_last_error());
-        /* drop the " (file.c:NN)" of the reader's K3_ERR; the calling thread's adds its own */
-        char *at = strrchr(R->err_msg, '(');
-        if (at && at > R->err_msg && at[-1] == ' ' && strchr(at, ':')) at[-1] = 0;
+        k3_error_capture(R->err_msg, sizeof R->err_msg);
     }
     atomic_store(&R->stop, true);
     pthread_cond_broadcast(&R->cv);

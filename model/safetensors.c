@@ -566,6 +566,12 @@ const char *k3_ckpt_shard_path(const k3_ckpt *ck, int s) {
 uint64_t k3_ckpt_shard_size(const k3_ckpt *ck, int s) {
     return s >= 0 && s < ck->n_shards ? ck->shard_size[s] : 0;
 }
+void k3_error_capture(char *buf, size_t cap) {
+    snprintf(buf, cap, "%s", k3_last_error());
+    char *at = strrchr(buf, '(');
+    if (at && at > buf && at[-1] == ' ' && strchr(at, ':')) at[-1] = 0;
+}
+
 void k3_ckpt_count_read(k3_ckpt *ck, uint64_t n) {
     atomic_fetch_add(&ck->bytes_read, n);
 }

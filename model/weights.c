@@ -65,8 +65,27 @@ static int job_cmp(const void *a, const void *b) {
 
 /* Where a catalogue entry lands. *part: 0 = data, 1 = MXFP4 scale, 2 = AttnRes norm half,
  * 3 = AttnRes proj half (both staged, then fused into the F32 score). */
+static int part_of(const k3_tensor_spec *s) {
+    switch (s->role) {
+    case K3_R_OUT_RES_NORM:
+    case K3_R_ATTN_RES_NORM:
+    case K3_R_MLP_RES_NORM:
+        return 2;
+    case K3_R_OUT_RES_PROJ:
+    case K3_R_ATTN_RES_PROJ:
+    case K3_R_MLP_RES_PROJ:
+        return 3;
+    case K3_R_EXP_W1_SCALE:
+    case K3_R_EXP_W2_SCALE:
+    case K3_R_EXP_W3_SCALE:
+        return 1;
+    default:
+        return 0;
+    }
+}
+
 static k3_tensor *slot(k3_weights *w, const k3_tensor_spec *s, int *part) {
-    *part = 0;
+    *part = part_of(s); /* 1: an expert scale, 2/3: AttnRes norm/proj halves */
     k3_weights_view *v = &w->view;
     k3_layer_w *L = s->layer >= 0 ? &w->layers[s->layer] : NULL;
     k3_expert_w *E = (L && s->expert >= 0) ? &L->experts[s->expert] : NULL;
@@ -76,10 +95,8 @@ static k3_tensor *slot(k3_weights *w, const k3_tensor_spec *s, int *part) {
     case K3_R_FINAL_NORM:
         return &v->final_norm;
     case K3_R_OUT_RES_NORM:
-        *part = 2;
         return &v->out_res_score;
     case K3_R_OUT_RES_PROJ:
-        *part = 3;
         return &v->out_res_score;
     case K3_R_LM_HEAD:
         return &v->lm_head;
@@ -88,16 +105,12 @@ static k3_tensor *slot(k3_weights *w, const k3_tensor_spec *s, int *part) {
     case K3_R_POST_NORM:
         return &L->post_attn_norm;
     case K3_R_ATTN_RES_NORM:
-        *part = 2;
         return &L->attn_res_score;
     case K3_R_ATTN_RES_PROJ:
-        *part = 3;
         return &L->attn_res_score;
     case K3_R_MLP_RES_NORM:
-        *part = 2;
         return &L->mlp_res_score;
     case K3_R_MLP_RES_PROJ:
-        *part = 3;
         return &L->mlp_res_score;
     case K3_R_KDA_Q:
         return &L->q_proj;
@@ -170,13 +183,10 @@ static k3_tensor *slot(k3_weights *w, const k3_tensor_spec *s, int *part) {
     case K3_R_SH_DOWN:
         return &L->sh_down;
     case K3_R_EXP_W1_SCALE:
-        *part = 1;
         return &E->w1;
     case K3_R_EXP_W2_SCALE:
-        *part = 1;
         return &E->w2;
     case K3_R_EXP_W3_SCALE:
-        *part = 1;
         return &E->w3;
     case K3_R_EXP_W1_PACKED:
     case K3_R_EXP_W1:
@@ -213,25 +223,6 @@ static uint64_t placed_bytes(const k3_config *c, const k3_tensor_spec *s, int pa
     if (part == 2) return align64((uint64_t)c->hidden_size * 4);
     if (part == 3) return 0;
     return align64((uint64_t)k3_tensor_spec_bytes(s));
-}
-
-static int part_of(const k3_tensor_spec *s) {
-    switch (s->role) {
-    case K3_R_OUT_RES_NORM:
-    case K3_R_ATTN_RES_NORM:
-    case K3_R_MLP_RES_NORM:
-        return 2;
-    case K3_R_OUT_RES_PROJ:
-    case K3_R_ATTN_RES_PROJ:
-    case K3_R_MLP_RES_PROJ:
-        return 3;
-    case K3_R_EXP_W1_SCALE:
-    case K3_R_EXP_W2_SCALE:
-    case K3_R_EXP_W3_SCALE:
-        return 1;
-    default:
-        return 0;
-    }
 }
 
 k3_status k3_weights_dense_bytes(const k3_config *c, const k3_load_sel *sel, uint64_t *out,
@@ -301,7 +292,7 @@ k3_status k3_weights_load(k3_ckpt *ck, const k3_config *c, const k3_load_sel *se
     const bool share = sel->dense != NULL;
 
     /* pass 1: check and size */
-    uint64_t bytes = 0, dense_bytes = 0, stage_bytes = 0, total_read = 0;
+    uint64_t bytes = 0, dense_bytes = 0, stage_bytes = 0;
     const k3_ckpt_tensor **src = NULL;
     if ((st = k3_calloc((void **)&src, (size_t)n * sizeof *src, "sources")) != K3_OK) goto fail;
     for (int64_t i = 0; i < n; i++) {
@@ -315,7 +306,6 @@ k3_status k3_weights_load(k3_ckpt *ck, const k3_config *c, const k3_load_sel *se
         uint64_t nb = (uint64_t)k3_tensor_spec_bytes(&specs[i]);
         *(dense ? &dense_bytes : &bytes) += placed_bytes(c, &specs[i], part);
         if (part >= 2) stage_bytes += align64(nb);
-        if (!dense || sel->dense_reader) total_read += nb;
     }
     if (share && dense_bytes != sel->dense_bytes) {
         k3_free(src);
@@ -405,7 +395,6 @@ k3_status k3_weights_load(k3_ckpt *ck, const k3_config *c, const k3_load_sel *se
     if (share && !sel->dense_reader) nf = 0; /* the reader fuses the shared scores */
     k3_free(src);
     qsort(jobs, (size_t)nj, sizeof *jobs, job_cmp);
-    (void)total_read;
     { /* the reads: staged AttnRes halves to host memory, everything else to the arena */
         k3_read_req *rq = NULL;
         if ((st = k3_alloc((void **)&rq, (size_t)K3_MAX(nj, 1) * sizeof *rq, "read requests")) !=

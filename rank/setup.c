@@ -21,35 +21,70 @@ static uint64_t rank_need(const rank_ctx *r, int i) {
     return k3_rank_mem_total(&r->plan.mem[i]); /* what `k3 plan` prints */
 }
 
+/* ---- node sharing: who shares ------------------------------------------------------------- */
+/* A backend whose weights are plain process memory (node sharing maps them in node memory). */
+static bool host_weights(const rank_ctx *r) {
+    const char *be = r->o->backend ? r->o->backend : "cpu";
+    return strcmp(be, "cpu") == 0 || strcmp(be, "ref") == 0;
+}
+
+/* The ranks of rank's stage on rank's node (ascending): *reader the lowest, *size how many,
+ * members (may be NULL) the first cap of them. */
+static void dense_group(const rank_ctx *r, int rank, int *reader, int *size, int *members,
+                        int cap) {
+    int stage = -1;
+    *reader = -1, *size = 0;
+    if (!k3_plan_coords(&r->plan, rank, &stage, NULL)) return;
+    for (int i = 0; i < r->world; i++) {
+        int s = -1;
+        if (r->where[i].node != r->where[rank].node || !k3_plan_coords(&r->plan, i, &s, NULL) ||
+            s != stage)
+            continue;
+        if (*reader < 0) *reader = i;
+        if (members && *size < cap) members[*size] = i;
+        (*size)++;
+    }
+}
+
+/* Stage s's dense region (k3_weights_dense_bytes) and the checkpoint bytes in it. */
+static k3_status stage_dense(const rank_ctx *r, int s, uint64_t *region, uint64_t *stored) {
+    k3_load_sel sel = {.layer_begin = r->plan.stage_begin[s],
+                       .layer_end = r->plan.stage_begin[s + 1],
+                       .embed = s == 0,
+                       .head = s == r->plan.n_stages - 1};
+    return k3_weights_dense_bytes(&r->cfg, &sel, region, stored);
+}
+
+/* With node sharing (rank_share_dense) the host ranks of one stage on one node hold its dense
+ * weights once: the node's need drops by (ranks of the stage there - 1) x the stage's dense
+ * region. Each rank of a group but the lowest counts that region off; dense[s] caches stage s's
+ * region (0: not computed yet). */
+static k3_status shared_off(const rank_ctx *r, int i, uint64_t *dense, uint64_t *off) {
+    *off = 0;
+    int reader = -1, size = 0, s = -1;
+    if (!host_weights(r) || r->o->load_private || !k3_plan_coords(&r->plan, i, &s, NULL))
+        return K3_OK;
+    dense_group(r, i, &reader, &size, NULL, 0);
+    if (reader == i) return K3_OK;
+    if (!dense[s]) K3_TRY(stage_dense(r, s, &dense[s], NULL));
+    *off = dense[s];
+    return K3_OK;
+}
+
 /* Refuse a plan a node cannot hold before allocating anything: a huge --n or prompt sizes every
  * sequence's caches for its whole context up front, and an OOM kill names nobody. Every rank
  * decides the same for every node (same plan, same gathered readings), so the error is identical
  * on every rank. */
-/* With node sharing (rank_share_dense) the host ranks of one stage on one node hold its dense
- * weights once: the node's need drops by (ranks of the stage there - 1) x the stage's dense
- * region. Each rank of a group but the lowest counts that region off. */
-static k3_status shared_off(const rank_ctx *r, int i, uint64_t *off) {
-    *off = 0;
-    const char *be = r->o->backend ? r->o->backend : "cpu";
-    int s = -1;
-    if ((strcmp(be, "cpu") != 0 && strcmp(be, "ref") != 0) || r->o->load_private ||
-        !k3_plan_coords(&r->plan, i, &s, NULL))
-        return K3_OK;
-    for (int j = 0; j < i; j++) { /* a lower rank of the same stage on the node reads it */
-        int sj = -1;
-        if (r->where[j].node == r->where[i].node && k3_plan_coords(&r->plan, j, &sj, NULL) &&
-            sj == s) {
-            k3_load_sel sel = {.layer_begin = r->plan.stage_begin[s],
-                               .layer_end = r->plan.stage_begin[s + 1],
-                               .embed = s == 0,
-                               .head = s == r->plan.n_stages - 1};
-            return k3_weights_dense_bytes(&r->cfg, &sel, off, NULL);
-        }
-    }
-    return K3_OK;
+static k3_status check_nodes(const rank_ctx *r, const k3_plan_req *req, uint64_t *dense);
+static k3_status check_memory(const rank_ctx *r, const k3_plan_req *req) {
+    uint64_t *dense = NULL; /* [n_stages] for shared_off */
+    K3_TRY(k3_calloc((void **)&dense, (size_t)r->plan.n_stages * sizeof *dense, "stage regions"));
+    k3_status st = check_nodes(r, req, dense);
+    k3_free(dense);
+    return st;
 }
 
-static k3_status check_memory(const rank_ctx *r, const k3_plan_req *req) {
+static k3_status check_nodes(const rank_ctx *r, const k3_plan_req *req, uint64_t *dense) {
     for (int n = 0; n < r->world; n++) {
         if (r->where[n].node != n) continue; /* n is not the lowest rank of a node */
         uint64_t avail = r->where[n].v, need = 0;
@@ -60,7 +95,7 @@ static k3_status check_memory(const rank_ctx *r, const k3_plan_req *req) {
         for (int i = 0; i < r->world; i++)
             if (r->where[i].node == n) {
                 uint64_t off = 0;
-                K3_TRY(shared_off(r, i, &off));
+                K3_TRY(shared_off(r, i, dense, &off));
                 need += rank_need(r, i) - K3_MIN(off, rank_need(r, i)), n_ranks++;
             }
         if (need <= usable) continue;
@@ -208,20 +243,6 @@ k3_status rank_setup(rank_ctx *r) {
  * files: once every rank has loaded, it sends its region to the others of the group over the
  * comm table (rank_spread_dense). --load-private: no sharing. */
 
-/* The ranks of r's stage on r's node (ascending): *reader the lowest, *size how many. */
-static void dense_group(const rank_ctx *r, int *reader, int *size, int *members, int cap) {
-    const int node = r->where[r->rank].node;
-    *reader = -1, *size = 0;
-    for (int i = 0; i < r->world; i++) {
-        int s = -1;
-        if (r->where[i].node != node || !k3_plan_coords(&r->plan, i, &s, NULL) || s != r->stage)
-            continue;
-        if (*reader < 0) *reader = i;
-        if (members && *size < cap) members[*size] = i;
-        (*size)++;
-    }
-}
-
 /* This rank takes part in its group's sharing: p the node's region (host), or NULL (device: the
  * region is allocated with the backend). */
 static void shared_set(rank_ctx *r, void *p, bool device, uint64_t nd, uint64_t stored, int reader,
@@ -241,9 +262,8 @@ static void shared_set(rank_ctx *r, void *p, bool device, uint64_t nd, uint64_t 
 
 k3_status rank_share_dense(rank_ctx *r) {
     const char *be = r->o->backend ? r->o->backend : "cpu";
-    const bool host = strcmp(be, "cpu") == 0 || strcmp(be, "ref") == 0;
     const bool dev = strcmp(be, "cuda") == 0 && k3_comm_device_payloads(r->comm);
-    const bool can = (host || dev) && !r->o->load_private && r->worker;
+    const bool can = (host_weights(r) || dev) && !r->o->load_private && r->worker;
     uint64_t *all = NULL;
     RTRY(r, k3_calloc((void **)&all, (size_t)r->world * sizeof *all, "node sharing"));
     k3_status st = K3_OK;
@@ -254,15 +274,10 @@ k3_status rank_share_dense(rank_ctx *r) {
     const uint64_t token = all[0];
     const int node = r->where[r->rank].node;
     int reader = -1, size = 0;
-    if (can) dense_group(r, &reader, &size, NULL, 0);
+    if (can) dense_group(r, r->rank, &reader, &size, NULL, 0);
     uint64_t nd = 0, stored = 0;
     if (can && size > 1) {
-        const int S = r->plan.n_stages;
-        k3_load_sel sel = {.layer_begin = r->plan.stage_begin[r->stage],
-                           .layer_end = r->plan.stage_begin[r->stage + 1],
-                           .embed = r->stage == 0,
-                           .head = r->stage == S - 1};
-        if ((st = k3_weights_dense_bytes(&r->cfg, &sel, &nd, &stored)) != K3_OK) goto out;
+        if ((st = stage_dense(r, r->stage, &nd, &stored)) != K3_OK) goto out;
     }
     const bool share = can && size > 1 && nd > 0;
     if (dev) { /* each device keeps a copy: no shared memory, the region comes with the backend */
@@ -308,7 +323,7 @@ out:
 k3_status rank_spread_dense(rank_ctx *r) {
     if (!r->dense_device) return K3_OK;
     int reader = -1, size = 0, members[256];
-    dense_group(r, &reader, &size, members, (int)K3_ARRAY_LEN(members));
+    dense_group(r, r->rank, &reader, &size, members, (int)K3_ARRAY_LEN(members));
     if (size > (int)K3_ARRAY_LEN(members))
         RTRY(r, K3_ERR(K3_ERR_STATE, "node sharing: %d ranks of stage %d on one node (at most %d)",
                        size, r->stage, (int)K3_ARRAY_LEN(members)));
