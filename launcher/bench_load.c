@@ -14,8 +14,9 @@
  *      its peak RSS (VmHWM, reset before each open through /proc/self/clear_refs where allowed) is
  *      read after the open and gathered with k3_comm_world_where, which also places it on a node.
  *   3. per node: the bytes its ranks read, and the unique bytes (k3_plan_unique_weights: the
- *      distinct checkpoint tensors the node's ranks read; every lane of a stage reads the stage's
- *      non-expert tensors today, so bytes read > unique bytes with E > 1 on one node).
+ *      distinct checkpoint tensors the node's ranks read). With node sharing the lanes of a stage
+ *      read its non-expert tensors once, so the two agree; with --load-private every lane reads
+ *      them and bytes read > unique bytes with E > 1 on one node.
  * Owns: the raw read and the sequence of loads. Does not own: the loader (model/weights.c), the
  * outputs (bench_report.c), the flag table (cmd_bench.c checks the modes first).
  * Invariants: every rank runs the same sequence of collectives (the decisions come from gathered

@@ -139,6 +139,29 @@ static void add_mem(cJSON *o, const k3_rank_mem *m, double device) {
     if (device > 0) cJSON_AddNumberToObject(mm, "device", device);
 }
 
+/* One node of the site: its ranks' totals, what they hold once, the bytes it reads. */
+typedef struct node_mem {
+    int n_ranks;
+    uint64_t sum, shared, read;
+    double memory; /* cpu: the node's memory (a rank's share x ranks) */
+    bool fits;
+} node_mem;
+
+static void node_of(const k3_plan *p, const k3_site *s, int node, node_mem *o) {
+    k3_plan_node_bytes(p, s, node, &o->sum, &o->shared, &o->read);
+    o->n_ranks = K3_MAX(0, K3_MIN(s->ranks_per_node, p->world - node * s->ranks_per_node));
+    o->memory = s->mem_bytes * s->ranks_per_node;
+    o->fits = s->gpu || (double)(o->sum - o->shared) <= o->memory * 0.9;
+}
+
+/* A GPU rank fits its device; a cpu rank fits when its node does (k3_plan_fits). */
+static bool rank_fits(const k3_plan *p, const k3_site *s, int r) {
+    if (s->gpu) return (double)k3_rank_mem_total(&p->mem[r]) <= s->mem_bytes * 0.9;
+    node_mem nm;
+    node_of(p, s, r / s->ranks_per_node, &nm);
+    return nm.fits;
+}
+
 static void print_json(const plan_out *po) {
     const k3_plan *p = po->plan;
     const k3_site *s = po->site;
@@ -169,6 +192,7 @@ static void print_json(const plan_out *po) {
         cJSON_AddNumberToObject(o, "layer_begin", p->stage_begin[st]);
         cJSON_AddNumberToObject(o, "layer_end", p->stage_begin[st + 1]);
         cJSON_AddNumberToObject(o, "cost_bytes_per_token", p->stage_cost[st]);
+        cJSON_AddNumberToObject(o, "dense_bytes", (double)p->stage_dense[st]);
         if (po->perf) {
             cJSON_AddNumberToObject(o, "decode_step_s", po->perf->stage_s[st]);
             cJSON_AddNumberToObject(o, "decode_mem_s", po->perf->stage_mem_s[st]);
@@ -194,12 +218,25 @@ static void print_json(const plan_out *po) {
             cJSON_AddStringToObject(o, "numa", po->bind[loc].numa);
         }
         add_mem(o, &p->mem[r], s ? s->mem_bytes : 0);
-        if (s)
-            cJSON_AddBoolToObject(o, "fits",
-                                  (double)k3_rank_mem_total(&p->mem[r]) <= s->mem_bytes * 0.9);
+        if (s) cJSON_AddBoolToObject(o, "fits", rank_fits(p, s, r));
         cJSON_AddItemToArray(rk, o);
     }
     if (s) {
+        cJSON *na = cJSON_AddArrayToObject(j, "nodes");
+        for (int n = 0; n < s->nodes; n++) {
+            node_mem nm;
+            node_of(p, s, n, &nm);
+            cJSON *o = cJSON_CreateObject();
+            cJSON_AddNumberToObject(o, "node", n);
+            cJSON_AddNumberToObject(o, "ranks", nm.n_ranks);
+            cJSON_AddNumberToObject(o, "ranks_bytes", (double)nm.sum);
+            cJSON_AddNumberToObject(o, "shared_bytes", (double)nm.shared);
+            cJSON_AddNumberToObject(o, "total_bytes", (double)(nm.sum - nm.shared));
+            cJSON_AddNumberToObject(o, "read_bytes", (double)nm.read);
+            if (!s->gpu) cJSON_AddNumberToObject(o, "memory_bytes", nm.memory);
+            cJSON_AddBoolToObject(o, "fits", nm.fits);
+            cJSON_AddItemToArray(na, o);
+        }
         cJSON *so = cJSON_AddObjectToObject(j, "site");
         cJSON_AddStringToObject(so, "name", s->name);
         cJSON_AddNumberToObject(so, "nodes", s->nodes);
@@ -255,6 +292,26 @@ static void print_json(const plan_out *po) {
     cJSON_Delete(j);
 }
 
+static void print_nodes(const plan_out *po) {
+    const k3_plan *p = po->plan;
+    const k3_site *s = po->site;
+    const double GB = 1e9;
+    printf("memory by node (GB): the lanes of a stage on one node read its dense weights once%s\n",
+           s->gpu ? " (each GPU still holds its own copy)" : " and hold them once (shared memory)");
+    printf("  node  ranks  ranks' sum  held once   node total  %s  read from files\n",
+           s->gpu ? "" : "of node  ");
+    for (int n = 0; n < s->nodes; n++) {
+        node_mem nm;
+        node_of(p, s, n, &nm);
+        printf("  %4d  %5d  %10.2f  %9.2f  %11.2f  ", n, nm.n_ranks, nm.sum / GB, nm.shared / GB,
+               (nm.sum - nm.shared) / GB);
+        if (!s->gpu)
+            printf("%6.1f%%%s  ", 100 * (nm.sum - nm.shared) / nm.memory,
+                   nm.fits ? "" : " DOES NOT FIT");
+        printf("%15.2f\n", nm.read / GB);
+    }
+}
+
 static void print_tables(const plan_out *po) {
     const k3_plan *p = po->plan;
     const k3_site *s = po->site;
@@ -300,16 +357,22 @@ static void print_tables(const plan_out *po) {
                m->buffers / GB, m->workspace / GB, tot / GB);
         if (s)
             printf("  %.1f%%%s", 100 * tot / s->mem_bytes,
-                   tot <= s->mem_bytes * 0.9 ? "" : " DOES NOT FIT");
+                   rank_fits(p, s, r) ? "" : " DOES NOT FIT");
         printf("\n");
     }
     if (!s) return;
+    print_nodes(po);
     const k3_perf *f = po->perf;
     uint64_t most;
     bool fits = k3_plan_fits(p, s, &most);
-    printf("fit: %s (largest rank %.2f GB; a device %.2f GB less the engine's 10%% margin)\n",
-           fits ? "yes" : "NO", most / GB, s->mem_bytes / GB);
-    printf("load: %.0f s at %.2f GB/s a node (the largest node's weights)\n", f->load_s,
+    if (s->gpu)
+        printf("fit: %s (largest rank %.2f GB; a device %.2f GB less the engine's 10%% margin)\n",
+               fits ? "yes" : "NO", most / GB, s->mem_bytes / GB);
+    else
+        printf("fit: %s (each node's ranks, the shared dense weights once, within %.2f GB of node "
+               "memory less the engine's 10%% margin)\n",
+               fits ? "yes" : "NO", s->mem_bytes * s->ranks_per_node / GB);
+    printf("load: %.0f s at %.2f GB/s a node (the largest node's reads)\n", f->load_s,
            po->fs_bps / GB);
     printf("predicted (cost model in partition/site.c; nominal rates, an upper bound):\n");
     printf("  decode  %.1f tok/s: %d micro-batches of %d seqs a lane; round %.3f ms, one group's "

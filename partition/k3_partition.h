@@ -81,6 +81,10 @@ typedef struct k3_plan {
     int16_t *expert_lane; /* [n_layers, n_experts] owning lane; -1 on non-MoE layers */
     k3_rank_mem *mem;     /* [world] */
     uint64_t hash;        /* over everything above (k3_plan_hash) */
+    /* [n_stages] a stage's weights less its routed experts (its layers' other tensors, with the
+       embedding on stage 0 and the head side on the last): the bytes every lane of the stage
+       holds alike, which the lanes on one node read and hold once (rank/setup.c) */
+    uint64_t stage_dense[K3_MAX_LAYERS];
 } k3_plan;
 
 /* Build the plan. Invalid requests (S x E != world, or world - 1 with a dedicated coordinator;
@@ -116,6 +120,14 @@ uint64_t k3_plan_hash(const k3_plan *p);
  * outside the world are refused (K3_ERR_ARG). Pure: allocates only the catalogue it walks. */
 k3_status k3_plan_unique_weights(const k3_config *c, const k3_plan *p, const int *ranks,
                                  int n_ranks, uint64_t *out);
+
+/* Of the ranks ranks[0..n_ranks) on one node, the bytes held once instead of once a rank: the
+ * lanes of a stage share its dense weights (stage_dense), so each stage with k of them there
+ * counts (k - 1) x stage_dense[s] off. A dedicated coordinator and ranks outside the world count
+ * nothing; a rank listed twice counts once. The same rule as rank/setup.c's node memory check and
+ * `k3 plan`'s node table (with --load-private, or a device backend's device memory, nothing is
+ * shared). */
+uint64_t k3_plan_node_shared(const k3_plan *p, const int *ranks, int n_ranks);
 
 /* The plan as a human table (stages, layers, costs, per-rank bytes). Truncates at cap. */
 void k3_plan_format(const k3_plan *p, const k3_config *c, char *buf, size_t cap);
@@ -169,9 +181,17 @@ typedef struct k3_perf {
 void k3_plan_predict(const k3_config *c, const k3_plan *p, const k3_plan_req *r, const k3_site *s,
                      double fs_bps, k3_perf *out);
 
-/* Ranks a plan on a site fits: every rank's k3_rank_mem_total within its device's memory less
- * the engine's margin (10%, as rank/setup.c). Returns the largest rank total in *max_bytes. */
+/* Ranks a plan on a site fits: on GPUs, every rank's k3_rank_mem_total within its device's memory
+ * less the engine's margin (10%, as rank/setup.c); on cpu ranks, every node's ranks together, less
+ * what they hold once (k3_plan_node_shared), within the node's memory less the margin. Returns the
+ * largest rank total in *max_bytes. */
 bool k3_plan_fits(const k3_plan *p, const k3_site *s, uint64_t *max_bytes);
+/* Node `node` of a site (ranks node x ranks_per_node ..): its ranks' summed totals, what they
+ * hold once (k3_plan_node_shared; host memory, so 0 on a GPU site), and the checkpoint bytes the
+ * node reads (its ranks' weights less the shared: a stage's dense weights are read once a node on
+ * every backend). */
+void k3_plan_node_bytes(const k3_plan *p, const k3_site *s, int node, uint64_t *sum,
+                        uint64_t *shared, uint64_t *read);
 
 /* Without --pp/--ep: every S x E = nodes x ranks_per_node with E dividing n_experts and
  * S <= n_layers, ranked: plans that fit first, then by predicted decode throughput, then by less

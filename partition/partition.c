@@ -459,7 +459,9 @@ static k3_status fill_mem(k3_plan *p, const k3_config *c, const k3_plan_req *r,
         if (k3_plan_coords(p, rank, &s, &e)) {
             int lb = p->stage_begin[s], le = p->stage_begin[s + 1];
             bool has_moe = false;
+            uint64_t dense = 0;
             for (int l = lb; l < le; l++) {
+                dense = u_add(&wo, dense, cs->layer[l]);
                 m->weights = u_add(&wo, m->weights, cs->layer[l]);
                 add_dt(m, cs->layer_dt[l]);
                 if (k3_config_is_moe(c, l)) {
@@ -473,13 +475,16 @@ static k3_status fill_mem(k3_plan *p, const k3_config *c, const k3_plan_req *r,
                 }
             }
             if (s == 0) {
+                dense = u_add(&wo, dense, cs->embed);
                 m->weights = u_add(&wo, m->weights, cs->embed);
                 add_dt(m, cs->embed_dt);
             }
             if (s == S - 1) {
+                dense = u_add(&wo, dense, cs->head);
                 m->weights = u_add(&wo, m->weights, cs->head);
                 add_dt(m, cs->head_dt);
             }
+            p->stage_dense[s] = dense;
             /* caches: per-sequence bytes (checked here first: CTX may be up to 2^30) */
             uint64_t per_tok = 0, n_mla = 0;
             for (int l = lb; l < le; l++) n_mla += c->mixer[l] != K3_MIXER_KDA;
@@ -602,6 +607,20 @@ fail:
     k3_free(cs.expert);
     k3_plan_free(out);
     return st;
+}
+
+uint64_t k3_plan_node_shared(const k3_plan *p, const int *ranks, int n_ranks) {
+    int k[K3_MAX_LAYERS] = {0}; /* distinct ranks of each stage in the list */
+    for (int i = 0; i < n_ranks; i++) {
+        int s = -1;
+        bool first = ranks[i] >= 0 && ranks[i] < p->world;
+        for (int j = 0; first && j < i; j++) first = ranks[j] != ranks[i];
+        if (first && k3_plan_coords(p, ranks[i], &s, NULL) && s >= 0 && s < p->n_stages) k[s]++;
+    }
+    uint64_t off = 0;
+    for (int s = 0; s < p->n_stages; s++)
+        if (k[s] > 1) off += (uint64_t)(k[s] - 1) * p->stage_dense[s];
+    return off;
 }
 
 /* Whether the ranks' set `in_stage[s]` (any rank of stage s) / `lanes[s * E + e]` (rank (s, e))

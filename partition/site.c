@@ -23,7 +23,8 @@
  *   bubble   = 1 - M max_s t_s / period (the slowest stage's idle share; (S-1)/(M+S-1) at start-up)
  *   prefill: the same with T = max_tokens prompt tokens per lane per step in place of b decode
  *            rows, attention over T/2, every expert touched; tok/s = E T / max(max t_s, lat / M).
- *   load    = the largest node's weight bytes / fs_bps (each node reads its own ranks' tensors).
+ *   load    = the largest node's read bytes / fs_bps: each node reads its own ranks' tensors, a
+ *             stage's dense weights once for its lanes there (k3_plan_node_bytes).
  * The rates are nominal per-direction figures (an upper bound: no kernel reaches them), so the
  * prediction ranks splits and sizes expectations; bench measures. */
 #include "k3_partition.h"
@@ -111,11 +112,40 @@ k3_status k3_site_check(const k3_site *s) {
     return K3_OK;
 }
 
+/* The ranks of node `node` of site s: [*first, *first + *n). */
+static void node_ranks(const k3_plan *p, const k3_site *s, int node, int *first, int *n) {
+    *first = node * s->ranks_per_node;
+    *n = K3_MAX(0, K3_MIN(s->ranks_per_node, p->world - *first));
+}
+
+void k3_plan_node_bytes(const k3_plan *p, const k3_site *s, int node, uint64_t *sum,
+                        uint64_t *shared, uint64_t *read) {
+    int first, n, ranks[1024];
+    node_ranks(p, s, node, &first, &n);
+    n = K3_MIN(n, (int)K3_ARRAY_LEN(ranks)); /* `k3 plan` takes <= 1024 a node */
+    uint64_t tot = 0, w = 0;
+    for (int i = 0; i < n; i++) {
+        ranks[i] = first + i;
+        tot += k3_rank_mem_total(&p->mem[first + i]);
+        w += p->mem[first + i].weights;
+    }
+    const uint64_t once = k3_plan_node_shared(p, ranks, n);
+    if (sum) *sum = tot;
+    if (shared) *shared = s->gpu ? 0 : once; /* GPUs: each device holds its own copy */
+    if (read) *read = w - K3_MIN(once, w);
+}
+
 bool k3_plan_fits(const k3_plan *p, const k3_site *s, uint64_t *max_bytes) {
     uint64_t most = 0;
     for (int r = 0; r < p->world; r++) most = K3_MAX(most, k3_rank_mem_total(&p->mem[r]));
     if (max_bytes) *max_bytes = most;
-    return (double)most <= s->mem_bytes * 0.9; /* rank/setup.c's margin */
+    if (s->gpu) return (double)most <= s->mem_bytes * 0.9; /* rank/setup.c's margin */
+    for (int n = 0; n < s->nodes; n++) { /* cpu: a node's memory, less what its ranks share */
+        uint64_t sum = 0, shared = 0;
+        k3_plan_node_bytes(p, s, n, &sum, &shared, NULL);
+        if ((double)(sum - shared) > s->mem_bytes * s->ranks_per_node * 0.9) return false;
+    }
+    return true;
 }
 
 /* ---- the cost model ------------------------------------------------------------------------ */
@@ -269,15 +299,13 @@ void k3_plan_predict(const k3_config *c, const k3_plan *p, const k3_plan_req *r,
     o->period_s = period;
     o->decode_tok_s = (double)E * b * M / period;
     o->bubble = period > 0 ? 1.0 - M * t_max / period : 0;
-    double most = 0;
+    uint64_t most = 0;
     for (int n = 0; n < s->nodes; n++) {
-        double w = 0;
-        for (int rk = n * s->ranks_per_node; rk < (n + 1) * s->ranks_per_node && rk < p->world;
-             rk++)
-            w += (double)p->mem[rk].weights;
-        most = K3_MAX(most, w);
+        uint64_t read = 0;
+        k3_plan_node_bytes(p, s, n, NULL, NULL, &read);
+        most = K3_MAX(most, read);
     }
-    o->load_s = fs_bps > 0 ? most / fs_bps : 0;
+    o->load_s = fs_bps > 0 ? (double)most / fs_bps : 0;
 }
 
 /* ---- the grid search ----------------------------------------------------------------------- */

@@ -55,36 +55,16 @@ static k3_status stage_dense(const rank_ctx *r, int s, uint64_t *region, uint64_
     return k3_weights_dense_bytes(&r->cfg, &sel, region, stored);
 }
 
-/* With node sharing (rank_share_dense) the host ranks of one stage on one node hold its dense
- * weights once: the node's need drops by (ranks of the stage there - 1) x the stage's dense
- * region. Each rank of a group but the lowest counts that region off; dense[s] caches stage s's
- * region (0: not computed yet). */
-static k3_status shared_off(const rank_ctx *r, int i, uint64_t *dense, uint64_t *off) {
-    *off = 0;
-    int reader = -1, size = 0, s = -1;
-    if (!host_weights(r) || r->o->load_private || !k3_plan_coords(&r->plan, i, &s, NULL))
-        return K3_OK;
-    dense_group(r, i, &reader, &size, NULL, 0);
-    if (reader == i) return K3_OK;
-    if (!dense[s]) K3_TRY(stage_dense(r, s, &dense[s], NULL));
-    *off = dense[s];
-    return K3_OK;
-}
-
 /* Refuse a plan a node cannot hold before allocating anything: a huge --n or prompt sizes every
- * sequence's caches for its whole context up front, and an OOM kill names nobody. Every rank
+ * sequence's caches for its whole context up front, and an OOM kill names nobody. With node
+ * sharing (rank_share_dense) the host ranks of one stage on one node hold its dense weights once:
+ * the node's need drops by what k3_plan_node_shared counts (the rule `k3 plan` prints). Every rank
  * decides the same for every node (same plan, same gathered readings), so the error is identical
  * on every rank. */
-static k3_status check_nodes(const rank_ctx *r, const k3_plan_req *req, uint64_t *dense);
 static k3_status check_memory(const rank_ctx *r, const k3_plan_req *req) {
-    uint64_t *dense = NULL; /* [n_stages] for shared_off */
-    K3_TRY(k3_calloc((void **)&dense, (size_t)r->plan.n_stages * sizeof *dense, "stage regions"));
-    k3_status st = check_nodes(r, req, dense);
-    k3_free(dense);
-    return st;
-}
-
-static k3_status check_nodes(const rank_ctx *r, const k3_plan_req *req, uint64_t *dense) {
+    int *on = NULL; /* the ranks of one node */
+    K3_TRY(k3_alloc((void **)&on, (size_t)r->world * sizeof *on, "node ranks"));
+    const bool share = host_weights(r) && !r->o->load_private;
     for (int n = 0; n < r->world; n++) {
         if (r->where[n].node != n) continue; /* n is not the lowest rank of a node */
         uint64_t avail = r->where[n].v, need = 0;
@@ -93,11 +73,9 @@ static k3_status check_nodes(const rank_ctx *r, const k3_plan_req *req, uint64_t
         uint64_t usable = avail > margin ? avail - margin : 0;
         int n_ranks = 0;
         for (int i = 0; i < r->world; i++)
-            if (r->where[i].node == n) {
-                uint64_t off = 0;
-                K3_TRY(shared_off(r, i, dense, &off));
-                need += rank_need(r, i) - K3_MIN(off, rank_need(r, i)), n_ranks++;
-            }
+            if (r->where[i].node == n) need += rank_need(r, i), on[n_ranks++] = i;
+        const uint64_t once = share ? k3_plan_node_shared(&r->plan, on, n_ranks) : 0;
+        need -= K3_MIN(once, need);
         if (need <= usable) continue;
         char list[2048];
         size_t at = 0;
@@ -112,17 +90,20 @@ static k3_status check_nodes(const rank_ctx *r, const k3_plan_req *req, uint64_t
                                    at ? ";" : "", i, s, e, rank_need(r, i) / 1e9, m->weights / 1e9,
                                    m->caches / 1e9, m->buffers / 1e9, m->workspace / 1e9);
         }
+        k3_free(on);
         return K3_ERR(K3_ERR_NOMEM,
-                      "memory: the %d rank%s on host %s need %.2f GB together but the node can "
+                      "memory: the %d rank%s on host %s need %.2f GB together%s but the node can "
                       "give %.2f GB (MemAvailable %.2f GB less a margin of %.2f GB: 10%%, at "
                       "least 256 MiB); caches are %d sequence slots of %lld tokens per lane "
                       "(--max-seqs, --max-ctx) and buffers hold %lld tokens per step "
                       "(--max-batch-tokens, or --chunk for a long prompt): lower them or spread "
                       "the ranks over more nodes;%s",
-                      n_ranks, n_ranks == 1 ? "" : "s", r->where[n].host, need / 1e9, usable / 1e9,
+                      n_ranks, n_ranks == 1 ? "" : "s", r->where[n].host, need / 1e9,
+                      once ? " (their shared dense weights counted once)" : "", usable / 1e9,
                       avail / 1e9, margin / 1e9, req->max_seqs_per_lane, (long long)req->max_ctx,
                       (long long)req->max_tokens, list);
     }
+    k3_free(on);
     return K3_OK;
 }
 

@@ -236,6 +236,25 @@ int main(void) {
             K3_CHECK(u == dense + experts[pair[0]] + experts[pair[1]] &&
                          u < want[pair[0]] + want[pair[1]],
                      "stage %d lanes: unique %llu", s, (unsigned long long)u);
+            /* what a node holding the pair holds once (k3_plan_node_shared, from the plan's own
+               sizes) is what the catalogue walk finds read twice */
+            const uint64_t once = k3_plan_node_shared(&p, pair, 2);
+            K3_CHECK(once == dense && want[pair[0]] + want[pair[1]] - once == u,
+                     "stage %d lanes: held once %llu, dense %llu", s, (unsigned long long)once,
+                     (unsigned long long)dense);
+            const int twice[3] = {pair[0], pair[0], 0}; /* a rank twice, the coordinator */
+            K3_CHECK(k3_plan_node_shared(&p, twice, 3) == 0, "one lane and the coordinator");
+        }
+        {
+            const int node[7] = {0, 1, 2, 3, 4, 5, 6}, bad[2] = {6, 7};
+            uint64_t held = 0, u = 0;
+            for (int r = 0; r < 7; r++) held += want[r];
+            K3_CHECK_OK(k3_plan_unique_weights(&tiny, &p, node, 7, &u));
+            K3_CHECK(held - k3_plan_node_shared(&p, node, 7) == u, "one node of 7: %llu vs %llu",
+                     (unsigned long long)(held - k3_plan_node_shared(&p, node, 7)),
+                     (unsigned long long)u);
+            K3_CHECK(k3_plan_node_shared(&p, bad, 2) == 0,
+                     "a rank outside the world counts nothing");
         }
         {
             const int all[8] = {0, 1, 2, 3, 4, 5, 6, 6}; /* a rank twice counts once */

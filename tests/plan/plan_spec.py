@@ -98,8 +98,24 @@ if j16["fits"]:
 
 # the cost model's outputs: present, finite, consistent with their inputs
 pr = j["prediction"]
-node_w = max(sum(r["weight_bytes"] for r in j["ranks"] if r["node"] == n) for n in range(4))
-near("load time at 2 GB/s a node = the largest node's weights / 2 GB/s, s", pr["load_s"], node_w / 2e9, tol=0.001)
+# A node reads its ranks' weights, each stage's non-expert (BF16 + other) bytes once for the lanes
+# of that stage it holds (model/read_many.c's node sharing): (lanes there - 1) x those bytes fewer.
+def node_read(jj, n):
+    mine = [r for r in jj["ranks"] if r["node"] == n]
+    dense = {r["stage"]: r["memory"]["weights_bf16"] + r["memory"]["weights_other"] for r in mine}
+    lanes = {s: sum(1 for r in mine if r["stage"] == s) for s in dense}
+    return sum(r["weight_bytes"] for r in mine) - sum((lanes[s] - 1) * dense[s] for s in dense)
+for st in j["stages"]:
+    want = [r["memory"]["weights_bf16"] + r["memory"]["weights_other"] for r in j["ranks"]
+            if r["stage"] == j["stages"].index(st)]
+    if any(st["dense_bytes"] != w for w in want):
+        fails.append(f"stage dense_bytes {st['dense_bytes']} != its ranks' non-expert bytes {want}")
+for nd in j["nodes"]:
+    if nd["read_bytes"] != node_read(j, nd["node"]) or nd["shared_bytes"] != 0:
+        fails.append(f"node {nd['node']}: read {nd['read_bytes']} shared {nd['shared_bytes']}, "
+                     f"want read {node_read(j, nd['node'])} and nothing shared on GPUs")
+node_w = max(node_read(j, n) for n in range(4))
+near("load time at 2 GB/s a node = the largest node's reads / 2 GB/s, s", pr["load_s"], node_w / 2e9, tol=0.001)
 pr4 = jplan("--nodes", "4", "--gpus-per-node", "8", "--gpu", "h200", "--pp", "4", "--ep", "8", "--fs-gbps", "4")["prediction"]
 near("load time at 4 GB/s, s", pr4["load_s"], pr["load_s"] / 2, tol=0.001)
 if not (pr["decode_tok_s"] > 0 and pr["prefill_tok_s"] > pr["decode_tok_s"] and 0 <= pr["bubble"] < 1
@@ -140,6 +156,26 @@ with tempfile.NamedTemporaryFile("w", suffix=".json") as f:
     p = plan("--site", f.name, rc=2)
     if "missing" not in p.stderr:
         fails.append(f"a site file without keys: {p.stderr.strip()}")
+
+# cpu ranks: the four lanes of one stage on one node hold its non-expert bytes once (node-shared
+# memory), so the node needs 3 x those bytes less than its ranks' sum, and the fit is the node's.
+with tempfile.NamedTemporaryFile("w", suffix=".json") as f:
+    json.dump({"name": "cpu4", "gpu": False, "nodes": 1, "gpus_per_node": 4, "cores_per_node": 64,
+               "mem_gb": 480, "mem_bw_gbs": 100, "tflops": 5, "intra_gbs": 50, "inter_gbs": 10,
+               "intra_us": 1, "inter_us": 5}, f)
+    f.flush()
+    jc = jplan("--site", f.name, "--pp", "1", "--ep", "4")
+nd = jc["nodes"][0]
+ne = jc["ranks"][0]["memory"]["weights_bf16"] + jc["ranks"][0]["memory"]["weights_other"]
+tot = sum(r["memory"]["total"] for r in jc["ranks"])
+big = max(r["memory"]["total"] for r in jc["ranks"])
+print(f"cpu 1 x 4: ranks {tot / GB:.1f} GB, held once {nd['shared_bytes'] / GB:.1f} GB, node "
+      f"{nd['total_bytes'] / GB:.1f} GB of {nd['memory_bytes'] / GB:.0f} GB, fits {nd['fits']}")
+if nd["shared_bytes"] != 3 * ne or nd["ranks_bytes"] != tot or nd["total_bytes"] != tot - 3 * ne:
+    fails.append(f"cpu node: {nd} vs 3 x {ne} held once of {tot}")
+if not (big > 0.9 * 480e9 and nd["total_bytes"] <= 0.9 * 1920e9 and nd["fits"] and jc["fits"]):
+    fails.append(f"cpu node: a node of 4 x 480 GB holds ranks of {big / GB:.0f} GB each "
+                 f"({nd['total_bytes'] / GB:.0f} GB together) yet fits={nd['fits']}/{jc['fits']}")
 
 print("plan_spec:", "PASS" if not fails else "FAIL: " + "; ".join(fails))
 sys.exit(1 if fails else 0)
