@@ -46,7 +46,6 @@
 #define RAW_PASS_S        3.0               /* a raw pass claims no piece after this long */
 #define RAW_MIN_THREADS   4                 /* raw readers at least (else the parallel readers) */
 #define COLD_MAX_RESIDENT 0.05 /* after the drop, a larger share still cached is not cold */
-#define MAX_LOADS         4
 
 /* ---- the shard files ------------------------------------------------------------------------ */
 typedef struct shard {
@@ -211,15 +210,64 @@ static k3_status raw_pass_run(const shards *s, const piece *p, int64_t n, const 
     return K3_OK;
 }
 
+#define MAX_REPS  16                 /* --repetitions of the warm measurements */
+#define MAX_LOADS (2 * MAX_REPS + 2) /* serial and parallel: the warm runs, one cold each */
+
 typedef struct raw_result {
-    double warm_gbs, cold_gbs; /* cold < 0: not permitted (cold_why) */
-    uint64_t bytes;            /* read by each pass */
+    double warm_gbs, cold_gbs; /* warm: the median of the passes; cold < 0: not permitted */
+    double warm_runs[MAX_REPS];
+    int n_warm;
+    uint64_t bytes; /* read by each warm pass */
     int threads;
     double cold_resident; /* share still cached after the drop */
     char cold_why[256];
+    /* the open files and pieces the passes share (raw_open .. raw_close) */
+    int *fds;
+    piece *p;
+    int64_t n_pieces, claimed; /* planned pieces; those the cold pass read (the warm passes') */
 } raw_result;
 
-/* The raw read rates of the shards on this node (see the top of the file). */
+static void raw_close(const shards *s, raw_result *out) {
+    for (int i = 0; out->fds && i < s->n; i++)
+        if (out->fds[i] >= 0) close(out->fds[i]);
+    k3_free(out->fds), k3_free(out->p);
+    out->fds = NULL, out->p = NULL;
+}
+
+static double median_of(const double *v, int n) {
+    double x[MAX_REPS];
+    n = K3_MIN(n, MAX_REPS);
+    memcpy(x, v, (size_t)n * sizeof *x);
+    for (int i = 1; i < n; i++) /* insertion sort: n is small */
+        for (int j = i; j > 0 && x[j - 1] > x[j]; j--) {
+            const double t = x[j];
+            x[j] = x[j - 1], x[j - 1] = t;
+        }
+    return n ? (n % 2 ? x[n / 2] : (x[n / 2 - 1] + x[n / 2]) / 2) : 0;
+}
+
+/* The slowest (dir < 0) or fastest (dir > 0) warm pass. */
+static double raw_extreme(const raw_result *r, int dir) {
+    double x = r->n_warm ? r->warm_runs[0] : 0;
+    for (int i = 1; i < r->n_warm; i++)
+        x = dir < 0 ? K3_MIN(x, r->warm_runs[i]) : K3_MAX(x, r->warm_runs[i]);
+    return x;
+}
+
+/* One more warm pass over the cold pass's pieces; warm_gbs becomes the median so far. */
+static k3_status raw_warm(const shards *s, raw_result *out) {
+    int64_t claimed = 0;
+    uint64_t b = 0;
+    double t = 0;
+    K3_TRY(raw_pass_run(s, out->p, out->claimed, out->fds, out->threads, 0, &claimed, &b, &t));
+    out->bytes = b;
+    if (out->n_warm < MAX_REPS) out->warm_runs[out->n_warm++] = t > 0 ? (double)b / t / 1e9 : 0;
+    out->warm_gbs = median_of(out->warm_runs, out->n_warm);
+    return K3_OK;
+}
+
+/* The raw read rates of the shards on this node (see the top of the file): the files opened and
+ * kept for raw_warm, the cold pass, and the first warm pass. */
 static k3_status raw_measure(const shards *s, int threads, raw_result *out) {
     memset(out, 0, sizeof *out);
     out->threads = threads;
@@ -230,34 +278,30 @@ static k3_status raw_measure(const shards *s, int threads, raw_result *out) {
     int64_t n = 0;
     for (int i = 0; i < s->n; i++)
         n += (int64_t)((s->f[i].n_bytes + RAW_PIECE_BYTES - 1) / RAW_PIECE_BYTES);
-    piece *p = NULL;
-    int *fds = NULL;
-    K3_TRY(k3_calloc((void **)&p, (size_t)K3_MAX(n, 1) * sizeof *p, "raw pieces"));
-    k3_status st = k3_calloc((void **)&fds, (size_t)s->n * sizeof *fds, "raw files");
+    K3_TRY(k3_calloc((void **)&out->p, (size_t)K3_MAX(n, 1) * sizeof *out->p, "raw pieces"));
+    k3_status st = k3_calloc((void **)&out->fds, (size_t)s->n * sizeof *out->fds, "raw files");
     int64_t k = 0;
     uint64_t planned = 0;
-    for (int i = 0; st == K3_OK && i < s->n; i++) fds[i] = -1;
+    for (int i = 0; st == K3_OK && i < s->n; i++) out->fds[i] = -1;
     for (int i = 0; st == K3_OK && i < s->n; i++) {
-        fds[i] = open(s->f[i].path, O_RDONLY);
-        if (fds[i] < 0) st = K3_ERR(K3_ERR_IO, "%s: %s", s->f[i].path, strerror(errno));
+        out->fds[i] = open(s->f[i].path, O_RDONLY);
+        if (out->fds[i] < 0) st = K3_ERR(K3_ERR_IO, "%s: %s", s->f[i].path, strerror(errno));
         for (uint64_t off = 0; st == K3_OK && off < s->f[i].n_bytes && planned < cap;
              off += RAW_PIECE_BYTES) {
-            p[k] =
+            out->p[k] =
                 (piece){i, off, (size_t)K3_MIN((uint64_t)RAW_PIECE_BYTES, s->f[i].n_bytes - off)};
-            planned += p[k++].n_bytes;
+            planned += out->p[k++].n_bytes;
         }
     }
-    int64_t claimed = 0;
-    uint64_t b1 = 0, b2 = 0;
-    double t1 = 0, t2 = 0;
+    out->n_pieces = k;
+    uint64_t b1 = 0;
+    double t1 = 0;
     if (st == K3_OK) {
         out->cold_resident = drop_cache(s, planned, out->cold_why, sizeof out->cold_why);
-        st = raw_pass_run(s, p, k, fds, threads, RAW_PASS_S, &claimed, &b1, &t1);
+        st = raw_pass_run(s, out->p, k, out->fds, threads, RAW_PASS_S, &out->claimed, &b1, &t1);
     }
-    if (st == K3_OK) st = raw_pass_run(s, p, claimed, fds, threads, 0, &claimed, &b2, &t2);
+    if (st == K3_OK) st = raw_warm(s, out);
     if (st == K3_OK) {
-        out->bytes = b2;
-        out->warm_gbs = t2 > 0 ? (double)b2 / t2 / 1e9 : 0;
         if (out->cold_resident >= 0 && out->cold_resident <= COLD_MAX_RESIDENT) {
             out->cold_gbs = t1 > 0 ? (double)b1 / t1 / 1e9 : 0;
             snprintf(out->cold_why, sizeof out->cold_why,
@@ -271,9 +315,7 @@ static k3_status raw_measure(const shards *s, int threads, raw_result *out) {
                          100 * out->cold_resident);
         }
     }
-    for (int i = 0; fds && i < s->n; i++)
-        if (fds[i] >= 0) close(fds[i]);
-    k3_free(fds), k3_free(p);
+    if (st != K3_OK) raw_close(s, out);
     return st;
 }
 
@@ -314,6 +356,9 @@ typedef struct load_res {
     int readers;
     double seconds;  /* the slowest rank's load */
     rank_rec *ranks; /* [world] */
+    /* the runs of this (loader, cache): the reported one is the median's (pick_medians) */
+    int reps;            /* 0: a run another one reports */
+    double min_s, max_s; /* of all the runs */
 } load_res;
 
 typedef struct job {
@@ -325,6 +370,7 @@ typedef struct job {
     uint64_t *raw_all[3]; /* [world] each rank's raw warm, cold (double bits), bytes */
     load_res loads[MAX_LOADS];
     int n_loads;
+    int reps;       /* --repetitions: warm rounds */
     bool rss_reset; /* rank 0 could reset its peak RSS before each open */
     k3_plan plan;   /* plan_of */
 } job;
@@ -561,7 +607,10 @@ static k3_status put_load(const job *J, const load_res *L, const uint64_t *uniqu
     if (st == K3_OK) st = bench_put_str(row, "loader", NULL, L->loader);
     if (st == K3_OK) st = bench_put_str(row, "cache", NULL, L->cache);
     if (st == K3_OK) st = bench_put_num(row, "readers", "readers", -1, L->readers);
-    if (st == K3_OK) st = bench_put_num(row, "seconds", "seconds", 3, L->seconds);
+    if (st == K3_OK) st = bench_put_num(row, "repetitions", "runs", -1, L->reps);
+    if (st == K3_OK) st = bench_put_num(row, "seconds", "seconds (median)", 3, L->seconds);
+    if (st == K3_OK) st = bench_put_num(row, "seconds_min", "min", 3, L->min_s);
+    if (st == K3_OK) st = bench_put_num(row, "seconds_max", "max", 3, L->max_s);
     if (st == K3_OK) st = bench_put_num(row, "bytes_read", "bytes read", -1, (double)bytes);
     if (st == K3_OK) st = bench_put_num(row, "unique_bytes", "unique bytes", -1, (double)uniq);
     if (st == K3_OK) st = bench_put_num(row, "gbs", "GB/s", 2, gbs);
@@ -604,6 +653,7 @@ static k3_status put_meta(const job *J, const char *model_dir, int readers, benc
                        : bench_put_null(raw, "cold_gbs", NULL);
     if (st == K3_OK) st = bench_put_num(raw, "bytes", NULL, -1, (double)J->raw_all[2][0]);
     if (st == K3_OK) st = bench_put_num(raw, "threads", NULL, -1, J->raw.threads);
+    if (st == K3_OK) st = bench_put_num(raw, "warm_repetitions", NULL, -1, J->raw.n_warm);
     if (st == K3_OK) st = bench_put_num(raw, "piece_bytes", NULL, -1, (double)RAW_PIECE_BYTES);
     if (st == K3_OK) st = bench_put_str(raw, "cold_note", NULL, J->raw.cold_why);
     if (st == K3_OK)
@@ -614,7 +664,9 @@ static k3_status put_meta(const job *J, const char *model_dir, int readers, benc
     }
     K3_TRY(st);
     char line[384];
-    snprintf(line, sizeof line, "%.2f GB/s over %.1f MB, %d threads, %zu MB reads", warm,
+    snprintf(line, sizeof line,
+             "%.2f GB/s (median of %d passes, %.2f-%.2f) over %.1f MB, %d threads, %zu MB reads",
+             warm, J->raw.n_warm, raw_extreme(&J->raw, -1), raw_extreme(&J->raw, 1),
              (double)J->raw_all[2][0] / 1e6, J->raw.threads, RAW_PIECE_BYTES >> 20);
     K3_TRY(bench_put_str(m, NULL, "raw read, warm", line));
     if (cold >= 0)
@@ -630,13 +682,53 @@ static k3_status report(const job *J, const k3_args *a, const k3_config *cfg, in
     k3_status st = k3_calloc((void **)&unique, (size_t)J->world * sizeof *unique, "bench unique");
     if (st == K3_OK) st = unique_per_node(J, cfg, &J->loads[0], unique);
     if (st == K3_OK) st = put_meta(J, k3_args_str(a, "model"), readers, &rep.meta);
-    for (int k = 0; st == K3_OK && k < J->n_loads; k++)
-        st = put_load(J, &J->loads[k], unique, &rep);
+    static const char *const order[4][2] = {
+        {"serial", "warm"}, {"parallel", "warm"}, {"serial", "cold"}, {"parallel", "cold"}};
+    for (int o = 0; o < 4; o++) /* one row each, the run pick_medians chose */
+        for (int k = 0; st == K3_OK && k < J->n_loads; k++)
+            if (J->loads[k].reps > 0 && strcmp(J->loads[k].loader, order[o][0]) == 0 &&
+                strcmp(J->loads[k].cache, order[o][1]) == 0)
+                st = put_load(J, &J->loads[k], unique, &rep);
     if (st == K3_OK)
         st = bench_report_write(&rep, k3_args_str(a, "output-json"), k3_args_str(a, "output-csv"));
     bench_report_free(&rep);
     k3_free(unique);
     return st;
+}
+
+/* Between warm rounds: one more raw pass on each node leader (the others wait); the verdict is
+ * every rank's. */
+static int raw_again(job *J, const shards *s) {
+    const bool leader = J->where[J->rank].node == J->rank;
+    k3_status rs = leader ? raw_warm(s, &J->raw) : K3_OK;
+    if (rs != K3_OK) fprintf(stderr, "k3 bench: rank %d: %s\n", J->rank, k3_last_error());
+    int worst = 0;
+    if (k3_comm_world_max(rs != K3_OK, &worst, J->tmo) != K3_OK) k3_comm_world_abort(1);
+    return worst ? 1 : 0;
+}
+
+/* Of the runs of each (loader, cache), the one with the median time reports them all (the lower
+ * middle one of an even count); the others get reps = 0. */
+static void pick_medians(job *J) {
+    for (int k = 0; k < J->n_loads; k++) {
+        load_res *L = &J->loads[k];
+        int same[MAX_LOADS], n = 0;
+        for (int i = 0; i < J->n_loads; i++)
+            if (strcmp(J->loads[i].loader, L->loader) == 0 &&
+                strcmp(J->loads[i].cache, L->cache) == 0)
+                same[n++] = i;
+        if (same[0] != k) continue; /* the group was settled at its first run */
+        for (int i = 1; i < n; i++) /* by time */
+            for (int j = i; j > 0 && J->loads[same[j - 1]].seconds > J->loads[same[j]].seconds;
+                 j--) {
+                const int t = same[j];
+                same[j] = same[j - 1], same[j - 1] = t;
+            }
+        load_res *M = &J->loads[same[(n - 1) / 2]];
+        for (int i = 0; i < n; i++) J->loads[same[i]].reps = 0;
+        M->reps = n;
+        M->min_s = J->loads[same[0]].seconds, M->max_s = J->loads[same[n - 1]].seconds;
+    }
 }
 
 /* ---- the command ---------------------------------------------------------------------------- */
@@ -655,6 +747,13 @@ static int check(job *J, const k3_args *a, const char *usage, k3_config *cfg, sh
     }
     int rc = k3_engine_args(a, J->rank == 0, &J->eo);
     if (rc) return rc;
+    const int64_t reps = k3_args_has(a, "repetitions") ? k3_args_int(a, "repetitions") : 3;
+    J->reps = (int)K3_MAX(1, K3_MIN(reps, MAX_REPS));
+    if (reps != J->reps) {
+        if (J->rank == 0)
+            fprintf(stderr, "k3 bench: --repetitions must be in [1, %d] for load\n", MAX_REPS);
+        return 2;
+    }
     const char *model = k3_args_str(a, "model");
     k3_status st = model ? K3_OK : K3_ERR(K3_ERR_ARG, "--model DIR is required");
     if (st == K3_OK) st = k3_config_load(model, cfg);
@@ -699,32 +798,34 @@ int bench_load(const k3_args *a, const char *usage) {
         rc = worst ? 1 : 0;
     } else
         rc = worst;
-    if (rc == 0) {
-        gather(&J, bits_of(J.raw.warm_gbs), J.raw_all[0]);
-        gather(&J, bits_of(J.raw.cold_gbs), J.raw_all[1]);
-        gather(&J, J.raw.bytes, J.raw_all[2]);
-        if (J.rank == 0 && J.raw.cold_gbs >= 0)
-            K3_LOGI("bench load: raw read %.2f GB/s warm, %.2f GB/s cold", J.raw.warm_gbs,
-                    J.raw.cold_gbs);
-        else if (J.rank == 0)
-            K3_LOGI("bench load: raw read %.2f GB/s warm; cold: not permitted (%s)", J.raw.warm_gbs,
-                    J.raw.cold_why);
-    }
     /* cold loads only where every node could drop its cache (the same decision everywhere) */
+    if (rc == 0) gather(&J, bits_of(J.raw.cold_gbs), J.raw_all[1]);
     bool cold_ok = true;
     for (int r = 0; rc == 0 && r < J.world; r++)
         if (J.where[r].node == r && dbl_of(J.raw_all[1][r]) < 0) cold_ok = false;
-    static const struct {
-        const char *loader, *cache;
-    } seq[MAX_LOADS] = {
-        {"serial", "warm"}, {"parallel", "warm"}, {"serial", "cold"}, {"parallel", "cold"}};
-    for (int k = 0; rc == 0 && k < MAX_LOADS; k++) {
-        const bool cold = strcmp(seq[k].cache, "cold") == 0, serial = k % 2 == 0;
+    /* warm: --repetitions rounds of (a raw pass on the node leaders, serial, parallel), so the
+       raw rate and the loads see the same machine; then one cold load of each */
+    for (int k = 0; rc == 0 && k < 2 * J.reps + 2; k++) {
+        const bool cold = k >= 2 * J.reps, serial = k % 2 == 0;
         if (cold && !cold_ok) continue;
+        if (!cold && serial && k > 0) rc = raw_again(&J, &s);
         load_res *L = &J.loads[J.n_loads];
-        L->loader = seq[k].loader, L->cache = seq[k].cache, L->readers = serial ? 1 : readers;
-        rc = one_load(&J, &s, cold, L->readers, L);
+        L->loader = serial ? "serial" : "parallel", L->cache = cold ? "cold" : "warm";
+        L->readers = serial ? 1 : readers;
+        if (rc == 0) rc = one_load(&J, &s, cold, L->readers, L);
         J.n_loads += rc == 0;
+    }
+    if (J.where && J.where[J.rank].node == J.rank) raw_close(&s, &J.raw);
+    if (rc == 0) {
+        gather(&J, bits_of(J.raw.warm_gbs), J.raw_all[0]);
+        gather(&J, J.raw.bytes, J.raw_all[2]);
+        if (J.rank == 0 && J.raw.cold_gbs >= 0)
+            K3_LOGI("bench load: raw read %.2f GB/s warm (median of %d), %.2f GB/s cold",
+                    J.raw.warm_gbs, J.raw.n_warm, J.raw.cold_gbs);
+        else if (J.rank == 0)
+            K3_LOGI("bench load: raw read %.2f GB/s warm (median of %d); cold: not permitted (%s)",
+                    J.raw.warm_gbs, J.raw.n_warm, J.raw.cold_why);
+        pick_medians(&J);
     }
     if (rc == 0 && J.rank == 0 && report(&J, a, &cfg, readers) != K3_OK) {
         fprintf(stderr, "k3 bench: %s\n", k3_last_error());

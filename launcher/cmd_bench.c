@@ -43,8 +43,9 @@ enum { M_PT = 1, M_TP = 2, M_SV = 4, M_KN = 8, M_LD = 16, M_ENG = M_PT | M_TP, M
       "pp/tg: prompt tokens of each pp test (llama-bench's -p; 0 = none)")                         \
     X("n-gen", K3_FLAG_STR, "N[,N]", "128", M_PT,                                                  \
       "pp/tg: generated tokens of each tg test (llama-bench's -n; 0 = none)")                      \
-    X("repetitions", K3_FLAG_INT, "R", "5", M_PT | M_KN,                                           \
-      "pp/tg: timed runs of each test; kernels: timed calls of each op (the median is reported)")  \
+    X("repetitions", K3_FLAG_INT, "R", "5", M_PT | M_KN | M_LD,                                    \
+      "pp/tg: timed runs of each test; kernels: timed calls of each op (the median is reported); " \
+      "load: warm raw reads and warm loads, interleaved (the median; default 3)")                  \
     X("input-len", K3_FLAG_STR, "N[,N]", "1024", M_TP | M_SV,                                      \
       "prompt tokens of each request (throughput: a comma list sweeps)")                           \
     X("output-len", K3_FLAG_STR, "N[,N]", "128", M_TP | M_SV,                                      \

@@ -261,9 +261,11 @@ def test_load(model_dir, ep, private, tmp_path):
     js, cs = tmp_path / "ld.json", tmp_path / "ld.csv"
     r = k3(["bench", "load", "--model", model_dir, "--pp", "1", "--ep", str(ep), "--threads", "1",
             "--output-json", str(js), "--output-csv", str(cs)]
-           + (["--load-private"] if private else []), np=ep)
+           + (["--load-private", "-r", "2"] if private else []), np=ep)
     assert r.returncode == 0, r.stderr[-3000:]
     d = json.loads(js.read_text())
+    reps = 2 if private else 3  # warm rounds: --repetitions, default 3
+    assert d["raw"]["warm_repetitions"] == reps
     jsonschema.validate(d, schema("bench_load.schema.json"))
     assert (d["mode"], d["pp"], d["ep"], d["world"], d["nodes"]) == ("load", 1, ep, ep, 1)
     raw = d["raw"]
@@ -278,6 +280,8 @@ def test_load(model_dir, ep, private, tmp_path):
     rel = lambda a, b: abs(a - b) <= 1e-9 * max(abs(b), 1e-30)
     for x in loads:
         assert x["readers"] == (1 if x["loader"] == "serial" else d["parallel_readers"])
+        assert x["repetitions"] == (1 if x["cache"] == "cold" else reps)
+        assert x["seconds_min"] <= x["seconds"] <= x["seconds_max"]
         ranks, nodes = x["ranks"], x["nodes"]
         assert [k["rank"] for k in ranks] == list(range(ep))
         assert [(k["stage"], k["lane"]) for k in ranks] == [(0, e) for e in range(ep)]
@@ -317,7 +321,8 @@ def test_load(model_dir, ep, private, tmp_path):
 def test_load_usage(model_dir):
     for args, flag in ((["--seed", "3"], "--seed"), (["--op-stats", "x"], "--op-stats"),
                        (["--load-readers", "999"], "--load-readers"), (["--pp", "2"], "--pp"),
-                       (["-p", "8"], "--n-prompt")):
+                       (["-p", "8"], "--n-prompt"), (["-r", "0"], "--repetitions"),
+                       (["--repetitions", "17"], "--repetitions")):
         r = k3(["bench", "load", "--model", model_dir] + args)
         assert r.returncode == 2 and flag in r.stderr, (args, r.stderr)
     r = k3(["bench", "load"])
