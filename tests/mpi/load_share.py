@@ -10,7 +10,10 @@ through k3):
     tensors, since 1 x 4 loads everything); private: unique + 3 x the dense bytes;
   * the node's memory (the sum of the ranks' Pss at close, which counts a shared page once) is
     lower by 3 x the dense bytes, within 15%;
-  * the generated ids are the same.
+  * the generated ids are the same;
+  * as two nodes of two ranks (K3_TEST_NODE_RANKS=2: comm names each pair its own machine): each
+    node reads the dense weights once, so the job reads total + 1 x dense, holds 2 x dense less
+    than private, and generates the same ids.
 usage: load_share.py MPIEXEC   (K3_BIN = the k3 binary)"""
 import glob
 import json
@@ -54,21 +57,36 @@ with tempfile.TemporaryDirectory() as tmp:
     total, dense = header_bytes(model)
     print(f"checkpoint: {total / 1e6:.1f} MB, dense (non-expert) {dense / 1e6:.1f} MB")
     runs = {}
-    for mode in ("shared", "private"):
-        args = [mpiexec, "-np", "4", "--oversubscribe", K3, "run", "--model", model,
-                "--prompt-ids", "1,2,3,4", "--n", "3", "--pp", "1", "--ep", "4", "--max-ctx", "64",
-                "--max-seqs", "2", "--json"] + (["--load-private"] if mode == "private" else [])
+    for mode in ("shared", "private", "two nodes"):
+        args = [mpiexec, "-np", "4", "--oversubscribe"]
+        if mode == "two nodes":
+            args += ["-x", "K3_TEST_NODE_RANKS=2"]
+        args += [K3, "run", "--model", model, "--prompt-ids", "1,2,3,4", "--n", "3", "--pp", "1",
+                 "--ep", "4", "--max-ctx", "64", "--max-seqs", "2", "--json"]
+        args += ["--load-private"] if mode == "private" else []
         p = subprocess.run(args, capture_output=True, text=True, timeout=300)
         if p.returncode != 0:
             check(False, f"{mode}: exit {p.returncode}\n{p.stderr[-2000:]}")
             continue
         out = json.loads(p.stdout)
         ranks = out["dist"]["ranks"]
+        if mode == "two nodes":
+            check("~node0 (" in p.stderr and "~node1 (" in p.stderr and
+                  "read once for the 2 ranks of the stage" in p.stderr,
+                  "two nodes: each pair of ranks shared the stage on its own node")
         runs[mode] = {"read": sum(r["bytes_read"] for r in ranks),
                       "pss": sum(r["pss_bytes"] for r in ranks),
                       "ids": [r["generated_ids"] for r in out["results"]]}
         print(f"{mode}: read {runs[mode]['read'] / 1e6:.1f} MB, node Pss {runs[mode]['pss'] / 1e6:.1f} MB")
-    if len(runs) == 2:
+    if len(runs) == 3:
+        t = runs["two nodes"]
+        check(t["read"] == total + dense,
+              f"two nodes: each read the dense weights once ({t['read']} = {total} + {dense})")
+        saved = runs["private"]["pss"] - t["pss"]
+        check(abs(saved - 2 * dense) <= 0.15 * 2 * dense,
+              f"two nodes: memory lower by {saved / 1e6:.1f} MB, 2 x dense = {2 * dense / 1e6:.1f} MB (15%)")
+        check(t["ids"] == runs["private"]["ids"], "two nodes: the same generated ids")
+    if len(runs) >= 2:
         s, q = runs["shared"], runs["private"]
         check(s["read"] == total, f"shared: the node read every byte once ({s['read']} = {total})")
         check(q["read"] == total + 3 * dense,
