@@ -1,0 +1,50 @@
+/* grammar_internal.h — the automaton builder shared by grammar.c (automaton, vocabulary trie,
+ * matcher, masks, cache) and grammar_schema.c (JSON Schema / regex / envelope -> automaton).
+ *
+ * A grammar is a set of rules (a recursive transition network = a pushdown automaton): each rule
+ * is an NFA over symbols with epsilon edges and CALL edges (push the return state, enter another
+ * rule's start). A rule ends in its `end` state; reaching it pops the stack. The builder works on
+ * fragments: every emit function takes the state it starts from and returns the state it ends in.
+ * Epsilon edges are removed at finish (each state takes the edges and finality of its closure). */
+#ifndef K3_GRAMMAR_INTERNAL_H
+#define K3_GRAMMAR_INTERNAL_H
+
+#include "k3_grammar.h"
+
+#define G_MAX_STATES 200000 /* a schema that needs more is refused (K3_ERR_ARG) */
+
+typedef enum { GE_SYM = 0, GE_EPS, GE_CALL } g_edge_kind;
+typedef struct g_edge {
+    int32_t from, to; /* CALL: `to` is the return state */
+    int32_t rule;     /* CALL: the rule entered */
+    uint16_t lo, hi;  /* SYM: symbols [lo, hi] */
+    uint8_t kind;
+} g_edge;
+
+typedef struct g_build {
+    int32_t n_states, cap_states;
+    uint8_t *is_end; /* (n_states) a rule's end state */
+    g_edge *e;       /* (n_e) */
+    int64_t n_e, cap_e;
+    int32_t *rule_start, *rule_end; /* (n_rules) */
+    int32_t n_rules, cap_rules;
+    k3_status err; /* first error; every emit is a no-op after it */
+} g_build;
+
+int32_t gb_state(g_build *b);
+void gb_sym(g_build *b, int32_t from, uint16_t lo, uint16_t hi, int32_t to);
+void gb_eps(g_build *b, int32_t from, int32_t to);
+void gb_call(g_build *b, int32_t from, int32_t rule, int32_t ret);
+/* A new rule (its start and end states); returns its index. */
+int32_t gb_rule(g_build *b);
+/* Literal bytes from `from`; returns the state after them. */
+int32_t gb_lit(g_build *b, int32_t from, const char *s, size_t n);
+/* One UTF-8 encoded character of any code point except the ASCII bytes not in `ascii_ok` (a
+ * 128-entry table); returns the state after it. */
+int32_t gb_utf8_char(g_build *b, int32_t from, const bool ascii_ok[128]);
+
+/* grammar_schema.c: build the whole grammar for a spec; returns the root rule (< 0 on error,
+ * with b->err set and the message naming the keyword). */
+int32_t g_build_spec(g_build *b, const k3_grammar_spec *s);
+
+#endif /* K3_GRAMMAR_INTERNAL_H */
