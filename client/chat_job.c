@@ -60,6 +60,7 @@ void k3_job_free(k3_job *j) {
     k3_chat_request_destroy(j->req);
     k3_chat_json_free(j->stop_doc);
     k3_free(j->ids), k3_free(j->bias), k3_free(j->stops);
+    k3_grammar_release(j->grammar);
     memset(j, 0, sizeof *j);
 }
 
@@ -256,7 +257,9 @@ k3_status k3_job_sampling(k3_job *j, const k3_job_settings *s, const char *what)
                                 .seed = seed,
                                 .stop_strings = j->stops,
                                 .n_stop_strings = j->n_stops};
-    return K3_OK;
+    k3_grammar_release(j->grammar);
+    j->grammar = NULL;
+    return k3_job_grammar(j, s->grammars, what);
 }
 
 /* ---- the assistant message ------------------------------------------------------------------ */

@@ -19,6 +19,7 @@
 #define K3_CHAT_JOB_H
 
 #include "k3_chat.h"
+#include "k3_grammar.h"
 #include "k3_parser.h"
 #include "k3_sampler.h"
 #include "k3_tokenizer.h"
@@ -46,6 +47,7 @@ typedef struct k3_job_settings {
     bool seed_fixed;
     bool bias_fixed, stop_fixed; /* the caller filled job.bias / job.stops from its flags */
     int64_t n_vocab; /* the model's vocab_size: logit_bias ids must be below it (0: unchecked) */
+    k3_grammar_cache *grammars; /* structured outputs (k3_job_grammar); NULL: refused */
 } k3_job_settings;
 
 typedef struct k3_job {
@@ -62,6 +64,7 @@ typedef struct k3_job {
     k3_sampler_params sp; /* points into bias / stops */
     int64_t max_tokens;
     bool from_req[K3_JOB_N_NUM]; /* the value came from the request's key */
+    k3_grammar *grammar;         /* structured outputs: sp.grammar (retained, released by free) */
 } k3_job;
 
 /* Parse an OpenAI chat request (`n_bytes` of JSON text), render it with the generation prompt
@@ -79,6 +82,13 @@ k3_status k3_job_sampling(k3_job *j, const k3_job_settings *s, const char *what)
  * error, which starts with `what`). */
 k3_status k3_job_stops_json(k3_job *j, const k3_chat_json *v, const char *what, k3_status bad);
 void k3_job_free(k3_job *j); /* frees the members, zeroes; NULL-safe */
+/* chat_job_grammar.c: the request's response_format / tool_choice / parallel_tool_calls /
+ * structured_outputs / guided_* keys -> j->grammar and j->sp.grammar (none when the request
+ * asks for nothing); called by k3_job_sampling. K3_ERR_FORMAT naming the key or the schema
+ * keyword that is not supported. */
+k3_status k3_job_grammar(k3_job *j, k3_grammar_cache *cache, const char *what);
+/* The grammar cache of a model (its tokenizer and vocab_size), for k3_job_settings.grammars. */
+k3_status k3_job_grammar_cache(const k3_tokenizer *tok, int64_t n_vocab, k3_grammar_cache **out);
 /* An unsigned 64-bit integer from decimal digits only (no sign, no exponent): seeds. */
 bool k3_job_parse_u64(const char *s, uint64_t *out);
 /* A logit bias that fits a float; with allow_ban also -inf (the sampler decides). */

@@ -7,6 +7,9 @@
  * (they are raw LM-head outputs, one float per id, n_vocab of them).
  *
  * Semantics (documented choices; vLLM / HF order — temperature BEFORE the truncations):
+ *  0. grammar (k3_grammar.h, structured outputs): ids the grammar does not allow here get -inf;
+ *     the mask is computed once per step (at the first use after an accept) and every accepted
+ *     id advances the grammar (an id it refuses is K3_ERR_ARG: the request fails).
  *  1. logit_bias: l[id] += bias (OpenAI logit_bias; any finite value accepted).
  *  2. repetition_penalty r (CTRL / HF / llama.cpp): for every id seen in the penalty window,
  *     l = l > 0 ? l / r : l * r (r >= K3_SAMPLER_MIN_REPETITION_PENALTY). Steps 1-3 compute in
@@ -32,6 +35,7 @@
 #define K3_SAMPLER_H
 
 #include "k3_base.h"
+#include "k3_grammar.h"
 #include "k3_tokenizer.h"
 
 typedef struct k3_sampler k3_sampler;
@@ -62,6 +66,8 @@ typedef struct k3_sampler_params {
     size_t n_stop_ids;
     const char *const *stop_strings; /* (n_stop_strings) NUL-terminated UTF-8, copied        */
     size_t n_stop_strings;
+    k3_grammar *grammar; /* NULL = unconstrained; retained by the sampler (its vocabulary size
+                            must equal n_vocab) */
 } k3_sampler_params;
 
 /* `tok` may be NULL when no text is needed (then stop strings are rejected and _accept emits no

@@ -39,6 +39,9 @@ struct k3_sampler {
     k3_tok_bytes pending; /* decoded text not yet emitted (a possible stop-string prefix) */
     bool stopped;
     int matched_stop;
+    k3_matcher *gm;  /* the grammar's matcher, or NULL */
+    uint64_t *gmask; /* ((n_vocab + 63) / 64) allowed ids of this step */
+    bool gmask_ok;   /* gmask is this step's */
 };
 
 void k3_sampler_destroy(k3_sampler *s) {
@@ -56,6 +59,9 @@ void k3_sampler_destroy(k3_sampler *s) {
     free(s->stop_len);
     k3_tok_stream_destroy(s->stream);
     k3_tok_bytes_free(&s->pending);
+    k3_matcher_destroy(s->gm);
+    free(s->gmask);
+    k3_grammar_release(s->p.grammar);
     free(s);
 }
 
@@ -89,6 +95,10 @@ static k3_status validate(const k3_sampler_params *p, int64_t n_vocab, const k3_
         if (p->stop_ids[i] < 0 || p->stop_ids[i] >= n_vocab)
             return K3_ERR(K3_ERR_ARG, "sampler: stop id %d outside the vocabulary (%lld)",
                           p->stop_ids[i], (long long)n_vocab);
+    if (p->grammar && k3_grammar_vocab_size_of(p->grammar) != n_vocab)
+        return K3_ERR(K3_ERR_ARG,
+                      "sampler: the grammar's vocabulary (%lld) is not the model's (%lld)",
+                      (long long)k3_grammar_vocab_size_of(p->grammar), (long long)n_vocab);
     if (p->n_stop_strings && !tok)
         return K3_ERR(K3_ERR_ARG, "sampler: stop strings need a tokenizer to decode the text");
     for (size_t i = 0; i < p->n_stop_strings; i++)
@@ -104,6 +114,7 @@ k3_status k3_sampler_create(k3_sampler **out, const k3_sampler_params *params, i
     k3_sampler *s = calloc(1, sizeof *s);
     if (!s) return K3_ERR(K3_ERR_NOMEM, "sampler");
     s->p = *params;
+    if (s->p.grammar) k3_grammar_retain(s->p.grammar);
     if (s->p.top_p == 0) s->p.top_p = 1;
     if (s->p.repetition_penalty == 0) s->p.repetition_penalty = 1;
     s->n_vocab = n_vocab;
@@ -127,6 +138,9 @@ k3_status k3_sampler_create(k3_sampler **out, const k3_sampler_params *params, i
         ok = s->stop_strings[i] != NULL;
     }
     if (ok && tok) ok = k3_tok_stream_create(&s->stream, tok) == K3_OK;
+    if (ok && s->p.grammar)
+        ok = (s->gmask = malloc((n + 63) / 64 * sizeof *s->gmask)) != NULL &&
+             k3_matcher_create(s->p.grammar, &s->gm) == K3_OK;
     if (!ok) {
         k3_sampler_destroy(s);
         return K3_ERR(K3_ERR_NOMEM, "sampler work arrays for %lld ids", (long long)n_vocab);
@@ -151,6 +165,11 @@ void k3_sampler_reset(k3_sampler *s, uint64_t seed) {
     s->pending.n = 0;
     s->stopped = false;
     s->matched_stop = -1;
+    s->gmask_ok = false;
+    if (s->gm) { /* back to the grammar's start (a failure leaves the old matcher) */
+        k3_matcher *m = NULL;
+        if (k3_matcher_create(s->p.grammar, &m) == K3_OK) k3_matcher_destroy(s->gm), s->gm = m;
+    }
 }
 
 /* ---- logits ------------------------------------------------------------------------------ */
@@ -161,8 +180,27 @@ static float sat_logit(double x) {
     return x > FLT_MAX ? FLT_MAX : x < -FLT_MAX ? -FLT_MAX : (float)x;
 }
 
+/* Step 0: the grammar's mask (once per step) applied to out. */
+static k3_status apply_grammar(k3_sampler *s, float *out) {
+    if (!s->gm) return K3_OK;
+    if (!s->gmask_ok) {
+        K3_TRY(k3_matcher_mask(s->gm, s->gmask));
+        s->gmask_ok = true;
+    }
+    const int64_t n = s->n_vocab;
+    for (int64_t w = 0; w * 64 < n; w++) {
+        uint64_t m = s->gmask[w];
+        if (m == ~0ull) continue;
+        int64_t end = K3_MIN(n, (w + 1) * 64);
+        for (int64_t i = w * 64; i < end; i++)
+            if (!(m >> (i - w * 64) & 1)) out[i] = -INFINITY;
+    }
+    return K3_OK;
+}
+
 k3_status k3_sampler_process_logits(k3_sampler *s, const float *logits, float *out) {
     memcpy(out, logits, (size_t)s->n_vocab * sizeof *out);
+    K3_TRY(apply_grammar(s, out));
     for (size_t i = 0; i < s->p.n_logit_bias; i++) {
         const int32_t id = s->bias[i].id;
         out[id] = sat_logit((double)out[id] + (double)s->bias[i].bias);
@@ -223,6 +261,8 @@ static k3_status build_dist(k3_sampler *s, const float *logits, int64_t *n_out, 
         int64_t best = 0;
         for (int64_t i = 1; i < n; i++)
             if (w[i] > w[best]) best = i;
+        if (w[best] == -INFINITY)
+            return K3_ERR(K3_ERR_ARG, "sampler: every candidate logit is -inf");
         c[0] = (cand){1.0f, (int32_t)best};
         *n_out = 1;
         *total = 1.0;
@@ -415,6 +455,10 @@ k3_status k3_sampler_accept(k3_sampler *s, int32_t id, k3_tok_bytes *emit, k3_st
     if (id < 0 || id >= s->n_vocab)
         return K3_ERR(K3_ERR_ARG, "sampler: id %d outside the vocabulary (%lld)", id,
                       (long long)s->n_vocab);
+    if (s->gm) {
+        K3_TRY(k3_matcher_accept(s->gm, id));
+        s->gmask_ok = false;
+    }
     history_add(s, id);
     for (size_t i = 0; i < s->p.n_stop_ids; i++)
         if (s->stop_ids[i] == id) {
