@@ -46,7 +46,8 @@ static k3_status schema_of(const k3_chat_json *v, const char *name, const char *
 static k3_status content_keys(const k3_chat_json *doc, const char *what, k3_grammar_spec *s,
                               k3_chat_json **own, const char **from) {
     const k3_chat_json *rf = key(doc, "response_format"), *so = key(doc, "structured_outputs");
-    static const char *const REFUSED[] = {"guided_grammar", "guided_decoding_backend_grammar", NULL};
+    static const char *const REFUSED[] = {"guided_grammar", "guided_decoding_backend_grammar",
+                                          NULL};
     for (int i = 0; REFUSED[i]; i++)
         if (key(doc, REFUSED[i]))
             return BAD("%s: request key '%s' is not supported (json, regex and choice are)", what,
@@ -61,12 +62,15 @@ static k3_status content_keys(const k3_chat_json *doc, const char *what, k3_gram
             s->content = K3_GC_JSON, n++, name = "response_format";
         } else if (!strcmp(t->s, "json_schema")) {
             const k3_chat_json *js = key(rf, "json_schema"), *sc = key(js, "schema");
-            if (!sc) return BAD("%s: request key 'response_format.json_schema.schema' is required", what);
+            if (!sc)
+                return BAD("%s: request key 'response_format.json_schema.schema' is required",
+                           what);
             K3_TRY(schema_of(sc, "response_format.json_schema.schema", what, own, &s->schema));
             s->content = K3_GC_JSON, n++, name = "response_format.json_schema.schema";
         } else if (strcmp(t->s, "text")) {
             return BAD("%s: request key 'response_format.type': '%s' is not one of text, "
-                       "json_object, json_schema", what, t->s);
+                       "json_object, json_schema",
+                       what, t->s);
         }
     }
     if (so && so->kind != K3_JSON_OBJECT)
@@ -76,7 +80,8 @@ static k3_status content_keys(const k3_chat_json *doc, const char *what, k3_gram
         if (so->items[i]->kind == K3_JSON_NULL) continue;
         if (!strcmp(k, "grammar") || !strcmp(k, "structural_tag"))
             return BAD("%s: request key 'structured_outputs.%s' is not supported (json, regex, "
-                       "choice and json_object are)", what, k);
+                       "choice and json_object are)",
+                       what, k);
     }
     struct {
         const char *a, *b; /* structured_outputs.<a> or the older guided_<a> */
@@ -99,7 +104,8 @@ static k3_status content_keys(const k3_chat_json *doc, const char *what, k3_gram
                 s->regex = v->s;
             } else if (K[i].c == K3_GC_CHOICE) {
                 if (v->kind != K3_JSON_ARRAY || !v->n_items)
-                    return BAD("%s: request key '%s' must be a non-empty array of strings", what, nm);
+                    return BAD("%s: request key '%s' must be a non-empty array of strings", what,
+                               nm);
                 s->choices = v;
             } else if (!k3_chat_json_truthy(v)) {
                 n--, s->content = K3_GC_FREE; /* json_object: false */
@@ -107,7 +113,8 @@ static k3_status content_keys(const k3_chat_json *doc, const char *what, k3_gram
         }
     if (n > 1)
         return BAD("%s: more than one structured-output constraint (response_format, "
-                   "structured_outputs, guided_*): give one", what);
+                   "structured_outputs, guided_*): give one",
+                   what);
     *from = name;
     return K3_OK;
 }
@@ -132,25 +139,29 @@ k3_status k3_job_grammar(k3_job *j, k3_grammar_cache *cache, const char *what) {
             if (!nm || nm->kind != K3_JSON_STRING)
                 st = BAD("%s: request key 'tool_choice.function.name' must be a string", what);
             else
-                s.tools_mode = K3_GT_REQUIRED, s.tool_name = nm->s, s.single_call = true, want = true;
+                s.tools_mode = K3_GT_REQUIRED, s.tool_name = nm->s, s.single_call = true,
+                want = true;
         } else if (!k3_chat_json_is_str(tc, "auto")) {
             st = BAD("%s: request key 'tool_choice' must be \"auto\", \"none\", \"required\" or "
-                     "{\"type\": \"function\", \"function\": {\"name\": ...}}", what);
+                     "{\"type\": \"function\", \"function\": {\"name\": ...}}",
+                     what);
         }
     }
-    if (st == K3_OK && s.tools_mode == K3_GT_REQUIRED && (!tools || tools->kind != K3_JSON_ARRAY ||
-                                                         !tools->n_items))
+    if (st == K3_OK && s.tools_mode == K3_GT_REQUIRED &&
+        (!tools || tools->kind != K3_JSON_ARRAY || !tools->n_items))
         st = BAD("%s: request key 'tool_choice' asks for a tool call but 'tools' is empty", what);
     if (st == K3_OK && want && !j->req)
         st = BAD("%s: structured outputs (response_format, tool_choice, structured_outputs, "
-                 "guided_*) are for /v1/chat/completions", what);
+                 "guided_*) are for /v1/chat/completions",
+                 what);
     if (st == K3_OK && want && !cache)
         st = K3_ERR(K3_ERR_INTERNAL, "%s: structured outputs without a grammar cache", what);
     if (st == K3_OK && want) {
         k3_chat_prompt_end pe = k3_chat_request_prompt_end(j->req);
         if (pe == K3_CHAT_ENDS_CLOSED || k3_chat_json_truthy(key(doc, "continue_final_message")))
             st = BAD("%s: structured outputs need the assistant's generation prompt (not "
-                     "add_generation_prompt false, not continue_final_message)", what);
+                     "add_generation_prompt false, not continue_final_message)",
+                     what);
         s.thinking = pe == K3_CHAT_ENDS_IN_THINK;
     }
     if (st == K3_OK && want) {

@@ -207,8 +207,7 @@ k3_status k3_grammar_vocab_create(const k3_tokenizer *t, int64_t n_vocab, k3_gra
         v->depth = malloc(((size_t)total + 1) * sizeof *v->depth);
         v->tok = malloc(((size_t)total + 1) * sizeof *v->tok);
         v->end = malloc(((size_t)total + 1) * sizeof *v->end);
-        if (!v->byte || !v->depth || !v->tok || !v->end)
-            st = K3_ERR(K3_ERR_NOMEM, "grammar trie");
+        if (!v->byte || !v->depth || !v->tok || !v->end) st = K3_ERR(K3_ERR_NOMEM, "grammar trie");
     }
     int32_t path[65536]; /* node index at each depth of the current path */
     int64_t prev = -1;
@@ -265,10 +264,10 @@ struct k3_grammar {
     atomic_int refs;
     const k3_grammar_vocab *v;
     int32_t n_states, root;
-    int32_t *eoff;      /* (n_states + 1) CSR of symbol/call edges */
-    g_edge *edges;      /* SYM and CALL only, grouped by state */
-    uint8_t *final;     /* a rule end is in the state's epsilon closure */
-    uint8_t *has_sym;   /* the state has symbol edges */
+    int32_t *eoff;    /* (n_states + 1) CSR of symbol/call edges */
+    g_edge *edges;    /* SYM and CALL only, grouped by state */
+    uint8_t *final;   /* a rule end is in the state's epsilon closure */
+    uint8_t *has_sym; /* the state has symbol edges */
     int32_t *rule_start;
     int32_t n_rules;
     g_mask *mask; /* (n_states), for states with symbol edges that are reachable */
@@ -427,8 +426,7 @@ static k3_status state_mask(k3_grammar *g, int32_t s, g_set *lv, bool *ended, in
     if (ok && acc.n > 256) {
         m->bits = calloc((size_t)g->n_words, sizeof *m->bits);
         ok = m->bits != NULL;
-        for (int64_t k = 0; ok && k < acc.n; k++)
-            m->bits[acc.p[k] >> 6] |= 1ull << (acc.p[k] & 63);
+        for (int64_t k = 0; ok && k < acc.n; k++) m->bits[acc.p[k] >> 6] |= 1ull << (acc.p[k] & 63);
         free(acc.p);
         acc.p = NULL;
         g->mask_bytes += g->n_words * 8;
@@ -462,8 +460,10 @@ int64_t k3_grammar_vocab_size_of(const k3_grammar *g) {
 }
 
 void k3_grammar_get_info(const k3_grammar *g, k3_grammar_info *out) {
-    *out = (k3_grammar_info){.n_states = g->n_states, .n_rules = g->n_rules,
-                             .n_masked_states = g->n_masked, .mask_bytes = g->mask_bytes,
+    *out = (k3_grammar_info){.n_states = g->n_states,
+                             .n_rules = g->n_rules,
+                             .n_masked_states = g->n_masked,
+                             .mask_bytes = g->mask_bytes,
                              .compile_s = g->compile_s};
 }
 
@@ -565,8 +565,9 @@ k3_status k3_grammar_compile(const k3_grammar_vocab *v, const k3_grammar_spec *s
         while (n) {
             int32_t u = todo[--n];
             for (int32_t k = g->eoff[u]; k < g->eoff[u + 1]; k++) {
-                int32_t t2[2] = {g->edges[k].to,
-                                 g->edges[k].kind == GE_CALL ? g->rule_start[g->edges[k].rule] : -1};
+                int32_t t2[2] = {g->edges[k].to, g->edges[k].kind == GE_CALL
+                                                     ? g->rule_start[g->edges[k].rule]
+                                                     : -1};
                 for (int j = 0; j < 2; j++)
                     if (t2[j] >= 0 && !reach[t2[j]]) reach[t2[j]] = 1, todo[n++] = t2[j];
             }
@@ -602,10 +603,10 @@ k3_status k3_grammar_compile(const k3_grammar_vocab *v, const k3_grammar_spec *s
 struct k3_matcher {
     k3_grammar *g;
     g_run r;
-    g_set cur;     /* live configurations; their stacks are pool nodes [0, base) */
-    bool can_end;  /* the root rule is complete */
-    int64_t base;  /* pool nodes of the live stacks */
-    g_set tmp[2];  /* scratch */
+    g_set cur;      /* live configurations; their stacks are pool nodes [0, base) */
+    bool can_end;   /* the root rule is complete */
+    int64_t base;   /* pool nodes of the live stacks */
+    g_set tmp[2];   /* scratch */
     int32_t *remap; /* compaction scratch */
     int64_t cap_remap;
 };
@@ -899,8 +900,8 @@ k3_status k3_grammar_cache_get(k3_grammar_cache *c, const k3_grammar_spec *s, k3
     } else {
         c->n++;
     }
-    c->e[slot] = (g_entry){.key = key.p, .n_key = key.n, .g = k3_grammar_retain(g),
-                           .used = ++c->clock};
+    c->e[slot] =
+        (g_entry){.key = key.p, .n_key = key.n, .g = k3_grammar_retain(g), .used = ++c->clock};
     pthread_mutex_unlock(&c->mu);
     *out = g;
     return K3_OK;

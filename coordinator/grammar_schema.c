@@ -24,7 +24,7 @@ typedef struct g_ref {
 
 typedef struct g_cx {
     g_build *b;
-    const k3_chat_json *root; /* the schema $ref resolves against */
+    const k3_chat_json *root;                     /* the schema $ref resolves against */
     int32_t r_string, r_number, r_integer, r_any; /* shared rules (-1: not built yet) */
     g_ref *refs;                                  /* rules built per schema node */
     int n_refs, cap_refs;
@@ -74,9 +74,9 @@ static int32_t call(g_cx *c, int32_t from, int32_t rule) {
 typedef enum { RX_SET, RX_LIT, RX_CAT, RX_ALT, RX_REP } rx_kind;
 typedef struct rx {
     rx_kind k;
-    bool set[128];   /* RX_SET: ASCII bytes */
-    bool nonascii;   /* RX_SET: any non-ASCII character too ('.') */
-    char lit[4];     /* RX_LIT: one UTF-8 character */
+    bool set[128]; /* RX_SET: ASCII bytes */
+    bool nonascii; /* RX_SET: any non-ASCII character too ('.') */
+    char lit[4];   /* RX_LIT: one UTF-8 character */
     int n_lit;
     struct rx **kid; /* RX_CAT / RX_ALT / RX_REP (one) */
     int n_kid, cap_kid;
@@ -165,11 +165,16 @@ static int hexv(char ch) {
 static int simple_escape(rx_parser *p) {
     char e = p->s[p->i++];
     switch (e) {
-    case 'n': return '\n';
-    case 't': return '\t';
-    case 'r': return '\r';
-    case 'f': return '\f';
-    case 'v': return '\v';
+    case 'n':
+        return '\n';
+    case 't':
+        return '\t';
+    case 'r':
+        return '\r';
+    case 'f':
+        return '\f';
+    case 'v':
+        return '\v';
     case 'x':
         if (p->i + 2 <= p->n && hexv(p->s[p->i]) >= 0 && hexv(p->s[p->i + 1]) >= 0) {
             int v = hexv(p->s[p->i]) * 16 + hexv(p->s[p->i + 1]);
@@ -467,7 +472,8 @@ static int32_t rx_emit(g_cx *c, int32_t from, const rx *r, bool json) {
             if (r->set[b] && !direct[b]) emit_byte(c, from, b, json, to);
         return to;
     }
-    case RX_LIT: return gb_lit(c->b, from, r->lit, (size_t)r->n_lit);
+    case RX_LIT:
+        return gb_lit(c->b, from, r->lit, (size_t)r->n_lit);
     case RX_CAT:
         for (int i = 0; i < r->n_kid; i++) from = rx_emit(c, from, r->kid[i], json);
         return from;
@@ -627,10 +633,9 @@ static int32_t any_rule(g_cx *c) {
 
 /* Keywords that only annotate (ignored) and keywords this compiler enforces. */
 static bool kw_annotation(const char *k) {
-    static const char *const A[] = {"title",    "description", "default",  "examples",
-                                    "$schema",  "$id",         "$comment", "deprecated",
-                                    "readOnly", "writeOnly",   "$defs",    "definitions",
-                                    "strict",   NULL};
+    static const char *const A[] = {"title", "description", "default",    "examples", "$schema",
+                                    "$id",   "$comment",    "deprecated", "readOnly", "writeOnly",
+                                    "$defs", "definitions", "strict",     NULL};
     for (int i = 0; A[i]; i++)
         if (!strcmp(k, A[i])) return true;
     return false;
@@ -649,8 +654,10 @@ static const char *fmt_regex(const char *f) {
 #define G_DATE                                                                                     \
     "[1-9][0-9]{3}-(0[13578]-(0[1-9]|[12][0-9]|3[01])|1[02]-(0[1-9]|[12][0-9]|3[01])|(0[469]|11)-" \
     "(0[1-9]|[12][0-9]|30)|02-(0[1-9]|1[0-9]|2[0-8]))"
-#define G_TIME "([01][0-9]|2[0-3]):[0-5][0-9]:[0-5][0-9](\\.[0-9]{1,6})?(Z|[+-]([01][0-9]|2[0-3]):[0-5][0-9])"
-#define G_OCT  "(25[0-5]|2[0-4][0-9]|1[0-9][0-9]|[1-9]?[0-9])"
+#define G_TIME                                                                                     \
+    "([01][0-9]|2[0-3]):[0-5][0-9]:[0-5][0-9](\\.[0-9]{1,6})?(Z|[+-]([01][0-9]|2[0-3]):[0-5][0-9]" \
+    ")"
+#define G_OCT "(25[0-5]|2[0-4][0-9]|1[0-9][0-9]|[1-9]?[0-9])"
     static const char *const F[][2] = {
         {"date", G_DATE},
         {"time", G_TIME},
@@ -726,13 +733,21 @@ static int json_type_index(const char *t) {
 /* Does JSON value v have JSON Schema type t (index of json_type_index)? */
 static bool value_has_type(const k3_chat_json *v, int t) {
     switch (t) {
-    case 0: return v->kind == K3_JSON_STRING;
-    case 1: return v->kind == K3_JSON_INT || v->kind == K3_JSON_FLOAT;
-    case 2: return v->kind == K3_JSON_INT || (v->kind == K3_JSON_FLOAT && v->f == (double)(long long)v->f);
-    case 3: return v->kind == K3_JSON_BOOL;
-    case 4: return v->kind == K3_JSON_NULL;
-    case 5: return v->kind == K3_JSON_OBJECT;
-    case 6: return v->kind == K3_JSON_ARRAY;
+    case 0:
+        return v->kind == K3_JSON_STRING;
+    case 1:
+        return v->kind == K3_JSON_INT || v->kind == K3_JSON_FLOAT;
+    case 2:
+        return v->kind == K3_JSON_INT ||
+               (v->kind == K3_JSON_FLOAT && v->f == (double)(long long)v->f);
+    case 3:
+        return v->kind == K3_JSON_BOOL;
+    case 4:
+        return v->kind == K3_JSON_NULL;
+    case 5:
+        return v->kind == K3_JSON_OBJECT;
+    case 6:
+        return v->kind == K3_JSON_ARRAY;
     }
     return false;
 }
@@ -743,7 +758,8 @@ static unsigned schema_types(g_cx *c, const k3_chat_json *sch, const char *path)
     if (!t) return 0x7f;
     unsigned m = 0;
     const k3_chat_json *one[1] = {t};
-    const k3_chat_json *const *list = t->kind == K3_JSON_ARRAY ? (const k3_chat_json *const *)t->items : one;
+    const k3_chat_json *const *list =
+        t->kind == K3_JSON_ARRAY ? (const k3_chat_json *const *)t->items : one;
     size_t n = t->kind == K3_JSON_ARRAY ? t->n_items : 1;
     for (size_t i = 0; i < n; i++) {
         int k = list[i]->kind == K3_JSON_STRING ? json_type_index(list[i]->s) : -1;
@@ -880,16 +896,20 @@ static int32_t typed(g_cx *c, int32_t from, const k3_chat_json *sch, int t, cons
         subpath(sub, sizeof sub, path, pat ? "pattern" : "format");
         return lit(c, regex(c, lit(c, from, "\""), rxs, true, sub), "\"");
     }
-    case 1: return call(c, from, number_rule(c, false));
-    case 2: return call(c, from, number_rule(c, true));
+    case 1:
+        return call(c, from, number_rule(c, false));
+    case 2:
+        return call(c, from, number_rule(c, true));
     case 3: {
         int32_t end = gb_state(c->b);
         gb_eps(c->b, lit(c, from, "true"), end);
         gb_eps(c->b, lit(c, from, "false"), end);
         return end;
     }
-    case 4: return lit(c, from, "null");
-    case 5: return object(c, from, sch, path);
+    case 4:
+        return lit(c, from, "null");
+    case 5:
+        return object(c, from, sch, path);
     case 6: {
         const k3_chat_json *items = k3_chat_json_get(sch, "items");
         int mn = json_int(c, sch, "minItems", 0, path), mx = json_int(c, sch, "maxItems", -1, path);
@@ -981,7 +1001,10 @@ static int32_t value(g_cx *c, int32_t from, const k3_chat_json *sch, const char 
     int32_t end = gb_state(c->b);
     for (int t = 0; t < 7 && !failed(c); t++)
         if (types >> t & 1) /* objects and arrays: a rule of their own, shared by every use */
-            gb_eps(c->b, t >= 5 ? call(c, from, node_rule(c, sch, t, path)) : typed(c, from, sch, t, path), end);
+            gb_eps(c->b,
+                   t >= 5 ? call(c, from, node_rule(c, sch, t, path))
+                          : typed(c, from, sch, t, path),
+                   end);
     return end;
 }
 
@@ -1007,9 +1030,10 @@ static int32_t xtml_typed(g_cx *c, int32_t from, const k3_chat_json *sch, int t,
     int32_t v = mark(c, lit(c, from, head), K3_GSYM_SEP);
     if (t != 0) return t >= 5 ? call(c, v, node_rule(c, sch, t, path)) : typed(c, v, sch, t, path);
     /* a string is written raw (not quoted, not escaped), ended by the <|close|> marker */
-    const k3_chat_json *pat = k3_chat_json_get(sch, "pattern"), *fmt = k3_chat_json_get(sch, "format");
+    const k3_chat_json *pat = k3_chat_json_get(sch, "pattern"),
+                       *fmt = k3_chat_json_get(sch, "format");
     if (pat || fmt) {
-        const char *rxs = pat && pat->kind == K3_JSON_STRING ? pat->s
+        const char *rxs = pat && pat->kind == K3_JSON_STRING   ? pat->s
                           : fmt && fmt->kind == K3_JSON_STRING ? fmt_regex(fmt->s)
                                                                : NULL;
         if (!rxs || (pat && fmt)) {
@@ -1038,7 +1062,9 @@ static int32_t xtml_value(g_cx *c, int32_t from, const k3_chat_json *sch, const 
     if (sch->kind == K3_JSON_BOOL || (sch->kind == K3_JSON_OBJECT && !sch->n_items)) {
         if (sch->kind == K3_JSON_BOOL && !sch->b) fail(c, path, "%s", "the schema false");
         for (int t = 0; t < 7; t++)
-            if (t != 2) gb_eps(c->b, xtml_typed(c, from, &(k3_chat_json){.kind = K3_JSON_OBJECT}, t, path), end);
+            if (t != 2)
+                gb_eps(c->b, xtml_typed(c, from, &(k3_chat_json){.kind = K3_JSON_OBJECT}, t, path),
+                       end);
         return end;
     }
     if (sch->kind != K3_JSON_OBJECT) {
@@ -1075,9 +1101,9 @@ static int32_t xtml_value(g_cx *c, int32_t from, const k3_chat_json *sch, const 
             for (int t = 0; t < 7; t++) ok |= (types >> t & 1) && value_has_type(v, t);
             if (!ok) continue;
             used++;
-            const char *a = v->kind == K3_JSON_STRING ? "string"
-                            : v->kind == K3_JSON_BOOL ? "boolean"
-                            : v->kind == K3_JSON_NULL ? "null"
+            const char *a = v->kind == K3_JSON_STRING   ? "string"
+                            : v->kind == K3_JSON_BOOL   ? "boolean"
+                            : v->kind == K3_JSON_NULL   ? "null"
                             : v->kind == K3_JSON_OBJECT ? "object"
                             : v->kind == K3_JSON_ARRAY  ? "array"
                                                         : "number";
@@ -1169,7 +1195,8 @@ static int32_t xtml_args(g_cx *c, int32_t from, const k3_chat_json *params, cons
         gb_eps(c->b, from, loop);
         static const k3_chat_json ANY = {.kind = K3_JSON_BOOL, .b = true};
         subpath(sub, sizeof sub, path, "additionalProperties");
-        gb_eps(c->b, xtml_arg(c, loop, NULL, 0, addl && addl->kind == K3_JSON_OBJECT ? addl : &ANY, sub),
+        gb_eps(c->b,
+               xtml_arg(c, loop, NULL, 0, addl && addl->kind == K3_JSON_OBJECT ? addl : &ANY, sub),
                loop);
         return loop;
     }
@@ -1209,7 +1236,10 @@ static int32_t tool_call(g_cx *c, int32_t from, const k3_grammar_spec *s) {
         }
         a = mark(c, lit(c, a, "\""), K3_GSYM_SEP);
         snprintf(path, sizeof path, "tools[%zu].function.parameters", i);
-        a = xtml_args(c, a, k3_chat_json_get(fn ? fn : t, "parameters"), path);
+        const k3_chat_json *root = c->root; /* a tool's $ref resolves in its parameters */
+        c->root = k3_chat_json_get(fn ? fn : t, "parameters");
+        a = xtml_args(c, a, c->root, path);
+        c->root = root;
         gb_eps(c->b, mark(c, lit(c, mark(c, a, K3_GSYM_CLOSE), "call"), K3_GSYM_SEP), end);
     }
     if (!n && !failed(c))
@@ -1234,7 +1264,8 @@ static int32_t content(g_cx *c, int32_t from, const k3_grammar_spec *s) {
         gb_sym(c->b, loop, 0, 255, loop);
         return loop;
     }
-    case K3_GC_NONE: return from;
+    case K3_GC_NONE:
+        return from;
     case K3_GC_JSON:
         if (!s->schema) return free_object(c, from, any_rule(c));
         return value(c, from, s->schema, what);
@@ -1260,8 +1291,13 @@ static int32_t content(g_cx *c, int32_t from, const k3_grammar_spec *s) {
 }
 
 int32_t g_build_spec(g_build *b, const k3_grammar_spec *s) {
-    g_cx c = {.b = b, .root = s->schema, .r_string = -1, .r_number = -1, .r_integer = -1,
-              .r_any = -1, .what = s->what};
+    g_cx c = {.b = b,
+              .root = s->schema,
+              .r_string = -1,
+              .r_number = -1,
+              .r_integer = -1,
+              .r_any = -1,
+              .what = s->what};
     int32_t root = gb_rule(b), cur = b->rule_start[root];
     if (!s->bare && s->thinking) { /* free thinking, ended by <|close|>think<|sep|> */
         int32_t th = gb_state(b);

@@ -43,8 +43,8 @@ typedef enum k3_grammar_tools {
 } k3_grammar_tools;
 
 typedef struct k3_grammar_spec {
-    bool bare;             /* the content alone: no K3 envelope (tests, bench) */
-    bool thinking;         /* the completion starts in `think`: free text until <|close|> */
+    bool bare;     /* the content alone: no K3 envelope (tests, bench) */
+    bool thinking; /* the completion starts in `think`: free text until <|close|> */
     k3_grammar_content content;
     const k3_chat_json *schema;  /* K3_GC_JSON: borrowed */
     const char *regex;           /* K3_GC_REGEX (NUL-terminated) */
@@ -58,8 +58,7 @@ typedef struct k3_grammar_spec {
 
 /* ---- compiled grammar ------------------------------------------------------------------- */
 typedef struct k3_grammar k3_grammar;
-k3_status k3_grammar_compile(const k3_grammar_vocab *v, const k3_grammar_spec *s,
-                             k3_grammar **out);
+k3_status k3_grammar_compile(const k3_grammar_vocab *v, const k3_grammar_spec *s, k3_grammar **out);
 k3_grammar *k3_grammar_retain(k3_grammar *g);
 void k3_grammar_release(k3_grammar *g); /* NULL-safe; frees at the last release */
 typedef struct k3_grammar_info {
@@ -87,8 +86,7 @@ bool k3_matcher_done(const k3_matcher *m);    /* complete, and nothing more can 
 /* ---- cache of compiled grammars (thread-safe) --------------------------------------------- */
 typedef struct k3_grammar_cache k3_grammar_cache;
 /* `vocab` is owned by the cache; max_entries compiled grammars are kept (LRU). */
-k3_status k3_grammar_cache_create(k3_grammar_vocab *vocab, int max_entries,
-                                  k3_grammar_cache **out);
+k3_status k3_grammar_cache_create(k3_grammar_vocab *vocab, int max_entries, k3_grammar_cache **out);
 void k3_grammar_cache_destroy(k3_grammar_cache *c); /* NULL-safe */
 /* A retained grammar for `s`, compiled once per distinct spec; *hit says whether it was cached. */
 k3_status k3_grammar_cache_get(k3_grammar_cache *c, const k3_grammar_spec *s, k3_grammar **out,

@@ -117,6 +117,7 @@ typedef struct batch {
     int n_live, cap_live;
     int64_t max_ctx;
     int64_t n_vocab; /* the model's vocab_size (logit_bias ids); 0: the config did not load */
+    k3_grammar_cache *grammars; /* structured outputs of the requests */
     char model_name[256];
     uint64_t nonce, seed;
     bool max_tokens_flag;
@@ -460,6 +461,7 @@ static void settings(const batch *b, const in_line *L, k3_job_settings *s) {
     s->flag[K3_JOB_MAX_TOKENS] = "max-tokens";
     s->seed = k3_run_seq_seed(b->seed ^ cid_hash(L->cid, L->n_cid), 0);
     s->n_vocab = b->n_vocab;
+    s->grammars = b->grammars;
 }
 
 static live *free_live(batch *b) {
@@ -678,6 +680,7 @@ static k3_status prepare(batch *b) {
         b->n_vocab = cfg.vocab_size;
     else
         k3_clear_error();
+    if (b->n_vocab > 0) K3_TRY(k3_job_grammar_cache(b->tok, b->n_vocab, &b->grammars));
     const char *m = k3_args_str(a, "model");
     size_t n = strlen(m);
     while (n > 1 && m[n - 1] == '/') n--;
@@ -694,6 +697,7 @@ static void batch_free(batch *b) {
         if (b->live[i].line >= 0) end_live(b, &b->live[i]);
     for (int64_t i = 0; b->lines && i < b->n_lines; i++) k3_free(b->lines[i].cid);
     k3_free(b->live), k3_free(b->lines), k3_free(b->set), k3_free(b->todo), k3_free(b->in_text);
+    k3_grammar_cache_destroy(b->grammars); /* after the jobs: they hold its grammars */
     k3_tok_destroy(b->tok);
     if (b->out_fd >= 0) close(b->out_fd); /* also releases the lock */
 }

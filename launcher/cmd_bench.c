@@ -488,13 +488,15 @@ static int run_bench(const k3_args *a) {
         return bench_serve(a);
     }
     if (strcmp(m, "kernels") == 0) return run_kernels(a);
+    if (strcmp(m, "grammar") == 0) return bench_grammar(a); /* bench_grammar.c */
     if (strcmp(m, "load") == 0) { /* under mpirun: rank 0 prints the usage error (bench_load) */
         char why[512] = "";
         if (check_modes(a, M_LD) != K3_OK) snprintf(why, sizeof why, "%s", k3_last_error());
         return bench_load(a, why[0] ? why : NULL);
     }
     fprintf(stderr,
-            "k3 bench: '%s' is not a mode (throughput, serve, kernels, load, or none for pp/tg)\n",
+            "k3 bench: '%s' is not a mode (throughput, serve, kernels, load, grammar, or none for "
+            "pp/tg)\n",
             m);
     return 2;
 }

@@ -86,12 +86,14 @@ typedef struct run_in {
     int64_t *lens;
     int n_prompts;
     k3_job job; /* --chat: the request; always: the sampling parameters (job.sp, job.max_tokens) */
+    k3_grammar_cache *grammars; /* --chat: structured outputs */
 } run_in;
 
 static void run_free(run_in *in) {
     k3_tok_destroy(in->tok);
     k3_free(in->ids), k3_free(in->lens);
     k3_job_free(&in->job);
+    k3_grammar_cache_destroy(in->grammars); /* after the job: it holds a grammar */
 }
 
 /* ---- prompts ----------------------------------------------------------------------------- */
@@ -206,6 +208,9 @@ static k3_status sampling(run_in *in, const k3_args *a) {
         s.n_vocab = cfg.vocab_size;
     else
         k3_clear_error();
+    if (in->job.req && in->tok && s.n_vocab > 0)
+        K3_TRY(k3_job_grammar_cache(in->tok, s.n_vocab, &in->grammars));
+    s.grammars = in->grammars;
     K3_TRY(k3_job_sampling(&in->job, &s, "--chat"));
     /* A request's logit_bias -Infinity (a ban) passes k3_job_sampling for the sampler to judge;
      * ask it now, with the bias alone, so that a refusal is a request error (exit 1) naming the

@@ -20,6 +20,7 @@
 #include "k3_engine_test.h"
 #include "k3_comm.h"
 #include "k3_model.h"
+#include "chat_job.h"
 #include "k3_server.h"
 
 static const k3_flag flags[] = {
@@ -103,6 +104,7 @@ static k3_status prepare(const k3_args *a, k3_server_opts *so, k3_tokenizer **to
     K3_TRY(k3_config_load(m, &cfg));
     so->n_vocab = cfg.vocab_size;
     so->tok = *tok;
+    K3_TRY(k3_job_grammar_cache(*tok, cfg.vocab_size, &so->grammars));
     return K3_OK;
 }
 
@@ -153,6 +155,7 @@ static int run_serve(const k3_args *a) {
         k3_comm_world_abort(1);
     }
     if (agreed) {
+        k3_grammar_cache_destroy(so.grammars);
         k3_tok_destroy(tok);
         k3_comm_finalize();
         return agreed;
@@ -188,6 +191,7 @@ static int run_serve(const k3_args *a) {
         if (st == K3_OK) K3_LOGI("k3 serve: stopped");
         rc = st == K3_OK ? 0 : 1;
     }
+    k3_grammar_cache_destroy(so.grammars); /* after the server: its jobs hold grammars */
     k3_tok_destroy(tok);
     k3_comm_finalize();
     return rc;

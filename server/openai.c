@@ -207,7 +207,8 @@ static int parse_job(const k3_server_opts *o, sreq *q, const char *body, size_t 
                                  [K3_JOB_TOP_P] = 1,
                                  [K3_JOB_REPETITION_PENALTY] = 1,
                                  [K3_JOB_MAX_TOKENS] = q->kind == SREQ_COMPLETION ? 16 : 0},
-                         .n_vocab = o->n_vocab};
+                         .n_vocab = o->n_vocab,
+                         .grammars = o->grammars};
     const k3_chat_json *seed = key(j->doc, "seed");
     uint64_t t = (uint64_t)k3_now_s() * 1000003u ^ (uint64_t)(uintptr_t)q;
     s.seed = seed ? 0 : k3_hash_bytes(&t, sizeof t, K3_HASH_INIT); /* unseeded: a fresh one */

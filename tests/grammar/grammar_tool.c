@@ -39,8 +39,10 @@ static k3_status spec_of(const k3_chat_json *j, k3_grammar_spec *s) {
     s->single_call = k3_chat_json_truthy(get(j, "single_call"));
     const k3_chat_json *tc = get(j, "tool_choice");
     s->tools_mode = K3_GT_ANY;
-    if (k3_chat_json_is_str(tc, "required")) s->tools_mode = K3_GT_REQUIRED;
-    else if (k3_chat_json_is_str(tc, "none")) s->tools_mode = K3_GT_NONE;
+    if (k3_chat_json_is_str(tc, "required"))
+        s->tools_mode = K3_GT_REQUIRED;
+    else if (k3_chat_json_is_str(tc, "none"))
+        s->tools_mode = K3_GT_NONE;
     else if (tc && tc->kind == K3_JSON_STRING)
         s->tools_mode = K3_GT_REQUIRED, s->tool_name = tc->s, s->single_call = true;
     return K3_OK;
@@ -78,7 +80,8 @@ static k3_status walk(k3_grammar *g, const k3_tokenizer *tok, int64_t V, const k
             /* brute force every few steps: the mask equals the matcher's own verdict per id */
             if (t % 7 == 0)
                 for (int64_t id = 0; id < V; id++)
-                    mask_errors += ((mask[id >> 6] >> (id & 63)) & 1) != k3_matcher_allows(m, (int32_t)id);
+                    mask_errors +=
+                        ((mask[id >> 6] >> (id & 63)) & 1) != k3_matcher_allows(m, (int32_t)id);
             /* a random model: the best of random logits among the allowed ids */
             int64_t best = -1;
             uint64_t bv = 0;
@@ -140,7 +143,8 @@ int main(int argc, char **argv) {
         k3_grammar_spec s;
         bool hit;
         if (k3_chat_json_parse(line, (size_t)n, "request", &j) != K3_OK ||
-            spec_of(get(j, "spec"), &s) != K3_OK || k3_grammar_cache_get(cache, &s, &g, &hit) != K3_OK) {
+            spec_of(get(j, "spec"), &s) != K3_OK ||
+            k3_grammar_cache_get(cache, &s, &g, &hit) != K3_OK) {
             put_err();
         } else if (k3_chat_json_is_str(get(j, "op"), "check")) {
             const k3_chat_json *in = get(j, "instances");
@@ -149,8 +153,10 @@ int main(int argc, char **argv) {
                 k3_matcher *m = NULL;
                 bool ok = k3_matcher_create(g, &m) == K3_OK;
                 uint16_t *syms = malloc((in->items[i]->n + 1) * sizeof *syms);
-                for (size_t k = 0; syms && k < in->items[i]->n; k++) syms[k] = (uint8_t)in->items[i]->s[k];
-                ok = ok && syms && k3_matcher_accept_syms(m, syms, in->items[i]->n) && k3_matcher_can_end(m);
+                for (size_t k = 0; syms && k < in->items[i]->n; k++)
+                    syms[k] = (uint8_t)in->items[i]->s[k];
+                ok = ok && syms && k3_matcher_accept_syms(m, syms, in->items[i]->n) &&
+                     k3_matcher_can_end(m);
                 printf("%s%s", i ? "," : "", ok ? "true" : "false");
                 free(syms);
                 k3_matcher_destroy(m);

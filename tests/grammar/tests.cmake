@@ -4,3 +4,11 @@ find_program(K3_PYTHON3 python3)
 k3_add_test_exe(grammar_tool ${CMAKE_CURRENT_LIST_DIR}/grammar_tool.c)
 add_test(NAME grammar_schemas COMMAND ${K3_PYTHON3} ${CMAKE_CURRENT_LIST_DIR}/test_grammar.py $<TARGET_FILE:grammar_tool>)
 set_tests_properties(grammar_schemas PROPERTIES LABELS "unit;sanitize" ENVIRONMENT "${K3_TEST_ENV}" TIMEOUT 600)
+# End to end on the tiny model: 200 json_schema + 100 tool_choice=required requests through
+# `k3 serve` with the openai client, the other keys, streaming, 400s, and `k3 batch`.
+set(K3_GRAMMAR_ENV ${K3_TEST_ENV_MPI} "K3_MPIEXEC=${MPIEXEC_EXECUTABLE}")
+add_test(NAME grammar_structured COMMAND ${K3_PYTHON3} ${CMAKE_CURRENT_LIST_DIR}/test_structured.py)
+set_tests_properties(grammar_structured PROPERTIES LABELS "unit" ENVIRONMENT "${K3_GRAMMAR_ENV}" TIMEOUT 900)
+add_test(NAME grammar_structured_2x2 COMMAND ${K3_PYTHON3} ${CMAKE_CURRENT_LIST_DIR}/test_structured.py
+         --pp 2 --ep 2 --n-schema 20 --n-tools 10)
+set_tests_properties(grammar_structured_2x2 PROPERTIES LABELS "mpi" ENVIRONMENT "${K3_GRAMMAR_ENV}" TIMEOUT 900)
