@@ -192,8 +192,14 @@ static k3_status apply_grammar(k3_sampler *s, float *out) {
         uint64_t m = s->gmask[w];
         if (m == ~0ull) continue;
         int64_t end = K3_MIN(n, (w + 1) * 64);
-        for (int64_t i = w * 64; i < end; i++)
-            if (!(m >> (i - w * 64) & 1)) out[i] = -INFINITY;
+        if (m == 0) { /* most words in a JSON state: no allowed id */
+            for (int64_t i = w * 64; i < end; i++) out[i] = -INFINITY;
+            continue;
+        }
+        for (uint64_t z = ~m; z; z &= z - 1) { /* the refused ids of a mixed word */
+            int64_t i = w * 64 + __builtin_ctzll(z);
+            if (i < end) out[i] = -INFINITY;
+        }
     }
     return K3_OK;
 }

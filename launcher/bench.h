@@ -153,8 +153,8 @@ int bench_serve(const k3_args *a);
  * or the usage error the caller found in the flags (every rank finds the same; rank 0 prints it,
  * exit 2). Returns the exit code. */
 int bench_load(const k3_args *a, const char *usage);
-/* `k3 bench grammar --model VOCAB.tiktoken` (bench_grammar.c): structured-output mask and compile
- * times. */
+/* `k3 bench grammar --vocab FILE [--model DIR]` (bench_grammar.c): structured-output mask and
+ * compile times. */
 int bench_grammar(const k3_args *a);
 
 #endif /* K3_BENCH_H */

@@ -32,13 +32,26 @@
 #include "k3_model.h"
 
 /* The modes a flag applies to. */
-enum { M_PT = 1, M_TP = 2, M_SV = 4, M_KN = 8, M_LD = 16, M_ENG = M_PT | M_TP, M_ALL = 31 };
+enum {
+    M_PT = 1,
+    M_TP = 2,
+    M_SV = 4,
+    M_KN = 8,
+    M_LD = 16,
+    M_GR = 32,
+    M_ENG = M_PT | M_TP,
+    M_ALL = 63
+};
 
 /* X(name, kind, metavar, default, modes, help) */
 #define BENCH_FLAGS(X)                                                                             \
-    X("model", K3_FLAG_STR, "DIR", NULL, M_ENG | M_SV | M_LD,                                      \
-      "checkpoint directory (pp/tg, throughput, load); serve: the model name in request bodies "   \
+    X("model", K3_FLAG_STR, "DIR", NULL, M_ENG | M_SV | M_LD | M_GR,                               \
+      "checkpoint directory (pp/tg, throughput, load; grammar: the model whose decode step is "    \
+      "timed beside the mask); serve: the model name in request bodies "                           \
       "(default: the server's first /v1/models entry)")                                            \
+    X("vocab", K3_FLAG_STR, "FILE", NULL, M_GR,                                                    \
+      "grammar: a .tiktoken rank file; its first 163,584 ranks + the K3 specials make K3's "       \
+      "163,840 ids (required)")                                                                    \
     X("n-prompt", K3_FLAG_STR, "N[,N]", "512", M_PT,                                               \
       "pp/tg: prompt tokens of each pp test (llama-bench's -p; 0 = none)")                         \
     X("n-gen", K3_FLAG_STR, "N[,N]", "128", M_PT,                                                  \
@@ -119,6 +132,7 @@ static const char *mode_name(int mode) {
            : mode == M_TP ? "throughput"
            : mode == M_KN ? "kernels"
            : mode == M_LD ? "load"
+           : mode == M_GR ? "grammar"
                           : "serve";
 }
 
@@ -131,7 +145,7 @@ static void flag_note(int i, char *buf, size_t n) {
         snprintf(buf, n, "all modes");
         return;
     }
-    for (int b = M_PT; b <= M_LD && off < n; b <<= 1)
+    for (int b = M_PT; b <= M_GR && off < n; b <<= 1)
         if (m & b) {
             int w = snprintf(buf + off, n - off, "%s%s", off ? ", " : "", mode_name(b));
             if (w > 0) off += (size_t)w;
@@ -488,7 +502,13 @@ static int run_bench(const k3_args *a) {
         return bench_serve(a);
     }
     if (strcmp(m, "kernels") == 0) return run_kernels(a);
-    if (strcmp(m, "grammar") == 0) return bench_grammar(a); /* bench_grammar.c */
+    if (strcmp(m, "grammar") == 0) { /* bench_grammar.c */
+        if (check_modes(a, M_GR) != K3_OK) {
+            fprintf(stderr, "k3 bench: %s\n", k3_last_error());
+            return 2;
+        }
+        return bench_grammar(a);
+    }
     if (strcmp(m, "load") == 0) { /* under mpirun: rank 0 prints the usage error (bench_load) */
         char why[512] = "";
         if (check_modes(a, M_LD) != K3_OK) snprintf(why, sizeof why, "%s", k3_last_error());
@@ -503,14 +523,15 @@ static int run_bench(const k3_args *a) {
 
 const k3_command k3_cmd_bench = {
     .name = "bench",
-    .positional = "[throughput|serve|kernels|load]",
+    .positional = "[throughput|serve|kernels|load|grammar]",
     .min_pos = 0,
     .max_pos = 1,
     .summary = "throughput evaluation: pp/tg table (llama-bench), `throughput` offline through "
                "the engine, `serve` online against a server (vLLM's field names), `kernels` each "
                "kernel vs this machine's measured triad bandwidth and FMA peak, `load` the "
-               "checkpoint load (serial vs parallel loader, warm vs cold) vs the raw read rate; "
-               "[...] after a flag: the modes it applies to",
+               "checkpoint load (serial vs parallel loader, warm vs cold) vs the raw read rate, "
+               "`grammar` the structured-output mask per step and compile time at K3's vocabulary "
+               "beside a model's decode step; [...] after a flag: the modes it applies to",
     .flags = flags,
     .n_flags = (int)K3_ARRAY_LEN(flags),
     .run = run_bench,

@@ -56,3 +56,20 @@ if(CMAKE_C_COMPILER_ID MATCHES "Clang")
   target_link_options(fuzz_serve_request PRIVATE -fsanitize=fuzzer,address,undefined)
   target_link_libraries(fuzz_serve_request PRIVATE PkgConfig::PCRE2 PkgConfig::CJSON Threads::Threads m)
 endif()
+
+# ---- grammar engine (owner: structured outputs) ----
+k3_add_test_exe(fuzz_grammar_driver ${CMAKE_CURRENT_LIST_DIR}/fuzz_grammar.c)
+add_test(NAME fuzz_grammar_short COMMAND fuzz_grammar_driver --random 1500 --seed 1)
+set_tests_properties(fuzz_grammar_short PROPERTIES LABELS "fuzz;sanitize" ENVIRONMENT "${K3_TEST_ENV}" TIMEOUT 300)
+if(CMAKE_C_COMPILER_ID MATCHES "Clang")
+  add_executable(fuzz_grammar ${CMAKE_CURRENT_LIST_DIR}/fuzz_grammar.c
+                 ${CMAKE_SOURCE_DIR}/coordinator/grammar.c ${CMAKE_SOURCE_DIR}/coordinator/grammar_schema.c
+                 ${CMAKE_SOURCE_DIR}/coordinator/chat_json.c ${CMAKE_SOURCE_DIR}/coordinator/tokenizer.c
+                 ${CMAKE_SOURCE_DIR}/coordinator/tokenizer_decode.c ${CMAKE_SOURCE_DIR}/base/base.c
+                 ${CMAKE_SOURCE_DIR}/base/utf8.c)
+  target_compile_definitions(fuzz_grammar PRIVATE K3_LIBFUZZER=1 _GNU_SOURCE)
+  target_include_directories(fuzz_grammar PRIVATE ${CMAKE_SOURCE_DIR}/base ${CMAKE_SOURCE_DIR}/coordinator)
+  target_compile_options(fuzz_grammar PRIVATE -g -O1 -fsanitize=fuzzer,address,undefined)
+  target_link_options(fuzz_grammar PRIVATE -fsanitize=fuzzer,address,undefined)
+  target_link_libraries(fuzz_grammar PRIVATE PkgConfig::PCRE2 PkgConfig::CJSON Threads::Threads m)
+endif()

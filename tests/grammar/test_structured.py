@@ -66,13 +66,14 @@ PARAMS = {t["function"]["name"]: t["function"]["parameters"] for t in TOOLS}
 
 
 class Server:
-    def __init__(self, model, pp, ep, extra=()):
+    def __init__(self, model, pp, ep, extra=(), env=None):
         self.log = tempfile.NamedTemporaryFile(prefix="k3_grammar_serve_", suffix=".txt", delete=False)
         cmd = [K3, "serve", "--model", model, "--port", "0", "--threads", "1", "--pp", str(pp),
                "--ep", str(ep), "--max-ctx", "4096"] + list(extra)
         if pp * ep > 1:
             cmd = [MPI, "-np", str(pp * ep), "--oversubscribe"] + cmd
-        self.proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=self.log)
+        self.proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=self.log,
+                                     env=dict(os.environ, **(env or {})))
         t0, self.port = time.time(), None
         while time.time() - t0 < 120 and self.proc.poll() is None and not self.port:
             m = re.search(r"listening on http://127\.0\.0\.1:(\d+) \(model \"([^\"]*)\", pid (\d+)\)",
@@ -239,6 +240,31 @@ def main():
             check("guided_grammar" in str(e), "400 naming guided_grammar")
     finally:
         check(srv.stop() == 0, "the server exits 0")
+
+    # ---- thinking on: the test hook makes every request's first token <|close|> (a random model
+    # would think until max_tokens); the grammar then forces think<|sep|><|open|>response<|sep|>
+    # and constrains the answer only ----
+    srv = Server(model, a.pp, a.ep, env={"K3_TEST_FORCE": str(ids[1][0])})
+    orig = srv.client.chat.completions.create
+    try:
+        bad = 0
+        for i in range(10):
+            s = SCHEMAS[i % len(SCHEMAS)]
+            r = orig(model="tiny", messages=msgs("t%d" % i), max_tokens=3000, seed=i, logit_bias=bias,
+                     response_format={"type": "json_schema", "json_schema": {"name": "x", "schema": s}})
+            m = r.choices[0].message
+            ok = getattr(m, "reasoning_content", None) == "" and \
+                jsonschema.Draft202012Validator(s).is_valid(json.loads(m.content))
+            r = orig(model="tiny", messages=msgs("t%d" % i), max_tokens=3000, seed=i, logit_bias=bias,
+                     tools=TOOLS, tool_choice="required")
+            m = r.choices[0].message
+            ok &= bool(m.tool_calls) and all(jsonschema.Draft202012Validator(PARAMS[t.function.name]).is_valid(
+                json.loads(t.function.arguments)) for t in m.tool_calls)
+            bad += not ok
+        check(bad == 0, "thinking on: 10 json_schema + 10 tool requests hold, reasoning_content reported "
+              "(%d bad)" % bad)
+    finally:
+        check(srv.stop() == 0, "the thinking server exits 0")
 
     # ---- k3 batch: the same keys through the batch file ----
     inp, out = os.path.join(d, "in.jsonl"), os.path.join(d, "out.jsonl")
