@@ -185,7 +185,8 @@ def main():
             print("   bad tool call:", b)
         check(not bad, "%d tool_choice=required requests: %d typed calls, arguments validate (%d bad)"
               % (a.n_tools, n_calls, len(bad)))
-        check(len(names) == 5, "every tool was called at least once (%s)" % sorted(names))
+        if a.n_tools >= 50:  # enough draws that a tool the grammar could not reach would show
+            check(len(names) == 5, "every tool was called at least once (%s)" % sorted(names))
         print("   responses with several calls (parallel_tool_calls true): %d" % multi)
 
         # ---- named tool, none, json_object, guided_* ----
@@ -255,7 +256,7 @@ def main():
             m = r.choices[0].message
             ok = getattr(m, "reasoning_content", None) == "" and \
                 jsonschema.Draft202012Validator(s).is_valid(json.loads(m.content))
-            r = orig(model="tiny", messages=msgs("t%d" % i), max_tokens=3000, seed=i, logit_bias=bias,
+            r = orig(model="tiny", messages=msgs("t%d" % i), max_tokens=2500, seed=i, logit_bias=bias,
                      tools=TOOLS, tool_choice="required")
             m = r.choices[0].message
             ok &= bool(m.tool_calls) and all(jsonschema.Draft202012Validator(PARAMS[t.function.name]).is_valid(
