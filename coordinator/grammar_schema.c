@@ -543,6 +543,17 @@ static int32_t json_string_rule(g_cx *c) {
     return r;
 }
 
+/* After the digit that reached `d`: up to n more digits, then `out`. */
+static void more_digits(g_cx *c, int32_t d, int n, int32_t out) {
+    gb_eps(c->b, d, out);
+    for (int i = 0; i < n; i++) {
+        int32_t nx = gb_state(c->b);
+        gb_sym(c->b, d, '0', '9', nx);
+        gb_eps(c->b, nx, out);
+        d = nx;
+    }
+}
+
 /* -?(0|[1-9][0-9]{0,15}) then, for numbers, (\.[0-9]{1,16})?([eE][+-]?[0-9]{1,2})? */
 static int32_t number_rule(g_cx *c, bool integer) {
     int32_t *slot = integer ? &c->r_integer : &c->r_number;
@@ -554,25 +565,13 @@ static int32_t number_rule(g_cx *c, bool integer) {
     gb_sym(c->b, sg, '0', '0', ip);
     int32_t d = gb_state(c->b);
     gb_sym(c->b, sg, '1', '9', d);
-    gb_eps(c->b, d, ip);
-    for (int i = 0; i < 15; i++) {
-        int32_t n = gb_state(c->b);
-        gb_sym(c->b, d, '0', '9', n);
-        gb_eps(c->b, n, ip);
-        d = n;
-    }
+    more_digits(c, d, 15, ip);
     gb_eps(c->b, ip, e);
     if (integer) return r;
     int32_t fr = lit(c, ip, "."), f = gb_state(c->b);
     gb_sym(c->b, fr, '0', '9', f);
     int32_t fe = gb_state(c->b);
-    gb_eps(c->b, f, fe);
-    for (int i = 0; i < 15; i++) {
-        int32_t n = gb_state(c->b);
-        gb_sym(c->b, f, '0', '9', n);
-        gb_eps(c->b, n, fe);
-        f = n;
-    }
+    more_digits(c, f, 15, fe);
     gb_eps(c->b, fe, e);
     int32_t ex = gb_state(c->b), es = gb_state(c->b), e1 = gb_state(c->b), e2 = gb_state(c->b);
     gb_sym(c->b, ip, 'e', 'e', ex), gb_sym(c->b, ip, 'E', 'E', ex);
@@ -944,6 +943,41 @@ static const char *other_keyword(const k3_chat_json *sch, const char *except) {
     return NULL;
 }
 
+/* A schema object whose keywords are all supported (else refused, false). */
+static bool schema_ok(g_cx *c, const k3_chat_json *sch, const char *path) {
+    if (sch->kind != K3_JSON_OBJECT) {
+        fail(c, path, "%s", "a schema must be an object or a boolean");
+        return false;
+    }
+    return check_keywords(c, sch, path);
+}
+
+/* The node sch's $ref names; NULL (refused) when it does not resolve or other constraints
+ * stand beside it. */
+static const k3_chat_json *ref_target(g_cx *c, const k3_chat_json *sch, const k3_chat_json *ref,
+                                      const char *path) {
+    const char *o = other_keyword(sch, "$ref");
+    if (o) fail(c, path, "'%s' beside $ref (not supported)", o);
+    const k3_chat_json *t = resolve_ref(c, ref, path);
+    return failed(c) ? NULL : t;
+}
+
+/* Without "type": the type the keywords present imply (object, array or string keywords), T_ANY
+ * when there are none; 0 (refused) when they mix types. */
+#define T_ANY (0x7fu & ~(1u << 2)) /* every type; number covers integer */
+static unsigned inferred_types(g_cx *c, const k3_chat_json *sch, const char *path) {
+    bool obj = k3_chat_json_get(sch, "properties") || k3_chat_json_get(sch, "required") ||
+               k3_chat_json_get(sch, "additionalProperties");
+    bool arr = k3_chat_json_get(sch, "items") || k3_chat_json_get(sch, "minItems") ||
+               k3_chat_json_get(sch, "maxItems");
+    bool str = k3_chat_json_get(sch, "pattern") || k3_chat_json_get(sch, "format");
+    if (obj + arr + str > 1) {
+        fail(c, path, "%s", "keywords of several types without \"type\" (not supported)");
+        return 0;
+    }
+    return obj ? 1u << 5 : arr ? 1u << 6 : str ? 1u : T_ANY;
+}
+
 static int32_t value(g_cx *c, int32_t from, const k3_chat_json *sch, const char *path) {
     char sub[512];
     if (failed(c)) return from;
@@ -951,17 +985,11 @@ static int32_t value(g_cx *c, int32_t from, const k3_chat_json *sch, const char 
         if (!sch->b) fail(c, path, "%s", "the schema false (nothing validates)");
         return call(c, from, any_rule(c));
     }
-    if (sch->kind != K3_JSON_OBJECT) {
-        fail(c, path, "%s", "a schema must be an object or a boolean");
-        return from;
-    }
-    if (!check_keywords(c, sch, path)) return from;
+    if (!schema_ok(c, sch, path)) return from;
     const k3_chat_json *ref = k3_chat_json_get(sch, "$ref"), *any = k3_chat_json_get(sch, "anyOf");
     if (ref) {
-        const char *o = other_keyword(sch, "$ref");
-        if (o) fail(c, path, "'%s' beside $ref (not supported)", o);
-        const k3_chat_json *t = resolve_ref(c, ref, path);
-        return failed(c) ? from : call(c, from, node_rule(c, t, -1, ref->s));
+        const k3_chat_json *t = ref_target(c, sch, ref, path);
+        return t ? call(c, from, node_rule(c, t, -1, ref->s)) : from;
     }
     if (any) {
         const char *o = other_keyword(sch, "anyOf");
@@ -985,18 +1013,10 @@ static int32_t value(g_cx *c, int32_t from, const k3_chat_json *sch, const char 
                              path)
                   : literals(c, from, &cst, 1, types, path);
     }
-    if (!k3_chat_json_get(sch, "type")) { /* inferred from the keywords present */
-        bool obj = k3_chat_json_get(sch, "properties") || k3_chat_json_get(sch, "required") ||
-                   k3_chat_json_get(sch, "additionalProperties");
-        bool arr = k3_chat_json_get(sch, "items") || k3_chat_json_get(sch, "minItems") ||
-                   k3_chat_json_get(sch, "maxItems");
-        bool str = k3_chat_json_get(sch, "pattern") || k3_chat_json_get(sch, "format");
-        if (obj + arr + str > 1) {
-            fail(c, path, "%s", "keywords of several types without \"type\" (not supported)");
-            return from;
-        }
-        if (!obj && !arr && !str) return call(c, from, any_rule(c));
-        types = obj ? 1u << 5 : arr ? 1u << 6 : 1u;
+    if (!k3_chat_json_get(sch, "type")) {
+        types = inferred_types(c, sch, path);
+        if (!types) return from;
+        if (types == T_ANY) return call(c, from, any_rule(c));
     }
     int32_t end = gb_state(c->b);
     for (int t = 0; t < 7 && !failed(c); t++)
@@ -1067,14 +1087,10 @@ static int32_t xtml_value(g_cx *c, int32_t from, const k3_chat_json *sch, const 
                        end);
         return end;
     }
-    if (sch->kind != K3_JSON_OBJECT) {
-        fail(c, path, "%s", "a schema must be an object or a boolean");
-        return from;
-    }
-    if (!check_keywords(c, sch, path)) return from;
+    if (!schema_ok(c, sch, path)) return from;
     const k3_chat_json *ref = k3_chat_json_get(sch, "$ref"), *any = k3_chat_json_get(sch, "anyOf");
     if (ref) {
-        const k3_chat_json *t = resolve_ref(c, ref, path);
+        const k3_chat_json *t = ref_target(c, sch, ref, path);
         return t ? xtml_value(c, from, t, ref->s, depth + 1) : from;
     }
     if (any) {
@@ -1122,18 +1138,7 @@ static int32_t xtml_value(g_cx *c, int32_t from, const k3_chat_json *sch, const 
         if (!used && !failed(c)) fail(c, path, "%s", "enum/const has no value the type allows");
         return end;
     }
-    if (!k3_chat_json_get(sch, "type")) {
-        bool obj = k3_chat_json_get(sch, "properties") || k3_chat_json_get(sch, "required") ||
-                   k3_chat_json_get(sch, "additionalProperties");
-        bool arr = k3_chat_json_get(sch, "items") || k3_chat_json_get(sch, "minItems") ||
-                   k3_chat_json_get(sch, "maxItems");
-        bool str = k3_chat_json_get(sch, "pattern") || k3_chat_json_get(sch, "format");
-        if (obj + arr + str > 1) {
-            fail(c, path, "%s", "keywords of several types without \"type\" (not supported)");
-            return from;
-        }
-        types = obj ? 1u << 5 : arr ? 1u << 6 : str ? 1u : 0x7fu & ~(1u << 2);
-    }
+    if (!k3_chat_json_get(sch, "type") && !(types = inferred_types(c, sch, path))) return from;
     if ((types & 6u) == 6u) types &= ~(1u << 2); /* number covers integer */
     for (int t = 0; t < 7 && !failed(c); t++)
         if (types >> t & 1) gb_eps(c->b, xtml_typed(c, from, sch, t, path), end);

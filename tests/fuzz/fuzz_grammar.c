@@ -28,9 +28,10 @@ static k3_tokenizer *g_tok;
 static k3_grammar_vocab *g_vocab;
 static size_t g_compiled, g_completed;
 
-static const char *const MERGES[] = {"\":", "\",", "{\"", "\"}", "[\"", "\"]", "true", "null",
-                                     "false", "12", "00", "ab", "\\n", "\\u", "e+", ", ", "\": ",
-                                     "},{", "]}", "<|", "|>", "type", "call", "argument", NULL};
+static const char *const MERGES[] = {"\":",  "\",",   "{\"",      "\"}", "[\"", "\"]", "true",
+                                     "null", "false", "12",       "00",  "ab",  "\\n", "\\u",
+                                     "e+",   ", ",    "\": ",     "},{", "]}",  "<|",  "|>",
+                                     "type", "call",  "argument", NULL};
 
 static void b64(const unsigned char *s, size_t n, FILE *f) {
     static const char T[] = "ABCDEFGHIJKLMNOPQRSTUVWXYZabcdefghijklmnopqrstuvwxyz0123456789+/";
@@ -98,7 +99,8 @@ static void walk(k3_grammar *g, const uint8_t *steer, size_t n, bool bare_json) 
     }
     if (bare_json && k3_matcher_can_end(m) && text.n) {
         k3_chat_json *v = NULL;
-        FZ_CHECK(k3_chat_json_parse(text.data, text.n, "walk", &v) == K3_OK, "accepted JSON parses");
+        FZ_CHECK(k3_chat_json_parse(text.data, text.n, "walk", &v) == K3_OK,
+                 "accepted JSON parses");
         k3_chat_json_free(v);
         g_completed++;
     }
@@ -128,7 +130,8 @@ int LLVMFuzzerTestOneInput(const uint8_t *data, size_t size) {
         s.content = K3_GC_JSON, s.schema = schema;
         if (ok && mode == 2) {
             k3_chat_buf b = {0};
-            k3_chat_buf_puts(&b, "[{\"type\":\"function\",\"function\":{\"name\":\"f\",\"parameters\":");
+            k3_chat_buf_puts(
+                &b, "[{\"type\":\"function\",\"function\":{\"name\":\"f\",\"parameters\":");
             k3_chat_buf_put(&b, text, n_spec);
             k3_chat_buf_puts(&b, "}}]");
             ok = k3_chat_json_parse(b.p, b.n, "tools", &tools) == K3_OK;
@@ -151,14 +154,25 @@ int LLVMFuzzerTestOneInput(const uint8_t *data, size_t size) {
 }
 
 #ifndef K3_LIBFUZZER
+#include "fuzz_driver.h"
+
 /* Random schemas from pieces, random regexes, random steering. */
 static void gen_schema(k3_rng *r, k3_chat_buf *b, int depth) {
-    static const char *const LEAF[] = {
-        "{\"type\":\"string\"}", "{\"type\":\"integer\"}", "{\"type\":\"number\"}",
-        "{\"type\":\"boolean\"}", "{\"type\":\"null\"}", "{\"enum\":[\"a\",1,null,true]}",
-        "{\"const\":\"x\\\"y\"}", "{\"type\":[\"string\",\"null\"]}", "{\"type\":\"string\",\"pattern\":\"^[a-c]{1,3}$\"}",
-        "{\"type\":\"string\",\"format\":\"date\"}", "{}", "{\"type\":\"object\"}", "{\"minimum\":1}",
-        "{\"$ref\":\"#\"}", "{\"type\":\"array\"}"};
+    static const char *const LEAF[] = {"{\"type\":\"string\"}",
+                                       "{\"type\":\"integer\"}",
+                                       "{\"type\":\"number\"}",
+                                       "{\"type\":\"boolean\"}",
+                                       "{\"type\":\"null\"}",
+                                       "{\"enum\":[\"a\",1,null,true]}",
+                                       "{\"const\":\"x\\\"y\"}",
+                                       "{\"type\":[\"string\",\"null\"]}",
+                                       "{\"type\":\"string\",\"pattern\":\"^[a-c]{1,3}$\"}",
+                                       "{\"type\":\"string\",\"format\":\"date\"}",
+                                       "{}",
+                                       "{\"type\":\"object\"}",
+                                       "{\"minimum\":1}",
+                                       "{\"$ref\":\"#\"}",
+                                       "{\"type\":\"array\"}"};
     uint64_t k = k3_rng_u64(r) % (depth > 2 ? 1 : 4);
     if (k == 0) {
         k3_chat_buf_puts(b, LEAF[k3_rng_u64(r) % (sizeof LEAF / sizeof LEAF[0])]);
@@ -189,26 +203,12 @@ static void gen_schema(k3_rng *r, k3_chat_buf *b, int depth) {
 int main(int argc, char **argv) {
     long n_random = 300;
     uint64_t seed = 1;
-    for (int i = 1; i < argc; i++) {
-        if (!strcmp(argv[i], "--random") && i + 1 < argc)
-            n_random = atol(argv[++i]);
-        else if (!strcmp(argv[i], "--seed") && i + 1 < argc)
-            seed = strtoull(argv[++i], NULL, 10);
-        else {
-            char *buf = NULL;
-            size_t n = 0;
-            if (k3_read_file(argv[i], &buf, &n) != K3_OK) {
-                fprintf(stderr, "fuzz_grammar: %s\n", k3_last_error());
-                return 1;
-            }
-            LLVMFuzzerTestOneInput((const uint8_t *)buf, n);
-            k3_free(buf);
-        }
-    }
-    printf("fuzz_grammar: seed %llu, %ld generated inputs\n", (unsigned long long)seed, n_random);
-    static const char *const RX[] = {"[a-z]+", "(ab|c)*d?", "\\d{2,4}-x", "[^\"\\\\]{0,3}", "a.b|c",
-                                     "(?:x|y){3}", "\\w+@\\w+\\.com", "(a|(b|c)+)*", "(", "[z-a]",
-                                     "a{2,1}", "\\p{L}", "x\\by"};
+    if (!fuzz_driver_args(argc, argv, "fuzz_grammar", &n_random, &seed, LLVMFuzzerTestOneInput))
+        return 1;
+    static const char *const RX[] = {"[a-z]+", "(ab|c)*d?",  "\\d{2,4}-x",      "[^\"\\\\]{0,3}",
+                                     "a.b|c",  "(?:x|y){3}", "\\w+@\\w+\\.com", "(a|(b|c)+)*",
+                                     "(",      "[z-a]",      "a{2,1}",          "\\p{L}",
+                                     "x\\by"};
     k3_rng r;
     k3_rng_seed(&r, seed);
     k3_chat_buf b = {0};

@@ -61,15 +61,15 @@ endif()
 k3_add_test_exe(fuzz_grammar_driver ${CMAKE_CURRENT_LIST_DIR}/fuzz_grammar.c)
 add_test(NAME fuzz_grammar_short COMMAND fuzz_grammar_driver --random 1500 --seed 1)
 set_tests_properties(fuzz_grammar_short PROPERTIES LABELS "fuzz;sanitize" ENVIRONMENT "${K3_TEST_ENV}" TIMEOUT 300)
+# libFuzzer build (clang): the coordinator sources it needs compiled in, for coverage.
+set(K3_FUZZ_GRAMMAR_SRC grammar.c grammar_schema.c chat_json.c tokenizer.c tokenizer_decode.c)
+list(TRANSFORM K3_FUZZ_GRAMMAR_SRC PREPEND ${CMAKE_SOURCE_DIR}/coordinator/)
 if(CMAKE_C_COMPILER_ID MATCHES "Clang")
-  add_executable(fuzz_grammar ${CMAKE_CURRENT_LIST_DIR}/fuzz_grammar.c
-                 ${CMAKE_SOURCE_DIR}/coordinator/grammar.c ${CMAKE_SOURCE_DIR}/coordinator/grammar_schema.c
-                 ${CMAKE_SOURCE_DIR}/coordinator/chat_json.c ${CMAKE_SOURCE_DIR}/coordinator/tokenizer.c
-                 ${CMAKE_SOURCE_DIR}/coordinator/tokenizer_decode.c ${CMAKE_SOURCE_DIR}/base/base.c
-                 ${CMAKE_SOURCE_DIR}/base/utf8.c)
+  add_executable(fuzz_grammar ${CMAKE_CURRENT_LIST_DIR}/fuzz_grammar.c ${K3_FUZZ_GRAMMAR_SRC}
+                 ${CMAKE_SOURCE_DIR}/base/base.c ${CMAKE_SOURCE_DIR}/base/utf8.c)
   target_compile_definitions(fuzz_grammar PRIVATE K3_LIBFUZZER=1 _GNU_SOURCE)
   target_include_directories(fuzz_grammar PRIVATE ${CMAKE_SOURCE_DIR}/base ${CMAKE_SOURCE_DIR}/coordinator)
-  target_compile_options(fuzz_grammar PRIVATE -g -O1 -fsanitize=fuzzer,address,undefined)
-  target_link_options(fuzz_grammar PRIVATE -fsanitize=fuzzer,address,undefined)
+  set_target_properties(fuzz_grammar PROPERTIES COMPILE_OPTIONS "-g;-O1;-fsanitize=fuzzer,address,undefined"
+                        LINK_OPTIONS "-fsanitize=fuzzer,address,undefined")
   target_link_libraries(fuzz_grammar PRIVATE PkgConfig::PCRE2 PkgConfig::CJSON Threads::Threads m)
 endif()
