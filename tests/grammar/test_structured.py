@@ -1,7 +1,7 @@
 """test_structured.py — structured outputs end to end on the tiny random model (its unconstrained
 output is gibberish), with the official `openai` client against `k3 serve`, and `k3 batch`.
 
-  python3 test_structured.py [--pp S --ep E] [--n-schema N --n-tools M]
+  python3 test_structured.py [--pp S --ep E] [--n-schema N --n-tools M] [--preset small]
 
 Checks: N json_schema requests over varied real-world schemas (tests/grammar/test_grammar.py's)
 all return content that PyPI `jsonschema` validates; M tool_choice "required" requests over 5
@@ -117,10 +117,11 @@ def main():
     ap.add_argument("--ep", type=int, default=1)
     ap.add_argument("--n-schema", type=int, default=200)
     ap.add_argument("--n-tools", type=int, default=100)
+    ap.add_argument("--preset", default="tiny", help="k3 make-tiny --preset (tiny, small)")
     a = ap.parse_args()
     d = tempfile.mkdtemp(prefix="k3_grammar_")
     model = os.path.join(d, "tiny")
-    subprocess.run([K3, "make-tiny", model], check=True, capture_output=True, timeout=120)
+    subprocess.run([K3, "make-tiny", model, "--preset", a.preset], check=True, capture_output=True, timeout=600)
     srv = Server(model, a.pp, a.ep)
     c = srv.client
     # A random model almost never picks the one token that ends a string (`"`, or <|close|> for a
