@@ -249,16 +249,17 @@ int bench_grammar(const k3_args *a) {
                    CASES[c][0], (long long)w->gi.n_states, (long long)w->gi.n_masked_states,
                    w->gi.mask_bytes / 1e6, w->compile_ms, w->hit_us, w->steps, w->mask[0],
                    w->mask[1], w->with[0], w->with[1], w->without[0], w->without[1]);
-            snprintf(
-                buf, sizeof buf,
-                "%s{\"case\":\"%s\",\"states\":%lld,\"masked_states\":%lld,\"mask_bytes\":%lld,"
-                "\"compile_ms\":%.3f,\"cache_hit_us\":%.3f,\"steps\":%d,\"mask_us_median\":%.3f,"
-                "\"mask_us_p99\":%.3f,\"sample_us_grammar_median\":%.3f,\"sample_us_grammar_p99\":"
-                "%.3f,\"sample_us_plain_median\":%.3f,\"sample_us_plain_p99\":%.3f}",
-                c ? "," : "", CASES[c][0], (long long)w->gi.n_states,
-                (long long)w->gi.n_masked_states, (long long)w->gi.mask_bytes, w->compile_ms,
-                w->hit_us, w->steps, w->mask[0], w->mask[1], w->with[0], w->with[1], w->without[0],
-                w->without[1]);
+            k3_chat_buf_puts(&js, c ? ",{\"case\":" : "{\"case\":");
+            k3_chat_json_dump_str(CASES[c][0], strlen(CASES[c][0]), &js);
+            snprintf(buf, sizeof buf,
+                     ",\"states\":%lld,\"masked_states\":%lld,\"mask_bytes\":%lld,\"compile_ms\":"
+                     "%.3f,\"cache_hit_us\":%.3f,\"steps\":%d,\"mask_us_median\":%.3f,"
+                     "\"mask_us_p99\":%.3f,\"sample_us_grammar_median\":%.3f,"
+                     "\"sample_us_grammar_p99\":%.3f,\"sample_us_plain_median\":%.3f,"
+                     "\"sample_us_plain_p99\":%.3f}",
+                     (long long)w->gi.n_states, (long long)w->gi.n_masked_states,
+                     (long long)w->gi.mask_bytes, w->compile_ms, w->hit_us, w->steps, w->mask[0],
+                     w->mask[1], w->with[0], w->with[1], w->without[0], w->without[1]);
             k3_chat_buf_puts(&js, buf);
         }
         k3_chat_buf_puts(&js, "]}\n");

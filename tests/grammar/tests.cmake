@@ -12,3 +12,6 @@ set_tests_properties(grammar_structured PROPERTIES LABELS "unit" ENVIRONMENT "${
 add_test(NAME grammar_structured_2x2 COMMAND ${K3_PYTHON3} ${CMAKE_CURRENT_LIST_DIR}/test_structured.py
          --pp 2 --ep 2 --n-schema 20 --n-tools 10)
 set_tests_properties(grammar_structured_2x2 PROPERTIES LABELS "mpi" ENVIRONMENT "${K3_GRAMMAR_ENV}" TIMEOUT 900)
+# `k3 bench grammar` end to end (JSON against bench_grammar.schema.json; never a timing verdict).
+add_test(NAME grammar_bench_cli COMMAND ${K3_PYTHON3} ${CMAKE_CURRENT_LIST_DIR}/bench_grammar_cli.py)
+set_tests_properties(grammar_bench_cli PROPERTIES LABELS "unit" ENVIRONMENT "${K3_GRAMMAR_ENV}" TIMEOUT 600)
