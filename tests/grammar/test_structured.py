@@ -9,9 +9,11 @@ tools return typed tool_calls (through our parser) whose arguments validate agai
 function's parameters; a named tool_choice calls exactly that function, once;
 parallel_tool_calls false gives one call; tool_choice "none" gives no call; json_object gives a
 JSON object; guided_regex / guided_choice / structured_outputs match; streaming deltas add up to
-the non-streamed message; an unsupported keyword is a 400 naming it; `k3 batch` does the same for
-a few lines. Thinking is off in these requests: a random model would think until max_tokens
-(thinking on is covered by the envelope walks of test_grammar.py).
+the non-streamed message; an unsupported keyword is a 400 naming it; `k3 batch` and `k3 run
+--chat` do the same for a few requests. Thinking is off in most requests (a random model would
+think until max_tokens); a second server with the K3_TEST_FORCE hook (first token <|close|>)
+runs thinking-on requests, whose reasoning is then empty. A logit_bias on the two string-closing
+ids stands in for a trained model's habit of ending strings (see below).
 """
 import argparse
 import concurrent.futures as cf
@@ -296,6 +298,26 @@ def main():
         else:
             ok &= jsonschema.Draft202012Validator(SCHEMAS[i]).is_valid(json.loads(m["content"]))
     check(ok, "k3 batch: 6 lines, schemas and required tool calls hold (%s)" % p.stderr[-300:])
+
+    # ---- k3 run --chat: the same through the one-shot client ----
+    req = os.path.join(d, "req.json")
+    ok = True
+    for i, body in enumerate([{"response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": SCHEMAS[2]}}},
+                              {"tools": TOOLS, "tool_choice": {"type": "function", "function": {"name": "get_weather"}}}]):
+        json.dump(dict(body, messages=msgs("r%d" % i), max_tokens=3000, seed=i, logit_bias=bias,
+                       chat_template_kwargs={"thinking": False}), open(req, "w"))
+        cmd = [K3, "run", "--model", model, "--chat", req, "--threads", "1", "--pp", str(a.pp), "--ep", str(a.ep)]
+        if a.pp * a.ep > 1:
+            cmd = [MPI, "-np", str(a.pp * a.ep), "--oversubscribe"] + cmd
+        p = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
+        m = json.loads(p.stdout.strip().splitlines()[-1]) if p.returncode == 0 and p.stdout.strip() else {}
+        if i == 0:
+            ok &= jsonschema.Draft202012Validator(SCHEMAS[2]).is_valid(json.loads(m.get("content") or "null"))
+        else:
+            calls = m.get("tool_calls") or []
+            ok &= len(calls) == 1 and calls[0]["function"]["name"] == "get_weather" and \
+                jsonschema.Draft202012Validator(PARAMS["get_weather"]).is_valid(json.loads(calls[0]["function"]["arguments"]))
+    check(ok, "k3 run --chat: a json_schema and a named tool call hold")
     return verdict("test_structured")
 
 
