@@ -130,7 +130,8 @@ def main():
     # raw tool-argument string) among thousands the mask allows, and runs into max_tokens. A
     # logit_bias on those two ids stands in for a trained model's habit of closing strings; it
     # cannot make any token valid that the mask refuses (a masked id stays -inf), so validity is
-    # still the grammar's alone. (Without it: tests/grammar/README-style numbers in the report.)
+    # still the grammar's alone. K3_GRAMMAR_NO_BIAS=1 runs without it (many requests then end at
+    # max_tokens inside a string, finish_reason "length").
     import requests
     ids = [requests.post("http://127.0.0.1:%d/tokenize" % srv.port, json={"prompt": '"'}, timeout=30).json()["tokens"]]
     added = json.load(open(os.path.join(model, "tokenizer_config.json")))["added_tokens_decoder"]
