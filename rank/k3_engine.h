@@ -129,6 +129,8 @@ typedef struct k3_request {
     int logprobs;               /* 0: none; n > 0: the chosen token's logprob + the top n */
     bool keep_logits;           /* events carry the logits row each token was sampled from */
     bool all_logits;            /* + the logits of every prompt position (dumps; costly) */
+    bool prompt_logprobs;       /* every prompt token's logprob (k3_prompt_lp; raw logits) */
+    int prompt_top;             /* with prompt_logprobs: the top n at each position, n <= 20 */
     uint64_t user;              /* the caller's tag, returned in every event */
 } k3_request;
 
@@ -147,6 +149,18 @@ typedef enum k3_event_kind {
 } k3_event_kind;
 
 #define K3_EV_MAX_TOP 20
+/* One prompt token's logprob (k3_request.prompt_logprobs): log p(token | the tokens before it),
+ * the log-softmax of the raw logits (no sampler processing, as vLLM's prompt_logprobs), and the
+ * top n at its position, best first. The last stage computes them from the prefill's own logits
+ * rows (wire.h, K3_WIRE_PLP), so they are what the model computed on this split. */
+typedef struct k3_prompt_lp {
+    float logprob;
+    int32_t rank; /* 1 + the ids with a larger logit */
+    int n_top;
+    int32_t top_ids[K3_EV_MAX_TOP];
+    float top_logprobs[K3_EV_MAX_TOP];
+} k3_prompt_lp;
+
 typedef struct k3_event {
     k3_event_kind kind;
     int64_t id;    /* the engine's request id (from submit) */
@@ -163,6 +177,8 @@ typedef struct k3_event {
     const float *prompt_logits; /* all_logits, first TOKEN event (or DONE with max_tokens 0):
                                    [n_prompt_rows, V] */
     int64_t n_prompt_rows;
+    const k3_prompt_lp *prompt_lps; /* prompt_logprobs, when prompt_logits would come:
+                                       [n_prompt - 1], entry i for prompt token i + 1 */
     /* DONE (text: what was held back for a possible stop string, flushed at the end) */
     k3_stop_kind stop; /* K3_STOP_NONE: length limit (or cancelled) */
     int stop_string;   /* index when stop == K3_STOP_STRING, else -1 */

@@ -155,6 +155,10 @@ k3_status rank_worker_serve(rank_ctx *r);
 k3_status rank_worker_poll(rank_ctx *r, bool *did);
 /* What the worker did so far: forward steps and the seconds inside them. */
 void rank_worker_busy(const rank_ctx *r, int *n_forward, double *busy_s);
+/* log-softmax of row [V]: the log of its normaliser (computed in double), and the n best ids
+ * (best first, ties lower id first) in ids[n]. The last stage's prompt logprobs and the
+ * coordinator's sampled-token logprobs share it. */
+double rank_log_softmax_top(const float *row, int64_t V, int n, int32_t *ids);
 
 /* ---- opstats.c: --op-stats ------------------------------------------------------------------ */
 /* k3_engine_open, before the set-up: --op-stats with a backend that does not count is a usage

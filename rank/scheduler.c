@@ -38,7 +38,10 @@ typedef struct req_run {
     bool keep_logits, all_logits, cancel;
     float *prompt_logits; /* all_logits: [P, V] */
     int64_t prompt_rows;
-    k3_tok_bytes text; /* text emitted so far (deltas are its new bytes) */
+    bool plp;              /* prompt logprobs: its prefill steps carry K3_WIRE_PLP */
+    int plp_top;           /* top n kept per prompt position */
+    k3_prompt_lp *plp_lps; /* [P - 1]: entry i for prompt token i + 1 */
+    k3_tok_bytes text;     /* text emitted so far (deltas are its new bytes) */
     size_t text_sent;
     char *error; /* a request that can never run: reported by the next step */
     k3_error_kind error_kind;
@@ -147,6 +150,7 @@ static k3_status ev_text(rank_ctx *r, k3_event *e, req_run *q) {
 }
 
 static void ev_prompt_logits(k3_event *e, req_run *q) {
+    if (q->plp) e->prompt_lps = q->plp_lps; /* owned by q, like the logits below */
     if (!q->all_logits || !q->prompt_logits) return;
     e->prompt_logits = q->prompt_logits; /* owned by q, freed with it after the next step */
     e->n_prompt_rows = q->prompt_rows;
@@ -155,6 +159,7 @@ static void ev_prompt_logits(k3_event *e, req_run *q) {
 static void free_req(req_run *q) {
     if (!q) return;
     k3_free(q->prompt), k3_free(q->gen), k3_free(q->prompt_logits), k3_free(q->error);
+    k3_free(q->plp_lps);
     k3_sampler_destroy(q->smp);
     k3_tok_bytes_free(&q->text);
     k3_free(q);
@@ -256,6 +261,12 @@ static const char *check_request(rank_ctx *r, const k3_request *rq, char *buf, s
         snprintf(buf, n, "logprobs %d outside [0, %d]", rq->logprobs, K3_EV_MAX_TOP);
         return buf;
     }
+    if (rq->prompt_logprobs && V > (1 << 24)) /* the records carry ids as exact floats */
+        return "prompt logprobs need a vocabulary below 2^24 ids";
+    if (rq->prompt_logprobs && (rq->prompt_top < 0 || rq->prompt_top > K3_EV_MAX_TOP)) {
+        snprintf(buf, n, "prompt logprobs: top %d outside [0, %d]", rq->prompt_top, K3_EV_MAX_TOP);
+        return buf;
+    }
     return NULL;
 }
 
@@ -276,6 +287,8 @@ k3_status rank_coord_submit(rank_ctx *r, const k3_request *rq, int64_t *id) {
     q->logprobs = rq->logprobs;
     q->keep_logits = rq->keep_logits;
     q->all_logits = rq->all_logits;
+    q->plp = rq->prompt_logprobs;
+    q->plp_top = rq->prompt_top;
     q->P = rq->n_ids > 0 ? rq->n_ids : 0;
     r->co->reqs[r->co->n_reqs++] = q;
     *id = q->id;
@@ -293,6 +306,9 @@ k3_status rank_coord_submit(rank_ctx *r, const k3_request *rq, int64_t *id) {
             st =
                 k3_alloc((void **)&q->prompt_logits,
                          (size_t)q->P * (size_t)r->cfg.vocab_size * sizeof(float), "prompt logits");
+        if (st == K3_OK && q->plp)
+            st = k3_calloc((void **)&q->plp_lps, (size_t)K3_MAX(q->P - 1, 1) * sizeof *q->plp_lps,
+                           "prompt logprobs");
         if (st != K3_OK) return st; /* out of memory: the caller's problem, not the request's */
         /* stop ids: the request's, then (unless ignore_eos) EOS, <|end_of_msg|>, [EOS] */
         int32_t stops[64 + 3];
@@ -427,6 +443,7 @@ static k3_status send_step(rank_ctx *r, int g, bool *sent) {
             int flags = q->opened ? 0 : K3_WIRE_OPEN;
             q->opened = true;
             if (q->fed + q->n_tok_step >= q->P && q->n_gen < q->max_tokens) flags |= K3_WIRE_WANT;
+            if (q->plp && q->fed < q->P) flags |= K3_WIRE_PLP; /* a prefill chunk: prompt rows */
             all |= q->all_logits && q->fed < q->P;
             mt[META_HDR + META_SEQ * ns] = s;
             mt[META_HDR + META_SEQ * ns + 1] = (int32_t)q->n_tok_step;
@@ -439,19 +456,20 @@ static k3_status send_step(rank_ctx *r, int g, bool *sent) {
                (size_t)nf * sizeof(int32_t));
         r->co->n_pend_free[e] = 0;
         mt[0] = g, mt[1] = gr->step, mt[2] = all, mt[3] = ns, mt[4] = nf;
-        int32_t *tok = mt + META_PREFIX(ns, nf);
+        int32_t *tok = mt + META_PREFIX(ns, nf), *tgt = tok + T; /* PLP targets after the ids */
         for (int j = 0; j < ns; j++) {
             req_run *q = r->co->slot_req[(size_t)e * r->max_seqs + mt[META_HDR + META_SEQ * j]];
+            const bool plp = mt[META_HDR + META_SEQ * j + 2] & K3_WIRE_PLP;
             for (int64_t t = 0; t < q->n_tok_step; t++) {
                 int64_t pos = q->fed + t;
                 *tok++ = pos < q->P ? q->prompt[pos] : q->gen[pos - q->P];
+                if (plp) *tgt++ = pos + 1 < q->P ? q->prompt[pos + 1] : -1;
             }
             q->fed += q->n_tok_step;
             r->co->prompt_tokens += K3_MAX(0, K3_MIN(q->fed, q->P) - (q->fed - q->n_tok_step));
         }
         RTRY(r, rank_post_step(r, k3_plan_rank(&r->plan, 0, e), K3_MSG_BATCH,
-                               (k3_wire_step){.T = T, .n_meta = (int32_t)(META_PREFIX(ns, nf) + T)},
-                               mt, NULL, 0));
+                               (k3_wire_step){.T = T, .n_meta = (int32_t)(tgt - mt)}, mt, NULL, 0));
     }
     *sent = true;
     return K3_OK;
@@ -463,29 +481,29 @@ static k3_status send_step(rank_ctx *r, int g, bool *sent) {
 static k3_status logprobs(rank_ctx *r, req_run *q, const float *logits, k3_event *e) {
     const int64_t V = r->cfg.vocab_size;
     RTRY(r, k3_sampler_process_logits(q->smp, logits, r->co->row));
-    double m = -INFINITY, z = 0;
-    for (int64_t v = 0; v < V; v++) m = r->co->row[v] > m ? r->co->row[v] : m;
-    for (int64_t v = 0; v < V; v++) z += exp((double)r->co->row[v] - m);
-    double lz = m + log(z);
+    const int n = q->logprobs > 0 ? (int)K3_MIN((int64_t)q->logprobs, V) : 0;
+    const double lz = rank_log_softmax_top(r->co->row, V, n, e->top_ids);
     e->logprob = (float)((double)r->co->row[e->token] - lz);
-    if (q->logprobs > 0) { /* the best n by insertion into a short sorted list: O(V n) */
-        int n = (int)K3_MIN((int64_t)q->logprobs, V), have = 0;
-        for (int64_t v = 0; v < V; v++) {
-            float x = r->co->row[v];
-            if (have == n && !(x > r->co->row[e->top_ids[n - 1]]))
-                continue; /* ties: lower id first */
-            int k = have < n ? have++ : n - 1;
-            while (k > 0 && x > r->co->row[e->top_ids[k - 1]]) {
-                e->top_ids[k] = e->top_ids[k - 1];
-                k--;
-            }
-            e->top_ids[k] = (int32_t)v;
-        }
-        e->n_top = n;
-        for (int k = 0; k < n; k++)
-            e->top_logprobs[k] = (float)((double)r->co->row[e->top_ids[k]] - lz);
-    }
+    e->n_top = n;
+    for (int k = 0; k < n; k++)
+        e->top_logprobs[k] = (float)((double)r->co->row[e->top_ids[k]] - lz);
     return K3_OK;
+}
+
+/* The prompt logprob records of q's nt rows of a step (wire.h) into q->plp_lps. */
+static void take_plp(req_run *q, const float *rec, int64_t nt) {
+    const int64_t p0 = q->fed - nt; /* position of the step's first row */
+    for (int64_t t = 0; t < nt; t++, rec += K3_PLP_REC) {
+        if (p0 + t + 1 >= q->P) continue; /* its target is not a prompt token */
+        k3_prompt_lp *lp = &q->plp_lps[p0 + t];
+        lp->logprob = rec[0];
+        lp->rank = (int32_t)rec[1];
+        lp->n_top = q->plp_top;
+        for (int k = 0; k < q->plp_top; k++) {
+            lp->top_ids[k] = (int32_t)rec[2 + k];
+            lp->top_logprobs[k] = rec[2 + K3_PLP_TOP + k];
+        }
+    }
 }
 
 /* The row is finite: the last stage checked it (k3_batch.nonfinite) and a non-finite row came
@@ -541,19 +559,26 @@ static k3_status on_logits(rank_ctx *r, const step_msg *m) {
     int g = mt[0], stepi = mt[1], all = mt[2], ns = mt[3], nf = mt[4];
     if (g < 0 || g >= r->co->n_groups || stepi != r->co->groups[g].step ||
         r->co->groups[g].pending <= 0 || ns < 0 || nf < 0 ||
-        m->h.n_meta != META_PREFIX(ns, nf) + r->plan.n_stages)
+        m->h.n_meta < META_PREFIX(ns, nf) + r->plan.n_stages)
         RTRY(r, K3_ERR(K3_ERR_FORMAT,
                        "LOGITS from rank %d: group %d step %d (expected step %d), %d sequences",
                        m->src, g, stepi, g >= 0 && g < r->co->n_groups ? r->co->groups[g].step : -1,
                        ns));
-    int64_t T = 0, n_want = 0;
-    for (int j = 0; j < ns; j++)
-        T += mt[META_HDR + META_SEQ * j + 1],
-            n_want += (mt[META_HDR + META_SEQ * j + 2] & K3_WIRE_WANT) != 0;
+    int64_t T = 0, n_want = 0, n_plp = 0;
+    for (int j = 0; j < ns; j++) {
+        const int nt = mt[META_HDR + META_SEQ * j + 1], fl = mt[META_HDR + META_SEQ * j + 2];
+        T += nt, n_want += (fl & K3_WIRE_WANT) != 0, n_plp += (fl & K3_WIRE_PLP) ? nt : 0;
+    }
     int64_t R = all ? T : n_want;
-    if (m->h.D != V || m->h.R != R || m->n_f32 != R * V)
-        RTRY(r, K3_ERR(K3_ERR_FORMAT, "LOGITS from rank %d: [%lld, %lld] rows, want [%lld, %lld]",
-                       m->src, (long long)m->h.R, (long long)m->h.D, (long long)R, (long long)V));
+    if (m->h.D != V || m->h.R != R || m->n_f32 != R * V + n_plp * K3_PLP_REC ||
+        m->h.n_meta != META_PREFIX(ns, nf) + r->plan.n_stages + n_plp)
+        RTRY(r, K3_ERR(K3_ERR_FORMAT,
+                       "LOGITS from rank %d: [%lld, %lld] rows + %lld floats, want [%lld, %lld] + "
+                       "%lld prompt logprob records",
+                       m->src, (long long)m->h.R, (long long)m->h.D,
+                       (long long)(m->n_f32 - m->h.R * m->h.D), (long long)R, (long long)V,
+                       (long long)n_plp));
+    const float *plp_rec = m->f32 + R * V;
     r->co->logits_bytes += m->n_bytes;
     r->co->n_logits_msgs++;
     const int32_t *busy_us = mt + META_PREFIX(ns, nf); /* per stage of lane e (wire.h) */
@@ -574,6 +599,10 @@ static k3_status on_logits(rank_ctx *r, const step_msg *m) {
             RTRY(r, K3_ERR(K3_ERR_FORMAT, "LOGITS from rank %d: lane %d slot %d is not in use",
                            m->src, e, slot));
         const float *last = NULL;
+        if (mt[META_HDR + META_SEQ * j + 2] & K3_WIRE_PLP) {
+            take_plp(q, plp_rec, nt);
+            plp_rec += (int64_t)nt * K3_PLP_REC;
+        }
         if (all) {
             int64_t p0 = q->fed - nt; /* position of this step's first row */
             for (int64_t t = 0; t < nt && q->prompt_logits; t++)
@@ -632,7 +661,7 @@ static k3_status coord_create(rank_ctx *r, struct rank_coord *C) {
     RTRY(r, k3_calloc((void **)&C->groups, (size_t)C->n_groups * sizeof *C->groups, "groups"));
     RTRY(r, k3_calloc((void **)&C->slot_req, (size_t)E * (size_t)r->max_seqs * sizeof *C->slot_req,
                       "slot table"));
-    C->meta_cap = META_PREFIX((int64_t)r->max_seqs, (int64_t)r->max_seqs) + r->max_tokens;
+    C->meta_cap = META_PREFIX((int64_t)r->max_seqs, (int64_t)r->max_seqs) + 2 * r->max_tokens;
     RTRY(r, k3_calloc((void **)&C->lane_blk_free, (size_t)E * sizeof(int), "lane cache blocks"));
     RTRY(r, k3_calloc((void **)&C->n_pend_free, (size_t)E * sizeof(int), "lane freed slots"));
     RTRY(r, k3_calloc((void **)&C->pend_free, (size_t)E * (size_t)r->max_seqs * sizeof(int32_t),

@@ -4,9 +4,11 @@
  * BATCH, ACTIV, LOGITS: one k3_wire_step, then int32 meta[n_meta] =
  *   [group, step, all_logits, n_seqs, n_free, (slot, n_tokens, flags) x n_seqs, freed slot x
  * n_free, (BATCH) token ids x T | (ACTIV, LOGITS) busy us x S]; f32 = ACTIV: h [T, D] | bank
- * [n_bank, T, D]; LOGITS: [R, V]; BATCH: none. PROGRESS: one k3_wire_progress (the load heartbeat:
- * workers -> rank 0, rank 0 -> every worker). STOP: no payload. Bump K3_WIRE_VERSION on any change
- * of these layouts; a receiver refuses another version, naming the sender. */
+ * [n_bank, T, D]; LOGITS: [R, V] | [T_plp, K3_PLP_REC]; BATCH: none. Every message's meta ends with
+ * the T_plp target ids of its PLP sequences (K3_WIRE_PLP below). PROGRESS: one k3_wire_progress
+ * (the load heartbeat: workers -> rank 0, rank 0 -> every worker). STOP: no payload. Bump
+ * K3_WIRE_VERSION on any change of these layouts; a receiver refuses another version, naming the
+ * sender. */
 #ifndef K3_RANK_WIRE_H
 #define K3_RANK_WIRE_H
 
@@ -15,7 +17,8 @@
 
 #define K3_WIRE_VERSION                                                                            \
     6 /* 2: slots + OPEN/WANT flags; 3: the progress heartbeat; 4: NF flag;                        \
-         5: per-stage busy time on ACTIV/LOGITS; 6: freed slots (paged cache) */
+         5: per-stage busy time on ACTIV/LOGITS; 6: freed slots (paged cache);                     \
+         7: prompt logprobs (PLP flag, targets, records) */
 
 typedef struct k3_wire_step {
     uint32_t version; /* K3_WIRE_VERSION */
@@ -68,5 +71,15 @@ _Static_assert(sizeof(k3_wire_progress) == 32 && offsetof(k3_wire_progress, done
  * naming it). */
 #define K3_WIRE_NF       4
 #define K3_WIRE_NF_SHIFT 8
+/* PLP: prompt logprobs. The last stage computes logits for every row of the sequence in this step
+ * (the step's rows are all computed when any sequence has the flag) and returns, for each, one
+ * record of K3_PLP_REC floats after the [R, V] rows: [log p(target), its rank (1 + the ids with a
+ * larger logit), top ids (exact in f32 below 2^24), their logprobs], log-softmax of the raw logits,
+ * best first, ties lower id first. The target of a row is the prompt token after it (-1: none; its
+ * logprob is NaN); the targets of the step's PLP sequences, in sequence order, end every message's
+ * meta (T_plp = their tokens). */
+#define K3_WIRE_PLP 8
+#define K3_PLP_TOP  20
+#define K3_PLP_REC  (2 + 2 * K3_PLP_TOP)
 
 #endif /* K3_RANK_WIRE_H */

@@ -8,7 +8,10 @@
  *   ACTIV  (s, e) -> (s+1, e): the same prefix, then the busy microseconds of each of the lane's
  *          S stages in this step; f32 = h [T, D] | bank [n_bank, T, D]
  *   LOGITS (S-1, e) -> coordinator: meta as ACTIV; f32 = [R, V] with R = T (all_logits) or the
- *          number of sequences with WANT (those the coordinator samples from)
+ *          number of sequences with WANT (those the coordinator samples from), then one prompt
+ *          logprob record per row of a PLP sequence (wire.h)
+ * Every message's meta ends with the target ids of its PLP sequences' rows, carried stage to
+ * stage to the last one, which needs them for the records.
  *   STOP   coordinator -> every worker, after the last logits arrived.
  * The freed slots are sequences that ended: each stage returns their cache blocks to its pool
  * before the step. A NaN/Inf in a sequence's rows sets its NF flag with the first sub-block that
@@ -28,6 +31,8 @@
  */
 #include "rank_internal.h"
 
+#include <math.h>
+
 /* The worker of a lane: its stage, sequence slots, activations and step scratch. */
 struct rank_worker {
     k3_stage *st;
@@ -35,6 +40,7 @@ struct rank_worker {
     k3_activ act;
     float *logits;    /* [max_tokens, V] on the last stage (backend memory) */
     float *h_logits;  /* host staging of logits (NULL: the backend is host-visible) */
+    float *plp;       /* [max_tokens, K3_PLP_REC] prompt logprob records (last stage) */
     float *h_act;     /* host staging of h | bank for ACTIV (NULL: host-visible, or dev_act) */
     bool dev_act;     /* ACTIV floats go backend to backend (k3_comm_send_dev: nccl) */
     int32_t *lane_of; /* [n_layers * n_experts] owner lane of each (layer, expert) */
@@ -55,6 +61,8 @@ typedef struct wstep {
     char who[32]; /* "rank N": the sender, for errors */
     int group, step, all_logits, n_seqs, n_free;
     int64_t T;             /* tokens of this lane in the step */
+    int64_t n_tgt;         /* rows of its PLP sequences (their target ids end the meta) */
+    const int32_t *tgt;    /* [n_tgt] */
     const int32_t *tokens; /* stage 0: [T] */
     const int32_t *meta;   /* the sequences' meta to send on (the received one, or wmeta) */
     double busy_s;         /* this stage's forward time */
@@ -100,7 +108,8 @@ static k3_status worker_create(rank_ctx *r, struct rank_worker *w) {
     RTRY(r, k3_calloc((void **)&w->bntok, ns * sizeof *w->bntok, "batch tokens"));
     RTRY(r, k3_calloc((void **)&w->bnf, ns * sizeof *w->bnf, "batch non-finite marks"));
     RTRY(r, k3_calloc((void **)&w->wmeta,
-                      (META_PREFIX(ns, ns) + (size_t)r->plan.n_stages) * sizeof *w->wmeta,
+                      (META_PREFIX(ns, ns) + (size_t)r->plan.n_stages + (size_t)r->max_tokens) *
+                          sizeof *w->wmeta,
                       "step meta (out)"));
     for (int i = 0; i < r->max_seqs; i++)
         RTRY(r, k3_seq_state_create(w->st, r->max_ctx, &w->states[i]));
@@ -114,6 +123,8 @@ static k3_status worker_create(rank_ctx *r, struct rank_worker *w) {
     if (r->stage == S - 1) {
         size_t nb = (size_t)r->max_tokens * (size_t)c->vocab_size * sizeof(float);
         RTRY(r, k3_backend_alloc(r->be, nb, "logits", (void **)&w->logits));
+        RTRY(r, k3_alloc((void **)&w->plp, (size_t)r->max_tokens * K3_PLP_REC * sizeof(float),
+                         "prompt logprobs"));
         if (!host) RTRY(r, k3_alloc((void **)&w->h_logits, nb, "logits (host)"));
     } else if (!host && !w->dev_act) {
         RTRY(r,
@@ -138,7 +149,7 @@ void rank_worker_destroy(rank_ctx *r) {
         k3_activ_free(r->be, &w->act);
         k3_backend_free(r->be, w->logits);
     }
-    k3_free(w->h_logits), k3_free(w->h_act), k3_free(w->lane_of);
+    k3_free(w->h_logits), k3_free(w->h_act), k3_free(w->lane_of), k3_free(w->plp);
     k3_stage_destroy(w->st);
     k3_free(w);
     r->wk = NULL;
@@ -163,6 +174,7 @@ static k3_status step_decode(rank_ctx *r, const step_msg *m, wstep *s) {
     if (m->h.n_meta < META_HDR)
         RTRY(r, K3_ERR(K3_ERR_FORMAT, "step message from %s: %d meta", who, m->h.n_meta));
     s->group = mt[0], s->step = mt[1], s->all_logits = mt[2], s->n_seqs = mt[3], s->n_free = mt[4];
+    s->n_tgt = 0;
     const int group = s->group, stepi = s->step, n_seqs = s->n_seqs, n_free = s->n_free;
     if (n_seqs < 0 || n_seqs > r->max_seqs || n_free < 0 || n_free > r->max_seqs ||
         m->h.n_meta < META_PREFIX(n_seqs, n_free))
@@ -193,6 +205,7 @@ static k3_status step_decode(rank_ctx *r, const step_msg *m, wstep *s) {
         w->bstates[i] = w->states[slot];
         w->bntok[i] = nt;
         T += nt;
+        if (flags & K3_WIRE_PLP) s->n_tgt += nt;
     }
     s->T = T;
     if (T > r->max_tokens)
@@ -200,12 +213,15 @@ static k3_status step_decode(rank_ctx *r, const step_msg *m, wstep *s) {
                        (long long)r->max_tokens));
     s->tokens = NULL;
     if (r->stage == 0) {
-        if (m->h.n_meta != META_PREFIX(n_seqs, n_free) + T || m->h.T != T || m->n_f32 != 0)
+        if (m->h.n_meta != META_PREFIX(n_seqs, n_free) + T + s->n_tgt || m->h.T != T ||
+            m->n_f32 != 0)
             RTRY(r, K3_ERR(K3_ERR_FORMAT, "BATCH from %s: %d meta, %lld floats for %lld tokens",
                            who, m->h.n_meta, (long long)m->n_f32, (long long)T));
         s->tokens = mt + META_PREFIX(n_seqs, n_free);
+        s->tgt = s->tokens + T;
     } else {
-        if (m->h.n_meta != META_PREFIX(n_seqs, n_free) + S)
+        s->tgt = mt + META_PREFIX(n_seqs, n_free) + S;
+        if (m->h.n_meta != META_PREFIX(n_seqs, n_free) + S + s->n_tgt)
             RTRY(r, K3_ERR(K3_ERR_FORMAT, "ACTIV from %s: %d meta for %d sequences and %d stages",
                            who, m->h.n_meta, n_seqs, S));
         if (m->h.T != T || m->h.D != D || m->h.n_bank < 0 ||
@@ -263,7 +279,7 @@ static k3_status step_forward(rank_ctx *r, wstep *s) {
                       .n_tokens = w->bntok,
                       .token_ids = s->tokens,
                       .nonfinite = w->bnf};
-        RTRY(r, k3_stage_forward(w->st, &b, &w->act, s->all_logits != 0,
+        RTRY(r, k3_stage_forward(w->st, &b, &w->act, s->all_logits != 0 || s->n_tgt > 0,
                                  r->stage == S - 1 ? w->logits : NULL));
         /* the first non-finite activation of a sequence travels on in its flags (wire.h) */
         memcpy(w->wmeta, mt, (size_t)META_PREFIX(n_seqs, s->n_free) * sizeof *mt);
@@ -271,7 +287,8 @@ static k3_status step_forward(rank_ctx *r, wstep *s) {
         for (int i = 0; i < n_seqs; i++) {
             if (w->bnf[i] <= 0) continue;
             int32_t *fl = &w->wmeta[META_HDR + META_SEQ * i + 2];
-            *fl = (*fl & (K3_WIRE_NF - 1)) | K3_WIRE_NF | (w->bnf[i] << K3_WIRE_NF_SHIFT);
+            *fl = (*fl & ~K3_WIRE_NF & ((1 << K3_WIRE_NF_SHIFT) - 1)) | K3_WIRE_NF |
+                  (w->bnf[i] << K3_WIRE_NF_SHIFT);
             int layer = k3_nf_layer(w->bnf[i]);
             char where[32] = "";
             if (layer >= 0) snprintf(where, sizeof where, "layer %d, ", layer);
@@ -293,15 +310,94 @@ static k3_status step_forward(rank_ctx *r, wstep *s) {
     return K3_OK;
 }
 
+double rank_log_softmax_top(const float *row, int64_t V, int n, int32_t *ids) {
+    double m = -INFINITY, z = 0;
+    for (int64_t v = 0; v < V; v++) m = row[v] > m ? row[v] : m;
+    for (int64_t v = 0; v < V; v++) z += exp((double)row[v] - m);
+    int have = 0; /* the best n by insertion into a short sorted list: O(V n) */
+    for (int64_t v = 0; v < V && n > 0; v++) {
+        float x = row[v];
+        if (have == n && !(x > row[ids[n - 1]])) continue; /* ties: lower id first */
+        int k = have < n ? have++ : n - 1;
+        while (k > 0 && x > row[ids[k - 1]]) {
+            ids[k] = ids[k - 1];
+            k--;
+        }
+        ids[k] = (int32_t)v;
+    }
+    return m + log(z);
+}
+
+/* The prompt logprob records of the PLP sequences' rows (wire.h), from the step's rows [T, V]. */
+static void plp_records(rank_ctx *r, const wstep *s, const float *lg) {
+    const int64_t V = r->cfg.vocab_size;
+    const int n = (int)K3_MIN((int64_t)K3_PLP_TOP, V);
+    int64_t row = 0, k = 0;
+    for (int i = 0; i < s->n_seqs; i++) {
+        const int nt = s->meta[META_HDR + META_SEQ * i + 1];
+        if (s->meta[META_HDR + META_SEQ * i + 2] & K3_WIRE_PLP)
+            for (int t = 0; t < nt; t++, k++) {
+                const float *x = lg + (row + t) * V;
+                float *rec = r->wk->plp + k * K3_PLP_REC;
+                int32_t ids[K3_PLP_TOP];
+                const double lz = rank_log_softmax_top(x, V, n, ids);
+                const int32_t tg = s->tgt[k];
+                const bool ok = tg >= 0 && tg < V;
+                int64_t above = 0;
+                for (int64_t v = 0; ok && v < V; v++) above += x[v] > x[tg];
+                rec[0] = ok ? (float)((double)x[tg] - lz) : NAN;
+                rec[1] = ok ? (float)(above + 1) : NAN;
+                for (int j = 0; j < K3_PLP_TOP; j++) {
+                    rec[2 + j] = j < n ? (float)ids[j] : -1.0f;
+                    rec[2 + K3_PLP_TOP + j] = j < n ? (float)((double)x[ids[j]] - lz) : NAN;
+                }
+            }
+        row += nt;
+    }
+}
+
+/* The last stage's LOGITS: every row (all_logits) or the rows the coordinator samples from,
+ * then the prompt logprob records. With PLP sequences every row was computed, so a sequence's
+ * sampled row is its last one, not its index. */
+static k3_status send_logits(rank_ctx *r, const wstep *s, int n_meta_out) {
+    struct rank_worker *w = r->wk;
+    const int64_t V = r->cfg.vocab_size, T = s->T;
+    const int32_t *mt = w->wmeta;
+    const bool every = s->all_logits || s->n_tgt > 0; /* rows computed: T, else n_seqs */
+    int64_t R = s->all_logits ? T : 0;
+    float *lg = w->logits;
+    if (w->h_logits) { /* logits cross to host memory here, and only here */
+        int64_t rows = every ? T : s->n_seqs;
+        RTRY(r, k3_backend_download(r->be, w->h_logits, w->logits,
+                                    (size_t)(rows * V) * sizeof(float)));
+        lg = w->h_logits;
+    }
+    if (s->n_tgt) plp_records(r, s, lg); /* before the rows below move */
+    if (!s->all_logits)                  /* keep only the rows the coordinator samples from */
+        for (int64_t i = 0, end = 0; i < s->n_seqs; i++) {
+            end += mt[META_HDR + META_SEQ * i + 1];
+            int64_t src = every ? end - 1 : i;
+            if (mt[META_HDR + META_SEQ * i + 2] & K3_WIRE_WANT) {
+                if (R != src) memmove(lg + R * V, lg + src * V, (size_t)V * sizeof(float));
+                R++;
+            }
+        }
+    const k3_f32_seg seg[2] = {{lg, R * V}, {w->plp, s->n_tgt * K3_PLP_REC}};
+    return rank_post_step(r, 0, K3_MSG_LOGITS,
+                          (k3_wire_step){.T = T, .D = V, .R = R, .n_meta = n_meta_out}, mt, seg,
+                          s->n_tgt ? 2 : 1);
+}
+
 /* The step on: the logits rows the coordinator samples from (last stage), or h | bank to the
  * next stage; the meta carries each stage's busy time. */
 static k3_status step_send(rank_ctx *r, const wstep *s) {
     struct rank_worker *w = r->wk;
     const int S = r->plan.n_stages, D = (int)r->cfg.hidden_size, n_seqs = s->n_seqs;
-    const int64_t V = r->cfg.vocab_size, T = s->T;
+    const int64_t T = s->T;
     /* out meta = the sequences | the busy time of each stage of this lane for this step (us):
-       upstream stages' from the ACTIV, this stage's own (wire.h) */
-    const int n_meta_seq = META_PREFIX(n_seqs, s->n_free), n_meta_out = n_meta_seq + S;
+       upstream stages' from the ACTIV, this stage's own | the PLP targets (wire.h) */
+    const int n_meta_seq = META_PREFIX(n_seqs, s->n_free);
+    const int n_meta_out = n_meta_seq + S + (int)s->n_tgt;
     if (s->meta != w->wmeta) memcpy(w->wmeta, s->meta, (size_t)n_meta_seq * sizeof *s->meta);
     const int32_t *mt = w->wmeta;
     int32_t *busy_us = w->wmeta + n_meta_seq;
@@ -310,25 +406,8 @@ static k3_status step_send(rank_ctx *r, const wstep *s) {
     else
         memset(busy_us, 0, (size_t)S * sizeof *busy_us);
     busy_us[r->stage] = (int32_t)K3_MIN(s->busy_s * 1e6, (double)INT32_MAX);
-    if (r->stage == S - 1) {
-        int64_t R = s->all_logits ? T : 0;
-        float *lg = w->logits;
-        if (w->h_logits) { /* logits cross to host memory here, and only here */
-            int64_t rows = s->all_logits ? T : n_seqs;
-            RTRY(r, k3_backend_download(r->be, w->h_logits, w->logits,
-                                        (size_t)(rows * V) * sizeof(float)));
-            lg = w->h_logits;
-        }
-        if (!s->all_logits) /* keep only the rows the coordinator samples from */
-            for (int i = 0; i < n_seqs; i++)
-                if (mt[META_HDR + META_SEQ * i + 2] & K3_WIRE_WANT) {
-                    if (R != i) memmove(lg + R * V, lg + (int64_t)i * V, (size_t)V * sizeof(float));
-                    R++;
-                }
-        return rank_post_step(r, 0, K3_MSG_LOGITS,
-                              (k3_wire_step){.T = T, .D = V, .R = R, .n_meta = n_meta_out}, mt,
-                              &(k3_f32_seg){lg, R * V}, 1);
-    }
+    if (s->n_tgt) memcpy(busy_us + S, s->tgt, (size_t)s->n_tgt * sizeof *s->tgt);
+    if (r->stage == S - 1) return send_logits(r, s, n_meta_out);
     int64_t nb = n_seqs ? w->act.n_bank : 0;
     k3_f32_seg seg[2] = {{w->act.h, T * D}, {w->act.bank, T * D * nb}};
     if (w->h_act && !w->dev_act) { /* h | bank to host memory for the wire */

@@ -106,8 +106,21 @@ static int check_types(const k3_chat_json *d, char *why, size_t n_why) {
                     "request key 'stream_options.include_usage' must be a boolean");
     if (so && !k3_chat_json_truthy(key(d, "stream")))
         return fail(why, n_why, 400, "request key 'stream_options' is only allowed with stream");
-    const k3_chat_json *echo = key(d, "echo");
-    if (echo && echo->b) return fail(why, n_why, 400, "request key 'echo' is not supported");
+    return 200;
+}
+
+/* echo (completions) and vLLM's prompt_logprobs (both endpoints): they ask for the prompt's
+ * logprobs, which the last stage computes from the prefill's rows (k3_request.prompt_logprobs). */
+static int prompt_lp_keys(sreq *q, char *why, size_t n_why) {
+    const k3_chat_json *d = q->job.doc, *echo = key(d, "echo"), *v = key(d, "prompt_logprobs");
+    q->echo = echo && echo->b;
+    if (q->echo && q->kind == SREQ_CHAT)
+        return fail(why, n_why, 400, "request key 'echo' is only taken by /v1/completions");
+    uint64_t n = 0;
+    if (v && (v->kind != K3_JSON_INT || !k3_job_parse_u64(v->s, &n) || n > K3_JOB_MAX_TOP))
+        return fail(why, n_why, 400, "request key 'prompt_logprobs' must be an integer in [0, %d]",
+                    K3_JOB_MAX_TOP);
+    q->plp_top = v ? (int)n : -1;
     return 200;
 }
 
@@ -214,7 +227,10 @@ static int parse_job(const k3_server_opts *o, sreq *q, const char *body, size_t 
     s.seed = seed ? 0 : k3_hash_bytes(&t, sizeof t, K3_HASH_INIT); /* unseeded: a fresh one */
     if (k3_job_sampling(j, &s, "request") != K3_OK)
         return fail(why, n_why, 400, "%s", k3_last_error());
-    if (j->from_req[K3_JOB_MAX_TOKENS] && j->max_tokens == 0)
+    st = prompt_lp_keys(q, why, n_why);
+    if (st != 200) return st;
+    /* max_tokens 0 is only a prefill: useful for the prompt's logprobs (lm-eval's loglikelihood) */
+    if (j->from_req[K3_JOB_MAX_TOKENS] && j->max_tokens == 0 && !q->echo && q->plp_top < 0)
         return fail(why, n_why, 400, "request key '%s': 0 must be >= 1",
                     key(j->doc, "max_completion_tokens") ? "max_completion_tokens" : "max_tokens");
     if (j->n_ids >= o->max_ctx)
@@ -239,7 +255,7 @@ static int parse_job(const k3_server_opts *o, sreq *q, const char *body, size_t 
 void srv_sreq_free(sreq *q) {
     if (!q) return;
     k3_job_free(&q->job);
-    k3_free(q->gen), k3_free(q->lp), free(q->text);
+    k3_free(q->gen), k3_free(q->lp), k3_free(q->plp), free(q->text);
     pthread_cond_destroy(&q->cv);
     k3_free(q);
 }
@@ -252,13 +268,17 @@ int srv_parse(const k3_server_opts *o, sreq_kind kind, const char *body, size_t 
         return fail(why, n_why, 500, "out of memory");
     pthread_cond_init(&q->cv, NULL);
     q->kind = kind;
-    q->n_top = -1;
+    q->n_top = q->plp_top = -1;
     int st = parse_job(o, q, body, n, why, n_why);
     if (st == 200) {
         q->cap_gen = K3_MAX(q->job.max_tokens, 1);
+        const bool plp = (q->echo && q->n_top >= 0) || q->plp_top >= 0;
         if (k3_alloc((void **)&q->gen, (size_t)q->cap_gen * sizeof *q->gen, "tokens") != K3_OK ||
             (q->n_top >= 0 &&
-             k3_alloc((void **)&q->lp, (size_t)q->cap_gen * sizeof *q->lp, "logprobs") != K3_OK))
+             k3_alloc((void **)&q->lp, (size_t)q->cap_gen * sizeof *q->lp, "logprobs") != K3_OK) ||
+            (plp &&
+             k3_calloc((void **)&q->plp, (size_t)K3_MAX(q->job.n_ids - 1, 1) * sizeof *q->plp,
+                       "prompt logprobs") != K3_OK))
             st = fail(why, n_why, 500, "out of memory");
     }
     if (st != 200) {
@@ -334,57 +354,141 @@ static k3_status put_chat_lp(const k3_server_opts *o, const sreq *q, const sreq_
     return K3_OK;
 }
 
-/* Completion logprobs of tokens [a, b): {"tokens","token_logprobs","top_logprobs","text_offset"};
- * text_offset counts bytes of the completion's text before the token (base: the first token's). */
-static k3_status put_completion_lp(const k3_server_opts *o, const sreq *q, const sreq_tok *toks,
-                                   const sreq_lp *lps, int64_t a, int64_t b, k3_chat_buf *out) {
+/* One position of a completion's logprobs: its token, logprob (NaN: null, as the echoed prompt's
+ * first token has), top entries and text offset (bytes of the choice's text before it). */
+typedef struct lp_row {
+    int32_t id;
+    float logprob;
+    int n_top;
+    const int32_t *top_ids;
+    const float *top_lps;
+    int64_t offset;
+} lp_row;
+
+/* A token's text as a JSON string (invalid UTF-8 replaced). */
+static k3_status put_token(const k3_server_opts *o, int32_t id, k3_chat_buf *out) {
+    const char *p = "";
+    size_t nb = 0;
+    if (k3_tok_id_bytes(o->tok, id, &p, &nb) != K3_OK) p = "", nb = 0;
+    k3_tok_bytes tb = {0};
+    k3_status st = k3_tok_utf8_replace(p, nb, &tb);
+    if (st == K3_OK) st = put_str(out, tb.data ? tb.data : "", tb.n);
+    k3_tok_bytes_free(&tb);
+    return st;
+}
+
+static k3_status put_lp(float lp, k3_chat_buf *out) {
+    char f32[40];
+    k3_chat_json_float_repr(isfinite(lp) ? K3_MAX((double)lp, -9999.0) : -9999.0, f32);
+    return puts_(out, f32);
+}
+
+/* OpenAI's legacy completion logprobs {"tokens","token_logprobs","top_logprobs","text_offset"}. */
+static k3_status put_lp_rows(const k3_server_opts *o, const lp_row *rows, int64_t n,
+                             k3_chat_buf *out) {
     static const char *const part[] = {"{\"tokens\":[", "],\"token_logprobs\":[",
                                        "],\"top_logprobs\":[", "],\"text_offset\":["};
     for (int f = 0; f < 4; f++) {
         K3_TRY(puts_(out, part[f]));
-        for (int64_t t = a; t < b; t++) {
-            if (t > a) K3_TRY(puts_(out, ","));
-            k3_chat_buf e = {0};
-            k3_status st = K3_OK;
-            if (f == 0 || f == 1) {
-                st = k3_job_logprob_entry(o->tok, toks[t].id, lps[t].logprob, &e);
-                /* {"token":T,"logprob":L,... -> T or L */
-                const char *lp = e.p ? strstr(e.p, ",\"logprob\":") : NULL;
-                const char *bytes = lp ? strstr(lp, ",\"bytes\":") : NULL;
-                if (st == K3_OK && (!lp || !bytes)) st = K3_ERR(K3_ERR_INTERNAL, "logprob entry");
-                if (st == K3_OK && f == 0)
-                    st = k3_chat_buf_put(out, e.p + 9, (size_t)(lp - e.p - 9));
-                if (st == K3_OK && f == 1)
-                    st = k3_chat_buf_put(out, lp + 11, (size_t)(bytes - lp - 11));
-            } else if (f == 2) {
-                st = puts_(out, "{");
-                for (int k = 0; k < K3_MIN(lps[t].n_top, q->n_top) && st == K3_OK; k++) {
-                    k3_tok_bytes tb = {0};
-                    const char *p = "";
-                    size_t nb = 0;
-                    if (k3_tok_id_bytes(o->tok, lps[t].top_ids[k], &p, &nb) != K3_OK)
-                        p = "", nb = 0;
-                    st = k3_tok_utf8_replace(p, nb, &tb);
-                    char f32[40];
-                    k3_chat_json_float_repr(isfinite(lps[t].top_logprobs[k])
-                                                ? K3_MAX((double)lps[t].top_logprobs[k], -9999.0)
-                                                : -9999.0,
-                                            f32);
-                    if (st == K3_OK && k) st = puts_(out, ",");
-                    if (st == K3_OK) st = put_str(out, tb.data ? tb.data : "", tb.n);
-                    if (st == K3_OK) st = puts_(out, ":");
-                    if (st == K3_OK) st = puts_(out, f32);
-                    k3_tok_bytes_free(&tb);
-                }
-                if (st == K3_OK) st = puts_(out, "}");
+        for (int64_t t = 0; t < n; t++) {
+            const lp_row *w = &rows[t];
+            if (t) K3_TRY(puts_(out, ","));
+            if (f == 0) {
+                K3_TRY(put_token(o, w->id, out));
+            } else if (f == 3) {
+                K3_TRY(put_i64(out, w->offset));
+            } else if (isnan(w->logprob)) {
+                K3_TRY(puts_(out, "null"));
+            } else if (f == 1) {
+                K3_TRY(put_lp(w->logprob, out));
             } else {
-                st = put_i64(out, (int64_t)(t ? toks[t - 1].text_end : 0));
+                K3_TRY(puts_(out, "{"));
+                for (int k = 0; k < w->n_top; k++) {
+                    if (k) K3_TRY(puts_(out, ","));
+                    K3_TRY(put_token(o, w->top_ids[k], out));
+                    K3_TRY(puts_(out, ":"));
+                    K3_TRY(put_lp(w->top_lps[k], out));
+                }
+                K3_TRY(puts_(out, "}"));
             }
-            k3_chat_buf_free(&e);
-            K3_TRY(st);
         }
     }
     return puts_(out, "]}");
+}
+
+/* Rows of the echoed prompt into rows[0, n_ids): the first
+ * token has no logprob; the others come from the last stage (sreq.plp). */
+static void prompt_rows(const k3_server_opts *o, const sreq *q, lp_row *rows) {
+    int64_t off = 0;
+    for (int64_t i = 0; i < q->job.n_ids; i++) {
+        const k3_prompt_lp *p = i && q->plp ? &q->plp[i - 1] : NULL;
+        rows[i] = (lp_row){.id = q->job.ids[i],
+                           .logprob = p ? p->logprob : NAN,
+                           .n_top = p ? K3_MIN(p->n_top, K3_MAX(q->n_top, 0)) : 0,
+                           .top_ids = p ? p->top_ids : NULL,
+                           .top_lps = p ? p->top_logprobs : NULL,
+                           .offset = off};
+        const char *b = "";
+        size_t nb = 0;
+        if (k3_tok_id_bytes(o->tok, q->job.ids[i], &b, &nb) == K3_OK) off += (int64_t)nb;
+    }
+}
+
+/* Completion logprobs of generated tokens [a, b), after `prompt` echoed rows (NULL: none, else
+ * [n_prompt]); text offsets from `base` (the echoed prompt's bytes). */
+static k3_status put_completion_lp(const k3_server_opts *o, const sreq *q, const sreq_tok *toks,
+                                   const sreq_lp *lps, int64_t a, int64_t b, const lp_row *prompt,
+                                   int64_t n_prompt, int64_t base, k3_chat_buf *out) {
+    lp_row *rows = NULL;
+    const int64_t n = n_prompt + (b - a);
+    K3_TRY(k3_alloc((void **)&rows, (size_t)K3_MAX(n, 1) * sizeof *rows, "logprob rows"));
+    if (n_prompt) memcpy(rows, prompt, (size_t)n_prompt * sizeof *rows);
+    for (int64_t t = a; t < b; t++)
+        rows[n_prompt + t - a] = (lp_row){.id = toks[t].id,
+                                          .logprob = lps[t].logprob,
+                                          .n_top = K3_MIN(lps[t].n_top, q->n_top),
+                                          .top_ids = lps[t].top_ids,
+                                          .top_lps = lps[t].top_logprobs,
+                                          .offset = base + (int64_t)(t ? toks[t - 1].text_end : 0)};
+    k3_status st = put_lp_rows(o, rows, n, out);
+    k3_free(rows);
+    return st;
+}
+
+/* The echoed prompt: its text and, with logprobs, its rows (*rows: [n_ids], the caller frees). */
+static k3_status echo_prompt(const k3_server_opts *o, const sreq *q, k3_tok_bytes *text,
+                             lp_row **rows, int64_t *n_bytes) {
+    K3_TRY(k3_tok_decode(o->tok, q->job.ids, (size_t)q->job.n_ids, text));
+    K3_TRY(k3_alloc((void **)rows, (size_t)q->job.n_ids * sizeof **rows, "prompt logprob rows"));
+    prompt_rows(o, q, *rows);
+    *n_bytes = (int64_t)text->n; /* the offsets of what follows count the text as sent */
+    return K3_OK;
+}
+
+/* vLLM's prompt_logprobs: [null, {"<id>": {"logprob", "rank", "decoded_token"}, ...}, ...], each
+ * position's own token first, then its top entries. */
+static k3_status put_prompt_logprobs(const k3_server_opts *o, const sreq *q, k3_chat_buf *out) {
+    K3_TRY(puts_(out, "[null"));
+    for (int64_t i = 1; i < q->job.n_ids; i++) {
+        const k3_prompt_lp *p = &q->plp[i - 1];
+        K3_TRY(puts_(out, ",{"));
+        for (int k = -1; k < K3_MIN(p->n_top, q->plp_top); k++) {
+            const int32_t id = k < 0 ? q->job.ids[i] : p->top_ids[k];
+            if (k >= 0 && id == q->job.ids[i]) continue; /* the key is there already */
+            if (k >= 0) K3_TRY(puts_(out, ","));
+            K3_TRY(puts_(out, "\""));
+            K3_TRY(put_i64(out, id));
+            K3_TRY(puts_(out, "\":{\"logprob\":"));
+            K3_TRY(put_lp(k < 0 ? p->logprob : p->top_logprobs[k], out));
+            K3_TRY(puts_(out, ",\"rank\":"));
+            K3_TRY(put_i64(out, k < 0 ? p->rank : k + 1));
+            K3_TRY(puts_(out, ",\"decoded_token\":"));
+            K3_TRY(put_token(o, id, out));
+            K3_TRY(puts_(out, "}"));
+        }
+        K3_TRY(puts_(out, "}"));
+    }
+    return puts_(out, "]");
 }
 
 /* The message of a parser: {"role","content","reasoning_content"?,"tool_calls"?}. */
@@ -434,6 +538,31 @@ static k3_status feed_chat(const sreq *q, srv_stream *st, const srv_snapshot *s,
     return K3_OK;
 }
 
+/* A completion choice's "text" and "logprobs" (echo: the prompt's first), and vLLM's
+ * "prompt_logprobs" when asked. */
+static k3_status completion_body(const k3_server_opts *o, const sreq *q, k3_chat_buf *out) {
+    k3_tok_bytes pt = {0};
+    lp_row *prow = NULL;
+    int64_t base = 0;
+    k3_chat_buf txt = {0};
+    k3_status r = q->echo ? echo_prompt(o, q, &pt, &prow, &base) : K3_OK;
+    if (r == K3_OK && pt.n) r = k3_chat_buf_put(&txt, pt.data, pt.n);
+    if (r == K3_OK && q->n_text) r = k3_chat_buf_put(&txt, q->text, q->n_text);
+    if (r == K3_OK) r = puts_(out, "\"text\":");
+    if (r == K3_OK) r = put_str(out, txt.p ? txt.p : "", txt.n);
+    if (r == K3_OK) r = puts_(out, ",\"logprobs\":");
+    if (r == K3_OK)
+        r = q->lp ? put_completion_lp(o, q, q->gen, q->lp, 0, q->n_gen, prow,
+                                      prow ? q->job.n_ids : 0, base, out)
+                  : puts_(out, "null");
+    if (r == K3_OK && q->plp_top >= 0) r = puts_(out, ",\"prompt_logprobs\":");
+    if (r == K3_OK && q->plp_top >= 0) r = put_prompt_logprobs(o, q, out);
+    k3_tok_bytes_free(&pt);
+    k3_free(prow);
+    k3_chat_buf_free(&txt);
+    return r;
+}
+
 k3_status srv_response(const k3_server_opts *o, const sreq *q, k3_chat_buf *out) {
     const bool chat = q->kind == SREQ_CHAT;
     K3_TRY(put_head(o, q, chat ? "chat.completion" : "text_completion", out));
@@ -462,13 +591,7 @@ k3_status srv_response(const k3_server_opts *o, const sreq *q, k3_chat_buf *out)
         srv_stream_free(&st);
         K3_TRY(r);
     } else {
-        K3_TRY(puts_(out, "\"text\":"));
-        K3_TRY(put_str(out, q->text ? q->text : "", q->n_text));
-        K3_TRY(puts_(out, ",\"logprobs\":"));
-        if (q->lp)
-            K3_TRY(put_completion_lp(o, q, q->gen, q->lp, 0, q->n_gen, out));
-        else
-            K3_TRY(puts_(out, "null"));
+        K3_TRY(completion_body(o, q, out));
         K3_TRY(puts_(out, ",\"finish_reason\":"));
         K3_TRY(put_str(out, finish, strlen(finish)));
     }
@@ -478,6 +601,10 @@ k3_status srv_response(const k3_server_opts *o, const sreq *q, k3_chat_buf *out)
     }
     K3_TRY(puts_(out, "}],\"usage\":"));
     K3_TRY(put_usage(q->n_prompt, q->n_gen, out));
+    if (chat && q->plp_top >= 0) { /* vLLM puts a chat request's at the top level */
+        K3_TRY(puts_(out, ",\"prompt_logprobs\":"));
+        K3_TRY(put_prompt_logprobs(o, q, out));
+    }
     if (q->return_token_ids) {
         K3_TRY(puts_(out, ",\"prompt_token_ids\":["));
         for (int64_t i = 0; i < q->job.n_ids; i++) {
@@ -507,11 +634,12 @@ static k3_status chunk_close(const sreq *q, const char *finish, k3_chat_buf *out
 }
 
 /* The logprobs of tokens [a, b) as a chunk's "logprobs" value. */
-static k3_status chunk_lp(const k3_server_opts *o, const sreq *q, const srv_snapshot *s, int64_t a,
-                          int64_t b, k3_chat_buf *out) {
+static k3_status chunk_lp(const k3_server_opts *o, const sreq *q, const srv_stream *st,
+                          const srv_snapshot *s, int64_t a, int64_t b, k3_chat_buf *out) {
     K3_TRY(puts_(out, ",\"logprobs\":"));
     if (!s->lps || a == b) return puts_(out, "null");
-    if (q->kind != SREQ_CHAT) return put_completion_lp(o, q, s->toks, s->lps, a, b, out);
+    if (q->kind != SREQ_CHAT)
+        return put_completion_lp(o, q, s->toks, s->lps, a, b, NULL, 0, st->echo_base, out);
     K3_TRY(puts_(out, "{\"content\":["));
     K3_TRY(put_chat_lp(o, q, s->toks, s->lps, a, b, out));
     return puts_(out, "],\"refusal\":null}");
@@ -536,7 +664,7 @@ static k3_status chat_chunks(const k3_server_opts *o, const sreq *q, srv_stream 
         K3_TRY(chunk_open(o, q, out));
         K3_TRY(puts_(out, "\"delta\":"));
         K3_TRY(k3_parser_delta_json(&d, out));
-        K3_TRY(chunk_lp(o, q, s, st->n_lp, s->n_gen, out));
+        K3_TRY(chunk_lp(o, q, st, s, st->n_lp, s->n_gen, out));
         K3_TRY(chunk_close(q, NULL, out));
         st->n_lp = s->n_gen;
     }
@@ -546,20 +674,42 @@ static k3_status chat_chunks(const k3_server_opts *o, const sreq *q, srv_stream 
     const char *finish = m.finish_reason ? m.finish_reason : completion_finish(s->stop);
     K3_TRY(chunk_open(o, q, out));
     K3_TRY(puts_(out, "\"delta\":{}"));
-    K3_TRY(chunk_lp(o, q, s, st->n_lp, s->n_gen, out));
+    K3_TRY(chunk_lp(o, q, st, s, st->n_lp, s->n_gen, out));
     st->n_lp = s->n_gen;
     return chunk_close(q, finish, out);
+}
+
+/* The echoed prompt as a stream's first chunk, once its logprobs are in (with the first token). */
+static k3_status echo_chunk(const k3_server_opts *o, const sreq *q, srv_stream *st,
+                            const srv_snapshot *s, k3_chat_buf *out) {
+    k3_tok_bytes pt = {0};
+    lp_row *prow = NULL;
+    k3_status r = echo_prompt(o, q, &pt, &prow, &st->echo_base);
+    if (r == K3_OK) r = chunk_open(o, q, out);
+    if (r == K3_OK) r = puts_(out, "\"text\":");
+    if (r == K3_OK) r = put_str(out, pt.data ? pt.data : "", pt.n);
+    if (r == K3_OK) r = puts_(out, ",\"logprobs\":");
+    if (r == K3_OK)
+        r = s->lps ? put_completion_lp(o, q, NULL, NULL, 0, 0, prow, q->job.n_ids, 0, out)
+                   : puts_(out, "null");
+    if (r == K3_OK) r = chunk_close(q, NULL, out);
+    k3_tok_bytes_free(&pt);
+    k3_free(prow);
+    st->echo_sent = true;
+    return r;
 }
 
 static k3_status completion_chunks(const k3_server_opts *o, const sreq *q, srv_stream *st,
                                    const srv_snapshot *s, k3_chat_buf *out) {
     if (s->failed) return K3_OK;
+    if (q->echo && !st->echo_sent && (s->n_gen > 0 || s->done))
+        K3_TRY(echo_chunk(o, q, st, s, out));
     const bool news = s->n_text > st->text_seen;
     if (!news && !s->done) return K3_OK;
     K3_TRY(chunk_open(o, q, out));
     K3_TRY(puts_(out, "\"text\":"));
     K3_TRY(put_str(out, s->text + st->text_seen, s->n_text - st->text_seen));
-    K3_TRY(chunk_lp(o, q, s, st->n_lp, s->n_gen, out));
+    K3_TRY(chunk_lp(o, q, st, s, st->n_lp, s->n_gen, out));
     K3_TRY(chunk_close(q, s->done ? completion_finish(s->stop) : NULL, out));
     st->text_seen = s->n_text;
     st->n_fed = st->n_lp = s->n_gen;

@@ -227,6 +227,8 @@ static k3_status append_text(sreq *q, const char *t, size_t n) {
 static k3_status route(k3_server *s, const k3_event *ev) {
     sreq *q = (sreq *)(uintptr_t)ev->user;
     K3_TRY(append_text(q, ev->text, ev->n_text));
+    if (ev->prompt_lps && q->plp)
+        memcpy(q->plp, ev->prompt_lps, (size_t)(q->job.n_ids - 1) * sizeof *q->plp);
     if (ev->kind == K3_EV_TOKEN) {
         if (q->n_gen == q->cap_gen)
             return K3_ERR(K3_ERR_INTERNAL, "%s: more tokens than max_tokens (%lld)", q->id,
@@ -276,6 +278,8 @@ static k3_status admit_and_cancel(k3_server *s, k3_engine *e, bool cancel_all) {
                          .sampling = j->sp,
                          .logprobs = q->n_top < 0 ? 0 : K3_MAX(q->n_top, 1),
                          .ignore_eos = q->ignore_eos,
+                         .prompt_logprobs = q->plp != NULL,
+                         .prompt_top = K3_MAX(q->plp_top, q->echo ? q->n_top : 0),
                          .user = (uint64_t)(uintptr_t)q};
         if (k3_engine_submit(e, &rq, &q->eng_id) != K3_OK) { /* this request alone fails */
             q->failed = true;

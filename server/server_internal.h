@@ -35,7 +35,11 @@ typedef struct sreq {
     /* fixed once queued */
     sreq_kind kind;
     bool stream, include_usage, return_token_ids, ignore_eos;
-    int n_top; /* chat: top_logprobs (-1: logprobs off); completions: logprobs (-1: off) */
+    int n_top;         /* chat: top_logprobs (-1: logprobs off); completions: logprobs (-1: off) */
+    bool echo;         /* completions: the prompt (and its logprobs) before the completion */
+    int plp_top;       /* vLLM's prompt_logprobs (-1: off) */
+    k3_prompt_lp *plp; /* [job.n_ids - 1] every prompt token's logprob after the first (echo with
+                          logprobs, or prompt_logprobs), filled before the first token arrives */
     k3_job job;
     char id[48];
     int64_t created;
@@ -99,6 +103,8 @@ typedef struct srv_stream {
     int64_t n_lp;      /* tokens whose logprobs went out (they ride on the next chunk) */
     size_t text_seen;  /* completions: released text already sent */
     bool role_sent, end_sent;
+    bool echo_sent;    /* completions with echo: the prompt went out (the first chunk) */
+    int64_t echo_base; /* its text's bytes: the completion's text offsets start there */
 } srv_stream;
 /* Append the SSE events for tokens [st->n_fed, n_gen) (a snapshot of q's shared fields taken
  * under the mutex: toks, lps, text) and, when `done`, the finish chunk, the usage chunk and
