@@ -16,6 +16,7 @@
 #include <stdio.h>
 #include <stdlib.h>
 
+#include "bench.h" /* k3_build_version */
 #include "engine_args.h"
 #include "k3_engine_test.h"
 #include "k3_comm.h"
@@ -108,6 +109,28 @@ static k3_status prepare(const k3_args *a, k3_server_opts *so, k3_tokenizer **to
     return K3_OK;
 }
 
+/* The model's tokenizer_config.json (GET /tokenizer_info), or NULL where it has none. */
+static char *read_tokenizer_config(const char *dir) {
+    char path[4096];
+    snprintf(path, sizeof path, "%s/tokenizer_config.json", dir);
+    FILE *f = fopen(path, "rb");
+    if (!f) return NULL;
+    char *t = NULL;
+    size_t n = 0, cap = 0, got;
+    do {
+        if (n + 4096 + 1 > cap) {
+            char *p = realloc(t, cap = 2 * cap + 8192);
+            if (!p) break;
+            t = p;
+        }
+        got = fread(t + n, 1, cap - n - 1, f);
+        n += got;
+    } while (got > 0);
+    fclose(f);
+    if (t) t[n] = 0;
+    return t;
+}
+
 /* Each rank's time in forward steps over the serving time (the engine gathers it at close). */
 static void busy_summary(const k3_engine_stats *f, double wall_s) {
     if (f->world < 1 || wall_s <= 0) return;
@@ -162,6 +185,9 @@ static int run_serve(const k3_args *a) {
     }
     eo.model_dir = k3_args_str(a, "model");
     eo.tok = tok;
+    char *tok_info = rank == 0 ? read_tokenizer_config(eo.model_dir) : NULL;
+    so.tokenizer_info = tok_info;
+    so.version = k3_build_version;
     eo.progress = true;
     k3_engine *e = NULL;
     k3_status ost = k3_engine_open_test(&eo, k3_engine_test_from_env(), &e);
@@ -193,6 +219,7 @@ static int run_serve(const k3_args *a) {
     }
     k3_grammar_cache_destroy(so.grammars); /* after the server: its jobs hold grammars */
     k3_tok_destroy(tok);
+    free(tok_info);
     k3_comm_finalize();
     return rc;
 }

@@ -41,6 +41,9 @@ typedef struct k3_server_opts {
     int max_connections;   /* open connections (0 = 512) */
     double idle_timeout_s; /* a connection idle this long is closed (0 = 120) */
     double grace_s;        /* at shutdown: in-flight requests may finish this long (0 = 10) */
+    const char *tokenizer_info; /* GET /tokenizer_info (vLLM's): the model's tokenizer_config.json
+                                   text, or NULL (then eos / bos from the tokenizer) */
+    const char *version;        /* GET /version: {"version": ...}; NULL = "unknown" */
 
     k3_grammar_cache *grammars; /* structured outputs (client/chat_job.h k3_job_grammar) */
 } k3_server_opts;

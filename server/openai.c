@@ -760,6 +760,36 @@ k3_status srv_models_json(const k3_server_opts *o, int64_t created, k3_chat_buf 
     return puts_(out, "}]}");
 }
 
+k3_status srv_info_json(const k3_server_opts *o, const char *path, k3_chat_buf *out) {
+    if (strcmp(path, "/version") == 0) {
+        K3_TRY(puts_(out, "{\"version\":"));
+        const char *v = o->version ? o->version : "unknown";
+        K3_TRY(put_str(out, v, strlen(v)));
+        return puts_(out, "}");
+    }
+    /* the tokenizer's config as its file says it (vLLM returns the tokenizer's init kwargs) */
+    k3_chat_json *d = NULL;
+    const char *t = o->tokenizer_info;
+    if (t && k3_chat_json_parse(t, strlen(t), "tokenizer_config.json", &d) == K3_OK &&
+        d->kind == K3_JSON_OBJECT) {
+        k3_chat_json_free(d);
+        K3_TRY(puts_(out, t));
+        return K3_OK;
+    }
+    k3_chat_json_free(d);
+    k3_tok_ctrl c = k3_tok_control_ids(o->tok);
+    K3_TRY(puts_(out, "{\"tokenizer_class\":\"TikTokenTokenizer\""));
+    const char *p = "";
+    size_t nb = 0;
+    if (c.eos >= 0 && k3_tok_id_bytes(o->tok, c.eos, &p, &nb) == K3_OK) {
+        K3_TRY(puts_(out, ",\"eos_token\":"));
+        K3_TRY(put_str(out, p, nb));
+    }
+    K3_TRY(puts_(out, ",\"model_max_length\":"));
+    K3_TRY(put_i64(out, o->max_ctx));
+    return puts_(out, "}");
+}
+
 static int error_body(int status, const char *why, k3_chat_buf *out) {
     char m[1024];
     snprintf(m, sizeof m, "%s", why);

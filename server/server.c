@@ -72,6 +72,8 @@ static const struct {
 } routes[] = {{"/health", 'G'},
               {"/v1/models", 'G'},
               {"/metrics", 'G'},
+              {"/tokenizer_info", 'G'},
+              {"/version", 'G'},
               {"/tokenize", 'P'},
               {"/detokenize", 'P'},
               {"/v1/completions", 'P'},
@@ -546,6 +548,8 @@ static enum MHD_Result get_route(conn *k) {
     } else if (strcmp(k->path, "/v1/models") == 0) {
         if (!authorized(s, k->c)) return send_error(k, 401, "a valid API key is required");
         ret = srv_models_json(&s->o, s->started, &b) == K3_OK ? send_json(k, 200, &b) : MHD_NO;
+    } else if (strcmp(k->path, "/tokenizer_info") == 0 || strcmp(k->path, "/version") == 0) {
+        ret = srv_info_json(&s->o, k->path, &b) == K3_OK ? send_json(k, 200, &b) : MHD_NO;
     } else {
         pthread_mutex_lock(&s->mu);
         srv_metrics m = s->m;
@@ -583,7 +587,8 @@ static enum MHD_Result on_request(void *cls, struct MHD_Connection *c, const cha
         snprintf(k->path, sizeof k->path, "%s", url);
         *req_cls = k;
         const char m = route_method(k->path);
-        const bool open = strcmp(k->path, "/health") == 0 || strcmp(k->path, "/metrics") == 0;
+        const bool open = strcmp(k->path, "/health") == 0 || strcmp(k->path, "/metrics") == 0 ||
+                          strcmp(k->path, "/version") == 0;
         if (m && !open && !authorized(s, c)) k->status = 401;
         const char *cl = MHD_lookup_connection_value(c, MHD_HEADER_KIND, "Content-Length");
         if (!k->status && cl && strtoull(cl, NULL, 10) > s->max_body) k->status = 413;

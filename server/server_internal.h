@@ -126,6 +126,8 @@ void srv_stream_free(srv_stream *st);
 
 /* {"error": {"message", "type", "param": null, "code"}} for an HTTP status. */
 k3_status srv_error_json(int status, const char *message, k3_chat_buf *out);
+/* GET /tokenizer_info and /version (vLLM's): the body for `path`. */
+k3_status srv_info_json(const k3_server_opts *o, const char *path, k3_chat_buf *out);
 /* GET /v1/models */
 k3_status srv_models_json(const k3_server_opts *o, int64_t created, k3_chat_buf *out);
 /* POST /tokenize and /detokenize: the status and the body (a result or an error object). */
