@@ -175,7 +175,7 @@ static k3_status take_request(k3_job *j, const k3_job_settings *s, double *num, 
     const k3_chat_json *v = k3_chat_json_get(j->doc, "seed");
     if (v && v->kind != K3_JSON_NULL && !s->seed_fixed) K3_TRY(req_seed(v, seed, what));
     v = k3_chat_json_get(j->doc, "n");
-    if (v && v->kind != K3_JSON_NULL) {
+    if (v && v->kind != K3_JSON_NULL && !s->n_taken) {
         double nc = 0;
         if (!json_num(v, &nc) || nc != 1)
             return K3_ERR(K3_ERR_FORMAT,

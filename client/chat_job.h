@@ -48,6 +48,7 @@ typedef struct k3_job_settings {
     bool bias_fixed, stop_fixed; /* the caller filled job.bias / job.stops from its flags */
     int64_t n_vocab; /* the model's vocab_size: logit_bias ids must be below it (0: unchecked) */
     k3_grammar_cache *grammars; /* structured outputs (k3_job_grammar); NULL: refused */
+    bool n_taken; /* the caller answers "n" itself (k3 serve); else only n = 1 is accepted */
 } k3_job_settings;
 
 typedef struct k3_job {

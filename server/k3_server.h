@@ -32,15 +32,15 @@ typedef struct k3_server_opts {
                                /tokenize and /detokenize (checked in constant time) */
     const char *model_name; /* the id in /v1/models and in every response */
     const k3_tokenizer *tok;
-    int64_t n_vocab;       /* the model's vocab_size (logit_bias and prompt ids below it) */
-    int64_t max_ctx;       /* the engine's tokens per sequence: prompt + max_tokens */
-    int slots;             /* sequence slots of all lanes (metrics: running vs waiting) */
-    size_t max_body_bytes; /* a longer body is refused with 413 (0 = 4 MiB) */
-    int max_messages;      /* messages per chat request (0 = 2048) */
-    int max_queue;         /* requests admitted (running + waiting); more get 429 (0 = 256) */
-    int max_connections;   /* open connections (0 = 512) */
-    double idle_timeout_s; /* a connection idle this long is closed (0 = 120) */
-    double grace_s;        /* at shutdown: in-flight requests may finish this long (0 = 10) */
+    int64_t n_vocab;            /* the model's vocab_size (logit_bias and prompt ids below it) */
+    int64_t max_ctx;            /* the engine's tokens per sequence: prompt + max_tokens */
+    int slots;                  /* sequence slots of all lanes (metrics: running vs waiting) */
+    size_t max_body_bytes;      /* a longer body is refused with 413 (0 = 4 MiB) */
+    int max_messages;           /* messages per chat request (0 = 2048) */
+    int max_queue;              /* requests admitted (running + waiting); more get 429 (0 = 256) */
+    int max_connections;        /* open connections (0 = 512) */
+    double idle_timeout_s;      /* a connection idle this long is closed (0 = 120) */
+    double grace_s;             /* at shutdown: in-flight requests may finish this long (0 = 10) */
     const char *tokenizer_info; /* GET /tokenizer_info (vLLM's): the model's tokenizer_config.json
                                    text, or NULL (then eos / bos from the tokenizer) */
     const char *version;        /* GET /version: {"version": ...}; NULL = "unknown" */

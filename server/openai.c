@@ -142,25 +142,40 @@ static int take_ids(const k3_server_opts *o, const k3_chat_json *a, k3_job *j, c
     return 200;
 }
 
-/* A completion prompt: a string, ids, or a list holding one of either. */
-static int completion_prompt(const k3_server_opts *o, const k3_chat_json *p, k3_job *j, char *why,
-                             size_t n_why) {
+/* How many prompts a completion request holds: a string or a list of ids is one; a list of
+ * strings or of id lists is one per item. */
+static size_t n_prompts(const k3_chat_json *p) {
+    if (!p || p->kind != K3_JSON_ARRAY || p->n_items == 0) return 1;
+    const k3_json_kind k = p->items[0]->kind;
+    return k == K3_JSON_STRING || k == K3_JSON_ARRAY ? p->n_items : 1;
+}
+
+/* A completion prompt: a string, ids, or item `i` of a list of either. */
+static int completion_prompt(const k3_server_opts *o, const k3_chat_json *p, int i, k3_job *j,
+                             char *why, size_t n_why) {
     if (!p) return fail(why, n_why, 400, "request key 'prompt' is required");
-    if (p->kind == K3_JSON_ARRAY && p->n_items == 1 &&
-        (p->items[0]->kind == K3_JSON_STRING || p->items[0]->kind == K3_JSON_ARRAY))
-        p = p->items[0];
-    if (p->kind == K3_JSON_ARRAY) return take_ids(o, p, j, "request key 'prompt'", why, n_why);
+    char what[64] = "request key 'prompt'";
+    if (n_prompts(p) > 1 ||
+        (p->kind == K3_JSON_ARRAY && p->n_items == 1 &&
+         (p->items[0]->kind == K3_JSON_STRING || p->items[0]->kind == K3_JSON_ARRAY))) {
+        p = p->items[i];
+        snprintf(what, sizeof what, "request key 'prompt'[%d]", i);
+        if (p->kind != K3_JSON_STRING && p->kind != K3_JSON_ARRAY)
+            return fail(why, n_why, 400,
+                        "%s must be a string or a list of token ids, as the first prompt is", what);
+    }
+    if (p->kind == K3_JSON_ARRAY) return take_ids(o, p, j, what, why, n_why);
     if (p->kind != K3_JSON_STRING)
         return fail(why, n_why, 400,
-                    "request key 'prompt' must be a string, a list of token ids, or a list "
-                    "holding one of them (one prompt per request)");
+                    "request key 'prompt' must be a string, a list of token ids, or a list of "
+                    "either (one prompt each)");
     k3_tok_ids v = {0};
     if (k3_tok_encode(o->tok, p->s, p->n, false, &v) != K3_OK) {
-        int st = fail(why, n_why, 400, "request key 'prompt': %s", k3_last_error());
+        int st = fail(why, n_why, 400, "%s: %s", what, k3_last_error());
         k3_tok_ids_free(&v);
         return st;
     }
-    int st = v.n ? 200 : fail(why, n_why, 400, "request key 'prompt' encodes to no tokens");
+    int st = v.n ? 200 : fail(why, n_why, 400, "%s encodes to no tokens", what);
     if (st == 200 && k3_alloc((void **)&j->ids, v.n * sizeof(int32_t), "prompt") != K3_OK)
         st = fail(why, n_why, 500, "out of memory");
     if (st == 200) memcpy(j->ids, v.ids, v.n * sizeof(int32_t)), j->n_ids = (int64_t)v.n;
@@ -211,7 +226,7 @@ static int parse_job(const k3_server_opts *o, sreq *q, const char *body, size_t 
         if (k3_job_logprobs_keys(j->doc, "request", &q->n_top) != K3_OK)
             return fail(why, n_why, 400, "%s", k3_last_error());
     } else {
-        st = completion_prompt(o, k3_chat_json_get(j->doc, "prompt"), j, why, n_why);
+        st = completion_prompt(o, k3_chat_json_get(j->doc, "prompt"), q->prompt_i, j, why, n_why);
         if (st != 200) return st;
         st = completion_logprobs(j->doc, &q->n_top, why, n_why);
         if (st != 200) return st;
@@ -221,7 +236,8 @@ static int parse_job(const k3_server_opts *o, sreq *q, const char *body, size_t 
                                  [K3_JOB_REPETITION_PENALTY] = 1,
                                  [K3_JOB_MAX_TOKENS] = q->kind == SREQ_COMPLETION ? 16 : 0},
                          .n_vocab = o->n_vocab,
-                         .grammars = o->grammars};
+                         .grammars = o->grammars,
+                         .n_taken = true};
     const k3_chat_json *seed = key(j->doc, "seed");
     uint64_t t = (uint64_t)k3_now_s() * 1000003u ^ (uint64_t)(uintptr_t)q;
     s.seed = seed ? 0 : k3_hash_bytes(&t, sizeof t, K3_HASH_INIT); /* unseeded: a fresh one */
@@ -254,22 +270,43 @@ static int parse_job(const k3_server_opts *o, sreq *q, const char *body, size_t 
 
 void srv_sreq_free(sreq *q) {
     if (!q) return;
+    if (q->st) srv_stream_free(q->st);
+    k3_free(q->st), free(q->text_copy);
     k3_job_free(&q->job);
     k3_free(q->gen), k3_free(q->lp), k3_free(q->plp), free(q->text);
     pthread_cond_destroy(&q->cv);
     k3_free(q);
 }
 
-int srv_parse(const k3_server_opts *o, sreq_kind kind, const char *body, size_t n, sreq **out,
-              char *why, size_t n_why) {
+void srv_sreq_free_chain(sreq *q) {
+    while (q) {
+        sreq *next = q->sib;
+        srv_sreq_free(q);
+        q = next;
+    }
+}
+
+int srv_n_choices(const sreq *q) {
+    int n = 0;
+    for (; q; q = q->sib) n++;
+    return n;
+}
+
+/* One choice: prompt i of a list, copy c of n (a seeded request's copy c samples with seed + c,
+ * so the copies differ and the whole response repeats). */
+static int parse_choice(const k3_server_opts *o, sreq_kind kind, const char *body, size_t n, int i,
+                        int c, sreq **out, char *why, size_t n_why) {
     sreq *q = NULL;
     *out = NULL;
     if (k3_calloc((void **)&q, sizeof *q, "request") != K3_OK)
         return fail(why, n_why, 500, "out of memory");
     pthread_cond_init(&q->cv, NULL);
     q->kind = kind;
+    q->prompt_i = i;
     q->n_top = q->plp_top = -1;
     int st = parse_job(o, q, body, n, why, n_why);
+    if (st == 200 && c > 0 && key(q->job.doc, "seed")) q->job.sp.seed += (uint64_t)c;
+    q->sib_copy = c > 0;
     if (st == 200) {
         q->cap_gen = K3_MAX(q->job.max_tokens, 1);
         const bool plp = (q->echo && q->n_top >= 0) || q->plp_top >= 0;
@@ -289,6 +326,49 @@ int srv_parse(const k3_server_opts *o, sreq_kind kind, const char *body, size_t 
     return 200;
 }
 
+/* "n" (choices per prompt) and "best_of" (refused: k3 returns every sample it makes). */
+static int choice_keys(const k3_chat_json *d, int *n_choices, char *why, size_t n_why) {
+    const k3_chat_json *n = key(d, "n"), *best = key(d, "best_of");
+    uint64_t v = 1;
+    if (n &&
+        (n->kind != K3_JSON_INT || !k3_job_parse_u64(n->s, &v) || v < 1 || v > SRV_MAX_CHOICES))
+        return fail(why, n_why, 400, "request key 'n' must be an integer in [1, %d]",
+                    SRV_MAX_CHOICES);
+    *n_choices = (int)v;
+    if (best && !(best->kind == K3_JSON_INT && strcmp(best->s, "1") == 0))
+        return fail(why, n_why, 400,
+                    "request key 'best_of' is not supported (k3 does not rank samples); ask for "
+                    "n choices instead");
+    return 200;
+}
+
+int srv_parse(const k3_server_opts *o, sreq_kind kind, const char *body, size_t n, sreq **out,
+              char *why, size_t n_why) {
+    sreq *head = NULL;
+    *out = NULL;
+    int st = parse_choice(o, kind, body, n, 0, 0, &head, why, n_why);
+    if (st != 200) return st;
+    int n_copies = 1;
+    st = choice_keys(head->job.doc, &n_copies, why, n_why);
+    const size_t n_p = kind == SREQ_COMPLETION ? n_prompts(key(head->job.doc, "prompt")) : 1;
+    if (st == 200 && n_p * (size_t)n_copies > SRV_MAX_CHOICES)
+        st = fail(why, n_why, 400, "%zu prompts x n %d = %zu choices, more than %d", n_p, n_copies,
+                  n_p * (size_t)n_copies, SRV_MAX_CHOICES);
+    sreq *last = head;
+    for (size_t k = 1; st == 200 && k < n_p * (size_t)n_copies; k++) {
+        st = parse_choice(o, kind, body, n, (int)(k / (size_t)n_copies),
+                          (int)(k % (size_t)n_copies), &last->sib, why, n_why);
+        if (st == 200) last = last->sib, last->index = (int)k;
+    }
+    if (st != 200) {
+        srv_sreq_free_chain(head);
+        return st;
+    }
+    for (sreq *q = head; q; q = q->sib) q->multi = head->sib != NULL;
+    *out = head;
+    return 200;
+}
+
 int k3_server_check_request(const k3_server_opts *o, const char *path, const char *body,
                             size_t n_bytes, char *why, size_t n_why) {
     const size_t max_body = o->max_body_bytes ? o->max_body_bytes : (size_t)4 << 20;
@@ -305,7 +385,7 @@ int k3_server_check_request(const k3_server_opts *o, const char *path, const cha
         sreq *q = NULL;
         st = srv_parse(o, path[4] == 'c' && path[5] == 'h' ? SREQ_CHAT : SREQ_COMPLETION, body,
                        n_bytes, &q, why, n_why);
-        srv_sreq_free(q);
+        srv_sreq_free_chain(q);
         return st;
     } else {
         return fail(why, n_why, 404, "no route %.200s", path);
@@ -563,12 +643,13 @@ static k3_status completion_body(const k3_server_opts *o, const sreq *q, k3_chat
     return r;
 }
 
-k3_status srv_response(const k3_server_opts *o, const sreq *q, k3_chat_buf *out) {
-    const bool chat = q->kind == SREQ_CHAT;
-    K3_TRY(put_head(o, q, chat ? "chat.completion" : "text_completion", out));
-    K3_TRY(puts_(out, "{\"index\":0,"));
+/* One choice of a response: {"index", "message" | "text", "logprobs", "finish_reason", ...}. */
+static k3_status put_choice(const k3_server_opts *o, const sreq *q, k3_chat_buf *out) {
+    K3_TRY(puts_(out, "{\"index\":"));
+    K3_TRY(put_i64(out, q->index));
+    K3_TRY(puts_(out, ","));
     const char *finish = completion_finish(q->stop);
-    if (chat) {
+    if (q->kind == SREQ_CHAT) {
         srv_stream st = {0};
         const srv_snapshot s = {
             .toks = q->gen, .n_gen = q->n_gen, .n_text = q->n_text, .done = true, .stop = q->stop};
@@ -599,8 +680,30 @@ k3_status srv_response(const k3_server_opts *o, const sreq *q, k3_chat_buf *out)
         K3_TRY(puts_(out, ",\"token_ids\":"));
         K3_TRY(put_ids(q->gen, q->n_gen, out));
     }
-    K3_TRY(puts_(out, "}],\"usage\":"));
-    K3_TRY(put_usage(q->n_prompt, q->n_gen, out));
+    return puts_(out, "}");
+}
+
+/* The usage of a request: each prompt counted once (as OpenAI counts n > 1), every choice's
+ * completion tokens. */
+static void usage_sums(const sreq *head, int64_t *n_prompt, int64_t *n_gen) {
+    *n_prompt = *n_gen = 0;
+    for (const sreq *q = head; q; q = q->sib) {
+        if (!q->sib_copy) *n_prompt += q->n_prompt;
+        *n_gen += q->n_gen;
+    }
+}
+
+k3_status srv_response(const k3_server_opts *o, const sreq *q, k3_chat_buf *out) {
+    const bool chat = q->kind == SREQ_CHAT;
+    K3_TRY(put_head(o, q, chat ? "chat.completion" : "text_completion", out));
+    for (const sreq *c = q; c; c = c->sib) {
+        if (c != q) K3_TRY(puts_(out, ","));
+        K3_TRY(put_choice(o, c, out));
+    }
+    int64_t n_prompt, n_gen;
+    usage_sums(q, &n_prompt, &n_gen);
+    K3_TRY(puts_(out, "],\"usage\":"));
+    K3_TRY(put_usage(n_prompt, n_gen, out));
     if (chat && q->plp_top >= 0) { /* vLLM puts a chat request's at the top level */
         K3_TRY(puts_(out, ",\"prompt_logprobs\":"));
         K3_TRY(put_prompt_logprobs(o, q, out));
@@ -622,7 +725,9 @@ k3_status srv_response(const k3_server_opts *o, const sreq *q, k3_chat_buf *out)
 static k3_status chunk_open(const k3_server_opts *o, const sreq *q, k3_chat_buf *out) {
     K3_TRY(puts_(out, "data: "));
     K3_TRY(put_head(o, q, q->kind == SREQ_CHAT ? "chat.completion.chunk" : "text_completion", out));
-    return puts_(out, "{\"index\":0,");
+    K3_TRY(puts_(out, "{\"index\":"));
+    K3_TRY(put_i64(out, q->index));
+    return puts_(out, ",");
 }
 
 static k3_status chunk_close(const sreq *q, const char *finish, k3_chat_buf *out) {
@@ -721,24 +826,31 @@ k3_status srv_stream_chunks(const k3_server_opts *o, const sreq *q, srv_stream *
     if (st->end_sent) return K3_OK;
     K3_TRY(q->kind == SREQ_CHAT ? chat_chunks(o, q, st, s, out)
                                 : completion_chunks(o, q, st, s, out));
-    if (!s->done) return K3_OK;
-    if (s->failed) {
+    st->end_sent = s->done; /* this choice's chunks are all out */
+    return K3_OK;
+}
+
+k3_status srv_stream_end(const k3_server_opts *o, const sreq *head, k3_chat_buf *out) {
+    const sreq *bad = head;
+    while (bad && !bad->failed) bad = bad->sib;
+    if (bad) {
         k3_chat_buf e = {0};
-        k3_status r = srv_error_json(500, s->error, &e);
+        k3_status r = srv_error_json(500, bad->error, &e);
         if (r == K3_OK) r = puts_(out, "data: ");
         if (r == K3_OK) r = k3_chat_buf_put(out, e.p, e.n);
         if (r == K3_OK) r = puts_(out, "\n\n");
         k3_chat_buf_free(&e);
         K3_TRY(r);
-    } else if (q->include_usage) {
+    } else if (head->include_usage) {
+        int64_t n_prompt, n_gen;
+        usage_sums(head, &n_prompt, &n_gen);
         K3_TRY(puts_(out, "data: "));
-        K3_TRY(put_head(o, q, q->kind == SREQ_CHAT ? "chat.completion.chunk" : "text_completion",
-                        out));
+        K3_TRY(put_head(
+            o, head, head->kind == SREQ_CHAT ? "chat.completion.chunk" : "text_completion", out));
         K3_TRY(puts_(out, "],\"usage\":"));
-        K3_TRY(put_usage(s->n_prompt, s->n_gen, out));
+        K3_TRY(put_usage(n_prompt, n_gen, out));
         K3_TRY(puts_(out, "}\n\n"));
     }
-    st->end_sent = true;
     return puts_(out, "data: [DONE]\n\n");
 }
 
@@ -819,7 +931,7 @@ int srv_tokenize(const k3_server_opts *o, const char *body, size_t n, k3_chat_bu
         if (k3_chat_json_parse(body, n, "request", &q->job.doc) != K3_OK)
             st = error_body(400, k3_last_error(), out);
         if (st == 200) {
-            st = completion_prompt(o, k3_chat_json_get(q->job.doc, "prompt"), &q->job, why,
+            st = completion_prompt(o, k3_chat_json_get(q->job.doc, "prompt"), 0, &q->job, why,
                                    sizeof why);
             if (st != 200) st = error_body(st, why, out);
         }

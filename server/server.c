@@ -37,7 +37,8 @@ struct k3_server {
     uint64_t nonce, counter;
     int64_t started;
     pthread_mutex_t mu;
-    pthread_cond_t work; /* the main thread waits here for requests */
+    pthread_cond_t work;     /* the main thread waits here for requests */
+    pthread_cond_t multi_cv; /* HTTP threads of requests with several choices wait here */
     /* under mu */
     sreq *head, *tail; /* admission queue */
     sreq **live;       /* (max_queue) submitted, waiting for their last event */
@@ -58,26 +59,18 @@ typedef struct conn {
     double t0;
     sreq *q;          /* a model request (chat / completion), or NULL */
     int64_t n_prompt; /* for the access log */
-    srv_stream st;    /* streaming: progress */
     k3_chat_buf out;  /* streaming: bytes not yet handed to MHD */
     size_t out_off;
-    char *text; /* streaming: a copy of the released text (cap_text) */
-    size_t n_text, cap_text;
+    bool end_sent; /* streaming: the end of the stream went out */
 } conn;
 
 /* ---- helpers --------------------------------------------------------------------------------- */
 static const struct {
     const char *path;
     char method; /* 'G' GET (and HEAD), 'P' POST */
-} routes[] = {{"/health", 'G'},
-              {"/v1/models", 'G'},
-              {"/metrics", 'G'},
-              {"/tokenizer_info", 'G'},
-              {"/version", 'G'},
-              {"/tokenize", 'P'},
-              {"/detokenize", 'P'},
-              {"/v1/completions", 'P'},
-              {"/v1/chat/completions", 'P'}};
+} routes[] = {{"/health", 'G'},         {"/v1/models", 'G'},      {"/metrics", 'G'},
+              {"/tokenizer_info", 'G'}, {"/version", 'G'},        {"/tokenize", 'P'},
+              {"/detokenize", 'P'},     {"/v1/completions", 'P'}, {"/v1/chat/completions", 'P'}};
 
 /* Which method a path takes, or 0 for no such path. */
 static char route_method(const char *path) {
@@ -174,23 +167,26 @@ static void unref(sreq *q) {
 }
 
 /* Hand a parsed request to the main thread. 200, or 429 / 503 when it is refused. */
-static int admit(k3_server *s, sreq *q) {
+static int admit(k3_server *s, sreq *head) {
     pthread_mutex_lock(&s->mu);
-    int st = s->stopping ? 503 : s->m.admitted >= s->max_queue ? 429 : 200;
+    const int n = srv_n_choices(head);
+    int st = s->stopping ? 503 : s->m.admitted + n > s->max_queue ? 429 : 200;
     if (st == 200) {
         uint64_t h = k3_hash_bytes(&s->counter, sizeof s->counter, s->nonce);
         s->counter++;
-        snprintf(q->id, sizeof q->id, "%s%016llx", q->kind == SREQ_CHAT ? "chatcmpl-" : "cmpl-",
-                 (unsigned long long)h);
-        q->created = (int64_t)time(NULL);
-        q->t_arrive = k3_now_s();
-        q->refs = 2;
-        if (s->tail)
-            s->tail->next = q;
-        else
-            s->head = q;
-        s->tail = q;
-        s->m.admitted++;
+        for (sreq *q = head; q; q = q->sib) { /* every choice is a request of the engine */
+            snprintf(q->id, sizeof q->id, "%s%016llx", q->kind == SREQ_CHAT ? "chatcmpl-" : "cmpl-",
+                     (unsigned long long)h);
+            q->created = (int64_t)time(NULL);
+            q->t_arrive = k3_now_s();
+            q->refs = 2;
+            if (s->tail)
+                s->tail->next = q;
+            else
+                s->head = q;
+            s->tail = q;
+            s->m.admitted++;
+        }
         s->n_busy++;
         pthread_cond_signal(&s->work);
     }
@@ -203,12 +199,12 @@ static void finish(k3_server *s, sreq *q) {
     q->done = true;
     q->t_done = k3_now_s();
     s->m.admitted--;
-    s->m.prompt_tokens += (uint64_t)q->n_prompt;
+    if (!q->sib_copy) s->m.prompt_tokens += (uint64_t)q->n_prompt; /* as the usage counts it */
     s->m.generation_tokens += (uint64_t)q->n_gen;
     if (q->n_gen > 0) srv_hist_add(&s->m.ttft, q->t_first - q->t_arrive);
     if (q->n_gen > 1) srv_hist_add(&s->m.tpot, (q->t_done - q->t_first) / (double)(q->n_gen - 1));
     srv_hist_add(&s->m.e2e, q->t_done - q->t_arrive);
-    pthread_cond_broadcast(&q->cv);
+    pthread_cond_broadcast(q->multi ? &s->multi_cv : &q->cv);
     unref(q);
 }
 
@@ -245,7 +241,7 @@ static k3_status route(k3_server *s, const k3_event *ev) {
             memcpy(l->top_logprobs, ev->top_logprobs, sizeof l->top_logprobs);
         }
         q->n_gen++;
-        pthread_cond_broadcast(&q->cv);
+        pthread_cond_broadcast(q->multi ? &s->multi_cv : &q->cv);
         return K3_OK;
     }
     q->n_prompt = ev->n_prompt;
@@ -396,31 +392,46 @@ static void release(conn *k) {
     if (!k->q) return;
     k3_server *s = k->s;
     pthread_mutex_lock(&s->mu);
-    if (!k->q->done) {
-        k->q->cancel = true;
-        pthread_cond_signal(&s->work);
+    k->n_prompt = 0;
+    for (sreq *q = k->q, *next; q; q = next) {
+        next = q->sib;
+        if (!q->done) {
+            q->cancel = true;
+            pthread_cond_signal(&s->work);
+        }
+        k->n_prompt += q->done && !q->sib_copy ? q->n_prompt : 0;
+        unref(q);
     }
-    k->n_prompt = k->q->done ? k->q->n_prompt : 0;
     s->n_busy--;
-    unref(k->q);
     k->q = NULL;
     pthread_mutex_unlock(&s->mu);
+}
+
+/* mu held: every choice of the request is done. */
+static bool all_done(const sreq *head) {
+    for (const sreq *q = head; q; q = q->sib)
+        if (!q->done) return false;
+    return true;
+}
+
+/* mu held: wait a slice for news of the request (one choice: its own condition). */
+static void wait_news(k3_server *s, sreq *head) {
+    timed_wait(head->multi ? &s->multi_cv : &head->cv, &s->mu, WAIT_SLICE_S);
 }
 
 /* Wait until the request is done; false when the client went away first. */
 static bool wait_done(conn *k) {
     k3_server *s = k->s;
-    sreq *q = k->q;
     pthread_mutex_lock(&s->mu);
-    while (!q->done) {
-        timed_wait(&q->cv, &s->mu, WAIT_SLICE_S);
-        if (q->done) break;
+    while (!all_done(k->q)) {
+        wait_news(s, k->q);
+        if (all_done(k->q)) break;
         pthread_mutex_unlock(&s->mu);
         bool gone = client_gone(k->c);
         pthread_mutex_lock(&s->mu);
         if (gone) break;
     }
-    bool done = q->done;
+    bool done = all_done(k->q);
     pthread_mutex_unlock(&s->mu);
     return done;
 }
@@ -433,15 +444,43 @@ static int engine_error_status(const sreq *q) {
                : 500;
 }
 
-/* mu held: whether there is nothing new for the stream. */
+/* mu held: whether there is nothing new for the stream, in any of its choices. */
 static bool nothing_new(const conn *k) {
-    const sreq *q = k->q;
-    if (q->done) return false;
-    if (q->kind == SREQ_CHAT && !k->st.role_sent) return false;
-    return q->n_gen == k->st.n_fed && q->n_text == k->n_text;
+    for (const sreq *q = k->q; q; q = q->sib) {
+        const srv_stream *st = q->st;
+        if (st->end_sent) continue;
+        if (q->done || (q->kind == SREQ_CHAT && !st->role_sent)) return false;
+        if (q->n_gen != st->n_fed || q->n_text != q->n_copy) return false;
+    }
+    return !all_done(k->q);
 }
 
-/* MHD's content reader of a stream: SSE bytes as they come; blocks (its own thread) until then. */
+/* mu held: a snapshot of choice q's shared fields (its released text copied into q->text_copy:
+ * the main thread may move q->text). */
+static k3_status snapshot(sreq *q, srv_snapshot *snap) {
+    if (q->n_text > q->cap_copy) {
+        char *p = realloc(q->text_copy, q->n_text);
+        if (!p) return K3_ERR(K3_ERR_NOMEM, "stream text");
+        q->text_copy = p, q->cap_copy = q->n_text;
+    }
+    if (q->n_text > q->n_copy)
+        memcpy(q->text_copy + q->n_copy, q->text + q->n_copy, q->n_text - q->n_copy);
+    q->n_copy = q->n_text;
+    *snap = (srv_snapshot){.toks = q->gen,
+                           .lps = q->lp,
+                           .n_gen = q->n_gen,
+                           .text = q->text_copy,
+                           .n_text = q->n_copy,
+                           .done = q->done,
+                           .failed = q->failed,
+                           .stop = q->stop,
+                           .n_prompt = q->n_prompt,
+                           .error = q->error};
+    return K3_OK;
+}
+
+/* MHD's content reader of a stream: SSE bytes as they come; blocks (its own thread) until then.
+ * Each choice has its own stream state (sreq.st); the end (usage, [DONE]) follows the last. */
 static ssize_t read_stream(void *cls, uint64_t pos, char *buf, size_t max) {
     conn *k = cls;
     k3_server *s = k->s;
@@ -453,11 +492,10 @@ static ssize_t read_stream(void *cls, uint64_t pos, char *buf, size_t max) {
             return (ssize_t)n;
         }
         k->out.n = k->out_off = 0;
-        if (k->st.end_sent) return MHD_CONTENT_READER_END_OF_STREAM;
-        sreq *q = k->q;
+        if (k->end_sent) return MHD_CONTENT_READER_END_OF_STREAM;
         pthread_mutex_lock(&s->mu);
         while (nothing_new(k)) {
-            timed_wait(&q->cv, &s->mu, WAIT_SLICE_S);
+            wait_news(s, k->q);
             if (!nothing_new(k)) break;
             pthread_mutex_unlock(&s->mu);
             bool gone = client_gone(k->c);
@@ -467,31 +505,25 @@ static ssize_t read_stream(void *cls, uint64_t pos, char *buf, size_t max) {
                 return MHD_CONTENT_READER_END_WITH_ERROR; /* the completion callback cancels */
             }
         }
+        enum { SNAP_STACK = 8 };
+        srv_snapshot stack[SNAP_STACK], *snap = stack;
+        const int n = srv_n_choices(k->q);
         k3_status st = K3_OK;
-        if (q->n_text > k->cap_text) {
-            char *p = realloc(k->text, q->n_text);
-            if (p)
-                k->text = p, k->cap_text = q->n_text;
-            else
-                st = K3_ERR(K3_ERR_NOMEM, "stream text");
-        }
-        if (st == K3_OK && q->n_text > k->n_text)
-            memcpy(k->text + k->n_text, q->text + k->n_text, q->n_text - k->n_text);
-        k->n_text = st == K3_OK ? q->n_text : k->n_text;
-        const srv_snapshot snap = {.toks = q->gen,
-                                   .lps = q->lp,
-                                   .n_gen = q->n_gen,
-                                   .text = k->text,
-                                   .n_text = k->n_text,
-                                   .done = q->done,
-                                   .failed = q->failed,
-                                   .stop = q->stop,
-                                   .n_prompt = q->n_prompt,
-                                   .error = q->error};
+        if (n > SNAP_STACK) st = k3_alloc((void **)&snap, (size_t)n * sizeof *snap, "snapshots");
+        int i = 0;
+        for (sreq *q = k->q; q && st == K3_OK; q = q->sib) st = snapshot(q, &snap[i++]);
+        const bool done = all_done(k->q);
         pthread_mutex_unlock(&s->mu);
-        if (st == K3_OK) st = srv_stream_chunks(&s->o, q, &k->st, &snap, &k->out);
+        i = 0;
+        for (sreq *q = k->q; q && st == K3_OK; q = q->sib)
+            st = srv_stream_chunks(&s->o, q, q->st, &snap[i++], &k->out);
+        if (st == K3_OK && done) { /* every choice's fields are final now */
+            st = srv_stream_end(&s->o, k->q, &k->out);
+            k->end_sent = true;
+        }
+        if (snap != stack) k3_free(snap);
         if (st != K3_OK) {
-            K3_LOGE("k3 serve: %s: %s", q->id, k3_last_error());
+            K3_LOGE("k3 serve: %s: %s", k->q->id, k3_last_error());
             return MHD_CONTENT_READER_END_WITH_ERROR;
         }
     }
@@ -503,9 +535,15 @@ static enum MHD_Result model_request(conn *k, sreq_kind kind) {
     sreq *q = NULL;
     int st = srv_parse(&s->o, kind, k->body ? k->body : "", k->n, &q, why, sizeof why);
     if (st != 200) return send_error(k, st, why);
+    for (sreq *c = q; c && q->stream && st == 200; c = c->sib)
+        if (k3_calloc((void **)&c->st, sizeof *c->st, "stream state") != K3_OK) st = 500;
+    if (st != 200) {
+        srv_sreq_free_chain(q);
+        return send_error(k, 500, "out of memory");
+    }
     st = admit(s, q);
     if (st != 200) {
-        srv_sreq_free(q);
+        srv_sreq_free_chain(q);
         return send_error(k, st,
                           st == 429 ? "the server's request queue is full (--max-queue); retry "
                                       "later"
@@ -524,8 +562,9 @@ static enum MHD_Result model_request(conn *k, sreq_kind kind) {
         count_status(s, k->path, 200);
         return ret;
     }
-    if (!wait_done(k)) return MHD_NO; /* the client is gone: close; release() cancels */
-    if (q->failed) return send_error(k, engine_error_status(q), q->error);
+    if (!wait_done(k)) return MHD_NO;      /* the client is gone: close; release() cancels */
+    for (const sreq *c = q; c; c = c->sib) /* the first failed choice answers for the request */
+        if (c->failed) return send_error(k, engine_error_status(c), c->error);
     k3_chat_buf b = {0};
     enum MHD_Result ret;
     if (srv_response(&s->o, q, &b) == K3_OK) {
@@ -652,10 +691,8 @@ static void on_completed(void *cls, struct MHD_Connection *c, void **req_cls,
            "ttft_ms=%.1f total_ms=%.1f",
            id, k->method, k->path, k->status, ok ? "" : " aborted=1", (long long)k->n_prompt,
            (long long)n_gen, ttft >= 0 ? ttft * 1e3 : -1.0, (k3_now_s() - k->t0) * 1e3);
-    srv_stream_free(&k->st);
     k3_chat_buf_free(&k->out);
     free(k->body);
-    free(k->text);
     k3_free(k);
     *req_cls = NULL;
 }
@@ -672,6 +709,7 @@ k3_status k3_server_create(const k3_server_opts *o, k3_server **out) {
     s->nonce = k3_hash_bytes(&t, sizeof t, K3_HASH_INIT);
     pthread_mutex_init(&s->mu, NULL);
     pthread_cond_init(&s->work, NULL);
+    pthread_cond_init(&s->multi_cv, NULL);
     k3_status st = k3_calloc((void **)&s->live, (size_t)s->max_queue * sizeof *s->live, "requests");
     if (st != K3_OK) {
         k3_server_destroy(s);
@@ -721,6 +759,7 @@ void k3_server_destroy(k3_server *s) {
     if (s->d) MHD_stop_daemon(s->d); /* joins the connection threads */
     k3_free(s->live);
     pthread_cond_destroy(&s->work);
+    pthread_cond_destroy(&s->multi_cv);
     pthread_mutex_destroy(&s->mu);
     k3_free(s);
 }

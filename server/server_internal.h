@@ -17,6 +17,8 @@
 
 typedef enum sreq_kind { SREQ_CHAT, SREQ_COMPLETION } sreq_kind;
 
+#define SRV_MAX_CHOICES 128 /* choices of one request: prompts x n */
+
 /* One generated token as the HTTP thread needs it. */
 typedef struct sreq_tok {
     int32_t id;
@@ -34,6 +36,13 @@ typedef struct sreq_lp {
 typedef struct sreq {
     /* fixed once queued */
     sreq_kind kind;
+    struct sreq *sib; /* the next choice of the same HTTP request (n > 1, a prompt list), or NULL;
+                         the first choice (the head) stands for the request */
+    int index;        /* its choice index: prompt * n + copy, as OpenAI numbers them */
+    int prompt_i;     /* completions: which prompt of a list */
+    bool sib_copy;    /* a copy after the first of its prompt (n > 1): its prompt is not counted
+                         again in the usage */
+    bool multi;       /* one of several choices: events also wake the server's multi_cv */
     bool stream, include_usage, return_token_ids, ignore_eos;
     int n_top;         /* chat: top_logprobs (-1: logprobs off); completions: logprobs (-1: off) */
     bool echo;         /* completions: the prompt (and its logprobs) before the completion */
@@ -59,6 +68,10 @@ typedef struct sreq {
     char error[512];
     k3_error_kind error_kind;
     double t_arrive, t_first, t_done;
+    /* the HTTP thread's alone: its stream of this choice (and a copy of the released text) */
+    struct srv_stream *st;
+    char *text_copy; /* (cap_copy) */
+    size_t n_copy, cap_copy;
 } sreq;
 
 /* Prometheus histogram with fixed bucket bounds (seconds). */
@@ -92,8 +105,10 @@ typedef struct srv_metrics {
  * 200 with *out set, or 4xx with an OpenAI error message in why. */
 int srv_parse(const k3_server_opts *o, sreq_kind kind, const char *body, size_t n, sreq **out,
               char *why, size_t n_why);
-void srv_sreq_free(sreq *q); /* NULL-safe */
-/* The non-streamed response body of a finished request (q->done, not failed). */
+void srv_sreq_free(sreq *q);       /* NULL-safe */
+void srv_sreq_free_chain(sreq *q); /* q and its siblings; NULL-safe */
+int srv_n_choices(const sreq *q);  /* q and its siblings */
+/* The non-streamed response body of a finished request (every choice done, none failed). */
 k3_status srv_response(const k3_server_opts *o, const sreq *q, k3_chat_buf *out);
 
 /* Streaming: the HTTP thread's progress through a request. */
@@ -122,6 +137,9 @@ typedef struct srv_snapshot {
 } srv_snapshot;
 k3_status srv_stream_chunks(const k3_server_opts *o, const sreq *q, srv_stream *st,
                             const srv_snapshot *s, k3_chat_buf *out);
+/* The end of a stream once every choice is done: the error of the first failed choice, or the
+ * usage chunk (summed over the choices) when asked; then `data: [DONE]`. */
+k3_status srv_stream_end(const k3_server_opts *o, const sreq *head, k3_chat_buf *out);
 void srv_stream_free(srv_stream *st);
 
 /* {"error": {"message", "type", "param": null, "code"}} for an HTTP status. */
