@@ -24,3 +24,14 @@ k3_serve_test(serve_stuck_client stuck "unit" 180)
 # the same tool-call cases from the live server: the engine writes the completion's tokens
 # (K3_TEST_FORCE), everything after the sampler is the real path
 k3_serve_test(serve_live_tools live_tool_calls "unit" 120)
+# issue 32: what evaluation harnesses send (eval_test.py): prompt logprobs against --dump-logits,
+# n and prompt lists with the openai SDK, lm-evaluation-harness' local-completions end to end
+function(k3_eval_test name group labels timeout)
+  add_test(NAME ${name}
+           COMMAND ${K3_SERVE_PYTHON3} -m pytest -q -x -s -p no:cacheprovider
+                   ${CMAKE_CURRENT_LIST_DIR}/eval_test.py -k ${group})
+  set_tests_properties(${name} PROPERTIES LABELS "${labels}" TIMEOUT ${timeout}
+                       ENVIRONMENT "${K3_SERVE_ENV}")
+endfunction()
+k3_eval_test(serve_eval_1x1 e1x1 "unit" 240)
+k3_eval_test(serve_eval_2x2 e2x2 "mpi" 300)
