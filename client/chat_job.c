@@ -435,3 +435,55 @@ k3_status k3_job_logprob_entry(const k3_tokenizer *tok, int32_t id, float logpro
     }
     return st == K3_OK ? k3_chat_buf_puts(out, "]") : st;
 }
+
+/* ---- completion logprobs (OpenAI's legacy shape) ------------------------------------------- */
+k3_status k3_job_token_str(const k3_tokenizer *tok, int32_t id, k3_chat_buf *out) {
+    const char *p = "";
+    size_t nb = 0;
+    if (k3_tok_id_bytes(tok, id, &p, &nb) != K3_OK) p = "", nb = 0; /* an id past the vocab */
+    k3_tok_bytes tb = {0};
+    k3_status st = k3_tok_utf8_replace(p, nb, &tb);
+    if (st == K3_OK) st = k3_chat_json_dump_str(tb.data ? tb.data : "", tb.n, out);
+    k3_tok_bytes_free(&tb);
+    return st;
+}
+
+k3_status k3_job_logprob_num(float lp, k3_chat_buf *out) {
+    char f[40];
+    k3_chat_json_float_repr(isfinite(lp) ? K3_MAX((double)lp, -9999.0) : -9999.0, f);
+    return k3_chat_buf_puts(out, f);
+}
+
+k3_status k3_job_completion_logprobs(const k3_tokenizer *tok, const k3_job_lp_row *rows, int64_t n,
+                                     k3_chat_buf *out) {
+    static const char *const part[] = {"{\"tokens\":[", "],\"token_logprobs\":[",
+                                       "],\"top_logprobs\":[", "],\"text_offset\":["};
+    for (int f = 0; f < 4; f++) {
+        K3_TRY(k3_chat_buf_puts(out, part[f]));
+        for (int64_t t = 0; t < n; t++) {
+            const k3_job_lp_row *w = &rows[t];
+            if (t) K3_TRY(k3_chat_buf_puts(out, ","));
+            if (f == 0) {
+                K3_TRY(k3_job_token_str(tok, w->id, out));
+            } else if (f == 3) {
+                char o[32];
+                snprintf(o, sizeof o, "%lld", (long long)w->offset);
+                K3_TRY(k3_chat_buf_puts(out, o));
+            } else if (isnan(w->logprob)) {
+                K3_TRY(k3_chat_buf_puts(out, "null"));
+            } else if (f == 1) {
+                K3_TRY(k3_job_logprob_num(w->logprob, out));
+            } else {
+                K3_TRY(k3_chat_buf_puts(out, "{"));
+                for (int k = 0; k < w->n_top; k++) {
+                    if (k) K3_TRY(k3_chat_buf_puts(out, ","));
+                    K3_TRY(k3_job_token_str(tok, w->top_ids[k], out));
+                    K3_TRY(k3_chat_buf_puts(out, ":"));
+                    K3_TRY(k3_job_logprob_num(w->top_lps[k], out));
+                }
+                K3_TRY(k3_chat_buf_puts(out, "}"));
+            }
+        }
+    }
+    return k3_chat_buf_puts(out, "]}");
+}

@@ -135,4 +135,25 @@ k3_status k3_job_logprobs_keys(const k3_chat_json *doc, const char *what, int *n
 k3_status k3_job_logprob_entry(const k3_tokenizer *tok, int32_t id, float logprob,
                                k3_chat_buf *out);
 
+/* A token's text as a JSON string (invalid UTF-8 replaced), and a logprob as OpenAI writes it
+ * (not finite or below -9999: -9999.0). */
+k3_status k3_job_token_str(const k3_tokenizer *tok, int32_t id, k3_chat_buf *out);
+k3_status k3_job_logprob_num(float lp, k3_chat_buf *out);
+
+/* One position of a /v1/completions choice's logprobs: its token, logprob (NaN: null, as an
+ * echoed prompt's first token has), top entries and text offset (bytes of the choice's text
+ * before it). */
+typedef struct k3_job_lp_row {
+    int32_t id;
+    float logprob;
+    int n_top;
+    const int32_t *top_ids; /* [n_top] */
+    const float *top_lps;   /* [n_top] */
+    int64_t offset;
+} k3_job_lp_row;
+/* OpenAI's legacy completion logprobs {"tokens", "token_logprobs", "top_logprobs" (a token ->
+ * logprob object per position, null where the logprob is), "text_offset"} of rows[n]. */
+k3_status k3_job_completion_logprobs(const k3_tokenizer *tok, const k3_job_lp_row *rows, int64_t n,
+                                     k3_chat_buf *out);
+
 #endif /* K3_CHAT_JOB_H */

@@ -1,5 +1,6 @@
 /* cmd_batch.c — `k3 batch --model DIR --input IN.jsonl --output OUT.jsonl`: an OpenAI Batch API
- * file of chat requests through the engine (rank/k3_engine.h) on any S x E, resumable.
+ * file of chat and completions requests through the engine (rank/k3_engine.h) on any S x E,
+ * resumable.
  *
  * Owns: the batch file formats, the validation of the input, the resume of the output, feeding
  * the engine (a bounded window of requests in flight), one output line per request as soon as it
@@ -8,7 +9,10 @@
  * message (chat_job.h, shared with `k3 run --chat`), the engine flags (engine_args.h).
  *
  * Input: one JSON object a line, {"custom_id": "<unique non-empty string>", "method": "POST",
- * "url": "/v1/chat/completions", "body": {<chat request>}}; blank lines are skipped. A line that
+ * "url": "/v1/chat/completions" | "/v1/completions", "body": {<request>}}; blank lines are
+ * skipped. A completions body takes one prompt (a string, token ids, or a list of one of them),
+ * max_tokens (16 by default, OpenAI's), the sampling keys and logprobs (an integer, OpenAI's
+ * legacy shape); echo, n > 1 and several prompts are that line's invalid_request. A line
  * is not such an object (not JSON, no custom_id, a custom_id used before, another url or method,
  * no body object) fails the whole job before the model loads, every bad line named (the OpenAI
  * batch validation): such a line cannot get an output line.
@@ -24,12 +28,17 @@
  * "top_logprobs": [{"token", "logprob", "bytes"}]}], "refusal": null} with one entry per
  * generated token — reasoning, control tokens and the stop token included (the engine's tokens,
  * not only the content's); logprobs after the sampler's bias and penalties.
- * A request that fails (the OpenAI form of a request without an HTTP response) gets
- *   {"id", "custom_id", "response": null, "error": {"code": C, "message": M}}
- * with C = "invalid_request" (the body: rendering, a sampling key out of range, a logit_bias id
- * outside the vocabulary; M names the key),
- * "context_length_exceeded" (prompt + max_tokens > --max-ctx) or "engine_error" (the engine's
- * error event: sampler, non-finite logits). The job goes on; failed lines are results too.
+ * A completions line's body is a text_completion ({"choices": [{"index": 0, "text", "logprobs",
+ * "finish_reason"}], "usage", ...}).
+ * A request that fails gets the HTTP answer `k3 serve` would give it, as OpenAI's batch output
+ * carries a failed request (readers tell it from a success by response.status_code alone):
+ *   {"id", "custom_id", "response": {"status_code": S, "request_id", "body": {"error":
+ *    {"message": M, "type", "param": null, "code": C}}}, "error": null}
+ * with C = "invalid_request" (S 400: the body: rendering, a sampling key out of range, a
+ * logit_bias id outside the vocabulary; M names the key), "model_not_found" (S 404: the body
+ * names another model than --served-model-name), "context_length_exceeded" (S 400: prompt +
+ * max_tokens > --max-ctx) or "engine_error" (S 500: the engine's error event: sampler,
+ * non-finite logits). The job goes on; failed lines are results too.
  * Request defaults are OpenAI's (temperature 1, top_p 1), max_tokens the rest of --max-ctx unless
  * --max-tokens; the seed of a request without one comes from --seed and its custom_id, so a
  * rerun or a resume samples the same tokens.
@@ -59,15 +68,21 @@ static const k3_flag flags[] = {
     {"model", K3_FLAG_STR, "DIR", NULL, "checkpoint directory (config.json + safetensors)"},
     {"input", K3_FLAG_STR, "IN.jsonl", NULL,
      "requests, one a line: {\"custom_id\", \"method\": \"POST\", \"url\": "
-     "\"/v1/chat/completions\", \"body\": {chat request}}; a malformed line (named) fails the job "
-     "before the model loads. Body keys as `k3 run --chat` takes them, plus logprobs / "
-     "top_logprobs; unset sampling keys take OpenAI's defaults (temperature 1, top_p 1)"},
+     "\"/v1/chat/completions\" or \"/v1/completions\", \"body\": {request}}; a malformed line "
+     "(named) fails the job before the model loads. Chat body keys as `k3 run --chat` takes them, "
+     "plus logprobs / top_logprobs; a completions body: one prompt (text or ids), max_tokens "
+     "(default 16), logprobs N; unset sampling keys take OpenAI's defaults (temperature 1, "
+     "top_p 1)"},
     {"output", K3_FLAG_STR, "OUT.jsonl", NULL,
      "results, one a line as each request finishes: {\"id\", \"custom_id\", \"response\": "
-     "{\"status_code\": 200, \"request_id\", \"body\": chat.completion}, \"error\": null}; a "
-     "failed request: \"response\": null, \"error\": {\"code\": invalid_request | "
-     "context_length_exceeded | engine_error, \"message\"}. Appended to: custom_ids already "
+     "{\"status_code\": 200, \"request_id\", \"body\": chat.completion | text_completion}, "
+     "\"error\": null}; a failed request: status_code 400 / 404 / 500 and an OpenAI error body "
+     "{\"error\": {\"message\", \"type\", \"param\", \"code\": invalid_request | "
+     "model_not_found | context_length_exceeded | engine_error}}. Appended to: custom_ids already "
      "there (failed ones too) are skipped, so a killed job run again completes the file"},
+    {"served-model-name", K3_FLAG_STR, "NAME", NULL,
+     "the model name of the responses; a line whose body names another model fails alone (404, "
+     "model_not_found), as `k3 serve` answers it (default: the basename of --model)"},
     {"max-tokens", K3_FLAG_INT, "N", NULL,
      "max_tokens of a request that sets neither max_tokens nor max_completion_tokens (default: "
      "the rest of --max-ctx)"},
@@ -86,7 +101,8 @@ typedef struct in_line {
     int64_t lineno;   /* 1-based */
     char *cid;        /* (n_cid + 1) custom_id bytes, NUL-terminated (may hold NUL) */
     size_t n_cid;
-    bool done; /* already in the output */
+    bool done;       /* already in the output */
+    bool completion; /* url /v1/completions (else /v1/chat/completions) */
 } in_line;
 
 /* A request in the engine. */
@@ -95,9 +111,10 @@ typedef struct live {
     k3_job job;
     int32_t *gen; /* (cap_gen) generated ids */
     int64_t n_gen, cap_gen;
-    size_t n_text; /* bytes of text the sampler emitted */
-    int n_top;     /* logprobs: -1 off, else top_logprobs (0-20) */
-    k3_event *lp;  /* (cap_gen) logprobs: each TOKEN event's token, logprob and top ids */
+    size_t n_text;    /* bytes of text the sampler emitted */
+    int n_top;        /* logprobs: -1 off, else top_logprobs (0-20) */
+    k3_event *lp;     /* (cap_gen) logprobs: each TOKEN event's token, logprob and top ids */
+    k3_chat_buf text; /* a completions line: the text the sampler emitted */
 } live;
 
 typedef struct batch {
@@ -174,16 +191,18 @@ static const char *check_line(const k3_chat_json *d, in_line *L, char *why, size
     if (cid->kind != K3_JSON_STRING || cid->n == 0) return "custom_id must be a non-empty string";
     const k3_chat_json *m = k3_chat_json_get(d, "method"), *u = k3_chat_json_get(d, "url");
     if (!k3_chat_json_is_str(m, "POST")) return "method must be \"POST\"";
-    if (!k3_chat_json_is_str(u, "/v1/chat/completions")) {
+    L->completion = k3_chat_json_is_str(u, "/v1/completions");
+    if (!k3_chat_json_is_str(u, "/v1/chat/completions") && !L->completion) {
         snprintf(why, n_why,
-                 "url %s%.60s%s is not \"/v1/chat/completions\" (the endpoint k3 serves)",
+                 "url %s%.60s%s is not \"/v1/chat/completions\" or \"/v1/completions\" (the "
+                 "endpoints k3 serves)",
                  u && u->kind == K3_JSON_STRING ? "\"" : "",
                  u && u->kind == K3_JSON_STRING ? u->s : "missing",
                  u && u->kind == K3_JSON_STRING ? "\"" : "");
         return why;
     }
     const k3_chat_json *body = k3_chat_json_get(d, "body");
-    if (!body || body->kind != K3_JSON_OBJECT) return "body must be a JSON object (a chat request)";
+    if (!body || body->kind != K3_JSON_OBJECT) return "body must be a JSON object (a request)";
     if (k3_alloc((void **)&L->cid, cid->n + 1, "custom_id") != K3_OK) return "out of memory";
     memcpy(L->cid, cid->s, cid->n + 1);
     L->n_cid = cid->n;
@@ -346,17 +365,30 @@ static k3_status put_head(const batch *b, const in_line *L, k3_chat_buf *o) {
     return k3_chat_json_dump_str(L->cid, L->n_cid, o);
 }
 
+/* A failed request: the status and OpenAI error body `k3 serve` would answer (see the top). */
 static k3_status write_error(batch *b, const in_line *L, const char *code, const char *msg) {
-    char m[1600];
+    char m[1600], t[160];
     snprintf(m, sizeof m, "%s", msg);
     strip_where(m);
+    const int status = strcmp(code, "engine_error") == 0      ? 500
+                       : strcmp(code, "model_not_found") == 0 ? 404
+                                                              : 400;
+    const char *type = status == 500   ? "server_error"
+                       : status == 404 ? "not_found_error"
+                                       : "invalid_request_error";
     k3_chat_buf o = {0};
     k3_status st = put_head(b, L, &o);
-    if (st == K3_OK) st = k3_chat_buf_puts(&o, ",\"response\":null,\"error\":{\"code\":");
-    if (st == K3_OK) st = k3_chat_json_dump_str(code, strlen(code), &o);
-    if (st == K3_OK) st = k3_chat_buf_puts(&o, ",\"message\":");
+    snprintf(t, sizeof t,
+             ",\"response\":{\"status_code\":%d,\"request_id\":\"req_%016llx\",\"body\":{"
+             "\"error\":{\"message\":",
+             status, (unsigned long long)k3_run_seq_seed(b->nonce ^ cid_hash(L->cid, L->n_cid), 2));
+    if (st == K3_OK) st = k3_chat_buf_puts(&o, t);
     if (st == K3_OK) st = k3_chat_json_dump_str(m, strlen(m), &o);
-    if (st == K3_OK) st = k3_chat_buf_puts(&o, "}}\n");
+    if (st == K3_OK) st = k3_chat_buf_puts(&o, ",\"type\":");
+    if (st == K3_OK) st = k3_chat_json_dump_str(type, strlen(type), &o);
+    if (st == K3_OK) st = k3_chat_buf_puts(&o, ",\"param\":null,\"code\":");
+    if (st == K3_OK) st = k3_chat_json_dump_str(code, strlen(code), &o);
+    if (st == K3_OK) st = k3_chat_buf_puts(&o, "}}},\"error\":null}\n");
     if (st == K3_OK) st = write_line(b, &o);
     k3_chat_buf_free(&o);
     b->n_failed++;
@@ -413,10 +445,40 @@ static k3_status put_choice(const char *msg, size_t n, const batch *b, const liv
     return st;
 }
 
+/* A completions line's choice: {"index": 0, "text", "logprobs" (legacy), "finish_reason"}. */
+static k3_status put_text_choice(const batch *b, const live *q, const k3_event *ev,
+                                 k3_chat_buf *o) {
+    k3_status st = k3_chat_buf_puts(o, "{\"index\":0,\"text\":");
+    if (st == K3_OK) st = k3_chat_json_dump_str(q->text.p ? q->text.p : "", q->text.n, o);
+    if (st == K3_OK) st = k3_chat_buf_puts(o, ",\"logprobs\":");
+    if (st == K3_OK && q->n_top < 0) st = k3_chat_buf_puts(o, "null");
+    if (st == K3_OK && q->n_top >= 0) {
+        k3_job_lp_row *rows = NULL;
+        st = k3_alloc((void **)&rows, (size_t)K3_MAX(q->n_gen, 1) * sizeof *rows, "logprob rows");
+        int64_t off = 0;
+        for (int64_t t = 0; t < q->n_gen && st == K3_OK; t++) {
+            const k3_event *e = &q->lp[t];
+            rows[t] = (k3_job_lp_row){.id = e->token,
+                                      .logprob = e->logprob,
+                                      .n_top = K3_MIN(e->n_top, q->n_top),
+                                      .top_ids = e->top_ids,
+                                      .top_lps = e->top_logprobs,
+                                      .offset = off};
+            off += (int64_t)e->n_text; /* the text this token released */
+        }
+        if (st == K3_OK) st = k3_job_completion_logprobs(b->tok, rows, q->n_gen, o);
+        k3_free(rows);
+    }
+    if (st == K3_OK) st = k3_chat_buf_puts(o, ",\"finish_reason\":");
+    if (st == K3_OK)
+        st = k3_chat_buf_puts(o, ev->stop == K3_STOP_NONE ? "\"length\"}" : "\"stop\"}");
+    return st;
+}
+
 static k3_status write_ok(batch *b, const in_line *L, live *q, const k3_event *ev) {
     k3_job_gen g = {.ids = q->gen, .n = q->n_gen, .stop = ev->stop, .n_text = q->n_text};
     k3_chat_buf msg = {0}, o = {0};
-    k3_status st = k3_job_message(&q->job, b->tok, &g, false, &msg);
+    k3_status st = L->completion ? K3_OK : k3_job_message(&q->job, b->tok, &g, false, &msg);
     if (st != K3_OK) {
         k3_chat_buf_free(&msg);
         char why[1600];
@@ -428,13 +490,15 @@ static k3_status write_ok(batch *b, const in_line *L, live *q, const k3_event *e
     st = put_head(b, L, &o);
     snprintf(t, sizeof t,
              ",\"response\":{\"status_code\":200,\"request_id\":\"req_%016llx\",\"body\":{\"id\":"
-             "\"chatcmpl-%016llx\",\"object\":\"chat.completion\",\"created\":%lld,\"model\":",
-             (unsigned long long)k3_run_seq_seed(h, 2), (unsigned long long)k3_run_seq_seed(h, 3),
-             (long long)time(NULL));
+             "\"%s%016llx\",\"object\":\"%s\",\"created\":%lld,\"model\":",
+             (unsigned long long)k3_run_seq_seed(h, 2), L->completion ? "cmpl-" : "chatcmpl-",
+             (unsigned long long)k3_run_seq_seed(h, 3),
+             L->completion ? "text_completion" : "chat.completion", (long long)time(NULL));
     if (st == K3_OK) st = k3_chat_buf_puts(&o, t);
     if (st == K3_OK) st = k3_chat_json_dump_str(b->model_name, strlen(b->model_name), &o);
     if (st == K3_OK) st = k3_chat_buf_puts(&o, ",\"choices\":[");
-    if (st == K3_OK) st = put_choice(msg.p, msg.n, b, q, &o);
+    if (st == K3_OK)
+        st = L->completion ? put_text_choice(b, q, ev, &o) : put_choice(msg.p, msg.n, b, q, &o);
     snprintf(
         t, sizeof t,
         "],\"usage\":{\"prompt_tokens\":%lld,\"completion_tokens\":%lld,\"total_tokens\":%lld}}"
@@ -473,9 +537,84 @@ static live *free_live(batch *b) {
 static void end_live(batch *b, live *q) {
     k3_job_free(&q->job);
     k3_free(q->gen), k3_free(q->lp);
+    k3_chat_buf_free(&q->text);
     memset(q, 0, sizeof *q);
     q->line = -1;
     b->n_live--;
+}
+
+/* A completions body (one prompt) into j: the prompt's ids, j->doc for the sampling keys. A
+ * refusal is K3_ERR_FORMAT naming the key (the line's invalid_request). */
+static k3_status completion_job(const batch *b, k3_job *j, const char *body, size_t n,
+                                const char *what) {
+    K3_TRY(k3_chat_json_parse(body, n, what, &j->doc));
+    const k3_chat_json *p = k3_chat_json_get(j->doc, "prompt"),
+                       *e = k3_chat_json_get(j->doc, "echo");
+    if (e && e->kind == K3_JSON_BOOL && e->b)
+        return K3_ERR(K3_ERR_FORMAT,
+                      "%s: request key 'echo' is not taken by k3 batch (k3 serve "
+                      "answers it)",
+                      what);
+    if (p && p->kind == K3_JSON_ARRAY && p->n_items > 1 &&
+        (p->items[0]->kind == K3_JSON_STRING || p->items[0]->kind == K3_JSON_ARRAY))
+        return K3_ERR(K3_ERR_FORMAT,
+                      "%s: request key 'prompt' holds %zu prompts; k3 batch takes "
+                      "one a line",
+                      what, p->n_items);
+    if (p && p->kind == K3_JSON_ARRAY && p->n_items == 1 &&
+        (p->items[0]->kind == K3_JSON_STRING || p->items[0]->kind == K3_JSON_ARRAY))
+        p = p->items[0];
+    k3_tok_ids v = {0};
+    if (p && p->kind == K3_JSON_STRING) {
+        k3_status st = k3_tok_encode(b->tok, p->s, p->n, false, &v);
+        if (st == K3_OK && v.n)
+            st = k3_alloc((void **)&j->ids, v.n * sizeof(int32_t), "prompt ids");
+        if (st == K3_OK && v.n) memcpy(j->ids, v.ids, v.n * sizeof(int32_t));
+        j->n_ids = st == K3_OK ? (int64_t)v.n : 0;
+        k3_tok_ids_free(&v);
+        K3_TRY(st);
+    } else if (p && p->kind == K3_JSON_ARRAY) {
+        K3_TRY(k3_alloc((void **)&j->ids, K3_MAX(p->n_items, 1) * sizeof(int32_t), "prompt ids"));
+        for (size_t i = 0; i < p->n_items; i++) {
+            uint64_t id = 0;
+            if (p->items[i]->kind != K3_JSON_INT || !k3_job_parse_u64(p->items[i]->s, &id) ||
+                id >= (uint64_t)b->n_vocab)
+                return K3_ERR(K3_ERR_FORMAT,
+                              "%s: request key 'prompt'[%zu]: not a token id in "
+                              "[0, %lld)",
+                              what, i, (long long)b->n_vocab);
+            j->ids[j->n_ids++] = (int32_t)id;
+        }
+    } else {
+        return K3_ERR(K3_ERR_FORMAT,
+                      "%s: request key 'prompt' must be a string or a list of "
+                      "token ids",
+                      what);
+    }
+    if (j->n_ids == 0) return K3_ERR(K3_ERR_FORMAT, "%s: the prompt is empty", what);
+    return K3_OK;
+}
+
+/* /v1/completions' "logprobs": an integer in [0, 20] (the top entries per token); -1 absent. */
+static k3_status completion_logprobs(const k3_chat_json *d, const char *what, int *n_top) {
+    const k3_chat_json *v = k3_chat_json_get(d, "logprobs");
+    uint64_t n = 0;
+    *n_top = -1;
+    if (!v || v->kind == K3_JSON_NULL) return K3_OK;
+    if (v->kind != K3_JSON_INT || !k3_job_parse_u64(v->s, &n) || n > K3_JOB_MAX_TOP)
+        return K3_ERR(K3_ERR_FORMAT, "%s: request key 'logprobs' must be an integer in [0, %d]",
+                      what, K3_JOB_MAX_TOP);
+    *n_top = (int)n;
+    return K3_OK;
+}
+
+/* The body's model is this job's (or unnamed); else the error names both. */
+static bool model_ok(const batch *b, const k3_chat_json *d, const char *what) {
+    const k3_chat_json *m = k3_chat_json_get(d, "model");
+    if (!m || m->kind == K3_JSON_NULL || k3_chat_json_is_str(m, b->model_name)) return true;
+    K3_ERR(K3_ERR_FORMAT, "%s: the model '%.100s' does not exist (this job runs '%s')", what,
+           m->kind == K3_JSON_STRING ? m->s : "(not a string)", b->model_name);
+    return false;
 }
 
 /* Prepare the next line: submit it, or write its error line. Fails only for I/O and memory. */
@@ -494,25 +633,30 @@ static k3_status submit_next(batch *b) {
     k3_status st = k3_chat_json_parse(b->in_text + L->off, (size_t)L->len, what, &d);
     if (st == K3_OK) st = k3_chat_json_dump(k3_chat_json_get(d, "body"), K3_JSON_COMPACT, &body);
     k3_chat_json_free(d);
-    if (st == K3_OK) st = k3_job_parse(&q->job, body.p, body.n, what, b->tok);
+    const char *code = "invalid_request";
+    if (st == K3_OK && !L->completion) st = k3_job_parse(&q->job, body.p, body.n, what, b->tok);
+    if (st == K3_OK && L->completion) st = completion_job(b, &q->job, body.p, body.n, what);
     k3_chat_buf_free(&body);
     k3_job_settings s;
     settings(b, L, &s);
+    if (st == K3_OK && L->completion && !b->max_tokens_flag) s.num[K3_JOB_MAX_TOKENS] = 16;
     if (st == K3_OK) st = k3_job_sampling(&q->job, &s, what);
-    if (st == K3_OK) st = k3_job_logprobs_keys(q->job.doc, what, &q->n_top);
+    if (st == K3_OK && !L->completion) st = k3_job_logprobs_keys(q->job.doc, what, &q->n_top);
+    if (st == K3_OK && L->completion) st = completion_logprobs(q->job.doc, what, &q->n_top);
+    if (st == K3_OK && !model_ok(b, q->job.doc, what)) st = K3_ERR_FORMAT, code = "model_not_found";
     if (st == K3_ERR_NOMEM) return st;
     if (st != K3_OK) {
-        st = write_error(b, L, "invalid_request", k3_last_error());
+        st = write_error(b, L, code, k3_last_error());
         end_live(b, q);
         return st;
     }
     k3_job *j = &q->job;
-    const char *code = "context_length_exceeded";
+    code = "context_length_exceeded";
     char why[256] = "";
     if (j->from_req[K3_JOB_MAX_TOKENS] && j->max_tokens == 0) {
         code = "invalid_request";
         snprintf(why, sizeof why, "%s: request key 'max_tokens': 0 must be >= 1", what);
-    } else if (!j->from_req[K3_JOB_MAX_TOKENS] && !b->max_tokens_flag) {
+    } else if (!j->from_req[K3_JOB_MAX_TOKENS] && !b->max_tokens_flag && !L->completion) {
         j->max_tokens = K3_MAX(b->max_ctx - j->n_ids, 0); /* the rest of the context */
     }
     if (!*why && j->max_tokens == 0)
@@ -551,7 +695,8 @@ static k3_status on_event(batch *b, const k3_event *ev) {
     live *q = &b->live[ev->user];
     const in_line *L = &b->lines[q->line];
     q->n_text += ev->n_text;
-    k3_status st = K3_OK;
+    k3_status st = L->completion ? k3_chat_buf_put(&q->text, ev->text, ev->n_text) : K3_OK;
+    if (st != K3_OK) return st;
     if (ev->kind == K3_EV_TOKEN) {
         if (q->n_gen == q->cap_gen)
             return K3_ERR(K3_ERR_INTERNAL, "line %lld: more tokens than max_tokens (%lld)",
@@ -687,6 +832,8 @@ static k3_status prepare(batch *b) {
     size_t s = n;
     while (s > 0 && m[s - 1] != '/') s--;
     snprintf(b->model_name, sizeof b->model_name, "%.*s", (int)(n - s), m + s);
+    if (k3_args_has(a, "served-model-name"))
+        snprintf(b->model_name, sizeof b->model_name, "%s", k3_args_str(a, "served-model-name"));
     uint64_t t = (uint64_t)time(NULL) ^ ((uint64_t)getpid() << 32);
     b->nonce = k3_run_seq_seed(k3_hash_bytes(&t, sizeof t, K3_HASH_INIT), 7);
     return K3_OK;

@@ -434,66 +434,15 @@ static k3_status put_chat_lp(const k3_server_opts *o, const sreq *q, const sreq_
     return K3_OK;
 }
 
-/* One position of a completion's logprobs: its token, logprob (NaN: null, as the echoed prompt's
- * first token has), top entries and text offset (bytes of the choice's text before it). */
-typedef struct lp_row {
-    int32_t id;
-    float logprob;
-    int n_top;
-    const int32_t *top_ids;
-    const float *top_lps;
-    int64_t offset;
-} lp_row;
+typedef k3_job_lp_row lp_row;
 
-/* A token's text as a JSON string (invalid UTF-8 replaced). */
+/* A token's text as a JSON string, and a logprob as OpenAI writes it (client/chat_job.h). */
 static k3_status put_token(const k3_server_opts *o, int32_t id, k3_chat_buf *out) {
-    const char *p = "";
-    size_t nb = 0;
-    if (k3_tok_id_bytes(o->tok, id, &p, &nb) != K3_OK) p = "", nb = 0;
-    k3_tok_bytes tb = {0};
-    k3_status st = k3_tok_utf8_replace(p, nb, &tb);
-    if (st == K3_OK) st = put_str(out, tb.data ? tb.data : "", tb.n);
-    k3_tok_bytes_free(&tb);
-    return st;
+    return k3_job_token_str(o->tok, id, out);
 }
 
 static k3_status put_lp(float lp, k3_chat_buf *out) {
-    char f32[40];
-    k3_chat_json_float_repr(isfinite(lp) ? K3_MAX((double)lp, -9999.0) : -9999.0, f32);
-    return puts_(out, f32);
-}
-
-/* OpenAI's legacy completion logprobs {"tokens","token_logprobs","top_logprobs","text_offset"}. */
-static k3_status put_lp_rows(const k3_server_opts *o, const lp_row *rows, int64_t n,
-                             k3_chat_buf *out) {
-    static const char *const part[] = {"{\"tokens\":[", "],\"token_logprobs\":[",
-                                       "],\"top_logprobs\":[", "],\"text_offset\":["};
-    for (int f = 0; f < 4; f++) {
-        K3_TRY(puts_(out, part[f]));
-        for (int64_t t = 0; t < n; t++) {
-            const lp_row *w = &rows[t];
-            if (t) K3_TRY(puts_(out, ","));
-            if (f == 0) {
-                K3_TRY(put_token(o, w->id, out));
-            } else if (f == 3) {
-                K3_TRY(put_i64(out, w->offset));
-            } else if (isnan(w->logprob)) {
-                K3_TRY(puts_(out, "null"));
-            } else if (f == 1) {
-                K3_TRY(put_lp(w->logprob, out));
-            } else {
-                K3_TRY(puts_(out, "{"));
-                for (int k = 0; k < w->n_top; k++) {
-                    if (k) K3_TRY(puts_(out, ","));
-                    K3_TRY(put_token(o, w->top_ids[k], out));
-                    K3_TRY(puts_(out, ":"));
-                    K3_TRY(put_lp(w->top_lps[k], out));
-                }
-                K3_TRY(puts_(out, "}"));
-            }
-        }
-    }
-    return puts_(out, "]}");
+    return k3_job_logprob_num(lp, out);
 }
 
 /* Rows of the echoed prompt into rows[0, n_ids): the first
@@ -530,7 +479,7 @@ static k3_status put_completion_lp(const k3_server_opts *o, const sreq *q, const
                                           .top_ids = lps[t].top_ids,
                                           .top_lps = lps[t].top_logprobs,
                                           .offset = base + (int64_t)(t ? toks[t - 1].text_end : 0)};
-    k3_status st = put_lp_rows(o, rows, n, out);
+    k3_status st = k3_job_completion_logprobs(o->tok, rows, n, out);
     k3_free(rows);
     return st;
 }

@@ -8,10 +8,13 @@ usage: batch_test.py input          (K3_BIN = the k3 binary; one process, no mod
          1, every bad line named by its number, no output file; a clean input next to them runs;
          an output file another job holds (flock) is refused; a usage error exits 2.
   mpi  : 200 chat requests (greedy, sampled without a seed, thinking on and off, short
-         max_tokens) on 2x2 --deterministic write exactly one line per custom_id, each a valid
-         chat.completion (keys, usage sums) or, for the 3 requests that must fail, an error line:
-         logit_bias -Infinity on every id (the engine's error event), a prompt longer than
-         --max-ctx (context_length_exceeded), temperature -1 (invalid_request naming the key);
+         max_tokens) and 20 /v1/completions requests (text and id prompts, logprobs) on 2x2
+         --deterministic write exactly one line per custom_id, each a valid chat.completion or
+         text_completion (keys, usage sums) or, for the 4 requests that must fail, the status
+         and OpenAI error body k3 serve would answer: logit_bias -Infinity on every id (500, the
+         engine's error event), a prompt longer than --max-ctx (400 context_length_exceeded),
+         temperature -1 (400 invalid_request naming the key), another model (404
+         model_not_found);
          the others complete; <|end_of_msg|> first gives finish_reason "stop"; logprobs (one
          entry per token, greedy = top 1, tops sorted) only when asked. A run SIGKILLed after about half the lines, plus a truncated last
          line, then run again: the file completes with no duplicate and no loss, and every result
@@ -34,7 +37,8 @@ K3 = os.environ.get("K3_BIN")
 
 
 def line(cid, body, **kw):
-    d = {"custom_id": cid, "method": "POST", "url": "/v1/chat/completions", "body": body}
+    url = "/v1/completions" if cid.startswith("cmpl") else "/v1/chat/completions"
+    d = {"custom_id": cid, "method": "POST", "url": url, "body": body}
     d.update(kw)
     return json.dumps(d)
 
@@ -123,6 +127,13 @@ def requests(vocab, eom):
     rows.insert(50, ("bias-inf", dict(short, logit_bias={str(t): float("-inf") for t in range(vocab)})))
     rows.insert(120, ("too-long", dict(short, messages=[{"role": "user", "content": "word " * 700}])))
     rows.insert(160, ("bad-temp", dict(short, temperature=-1)))
+    rows.insert(170, ("bad-model", dict(short, model="gpt-4o")))
+    for i in range(20):  # /v1/completions lines (custom_ids "cmpl..."), spread through the file
+        body = {"model": "k3", "prompt": "once upon a time %d" % i if i % 2 else [5 + i, 6, 7, 8],
+                "max_tokens": 3 + i % 3, "temperature": 0 if i % 3 else 0.8}
+        if i % 5 == 2:
+            body["logprobs"] = 2
+        rows.insert(7 + 11 * i, ("cmpl%03d" % i, body))
     return rows
 
 
@@ -154,11 +165,13 @@ def valid_completion(o):
         r = o["response"]
         b = r["body"]
         c = b["choices"][0]
-        m = c["message"]
         u = b["usage"]
+        text = o["custom_id"].startswith("cmpl")
+        m = {"role": "assistant", "content": c["text"]} if text else c["message"]
         return (o["error"] is None and o["id"].startswith("batch_req_") and r["status_code"] == 200
-                and r["request_id"] and b["object"] == "chat.completion" and b["id"].startswith("chatcmpl-")
-                and isinstance(b["created"], int) and b["model"] == "model" and len(b["choices"]) == 1
+                and r["request_id"] and b["object"] == ("text_completion" if text else "chat.completion")
+                and b["id"].startswith("cmpl-" if text else "chatcmpl-")
+                and isinstance(b["created"], int) and b["model"] == "k3" and len(b["choices"]) == 1
                 and c["index"] == 0 and m["role"] == "assistant" and isinstance(m["content"], str)
                 and c["finish_reason"] in ("stop", "length", "tool_calls") and "logprobs" in c
                 and u["total_tokens"] == u["prompt_tokens"] + u["completion_tokens"]
@@ -180,7 +193,8 @@ def mode_mpi(tmp, mpi):
             f.write(line(cid, body) + "\n")
     cids = [c for c, _ in rows]
     common = ["--model", model, "--input", inp, "--pp", "2", "--ep", "2", "--deterministic", "--max-ctx", "512",
-              "--comm-timeout", "60", "--progress-every", "1"]
+              "--comm-timeout", "60", "--progress-every", "1", "--served-model-name", "k3"]
+    failing = ("bias-inf", "too-long", "bad-temp", "bad-model")
 
     # ---- uninterrupted
     full = os.path.join(tmp, "full.jsonl")
@@ -190,15 +204,23 @@ def mode_mpi(tmp, mpi):
                                                                           time.time() - t0, p.stderr[-600:] if p.returncode else ""))
     ref, order = read_out(full)
     check(sorted(order) == sorted(cids), "one line per custom_id (%d lines, %d distinct)" % (len(order), len(set(order))))
-    bad = [c for c in cids if c not in ("bias-inf", "too-long", "bad-temp") and not valid_completion(ref.get(c, {}))]
-    check(not bad, "every other line is a valid chat.completion (invalid: %s)" % bad[:3])
-    errs = {c: ref.get(c, {}) for c in ("bias-inf", "too-long", "bad-temp")}
-    for c, code, needle in (("bias-inf", "engine_error", "logit_bias"), ("too-long", "context_length_exceeded", "512"),
-                            ("bad-temp", "invalid_request", "'temperature'")):
-        e = errs[c]
-        check(e.get("response", 0) is None and e.get("error", {}).get("code") == code
-              and needle in e["error"].get("message", ""), "%s -> error line %s naming %s: %s" % (c, code, needle, e.get("error")))
-    check("197 ok, 3 failed, 0 skipped" in p.stderr and "completion tokens" in p.stderr and "tok/s" in p.stderr,
+    bad = [c for c in cids if c not in failing and not valid_completion(ref.get(c, {}))]
+    check(not bad, "every other line is a valid chat.completion or text_completion (invalid: %s)" % bad[:3])
+    for c, status, code, needle in (("bias-inf", 500, "engine_error", "logit_bias"),
+                                    ("too-long", 400, "context_length_exceeded", "512"),
+                                    ("bad-temp", 400, "invalid_request", "'temperature'"),
+                                    ("bad-model", 404, "model_not_found", "gpt-4o")):
+        e = ref.get(c, {})
+        r = e.get("response") or {}
+        err = (r.get("body") or {}).get("error") or {}
+        check(e.get("error", 0) is None and r.get("status_code") == status and r.get("request_id")
+              and err.get("code") == code and needle in err.get("message", "") and "type" in err,
+              "%s -> status %d, error body %s naming %s: %s" % (c, status, code, needle, r))
+    texts = [ref[c]["response"]["body"] for c in cids if c.startswith("cmpl") and valid_completion(ref[c])]
+    check(len(texts) == 20 and all(b["usage"]["completion_tokens"] == len(b["choices"][0]["logprobs"]["tokens"])
+                                   for b in texts if b["choices"][0]["logprobs"]),
+          "20 /v1/completions lines answered as text_completion, logprobs one per token")
+    check("217 ok, 4 failed, 0 skipped" in p.stderr and "completion tokens" in p.stderr and "tok/s" in p.stderr,
           "summary on stderr: %s" % [ln for ln in p.stderr.splitlines() if "batch:" in ln][:2])
     check("ETA" in p.stderr, "progress lines (requests done/total, tok/s, ETA) on stderr")
     fr = {ref[c]["response"]["body"]["choices"][0]["finish_reason"] for c in cids if valid_completion(ref.get(c, {}))}
@@ -216,7 +238,7 @@ def mode_mpi(tmp, mpi):
         for t in content) and all(isinstance(b, int) and 0 <= b < 256 for t in content for b in t["bytes"]),
         "logprobs: one entry per token, greedy = top 1, 3 tops sorted, bytes: %s" % str(content[:1])[:160])
     check(all(ref[c]["response"]["body"]["choices"][0]["logprobs"] is None for c in cids
-              if c != "logprobs" and valid_completion(ref[c])), "logprobs null when not asked for")
+              if c != "logprobs" and not c.startswith("cmpl") and valid_completion(ref[c])), "logprobs null when not asked for")
 
     # ---- killed halfway, then resumed
     part = os.path.join(tmp, "part.jsonl")
@@ -246,9 +268,9 @@ def mode_mpi(tmp, mpi):
     got, order = read_out(part)
     check(len(order) == len(set(order)) == len(cids) and set(order) == set(cids),
           "resumed file: %d lines, %d distinct, %d requests: no duplicate, no loss" % (len(order), len(set(order)), len(cids)))
-    same = [c for c in cids if c in got and (got[c]["error"] == ref[c]["error"] if ref[c]["error"] else
-                                             got[c]["response"]["body"]["choices"] == ref[c]["response"]["body"]["choices"]
-                                             and got[c]["response"]["body"]["usage"] == ref[c]["response"]["body"]["usage"])]
+    same = [c for c in cids if c in got and (got[c]["response"]["body"].get("error") == ref[c]["response"]["body"].get("error")
+                                             and got[c]["response"]["body"].get("choices") == ref[c]["response"]["body"].get("choices")
+                                             and got[c]["response"]["body"].get("usage") == ref[c]["response"]["body"].get("usage"))]
     check(len(same) == len(cids), "resumed results equal the uninterrupted run's: %d of %d (differ: %s)"
           % (len(same), len(cids), [c for c in cids if c not in same][:3]))
     before = open(part, "rb").read()
@@ -261,7 +283,8 @@ def mode_mpi(tmp, mpi):
     with open(sub_in, "w") as f:
         for cid, body in rows[:24]:
             f.write(line(cid, body) + "\n")
-    p = batch(["--model", model, "--input", sub_in, "--output", sub_out, "--deterministic", "--max-ctx", "512"])
+    p = batch(["--model", model, "--input", sub_in, "--output", sub_out, "--deterministic", "--max-ctx", "512",
+               "--served-model-name", "k3"])
     one, _ = read_out(sub_out) if p.returncode == 0 else ({}, [])
     diff = [c for c, _ in rows[:24] if c not in one or
             (one[c]["response"] or {}).get("body", {}).get("choices") != (ref[c]["response"] or {}).get("body", {}).get("choices")]

@@ -92,6 +92,7 @@ int main(int argc, char **argv) {
                             .stop = stop,
                             .n_prompt = q->n_prompt};
     if (srv_stream_chunks(&o, q, &stream, &s, &sse) != K3_OK) return die("end chunks");
+    if (srv_stream_end(&o, q, &sse) != K3_OK) return die("stream end");
     if (srv_response(&o, q, &body) != K3_OK) return die("response");
     q->text = NULL;
     int rc = write_file(argv[4], ".json", &body) | write_file(argv[4], ".sse", &sse);
