@@ -20,6 +20,7 @@
 #include "engine_args.h"
 #include "k3_engine_test.h"
 #include "k3_comm.h"
+#include "k3_kernels.h" /* k3_host_memory */
 #include "k3_model.h"
 #include "chat_job.h"
 #include "k3_server.h"
@@ -36,8 +37,13 @@ static const k3_flag flags[] = {
      "the model id in /v1/models and responses (default: the basename of --model)"},
     {"max-body-bytes", K3_FLAG_INT, "N", "4194304", "a larger request body gets 413"},
     {"max-messages", K3_FLAG_INT, "N", "2048", "messages per chat request (more: 400)"},
-    {"max-queue", K3_FLAG_INT, "N", "256",
-     "requests admitted at once, running + waiting (more: 429 with Retry-After)"},
+    {"max-queue", K3_FLAG_INT, "N", "0",
+     "requests admitted at once, running + waiting (more: 429 with Retry-After); 0: no limit by "
+     "count, --max-queue-bytes bounds the queue"},
+    {"max-queue-bytes", K3_FLAG_INT, "B", "0",
+     "memory the admitted requests may hold on rank 0 (prompts, token buffers, sampler state, "
+     "logprobs; estimated from their sizes); a request past it gets 429 with Retry-After (0: a "
+     "tenth of MemAvailable at start, at least 256 MiB)"},
     {"shutdown-grace", K3_FLAG_FLOAT, "SEC", "10",
      "on SIGINT/SIGTERM, in-flight requests may finish this long before they are cancelled"},
     K3_ENGINE_FLAGS,
@@ -77,8 +83,16 @@ static k3_status prepare(const k3_args *a, k3_server_opts *so, k3_tokenizer **to
                       (long long)body);
     if (msgs < 1 || msgs > 1000000)
         return K3_ERR(K3_ERR_ARG, "--max-messages: %lld must be in [1, 1000000]", (long long)msgs);
-    if (queue < 1 || queue > 65536)
-        return K3_ERR(K3_ERR_ARG, "--max-queue: %lld must be in [1, 65536]", (long long)queue);
+    if (queue < 0 || queue > 1000000)
+        return K3_ERR(K3_ERR_ARG, "--max-queue: %lld must be in [0, 1000000]", (long long)queue);
+    int64_t qbytes = k3_args_int(a, "max-queue-bytes");
+    if (qbytes != 0 && (qbytes < ((int64_t)1 << 20) || qbytes > ((int64_t)1 << 50)))
+        return K3_ERR(K3_ERR_ARG, "--max-queue-bytes: %lld must be 0 or in [2^20, 2^50]",
+                      (long long)qbytes);
+    size_t avail = 0, total = 0;
+    if (qbytes == 0) /* the default: a tenth of the host's available memory, at least 256 MiB */
+        qbytes = K3_MAX(k3_host_memory(&avail, &total) == K3_OK ? (int64_t)(avail / 10) : 0,
+                        (int64_t)256 << 20);
     if (!(k3_args_float(a, "shutdown-grace") >= 0))
         return K3_ERR(K3_ERR_ARG, "--shutdown-grace must be >= 0");
     const char *m = k3_args_str(a, "model");
@@ -99,6 +113,7 @@ static k3_status prepare(const k3_args *a, k3_server_opts *so, k3_tokenizer **to
                            .max_body_bytes = (size_t)body,
                            .max_messages = (int)msgs,
                            .max_queue = (int)queue,
+                           .max_queue_bytes = (size_t)qbytes,
                            .grace_s = k3_args_float(a, "shutdown-grace")};
     K3_TRY(k3_tok_create_model_dir(tok, m, NULL));
     k3_config cfg;

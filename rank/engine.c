@@ -216,6 +216,12 @@ int k3_engine_pending(const k3_engine *e) {
     return e->r.coord ? rank_coord_pending(&e->r) : 0;
 }
 
+void k3_engine_load(const k3_engine *e, int *running, int *waiting, double *cache_usage) {
+    *running = *waiting = 0;
+    *cache_usage = 0;
+    if (e->r.coord) rank_coord_load(&e->r, running, waiting, cache_usage);
+}
+
 bool k3_engine_in_flight(const k3_engine *e) {
     return e->r.coord && rank_coord_in_flight(&e->r);
 }

@@ -184,6 +184,7 @@ typedef struct k3_event {
     int stop_string;   /* index when stop == K3_STOP_STRING, else -1 */
     int64_t n_prompt;  /* prompt tokens */
     int64_t n_gen;     /* generated tokens */
+    double queued_s;   /* seconds from submit until it got a slot (0 while it has none) */
     /* ERROR */
     const char *error;
     k3_error_kind error_kind;
@@ -206,6 +207,9 @@ k3_status k3_engine_heartbeat(k3_engine *e);
 k3_status k3_engine_step(k3_engine *e, const k3_event **events, int *n_events);
 /* Rank 0: requests queued + running. */
 int k3_engine_pending(const k3_engine *e);
+/* Rank 0, for metrics: requests in a slot, requests waiting for one, and the share of the paged
+ * cache's blocks reserved by running requests (all lanes; 0..1). */
+void k3_engine_load(const k3_engine *e, int *running, int *waiting, double *cache_usage);
 /* Rank 0: a step is still in flight though every request may have ended (a step returns with the
  * first lane's events; another lane's logits of that step, and the step times they carry for
  * k3_engine_rank_busy, arrive later). k3_engine_step collects it without waiting for requests. */

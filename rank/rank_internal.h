@@ -184,6 +184,7 @@ void rank_coord_cancel_all(rank_ctx *r);
 /* Progress until at least one event is ready or nothing is left (coordinator, + its worker). */
 k3_status rank_coord_step(rank_ctx *r, const k3_event **events, int *n_events);
 int rank_coord_pending(const rank_ctx *r);
+void rank_coord_load(const rank_ctx *r, int *running, int *waiting, double *cache_usage);
 /* A step whose logits some lane still owes (every request may have ended: a step returns with the
  * first lane's events). */
 bool rank_coord_in_flight(const rank_ctx *r);

@@ -38,10 +38,11 @@ typedef struct req_run {
     bool keep_logits, all_logits, cancel;
     float *prompt_logits; /* all_logits: [P, V] */
     int64_t prompt_rows;
-    bool plp;              /* prompt logprobs: its prefill steps carry K3_WIRE_PLP */
-    int plp_top;           /* top n kept per prompt position */
-    k3_prompt_lp *plp_lps; /* [P - 1]: entry i for prompt token i + 1 */
-    k3_tok_bytes text;     /* text emitted so far (deltas are its new bytes) */
+    bool plp;                  /* prompt logprobs: its prefill steps carry K3_WIRE_PLP */
+    int plp_top;               /* top n kept per prompt position */
+    k3_prompt_lp *plp_lps;     /* [P - 1]: entry i for prompt token i + 1 */
+    double t_submit, queued_s; /* when submitted; how long it waited for its slot */
+    k3_tok_bytes text;         /* text emitted so far (deltas are its new bytes) */
     size_t text_sent;
     char *error; /* a request that can never run: reported by the next step */
     k3_error_kind error_kind;
@@ -131,6 +132,7 @@ static k3_status ev_push(rank_ctx *r, k3_event_kind kind, const req_run *q, k3_e
     e->stop_string = -1;
     e->n_prompt = q->P;
     e->n_gen = q->n_gen;
+    e->queued_s = q->queued_s;
     *out = e;
     return K3_OK;
 }
@@ -290,6 +292,7 @@ k3_status rank_coord_submit(rank_ctx *r, const k3_request *rq, int64_t *id) {
     q->plp = rq->prompt_logprobs;
     q->plp_top = rq->prompt_top;
     q->P = rq->n_ids > 0 ? rq->n_ids : 0;
+    q->t_submit = k3_now_s();
     r->co->reqs[r->co->n_reqs++] = q;
     *id = q->id;
     char why[256];
@@ -346,6 +349,17 @@ k3_status rank_coord_cancel(rank_ctx *r, int64_t id) {
         return K3_ERR(K3_ERR_ARG, "cancel: request %lld is not queued or running", (long long)id);
     q->cancel = true;
     return K3_OK;
+}
+
+void rank_coord_load(const rank_ctx *r, int *running, int *waiting, double *cache_usage) {
+    int64_t free = 0;
+    for (int i = 0; i < r->co->n_reqs; i++) {
+        *running += r->co->reqs[i]->state == RQ_RUNNING;
+        *waiting += r->co->reqs[i]->state == RQ_QUEUED;
+    }
+    for (int e = 0; e < r->plan.n_lanes; e++) free += r->co->lane_blk_free[e];
+    const double all = (double)r->kv_blocks * r->plan.n_lanes;
+    *cache_usage = all > 0 ? 1.0 - (double)free / all : 0;
 }
 
 int rank_coord_pending(const rank_ctx *r) {
@@ -421,6 +435,7 @@ static k3_status send_step(rank_ctx *r, int g, bool *sent) {
         r->co->lane_blk_free[best] -= need;
         q->blk_resv = need;
         q->state = RQ_RUNNING;
+        q->queued_s = k3_now_s() - q->t_submit;
         q->lane = best, q->slot = slot, q->group = g, q->opened = false;
         int64_t n = K3_MIN(K3_MIN(q->P, r->chunk), bud[best]);
         q->n_tok_step = n;

@@ -37,7 +37,11 @@ typedef struct k3_server_opts {
     int slots;                  /* sequence slots of all lanes (metrics: running vs waiting) */
     size_t max_body_bytes;      /* a longer body is refused with 413 (0 = 4 MiB) */
     int max_messages;           /* messages per chat request (0 = 2048) */
-    int max_queue;              /* requests admitted (running + waiting); more get 429 (0 = 256) */
+    int max_queue;              /* requests admitted (running + waiting); more get 429 (0: no
+                                   limit by count: max_queue_bytes bounds the queue) */
+    size_t max_queue_bytes;     /* memory the admitted requests may hold (their buffers here and
+                                   in the engine: ids, tokens, sampler state, logprobs); a request
+                                   past it gets 429 (0 = 1 GiB) */
     int max_connections;        /* open connections (0 = 512) */
     double idle_timeout_s;      /* a connection idle this long is closed (0 = 120) */
     double grace_s;             /* at shutdown: in-flight requests may finish this long (0 = 10) */

@@ -1,17 +1,28 @@
 /* metrics.c — the server's Prometheus metrics (GET /metrics, text format 0.0.4).
  *
- * Owns: the histogram buckets, the per-status request counts and the exposition text. The
- * counters live in the server (server_internal.h: srv_metrics, under its mutex); this file only
- * adds to them and prints a snapshot.
- * Names: k3_requests_total{endpoint,status} (endpoint: a route, or "other"),
- * k3_prompt_tokens_total, k3_generation_tokens_total, k3_time_to_first_token_seconds,
- * k3_time_per_output_token_seconds, k3_e2e_request_latency_seconds, k3_step_seconds{rank="0"}
- * (histograms: rank 0's engine steps, the pipeline's pace as the coordinator sees it),
- * k3_rank_step_seconds{rank,stage,lane} (a summary, _sum and _count: every worker rank's time in
- * its forward steps, reported to rank 0 inside the LOGITS messages), k3_num_requests_running,
- * k3_num_requests_waiting, k3_slot_usage_ratio. */
+ * Owns: the histogram buckets, the per-status request counts, a request's end into the counters
+ * (srv_metrics_done) and the exposition text. The counters live in the server
+ * (server_internal.h: srv_metrics, under its mutex); this file adds to them and prints a
+ * snapshot. Every series carries model_name (the served name), so a vLLM dashboard reads it.
+ * Names and meanings are vLLM's (the README maps them), where vLLM has the quantity:
+ *   vllm:num_requests_running, vllm:num_requests_waiting (gauges: in an engine slot / admitted
+ *   and waiting for one), vllm:kv_cache_usage_perc (the paged cache's blocks reserved, 0..1),
+ *   vllm:prompt_tokens_total, vllm:generation_tokens_total (counters over completed requests,
+ *   as their usage counts them: a prompt once for its n choices), vllm:request_success_total
+ *   {finished_reason = stop | length | abort}, histograms vllm:time_to_first_token_seconds,
+ *   vllm:time_per_output_token_seconds (a request's mean gap after its first token),
+ *   vllm:inter_token_latency_seconds (every gap), vllm:e2e_request_latency_seconds,
+ *   vllm:request_queue_time_seconds (arrival to an engine slot), vllm:request_prefill_time_seconds
+ *   (slot to first token), vllm:request_decode_time_seconds (first to last token),
+ *   vllm:request_inference_time_seconds (slot to last token).
+ * k3's own: k3_requests_total{endpoint,status} (HTTP answers), k3_requests_failed_total,
+ * k3_cancelled_prompt_tokens_total and k3_cancelled_generation_tokens_total (requests a client
+ * or the shutdown cancelled: apart from the vLLM token counters), k3_step_seconds{rank="0"}
+ * (histogram: rank 0's engine steps), k3_rank_step_seconds{rank,stage,lane} (a summary: every
+ * worker rank's time in its forward steps, from the LOGITS messages). */
 #include "server_internal.h"
 
+#include <stddef.h>
 #include <stdio.h>
 
 /* Bucket upper bounds in seconds; the last bucket (+Inf) is implicit. */
@@ -71,39 +82,130 @@ static k3_status hist(k3_chat_buf *o, const char *name, const char *labels, cons
     return put(o, "%s_count%s%s%s %llu\n", name, open, labels, close, (unsigned long long)h->n);
 }
 
+void srv_metrics_done(srv_metrics *m, const sreq *q) {
+    const uint64_t n_prompt = q->sib_copy ? 0 : (uint64_t)q->n_prompt; /* as the usage counts */
+    if (q->failed) {
+        m->n_failed++;
+        return;
+    }
+    if (q->cancel && q->stop == K3_STOP_NONE) { /* a client went away, or the shutdown */
+        m->n_cancelled++;
+        m->cancelled_prompt_tokens += n_prompt;
+        m->cancelled_gen_tokens += (uint64_t)q->n_gen;
+        return;
+    }
+    m->prompt_tokens += n_prompt;
+    m->generation_tokens += (uint64_t)q->n_gen;
+    *(q->stop == K3_STOP_NONE ? &m->n_length : &m->n_stop) += 1;
+    const double t_slot = (q->t_submit > 0 ? q->t_submit : q->t_arrive) + q->queued_s;
+    srv_hist_add(&m->e2e, q->t_done - q->t_arrive);
+    srv_hist_add(&m->queue, t_slot - q->t_arrive);
+    srv_hist_add(&m->inference, q->t_done - t_slot);
+    if (q->n_gen > 0) {
+        srv_hist_add(&m->ttft, q->t_first - q->t_arrive);
+        srv_hist_add(&m->prefill, q->t_first - t_slot);
+        srv_hist_add(&m->decode, q->t_done - q->t_first);
+    }
+    if (q->n_gen > 1) srv_hist_add(&m->tpot, (q->t_done - q->t_first) / (double)(q->n_gen - 1));
+}
+
+/* A label value in Prometheus' text format: backslash, quote and newline escaped. */
+static void label_value(const char *v, char *out, size_t n) {
+    size_t k = 0;
+    for (; *v && k + 3 < n; v++) {
+        if (*v == '\\' || *v == '"') out[k++] = '\\';
+        if (*v == '\n') {
+            out[k++] = '\\', out[k++] = 'n';
+            continue;
+        }
+        out[k++] = *v;
+    }
+    out[k] = 0;
+}
+
+static k3_status counter(k3_chat_buf *o, const char *mn, const char *name, const char *help,
+                         uint64_t v) {
+    K3_TRY(head(o, name, "counter", help));
+    return put(o, "%s{%s} %llu\n", name, mn, (unsigned long long)v);
+}
+
+static k3_status gauge(k3_chat_buf *o, const char *mn, const char *name, const char *help,
+                       double v) {
+    K3_TRY(head(o, name, "gauge", help));
+    return put(o, "%s{%s} %.9g\n", name, mn, v);
+}
+
 k3_status srv_metrics_text(const srv_metrics *m, int slots, k3_chat_buf *o) {
+    (void)slots;
+    char esc[300], mn[320];
+    label_value(m->model_name ? m->model_name : "", esc, sizeof esc);
+    snprintf(mn, sizeof mn, "model_name=\"%s\"", esc);
+    K3_TRY(gauge(o, mn, "vllm:num_requests_running", "requests in an engine slot", m->running));
+    K3_TRY(gauge(o, mn, "vllm:num_requests_waiting",
+                 "requests admitted and waiting for an engine slot",
+                 m->waiting + K3_MAX(m->admitted - m->pending, 0)));
+    K3_TRY(gauge(o, mn, "vllm:kv_cache_usage_perc",
+                 "share of the paged cache's blocks reserved by running requests (0..1)",
+                 m->cache_usage));
+    K3_TRY(counter(o, mn, "vllm:prompt_tokens_total",
+                   "prompt tokens of completed requests (a prompt once for its n choices)",
+                   m->prompt_tokens));
+    K3_TRY(counter(o, mn, "vllm:generation_tokens_total", "generated tokens of completed requests",
+                   m->generation_tokens));
+    K3_TRY(head(o, "vllm:request_success_total", "counter", "finished requests by how they ended"));
+    const char *reason[3] = {"stop", "length", "abort"};
+    const uint64_t by[3] = {m->n_stop, m->n_length, m->n_cancelled};
+    for (int i = 0; i < 3; i++)
+        K3_TRY(put(o, "vllm:request_success_total{%s,finished_reason=\"%s\"} %llu\n", mn, reason[i],
+                   (unsigned long long)by[i]));
+    static const struct {
+        const char *name, *help;
+        size_t off;
+    } hists[] = {
+        {"vllm:time_to_first_token_seconds", "arrival to first token", offsetof(srv_metrics, ttft)},
+        {"vllm:time_per_output_token_seconds",
+         "a request's mean gap between tokens after the first", offsetof(srv_metrics, tpot)},
+        {"vllm:inter_token_latency_seconds", "each gap between two tokens of a request",
+         offsetof(srv_metrics, itl)},
+        {"vllm:e2e_request_latency_seconds", "arrival to the last token",
+         offsetof(srv_metrics, e2e)},
+        {"vllm:request_queue_time_seconds", "arrival to an engine slot",
+         offsetof(srv_metrics, queue)},
+        {"vllm:request_prefill_time_seconds", "engine slot to first token",
+         offsetof(srv_metrics, prefill)},
+        {"vllm:request_decode_time_seconds", "first token to last token",
+         offsetof(srv_metrics, decode)},
+        {"vllm:request_inference_time_seconds", "engine slot to last token",
+         offsetof(srv_metrics, inference)},
+    };
+    for (size_t i = 0; i < K3_ARRAY_LEN(hists); i++)
+        K3_TRY(hist(o, hists[i].name, mn, hists[i].help,
+                    (const srv_hist *)(const void *)((const char *)m + hists[i].off)));
+    K3_TRY(counter(o, mn, "k3_requests_failed_total", "requests that ended with an error",
+                   m->n_failed));
+    K3_TRY(counter(o, mn, "k3_cancelled_prompt_tokens_total",
+                   "prompt tokens of cancelled requests (not in vllm:prompt_tokens_total)",
+                   m->cancelled_prompt_tokens));
+    K3_TRY(counter(o, mn, "k3_cancelled_generation_tokens_total",
+                   "tokens generated for cancelled requests (not in vllm:generation_tokens_total)",
+                   m->cancelled_gen_tokens));
     K3_TRY(
         head(o, "k3_requests_total", "counter", "HTTP requests answered, by endpoint and status"));
     for (int i = 0; i < SRV_N_STATUS && m->status_code[i]; i++)
-        K3_TRY(put(o, "k3_requests_total{endpoint=\"%s\",status=\"%d\"} %llu\n", m->status_path[i],
-                   m->status_code[i], (unsigned long long)m->status_count[i]));
-    K3_TRY(head(o, "k3_prompt_tokens_total", "counter", "prompt tokens of finished requests"));
-    K3_TRY(put(o, "k3_prompt_tokens_total %llu\n", (unsigned long long)m->prompt_tokens));
-    K3_TRY(head(o, "k3_generation_tokens_total", "counter", "generated tokens"));
-    K3_TRY(put(o, "k3_generation_tokens_total %llu\n", (unsigned long long)m->generation_tokens));
-    K3_TRY(hist(o, "k3_time_to_first_token_seconds", "", "arrival to first token", &m->ttft));
-    K3_TRY(hist(o, "k3_time_per_output_token_seconds", "",
-                "mean time between tokens after the first, per request", &m->tpot));
-    K3_TRY(hist(o, "k3_e2e_request_latency_seconds", "", "arrival to the last event", &m->e2e));
-    K3_TRY(hist(o, "k3_step_seconds", "rank=\"0\"", "one engine step as rank 0 runs it", &m->step));
+        K3_TRY(put(o, "k3_requests_total{%s,endpoint=\"%s\",status=\"%d\"} %llu\n", mn,
+                   m->status_path[i], m->status_code[i], (unsigned long long)m->status_count[i]));
+    char lab[400];
+    snprintf(lab, sizeof lab, "%s,rank=\"0\"", mn);
+    K3_TRY(hist(o, "k3_step_seconds", lab, "one engine step as rank 0 runs it", &m->step));
     K3_TRY(head(o, "k3_rank_step_seconds", "summary",
                 "each worker rank's time inside its forward steps (MoE exchanges included)"));
     for (int w = 0; w < m->n_ranks; w++) {
         if (!m->rank_ok[w]) continue;
-        char lab[96];
-        snprintf(lab, sizeof lab, "rank=\"%d\",stage=\"%d\",lane=\"%d\"", w, m->rank_stage[w],
-                 m->rank_lane[w]);
+        snprintf(lab, sizeof lab, "%s,rank=\"%d\",stage=\"%d\",lane=\"%d\"", mn, w,
+                 m->rank_stage[w], m->rank_lane[w]);
         K3_TRY(put(o, "k3_rank_step_seconds_sum{%s} %.9g\n", lab, m->rank_busy_s[w]));
         K3_TRY(put(o, "k3_rank_step_seconds_count{%s} %llu\n", lab,
                    (unsigned long long)m->rank_steps[w]));
     }
-    /* the engine places a request in a free slot at once, so at most `slots` run */
-    const int running = K3_MIN(m->pending, slots), waiting = m->pending - running;
-    K3_TRY(head(o, "k3_num_requests_running", "gauge", "sequences in a slot"));
-    K3_TRY(put(o, "k3_num_requests_running %d\n", running));
-    K3_TRY(head(o, "k3_num_requests_waiting", "gauge",
-                "requests admitted but not yet in a slot (engine queue + admission queue)"));
-    K3_TRY(put(o, "k3_num_requests_waiting %d\n", waiting + K3_MAX(m->admitted - m->pending, 0)));
-    K3_TRY(head(o, "k3_slot_usage_ratio", "gauge", "busy sequence slots / all slots"));
-    return put(o, "k3_slot_usage_ratio %.6g\n", slots > 0 ? (double)running / slots : 0.0);
+    return K3_OK;
 }

@@ -286,6 +286,15 @@ void srv_sreq_free_chain(sreq *q) {
     }
 }
 
+size_t srv_request_bytes(const k3_server_opts *o, const sreq *q, size_t body_bytes) {
+    const size_t ids = (size_t)q->job.n_ids, gen = (size_t)q->cap_gen;
+    size_t n = sizeof *q + body_bytes + 2 * ids * sizeof(int32_t) + gen * sizeof *q->gen;
+    n += gen * sizeof(int32_t) + (size_t)o->n_vocab * 24;     /* the engine: tokens, sampler */
+    if (q->lp) n += gen * (sizeof *q->lp + sizeof(k3_event)); /* logprobs here and in events */
+    if (q->plp) n += 2 * ids * sizeof *q->plp;                /* prompt logprobs, both sides */
+    return n;
+}
+
 int srv_n_choices(const sreq *q) {
     int n = 0;
     for (; q; q = q->sib) n++;
@@ -364,7 +373,8 @@ int srv_parse(const k3_server_opts *o, sreq_kind kind, const char *body, size_t 
         srv_sreq_free_chain(head);
         return st;
     }
-    for (sreq *q = head; q; q = q->sib) q->multi = head->sib != NULL;
+    for (sreq *q = head; q; q = q->sib)
+        q->multi = head->sib != NULL, q->n_bytes = srv_request_bytes(o, q, n);
     *out = head;
     return 200;
 }

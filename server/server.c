@@ -1,8 +1,9 @@
 /* server.c — the HTTP side of `k3 serve` (libmicrohttpd, one thread per connection) and rank 0's
  * engine loop (k3_server_run), joined by a mutex-guarded admission queue (see k3_server.h).
  *
- * Owns: routing, the bearer check, the body limit, admission (429 + Retry-After when
- * max_queue requests are open, 503 while shutting down), the waits of the HTTP threads (a
+ * Owns: routing, the bearer check, the body limit, admission (bounded by memory: 429 +
+ * Retry-After when the admitted requests would hold more than max_queue_bytes, or when a
+ * configured max_queue count is reached; 503 while shutting down), the waits of the HTTP threads (a
  * non-streamed request waits for its DONE; a stream's content reader waits for the next tokens),
  * client-disconnect detection (a failed write, or a peek on the socket every 200 ms of waiting:
  * the request is cancelled and its slot freed), the access log, the metrics counters and the
@@ -33,7 +34,8 @@ struct k3_server {
     struct MHD_Daemon *d;
     int port;
     size_t max_body;
-    int max_queue;
+    int max_queue;          /* 0: no limit by count */
+    size_t max_queue_bytes; /* the admitted requests' memory (sreq.n_bytes summed) */
     uint64_t nonce, counter;
     int64_t started;
     pthread_mutex_t mu;
@@ -41,8 +43,9 @@ struct k3_server {
     pthread_cond_t multi_cv; /* HTTP threads of requests with several choices wait here */
     /* under mu */
     sreq *head, *tail; /* admission queue */
-    sreq **live;       /* (max_queue) submitted, waiting for their last event */
-    int n_live;
+    sreq **live;       /* (cap_live) submitted, waiting for their last event */
+    int n_live, cap_live;
+    size_t queued_bytes; /* sreq.n_bytes of the admitted requests */
     bool stopping;
     int n_busy; /* connections with a model request whose response has not ended */
     srv_metrics m;
@@ -170,7 +173,12 @@ static void unref(sreq *q) {
 static int admit(k3_server *s, sreq *head) {
     pthread_mutex_lock(&s->mu);
     const int n = srv_n_choices(head);
-    int st = s->stopping ? 503 : s->m.admitted + n > s->max_queue ? 429 : 200;
+    size_t bytes = 0;
+    for (const sreq *q = head; q; q = q->sib) bytes += q->n_bytes;
+    int st = s->stopping                                            ? 503
+             : s->max_queue > 0 && s->m.admitted + n > s->max_queue ? 429
+             : s->queued_bytes + bytes > s->max_queue_bytes         ? 429
+                                                                    : 200;
     if (st == 200) {
         uint64_t h = k3_hash_bytes(&s->counter, sizeof s->counter, s->nonce);
         s->counter++;
@@ -187,6 +195,7 @@ static int admit(k3_server *s, sreq *head) {
             s->tail = q;
             s->m.admitted++;
         }
+        s->queued_bytes += bytes;
         s->n_busy++;
         pthread_cond_signal(&s->work);
     }
@@ -199,11 +208,8 @@ static void finish(k3_server *s, sreq *q) {
     q->done = true;
     q->t_done = k3_now_s();
     s->m.admitted--;
-    if (!q->sib_copy) s->m.prompt_tokens += (uint64_t)q->n_prompt; /* as the usage counts it */
-    s->m.generation_tokens += (uint64_t)q->n_gen;
-    if (q->n_gen > 0) srv_hist_add(&s->m.ttft, q->t_first - q->t_arrive);
-    if (q->n_gen > 1) srv_hist_add(&s->m.tpot, (q->t_done - q->t_first) / (double)(q->n_gen - 1));
-    srv_hist_add(&s->m.e2e, q->t_done - q->t_arrive);
+    s->queued_bytes -= q->n_bytes;
+    srv_metrics_done(&s->m, q);
     pthread_cond_broadcast(q->multi ? &s->multi_cv : &q->cv);
     unref(q);
 }
@@ -225,13 +231,17 @@ static k3_status append_text(sreq *q, const char *t, size_t n) {
 static k3_status route(k3_server *s, const k3_event *ev) {
     sreq *q = (sreq *)(uintptr_t)ev->user;
     K3_TRY(append_text(q, ev->text, ev->n_text));
+    q->queued_s = ev->queued_s;
     if (ev->prompt_lps && q->plp)
         memcpy(q->plp, ev->prompt_lps, (size_t)(q->job.n_ids - 1) * sizeof *q->plp);
     if (ev->kind == K3_EV_TOKEN) {
         if (q->n_gen == q->cap_gen)
             return K3_ERR(K3_ERR_INTERNAL, "%s: more tokens than max_tokens (%lld)", q->id,
                           (long long)q->cap_gen);
-        if (q->n_gen == 0) q->t_first = k3_now_s();
+        const double now = k3_now_s();
+        if (q->n_gen == 0) q->t_first = now;
+        if (q->n_gen > 0) srv_hist_add(&s->m.itl, now - q->t_last);
+        q->t_last = now;
         q->gen[q->n_gen] = (sreq_tok){ev->token, q->n_text};
         if (q->lp) {
             sreq_lp *l = &q->lp[q->n_gen];
@@ -269,6 +279,12 @@ static k3_status admit_and_cancel(k3_server *s, k3_engine *e, bool cancel_all) {
             finish(s, q); /* never reached the engine: stop NONE, no tokens */
             continue;
         }
+        if (s->n_live == s->cap_live) { /* grows with the queue, which memory bounds */
+            int cap = s->cap_live ? 2 * s->cap_live : 256;
+            sreq **l = realloc(s->live, (size_t)cap * sizeof *l);
+            if (!l) return K3_ERR(K3_ERR_NOMEM, "table of %d live requests", cap);
+            s->live = l, s->cap_live = cap;
+        }
         const k3_job *j = &q->job;
         k3_request rq = {.ids = j->ids,
                          .n_ids = j->n_ids,
@@ -288,6 +304,7 @@ static k3_status admit_and_cancel(k3_server *s, k3_engine *e, bool cancel_all) {
             continue;
         }
         q->submitted = true;
+        q->t_submit = k3_now_s();
         s->live[s->n_live++] = q;
     }
     for (int i = 0; i < s->n_live; i++) {
@@ -332,6 +349,7 @@ k3_status k3_server_run(k3_server *s, k3_engine *e, volatile sig_atomic_t *stop)
         st = admit_and_cancel(s, e, cancel_all);
         const int pending = k3_engine_pending(e);
         s->m.pending = pending;
+        k3_engine_load(e, &s->m.running, &s->m.waiting, &s->m.cache_usage);
         /* a step still in flight when the last request ended is collected before idling: its
            lanes' step times reach /metrics now, not at the next request */
         if (st == K3_OK && pending == 0 && !k3_engine_in_flight(e)) {
@@ -545,8 +563,8 @@ static enum MHD_Result model_request(conn *k, sreq_kind kind) {
     if (st != 200) {
         srv_sreq_free_chain(q);
         return send_error(k, st,
-                          st == 429 ? "the server's request queue is full (--max-queue); retry "
-                                      "later"
+                          st == 429 ? "the server's request queue is full (--max-queue-bytes "
+                                      "or --max-queue); retry later"
                                     : "the server is shutting down");
     }
     k->q = q;
@@ -702,19 +720,16 @@ k3_status k3_server_create(const k3_server_opts *o, k3_server **out) {
     k3_server *s = NULL;
     K3_TRY(k3_calloc((void **)&s, sizeof *s, "server"));
     s->o = *o;
+    s->m.model_name = s->o.model_name;
     s->max_body = o->max_body_bytes ? o->max_body_bytes : (size_t)4 << 20;
-    s->max_queue = o->max_queue > 0 ? o->max_queue : 256;
+    s->max_queue = o->max_queue > 0 ? o->max_queue : 0;
+    s->max_queue_bytes = o->max_queue_bytes ? o->max_queue_bytes : (size_t)1 << 30;
     s->started = (int64_t)time(NULL);
     uint64_t t = (uint64_t)time(NULL) ^ ((uint64_t)getpid() << 32) ^ (uint64_t)(k3_now_s() * 1e9);
     s->nonce = k3_hash_bytes(&t, sizeof t, K3_HASH_INIT);
     pthread_mutex_init(&s->mu, NULL);
     pthread_cond_init(&s->work, NULL);
     pthread_cond_init(&s->multi_cv, NULL);
-    k3_status st = k3_calloc((void **)&s->live, (size_t)s->max_queue * sizeof *s->live, "requests");
-    if (st != K3_OK) {
-        k3_server_destroy(s);
-        return st;
-    }
     const char *host = o->host ? o->host : "127.0.0.1";
     struct sockaddr_in6 a6 = {0};
     struct sockaddr_in a4 = {0};
@@ -757,7 +772,7 @@ int k3_server_port(const k3_server *s) {
 void k3_server_destroy(k3_server *s) {
     if (!s) return;
     if (s->d) MHD_stop_daemon(s->d); /* joins the connection threads */
-    k3_free(s->live);
+    free(s->live);                   /* realloc'd as the queue grows */
     pthread_cond_destroy(&s->work);
     pthread_cond_destroy(&s->multi_cv);
     pthread_mutex_destroy(&s->mu);

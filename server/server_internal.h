@@ -43,6 +43,8 @@ typedef struct sreq {
     bool sib_copy;    /* a copy after the first of its prompt (n > 1): its prompt is not counted
                          again in the usage */
     bool multi;       /* one of several choices: events also wake the server's multi_cv */
+    size_t n_bytes;   /* what it holds while admitted (here and in the engine): the queue's
+                         memory bound counts it (srv_request_bytes) */
     bool stream, include_usage, return_token_ids, ignore_eos;
     int n_top;         /* chat: top_logprobs (-1: logprobs off); completions: logprobs (-1: off) */
     bool echo;         /* completions: the prompt (and its logprobs) before the completion */
@@ -68,6 +70,9 @@ typedef struct sreq {
     char error[512];
     k3_error_kind error_kind;
     double t_arrive, t_first, t_done;
+    double t_submit; /* handed to the engine */
+    double t_last;   /* its last token's arrival (inter-token latency) */
+    double queued_s; /* the engine's wait for a slot (k3_event.queued_s) */
     /* the HTTP thread's alone: its stream of this choice (and a copy of the released text) */
     struct srv_stream *st;
     char *text_copy; /* (cap_copy) */
@@ -85,13 +90,19 @@ typedef struct srv_hist {
 #define SRV_N_STATUS  64  /* distinct (endpoint, status) pairs counted */
 #define SRV_MAX_RANKS 256 /* ranks whose step time /metrics lists */
 typedef struct srv_metrics {
+    const char *model_name;                /* the model_name label of every series */
     const char *status_path[SRV_N_STATUS]; /* a static route name ("/v1/models", "other") */
     int status_code[SRV_N_STATUS];
     uint64_t status_count[SRV_N_STATUS];
-    uint64_t prompt_tokens, generation_tokens;
-    srv_hist ttft, tpot, e2e, step;
-    int pending;  /* engine: queued + running (after the last step) */
-    int admitted; /* requests admitted, not yet done */
+    /* finished requests (every choice counts; a copy's prompt once, as the usage does): */
+    uint64_t prompt_tokens, generation_tokens;              /* completed (stop / length) */
+    uint64_t n_stop, n_length, n_cancelled, n_failed;       /* by how they ended */
+    uint64_t cancelled_prompt_tokens, cancelled_gen_tokens; /* cancelled: counted apart */
+    srv_hist ttft, tpot, itl, e2e, queue, prefill, decode, inference, step;
+    int pending;          /* engine: queued + running (after the last step) */
+    int running, waiting; /* engine: in a slot, waiting for one (k3_engine_load) */
+    double cache_usage;   /* engine: share of the paged cache's blocks reserved */
+    int admitted;         /* requests admitted, not yet done */
     /* per worker rank (k3_engine_rank_busy, copied after each step): forward time, steps */
     int n_ranks;                 /* entries below (world, at most SRV_MAX_RANKS) */
     bool rank_ok[SRV_MAX_RANKS]; /* false: the rank runs no stage (a dedicated coordinator) */
@@ -107,7 +118,11 @@ int srv_parse(const k3_server_opts *o, sreq_kind kind, const char *body, size_t 
               char *why, size_t n_why);
 void srv_sreq_free(sreq *q);       /* NULL-safe */
 void srv_sreq_free_chain(sreq *q); /* q and its siblings; NULL-safe */
-int srv_n_choices(const sreq *q);  /* q and its siblings */
+/* The memory a parsed request holds while admitted: its buffers here, and in the engine its
+ * prompt and token copies and its sampler's per-vocabulary arrays (k3_sampler: ~24 bytes an id),
+ * its logprob records. An estimate from sizes, used to bound the queue by memory. */
+size_t srv_request_bytes(const k3_server_opts *o, const sreq *q, size_t body_bytes);
+int srv_n_choices(const sreq *q); /* q and its siblings */
 /* The non-streamed response body of a finished request (every choice done, none failed). */
 k3_status srv_response(const k3_server_opts *o, const sreq *q, k3_chat_buf *out);
 
@@ -154,6 +169,8 @@ int srv_detokenize(const k3_server_opts *o, const char *body, size_t n, k3_chat_
 
 /* ---- metrics.c ---------------------------------------------------------------------------- */
 void srv_hist_add(srv_hist *h, double seconds);
+/* mu held: a request's end into the counters and histograms (completed, cancelled or failed). */
+void srv_metrics_done(srv_metrics *m, const sreq *q);
 /* `path`: a string that outlives the metrics (the route table's, or "other"). */
 void srv_count_status(srv_metrics *m, const char *path, int status);
 /* Prometheus text exposition (format 0.0.4) of a snapshot of the metrics. */

@@ -407,8 +407,12 @@ def server_2x2(model_dir):
 
 def counters(srv, endpoint):
     m = srv.metrics()
-    return (m.get(("k3_prompt_tokens_total", ()), 0.0), m.get(("k3_generation_tokens_total", ()), 0.0),
-            m.get(("k3_requests_total", (("endpoint", endpoint), ("status", "200"))), 0.0))
+
+    def get(name, **lb):  # every series also carries model_name
+        return sum(v for (n, labels), v in m.items()
+                   if n == name and all(dict(labels).get(k) == x for k, x in lb.items()))
+    return (get("vllm:prompt_tokens_total"), get("vllm:generation_tokens_total"),
+            get("k3_requests_total", endpoint=endpoint, status="200"))
 
 
 @pytest.mark.parametrize("endpoint,extra", [

@@ -12,6 +12,13 @@ Groups (pytest -k), each on 1x1 (e1x1) and 2x2 (e2x2, --deterministic):
   choices   : the openai SDK: n=3 gives 3 choices indexed 0..2 (a seeded request repeats), a list
       of 4 prompts gives 4 choices in order, each what the prompt alone gives; a streamed n=2
       request carries both indices and puts together the non-streamed choices; best_of: 400.
+  metrics   : /metrics parses with prometheus_client, every series has model_name; after a mix of
+      requests (chat, streamed, n=2, a prompt list, echo) vllm:prompt_tokens_total and
+      vllm:generation_tokens_total grew by exactly the responses' usage; a cancelled stream is
+      counted apart (finished_reason abort, k3_cancelled_*); the vLLM histograms count them.
+  queue     : (e1x1 only) one slot and 300 concurrent requests: every one answered 200 (the queue is
+      bounded by memory, not a count); with --max-queue-bytes 1 MiB the same burst gets 429s
+      naming the flag, and every request is answered.
   lm_eval   : lm-evaluation-harness from PyPI (`local-completions`, the remote tokenizer through
       GET /tokenizer_info + /tokenize) on a multiple-choice task in local files, --batch_size 4
       (prompt lists): every example's loglikelihood equals the dump's log-softmax summed over its
@@ -23,6 +30,8 @@ import os
 import subprocess
 import sys
 import tempfile
+import threading
+import time
 
 import numpy as np
 import openai
@@ -30,6 +39,7 @@ import pytest
 import requests
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from prometheus_client.parser import text_string_to_metric_families  # noqa: E402
 from serve_test import KEY, Server  # noqa: E402
 
 K3 = os.environ.get("K3_BIN", "k3")
@@ -254,6 +264,108 @@ def test_choices_refusals(srv):
         c.completions.create(model=NAME, prompt="x", n=0, max_tokens=1)
     with pytest.raises(openai.BadRequestError, match=r"'prompt'\[1\]"):
         c.completions.create(model=NAME, prompt=["x", 5], max_tokens=1)
+
+
+# ---- metrics -------------------------------------------------------------------------------------
+def scrape(srv):
+    r = requests.get(srv.url + "/metrics", timeout=10)
+    assert r.status_code == 200
+    out = {}
+    for fam in text_string_to_metric_families(r.text):
+        for x in fam.samples:
+            assert x.labels.get("model_name") == NAME, (x.name, x.labels)  # on every series
+            out[(x.name, tuple(sorted((k, v) for k, v in x.labels.items() if k != "model_name")))] = x.value
+    return out
+
+
+def test_metrics_token_counters_equal_usage(srv):
+    before = scrape(srv)
+    c = srv.client()
+    usage = []  # (prompt, completion) of every completed response
+    r = c.chat.completions.create(model=NAME, messages=[{"role": "user", "content": "Hi"}], max_tokens=5)
+    usage.append(r.usage)
+    r = c.completions.create(model=NAME, prompt="Hello", n=2, max_tokens=4, seed=1)
+    usage.append(r.usage)
+    r = c.completions.create(model=NAME, prompt=["a b", "c d e"], max_tokens=3, temperature=0)
+    usage.append(r.usage)
+    r = c.completions.create(model=NAME, prompt=[5, 6, 7, 8], max_tokens=1, echo=True, logprobs=1)
+    usage.append(r.usage)
+    u = None
+    for k in c.chat.completions.create(model=NAME, messages=[{"role": "user", "content": "Yo"}],
+                                       max_tokens=6, stream=True, stream_options={"include_usage": True}):
+        u = k.usage or u
+    usage.append(u)
+    # a stream the client leaves: cancelled, counted apart
+    body = {"model": NAME, "prompt": "x", "max_tokens": 3000, "stream": True, "ignore_eos": True}
+    with requests.post(srv.url + "/v1/completions", json=body, stream=True, timeout=60,
+                       headers={"Authorization": "Bearer " + KEY}) as h:
+        for i, _ in enumerate(h.iter_lines()):
+            if i >= 6:
+                break
+    deadline = time.time() + 20
+    while True:
+        after = scrape(srv)
+        d = lambda name, *lb: after.get((name, lb), 0) - before.get((name, lb), 0)  # noqa: E731
+        if d("vllm:request_success_total", ("finished_reason", "abort")) >= 1 or time.time() > deadline:
+            break
+        time.sleep(0.2)
+    assert d("vllm:prompt_tokens_total") == sum(x.prompt_tokens for x in usage)
+    assert d("vllm:generation_tokens_total") == sum(x.completion_tokens for x in usage)
+    done = d("vllm:request_success_total", ("finished_reason", "stop")) + \
+        d("vllm:request_success_total", ("finished_reason", "length"))
+    assert done == 7  # choices: 1 + 2 + 2 + 1 + 1
+    assert d("vllm:request_success_total", ("finished_reason", "abort")) == 1
+    assert d("k3_cancelled_prompt_tokens_total") >= 1 and d("k3_cancelled_generation_tokens_total") >= 1
+    for h in ("e2e_request_latency", "request_queue_time", "request_inference_time"):
+        assert d("vllm:%s_seconds_count" % h) == 7, h
+    assert d("vllm:time_to_first_token_seconds_count") == 7
+    assert d("vllm:inter_token_latency_seconds_count") > 0
+    for g in ("vllm:num_requests_running", "vllm:num_requests_waiting", "vllm:kv_cache_usage_perc"):
+        assert (g, ()) in after
+    assert after[("vllm:num_requests_running", ())] == 0 and after[("vllm:kv_cache_usage_perc", ())] == 0
+
+
+# ---- queueing -------------------------------------------------------------------------------------
+def burst(srv, n, body):
+    codes, errors = [], []
+    lock = threading.Lock()
+
+    def one():
+        try:
+            r = requests.post(srv.url + "/v1/completions", json=body, timeout=300,
+                              headers={"Authorization": "Bearer " + KEY})
+            with lock:
+                codes.append(r.status_code)
+                if r.status_code != 200:
+                    errors.append(r.json()["error"]["message"])
+        except requests.RequestException as e:
+            with lock:
+                codes.append(str(e))
+    ts = [threading.Thread(target=one) for _ in range(n)]
+    for t in ts:
+        t.start()
+    for t in ts:
+        t.join()
+    return codes, errors
+
+
+def test_queue_hundreds_queued(model_dir):
+    body = {"model": NAME, "prompt": "count to three", "max_tokens": 2}
+    s = Server(model_dir, extra=["--api-key", KEY, "--max-seqs", "1", "--served-model-name", NAME])
+    try:
+        codes, _ = burst(s, 300, body)
+        assert codes.count(200) == 300, sorted(set(map(str, codes)))
+    finally:
+        assert s.stop() == 0
+    s = Server(model_dir, extra=["--api-key", KEY, "--max-seqs", "1", "--served-model-name", NAME,
+                                 "--max-queue-bytes", str(1 << 20)])
+    try:
+        codes, errors = burst(s, 60, dict(body, max_tokens=32, ignore_eos=True))
+        assert len(codes) == 60 and set(codes) <= {200, 429}, set(map(str, codes))
+        assert codes.count(429) > 0 and codes.count(200) > 0
+        assert all("--max-queue-bytes" in e for e in errors)
+    finally:
+        assert s.stop() == 0
 
 
 # ---- lm-evaluation-harness ------------------------------------------------------------------------

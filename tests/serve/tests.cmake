@@ -33,5 +33,5 @@ function(k3_eval_test name group labels timeout)
   set_tests_properties(${name} PROPERTIES LABELS "${labels}" TIMEOUT ${timeout}
                        ENVIRONMENT "${K3_SERVE_ENV}")
 endfunction()
-k3_eval_test(serve_eval_1x1 e1x1 "unit" 240)
+k3_eval_test(serve_eval_1x1 "e1x1 or queue" "unit" 300)
 k3_eval_test(serve_eval_2x2 e2x2 "mpi" 300)
