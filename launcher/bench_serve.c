@@ -2,7 +2,9 @@
  * OpenAI-compatible server (`k3 serve` or any other), with vLLM's result keys.
  *
  * Owns: the workload (random prompts from a seeded stream: token ids through /v1/completions,
- * or words through /v1/chat/completions; Poisson arrivals at --request-rate, or all at once;
+ * or text through /v1/chat/completions, made of --input-len tokens of the model's tokenizer
+ * (--tokenizer): words that are one token each, less the chat template's own tokens when the
+ * server's /tokenize says how many; Poisson arrivals at --request-rate, or all at once;
  * at most --max-concurrency in flight), the HTTP client (libcurl's multi interface, one thread,
  * one easy handle per request in flight), the SSE reader and the latency metrics.
  * Every request streams with stream_options.include_usage, greedy with ignore_eos; its token
@@ -23,6 +25,7 @@
 
 #include "k3_chat.h"
 #include "k3_model.h"
+#include "k3_tokenizer.h"
 
 typedef struct sreq {
     char *body; /* request JSON */
@@ -49,6 +52,9 @@ typedef struct serve_bench {
     double timeout_s;
     uint64_t seed;
     sreq *q; /* (n + warmups): warm-ups first */
+    /* chat: words of one token each (" alpha"), and the tokens the template adds to a message */
+    char **words;
+    int64_t n_words, overhead;
 } serve_bench;
 
 /* ---- the SSE stream -------------------------------------------------------------------------- */
@@ -141,30 +147,22 @@ static size_t on_bytes(char *data, size_t size, size_t nmemb, void *user) {
 
 /* ---- requests ----------------------------------------------------------------------------------
  */
-/* A random "word" per prompt token for the chat endpoint (text in, the server's usage counts). */
-static const char *const words[] = {"alpha", "river",  "stone", "cloud",  "amber",  "orbit",
-                                    "maple", "quartz", "delta", "harbor", "signal", "ember",
-                                    "lumen", "cedar",  "prism", "velvet"};
-
 static k3_status make_body(const serve_bench *b, k3_rng *rng, sreq *r) {
     cJSON *o = cJSON_CreateObject();
     bool ok = o && cJSON_AddStringToObject(o, "model", b->model);
     int32_t *ids = NULL;
     k3_status st = k3_alloc((void **)&ids, (size_t)b->in_len * sizeof(int32_t), "prompt");
-    if (st == K3_OK)
-        bench_random_ids(rng, b->chat ? (int64_t)K3_ARRAY_LEN(words) : b->n_vocab, ids, b->in_len);
-    if (ok && st == K3_OK && b->chat) {
-        char *text = NULL;
-        st = k3_alloc((void **)&text, (size_t)b->in_len * 8 + 1, "prompt");
-        size_t n = 0;
-        for (int64_t i = 0; st == K3_OK && i < b->in_len; i++)
-            n += (size_t)sprintf(text + n, "%s%s", i ? " " : "", words[ids[i]]);
+    if (st == K3_OK) bench_random_ids(rng, b->chat ? b->n_words : b->n_vocab, ids, b->in_len);
+    if (ok && st == K3_OK && b->chat) { /* in_len - overhead words, one token each */
+        k3_chat_buf text = {0};
+        for (int64_t i = 0; st == K3_OK && i < b->in_len - b->overhead; i++)
+            st = k3_chat_buf_puts(&text, b->words[ids[i]]);
         cJSON *msgs = st == K3_OK ? cJSON_AddArrayToObject(o, "messages") : NULL,
               *m = cJSON_CreateObject();
         ok = msgs && m && cJSON_AddItemToArray(msgs, m) &&
              cJSON_AddStringToObject(m, "role", "user") &&
-             cJSON_AddStringToObject(m, "content", text);
-        k3_free(text);
+             cJSON_AddStringToObject(m, "content", text.p ? text.p : "");
+        k3_chat_buf_free(&text);
     } else if (ok && st == K3_OK) {
         cJSON *p = cJSON_AddArrayToObject(o, "prompt");
         ok = p != NULL;
@@ -335,6 +333,86 @@ static k3_status server_model(serve_bench *b) {
     return st;
 }
 
+/* Words that are one token each of the model's tokenizer: a space and 2+ lowercase letters that
+ * encode to exactly their own id. A chat prompt of them has as many tokens as words (the
+ * pre-tokenizer cuts before each space, and each piece is one token). */
+static k3_status one_token_words(serve_bench *b, const char *dir) {
+    k3_tokenizer *tok = NULL;
+    K3_TRY(k3_tok_create_model_dir(&tok, dir, NULL));
+    k3_status st = K3_OK;
+    int64_t cap = 0;
+    for (int64_t id = 0; id < b->n_vocab && st == K3_OK; id++) {
+        const char *p;
+        size_t n;
+        if (k3_tok_id_bytes(tok, (int32_t)id, &p, &n) != K3_OK) {
+            k3_clear_error();
+            continue;
+        }
+        bool ok = n >= 3 && p[0] == ' ';
+        for (size_t i = 1; ok && i < n; i++) ok = p[i] >= 'a' && p[i] <= 'z';
+        k3_tok_ids v = {0};
+        ok = ok && k3_tok_encode(tok, p, n, false, &v) == K3_OK && v.n == 1 && v.ids[0] == id;
+        k3_tok_ids_free(&v);
+        if (!ok) continue;
+        if (b->n_words == cap) {
+            cap = cap ? 2 * cap : 256;
+            char **w = realloc(b->words, (size_t)cap * sizeof *w);
+            if (!w) st = K3_ERR(K3_ERR_NOMEM, "word list");
+            if (w) b->words = w;
+        }
+        if (st == K3_OK && !(b->words[b->n_words] = strndup(p, n)))
+            st = K3_ERR(K3_ERR_NOMEM, "word list");
+        if (st == K3_OK) b->n_words++;
+    }
+    k3_tok_destroy(tok);
+    if (st == K3_OK && b->n_words < 16)
+        st = K3_ERR(K3_ERR_ARG,
+                    "--tokenizer %s: only %lld one-token words; chat prompts of an "
+                    "exact length need more",
+                    dir, (long long)b->n_words);
+    return st;
+}
+
+/* The tokens the chat template adds around a message, from the server's /tokenize (vLLM's and
+ * k3's take a chat request): 0 with a note when the server has no such route. */
+static k3_status template_overhead(serve_bench *b) {
+    char url[2048], body[512];
+    snprintf(url, sizeof url, "%s/tokenize", b->base_url);
+    snprintf(body, sizeof body,
+             "{\"model\":\"%.200s\",\"messages\":[{\"role\":\"user\",\"content\":\"\"}]}",
+             b->model);
+    CURL *h = curl_easy_init();
+    struct curl_slist *hdr = curl_slist_append(NULL, "Content-Type: application/json");
+    if (b->auth[0]) hdr = curl_slist_append(hdr, b->auth);
+    k3_chat_buf o = {0};
+    if (!h) return K3_ERR(K3_ERR_NOMEM, "bench serve: libcurl handle");
+    curl_easy_setopt(h, CURLOPT_URL, url);
+    curl_easy_setopt(h, CURLOPT_HTTPHEADER, hdr);
+    curl_easy_setopt(h, CURLOPT_POSTFIELDS, body);
+    curl_easy_setopt(h, CURLOPT_WRITEFUNCTION, to_buf);
+    curl_easy_setopt(h, CURLOPT_WRITEDATA, &o);
+    curl_easy_setopt(h, CURLOPT_NOSIGNAL, 1L);
+    curl_easy_setopt(h, CURLOPT_TIMEOUT_MS, (long)(b->timeout_s * 1e3));
+    CURLcode rc = curl_easy_perform(h);
+    long code = 0;
+    curl_easy_getinfo(h, CURLINFO_RESPONSE_CODE, &code);
+    curl_easy_cleanup(h);
+    curl_slist_free_all(hdr);
+    cJSON *d = rc == CURLE_OK && code == 200 && o.p ? cJSON_ParseWithLength(o.p, o.n) : NULL;
+    const cJSON *c = cJSON_GetObjectItemCaseSensitive(d, "count");
+    b->overhead = cJSON_IsNumber(c) ? (int64_t)c->valuedouble : 0;
+    if (!cJSON_IsNumber(c))
+        K3_LOGW("bench serve: %s does not count a chat request's tokens; --input-len counts the "
+                "message's tokens, not the chat template's",
+                url);
+    cJSON_Delete(d);
+    k3_chat_buf_free(&o);
+    if (b->overhead >= b->in_len)
+        return K3_ERR(K3_ERR_ARG, "--input-len %lld: the chat template alone has %lld tokens",
+                      (long long)b->in_len, (long long)b->overhead);
+    return K3_OK;
+}
+
 static k3_status single(const k3_args *a, const char *flag, int64_t lo, int64_t *out) {
     int n = 0;
     K3_TRY(bench_parse_list(flag, k3_args_str(a, flag), lo, 1 << 24, out, 1, &n));
@@ -383,6 +461,11 @@ static k3_status setup(const k3_args *a, serve_bench *b) {
         snprintf(b->model, sizeof b->model, "%s", k3_args_str(a, "model"));
     else
         K3_TRY(server_model(b));
+    if (b->chat && !k3_args_has(a, "tokenizer"))
+        return K3_ERR(K3_ERR_ARG, "--endpoint /v1/chat/completions needs --tokenizer DIR (the "
+                                  "model's tokenizer) for prompts of --input-len tokens");
+    if (b->chat) K3_TRY(one_token_words(b, k3_args_str(a, "tokenizer")));
+    if (b->chat) K3_TRY(template_overhead(b));
     K3_TRY(k3_calloc((void **)&b->q, (size_t)(b->n + b->warmups) * sizeof *b->q, "requests"));
     k3_rng rng;
     k3_rng_seed(&rng, b->seed);
@@ -481,6 +564,8 @@ static void serve_free(serve_bench *b) {
     for (int64_t i = 0; b->q && i < b->n + b->warmups; i++)
         k3_free(b->q[i].body), k3_chat_buf_free(&b->q[i].line), k3_chat_buf_free(&b->q[i].itl);
     k3_free(b->q);
+    for (int64_t i = 0; i < b->n_words; i++) free(b->words[i]);
+    free(b->words);
 }
 
 int bench_serve(const k3_args *a) {

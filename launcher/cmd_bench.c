@@ -76,8 +76,8 @@ enum {
     X("api-key", K3_FLAG_STR, "KEY", NULL, M_SV,                                                   \
       "serve: bearer token (default: $OPENAI_API_KEY when set)")                                   \
     X("tokenizer", K3_FLAG_STR, "DIR", NULL, M_SV,                                                 \
-      "serve: a checkpoint directory whose vocab_size bounds the random prompt ids (default: "     \
-      "ids below 1000)")                                                                           \
+      "serve: the model's checkpoint directory: its vocab_size bounds the random prompt ids "      \
+      "(default: ids below 1000); the chat endpoint needs it for prompts of --input-len tokens")   \
     X("request-timeout", K3_FLAG_FLOAT, "SEC", "600", M_SV, "serve: limit of one request")         \
     X("num-warmups", K3_FLAG_INT, "N", "1", M_ALL & ~M_LD,                                         \
       "warm-up requests before each timed run (not counted); kernels: untimed calls of each op")   \

@@ -420,7 +420,8 @@ def counters(srv, endpoint):
     ("/v1/chat/completions", ["--num-warmups", "1"]),
 ], ids=["serve_2x2_completions", "serve_2x2_chat"])
 def test_serve(server_2x2, model_dir, endpoint, extra, tmp_path):
-    srv, n, il, ol = server_2x2, 7, 12, 5
+    # chat: the K3 template's own tokens (~190 with thinking on) count in --input-len
+    srv, n, il, ol = server_2x2, 7, (12 if endpoint == "/v1/completions" else 230), 5
     js, cs = tmp_path / "sv.json", tmp_path / "sv.csv"
     before = counters(srv, endpoint)
     r = k3(["bench", "serve", "--base-url", srv.url, "--endpoint", endpoint, "--tokenizer", model_dir,
@@ -437,11 +438,12 @@ def test_serve(server_2x2, model_dir, endpoint, extra, tmp_path):
     assert after[0] - before[0] == d["total_input_tokens"] + d["warmup_input_tokens"]
     assert after[1] - before[1] == d["total_output_tokens"] + d["warmup_output_tokens"]
     assert after[2] - before[2] == n + warm
-    # ignore_eos: exactly output_len each; token-id prompts: exactly input_len each
+    # ignore_eos: exactly output_len each; prompts of exactly input_len tokens on both endpoints
+    # (chat: one-token words of the model's tokenizer, less the template's tokens)
     assert d["output_lens"] == [ol] * n and d["total_output_tokens"] == n * ol
     assert d["warmup_output_tokens"] == warm * ol
+    assert d["input_lens"] == [il] * n and d["total_input_tokens"] == n * il
     if endpoint == "/v1/completions":
-        assert d["input_lens"] == [il] * n and d["total_input_tokens"] == n * il
         assert d["request_rate"] == 40 and d["max_concurrency"] == 3
     else:
         assert d["request_rate"] == "inf" and d["max_concurrency"] is None
