@@ -298,16 +298,19 @@ static size_t to_buf(char *data, size_t size, size_t nmemb, void *user) {
     return k3_chat_buf_put(o, data, size * nmemb) == K3_OK ? size * nmemb : 0;
 }
 
-/* --model absent: the first model the server lists. */
-static k3_status server_model(serve_bench *b) {
-    char url[2048];
-    snprintf(url, sizeof url, "%s/v1/models", b->base_url);
+/* One blocking request to the server: GET (post NULL) or POST of a JSON body; the parsed answer
+ * when it is HTTP 200 JSON, else NULL with *why saying what went wrong. The caller frees it. */
+static cJSON *http_json(const serve_bench *b, const char *url, const char *post, const char **why) {
     CURL *h = curl_easy_init();
-    struct curl_slist *hdr = b->auth[0] ? curl_slist_append(NULL, b->auth) : NULL;
+    struct curl_slist *hdr =
+        post ? curl_slist_append(NULL, "Content-Type: application/json") : NULL;
+    if (b->auth[0]) hdr = curl_slist_append(hdr, b->auth);
     k3_chat_buf o = {0};
-    if (!h) return K3_ERR(K3_ERR_NOMEM, "bench serve: libcurl handle");
+    *why = "libcurl handle";
+    if (!h) return NULL;
     curl_easy_setopt(h, CURLOPT_URL, url);
     curl_easy_setopt(h, CURLOPT_HTTPHEADER, hdr);
+    if (post) curl_easy_setopt(h, CURLOPT_POSTFIELDS, post);
     curl_easy_setopt(h, CURLOPT_WRITEFUNCTION, to_buf);
     curl_easy_setopt(h, CURLOPT_WRITEDATA, &o);
     curl_easy_setopt(h, CURLOPT_NOSIGNAL, 1L);
@@ -318,6 +321,17 @@ static k3_status server_model(serve_bench *b) {
     curl_easy_cleanup(h);
     curl_slist_free_all(hdr);
     cJSON *d = rc == CURLE_OK && code == 200 && o.p ? cJSON_ParseWithLength(o.p, o.n) : NULL;
+    *why = rc != CURLE_OK ? curl_easy_strerror(rc) : code != 200 ? "not HTTP 200" : "not JSON";
+    k3_chat_buf_free(&o);
+    return d;
+}
+
+/* --model absent: the first model the server lists. */
+static k3_status server_model(serve_bench *b) {
+    char url[2048];
+    snprintf(url, sizeof url, "%s/v1/models", b->base_url);
+    const char *why;
+    cJSON *d = http_json(b, url, NULL, &why);
     const cJSON *id = cJSON_GetObjectItemCaseSensitive(
         cJSON_GetArrayItem(cJSON_GetObjectItemCaseSensitive(d, "data"), 0), "id");
     k3_status st = K3_OK;
@@ -325,11 +339,8 @@ static k3_status server_model(serve_bench *b) {
         snprintf(b->model, sizeof b->model, "%s", id->valuestring);
     else
         st = K3_ERR(K3_ERR_IO, "GET %s: %s (give --model NAME)", url,
-                    rc != CURLE_OK ? curl_easy_strerror(rc)
-                    : code != 200  ? "not HTTP 200"
-                                   : "no data[0].id in the answer");
+                    d ? "no data[0].id in the answer" : why);
     cJSON_Delete(d);
-    k3_chat_buf_free(&o);
     return st;
 }
 
@@ -381,32 +392,15 @@ static k3_status template_overhead(serve_bench *b) {
     snprintf(body, sizeof body,
              "{\"model\":\"%.200s\",\"messages\":[{\"role\":\"user\",\"content\":\"\"}]}",
              b->model);
-    CURL *h = curl_easy_init();
-    struct curl_slist *hdr = curl_slist_append(NULL, "Content-Type: application/json");
-    if (b->auth[0]) hdr = curl_slist_append(hdr, b->auth);
-    k3_chat_buf o = {0};
-    if (!h) return K3_ERR(K3_ERR_NOMEM, "bench serve: libcurl handle");
-    curl_easy_setopt(h, CURLOPT_URL, url);
-    curl_easy_setopt(h, CURLOPT_HTTPHEADER, hdr);
-    curl_easy_setopt(h, CURLOPT_POSTFIELDS, body);
-    curl_easy_setopt(h, CURLOPT_WRITEFUNCTION, to_buf);
-    curl_easy_setopt(h, CURLOPT_WRITEDATA, &o);
-    curl_easy_setopt(h, CURLOPT_NOSIGNAL, 1L);
-    curl_easy_setopt(h, CURLOPT_TIMEOUT_MS, (long)(b->timeout_s * 1e3));
-    CURLcode rc = curl_easy_perform(h);
-    long code = 0;
-    curl_easy_getinfo(h, CURLINFO_RESPONSE_CODE, &code);
-    curl_easy_cleanup(h);
-    curl_slist_free_all(hdr);
-    cJSON *d = rc == CURLE_OK && code == 200 && o.p ? cJSON_ParseWithLength(o.p, o.n) : NULL;
+    const char *why;
+    cJSON *d = http_json(b, url, body, &why);
     const cJSON *c = cJSON_GetObjectItemCaseSensitive(d, "count");
     b->overhead = cJSON_IsNumber(c) ? (int64_t)c->valuedouble : 0;
     if (!cJSON_IsNumber(c))
-        K3_LOGW("bench serve: %s does not count a chat request's tokens; --input-len counts the "
-                "message's tokens, not the chat template's",
-                url);
+        K3_LOGW("bench serve: %s does not count a chat request's tokens (%s); --input-len counts "
+                "the message's tokens, not the chat template's",
+                url, d ? "no count" : why);
     cJSON_Delete(d);
-    k3_chat_buf_free(&o);
     if (b->overhead >= b->in_len)
         return K3_ERR(K3_ERR_ARG, "--input-len %lld: the chat template alone has %lld tokens",
                       (long long)b->in_len, (long long)b->overhead);

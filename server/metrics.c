@@ -123,12 +123,6 @@ static void label_value(const char *v, char *out, size_t n) {
     out[k] = 0;
 }
 
-static k3_status counter(k3_chat_buf *o, const char *mn, const char *name, const char *help,
-                         uint64_t v) {
-    K3_TRY(head(o, name, "counter", help));
-    return put(o, "%s{%s} %llu\n", name, mn, (unsigned long long)v);
-}
-
 static k3_status gauge(k3_chat_buf *o, const char *mn, const char *name, const char *help,
                        double v) {
     K3_TRY(head(o, name, "gauge", help));
@@ -147,11 +141,26 @@ k3_status srv_metrics_text(const srv_metrics *m, int slots, k3_chat_buf *o) {
     K3_TRY(gauge(o, mn, "vllm:kv_cache_usage_perc",
                  "share of the paged cache's blocks reserved by running requests (0..1)",
                  m->cache_usage));
-    K3_TRY(counter(o, mn, "vllm:prompt_tokens_total",
-                   "prompt tokens of completed requests (a prompt once for its n choices)",
-                   m->prompt_tokens));
-    K3_TRY(counter(o, mn, "vllm:generation_tokens_total", "generated tokens of completed requests",
-                   m->generation_tokens));
+    const struct {
+        const char *name, *help;
+        uint64_t v;
+    } counters[] = {
+        {"vllm:prompt_tokens_total",
+         "prompt tokens of completed requests (a prompt once for its n choices)", m->prompt_tokens},
+        {"vllm:generation_tokens_total", "generated tokens of completed requests",
+         m->generation_tokens},
+        {"k3_requests_failed_total", "requests that ended with an error", m->n_failed},
+        {"k3_cancelled_prompt_tokens_total",
+         "prompt tokens of cancelled requests (not in vllm:prompt_tokens_total)",
+         m->cancelled_prompt_tokens},
+        {"k3_cancelled_generation_tokens_total",
+         "tokens generated for cancelled requests (not in vllm:generation_tokens_total)",
+         m->cancelled_gen_tokens},
+    };
+    for (size_t i = 0; i < K3_ARRAY_LEN(counters); i++) {
+        K3_TRY(head(o, counters[i].name, "counter", counters[i].help));
+        K3_TRY(put(o, "%s{%s} %llu\n", counters[i].name, mn, (unsigned long long)counters[i].v));
+    }
     K3_TRY(head(o, "vllm:request_success_total", "counter", "finished requests by how they ended"));
     const char *reason[3] = {"stop", "length", "abort"};
     const uint64_t by[3] = {m->n_stop, m->n_length, m->n_cancelled};
@@ -181,14 +190,6 @@ k3_status srv_metrics_text(const srv_metrics *m, int slots, k3_chat_buf *o) {
     for (size_t i = 0; i < K3_ARRAY_LEN(hists); i++)
         K3_TRY(hist(o, hists[i].name, mn, hists[i].help,
                     (const srv_hist *)(const void *)((const char *)m + hists[i].off)));
-    K3_TRY(counter(o, mn, "k3_requests_failed_total", "requests that ended with an error",
-                   m->n_failed));
-    K3_TRY(counter(o, mn, "k3_cancelled_prompt_tokens_total",
-                   "prompt tokens of cancelled requests (not in vllm:prompt_tokens_total)",
-                   m->cancelled_prompt_tokens));
-    K3_TRY(counter(o, mn, "k3_cancelled_generation_tokens_total",
-                   "tokens generated for cancelled requests (not in vllm:generation_tokens_total)",
-                   m->cancelled_gen_tokens));
     K3_TRY(
         head(o, "k3_requests_total", "counter", "HTTP requests answered, by endpoint and status"));
     for (int i = 0; i < SRV_N_STATUS && m->status_code[i]; i++)

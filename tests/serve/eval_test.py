@@ -29,7 +29,6 @@ import json
 import os
 import subprocess
 import sys
-import tempfile
 import threading
 import time
 
@@ -40,20 +39,12 @@ import requests
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from prometheus_client.parser import text_string_to_metric_families  # noqa: E402
-from serve_test import KEY, Server  # noqa: E402
+from serve_test import KEY, Server, model_dir  # noqa: E402,F401 (model_dir: a fixture)
 
 K3 = os.environ.get("K3_BIN", "k3")
 NAME = "k3-tiny"
 CHUNK = 16  # --chunk of the servers: the prompts below span several prefill chunks
 TOL = 1e-5  # the bound; the values travel as float32 (rel 6e-8) in shortest decimal form
-
-
-@pytest.fixture(scope="module")
-def model_dir():
-    d = tempfile.mkdtemp(prefix="k3_eval_")
-    m = os.path.join(d, "tiny")
-    subprocess.run([K3, "make-tiny", m], check=True, capture_output=True, timeout=120)
-    return m
 
 
 def start(model, topo):

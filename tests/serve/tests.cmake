@@ -7,12 +7,15 @@ find_program(K3_SERVE_PYTHON3 python3)
 k3_add_test_exe(serve_replay ${CMAKE_CURRENT_LIST_DIR}/serve_replay.c)
 set(K3_SERVE_ENV ${K3_TEST_ENV_MPI} "K3_MPIEXEC=${MPIEXEC_EXECUTABLE}"
     "K3_SERVE_REPLAY=$<TARGET_FILE:serve_replay>")
-function(k3_serve_test name group labels timeout)
+function(k3_serve_pytest name file group labels timeout)
   add_test(NAME ${name}
            COMMAND ${K3_SERVE_PYTHON3} -m pytest -q -x -s -p no:cacheprovider
-                   ${CMAKE_CURRENT_LIST_DIR}/serve_test.py -k ${group})
+                   ${CMAKE_CURRENT_LIST_DIR}/${file} -k ${group})
   set_tests_properties(${name} PROPERTIES LABELS "${labels}" TIMEOUT ${timeout}
                        ENVIRONMENT "${K3_SERVE_ENV}")
+endfunction()
+function(k3_serve_test name group labels timeout)
+  k3_serve_pytest(${name} serve_test.py ${group} "${labels}" ${timeout})
 endfunction()
 k3_serve_test(serve_api_1x1 api_1x1 "unit;sanitize" 180)
 k3_serve_test(serve_api_2x2 api_2x2 "mpi" 240)
@@ -26,12 +29,5 @@ k3_serve_test(serve_stuck_client stuck "unit" 180)
 k3_serve_test(serve_live_tools live_tool_calls "unit" 120)
 # issue 32: what evaluation harnesses send (eval_test.py): prompt logprobs against --dump-logits,
 # n and prompt lists with the openai SDK, lm-evaluation-harness' local-completions end to end
-function(k3_eval_test name group labels timeout)
-  add_test(NAME ${name}
-           COMMAND ${K3_SERVE_PYTHON3} -m pytest -q -x -s -p no:cacheprovider
-                   ${CMAKE_CURRENT_LIST_DIR}/eval_test.py -k ${group})
-  set_tests_properties(${name} PROPERTIES LABELS "${labels}" TIMEOUT ${timeout}
-                       ENVIRONMENT "${K3_SERVE_ENV}")
-endfunction()
-k3_eval_test(serve_eval_1x1 "e1x1 or queue" "unit" 300)
-k3_eval_test(serve_eval_2x2 e2x2 "mpi" 300)
+k3_serve_pytest(serve_eval_1x1 eval_test.py "e1x1 or queue" "unit" 300)
+k3_serve_pytest(serve_eval_2x2 eval_test.py e2x2 "mpi" 300)
