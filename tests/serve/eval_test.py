@@ -12,6 +12,8 @@ Groups (pytest -k), each on 1x1 (e1x1) and 2x2 (e2x2, --deterministic):
   choices   : the openai SDK: n=3 gives 3 choices indexed 0..2 (a seeded request repeats), a list
       of 4 prompts gives 4 choices in order, each what the prompt alone gives; a streamed n=2
       request carries both indices and puts together the non-streamed choices; best_of: 400.
+  info      : GET /version, GET /tokenizer_info (the model's tokenizer_config.json, as vLLM
+      returns its tokenizer's config; behind the API key like /tokenize).
   metrics   : /metrics parses with prometheus_client, every series has model_name; after a mix of
       requests (chat, streamed, n=2, a prompt list, echo) vllm:prompt_tokens_total and
       vllm:generation_tokens_total grew by exactly the responses' usage; a cancelled stream is
@@ -255,6 +257,17 @@ def test_choices_refusals(srv):
         c.completions.create(model=NAME, prompt="x", n=0, max_tokens=1)
     with pytest.raises(openai.BadRequestError, match=r"'prompt'\[1\]"):
         c.completions.create(model=NAME, prompt=["x", 5], max_tokens=1)
+
+
+def test_info_routes(srv, model_dir):
+    # vLLM's GET /version (open, as /health) and GET /tokenizer_info (the tokenizer's config)
+    r = requests.get(srv.url + "/version", timeout=10)
+    assert r.status_code == 200 and isinstance(r.json()["version"], str) and r.json()["version"]
+    r = requests.get(srv.url + "/tokenizer_info", headers={"Authorization": "Bearer " + KEY},
+                     timeout=10)
+    with open(os.path.join(model_dir, "tokenizer_config.json")) as f:
+        assert r.status_code == 200 and r.json() == json.load(f)
+    assert requests.get(srv.url + "/tokenizer_info", timeout=10).status_code == 401
 
 
 # ---- metrics -------------------------------------------------------------------------------------
