@@ -168,6 +168,20 @@ def test_prompt_lp_with_generation_and_stream(srv, model_dir):
     st, alone = post(srv, "/v1/completions", dict(body, echo=False))
     assert L["token_logprobs"][len(p):] == alone["choices"][0]["logprobs"]["token_logprobs"]
     assert full["choices"][0]["text"].endswith(alone["choices"][0]["text"])
+    # a step that computes every row for one request (PLP) still samples the others from their
+    # own last rows: both at once give what each gives alone
+    plain = {"model": NAME, "prompt": p[::-1], "max_tokens": 6, "temperature": 0,
+             "ignore_eos": True, "logprobs": 1}
+    _, plain_alone = post(srv, "/v1/completions", plain)
+    got = {}
+    ts = [threading.Thread(target=lambda k=k, b=b: got.__setitem__(k, post(srv, "/v1/completions", b)))
+          for k, b in (("echo", body), ("plain", plain))]
+    for t in ts:
+        t.start()
+    for t in ts:
+        t.join()
+    assert got["echo"][1]["choices"][0]["logprobs"] == L
+    assert got["plain"][1]["choices"][0] == plain_alone["choices"][0]
     # streamed: the prompt comes first, then the completion; together the same logprobs
     c = srv.client()
     toks, lps = [], []
