@@ -40,8 +40,7 @@ import pytest
 import requests
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from prometheus_client.parser import text_string_to_metric_families  # noqa: E402
-from serve_test import KEY, Server, model_dir  # noqa: E402,F401 (model_dir: a fixture)
+from serve_test import KEY, Server, metrics, model_dir  # noqa: E402,F401 (model_dir: a fixture)
 
 K3 = os.environ.get("K3_BIN", "k3")
 NAME = "k3-tiny"
@@ -286,13 +285,12 @@ def test_info_routes(srv, model_dir):
 
 # ---- metrics -------------------------------------------------------------------------------------
 def scrape(srv):
-    r = requests.get(srv.url + "/metrics", timeout=10)
-    assert r.status_code == 200
+    """/metrics through prometheus_client's parser (serve_test.metrics): model_name on every
+    series, then dropped from the keys."""
     out = {}
-    for fam in text_string_to_metric_families(r.text):
-        for x in fam.samples:
-            assert x.labels.get("model_name") == NAME, (x.name, x.labels)  # on every series
-            out[(x.name, tuple(sorted((k, v) for k, v in x.labels.items() if k != "model_name")))] = x.value
+    for (name, labels), v in metrics(srv).items():
+        assert ("model_name", NAME) in labels, (name, labels)
+        out[(name, tuple(x for x in labels if x[0] != "model_name"))] = v
     return out
 
 
