@@ -22,6 +22,44 @@
 #include "k3_parser.h"
 
 /* ---- the prompt ---------------------------------------------------------------------------- */
+/* What the renderer takes (it follows the official encoder) but a served request must not get
+ * silently: tool-call arguments that are not JSON (the encoder keeps them as a raw block), a
+ * tool_choice string that is none of OpenAI's three, image parts (this K3 is text-only: the
+ * encoder would put a placeholder where the image was). Each error names the key. */
+static k3_status check_served(const k3_chat_json *doc, const char *what) {
+    const k3_chat_json *tc = k3_chat_json_get(doc, "tool_choice");
+    if (tc && tc->kind == K3_JSON_STRING && !k3_chat_json_is_str(tc, "none") &&
+        !k3_chat_json_is_str(tc, "auto") && !k3_chat_json_is_str(tc, "required"))
+        return K3_ERR(K3_ERR_FORMAT,
+                      "%s: request key 'tool_choice': '%.40s' is not none, auto or required", what,
+                      tc->s);
+    const k3_chat_json *msgs = k3_chat_json_get(doc, "messages");
+    for (size_t i = 0; msgs && msgs->kind == K3_JSON_ARRAY && i < msgs->n_items; i++) {
+        const k3_chat_json *c = k3_chat_json_get(msgs->items[i], "content");
+        for (size_t k = 0; c && c->kind == K3_JSON_ARRAY && k < c->n_items; k++) {
+            const k3_chat_json *ty = k3_chat_json_get(c->items[k], "type");
+            if (ty && ty->kind == K3_JSON_STRING && strncmp(ty->s, "image", 5) == 0)
+                return K3_ERR(K3_ERR_FORMAT,
+                              "%s: messages[%zu].content[%zu]: an image part; this model serves "
+                              "text only",
+                              what, i, k);
+        }
+        const k3_chat_json *calls = k3_chat_json_get(msgs->items[i], "tool_calls");
+        for (size_t k = 0; calls && calls->kind == K3_JSON_ARRAY && k < calls->n_items; k++) {
+            const k3_chat_json *a =
+                k3_chat_json_get(k3_chat_json_get(calls->items[k], "function"), "arguments");
+            k3_chat_json *parsed = NULL;
+            if (!a || a->kind != K3_JSON_STRING || strspn(a->s, " \t\r\n") == a->n) continue;
+            if (k3_chat_json_parse(a->s, a->n, "arguments", &parsed) != K3_OK)
+                return K3_ERR(K3_ERR_FORMAT,
+                              "%s: messages[%zu].tool_calls[%zu].function.arguments is not JSON",
+                              what, i, k);
+            k3_chat_json_free(parsed);
+        }
+    }
+    return K3_OK;
+}
+
 k3_status k3_job_parse(k3_job *j, const char *text, size_t n_bytes, const char *what,
                        const k3_tokenizer *tok) {
     k3_status st = k3_chat_json_parse(text, n_bytes, what, &j->doc);
@@ -31,6 +69,7 @@ k3_status k3_job_parse(k3_job *j, const char *text, size_t n_bytes, const char *
         snprintf(why, sizeof why, "%s", k3_last_error());
         return K3_ERR(K3_ERR_FORMAT, "%s: %s", what, why);
     }
+    K3_TRY(check_served(j->doc, what));
     const k3_chat_json *msgs = k3_chat_json_get(j->doc, "messages");
     if (msgs && msgs->kind == K3_JSON_ARRAY && msgs->n_items == 0)
         return K3_ERR(K3_ERR_FORMAT, "%s: messages is empty", what);

@@ -329,6 +329,51 @@ static k3_status push_item(k3_chat_json *v, k3_chat_json *key, k3_chat_json *ite
 
 static k3_status read_value(jreader *r, int depth, k3_chat_json **out);
 
+/* The duplicate-key check while an object is read. A scan of the members so far made n keys cost
+ * n^2/2 compares (a 1 MB body of 100k keys: a minute of CPU); above KEYIDX_FROM members an
+ * open-addressing hash of member indices keeps it linear. */
+#define KEYIDX_FROM 16
+typedef struct keyidx {
+    size_t *slot; /* (cap) member index + 1; 0 = empty; cap a power of two, at most half full */
+    size_t cap;
+} keyidx;
+
+static bool same_key(const k3_chat_json *a, const k3_chat_json *b) {
+    return a->n == b->n && memcmp(a->s, b->s, a->n) == 0;
+}
+
+/* The slot that holds `key` among v's members, or the empty slot where it would go. */
+static size_t keyidx_probe(const keyidx *x, const k3_chat_json *v, const k3_chat_json *key) {
+    size_t h = (size_t)k3_hash_bytes(key->s, key->n, K3_HASH_INIT) & (x->cap - 1);
+    while (x->slot[h] && !same_key(v->keys[x->slot[h] - 1], key)) h = (h + 1) & (x->cap - 1);
+    return h;
+}
+
+/* The index of v's member named `key`, or v->n_items; keeps the index ready for one more. */
+static k3_status find_key(keyidx *x, const k3_chat_json *v, const k3_chat_json *key, size_t *at) {
+    *at = v->n_items;
+    if (v->n_items < KEYIDX_FROM) {
+        for (size_t i = 0; i < v->n_items; i++)
+            if (same_key(v->keys[i], key)) *at = i;
+        return K3_OK;
+    }
+    if (2 * (v->n_items + 1) > x->cap) { /* (re)build from the members so far */
+        size_t cap = x->cap ? 2 * x->cap : 4 * KEYIDX_FROM;
+        while (2 * (v->n_items + 1) > cap) cap *= 2;
+        size_t *slot = calloc(cap, sizeof *slot);
+        if (!slot) return K3_ERR(K3_ERR_NOMEM, "out of memory indexing a JSON object");
+        free(x->slot);
+        *x = (keyidx){slot, cap};
+        for (size_t i = 0; i < v->n_items; i++) x->slot[keyidx_probe(x, v, v->keys[i])] = i + 1;
+    }
+    const size_t h = keyidx_probe(x, v, key);
+    if (x->slot[h])
+        *at = x->slot[h] - 1;
+    else
+        x->slot[h] = v->n_items + 1; /* the caller appends it there */
+    return K3_OK;
+}
+
 static k3_status read_container(jreader *r, int depth, bool is_obj, k3_chat_json **out) {
     if (depth >= K3_JSON_MAX_DEPTH) return jerr(r, "nesting too deep");
     K3_TRY(new_node(is_obj ? K3_JSON_OBJECT : K3_JSON_ARRAY, out));
@@ -341,6 +386,7 @@ static k3_status read_container(jreader *r, int depth, bool is_obj, k3_chat_json
         return K3_OK;
     }
     k3_status s = K3_OK;
+    keyidx idx = {0};
     for (;;) {
         k3_chat_json *key = NULL, *item = NULL;
         if (is_obj) {
@@ -363,9 +409,11 @@ static k3_status read_container(jreader *r, int depth, bool is_obj, k3_chat_json
             break;
         }
         size_t dup = v->n_items;
-        if (is_obj)
-            for (size_t i = 0; i < v->n_items; i++)
-                if (v->keys[i]->n == key->n && memcmp(v->keys[i]->s, key->s, key->n) == 0) dup = i;
+        if (is_obj && (s = find_key(&idx, v, key, &dup))) {
+            k3_chat_json_free(key);
+            k3_chat_json_free(item);
+            break;
+        }
         if (dup < v->n_items) { /* Python dict: keep the first position, take the last value */
             k3_chat_json_free(v->items[dup]);
             v->items[dup] = item;
@@ -387,6 +435,7 @@ static k3_status read_container(jreader *r, int depth, bool is_obj, k3_chat_json
         s = jerr(r, is_obj ? "expected ',' or '}'" : "expected ',' or ']'");
         break;
     }
+    free(idx.slot);
     if (s) {
         k3_chat_json_free(v);
         *out = NULL;

@@ -44,6 +44,13 @@ static const k3_flag flags[] = {
      "memory the admitted requests may hold on rank 0 (prompts, token buffers, sampler state, "
      "logprobs; estimated from their sizes); a request past it gets 429 with Retry-After (0: a "
      "tenth of MemAvailable at start, at least 256 MiB)"},
+    {"max-connections-per-client", K3_FLAG_INT, "N", "32",
+     "open connections from one client address (more are refused; 512 in all)"},
+    {"read-timeout", K3_FLAG_FLOAT, "SEC", "30",
+     "a connection that sends nothing (or reads nothing of its response) for this long is closed"},
+    {"allowed-origins", K3_FLAG_STR, "LIST", NULL,
+     "CORS for browser clients: comma-separated origins (or *) whose pages may call the API; "
+     "preflight OPTIONS needs no key (default: no CORS headers)"},
     {"shutdown-grace", K3_FLAG_FLOAT, "SEC", "10",
      "on SIGINT/SIGTERM, in-flight requests may finish this long before they are cancelled"},
     K3_ENGINE_FLAGS,
@@ -93,6 +100,13 @@ static k3_status prepare(const k3_args *a, k3_server_opts *so, k3_tokenizer **to
     if (qbytes == 0) /* the default: a tenth of the host's available memory, at least 256 MiB */
         qbytes = K3_MAX(k3_host_memory(&avail, &total) == K3_OK ? (int64_t)(avail / 10) : 0,
                         (int64_t)256 << 20);
+    const int64_t per_client = k3_args_int(a, "max-connections-per-client");
+    if (per_client < 1 || per_client > 512)
+        return K3_ERR(K3_ERR_ARG, "--max-connections-per-client: %lld must be in [1, 512]",
+                      (long long)per_client);
+    const double read_s = k3_args_float(a, "read-timeout");
+    if (!(read_s >= 1 && read_s <= 86400))
+        return K3_ERR(K3_ERR_ARG, "--read-timeout must be in [1, 86400] seconds");
     if (!(k3_args_float(a, "shutdown-grace") >= 0))
         return K3_ERR(K3_ERR_ARG, "--shutdown-grace must be >= 0");
     const char *m = k3_args_str(a, "model");
@@ -114,6 +128,9 @@ static k3_status prepare(const k3_args *a, k3_server_opts *so, k3_tokenizer **to
                            .max_messages = (int)msgs,
                            .max_queue = (int)queue,
                            .max_queue_bytes = (size_t)qbytes,
+                           .max_per_client = (int)per_client,
+                           .idle_timeout_s = read_s,
+                           .allowed_origins = k3_args_str(a, "allowed-origins"),
                            .grace_s = k3_args_float(a, "shutdown-grace")};
     K3_TRY(k3_tok_create_model_dir(tok, m, NULL));
     k3_config cfg;

@@ -43,13 +43,16 @@ typedef struct k3_server_opts {
                                    in the engine: ids, tokens, sampler state, logprobs); a request
                                    past it gets 429 (0 = 1 GiB) */
     int max_connections;        /* open connections (0 = 512) */
-    double idle_timeout_s;      /* a connection idle this long is closed (0 = 120) */
+    double idle_timeout_s;      /* a connection moving no bytes this long is closed (0 = 30) */
     double grace_s;             /* at shutdown: in-flight requests may finish this long (0 = 10) */
     const char *tokenizer_info; /* GET /tokenizer_info (vLLM's): the model's tokenizer_config.json
                                    text, or NULL (then eos / bos from the tokenizer) */
     const char *version;        /* GET /version: {"version": ...}; NULL = "unknown" */
 
     k3_grammar_cache *grammars; /* structured outputs (client/chat_job.h k3_job_grammar) */
+    /* issue 34: slow or browser clients */
+    int max_per_client;          /* open connections from one client address (0 = 32) */
+    const char *allowed_origins; /* CORS: comma-separated origins or "*"; NULL = no CORS */
 } k3_server_opts;
 
 /* Bind and start the HTTP threads. Requests are queued until k3_server_run steps the engine. */

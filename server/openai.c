@@ -226,6 +226,9 @@ static int parse_job(const k3_server_opts *o, sreq *q, const char *body, size_t 
         if (k3_job_logprobs_keys(j->doc, "request", &q->n_top) != K3_OK)
             return fail(why, n_why, 400, "%s", k3_last_error());
     } else {
+        const k3_chat_json *sfx = key(j->doc, "suffix"); /* insertion: no FIM in K3's format */
+        if (sfx && sfx->kind != K3_JSON_NULL && !(sfx->kind == K3_JSON_STRING && sfx->n == 0))
+            return fail(why, n_why, 400, "request key 'suffix' is not supported by this model");
         st = completion_prompt(o, k3_chat_json_get(j->doc, "prompt"), q->prompt_i, j, why, n_why);
         if (st != 200) return st;
         st = completion_logprobs(j->doc, &q->n_top, why, n_why);

@@ -28,6 +28,7 @@
 
 #define WAIT_SLICE_S   0.2 /* how often a waiting HTTP thread looks at its client's socket */
 #define STUCK_CLIENT_S 10  /* at shutdown, after the grace: how long responses may take to drain */
+#define FAULT_DRAIN_S  3   /* after an engine fault: how long the open requests' errors may take */
 
 struct k3_server {
     k3_server_opts o;
@@ -47,7 +48,8 @@ struct k3_server {
     int n_live, cap_live;
     size_t queued_bytes; /* sreq.n_bytes of the admitted requests */
     bool stopping;
-    int n_busy; /* connections with a model request whose response has not ended */
+    bool engine_down; /* the engine failed: open requests end with 503 */
+    int n_busy;       /* connections with a model request whose response has not ended */
     srv_metrics m;
 };
 
@@ -58,7 +60,8 @@ typedef struct conn {
     char method[8], path[64];
     char *body; /* (cap) */
     size_t n, cap;
-    int status; /* a refusal decided while the body arrives (401, 413), else 0 */
+    int status; /* a refusal decided while the body arrives (400, 401, 413), else 0 */
+    bool close; /* answer, then close the connection (ambiguous framing) */
     double t0;
     sreq *q;          /* a model request (chat / completion), or NULL */
     int64_t n_prompt; /* for the access log */
@@ -98,14 +101,67 @@ static void timed_wait(pthread_cond_t *cv, pthread_mutex_t *mu, double seconds) 
     pthread_cond_timedwait(cv, mu, &ts);
 }
 
-/* The client closed its side (EOF or an error on a non-blocking peek). */
+/* The client is gone: an error (a reset) on a non-blocking peek. An EOF is not enough: a client
+ * that half-closes (sends its request, then shuts its write side, as curl and proxies may) still
+ * reads the answer; a client that closed both sides is found by the first write that fails. */
 static bool client_gone(struct MHD_Connection *c) {
     const union MHD_ConnectionInfo *ci =
         MHD_get_connection_info(c, MHD_CONNECTION_INFO_CONNECTION_FD);
     if (!ci) return false;
     char b;
     ssize_t r = recv(ci->connect_fd, &b, 1, MSG_PEEK | MSG_DONTWAIT);
-    return r == 0 || (r < 0 && errno != EAGAIN && errno != EWOULDBLOCK && errno != EINTR);
+    return r < 0 && errno != EAGAIN && errno != EWOULDBLOCK && errno != EINTR;
+}
+
+/* CORS (--allowed-origins, off by default): the request's Origin when the list names it (or
+ * holds "*"), else NULL. The list is comma-separated exact origins. */
+static const char *cors_origin(const k3_server *s, struct MHD_Connection *c) {
+    const char *list = s->o.allowed_origins;
+    const char *org = MHD_lookup_connection_value(c, MHD_HEADER_KIND, "Origin");
+    if (!list || !*list || !org) return NULL;
+    const size_t n = strlen(org);
+    for (const char *p = list; *p;) {
+        const size_t k = strcspn(p, ",");
+        if ((k == 1 && *p == '*') || (k == n && strncmp(p, org, n) == 0)) return org;
+        p += k + (p[k] == ',');
+    }
+    return NULL;
+}
+
+static void add_cors(const k3_server *s, struct MHD_Connection *c, struct MHD_Response *r) {
+    const char *org = cors_origin(s, c);
+    if (!org) return;
+    MHD_add_response_header(r, "Access-Control-Allow-Origin", org);
+    MHD_add_response_header(r, "Vary", "Origin");
+}
+
+/* Request framing that a proxy in front could read differently (request smuggling): a body
+ * framed both by Content-Length and Transfer-Encoding, two Content-Length headers, or any
+ * Transfer-Encoding: libmicrohttpd 0.9.75 takes bare-LF chunk lines and cannot be made strict
+ * about them, so a body must come with one Content-Length (what OpenAI clients, curl and browsers
+ * send). */
+typedef struct framing {
+    int n_length, n_transfer;
+} framing;
+
+static enum MHD_Result count_framing(void *cls, enum MHD_ValueKind kind, const char *key,
+                                     const char *value) {
+    framing *f = cls;
+    (void)kind, (void)value;
+    f->n_length += strcasecmp(key, "Content-Length") == 0;
+    f->n_transfer += strcasecmp(key, "Transfer-Encoding") == 0;
+    return MHD_YES;
+}
+
+static const char *framing_error(struct MHD_Connection *c) {
+    framing f = {0};
+    MHD_get_connection_values(c, MHD_HEADER_KIND, count_framing, &f);
+    if (f.n_length > 1 || (f.n_length && f.n_transfer))
+        return "the request's body length is ambiguous (Content-Length twice, or with "
+               "Transfer-Encoding)";
+    if (f.n_transfer)
+        return "Transfer-Encoding (chunked) request bodies are not accepted: send Content-Length";
+    return NULL;
 }
 
 /* Equal without an early exit: the time does not depend on where the strings differ. */
@@ -141,6 +197,8 @@ static enum MHD_Result send_body(conn *k, int status, const char *type, const ch
     MHD_add_response_header(r, MHD_HTTP_HEADER_CONTENT_TYPE, type);
     if (status == 429) MHD_add_response_header(r, MHD_HTTP_HEADER_RETRY_AFTER, "1");
     if (status == 401) MHD_add_response_header(r, MHD_HTTP_HEADER_WWW_AUTHENTICATE, "Bearer");
+    if (k->close) MHD_add_response_header(r, MHD_HTTP_HEADER_CONNECTION, "close");
+    add_cors(k->s, k->c, r);
     enum MHD_Result ret = MHD_queue_response(k->c, (unsigned)status, r);
     MHD_destroy_response(r);
     k->status = status;
@@ -393,12 +451,20 @@ k3_status k3_server_run(k3_server *s, k3_engine *e, volatile sig_atomic_t *stop)
             s->live[s->n_live++] = q;
         }
         s->tail = NULL;
+        s->engine_down = true;
+        char why[512]; /* k3_last_error is this thread's: still the fault's after the wait */
+        snprintf(why, sizeof why, "the engine failed (the server is going down): %.400s",
+                 k3_last_error());
         for (int i = 0; i < s->n_live; i++) {
             s->live[i]->failed = true;
-            snprintf(s->live[i]->error, sizeof s->live[i]->error, "the engine failed");
+            snprintf(s->live[i]->error, sizeof s->live[i]->error, "%s", why);
             finish(s, s->live[i]);
         }
         s->n_live = 0;
+        /* the job ends when this returns: let the HTTP threads write those errors first (a 503,
+           an SSE error event and [DONE]), for a bounded time */
+        const double t0 = k3_now_s();
+        while (s->n_busy > 0 && k3_now_s() - t0 < FAULT_DRAIN_S) timed_wait(&s->work, &s->mu, 0.02);
         pthread_mutex_unlock(&s->mu);
     }
     return st;
@@ -454,8 +520,9 @@ static bool wait_done(conn *k) {
     return done;
 }
 
-/* The request's own fault (400) or the server's (500). */
-static int engine_error_status(const sreq *q) {
+/* The request's own fault (400), the server's (500), or the engine is gone (503). */
+static int engine_error_status(const k3_server *s, const sreq *q) {
+    if (s->engine_down) return 503;
     return q->error_kind == K3_EVERR_REQUEST || q->error_kind == K3_EVERR_CONTEXT ||
                    q->error_kind == K3_EVERR_SAMPLING
                ? 400
@@ -574,6 +641,7 @@ static enum MHD_Result model_request(conn *k, sreq_kind kind) {
         if (!r) return MHD_NO;
         MHD_add_response_header(r, MHD_HTTP_HEADER_CONTENT_TYPE, "text/event-stream");
         MHD_add_response_header(r, MHD_HTTP_HEADER_CACHE_CONTROL, "no-cache");
+        add_cors(s, k->c, r);
         enum MHD_Result ret = MHD_queue_response(k->c, MHD_HTTP_OK, r);
         MHD_destroy_response(r);
         k->status = 200;
@@ -582,7 +650,7 @@ static enum MHD_Result model_request(conn *k, sreq_kind kind) {
     }
     if (!wait_done(k)) return MHD_NO;      /* the client is gone: close; release() cancels */
     for (const sreq *c = q; c; c = c->sib) /* the first failed choice answers for the request */
-        if (c->failed) return send_error(k, engine_error_status(c), c->error);
+        if (c->failed) return send_error(k, engine_error_status(s, c), c->error);
     k3_chat_buf b = {0};
     enum MHD_Result ret;
     if (srv_response(&s->o, q, &b) == K3_OK) {
@@ -632,6 +700,24 @@ static enum MHD_Result post_route(conn *k) {
     return ret;
 }
 
+/* A CORS preflight from an allowed origin: no key needed (browsers send none with it). */
+static enum MHD_Result preflight(conn *k) {
+    struct MHD_Response *r = MHD_create_response_from_buffer(0, (void *)"", MHD_RESPMEM_PERSISTENT);
+    if (!r) return MHD_NO;
+    const char *h =
+        MHD_lookup_connection_value(k->c, MHD_HEADER_KIND, "Access-Control-Request-Headers");
+    MHD_add_response_header(r, "Access-Control-Allow-Methods", "GET, POST, OPTIONS");
+    MHD_add_response_header(r, "Access-Control-Allow-Headers",
+                            h ? h : "Authorization, Content-Type");
+    MHD_add_response_header(r, "Access-Control-Max-Age", "600");
+    add_cors(k->s, k->c, r);
+    enum MHD_Result ret = MHD_queue_response(k->c, 204, r);
+    MHD_destroy_response(r);
+    k->status = 204;
+    count_status(k->s, k->path, 204);
+    return ret;
+}
+
 static enum MHD_Result on_request(void *cls, struct MHD_Connection *c, const char *url,
                                   const char *method, const char *version, const char *upload,
                                   size_t *n_upload, void **req_cls) {
@@ -644,6 +730,12 @@ static enum MHD_Result on_request(void *cls, struct MHD_Connection *c, const cha
         snprintf(k->path, sizeof k->path, "%s", url);
         *req_cls = k;
         const char m = route_method(k->path);
+        const char *bad = framing_error(c);
+        if (bad) { /* answered now: the body is not read, the connection ends */
+            k->close = true;
+            return send_error(k, 400, bad);
+        }
+        if (m && strcmp(method, "OPTIONS") == 0 && cors_origin(s, c)) return preflight(k);
         const bool open = strcmp(k->path, "/health") == 0 || strcmp(k->path, "/metrics") == 0 ||
                           strcmp(k->path, "/version") == 0;
         if (m && !open && !authorized(s, c)) k->status = 401;
@@ -748,12 +840,15 @@ k3_status k3_server_create(const k3_server_opts *o, k3_server **out) {
         k3_server_destroy(s);
         return K3_ERR(K3_ERR_ARG, "--host %s: not a numeric IPv4 or IPv6 address", host);
     }
-    const unsigned timeout = (unsigned)(o->idle_timeout_s > 0 ? o->idle_timeout_s : 120);
+    const unsigned timeout = (unsigned)(o->idle_timeout_s > 0 ? o->idle_timeout_s : 30);
     const unsigned limit = (unsigned)(o->max_connections > 0 ? o->max_connections : 512);
+    const unsigned per_client = (unsigned)(o->max_per_client > 0 ? o->max_per_client : 32);
+    /* strict: bare-LF line ends (headers, chunk lines) and other sloppy framing get 400 */
     s->d = MHD_start_daemon(flags, (uint16_t)o->port, NULL, NULL, on_request, s,
                             MHD_OPTION_SOCK_ADDR, sa, MHD_OPTION_NOTIFY_COMPLETED, on_completed, s,
                             MHD_OPTION_CONNECTION_TIMEOUT, timeout, MHD_OPTION_CONNECTION_LIMIT,
-                            limit, MHD_OPTION_END);
+                            limit, MHD_OPTION_PER_IP_CONNECTION_LIMIT, per_client,
+                            MHD_OPTION_STRICT_FOR_CLIENT, 1, MHD_OPTION_END);
     if (!s->d) {
         k3_server_destroy(s);
         return K3_ERR(K3_ERR_IO, "cannot listen on %s:%d (in use, or not an address of this host)",

@@ -456,8 +456,46 @@ static void segment_cases(void) {
     k3_chat_request_destroy(r);
 }
 
+/* Duplicates past the size where the reader indexes an object's keys (a hash, so that 100k keys
+ * cost linear time): Python's first position, last value, at every size. 3000 keys, then every
+ * 7th again with a new value; the dump must be each key once, in first order, the last value. */
+static void many_keys_cases(void) {
+    enum { N = 3000 };
+    k3_chat_buf in = {0}, want = {0}, got = {0};
+    char t[48];
+    K3_CHECK_OK(k3_chat_buf_puts(&in, "{"));
+    K3_CHECK_OK(k3_chat_buf_puts(&want, "{"));
+    for (int i = 0; i < N; i++) {
+        snprintf(t, sizeof t, "%s\"k%d\":%d", i ? "," : "", i, i);
+        K3_CHECK_OK(k3_chat_buf_puts(&in, t));
+        snprintf(t, sizeof t, "%s\"k%d\":%d", i ? "," : "", i, i % 7 ? i : -i);
+        K3_CHECK_OK(k3_chat_buf_puts(&want, t));
+    }
+    for (int i = 0; i < N; i += 7) {
+        snprintf(t, sizeof t, ",\"k%d\":%d", i, -i);
+        K3_CHECK_OK(k3_chat_buf_puts(&in, t));
+    }
+    K3_CHECK_OK(k3_chat_buf_puts(&in, "}"));
+    K3_CHECK_OK(k3_chat_buf_puts(&want, "}"));
+    k3_chat_json *v = NULL;
+    K3_CHECK_OK(k3_chat_json_parse(in.p, in.n, "t", &v));
+    if (v) {
+        K3_CHECK(v->n_items == N, "%zu members, want %d", v->n_items, N);
+        K3_CHECK_OK(k3_chat_json_dump(v, K3_JSON_COMPACT, &got));
+        K3_CHECK(got.p && strcmp(got.p, want.p) == 0, "3000 keys with duplicates: first place, "
+                                                      "last value");
+        const k3_chat_json *k = k3_chat_json_get(v, "k2998");
+        K3_CHECK(k && k->kind == K3_JSON_INT && strcmp(k->s, "2998") == 0, "k2998 kept");
+    }
+    k3_chat_json_free(v);
+    k3_chat_buf_free(&in);
+    k3_chat_buf_free(&want);
+    k3_chat_buf_free(&got);
+}
+
 int main(void) {
     json_cases();
+    many_keys_cases();
     request_cases();
     request_key_cases();
     malformed_cases();

@@ -31,3 +31,8 @@ k3_serve_test(serve_live_tools live_tool_calls "unit" 120)
 # n and prompt lists with the openai SDK, lm-evaluation-harness' local-completions end to end
 k3_serve_pytest(serve_eval_1x1 eval_test.py "e1x1 or queue" "unit" 300)
 k3_serve_pytest(serve_eval_2x2 eval_test.py e2x2 "mpi" 300)
+# issue 34's reliability findings against the live server (hostile_test.py says what each checks):
+# raw-socket framing, half-close, a slowloris, 400s naming the key, CORS, a 1 MB body of 100k
+# keys; and on 2 ranks a rank that stops mid-decode: open requests get 503 / an SSE error first.
+k3_serve_pytest(serve_hostile_http hostile_test.py hostile_http "unit;sanitize" 180)
+k3_serve_pytest(serve_hostile_fault hostile_test.py hostile_fault "mpi" 180)

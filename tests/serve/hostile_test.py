@@ -1,0 +1,270 @@
+"""hostile_test.py — `k3 serve` against the clients of issue 34's reliability pass (owner: serve).
+
+Run by ctest through pytest (tests/serve/tests.cmake):  python3 -m pytest hostile_test.py -k GROUP
+Environment as serve_test.py (K3_BIN, K3_MPIEXEC). Raw sockets, so that the bytes on the wire are
+exactly the hostile ones (an HTTP client library would frame them properly).
+
+Groups (pytest -k):
+  hostile_http  : one 1x1 server (tiny model, an API key, --allowed-origins, --read-timeout 2):
+      * a 1 MB body of 100k distinct keys is answered in well under a second (it took a minute of
+        CPU when the parser compared every key with every earlier one);
+      * framing that a proxy could read differently gets 400 and the connection closes, nothing
+        after it runs: Content-Length with chunked, two Content-Length headers, bare-LF chunk lines;
+      * a client that half-closes (shuts its write side after the request) gets its answer,
+        streamed and not;
+      * 520 slow connections from one address (more than the 512 cap) are held to the
+        per-client limit and closed after the read timeout, while /health (from another loopback
+        address) answers throughout;
+      * 400s naming the key: tool-call arguments that are not JSON, a tool_choice string that is
+        none of OpenAI's, an image part, a completions suffix;
+      * CORS: a preflight OPTIONS from an allowed origin needs no key and gets the allow headers,
+        responses carry Access-Control-Allow-Origin for it, another origin gets none; a server
+        without --allowed-origins sends none.
+  hostile_fault : 2 ranks (--pp 2), rank 1 stops answering mid-decode (K3_TEST_FAIL=hang:1:N):
+      the open plain request gets a 503 with an error body and the open stream an error event and
+      [DONE] before the job ends, naming rank 1.
+"""
+import json
+import os
+import socket
+import subprocess
+import threading
+import time
+
+import pytest
+import requests
+
+from serve_test import KEY, MPI, Server, model_dir  # noqa: F401 (the fixture)
+
+MSG = [{"role": "user", "content": "Name three colours."}]
+ORIGIN = "http://ui.example:3000"
+
+
+@pytest.fixture(scope="module")
+def hsrv(model_dir):  # noqa: F811
+    s = Server(model_dir, extra=["--api-key", KEY, "--read-timeout", "2", "--allowed-origins",
+                                 "http://other.example," + ORIGIN, "--max-seqs", "4"])
+    yield s
+    assert s.stop() == 0, s.text()[-2000:]
+
+
+def raw(srv, data, half_close=False, timeout=20, src="127.0.0.1"):
+    """Send bytes on one connection; everything the server sends until it closes (or timeout)."""
+    s = socket.socket()
+    s.bind((src, 0))
+    s.settimeout(timeout)
+    s.connect(("127.0.0.1", srv.port))
+    s.sendall(data)
+    if half_close:
+        s.shutdown(socket.SHUT_WR)
+    out = b""
+    t0 = time.time()
+    try:
+        while time.time() - t0 < timeout:
+            b = s.recv(65536)
+            if not b:
+                break
+            out += b
+    except socket.timeout:
+        out += b"<TIMEOUT>"
+    except ConnectionResetError:
+        out += b"<RESET>"
+    s.close()
+    return out
+
+
+def post_bytes(path, body, extra=b"", key=True):
+    h = b"POST " + path + b" HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+    if key:
+        h += b"Authorization: Bearer " + KEY.encode() + b"\r\n"
+    return h + extra, body
+
+
+def responses(out):
+    return out.count(b"HTTP/1.1 ")
+
+
+# ---- 1. many keys --------------------------------------------------------------------------
+def test_hostile_http_many_keys(hsrv):
+    d = {"messages": MSG, "max_tokens": 1, "thinking": False}
+    for i in range(100000):
+        d["k%06d" % i] = 0
+    body = json.dumps(d, separators=(",", ":")).encode()
+    assert len(body) > 1_000_000
+    t0 = time.time()
+    r = requests.post(hsrv.url + "/v1/chat/completions", data=body, timeout=30,
+                      headers={"Authorization": "Bearer " + KEY, "Content-Type": "application/json"})
+    dt = time.time() - t0
+    assert r.status_code in (200, 400), r.text
+    assert dt < 1.0, "a 1 MB body of 100k keys took %.2f s" % dt
+
+
+# ---- 5. framing -----------------------------------------------------------------------------
+SMUGGLED = b"GET /v1/models HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer " + KEY.encode() + b"\r\n\r\n"
+
+
+def chunked(body, eol=b"\r\n"):
+    return b"%x" % len(body) + eol + body + eol + b"0" + eol + eol
+
+
+@pytest.mark.parametrize("case", ["cl_and_chunked", "two_cl", "bare_lf_chunks"])
+def test_hostile_http_framing(hsrv, case):
+    body = json.dumps({"messages": MSG, "max_tokens": 1}).encode()
+    if case == "cl_and_chunked":
+        # a proxy that frames by Content-Length forwards all of it; chunked framing would end the
+        # body early and run the rest as a second (hidden) request
+        inner = chunked(body) + SMUGGLED
+        head, _ = post_bytes(b"/v1/chat/completions", b"",
+                             b"Content-Length: %d\r\nTransfer-Encoding: chunked\r\n" % len(inner))
+        data = head + b"\r\n" + inner
+    elif case == "two_cl":
+        head, _ = post_bytes(b"/v1/chat/completions", b"",
+                             b"Content-Length: %d\r\nContent-Length: %d\r\n" % (len(body), len(body) + len(SMUGGLED)))
+        data = head + b"\r\n" + body + SMUGGLED
+    else:
+        head, _ = post_bytes(b"/v1/chat/completions", b"", b"Transfer-Encoding: chunked\r\n")
+        data = head + b"\r\n" + chunked(body, b"\n") + SMUGGLED
+    out = raw(hsrv, data)
+    assert out.startswith(b"HTTP/1.1 400"), out[:300]
+    assert responses(out) == 1 and b"<TIMEOUT>" not in out, "the connection stayed open: %r" % out[-300:]
+    assert b'"object"' not in out, "the smuggled request ran"
+
+
+# ---- 6. half-close --------------------------------------------------------------------------
+@pytest.mark.parametrize("stream", [False, True])
+def test_hostile_http_half_close(hsrv, stream):
+    body = json.dumps({"messages": MSG, "max_tokens": 8, "stream": stream}).encode()
+    head, _ = post_bytes(b"/v1/chat/completions", body,
+                         b"Content-Length: %d\r\nConnection: close\r\n" % len(body))
+    out = raw(hsrv, head + b"\r\n" + body, half_close=True)
+    assert out.startswith(b"HTTP/1.1 200"), out[:300]
+    assert (b"data: [DONE]" in out) if stream else (b'"chat.completion"' in out), out[-300:]
+
+
+# ---- 7. slow connections --------------------------------------------------------------------
+def test_hostile_http_slow_connections(hsrv):
+    held = []
+    try:
+        for _ in range(520):  # a slowloris: headers that never end
+            s = socket.socket()
+            s.settimeout(5)
+            try:
+                s.connect(("127.0.0.1", hsrv.port))
+                s.send(b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\n")
+            except OSError:
+                pass
+            held.append(s)
+        t0 = time.time()
+        ok = 0
+        while time.time() - t0 < 1.5:
+            out = raw(hsrv, b"GET /health HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n",
+                      timeout=3, src="127.0.0.2")
+            ok += out.startswith(b"HTTP/1.1 200")
+            assert out.startswith(b"HTTP/1.1 200"), "/health during the slowloris: %r" % out[:200]
+        assert ok >= 2
+        # the read timeout (2 s) closes the held ones: each reads EOF or a reset by now + margin
+        time.sleep(4)
+        closed = 0
+        for s in held:  # closed: EOF (or an answer) or a reset; still open: the recv times out
+            try:
+                s.settimeout(0.05)
+                s.recv(1)
+                closed += 1
+            except socket.timeout:
+                pass
+            except OSError:
+                closed += 1
+        assert closed == len(held), "%d of %d slow connections still open" % (len(held) - closed, len(held))
+    finally:
+        for s in held:
+            s.close()
+    r = requests.get(hsrv.url + "/health", timeout=5)
+    assert r.status_code == 200
+
+
+# ---- 11. silent accepts ---------------------------------------------------------------------
+BAD = [
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "go"}, {
+        "role": "assistant", "content": "", "tool_calls": [{"id": "1", "type": "function", "function": {
+            "name": "f", "arguments": "{not json"}}]}, {"role": "tool", "tool_call_id": "1", "content": "x"}]},
+     "messages[1].tool_calls[0].function.arguments"),
+    ("/v1/chat/completions", {"messages": MSG, "tool_choice": "sometimes"}, "tool_choice"),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": [
+        {"type": "text", "text": "what is this"},
+        {"type": "image_url", "image_url": {"url": "data:image/png;base64,AAAA"}}]}]},
+     "messages[0].content[1]"),
+    ("/v1/completions", {"prompt": "def f(", "suffix": "    return x\n"}, "suffix"),
+]
+
+
+@pytest.mark.parametrize("path,body,key", BAD, ids=["args", "tool_choice", "image", "suffix"])
+def test_hostile_http_refused_keys(hsrv, path, body, key):
+    r = requests.post(hsrv.url + path, json=dict(body, max_tokens=2), timeout=30,
+                      headers={"Authorization": "Bearer " + KEY})
+    assert r.status_code == 400, r.text
+    err = r.json()["error"]
+    assert key in err["message"] and err["type"] == "invalid_request_error", err
+
+
+# ---- CORS -----------------------------------------------------------------------------------
+def test_hostile_http_cors(hsrv, model_dir):  # noqa: F811
+    pre = requests.options(hsrv.url + "/v1/chat/completions", timeout=10, headers={
+        "Origin": ORIGIN, "Access-Control-Request-Method": "POST",
+        "Access-Control-Request-Headers": "authorization, content-type"})
+    assert pre.status_code == 204, pre.text
+    assert pre.headers.get("Access-Control-Allow-Origin") == ORIGIN
+    assert "POST" in pre.headers.get("Access-Control-Allow-Methods", "")
+    assert "authorization" in pre.headers.get("Access-Control-Allow-Headers", "").lower()
+    r = requests.post(hsrv.url + "/v1/chat/completions", timeout=30, json={"messages": MSG, "max_tokens": 2},
+                      headers={"Authorization": "Bearer " + KEY, "Origin": ORIGIN})
+    assert r.status_code == 200 and r.headers.get("Access-Control-Allow-Origin") == ORIGIN
+    r = requests.post(hsrv.url + "/v1/chat/completions", timeout=30, json={"messages": MSG, "max_tokens": 2},
+                      headers={"Authorization": "Bearer " + KEY, "Origin": "http://evil.example"})
+    assert r.status_code == 200 and "Access-Control-Allow-Origin" not in r.headers
+    r = requests.get(hsrv.url + "/health", headers={"Origin": ORIGIN}, timeout=10)
+    assert r.headers.get("Access-Control-Allow-Origin") == ORIGIN
+    bare = Server(model_dir)  # no --allowed-origins: no CORS at all
+    try:
+        pre = requests.options(bare.url + "/v1/chat/completions", timeout=10, headers={
+            "Origin": ORIGIN, "Access-Control-Request-Method": "POST"})
+        assert pre.status_code == 405 and "Access-Control-Allow-Origin" not in pre.headers
+        r = requests.get(bare.url + "/health", headers={"Origin": ORIGIN}, timeout=10)
+        assert r.status_code == 200 and "Access-Control-Allow-Origin" not in r.headers
+    finally:
+        assert bare.stop() == 0
+
+
+# ---- 9. a rank fails under serve --------------------------------------------------------------
+def test_hostile_fault_open_requests_get_errors(model_dir):  # noqa: F811
+    srv = Server(model_dir, pp=2, extra=["--comm-timeout", "4", "--max-seqs", "4"],
+                 env={"K3_TEST_FAIL": "hang:1:6"})
+    got = {}
+
+    def plain():
+        try:
+            r = requests.post(srv.url + "/v1/chat/completions", timeout=60,
+                              json={"messages": MSG, "max_tokens": 200, "ignore_eos": True})
+            got["plain"] = (r.status_code, r.text)
+        except requests.RequestException as e:
+            got["plain"] = (None, repr(e))
+
+    def stream():
+        body = json.dumps({"messages": MSG, "max_tokens": 200, "ignore_eos": True, "stream": True}).encode()
+        head, _ = post_bytes(b"/v1/chat/completions", body, b"Content-Length: %d\r\n" % len(body), key=False)
+        got["stream"] = raw(srv, head + b"\r\n" + body, timeout=60)
+
+    ts = [threading.Thread(target=plain), threading.Thread(target=stream)]
+    for t in ts:
+        t.start()
+    for t in ts:
+        t.join(90)
+    rc = srv.stop(timeout=60)
+    log = srv.text()
+    assert rc not in (0, "hung"), "the job should fail: %s" % rc
+    assert "rank 1" in log, log[-2000:]
+    st, text = got["plain"]
+    assert st == 503, "plain request: %s %s\n%s" % (st, text[:300], log[-1500:])
+    assert json.loads(text)["error"]["message"].startswith("the engine failed")
+    out = got["stream"]
+    assert out.startswith(b"HTTP/1.1 200"), out[:300]
+    assert 0 < out.find(b'data: {"error"') < out.find(b"data: [DONE]"), out[-400:]
