@@ -5,6 +5,7 @@
 #include "k3_base.h"
 
 #include <errno.h>
+#include <fcntl.h>
 #include <math.h>
 #include <stdio.h>
 #include <stdlib.h>
@@ -212,18 +213,41 @@ void k3_free(void *p) {
     free(p);
 }
 
+k3_status k3_open_regular(const char *path, int flags, k3_status missing, int *fd,
+                          uint64_t *n_bytes) {
+    *fd = open(path, O_RDONLY | O_CLOEXEC | O_NONBLOCK | flags);
+    if (*fd < 0)
+        return K3_ERR(errno == ENOENT ? missing : K3_ERR_IO, "%s: cannot open: %s", path,
+                      strerror(errno));
+    /* A directory opens fine and "seeks" to LONG_MAX, a FIFO blocks its reads: regular only. */
+    struct stat sb;
+    const int fl = fcntl(*fd, F_GETFL);
+    if (fstat(*fd, &sb) != 0 || !S_ISREG(sb.st_mode) || fl < 0 ||
+        fcntl(*fd, F_SETFL, fl & ~O_NONBLOCK) != 0) {
+        const bool reg = S_ISREG(sb.st_mode), dir = S_ISDIR(sb.st_mode);
+        close(*fd);
+        *fd = -1;
+        if (reg) return K3_ERR(K3_ERR_IO, "%s: stat failed: %s", path, strerror(errno));
+        return K3_ERR(K3_ERR_IO, "%s: not a regular file%s", path,
+                      dir                    ? " (it is a directory)"
+                      : S_ISFIFO(sb.st_mode) ? " (it is a FIFO)"
+                                             : "");
+    }
+    if (n_bytes) *n_bytes = (uint64_t)sb.st_size;
+    return K3_OK;
+}
+
 k3_status k3_read_file(const char *path, char **out, size_t *n_bytes) {
     *out = NULL;
-    FILE *f = fopen(path, "rb");
-    if (!f) return K3_ERR(K3_ERR_IO, "%s: cannot open: %s", path, strerror(errno));
-    /* A directory opens fine and "seeks" to LONG_MAX: check for a regular file first. */
-    struct stat sb;
-    if (fstat(fileno(f), &sb) != 0) goto io;
-    if (!S_ISREG(sb.st_mode)) {
-        fclose(f);
-        return K3_ERR(K3_ERR_IO, "%s: not a regular file%s", path,
-                      S_ISDIR(sb.st_mode) ? " (it is a directory)" : "");
+    int fd;
+    uint64_t size;
+    K3_TRY(k3_open_regular(path, 0, K3_ERR_IO, &fd, &size));
+    FILE *f = fdopen(fd, "rb");
+    if (!f) {
+        close(fd);
+        return K3_ERR(K3_ERR_IO, "%s: cannot open: %s", path, strerror(errno));
     }
+    struct stat sb = {.st_size = (off_t)size};
     if (sb.st_size > K3_READ_FILE_MAX) {
         fclose(f);
         return K3_ERR(K3_ERR_IO, "%s: %lld bytes is over the %lld-byte limit for this file", path,

@@ -113,6 +113,13 @@ void k3_free(void *p);
  * Directories, devices and files over K3_READ_FILE_MAX are errors naming the path. */
 #define K3_READ_FILE_MAX ((int64_t)1 << 32)
 k3_status k3_read_file(const char *path, char **out, size_t *n_bytes);
+/* open(path, O_RDONLY | O_CLOEXEC | flags) of a regular file only, never blocking in open: a FIFO
+ * (or a device) would hang open() until a writer came, past every timeout, so it is opened
+ * non-blocking, checked with fstat and refused. *fd, and its size in *n_bytes (may be NULL).
+ * A path that does not exist is `missing` (K3_ERR_MISSING or K3_ERR_IO, as the caller reports it);
+ * any other failure K3_ERR_IO. */
+k3_status k3_open_regular(const char *path, int flags, k3_status missing, int *fd,
+                          uint64_t *n_bytes);
 
 #define K3_MIN(a, b)    ((a) < (b) ? (a) : (b))
 #define K3_MAX(a, b)    ((a) > (b) ? (a) : (b))

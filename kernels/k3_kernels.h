@@ -196,7 +196,9 @@ k3_status k3_seqs_build(int n_seqs, const int32_t *n_tokens, const int32_t *pos,
        [T, E]; bias [E] (NULL = none) added for selection only; grouped top-k (n_group groups,            \
        topk_group kept; group score = sum of its two best biased scores; ties to the lower                \
        index); ids [T, K] int32, w [T, K] = σ(z)[id], renormalised (sum in slot order + 1e-20)           \
-       when renorm, × scale. work: [T, E] floats. K3_ERR_INTERNAL names a non-finite score. */           \
+       when renorm, × scale. work: [T, E] floats. A token with a non-finite (biased) score gets          \
+       ids 0..K-1 and NaN weights: its MoE output is NaN, so its sequence alone fails the step's          \
+       check. */                                                                                          \
     X(moe_topk,                                                                                           \
       (k3_backend * be, const float *scores, const float *bias, int64_t T, int E, int K,                  \
        int n_group, int topk_group, bool renorm, float scale, float *work, int32_t *ids,                  \

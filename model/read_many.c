@@ -235,10 +235,9 @@ static bool open_direct(rm *R) {
     for (int64_t i = 0; i < R->n_pc; i++) {
         const int s = R->reqs[R->pc[i].req].t->shard;
         if (R->dfd[s] >= 0) continue;
-        R->dfd[s] = open(k3_ckpt_shard_path(R->ck, s), O_RDONLY | O_CLOEXEC | O_DIRECT);
-        if (R->dfd[s] < 0) {
-            K3_LOGW("load: %s cannot be opened with O_DIRECT (%s); reading buffered",
-                    k3_ckpt_shard_path(R->ck, s), strerror(errno));
+        if (k3_open_regular(k3_ckpt_shard_path(R->ck, s), O_DIRECT, K3_ERR_IO, &R->dfd[s], NULL) !=
+            K3_OK) {
+            K3_LOGW("load: %s; reading buffered, without O_DIRECT", k3_last_error());
             return false;
         }
     }

@@ -373,15 +373,14 @@ done:
 }
 
 static k3_status open_shard(k3_ckpt *ck, int s, const char *why) {
-    int fd = open(ck->shard_path[s], O_RDONLY | O_CLOEXEC);
-    if (fd < 0)
-        return K3_ERR(errno == ENOENT ? K3_ERR_MISSING : K3_ERR_IO, "%s: cannot open shard%s: %s",
-                      ck->shard_path[s], why, strerror(errno));
-    ck->fd[s] = fd;
-    struct stat stt;
-    if (fstat(fd, &stt) != 0)
-        return K3_ERR(K3_ERR_IO, "%s: stat failed: %s", ck->shard_path[s], strerror(errno));
-    ck->shard_size[s] = (uint64_t)stt.st_size;
+    const k3_status st =
+        k3_open_regular(ck->shard_path[s], 0, K3_ERR_MISSING, &ck->fd[s], &ck->shard_size[s]);
+    if (st != K3_OK) { /* "PATH: cannot open shard listed in ...: <why, without the path>" */
+        const char *path = ck->shard_path[s], *e = k3_last_error();
+        char msg[1024];
+        snprintf(msg, sizeof msg, "%s", strncmp(e, path, strlen(path)) ? e : e + strlen(path) + 2);
+        return K3_ERR(st, "%s: cannot open shard%s: %s", path, why, msg);
+    }
     return parse_header(ck, s);
 }
 

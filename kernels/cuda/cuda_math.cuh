@@ -458,7 +458,10 @@ K3C_FN int k3c_topk_token(const float *s, const float *bias, int E, int K, int G
     const int gsz = E / G;
     for (int e = 0; e < E; e++) b[e] = bias ? s[e] + bias[e] : s[e];
     for (int e = 0; e < E; e++)
-        if (!isfinite(s[e]) || !isfinite(b[e])) return e;
+        if (!isfinite(s[e]) || !isfinite(b[e])) { /* as ref: NaN weights, the token fails alone */
+            for (int k = 0; k < K; k++) ids[k] = k, w[k] = NAN;
+            return -1;
+        }
     for (int g = 0; g < G; g++) {
         const float *bg = b + (int64_t)g * gsz;
         int i1 = 0;

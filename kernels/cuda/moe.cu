@@ -3,9 +3,9 @@
 // segment-weighted row sums (rows_wsum: the MoE slot sum and the combine's pre-sum).
 //   moe_topk: one block per token; lane 0 runs the ref's sequential selection verbatim
 //     (cuda_math.cuh k3c_topk_token: the same comparisons, so the same tie-breaking to the lower
-//     index, and the same non-finite check), with the group scratch in shared memory. A bad
-//     token reports through atomicMin on one error word: the minimum is order-independent, so
-//     the reported (token, expert) is the first one in index order, as ref reports.
+//     index, and the same non-finite rule: NaN weights), with the group scratch in shared
+//     memory. A token that runs out of experts reports through atomicMin on one error word: the
+//     minimum is order-independent, so the reported token is the first one, as ref reports.
 //   rows_wsum: one block per segment, threads over the width, each element summed over the
 //     segment's rows in order (the ref's order; no atomics).
 //   moe_experts: the routed experts of slot rows whose ids stay on the device, through a table of

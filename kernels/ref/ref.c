@@ -513,12 +513,14 @@ k3_status k3_ref_moe_topk_rows(const float *scores, const float *bias, int64_t t
         const float *s = scores + t * E;
         float *b = work + t * E;
         for (int e = 0; e < E; e++) b[e] = bias ? s[e] + bias[e] : s[e];
-        for (int e = 0; e < E; e++) {
-            if (!isfinite(s[e]) || !isfinite(b[e]))
-                return K3_ERR(
-                    K3_ERR_INTERNAL,
-                    "MoE router: non-finite score at token %lld, expert %d (%g, biased %g)",
-                    (long long)t, e, (double)s[e], (double)b[e]);
+        /* A non-finite score (bad weights, a NaN bias, a NaN input row) is the token's fault, not
+           the step's: experts 0..K-1 with NaN weights make its MoE output NaN, and the step's
+           non-finite check fails that sequence alone (k3_nf_op MoE). */
+        bool bad = false;
+        for (int e = 0; e < E && !bad; e++) bad = !isfinite(s[e]) || !isfinite(b[e]);
+        if (bad) {
+            for (int k = 0; k < K; k++) ids_all[t * K + k] = k, w_all[t * K + k] = NAN;
+            continue;
         }
         /* group scores: sum of the two best biased scores of each group (one if gsz == 1) */
         for (int g = 0; g < G; g++) {

@@ -529,13 +529,25 @@ static void test_moe_topk(void) {
         dfree_all("moe_topk");
         free(work), free(w);
     }
-    /* non-finite: token 4's expert 9 is NaN, token 7's expert 2 inf: token 4 is named */
+    /* non-finite: token 4's expert 9 is NaN, token 7's expert 2 inf: as ref, those two tokens
+       get experts 0..K-1 with NaN weights (each fails alone), the others their selection */
     s[4 * E + 9] = NAN;
     s[7 * E + 2] = INFINITY;
     float *ds = dcopy(s, T * E), *dwork = dpoison(T * E), *dw = dpoison(T * K);
-    int32_t *dids = dput(NULL, (size_t)T * K * 4);
-    K3_CHECK_ERR(g_cu->ops->moe_topk(g_cu, ds, NULL, T, E, K, G, TG, true, 1.0f, dwork, dids, dw),
-                 K3_ERR_INTERNAL, "token 4, expert 9");
+    int32_t *dids = dput(NULL, (size_t)T * K * 4), ids[33 * 6], got_ids[33 * 6];
+    float *work = hnan(T * E), *w = hnan(T * K);
+    K3_CHECK_OK(g_ref->ops->moe_topk(g_ref, s, NULL, T, E, K, G, TG, true, 1.0f, work, ids, w));
+    K3_CHECK_OK(g_cu->ops->moe_topk(g_cu, ds, NULL, T, E, K, G, TG, true, 1.0f, dwork, dids, dw));
+    dget(got_ids, dids, sizeof got_ids);
+    float *got_w = hget(dw, T * K);
+    int wrong = 0;
+    for (int64_t i = 0; i < T * K; i++) {
+        const bool bad_tok = i / K == 4 || i / K == 7;
+        wrong += got_ids[i] != ids[i] ||
+                 (bad_tok && (got_ids[i] != i % K || got_w[i] == got_w[i] || w[i] == w[i]));
+    }
+    K3_CHECK(wrong == 0, "moe_topk non-finite: %d slots differ from ref's NaN-weight rule", wrong);
+    free(work), free(w), free(got_w);
     K3_CHECK_ERR(g_cu->ops->moe_topk(g_cu, ds, NULL, T, E, 65, G, TG, true, 1.0f, dwork, dids, dw),
                  K3_ERR_ARG, "moe_topk");
     dfree_all("moe_topk errors");

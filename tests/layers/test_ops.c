@@ -1901,30 +1901,38 @@ static void test_moe_topk(void) {
         K3_CHECK(same_f(w1, ws[B_CPU4], T * K) &&
                      memcmp(id1, ids[B_CPU4], (size_t)(T * K) * sizeof(int32_t)) == 0,
                  "moe_topk depends on T");
-        /* a non-finite score is an error naming token and expert — the FIRST bad token, also when
-           the pool runs the tokens (a second bad token later must not be the one reported) */
+        /* a non-finite score fails only its token (issue 34): ids 0..K-1 and NaN weights there,
+           every other token as before (also when the pool runs the tokens) */
         s[300 * E + 7] = NAN;
         s[500 * E + 2] = INFINITY;
-        for (int b = 0; b < B_COUNT; b++)
-            K3_CHECK_ERR(run_moe_topk(BE(b), s, bp, T, E, K, G, TG, cf[c].renorm, cf[c].scale, work,
-                                      ids[b], ws[b]),
-                         K3_ERR_INTERNAL, "token 300, expert 7");
-        s[300 * E + 7] = 0.5f;
-        for (int b = 0; b < B_COUNT; b++)
-            K3_CHECK_ERR(run_moe_topk(BE(b), s, bp, T, E, K, G, TG, cf[c].renorm, cf[c].scale, work,
-                                      ids[b], ws[b]),
-                         K3_ERR_INTERNAL, "token 500, expert 2");
+        for (int b = 0; b < B_COUNT; b++) { /* against this backend's run without them */
+            memcpy(id1, ids[b], (size_t)(T * K) * sizeof(int32_t));
+            memcpy(w1, ws[b], (size_t)(T * K) * sizeof(float));
+            K3_CHECK_OK(run_moe_topk(BE(b), s, bp, T, E, K, G, TG, cf[c].renorm, cf[c].scale, work,
+                                     ids[b], ws[b]));
+            int64_t wrong = 0;
+            for (int64_t t = 0; t < T; t++)
+                for (int k = 0; k < K; k++) {
+                    const int64_t i = t * K + k;
+                    wrong += t == 300 || t == 500 ? ids[b][i] != k || !isnan(ws[b][i])
+                                                  : ids[b][i] != id1[i] || ws[b][i] != w1[i];
+                }
+            K3_CHECK(wrong == 0, "moe_topk backend %d: %lld slots wrong around 2 bad tokens", b,
+                     (long long)wrong);
+        }
         for (int b = 0; b < B_COUNT; b++) free(ids[b]);
         ys_free(ws);
         free(s), free(bias), free(work), free(w1), free(idd), free(id1), free(wd);
     }
-    /* a non-finite bias makes the biased score non-finite; bad shapes are argument errors */
+    /* a non-finite bias makes the biased score non-finite (NaN weights); bad shapes are argument
+       errors */
     float s4[8] = {0.5f, 0.25f, 0.75f, 0.125f, 0.5f, 0.5f, 0.5f, 0.5f},
           b4[4] = {0, 0, -INFINITY, 0}, work[8], w[8]; /* K <= 5 in the error cases */
     int32_t id[8];
     for (int b = 0; b < B_COUNT; b++) {
-        K3_CHECK_ERR(run_moe_topk(BE(b), s4, b4, 2, 4, 1, 1, 1, true, 1.0f, work, id, w),
-                     K3_ERR_INTERNAL, "token 0, expert 2");
+        K3_CHECK_OK(run_moe_topk(BE(b), s4, b4, 2, 4, 1, 1, 1, true, 1.0f, work, id, w));
+        K3_CHECK(id[0] == 0 && id[1] == 0 && isnan(w[0]) && isnan(w[1]),
+                 "moe_topk backend %d: a -inf bias: NaN weights", b);
         K3_CHECK_ERR(run_moe_topk(BE(b), s4, NULL, 1, 4, 5, 1, 1, true, 1.0f, work, id, w),
                      K3_ERR_ARG, "moe_topk");
         K3_CHECK_ERR(run_moe_topk(BE(b), s4, NULL, 1, 4, 1, 3, 1, true, 1.0f, work, id, w),

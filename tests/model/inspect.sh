@@ -82,6 +82,13 @@ cp -r "$T/m" "$T/trunc"; truncate -s 100000 "$T/trunc/model-00003-of-00003.safet
 check truncated 1 "model-00003-of-00003.safetensors: tensor language_model." -- "$K3_BIN" inspect "$T/trunc"
 cp -r "$T/m" "$T/noshard"; rm "$T/noshard/model-00001-of-00003.safetensors"
 check missing-shard 1 "model-00001-of-00003.safetensors: cannot open shard" -- "$K3_BIN" inspect "$T/noshard"
+# a FIFO as a shard (or as config.json): refused at open, never a hang in open() (issue 34 finding
+# 4: inspect and run sat blocked there past every timeout); `timeout` turns a hang into rc 124
+cp -r "$T/m" "$T/fifo"; rm "$T/fifo/model-00002-of-00003.safetensors"; mkfifo "$T/fifo/model-00002-of-00003.safetensors"
+check fifo-shard-inspect 1 "model-00002-of-00003.safetensors: cannot open shard listed in model.safetensors.index.json: not a regular file (it is a FIFO)" -- timeout 20 "$K3_BIN" inspect "$T/fifo"
+check fifo-shard-run 1 "not a regular file (it is a FIFO)" -- timeout 20 "$K3_BIN" run --model "$T/fifo" --prompt-ids 1,2 --n 1 --load-timeout 5
+cp -r "$T/m" "$T/fifocfg"; rm "$T/fifocfg/config.json"; mkfifo "$T/fifocfg/config.json"
+check fifo-config 1 "config.json: cannot read the model config: not a regular file (it is a FIFO)" -- timeout 20 "$K3_BIN" inspect "$T/fifocfg"
 cp -r "$T/m" "$T/hdr"; printf '\xff\xff\xff\x00\x00\x00\x00\x00' | dd of="$T/hdr/model-00002-of-00003.safetensors" conv=notrunc 2>/dev/null
 check header-len 1 "header length 16777215 runs past the end" -- "$K3_BIN" inspect "$T/hdr"
 cp -r "$T/m" "$T/json"; printf '[' | dd of="$T/json/model-00002-of-00003.safetensors" bs=1 seek=8 conv=notrunc 2>/dev/null

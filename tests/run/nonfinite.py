@@ -7,6 +7,8 @@ whose output first held the NaN, and the rank (stage, lane) that computed it:
   layers.1.self_attn.o_proj.weight (KDA)                 -> "layer 1, KDA attention output"
   layers.5.block_sparse_moe.shared_experts.down_proj     -> "layer 5, MoE FFN output"
   lm_head.weight (the last stage's logits; no layer)     -> "logits (final norm + lm_head)"
+  layers.5.block_sparse_moe.gate.e_score_correction_bias (an F32 NaN: every router score is
+    non-finite; it used to end the whole job as an internal error) -> "layer 5, MoE FFN output"
 on 1 rank, and under mpirun with 2 stages x 2 lanes (layer 5 is on stage 1 there). The good
 checkpoint runs clean (no such line).
 usage: nonfinite.py MPIEXEC   (K3_BIN = the k3 binary)"""
@@ -22,6 +24,7 @@ import tempfile
 K3 = os.environ["K3_BIN"]
 MPI = sys.argv[1] if len(sys.argv) > 1 else "mpiexec"
 BF16_NAN = b"\xc0\x7f"
+F32_NAN = b"\x00\x00\xc0\x7f"
 fails = []
 
 
@@ -60,17 +63,18 @@ P = "language_model.model."
 CASES = [(P + "layers.3.self_attn.o_proj.weight", 3, "MLA attention output"),
          (P + "layers.1.self_attn.o_proj.weight", 1, "KDA attention output"),
          (P + "layers.5.block_sparse_moe.shared_experts.down_proj.weight", 5, "MoE FFN output"),
-         ("language_model.lm_head.weight", None, "logits (final norm + lm_head)")]
+         ("language_model.lm_head.weight", None, "logits (final norm + lm_head)"),
+         (P + "layers.5.block_sparse_moe.gate.e_score_correction_bias", 5, "MoE FFN output", F32_NAN)]
 
 with tempfile.TemporaryDirectory() as tmp:
     good = os.path.join(tmp, "good")
     subprocess.run([K3, "make-tiny", good], check=True, capture_output=True)
     p = run(good)
     check(p.returncode == 0 and "non-finite" not in p.stderr, "good checkpoint: runs, no non-finite line")
-    for i, (tensor, layer, op) in enumerate(CASES):
+    for i, (tensor, layer, op, *nan) in enumerate(CASES):
         bad = os.path.join(tmp, f"bad{i}")
         shutil.copytree(good, bad)
-        poke(bad, tensor, BF16_NAN)
+        poke(bad, tensor, nan[0] if nan else BF16_NAN)
         for world, extra in ((1, []), (4, ["--pp", "2", "--ep", "2"])):
             tag = f"NaN in {tensor}, {'1 rank' if world == 1 else '2x2'}"
             p = run(bad, world, extra)

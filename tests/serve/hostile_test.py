@@ -17,6 +17,8 @@ Groups (pytest -k):
         address) answers throughout;
       * 400s naming the key: tool-call arguments that are not JSON, a tool_choice string that is
         none of OpenAI's, an image part, a completions suffix;
+      * a NaN router bias (every router score non-finite) fails each request alone (a 500 naming
+        the layer) and the server keeps serving: it used to end the job at the first request;
       * CORS: a preflight OPTIONS from an allowed origin needs no key and gets the allow headers,
         responses carry Access-Control-Allow-Origin for it, another origin gets none; a server
         without --allowed-origins sends none.
@@ -26,8 +28,9 @@ Groups (pytest -k):
 """
 import json
 import os
+import shutil
 import socket
-import subprocess
+import struct
 import threading
 import time
 
@@ -204,6 +207,30 @@ def test_hostile_http_refused_keys(hsrv, path, body, key):
     assert r.status_code == 400, r.text
     err = r.json()["error"]
     assert key in err["message"] and err["type"] == "invalid_request_error", err
+
+
+# ---- 2. a NaN from the weights ------------------------------------------------------------------
+def test_hostile_http_router_nan(model_dir, tmp_path):  # noqa: F811
+    bad = str(tmp_path / "nan")
+    shutil.copytree(model_dir, bad)
+    name = "language_model.model.layers.5.block_sparse_moe.gate.e_score_correction_bias"
+    for f in sorted(os.listdir(bad)):
+        if f.endswith(".safetensors"):
+            with open(os.path.join(bad, f), "r+b") as fh:
+                n = struct.unpack("<Q", fh.read(8))[0]
+                hdr = json.loads(fh.read(n))
+                if name in hdr:
+                    fh.seek(8 + n + hdr[name]["data_offsets"][0] + 4 * 3)
+                    fh.write(struct.pack("<f", float("nan")))
+    srv = Server(bad)
+    try:
+        for _ in range(2):
+            r = requests.post(srv.url + "/v1/chat/completions", timeout=60,
+                              json={"messages": MSG, "max_tokens": 4})
+            assert r.status_code == 500 and "layer 5" in r.json()["error"]["message"], r.text
+            assert requests.get(srv.url + "/health", timeout=10).status_code == 200
+    finally:
+        assert srv.stop() == 0, srv.text()[-2000:]
 
 
 # ---- CORS -----------------------------------------------------------------------------------
