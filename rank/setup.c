@@ -603,6 +603,30 @@ static k3_status check_device_memory(rank_ctx *r) {
                   (need - free_b) / 1e9);
 }
 
+/* The checks of `k3 inspect` (k3_ckpt_verify: every tensor the config implies, with its dtype
+ * and shape, and nothing else) before anything is read: a checkpoint inspect refuses is not
+ * loaded. The extra tensors matter: attn_res_block_size 0 or tie_word_embeddings true beside
+ * AttnRes tensors or an lm_head in the files means the config and the weights disagree, which
+ * gave other tokens without a word. */
+typedef struct first_problem {
+    char msg[512];
+} first_problem;
+
+static void note_problem(void *ctx, const char *msg) {
+    first_problem *p = ctx;
+    if (!p->msg[0]) snprintf(p->msg, sizeof p->msg, "%s", msg);
+}
+
+static k3_status check_as_inspect(const rank_ctx *r) {
+    first_problem p = {{0}};
+    const int64_t n = k3_ckpt_verify(r->ck, &r->cfg, note_problem, &p);
+    if (n == 0) return K3_OK;
+    return K3_ERR(K3_ERR_FORMAT,
+                  "%s: the checkpoint does not match its config.json (%lld problem%s; `k3 inspect` "
+                  "lists them): %s",
+                  r->o->model_dir, (long long)n, n == 1 ? "" : "s", p.msg);
+}
+
 /* The worker's part: open the checkpoint, create the backend, read the stage's weights (and
  * --verify them), check the plan was honoured. */
 static k3_status load_weights(rank_load_t *L) {
@@ -610,6 +634,7 @@ static k3_status load_weights(rank_load_t *L) {
     RTRY(r, rank_hooks_load_begin(r)); /* load:R */
     RTRY(r, hb_tick(L, K3_LOAD_RUNNING));
     RTRY(r, k3_ckpt_open(r->o->model_dir, &r->ck));
+    RTRY(r, check_as_inspect(r));
     int S = r->plan.n_stages;
     k3_backend_params bp = {.n_threads =
                                 r->o->n_threads > 0 ? r->o->n_threads : (r->world > 1 ? 1 : 0)};

@@ -10,6 +10,9 @@ which only reading the values can show) and requires, of each one: exit status 1
 not a crash), and an output that names the file and the tensor or key, as listed with the variant
 (the needles are written here from the corruption, never taken from k3's output). Prints a table
 and exits 1 if any variant was accepted or not named.
+Issue 34: `k3 run` makes inspect's checks at open, so every variant inspect refuses without
+--verify must also be refused by `k3 run` on it (any non-zero exit, within 60 s; the "run"
+column), and `k3 run` on the good checkpoint must succeed.
 
     python3 tests/model/corrupt_corpus.py --k3 build/k3            # make, run, table
     python3 tests/model/corrupt_corpus.py --k3 build/k3 --keep DIR # keep the corpus in DIR
@@ -31,6 +34,15 @@ P = "language_model.model."
 S1, S2, S3 = ("model-%05d-of-00003.safetensors" % i for i in (1, 2, 3))
 IDX = "model.safetensors.index.json"
 CFG = "config.json"
+
+
+def run_rc(k3, d):
+    """`k3 run` on a checkpoint: its exit status, or "hang" after 60 s."""
+    try:
+        return subprocess.run([k3, "run", "--model", d, "--prompt-ids", "1,2", "--n", "1", "--threads", "1",
+                               "--max-ctx", "8", "--load-timeout", "30"], capture_output=True, timeout=60).returncode
+    except subprocess.TimeoutExpired:
+        return "hang"
 
 
 # ---- reading and writing the pieces of a checkpoint ------------------------------------------
@@ -119,6 +131,15 @@ class Variant:
 
     def index_map(self, fn):
         self.obj(IDX, lambda o: fn(o["weight_map"]))
+
+    def append_tensor(self, shard, name):
+        """A valid extra F32 [4] tensor at the end of the shard's data, listed in the index."""
+        p = self.own(shard)
+        h, d = read_shard(p)
+        o = header_json(h)
+        o[name] = {"dtype": "F32", "shape": [4], "data_offsets": [len(d), len(d) + 16]}
+        write_shard(p, dump(o), d + struct.pack("<4f", 1, 2, 3, 4))
+        self.index_map(lambda w: w.__setitem__(name, shard))
 
     def rename(self, old, new, in_index=True):
         shard = self.shard_of(old)
@@ -317,7 +338,11 @@ def corpus(src):
     add("tensor-extra", "names", [S3, "x.extra"], lambda v: (v.header_obj(S3, lambda o: (
         o.__setitem__("x.extra", {"dtype": "U8", "shape": [0], "data_offsets": [0, 0]}))),
         v.index_map(lambda w: w.__setitem__("x.extra", S3))))
+    add("tensor-extra-data", "names", [S2, "x.extra2"], lambda v: v.append_tensor(S2, "x.extra2"))  # issue 34
     add("tensor-no-prefix", "names", [Q], lambda v: v.rename(Q, Q[len("language_model."):]))
+    # issue 34: a config that drops tensors the files still hold (run used to load these anyway)
+    add("config-tied-embeddings", "config", [S3, HEAD, "unexpected"], tc("tie_word_embeddings", True))
+    add("config-attn-res-0", "config", [S1, "self_attention_res_norm", "unexpected"], tc("attn_res_block_size", 0))
     add("index-wrong-shard", "index", [IDX, HEAD], lambda v: v.index_map(lambda w: w.__setitem__(HEAD, S1)))
     add("index-missing-entry", "index", [S1, Q, "not listed"], lambda v: v.index_map(lambda w: w.pop(Q)))
     add("index-unknown-shard", "index", ["model-00004-of-00003.safetensors"],
@@ -410,6 +435,9 @@ def main():
         if ok.returncode != 0:
             print("FAIL the good checkpoint is refused:\n" + ok.stderr)
             return 1
+        if run_rc(a.k3, good) != 0:
+            print("FAIL k3 run refuses the good checkpoint")
+            return 1
         C, packed = corpus(good)
         names = [c[0] for c in C]
         assert len(set(names)) == len(names), "variant names repeat"
@@ -437,14 +465,18 @@ def main():
                 rc, out = "hang", ""
             missing = [n for n in needles if n not in out]
             verdict = "refused" if rc == 1 and not missing else ("ACCEPTED" if rc == 0 else "FAIL")
+            run = "-" if verify else run_rc(a.k3, v.d)  # the data corruptions need --verify
+            if run in (0, "hang") or (isinstance(run, int) and run < 0):
+                verdict = "RUN-ACCEPTED" if run == 0 else "RUN-FAIL"
             bad += verdict != "refused"
             first = next((ln for ln in r.stderr.splitlines() if ln.startswith("k3 inspect:") and "verify:" not in ln), "") \
                 if rc != "hang" else "(no answer in 60 s)"
             first = first.replace(root + "/", "").replace("k3 inspect: ", "")
-            rows.append((i, name, part, "verify" if verify else "", str(rc), verdict, missing, first))
-        print("%-3s %-28s %-8s %-6s %-3s %-8s %s" % ("#", "variant", "part", "mode", "rc", "verdict", "error (first line)"))
-        for i, name, part, mode, rc, verdict, missing, first in rows:
-            print("%-3d %-28s %-8s %-6s %-3s %-8s %s" % (i, name, part, mode, rc, verdict, first[:150]))
+            rows.append((i, name, part, "verify" if verify else "", str(rc), verdict, missing, first, str(run)))
+        print("%-3s %-28s %-8s %-6s %-3s %-4s %-8s %s" % ("#", "variant", "part", "mode", "rc", "run", "verdict",
+                                                          "error (first line)"))
+        for i, name, part, mode, rc, verdict, missing, first, run in rows:
+            print("%-3d %-28s %-8s %-6s %-3s %-4s %-8s %s" % (i, name, part, mode, rc, run, verdict, first[:150]))
             if missing:
                 print("      output lacks: %s" % missing)
         parts = {}
