@@ -114,7 +114,7 @@ void comm_sleep(k3_comm *c, int *backoff) {
     if (c) c->iface->progress(c);
     /* rank 0 beats from every wait, not only from its scheduler loop: a coordinator that waits
        (e.g. in its own stage's MoE exchange) is alive, and must not be blamed for the wait */
-    if (c && c->rank == 0 && c->have) (void)k3_comm_beat(c);
+    if (c && c->have) (void)k3_comm_beat(c); /* a worker answers rank 0's beats from here too */
     int us = *backoff <= 0 ? 10 : *backoff;
     struct timespec ts = {0, (long)us * 1000L};
     nanosleep(&ts, NULL);

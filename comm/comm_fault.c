@@ -118,9 +118,18 @@ k3_status comm_fault_error(const k3_comm *c, const char *what) {
 }
 
 k3_status k3_comm_beat(k3_comm *c) {
-    if (!c || c->rank != 0 || c->size == 1) return K3_OK;
+    if (!c || c->size == 1 || !c->heard) return K3_OK;
+    /* take the beats that arrived (their arrival time is all they carry: heard[]); a worker
+       answers rank 0's, so that rank 0 knows every worker is alive while idle (/health) */
+    bool got = false, any = false;
+    do {
+        k3_comm_msg m;
+        K3_TRY(k3_comm_poll(c, K3_ANY_RANK, K3_MSG_BEAT, &m, &got));
+        any |= got;
+    } while (got);
+    if (c->rank != 0) return any ? k3_comm_post(c, 0, K3_MSG_BEAT, NULL, 0, NULL, 0) : K3_OK;
     double now = k3_now_s();
-    if (now - c->t_beat < c->timeout_s / 3) return K3_OK;
+    if (now - c->t_beat < K3_MIN(c->timeout_s / 3, K3_COMM_BEAT_S)) return K3_OK;
     c->t_beat = now;
     for (int w = 1; w < c->size; w++) K3_TRY(k3_comm_post(c, w, K3_MSG_BEAT, NULL, 0, NULL, 0));
     return K3_OK;

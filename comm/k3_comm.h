@@ -226,10 +226,13 @@ void k3_comm_note_timeout(k3_comm *c, const int *waited, int n, const char *what
 /* The exchange (see above; call once, then end the job). out gets the verdict line; *printer is
  * true on the one rank that should print it. Never blocks longer than K3_FAULT_WINDOW_S. */
 void k3_comm_blame(k3_comm *c, char *out, size_t cap, bool *printer);
-/* Coordinator: tell every worker it is alive (at most every timeout/3; cheap to call often).
- * Every comm wait on rank 0 also beats; call it while idle outside comm. A worker that hears
- * nothing from the coordinator for the timeout blames it, so the timeout must exceed the longest
- * stretch rank 0 computes without entering comm (its stage's longest forward step). */
+/* Coordinator: tell every worker it is alive (at most every min(timeout/3, K3_COMM_BEAT_S); cheap
+ * to call often). Every comm wait on rank 0 also beats; call it while idle outside comm. A worker
+ * that hears nothing from the coordinator for the timeout blames it, so the timeout must exceed
+ * the longest stretch rank 0 computes without entering comm (its stage's longest forward step).
+ * A worker calls it too (every comm wait does): it answers each beat of rank 0's with one of its
+ * own, so k3_comm_silent_s(c, w) on rank 0 shows a worker that stopped while the job is idle. */
+#define K3_COMM_BEAT_S 1.0
 k3_status k3_comm_beat(k3_comm *c);
 /* Seconds since the last message of any kind from world rank `peer` arrived here (since the
  * grid was created when none did). */

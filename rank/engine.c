@@ -16,6 +16,7 @@ struct k3_engine {
     double load_s_max;                              /* rank 0: the slowest rank's load */
     uint64_t moe_dispatch_bytes, moe_combine_bytes; /* world sums, at close */
     double busy_final[256];                         /* every rank's forward time, at close */
+    double t_step;                                  /* rank 0: when a step last returned */
     uint64_t rss[256], hwm[256], pss[256];          /* every rank's memory, at close */
 };
 
@@ -197,7 +198,21 @@ k3_status k3_engine_step(k3_engine *e, const k3_event **events, int *n_events) {
     *events = NULL;
     *n_events = 0;
     K3_TRY(need_coord(&e->r, "step"));
-    return rank_fail(&e->r, rank_coord_step(&e->r, events, n_events));
+    K3_TRY(rank_fail(&e->r, rank_coord_step(&e->r, events, n_events)));
+    e->t_step = k3_now_s();
+    return K3_OK;
+}
+
+double k3_engine_silent_s(const k3_engine *e, int *rank) {
+    const rank_ctx *r = &e->r;
+    double worst = 0;
+    *rank = -1;
+    if (!r->coord || !r->comm) return 0;
+    for (int w = 1; w < r->world; w++) {
+        const double s = k3_comm_silent_s(r->comm, w);
+        if (s > worst) worst = s, *rank = w;
+    }
+    return K3_MIN(worst, k3_now_s() - e->t_step);
 }
 
 k3_status k3_engine_heartbeat(k3_engine *e) {

@@ -201,6 +201,11 @@ k3_status k3_engine_cancel(k3_engine *e, int64_t id);
  * k3_engine_step also beats). A worker that hears nothing from rank 0 for --comm-timeout ends the
  * job naming it, so a stopped coordinator cannot leave the workers waiting forever. */
 k3_status k3_engine_heartbeat(k3_engine *e);
+/* Rank 0: how long the worker heard from least recently has been silent, and which (*rank; -1
+ * and 0 s in a world of one). Workers answer rank 0's heartbeat (k3_comm_beat) while idle, and a
+ * step that returns counts as word from every rank, so a stopped worker shows within a few
+ * seconds of idling. For a server's /health. */
+double k3_engine_silent_s(const k3_engine *e, int *rank);
 /* Rank 0: make progress until at least one event is ready or nothing is left to do. The events
  * (and their text, logits and error strings) are valid until the next step. A status other than
  * K3_OK is a fatal fault (k3_engine_abort); a request's own failure is an ERROR event. */

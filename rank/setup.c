@@ -339,6 +339,7 @@ struct rank_load {
     double *seen;               /* [world] k3_now_s() of the last beat */
     uint64_t hb_done, hb_total; /* this rank's own load */
     double hb_sent, t_load0, load_timeout_s;
+    double t_tick;   /* this rank's previous heartbeat turn */
     double t_logged; /* rank 0 without a terminal: when the last progress line was logged */
     int lines_drawn; /* rank 0 on a terminal: the lines of the last draw */
     const k3_ckpt_tensor **read_list; /* --verify: the tensors this rank read */
@@ -511,6 +512,14 @@ static k3_status hb_check(rank_load_t *L) {
 static k3_status hb_tick(rank_load_t *L, int state) {
     rank_ctx *r = L->r;
     bool got = false;
+    const double now = k3_now_s();
+    if (L->t_tick > 0 && now - L->t_tick > rank_comm_timeout(r)) {
+        /* this rank itself did not run for a whole timeout (stopped, then resumed): its peers'
+           silence is its own doing, and the job may already have blamed it. Never blame them for
+           it (a resumed rank named a healthy rank 0): give each a fresh window instead. */
+        for (int i = 0; i < r->world; i++) L->seen[i] = now;
+    }
+    L->t_tick = now;
     if (r->world > 1) K3_TRY(hb_poll(L, &got));
     bool due = k3_now_s() - L->hb_sent >= hb_interval(r);
     if (due && r->world > 1)

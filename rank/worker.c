@@ -460,9 +460,8 @@ k3_status rank_worker_poll(rank_ctx *r, bool *did) {
         *did = true;
         return K3_OK;
     }
-    k3_comm_msg beat; /* the coordinator's heartbeat: only its arrival time matters */
-    do RTRY(r, k3_comm_poll(r->comm, 0, K3_MSG_BEAT, &beat, &got));
-    while (got);
+    /* the coordinator's heartbeat: its arrival time matters, and the answer (rank 0's /health) */
+    RTRY(r, k3_comm_beat(r->comm));
     return K3_OK;
 }
 

@@ -29,6 +29,8 @@
 #define WAIT_SLICE_S   0.2 /* how often a waiting HTTP thread looks at its client's socket */
 #define STUCK_CLIENT_S 10  /* at shutdown, after the grace: how long responses may take to drain */
 #define FAULT_DRAIN_S  3   /* after an engine fault: how long the open requests' errors may take */
+#define HEALTH_SILENT_S                                                                            \
+    5 /* /health: a rank unheard this long is down (idle workers answer 1 s beats) */
 
 struct k3_server {
     k3_server_opts o;
@@ -49,7 +51,9 @@ struct k3_server {
     size_t queued_bytes; /* sreq.n_bytes of the admitted requests */
     bool stopping;
     bool engine_down; /* the engine failed: open requests end with 503 */
-    int n_busy;       /* connections with a model request whose response has not ended */
+    double silent_s;  /* the worker heard from least recently: silent this long (/health) */
+    int silent_rank;
+    int n_busy; /* connections with a model request whose response has not ended */
     srv_metrics m;
 };
 
@@ -404,6 +408,7 @@ k3_status k3_server_run(k3_server *s, k3_engine *e, volatile sig_atomic_t *stop)
         }
         const bool cancel_all = t_stop >= 0 && k3_now_s() - t_stop > grace;
         pthread_mutex_lock(&s->mu);
+        s->silent_s = k3_engine_silent_s(e, &s->silent_rank);
         st = admit_and_cancel(s, e, cancel_all);
         const int pending = k3_engine_pending(e);
         s->m.pending = pending;
@@ -669,6 +674,15 @@ static enum MHD_Result get_route(conn *k) {
     k3_chat_buf b = {0};
     enum MHD_Result ret;
     if (strcmp(k->path, "/health") == 0) {
+        char why[160] = "";
+        pthread_mutex_lock(&s->mu);
+        if (s->engine_down)
+            snprintf(why, sizeof why, "the engine failed");
+        else if (s->silent_s > HEALTH_SILENT_S)
+            snprintf(why, sizeof why, "rank %d has not answered for %.0f s", s->silent_rank,
+                     s->silent_s);
+        pthread_mutex_unlock(&s->mu);
+        if (why[0]) return send_error(k, 503, why);
         return send_body(k, 200, "application/json", "{\"status\":\"ok\"}", 15);
     } else if (strcmp(k->path, "/v1/models") == 0) {
         if (!authorized(s, k->c)) return send_error(k, 401, "a valid API key is required");

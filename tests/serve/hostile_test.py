@@ -22,9 +22,12 @@ Groups (pytest -k):
       * CORS: a preflight OPTIONS from an allowed origin needs no key and gets the allow headers,
         responses carry Access-Control-Allow-Origin for it, another origin gets none; a server
         without --allowed-origins sends none.
-  hostile_fault : 2 ranks (--pp 2), rank 1 stops answering mid-decode (K3_TEST_FAIL=hang:1:N):
-      the open plain request gets a 503 with an error body and the open stream an error event and
-      [DONE] before the job ends, naming rank 1.
+  hostile_fault : 2 ranks (--pp 2):
+      * rank 1 stops answering mid-decode (K3_TEST_FAIL=hang:1:N): the open plain request gets a
+        503 with an error body and the open stream an error event and [DONE] before the job ends,
+        naming rank 1;
+      * a worker stopped (SIGSTOP) while the server is idle: /health answers 503 naming it within
+        a few seconds (it answered 200 for 20 s), and 200 again once it runs (SIGCONT).
 """
 import json
 import os
@@ -259,6 +262,36 @@ def test_hostile_http_cors(hsrv, model_dir):  # noqa: F811
         assert r.status_code == 200 and "Access-Control-Allow-Origin" not in r.headers
     finally:
         assert bare.stop() == 0
+
+
+# ---- 8. /health sees every rank -----------------------------------------------------------------
+def test_hostile_fault_health_sees_stopped_worker(model_dir):  # noqa: F811
+    import signal
+    srv = Server(model_dir, pp=2, extra=["--comm-timeout", "60"])
+    try:
+        kids = [int(p) for p in open("/proc/%d/task/%d/children" % (srv.proc.pid, srv.proc.pid)).read().split()]
+        worker = [p for p in kids if p != srv.pid]
+        assert len(worker) == 1, (kids, srv.pid)
+        assert requests.get(srv.url + "/health", timeout=10).status_code == 200
+        os.kill(worker[0], signal.SIGSTOP)
+        t0, r = time.time(), None
+        while time.time() - t0 < 15:
+            r = requests.get(srv.url + "/health", timeout=10)
+            if r.status_code != 200:
+                break
+            time.sleep(0.5)
+        dt = time.time() - t0
+        assert r.status_code == 503 and "rank 1" in r.json()["error"]["message"], (dt, r.text)
+        assert dt < 10, "/health took %.1f s to see the stopped worker" % dt
+        os.kill(worker[0], signal.SIGCONT)
+        t0 = time.time()
+        while time.time() - t0 < 10 and requests.get(srv.url + "/health", timeout=10).status_code != 200:
+            time.sleep(0.3)
+        assert requests.get(srv.url + "/health", timeout=10).status_code == 200
+        r = requests.post(srv.url + "/v1/chat/completions", json={"messages": MSG, "max_tokens": 2}, timeout=60)
+        assert r.status_code == 200, r.text
+    finally:
+        assert srv.stop() == 0, srv.text()[-2000:]
 
 
 # ---- 9. a rank fails under serve --------------------------------------------------------------
