@@ -2,14 +2,19 @@
 # setup.sh — install what k3 needs on Debian 12 (as root) and configure + build it.
 # Idempotent: packages already present are not reinstalled; an existing build is reused.
 #   scripts/setup.sh [BUILD_DIR] [extra cmake args...]
+# One configuration (RelWithDebInfo, warnings as errors): the demo and the tests both build
+# build/ with it, so neither rebuilds what the other built. apt-get waits up to 10 min for the
+# dpkg lock (unattended-upgrades may hold it) instead of failing at once.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 BUILD=${1:-build}; shift || true
 
 # libhwloc-dev: host/bind.c binds each rank to its share of a node's cores (and `k3 plan` shows
-# them). The Slurm daemons for tests/slurm are installed by that test itself.
+# them). python3-venv: scripts/test.sh puts the Python references in a virtual environment. The
+# Slurm daemons for tests/slurm are installed by that test itself.
 APT_PKGS="build-essential cmake pkg-config libopenmpi-dev openmpi-bin libucx-dev libhwloc-dev
-          libcjson-dev libpcre2-dev libmicrohttpd-dev libcurl4-openssl-dev clang clang-format python3"
+          libcjson-dev libpcre2-dev libmicrohttpd-dev libcurl4-openssl-dev clang clang-format python3
+          python3-venv"
 missing=""
 for p in $APT_PKGS; do
   dpkg-query -W -f='${Status}' "$p" 2>/dev/null | grep -q "install ok installed" || missing="$missing $p"
@@ -19,9 +24,9 @@ if [ -n "$missing" ]; then
     echo "k3 setup: missing packages:$missing — run as root or install them" >&2; exit 1
   fi
   echo "k3 setup: installing$missing" >&2
-  apt-get update -q >/dev/null
-  DEBIAN_FRONTEND=noninteractive apt-get install -y -q $missing >/dev/null
+  apt-get -o DPkg::Lock::Timeout=600 update -q >/dev/null
+  DEBIAN_FRONTEND=noninteractive apt-get -o DPkg::Lock::Timeout=600 install -y -q $missing >/dev/null
 fi
 
-cmake -S . -B "$BUILD" -DCMAKE_BUILD_TYPE=RelWithDebInfo "$@" >/dev/null
+cmake -S . -B "$BUILD" -DCMAKE_BUILD_TYPE=RelWithDebInfo -DK3_WERROR=ON "$@" >/dev/null
 cmake --build "$BUILD" -j"$(nproc)"

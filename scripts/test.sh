@@ -9,74 +9,105 @@
 #   3. build-asan/  (ASan + UBSan, and the CUDA emulation: -DK3_CUDA=ON -DK3_CUDA_EMULATE=ON, so
 #                   the same .cu sources run on host fibers and NCCL runs over MPI)
 #                   ctest tiers sanitize and gpuemu (+ the kernels' host math, cuda_math)
-#   4. build/       (warnings as errors)       ctest tiers unit, golden, mpi, fuzz
-# Exit status 0 only if everything passed.
-set -euo pipefail
+#   4. build/       (scripts/setup.sh's one configuration, the demo's: warnings as errors)
+#                   ctest tiers unit, golden, mpi, fuzz
+# The Python references live in a virtual environment this script makes, build/venv (Debian's
+# python3 refuses `pip install` outside one: PEP 668); the tests run with it first on PATH.
+# Every step runs even when an earlier one failed (a failed build skips only its own tiers), so
+# one run shows every failure; the last line counts the tests passed and failed, and the exit
+# status is 0 only if everything passed.
+set -uo pipefail
 cd "$(dirname "$0")/.."
 JOBS=$(nproc)
 
-scripts/setup.sh build -DK3_WERROR=ON
-# Python references for the tests (tiktoken, jinja2, numpy), and the independent PyTorch reference
-# that experts_torch and reference_goldens_current run (torch, fla, compressed-tensors,
-# safetensors; PyPI's torch is the CUDA build: ~2.9 GB download, ~5.7 GB installed, ~2.5 min on
-# a fresh machine, see tests/reference/README.md). A failed install is fatal: the tests that need
-# them would otherwise skip and prove nothing (under CI=true a skipped reference test fails).
-PIP_ROOT_USER_ACTION=ignore python3 -m pip install -q --disable-pip-version-check \
-  -r tests/requirements.txt -r tests/reference/requirements.txt
+scripts/setup.sh build || { echo "k3 tests: the build failed; nothing ran"; exit 1; }
 
-# Order: the quick checks first (CUDA build, format), the sanitizer tier, then the main tiers, so
-# the last ctest summary in the log is the one that counts the most tests. Each ctest run's result
-# is also kept, and one total is printed at the end.
+# Python references for the tests (tiktoken, jinja2, numpy, openai, ...), and the independent
+# PyTorch reference that experts_torch and reference_goldens_current run (torch, fla,
+# compressed-tensors, safetensors; PyPI's torch is the CUDA build: ~2.9 GB download, ~5.7 GB
+# installed, ~2.5 min on a fresh machine, see tests/reference/README.md), into build/venv (kept
+# between runs: a second run only checks the versions). A failed install is fatal: the tests that
+# need them would otherwise skip and prove nothing (under CI=true a skipped reference test fails).
+VENV=$PWD/build/venv
+if [ ! -x "$VENV/bin/python3" ] && ! python3 -m venv "$VENV"; then
+  echo "k3 tests: cannot make the virtual environment $VENV (Debian: apt-get install python3-venv)"
+  exit 1
+fi
+if ! PIP_ROOT_USER_ACTION=ignore "$VENV/bin/python3" -m pip install -q --disable-pip-version-check \
+       -r tests/requirements.txt -r tests/reference/requirements.txt; then
+  echo "k3 tests: pip could not install the test references into $VENV"; exit 1
+fi
+export PATH="$VENV/bin:$PATH"
+cmake -S . -B build -DK3_TEST_PYTHON="$VENV/bin/python3" >/dev/null
+
+# Order: the quick checks first (CUDA build, format), the sanitizer tier, then the main tiers.
+# Each ctest run's log is kept; the totals are summed from them at the end.
 LOGDIR=$(mktemp -d)
-total_run=0; total_skip=0
-count() { # count LOG: add the tests a ctest log ran and skipped to the totals
-  local ran skip
-  ran=$(sed -n 's/.*tests passed, \([0-9]*\) tests failed out of \([0-9]*\).*/\2/p' "$1" | tail -1)
-  skip=$(grep -c -F '***Skipped' "$1" || true)
-  total_run=$((total_run + ${ran:-0} - skip)); total_skip=$((total_skip + skip))
+n_pass=0; n_fail=0; n_skip=0; failed=()
+tally() { # tally LOG STEP: add a ctest log's passed / failed / skipped tests to the totals
+  local log=$1 step=$2 total nfail skip
+  total=$(sed -n 's/.*tests passed, \([0-9]*\) tests\{0,1\} failed out of \([0-9]*\).*/\2/p' "$log" | tail -1)
+  nfail=$(sed -n 's/.*tests passed, \([0-9]*\) tests\{0,1\} failed out of \([0-9]*\).*/\1/p' "$log" | tail -1)
+  skip=$(grep -c -F '***Skipped' "$log" || true)
+  if [ -z "$total" ]; then # ctest itself did not finish (no summary line)
+    failed+=("$step: no ctest summary"); return
+  fi
+  n_pass=$((n_pass + total - nfail - skip)); n_fail=$((n_fail + nfail)); n_skip=$((n_skip + skip))
+  # the names ctest lists under "The following tests FAILED:" (timeouts say so there)
+  while read -r line; do failed+=("$step: $line"); done < <(sed -n '/The following tests FAILED:/,$ s/^[[:space:]]*[0-9]* - //p' "$log")
 }
+step_failed() { failed+=("$1"); echo "k3 tests: FAILED: $1"; }
 
 if command -v nvcc >/dev/null 2>&1 || [ -x /usr/local/cuda/bin/nvcc ]; then
   echo "== CUDA + NCCL compile check (nvcc, the toolkit's headers, -Werror) =="
   cmake -S . -B build-cuda -DK3_CUDA=ON -DK3_NCCL=ON -DK3_WERROR=ON >/dev/null
   # the kernels (k3cuda), and the two C files that include the toolkit's cuda_runtime_api.h /
   # nccl.h, and the host-math test: what the emulation build compiles against its own headers
-  if ! { cmake --build build-cuda -j"$JOBS" --target k3cuda &&
-         make -C build-cuda kernels/cuda/backend_cuda.o comm/comm_nccl.o &&
-         make -C build-cuda/tests gpu/test_cuda_math.o; } >"$LOGDIR/cuda-build.log" 2>&1; then
-    cat "$LOGDIR/cuda-build.log"; exit 1
+  if { cmake --build build-cuda -j"$JOBS" --target k3cuda &&
+       make -C build-cuda kernels/cuda/backend_cuda.o comm/comm_nccl.o &&
+       make -C build-cuda/tests gpu/test_cuda_math.o; } >"$LOGDIR/cuda-build.log" 2>&1; then
+    echo "build-cuda: kernels/cuda/*.cu, backend_cuda.c, comm_nccl.c, test_cuda_math.cu compiled (-Werror)"
+  else
+    cat "$LOGDIR/cuda-build.log"; step_failed "the CUDA compile check"
   fi
-  echo "build-cuda: kernels/cuda/*.cu, backend_cuda.c, comm_nccl.c, test_cuda_math.cu compiled (-Werror)"
 else
   echo "== CUDA compile check: skipped (no nvcc) =="
 fi
 
 echo "== clang-format check =="
-scripts/format.sh --check
+scripts/format.sh --check || step_failed "the clang-format check"
 
 echo "== tiers: sanitize and gpuemu (ASan + UBSan; the CUDA kernels and NCCL emulated) =="
 cmake -S . -B build-asan -DK3_SANITIZE=ON -DK3_WERROR=ON -DCMAKE_BUILD_TYPE=Debug \
-  -DK3_CUDA=ON -DK3_CUDA_EMULATE=ON >/dev/null
-if ! cmake --build build-asan -j"$JOBS" >"$LOGDIR/asan-build.log" 2>&1; then
-  cat "$LOGDIR/asan-build.log"; exit 1
+  -DK3_CUDA=ON -DK3_CUDA_EMULATE=ON -DK3_TEST_PYTHON="$VENV/bin/python3" >/dev/null
+if cmake --build build-asan -j"$JOBS" >"$LOGDIR/asan-build.log" 2>&1; then
+  build-asan/k3 version
+  ctest --test-dir build-asan -L sanitize --output-on-failure -j"$JOBS" | tee "$LOGDIR/sanitize.log"
+  tally "$LOGDIR/sanitize.log" sanitize
+  # gpuemu: every cuda op vs ref, the emulation's own semantics, the nccl transport under mpirun,
+  # the whole model on cuda + nccl (1x1, 2x2, --deterministic, 93 layers, serve); cuda_math: the
+  # kernels' per-element math on the host. None of these may skip here.
+  ctest --test-dir build-asan -L gpuemu --output-on-failure -j"$JOBS" | tee "$LOGDIR/gpuemu.log"
+  tally "$LOGDIR/gpuemu.log" gpuemu
+  if grep -q -F '***Skipped' "$LOGDIR/gpuemu.log"; then
+    step_failed "gpuemu: a test skipped in the emulation build"
+  fi
+  ctest --test-dir build-asan -R '^cuda_math$' --output-on-failure | tee "$LOGDIR/cuda_math.log"
+  tally "$LOGDIR/cuda_math.log" cuda_math
+else
+  tail -n 60 "$LOGDIR/asan-build.log"; step_failed "the build-asan build (its tiers did not run)"
 fi
-build-asan/k3 version
-ctest --test-dir build-asan -L sanitize --output-on-failure -j"$JOBS" | tee "$LOGDIR/sanitize.log"
-count "$LOGDIR/sanitize.log"
-# gpuemu: every cuda op vs ref, the emulation's own semantics, the nccl transport under mpirun,
-# the whole model on cuda + nccl (1x1, 2x2, --deterministic, 93 layers, serve); cuda_math: the
-# kernels' per-element math on the host. None of these may skip here.
-ctest --test-dir build-asan -L gpuemu --output-on-failure -j"$JOBS" | tee "$LOGDIR/gpuemu.log"
-count "$LOGDIR/gpuemu.log"
-if grep -q -F '***Skipped' "$LOGDIR/gpuemu.log"; then
-  echo "gpuemu: a test skipped in the emulation build"; exit 1
-fi
-ctest --test-dir build-asan -R '^cuda_math$' --output-on-failure | tee "$LOGDIR/cuda_math.log"
-count "$LOGDIR/cuda_math.log"
 
 echo "== tier: unit, golden, mpi, fuzz =="
 ctest --test-dir build -L 'unit|golden|mpi|fuzz' --output-on-failure -j"$JOBS" | tee "$LOGDIR/main.log"
-count "$LOGDIR/main.log"
-
-echo "k3 tests: all tiers passed: $total_run tests ran and passed, $total_skip skipped"
+tally "$LOGDIR/main.log" main
 rm -rf "$LOGDIR"
+
+echo
+if [ ${#failed[@]} -eq 0 ]; then
+  echo "k3 tests: all tiers passed: $n_pass passed, 0 failed, $n_skip skipped"
+  exit 0
+fi
+echo "k3 tests: FAILED: $n_pass passed, $n_fail failed, $n_skip skipped; what failed:"
+for f in "${failed[@]}"; do echo "  $f"; done
+exit 1

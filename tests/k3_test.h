@@ -13,6 +13,12 @@
 
 static int k3_t_pass, k3_t_fail;
 
+/* stdout line by line, also into a pipe: a test that ctest kills at its timeout has shown its
+ * progress lines up to where it was (fully buffered, it showed nothing). */
+__attribute__((constructor)) static void k3_t_line_buffered(void) {
+    setvbuf(stdout, NULL, _IOLBF, 0);
+}
+
 #define K3_CHECK(cond, ...)                                                                        \
     do {                                                                                           \
         if (cond) {                                                                                \

@@ -26,7 +26,7 @@ set_tests_properties(model_cli_limits PROPERTIES LABELS "unit;sanitize" ENVIRONM
 # issue 11: >= 80 corrupt checkpoints made by a script (headers, layout, strings, index, config
 # keys, NaN/Inf/0xFF data under --verify); every one refused, naming the file and tensor or key
 add_test(NAME model_corrupt_corpus COMMAND python3 ${CMAKE_CURRENT_LIST_DIR}/corrupt_corpus.py --k3 $<TARGET_FILE:k3>)
-set_tests_properties(model_corrupt_corpus PROPERTIES LABELS "unit" ENVIRONMENT "${K3_TEST_ENV}" TIMEOUT 400)
+set_tests_properties(model_corrupt_corpus PROPERTIES LABELS "unit" ENVIRONMENT "${K3_TEST_ENV}" TIMEOUT 200)
 # issue 29: the config key table, row by row: each key once, required keys missing, every bound
 # refused just outside and taken at the bound, parse -> write -> parse identical
 k3_add_test_exe(test_model_config_keys ${CMAKE_CURRENT_LIST_DIR}/test_config_keys.c)

@@ -16,8 +16,9 @@ for p in slurmctld slurmd slurm-client munge; do
 done
 if [ -n "$need" ]; then
   echo "installing$need"
-  apt-get update -q >/dev/null
-  DEBIAN_FRONTEND=noninteractive apt-get install -y -q $need >/dev/null
+  # wait (up to 10 min) for the dpkg lock that unattended-upgrades may hold
+  apt-get -o DPkg::Lock::Timeout=600 update -q >/dev/null
+  DEBIAN_FRONTEND=noninteractive apt-get -o DPkg::Lock::Timeout=600 install -y -q $need >/dev/null
 fi
 
 S=$(mktemp -d /tmp/k3-slurm.XXXXXX)
