@@ -473,7 +473,7 @@ k3_status k3_sampler_accept(k3_sampler *s, int32_t id, k3_tok_bytes *emit, k3_st
             *stop = K3_STOP_ID;
             return K3_OK;
         }
-    if (!s->stream) return K3_OK;
+    if (!s->stream || (s->p.skip_special && k3_tok_is_special(s->tok, id))) return K3_OK;
     K3_TRY(k3_tok_stream_push(s->stream, id, &s->pending));
     return scan_pending(s, false, emit, stop);
 }

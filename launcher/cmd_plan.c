@@ -12,6 +12,7 @@
 #include <cjson/cJSON.h>
 #include <math.h>
 #include <stdio.h>
+#include <unistd.h>
 
 #include "engine_args.h"
 #include "k3_bind.h"
@@ -201,6 +202,11 @@ static void print_json(const plan_out *po) {
         }
         cJSON_AddItemToArray(st_a, o);
     }
+    if (s) { /* cores / numa are hwloc's answer on this machine, shown for every node */
+        char host[256] = "?";
+        gethostname(host, sizeof host - 1);
+        cJSON_AddStringToObject(j, "cores_numa_of_host", host);
+    }
     cJSON *rk = cJSON_AddArrayToObject(j, "ranks");
     for (int r = 0; r < p->world; r++) {
         int stg, lane;
@@ -339,6 +345,13 @@ static void print_tables(const plan_out *po) {
     }
     printf("memory by kind (GB): capacity %d seqs x %lld tokens per lane, %lld tokens per step\n",
            po->req->max_seqs_per_lane, (long long)po->req->max_ctx, (long long)po->req->max_tokens);
+    if (s && s->nodes > 1) {
+        char host[256] = "?";
+        gethostname(host, sizeof host - 1);
+        printf("  (cores and numa: how hwloc binds each local rank on this machine, %s, repeated "
+               "for every node; the other nodes bind by their own layout)\n",
+               host);
+    }
     printf("  rank  node  local  device  cores        numa  w.bf16  w.mxfp4  w.other  mla  "
            "     kda      comm     work     total  %s\n",
            s ? "of device" : "");

@@ -246,6 +246,13 @@ static int parse_job(const k3_server_opts *o, sreq *q, const char *body, size_t 
     s.seed = seed ? 0 : k3_hash_bytes(&t, sizeof t, K3_HASH_INIT); /* unseeded: a fresh one */
     if (k3_job_sampling(j, &s, "request") != K3_OK)
         return fail(why, n_why, 400, "%s", k3_last_error());
+    /* vLLM's skip_special_tokens (default true): a completion's text leaves special tokens out
+       (a chat's text is the parser's, which reads the control tokens itself) */
+    const k3_chat_json *skip = key(j->doc, "skip_special_tokens");
+    if (skip && skip->kind != K3_JSON_NULL && skip->kind != K3_JSON_BOOL)
+        return fail(why, n_why, 400, "request key 'skip_special_tokens' must be true or false");
+    j->sp.skip_special =
+        q->kind == SREQ_COMPLETION && (!skip || skip->kind == K3_JSON_NULL || skip->b);
     st = prompt_lp_keys(q, why, n_why);
     if (st != 200) return st;
     /* max_tokens 0 is only a prefill: useful for the prompt's logprobs (lm-eval's loglikelihood) */

@@ -24,3 +24,7 @@ set_tests_properties(chat_request_e2e PROPERTIES LABELS "unit" ENVIRONMENT "${K3
 add_test(NAME chat_request_errors COMMAND ${K3_PYTHON3} ${CMAKE_CURRENT_LIST_DIR}/request_errors.py)
 set_tests_properties(chat_request_errors PROPERTIES LABELS "unit" ENVIRONMENT "${K3_TEST_ENV_MPI}"
                      TIMEOUT 180)
+# Issue 34: the README's examples/request.json and examples/in.jsonl (thinking off: the answer in
+# content) through k3 run --chat and k3 batch, and the thinking-on default they document.
+add_test(NAME chat_examples COMMAND ${K3_PYTHON3} ${CMAKE_CURRENT_LIST_DIR}/examples_test.py)
+set_tests_properties(chat_examples PROPERTIES LABELS "unit" ENVIRONMENT "${K3_TEST_ENV}" TIMEOUT 120)

@@ -8,6 +8,7 @@ every core used); a binding the launcher made that does not hold the share is ke
 import json
 import os
 import re
+import socket
 import subprocess
 import sys
 import tempfile
@@ -72,6 +73,16 @@ with tempfile.TemporaryDirectory() as tmp:
         for r in plan["ranks"]:
             if cores_of(r["cores"]) != shares[r["rank"]]:
                 fails.append(f"plan says rank {r['rank']} gets cores {r['cores']}, the run bound {four[r['rank']][2]}")
+    # issue 34: on several nodes the cores are this machine's, and the plan says so (text, JSON)
+    multi = [K3, "plan", "--model", model, "--nodes", "2", "--gpus-per-node", "2", "--gpu", "cpu",
+             "--pp", "2", "--ep", "2"]
+    text = subprocess.run(multi, check=True, capture_output=True, text=True).stdout
+    host = socket.gethostname()
+    if "hwloc binds each local rank on this machine, %s, repeated for every node" % host not in text:
+        fails.append("a 2-node plan does not say its cores are this machine's")
+    js = json.loads(subprocess.run(multi + ["--json"], check=True, capture_output=True, text=True).stdout)
+    if js.get("cores_numa_of_host") != host:
+        fails.append(f"plan --json: cores_numa_of_host {js.get('cores_numa_of_host')!r}, want {host!r}")
     none = binds(mpi[:3] + ["2"] + run + ["--ep", "2", "--bind", "none"])
     if sorted(none) != [0, 1] or any(v[2] is not None for v in none.values()):
         fails.append(f"--bind none: {none}")

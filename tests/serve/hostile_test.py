@@ -19,6 +19,8 @@ Groups (pytest -k):
         none of OpenAI's, an image part, a completions suffix;
       * a NaN router bias (every router score non-finite) fails each request alone (a 500 naming
         the layer) and the server keeps serving: it used to end the job at the first request;
+      * completions leave special tokens out of the text unless skip_special_tokens is false
+        (vLLM's default; the engine made to write a special token with K3_TEST_FORCE);
       * CORS: a preflight OPTIONS from an allowed origin needs no key and gets the allow headers,
         responses carry Access-Control-Allow-Origin for it, another origin gets none; a server
         without --allowed-origins sends none.
@@ -232,6 +234,27 @@ def test_hostile_http_router_nan(model_dir, tmp_path):  # noqa: F811
                               json={"messages": MSG, "max_tokens": 4})
             assert r.status_code == 500 and "layer 5" in r.json()["error"]["message"], r.text
             assert requests.get(srv.url + "/health", timeout=10).status_code == 200
+    finally:
+        assert srv.stop() == 0, srv.text()[-2000:]
+
+
+# ---- skip_special_tokens ----------------------------------------------------------------------
+def test_hostile_http_skip_special_tokens(model_dir):  # noqa: F811
+    vocab = json.load(open(os.path.join(model_dir, "config.json")))["text_config"]["vocab_size"]
+    a, sp, c = 300, vocab - 1, 301  # two ordinary ids around the last (reserved special) id
+    srv = Server(model_dir, env={"K3_TEST_FORCE": "%d,%d,%d" % (a, sp, c)})
+    try:
+        def detok(ids):
+            return requests.post(srv.url + "/detokenize", json={"tokens": ids}, timeout=10).json()["prompt"]
+        special = detok([sp])
+        assert special in ("[PAD]",) or special.startswith("<|"), special  # a K3 special token
+        body = {"prompt": "hello", "max_tokens": 3, "ignore_eos": True, "temperature": 0}
+        r = requests.post(srv.url + "/v1/completions", json=body, timeout=60).json()
+        assert r["choices"][0]["text"] == detok([a]) + detok([c]), r  # default: true
+        r = requests.post(srv.url + "/v1/completions", json=dict(body, skip_special_tokens=False), timeout=60).json()
+        assert r["choices"][0]["text"] == detok([a, sp, c]) and special in r["choices"][0]["text"], r
+        r = requests.post(srv.url + "/v1/completions", json=dict(body, skip_special_tokens="yes"), timeout=60)
+        assert r.status_code == 400 and "skip_special_tokens" in r.json()["error"]["message"], r.text
     finally:
         assert srv.stop() == 0, srv.text()[-2000:]
 
