@@ -331,12 +331,21 @@ static k3_status read_value(jreader *r, int depth, k3_chat_json **out);
 
 /* The duplicate-key check while an object is read. A scan of the members so far made n keys cost
  * n^2/2 compares (a 1 MB body of 100k keys: a minute of CPU); above KEYIDX_FROM members an
- * open-addressing hash of member indices keeps it linear. */
+ * open-addressing hash of member indices keeps it linear. The hash is seeded per object from the
+ * clock and an address and its bits mixed down (fmix64), so a client cannot send keys made to
+ * collide in the table's low bits. */
 #define KEYIDX_FROM 16
 typedef struct keyidx {
     size_t *slot; /* (cap) member index + 1; 0 = empty; cap a power of two, at most half full */
     size_t cap;
+    uint64_t seed;
 } keyidx;
+
+static size_t key_hash(const keyidx *x, const k3_chat_json *key) {
+    uint64_t h = k3_hash_bytes(key->s, key->n, x->seed);
+    h ^= h >> 33, h *= 0xff51afd7ed558ccdull, h ^= h >> 33, h *= 0xc4ceb9fe1a85ec53ull;
+    return (size_t)(h ^ (h >> 33));
+}
 
 static bool same_key(const k3_chat_json *a, const k3_chat_json *b) {
     return a->n == b->n && memcmp(a->s, b->s, a->n) == 0;
@@ -344,7 +353,7 @@ static bool same_key(const k3_chat_json *a, const k3_chat_json *b) {
 
 /* The slot that holds `key` among v's members, or the empty slot where it would go. */
 static size_t keyidx_probe(const keyidx *x, const k3_chat_json *v, const k3_chat_json *key) {
-    size_t h = (size_t)k3_hash_bytes(key->s, key->n, K3_HASH_INIT) & (x->cap - 1);
+    size_t h = key_hash(x, key) & (x->cap - 1);
     while (x->slot[h] && !same_key(v->keys[x->slot[h] - 1], key)) h = (h + 1) & (x->cap - 1);
     return h;
 }
@@ -363,7 +372,8 @@ static k3_status find_key(keyidx *x, const k3_chat_json *v, const k3_chat_json *
         size_t *slot = calloc(cap, sizeof *slot);
         if (!slot) return K3_ERR(K3_ERR_NOMEM, "out of memory indexing a JSON object");
         free(x->slot);
-        *x = (keyidx){slot, cap};
+        const double t = k3_now_s();
+        *x = (keyidx){slot, cap, x->seed ? x->seed : k3_hash_bytes(&t, sizeof t, (uintptr_t)slot)};
         for (size_t i = 0; i < v->n_items; i++) x->slot[keyidx_probe(x, v, v->keys[i])] = i + 1;
     }
     const size_t h = keyidx_probe(x, v, key);

@@ -857,7 +857,8 @@ k3_status k3_server_create(const k3_server_opts *o, k3_server **out) {
     const unsigned timeout = (unsigned)(o->idle_timeout_s > 0 ? o->idle_timeout_s : 30);
     const unsigned limit = (unsigned)(o->max_connections > 0 ? o->max_connections : 512);
     const unsigned per_client = (unsigned)(o->max_per_client > 0 ? o->max_per_client : 32);
-    /* strict: bare-LF line ends (headers, chunk lines) and other sloppy framing get 400 */
+    /* strict: libmicrohttpd's own checks of the request line and headers (400); it still takes
+       bare-LF chunk lines, so chunked bodies are refused in on_request (framing_error) */
     s->d = MHD_start_daemon(flags, (uint16_t)o->port, NULL, NULL, on_request, s,
                             MHD_OPTION_SOCK_ADDR, sa, MHD_OPTION_NOTIFY_COMPLETED, on_completed, s,
                             MHD_OPTION_CONNECTION_TIMEOUT, timeout, MHD_OPTION_CONNECTION_LIMIT,
