@@ -59,3 +59,8 @@ set_tests_properties(chaos PROPERTIES LABELS "mpi" TIMEOUT 600 ENVIRONMENT "${K3
 # small preset, shared vs --load-private (tests/mpi/load_share.py)
 add_test(NAME load_share COMMAND ${K3_PYTHON3} ${CMAKE_CURRENT_LIST_DIR}/load_share.py ${MPIEXEC_EXECUTABLE})
 set_tests_properties(load_share PROPERTIES LABELS "mpi" TIMEOUT 600 ENVIRONMENT "${K3_TEST_ENV_MPI}")
+# issue 34 finding 10: the whole job suspended during the load for 2 x --comm-timeout, then
+# resumed: no rank blames another for the time it was itself stopped; the run ends with exit 0.
+add_test(NAME suspend_resume COMMAND ${K3_PYTHON3} ${CMAKE_CURRENT_LIST_DIR}/suspend_resume.py
+                                     ${MPIEXEC_EXECUTABLE})
+set_tests_properties(suspend_resume PROPERTIES LABELS "mpi" TIMEOUT 120 ENVIRONMENT "${K3_TEST_ENV_MPI}")
