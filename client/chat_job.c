@@ -23,16 +23,10 @@
 
 /* ---- the prompt ---------------------------------------------------------------------------- */
 /* What the renderer takes (it follows the official encoder) but a served request must not get
- * silently: tool-call arguments that are not JSON (the encoder keeps them as a raw block), a
- * tool_choice string that is none of OpenAI's three, image parts (this K3 is text-only: the
- * encoder would put a placeholder where the image was). Each error names the key. */
+ * silently: tool-call arguments that are not JSON (the encoder keeps them as a raw block), image
+ * parts (this K3 is text-only: the encoder would put a placeholder where the image was). Each
+ * error names the key. (tool_choice is checked with the structured outputs: chat_job_grammar.c.) */
 static k3_status check_served(const k3_chat_json *doc, const char *what) {
-    const k3_chat_json *tc = k3_chat_json_get(doc, "tool_choice");
-    if (tc && tc->kind == K3_JSON_STRING && !k3_chat_json_is_str(tc, "none") &&
-        !k3_chat_json_is_str(tc, "auto") && !k3_chat_json_is_str(tc, "required"))
-        return K3_ERR(K3_ERR_FORMAT,
-                      "%s: request key 'tool_choice': '%.40s' is not none, auto or required", what,
-                      tc->s);
     const k3_chat_json *msgs = k3_chat_json_get(doc, "messages");
     for (size_t i = 0; msgs && msgs->kind == K3_JSON_ARRAY && i < msgs->n_items; i++) {
         const k3_chat_json *c = k3_chat_json_get(msgs->items[i], "content");

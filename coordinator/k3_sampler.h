@@ -68,8 +68,8 @@ typedef struct k3_sampler_params {
     size_t n_stop_strings;
     k3_grammar *grammar; /* NULL = unconstrained; retained by the sampler (its vocabulary size
                             must equal n_vocab) */
-    bool skip_special; /* special tokens add no text (vLLM's skip_special_tokens); they still
-                          count as tokens and stop ids still stop */
+    bool skip_special;   /* special tokens add no text (vLLM's skip_special_tokens); they still
+                            count as tokens and stop ids still stop */
 } k3_sampler_params;
 
 /* `tok` may be NULL when no text is needed (then stop strings are rejected and _accept emits no
