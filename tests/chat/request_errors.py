@@ -12,8 +12,9 @@ Bad requests, each through both commands:
     key named; in batch an engine_error line); in run --chat also a bias of -Infinity, which the
     sampler refuses (batch gives the engine's error line for it: tests/batch).
 `k3 run --chat`: exit 1, exactly one stderr line naming the key, nothing on stdout.
-`k3 batch`: the job succeeds; each bad line gets {"response": null, "error": {"code":
-"invalid_request", "message": <naming the key>}}; the good lines (logit_bias id vocab_size - 1,
+`k3 batch`: the job succeeds; each bad line gets {"response": {"status_code": 400, "body":
+{"error": {"code": "invalid_request", "message": <naming the key>}}}, "error": null} (a failed
+request as an HTTP answer, as the OpenAI batch output carries it); the good lines (logit_bias id vocab_size - 1,
 an object schema, null parameters, a name with brackets that is no special token) complete.
 Exit: 0 pass, 1 fail.
 """
@@ -115,8 +116,10 @@ def run_all(tmp):
             got[o["custom_id"]] = o
     for name, _, key in bad:
         o = got.get(name, {})
-        e = o.get("error") or {}
-        check(o.get("response", 0) is None and e.get("code") == "invalid_request" and key in e.get("message", ""),
+        r = o.get("response") or {}
+        e = (r.get("body") or {}).get("error") or {}
+        check(o.get("error", 0) is None and r.get("status_code") == 400 and
+              e.get("code") == "invalid_request" and key in e.get("message", ""),
               "batch %s: an invalid_request line naming %s: %s" % (name, key, e or o))
     for name, _ in good:
         o = got.get(name, {})
