@@ -145,11 +145,13 @@ typedef struct piece {
     int file;
     uint64_t off;
     size_t n_bytes;
+    uint64_t at; /* where it lands in a pass into fresh memory (the bytes before it) */
 } piece;
 
 typedef struct raw_pass {
     const piece *p;
     const int *fds;     /* [files] */
+    uint8_t *dst;       /* NULL: each reader reuses one buffer (cat); else piece k lands at at */
     int64_t n_pieces;   /* claimable */
     double t_stop;      /* no piece is claimed past this k3_now_s(); 0 = none */
     atomic_llong next;  /* the next piece to claim */
@@ -160,15 +162,16 @@ typedef struct raw_pass {
 
 static void *raw_reader(void *arg) {
     raw_pass *P = arg;
-    char *buf = malloc(RAW_PIECE_BYTES);
-    if (!buf) atomic_store(&P->err, ENOMEM);
-    while (buf && atomic_load(&P->err) == 0) {
+    char *buf = P->dst ? NULL : malloc(RAW_PIECE_BYTES);
+    if (!buf && !P->dst) atomic_store(&P->err, ENOMEM);
+    while ((buf || P->dst) && atomic_load(&P->err) == 0) {
         if (P->t_stop > 0 && k3_now_s() > P->t_stop) break;
         const long long k = atomic_fetch_add(&P->next, 1);
         if (k >= P->n_pieces) break;
         const piece *x = &P->p[k];
         for (size_t got = 0; got < x->n_bytes;) {
-            ssize_t r = pread(P->fds[x->file], buf, x->n_bytes - got, (off_t)(x->off + got));
+            char *to = P->dst ? (char *)P->dst + x->at + got : buf;
+            ssize_t r = pread(P->fds[x->file], to, x->n_bytes - got, (off_t)(x->off + got));
             if (r < 0 && errno == EINTR) continue;
             if (r <= 0) {
                 int expected = 0;
@@ -187,9 +190,9 @@ static void *raw_reader(void *arg) {
 /* One pass over pieces [0, n) with `threads` readers; *claimed: the pieces it read (all of them
  * but when t_cap_s > 0 stopped it early). */
 static k3_status raw_pass_run(const shards *s, const piece *p, int64_t n, const int *fds,
-                              int threads, double t_cap_s, int64_t *claimed, uint64_t *bytes,
-                              double *seconds) {
-    raw_pass P = {.p = p, .fds = fds, .n_pieces = n};
+                              uint8_t *dst, int threads, double t_cap_s, int64_t *claimed,
+                              uint64_t *bytes, double *seconds) {
+    raw_pass P = {.p = p, .fds = fds, .dst = dst, .n_pieces = n};
     atomic_init(&P.next, 0);
     atomic_init(&P.done, 0);
     atomic_init(&P.err, 0);
@@ -217,6 +220,10 @@ typedef struct raw_result {
     double warm_gbs, cold_gbs; /* warm: the median of the passes; cold < 0: not permitted */
     double warm_runs[MAX_REPS];
     int n_warm;
+    /* the same warm pass into freshly allocated memory, as a load's destination is (the weights
+       arena's allocation, k3_alloc_large): what keeping the bytes costs over reading them */
+    double fresh_gbs, fresh_runs[MAX_REPS];
+    int n_fresh;
     uint64_t bytes; /* read by each warm pass */
     int threads;
     double cold_resident; /* share still cached after the drop */
@@ -259,10 +266,20 @@ static k3_status raw_warm(const shards *s, raw_result *out) {
     int64_t claimed = 0;
     uint64_t b = 0;
     double t = 0;
-    K3_TRY(raw_pass_run(s, out->p, out->claimed, out->fds, out->threads, 0, &claimed, &b, &t));
+    K3_TRY(
+        raw_pass_run(s, out->p, out->claimed, out->fds, NULL, out->threads, 0, &claimed, &b, &t));
     out->bytes = b;
     if (out->n_warm < MAX_REPS) out->warm_runs[out->n_warm++] = t > 0 ? (double)b / t / 1e9 : 0;
     out->warm_gbs = median_of(out->warm_runs, out->n_warm);
+    /* into fresh memory: allocated here, every page first touched by the reads, then freed */
+    uint8_t *dst = NULL;
+    K3_TRY(k3_alloc_large((void **)&dst, K3_MAX(b, 1), "raw pass into fresh memory"));
+    k3_status st =
+        raw_pass_run(s, out->p, out->claimed, out->fds, dst, out->threads, 0, &claimed, &b, &t);
+    k3_free(dst);
+    K3_TRY(st);
+    if (out->n_fresh < MAX_REPS) out->fresh_runs[out->n_fresh++] = t > 0 ? (double)b / t / 1e9 : 0;
+    out->fresh_gbs = median_of(out->fresh_runs, out->n_fresh);
     return K3_OK;
 }
 
@@ -288,8 +305,8 @@ static k3_status raw_measure(const shards *s, int threads, raw_result *out) {
         if (out->fds[i] < 0) st = K3_ERR(K3_ERR_IO, "%s: %s", s->f[i].path, strerror(errno));
         for (uint64_t off = 0; st == K3_OK && off < s->f[i].n_bytes && planned < cap;
              off += RAW_PIECE_BYTES) {
-            out->p[k] =
-                (piece){i, off, (size_t)K3_MIN((uint64_t)RAW_PIECE_BYTES, s->f[i].n_bytes - off)};
+            out->p[k] = (piece){
+                i, off, (size_t)K3_MIN((uint64_t)RAW_PIECE_BYTES, s->f[i].n_bytes - off), planned};
             planned += out->p[k++].n_bytes;
         }
     }
@@ -298,7 +315,8 @@ static k3_status raw_measure(const shards *s, int threads, raw_result *out) {
     double t1 = 0;
     if (st == K3_OK) {
         out->cold_resident = drop_cache(s, planned, out->cold_why, sizeof out->cold_why);
-        st = raw_pass_run(s, out->p, k, out->fds, threads, RAW_PASS_S, &out->claimed, &b1, &t1);
+        st = raw_pass_run(s, out->p, k, out->fds, NULL, threads, RAW_PASS_S, &out->claimed, &b1,
+                          &t1);
     }
     if (st == K3_OK) st = raw_warm(s, out);
     if (st == K3_OK) {
@@ -367,7 +385,7 @@ typedef struct job {
     k3_engine_opts eo;    /* as the flags gave them */
     k3_comm_where *where; /* [world] node and host of each rank */
     raw_result raw;       /* this rank's (a node leader's) */
-    uint64_t *raw_all[3]; /* [world] each rank's raw warm, cold (double bits), bytes */
+    uint64_t *raw_all[4]; /* [world] each rank's raw warm, cold (double bits), bytes, fresh */
     load_res loads[MAX_LOADS];
     int n_loads;
     int reps;       /* --repetitions: warm rounds */
@@ -457,6 +475,10 @@ typedef struct node_sum {
 static double raw_of(const job *J, int node, bool cold) {
     return dbl_of(J->raw_all[cold ? 1 : 0][node]);
 }
+/* The warm pass into fresh memory of a node (0 for a cold load: not measured cold). */
+static double fresh_of(const job *J, int node, bool cold) {
+    return cold ? 0 : dbl_of(J->raw_all[3][node]);
+}
 
 /* 100 x gbs / raw, or null without a raw rate. */
 static k3_status put_pct(bench_row *r, const char *key, const char *label, double gbs, double raw) {
@@ -517,6 +539,12 @@ static k3_status put_nodes(const job *J, const node_sum *ns, int n_nodes, bool c
         if (st == K3_OK) st = bench_put_num(o, "gbs", "GB/s", 2, gbs);
         if (st == K3_OK) st = bench_put_num(o, "raw_gbs", "raw GB/s", 2, raw_of(J, node, cold));
         if (st == K3_OK) st = put_pct(o, "pct_of_raw", "% of raw", gbs, raw_of(J, node, cold));
+        if (st == K3_OK)
+            st = cold ? bench_put_null(o, "fresh_gbs", "raw into fresh memory GB/s")
+                      : bench_put_num(o, "fresh_gbs", "raw into fresh memory GB/s", 2,
+                                      fresh_of(J, node, cold));
+        if (st == K3_OK)
+            st = put_pct(o, "pct_of_fresh", "% of fresh", gbs, fresh_of(J, node, cold));
         if (st == K3_OK) st = bench_put_num(o, "peak_rss_sum_bytes", NULL, -1, (double)x->rss_sum);
         if (st == K3_OK)
             st = bench_put_num(o, NULL, "peak RSS sum (MB)", 1, (double)x->rss_sum / 1e6);
@@ -580,7 +608,7 @@ static k3_status put_load(const job *J, const load_res *L, const uint64_t *uniqu
     K3_TRY(k3_calloc((void **)&ns, (size_t)J->world * sizeof *ns, "bench node sums"));
     const bool cold = strcmp(L->cache, "cold") == 0;
     uint64_t bytes = 0, uniq = 0, rss_max = 0;
-    double raw = 0;
+    double raw = 0, fresh = 0;
     int n_nodes = 0;
     for (int r = 0; r < J->world; r++) {
         const rank_rec *x = &L->ranks[r];
@@ -596,6 +624,7 @@ static k3_status put_load(const job *J, const load_res *L, const uint64_t *uniqu
             ns[r].unique = unique[r];
             uniq += unique[r];
             raw += raw_of(J, r, cold);
+            fresh += fresh_of(J, r, cold);
         }
     }
     const double gbs = L->seconds > 0 ? (double)bytes / L->seconds / 1e9 : 0;
@@ -615,6 +644,7 @@ static k3_status put_load(const job *J, const load_res *L, const uint64_t *uniqu
     if (st == K3_OK) st = bench_put_num(row, "unique_bytes", "unique bytes", -1, (double)uniq);
     if (st == K3_OK) st = bench_put_num(row, "gbs", "GB/s", 2, gbs);
     if (st == K3_OK) st = put_pct(row, "pct_of_raw", "% of raw", gbs, raw);
+    if (st == K3_OK) st = put_pct(row, "pct_of_fresh", "% of fresh", gbs, fresh);
     if (st == K3_OK) st = bench_put_num(row, "peak_rss_max_bytes", NULL, -1, (double)rss_max);
     if (st == K3_OK) st = bench_put_num(row, NULL, "peak RSS max (MB)", 1, (double)rss_max / 1e6);
     if (st == K3_OK) st = put_ranks(J, L, row);
@@ -654,6 +684,7 @@ static k3_status put_meta(const job *J, const char *model_dir, int readers, benc
     if (st == K3_OK) st = bench_put_num(raw, "bytes", NULL, -1, (double)J->raw_all[2][0]);
     if (st == K3_OK) st = bench_put_num(raw, "threads", NULL, -1, J->raw.threads);
     if (st == K3_OK) st = bench_put_num(raw, "warm_repetitions", NULL, -1, J->raw.n_warm);
+    if (st == K3_OK) st = bench_put_num(raw, "fresh_gbs", NULL, 2, fresh_of(J, 0, false));
     if (st == K3_OK) st = bench_put_num(raw, "piece_bytes", NULL, -1, (double)RAW_PIECE_BYTES);
     if (st == K3_OK) st = bench_put_str(raw, "cold_note", NULL, J->raw.cold_why);
     if (st == K3_OK)
@@ -669,6 +700,11 @@ static k3_status put_meta(const job *J, const char *model_dir, int readers, benc
              warm, J->raw.n_warm, raw_extreme(&J->raw, -1), raw_extreme(&J->raw, 1),
              (double)J->raw_all[2][0] / 1e6, J->raw.threads, RAW_PIECE_BYTES >> 20);
     K3_TRY(bench_put_str(m, NULL, "raw read, warm", line));
+    snprintf(line, sizeof line,
+             "%.2f GB/s (median of %d passes; the same reads into newly allocated memory, as a "
+             "load's destination is)",
+             fresh_of(J, 0, false), J->raw.n_fresh);
+    K3_TRY(bench_put_str(m, NULL, "raw read into fresh memory, warm", line));
     if (cold >= 0)
         snprintf(line, sizeof line, "%.2f GB/s, %s", cold, J->raw.cold_why);
     else
@@ -735,7 +771,7 @@ static void pick_medians(job *J) {
 static void job_free(job *J) {
     k3_plan_free(&J->plan);
     k3_free(J->where);
-    for (int i = 0; i < 3; i++) k3_free(J->raw_all[i]);
+    for (int i = 0; i < 4; i++) k3_free(J->raw_all[i]);
     for (int k = 0; k < MAX_LOADS; k++) k3_free(J->loads[k].ranks);
 }
 
@@ -778,7 +814,7 @@ int bench_load(const k3_args *a, const char *usage) {
     J.tmo = J.eo.comm_timeout_s > 0 ? J.eo.comm_timeout_s : 600;
     const int readers = J.eo.load_readers > 0 ? J.eo.load_readers : K3_LOAD_READERS_DEFAULT;
     k3_status st = K3_OK;
-    for (int i = 0; rc == 0 && st == K3_OK && i < 3; i++)
+    for (int i = 0; rc == 0 && st == K3_OK && i < 4; i++)
         st = k3_calloc((void **)&J.raw_all[i], (size_t)J.world * sizeof(uint64_t), "bench raw");
     if (rc == 0 && st == K3_OK)
         st = k3_calloc((void **)&J.where, (size_t)J.world * sizeof *J.where, "bench where");
@@ -819,6 +855,7 @@ int bench_load(const k3_args *a, const char *usage) {
     if (rc == 0) {
         gather(&J, bits_of(J.raw.warm_gbs), J.raw_all[0]);
         gather(&J, J.raw.bytes, J.raw_all[2]);
+        gather(&J, bits_of(J.raw.fresh_gbs), J.raw_all[3]);
         if (J.rank == 0 && J.raw.cold_gbs >= 0)
             K3_LOGI("bench load: raw read %.2f GB/s warm (median of %d), %.2f GB/s cold",
                     J.raw.warm_gbs, J.raw.n_warm, J.raw.cold_gbs);

@@ -298,6 +298,10 @@ def test_load(model_dir, ep, private, tmp_path):
         assert rel(x["gbs"], x["bytes_read"] / x["seconds"] / 1e9)
         raw_rate = raw["cold_gbs"] if x["cache"] == "cold" else raw["warm_gbs"]
         assert rel(x["pct_of_raw"], 100 * x["gbs"] / raw_rate)
+        if x["cache"] == "warm":  # against the same reads into fresh memory
+            assert rel(x["pct_of_fresh"], 100 * x["gbs"] / raw["fresh_gbs"])
+        else:
+            assert x["pct_of_fresh"] is None
         assert x["peak_rss_max_bytes"] == max(k["peak_rss_bytes"] for k in ranks)
         assert len(nodes) == 1
         n = nodes[0]
