@@ -82,6 +82,9 @@ typedef struct k3_stage_params {
     int max_seqs;
     int64_t max_ctx;
     int64_t kv_cache_tokens;
+    /* Prefix cache ("Prefix cache" below): snapshots of a slot's KDA + short-conv states the
+       stage holds (allocated at create; needs max_seqs > 0). 0: none. */
+    int n_snapshots;
 } k3_stage_params;
 
 k3_status k3_stage_create(const k3_stage_params *p, k3_stage **out);
@@ -101,6 +104,35 @@ void k3_stage_cache_usage(const k3_stage *s, int *free_blocks, int *total_blocks
 int64_t k3_seq_state_pos(const k3_seq_state *st); /* tokens consumed so far */
 int64_t k3_seq_state_max_ctx(const k3_seq_state *st);
 size_t k3_seq_state_bytes(const k3_seq_state *st);
+
+/* ---- Prefix cache (docs/DESIGN.md §3c; the index is the caller's, rank/prefix_cache.c) ------
+ * A cache block is held by every sequence whose block table names it and, once cached, by the
+ * prefix cache: it goes back to the free list when its last holder drops it, so a block a
+ * running sequence reads is never freed. A sequence shares only full blocks below its position,
+ * which it never writes again. A snapshot is a copy of a slot's KDA recurrent and short-conv
+ * states (one range of each pool) taken when the sequence's position is a block boundary;
+ * restoring it with the blocks below that boundary gives the state the sequence would have had
+ * after prefilling those tokens, bit for bit (test_prefix). Stages without MLA layers have no
+ * blocks (-1), stages without KDA layers empty snapshots; both still track positions. */
+/* Block j of the sequence's table (-1 without MLA layers or past its blocks). */
+int32_t k3_seq_state_block(const k3_seq_state *st, int j);
+/* One more holder of block blk (the cache keeps it); K3_ERR_STATE if blk is not in use. */
+k3_status k3_stage_block_hold(k3_stage *s, int32_t blk);
+/* One holder less; the block goes back to the free list at 0. K3_ERR_STATE if not held. */
+k3_status k3_stage_block_drop(k3_stage *s, int32_t blk);
+/* Holders of blk (0: free); tests. */
+int k3_stage_block_holders(const k3_stage *s, int32_t blk);
+/* The sequence's KDA + short-conv states into snapshot snap (stream-ordered copies). */
+k3_status k3_stage_snapshot(k3_stage *s, const k3_seq_state *st, int snap);
+/* A freshly reset sequence (position 0, no blocks) starts at pos (a multiple of K3_KV_BLOCK):
+   it holds blocks[0, pos / K3_KV_BLOCK) (may be NULL on a stage without MLA layers) and its
+   states are copied from snapshot snap (ignored on a stage without KDA layers). */
+k3_status k3_seq_state_restore(k3_seq_state *st, int64_t pos, const int32_t *blocks, int snap);
+int k3_stage_n_snapshots(const k3_stage *s);
+size_t k3_stage_snapshot_bytes(const k3_stage *s); /* one snapshot */
+/* The sequence's states into host memory: conv [n_kda, 3, K-1, P] then recurrent [n_kda, H, dk,
+   dv] (k3_stage_snapshot_bytes of them); tests compare them bit for bit. */
+k3_status k3_seq_state_read(const k3_seq_state *st, float *out);
 
 /* A batch: n_seqs sequences, sequence i contributes n_tokens[i] >= 1 consecutive tokens (prefill
  * chunk or 1 for decode); tokens of all sequences are concatenated, T = Σ n_tokens. A sequence

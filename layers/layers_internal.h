@@ -80,6 +80,10 @@ struct k3_stage {
     int n_blocks;              /* paged MLA cache blocks (0 without MLA layers) */
     int n_free;                /* free blocks: free_blk[0, n_free) */
     int32_t *free_blk;         /* host [n_blocks] */
+    int32_t *blk_ref;          /* host [n_blocks] holders of each block: the sequences whose block
+                                  table names it + the prefix cache (0: on the free list) */
+    int n_snaps;               /* prefix-cache snapshots (params.n_snapshots; layers/prefix.c) */
+    float *snap_pool;          /* [n_snaps, conv_slot + S_slot] a slot's states at a boundary */
     float *kv_pool;            /* [n_mla, n_blocks, K3_KV_BLOCK, Rkv + dr] */
     int max_blocks;            /* block table row: blocks of the longest sequence (max_ctx) */
     int64_t max_ctx;           /* the longest sequence a state may be created for */
@@ -99,6 +103,9 @@ struct k3_seq_state {
     int n_blk;    /* blocks held: positions [0, n_blk·K3_KV_BLOCK) */
     int32_t *blk; /* host [s->max_blocks] its block table */
 };
+
+/* A block the sequence or the cache stops naming: back on the free list when nobody holds it. */
+void k3_layers_block_drop(k3_stage *s, int32_t blk);
 
 /* KDA mixer over the batch (descriptor sq, in backend memory): x [T, D] (normed) -> y [T, D]. */
 k3_status k3_layers_kda(k3_stage *s, int layer, const k3_seqs *sq, const float *x, float *y);

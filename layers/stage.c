@@ -327,19 +327,19 @@ void k3_stage_destroy(k3_stage *s) {
     if (!s) return;
     if (s->be) {
         float *bufs[] = {
-            s->xa,          s->xn,     s->y,        s->hsel,    s->bank_sel, s->kq,     s->kk,
-            s->kv,          s->kqc,    s->kkc,      s->kvc,     s->kr,       s->kg,     s->ko,
-            s->kfa,         s->kbeta,  s->kwork,    s->mcq,     s->mq,       s->mckv,   s->mhwork,
-            s->mqc,         s->molat,  s->mattn,    s->mgate,   s->mwork,    s->fg,     s->fu,
-            s->moe_scratch, s->moe_r,  s->moe_comb, s->moe_acc, s->moe_eo,   s->moe_xs, s->vec_mem,
-            s->conv_pool,   s->S_pool, s->kv_pool};
+            s->xa,          s->xn,     s->y,        s->hsel,     s->bank_sel, s->kq,     s->kk,
+            s->kv,          s->kqc,    s->kkc,      s->kvc,      s->kr,       s->kg,     s->ko,
+            s->kfa,         s->kbeta,  s->kwork,    s->mcq,      s->mq,       s->mckv,   s->mhwork,
+            s->mqc,         s->molat,  s->mattn,    s->mgate,    s->mwork,    s->fg,     s->fu,
+            s->moe_scratch, s->moe_r,  s->moe_comb, s->moe_acc,  s->moe_eo,   s->moe_xs, s->vec_mem,
+            s->conv_pool,   s->S_pool, s->kv_pool,  s->snap_pool};
         for (size_t i = 0; i < K3_ARRAY_LEN(bufs); i++) k3_backend_free(s->be, bufs[i]);
         k3_backend_free(s->be, s->step_dev);
         k3_backend_free(s->be, s->moe_ids);
     }
-    void *hosts[] = {s->moe_xh,    s->h_ids,    s->h_row,     s->h_lane, s->tap_buf,
-                     s->slot_used, s->free_blk, s->step_host, s->h_ntok, s->h_pos,
-                     s->h_slot,    s->h_blk,    s->h_nf};
+    void *hosts[] = {s->moe_xh,  s->h_ids,     s->h_row,    s->h_lane,    s->tap_buf,
+                     s->blk_ref, s->slot_used, s->free_blk, s->step_host, s->h_ntok,
+                     s->h_pos,   s->h_slot,    s->h_blk,    s->h_nf};
     for (size_t i = 0; i < K3_ARRAY_LEN(hosts); i++) k3_free(hosts[i]);
     k3_free(s->vec);
     if (s->own_be) k3_backend_destroy(s->be);
@@ -427,6 +427,8 @@ static k3_status pools_resize(k3_stage *s, int n_slots, int n_blocks, int max_bl
                       n_blocks * kv_block_floats(s), "paged MLA latent cache"));
         K3_TRY(hregrow(&s->free_blk, (size_t)s->n_free * sizeof(int32_t),
                        (size_t)n_blocks * sizeof(int32_t), "cache free list"));
+        K3_TRY(hregrow(&s->blk_ref, (size_t)ob * sizeof(int32_t),
+                       (size_t)n_blocks * sizeof(int32_t), "cache block holders"));
         for (int b = n_blocks - 1; b >= ob; b--) s->free_blk[s->n_free++] = b;
         s->n_blocks = n_blocks;
     }
@@ -464,7 +466,15 @@ static k3_status pools_create(k3_stage *s) {
         p->kv_cache_tokens > 0 ? p->kv_cache_tokens : (int64_t)p->max_seqs * p->max_ctx;
     if (blocks_of(cache_tokens) < 1 || cache_tokens / K3_KV_BLOCK > INT32_MAX / 2)
         return K3_ERR(K3_ERR_ARG, "stage: kv_cache_tokens %lld", (long long)cache_tokens);
-    return pools_resize(s, p->max_seqs, blocks_of(cache_tokens), blocks_of(p->max_ctx), p->max_ctx);
+    K3_TRY(
+        pools_resize(s, p->max_seqs, blocks_of(cache_tokens), blocks_of(p->max_ctx), p->max_ctx));
+    if (p->n_snapshots < 0)
+        return K3_ERR(K3_ERR_ARG, "stage: n_snapshots %d must be >= 0", p->n_snapshots);
+    s->n_snaps = p->n_snapshots;
+    const int64_t per = s->conv_slot + s->S_slot;
+    if (s->n_snaps > 0 && per > 0)
+        K3_TRY(buf(s, &s->snap_pool, (size_t)s->n_snaps * (size_t)per, "prefix-cache snapshots"));
+    return K3_OK;
 }
 
 void k3_stage_cache_usage(const k3_stage *s, int *free_blocks, int *total_blocks) {
@@ -508,7 +518,7 @@ k3_status k3_seq_state_create(const k3_stage *cs, int64_t max_ctx, k3_seq_state 
 
 void k3_seq_state_release(k3_seq_state *st) {
     k3_stage *s = st->s;
-    for (int i = st->n_blk - 1; i >= 0; i--) s->free_blk[s->n_free++] = st->blk[i];
+    for (int i = st->n_blk - 1; i >= 0; i--) k3_layers_block_drop(s, st->blk[i]);
     st->n_blk = 0;
 }
 
@@ -711,8 +721,11 @@ static k3_status take_blocks(k3_stage *s, const k3_batch *b) {
     }
     for (int i = 0; i < b->n_seqs; i++) {
         k3_seq_state *st = b->states[i];
-        while (st->n_blk < blocks_of(st->pos + b->n_tokens[i]))
-            st->blk[st->n_blk++] = s->free_blk[--s->n_free];
+        while (st->n_blk < blocks_of(st->pos + b->n_tokens[i])) {
+            const int32_t blk = s->free_blk[--s->n_free];
+            s->blk_ref[blk] = 1;
+            st->blk[st->n_blk++] = blk;
+        }
     }
     return K3_OK;
 }

@@ -30,3 +30,12 @@ set_tests_properties(forward_guard PROPERTIES LABELS "unit;sanitize" ENVIRONMENT
 k3_add_test_exe(test_paged ${CMAKE_CURRENT_LIST_DIR}/test_paged.c)
 add_test(NAME forward_paged COMMAND test_paged)
 set_tests_properties(forward_paged PROPERTIES LABELS "unit;sanitize" ENVIRONMENT "${K3_TEST_ENV}" TIMEOUT 300)
+# the prefix cache's stage side: KDA snapshot / restore bit for bit, block holders (issue 31)
+k3_add_test_exe(test_prefix ${CMAKE_CURRENT_LIST_DIR}/test_prefix.c)
+add_test(NAME prefix_snapshot COMMAND test_prefix cpu)
+set_tests_properties(prefix_snapshot PROPERTIES LABELS "unit;sanitize" ENVIRONMENT "${K3_TEST_ENV}" TIMEOUT 120)
+if(K3_CUDA)
+  add_test(NAME prefix_snapshot_cuda COMMAND test_prefix cuda)
+  set_tests_properties(prefix_snapshot_cuda PROPERTIES LABELS "gpuemu" ENVIRONMENT "${K3_TEST_ENV}" TIMEOUT 300
+                       SKIP_RETURN_CODE 77)
+endif()
