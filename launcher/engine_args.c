@@ -26,6 +26,7 @@ static const struct {
     {"max-seqs", 1, (int64_t)1 << 20},
     {"max-ctx", 1, (int64_t)1 << 30},
     {"kv-cache-tokens", 0, (int64_t)1 << 40},
+    {"prefix-cache-tokens", 0, (int64_t)1 << 40},
     {"max-batch-tokens", 1, (int64_t)1 << 24},
     {"chunk", 0, (int64_t)1 << 30},
     {"micro-batches", 0, 1024},
@@ -174,6 +175,8 @@ int k3_engine_args(const k3_args *a, bool print, k3_engine_opts *o) {
     o->max_seqs = (int)k3_args_int(a, "max-seqs");
     o->max_ctx = k3_args_int(a, "max-ctx");
     o->kv_cache_tokens = k3_args_int(a, "kv-cache-tokens");
+    o->no_prefix_cache = k3_args_bool(a, "no-prefix-cache");
+    o->prefix_cache_tokens = k3_args_int(a, "prefix-cache-tokens");
     o->max_batch_tokens = k3_args_int(a, "max-batch-tokens");
     o->chunk = k3_args_int(a, "chunk");
     o->micro_batches = (int)k3_args_int(a, "micro-batches");

@@ -79,6 +79,12 @@
      "tokens per sequence, prompt + generated; a longer request fails alone"},                     \
     {"kv-cache-tokens", K3_FLAG_INT, "N", "0",                                                     \
      "paged MLA cache per lane, in tokens (0 = max-seqs x max-ctx); requests wait for room"},      \
+    {"no-prefix-cache", K3_FLAG_BOOL, NULL, NULL,                                                  \
+     "turn the prefix cache off (on by default: a prompt that starts with a cached prefix shares " \
+     "its MLA blocks and restores its KDA state snapshot instead of running it again)"},           \
+    {"prefix-cache-tokens", K3_FLAG_INT, "N", "0",                                                 \
+     "tokens of a lane's paged cache the prefix cache may hold (0 = all of --kv-cache-tokens; "    \
+     "least recently used unused blocks are evicted first)"},                                      \
     {"max-batch-tokens", K3_FLAG_INT, "T", K3_ENGINE_ARGS_STR(K3_ENGINE_DEFAULT_MAX_BATCH_TOKENS), \
      "tokens per forward step of one lane (decode rows + prefill chunks)"},                        \
     {"chunk", K3_FLAG_INT, "C", "0",                                                               \

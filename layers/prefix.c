@@ -62,10 +62,9 @@ static k3_status snap_copy(k3_stage *s, int slot, int snap, bool save) {
         K3_TRY(save ? be->ops->copy2d(be, sp, s->conv_slot, conv, s->conv_slot, 1, s->conv_slot)
                     : be->ops->copy2d(be, conv, s->conv_slot, sp, s->conv_slot, 1, s->conv_slot));
     if (s->S_slot > 0)
-        K3_TRY(save ? be->ops->copy2d(be, sp + s->conv_slot, s->S_slot, rec, s->S_slot, 1,
-                                      s->S_slot)
-                    : be->ops->copy2d(be, rec, s->S_slot, sp + s->conv_slot, s->S_slot, 1,
-                                      s->S_slot));
+        K3_TRY(
+            save ? be->ops->copy2d(be, sp + s->conv_slot, s->S_slot, rec, s->S_slot, 1, s->S_slot)
+                 : be->ops->copy2d(be, rec, s->S_slot, sp + s->conv_slot, s->S_slot, 1, s->S_slot));
     return K3_OK;
 }
 
@@ -84,7 +83,8 @@ k3_status k3_seq_state_restore(k3_seq_state *st, int64_t pos, const int32_t *blo
         return K3_ERR(K3_ERR_STATE, "prefix cache: restore into a sequence at position %lld",
                       (long long)st->pos);
     if (pos < 0 || pos % K3_KV_BLOCK != 0 || pos > st->max_ctx)
-        return K3_ERR(K3_ERR_STATE, "prefix cache: restore at position %lld (blocks of %d, max %lld)",
+        return K3_ERR(K3_ERR_STATE,
+                      "prefix cache: restore at position %lld (blocks of %d, max %lld)",
                       (long long)pos, K3_KV_BLOCK, (long long)st->max_ctx);
     const int n = (int)(pos / K3_KV_BLOCK);
     if (s->n_mla > 0) {

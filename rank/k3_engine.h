@@ -70,9 +70,13 @@ typedef struct k3_engine_opts {
     int micro_batches;        /* groups in flight through the pipeline (default S) */
     int64_t kv_cache_tokens;  /* paged MLA cache of a lane, tokens (default max_seqs x max_ctx):
                                  a request waits until its prompt + max_tokens fit */
-    const k3_tokenizer *tok;  /* rank 0, borrowed, may be NULL: text deltas + stop strings */
-    bool progress;            /* load progress bar on rank 0's terminal */
-    const char *name;         /* prefix of set-up error lines ("k3 batch"); NULL = "k3" */
+    bool no_prefix_cache;     /* the prefix cache is on unless this is set (docs/DESIGN.md
+                                 §3c: shared MLA blocks + KDA snapshots) */
+    int64_t prefix_cache_tokens; /* tokens of a lane's paged cache the prefix cache may hold
+                                    (0: all of kv_cache_tokens; never more) */
+    const k3_tokenizer *tok;     /* rank 0, borrowed, may be NULL: text deltas + stop strings */
+    bool progress;               /* load progress bar on rank 0's terminal */
+    const char *name;            /* prefix of set-up error lines ("k3 batch"); NULL = "k3" */
     int load_readers;  /* reads in flight per rank while loading (k3_load_sel.n_readers; 0 = the
                           default K3_LOAD_READERS_DEFAULT) */
     bool load_direct;  /* O_DIRECT reads where the file system allows them (k3_load_sel.direct) */
@@ -185,6 +189,7 @@ typedef struct k3_event {
     int64_t n_prompt;  /* prompt tokens */
     int64_t n_gen;     /* generated tokens */
     double queued_s;   /* seconds from submit until it got a slot (0 while it has none) */
+    int64_t n_cached;  /* prompt tokens served from the prefix cache (not run again) */
     /* ERROR */
     const char *error;
     k3_error_kind error_kind;
@@ -227,6 +232,11 @@ struct k3_engine_stats {
     uint64_t plan_hash;
     int64_t max_ctx, max_batch_tokens;
     int64_t prompt_tokens, gen_tokens, steps;
+    /* the prefix cache (as vLLM counts it: prompt tokens of the requests that started, and how
+       many of them were found cached), and its blocks now held / at most, over all lanes */
+    bool prefix_cache;
+    int64_t prefix_queries, prefix_hits;
+    int64_t prefix_blocks, prefix_blocks_max;
     uint64_t logits_bytes;
     int logits_messages;
     double load_s;       /* the slowest rank's load */

@@ -26,6 +26,7 @@
 #include "k3_comm.h"
 #include "k3_experts.h"
 #include "k3_layers.h"
+#include "prefix_cache.h"
 #include "wire.h"
 
 #include <stdio.h>
@@ -48,6 +49,9 @@ typedef struct rank_ctx {
     int max_seqs;
     int64_t max_ctx, max_tokens, chunk; /* max_tokens: per forward step of a lane */
     int kv_blocks;                      /* paged cache blocks of every stage of a lane */
+    bool pc_on;                         /* the prefix cache (--no-prefix-cache: off) */
+    rank_pc_params pc;                  /* its sizes, the same on every rank (setup.c) */
+    int64_t pc_words;                   /* prefix-cache op words a lane's step may carry */
     /* what the load made (setup.c), the worker's to use; be outlives comm (k3_engine_close) */
     k3_backend *be; /* the rank's kernel backend: weights, states, activations */
     k3_ckpt *ck;

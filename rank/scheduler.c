@@ -28,7 +28,9 @@ typedef struct req_run {
     int n_gen;
     int32_t *gen; /* [max_tokens] */
     int lane, group, slot;
-    int blk_resv;       /* paged cache blocks reserved on its lane: prompt + max_tokens */
+    int blk_resv;       /* paged cache blocks reserved on its lane: prompt + max_tokens, less
+                           those the prefix cache holds (its hit, then blocks it cached) */
+    int64_t cached;     /* prompt tokens its prefix-cache hit skipped */
     bool opened;        /* its first step (the OPEN flag) was sent */
     int64_t n_tok_step; /* tokens in its group's current step */
     k3_sampler *smp;
@@ -82,9 +84,11 @@ struct rank_coord {
     uint64_t logits_bytes;
     int n_logits_msgs;
     int64_t prompt_tokens, gen_tokens;
-    uint64_t n_steps;     /* forward steps sent */
-    double *rank_busy_s;  /* [world] forward time of each rank so far (from the LOGITS) */
-    uint64_t *rank_steps; /* [world] its steps counted there */
+    uint64_t n_steps;            /* forward steps sent */
+    rank_pcache **pc;            /* [E] each lane's prefix-cache index (NULL: --no-prefix-cache) */
+    int64_t pc_queries, pc_hits; /* prompt tokens looked up, found (vLLM's counters) */
+    double *rank_busy_s;         /* [world] forward time of each rank so far (from the LOGITS) */
+    uint64_t *rank_steps;        /* [world] its steps counted there */
 };
 
 /* ---- events ------------------------------------------------------------------------------- */
@@ -133,6 +137,7 @@ static k3_status ev_push(rank_ctx *r, k3_event_kind kind, const req_run *q, k3_e
     e->n_prompt = q->P;
     e->n_gen = q->n_gen;
     e->queued_s = q->queued_s;
+    e->n_cached = q->cached;
     *out = e;
     return K3_OK;
 }
@@ -175,6 +180,7 @@ static void end_req(rank_ctx *r, req_run *q) {
            next step (a slot opened again in that step is reset anyway) */
         r->co->lane_blk_free[q->lane] += q->blk_resv;
         q->blk_resv = 0;
+        if (r->co->pc) rank_pc_end(r->co->pc[q->lane], q->slot);
         if (r->co->n_pend_free[q->lane] < r->max_seqs)
             r->co
                 ->pend_free[(size_t)q->lane * r->max_seqs + (size_t)r->co->n_pend_free[q->lane]++] =
@@ -383,6 +389,66 @@ static int lane_running(const rank_ctx *r, int e) {
     return n;
 }
 
+/* ---- the prefix cache (prefix_cache.h): rank 0 decides, the lane's next message carries it ----
+ */
+/* A prefill chunk of n tokens from q->fed, cut at the next snapshot point (taken at a step's end).
+ */
+static int64_t pc_cut(const rank_ctx *r, const req_run *q, int64_t n) {
+    if (!r->co->pc || q->fed >= q->P) return n;
+    const int64_t cut = rank_pc_next_cut(r->co->pc[q->lane], q->fed, q->P);
+    return cut - q->fed < n ? cut - q->fed : n;
+}
+
+/* A request that wants the logits of its prompt positions (all_logits, prompt logprobs) runs its
+ * whole prompt: it takes no hit (it still caches what it runs). */
+static bool pc_may_hit(const req_run *q) {
+    return !q->all_logits && !q->plp;
+}
+
+/* Whether lane e has room for `need` new blocks: those no request reserved, less what the cache
+ * holds and cannot evict (entries in use, and the unused ones a hit is about to use). */
+static bool pc_fits(const rank_ctx *r, int e, int need, int hit_unused) {
+    int64_t room = r->co->lane_blk_free[e];
+    if (r->co->pc)
+        room -= rank_pc_blocks(r->co->pc[e]) - rank_pc_evictable(r->co->pc[e]) + hit_unused;
+    return room >= need;
+}
+
+/* q joins lane e: it takes its hit (prefill starts there) and the cache evicts what its blocks
+ * need. Returns the blocks it reserves. */
+static k3_status pc_join(rank_ctx *r, req_run *q, int e, int *need) {
+    rank_pcache *pc = r->co->pc[e];
+    RTRY(r, rank_pc_begin(pc, q->slot, q->prompt, q->P, pc_may_hit(q), &q->cached));
+    *need = blocks_needed(q) - (int)(q->cached / K3_KV_BLOCK);
+    while (r->co->lane_blk_free[e] - rank_pc_blocks(pc) < *need && rank_pc_evict_one(pc)) {
+    }
+    q->fed = q->cached;
+    r->co->pc_queries += q->P;
+    r->co->pc_hits += q->cached;
+    return K3_OK;
+}
+
+/* The blocks q completes in the step being formed join the cache (its reservation shrinks by
+ * the blocks the cache now holds for it). */
+static k3_status pc_advance(rank_ctx *r, req_run *q) {
+    int moved;
+    RTRY(r, rank_pc_advance(r->co->pc[q->lane], q->slot, q->prompt, q->P, q->gen,
+                            q->fed + q->n_tok_step, &moved));
+    q->blk_resv -= moved;
+    r->co->lane_blk_free[q->lane] += moved;
+    return K3_OK;
+}
+
+/* The lane's ops into the message at out; how many words. */
+static int pc_take(rank_ctx *r, int e, int32_t *out) {
+    if (!r->co->pc) return 0;
+    int n;
+    const int32_t *w = rank_pc_ops(r->co->pc[e], &n);
+    if (n) memcpy(out, w, (size_t)n * sizeof(int32_t));
+    rank_pc_ops_clear(r->co->pc[e]);
+    return n;
+}
+
 /* Form and send group g's next step; *sent false when it has nothing to do (it stays idle). */
 static k3_status send_step(rank_ctx *r, int g, bool *sent) {
     *sent = false;
@@ -407,7 +473,7 @@ static k3_status send_step(rank_ctx *r, int g, bool *sent) {
             if (q->state != RQ_RUNNING || q->group != g) continue;
             bool decode = q->fed >= q->P;
             if (decode != (pass == 0)) continue;
-            int64_t n = K3_MIN(K3_MIN(want_tokens(r, q), r->chunk), bud[q->lane]);
+            int64_t n = pc_cut(r, q, K3_MIN(K3_MIN(want_tokens(r, q), r->chunk), bud[q->lane]));
             q->n_tok_step = n;
             bud[q->lane] -= n;
             total += n;
@@ -421,23 +487,29 @@ static k3_status send_step(rank_ctx *r, int g, bool *sent) {
             continue;
         }
         int best = -1, best_n = 0;
-        const int need = blocks_needed(q);
-        for (int e = 0; e < E; e++) {
-            if (bud[e] < 1 || r->co->lane_blk_free[e] < need) continue;
-            int n = lane_running(r, e);
-            if (n >= r->max_seqs) continue;
-            if (best < 0 || n < best_n) best = e, best_n = n;
+        int64_t best_hit = 0;
+        int need = blocks_needed(q);
+        for (int e = 0; e < E; e++) { /* the longest cached prefix, then the least load */
+            int n = lane_running(r, e), unused = 0;
+            if (bud[e] < 1 || n >= r->max_seqs) continue;
+            const int64_t hit = r->co->pc && pc_may_hit(q)
+                                    ? rank_pc_lookup(r->co->pc[e], q->prompt, q->P, &unused)
+                                    : 0;
+            if (!pc_fits(r, e, need - (int)(hit / K3_KV_BLOCK), unused)) continue;
+            if (best < 0 || hit > best_hit || (hit == best_hit && n < best_n))
+                best = e, best_n = n, best_hit = hit;
         }
         if (best < 0) break; /* strict FIFO: later requests wait behind this one */
         int slot = 0;
         while (r->co->slot_req[(size_t)best * r->max_seqs + slot]) slot++;
         r->co->slot_req[(size_t)best * r->max_seqs + slot] = q;
-        r->co->lane_blk_free[best] -= need;
-        q->blk_resv = need;
         q->state = RQ_RUNNING;
         q->queued_s = k3_now_s() - q->t_submit;
         q->lane = best, q->slot = slot, q->group = g, q->opened = false;
-        int64_t n = K3_MIN(K3_MIN(q->P, r->chunk), bud[best]);
+        if (r->co->pc) RTRY(r, pc_join(r, q, best, &need));
+        r->co->lane_blk_free[best] -= need;
+        q->blk_resv = need;
+        int64_t n = pc_cut(r, q, K3_MIN(K3_MIN(q->P - q->fed, r->chunk), bud[best]));
         q->n_tok_step = n;
         bud[best] -= n;
         total += n;
@@ -470,8 +542,13 @@ static k3_status send_step(rank_ctx *r, int g, bool *sent) {
         memcpy(mt + META_HDR + META_SEQ * ns, r->co->pend_free + (size_t)e * r->max_seqs,
                (size_t)nf * sizeof(int32_t));
         r->co->n_pend_free[e] = 0;
-        mt[0] = g, mt[1] = gr->step, mt[2] = all, mt[3] = ns, mt[4] = nf;
-        int32_t *tok = mt + META_PREFIX(ns, nf), *tgt = tok + T; /* PLP targets after the ids */
+        for (int j = 0; j < ns && r->co->pc; j++)
+            RTRY(r, pc_advance(
+                        r, r->co->slot_req[(size_t)e * r->max_seqs + mt[META_HDR + META_SEQ * j]]));
+        const int npc = pc_take(r, e, mt + META_PREFIX(ns, nf, 0));
+        mt[0] = g, mt[1] = gr->step, mt[2] = all, mt[3] = ns, mt[4] = nf, mt[5] = npc;
+        int32_t *tok = mt + META_PREFIX(ns, nf, npc),
+                *tgt = tok + T; /* PLP targets after the ids */
         for (int j = 0; j < ns; j++) {
             req_run *q = r->co->slot_req[(size_t)e * r->max_seqs + mt[META_HDR + META_SEQ * j]];
             const bool plp = mt[META_HDR + META_SEQ * j + 2] & K3_WIRE_PLP;
@@ -571,10 +648,10 @@ static k3_status on_logits(rank_ctx *r, const step_msg *m) {
     if (m->h.n_meta < META_HDR || src_stage != r->plan.n_stages - 1)
         RTRY(r, K3_ERR(K3_ERR_FORMAT, "LOGITS from rank %d (stage %d): %d meta", m->src, src_stage,
                        m->h.n_meta));
-    int g = mt[0], stepi = mt[1], all = mt[2], ns = mt[3], nf = mt[4];
+    int g = mt[0], stepi = mt[1], all = mt[2], ns = mt[3], nf = mt[4], npc = mt[5];
     if (g < 0 || g >= r->co->n_groups || stepi != r->co->groups[g].step ||
-        r->co->groups[g].pending <= 0 || ns < 0 || nf < 0 ||
-        m->h.n_meta < META_PREFIX(ns, nf) + r->plan.n_stages)
+        r->co->groups[g].pending <= 0 || ns < 0 || nf < 0 || npc < 0 ||
+        m->h.n_meta < META_PREFIX(ns, nf, npc) + r->plan.n_stages)
         RTRY(r, K3_ERR(K3_ERR_FORMAT,
                        "LOGITS from rank %d: group %d step %d (expected step %d), %d sequences",
                        m->src, g, stepi, g >= 0 && g < r->co->n_groups ? r->co->groups[g].step : -1,
@@ -586,7 +663,7 @@ static k3_status on_logits(rank_ctx *r, const step_msg *m) {
     }
     int64_t R = all ? T : n_want;
     if (m->h.D != V || m->h.R != R || m->n_f32 != R * V + n_plp * K3_PLP_REC ||
-        m->h.n_meta != META_PREFIX(ns, nf) + r->plan.n_stages + n_plp)
+        m->h.n_meta != META_PREFIX(ns, nf, npc) + r->plan.n_stages + n_plp)
         RTRY(r, K3_ERR(K3_ERR_FORMAT,
                        "LOGITS from rank %d: [%lld, %lld] rows + %lld floats, want [%lld, %lld] + "
                        "%lld prompt logprob records",
@@ -596,7 +673,7 @@ static k3_status on_logits(rank_ctx *r, const step_msg *m) {
     const float *plp_rec = m->f32 + R * V;
     r->co->logits_bytes += m->n_bytes;
     r->co->n_logits_msgs++;
-    const int32_t *busy_us = mt + META_PREFIX(ns, nf); /* per stage of lane e (wire.h) */
+    const int32_t *busy_us = mt + META_PREFIX(ns, nf, npc); /* per stage of lane e (wire.h) */
     for (int s = 0; s < r->plan.n_stages; s++) {
         int w = k3_plan_rank(&r->plan, s, e);
         r->co->rank_busy_s[w] += busy_us[s] * 1e-6;
@@ -676,7 +753,12 @@ static k3_status coord_create(rank_ctx *r, struct rank_coord *C) {
     RTRY(r, k3_calloc((void **)&C->groups, (size_t)C->n_groups * sizeof *C->groups, "groups"));
     RTRY(r, k3_calloc((void **)&C->slot_req, (size_t)E * (size_t)r->max_seqs * sizeof *C->slot_req,
                       "slot table"));
-    C->meta_cap = META_PREFIX((int64_t)r->max_seqs, (int64_t)r->max_seqs) + 2 * r->max_tokens;
+    C->meta_cap =
+        META_PREFIX((int64_t)r->max_seqs, (int64_t)r->max_seqs, r->pc_words) + 2 * r->max_tokens;
+    if (r->pc_on) {
+        RTRY(r, k3_calloc((void **)&C->pc, (size_t)E * sizeof *C->pc, "prefix caches"));
+        for (int e = 0; e < E; e++) RTRY(r, rank_pc_create(&r->pc, &C->pc[e]));
+    }
     RTRY(r, k3_calloc((void **)&C->lane_blk_free, (size_t)E * sizeof(int), "lane cache blocks"));
     RTRY(r, k3_calloc((void **)&C->n_pend_free, (size_t)E * sizeof(int), "lane freed slots"));
     RTRY(r, k3_calloc((void **)&C->pend_free, (size_t)E * (size_t)r->max_seqs * sizeof(int32_t),
@@ -723,6 +805,8 @@ void rank_coord_destroy(rank_ctx *r) {
     k3_free(C->groups), k3_free(C->slot_req), k3_free(C->meta), k3_free(C->row);
     k3_free(C->lane_blk_free), k3_free(C->n_pend_free), k3_free(C->pend_free);
     k3_free(C->rank_busy_s), k3_free(C->rank_steps);
+    for (int e = 0; C->pc && e < r->plan.n_lanes; e++) rank_pc_destroy(C->pc[e]);
+    k3_free(C->pc);
     k3_free(C);
     r->co = NULL;
 }
@@ -746,6 +830,14 @@ void rank_coord_stats(const rank_ctx *r, k3_engine_stats *out) {
     out->steps = (int64_t)C->n_steps;
     out->logits_bytes = C->logits_bytes;
     out->logits_messages = C->n_logits_msgs;
+    out->prefix_cache = C->pc != NULL;
+    out->prefix_queries = C->pc_queries;
+    out->prefix_hits = C->pc_hits;
+    out->prefix_blocks = out->prefix_blocks_max = 0;
+    for (int e = 0; C->pc && e < r->plan.n_lanes; e++) {
+        out->prefix_blocks += rank_pc_blocks(C->pc[e]);
+        out->prefix_blocks_max += r->pc.n_entries;
+    }
 }
 
 bool rank_coord_rank_busy(const rank_ctx *r, int w, double *busy_s, uint64_t *steps) {

@@ -141,6 +141,34 @@ static void bind_rank(rank_ctx *r) {
 
 /* Usage-type problems are identical on every rank: all return K3_ERR_ARG, rank 0 prints. Others:
  * agree on the worst status so nobody hangs in the next collective. */
+/* The prefix cache's sizes (docs/DESIGN.md §3c), the same on every rank: a budget of blocks
+ * (--prefix-cache-tokens, by default the lane's whole paged cache: unused blocks cost nothing,
+ * evicted when a request needs them), a snapshot every K3_PREFIX_SNAP_EVERY blocks, and a
+ * snapshot pool of one per that many budget blocks, at most 2 x max_seqs (a snapshot is a
+ * slot's KDA state: the pool is at most twice the slots' own). */
+#define K3_PREFIX_SNAP_EVERY 8
+static k3_status prefix_cache_sizes(rank_ctx *r) {
+    const k3_engine_opts *o = r->o;
+    r->pc_on = !o->no_prefix_cache;
+    if (!r->pc_on) return K3_OK;
+    if (o->prefix_cache_tokens < 0 || o->prefix_cache_tokens > (int64_t)r->kv_blocks * K3_KV_BLOCK)
+        return K3_ERR(K3_ERR_ARG,
+                      "--prefix-cache-tokens %lld: must be in [0, %lld], the lane's paged cache "
+                      "(--kv-cache-tokens)",
+                      (long long)o->prefix_cache_tokens, (long long)r->kv_blocks * K3_KV_BLOCK);
+    const int64_t tokens =
+        o->prefix_cache_tokens > 0 ? o->prefix_cache_tokens : (int64_t)r->kv_blocks * K3_KV_BLOCK;
+    rank_pc_params *p = &r->pc;
+    p->n_entries = (int)((tokens + K3_KV_BLOCK - 1) / K3_KV_BLOCK);
+    p->snap_every = K3_PREFIX_SNAP_EVERY;
+    p->n_snaps = (int)K3_MIN((int64_t)p->n_entries / p->snap_every + 1, 2 * (int64_t)r->max_seqs);
+    p->max_seqs = r->max_seqs;
+    p->max_blocks = (int)((r->max_ctx + K3_KV_BLOCK - 1) / K3_KV_BLOCK);
+    p->max_tokens = r->max_tokens;
+    r->pc_words = rank_pc_ops_cap(p);
+    return K3_OK;
+}
+
 k3_status rank_setup(rank_ctx *r) {
     const k3_engine_opts *o = r->o;
     k3_status st = K3_OK;
@@ -165,6 +193,7 @@ k3_status rank_setup(rank_ctx *r) {
             o->kv_cache_tokens > 0 ? o->kv_cache_tokens : (int64_t)r->max_seqs * r->max_ctx;
         r->kv_blocks = (int)K3_MIN((kvt + K3_KV_BLOCK - 1) / K3_KV_BLOCK, (int64_t)INT32_MAX / 2);
     }
+    if (st == K3_OK) st = prefix_cache_sizes(r);
     if (o->max_seqs < 0 || o->max_ctx < 0 || o->max_batch_tokens < 0 || o->chunk < 0 ||
         o->micro_batches < 0 || o->micro_batches > 1024)
         st = K3_ERR(K3_ERR_ARG, "--max-seqs, --max-ctx, --max-batch-tokens, --chunk and "

@@ -2,13 +2,13 @@
  * behind its own versioned header, so comm knows nothing of steps, tokens or the AttnRes bank).
  *
  * BATCH, ACTIV, LOGITS: one k3_wire_step, then int32 meta[n_meta] =
- *   [group, step, all_logits, n_seqs, n_free, (slot, n_tokens, flags) x n_seqs, freed slot x
- * n_free, (BATCH) token ids x T | (ACTIV, LOGITS) busy us x S]; f32 = ACTIV: h [T, D] | bank
- * [n_bank, T, D]; LOGITS: [R, V] | [T_plp, K3_PLP_REC]; BATCH: none. Every message's meta ends with
- * the T_plp target ids of its PLP sequences (K3_WIRE_PLP below). PROGRESS: one k3_wire_progress
- * (the load heartbeat: workers -> rank 0, rank 0 -> every worker). STOP: no payload. Bump
- * K3_WIRE_VERSION on any change of these layouts; a receiver refuses another version, naming the
- * sender. */
+ *   [group, step, all_logits, n_seqs, n_free, n_pc, (slot, n_tokens, flags) x n_seqs, freed slot x
+ * n_free, prefix-cache op words x n_pc, (BATCH) token ids x T | (ACTIV, LOGITS) busy us x S]; f32 =
+ * ACTIV: h [T, D] | bank [n_bank, T, D]; LOGITS: [R, V] | [T_plp, K3_PLP_REC]; BATCH: none. Every
+ * message's meta ends with the T_plp target ids of its PLP sequences (K3_WIRE_PLP below).
+ * PROGRESS: one k3_wire_progress (the load heartbeat: workers -> rank 0, rank 0 -> every worker).
+ * STOP: no payload. Bump K3_WIRE_VERSION on any change of these layouts; a receiver refuses another
+ * version, naming the sender. */
 #ifndef K3_RANK_WIRE_H
 #define K3_RANK_WIRE_H
 
@@ -16,9 +16,9 @@
 #include <stdint.h>
 
 #define K3_WIRE_VERSION                                                                            \
-    6 /* 2: slots + OPEN/WANT flags; 3: the progress heartbeat; 4: NF flag;                        \
+    8 /* 2: slots + OPEN/WANT flags; 3: the progress heartbeat; 4: NF flag;                        \
          5: per-stage busy time on ACTIV/LOGITS; 6: freed slots (paged cache);                     \
-         7: prompt logprobs (PLP flag, targets, records) */
+         7: prompt logprobs (PLP flag, targets, records); 8: prefix-cache ops */
 
 typedef struct k3_wire_step {
     uint32_t version; /* K3_WIRE_VERSION */
@@ -48,12 +48,13 @@ typedef struct k3_wire_progress {
 _Static_assert(sizeof(k3_wire_progress) == 32 && offsetof(k3_wire_progress, done_bytes) == 16,
                "k3_wire_progress is a wire struct: its layout is part of K3_WIRE_VERSION 3");
 
-#define META_HDR 5 /* group, step, all_logits, n_seqs, n_free */
+#define META_HDR 6 /* group, step, all_logits, n_seqs, n_free, n_pc */
 #define META_SEQ 3 /* per sequence: slot (on the lane), n_tokens, flags */
 /* The int32s before a message's tail (token ids, or the stages' busy times): the header, the
  * sequences, then n_free slots whose sequences ended (each stage returns their cache blocks to
- * its pool before the step; a slot opened again later is reset anyway). */
-#define META_PREFIX(n_seqs, n_free) (META_HDR + META_SEQ * (n_seqs) + (n_free))
+ * its pool before the step; a slot opened again later is reset anyway), then n_pc words of
+ * prefix-cache ops for the lane (rank/prefix_cache.h: every stage applies them, in order). */
+#define META_PREFIX(n_seqs, n_free, n_pc) (META_HDR + META_SEQ * (n_seqs) + (n_free) + (n_pc))
 /* Meta of a message: META_HDR | META_SEQ per sequence | then BATCH: the T token ids; ACTIV and
  * LOGITS: S int32, the microseconds each stage of the lane spent in its forward of this step
  * (the stages downstream of the sender still 0). The coordinator gets every rank's step time from

@@ -2,9 +2,10 @@
  *
  * Wire usage (all messages through comm/, tag = kind; payload layouts and K3_WIRE_VERSION in
  * wire.h; each message's meta is one k3_wire_step, then int32s):
- *   BATCH  coordinator -> (stage 0, lane e): [group, step, all_logits, n_seqs, n_free,
- *          (slot, n_tokens, flags) x n_seqs, freed slot x n_free, token ids x T]; flags: OPEN (a
- *          new sequence in the slot: reset it), WANT (its last row is sampled), NF
+ *   BATCH  coordinator -> (stage 0, lane e): [group, step, all_logits, n_seqs, n_free, n_pc,
+ *          (slot, n_tokens, flags) x n_seqs, freed slot x n_free, prefix-cache ops x n_pc, token
+ *          ids x T]; flags: OPEN (a new sequence in the slot: reset it), WANT (its last row is
+ *          sampled), NF
  *   ACTIV  (s, e) -> (s+1, e): the same prefix, then the busy microseconds of each of the lane's
  *          S stages in this step; f32 = h [T, D] | bank [n_bank, T, D]
  *   LOGITS (S-1, e) -> coordinator: meta as ACTIV; f32 = [R, V] with R = T (all_logits) or the
@@ -14,16 +15,17 @@
  * stage to the last one, which needs them for the records.
  *   STOP   coordinator -> every worker, after the last logits arrived.
  * The freed slots are sequences that ended: each stage returns their cache blocks to its pool
- * before the step. A NaN/Inf in a sequence's rows sets its NF flag with the first sub-block that
- * produced one (k3_nf_code), carried on to the coordinator, which fails that request alone.
- * With a transport that has device payloads (nccl) and a device backend, ACTIV carries only its
- * meta and the floats follow it backend to backend (k3_comm_send_dev / recv_dev), so activations
- * never cross to the host between stages.
- * Every lane of a stage receives the same sequence of (group, step) messages (possibly with no
- * sequences), so the lanes' MoE collectives line up; a lane with no tokens still serves its
- * experts at each MoE layer (k3_stage_idle_step). The stage drives the MoE step itself through
- * the comm handle it is given; rank only builds the lane map and moves messages. Activations,
- * caches and logits live in the rank's backend; they cross to host memory only by
+ * before the step. The prefix-cache ops (rank/prefix_cache.h) are applied around the forward:
+ * evictions and hits before it (after the OPEN resets), saved blocks and snapshots after it. A
+ * NaN/Inf in a sequence's rows sets its NF flag with the first sub-block that produced one
+ * (k3_nf_code), carried on to the coordinator, which fails that request alone. With a transport
+ * that has device payloads (nccl) and a device backend, ACTIV carries only its meta and the floats
+ * follow it backend to backend (k3_comm_send_dev / recv_dev), so activations never cross to the
+ * host between stages. Every lane of a stage receives the same sequence of (group, step) messages
+ * (possibly with no sequences), so the lanes' MoE collectives line up; a lane with no tokens still
+ * serves its experts at each MoE layer (k3_stage_idle_step). The stage drives the MoE step itself
+ * through the comm handle it is given; rank only builds the lane map and moves messages.
+ * Activations, caches and logits live in the rank's backend; they cross to host memory only by
  * k3_backend_download/upload at a message boundary. The loop allocates nothing per step: buffers
  * are sized from the plan's max_tokens up front (comm buffers grow to the largest message once).
  * A step is four steps: decode the message (check it, free the ended slots, bind the sequences),
@@ -49,9 +51,11 @@ struct rank_worker {
     k3_seq_state **bstates; /* [max_seqs] batch scratch */
     int32_t *bntok;         /* [max_seqs] */
     int32_t *bnf;           /* [max_seqs] k3_batch.nonfinite */
-    int32_t *wmeta;         /* [META_HDR + META_SEQ * max_seqs + max_seqs + S] the meta sent on */
-    bool serving;           /* no STOP yet */
-    int in_peer;            /* where this worker's steps come from */
+    int32_t
+        *wmeta; /* [META_PREFIX(max_seqs, max_seqs, pc_words) + S + max_tokens] the meta sent on */
+    int32_t *pc_blk; /* [pc.n_entries] this stage's block of each prefix-cache entry (-1) */
+    bool serving;    /* no STOP yet */
+    int in_peer;     /* where this worker's steps come from */
     k3_msg_kind in_kind;
 };
 
@@ -59,7 +63,8 @@ struct rank_worker {
 typedef struct wstep {
     const step_msg *m;
     char who[32]; /* "rank N": the sender, for errors */
-    int group, step, all_logits, n_seqs, n_free;
+    int group, step, all_logits, n_seqs, n_free, n_pc;
+    const int32_t *pc;     /* [n_pc] the lane's prefix-cache ops */
     int64_t T;             /* tokens of this lane in the step */
     int64_t n_tgt;         /* rows of its PLP sequences (their target ids end the meta) */
     const int32_t *tgt;    /* [n_tgt] */
@@ -99,8 +104,14 @@ static k3_status worker_create(rank_ctx *r, struct rank_worker *w) {
                           .deterministic = o->deterministic,
                           .max_seqs = r->max_seqs,
                           .max_ctx = r->max_ctx,
-                          .kv_cache_tokens = (int64_t)r->kv_blocks * K3_KV_BLOCK};
+                          .kv_cache_tokens = (int64_t)r->kv_blocks * K3_KV_BLOCK,
+                          .n_snapshots = r->pc_on ? r->pc.n_snaps : 0};
     RTRY(r, k3_stage_create(&sp, &w->st));
+    if (r->pc_on) {
+        RTRY(r, k3_alloc((void **)&w->pc_blk, (size_t)r->pc.n_entries * sizeof(int32_t),
+                         "prefix-cache blocks"));
+        for (int i = 0; i < r->pc.n_entries; i++) w->pc_blk[i] = -1;
+    }
     /* the lane's sequence slots: allocated once, reset when a new sequence opens in them */
     const size_t ns = (size_t)r->max_seqs;
     RTRY(r, k3_calloc((void **)&w->states, ns * sizeof *w->states, "sequence slots"));
@@ -108,7 +119,8 @@ static k3_status worker_create(rank_ctx *r, struct rank_worker *w) {
     RTRY(r, k3_calloc((void **)&w->bntok, ns * sizeof *w->bntok, "batch tokens"));
     RTRY(r, k3_calloc((void **)&w->bnf, ns * sizeof *w->bnf, "batch non-finite marks"));
     RTRY(r, k3_calloc((void **)&w->wmeta,
-                      (META_PREFIX(ns, ns) + (size_t)r->plan.n_stages + (size_t)r->max_tokens) *
+                      ((size_t)META_PREFIX(ns, ns, r->pc_words) + (size_t)r->plan.n_stages +
+                       (size_t)r->max_tokens) *
                           sizeof *w->wmeta,
                       "step meta (out)"));
     for (int i = 0; i < r->max_seqs; i++)
@@ -150,6 +162,7 @@ void rank_worker_destroy(rank_ctx *r) {
         k3_backend_free(r->be, w->logits);
     }
     k3_free(w->h_logits), k3_free(w->h_act), k3_free(w->lane_of), k3_free(w->plp);
+    k3_free(w->pc_blk);
     k3_stage_destroy(w->st);
     k3_free(w);
     r->wk = NULL;
@@ -175,11 +188,16 @@ static k3_status step_decode(rank_ctx *r, const step_msg *m, wstep *s) {
         RTRY(r, K3_ERR(K3_ERR_FORMAT, "step message from %s: %d meta", who, m->h.n_meta));
     s->group = mt[0], s->step = mt[1], s->all_logits = mt[2], s->n_seqs = mt[3], s->n_free = mt[4];
     s->n_tgt = 0;
-    const int group = s->group, stepi = s->step, n_seqs = s->n_seqs, n_free = s->n_free;
-    if (n_seqs < 0 || n_seqs > r->max_seqs || n_free < 0 || n_free > r->max_seqs ||
-        m->h.n_meta < META_PREFIX(n_seqs, n_free))
-        RTRY(r, K3_ERR(K3_ERR_FORMAT, "step message from %s: %d sequences, %d freed, %d meta", who,
-                       n_seqs, n_free, m->h.n_meta));
+    s->n_pc = mt[5];
+    const int group = s->group, stepi = s->step, n_seqs = s->n_seqs, n_free = s->n_free,
+              n_pc = s->n_pc;
+    if (n_seqs < 0 || n_seqs > r->max_seqs || n_free < 0 || n_free > r->max_seqs || n_pc < 0 ||
+        n_pc > r->pc_words || (n_pc > 0 && !r->pc_on) ||
+        m->h.n_meta < META_PREFIX(n_seqs, n_free, n_pc))
+        RTRY(r, K3_ERR(K3_ERR_FORMAT,
+                       "step message from %s: %d sequences, %d freed, %d cache words, %d meta", who,
+                       n_seqs, n_free, n_pc, m->h.n_meta));
+    s->pc = mt + META_PREFIX(n_seqs, n_free, 0);
     /* sequences that ended: their cache blocks back to the pool before this step takes any */
     for (int i = 0; i < n_free; i++) {
         int slot = mt[META_HDR + META_SEQ * n_seqs + i];
@@ -208,20 +226,22 @@ static k3_status step_decode(rank_ctx *r, const step_msg *m, wstep *s) {
         if (flags & K3_WIRE_PLP) s->n_tgt += nt;
     }
     s->T = T;
+    if (n_pc > 0) /* evictions and hits: after the OPEN resets, before the forward */
+        RTRY(r, rank_pc_apply(w->st, &r->pc, w->pc_blk, w->states, s->pc, n_pc, 0, who));
     if (T > r->max_tokens)
         RTRY(r, K3_ERR(K3_ERR_STATE, "step with %lld tokens > planned %lld", (long long)T,
                        (long long)r->max_tokens));
     s->tokens = NULL;
     if (r->stage == 0) {
-        if (m->h.n_meta != META_PREFIX(n_seqs, n_free) + T + s->n_tgt || m->h.T != T ||
+        if (m->h.n_meta != META_PREFIX(n_seqs, n_free, n_pc) + T + s->n_tgt || m->h.T != T ||
             m->n_f32 != 0)
             RTRY(r, K3_ERR(K3_ERR_FORMAT, "BATCH from %s: %d meta, %lld floats for %lld tokens",
                            who, m->h.n_meta, (long long)m->n_f32, (long long)T));
-        s->tokens = mt + META_PREFIX(n_seqs, n_free);
+        s->tokens = mt + META_PREFIX(n_seqs, n_free, n_pc);
         s->tgt = s->tokens + T;
     } else {
-        s->tgt = mt + META_PREFIX(n_seqs, n_free) + S;
-        if (m->h.n_meta != META_PREFIX(n_seqs, n_free) + S + s->n_tgt)
+        s->tgt = mt + META_PREFIX(n_seqs, n_free, n_pc) + S;
+        if (m->h.n_meta != META_PREFIX(n_seqs, n_free, n_pc) + S + s->n_tgt)
             RTRY(r, K3_ERR(K3_ERR_FORMAT, "ACTIV from %s: %d meta for %d sequences and %d stages",
                            who, m->h.n_meta, n_seqs, S));
         if (m->h.T != T || m->h.D != D || m->h.n_bank < 0 ||
@@ -282,7 +302,7 @@ static k3_status step_forward(rank_ctx *r, wstep *s) {
         RTRY(r, k3_stage_forward(w->st, &b, &w->act, s->all_logits != 0 || s->n_tgt > 0,
                                  r->stage == S - 1 ? w->logits : NULL));
         /* the first non-finite activation of a sequence travels on in its flags (wire.h) */
-        memcpy(w->wmeta, mt, (size_t)META_PREFIX(n_seqs, s->n_free) * sizeof *mt);
+        memcpy(w->wmeta, mt, (size_t)META_PREFIX(n_seqs, s->n_free, s->n_pc) * sizeof *mt);
         s->meta = w->wmeta;
         for (int i = 0; i < n_seqs; i++) {
             if (w->bnf[i] <= 0) continue;
@@ -396,7 +416,7 @@ static k3_status step_send(rank_ctx *r, const wstep *s) {
     const int64_t T = s->T;
     /* out meta = the sequences | the busy time of each stage of this lane for this step (us):
        upstream stages' from the ACTIV, this stage's own | the PLP targets (wire.h) */
-    const int n_meta_seq = META_PREFIX(n_seqs, s->n_free);
+    const int n_meta_seq = META_PREFIX(n_seqs, s->n_free, s->n_pc);
     const int n_meta_out = n_meta_seq + S + (int)s->n_tgt;
     if (s->meta != w->wmeta) memcpy(w->wmeta, s->meta, (size_t)n_meta_seq * sizeof *s->meta);
     const int32_t *mt = w->wmeta;
@@ -437,6 +457,9 @@ static k3_status worker_step(rank_ctx *r, const step_msg *m) {
     RTRY(r, step_decode(r, m, &s));
     RTRY(r, step_upload(r, &s));
     RTRY(r, step_forward(r, &s));
+    if (s.n_pc > 0) /* saved blocks and snapshots: the states are at the step's end now */
+        RTRY(r, rank_pc_apply(r->wk->st, &r->pc, r->wk->pc_blk, r->wk->states, s.pc, s.n_pc, 1,
+                              s.who));
     RTRY(r, step_send(r, &s));
     return rank_opstats_end(r, s.T, s.n_seqs);
 }

@@ -15,3 +15,17 @@ add_test(NAME engine_fault_status
                  $<TARGET_FILE:test_fault_status> ${MPIEXEC_EXECUTABLE})
 set_tests_properties(engine_fault_status PROPERTIES LABELS "mpi" TIMEOUT 300
                      ENVIRONMENT "${K3_TEST_ENV_MPI}")
+
+# rank 0's prefix-cache index alone: chained hits, snapshot points, LRU eviction (issue 31)
+k3_add_test_exe(test_prefix_cache ${CMAKE_CURRENT_LIST_DIR}/test_prefix_cache.c)
+target_include_directories(test_prefix_cache PRIVATE ${CMAKE_SOURCE_DIR}/rank)
+add_test(NAME prefix_cache_index COMMAND test_prefix_cache)
+set_tests_properties(prefix_cache_index PROPERTIES LABELS "unit;sanitize" ENVIRONMENT "${K3_TEST_ENV}" TIMEOUT 60)
+
+# the prefix cache through the engine: the same tokens and logits with it on, off and evicting,
+# on 1x1 and 2x2 with --deterministic; a 6-turn conversation hits every turn (issue 31)
+k3_add_test_exe(test_prefix_engine ${CMAKE_CURRENT_LIST_DIR}/test_prefix_engine.c)
+add_test(NAME engine_prefix_cache
+         COMMAND ${K3_PYTHON3} ${CMAKE_CURRENT_LIST_DIR}/prefix_engine.py
+                 $<TARGET_FILE:test_prefix_engine> ${MPIEXEC_EXECUTABLE})
+set_tests_properties(engine_prefix_cache PROPERTIES LABELS "mpi" TIMEOUT 600 ENVIRONMENT "${K3_TEST_ENV_MPI}")

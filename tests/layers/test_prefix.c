@@ -80,7 +80,8 @@ int main(int argc, char **argv) {
                           .n_snapshots = 2};
     K3_CHECK_OK(k3_stage_create(&sp, &g_s));
     K3_CHECK_OK(k3_activ_alloc(g_be, &g_act, c, L));
-    K3_CHECK_OK(k3_backend_alloc(g_be, (size_t)L * V * sizeof(float), "logits", (void **)&g_logits));
+    K3_CHECK_OK(
+        k3_backend_alloc(g_be, (size_t)L * V * sizeof(float), "logits", (void **)&g_logits));
     const size_t sn = k3_stage_snapshot_bytes(g_s) / sizeof(float);
     K3_CHECK(sn > 0 && k3_stage_n_snapshots(g_s) == 2, "snapshot of %zu floats", sn);
     float *out[4], *stA_p, *stB_p, *stA, *stB, *stR;
