@@ -19,7 +19,10 @@
  * k3_cancelled_prompt_tokens_total and k3_cancelled_generation_tokens_total (requests a client
  * or the shutdown cancelled: apart from the vLLM token counters), k3_step_seconds{rank="0"}
  * (histogram: rank 0's engine steps), k3_rank_step_seconds{rank,stage,lane} (a summary: every
- * worker rank's time in its forward steps, from the LOGITS messages). */
+ * worker rank's time in its forward steps, from the LOGITS messages). The prefix cache (when on;
+ * docs/DESIGN.md §3c), in prompt tokens as vLLM counts them: vllm:prefix_cache_queries_total (of
+ * the requests that started), vllm:prefix_cache_hits_total (of those, found cached), and k3's
+ * k3_prefix_cache_usage_ratio (blocks the cache holds / its budget, all lanes). */
 #include "server_internal.h"
 
 #include <stddef.h>
@@ -129,6 +132,20 @@ static k3_status gauge(k3_chat_buf *o, const char *mn, const char *name, const c
     return put(o, "%s{%s} %.9g\n", name, mn, v);
 }
 
+/* The prefix cache (docs/DESIGN.md §3c): vLLM's prefix_cache_queries / prefix_cache_hits. */
+static k3_status prefix_text(const srv_metrics *m, const char *mn, k3_chat_buf *o) {
+    if (!m->prefix_on) return K3_OK;
+    K3_TRY(head(o, "vllm:prefix_cache_queries_total", "counter",
+                "prompt tokens looked up in the prefix cache (requests that started)"));
+    K3_TRY(put(o, "vllm:prefix_cache_queries_total{%s} %lld\n", mn, (long long)m->prefix_queries));
+    K3_TRY(head(o, "vllm:prefix_cache_hits_total", "counter",
+                "prompt tokens found in the prefix cache (not run again)"));
+    K3_TRY(put(o, "vllm:prefix_cache_hits_total{%s} %lld\n", mn, (long long)m->prefix_hits));
+    return gauge(o, mn, "k3_prefix_cache_usage_ratio",
+                 "paged cache blocks the prefix cache holds / its budget (all lanes)",
+                 m->prefix_blocks_max > 0 ? (double)m->prefix_blocks / m->prefix_blocks_max : 0.0);
+}
+
 k3_status srv_metrics_text(const srv_metrics *m, int slots, k3_chat_buf *o) {
     (void)slots;
     char esc[300], mn[320];
@@ -208,5 +225,5 @@ k3_status srv_metrics_text(const srv_metrics *m, int slots, k3_chat_buf *o) {
         K3_TRY(put(o, "k3_rank_step_seconds_count{%s} %llu\n", lab,
                    (unsigned long long)m->rank_steps[w]));
     }
-    return K3_OK;
+    return prefix_text(m, mn, o);
 }

@@ -429,11 +429,15 @@ static k3_status put_head(const k3_server_opts *o, const sreq *q, const char *ob
     return puts_(out, ",\"choices\":[");
 }
 
-static k3_status put_usage(int64_t n_prompt, int64_t n_gen, k3_chat_buf *out) {
-    char t[160];
+/* usage, with OpenAI's prompt_tokens_details.cached_tokens: the prompt tokens the prefix cache
+   served (docs/DESIGN.md §3c). */
+static k3_status put_usage(int64_t n_prompt, int64_t n_gen, int64_t n_cached, k3_chat_buf *out) {
+    char t[224];
     snprintf(t, sizeof t,
-             "{\"prompt_tokens\":%lld,\"completion_tokens\":%lld,\"total_tokens\":%lld}",
-             (long long)n_prompt, (long long)n_gen, (long long)(n_prompt + n_gen));
+             "{\"prompt_tokens\":%lld,\"completion_tokens\":%lld,\"total_tokens\":%lld,"
+             "\"prompt_tokens_details\":{\"cached_tokens\":%lld}}",
+             (long long)n_prompt, (long long)n_gen, (long long)(n_prompt + n_gen),
+             (long long)n_cached);
     return puts_(out, t);
 }
 
@@ -653,11 +657,11 @@ static k3_status put_choice(const k3_server_opts *o, const sreq *q, k3_chat_buf 
 }
 
 /* The usage of a request: each prompt counted once (as OpenAI counts n > 1), every choice's
- * completion tokens. */
-static void usage_sums(const sreq *head, int64_t *n_prompt, int64_t *n_gen) {
-    *n_prompt = *n_gen = 0;
+ * completion tokens, and the prompt tokens its prefix-cache hit served (the prompt's). */
+static void usage_sums(const sreq *head, int64_t *n_prompt, int64_t *n_gen, int64_t *n_cached) {
+    *n_prompt = *n_gen = *n_cached = 0;
     for (const sreq *q = head; q; q = q->sib) {
-        if (!q->sib_copy) *n_prompt += q->n_prompt;
+        if (!q->sib_copy) *n_prompt += q->n_prompt, *n_cached += q->n_cached;
         *n_gen += q->n_gen;
     }
 }
@@ -669,10 +673,10 @@ k3_status srv_response(const k3_server_opts *o, const sreq *q, k3_chat_buf *out)
         if (c != q) K3_TRY(puts_(out, ","));
         K3_TRY(put_choice(o, c, out));
     }
-    int64_t n_prompt, n_gen;
-    usage_sums(q, &n_prompt, &n_gen);
+    int64_t n_prompt, n_gen, n_cached;
+    usage_sums(q, &n_prompt, &n_gen, &n_cached);
     K3_TRY(puts_(out, "],\"usage\":"));
-    K3_TRY(put_usage(n_prompt, n_gen, out));
+    K3_TRY(put_usage(n_prompt, n_gen, n_cached, out));
     if (chat && q->plp_top >= 0) { /* vLLM puts a chat request's at the top level */
         K3_TRY(puts_(out, ",\"prompt_logprobs\":"));
         K3_TRY(put_prompt_logprobs(o, q, out));
@@ -811,13 +815,13 @@ k3_status srv_stream_end(const k3_server_opts *o, const sreq *head, k3_chat_buf 
         k3_chat_buf_free(&e);
         K3_TRY(r);
     } else if (head->include_usage) {
-        int64_t n_prompt, n_gen;
-        usage_sums(head, &n_prompt, &n_gen);
+        int64_t n_prompt, n_gen, n_cached;
+        usage_sums(head, &n_prompt, &n_gen, &n_cached);
         K3_TRY(puts_(out, "data: "));
         K3_TRY(put_head(
             o, head, head->kind == SREQ_CHAT ? "chat.completion.chunk" : "text_completion", out));
         K3_TRY(puts_(out, "],\"usage\":"));
-        K3_TRY(put_usage(n_prompt, n_gen, out));
+        K3_TRY(put_usage(n_prompt, n_gen, n_cached, out));
         K3_TRY(puts_(out, "}\n\n"));
     }
     return puts_(out, "data: [DONE]\n\n");

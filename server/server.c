@@ -289,6 +289,15 @@ static k3_status append_text(sreq *q, const char *t, size_t n) {
     return K3_OK;
 }
 
+/* mu held: the prefix cache's counters for /metrics, from the engine's totals. */
+static void prefix_counters(const k3_engine *e, srv_metrics *m) {
+    k3_engine_stats es;
+    k3_engine_get_stats(e, &es);
+    m->prefix_on = es.prefix_cache;
+    m->prefix_queries = es.prefix_queries, m->prefix_hits = es.prefix_hits;
+    m->prefix_blocks = es.prefix_blocks, m->prefix_blocks_max = es.prefix_blocks_max;
+}
+
 /* mu held: one engine event into its request's buffers. */
 static k3_status route(k3_server *s, const k3_event *ev) {
     sreq *q = (sreq *)(uintptr_t)ev->user;
@@ -317,6 +326,7 @@ static k3_status route(k3_server *s, const k3_event *ev) {
         return K3_OK;
     }
     q->n_prompt = ev->n_prompt;
+    q->n_cached = ev->n_cached;
     if (ev->kind == K3_EV_DONE) {
         q->stop = ev->stop;
     } else {
@@ -444,6 +454,7 @@ k3_status k3_server_run(k3_server *s, k3_engine *e, volatile sig_atomic_t *stop)
         srv_hist_add(&s->m.step, k3_now_s() - t0);
         for (int w = 0; w < s->m.n_ranks; w++) /* every rank's step time, from the LOGITS */
             s->m.rank_ok[w] = k3_engine_rank_busy(e, w, &s->m.rank_busy_s[w], &s->m.rank_steps[w]);
+        prefix_counters(e, &s->m);
         for (int i = 0; i < n && st == K3_OK; i++) st = route(s, &ev[i]);
         pthread_mutex_unlock(&s->mu);
     }

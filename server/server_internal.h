@@ -67,6 +67,7 @@ typedef struct sreq {
     size_t n_text, cap_text;
     k3_stop_kind stop;
     int64_t n_prompt;
+    int64_t n_cached; /* prompt tokens the prefix cache served (usage.prompt_tokens_details) */
     char error[512];
     k3_error_kind error_kind;
     double t_arrive, t_first, t_done;
@@ -109,6 +110,9 @@ typedef struct srv_metrics {
     int rank_stage[SRV_MAX_RANKS], rank_lane[SRV_MAX_RANKS];
     double rank_busy_s[SRV_MAX_RANKS];
     uint64_t rank_steps[SRV_MAX_RANKS];
+    /* the prefix cache (k3_engine_stats after each step): on, tokens looked up and found, blocks */
+    bool prefix_on;
+    int64_t prefix_queries, prefix_hits, prefix_blocks, prefix_blocks_max;
 } srv_metrics;
 
 /* ---- openai.c ----------------------------------------------------------------------------- */

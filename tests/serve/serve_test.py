@@ -365,6 +365,38 @@ def test_metrics(srv):
     assert len(re.findall(pat, srv.text())) == 1, pat
 
 
+def test_prefix_cache(srv):
+    """The prefix cache (issue 31): a 200-token prefix shared by 4 prompts of ids is found by every
+    request after the first (3 full blocks of 64: usage.prompt_tokens_details.cached_tokens 192,
+    streamed and not), the same prompt again gives the same greedy text from the cache, and the
+    /metrics counters grow by exactly the prompt tokens sent and the cached tokens reported."""
+    c = srv.client()
+    rng = random.Random(31)
+    shared = [rng.randrange(1000, 3000) for _ in range(200)]
+    before = metrics(srv)
+    sent = cached = 0
+    texts = []
+    for i in range(4):
+        ids = shared + [rng.randrange(1000, 3000) for _ in range(20)]
+        r = c.completions.create(model="k3-tiny", prompt=ids, max_tokens=4, temperature=0)
+        ct = r.usage.prompt_tokens_details.cached_tokens
+        assert r.usage.prompt_tokens == len(ids) and ct == (0 if i == 0 else 192), (i, r.usage)
+        sent, cached = sent + len(ids), cached + ct
+        texts.append((ids, r.choices[0].text))
+    ids, text0 = texts[0]  # the first prompt again, now from the cache
+    chunks = list(c.completions.create(model="k3-tiny", prompt=ids, max_tokens=4, temperature=0,
+                                       stream=True, stream_options={"include_usage": True}))
+    u = chunks[-1].usage
+    assert u.prompt_tokens_details.cached_tokens == 192 and u.prompt_tokens == len(ids)
+    assert "".join(k.choices[0].text for k in chunks if k.choices) == text0
+    sent, cached = sent + len(ids), cached + 192
+    after = metrics(srv)
+    d = {k: metric(after, k) - metric(before, k)
+         for k in ("vllm:prefix_cache_queries_total", "vllm:prefix_cache_hits_total")}
+    assert d == {"vllm:prefix_cache_queries_total": sent, "vllm:prefix_cache_hits_total": cached}, d
+    assert 0 < metric(after, "k3_prefix_cache_usage_ratio") <= 1
+
+
 def test_disconnect_cancels(srv):
     before = metrics(srv)
     body = {"model": "k3-tiny", "messages": MSG, "max_tokens": 3000, "stream": True,
