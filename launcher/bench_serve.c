@@ -12,6 +12,9 @@
  * arrival when it carries text (completions: "text"; chat: a content, reasoning_content or
  * tool_calls delta); TTFT is the first arrival, ITL the gaps between arrivals, TPOT
  * (e2e - TTFT) / (completion_tokens - 1), E2EL the whole request.
+ * With --random-prefix-len N every prompt starts with the same N random tokens (vLLM's random
+ * dataset with a prefix): the server's usage.prompt_tokens_details.cached_tokens gives each
+ * request's prefix-cache hit, reported as total_cached_tokens and prefix_cache_hit_rate.
  * Warm-up requests (--num-warmups) run to completion before the clock starts; their tokens are
  * reported apart (warmup_input_tokens, warmup_output_tokens) so that the totals can be checked
  * against the server's own counters. */
@@ -37,7 +40,7 @@ typedef struct sreq {
     size_t n_err_body;
     double t_start, t_first, t_last, t_end;
     k3_chat_buf itl; /* doubles: gaps between token arrivals, seconds */
-    int64_t prompt_tokens, completion_tokens;
+    int64_t prompt_tokens, completion_tokens, cached_tokens;
     bool usage, done_marker, ok;
     char error[300];
 } sreq;
@@ -48,7 +51,9 @@ typedef struct serve_bench {
     char auth[512]; /* "Authorization: Bearer ..." or "" */
     bool chat;
     int64_t n, warmups, in_len, out_len, conc, n_vocab;
-    double rate; /* requests/s; INFINITY = all at once */
+    int64_t prefix_len; /* --random-prefix-len */
+    int32_t *prefix;    /* [prefix_len] the ids every prompt starts with */
+    double rate;        /* requests/s; INFINITY = all at once */
     double timeout_s;
     uint64_t seed;
     sreq *q; /* (n + warmups): warm-ups first */
@@ -117,6 +122,9 @@ static void on_line(sreq *r, bool chat, const char *line, size_t n, double now) 
             r->completion_tokens = (int64_t)ct->valuedouble;
             r->usage = true;
         }
+        const cJSON *cd = cJSON_GetObjectItemCaseSensitive(
+            cJSON_GetObjectItemCaseSensitive(u, "prompt_tokens_details"), "cached_tokens");
+        r->cached_tokens = cJSON_IsNumber(cd) ? (int64_t)cd->valuedouble : 0;
     }
     cJSON_Delete(d);
 }
@@ -151,11 +159,15 @@ static k3_status make_body(const serve_bench *b, k3_rng *rng, sreq *r) {
     cJSON *o = cJSON_CreateObject();
     bool ok = o && cJSON_AddStringToObject(o, "model", b->model);
     int32_t *ids = NULL;
-    k3_status st = k3_alloc((void **)&ids, (size_t)b->in_len * sizeof(int32_t), "prompt");
-    if (st == K3_OK) bench_random_ids(rng, b->chat ? b->n_words : b->n_vocab, ids, b->in_len);
-    if (ok && st == K3_OK && b->chat) { /* in_len - overhead words, one token each */
+    const int64_t len = b->prefix_len + b->in_len; /* the shared prefix, then its own tokens */
+    k3_status st = k3_alloc((void **)&ids, (size_t)len * sizeof(int32_t), "prompt");
+    if (st == K3_OK) {
+        if (b->prefix_len) memcpy(ids, b->prefix, (size_t)b->prefix_len * sizeof(int32_t));
+        bench_random_ids(rng, b->chat ? b->n_words : b->n_vocab, ids + b->prefix_len, b->in_len);
+    }
+    if (ok && st == K3_OK && b->chat) { /* len - overhead words, one token each */
         k3_chat_buf text = {0};
-        for (int64_t i = 0; st == K3_OK && i < b->in_len - b->overhead; i++)
+        for (int64_t i = 0; st == K3_OK && i < len - b->overhead; i++)
             st = k3_chat_buf_puts(&text, b->words[ids[i]]);
         cJSON *msgs = st == K3_OK ? cJSON_AddArrayToObject(o, "messages") : NULL,
               *m = cJSON_CreateObject();
@@ -166,7 +178,7 @@ static k3_status make_body(const serve_bench *b, k3_rng *rng, sreq *r) {
     } else if (ok && st == K3_OK) {
         cJSON *p = cJSON_AddArrayToObject(o, "prompt");
         ok = p != NULL;
-        for (int64_t i = 0; ok && i < b->in_len; i++)
+        for (int64_t i = 0; ok && i < len; i++)
             ok = cJSON_AddItemToArray(p, cJSON_CreateNumber(ids[i]));
     }
     k3_free(ids);
@@ -460,8 +472,16 @@ static k3_status setup(const k3_args *a, serve_bench *b) {
                                   "model's tokenizer) for prompts of --input-len tokens");
     if (b->chat) K3_TRY(one_token_words(b, k3_args_str(a, "tokenizer")));
     if (b->chat) K3_TRY(template_overhead(b));
+    b->prefix_len = k3_args_int(a, "random-prefix-len");
+    if (b->prefix_len < 0 || b->prefix_len > (1 << 24))
+        return K3_ERR(K3_ERR_ARG, "--random-prefix-len must be in [0, 2^24]");
     K3_TRY(k3_calloc((void **)&b->q, (size_t)(b->n + b->warmups) * sizeof *b->q, "requests"));
     k3_rng rng;
+    if (b->prefix_len) { /* its own stream: the prompts' tails are the same with or without it */
+        K3_TRY(k3_alloc((void **)&b->prefix, (size_t)b->prefix_len * sizeof(int32_t), "prefix"));
+        k3_rng_seed(&rng, b->seed ^ 0x7072656669780000ull);
+        bench_random_ids(&rng, b->chat ? b->n_words : b->n_vocab, b->prefix, b->prefix_len);
+    }
     k3_rng_seed(&rng, b->seed);
     for (int64_t i = 0; i < b->n + b->warmups; i++) {
         b->q[i].warm = i < b->warmups;
@@ -475,8 +495,8 @@ static k3_status setup(const k3_args *a, serve_bench *b) {
 /* Per-request series of the timed requests (seconds; lin/lout/ttfts for every request, in order,
  * 0 where one failed; ttft/tpot/e2e/itl over the completed ones). */
 typedef struct series {
-    double *lin, *lout, *ttfts, *ttft, *tpot, *e2e, *itl;
-    int64_t n_ok, n_tpot, n_itl;
+    double *lin, *lout, *ttfts, *ttft, *tpot, *e2e, *itl, *lcached;
+    int64_t n_ok, n_tpot, n_itl, cached;
     int64_t in, out, w_in, w_out; /* tokens: timed requests, warm-ups */
 } series;
 
@@ -510,6 +530,12 @@ static k3_status put_row(const serve_bench *b, double d, series *s, bench_row *x
     K3_TRY(bench_put_arr(x, "output_lens", s->lout, b->n));
     K3_TRY(bench_put_arr(x, "ttfts", s->ttfts, b->n));
     K3_TRY(bench_put_ms_stats(x, "ttft", s->ttft, s->n_ok));
+    /* the prefix cache next to TTFT: the server's cached prompt tokens (usage) */
+    K3_TRY(bench_put_num(x, "random_prefix_len", "shared prefix len", -1, (double)b->prefix_len));
+    K3_TRY(bench_put_num(x, "total_cached_tokens", "cached prompt tokens", -1, (double)s->cached));
+    K3_TRY(bench_put_num(x, "prefix_cache_hit_rate", "prefix cache hit rate", 4,
+                         s->in > 0 ? (double)s->cached / (double)s->in : 0.0));
+    K3_TRY(bench_put_arr(x, "cached_lens", s->lcached, b->n));
     K3_TRY(bench_put_ms_stats(x, "tpot", s->tpot, s->n_tpot));
     K3_TRY(bench_put_ms_stats(x, "itl", s->itl, s->n_itl));
     return bench_put_ms_stats(x, "e2el", s->e2e, s->n_ok);
@@ -533,15 +559,16 @@ static k3_status report(const serve_bench *b, double d, bench_report *rep) {
     int64_t n_itl = 0;
     for (int64_t i = 0; i < n; i++) n_itl += q[i].ok ? (int64_t)(q[i].itl.n / sizeof(double)) : 0;
     double *buf = NULL;
-    K3_TRY(k3_alloc((void **)&buf, (size_t)(6 * n + n_itl + 1) * sizeof(double), "metrics"));
+    K3_TRY(k3_alloc((void **)&buf, (size_t)(7 * n + n_itl + 1) * sizeof(double), "metrics"));
     s.lin = buf, s.lout = s.lin + n, s.ttfts = s.lout + n, s.ttft = s.ttfts + n;
-    s.tpot = s.ttft + n, s.e2e = s.tpot + n, s.itl = s.e2e + n;
+    s.tpot = s.ttft + n, s.e2e = s.tpot + n, s.lcached = s.e2e + n, s.itl = s.lcached + n;
     for (int64_t i = 0; i < n; i++) {
         const sreq *r = &q[i];
         s.lin[i] = (double)r->prompt_tokens, s.lout[i] = (double)r->completion_tokens;
         s.ttfts[i] = r->ok && r->t_first > 0 ? r->t_first - r->t_start : 0;
+        s.lcached[i] = (double)r->cached_tokens;
         if (!r->ok) continue;
-        s.in += r->prompt_tokens, s.out += r->completion_tokens;
+        s.in += r->prompt_tokens, s.out += r->completion_tokens, s.cached += r->cached_tokens;
         const double e2e = r->t_end - r->t_start;
         s.ttft[s.n_ok] = s.ttfts[i], s.e2e[s.n_ok++] = e2e;
         if (r->completion_tokens > 1)
@@ -557,7 +584,7 @@ static k3_status report(const serve_bench *b, double d, bench_report *rep) {
 static void serve_free(serve_bench *b) {
     for (int64_t i = 0; b->q && i < b->n + b->warmups; i++)
         k3_free(b->q[i].body), k3_chat_buf_free(&b->q[i].line), k3_chat_buf_free(&b->q[i].itl);
-    k3_free(b->q);
+    k3_free(b->q), k3_free(b->prefix);
     for (int64_t i = 0; i < b->n_words; i++) free(b->words[i]);
     free(b->words);
 }

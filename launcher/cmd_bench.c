@@ -64,6 +64,10 @@ enum {
     X("output-len", K3_FLAG_STR, "N[,N]", "128", M_TP | M_SV,                                      \
       "generated tokens of each request, exactly (ignore_eos; throughput: a list sweeps)")         \
     X("num-prompts", K3_FLAG_INT, "N", "64", M_TP | M_SV, "requests of each run")                  \
+    X("random-prefix-len", K3_FLAG_INT, "N", "0", M_SV,                                            \
+      "serve: one random prefix of N tokens that every prompt starts with, before its own "        \
+      "--input-len tokens (vLLM's --random-prefix-len: a prefix-cache workload; the report gives " \
+      "the cached tokens and hit rate from the server's usage)")                                   \
     X("max-concurrency", K3_FLAG_STR, "C[,C]", NULL, M_TP | M_SV,                                  \
       "requests in flight at most (default: all; throughput: a comma list sweeps, requests "       \
       "beyond the engine's slots wait in its queue)")                                              \

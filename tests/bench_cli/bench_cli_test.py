@@ -471,6 +471,23 @@ def test_serve(server_2x2, model_dir, endpoint, extra, tmp_path):
     assert "| completed | %d |" % n in r.stdout
 
 
+def test_serve_2x2_prefix(server_2x2, model_dir, tmp_path):
+    """--random-prefix-len (issue 31): 4 prompts of one 128-token prefix + 12 tokens each, one at a
+    time: every request after the first finds the prefix in the server's cache (2 blocks of 64),
+    and the report's cached tokens and hit rate are the server's usage."""
+    js = tmp_path / "svp.json"
+    r = k3(["bench", "serve", "--base-url", server_2x2.url, "--tokenizer", model_dir,
+            "--random-prefix-len", "128", "--input-len", "12", "--output-len", "3",
+            "--num-prompts", "4", "--max-concurrency", "1", "--num-warmups", "0", "--seed", "9",
+            "--output-json", str(js)])
+    assert r.returncode == 0, r.stderr[-3000:]
+    d = json.loads(js.read_text())
+    jsonschema.validate(d, schema("bench_serve.schema.json"))
+    assert d["input_lens"] == [140] * 4 and d["random_prefix_len"] == 128
+    assert d["cached_lens"] == [0, 128, 128, 128] and d["total_cached_tokens"] == 384
+    assert abs(d["prefix_cache_hit_rate"] - 384 / 560) < 1e-4
+
+
 def test_serve_errors(server_2x2):
     r = k3(["bench", "serve", "--num-prompts", "2"])
     assert r.returncode == 2 and "--base-url URL is required" in r.stderr
