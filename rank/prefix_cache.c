@@ -223,16 +223,19 @@ static int take_snap(rank_pcache *c, int32_t x) {
     return best;
 }
 
+/* A prompt's own snapshot points: its last block boundary before its last token (the deepest hit
+   the same prompt can take: one token must run) and, when its length is a whole number of
+   blocks, its end too (the next turn of a conversation continues from there). */
 static bool snap_point(const rank_pcache *c, int64_t pos, int64_t P) {
     return pos > 0 && pos % K3_KV_BLOCK == 0 &&
            (pos % ((int64_t)c->p.snap_every * K3_KV_BLOCK) == 0 ||
-            pos == P / K3_KV_BLOCK * K3_KV_BLOCK);
+            pos == (P - 1) / K3_KV_BLOCK * K3_KV_BLOCK || pos == P / K3_KV_BLOCK * K3_KV_BLOCK);
 }
 
 int64_t rank_pc_next_cut(const rank_pcache *c, int64_t fed, int64_t P) {
     const int64_t every = (int64_t)c->p.snap_every * K3_KV_BLOCK;
-    int64_t cut = (fed / every + 1) * every, end = P / K3_KV_BLOCK * K3_KV_BLOCK;
-    if (end > fed && end < cut) cut = end;
+    int64_t cut = (fed / every + 1) * every, last = (P - 1) / K3_KV_BLOCK * K3_KV_BLOCK;
+    if (last > fed && last < cut) cut = last;
     return cut < P ? cut : INT64_MAX;
 }
 

@@ -14,7 +14,8 @@
  * descendants are unused too, and leaves go first (an entry with children is never evicted), so
  * no chain ever points at a reused entry. Snapshots are evicted on their own (LRU) when their pool
  * is full: a restore copies one, so nothing holds it.
- * Snapshot points: every `snap_every` blocks, and the last block boundary of each prompt (so the
+ * Snapshot points: every `snap_every` blocks, the last block boundary before a prompt's last token
+ * (the same prompt again hits there) and the prompt's end when it is a whole number of blocks (the
  * next turn of a conversation finds its whole history); the scheduler ends prefill chunks there
  * (rank_pc_next_cut), since a snapshot is taken at the end of a step. */
 #ifndef K3_RANK_PREFIX_CACHE_H
