@@ -236,7 +236,7 @@ struct k3_engine_stats {
        many of them were found cached), and its blocks now held / at most, over all lanes */
     bool prefix_cache;
     int64_t prefix_queries, prefix_hits;
-    int64_t prefix_blocks, prefix_blocks_max;
+    int64_t prefix_blocks, prefix_blocks_max, prefix_evictions;
     uint64_t logits_bytes;
     int logits_messages;
     double load_s;       /* the slowest rank's load */

@@ -39,7 +39,8 @@ struct rank_pcache {
     int32_t *ops;     /* [ops_cap] */
     int64_t ops_cap;
     int n_ops;
-    int n_used; /* entries with users > 0 */
+    int n_used;        /* entries with users > 0 */
+    int64_t n_evicted; /* entries evicted so far */
     uint64_t tick;
 };
 
@@ -161,6 +162,9 @@ int rank_pc_blocks(const rank_pcache *c) {
 int rank_pc_evictable(const rank_pcache *c) {
     return rank_pc_blocks(c) - c->n_used;
 }
+int64_t rank_pc_evictions(const rank_pcache *c) {
+    return c->n_evicted;
+}
 
 static void use(rank_pcache *c, int32_t x) {
     if (c->e[x].users++ == 0) c->n_used++;
@@ -185,6 +189,7 @@ bool rank_pc_evict_one(rank_pcache *c) {
     if (x->snap >= 0) c->snap_of[x->snap] = -1;
     memset(x, 0, sizeof *x);
     c->free_e[c->n_free_e++] = best;
+    c->n_evicted++;
     return true;
 }
 

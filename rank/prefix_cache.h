@@ -59,6 +59,7 @@ int64_t rank_pc_lookup(const rank_pcache *c, const int32_t *ids, int64_t n, int 
 /* Entries held (each holds one block of the lane) and how many of them could be evicted now. */
 int rank_pc_blocks(const rank_pcache *c);
 int rank_pc_evictable(const rank_pcache *c);
+int64_t rank_pc_evictions(const rank_pcache *c); /* entries evicted so far */
 /* Evict the least recently used unused entry (an EVICT op); false when none is left. */
 bool rank_pc_evict_one(rank_pcache *c);
 

@@ -833,9 +833,10 @@ void rank_coord_stats(const rank_ctx *r, k3_engine_stats *out) {
     out->prefix_cache = C->pc != NULL;
     out->prefix_queries = C->pc_queries;
     out->prefix_hits = C->pc_hits;
-    out->prefix_blocks = out->prefix_blocks_max = 0;
+    out->prefix_blocks = out->prefix_blocks_max = out->prefix_evictions = 0;
     for (int e = 0; C->pc && e < r->plan.n_lanes; e++) {
         out->prefix_blocks += rank_pc_blocks(C->pc[e]);
+        out->prefix_evictions += rank_pc_evictions(C->pc[e]);
         out->prefix_blocks_max += r->pc.n_entries;
     }
 }

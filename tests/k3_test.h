@@ -8,6 +8,7 @@
 #include <math.h>
 #include <stdio.h>
 #include <stdlib.h>
+#include <string.h>
 
 #include "k3_base.h"
 
@@ -57,6 +58,16 @@ static inline int k3_test_done(const char *name) {
         return 1;
     }
     return k3_t_fail ? 1 : 0;
+}
+
+/* a and b [n] equal bit for bit, a finite and not degenerate (sum of squares above min_ss). */
+static inline void k3_check_same_bits(const float *a, const float *b, int64_t n, double min_ss,
+                                      const char *what) {
+    K3_CHECK(memcmp(a, b, (size_t)n * sizeof(float)) == 0, "%s: differ", what);
+    double ss = 0;
+    bool finite = true;
+    for (int64_t i = 0; i < n; i++) finite &= isfinite(a[i]), ss += (double)a[i] * a[i];
+    K3_CHECK(finite && ss > min_ss, "%s: not finite or degenerate (sum sq %g)", what, ss);
 }
 
 /* Relative L2 distance ||a-b|| / max(||b||, tiny). */

@@ -26,12 +26,14 @@ with tempfile.TemporaryDirectory() as tmp:
                             model, mode] + extra, capture_output=True, text=True, timeout=300)
         print(tag + ":\n" + p.stdout.strip()[-1200:])
         m = re.search(r"digest ([0-9a-f]+)", p.stdout)
-        h = re.search(r"hits (\d+) of (\d+)", p.stdout)
+        h = re.search(r"hits (\d+) of (\d+) prompt tokens looked up, (\d+) evictions", p.stdout)
         if p.returncode != 0 or not m or not h:
             fails.append(f"{tag}: rc {p.returncode}\n{p.stdout[-1500:]}\n{p.stderr[-2000:]}")
             continue
         if mode == "on" and int(h.group(1)) == 0:
             fails.append(f"{tag}: no prefix-cache hits")
+        if extra and int(h.group(3)) == 0:
+            fails.append(f"{tag}: a budget of {extra[0]} tokens evicted nothing")
         digests[tag] = m.group(1)
 if len(set(digests.values())) > 1:
     fails.append(f"digests differ: {digests}")

@@ -16,6 +16,7 @@
 #include "k3_comm.h"
 #include "k3_engine.h"
 #include "k3_model.h"
+#include "engine/engine_test.h"
 #include "k3_test.h"
 
 #define N_REQ   64
@@ -107,18 +108,9 @@ int main(int argc, char **argv) {
                         .max_batch_tokens = 96,
                         .chunk = 40,
                         .kv_cache_tokens = argc > 7 ? atoll(argv[7]) : 0};
-    k3_engine *e = NULL;
-    k3_status ost = k3_engine_open(&o, &e);
-    if (ost != K3_OK && e) k3_engine_abort(e);
-    if (ost != K3_OK) {
-        k3_comm_finalize();
-        return ost == K3_ERR_ARG ? 2 : 1;
-    }
-    if (!k3_engine_is_coordinator(e)) {
-        if (k3_engine_serve(e) != K3_OK) k3_engine_abort(e); /* serves, then closes */
-        k3_comm_finalize();
-        return 0; /* rank 0 reports */
-    }
+    k3_engine *e;
+    int rc;
+    if (!engine_test_open(&o, &e, &rc)) return rc;
     k3_config cfg;
     K3_CHECK_OK(k3_config_load(argv[4], &cfg));
     V = cfg.vocab_size;

@@ -16,6 +16,7 @@
 #include "k3_comm.h"
 #include "k3_engine.h"
 #include "k3_model.h"
+#include "engine/engine_test.h"
 #include "k3_test.h"
 
 enum { N_SYS = 6, SYS_LEN = 200, TAIL = 24, TURNS = 6, TURN_LEN = 40, NEW = 6 };
@@ -86,18 +87,9 @@ int main(int argc, char **argv) {
                         .no_prefix_cache = !on,
                         .prefix_cache_tokens = argc > 5 ? atoll(argv[5]) : 0,
                         .kv_cache_tokens = argc > 6 ? atoll(argv[6]) : 0};
-    k3_engine *e = NULL;
-    k3_status ost = k3_engine_open(&o, &e);
-    if (ost != K3_OK && e) k3_engine_abort(e);
-    if (ost != K3_OK) {
-        k3_comm_finalize();
-        return ost == K3_ERR_ARG ? 2 : 1;
-    }
-    if (!k3_engine_is_coordinator(e)) {
-        if (k3_engine_serve(e) != K3_OK) k3_engine_abort(e);
-        k3_comm_finalize();
-        return 0;
-    }
+    k3_engine *e;
+    int rc;
+    if (!engine_test_open(&o, &e, &rc)) return rc;
     k3_config cfg;
     K3_CHECK_OK(k3_config_load(argv[3], &cfg));
     V = cfg.vocab_size;
@@ -148,9 +140,10 @@ int main(int argc, char **argv) {
     K3_CHECK(es.prefix_cache == on && es.prefix_hits == g_cached_sum,
              "engine prefix hits %lld, events say %lld", (long long)es.prefix_hits,
              (long long)g_cached_sum);
-    printf("  %dx%d cache %s (budget %s): hits %lld of %lld prompt tokens looked up\n", o.pp, o.ep,
-           argv[4], argc > 5 ? argv[5] : "all", (long long)es.prefix_hits,
-           (long long)es.prefix_queries);
+    printf("  %dx%d cache %s (budget %s): hits %lld of %lld prompt tokens looked up, %lld "
+           "evictions\n",
+           o.pp, o.ep, argv[4], argc > 5 ? argv[5] : "all", (long long)es.prefix_hits,
+           (long long)es.prefix_queries, (long long)es.prefix_evictions);
     printf("digest %016llx\n", (unsigned long long)g_hash);
     for (int i = 0; i < N_SYS; i++) free(ids[i]);
     free(hist);

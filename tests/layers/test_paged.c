@@ -31,17 +31,7 @@ typedef struct {
 static void runner_open(runner *r, int max_seqs, int64_t kv_tokens, int64_t max_tokens) {
     memset(r, 0, sizeof *r);
     const k3_config *c = &g_m.cfg;
-    k3_stage_params sp = {.cfg = c,
-                          .w = g_m.view,
-                          .be = g_be,
-                          .layer_begin = 0,
-                          .layer_end = c->n_layers,
-                          .first = true,
-                          .last = true,
-                          .max_tokens = max_tokens,
-                          .max_seqs = max_seqs,
-                          .max_ctx = MAX_CTX,
-                          .kv_cache_tokens = kv_tokens};
+    k3_stage_params sp = tiny_whole_stage(&g_m, g_be, max_tokens, max_seqs, MAX_CTX, kv_tokens);
     K3_CHECK_OK(k3_stage_create(&sp, &r->s));
     K3_CHECK_OK(k3_activ_alloc(g_be, &r->act, c, max_tokens));
     K3_CHECK_OK(k3_alloc((void **)&r->logits,
@@ -97,11 +87,7 @@ static void end_wave(runner *r) {
 }
 
 static void check_same(const float *a, const float *b, int64_t n, const char *what) {
-    K3_CHECK(memcmp(a, b, (size_t)n * sizeof(float)) == 0, "%s: logits differ", what);
-    double ss = 0;
-    bool finite = true;
-    for (int64_t i = 0; i < n; i++) finite &= isfinite(a[i]), ss += (double)a[i] * a[i];
-    K3_CHECK(finite && ss > 1e-3, "%s: logits not finite or degenerate (sum sq %g)", what, ss);
+    k3_check_same_bits(a, b, n, 1e-3, what);
 }
 
 int main(void) {

@@ -46,11 +46,7 @@ static void finish(k3_seq_state *st, const int32_t *ids, int from, float *out) {
 }
 
 static void check_same(const float *a, const float *b, int64_t n, const char *what) {
-    K3_CHECK(memcmp(a, b, (size_t)n * sizeof(float)) == 0, "%s: differ", what);
-    double ss = 0;
-    bool finite = true;
-    for (int64_t i = 0; i < n; i++) finite &= isfinite(a[i]), ss += (double)a[i] * a[i];
-    K3_CHECK(finite && ss > 1e-6, "%s: not finite or degenerate (sum sq %g)", what, ss);
+    k3_check_same_bits(a, b, n, 1e-6, what);
 }
 
 int main(int argc, char **argv) {
@@ -66,18 +62,8 @@ int main(int argc, char **argv) {
     if (k3_t_fail) return k3_test_done("prefix");
     const k3_config *c = &g_m.cfg;
     const int64_t V = c->vocab_size;
-    k3_stage_params sp = {.cfg = c,
-                          .w = g_m.view,
-                          .be = g_be,
-                          .layer_begin = 0,
-                          .layer_end = c->n_layers,
-                          .first = true,
-                          .last = true,
-                          .max_tokens = L,
-                          .max_seqs = MAX_SEQS,
-                          .max_ctx = MAX_CTX,
-                          .kv_cache_tokens = 2 * MAX_CTX,
-                          .n_snapshots = 2};
+    k3_stage_params sp = tiny_whole_stage(&g_m, g_be, L, MAX_SEQS, MAX_CTX, 2 * MAX_CTX);
+    sp.n_snapshots = 2;
     K3_CHECK_OK(k3_stage_create(&sp, &g_s));
     K3_CHECK_OK(k3_activ_alloc(g_be, &g_act, c, L));
     K3_CHECK_OK(

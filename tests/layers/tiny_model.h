@@ -60,6 +60,25 @@ static inline k3_status tiny_make(tiny_model *m, const char *preset, uint64_t se
     return tiny_make_on(m, preset, seed, NULL);
 }
 
+/* The params of one stage that holds the whole model (embedding to head) on be, its pools sized
+ * for max_seqs sequences of max_ctx tokens and a paged cache of kv_tokens (0: max_seqs x
+ * max_ctx). */
+static inline k3_stage_params tiny_whole_stage(const tiny_model *m, k3_backend *be,
+                                               int64_t max_tokens, int max_seqs, int64_t max_ctx,
+                                               int64_t kv_tokens) {
+    return (k3_stage_params){.cfg = &m->cfg,
+                             .w = m->view,
+                             .be = be,
+                             .layer_begin = 0,
+                             .layer_end = m->cfg.n_layers,
+                             .first = true,
+                             .last = true,
+                             .max_tokens = max_tokens,
+                             .max_seqs = max_seqs,
+                             .max_ctx = max_ctx,
+                             .kv_cache_tokens = kv_tokens};
+}
+
 static inline void tiny_close(tiny_model *m) {
     k3_weights_destroy(m->w);
     k3_ckpt_destroy(m->ck);
