@@ -35,6 +35,11 @@ static const k3_flag flags[] = {
      "tokens per forward step of a lane (sizes buffers and workspace; as run/batch/serve)"},
     {"kv-cache-tokens", K3_FLAG_INT, "N", "0",
      "paged MLA cache per lane in tokens (0 = max-seqs x max-ctx; as run/batch/serve)"},
+    {"no-prefix-cache", K3_FLAG_BOOL, NULL, NULL,
+     "plan without the prefix cache's KDA snapshots (as run/batch/serve)"},
+    {"prefix-cache-tokens", K3_FLAG_INT, "N", "0",
+     "the prefix cache's budget per lane (0 = the paged cache; sizes its snapshot pool; as "
+     "run/batch/serve)"},
     {"max-tokens", K3_FLAG_INT, "N", NULL, "old name of --max-batch-tokens"},
     {"nodes", K3_FLAG_INT, "N", NULL, "nodes of the site (with --gpu; default 1)"},
     {"gpus-per-node", K3_FLAG_INT, "G", NULL,
@@ -134,6 +139,7 @@ static void add_mem(cJSON *o, const k3_rank_mem *m, double device) {
     cJSON_AddNumberToObject(mm, "weights_other", (double)m->weights_other);
     cJSON_AddNumberToObject(mm, "mla_cache", (double)m->mla_cache);
     cJSON_AddNumberToObject(mm, "kda_state", (double)m->kda_state);
+    cJSON_AddNumberToObject(mm, "kda_snapshots", (double)m->kda_snapshots);
     cJSON_AddNumberToObject(mm, "comm_buffers", (double)m->buffers);
     cJSON_AddNumberToObject(mm, "workspace", (double)m->workspace);
     cJSON_AddNumberToObject(mm, "total", (double)k3_rank_mem_total(m));
@@ -366,8 +372,9 @@ static void print_tables(const plan_out *po) {
         printf("  %4d  %4d  %5d  %6s  %-11s  %4s  %6.2f  %7.2f  %7.2f  %7.3f  %7.3f  %7.3f  "
                "%7.3f  %8.2f",
                r, node, loc, dev, b ? b->cores : "-", b ? b->numa : "-", m->weights_bf16 / GB,
-               m->weights_mxfp4 / GB, m->weights_other / GB, m->mla_cache / GB, m->kda_state / GB,
-               m->buffers / GB, m->workspace / GB, tot / GB);
+               m->weights_mxfp4 / GB, m->weights_other / GB, m->mla_cache / GB,
+               (m->kda_state + m->kda_snapshots) / GB, m->buffers / GB, m->workspace / GB,
+               tot / GB);
         if (s)
             printf("  %.1f%%%s", 100 * tot / s->mem_bytes,
                    rank_fits(p, s, r) ? "" : " DOES NOT FIT");
@@ -504,9 +511,12 @@ static int run_plan(const k3_args *a) {
             toks = k3_args_int(a, toks_flag);
     const int64_t kvt = k3_args_int(a, "kv-cache-tokens");
     /* the ranges are the engine flags' (engine_args.c); --max-tokens is --max-batch-tokens */
-    const char *const cap_flag[] = {"max-ctx", "max-seqs", "max-batch-tokens", "kv-cache-tokens"};
-    const char *const cap_name[] = {"max-ctx", "max-seqs", toks_flag, "kv-cache-tokens"};
-    const int64_t val[] = {ctx, seqs, toks, kvt};
+    const int64_t pct = k3_args_int(a, "prefix-cache-tokens");
+    const char *const cap_flag[] = {"max-ctx", "max-seqs", "max-batch-tokens", "kv-cache-tokens",
+                                    "prefix-cache-tokens"};
+    const char *const cap_name[] = {"max-ctx", "max-seqs", toks_flag, "kv-cache-tokens",
+                                    "prefix-cache-tokens"};
+    const int64_t val[] = {ctx, seqs, toks, kvt, pct};
     for (size_t i = 0; i < K3_ARRAY_LEN(cap_flag); i++) {
         int64_t lo = 0, hi = 0;
         const bool known = k3_engine_flag_range(cap_flag[i], &lo, &hi);
@@ -547,12 +557,20 @@ static int run_plan(const k3_args *a) {
     }
     if (!pp && ep) pp = (world - ded) / ep;
     if (pp && !ep) ep = (world - ded) / pp;
+    /* the prefix cache's snapshot pool, as the engine sizes it (rank/setup.c) */
+    const int64_t kv_blocks = ((kvt > 0 ? kvt : seqs * ctx) + K3_KV_BLOCK - 1) / K3_KV_BLOCK;
+    const int snaps =
+        k3_args_bool(a, "no-prefix-cache")
+            ? 0
+            : k3_plan_prefix_snapshots(pct > 0 ? (pct + K3_KV_BLOCK - 1) / K3_KV_BLOCK : kv_blocks,
+                                       (int)seqs);
     k3_plan_req req = {.world = (int)world,
                        .coord = cm,
                        .max_ctx = ctx,
                        .max_seqs_per_lane = (int)seqs,
                        .max_tokens = toks,
-                       .kv_cache_tokens = kvt};
+                       .kv_cache_tokens = kvt,
+                       .prefix_snapshots = snaps};
     plan_out po = {.cfg = &cfg,
                    .req = &req,
                    .site = have_site ? &site : NULL,

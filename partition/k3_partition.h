@@ -35,7 +35,15 @@ typedef struct k3_plan_req {
     int64_t max_tokens;          /* tokens per forward call on a lane (sizes buffers) */
     int64_t kv_cache_tokens;     /* paged MLA cache of a lane, tokens (0 = max_seqs x max_ctx;
                                     rounded up to whole blocks of K3_KV_BLOCK) */
+    int prefix_snapshots;        /* KDA state snapshots of a lane's prefix cache
+                                    (k3_plan_prefix_snapshots; 0: the cache is off) */
 } k3_plan_req;
+
+/* The prefix cache's snapshot pool of a lane (docs/DESIGN.md §3c): one snapshot per
+ * K3_PREFIX_SNAP_EVERY blocks of its budget, plus one, at most 2 x max_seqs (a snapshot is a
+ * slot's KDA state: the pool is at most twice the slots' own). */
+#define K3_PREFIX_SNAP_EVERY 8
+int k3_plan_prefix_snapshots(int64_t budget_blocks, int max_seqs);
 
 /* Bytes one rank must hold, by kind. The engine sizes its allocations from the same numbers
  * (rank/setup.c checks k3_rank_mem_total against each node's memory), and `k3 plan` prints them,
@@ -44,10 +52,11 @@ typedef struct k3_rank_mem {
     uint64_t weights; /* as stored: the stage's non-expert tensors + owned experts (+embed/head) */
     uint64_t weights_bf16, weights_mxfp4, weights_other; /* `weights` by stored dtype: BF16;
                          MXFP4 (U8 nibbles + E8M0 scales); F32 and the rest */
-    uint64_t caches;                                     /* = mla_cache + kda_state */
-    uint64_t mla_cache; /* the paged cache: MLA layers x kv_cache_tokens (whole blocks) x
-                           (kv_lora + rope), fp32 */
-    uint64_t kda_state; /* max_seqs_per_lane x KDA layers x (conv + recurrent state), fp32 */
+    uint64_t caches;        /* = mla_cache + kda_state + kda_snapshots */
+    uint64_t mla_cache;     /* the paged cache: MLA layers x kv_cache_tokens (whole blocks) x
+                               (kv_lora + rope), fp32 */
+    uint64_t kda_state;     /* max_seqs_per_lane x KDA layers x (conv + recurrent state), fp32 */
+    uint64_t kda_snapshots; /* prefix_snapshots x the same per-sequence state (the prefix cache) */
     uint64_t buffers;   /* comm: the stage hand-off activation (h + AttnRes bank) and its message
                            copies, MoE dispatch/combine rows, logits (fp32) */
     uint64_t workspace; /* per-step scratch of the stage forward (k3_plan_workspace_bytes) */

@@ -499,7 +499,9 @@ static k3_status fill_mem(k3_plan *p, const k3_config *c, const k3_plan_req *r,
                 m->mla_cache = u_mul(&co, per_tok,
                                      (kvt + K3_KV_BLOCK - 1) / K3_KV_BLOCK * (uint64_t)K3_KV_BLOCK);
                 m->kda_state = u_mul(&co, kconv + krec, SEQS);
-                m->caches = u_add(&co, m->mla_cache, m->kda_state);
+                m->kda_snapshots =
+                    u_mul(&co, kconv + krec, (uint64_t)K3_MAX(r->prefix_snapshots, 0));
+                m->caches = u_add(&co, u_add(&co, m->mla_cache, m->kda_state), m->kda_snapshots);
             }
             /* the hand-off activation h | bank [T, D] x (1 + bank): allocated on every worker,
                plus one message copy per neighbour stage (send to s+1, receive from s-1) */
@@ -733,4 +735,9 @@ void k3_plan_format(const k3_plan *p, const k3_config *c, char *buf, size_t cap)
         APPEND("  %4d  %5d  %4d  %17d  %10.2f  %9.2f  %10.2f\n", r, s, e, owned,
                p->mem[r].weights / MB, p->mem[r].caches / MB, p->mem[r].buffers / MB);
     }
+}
+
+int k3_plan_prefix_snapshots(int64_t budget_blocks, int max_seqs) {
+    const int64_t n = budget_blocks / K3_PREFIX_SNAP_EVERY + 1;
+    return (int)(n < 2 * (int64_t)max_seqs ? n : 2 * (int64_t)max_seqs);
 }

@@ -143,10 +143,8 @@ static void bind_rank(rank_ctx *r) {
  * agree on the worst status so nobody hangs in the next collective. */
 /* The prefix cache's sizes (docs/DESIGN.md §3c), the same on every rank: a budget of blocks
  * (--prefix-cache-tokens, by default the lane's whole paged cache: unused blocks cost nothing,
- * evicted when a request needs them), a snapshot every K3_PREFIX_SNAP_EVERY blocks, and a
- * snapshot pool of one per that many budget blocks, at most 2 x max_seqs (a snapshot is a
- * slot's KDA state: the pool is at most twice the slots' own). */
-#define K3_PREFIX_SNAP_EVERY 8
+ * evicted when a request needs them), a snapshot every K3_PREFIX_SNAP_EVERY blocks, and the
+ * snapshot pool the plan counts (k3_plan_prefix_snapshots). */
 static k3_status prefix_cache_sizes(rank_ctx *r) {
     const k3_engine_opts *o = r->o;
     r->pc_on = !o->no_prefix_cache;
@@ -161,7 +159,7 @@ static k3_status prefix_cache_sizes(rank_ctx *r) {
     rank_pc_params *p = &r->pc;
     p->n_entries = (int)((tokens + K3_KV_BLOCK - 1) / K3_KV_BLOCK);
     p->snap_every = K3_PREFIX_SNAP_EVERY;
-    p->n_snaps = (int)K3_MIN((int64_t)p->n_entries / p->snap_every + 1, 2 * (int64_t)r->max_seqs);
+    p->n_snaps = k3_plan_prefix_snapshots(p->n_entries, r->max_seqs);
     p->max_seqs = r->max_seqs;
     p->max_blocks = (int)((r->max_ctx + K3_KV_BLOCK - 1) / K3_KV_BLOCK);
     p->max_tokens = r->max_tokens;
@@ -221,7 +219,8 @@ k3_status rank_setup(rank_ctx *r) {
                            .max_ctx = r->max_ctx,
                            .max_seqs_per_lane = r->max_seqs,
                            .max_tokens = r->max_tokens,
-                           .kv_cache_tokens = (int64_t)r->kv_blocks * K3_KV_BLOCK};
+                           .kv_cache_tokens = (int64_t)r->kv_blocks * K3_KV_BLOCK,
+                           .prefix_snapshots = r->pc_on ? r->pc.n_snaps : 0};
         st = k3_plan_make(&r->cfg, &req, &r->plan);
         if (st == K3_OK) st = check_memory(r, &req), same = st != K3_OK;
     }
