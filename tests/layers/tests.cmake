@@ -36,6 +36,6 @@ add_test(NAME prefix_snapshot COMMAND test_prefix cpu)
 set_tests_properties(prefix_snapshot PROPERTIES LABELS "unit;sanitize" ENVIRONMENT "${K3_TEST_ENV}" TIMEOUT 120)
 if(K3_CUDA)
   add_test(NAME prefix_snapshot_cuda COMMAND test_prefix cuda)
-  set_tests_properties(prefix_snapshot_cuda PROPERTIES LABELS "gpuemu" ENVIRONMENT "${K3_TEST_ENV}" TIMEOUT 300
+  set_tests_properties(prefix_snapshot_cuda PROPERTIES LABELS "gpuemu" ENVIRONMENT "${K3_TEST_ENV}" TIMEOUT 600
                        SKIP_RETURN_CODE 77)
 endif()
