@@ -363,7 +363,9 @@ void rank_coord_load(const rank_ctx *r, int *running, int *waiting, double *cach
         *running += r->co->reqs[i]->state == RQ_RUNNING;
         *waiting += r->co->reqs[i]->state == RQ_QUEUED;
     }
-    for (int e = 0; e < r->plan.n_lanes; e++) free += r->co->lane_blk_free[e];
+    for (int e = 0; e < r->plan.n_lanes; e++) /* cached blocks in use count, evictable ones not */
+        free += r->co->lane_blk_free[e] -
+                (r->co->pc ? rank_pc_blocks(r->co->pc[e]) - rank_pc_evictable(r->co->pc[e]) : 0);
     const double all = (double)r->kv_blocks * r->plan.n_lanes;
     *cache_usage = all > 0 ? 1.0 - (double)free / all : 0;
 }

@@ -118,8 +118,9 @@ def check_against_dump(prompts, answers, ref):
     for p, (e, v), lp in zip(prompts, answers, ref):
         ch = e["choices"][0]
         L = ch["logprobs"]
+        # an echo request runs its whole prompt: never a prefix-cache hit
         assert e["usage"] == {"prompt_tokens": len(p), "completion_tokens": 0,
-                              "total_tokens": len(p)}
+                              "total_tokens": len(p), "prompt_tokens_details": {"cached_tokens": 0}}
         assert len(L["tokens"]) == len(L["token_logprobs"]) == len(L["top_logprobs"]) == len(p)
         assert L["token_logprobs"][0] is None and L["top_logprobs"][0] is None
         assert L["text_offset"] == sorted(L["text_offset"]) and L["text_offset"][0] == 0
