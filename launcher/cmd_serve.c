@@ -44,8 +44,9 @@ static const k3_flag flags[] = {
      "memory the admitted requests may hold on rank 0 (prompts, token buffers, sampler state, "
      "logprobs; estimated from their sizes); a request past it gets 429 with Retry-After (0: a "
      "tenth of MemAvailable at start, at least 256 MiB)"},
-    {"max-connections-per-client", K3_FLAG_INT, "N", "32",
-     "open connections from one client address (more are refused; 512 in all)"},
+    {"max-connections-per-client", K3_FLAG_INT, "N", "512",
+     "open connections from one client address (more are refused; 1024 in all, so one client at "
+     "a load tool's 512 concurrent requests leaves room for the others and /health)"},
     {"read-timeout", K3_FLAG_FLOAT, "SEC", "30",
      "a connection that sends nothing (or reads nothing of its response) for this long is closed"},
     {"allowed-origins", K3_FLAG_STR, "LIST", NULL,
@@ -101,8 +102,8 @@ static k3_status prepare(const k3_args *a, k3_server_opts *so, k3_tokenizer **to
         qbytes = K3_MAX(k3_host_memory(&avail, &total) == K3_OK ? (int64_t)(avail / 10) : 0,
                         (int64_t)256 << 20);
     const int64_t per_client = k3_args_int(a, "max-connections-per-client");
-    if (per_client < 1 || per_client > 512)
-        return K3_ERR(K3_ERR_ARG, "--max-connections-per-client: %lld must be in [1, 512]",
+    if (per_client < 1 || per_client > 1023)
+        return K3_ERR(K3_ERR_ARG, "--max-connections-per-client: %lld must be in [1, 1023]",
                       (long long)per_client);
     const double read_s = k3_args_float(a, "read-timeout");
     if (!(read_s >= 1 && read_s <= 86400))

@@ -42,7 +42,7 @@ typedef struct k3_server_opts {
     size_t max_queue_bytes;     /* memory the admitted requests may hold (their buffers here and
                                    in the engine: ids, tokens, sampler state, logprobs); a request
                                    past it gets 429 (0 = 1 GiB) */
-    int max_connections;        /* open connections (0 = 512) */
+    int max_connections;        /* open connections (0 = 1024) */
     double idle_timeout_s;      /* a connection moving no bytes this long is closed (0 = 30) */
     double grace_s;             /* at shutdown: in-flight requests may finish this long (0 = 10) */
     const char *tokenizer_info; /* GET /tokenizer_info (vLLM's): the model's tokenizer_config.json

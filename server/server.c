@@ -20,6 +20,7 @@
 #include <netinet/in.h>
 #include <stdio.h>
 #include <stdlib.h>
+#include <sys/resource.h>
 #include <sys/socket.h>
 #include <time.h>
 #include <unistd.h>
@@ -851,7 +852,9 @@ k3_status k3_server_create(const k3_server_opts *o, k3_server **out) {
     struct sockaddr_in6 a6 = {0};
     struct sockaddr_in a4 = {0};
     const struct sockaddr *sa = NULL;
-    unsigned flags = MHD_USE_THREAD_PER_CONNECTION | MHD_USE_INTERNAL_POLLING_THREAD | MHD_USE_ITC;
+    /* poll, not select: 1024 connections + the job's own descriptors pass FD_SETSIZE */
+    unsigned flags = MHD_USE_THREAD_PER_CONNECTION | MHD_USE_INTERNAL_POLLING_THREAD | MHD_USE_ITC |
+                     MHD_USE_POLL;
     if (inet_pton(AF_INET, host, &a4.sin_addr) == 1) {
         a4.sin_family = AF_INET;
         a4.sin_port = htons((uint16_t)o->port);
@@ -866,8 +869,14 @@ k3_status k3_server_create(const k3_server_opts *o, k3_server **out) {
         return K3_ERR(K3_ERR_ARG, "--host %s: not a numeric IPv4 or IPv6 address", host);
     }
     const unsigned timeout = (unsigned)(o->idle_timeout_s > 0 ? o->idle_timeout_s : 30);
-    const unsigned limit = (unsigned)(o->max_connections > 0 ? o->max_connections : 512);
-    const unsigned per_client = (unsigned)(o->max_per_client > 0 ? o->max_per_client : 32);
+    const unsigned limit = (unsigned)(o->max_connections > 0 ? o->max_connections : 1024);
+    const unsigned per_client = (unsigned)(o->max_per_client > 0 ? o->max_per_client : 512);
+    struct rlimit nf; /* a connection is a descriptor: lift a low soft limit up to the hard one */
+    if (getrlimit(RLIMIT_NOFILE, &nf) == 0 && nf.rlim_cur != RLIM_INFINITY &&
+        nf.rlim_cur < limit + 256 && nf.rlim_cur < nf.rlim_max) {
+        nf.rlim_cur = K3_MIN(nf.rlim_max, (rlim_t)limit + 256);
+        (void)setrlimit(RLIMIT_NOFILE, &nf);
+    }
     /* strict: libmicrohttpd's own checks of the request line and headers (400); it still takes
        bare-LF chunk lines, so chunked bodies are refused in on_request (framing_error) */
     s->d = MHD_start_daemon(flags, (uint16_t)o->port, NULL, NULL, on_request, s,
