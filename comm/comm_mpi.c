@@ -508,6 +508,21 @@ k3_status k3_comm_world_max(int v, int *max, double timeout_s) {
                     COMM_PEER_ANY);
 }
 
+/* The lowest world rank of this rank's node (the ranks sharing its memory). */
+static k3_status node_lead(int rank, double timeout_s, int *lead) {
+    MPI_Comm node = MPI_COMM_NULL;
+    MPI_TRY(MPI_Comm_split_type(MPI_COMM_WORLD, MPI_COMM_TYPE_SHARED, rank, MPI_INFO_NULL, &node));
+    MPI_Request req;
+    *lead = rank;
+    /* count unit: one int (the lowest world rank of the node) */
+    int rc = MPI_Iallreduce(&rank, lead, 1, MPI_INT, MPI_MIN, node, &req);
+    k3_status st = rc == MPI_SUCCESS ? wait_req(NULL, timeout_s, &req, "node split (allreduce)",
+                                                "some rank of this node", COMM_PEER_ANY)
+                                     : mpi_err(rc, "MPI_Iallreduce (node)", __FILE__, __LINE__);
+    MPI_Comm_free(&node);
+    return st;
+}
+
 k3_status k3_comm_world_where(uint64_t v, k3_comm_where *all, double timeout_s) {
     int inited = 0, rank = 0, size = 1;
     MPI_Initialized(&inited);
@@ -537,21 +552,9 @@ k3_status k3_comm_world_where(uint64_t v, k3_comm_where *all, double timeout_s) 
         me.node = rank / per * per;
         const size_t at = strnlen(me.host, sizeof me.host);
         snprintf(me.host + at, sizeof me.host - at, "~node%d", rank / per);
-        goto gather;
-    }
-    MPI_Comm node = MPI_COMM_NULL;
-    MPI_TRY(MPI_Comm_split_type(MPI_COMM_WORLD, MPI_COMM_TYPE_SHARED, rank, MPI_INFO_NULL, &node));
+    } else
+        K3_TRY(node_lead(rank, timeout_s, &me.node));
     MPI_Request req;
-    int lead = rank;
-    /* count unit: one int (the lowest world rank of the node) */
-    int rc = MPI_Iallreduce(&rank, &lead, 1, MPI_INT, MPI_MIN, node, &req);
-    k3_status st = rc == MPI_SUCCESS ? wait_req(NULL, timeout_s, &req, "node split (allreduce)",
-                                                "some rank of this node", COMM_PEER_ANY)
-                                     : mpi_err(rc, "MPI_Iallreduce (node)", __FILE__, __LINE__);
-    MPI_Comm_free(&node);
-    K3_TRY(st);
-    me.node = lead;
-gather:
     /* count unit: bytes, sizeof(k3_comm_where) per rank */
     MPI_TRY(MPI_Iallgather(&me, (int)sizeof me, MPI_BYTE, all, (int)sizeof me, MPI_BYTE,
                            MPI_COMM_WORLD, &req));
