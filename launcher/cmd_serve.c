@@ -44,9 +44,10 @@ static const k3_flag flags[] = {
      "memory the admitted requests may hold on rank 0 (prompts, token buffers, sampler state, "
      "logprobs; estimated from their sizes); a request past it gets 429 with Retry-After (0: a "
      "tenth of MemAvailable at start, at least 256 MiB)"},
-    {"max-connections-per-client", K3_FLAG_INT, "N", "512",
+    {"max-connections-per-client", K3_FLAG_INT, "N", "768",
      "open connections from one client address (more are refused; 1024 in all, so one client at "
-     "a load tool's 512 concurrent requests leaves room for the others and /health)"},
+     "a load tool's 512 concurrent requests, with the connections its pool opens while old ones "
+     "close, leaves 256 for the others and /health)"},
     {"read-timeout", K3_FLAG_FLOAT, "SEC", "30",
      "a connection that sends nothing (or reads nothing of its response) for this long is closed"},
     {"allowed-origins", K3_FLAG_STR, "LIST", NULL,

@@ -870,7 +870,7 @@ k3_status k3_server_create(const k3_server_opts *o, k3_server **out) {
     }
     const unsigned timeout = (unsigned)(o->idle_timeout_s > 0 ? o->idle_timeout_s : 30);
     const unsigned limit = (unsigned)(o->max_connections > 0 ? o->max_connections : 1024);
-    const unsigned per_client = (unsigned)(o->max_per_client > 0 ? o->max_per_client : 512);
+    const unsigned per_client = (unsigned)(o->max_per_client > 0 ? o->max_per_client : 768);
     struct rlimit nf; /* a connection is a descriptor: lift a low soft limit up to the hard one */
     if (getrlimit(RLIMIT_NOFILE, &nf) == 0 && nf.rlim_cur != RLIM_INFINITY &&
         nf.rlim_cur < limit + 256 && nf.rlim_cur < nf.rlim_max) {

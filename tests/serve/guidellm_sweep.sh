@@ -45,6 +45,26 @@ grep -E 'Benchmark [0-9]+ .*completed' "$work/guidellm.log" | sed 's/.*Benchmark
 errored=$(grep -E 'Benchmark [0-9]+ .*completed' "$work/guidellm.log" |
           sed -E 's/.*errored=([0-9]+).*/\1/' | paste -sd+ | bc)
 n=$(grep -cE 'Benchmark [0-9]+ .*completed' "$work/guidellm.log")
+if [[ $errored -ne 0 ]]; then  # what the errored requests got, from guidellm's JSON
+    python3 - "$work/sweep.json" <<'PYEOF'
+import collections, json, sys
+seen = collections.Counter()
+def walk(x):
+    if isinstance(x, dict):
+        e = x.get("error")
+        if isinstance(e, str) and e:
+            seen[e[:300]] += 1
+        for v in x.values():
+            walk(v)
+    elif isinstance(x, list):
+        for v in x:
+            walk(v)
+walk(json.load(open(sys.argv[1])))
+for e, k in seen.most_common(5):
+    print("   error x%d: %s" % (k, e))
+PYEOF
+    grep -vE 'status=(200) ' "$work/serve.log" | grep -E 'status=' | head -5 || true
+fi
 echo "guidellm sweep: $n benchmarks, $errored errored requests, 429s in the server log:" \
      "$(grep -c 'status=429' "$work/serve.log" || true)"
 [[ $n -ge 10 && $errored -eq 0 ]]
