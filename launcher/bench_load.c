@@ -8,7 +8,8 @@
  *      wait in a world collective. A pass stops claiming pieces after RAW_PASS_S (the engine's
  *      timeouts, a huge checkpoint), and reads at most half of the node's available memory.
  *   2. loads: the engine opened and closed once per (loader, cache): "serial" (load_readers = 1:
- *      one read in flight, the old loader) and "parallel" (--load-readers, 0 = the default), warm
+ *      one read in flight, the old loader), "parallel" (--load-readers, 0 = the default) and, for
+ *      host backends, "mmap" (--load-mmap: the files mapped and populated, nothing copied), warm
  *      and, where the drop works, cold (the node leaders drop the shards' cache before the open).
  *      Each rank's bytes read, plan bytes and load seconds come from k3_engine_rank_info on rank 0;
  *      its peak RSS (VmHWM, reset before each open through /proc/self/clear_refs where allowed) is
@@ -213,8 +214,9 @@ static k3_status raw_pass_run(const shards *s, const piece *p, int64_t n, const 
     return K3_OK;
 }
 
-#define MAX_REPS  16                 /* --repetitions of the warm measurements */
-#define MAX_LOADS (2 * MAX_REPS + 2) /* serial and parallel: the warm runs, one cold each */
+#define MAX_REPS  16                                 /* --repetitions of the warm measurements */
+#define N_LOADERS 3                                  /* serial, parallel, mmap */
+#define MAX_LOADS (N_LOADERS * MAX_REPS + N_LOADERS) /* the warm runs, one cold each */
 
 typedef struct raw_result {
     double warm_gbs, cold_gbs; /* warm: the median of the passes; cold < 0: not permitted */
@@ -420,7 +422,7 @@ static void gather(job *J, uint64_t v, uint64_t *all) {
 
 /* Every rank: open the engine with `readers`, note the ranks' bytes and times (rank 0), close.
  * Returns the exit code of a failed open every rank agreed on (0 = loaded). */
-static int one_load(job *J, const shards *s, bool cold, int readers, load_res *out) {
+static int one_load(job *J, const shards *s, bool cold, int readers, bool map, load_res *out) {
     if (cold && J->where[J->rank].node == J->rank) { /* the node leaders drop the cache */
         char why[256];
         const double left = drop_cache(s, J->raw.bytes, why, sizeof why);
@@ -435,6 +437,7 @@ static int one_load(job *J, const shards *s, bool cold, int readers, load_res *o
     if (J->rank == 0) J->rss_reset = reset;
     k3_engine_opts eo = J->eo;
     eo.load_readers = readers;
+    eo.load_mmap = map;
     k3_engine *e = NULL;
     k3_status ost = k3_engine_open_test(&eo, k3_engine_test_from_env(), &e);
     if (ost != K3_OK && e) k3_engine_abort(e); /* a fatal fault: the job ends, the rank named */
@@ -718,9 +721,10 @@ static k3_status report(const job *J, const k3_args *a, const k3_config *cfg, in
     k3_status st = k3_calloc((void **)&unique, (size_t)J->world * sizeof *unique, "bench unique");
     if (st == K3_OK) st = unique_per_node(J, cfg, &J->loads[0], unique);
     if (st == K3_OK) st = put_meta(J, k3_args_str(a, "model"), readers, &rep.meta);
-    static const char *const order[4][2] = {
-        {"serial", "warm"}, {"parallel", "warm"}, {"serial", "cold"}, {"parallel", "cold"}};
-    for (int o = 0; o < 4; o++) /* one row each, the run pick_medians chose */
+    static const char *const order[2 * N_LOADERS][2] = {{"serial", "warm"},   {"parallel", "warm"},
+                                                        {"mmap", "warm"},     {"serial", "cold"},
+                                                        {"parallel", "cold"}, {"mmap", "cold"}};
+    for (int o = 0; o < 2 * N_LOADERS; o++) /* one row each, the run pick_medians chose */
         for (int k = 0; st == K3_OK && k < J->n_loads; k++)
             if (J->loads[k].reps > 0 && strcmp(J->loads[k].loader, order[o][0]) == 0 &&
                 strcmp(J->loads[k].cache, order[o][1]) == 0)
@@ -839,16 +843,21 @@ int bench_load(const k3_args *a, const char *usage) {
     bool cold_ok = true;
     for (int r = 0; rc == 0 && r < J.world; r++)
         if (J.where[r].node == r && dbl_of(J.raw_all[1][r]) < 0) cold_ok = false;
-    /* warm: --repetitions rounds of (a raw pass on the node leaders, serial, parallel), so the
-       raw rate and the loads see the same machine; then one cold load of each */
-    for (int k = 0; rc == 0 && k < 2 * J.reps + 2; k++) {
-        const bool cold = k >= 2 * J.reps, serial = k % 2 == 0;
-        if (cold && !cold_ok) continue;
-        if (!cold && serial && k > 0) rc = raw_again(&J, &s);
+    /* warm: --repetitions rounds of (a raw pass on the node leaders, serial, parallel, mmap), so
+       the raw rate and the loads see the same machine; then one cold load of each. mmap is for
+       host backends only (a device backend would read the files anyway). */
+    const char *be = J.eo.backend ? J.eo.backend : "cpu";
+    const bool host = strcmp(be, "cuda") != 0 && strcmp(be, "guard") != 0;
+    for (int k = 0; rc == 0 && k < N_LOADERS * (J.reps + 1); k++) {
+        const bool cold = k >= N_LOADERS * J.reps;
+        const int which = k % N_LOADERS; /* 0 serial, 1 parallel, 2 mmap */
+        if ((cold && !cold_ok) || (which == 2 && !host)) continue;
+        if (!cold && which == 0 && k > 0) rc = raw_again(&J, &s);
         load_res *L = &J.loads[J.n_loads];
-        L->loader = serial ? "serial" : "parallel", L->cache = cold ? "cold" : "warm";
-        L->readers = serial ? 1 : readers;
-        if (rc == 0) rc = one_load(&J, &s, cold, L->readers, L);
+        static const char *const names[N_LOADERS] = {"serial", "parallel", "mmap"};
+        L->loader = names[which], L->cache = cold ? "cold" : "warm";
+        L->readers = which == 1 ? readers : 1; /* mmap: populated on the loading thread */
+        if (rc == 0) rc = one_load(&J, &s, cold, L->readers, which == 2, L);
         J.n_loads += rc == 0;
     }
     if (J.where && J.where[J.rank].node == J.rank) raw_close(&s, &J.raw);

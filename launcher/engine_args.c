@@ -184,6 +184,7 @@ int k3_engine_args(const k3_args *a, bool print, k3_engine_opts *o) {
     o->load_readers = (int)k3_args_int(a, "load-readers");
     o->load_direct = k3_args_bool(a, "load-direct");
     o->load_private = k3_args_bool(a, "load-private");
+    o->load_mmap = k3_args_bool(a, "load-mmap");
     int rc = k3_engine_comm_arg(a, o->backend, print, &o->comm);
     return rc ? rc : k3_engine_bind_arg(a, print, &o->bind);
 }

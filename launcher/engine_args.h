@@ -63,6 +63,10 @@
     {"load-direct", K3_FLAG_BOOL, NULL, NULL,                                                      \
      "read the checkpoint with O_DIRECT (no page cache) where the file system allows it; else "   \
      "buffered, said once"},                                                                       \
+    {"load-mmap", K3_FLAG_BOOL, NULL, NULL,                                                        \
+     "cpu: map the checkpoint's files instead of reading them (the weights are the page cache's "  \
+     "own pages: a warm load copies nothing and one node holds them once; mapped by 2 MB "        \
+     "entries where the file system's cache holds large folios, said at load)"},                  \
     {"threads", K3_FLAG_INT, "N", "0",                                                             \
      "cpu threads per rank (0 = the cores of its binding; --bind none: all alone, 1 under "        \
      "mpirun)"},                                                                                   \

@@ -358,6 +358,11 @@ typedef struct k3_load_sel {
     void *dense;
     uint64_t dense_bytes;
     bool dense_reader;
+    /* Map the shard files instead of reading them (host memory only, no dense region): tensors
+       point into the page cache's own pages, populated before the load returns; a tensor whose
+       file offset is not a multiple of its element size is read into the arena instead. Logits
+       are the same bytes' (bit-identical). k3_weights_mapped says how it went. */
+    bool map;
 } k3_load_sel;
 k3_status k3_weights_load(k3_ckpt *ck, const k3_config *c, const k3_load_sel *sel,
                           k3_weights **out);
@@ -367,6 +372,11 @@ k3_status k3_weights_dense_bytes(const k3_config *c, const k3_load_sel *sel, uin
                                  uint64_t *stored);
 const k3_weights_view *k3_weights_get(const k3_weights *w);
 uint64_t k3_weights_bytes(const k3_weights *w);
+/* A mapped load (k3_load_sel.map): the bytes of the tensors left in the files (64-byte rounded,
+ * as the plan counts them), and of the weights' resident file pages, the bytes mapped by 2 MB
+ * entries (decode sweeps those as fast as the read loader's huge-page arena) against all of them.
+ * Zeros for a read load. */
+void k3_weights_mapped(const k3_weights *w, uint64_t *mapped, uint64_t *resident, uint64_t *pmd);
 void k3_weights_destroy(k3_weights *w);
 
 /* ---- presets ------------------------------------------------------------------------------ */

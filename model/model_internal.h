@@ -34,6 +34,24 @@ void k3_error_capture(char *buf, size_t cap);
 /* Add n bytes to the checkpoint's bytes-read counter (reads made outside k3_ckpt_read_range). */
 void k3_ckpt_count_read(k3_ckpt *ck, uint64_t n);
 
+/* ---- ckpt_map.c: shard files mapped instead of read (k3_load_sel.map) -----------------------
+ * A shard mapped read-only and private, its file offsets congruent to its addresses modulo 2 MB,
+ * advised MADV_HUGEPAGE; nothing is resident until populated. */
+typedef struct k3_ckpt_map {
+    uint8_t *base; /* file byte 0 */
+    uint64_t n_bytes;
+    void *reserve; /* the address range reserved around it (unmapped as one) */
+    size_t reserve_bytes;
+} k3_ckpt_map;
+k3_status k3_ckpt_map_shard(const k3_ckpt *ck, int shard, k3_ckpt_map *out);
+void k3_ckpt_unmap(k3_ckpt_map *m); /* NULL-safe; zeroes *m */
+/* Fault bytes [off, off + n) of a mapped shard in (read from the file where not cached; the
+ * caller counts them, k3_ckpt_count_read). I/O errors name the file and the range. */
+k3_status k3_ckpt_map_populate(k3_ckpt *ck, int shard, const k3_ckpt_map *m, uint64_t off,
+                               uint64_t n);
+/* Over the maps m[0..n): bytes resident now, and of those, bytes mapped by 2 MB entries. */
+k3_status k3_ckpt_map_pmd(const k3_ckpt_map *m, int n, uint64_t *rss, uint64_t *pmd);
+
 /* ---- read_many.c: many reads in flight -----------------------------------------------------
  * A whole tensor into dst: host memory, or (device) an address only `upload` touches. */
 typedef struct k3_read_req {

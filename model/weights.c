@@ -12,7 +12,9 @@
  * in (shard, offset) order, reported through sel->progress. A backend whose memory the host
  * cannot touch gets its arena first and every piece is uploaded as it arrives, through the
  * reader's bounded staging (2 x n_readers pieces of K3_LOAD_PIECE_BYTES): the host never holds
- * the rank's weights, only the staging and the AttnRes halves being fused. */
+ * the rank's weights, only the staging and the AttnRes halves being fused. With sel->map (host
+ * memory) the shard files are mapped instead (ckpt_map.c): a tensor points into its file's pages,
+ * populated here, and the arena holds only the fused AttnRes scores and any misaligned tensor. */
 #include "k3_model.h"
 
 #include <stdlib.h>
@@ -28,6 +30,9 @@ struct k3_weights {
     uint64_t arena_bytes;
     uint64_t dense_bytes; /* in k3_load_sel.dense (not owned), 0 without */
     k3_backend *be;       /* owner of the arena (NULL: k3_alloc) */
+    k3_ckpt_map *maps;    /* [n_maps] with sel->map: the shard files (unmapped at destroy) */
+    int n_maps;
+    uint64_t mapped_bytes, resident_bytes, pmd_bytes; /* k3_weights_mapped */
 };
 
 typedef struct job {
@@ -35,6 +40,7 @@ typedef struct job {
     void *dst;
     k3_tensor *t; /* the tensor whose data (part 0) or scale (part 1) this is; NULL: staged */
     int part;
+    bool mapped; /* dst points into the shard's mapping: populated, not read */
 } job;
 
 typedef struct fuse {
@@ -258,6 +264,53 @@ static k3_status check_src(const k3_ckpt *ck, const k3_tensor_spec *s, const k3_
     return K3_OK;
 }
 
+/* With sel->map: a tensor's data or scale stays in its file's pages when its offset suits its
+ * element type (the AttnRes halves are fused into the arena either way). */
+static bool mappable(const k3_load_sel *sel, const k3_ckpt_tensor *t, int part) {
+    const size_t el = K3_MAX(k3_dtype_size(t->dtype), (size_t)1);
+    return sel->map && part < 2 && t->offset % el == 0;
+}
+
+/* A mapped load's progress: the reads' (k3_ckpt_read_many's own count), then the populated
+ * bytes after them, both against every byte of the load. */
+typedef struct map_progress {
+    k3_status (*progress)(void *ctx, uint64_t done, uint64_t total);
+    void *ctx;
+    uint64_t total;
+} map_progress;
+static k3_status progress_of_all(void *ctx, uint64_t done, uint64_t total) {
+    (void)total;
+    const map_progress *m = ctx;
+    return m->progress(m->ctx, done, m->total);
+}
+
+/* Fault the mapped jobs' bytes in, file by file in offset order, a range at a time (tensors
+ * closer than a piece merged into one range of at most 16 pieces), with progress from `done`;
+ * then how much of the resident file pages is mapped by 2 MB entries. */
+static k3_status populate(k3_ckpt *ck, k3_weights *w, const job *jobs, int64_t nj,
+                          const map_progress *mp, uint64_t done) {
+    for (int64_t j = 0; j < nj;) {
+        if (!jobs[j].mapped) {
+            j++;
+            continue;
+        }
+        const k3_ckpt_tensor *t = jobs[j].src;
+        uint64_t lo = t->offset, hi = t->offset + t->n_bytes, n = t->n_bytes;
+        for (j++;
+             j < nj && jobs[j].mapped && jobs[j].src->shard == t->shard &&
+             jobs[j].src->offset <= hi + K3_LOAD_PIECE_BYTES && hi - lo < 16 * K3_LOAD_PIECE_BYTES;
+             j++) {
+            hi = K3_MAX(hi, jobs[j].src->offset + jobs[j].src->n_bytes);
+            n += jobs[j].src->n_bytes;
+        }
+        K3_TRY(k3_ckpt_map_populate(ck, t->shard, &w->maps[t->shard], lo, hi - lo));
+        k3_ckpt_count_read(ck, n); /* the tensors' bytes, not the gaps between them */
+        done += n;
+        if (mp->progress) K3_TRY(mp->progress(mp->ctx, done, mp->total));
+    }
+    return k3_ckpt_map_pmd(w->maps, w->n_maps, &w->resident_bytes, &w->pmd_bytes);
+}
+
 k3_status k3_weights_load(k3_ckpt *ck, const k3_config *c, const k3_load_sel *sel,
                           k3_weights **out) {
     *out = NULL;
@@ -290,6 +343,16 @@ k3_status k3_weights_load(k3_ckpt *ck, const k3_config *c, const k3_load_sel *se
     /* a dense region shared with other ranks (host: node memory; device: this device's copy,
        which the caller fills from the reader's): exactly the selection's size */
     const bool share = sel->dense != NULL;
+    if (sel->map && (share || (sel->be && sel->be->mem != K3_MEM_HOST))) {
+        st = K3_ERR(K3_ERR_ARG, "load selection: mapping the files needs host memory and no "
+                                "shared dense region (the page cache is shared already)");
+        goto fail;
+    }
+    if (sel->map &&
+        (st = k3_calloc((void **)&w->maps, (size_t)k3_ckpt_n_shards(ck) * sizeof *w->maps,
+                        "maps")) != K3_OK)
+        goto fail;
+    w->n_maps = sel->map ? k3_ckpt_n_shards(ck) : 0;
 
     /* pass 1: check and size */
     uint64_t bytes = 0, dense_bytes = 0, stage_bytes = 0;
@@ -304,8 +367,9 @@ k3_status k3_weights_load(k3_ckpt *ck, const k3_config *c, const k3_load_sel *se
         const int part = part_of(&specs[i]);
         const bool dense = share && specs[i].kind != K3_TK_EXPERT;
         uint64_t nb = (uint64_t)k3_tensor_spec_bytes(&specs[i]);
-        *(dense ? &dense_bytes : &bytes) += placed_bytes(c, &specs[i], part);
         if (part >= 2) stage_bytes += align64(nb);
+        if (mappable(sel, src[i], part)) continue; /* in its file's pages */
+        *(dense ? &dense_bytes : &bytes) += placed_bytes(c, &specs[i], part);
     }
     if (share && dense_bytes != sel->dense_bytes) {
         k3_free(src);
@@ -373,8 +437,18 @@ k3_status k3_weights_load(k3_ckpt *ck, const k3_config *c, const k3_load_sel *se
             else
                 fz[f].proj = dst;
         } else {
-            dst = base + *pos;
-            *pos += align64(nb);
+            if (mappable(sel, src[i], part)) {
+                k3_ckpt_map *m = &w->maps[src[i]->shard];
+                if (!m->base && (st = k3_ckpt_map_shard(ck, src[i]->shard, m)) != K3_OK) {
+                    k3_free(src);
+                    goto fail;
+                }
+                dst = m->base + src[i]->offset;
+                w->mapped_bytes += align64(nb); /* as placed in an arena: the plan's count */
+            } else {
+                dst = base + *pos;
+                *pos += align64(nb);
+            }
             if (part == 1) {
                 t->scale = dst;
             } else {
@@ -390,18 +464,27 @@ k3_status k3_weights_load(k3_ckpt *ck, const k3_config *c, const k3_load_sel *se
                 }
             }
         }
-        if (read) jobs[nj++] = (job){src[i], dst, part < 2 ? t : NULL, part};
+        if (read)
+            jobs[nj++] = (job){src[i], dst, part < 2 ? t : NULL, part, mappable(sel, src[i], part)};
     }
     if (share && !sel->dense_reader) nf = 0; /* the reader fuses the shared scores */
     k3_free(src);
     qsort(jobs, (size_t)nj, sizeof *jobs, job_cmp);
+    uint64_t mapped_total = 0, all_total = 0;
+    for (int64_t j = 0; j < nj; j++) {
+        all_total += jobs[j].src->n_bytes;
+        mapped_total += jobs[j].mapped ? jobs[j].src->n_bytes : 0;
+    }
+    map_progress mp = {sel->progress, sel->ctx, all_total};
     { /* the reads: staged AttnRes halves to host memory, everything else to the arena */
         k3_read_req *rq = NULL;
         if ((st = k3_alloc((void **)&rq, (size_t)K3_MAX(nj, 1) * sizeof *rq, "read requests")) !=
             K3_OK)
             goto fail;
+        int64_t nr = 0;
         for (int64_t j = 0; j < nj; j++)
-            rq[j] = (k3_read_req){jobs[j].src, jobs[j].dst, device && jobs[j].part < 2};
+            if (!jobs[j].mapped)
+                rq[nr++] = (k3_read_req){jobs[j].src, jobs[j].dst, device && jobs[j].part < 2};
         k3_read_opts ro = {.n_readers = sel->n_readers,
                            .direct = sel->direct,
                            .progress = sel->progress,
@@ -409,10 +492,14 @@ k3_status k3_weights_load(k3_ckpt *ck, const k3_config *c, const k3_load_sel *se
                            .ctx = sel->ctx};
         upload_ctx uc = {sel->be, sel->progress, sel->ctx};
         if (device) ro.ctx = &uc, ro.progress = sel->progress ? progress_fwd : NULL;
-        st = k3_ckpt_read_many(ck, rq, nj, &ro, NULL);
+        if (sel->map) ro.ctx = &mp, ro.progress = sel->progress ? progress_of_all : NULL;
+        st = k3_ckpt_read_many(ck, rq, nr, &ro, NULL);
         k3_free(rq);
         if (st != K3_OK) goto fail;
     }
+    /* then the mapped tensors, the progress going on from the reads to all of it */
+    if (sel->map && (st = populate(ck, w, jobs, nj, &mp, all_total - mapped_total)) != K3_OK)
+        goto fail;
     for (int64_t j = 0; j < nj && sel->on_read; j++)
         if ((st = sel->on_read(sel->ctx, jobs[j].src)) != K3_OK) goto fail;
 
@@ -451,7 +538,12 @@ const k3_weights_view *k3_weights_get(const k3_weights *w) {
     return w ? &w->view : NULL;
 }
 uint64_t k3_weights_bytes(const k3_weights *w) {
-    return w ? w->arena_bytes + w->dense_bytes : 0;
+    return w ? w->arena_bytes + w->dense_bytes + w->mapped_bytes : 0;
+}
+void k3_weights_mapped(const k3_weights *w, uint64_t *mapped, uint64_t *resident, uint64_t *pmd) {
+    *mapped = w ? w->mapped_bytes : 0;
+    *resident = w ? w->resident_bytes : 0;
+    *pmd = w ? w->pmd_bytes : 0;
 }
 
 void k3_weights_destroy(k3_weights *w) {
@@ -459,6 +551,8 @@ void k3_weights_destroy(k3_weights *w) {
     if (w->layers)
         for (int l = 0; l < w->cfg.n_layers; l++) k3_free(w->layers[l].experts);
     k3_free(w->layers);
+    for (int i = 0; i < w->n_maps; i++) k3_ckpt_unmap(&w->maps[i]);
+    k3_free(w->maps);
     if (w->be)
         k3_backend_free(w->be, w->arena);
     else

@@ -80,6 +80,8 @@ typedef struct k3_engine_opts {
     int load_readers;  /* reads in flight per rank while loading (k3_load_sel.n_readers; 0 = the
                           default K3_LOAD_READERS_DEFAULT) */
     bool load_direct;  /* O_DIRECT reads where the file system allows them (k3_load_sel.direct) */
+    bool load_mmap;    /* host backends: map the shard files instead of reading them
+                          (k3_load_sel.map; no node-sharing region: the page cache is shared) */
     bool load_private; /* every rank reads its own copy of its stage's dense weights; default:
                           host ranks of one stage on one node share one copy in node memory, and
                           device ranks (nccl) get theirs from one reader (k3_load_sel.dense) */

@@ -272,7 +272,8 @@ static void shared_set(rank_ctx *r, void *p, bool device, uint64_t nd, uint64_t 
 k3_status rank_share_dense(rank_ctx *r) {
     const char *be = r->o->backend ? r->o->backend : "cpu";
     const bool dev = strcmp(be, "cuda") == 0 && k3_comm_device_payloads(r->comm);
-    const bool can = (host_weights(r) || dev) && !r->o->load_private && r->worker;
+    const bool can =
+        ((host_weights(r) && !r->o->load_mmap) || dev) && !r->o->load_private && r->worker;
     uint64_t *all = NULL;
     RTRY(r, k3_calloc((void **)&all, (size_t)r->world * sizeof *all, "node sharing"));
     k3_status st = K3_OK;
@@ -664,6 +665,22 @@ static k3_status check_as_inspect(const rank_ctx *r) {
                   r->o->model_dir, (long long)n, n == 1 ? "" : "s", p.msg);
 }
 
+/* --load-mmap: how much of the weights is the files' own pages, and how much of that is mapped
+ * by 2 MB entries (a file system or cache that holds the files in small pages maps them by 4 KB
+ * ones, and a decode step then misses the TLB about every 4 KB of weights it sweeps). */
+static void log_mapped(const k3_weights *w) {
+    uint64_t mapped, resident, pmd;
+    k3_weights_mapped(w, &mapped, &resident, &pmd);
+    const double pct = resident ? 100.0 * (double)pmd / (double)resident : 100.0;
+    K3_LOGI("load: %.2f MB of weights mapped from the files, %.0f%% of the resident pages in 2 MB "
+            "entries",
+            mapped / 1e6, pct);
+    if (resident > ((uint64_t)64 << 20) && pct < 50)
+        K3_LOGW("load: the page cache holds these files in small pages: decode sweeps the weights "
+                "through 4 KB entries (slower); drop the files from the page cache (or copy them) "
+                "and load again, or load without --load-mmap");
+}
+
 /* The worker's part: open the checkpoint, create the backend, read the stage's weights (and
  * --verify them), check the plan was honoured. */
 static k3_status load_weights(rank_load_t *L) {
@@ -692,8 +709,12 @@ static k3_status load_weights(rank_load_t *L) {
                        .direct = r->o->load_direct,
                        .dense = r->dense,
                        .dense_bytes = r->dense_bytes,
-                       .dense_reader = r->dense_reader};
+                       .dense_reader = r->dense_reader,
+                       .map = r->o->load_mmap && host_weights(r)};
+    if (r->o->load_mmap && !sel.map)
+        K3_LOGW("load: --load-mmap is for host backends (cpu, ref); reading the files");
     RTRY(r, k3_weights_load(r->ck, &r->cfg, &sel, &r->w));
+    if (sel.map) log_mapped(r->w);
     if (r->o->verify) RTRY(r, verify_own(L));
     r->view = k3_weights_get(r->w);
     r->bytes_read = k3_ckpt_bytes_read(r->ck);

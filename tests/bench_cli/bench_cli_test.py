@@ -275,20 +275,21 @@ def test_load(model_dir, ep, private, tmp_path):
     cold_ok = raw["cold_gbs"] is not None
     assert cold_ok or "still cached" in raw["cold_note"] or raw["cold_note"], raw
     loads = d["loads"]
-    want = [("serial", "warm"), ("parallel", "warm")] + (
-        [("serial", "cold"), ("parallel", "cold")] if cold_ok else [])
+    want = [("serial", "warm"), ("parallel", "warm"), ("mmap", "warm")] + (
+        [("serial", "cold"), ("parallel", "cold"), ("mmap", "cold")] if cold_ok else [])
     assert [(x["loader"], x["cache"]) for x in loads] == want
     total = checkpoint_tensor_bytes(model_dir)
     rel = lambda a, b: abs(a - b) <= 1e-9 * max(abs(b), 1e-30)
     for x in loads:
-        assert x["readers"] == (1 if x["loader"] == "serial" else d["parallel_readers"])
+        assert x["readers"] == (d["parallel_readers"] if x["loader"] == "parallel" else 1)
         assert x["repetitions"] == (1 if x["cache"] == "cold" else reps)
         assert x["seconds_min"] <= x["seconds"] <= x["seconds_max"]
         ranks, nodes = x["ranks"], x["nodes"]
         assert [k["rank"] for k in ranks] == list(range(ep))
         assert [(k["stage"], k["lane"]) for k in ranks] == [(0, e) for e in range(ep)]
-        for k in ranks:  # rank 0 reads the stage's dense weights for the node, unless private
-            if private or k["rank"] == 0:
+        mapped = x["loader"] == "mmap"  # every rank maps its own tensors (the page cache holds
+        for k in ranks:  # them once); else rank 0 reads the dense weights for the node, unless private
+            if private or mapped or k["rank"] == 0:
                 assert k["bytes_read"] == k["plan_weight_bytes"] > 0, k
             else:
                 assert 0 < k["bytes_read"] < k["plan_weight_bytes"], k
@@ -310,7 +311,7 @@ def test_load(model_dir, ep, private, tmp_path):
         # every tensor is read on the one node, once as unique bytes
         assert n["unique_bytes"] == x["unique_bytes"] == total, (n, total)
         assert n["bytes_read"] >= n["unique_bytes"]
-        if ep == 1 or not private:  # one read per node of the dense weights
+        if ep == 1 or not (private or mapped):  # one read per node of the dense weights
             assert n["bytes_read"] == n["unique_bytes"]
         else:  # --load-private: both lanes read the stage's dense weights
             assert n["unique_bytes"] < n["bytes_read"]
@@ -340,6 +341,9 @@ def test_load_two_nodes(model_dir, tmp_path):
     assert d["nodes"] == 2
     for x in d["loads"]:
         assert [n["ranks"] for n in x["nodes"]] == [2, 2]
+        if x["loader"] == "mmap":  # each rank maps its own (the page cache shares them)
+            assert x["bytes_read"] == total + 3 * dense, (x["bytes_read"], total, dense)
+            continue
         for n in x["nodes"]:
             assert n["bytes_read"] == n["unique_bytes"] > 0, n
         assert x["bytes_read"] == x["unique_bytes"] == total + dense, (x["bytes_read"], total, dense)

@@ -119,6 +119,14 @@ static k3_status fill_nothing(void *ctx, const k3_tensor_spec *spec, void *dst) 
     return K3_OK;
 }
 
+/* The loaded embedding's first 8 bytes are the file's (read here apart from the loader). */
+static bool embed_is_file(k3_ckpt *ck, const k3_weights_view *v) {
+    uint64_t x = 0;
+    const k3_ckpt_tensor *t = k3_ckpt_find(ck, "language_model.model.embed_tokens.weight");
+    return t && k3_ckpt_read_range(ck, t, 0, sizeof x, &x) == K3_OK &&
+           memcmp(v->embed.data, &x, sizeof x) == 0;
+}
+
 static k3_status open_close(const char *dir) {
     k3_ckpt *ck = NULL;
     k3_status s = k3_ckpt_open(dir, &ck);
@@ -218,21 +226,24 @@ int main(void) {
              "progress %llu/%llu in %d calls", (unsigned long long)pg.last,
              (unsigned long long)pg.total, pg.calls);
     /* the same load with many reads in flight, buffered and O_DIRECT (where the file system of
-       the temporary directory takes it): the same bytes, the same count, progress up to the end */
-    for (int mode = 0; mode < 2 && w; mode++) {
+       the temporary directory takes it), and mapped (--load-mmap: the tensors in the files' pages,
+       not the arena): the same bytes, the same count, progress monotonic up to the end */
+    static const char *const how[] = {"parallel", "direct", "mapped"};
+    for (int mode = 0; mode < 3 && w; mode++) {
         k3_load_sel par = all;
         prog pp = {0, 0, 0, true};
         par.n_readers = 8;
         par.direct = mode == 1;
+        par.map = mode == 2;
         par.ctx = &pp;
         k3_weights *w3 = NULL;
         uint64_t r1 = k3_ckpt_bytes_read(ck);
         K3_CHECK_OK(k3_weights_load(ck, &cfg, &par, &w3));
         K3_CHECK(k3_ckpt_bytes_read(ck) - r1 == full_read && pp.monotonic && pp.last == full_read &&
                      pp.total == full_read && pp.calls >= 1,
-                 "%s load: read %llu of %llu, progress %llu in %d calls",
-                 mode ? "direct" : "parallel", (unsigned long long)(k3_ckpt_bytes_read(ck) - r1),
-                 (unsigned long long)full_read, (unsigned long long)pp.last, pp.calls);
+                 "%s load: read %llu of %llu, progress %llu in %d calls", how[mode],
+                 (unsigned long long)(k3_ckpt_bytes_read(ck) - r1), (unsigned long long)full_read,
+                 (unsigned long long)pp.last, pp.calls);
         if (!w3) continue;
         const k3_weights_view *va = k3_weights_get(w), *vb = k3_weights_get(w3);
         const k3_tensor *ta[] = {&va->embed, &va->lm_head, &va->layers[1].experts[5].w2,
@@ -243,13 +254,27 @@ int main(void) {
             size_t nb = tensor_bytes(ta[i]);
             K3_CHECK(nb > 0 && nb == tensor_bytes(tb[i]) &&
                          memcmp(ta[i]->data, tb[i]->data, nb) == 0,
-                     "%s load: tensor %zu differs from the serial load",
-                     mode ? "direct" : "parallel", i);
+                     "%s load: tensor %zu differs from the serial load", how[mode], i);
         }
         K3_CHECK(memcmp(va->layers[1].experts[5].w2.scale, vb->layers[1].experts[5].w2.scale,
                         (size_t)(va->layers[1].experts[5].w2.shape[0] *
                                  va->layers[1].experts[5].w2.shape[1] / 32)) == 0,
-                 "%s load: expert scales differ", mode ? "direct" : "parallel");
+                 "%s load: expert scales differ", how[mode]);
+        uint64_t mapped = 0, resident = 0, pmd = 0;
+        k3_weights_mapped(w3, &mapped, &resident, &pmd);
+        if (mode == 2) /* the embedding's first bytes are the file's, read apart */
+            K3_CHECK(mapped > full_read / 2 && mapped <= full_read && resident >= mapped / 2 &&
+                         pmd <= resident && k3_weights_bytes(w3) == k3_weights_bytes(w) &&
+                         embed_is_file(ck, vb),
+                     "mapped load: %llu mapped of %llu, %llu resident, %llu in 2 MB entries, "
+                     "weights %llu vs %llu",
+                     (unsigned long long)mapped, (unsigned long long)full_read,
+                     (unsigned long long)resident, (unsigned long long)pmd,
+                     (unsigned long long)k3_weights_bytes(w3),
+                     (unsigned long long)k3_weights_bytes(w));
+        else
+            K3_CHECK(mapped == 0 && resident == 0 && pmd == 0, "%s load: nothing mapped",
+                     how[mode]);
         k3_weights_destroy(w3);
     }
     if (w) { /* node sharing: a reader fills the dense region, a follower only points into it */
@@ -377,6 +402,36 @@ int main(void) {
     K3_CHECK_ERR(open_close(d), K3_ERR_FORMAT,
                  "model-00002-of-00003.safetensors: tensor language_model.");
     K3_CHECK(strstr(k3_last_error(), "run past the end") != NULL, "%s", k3_last_error());
+    { /* 1b. a shard truncated after the open: a mapped load refuses it before mapping, and a
+           file that shrinks between the map and the populate is an I/O error naming it (not a
+           SIGBUS later); a read load names it too */
+        snprintf(d, sizeof d, "%s/trunc_late", root);
+        sh("cp -r %s %s", a, d);
+        k3_ckpt *ct = NULL;
+        K3_CHECK_OK(k3_ckpt_open(d, &ct));
+        snprintf(f, sizeof f, "%s/model-00002-of-00003.safetensors", d);
+        sh("truncate -s 900000 %s%s", f, "");
+        k3_load_sel sel = {
+            .layer_begin = 0, .layer_end = cfg.n_layers, .embed = true, .head = true, .map = true};
+        k3_weights *wt = NULL;
+        K3_CHECK_ERR(k3_weights_load(ct, &cfg, &sel, &wt), K3_ERR_IO,
+                     "model-00002-of-00003.safetensors: 900000 bytes now");
+        sel.map = false;
+        K3_CHECK_ERR(k3_weights_load(ct, &cfg, &sel, &wt), K3_ERR_IO,
+                     "model-00002-of-00003.safetensors: tensor");
+        int sh2 = -1;
+        for (int s = 0; s < k3_ckpt_n_shards(ct); s++)
+            if (strstr(k3_ckpt_shard_path(ct, s), "00002")) sh2 = s;
+        k3_ckpt_map m;
+        sh("cp %s/model-00002-of-00003.safetensors %s", a, f);
+        K3_CHECK_OK(k3_ckpt_map_shard(ct, sh2, &m));
+        sh("truncate -s 900000 %s%s", f, "");
+        K3_CHECK_ERR(k3_ckpt_map_populate(ct, sh2, &m, 0, m.n_bytes), K3_ERR_IO,
+                     "model-00002-of-00003.safetensors: bytes [0, ");
+        K3_CHECK(strstr(k3_last_error(), "the file shrank?") != NULL, "%s", k3_last_error());
+        k3_ckpt_unmap(&m);
+        k3_ckpt_destroy(ct);
+    }
     /* 2. header length past the end */
     snprintf(f, sizeof f, "%s/model-00001-of-00003.safetensors", d);
     write_len(f, 5000000);

@@ -9,7 +9,8 @@ usage: dist_run.py MODE MPIEXEC  (MODE: splits | bytes | fail | load)   (K3_BIN 
            (`k3 run` without mpirun, one prompt at a time; the batch-3 dump is the prompts' dumps
            concatenated); without it: rel-L2 <= K3_TOL_DISTRIBUTED_REL_L2 and identical greedy tokens,
            and (E > 1) fewer MoE combine bytes than --deterministic with the same dispatch bytes;
-           (1,1) and (2,2) also run on the guard backend, bit-identical.
+           (1,1) and (2,2) also run on the guard backend, bit-identical; the batch-1 runs load with
+           --load-mmap (the files mapped, not read), bit-identical to the read singles.
   bytes  : per-rank bytes read (from --json) equal the bytes computed HERE from the safetensors
            headers for the tensors that rank must read (its lane's contiguous experts; the dense
            tensors of its stage — its layers, embedding on stage 0, head on the last stage — only
@@ -130,7 +131,8 @@ def mode_splits(mpiexec, tmp):
         world = S * E + (coord == "dedicated")
         # (batch, deterministic, dump, backend): without a dump the last stage sends only the rows
         # sampled; the guard backend (memory host code cannot touch) must give the cpu's bits
-        runs = [(1, True, True, "cpu"), (3, True, True, "cpu"), (3, False, True, "cpu"), (3, True, False, "cpu")]
+        runs = [(1, True, True, "cpu mmap"), (3, True, True, "cpu"), (3, False, True, "cpu"),
+                (3, True, False, "cpu")]
         if (S, E, coord, use_map) in ((1, 1, "shared", False), (2, 2, "shared", False)):
             runs.append((3, True, True, "guard"))
         moe = {}  # deterministic? -> (dispatch bytes, combine bytes) of the batch-3 dump run
@@ -141,7 +143,7 @@ def mode_splits(mpiexec, tmp):
                     "--json", "--ignore-eos", "--comm-timeout", "60"] + (["--deterministic"] if det else [])
             args += ["--expert-map", map_path] if use_map else []
             args += ["--dump-logits", out] if dump else []
-            args += ["--backend", backend]
+            args += ["--backend", backend.split()[0]] + (["--load-mmap"] if "mmap" in backend else [])
             p, dt = mpirun(mpiexec, world, args)
             tag = f"S={S} E={E} {coord}{' +map' if use_map else ''} batch={batch} det={det} dump={dump} {backend}"
             if p.returncode != 0:

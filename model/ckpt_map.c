@@ -1,0 +1,126 @@
+/* ckpt_map.c — the shard files mapped instead of read (k3_load_sel.map, `--load-mmap`).
+ *
+ * A shard is mapped read-only and private at an address congruent to its file offsets modulo
+ * 2 MB, advised MADV_HUGEPAGE: a file system whose page cache holds large folios (ext4 and xfs on
+ * recent kernels) then maps each 2 MB of it with one page-table entry, as the read loader's
+ * arena is (base.c, k3_alloc_large), so a decode step's weight sweep costs the same TLB misses.
+ * The pages are the page cache's own: a warm load copies and zeroes nothing, and the ranks of a
+ * node share them without a shared-memory region. k3_ckpt_map_populate faults a range in
+ * (MADV_POPULATE_READ: reads it from the file when it is not cached, and reports I/O errors as
+ * errors instead of SIGBUS later); k3_ckpt_map_pmd says how much of what is resident is mapped in
+ * 2 MB entries (smaps FilePmdMapped), which the loader logs and the load bench prints.
+ * Owns: the mappings. Does not own: the checkpoint (its sizes were checked at open, and are
+ * checked again here against the file as it is now). */
+#include <errno.h>
+#include <fcntl.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <sys/mman.h>
+#include <sys/stat.h>
+#include <unistd.h>
+
+#include "model_internal.h"
+
+#ifndef MADV_POPULATE_READ
+#define MADV_POPULATE_READ 22 /* Linux 5.14 */
+#endif
+#define MAP_ALIGN ((size_t)2 << 20)
+
+k3_status k3_ckpt_map_shard(const k3_ckpt *ck, int shard, k3_ckpt_map *out) {
+    memset(out, 0, sizeof *out);
+    const char *path = k3_ckpt_shard_path(ck, shard);
+    const uint64_t size = k3_ckpt_shard_size(ck, shard);
+    if (!path) return K3_ERR(K3_ERR_ARG, "k3_ckpt_map_shard: no shard %d", shard);
+    int fd = -1;
+    uint64_t now = 0;
+    K3_TRY(k3_open_regular(path, 0, K3_ERR_IO, &fd, &now));
+    if (now != size || size == 0 || size > SIZE_MAX - 2 * MAP_ALIGN) {
+        close(fd);
+        return K3_ERR(K3_ERR_IO, "%s: %llu bytes now, %llu when the checkpoint was opened", path,
+                      (unsigned long long)now, (unsigned long long)size);
+    }
+    /* reserve size + 2 MB of address space, then map the file at its first 2 MB boundary */
+    const size_t span = (size_t)size + MAP_ALIGN;
+    uint8_t *res = mmap(NULL, span, PROT_NONE, MAP_PRIVATE | MAP_ANONYMOUS | MAP_NORESERVE, -1, 0);
+    if (res == MAP_FAILED) {
+        close(fd);
+        return K3_ERR(K3_ERR_NOMEM, "%s: cannot reserve %zu bytes of address space: %s", path,
+                      span, strerror(errno));
+    }
+    uint8_t *at = (uint8_t *)(((uintptr_t)res + MAP_ALIGN - 1) & ~(uintptr_t)(MAP_ALIGN - 1));
+    void *p = mmap(at, (size_t)size, PROT_READ, MAP_PRIVATE | MAP_FIXED, fd, 0);
+    const int err = errno;
+    close(fd); /* the mapping keeps the file */
+    if (p == MAP_FAILED) {
+        munmap(res, span);
+        return K3_ERR(K3_ERR_IO, "%s: cannot map it: %s", path, strerror(err));
+    }
+#ifdef MADV_HUGEPAGE
+    (void)madvise(at, (size_t)size, MADV_HUGEPAGE); /* advice only */
+#endif
+    out->base = at;
+    out->n_bytes = size;
+    out->reserve = res;
+    out->reserve_bytes = span;
+    return K3_OK;
+}
+
+void k3_ckpt_unmap(k3_ckpt_map *m) {
+    if (m && m->reserve) munmap(m->reserve, m->reserve_bytes);
+    if (m) memset(m, 0, sizeof *m);
+}
+
+k3_status k3_ckpt_map_populate(k3_ckpt *ck, int shard, const k3_ckpt_map *m, uint64_t off,
+                               uint64_t n) {
+    if (off > m->n_bytes || n > m->n_bytes - off)
+        return K3_ERR(K3_ERR_ARG, "k3_ckpt_map_populate: bytes [%llu, +%llu) outside the map",
+                      (unsigned long long)off, (unsigned long long)n);
+    if (n == 0) return K3_OK;
+    const uintptr_t page = (uintptr_t)sysconf(_SC_PAGESIZE);
+    uintptr_t a = (uintptr_t)(m->base + off) & ~(page - 1);
+    const uintptr_t e = (uintptr_t)(m->base + off + n);
+    while (a < e) {
+        if (madvise((void *)a, e - a, MADV_POPULATE_READ) == 0) break;
+        if (errno == EINTR || errno == EAGAIN) continue;
+        const char *path = k3_ckpt_shard_path(ck, shard);
+        if (errno == EINVAL)
+            return K3_ERR(K3_ERR_IO,
+                          "%s: this kernel cannot populate a mapping (MADV_POPULATE_READ, Linux "
+                          "5.14); load without --load-mmap",
+                          path);
+        return K3_ERR(K3_ERR_IO, "%s: bytes [%llu, %llu) could not be read into memory: %s%s",
+                      path, (unsigned long long)off, (unsigned long long)(off + n),
+                      strerror(errno), errno == EFAULT ? " (the file shrank?)" : "");
+    }
+    return K3_OK;
+}
+
+/* A "Name:   N kB" line's bytes, or -1 for another line. */
+static int64_t smaps_kb(const char *line, const char *name) {
+    const size_t k = strlen(name);
+    if (strncmp(line, name, k) != 0) return -1;
+    return (int64_t)strtoll(line + k, NULL, 10) * 1024;
+}
+
+k3_status k3_ckpt_map_pmd(const k3_ckpt_map *m, int n, uint64_t *rss, uint64_t *pmd) {
+    *rss = *pmd = 0;
+    FILE *f = fopen("/proc/self/smaps", "r");
+    if (!f) return K3_ERR(K3_ERR_IO, "/proc/self/smaps: %s", strerror(errno));
+    char line[256];
+    bool in = false;
+    while (fgets(line, sizeof line, f)) {
+        unsigned long lo, hi;
+        if (sscanf(line, "%lx-%lx ", &lo, &hi) == 2 && strchr(line, '-') < strchr(line, ' ')) {
+            in = false;
+            for (int i = 0; i < n && !in; i++)
+                in = m[i].base && lo < (uintptr_t)(m[i].base + m[i].n_bytes) &&
+                     hi > (uintptr_t)m[i].base;
+            continue;
+        }
+        int64_t v;
+        if (in && (v = smaps_kb(line, "Rss:")) >= 0) *rss += (uint64_t)v;
+        if (in && (v = smaps_kb(line, "FilePmdMapped:")) >= 0) *pmd += (uint64_t)v;
+    }
+    fclose(f);
+    return K3_OK;
+}
