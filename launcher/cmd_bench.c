@@ -8,10 +8,10 @@
  *   k3 bench kernels [--threads N ...] each kernel's GB/s and GFLOP/s against this machine's
  *                                      measured triad bandwidth and fp32 FMA peak (bench_kernels.c)
  *   k3 bench load --model DIR ...      the checkpoint load: per rank and node bytes, seconds,
- *                                      GB/s, peak RSS; serial vs parallel loader, warm vs cold,
- *                                      against the raw read rate of the shards (bench_load.c)
- * The engine modes and load run on any S x E under mpirun (every rank opens the engine; rank 0
- * drives it, writes the outputs); serve and kernels are one process with no MPI.
+ *                                      GB/s, peak RSS; serial, parallel, mmap loaders, warm vs
+ * cold, against the raw read rate of the shards (bench_load.c) The engine modes and load run on any
+ * S x E under mpirun (every rank opens the engine; rank 0 drives it, writes the outputs); serve and
+ * kernels are one process with no MPI.
  *
  * Owns: the flag table (one table for all modes: each flag names the modes it applies to, and a
  * flag given to a mode it does not apply to is a usage error), the workloads and their timing.
@@ -530,12 +530,13 @@ const k3_command k3_cmd_bench = {
     .positional = "[throughput|serve|kernels|load|grammar]",
     .min_pos = 0,
     .max_pos = 1,
-    .summary = "throughput evaluation: pp/tg table (llama-bench), `throughput` offline through "
-               "the engine, `serve` online against a server (vLLM's field names), `kernels` each "
-               "kernel vs this machine's measured triad bandwidth and FMA peak, `load` the "
-               "checkpoint load (serial vs parallel loader, warm vs cold) vs the raw read rate, "
-               "`grammar` the structured-output mask per step and compile time at K3's vocabulary "
-               "beside a model's decode step; [...] after a flag: the modes it applies to",
+    .summary =
+        "throughput evaluation: pp/tg table (llama-bench), `throughput` offline through "
+        "the engine, `serve` online against a server (vLLM's field names), `kernels` each "
+        "kernel vs this machine's measured triad bandwidth and FMA peak, `load` the "
+        "checkpoint load (serial, parallel and mmap loaders, warm vs cold) vs the raw read rate, "
+        "`grammar` the structured-output mask per step and compile time at K3's vocabulary "
+        "beside a model's decode step; [...] after a flag: the modes it applies to",
     .flags = flags,
     .n_flags = (int)K3_ARRAY_LEN(flags),
     .run = run_bench,

@@ -44,8 +44,8 @@ k3_status k3_ckpt_map_shard(const k3_ckpt *ck, int shard, k3_ckpt_map *out) {
     uint8_t *res = mmap(NULL, span, PROT_NONE, MAP_PRIVATE | MAP_ANONYMOUS | MAP_NORESERVE, -1, 0);
     if (res == MAP_FAILED) {
         close(fd);
-        return K3_ERR(K3_ERR_NOMEM, "%s: cannot reserve %zu bytes of address space: %s", path,
-                      span, strerror(errno));
+        return K3_ERR(K3_ERR_NOMEM, "%s: cannot reserve %zu bytes of address space: %s", path, span,
+                      strerror(errno));
     }
     uint8_t *at = (uint8_t *)(((uintptr_t)res + MAP_ALIGN - 1) & ~(uintptr_t)(MAP_ALIGN - 1));
     void *p = mmap(at, (size_t)size, PROT_READ, MAP_PRIVATE | MAP_FIXED, fd, 0);
@@ -88,9 +88,9 @@ k3_status k3_ckpt_map_populate(k3_ckpt *ck, int shard, const k3_ckpt_map *m, uin
                           "%s: this kernel cannot populate a mapping (MADV_POPULATE_READ, Linux "
                           "5.14); load without --load-mmap",
                           path);
-        return K3_ERR(K3_ERR_IO, "%s: bytes [%llu, %llu) could not be read into memory: %s%s",
-                      path, (unsigned long long)off, (unsigned long long)(off + n),
-                      strerror(errno), errno == EFAULT ? " (the file shrank?)" : "");
+        return K3_ERR(K3_ERR_IO, "%s: bytes [%llu, %llu) could not be read into memory: %s%s", path,
+                      (unsigned long long)off, (unsigned long long)(off + n), strerror(errno),
+                      errno == EFAULT ? " (the file shrank?)" : "");
     }
     return K3_OK;
 }
