@@ -128,6 +128,12 @@ k3_status k3_stage_snapshot(k3_stage *s, const k3_seq_state *st, int snap);
    it holds blocks[0, pos / K3_KV_BLOCK) (may be NULL on a stage without MLA layers) and its
    states are copied from snapshot snap (ignored on a stage without KDA layers). */
 k3_status k3_seq_state_restore(k3_seq_state *st, int64_t pos, const int32_t *blocks, int snap);
+/* dst (a slot of the same stage) becomes a copy of src at src's position, for n > 1 choices of
+   one prefill: dst's blocks are released, it holds src's full blocks (shared, read-only below the
+   position), gets a fresh block with a copy of src's partial last block (copy-on-write: each
+   writes its own tokens there; K3_ERR_NOMEM when the pool has none), and copies of src's KDA
+   recurrent + short-conv states. Stream-ordered device copies (copy2d). */
+k3_status k3_seq_state_fork(k3_seq_state *dst, const k3_seq_state *src);
 int k3_stage_n_snapshots(const k3_stage *s);
 size_t k3_stage_snapshot_bytes(const k3_stage *s); /* one snapshot */
 /* The sequence's states into host memory: conv [n_kda, 3, K-1, P] then recurrent [n_kda, H, dk,

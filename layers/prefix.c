@@ -6,7 +6,8 @@
  * applies its decisions through these calls in the order the step messages carry them.
  * Invariants: blk_ref[b] counts the block tables and the cache entries that name b; a block is on
  * the free list exactly when blk_ref[b] == 0. A restored sequence names only full blocks below its
- * position, so no shared block is written again. */
+ * position, so no shared block is written again; a fork (k3_seq_state_fork) shares the full blocks
+ * and copies the partial last one, which both sequences go on writing. */
 #include "layers_internal.h"
 
 void k3_layers_block_drop(k3_stage *s, int32_t blk) {
@@ -95,6 +96,48 @@ k3_status k3_seq_state_restore(k3_seq_state *st, int64_t pos, const int32_t *blo
     }
     if (s->conv_slot + s->S_slot > 0 && pos > 0) K3_TRY(snap_copy(s, st->slot, snap, false));
     st->pos = pos;
+    return K3_OK;
+}
+
+k3_status k3_seq_state_fork(k3_seq_state *dst, const k3_seq_state *src) {
+    k3_stage *s = dst->s;
+    if (src->s != s || src == dst)
+        return K3_ERR(K3_ERR_ARG, "fork: a sequence of another stage, or itself");
+    if (src->pos > dst->max_ctx)
+        return K3_ERR(K3_ERR_STATE, "fork: position %lld past the child's max_ctx %lld",
+                      (long long)src->pos, (long long)dst->max_ctx);
+    k3_seq_state_release(dst);
+    const int full = (int)(src->pos / K3_KV_BLOCK);
+    const bool part = src->pos % K3_KV_BLOCK != 0;
+    if (s->n_mla > 0) {
+        if (part && s->n_free < 1)
+            return K3_ERR(K3_ERR_NOMEM,
+                          "fork: the paged MLA cache is full (%d blocks): no block for the copy "
+                          "of the partial one",
+                          s->n_blocks);
+        for (int j = 0; j < full; j++) K3_TRY(check_blk(s, src->blk[j], "fork of"));
+        for (int j = 0; j < full; j++) s->blk_ref[src->blk[j]]++, dst->blk[j] = src->blk[j];
+        dst->n_blk = full;
+        if (part) { /* copy-on-write: the child writes other tokens into the rest of it */
+            const int32_t b = s->free_blk[--s->n_free];
+            s->blk_ref[b] = 1;
+            dst->blk[dst->n_blk++] = b;
+            const int64_t bf = (int64_t)K3_KV_BLOCK * (s->c->kv_lora_rank + s->c->qk_rope_head_dim);
+            const int64_t stride = (int64_t)s->n_blocks * bf;
+            K3_TRY(s->be->ops->copy2d(s->be, s->kv_pool + (int64_t)b * bf, stride,
+                                      s->kv_pool + (int64_t)src->blk[full] * bf, stride, s->n_mla,
+                                      bf));
+        }
+    }
+    k3_backend *be = s->be;
+    if (s->conv_slot > 0)
+        K3_TRY(be->ops->copy2d(be, s->conv_pool + (size_t)dst->slot * s->conv_slot, s->conv_slot,
+                               s->conv_pool + (size_t)src->slot * s->conv_slot, s->conv_slot, 1,
+                               s->conv_slot));
+    if (s->S_slot > 0)
+        K3_TRY(be->ops->copy2d(be, s->S_pool + (size_t)dst->slot * s->S_slot, s->S_slot,
+                               s->S_pool + (size_t)src->slot * s->S_slot, s->S_slot, 1, s->S_slot));
+    dst->pos = src->pos;
     return K3_OK;
 }
 

@@ -18,6 +18,7 @@ struct k3_engine {
     double busy_final[256];                         /* every rank's forward time, at close */
     double t_step;                                  /* rank 0: when a step last returned */
     uint64_t rss[256], hwm[256], pss[256];          /* every rank's memory, at close */
+    int64_t kv_leaked;                              /* the world's leaked cache blocks, at close */
 };
 
 static void engine_free(k3_engine *e) {
@@ -262,6 +263,7 @@ void k3_engine_get_stats(const k3_engine *e, k3_engine_stats *out) {
     }
     out->moe_dispatch_bytes = e->moe_dispatch_bytes;
     out->moe_combine_bytes = e->moe_combine_bytes;
+    out->kv_blocks_leaked = e->kv_leaked;
     for (int i = 0; i < r->world && i < 256; i++) {
         out->busy_s[i] = e->busy_final[i];
         out->rss_bytes[i] = e->rss[i], out->hwm_bytes[i] = e->hwm[i], out->pss_bytes[i] = e->pss[i];
@@ -309,6 +311,9 @@ static k3_status close_world(k3_engine *e, k3_engine_stats *final) {
         for (int i = 0; i < r->world; i++) e->moe_combine_bytes += all[i];
         RTRY(r, k3_comm_allgather_u64(r->comm, (uint64_t)(busy_s * 1e6), all));
         for (int i = 0; i < r->world && i < 256; i++) e->busy_final[i] = all[i] / 1e6;
+        /* every request ended: each stage's blocks are the prefix cache's, or leaked */
+        RTRY(r, k3_comm_allgather_u64(r->comm, (uint64_t)rank_worker_leaked_blocks(r), all));
+        for (int i = 0; i < r->world; i++) e->kv_leaked += (int64_t)all[i];
         uint64_t mem[3];
         k3_proc_memory(&mem[0], &mem[1], &mem[2]);
         uint64_t *dst[3] = {e->rss, e->hwm, e->pss};

@@ -138,6 +138,16 @@ typedef struct k3_request {
     bool prompt_logprobs;       /* every prompt token's logprob (k3_prompt_lp; raw logits) */
     int prompt_top;             /* with prompt_logprobs: the top n at each position, n <= 20 */
     uint64_t user;              /* the caller's tag, returned in every event */
+    /* n > 1 choices of one prompt: with fork set, this request shares the prefill of request
+       fork_of (an engine id from an earlier submit, with the same prompt ids and the same
+       all_logits / prompt_logprobs settings, max_tokens >= 1 both): it waits until that
+       prefill's last logits come back, samples its own first token from that same row (with its
+       own sampler: seed, penalties), and goes on from a copy of the state (docs/DESIGN.md §3d).
+       Its tokens and logits are those it would have had alone. When the fork cannot be made
+       (fork_of ended, already sampled, differs; no slot or blocks on its lane then) it runs its
+       own prefill instead: never an error. */
+    bool fork;
+    int64_t fork_of;
 } k3_request;
 
 /* Why a request failed (ERROR events), so clients can map it (HTTP status, batch error code). */
@@ -239,6 +249,14 @@ struct k3_engine_stats {
     bool prefix_cache;
     int64_t prefix_queries, prefix_hits;
     int64_t prefix_blocks, prefix_blocks_max, prefix_evictions;
+    /* forks (k3_request.fork): made, and run as their own prefill instead */
+    int64_t forks, fork_fallbacks;
+    /* the paged cache on rank 0's books, all lanes: blocks, and those reserved now by running
+       requests and the prefills their forks share (0 once every request ended) */
+    int64_t kv_blocks, kv_blocks_reserved;
+    /* filled by k3_engine_close: blocks that every stage still held after its slots were
+       released, less those the prefix cache holds, summed over the world (0: nothing leaked) */
+    int64_t kv_blocks_leaked;
     uint64_t logits_bytes;
     int logits_messages;
     double load_s;       /* the slowest rank's load */

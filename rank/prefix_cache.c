@@ -288,6 +288,18 @@ k3_status rank_pc_advance(rank_pcache *c, int slot, const int32_t *prompt, int64
     return K3_OK;
 }
 
+void rank_pc_fork(rank_pcache *c, int parent, int child) {
+    const pc_seq *a = &c->seq[parent];
+    pc_seq *q = &c->seq[child];
+    K3_ASSERT(a->live && q->live && q->n == 0);
+    for (int j = 0; j < a->n; j++) use(c, a->chain[j]), q->chain[j] = a->chain[j];
+    q->n = a->n, q->stop = a->stop;
+}
+
+int rank_pc_chain(const rank_pcache *c, int slot) {
+    return c->seq[slot].live ? c->seq[slot].n : 0;
+}
+
 void rank_pc_end(rank_pcache *c, int slot) {
     pc_seq *q = &c->seq[slot];
     if (!q->live) return;
@@ -316,6 +328,7 @@ k3_status rank_pc_apply(k3_stage *st, const rank_pc_params *p, int32_t *entry_bl
                         : kind == RANK_PC_HIT  ? (left >= 4 ? 4 + K3_MAX(ops[i + 3], 0) : 4)
                         : kind == RANK_PC_SAVE ? 4
                         : kind == RANK_PC_SNAP ? 3
+                        : kind == RANK_PC_FORK ? 3
                                                : 0;
         if (len == 0 || len > left)
             return K3_ERR(K3_ERR_FORMAT, "prefix-cache op %d at word %d of %d from %s", kind, i,
@@ -323,9 +336,19 @@ k3_status rank_pc_apply(k3_stage *st, const rank_pc_params *p, int32_t *entry_bl
         const int32_t *a = ops + i + 1;
         i += len;
         bool bad = false;
-        if (kind == RANK_PC_EVICT) {
+        if (kind != RANK_PC_FORK && !entry_blk)
+            return K3_ERR(K3_ERR_FORMAT, "prefix-cache op %d from %s: the prefix cache is off",
+                          kind, who);
+        if (kind == RANK_PC_FORK) {
+            bad = a[0] < 0 || a[0] >= p->max_seqs || a[1] < 0 || a[1] >= p->max_seqs ||
+                  a[0] == a[1] || !states[a[0]] || !states[a[1]];
+            if (!bad && phase == RANK_PC_FORKS)
+                K3_TRY(k3_seq_state_fork(states[a[1]], states[a[0]]));
+        } else if (phase == RANK_PC_FORKS) {
+            continue;
+        } else if (kind == RANK_PC_EVICT) {
             bad = a[0] < 0 || a[0] >= p->n_entries;
-            if (!bad && phase == 0 && entry_blk[a[0]] >= 0) {
+            if (!bad && phase == RANK_PC_BEFORE && entry_blk[a[0]] >= 0) {
                 /* rank 0 evicts only entries no running sequence uses: the cache is the one
                    holder left, so no block in use is ever freed (checked, not assumed) */
                 if (k3_stage_block_holders(st, entry_blk[a[0]]) != 1)
@@ -348,18 +371,19 @@ k3_status rank_pc_apply(k3_stage *st, const rank_pc_params *p, int32_t *entry_bl
                     bad = a[3 + j] < 0 || a[3 + j] >= p->n_entries;
                     if (!bad) blk[j] = entry_blk[a[3 + j]];
                 }
-                if (!bad && phase == 0)
+                if (!bad && phase == RANK_PC_BEFORE)
                     K3_TRY(k3_seq_state_restore(states[slot], (int64_t)n * K3_KV_BLOCK, blk, snap));
             } else if (!bad && kind == RANK_PC_SAVE) {
                 bad = a[1] < 0 || a[1] >= p->max_blocks || a[2] < 0 || a[2] >= p->n_entries;
-                if (!bad && phase == 1) {
+                if (!bad && phase == RANK_PC_AFTER) {
                     const int32_t b = k3_seq_state_block(states[slot], a[1]);
                     if (b >= 0) K3_TRY(k3_stage_block_hold(st, b));
                     entry_blk[a[2]] = b;
                 }
             } else if (!bad && kind == RANK_PC_SNAP) {
                 bad = a[1] < 0 || a[1] >= p->n_snaps;
-                if (!bad && phase == 1) K3_TRY(k3_stage_snapshot(st, states[slot], a[1]));
+                if (!bad && phase == RANK_PC_AFTER)
+                    K3_TRY(k3_stage_snapshot(st, states[slot], a[1]));
             }
         }
         if (bad)

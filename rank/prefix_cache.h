@@ -31,8 +31,16 @@
  * EVICT e (the cache drops entry e's block), HIT slot snap n e_0..e_{n-1} (the sequence just
  * OPENed in slot starts at n blocks: their entries' blocks and snapshot snap). After the forward:
  * SAVE slot j e (entry e holds block j of the slot's sequence), SNAP slot snap (snapshot snap :=
- * the slot's states, at a block boundary). */
-enum { RANK_PC_EVICT = 1, RANK_PC_HIT, RANK_PC_SAVE, RANK_PC_SNAP };
+ * the slot's states, at a block boundary). FORK parent child: the sequence in slot child becomes a
+ * copy of the one in slot parent (n > 1 choices of one prefill: k3_seq_state_fork), applied
+ * before everything else of the message, the freed slots and OPEN resets included (the parent may
+ * have ended in the step that sampled its first token). FORK is the one op that also runs with
+ * the prefix cache off: the scheduler writes it (rank_pc_fork is the index's side of it). */
+enum { RANK_PC_EVICT = 1, RANK_PC_HIT, RANK_PC_SAVE, RANK_PC_SNAP, RANK_PC_FORK };
+/* rank_pc_apply's phases: before the forward, after it, and FORK before the message's frees. */
+enum { RANK_PC_BEFORE = 0, RANK_PC_AFTER = 1, RANK_PC_FORKS = 2 };
+/* The op words of forks one lane's step may carry: one per slot. */
+#define RANK_PC_FORK_WORDS(max_seqs) (3 * (int64_t)(max_seqs))
 
 typedef struct rank_pc_params {
     int n_entries;      /* blocks the cache may hold (--prefix-cache-tokens / K3_KV_BLOCK) */
@@ -73,6 +81,12 @@ k3_status rank_pc_begin(rank_pcache *c, int slot, const int32_t *ids, int64_t n,
  * *moved: the sequence's own blocks the cache now holds (its reservation shrinks by as many). */
 k3_status rank_pc_advance(rank_pcache *c, int slot, const int32_t *prompt, int64_t P,
                           const int32_t *gen, int64_t to, int *moved);
+/* The sequence in slot child is forked from the one in slot parent (the child just begun, with
+ * no hit): it uses the parent's chain, and caches no more than the parent would.
+ * Writes no op (the scheduler writes the FORK op, which also runs without a prefix cache). */
+void rank_pc_fork(rank_pcache *c, int parent, int child);
+/* Blocks of the slot's sequence the cache holds (its chain). */
+int rank_pc_chain(const rank_pcache *c, int slot);
 /* The slot's sequence ended: the entries it used may be evicted again. */
 void rank_pc_end(rank_pcache *c, int slot);
 /* Where the prefill of a sequence at fed (prompt P) should end its chunk: the next snapshot point
@@ -82,10 +96,11 @@ int64_t rank_pc_next_cut(const rank_pcache *c, int64_t fed, int64_t P);
 const int32_t *rank_pc_ops(const rank_pcache *c, int *n_words);
 void rank_pc_ops_clear(rank_pcache *c);
 
-/* A stage applies a message's ops: phase 0 before its forward (EVICT, HIT: after the OPEN resets),
- * phase 1 after it (SAVE, SNAP). entry_blk [n_entries]: the stage's block of each entry (-1: none
- * or no MLA layers here); states [max_seqs] by slot. Ops out of range are K3_ERR_FORMAT naming
- * `who`. */
+/* A stage applies a message's ops: RANK_PC_FORKS first (FORK), RANK_PC_BEFORE before its forward
+ * (EVICT, HIT: after the OPEN resets), RANK_PC_AFTER after it (SAVE, SNAP). entry_blk [n_entries]:
+ * the stage's block of each entry (-1: none or no MLA layers here; NULL without a prefix cache:
+ * then only FORK is allowed); states [max_seqs] by slot. Ops out of range are K3_ERR_FORMAT
+ * naming `who`. */
 k3_status rank_pc_apply(k3_stage *st, const rank_pc_params *p, int32_t *entry_blk,
                         k3_seq_state *const *states, const int32_t *ops, int n_words, int phase,
                         const char *who);

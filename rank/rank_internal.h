@@ -157,6 +157,9 @@ void rank_worker_destroy(rank_ctx *r);
 k3_status rank_worker_serve(rank_ctx *r);
 /* One poll of this rank's worker input; *did true when a step was processed or STOP arrived. */
 k3_status rank_worker_poll(rank_ctx *r, bool *did);
+/* At close, every request ended: release every slot's blocks and count the stage's blocks still
+ * held by something other than a prefix-cache entry (0 unless blocks leaked; 0 off a worker). */
+int64_t rank_worker_leaked_blocks(rank_ctx *r);
 /* What the worker did so far: forward steps and the seconds inside them. */
 void rank_worker_busy(const rank_ctx *r, int *n_forward, double *busy_s);
 /* log-softmax of row [V]: the log of its normaliser (computed in double), and the n best ids

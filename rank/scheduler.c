@@ -18,6 +18,11 @@
 
 /* One request on the coordinator. */
 typedef enum { RQ_QUEUED = 0, RQ_RUNNING, RQ_ENDED } rq_state;
+/* The full prompt blocks a prefill and its forks share on a lane (those the prefix cache does not
+ * hold): reserved once, returned when the last of them ends. */
+typedef struct fork_share {
+    int blocks, users;
+} fork_share;
 typedef struct req_run {
     int64_t id;
     uint64_t user;
@@ -48,6 +53,8 @@ typedef struct req_run {
     size_t text_sent;
     char *error; /* a request that can never run: reported by the next step */
     k3_error_kind error_kind;
+    struct req_run *fork_src; /* queued fork: the request whose prefill it waits for (or NULL) */
+    fork_share *share;        /* running: the shared prompt blocks of its family (or NULL) */
 } req_run;
 
 typedef struct ev_block {
@@ -87,8 +94,13 @@ struct rank_coord {
     uint64_t n_steps;            /* forward steps sent */
     rank_pcache **pc;            /* [E] each lane's prefix-cache index (NULL: --no-prefix-cache) */
     int64_t pc_queries, pc_hits; /* prompt tokens looked up, found (vLLM's counters) */
-    double *rank_busy_s;         /* [world] forward time of each rank so far (from the LOGITS) */
-    uint64_t *rank_steps;        /* [world] its steps counted there */
+    int32_t *fork_ops;           /* [E, RANK_PC_FORK_WORDS(max_seqs)] FORK ops for the lanes' next
+                                    messages (rank/prefix_cache.h) */
+    int *n_fork_ops;             /* [E] words */
+    req_run **kids;              /* [max_seqs] scratch: the forks of one prefill */
+    int64_t n_forks, n_fork_fallbacks;
+    double *rank_busy_s;  /* [world] forward time of each rank so far (from the LOGITS) */
+    uint64_t *rank_steps; /* [world] its steps counted there */
 };
 
 /* ---- events ------------------------------------------------------------------------------- */
@@ -181,12 +193,20 @@ static void end_req(rank_ctx *r, req_run *q) {
         r->co->lane_blk_free[q->lane] += q->blk_resv;
         q->blk_resv = 0;
         if (r->co->pc) rank_pc_end(r->co->pc[q->lane], q->slot);
+        if (q->share && --q->share->users == 0) { /* the last of a family: its prompt blocks */
+            r->co->lane_blk_free[q->lane] += q->share->blocks;
+            k3_free(q->share);
+        }
+        q->share = NULL;
         if (r->co->n_pend_free[q->lane] < r->max_seqs)
             r->co
                 ->pend_free[(size_t)q->lane * r->max_seqs + (size_t)r->co->n_pend_free[q->lane]++] =
                 q->slot;
     }
     q->state = RQ_ENDED;
+    for (int i = 0; i < r->co->n_reqs; i++) /* forks still waiting for its prefill: their own */
+        if (r->co->reqs[i]->fork_src == q)
+            r->co->reqs[i]->fork_src = NULL, r->co->n_fork_fallbacks++;
 }
 
 /* Paged cache blocks a request reserves on its lane: its whole context, prompt + max_tokens. */
@@ -278,6 +298,20 @@ static const char *check_request(rank_ctx *r, const k3_request *rq, char *buf, s
     return NULL;
 }
 
+/* The request whose prefill q may share (k3_request.fork): one that has not sampled yet, with the
+ * same prompt and prompt outputs; NULL: q runs its own prefill. */
+static req_run *fork_parent(rank_ctx *r, const req_run *q, int64_t id) {
+    req_run *p = find_req(r, id);
+    if (!p || p == q || p->state == RQ_ENDED || p->error || p->fork_src || p->n_gen > 0 ||
+        p->max_tokens < 1 || q->max_tokens < 1 || p->P != q->P ||
+        memcmp(p->prompt, q->prompt, (size_t)q->P * sizeof(int32_t)) != 0 ||
+        p->all_logits != q->all_logits || p->plp != q->plp || p->plp_top != q->plp_top) {
+        r->co->n_fork_fallbacks++;
+        return NULL;
+    }
+    return p;
+}
+
 k3_status rank_coord_submit(rank_ctx *r, const k3_request *rq, int64_t *id) {
     if (r->co->n_reqs == r->co->cap_reqs) {
         int cap = r->co->cap_reqs ? 2 * r->co->cap_reqs : 64;
@@ -346,6 +380,7 @@ k3_status rank_coord_submit(rank_ctx *r, const k3_request *rq, int64_t *id) {
         return K3_OK;
     }
     q->state = RQ_QUEUED;
+    if (rq->fork) q->fork_src = fork_parent(r, q, rq->fork_of);
     return K3_OK;
 }
 
@@ -416,14 +451,20 @@ static bool pc_fits(const rank_ctx *r, int e, int need, int hit_unused) {
     return room >= need;
 }
 
+/* The cache of lane e evicts until `need` blocks are free of it (pc_fits said they can be). */
+static void pc_make_room(rank_ctx *r, int e, int need) {
+    rank_pcache *pc = r->co->pc[e];
+    while (r->co->lane_blk_free[e] - rank_pc_blocks(pc) < need && rank_pc_evict_one(pc)) {
+    }
+}
+
 /* q joins lane e: it takes its hit (prefill starts there) and the cache evicts what its blocks
  * need. Returns the blocks it reserves. */
 static k3_status pc_join(rank_ctx *r, req_run *q, int e, int *need) {
     rank_pcache *pc = r->co->pc[e];
     RTRY(r, rank_pc_begin(pc, q->slot, q->prompt, q->P, pc_may_hit(q), &q->cached));
     *need = blocks_needed(q) - (int)(q->cached / K3_KV_BLOCK);
-    while (r->co->lane_blk_free[e] - rank_pc_blocks(pc) < *need && rank_pc_evict_one(pc)) {
-    }
+    pc_make_room(r, e, *need);
     q->fed = q->cached;
     r->co->pc_queries += q->P;
     r->co->pc_hits += q->cached;
@@ -449,6 +490,78 @@ static int pc_take(rank_ctx *r, int e, int32_t *out) {
     if (n) memcpy(out, w, (size_t)n * sizeof(int32_t));
     rank_pc_ops_clear(r->co->pc[e]);
     return n;
+}
+
+/* ---- forks: n > 1 choices of one prefill -------------------------------------------------- */
+static int64_t fork_words(const rank_ctx *r) {
+    return RANK_PC_FORK_WORDS(r->max_seqs);
+}
+
+/* The prefill of p just returned its last logits (p has not sampled yet): its queued forks join
+ * its lane and group in free slots, from a copy of its state (a FORK op in the lane's next
+ * message, applied before that message's frees and OPEN resets), already past the prompt; they
+ * sample from p's row (the caller). A fork with no slot or blocks there runs its own prefill.
+ * Blocks: each fork reserves its context less the full prompt blocks, which the family shares
+ * (one reservation, moved out of p's, returned when the last of them ends). */
+static k3_status fork_children(rank_ctx *r, req_run *p, req_run **kids, int *n_kids) {
+    struct rank_coord *C = r->co;
+    const int e = p->lane;
+    const int full = (int)(p->P / K3_KV_BLOCK);
+    rank_pcache *pc = C->pc ? C->pc[e] : NULL;
+    *n_kids = 0;
+    for (int i = 0; i < C->n_reqs; i++) {
+        req_run *q = C->reqs[i];
+        if (q->state != RQ_QUEUED || q->fork_src != p) continue;
+        q->fork_src = NULL;
+        if (q->cancel) continue; /* the queue ends it */
+        const int need = blocks_needed(q) - full;
+        int slot = 0;
+        while (slot < r->max_seqs && C->slot_req[(size_t)e * r->max_seqs + slot]) slot++;
+        if (slot == r->max_seqs || !pc_fits(r, e, need, 0) ||
+            C->n_fork_ops[e] + 3 > fork_words(r)) {
+            C->n_fork_fallbacks++; /* its own prefill, when the queue reaches it */
+            continue;
+        }
+        if (!p->share) { /* the prompt blocks only the family holds move to the share */
+            RTRY(r, k3_calloc((void **)&p->share, sizeof *p->share, "fork share"));
+            p->share->blocks = full - (pc ? rank_pc_chain(pc, p->slot) : 0);
+            p->share->users = 1;
+            p->blk_resv -= p->share->blocks;
+        }
+        p->share->users++;
+        q->share = p->share;
+        C->slot_req[(size_t)e * r->max_seqs + slot] = q;
+        q->state = RQ_RUNNING;
+        q->queued_s = k3_now_s() - q->t_submit;
+        q->lane = e, q->slot = slot, q->group = p->group;
+        q->opened = true; /* the FORK op opens it */
+        q->fed = q->P;
+        q->cached = p->cached;
+        if (pc) {
+            int64_t hit;
+            RTRY(r, rank_pc_begin(pc, slot, q->prompt, q->P, false, &hit));
+            rank_pc_fork(pc, p->slot, slot);
+            pc_make_room(r, e, need);
+        }
+        C->lane_blk_free[e] -= need;
+        q->blk_resv = need;
+        int32_t *op = C->fork_ops + (size_t)e * fork_words(r) + C->n_fork_ops[e];
+        op[0] = RANK_PC_FORK, op[1] = p->slot, op[2] = slot;
+        C->n_fork_ops[e] += 3;
+        int32_t *pf = C->pend_free + (size_t)e * r->max_seqs; /* the fork replaces the free */
+        for (int k = 0; k < C->n_pend_free[e]; k++)
+            if (pf[k] == slot) pf[k--] = pf[--C->n_pend_free[e]];
+        if (q->plp)
+            memcpy(q->plp_lps, p->plp_lps, (size_t)K3_MAX(q->P - 1, 1) * sizeof *q->plp_lps);
+        if (q->all_logits && q->prompt_logits && p->prompt_logits) {
+            memcpy(q->prompt_logits, p->prompt_logits,
+                   (size_t)p->prompt_rows * (size_t)r->cfg.vocab_size * sizeof(float));
+            q->prompt_rows = p->prompt_rows;
+        }
+        kids[(*n_kids)++] = q;
+        C->n_forks++;
+    }
+    return K3_OK;
 }
 
 /* Form and send group g's next step; *sent false when it has nothing to do (it stays idle). */
@@ -488,6 +601,7 @@ static k3_status send_step(rank_ctx *r, int g, bool *sent) {
             RTRY(r, finish_req(r, q));
             continue;
         }
+        if (q->fork_src) continue; /* waits for its parent's prefill (fork_children) */
         int best = -1, best_n = 0;
         int64_t best_hit = 0;
         int need = blocks_needed(q);
@@ -547,7 +661,11 @@ static k3_status send_step(rank_ctx *r, int g, bool *sent) {
         for (int j = 0; j < ns && r->co->pc; j++)
             RTRY(r, pc_advance(
                         r, r->co->slot_req[(size_t)e * r->max_seqs + mt[META_HDR + META_SEQ * j]]));
-        const int npc = pc_take(r, e, mt + META_PREFIX(ns, nf, 0));
+        const int nfk = r->co->n_fork_ops[e]; /* forks first in the ops (applied first anyway) */
+        memcpy(mt + META_PREFIX(ns, nf, 0), r->co->fork_ops + (size_t)e * fork_words(r),
+               (size_t)nfk * sizeof(int32_t));
+        r->co->n_fork_ops[e] = 0;
+        const int npc = nfk + pc_take(r, e, mt + META_PREFIX(ns, nf, nfk));
         mt[0] = g, mt[1] = gr->step, mt[2] = all, mt[3] = ns, mt[4] = nf, mt[5] = npc;
         int32_t *tok = mt + META_PREFIX(ns, nf, npc),
                 *tgt = tok + T; /* PLP targets after the ids */
@@ -729,9 +847,12 @@ static k3_status on_logits(rank_ctx *r, const step_msg *m) {
             RTRY(r, fail_req(r, q, K3_EVERR_NUMERIC, why));
             continue;
         }
-        if (want)
+        if (want) {
+            int n_kids = 0;
+            if (q->n_gen == 0) RTRY(r, fork_children(r, q, r->co->kids, &n_kids));
             RTRY(r, sample(r, q, last));
-        else if (q->max_tokens == 0 && q->fed >= q->P)
+            for (int k = 0; k < n_kids; k++) RTRY(r, sample(r, r->co->kids[k], last));
+        } else if (q->max_tokens == 0 && q->fed >= q->P)
             RTRY(r, finish_req(r, q)); /* prefill only: done when the prompt is in */
     }
     r->co->groups[g].pending--;
@@ -766,6 +887,10 @@ static k3_status coord_create(rank_ctx *r, struct rank_coord *C) {
     RTRY(r, k3_calloc((void **)&C->pend_free, (size_t)E * (size_t)r->max_seqs * sizeof(int32_t),
                       "lane freed slot lists"));
     for (int e = 0; e < E; e++) C->lane_blk_free[e] = r->kv_blocks;
+    RTRY(r, k3_calloc((void **)&C->fork_ops, (size_t)E * (size_t)fork_words(r) * sizeof(int32_t),
+                      "fork ops"));
+    RTRY(r, k3_calloc((void **)&C->n_fork_ops, (size_t)E * sizeof(int), "lane fork ops"));
+    RTRY(r, k3_calloc((void **)&C->kids, (size_t)r->max_seqs * sizeof *C->kids, "fork scratch"));
     RTRY(r, k3_alloc((void **)&C->meta, (size_t)C->meta_cap * sizeof(int32_t), "step meta"));
     RTRY(r, k3_alloc((void **)&C->row, (size_t)r->cfg.vocab_size * sizeof(float), "logprob row"));
     RTRY(r, k3_calloc((void **)&C->rank_busy_s, (size_t)r->world * sizeof *C->rank_busy_s,
@@ -807,6 +932,7 @@ void rank_coord_destroy(rank_ctx *r) {
     k3_free(C->groups), k3_free(C->slot_req), k3_free(C->meta), k3_free(C->row);
     k3_free(C->lane_blk_free), k3_free(C->n_pend_free), k3_free(C->pend_free);
     k3_free(C->rank_busy_s), k3_free(C->rank_steps);
+    k3_free(C->fork_ops), k3_free(C->n_fork_ops), k3_free(C->kids);
     for (int e = 0; C->pc && e < r->plan.n_lanes; e++) rank_pc_destroy(C->pc[e]);
     k3_free(C->pc);
     k3_free(C);
@@ -836,6 +962,10 @@ void rank_coord_stats(const rank_ctx *r, k3_engine_stats *out) {
     out->prefix_queries = C->pc_queries;
     out->prefix_hits = C->pc_hits;
     out->prefix_blocks = out->prefix_blocks_max = out->prefix_evictions = 0;
+    out->forks = C->n_forks, out->fork_fallbacks = C->n_fork_fallbacks;
+    out->kv_blocks = (int64_t)r->kv_blocks * r->plan.n_lanes;
+    out->kv_blocks_reserved = out->kv_blocks;
+    for (int e = 0; e < r->plan.n_lanes; e++) out->kv_blocks_reserved -= C->lane_blk_free[e];
     for (int e = 0; C->pc && e < r->plan.n_lanes; e++) {
         out->prefix_blocks += rank_pc_blocks(C->pc[e]);
         out->prefix_evictions += rank_pc_evictions(C->pc[e]);

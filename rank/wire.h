@@ -16,9 +16,10 @@
 #include <stdint.h>
 
 #define K3_WIRE_VERSION                                                                            \
-    8 /* 2: slots + OPEN/WANT flags; 3: the progress heartbeat; 4: NF flag;                        \
+    9 /* 2: slots + OPEN/WANT flags; 3: the progress heartbeat; 4: NF flag;                        \
          5: per-stage busy time on ACTIV/LOGITS; 6: freed slots (paged cache);                     \
-         7: prompt logprobs (PLP flag, targets, records); 8: prefix-cache ops */
+         7: prompt logprobs (PLP flag, targets, records); 8: prefix-cache ops;                     \
+         9: the FORK op (n > 1 choices of one prefill), with the prefix cache off too */
 
 typedef struct k3_wire_step {
     uint32_t version; /* K3_WIRE_VERSION */
@@ -53,7 +54,9 @@ _Static_assert(sizeof(k3_wire_progress) == 32 && offsetof(k3_wire_progress, done
 /* The int32s before a message's tail (token ids, or the stages' busy times): the header, the
  * sequences, then n_free slots whose sequences ended (each stage returns their cache blocks to
  * its pool before the step; a slot opened again later is reset anyway), then n_pc words of
- * prefix-cache ops for the lane (rank/prefix_cache.h: every stage applies them, in order). */
+ * prefix-cache ops for the lane (rank/prefix_cache.h: every stage applies them, in order; FORK
+ * ops, which copy a sequence into a new slot, come with the prefix cache off too, applied first).
+ */
 #define META_PREFIX(n_seqs, n_free, n_pc) (META_HDR + META_SEQ * (n_seqs) + (n_free) + (n_pc))
 /* Meta of a message: META_HDR | META_SEQ per sequence | then BATCH: the T token ids; ACTIV and
  * LOGITS: S int32, the microseconds each stage of the lane spent in its forward of this step

@@ -15,21 +15,23 @@
  * stage to the last one, which needs them for the records.
  *   STOP   coordinator -> every worker, after the last logits arrived.
  * The freed slots are sequences that ended: each stage returns their cache blocks to its pool
- * before the step. The prefix-cache ops (rank/prefix_cache.h) are applied around the forward:
- * evictions and hits before it (after the OPEN resets), saved blocks and snapshots after it. A
- * NaN/Inf in a sequence's rows sets its NF flag with the first sub-block that produced one
- * (k3_nf_code), carried on to the coordinator, which fails that request alone. With a transport
- * that has device payloads (nccl) and a device backend, ACTIV carries only its meta and the floats
- * follow it backend to backend (k3_comm_send_dev / recv_dev), so activations never cross to the
- * host between stages. Every lane of a stage receives the same sequence of (group, step) messages
- * (possibly with no sequences), so the lanes' MoE collectives line up; a lane with no tokens still
- * serves its experts at each MoE layer (k3_stage_idle_step). The stage drives the MoE step itself
- * through the comm handle it is given; rank only builds the lane map and moves messages.
- * Activations, caches and logits live in the rank's backend; they cross to host memory only by
- * k3_backend_download/upload at a message boundary. The loop allocates nothing per step: buffers
- * are sized from the plan's max_tokens up front (comm buffers grow to the largest message once).
- * A step is four steps: decode the message (check it, free the ended slots, bind the sequences),
- * upload (the activations in), forward, send (the activations or the logits on).
+ * before the step. FORK ops (n > 1 choices of one prefill) come before even that: a child slot
+ * becomes a copy of its parent's (shared full blocks, a copied partial block and KDA states). The
+ * prefix-cache ops (rank/prefix_cache.h) are applied around the forward: evictions and hits before
+ * it (after the OPEN resets), saved blocks and snapshots after it. A NaN/Inf in a sequence's rows
+ * sets its NF flag with the first sub-block that produced one (k3_nf_code), carried on to the
+ * coordinator, which fails that request alone. With a transport that has device payloads (nccl) and
+ * a device backend, ACTIV carries only its meta and the floats follow it backend to backend
+ * (k3_comm_send_dev / recv_dev), so activations never cross to the host between stages. Every lane
+ * of a stage receives the same sequence of (group, step) messages (possibly with no sequences), so
+ * the lanes' MoE collectives line up; a lane with no tokens still serves its experts at each MoE
+ * layer (k3_stage_idle_step). The stage drives the MoE step itself through the comm handle it is
+ * given; rank only builds the lane map and moves messages. Activations, caches and logits live in
+ * the rank's backend; they cross to host memory only by k3_backend_download/upload at a message
+ * boundary. The loop allocates nothing per step: buffers are sized from the plan's max_tokens up
+ * front (comm buffers grow to the largest message once). A step is four steps: decode the message
+ * (check it, free the ended slots, bind the sequences), upload (the activations in), forward, send
+ * (the activations or the logits on).
  */
 #include "rank_internal.h"
 
@@ -173,6 +175,18 @@ void rank_worker_busy(const rank_ctx *r, int *n_forward, double *busy_s) {
     *busy_s = r->wk ? r->wk->busy_s : 0;
 }
 
+int64_t rank_worker_leaked_blocks(rank_ctx *r) {
+    struct rank_worker *w = r->wk;
+    if (!w || !w->st || !w->states) return 0;
+    for (int i = 0; i < r->max_seqs; i++)
+        if (w->states[i]) k3_seq_state_release(w->states[i]);
+    int free_b = 0, total = 0;
+    k3_stage_cache_usage(w->st, &free_b, &total);
+    int64_t held = total - free_b;
+    for (int i = 0; w->pc_blk && i < r->pc.n_entries; i++) held -= w->pc_blk[i] >= 0;
+    return held;
+}
+
 /* ---- a step ------------------------------------------------------------------------------- */
 /* Check the message against this lane, free the slots of ended sequences, bind the step's
  * sequences to their slots (an OPEN one is reset). */
@@ -192,12 +206,16 @@ static k3_status step_decode(rank_ctx *r, const step_msg *m, wstep *s) {
     const int group = s->group, stepi = s->step, n_seqs = s->n_seqs, n_free = s->n_free,
               n_pc = s->n_pc;
     if (n_seqs < 0 || n_seqs > r->max_seqs || n_free < 0 || n_free > r->max_seqs || n_pc < 0 ||
-        n_pc > r->pc_words || (n_pc > 0 && !r->pc_on) ||
-        m->h.n_meta < META_PREFIX(n_seqs, n_free, n_pc))
+        n_pc > r->pc_words || m->h.n_meta < META_PREFIX(n_seqs, n_free, n_pc))
         RTRY(r, K3_ERR(K3_ERR_FORMAT,
                        "step message from %s: %d sequences, %d freed, %d cache words, %d meta", who,
                        n_seqs, n_free, n_pc, m->h.n_meta));
     s->pc = mt + META_PREFIX(n_seqs, n_free, 0);
+    /* forks first: a parent that ended in the step that sampled its first token is freed below,
+       and a new sequence may open in its slot */
+    if (n_pc > 0)
+        RTRY(r,
+             rank_pc_apply(w->st, &r->pc, w->pc_blk, w->states, s->pc, n_pc, RANK_PC_FORKS, who));
     /* sequences that ended: their cache blocks back to the pool before this step takes any */
     for (int i = 0; i < n_free; i++) {
         int slot = mt[META_HDR + META_SEQ * n_seqs + i];
@@ -227,7 +245,8 @@ static k3_status step_decode(rank_ctx *r, const step_msg *m, wstep *s) {
     }
     s->T = T;
     if (n_pc > 0) /* evictions and hits: after the OPEN resets, before the forward */
-        RTRY(r, rank_pc_apply(w->st, &r->pc, w->pc_blk, w->states, s->pc, n_pc, 0, who));
+        RTRY(r,
+             rank_pc_apply(w->st, &r->pc, w->pc_blk, w->states, s->pc, n_pc, RANK_PC_BEFORE, who));
     if (T > r->max_tokens)
         RTRY(r, K3_ERR(K3_ERR_STATE, "step with %lld tokens > planned %lld", (long long)T,
                        (long long)r->max_tokens));
@@ -458,8 +477,8 @@ static k3_status worker_step(rank_ctx *r, const step_msg *m) {
     RTRY(r, step_upload(r, &s));
     RTRY(r, step_forward(r, &s));
     if (s.n_pc > 0) /* saved blocks and snapshots: the states are at the step's end now */
-        RTRY(r, rank_pc_apply(r->wk->st, &r->pc, r->wk->pc_blk, r->wk->states, s.pc, s.n_pc, 1,
-                              s.who));
+        RTRY(r, rank_pc_apply(r->wk->st, &r->pc, r->wk->pc_blk, r->wk->states, s.pc, s.n_pc,
+                              RANK_PC_AFTER, s.who));
     RTRY(r, step_send(r, &s));
     return rank_opstats_end(r, s.T, s.n_seqs);
 }

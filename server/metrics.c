@@ -17,7 +17,9 @@
  *   vllm:request_inference_time_seconds (slot to last token).
  * k3's own: k3_requests_total{endpoint,status} (HTTP answers), k3_requests_failed_total,
  * k3_cancelled_prompt_tokens_total and k3_cancelled_generation_tokens_total (requests a client
- * or the shutdown cancelled: apart from the vLLM token counters), k3_step_seconds{rank="0"}
+ * or the shutdown cancelled: apart from the vLLM token counters), k3_engine_prompt_tokens_total
+ * (prompt tokens the engine actually ran: prefix-cache hits and the forks of n > 1 not again),
+ * k3_forks_total (choices that forked their prompt's prefill), k3_step_seconds{rank="0"}
  * (histogram: rank 0's engine steps), k3_rank_step_seconds{rank,stage,lane} (a summary: every
  * worker rank's time in its forward steps, from the LOGITS messages). The prefix cache (when on;
  * docs/DESIGN.md §3c), in prompt tokens as vLLM counts them: vllm:prefix_cache_queries_total (of
@@ -173,6 +175,12 @@ k3_status srv_metrics_text(const srv_metrics *m, int slots, k3_chat_buf *o) {
         {"k3_cancelled_generation_tokens_total",
          "tokens generated for cancelled requests (not in vllm:generation_tokens_total)",
          m->cancelled_gen_tokens},
+        {"k3_engine_prompt_tokens_total",
+         "prompt tokens the engine ran through the model (prefix-cache hits and the forked "
+         "copies of n > 1 are not run again)",
+         (uint64_t)m->engine_prompt_tokens},
+        {"k3_forks_total", "choices of n > 1 that forked their prompt's prefill",
+         (uint64_t)m->forks},
     };
     for (size_t i = 0; i < K3_ARRAY_LEN(counters); i++) {
         K3_TRY(head(o, counters[i].name, "counter", counters[i].help));

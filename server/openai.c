@@ -373,11 +373,13 @@ int srv_parse(const k3_server_opts *o, sreq_kind kind, const char *body, size_t 
     if (st == 200 && n_p * (size_t)n_copies > SRV_MAX_CHOICES)
         st = fail(why, n_why, 400, "%zu prompts x n %d = %zu choices, more than %d", n_p, n_copies,
                   n_p * (size_t)n_copies, SRV_MAX_CHOICES);
-    sreq *last = head;
+    sreq *last = head, *first = head; /* first: copy 0 of the current prompt */
     for (size_t k = 1; st == 200 && k < n_p * (size_t)n_copies; k++) {
         st = parse_choice(o, kind, body, n, (int)(k / (size_t)n_copies),
                           (int)(k % (size_t)n_copies), &last->sib, why, n_why);
         if (st == 200) last = last->sib, last->index = (int)k;
+        if (st == 200 && k % (size_t)n_copies == 0) first = last;
+        if (st == 200 && k % (size_t)n_copies != 0) last->fork_src = first;
     }
     if (st != 200) {
         srv_sreq_free_chain(head);

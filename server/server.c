@@ -245,7 +245,8 @@ static int admit(k3_server *s, sreq *head) {
     if (st == 200) {
         uint64_t h = k3_hash_bytes(&s->counter, sizeof s->counter, s->nonce);
         s->counter++;
-        for (sreq *q = head; q; q = q->sib) { /* every choice is a request of the engine */
+        for (sreq *q = head; q; q = q->sib) { /* every choice is a request of the engine (the
+                                                 copies of n > 1 fork their prompt's prefill) */
             snprintf(q->id, sizeof q->id, "%s%016llx", q->kind == SREQ_CHAT ? "chatcmpl-" : "cmpl-",
                      (unsigned long long)h);
             q->created = (int64_t)time(NULL);
@@ -297,6 +298,7 @@ static void prefix_counters(const k3_engine *e, srv_metrics *m) {
     m->prefix_on = es.prefix_cache;
     m->prefix_queries = es.prefix_queries, m->prefix_hits = es.prefix_hits;
     m->prefix_blocks = es.prefix_blocks, m->prefix_blocks_max = es.prefix_blocks_max;
+    m->engine_prompt_tokens = es.prompt_tokens, m->forks = es.forks;
 }
 
 /* mu held: one engine event into its request's buffers. */
@@ -368,6 +370,10 @@ static k3_status admit_and_cancel(k3_server *s, k3_engine *e, bool cancel_all) {
                          .prompt_logprobs = q->plp != NULL,
                          .prompt_top = K3_MAX(q->plp_top, q->echo ? q->n_top : 0),
                          .user = (uint64_t)(uintptr_t)q};
+        /* a copy of n > 1 shares the prefill of its prompt's first choice (queued just before
+           it; not cancelled, so still held): the engine forks its state */
+        if (q->fork_src && q->fork_src->submitted && !q->fork_src->done)
+            rq.fork = true, rq.fork_of = q->fork_src->eng_id;
         if (k3_engine_submit(e, &rq, &q->eng_id) != K3_OK) { /* this request alone fails */
             q->failed = true;
             q->error_kind = 0; /* not the request's fault: 500 */

@@ -42,9 +42,11 @@ typedef struct sreq {
     int prompt_i;     /* completions: which prompt of a list */
     bool sib_copy;    /* a copy after the first of its prompt (n > 1): its prompt is not counted
                          again in the usage */
-    bool multi;       /* one of several choices: events also wake the server's multi_cv */
-    size_t n_bytes;   /* what it holds while admitted (here and in the engine): the queue's
-                         memory bound counts it (srv_request_bytes) */
+    struct sreq *fork_src; /* a copy: the first choice of its prompt, whose prefill the engine
+                              forks for it (k3_request.fork) */
+    bool multi;            /* one of several choices: events also wake the server's multi_cv */
+    size_t n_bytes;        /* what it holds while admitted (here and in the engine): the queue's
+                              memory bound counts it (srv_request_bytes) */
     bool stream, include_usage, return_token_ids, ignore_eos;
     int n_top;         /* chat: top_logprobs (-1: logprobs off); completions: logprobs (-1: off) */
     bool echo;         /* completions: the prompt (and its logprobs) before the completion */
@@ -113,6 +115,9 @@ typedef struct srv_metrics {
     /* the prefix cache (k3_engine_stats after each step): on, tokens looked up and found, blocks */
     bool prefix_on;
     int64_t prefix_queries, prefix_hits, prefix_blocks, prefix_blocks_max;
+    /* the engine's own: prompt tokens it ran through the model (k3_engine_stats.prompt_tokens:
+       prefix-cache hits and the forked copies of n > 1 not counted), forks made */
+    int64_t engine_prompt_tokens, forks;
 } srv_metrics;
 
 /* ---- openai.c ----------------------------------------------------------------------------- */

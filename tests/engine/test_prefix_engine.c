@@ -41,9 +41,7 @@ static void run(k3_engine *e, int32_t *const *ids, const int64_t *P, int n, int3
     }
     for (int guard = 0; left > 0 && guard < 100000; guard++) {
         const k3_event *ev;
-        int ne;
-        K3_CHECK_OK(k3_engine_step(e, &ev, &ne));
-        if (k3_engine_failed(e)) k3_engine_abort(e);
+        const int ne = engine_test_step(e, &ev);
         for (int k = 0; k < ne; k++) {
             const int i = (int)ev[k].user;
             if (ev[k].kind == K3_EV_TOKEN) {
@@ -70,25 +68,16 @@ static void run(k3_engine *e, int32_t *const *ids, const int64_t *P, int n, int3
 }
 
 int main(int argc, char **argv) {
-    if (argc < 5) {
-        fprintf(stderr, "usage: test_prefix_engine PP EP MODEL_DIR on|off [PC_TOKENS [KV]]\n");
-        return 2;
-    }
-    if (k3_comm_init() != K3_OK) return 1;
-    const bool on = strcmp(argv[4], "on") == 0;
-    k3_engine_opts o = {.model_dir = argv[3],
-                        .pp = atoi(argv[1]),
-                        .ep = atoi(argv[2]),
-                        .deterministic = true,
-                        .comm_timeout_s = 120,
-                        .max_seqs = 6,
-                        .max_ctx = 640,
-                        .max_batch_tokens = 160,
-                        .no_prefix_cache = !on,
-                        .prefix_cache_tokens = argc > 5 ? atoll(argv[5]) : 0,
-                        .kv_cache_tokens = argc > 6 ? atoll(argv[6]) : 0};
-    k3_engine *e;
+    k3_engine_opts o;
     int rc;
+    if (!engine_test_args(argc, argv, "test_prefix_engine PP EP MODEL_DIR on|off [PC_TOKENS [KV]]",
+                          &o, &rc))
+        return rc;
+    const bool on = !o.no_prefix_cache;
+    o.max_seqs = 6, o.max_ctx = 640, o.max_batch_tokens = 160;
+    o.prefix_cache_tokens = argc > 5 ? atoll(argv[5]) : 0;
+    o.kv_cache_tokens = argc > 6 ? atoll(argv[6]) : 0;
+    k3_engine *e;
     if (!engine_test_open(&o, &e, &rc)) return rc;
     k3_config cfg;
     K3_CHECK_OK(k3_config_load(argv[3], &cfg));

@@ -29,3 +29,11 @@ add_test(NAME engine_prefix_cache
          COMMAND ${K3_PYTHON3} ${CMAKE_CURRENT_LIST_DIR}/prefix_engine.py
                  $<TARGET_FILE:test_prefix_engine> ${MPIEXEC_EXECUTABLE})
 set_tests_properties(engine_prefix_cache PROPERTIES LABELS "mpi" TIMEOUT 600 ENVIRONMENT "${K3_TEST_ENV_MPI}")
+
+# n > 1 choices fork one prefill: each choice bit-identical to its request alone, one prefill per
+# family, cancellations and fallbacks, no block leaked; 1x1 and 2x2, cache on/off (issue 32)
+k3_add_test_exe(test_fork_engine ${CMAKE_CURRENT_LIST_DIR}/test_fork_engine.c)
+add_test(NAME engine_fork
+         COMMAND ${K3_PYTHON3} ${CMAKE_CURRENT_LIST_DIR}/fork_engine.py
+                 $<TARGET_FILE:test_fork_engine> ${MPIEXEC_EXECUTABLE})
+set_tests_properties(engine_fork PROPERTIES LABELS "mpi" TIMEOUT 900 ENVIRONMENT "${K3_TEST_ENV_MPI}")
