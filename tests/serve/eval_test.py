@@ -11,7 +11,9 @@ Groups (pytest -k), each on 1x1 (e1x1) and 2x2 (e2x2, --deterministic):
       1x1 answers.
   choices   : the openai SDK: n=3 gives 3 choices indexed 0..2 (a seeded request repeats), a list
       of 4 prompts gives 4 choices in order, each what the prompt alone gives; a streamed n=2
-      request carries both indices and puts together the non-streamed choices; best_of: 400.
+      request carries both indices and puts together the non-streamed choices; best_of: 400;
+      n > 1 forks one prefill (test_choices_fork_one_prefill: the engine's prompt-token counter
+      grows once, every choice equals its n = 1 request with seed + c, cancellation frees all).
   info      : GET /version, GET /tokenizer_info (the model's tokenizer_config.json, as vLLM
       returns its tokenizer's config; behind the API key like /tokenize).
   metrics   : /metrics parses with prometheus_client, every series has model_name; after a mix of
@@ -261,6 +263,62 @@ def test_choices_stream_n2(srv):
     idx = {ch.index for k in c.completions.create(model=NAME, prompt="Hi", n=2, max_tokens=3,
                                                   stream=True) for ch in k.choices}
     assert idx == {0, 1}
+
+
+def test_choices_fork_one_prefill(srv, model_dir):
+    """n > 1 forks one prefill: the engine runs the prompt once (k3_engine_prompt_tokens_total grows
+    by its length, k3_forks_total by n - 1), and each choice c is exactly (tokens, text, logprobs)
+    what the same request with n = 1 and seed + c gives, for prompts ending on a block boundary
+    (128), mid-block (165, the copied block) and over two prefill chunks (300); echo + logprobs
+    give every choice the same prompt logprobs; a client that leaves a streamed n = 3 request
+    cancels its choices and every reserved block comes back."""
+    c = srv.client()
+    rng = np.random.default_rng(3232)
+    hi = min(n_vocab(model_dir) - 256, 4000)
+    kw = dict(model=NAME, max_tokens=6, temperature=1.0, logprobs=2)
+
+    def choice_of(ch):
+        return ch.text, ch.logprobs.tokens, ch.logprobs.token_logprobs
+
+    for P in (128, 165, 300):
+        ids = rng.integers(10, hi, size=P).tolist()
+        before = scrape(srv)
+        r = c.completions.create(prompt=ids, n=3, seed=21, **kw)
+        after = scrape(srv)
+        d = lambda name: after.get((name, ()), 0) - before.get((name, ()), 0)  # noqa: E731
+        assert d("k3_engine_prompt_tokens_total") == P, P  # one prefill for the 3 choices
+        assert d("k3_forks_total") == 2, P
+        assert d("vllm:prompt_tokens_total") == P == r.usage.prompt_tokens  # as usage counts it
+        for i, ch in enumerate(r.choices):
+            one = c.completions.create(prompt=ids, seed=21 + i, **kw)
+            assert choice_of(ch) == choice_of(one.choices[0]), (P, i)
+    # echo + logprobs + n: the prompt's logprobs (computed once) in every choice
+    ids = rng.integers(10, hi, size=70).tolist()
+    r = c.completions.create(prompt=ids, n=2, seed=4, echo=True, **kw)
+    one = c.completions.create(prompt=ids, seed=4, echo=True, **kw)
+    assert r.choices[0].logprobs.token_logprobs[:70] == r.choices[1].logprobs.token_logprobs[:70]
+    assert r.choices[0].logprobs.token_logprobs[0] is None
+    assert choice_of(r.choices[0]) == choice_of(one.choices[0])
+    # a client leaving a streamed n = 3 request: every choice cancelled, no block kept
+    body = {"model": NAME, "prompt": ids, "n": 3, "max_tokens": 400, "stream": True,
+            "ignore_eos": True, "seed": 9}
+    with requests.post(srv.url + "/v1/completions", json=body, stream=True, timeout=60,
+                       headers={"Authorization": "Bearer " + KEY}) as h:
+        seen = set()
+        for line in h.iter_lines():
+            if line.startswith(b"data: {"):
+                seen |= {ch["index"] for ch in json.loads(line[6:])["choices"]}
+            if len(seen) == 3:
+                break
+    deadline = time.time() + 20
+    while True:
+        m = scrape(srv)
+        if m[("vllm:num_requests_running", ())] == 0 and m[("vllm:kv_cache_usage_perc", ())] == 0:
+            break
+        assert time.time() < deadline, "blocks still reserved after the client left"
+        time.sleep(0.2)
+    r2 = c.completions.create(prompt=ids, n=2, seed=4, echo=True, **kw)  # the server goes on
+    assert [choice_of(x) for x in r2.choices] == [choice_of(x) for x in r.choices]
 
 
 def test_choices_refusals(srv):
