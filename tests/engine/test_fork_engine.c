@@ -140,8 +140,10 @@ int main(int argc, char **argv) {
         const int64_t pt0 = engine_prompt_tokens(e, &forks0, &fb0, NULL);
         run(e, ids, P, fam, 3, true);
         const int64_t pt1 = engine_prompt_tokens(e, &forks, &fb, &resv);
-        K3_CHECK(pt1 - pt0 == P, "prompt %lld: the engine ran %lld prompt tokens for n = 3 (want "
-                 "one prefill, %lld)", (long long)P, (long long)(pt1 - pt0), (long long)P);
+        K3_CHECK(pt1 - pt0 == P,
+                 "prompt %lld: the engine ran %lld prompt tokens for n = 3 (want "
+                 "one prefill, %lld)",
+                 (long long)P, (long long)(pt1 - pt0), (long long)P);
         K3_CHECK(forks - forks0 == 2 && fb == fb0, "prompt %lld: %lld forks, %lld fallbacks",
                  (long long)P, (long long)(forks - forks0), (long long)(fb - fb0));
         K3_CHECK(resv == 0, "prompt %lld: %lld blocks still reserved", (long long)P,

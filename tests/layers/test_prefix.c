@@ -9,6 +9,9 @@
  *    end of every sequence that used it (not on the free list, not overwritten by a sequence that
  *    takes every free block), and a third sequence restored from it later still gets the same
  *    logits; the cache's drop returns it to the pool;
+ *  - fork: two sequences forked mid-block share the full block, each copies the partial one and
+ *    the states; one writes other tokens, the parent's logits stay those of R (copy-on-write),
+ *    the other fork's too; every block is free again at the end;
  *  - misuse is refused: a restore off a block boundary or into a started sequence, a snapshot off
  *    a boundary, a hold of a free block.
  * Inputs come from a printed seed; logits are checked finite and not degenerate. */
@@ -164,6 +167,43 @@ int main(int argc, char **argv) {
     feed(C, ids, 0, 70, NULL);
     K3_CHECK_ERR(k3_stage_snapshot(g_s, C, 0), K3_ERR_STATE, "not a block boundary");
     k3_seq_state_destroy(C);
+
+    /* fork (n > 1 choices): F prefills a block and 6 tokens; G and H fork it there. They share
+       F's full block, each has a copy of the partial one, and the same states. G writes other
+       tokens into its copy: F's decode must not see them (copy-on-write); H goes on like F. */
+    enum { P_FORK = K3_KV_BLOCK + 6 };
+    k3_seq_state *F, *G, *H;
+    K3_CHECK_OK(k3_seq_state_create(g_s, MAX_CTX, &F));
+    K3_CHECK_OK(k3_seq_state_create(g_s, MAX_CTX, &G));
+    K3_CHECK_OK(k3_seq_state_create(g_s, MAX_CTX, &H));
+    feed(F, ids, 0, P_FORK, NULL);
+    K3_CHECK_OK(k3_seq_state_fork(G, F));
+    K3_CHECK_OK(k3_seq_state_fork(H, F));
+    K3_CHECK_OK(k3_seq_state_read(F, stA_p));
+    K3_CHECK_OK(k3_seq_state_read(G, stB_p));
+    check_same(stA_p, stB_p, (int64_t)sn, "states at the fork: F vs G");
+    K3_CHECK(k3_seq_state_pos(G) == P_FORK &&
+                 k3_seq_state_block(G, 0) == k3_seq_state_block(F, 0) &&
+                 k3_stage_block_holders(g_s, k3_seq_state_block(F, 0)) == 3,
+             "fork: position %lld, block 0 %d (F's %d), %d holders", (long long)k3_seq_state_pos(G),
+             k3_seq_state_block(G, 0), k3_seq_state_block(F, 0),
+             k3_stage_block_holders(g_s, k3_seq_state_block(F, 0)));
+    K3_CHECK(k3_seq_state_block(G, 1) >= 0 &&
+                 k3_seq_state_block(G, 1) != k3_seq_state_block(F, 1) &&
+                 k3_seq_state_block(H, 1) != k3_seq_state_block(G, 1) &&
+                 k3_stage_block_holders(g_s, k3_seq_state_block(G, 1)) == 1,
+             "fork: the partial block %d is not a copy (F's %d)", k3_seq_state_block(G, 1),
+             k3_seq_state_block(F, 1));
+    feed(F, ids, P_FORK, L - P_FORK, out[1]);
+    feed(G, noise, 0, 10, NULL); /* G's own tokens into its copy of block 1 */
+    for (int d = 0; d < N_DEC; d++) feed(F, ids, L + d, 1, out[1] + (d + 1) * V);
+    check_same(out[0], out[1], (1 + N_DEC) * V, "logits: R vs F (forked, its fork wrote on)");
+    finish(H, ids, P_FORK, out[2]);
+    check_same(out[0], out[2], (1 + N_DEC) * V, "logits: R vs H (a fork of F)");
+    K3_CHECK_ERR(k3_seq_state_fork(F, F), K3_ERR_ARG, "itself");
+    k3_seq_state_destroy(F), k3_seq_state_destroy(G), k3_seq_state_destroy(H);
+    k3_stage_cache_usage(g_s, &free_b, &total_b);
+    K3_CHECK(free_b == total_b, "after the forks ended: %d of %d free", free_b, total_b);
 
     for (int i = 0; i < 4; i++) k3_free(out[i]);
     for (size_t i = 0; i < K3_ARRAY_LEN(sts); i++) k3_free(*sts[i]);
