@@ -318,19 +318,33 @@ void rank_pc_ops_clear(rank_pcache *c) {
 
 /* ---- a stage applies the ops ------------------------------------------------------------------
  */
+/* The length of the op at ops[0] of `left` words (0: unknown or cut short). */
+static int op_len(const int32_t *ops, int left) {
+    const int kind = ops[0];
+    const int len = kind == RANK_PC_EVICT  ? 2
+                    : kind == RANK_PC_HIT  ? (left >= 4 ? 4 + K3_MAX(ops[3], 0) : 4)
+                    : kind == RANK_PC_SAVE ? 4
+                    : kind == RANK_PC_SNAP ? 3
+                    : kind == RANK_PC_FORK ? 3
+                                           : 0;
+    return len <= left ? len : 0;
+}
+
+bool rank_pc_fork_parent(const int32_t *ops, int n_words, int slot) {
+    for (int i = 0, len; i < n_words; i += len) {
+        if ((len = op_len(ops + i, n_words - i)) == 0) return false; /* apply names it */
+        if (ops[i] == RANK_PC_FORK && ops[i + 1] == slot) return true;
+    }
+    return false;
+}
+
 k3_status rank_pc_apply(k3_stage *st, const rank_pc_params *p, int32_t *entry_blk,
                         k3_seq_state *const *states, const int32_t *ops, int n_words, int phase,
                         const char *who) {
     int32_t blk[RANK_PC_MAX_HIT];
     for (int i = 0; i < n_words;) {
-        const int kind = ops[i], left = n_words - i;
-        const int len = kind == RANK_PC_EVICT  ? 2
-                        : kind == RANK_PC_HIT  ? (left >= 4 ? 4 + K3_MAX(ops[i + 3], 0) : 4)
-                        : kind == RANK_PC_SAVE ? 4
-                        : kind == RANK_PC_SNAP ? 3
-                        : kind == RANK_PC_FORK ? 3
-                                               : 0;
-        if (len == 0 || len > left)
+        const int kind = ops[i], left = n_words - i, len = op_len(ops + i, left);
+        if (len == 0)
             return K3_ERR(K3_ERR_FORMAT, "prefix-cache op %d at word %d of %d from %s", kind, i,
                           n_words, who);
         const int32_t *a = ops + i + 1;
@@ -344,11 +358,9 @@ k3_status rank_pc_apply(k3_stage *st, const rank_pc_params *p, int32_t *entry_bl
                   a[0] == a[1] || !states[a[0]] || !states[a[1]];
             if (!bad && phase == RANK_PC_FORKS)
                 K3_TRY(k3_seq_state_fork(states[a[1]], states[a[0]]));
-        } else if (phase == RANK_PC_FORKS) {
-            continue;
         } else if (kind == RANK_PC_EVICT) {
             bad = a[0] < 0 || a[0] >= p->n_entries;
-            if (!bad && phase == RANK_PC_BEFORE && entry_blk[a[0]] >= 0) {
+            if (!bad && phase == RANK_PC_EVICTS && entry_blk[a[0]] >= 0) {
                 /* rank 0 evicts only entries no running sequence uses: the cache is the one
                    holder left, so no block in use is ever freed (checked, not assumed) */
                 if (k3_stage_block_holders(st, entry_blk[a[0]]) != 1)

@@ -38,7 +38,9 @@
  * the prefix cache off: the scheduler writes it (rank_pc_fork is the index's side of it). */
 enum { RANK_PC_EVICT = 1, RANK_PC_HIT, RANK_PC_SAVE, RANK_PC_SNAP, RANK_PC_FORK };
 /* rank_pc_apply's phases: before the forward, after it, and FORK before the message's frees. */
-enum { RANK_PC_BEFORE = 0, RANK_PC_AFTER = 1, RANK_PC_FORKS = 2 };
+enum { RANK_PC_BEFORE = 0, RANK_PC_AFTER, RANK_PC_EVICTS, RANK_PC_FORKS };
+/* Whether the ops hold a FORK from slot (its sequence ended: freed after the forks). */
+bool rank_pc_fork_parent(const int32_t *ops, int n_words, int slot);
 /* The op words of forks one lane's step may carry: one per slot. */
 #define RANK_PC_FORK_WORDS(max_seqs) (3 * (int64_t)(max_seqs))
 
@@ -96,8 +98,10 @@ int64_t rank_pc_next_cut(const rank_pcache *c, int64_t fed, int64_t P);
 const int32_t *rank_pc_ops(const rank_pcache *c, int *n_words);
 void rank_pc_ops_clear(rank_pcache *c);
 
-/* A stage applies a message's ops: RANK_PC_FORKS first (FORK), RANK_PC_BEFORE before its forward
- * (EVICT, HIT: after the OPEN resets), RANK_PC_AFTER after it (SAVE, SNAP). entry_blk [n_entries]:
+/* A stage applies a message's ops in phases (rank/worker.c): RANK_PC_EVICTS (EVICT) after the
+ * freed slots, RANK_PC_FORKS (FORK) next, before the freed slots that are parents of these forks
+ * and the OPEN resets; RANK_PC_BEFORE (HIT) after those, before the forward; RANK_PC_AFTER after
+ * it (SAVE, SNAP). entry_blk [n_entries]:
  * the stage's block of each entry (-1: none or no MLA layers here; NULL without a prefix cache:
  * then only FORK is allowed); states [max_seqs] by slot. Ops out of range are K3_ERR_FORMAT
  * naming `who`. */

@@ -97,6 +97,9 @@ struct rank_coord {
     int32_t *fork_ops;           /* [E, RANK_PC_FORK_WORDS(max_seqs)] FORK ops for the lanes' next
                                     messages (rank/prefix_cache.h) */
     int *n_fork_ops;             /* [E] words */
+    int *fork_hold;              /* [E] blocks of parents that ended since their FORK op was
+                                    written: free on the books, on the stages only after the
+                                    lane's next message applied its forks (not for forks then) */
     req_run **kids;              /* [max_seqs] scratch: the forks of one prefill */
     int64_t n_forks, n_fork_fallbacks;
     double *rank_busy_s;  /* [world] forward time of each rank so far (from the LOGITS) */
@@ -184,6 +187,11 @@ static void free_req(req_run *q) {
     k3_free(q);
 }
 
+/* Words of a lane's FORK op list (rank_coord.fork_ops). */
+static int64_t fork_words(const rank_ctx *r) {
+    return RANK_PC_FORK_WORDS(r->max_seqs);
+}
+
 /* The request leaves: its slot is free for the next one (no message: OPEN resets it). */
 static void end_req(rank_ctx *r, req_run *q) {
     if (q->state == RQ_RUNNING && q->slot >= 0) {
@@ -193,6 +201,12 @@ static void end_req(rank_ctx *r, req_run *q) {
         r->co->lane_blk_free[q->lane] += q->blk_resv;
         q->blk_resv = 0;
         if (r->co->pc) rank_pc_end(r->co->pc[q->lane], q->slot);
+        const int32_t *fk = r->co->fork_ops + (size_t)q->lane * fork_words(r);
+        for (int k = 0; k < r->co->n_fork_ops[q->lane]; k += 3)
+            if (fk[k + 1] == q->slot) { /* a parent whose forks are not sent yet */
+                r->co->fork_hold[q->lane] += q->blk_resv;
+                break;
+            }
         if (q->share && --q->share->users == 0) { /* the last of a family: its prompt blocks */
             r->co->lane_blk_free[q->lane] += q->share->blocks;
             k3_free(q->share);
@@ -493,10 +507,6 @@ static int pc_take(rank_ctx *r, int e, int32_t *out) {
 }
 
 /* ---- forks: n > 1 choices of one prefill -------------------------------------------------- */
-static int64_t fork_words(const rank_ctx *r) {
-    return RANK_PC_FORK_WORDS(r->max_seqs);
-}
-
 /* The prefill of p just returned its last logits (p has not sampled yet): its queued forks join
  * its lane and group in free slots, from a copy of its state (a FORK op in the lane's next
  * message, applied before that message's frees and OPEN resets), already past the prompt; they
@@ -517,7 +527,7 @@ static k3_status fork_children(rank_ctx *r, req_run *p, req_run **kids, int *n_k
         const int need = blocks_needed(q) - full;
         int slot = 0;
         while (slot < r->max_seqs && C->slot_req[(size_t)e * r->max_seqs + slot]) slot++;
-        if (slot == r->max_seqs || !pc_fits(r, e, need, 0) ||
+        if (slot == r->max_seqs || !pc_fits(r, e, need + C->fork_hold[e], 0) ||
             C->n_fork_ops[e] + 3 > fork_words(r)) {
             C->n_fork_fallbacks++; /* its own prefill, when the queue reaches it */
             continue;
@@ -541,7 +551,7 @@ static k3_status fork_children(rank_ctx *r, req_run *p, req_run **kids, int *n_k
             int64_t hit;
             RTRY(r, rank_pc_begin(pc, slot, q->prompt, q->P, false, &hit));
             rank_pc_fork(pc, p->slot, slot);
-            pc_make_room(r, e, need);
+            pc_make_room(r, e, need + C->fork_hold[e]);
         }
         C->lane_blk_free[e] -= need;
         q->blk_resv = need;
@@ -664,7 +674,7 @@ static k3_status send_step(rank_ctx *r, int g, bool *sent) {
         const int nfk = r->co->n_fork_ops[e]; /* forks first in the ops (applied first anyway) */
         memcpy(mt + META_PREFIX(ns, nf, 0), r->co->fork_ops + (size_t)e * fork_words(r),
                (size_t)nfk * sizeof(int32_t));
-        r->co->n_fork_ops[e] = 0;
+        r->co->n_fork_ops[e] = 0, r->co->fork_hold[e] = 0;
         const int npc = nfk + pc_take(r, e, mt + META_PREFIX(ns, nf, nfk));
         mt[0] = g, mt[1] = gr->step, mt[2] = all, mt[3] = ns, mt[4] = nf, mt[5] = npc;
         int32_t *tok = mt + META_PREFIX(ns, nf, npc),
@@ -890,6 +900,7 @@ static k3_status coord_create(rank_ctx *r, struct rank_coord *C) {
     RTRY(r, k3_calloc((void **)&C->fork_ops, (size_t)E * (size_t)fork_words(r) * sizeof(int32_t),
                       "fork ops"));
     RTRY(r, k3_calloc((void **)&C->n_fork_ops, (size_t)E * sizeof(int), "lane fork ops"));
+    RTRY(r, k3_calloc((void **)&C->fork_hold, (size_t)E * sizeof(int), "lane fork holds"));
     RTRY(r, k3_calloc((void **)&C->kids, (size_t)r->max_seqs * sizeof *C->kids, "fork scratch"));
     RTRY(r, k3_alloc((void **)&C->meta, (size_t)C->meta_cap * sizeof(int32_t), "step meta"));
     RTRY(r, k3_alloc((void **)&C->row, (size_t)r->cfg.vocab_size * sizeof(float), "logprob row"));
@@ -932,7 +943,7 @@ void rank_coord_destroy(rank_ctx *r) {
     k3_free(C->groups), k3_free(C->slot_req), k3_free(C->meta), k3_free(C->row);
     k3_free(C->lane_blk_free), k3_free(C->n_pend_free), k3_free(C->pend_free);
     k3_free(C->rank_busy_s), k3_free(C->rank_steps);
-    k3_free(C->fork_ops), k3_free(C->n_fork_ops), k3_free(C->kids);
+    k3_free(C->fork_ops), k3_free(C->n_fork_ops), k3_free(C->fork_hold), k3_free(C->kids);
     for (int e = 0; C->pc && e < r->plan.n_lanes; e++) rank_pc_destroy(C->pc[e]);
     k3_free(C->pc);
     k3_free(C);

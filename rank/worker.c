@@ -15,10 +15,11 @@
  * stage to the last one, which needs them for the records.
  *   STOP   coordinator -> every worker, after the last logits arrived.
  * The freed slots are sequences that ended: each stage returns their cache blocks to its pool
- * before the step. FORK ops (n > 1 choices of one prefill) come before even that: a child slot
- * becomes a copy of its parent's (shared full blocks, a copied partial block and KDA states). The
- * prefix-cache ops (rank/prefix_cache.h) are applied around the forward: evictions and hits before
- * it (after the OPEN resets), saved blocks and snapshots after it. A NaN/Inf in a sequence's rows
+ * before the step, then the prefix cache's evictions, then the FORK ops (n > 1 choices of one
+ * prefill: a child slot becomes a copy of its parent's, shared full blocks, a copied partial
+ * block and KDA states), then the parents of those forks that ended. The other prefix-cache ops
+ * (rank/prefix_cache.h): hits before the forward (after the OPEN resets), saved blocks and
+ * snapshots after it. A NaN/Inf in a sequence's rows
  * sets its NF flag with the first sub-block that produced one (k3_nf_code), carried on to the
  * coordinator, which fails that request alone. With a transport that has device payloads (nccl) and
  * a device backend, ACTIV carries only its meta and the floats follow it backend to backend
@@ -211,18 +212,21 @@ static k3_status step_decode(rank_ctx *r, const step_msg *m, wstep *s) {
                        "step message from %s: %d sequences, %d freed, %d cache words, %d meta", who,
                        n_seqs, n_free, n_pc, m->h.n_meta));
     s->pc = mt + META_PREFIX(n_seqs, n_free, 0);
-    /* forks first: a parent that ended in the step that sampled its first token is freed below,
-       and a new sequence may open in its slot */
-    if (n_pc > 0)
-        RTRY(r,
-             rank_pc_apply(w->st, &r->pc, w->pc_blk, w->states, s->pc, n_pc, RANK_PC_FORKS, who));
-    /* sequences that ended: their cache blocks back to the pool before this step takes any */
-    for (int i = 0; i < n_free; i++) {
-        int slot = mt[META_HDR + META_SEQ * n_seqs + i];
-        if (slot < 0 || slot >= r->max_seqs)
+    /* sequences that ended: their cache blocks back to the pool before this step takes any, and
+       the cache's evictions, so that a fork finds the blocks rank 0 counted for it; then the forks
+       (FORK ops), and only then the parents of forks that ended in the step that sampled their
+       first token (a new sequence may also open in such a slot below) */
+    const int32_t *freed = mt + META_HDR + META_SEQ * n_seqs;
+    for (int i = 0; i < n_free; i++)
+        if (freed[i] < 0 || freed[i] >= r->max_seqs)
             RTRY(r, K3_ERR(K3_ERR_FORMAT, "step %d of group %d from %s: freed slot %d of %d", stepi,
-                           group, who, slot, r->max_seqs));
-        k3_seq_state_release(w->states[slot]);
+                           group, who, freed[i], r->max_seqs));
+    for (int pass = 0; pass < 2; pass++) {
+        for (int i = 0; i < n_free; i++)
+            if (rank_pc_fork_parent(s->pc, n_pc, freed[i]) == (pass == 1))
+                k3_seq_state_release(w->states[freed[i]]);
+        for (int phase = RANK_PC_EVICTS; pass == 0 && n_pc > 0 && phase <= RANK_PC_FORKS; phase++)
+            RTRY(r, rank_pc_apply(w->st, &r->pc, w->pc_blk, w->states, s->pc, n_pc, phase, who));
     }
     int64_t T = 0;
     for (int i = 0; i < n_seqs; i++) {
@@ -244,7 +248,7 @@ static k3_status step_decode(rank_ctx *r, const step_msg *m, wstep *s) {
         if (flags & K3_WIRE_PLP) s->n_tgt += nt;
     }
     s->T = T;
-    if (n_pc > 0) /* evictions and hits: after the OPEN resets, before the forward */
+    if (n_pc > 0) /* hits: after the OPEN resets, before the forward */
         RTRY(r,
              rank_pc_apply(w->st, &r->pc, w->pc_blk, w->states, s->pc, n_pc, RANK_PC_BEFORE, who));
     if (T > r->max_tokens)

@@ -1,6 +1,7 @@
 /* test_fork_engine.c — n > 1 choices of one prefill through the engine (issue 32): a request
  * submitted with k3_request.fork shares the prefill of its parent and goes on from a copy of its
- * state. Under mpirun on any S x E (argv: PP EP MODEL_DIR on|off [KDA_CHUNK]), --deterministic.
+ * state. Under mpirun on any S x E (argv: PP EP MODEL_DIR on|off [KDA_CHUNK [KV_TOKENS]]),
+ * --deterministic; a small KV_TOKENS makes the prefix cache evict to make room for the forks.
  * For prompts that end on a block boundary (128), mid-block (165: the copy-on-write block) and
  * long (300: two prefill steps, many KDA chunks with KDA_CHUNK 16):
  *  - a family of 3 (the parent, 2 forks; seeds s, s+1, s+2, temperature 1) gives exactly the
@@ -112,11 +113,12 @@ static int64_t engine_prompt_tokens(k3_engine *e, int64_t *forks, int64_t *fallb
 int main(int argc, char **argv) {
     k3_engine_opts o;
     int rc;
-    if (!engine_test_args(argc, argv, "test_fork_engine PP EP MODEL_DIR on|off [KDA_CHUNK]", &o,
-                          &rc))
+    if (!engine_test_args(
+            argc, argv, "test_fork_engine PP EP MODEL_DIR on|off [KDA_CHUNK [KV_TOKENS]]", &o, &rc))
         return rc;
     o.max_seqs = 4, o.max_ctx = 512, o.max_batch_tokens = 160;
     o.kda_chunk = argc > 5 ? atoi(argv[5]) : 0;
+    o.kv_cache_tokens = argc > 6 ? atoll(argv[6]) : 0; /* small: the cache must evict for forks */
     k3_engine *e;
     if (!engine_test_open(&o, &e, &rc)) return rc;
     const int64_t lens[3] = {2 * K3_KV_BLOCK, 2 * K3_KV_BLOCK + 37, 300};
@@ -194,9 +196,9 @@ int main(int argc, char **argv) {
     if (k3_engine_close(e, &es) != K3_OK) k3_engine_abort(e);
     K3_CHECK(es.kv_blocks_leaked == 0, "%lld paged-cache blocks leaked on the stages",
              (long long)es.kv_blocks_leaked);
-    printf("  %dx%d cache %s: %lld forks, %lld fallbacks, %lld blocks leaked\n", o.pp, o.ep,
-           argv[4], (long long)es.forks, (long long)es.fork_fallbacks,
-           (long long)es.kv_blocks_leaked);
+    printf("  %dx%d cache %s: %lld forks, %lld fallbacks, %lld blocks leaked, %lld evictions\n",
+           o.pp, o.ep, argv[4], (long long)es.forks, (long long)es.fork_fallbacks,
+           (long long)es.kv_blocks_leaked, (long long)es.prefix_evictions);
     printf("digest %016llx\n", (unsigned long long)g_hash);
     for (int i = 0; i < MAXN; i++) free(fam[i].rows), free(alone[i].rows);
     int r = k3_test_done("fork_engine");
