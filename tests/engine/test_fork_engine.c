@@ -136,9 +136,11 @@ int main(int argc, char **argv) {
         const uint64_t s0 = 100 + 10 * (uint64_t)li;
         char what[64];
         /* a family of 3 vs 3 alone */
-        for (int i = 0; i < 3; i++)
-            fam[i] = (choice){.max_tokens = NEW, .seed = s0 + (uint64_t)i},
+        for (int i = 0; i < 3; i++) {
+            free(fam[i].rows), free(alone[i].rows);
+            fam[i] = (choice){.max_tokens = NEW, .seed = s0 + (uint64_t)i};
             alone[i] = (choice){.max_tokens = NEW, .seed = s0 + (uint64_t)i};
+        }
         const int64_t pt0 = engine_prompt_tokens(e, &forks0, &fb0, NULL);
         run(e, ids, P, fam, 3, true);
         const int64_t pt1 = engine_prompt_tokens(e, &forks, &fb, &resv);
