@@ -13,7 +13,8 @@ usage: gpu_model.py MPIEXEC   (K3_BIN = the k3 binary; a tiny and a deep model a
   det     : --deterministic: the 2x2 nccl logits and a 1x2 nccl run are bit-identical to 1x1 cuda.
   deep    : `make-tiny --preset deep` (93 layers, the real K3 layer schedule) on cuda against cpu:
             greedy tokens identical, logits within K3_TOL_BACKEND_DEEP_REL_L2 (the backend bound
-            scaled by depth; tests/tolerances.h).
+            scaled by depth; tests/tolerances.h); two prompts of 3 and 1 tokens (the emulation's
+            time goes by token rows x layers: the mixed pieces and the split chunk are 1x1's).
   serve   : `k3 serve --backend cuda --comm nccl --pp 2` under mpirun answers one /v1/completions
             request (greedy, 12 tokens, ignore_eos) with the same text as `k3 serve --backend cpu`
             on one rank, and token logprobs within 1e-4 of it.
@@ -38,6 +39,7 @@ MPI = sys.argv[1] if len(sys.argv) > 1 else "mpirun"
 DIST_TOL = TOL["K3_TOL_DISTRIBUTED_REL_L2"]
 DEEP_TOL = TOL["K3_TOL_BACKEND_DEEP_REL_L2"]
 PROMPTS = "1,2,3,4,5,6,7,8,9,10,11;9,8,7;42"
+DEEP_PROMPTS = "9,8,7;42"  # a batch of two lengths, a third of PROMPTS' token rows
 failures = []
 
 
@@ -67,9 +69,9 @@ def run(args, np_=1, timeout=600):
 DIST = {}  # tag -> the run's --json "dist"
 
 
-def gen(model, tmp, tag, be, np_=1, extra=(), n=12):
+def gen(model, tmp, tag, be, np_=1, extra=(), n=12, prompts=PROMPTS):
     npy = os.path.join(tmp, tag + ".npy")
-    p, dt = run(["--model", model, "--prompt-ids", PROMPTS, "--n", str(n), "--ignore-eos",
+    p, dt = run(["--model", model, "--prompt-ids", prompts, "--n", str(n), "--ignore-eos",
                  "--backend", be, "--chunk", "5", "--dump-logits", npy, "--json"] + list(extra), np_)
     if p.returncode != 0:
         return None, None, p.stderr
@@ -171,8 +173,8 @@ def main():
             print("SKIP 2x2 / det / serve: this build has no nccl transport", flush=True)
 
         print("deep: 93 layers (the K3 layer schedule), cuda vs cpu", flush=True)
-        dc, dc_t, _ = gen(deep, tmp, "deep_cpu", "cpu", n=4)
-        du, du_t, _ = gen(deep, tmp, "deep_cuda", "cuda", n=4)
+        dc, dc_t, _ = gen(deep, tmp, "deep_cpu", "cpu", n=4, prompts=DEEP_PROMPTS)
+        du, du_t, _ = gen(deep, tmp, "deep_cuda", "cuda", n=4, prompts=DEEP_PROMPTS)
         if dc is not None and du is not None:
             r = rel_l2(dc, du)
             check(r <= DEEP_TOL, f"deep cuda vs cpu: logits rel-L2 {r:.3g} (limit {DEEP_TOL:.3g})")

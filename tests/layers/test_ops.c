@@ -9,7 +9,9 @@
  *     upload/download (PROT_NONE outside the guard's own ops, so the test never touches them)
  *     and must equal cpu bit for bit.
  * The test registry comes from K3_OP_LIST: an op without a test_<op> function here does not
- * compile. Inputs come from k3_rng with a printed seed. */
+ * compile. Inputs come from k3_rng with a printed seed.
+ * usage: test_ops [OP...]   the named ops only (ctest's ops_gemv_*: the ops that read the decode
+ * row order); none: every op. */
 #include "k3_kernels.h"
 #include "k3_kernels_internal.h" /* k3_cpu_isa_supported */
 #include "k3_test.h"
@@ -2189,8 +2191,21 @@ static void check_env_refused(const char *var, const char *bad) {
     free(saved);
 }
 
-int main(void) {
+/* argv: op names (none: every op). An unknown name fails the test rather than run nothing. */
+static bool op_wanted(const char *name, int argc, char **argv) {
+    for (int a = 1; a < argc; a++)
+        if (strcmp(argv[a], name) == 0) return true;
+    return argc < 2;
+}
+
+int main(int argc, char **argv) {
     printf("test_ops seed %llu\n", (unsigned long long)k_seed);
+    for (int a = 1; a < argc; a++) {
+        bool known = false;
+        for (size_t i = 0; i < K3_ARRAY_LEN(k_tests); i++)
+            known |= strcmp(argv[a], k_tests[i].name) == 0;
+        K3_CHECK(known, "'%s' is not an op of K3_OP_LIST", argv[a]);
+    }
     const char *isa = getenv("K3_ISA");
     if (isa && *isa && !k3_cpu_isa_supported(isa)) {
         printf("SKIP test_ops: K3_ISA=%s: this CPU does not support it\n", isa);
@@ -2231,6 +2246,7 @@ int main(void) {
                  strcmp(k3_op_name(K3_OP_COUNT), "?") == 0,
              "op names");
     for (size_t i = 0; i < K3_ARRAY_LEN(k_tests); i++) {
+        if (!op_wanted(k_tests[i].name, argc, argv)) continue;
         int before = k3_t_fail;
         k_tests[i].fn();
         printf("  op %-14s %s\n", k_tests[i].name, k3_t_fail == before ? "ok" : "FAILED");

@@ -1,16 +1,21 @@
 # layers + kernels tests (owner: forward). Unit tier; also run under ASan+UBSan.
 k3_add_test_exe(test_ops ${CMAKE_CURRENT_LIST_DIR}/test_ops.c)
-add_test(NAME ops COMMAND test_ops)
-set_tests_properties(ops PROPERTIES LABELS "unit;sanitize" ENVIRONMENT "${K3_TEST_ENV}" TIMEOUT 120)
-# every op vs ref once per cpu kernel ISA (kernels/cpu/cpu_kern.h); an ISA this CPU lacks skips (77)
+# every op vs ref once per cpu kernel ISA (kernels/cpu/cpu_kern.h); an ISA this CPU lacks skips (77).
+# The ISA cpuid picks is one of these three and never skips, so no separate run without K3_ISA:
+# it was the same kernels and the same checks as ops_<that ISA> (cpuid's pick itself runs in
+# every other test of the cpu backend).
 foreach(isa avx512 avx2 scalar)
   add_test(NAME ops_${isa} COMMAND test_ops)
   set_tests_properties(ops_${isa} PROPERTIES LABELS "unit;sanitize" ENVIRONMENT "${K3_TEST_ENV};K3_ISA=${isa}"
                        TIMEOUT 120 SKIP_RETURN_CODE 77)
 endforeach()
-# both decode row orders (kernels/cpu/isa.c: the CPU's vendor picks one) on the native ISA
+# both decode row orders (kernels/cpu/isa.c: the CPU's vendor picks one) on the native ISA, for
+# the ops whose cpu code reads the order: those that reach cpu.c's matmul group and its mm_rows
+# (matmul, matmul_group, matmul_heads: ref's loop of the backend's matmul, moe_experts: its
+# matmul_group); every other op is the same code for both orders and runs in ops_<isa>. A new
+# caller of the matmul group belongs in this list.
 foreach(gemv seq rows)
-  add_test(NAME ops_gemv_${gemv} COMMAND test_ops)
+  add_test(NAME ops_gemv_${gemv} COMMAND test_ops matmul matmul_group matmul_heads moe_experts)
   set_tests_properties(ops_gemv_${gemv} PROPERTIES LABELS "unit;sanitize"
                        ENVIRONMENT "${K3_TEST_ENV};K3_GEMV=${gemv}" TIMEOUT 120)
 endforeach()

@@ -145,14 +145,19 @@ def deep(tmp):
         prompts = ";".join(",".join(str((i * 7 + j) % 3000 + 1) for j in range(3 + i % 5))
                            for i in range(n))
         f = os.path.join(tmp, "deep%d.json" % n)
+        # a cache block (64 tokens) for every sequence, so that all n are in one prefill step and
+        # the same 2 decode steps (the cache's default, --max-seqs x --max-ctx, held 3 blocks:
+        # the 12 ran 3 at a time, in 4 prefill and 8 decode steps)
         p = k3(["run", "--model", model, "--backend", "guard", "--prompt-ids", prompts, "--n", "3",
-                "--ignore-eos", "--max-seqs", str(n), "--max-ctx", "16", "--max-batch-tokens",
-                "96", "--op-stats", f], timeout=600)
+                "--ignore-eos", "--max-seqs", str(n), "--max-ctx", "16", "--kv-cache-tokens",
+                str(64 * n), "--max-batch-tokens", "96", "--op-stats", f], timeout=600)
         check(p.returncode == 0, "deep, %d sequences: exit %d %s" % (n, p.returncode,
                                                                      p.stderr[-600:]))
         d = load(f, "deep %d" % n)
         if d:
-            phase_ok("deep %d decode" % n, d["decode"], 2 if n == 1 else None)
+            check(d["prefill"]["steps"] == 1, "deep, %d sequences: one prefill step (%s)"
+                  % (n, d["prefill"]["steps"]))
+            phase_ok("deep %d decode" % n, d["decode"], 2)
             got[n] = d["decode"]
     if len(got) == 2:
         a, b = got[1], got[12]
