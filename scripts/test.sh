@@ -8,7 +8,7 @@
 #   2. clang-format check of every C/CUDA/C++ source
 #   3. build-asan/  (ASan + UBSan, and the CUDA emulation: -DK3_CUDA=ON -DK3_CUDA_EMULATE=ON, so
 #                   the same .cu sources run on host fibers and NCCL runs over MPI)
-#                   ctest tiers sanitize and gpuemu (+ the kernels' host math, cuda_math)
+#                   ctest tiers sanitize and gpuemu, in one run (+ the kernels' host math, cuda_math)
 #   4. build/       (scripts/setup.sh's one configuration, the demo's: warnings as errors)
 #                   ctest tiers unit, golden, mpi, fuzz
 # The Python references live in a virtual environment this script makes, build/venv (Debian's
@@ -82,16 +82,18 @@ cmake -S . -B build-asan -DK3_SANITIZE=ON -DK3_WERROR=ON -DCMAKE_BUILD_TYPE=Debu
   -DK3_CUDA=ON -DK3_CUDA_EMULATE=ON -DK3_TEST_PYTHON="$VENV/bin/python3" >/dev/null
 if cmake --build build-asan -j"$JOBS" >"$LOGDIR/asan-build.log" 2>&1; then
   build-asan/k3 version
-  ctest --test-dir build-asan -L sanitize --output-on-failure -j"$JOBS" | tee "$LOGDIR/sanitize.log"
-  tally "$LOGDIR/sanitize.log" sanitize
-  # gpuemu: every cuda op vs ref, the emulation's own semantics, the nccl transport under mpirun,
-  # the whole model on cuda + nccl (1x1, 2x2, --deterministic, 93 layers, serve); cuda_math: the
-  # kernels' per-element math on the host. None of these may skip here.
-  ctest --test-dir build-asan -L gpuemu --output-on-failure -j"$JOBS" | tee "$LOGDIR/gpuemu.log"
-  tally "$LOGDIR/gpuemu.log" gpuemu
-  if grep -q -F '***Skipped' "$LOGDIR/gpuemu.log"; then
-    step_failed "gpuemu: a test skipped in the emulation build"
-  fi
+  # sanitize and gpuemu in one ctest run, so that the long emulated tests overlap the short
+  # sanitizer ones (two runs each ended with one core idle). gpuemu: every cuda op vs ref, the
+  # emulation's own semantics, the nccl transport under mpirun, the whole model on cuda + nccl
+  # (1x1, 2x2, --deterministic, 93 layers, serve); cuda_math: the kernels' per-element math on the
+  # host. None of the gpuemu tests may skip here.
+  ctest --test-dir build-asan -L 'sanitize|gpuemu' --output-on-failure -j"$JOBS" | tee "$LOGDIR/asan.log"
+  tally "$LOGDIR/asan.log" "sanitize+gpuemu"
+  while read -r t; do
+    if grep -q -E "Test +#[0-9]+: $t [.]* *[*]{3}Skipped" "$LOGDIR/asan.log"; then
+      step_failed "gpuemu: $t skipped in the emulation build"
+    fi
+  done < <(ctest --test-dir build-asan -N -L gpuemu | sed -n 's/^ *Test *#[0-9]*: //p')
   ctest --test-dir build-asan -R '^cuda_math$' --output-on-failure | tee "$LOGDIR/cuda_math.log"
   tally "$LOGDIR/cuda_math.log" cuda_math
 else
