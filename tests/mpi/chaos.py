@@ -22,7 +22,11 @@ A case passes when, for both signals:
     made no load progress" (SIGSTOP during the load: the load heartbeat);
   - no line names another rank as the root cause.
 Prints one line per case and "chaos: N/16 cases passed"; exit 0 only when 16/16.
+A case's two jobs (SIGKILL, SIGSTOP) run at the same time, each on its own copy of the model (the
+path is what `pgrep -f` finds a job's processes by): the SIGSTOP job spends its --comm-timeout
+waiting, and k3's waits sleep (comm_sleep), so the SIGKILL job runs in that time.
 """
+import concurrent.futures
 import json
 import os
 import re
@@ -64,7 +68,8 @@ def kill_all(marker):
             pass
 
 
-def run_case(mpiexec, model, tmp, phase, role, sig):
+def run_case(mpiexec, models, tmp, phase, role, sig):
+    model = models[sig]
     rank = ROLES[role]
     st, ln = coords(rank)
     h = hook(phase, sig, rank)
@@ -139,8 +144,9 @@ def main():
     mpiexec = sys.argv[1]
     only = sys.argv[3] if len(sys.argv) > 3 and sys.argv[2] == "--only" else None
     with tempfile.TemporaryDirectory(prefix="k3-chaos-") as tmp:
-        model = os.path.join(tmp, "tiny-chaos")
-        subprocess.run([K3, "make-tiny", model], check=True, capture_output=True)
+        models = {sig: os.path.join(tmp, "tiny-chaos-" + sig) for sig in ("KILL", "STOP")}
+        for model in models.values():
+            subprocess.run([K3, "make-tiny", model], check=True, capture_output=True)
         with open(os.path.join(tmp, "in.jsonl"), "w") as f:
             for i in range(6):
                 body = {"messages": [{"role": "user", "content": f"chaos request {i}: say something long"}],
@@ -155,8 +161,11 @@ def main():
                 total += 1
                 bad = []
                 info = []
-                for sig in ("KILL", "STOP"):
-                    errs, dt, text = run_case(mpiexec, model, tmp, phase, role, sig)
+                with concurrent.futures.ThreadPoolExecutor(2) as ex:
+                    jobs = {sig: ex.submit(run_case, mpiexec, models, tmp, phase, role, sig)
+                            for sig in ("KILL", "STOP")}
+                for sig, job in jobs.items():
+                    errs, dt, text = job.result()
                     info.append(f"SIG{sig} {dt:.1f} s")
                     if errs:
                         bad.append((sig, errs, text))
