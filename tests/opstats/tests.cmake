@@ -6,7 +6,8 @@ set_tests_properties(guard_stats PROPERTIES LABELS "unit;sanitize" ENVIRONMENT "
                      TIMEOUT 60)
 find_program(K3_OPSTATS_PYTHON3 python3)
 add_test(NAME op_stats COMMAND ${K3_OPSTATS_PYTHON3} ${CMAKE_CURRENT_LIST_DIR}/opstats_test.py unit)
-# the deep preset's two guard runs take ~1.5 min on 2 cores (mprotect per op and per upload)
+# the deep preset's two guard runs (1 and 12 sequences, each one prefill and two decode steps)
+# are most of its time: mprotect per op and per upload
 set_tests_properties(op_stats PROPERTIES LABELS "unit" TIMEOUT 600 ENVIRONMENT "${K3_TEST_ENV_MPI}")
 add_test(NAME op_stats_mpi
          COMMAND ${K3_OPSTATS_PYTHON3} ${CMAKE_CURRENT_LIST_DIR}/opstats_test.py mpi ${MPIEXEC_EXECUTABLE})
