@@ -856,7 +856,7 @@ int bench_load(const k3_args *a, const char *usage) {
         load_res *L = &J.loads[J.n_loads];
         static const char *const names[N_LOADERS] = {"serial", "parallel", "mmap"};
         L->loader = names[which], L->cache = cold ? "cold" : "warm";
-        L->readers = which == 1 ? readers : 1; /* mmap: populated on the loading thread */
+        L->readers = which == 0 ? 1 : readers; /* mmap: the files populated by that many */
         if (rc == 0) rc = one_load(&J, &s, cold, L->readers, which == 2, L);
         J.n_loads += rc == 0;
     }

@@ -13,6 +13,8 @@
  * checked again here against the file as it is now). */
 #include <errno.h>
 #include <fcntl.h>
+#include <pthread.h>
+#include <stdatomic.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <sys/mman.h>
@@ -93,6 +95,66 @@ k3_status k3_ckpt_map_populate(k3_ckpt *ck, int shard, const k3_ckpt_map *m, uin
                       errno == EFAULT ? " (the file shrank?)" : "");
     }
     return K3_OK;
+}
+
+typedef struct pop_job {
+    k3_ckpt *ck;
+    const k3_ckpt_map *maps;
+    const k3_map_range *r;
+    int64_t n;
+    _Atomic int64_t next;
+    _Atomic uint64_t done;
+    atomic_bool stop;
+    pthread_mutex_t mu;
+    k3_status err; /* the first error, its message */
+    char msg[1024];
+} pop_job;
+
+/* Take ranges until none is left or another thread failed; the caller's thread reports. */
+static k3_status pop_work(pop_job *J, k3_status (*progress)(void *, uint64_t), void *ctx) {
+    k3_status st = K3_OK;
+    while (st == K3_OK && !atomic_load(&J->stop)) {
+        const int64_t i = atomic_fetch_add(&J->next, 1);
+        if (i >= J->n) break;
+        const k3_map_range *x = &J->r[i];
+        st = k3_ckpt_map_populate(J->ck, x->shard, &J->maps[x->shard], x->off, x->n);
+        const uint64_t d = atomic_fetch_add(&J->done, x->tensor_bytes) + x->tensor_bytes;
+        if (st == K3_OK && progress) st = progress(ctx, d);
+    }
+    if (st != K3_OK) {
+        pthread_mutex_lock(&J->mu);
+        if (J->err == K3_OK) {
+            J->err = st;
+            k3_error_capture(J->msg, sizeof J->msg);
+        }
+        pthread_mutex_unlock(&J->mu);
+        atomic_store(&J->stop, true);
+    }
+    return st;
+}
+static void *pop_thread(void *arg) {
+    (void)pop_work(arg, NULL, NULL);
+    return NULL;
+}
+
+k3_status k3_ckpt_map_populate_many(k3_ckpt *ck, const k3_ckpt_map *maps, const k3_map_range *r,
+                                    int64_t n, int n_threads,
+                                    k3_status (*progress)(void *ctx, uint64_t done), void *ctx) {
+    pop_job J = {.ck = ck, .maps = maps, .r = r, .n = n, .err = K3_OK};
+    atomic_init(&J.next, 0);
+    atomic_init(&J.done, 0);
+    atomic_init(&J.stop, false);
+    pthread_mutex_init(&J.mu, NULL);
+    enum { MAX_THREADS = 64 };
+    pthread_t th[MAX_THREADS];
+    int started = 0;
+    const int want = (int)K3_MIN((int64_t)K3_MIN(n_threads, MAX_THREADS), n) - 1;
+    while (started < want && pthread_create(&th[started], NULL, pop_thread, &J) == 0) started++;
+    (void)pop_work(&J, progress, ctx);
+    for (int i = 0; i < started; i++) pthread_join(th[i], NULL);
+    pthread_mutex_destroy(&J.mu);
+    if (J.err != K3_OK) return K3_ERR(J.err, "%s", J.msg);
+    return progress ? progress(ctx, atomic_load(&J.done)) : K3_OK; /* all of it, at the end */
 }
 
 /* A "Name:   N kB" line's bytes, or -1 for another line. */

@@ -32,7 +32,7 @@ struct k3_weights {
     k3_backend *be;       /* owner of the arena (NULL: k3_alloc) */
     k3_ckpt_map *maps;    /* [n_maps] with sel->map: the shard files (unmapped at destroy) */
     int n_maps;
-    uint64_t mapped_bytes, resident_bytes, pmd_bytes; /* k3_weights_mapped */
+    uint64_t mapped_bytes; /* of the tensors in the maps (k3_weights_mapped) */
 };
 
 typedef struct job {
@@ -283,32 +283,49 @@ static k3_status progress_of_all(void *ctx, uint64_t done, uint64_t total) {
     const map_progress *m = ctx;
     return m->progress(m->ctx, done, m->total);
 }
+typedef struct populate_ctx {
+    const map_progress *mp;
+    uint64_t before; /* bytes read before the populate */
+} populate_ctx;
+static k3_status populate_progress(void *ctx, uint64_t done) {
+    const populate_ctx *p = ctx;
+    return p->mp->progress(p->mp->ctx, p->before + done, p->mp->total);
+}
 
-/* Fault the mapped jobs' bytes in, file by file in offset order, a range at a time (tensors
- * closer than a piece merged into one range of at most 16 pieces), with progress from `done`;
- * then how much of the resident file pages is mapped by 2 MB entries. */
+/* Fault the mapped jobs' bytes in: file by file in offset order, tensors closer than a piece
+ * merged into ranges of at most 4 pieces, which the readers take one at a time; progress goes on
+ * from `done`. */
 static k3_status populate(k3_ckpt *ck, k3_weights *w, const job *jobs, int64_t nj,
-                          const map_progress *mp, uint64_t done) {
+                          const map_progress *mp, uint64_t done, int readers) {
+    k3_map_range *r = NULL;
+    K3_TRY(k3_alloc((void **)&r, (size_t)K3_MAX(nj, 1) * sizeof *r, "populate ranges"));
+    int64_t nr = 0;
+    uint64_t all = 0;
     for (int64_t j = 0; j < nj;) {
         if (!jobs[j].mapped) {
             j++;
             continue;
         }
         const k3_ckpt_tensor *t = jobs[j].src;
-        uint64_t lo = t->offset, hi = t->offset + t->n_bytes, n = t->n_bytes;
-        for (j++;
-             j < nj && jobs[j].mapped && jobs[j].src->shard == t->shard &&
-             jobs[j].src->offset <= hi + K3_LOAD_PIECE_BYTES && hi - lo < 16 * K3_LOAD_PIECE_BYTES;
+        k3_map_range x = {t->shard, t->offset, t->n_bytes, t->n_bytes};
+        for (j++; j < nj && jobs[j].mapped && jobs[j].src->shard == t->shard &&
+                  jobs[j].src->offset <= x.off + x.n + K3_LOAD_PIECE_BYTES &&
+                  x.n < 4 * K3_LOAD_PIECE_BYTES;
              j++) {
-            hi = K3_MAX(hi, jobs[j].src->offset + jobs[j].src->n_bytes);
-            n += jobs[j].src->n_bytes;
+            x.n = K3_MAX(x.n, jobs[j].src->offset + jobs[j].src->n_bytes - x.off);
+            x.tensor_bytes += jobs[j].src->n_bytes;
         }
-        K3_TRY(k3_ckpt_map_populate(ck, t->shard, &w->maps[t->shard], lo, hi - lo));
-        k3_ckpt_count_read(ck, n); /* the tensors' bytes, not the gaps between them */
-        done += n;
-        if (mp->progress) K3_TRY(mp->progress(mp->ctx, done, mp->total));
+        all += x.tensor_bytes;
+        r[nr++] = x;
     }
-    return k3_ckpt_map_pmd(w->maps, w->n_maps, &w->resident_bytes, &w->pmd_bytes);
+    populate_ctx pc = {mp, done};
+    k3_status st = k3_ckpt_map_populate_many(ck, w->maps, r, nr,
+                                             readers > 0 ? readers : K3_LOAD_READERS_DEFAULT,
+                                             mp->progress ? populate_progress : NULL, &pc);
+    k3_free(r);
+    K3_TRY(st);
+    k3_ckpt_count_read(ck, all); /* the tensors' bytes, not the gaps between them */
+    return K3_OK;
 }
 
 k3_status k3_weights_load(k3_ckpt *ck, const k3_config *c, const k3_load_sel *sel,
@@ -498,7 +515,8 @@ k3_status k3_weights_load(k3_ckpt *ck, const k3_config *c, const k3_load_sel *se
         if (st != K3_OK) goto fail;
     }
     /* then the mapped tensors, the progress going on from the reads to all of it */
-    if (sel->map && (st = populate(ck, w, jobs, nj, &mp, all_total - mapped_total)) != K3_OK)
+    if (sel->map &&
+        (st = populate(ck, w, jobs, nj, &mp, all_total - mapped_total, sel->n_readers)) != K3_OK)
         goto fail;
     for (int64_t j = 0; j < nj && sel->on_read; j++)
         if ((st = sel->on_read(sel->ctx, jobs[j].src)) != K3_OK) goto fail;
@@ -540,10 +558,12 @@ const k3_weights_view *k3_weights_get(const k3_weights *w) {
 uint64_t k3_weights_bytes(const k3_weights *w) {
     return w ? w->arena_bytes + w->dense_bytes + w->mapped_bytes : 0;
 }
-void k3_weights_mapped(const k3_weights *w, uint64_t *mapped, uint64_t *resident, uint64_t *pmd) {
-    *mapped = w ? w->mapped_bytes : 0;
-    *resident = w ? w->resident_bytes : 0;
-    *pmd = w ? w->pmd_bytes : 0;
+k3_status k3_weights_mapped(const k3_weights *w, uint64_t *mapped, uint64_t *resident,
+                            uint64_t *pmd) {
+    *mapped = *resident = *pmd = 0;
+    if (!w || !w->n_maps) return K3_OK;
+    *mapped = w->mapped_bytes;
+    return k3_ckpt_map_pmd(w->maps, w->n_maps, resident, pmd);
 }
 
 void k3_weights_destroy(k3_weights *w) {

@@ -672,11 +672,15 @@ static k3_status check_as_inspect(const rank_ctx *r) {
  * ones, and a decode step then misses the TLB about every 4 KB of weights it sweeps). */
 static void log_mapped(const k3_weights *w) {
     uint64_t mapped, resident, pmd;
-    k3_weights_mapped(w, &mapped, &resident, &pmd);
+    const double t0 = k3_now_s();
+    if (k3_weights_mapped(w, &mapped, &resident, &pmd) != K3_OK) {
+        K3_LOGW("load: cannot tell how the weights are mapped: %s", k3_last_error());
+        return;
+    }
     const double pct = resident ? 100.0 * (double)pmd / (double)resident : 100.0;
     K3_LOGI("load: %.2f MB of weights mapped from the files, %.0f%% of the resident pages in 2 MB "
-            "entries",
-            mapped / 1e6, pct);
+            "entries (checked in %.3f s, after the load)",
+            mapped / 1e6, pct, k3_now_s() - t0);
     if (resident > ((uint64_t)64 << 20) && pct < 50)
         K3_LOGW("load: the page cache holds these files in small pages: decode sweeps the weights "
                 "through 4 KB entries (slower); drop the files from the page cache (or copy them) "
@@ -716,7 +720,6 @@ static k3_status load_weights(rank_load_t *L) {
     if (r->o->load_mmap && !sel.map)
         K3_LOGW("load: --load-mmap is for host backends (cpu, ref); reading the files");
     RTRY(r, k3_weights_load(r->ck, &r->cfg, &sel, &r->w));
-    if (sel.map) log_mapped(r->w);
     if (r->o->verify) RTRY(r, verify_own(L));
     r->view = k3_weights_get(r->w);
     r->bytes_read = k3_ckpt_bytes_read(r->ck);
@@ -790,6 +793,7 @@ static k3_status load_run(rank_load_t *L) {
         K3_LOGI("loaded %.2f MB in %.2f s (%.2f GB/s); plan: %.2f MB", r->bytes_read / 1e6,
                 r->load_s, r->load_s > 0 ? r->bytes_read / 1e9 / r->load_s : 0.0,
                 r->plan.mem[r->rank].weights / 1e6);
+    if (r->worker && r->o->load_mmap && host_weights(r)) log_mapped(r->w);
     RTRY(r, load_wait(L));
     if (r->rank == 0 && (r->tty || r->world > 1)) draw_progress(L, true);
     return K3_OK;

@@ -281,7 +281,7 @@ def test_load(model_dir, ep, private, tmp_path):
     total = checkpoint_tensor_bytes(model_dir)
     rel = lambda a, b: abs(a - b) <= 1e-9 * max(abs(b), 1e-30)
     for x in loads:
-        assert x["readers"] == (d["parallel_readers"] if x["loader"] == "parallel" else 1)
+        assert x["readers"] == (1 if x["loader"] == "serial" else d["parallel_readers"])
         assert x["repetitions"] == (1 if x["cache"] == "cold" else reps)
         assert x["seconds_min"] <= x["seconds"] <= x["seconds_max"]
         ranks, nodes = x["ranks"], x["nodes"]

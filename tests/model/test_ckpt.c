@@ -261,7 +261,7 @@ int main(void) {
                                  va->layers[1].experts[5].w2.shape[1] / 32)) == 0,
                  "%s load: expert scales differ", how[mode]);
         uint64_t mapped = 0, resident = 0, pmd = 0;
-        k3_weights_mapped(w3, &mapped, &resident, &pmd);
+        K3_CHECK_OK(k3_weights_mapped(w3, &mapped, &resident, &pmd));
         if (mode == 2) /* the embedding's first bytes are the file's, read apart */
             K3_CHECK(mapped > full_read / 2 && mapped <= full_read && resident >= mapped / 2 &&
                          pmd <= resident && k3_weights_bytes(w3) == k3_weights_bytes(w) &&
