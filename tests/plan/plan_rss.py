@@ -28,16 +28,21 @@ def ranks_rss(args, want_rc):
     """Peak RSS (bytes) of each rank of `mpirun -np 4 k3 run ARGS` (a wrapper reads the child's)."""
     cmd = [MPIEXEC, "--oversubscribe", "-np", "4", sys.executable, wrap, K3, "run", *args]
     # a run that must fail: mpirun must not kill the other ranks at the first non-zero exit, or a
-    # wrapper killed before it printed loses that rank's line (seen in CI: ranks [0, 1, 3])
+    # wrapper killed before it printed loses that rank's line (seen in CI: ranks [0, 1, 3]). The
+    # refused job still ends by k3's abort of every rank, which can take a wrapper with it before
+    # it prints: such a run measured nothing, and is made again (at most 3 times).
     env = dict(os.environ, OMPI_MCA_orte_abort_non_zero_exit="0") if want_rc else None
-    p = subprocess.run(cmd, capture_output=True, text=True, timeout=180, env=env)
-    if (p.returncode != 0) != (want_rc != 0):
-        print(p.stderr[-3000:])
-        sys.exit(f"FAIL: k3 run exited {p.returncode}, want {want_rc}")
-    rss = {int(m[0]): int(m[1]) * 1024 for m in re.findall(r"RSS rank (\d+) (\d+)", p.stderr)}
-    if sorted(rss) != [0, 1, 2, 3]:
-        sys.exit(f"FAIL: RSS of ranks {sorted(rss)}")
-    return rss
+    for attempt in range(3 if want_rc else 1):
+        p = subprocess.run(cmd, capture_output=True, text=True, timeout=180, env=env)
+        if (p.returncode != 0) != (want_rc != 0):
+            print(p.stderr[-3000:])
+            sys.exit(f"FAIL: k3 run exited {p.returncode}, want {want_rc}")
+        rss = {int(m[0]): int(m[1]) * 1024 for m in re.findall(r"RSS rank (\d+) (\d+)", p.stderr)}
+        if sorted(rss) == [0, 1, 2, 3]:
+            return rss
+        print(f"run {attempt + 1}: RSS lines of ranks {sorted(rss)} only (a wrapper was killed)")
+    print(p.stderr[-3000:])
+    sys.exit(f"FAIL: RSS of ranks {sorted(rss)}")
 
 
 with tempfile.TemporaryDirectory() as tmp:
