@@ -79,21 +79,22 @@ k3_status k3_ckpt_map_populate(k3_ckpt *ck, int shard, const k3_ckpt_map *m, uin
                       (unsigned long long)off, (unsigned long long)n);
     if (n == 0) return K3_OK;
     const uintptr_t page = (uintptr_t)sysconf(_SC_PAGESIZE);
-    uintptr_t a = (uintptr_t)(m->base + off) & ~(page - 1);
+    const uintptr_t a = (uintptr_t)(m->base + off) & ~(page - 1);
     const uintptr_t e = (uintptr_t)(m->base + off + n);
-    while (a < e) {
-        if (madvise((void *)a, e - a, MADV_POPULATE_READ) == 0) break;
-        if (errno == EINTR || errno == EAGAIN) continue;
-        const char *path = k3_ckpt_shard_path(ck, shard);
-        if (errno == EINVAL)
-            return K3_ERR(K3_ERR_IO,
-                          "%s: this kernel cannot populate a mapping (MADV_POPULATE_READ, Linux "
-                          "5.14); load without --load-mmap",
-                          path);
+    int err;
+    do /* the whole range again after an interruption */
+        err = madvise((void *)a, e - a, MADV_POPULATE_READ) == 0 ? 0 : errno;
+    while (err == EINTR || err == EAGAIN);
+    const char *path = k3_ckpt_shard_path(ck, shard);
+    if (err == EINVAL)
+        return K3_ERR(K3_ERR_IO,
+                      "%s: this kernel cannot populate a mapping (MADV_POPULATE_READ, Linux 5.14); "
+                      "load without --load-mmap",
+                      path);
+    if (err)
         return K3_ERR(K3_ERR_IO, "%s: bytes [%llu, %llu) could not be read into memory: %s%s", path,
-                      (unsigned long long)off, (unsigned long long)(off + n), strerror(errno),
-                      errno == EFAULT ? " (the file shrank?)" : "");
-    }
+                      (unsigned long long)off, (unsigned long long)(off + n), strerror(err),
+                      err == EFAULT ? " (the file shrank?)" : "");
     return K3_OK;
 }
 
@@ -104,6 +105,7 @@ typedef struct pop_job {
     int64_t n;
     _Atomic int64_t next;
     _Atomic uint64_t done;
+    uint64_t total; /* tensor bytes of all the ranges */
     atomic_bool stop;
     pthread_mutex_t mu;
     k3_status err; /* the first error, its message */
@@ -111,7 +113,8 @@ typedef struct pop_job {
 } pop_job;
 
 /* Take ranges until none is left or another thread failed; the caller's thread reports. */
-static k3_status pop_work(pop_job *J, k3_status (*progress)(void *, uint64_t), void *ctx) {
+static k3_status pop_work(pop_job *J, k3_status (*progress)(void *, uint64_t, uint64_t),
+                          void *ctx) {
     k3_status st = K3_OK;
     while (st == K3_OK && !atomic_load(&J->stop)) {
         const int64_t i = atomic_fetch_add(&J->next, 1);
@@ -119,7 +122,7 @@ static k3_status pop_work(pop_job *J, k3_status (*progress)(void *, uint64_t), v
         const k3_map_range *x = &J->r[i];
         st = k3_ckpt_map_populate(J->ck, x->shard, &J->maps[x->shard], x->off, x->n);
         const uint64_t d = atomic_fetch_add(&J->done, x->tensor_bytes) + x->tensor_bytes;
-        if (st == K3_OK && progress) st = progress(ctx, d);
+        if (st == K3_OK && progress) st = progress(ctx, d, J->total);
     }
     if (st != K3_OK) {
         pthread_mutex_lock(&J->mu);
@@ -139,8 +142,10 @@ static void *pop_thread(void *arg) {
 
 k3_status k3_ckpt_map_populate_many(k3_ckpt *ck, const k3_ckpt_map *maps, const k3_map_range *r,
                                     int64_t n, int n_threads,
-                                    k3_status (*progress)(void *ctx, uint64_t done), void *ctx) {
+                                    k3_status (*progress)(void *ctx, uint64_t done, uint64_t total),
+                                    void *ctx) {
     pop_job J = {.ck = ck, .maps = maps, .r = r, .n = n, .err = K3_OK};
+    for (int64_t i = 0; i < n; i++) J.total += r[i].tensor_bytes;
     atomic_init(&J.next, 0);
     atomic_init(&J.done, 0);
     atomic_init(&J.stop, false);
@@ -154,7 +159,7 @@ k3_status k3_ckpt_map_populate_many(k3_ckpt *ck, const k3_ckpt_map *maps, const 
     for (int i = 0; i < started; i++) pthread_join(th[i], NULL);
     pthread_mutex_destroy(&J.mu);
     if (J.err != K3_OK) return K3_ERR(J.err, "%s", J.msg);
-    return progress ? progress(ctx, atomic_load(&J.done)) : K3_OK; /* all of it, at the end */
+    return progress ? progress(ctx, J.total, J.total) : K3_OK; /* all of it, at the end */
 }
 
 /* A "Name:   N kB" line's bytes, or -1 for another line. */

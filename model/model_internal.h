@@ -50,9 +50,9 @@ void k3_ckpt_unmap(k3_ckpt_map *m); /* NULL-safe; zeroes *m */
 k3_status k3_ckpt_map_populate(k3_ckpt *ck, int shard, const k3_ckpt_map *m, uint64_t off,
                                uint64_t n);
 /* Populate ranges [off, off + n) of maps[shard], n_threads at a time (each takes the next range;
- * the calling thread is one of them and alone calls progress(ctx, tensor bytes done so far)
- * after each of its ranges, and once at the end). The first error stops the others and is
- * returned. */
+ * the calling thread is one of them and alone calls progress(ctx, tensor bytes done so far, of
+ * all the ranges) after each of its ranges, and once at the end). The first error stops the
+ * others and is returned. */
 typedef struct k3_map_range {
     int shard;
     uint64_t off, n;
@@ -60,7 +60,8 @@ typedef struct k3_map_range {
 } k3_map_range;
 k3_status k3_ckpt_map_populate_many(k3_ckpt *ck, const k3_ckpt_map *maps, const k3_map_range *r,
                                     int64_t n, int n_threads,
-                                    k3_status (*progress)(void *ctx, uint64_t done), void *ctx);
+                                    k3_status (*progress)(void *ctx, uint64_t done, uint64_t total),
+                                    void *ctx);
 /* Over the maps m[0..n): bytes resident now, and of those, bytes mapped by 2 MB entries. */
 k3_status k3_ckpt_map_pmd(const k3_ckpt_map *m, int n, uint64_t *rss, uint64_t *pmd);
 

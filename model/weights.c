@@ -271,32 +271,23 @@ static bool mappable(const k3_load_sel *sel, const k3_ckpt_tensor *t, int part) 
     return sel->map && part < 2 && t->offset % el == 0;
 }
 
-/* A mapped load's progress: the reads' (k3_ckpt_read_many's own count), then the populated
- * bytes after them, both against every byte of the load. */
+/* A mapped load's progress: the reads' own count (k3_ckpt_read_many), then the populated bytes
+ * after them (before = the bytes read), both against every byte of the load. */
 typedef struct map_progress {
     k3_status (*progress)(void *ctx, uint64_t done, uint64_t total);
     void *ctx;
-    uint64_t total;
+    uint64_t before, total;
 } map_progress;
 static k3_status progress_of_all(void *ctx, uint64_t done, uint64_t total) {
     (void)total;
     const map_progress *m = ctx;
-    return m->progress(m->ctx, done, m->total);
-}
-typedef struct populate_ctx {
-    const map_progress *mp;
-    uint64_t before; /* bytes read before the populate */
-} populate_ctx;
-static k3_status populate_progress(void *ctx, uint64_t done) {
-    const populate_ctx *p = ctx;
-    return p->mp->progress(p->mp->ctx, p->before + done, p->mp->total);
+    return m->progress(m->ctx, m->before + done, m->total);
 }
 
 /* Fault the mapped jobs' bytes in: file by file in offset order, tensors closer than a piece
- * merged into ranges of at most 4 pieces, which the readers take one at a time; progress goes on
- * from `done`. */
-static k3_status populate(k3_ckpt *ck, k3_weights *w, const job *jobs, int64_t nj,
-                          const map_progress *mp, uint64_t done, int readers) {
+ * merged into ranges of at most 4 pieces, which the readers take one at a time. */
+static k3_status populate(k3_ckpt *ck, k3_weights *w, const job *jobs, int64_t nj, map_progress *mp,
+                          int readers) {
     k3_map_range *r = NULL;
     K3_TRY(k3_alloc((void **)&r, (size_t)K3_MAX(nj, 1) * sizeof *r, "populate ranges"));
     int64_t nr = 0;
@@ -318,10 +309,9 @@ static k3_status populate(k3_ckpt *ck, k3_weights *w, const job *jobs, int64_t n
         all += x.tensor_bytes;
         r[nr++] = x;
     }
-    populate_ctx pc = {mp, done};
     k3_status st = k3_ckpt_map_populate_many(ck, w->maps, r, nr,
                                              readers > 0 ? readers : K3_LOAD_READERS_DEFAULT,
-                                             mp->progress ? populate_progress : NULL, &pc);
+                                             mp->progress ? progress_of_all : NULL, mp);
     k3_free(r);
     K3_TRY(st);
     k3_ckpt_count_read(ck, all); /* the tensors' bytes, not the gaps between them */
@@ -432,6 +422,7 @@ k3_status k3_weights_load(k3_ckpt *ck, const k3_config *c, const k3_load_sel *se
         uint64_t nb = (uint64_t)k3_tensor_spec_bytes(s);
         void *dst;
         const bool dense = share && s->kind != K3_TK_EXPERT, read = !dense || sel->dense_reader;
+        const bool in_map = mappable(sel, src[i], part); /* data or scale left in the file */
         uint8_t *const base = dense ? (uint8_t *)sel->dense : w->arena;
         uint64_t *const pos = dense ? &dat : &at;
         if (s->kind == K3_TK_EXPERT) w->layers[s->layer].experts[s->expert].present = true;
@@ -454,7 +445,7 @@ k3_status k3_weights_load(k3_ckpt *ck, const k3_config *c, const k3_load_sel *se
             else
                 fz[f].proj = dst;
         } else {
-            if (mappable(sel, src[i], part)) {
+            if (in_map) {
                 k3_ckpt_map *m = &w->maps[src[i]->shard];
                 if (!m->base && (st = k3_ckpt_map_shard(ck, src[i]->shard, m)) != K3_OK) {
                     k3_free(src);
@@ -481,8 +472,7 @@ k3_status k3_weights_load(k3_ckpt *ck, const k3_config *c, const k3_load_sel *se
                 }
             }
         }
-        if (read)
-            jobs[nj++] = (job){src[i], dst, part < 2 ? t : NULL, part, mappable(sel, src[i], part)};
+        if (read) jobs[nj++] = (job){src[i], dst, part < 2 ? t : NULL, part, in_map};
     }
     if (share && !sel->dense_reader) nf = 0; /* the reader fuses the shared scores */
     k3_free(src);
@@ -492,7 +482,7 @@ k3_status k3_weights_load(k3_ckpt *ck, const k3_config *c, const k3_load_sel *se
         all_total += jobs[j].src->n_bytes;
         mapped_total += jobs[j].mapped ? jobs[j].src->n_bytes : 0;
     }
-    map_progress mp = {sel->progress, sel->ctx, all_total};
+    map_progress mp = {sel->progress, sel->ctx, 0, all_total};
     { /* the reads: staged AttnRes halves to host memory, everything else to the arena */
         k3_read_req *rq = NULL;
         if ((st = k3_alloc((void **)&rq, (size_t)K3_MAX(nj, 1) * sizeof *rq, "read requests")) !=
@@ -515,9 +505,8 @@ k3_status k3_weights_load(k3_ckpt *ck, const k3_config *c, const k3_load_sel *se
         if (st != K3_OK) goto fail;
     }
     /* then the mapped tensors, the progress going on from the reads to all of it */
-    if (sel->map &&
-        (st = populate(ck, w, jobs, nj, &mp, all_total - mapped_total, sel->n_readers)) != K3_OK)
-        goto fail;
+    mp.before = all_total - mapped_total;
+    if (sel->map && (st = populate(ck, w, jobs, nj, &mp, sel->n_readers)) != K3_OK) goto fail;
     for (int64_t j = 0; j < nj && sel->on_read; j++)
         if ((st = sel->on_read(sel->ctx, jobs[j].src)) != K3_OK) goto fail;
 
