@@ -222,6 +222,7 @@ static int run_serve(const k3_args *a) {
     char *tok_info = rank == 0 ? read_tokenizer_config(eo.model_dir) : NULL;
     so.tokenizer_info = tok_info;
     so.version = k3_build_version;
+    so.backend = eo.backend, so.comm = eo.comm;
     eo.progress = true;
     k3_engine *e = NULL;
     k3_status ost = k3_engine_open_test(&eo, k3_engine_test_from_env(), &e);

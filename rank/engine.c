@@ -228,6 +228,25 @@ bool k3_engine_rank_busy(const k3_engine *e, int rank, double *busy_s, uint64_t 
     return rank_coord_rank_busy(r, rank, busy_s, steps);
 }
 
+bool k3_engine_rank_view_of(const k3_engine *e, int rank, k3_engine_rank_view *out) {
+    const rank_ctx *r = &e->r;
+    memset(out, 0, sizeof *out);
+    if (!r->coord || rank < 0 || rank >= r->world) return false;
+    out->stage = out->lane = -1;
+    k3_plan_coords(&r->plan, rank, &out->stage, &out->lane);
+    out->node = r->where ? r->where[rank].node : 0;
+    for (int w = 0; w < rank && r->where; w++) out->local += r->where[w].node == out->node;
+    out->host = r->where ? r->where[rank].host : "";
+    if (rank != r->rank && r->comm)
+        out->silent_s = K3_MIN(k3_comm_silent_s(r->comm, rank), k3_now_s() - e->t_step);
+    out->mem = r->plan.mem[rank];
+    if (rank == r->rank) {
+        uint64_t hwm = 0, pss = 0;
+        k3_proc_memory(&out->rss, &hwm, &pss);
+    }
+    return true;
+}
+
 int k3_engine_pending(const k3_engine *e) {
     return e->r.coord ? rank_coord_pending(&e->r) : 0;
 }

@@ -280,5 +280,15 @@ bool k3_engine_rank_info(const k3_engine *e, int rank, int *stage, int *lane, ui
  * The pipeline bubble is 1 - busy / wall; k3_engine_close gathers the exact totals into
  * *final's busy_s. */
 bool k3_engine_rank_busy(const k3_engine *e, int rank, double *busy_s, uint64_t *steps);
+/* Rank 0, live, for the server's status page: where rank r runs and how it is heard. */
+typedef struct k3_engine_rank_view {
+    int stage, lane;  /* -1: the rank runs no stage (a dedicated coordinator) */
+    int node, local;  /* the lowest world rank on its node; its index among that node's ranks */
+    const char *host; /* its processor name (valid while the engine is open) */
+    double silent_s;  /* since rank 0 last heard from it (0 for rank 0) */
+    k3_rank_mem mem;  /* the plan's memory for it (weights, caches, buffers, workspace) */
+    uint64_t rss;     /* resident bytes now: rank 0's own (k3_proc_memory); 0 for the others */
+} k3_engine_rank_view;
+bool k3_engine_rank_view_of(const k3_engine *e, int rank, k3_engine_rank_view *out);
 
 #endif /* K3_ENGINE_H */

@@ -53,6 +53,9 @@ typedef struct k3_server_opts {
     /* issue 34: slow or browser clients */
     int max_per_client;          /* open connections from one client address (0 = 32) */
     const char *allowed_origins; /* CORS: comma-separated origins or "*"; NULL = no CORS */
+    /* issue 48: the status page (GET /v1/k3/status) names them */
+    const char *backend; /* the engine's kernel backend; NULL = "cpu" */
+    const char *comm;    /* its transport between ranks; NULL = "mpi" */
 } k3_server_opts;
 
 /* Bind and start the HTTP threads. Requests are queued until k3_server_run steps the engine. */

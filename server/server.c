@@ -56,6 +56,7 @@ struct k3_server {
     int silent_rank;
     int n_busy; /* connections with a model request whose response has not ended */
     srv_metrics m;
+    srv_status status; /* GET /v1/k3/status (status.c) */
 };
 
 /* One HTTP request (MHD's per-request pointer). */
@@ -79,9 +80,18 @@ typedef struct conn {
 static const struct {
     const char *path;
     char method; /* 'G' GET (and HEAD), 'P' POST */
-} routes[] = {{"/health", 'G'},         {"/v1/models", 'G'},      {"/metrics", 'G'},
-              {"/tokenizer_info", 'G'}, {"/version", 'G'},        {"/tokenize", 'P'},
-              {"/detokenize", 'P'},     {"/v1/completions", 'P'}, {"/v1/chat/completions", 'P'}};
+} routes[] = {{"/health", 'G'},
+              {"/v1/models", 'G'},
+              {"/metrics", 'G'},
+              {"/tokenizer_info", 'G'},
+              {"/version", 'G'},
+              {"/tokenize", 'P'},
+              {"/detokenize", 'P'},
+              {"/v1/completions", 'P'},
+              {"/v1/chat/completions", 'P'},
+              {"/", 'G'},
+              {"/ui", 'G'},
+              {"/v1/k3/status", 'G'}};
 
 /* Which method a path takes, or 0 for no such path. */
 static char route_method(const char *path) {
@@ -410,6 +420,7 @@ k3_status k3_server_run(k3_server *s, k3_engine *e, volatile sig_atomic_t *stop)
         if (!k3_engine_rank_info(e, w, &s->m.rank_stage[w], &s->m.rank_lane[w], &b, &pb, &ls))
             s->m.rank_stage[w] = s->m.rank_lane[w] = -1;
     }
+    srv_status_init(&s->status, e, k3_now_s());
     pthread_mutex_unlock(&s->mu);
     K3_LOGI("k3 serve: listening on http://%s:%d (model \"%s\", pid %d)",
             s->o.host ? s->o.host : "127.0.0.1", s->port, s->o.model_name, (int)getpid());
@@ -430,6 +441,7 @@ k3_status k3_server_run(k3_server *s, k3_engine *e, volatile sig_atomic_t *stop)
         const int pending = k3_engine_pending(e);
         s->m.pending = pending;
         k3_engine_load(e, &s->m.running, &s->m.waiting, &s->m.cache_usage);
+        srv_status_tick(&s->status, &s->m, e, k3_now_s());
         /* a step still in flight when the last request ended is collected before idling: its
            lanes' step times reach /metrics now, not at the next request */
         if (st == K3_OK && pending == 0 && !k3_engine_in_flight(e)) {
@@ -705,6 +717,14 @@ static enum MHD_Result get_route(conn *k) {
     } else if (strcmp(k->path, "/v1/models") == 0) {
         if (!authorized(s, k->c)) return send_error(k, 401, "a valid API key is required");
         ret = srv_models_json(&s->o, s->started, &b) == K3_OK ? send_json(k, 200, &b) : MHD_NO;
+    } else if (strcmp(k->path, "/") == 0 || strcmp(k->path, "/ui") == 0) { /* the page (ui.c) */
+        return send_body(k, 200, "text/html; charset=utf-8", k3_ui_html, k3_ui_html_len);
+    } else if (strcmp(k->path, "/v1/k3/status") == 0) { /* its data (status.c) */
+        pthread_mutex_lock(&s->mu);
+        k3_status st = srv_status_json(&s->status, &s->m, &s->o, s->engine_down, HEALTH_SILENT_S,
+                                       k3_now_s(), &b);
+        pthread_mutex_unlock(&s->mu);
+        ret = st == K3_OK ? send_json(k, 200, &b) : MHD_NO;
     } else if (strcmp(k->path, "/tokenizer_info") == 0 || strcmp(k->path, "/version") == 0) {
         ret = srv_info_json(&s->o, k->path, &b) == K3_OK ? send_json(k, 200, &b) : MHD_NO;
     } else {
@@ -769,7 +789,8 @@ static enum MHD_Result on_request(void *cls, struct MHD_Connection *c, const cha
         }
         if (m && strcmp(method, "OPTIONS") == 0 && cors_origin(s, c)) return preflight(k);
         const bool open = strcmp(k->path, "/health") == 0 || strcmp(k->path, "/metrics") == 0 ||
-                          strcmp(k->path, "/version") == 0;
+                          strcmp(k->path, "/version") == 0 || strcmp(k->path, "/") == 0 ||
+                          strcmp(k->path, "/ui") == 0; /* the page asks for the key itself */
         if (m && !open && !authorized(s, c)) k->status = 401;
         const char *cl = MHD_lookup_connection_value(c, MHD_HEADER_KIND, "Content-Length");
         if (!k->status && cl && strtoull(cl, NULL, 10) > s->max_body) k->status = 413;

@@ -185,4 +185,41 @@ void srv_count_status(srv_metrics *m, const char *path, int status);
 /* Prometheus text exposition (format 0.0.4) of a snapshot of the metrics. */
 k3_status srv_metrics_text(const srv_metrics *m, int slots, k3_chat_buf *out);
 
+/* ---- status.c: GET /v1/k3/status (the page's data) --------------------------------------- */
+#define SRV_STATUS_N      600 /* samples kept, one a second: the last 10 minutes */
+#define SRV_STATUS_WINDOW 10  /* seconds of requests that a sample's latency percentiles cover */
+typedef struct srv_sample {
+    double t; /* seconds since the server started */
+    double running, waiting, tok_s, kv, prefix;
+    double ttft[3], itl[3]; /* p50, p90, p99 over the window (NAN: none in it) */
+} srv_sample;
+typedef struct srv_rank_status {
+    int stage, lane, node, local; /* stage -1: no stage (a dedicated coordinator) */
+    char host[48];
+    double silent_s;
+    uint64_t mem_weights, mem_caches, mem_buffers, mem_workspace; /* the plan's */
+    uint64_t rss; /* resident bytes (rank 0's own; 0 for the others: not known live) */
+} srv_rank_status;
+typedef struct srv_status {
+    double t_start, t_tick;
+    int world, pp, ep, max_seqs, n_ranks;
+    bool dedicated;
+    int64_t max_ctx, gen_last;
+    srv_rank_status ranks[SRV_MAX_RANKS];
+    srv_hist ttft_snap[SRV_STATUS_WINDOW + 1], itl_snap[SRV_STATUS_WINDOW + 1];
+    int64_t n_snap, n_ring;
+    srv_sample ring[SRV_STATUS_N];
+} srv_status;
+/* The cluster as the engine knows it (k3_server_run's start, mu held). */
+void srv_status_init(srv_status *st, const k3_engine *e, double now);
+/* mu held, from the engine loop: every rank's silence now, and a sample once a second. */
+void srv_status_tick(srv_status *st, const srv_metrics *m, const k3_engine *e, double now);
+/* mu held: the JSON body of GET /v1/k3/status. */
+k3_status srv_status_json(const srv_status *st, const srv_metrics *m, const k3_server_opts *o,
+                          bool engine_down, double silent_limit, double now, k3_chat_buf *out);
+
+/* ---- ui.c: the page at / and /ui (server/ui/index.html, embedded at build time) ----------- */
+extern const char k3_ui_html[];
+extern const unsigned long k3_ui_html_len;
+
 #endif /* K3_SERVER_INTERNAL_H */

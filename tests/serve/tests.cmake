@@ -36,3 +36,9 @@ k3_serve_pytest(serve_eval_2x2 eval_test.py e2x2 "mpi" 300)
 # keys; and on 2 ranks a rank that stops mid-decode: open requests get 503 / an SSE error first.
 k3_serve_pytest(serve_hostile_http hostile_test.py hostile_http "unit;sanitize" 180)
 k3_serve_pytest(serve_hostile_fault hostile_test.py hostile_fault "mpi" 180)
+# issue 48: the page at / (server/ui/index.html) in a headless Chromium (Debian's, driven over the
+# DevTools pipe) against a 2 x 2 server: 4 ranks shown, a chart with points, one streamed
+# playground answer. Installs chromium when missing and root; fails under CI=true without it.
+add_test(NAME serve_ui_2x2 COMMAND ${K3_SERVE_PYTHON3} ${CMAKE_CURRENT_LIST_DIR}/ui_test.py)
+set_tests_properties(serve_ui_2x2 PROPERTIES LABELS "mpi" TIMEOUT 180 SKIP_RETURN_CODE 77
+                     ENVIRONMENT "${K3_SERVE_ENV}")
