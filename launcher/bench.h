@@ -75,6 +75,9 @@ k3_status bench_meta_host(bench_row *meta);
  * level, where vLLM's readers look for them. CSV: one line per row, metadata columns first;
  * arrays are left out. */
 k3_status bench_report_write(const bench_report *rep, const char *json_path, const char *csv_path);
+/* --plot FILE.svg (bench_plot.c; modes "throughput" and "serve"): throughput against the
+ * concurrency and the TTFT / ITL / E2EL percentiles, as a plain SVG image. */
+k3_status bench_plot_svg(const bench_report *rep, const char *path);
 
 /* ---- statistics ---------------------------------------------------------------------------- */
 typedef struct bench_stats {

@@ -627,6 +627,7 @@ int bench_serve(const k3_args *a) {
     if (st == K3_OK) st = report(&b, t1 - t0, &rep);
     if (st == K3_OK)
         st = bench_report_write(&rep, k3_args_str(a, "output-json"), k3_args_str(a, "output-csv"));
+    if (st == K3_OK && k3_args_has(a, "plot")) st = bench_plot_svg(&rep, k3_args_str(a, "plot"));
     if (st == K3_OK && failed)
         st = K3_ERR(K3_ERR_IO, "%lld of %lld requests failed (the first ones are named above)",
                     (long long)failed, (long long)b.n);

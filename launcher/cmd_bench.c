@@ -96,6 +96,9 @@ enum {
       "results as JSON (vLLM's / llama-bench's field names) with hardware, versions, commit, "     \
       "plan")                                                                                      \
     X("output-csv", K3_FLAG_STR, "FILE", NULL, M_ALL, "results as CSV, one line per run")          \
+    X("plot", K3_FLAG_STR, "FILE.svg", NULL, M_TP | M_SV,                                          \
+      "throughput, serve: an SVG image of the results: tokens/s against the concurrency, and "     \
+      "TTFT / ITL / E2EL at p50, p90 and p99")                                                     \
     X("op-stats", K3_FLAG_STR, "FILE", NULL, M_TP,                                                 \
       "throughput: write JSON: each worker rank's backend op calls, host syncs and host<->device " \
       "bytes per forward step (decode, prefill, idle; warm-ups included); needs --backend guard "  \
@@ -226,12 +229,28 @@ static k3_status plan_of(const k3_args *a, int mode, int64_t max_ctx, bench_plan
 typedef struct run_res {
     int64_t prompt_tokens, gen_tokens;
     double elapsed_s; /* first submit -> last DONE */
+    /* latencies (seconds; each request from its submit, as a client of the engine sees them):
+       ttft[n], e2e[n] and every gap between two tokens of a request, itl[n_itl] */
+    double *ttft, *e2e, *itl, *t_sub, *t_last;
+    int64_t n_itl;
 } run_res;
+
+static void run_res_free(run_res *r) {
+    k3_free(r->ttft), k3_free(r->e2e), k3_free(r->itl), k3_free(r->t_sub), k3_free(r->t_last);
+    r->ttft = r->e2e = r->itl = r->t_sub = r->t_last = NULL;
+}
 
 static k3_status drive(k3_engine *e, k3_rng *rng, int64_t n_vocab, int64_t n, int64_t in_len,
                        int64_t out_len, int64_t conc, uint64_t seed, run_res *out) {
     memset(out, 0, sizeof *out);
     int32_t *ids = NULL;
+    const size_t nb = (size_t)n * sizeof(double);
+    K3_TRY(k3_calloc((void **)&out->ttft, nb, "bench latencies"));
+    K3_TRY(k3_calloc((void **)&out->e2e, nb, "bench latencies"));
+    K3_TRY(k3_calloc((void **)&out->t_sub, nb, "bench latencies"));
+    K3_TRY(k3_calloc((void **)&out->t_last, nb, "bench latencies"));
+    K3_TRY(k3_calloc((void **)&out->itl, (size_t)(n * K3_MAX(out_len, 1)) * sizeof(double),
+                     "bench latencies"));
     K3_TRY(k3_alloc((void **)&ids, (size_t)(n * in_len) * sizeof(int32_t), "bench prompts"));
     for (int64_t i = 0; i < n; i++) bench_random_ids(rng, n_vocab, ids + i * in_len, in_len);
     k3_status st = K3_OK;
@@ -246,13 +265,24 @@ static k3_status drive(k3_engine *e, k3_rng *rng, int64_t n_vocab, int64_t n, in
                              .ignore_eos = true,
                              .user = (uint64_t)submitted};
             int64_t id;
+            out->t_sub[submitted] = k3_now_s();
             st = k3_engine_submit(e, &rq, &id);
             submitted++;
         }
         const k3_event *ev;
         int n_ev = 0;
         if (st == K3_OK) st = k3_engine_step(e, &ev, &n_ev);
+        const double now = k3_now_s();
         for (int k = 0; st == K3_OK && k < n_ev; k++) {
+            const int64_t u = (int64_t)ev[k].user;
+            if (ev[k].kind == K3_EV_TOKEN) {
+                if (out->t_last[u] > 0)
+                    out->itl[out->n_itl++] = now - out->t_last[u];
+                else
+                    out->ttft[u] = now - out->t_sub[u];
+                out->t_last[u] = now;
+            }
+            if (ev[k].kind == K3_EV_DONE) out->e2e[u] = now - out->t_sub[u];
             if (ev[k].kind == K3_EV_ERROR)
                 st = K3_ERR(K3_ERR_STATE, "bench request %llu failed: %s",
                             (unsigned long long)ev[k].user, ev[k].error ? ev[k].error : "?");
@@ -291,6 +321,48 @@ static k3_status meta_engine(bench_row *m, const bench_plan *p, const k3_engine_
 
 /* ---- throughput
  * ---------------------------------------------------------------------------------- */
+/* One sweep point's row: vLLM's throughput keys, and the latencies as the engine's client sees
+ * them (JSON only: median / p90 / p99 of TTFT, ITL and E2EL in ms, as `bench serve` names them). */
+static k3_status throughput_row(bench_report *rep, run_res *res, int64_t n, int64_t in, int64_t out,
+                                int64_t conc, int world) {
+    const run_res r = *res;
+    const double t = r.elapsed_s, tot = (double)(r.prompt_tokens + r.gen_tokens);
+    K3_LOGI("bench throughput: in %lld out %lld concurrency %lld: %.2f s, %.1f tok/s",
+            (long long)in, (long long)out, (long long)conc, t, tot / t);
+    bench_row *row;
+    K3_TRY(bench_add_row(rep, &row));
+    K3_TRY(bench_put_num(row, "input_len", "input len", -1, (double)in));
+    K3_TRY(bench_put_num(row, "output_len", "output len", -1, (double)out));
+    K3_TRY(bench_put_num(row, "max_concurrency", "concurrency", -1, (double)conc));
+    K3_TRY(bench_put_num(row, "num_requests", "requests", -1, (double)n));
+    K3_TRY(bench_put_num(row, "elapsed_time", "elapsed (s)", 3, t));
+    K3_TRY(bench_put_num(row, "total_input_tokens", NULL, -1, (double)r.prompt_tokens));
+    K3_TRY(bench_put_num(row, "total_output_tokens", NULL, -1, (double)r.gen_tokens));
+    K3_TRY(bench_put_num(row, "total_num_tokens", "tokens", -1, tot));
+    K3_TRY(bench_put_num(row, "requests_per_second", "req/s", 2, (double)n / t));
+    K3_TRY(bench_put_num(row, "tokens_per_second", "tok/s", 1, tot / t));
+    K3_TRY(bench_put_num(row, "input_tokens_per_second", "input tok/s", 1,
+                         (double)r.prompt_tokens / t));
+    K3_TRY(bench_put_num(row, "output_tokens_per_second", "output tok/s", 1,
+                         (double)r.gen_tokens / t));
+    K3_TRY(bench_put_num(row, "tokens_per_second_per_rank", "tok/s/rank", 1, tot / t / world));
+    K3_TRY(bench_put_num(row, "output_tokens_per_second_per_rank", "output tok/s/rank", 1,
+                         (double)r.gen_tokens / t / world));
+    static const char *const keys[3][3] = {{"median_ttft_ms", "p90_ttft_ms", "p99_ttft_ms"},
+                                           {"median_itl_ms", "p90_itl_ms", "p99_itl_ms"},
+                                           {"median_e2el_ms", "p90_e2el_ms", "p99_e2el_ms"}};
+    double *v[3] = {res->ttft, res->itl, res->e2e};
+    const int64_t nv[3] = {n, res->n_itl, n};
+    for (int m = 0; m < 3; m++) {
+        bench_stats bs;
+        bench_stats_of(v[m], nv[m], &bs);
+        K3_TRY(bench_put_num(row, keys[m][0], NULL, 2, 1e3 * bs.median));
+        K3_TRY(bench_put_num(row, keys[m][1], NULL, 2, 1e3 * bs.p90));
+        K3_TRY(bench_put_num(row, keys[m][2], NULL, 2, 1e3 * bs.p99));
+    }
+    return K3_OK;
+}
+
 static k3_status run_throughput(k3_engine *e, const bench_plan *p, int world, bench_report *rep) {
     k3_rng rng;
     k3_rng_seed(&rng, p->seed);
@@ -299,33 +371,17 @@ static k3_status run_throughput(k3_engine *e, const bench_plan *p, int world, be
             for (int c = 0; c < p->n_conc; c++) {
                 int64_t in = p->in_len[i], out = p->out_len[j], conc = p->conc[c];
                 run_res w, r;
-                if (p->warmups > 0)
-                    K3_TRY(drive(e, &rng, p->n_vocab, p->warmups, in, out, conc, p->seed, &w));
-                K3_TRY(drive(e, &rng, p->n_vocab, p->num_prompts, in, out, conc, p->seed, &r));
-                const double t = r.elapsed_s, tot = (double)(r.prompt_tokens + r.gen_tokens);
-                K3_LOGI("bench throughput: in %lld out %lld concurrency %lld: %.2f s, %.1f tok/s",
-                        (long long)in, (long long)out, (long long)conc, t, tot / t);
-                bench_row *row;
-                K3_TRY(bench_add_row(rep, &row));
-                K3_TRY(bench_put_num(row, "input_len", "input len", -1, (double)in));
-                K3_TRY(bench_put_num(row, "output_len", "output len", -1, (double)out));
-                K3_TRY(bench_put_num(row, "max_concurrency", "concurrency", -1, (double)conc));
-                K3_TRY(bench_put_num(row, "num_requests", "requests", -1, (double)p->num_prompts));
-                K3_TRY(bench_put_num(row, "elapsed_time", "elapsed (s)", 3, t));
-                K3_TRY(bench_put_num(row, "total_input_tokens", NULL, -1, (double)r.prompt_tokens));
-                K3_TRY(bench_put_num(row, "total_output_tokens", NULL, -1, (double)r.gen_tokens));
-                K3_TRY(bench_put_num(row, "total_num_tokens", "tokens", -1, tot));
-                K3_TRY(bench_put_num(row, "requests_per_second", "req/s", 2,
-                                     (double)p->num_prompts / t));
-                K3_TRY(bench_put_num(row, "tokens_per_second", "tok/s", 1, tot / t));
-                K3_TRY(bench_put_num(row, "input_tokens_per_second", "input tok/s", 1,
-                                     (double)r.prompt_tokens / t));
-                K3_TRY(bench_put_num(row, "output_tokens_per_second", "output tok/s", 1,
-                                     (double)r.gen_tokens / t));
-                K3_TRY(bench_put_num(row, "tokens_per_second_per_rank", "tok/s/rank", 1,
-                                     tot / t / world));
-                K3_TRY(bench_put_num(row, "output_tokens_per_second_per_rank", "output tok/s/rank",
-                                     1, (double)r.gen_tokens / t / world));
+                if (p->warmups > 0) {
+                    k3_status ws =
+                        drive(e, &rng, p->n_vocab, p->warmups, in, out, conc, p->seed, &w);
+                    run_res_free(&w);
+                    K3_TRY(ws);
+                }
+                k3_status st =
+                    drive(e, &rng, p->n_vocab, p->num_prompts, in, out, conc, p->seed, &r);
+                if (st == K3_OK) st = throughput_row(rep, &r, p->num_prompts, in, out, conc, world);
+                run_res_free(&r);
+                K3_TRY(st);
             }
     return K3_OK;
 }
@@ -452,6 +508,8 @@ static int run_engine_mode(const k3_args *a, int mode) {
         if (st == K3_OK)
             st = bench_report_write(&rep, k3_args_str(a, "output-json"),
                                     k3_args_str(a, "output-csv"));
+        if (st == K3_OK && mode == M_TP && k3_args_has(a, "plot"))
+            st = bench_plot_svg(&rep, k3_args_str(a, "plot"));
         if (st != K3_OK) fprintf(stderr, "k3 bench: %s\n", k3_last_error());
         bench_report_free(&rep);
         rc = st == K3_OK ? 0 : 1;

@@ -69,15 +69,16 @@ void srv_status_tick(srv_status *st, const srv_metrics *m, const k3_engine *e, d
     if (now - st->t_tick < 1.0) return;
     for (int w = 0; w < st->n_ranks; w++) {
         k3_engine_rank_view v;
-        if (k3_engine_rank_view_of(e, w, &v)) st->ranks[w].silent_s = v.silent_s, st->ranks[w].rss = v.rss;
+        if (k3_engine_rank_view_of(e, w, &v))
+            st->ranks[w].silent_s = v.silent_s, st->ranks[w].rss = v.rss;
     }
     k3_engine_stats es;
     k3_engine_get_stats(e, &es);
     const double dt = now - st->t_tick;
     const int at = st->n_snap % (SRV_STATUS_WINDOW + 1);
-    const int old = st->n_snap >= SRV_STATUS_WINDOW ? (st->n_snap - SRV_STATUS_WINDOW) %
-                                                          (SRV_STATUS_WINDOW + 1)
-                                                    : -1;
+    const int old = st->n_snap >= SRV_STATUS_WINDOW
+                        ? (st->n_snap - SRV_STATUS_WINDOW) % (SRV_STATUS_WINDOW + 1)
+                        : -1;
     st->ttft_snap[at] = m->ttft, st->itl_snap[at] = m->itl;
     st->n_snap++;
     const srv_hist zero = {0};
@@ -95,7 +96,8 @@ void srv_status_tick(srv_status *st, const srv_metrics *m, const k3_engine *e, d
                                     ? (double)m->prefix_blocks / (double)m->prefix_blocks_max
                                     : 0};
     const double qs[3] = {0.5, 0.9, 0.99};
-    for (int i = 0; i < 3; i++) s->ttft[i] = quantile(ttft, qs[i]), s->itl[i] = quantile(itl, qs[i]);
+    for (int i = 0; i < 3; i++)
+        s->ttft[i] = quantile(ttft, qs[i]), s->itl[i] = quantile(itl, qs[i]);
     st->gen_last = es.gen_tokens;
     st->t_tick = now;
 }
@@ -134,9 +136,10 @@ static cJSON *cluster_json(const srv_status *st, const k3_server_opts *o, double
         const srv_rank_status *r = &st->ranks[w];
         cJSON *x = cJSON_CreateObject();
         cJSON_AddNumberToObject(x, "rank", w);
-        cJSON_AddStringToObject(x, "role", r->stage < 0 ? "coordinator"
-                                           : w == 0     ? "coordinator + stage"
-                                                        : "stage");
+        cJSON_AddStringToObject(x, "role",
+                                r->stage < 0 ? "coordinator"
+                                : w == 0     ? "coordinator + stage"
+                                             : "stage");
         if (r->stage >= 0) {
             cJSON_AddNumberToObject(x, "stage", r->stage);
             cJSON_AddNumberToObject(x, "lane", r->lane);
@@ -156,8 +159,9 @@ static cJSON *cluster_json(const srv_status *st, const k3_server_opts *o, double
         cJSON_AddNumberToObject(mem, "caches", (double)r->mem_caches);
         cJSON_AddNumberToObject(mem, "buffers", (double)r->mem_buffers);
         cJSON_AddNumberToObject(mem, "workspace", (double)r->mem_workspace);
-        cJSON_AddNumberToObject(mem, "planned", (double)(r->mem_weights + r->mem_caches +
-                                                         r->mem_buffers + r->mem_workspace));
+        cJSON_AddNumberToObject(
+            mem, "planned",
+            (double)(r->mem_weights + r->mem_caches + r->mem_buffers + r->mem_workspace));
         if (r->rss) cJSON_AddNumberToObject(mem, "rss", (double)r->rss); /* rank 0's own, now */
         cJSON_AddItemToArray(ranks, x);
     }

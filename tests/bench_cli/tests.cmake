@@ -16,3 +16,8 @@ k3_bench_cli_test(bench_cli_pptg "pptg" 60)
 k3_bench_cli_test(bench_cli_kernels "kernels" 120)
 k3_bench_cli_test(bench_cli_load "load" 240)
 k3_bench_cli_test(bench_cli_serve_2x2 "serve_2x2 or serve_errors" 120)
+# issue 48: --plot FILE.svg of throughput (a sweep) and serve (against a 1 x 1 k3 serve), parsed
+# with xml.etree and checked against the same run's JSON (plot_test.py)
+add_test(NAME bench_cli_plot COMMAND ${K3_BENCH_PYTHON3} ${CMAKE_CURRENT_LIST_DIR}/plot_test.py)
+set_tests_properties(bench_cli_plot PROPERTIES LABELS "mpi" TIMEOUT 120
+                     ENVIRONMENT "${K3_BENCH_CLI_ENV}")
