@@ -5,8 +5,10 @@ and Debian's chromium driven through the DevTools protocol over --remote-debuggi
 library only: no WebDriver, no websocket package). Checks: / and /ui load without the key; the
 page asks for the key (the status endpoint answers 401 without it), takes it once and keeps it
 across a reload; the rank table shows the 4 ranks (stages x lanes, every one healthy); after a
-few requests the generated-tok/s chart has points above its zero line; one chat sent through the
-playground streams (several chunks, then [DONE]) into reasoning_content / content.
+few requests the generated-tok/s chart has points above its zero line, and /v1/k3/status holds
+together (ranks, memory, ordered percentiles, counters equal to /metrics); a chat sent through
+the playground streams (several chunks, then [DONE]) into reasoning_content with thinking on and
+into content with it off.
 
 Chromium: installed here from Debian's packages when missing and running as root (as
 tests/slurm/slurm_test.sh does with its packages); otherwise skipped (exit 77) with the reason,
@@ -152,6 +154,38 @@ def load(url, stop):
         assert r.status_code == 200, r.text
 
 
+def check_status(url):
+    """GET /v1/k3/status after the load: the cluster, and a history whose numbers hold together."""
+    h = {"Authorization": "Bearer " + KEY}
+    st = requests.get(url + "/v1/k3/status", headers=h, timeout=10).json()
+    c = st["cluster"]
+    assert (c["world"], c["pp"], c["ep"], c["backend"], c["comm"]) == (4, 2, 2, "cpu", "mpi"), c
+    assert sorted((r["stage"], r["lane"]) for r in c["ranks"]) == [(0, 0), (0, 1), (1, 0), (1, 1)]
+    for r in c["ranks"]:
+        m = r["memory"]
+        assert r["health"] == "ok" and 0 <= r["silent_s"] < 5, r
+        assert m["planned"] == m["weights"] + m["caches"] + m["buffers"] + m["workspace"] > 0, r
+    assert c["ranks"][0]["memory"]["rss"] > 0
+    hist = st["history"]
+    n = len(hist["t"])
+    assert n >= 2 and all(len(v) == n for k, v in hist.items() if isinstance(v, list)), hist
+    assert hist["t"] == sorted(hist["t"])
+    assert max(hist["tok_s"]) > 0 and min(hist["tok_s"]) >= 0
+    for m in ("ttft", "itl"):
+        seen = 0
+        for a, b_, c_ in zip(*(hist["%s_p%s" % (m, q)] for q in ("50", "90", "99"))):
+            if a is not None:
+                assert 0 < a <= b_ <= c_, (m, a, b_, c_)
+                seen += 1
+        assert seen, "no %s percentiles in the history" % m
+    assert all(0 <= v <= 1 for v in hist["kv_cache_usage"] + hist["prefix_cache_usage"])
+    # the counters agree with /metrics (the same books)
+    met = requests.get(url + "/metrics", timeout=10).text
+    done = sum(float(x) for x in re.findall(
+        r'vllm:request_success_total\{[^}]*finished_reason="(?:stop|length)"\} (\S+)', met))
+    assert st["now"]["requests_completed"] == done > 0, (st["now"], done)
+
+
 def main():
     exe = find_chromium()
     if not exe:
@@ -207,15 +241,25 @@ def main():
             th.join()
         n_pts = b.js("document.querySelector('#chart-toks polyline').getAttribute('points').split(' ').length")
         assert n_pts >= 2, n_pts
-        # the playground: one streamed chat
-        b.js("document.getElementById('pg-max').value = 24; document.getElementById('pg-send').click(); 1")
-        b.wait("document.getElementById('pg-status').dataset.done === '1'", 20, "the playground's [DONE]")
-        got = b.js("({r: document.getElementById('pg-reasoning').textContent,"
-                   " c: document.getElementById('pg-content').textContent,"
-                   " s: document.getElementById('pg-status').textContent})")
-        assert len(got["r"]) + len(got["c"]) > 0, got
-        n_chunks = int(re.search(r"\((\d+) chunks", got["s"]).group(1))
+        check_status(url)
+        # the playground: one streamed chat with thinking on (the tiny model never closes its
+        # thinking: every token is reasoning_content), then one with it off (all content)
+        got = {}
+        for think in (True, False):
+            b.js("document.getElementById('pg-status').dataset.done = '';"
+                 "document.getElementById('pg-thinking').checked = %s;"
+                 "document.getElementById('pg-max').value = 24;"
+                 "document.getElementById('pg-send').click(); 1" % ("true" if think else "false"))
+            b.wait("document.getElementById('pg-status').dataset.done === '1'", 20,
+                   "the playground's [DONE]")
+            got[think] = b.js("({r: document.getElementById('pg-reasoning').textContent,"
+                              " c: document.getElementById('pg-content').textContent,"
+                              " s: document.getElementById('pg-status').textContent})")
+        assert got[True]["r"] and not got[True]["c"], got
+        assert got[False]["c"] and not got[False]["r"], got
+        n_chunks = int(re.search(r"\((\d+) chunks", got[True]["s"]).group(1))
         assert n_chunks >= 2, got  # streamed, not one answer
+        got = got[True]
         print("ui_test: 4 ranks, %d chart points, playground %d chunks (%d + %d chars), %.1f s"
               % (n_pts, n_chunks, len(got["r"]), len(got["c"]), time.time() - t_start))
     finally:
