@@ -101,39 +101,49 @@ static void panel_svg(FILE *f, const plot_panel *p, double x0) {
     const double L = x0 + ML, R = x0 + PANEL_W - MR, T = MT, B = H - MB;
     static const double cats[3] = {50, 90, 99};
 #define PX(v)                                                                                      \
-    (p->categorical ? L + (R - L) * (0.15 + 0.35 * ((v) == 50 ? 0 : (v) == 90 ? 1 : 2))            \
+    (p->categorical ? L + (R - L) * (0.15 + 0.35 * ((v) == 50   ? 0                                \
+                                                    : (v) == 90 ? 1                                \
+                                                                : 2))                              \
                     : L + (R - L) * (v) / xmax)
 #define PY(v) (B - (B - T) * (v) / ymax)
     fprintf(f, "<g class=\"panel\" id=\"%s\">\n", p->id);
     fprintf(f, "<text x=\"%.1f\" y=\"24\" font-size=\"15\" font-weight=\"bold\">", L);
     text_esc(f, p->title);
     fputs("</text>\n", f);
-    fprintf(f, "<line class=\"axis\" x1=\"%.1f\" y1=\"%.1f\" x2=\"%.1f\" y2=\"%.1f\" stroke=\"#333\"/>\n",
-            L, B, R, B);
-    fprintf(f, "<line class=\"axis\" x1=\"%.1f\" y1=\"%.1f\" x2=\"%.1f\" y2=\"%.1f\" stroke=\"#333\"/>\n",
-            L, T, L, B);
+    fprintf(
+        f,
+        "<line class=\"axis\" x1=\"%.1f\" y1=\"%.1f\" x2=\"%.1f\" y2=\"%.1f\" stroke=\"#333\"/>\n",
+        L, B, R, B);
+    fprintf(
+        f,
+        "<line class=\"axis\" x1=\"%.1f\" y1=\"%.1f\" x2=\"%.1f\" y2=\"%.1f\" stroke=\"#333\"/>\n",
+        L, T, L, B);
     for (double v = 0; v <= ymax * (1 + 1e-9); v += ystep) {
-        fprintf(f, "<line x1=\"%.1f\" y1=\"%.1f\" x2=\"%.1f\" y2=\"%.1f\" stroke=\"#ddd\"/>", L, PY(v),
-                R, PY(v));
-        fprintf(f, "<text class=\"tick\" x=\"%.1f\" y=\"%.1f\" font-size=\"11\" "
-                   "text-anchor=\"end\">%g</text>\n",
+        fprintf(f, "<line x1=\"%.1f\" y1=\"%.1f\" x2=\"%.1f\" y2=\"%.1f\" stroke=\"#ddd\"/>", L,
+                PY(v), R, PY(v));
+        fprintf(f,
+                "<text class=\"tick\" x=\"%.1f\" y=\"%.1f\" font-size=\"11\" "
+                "text-anchor=\"end\">%g</text>\n",
                 L - 4, PY(v) + 4, v);
     }
     if (p->categorical)
         for (int k = 0; k < 3; k++)
-            fprintf(f, "<text class=\"tick\" x=\"%.1f\" y=\"%.1f\" font-size=\"11\" "
-                       "text-anchor=\"middle\">p%g</text>\n",
+            fprintf(f,
+                    "<text class=\"tick\" x=\"%.1f\" y=\"%.1f\" font-size=\"11\" "
+                    "text-anchor=\"middle\">p%g</text>\n",
                     PX(cats[k]), B + 16, cats[k]);
     else
         for (double v = 0; v <= xmax * (1 + 1e-9); v += xstep)
-            fprintf(f, "<text class=\"tick\" x=\"%.1f\" y=\"%.1f\" font-size=\"11\" "
-                       "text-anchor=\"middle\">%g</text>\n",
+            fprintf(f,
+                    "<text class=\"tick\" x=\"%.1f\" y=\"%.1f\" font-size=\"11\" "
+                    "text-anchor=\"middle\">%g</text>\n",
                     PX(v), B + 16, v);
     fprintf(f, "<text x=\"%.1f\" y=\"%.1f\" font-size=\"12\" text-anchor=\"middle\">", (L + R) / 2,
             B + 34);
     text_esc(f, p->xlabel);
-    fprintf(f, "</text>\n<text x=\"%.1f\" y=\"%.1f\" font-size=\"12\" text-anchor=\"middle\" "
-               "transform=\"rotate(-90 %.1f %.1f)\">",
+    fprintf(f,
+            "</text>\n<text x=\"%.1f\" y=\"%.1f\" font-size=\"12\" text-anchor=\"middle\" "
+            "transform=\"rotate(-90 %.1f %.1f)\">",
             x0 + 16, (T + B) / 2, x0 + 16, (T + B) / 2);
     text_esc(f, p->ylabel);
     fputs("</text>\n", f);
@@ -145,7 +155,8 @@ static void panel_svg(FILE *f, const plot_panel *p, double x0) {
         fprintf(f, "\" stroke=\"%s\" data-values=\"", c);
         for (int k = 0; k < s->n; k++) fprintf(f, "%s%.17g,%.17g", k ? " " : "", s->x[k], s->y[k]);
         fputs("\" points=\"", f);
-        for (int k = 0; k < s->n; k++) fprintf(f, "%s%.2f,%.2f", k ? " " : "", PX(s->x[k]), PY(s->y[k]));
+        for (int k = 0; k < s->n; k++)
+            fprintf(f, "%s%.2f,%.2f", k ? " " : "", PX(s->x[k]), PY(s->y[k]));
         fputs("\"/>\n", f);
         for (int k = 0; k < s->n; k++)
             fprintf(f, "<circle cx=\"%.2f\" cy=\"%.2f\" r=\"3\" fill=\"%s\"/>\n", PX(s->x[k]),
@@ -155,7 +166,8 @@ static void panel_svg(FILE *f, const plot_panel *p, double x0) {
         if (ly < H - 4) {
             fprintf(f, "<rect x=\"%.1f\" y=\"%.1f\" width=\"10\" height=\"10\" fill=\"%s\"/>", lx,
                     ly - 9, c);
-            fprintf(f, "<text class=\"legend\" x=\"%.1f\" y=\"%.1f\" font-size=\"11\">", lx + 14, ly);
+            fprintf(f, "<text class=\"legend\" x=\"%.1f\" y=\"%.1f\" font-size=\"11\">", lx + 14,
+                    ly);
             text_esc(f, s->name);
             fputs("</text>\n", f);
         }
@@ -199,7 +211,7 @@ static k3_status fill(const bench_report *rep, plot_panel *tp, plot_panel *lat) 
         row_num(r, serve ? "output_throughput" : "output_tokens_per_second", &vo);
         add_point(st, x, vt), add_point(so, x, vo);
         static const char *const metric[3] = {"ttft", "itl", "e2el"}, *const up[3] = {"TTFT", "ITL",
-                                                                                    "E2EL"};
+                                                                                      "E2EL"};
         for (int m = 0; m < 3; m++) {
             char name[96], key[3][32];
             if (serve || rep->n_rows == 1)
@@ -231,11 +243,14 @@ k3_status bench_plot_svg(const bench_report *rep, const char *path) {
                         .categorical = true};
     k3_status st = fill(rep, &p[0], &p[1]);
     FILE *f = st == K3_OK ? fopen(path, "w") : NULL;
-    if (st == K3_OK && !f) st = K3_ERR(K3_ERR_IO, "--plot %s: cannot write: %s", path, strerror(errno));
+    if (st == K3_OK && !f)
+        st = K3_ERR(K3_ERR_IO, "--plot %s: cannot write: %s", path, strerror(errno));
     if (f) {
-        fprintf(f, "<?xml version=\"1.0\" encoding=\"UTF-8\"?>\n<svg xmlns=\"http://www.w3.org/2000/svg\" "
-                   "width=\"%d\" height=\"%d\" viewBox=\"0 0 %d %d\" font-family=\"sans-serif\">\n",
-                W, H, W, H);
+        fprintf(
+            f,
+            "<?xml version=\"1.0\" encoding=\"UTF-8\"?>\n<svg xmlns=\"http://www.w3.org/2000/svg\" "
+            "width=\"%d\" height=\"%d\" viewBox=\"0 0 %d %d\" font-family=\"sans-serif\">\n",
+            W, H, W, H);
         fprintf(f, "<title>k3 bench %s</title>\n<rect width=\"%d\" height=\"%d\" fill=\"#fff\"/>\n",
                 rep->mode, W, H);
         panel_svg(f, &p[0], 0);

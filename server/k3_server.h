@@ -1,7 +1,8 @@
 /* k3_server — the OpenAI-compatible HTTP server of `k3 serve`, on rank 0 (libmicrohttpd).
  *
  * Owns: the HTTP daemon (its threads, one per connection), the routes (/v1/chat/completions,
- * /v1/completions, /v1/models, /health, /tokenize, /detokenize, /metrics), the bearer check, the
+ * /v1/completions, /v1/models, /health, /tokenize, /detokenize, /metrics; the status page at / and
+ * /ui with its data at /v1/k3/status: server/status.c, server/ui/index.html), the bearer check, the
  * limits (body bytes, message count, context, queue), OpenAI-style error objects, the SSE stream,
  * the Prometheus metrics and the access log.
  * Does not own: generation (rank/k3_engine.h), the OpenAI chat request <-> generation job layer

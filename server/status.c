@@ -174,8 +174,9 @@ k3_status srv_status_json(const srv_status *st, const srv_metrics *m, const k3_s
     if (!j) return K3_ERR(K3_ERR_NOMEM, "status JSON");
     cJSON_AddStringToObject(j, "model", o->model_name ? o->model_name : "");
     cJSON_AddStringToObject(j, "version", o->version ? o->version : "unknown");
-    cJSON_AddNumberToObject(j, "uptime_s", now - st->t_start);
-    cJSON_AddStringToObject(j, "engine", engine_down ? "failed" : "ok");
+    const bool loading = st->t_start == 0; /* the engine loop has not started yet */
+    cJSON_AddNumberToObject(j, "uptime_s", loading ? 0 : now - st->t_start);
+    cJSON_AddStringToObject(j, "engine", engine_down ? "failed" : loading ? "loading" : "ok");
     cJSON_AddItemToObject(j, "cluster", cluster_json(st, o, silent_limit));
     cJSON *n = cJSON_AddObjectToObject(j, "now");
     cJSON_AddNumberToObject(n, "running", m->running);
