@@ -157,7 +157,13 @@ def load(url, stop):
 def check_status(url):
     """GET /v1/k3/status after the load: the cluster, and a history whose numbers hold together."""
     h = {"Authorization": "Bearer " + KEY}
-    st = requests.get(url + "/v1/k3/status", headers=h, timeout=10).json()
+    # a request's TTFT joins the histograms when it ends: the sample after the last one holds it
+    t0 = time.time()
+    while True:
+        st = requests.get(url + "/v1/k3/status", headers=h, timeout=10).json()
+        if any(v is not None for v in st["history"]["ttft_p50"]) or time.time() - t0 > 5:
+            break
+        time.sleep(0.25)
     c = st["cluster"]
     assert (c["world"], c["pp"], c["ep"], c["backend"], c["comm"]) == (4, 2, 2, "cpu", "mpi"), c
     assert sorted((r["stage"], r["lane"]) for r in c["ranks"]) == [(0, 0), (0, 1), (1, 0), (1, 1)]
