@@ -70,7 +70,7 @@ class Browser:
             os.dup2(from_w, 4)
 
         args = [exe, "--headless=new", "--remote-debugging-pipe", "--no-sandbox",
-                "--disable-gpu", "--no-first-run", "--disable-extensions",
+                "--disable-gpu", "--disable-dev-shm-usage", "--no-first-run", "--disable-extensions",
                 "--user-data-dir=" + self.dir, "about:blank"]
         # close_fds off: Python would close fds 3 and 4 after preexec_fn made them
         self.proc = subprocess.Popen(args, preexec_fn=fds, close_fds=False,
