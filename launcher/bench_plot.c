@@ -1,10 +1,10 @@
 /* bench_plot.c — `k3 bench throughput|serve --plot FILE.svg`: the report's numbers as a plain SVG
  * image (no library, no script), two panels side by side.
  *
- *   throughput : tokens per second (total and output) against the concurrency (throughput: one
- *                pair of series per input x output length, a point per --max-concurrency; serve:
- *                one point, at its --max-concurrency, else its --request-rate, else the number
- *                of requests, all sent at once);
+ *   throughput : tokens per second (total and output) against the concurrency: one pair of
+ *                series per input x output length, a point per --max-concurrency (serve: one run
+ *                without --max-concurrency is drawn at its --request-rate, else at its number of
+ *                requests, all sent at once);
  *   latency    : TTFT, ITL and E2EL in ms at p50, p90 and p99 (one series per metric and sweep
  *                point, three points each).
  *
@@ -177,11 +177,11 @@ static void panel_svg(FILE *f, const plot_panel *p, double x0) {
     fputs("</g>\n", f);
 }
 
-/* The x of a serve run: its concurrency, else its rate, else all its requests at once. */
-static double serve_x(const bench_row *r, const char **label) {
+/* The x of a serve run: its concurrency, else (one run) its rate, else all its requests at once. */
+static double serve_x(const bench_row *r, bool sweep, const char **label) {
     double v;
     if (row_num(r, "max_concurrency", &v)) return *label = "max concurrency", v;
-    if (row_num(r, "request_rate", &v)) return *label = "request rate (req/s)", v;
+    if (!sweep && row_num(r, "request_rate", &v)) return *label = "request rate (req/s)", v;
     row_num(r, "num_prompts", &v);
     return *label = "concurrency (all requests at once)", v;
 }
@@ -193,7 +193,7 @@ static k3_status fill(const bench_report *rep, plot_panel *tp, plot_panel *lat) 
         const bench_row *r = &rep->rows[i];
         double in = 0, out = 0, x = 0;
         row_num(r, "input_len", &in), row_num(r, "output_len", &out);
-        if (serve) x = serve_x(r, &tp->xlabel);
+        if (serve) x = serve_x(r, rep->n_rows > 1, &tp->xlabel);
         if (!serve) row_num(r, "max_concurrency", &x);
         /* the throughput series of this (input, output) pair: found or new */
         char nt[96], no[96];
@@ -214,7 +214,7 @@ static k3_status fill(const bench_report *rep, plot_panel *tp, plot_panel *lat) 
                                                                                       "E2EL"};
         for (int m = 0; m < 3; m++) {
             char name[96], key[3][32];
-            if (serve || rep->n_rows == 1)
+            if (rep->n_rows == 1)
                 snprintf(name, sizeof name, "%s", up[m]);
             else
                 snprintf(name, sizeof name, "%s (c %g, in %g, out %g)", up[m], x, in, out);

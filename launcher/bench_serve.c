@@ -5,19 +5,19 @@
  * or text through /v1/chat/completions, made of --input-len tokens of the model's tokenizer
  * (--tokenizer): words that are one token each, less the chat template's own tokens when the
  * server's /tokenize says how many; Poisson arrivals at --request-rate, or all at once;
- * at most --max-concurrency in flight), the HTTP client (libcurl's multi interface, one thread,
- * one easy handle per request in flight), the SSE reader and the latency metrics.
- * Every request streams with stream_options.include_usage, greedy with ignore_eos; its token
- * counts are the server's own usage chunk (never counted from chunks). A chunk counts as a token
- * arrival when it carries text (completions: "text"; chat: a content, reasoning_content or
- * tool_calls delta); TTFT is the first arrival, ITL the gaps between arrivals, TPOT
- * (e2e - TTFT) / (completion_tokens - 1), E2EL the whole request.
- * With --random-prefix-len N every prompt starts with the same N random tokens (vLLM's random
- * dataset with a prefix): the server's usage.prompt_tokens_details.cached_tokens gives each
- * request's prefix-cache hit, reported as total_cached_tokens and prefix_cache_hit_rate.
- * Warm-up requests (--num-warmups) run to completion before the clock starts; their tokens are
- * reported apart (warmup_input_tokens, warmup_output_tokens) so that the totals can be checked
- * against the server's own counters. */
+ * at most --max-concurrency in flight; a comma list of them sweeps: one timed run and one
+ * result row each, the warm-ups once before the first), the HTTP client (libcurl's multi interface,
+ * one thread, one easy handle per request in flight), the SSE reader and the latency metrics. Every
+ * request streams with stream_options.include_usage, greedy with ignore_eos; its token counts are
+ * the server's own usage chunk (never counted from chunks). A chunk counts as a token arrival when
+ * it carries text (completions: "text"; chat: a content, reasoning_content or tool_calls delta);
+ * TTFT is the first arrival, ITL the gaps between arrivals, TPOT (e2e - TTFT) / (completion_tokens
+ * - 1), E2EL the whole request. With --random-prefix-len N every prompt starts with the same N
+ * random tokens (vLLM's random dataset with a prefix): the server's
+ * usage.prompt_tokens_details.cached_tokens gives each request's prefix-cache hit, reported as
+ * total_cached_tokens and prefix_cache_hit_rate. Warm-up requests (--num-warmups) run to completion
+ * before the clock starts; their tokens are reported apart (warmup_input_tokens,
+ * warmup_output_tokens) so that the totals can be checked against the server's own counters. */
 #include "bench.h"
 
 #include <cjson/cJSON.h>
@@ -51,6 +51,8 @@ typedef struct serve_bench {
     char auth[512]; /* "Authorization: Bearer ..." or "" */
     bool chat;
     int64_t n, warmups, in_len, out_len, conc, n_vocab;
+    int64_t concs[16]; /* --max-concurrency C[,C]: one timed run per value (a sweep) */
+    int n_conc;
     int64_t prefix_len; /* --random-prefix-len */
     int32_t *prefix;    /* [prefix_len] the ids every prompt starts with */
     double rate;        /* requests/s; INFINITY = all at once */
@@ -443,8 +445,12 @@ static k3_status setup(const k3_args *a, serve_bench *b) {
     b->warmups = k3_args_int(a, "num-warmups");
     if (b->n < 1 || b->n > 1000000 || b->warmups < 0 || b->warmups > 1000)
         return K3_ERR(K3_ERR_ARG, "--num-prompts must be in [1, 10^6], --num-warmups in [0, 1000]");
-    b->conc = b->n + b->warmups;
-    if (k3_args_has(a, "max-concurrency")) K3_TRY(single(a, "max-concurrency", 1, &b->conc));
+    b->conc = b->concs[0] = b->n + b->warmups;
+    b->n_conc = 1;
+    if (k3_args_has(a, "max-concurrency"))
+        K3_TRY(bench_parse_list("max-concurrency", k3_args_str(a, "max-concurrency"), 1, 1 << 24,
+                                b->concs, (int)K3_ARRAY_LEN(b->concs), &b->n_conc));
+    b->conc = b->concs[0];
     const char *rate = k3_args_str(a, "request-rate");
     char *end;
     b->rate = strcmp(rate, "inf") == 0 ? INFINITY : strtod(rate, &end);
@@ -541,15 +547,29 @@ static k3_status put_row(const serve_bench *b, double d, series *s, bench_row *x
     return bench_put_ms_stats(x, "e2el", s->e2e, s->n_ok);
 }
 
-static k3_status report(const serve_bench *b, double d, bench_report *rep) {
-    bench_row *m = &rep->meta, *row;
+/* A request's outcome cleared for another timed run (its body is kept). */
+static void reset(sreq *r) {
+    r->line.n = 0, r->itl.n = 0, r->n_err_body = 0;
+    r->t_start = r->t_first = r->t_last = r->t_end = 0;
+    r->prompt_tokens = r->completion_tokens = r->cached_tokens = 0;
+    r->usage = r->done_marker = r->ok = false;
+    r->error[0] = 0;
+}
+
+static k3_status report_meta(const serve_bench *b, bench_row *m) {
     K3_TRY(bench_meta_host(m));
     K3_TRY(bench_put_str(m, "backend", "backend", b->chat ? "openai-chat" : "openai"));
     K3_TRY(bench_put_str(m, "base_url", "base URL", b->base_url));
     K3_TRY(bench_put_str(m, "endpoint", "endpoint", b->endpoint));
     K3_TRY(bench_put_str(m, "model_id", "model", b->model));
     K3_TRY(bench_put_num(m, "seed", "seed", -1, (double)b->seed));
-    K3_TRY(bench_put_num(m, "num_warmups", "warm-up requests", -1, (double)b->warmups));
+    return bench_put_num(m, "num_warmups", "warm-up requests", -1, (double)b->warmups);
+}
+
+/* The metadata (with `meta`: the first run) and one row for the run just made. */
+static k3_status report(const serve_bench *b, double d, bench_report *rep, bool meta) {
+    bench_row *row;
+    if (meta) K3_TRY(report_meta(b, &rep->meta));
     K3_TRY(bench_add_row(rep, &row));
     const sreq *q = b->q + b->warmups;
     const int64_t n = b->n;
@@ -615,16 +635,20 @@ int bench_serve(const k3_args *a) {
         for (int64_t i = 0; st == K3_OK && i < b.n; i++)
             at[i] = t, t += -log(1.0 - k3_rng_uniform(&rng)) / b.rate;
     }
-    if (st == K3_OK) {
-        K3_LOGI("bench serve: %lld requests to %s%s (model %s)", (long long)b.n, b.base_url,
-                b.endpoint, b.model);
-        st = run_phase(&b, b.q + b.warmups, b.n, at, &t0, &t1);
-    }
     int64_t failed = 0;
-    for (int64_t i = 0; st == K3_OK && i < b.n; i++)
-        if (!b.q[b.warmups + i].ok && failed++ < 3)
-            K3_LOGW("bench serve: request %lld failed: %s", (long long)i, b.q[b.warmups + i].error);
-    if (st == K3_OK) st = report(&b, t1 - t0, &rep);
+    rep.vertical = b.n_conc == 1; /* a sweep: a row per concurrency */
+    for (int c = 0; st == K3_OK && c < b.n_conc; c++) {
+        b.conc = b.concs[c];
+        for (int64_t i = 0; i < b.n; i++) reset(&b.q[b.warmups + i]);
+        K3_LOGI("bench serve: %lld requests to %s%s (model %s), at most %lld in flight",
+                (long long)b.n, b.base_url, b.endpoint, b.model, (long long)b.conc);
+        st = run_phase(&b, b.q + b.warmups, b.n, at, &t0, &t1);
+        for (int64_t i = 0; st == K3_OK && i < b.n; i++)
+            if (!b.q[b.warmups + i].ok && failed++ < 3)
+                K3_LOGW("bench serve: request %lld failed: %s", (long long)i,
+                        b.q[b.warmups + i].error);
+        if (st == K3_OK) st = report(&b, t1 - t0, &rep, c == 0);
+    }
     if (st == K3_OK)
         st = bench_report_write(&rep, k3_args_str(a, "output-json"), k3_args_str(a, "output-csv"));
     if (st == K3_OK && k3_args_has(a, "plot")) st = bench_plot_svg(&rep, k3_args_str(a, "plot"));

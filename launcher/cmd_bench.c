@@ -69,8 +69,8 @@ enum {
       "--input-len tokens (vLLM's --random-prefix-len: a prefix-cache workload; the report gives " \
       "the cached tokens and hit rate from the server's usage)")                                   \
     X("max-concurrency", K3_FLAG_STR, "C[,C]", NULL, M_TP | M_SV,                                  \
-      "requests in flight at most (default: all; throughput: a comma list sweeps, requests "       \
-      "beyond the engine's slots wait in its queue)")                                              \
+      "requests in flight at most (default: all; a comma list sweeps, a run each; throughput: "    \
+      "requests beyond the engine's slots wait in its queue)")                                     \
     X("request-rate", K3_FLAG_STR, "R", "inf", M_SV,                                               \
       "serve: requests per second, Poisson arrivals (inf = all at once)")                          \
     X("base-url", K3_FLAG_STR, "URL", NULL, M_SV,                                                  \

@@ -6,8 +6,8 @@ output length, one point per --max-concurrency; latency: TTFT, ITL and E2EL at p
 per sweep point) with their point counts; every series' data-values equal to the JSON's numbers;
 every drawn coordinate finite and inside the view box; the drawing monotone in the data (a larger
 value is higher on the page, a larger concurrency further right); one circle per point. `k3 bench
-serve` against a 1 x 1 `k3 serve` on the tiny model the same way (one point), and --help lists
---plot.
+serve` against a 1 x 1 `k3 serve` on the tiny model the same way: a --max-concurrency sweep (a
+point per value) and one run at a --request-rate (its point at the rate); --help lists --plot.
 Environment: K3_BIN (the k3 binary).
 """
 import json
@@ -125,21 +125,40 @@ def test_serve(model, d):
             port = m and int(m.group(1))
             time.sleep(0.1)
         assert port, open(log.name).read()[-2000:]
+        base = ["bench", "serve", "--base-url", "http://127.0.0.1:%d" % port, "--input-len", "8",
+                "--output-len", "5", "--num-prompts", "6"]
         svg, js = os.path.join(d, "sv.svg"), os.path.join(d, "sv.json")
-        run(["bench", "serve", "--base-url", "http://127.0.0.1:%d" % port, "--input-len", "8",
-             "--output-len", "5", "--num-prompts", "6", "--max-concurrency", "3", "--plot", svg,
-             "--output-json", js])
+        run(base + ["--max-concurrency", "1,3", "--plot", svg, "--output-json", js])
+        svg1, js1 = os.path.join(d, "sv1.svg"), os.path.join(d, "sv1.json")
+        run(base + ["--request-rate", "50", "--plot", svg1, "--output-json", js1])
     finally:
         proc.send_signal(signal.SIGTERM)
         proc.wait(timeout=60)
         os.unlink(log.name)
-    r = json.load(open(js))
+    # a sweep of --max-concurrency: a point per value, latencies per run
+    res = json.load(open(js))["results"]
+    assert [r["max_concurrency"] for r in res] == [1, 3], res
+    for r in res:  # each run counted afresh (the requests are reset between runs)
+        assert r["completed"] == 6 and r["failed"] == 0 and r["total_output_tokens"] == 30, r
+        assert r["output_lens"] == [5] * 6 and r["total_input_tokens"] == 48, r
     p = read_svg(svg)
     tp, lat = p["throughput"], p["latency"]
     assert set(tp) == {"total tok/s (in 8, out 5)", "output tok/s (in 8, out 5)"}, tp.keys()
     for name, key in (("total", "total_token_throughput"), ("output", "output_throughput")):
+        vals = tp["%s tok/s (in 8, out 5)" % name][1]
+        assert [v[0] for v in vals] == [1, 3], vals
+        assert all(close(v[1], r[key]) for v, r in zip(vals, res)), (name, vals)
+    assert len(lat) == 6, lat.keys()
+    for r in res:
+        for m in ("TTFT", "ITL", "E2EL"):
+            check_latency(lat, "%s (c %d, in 8, out 5)" % (m, r["max_concurrency"]), r)
+    # one run at a request rate: its one point at the rate
+    r = json.load(open(js1))
+    p = read_svg(svg1)
+    tp, lat = p["throughput"], p["latency"]
+    for name, key in (("total", "total_token_throughput"), ("output", "output_throughput")):
         (x, y), = tp["%s tok/s (in 8, out 5)" % name][1]
-        assert x == 3 and close(y, r[key]), (name, x, y, r[key])
+        assert x == 50 and close(y, r[key]), (name, x, y, r[key])
     assert set(lat) == {"TTFT", "ITL", "E2EL"}, lat.keys()
     for m in lat:
         check_latency(lat, m, r)
