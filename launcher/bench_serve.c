@@ -654,7 +654,7 @@ int bench_serve(const k3_args *a) {
     if (st == K3_OK && k3_args_has(a, "plot")) st = bench_plot_svg(&rep, k3_args_str(a, "plot"));
     if (st == K3_OK && failed)
         st = K3_ERR(K3_ERR_IO, "%lld of %lld requests failed (the first ones are named above)",
-                    (long long)failed, (long long)b.n);
+                    (long long)failed, (long long)(b.n * b.n_conc));
     if (st != K3_OK)
         fprintf(stderr, "k3 bench serve: %s\n", k3_last_error());
     else
