@@ -717,14 +717,20 @@ static enum MHD_Result get_route(conn *k) {
     } else if (strcmp(k->path, "/v1/models") == 0) {
         if (!authorized(s, k->c)) return send_error(k, 401, "a valid API key is required");
         ret = srv_models_json(&s->o, s->started, &b) == K3_OK ? send_json(k, 200, &b) : MHD_NO;
-    } else if (strcmp(k->path, "/") == 0 || strcmp(k->path, "/ui") == 0) { /* the page (ui.c) */
+    } else if (strcmp(k->path, "/") == 0 || strcmp(k->path, "/ui") == 0) { /* the page */
         return send_body(k, 200, "text/html; charset=utf-8", k3_ui_html, k3_ui_html_len);
-    } else if (strcmp(k->path, "/v1/k3/status") == 0) { /* its data (status.c) */
+    } else if (strcmp(k->path, "/v1/k3/status") == 0) { /* its data (status.c): a snapshot */
+        srv_status *st = NULL;
+        if (k3_alloc((void **)&st, sizeof *st, "status snapshot") != K3_OK) return MHD_NO;
         pthread_mutex_lock(&s->mu);
-        k3_status st = srv_status_json(&s->status, &s->m, &s->o, s->engine_down, HEALTH_SILENT_S,
-                                       k3_now_s(), &b);
+        *st = s->status;
+        const srv_metrics m = s->m;
+        const bool down = s->engine_down;
         pthread_mutex_unlock(&s->mu);
-        ret = st == K3_OK ? send_json(k, 200, &b) : MHD_NO;
+        ret = srv_status_json(st, &m, &s->o, down, HEALTH_SILENT_S, k3_now_s(), &b) == K3_OK
+                  ? send_json(k, 200, &b)
+                  : MHD_NO;
+        k3_free(st);
     } else if (strcmp(k->path, "/tokenizer_info") == 0 || strcmp(k->path, "/version") == 0) {
         ret = srv_info_json(&s->o, k->path, &b) == K3_OK ? send_json(k, 200, &b) : MHD_NO;
     } else {

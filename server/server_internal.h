@@ -214,11 +214,11 @@ typedef struct srv_status {
 void srv_status_init(srv_status *st, const k3_engine *e, double now);
 /* mu held, from the engine loop: every rank's silence now, and a sample once a second. */
 void srv_status_tick(srv_status *st, const srv_metrics *m, const k3_engine *e, double now);
-/* mu held: the JSON body of GET /v1/k3/status. */
+/* The JSON body of GET /v1/k3/status from a snapshot (taken under mu). */
 k3_status srv_status_json(const srv_status *st, const srv_metrics *m, const k3_server_opts *o,
                           bool engine_down, double silent_limit, double now, k3_chat_buf *out);
 
-/* ---- ui.c: the page at / and /ui (server/ui/index.html, embedded at build time) ----------- */
+/* ---- the page at / and /ui: server/ui/index.html as a C array (server/ui/embed.cmake) ---- */
 extern const char k3_ui_html[];
 extern const unsigned long k3_ui_html_len;
 

@@ -1,5 +1,5 @@
 /* status.c — GET /v1/k3/status: what rank 0 knows of the running cluster, as JSON for the page at
- * / (server/ui.c), and the history of its live counters that the page charts.
+ * / (server/ui/index.html), and the history of its live counters that the page charts.
  *
  * Owns: the cluster view (set once when k3_server_run starts: every rank's stage and lane, host,
  * node, device, the plan's memory for it), the live per-rank health (how long since rank 0 heard
