@@ -38,7 +38,11 @@ k3_status k3_comm_create(const char *transport_name, const k3_comm_params *p, k3
                       p ? p->timeout_s : 0.0);
     const char *name = transport_name ? transport_name : "mpi";
     for (size_t i = 0; i < K3_ARRAY_LEN(k_transports); i++)
-        if (strcmp(k_transports[i].name, name) == 0) return k_transports[i].create(p, out);
+        if (strcmp(k_transports[i].name, name) == 0) {
+            K3_TRY(k_transports[i].create(p, out));
+            (*out)->oversub = p->oversubscribed;
+            return K3_OK;
+        }
     char have[64] = "";
     for (size_t i = 0, at = 0; i < K3_ARRAY_LEN(k_transports) && at < sizeof have; i++)
         at += (size_t)snprintf(have + at, sizeof have - at, "%s%s", i ? " " : "",
@@ -118,11 +122,48 @@ void comm_sleep(k3_comm *c, int *backoff) {
     int us = *backoff <= 0 ? 10 : *backoff;
     struct timespec ts = {0, (long)us * 1000L};
     nanosleep(&ts, NULL);
-    *backoff = us * 2 > 500 ? 500 : us * 2;
+    *backoff = K3_MIN(us * 2, 500);
+}
+
+/* The sleeps of a message wait (comm_idle), in us. Fast polls first (a decode step's hand-off
+ * arrives within tens of us), then the doorbell: doubling to 1 ms, then growing with the wait.
+ * When every rank is on this node every k3 message rings, so the sleep can grow fast and long
+ * (it only bounds how soon rank 0's beats and the silence checks run); with peers on other nodes
+ * it grows by 1/32 a sleep, so it overshoots a remote message by at most ~3% of the wait. */
+enum {
+    IDLE_POLL_US = 80,          /* nanosleep polls up to this; the doorbell past it */
+    IDLE_STEP_US = 1000,        /* doubling up to here */
+    IDLE_MAX_LOCAL_US = 100000, /* every rank on this node */
+    IDLE_MAX_REMOTE_US = 20000, /* some rank on another node (its posts do not ring) */
+    IDLE_MAX_SENDING_US = 500,  /* a send of ours in flight may need our progress (rendezvous) */
+};
+
+static int idle_next(const k3_comm *c, int us) {
+    if (us <= 0) return c && c->oversub ? 2 * IDLE_POLL_US : 10;
+    if (us < IDLE_STEP_US) return K3_MIN(us * 2, IDLE_STEP_US);
+    if (comm_bell_all_local()) return K3_MIN(us * 2, IDLE_MAX_LOCAL_US);
+    return K3_MIN(us + us / 32 + 1, IDLE_MAX_REMOTE_US);
+}
+
+void comm_idle(k3_comm *c, int *backoff) {
+    const bool sending = c && c->iface->progress(c);
+    if (c && c->have) (void)k3_comm_beat(c); /* as in comm_sleep */
+    int us = idle_next(c, *backoff);
+    *backoff = us;
+    if (sending) us = K3_MIN(us, IDLE_MAX_SENDING_US);
+    if (c && comm_bell_on() && us > IDLE_POLL_US) {
+        if (comm_bell_sleep(c->bell_seen, us)) c->stats.n_bell_wakes++;
+    } else {
+        struct timespec ts = {us / 1000000, (long)(us % 1000000) * 1000L};
+        nanosleep(&ts, NULL);
+    }
+    /* the number the next sleep compares: taken before the caller's next poll, so a post that
+       lands after the poll and before that sleep still wakes it */
+    if (c) c->bell_seen = comm_bell_seen();
 }
 
 void k3_comm_idle(k3_comm *c, int *backoff) {
-    comm_sleep(c, backoff);
+    comm_idle(c, backoff);
 }
 
 static const char *kind_name(int k) {
@@ -184,6 +225,7 @@ k3_status k3_comm_post(k3_comm *c, int peer, k3_msg_kind kind, const void *meta,
         if (seg[i].n) pc[np++] = (comm_piece){seg[i].p, (size_t)seg[i].n * sizeof(float)};
     K3_TRY(c->iface->send(c, peer, kind, pc, np, n_bytes));
     c->send_seq++;
+    comm_bell_ring(peer); /* after the send is queued: the woken rank's poll finds it */
     return K3_OK;
 }
 
@@ -257,7 +299,7 @@ k3_status k3_comm_wait(k3_comm *c, int peer, k3_msg_kind kind, k3_comm_msg *out)
                 "waiting for a %s message: no answer from %s within %.0f s (--comm-timeout)",
                 kind_name(kind), who, c->timeout_s);
         }
-        comm_sleep(c, &backoff);
+        comm_idle(c, &backoff);
     }
 }
 

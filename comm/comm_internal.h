@@ -141,6 +141,9 @@ struct k3_comm {
     double *heard;               /* [size] k3_now_s() of the last message from each rank */
     double t_beat;               /* the coordinator's last K3_MSG_BEAT */
     char (*host)[K3_HOST_BYTES]; /* [size] processor names (the transport fills them) */
+    /* waits (comm.c, comm_bell.c) */
+    bool oversub;       /* k3_comm_params.oversubscribed: never poll fast, sleep at once */
+    uint32_t bell_seen; /* this rank's doorbell number before the poll that follows a sleep */
 };
 
 /* Transports: create the transport object (its struct embeds k3_comm first), fill the grid fields
@@ -154,8 +157,25 @@ k3_status comm_grow(void **p, size_t *cap, size_t need, size_t elem, const char 
 void comm_describe(const k3_comm *c, int world_rank, char *buf, size_t cap);
 /* "the EP group of stage 1 (ranks 2-3)". */
 void comm_group_name(const k3_comm *c, char *buf, size_t cap);
-/* Sleep with backoff (10 us doubling to 500 us); progresses sends when c is not NULL. */
+/* Sleep with backoff (10 us doubling to 500 us); progresses sends when c is not NULL. For waits on
+ * MPI-internal traffic (collectives, pending sends), which rings no doorbell: a collective's
+ * rounds need every member's progress, so these stay short polls (each one still a sleep). */
 void comm_sleep(k3_comm *c, int *backoff);
+/* Sleep while waiting for a k3 message (k3_comm_wait, k3_comm_idle): on this node's doorbell,
+ * woken by a post from the node, with a timeout that grows with the wait (comm.c). */
+void comm_idle(k3_comm *c, int *backoff);
+/* The node's doorbells (comm_bell.c; process-wide). init is collective over the world (the first
+ * k3_comm_create); off where MPI has no shared windows. ring: a k3 message was posted to
+ * world_rank (no-op for a rank on another node). seen: this rank's number, taken before a poll;
+ * sleep: until the number differs from seen or timeout_us passes; true when a post woke it (not
+ * a timeout). */
+void comm_bell_init(const k3_comm *c);
+void comm_bell_fini(void);
+bool comm_bell_on(void);
+bool comm_bell_all_local(void);
+void comm_bell_ring(int world_rank);
+uint32_t comm_bell_seen(void);
+bool comm_bell_sleep(uint32_t seen, int timeout_us);
 /* Faults (comm_fault.c). Allocate the per-rank arrays (the transport fills host). */
 k3_status comm_fault_init(k3_comm *c);
 void comm_fault_free(k3_comm *c);

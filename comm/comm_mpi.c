@@ -7,10 +7,11 @@
  * collectives the MoE protocol (comm_moe.c) is built on: MPI_Ialltoall of int32 words and
  * MPI_Ialltoallv counted in 4-byte words. Every wait is MPI_Test in a loop with sleeps that back
  * off from 10 us to 500 us (no busy spin: on an oversubscribed node a spinning rank steals the
- * core of the rank it waits for) and a deadline naming the peer or the EP group.
- * Does not: interpret message bytes (comm.c checks the wire header) or know backends.
- * Count units are stated at every MPI call site. Messages above INT_MAX bytes and exchanges above
- * INT_MAX words are rejected with a clear error (not chunked yet). */
+ * core of the rank it waits for) and a deadline naming the peer or the EP group. Waits for k3's own
+ * messages sleep on the node's doorbell (comm_bell.c). Does not: interpret message bytes (comm.c
+ * checks the wire header) or know backends. Count units are stated at every MPI call site. Messages
+ * above INT_MAX bytes and exchanges above INT_MAX words are rejected with a clear error (not
+ * chunked yet). */
 #include "k3_comm.h"
 #include "comm_internal.h"
 
@@ -454,6 +455,7 @@ k3_status k3_comm_mpi_create(const k3_comm_params *p, k3_comm **out) {
     }
     for (int i = 0; i < c->size; i++) c->host[i][K3_HOST_BYTES - 1] = 0;
     watch_node(c);
+    comm_bell_init(c);
     *out = c;
     return K3_OK;
 }
@@ -480,7 +482,10 @@ k3_status k3_comm_init(void) {
 void k3_comm_finalize(void) {
     int fin = 0;
     MPI_Finalized(&fin);
-    if (!fin) unwatch_node();
+    if (!fin) {
+        unwatch_node();
+        comm_bell_fini();
+    }
     if (g_we_initialised && !fin) MPI_Finalize();
     g_we_initialised = false;
 }

@@ -37,6 +37,9 @@ typedef struct k3_comm_params {
     int n_stages, n_lanes; /* the worker grid (rank = first_worker + stage * n_lanes + lane) */
     int first_worker;      /* 0: rank 0 is also (stage 0, lane 0); 1: dedicated coordinator */
     double timeout_s;      /* limit of every blocking wait (> 0) */
+    /* more ranks on this node than it has cores: a waiting rank never polls fast, it sleeps at
+       once (the rank it waits for may need its core) */
+    bool oversubscribed;
 } k3_comm_params;
 
 /* Collective over the world: splits the EP groups. transport: "mpi", or "nccl" in a K3_NCCL build
@@ -116,8 +119,11 @@ k3_status k3_comm_wait(k3_comm *c, int peer, k3_msg_kind kind, k3_comm_msg *out)
 k3_status k3_comm_poll(k3_comm *c, int peer, k3_msg_kind kind, k3_comm_msg *out, bool *got);
 /* Wait until every queued send has completed. */
 k3_status k3_comm_flush(k3_comm *c);
-/* Sleep a little (backoff 10 us .. 500 us) while progressing pending sends: for callers' own poll
- * loops. */
+/* Sleep while waiting for k3 messages, progressing pending sends: for callers' own poll loops
+ * (start with *backoff = 0, reset it to 0 after each arrival). A post from a rank of this node
+ * ends the sleep at once (the node's doorbell); otherwise it lasts a few us at first, then grows
+ * to 1 ms and on with the wait (to 100 ms when every rank is on this node, 20 ms otherwise, and
+ * 0.5 ms while one of this rank's sends is in flight), so an idle rank costs next to no CPU. */
 void k3_comm_idle(k3_comm *c, int *backoff);
 
 /* ---- device payloads (the nccl transport) ------------------------------------------------
@@ -200,6 +206,7 @@ k3_status k3_comm_moe_combine(k3_comm *c, k3_backend *be, float *y, const int64_
  * n_exchanges counts dispatches. */
 typedef struct k3_comm_stats {
     uint64_t dispatch_bytes, combine_bytes, dispatch_rows, combine_rows, n_exchanges;
+    uint64_t n_bell_wakes; /* message waits whose sleep a post from this node ended (comm_bell.c) */
 } k3_comm_stats;
 void k3_comm_get_stats(const k3_comm *c, k3_comm_stats *out);
 

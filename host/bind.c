@@ -128,6 +128,8 @@ static k3_status run(int local, int n_local, bool gpu, bool apply, k3_bind_info 
         o->bound = st == K3_OK;
     }
     describe(t, set, n, o);
+    o->node_cores = hwloc_get_nbobjs_inside_cpuset_by_type(t, hwloc_topology_get_allowed_cpuset(t),
+                                                           HWLOC_OBJ_CORE);
     hwloc_bitmap_free(set);
     hwloc_bitmap_free(cur);
     hwloc_topology_destroy(t);

@@ -15,6 +15,7 @@
 typedef struct k3_bind_info {
     int n_cores;    /* cores in the share (the cpu pool's threads) */
     int device;     /* the GPU found for this local rank, -1 none */
+    int node_cores; /* cores this node lets the job use (more ranks than these: oversubscribed) */
     bool bound;     /* k3_bind_apply: the process is bound to `cores` */
     bool kept;      /* the launcher had already narrowed the process: its binding was kept */
     char cores[96]; /* OS indices of the PUs, hwloc list syntax ("0-3,8") */

@@ -51,7 +51,8 @@ static k3_status open_world(k3_engine *e, const k3_engine_test *t) {
                            &(k3_comm_params){.n_stages = r->plan.n_stages,
                                              .n_lanes = r->plan.n_lanes,
                                              .first_worker = r->plan.first_worker,
-                                             .timeout_s = rank_comm_timeout(r)},
+                                             .timeout_s = rank_comm_timeout(r),
+                                             .oversubscribed = r->oversub},
                            &r->comm));
     /* every rank derived the plan itself; they must agree */
     uint64_t *all = NULL, *load_us = NULL;

@@ -45,6 +45,7 @@ typedef struct rank_ctx {
     k3_plan plan;
     k3_comm *comm;
     k3_comm_where *where; /* [world] node, host and MemAvailable of every rank (set-up) */
+    bool oversub;         /* more ranks on this rank's node than cores (bind_rank) */
     /* capacity (setup.c, from the options and the engine's defaults) */
     int max_seqs;
     int64_t max_ctx, max_tokens, chunk; /* max_tokens: per forward step of a lane */

@@ -117,26 +117,30 @@ static void bind_rank(rank_ctx *r) {
             n_local++;
         }
     const char *mode = r->o->bind ? r->o->bind : "auto";
-    if (strcmp(mode, "none") == 0) {
-        K3_LOGI("bind: rank %d (local %d of %d on %s): none (--bind none)", r->rank, local, n_local,
-                r->where[r->rank].host);
-        return;
-    }
     /* a GPU rank binds near its device (cuda, or an unresolved auto; no GPU found: a plain
        share of the node) */
     const char *be = r->o->backend ? r->o->backend : "auto";
     const bool gpu = strcmp(be, "cpu") != 0 && strcmp(be, "ref") != 0 && strcmp(be, "guard") != 0;
     k3_bind_info b;
+    if (strcmp(mode, "none") == 0) {
+        /* unbound, but the waits still need to know whether the node is oversubscribed */
+        if (k3_bind_describe(local, n_local, gpu, &b) == K3_OK) r->oversub = n_local > b.node_cores;
+        K3_LOGI("bind: rank %d (local %d of %d on %s): none (--bind none)%s", r->rank, local,
+                n_local, r->where[r->rank].host, r->oversub ? "; oversubscribed" : "");
+        return;
+    }
     k3_status st = k3_bind_apply(local, n_local, gpu, &b);
     if (st != K3_OK) { /* a machine without the rights or the topology: run unbound, say so */
         K3_LOGW("bind: rank %d: %s; running unbound", r->rank, k3_last_error());
         return;
     }
+    r->oversub = n_local > b.node_cores;
     if (r->o_.n_threads <= 0) r->o_.n_threads = b.n_cores;
-    K3_LOGI("bind: rank %d (local %d of %d on %s): cores %s, NUMA %s, %d thread%s, GPU %d%s",
+    K3_LOGI("bind: rank %d (local %d of %d on %s): cores %s, NUMA %s, %d thread%s, GPU %d%s%s",
             r->rank, local, n_local, r->where[r->rank].host, b.cores, b.numa, r->o_.n_threads,
             r->o_.n_threads == 1 ? "" : "s", b.device,
-            b.kept ? " (the launcher's binding, kept)" : "");
+            b.kept ? " (the launcher's binding, kept)" : "",
+            r->oversub ? "; oversubscribed: waits sleep at once" : "");
 }
 
 /* Usage-type problems are identical on every rank: all return K3_ERR_ARG, rank 0 prints. Others:

@@ -24,6 +24,7 @@
 #include <mpi.h>
 #include <stdio.h>
 #include <stdlib.h>
+#include <time.h>
 
 static float enc(int rank, int64_t slot, int64_t col) {
     return (float)(rank * 1000003 + slot * 131 + col) * 0.25f; /* exact in fp32 for our sizes */
@@ -406,6 +407,34 @@ static void test_moe(k3_comm *c, k3_backend *be, int E, int F, uint64_t seed, MP
     moe_errors(c, be, E, F, seed);
 }
 
+/* The node's doorbell (comm_bell.c): rank 1 waits for a message that rank 0 posts 300 ms later,
+ * long after rank 1's wait has gone from polls to sleeps of tens of ms. The post must end that
+ * sleep (a FUTEX_WAKE, counted in n_bell_wakes), not its timeout: a missing wake-up would leave
+ * the count unchanged. Every rank of this test is on one node, so the doorbell is on. */
+static void test_bell(k3_comm *c, int rank, int size) {
+    if (size < 2) return;
+    K3_CHECK_OK(k3_comm_barrier(c));
+    k3_comm_stats s0, s1;
+    k3_comm_get_stats(c, &s0);
+    const int32_t word = 0x6b33;
+    if (rank == 0) {
+        struct timespec ts = {0, 300 * 1000 * 1000L};
+        nanosleep(&ts, NULL);
+        K3_CHECK_OK(k3_comm_post(c, 1, K3_MSG_PROGRESS, &word, sizeof word, NULL, 0));
+        K3_CHECK_OK(k3_comm_flush(c));
+    } else if (rank == 1) {
+        k3_comm_msg m;
+        double t0 = MPI_Wtime();
+        K3_CHECK_OK(k3_comm_wait(c, 0, K3_MSG_PROGRESS, &m));
+        K3_CHECK(m.n_meta_bytes == sizeof word && *(const int32_t *)m.meta == word, "bell message");
+        k3_comm_get_stats(c, &s1);
+        K3_CHECK(s1.n_bell_wakes > s0.n_bell_wakes,
+                 "the post woke rank 1's sleep (%llu doorbell wake-ups, waited %.0f ms)",
+                 (unsigned long long)(s1.n_bell_wakes - s0.n_bell_wakes), (MPI_Wtime() - t0) * 1e3);
+    }
+    K3_CHECK_OK(k3_comm_barrier(c));
+}
+
 int main(int argc, char **argv) {
     MPI_Init(&argc, &argv);
     MPI_Comm_set_errhandler(MPI_COMM_WORLD, MPI_ERRORS_RETURN);
@@ -436,6 +465,7 @@ int main(int argc, char **argv) {
     MPI_Comm_split(MPI_COMM_WORLD, stage >= 0 ? stage : MPI_UNDEFINED, lane, &ep);
 
     test_messages(c, rank, size);
+    test_bell(c, rank, size);
     if (stage >= 0) {
         /* each backend in turn on the same handle (comm re-allocates with the new backend) */
         char list[128];

@@ -64,3 +64,9 @@ set_tests_properties(load_share PROPERTIES LABELS "mpi" TIMEOUT 600 ENVIRONMENT 
 add_test(NAME suspend_resume COMMAND ${K3_PYTHON3} ${CMAKE_CURRENT_LIST_DIR}/suspend_resume.py
                                      ${MPIEXEC_EXECUTABLE})
 set_tests_properties(suspend_resume PROPERTIES LABELS "mpi" TIMEOUT 120 ENVIRONMENT "${K3_TEST_ENV_MPI}")
+
+# issue 46: an idle 2 x 2 `k3 serve` uses < 2% of a core in all (waits sleep on the node's
+# doorbell, comm/comm_bell.c), and still answers a request after 10 s of idleness.
+add_test(NAME serve_idle_cpu COMMAND ${K3_PYTHON3} ${CMAKE_CURRENT_LIST_DIR}/idle_cpu.py
+                                     ${MPIEXEC_EXECUTABLE})
+set_tests_properties(serve_idle_cpu PROPERTIES LABELS "mpi" TIMEOUT 60 ENVIRONMENT "${K3_TEST_ENV_MPI}")
