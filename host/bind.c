@@ -4,8 +4,11 @@
  * The share: the ranks of a node split its cores in contiguous blocks by local rank (rank order
  * within the node). With a GPU per rank (device = local rank) the cores near the GPU come first:
  * the ranks whose GPUs hang off the same NUMA node (hwloc's non-I/O ancestor of the GPU's PCI
- * device) split that node's cores. More ranks than cores: rank i takes core i mod n_cores, alone
- * or shared, one thread each. The binding covers the whole process (threads made later inherit
+ * device) split that node's cores. More ranks than cores: every rank gets all of them (the pool),
+ * one thread each, and the kernel's scheduler places them: pinning each rank to one core (as k3
+ * did before) left a rank queued behind whatever else ran on its core while another core idled,
+ * so 4 ranks on 2 cores beside 2 busy loops ran a batch 75 s instead of 8 s (issue 46). The
+ * binding covers the whole process (threads made later inherit
  * it), and the cpu backend's pool takes as many threads as the binding has cores, so several
  * ranks on a node do not oversubscribe it.
  * A launcher that already narrowed the process keeps control where its binding does not contain
@@ -66,9 +69,8 @@ static int share(hwloc_topology_t t, int local, int n_local, bool gpu, hwloc_bit
             hwloc_bitmap_or(set, set, c->cpuset);
             got++;
         }
-    } else {
-        hwloc_obj_t c = hwloc_get_obj_inside_cpuset_by_type(t, pool, HWLOC_OBJ_CORE, idx % n);
-        hwloc_bitmap_copy(set, c->cpuset);
+    } else { /* oversubscribed: every rank may run on any core of the pool, one thread each */
+        hwloc_bitmap_copy(set, pool);
         got = 1;
     }
     hwloc_bitmap_and(set, set, allowed);

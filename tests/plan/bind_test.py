@@ -1,8 +1,8 @@
 #!/usr/bin/env python3
 """bind_test.py — hwloc binding at run time (host/bind.c): every rank reports one binding line at
 start-up; one process takes every core (threads = cores); 4 ranks on this node split its cores
-(each rank's share = local rank mod cores when there are more ranks than cores, one thread each,
-every core used); a binding the launcher made that does not hold the share is kept (taskset);
+(more ranks than cores: each rank's share is every core, one thread each, and the run says it
+is oversubscribed); a binding the launcher made that does not hold the share is kept (taskset);
 --bind none binds nothing; `k3 plan` on a cpu site shows the same cores the run binds; a bad
 --bind is a usage error.   usage: bind_test.py MPIEXEC   (K3_BIN = the k3 binary)"""
 import json
@@ -20,8 +20,12 @@ LINE = re.compile(r"bind: rank (\d+) \(local (\d+) of (\d+) on [^)]*\): (?:cores
                   r"(\d+) threads?|none)")
 
 
+last_err = [""]
+
+
 def binds(cmd):
     p = subprocess.run(cmd, capture_output=True, text=True, timeout=120)
+    last_err[0] = p.stderr
     if p.returncode != 0:
         fails.append(f"{' '.join(cmd[:6])}...: exit {p.returncode}: {p.stderr[-800:]}")
     got = {}
@@ -51,6 +55,7 @@ with tempfile.TemporaryDirectory() as tmp:
         fails.append(f"one process: {one}, want every core ({n_cores}) and {n_cores} threads")
     mpi = [MPIEXEC, "--oversubscribe", "-np", "4"]
     four = binds(mpi + run + ["--pp", "2", "--ep", "2"])
+    four_err = last_err[0]
     print(f"{n_cores} cores; 4 ranks: {four}")
     if sorted(four) != [0, 1, 2, 3]:
         fails.append(f"4 ranks: binding lines of ranks {sorted(four)}")
@@ -58,10 +63,13 @@ with tempfile.TemporaryDirectory() as tmp:
         shares = [cores_of(four[r][2]) for r in range(4)]
         for r in range(4):
             loc, n_loc, _, thr = four[r]
-            if n_loc != 4 or thr != len(shares[r]):
+            want_thr = 1 if n_cores < 4 else len(shares[r])
+            if n_loc != 4 or thr != want_thr:
                 fails.append(f"rank {r}: local {loc} of {n_loc}, {thr} threads for {len(shares[r])} cores")
-        if n_cores <= 4 and any(len(s) != 1 for s in shares):
-            fails.append(f"more ranks than cores: each rank should have one core: {shares}")
+        if n_cores < 4 and any(s != set(os.sched_getaffinity(0)) for s in shares):
+            fails.append(f"more ranks than cores: each rank should have every core: {shares}")
+        if n_cores < 4 and four_err.count("oversubscribed: waits sleep at once") != 4:
+            fails.append("more ranks than cores: not every rank says it is oversubscribed")
         if n_cores >= 4 and any(a & b for i, a in enumerate(shares) for b in shares[i + 1:]):
             fails.append(f"enough cores, yet shares overlap: {shares}")
         if set().union(*shares) != set(os.sched_getaffinity(0)):
