@@ -23,11 +23,11 @@
 #include <sys/stat.h>
 
 /* PCRE2 spellings of the pre-tokenizer patterns (spec/K3-CHAT.md §4.2). o200k / cl100k are
- * tiktoken's pat_str (shared/vocab/<name>.meta.json). The Unicode classes must be the reference's
- * (tiktoken 0.14: Rust regex, Unicode 16.0), not PCRE2's: Debian 12's PCRE2 10.42 has Unicode 14.0
- * tables, and a bare \p{Han} there means Script_Extensions (、。〆・ ... would be Han, so "。\n"
- * split in two). tokenizer_unicode.h (generated from the UCD) makes three exact spellings:
- *   BASE      PCRE2's own \p{..}, \p{sc:Han}: for text without a code point of
+ * tiktoken's pat_str (tests/data/vocab/<name>.meta.json). The Unicode classes must be the
+ * reference's (tiktoken 0.14: Rust regex, Unicode 16.0), not PCRE2's: Debian 12's PCRE2 10.42 has
+ * Unicode 14.0 tables, and a bare \p{Han} there means Script_Extensions (、。〆・ ... would be Han,
+ * so "。\n" split in two). tokenizer_unicode.h (generated from the UCD) makes three exact
+ * spellings: BASE      PCRE2's own \p{..}, \p{sc:Han}: for text without a code point of
  *             K3_UC_DIFF_RANGES (class members assigned after 14.0), when PCRE2's tables are of a
  *             version in [K3_UC_BASE_VERSION, K3_UC_UNICODE_VERSION]: there PCRE2's classes differ
  *             from 16.0's only at those code points, and a regex only sees its subject's

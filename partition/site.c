@@ -59,7 +59,7 @@ static const profile k_profiles[] = {
      "bidirectional = 900 GB/s a direction, 8 ConnectX-7 400 Gb/s, 2 x 56-core Xeon 8570; "
      "latencies assumed as h200"},
     {"cpu", false, 23.5 * 1.073741824, 50, 0.38, 1.0, 1.25, 20, 50, 2,
-     "../shared/ENVIRONMENT.md, measured on the 2-core Zen 5 build machine: 23.5 GiB RAM, "
+     "the build environment's measurements (ENVIRONMENT.md), on the 2-core Zen 5 build machine: 23.5 GiB RAM, "
      "STREAM triad 52-69 GB/s on 2 cores (50 used), fp32 SGEMM 186 GFLOP/s a core (0.38 "
      "TFLOPS a node), MPI_Alltoallv 4 MiB a peer on 4 ranks (ob1/vader) 10-13 ms = ~1 GB/s a "
      "rank; across nodes 10 GbE TCP (1.25 GB/s) assumed. Node figures are shared by the node's "

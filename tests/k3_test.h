@@ -81,10 +81,15 @@ static inline double k3_rel_l2(const float *a, const float *b, size_t n) {
     return sqrt(num) / (den > 1e-300 ? sqrt(den) : 1e-150);
 }
 
-/* The shared/ folder (tests may read it; the demo may not). */
-static inline const char *k3_test_shared(void) {
-    const char *s = getenv("K3_SHARED");
-    return s ? s : "../shared";
+/* tests/data: the vocabularies and fixtures the tests read ($K3_TESTDATA, which ctest sets; by
+ * hand, the folder this build was configured from). */
+static inline const char *k3_test_data(void) {
+    const char *s = getenv("K3_TESTDATA");
+#ifdef K3_TESTDATA_DEFAULT
+    return s ? s : K3_TESTDATA_DEFAULT;
+#else
+    return s ? s : "tests/data";
+#endif
 }
 
 #endif /* K3_TEST_H */

@@ -94,7 +94,7 @@ int main(int argc, char **argv) {
     char vbuf[1024];
     if (!vocab) {
         snprintf(vbuf, sizeof vbuf, "%s/vocab/o200k_base.tiktoken",
-                 getenv("K3_SHARED") ? getenv("K3_SHARED") : "../shared");
+                 getenv("K3_TESTDATA") ? getenv("K3_TESTDATA") : "tests/data");
         vocab = vbuf;
     }
     char *text = NULL;

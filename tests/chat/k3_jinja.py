@@ -2,7 +2,7 @@
 the request normalisation the official encoder / server performs before it (spec/K3-CHAT.md §1.2,
 §5.1), written independently of the C code. Shared by vs_jinja.py and request_e2e.py.
 
-Oracle: shared/fixtures/chat/Kimi-K3.llama.cpp-pr26185.jinja (a hand port of Moonshot's official
+Oracle: tests/data/fixtures/chat/Kimi-K3.llama.cpp-pr26185.jinja (a hand port of Moonshot's official
 encoding_k3.py, byte-identical to it on the features covered, spec/K3-CHAT.md §0) in a sandboxed
 environment with trim_blocks, lstrip_blocks, loopcontrols, HF-style `tojson`, `raise_exception`,
 `strftime_now`. Importing it needs jinja2 (the callers skip with exit 77 without it).
@@ -15,7 +15,7 @@ import jinja2
 import jinja2.ext
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 
-SHARED = os.environ.get("K3_SHARED", os.path.join(os.path.dirname(__file__), "../../../shared"))
+SHARED = os.environ.get("K3_TESTDATA", os.path.join(os.path.dirname(__file__), "..", "data"))
 TPL_PR = os.path.join(SHARED, "fixtures/chat/Kimi-K3.llama.cpp-pr26185.jinja")
 TPL_GG = os.path.join(SHARED, "fixtures/chat/Kimi-K3.ggml-org-181a4a8f.jinja")
 MARKERS = ["<|open|>", "<|close|>", "<|sep|>", "<|end_of_msg|>"]

@@ -19,7 +19,7 @@ except ImportError:
     print("render_ids: tiktoken not installed, skipping")
     sys.exit(77)
 
-SHARED = os.environ.get("K3_SHARED", os.path.join(os.path.dirname(__file__), "../../../shared"))
+SHARED = os.environ.get("K3_TESTDATA", os.path.join(os.path.dirname(__file__), "..", "data"))
 K3 = os.environ.get("K3_BIN") or sys.argv[1]
 VOCAB = os.path.join(SHARED, "vocab/o200k_base.tiktoken")
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))

@@ -36,7 +36,7 @@ sys.path.insert(0, HERE)
 from k3_tiktoken import K3_PAT, load_ranks  # noqa: E402
 
 K3 = os.environ.get("K3_BIN", "build/k3")
-SHARED = os.environ.get("K3_SHARED", os.path.join(HERE, "../../../shared"))
+SHARED = os.environ.get("K3_TESTDATA", os.path.join(HERE, "..", "data"))
 failures = checks = 0
 
 

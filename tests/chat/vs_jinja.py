@@ -1,7 +1,7 @@
 #!/usr/bin/env python3
 """vs_jinja.py — `k3 render` against the K3 chat template rendered by Python jinja2.
 
-Oracle: shared/fixtures/chat/Kimi-K3.llama.cpp-pr26185.jinja (a hand port of Moonshot's official
+Oracle: tests/data/fixtures/chat/Kimi-K3.llama.cpp-pr26185.jinja (a hand port of Moonshot's official
 encoding_k3.py, byte-identical to it on the features covered here, spec/K3-CHAT.md §0) rendered
 with jinja2 the way HF transformers does (sandboxed env, trim_blocks, lstrip_blocks, loopcontrols,
 HF-style `tojson`, `raise_exception`, `strftime_now`).
@@ -49,7 +49,7 @@ except ImportError:
     print("vs_jinja: jinja2 not installed, skipping")
     sys.exit(77)
 
-SHARED = os.environ.get("K3_SHARED", os.path.join(os.path.dirname(__file__), "../../../shared"))
+SHARED = os.environ.get("K3_TESTDATA", os.path.join(os.path.dirname(__file__), "..", "data"))
 K3 = os.environ.get("K3_BIN") or (sys.argv[1] if len(sys.argv) > 1 else None)
 if not K3:
     print("vs_jinja: set K3_BIN or pass the k3 binary")

@@ -9,7 +9,7 @@
  * plain driver that runs FILES and N random inputs from a seed: valid requests of every route,
  * mutated (byte flips, truncation, splices of JSON fragments, wrong-typed values, huge numbers,
  * invalid UTF-8). The driver fails when no input is accepted or none refused (a vacuous pass).
- * Vocabulary: $K3_FUZZ_VOCAB or $K3_SHARED/vocab/o200k_base.tiktoken (K3 layout specials). */
+ * Vocabulary: $K3_FUZZ_VOCAB or $K3_TESTDATA/vocab/o200k_base.tiktoken (K3 layout specials). */
 #include <stdio.h>
 #include <stdlib.h>
 
@@ -30,7 +30,7 @@ static void setup(void) {
         snprintf(path, sizeof path, "%s", v);
     else
         snprintf(path, sizeof path, "%s/vocab/o200k_base.tiktoken",
-                 getenv("K3_SHARED") ? getenv("K3_SHARED") : "../shared");
+                 getenv("K3_TESTDATA") ? getenv("K3_TESTDATA") : "tests/data");
     if (k3_tok_create_tiktoken(&g_tok, path, NULL, K3_TOK_K3_LAYOUT, NULL) != K3_OK) {
         fprintf(stderr, "fuzz_serve_request: %s\n", k3_last_error());
         abort();

@@ -10,7 +10,7 @@
  * Built two ways: with clang + -DK3_LIBFUZZER (libFuzzer provides main; see README.md), or as a
  * plain driver (main below) that runs the shared golden inputs + N random/mutated inputs from a
  * printed seed, so the gcc test suite has a short fuzz pass (ctest label "fuzz").
- * Vocabulary: $K3_FUZZ_VOCAB or $K3_SHARED/vocab/o200k_base.tiktoken (K3 layout specials). */
+ * Vocabulary: $K3_FUZZ_VOCAB or $K3_TESTDATA/vocab/o200k_base.tiktoken (K3 layout specials). */
 #include "k3_tokenizer.h"
 
 #include <stdio.h>
@@ -36,7 +36,7 @@ static void init_tokenizers(void) {
         snprintf(path, sizeof path, "%s", v);
     else
         snprintf(path, sizeof path, "%s/vocab/o200k_base.tiktoken",
-                 getenv("K3_SHARED") ? getenv("K3_SHARED") : "../shared");
+                 getenv("K3_TESTDATA") ? getenv("K3_TESTDATA") : "tests/data");
     const k3_tok_options opt[3] = {{.pattern = K3_TOK_PAT_K3},
                                    {.pattern = K3_TOK_PAT_O200K, .no_kimi_chunking = true},
                                    {.pattern = K3_TOK_PAT_CL100K, .no_kimi_chunking = true}};

@@ -21,7 +21,7 @@ def main():
     d = tempfile.mkdtemp(prefix="k3_bench_grammar_")
     model, out = os.path.join(d, "tiny"), os.path.join(d, "g.json")
     subprocess.run([K3, "make-tiny", model], check=True, capture_output=True, timeout=120)
-    vocab = os.path.join(os.environ.get("K3_SHARED", "../shared"), "vocab", "o200k_base.tiktoken")
+    vocab = os.path.join(os.environ.get("K3_TESTDATA", os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "data")), "vocab", "o200k_base.tiktoken")
     p = subprocess.run([K3, "bench", "grammar", "--vocab", vocab, "--model", model, "--output-json", out],
                        capture_output=True, text=True, timeout=600)
     check(p.returncode == 0, "k3 bench grammar exits 0 (%s)" % p.stderr[-300:])

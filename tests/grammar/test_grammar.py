@@ -182,7 +182,7 @@ def mutate(v, root, s):
 
 def main():
     tool = sys.argv[1]
-    lines = open(os.path.join(os.environ.get("K3_SHARED", "../shared"), "vocab", "o200k_base.tiktoken")).read().splitlines()
+    lines = open(os.path.join(os.environ.get("K3_TESTDATA", os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "data")), "vocab", "o200k_base.tiktoken")).read().splitlines()
     vocab = tempfile.NamedTemporaryFile("w", suffix=".tiktoken", delete=False)
     vocab.write("\n".join(lines[:6000]) + "\n")  # the first 6000 ranks: every byte, common merges
     vocab.close()

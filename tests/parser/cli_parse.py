@@ -1,7 +1,7 @@
 #!/usr/bin/env python3
 """cli_parse.py — `k3 parse` end to end on the 9 llama.cpp Kimi-K3 cases.
 
-For each case of shared/fixtures/chat/k3-test-chat-cases.json: write the request (the case's
+For each case of tests/data/fixtures/chat/k3-test-chat-cases.json: write the request (the case's
 messages + tools, thinking on), run `k3 parse --vocab o200k_base.tiktoken --request R
 --stream-check` with the generation on stdin, and compare the printed message with the
 fixture's expected fields (arguments compared as parsed JSON, ids must be call_<n> and unique).
@@ -15,7 +15,7 @@ import subprocess
 import sys
 import tempfile
 
-SHARED = os.environ.get("K3_SHARED", os.path.join(os.path.dirname(__file__), "../../../shared"))
+SHARED = os.environ.get("K3_TESTDATA", os.path.join(os.path.dirname(__file__), "..", "data"))
 K3 = os.environ.get("K3_BIN") or sys.argv[1]
 VOCAB = os.path.join(SHARED, "vocab/o200k_base.tiktoken")
 fx = json.load(open(os.path.join(SHARED, "fixtures/chat/k3-test-chat-cases.json"), encoding="utf-8"))

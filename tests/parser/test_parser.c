@@ -1,14 +1,14 @@
 /* test_parser.c — unit tests of coordinator/k3_parser.h (spec/K3-CHAT.md §3).
  *
- * 1. The 9 llama.cpp Kimi-K3 cases (shared/fixtures/chat/k3-test-chat-cases.json): tokenised
- *    with specials allowed by a tokenizer made from shared/vocab/o200k_base.tiktoken + the K3
+ * 1. The 9 llama.cpp Kimi-K3 cases (tests/data/fixtures/chat/k3-test-chat-cases.json): tokenised
+ *    with specials allowed by a tokenizer made from tests/data/vocab/o200k_base.tiktoken + the K3
  *    special layout; expected fields from the fixture (arguments compared after JSON
  *    renormalisation, and exactly as compact JSON).
  * 2. Streaming: every case fed in random id chunks (several seeds) gives the same final message
  *    as one-shot parsing, and the concatenated deltas equal the final fields.
  * 3. The extra cases of §3.6 and the type rules of §3.3 (one case each), finish reasons,
  *    UTF-8 holdback / replacement, and ids that are other specials.
- * Needs K3_SHARED (ctest sets it). */
+ * Needs K3_TESTDATA (ctest sets it). */
 #include "k3_chat.h"
 #include "k3_parser.h"
 #include "k3_test.h"
@@ -180,7 +180,7 @@ static void run_case(const char *name, bool thinking, const k3_chat_json *tools,
 /* ---- 1 + 2: the llama.cpp fixture ----------------------------------------------------- */
 static void fixture_cases(void) {
     char path[1024];
-    snprintf(path, sizeof path, "%s/fixtures/chat/k3-test-chat-cases.json", k3_test_shared());
+    snprintf(path, sizeof path, "%s/fixtures/chat/k3-test-chat-cases.json", k3_test_data());
     char *text = NULL;
     size_t n = 0;
     K3_CHECK_OK(k3_read_file(path, &text, &n));
@@ -561,7 +561,7 @@ static void nul_cases(void) {
 
 int main(void) {
     char vocab[1024];
-    snprintf(vocab, sizeof vocab, "%s/vocab/o200k_base.tiktoken", k3_test_shared());
+    snprintf(vocab, sizeof vocab, "%s/vocab/o200k_base.tiktoken", k3_test_data());
     K3_CHECK_OK(k3_tok_create_tiktoken(&g_tok, vocab, NULL, K3_TOK_K3_LAYOUT, NULL));
     if (!g_tok) return k3_test_done("parser");
     K3_CHECK(k3_tok_special_id(g_tok, "<|open|>") >= 0, "K3 specials present");

@@ -1,6 +1,6 @@
 #!/usr/bin/env python3
 """plan_spec.py — `k3 plan --preset k3` on H200 sites reproduces the memory arithmetic of
-../shared/spec/DISTRIBUTED.md §0 (lines cited below) within 5%, and the site flags work (search,
+the K3 distributed spec (DISTRIBUTED.md §0, docs/DESIGN.md names it) (lines cited below) within 5%, and the site flags work (search,
 table, --slurm, --site FILE, bad input -> exit 2).
 
 The engine keeps MLA caches and KDA state in fp32 (layers/ k3_seq_state_create); §0 quotes BF16

@@ -3,7 +3,7 @@
  * frequency penalties and their window, top-k, top-p, min-p, temperature and their order), a
  * full-sort cross-check of top-p on a 163,840-id vocabulary, seed determinism, chi-square tests
  * that temperature (and top-k) sampling follows the softmax (threshold in tolerances.h), and stop
- * ids / stop strings across token boundaries with the o200k vocabulary (needs K3_SHARED). */
+ * ids / stop strings across token boundaries with the o200k vocabulary (needs K3_TESTDATA). */
 #include "k3_sampler.h"
 #include "k3_test.h"
 #include "tolerances.h"
@@ -296,7 +296,7 @@ static k3_stop_kind feed(k3_sampler *s, const k3_tokenizer *t, const char *text,
 
 static void test_stops(void) {
     char path[1024];
-    snprintf(path, sizeof path, "%s/vocab/o200k_base.tiktoken", k3_test_shared());
+    snprintf(path, sizeof path, "%s/vocab/o200k_base.tiktoken", k3_test_data());
     k3_tokenizer *t = NULL;
     K3_CHECK_OK(k3_tok_create_tiktoken(&t, path, NULL, K3_TOK_K3_LAYOUT, NULL));
     if (!t) return;

@@ -1,7 +1,7 @@
 /* serve_replay.c — the server's request parser, response writer and SSE writer on a scripted
  * completion (owner: serve). The tiny random model never writes a tool call, so tool calls are
  * checked this way: serve_test.py's `replay` group hands the official openai client's types what
- * this prints, for the K3 completions of shared/fixtures/chat.
+ * this prints, for the K3 completions of tests/data/fixtures/chat.
  *
  *   serve_replay MODEL_DIR REQUEST.json COMPLETION.txt OUT_PREFIX
  *

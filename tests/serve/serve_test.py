@@ -2,7 +2,7 @@
 
 Run by ctest through pytest (tests/serve/tests.cmake):  python3 -m pytest serve_test.py -k GROUP
 Environment: K3_BIN (the k3 binary), K3_MPIEXEC (mpirun, for the 2x2 groups), K3_SERVE_REPLAY (the
-serve_replay helper), K3_SHARED (fixtures), K3_SERVE_SOAK_S (the soak's seconds, default 30).
+serve_replay helper), K3_TESTDATA (fixtures), K3_SERVE_SOAK_S (the soak's seconds, default 30).
 
 Groups (pytest -k):
   api_1x1 / api_2x2 : one server per topology (tiny model, --deterministic, an API key): chat
@@ -17,7 +17,7 @@ Groups (pytest -k):
   live_tool_calls   : the same tool-call cases from the live 1x1 server, the engine made to write
                       the completion's tokens (K3_TEST_FORCE): message and stream typed equal
   replay            : tool calls (the tiny random model never writes one): the K3 completions of
-      shared/fixtures/chat go through the server's real request parser, response writer and SSE
+      tests/data/fixtures/chat go through the server's real request parser, response writer and SSE
       writer (serve_replay), and the official client's types parse them: typed arguments come
       back as the same JSON values, the streamed calls put together equal the non-streamed ones.
   limits            : a server with one slot and --max-queue 2: 429 + Retry-After; 200 malformed
@@ -442,7 +442,7 @@ def test_greedy_equals_k3_run(srv, model_dir):
 
 # ---- tool calls through the wire writer (replay) ---------------------------------------------
 def replay_cases():
-    shared = os.environ.get("K3_SHARED", os.path.join(HERE, "..", "..", "..", "shared"))
+    shared = os.environ.get("K3_TESTDATA", os.path.join(HERE, "..", "data"))
     with open(os.path.join(shared, "fixtures", "chat", "k3-test-chat-cases.json")) as f:
         d = json.load(f)
     return [(c, d["tool_definitions"]) for c in d["cases"] if c["expected"].get("tool_calls")]

@@ -5,7 +5,7 @@
 # failure while reading stdin (ulimit -v; not under ASan, which reserves terabytes of address
 # space) is exit 1 with a message, never the ids of a prefix with exit 0.
 set -u
-V="$K3_SHARED/vocab/o200k_base.tiktoken"
+V="$K3_TESTDATA/vocab/o200k_base.tiktoken"
 T=$(mktemp -d /tmp/k3-tokcli-XXXXXX)
 trap 'rm -rf "$T"' EXIT
 fail=0

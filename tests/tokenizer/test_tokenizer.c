@@ -1,7 +1,7 @@
 /* test_tokenizer.c — unit tests of coordinator/k3_tokenizer.h.
  *
- * 1. The 74 regex-piece cases of shared/fixtures/tokenizer/k3-tokenizer-golden.json (pieces made
- *    by tiktoken/fancy-regex with the original K3 pat_str) against k3_tok_split with the K3
+ * 1. The 74 regex-piece cases of tests/data/fixtures/tokenizer/k3-tokenizer-golden.json (pieces
+ * made by tiktoken/fancy-regex with the original K3 pat_str) against k3_tok_split with the K3
  * pattern.
  * 2. BPE on a hand-made vocabulary with hand-computed merges (lowest rank first, leftmost on ties),
  *    on both the short-piece scan path and the long-piece heap path.
@@ -18,7 +18,7 @@
  * ranges), for the K3, o200k and cl100k patterns (planes 4-13, all unassigned in Unicode 16.0,
  * sampled: one block in 16). tests/tokenizer/unicode_sweep.py proves the default against tiktoken;
  * this carries it to EXPLICIT, the spelling used with a PCRE2 of any other Unicode version. Needs
- * K3_SHARED (ctest sets it). */
+ * K3_TESTDATA (ctest sets it). */
 #include <time.h>
 
 #include "k3_test.h"
@@ -261,7 +261,7 @@ static void test_load_errors(void) {
 /* The golden pre-tokenizer pieces (K3 regex) + K3 layout checks on the o200k vocabulary. */
 static void test_golden_pieces(const k3_tokenizer *t) {
     char path[1024];
-    snprintf(path, sizeof path, "%s/fixtures/tokenizer/k3-tokenizer-golden.json", k3_test_shared());
+    snprintf(path, sizeof path, "%s/fixtures/tokenizer/k3-tokenizer-golden.json", k3_test_data());
     char *buf = NULL;
     size_t n = 0;
     K3_CHECK_OK(k3_read_file(path, &buf, &n));
@@ -502,7 +502,7 @@ static void test_spellings(const char *path) {
 int main(int argc, char **argv) {
     if (argc > 1 && strcmp(argv[1], "--spellings") == 0) { /* its own ctest: ~20 s */
         char vocab[1024];
-        snprintf(vocab, sizeof vocab, "%s/vocab/o200k_base.tiktoken", k3_test_shared());
+        snprintf(vocab, sizeof vocab, "%s/vocab/o200k_base.tiktoken", k3_test_data());
         test_spellings(vocab);
         return k3_test_done("tokenizer-spellings");
     }
@@ -511,7 +511,7 @@ int main(int argc, char **argv) {
     test_hand_bpe();
     test_load_errors();
     char path[1024];
-    snprintf(path, sizeof path, "%s/vocab/o200k_base.tiktoken", k3_test_shared());
+    snprintf(path, sizeof path, "%s/vocab/o200k_base.tiktoken", k3_test_data());
     k3_tokenizer *t = NULL;
     K3_CHECK_OK(k3_tok_create_tiktoken(&t, path, NULL, K3_TOK_K3_LAYOUT, NULL));
     if (t) {

@@ -12,9 +12,9 @@ U+3006 〆 U+30FB ・, which PCRE2 >= 10.40 puts in a bare \\p{Han}) next to Han
 categories differ, as a 2-character string in both orders. Unicode data: UCD 16.0 (unicodedataplus).
 
 Configurations, each ONE `k3 tokenize --jsonl --no-kimi-chunking` process:
-  o200k+k3pat, o200k+o200kpat, cl100k+cl100kpat   the official ranks (shared/vocab) with the K3
+  o200k+k3pat, o200k+o200kpat, cl100k+cl100kpat   the official ranks (tests/data/vocab) with the K3
       pattern (tiktoken gets the ORIGINAL pattern with its `&&` intersections, tests/k3_tiktoken.py)
-      and tiktoken's own o200k / cl100k pat_str (shared/vocab/*.meta.json);
+      and tiktoken's own o200k / cl100k pat_str (tests/data/vocab/*.meta.json);
   pieces+k3pat, pieces+o200kpat, pieces+cl100kpat  a made-up vocabulary that makes the
       pre-tokenizer's pieces visible in the ids: the 256 bytes plus one token for every pair
       (end of a character, start of a character), so BPE joins two adjacent characters whenever they
@@ -44,7 +44,7 @@ Unicode versions: tiktoken 0.14's regex crate classifies by Unicode 16.0, and k3
 otherwise: another tiktoken needs regenerated classes, not a hunt for differing code points.
 
 Exit: 0 pass, 1 differences (or k3 failed), 77 skip (tiktoken or unicodedataplus missing).
-Env: K3_BIN, K3_SHARED; K3_SWEEP_CONFIGS (comma list of the names above, default all);
+Env: K3_BIN, K3_TESTDATA; K3_SWEEP_CONFIGS (comma list of the names above, default all);
 K3_SWEEP_DUMP=FILE (every differing case, tab-separated, for analysis); K3_SWEEP_REPORT=N (default 5).
 """
 import concurrent.futures
@@ -269,7 +269,7 @@ def split_ids(ids, sep_id):
 
 def main():
     k3_bin = os.environ.get("K3_BIN", "build/k3")
-    shared = os.environ.get("K3_SHARED", os.path.join(os.path.dirname(__file__), "../../../shared"))
+    shared = os.environ.get("K3_TESTDATA", os.path.join(os.path.dirname(__file__), "..", "data"))
     names = ["o200k+k3pat", "o200k+o200kpat", "cl100k+cl100kpat", "pieces+k3pat", "pieces+o200kpat",
              "pieces+cl100kpat"]
     want_cfgs = os.environ.get("K3_SWEEP_CONFIGS", ",".join(names)).split(",")

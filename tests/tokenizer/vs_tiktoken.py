@@ -2,7 +2,7 @@
 """vs_tiktoken.py — k3's tokenizer against PyPI tiktoken (the independent reference).
 
 For each configuration (vocabulary x pre-tokenizer pattern x chunking) it builds a
-tiktoken.Encoding from shared/vocab/<name>.tiktoken with K3-style special tokens (the 256-slot
+tiktoken.Encoding from tests/data/vocab/<name>.tiktoken with K3-style special tokens (the 256-slot
 K3 block of spec/K3-CHAT.md §4.1 starting right after the last rank), generates >= 5,000 varied
 strings from a printed seed, encodes them with tiktoken (text segments: disallowed_special=();
 control segments: allowed_special="all"; with the Kimi chunking of §4.4 reproduced here from
@@ -14,7 +14,7 @@ tiktoken's fancy-regex/regex supports — checked: it splits 中文English混合
 so k3's PCRE2 rewrite is checked against the original, not against itself.
 
 Exit code: 0 pass, 1 mismatch, 77 skip (tiktoken not installed).
-Env: K3_BIN (k3 binary), K3_SHARED (shared/ folder), K3_TEST_SEED (default 20261129),
+Env: K3_BIN (k3 binary), K3_TESTDATA (tests/data), K3_TEST_SEED (default 20261129),
      K3_TOK_N (strings per configuration, default 5000).
 """
 import json
@@ -204,7 +204,7 @@ def run_config(name, k3_bin, vocab_path, ranks, k3_pattern, tk_pat, kimi, seed, 
 
 def main():
     k3_bin = os.environ.get("K3_BIN", "build/k3")
-    shared = os.environ.get("K3_SHARED", os.path.join(os.path.dirname(__file__), "../../../shared"))
+    shared = os.environ.get("K3_TESTDATA", os.path.join(os.path.dirname(__file__), "..", "data"))
     seed = int(os.environ.get("K3_TEST_SEED", "20261129"))
     n = int(os.environ.get("K3_TOK_N", "5000"))
     print(f"vs_tiktoken: tiktoken {tiktoken.__version__}, seed {seed}, {n} strings per configuration")
