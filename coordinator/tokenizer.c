@@ -708,6 +708,10 @@ k3_status k3_tok_create_model_dir(k3_tokenizer **out, const char *dir, const k3_
                       "%s: cannot open the model directory: %s", dir, strerror(errno));
     if (!S_ISDIR(sb.st_mode))
         return K3_ERR(K3_ERR_ARG, "%s: not a directory (give the model directory)", dir);
+    char model_cfg[4096];
+    snprintf(model_cfg, sizeof model_cfg, "%s/config.json", dir);
+    if (stat(vocab, &sb) != 0 && errno == ENOENT && stat(model_cfg, &sb) != 0)
+        return K3_ERR(K3_ERR_MISSING, "not a K3 checkpoint: no config.json in %s", dir);
     FILE *f = fopen(cfg, "rb");
     if (!f) {
         K3_LOGW("%s not found: using the K3 special-token layout past the last rank", cfg);

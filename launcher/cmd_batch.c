@@ -935,7 +935,8 @@ const k3_command k3_cmd_batch = {
     .positional = "",
     .min_pos = 0,
     .max_pos = 0,
-    .summary = "an OpenAI Batch API file of chat requests -> one result line each, resumable "
+    .summary = "an OpenAI Batch API file (/v1/chat/completions and /v1/completions lines) -> one "
+               "result line each, resumable "
                "(one process, or every rank under mpirun)",
     .flags = flags,
     .n_flags = (int)K3_ARRAY_LEN(flags),

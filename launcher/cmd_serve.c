@@ -4,17 +4,24 @@
  * Owns: the flags, the API key (--api-key, else $K3_API_KEY), the served model name (default:
  * the basename of --model), the signal handling and the order of start and shutdown. Does not
  * own: HTTP, the wire format, generation.
- * Start: flags agreed on every rank -> the engine opens (collective: plan, load) -> rank 0 binds
- * the port and serves; the others serve the engine's steps. /health answers only once the model
- * is loaded.
+ * Start: rank 0 binds the port (a busy port fails before anything loads) -> flags agreed on
+ * every rank -> the engine opens (collective: plan, load) -> rank 0 listens and serves; the others
+ * serve the engine's steps. /health answers only once the model is loaded (until then a connection
+ * is refused).
  * Shutdown: SIGINT or SIGTERM sets a flag on each rank; rank 0 stops accepting, lets in-flight
  * requests finish for --shutdown-grace seconds, cancels the rest, closes the engine (which
  * releases every other rank) and every rank exits 0. */
 #include "k3_launcher.h"
 
+#include <arpa/inet.h>
+#include <errno.h>
+#include <fcntl.h>
+#include <netinet/in.h>
 #include <signal.h>
 #include <stdio.h>
 #include <stdlib.h>
+#include <sys/socket.h>
+#include <unistd.h>
 
 #include "bench.h" /* k3_build_version */
 #include "engine_args.h"
@@ -80,7 +87,41 @@ static void install_signals(void) {
     signal(SIGPIPE, SIG_IGN); /* a client that went away is a failed write, not a death */
 }
 
-/* Rank 0 before the engine opens: flags into the server options, the tokenizer. */
+/* Bind host:port before the model loads, so that a busy port fails in a moment and not after a
+ * load of minutes; the socket listens (and answers) only once the engine is open. */
+static k3_status bind_port(const char *host, int port, int *fd_out) {
+    struct sockaddr_storage ss = {0};
+    socklen_t len;
+    struct sockaddr_in *a4 = (struct sockaddr_in *)&ss;
+    struct sockaddr_in6 *a6 = (struct sockaddr_in6 *)&ss;
+    if (inet_pton(AF_INET, host, &a4->sin_addr) == 1) {
+        a4->sin_family = AF_INET, a4->sin_port = htons((uint16_t)port), len = sizeof *a4;
+    } else if (inet_pton(AF_INET6, host, &a6->sin6_addr) == 1) {
+        a6->sin6_family = AF_INET6, a6->sin6_port = htons((uint16_t)port), len = sizeof *a6;
+    } else {
+        return K3_ERR(K3_ERR_ARG, "--host %s: not a numeric IPv4 or IPv6 address", host);
+    }
+    int fd = socket(ss.ss_family, SOCK_STREAM | SOCK_CLOEXEC, 0), on = 1;
+    if (fd == 0) { /* 0 means "none" to k3_server_opts: stdin was closed */
+        fd = fcntl(0, F_DUPFD_CLOEXEC, 1);
+        close(0);
+    }
+    if (fd < 0) return K3_ERR(K3_ERR_IO, "cannot make a socket: %s", strerror(errno));
+    (void)setsockopt(fd, SOL_SOCKET, SO_REUSEADDR, &on, sizeof on); /* as libmicrohttpd does */
+    if (ss.ss_family == AF_INET6) (void)setsockopt(fd, IPPROTO_IPV6, IPV6_V6ONLY, &on, sizeof on);
+    if (bind(fd, (struct sockaddr *)&ss, len) != 0) {
+        int e = errno;
+        close(fd);
+        return K3_ERR(K3_ERR_IO,
+                      "cannot bind %s:%d: %s; nothing was loaded (pick another --port, or "
+                      "--port 0 for any free one)",
+                      host, port, strerror(e));
+    }
+    *fd_out = fd;
+    return K3_OK;
+}
+
+/* Rank 0 before the engine opens: flags into the server options, the port, the tokenizer. */
 static k3_status prepare(const k3_args *a, k3_server_opts *so, k3_tokenizer **tok, char *name,
                          size_t n_name) {
     const int64_t port = k3_args_int(a, "port"), body = k3_args_int(a, "max-body-bytes"),
@@ -134,6 +175,7 @@ static k3_status prepare(const k3_args *a, k3_server_opts *so, k3_tokenizer **to
                            .idle_timeout_s = read_s,
                            .allowed_origins = k3_args_str(a, "allowed-origins"),
                            .grace_s = k3_args_float(a, "shutdown-grace")};
+    K3_TRY(bind_port(so->host, so->port, &so->listen_fd));
     K3_TRY(k3_tok_create_model_dir(tok, m, NULL));
     k3_config cfg;
     K3_TRY(k3_config_load(m, &cfg));
@@ -212,6 +254,7 @@ static int run_serve(const k3_args *a) {
         k3_comm_world_abort(1);
     }
     if (agreed) {
+        if (so.listen_fd > 0) close(so.listen_fd);
         k3_grammar_cache_destroy(so.grammars);
         k3_tok_destroy(tok);
         k3_comm_finalize();
@@ -241,6 +284,7 @@ static int run_serve(const k3_args *a) {
         so.slots = es.max_seqs * es.ep;
         k3_server *srv = NULL;
         k3_status st = k3_server_create(&so, &srv);
+        if (st == K3_OK) so.listen_fd = 0; /* the server's now: its daemon closes it */
         if (st == K3_OK) st = k3_server_run(srv, e, &stop_flag);
         if (k3_engine_failed(e)) k3_engine_abort(e); /* the job ends, the failed rank named */
         if (st != K3_OK) fprintf(stderr, "k3 serve: %s\n", k3_last_error());
@@ -252,7 +296,8 @@ static int run_serve(const k3_args *a) {
         if (st == K3_OK) K3_LOGI("k3 serve: stopped");
         rc = st == K3_OK ? 0 : 1;
     }
-    k3_grammar_cache_destroy(so.grammars); /* after the server: its jobs hold grammars */
+    if (so.listen_fd > 0) close(so.listen_fd); /* bound, but no server took it */
+    k3_grammar_cache_destroy(so.grammars);     /* after the server: its jobs hold grammars */
     k3_tok_destroy(tok);
     free(tok_info);
     k3_comm_finalize();

@@ -62,6 +62,13 @@ bool k3_args_bool(const k3_args *a, const char *name);
 int k3_args_parse(const k3_command *cmd, int argc, char **argv, k3_args *out, bool *done);
 void k3_print_command_help(const k3_command *cmd, void *file /* FILE* */);
 void k3_print_usage(void *file /* FILE* */);
+/* Every command and its flags as markdown (`k3 help --markdown`, committed as docs/CLI.md). */
+void k3_print_markdown(void *file /* FILE* */);
+/* One line on stderr: where the flags of cmd (NULL: the commands) are listed. */
+void k3_print_help_hint(const char *cmd);
+/* The name of names[0..n) nearest to name[0..len) by edit distance, if close enough to be a typo
+ * of it, else NULL. */
+const char *k3_closest_name(const char *name, size_t len, const char *const *names, int n);
 
 /* The command table (commands.c). */
 extern const k3_command *const k3_commands[];

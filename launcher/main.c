@@ -33,6 +33,20 @@ static bool stack_limit_ok(void) {
 
 int main(int argc, char **argv) {
     if (!stack_limit_ok()) return 1;
+    if (argc >= 2 && strcmp(argv[1], "help") == 0 && argc >= 3) {
+        if (argc == 3 && strcmp(argv[2], "--markdown") == 0) {
+            k3_print_markdown(stdout);
+            return 0;
+        }
+        for (int i = 0; i < k3_n_commands && argc == 3; i++)
+            if (strcmp(k3_commands[i]->name, argv[2]) == 0) {
+                k3_print_command_help(k3_commands[i], stdout);
+                return 0;
+            }
+        fprintf(stderr, "k3 help: '%s' is not --markdown or a command\n", argv[2]);
+        k3_print_help_hint(NULL);
+        return 2;
+    }
     if (argc < 2 || strcmp(argv[1], "--help") == 0 || strcmp(argv[1], "-h") == 0 ||
         strcmp(argv[1], "help") == 0) {
         k3_print_usage(argc < 2 ? stderr : stdout);
@@ -42,8 +56,16 @@ int main(int argc, char **argv) {
     for (int i = 0; i < k3_n_commands; i++)
         if (strcmp(k3_commands[i]->name, argv[1]) == 0) cmd = k3_commands[i];
     if (!cmd) {
-        fprintf(stderr, "k3: unknown command '%s'\n", argv[1]);
-        k3_print_usage(stderr);
+        const char *names[64];
+        int n = 0;
+        for (int i = 0; i < k3_n_commands && n < (int)K3_ARRAY_LEN(names); i++)
+            names[n++] = k3_commands[i]->name;
+        const char *near = k3_closest_name(argv[1], strlen(argv[1]), names, n);
+        if (near)
+            fprintf(stderr, "k3: unknown command '%s'; did you mean %s?\n", argv[1], near);
+        else
+            fprintf(stderr, "k3: unknown command '%s'\n", argv[1]);
+        k3_print_help_hint(NULL);
         return 2;
     }
     k3_args args;

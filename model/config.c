@@ -27,7 +27,9 @@
 #include <cjson/cJSON.h>
 #include <math.h>
 #include <stdarg.h>
+#include <errno.h>
 #include <stddef.h>
+#include <sys/stat.h>
 #include <stdio.h>
 #include <stdlib.h>
 
@@ -705,6 +707,9 @@ k3_status k3_config_load(const char *dir, k3_config *out) {
     snprintf(path, sizeof path, "%s/config.json", dir);
     char *text = NULL;
     size_t n = 0;
+    struct stat sb;
+    if (stat(path, &sb) != 0 && errno == ENOENT && stat(dir, &sb) == 0 && S_ISDIR(sb.st_mode))
+        return K3_ERR(K3_ERR_MISSING, "not a K3 checkpoint: no config.json in %s", dir);
     k3_status s = k3_read_file(path, &text, &n);
     if (s != K3_OK) {
         /* keep k3_read_file's reason (no such file, permission, size), without its repeated

@@ -543,6 +543,15 @@ k3_status k3_plan_make(const k3_config *c, const k3_plan_req *r, k3_plan *out) {
     if (r->ep < 1) return K3_ERR(K3_ERR_ARG, "--ep %d: need at least 1 lane", r->ep);
     if (r->ep > 32767) return K3_ERR(K3_ERR_ARG, "--ep %d: too many lanes", r->ep);
     int ded = r->coord == K3_COORD_DEDICATED;
+    /* one process asked for several ranks: say how to launch them, not only that they are missing
+     */
+    if (r->world == 1 && (int64_t)r->pp * r->ep + ded > 1)
+        return K3_ERR(K3_ERR_ARG,
+                      "--pp %d x --ep %d%s = %lld ranks, but this is one process: run it under "
+                      "mpirun -np %lld (add --allow-run-as-root as root, --oversubscribe with "
+                      "fewer cores than ranks)",
+                      r->pp, r->ep, ded ? " + 1 coordinator" : "", (long long)r->pp * r->ep + ded,
+                      (long long)r->pp * r->ep + ded);
     if ((int64_t)r->pp * r->ep + ded != r->world)
         return K3_ERR(K3_ERR_ARG,
                       "--pp %d x --ep %d%s = %lld ranks, but the world has %d (%s coordinator)",

@@ -27,8 +27,10 @@
 typedef struct k3_server k3_server;
 
 typedef struct k3_server_opts {
-    const char *host;       /* numeric IPv4/IPv6 address to bind; NULL = 127.0.0.1 */
-    int port;               /* 0 = any free port (k3_server_port says which) */
+    const char *host; /* numeric IPv4/IPv6 address to bind; NULL = 127.0.0.1 */
+    int port;         /* 0 = any free port (k3_server_port says which) */
+    int listen_fd; /* > 0: a socket already bound to host:port (k3 serve binds it before the model
+                      loads); k3_server_create listens on it and owns it. 0: bind here */
     const char *api_key;    /* NULL or "": no auth; else `Authorization: Bearer KEY` on /v1/ routes,
                                /tokenize and /detokenize (checked in constant time) */
     const char *model_name; /* the id in /v1/models and in every response */

@@ -912,11 +912,20 @@ k3_status k3_server_create(const k3_server_opts *o, k3_server **out) {
     }
     /* strict: libmicrohttpd's own checks of the request line and headers (400); it still takes
        bare-LF chunk lines, so chunked bodies are refused in on_request (framing_error) */
-    s->d = MHD_start_daemon(flags, (uint16_t)o->port, NULL, NULL, on_request, s,
-                            MHD_OPTION_SOCK_ADDR, sa, MHD_OPTION_NOTIFY_COMPLETED, on_completed, s,
-                            MHD_OPTION_CONNECTION_TIMEOUT, timeout, MHD_OPTION_CONNECTION_LIMIT,
-                            limit, MHD_OPTION_PER_IP_CONNECTION_LIMIT, per_client,
-                            MHD_OPTION_STRICT_FOR_CLIENT, 1, MHD_OPTION_END);
+    /* a socket the caller bound before loading: listen on it now (MHD wants it listening) */
+    struct MHD_OptionItem given[] = {{MHD_OPTION_END, 0, NULL}, {MHD_OPTION_END, 0, NULL}};
+    if (o->listen_fd > 0) {
+        if (listen(o->listen_fd, 1024) != 0) {
+            k3_server_destroy(s);
+            return K3_ERR(K3_ERR_IO, "cannot listen on %s:%d: %s", host, o->port, strerror(errno));
+        }
+        given[0] = (struct MHD_OptionItem){MHD_OPTION_LISTEN_SOCKET, o->listen_fd, NULL};
+    }
+    s->d = MHD_start_daemon(flags, (uint16_t)o->port, NULL, NULL, on_request, s, MHD_OPTION_ARRAY,
+                            given, MHD_OPTION_SOCK_ADDR, sa, MHD_OPTION_NOTIFY_COMPLETED,
+                            on_completed, s, MHD_OPTION_CONNECTION_TIMEOUT, timeout,
+                            MHD_OPTION_CONNECTION_LIMIT, limit, MHD_OPTION_PER_IP_CONNECTION_LIMIT,
+                            per_client, MHD_OPTION_STRICT_FOR_CLIENT, 1, MHD_OPTION_END);
     if (!s->d) {
         k3_server_destroy(s);
         return K3_ERR(K3_ERR_IO, "cannot listen on %s:%d (in use, or not an address of this host)",
