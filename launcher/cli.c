@@ -188,9 +188,11 @@ void k3_print_markdown(void *file) {
                "(launcher/); do not edit by hand. tests/cli/cli_md.sh fails when this file is out "
                "of date: regenerate it with `build/k3 help --markdown > docs/CLI.md`. -->\n\n"
                "`k3 <command> --help` prints the same for one command. A usage error exits 2 with "
-               "one line naming the flag (and the flag meant, for a typo) and a pointer to "
-               "`--help`; any other failure prints one line naming the file, key, tensor or rank "
-               "and exits 1.\n\n"
+               "one line naming the flag and what is wrong with it (`--prompt-ids: prompt 1, id "
+               "2: 'a' is not a token id`); the parser's own (an unknown flag, a missing or "
+               "malformed value, a flag given twice) also name the flag meant, for a typo (`did "
+               "you mean --max-ctx?`), and add one line pointing to `--help`. Any other failure "
+               "prints one line naming the file, key, tensor or rank and exits 1.\n\n"
                "| command | what it does |\n|---|---|\n");
     for (int i = 0; i < k3_n_commands; i++) {
         fprintf(f, "| [`%s`](#k3-%s) | ", k3_commands[i]->name, k3_commands[i]->name);

@@ -239,7 +239,6 @@ static k3_status print_chat(run_in *in, const k3_run_seq_result *res, bool ignor
 /* ---- the command ---------------------------------------------------------------------------- */
 static int fail(k3_status st) {
     fprintf(stderr, "k3 run: %s\n", k3_last_error());
-    if (st == K3_ERR_ARG) k3_print_help_hint("run"); /* a usage error, as the parser's are */
     return st == K3_ERR_ARG ? 2 : 1;
 }
 
