@@ -1,6 +1,14 @@
 #!/usr/bin/env bash
 # test.sh — the whole test suite on a fresh Debian 12 machine (as root): installs what it needs,
-# builds, and runs every tier:
+# builds, and runs every tier. CI's command (.ci/run).
+#   scripts/test.sh           everything below; measured on an idle 2-core machine: ~8 min of pip
+#                             the first time (a 6.3 GB venv) + ~20 min of tests; 10 GB free disk
+#   scripts/test.sh --quick   the quick tier (label quick: unit, golden and mpi tests on the tiny
+#                             model; tests/CMakeLists.txt lists them): build/ only, the references
+#                             without PyTorch (~1 GB); under 5 min once they are installed
+# The first seconds check what it needs (Debian's packages, or root to install them; free disk;
+# nvcc, optional) and name what is missing before anything long starts.
+# The tiers of the full run:
 #   1. build-cuda/  (nvcc + the toolkit's CUDA/NCCL headers, warnings as errors): compiles the
 #                   kernels, the cuda backend, the nccl transport and the kernels' host-math test,
 #                   nothing more (the gpu tier needs a device: scripts/device-check.sh); skipped
@@ -19,26 +27,82 @@
 set -uo pipefail
 cd "$(dirname "$0")/.."
 JOBS=$(nproc)
+QUICK=0
+case "${1:-}" in
+  --quick) QUICK=1 ;;
+  "") ;;
+  *) echo "usage: scripts/test.sh [--quick]   (--quick: the quick tier, under 5 min)"; exit 2 ;;
+esac
+
+# ---- what it costs, and what it needs: said in the first seconds, before anything long -------
+if [ $QUICK = 1 ]; then
+  echo "k3 tests --quick: expect under 5 min (build ~1 min, the quick tier ~2-3 min on 2 cores;"
+  echo "  the first run also pip-installs the references without PyTorch, ~1 GB); needs ~2 GB free"
+  need_gb=2
+else
+  echo "k3 tests: expect ~30 min on an idle 2-core machine: ~8 min of pip the first time (PyTorch"
+  echo "  and the references, a 6.3 GB virtual environment in build/venv), then ~20 min of tests"
+  echo "  (more on a loaded machine); needs ~10 GB free disk. Contributors: scripts/test.sh --quick"
+  need_gb=10
+fi
+problems=()
+if ! command -v dpkg-query >/dev/null 2>&1 || ! command -v apt-get >/dev/null 2>&1; then
+  problems+=("not a Debian system (no dpkg/apt-get): install by hand what scripts/setup.sh lists")
+elif ! missing=$(scripts/setup.sh --check); then
+  if [ "$(id -u)" = 0 ]; then
+    echo "k3 tests: will install:$missing"
+  else
+    problems+=("missing packages:$missing — run as root (it installs them) or apt-get install them")
+  fi
+fi
+[ -x build/venv/bin/python3 ] || [ "$(id -u)" = 0 ] || dpkg-query -W python3-venv >/dev/null 2>&1 ||
+  problems+=("python3-venv is needed for build/venv")
+free_kb=$(df -Pk . | awk 'NR==2 {print $4}')
+venv_gb=0
+[ -d build/venv ] && venv_gb=$(du -sk build/venv | awk '{print int($1 / 1048576)}')
+if [ -n "$free_kb" ] && [ $((free_kb / 1048576 + venv_gb)) -lt $need_gb ]; then
+  problems+=("$((free_kb / 1048576)) GB free here, and this run needs ~$need_gb GB")
+fi
+if command -v nvcc >/dev/null 2>&1 || [ -x /usr/local/cuda/bin/nvcc ]; then
+  echo "k3 tests: nvcc found: the CUDA compile check runs"
+else
+  echo "k3 tests: no nvcc: the CUDA compile check is skipped (optional; the CUDA emulation tier runs)"
+fi
+if [ ${#problems[@]} -gt 0 ]; then
+  for p in "${problems[@]}"; do echo "k3 tests: cannot run: $p"; done
+  exit 1
+fi
 
 scripts/setup.sh build || { echo "k3 tests: the build failed; nothing ran"; exit 1; }
 
 # Python references for the tests (tiktoken, jinja2, numpy, openai, ...), and the independent
 # PyTorch reference that experts_torch and reference_goldens_current run (torch, fla,
-# compressed-tensors, safetensors; PyPI's torch is the CUDA build: ~2.9 GB download, ~5.7 GB
-# installed, ~2.5 min on a fresh machine, see tests/reference/README.md), into build/venv (kept
-# between runs: a second run only checks the versions). A failed install is fatal: the tests that
+# compressed-tensors, safetensors; PyPI's torch is the CUDA build: ~2.9 GB download; the venv
+# measured 6.3 GB and 7 min 50 s on a fresh 2-core machine, see tests/reference/README.md), into
+# build/venv (kept between runs: a second run only checks the versions; --quick skips PyTorch). A failed install is fatal: the tests that
 # need them would otherwise skip and prove nothing (under CI=true a skipped reference test fails).
 VENV=$PWD/build/venv
 if [ ! -x "$VENV/bin/python3" ] && ! python3 -m venv "$VENV"; then
   echo "k3 tests: cannot make the virtual environment $VENV (Debian: apt-get install python3-venv)"
   exit 1
 fi
+REQS=(-r tests/requirements.txt)
+[ $QUICK = 1 ] || REQS+=(-r tests/reference/requirements.txt) # PyTorch: not for the quick tier
 if ! PIP_ROOT_USER_ACTION=ignore "$VENV/bin/python3" -m pip install -q --disable-pip-version-check \
-       -r tests/requirements.txt -r tests/reference/requirements.txt; then
+       "${REQS[@]}"; then
   echo "k3 tests: pip could not install the test references into $VENV"; exit 1
 fi
 export PATH="$VENV/bin:$PATH"
 cmake -S . -B build -DK3_TEST_PYTHON="$VENV/bin/python3" >/dev/null
+
+if [ $QUICK = 1 ]; then
+  echo "== the quick tier (label quick) =="
+  t0=$SECONDS
+  ctest --test-dir build -L quick --output-on-failure -j"$JOBS"; rc=$?
+  echo "k3 tests --quick: $([ $rc = 0 ] && echo passed || echo FAILED) in $((SECONDS - t0)) s of tests;" \
+       "the full run is scripts/test.sh"
+  exit $rc
+fi
 
 # Order: the quick checks first (CUDA build, format), the sanitizer tier, then the main tiers.
 # Each ctest run's log is kept; the totals are summed from them at the end.
