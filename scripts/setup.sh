@@ -13,10 +13,10 @@ if [ "${1:-}" = --check ]; then CHECK=1; shift; fi
 BUILD=${1:-build}; shift || true
 
 # libhwloc-dev: host/bind.c binds each rank to its share of a node's cores (and `k3 plan` shows
-# them). python3-venv: scripts/test.sh puts the Python references in a virtual environment. The
-# Slurm daemons for tests/slurm are installed by that test itself.
+# them). python3-venv: scripts/test.sh puts the Python references in a virtual environment. curl:
+# the README's serve example. The Slurm daemons for tests/slurm are installed by that test itself.
 APT_PKGS="build-essential cmake pkg-config libopenmpi-dev openmpi-bin libucx-dev libhwloc-dev
-          libcjson-dev libpcre2-dev libmicrohttpd-dev libcurl4-openssl-dev clang clang-format python3
+          libcjson-dev libpcre2-dev libmicrohttpd-dev libcurl4-openssl-dev curl clang clang-format python3
           python3-venv"
 missing=""
 for p in $APT_PKGS; do

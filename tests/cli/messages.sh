@@ -2,8 +2,8 @@
 # messages.sh — the errors a new user meets first say the next step (issue 48):
 #   --pp 2 without mpirun names the mpirun line; a folder that is not a checkpoint says so; a typo
 #   of a flag names the flag meant, in two lines (no 50-line usage); a malformed --prompt-ids exits
-#   2 with one line naming the prompt and id (as README.md and docs/CLI.md say); `serve` on a busy port fails before loading, in under 2 s; the
-#   help of batch and make-tiny is current.
+#   2 with one line naming the prompt and id (as docs/USAGE.md says); `serve` on a busy port fails
+#   before loading, in under 2 s; the help of batch and make-tiny is current.
 set -u
 K3=${K3_BIN:?K3_BIN not set}
 T=$(mktemp -d)
