@@ -13,6 +13,11 @@
 #include <stdlib.h>
 #include <unistd.h>
 
+/* tests/data of the tree this was built from (tests/CMakeLists.txt), when K3_TESTDATA is unset */
+#ifndef K3_TESTDATA_DEFAULT
+#define K3_TESTDATA_DEFAULT "tests/data"
+#endif
+
 static const char *words[] = {"the",    "of",         "and",         "to",    "in",        "is",
                               "that",   "for",        "it",          "with",  "as",        "was",
                               "on",     "model",      "token",       "Kimi",  "attention", "expert",
@@ -94,7 +99,7 @@ int main(int argc, char **argv) {
     char vbuf[1024];
     if (!vocab) {
         snprintf(vbuf, sizeof vbuf, "%s/vocab/o200k_base.tiktoken",
-                 getenv("K3_TESTDATA") ? getenv("K3_TESTDATA") : "tests/data");
+                 getenv("K3_TESTDATA") ? getenv("K3_TESTDATA") : K3_TESTDATA_DEFAULT);
         vocab = vbuf;
     }
     char *text = NULL;

@@ -15,6 +15,11 @@
 
 #include "k3_server.h"
 
+/* tests/data of the tree this was built from (tests/CMakeLists.txt), when K3_TESTDATA is unset */
+#ifndef K3_TESTDATA_DEFAULT
+#define K3_TESTDATA_DEFAULT "tests/data"
+#endif
+
 static const char *const routes[] = {"/v1/chat/completions", "/v1/completions", "/tokenize",
                                      "/detokenize", "/v1/nothing"};
 
@@ -30,7 +35,7 @@ static void setup(void) {
         snprintf(path, sizeof path, "%s", v);
     else
         snprintf(path, sizeof path, "%s/vocab/o200k_base.tiktoken",
-                 getenv("K3_TESTDATA") ? getenv("K3_TESTDATA") : "tests/data");
+                 getenv("K3_TESTDATA") ? getenv("K3_TESTDATA") : K3_TESTDATA_DEFAULT);
     if (k3_tok_create_tiktoken(&g_tok, path, NULL, K3_TOK_K3_LAYOUT, NULL) != K3_OK) {
         fprintf(stderr, "fuzz_serve_request: %s\n", k3_last_error());
         abort();

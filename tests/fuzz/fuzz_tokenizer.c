@@ -16,6 +16,11 @@
 #include <stdio.h>
 #include <stdlib.h>
 
+/* tests/data of the tree this was built from (tests/CMakeLists.txt), when K3_TESTDATA is unset */
+#ifndef K3_TESTDATA_DEFAULT
+#define K3_TESTDATA_DEFAULT "tests/data"
+#endif
+
 static k3_tokenizer *g_tok[3]; /* K3 pattern (kimi chunking), o200k pattern, cl100k pattern (raw) */
 
 #define FUZZ_REQUIRE(cond, ...)                                                                    \
@@ -36,7 +41,7 @@ static void init_tokenizers(void) {
         snprintf(path, sizeof path, "%s", v);
     else
         snprintf(path, sizeof path, "%s/vocab/o200k_base.tiktoken",
-                 getenv("K3_TESTDATA") ? getenv("K3_TESTDATA") : "tests/data");
+                 getenv("K3_TESTDATA") ? getenv("K3_TESTDATA") : K3_TESTDATA_DEFAULT);
     const k3_tok_options opt[3] = {{.pattern = K3_TOK_PAT_K3},
                                    {.pattern = K3_TOK_PAT_O200K, .no_kimi_chunking = true},
                                    {.pattern = K3_TOK_PAT_CL100K, .no_kimi_chunking = true}};
