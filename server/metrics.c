@@ -4,7 +4,7 @@
  * (srv_metrics_done) and the exposition text. The counters live in the server
  * (server_internal.h: srv_metrics, under its mutex); this file adds to them and prints a
  * snapshot. Every series carries model_name (the served name), so a vLLM dashboard reads it.
- * Names and meanings are vLLM's (the README maps them), where vLLM has the quantity:
+ * Names and meanings are vLLM's (docs/SERVING.md maps them), where vLLM has the quantity:
  *   vllm:num_requests_running, vllm:num_requests_waiting (gauges: in an engine slot / admitted
  *   and waiting for one), vllm:kv_cache_usage_perc (the paged cache's blocks reserved, 0..1),
  *   vllm:prompt_tokens_total, vllm:generation_tokens_total (counters over completed requests,
