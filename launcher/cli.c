@@ -169,9 +169,12 @@ void k3_print_help_hint(const char *cmd) {
         fprintf(stderr, "run 'k3 --help' for the commands\n");
 }
 
-/* s with the characters markdown tables give meaning to escaped ('|'), newlines as spaces. */
+/* s with the characters markdown tables give meaning to escaped ('|'), newlines as spaces. The
+ * reference is one for every build: a help text's "; this build: ..." tail (what this binary has,
+ * as `--help` and `k3 version` say) is left out. */
 static void md_text(FILE *f, const char *s) {
-    for (; s && *s; s++) {
+    const char *end = s ? strstr(s, "; this build: ") : NULL;
+    for (; s && *s && s != end; s++) {
         if (*s == '|')
             fputs("\\|", f);
         else if (*s == '\n')
