@@ -283,6 +283,7 @@ void srv_sreq_free(sreq *q) {
     if (q->st) srv_stream_free(q->st);
     k3_free(q->st), free(q->text_copy);
     k3_job_free(&q->job);
+    k3_chat_json_free(q->resp_doc);
     k3_free(q->gen), k3_free(q->lp), k3_free(q->plp), free(q->text);
     pthread_cond_destroy(&q->cv);
     k3_free(q);
@@ -403,6 +404,11 @@ int k3_server_check_request(const k3_server_opts *o, const char *path, const cha
         st = srv_tokenize(o, body, n_bytes, &out);
     } else if (strcmp(path, "/detokenize") == 0) {
         st = srv_detokenize(o, body, n_bytes, &out);
+    } else if (strcmp(path, "/v1/responses") == 0) {
+        sreq *q = NULL;
+        st = srv_responses_parse(o, body, n_bytes, &q, why, n_why);
+        srv_sreq_free_chain(q);
+        return st;
     } else if (strcmp(path, "/v1/chat/completions") == 0 || strcmp(path, "/v1/completions") == 0) {
         sreq *q = NULL;
         st = srv_parse(o, path[4] == 'c' && path[5] == 'h' ? SREQ_CHAT : SREQ_COMPLETION, body,
@@ -584,8 +590,8 @@ static k3_status put_ids(const sreq_tok *toks, int64_t n, k3_chat_buf *out) {
 }
 
 /* Feed tokens [st->n_fed, s->n_gen) to the chat parser (and end it when s->done). */
-static k3_status feed_chat(const sreq *q, srv_stream *st, const srv_snapshot *s,
-                           const k3_tokenizer *tok) {
+k3_status srv_feed_chat(const sreq *q, srv_stream *st, const srv_snapshot *s,
+                        const k3_tokenizer *tok) {
     if (!st->feed) K3_TRY(k3_job_feed_create(&q->job, tok, q->ignore_eos, &st->feed));
     for (; st->n_fed < s->n_gen; st->n_fed++)
         K3_TRY(k3_job_feed_token(st->feed, s->toks[st->n_fed].id, s->toks[st->n_fed].text_end));
@@ -628,7 +634,7 @@ static k3_status put_choice(const k3_server_opts *o, const sreq *q, k3_chat_buf 
         srv_stream st = {0};
         const srv_snapshot s = {
             .toks = q->gen, .n_gen = q->n_gen, .n_text = q->n_text, .done = true, .stop = q->stop};
-        k3_status r = feed_chat(q, &st, &s, o->tok);
+        k3_status r = srv_feed_chat(q, &st, &s, o->tok);
         k3_parser_message m = {0};
         if (r == K3_OK) r = puts_(out, "\"message\":");
         if (r == K3_OK) r = put_message(k3_job_feed_parser(st.feed), out);
@@ -669,6 +675,7 @@ static void usage_sums(const sreq *head, int64_t *n_prompt, int64_t *n_gen, int6
 }
 
 k3_status srv_response(const k3_server_opts *o, const sreq *q, k3_chat_buf *out) {
+    if (q->responses) return srv_responses_body(o, q, out);
     const bool chat = q->kind == SREQ_CHAT;
     K3_TRY(put_head(o, q, chat ? "chat.completion" : "text_completion", out));
     for (const sreq *c = q; c; c = c->sib) {
@@ -734,7 +741,7 @@ static k3_status chat_chunks(const k3_server_opts *o, const sreq *q, srv_stream 
         st->role_sent = true;
     }
     if (s->failed) return K3_OK;
-    K3_TRY(feed_chat(q, st, s, o->tok));
+    K3_TRY(srv_feed_chat(q, st, s, o->tok));
     k3_parser *p = k3_job_feed_parser(st->feed);
     k3_parser_delta d;
     K3_TRY(k3_parser_take_delta(p, &d));
@@ -799,6 +806,11 @@ static k3_status completion_chunks(const k3_server_opts *o, const sreq *q, srv_s
 k3_status srv_stream_chunks(const k3_server_opts *o, const sreq *q, srv_stream *st,
                             const srv_snapshot *s, k3_chat_buf *out) {
     if (st->end_sent) return K3_OK;
+    if (q->responses) {
+        K3_TRY(srv_responses_chunks(o, q, st, s, out));
+        st->end_sent = s->done;
+        return K3_OK;
+    }
     K3_TRY(q->kind == SREQ_CHAT ? chat_chunks(o, q, st, s, out)
                                 : completion_chunks(o, q, st, s, out));
     st->end_sent = s->done; /* this choice's chunks are all out */
@@ -806,6 +818,7 @@ k3_status srv_stream_chunks(const k3_server_opts *o, const sreq *q, srv_stream *
 }
 
 k3_status srv_stream_end(const k3_server_opts *o, const sreq *head, k3_chat_buf *out) {
+    if (head->responses) return srv_responses_end(o, head, out);
     const sreq *bad = head;
     while (bad && !bad->failed) bad = bad->sib;
     if (bad) {
@@ -831,12 +844,13 @@ k3_status srv_stream_end(const k3_server_opts *o, const sreq *head, k3_chat_buf 
 
 void srv_stream_free(srv_stream *st) {
     k3_job_feed_destroy(st->feed);
+    srv_responses_stream_free(st->rs);
     memset(st, 0, sizeof *st);
 }
 
 /* ---- models, tokenize, detokenize ------------------------------------------------------------ */
-k3_status srv_models_json(const k3_server_opts *o, int64_t created, k3_chat_buf *out) {
-    K3_TRY(puts_(out, "{\"object\":\"list\",\"data\":[{\"id\":"));
+k3_status srv_models_json(const k3_server_opts *o, int64_t created, bool one, k3_chat_buf *out) {
+    K3_TRY(puts_(out, one ? "{\"id\":" : "{\"object\":\"list\",\"data\":[{\"id\":"));
     K3_TRY(put_str(out, o->model_name, strlen(o->model_name)));
     K3_TRY(puts_(out, ",\"object\":\"model\",\"created\":"));
     K3_TRY(put_i64(out, created));
@@ -844,7 +858,7 @@ k3_status srv_models_json(const k3_server_opts *o, int64_t created, k3_chat_buf 
     K3_TRY(put_str(out, o->model_name, strlen(o->model_name)));
     K3_TRY(puts_(out, ",\"max_model_len\":"));
     K3_TRY(put_i64(out, o->max_ctx));
-    return puts_(out, "}]}");
+    return puts_(out, one ? "}" : "}]}");
 }
 
 k3_status srv_info_json(const k3_server_opts *o, const char *path, k3_chat_buf *out) {

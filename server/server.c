@@ -63,7 +63,7 @@ struct k3_server {
 typedef struct conn {
     k3_server *s;
     struct MHD_Connection *c;
-    char method[8], path[64];
+    char method[8], path[256];
     char *body; /* (cap) */
     size_t n, cap;
     int status; /* a refusal decided while the body arrives (400, 401, 413), else 0 */
@@ -91,10 +91,19 @@ static const struct {
               {"/v1/chat/completions", 'P'},
               {"/", 'G'},
               {"/ui", 'G'},
-              {"/v1/k3/status", 'G'}};
+              {"/v1/k3/status", 'G'},
+              {"/v1/responses", 'P'},
+              {"/ping", 'G'},
+              {"/v1/models/{id}", 'G'}};
+
+/* GET /v1/models/{id}: the route's own entry */
+static bool model_path(const char *path) {
+    return strncmp(path, "/v1/models/", 11) == 0 && path[11];
+}
 
 /* Which method a path takes, or 0 for no such path. */
 static char route_method(const char *path) {
+    if (model_path(path)) return 'G';
     for (size_t i = 0; i < K3_ARRAY_LEN(routes); i++)
         if (strcmp(path, routes[i].path) == 0) return routes[i].method;
     return 0;
@@ -102,6 +111,7 @@ static char route_method(const char *path) {
 
 /* The route's own (static) name for the metrics; "other" for any other path. */
 static const char *route_name(const char *path) {
+    if (model_path(path)) return "/v1/models/{id}";
     for (size_t i = 0; i < K3_ARRAY_LEN(routes); i++)
         if (strcmp(path, routes[i].path) == 0) return routes[i].path;
     return "other";
@@ -257,7 +267,10 @@ static int admit(k3_server *s, sreq *head) {
         s->counter++;
         for (sreq *q = head; q; q = q->sib) { /* every choice is a request of the engine (the
                                                  copies of n > 1 fork their prompt's prefill) */
-            snprintf(q->id, sizeof q->id, "%s%016llx", q->kind == SREQ_CHAT ? "chatcmpl-" : "cmpl-",
+            snprintf(q->id, sizeof q->id, "%s%016llx",
+                     q->responses           ? "resp_"
+                     : q->kind == SREQ_CHAT ? "chatcmpl-"
+                                            : "cmpl-",
                      (unsigned long long)h);
             q->created = (int64_t)time(NULL);
             q->t_arrive = k3_now_s();
@@ -649,11 +662,14 @@ static ssize_t read_stream(void *cls, uint64_t pos, char *buf, size_t max) {
     }
 }
 
-static enum MHD_Result model_request(conn *k, sreq_kind kind) {
+/* A chat or completion request; `responses`: a /v1/responses body (a chat request). */
+static enum MHD_Result model_request(conn *k, sreq_kind kind, bool responses) {
     k3_server *s = k->s;
     char why[1024];
     sreq *q = NULL;
-    int st = srv_parse(&s->o, kind, k->body ? k->body : "", k->n, &q, why, sizeof why);
+    const char *body = k->body ? k->body : "";
+    int st = responses ? srv_responses_parse(&s->o, body, k->n, &q, why, sizeof why)
+                       : srv_parse(&s->o, kind, body, k->n, &q, why, sizeof why);
     if (st != 200) return send_error(k, st, why);
     for (sreq *c = q; c && q->stream && st == 200; c = c->sib)
         if (k3_calloc((void **)&c->st, sizeof *c->st, "stream state") != K3_OK) st = 500;
@@ -714,9 +730,17 @@ static enum MHD_Result get_route(conn *k) {
         pthread_mutex_unlock(&s->mu);
         if (why[0]) return send_error(k, 503, why);
         return send_body(k, 200, "application/json", "{\"status\":\"ok\"}", 15);
-    } else if (strcmp(k->path, "/v1/models") == 0) {
-        if (!authorized(s, k->c)) return send_error(k, 401, "a valid API key is required");
-        ret = srv_models_json(&s->o, s->started, &b) == K3_OK ? send_json(k, 200, &b) : MHD_NO;
+    } else if (strcmp(k->path, "/ping") == 0) { /* vLLM's (SageMaker's) liveness probe */
+        return send_body(k, 200, "application/json", "{}", 2);
+    } else if (strcmp(k->path, "/v1/models") == 0 || model_path(k->path)) {
+        const char *id = k->path[10] == '/' ? k->path + 11 : NULL;
+        if (id && strcmp(id, s->o.model_name) != 0) {
+            char why[400];
+            snprintf(why, sizeof why, "the model '%.200s' does not exist", id);
+            return send_error(k, 404, why);
+        }
+        ret = srv_models_json(&s->o, s->started, id != NULL, &b) == K3_OK ? send_json(k, 200, &b)
+                                                                          : MHD_NO;
     } else if (strcmp(k->path, "/") == 0 || strcmp(k->path, "/ui") == 0) { /* the page */
         return send_body(k, 200, "text/html; charset=utf-8", k3_ui_html, k3_ui_html_len);
     } else if (strcmp(k->path, "/v1/k3/status") == 0) { /* its data (status.c): a snapshot */
@@ -747,8 +771,9 @@ static enum MHD_Result get_route(conn *k) {
 
 static enum MHD_Result post_route(conn *k) {
     k3_server *s = k->s;
-    if (strcmp(k->path, "/v1/chat/completions") == 0) return model_request(k, SREQ_CHAT);
-    if (strcmp(k->path, "/v1/completions") == 0) return model_request(k, SREQ_COMPLETION);
+    if (strcmp(k->path, "/v1/chat/completions") == 0) return model_request(k, SREQ_CHAT, false);
+    if (strcmp(k->path, "/v1/completions") == 0) return model_request(k, SREQ_COMPLETION, false);
+    if (strcmp(k->path, "/v1/responses") == 0) return model_request(k, SREQ_CHAT, true);
     k3_chat_buf b = {0};
     const char *body = k->body ? k->body : "";
     int st = strcmp(k->path, "/tokenize") == 0 ? srv_tokenize(&s->o, body, k->n, &b)
@@ -794,9 +819,10 @@ static enum MHD_Result on_request(void *cls, struct MHD_Connection *c, const cha
             return send_error(k, 400, bad);
         }
         if (m && strcmp(method, "OPTIONS") == 0 && cors_origin(s, c)) return preflight(k);
-        const bool open = strcmp(k->path, "/health") == 0 || strcmp(k->path, "/metrics") == 0 ||
-                          strcmp(k->path, "/version") == 0 || strcmp(k->path, "/") == 0 ||
-                          strcmp(k->path, "/ui") == 0; /* the page asks for the key itself */
+        /* vLLM's rule: the key guards the paths under /v1 only (its AuthenticationMiddleware);
+           /health, /ping, /metrics, /version, /tokenize, /detokenize, /tokenizer_info and the
+           page (/, /ui: it asks for the key itself) are open */
+        const bool open = strncmp(k->path, "/v1", 3) != 0;
         if (m && !open && !authorized(s, c)) k->status = 401;
         const char *cl = MHD_lookup_connection_value(c, MHD_HEADER_KIND, "Content-Length");
         if (!k->status && cl && strtoull(cl, NULL, 10) > s->max_body) k->status = 413;

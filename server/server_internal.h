@@ -48,9 +48,11 @@ typedef struct sreq {
     size_t n_bytes;        /* what it holds while admitted (here and in the engine): the queue's
                               memory bound counts it (srv_request_bytes) */
     bool stream, include_usage, return_token_ids, ignore_eos;
-    int n_top;         /* chat: top_logprobs (-1: logprobs off); completions: logprobs (-1: off) */
-    bool echo;         /* completions: the prompt (and its logprobs) before the completion */
-    int plp_top;       /* vLLM's prompt_logprobs (-1: off) */
+    int n_top;      /* chat: top_logprobs (-1: logprobs off); completions: logprobs (-1: off) */
+    bool echo;      /* completions: the prompt (and its logprobs) before the completion */
+    bool responses; /* /v1/responses (responses.c): a chat request written as a response */
+    k3_chat_json *resp_doc; /* /v1/responses: the original body (echoed settings), owned */
+    int plp_top;            /* vLLM's prompt_logprobs (-1: off) */
     k3_prompt_lp *plp; /* [job.n_ids - 1] every prompt token's logprob after the first (echo with
                           logprobs, or prompt_logprobs), filled before the first token arrives */
     k3_job job;
@@ -142,8 +144,9 @@ typedef struct srv_stream {
     int64_t n_lp;      /* tokens whose logprobs went out (they ride on the next chunk) */
     size_t text_seen;  /* completions: released text already sent */
     bool role_sent, end_sent;
-    bool echo_sent;    /* completions with echo: the prompt went out (the first chunk) */
-    int64_t echo_base; /* its text's bytes: the completion's text offsets start there */
+    bool echo_sent;         /* completions with echo: the prompt went out (the first chunk) */
+    int64_t echo_base;      /* its text's bytes: the completion's text offsets start there */
+    struct srv_rstream *rs; /* /v1/responses: its items and events (responses.c) */
 } srv_stream;
 /* Append the SSE events for tokens [st->n_fed, n_gen) (a snapshot of q's shared fields taken
  * under the mutex: toks, lps, text) and, when `done`, the finish chunk, the usage chunk and
@@ -165,13 +168,27 @@ k3_status srv_stream_chunks(const k3_server_opts *o, const sreq *q, srv_stream *
  * usage chunk (summed over the choices) when asked; then `data: [DONE]`. */
 k3_status srv_stream_end(const k3_server_opts *o, const sreq *head, k3_chat_buf *out);
 void srv_stream_free(srv_stream *st);
+/* Feed tokens [st->n_fed, s->n_gen) of a chat choice to its parser (and end it when s->done). */
+k3_status srv_feed_chat(const sreq *q, srv_stream *st, const srv_snapshot *s,
+                        const k3_tokenizer *tok);
+
+/* ---- responses.c: POST /v1/responses ------------------------------------------------------ */
+typedef struct srv_rstream srv_rstream;
+/* A Responses body -> a chat sreq (responses set, resp_doc owned), or 4xx with why. */
+int srv_responses_parse(const k3_server_opts *o, const char *body, size_t n, sreq **out, char *why,
+                        size_t n_why);
+k3_status srv_responses_body(const k3_server_opts *o, const sreq *q, k3_chat_buf *out);
+k3_status srv_responses_chunks(const k3_server_opts *o, const sreq *q, srv_stream *st,
+                               const srv_snapshot *s, k3_chat_buf *out);
+k3_status srv_responses_end(const k3_server_opts *o, const sreq *q, k3_chat_buf *out);
+void srv_responses_stream_free(srv_rstream *rs); /* NULL-safe */
 
 /* {"error": {"message", "type", "param": null, "code"}} for an HTTP status. */
 k3_status srv_error_json(int status, const char *message, k3_chat_buf *out);
 /* GET /tokenizer_info and /version (vLLM's): the body for `path`. */
 k3_status srv_info_json(const k3_server_opts *o, const char *path, k3_chat_buf *out);
-/* GET /v1/models */
-k3_status srv_models_json(const k3_server_opts *o, int64_t created, k3_chat_buf *out);
+/* GET /v1/models (the list), or with `one` GET /v1/models/{id} (the model object alone) */
+k3_status srv_models_json(const k3_server_opts *o, int64_t created, bool one, k3_chat_buf *out);
 /* POST /tokenize and /detokenize: the status and the body (a result or an error object). */
 int srv_tokenize(const k3_server_opts *o, const char *body, size_t n, k3_chat_buf *out);
 int srv_detokenize(const k3_server_opts *o, const char *body, size_t n, k3_chat_buf *out);

@@ -43,7 +43,8 @@ add_test(NAME fuzz_serve_request_short COMMAND fuzz_serve_request_driver --rando
 set_tests_properties(fuzz_serve_request_short PROPERTIES LABELS "fuzz;sanitize" ENVIRONMENT "${K3_TEST_ENV}" TIMEOUT 300)
 if(CMAKE_C_COMPILER_ID MATCHES "Clang")
   add_executable(fuzz_serve_request ${CMAKE_CURRENT_LIST_DIR}/fuzz_serve_request.c
-                 ${CMAKE_SOURCE_DIR}/server/openai.c ${CMAKE_SOURCE_DIR}/client/chat_job.c
+                 ${CMAKE_SOURCE_DIR}/server/openai.c ${CMAKE_SOURCE_DIR}/server/responses.c
+                 ${CMAKE_SOURCE_DIR}/client/chat_job.c
                  ${CMAKE_SOURCE_DIR}/coordinator/chat_json.c ${CMAKE_SOURCE_DIR}/coordinator/chat_render.c
                  ${CMAKE_SOURCE_DIR}/coordinator/parser.c ${CMAKE_SOURCE_DIR}/coordinator/tokenizer.c
                  ${CMAKE_SOURCE_DIR}/coordinator/tokenizer_decode.c ${CMAKE_SOURCE_DIR}/base/base.c

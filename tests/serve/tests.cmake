@@ -42,3 +42,7 @@ k3_serve_pytest(serve_hostile_fault hostile_test.py hostile_fault "mpi" 180)
 add_test(NAME serve_ui_2x2 COMMAND ${K3_SERVE_PYTHON3} ${CMAKE_CURRENT_LIST_DIR}/ui_test.py)
 set_tests_properties(serve_ui_2x2 PROPERTIES LABELS "mpi" TIMEOUT 180 SKIP_RETURN_CODE 77
                      ENVIRONMENT "${K3_SERVE_ENV}")
+# issue 47: OpenAI's Responses API (text, streamed events, a tool round trip, text.format),
+# GET /v1/models/{id} and /ping, with the openai SDK (responses_test.py), on 1 rank and 2 x 2
+k3_serve_pytest(serve_responses_1x1 responses_test.py r1x1 "unit" 180)
+k3_serve_pytest(serve_responses_2x2 responses_test.py r2x2 "mpi" 240)
