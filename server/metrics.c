@@ -14,7 +14,12 @@
  *   vllm:inter_token_latency_seconds (every gap), vllm:e2e_request_latency_seconds,
  *   vllm:request_queue_time_seconds (arrival to an engine slot), vllm:request_prefill_time_seconds
  *   (slot to first token), vllm:request_decode_time_seconds (first to last token),
- *   vllm:request_inference_time_seconds (slot to last token).
+ *   vllm:request_inference_time_seconds (slot to last token); vllm:gpu_cache_usage_perc (the
+ *   older name of kv_cache_usage_perc, which vLLM's Grafana dashboard reads), and count histograms
+ *   (bounds 1, 2, 5, 10, ... 1e6) vllm:request_prompt_tokens (a prompt once for its n choices, as
+ *   the usage), vllm:request_generation_tokens (each completed choice),
+ *   vllm:request_max_num_generation_tokens (per request: its longest choice) and
+ *   vllm:request_params_n (per request: its n), the last two once every choice has ended.
  * k3's own: k3_requests_total{endpoint,status} (HTTP answers), k3_requests_failed_total,
  * k3_cancelled_prompt_tokens_total and k3_cancelled_generation_tokens_total (requests a client
  * or the shutdown cancelled: apart from the vLLM token counters), k3_engine_prompt_tokens_total
@@ -40,6 +45,29 @@ void srv_hist_add(srv_hist *h, double seconds) {
     h->count[b]++;
     h->sum += seconds;
     h->n++;
+}
+
+static void chist_add(srv_chist *h, double v) {
+    int b = 0;
+    for (double bound = 1; b < SRV_N_CBUCKETS && v > bound; b++)
+        bound *= (b % 3 == 1) ? 2.5 : 2; /* 1, 2, 5, 10, 20, 50, ... */
+    h->count[b]++;
+    h->sum += v;
+    h->n++;
+}
+
+/* mu held, q done: once every choice of q's request has ended (the last to end sees it), the
+ * request's most generated tokens among its choices and its n (choices per prompt). */
+static void request_done(srv_metrics *m, const sreq *q) {
+    const sreq *head = q->head ? q->head : q;
+    int64_t most = 0, n = 0;
+    for (const sreq *c = head; c; c = c->sib) {
+        if (!c->done) return;
+        most = K3_MAX(most, c->n_gen);
+        n += c->prompt_i == 0;
+    }
+    chist_add(&m->max_gen, (double)most);
+    chist_add(&m->params_n, (double)n);
 }
 
 void srv_count_status(srv_metrics *m, const char *path, int status) {
@@ -87,8 +115,29 @@ static k3_status hist(k3_chat_buf *o, const char *name, const char *labels, cons
     return put(o, "%s_count%s%s%s %llu\n", name, open, labels, close, (unsigned long long)h->n);
 }
 
+/* A count histogram (1-2-5 bounds). */
+static k3_status chist(k3_chat_buf *o, const char *name, const char *mn, const char *help,
+                       const srv_chist *h) {
+    K3_TRY(head(o, name, "histogram", help));
+    uint64_t cum = 0;
+    double bound = 1;
+    for (int b = 0; b <= SRV_N_CBUCKETS; b++) {
+        cum += h->count[b];
+        char le[32];
+        if (b < SRV_N_CBUCKETS)
+            snprintf(le, sizeof le, "%.1f", bound);
+        else
+            snprintf(le, sizeof le, "+Inf");
+        bound *= (b % 3 == 1) ? 2.5 : 2;
+        K3_TRY(put(o, "%s_bucket{%s,le=\"%s\"} %llu\n", name, mn, le, (unsigned long long)cum));
+    }
+    K3_TRY(put(o, "%s_sum{%s} %.9g\n", name, mn, h->sum));
+    return put(o, "%s_count{%s} %llu\n", name, mn, (unsigned long long)h->n);
+}
+
 void srv_metrics_done(srv_metrics *m, const sreq *q) {
     const uint64_t n_prompt = q->sib_copy ? 0 : (uint64_t)q->n_prompt; /* as the usage counts */
+    request_done(m, q);
     if (q->failed) {
         m->n_failed++;
         return;
@@ -101,6 +150,8 @@ void srv_metrics_done(srv_metrics *m, const sreq *q) {
     }
     m->prompt_tokens += n_prompt;
     m->generation_tokens += (uint64_t)q->n_gen;
+    if (!q->sib_copy) chist_add(&m->prompt_len, (double)q->n_prompt);
+    chist_add(&m->gen_len, (double)q->n_gen);
     *(q->stop == K3_STOP_NONE ? &m->n_length : &m->n_stop) += 1;
     const double t_slot = (q->t_submit > 0 ? q->t_submit : q->t_arrive) + q->queued_s;
     srv_hist_add(&m->e2e, q->t_done - q->t_arrive);
@@ -160,6 +211,9 @@ k3_status srv_metrics_text(const srv_metrics *m, int slots, k3_chat_buf *o) {
     K3_TRY(gauge(o, mn, "vllm:kv_cache_usage_perc",
                  "share of the paged cache's blocks reserved by running requests (0..1)",
                  m->cache_usage));
+    K3_TRY(gauge(o, mn, "vllm:gpu_cache_usage_perc",
+                 "vllm:kv_cache_usage_perc under its older name (vLLM's Grafana dashboard)",
+                 m->cache_usage));
     const struct {
         const char *name, *help;
         uint64_t v;
@@ -215,6 +269,22 @@ k3_status srv_metrics_text(const srv_metrics *m, int slots, k3_chat_buf *o) {
     for (size_t i = 0; i < K3_ARRAY_LEN(hists); i++)
         K3_TRY(hist(o, hists[i].name, mn, hists[i].help,
                     (const srv_hist *)(const void *)((const char *)m + hists[i].off)));
+    static const struct {
+        const char *name, *help;
+        size_t off;
+    } chists[] = {
+        {"vllm:request_prompt_tokens", "prompt tokens of a completed request (a prompt once)",
+         offsetof(srv_metrics, prompt_len)},
+        {"vllm:request_generation_tokens", "tokens a completed choice generated",
+         offsetof(srv_metrics, gen_len)},
+        {"vllm:request_max_num_generation_tokens",
+         "the most tokens one choice of a request generated", offsetof(srv_metrics, max_gen)},
+        {"vllm:request_params_n", "a request's n (choices per prompt)",
+         offsetof(srv_metrics, params_n)},
+    };
+    for (size_t i = 0; i < K3_ARRAY_LEN(chists); i++)
+        K3_TRY(chist(o, chists[i].name, mn, chists[i].help,
+                     (const srv_chist *)(const void *)((const char *)m + chists[i].off)));
     K3_TRY(
         head(o, "k3_requests_total", "counter", "HTTP requests answered, by endpoint and status"));
     for (int i = 0; i < SRV_N_STATUS && m->status_code[i]; i++)

@@ -150,9 +150,11 @@ static size_t n_prompts(const k3_chat_json *p) {
     return k == K3_JSON_STRING || k == K3_JSON_ARRAY ? p->n_items : 1;
 }
 
-/* A completion prompt: a string, ids, or item `i` of a list of either. */
-static int completion_prompt(const k3_server_opts *o, const k3_chat_json *p, int i, k3_job *j,
-                             char *why, size_t n_why) {
+/* A completion prompt: a string, ids, or item `i` of a list of either. `specials`: special-token
+ * text in a string is the special token (as HF and vLLM tokenize it: /tokenize); else plain text
+ * (a completion's prompt, as `k3 run --prompt`). */
+static int completion_prompt(const k3_server_opts *o, const k3_chat_json *p, int i, bool specials,
+                             k3_job *j, char *why, size_t n_why) {
     if (!p) return fail(why, n_why, 400, "request key 'prompt' is required");
     char what[64] = "request key 'prompt'";
     if (n_prompts(p) > 1 ||
@@ -170,7 +172,7 @@ static int completion_prompt(const k3_server_opts *o, const k3_chat_json *p, int
                     "request key 'prompt' must be a string, a list of token ids, or a list of "
                     "either (one prompt each)");
     k3_tok_ids v = {0};
-    if (k3_tok_encode(o->tok, p->s, p->n, false, &v) != K3_OK) {
+    if (k3_tok_encode(o->tok, p->s, p->n, specials, &v) != K3_OK) {
         int st = fail(why, n_why, 400, "%s: %s", what, k3_last_error());
         k3_tok_ids_free(&v);
         return st;
@@ -229,7 +231,8 @@ static int parse_job(const k3_server_opts *o, sreq *q, const char *body, size_t 
         const k3_chat_json *sfx = key(j->doc, "suffix"); /* insertion: no FIM in K3's format */
         if (sfx && sfx->kind != K3_JSON_NULL && !(sfx->kind == K3_JSON_STRING && sfx->n == 0))
             return fail(why, n_why, 400, "request key 'suffix' is not supported by this model");
-        st = completion_prompt(o, k3_chat_json_get(j->doc, "prompt"), q->prompt_i, j, why, n_why);
+        st = completion_prompt(o, k3_chat_json_get(j->doc, "prompt"), q->prompt_i, false, j, why,
+                               n_why);
         if (st != 200) return st;
         st = completion_logprobs(j->doc, &q->n_top, why, n_why);
         if (st != 200) return st;
@@ -387,7 +390,7 @@ int srv_parse(const k3_server_opts *o, sreq_kind kind, const char *body, size_t 
         return st;
     }
     for (sreq *q = head; q; q = q->sib)
-        q->multi = head->sib != NULL, q->n_bytes = srv_request_bytes(o, q, n);
+        q->multi = head->sib != NULL, q->n_bytes = srv_request_bytes(o, q, n), q->head = head;
     *out = head;
     return 200;
 }
@@ -900,7 +903,10 @@ static int error_body(int status, const char *why, k3_chat_buf *out) {
 }
 
 /* vLLM's /tokenize: {"prompt": text} or a chat request ({"messages": [...], ...}) ->
- * {"count", "max_model_len", "tokens"}. */
+ * {"count", "max_model_len", "tokens"} (+ "token_strs" with return_token_strs). A prompt's
+ * special-token text is the special token, as HF's tokenizer and vLLM read it (lm-eval takes
+ * BOS as /tokenize("[BOS]")[0]); add_special_tokens (vLLM's, default true for a prompt) adds
+ * nothing for K3, whose tokenizer adds no BOS / EOS (its HF tokenizer adds none either). */
 int srv_tokenize(const k3_server_opts *o, const char *body, size_t n, k3_chat_buf *out) {
     char why[1024];
     sreq *q = NULL;
@@ -908,6 +914,16 @@ int srv_tokenize(const k3_server_opts *o, const char *body, size_t n, k3_chat_bu
     if (k3_chat_json_parse(body, n, "request", &d) != K3_OK)
         return error_body(400, k3_last_error(), out);
     const bool chat = k3_chat_json_get(d, "messages") != NULL;
+    static const char *const flags[] = {"add_special_tokens", "return_token_strs"};
+    for (size_t i = 0; i < K3_ARRAY_LEN(flags); i++) {
+        const k3_chat_json *f = key(d, flags[i]);
+        if (f && f->kind != K3_JSON_BOOL) {
+            snprintf(why, sizeof why, "request key '%s' must be true or false", flags[i]);
+            k3_chat_json_free(d);
+            return error_body(400, why, out);
+        }
+    }
+    const bool strs = k3_chat_json_truthy(key(d, "return_token_strs"));
     k3_chat_json_free(d);
     k3_job j = {0};
     int st = 200;
@@ -920,7 +936,7 @@ int srv_tokenize(const k3_server_opts *o, const char *body, size_t n, k3_chat_bu
         if (k3_chat_json_parse(body, n, "request", &q->job.doc) != K3_OK)
             st = error_body(400, k3_last_error(), out);
         if (st == 200) {
-            st = completion_prompt(o, k3_chat_json_get(q->job.doc, "prompt"), 0, &q->job, why,
+            st = completion_prompt(o, k3_chat_json_get(q->job.doc, "prompt"), 0, true, &q->job, why,
                                    sizeof why);
             if (st != 200) st = error_body(st, why, out);
         }
@@ -938,7 +954,14 @@ int srv_tokenize(const k3_server_opts *o, const char *body, size_t n, k3_chat_bu
             if (i) r = puts_(out, ",");
             if (r == K3_OK) r = put_i64(out, j.ids[i]);
         }
-        if (r == K3_OK) r = puts_(out, "]}");
+        if (r == K3_OK) r = puts_(out, "]");
+        if (r == K3_OK && strs) r = puts_(out, ",\"token_strs\":[");
+        for (int64_t i = 0; strs && i < j.n_ids && r == K3_OK; i++) {
+            if (i) r = puts_(out, ",");
+            if (r == K3_OK) r = put_token(o, j.ids[i], out);
+        }
+        if (r == K3_OK && strs) r = puts_(out, "]");
+        if (r == K3_OK) r = puts_(out, "}");
         if (r != K3_OK) st = error_body(500, k3_last_error(), out);
     }
     k3_job_free(&j);

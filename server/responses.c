@@ -81,11 +81,14 @@ static int content_text(const k3_chat_json *c, const char *where, k3_chat_buf *o
         const k3_chat_json *p = c->items[i], *t = val(p, "type"), *x = val(p, "text");
         if (t && (k3_chat_json_is_str(t, "input_image") || k3_chat_json_is_str(t, "input_file") ||
                   k3_chat_json_is_str(t, "input_audio")))
-            return rfail(why, n_why, "%s[%zu]: '%s' parts are not supported (K3 is served text-only)",
-                         where, i, t->s);
+            return rfail(why, n_why,
+                         "%s[%zu]: '%s' parts are not supported (K3 is served text-only)", where, i,
+                         t->s);
         if (!x || x->kind != K3_JSON_STRING)
-            return rfail(why, n_why, "%s[%zu] must be a text part ({\"type\": \"input_text\", "
-                         "\"text\": ...})", where, i);
+            return rfail(why, n_why,
+                         "%s[%zu] must be a text part ({\"type\": \"input_text\", "
+                         "\"text\": ...})",
+                         where, i);
         if (k3_chat_buf_put(out, x->s, x->n) != K3_OK) return 500;
     }
     return 200;
@@ -153,8 +156,10 @@ static int item_message(msgs *m, const k3_chat_json *it, size_t i, char *why, si
     } else if (st == 200) {
         if (strcmp(r, "developer") == 0) r = "system";
         if (strcmp(r, "user") && strcmp(r, "system"))
-            st = rfail(why, n_why, "input[%zu]: role '%.40s' is not one of user, system, "
-                       "developer, assistant", i, r);
+            st = rfail(why, n_why,
+                       "input[%zu]: role '%.40s' is not one of user, system, "
+                       "developer, assistant",
+                       i, r);
         if (st == 200 && msg_plain(m, r, NULL, &t) != K3_OK) st = 500;
     }
     k3_chat_buf_free(&t);
@@ -162,11 +167,14 @@ static int item_message(msgs *m, const k3_chat_json *it, size_t i, char *why, si
 }
 
 static int item_call(msgs *m, const k3_chat_json *it, size_t i, char *why, size_t n_why) {
-    const k3_chat_json *id = val(it, "call_id"), *name = val(it, "name"), *args = val(it, "arguments");
+    const k3_chat_json *id = val(it, "call_id"), *name = val(it, "name"),
+                       *args = val(it, "arguments");
     if (!id || id->kind != K3_JSON_STRING || !name || name->kind != K3_JSON_STRING || !args ||
         args->kind != K3_JSON_STRING)
-        return rfail(why, n_why, "input[%zu]: a function_call item needs the strings 'call_id', "
-                     "'name' and 'arguments'", i);
+        return rfail(why, n_why,
+                     "input[%zu]: a function_call item needs the strings 'call_id', "
+                     "'name' and 'arguments'",
+                     i);
     if (m->open == 0 && msg_assistant(m, "", 0) != K3_OK) return 500;
     k3_status r = puts_(m->b, m->open == 'a' ? ",\"tool_calls\":[{\"id\":" : ",{\"id\":");
     m->open = 'c';
@@ -256,8 +264,10 @@ static int put_tools(const k3_chat_json *tools, k3_chat_buf *b, char *why, size_
     for (size_t i = 0; i < tools->n_items; i++) {
         const k3_chat_json *t = tools->items[i], *ty = val(t, "type"), *name = val(t, "name");
         if (!k3_chat_json_is_str(ty, "function"))
-            return rfail(why, n_why, "tools[%zu]: type '%.40s' is not supported (function tools "
-                         "only)", i, ty && ty->kind == K3_JSON_STRING ? ty->s : "?");
+            return rfail(why, n_why,
+                         "tools[%zu]: type '%.40s' is not supported (function tools "
+                         "only)",
+                         i, ty && ty->kind == K3_JSON_STRING ? ty->s : "?");
         if (!name || name->kind != K3_JSON_STRING)
             return rfail(why, n_why, "tools[%zu]: a function tool needs a 'name'", i);
         K3_TRY(puts_(b, i ? ",{\"type\":\"function\",\"function\":{\"name\":"
@@ -275,7 +285,8 @@ static int put_tool_choice(const k3_chat_json *tc, k3_chat_buf *b, char *why, si
     if (tc->kind == K3_JSON_STRING) return put_kv(b, "tool_choice", tc) == K3_OK ? 200 : 500;
     const k3_chat_json *ty = val(tc, "type"), *name = val(tc, "name");
     if (!k3_chat_json_is_str(ty, "function") || !name || name->kind != K3_JSON_STRING)
-        return rfail(why, n_why, "request key 'tool_choice' must be none, auto, required or "
+        return rfail(why, n_why,
+                     "request key 'tool_choice' must be none, auto, required or "
                      "{\"type\": \"function\", \"name\": ...}");
     K3_TRY(puts_(b, ",\"tool_choice\":{\"type\":\"function\",\"function\":{\"name\":"));
     K3_TRY(put_json(b, name));
@@ -289,7 +300,8 @@ static int put_format(const k3_chat_json *text, k3_chat_buf *b, char *why, size_
     if (k3_chat_json_is_str(ty, "json_object"))
         return puts_(b, ",\"response_format\":{\"type\":\"json_object\"}") == K3_OK ? 200 : 500;
     if (!k3_chat_json_is_str(ty, "json_schema"))
-        return rfail(why, n_why, "request key 'text.format.type' must be text, json_object or "
+        return rfail(why, n_why,
+                     "request key 'text.format.type' must be text, json_object or "
                      "json_schema");
     K3_TRY(puts_(b, ",\"response_format\":{\"type\":\"json_schema\",\"json_schema\":{\"name\":"));
     const k3_chat_json *name = val(f, "name");
@@ -325,25 +337,39 @@ static int to_chat(const k3_chat_json *d, k3_chat_buf *b, char *why, size_t n_wh
     if (puts_(b, "{") != K3_OK) return 500;
     int st = put_messages(d, b, why, n_why);
     /* the chat keys of the same name and meaning (vLLM's extra sampling keys included) */
-    static const char *const same[] = {
-        "model", "stream", "temperature", "top_p", "top_k", "min_p", "seed", "logit_bias", "stop",
-        "presence_penalty", "frequency_penalty", "repetition_penalty", "chat_template_kwargs",
-        "ignore_eos", "parallel_tool_calls", "user", "structured_outputs"};
+    static const char *const same[] = {"model",
+                                       "stream",
+                                       "temperature",
+                                       "top_p",
+                                       "top_k",
+                                       "min_p",
+                                       "seed",
+                                       "logit_bias",
+                                       "stop",
+                                       "presence_penalty",
+                                       "frequency_penalty",
+                                       "repetition_penalty",
+                                       "chat_template_kwargs",
+                                       "ignore_eos",
+                                       "parallel_tool_calls",
+                                       "user",
+                                       "structured_outputs"};
     for (size_t i = 0; st == 200 && i < K3_ARRAY_LEN(same); i++)
         if (val(d, same[i]) && put_kv(b, same[i], val(d, same[i])) != K3_OK) st = 500;
     if (st == 200 && val(d, "max_output_tokens") &&
         put_kv(b, "max_tokens", val(d, "max_output_tokens")) != K3_OK)
         st = 500;
     if (st == 200 && val(d, "tools")) st = put_tools(val(d, "tools"), b, why, n_why);
-    if (st == 200 && val(d, "tool_choice")) st = put_tool_choice(val(d, "tool_choice"), b, why, n_why);
+    if (st == 200 && val(d, "tool_choice"))
+        st = put_tool_choice(val(d, "tool_choice"), b, why, n_why);
     if (st == 200 && val(d, "text")) st = put_format(val(d, "text"), b, why, n_why);
     if (st == 200 && val(d, "reasoning")) st = put_effort(val(d, "reasoning"), b);
     if (st == 200 && puts_(b, "}") != K3_OK) st = 500;
     return st;
 }
 
-int srv_responses_parse(const k3_server_opts *o, const char *body, size_t n, sreq **out,
-                        char *why, size_t n_why) {
+int srv_responses_parse(const k3_server_opts *o, const char *body, size_t n, sreq **out, char *why,
+                        size_t n_why) {
     k3_chat_json *d = NULL;
     *out = NULL;
     if (k3_chat_json_parse(body, n, "request", &d) != K3_OK) {
@@ -351,8 +377,9 @@ int srv_responses_parse(const k3_server_opts *o, const char *body, size_t n, sre
         return 400;
     }
     k3_chat_buf chat = {0};
-    int st = d->kind == K3_JSON_OBJECT ? to_chat(d, &chat, why, n_why)
-                                       : rfail(why, n_why, "the request body must be a JSON object");
+    int st = d->kind == K3_JSON_OBJECT
+                 ? to_chat(d, &chat, why, n_why)
+                 : rfail(why, n_why, "the request body must be a JSON object");
     if (st == 500) snprintf(why, n_why, "out of memory");
     if (st == 200) st = srv_parse(o, SREQ_CHAT, chat.p, chat.n, out, why, n_why);
     k3_chat_buf_free(&chat);
@@ -457,7 +484,10 @@ static k3_status put_response(const k3_server_opts *o, const sreq *q, const k3_p
     K3_TRY(puts_(out, "{\"id\":"));
     K3_TRY(put_str(out, q->id, strlen(q->id)));
     snprintf(t, sizeof t, ",\"object\":\"response\",\"created_at\":%lld,\"status\":\"%s\"",
-             (long long)q->created, !m ? "in_progress" : cut ? "incomplete" : "completed");
+             (long long)q->created,
+             !m    ? "in_progress"
+             : cut ? "incomplete"
+                   : "completed");
     K3_TRY(puts_(out, t));
     K3_TRY(puts_(out, cut ? ",\"incomplete_details\":{\"reason\":\"max_output_tokens\"}"
                           : ",\"incomplete_details\":null"));
@@ -468,11 +498,16 @@ static k3_status put_response(const k3_server_opts *o, const sreq *q, const k3_p
     /* the request's settings, echoed (OpenAI's defaults where it gave none) */
     static const struct {
         const char *key, *dflt;
-    } echo[] = {{"instructions", "null"},      {"max_output_tokens", "null"},
-                {"temperature", "1.0"},        {"top_p", "1.0"},
-                {"tool_choice", "\"auto\""},   {"tools", "[]"},
-                {"parallel_tool_calls", "true"}, {"text", "{\"format\":{\"type\":\"text\"}}"},
-                {"reasoning", "{\"effort\":null,\"summary\":null}"}, {"metadata", "{}"},
+    } echo[] = {{"instructions", "null"},
+                {"max_output_tokens", "null"},
+                {"temperature", "1.0"},
+                {"top_p", "1.0"},
+                {"tool_choice", "\"auto\""},
+                {"tools", "[]"},
+                {"parallel_tool_calls", "true"},
+                {"text", "{\"format\":{\"type\":\"text\"}}"},
+                {"reasoning", "{\"effort\":null,\"summary\":null}"},
+                {"metadata", "{}"},
                 {"user", "null"}};
     for (size_t i = 0; i < K3_ARRAY_LEN(echo); i++) {
         const k3_chat_json *v = val(d, echo[i].key);
@@ -483,7 +518,8 @@ static k3_status put_response(const k3_server_opts *o, const sreq *q, const k3_p
             K3_TRY(puts_(out, t));
         }
     }
-    K3_TRY(puts_(out, ",\"previous_response_id\":null,\"store\":false,\"truncation\":\"disabled\""));
+    K3_TRY(
+        puts_(out, ",\"previous_response_id\":null,\"store\":false,\"truncation\":\"disabled\""));
     if (!m) return puts_(out, ",\"usage\":null}");
     snprintf(t, sizeof t,
              ",\"usage\":{\"input_tokens\":%lld,\"input_tokens_details\":{\"cached_tokens\":%lld},"
@@ -547,8 +583,9 @@ static k3_status close_item(const sreq *q, srv_rstream *rs, k3_chat_buf *out) {
     if (!rs->cur) return K3_OK;
     const char *a = rs->acc.p ? rs->acc.p : "";
     if (rs->cur == 'r' || rs->cur == 'm') {
-        K3_TRY(ev_open(rs, rs->cur == 'r' ? "response.reasoning_text.done"
-                                          : "response.output_text.done", out));
+        K3_TRY(ev_open(
+            rs, rs->cur == 'r' ? "response.reasoning_text.done" : "response.output_text.done",
+            out));
         K3_TRY(ev_where(q, rs, true, out));
         K3_TRY(puts_(out, ",\"text\":"));
         K3_TRY(put_str(out, a, rs->acc.n));

@@ -36,12 +36,13 @@ typedef struct sreq_lp {
 typedef struct sreq {
     /* fixed once queued */
     sreq_kind kind;
-    struct sreq *sib; /* the next choice of the same HTTP request (n > 1, a prompt list), or NULL;
-                         the first choice (the head) stands for the request */
-    int index;        /* its choice index: prompt * n + copy, as OpenAI numbers them */
-    int prompt_i;     /* completions: which prompt of a list */
-    bool sib_copy;    /* a copy after the first of its prompt (n > 1): its prompt is not counted
-                         again in the usage */
+    struct sreq *sib;  /* the next choice of the same HTTP request (n > 1, a prompt list), or NULL;
+                          the first choice (the head) stands for the request */
+    struct sreq *head; /* the first choice of its HTTP request (itself for the first) */
+    int index;         /* its choice index: prompt * n + copy, as OpenAI numbers them */
+    int prompt_i;      /* completions: which prompt of a list */
+    bool sib_copy;     /* a copy after the first of its prompt (n > 1): its prompt is not counted
+                          again in the usage */
     struct sreq *fork_src; /* a copy: the first choice of its prompt, whose prefill the engine
                               forks for it (k3_request.fork) */
     bool multi;            /* one of several choices: events also wake the server's multi_cv */
@@ -92,6 +93,15 @@ typedef struct srv_hist {
     uint64_t n;
 } srv_hist;
 
+/* A histogram of counts (tokens, n) with the 1-2-5 bounds vLLM uses for them: 1, 2, 5, 10, ...,
+ * 5e5, 1e6 (the last bucket +Inf). */
+#define SRV_N_CBUCKETS 19
+typedef struct srv_chist {
+    uint64_t count[SRV_N_CBUCKETS + 1];
+    double sum;
+    uint64_t n;
+} srv_chist;
+
 #define SRV_N_STATUS  64  /* distinct (endpoint, status) pairs counted */
 #define SRV_MAX_RANKS 256 /* ranks whose step time /metrics lists */
 typedef struct srv_metrics {
@@ -104,6 +114,10 @@ typedef struct srv_metrics {
     uint64_t n_stop, n_length, n_cancelled, n_failed;       /* by how they ended */
     uint64_t cancelled_prompt_tokens, cancelled_gen_tokens; /* cancelled: counted apart */
     srv_hist ttft, tpot, itl, e2e, queue, prefill, decode, inference, step;
+    /* vLLM's per-request counts: prompt tokens (a prompt once for its n choices) and generated
+       tokens of completed choices; per HTTP request once every choice ended: the most tokens
+       one of its choices generated, and its n */
+    srv_chist prompt_len, gen_len, max_gen, params_n;
     int pending;          /* engine: queued + running (after the last step) */
     int running, waiting; /* engine: in a slot, waiting for one (k3_engine_load) */
     double cache_usage;   /* engine: share of the paged cache's blocks reserved */

@@ -15,7 +15,12 @@ Groups (pytest -k), each on 1x1 (e1x1) and 2x2 (e2x2, --deterministic):
       n > 1 forks one prefill (test_choices_fork_one_prefill: the engine's prompt-token counter
       grows once, every choice equals its n = 1 request with seed + c, cancellation frees all).
   info      : GET /version, GET /tokenizer_info (the model's tokenizer_config.json, as vLLM
-      returns its tokenizer's config; behind the API key like /tokenize).
+      returns its tokenizer's config; open, as vLLM guards only the paths under /v1).
+  rolling   : (issue 47) lm-eval `loglikelihood_rolling` on documents longer than its window,
+      once with the remote tokenizer (GET /tokenizer_info + /tokenize, no key given to lm-eval but
+      OPENAI_API_KEY) and once with a local HF tokenizer built from the model's tiktoken file
+      (tokenizers' own BPE, checked against tiktoken): every document's loglikelihood is equal;
+      /tokenize reads special-token text as the special token ("[EOS]" -> one id), as HF does.
   metrics   : /metrics parses with prometheus_client, every series has model_name; after a mix of
       requests (chat, streamed, n=2, a prompt list, echo) vllm:prompt_tokens_total and
       vllm:generation_tokens_total grew by exactly the responses' usage; a cancelled stream is
@@ -486,13 +491,18 @@ def encode_pair(srv, context, continuation):
     return whole, len(ctx)
 
 
-def test_lm_eval_local_completions(srv, model_dir, tmp_path):
+def need_lm_eval():
+    """Skip without lm_eval (a failure under CI=true)."""
     try:
         import lm_eval  # noqa: F401
     except ImportError:
         if os.environ.get("CI") == "true":
             raise
         pytest.skip("lm_eval is not installed (tests/requirements.txt)")
+
+
+def test_lm_eval_local_completions(srv, model_dir, tmp_path):
+    need_lm_eval()
     d = str(tmp_path)
     write_tasks(d)
     env = dict(os.environ, HF_DATASETS_OFFLINE="1", HF_HUB_OFFLINE="1", OPENAI_API_KEY=KEY,
@@ -531,3 +541,83 @@ def test_lm_eval_local_completions(srv, model_dir, tmp_path):
     print("lm-eval loglikelihoods vs --dump-logits: %d cases, worst |diff| %.2e" % (len(cases),
                                                                                      worst))
     assert worst <= TOL
+
+
+ROLLING = [{"text": t} for t in [
+    "The quick brown fox jumps over the lazy dog. " * 6,
+    "In the beginning was the word, and the word was with the model; numbers 1234567 and [EOS] too.",
+    "Héllo wörld, 你好, 12 + 34 = 46.\n\nA second paragraph follows here, with more words in it.",
+]]
+
+
+def local_hf_tokenizer(model_dir, out):
+    """An HF fast tokenizer of the model's tiktoken file (tokenizers' BPE with K3's pattern and
+    its special block), checked against tiktoken on a few strings."""
+    sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
+    import tiktoken
+    from k3_tiktoken import K3_PAT, k3_specials
+    from tiktoken.load import load_tiktoken_bpe
+    from transformers import AutoTokenizer, PreTrainedTokenizerFast
+    from transformers.convert_slow_tokenizer import TikTokenConverter
+    with open(os.path.join(model_dir, "tokenizer_config.json")) as f:
+        added = json.load(f)["added_tokens_decoder"]
+    specials = k3_specials(min(int(k) for k in added))
+    vocab = os.path.join(model_dir, "tiktoken.model")
+    names = sorted(specials, key=specials.get)  # one block of ids right after the ranks
+    t = PreTrainedTokenizerFast(tokenizer_object=TikTokenConverter(vocab_file=vocab,
+                                                                   pattern=K3_PAT).converted())
+    t.add_special_tokens({"additional_special_tokens": names})
+    t.add_special_tokens({"bos_token": "[BOS]", "eos_token": "[EOS]"})
+    t.save_pretrained(out)
+    tok = AutoTokenizer.from_pretrained(out)
+    assert tok.convert_tokens_to_ids(names) == [specials[n] for n in names]
+    enc = tiktoken.Encoding("k3", pat_str=K3_PAT, mergeable_ranks=load_tiktoken_bpe(vocab),
+                            special_tokens=specials)
+    for d in ROLLING:
+        assert tok.encode(d["text"]) == enc.encode(d["text"], allowed_special="all")
+    return tok
+
+
+def run_rolling(srv, d, backend):
+    with open(os.path.join(d, "rolling.jsonl"), "w") as f:
+        f.writelines(json.dumps(x) + "\n" for x in ROLLING)
+    with open(os.path.join(d, "k3_rolling.yaml"), "w") as f:
+        f.write("task: k3_rolling\ndataset_path: json\ndataset_kwargs:\n  data_files:\n"
+                "    test: %s/rolling.jsonl\ntest_split: test\noutput_type: loglikelihood_rolling\n"
+                "doc_to_text: \"\"\ndoc_to_target: \"{{text}}\"\nmetric_list:\n"
+                "  - metric: word_perplexity\n" % d)
+    env = dict(os.environ, HF_DATASETS_OFFLINE="1", HF_HUB_OFFLINE="1", OPENAI_API_KEY=KEY,
+               TOKENIZERS_PARALLELISM="false")
+    args = ("base_url=%s/v1/completions,model=%s,%s,num_concurrent=1,max_retries=1,"
+            "tokenized_requests=True,max_length=24" % (srv.url, NAME, backend))
+    out = os.path.join(d, "out_" + backend.split(",")[0].split("=")[1])
+    p = subprocess.run([sys.executable, "-m", "lm_eval", "--model", "local-completions",
+                        "--model_args", args, "--include_path", d, "--tasks", "k3_rolling",
+                        "--batch_size", "2", "--output_path", out, "--log_samples"],
+                       capture_output=True, text=True, env=env, timeout=300)
+    assert p.returncode == 0, (p.stdout + p.stderr)[-4000:]
+    for root, _, files in os.walk(out):
+        for fn in files:
+            if fn.startswith("samples_k3_rolling"):
+                with open(os.path.join(root, fn)) as f:
+                    docs = [json.loads(line) for line in f]
+                return {x["doc_id"]: float(np.ravel(x["resps"][0])[0]) for x in docs}
+    raise AssertionError("no samples from lm-eval in " + out)
+
+
+def test_rolling_remote_equals_local(srv, model_dir, tmp_path):
+    if srv.topology != "e1x1":  # a tokenizer question: one topology is enough (lm-eval is slow)
+        pytest.skip("run on e1x1")
+    need_lm_eval()
+    d = str(tmp_path)
+    tok = local_hf_tokenizer(model_dir, os.path.join(d, "hf"))
+    for text in ("[EOS]", "[BOS]", "a[EOS]b <|open|>"):
+        r = requests.post(srv.url + "/tokenize", json={"prompt": text}, timeout=10)
+        assert r.status_code == 200 and r.json()["tokens"] == tok.encode(text), (text, r.text)
+    r = requests.post(srv.url + "/tokenize", json={"prompt": "[EOS]x", "return_token_strs": True},
+                      timeout=10).json()
+    assert r["token_strs"][0] == "[EOS]" and len(r["token_strs"]) == r["count"] == 2
+    remote = run_rolling(srv, d, "tokenizer_backend=remote")
+    local = run_rolling(srv, d, "tokenizer_backend=huggingface,tokenizer=%s" % os.path.join(d, "hf"))
+    print("lm-eval loglikelihood_rolling: remote %s, local %s" % (remote, local))
+    assert len(remote) == len(ROLLING) and remote == local

@@ -29,7 +29,7 @@ k3_serve_test(serve_stuck_client stuck "unit" 180)
 k3_serve_test(serve_live_tools live_tool_calls "unit" 120)
 # issue 32: what evaluation harnesses send (eval_test.py): prompt logprobs against --dump-logits,
 # n and prompt lists with the openai SDK, lm-evaluation-harness' local-completions end to end
-k3_serve_pytest(serve_eval_1x1 eval_test.py "e1x1 or queue" "unit" 300)
+k3_serve_pytest(serve_eval_1x1 eval_test.py "e1x1 or queue" "unit" 420)
 k3_serve_pytest(serve_eval_2x2 eval_test.py e2x2 "mpi" 300)
 # issue 34's reliability findings against the live server (hostile_test.py says what each checks):
 # raw-socket framing, half-close, a slowloris, 400s naming the key, CORS, a 1 MB body of 100k
@@ -46,3 +46,5 @@ set_tests_properties(serve_ui_2x2 PROPERTIES LABELS "mpi" TIMEOUT 180 SKIP_RETUR
 # GET /v1/models/{id} and /ping, with the openai SDK (responses_test.py), on 1 rank and 2 x 2
 k3_serve_pytest(serve_responses_1x1 responses_test.py r1x1 "unit" 180)
 k3_serve_pytest(serve_responses_2x2 responses_test.py r2x2 "mpi" 240)
+# issue 47: every panel query of vLLM's Grafana dashboard returns data after some traffic
+k3_serve_pytest(serve_dashboard dashboard_test.py d1x1 "unit" 120)
