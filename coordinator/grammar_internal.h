@@ -43,6 +43,15 @@ int32_t gb_lit(g_build *b, int32_t from, const char *s, size_t n);
  * 128-entry table); returns the state after it. */
 int32_t gb_utf8_char(g_build *b, int32_t from, const bool ascii_ok[128]);
 
+/* grammar_bounds.c: a number (integer: no fraction) within JSON Schema's bounds, kw = the values
+ * of minimum, exclusiveMinimum, maximum, exclusiveMaximum, multipleOf (each NULL when absent;
+ * multipleOf for integers only); a JSON string of mn..mx code points (mx < 0: no limit). Both
+ * return the state after the value; a bound no value meets, or a bad keyword value, sets b->err
+ * naming `path`. */
+int32_t gb_bounded_number(g_build *b, int32_t from, bool integer, const k3_chat_json *const kw[5],
+                          const char *path);
+int32_t gb_bounded_string(g_build *b, int32_t from, int mn, int mx);
+
 /* grammar_schema.c: build the whole grammar for a spec; returns the root rule (< 0 on error,
  * with b->err set and the message naming the keyword). */
 int32_t g_build_spec(g_build *b, const k3_grammar_spec *s);

@@ -640,10 +640,29 @@ static bool kw_annotation(const char *k) {
     return false;
 }
 static bool kw_ok(const char *k) {
-    static const char *const K[] = {"type",     "properties", "required", "additionalProperties",
-                                    "enum",     "const",      "anyOf",    "items",
-                                    "minItems", "maxItems",   "pattern",  "format",
-                                    "$ref",     NULL};
+    static const char *const K[] = {"type",
+                                    "properties",
+                                    "required",
+                                    "additionalProperties",
+                                    "enum",
+                                    "const",
+                                    "anyOf",
+                                    "items",
+                                    "minItems",
+                                    "maxItems",
+                                    "pattern",
+                                    "format",
+                                    "$ref",
+                                    "minimum",
+                                    "maximum",
+                                    "exclusiveMinimum",
+                                    "exclusiveMaximum",
+                                    "multipleOf",
+                                    "minLength",
+                                    "maxLength",
+                                    "prefixItems",
+                                    "uniqueItems",
+                                    NULL};
     for (int i = 0; K[i]; i++)
         if (!strcmp(k, K[i])) return true;
     return kw_annotation(k);
@@ -664,6 +683,7 @@ static const char *fmt_regex(const char *f) {
         {"uuid", "[0-9a-f]{8}-[0-9a-f]{4}-[0-9a-f]{4}-[0-9a-f]{4}-[0-9a-f]{12}"},
         {"ipv4", G_OCT "\\." G_OCT "\\." G_OCT "\\." G_OCT},
         {"email", "[a-zA-Z0-9._+-]{1,32}@[a-zA-Z0-9-]{1,32}(\\.[a-zA-Z0-9-]{1,16}){1,3}"},
+        {"uri", "https?://[a-z0-9-]{1,32}(\\.[a-z0-9-]{1,16}){0,3}(/[a-zA-Z0-9._~-]{1,32}){0,4}"},
     };
     for (size_t i = 0; i < sizeof F / sizeof F[0]; i++)
         if (!strcmp(f, F[i][0])) return F[i][1];
@@ -700,6 +720,8 @@ static const k3_chat_json *resolve_ref(g_cx *c, const k3_chat_json *ref, const c
 
 /* A rule for a schema node (built once per node: recursion through $ref ends here). */
 static int32_t value(g_cx *c, int32_t from, const k3_chat_json *sch, const char *path);
+static int32_t tuple(g_cx *c, int32_t from, const k3_chat_json *sch, const k3_chat_json *pre,
+                     int mn, int mx, const char *path);
 static int32_t typed(g_cx *c, int32_t from, const k3_chat_json *sch, int t, const char *path);
 static int32_t node_rule(g_cx *c, const k3_chat_json *sch, int kind, const char *path) {
     for (int i = 0; i < c->n_refs; i++)
@@ -866,6 +888,50 @@ static int32_t object(g_cx *c, int32_t from, const k3_chat_json *sch, const char
     return end;
 }
 
+/* prefixItems: every prefix item in order (an array shorter than the prefix is valid JSON Schema
+ * too; the grammar writes them all), then what `items` allows (false: nothing more; absent: any
+ * values), within minItems / maxItems. */
+static int32_t tuple(g_cx *c, int32_t from, const k3_chat_json *sch, const k3_chat_json *pre,
+                     int mn, int mx, const char *path) {
+    char sub[512];
+    const k3_chat_json *items = k3_chat_json_get(sch, "items");
+    if (pre->kind != K3_JSON_ARRAY || pre->n_items > 1000) {
+        fail(c, path, "%s", "prefixItems must be an array of at most 1000 schemas");
+        return from;
+    }
+    const int k = (int)pre->n_items;
+    if (mx >= 0 && mx < k) {
+        fail(c, path, "%s", "maxItems below the number of prefixItems (not supported)");
+        return from;
+    }
+    int32_t cur = lit(c, from, "["), end = gb_state(c->b);
+    for (int i = 0; i < k && !failed(c); i++) {
+        if (i) cur = ws_opt(c, lit(c, cur, ","));
+        snprintf(sub, sizeof sub, "%.400s.prefixItems[%d]", path, i);
+        cur = value(c, cur, pre->items[i], sub);
+    }
+    const bool no_more = items && items->kind == K3_JSON_BOOL && !items->b;
+    if (k >= mn) gb_eps(c->b, lit(c, cur, "]"), end);
+    if (no_more || (mx >= 0 && mx == k)) {
+        if (k < mn) fail(c, path, "%s", "minItems above what prefixItems and items allow");
+        return end;
+    }
+    subpath(sub, sizeof sub, path, "items");
+    const int32_t ir = items ? node_rule(c, items, -1, sub) : any_rule(c);
+    for (int n = k; !failed(c);) { /* cur: n items written */
+        if (mx >= 0 && n >= mx) break;
+        int32_t nx = call(c, n == 0 ? cur : ws_opt(c, lit(c, cur, ",")), ir);
+        n++;
+        if (n >= mn) gb_eps(c->b, lit(c, nx, "]"), end);
+        if (mx < 0 && n >= mn) { /* any number more */
+            gb_eps(c->b, call(c, ws_opt(c, lit(c, nx, ",")), ir), nx);
+            break;
+        }
+        cur = nx;
+    }
+    return end;
+}
+
 static int32_t typed(g_cx *c, int32_t from, const k3_chat_json *sch, int t, const char *path) {
     char sub[512];
     switch (t) {
@@ -891,14 +957,32 @@ static int32_t typed(g_cx *c, int32_t from, const k3_chat_json *sch, int t, cons
                 return from;
             }
         }
+        const bool len = k3_chat_json_get(sch, "minLength") || k3_chat_json_get(sch, "maxLength");
+        if (len && rxs) {
+            fail(c, path, "%s",
+                 "minLength/maxLength together with pattern or format (not supported)");
+            return from;
+        }
+        if (len) {
+            int mn = json_int(c, sch, "minLength", 0, path),
+                mx = json_int(c, sch, "maxLength", -1, path);
+            if (mx >= 0 && mx < mn) fail(c, path, "%s", "maxLength below minLength");
+            return failed(c) ? from : gb_bounded_string(c->b, from, mn, mx);
+        }
         if (!rxs) return call(c, from, json_string_rule(c));
         subpath(sub, sizeof sub, path, pat ? "pattern" : "format");
         return lit(c, regex(c, lit(c, from, "\""), rxs, true, sub), "\"");
     }
     case 1:
-        return call(c, from, number_rule(c, false));
-    case 2:
-        return call(c, from, number_rule(c, true));
+    case 2: {
+        static const char *const NK[5] = {"minimum", "exclusiveMinimum", "maximum",
+                                          "exclusiveMaximum", "multipleOf"};
+        const k3_chat_json *kw[5];
+        bool bounded = false;
+        for (int i = 0; i < 5; i++) bounded |= (kw[i] = k3_chat_json_get(sch, NK[i])) != NULL;
+        if (bounded) return gb_bounded_number(c->b, from, t == 2, kw, path);
+        return call(c, from, number_rule(c, t == 2));
+    }
     case 3: {
         int32_t end = gb_state(c->b);
         gb_eps(c->b, lit(c, from, "true"), end);
@@ -917,6 +1001,14 @@ static int32_t typed(g_cx *c, int32_t from, const k3_chat_json *sch, int t, cons
             fail(c, path, "%s", "items as an array (tuple validation) is not supported");
             return from;
         }
+        if (k3_chat_json_truthy(k3_chat_json_get(sch, "uniqueItems"))) {
+            fail(c, path, "%s",
+                 "uniqueItems true is not supported (the grammar cannot compare "
+                 "items); leave it out or use uniqueItems false");
+            return from;
+        }
+        const k3_chat_json *pre = k3_chat_json_get(sch, "prefixItems");
+        if (pre) return tuple(c, from, sch, pre, mn, mx, path);
         subpath(sub, sizeof sub, path, "items");
         int32_t ir = items ? node_rule(c, items, -1, sub) : any_rule(c);
         return free_array(c, from, ir, mn, mx);
@@ -964,7 +1056,8 @@ static const k3_chat_json *ref_target(g_cx *c, const k3_chat_json *sch, const k3
 
 /* Without "type": the type the keywords present imply (object, array or string keywords), T_ANY
  * when there are none; 0 (refused) when they mix types. */
-#define T_ANY (0x7fu & ~(1u << 2)) /* every type; number covers integer */
+#define T_ANY   (0x7fu & ~(1u << 2)) /* every type; number covers integer */
+#define T_TYPED (1u << 7)            /* with T_ANY: build each type from the schema's keywords */
 static unsigned inferred_types(g_cx *c, const k3_chat_json *sch, const char *path) {
     bool obj = k3_chat_json_get(sch, "properties") || k3_chat_json_get(sch, "required") ||
                k3_chat_json_get(sch, "additionalProperties");
@@ -975,7 +1068,16 @@ static unsigned inferred_types(g_cx *c, const k3_chat_json *sch, const char *pat
         fail(c, path, "%s", "keywords of several types without \"type\" (not supported)");
         return 0;
     }
-    return obj ? 1u << 5 : arr ? 1u << 6 : str ? 1u : T_ANY;
+    if (obj || arr || str) return obj ? 1u << 5 : arr ? 1u << 6 : 1u;
+    /* the keywords of issue 47 constrain their own type and leave the others free, as JSON Schema
+       reads them: every type, each built with the keywords that apply to it (T_TYPED: not the
+       shared any-value rule) */
+    static const char *const K[] = {"minimum",          "maximum",     "exclusiveMinimum",
+                                    "exclusiveMaximum", "multipleOf",  "minLength",
+                                    "maxLength",        "prefixItems", "uniqueItems"};
+    for (size_t i = 0; i < sizeof K / sizeof K[0]; i++)
+        if (k3_chat_json_get(sch, K[i])) return T_ANY | T_TYPED;
+    return T_ANY;
 }
 
 static int32_t value(g_cx *c, int32_t from, const k3_chat_json *sch, const char *path) {

@@ -56,10 +56,7 @@ static void chist_add(srv_chist *h, double v) {
     h->n++;
 }
 
-/* mu held, q done: once every choice of q's request has ended (the last to end sees it), the
- * request's most generated tokens among its choices and its n (choices per prompt). */
-static void request_done(srv_metrics *m, const sreq *q) {
-    const sreq *head = q->head ? q->head : q;
+void srv_metrics_request(srv_metrics *m, const sreq *head) {
     int64_t most = 0, n = 0;
     for (const sreq *c = head; c; c = c->sib) {
         if (!c->done) return;
@@ -137,7 +134,6 @@ static k3_status chist(k3_chat_buf *o, const char *name, const char *mn, const c
 
 void srv_metrics_done(srv_metrics *m, const sreq *q) {
     const uint64_t n_prompt = q->sib_copy ? 0 : (uint64_t)q->n_prompt; /* as the usage counts */
-    request_done(m, q);
     if (q->failed) {
         m->n_failed++;
         return;

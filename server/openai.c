@@ -390,7 +390,7 @@ int srv_parse(const k3_server_opts *o, sreq_kind kind, const char *body, size_t 
         return st;
     }
     for (sreq *q = head; q; q = q->sib)
-        q->multi = head->sib != NULL, q->n_bytes = srv_request_bytes(o, q, n), q->head = head;
+        q->multi = head->sib != NULL, q->n_bytes = srv_request_bytes(o, q, n);
     *out = head;
     return 200;
 }

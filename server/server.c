@@ -525,6 +525,7 @@ static void release(conn *k) {
     k3_server *s = k->s;
     pthread_mutex_lock(&s->mu);
     k->n_prompt = 0;
+    srv_metrics_request(&s->m, k->q);
     for (sreq *q = k->q, *next; q; q = next) {
         next = q->sib;
         if (!q->done) {

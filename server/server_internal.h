@@ -36,13 +36,12 @@ typedef struct sreq_lp {
 typedef struct sreq {
     /* fixed once queued */
     sreq_kind kind;
-    struct sreq *sib;  /* the next choice of the same HTTP request (n > 1, a prompt list), or NULL;
-                          the first choice (the head) stands for the request */
-    struct sreq *head; /* the first choice of its HTTP request (itself for the first) */
-    int index;         /* its choice index: prompt * n + copy, as OpenAI numbers them */
-    int prompt_i;      /* completions: which prompt of a list */
-    bool sib_copy;     /* a copy after the first of its prompt (n > 1): its prompt is not counted
-                          again in the usage */
+    struct sreq *sib; /* the next choice of the same HTTP request (n > 1, a prompt list), or NULL;
+                         the first choice (the head) stands for the request */
+    int index;        /* its choice index: prompt * n + copy, as OpenAI numbers them */
+    int prompt_i;     /* completions: which prompt of a list */
+    bool sib_copy;    /* a copy after the first of its prompt (n > 1): its prompt is not counted
+                         again in the usage */
     struct sreq *fork_src; /* a copy: the first choice of its prompt, whose prefill the engine
                               forks for it (k3_request.fork) */
     bool multi;            /* one of several choices: events also wake the server's multi_cv */
@@ -211,6 +210,9 @@ int srv_detokenize(const k3_server_opts *o, const char *body, size_t n, k3_chat_
 void srv_hist_add(srv_hist *h, double seconds);
 /* mu held: a request's end into the counters and histograms (completed, cancelled or failed). */
 void srv_metrics_done(srv_metrics *m, const sreq *q);
+/* mu held, by the HTTP thread that still holds every choice: once all of them have ended, the
+ * request's most generated tokens among its choices and its n (choices per prompt). */
+void srv_metrics_request(srv_metrics *m, const sreq *head);
 /* `path`: a string that outlives the metrics (the route table's, or "other"). */
 void srv_count_status(srv_metrics *m, const char *path, int status);
 /* Prometheus text exposition (format 0.0.4) of a snapshot of the metrics. */

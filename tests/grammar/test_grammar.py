@@ -82,8 +82,8 @@ SCHEMAS = [
 ]
 
 BAD = [  # unsupported keyword -> refused, naming it
-    ({"type": "integer", "minimum": 3}, "minimum"),
-    ({"type": "object", "properties": {"a": {"type": "string", "maxLength": 4}}}, "maxLength"),
+    ({"type": "number", "multipleOf": 0.5}, "multipleOf"),  # integers only (issue 47)
+    ({"type": "object", "properties": {"a": {"type": "array", "uniqueItems": True}}}, "uniqueItems"),
     ({"oneOf": [{"type": "string"}]}, "oneOf"),
     ({"type": "object", "patternProperties": {"a": {}}}, "patternProperties"),
     ({"type": "string", "format": "hostname"}, "hostname"),

@@ -221,8 +221,16 @@ def test_every_panel_returns_data(srv):
         c.chat.completions.create(model=NAME, messages=MSG, max_tokens=6 + i, seed=i)
         c.completions.create(model=NAME, prompt="Once upon a time", max_tokens=5, n=2, seed=i)
         list(c.chat.completions.create(model=NAME, messages=MSG, max_tokens=4, stream=True))
-    after = scrape(srv.url)
-    ev = Eval(before, after, NAME)
+    # the per-request histograms are written when the response has ended on the server's side
+    # (its HTTP thread lets go of the request), a moment after the client has read it
+    t0 = time.time()
+    while True:
+        after = scrape(srv.url)
+        ev = Eval(before, after, NAME)
+        n = ev.run("increase(vllm:request_params_n_count{model_name=\"k3-tiny\"}[1m])")
+        if list(n.values()) == [9.0] or time.time() - t0 > 5:
+            break
+        time.sleep(0.05)
     empty = []
     for title, queries in PANELS.items():
         for q in queries:

@@ -48,3 +48,6 @@ k3_serve_pytest(serve_responses_1x1 responses_test.py r1x1 "unit" 180)
 k3_serve_pytest(serve_responses_2x2 responses_test.py r2x2 "mpi" 240)
 # issue 47: every panel query of vLLM's Grafana dashboard returns data after some traffic
 k3_serve_pytest(serve_dashboard dashboard_test.py d1x1 "unit" 120)
+# issue 47: a pydantic model's schema (bounds, lengths, a tuple, formats) through
+# chat.completions.parse on 20 seeds, and the refusals (pydantic_test.py)
+k3_serve_pytest(serve_pydantic pydantic_test.py p1x1 "unit" 180)
