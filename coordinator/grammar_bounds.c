@@ -64,9 +64,12 @@ static bool parse_bound(const k3_chat_json *v, bool lower, sbound *b) {
         const int pos = 16 - point + i; /* aligned position of mant[i] */
         const int dig = mant[i] - '0';
         any |= dig != 0;
-        if (pos < 0 && dig) b->huge = true;
-        else if (pos >= NP && dig) lost = true;
-        else if (pos >= 0 && pos < NP) b->d[pos] = (signed char)dig;
+        if (pos < 0 && dig)
+            b->huge = true;
+        else if (pos >= NP && dig)
+            lost = true;
+        else if (pos >= 0 && pos < NP)
+            b->d[pos] = (signed char)dig;
     }
     if (!any) b->neg = false;
     if (lost && !b->huge) {
@@ -75,8 +78,10 @@ static bool parse_bound(const k3_chat_json *v, bool lower, sbound *b) {
         if (up) {
             int i = NP - 1;
             while (i >= 0 && b->d[i] == 9) b->d[i--] = 0;
-            if (i < 0) b->huge = true;
-            else b->d[i]++;
+            if (i < 0)
+                b->huge = true;
+            else
+                b->d[i]++;
         }
         b->excl = false;
     }
@@ -87,14 +92,20 @@ typedef struct nb {
     g_build *b;
     mbound lo, hi;
     bool integer;
-    int m;         /* multipleOf (integers), 1: none */
+    int m;         /* multipleOf x 10^q (an integer), 1: none */
+    int q;         /* multipleOf's fraction digits: a multiple has at most q of them */
+    bool mult;     /* multipleOf given */
     int32_t *memo; /* [NP + 1][2][2][2][m]: 0 unbuilt, -1 dead, else state + 1 */
     int32_t end;
 } nb;
 
 /* May the magnitude end at position p (the digits from p on all 0) given the tight flags? */
 static bool end_ok(const nb *s, int p, bool tl, bool th, int r) {
-    if (s->integer && r != 0) return false;
+    if (s->mult) { /* value x 10^q = r x 10^(16 + q - p) must be a multiple of m */
+        int64_t x = r;
+        for (int i = p; i < 16 + s->q; i++) x = x * 10 % s->m;
+        if (x != 0) return false;
+    }
     if (tl) {
         bool zero = true;
         for (int i = p; i < NP; i++) zero &= s->lo.d[i] == 0;
@@ -129,14 +140,16 @@ static int32_t build(nb *s, int p, bool tl, bool th, int r, bool need) {
     for (int d = 0; d < 10 && p < NP; d++) {
         bool a = tl, b = th;
         if (p >= 16 && s->integer) break;
-        if (p == 16 && !need) break; /* the fraction starts with '.' */
+        if (s->mult && p >= 16 + s->q) break; /* no digits past multipleOf's */
+        if (p == 16 && !need) break;          /* the fraction starts with '.' */
         if (!step(s, p, d, &a, &b)) continue;
-        kids[d] = build(s, p + 1, a, b, p < 16 ? (r * 10 + d) % s->m : r, false);
+        kids[d] = build(s, p + 1, a, b, p < 16 + s->q ? (r * 10 + d) % s->m : r, false);
         any |= kids[d] >= 0;
     }
     const bool can_end = p >= 16 && !need && end_ok(s, p, tl, th, r);
     int32_t dot = -1;
-    if (p == 16 && !need && !s->integer) dot = build(s, 16, tl, th, r, true);
+    if (p == 16 && !need && !s->integer && (!s->mult || s->q > 0))
+        dot = build(s, 16, tl, th, r, true);
     if (!any && !can_end && dot < 0) return -1;
     st = gb_state(s->b);
     for (int d = 0; d < 10 && p < NP; d++)
@@ -154,15 +167,16 @@ static bool magnitude(nb *s, int32_t from) {
         const int p0 = 16 - L;
         bool tl = s->lo.set, th = s->hi.set, below = false;
         for (int i = 0; i < p0; i++) {
-            if (s->lo.set && s->lo.d[i]) below = true;   /* the lower bound has more digits */
-            if (s->hi.set && s->hi.d[i]) th = false;     /* below the upper bound already */
+            if (s->lo.set && s->lo.d[i]) below = true; /* the lower bound has more digits */
+            if (s->hi.set && s->hi.d[i]) th = false;   /* below the upper bound already */
         }
         if (below) continue;
         for (int d = L > 1 ? 1 : 0; d < 10; d++) {
             bool a = tl, b = th;
             if (!step(s, p0, d, &a, &b)) continue;
             int32_t k = build(s, p0 + 1, a, b, d % s->m, false);
-            if (k >= 0) gb_sym(s->b, from, (uint16_t)('0' + d), (uint16_t)('0' + d), k), live = true;
+            if (k >= 0)
+                gb_sym(s->b, from, (uint16_t)('0' + d), (uint16_t)('0' + d), k), live = true;
         }
     }
     return live;
@@ -197,21 +211,25 @@ int32_t gb_bounded_number(g_build *b, int32_t from, bool integer, const k3_chat_
         const bool tighter = !dst->set || (i < 2 ? tv > ov : tv < ov) || (tv == ov && t.excl);
         if (tighter) *dst = t;
     }
-    int m = 1;
-    if (kw[4]) {
-        const k3_chat_json *v = kw[4];
-        if (!integer || v->kind != K3_JSON_INT || v->s[0] == '-' || strlen(v->s) > 4 ||
-            atoi(v->s) < 1 || atoi(v->s) > 1000) {
+    int m = 1, q = 0;
+    if (kw[4]) { /* multipleOf = m / 10^q, m an integer in [1, 1000] */
+        sbound t = {0};
+        bool ok = parse_bound(kw[4], true, &t) && !t.neg && !t.huge;
+        int64_t v = 0;
+        for (int i = 0; ok && i < NP; i++)
+            if (t.d[i]) q = K3_MAX(q, i - 15);
+        for (int i = 0; ok && i < 16 + q; i++) v = v * 10 + t.d[i], ok = v <= 1000;
+        if (!ok || v < 1) {
             b->err = K3_ERR(K3_ERR_ARG,
-                            "multipleOf is supported for integers, as an integer in [1, 1000] "
-                            "(at %s)",
+                            "multipleOf must be a positive number whose digits make an integer in "
+                            "[1, 1000] (e.g. 5, 0.25, 1.5) at %s",
                             path);
             return from;
         }
-        m = atoi(v->s);
+        m = (int)v;
     }
     const int32_t end = gb_state(b);
-    nb s = {.b = b, .integer = integer, .m = m, .end = end};
+    nb s = {.b = b, .integer = integer, .m = m, .q = q, .mult = kw[4] != NULL, .end = end};
     const size_t n_memo = (size_t)(NP + 1) * 8 * (size_t)m;
     if (k3_calloc((void **)&s.memo, n_memo * sizeof *s.memo, "number bounds") != K3_OK) {
         b->err = K3_ERR(K3_ERR_NOMEM, "grammar");

@@ -798,6 +798,8 @@ static unsigned schema_types(g_cx *c, const k3_chat_json *sch, const char *path)
 static int json_int(g_cx *c, const k3_chat_json *sch, const char *key, int dflt, const char *path) {
     const k3_chat_json *v = k3_chat_json_get(sch, key);
     if (!v) return dflt;
+    if (v->kind == K3_JSON_FLOAT && v->f >= 0 && v->f <= 1000 && v->f == (double)(int)v->f)
+        return (int)v->f; /* 2.0: an integer written as a float (JSON Schema takes it) */
     if (v->kind != K3_JSON_INT || v->s[0] == '-' || strlen(v->s) > 4) {
         fail(c, path, "%s must be an integer in [0, 1000] here", key);
         return dflt;
@@ -888,9 +890,9 @@ static int32_t object(g_cx *c, int32_t from, const k3_chat_json *sch, const char
     return end;
 }
 
-/* prefixItems: every prefix item in order (an array shorter than the prefix is valid JSON Schema
- * too; the grammar writes them all), then what `items` allows (false: nothing more; absent: any
- * values), within minItems / maxItems. */
+/* prefixItems: the prefix items in order (the array may end after any of them, or before a `false`
+ * one), then what `items` allows (false: nothing more; absent: any values), within minItems /
+ * maxItems. */
 static int32_t tuple(g_cx *c, int32_t from, const k3_chat_json *sch, const k3_chat_json *pre,
                      int mn, int mx, const char *path) {
     char sub[512];
@@ -905,10 +907,16 @@ static int32_t tuple(g_cx *c, int32_t from, const k3_chat_json *sch, const k3_ch
         return from;
     }
     int32_t cur = lit(c, from, "["), end = gb_state(c->b);
-    for (int i = 0; i < k && !failed(c); i++) {
+    for (int i = 0; i < k && !failed(c); i++) { /* cur: i items written */
+        if (i >= mn) gb_eps(c->b, lit(c, cur, "]"), end);
+        const k3_chat_json *it = pre->items[i];
+        if (it->kind == K3_JSON_BOOL && !it->b) { /* no item can stand here: the array ends */
+            if (i < mn) fail(c, path, "%s", "minItems above what prefixItems allows");
+            return end;
+        }
         if (i) cur = ws_opt(c, lit(c, cur, ","));
         snprintf(sub, sizeof sub, "%.400s.prefixItems[%d]", path, i);
-        cur = value(c, cur, pre->items[i], sub);
+        cur = value(c, cur, it, sub);
     }
     const bool no_more = items && items->kind == K3_JSON_BOOL && !items->b;
     if (k >= mn) gb_eps(c->b, lit(c, cur, "]"), end);

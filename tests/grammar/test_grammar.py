@@ -82,7 +82,7 @@ SCHEMAS = [
 ]
 
 BAD = [  # unsupported keyword -> refused, naming it
-    ({"type": "number", "multipleOf": 0.5}, "multipleOf"),  # integers only (issue 47)
+    ({"type": "number", "multipleOf": 12345}, "multipleOf"),  # digits past 1000 (issue 47)
     ({"type": "object", "properties": {"a": {"type": "array", "uniqueItems": True}}}, "uniqueItems"),
     ({"oneOf": [{"type": "string"}]}, "oneOf"),
     ({"type": "object", "patternProperties": {"a": {}}}, "patternProperties"),

@@ -8,7 +8,7 @@ prefixItems, minItems, maxItems, format) returns a valid instance with thinking 
 of the tiny random model: the grammar alone keeps the numbers in their bounds and the strings in
 their lengths. A logit_bias on `"` and `<|close|>` stands in for a trained model's habit of
 closing strings (as tests/grammar/test_structured.py; it cannot unmask a token). Then the
-refusals: uniqueItems true and multipleOf on a float get a 400 naming the keyword.
+refusals: uniqueItems true, a multipleOf past 1000 and empty bounds get a 400 naming them.
 """
 import datetime
 import json
@@ -72,7 +72,7 @@ def test_refusals(srv):
     c = srv.client()
     for schema, word in (({"type": "array", "items": {"type": "integer"}, "uniqueItems": True},
                           "uniqueItems"),
-                         ({"type": "number", "multipleOf": 0.5}, "multipleOf"),
+                         ({"type": "number", "multipleOf": 12345}, "multipleOf"),
                          ({"type": "integer", "minimum": 5, "maximum": 4}, "bounds")):
         with pytest.raises(openai.BadRequestError, match=word) as e:
             c.chat.completions.create(
