@@ -77,6 +77,12 @@ typedef struct k3_parser_message {
 } k3_parser_message;
 /* A view of the message so far (valid until the next feed/finish/destroy). */
 k3_status k3_parser_message_view(k3_parser *p, k3_parser_message *out);
+/* After k3_parser_finish: the call the generation was cut inside (max_tokens: opened, never
+ * closed), with the argument text its deltas carried (JSON cut short, not valid in general); false
+ * when there is none. The message leaves it out (spec §3.2); `k3 serve` reports it after the
+ * complete calls, as vLLM reports a call cut at max_tokens, so that a stream (whose deltas
+ * carried it) and a whole response agree. */
+bool k3_parser_cut_call(k3_parser *p, k3_parser_call *out);
 /* {"role":"assistant","content":..,"reasoning_content":..(thinking only),"tool_calls":[..],
  *  "finish_reason":..} appended to `out`. */
 k3_status k3_parser_message_json(k3_parser *p, k3_chat_buf *out);

@@ -697,6 +697,13 @@ k3_status k3_parser_message_view(k3_parser *p, k3_parser_message *out) {
     return K3_OK;
 }
 
+bool k3_parser_cut_call(k3_parser *p, k3_parser_call *out) {
+    const pcall *c = p->n_calls ? &p->calls[p->n_calls - 1] : NULL;
+    if (!p->finished || !c || c->complete || p->ended || p->st == ST_DONE) return false;
+    *out = (k3_parser_call){c->id, c->name, c->n_name, c->args.p ? c->args.p : "", c->args.n};
+    return true;
+}
+
 static k3_status put_key_str(k3_chat_buf *o, const char *key, const char *s, size_t n) {
     K3_TRY(k3_chat_json_dump_str(key, strlen(key), o));
     K3_TRY(k3_chat_buf_puts(o, ":"));

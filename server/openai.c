@@ -565,17 +565,22 @@ static k3_status put_message(k3_parser *p, k3_chat_buf *out) {
         K3_TRY(puts_(out, ",\"reasoning_content\":"));
         K3_TRY(put_str(out, m.reasoning, m.n_reasoning));
     }
-    if (m.n_calls) K3_TRY(puts_(out, ",\"tool_calls\":["));
-    for (size_t i = 0; i < m.n_calls; i++) {
+    /* a call cut at max_tokens comes last, as the stream's deltas carried it (vLLM's way) */
+    k3_parser_call cut;
+    const bool has_cut = k3_parser_cut_call(p, &cut);
+    const size_t n = m.n_calls + has_cut;
+    if (n) K3_TRY(puts_(out, ",\"tool_calls\":["));
+    for (size_t i = 0; i < n; i++) {
+        const k3_parser_call *c = i < m.n_calls ? &m.calls[i] : &cut;
         K3_TRY(puts_(out, i ? ",{\"id\":" : "{\"id\":"));
-        K3_TRY(put_str(out, m.calls[i].id, strlen(m.calls[i].id)));
+        K3_TRY(put_str(out, c->id, strlen(c->id)));
         K3_TRY(puts_(out, ",\"type\":\"function\",\"function\":{\"name\":"));
-        K3_TRY(put_str(out, m.calls[i].name, m.calls[i].n_name));
+        K3_TRY(put_str(out, c->name, c->n_name));
         K3_TRY(puts_(out, ",\"arguments\":"));
-        K3_TRY(put_str(out, m.calls[i].arguments, m.calls[i].n_arguments));
+        K3_TRY(put_str(out, c->arguments, c->n_arguments));
         K3_TRY(puts_(out, "}}"));
     }
-    if (m.n_calls) K3_TRY(puts_(out, "]"));
+    if (n) K3_TRY(puts_(out, "]"));
     return puts_(out, "}");
 }
 

@@ -29,6 +29,7 @@ struct srv_rstream {
     int cur_index;   /* its output_index */
     size_t cur_call; /* 'f': the parser's index of the call */
     bool msg_opened;
+    bool cut;         /* the open call was cut at the length limit (its item ends "incomplete") */
     k3_chat_buf acc;  /* the open item's text (reasoning, content or arguments) */
     k3_chat_buf name; /* 'f': the call's name */
     char call_id[64];
@@ -437,8 +438,9 @@ static k3_status put_message_item(const sreq *q, const char *t, size_t n, bool d
     return puts_(out, "]}");
 }
 
+/* status: "in_progress", "completed", or "incomplete" (a call cut at max_output_tokens) */
 static k3_status put_call_item(const sreq *q, size_t index, const char *call_id, const char *name,
-                               size_t n_name, const char *args, size_t n_args, bool done,
+                               size_t n_name, const char *args, size_t n_args, const char *status,
                                k3_chat_buf *out) {
     K3_TRY(puts_(out, "{\"id\":"));
     K3_TRY(put_item_id(q, 'f', index, out));
@@ -448,19 +450,24 @@ static k3_status put_call_item(const sreq *q, size_t index, const char *call_id,
     K3_TRY(put_str(out, name, n_name));
     K3_TRY(puts_(out, ",\"arguments\":"));
     K3_TRY(put_str(out, args, n_args));
-    return puts_(out, done ? ",\"status\":\"completed\"}" : ",\"status\":\"in_progress\"}");
+    K3_TRY(puts_(out, ",\"status\":"));
+    K3_TRY(put_str(out, status, strlen(status)));
+    return puts_(out, "}");
 }
 
 /* The output items of a finished message: reasoning (when there is some), the message (when it
- * has content or there is no call), the calls. The call ids are the parser's call_<n>. */
-static k3_status put_output(const sreq *q, const k3_parser_message *m, k3_chat_buf *out) {
+ * has content or there is no call), the calls, and last a call cut at max_output_tokens (status
+ * "incomplete", its arguments as far as they came, as the stream sent them). The call ids are the
+ * parser's call_<n>. */
+static k3_status put_output(const sreq *q, const k3_parser_message *m, const k3_parser_call *cut,
+                            k3_chat_buf *out) {
     bool first = true;
     K3_TRY(puts_(out, "["));
     if (m->has_reasoning && m->n_reasoning) {
         K3_TRY(put_reasoning_item(q, m->reasoning, m->n_reasoning, true, out));
         first = false;
     }
-    if (m->n_content || m->n_calls == 0) {
+    if (m->n_content || (m->n_calls == 0 && !cut)) {
         if (!first) K3_TRY(puts_(out, ","));
         K3_TRY(put_message_item(q, m->content, m->n_content, true, out));
         first = false;
@@ -468,33 +475,39 @@ static k3_status put_output(const sreq *q, const k3_parser_message *m, k3_chat_b
     for (size_t i = 0; i < m->n_calls; i++) {
         if (!first) K3_TRY(puts_(out, ","));
         const k3_parser_call *c = &m->calls[i];
-        K3_TRY(put_call_item(q, i, c->id, c->name, c->n_name, c->arguments, c->n_arguments, true,
-                             out));
+        K3_TRY(put_call_item(q, i, c->id, c->name, c->n_name, c->arguments, c->n_arguments,
+                             "completed", out));
         first = false;
+    }
+    if (cut) {
+        if (!first) K3_TRY(puts_(out, ","));
+        K3_TRY(put_call_item(q, m->n_calls, cut->id, cut->name, cut->n_name, cut->arguments,
+                             cut->n_arguments, "incomplete", out));
     }
     return puts_(out, "]");
 }
 
-/* The response object. m: the finished message (NULL: in progress, no output yet). */
+/* The response object. m: the finished message (NULL: in progress, no output yet); cut: a call
+ * cut at the length limit, or NULL. */
 static k3_status put_response(const k3_server_opts *o, const sreq *q, const k3_parser_message *m,
-                              k3_chat_buf *out) {
+                              const k3_parser_call *cut, k3_chat_buf *out) {
     const k3_chat_json *d = q->resp_doc;
-    const bool cut = m && m->finish_reason && strcmp(m->finish_reason, "length") == 0;
+    const bool length = m && m->finish_reason && strcmp(m->finish_reason, "length") == 0;
     char t[320];
     K3_TRY(puts_(out, "{\"id\":"));
     K3_TRY(put_str(out, q->id, strlen(q->id)));
     snprintf(t, sizeof t, ",\"object\":\"response\",\"created_at\":%lld,\"status\":\"%s\"",
              (long long)q->created,
-             !m    ? "in_progress"
-             : cut ? "incomplete"
-                   : "completed");
+             !m              ? "in_progress"
+             : length || cut ? "incomplete"
+                             : "completed");
     K3_TRY(puts_(out, t));
-    K3_TRY(puts_(out, cut ? ",\"incomplete_details\":{\"reason\":\"max_output_tokens\"}"
-                          : ",\"incomplete_details\":null"));
+    K3_TRY(puts_(out, length || cut ? ",\"incomplete_details\":{\"reason\":\"max_output_tokens\"}"
+                                    : ",\"incomplete_details\":null"));
     K3_TRY(puts_(out, ",\"error\":null,\"model\":"));
     K3_TRY(put_str(out, o->model_name, strlen(o->model_name)));
     K3_TRY(puts_(out, ",\"output\":"));
-    K3_TRY(m ? put_output(q, m, out) : puts_(out, "[]"));
+    K3_TRY(m ? put_output(q, m, cut, out) : puts_(out, "[]"));
     /* the request's settings, echoed (OpenAI's defaults where it gave none) */
     static const struct {
         const char *key, *dflt;
@@ -535,9 +548,11 @@ k3_status srv_responses_body(const k3_server_opts *o, const sreq *q, k3_chat_buf
     const srv_snapshot s = {
         .toks = q->gen, .n_gen = q->n_gen, .n_text = q->n_text, .done = true, .stop = q->stop};
     k3_parser_message m = {0};
+    k3_parser_call cut;
     k3_status r = srv_feed_chat(q, &st, &s, o->tok);
     if (r == K3_OK) r = k3_parser_message_view(k3_job_feed_parser(st.feed), &m);
-    if (r == K3_OK) r = put_response(o, q, &m, out);
+    const bool has_cut = r == K3_OK && k3_parser_cut_call(k3_job_feed_parser(st.feed), &cut);
+    if (r == K3_OK) r = put_response(o, q, &m, has_cut ? &cut : NULL, out);
     srv_stream_free(&st);
     return r;
 }
@@ -576,7 +591,11 @@ static k3_status cur_item(const sreq *q, const srv_rstream *rs, bool done, k3_ch
     if (rs->cur == 'r') return put_reasoning_item(q, a, rs->acc.n, done, out);
     if (rs->cur == 'm') return put_message_item(q, a, rs->acc.n, done, out);
     return put_call_item(q, rs->cur_call, rs->call_id, rs->name.p ? rs->name.p : "", rs->name.n,
-                         done ? a : "", done ? rs->acc.n : 0, done, out);
+                         done ? a : "", done ? rs->acc.n : 0,
+                         !done     ? "in_progress"
+                         : rs->cut ? "incomplete"
+                                   : "completed",
+                         out);
 }
 
 static k3_status close_item(const sreq *q, srv_rstream *rs, k3_chat_buf *out) {
@@ -672,10 +691,11 @@ static k3_status call_delta(const sreq *q, srv_rstream *rs, const k3_parser_call
 }
 
 static k3_status lifecycle(const k3_server_opts *o, const sreq *q, srv_rstream *rs,
-                           const char *type, const k3_parser_message *m, k3_chat_buf *out) {
+                           const char *type, const k3_parser_message *m, const k3_parser_call *cut,
+                           k3_chat_buf *out) {
     K3_TRY(ev_open(rs, type, out));
     K3_TRY(puts_(out, ",\"response\":"));
-    K3_TRY(put_response(o, q, m, out));
+    K3_TRY(put_response(o, q, m, cut, out));
     return ev_close(out);
 }
 
@@ -684,8 +704,8 @@ k3_status srv_responses_chunks(const k3_server_opts *o, const sreq *q, srv_strea
     if (!st->rs) K3_TRY(k3_calloc((void **)&st->rs, sizeof *st->rs, "response stream"));
     srv_rstream *rs = st->rs;
     if (!st->role_sent) {
-        K3_TRY(lifecycle(o, q, rs, "response.created", NULL, out));
-        K3_TRY(lifecycle(o, q, rs, "response.in_progress", NULL, out));
+        K3_TRY(lifecycle(o, q, rs, "response.created", NULL, NULL, out));
+        K3_TRY(lifecycle(o, q, rs, "response.in_progress", NULL, NULL, out));
         st->role_sent = true;
     }
     if (s->failed) return K3_OK;
@@ -698,8 +718,11 @@ k3_status srv_responses_chunks(const k3_server_opts *o, const sreq *q, srv_strea
     for (size_t i = 0; i < d.n_calls; i++) K3_TRY(call_delta(q, rs, &d.calls[i], out));
     if (!s->done) return K3_OK;
     k3_parser_message m;
+    k3_parser_call cut;
     K3_TRY(k3_parser_message_view(p, &m));
-    if (!rs->msg_opened && m.n_calls == 0 && rs->cur != 'm') K3_TRY(open_item(q, rs, 'm', out));
+    rs->cut = k3_parser_cut_call(p, &cut);
+    if (!rs->msg_opened && m.n_calls == 0 && !rs->cut && rs->cur != 'm')
+        K3_TRY(open_item(q, rs, 'm', out));
     return close_item(q, rs, out);
 }
 
@@ -717,8 +740,11 @@ k3_status srv_responses_end(const k3_server_opts *o, const sreq *q, k3_chat_buf 
         return ev_close(out);
     }
     k3_parser_message m;
-    K3_TRY(k3_parser_message_view(k3_job_feed_parser(q->st->feed), &m));
-    return lifecycle(o, q, rs, "response.completed", &m, out);
+    k3_parser_call cut;
+    k3_parser *p = k3_job_feed_parser(q->st->feed);
+    K3_TRY(k3_parser_message_view(p, &m));
+    const bool has_cut = k3_parser_cut_call(p, &cut);
+    return lifecycle(o, q, rs, "response.completed", &m, has_cut ? &cut : NULL, out);
 }
 
 void srv_responses_stream_free(srv_rstream *rs) {

@@ -196,3 +196,43 @@ def test_models_ping_refusals(srv):
     assert r.status_code == 401
     r = requests.get(srv.url + "/v1/models/" + NAME, timeout=10)
     assert r.status_code == 401
+
+
+def test_cut_tool_call_stream_equals_nonstream(srv, bias):
+    """A forced tool call cut at max_tokens: the stream's deltas carry the partial call, and so
+    does the whole response (vLLM's way): tool_calls holds it with the arguments as far as they
+    came, finish_reason "length"; the Responses API's function_call item ends "incomplete"."""
+    import serve_test
+    c = srv.client()
+    chat_tools = [{"type": "function", "function": {k: v for k, v in TOOLS[0].items() if k != "type"}}]
+    # the envelope and the call's header take some tokens: the first limit that cuts inside the call
+    for cut_at in (60, 70, 80, 100, 120):
+        kw = dict(model=NAME, messages=[{"role": "user", "content": "Weather in Oslo?"}], tools=chat_tools,
+                  tool_choice={"type": "function", "function": {"name": "get_weather"}}, max_tokens=cut_at,
+                  reasoning_effort="none", seed=11)
+        msg, _, finish, _ = serve_test.collect_stream(c.chat.completions.create(stream=True, **kw))
+        streamed = [msg["tool_calls"][i] for i in sorted(msg["tool_calls"])]
+        if finish == "length" and streamed:
+            break
+    assert finish == "length" and len(streamed) == 1 and streamed[0]["name"] == "get_weather"
+    full = c.chat.completions.create(**kw)
+    ch = full.choices[0]
+    assert ch.finish_reason == "length"
+    got = [(t.id, t.function.name, t.function.arguments) for t in ch.message.tool_calls or []]
+    assert got == [(s["id"], s["name"], s["arguments"]) for s in streamed]
+    assert (ch.message.content or "") == msg["content"]
+    # the Responses API: the same call, its item "incomplete", in both forms
+    rkw = dict(model=NAME, input=[{"role": "user", "content": "Weather in Oslo?"}], tools=TOOLS,
+               max_output_tokens=cut_at, tool_choice={"type": "function", "name": "get_weather"},
+               reasoning=OFF, extra_body={"seed": 11})
+    r = c.responses.create(**rkw)
+    with c.responses.stream(**rkw) as s:
+        events = list(s)
+        final = s.get_final_response()
+    check_events(events)
+    for resp in (r, final):
+        calls = [o for o in resp.output if o.type == "function_call"]
+        assert resp.status == "incomplete" and [o.type for o in resp.output] == ["function_call"]
+        assert calls[0].status == "incomplete" and calls[0].arguments == streamed[0]["arguments"]
+    args = "".join(e.delta for e in events if e.type == "response.function_call_arguments.delta")
+    assert args == streamed[0]["arguments"]
