@@ -103,6 +103,7 @@ typedef struct in_line {
     size_t n_cid;
     bool done;       /* already in the output */
     bool completion; /* url /v1/completions (else /v1/chat/completions) */
+    bool no_route;   /* another url: the line fails alone (404, as k3 serve answers it) */
 } in_line;
 
 /* A request in the engine. */
@@ -160,6 +161,14 @@ static void strip_where(char *s) {
     }
 }
 
+/* The last error as the user reads it: without the source location k3_set_error adds. */
+static const char *user_error(void) {
+    static char m[1600];
+    snprintf(m, sizeof m, "%s", k3_last_error());
+    strip_where(m);
+    return m;
+}
+
 /* ---- custom_id set -------------------------------------------------------------------------- */
 static uint64_t cid_hash(const char *s, size_t n) {
     return k3_hash_bytes(s, n, K3_HASH_INIT);
@@ -192,7 +201,9 @@ static const char *check_line(const k3_chat_json *d, in_line *L, char *why, size
     const k3_chat_json *m = k3_chat_json_get(d, "method"), *u = k3_chat_json_get(d, "url");
     if (!k3_chat_json_is_str(m, "POST")) return "method must be \"POST\"";
     L->completion = k3_chat_json_is_str(u, "/v1/completions");
-    if (!k3_chat_json_is_str(u, "/v1/chat/completions") && !L->completion) {
+    L->no_route = u && u->kind == K3_JSON_STRING && !L->completion &&
+                  !k3_chat_json_is_str(u, "/v1/chat/completions");
+    if (!k3_chat_json_is_str(u, "/v1/chat/completions") && !L->completion && !L->no_route) {
         snprintf(why, n_why,
                  "url %s%.60s%s is not \"/v1/chat/completions\" or \"/v1/completions\" (the "
                  "endpoints k3 serves)",
@@ -372,6 +383,7 @@ static k3_status write_error(batch *b, const in_line *L, const char *code, const
     strip_where(m);
     const int status = strcmp(code, "engine_error") == 0      ? 500
                        : strcmp(code, "model_not_found") == 0 ? 404
+                       : strcmp(code, "unsupported_url") == 0 ? 404
                                                               : 400;
     const char *type = status == 500   ? "server_error"
                        : status == 404 ? "not_found_error"
@@ -617,6 +629,39 @@ static bool model_ok(const batch *b, const k3_chat_json *d, const char *what) {
     return false;
 }
 
+/* The keys `k3 serve` refuses, or answers in a way one batch line cannot (a stream, prompt
+ * logprobs), refused for this line alone: K3_ERR_FORMAT naming the key. */
+static k3_status refused_keys(const k3_chat_json *d, bool completion, const char *what) {
+    const k3_chat_json *v;
+    if (k3_chat_json_truthy(k3_chat_json_get(d, "stream")))
+        return K3_ERR(K3_ERR_FORMAT,
+                      "%s: request key 'stream': true is not taken by k3 batch (each line's "
+                      "response is one body)",
+                      what);
+    if ((v = k3_chat_json_get(d, "best_of")) && v->kind != K3_JSON_NULL &&
+        !(v->kind == K3_JSON_INT && strcmp(v->s, "1") == 0))
+        return K3_ERR(K3_ERR_FORMAT,
+                      "%s: request key 'best_of' is not supported (k3 does not rank samples)",
+                      what);
+    if (completion && (v = k3_chat_json_get(d, "suffix")) && v->kind != K3_JSON_NULL &&
+        !(v->kind == K3_JSON_STRING && v->n == 0))
+        return K3_ERR(K3_ERR_FORMAT, "%s: request key 'suffix' is not supported by this model",
+                      what);
+    if ((v = k3_chat_json_get(d, "prompt_logprobs")) && v->kind != K3_JSON_NULL)
+        return K3_ERR(K3_ERR_FORMAT,
+                      "%s: request key 'prompt_logprobs' is not taken by k3 batch (k3 serve "
+                      "answers it)",
+                      what);
+    if (!completion && k3_chat_json_truthy(k3_chat_json_get(d, "echo")))
+        return K3_ERR(K3_ERR_FORMAT, "%s: request key 'echo' is only taken by /v1/completions",
+                      what);
+    if ((v = k3_chat_json_get(d, "skip_special_tokens")) && v->kind != K3_JSON_NULL &&
+        v->kind != K3_JSON_BOOL)
+        return K3_ERR(K3_ERR_FORMAT, "%s: request key 'skip_special_tokens' must be true or false",
+                      what);
+    return K3_OK;
+}
+
 /* Prepare the next line: submit it, or write its error line. Fails only for I/O and memory. */
 static k3_status submit_next(batch *b) {
     int64_t li = b->todo[b->next++];
@@ -632,8 +677,17 @@ static k3_status submit_next(batch *b) {
     k3_chat_buf body = {0};
     k3_status st = k3_chat_json_parse(b->in_text + L->off, (size_t)L->len, what, &d);
     if (st == K3_OK) st = k3_chat_json_dump(k3_chat_json_get(d, "body"), K3_JSON_COMPACT, &body);
-    k3_chat_json_free(d);
     const char *code = "invalid_request";
+    if (st == K3_OK && L->no_route) { /* this line alone fails, as k3 serve answers the url */
+        const k3_chat_json *u = k3_chat_json_get(d, "url");
+        st = K3_ERR(K3_ERR_FORMAT,
+                    "%s: url \"%.60s\" is not served by k3 (\"/v1/chat/completions\" and "
+                    "\"/v1/completions\" are)",
+                    what, u->s);
+        code = "unsupported_url";
+    }
+    if (st == K3_OK) st = refused_keys(k3_chat_json_get(d, "body"), L->completion, what);
+    k3_chat_json_free(d);
     if (st == K3_OK && !L->completion) st = k3_job_parse(&q->job, body.p, body.n, what, b->tok);
     if (st == K3_OK && L->completion) st = completion_job(b, &q->job, body.p, body.n, what);
     k3_chat_buf_free(&body);
@@ -641,6 +695,10 @@ static k3_status submit_next(batch *b) {
     settings(b, L, &s);
     if (st == K3_OK && L->completion && !b->max_tokens_flag) s.num[K3_JOB_MAX_TOKENS] = 16;
     if (st == K3_OK) st = k3_job_sampling(&q->job, &s, what);
+    if (st == K3_OK && L->completion) { /* vLLM's skip_special_tokens (default true), as serve */
+        const k3_chat_json *sk = k3_chat_json_get(q->job.doc, "skip_special_tokens");
+        q->job.sp.skip_special = !sk || sk->kind == K3_JSON_NULL || sk->b;
+    }
     if (st == K3_OK && !L->completion) st = k3_job_logprobs_keys(q->job.doc, what, &q->n_top);
     if (st == K3_OK && L->completion) st = completion_logprobs(q->job.doc, what, &q->n_top);
     if (st == K3_OK && !model_ok(b, q->job.doc, what)) st = K3_ERR_FORMAT, code = "model_not_found";
@@ -852,7 +910,7 @@ static void batch_free(batch *b) {
 /* ---- the command ---------------------------------------------------------------------------- */
 static int run_batch(const k3_args *a) {
     if (k3_comm_init() != K3_OK) {
-        fprintf(stderr, "k3 batch: %s\n", k3_last_error());
+        fprintf(stderr, "k3 batch: %s\n", user_error());
         return 1;
     }
     int rank = 0, world = 1;
@@ -885,11 +943,11 @@ static int run_batch(const k3_args *a) {
     if (rank == 0) {
         k3_status st = prepare(&b);
         verdict = st == K3_OK ? (b.n_todo ? 0 : 3) : st == K3_ERR_ARG ? 2 : 1;
-        if (st != K3_OK) fprintf(stderr, "k3 batch: %s\n", k3_last_error());
+        if (st != K3_OK) fprintf(stderr, "k3 batch: %s\n", user_error());
     }
     int agreed = verdict;
     if (k3_comm_world_max(verdict, &agreed, eo.comm_timeout_s) != K3_OK) {
-        fprintf(stderr, "k3 batch: rank %d: %s\n", rank, k3_last_error());
+        fprintf(stderr, "k3 batch: rank %d: %s\n", rank, user_error());
         k3_comm_world_abort(1);
     }
     if (agreed) {
@@ -918,7 +976,7 @@ static int run_batch(const k3_args *a) {
             fprintf(stderr,
                     "k3 batch: %s (the lines written so far are kept; run again to "
                     "finish)\n",
-                    k3_last_error());
+                    user_error());
         if (k3_engine_close(b.e, &b.final) != K3_OK) k3_engine_abort(b.e);
         if (st == K3_OK && fsync(b.out_fd) != 0 && errno != EINVAL)
             K3_LOGW("%s: fsync: %s", b.out_path, strerror(errno));

@@ -2,9 +2,14 @@
 """batch_test.py — `k3 batch` end to end (owner: batch).
 
 usage: batch_test.py input          (K3_BIN = the k3 binary; one process, no model load)
+       batch_test.py lines          (one process, the tiny model)
        batch_test.py mpi MPIEXEC    (2 stages x 2 lanes under mpirun)
-  input: malformed input lines (not JSON, no custom_id, a custom_id used twice, another url,
-         another method, a body that is not an object) fail the job before the model loads: exit
+  lines: (issue 47) a line k3 serve refuses fails alone with serve's status and a message naming
+         the key, no source location: another url (404), suffix, stream: true, best_of 2,
+         prompt_logprobs, echo on chat, a skip_special_tokens that is not a boolean; the others run.
+  input: malformed input lines (not JSON, no custom_id, a custom_id used twice, another method, a
+         body that is not an object) fail the job before the model loads (another url fails its
+         own line: lines): exit
          1, every bad line named by its number, no output file; a clean input next to them runs;
          an output file another job holds (flock) is refused; a usage error exits 2.
   mpi  : 200 chat requests (greedy, sampled without a seed, thinking on and off, short
@@ -24,6 +29,7 @@ usage: batch_test.py input          (K3_BIN = the k3 binary; one process, no mod
 Exit code only; prints one line per check."""
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -76,13 +82,14 @@ def mode_input(tmp):
         f.write("\n".join(lines) + "\n")
     p = batch(["--model", model, "--input", inp, "--output", out])
     err = p.stderr
-    want = {2: "invalid JSON", 3: "no custom_id", 4: "url", 5: "already used on line 1", 6: "method",
-            8: "body", 9: "not a JSON object"}
+    want = {2: "invalid JSON", 3: "no custom_id", 5: "already used on line 1", 6: "method",
+            8: "body", 9: "not a JSON object"}  # line 4 (another url) fails alone: mode_lines
     for n, needle in want.items():
         hit = [ln for ln in err.splitlines() if ("line %d:" % n) in ln]
         check(hit and needle in hit[0], "bad input line %d named (%s): %s" % (n, needle, hit[:1]))
-    check(p.returncode == 1 and "line 1:" not in err and "line 7:" not in err,
-          "good and blank lines are not named; exit %d" % p.returncode)
+    check(p.returncode == 1 and "line 1:" not in err and "line 7:" not in err and "line 4:" not in err,
+          "good, blank and other-url lines are not named; exit %d" % p.returncode)
+    check(not re.search(r"\.c:\d+", err), "no source locations in the messages: %s" % err[-200:])
     check(not os.path.exists(out), "no output file when the input is bad")
     p = batch(["--model", model, "--input", inp])
     check(p.returncode == 2 and "--output" in p.stderr, "no --output: usage error (exit %d)" % p.returncode)
@@ -103,6 +110,40 @@ def mode_input(tmp):
     p = batch(["--help"])
     check(p.returncode == 0 and "context_length_exceeded" in p.stdout and "--max-ctx" in p.stdout,
           "--help documents the error lines and the capacity flags")
+
+
+def mode_lines(tmp):
+    """Issue 47: a line k3 serve would refuse fails alone, with serve's status, the others run."""
+    model = os.path.join(tmp, "tiny")
+    subprocess.run([K3, "make-tiny", model], check=True, stderr=subprocess.DEVNULL)
+    chat = {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 2}
+    cmpl = {"prompt": "Once", "max_tokens": 2}
+    lines = [line("ok", chat),
+             line("emb", {"input": "x"}, url="/v1/embeddings"),
+             line("cmpl-sfx", dict(cmpl, suffix="end")),
+             line("stream", dict(chat, stream=True)),
+             line("best", dict(chat, best_of=2)),
+             line("plp", dict(chat, prompt_logprobs=1)),
+             line("echo", dict(chat, echo=True)),
+             line("cmpl-skip", dict(cmpl, skip_special_tokens="yes")),
+             line("cmpl-ok", cmpl)]
+    inp, out = os.path.join(tmp, "lines.jsonl"), os.path.join(tmp, "lines.out.jsonl")
+    with open(inp, "w") as f:
+        f.write("\n".join(lines) + "\n")
+    p = batch(["--model", model, "--input", inp, "--output", out, "--threads", "1"])
+    check(p.returncode == 0, "a file with refused lines runs (exit %d): %s" % (p.returncode, p.stderr[-300:]))
+    rows, _ = read_out(out)
+    want = {"emb": (404, "/v1/embeddings"), "cmpl-sfx": (400, "suffix"), "stream": (400, "stream"),
+            "best": (400, "best_of"), "plp": (400, "prompt_logprobs"), "echo": (400, "echo"),
+            "cmpl-skip": (400, "skip_special_tokens")}
+    for cid, (status, key) in want.items():
+        r = rows.get(cid, {}).get("response") or {}
+        msg = ((r.get("body") or {}).get("error") or {}).get("message", "")
+        check(r.get("status_code") == status and key in msg and not re.search(r"\.c:\d+", msg),
+              "line %s: %d naming %s, no source location (%s %s)" % (cid, status, key, r.get("status_code"), msg[:120]))
+    for cid in ("ok", "cmpl-ok"):
+        r = rows.get(cid, {}).get("response") or {}
+        check(r.get("status_code") == 200, "line %s answered 200" % cid)
 
 
 def requests(vocab, eom):
@@ -292,12 +333,14 @@ def mode_mpi(tmp, mpi):
 
 
 def main():
-    if len(sys.argv) < 2 or sys.argv[1] not in ("input", "mpi") or (sys.argv[1] == "mpi" and len(sys.argv) < 3):
+    if len(sys.argv) < 2 or sys.argv[1] not in ("input", "lines", "mpi") or (sys.argv[1] == "mpi" and len(sys.argv) < 3):
         print(__doc__)
         return 2
     with tempfile.TemporaryDirectory() as tmp:
         if sys.argv[1] == "input":
             mode_input(tmp)
+        elif sys.argv[1] == "lines":
+            mode_lines(tmp)
         else:
             mode_mpi(tmp, sys.argv[2])
     return verdict("batch_test " + sys.argv[1])

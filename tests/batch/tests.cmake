@@ -6,6 +6,9 @@ find_program(K3_BATCH_PYTHON3 python3)
 add_test(NAME batch_input COMMAND ${K3_BATCH_PYTHON3} ${CMAKE_CURRENT_LIST_DIR}/batch_test.py input)
 set_tests_properties(batch_input PROPERTIES LABELS "unit;sanitize" TIMEOUT 60
                      ENVIRONMENT "${K3_TEST_ENV_MPI}") # it starts MPI: see K3_TEST_ENV_MPI
+add_test(NAME batch_lines COMMAND ${K3_BATCH_PYTHON3} ${CMAKE_CURRENT_LIST_DIR}/batch_test.py lines)
+set_tests_properties(batch_lines PROPERTIES LABELS "unit" TIMEOUT 120
+                     ENVIRONMENT "${K3_TEST_ENV_MPI}")
 add_test(NAME batch_mpi
          COMMAND ${K3_BATCH_PYTHON3} ${CMAKE_CURRENT_LIST_DIR}/batch_test.py mpi ${MPIEXEC_EXECUTABLE})
 # not in the sanitize tier: under ASan it takes ~220 s on 2 cores, the tier's long pole; the same
