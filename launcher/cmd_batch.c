@@ -23,7 +23,8 @@
  * "model": <basename of --model>, "choices": [{"index": 0, "message": {"role": "assistant",
  * "content", "reasoning_content" (thinking on), "tool_calls" (when any)}, "logprobs",
  * "finish_reason": "stop" | "length" | "tool_calls"}], "usage": {"prompt_tokens",
- * "completion_tokens", "total_tokens"}}. "logprobs" is null unless the request set
+ * "completion_tokens", "total_tokens", "prompt_tokens_details": {"cached_tokens"}}} (as k3 serve
+ * writes it). "logprobs" is null unless the request set
  * "logprobs": true (and "top_logprobs": 0-20): then {"content": [{"token", "logprob", "bytes",
  * "top_logprobs": [{"token", "logprob", "bytes"}]}], "refusal": null} with one entry per
  * generated token — reasoning, control tokens and the stop token included (the engine's tokens,
@@ -511,11 +512,11 @@ static k3_status write_ok(batch *b, const in_line *L, live *q, const k3_event *e
     if (st == K3_OK) st = k3_chat_buf_puts(&o, ",\"choices\":[");
     if (st == K3_OK)
         st = L->completion ? put_text_choice(b, q, ev, &o) : put_choice(msg.p, msg.n, b, q, &o);
-    snprintf(
-        t, sizeof t,
-        "],\"usage\":{\"prompt_tokens\":%lld,\"completion_tokens\":%lld,\"total_tokens\":%lld}}"
-        "},\"error\":null}\n",
-        (long long)ev->n_prompt, (long long)ev->n_gen, (long long)(ev->n_prompt + ev->n_gen));
+    snprintf(t, sizeof t,
+             "],\"usage\":{\"prompt_tokens\":%lld,\"completion_tokens\":%lld,\"total_tokens\":%lld,"
+             "\"prompt_tokens_details\":{\"cached_tokens\":%lld}}}},\"error\":null}\n",
+             (long long)ev->n_prompt, (long long)ev->n_gen, (long long)(ev->n_prompt + ev->n_gen),
+             (long long)ev->n_cached);
     if (st == K3_OK) st = k3_chat_buf_puts(&o, t);
     if (st == K3_OK) st = write_line(b, &o);
     k3_chat_buf_free(&msg);

@@ -3,6 +3,10 @@
 
 usage: batch_test.py input          (K3_BIN = the k3 binary; one process, no model load)
        batch_test.py lines          (one process, the tiny model)
+       batch_test.py serve          (one process, the tiny model, and k3 serve)
+  serve: (issue 47) 43 varied lines through k3 batch and through k3 serve: every 200 body equal
+         (ids, timestamps and the prefix cache's cached_tokens aside), the refused lines the same
+         status (their messages still differ in wording: "line N: ..." in batch).
        batch_test.py mpi MPIEXEC    (2 stages x 2 lanes under mpirun)
   lines: (issue 47) a line k3 serve refuses fails alone with serve's status and a message naming
          the key, no source location: another url (404), suffix, stream: true, best_of 2,
@@ -144,6 +148,75 @@ def mode_lines(tmp):
     for cid in ("ok", "cmpl-ok"):
         r = rows.get(cid, {}).get("response") or {}
         check(r.get("status_code") == 200, "line %s answered 200" % cid)
+
+
+def mode_serve(tmp):
+    """Issue 47: one ~40-line file through `k3 batch` and each line's body through `k3 serve`:
+    every 200 body equal (ids, timestamps and usage.prompt_tokens_details aside: the prefix
+    cache's hits depend on what ran before), every refused line the same status."""
+    import urllib.request
+    model = os.path.join(tmp, "tiny")
+    subprocess.run([K3, "make-tiny", model], check=True, stderr=subprocess.DEVNULL)
+    m = [{"role": "user", "content": "Name a colour."}]
+    tool = [{"type": "function", "function": {"name": "f", "parameters": {"type": "object", "properties": {}}}}]
+    L = []
+    L += [("chat%d" % i, {"messages": m, "max_tokens": 4 + i, "seed": i, "temperature": 0.8}) for i in range(8)]
+    L += [("chatoff%d" % i, {"messages": m, "max_tokens": 6, "seed": i, "chat_template_kwargs": {"thinking": False}}) for i in range(4)]
+    L += [("lp%d" % i, {"messages": m, "max_tokens": 3, "temperature": 0, "logprobs": True, "top_logprobs": 2}) for i in range(3)]
+    L += [("tools%d" % i, {"messages": m, "max_tokens": 5, "seed": i, "tools": tool}) for i in range(3)]
+    L += [("cmpl%d" % i, {"prompt": "Once upon", "max_tokens": 3 + i, "seed": i}) for i in range(6)]
+    L += [("cmplids%d" % i, {"prompt": [5, 6, 7, 8 + i], "max_tokens": 3, "temperature": 0, "logprobs": 2}) for i in range(3)]
+    L += [("cmplstop%d" % i, {"prompt": "a b c", "max_tokens": 8, "seed": i, "stop": ["e"]}) for i in range(3)]
+    L += [("cmplskip%d" % i, {"prompt": "x", "max_tokens": 6, "seed": i, "skip_special_tokens": bool(i % 2)}) for i in range(2)]
+    L += [("bad-model", {"model": "gpt-4o", "messages": m}), ("bad-top", {"messages": m, "top_p": 5}),
+          ("cmplbad-sfx", {"prompt": "x", "suffix": "y"}), ("bad-best", {"messages": m, "best_of": 3}),
+          ("bad-ctx", {"messages": m, "max_tokens": 100000}), ("cmplbad-zero", {"prompt": "x", "max_tokens": 0}),
+          ("emb", {"input": "x"})]
+    lines = [line(c, b, **({"url": "/v1/embeddings"} if c == "emb" else {})) for c, b in L]
+    inp, out = os.path.join(tmp, "cmp.jsonl"), os.path.join(tmp, "cmp.out.jsonl")
+    with open(inp, "w") as f:
+        f.write("\n".join(lines) + "\n")
+    flags = ["--model", model, "--threads", "1", "--max-ctx", "4096", "--served-model-name", "k3-tiny"]
+    p = batch(flags + ["--input", inp, "--output", out])
+    check(p.returncode == 0, "k3 batch ran the file (exit %d) %s" % (p.returncode, p.stderr[-200:]))
+    rows, _ = read_out(out)
+    log = tempfile.NamedTemporaryFile(delete=False)
+    srv = subprocess.Popen([K3, "serve", "--port", "0"] + flags, stdout=subprocess.DEVNULL, stderr=log)
+    port, t0 = None, time.time()
+    while port is None and time.time() - t0 < 60 and srv.poll() is None:
+        mt = re.search(r"listening on http://127\.0\.0\.1:(\d+)", open(log.name, errors="replace").read())
+        port = int(mt.group(1)) if mt else None
+        time.sleep(0.1)
+
+    def norm(x):
+        if isinstance(x, dict):
+            return {k: norm(v) for k, v in x.items() if k not in ("id", "created", "prompt_tokens_details")}
+        return [norm(v) for v in x] if isinstance(x, list) else x
+    same, diff = 0, []
+    try:
+        for (cid, body), ln in zip(L, lines):
+            url = json.loads(ln)["url"]
+            rq = urllib.request.Request("http://127.0.0.1:%d%s" % (port, url), data=json.dumps(body).encode(),
+                                        headers={"Content-Type": "application/json"})
+            try:
+                with urllib.request.urlopen(rq, timeout=120) as r:
+                    status, got = r.status, json.loads(r.read())
+            except urllib.error.HTTPError as e:
+                status, got = e.code, json.loads(e.read())
+            b = rows[cid]["response"]
+            ok = status == b["status_code"] and (status != 200 or norm(got) == norm(b["body"]))
+            same += ok
+            if not ok:
+                diff.append((cid, status, b["status_code"], json.dumps(norm(got))[:160], json.dumps(norm(b["body"]))[:160]))
+    finally:
+        srv.terminate()
+        srv.wait(timeout=60)
+        os.unlink(log.name)
+    for d in diff[:5]:
+        print("   differs:", d)
+    n_ok = sum(1 for c, _ in L if rows[c]["response"]["status_code"] == 200)
+    check(not diff and n_ok >= 30, "%d lines: batch = serve for every one (%d bodies of 200 equal, the "
+          "refused lines the same status)" % (len(L), n_ok))
 
 
 def requests(vocab, eom):
@@ -309,9 +382,11 @@ def mode_mpi(tmp, mpi):
     got, order = read_out(part)
     check(len(order) == len(set(order)) == len(cids) and set(order) == set(cids),
           "resumed file: %d lines, %d distinct, %d requests: no duplicate, no loss" % (len(order), len(set(order)), len(cids)))
+    def usage(o):  # the prefix cache's hits (cached_tokens) depend on what ran before: aside
+        return {k: v for k, v in (o["response"]["body"].get("usage") or {}).items() if k != "prompt_tokens_details"}
     same = [c for c in cids if c in got and (got[c]["response"]["body"].get("error") == ref[c]["response"]["body"].get("error")
                                              and got[c]["response"]["body"].get("choices") == ref[c]["response"]["body"].get("choices")
-                                             and got[c]["response"]["body"].get("usage") == ref[c]["response"]["body"].get("usage"))]
+                                             and usage(got[c]) == usage(ref[c]))]
     check(len(same) == len(cids), "resumed results equal the uninterrupted run's: %d of %d (differ: %s)"
           % (len(same), len(cids), [c for c in cids if c not in same][:3]))
     before = open(part, "rb").read()
@@ -333,7 +408,7 @@ def mode_mpi(tmp, mpi):
 
 
 def main():
-    if len(sys.argv) < 2 or sys.argv[1] not in ("input", "lines", "mpi") or (sys.argv[1] == "mpi" and len(sys.argv) < 3):
+    if len(sys.argv) < 2 or sys.argv[1] not in ("input", "lines", "serve", "mpi") or (sys.argv[1] == "mpi" and len(sys.argv) < 3):
         print(__doc__)
         return 2
     with tempfile.TemporaryDirectory() as tmp:
@@ -341,6 +416,8 @@ def main():
             mode_input(tmp)
         elif sys.argv[1] == "lines":
             mode_lines(tmp)
+        elif sys.argv[1] == "serve":
+            mode_serve(tmp)
         else:
             mode_mpi(tmp, sys.argv[2])
     return verdict("batch_test " + sys.argv[1])

@@ -9,6 +9,9 @@ set_tests_properties(batch_input PROPERTIES LABELS "unit;sanitize" TIMEOUT 60
 add_test(NAME batch_lines COMMAND ${K3_BATCH_PYTHON3} ${CMAKE_CURRENT_LIST_DIR}/batch_test.py lines)
 set_tests_properties(batch_lines PROPERTIES LABELS "unit" TIMEOUT 120
                      ENVIRONMENT "${K3_TEST_ENV_MPI}")
+add_test(NAME batch_serve COMMAND ${K3_BATCH_PYTHON3} ${CMAKE_CURRENT_LIST_DIR}/batch_test.py serve)
+set_tests_properties(batch_serve PROPERTIES LABELS "unit" TIMEOUT 180
+                     ENVIRONMENT "${K3_TEST_ENV_MPI}")
 add_test(NAME batch_mpi
          COMMAND ${K3_BATCH_PYTHON3} ${CMAKE_CURRENT_LIST_DIR}/batch_test.py mpi ${MPIEXEC_EXECUTABLE})
 # not in the sanitize tier: under ASan it takes ~220 s on 2 cores, the tier's long pole; the same
