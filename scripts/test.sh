@@ -18,7 +18,7 @@
 #                   the same .cu sources run on host fibers and NCCL runs over MPI)
 #                   ctest tiers sanitize and gpuemu, in one run (+ the kernels' host math, cuda_math)
 #   4. build/       (scripts/setup.sh's one configuration, the demo's: warnings as errors)
-#                   ctest tiers unit, golden, mpi, fuzz
+#                   ctest tiers unit, golden, mpi, fuzz, cluster (namespace nodes: tests/cluster)
 # The Python references live in a virtual environment this script makes, build/venv (Debian's
 # python3 refuses `pip install` outside one: PEP 668); the tests run with it first on PATH.
 # Every step runs even when an earlier one failed (a failed build skips only its own tiers), so
@@ -167,8 +167,8 @@ else
   tail -n 60 "$LOGDIR/asan-build.log"; step_failed "the build-asan build (its tiers did not run)"
 fi
 
-echo "== tier: unit, golden, mpi, fuzz =="
-ctest --test-dir build -L 'unit|golden|mpi|fuzz' --output-on-failure -j"$JOBS" | tee "$LOGDIR/main.log"
+echo "== tier: unit, golden, mpi, fuzz, cluster =="
+ctest --test-dir build -L 'unit|golden|mpi|fuzz|cluster' --output-on-failure -j"$JOBS" | tee "$LOGDIR/main.log"
 tally "$LOGDIR/main.log" main
 rm -rf "$LOGDIR"
 
