@@ -18,7 +18,11 @@
 #include <errno.h>
 #include <limits.h>
 #include <mpi.h>
+#include <netdb.h>
+#include <netinet/in.h>
+#include <poll.h>
 #include <signal.h>
+#include <sys/socket.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <unistd.h>
@@ -89,7 +93,12 @@ static k3_status wait_req(k3_comm *c, double timeout_s, MPI_Request *req, const 
  * their state still says running. The states live in an MPI shared-memory window of the node (one
  * slot per local rank: pid, state), so a rank that exits on purpose (abort, close, SIGTERM) first
  * marks itself leaving and is never mistaken for a vanished one. Process-wide: made at the first
- * k3_comm_create, freed by k3_comm_finalize. Ranks on other nodes are not visible from here. */
+ * k3_comm_create, freed by k3_comm_finalize.
+ * A rank alone on its node has no such neighbour, so it is watched over a TCP connection instead
+ * (its peer socket): rank 0 holds one to every lone worker, the lowest other rank one to a lone
+ * rank 0. The kernel closes a dead process's sockets, so the watcher's SIGTERM handler finds EOF
+ * on the connection of a rank that vanished; a rank that leaves on purpose first sends one byte
+ * ('L') on its connection, like its state in the window. */
 enum { PEER_RUNNING = 1, PEER_LEAVING = 2 };
 typedef struct node_slot {
     volatile int32_t pid;
@@ -102,8 +111,18 @@ static MPI_Comm g_node = MPI_COMM_NULL;
 static char (*g_desc)[128]; /* [g_n_local] "rank 2 (stage 1, lane 0, host vm, pid 77)" */
 static char g_prefix[40];   /* "[k3 r01 s0 e1 E] " */
 
+static int g_peer_fd = -1;   /* a lone rank: its connection to its watcher */
+static int *g_watch_fd;      /* [g_n_watch] the watcher: its connections to the lone ranks */
+static char (*g_wdesc)[128]; /* [g_n_watch] their descriptions */
+static int g_n_watch;
+
 static void mark_leaving(void) {
     if (g_slots) g_slots[g_my_local].state = PEER_LEAVING;
+    if (g_peer_fd >= 0) { /* async-signal-safe; a second 'L' is harmless (the watcher peeks) */
+        const char b = 'L';
+        ssize_t k = send(g_peer_fd, &b, 1, MSG_DONTWAIT | MSG_NOSIGNAL);
+        (void)k;
+    }
 }
 
 static size_t cat(char *dst, size_t n, size_t cap, const char *src) { /* async-signal-safe */
@@ -112,22 +131,35 @@ static size_t cat(char *dst, size_t n, size_t cap, const char *src) { /* async-s
     return n;
 }
 
+static void say_vanished(const char *desc) { /* async-signal-safe */
+    char line[512];
+    size_t n = cat(line, 0, sizeof line, g_prefix);
+    n = cat(line, n, sizeof line, desc);
+    n = cat(line, n, sizeof line,
+            " vanished: its process is gone (killed or crashed) while the job ran; the "
+            "launcher is ending the job\n");
+    ssize_t wr = write(STDERR_FILENO, line, n);
+    (void)wr;
+}
+
 bool k3_comm_report_vanished(void) {
-    if (!g_slots) return false;
+    if (!g_slots && g_peer_fd < 0 && !g_n_watch) return false;
     mark_leaving();
     bool any = false;
-    for (int i = 0; i < g_n_local; i++) {
+    for (int i = 0; g_slots && i < g_n_local; i++) {
         if (i == g_my_local || g_slots[i].state != PEER_RUNNING || g_slots[i].pid <= 0) continue;
         if (kill((pid_t)g_slots[i].pid, 0) == 0 || errno != ESRCH) continue;
-        char line[512];
-        size_t n = cat(line, 0, sizeof line, g_prefix);
-        n = cat(line, n, sizeof line, g_desc[i]);
-        n = cat(line, n, sizeof line,
-                " vanished: its process is gone (killed or crashed) while the job ran; the "
-                "launcher is ending the job\n");
-        ssize_t wr = write(STDERR_FILENO, line, n);
-        (void)wr;
+        say_vanished(g_desc[i]);
         any = true;
+    }
+    /* a lone rank on another node: EOF (or a reset) without its 'L' first */
+    for (int i = 0; i < g_n_watch; i++) {
+        char b = 0;
+        ssize_t k = recv(g_watch_fd[i], &b, 1, MSG_DONTWAIT | MSG_PEEK);
+        if (k == 0 || (k < 0 && errno != EAGAIN && errno != EWOULDBLOCK && errno != EINTR)) {
+            say_vanished(g_wdesc[i]);
+            any = true;
+        }
     }
     return any;
 }
@@ -198,7 +230,121 @@ static void watch_node(const k3_comm *c) {
     sigaction(SIGTERM, &sa, NULL);
 }
 
+/* A connection to host:port within timeout_s, or -1. */
+static int dial(const char *host, int port, double timeout_s) {
+    char ps[16];
+    snprintf(ps, sizeof ps, "%d", port);
+    struct addrinfo hints = {.ai_family = AF_UNSPEC, .ai_socktype = SOCK_STREAM}, *ai = NULL;
+    if (getaddrinfo(host, ps, &hints, &ai) != 0) return -1;
+    int fd = -1;
+    for (struct addrinfo *a = ai; a && fd < 0; a = a->ai_next) {
+        fd = socket(a->ai_family, a->ai_socktype | SOCK_NONBLOCK | SOCK_CLOEXEC, 0);
+        if (fd < 0) continue;
+        int rc = connect(fd, a->ai_addr, a->ai_addrlen);
+        if (rc != 0 && errno == EINPROGRESS) {
+            struct pollfd pf = {.fd = fd, .events = POLLOUT};
+            int err = 0;
+            socklen_t el = sizeof err;
+            rc = poll(&pf, 1, (int)(timeout_s * 1000)) == 1 &&
+                         getsockopt(fd, SOL_SOCKET, SO_ERROR, &err, &el) == 0 && err == 0
+                     ? 0
+                     : -1;
+        }
+        if (rc != 0) close(fd), fd = -1;
+    }
+    freeaddrinfo(ai);
+    return fd;
+}
+
+/* Collective over the world (after watch_node): the peer sockets of the ranks alone on their node.
+ * Best effort: a rank that cannot be reached by its host name is not watched (a warning says so;
+ * the launcher still ends the job, only without k3's line). */
+static void watch_lone(const k3_comm *c) {
+    int n_here = 1;
+    if (g_node != MPI_COMM_NULL)
+        MPI_Comm_size(g_node, &n_here);
+    else
+        return;
+    int lfd = -1, port = 0;
+    const bool lone = n_here == 1 && c->size > 1;
+    const int watcher = c->rank == 0 ? 1 : 0;
+    if (lone) { /* listen on an ephemeral port of every address */
+        struct sockaddr_in6 a = {.sin6_family = AF_INET6, .sin6_addr = IN6ADDR_ANY_INIT};
+        socklen_t al = sizeof a;
+        lfd = socket(AF_INET6, SOCK_STREAM | SOCK_CLOEXEC, 0);
+        if (lfd >= 0 && (bind(lfd, (struct sockaddr *)&a, sizeof a) != 0 || listen(lfd, 4) != 0 ||
+                         getsockname(lfd, (struct sockaddr *)&a, &al) != 0))
+            close(lfd), lfd = -1;
+        if (lfd >= 0) port = ntohs(a.sin6_port);
+    }
+    /* count unit: 2 ints a rank (port, pid) */
+    int mine[2] = {port, (int)getpid()};
+    int *all = calloc((size_t)c->size * 2, sizeof *all);
+    int *fds = calloc((size_t)c->size, sizeof *fds);
+    char(*desc)[128] = calloc((size_t)c->size, sizeof *desc);
+    int ok = all && fds && desc &&
+             MPI_Allgather(mine, 2, MPI_INT, all, 2, MPI_INT, MPI_COMM_WORLD) == MPI_SUCCESS;
+    int n = 0, dialed = 0;
+    for (int r = 0; ok && r < c->size; r++) {
+        if (all[2 * r] <= 0 || r == c->rank || (r == 0 ? 1 : 0) != c->rank) continue;
+        int fd = dial(c->host[r], all[2 * r], K3_MIN(c->timeout_s, 5.0));
+        int w = r - c->first_worker;
+        if (fd < 0) {
+            K3_LOGW("comm: cannot reach rank %d (alone on host %s) at %s:%d to watch it: if it "
+                    "dies, only the launcher will say so",
+                    r, c->host[r], c->host[r], all[2 * r]);
+            continue;
+        }
+        if (w < 0)
+            snprintf(desc[n], sizeof desc[n], "rank %d (coordinator, host %s, pid %d)", r,
+                     c->host[r], all[2 * r + 1]);
+        else
+            snprintf(desc[n], sizeof desc[n], "rank %d (stage %d, lane %d, host %s, pid %d)", r,
+                     w / c->n_lanes, w % c->n_lanes, c->host[r], all[2 * r + 1]);
+        fds[n++] = fd;
+        dialed++;
+    }
+    /* the lone rank takes its watcher's connection (already in the backlog when it was made) */
+    int got = 0;
+    if (MPI_Allreduce(&dialed, &got, 1, MPI_INT, MPI_SUM, MPI_COMM_WORLD) != MPI_SUCCESS) got = 0;
+    if (lfd >= 0 && got > 0 && watcher < c->size) {
+        struct pollfd pf = {.fd = lfd, .events = POLLIN};
+        if (poll(&pf, 1, 2000) == 1) g_peer_fd = accept4(lfd, NULL, NULL, SOCK_CLOEXEC);
+    }
+    if (lfd >= 0) close(lfd);
+    free(all);
+    if (n == 0) {
+        free(fds), free(desc);
+        return;
+    }
+    g_watch_fd = fds;
+    g_wdesc = desc;
+    g_n_watch = n;
+    if (!g_slots) { /* no window here: the handler still has lone ranks to name */
+        if (c->stage >= 0)
+            snprintf(g_prefix, sizeof g_prefix, "[k3 r%02d s%d e%d E] ", c->rank, c->stage,
+                     c->lane);
+        else
+            snprintf(g_prefix, sizeof g_prefix, "[k3 r%02d E] ", c->rank);
+        struct sigaction sa;
+        memset(&sa, 0, sizeof sa);
+        sa.sa_handler = on_term;
+        sigemptyset(&sa.sa_mask);
+        sigaction(SIGTERM, &sa, NULL);
+    }
+}
+
+static void unwatch_lone(void) {
+    mark_leaving();
+    for (int i = 0; i < g_n_watch; i++) close(g_watch_fd[i]);
+    free(g_watch_fd), free(g_wdesc);
+    g_watch_fd = NULL, g_wdesc = NULL, g_n_watch = 0;
+    if (g_peer_fd >= 0) close(g_peer_fd);
+    g_peer_fd = -1;
+}
+
 static void unwatch_node(void) {
+    unwatch_lone();
     if (!g_slots) return;
     mark_leaving();
     g_slots = NULL;
@@ -454,8 +600,10 @@ k3_status k3_comm_mpi_create(const k3_comm_params *p, k3_comm **out) {
         return st;
     }
     for (int i = 0; i < c->size; i++) c->host[i][K3_HOST_BYTES - 1] = 0;
+    const bool first = !g_slots && g_node == MPI_COMM_NULL;
     watch_node(c);
     comm_bell_init(c);
+    if (first) watch_lone(c);
     *out = c;
     return K3_OK;
 }
