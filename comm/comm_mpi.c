@@ -16,12 +16,14 @@
 #include "comm_internal.h"
 
 #include <errno.h>
+#include <fcntl.h>
 #include <limits.h>
 #include <mpi.h>
 #include <netdb.h>
 #include <netinet/in.h>
 #include <poll.h>
 #include <signal.h>
+#include <sys/mman.h>
 #include <sys/socket.h>
 #include <stdio.h>
 #include <stdlib.h>
@@ -676,6 +678,64 @@ static k3_status node_lead(int rank, double timeout_s, int *lead) {
     return st;
 }
 
+/* The node map must match reality: the ranks it puts on one node share that node's memory (they
+ * share dense weights through POSIX shared memory and a window). Each node's lowest rank makes a
+ * shared-memory object; every other rank of the node must see it, and run on the same host name.
+ * Collective; every rank gets the same answer, so a wrong map is refused by all, naming the ranks
+ * and their hosts. */
+static k3_status check_node_map(const k3_comm_where *all, int size, int rank, double timeout_s) {
+    const k3_comm_where *me = &all[rank];
+    char name[64];
+    snprintf(name, sizeof name, "/k3-node-%d-%d", (int)all[me->node].pid, me->node);
+    int fd = -1, ok = 1, dummy = 0;
+    if (me->node == rank) {
+        fd = shm_open(name, O_CREAT | O_RDWR, 0600);
+        if (fd < 0) ok = -1; /* cannot check: not the map's fault */
+    }
+    K3_TRY(k3_comm_world_max(0, &dummy, timeout_s)); /* the objects exist before anyone looks */
+    if (me->node != rank) {
+        int f = shm_open(name, O_RDONLY, 0);
+        ok = f >= 0 && strcmp(me->host, all[me->node].host) == 0;
+        if (f >= 0) close(f);
+    }
+    int *oks = calloc((size_t)size, sizeof *oks);
+    if (!oks) return K3_ERR(K3_ERR_NOMEM, "node map check: out of memory");
+    MPI_Request req;
+    /* count unit: one int per rank */
+    k3_status st =
+        MPI_Iallgather(&ok, 1, MPI_INT, oks, 1, MPI_INT, MPI_COMM_WORLD, &req) == MPI_SUCCESS
+            ? wait_req(NULL, timeout_s, &req, "node map check (allgather)",
+                       "some rank of the world", COMM_PEER_ANY)
+            : K3_ERR(K3_ERR_COMM, "MPI_Iallgather (node map check) failed");
+    if (fd >= 0) {
+        close(fd);
+        shm_unlink(name);
+    }
+    char bad[768] = "";
+    size_t at = 0;
+    int n_bad = 0;
+    for (int i = 0; st == K3_OK && i < size; i++)
+        if (oks[i] == 0) {
+            if (at < sizeof bad)
+                at += (size_t)snprintf(bad + at, sizeof bad - at, "%srank %d (host %s)",
+                                       n_bad ? ", " : "", i, all[i].host);
+            n_bad++;
+        }
+    free(oks);
+    K3_TRY(st);
+    if (n_bad == 0) return K3_OK;
+    int first = -1; /* the first rank refused, for the node it was told it shares */
+    for (int i = 0; i < size && first < 0; i++)
+        if (all[i].node != i && strcmp(all[i].host, all[all[i].node].host) != 0) first = i;
+    return K3_ERR(K3_ERR_ARG,
+                  "node map: %s placed on the node of rank %d (host %s) by the launcher, but %s "
+                  "not share its memory (another host, or another /dev/shm): the launcher's node "
+                  "map disagrees with where the ranks run (check the hostfile, --map-by and the "
+                  "node names)",
+                  bad, first >= 0 ? all[first].node : 0,
+                  first >= 0 ? all[all[first].node].host : "?", n_bad == 1 ? "it does" : "they do");
+}
+
 k3_status k3_comm_world_where(uint64_t v, k3_comm_where *all, double timeout_s) {
     int inited = 0, rank = 0, size = 1;
     MPI_Initialized(&inited);
@@ -696,17 +756,14 @@ k3_status k3_comm_world_where(uint64_t v, k3_comm_where *all, double timeout_s) 
     }
     int dummy = 0;
     K3_TRY(k3_comm_world_max(0, &dummy, timeout_s)); /* everyone is here: the split cannot hang */
-    /* K3_TEST_NODE_RANKS=N (tests): nodes of N consecutive ranks, each named as if it were its own
-       machine, so the per-node paths of a multi-node job (node sharing, node memory checks, the
-       per-node bench figures) run on one machine */
-    const char *emu = getenv("K3_TEST_NODE_RANKS");
-    const int per = emu ? atoi(emu) : 0;
-    if (per > 0) {
-        me.node = rank / per * per;
-        const size_t at = strnlen(me.host, sizeof me.host);
-        snprintf(me.host + at, sizeof me.host - at, "~node%d", rank / per);
-    } else
+    /* K3_TEST_NODE_MAP=one (tests only): every rank claims rank 0's node, a map that disagrees
+       with reality on several nodes, which the check below must refuse */
+    const char *lie = getenv("K3_TEST_NODE_MAP");
+    if (lie && strcmp(lie, "one") == 0)
+        me.node = 0;
+    else
         K3_TRY(node_lead(rank, timeout_s, &me.node));
+    me.pid = (int32_t)getpid();
     MPI_Request req;
     /* count unit: bytes, sizeof(k3_comm_where) per rank */
     MPI_TRY(MPI_Iallgather(&me, (int)sizeof me, MPI_BYTE, all, (int)sizeof me, MPI_BYTE,
@@ -714,7 +771,7 @@ k3_status k3_comm_world_where(uint64_t v, k3_comm_where *all, double timeout_s) 
     K3_TRY(wait_req(NULL, timeout_s, &req, "node map (allgather)", "some rank of the world",
                     COMM_PEER_ANY));
     for (int i = 0; i < size; i++) all[i].host[K3_HOST_BYTES - 1] = 0;
-    return K3_OK;
+    return check_node_map(all, size, rank, timeout_s);
 }
 
 _Noreturn void k3_comm_world_abort(int code) {

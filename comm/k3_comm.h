@@ -276,11 +276,14 @@ k3_status k3_comm_world_max(int v, int *max, double timeout_s);
  * (MPI_Comm_split_type SHARED: the ranks of one node); host = its processor name (cut to
  * K3_HOST_BYTES - 1); v = the value that rank passed (e.g. its MemAvailable). A bounded
  * agreement first makes sure every rank has arrived, so the (blocking) split cannot hang on a
- * rank that never comes; the exchange itself waits at most timeout_s. Without MPI: one entry. */
+ * rank that never comes; the exchange itself waits at most timeout_s. Without MPI: one entry.
+ * The map is then checked against reality: every rank placed on another rank's node must run on
+ * its host name and see its node's POSIX shared memory, or every rank returns the same
+ * K3_ERR_ARG naming the ranks and hosts (all[] is filled either way). */
 #define K3_HOST_BYTES 48
 typedef struct k3_comm_where {
     int32_t node;             /* lowest world rank on the same node */
-    int32_t pad_;             /* zero */
+    int32_t pid;              /* the rank's process id (the node map's shared-memory check) */
     uint64_t v;               /* the caller's value */
     char host[K3_HOST_BYTES]; /* NUL-terminated */
 } k3_comm_where;

@@ -184,7 +184,10 @@ k3_status rank_setup(rank_ctx *r) {
         if (k3_host_memory(&avail, &total) != K3_OK) avail = 0; /* unknown: no check */
         k3_status ws = k3_calloc((void **)&r->where, (size_t)r->world * sizeof *r->where, "hosts");
         if (ws == K3_OK) ws = k3_comm_world_where((uint64_t)avail, r->where, tmo);
-        if (ws != K3_OK) return rank_fail(r, ws);
+        if (ws == K3_ERR_ARG) /* a node map that disagrees with reality: every rank refuses it */
+            st = ws, same = true;
+        else if (ws != K3_OK)
+            return rank_fail(r, ws);
     }
     bind_rank(r);
     r->max_seqs = o->max_seqs > 0 ? o->max_seqs : K3_ENGINE_DEFAULT_MAX_SEQS;

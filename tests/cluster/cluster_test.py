@@ -18,6 +18,13 @@ directory every node sees (under the build tree; each node has its own /tmp and 
             rank of node2 with "host node2".
   kill      4 nodes x 1 rank: SIGKILL of rank 2 (alone on node3) during decode; a k3 line names
             "rank 2 (stage 1, lane 0, host node3" ... "vanished" within 30 s of the kill.
+  load      2 nodes x 2 ranks, 1 x 4 (one stage): each node reads the stage's dense tensors once.
+            `k3 run --json`: the ranks read every tensor once plus the dense tensors once more
+            (total + dense, from the shard headers); `k3 bench load`: 2 nodes of 2 ranks, each
+            node's bytes read = its unique bytes, the job's = total + dense (the mmap loader:
+            each rank maps its own, total + 3 x dense). (Was K3_TEST_NODE_RANKS on one host.)
+  nodemap   4 nodes x 1 rank told they share one node (K3_TEST_NODE_MAP=one): refused at open,
+            exit 2 within 30 s, naming ranks 1-3 with their hosts and rank 0's host.
 Where namespaces cannot be made (up.sh exits 2) the case is skipped with up.sh's reason, or,
 under CI=true, fails.
 """
@@ -215,6 +222,78 @@ def case_kill():
         down()
 
 
+def shard_bytes(model_dir, experts=True):
+    """Bytes of every tensor in the shards (experts=False: all but the routed experts'), from their
+    safetensors headers (not from k3)."""
+    total = 0
+    for name in sorted(os.listdir(model_dir)):
+        if name.endswith(".safetensors"):
+            with open(os.path.join(model_dir, name), "rb") as f:
+                n = int.from_bytes(f.read(8), "little")
+                header = json.loads(f.read(n))
+            total += sum(t["data_offsets"][1] - t["data_offsets"][0] for k, t in header.items()
+                         if k != "__metadata__" and (experts or ".experts." not in k))
+    return total
+
+
+def case_load():
+    m = model()
+    total, dense = shard_bytes(m), shard_bytes(m, experts=False)
+    up(2, 2)
+    try:
+        p = cluster_run(4, 2, ["--model", m, "--pp", "1", "--ep", "4", "--prompt-ids", "1,2,3",
+                               "--n", "3", "--json", "--comm-timeout", "30"], OB1)
+        so, se = p.communicate(timeout=120)
+        if check(p.returncode == 0, f"run: rc {p.returncode}\n{se[-3000:]}"):
+            read = sum(r["bytes_read"] for r in json.loads(so)["dist"]["ranks"])
+            check(read == total + dense, f"run: the ranks read {read} B, not every tensor once and "
+                                         f"the dense ones once more per node ({total} + {dense})")
+            print(f"ok run: 2 nodes read {read} B = {total} + {dense} (dense once per node)", flush=True)
+        js = os.path.join(WORK, "load.json")
+        cmd = [os.path.join(HERE, "mpirun.sh"), "-np", "4", "--map-by", "ppr:2:node"] + OB1
+        cmd += [K3, "bench", "load", "--model", m, "--ep", "4", "--threads", "1", "-r", "1",
+                "--output-json", js]
+        b = subprocess.run(cmd, capture_output=True, text=True, timeout=120)
+        if check(b.returncode == 0, f"bench load: rc {b.returncode}\n{b.stderr[-3000:]}"):
+            d = json.load(open(js))
+            check(d["nodes"] == 2, f"bench load: {d['nodes']} nodes")
+            for x in d["loads"]:
+                check([n["ranks"] for n in x["nodes"]] == [2, 2], f"{x['loader']}: ranks per node")
+                if x["loader"] == "mmap":  # each rank maps its own (the page cache shares them)
+                    check(x["bytes_read"] == total + 3 * dense, f"mmap: {x['bytes_read']} B")
+                    continue
+                for n in x["nodes"]:
+                    check(n["bytes_read"] == n["unique_bytes"] > 0, f"{x['loader']}: node {n}")
+                check(x["bytes_read"] == x["unique_bytes"] == total + dense,
+                      f"{x['loader']}: {x['bytes_read']} B read, {x['unique_bytes']} unique, "
+                      f"want {total} + {dense}")
+            print(f"ok bench load: per node bytes read = unique bytes ({len(d['loads'])} loaders)",
+                  flush=True)
+    finally:
+        down()
+
+
+def case_nodemap():
+    m = model()
+    up(4, 1)
+    try:
+        cmd = [os.path.join(HERE, "mpirun.sh"), "-np", "4", "--map-by", "ppr:1:node", "-x",
+               "K3_TEST_NODE_MAP=one"] + OB1 + [K3, "run", "--model", m, "--pp", "2", "--ep", "2",
+                                                "--prompt-ids", "1,2,3", "--n", "3"]
+        t0 = time.time()
+        p = subprocess.run(cmd, capture_output=True, text=True, timeout=60)
+        dt = time.time() - t0
+        check(p.returncode == 2, f"a false node map: rc {p.returncode} (want 2)\n{p.stderr[-2000:]}")
+        check(dt < 30, f"refused after {dt:.1f} s")
+        want = ("node map: rank 1 (host node2), rank 2 (host node3), rank 3 (host node4) placed on "
+                "the node of rank 0 (host node1)")
+        check(want in p.stderr, f"no refusal naming the ranks and hosts:\n{p.stderr[-2000:]}")
+        check(p.stderr.count("node map:") == 1, "the refusal is printed more than once")
+        print(f"ok nodemap: refused in {dt:.1f} s", flush=True)
+    finally:
+        down()
+
+
 def main():
     case = sys.argv[1] if len(sys.argv) > 1 else ""
     if os.geteuid() != 0:  # namespaces need root here; up.sh says so too, but without the noise
@@ -228,8 +307,12 @@ def main():
         case_partition()
     elif case == "kill":
         case_kill()
+    elif case == "load":
+        case_load()
+    elif case == "nodemap":
+        case_nodemap()
     else:
-        sys.exit(f"unknown case '{case}' (det, det4, partition, kill)")
+        sys.exit(f"unknown case '{case}' (det, det4, partition, kill, load, nodemap)")
     p = sh("check-clean.sh")
     check(p.returncode == 0, f"left behind after the case: {p.stderr.strip()}")
     if failures:

@@ -11,9 +11,7 @@ through k3):
   * the node's memory (the sum of the ranks' Pss at close, which counts a shared page once) is
     lower by 3 x the dense bytes, within 15%;
   * the generated ids are the same;
-  * as two nodes of two ranks (K3_TEST_NODE_RANKS=2: comm names each pair its own machine): each
-    node reads the dense weights once, so the job reads total + 1 x dense, holds 2 x dense less
-    than private, and generates the same ids;
+  * (two real nodes of two ranks: tests/cluster, case load)
   * --load-mmap: each rank maps its own tensors (bytes read = total + 3 x dense, as private), but
     the pages are the page cache's, held once by the node: its Pss is lower than private's by
     3 x the dense bytes, within 15%, and the generated ids are the same.
@@ -60,10 +58,8 @@ with tempfile.TemporaryDirectory() as tmp:
     total, dense = header_bytes(model)
     print(f"checkpoint: {total / 1e6:.1f} MB, dense (non-expert) {dense / 1e6:.1f} MB")
     runs = {}
-    for mode in ("shared", "private", "two nodes", "mmap"):
+    for mode in ("shared", "private", "mmap"):
         args = [mpiexec, "-np", "4", "--oversubscribe"]
-        if mode == "two nodes":
-            args += ["-x", "K3_TEST_NODE_RANKS=2"]
         args += [K3, "run", "--model", model, "--prompt-ids", "1,2,3,4", "--n", "3", "--pp", "1",
                  "--ep", "4", "--max-ctx", "64", "--max-seqs", "2", "--json"]
         args += ["--load-private"] if mode == "private" else []
@@ -74,10 +70,6 @@ with tempfile.TemporaryDirectory() as tmp:
             continue
         out = json.loads(p.stdout)
         ranks = out["dist"]["ranks"]
-        if mode == "two nodes":
-            check("~node0 (" in p.stderr and "~node1 (" in p.stderr and
-                  "read once for the 2 ranks of the stage" in p.stderr,
-                  "two nodes: each pair of ranks shared the stage on its own node")
         runs[mode] = {"read": sum(r["bytes_read"] for r in ranks),
                       "pss": sum(r["pss_bytes"] for r in ranks),
                       "ids": [r["generated_ids"] for r in out["results"]]}
@@ -88,7 +80,6 @@ with tempfile.TemporaryDirectory() as tmp:
               f"private: each lane read the dense weights ({q['read']} = {total} + 3 x {dense})")
         for name, k, want, what in (
                 ("shared", 3, total, "the node read every byte once"),
-                ("two nodes", 2, total + dense, "each node read the dense weights once"),
                 ("mmap", 3, total + 3 * dense, "each lane mapped its own tensors, the node holds them once")):
             if name not in runs:
                 continue
