@@ -49,6 +49,9 @@ static const k3_flag flags[] = {
     {"site", K3_FLAG_STR, "FILE", NULL,
      "site profile JSON instead of --gpu (keys: see slurm/site-example.json)"},
     {"fs-gbps", K3_FLAG_FLOAT, "GB/s", "2", "file-system read GB/s of one node (load time)"},
+    {"link-latency-us", K3_FLAG_FLOAT, "US", NULL,
+     "one message's latency between nodes in microseconds (a site's inter_us; e.g. a slow or "
+     "distant link)"},
     {"slurm", K3_FLAG_BOOL, NULL, NULL, "print the #SBATCH header and srun line for the plan"},
     {"json", K3_FLAG_BOOL, NULL, NULL, "print one JSON object instead of the tables"},
 };
@@ -499,6 +502,15 @@ static int run_plan(const k3_args *a) {
         if (k3_args_has(a, "nodes")) site.nodes = (int)nodes;
         if (k3_args_has(a, "gpus-per-node")) site.ranks_per_node = (int)gpn;
         have_site = true;
+    }
+    if (k3_args_has(a, "link-latency-us")) {
+        const double us = k3_args_float(a, "link-latency-us");
+        if (!have_site || !(us >= 0) || us > 1e7) {
+            fprintf(stderr, "k3 plan: --link-latency-us needs a site (--gpu or --site) and a "
+                            "value in [0, 1e7]\n");
+            return 2;
+        }
+        site.inter_lat_s = us * 1e-6;
     }
     const double fs = k3_args_float(a, "fs-gbps") * 1e9;
     if (!(fs > 0)) {

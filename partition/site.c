@@ -14,7 +14,8 @@
  *     flops  = 2 x b x (non-expert parameters + K/X of the stage's expert parameters)
  *            + attention per token: MLA 2 H (2 kv_lora + rope) ctx/2, KDA 4 H dk dv per layer
  *     a2a    = per MoE layer, dispatch + combine: 2 x b K x row width x 4 B x (E-1)/E over the
- *              slowest link of the EP group (NVLink inside a node, the NIC across) + 2 latencies
+ *              slowest link of the EP group (NVLink inside a node, the NIC across) + 3 latencies
+ *              (comm_moe.c crosses the link 3 times a layer: the headers, the rows, the return)
  *     t_s    = max(bytes / mem_bw, flops / flops_rate) + a2a
  *   hand-off = b x D x (1 + AttnRes bank) x 4 B per stage boundary over its link + latency
  *   logits   = E b V x 4 B into rank 0 (the coordinator samples: its ingress carries every lane)
@@ -31,6 +32,10 @@
 
 #include <math.h>
 #include <stdio.h>
+
+/* Link crossings of one MoE layer's exchange (comm_moe.c: the per-lane headers, the dispatched
+ * rows, the returned rows), each paying the link's latency. */
+enum { K3_MOE_CROSSINGS = 3 };
 
 /* ---- profiles ------------------------------------------------------------------------------ */
 typedef struct profile {
@@ -231,7 +236,7 @@ static void stage_time(const k3_config *c, const k3_plan *p, const k3_site *s, i
     }
     *t_mem = by / s->mem_bw;
     *t_flop = fl / s->flops;
-    *t_a2a = a2a / bw + (a2a > 0 ? sh.n_moe * 2.0 * lat : 0);
+    *t_a2a = a2a / bw + (a2a > 0 ? sh.n_moe * (double)K3_MOE_CROSSINGS * lat : 0);
     *bytes = by;
     *flops = fl;
     *a2a_bytes = a2a;

@@ -25,6 +25,12 @@ directory every node sees (under the build tree; each node has its own /tmp and 
             each rank maps its own, total + 3 x dense). (Was K3_TEST_NODE_RANKS on one host.)
   nodemap   4 nodes x 1 rank told they share one node (K3_TEST_NODE_MAP=one): refused at open,
             exit 2 within 30 s, naming ranks 1-3 with their hosts and rank 0's host.
+  slow      2 nodes x 1 rank, --ep 2 (every MoE layer's exchange crosses the link): `k3 bench
+            throughput` with 0, 1 and 5 ms added to every frame of node2's link (slow.sh: a
+            user-space forwarder, no netem here), beside `k3 plan --link-latency-us` for the same
+            site; prints the table. Checks: tok/s falls with the delay, and the measured time
+            added by the delay is at least 0.8 x the model's (the model must not promise more
+            than the link gives). Then 5% loss on the link: the run still ends with exit 0.
 Where namespaces cannot be made (up.sh exits 2) the case is skipped with up.sh's reason, or,
 under CI=true, fails.
 """
@@ -294,6 +300,62 @@ def case_nodemap():
         down()
 
 
+def bench(tag, out_len=32):
+    js = os.path.join(WORK, f"tp-{tag}.json")
+    cmd = [os.path.join(HERE, "mpirun.sh"), "-np", "2", "--map-by", "ppr:1:node"] + OB1
+    cmd += [K3, "bench", "throughput", "--model", model(), "--ep", "2", "--input-len", "16",
+            "--output-len", str(out_len), "--num-prompts", "8", "--threads", "1",
+            "--comm-timeout", "60", "--output-json", js]
+    p = subprocess.run(cmd, capture_output=True, text=True, timeout=240)
+    if not check(p.returncode == 0, f"bench throughput ({tag}): rc {p.returncode}\n{p.stderr[-2000:]}"):
+        return None
+    return json.load(open(js))
+
+
+def predict(us):
+    """k3 plan's decode and prefill tok/s for this run: 2 cpu nodes of 1 rank, 1 x 2, 4 sequences
+    a lane (8 requests over 2 lanes)."""
+    p = subprocess.run([K3, "plan", "--model", model(), "--gpu", "cpu", "--nodes", "2",
+                        "--gpus-per-node", "1", "--pp", "1", "--ep", "2", "--max-seqs", "4",
+                        "--link-latency-us", str(us), "--json"], capture_output=True, text=True)
+    if not check(p.returncode == 0, f"k3 plan --link-latency-us {us}: {p.stderr}"):
+        return None
+    return json.loads(p.stdout)["prediction"]
+
+
+def case_slow():
+    up(2, 1)
+    try:
+        rows = []
+        for ms in (0, 1, 5):
+            subprocess.run([os.path.join(HERE, "slow.sh"), "node2", str(ms)], check=True)
+            d, pr = bench(f"{ms}ms"), predict(ms * 1000 if ms else 20)
+            if d is None or pr is None:
+                return
+            # predicted elapsed: one prefill step of 128 tokens, then 31 decode steps of 8 tokens
+            t_pred = 128 / pr["prefill_tok_s"] + 31 * 8 / pr["decode_tok_s"]
+            rows.append((ms, d["elapsed_time"], d["output_tokens_per_second"], t_pred,
+                         8 * 31 / t_pred))
+        print("| added delay | measured s | measured output tok/s | predicted s | predicted decode "
+              "tok/s | measured - 0 ms | predicted - 0 ms |")
+        print("|---|---|---|---|---|---|---|")
+        for ms, t, tok, tp, ptok in rows:
+            print(f"| {ms} ms | {t:.2f} | {tok:.1f} | {tp:.3f} | {ptok:.1f} | {t - rows[0][1]:.2f} | "
+                  f"{tp - rows[0][3]:.2f} |", flush=True)
+        for a, b in zip(rows, rows[1:]):
+            check(b[2] < a[2], f"{b[0]} ms: {b[2]:.1f} tok/s, not below {a[0]} ms's {a[2]:.1f}")
+        for ms, t, _, tp, _ in rows[1:]:
+            got, want = t - rows[0][1], tp - rows[0][3]
+            check(got >= 0.8 * want, f"{ms} ms: the delay added {got:.2f} s, the model {want:.2f} s")
+        subprocess.run([os.path.join(HERE, "slow.sh"), "node2", "0", "5"], check=True)
+        d = bench("loss5", out_len=16)
+        if d is not None:
+            print(f"ok 5% loss: {d['elapsed_time']:.2f} s, {d['output_tokens_per_second']:.1f} "
+                  "output tok/s", flush=True)
+    finally:
+        down()
+
+
 def main():
     case = sys.argv[1] if len(sys.argv) > 1 else ""
     if os.geteuid() != 0:  # namespaces need root here; up.sh says so too, but without the noise
@@ -311,8 +373,10 @@ def main():
         case_load()
     elif case == "nodemap":
         case_nodemap()
+    elif case == "slow":
+        case_slow()
     else:
-        sys.exit(f"unknown case '{case}' (det, det4, partition, kill, load, nodemap)")
+        sys.exit(f"unknown case '{case}' (det, det4, partition, kill, load, nodemap, slow)")
     p = sh("check-clean.sh")
     check(p.returncode == 0, f"left behind after the case: {p.stderr.strip()}")
     if failures:

@@ -19,9 +19,10 @@ for round in 1 2 3 4 5 6 7 8 9 10; do
   [ $left = 0 ] && break
   sleep 0.2
 done
+for f in "$K3C_DIR"/*.fwd; do [ -s "$f" ] && kill -9 "$(cat "$f")" 2>/dev/null; done # slow.sh
 for f in "$K3C_DIR"/node*.unshare; do [ -s "$f" ] && kill -9 "$(cat "$f")" 2>/dev/null; done
 # the veths go with their namespaces; remove what is left by name
-for l in $(ip -o link show 2>/dev/null | sed -n "s/^[0-9]*: \(${K3C_NAME}[0-9]*\|${K3C_BR}\)[@:].*/\1/p"); do
+for l in $(ip -o link show 2>/dev/null | sed -n "s/^[0-9]*: \(${K3C_NAME}[0-9]*[bd]\{0,1\}\|${K3C_BR}\)[@:].*/\1/p"); do
   ip link del "$l" 2>/dev/null
 done
 rm -rf "$K3C_DIR"
