@@ -96,11 +96,12 @@ static k3_status wait_req(k3_comm *c, double timeout_s, MPI_Request *req, const 
  * slot per local rank: pid, state), so a rank that exits on purpose (abort, close, SIGTERM) first
  * marks itself leaving and is never mistaken for a vanished one. Process-wide: made at the first
  * k3_comm_create, freed by k3_comm_finalize.
- * A rank alone on its node has no such neighbour, so it is watched over a TCP connection instead
- * (its peer socket): rank 0 holds one to every lone worker, the lowest other rank one to a lone
- * rank 0. The kernel closes a dead process's sockets, so the watcher's SIGTERM handler finds EOF
- * on the connection of a rank that vanished; a rank that leaves on purpose first sends one byte
- * ('L') on its connection, like its state in the window. */
+ * A rank alone on its node has no such neighbour, and a node can die whole, so the ranks of
+ * other nodes are watched by rank 0 over a TCP connection each (their peer sockets; rank 1
+ * watches a rank 0 alone on its node), and the window names only the ranks of rank 0's node. The
+ * kernel closes a dead process's sockets, so the watcher's SIGTERM handler finds EOF on the
+ * connection of a rank that vanished; a rank that leaves on purpose first sends one byte ('L')
+ * on its connection, like its state in the window. One line per vanished rank either way. */
 enum { PEER_RUNNING = 1, PEER_LEAVING = 2 };
 typedef struct node_slot {
     volatile int32_t pid;
@@ -117,6 +118,7 @@ static int g_peer_fd = -1;   /* a lone rank: its connection to its watcher */
 static int *g_watch_fd;      /* [g_n_watch] the watcher: its connections to the lone ranks */
 static char (*g_wdesc)[128]; /* [g_n_watch] their descriptions */
 static int g_n_watch;
+static bool g_window_names = true; /* false: rank 0 watches this node's ranks over sockets */
 
 static void mark_leaving(void) {
     if (g_slots) g_slots[g_my_local].state = PEER_LEAVING;
@@ -148,13 +150,13 @@ bool k3_comm_report_vanished(void) {
     if (!g_slots && g_peer_fd < 0 && !g_n_watch) return false;
     mark_leaving();
     bool any = false;
-    for (int i = 0; g_slots && i < g_n_local; i++) {
+    for (int i = 0; g_slots && g_window_names && i < g_n_local; i++) {
         if (i == g_my_local || g_slots[i].state != PEER_RUNNING || g_slots[i].pid <= 0) continue;
         if (kill((pid_t)g_slots[i].pid, 0) == 0 || errno != ESRCH) continue;
         say_vanished(g_desc[i]);
         any = true;
     }
-    /* a lone rank on another node: EOF (or a reset) without its 'L' first */
+    /* a rank of another node: EOF (or a reset) without its 'L' first */
     for (int i = 0; i < g_n_watch; i++) {
         char b = 0;
         ssize_t k = recv(g_watch_fd[i], &b, 1, MSG_DONTWAIT | MSG_PEEK);
@@ -258,62 +260,71 @@ static int dial(const char *host, int port, double timeout_s) {
     return fd;
 }
 
-/* Collective over the world (after watch_node): the peer sockets of the ranks alone on their node.
- * Best effort: a rank that cannot be reached by its host name is not watched (a warning says so;
- * the launcher still ends the job, only without k3's line). */
-static void watch_lone(const k3_comm *c) {
-    int n_here = 1;
-    if (g_node != MPI_COMM_NULL)
-        MPI_Comm_size(g_node, &n_here);
-    else
+/* Collective over the world (after watch_node): the peer sockets. Rank 0 watches every rank on
+ * another node (up to K3_WATCH_MAX), rank 1 a rank 0 alone on its node; the window names the
+ * ranks of rank 0's node, and those of a node whose ranks rank 0 could not reach. Best effort: a
+ * rank that cannot be reached by its host name is not watched (a warning says so; the launcher
+ * still ends the job, and a survivor of its node names it). */
+enum { K3_WATCH_MAX = 512 };
+static void watch_remote(const k3_comm *c) {
+    int lead = c->rank;
+    if (g_node == MPI_COMM_NULL || c->size < 2 ||
+        MPI_Allreduce(&c->rank, &lead, 1, MPI_INT, MPI_MIN, g_node) != MPI_SUCCESS)
         return;
-    int lfd = -1, port = 0;
-    const bool lone = n_here == 1 && c->size > 1;
-    const int watcher = c->rank == 0 ? 1 : 0;
-    if (lone) { /* listen on an ephemeral port of every address */
-        struct sockaddr_in6 a = {.sin6_family = AF_INET6, .sin6_addr = IN6ADDR_ANY_INIT};
-        socklen_t al = sizeof a;
-        lfd = socket(AF_INET6, SOCK_STREAM | SOCK_CLOEXEC, 0);
-        if (lfd >= 0 && (bind(lfd, (struct sockaddr *)&a, sizeof a) != 0 || listen(lfd, 4) != 0 ||
-                         getsockname(lfd, (struct sockaddr *)&a, &al) != 0))
-            close(lfd), lfd = -1;
-        if (lfd >= 0) port = ntohs(a.sin6_port);
-    }
-    /* count unit: 2 ints a rank (port, pid) */
-    int mine[2] = {port, (int)getpid()};
-    int *all = calloc((size_t)c->size * 2, sizeof *all);
+    /* every rank listens on an ephemeral port of every address; the unwatched close it */
+    struct sockaddr_in6 a = {.sin6_family = AF_INET6, .sin6_addr = IN6ADDR_ANY_INIT};
+    socklen_t al = sizeof a;
+    int lfd = socket(AF_INET6, SOCK_STREAM | SOCK_CLOEXEC, 0), port = 0;
+    if (lfd >= 0 && (bind(lfd, (struct sockaddr *)&a, sizeof a) != 0 || listen(lfd, 4) != 0 ||
+                     getsockname(lfd, (struct sockaddr *)&a, &al) != 0))
+        close(lfd), lfd = -1;
+    if (lfd >= 0) port = ntohs(a.sin6_port);
+    /* count unit: 3 ints a rank (port, pid, the lowest rank of its node) */
+    int mine[3] = {port, (int)getpid(), lead};
+    int *all = calloc((size_t)c->size * 3, sizeof *all);
     int *fds = calloc((size_t)c->size, sizeof *fds);
     char(*desc)[128] = calloc((size_t)c->size, sizeof *desc);
     int ok = all && fds && desc &&
-             MPI_Allgather(mine, 2, MPI_INT, all, 2, MPI_INT, MPI_COMM_WORLD) == MPI_SUCCESS;
-    int n = 0, dialed = 0;
+             MPI_Allgather(mine, 3, MPI_INT, all, 3, MPI_INT, MPI_COMM_WORLD) == MPI_SUCCESS;
+    int n0 = 0; /* ranks on rank 0's node */
+    for (int r = 0; ok && r < c->size; r++) n0 += all[3 * r + 2] == all[2];
+    int n = 0;
     for (int r = 0; ok && r < c->size; r++) {
-        if (all[2 * r] <= 0 || r == c->rank || (r == 0 ? 1 : 0) != c->rank) continue;
-        int fd = dial(c->host[r], all[2 * r], K3_MIN(c->timeout_s, 5.0));
-        int w = r - c->first_worker;
+        const bool watched = r == 0 ? n0 == 1 : all[3 * r + 2] != all[2];
+        if (!watched || all[3 * r] <= 0 || c->rank != (r == 0 ? 1 : 0)) continue;
+        if (n == K3_WATCH_MAX) {
+            K3_LOGW("comm: rank %d watches %d ranks of other nodes at most; rank %d and later "
+                    "are named only by a survivor of their node",
+                    c->rank, K3_WATCH_MAX, r);
+            break;
+        }
+        int fd = dial(c->host[r], all[3 * r], K3_MIN(c->timeout_s, 5.0));
         if (fd < 0) {
-            K3_LOGW("comm: cannot reach rank %d (alone on host %s) at %s:%d to watch it: if it "
-                    "dies, only the launcher will say so",
-                    r, c->host[r], c->host[r], all[2 * r]);
+            K3_LOGW("comm: cannot reach rank %d on host %s at %s:%d to watch it: if it dies, a "
+                    "survivor of its node or only the launcher will say so",
+                    r, c->host[r], c->host[r], all[3 * r]);
             continue;
         }
+        int w = r - c->first_worker;
         if (w < 0)
             snprintf(desc[n], sizeof desc[n], "rank %d (coordinator, host %s, pid %d)", r,
-                     c->host[r], all[2 * r + 1]);
+                     c->host[r], all[3 * r + 1]);
         else
             snprintf(desc[n], sizeof desc[n], "rank %d (stage %d, lane %d, host %s, pid %d)", r,
-                     w / c->n_lanes, w % c->n_lanes, c->host[r], all[2 * r + 1]);
+                     w / c->n_lanes, w % c->n_lanes, c->host[r], all[3 * r + 1]);
         fds[n++] = fd;
-        dialed++;
     }
-    /* the lone rank takes its watcher's connection (already in the backlog when it was made) */
-    int got = 0;
+    /* a watched rank takes its watcher's connection (already in the backlog when it was made) */
+    int dialed = n, got = 0;
     if (MPI_Allreduce(&dialed, &got, 1, MPI_INT, MPI_SUM, MPI_COMM_WORLD) != MPI_SUCCESS) got = 0;
-    if (lfd >= 0 && got > 0 && watcher < c->size) {
+    const bool me_watched = ok && (c->rank == 0 ? n0 == 1 : all[3 * c->rank + 2] != all[2]);
+    if (lfd >= 0 && got > 0 && me_watched) {
         struct pollfd pf = {.fd = lfd, .events = POLLIN};
         if (poll(&pf, 1, 2000) == 1) g_peer_fd = accept4(lfd, NULL, NULL, SOCK_CLOEXEC);
     }
     if (lfd >= 0) close(lfd);
+    /* the window names this node's ranks unless rank 0 watches them over their sockets */
+    g_window_names = !(me_watched && g_peer_fd >= 0 && c->rank != 0);
     free(all);
     if (n == 0) {
         free(fds), free(desc);
@@ -322,7 +333,7 @@ static void watch_lone(const k3_comm *c) {
     g_watch_fd = fds;
     g_wdesc = desc;
     g_n_watch = n;
-    if (!g_slots) { /* no window here: the handler still has lone ranks to name */
+    if (!g_slots) { /* no window here: the handler still has ranks to name */
         if (c->stage >= 0)
             snprintf(g_prefix, sizeof g_prefix, "[k3 r%02d s%d e%d E] ", c->rank, c->stage,
                      c->lane);
@@ -605,7 +616,7 @@ k3_status k3_comm_mpi_create(const k3_comm_params *p, k3_comm **out) {
     const bool first = !g_slots && g_node == MPI_COMM_NULL;
     watch_node(c);
     comm_bell_init(c);
-    if (first) watch_lone(c);
+    if (first) watch_remote(c);
     *out = c;
     return K3_OK;
 }

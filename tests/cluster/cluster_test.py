@@ -17,7 +17,9 @@ directory every node sees (under the build tree; each node has its own /tmp and 
             mpirun returns non-zero within 45 s of the cut, and stderr has k3's verdict naming a
             rank of node2 with "host node2".
   kill      4 nodes x 1 rank: SIGKILL of rank 2 (alone on node3) during decode; a k3 line names
-            "rank 2 (stage 1, lane 0, host node3" ... "vanished" within 30 s of the kill.
+            "rank 2 (stage 1, lane 0, host node3" ... "vanished" within 30 s of the kill. Then
+            2 nodes x 2 ranks: SIGKILL of both ranks of node2 (a node whose processes all die)
+            names rank 2 and rank 3, each once; SIGKILL of rank 3 alone names it once.
   load      2 nodes x 2 ranks, 1 x 4 (one stage): each node reads the stage's dense tensors once.
             `k3 run --json`: the ranks read every tensor once plus the dense tensors once more
             (total + dense, from the shard headers); `k3 bench load`: 2 nodes of 2 ranks, each
@@ -201,7 +203,39 @@ def case_partition():
         down()
 
 
+def kill_on(node, want, what):
+    """A long 2 x 2 run on 2 nodes; SIGKILL the ranks `want` (all on `node`, found by their
+    OMPI_COMM_WORLD_RANK); each must be named vanished exactly once within 30 s."""
+    m = model()
+    up(2, 2)
+    try:
+        p = cluster_run(4, 2, ["--model", m, "--pp", "2", "--ep", "2", "--comm-timeout", "60"] + LONG,
+                        OB1)
+        time.sleep(4)
+        check(p.poll() is None, f"{what}: the run ended before the kill")
+        ranks = "|".join(str(r) for r in want)
+        k = sh("rsh.sh", node, "for p in $(pgrep -x k3); do tr '\\0' '\\n' < /proc/$p/environ | "
+               f"grep -Eqx 'OMPI_COMM_WORLD_RANK=({ranks})' && kill -9 $p && echo killed; done")
+        check("killed" in k.stdout, f"{what}: nothing to kill on {node}: {k.stderr}")
+        try:
+            so, se = p.communicate(timeout=30)
+        except subprocess.TimeoutExpired:
+            p.kill()
+            so, se = p.communicate()
+        lines = [x for x in se.splitlines() if x.startswith("[k3") and "vanished" in x]
+        for r in want:
+            n = sum(1 for x in lines if re.search(rf"rank {r} \(stage 1, lane {r - 2}, host {node}, ", x))
+            check(n == 1, f"{what}: rank {r} named {n} times, not once:\n" + "\n".join(lines) +
+                  f"\n{se[-2000:]}")
+        check(len(lines) == len(want), f"{what}: {len(lines)} vanished lines:\n" + "\n".join(lines))
+        print(f"ok {what}: " + " | ".join(x[:120] for x in lines), flush=True)
+    finally:
+        down()
+
+
 def case_kill():
+    kill_on("node2", [2, 3], "a node whose ranks all die")
+    kill_on("node2", [3], "one rank of a node of two")
     m = model()
     up(4, 1)
     try:
