@@ -22,6 +22,7 @@
 #include <netdb.h>
 #include <netinet/in.h>
 #include <poll.h>
+#include <pthread.h>
 #include <signal.h>
 #include <sys/mman.h>
 #include <sys/socket.h>
@@ -118,7 +119,10 @@ static int g_peer_fd = -1;   /* a lone rank: its connection to its watcher */
 static int *g_watch_fd;      /* [g_n_watch] the watcher: its connections to the lone ranks */
 static char (*g_wdesc)[128]; /* [g_n_watch] their descriptions */
 static int g_n_watch;
-static bool g_window_names = true; /* false: rank 0 watches this node's ranks over sockets */
+static bool g_window_names = true;     /* false: rank 0 watches this node's ranks over sockets */
+static volatile sig_atomic_t *g_named; /* [g_n_watch] 1: named or left (the watch thread) */
+static pthread_t g_watch_thread;
+static int g_wake[2] = {-1, -1}; /* a pipe that ends the watch thread */
 
 static void mark_leaving(void) {
     if (g_slots) g_slots[g_my_local].state = PEER_LEAVING;
@@ -158,6 +162,7 @@ bool k3_comm_report_vanished(void) {
     }
     /* a rank of another node: EOF (or a reset) without its 'L' first */
     for (int i = 0; i < g_n_watch; i++) {
+        if (g_named[i]) continue; /* the watch thread named it (or saw it leave) */
         char b = 0;
         ssize_t k = recv(g_watch_fd[i], &b, 1, MSG_DONTWAIT | MSG_PEEK);
         if (k == 0 || (k < 0 && errno != EAGAIN && errno != EWOULDBLOCK && errno != EINTR)) {
@@ -265,6 +270,34 @@ static int dial(const char *host, int port, double timeout_s) {
  * ranks of rank 0's node, and those of a node whose ranks rank 0 could not reach. Best effort: a
  * rank that cannot be reached by its host name is not watched (a warning says so; the launcher
  * still ends the job, and a survivor of its node names it). */
+/* The watch thread (rank 0, or rank 1 for a lone rank 0): names a watched rank the moment its
+ * connection closes without its 'L'. Open MPI's ob1 may end a survivor itself (_exit) when it
+ * finds a TCP peer dead, before k3 sees an error or mpirun's SIGTERM comes; so the line cannot
+ * wait for the SIGTERM handler. It makes no MPI call. */
+static void *watch_main(void *arg) {
+    (void)arg;
+    struct pollfd *pf = calloc((size_t)g_n_watch + 1, sizeof *pf);
+    if (!pf) return NULL;
+    for (int i = 0; i < g_n_watch; i++)
+        pf[i] = (struct pollfd){.fd = g_watch_fd[i], .events = POLLIN};
+    pf[g_n_watch] = (struct pollfd){.fd = g_wake[0], .events = POLLIN};
+    for (;;) {
+        if (poll(pf, (nfds_t)g_n_watch + 1, -1) < 0 && errno != EINTR) break;
+        if (pf[g_n_watch].revents) break; /* unwatch */
+        for (int i = 0; i < g_n_watch; i++) {
+            if (!pf[i].revents) continue;
+            char b = 0;
+            ssize_t k = recv(pf[i].fd, &b, 1, MSG_DONTWAIT | MSG_PEEK);
+            if (k < 0 && (errno == EAGAIN || errno == EWOULDBLOCK || errno == EINTR)) continue;
+            if (!(k == 1 && b == 'L') && !g_named[i]) say_vanished(g_wdesc[i]);
+            g_named[i] = 1;
+            pf[i].fd = -1; /* named, or left on purpose: no more to learn */
+        }
+    }
+    free(pf);
+    return NULL;
+}
+
 enum { K3_WATCH_MAX = 512 };
 static void watch_remote(const k3_comm *c) {
     int lead = c->rank;
@@ -330,9 +363,20 @@ static void watch_remote(const k3_comm *c) {
         free(fds), free(desc);
         return;
     }
+    g_named = calloc((size_t)n, sizeof *g_named);
+    if (!g_named || pipe2(g_wake, O_CLOEXEC) != 0) {
+        for (int i = 0; i < n; i++) close(fds[i]);
+        free(fds), free(desc), free((void *)g_named);
+        g_named = NULL;
+        return;
+    }
     g_watch_fd = fds;
     g_wdesc = desc;
     g_n_watch = n;
+    if (pthread_create(&g_watch_thread, NULL, watch_main, NULL) != 0) {
+        close(g_wake[0]), close(g_wake[1]);
+        g_wake[0] = g_wake[1] = -1; /* the SIGTERM handler still names them */
+    }
     if (!g_slots) { /* no window here: the handler still has ranks to name */
         if (c->stage >= 0)
             snprintf(g_prefix, sizeof g_prefix, "[k3 r%02d s%d e%d E] ", c->rank, c->stage,
@@ -349,9 +393,17 @@ static void watch_remote(const k3_comm *c) {
 
 static void unwatch_lone(void) {
     mark_leaving();
+    if (g_wake[1] >= 0) { /* end the watch thread first: it reads the arrays below */
+        ssize_t k = write(g_wake[1], "x", 1);
+        (void)k;
+        pthread_join(g_watch_thread, NULL);
+        close(g_wake[0]), close(g_wake[1]);
+        g_wake[0] = g_wake[1] = -1;
+    }
     for (int i = 0; i < g_n_watch; i++) close(g_watch_fd[i]);
-    free(g_watch_fd), free(g_wdesc);
-    g_watch_fd = NULL, g_wdesc = NULL, g_n_watch = 0;
+    g_n_watch = 0;
+    free(g_watch_fd), free(g_wdesc), free((void *)g_named);
+    g_watch_fd = NULL, g_wdesc = NULL, g_named = NULL;
     if (g_peer_fd >= 0) close(g_peer_fd);
     g_peer_fd = -1;
 }
