@@ -33,6 +33,9 @@ directory every node sees (under the build tree; each node has its own /tmp and 
             site; prints the table. Checks: tok/s falls with the delay, and the measured time
             added by the delay is at least 0.8 x the model's (the model must not promise more
             than the link gives). Then 5% loss on the link: the run still ends with exit 0.
+  serve     2 nodes x 2 ranks, `k3 serve --pp 2 --ep 2 --deterministic --host 0.0.0.0` (rank 0 on
+            node1), and the openai client run on node2 (through rsh.sh) against node1's address:
+            greedy completions of two prompts equal those of `k3 serve` in one process.
 Where namespaces cannot be made (up.sh exits 2) the case is skipped with up.sh's reason, or,
 under CI=true, fails.
 """
@@ -376,6 +379,67 @@ def case_slow():
         down()
 
 
+CLIENT = """
+import json, sys
+from openai import OpenAI
+c = OpenAI(base_url=sys.argv[1] + "/v1", api_key="x")
+out = []
+for p in ([1, 2, 3, 4, 5], [300, 301, 302]):
+    r = c.completions.create(model=sys.argv[2], prompt=p, max_tokens=12, temperature=0)
+    out.append(r.choices[0].text)
+print(json.dumps(out))
+"""
+
+
+def serve_answers(cmd, client_node, host):
+    """Start `k3 serve` (cmd), wait for its port, run CLIENT (on client_node through rsh.sh, or
+    here), stop the server; the client's answers."""
+    log = open(os.path.join(WORK, "serve.log"), "w+")
+    p = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=log)
+    try:
+        port, t0 = None, time.time()
+        while port is None and time.time() - t0 < 60 and p.poll() is None:
+            time.sleep(0.3)
+            log.seek(0)
+            mm = re.search(r"listening on http://[^:]+:(\d+) ", log.read())
+            port = mm.group(1) if mm else None
+        if not check(port is not None, "k3 serve did not start:\n" + open(log.name).read()[-2000:]):
+            return None
+        py = os.path.join(os.path.dirname(sys.executable), "python3")
+        script = os.path.join(WORK, "client.py")
+        with open(script, "w") as f:
+            f.write(CLIENT)
+        args = [py, script, f"http://{host}:{port}", "tiny"]
+        c = (sh("rsh.sh", client_node, " ".join(args)) if client_node else
+             subprocess.run(args, capture_output=True, text=True, timeout=60))
+        if not check(c.returncode == 0, f"the openai client failed: {c.stderr[-2000:]}"):
+            return None
+        return json.loads(c.stdout.strip().splitlines()[-1])
+    finally:
+        p.send_signal(signal.SIGINT)
+        try:
+            p.wait(timeout=20)
+        except subprocess.TimeoutExpired:
+            p.kill()
+            p.wait()
+
+
+def case_serve():
+    m = model()
+    flags = ["--model", m, "--port", "0", "--threads", "1", "--deterministic"]
+    want = serve_answers([K3, "serve"] + flags, None, "127.0.0.1")
+    up(2, 2)
+    try:
+        got = serve_answers([os.path.join(HERE, "mpirun.sh"), "-np", "4", "--map-by", "ppr:2:node"] +
+                            OB1 + [K3, "serve", "--pp", "2", "--ep", "2", "--host", "0.0.0.0"] + flags,
+                            "node2", "node1")
+        if want is not None and got is not None:
+            check(got == want, f"serve across nodes: {got} vs one process {want}")
+            print(f"ok serve: the client on node2 got {got} from node1, as from one process", flush=True)
+    finally:
+        down()
+
+
 def main():
     case = sys.argv[1] if len(sys.argv) > 1 else ""
     if os.geteuid() != 0:  # namespaces need root here; up.sh says so too, but without the noise
@@ -395,8 +459,10 @@ def main():
         case_nodemap()
     elif case == "slow":
         case_slow()
+    elif case == "serve":
+        case_serve()
     else:
-        sys.exit(f"unknown case '{case}' (det, det4, partition, kill, load, nodemap, slow)")
+        sys.exit(f"unknown case '{case}' (det, det4, partition, kill, load, nodemap, slow, serve)")
     p = sh("check-clean.sh")
     check(p.returncode == 0, f"left behind after the case: {p.stderr.strip()}")
     if failures:
