@@ -97,9 +97,10 @@ struct rank_coord {
     int32_t *fork_ops;           /* [E, RANK_PC_FORK_WORDS(max_seqs)] FORK ops for the lanes' next
                                     messages (rank/prefix_cache.h) */
     int *n_fork_ops;             /* [E] words */
-    int *fork_hold;              /* [E] blocks of parents that ended since their FORK op was
-                                    written: free on the books, on the stages only after the
-                                    lane's next message applied its forks (not for forks then) */
+    int *slot_hold;              /* [E * max_seqs] blocks of a request that ended while an unsent
+                                    FORK op names its slot (-1: none): the stages free them only
+                                    after that op, so the books take them back, and the slot is
+                                    free again, once the lane's next message is sent */
     req_run **kids;              /* [max_seqs] scratch: the forks of one prefill */
     int64_t n_forks, n_fork_fallbacks;
     double *rank_busy_s;  /* [world] forward time of each rank so far (from the LOGITS) */
@@ -192,35 +193,80 @@ static int64_t fork_words(const rank_ctx *r) {
     return RANK_PC_FORK_WORDS(r->max_seqs);
 }
 
-/* The request leaves: its slot is free for the next one (no message: OPEN resets it). */
+/* Slot s of lane e ends on the books: its blocks back to the lane, its prefix-cache entries
+ * evictable again, and the lane's next message frees it on the stages. */
+static void slot_release(rank_ctx *r, int e, int s, int blocks) {
+    struct rank_coord *C = r->co;
+    C->lane_blk_free[e] += blocks;
+    if (C->pc) rank_pc_end(C->pc[e], s);
+    int32_t *pf = C->pend_free + (size_t)e * r->max_seqs;
+    for (int k = 0; k < C->n_pend_free[e]; k++)
+        if (pf[k] == s) return;
+    if (C->n_pend_free[e] < r->max_seqs) pf[C->n_pend_free[e]++] = s;
+}
+
+/* Whether an unsent FORK op of lane e names slot s (as parent or child). */
+static bool fork_names(const rank_ctx *r, int e, int s) {
+    const int32_t *fk = r->co->fork_ops + (size_t)e * fork_words(r);
+    for (int k = 0; k < r->co->n_fork_ops[e]; k += 3)
+        if (fk[k + 1] == s || fk[k + 2] == s) return true;
+    return false;
+}
+
+/* A slot is taken while a request runs in it or its ended request's blocks are held. */
+static bool slot_taken(const rank_ctx *r, int e, int s) {
+    const size_t i = (size_t)e * r->max_seqs + (size_t)s;
+    return r->co->slot_req[i] != NULL || r->co->slot_hold[i] >= 0;
+}
+
+/* The request leaves: its slot is free for the next one (no message: OPEN resets it). A request
+ * named by a FORK op the lane has not been sent yet: a fork (child) that ended before its copy was
+ * made drops its op (the stages never make it); the blocks of a parent (or of a family's shared
+ * prompt blocks) stay held until the lane's next message applied the forks that copy them, and
+ * only then return to the books (release_holds): the stages still hold them during those forks,
+ * so no fork of the same message may be counted on them. */
 static void end_req(rank_ctx *r, req_run *q) {
+    struct rank_coord *C = r->co;
     if (q->state == RQ_RUNNING && q->slot >= 0) {
-        r->co->slot_req[(size_t)q->lane * (size_t)r->max_seqs + (size_t)q->slot] = NULL;
-        /* its blocks are free for the next request here; the stages hear of it with the lane's
-           next step (a slot opened again in that step is reset anyway) */
-        r->co->lane_blk_free[q->lane] += q->blk_resv;
+        const int e = q->lane, ms = r->max_seqs;
+        C->slot_req[(size_t)e * ms + (size_t)q->slot] = NULL;
+        int blocks = q->blk_resv;
         q->blk_resv = 0;
-        if (r->co->pc) rank_pc_end(r->co->pc[q->lane], q->slot);
-        const int32_t *fk = r->co->fork_ops + (size_t)q->lane * fork_words(r);
-        for (int k = 0; k < r->co->n_fork_ops[q->lane]; k += 3)
-            if (fk[k + 1] == q->slot) { /* a parent whose forks are not sent yet */
-                r->co->fork_hold[q->lane] += q->blk_resv;
-                break;
-            }
         if (q->share && --q->share->users == 0) { /* the last of a family: its prompt blocks */
-            r->co->lane_blk_free[q->lane] += q->share->blocks;
+            blocks += q->share->blocks;
             k3_free(q->share);
         }
         q->share = NULL;
-        if (r->co->n_pend_free[q->lane] < r->max_seqs)
-            r->co
-                ->pend_free[(size_t)q->lane * r->max_seqs + (size_t)r->co->n_pend_free[q->lane]++] =
-                q->slot;
+        int32_t *fk = C->fork_ops + (size_t)e * fork_words(r);
+        int parent = -1;
+        for (int k = 0; k < C->n_fork_ops[e]; k += 3)
+            if (fk[k + 2] == q->slot) { /* an unsent fork: never made */
+                parent = fk[k + 1];
+                memmove(fk + k, fk + k + 3, (size_t)(C->n_fork_ops[e] - k - 3) * sizeof *fk);
+                C->n_fork_ops[e] -= 3;
+                break;
+            }
+        if (fork_names(r, e, q->slot)) /* a parent whose forks are not sent yet */
+            C->slot_hold[(size_t)e * ms + (size_t)q->slot] = blocks;
+        else
+            slot_release(r, e, q->slot, blocks);
+        const size_t pi = (size_t)e * ms + (size_t)parent;
+        if (parent >= 0 && C->slot_hold[pi] >= 0 && !fork_names(r, e, parent)) {
+            slot_release(r, e, parent, C->slot_hold[pi]); /* its last unsent fork is gone */
+            C->slot_hold[pi] = -1;
+        }
     }
     q->state = RQ_ENDED;
-    for (int i = 0; i < r->co->n_reqs; i++) /* forks still waiting for its prefill: their own */
-        if (r->co->reqs[i]->fork_src == q)
-            r->co->reqs[i]->fork_src = NULL, r->co->n_fork_fallbacks++;
+    for (int i = 0; i < C->n_reqs; i++) /* forks still waiting for its prefill: their own */
+        if (C->reqs[i]->fork_src == q) C->reqs[i]->fork_src = NULL, C->n_fork_fallbacks++;
+}
+
+/* The lane's message with its FORK ops was sent: the slots held for them end on the books. */
+static void release_holds(rank_ctx *r, int e) {
+    for (int s = 0; s < r->max_seqs; s++) {
+        int *h = &r->co->slot_hold[(size_t)e * r->max_seqs + (size_t)s];
+        if (*h >= 0) slot_release(r, e, s, *h), *h = -1;
+    }
 }
 
 /* Paged cache blocks a request reserves on its lane: its whole context, prompt + max_tokens. */
@@ -436,7 +482,7 @@ static int64_t want_tokens(const rank_ctx *r, const req_run *q) {
 
 static int lane_running(const rank_ctx *r, int e) {
     int n = 0;
-    for (int s = 0; s < r->max_seqs; s++) n += r->co->slot_req[(size_t)e * r->max_seqs + s] != NULL;
+    for (int s = 0; s < r->max_seqs; s++) n += slot_taken(r, e, s);
     return n;
 }
 
@@ -526,8 +572,8 @@ static k3_status fork_children(rank_ctx *r, req_run *p, req_run **kids, int *n_k
         if (q->cancel) continue; /* the queue ends it */
         const int need = blocks_needed(q) - full;
         int slot = 0;
-        while (slot < r->max_seqs && C->slot_req[(size_t)e * r->max_seqs + slot]) slot++;
-        if (slot == r->max_seqs || !pc_fits(r, e, need + C->fork_hold[e], 0) ||
+        while (slot < r->max_seqs && slot_taken(r, e, slot)) slot++;
+        if (slot == r->max_seqs || !pc_fits(r, e, need, 0) ||
             C->n_fork_ops[e] + 3 > fork_words(r)) {
             C->n_fork_fallbacks++; /* its own prefill, when the queue reaches it */
             continue;
@@ -551,7 +597,7 @@ static k3_status fork_children(rank_ctx *r, req_run *p, req_run **kids, int *n_k
             int64_t hit;
             RTRY(r, rank_pc_begin(pc, slot, q->prompt, q->P, false, &hit));
             rank_pc_fork(pc, p->slot, slot);
-            pc_make_room(r, e, need + C->fork_hold[e]);
+            pc_make_room(r, e, need);
         }
         C->lane_blk_free[e] -= need;
         q->blk_resv = need;
@@ -627,7 +673,7 @@ static k3_status send_step(rank_ctx *r, int g, bool *sent) {
         }
         if (best < 0) break; /* strict FIFO: later requests wait behind this one */
         int slot = 0;
-        while (r->co->slot_req[(size_t)best * r->max_seqs + slot]) slot++;
+        while (slot_taken(r, best, slot)) slot++;
         r->co->slot_req[(size_t)best * r->max_seqs + slot] = q;
         q->state = RQ_RUNNING;
         q->queued_s = k3_now_s() - q->t_submit;
@@ -674,7 +720,7 @@ static k3_status send_step(rank_ctx *r, int g, bool *sent) {
         const int nfk = r->co->n_fork_ops[e]; /* forks first in the ops (applied first anyway) */
         memcpy(mt + META_PREFIX(ns, nf, 0), r->co->fork_ops + (size_t)e * fork_words(r),
                (size_t)nfk * sizeof(int32_t));
-        r->co->n_fork_ops[e] = 0, r->co->fork_hold[e] = 0;
+        r->co->n_fork_ops[e] = 0;
         const int npc = nfk + pc_take(r, e, mt + META_PREFIX(ns, nf, nfk));
         mt[0] = g, mt[1] = gr->step, mt[2] = all, mt[3] = ns, mt[4] = nf, mt[5] = npc;
         int32_t *tok = mt + META_PREFIX(ns, nf, npc),
@@ -692,6 +738,7 @@ static k3_status send_step(rank_ctx *r, int g, bool *sent) {
         }
         RTRY(r, rank_post_step(r, k3_plan_rank(&r->plan, 0, e), K3_MSG_BATCH,
                                (k3_wire_step){.T = T, .n_meta = (int32_t)(tgt - mt)}, mt, NULL, 0));
+        release_holds(r, e); /* this message applies the forks they were held for */
     }
     *sent = true;
     return K3_OK;
@@ -900,7 +947,9 @@ static k3_status coord_create(rank_ctx *r, struct rank_coord *C) {
     RTRY(r, k3_calloc((void **)&C->fork_ops, (size_t)E * (size_t)fork_words(r) * sizeof(int32_t),
                       "fork ops"));
     RTRY(r, k3_calloc((void **)&C->n_fork_ops, (size_t)E * sizeof(int), "lane fork ops"));
-    RTRY(r, k3_calloc((void **)&C->fork_hold, (size_t)E * sizeof(int), "lane fork holds"));
+    RTRY(r, k3_alloc((void **)&C->slot_hold, (size_t)E * (size_t)r->max_seqs * sizeof(int),
+                     "slot holds"));
+    for (int i = 0; i < E * r->max_seqs; i++) C->slot_hold[i] = -1;
     RTRY(r, k3_calloc((void **)&C->kids, (size_t)r->max_seqs * sizeof *C->kids, "fork scratch"));
     RTRY(r, k3_alloc((void **)&C->meta, (size_t)C->meta_cap * sizeof(int32_t), "step meta"));
     RTRY(r, k3_alloc((void **)&C->row, (size_t)r->cfg.vocab_size * sizeof(float), "logprob row"));
@@ -943,7 +992,7 @@ void rank_coord_destroy(rank_ctx *r) {
     k3_free(C->groups), k3_free(C->slot_req), k3_free(C->meta), k3_free(C->row);
     k3_free(C->lane_blk_free), k3_free(C->n_pend_free), k3_free(C->pend_free);
     k3_free(C->rank_busy_s), k3_free(C->rank_steps);
-    k3_free(C->fork_ops), k3_free(C->n_fork_ops), k3_free(C->fork_hold), k3_free(C->kids);
+    k3_free(C->fork_ops), k3_free(C->n_fork_ops), k3_free(C->slot_hold), k3_free(C->kids);
     for (int e = 0; C->pc && e < r->plan.n_lanes; e++) rank_pc_destroy(C->pc[e]);
     k3_free(C->pc);
     k3_free(C);

@@ -37,3 +37,11 @@ add_test(NAME engine_fork
          COMMAND ${K3_PYTHON3} ${CMAKE_CURRENT_LIST_DIR}/fork_engine.py
                  $<TARGET_FILE:test_fork_engine> ${MPIEXEC_EXECUTABLE})
 set_tests_properties(engine_fork PROPERTIES LABELS "mpi" TIMEOUT 900 ENVIRONMENT "${K3_TEST_ENV_MPI}")
+
+# n = 4 families forking in one step on a full lane, and the battery's fork storm over shared
+# prefixes: every choice completes, no fault, no block leaked (issue 42)
+k3_add_test_exe(test_fork_storm ${CMAKE_CURRENT_LIST_DIR}/test_fork_storm.c)
+add_test(NAME engine_fork_storm
+         COMMAND ${K3_PYTHON3} ${CMAKE_CURRENT_LIST_DIR}/fork_storm.py
+                 $<TARGET_FILE:test_fork_storm> ${MPIEXEC_EXECUTABLE})
+set_tests_properties(engine_fork_storm PROPERTIES LABELS "mpi" TIMEOUT 900 ENVIRONMENT "${K3_TEST_ENV_MPI}")
