@@ -8,6 +8,7 @@
 #include <signal.h>
 #include <stdarg.h>
 #include <stdlib.h>
+#include <string.h>
 #include <unistd.h>
 
 struct rank_hooks {
@@ -18,7 +19,12 @@ struct rank_hooks {
     int stall_load_rank; /* "stall-load:R": SIGSTOP itself half-way through the load */
     int32_t *force;      /* [n_force] K3_TEST_FORCE: the first tokens of every request (rank 0) */
     int n_force;
+    int alloc_site;  /* "alloc:SITE:N": the site whose N-th allocation fails (-1) */
+    int64_t alloc_n; /* N (from 1) */
+    int64_t alloc_count[RANK_ALLOC_SITES]; /* allocations so far at each site */
 };
+
+static const char *const alloc_site_name[RANK_ALLOC_SITES] = {"submit", "step", "fork"};
 
 /* ---- faults ------------------------------------------------------------------------------- */
 k3_status rank_fail(rank_ctx *r, k3_status s) {
@@ -93,9 +99,17 @@ k3_status rank_hooks_create(rank_ctx *r, const char *t) {
     h->fail_load_rank = h->fail_decode_rank = h->fail_decode_step = h->fail_plan_rank = -1;
     h->stall_load_rank = h->kill_load_rank = -1;
     h->fail_signal = SIGKILL;
+    h->alloc_site = -1;
     if (!t || !*t) return K3_OK;
     int a = -1, b = -1;
-    if (sscanf(t, "load:%d", &a) == 1)
+    char site[16];
+    long long n = 0;
+    if (sscanf(t, "alloc:%15[a-z]:%lld", site, &n) == 2 && n >= 1) {
+        for (int i = 0; i < RANK_ALLOC_SITES; i++)
+            if (strcmp(site, alloc_site_name[i]) == 0) h->alloc_site = i, h->alloc_n = n;
+        if (h->alloc_site < 0 && r->rank == 0)
+            K3_LOGW("K3_TEST_FAIL='%s': no allocation site '%s' (submit | step | fork)", t, site);
+    } else if (sscanf(t, "load:%d", &a) == 1)
         h->fail_load_rank = a;
     else if (sscanf(t, "stall-load:%d", &a) == 1)
         h->stall_load_rank = a;
@@ -111,7 +125,7 @@ k3_status rank_hooks_create(rank_ctx *r, const char *t) {
         h->fail_decode_rank = a, h->fail_decode_step = b, h->fail_hang = true;
     else if (r->rank == 0)
         K3_LOGW("K3_TEST_FAIL='%s' not understood (load:R | stall-load:R | kill-load:R | plan:R | "
-                "decode:R:N | stop:R:N | hang:R:N)",
+                "decode:R:N | stop:R:N | hang:R:N | alloc:SITE:N)",
                 t);
     return K3_OK;
 }
@@ -199,4 +213,21 @@ void rank_hooks_load_progress(rank_ctx *r, uint64_t done, uint64_t total) {
 
 uint64_t rank_hooks_plan_hash(const rank_ctx *r, uint64_t hash) {
     return r->hooks->fail_plan_rank == r->rank ? hash ^ 1 : hash;
+}
+
+bool rank_hooks_alloc_fails(rank_ctx *r, rank_alloc_site site) {
+    struct rank_hooks *h = r->hooks;
+    if (!h || h->alloc_site != (int)site) return false;
+    if (++h->alloc_count[site] != h->alloc_n) return false;
+    K3_LOGW("test hook K3_TEST_FAIL=alloc:%s:%lld: failing this allocation", alloc_site_name[site],
+            (long long)h->alloc_n);
+    return true;
+}
+
+k3_status rank_alloc(rank_ctx *r, rank_alloc_site site, void **p, size_t n, bool zero,
+                     const char *what) {
+    *p = NULL;
+    if (rank_hooks_alloc_fails(r, site))
+        return K3_ERR(K3_ERR_NOMEM, "out of memory: %s (%zu bytes; test hook)", what, n);
+    return zero ? k3_calloc(p, n, what) : k3_alloc(p, n, what);
 }

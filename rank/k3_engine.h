@@ -156,6 +156,7 @@ typedef enum k3_error_kind {
     K3_EVERR_CONTEXT,     /* prompt + max_tokens longer than max_ctx */
     K3_EVERR_SAMPLING,    /* sampling parameters refused, or the sampler failed on a row */
     K3_EVERR_NUMERIC,     /* a non-finite logit */
+    K3_EVERR_RESOURCE,    /* the engine ran out of memory for this request (not its fault) */
 } k3_error_kind;
 
 typedef enum k3_event_kind {

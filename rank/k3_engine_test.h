@@ -5,7 +5,9 @@
  *          or kills (SIGKILL) itself half-way through its load; "plan:R" rank R's plan hash
  *          differs (every rank must refuse to start); "decode:R:N" / "stop:R:N" rank R kills /
  *          stops itself when it starts its N-th forward step (a worker) or has received N logits
- *          messages (a dedicated coordinator); "hang:R:N" it stops answering there instead.
+ *          messages (a dedicated coordinator); "hang:R:N" it stops answering there instead;
+ *          "alloc:SITE:N" rank 0's N-th allocation at SITE (submit, step, fork) fails: only
+ *          the request it was for fails, with an error naming the allocation.
  *   force: "id,id,...": the tokens every request generates first, whatever the logits (a random
  *          tiny model never writes e.g. a tool call by itself). */
 #ifndef K3_ENGINE_TEST_H

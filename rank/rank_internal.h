@@ -107,8 +107,8 @@ _Noreturn void rank_abort(rank_ctx *r);
         if (s_ != K3_OK) return rank_fail((r), s_);                                                \
     } while (0)
 /* K3_TEST_FAIL (k3_engine_test.h): load:R, stall-load:R, kill-load:R, decode:R:N (SIGKILL at
- * step N), stop:R:N (SIGSTOP at step N), hang:R:N, plan:R. A worker counts its forward steps, a
- * dedicated coordinator the logits messages it received. */
+ * step N), stop:R:N (SIGSTOP at step N), hang:R:N, plan:R, alloc:SITE:N. A worker counts its
+ * forward steps, a dedicated coordinator the logits messages it received. */
 k3_status rank_hooks_create(rank_ctx *r, const char *test_fail);
 /* K3_TEST_FORCE (after the set-up: ids are checked against the vocabulary). */
 k3_status rank_hooks_force(rank_ctx *r, const char *test_force);
@@ -120,6 +120,19 @@ k3_status rank_hooks_load_begin(rank_ctx *r);
 void rank_hooks_load_progress(rank_ctx *r, uint64_t done, uint64_t total);
 /* plan:R: this rank's plan hash, altered when the hook names it. */
 uint64_t rank_hooks_plan_hash(const rank_ctx *r, uint64_t hash);
+/* K3_TEST_FAIL=alloc:SITE:N: rank 0's N-th allocation at SITE fails (submit: a request's own
+ * memory at k3_engine_submit; step: a request's event data in a step; fork: a family's share when
+ * a request forks). Each site fails only its request, with a clear error; the engine goes on. */
+typedef enum {
+    RANK_ALLOC_SUBMIT = 0,
+    RANK_ALLOC_STEP,
+    RANK_ALLOC_FORK,
+    RANK_ALLOC_SITES
+} rank_alloc_site;
+bool rank_hooks_alloc_fails(rank_ctx *r, rank_alloc_site site);
+/* k3_alloc (zero: k3_calloc) of n bytes at a site the hook can fail (K3_ERR_NOMEM naming what). */
+k3_status rank_alloc(rank_ctx *r, rank_alloc_site site, void **p, size_t n, bool zero,
+                     const char *what);
 /* K3_TEST_FORCE: the forced token of position n_gen of every request; false past the list. */
 bool rank_hooks_forced(const rank_ctx *r, int n_gen, int32_t *id);
 

@@ -51,8 +51,9 @@ typedef struct req_run {
     double t_submit, queued_s; /* when submitted; how long it waited for its slot */
     k3_tok_bytes text;         /* text emitted so far (deltas are its new bytes) */
     size_t text_sent;
-    char *error; /* a request that can never run: reported by the next step */
+    bool refused; /* a request that can never run: reported by the next step (why) */
     k3_error_kind error_kind;
+    char why[400]; /* the text of its ERROR event (the event points here until the next step) */
     struct req_run *fork_src; /* queued fork: the request whose prefill it waits for (or NULL) */
     fork_share *share;        /* running: the shared prompt blocks of its family (or NULL) */
 } req_run;
@@ -112,6 +113,8 @@ struct rank_coord {
  * events only rewinds them, so a step allocates nothing once the blocks have grown. */
 #define EV_BLOCK (256 * 1024)
 static k3_status ev_alloc(rank_ctx *r, size_t n, void **out) {
+    if (rank_hooks_alloc_fails(r, RANK_ALLOC_STEP))
+        return K3_ERR(K3_ERR_NOMEM, "event data (%zu bytes; test hook)", n);
     n = (n + 63) & ~(size_t)63; /* 64-byte aligned pieces (float rows) */
     for (; r->co->ev_cur < r->co->n_ev_mem; r->co->ev_cur++) {
         ev_block *b = &r->co->ev_mem[r->co->ev_cur];
@@ -124,13 +127,13 @@ static k3_status ev_alloc(rank_ctx *r, size_t n, void **out) {
     if (r->co->n_ev_mem == r->co->cap_ev_mem) {
         int cap = r->co->cap_ev_mem ? 2 * r->co->cap_ev_mem : 16;
         ev_block *m = realloc(r->co->ev_mem, (size_t)cap * sizeof *m);
-        if (!m) RTRY(r, K3_ERR(K3_ERR_NOMEM, "event memory table"));
+        if (!m) return K3_ERR(K3_ERR_NOMEM, "event memory table");
         r->co->ev_mem = m, r->co->cap_ev_mem = cap;
     }
     ev_block *b = &r->co->ev_mem[r->co->n_ev_mem];
     b->size = n > EV_BLOCK ? n : EV_BLOCK;
     b->used = n;
-    RTRY(r, k3_alloc((void **)&b->data, b->size, "event data"));
+    K3_TRY(k3_alloc((void **)&b->data, b->size, "event data"));
     r->co->ev_cur = r->co->n_ev_mem++;
     *out = b->data;
     return K3_OK;
@@ -158,16 +161,15 @@ static k3_status ev_push(rank_ctx *r, k3_event_kind kind, const req_run *q, k3_e
     return K3_OK;
 }
 
-/* New text of q since the last event: copied into event memory. */
-static k3_status ev_text(rank_ctx *r, k3_event *e, req_run *q) {
-    size_t n = q->text.n - q->text_sent;
-    if (!n) return K3_OK;
-    char *t;
-    RTRY(r, ev_alloc(r, n + 1, (void **)&t));
-    memcpy(t, q->text.data + q->text_sent, n);
-    t[n] = 0;
-    e->text = t;
-    e->n_text = n;
+/* New text of q since the last event, copied into event memory (*t NULL when none). Fails
+ * (K3_ERR_NOMEM, not recorded as a fault) when event memory cannot grow: the caller fails q. */
+static k3_status ev_text(rank_ctx *r, req_run *q, char **t, size_t *n) {
+    *t = NULL;
+    *n = q->text.n - q->text_sent;
+    if (!*n) return K3_OK;
+    K3_TRY(ev_alloc(r, *n + 1, (void **)t));
+    memcpy(*t, q->text.data + q->text_sent, *n);
+    (*t)[*n] = 0;
     q->text_sent = q->text.n;
     return K3_OK;
 }
@@ -181,7 +183,7 @@ static void ev_prompt_logits(k3_event *e, req_run *q) {
 
 static void free_req(req_run *q) {
     if (!q) return;
-    k3_free(q->prompt), k3_free(q->gen), k3_free(q->prompt_logits), k3_free(q->error);
+    k3_free(q->prompt), k3_free(q->gen), k3_free(q->prompt_logits);
     k3_free(q->plp_lps);
     k3_sampler_destroy(q->smp);
     k3_tok_bytes_free(&q->text);
@@ -274,30 +276,42 @@ static int blocks_needed(const req_run *q) {
     return (int)((q->P + (int64_t)q->max_tokens + K3_KV_BLOCK - 1) / K3_KV_BLOCK);
 }
 
+static k3_status fail_req(rank_ctx *r, req_run *q, k3_error_kind kind, const char *why);
+
+/* q could not get memory for its events (ev_alloc): it fails alone. */
+static k3_status fail_nomem(rank_ctx *r, req_run *q) {
+    char why[sizeof q->why];
+    snprintf(why, sizeof why, "out of memory for the request's event data: %.300s",
+             k3_last_error());
+    return fail_req(r, q, K3_EVERR_RESOURCE, why);
+}
+
 static k3_status finish_req(rank_ctx *r, req_run *q) {
     if (q->stop == K3_STOP_NONE && q->smp && q->n_gen > 0) {
         /* length (or cancel): flush text held back for a possible stop string */
         RTRY(r, k3_sampler_finish(q->smp, r->o->tok ? &q->text : NULL));
     }
+    char *t;
+    size_t nt;
+    if (ev_text(r, q, &t, &nt) != K3_OK) return fail_nomem(r, q);
     k3_event *e;
     RTRY(r, ev_push(r, K3_EV_DONE, q, &e));
     e->stop = q->stop;
     e->stop_string = q->stop == K3_STOP_STRING ? q->stop_string : -1;
-    RTRY(r, ev_text(r, e, q));
+    e->text = t, e->n_text = nt;
     if (q->n_gen == 0) ev_prompt_logits(e, q);
     end_req(r, q);
     return K3_OK;
 }
 
+/* q ends with an ERROR event; its text lives in q (no allocation: an out-of-memory request can
+   still be told). */
 static k3_status fail_req(rank_ctx *r, req_run *q, k3_error_kind kind, const char *why) {
     k3_event *e;
     RTRY(r, ev_push(r, K3_EV_ERROR, q, &e));
     e->error_kind = kind;
-    size_t n = strlen(why);
-    char *t;
-    RTRY(r, ev_alloc(r, n + 1, (void **)&t));
-    memcpy(t, why, n + 1);
-    e->error = t;
+    if (why != q->why) snprintf(q->why, sizeof q->why, "%s", why);
+    e->error = q->why;
     end_req(r, q);
     return K3_OK;
 }
@@ -362,7 +376,7 @@ static const char *check_request(rank_ctx *r, const k3_request *rq, char *buf, s
  * same prompt and prompt outputs; NULL: q runs its own prefill. */
 static req_run *fork_parent(rank_ctx *r, const req_run *q, int64_t id) {
     req_run *p = find_req(r, id);
-    if (!p || p == q || p->state == RQ_ENDED || p->error || p->fork_src || p->n_gen > 0 ||
+    if (!p || p == q || p->state == RQ_ENDED || p->refused || p->fork_src || p->n_gen > 0 ||
         p->max_tokens < 1 || q->max_tokens < 1 || p->P != q->P ||
         memcmp(p->prompt, q->prompt, (size_t)q->P * sizeof(int32_t)) != 0 ||
         p->all_logits != q->all_logits || p->plp != q->plp || p->plp_top != q->plp_top) {
@@ -372,17 +386,58 @@ static req_run *fork_parent(rank_ctx *r, const req_run *q, int64_t id) {
     return p;
 }
 
+/* q's own memory (prompt, generated ids, prompt logits and logprobs) and its sampler; bad: why
+ * the request can never run (its sampling refused), or NULL. A failed allocation returns
+ * K3_ERR_NOMEM (the caller's request fails; nothing is queued). */
+static k3_status build_req(rank_ctx *r, const k3_request *rq, req_run *q, char *why, size_t n_why,
+                           const char **bad, k3_error_kind *kind) {
+    const size_t V = (size_t)r->cfg.vocab_size;
+    K3_TRY(rank_alloc(r, RANK_ALLOC_SUBMIT, (void **)&q->prompt, (size_t)q->P * sizeof(int32_t),
+                      false, "the request's prompt"));
+    memcpy(q->prompt, rq->ids, (size_t)q->P * sizeof(int32_t));
+    K3_TRY(rank_alloc(r, RANK_ALLOC_SUBMIT, (void **)&q->gen,
+                      (size_t)K3_MAX(q->max_tokens, 1) * sizeof(int32_t), false,
+                      "the request's generated ids"));
+    if (q->all_logits)
+        K3_TRY(rank_alloc(r, RANK_ALLOC_SUBMIT, (void **)&q->prompt_logits,
+                          (size_t)q->P * V * sizeof(float), false, "the request's prompt logits"));
+    if (q->plp)
+        K3_TRY(rank_alloc(r, RANK_ALLOC_SUBMIT, (void **)&q->plp_lps,
+                          (size_t)K3_MAX(q->P - 1, 1) * sizeof *q->plp_lps, true,
+                          "the request's prompt logprobs"));
+    /* stop ids: the request's, then (unless ignore_eos) EOS, <|end_of_msg|>, [EOS] */
+    int32_t stops[64 + 3];
+    size_t ns = 0;
+    for (size_t i = 0; i < rq->sampling.n_stop_ids && ns < 64; i++)
+        stops[ns++] = rq->sampling.stop_ids[i];
+    for (int i = 0; i < 3 && !rq->ignore_eos; i++)
+        if (r->co->base_stops[i] >= 0) stops[ns++] = r->co->base_stops[i];
+    k3_sampler_params sp = rq->sampling;
+    sp.stop_ids = stops;
+    sp.n_stop_ids = ns;
+    if (rq->sampling.n_stop_ids > 64) {
+        *bad = "more than 64 stop ids";
+    } else if (k3_sampler_create(&q->smp, &sp, r->cfg.vocab_size, r->o->tok) != K3_OK) {
+        snprintf(why, n_why, "sampling: %s", k3_last_error());
+        *bad = why;
+        *kind = K3_EVERR_SAMPLING;
+    }
+    return K3_OK;
+}
+
+/* The request is built in full before it joins the queue: a failure leaves nothing behind. */
 k3_status rank_coord_submit(rank_ctx *r, const k3_request *rq, int64_t *id) {
+    *id = -1;
     if (r->co->n_reqs == r->co->cap_reqs) {
         int cap = r->co->cap_reqs ? 2 * r->co->cap_reqs : 64;
-        req_run **a = realloc(r->co->reqs, (size_t)cap * sizeof *a);
-        if (!a) return K3_ERR(K3_ERR_NOMEM, "request table");
+        req_run **a = rank_hooks_alloc_fails(r, RANK_ALLOC_SUBMIT)
+                          ? NULL
+                          : realloc(r->co->reqs, (size_t)cap * sizeof *a);
+        if (!a) return K3_ERR(K3_ERR_NOMEM, "submit: out of memory for the request table");
         r->co->reqs = a, r->co->cap_reqs = cap;
     }
     req_run *q;
-    K3_TRY(k3_calloc((void **)&q, sizeof *q, "request"));
-    q->id = r->co->next_id++;
-    q->user = rq->user;
+    K3_TRY(rank_alloc(r, RANK_ALLOC_SUBMIT, (void **)&q, sizeof *q, true, "the request"));
     q->lane = q->group = q->slot = -1;
     q->stop_string = -1;
     q->max_tokens = rq->max_tokens;
@@ -393,54 +448,31 @@ k3_status rank_coord_submit(rank_ctx *r, const k3_request *rq, int64_t *id) {
     q->plp_top = rq->prompt_top;
     q->P = rq->n_ids > 0 ? rq->n_ids : 0;
     q->t_submit = k3_now_s();
-    r->co->reqs[r->co->n_reqs++] = q;
-    *id = q->id;
+    q->user = rq->user;
     char why[256];
     k3_error_kind kind;
     const char *bad = check_request(r, rq, why, sizeof why, &kind);
-    k3_status st = K3_OK;
     if (!bad) {
-        st = k3_alloc((void **)&q->prompt, (size_t)q->P * sizeof(int32_t), "prompt");
-        if (st == K3_OK) memcpy(q->prompt, rq->ids, (size_t)q->P * sizeof(int32_t));
-        if (st == K3_OK)
-            st = k3_alloc((void **)&q->gen, (size_t)K3_MAX(q->max_tokens, 1) * sizeof(int32_t),
-                          "generated ids");
-        if (st == K3_OK && q->all_logits)
-            st =
-                k3_alloc((void **)&q->prompt_logits,
-                         (size_t)q->P * (size_t)r->cfg.vocab_size * sizeof(float), "prompt logits");
-        if (st == K3_OK && q->plp)
-            st = k3_calloc((void **)&q->plp_lps, (size_t)K3_MAX(q->P - 1, 1) * sizeof *q->plp_lps,
-                           "prompt logprobs");
-        if (st != K3_OK) return st; /* out of memory: the caller's problem, not the request's */
-        /* stop ids: the request's, then (unless ignore_eos) EOS, <|end_of_msg|>, [EOS] */
-        int32_t stops[64 + 3];
-        size_t ns = 0;
-        for (size_t i = 0; i < rq->sampling.n_stop_ids && ns < 64; i++)
-            stops[ns++] = rq->sampling.stop_ids[i];
-        for (int i = 0; i < 3 && !rq->ignore_eos; i++)
-            if (r->co->base_stops[i] >= 0) stops[ns++] = r->co->base_stops[i];
-        k3_sampler_params sp = rq->sampling;
-        sp.stop_ids = stops;
-        sp.n_stop_ids = ns;
-        if (rq->sampling.n_stop_ids > 64) {
-            bad = "more than 64 stop ids";
-        } else if (k3_sampler_create(&q->smp, &sp, r->cfg.vocab_size, r->o->tok) != K3_OK) {
-            snprintf(why, sizeof why, "sampling: %s", k3_last_error());
-            bad = why;
-            kind = K3_EVERR_SAMPLING;
+        k3_status st = build_req(r, rq, q, why, sizeof why, &bad, &kind);
+        if (st != K3_OK) { /* out of memory: this request fails, the engine goes on */
+            char msg[sizeof q->why];
+            snprintf(msg, sizeof msg, "%.300s", k3_last_error());
+            free_req(q);
+            return K3_ERR(st, "submit: %s", msg);
         }
     }
+    q->id = r->co->next_id++;
+    *id = q->id;
     if (bad) {
-        size_t nb = strlen(bad) + 1;
-        K3_TRY(k3_alloc((void **)&q->error, nb, "request error text"));
-        memcpy(q->error, bad, nb);
+        snprintf(q->why, sizeof q->why, "%s", bad);
+        q->refused = true;
         q->error_kind = kind;
         q->state = RQ_ENDED; /* reported by the next step */
-        return K3_OK;
+    } else {
+        q->state = RQ_QUEUED;
+        if (rq->fork) q->fork_src = fork_parent(r, q, rq->fork_of);
     }
-    q->state = RQ_QUEUED;
-    if (rq->fork) q->fork_src = fork_parent(r, q, rq->fork_of);
+    r->co->reqs[r->co->n_reqs++] = q;
     return K3_OK;
 }
 
@@ -579,7 +611,14 @@ static k3_status fork_children(rank_ctx *r, req_run *p, req_run **kids, int *n_k
             continue;
         }
         if (!p->share) { /* the prompt blocks only the family holds move to the share */
-            RTRY(r, k3_calloc((void **)&p->share, sizeof *p->share, "fork share"));
+            if (rank_alloc(r, RANK_ALLOC_FORK, (void **)&p->share, sizeof *p->share, true,
+                           "the share of a forked family") != K3_OK) {
+                char why[sizeof q->why];
+                snprintf(why, sizeof why, "out of memory forking choice of request %lld: %.300s",
+                         (long long)p->id, k3_last_error());
+                RTRY(r, fail_req(r, q, K3_EVERR_RESOURCE, why));
+                continue;
+            }
             p->share->blocks = full - (pc ? rank_pc_chain(pc, p->slot) : 0);
             p->share->users = 1;
             p->blk_resv -= p->share->blocks;
@@ -797,6 +836,12 @@ static k3_status sample(rank_ctx *r, req_run *q, const float *logits) {
         return fail_req(r, q, K3_EVERR_SAMPLING, why);
     }
     if (q->stop == K3_STOP_STRING) q->stop_string = k3_sampler_matched_stop(q->smp);
+    float *row = NULL; /* the event's memory first: without it the request fails alone */
+    char *t = NULL;
+    size_t nt = 0;
+    if ((q->keep_logits && ev_alloc(r, (size_t)V * sizeof(float), (void **)&row) != K3_OK) ||
+        ev_text(r, q, &t, &nt) != K3_OK)
+        return fail_nomem(r, q);
     k3_event *e;
     RTRY(r, ev_push(r, K3_EV_TOKEN, q, &e));
     e->token = id;
@@ -804,14 +849,10 @@ static k3_status sample(rank_ctx *r, req_run *q, const float *logits) {
     e->n_top = ev.n_top;
     memcpy(e->top_ids, ev.top_ids, sizeof e->top_ids);
     memcpy(e->top_logprobs, ev.top_logprobs, sizeof e->top_logprobs);
-    if (q->keep_logits) {
-        float *row;
-        RTRY(r, ev_alloc(r, (size_t)V * sizeof(float), (void **)&row));
-        memcpy(row, logits, (size_t)V * sizeof(float));
-        e->logits = row;
-    }
+    if (row) memcpy(row, logits, (size_t)V * sizeof(float));
+    e->logits = row;
     if (q->n_gen == 1) ev_prompt_logits(e, q);
-    RTRY(r, ev_text(r, e, q));
+    e->text = t, e->n_text = nt;
     if (q->stop != K3_STOP_NONE || q->n_gen >= q->max_tokens)
         RTRY(r, finish_req(r, q)); /* DONE carries the text held back for a stop string, if any */
     return K3_OK;
@@ -974,7 +1015,7 @@ static void clear_events(struct rank_coord *C) {
     int k = 0;
     for (int i = 0; i < C->n_reqs; i++) {
         req_run *q = C->reqs[i];
-        if (q->state == RQ_ENDED && !q->error)
+        if (q->state == RQ_ENDED && !q->refused)
             free_req(q);
         else
             C->reqs[k++] = q;
@@ -1070,12 +1111,19 @@ k3_status rank_coord_step(rank_ctx *r, const k3_event **events, int *n_events) {
     *events = NULL;
     *n_events = 0;
     clear_events(C);
+    /* room for every event this call can make (each request: at most a TOKEN and its end), so
+       that ending a request never needs memory */
+    if (C->cap_ev < 2 * C->n_reqs + 16) {
+        const int cap = 2 * C->n_reqs + 64;
+        k3_event *ev = realloc(C->ev, (size_t)cap * sizeof *ev);
+        if (!ev) RTRY(r, K3_ERR(K3_ERR_NOMEM, "event table of %d", cap));
+        C->ev = ev, C->cap_ev = cap;
+    }
     for (int i = 0; i < C->n_reqs; i++) { /* requests refused at submit */
         req_run *q = C->reqs[i];
-        if (q->error) {
-            RTRY(r, fail_req(r, q, q->error_kind, q->error));
-            k3_free(q->error);
-            q->error = NULL;
+        if (q->refused) {
+            q->refused = false;
+            RTRY(r, fail_req(r, q, q->error_kind, q->why));
         }
     }
     const double timeout = rank_comm_timeout(r);

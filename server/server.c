@@ -494,21 +494,27 @@ k3_status k3_server_run(k3_server *s, k3_engine *e, volatile sig_atomic_t *stop)
         /* wake every waiting HTTP thread: their requests end with an error */
         pthread_mutex_lock(&s->mu);
         s->stopping = true;
-        for (sreq *q; (q = s->head);) { /* never submitted */
-            s->head = q->next;
-            s->live[s->n_live++] = q;
-        }
-        s->tail = NULL;
         s->engine_down = true;
         char why[512]; /* k3_last_error is this thread's: still the fault's after the wait */
         snprintf(why, sizeof why, "the engine failed (the server is going down): %.400s",
                  k3_last_error());
+        /* the submitted requests, then those that never were (HTTP threads queued them while
+           the step ran, unlocked: any number, so they are ended from the queue, not moved into
+           live, whose room counts only the submitted ones) */
         for (int i = 0; i < s->n_live; i++) {
             s->live[i]->failed = true;
             snprintf(s->live[i]->error, sizeof s->live[i]->error, "%s", why);
             finish(s, s->live[i]);
         }
         s->n_live = 0;
+        for (sreq *q; (q = s->head);) {
+            s->head = q->next;
+            q->next = NULL;
+            q->failed = true;
+            snprintf(q->error, sizeof q->error, "%s", why);
+            finish(s, q);
+        }
+        s->tail = NULL;
         /* the job ends when this returns: let the HTTP threads write those errors first (a 503,
            an SSE error event and [DONE]), for a bounded time */
         const double t0 = k3_now_s();

@@ -33,15 +33,15 @@ static void run(k3_engine *e, int32_t (*ids)[MAXP], const int64_t *P, int nf, ui
     int left = 0;
     for (int f = 0; f < nf; f++)
         for (int c = fork ? 0 : c0; c < (fork ? NCH : c0 + 1); c++) {
-            k3_request r = {.ids = ids[f],
-                            .n_ids = P[f],
-                            .max_tokens = two ? 1 + c % 2 : 1,
-                            .sampling = {.temperature = 1.0f, .seed = seed0 + 10 * (uint64_t)f +
-                                                                      (uint64_t)c},
-                            .ignore_eos = true,
-                            .user = (uint64_t)(f * NCH + c),
-                            .fork = fork && c > 0,
-                            .fork_of = fork && c > 0 ? id[f][0] : 0};
+            k3_request r = {
+                .ids = ids[f],
+                .n_ids = P[f],
+                .max_tokens = two ? 1 + c % 2 : 1,
+                .sampling = {.temperature = 1.0f, .seed = seed0 + 10 * (uint64_t)f + (uint64_t)c},
+                .ignore_eos = true,
+                .user = (uint64_t)(f * NCH + c),
+                .fork = fork && c > 0,
+                .fork_of = fork && c > 0 ? id[f][0] : 0};
             K3_CHECK_OK(k3_engine_submit(e, &r, &id[f][c]));
             tok[f][c][0] = tok[f][c][1] = -1;
             left++;
@@ -70,8 +70,8 @@ static void check(k3_engine *e, int32_t (*ids)[MAXP], const int64_t *P, int nf, 
     int32_t fam[MAXF][NCH][2], one[MAXF][NCH][2];
     run(e, ids, P, nf, seed0, true, 0, true, fam);
     for (int f = 0; f < nf; f++)
-        for (int c = 0; c < NCH; c++) run(e, ids + f, P + f, 1, seed0 + 10 * (uint64_t)f, false, c,
-                                          true, one + f);
+        for (int c = 0; c < NCH; c++)
+            run(e, ids + f, P + f, 1, seed0 + 10 * (uint64_t)f, false, c, true, one + f);
     for (int f = 0; f < nf; f++)
         for (int c = 0; c < NCH; c++)
             K3_CHECK(memcmp(fam[f][c], one[f][c], sizeof fam[f][c]) == 0 && fam[f][c][0] >= 0 &&

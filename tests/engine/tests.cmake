@@ -45,3 +45,10 @@ add_test(NAME engine_fork_storm
          COMMAND ${K3_PYTHON3} ${CMAKE_CURRENT_LIST_DIR}/fork_storm.py
                  $<TARGET_FILE:test_fork_storm> ${MPIEXEC_EXECUTABLE})
 set_tests_properties(engine_fork_storm PROPERTIES LABELS "mpi" TIMEOUT 900 ENVIRONMENT "${K3_TEST_ENV_MPI}")
+
+# a failed allocation at submit, in a step or at a fork fails only its request (issue 42)
+k3_add_test_exe(test_alloc_faults ${CMAKE_CURRENT_LIST_DIR}/test_alloc_faults.c)
+target_include_directories(test_alloc_faults PRIVATE ${CMAKE_SOURCE_DIR}/rank)
+add_test(NAME engine_alloc_faults
+         COMMAND ${K3_PYTHON3} ${CMAKE_CURRENT_LIST_DIR}/alloc_faults.py $<TARGET_FILE:test_alloc_faults>)
+set_tests_properties(engine_alloc_faults PROPERTIES LABELS "unit;sanitize" TIMEOUT 300 ENVIRONMENT "${K3_TEST_ENV}")

@@ -28,6 +28,8 @@ Groups (pytest -k):
       * rank 1 stops answering mid-decode (K3_TEST_FAIL=hang:1:N): the open plain request gets a
         503 with an error body and the open stream an error event and [DONE] before the job ends,
         naming rank 1;
+      * 500 requests queued while that step waits out --comm-timeout each get a 503 error body
+        (the fault path overflowed its table of submitted requests, issue 42);
       * a worker stopped (SIGSTOP) while the server is idle: /health answers 503 naming it within
         a few seconds (it answered 200 for 20 s), and 200 again once it runs (SIGCONT).
 """
@@ -360,3 +362,52 @@ def test_hostile_fault_open_requests_get_errors(model_dir):  # noqa: F811
     out = got["stream"]
     assert out.startswith(b"HTTP/1.1 200"), out[:300]
     assert 0 < out.find(b'data: {"error"') < out.find(b"data: [DONE]"), out[-400:]
+
+
+def test_hostile_fault_queued_requests_get_errors(model_dir):  # noqa: F811
+    """Issue 42: while the failing step waits out --comm-timeout (the lock released), hundreds of
+    requests queue; each gets its 503 error body. The fault path used to move them all into the
+    table of submitted requests without room for them (a heap overflow past 256 of them)."""
+    srv = Server(model_dir, pp=2, extra=["--comm-timeout", "8", "--max-seqs", "4"],
+                 env={"K3_TEST_FAIL": "hang:1:6"})
+    n = 500
+    got = [None] * n
+    first = {}
+
+    def long_request():
+        try:
+            first["r"] = requests.post(srv.url + "/v1/chat/completions", timeout=90, json={
+                "messages": MSG, "max_tokens": 200, "ignore_eos": True}).status_code
+        except requests.RequestException as e:
+            first["r"] = repr(e)
+
+    def one(i):
+        body = json.dumps({"messages": MSG, "max_tokens": 4}).encode()
+        head, _ = post_bytes(b"/v1/chat/completions", body,
+                             b"Content-Length: %d\r\nConnection: close\r\n" % len(body), key=False)
+        got[i] = raw(srv, head + b"\r\n" + body, timeout=90)
+
+    t0 = threading.Thread(target=long_request)
+    t0.start()
+    t = time.time()
+    while time.time() - t < 60 and "no longer answering" not in srv.text():
+        time.sleep(0.1)
+    assert "no longer answering" in srv.text(), srv.text()[-2000:]
+    ts = [threading.Thread(target=one, args=(i,)) for i in range(n)]
+    for th in ts:
+        th.start()
+    for th in ts:
+        th.join(120)
+    t0.join(120)
+    try:
+        rc = srv.stop(timeout=60)
+    except ProcessLookupError:  # rank 0 has ended; mpirun not yet reaped
+        rc = srv.proc.wait(timeout=60)
+    log = srv.text()
+    assert rc not in (0, "hung"), "the job should fail: %s\n%s" % (rc, log[-2000:])
+    assert "AddressSanitizer" not in log and "rank 1" in log, log[-3000:]
+    bad = [i for i in range(n) if not (got[i] and got[i].startswith(b"HTTP/1.1 503") and
+                                       b"the engine failed" in got[i])]
+    assert not bad, "%d of %d queued requests got no 503 error body; first: %r\n%s" % (
+        len(bad), n, got[bad[0]][:300] if got[bad[0]] else None, log[-2000:])
+    assert first["r"] == 503, first
