@@ -36,21 +36,18 @@ struct rank_pcache {
     int n_free_e;
     int32_t *snap_of; /* [n_snaps] the entry holding each snapshot (-1: free) */
     pc_seq *seq;      /* [max_seqs] */
-    int32_t *ops;     /* [ops_cap] */
-    int64_t ops_cap;
-    int n_ops;
+    /* the ops decided since the last take (wire.h rank_step sections), each list at its cap */
+    int32_t *evicts;       /* [n_entries]: each entry at most once between two takes (an entry
+                              inserted since is in use) */
+    rank_step_hit *hits;   /* [max_seqs]: one per slot */
+    int32_t *hit_ent;      /* [max_seqs * min(max_blocks, RANK_PC_MAX_HIT)] */
+    rank_step_save *saves; /* [cap_saves]: the blocks a step completes */
+    rank_step_snap *snaps; /* [max_seqs]: one per slot */
+    int n_evicts, n_hits, n_hit_ent, n_saves, n_snaps, cap_saves, cap_hit_ent;
     int n_used;        /* entries with users > 0 */
     int64_t n_evicted; /* entries evicted so far */
     uint64_t tick;
 };
-
-int64_t rank_pc_ops_cap(const rank_pc_params *p) {
-    /* evictions: each entry at most once between two messages (an entry inserted since is used);
-       hits: one per slot; saves: the blocks a step completes; snapshots: one per slot */
-    const int64_t S = p->max_seqs;
-    return 2 * (int64_t)p->n_entries + S * (4 + (int64_t)K3_MIN(p->max_blocks, RANK_PC_MAX_HIT)) +
-           4 * (p->max_tokens / K3_KV_BLOCK + S) + 3 * S;
-}
 
 static uint64_t block_hash(uint64_t parent, const int32_t *t) {
     uint64_t h = parent ^ 0x9e3779b97f4a7c15ull; /* FNV-1a over the parent's hash and the ids */
@@ -72,7 +69,8 @@ k3_status rank_pc_create(const rank_pc_params *p, rank_pcache **out) {
     c->p = *p;
     c->n_buckets = 16;
     while (c->n_buckets < 2 * p->n_entries) c->n_buckets *= 2;
-    c->ops_cap = rank_pc_ops_cap(p);
+    c->cap_saves = (int)(p->max_tokens / K3_KV_BLOCK) + p->max_seqs;
+    c->cap_hit_ent = p->max_seqs * K3_MIN(p->max_blocks, RANK_PC_MAX_HIT);
     k3_status st = k3_calloc((void **)&c->e, (size_t)p->n_entries * sizeof *c->e, "cache entries");
     if (st == K3_OK)
         st = k3_alloc((void **)&c->tok, (size_t)p->n_entries * K3_KV_BLOCK * sizeof(int32_t),
@@ -88,6 +86,17 @@ k3_status rank_pc_create(const rank_pc_params *p, rank_pcache **out) {
     for (int i = 0; st == K3_OK && i < p->max_seqs; i++)
         st = k3_alloc((void **)&c->seq[i].chain, (size_t)p->max_blocks * sizeof(int32_t),
                       "cache slot chain");
+    if (st == K3_OK)
+        st = k3_alloc((void **)&c->evicts, (size_t)p->n_entries * sizeof *c->evicts, "cache ops");
+    if (st == K3_OK)
+        st = k3_alloc((void **)&c->hits, (size_t)p->max_seqs * sizeof *c->hits, "cache ops");
+    if (st == K3_OK)
+        st = k3_alloc((void **)&c->hit_ent, (size_t)c->cap_hit_ent * sizeof *c->hit_ent,
+                      "cache ops");
+    if (st == K3_OK)
+        st = k3_alloc((void **)&c->saves, (size_t)c->cap_saves * sizeof *c->saves, "cache ops");
+    if (st == K3_OK)
+        st = k3_alloc((void **)&c->snaps, (size_t)p->max_seqs * sizeof *c->snaps, "cache ops");
     if (st != K3_OK) {
         rank_pc_destroy(c);
         return st;
@@ -104,20 +113,14 @@ void rank_pc_destroy(rank_pcache *c) {
     if (!c) return;
     for (int i = 0; c->seq && i < c->p.max_seqs; i++) k3_free(c->seq[i].chain);
     k3_free(c->e), k3_free(c->tok), k3_free(c->bucket), k3_free(c->free_e), k3_free(c->snap_of);
-    k3_free(c->seq), k3_free(c->ops);
+    k3_free(c->seq), k3_free(c->evicts), k3_free(c->hits), k3_free(c->hit_ent);
+    k3_free(c->saves), k3_free(c->snaps);
     k3_free(c);
 }
 
-/* The op buffer, sized on first use for steps of max_tokens (rank_pc_ops_cap). */
-static k3_status op(rank_pcache *c, int n, const int32_t *w) {
-    if (!c->ops) {
-        K3_TRY(k3_alloc((void **)&c->ops, (size_t)c->ops_cap * sizeof(int32_t), "cache ops"));
-    }
-    if (c->n_ops + n > c->ops_cap)
-        return K3_ERR(K3_ERR_INTERNAL, "prefix cache: %d op words > %lld", c->n_ops + n,
-                      (long long)c->ops_cap);
-    memcpy(c->ops + c->n_ops, w, (size_t)n * sizeof(int32_t));
-    c->n_ops += n;
+/* Room for one more op in a list of cap (the caps count every op two takes can see). */
+static k3_status op_room(int n, int cap, const char *what) {
+    if (n >= cap) return K3_ERR(K3_ERR_INTERNAL, "prefix cache: more than %d %s ops", cap, what);
     return K3_OK;
 }
 
@@ -179,8 +182,8 @@ bool rank_pc_evict_one(rank_pcache *c) {
             best = i;
     }
     if (best < 0) return false;
-    const int32_t w[2] = {RANK_PC_EVICT, best};
-    if (op(c, 2, w) != K3_OK) return false; /* cannot happen: the cap counts every entry */
+    if (c->n_evicts >= c->p.n_entries) return false; /* cannot happen: the cap counts each entry */
+    c->evicts[c->n_evicts++] = best;
     pc_entry *x = &c->e[best];
     int32_t *pp = &c->bucket[x->hash & (uint64_t)(c->n_buckets - 1)];
     while (*pp != best) pp = &c->e[*pp].next;
@@ -203,9 +206,12 @@ k3_status rank_pc_begin(rank_pcache *c, int slot, const int32_t *ids, int64_t n,
     const int64_t cap = K3_MIN((int64_t)c->p.max_blocks, (int64_t)RANK_PC_MAX_HIT) * K3_KV_BLOCK;
     int hit = match(c, ids, K3_MIN(n, cap), q->chain);
     if (hit == 0) return K3_OK;
-    const int32_t head[4] = {RANK_PC_HIT, slot, c->e[q->chain[hit - 1]].snap, hit};
-    K3_TRY(op(c, 4, head));
-    K3_TRY(op(c, hit, q->chain));
+    K3_TRY(op_room(c->n_hits, c->p.max_seqs, "hit"));
+    K3_TRY(op_room(c->n_hit_ent + hit - 1, c->cap_hit_ent, "hit entry"));
+    c->hits[c->n_hits++] =
+        (rank_step_hit){.slot = slot, .snap = c->e[q->chain[hit - 1]].snap, .n_blocks = hit};
+    memcpy(c->hit_ent + c->n_hit_ent, q->chain, (size_t)hit * sizeof *c->hit_ent);
+    c->n_hit_ent += hit;
     for (int j = 0; j < hit; j++) use(c, q->chain[j]);
     q->n = hit;
     *hit_tokens = (int64_t)hit * K3_KV_BLOCK;
@@ -273,8 +279,8 @@ k3_status rank_pc_advance(rank_pcache *c, int slot, const int32_t *prompt, int64
             e->next = c->bucket[b];
             c->bucket[b] = x;
             if (parent >= 0) c->e[parent].n_child++;
-            const int32_t w[4] = {RANK_PC_SAVE, slot, j, x};
-            K3_TRY(op(c, 4, w));
+            K3_TRY(op_room(c->n_saves, c->cap_saves, "save"));
+            c->saves[c->n_saves++] = (rank_step_save){.slot = slot, .block = j, .entry = x};
             ++*moved;
         }
         use(c, x);
@@ -282,8 +288,9 @@ k3_status rank_pc_advance(rank_pcache *c, int slot, const int32_t *prompt, int64
     }
     /* a snapshot where this step ends, if that is a snapshot point the chain reaches */
     if (snap_point(c, to, P) && q->n == to / K3_KV_BLOCK && c->e[q->chain[q->n - 1]].snap < 0) {
-        const int32_t w[3] = {RANK_PC_SNAP, slot, take_snap(c, q->chain[q->n - 1])};
-        K3_TRY(op(c, 3, w));
+        K3_TRY(op_room(c->n_snaps, c->p.max_seqs, "snapshot"));
+        c->snaps[c->n_snaps++] =
+            (rank_step_snap){.slot = slot, .snap = take_snap(c, q->chain[q->n - 1])};
     }
     return K3_OK;
 }
@@ -308,99 +315,101 @@ void rank_pc_end(rank_pcache *c, int slot) {
     q->n = 0, q->live = false;
 }
 
-const int32_t *rank_pc_ops(const rank_pcache *c, int *n_words) {
-    *n_words = c->n_ops;
-    return c->ops;
+void rank_pc_ops(const rank_pcache *c, rank_step *m) {
+    m->n_evicts = c->n_evicts, m->evicts = c->evicts;
+    m->n_hits = c->n_hits, m->hits = c->hits;
+    m->n_hit_entries = c->n_hit_ent, m->hit_entries = c->hit_ent;
+    m->n_saves = c->n_saves, m->saves = c->saves;
+    m->n_snaps = c->n_snaps, m->snaps = c->snaps;
 }
 void rank_pc_ops_clear(rank_pcache *c) {
-    c->n_ops = 0;
+    c->n_evicts = c->n_hits = c->n_hit_ent = c->n_saves = c->n_snaps = 0;
 }
 
 /* ---- a stage applies the ops ------------------------------------------------------------------
  */
-/* The length of the op at ops[0] of `left` words (0: unknown or cut short). */
-static int op_len(const int32_t *ops, int left) {
-    const int kind = ops[0];
-    const int len = kind == RANK_PC_EVICT  ? 2
-                    : kind == RANK_PC_HIT  ? (left >= 4 ? 4 + K3_MAX(ops[3], 0) : 4)
-                    : kind == RANK_PC_SAVE ? 4
-                    : kind == RANK_PC_SNAP ? 3
-                    : kind == RANK_PC_FORK ? 3
-                                           : 0;
-    return len <= left ? len : 0;
-}
-
-bool rank_pc_fork_parent(const int32_t *ops, int n_words, int slot) {
-    for (int i = 0, len; i < n_words; i += len) {
-        if ((len = op_len(ops + i, n_words - i)) == 0) return false; /* apply names it */
-        if (ops[i] == RANK_PC_FORK && ops[i + 1] == slot) return true;
-    }
-    return false;
+static bool bad_slot(const rank_pc_params *p, k3_seq_state *const *states, int slot) {
+    return slot < 0 || slot >= p->max_seqs || !states[slot];
 }
 
 k3_status rank_pc_apply(k3_stage *st, const rank_pc_params *p, int32_t *entry_blk,
-                        k3_seq_state *const *states, const int32_t *ops, int n_words, int phase,
+                        k3_seq_state *const *states, const rank_step *m, int phase,
                         const char *who) {
-    int32_t blk[RANK_PC_MAX_HIT];
-    for (int i = 0; i < n_words;) {
-        const int kind = ops[i], left = n_words - i, len = op_len(ops + i, left);
-        if (len == 0)
-            return K3_ERR(K3_ERR_FORMAT, "prefix-cache op %d at word %d of %d from %s", kind, i,
-                          n_words, who);
-        const int32_t *a = ops + i + 1;
-        i += len;
-        bool bad = false;
-        if (kind != RANK_PC_FORK && !entry_blk)
-            return K3_ERR(K3_ERR_FORMAT, "prefix-cache op %d from %s: the prefix cache is off",
-                          kind, who);
-        if (kind == RANK_PC_FORK) {
-            bad = a[0] < 0 || a[0] >= p->max_seqs || a[1] < 0 || a[1] >= p->max_seqs ||
-                  a[0] == a[1] || !states[a[0]] || !states[a[1]];
-            if (!bad && phase == RANK_PC_FORKS)
-                K3_TRY(k3_seq_state_fork(states[a[1]], states[a[0]]));
-        } else if (kind == RANK_PC_EVICT) {
-            bad = a[0] < 0 || a[0] >= p->n_entries;
-            if (!bad && phase == RANK_PC_EVICTS && entry_blk[a[0]] >= 0) {
-                /* rank 0 evicts only entries no running sequence uses: the cache is the one
-                   holder left, so no block in use is ever freed (checked, not assumed) */
-                if (k3_stage_block_holders(st, entry_blk[a[0]]) != 1)
-                    return K3_ERR(K3_ERR_STATE,
-                                  "prefix cache: eviction of entry %d would free block %d that "
-                                  "%d holders still use (from %s)",
-                                  a[0], entry_blk[a[0]],
-                                  k3_stage_block_holders(st, entry_blk[a[0]]), who);
-                K3_TRY(k3_stage_block_drop(st, entry_blk[a[0]]));
-                entry_blk[a[0]] = -1;
-            }
-        } else {
-            const int slot = a[0];
-            bad = slot < 0 || slot >= p->max_seqs || !states[slot];
-            if (!bad && kind == RANK_PC_HIT) {
-                const int snap = a[1], n = a[2];
-                bad = snap < 0 || snap >= p->n_snaps || n < 1 || n > p->max_blocks ||
-                      n > (int)K3_ARRAY_LEN(blk);
-                for (int j = 0; !bad && j < n; j++) {
-                    bad = a[3 + j] < 0 || a[3 + j] >= p->n_entries;
-                    if (!bad) blk[j] = entry_blk[a[3 + j]];
-                }
-                if (!bad && phase == RANK_PC_BEFORE)
-                    K3_TRY(k3_seq_state_restore(states[slot], (int64_t)n * K3_KV_BLOCK, blk, snap));
-            } else if (!bad && kind == RANK_PC_SAVE) {
-                bad = a[1] < 0 || a[1] >= p->max_blocks || a[2] < 0 || a[2] >= p->n_entries;
-                if (!bad && phase == RANK_PC_AFTER) {
-                    const int32_t b = k3_seq_state_block(states[slot], a[1]);
-                    if (b >= 0) K3_TRY(k3_stage_block_hold(st, b));
-                    entry_blk[a[2]] = b;
-                }
-            } else if (!bad && kind == RANK_PC_SNAP) {
-                bad = a[1] < 0 || a[1] >= p->n_snaps;
-                if (!bad && phase == RANK_PC_AFTER)
-                    K3_TRY(k3_stage_snapshot(st, states[slot], a[1]));
-            }
+    if (!entry_blk && m->n_evicts + m->n_hits + m->n_hit_entries + m->n_saves + m->n_snaps > 0)
+        return K3_ERR(K3_ERR_FORMAT, "prefix-cache ops from %s: the prefix cache is off", who);
+    if (phase == RANK_PC_FORKS)
+        for (int i = 0; i < m->n_forks; i++) {
+            const rank_step_fork f = m->forks[i];
+            if (bad_slot(p, states, f.parent) || bad_slot(p, states, f.child) ||
+                f.parent == f.child)
+                return K3_ERR(K3_ERR_FORMAT, "fork %d -> %d out of range (%d slots), from %s",
+                              f.parent, f.child, p->max_seqs, who);
+            K3_TRY(k3_seq_state_fork(states[f.child], states[f.parent]));
         }
-        if (bad)
-            return K3_ERR(K3_ERR_FORMAT, "prefix-cache op %d (%d %d) out of range, from %s", kind,
-                          a[0], len > 2 ? a[1] : 0, who);
+    if (phase == RANK_PC_EVICTS)
+        for (int i = 0; i < m->n_evicts; i++) {
+            const int32_t x = m->evicts[i];
+            if (x < 0 || x >= p->n_entries)
+                return K3_ERR(K3_ERR_FORMAT, "eviction of entry %d of %d, from %s", x, p->n_entries,
+                              who);
+            if (entry_blk[x] < 0) continue;
+            /* rank 0 evicts only entries no running sequence uses: the cache is the one holder
+               left, so no block in use is ever freed (checked, not assumed) */
+            if (k3_stage_block_holders(st, entry_blk[x]) != 1)
+                return K3_ERR(K3_ERR_STATE,
+                              "prefix cache: eviction of entry %d would free block %d that %d "
+                              "holders still use (from %s)",
+                              x, entry_blk[x], k3_stage_block_holders(st, entry_blk[x]), who);
+            K3_TRY(k3_stage_block_drop(st, entry_blk[x]));
+            entry_blk[x] = -1;
+        }
+    if (phase == RANK_PC_BEFORE) {
+        int32_t blk[RANK_PC_MAX_HIT];
+        int64_t k = 0;
+        for (int i = 0; i < m->n_hits; i++) {
+            const rank_step_hit h = m->hits[i];
+            bool bad = bad_slot(p, states, h.slot) || h.snap < 0 || h.snap >= p->n_snaps ||
+                       h.n_blocks < 1 || h.n_blocks > p->max_blocks ||
+                       h.n_blocks > (int)K3_ARRAY_LEN(blk) || k + h.n_blocks > m->n_hit_entries;
+            for (int j = 0; !bad && j < h.n_blocks; j++) {
+                const int32_t x = m->hit_entries[k + j];
+                bad = x < 0 || x >= p->n_entries;
+                if (!bad) blk[j] = entry_blk[x];
+            }
+            if (bad)
+                return K3_ERR(K3_ERR_FORMAT,
+                              "prefix-cache hit (slot %d, snapshot %d, %d blocks) out of range, "
+                              "from %s",
+                              h.slot, h.snap, h.n_blocks, who);
+            k += h.n_blocks;
+            K3_TRY(k3_seq_state_restore(states[h.slot], (int64_t)h.n_blocks * K3_KV_BLOCK, blk,
+                                        h.snap));
+        }
+        if (k != m->n_hit_entries)
+            return K3_ERR(K3_ERR_FORMAT, "prefix-cache hits name %lld of %d entries, from %s",
+                          (long long)k, m->n_hit_entries, who);
+    }
+    if (phase == RANK_PC_AFTER) {
+        for (int i = 0; i < m->n_saves; i++) {
+            const rank_step_save v = m->saves[i];
+            if (bad_slot(p, states, v.slot) || v.block < 0 || v.block >= p->max_blocks ||
+                v.entry < 0 || v.entry >= p->n_entries)
+                return K3_ERR(K3_ERR_FORMAT,
+                              "prefix-cache save (slot %d, block %d, entry %d) out of range, "
+                              "from %s",
+                              v.slot, v.block, v.entry, who);
+            const int32_t b = k3_seq_state_block(states[v.slot], v.block);
+            if (b >= 0) K3_TRY(k3_stage_block_hold(st, b));
+            entry_blk[v.entry] = b;
+        }
+        for (int i = 0; i < m->n_snaps; i++) {
+            const rank_step_snap v = m->snaps[i];
+            if (bad_slot(p, states, v.slot) || v.snap < 0 || v.snap >= p->n_snaps)
+                return K3_ERR(K3_ERR_FORMAT,
+                              "prefix-cache snapshot (slot %d, snapshot %d) out of range, from %s",
+                              v.slot, v.snap, who);
+            K3_TRY(k3_stage_snapshot(st, states[v.slot], v.snap));
+        }
     }
     return K3_OK;
 }

@@ -1,6 +1,6 @@
 /* prefix_cache.h — private to rank/: the prefix cache (docs/DESIGN.md §3c). Rank 0 keeps one
  * index per lane (rank_pcache) and decides every hit, insertion, snapshot and eviction; it writes
- * each decision as an op into the lane's next step message (wire.h "prefix-cache ops"), and every
+ * each decision as an op into the lane's next step message (wire.h rank_step sections), and every
  * stage of the lane applies the ops to its own blocks and snapshots (rank_pc_apply), in message
  * order, so all stages agree without another message.
  *
@@ -23,26 +23,21 @@
 
 #include "k3_base.h"
 #include "k3_layers.h"
+#include "wire.h"
 
 #include <stdbool.h>
 #include <stdint.h>
 
-/* The ops (int32 words in a step message, after the freed slots; wire.h). Before the forward:
- * EVICT e (the cache drops entry e's block), HIT slot snap n e_0..e_{n-1} (the sequence just
- * OPENed in slot starts at n blocks: their entries' blocks and snapshot snap). After the forward:
- * SAVE slot j e (entry e holds block j of the slot's sequence), SNAP slot snap (snapshot snap :=
- * the slot's states, at a block boundary). FORK parent child: the sequence in slot child becomes a
- * copy of the one in slot parent (n > 1 choices of one prefill: k3_seq_state_fork), applied
- * before everything else of the message, the freed slots and OPEN resets included (the parent may
- * have ended in the step that sampled its first token). FORK is the one op that also runs with
- * the prefix cache off: the scheduler writes it (rank_pc_fork is the index's side of it). */
-enum { RANK_PC_EVICT = 1, RANK_PC_HIT, RANK_PC_SAVE, RANK_PC_SNAP, RANK_PC_FORK };
-/* rank_pc_apply's phases: before the forward, after it, and FORK before the message's frees. */
-enum { RANK_PC_BEFORE = 0, RANK_PC_AFTER, RANK_PC_EVICTS, RANK_PC_FORKS };
-/* Whether the ops hold a FORK from slot (its sequence ended: freed after the forks). */
-bool rank_pc_fork_parent(const int32_t *ops, int n_words, int slot);
-/* The op words of forks one lane's step may carry: one per slot. */
-#define RANK_PC_FORK_WORDS(max_seqs) (3 * (int64_t)(max_seqs))
+/* The ops, sections of a step message (wire.h rank_step): before the forward, evictions (the
+ * cache drops an entry's block) and hits (the sequence just OPENed in a slot starts at n blocks:
+ * their entries' blocks and a snapshot); after it, saves (an entry holds block j of the slot's
+ * sequence) and snapshots (a snapshot := the slot's states, at a block boundary). Forks (the
+ * sequence in slot child becomes a copy of the one in slot parent: k3_seq_state_fork) are a
+ * section of their own, written by the scheduler, which runs with the prefix cache off too
+ * (rank_pc_fork is the index's side of it). */
+/* rank_pc_apply's phases: evictions (after the freed slots), forks (after the evictions, before
+ * the OPEN resets), before the forward (hits), after it (saves, snapshots). */
+enum { RANK_PC_EVICTS = 0, RANK_PC_FORKS, RANK_PC_BEFORE, RANK_PC_AFTER };
 
 typedef struct rank_pc_params {
     int n_entries;      /* blocks the cache may hold (--prefix-cache-tokens / K3_KV_BLOCK) */
@@ -54,9 +49,6 @@ typedef struct rank_pc_params {
 } rank_pc_params;
 /* The longest hit, in blocks (a HIT op's length). */
 #define RANK_PC_MAX_HIT 4096
-
-/* The op words one lane's step may carry at most (sizes the message meta on every rank). */
-int64_t rank_pc_ops_cap(const rank_pc_params *p);
 
 typedef struct rank_pcache rank_pcache;
 k3_status rank_pc_create(const rank_pc_params *p, rank_pcache **out);
@@ -94,19 +86,19 @@ void rank_pc_end(rank_pcache *c, int slot);
 /* Where the prefill of a sequence at fed (prompt P) should end its chunk: the next snapshot point
  * after fed, or INT64_MAX when none is left in the prompt. */
 int64_t rank_pc_next_cut(const rank_pcache *c, int64_t fed, int64_t P);
-/* The ops decided since the last take: appended to the lane's next message, then cleared. */
-const int32_t *rank_pc_ops(const rank_pcache *c, int *n_words);
+/* The ops decided since the last take into m's evicts, hits, hit_entries, saves and snaps (they
+ * point into the cache until rank_pc_ops_clear), for the lane's next message. */
+void rank_pc_ops(const rank_pcache *c, rank_step *m);
 void rank_pc_ops_clear(rank_pcache *c);
 
-/* A stage applies a message's ops in phases (rank/worker.c): RANK_PC_EVICTS (EVICT) after the
- * freed slots, RANK_PC_FORKS (FORK) next, before the freed slots that are parents of these forks
- * and the OPEN resets; RANK_PC_BEFORE (HIT) after those, before the forward; RANK_PC_AFTER after
- * it (SAVE, SNAP). entry_blk [n_entries]:
- * the stage's block of each entry (-1: none or no MLA layers here; NULL without a prefix cache:
- * then only FORK is allowed); states [max_seqs] by slot. Ops out of range are K3_ERR_FORMAT
- * naming `who`. */
+/* A stage applies a message's ops in phases (rank/worker.c): RANK_PC_EVICTS after the freed
+ * slots, RANK_PC_FORKS next (the forks section: with or without a prefix cache), before the OPEN
+ * resets; RANK_PC_BEFORE (hits) after those, before the forward; RANK_PC_AFTER after it (saves,
+ * snapshots). entry_blk [n_entries]: the stage's block of each entry (-1: none or no MLA layers
+ * here; NULL without a prefix cache: then only forks are allowed); states [max_seqs] by slot. Ops
+ * out of range are K3_ERR_FORMAT naming `who`. */
 k3_status rank_pc_apply(k3_stage *st, const rank_pc_params *p, int32_t *entry_blk,
-                        k3_seq_state *const *states, const int32_t *ops, int n_words, int phase,
+                        k3_seq_state *const *states, const rank_step *m, int phase,
                         const char *who);
 
 #endif /* K3_RANK_PREFIX_CACHE_H */

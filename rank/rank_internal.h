@@ -52,7 +52,6 @@ typedef struct rank_ctx {
     int kv_blocks;                      /* paged cache blocks of every stage of a lane */
     bool pc_on;                         /* the prefix cache (--no-prefix-cache: off) */
     rank_pc_params pc;                  /* its sizes, the same on every rank (setup.c) */
-    int64_t pc_words;                   /* prefix-cache op words a lane's step may carry */
     /* what the load made (setup.c), the worker's to use; be outlives comm (k3_engine_close) */
     k3_backend *be; /* the rank's kernel backend: weights, states, activations */
     k3_ckpt *ck;
@@ -73,7 +72,7 @@ typedef struct rank_ctx {
     struct rank_worker *wk;   /* worker ranks */
     struct rank_coord *co;    /* rank 0 */
     struct rank_opstats *ops; /* worker ranks with --op-stats */
-    /* wire.c: the bytes of one outgoing step message (k3_wire_step + int32 meta) */
+    /* wire.c: the bytes of one outgoing step message (k3_wire_step + the encoded rank_step) */
     uint8_t *wire;
     size_t wire_cap;
     /* the first fatal fault (hooks.c); the engine takes no step after it */
@@ -137,17 +136,20 @@ k3_status rank_alloc(rank_ctx *r, rank_alloc_site site, void **p, size_t n, bool
 bool rank_hooks_forced(const rank_ctx *r, int n_gen, int32_t *id);
 
 /* ---- wire.c ---------------------------------------------------------------------------------- */
-/* A received step message, checked against wire.h. */
+/* A received step message, checked against wire.h and decoded. */
 typedef struct step_msg {
     k3_wire_step h;
     int src;
-    const int32_t *meta; /* [h.n_meta] */
-    const float *f32;    /* [n_f32] */
+    char who[32];     /* "rank N": the sender, for errors */
+    rank_step st;     /* the meta (its sections point into the message) */
+    const float *f32; /* [n_f32] */
     int64_t n_f32;
     uint64_t n_bytes; /* on the wire, header included */
 } step_msg;
+/* Post a step message: h's sizes (T, D, R, n_bank) with the meta m (its magic, version, kind and
+ * length are filled in here). */
 k3_status rank_post_step(rank_ctx *r, int peer, k3_msg_kind kind, k3_wire_step h,
-                         const int32_t *meta, const k3_f32_seg *seg, int n_seg);
+                         const rank_step *m, const k3_f32_seg *seg, int n_seg);
 k3_status rank_poll_step(rank_ctx *r, int peer, k3_msg_kind kind, step_msg *out, bool *got);
 
 /* ---- setup.c --------------------------------------------------------------------------------- */

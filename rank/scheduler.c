@@ -76,13 +76,14 @@ struct rank_coord {
     req_run **reqs; /* every request not yet reported ended, by submit order */
     int n_reqs, cap_reqs;
     int64_t next_id;
-    req_run **slot_req; /* [E * max_seqs] the running request in each (lane, slot) */
-    int *lane_blk_free; /* [E] blocks not reserved by a running request */
-    int32_t *pend_free; /* [E * max_seqs] slots ended since the lane's last step */
-    int *n_pend_free;   /* [E] */
-    int32_t *meta;      /* message meta scratch */
-    int64_t meta_cap;
-    float *row; /* [V] scratch (logprobs) */
+    req_run **slot_req;       /* [E * max_seqs] the running request in each (lane, slot) */
+    int *lane_blk_free;       /* [E] blocks not reserved by a running request */
+    int32_t *pend_free;       /* [E * max_seqs] slots ended since the lane's last step */
+    int *n_pend_free;         /* [E] */
+    rank_step_seq *step_seqs; /* [max_seqs] scratch of a message: its sequences, */
+    int32_t *step_tokens;     /* [max_tokens] token ids */
+    int32_t *step_targets;    /* [max_tokens] and prompt-logprob targets */
+    float *row;               /* [V] scratch (logprobs) */
     /* events of the current k3_engine_step */
     k3_event *ev;
     int n_ev, cap_ev;
@@ -95,9 +96,9 @@ struct rank_coord {
     uint64_t n_steps;            /* forward steps sent */
     rank_pcache **pc;            /* [E] each lane's prefix-cache index (NULL: --no-prefix-cache) */
     int64_t pc_queries, pc_hits; /* prompt tokens looked up, found (vLLM's counters) */
-    int32_t *fork_ops;           /* [E, RANK_PC_FORK_WORDS(max_seqs)] FORK ops for the lanes' next
+    rank_step_fork *fork_ops;    /* [E, max_seqs] the forks for the lanes' next
                                     messages (rank/prefix_cache.h) */
-    int *n_fork_ops;             /* [E] words */
+    int *n_fork_ops;             /* [E] */
     int *slot_hold;              /* [E * max_seqs] blocks of a request that ended while an unsent
                                     FORK op names its slot (-1: none): the stages free them only
                                     after that op, so the books take them back, and the slot is
@@ -190,9 +191,9 @@ static void free_req(req_run *q) {
     k3_free(q);
 }
 
-/* Words of a lane's FORK op list (rank_coord.fork_ops). */
-static int64_t fork_words(const rank_ctx *r) {
-    return RANK_PC_FORK_WORDS(r->max_seqs);
+/* Lane e's forks for its next message (rank_coord.fork_ops). */
+static rank_step_fork *lane_forks(const rank_ctx *r, int e) {
+    return r->co->fork_ops + (size_t)e * (size_t)r->max_seqs;
 }
 
 /* Slot s of lane e ends on the books: its blocks back to the lane, its prefix-cache entries
@@ -209,9 +210,9 @@ static void slot_release(rank_ctx *r, int e, int s, int blocks) {
 
 /* Whether an unsent FORK op of lane e names slot s (as parent or child). */
 static bool fork_names(const rank_ctx *r, int e, int s) {
-    const int32_t *fk = r->co->fork_ops + (size_t)e * fork_words(r);
-    for (int k = 0; k < r->co->n_fork_ops[e]; k += 3)
-        if (fk[k + 1] == s || fk[k + 2] == s) return true;
+    const rank_step_fork *fk = lane_forks(r, e);
+    for (int k = 0; k < r->co->n_fork_ops[e]; k++)
+        if (fk[k].parent == s || fk[k].child == s) return true;
     return false;
 }
 
@@ -239,13 +240,13 @@ static void end_req(rank_ctx *r, req_run *q) {
             k3_free(q->share);
         }
         q->share = NULL;
-        int32_t *fk = C->fork_ops + (size_t)e * fork_words(r);
+        rank_step_fork *fk = lane_forks(r, e);
         int parent = -1;
-        for (int k = 0; k < C->n_fork_ops[e]; k += 3)
-            if (fk[k + 2] == q->slot) { /* an unsent fork: never made */
-                parent = fk[k + 1];
-                memmove(fk + k, fk + k + 3, (size_t)(C->n_fork_ops[e] - k - 3) * sizeof *fk);
-                C->n_fork_ops[e] -= 3;
+        for (int k = 0; k < C->n_fork_ops[e]; k++)
+            if (fk[k].child == q->slot) { /* an unsent fork: never made */
+                parent = fk[k].parent;
+                memmove(fk + k, fk + k + 1, (size_t)(C->n_fork_ops[e] - k - 1) * sizeof *fk);
+                C->n_fork_ops[e]--;
                 break;
             }
         if (fork_names(r, e, q->slot)) /* a parent whose forks are not sent yet */
@@ -574,16 +575,6 @@ static k3_status pc_advance(rank_ctx *r, req_run *q) {
     return K3_OK;
 }
 
-/* The lane's ops into the message at out; how many words. */
-static int pc_take(rank_ctx *r, int e, int32_t *out) {
-    if (!r->co->pc) return 0;
-    int n;
-    const int32_t *w = rank_pc_ops(r->co->pc[e], &n);
-    if (n) memcpy(out, w, (size_t)n * sizeof(int32_t));
-    rank_pc_ops_clear(r->co->pc[e]);
-    return n;
-}
-
 /* ---- forks: n > 1 choices of one prefill -------------------------------------------------- */
 /* The prefill of p just returned its last logits (p has not sampled yet): its queued forks join
  * its lane and group in free slots, from a copy of its state (a FORK op in the lane's next
@@ -605,8 +596,7 @@ static k3_status fork_children(rank_ctx *r, req_run *p, req_run **kids, int *n_k
         const int need = blocks_needed(q) - full;
         int slot = 0;
         while (slot < r->max_seqs && slot_taken(r, e, slot)) slot++;
-        if (slot == r->max_seqs || !pc_fits(r, e, need, 0) ||
-            C->n_fork_ops[e] + 3 > fork_words(r)) {
+        if (slot == r->max_seqs || !pc_fits(r, e, need, 0) || C->n_fork_ops[e] >= r->max_seqs) {
             C->n_fork_fallbacks++; /* its own prefill, when the queue reaches it */
             continue;
         }
@@ -640,9 +630,7 @@ static k3_status fork_children(rank_ctx *r, req_run *p, req_run **kids, int *n_k
         }
         C->lane_blk_free[e] -= need;
         q->blk_resv = need;
-        int32_t *op = C->fork_ops + (size_t)e * fork_words(r) + C->n_fork_ops[e];
-        op[0] = RANK_PC_FORK, op[1] = p->slot, op[2] = slot;
-        C->n_fork_ops[e] += 3;
+        lane_forks(r, e)[C->n_fork_ops[e]++] = (rank_step_fork){.parent = p->slot, .child = slot};
         int32_t *pf = C->pend_free + (size_t)e * r->max_seqs; /* the fork replaces the free */
         for (int k = 0; k < C->n_pend_free[e]; k++)
             if (pf[k] == slot) pf[k--] = pf[--C->n_pend_free[e]];
@@ -730,53 +718,48 @@ static k3_status send_step(rank_ctx *r, int g, bool *sent) {
     gr->step++;
     gr->pending = E;
     r->co->n_steps++;
+    struct rank_coord *C = r->co;
     for (int e = 0; e < E; e++) {
-        int32_t *mt = r->co->meta;
+        rank_step m = {.group = g, .step = gr->step};
+        rank_step_seq *seqs = C->step_seqs;
         int ns = 0;
         int64_t T = 0;
-        bool all = false;
         for (int s = 0; s < r->max_seqs; s++) {
-            req_run *q = r->co->slot_req[(size_t)e * r->max_seqs + s];
+            req_run *q = C->slot_req[(size_t)e * r->max_seqs + s];
             if (!q || q->group != g || q->n_tok_step == 0) continue;
             int flags = q->opened ? 0 : K3_WIRE_OPEN;
             q->opened = true;
             if (q->fed + q->n_tok_step >= q->P && q->n_gen < q->max_tokens) flags |= K3_WIRE_WANT;
             if (q->plp && q->fed < q->P) flags |= K3_WIRE_PLP; /* a prefill chunk: prompt rows */
-            all |= q->all_logits && q->fed < q->P;
-            mt[META_HDR + META_SEQ * ns] = s;
-            mt[META_HDR + META_SEQ * ns + 1] = (int32_t)q->n_tok_step;
-            mt[META_HDR + META_SEQ * ns + 2] = flags;
-            ns++;
+            m.all_logits |= q->all_logits && q->fed < q->P;
+            seqs[ns++] =
+                (rank_step_seq){.slot = s, .n_tokens = (int32_t)q->n_tok_step, .flags = flags};
             T += q->n_tok_step;
         }
-        const int nf = r->co->n_pend_free[e];
-        memcpy(mt + META_HDR + META_SEQ * ns, r->co->pend_free + (size_t)e * r->max_seqs,
-               (size_t)nf * sizeof(int32_t));
-        r->co->n_pend_free[e] = 0;
-        for (int j = 0; j < ns && r->co->pc; j++)
-            RTRY(r, pc_advance(
-                        r, r->co->slot_req[(size_t)e * r->max_seqs + mt[META_HDR + META_SEQ * j]]));
-        const int nfk = r->co->n_fork_ops[e]; /* forks first in the ops (applied first anyway) */
-        memcpy(mt + META_PREFIX(ns, nf, 0), r->co->fork_ops + (size_t)e * fork_words(r),
-               (size_t)nfk * sizeof(int32_t));
-        r->co->n_fork_ops[e] = 0;
-        const int npc = nfk + pc_take(r, e, mt + META_PREFIX(ns, nf, nfk));
-        mt[0] = g, mt[1] = gr->step, mt[2] = all, mt[3] = ns, mt[4] = nf, mt[5] = npc;
-        int32_t *tok = mt + META_PREFIX(ns, nf, npc),
-                *tgt = tok + T; /* PLP targets after the ids */
+        m.n_seqs = ns, m.seqs = seqs;
+        m.n_freed = C->n_pend_free[e], m.freed = C->pend_free + (size_t)e * r->max_seqs;
+        for (int j = 0; j < ns && C->pc; j++)
+            RTRY(r, pc_advance(r, C->slot_req[(size_t)e * r->max_seqs + seqs[j].slot]));
+        m.n_forks = C->n_fork_ops[e], m.forks = lane_forks(r, e);
+        if (C->pc) rank_pc_ops(C->pc[e], &m);
+        int32_t *tok = C->step_tokens, *tgt = C->step_targets; /* PLP targets: one per row */
         for (int j = 0; j < ns; j++) {
-            req_run *q = r->co->slot_req[(size_t)e * r->max_seqs + mt[META_HDR + META_SEQ * j]];
-            const bool plp = mt[META_HDR + META_SEQ * j + 2] & K3_WIRE_PLP;
+            req_run *q = C->slot_req[(size_t)e * r->max_seqs + seqs[j].slot];
+            const bool plp = seqs[j].flags & K3_WIRE_PLP;
             for (int64_t t = 0; t < q->n_tok_step; t++) {
                 int64_t pos = q->fed + t;
                 *tok++ = pos < q->P ? q->prompt[pos] : q->gen[pos - q->P];
                 if (plp) *tgt++ = pos + 1 < q->P ? q->prompt[pos + 1] : -1;
             }
             q->fed += q->n_tok_step;
-            r->co->prompt_tokens += K3_MAX(0, K3_MIN(q->fed, q->P) - (q->fed - q->n_tok_step));
+            C->prompt_tokens += K3_MAX(0, K3_MIN(q->fed, q->P) - (q->fed - q->n_tok_step));
         }
+        m.n_tokens = (int32_t)T, m.tokens = C->step_tokens;
+        m.n_targets = (int32_t)(tgt - C->step_targets), m.targets = C->step_targets;
         RTRY(r, rank_post_step(r, k3_plan_rank(&r->plan, 0, e), K3_MSG_BATCH,
-                               (k3_wire_step){.T = T, .n_meta = (int32_t)(tgt - mt)}, mt, NULL, 0));
+                               (k3_wire_step){.T = T}, &m, NULL, 0));
+        C->n_pend_free[e] = 0, C->n_fork_ops[e] = 0; /* sent */
+        if (C->pc) rank_pc_ops_clear(C->pc[e]);
         release_holds(r, e); /* this message applies the forks they were held for */
     }
     *sent = true;
@@ -860,28 +843,27 @@ static k3_status sample(rank_ctx *r, req_run *q, const float *logits) {
 
 static k3_status on_logits(rank_ctx *r, const step_msg *m) {
     const int64_t V = r->cfg.vocab_size;
-    const int32_t *mt = m->meta;
+    const rank_step *mt = &m->st;
     int src_stage = -1, e = -1;
     k3_plan_coords(&r->plan, m->src, &src_stage, &e);
-    if (m->h.n_meta < META_HDR || src_stage != r->plan.n_stages - 1)
-        RTRY(r, K3_ERR(K3_ERR_FORMAT, "LOGITS from rank %d (stage %d): %d meta", m->src, src_stage,
-                       m->h.n_meta));
-    int g = mt[0], stepi = mt[1], all = mt[2], ns = mt[3], nf = mt[4], npc = mt[5];
-    if (g < 0 || g >= r->co->n_groups || stepi != r->co->groups[g].step ||
-        r->co->groups[g].pending <= 0 || ns < 0 || nf < 0 || npc < 0 ||
-        m->h.n_meta < META_PREFIX(ns, nf, npc) + r->plan.n_stages)
-        RTRY(r, K3_ERR(K3_ERR_FORMAT,
-                       "LOGITS from rank %d: group %d step %d (expected step %d), %d sequences",
-                       m->src, g, stepi, g >= 0 && g < r->co->n_groups ? r->co->groups[g].step : -1,
-                       ns));
+    const int g = mt->group, stepi = mt->step, all = mt->all_logits, ns = mt->n_seqs;
+    if (src_stage != r->plan.n_stages - 1 || g < 0 || g >= r->co->n_groups ||
+        stepi != r->co->groups[g].step || r->co->groups[g].pending <= 0 ||
+        mt->n_busy_us != r->plan.n_stages)
+        RTRY(r,
+             K3_ERR(K3_ERR_FORMAT,
+                    "LOGITS from rank %d (stage %d): group %d step %d (expected step %d), %d "
+                    "sequences, %d busy times",
+                    m->src, src_stage, g, stepi,
+                    g >= 0 && g < r->co->n_groups ? r->co->groups[g].step : -1, ns, mt->n_busy_us));
     int64_t T = 0, n_want = 0, n_plp = 0;
     for (int j = 0; j < ns; j++) {
-        const int nt = mt[META_HDR + META_SEQ * j + 1], fl = mt[META_HDR + META_SEQ * j + 2];
+        const int nt = mt->seqs[j].n_tokens, fl = mt->seqs[j].flags;
         T += nt, n_want += (fl & K3_WIRE_WANT) != 0, n_plp += (fl & K3_WIRE_PLP) ? nt : 0;
     }
     int64_t R = all ? T : n_want;
     if (m->h.D != V || m->h.R != R || m->n_f32 != R * V + n_plp * K3_PLP_REC ||
-        m->h.n_meta != META_PREFIX(ns, nf, npc) + r->plan.n_stages + n_plp)
+        mt->n_targets != n_plp)
         RTRY(r, K3_ERR(K3_ERR_FORMAT,
                        "LOGITS from rank %d: [%lld, %lld] rows + %lld floats, want [%lld, %lld] + "
                        "%lld prompt logprob records",
@@ -891,7 +873,7 @@ static k3_status on_logits(rank_ctx *r, const step_msg *m) {
     const float *plp_rec = m->f32 + R * V;
     r->co->logits_bytes += m->n_bytes;
     r->co->n_logits_msgs++;
-    const int32_t *busy_us = mt + META_PREFIX(ns, nf, npc); /* per stage of lane e (wire.h) */
+    const int32_t *busy_us = mt->busy_us; /* per stage of lane e (wire.h) */
     for (int s = 0; s < r->plan.n_stages; s++) {
         int w = k3_plan_rank(&r->plan, s, e);
         r->co->rank_busy_s[w] += busy_us[s] * 1e-6;
@@ -900,8 +882,8 @@ static k3_status on_logits(rank_ctx *r, const step_msg *m) {
     if (!r->worker) rank_hooks_step(r, r->co->n_logits_msgs);
     int64_t row = 0;
     for (int j = 0; j < ns; j++) {
-        int slot = mt[META_HDR + META_SEQ * j], nt = mt[META_HDR + META_SEQ * j + 1];
-        bool want = (mt[META_HDR + META_SEQ * j + 2] & K3_WIRE_WANT) != 0;
+        const int slot = mt->seqs[j].slot, nt = mt->seqs[j].n_tokens, fl = mt->seqs[j].flags;
+        const bool want = (fl & K3_WIRE_WANT) != 0;
         req_run *q = slot >= 0 && slot < r->max_seqs
                          ? r->co->slot_req[(size_t)e * r->max_seqs + (size_t)slot]
                          : NULL;
@@ -909,7 +891,7 @@ static k3_status on_logits(rank_ctx *r, const step_msg *m) {
             RTRY(r, K3_ERR(K3_ERR_FORMAT, "LOGITS from rank %d: lane %d slot %d is not in use",
                            m->src, e, slot));
         const float *last = NULL;
-        if (mt[META_HDR + META_SEQ * j + 2] & K3_WIRE_PLP) {
+        if (fl & K3_WIRE_PLP) {
             take_plp(q, plp_rec, nt);
             plp_rec += (int64_t)nt * K3_PLP_REC;
         }
@@ -931,7 +913,6 @@ static k3_status on_logits(rank_ctx *r, const step_msg *m) {
             RTRY(r, finish_req(r, q));
             continue;
         }
-        int fl = mt[META_HDR + META_SEQ * j + 2];
         if (fl & K3_WIRE_NF) { /* its state holds NaN/Inf now: what follows would be noise */
             int32_t code = fl >> K3_WIRE_NF_SHIFT;
             int layer = k3_nf_layer(code), st = r->plan.n_stages - 1;
@@ -974,8 +955,6 @@ static k3_status coord_create(rank_ctx *r, struct rank_coord *C) {
     RTRY(r, k3_calloc((void **)&C->groups, (size_t)C->n_groups * sizeof *C->groups, "groups"));
     RTRY(r, k3_calloc((void **)&C->slot_req, (size_t)E * (size_t)r->max_seqs * sizeof *C->slot_req,
                       "slot table"));
-    C->meta_cap =
-        META_PREFIX((int64_t)r->max_seqs, (int64_t)r->max_seqs, r->pc_words) + 2 * r->max_tokens;
     if (r->pc_on) {
         RTRY(r, k3_calloc((void **)&C->pc, (size_t)E * sizeof *C->pc, "prefix caches"));
         for (int e = 0; e < E; e++) RTRY(r, rank_pc_create(&r->pc, &C->pc[e]));
@@ -985,14 +964,19 @@ static k3_status coord_create(rank_ctx *r, struct rank_coord *C) {
     RTRY(r, k3_calloc((void **)&C->pend_free, (size_t)E * (size_t)r->max_seqs * sizeof(int32_t),
                       "lane freed slot lists"));
     for (int e = 0; e < E; e++) C->lane_blk_free[e] = r->kv_blocks;
-    RTRY(r, k3_calloc((void **)&C->fork_ops, (size_t)E * (size_t)fork_words(r) * sizeof(int32_t),
+    RTRY(r, k3_calloc((void **)&C->fork_ops, (size_t)E * (size_t)r->max_seqs * sizeof *C->fork_ops,
                       "fork ops"));
     RTRY(r, k3_calloc((void **)&C->n_fork_ops, (size_t)E * sizeof(int), "lane fork ops"));
     RTRY(r, k3_alloc((void **)&C->slot_hold, (size_t)E * (size_t)r->max_seqs * sizeof(int),
                      "slot holds"));
     for (int i = 0; i < E * r->max_seqs; i++) C->slot_hold[i] = -1;
     RTRY(r, k3_calloc((void **)&C->kids, (size_t)r->max_seqs * sizeof *C->kids, "fork scratch"));
-    RTRY(r, k3_alloc((void **)&C->meta, (size_t)C->meta_cap * sizeof(int32_t), "step meta"));
+    RTRY(r, k3_alloc((void **)&C->step_seqs, (size_t)r->max_seqs * sizeof *C->step_seqs,
+                     "step sequences"));
+    RTRY(r, k3_alloc((void **)&C->step_tokens, (size_t)r->max_tokens * sizeof(int32_t),
+                     "step token ids"));
+    RTRY(r, k3_alloc((void **)&C->step_targets, (size_t)r->max_tokens * sizeof(int32_t),
+                     "step prompt-logprob targets"));
     RTRY(r, k3_alloc((void **)&C->row, (size_t)r->cfg.vocab_size * sizeof(float), "logprob row"));
     RTRY(r, k3_calloc((void **)&C->rank_busy_s, (size_t)r->world * sizeof *C->rank_busy_s,
                       "per-rank busy time"));
@@ -1030,7 +1014,8 @@ void rank_coord_destroy(rank_ctx *r) {
     for (int i = 0; i < C->n_reqs; i++) free_req(C->reqs[i]);
     for (int i = 0; i < C->n_ev_mem; i++) k3_free(C->ev_mem[i].data);
     free(C->reqs), free(C->ev), free(C->ev_mem);
-    k3_free(C->groups), k3_free(C->slot_req), k3_free(C->meta), k3_free(C->row);
+    k3_free(C->groups), k3_free(C->slot_req), k3_free(C->row);
+    k3_free(C->step_seqs), k3_free(C->step_tokens), k3_free(C->step_targets);
     k3_free(C->lane_blk_free), k3_free(C->n_pend_free), k3_free(C->pend_free);
     k3_free(C->rank_busy_s), k3_free(C->rank_steps);
     k3_free(C->fork_ops), k3_free(C->n_fork_ops), k3_free(C->slot_hold), k3_free(C->kids);

@@ -153,7 +153,6 @@ static k3_status prefix_cache_sizes(rank_ctx *r) {
     const k3_engine_opts *o = r->o;
     r->pc_on = !o->no_prefix_cache;
     r->pc.max_seqs = r->max_seqs;
-    r->pc_words = RANK_PC_FORK_WORDS(r->max_seqs); /* forks run with the cache off too */
     if (!r->pc_on) return K3_OK;
     if (o->prefix_cache_tokens < 0 || o->prefix_cache_tokens > (int64_t)r->kv_blocks * K3_KV_BLOCK)
         return K3_ERR(K3_ERR_ARG,
@@ -169,7 +168,6 @@ static k3_status prefix_cache_sizes(rank_ctx *r) {
     p->max_seqs = r->max_seqs;
     p->max_blocks = (int)((r->max_ctx + K3_KV_BLOCK - 1) / K3_KV_BLOCK);
     p->max_tokens = r->max_tokens;
-    r->pc_words += rank_pc_ops_cap(p);
     return K3_OK;
 }
 

@@ -1,26 +1,26 @@
 /* worker.c — the stage worker of a lane, and the wire protocol of a step.
  *
  * Wire usage (all messages through comm/, tag = kind; payload layouts and K3_WIRE_VERSION in
- * wire.h; each message's meta is one k3_wire_step, then int32s):
- *   BATCH  coordinator -> (stage 0, lane e): [group, step, all_logits, n_seqs, n_free, n_pc,
- *          (slot, n_tokens, flags) x n_seqs, freed slot x n_free, prefix-cache ops x n_pc, token
- *          ids x T]; flags: OPEN (a new sequence in the slot: reset it), WANT (its last row is
- *          sampled), NF
- *   ACTIV  (s, e) -> (s+1, e): the same prefix, then the busy microseconds of each of the lane's
- *          S stages in this step; f32 = h [T, D] | bank [n_bank, T, D]
+ * wire.h; each message's meta is one k3_wire_step, then a rank_step, encoded and decoded only in
+ * wire.c):
+ *   BATCH  coordinator -> (stage 0, lane e): the step's sequences (slot, n_tokens, flags), freed
+ *          slots, forks, prefix-cache ops and token ids; flags: OPEN (a new sequence in the slot:
+ *          reset it), WANT (its last row is sampled), NF, PLP
+ *   ACTIV  (s, e) -> (s+1, e): the same sequences and ops (no token ids), and the busy
+ *          microseconds of each of the lane's S stages in this step; f32 = h [T, D] | bank
+ *          [n_bank, T, D]
  *   LOGITS (S-1, e) -> coordinator: meta as ACTIV; f32 = [R, V] with R = T (all_logits) or the
  *          number of sequences with WANT (those the coordinator samples from), then one prompt
  *          logprob record per row of a PLP sequence (wire.h)
- * Every message's meta ends with the target ids of its PLP sequences' rows, carried stage to
- * stage to the last one, which needs them for the records.
+ * Every message carries the target ids of its PLP sequences' rows, stage to stage to the last
+ * one, which needs them for the records.
  *   STOP   coordinator -> every worker, after the last logits arrived.
  * The freed slots are sequences that ended: each stage returns their cache blocks to its pool
- * before the step, then the prefix cache's evictions, then the FORK ops (n > 1 choices of one
+ * before the step, then the prefix cache's evictions, then the forks (n > 1 choices of one
  * prefill: a child slot becomes a copy of its parent's, shared full blocks, a copied partial
- * block and KDA states), then the parents of those forks that ended. The other prefix-cache ops
- * (rank/prefix_cache.h): hits before the forward (after the OPEN resets), saved blocks and
- * snapshots after it. A NaN/Inf in a sequence's rows
- * sets its NF flag with the first sub-block that produced one (k3_nf_code), carried on to the
+ * block and KDA states). The other prefix-cache ops (rank/prefix_cache.h): hits before the
+ * forward (after the OPEN resets), saved blocks and snapshots after it. A NaN/Inf in a sequence's
+ * rows sets its NF flag with the first sub-block that produced one (k3_nf_code), carried on to the
  * coordinator, which fails that request alone. With a transport that has device payloads (nccl) and
  * a device backend, ACTIV carries only its meta and the floats follow it backend to backend
  * (k3_comm_send_dev / recv_dev), so activations never cross to the host between stages. Every lane
@@ -54,26 +54,22 @@ struct rank_worker {
     k3_seq_state **bstates; /* [max_seqs] batch scratch */
     int32_t *bntok;         /* [max_seqs] */
     int32_t *bnf;           /* [max_seqs] k3_batch.nonfinite */
-    int32_t
-        *wmeta; /* [META_PREFIX(max_seqs, max_seqs, pc_words) + S + max_tokens] the meta sent on */
-    int32_t *pc_blk; /* [pc.n_entries] this stage's block of each prefix-cache entry (-1) */
-    bool serving;    /* no STOP yet */
-    int in_peer;     /* where this worker's steps come from */
+    rank_step_seq *wseqs;   /* [max_seqs] the sequences sent on (their NF flags this stage's) */
+    int32_t *wbusy;         /* [S] the busy times sent on */
+    int32_t *pc_blk;        /* [pc.n_entries] this stage's block of each prefix-cache entry (-1) */
+    bool serving;           /* no STOP yet */
+    int in_peer;            /* where this worker's steps come from */
     k3_msg_kind in_kind;
 };
 
 /* One step as its message decoded it. */
 typedef struct wstep {
     const step_msg *m;
-    char who[32]; /* "rank N": the sender, for errors */
-    int group, step, all_logits, n_seqs, n_free, n_pc;
-    const int32_t *pc;     /* [n_pc] the lane's prefix-cache ops */
-    int64_t T;             /* tokens of this lane in the step */
-    int64_t n_tgt;         /* rows of its PLP sequences (their target ids end the meta) */
-    const int32_t *tgt;    /* [n_tgt] */
-    const int32_t *tokens; /* stage 0: [T] */
-    const int32_t *meta;   /* the sequences' meta to send on (the received one, or wmeta) */
-    double busy_s;         /* this stage's forward time */
+    const rank_step *in; /* the received meta */
+    const char *who;     /* "rank N": the sender, for errors */
+    int64_t T;           /* tokens of this lane in the step */
+    int64_t n_tgt;       /* rows of its PLP sequences (their target ids ride in the meta) */
+    double busy_s;       /* this stage's forward time */
 } wstep;
 
 /* ---- set-up ------------------------------------------------------------------------------- */
@@ -121,11 +117,9 @@ static k3_status worker_create(rank_ctx *r, struct rank_worker *w) {
     RTRY(r, k3_calloc((void **)&w->bstates, ns * sizeof *w->bstates, "batch states"));
     RTRY(r, k3_calloc((void **)&w->bntok, ns * sizeof *w->bntok, "batch tokens"));
     RTRY(r, k3_calloc((void **)&w->bnf, ns * sizeof *w->bnf, "batch non-finite marks"));
-    RTRY(r, k3_calloc((void **)&w->wmeta,
-                      ((size_t)META_PREFIX(ns, ns, r->pc_words) + (size_t)r->plan.n_stages +
-                       (size_t)r->max_tokens) *
-                          sizeof *w->wmeta,
-                      "step meta (out)"));
+    RTRY(r, k3_calloc((void **)&w->wseqs, ns * sizeof *w->wseqs, "step sequences (out)"));
+    RTRY(r, k3_calloc((void **)&w->wbusy, (size_t)r->plan.n_stages * sizeof *w->wbusy,
+                      "step busy times (out)"));
     for (int i = 0; i < r->max_seqs; i++)
         RTRY(r, k3_seq_state_create(w->st, r->max_ctx, &w->states[i]));
     w->serving = true;
@@ -159,7 +153,8 @@ void rank_worker_destroy(rank_ctx *r) {
     if (!w) return;
     if (w->states)
         for (int i = 0; i < r->max_seqs; i++) k3_seq_state_destroy(w->states[i]);
-    k3_free(w->states), k3_free(w->bstates), k3_free(w->bntok), k3_free(w->bnf), k3_free(w->wmeta);
+    k3_free(w->states), k3_free(w->bstates), k3_free(w->bntok), k3_free(w->bnf), k3_free(w->wseqs);
+    k3_free(w->wbusy);
     if (r->be) {
         k3_activ_free(r->be, &w->act);
         k3_backend_free(r->be, w->logits);
@@ -194,86 +189,75 @@ int64_t rank_worker_leaked_blocks(rank_ctx *r) {
 static k3_status step_decode(rank_ctx *r, const step_msg *m, wstep *s) {
     struct rank_worker *w = r->wk;
     const int S = r->plan.n_stages, D = (int)r->cfg.hidden_size;
-    const int32_t *mt = m->meta;
+    const rank_step *in = &m->st;
     s->m = m;
-    s->meta = mt;
-    snprintf(s->who, sizeof s->who, "rank %d", m->src);
-    const char *who = s->who;
-    if (m->h.n_meta < META_HDR)
-        RTRY(r, K3_ERR(K3_ERR_FORMAT, "step message from %s: %d meta", who, m->h.n_meta));
-    s->group = mt[0], s->step = mt[1], s->all_logits = mt[2], s->n_seqs = mt[3], s->n_free = mt[4];
+    s->in = in;
+    s->who = m->who;
     s->n_tgt = 0;
-    s->n_pc = mt[5];
-    const int group = s->group, stepi = s->step, n_seqs = s->n_seqs, n_free = s->n_free,
-              n_pc = s->n_pc;
-    if (n_seqs < 0 || n_seqs > r->max_seqs || n_free < 0 || n_free > r->max_seqs || n_pc < 0 ||
-        n_pc > r->pc_words || m->h.n_meta < META_PREFIX(n_seqs, n_free, n_pc))
+    const char *who = s->who;
+    const int group = in->group, stepi = in->step, n_seqs = in->n_seqs;
+    if (n_seqs > r->max_seqs || in->n_freed > r->max_seqs || in->n_forks > r->max_seqs ||
+        in->n_busy_us != (r->stage == 0 ? 0 : S) || (r->stage > 0 && in->n_tokens != 0))
         RTRY(r, K3_ERR(K3_ERR_FORMAT,
-                       "step message from %s: %d sequences, %d freed, %d cache words, %d meta", who,
-                       n_seqs, n_free, n_pc, m->h.n_meta));
-    s->pc = mt + META_PREFIX(n_seqs, n_free, 0);
+                       "step %d of group %d from %s: %d sequences, %d freed, %d forks, %d busy "
+                       "times, %d token ids (lane of %d slots, %d stages)",
+                       stepi, group, who, n_seqs, in->n_freed, in->n_forks, in->n_busy_us,
+                       in->n_tokens, r->max_seqs, S));
     /* sequences that ended: their cache blocks back to the pool before this step takes any, and
-       the cache's evictions, so that a fork finds the blocks rank 0 counted for it; then the forks
-       (FORK ops), and only then the parents of forks that ended in the step that sampled their
-       first token (a new sequence may also open in such a slot below) */
-    const int32_t *freed = mt + META_HDR + META_SEQ * n_seqs;
-    for (int i = 0; i < n_free; i++)
-        if (freed[i] < 0 || freed[i] >= r->max_seqs)
-            RTRY(r, K3_ERR(K3_ERR_FORMAT, "step %d of group %d from %s: freed slot %d of %d", stepi,
-                           group, who, freed[i], r->max_seqs));
-    for (int pass = 0; pass < 2; pass++) {
-        for (int i = 0; i < n_free; i++)
-            if (rank_pc_fork_parent(s->pc, n_pc, freed[i]) == (pass == 1))
-                k3_seq_state_release(w->states[freed[i]]);
-        for (int phase = RANK_PC_EVICTS; pass == 0 && n_pc > 0 && phase <= RANK_PC_FORKS; phase++)
-            RTRY(r, rank_pc_apply(w->st, &r->pc, w->pc_blk, w->states, s->pc, n_pc, phase, who));
+       the cache's evictions, so that a fork finds the blocks rank 0 counted for it; then the
+       forks (a slot a fork names is never freed in the same message: rank 0 holds it) */
+    for (int i = 0; i < in->n_freed; i++) {
+        const int32_t f = in->freed[i];
+        bool named = false;
+        for (int k = 0; k < in->n_forks; k++)
+            named |= in->forks[k].parent == f || in->forks[k].child == f;
+        if (f < 0 || f >= r->max_seqs || named)
+            RTRY(r, K3_ERR(K3_ERR_FORMAT, "step %d of group %d from %s: freed slot %d (of %d)%s",
+                           stepi, group, who, f, r->max_seqs,
+                           named ? ", which a fork of the step names" : ""));
+        k3_seq_state_release(w->states[f]);
     }
+    for (int phase = RANK_PC_EVICTS; phase <= RANK_PC_FORKS; phase++)
+        RTRY(r, rank_pc_apply(w->st, &r->pc, w->pc_blk, w->states, in, phase, who));
     int64_t T = 0;
     for (int i = 0; i < n_seqs; i++) {
-        int slot = mt[META_HDR + META_SEQ * i], nt = mt[META_HDR + META_SEQ * i + 1],
-            flags = mt[META_HDR + META_SEQ * i + 2];
-        if (slot < 0 || slot >= r->max_seqs || nt < 1)
+        const rank_step_seq q = in->seqs[i];
+        if (q.slot < 0 || q.slot >= r->max_seqs || q.n_tokens < 1)
             RTRY(r, K3_ERR(K3_ERR_FORMAT,
                            "step %d of group %d from %s: slot %d (%d tokens) is not a slot of "
                            "lane %d (%d slots)",
-                           stepi, group, who, slot, nt, r->lane, r->max_seqs));
+                           stepi, group, who, q.slot, q.n_tokens, r->lane, r->max_seqs));
         for (int j = 0; j < i; j++)
-            if (w->bstates[j] == w->states[slot])
+            if (w->bstates[j] == w->states[q.slot])
                 RTRY(r, K3_ERR(K3_ERR_FORMAT, "step %d of group %d from %s: slot %d twice", stepi,
-                               group, who, slot));
-        if (flags & K3_WIRE_OPEN) RTRY(r, k3_seq_state_reset(w->states[slot])); /* a new one */
-        w->bstates[i] = w->states[slot];
-        w->bntok[i] = nt;
-        T += nt;
-        if (flags & K3_WIRE_PLP) s->n_tgt += nt;
+                               group, who, q.slot));
+        if (q.flags & K3_WIRE_OPEN) RTRY(r, k3_seq_state_reset(w->states[q.slot])); /* new */
+        w->bstates[i] = w->states[q.slot];
+        w->bntok[i] = q.n_tokens;
+        T += q.n_tokens;
+        if (q.flags & K3_WIRE_PLP) s->n_tgt += q.n_tokens;
     }
     s->T = T;
-    if (n_pc > 0) /* hits: after the OPEN resets, before the forward */
-        RTRY(r,
-             rank_pc_apply(w->st, &r->pc, w->pc_blk, w->states, s->pc, n_pc, RANK_PC_BEFORE, who));
+    /* hits: after the OPEN resets, before the forward */
+    RTRY(r, rank_pc_apply(w->st, &r->pc, w->pc_blk, w->states, in, RANK_PC_BEFORE, who));
     if (T > r->max_tokens)
         RTRY(r, K3_ERR(K3_ERR_STATE, "step with %lld tokens > planned %lld", (long long)T,
                        (long long)r->max_tokens));
-    s->tokens = NULL;
+    if (in->n_targets != s->n_tgt)
+        RTRY(r, K3_ERR(K3_ERR_FORMAT, "step from %s: %d prompt-logprob targets for %lld rows", who,
+                       in->n_targets, (long long)s->n_tgt));
     if (r->stage == 0) {
-        if (m->h.n_meta != META_PREFIX(n_seqs, n_free, n_pc) + T + s->n_tgt || m->h.T != T ||
-            m->n_f32 != 0)
-            RTRY(r, K3_ERR(K3_ERR_FORMAT, "BATCH from %s: %d meta, %lld floats for %lld tokens",
-                           who, m->h.n_meta, (long long)m->n_f32, (long long)T));
-        s->tokens = mt + META_PREFIX(n_seqs, n_free, n_pc);
-        s->tgt = s->tokens + T;
-    } else {
-        s->tgt = mt + META_PREFIX(n_seqs, n_free, n_pc) + S;
-        if (m->h.n_meta != META_PREFIX(n_seqs, n_free, n_pc) + S + s->n_tgt)
-            RTRY(r, K3_ERR(K3_ERR_FORMAT, "ACTIV from %s: %d meta for %d sequences and %d stages",
-                           who, m->h.n_meta, n_seqs, S));
-        if (m->h.T != T || m->h.D != D || m->h.n_bank < 0 ||
-            m->h.n_bank > k3_activ_max_bank(&r->cfg) ||
-            m->n_f32 != (w->dev_act ? 0 : T * D * (1 + (int64_t)m->h.n_bank)))
-            RTRY(r, K3_ERR(K3_ERR_FORMAT,
-                           "ACTIV from %s: T %lld D %lld bank %d floats %lld (want T %lld D %d)",
-                           who, (long long)m->h.T, (long long)m->h.D, m->h.n_bank,
-                           (long long)m->n_f32, (long long)T, D));
+        if (in->n_tokens != T || m->h.T != T || m->n_f32 != 0)
+            RTRY(r,
+                 K3_ERR(K3_ERR_FORMAT, "BATCH from %s: %d token ids, %lld floats for %lld tokens",
+                        who, in->n_tokens, (long long)m->n_f32, (long long)T));
+    } else if (m->h.T != T || m->h.D != D || m->h.n_bank < 0 ||
+               m->h.n_bank > k3_activ_max_bank(&r->cfg) ||
+               m->n_f32 != (w->dev_act ? 0 : T * D * (1 + (int64_t)m->h.n_bank))) {
+        RTRY(r, K3_ERR(K3_ERR_FORMAT,
+                       "ACTIV from %s: T %lld D %lld bank %d floats %lld (want T %lld D %d)", who,
+                       (long long)m->h.T, (long long)m->h.D, m->h.n_bank, (long long)m->n_f32,
+                       (long long)T, D));
     }
     return K3_OK;
 }
@@ -305,31 +289,30 @@ static k3_status step_upload(rank_ctx *r, const wstep *s) {
  * of every MoE exchange); a sequence's first non-finite activation goes into its flags. */
 static k3_status step_forward(rank_ctx *r, wstep *s) {
     struct rank_worker *w = r->wk;
-    const int S = r->plan.n_stages, n_seqs = s->n_seqs;
-    const int32_t *mt = s->m->meta;
+    const int S = r->plan.n_stages, n_seqs = s->in->n_seqs;
+    const rank_step *in = s->in;
     w->n_forward++;
     char doing[96];
     snprintf(doing, sizeof doing, "forward step %d (%s, micro-batch %d, %lld tokens)", w->n_forward,
-             s->T > n_seqs ? "prefill" : "decode", s->group, (long long)s->T);
+             s->T > n_seqs ? "prefill" : "decode", in->group, (long long)s->T);
     k3_comm_set_doing(r->comm, doing);
     rank_hooks_step(r, w->n_forward);
     double t_busy = k3_now_s();
+    if (n_seqs > 0) memcpy(w->wseqs, in->seqs, (size_t)n_seqs * sizeof *w->wseqs); /* sent on */
     if (n_seqs > 0) {
         for (int i = 0; i < n_seqs; i++) /* marked by an earlier stage: keep its origin */
-            w->bnf[i] = (mt[META_HDR + META_SEQ * i + 2] & K3_WIRE_NF) ? -1 : 0;
+            w->bnf[i] = (in->seqs[i].flags & K3_WIRE_NF) ? -1 : 0;
         k3_batch b = {.n_seqs = n_seqs,
                       .states = w->bstates,
                       .n_tokens = w->bntok,
-                      .token_ids = s->tokens,
+                      .token_ids = in->tokens,
                       .nonfinite = w->bnf};
-        RTRY(r, k3_stage_forward(w->st, &b, &w->act, s->all_logits != 0 || s->n_tgt > 0,
+        RTRY(r, k3_stage_forward(w->st, &b, &w->act, in->all_logits != 0 || s->n_tgt > 0,
                                  r->stage == S - 1 ? w->logits : NULL));
         /* the first non-finite activation of a sequence travels on in its flags (wire.h) */
-        memcpy(w->wmeta, mt, (size_t)META_PREFIX(n_seqs, s->n_free, s->n_pc) * sizeof *mt);
-        s->meta = w->wmeta;
         for (int i = 0; i < n_seqs; i++) {
             if (w->bnf[i] <= 0) continue;
-            int32_t *fl = &w->wmeta[META_HDR + META_SEQ * i + 2];
+            int32_t *fl = &w->wseqs[i].flags;
             *fl = (*fl & ~K3_WIRE_NF & ((1 << K3_WIRE_NF_SHIFT) - 1)) | K3_WIRE_NF |
                   (w->bnf[i] << K3_WIRE_NF_SHIFT);
             int layer = k3_nf_layer(w->bnf[i]);
@@ -337,8 +320,8 @@ static k3_status step_forward(rank_ctx *r, wstep *s) {
             if (layer >= 0) snprintf(where, sizeof where, "layer %d, ", layer);
             K3_LOGW("non-finite values (NaN/Inf) first appear in %s%s, for the sequence in slot %d "
                     "of lane %d (micro-batch %d, step %d); its request fails",
-                    where, k3_nf_op_name(k3_nf_op_of(w->bnf[i])), w->wmeta[META_HDR + META_SEQ * i],
-                    r->lane, s->group, s->step);
+                    where, k3_nf_op_name(k3_nf_op_of(w->bnf[i])), w->wseqs[i].slot, r->lane,
+                    in->group, in->step);
         }
     } else {
         /* no sequences of this lane in the step: still serve our experts at every MoE layer */
@@ -376,15 +359,15 @@ static void plp_records(rank_ctx *r, const wstep *s, const float *lg) {
     const int64_t V = r->cfg.vocab_size;
     const int n = (int)K3_MIN((int64_t)K3_PLP_TOP, V);
     int64_t row = 0, k = 0;
-    for (int i = 0; i < s->n_seqs; i++) {
-        const int nt = s->meta[META_HDR + META_SEQ * i + 1];
-        if (s->meta[META_HDR + META_SEQ * i + 2] & K3_WIRE_PLP)
+    for (int i = 0; i < s->in->n_seqs; i++) {
+        const int nt = s->in->seqs[i].n_tokens;
+        if (s->in->seqs[i].flags & K3_WIRE_PLP)
             for (int t = 0; t < nt; t++, k++) {
                 const float *x = lg + (row + t) * V;
                 float *rec = r->wk->plp + k * K3_PLP_REC;
                 int32_t ids[K3_PLP_TOP];
                 const double lz = rank_log_softmax_top(x, V, n, ids);
-                const int32_t tg = s->tgt[k];
+                const int32_t tg = s->in->targets[k];
                 const bool ok = tg >= 0 && tg < V;
                 int64_t above = 0;
                 for (int64_t v = 0; ok && v < V; v++) above += x[v] > x[tg];
@@ -402,32 +385,30 @@ static void plp_records(rank_ctx *r, const wstep *s, const float *lg) {
 /* The last stage's LOGITS: every row (all_logits) or the rows the coordinator samples from,
  * then the prompt logprob records. With PLP sequences every row was computed, so a sequence's
  * sampled row is its last one, not its index. */
-static k3_status send_logits(rank_ctx *r, const wstep *s, int n_meta_out) {
+static k3_status send_logits(rank_ctx *r, const wstep *s, const rank_step *out) {
     struct rank_worker *w = r->wk;
     const int64_t V = r->cfg.vocab_size, T = s->T;
-    const int32_t *mt = w->wmeta;
-    const bool every = s->all_logits || s->n_tgt > 0; /* rows computed: T, else n_seqs */
-    int64_t R = s->all_logits ? T : 0;
+    const bool all = s->in->all_logits != 0, every = all || s->n_tgt > 0; /* rows: T, or n_seqs */
+    int64_t R = all ? T : 0;
     float *lg = w->logits;
     if (w->h_logits) { /* logits cross to host memory here, and only here */
-        int64_t rows = every ? T : s->n_seqs;
+        int64_t rows = every ? T : out->n_seqs;
         RTRY(r, k3_backend_download(r->be, w->h_logits, w->logits,
                                     (size_t)(rows * V) * sizeof(float)));
         lg = w->h_logits;
     }
     if (s->n_tgt) plp_records(r, s, lg); /* before the rows below move */
-    if (!s->all_logits)                  /* keep only the rows the coordinator samples from */
-        for (int64_t i = 0, end = 0; i < s->n_seqs; i++) {
-            end += mt[META_HDR + META_SEQ * i + 1];
+    if (!all)                            /* keep only the rows the coordinator samples from */
+        for (int64_t i = 0, end = 0; i < out->n_seqs; i++) {
+            end += out->seqs[i].n_tokens;
             int64_t src = every ? end - 1 : i;
-            if (mt[META_HDR + META_SEQ * i + 2] & K3_WIRE_WANT) {
+            if (out->seqs[i].flags & K3_WIRE_WANT) {
                 if (R != src) memmove(lg + R * V, lg + src * V, (size_t)V * sizeof(float));
                 R++;
             }
         }
     const k3_f32_seg seg[2] = {{lg, R * V}, {w->plp, s->n_tgt * K3_PLP_REC}};
-    return rank_post_step(r, 0, K3_MSG_LOGITS,
-                          (k3_wire_step){.T = T, .D = V, .R = R, .n_meta = n_meta_out}, mt, seg,
+    return rank_post_step(r, 0, K3_MSG_LOGITS, (k3_wire_step){.T = T, .D = V, .R = R}, out, seg,
                           s->n_tgt ? 2 : 1);
 }
 
@@ -435,23 +416,22 @@ static k3_status send_logits(rank_ctx *r, const wstep *s, int n_meta_out) {
  * next stage; the meta carries each stage's busy time. */
 static k3_status step_send(rank_ctx *r, const wstep *s) {
     struct rank_worker *w = r->wk;
-    const int S = r->plan.n_stages, D = (int)r->cfg.hidden_size, n_seqs = s->n_seqs;
+    const int S = r->plan.n_stages, D = (int)r->cfg.hidden_size;
     const int64_t T = s->T;
-    /* out meta = the sequences | the busy time of each stage of this lane for this step (us):
-       upstream stages' from the ACTIV, this stage's own | the PLP targets (wire.h) */
-    const int n_meta_seq = META_PREFIX(n_seqs, s->n_free, s->n_pc);
-    const int n_meta_out = n_meta_seq + S + (int)s->n_tgt;
-    if (s->meta != w->wmeta) memcpy(w->wmeta, s->meta, (size_t)n_meta_seq * sizeof *s->meta);
-    const int32_t *mt = w->wmeta;
-    int32_t *busy_us = w->wmeta + n_meta_seq;
+    /* out meta = the received one, with this stage's NF flags, no token ids, and the busy time
+       of each stage of this lane for this step (us): upstream stages' from the ACTIV, this
+       stage's own */
+    rank_step out = *s->in;
+    out.seqs = w->wseqs;
+    out.n_tokens = 0, out.tokens = NULL;
     if (r->stage > 0)
-        memcpy(busy_us, s->m->meta + n_meta_seq, (size_t)S * sizeof *busy_us);
+        memcpy(w->wbusy, s->in->busy_us, (size_t)S * sizeof *w->wbusy);
     else
-        memset(busy_us, 0, (size_t)S * sizeof *busy_us);
-    busy_us[r->stage] = (int32_t)K3_MIN(s->busy_s * 1e6, (double)INT32_MAX);
-    if (s->n_tgt) memcpy(busy_us + S, s->tgt, (size_t)s->n_tgt * sizeof *s->tgt);
-    if (r->stage == S - 1) return send_logits(r, s, n_meta_out);
-    int64_t nb = n_seqs ? w->act.n_bank : 0;
+        memset(w->wbusy, 0, (size_t)S * sizeof *w->wbusy);
+    w->wbusy[r->stage] = (int32_t)K3_MIN(s->busy_s * 1e6, (double)INT32_MAX);
+    out.n_busy_us = S, out.busy_us = w->wbusy;
+    if (r->stage == S - 1) return send_logits(r, s, &out);
+    int64_t nb = out.n_seqs ? w->act.n_bank : 0;
     k3_f32_seg seg[2] = {{w->act.h, T * D}, {w->act.bank, T * D * nb}};
     if (w->h_act && !w->dev_act) { /* h | bank to host memory for the wire */
         RTRY(r, k3_backend_download(r->be, w->h_act, w->act.h, (size_t)(T * D) * sizeof(float)));
@@ -462,10 +442,10 @@ static k3_status step_send(rank_ctx *r, const wstep *s) {
         seg[1].p = w->h_act + T * D;
     }
     const int next = k3_plan_rank(&r->plan, r->stage + 1, r->lane);
-    const k3_wire_step h = {.T = T, .D = D, .R = T, .n_bank = (int32_t)nb, .n_meta = n_meta_out};
-    if (!w->dev_act) return rank_post_step(r, next, K3_MSG_ACTIV, h, mt, seg, 2);
+    const k3_wire_step h = {.T = T, .D = D, .R = T, .n_bank = (int32_t)nb};
+    if (!w->dev_act) return rank_post_step(r, next, K3_MSG_ACTIV, h, &out, seg, 2);
     /* the meta first (it announces the sizes), then the floats */
-    RTRY(r, rank_post_step(r, next, K3_MSG_ACTIV, h, mt, NULL, 0));
+    RTRY(r, rank_post_step(r, next, K3_MSG_ACTIV, h, &out, NULL, 0));
     RTRY(r,
          k3_comm_send_dev(r->comm, r->be, next, w->act.h, T * D, "activations to the next stage"));
     RTRY(r, k3_comm_send_dev(r->comm, r->be, next, w->act.bank, T * D * nb,
@@ -475,16 +455,16 @@ static k3_status step_send(rank_ctx *r, const wstep *s) {
 
 /* Process one BATCH/ACTIV message and send the result on. */
 static k3_status worker_step(rank_ctx *r, const step_msg *m) {
-    wstep s;
+    wstep s = {0};
     RTRY(r, rank_opstats_begin(r));
     RTRY(r, step_decode(r, m, &s));
     RTRY(r, step_upload(r, &s));
     RTRY(r, step_forward(r, &s));
-    if (s.n_pc > 0) /* saved blocks and snapshots: the states are at the step's end now */
-        RTRY(r, rank_pc_apply(r->wk->st, &r->pc, r->wk->pc_blk, r->wk->states, s.pc, s.n_pc,
-                              RANK_PC_AFTER, s.who));
+    /* saved blocks and snapshots: the states are at the step's end now */
+    RTRY(r, rank_pc_apply(r->wk->st, &r->pc, r->wk->pc_blk, r->wk->states, s.in, RANK_PC_AFTER,
+                          s.who));
     RTRY(r, step_send(r, &s));
-    return rank_opstats_end(r, s.T, s.n_seqs);
+    return rank_opstats_end(r, s.T, s.in->n_seqs);
 }
 
 /* ---- serving --------------------------------------------------------------------------------- */

@@ -53,8 +53,9 @@ int main(int argc, char **argv) {
         fork_of[i] = i == 5 || i == 6 ? 4 : i == 8 ? 7 : -1;
         P[i] = fork_of[i] >= 0 ? P[fork_of[i]] : 40 + 17 * i;
         for (int64_t k = 0; k < P[i]; k++)
-            ids[i][k] = fork_of[i] >= 0 ? ids[fork_of[i]][k]
-                                        : (int32_t)(k3_rng_u64(&rng) % (uint64_t)(cfg.vocab_size - 256));
+            ids[i][k] = fork_of[i] >= 0
+                            ? ids[fork_of[i]][k]
+                            : (int32_t)(k3_rng_u64(&rng) % (uint64_t)(cfg.vocab_size - 256));
         k3_request r = {.ids = ids[i],
                         .n_ids = P[i],
                         .max_tokens = NEW,

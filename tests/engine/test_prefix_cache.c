@@ -6,7 +6,7 @@
  *    chunk cut lands on them;
  *  - eviction under a small budget: least recently used first, leaves before their parents, never
  *    an entry a running sequence uses (filling the budget with in-use entries stops caching
- *    instead), and the EVICT ops name exactly the entries dropped;
+ *    instead), and the eviction ops name exactly the entries dropped;
  *  - the ops a stage applies (rank_pc_apply) are checked for range.
  * Token ids come from a printed seed. */
 #include "k3_test.h"
@@ -16,20 +16,20 @@
 
 enum { B = K3_KV_BLOCK, SLOTS = 4, MAXB = 16 };
 
+enum { OP_EVICT, OP_HIT, OP_SAVE, OP_SNAP };
+/* Ops of a kind decided since the last take, and the last one's entry (EVICT) or slot. */
 static int count_ops(const rank_pcache *c, int kind, int32_t *last_arg) {
-    int n_words, n = 0;
-    const int32_t *w = rank_pc_ops(c, &n_words);
-    for (int i = 0; i < n_words;) {
-        int len = w[i] == RANK_PC_EVICT  ? 2
-                  : w[i] == RANK_PC_HIT  ? 4 + w[i + 3]
-                  : w[i] == RANK_PC_SAVE ? 4
-                                         : 3;
-        if (w[i] == kind) {
-            n++;
-            if (last_arg) *last_arg = w[i + 1];
-        }
-        i += len;
-    }
+    rank_step m = {0};
+    rank_pc_ops(c, &m);
+    const int n = kind == OP_EVICT  ? m.n_evicts
+                  : kind == OP_HIT  ? m.n_hits
+                  : kind == OP_SAVE ? m.n_saves
+                                    : m.n_snaps;
+    if (last_arg && n > 0)
+        *last_arg = kind == OP_EVICT  ? m.evicts[n - 1]
+                    : kind == OP_HIT  ? m.hits[n - 1].slot
+                    : kind == OP_SAVE ? m.saves[n - 1].slot
+                                      : m.snaps[n - 1].slot;
     return n;
 }
 
@@ -70,10 +70,10 @@ int main(void) {
         K3_CHECK_OK(rank_pc_advance(c, 0, a, P, NULL, to, &moved));
         saved += moved, fed = to;
     }
-    K3_CHECK(saved == 5 && rank_pc_blocks(c) == 5 && count_ops(c, RANK_PC_SAVE, NULL) == 5 &&
-                 count_ops(c, RANK_PC_SNAP, NULL) == 3 && rank_pc_evictable(c) == 0,
+    K3_CHECK(saved == 5 && rank_pc_blocks(c) == 5 && count_ops(c, OP_SAVE, NULL) == 5 &&
+                 count_ops(c, OP_SNAP, NULL) == 3 && rank_pc_evictable(c) == 0,
              "saved %lld, %d blocks, %d SAVE, %d SNAP", (long long)saved, rank_pc_blocks(c),
-             count_ops(c, RANK_PC_SAVE, NULL), count_ops(c, RANK_PC_SNAP, NULL));
+             count_ops(c, OP_SAVE, NULL), count_ops(c, OP_SNAP, NULL));
     rank_pc_ops_clear(c);
     /* a (longer: 8 blocks) finds 5 blocks: snapshot at 5; the first 5 blocks of a exactly: 4
        (one token must be left to run); b finds nothing */
@@ -88,7 +88,7 @@ int main(void) {
     K3_CHECK(rank_pc_evictable(c) == 5, "evictable %d", rank_pc_evictable(c));
     K3_CHECK_OK(rank_pc_begin(c, 1, a, 8 * B, true, &hit));
     int32_t hslot = -1;
-    K3_CHECK(hit == 5 * B && count_ops(c, RANK_PC_HIT, &hslot) == 1 && hslot == 1 &&
+    K3_CHECK(hit == 5 * B && count_ops(c, OP_HIT, &hslot) == 1 && hslot == 1 &&
                  rank_pc_evictable(c) == 0,
              "hit %lld, evictable %d", (long long)hit, rank_pc_evictable(c));
     /* it grows to 8 blocks: one more fits the budget of 6, then everything is in use: stop */
@@ -99,8 +99,8 @@ int main(void) {
     /* sequence 2 on b (unused nothing): no room, nothing evicted, nothing saved */
     K3_CHECK_OK(rank_pc_begin(c, 2, b, 3 * B + 1, true, &hit));
     K3_CHECK_OK(rank_pc_advance(c, 2, b, 3 * B + 1, NULL, 3 * B, &moved));
-    K3_CHECK(hit == 0 && moved == 0 && count_ops(c, RANK_PC_EVICT, NULL) == 0,
-             "in-use entries evicted: %d", count_ops(c, RANK_PC_EVICT, NULL));
+    K3_CHECK(hit == 0 && moved == 0 && count_ops(c, OP_EVICT, NULL) == 0,
+             "in-use entries evicted: %d", count_ops(c, OP_EVICT, NULL));
     rank_pc_end(c, 2);
     /* sequence 1 ends: sequence 3 on b evicts the LRU leaf (a's block 5, the deepest) first,
        never a parent before its child */
@@ -109,21 +109,35 @@ int main(void) {
     K3_CHECK_OK(rank_pc_begin(c, 3, b, 2 * B + 1, true, &hit));
     K3_CHECK_OK(rank_pc_advance(c, 3, b, 2 * B + 1, NULL, 2 * B, &moved));
     int32_t ev = -1;
-    K3_CHECK(moved == 2 && count_ops(c, RANK_PC_EVICT, &ev) == 2 && rank_pc_blocks(c) == 6,
-             "moved %d evicted %d", moved, count_ops(c, RANK_PC_EVICT, NULL));
+    K3_CHECK(moved == 2 && count_ops(c, OP_EVICT, &ev) == 2 && rank_pc_blocks(c) == 6,
+             "moved %d evicted %d", moved, count_ops(c, OP_EVICT, NULL));
     /* a now hits 4 blocks (its blocks 5 and 6 went: leaves first; the snapshot at 4 remains) */
     K3_CHECK(rank_pc_lookup(c, a, 8 * B, NULL) == 4 * B, "a after eviction: %lld",
              (long long)rank_pc_lookup(c, a, 8 * B, NULL));
     rank_pc_end(c, 3);
     /* ops out of range are refused by a stage before they touch anything */
-    const int32_t badw[4] = {RANK_PC_SAVE, SLOTS, 0, 0};
+    const rank_step_save bad_save = {.slot = SLOTS};
     k3_seq_state *states[SLOTS] = {0};
     int32_t eb[6];
-    K3_CHECK_ERR(rank_pc_apply(NULL, &p, eb, states, badw, 4, 1, "test"), K3_ERR_FORMAT,
+    const rank_step m_save = {.n_saves = 1, .saves = &bad_save};
+    K3_CHECK_ERR(rank_pc_apply(NULL, &p, eb, states, &m_save, RANK_PC_AFTER, "test"), K3_ERR_FORMAT,
                  "out of range");
-    const int32_t trunc[3] = {RANK_PC_HIT, 0, 0};
-    K3_CHECK_ERR(rank_pc_apply(NULL, &p, eb, states, trunc, 3, 0, "test"), K3_ERR_FORMAT,
-                 "prefix-cache op");
+    const rank_step_hit empty_hit = {.slot = 0, .snap = 0, .n_blocks = 0};
+    const rank_step m_hit = {.n_hits = 1, .hits = &empty_hit};
+    K3_CHECK_ERR(rank_pc_apply(NULL, &p, eb, states, &m_hit, RANK_PC_BEFORE, "test"), K3_ERR_FORMAT,
+                 "out of range");
+    const rank_step_hit short_hit = {.slot = 0, .snap = 0, .n_blocks = 2};
+    const int32_t one_entry = 0;
+    const rank_step m_short = {
+        .n_hits = 1, .hits = &short_hit, .n_hit_entries = 1, .hit_entries = &one_entry};
+    K3_CHECK_ERR(rank_pc_apply(NULL, &p, eb, states, &m_short, RANK_PC_BEFORE, "test"),
+                 K3_ERR_FORMAT, "out of range");
+    const int32_t bad_evict = 6;
+    const rank_step m_evict = {.n_evicts = 1, .evicts = &bad_evict};
+    K3_CHECK_ERR(rank_pc_apply(NULL, &p, eb, states, &m_evict, RANK_PC_EVICTS, "test"),
+                 K3_ERR_FORMAT, "eviction of entry 6");
+    K3_CHECK_ERR(rank_pc_apply(NULL, &p, NULL, states, &m_evict, RANK_PC_EVICTS, "test"),
+                 K3_ERR_FORMAT, "the prefix cache is off");
     rank_pc_destroy(c);
     return k3_test_done("prefix_cache");
 }

@@ -51,4 +51,10 @@ k3_add_test_exe(test_alloc_faults ${CMAKE_CURRENT_LIST_DIR}/test_alloc_faults.c)
 target_include_directories(test_alloc_faults PRIVATE ${CMAKE_SOURCE_DIR}/rank)
 add_test(NAME engine_alloc_faults
          COMMAND ${K3_PYTHON3} ${CMAKE_CURRENT_LIST_DIR}/alloc_faults.py $<TARGET_FILE:test_alloc_faults>)
-set_tests_properties(engine_alloc_faults PROPERTIES LABELS "unit;sanitize" TIMEOUT 300 ENVIRONMENT "${K3_TEST_ENV}")
+set_tests_properties(engine_alloc_faults PROPERTIES LABELS "unit;sanitize" TIMEOUT 300 ENVIRONMENT "${K3_TEST_ENV_MPI}")
+
+# the step message's one layout: random messages round-trip through encode and decode (issue 42)
+k3_add_test_exe(test_step_wire ${CMAKE_CURRENT_LIST_DIR}/test_step_wire.c)
+target_include_directories(test_step_wire PRIVATE ${CMAKE_SOURCE_DIR}/rank)
+add_test(NAME step_wire COMMAND test_step_wire)
+set_tests_properties(step_wire PROPERTIES LABELS "unit;sanitize" ENVIRONMENT "${K3_TEST_ENV}" TIMEOUT 60)
