@@ -252,6 +252,7 @@ struct k3_engine_stats {
     int64_t prefix_blocks, prefix_blocks_max, prefix_evictions;
     /* forks (k3_request.fork): made, and run as their own prefill instead */
     int64_t forks, fork_fallbacks;
+    int64_t preemptions; /* running requests whose blocks were taken back (recomputed later) */
     /* the paged cache on rank 0's books, all lanes: blocks, and those reserved now by running
        requests and the prefills their forks share (0 once every request ended) */
     int64_t kv_blocks, kv_blocks_reserved;

@@ -33,8 +33,11 @@ typedef struct req_run {
     int n_gen;
     int32_t *gen; /* [max_tokens] */
     int lane, group, slot;
-    int blk_resv;       /* paged cache blocks reserved on its lane: prompt + max_tokens, less
-                           those the prefix cache holds (its hit, then blocks it cached) */
+    int blk_resv;       /* paged cache blocks reserved on its lane: those of `cover`, less
+                           those the prefix cache holds (its hit, then blocks it cached) and
+                           those its fork family shares */
+    int cover;          /* blocks of its context the books cover: [0, cover * 64) positions;
+                           grows as its tokens arrive (blocks_cover) */
     int64_t cached;     /* prompt tokens its prefix-cache hit skipped */
     bool opened;        /* its first step (the OPEN flag) was sent */
     int64_t n_tok_step; /* tokens in its group's current step */
@@ -105,6 +108,7 @@ struct rank_coord {
                                     free again, once the lane's next message is sent */
     req_run **kids;              /* [max_seqs] scratch: the forks of one prefill */
     int64_t n_forks, n_fork_fallbacks;
+    int64_t n_preempt;    /* running requests preempted (their blocks freed, recomputed later) */
     double *rank_busy_s;  /* [world] forward time of each rank so far (from the LOGITS) */
     uint64_t *rank_steps; /* [world] its steps counted there */
 };
@@ -272,9 +276,16 @@ static void release_holds(rank_ctx *r, int e) {
     }
 }
 
-/* Paged cache blocks a request reserves on its lane: its whole context, prompt + max_tokens. */
+/* Paged cache blocks of a request's whole context, prompt + max_tokens (what it can ever need;
+ * check_request refuses one that a lane cannot hold). */
 static int blocks_needed(const req_run *q) {
     return (int)((q->P + (int64_t)q->max_tokens + K3_KV_BLOCK - 1) / K3_KV_BLOCK);
+}
+
+/* The blocks that positions [0, upto) take (never past its whole context): what the books cover
+ * for a request whose tokens have arrived up to there. */
+static int blocks_cover(const req_run *q, int64_t upto) {
+    return (int)K3_MIN((int64_t)blocks_needed(q), (upto + K3_KV_BLOCK - 1) / K3_KV_BLOCK);
 }
 
 static k3_status fail_req(rank_ctx *r, req_run *q, k3_error_kind kind, const char *why);
@@ -337,13 +348,14 @@ static const char *check_request(rank_ctx *r, const k3_request *rq, char *buf, s
                      rq->ids[t], (long long)t, (long long)V);
             return buf;
         }
-    const int64_t ctx = rq->n_ids + (int64_t)rq->max_tokens;
-    if ((ctx + K3_KV_BLOCK - 1) / K3_KV_BLOCK > r->kv_blocks) {
+    /* admission counts the prompt, not max_tokens: a sequence takes blocks as its tokens arrive
+       (one that outgrows its lane's whole cache fails then, in grow) */
+    if (rq->n_ids + 1 > (int64_t)r->kv_blocks * K3_KV_BLOCK) {
         *kind = K3_EVERR_CONTEXT;
         snprintf(buf, n,
-                 "prompt (%lld tokens) + max_tokens (%d) needs more paged cache than a lane has "
-                 "(%lld tokens, --kv-cache-tokens)",
-                 (long long)rq->n_ids, rq->max_tokens, (long long)r->kv_blocks * K3_KV_BLOCK);
+                 "the prompt (%lld tokens) and its first token need more paged cache than a lane "
+                 "has (%lld tokens, --kv-cache-tokens)",
+                 (long long)rq->n_ids, (long long)r->kv_blocks * K3_KV_BLOCK);
         return buf;
     }
     if (rq->n_ids + (int64_t)rq->max_tokens > r->max_ctx) {
@@ -500,7 +512,8 @@ void rank_coord_load(const rank_ctx *r, int *running, int *waiting, double *cach
 
 int rank_coord_pending(const rank_ctx *r) {
     int n = 0;
-    for (int i = 0; i < r->co->n_reqs; i++) n += r->co->reqs[i]->state != RQ_ENDED;
+    for (int i = 0; i < r->co->n_reqs; i++) /* a refused one too: the next step reports it */
+        n += r->co->reqs[i]->state != RQ_ENDED || r->co->reqs[i]->refused;
     return n;
 }
 
@@ -508,9 +521,9 @@ int rank_coord_pending(const rank_ctx *r) {
 /* Tokens q can feed now (0: none): the rest of its prompt, or its last sampled token. */
 static int64_t want_tokens(const rank_ctx *r, const req_run *q) {
     if (q->state != RQ_RUNNING || q->cancel) return 0;
-    if (q->fed < q->P) return q->P - q->fed;
+    if (q->fed < q->P) return q->P + q->n_gen - q->fed; /* a preempted one: its tokens too */
     if (q->stop != K3_STOP_NONE || q->n_gen >= q->max_tokens) return 0;
-    return q->fed - q->P < q->n_gen ? 1 : 0;
+    return q->P + q->n_gen - q->fed; /* 1 in decode; more when it recomputes after preemption */
 }
 
 static int lane_running(const rank_ctx *r, int e) {
@@ -556,7 +569,8 @@ static void pc_make_room(rank_ctx *r, int e, int need) {
 static k3_status pc_join(rank_ctx *r, req_run *q, int e, int *need) {
     rank_pcache *pc = r->co->pc[e];
     RTRY(r, rank_pc_begin(pc, q->slot, q->prompt, q->P, pc_may_hit(q), &q->cached));
-    *need = blocks_needed(q) - (int)(q->cached / K3_KV_BLOCK);
+    q->cover = blocks_cover(q, q->P + q->n_gen);
+    *need = q->cover - (int)(q->cached / K3_KV_BLOCK);
     pc_make_room(r, e, *need);
     q->fed = q->cached;
     r->co->pc_queries += q->P;
@@ -592,8 +606,8 @@ static k3_status fork_children(rank_ctx *r, req_run *p, req_run **kids, int *n_k
         req_run *q = C->reqs[i];
         if (q->state != RQ_QUEUED || q->fork_src != p) continue;
         q->fork_src = NULL;
-        if (q->cancel) continue; /* the queue ends it */
-        const int need = blocks_needed(q) - full;
+        if (q->cancel) continue;                           /* the queue ends it */
+        const int need = blocks_cover(q, q->P + 1) - full; /* its first token's block */
         int slot = 0;
         while (slot < r->max_seqs && slot_taken(r, e, slot)) slot++;
         if (slot == r->max_seqs || !pc_fits(r, e, need, 0) || C->n_fork_ops[e] >= r->max_seqs) {
@@ -630,6 +644,7 @@ static k3_status fork_children(rank_ctx *r, req_run *p, req_run **kids, int *n_k
         }
         C->lane_blk_free[e] -= need;
         q->blk_resv = need;
+        q->cover = full + need;
         lane_forks(r, e)[C->n_fork_ops[e]++] = (rank_step_fork){.parent = p->slot, .child = slot};
         int32_t *pf = C->pend_free + (size_t)e * r->max_seqs; /* the fork replaces the free */
         for (int k = 0; k < C->n_pend_free[e]; k++)
@@ -645,6 +660,76 @@ static k3_status fork_children(rank_ctx *r, req_run *p, req_run **kids, int *n_k
         C->n_forks++;
     }
     return K3_OK;
+}
+
+/* Running request v gives its blocks back and waits in the queue again (its place by submit
+ * order: ahead of later arrivals); it is recomputed from its prompt and the tokens it generated
+ * (want_tokens), the prefix cache's hits first. The stages free its slot with the lane's next
+ * message. Its sampler keeps its state, so what it samples next is what it would have. */
+static void preempt(rank_ctx *r, req_run *v, int64_t *bud, int64_t *total) {
+    struct rank_coord *C = r->co;
+    bud[v->lane] += v->n_tok_step;
+    *total -= v->n_tok_step;
+    v->n_tok_step = 0;
+    C->slot_req[(size_t)v->lane * r->max_seqs + (size_t)v->slot] = NULL;
+    int blocks = v->blk_resv;
+    if (v->share && --v->share->users == 0) {
+        blocks += v->share->blocks;
+        k3_free(v->share);
+    }
+    v->share = NULL;
+    slot_release(r, v->lane, v->slot, blocks);
+    v->blk_resv = v->cover = 0;
+    v->state = RQ_QUEUED;
+    v->lane = v->group = v->slot = -1;
+    v->fed = v->cached = 0;
+    v->opened = false;
+    C->n_preempt++;
+}
+
+/* q's tokens of this step need its books to cover fed + n_tok_step: take the blocks, preempting
+ * the latest-arrived request of the group on its lane (never one a pending fork names, nor one
+ * with a step in flight: only group g's) while the lane has no room. */
+static k3_status grow(rank_ctx *r, req_run *q, int g, int64_t *bud, int64_t *total) {
+    struct rank_coord *C = r->co;
+    const int e = q->lane;
+    for (;;) {
+        const int need = blocks_cover(q, q->fed + q->n_tok_step) - q->cover;
+        if (need <= 0) return K3_OK;
+        if (q->cover + need > r->kv_blocks) { /* alone it would not fit: it ends here */
+            bud[e] += q->n_tok_step;
+            *total -= q->n_tok_step;
+            q->n_tok_step = 0;
+            char why[200];
+            snprintf(why, sizeof why,
+                     "the sequence reached %lld tokens, its lane's whole paged cache "
+                     "(--kv-cache-tokens)",
+                     (long long)r->kv_blocks * K3_KV_BLOCK);
+            return fail_req(r, q, K3_EVERR_CONTEXT, why);
+        }
+        if (pc_fits(r, e, need, 0)) {
+            if (C->pc) pc_make_room(r, e, need);
+            C->lane_blk_free[e] -= need;
+            q->blk_resv += need;
+            q->cover += need;
+            return K3_OK;
+        }
+        req_run *v = NULL;
+        for (int i = C->n_reqs - 1; i >= 0 && !v; i--) {
+            req_run *c = C->reqs[i];
+            if (c->state == RQ_RUNNING && c->group == g && c->lane == e &&
+                !fork_names(r, e, c->slot))
+                v = c;
+        }
+        if (!v) { /* nothing to preempt now: it sits this step out */
+            bud[e] += q->n_tok_step;
+            *total -= q->n_tok_step;
+            q->n_tok_step = 0;
+            return K3_OK;
+        }
+        preempt(r, v, bud, total);
+        if (v == q) return K3_OK;
+    }
 }
 
 /* Form and send group g's next step; *sent false when it has nothing to do (it stays idle). */
@@ -676,6 +761,13 @@ static k3_status send_step(rank_ctx *r, int g, bool *sent) {
             bud[q->lane] -= n;
             total += n;
         }
+    /* the blocks the step's tokens need, oldest request first; one that cannot get them preempts
+       the latest to arrive on its lane (itself, when that is it) */
+    for (int i = 0; i < r->co->n_reqs; i++) {
+        req_run *q = r->co->reqs[i];
+        if (q->state != RQ_RUNNING || q->group != g || q->n_tok_step == 0) continue;
+        RTRY(r, grow(r, q, g, bud, &total));
+    }
     /* queued requests join (FIFO): the least-loaded lane with a free slot and budget left */
     for (int i = 0; i < r->co->n_reqs; i++) {
         req_run *q = r->co->reqs[i];
@@ -687,7 +779,7 @@ static k3_status send_step(rank_ctx *r, int g, bool *sent) {
         if (q->fork_src) continue; /* waits for its parent's prefill (fork_children) */
         int best = -1, best_n = 0;
         int64_t best_hit = 0;
-        int need = blocks_needed(q);
+        int need = blocks_cover(q, q->P + q->n_gen); /* its prompt (and any tokens it had) */
         for (int e = 0; e < E; e++) { /* the longest cached prefix, then the least load */
             int n = lane_running(r, e), unused = 0;
             if (bud[e] < 1 || n >= r->max_seqs) continue;
@@ -729,7 +821,8 @@ static k3_status send_step(rank_ctx *r, int g, bool *sent) {
             if (!q || q->group != g || q->n_tok_step == 0) continue;
             int flags = q->opened ? 0 : K3_WIRE_OPEN;
             q->opened = true;
-            if (q->fed + q->n_tok_step >= q->P && q->n_gen < q->max_tokens) flags |= K3_WIRE_WANT;
+            if (q->fed + q->n_tok_step == q->P + q->n_gen && q->n_gen < q->max_tokens)
+                flags |= K3_WIRE_WANT; /* every token it has is in: its next one is sampled */
             if (q->plp && q->fed < q->P) flags |= K3_WIRE_PLP; /* a prefill chunk: prompt rows */
             m.all_logits |= q->all_logits && q->fed < q->P;
             seqs[ns++] =
@@ -1049,6 +1142,7 @@ void rank_coord_stats(const rank_ctx *r, k3_engine_stats *out) {
     out->prefix_hits = C->pc_hits;
     out->prefix_blocks = out->prefix_blocks_max = out->prefix_evictions = 0;
     out->forks = C->n_forks, out->fork_fallbacks = C->n_fork_fallbacks;
+    out->preemptions = C->n_preempt;
     out->kv_blocks = (int64_t)r->kv_blocks * r->plan.n_lanes;
     out->kv_blocks_reserved = out->kv_blocks;
     for (int e = 0; e < r->plan.n_lanes; e++) out->kv_blocks_reserved -= C->lane_blk_free[e];

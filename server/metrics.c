@@ -24,12 +24,13 @@
  * k3_cancelled_prompt_tokens_total and k3_cancelled_generation_tokens_total (requests a client
  * or the shutdown cancelled: apart from the vLLM token counters), k3_engine_prompt_tokens_total
  * (prompt tokens the engine actually ran: prefix-cache hits and the forks of n > 1 not again),
- * k3_forks_total (choices that forked their prompt's prefill), k3_step_seconds{rank="0"}
- * (histogram: rank 0's engine steps), k3_rank_step_seconds{rank,stage,lane} (a summary: every
- * worker rank's time in its forward steps, from the LOGITS messages). The prefix cache (when on;
- * docs/DESIGN.md §3c), in prompt tokens as vLLM counts them: vllm:prefix_cache_queries_total (of
- * the requests that started), vllm:prefix_cache_hits_total (of those, found cached), and k3's
- * k3_prefix_cache_usage_ratio (blocks the cache holds / its budget, all lanes). */
+ * k3_forks_total (choices that forked their prompt's prefill), vllm:num_preemptions_total,
+ * k3_step_seconds{rank="0"} (histogram: rank 0's engine steps),
+ * k3_rank_step_seconds{rank,stage,lane} (a summary: every worker rank's time in its forward steps,
+ * from the LOGITS messages). The prefix cache (when on; docs/DESIGN.md §3c), in prompt tokens as
+ * vLLM counts them: vllm:prefix_cache_queries_total (of the requests that started),
+ * vllm:prefix_cache_hits_total (of those, found cached), and k3's k3_prefix_cache_usage_ratio
+ * (blocks the cache holds / its budget, all lanes). */
 #include "server_internal.h"
 
 #include <stddef.h>
@@ -231,6 +232,9 @@ k3_status srv_metrics_text(const srv_metrics *m, int slots, k3_chat_buf *o) {
          (uint64_t)m->engine_prompt_tokens},
         {"k3_forks_total", "choices of n > 1 that forked their prompt's prefill",
          (uint64_t)m->forks},
+        {"vllm:num_preemptions_total",
+         "running requests preempted: their cache blocks freed, recomputed later",
+         (uint64_t)m->preemptions},
     };
     for (size_t i = 0; i < K3_ARRAY_LEN(counters); i++) {
         K3_TRY(head(o, counters[i].name, "counter", counters[i].help));

@@ -322,6 +322,7 @@ static void prefix_counters(const k3_engine *e, srv_metrics *m) {
     m->prefix_queries = es.prefix_queries, m->prefix_hits = es.prefix_hits;
     m->prefix_blocks = es.prefix_blocks, m->prefix_blocks_max = es.prefix_blocks_max;
     m->engine_prompt_tokens = es.prompt_tokens, m->forks = es.forks;
+    m->preemptions = es.preemptions;
 }
 
 /* mu held: one engine event into its request's buffers. */

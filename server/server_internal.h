@@ -133,6 +133,7 @@ typedef struct srv_metrics {
     /* the engine's own: prompt tokens it ran through the model (k3_engine_stats.prompt_tokens:
        prefix-cache hits and the forked copies of n > 1 not counted), forks made */
     int64_t engine_prompt_tokens, forks;
+    int64_t preemptions; /* running requests whose cache blocks were taken back (recomputed) */
 } srv_metrics;
 
 /* ---- openai.c ----------------------------------------------------------------------------- */

@@ -58,3 +58,11 @@ k3_add_test_exe(test_step_wire ${CMAKE_CURRENT_LIST_DIR}/test_step_wire.c)
 target_include_directories(test_step_wire PRIVATE ${CMAKE_SOURCE_DIR}/rank)
 add_test(NAME step_wire COMMAND test_step_wire)
 set_tests_properties(step_wire PROPERTIES LABELS "unit;sanitize" ENVIRONMENT "${K3_TEST_ENV}" TIMEOUT 60)
+
+# blocks as tokens arrive: a small paged cache preempts, and the preempted requests are
+# recomputed bit for bit (--deterministic), 1x1 and 2x2 (issue 42)
+k3_add_test_exe(test_preempt ${CMAKE_CURRENT_LIST_DIR}/test_preempt.c)
+add_test(NAME engine_preempt
+         COMMAND ${K3_PYTHON3} ${CMAKE_CURRENT_LIST_DIR}/preempt.py
+                 $<TARGET_FILE:test_preempt> ${MPIEXEC_EXECUTABLE})
+set_tests_properties(engine_preempt PROPERTIES LABELS "mpi" TIMEOUT 900 ENVIRONMENT "${K3_TEST_ENV_MPI}")

@@ -51,3 +51,5 @@ k3_serve_pytest(serve_dashboard dashboard_test.py d1x1 "unit" 120)
 # issue 47: a pydantic model's schema (bounds, lengths, a tuple, formats) through
 # chat.completions.parse on 20 seeds, and the refusals (pydantic_test.py)
 k3_serve_pytest(serve_pydantic pydantic_test.py p1x1 "unit" 180)
+# issue 42: a paged cache of half a context takes concurrent chat requests without max_tokens
+k3_serve_pytest(serve_cache_chat cache_test.py cache_chat "unit" 300)
