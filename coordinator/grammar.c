@@ -35,13 +35,38 @@ static bool gb_grow(g_build *b, void **p, int64_t *cap, int64_t need, size_t ele
     return true;
 }
 
+bool g_limit_ok(g_limit *l, k3_status *err, uint32_t every) {
+    if (*err != K3_OK) return false;
+    if (!l || ++l->tick < every) return true;
+    l->tick = 0;
+    double now = k3_now_s();
+    if (now - l->t0 > l->budget_s) {
+        *err = K3_ERR(K3_ERR_ARG,
+                      "%s: compiling its grammar took more than %g s (the compile budget, "
+                      "--grammar-budget)",
+                      l->what ? l->what : "schema", l->budget_s);
+        return false;
+    }
+    if (l->cancelled && now >= l->next_poll) {
+        l->next_poll = now + 0.05;
+        if (l->cancelled(l->arg)) {
+            *err = K3_ERR(K3_ERR_STATE, "grammar compile cancelled (the client left, or the "
+                                        "server is stopping)");
+            return false;
+        }
+    }
+    return true;
+}
+
 int32_t gb_state(g_build *b) {
     if (b->n_states >= G_MAX_STATES) {
         if (b->err == K3_OK)
-            b->err = K3_ERR(K3_ERR_ARG, "the grammar needs more than %d states (schema too large)",
-                            G_MAX_STATES);
+            b->err =
+                K3_ERR(K3_ERR_ARG, "the grammar needs more than %d states (the state budget) at %s",
+                       G_MAX_STATES, b->where[0] ? b->where : "the schema");
         return 0;
     }
+    if (!g_limit_ok(b->lim, &b->err, 4096)) return 0;
     int64_t cap = b->cap_states;
     if (!gb_grow(b, (void **)&b->is_end, &cap, b->n_states + 1, 1)) return 0;
     b->cap_states = (int32_t)cap;
@@ -271,13 +296,13 @@ struct k3_grammar {
     int32_t *rule_start;
     int32_t n_rules;
     g_mask *mask; /* (n_states), for states with symbol edges that are reachable */
-    int64_t n_words, n_masked, mask_bytes;
+    int64_t n_words, n_masked, mask_bytes, bytes;
     double compile_s;
 };
 
 /* ---- configurations ------------------------------------------------------------------------ */
-#define G_MAX_CFG     128
-#define G_MAX_CLOSURE 256
+#define G_MAX_CFG  K3_GRAMMAR_MAX_CFG
+#define G_MAX_WORK (1 << 20) /* closure steps of one advance (the nest check bounds them first) */
 
 typedef struct g_cfg {
     int32_t s, stk; /* state; top stack node (-1: empty) */
@@ -288,13 +313,48 @@ typedef struct g_pool {
     int64_t n, cap;
 } g_pool;
 
+typedef struct g_set {
+    g_cfg *c;
+    int n, cap;
+} g_set;
+
 typedef struct g_run {
     const k3_grammar *g;
     g_pool pool;
-    bool at_end;   /* a path reached the end of the bottom rule */
-    int work;      /* closure steps of the current advance */
-    k3_status err; /* out of memory */
+    bool at_end;  /* a path reached the end of the bottom rule */
+    int64_t work; /* closure steps of the current advance */
+    g_cfg *todo;  /* the closure's explicit stack */
+    int64_t cap_todo;
+    g_limit *lim;  /* the compile's clock (NULL in a matcher) */
+    k3_status err; /* out of memory, or a cap passed: the run stops (never drops a path) */
 } g_run;
+
+static void set_free(g_set *s) {
+    free(s->c);
+    memset(s, 0, sizeof *s);
+}
+
+static bool set_reserve(g_run *r, g_set *o, int n) {
+    if (n <= o->cap) return true;
+    if (n > G_MAX_CFG) {
+        if (r->err == K3_OK)
+            r->err = K3_ERR(K3_ERR_ARG,
+                            "the grammar keeps more than %d alternatives alive at once (anyOf / "
+                            "enum branches that share a prefix)",
+                            G_MAX_CFG);
+        return false;
+    }
+    int nc = o->cap ? 2 * o->cap : 16;
+    while (nc < n) nc *= 2;
+    if (nc > G_MAX_CFG) nc = G_MAX_CFG;
+    g_cfg *q = realloc(o->c, (size_t)nc * sizeof *q);
+    if (!q) {
+        if (r->err == K3_OK) r->err = K3_ERR(K3_ERR_NOMEM, "grammar configurations");
+        return false;
+    }
+    o->c = q, o->cap = nc;
+    return true;
+}
 
 static int32_t pool_push(g_run *r, int32_t ret, int32_t parent) {
     g_pool *p = &r->pool;
@@ -321,34 +381,55 @@ static bool stk_equal(const g_pool *p, int32_t a, int32_t b) {
     return true;
 }
 
-typedef struct g_set {
-    g_cfg c[G_MAX_CFG];
-    int n;
-} g_set;
-
 static void set_add(g_run *r, g_set *o, int32_t s, int32_t stk) {
     for (int i = 0; i < o->n; i++)
         if (o->c[i].s == s && stk_equal(&r->pool, o->c[i].stk, stk)) return;
-    if (o->n < G_MAX_CFG) o->c[o->n++] = (g_cfg){s, stk};
+    if (set_reserve(r, o, o->n + 1)) o->c[o->n++] = (g_cfg){s, stk};
 }
 
-/* Close state t over calls and rule ends, adding configurations with symbol edges to o. */
-static void closure(g_run *r, g_set *o, int32_t t, int32_t stk) {
-    const k3_grammar *g = r->g;
-    if (++r->work > G_MAX_CLOSURE * G_MAX_CFG) return;
-    if (g->has_sym[t]) set_add(r, o, t, stk);
-    for (int32_t k = g->eoff[t]; k < g->eoff[t + 1]; k++) {
-        const g_edge *e = &g->edges[k];
-        if (e->kind != GE_CALL) continue;
-        int32_t n = pool_push(r, e->to, stk);
-        if (n < 0) return;
-        closure(r, o, g->rule_start[e->rule], n);
+static bool todo_push(g_run *r, int64_t *n, int32_t s, int32_t stk) {
+    if (*n == r->cap_todo) {
+        int64_t nc = r->cap_todo ? 2 * r->cap_todo : 256;
+        g_cfg *q = realloc(r->todo, (size_t)nc * sizeof *q);
+        if (!q) {
+            if (r->err == K3_OK) r->err = K3_ERR(K3_ERR_NOMEM, "grammar closure");
+            return false;
+        }
+        r->todo = q, r->cap_todo = nc;
     }
-    if (g->final[t]) {
-        if (stk < 0)
-            r->at_end = true;
-        else
-            closure(r, o, r->pool.ret[stk], r->pool.parent[stk]);
+    r->todo[(*n)++] = (g_cfg){s, stk};
+    return true;
+}
+
+/* Close state t over calls and rule ends, adding configurations with symbol edges to o. An
+ * explicit stack: the depth of the calls never reaches the C stack. */
+static void closure(g_run *r, g_set *o, int32_t t0, int32_t stk0) {
+    const k3_grammar *g = r->g;
+    int64_t n = 0;
+    if (!todo_push(r, &n, t0, stk0)) return;
+    while (n && r->err == K3_OK) {
+        g_cfg cur = r->todo[--n];
+        int32_t t = cur.s, stk = cur.stk;
+        if (++r->work > G_MAX_WORK) {
+            r->err = K3_ERR(K3_ERR_ARG,
+                            "the grammar enters more than %d calls without "
+                            "consuming input (a $ref/anyOf chain)",
+                            G_MAX_WORK);
+            return;
+        }
+        if (g->has_sym[t]) set_add(r, o, t, stk);
+        if (g->final[t]) {
+            if (stk < 0)
+                r->at_end = true;
+            else if (!todo_push(r, &n, r->pool.ret[stk], r->pool.parent[stk]))
+                return;
+        }
+        for (int32_t k = g->eoff[t + 1] - 1; k >= g->eoff[t]; k--) {
+            const g_edge *e = &g->edges[k];
+            if (e->kind != GE_CALL) continue;
+            int32_t nd = pool_push(r, e->to, stk);
+            if (nd < 0 || !todo_push(r, &n, g->rule_start[e->rule], nd)) return;
+        }
     }
 }
 
@@ -395,11 +476,16 @@ static k3_status state_mask(k3_grammar *g, int32_t s, g_set *lv, bool *ended, in
     const k3_grammar_vocab *v = g->v;
     g_ids acc = {0}, uns = {0};
     bool ok = true;
+    if (!set_reserve(r, &lv[0], 1)) return r->err;
     lv[0].n = 1, lv[0].c[0] = (g_cfg){s, -1};
     ended[0] = false;
     r->pool.n = 0;
     mark[0] = 0;
     for (int64_t i = 0; i < v->n_nodes && ok;) {
+        if (!g_limit_ok(r->lim, &r->err, 4096)) {
+            ok = false;
+            break;
+        }
         int d = v->depth[i];
         r->pool.n = mark[d - 1];
         advance(r, &lv[d - 1], v->byte[i], &lv[d]);
@@ -464,6 +550,7 @@ void k3_grammar_get_info(const k3_grammar *g, k3_grammar_info *out) {
                              .n_rules = g->n_rules,
                              .n_masked_states = g->n_masked,
                              .mask_bytes = g->mask_bytes,
+                             .bytes = g->bytes,
                              .compile_s = g->compile_s};
 }
 
@@ -496,6 +583,7 @@ static k3_status finish(k3_grammar *g, g_build *b) {
     k3_status st = K3_OK;
     for (int32_t s = 0; s < N && st == K3_OK; s++) {
         g->eoff[s] = (int32_t)n_out;
+        if (!g_limit_ok(b->lim, &st, 1024)) break;
         int sp = 0;
         stack[sp++] = s, seen[s] = s;
         while (sp && st == K3_OK) {
@@ -528,11 +616,134 @@ static k3_status finish(k3_grammar *g, g_build *b) {
     return st;
 }
 
+/* Horn-clause closure over the edges: a state is marked when some edge out of it has all its
+ * premises marked (SYM: its target; CALL: its return state and the called rule's start; with
+ * calls_only, SYM edges never fire). `mark` starts with the final states. Linear. */
+static k3_status horn(const k3_grammar *g, uint8_t *mark, bool calls_only) {
+    const int32_t N = g->n_states;
+    const int64_t E = g->eoff[N];
+    int32_t *need = calloc((size_t)E + 1, sizeof *need),
+            *first = calloc((size_t)N + 2, sizeof *first);
+    int64_t *by = malloc(((size_t)2 * E + 1) * sizeof *by);
+    int32_t *queue = malloc(((size_t)N + 1) * sizeof *queue);
+    k3_status st = K3_OK;
+    if (!need || !first || !by || !queue) st = K3_ERR(K3_ERR_NOMEM, "grammar check");
+    for (int pass = 0; st == K3_OK && pass < 2; pass++) { /* premises indexed by state (CSR) */
+        if (pass == 1)
+            for (int32_t v = 0; v < N; v++) first[v + 2] += first[v + 1];
+        for (int64_t k = 0; k < E; k++) {
+            const g_edge *e = &g->edges[k];
+            if (calls_only && e->kind != GE_CALL) continue;
+            int32_t p[2] = {e->to, e->kind == GE_CALL ? g->rule_start[e->rule] : -1};
+            if (p[1] == p[0]) p[1] = -1;
+            for (int j = 0; j < 2; j++) {
+                if (p[j] < 0) continue;
+                if (pass == 0)
+                    need[k]++, first[p[j] + 2]++;
+                else
+                    by[first[p[j] + 1]++] = k;
+            }
+        }
+    }
+    int32_t qn = 0;
+    for (int32_t v = 0; st == K3_OK && v < N; v++)
+        if (mark[v]) queue[qn++] = v;
+    while (st == K3_OK && qn) {
+        int32_t v = queue[--qn];
+        for (int32_t i = first[v]; i < first[v + 1]; i++) {
+            const g_edge *e = &g->edges[by[i]];
+            if (--need[by[i]] == 0 && !mark[e->from]) mark[e->from] = 1, queue[qn++] = e->from;
+        }
+    }
+    free(need), free(first), free(by), free(queue);
+    return st;
+}
+
+/* After epsilon removal: (1) drop the edges into states that can never complete (a branch that
+ * must go through a self-reference forever), so no configuration is a dead end and no mask can be
+ * empty while the grammar is incomplete; refuse a grammar that accepts nothing. (2) Refuse calls
+ * entered without consuming input in a cycle (left recursion) or deeper than
+ * K3_GRAMMAR_MAX_NEST, so every closure is bounded before a matcher runs. */
+static k3_status trim(k3_grammar *g, g_limit *lim) {
+    const int32_t N = g->n_states;
+    uint8_t *prod = malloc((size_t)N), *nul = malloc((size_t)N);
+    int32_t *depth = calloc((size_t)N, sizeof *depth), *stk = malloc((size_t)N * sizeof *stk);
+    int64_t *pos = malloc((size_t)N * sizeof *pos);
+    uint8_t *color = calloc((size_t)N, 1);
+    k3_status st = K3_OK;
+    if (!prod || !nul || !depth || !stk || !pos || !color) st = K3_ERR(K3_ERR_NOMEM, "grammar");
+    if (st == K3_OK) memcpy(prod, g->final, (size_t)N), memcpy(nul, g->final, (size_t)N);
+    if (st == K3_OK) st = horn(g, prod, false);
+    if (st == K3_OK && !prod[g->rule_start[g->root]])
+        st = K3_ERR(K3_ERR_ARG,
+                    "%s: the schema accepts no finite value (every value must go through a "
+                    "self-reference that never ends, e.g. a required property whose $ref is its "
+                    "own schema)",
+                    lim->what);
+    int64_t n = 0;
+    for (int32_t u = 0; st == K3_OK && u < N; u++) { /* keep the edges into productive states */
+        int64_t k0 = g->eoff[u];
+        g->eoff[u] = (int32_t)n;
+        g->has_sym[u] = 0;
+        for (int64_t k = k0; k < g->eoff[u + 1]; k++) {
+            const g_edge *e = &g->edges[k];
+            if (!prod[e->to] || (e->kind == GE_CALL && !prod[g->rule_start[e->rule]])) continue;
+            g->edges[n++] = *e;
+            if (e->kind == GE_SYM) g->has_sym[u] = 1;
+        }
+    }
+    if (st == K3_OK) g->eoff[N] = (int32_t)n;
+    if (st == K3_OK) st = horn(g, nul, true);
+    /* the graph of moves without input: u -> a called rule's start; u -> the return state when
+     * the called rule can end at once. Depth-first, an explicit stack. */
+    for (int32_t s0 = 0; st == K3_OK && s0 < N; s0++) {
+        if (color[s0]) continue;
+        int32_t sp = 0;
+        stk[sp++] = s0, color[s0] = 1, pos[s0] = 2 * (int64_t)g->eoff[s0];
+        while (sp && st == K3_OK) {
+            int32_t u = stk[sp - 1], v = -1;
+            while (v < 0 && pos[u] < 2 * (int64_t)g->eoff[u + 1]) {
+                const g_edge *e = &g->edges[pos[u] / 2];
+                int half = (int)(pos[u]++ & 1);
+                if (e->kind != GE_CALL) continue;
+                v = half ? (nul[g->rule_start[e->rule]] ? e->to : -1) : g->rule_start[e->rule];
+            }
+            if (v < 0) { /* u is done */
+                color[u] = 2, sp--;
+                if (sp && depth[stk[sp - 1]] < depth[u] + 1) depth[stk[sp - 1]] = depth[u] + 1;
+                continue;
+            }
+            if (color[v] == 1) {
+                st = K3_ERR(K3_ERR_ARG,
+                            "%s: the schema is left-recursive (a $ref/anyOf reaches itself "
+                            "without any text between): it can never be generated",
+                            lim->what);
+            } else if (color[v] == 2) {
+                if (depth[u] < depth[v] + 1) depth[u] = depth[v] + 1;
+            } else {
+                color[v] = 1, pos[v] = 2 * (int64_t)g->eoff[v], stk[sp++] = v;
+            }
+            if (st == K3_OK && depth[u] > K3_GRAMMAR_MAX_NEST)
+                st = K3_ERR(K3_ERR_ARG,
+                            "%s: $ref/anyOf nest more than %d deep without any text between "
+                            "(the nesting budget)",
+                            lim->what, K3_GRAMMAR_MAX_NEST);
+        }
+    }
+    free(prod), free(nul), free(depth), free(stk), free(pos), free(color);
+    return st;
+}
+
 k3_status k3_grammar_compile(const k3_grammar_vocab *v, const k3_grammar_spec *s,
                              k3_grammar **out) {
     *out = NULL;
     double t0 = k3_now_s();
-    g_build b = {0};
+    g_limit lim = {.t0 = t0,
+                   .budget_s = s->budget_s > 0 ? s->budget_s : K3_GRAMMAR_BUDGET_S,
+                   .cancelled = s->cancelled,
+                   .arg = s->cancel_arg,
+                   .what = s->what ? s->what : "schema"};
+    g_build b = {.lim = &lim};
     int32_t root = g_build_spec(&b, s);
     if (b.err != K3_OK || root < 0) {
         k3_status st = b.err != K3_OK ? b.err : K3_ERR(K3_ERR_INTERNAL, "grammar: no root");
@@ -554,6 +765,7 @@ k3_status k3_grammar_compile(const k3_grammar_vocab *v, const k3_grammar_spec *s
     g->n_words = (v->n_vocab + 63) / 64;
     k3_status st = finish(g, &b);
     gb_free(&b);
+    if (st == K3_OK) st = trim(g, &lim);
     /* masks for the states a configuration can rest in: reachable, with symbol edges */
     uint8_t *reach = st == K3_OK ? calloc((size_t)g->n_states, 1) : NULL;
     int32_t *todo = st == K3_OK ? malloc((size_t)g->n_states * sizeof *todo) : NULL;
@@ -576,9 +788,9 @@ k3_status k3_grammar_compile(const k3_grammar_vocab *v, const k3_grammar_spec *s
     g_set *lv = NULL;
     bool *ended = NULL;
     int64_t *mark = NULL;
-    g_run r = {.g = g};
+    g_run r = {.g = g, .lim = &lim};
     if (st == K3_OK) {
-        lv = malloc(((size_t)v->max_depth + 2) * sizeof *lv);
+        lv = calloc((size_t)v->max_depth + 2, sizeof *lv);
         ended = malloc(((size_t)v->max_depth + 2) * sizeof *ended);
         mark = malloc(((size_t)v->max_depth + 2) * sizeof *mark);
         if (!lv || !ended || !mark) st = K3_ERR(K3_ERR_NOMEM, "grammar trie walk");
@@ -588,13 +800,18 @@ k3_status k3_grammar_compile(const k3_grammar_vocab *v, const k3_grammar_spec *s
             st = state_mask(g, q, lv, ended, mark, &r);
             g->n_masked++;
         }
+    for (int d = 0; lv && d < v->max_depth + 2; d++) set_free(&lv[d]);
     free(reach), free(todo), free(lv), free(ended), free(mark);
-    free(r.pool.ret), free(r.pool.parent);
+    free(r.pool.ret), free(r.pool.parent), free(r.todo);
     if (st != K3_OK) {
         k3_grammar_release(g);
         return st;
     }
     g->compile_s = k3_now_s() - t0;
+    g->bytes = (int64_t)sizeof *g + g->mask_bytes +
+               (int64_t)g->eoff[g->n_states] * (int64_t)sizeof *g->edges +
+               (int64_t)g->n_states * (int64_t)(sizeof *g->eoff + 2 + sizeof *g->mask) +
+               (int64_t)g->n_rules * (int64_t)sizeof *g->rule_start;
     *out = g;
     return K3_OK;
 }
@@ -614,7 +831,8 @@ struct k3_matcher {
 void k3_matcher_destroy(k3_matcher *m) {
     if (!m) return;
     k3_grammar_release(m->g);
-    free(m->r.pool.ret), free(m->r.pool.parent), free(m->remap);
+    free(m->r.pool.ret), free(m->r.pool.parent), free(m->r.todo), free(m->remap);
+    set_free(&m->cur), set_free(&m->tmp[0]), set_free(&m->tmp[1]);
     free(m);
 }
 
@@ -687,7 +905,10 @@ bool k3_matcher_accept_syms(k3_matcher *m, const uint16_t *syms, size_t n) {
         m->r.pool.n = m->base;
         return false;
     }
-    if (o != &m->cur) m->cur = *o;
+    if (o != &m->cur) { /* the result becomes the live set; its old buffer, scratch */
+        g_set t = m->cur;
+        m->cur = *o, *o = t;
+    }
     m->can_end = end;
     if (compact(m, &m->cur) != K3_OK) return false;
     m->base = m->r.pool.n;
@@ -755,6 +976,7 @@ static bool try_token(k3_matcher *m, const g_cfg *c, int32_t id) {
     const uint8_t *p = v->blob + v->off[id];
     int64_t n = v->off[id + 1] - v->off[id];
     g_set *a = &m->tmp[0], *b = &m->tmp[1];
+    if (!set_reserve(&m->r, a, 1)) return false;
     a->n = 1, a->c[0] = *c;
     bool ok = true;
     for (int64_t i = 0; i < n && ok; i++) {
@@ -809,7 +1031,22 @@ struct k3_grammar_cache {
     g_entry *e;
     int n, max;
     uint64_t clock;
+    int64_t bytes, max_bytes; /* the kept grammars' bytes and their budget */
+    double budget_s;          /* each compile's time budget */
 };
+
+void k3_grammar_cache_limits(k3_grammar_cache *c, int64_t max_bytes, double budget_s) {
+    pthread_mutex_lock(&c->mu);
+    c->max_bytes = max_bytes > 0 ? max_bytes : (int64_t)K3_GRAMMAR_CACHE_MB << 20;
+    c->budget_s = budget_s > 0 ? budget_s : K3_GRAMMAR_BUDGET_S;
+    pthread_mutex_unlock(&c->mu);
+}
+
+static void cache_drop(k3_grammar_cache *c, int i) { /* under mu */
+    c->bytes -= c->e[i].g->bytes;
+    free(c->e[i].key), k3_grammar_release(c->e[i].g);
+    c->e[i] = c->e[--c->n];
+}
 
 k3_status k3_grammar_cache_create(k3_grammar_vocab *vocab, int max_entries,
                                   k3_grammar_cache **out) {
@@ -824,6 +1061,8 @@ k3_status k3_grammar_cache_create(k3_grammar_vocab *vocab, int max_entries,
     }
     pthread_mutex_init(&c->mu, NULL);
     c->v = vocab;
+    c->max_bytes = (int64_t)K3_GRAMMAR_CACHE_MB << 20;
+    c->budget_s = K3_GRAMMAR_BUDGET_S;
     *out = c;
     return K3_OK;
 }
@@ -885,23 +1124,31 @@ k3_status k3_grammar_cache_get(k3_grammar_cache *c, const k3_grammar_spec *s, k3
     }
     /* compile outside the lock: two threads may compile one spec; the first insert wins */
     k3_grammar *g = NULL;
-    st = k3_grammar_compile(c->v, s, &g);
+    k3_grammar_spec s2 = *s;
+    pthread_mutex_lock(&c->mu);
+    if (s2.budget_s <= 0) s2.budget_s = c->budget_s;
+    pthread_mutex_unlock(&c->mu);
+    st = k3_grammar_compile(c->v, &s2, &g);
     if (st != K3_OK) {
         k3_chat_buf_free(&key);
         return st;
     }
     pthread_mutex_lock(&c->mu);
-    int slot = c->n;
-    if (c->n == c->max) { /* evict the least recently used */
-        slot = 0;
-        for (int i = 1; i < c->n; i++)
-            if (c->e[i].used < c->e[slot].used) slot = i;
-        free(c->e[slot].key), k3_grammar_release(c->e[slot].g);
-    } else {
-        c->n++;
+    if (g->bytes > c->max_bytes) { /* used once, never kept */
+        pthread_mutex_unlock(&c->mu);
+        k3_chat_buf_free(&key);
+        *out = g;
+        return K3_OK;
     }
-    c->e[slot] =
+    while (c->n && (c->n == c->max || c->bytes + g->bytes > c->max_bytes)) {
+        int lru = 0; /* evict the least recently used */
+        for (int i = 1; i < c->n; i++)
+            if (c->e[i].used < c->e[lru].used) lru = i;
+        cache_drop(c, lru);
+    }
+    c->e[c->n++] =
         (g_entry){.key = key.p, .n_key = key.n, .g = k3_grammar_retain(g), .used = ++c->clock};
+    c->bytes += g->bytes;
     pthread_mutex_unlock(&c->mu);
     *out = g;
     return K3_OK;

@@ -11,7 +11,19 @@
 
 #include "k3_grammar.h"
 
-#define G_MAX_STATES 200000 /* a schema that needs more is refused (K3_ERR_ARG) */
+#define G_MAX_STATES K3_GRAMMAR_MAX_STATES /* a schema that needs more is refused (K3_ERR_ARG) */
+
+/* The compile's clock: its time budget and the caller's cancel poll. */
+typedef struct g_limit {
+    double t0, budget_s, next_poll;
+    bool (*cancelled)(void *arg);
+    void *arg;
+    uint32_t tick;
+    const char *what; /* the spec's request key (messages) */
+} g_limit;
+/* False (and *err set once) when the budget is spent or the caller cancelled; checks the clock
+ * about every `every` calls. */
+bool g_limit_ok(g_limit *l, k3_status *err, uint32_t every);
 
 typedef enum { GE_SYM = 0, GE_EPS, GE_CALL } g_edge_kind;
 typedef struct g_edge {
@@ -29,6 +41,8 @@ typedef struct g_build {
     int32_t *rule_start, *rule_end; /* (n_rules) */
     int32_t n_rules, cap_rules;
     k3_status err; /* first error; every emit is a no-op after it */
+    g_limit *lim;
+    char where[256]; /* the schema keyword being built (the state budget's message) */
 } g_build;
 
 int32_t gb_state(g_build *b);
@@ -51,6 +65,18 @@ int32_t gb_utf8_char(g_build *b, int32_t from, const bool ascii_ok[128]);
 int32_t gb_bounded_number(g_build *b, int32_t from, bool integer, const k3_chat_json *const kw[5],
                           const char *path);
 int32_t gb_bounded_string(g_build *b, int32_t from, int mn, int mx);
+/* grammar_tables.c: lookups that keep a compile linear in its schema (one set per compile). */
+typedef struct g_tables g_tables;
+g_tables *g_tables_new(void); /* NULL: out of memory */
+void g_tables_free(g_tables *t);
+/* The position of member k[0..n) in object o, or -1 (err set only when out of memory). */
+int64_t g_member(g_tables *t, const k3_chat_json *o, const char *k, size_t n, k3_status *err);
+/* The rule built for (node, kind), or -1; with rule >= 0 and none found, records it. */
+int32_t g_node_rule_get(g_tables *t, const void *node, int kind, int32_t rule, k3_status *err);
+/* A literal-trie step from `from` on sym (one edge per (state, sym): alternatives that share a
+ * prefix share its states); g_trie_bytes: a byte string. Only trie states may be passed. */
+int32_t g_trie_step(g_build *b, g_tables *t, int32_t from, uint16_t sym);
+int32_t g_trie_bytes(g_build *b, g_tables *t, int32_t from, const char *p, size_t n);
 
 /* grammar_schema.c: build the whole grammar for a spec; returns the root rule (< 0 on error,
  * with b->err set and the message naming the keyword). */

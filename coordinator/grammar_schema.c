@@ -16,18 +16,20 @@
 #include <stdio.h>
 #include <stdlib.h>
 
-typedef struct g_ref {
-    const k3_chat_json *node;
+typedef struct g_ref { /* a rule whose body is still to build (the worklist: no recursion) */
+    const k3_chat_json *node, *root;
     int kind; /* -1: the node's value; 5 / 6: its object / array form */
     int32_t rule;
+    char *path;
 } g_ref;
 
 typedef struct g_cx {
     g_build *b;
     const k3_chat_json *root;                     /* the schema $ref resolves against */
     int32_t r_string, r_number, r_integer, r_any; /* shared rules (-1: not built yet) */
-    g_ref *refs;                                  /* rules built per schema node */
+    g_ref *refs;                                  /* rules whose bodies are still to build */
     int n_refs, cap_refs;
+    g_tables *tab;
     const char *what;
 } g_cx;
 
@@ -440,8 +442,7 @@ static int32_t emit_byte(g_cx *c, int32_t from, int b, bool json, int32_t to) {
                      : b == '\f' ? "\\f"
                                  : NULL;
     if (!sh) snprintf(e, sizeof e, "\\u%04x", b), sh = e;
-    int32_t t = gb_lit(c->b, from, sh, strlen(sh) - 1);
-    gb_sym(c->b, t, (uint8_t)sh[strlen(sh) - 1], (uint8_t)sh[strlen(sh) - 1], to);
+    gb_eps(c->b, g_trie_bytes(c->b, c->tab, from, sh, strlen(sh)), to); /* escapes share '\\' */
     return to;
 }
 
@@ -490,13 +491,15 @@ static int32_t rx_emit(g_cx *c, int32_t from, const rx *r, bool json) {
             gb_eps(c->b, rx_emit(c, loop, r->kid[0], json), loop);
             return loop;
         }
+        /* x{min,max} = x^min (x (x (...)?)?)?: each optional copy may end the repeat (one shared
+         * exit), so after any prefix one copy is live, not every later one */
+        int32_t out = gb_state(c->b);
         for (int i = r->min; i < r->max && !failed(c); i++) {
-            int32_t next = gb_state(c->b);
-            gb_eps(c->b, from, next);
-            gb_eps(c->b, rx_emit(c, from, r->kid[0], json), next);
-            from = next;
+            gb_eps(c->b, from, out);
+            from = rx_emit(c, from, r->kid[0], json);
         }
-        return from;
+        gb_eps(c->b, from, out);
+        return out;
     }
     }
     return from;
@@ -712,7 +715,8 @@ static const k3_chat_json *resolve_ref(g_cx *c, const k3_chat_json *ref, const c
                 key[k++] = *p++;
         }
         key[k] = 0;
-        n = k3_chat_json_get(n, key);
+        int64_t at = g_member(c->tab, n, key, k, &c->b->err);
+        n = at >= 0 ? n->items[at] : NULL;
     }
     if (!n || *p) fail(c, path, "$ref '%s' does not resolve", ref->s);
     return n;
@@ -724,8 +728,8 @@ static int32_t tuple(g_cx *c, int32_t from, const k3_chat_json *sch, const k3_ch
                      int mn, int mx, const char *path);
 static int32_t typed(g_cx *c, int32_t from, const k3_chat_json *sch, int t, const char *path);
 static int32_t node_rule(g_cx *c, const k3_chat_json *sch, int kind, const char *path) {
-    for (int i = 0; i < c->n_refs; i++)
-        if (c->refs[i].node == sch && c->refs[i].kind == kind) return c->refs[i].rule;
+    int32_t r = g_node_rule_get(c->tab, sch, kind, -1, &c->b->err);
+    if (r >= 0 || failed(c)) return r >= 0 ? r : 0;
     if (c->n_refs == c->cap_refs) {
         int nc = c->cap_refs ? 2 * c->cap_refs : 16;
         g_ref *q = realloc(c->refs, (size_t)nc * sizeof *q);
@@ -735,12 +739,32 @@ static int32_t node_rule(g_cx *c, const k3_chat_json *sch, int kind, const char 
         }
         c->refs = q, c->cap_refs = nc;
     }
-    int32_t r = gb_rule(c->b);
-    c->refs[c->n_refs++] = (g_ref){sch, kind, r};
-    int32_t s0 = c->b->rule_start[r];
-    gb_eps(c->b, kind < 0 ? value(c, s0, sch, path) : typed(c, s0, sch, kind, path),
-           c->b->rule_end[r]);
+    r = gb_rule(c->b);
+    char *pc = strdup(path);
+    if (!pc && !failed(c)) c->b->err = K3_ERR(K3_ERR_NOMEM, "grammar");
+    g_node_rule_get(c->tab, sch, kind, r, &c->b->err);
+    if (failed(c)) {
+        free(pc);
+        return 0;
+    }
+    c->refs[c->n_refs++] = (g_ref){sch, c->root, kind, r, pc};
     return r;
+}
+
+/* Build the bodies of the rules node_rule() handed out, until none is left. */
+static void build_rules(g_cx *c) {
+    while (c->n_refs) {
+        g_ref w = c->refs[--c->n_refs];
+        const k3_chat_json *root = c->root;
+        c->root = w.root;
+        int32_t s0 = c->b->rule_start[w.rule];
+        if (!failed(c))
+            gb_eps(c->b,
+                   w.kind < 0 ? value(c, s0, w.node, w.path) : typed(c, s0, w.node, w.kind, w.path),
+                   c->b->rule_end[w.rule]);
+        c->root = root;
+        free(w.path);
+    }
 }
 
 static int json_type_index(const char *t) {
@@ -823,12 +847,38 @@ static int32_t literals(g_cx *c, int32_t from, const k3_chat_json *const *vals, 
             c->b->err = K3_ERR(K3_ERR_NOMEM, "grammar");
             break;
         }
-        gb_eps(c->b, gb_lit(c->b, from, b.p, b.n), end);
+        gb_eps(c->b, g_trie_bytes(c->b, c->tab, from, b.p, b.n), end);
         k3_chat_buf_free(&b);
         used++;
     }
     if (!used) fail(c, path, "%s", "enum/const has no value the schema's type allows");
     return end;
+}
+
+/* Which properties are required (np flags, to free; NULL after a refusal): one indexed lookup per
+ * name, so `required` x `properties` is linear. Every required name must be a declared property. */
+static uint8_t *required_flags(g_cx *c, const k3_chat_json *props, const k3_chat_json *req,
+                               const char *path) {
+    size_t np = props && props->kind == K3_JSON_OBJECT ? props->n_items : 0;
+    uint8_t *f = calloc(np + 1, 1);
+    if (!f) {
+        if (!failed(c)) c->b->err = K3_ERR(K3_ERR_NOMEM, "grammar");
+        return NULL;
+    }
+    for (size_t i = 0; req && req->kind == K3_JSON_ARRAY && i < req->n_items && !failed(c); i++) {
+        const k3_chat_json *r = req->items[i];
+        if (r->kind != K3_JSON_STRING) {
+            fail(c, path, "%s", "required must list strings");
+            break;
+        }
+        int64_t at = g_member(c->tab, props, r->s, r->n, &c->b->err);
+        if (at < 0)
+            fail(c, path, "required property '%s' is not in properties (not supported)", r->s);
+        else
+            f[at] = 1;
+    }
+    if (failed(c)) free(f), f = NULL;
+    return f;
 }
 
 static int32_t object(g_cx *c, int32_t from, const k3_chat_json *sch, const char *path) {
@@ -840,16 +890,10 @@ static int32_t object(g_cx *c, int32_t from, const k3_chat_json *sch, const char
     if (req && req->kind != K3_JSON_ARRAY) fail(c, path, "%s", "required must be an array");
     if (failed(c)) return from;
     size_t np = props ? props->n_items : 0;
-    for (size_t i = 0; req && i < req->n_items; i++) {
-        if (req->items[i]->kind != K3_JSON_STRING) {
-            fail(c, path, "%s", "required must list strings");
-            return from;
-        }
-        if (!k3_chat_json_get_n(props, req->items[i]->s, req->items[i]->n))
-            fail(c, path, "required property '%s' is not in properties (not supported)",
-                 req->items[i]->s);
-    }
+    uint8_t *is_req = required_flags(c, props, req, path);
+    if (!is_req) return from;
     if (np == 0 && !(addl && addl->kind == K3_JSON_BOOL && !addl->b)) {
+        free(is_req);
         int32_t vr;
         if (addl && addl->kind == K3_JSON_OBJECT) {
             subpath(sub, sizeof sub, path, "additionalProperties");
@@ -864,9 +908,7 @@ static int32_t object(g_cx *c, int32_t from, const k3_chat_json *sch, const char
     int32_t A = lit(c, from, "{"), B = gb_state(c->b);
     for (size_t i = 0; i < np && !failed(c); i++) {
         const k3_chat_json *key = props->keys[i];
-        bool required = false;
-        for (size_t k = 0; req && k < req->n_items; k++)
-            required |= req->items[k]->n == key->n && !memcmp(req->items[k]->s, key->s, key->n);
+        bool required = is_req[i];
         k3_chat_buf kj = {0};
         if (k3_chat_json_dump_str(key->s, key->n, &kj) != K3_OK ||
             k3_chat_buf_puts(&kj, ":") != K3_OK) {
@@ -884,6 +926,7 @@ static int32_t object(g_cx *c, int32_t from, const k3_chat_json *sch, const char
         if (!required) gb_eps(c->b, A, A2), gb_eps(c->b, B, B2);
         A = A2, B = B2;
     }
+    free(is_req);
     int32_t end = gb_state(c->b);
     gb_eps(c->b, lit(c, B, "}"), end);
     gb_eps(c->b, lit(c, A, "}"), end); /* only reachable when every property is optional */
@@ -1096,9 +1139,23 @@ static int32_t value(g_cx *c, int32_t from, const k3_chat_json *sch, const char 
         return call(c, from, any_rule(c));
     }
     if (!schema_ok(c, sch, path)) return from;
+    snprintf(c->b->where, sizeof c->b->where, "%s", path);
     const k3_chat_json *ref = k3_chat_json_get(sch, "$ref"), *any = k3_chat_json_get(sch, "anyOf");
     if (ref) {
         const k3_chat_json *t = ref_target(c, sch, ref, path);
+        for (int hops = 0; t && t->kind == K3_JSON_OBJECT && !failed(c); hops++) {
+            const k3_chat_json *r2 = k3_chat_json_get(t, "$ref"); /* a $ref to a $ref: follow */
+            if (!r2 || other_keyword(t, "$ref")) break;
+            if (hops >= K3_GRAMMAR_MAX_NEST) {
+                char n[16];
+                snprintf(n, sizeof n, "%d", K3_GRAMMAR_MAX_NEST);
+                fail(c, path,
+                     "a chain of more than %s $ref (or a cycle of them): the nesting budget", n);
+                return from;
+            }
+            ref = r2;
+            t = ref_target(c, t, ref, path);
+        }
         return t ? call(c, from, node_rule(c, t, -1, ref->s)) : from;
     }
     if (any) {
@@ -1235,13 +1292,14 @@ static int32_t xtml_value(g_cx *c, int32_t from, const k3_chat_json *sch, const 
                                                         : "number";
             char head[32];
             snprintf(head, sizeof head, "%s\"", a);
-            int32_t s = mark(c, lit(c, from, head), K3_GSYM_SEP);
+            int32_t s = g_trie_bytes(c->b, c->tab, from, head, strlen(head));
+            s = g_trie_step(c->b, c->tab, s, K3_GSYM_SEP);
             if (v->kind == K3_JSON_STRING) {
-                gb_eps(c->b, gb_lit(c->b, s, v->s, v->n), end);
+                gb_eps(c->b, g_trie_bytes(c->b, c->tab, s, v->s, v->n), end);
             } else {
                 k3_chat_buf b = {0};
                 if (k3_chat_json_dump(v, K3_JSON_COMPACT, &b) == K3_OK)
-                    gb_eps(c->b, gb_lit(c->b, s, b.p, b.n), end);
+                    gb_eps(c->b, g_trie_bytes(c->b, c->tab, s, b.p, b.n), end);
                 k3_chat_buf_free(&b);
             }
         }
@@ -1275,9 +1333,14 @@ static int32_t xtml_arg(g_cx *c, int32_t from, const char *key, size_t n_key,
 
 /* The body of a call: an argument element per property (declared order, optional ones may be
  * left out), or any arguments for a free-form object. */
-static int32_t xtml_args(g_cx *c, int32_t from, const k3_chat_json *params, const char *path) {
+static int32_t xtml_args(g_cx *c, int32_t from, const k3_chat_json *params, const char *path,
+                         int depth) {
     char sub[512];
     if (!params || params->kind == K3_JSON_NULL) return from; /* no parameters: no arguments */
+    if (depth > 32) {
+        fail(c, path, "%s", "a chain of more than 32 $ref (or a cycle) at a function's parameters");
+        return from;
+    }
     if (params->kind != K3_JSON_OBJECT) {
         fail(c, path, "%s", "parameters must be an object");
         return from;
@@ -1286,7 +1349,7 @@ static int32_t xtml_args(g_cx *c, int32_t from, const k3_chat_json *params, cons
     const k3_chat_json *ref = k3_chat_json_get(params, "$ref");
     if (ref) {
         const k3_chat_json *t = resolve_ref(c, ref, path);
-        return t && t != params ? xtml_args(c, from, t, ref->s) : from;
+        return t && t != params ? xtml_args(c, from, t, ref->s, depth + 1) : from;
     }
     const k3_chat_json *ty = k3_chat_json_get(params, "type");
     if (ty && !k3_chat_json_is_str(ty, "object"))
@@ -1300,12 +1363,10 @@ static int32_t xtml_args(g_cx *c, int32_t from, const k3_chat_json *params, cons
                        *addl = k3_chat_json_get(params, "additionalProperties");
     if (failed(c)) return from;
     size_t np = props && props->kind == K3_JSON_OBJECT ? props->n_items : 0;
-    for (size_t i = 0; req && req->kind == K3_JSON_ARRAY && i < req->n_items; i++)
-        if (req->items[i]->kind != K3_JSON_STRING ||
-            !k3_chat_json_get_n(props, req->items[i]->s, req->items[i]->n))
-            fail(c, path, "required property '%s' is not in properties (not supported)",
-                 req->items[i]->kind == K3_JSON_STRING ? req->items[i]->s : "?");
+    uint8_t *is_req = required_flags(c, props, req, path);
+    if (!is_req) return from;
     if (np == 0 && !(addl && addl->kind == K3_JSON_BOOL && !addl->b)) {
+        free(is_req);
         int32_t loop = gb_state(c->b);
         gb_eps(c->b, from, loop);
         static const k3_chat_json ANY = {.kind = K3_JSON_BOOL, .b = true};
@@ -1317,14 +1378,12 @@ static int32_t xtml_args(g_cx *c, int32_t from, const k3_chat_json *params, cons
     }
     for (size_t i = 0; i < np && !failed(c); i++) {
         const k3_chat_json *key = props->keys[i];
-        bool required = false;
-        for (size_t k = 0; req && req->kind == K3_JSON_ARRAY && k < req->n_items; k++)
-            required |= req->items[k]->n == key->n && !memcmp(req->items[k]->s, key->s, key->n);
         snprintf(sub, sizeof sub, "%.300s.properties.%.150s", path, key->s);
         int32_t next = xtml_arg(c, from, key->s, key->n, props->items[i], sub);
-        if (!required) gb_eps(c->b, from, next);
+        if (!is_req[i]) gb_eps(c->b, from, next);
         from = next;
     }
+    free(is_req);
     return from;
 }
 
@@ -1353,7 +1412,7 @@ static int32_t tool_call(g_cx *c, int32_t from, const k3_grammar_spec *s) {
         snprintf(path, sizeof path, "tools[%zu].function.parameters", i);
         const k3_chat_json *root = c->root; /* a tool's $ref resolves in its parameters */
         c->root = k3_chat_json_get(fn ? fn : t, "parameters");
-        a = xtml_args(c, a, c->root, path);
+        a = xtml_args(c, a, c->root, path, 0);
         c->root = root;
         gb_eps(c->b, mark(c, lit(c, mark(c, a, K3_GSYM_CLOSE), "call"), K3_GSYM_SEP), end);
     }
@@ -1396,7 +1455,7 @@ static int32_t content(g_cx *c, int32_t from, const k3_grammar_spec *s) {
                 fail(c, what, "%s", "choices must be strings");
                 return from;
             }
-            gb_eps(c->b, gb_lit(c->b, from, v->s, v->n), end);
+            gb_eps(c->b, g_trie_bytes(c->b, c->tab, from, v->s, v->n), end);
         }
         return end;
     }
@@ -1412,7 +1471,12 @@ int32_t g_build_spec(g_build *b, const k3_grammar_spec *s) {
               .r_number = -1,
               .r_integer = -1,
               .r_any = -1,
-              .what = s->what};
+              .what = s->what,
+              .tab = g_tables_new()};
+    if (!c.tab) {
+        b->err = K3_ERR(K3_ERR_NOMEM, "grammar tables");
+        return -1;
+    }
     int32_t root = gb_rule(b), cur = b->rule_start[root];
     if (!s->bare && s->thinking) { /* free thinking, ended by <|close|>think<|sep|> */
         int32_t th = gb_state(b);
@@ -1422,6 +1486,7 @@ int32_t g_build_spec(g_build *b, const k3_grammar_spec *s) {
         cur = mark(&c, lit(&c, mark(&c, cur, K3_GSYM_OPEN), "response"), K3_GSYM_SEP);
     }
     cur = content(&c, cur, s);
+    build_rules(&c);
     if (!s->bare) {
         cur = mark(&c, lit(&c, mark(&c, cur, K3_GSYM_CLOSE), "response"), K3_GSYM_SEP);
         if (s->tools_mode == K3_GT_REQUIRED) {
@@ -1434,7 +1499,10 @@ int32_t g_build_spec(g_build *b, const k3_grammar_spec *s) {
         cur = mark(&c, lit(&c, mark(&c, cur, K3_GSYM_CLOSE), "message"), K3_GSYM_SEP);
         cur = mark(&c, cur, K3_GSYM_EOM);
     }
+    build_rules(&c); /* the tools' parameter rules */
     gb_eps(b, cur, b->rule_end[root]);
+    for (int i = 0; i < c.n_refs; i++) free(c.refs[i].path);
     free(c.refs);
+    g_tables_free(c.tab);
     return b->err == K3_OK ? root : -1;
 }

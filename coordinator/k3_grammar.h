@@ -54,7 +54,20 @@ typedef struct k3_grammar_spec {
     const char *tool_name;     /* only this function (named tool_choice); NULL: any */
     bool single_call;          /* parallel_tool_calls false or a named function: one call */
     const char *what;          /* the request key, for error messages */
+    /* Not part of the spec's identity (the cache key): how the compile may be stopped. */
+    bool (*cancelled)(void *arg); /* polled about every 50 ms of compile (NULL: never) */
+    void *cancel_arg;
+    double budget_s; /* the compile's time budget (0: K3_GRAMMAR_BUDGET_S; the cache sets it) */
 } k3_grammar_spec;
+
+/* The compile's bounds. Past one: K3_ERR_ARG naming the bound (and, for states, the schema
+ * keyword being built); cancelled: K3_ERR_STATE. Nothing in the compiler recurses on the depth of
+ * the input beyond the JSON parser's nesting limit ($ref targets are built from a worklist). */
+#define K3_GRAMMAR_BUDGET_S   10.0   /* --grammar-budget: seconds of compile */
+#define K3_GRAMMAR_MAX_STATES 200000 /* automaton states */
+#define K3_GRAMMAR_MAX_CFG    4096   /* live configurations (anyOf branches that still agree) */
+#define K3_GRAMMAR_MAX_NEST   1000   /* calls entered without consuming input ($ref/anyOf chains) */
+#define K3_GRAMMAR_CACHE_MB   256    /* the cache's byte budget (compiled grammars kept) */
 
 /* ---- compiled grammar ------------------------------------------------------------------- */
 typedef struct k3_grammar k3_grammar;
@@ -62,7 +75,7 @@ k3_status k3_grammar_compile(const k3_grammar_vocab *v, const k3_grammar_spec *s
 k3_grammar *k3_grammar_retain(k3_grammar *g);
 void k3_grammar_release(k3_grammar *g); /* NULL-safe; frees at the last release */
 typedef struct k3_grammar_info {
-    int64_t n_states, n_rules, n_masked_states, mask_bytes;
+    int64_t n_states, n_rules, n_masked_states, mask_bytes, bytes; /* bytes: all it holds */
     double compile_s;
 } k3_grammar_info;
 int64_t k3_grammar_vocab_size_of(const k3_grammar *g);
@@ -85,8 +98,11 @@ bool k3_matcher_done(const k3_matcher *m);    /* complete, and nothing more can 
 
 /* ---- cache of compiled grammars (thread-safe) --------------------------------------------- */
 typedef struct k3_grammar_cache k3_grammar_cache;
-/* `vocab` is owned by the cache; max_entries compiled grammars are kept (LRU). */
+/* `vocab` is owned by the cache; at most max_entries compiled grammars and max_bytes of them are
+ * kept (LRU; a grammar larger than max_bytes is compiled but not kept). budget_s: each compile's
+ * time budget (0: K3_GRAMMAR_BUDGET_S). */
 k3_status k3_grammar_cache_create(k3_grammar_vocab *vocab, int max_entries, k3_grammar_cache **out);
+void k3_grammar_cache_limits(k3_grammar_cache *c, int64_t max_bytes, double budget_s);
 void k3_grammar_cache_destroy(k3_grammar_cache *c); /* NULL-safe */
 /* A retained grammar for `s`, compiled once per distinct spec; *hit says whether it was cached. */
 k3_status k3_grammar_cache_get(k3_grammar_cache *c, const k3_grammar_spec *s, k3_grammar **out,

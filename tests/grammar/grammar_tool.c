@@ -10,8 +10,9 @@
  *   any error -> {"error": message}
  * SPEC = {"schema":..} | {"regex":..} | {"choice":[..]} | {"json_object":true}, plus for the K3
  * envelope "envelope":true, "thinking", "tools", "tool_choice":"required"|"none"|NAME,
- * "single_call". Envelope walks print their output with markers as <|open|> etc. text.
- * argv[1]: a .tiktoken vocabulary (with the K3 specials after its ranks). */
+ * "single_call", "budget_s" (the compile's time budget). Envelope walks print their output with
+ * markers as <|open|> etc. text. argv[1]: a .tiktoken vocabulary (with the K3 specials after its
+ * ranks). */
 #include "k3_grammar.h"
 
 #include <stdio.h>
@@ -37,6 +38,9 @@ static k3_status spec_of(const k3_chat_json *j, k3_grammar_spec *s) {
     s->thinking = k3_chat_json_truthy(get(j, "thinking"));
     s->tools = get(j, "tools");
     s->single_call = k3_chat_json_truthy(get(j, "single_call"));
+    const k3_chat_json *bs = get(j, "budget_s"); /* the compile's time budget */
+    if (bs && bs->kind == K3_JSON_FLOAT) s->budget_s = bs->f;
+    if (bs && bs->kind == K3_JSON_INT) s->budget_s = atof(bs->s);
     const k3_chat_json *tc = get(j, "tool_choice");
     s->tools_mode = K3_GT_ANY;
     if (k3_chat_json_is_str(tc, "required"))

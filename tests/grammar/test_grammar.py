@@ -8,7 +8,8 @@ Random byte edits and extra keys: accepted => valid (the grammar generates a sub
 walks through the masks (random logits among the allowed ids, a random model): every output must
 parse and validate, and at every 7th step the mask must equal the matcher's per-id verdict.
 Unsupported keywords must be refused, naming the keyword. Seed printed; usage:
-    python3 test_grammar.py GRAMMAR_TOOL
+    python3 test_grammar.py GRAMMAR_TOOL [--bounds]
+(--bounds: only the compiler's bounds, grammar_bounds.py.)
 """
 import base64
 import json
@@ -192,6 +193,31 @@ def main():
         p.stdin.write(json.dumps(req) + "\n")
         p.stdin.flush()
         return json.loads(p.stdout.readline())
+
+    if "--bounds" in sys.argv:  # the compiler's bounds only (grammar_bounds.py)
+        import grammar_bounds
+        tool_p = [p]
+
+        def ask_or_died(req):  # a crash is an answer too (and the next case gets a fresh tool)
+            try:
+                tool_p[0].stdin.write(json.dumps(req) + "\n")
+                tool_p[0].stdin.flush()
+                line = tool_p[0].stdout.readline()
+                if line:
+                    return json.loads(line)
+            except (BrokenPipeError, ValueError):
+                pass
+            rc = tool_p[0].wait()
+            tool_p[0] = subprocess.Popen([tool, vocab.name], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                                         text=True)
+            return {"error": "grammar_tool died (exit %d)" % rc}
+
+        grammar_bounds.run(ask_or_died)
+        p = tool_p[0]
+        p.stdin.close()
+        p.wait()
+        os.unlink(vocab.name)
+        return verdict("grammar_bounds")
 
     for si, s in enumerate(SCHEMAS):
         exact, loose = [], []

@@ -10,6 +10,10 @@ set_tests_properties(grammar_schemas PROPERTIES LABELS "unit" ENVIRONMENT "${K3_
 # through the matcher: no invalid instance accepted, >= 90% of the verdicts right
 add_test(NAME grammar_test_suite COMMAND ${K3_PYTHON3} ${CMAKE_CURRENT_LIST_DIR}/test_suite_coverage.py $<TARGET_FILE:grammar_tool>)
 set_tests_properties(grammar_test_suite PROPERTIES LABELS "unit" ENVIRONMENT "${K3_TEST_ENV}" TIMEOUT 120)
+# The compiler's bounds (issue 43): $ref chains of 60,000, bounded repeats, 249-way enums, left
+# recursion, the time budget: each refused or compiled in about a second (tests/grammar/grammar_bounds.py).
+add_test(NAME grammar_bounds COMMAND ${K3_PYTHON3} ${CMAKE_CURRENT_LIST_DIR}/test_grammar.py $<TARGET_FILE:grammar_tool> --bounds)
+set_tests_properties(grammar_bounds PROPERTIES LABELS "unit" ENVIRONMENT "${K3_TEST_ENV}" TIMEOUT 120)
 # End to end on the tiny model: 200 json_schema + 100 tool_choice=required requests through
 # `k3 serve` with the openai client, the other keys, streaming, 400s, and `k3 batch`; on 2 x 2 the
 # same sections with fewer requests (the split is what it checks; the counts are the 1 x 1 run's).
