@@ -8,9 +8,9 @@
 #include <stdlib.h>
 
 typedef struct g_slot {
-    uint64_t h;      /* 0: empty */
-    const void *p;   /* object / schema node (NULL for trie entries) */
-    int64_t a, v;    /* key position / kind / (state << 16 | sym); the value */
+    uint64_t h;    /* 0: empty */
+    const void *p; /* object / schema node (NULL for trie entries) */
+    int64_t a, v;  /* key position / kind / (state << 16 | sym); the value */
 } g_slot;
 
 struct g_tables {

@@ -2,7 +2,8 @@
  * line on stdin, one JSON answer a line on stdout).
  *
  *   {"op":"check","spec":SPEC,"instances":[str,...]}  -> {"verdicts":[bool,...]} : the bytes of
- *       each instance through the matcher (bare content: accepted = complete)
+ *       each instance through the matcher (bare content: accepted = complete), and
+ *       "compile_cpu_s" (the request's parse + compile in thread CPU seconds; errors carry it too)
  *   {"op":"walk","spec":SPEC,"n":N,"seed":S,"max":M}  -> {"outputs":[str|null,...],
  *       "mask_errors":K} : N generations, each id drawn from the mask with random logits (a random
  *       model); every step the mask is compared with k3_matcher_allows for every id (K = the ids
@@ -17,6 +18,7 @@
 
 #include <stdio.h>
 #include <stdlib.h>
+#include <time.h>
 
 static const k3_chat_json *get(const k3_chat_json *o, const char *k) {
     return k3_chat_json_get(o, k);
@@ -57,11 +59,18 @@ static uint64_t rng_next(uint64_t *x) {
     return *x;
 }
 
+static double compile_cpu_s; /* the last request's parse + compile, in thread CPU seconds */
+static double cpu_now(void) {
+    struct timespec t;
+    clock_gettime(CLOCK_THREAD_CPUTIME_ID, &t);
+    return (double)t.tv_sec + 1e-9 * (double)t.tv_nsec;
+}
+
 static void put_err(void) {
     k3_chat_buf b = {0};
     const char *m = k3_last_error();
     k3_chat_json_dump_str(m, strlen(m), &b);
-    printf("{\"error\":%s}\n", b.p);
+    printf("{\"error\":%s,\"compile_cpu_s\":%.4f}\n", b.p, compile_cpu_s);
     k3_chat_buf_free(&b);
 }
 
@@ -146,9 +155,12 @@ int main(int argc, char **argv) {
         k3_grammar *g = NULL;
         k3_grammar_spec s;
         bool hit;
-        if (k3_chat_json_parse(line, (size_t)n, "request", &j) != K3_OK ||
-            spec_of(get(j, "spec"), &s) != K3_OK ||
-            k3_grammar_cache_get(cache, &s, &g, &hit) != K3_OK) {
+        double c0 = cpu_now();
+        bool compiled = k3_chat_json_parse(line, (size_t)n, "request", &j) == K3_OK &&
+                        spec_of(get(j, "spec"), &s) == K3_OK &&
+                        k3_grammar_cache_get(cache, &s, &g, &hit) == K3_OK;
+        compile_cpu_s = cpu_now() - c0;
+        if (!compiled) {
             put_err();
         } else if (k3_chat_json_is_str(get(j, "op"), "check")) {
             const k3_chat_json *in = get(j, "instances");
@@ -165,7 +177,7 @@ int main(int argc, char **argv) {
                 free(syms);
                 k3_matcher_destroy(m);
             }
-            printf("]}\n");
+            printf("],\"compile_cpu_s\":%.4f}\n", compile_cpu_s);
         } else {
             k3_chat_buf out = {0};
             if (walk(g, tok, V, j, &out) == K3_OK)
