@@ -292,7 +292,7 @@ k3_status k3_job_sampling(k3_job *j, const k3_job_settings *s, const char *what)
                                 .n_stop_strings = j->n_stops};
     k3_grammar_release(j->grammar);
     j->grammar = NULL;
-    return k3_job_grammar(j, s->grammars, what);
+    return s->defer_grammar ? K3_OK : k3_job_grammar(j, s->grammars, what);
 }
 
 /* ---- the assistant message ------------------------------------------------------------------ */

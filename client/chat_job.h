@@ -48,7 +48,9 @@ typedef struct k3_job_settings {
     bool bias_fixed, stop_fixed; /* the caller filled job.bias / job.stops from its flags */
     int64_t n_vocab; /* the model's vocab_size: logit_bias ids must be below it (0: unchecked) */
     k3_grammar_cache *grammars; /* structured outputs (k3_job_grammar); NULL: refused */
-    bool n_taken; /* the caller answers "n" itself (k3 serve); else only n = 1 is accepted */
+    bool n_taken;       /* the caller answers "n" itself (k3 serve); else only n = 1 is accepted */
+    bool defer_grammar; /* k3_job_sampling leaves the grammar to a later k3_job_grammar call (k3
+                           serve compiles only after the prompt-length checks) */
 } k3_job_settings;
 
 typedef struct k3_job {

@@ -35,6 +35,13 @@ static bool gb_grow(g_build *b, void **p, int64_t *cap, int64_t need, size_t ele
     return true;
 }
 
+static _Thread_local bool (*thread_cancelled)(void *arg);
+static _Thread_local void *thread_cancel_arg;
+
+void k3_grammar_thread_cancel(bool (*cancelled)(void *arg), void *arg) {
+    thread_cancelled = cancelled, thread_cancel_arg = arg;
+}
+
 bool g_limit_ok(g_limit *l, k3_status *err, uint32_t every) {
     if (*err != K3_OK) return false;
     if (!l || ++l->tick < every) return true;
@@ -740,8 +747,8 @@ k3_status k3_grammar_compile(const k3_grammar_vocab *v, const k3_grammar_spec *s
     double t0 = k3_now_s();
     g_limit lim = {.t0 = t0,
                    .budget_s = s->budget_s > 0 ? s->budget_s : K3_GRAMMAR_BUDGET_S,
-                   .cancelled = s->cancelled,
-                   .arg = s->cancel_arg,
+                   .cancelled = s->cancelled ? s->cancelled : thread_cancelled,
+                   .arg = s->cancelled ? s->cancel_arg : thread_cancel_arg,
                    .what = s->what ? s->what : "schema"};
     g_build b = {.lim = &lim};
     int32_t root = g_build_spec(&b, s);

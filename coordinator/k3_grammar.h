@@ -69,6 +69,11 @@ typedef struct k3_grammar_spec {
 #define K3_GRAMMAR_MAX_NEST   1000   /* calls entered without consuming input ($ref/anyOf chains) */
 #define K3_GRAMMAR_CACHE_MB   256    /* the cache's byte budget (compiled grammars kept) */
 
+/* The compiles this thread runs from now on poll cancelled(arg) (a spec's own callback wins);
+ * NULL: none. `k3 serve` sets it around a request's parse: a compile stops when its client
+ * leaves or the server stops. */
+void k3_grammar_thread_cancel(bool (*cancelled)(void *arg), void *arg);
+
 /* ---- compiled grammar ------------------------------------------------------------------- */
 typedef struct k3_grammar k3_grammar;
 k3_status k3_grammar_compile(const k3_grammar_vocab *v, const k3_grammar_spec *s, k3_grammar **out);

@@ -60,6 +60,9 @@ static const k3_flag flags[] = {
     {"allowed-origins", K3_FLAG_STR, "LIST", NULL,
      "CORS for browser clients: comma-separated origins (or *) whose pages may call the API; "
      "preflight OPTIONS needs no key (default: no CORS headers)"},
+    {"grammar-budget", K3_FLAG_FLOAT, "SEC", "10",
+     "structured outputs: a grammar whose compile takes longer gets 400 naming this budget (a "
+     "compile also stops when its client leaves)"},
     {"shutdown-grace", K3_FLAG_FLOAT, "SEC", "10",
      "on SIGINT/SIGTERM, in-flight requests may finish this long before they are cancelled"},
     K3_ENGINE_FLAGS,
@@ -150,6 +153,9 @@ static k3_status prepare(const k3_args *a, k3_server_opts *so, k3_tokenizer **to
     const double read_s = k3_args_float(a, "read-timeout");
     if (!(read_s >= 1 && read_s <= 86400))
         return K3_ERR(K3_ERR_ARG, "--read-timeout must be in [1, 86400] seconds");
+    const double budget_s = k3_args_float(a, "grammar-budget");
+    if (!(budget_s > 0 && budget_s <= 3600))
+        return K3_ERR(K3_ERR_ARG, "--grammar-budget must be in (0, 3600] seconds");
     if (!(k3_args_float(a, "shutdown-grace") >= 0))
         return K3_ERR(K3_ERR_ARG, "--shutdown-grace must be >= 0");
     const char *m = k3_args_str(a, "model");
@@ -182,6 +188,7 @@ static k3_status prepare(const k3_args *a, k3_server_opts *so, k3_tokenizer **to
     so->n_vocab = cfg.vocab_size;
     so->tok = *tok;
     K3_TRY(k3_job_grammar_cache(*tok, cfg.vocab_size, &so->grammars));
+    k3_grammar_cache_limits(so->grammars, 0, budget_s);
     return K3_OK;
 }
 

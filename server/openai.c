@@ -243,7 +243,8 @@ static int parse_job(const k3_server_opts *o, sreq *q, const char *body, size_t 
                                  [K3_JOB_MAX_TOKENS] = q->kind == SREQ_COMPLETION ? 16 : 0},
                          .n_vocab = o->n_vocab,
                          .grammars = o->grammars,
-                         .n_taken = true};
+                         .n_taken = true,
+                         .defer_grammar = true};
     const k3_chat_json *seed = key(j->doc, "seed");
     uint64_t t = (uint64_t)k3_now_s() * 1000003u ^ (uint64_t)(uintptr_t)q;
     s.seed = seed ? 0 : k3_hash_bytes(&t, sizeof t, K3_HASH_INIT); /* unseeded: a fresh one */
@@ -274,6 +275,8 @@ static int parse_job(const k3_server_opts *o, sreq *q, const char *body, size_t 
                     "the prompt (%lld tokens) + max_tokens (%lld) exceeds the context limit of "
                     "%lld tokens (--max-ctx)",
                     (long long)j->n_ids, (long long)j->max_tokens, (long long)o->max_ctx);
+    k3_status gs = k3_job_grammar(j, o->grammars, "request"); /* compiled after the cheap checks */
+    if (gs != K3_OK) return fail(why, n_why, gs == K3_ERR_NOMEM ? 500 : 400, "%s", k3_last_error());
     q->stream = k3_chat_json_truthy(key(j->doc, "stream"));
     q->include_usage = k3_chat_json_truthy(key(key(j->doc, "stream_options"), "include_usage"));
     q->return_token_ids = k3_chat_json_truthy(key(j->doc, "return_token_ids"));

@@ -28,6 +28,7 @@
 #include "server_internal.h"
 
 #define WAIT_SLICE_S   0.2 /* how often a waiting HTTP thread looks at its client's socket */
+#define HALF_CLOSE_S   0.5 /* a FIN this soon after the request is a half-close, later a close */
 #define STUCK_CLIENT_S 10  /* at shutdown, after the grace: how long responses may take to drain */
 #define FAULT_DRAIN_S  3   /* after an engine fault: how long the open requests' errors may take */
 #define HEALTH_SILENT_S                                                                            \
@@ -73,8 +74,24 @@ typedef struct conn {
     int64_t n_prompt; /* for the access log */
     k3_chat_buf out;  /* streaming: bytes not yet handed to MHD */
     size_t out_off;
-    bool end_sent; /* streaming: the end of the stream went out */
+    bool end_sent;    /* streaming: the end of the stream went out */
+    bool half_closed; /* the client's FIN came with its request (it shut its write side, and still
+                         reads the answer): only a reset means it left */
+    double t_request; /* the whole request was read (its FIN within HALF_CLOSE_S: a half-close) */
 } conn;
+
+/* The client is gone: an error (a reset) on a non-blocking peek, or a FIN that came later than
+ * HALF_CLOSE_S after its request (a client that closes, as a client timeout does). A client that
+ * half-closes (sends its request, then shuts its write side, as curl and proxies may) has its FIN
+ * there with the request: half_closed, and it still gets its answer. (The two send the same
+ * FIN; only its timing tells them apart.) */
+static int peek_client(struct MHD_Connection *c);
+static bool client_gone(conn *k) {
+    int p = peek_client(k->c);
+    if (p == 1 && !k->half_closed && k3_now_s() - k->t_request < HALF_CLOSE_S)
+        k->half_closed = true; /* the FIN came with the request: it still reads the answer */
+    return p == 2 || (p == 1 && !k->half_closed);
+}
 
 /* ---- helpers --------------------------------------------------------------------------------- */
 static const struct {
@@ -126,16 +143,15 @@ static void timed_wait(pthread_cond_t *cv, pthread_mutex_t *mu, double seconds) 
     pthread_cond_timedwait(cv, mu, &ts);
 }
 
-/* The client is gone: an error (a reset) on a non-blocking peek. An EOF is not enough: a client
- * that half-closes (sends its request, then shuts its write side, as curl and proxies may) still
- * reads the answer; a client that closed both sides is found by the first write that fails. */
-static bool client_gone(struct MHD_Connection *c) {
+/* The client's socket: 0 open (nothing, or more bytes to read), 1 EOF (a FIN), 2 an error. */
+static int peek_client(struct MHD_Connection *c) {
     const union MHD_ConnectionInfo *ci =
         MHD_get_connection_info(c, MHD_CONNECTION_INFO_CONNECTION_FD);
-    if (!ci) return false;
+    if (!ci) return 0;
     char b;
     ssize_t r = recv(ci->connect_fd, &b, 1, MSG_PEEK | MSG_DONTWAIT);
-    return r < 0 && errno != EAGAIN && errno != EWOULDBLOCK && errno != EINTR;
+    if (r == 0) return 1;
+    return r < 0 && errno != EAGAIN && errno != EWOULDBLOCK && errno != EINTR ? 2 : 0;
 }
 
 /* CORS (--allowed-origins, off by default): the request's Origin when the list names it (or
@@ -253,12 +269,14 @@ static void unref(sreq *q) {
 }
 
 /* Hand a parsed request to the main thread. 200, or 429 / 503 when it is refused. */
-static int admit(k3_server *s, sreq *head) {
+static int admit(k3_server *s, sreq *head, double t_arrive) {
     pthread_mutex_lock(&s->mu);
     const int n = srv_n_choices(head);
     size_t bytes = 0;
     for (const sreq *q = head; q; q = q->sib) bytes += q->n_bytes;
-    int st = s->stopping                                            ? 503
+    int st = s->stopping ? 503
+             : (s->max_queue > 0 && n > s->max_queue) || bytes > s->max_queue_bytes
+                 ? 413 /* never admitted, however long the client waits */
              : s->max_queue > 0 && s->m.admitted + n > s->max_queue ? 429
              : s->queued_bytes + bytes > s->max_queue_bytes         ? 429
                                                                     : 200;
@@ -273,7 +291,7 @@ static int admit(k3_server *s, sreq *head) {
                                             : "cmpl-",
                      (unsigned long long)h);
             q->created = (int64_t)time(NULL);
-            q->t_arrive = k3_now_s();
+            q->t_arrive = t_arrive; /* the request's arrival: TTFT counts its parse and compile */
             q->refs = 2;
             if (s->tail)
                 s->tail->next = q;
@@ -567,7 +585,7 @@ static bool wait_done(conn *k) {
         wait_news(s, k->q);
         if (all_done(k->q)) break;
         pthread_mutex_unlock(&s->mu);
-        bool gone = client_gone(k->c);
+        bool gone = client_gone(k);
         pthread_mutex_lock(&s->mu);
         if (gone) break;
     }
@@ -639,7 +657,7 @@ static ssize_t read_stream(void *cls, uint64_t pos, char *buf, size_t max) {
             wait_news(s, k->q);
             if (!nothing_new(k)) break;
             pthread_mutex_unlock(&s->mu);
-            bool gone = client_gone(k->c);
+            bool gone = client_gone(k);
             pthread_mutex_lock(&s->mu);
             if (gone) {
                 pthread_mutex_unlock(&s->mu);
@@ -670,14 +688,24 @@ static ssize_t read_stream(void *cls, uint64_t pos, char *buf, size_t max) {
     }
 }
 
+/* A grammar compile on this thread stops when its client leaves or the server stops. */
+static bool compile_cancelled(void *arg) {
+    conn *k = arg;
+    return __atomic_load_n(&k->s->stopping, __ATOMIC_RELAXED) || client_gone(k);
+}
+
 /* A chat or completion request; `responses`: a /v1/responses body (a chat request). */
 static enum MHD_Result model_request(conn *k, sreq_kind kind, bool responses) {
     k3_server *s = k->s;
     char why[1024];
     sreq *q = NULL;
     const char *body = k->body ? k->body : "";
+    k->t_request = k3_now_s();
+    k->half_closed = peek_client(k->c) == 1;
+    k3_grammar_thread_cancel(compile_cancelled, k);
     int st = responses ? srv_responses_parse(&s->o, body, k->n, &q, why, sizeof why)
                        : srv_parse(&s->o, kind, body, k->n, &q, why, sizeof why);
+    k3_grammar_thread_cancel(NULL, NULL);
     if (st != 200) return send_error(k, st, why);
     for (sreq *c = q; c && q->stream && st == 200; c = c->sib)
         if (k3_calloc((void **)&c->st, sizeof *c->st, "stream state") != K3_OK) st = 500;
@@ -685,13 +713,16 @@ static enum MHD_Result model_request(conn *k, sreq_kind kind, bool responses) {
         srv_sreq_free_chain(q);
         return send_error(k, 500, "out of memory");
     }
-    st = admit(s, q);
+    st = admit(s, q, k->t0);
     if (st != 200) {
         srv_sreq_free_chain(q);
         return send_error(k, st,
-                          st == 429 ? "the server's request queue is full (--max-queue-bytes "
-                                      "or --max-queue); retry later"
-                                    : "the server is shutting down");
+                          st == 429   ? "the server's request queue is full (--max-queue-bytes "
+                                        "or --max-queue); retry later"
+                          : st == 413 ? "the request needs more memory than the whole queue may "
+                                        "hold (--max-queue-bytes) or more choices than "
+                                        "--max-queue: it can never be admitted"
+                                      : "the server is shutting down");
     }
     k->q = q;
     if (q->stream) {

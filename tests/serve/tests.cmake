@@ -53,3 +53,6 @@ k3_serve_pytest(serve_dashboard dashboard_test.py d1x1 "unit" 120)
 k3_serve_pytest(serve_pydantic pydantic_test.py p1x1 "unit" 180)
 # issue 42: a paged cache of half a context takes concurrent chat requests without max_tokens
 k3_serve_pytest(serve_cache_chat cache_test.py cache_chat "unit" 300)
+# issue 43: a $ref chain's 400, a compile stopped when its client leaves, 40 requests closed with a
+# FIN cancelled, 413 for what can never be admitted (abandon_test.py)
+k3_serve_pytest(serve_abandon abandon_test.py abandon "unit" 120)
