@@ -57,7 +57,9 @@ static k3_status check_served(const k3_chat_json *doc, const char *what) {
 k3_status k3_job_parse(k3_job *j, const char *text, size_t n_bytes, const char *what,
                        const k3_tokenizer *tok) {
     k3_status st = k3_chat_json_parse(text, n_bytes, what, &j->doc);
-    if (st == K3_OK) st = k3_chat_request_parse(text, n_bytes, &j->req);
+    if (st != K3_OK) return st; /* its message names `what` already */
+    st = k3_chat_request_parse(text, n_bytes, &j->req);
+    if (st == K3_ERR_NOMEM) return st; /* out of memory is the server's, not the request's */
     if (st != K3_OK) {
         char why[512];
         snprintf(why, sizeof why, "%s", k3_last_error());

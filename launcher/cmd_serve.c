@@ -153,6 +153,13 @@ static k3_status prepare(const k3_args *a, k3_server_opts *so, k3_tokenizer **to
     const double read_s = k3_args_float(a, "read-timeout");
     if (!(read_s >= 1 && read_s <= 86400))
         return K3_ERR(K3_ERR_ARG, "--read-timeout must be in [1, 86400] seconds");
+    const char *origins = k3_args_str(a, "allowed-origins"); /* echoed in a header: no CR/LF */
+    for (const char *p = origins; p && *p; p++)
+        if ((unsigned char)*p < 0x20 || *p == 0x7f)
+            return K3_ERR(K3_ERR_ARG,
+                          "--allowed-origins: a control character (0x%02x) at offset %td: origins "
+                          "are comma-separated, e.g. https://ui.example:3000",
+                          (unsigned char)*p, p - origins);
     const double budget_s = k3_args_float(a, "grammar-budget");
     if (!(budget_s > 0 && budget_s <= 3600))
         return K3_ERR(K3_ERR_ARG, "--grammar-budget must be in (0, 3600] seconds");

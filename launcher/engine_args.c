@@ -185,6 +185,8 @@ int k3_engine_args(const k3_args *a, bool print, k3_engine_opts *o) {
     o->load_direct = k3_args_bool(a, "load-direct");
     o->load_private = k3_args_bool(a, "load-private");
     o->load_mmap = k3_args_bool(a, "load-mmap");
+    if (o->load_mmap && o->load_direct) /* a mapped load reads nothing through O_DIRECT */
+        K3_LOGW("--load-direct has no effect with --load-mmap (the shards are mapped, not read)");
     int rc = k3_engine_comm_arg(a, o->backend, print, &o->comm);
     return rc ? rc : k3_engine_bind_arg(a, print, &o->bind);
 }

@@ -202,8 +202,9 @@ static int parse_job(const k3_server_opts *o, sreq *q, const char *body, size_t 
                      size_t n_why) {
     k3_job *j = &q->job;
     const int max_messages = o->max_messages > 0 ? o->max_messages : 2048;
-    if (k3_chat_json_parse(body, n, "request", &j->doc) != K3_OK)
-        return fail(why, n_why, 400, "%s", k3_last_error());
+    k3_status ps = k3_chat_json_parse(body, n, "request", &j->doc);
+    if (ps != K3_OK) /* out of memory while parsing: the server's failure (5xx) */
+        return fail(why, n_why, ps == K3_ERR_NOMEM ? 500 : 400, "%s", k3_last_error());
     if (j->doc->kind != K3_JSON_OBJECT)
         return fail(why, n_why, 400, "the request body must be a JSON object");
     int st = check_types(j->doc, why, n_why);
@@ -223,8 +224,9 @@ static int parse_job(const k3_server_opts *o, sreq *q, const char *body, size_t 
                         m->n_items, max_messages);
         k3_chat_json_free(j->doc); /* k3_job_parse keeps its own */
         j->doc = NULL;
-        if (k3_job_parse(j, body, n, "request", o->tok) != K3_OK)
-            return fail(why, n_why, 400, "%s", k3_last_error());
+        k3_status js = k3_job_parse(j, body, n, "request", o->tok);
+        if (js != K3_OK)
+            return fail(why, n_why, js == K3_ERR_NOMEM ? 500 : 400, "%s", k3_last_error());
         if (k3_job_logprobs_keys(j->doc, "request", &q->n_top) != K3_OK)
             return fail(why, n_why, 400, "%s", k3_last_error());
     } else {

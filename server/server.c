@@ -58,7 +58,97 @@ struct k3_server {
     int n_busy; /* connections with a model request whose response has not ended */
     srv_metrics m;
     srv_status status; /* GET /v1/k3/status (status.c) */
+    /* open connections per client address (under amu): see on_accept */
+    pthread_mutex_t amu;
+    struct srv_addr *addrs; /* (ADDR_SLOTS) */
+    unsigned n_conn, limit, per_client;
 };
+
+/* ---- connections per address ------------------------------------------------------------------
+ */
+#define ADDR_SLOTS    4096
+#define NEW_ADDR_ROOM 64 /* the last connections of the cap: only for addresses that hold few */
+#define FEW_CONNS     4
+
+typedef struct srv_addr {
+    uint8_t key[17]; /* 4 or 6, then the address; 0: empty */
+    unsigned n;
+} srv_addr;
+
+static bool addr_key(const struct sockaddr *a, uint8_t key[17]) {
+    memset(key, 0, 17);
+    if (a && a->sa_family == AF_INET) {
+        key[0] = 4;
+        memcpy(key + 1, &((const struct sockaddr_in *)a)->sin_addr, 4);
+        return true;
+    }
+    if (a && a->sa_family == AF_INET6) {
+        const uint8_t *b = ((const struct sockaddr_in6 *)a)->sin6_addr.s6_addr;
+        static const uint8_t V4MAPPED[12] = {0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0xff, 0xff};
+        if (!memcmp(b, V4MAPPED, 12)) {
+            key[0] = 4;
+            memcpy(key + 1, b + 12, 4);
+        } else {
+            key[0] = 6;
+            memcpy(key + 1, b, 16);
+        }
+        return true;
+    }
+    return false;
+}
+
+/* amu held: the address's slot (insert: a free one when it has none; NULL when the table is
+ * full of addresses that hold connections). */
+static srv_addr *addr_slot(k3_server *s, const uint8_t key[17], bool insert) {
+    size_t h = (size_t)k3_hash_bytes(key, 17, K3_HASH_INIT) % ADDR_SLOTS;
+    srv_addr *free_slot = NULL;
+    for (size_t i = 0; i < ADDR_SLOTS; i++) {
+        srv_addr *a = &s->addrs[(h + i) % ADDR_SLOTS];
+        if (!memcmp(a->key, key, 17)) return a;
+        if (!free_slot && a->n == 0) free_slot = a;
+        if (!a->key[0]) break; /* never used: the address is not further on */
+    }
+    if (insert && free_slot) memcpy(free_slot->key, key, 17);
+    return insert ? free_slot : NULL;
+}
+
+/* A new connection: refused when its address holds --max-connections-per-client, or when the
+ * cap is nearly full and the address already holds more than a few (the last NEW_ADDR_ROOM
+ * connections are kept for new addresses, so a few addresses cannot take them all: /health from
+ * another one still gets through). */
+static enum MHD_Result on_accept(void *cls, const struct sockaddr *addr, socklen_t len) {
+    (void)len;
+    k3_server *s = cls;
+    uint8_t key[17];
+    if (!addr_key(addr, key)) return MHD_YES;
+    pthread_mutex_lock(&s->amu);
+    const srv_addr *a = addr_slot(s, key, false);
+    const unsigned held = a ? a->n : 0;
+    const bool ok =
+        held < s->per_client && (s->n_conn + NEW_ADDR_ROOM < s->limit || held < FEW_CONNS);
+    pthread_mutex_unlock(&s->amu);
+    return ok ? MHD_YES : MHD_NO;
+}
+
+static void on_connection(void *cls, struct MHD_Connection *c, void **socket_ctx,
+                          enum MHD_ConnectionNotificationCode code) {
+    k3_server *s = cls;
+    (void)socket_ctx;
+    const union MHD_ConnectionInfo *ci =
+        MHD_get_connection_info(c, MHD_CONNECTION_INFO_CLIENT_ADDRESS);
+    uint8_t key[17];
+    if (!ci || !addr_key(ci->client_addr, key)) return;
+    pthread_mutex_lock(&s->amu);
+    srv_addr *a = addr_slot(s, key, code == MHD_CONNECTION_NOTIFY_STARTED);
+    if (code == MHD_CONNECTION_NOTIFY_STARTED) {
+        if (a) a->n++;
+        s->n_conn++;
+    } else {
+        if (a && a->n) a->n--;
+        if (s->n_conn) s->n_conn--;
+    }
+    pthread_mutex_unlock(&s->amu);
+}
 
 /* One HTTP request (MHD's per-request pointer). */
 typedef struct conn {
@@ -944,8 +1034,13 @@ k3_status k3_server_create(const k3_server_opts *o, k3_server **out) {
     uint64_t t = (uint64_t)time(NULL) ^ ((uint64_t)getpid() << 32) ^ (uint64_t)(k3_now_s() * 1e9);
     s->nonce = k3_hash_bytes(&t, sizeof t, K3_HASH_INIT);
     pthread_mutex_init(&s->mu, NULL);
+    pthread_mutex_init(&s->amu, NULL);
     pthread_cond_init(&s->work, NULL);
     pthread_cond_init(&s->multi_cv, NULL);
+    if (k3_calloc((void **)&s->addrs, ADDR_SLOTS * sizeof *s->addrs, "connection table") != K3_OK) {
+        k3_server_destroy(s);
+        return K3_ERR(K3_ERR_NOMEM, "connection table");
+    }
     const char *host = o->host ? o->host : "127.0.0.1";
     struct sockaddr_in6 a6 = {0};
     struct sockaddr_in a4 = {0};
@@ -969,6 +1064,7 @@ k3_status k3_server_create(const k3_server_opts *o, k3_server **out) {
     const unsigned timeout = (unsigned)(o->idle_timeout_s > 0 ? o->idle_timeout_s : 30);
     const unsigned limit = (unsigned)(o->max_connections > 0 ? o->max_connections : 1024);
     const unsigned per_client = (unsigned)(o->max_per_client > 0 ? o->max_per_client : 768);
+    s->limit = limit, s->per_client = per_client;
     struct rlimit nf; /* a connection is a descriptor: lift a low soft limit up to the hard one */
     if (getrlimit(RLIMIT_NOFILE, &nf) == 0 && nf.rlim_cur != RLIM_INFINITY &&
         nf.rlim_cur < limit + 256 && nf.rlim_cur < nf.rlim_max) {
@@ -986,9 +1082,10 @@ k3_status k3_server_create(const k3_server_opts *o, k3_server **out) {
         }
         given[0] = (struct MHD_OptionItem){MHD_OPTION_LISTEN_SOCKET, o->listen_fd, NULL};
     }
-    s->d = MHD_start_daemon(flags, (uint16_t)o->port, NULL, NULL, on_request, s, MHD_OPTION_ARRAY,
+    s->d = MHD_start_daemon(flags, (uint16_t)o->port, on_accept, s, on_request, s, MHD_OPTION_ARRAY,
                             given, MHD_OPTION_SOCK_ADDR, sa, MHD_OPTION_NOTIFY_COMPLETED,
-                            on_completed, s, MHD_OPTION_CONNECTION_TIMEOUT, timeout,
+                            on_completed, s, MHD_OPTION_NOTIFY_CONNECTION, on_connection, s,
+                            MHD_OPTION_CONNECTION_TIMEOUT, timeout,
                             MHD_OPTION_CONNECTION_LIMIT, limit, MHD_OPTION_PER_IP_CONNECTION_LIMIT,
                             per_client, MHD_OPTION_STRICT_FOR_CLIENT, 1, MHD_OPTION_END);
     if (!s->d) {
@@ -1013,5 +1110,7 @@ void k3_server_destroy(k3_server *s) {
     pthread_cond_destroy(&s->work);
     pthread_cond_destroy(&s->multi_cv);
     pthread_mutex_destroy(&s->mu);
+    pthread_mutex_destroy(&s->amu);
+    k3_free(s->addrs);
     k3_free(s);
 }

@@ -100,3 +100,46 @@ def test_abandon_all(model_dir):  # noqa: F811
         assert r.status_code == 413
     finally:
         assert srv.stop() == 0, srv.text()[-2000:]
+
+
+def test_abandon_slowloris_addresses(model_dir):  # noqa: F811
+    """1,100 slow connections (headers that never end) from 3 addresses: /health from a 4th
+    answers 15 of 15 (the last connections of the cap are kept for new addresses)."""
+    srv = Server(model_dir, extra=["--api-key", KEY, "--read-timeout", "60"])
+    held = []
+    try:
+        for i in range(1100):
+            s = socket.socket()
+            s.settimeout(5)
+            try:
+                s.bind(("127.0.0.%d" % (2 + i % 3), 0))
+                s.connect(("127.0.0.1", srv.port))
+                s.send(b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\n")
+            except OSError:
+                pass
+            held.append(s)
+        time.sleep(0.5)
+        ok = 0
+        for _ in range(15):
+            s = socket.socket()
+            s.settimeout(3)
+            out = b""
+            try:
+                s.bind(("127.0.0.5", 0))
+                s.connect(("127.0.0.1", srv.port))
+                s.sendall(b"GET /health HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n")
+                while True:
+                    b = s.recv(65536)
+                    if not b:
+                        break
+                    out += b
+            except OSError:
+                pass
+            s.close()
+            ok += out.startswith(b"HTTP/1.1 200")
+        print("/health from a 4th address during 1,100 slow connections from 3: %d of 15" % ok)
+        assert ok == 15
+    finally:
+        for s in held:
+            s.close()
+        assert srv.stop() == 0, srv.text()[-2000:]
