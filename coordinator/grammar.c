@@ -593,7 +593,7 @@ static k3_status finish(k3_grammar *g, g_build *b) {
         if (!g_limit_ok(b->lim, &st, 1024)) break;
         int sp = 0;
         stack[sp++] = s, seen[s] = s;
-        while (sp && st == K3_OK) {
+        while (sp && st == K3_OK && g_limit_ok(b->lim, &st, 4096)) {
             int32_t u = stack[--sp];
             if (b->is_end[u]) g->final[s] = 1;
             for (int32_t k = first[u]; k < first[u + 1]; k++) {

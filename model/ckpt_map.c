@@ -14,6 +14,8 @@
 #include <errno.h>
 #include <fcntl.h>
 #include <pthread.h>
+#include <signal.h>
+#include <sys/resource.h>
 #include <stdatomic.h>
 #include <stdio.h>
 #include <stdlib.h>
@@ -27,6 +29,92 @@
 #define MADV_POPULATE_READ 22 /* Linux 5.14 */
 #endif
 #define MAP_ALIGN ((size_t)2 << 20)
+
+/* ---- SIGBUS on a mapped shard ----------------------------------------------------------------
+ * A shard truncated (or its blocks lost) after the load turns a weight read into SIGBUS. The
+ * mappings are registered here; the handler names the file and the offset on stderr in one line
+ * and ends the rank with exit status 1 (no core dump): mpirun then ends the job. A SIGBUS
+ * elsewhere gets the previous disposition. Overwriting a shard in place is not detectable this
+ * way (MAP_PRIVATE pages read before the write keep the old bytes, later ones see the new): k3
+ * promises nothing for a checkpoint changed while a --load-mmap job runs (docs/DESIGN.md §5). */
+enum { BUS_MAPS = 256 };
+static struct {
+    _Atomic(uint8_t *) base;
+    uint64_t n_bytes;
+    char path[512];
+} bus_maps[BUS_MAPS];
+static pthread_mutex_t bus_mu = PTHREAD_MUTEX_INITIALIZER;
+static struct sigaction bus_old;
+static bool bus_installed;
+static char bus_rank[16] = "0"; /* this process's MPI rank (read before any fault) */
+
+static size_t put_s(char *o, size_t at, size_t cap, const char *s) {
+    while (*s && at + 1 < cap) o[at++] = *s++;
+    return at;
+}
+static size_t put_u(char *o, size_t at, size_t cap, uint64_t v) {
+    char d[24];
+    int n = 0;
+    do d[n++] = (char)('0' + v % 10), v /= 10;
+    while (v);
+    while (n && at + 1 < cap) o[at++] = d[--n];
+    return at;
+}
+
+static void on_sigbus(int sig, siginfo_t *si, void *uc) {
+    (void)uc;
+    const uint8_t *a = si ? (const uint8_t *)si->si_addr : NULL;
+    for (int i = 0; a && i < BUS_MAPS; i++) {
+        const uint8_t *b = atomic_load(&bus_maps[i].base);
+        if (!b || a < b || a >= b + bus_maps[i].n_bytes) continue;
+        char m[900];
+        size_t n = put_s(m, 0, sizeof m, "[k3] rank ");
+        n = put_s(m, n, sizeof m, bus_rank);
+        n = put_s(m, n, sizeof m, " failed: SIGBUS reading the mapped checkpoint shard ");
+        n = put_s(m, n, sizeof m, bus_maps[i].path);
+        n = put_s(m, n, sizeof m, " at byte ");
+        n = put_u(m, n, sizeof m, (uint64_t)(a - b));
+        n = put_s(m, n, sizeof m, " of ");
+        n = put_u(m, n, sizeof m, bus_maps[i].n_bytes);
+        n = put_s(m, n, sizeof m,
+                  ": the file shrank or lost blocks after the load (--load-mmap "
+                  "needs the shards unchanged while the job runs)\n");
+        ssize_t w = write(2, m, n);
+        (void)w;
+        struct rlimit no_core = {0, 0};
+        (void)setrlimit(RLIMIT_CORE, &no_core);
+        _exit(1);
+    }
+    sigaction(sig, &bus_old, NULL); /* not ours: the previous disposition, on the same fault */
+}
+
+static void bus_register(uint8_t *base, uint64_t n_bytes, const char *path) {
+    pthread_mutex_lock(&bus_mu);
+    if (!bus_installed) {
+        const char *r = getenv("OMPI_COMM_WORLD_RANK");
+        if (r) snprintf(bus_rank, sizeof bus_rank, "%.15s", r);
+        struct sigaction sa = {0};
+        sa.sa_sigaction = on_sigbus;
+        sa.sa_flags = SA_SIGINFO;
+        sigemptyset(&sa.sa_mask);
+        bus_installed = sigaction(SIGBUS, &sa, &bus_old) == 0;
+    }
+    for (int i = 0; i < BUS_MAPS; i++)
+        if (!atomic_load(&bus_maps[i].base)) {
+            bus_maps[i].n_bytes = n_bytes;
+            snprintf(bus_maps[i].path, sizeof bus_maps[i].path, "%s", path);
+            atomic_store(&bus_maps[i].base, base); /* published last: the handler reads base */
+            break;
+        }
+    pthread_mutex_unlock(&bus_mu);
+}
+
+static void bus_unregister(const uint8_t *base) {
+    pthread_mutex_lock(&bus_mu);
+    for (int i = 0; i < BUS_MAPS; i++)
+        if (atomic_load(&bus_maps[i].base) == base) atomic_store(&bus_maps[i].base, NULL);
+    pthread_mutex_unlock(&bus_mu);
+}
 
 k3_status k3_ckpt_map_shard(const k3_ckpt *ck, int shard, k3_ckpt_map *out) {
     memset(out, 0, sizeof *out);
@@ -64,10 +152,12 @@ k3_status k3_ckpt_map_shard(const k3_ckpt *ck, int shard, k3_ckpt_map *out) {
     out->n_bytes = size;
     out->reserve = res;
     out->reserve_bytes = span;
+    bus_register(at, size, path);
     return K3_OK;
 }
 
 void k3_ckpt_unmap(k3_ckpt_map *m) {
+    if (m && m->base) bus_unregister(m->base);
     if (m && m->reserve) munmap(m->reserve, m->reserve_bytes);
     if (m) memset(m, 0, sizeof *m);
 }

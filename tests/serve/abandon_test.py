@@ -62,7 +62,10 @@ def test_abandon_all(model_dir):  # noqa: F811
         s = socket.create_connection(("127.0.0.1", srv.port))
         s.sendall(b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer " + KEY.encode() +
                   b"\r\nContent-Type: application/json\r\nContent-Length: %d\r\n\r\n" % len(body) + body)
-        time.sleep(1.0)
+        t0 = time.monotonic()  # the compile is running (a FIN 0.5 s after the request is a close)
+        while cpu_s(srv.pid) - ca < 0.15 and time.monotonic() - t0 < 10:
+            time.sleep(0.05)
+        time.sleep(0.7)
         c0 = cpu_s(srv.pid)
         assert c0 - ca > 0.15, "the compile did not start (%.2f CPU s)" % (c0 - ca)
         s.close()
@@ -143,3 +146,24 @@ def test_abandon_slowloris_addresses(model_dir):  # noqa: F811
         for s in held:
             s.close()
         assert srv.stop() == 0, srv.text()[-2000:]
+
+
+def test_abandon_truncated_mapped_shard(model_dir, tmp_path):  # noqa: F811
+    """A shard truncated after a --load-mmap load: the rank's one line names the file and the
+    offset, and it exits 1 (a fault, not a SIGBUS death with a core)."""
+    import glob
+    import shutil
+    d = str(tmp_path / "tiny")
+    shutil.copytree(model_dir, d)
+    srv = Server(d, extra=["--api-key", KEY, "--load-mmap"])
+    for f in glob.glob(d + "/*.safetensors"):
+        with open(f, "r+b") as h:
+            h.truncate(4096)
+    try:
+        chat(srv, {"max_tokens": 4}, timeout=20)
+    except requests.RequestException:
+        pass
+    rc = srv.proc.wait(timeout=30)
+    log = srv.text()
+    print("exit %s; %s" % (rc, [x for x in log.splitlines() if "SIGBUS" in x]))
+    assert rc == 1 and "SIGBUS reading the mapped checkpoint shard " + d in log and " at byte " in log
