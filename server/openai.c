@@ -382,6 +382,12 @@ int srv_parse(const k3_server_opts *o, sreq_kind kind, const char *body, size_t 
     if (st == 200 && n_p * (size_t)n_copies > SRV_MAX_CHOICES)
         st = fail(why, n_why, 400, "%zu prompts x n %d = %zu choices, more than %d", n_p, n_copies,
                   n_p * (size_t)n_copies, SRV_MAX_CHOICES);
+    const size_t n_ch = n_p * (size_t)n_copies, one = srv_request_bytes(o, head, n);
+    if (st == 200 && o->max_queue_bytes && one > o->max_queue_bytes / n_ch) /* before the copies */
+        st = fail(why, n_why, 413,
+                  "the request's %zu choices need about %zu bytes, more than the whole queue may "
+                  "hold (--max-queue-bytes %zu): it can never be admitted",
+                  n_ch, one * n_ch, o->max_queue_bytes);
     sreq *last = head, *first = head; /* first: copy 0 of the current prompt */
     for (size_t k = 1; st == 200 && k < n_p * (size_t)n_copies; k++) {
         st = parse_choice(o, kind, body, n, (int)(k / (size_t)n_copies),
