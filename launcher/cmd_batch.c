@@ -87,6 +87,9 @@ static const k3_flag flags[] = {
     {"max-tokens", K3_FLAG_INT, "N", NULL,
      "max_tokens of a request that sets neither max_tokens nor max_completion_tokens (default: "
      "the rest of --max-ctx)"},
+    {"grammar-budget", K3_FLAG_FLOAT, "SEC", "10",
+     "structured outputs: a line whose grammar takes longer to compile fails alone "
+     "(invalid_request naming this budget); the workers' heartbeat goes on meanwhile"},
     {"seed", K3_FLAG_STR, "S", "0",
      "a request without a seed samples with one derived from S and its custom_id (same tokens "
      "on a rerun or resume)"},
@@ -663,6 +666,15 @@ static k3_status refused_keys(const k3_chat_json *d, bool completion, const char
     return K3_OK;
 }
 
+/* Polled by a grammar compile on this (the step) thread: the coordinator's heartbeat goes on
+ * (rate-limited inside), so a long compile never makes the workers declare rank 0 dead. Never
+ * cancels: the compile's time budget bounds it (a line past it is an invalid_request line). */
+static bool compile_beat(void *arg) {
+    batch *b = arg;
+    if (b->e) (void)k3_engine_heartbeat(b->e); /* a failure shows at the next step */
+    return false;
+}
+
 /* Prepare the next line: submit it, or write its error line. Fails only for I/O and memory. */
 static k3_status submit_next(batch *b) {
     int64_t li = b->todo[b->next++];
@@ -840,7 +852,11 @@ static k3_status drive(batch *b) {
     for (int i = 0; i < b->cap_live; i++) b->live[i].line = -1;
     b->t_gen = b->t_progress = k3_now_s();
     while (b->next < b->n_todo || b->n_live > 0) {
-        while (b->n_live < b->cap_live && b->next < b->n_todo) K3_TRY(submit_next(b));
+        k3_grammar_thread_cancel(compile_beat, b); /* a long compile keeps the workers told */
+        k3_status st = K3_OK;
+        while (st == K3_OK && b->n_live < b->cap_live && b->next < b->n_todo) st = submit_next(b);
+        k3_grammar_thread_cancel(NULL, NULL);
+        K3_TRY(st);
         if (b->n_live == 0) continue;
         const k3_event *ev;
         int n = 0;
@@ -885,6 +901,10 @@ static k3_status prepare(batch *b) {
     else
         k3_clear_error();
     if (b->n_vocab > 0) K3_TRY(k3_job_grammar_cache(b->tok, b->n_vocab, &b->grammars));
+    const double budget_s = k3_args_float(a, "grammar-budget");
+    if (!(budget_s > 0 && budget_s <= 3600))
+        return K3_ERR(K3_ERR_ARG, "--grammar-budget must be in (0, 3600] seconds");
+    if (b->grammars) k3_grammar_cache_limits(b->grammars, 0, budget_s);
     const char *m = k3_args_str(a, "model");
     size_t n = strlen(m);
     while (n > 1 && m[n - 1] == '/') n--;

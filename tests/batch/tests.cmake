@@ -18,3 +18,9 @@ add_test(NAME batch_mpi
 # engine and chat paths run under ASan in dist_splits, run_gen and chat_request_e2e
 set_tests_properties(batch_mpi PROPERTIES LABELS "mpi" TIMEOUT 300
                      ENVIRONMENT "${K3_TEST_ENV_MPI}")
+# issue 43: a slow grammar compile on rank 0 under --pp 2 keeps the heartbeat going; the job
+# completes with that line failing alone (batch_compile_test.py, ~10 s)
+add_test(NAME batch_slow_compile
+         COMMAND ${K3_BATCH_PYTHON3} ${CMAKE_CURRENT_LIST_DIR}/batch_compile_test.py ${MPIEXEC_EXECUTABLE})
+set_tests_properties(batch_slow_compile PROPERTIES LABELS "mpi" TIMEOUT 120
+                     ENVIRONMENT "${K3_TEST_ENV_MPI}")
