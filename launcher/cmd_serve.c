@@ -69,14 +69,21 @@ static const k3_flag flags[] = {
 };
 
 static volatile sig_atomic_t stop_flag;
+static volatile sig_atomic_t
+    serving; /* rank 0 is in k3_server_run (its watcher ends the process) */
 
 static void on_signal(int sig) {
-    /* mpirun's SIGTERM after a peer died: name it and go at once (nothing to finish with) */
+    /* mpirun's SIGTERM after a peer died: name it; rank 0's server tells every open request and
+       ends the process at once (its watcher thread); the other ranks go at once */
     if (sig == SIGTERM && k3_comm_report_vanished()) {
+        if (serving) {
+            stop_flag = K3_SERVER_PEER_LOST;
+            return;
+        }
         signal(sig, SIG_DFL);
         raise(sig);
     }
-    stop_flag = 1;
+    if (stop_flag != K3_SERVER_PEER_LOST) stop_flag = 1;
 }
 
 /* Every rank: SIGINT/SIGTERM end the job through rank 0's close, never by killing one rank (the
@@ -299,7 +306,9 @@ static int run_serve(const k3_args *a) {
         k3_server *srv = NULL;
         k3_status st = k3_server_create(&so, &srv);
         if (st == K3_OK) so.listen_fd = 0; /* the server's now: its daemon closes it */
+        serving = st == K3_OK;
         if (st == K3_OK) st = k3_server_run(srv, e, &stop_flag);
+        serving = 0;
         if (k3_engine_failed(e)) k3_engine_abort(e); /* the job ends, the failed rank named */
         if (st != K3_OK) fprintf(stderr, "k3 serve: %s\n", k3_last_error());
         const double t_serve = k3_now_s() - t_open;

@@ -68,6 +68,9 @@ int k3_server_port(const k3_server *s);
  * *stop becomes non-zero (a signal handler sets it); then stop accepting, let in-flight requests
  * finish within grace_s, cancel the rest and return once every response has ended. The engine is
  * still open afterwards (the caller closes it). */
+/* *stop: 1 = stop gracefully (SIGINT/SIGTERM); K3_SERVER_PEER_LOST = mpirun's SIGTERM after a
+ * rank died: every open request gets its error at once, then the process ends by SIGTERM. */
+#define K3_SERVER_PEER_LOST 2
 k3_status k3_server_run(k3_server *s, k3_engine *e, volatile sig_atomic_t *stop);
 void k3_server_destroy(k3_server *s); /* NULL-safe; stops the daemon */
 

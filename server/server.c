@@ -16,6 +16,7 @@
 
 #include <arpa/inet.h>
 #include <errno.h>
+#include <signal.h>
 #include <microhttpd.h>
 #include <netinet/in.h>
 #include <stdio.h>
@@ -31,6 +32,8 @@
 #define HALF_CLOSE_S   0.5 /* a FIN this soon after the request is a half-close, later a close */
 #define STUCK_CLIENT_S 10  /* at shutdown, after the grace: how long responses may take to drain */
 #define FAULT_DRAIN_S  3   /* after an engine fault: how long the open requests' errors may take */
+#define PEER_LOST_DRAIN_S                                                                          \
+    0.5 /* after mpirun's SIGTERM (a rank died): the errors' time, inside mpirun's grace */
 #define HEALTH_SILENT_S                                                                            \
     5 /* /health: a rank unheard this long is down (idle workers answer 1 s beats) */
 
@@ -57,7 +60,9 @@ struct k3_server {
     int silent_rank;
     int n_busy; /* connections with a model request whose response has not ended */
     srv_metrics m;
-    srv_status status; /* GET /v1/k3/status (status.c) */
+    srv_status status;                /* GET /v1/k3/status (status.c) */
+    volatile sig_atomic_t *stop_flag; /* k3_server_run's */
+    volatile bool watch_end;          /* the peer watcher ends */
     /* open connections per client address (under amu): see on_accept */
     pthread_mutex_t amu;
     struct srv_addr *addrs; /* (ADDR_SLOTS) */
@@ -528,6 +533,57 @@ static k3_status admit_and_cancel(k3_server *s, k3_engine *e, bool cancel_all) {
     return K3_OK;
 }
 
+/* mu held: every open request ends with `why` (a 503, or an SSE error event and [DONE]); the
+ * HTTP threads get up to drain_s to write them (the job ends after this). */
+static void fail_open(k3_server *s, const char *why, double drain_s) {
+    s->stopping = true; /* a late request gets 503, not a reset */
+    s->engine_down = true;
+    /* the submitted requests, then those that never were (HTTP threads queued them while the
+       step ran, unlocked: any number, so they are ended from the queue, not moved into live,
+       whose room counts only the submitted ones) */
+    for (int i = 0; i < s->n_live; i++) {
+        s->live[i]->failed = true;
+        snprintf(s->live[i]->error, sizeof s->live[i]->error, "%s", why);
+        finish(s, s->live[i]);
+    }
+    s->n_live = 0;
+    for (sreq *q; (q = s->head);) {
+        s->head = q->next;
+        q->next = NULL;
+        q->failed = true;
+        snprintf(q->error, sizeof q->error, "%s", why);
+        finish(s, q);
+    }
+    s->tail = NULL;
+    const double t0 = k3_now_s();
+    while (s->n_busy > 0 && k3_now_s() - t0 < drain_s) timed_wait(&s->work, &s->mu, 0.02);
+}
+
+/* *stop == K3_SERVER_PEER_LOST: mpirun's SIGTERM after a rank of the job died (the signal
+ * handler saw a vanished peer). The main thread may be blocked in a step waiting for that
+ * rank: this thread tells every open request now, within mpirun's grace before its SIGKILL,
+ * then ends the process with the SIGTERM's default action. */
+static void *watch_peers(void *arg) {
+    k3_server *s = arg;
+    while (!s->watch_end) {
+        if (*s->stop_flag == K3_SERVER_PEER_LOST) {
+            pthread_mutex_lock(&s->mu);
+            fail_open(s,
+                      "a rank of the job died (killed, or lost with its node): the server is "
+                      "going down",
+                      PEER_LOST_DRAIN_S);
+            K3_LOGE("k3 serve: a rank of the job died: the open requests were told (%d responses "
+                    "still being written); ending",
+                    s->n_busy);
+            pthread_mutex_unlock(&s->mu);
+            signal(SIGTERM, SIG_DFL);
+            raise(SIGTERM);
+        }
+        usleep(10000);
+    }
+    return NULL;
+}
+
 k3_status k3_server_run(k3_server *s, k3_engine *e, volatile sig_atomic_t *stop) {
     const double grace = s->o.grace_s > 0 ? s->o.grace_s : 10;
     double t_stop = -1;
@@ -544,10 +600,14 @@ k3_status k3_server_run(k3_server *s, k3_engine *e, volatile sig_atomic_t *stop)
     }
     srv_status_init(&s->status, e, k3_now_s());
     pthread_mutex_unlock(&s->mu);
+    s->stop_flag = stop;
+    pthread_t watcher;
+    if (pthread_create(&watcher, NULL, watch_peers, s) != 0)
+        return K3_ERR(K3_ERR_NOMEM, "k3 serve: cannot start the peer watcher thread");
     K3_LOGI("k3 serve: listening on http://%s:%d (model \"%s\", pid %d)",
             s->o.host ? s->o.host : "127.0.0.1", s->port, s->o.model_name, (int)getpid());
     while (st == K3_OK) {
-        if (*stop && t_stop < 0) {
+        if (*stop == 1 && t_stop < 0) { /* K3_SERVER_PEER_LOST is the watcher's */
             t_stop = k3_now_s();
             MHD_socket fd = MHD_quiesce_daemon(s->d); /* no new connections */
             if (fd != MHD_INVALID_SOCKET) close(fd);
@@ -600,36 +660,15 @@ k3_status k3_server_run(k3_server *s, k3_engine *e, volatile sig_atomic_t *stop)
         pthread_mutex_unlock(&s->mu);
     }
     if (st != K3_OK) {
-        /* wake every waiting HTTP thread: their requests end with an error */
-        pthread_mutex_lock(&s->mu);
-        s->stopping = true;
-        s->engine_down = true;
         char why[512]; /* k3_last_error is this thread's: still the fault's after the wait */
         snprintf(why, sizeof why, "the engine failed (the server is going down): %.400s",
                  k3_last_error());
-        /* the submitted requests, then those that never were (HTTP threads queued them while
-           the step ran, unlocked: any number, so they are ended from the queue, not moved into
-           live, whose room counts only the submitted ones) */
-        for (int i = 0; i < s->n_live; i++) {
-            s->live[i]->failed = true;
-            snprintf(s->live[i]->error, sizeof s->live[i]->error, "%s", why);
-            finish(s, s->live[i]);
-        }
-        s->n_live = 0;
-        for (sreq *q; (q = s->head);) {
-            s->head = q->next;
-            q->next = NULL;
-            q->failed = true;
-            snprintf(q->error, sizeof q->error, "%s", why);
-            finish(s, q);
-        }
-        s->tail = NULL;
-        /* the job ends when this returns: let the HTTP threads write those errors first (a 503,
-           an SSE error event and [DONE]), for a bounded time */
-        const double t0 = k3_now_s();
-        while (s->n_busy > 0 && k3_now_s() - t0 < FAULT_DRAIN_S) timed_wait(&s->work, &s->mu, 0.02);
+        pthread_mutex_lock(&s->mu);
+        fail_open(s, why, FAULT_DRAIN_S);
         pthread_mutex_unlock(&s->mu);
     }
+    s->watch_end = true;
+    pthread_join(watcher, NULL);
     return st;
 }
 

@@ -167,3 +167,61 @@ def test_abandon_truncated_mapped_shard(model_dir, tmp_path):  # noqa: F811
     log = srv.text()
     print("exit %s; %s" % (rc, [x for x in log.splitlines() if "SIGBUS" in x]))
     assert rc == 1 and "SIGBUS reading the mapped checkpoint shard " + d in log and " at byte " in log
+
+
+def test_ranklost_every_client_told(model_dir):  # noqa: F811
+    """SIGKILL of a worker under serve on 2 x 2 with 6 streams and 2 plain requests in flight:
+    rank 0 answers every open request with an error (503 body, or an SSE error event) before
+    mpirun ends it, and a request sent after the kill gets a 503 or is refused (never hangs).
+    Open MPI's SIGTERM-to-SIGKILL period is set to 5 s, as slurm/site.env sets it."""
+    import os
+    import signal as sg
+    srv = Server(model_dir, pp=2, ep=2, extra=["--api-key", KEY], env={"OMPI_MCA_odls_base_sigkill_timeout": "5"})
+    results = {}
+
+    def stream(i):
+        try:
+            with requests.post(srv.url + "/v1/chat/completions", headers=H, stream=True, timeout=30,
+                               json={"model": srv.name, "messages": MSG, "max_tokens": 3000,
+                                     "ignore_eos": True, "stream": True}) as r:
+                text = ""
+                for chunk in r.iter_content(None):
+                    text += chunk.decode(errors="replace")
+                results[i] = "error" if '"error"' in text else "eof"
+        except requests.RequestException as e:
+            results[i] = "exc %s" % type(e).__name__
+
+    def plain(i):
+        try:
+            r = chat(srv, {"max_tokens": 3000, "ignore_eos": True}, timeout=30)
+            results[i] = "error" if r.status_code >= 500 and '"error"' in r.text else "status %d" % r.status_code
+        except requests.RequestException as e:
+            results[i] = "exc %s" % type(e).__name__
+    ts = [threading.Thread(target=stream, args=(i,)) for i in range(6)]
+    ts += [threading.Thread(target=plain, args=(i,)) for i in range(6, 8)]
+    [t.start() for t in ts]
+    time.sleep(2.0)
+    me = os.getpid()
+    workers = []
+    for p in os.listdir("/proc"):
+        if not p.isdigit() or int(p) in (srv.pid, me):
+            continue
+        try:
+            cmd = open("/proc/%s/cmdline" % p, "rb").read().split(b"\0")
+        except OSError:
+            continue
+        if cmd and cmd[0].endswith(b"/k3") and b"serve" in cmd and model_dir.encode() in cmd:
+            workers.append(int(p))
+    assert workers, "no worker rank found"
+    os.kill(workers[0], sg.SIGKILL)
+    time.sleep(0.3)
+    try:
+        r = chat(srv, {"max_tokens": 4}, timeout=10)
+        results[8] = "error" if r.status_code == 503 else "status %d" % r.status_code
+    except requests.RequestException as e:
+        results[8] = "refused %s" % type(e).__name__
+    [t.join(timeout=40) for t in ts]
+    srv.proc.wait(timeout=60)
+    told = sum(1 for v in results.values() if v == "error")
+    print("SIGKILL of rank pid %d: %d of 9 clients got an error body: %s" % (workers[0], told, results))
+    assert told >= 8, srv.text()[-1500:]

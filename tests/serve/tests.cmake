@@ -55,4 +55,7 @@ k3_serve_pytest(serve_pydantic pydantic_test.py p1x1 "unit" 180)
 k3_serve_pytest(serve_cache_chat cache_test.py cache_chat "unit" 300)
 # issue 43: a $ref chain's 400, a compile stopped when its client leaves, 40 requests closed with a
 # FIN cancelled, 413 for what can never be admitted (abandon_test.py)
-k3_serve_pytest(serve_abandon abandon_test.py abandon "unit" 120)
+k3_serve_pytest(serve_abandon abandon_test.py test_abandon "unit" 120)
+# issue 43: SIGKILL of a worker under serve on 2 x 2 with 8 requests in flight: every open
+# request gets an error body from rank 0 before mpirun ends it (abandon_test.py)
+k3_serve_pytest(serve_rank_killed abandon_test.py ranklost "mpi" 180)
