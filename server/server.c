@@ -1124,9 +1124,9 @@ k3_status k3_server_create(const k3_server_opts *o, k3_server **out) {
     s->d = MHD_start_daemon(flags, (uint16_t)o->port, on_accept, s, on_request, s, MHD_OPTION_ARRAY,
                             given, MHD_OPTION_SOCK_ADDR, sa, MHD_OPTION_NOTIFY_COMPLETED,
                             on_completed, s, MHD_OPTION_NOTIFY_CONNECTION, on_connection, s,
-                            MHD_OPTION_CONNECTION_TIMEOUT, timeout,
-                            MHD_OPTION_CONNECTION_LIMIT, limit, MHD_OPTION_PER_IP_CONNECTION_LIMIT,
-                            per_client, MHD_OPTION_STRICT_FOR_CLIENT, 1, MHD_OPTION_END);
+                            MHD_OPTION_CONNECTION_TIMEOUT, timeout, MHD_OPTION_CONNECTION_LIMIT,
+                            limit, MHD_OPTION_PER_IP_CONNECTION_LIMIT, per_client,
+                            MHD_OPTION_STRICT_FOR_CLIENT, 1, MHD_OPTION_END);
     if (!s->d) {
         k3_server_destroy(s);
         return K3_ERR(K3_ERR_IO, "cannot listen on %s:%d (in use, or not an address of this host)",
