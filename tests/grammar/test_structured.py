@@ -230,7 +230,7 @@ def main():
               "streamed deltas add up to the same valid JSON")
 
         # ---- refusals ----
-        for schema, kw_name in [({"type": "object", "properties": {"n": {"type": "integer", "minimum": 1}}}, "minimum"),
+        for schema, kw_name in [({"type": "array", "items": {"type": "integer"}, "uniqueItems": True}, "uniqueItems"),
                                 ({"type": "string", "format": "hostname"}, "hostname")]:
             try:
                 c.chat.completions.create(model="tiny", messages=msgs("x"), max_tokens=5, response_format={
