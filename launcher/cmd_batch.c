@@ -64,6 +64,7 @@
 #include "k3_comm.h"
 #include "k3_model.h"
 #include "k3_run.h"
+#include "k3_server.h"
 
 static const k3_flag flags[] = {
     {"model", K3_FLAG_STR, "DIR", NULL, "checkpoint directory (config.json + safetensors)"},
@@ -105,21 +106,13 @@ typedef struct in_line {
     int64_t lineno;   /* 1-based */
     char *cid;        /* (n_cid + 1) custom_id bytes, NUL-terminated (may hold NUL) */
     size_t n_cid;
-    bool done;       /* already in the output */
-    bool completion; /* url /v1/completions (else /v1/chat/completions) */
-    bool no_route;   /* another url: the line fails alone (404, as k3 serve answers it) */
+    bool done; /* already in the output */
 } in_line;
 
-/* A request in the engine. */
+/* A request in the engine: its choices (serve's parsed request, server/k3_server.h). */
 typedef struct live {
     int64_t line; /* index into b->lines; -1: a free entry */
-    k3_job job;
-    int32_t *gen; /* (cap_gen) generated ids */
-    int64_t n_gen, cap_gen;
-    size_t n_text;    /* bytes of text the sampler emitted */
-    int n_top;        /* logprobs: -1 off, else top_logprobs (0-20) */
-    k3_event *lp;     /* (cap_gen) logprobs: each TOKEN event's token, logprob and top ids */
-    k3_chat_buf text; /* a completions line: the text the sampler emitted */
+    k3_server_req *r;
 } live;
 
 typedef struct batch {
@@ -140,6 +133,7 @@ typedef struct batch {
     int64_t max_ctx;
     int64_t n_vocab; /* the model's vocab_size (logit_bias ids); 0: the config did not load */
     k3_grammar_cache *grammars; /* structured outputs of the requests */
+    k3_server_opts so;          /* serve's request path: the model name, tokenizer, limits */
     char model_name[256];
     uint64_t nonce, seed;
     bool max_tokens_flag;
@@ -197,25 +191,15 @@ static bool blank(const char *p, int64_t n) {
 }
 
 /* Why line L is not a batch request (NULL when it is); the custom_id into L. */
-static const char *check_line(const k3_chat_json *d, in_line *L, char *why, size_t n_why) {
+static const char *check_line(const k3_chat_json *d, in_line *L) {
     if (d->kind != K3_JSON_OBJECT) return "not a JSON object";
     const k3_chat_json *cid = k3_chat_json_get(d, "custom_id");
     if (!cid) return "no custom_id";
     if (cid->kind != K3_JSON_STRING || cid->n == 0) return "custom_id must be a non-empty string";
     const k3_chat_json *m = k3_chat_json_get(d, "method"), *u = k3_chat_json_get(d, "url");
     if (!k3_chat_json_is_str(m, "POST")) return "method must be \"POST\"";
-    L->completion = k3_chat_json_is_str(u, "/v1/completions");
-    L->no_route = u && u->kind == K3_JSON_STRING && !L->completion &&
-                  !k3_chat_json_is_str(u, "/v1/chat/completions");
-    if (!k3_chat_json_is_str(u, "/v1/chat/completions") && !L->completion && !L->no_route) {
-        snprintf(why, n_why,
-                 "url %s%.60s%s is not \"/v1/chat/completions\" or \"/v1/completions\" (the "
-                 "endpoints k3 serves)",
-                 u && u->kind == K3_JSON_STRING ? "\"" : "",
-                 u && u->kind == K3_JSON_STRING ? u->s : "missing",
-                 u && u->kind == K3_JSON_STRING ? "\"" : "");
-        return why;
-    }
+    if (!u || u->kind != K3_JSON_STRING) /* another url fails its own line, as serve's 404 */
+        return "url must be a string (\"/v1/chat/completions\" or \"/v1/completions\")";
     const k3_chat_json *body = k3_chat_json_get(d, "body");
     if (!body || body->kind != K3_JSON_OBJECT) return "body must be a JSON object (a request)";
     if (k3_alloc((void **)&L->cid, cid->n + 1, "custom_id") != K3_OK) return "out of memory";
@@ -256,7 +240,7 @@ static k3_status read_input(batch *b) {
             strip_where(why);
             bad = why;
         } else {
-            bad = check_line(d, L, why, sizeof why);
+            bad = check_line(d, L);
         }
         k3_chat_json_free(d);
         int64_t prev = bad ? -1 : set_find(b, L->cid, L->n_cid, b->n_lines);
@@ -380,170 +364,28 @@ static k3_status put_head(const batch *b, const in_line *L, k3_chat_buf *o) {
     return k3_chat_json_dump_str(L->cid, L->n_cid, o);
 }
 
-/* A failed request: the status and OpenAI error body `k3 serve` would answer (see the top). */
-static k3_status write_error(batch *b, const in_line *L, const char *code, const char *msg) {
-    char m[1600], t[160];
-    snprintf(m, sizeof m, "%s", msg);
-    strip_where(m);
-    const int status = strcmp(code, "engine_error") == 0      ? 500
-                       : strcmp(code, "model_not_found") == 0 ? 404
-                       : strcmp(code, "unsupported_url") == 0 ? 404
-                                                              : 400;
-    const char *type = status == 500   ? "server_error"
-                       : status == 404 ? "not_found_error"
-                                       : "invalid_request_error";
+/* A request's result line: serve's status and body (a response, or its {"error": {...}}), in
+ * OpenAI's batch output shape (see the top). */
+static k3_status write_result(batch *b, const in_line *L, int status, const k3_chat_buf *body) {
+    char t[160];
     k3_chat_buf o = {0};
     k3_status st = put_head(b, L, &o);
     snprintf(t, sizeof t,
-             ",\"response\":{\"status_code\":%d,\"request_id\":\"req_%016llx\",\"body\":{"
-             "\"error\":{\"message\":",
-             status, (unsigned long long)k3_run_seq_seed(b->nonce ^ cid_hash(L->cid, L->n_cid), 2));
+             ",\"response\":{\"status_code\":%d,\"request_id\":\"req_%016llx\",\"body\":", status,
+             (unsigned long long)k3_run_seq_seed(b->nonce ^ cid_hash(L->cid, L->n_cid), 2));
     if (st == K3_OK) st = k3_chat_buf_puts(&o, t);
-    if (st == K3_OK) st = k3_chat_json_dump_str(m, strlen(m), &o);
-    if (st == K3_OK) st = k3_chat_buf_puts(&o, ",\"type\":");
-    if (st == K3_OK) st = k3_chat_json_dump_str(type, strlen(type), &o);
-    if (st == K3_OK) st = k3_chat_buf_puts(&o, ",\"param\":null,\"code\":");
-    if (st == K3_OK) st = k3_chat_json_dump_str(code, strlen(code), &o);
-    if (st == K3_OK) st = k3_chat_buf_puts(&o, "}}},\"error\":null}\n");
+    if (st == K3_OK) st = k3_chat_buf_put(&o, body->p ? body->p : "{}", body->p ? body->n : 2);
+    if (st == K3_OK) st = k3_chat_buf_puts(&o, "},\"error\":null}\n");
     if (st == K3_OK) st = write_line(b, &o);
     k3_chat_buf_free(&o);
-    b->n_failed++;
-    return st;
-}
-
-static k3_status put_logprobs(const batch *b, const live *q, k3_chat_buf *o) {
-    k3_status st = k3_chat_buf_puts(o, "{\"content\":[");
-    for (int64_t t = 0; t < q->n_gen && st == K3_OK; t++) {
-        const k3_event *e = &q->lp[t];
-        if (t) st = k3_chat_buf_puts(o, ",");
-        if (st == K3_OK) st = k3_job_logprob_entry(b->tok, e->token, e->logprob, o);
-        if (st == K3_OK) st = k3_chat_buf_puts(o, ",\"top_logprobs\":[");
-        for (int k = 0; k < K3_MIN(e->n_top, q->n_top) && st == K3_OK; k++) {
-            if (k) st = k3_chat_buf_puts(o, ",");
-            if (st == K3_OK)
-                st = k3_job_logprob_entry(b->tok, e->top_ids[k], e->top_logprobs[k], o);
-            if (st == K3_OK) st = k3_chat_buf_puts(o, "}");
-        }
-        if (st == K3_OK) st = k3_chat_buf_puts(o, "]}");
-    }
-    return st == K3_OK ? k3_chat_buf_puts(o, "],\"refusal\":null}") : st;
-}
-
-/* The parser's message object as an OpenAI choice: the message without finish_reason (and
- * without an empty tool_calls), then "logprobs" and "finish_reason". */
-static k3_status put_choice(const char *msg, size_t n, const batch *b, const live *q,
-                            k3_chat_buf *o) {
-    k3_chat_json *m = NULL;
-    K3_TRY(k3_chat_json_parse(msg, n, "message", &m));
-    const k3_chat_json *fr = NULL;
-    k3_status st = k3_chat_buf_puts(o, "{\"index\":0,\"message\":{");
-    bool first = true;
-    for (size_t i = 0; i < m->n_items && st == K3_OK; i++) {
-        const k3_chat_json *k = m->keys[i], *v = m->items[i];
-        if (k3_chat_json_is_str(k, "finish_reason")) {
-            fr = v;
-            continue;
-        }
-        if (k3_chat_json_is_str(k, "tool_calls") && v->n_items == 0) continue;
-        if (!first) st = k3_chat_buf_puts(o, ",");
-        first = false;
-        if (st == K3_OK) st = k3_chat_json_dump_str(k->s, k->n, o);
-        if (st == K3_OK) st = k3_chat_buf_puts(o, ":");
-        if (st == K3_OK) st = k3_chat_json_dump(v, K3_JSON_COMPACT, o);
-    }
-    if (st == K3_OK) st = k3_chat_buf_puts(o, "},\"logprobs\":");
-    if (st == K3_OK) st = q->n_top < 0 ? k3_chat_buf_puts(o, "null") : put_logprobs(b, q, o);
-    if (st == K3_OK) st = k3_chat_buf_puts(o, ",\"finish_reason\":");
-    if (st == K3_OK)
-        st = fr ? k3_chat_json_dump(fr, K3_JSON_COMPACT, o) : k3_chat_buf_puts(o, "null");
-    if (st == K3_OK) st = k3_chat_buf_puts(o, "}");
-    k3_chat_json_free(m);
-    return st;
-}
-
-/* A completions line's choice: {"index": 0, "text", "logprobs" (legacy), "finish_reason"}. */
-static k3_status put_text_choice(const batch *b, const live *q, const k3_event *ev,
-                                 k3_chat_buf *o) {
-    k3_status st = k3_chat_buf_puts(o, "{\"index\":0,\"text\":");
-    if (st == K3_OK) st = k3_chat_json_dump_str(q->text.p ? q->text.p : "", q->text.n, o);
-    if (st == K3_OK) st = k3_chat_buf_puts(o, ",\"logprobs\":");
-    if (st == K3_OK && q->n_top < 0) st = k3_chat_buf_puts(o, "null");
-    if (st == K3_OK && q->n_top >= 0) {
-        k3_job_lp_row *rows = NULL;
-        st = k3_alloc((void **)&rows, (size_t)K3_MAX(q->n_gen, 1) * sizeof *rows, "logprob rows");
-        int64_t off = 0;
-        for (int64_t t = 0; t < q->n_gen && st == K3_OK; t++) {
-            const k3_event *e = &q->lp[t];
-            rows[t] = (k3_job_lp_row){.id = e->token,
-                                      .logprob = e->logprob,
-                                      .n_top = K3_MIN(e->n_top, q->n_top),
-                                      .top_ids = e->top_ids,
-                                      .top_lps = e->top_logprobs,
-                                      .offset = off};
-            off += (int64_t)e->n_text; /* the text this token released */
-        }
-        if (st == K3_OK) st = k3_job_completion_logprobs(b->tok, rows, q->n_gen, o);
-        k3_free(rows);
-    }
-    if (st == K3_OK) st = k3_chat_buf_puts(o, ",\"finish_reason\":");
-    if (st == K3_OK)
-        st = k3_chat_buf_puts(o, ev->stop == K3_STOP_NONE ? "\"length\"}" : "\"stop\"}");
-    return st;
-}
-
-static k3_status write_ok(batch *b, const in_line *L, live *q, const k3_event *ev) {
-    k3_job_gen g = {.ids = q->gen, .n = q->n_gen, .stop = ev->stop, .n_text = q->n_text};
-    k3_chat_buf msg = {0}, o = {0};
-    k3_status st = L->completion ? K3_OK : k3_job_message(&q->job, b->tok, &g, false, &msg);
-    if (st != K3_OK) {
-        k3_chat_buf_free(&msg);
-        char why[1600];
-        snprintf(why, sizeof why, "the output parser failed: %s", k3_last_error());
-        return write_error(b, L, "engine_error", why);
-    }
-    uint64_t h = b->nonce ^ cid_hash(L->cid, L->n_cid);
-    char t[256];
-    st = put_head(b, L, &o);
-    snprintf(t, sizeof t,
-             ",\"response\":{\"status_code\":200,\"request_id\":\"req_%016llx\",\"body\":{\"id\":"
-             "\"%s%016llx\",\"object\":\"%s\",\"created\":%lld,\"model\":",
-             (unsigned long long)k3_run_seq_seed(h, 2), L->completion ? "cmpl-" : "chatcmpl-",
-             (unsigned long long)k3_run_seq_seed(h, 3),
-             L->completion ? "text_completion" : "chat.completion", (long long)time(NULL));
-    if (st == K3_OK) st = k3_chat_buf_puts(&o, t);
-    if (st == K3_OK) st = k3_chat_json_dump_str(b->model_name, strlen(b->model_name), &o);
-    if (st == K3_OK) st = k3_chat_buf_puts(&o, ",\"choices\":[");
-    if (st == K3_OK)
-        st = L->completion ? put_text_choice(b, q, ev, &o) : put_choice(msg.p, msg.n, b, q, &o);
-    snprintf(t, sizeof t,
-             "],\"usage\":{\"prompt_tokens\":%lld,\"completion_tokens\":%lld,\"total_tokens\":%lld,"
-             "\"prompt_tokens_details\":{\"cached_tokens\":%lld}}}},\"error\":null}\n",
-             (long long)ev->n_prompt, (long long)ev->n_gen, (long long)(ev->n_prompt + ev->n_gen),
-             (long long)ev->n_cached);
-    if (st == K3_OK) st = k3_chat_buf_puts(&o, t);
-    if (st == K3_OK) st = write_line(b, &o);
-    k3_chat_buf_free(&msg);
-    k3_chat_buf_free(&o);
-    b->n_ok++;
-    b->prompt_tokens += ev->n_prompt;
-    b->completion_tokens += ev->n_gen;
+    if (status == 200)
+        b->n_ok++;
+    else
+        b->n_failed++;
     return st;
 }
 
 /* ---- feeding the engine --------------------------------------------------------------------- */
-/* The request's settings: OpenAI's defaults; --max-tokens; the seed from --seed + custom_id. */
-static void settings(const batch *b, const in_line *L, k3_job_settings *s) {
-    memset(s, 0, sizeof *s);
-    s->num[K3_JOB_TEMPERATURE] = 1;
-    s->num[K3_JOB_TOP_P] = 1;
-    s->num[K3_JOB_REPETITION_PENALTY] = 1;
-    s->num[K3_JOB_MAX_TOKENS] = b->max_tokens_flag ? (double)k3_args_int(b->a, "max-tokens") : 0;
-    s->flag[K3_JOB_MAX_TOKENS] = "max-tokens";
-    s->seed = k3_run_seq_seed(b->seed ^ cid_hash(L->cid, L->n_cid), 0);
-    s->n_vocab = b->n_vocab;
-    s->grammars = b->grammars;
-}
-
 static live *free_live(batch *b) {
     for (int i = 0; i < b->cap_live; i++)
         if (b->live[i].line < 0) return &b->live[i];
@@ -551,120 +393,15 @@ static live *free_live(batch *b) {
 }
 
 static void end_live(batch *b, live *q) {
-    k3_job_free(&q->job);
-    k3_free(q->gen), k3_free(q->lp);
-    k3_chat_buf_free(&q->text);
+    k3_server_req_free(q->r);
     memset(q, 0, sizeof *q);
     q->line = -1;
     b->n_live--;
 }
 
-/* A completions body (one prompt) into j: the prompt's ids, j->doc for the sampling keys. A
- * refusal is K3_ERR_FORMAT naming the key (the line's invalid_request). */
-static k3_status completion_job(const batch *b, k3_job *j, const char *body, size_t n,
-                                const char *what) {
-    K3_TRY(k3_chat_json_parse(body, n, what, &j->doc));
-    const k3_chat_json *p = k3_chat_json_get(j->doc, "prompt"),
-                       *e = k3_chat_json_get(j->doc, "echo");
-    if (e && e->kind == K3_JSON_BOOL && e->b)
-        return K3_ERR(K3_ERR_FORMAT,
-                      "%s: request key 'echo' is not taken by k3 batch (k3 serve "
-                      "answers it)",
-                      what);
-    if (p && p->kind == K3_JSON_ARRAY && p->n_items > 1 &&
-        (p->items[0]->kind == K3_JSON_STRING || p->items[0]->kind == K3_JSON_ARRAY))
-        return K3_ERR(K3_ERR_FORMAT,
-                      "%s: request key 'prompt' holds %zu prompts; k3 batch takes "
-                      "one a line",
-                      what, p->n_items);
-    if (p && p->kind == K3_JSON_ARRAY && p->n_items == 1 &&
-        (p->items[0]->kind == K3_JSON_STRING || p->items[0]->kind == K3_JSON_ARRAY))
-        p = p->items[0];
-    k3_tok_ids v = {0};
-    if (p && p->kind == K3_JSON_STRING) {
-        k3_status st = k3_tok_encode(b->tok, p->s, p->n, false, &v);
-        if (st == K3_OK && v.n)
-            st = k3_alloc((void **)&j->ids, v.n * sizeof(int32_t), "prompt ids");
-        if (st == K3_OK && v.n) memcpy(j->ids, v.ids, v.n * sizeof(int32_t));
-        j->n_ids = st == K3_OK ? (int64_t)v.n : 0;
-        k3_tok_ids_free(&v);
-        K3_TRY(st);
-    } else if (p && p->kind == K3_JSON_ARRAY) {
-        K3_TRY(k3_alloc((void **)&j->ids, K3_MAX(p->n_items, 1) * sizeof(int32_t), "prompt ids"));
-        for (size_t i = 0; i < p->n_items; i++) {
-            uint64_t id = 0;
-            if (p->items[i]->kind != K3_JSON_INT || !k3_job_parse_u64(p->items[i]->s, &id) ||
-                id >= (uint64_t)b->n_vocab)
-                return K3_ERR(K3_ERR_FORMAT,
-                              "%s: request key 'prompt'[%zu]: not a token id in "
-                              "[0, %lld)",
-                              what, i, (long long)b->n_vocab);
-            j->ids[j->n_ids++] = (int32_t)id;
-        }
-    } else {
-        return K3_ERR(K3_ERR_FORMAT,
-                      "%s: request key 'prompt' must be a string or a list of "
-                      "token ids",
-                      what);
-    }
-    if (j->n_ids == 0) return K3_ERR(K3_ERR_FORMAT, "%s: the prompt is empty", what);
-    return K3_OK;
-}
-
-/* /v1/completions' "logprobs": an integer in [0, 20] (the top entries per token); -1 absent. */
-static k3_status completion_logprobs(const k3_chat_json *d, const char *what, int *n_top) {
-    const k3_chat_json *v = k3_chat_json_get(d, "logprobs");
-    uint64_t n = 0;
-    *n_top = -1;
-    if (!v || v->kind == K3_JSON_NULL) return K3_OK;
-    if (v->kind != K3_JSON_INT || !k3_job_parse_u64(v->s, &n) || n > K3_JOB_MAX_TOP)
-        return K3_ERR(K3_ERR_FORMAT, "%s: request key 'logprobs' must be an integer in [0, %d]",
-                      what, K3_JOB_MAX_TOP);
-    *n_top = (int)n;
-    return K3_OK;
-}
-
-/* The body's model is this job's (or unnamed); else the error names both. */
-static bool model_ok(const batch *b, const k3_chat_json *d, const char *what) {
-    const k3_chat_json *m = k3_chat_json_get(d, "model");
-    if (!m || m->kind == K3_JSON_NULL || k3_chat_json_is_str(m, b->model_name)) return true;
-    K3_ERR(K3_ERR_FORMAT, "%s: the model '%.100s' does not exist (this job runs '%s')", what,
-           m->kind == K3_JSON_STRING ? m->s : "(not a string)", b->model_name);
-    return false;
-}
-
-/* The keys `k3 serve` refuses, or answers in a way one batch line cannot (a stream, prompt
- * logprobs), refused for this line alone: K3_ERR_FORMAT naming the key. */
-static k3_status refused_keys(const k3_chat_json *d, bool completion, const char *what) {
-    const k3_chat_json *v;
-    if (k3_chat_json_truthy(k3_chat_json_get(d, "stream")))
-        return K3_ERR(K3_ERR_FORMAT,
-                      "%s: request key 'stream': true is not taken by k3 batch (each line's "
-                      "response is one body)",
-                      what);
-    if ((v = k3_chat_json_get(d, "best_of")) && v->kind != K3_JSON_NULL &&
-        !(v->kind == K3_JSON_INT && strcmp(v->s, "1") == 0))
-        return K3_ERR(K3_ERR_FORMAT,
-                      "%s: request key 'best_of' is not supported (k3 does not rank samples)",
-                      what);
-    if (completion && (v = k3_chat_json_get(d, "suffix")) && v->kind != K3_JSON_NULL &&
-        !(v->kind == K3_JSON_STRING && v->n == 0))
-        return K3_ERR(K3_ERR_FORMAT, "%s: request key 'suffix' is not supported by this model",
-                      what);
-    if ((v = k3_chat_json_get(d, "prompt_logprobs")) && v->kind != K3_JSON_NULL)
-        return K3_ERR(K3_ERR_FORMAT,
-                      "%s: request key 'prompt_logprobs' is not taken by k3 batch (k3 serve "
-                      "answers it)",
-                      what);
-    if (!completion && k3_chat_json_truthy(k3_chat_json_get(d, "echo")))
-        return K3_ERR(K3_ERR_FORMAT, "%s: request key 'echo' is only taken by /v1/completions",
-                      what);
-    if ((v = k3_chat_json_get(d, "skip_special_tokens")) && v->kind != K3_JSON_NULL &&
-        v->kind != K3_JSON_BOOL)
-        return K3_ERR(K3_ERR_FORMAT, "%s: request key 'skip_special_tokens' must be true or false",
-                      what);
-    return K3_OK;
-}
+/* An event's tag: the live entry and the choice (at most 256 choices a request: serve's limit is
+ * lower). */
+#define CHOICE_BITS 8
 
 /* Polled by a grammar compile on this (the step) thread: the coordinator's heartbeat goes on
  * (rate-limited inside), so a long compile never makes the workers declare rank 0 dead. Never
@@ -675,119 +412,59 @@ static bool compile_beat(void *arg) {
     return false;
 }
 
-/* Prepare the next line: submit it, or write its error line. Fails only for I/O and memory. */
+/* Prepare the next line: parse it as serve does and submit its choices, or write serve's error
+ * answer. Fails only for I/O and memory. */
 static k3_status submit_next(batch *b) {
     int64_t li = b->todo[b->next++];
     in_line *L = &b->lines[li];
     live *q = free_live(b);
     K3_ASSERT(q != NULL);
     q->line = li;
-    q->n_top = -1;
     b->n_live++;
-    char what[64];
-    snprintf(what, sizeof what, "line %lld", (long long)L->lineno);
     k3_chat_json *d = NULL;
-    k3_chat_buf body = {0};
-    k3_status st = k3_chat_json_parse(b->in_text + L->off, (size_t)L->len, what, &d);
-    if (st == K3_OK) st = k3_chat_json_dump(k3_chat_json_get(d, "body"), K3_JSON_COMPACT, &body);
-    const char *code = "invalid_request";
-    if (st == K3_OK && L->no_route) { /* this line alone fails, as k3 serve answers the url */
-        const k3_chat_json *u = k3_chat_json_get(d, "url");
-        st = K3_ERR(K3_ERR_FORMAT,
-                    "%s: url \"%.60s\" is not served by k3 (\"/v1/chat/completions\" and "
-                    "\"/v1/completions\" are)",
-                    what, u->s);
-        code = "unsupported_url";
-    }
-    if (st == K3_OK) st = refused_keys(k3_chat_json_get(d, "body"), L->completion, what);
+    k3_chat_buf body = {0}, err = {0};
+    K3_TRY(k3_chat_json_parse(b->in_text + L->off, (size_t)L->len, "line", &d));
+    const k3_chat_json *u = k3_chat_json_get(d, "url");
+    k3_status st = k3_chat_json_dump(k3_chat_json_get(d, "body"), K3_JSON_COMPACT, &body);
+    const uint64_t h = b->nonce ^ cid_hash(L->cid, L->n_cid);
+    const k3_server_req_opts ro = {.seed = k3_run_seq_seed(b->seed ^ cid_hash(L->cid, L->n_cid), 0),
+                                   .id = k3_run_seq_seed(h, 3),
+                                   .max_tokens =
+                                       b->max_tokens_flag ? k3_args_int(b->a, "max-tokens") : 0};
+    int status = 500;
+    if (st == K3_OK) status = k3_server_req_parse(&b->so, u->s, body.p, body.n, &ro, &q->r, &err);
     k3_chat_json_free(d);
-    if (st == K3_OK && !L->completion) st = k3_job_parse(&q->job, body.p, body.n, what, b->tok);
-    if (st == K3_OK && L->completion) st = completion_job(b, &q->job, body.p, body.n, what);
     k3_chat_buf_free(&body);
-    k3_job_settings s;
-    settings(b, L, &s);
-    if (st == K3_OK && L->completion && !b->max_tokens_flag) s.num[K3_JOB_MAX_TOKENS] = 16;
-    if (st == K3_OK) st = k3_job_sampling(&q->job, &s, what);
-    if (st == K3_OK && L->completion) { /* vLLM's skip_special_tokens (default true), as serve */
-        const k3_chat_json *sk = k3_chat_json_get(q->job.doc, "skip_special_tokens");
-        q->job.sp.skip_special = !sk || sk->kind == K3_JSON_NULL || sk->b;
-    }
-    if (st == K3_OK && !L->completion) st = k3_job_logprobs_keys(q->job.doc, what, &q->n_top);
-    if (st == K3_OK && L->completion) st = completion_logprobs(q->job.doc, what, &q->n_top);
-    if (st == K3_OK && !model_ok(b, q->job.doc, what)) st = K3_ERR_FORMAT, code = "model_not_found";
-    if (st == K3_ERR_NOMEM) return st;
-    if (st != K3_OK) {
-        st = write_error(b, L, code, k3_last_error());
+    if (st == K3_OK && status != 200) st = write_result(b, L, status, &err);
+    k3_chat_buf_free(&err);
+    if (st != K3_OK || status != 200) {
         end_live(b, q);
         return st;
     }
-    k3_job *j = &q->job;
-    code = "context_length_exceeded";
-    char why[256] = "";
-    if (j->from_req[K3_JOB_MAX_TOKENS] && j->max_tokens == 0) {
-        code = "invalid_request";
-        snprintf(why, sizeof why, "%s: request key 'max_tokens': 0 must be >= 1", what);
-    } else if (!j->from_req[K3_JOB_MAX_TOKENS] && !b->max_tokens_flag && !L->completion) {
-        j->max_tokens = K3_MAX(b->max_ctx - j->n_ids, 0); /* the rest of the context */
-    }
-    if (!*why && j->max_tokens == 0)
-        snprintf(why, sizeof why,
-                 "%s: the prompt (%lld tokens) leaves no room in the context of %lld tokens "
-                 "(--max-ctx)",
-                 what, (long long)j->n_ids, (long long)b->max_ctx);
-    else if (!*why && j->n_ids + j->max_tokens > b->max_ctx)
-        snprintf(why, sizeof why,
-                 "%s: the prompt (%lld tokens) + max_tokens (%lld) exceeds the context of %lld "
-                 "tokens (--max-ctx)",
-                 what, (long long)j->n_ids, (long long)j->max_tokens, (long long)b->max_ctx);
-    if (*why) {
-        st = write_error(b, L, code, why);
-        end_live(b, q);
-        return st;
-    }
-    q->cap_gen = K3_MAX(j->max_tokens, 1);
-    K3_TRY(k3_alloc((void **)&q->gen, (size_t)q->cap_gen * sizeof(int32_t), "generated ids"));
-    if (q->n_top >= 0)
-        K3_TRY(k3_alloc((void **)&q->lp, (size_t)q->cap_gen * sizeof *q->lp, "logprobs"));
-    k3_request rq = {.ids = j->ids,
-                     .n_ids = j->n_ids,
-                     .max_tokens = (int)j->max_tokens,
-                     .sampling = j->sp,
-                     .logprobs = q->n_top < 0 ? 0 : K3_MAX(q->n_top, 1),
-                     .user = (uint64_t)(q - b->live)};
-    int64_t id;
-    return k3_engine_submit(b->e, &rq, &id);
+    const int n = k3_server_req_choices(q->r);
+    K3_ASSERT(n <= 1 << CHOICE_BITS);
+    for (int i = 0; i < n; i++)
+        K3_TRY(k3_server_req_submit(q->r, i, b->e,
+                                    ((uint64_t)(q - b->live) << CHOICE_BITS) | (uint64_t)i));
+    return K3_OK;
 }
 
 static k3_status on_event(batch *b, const k3_event *ev) {
-    if (ev->user >= (uint64_t)b->cap_live || b->live[ev->user].line < 0)
+    const uint64_t li = ev->user >> CHOICE_BITS;
+    if (li >= (uint64_t)b->cap_live || b->live[li].line < 0)
         return K3_ERR(K3_ERR_INTERNAL, "engine event for an unknown request (tag %llu)",
                       (unsigned long long)ev->user);
-    live *q = &b->live[ev->user];
-    const in_line *L = &b->lines[q->line];
-    q->n_text += ev->n_text;
-    k3_status st = L->completion ? k3_chat_buf_put(&q->text, ev->text, ev->n_text) : K3_OK;
-    if (st != K3_OK) return st;
-    if (ev->kind == K3_EV_TOKEN) {
-        if (q->n_gen == q->cap_gen)
-            return K3_ERR(K3_ERR_INTERNAL, "line %lld: more tokens than max_tokens (%lld)",
-                          (long long)L->lineno, (long long)q->cap_gen);
-        if (q->lp) {
-            q->lp[q->n_gen] = *ev;
-            q->lp[q->n_gen].text = NULL, q->lp[q->n_gen].logits = NULL; /* valid until next step */
-            q->lp[q->n_gen].prompt_logits = NULL, q->lp[q->n_gen].error = NULL;
-        }
-        q->gen[q->n_gen++] = ev->token;
-        return K3_OK;
-    }
-    if (ev->kind == K3_EV_DONE)
-        st = write_ok(b, L, q, ev);
-    else
-        st = write_error(b, L,
-                         ev->error_kind == K3_EVERR_CONTEXT   ? "context_length_exceeded"
-                         : ev->error_kind == K3_EVERR_REQUEST ? "invalid_request"
-                                                              : "engine_error",
-                         ev->error ? ev->error : "unknown engine error");
+    live *q = &b->live[li];
+    bool done = false;
+    K3_TRY(k3_server_req_event(q->r, (int)(ev->user & ((1u << CHOICE_BITS) - 1)), ev, &done));
+    if (!done) return K3_OK;
+    k3_chat_buf out = {0};
+    int64_t n_prompt = 0, n_gen = 0;
+    const int status = k3_server_req_response(&b->so, q->r, &out, &n_prompt, &n_gen);
+    k3_status st = write_result(b, &b->lines[q->line], status, &out);
+    k3_chat_buf_free(&out);
+    b->prompt_tokens += n_prompt;
+    b->completion_tokens += n_gen;
     end_live(b, q);
     return st;
 }
@@ -846,6 +523,11 @@ static k3_status drive(batch *b) {
     k3_engine_stats es;
     k3_engine_get_stats(b->e, &es);
     b->max_ctx = es.max_ctx;
+    b->so = (k3_server_opts){.model_name = b->model_name,
+                             .tok = b->tok,
+                             .n_vocab = b->n_vocab,
+                             .max_ctx = b->max_ctx,
+                             .grammars = b->grammars};
     /* in flight: every slot busy plus as many waiting, so a freed slot is refilled at once */
     b->cap_live = (int)K3_MIN(K3_MAX(2 * (int64_t)es.max_seqs * es.ep, 64), 4096);
     K3_TRY(k3_calloc((void **)&b->live, (size_t)b->cap_live * sizeof *b->live, "requests"));

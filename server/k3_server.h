@@ -21,6 +21,7 @@
 
 #include <signal.h>
 
+#include "k3_chat.h"
 #include "k3_engine.h"
 #include "k3_tokenizer.h"
 
@@ -80,5 +81,31 @@ void k3_server_destroy(k3_server *s); /* NULL-safe; stops the daemon */
  * why. Needs no engine; o->tok may be a small vocabulary. */
 int k3_server_check_request(const k3_server_opts *o, const char *path, const char *body,
                             size_t n_bytes, char *why, size_t n_why);
+
+/* One request through serve's path without HTTP (`k3 batch`, server/offline.c): the same
+ * parser (n, prompt lists, echo, logprobs, every refusal), the same engine requests (a copy of
+ * n > 1 forks its prompt's prefill), the same response or error body. Only "stream": true is
+ * refused here (one body a request). */
+typedef struct sreq k3_server_req;
+typedef struct k3_server_req_opts {
+    uint64_t seed;      /* the seed of a request that sets none (choice copy c: seed + c) */
+    uint64_t id;        /* the response's id: "chatcmpl-" / "cmpl-" + 16 hex digits of it */
+    int64_t max_tokens; /* > 0: max_tokens of a request that sets none (else serve's default) */
+} k3_server_req_opts;
+/* path ("/v1/chat/completions" or "/v1/completions") + body -> 200 and *out, or the HTTP status
+ * serve answers with its error body ({"error": {...}}) in err. */
+int k3_server_req_parse(const k3_server_opts *o, const char *path, const char *body, size_t n,
+                        const k3_server_req_opts *ro, k3_server_req **out, k3_chat_buf *err);
+int k3_server_req_choices(const k3_server_req *r);
+/* Submit choice i, in order (a copy forks the first choice of its prompt); its events carry
+ * `user`. An engine refusal fails that choice alone. */
+k3_status k3_server_req_submit(k3_server_req *r, int i, k3_engine *e, uint64_t user);
+/* An engine event of choice i; *all_done once every choice has ended. */
+k3_status k3_server_req_event(k3_server_req *r, int i, const k3_event *ev, bool *all_done);
+/* Every choice ended: 200 and serve's response body, or the status and error body serve answers
+ * (the first failed choice's). *n_prompt, *n_gen: the usage's counts. */
+int k3_server_req_response(const k3_server_opts *o, const k3_server_req *r, k3_chat_buf *out,
+                           int64_t *n_prompt, int64_t *n_gen);
+void k3_server_req_free(k3_server_req *r); /* NULL-safe */
 
 #endif /* K3_SERVER_H */

@@ -38,7 +38,14 @@ static k3_status put_i64(k3_chat_buf *o, int64_t v) {
 }
 
 /* ---- errors ---------------------------------------------------------------------------------- */
-k3_status srv_error_json(int status, const char *message, k3_chat_buf *out) {
+static void strip_where(char *s);
+
+/* Every error body leaves out the source location k3_set_error adds (an engine event's error
+ * included). */
+k3_status srv_error_json(int status, const char *why, k3_chat_buf *out) {
+    char message[1600];
+    snprintf(message, sizeof message, "%s", why);
+    strip_where(message);
     const char *type = status == 401   ? "authentication_error"
                        : status == 404 ? "not_found_error"
                        : status == 429 ? "rate_limit_error"

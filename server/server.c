@@ -414,19 +414,6 @@ static void finish(k3_server *s, sreq *q) {
     unref(q);
 }
 
-static k3_status append_text(sreq *q, const char *t, size_t n) {
-    if (n == 0) return K3_OK;
-    if (q->n_text + n > q->cap_text) {
-        size_t cap = K3_MAX(2 * q->cap_text, q->n_text + n + 256);
-        char *p = realloc(q->text, cap);
-        if (!p) return K3_ERR(K3_ERR_NOMEM, "response text (%zu bytes)", cap);
-        q->text = p, q->cap_text = cap;
-    }
-    memcpy(q->text + q->n_text, t, n);
-    q->n_text += n;
-    return K3_OK;
-}
-
 /* mu held: the prefix cache's counters for /metrics, from the engine's totals. */
 static void prefix_counters(const k3_engine *e, srv_metrics *m) {
     k3_engine_stats es;
@@ -438,41 +425,19 @@ static void prefix_counters(const k3_engine *e, srv_metrics *m) {
     m->preemptions = es.preemptions;
 }
 
-/* mu held: one engine event into its request's buffers. */
+/* mu held: one engine event into its request's buffers (offline.c srv_take_event). */
 static k3_status route(k3_server *s, const k3_event *ev) {
     sreq *q = (sreq *)(uintptr_t)ev->user;
-    K3_TRY(append_text(q, ev->text, ev->n_text));
-    q->queued_s = ev->queued_s;
-    if (ev->prompt_lps && q->plp)
-        memcpy(q->plp, ev->prompt_lps, (size_t)(q->job.n_ids - 1) * sizeof *q->plp);
     if (ev->kind == K3_EV_TOKEN) {
-        if (q->n_gen == q->cap_gen)
-            return K3_ERR(K3_ERR_INTERNAL, "%s: more tokens than max_tokens (%lld)", q->id,
-                          (long long)q->cap_gen);
         const double now = k3_now_s();
         if (q->n_gen == 0) q->t_first = now;
         if (q->n_gen > 0) srv_hist_add(&s->m.itl, now - q->t_last);
         q->t_last = now;
-        q->gen[q->n_gen] = (sreq_tok){ev->token, q->n_text};
-        if (q->lp) {
-            sreq_lp *l = &q->lp[q->n_gen];
-            l->logprob = ev->logprob;
-            l->n_top = K3_MIN(ev->n_top, K3_EV_MAX_TOP);
-            memcpy(l->top_ids, ev->top_ids, sizeof l->top_ids);
-            memcpy(l->top_logprobs, ev->top_logprobs, sizeof l->top_logprobs);
-        }
-        q->n_gen++;
+    }
+    K3_TRY(srv_take_event(q, ev));
+    if (ev->kind == K3_EV_TOKEN) {
         pthread_cond_broadcast(q->multi ? &s->multi_cv : &q->cv);
         return K3_OK;
-    }
-    q->n_prompt = ev->n_prompt;
-    q->n_cached = ev->n_cached;
-    if (ev->kind == K3_EV_DONE) {
-        q->stop = ev->stop;
-    } else {
-        q->failed = true;
-        q->error_kind = ev->error_kind;
-        snprintf(q->error, sizeof q->error, "%s", ev->error ? ev->error : "engine error");
     }
     for (int i = 0; i < s->n_live; i++)
         if (s->live[i] == q) s->live[i] = s->live[--s->n_live];
@@ -497,20 +462,8 @@ static k3_status admit_and_cancel(k3_server *s, k3_engine *e, bool cancel_all) {
             if (!l) return K3_ERR(K3_ERR_NOMEM, "table of %d live requests", cap);
             s->live = l, s->cap_live = cap;
         }
-        const k3_job *j = &q->job;
-        k3_request rq = {.ids = j->ids,
-                         .n_ids = j->n_ids,
-                         .max_tokens = (int)j->max_tokens,
-                         .sampling = j->sp,
-                         .logprobs = q->n_top < 0 ? 0 : K3_MAX(q->n_top, 1),
-                         .ignore_eos = q->ignore_eos,
-                         .prompt_logprobs = q->plp != NULL,
-                         .prompt_top = K3_MAX(q->plp_top, q->echo ? q->n_top : 0),
-                         .user = (uint64_t)(uintptr_t)q};
-        /* a copy of n > 1 shares the prefill of its prompt's first choice (queued just before
-           it; not cancelled, so still held): the engine forks its state */
-        if (q->fork_src && q->fork_src->submitted && !q->fork_src->done)
-            rq.fork = true, rq.fork_of = q->fork_src->eng_id;
+        k3_request rq;
+        srv_engine_request(q, &rq); /* a copy of n > 1 forks its prompt's prefill */
         if (k3_engine_submit(e, &rq, &q->eng_id) != K3_OK) { /* this request alone fails */
             q->failed = true;
             q->error_kind = 0; /* not the request's fault: 500 */
@@ -725,11 +678,7 @@ static bool wait_done(conn *k) {
 
 /* The request's own fault (400), the server's (500), or the engine is gone (503). */
 static int engine_error_status(const k3_server *s, const sreq *q) {
-    if (s->engine_down) return 503;
-    return q->error_kind == K3_EVERR_REQUEST || q->error_kind == K3_EVERR_CONTEXT ||
-                   q->error_kind == K3_EVERR_SAMPLING
-               ? 400
-               : 500;
+    return s->engine_down ? 503 : srv_failed_status(q);
 }
 
 /* mu held: whether there is nothing new for the stream, in any of its choices. */

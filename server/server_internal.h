@@ -186,6 +186,16 @@ void srv_stream_free(srv_stream *st);
 k3_status srv_feed_chat(const sreq *q, srv_stream *st, const srv_snapshot *s,
                         const k3_tokenizer *tok);
 
+/* ---- offline.c: the request path without HTTP (also server.c's) --------------------------- */
+/* The engine request of a choice (its tag: the sreq; a copy of n > 1 forks its prompt's first
+ * choice when that one is submitted and running). */
+void srv_engine_request(const sreq *q, k3_request *rq);
+/* One engine event into q's buffers: text, token, logprobs, prompt logprobs, the end. */
+k3_status srv_take_event(sreq *q, const k3_event *ev);
+/* A failed choice's status: 400 (the request's fault: the engine's request, context or
+ * sampling error) or 500. */
+int srv_failed_status(const sreq *q);
+
 /* ---- responses.c: POST /v1/responses ------------------------------------------------------ */
 typedef struct srv_rstream srv_rstream;
 /* A Responses body -> a chat sreq (responses set, resp_doc owned), or 4xx with why. */

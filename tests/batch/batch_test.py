@@ -138,16 +138,18 @@ def mode_lines(tmp):
     check(p.returncode == 0, "a file with refused lines runs (exit %d): %s" % (p.returncode, p.stderr[-300:]))
     rows, _ = read_out(out)
     want = {"emb": (404, "/v1/embeddings"), "cmpl-sfx": (400, "suffix"), "stream": (400, "stream"),
-            "best": (400, "best_of"), "plp": (400, "prompt_logprobs"), "echo": (400, "echo"),
+            "best": (400, "best_of"), "echo": (400, "echo"),
             "cmpl-skip": (400, "skip_special_tokens")}
     for cid, (status, key) in want.items():
         r = rows.get(cid, {}).get("response") or {}
         msg = ((r.get("body") or {}).get("error") or {}).get("message", "")
         check(r.get("status_code") == status and key in msg and not re.search(r"\.c:\d+", msg),
               "line %s: %d naming %s, no source location (%s %s)" % (cid, status, key, r.get("status_code"), msg[:120]))
-    for cid in ("ok", "cmpl-ok"):
+    for cid in ("ok", "cmpl-ok", "plp"):  # prompt_logprobs: answered as serve answers it
         r = rows.get(cid, {}).get("response") or {}
         check(r.get("status_code") == 200, "line %s answered 200" % cid)
+    plp = ((rows.get("plp", {}).get("response") or {}).get("body") or {}).get("prompt_logprobs")
+    check(isinstance(plp, list) and plp[:1] == [None] and len(plp) > 1, "prompt_logprobs in the body")
 
 
 def mode_serve(tmp):
