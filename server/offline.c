@@ -127,8 +127,9 @@ int k3_server_req_parse(const k3_server_opts *o, const char *path, const char *b
     sreq *head = NULL;
     int st = srv_parse(o, chat ? SREQ_CHAT : SREQ_COMPLETION, body, n, &head, why, sizeof why);
     if (st == 200 && k3_chat_json_truthy(k3_chat_json_get(head->job.doc, "stream"))) {
-        snprintf(why, sizeof why, "request key 'stream': true is not taken by k3 batch (each "
-                                  "line's response is one body)");
+        snprintf(why, sizeof why,
+                 "request key 'stream': true is not taken by k3 batch (each "
+                 "line's response is one body)");
         st = 400;
     }
     const bool seeded = st == 200 && k3_chat_json_get(head->job.doc, "seed") &&
@@ -169,8 +170,7 @@ k3_status k3_server_req_submit(k3_server_req *r, int i, k3_engine *e, uint64_t u
     if (k3_engine_submit(e, &rq, &q->eng_id) != K3_OK) { /* this choice alone fails: 500 */
         q->failed = q->done = true;
         q->error_kind = 0;
-        snprintf(q->error, sizeof q->error, "the engine refused the request: %s",
-                 k3_last_error());
+        snprintf(q->error, sizeof q->error, "the engine refused the request: %s", k3_last_error());
         return K3_OK;
     }
     q->submitted = true;

@@ -152,36 +152,68 @@ def mode_lines(tmp):
     check(isinstance(plp, list) and plp[:1] == [None] and len(plp) > 1, "prompt_logprobs in the body")
 
 
-def mode_serve(tmp):
-    """Issue 47: one ~40-line file through `k3 batch` and each line's body through `k3 serve`:
-    every 200 body equal (ids, timestamps and usage.prompt_tokens_details aside: the prefix
-    cache's hits depend on what ran before), every refused line the same status."""
-    import urllib.request
-    model = os.path.join(tmp, "tiny")
-    subprocess.run([K3, "make-tiny", model], check=True, stderr=subprocess.DEVNULL)
+def serve_lines():
+    """The ~45 varied lines of the batch = serve comparison: (custom_id, body), seeded or greedy
+    (an unseeded request samples with a fresh seed in serve)."""
     m = [{"role": "user", "content": "Name a colour."}]
     tool = [{"type": "function", "function": {"name": "f", "parameters": {"type": "object", "properties": {}}}}]
     L = []
-    L += [("chat%d" % i, {"messages": m, "max_tokens": 4 + i, "seed": i, "temperature": 0.8}) for i in range(8)]
-    L += [("chatoff%d" % i, {"messages": m, "max_tokens": 6, "seed": i, "chat_template_kwargs": {"thinking": False}}) for i in range(4)]
-    L += [("lp%d" % i, {"messages": m, "max_tokens": 3, "temperature": 0, "logprobs": True, "top_logprobs": 2}) for i in range(3)]
-    L += [("tools%d" % i, {"messages": m, "max_tokens": 5, "seed": i, "tools": tool}) for i in range(3)]
-    L += [("cmpl%d" % i, {"prompt": "Once upon", "max_tokens": 3 + i, "seed": i}) for i in range(6)]
-    L += [("cmplids%d" % i, {"prompt": [5, 6, 7, 8 + i], "max_tokens": 3, "temperature": 0, "logprobs": 2}) for i in range(3)]
-    L += [("cmplstop%d" % i, {"prompt": "a b c", "max_tokens": 8, "seed": i, "stop": ["e"]}) for i in range(3)]
+    L += [("chat%d" % i, {"messages": m, "max_tokens": 4 + i, "seed": i, "temperature": 0.8}) for i in range(4)]
+    L += [("chatoff%d" % i, {"messages": m, "max_tokens": 6, "seed": i, "chat_template_kwargs": {"thinking": False}}) for i in range(2)]
+    L += [("lp%d" % i, {"messages": m, "max_tokens": 3, "temperature": 0, "logprobs": True, "top_logprobs": 2}) for i in range(2)]
+    L += [("tools%d" % i, {"messages": m, "max_tokens": 5, "seed": i, "tools": tool}) for i in range(2)]
+    L += [("chatn%d" % n, {"messages": m, "max_tokens": 5, "seed": 7 + n, "n": n, "temperature": 0.9}) for n in (2, 3)]
+    L += [("chatn2lp", {"messages": m, "max_tokens": 3, "seed": 1, "n": 2, "logprobs": True, "top_logprobs": 1}),
+          ("chatn3off", {"messages": m, "max_tokens": 4, "seed": 2, "n": 3, "chat_template_kwargs": {"thinking": False}}),
+          ("chatplp", {"messages": m, "max_tokens": 2, "temperature": 0, "prompt_logprobs": 1})]
+    L += [("cmpl%d" % i, {"prompt": "Once upon", "max_tokens": 3 + i, "seed": i}) for i in range(3)]
+    L += [("cmplids%d" % i, {"prompt": [5, 6, 7, 8 + i], "max_tokens": 3, "temperature": 0, "logprobs": 2}) for i in range(2)]
+    L += [("cmplstop%d" % i, {"prompt": "a b c", "max_tokens": 8, "seed": i, "stop": ["e"]}) for i in range(2)]
     L += [("cmplskip%d" % i, {"prompt": "x", "max_tokens": 6, "seed": i, "skip_special_tokens": bool(i % 2)}) for i in range(2)]
+    L += [("cmpln%d" % n, {"prompt": "Once upon", "max_tokens": 4, "seed": 3 + n, "n": n}) for n in (2, 3)]
+    L += [("cmplecho", {"prompt": "Once upon a time", "max_tokens": 3, "temperature": 0, "echo": True, "logprobs": 2}),
+          ("cmplecho0", {"prompt": [5, 6, 7, 9], "max_tokens": 0, "echo": True, "logprobs": 1}),
+          ("cmplechotext", {"prompt": "a b", "max_tokens": 2, "seed": 4, "echo": True}),
+          ("cmpllist", {"prompt": ["Once upon", "a b c", "x"], "max_tokens": 3, "seed": 5}),
+          ("cmpllistids", {"prompt": [[5, 6, 7], [8, 9, 10, 11]], "max_tokens": 3, "seed": 6, "n": 2, "logprobs": 1}),
+          ("cmpllistecho", {"prompt": ["Once", "upon a"], "max_tokens": 2, "temperature": 0, "echo": True, "logprobs": 1, "n": 2})]
     L += [("bad-model", {"model": "gpt-4o", "messages": m}), ("bad-top", {"messages": m, "top_p": 5}),
           ("cmplbad-sfx", {"prompt": "x", "suffix": "y"}), ("bad-best", {"messages": m, "best_of": 3}),
           ("bad-ctx", {"messages": m, "max_tokens": 100000}), ("cmplbad-zero", {"prompt": "x", "max_tokens": 0}),
-          ("emb", {"input": "x"})]
+          ("bad-n", {"messages": m, "n": 0}), ("cmplbad-nlist", {"prompt": ["a"] * 50, "n": 3}),
+          ("cmplbad-mix", {"prompt": ["a", 5]}), ("bad-echo", {"messages": m, "echo": True}),
+          ("cmplbad-id", {"prompt": [5, 10 ** 9]}), ("emb", {"input": "x"})]
+    return L
+
+
+def norm(x):
+    """A body without what differs between two runs: ids, timestamps, the prefix cache's hits."""
+    if isinstance(x, dict):
+        return {k: norm(v) for k, v in x.items() if k not in ("id", "created", "prompt_tokens_details")}
+    return [norm(v) for v in x] if isinstance(x, list) else x
+
+
+def write_lines(path, L):
     lines = [line(c, b, **({"url": "/v1/embeddings"} if c == "emb" else {})) for c, b in L]
-    inp, out = os.path.join(tmp, "cmp.jsonl"), os.path.join(tmp, "cmp.out.jsonl")
-    with open(inp, "w") as f:
+    with open(path, "w") as f:
         f.write("\n".join(lines) + "\n")
+    return lines
+
+
+def mode_serve(tmp):
+    """Issue 47: one ~45-line file through `k3 batch` and each line's body through `k3 serve`:
+    every body equal (ids, timestamps and usage.prompt_tokens_details aside: the prefix cache's
+    hits depend on what ran before), refused lines' error bodies included, with equal status."""
+    import urllib.request
+    model = os.path.join(tmp, "tiny")
+    subprocess.run([K3, "make-tiny", model], check=True, stderr=subprocess.DEVNULL)
+    L = serve_lines()
+    inp, out = os.path.join(tmp, "cmp.jsonl"), os.path.join(tmp, "cmp.out.jsonl")
+    lines = write_lines(inp, L)
     flags = ["--model", model, "--threads", "1", "--max-ctx", "4096", "--served-model-name", "k3-tiny"]
     p = batch(flags + ["--input", inp, "--output", out])
     check(p.returncode == 0, "k3 batch ran the file (exit %d) %s" % (p.returncode, p.stderr[-200:]))
-    rows, _ = read_out(out)
+    rows, _ = read_out(out) if os.path.exists(out) else ({}, [])
     log = tempfile.NamedTemporaryFile(delete=False)
     srv = subprocess.Popen([K3, "serve", "--port", "0"] + flags, stdout=subprocess.DEVNULL, stderr=log)
     port, t0 = None, time.time()
@@ -189,11 +221,6 @@ def mode_serve(tmp):
         mt = re.search(r"listening on http://127\.0\.0\.1:(\d+)", open(log.name, errors="replace").read())
         port = int(mt.group(1)) if mt else None
         time.sleep(0.1)
-
-    def norm(x):
-        if isinstance(x, dict):
-            return {k: norm(v) for k, v in x.items() if k not in ("id", "created", "prompt_tokens_details")}
-        return [norm(v) for v in x] if isinstance(x, list) else x
     same, diff = 0, []
     try:
         for (cid, body), ln in zip(L, lines):
@@ -205,20 +232,49 @@ def mode_serve(tmp):
                     status, got = r.status, json.loads(r.read())
             except urllib.error.HTTPError as e:
                 status, got = e.code, json.loads(e.read())
-            b = rows[cid]["response"]
-            ok = status == b["status_code"] and (status != 200 or norm(got) == norm(b["body"]))
+            b = (rows.get(cid) or {}).get("response") or {}
+            ok = status == b.get("status_code") and norm(got) == norm(b.get("body"))
             same += ok
             if not ok:
-                diff.append((cid, status, b["status_code"], json.dumps(norm(got))[:160], json.dumps(norm(b["body"]))[:160]))
+                diff.append((cid, status, b.get("status_code"), json.dumps(norm(got))[:200], json.dumps(norm(b.get("body")))[:200]))
     finally:
         srv.terminate()
         srv.wait(timeout=60)
         os.unlink(log.name)
-    for d in diff[:5]:
+    for d in diff[:6]:
         print("   differs:", d)
-    n_ok = sum(1 for c, _ in L if rows[c]["response"]["status_code"] == 200)
-    check(not diff and n_ok >= 30, "%d lines: batch = serve for every one (%d bodies of 200 equal, the "
-          "refused lines the same status)" % (len(L), n_ok))
+    n_ok = sum(1 for c, _ in L if ((rows.get(c) or {}).get("response") or {}).get("status_code") == 200)
+    n_choices = sum(len(((rows.get(c) or {}).get("response") or {}).get("body", {}).get("choices", [])) for c, _ in L)
+    check(not diff and n_ok >= 30, "%d lines: batch = serve for every one (%d bodies of 200 with %d choices, %d "
+          "error bodies, all equal)" % (len(L), n_ok, n_choices, len(L) - n_ok))
+    srcloc = [c for c, _ in L if re.search(r"\.c:\d+", json.dumps(rows.get(c)))]
+    check(not srcloc, "no source location in any line (%s)" % srcloc[:3])
+
+
+def mode_serve_mpi(tmp, mpi):
+    """Issue 47: the same file through `mpirun -np 4 k3 batch --pp 2 --ep 2` and one rank
+    (--deterministic both): every body equal, ids and timestamps aside."""
+    model = os.path.join(tmp, "tiny")
+    subprocess.run([K3, "make-tiny", model], check=True, stderr=subprocess.DEVNULL)
+    L = serve_lines()
+    inp = os.path.join(tmp, "cmp.jsonl")
+    write_lines(inp, L)
+    flags = ["--model", model, "--threads", "1", "--max-ctx", "4096", "--served-model-name", "k3-tiny",
+             "--deterministic", "--input", inp]
+    one, four = os.path.join(tmp, "one.jsonl"), os.path.join(tmp, "four.jsonl")
+    p1 = batch(flags + ["--output", one])
+    p4 = batch(flags + ["--output", four, "--pp", "2", "--ep", "2"], mpi=mpi, np_=4, timeout=240)
+    check(p1.returncode == 0 and p4.returncode == 0, "1 rank and 2x2 ran the file (exit %d, %d) %s" %
+          (p1.returncode, p4.returncode, (p4.stderr or p1.stderr)[-300:]))
+    r1, _ = read_out(one) if p1.returncode == 0 else ({}, [])
+    r4, _ = read_out(four) if p4.returncode == 0 else ({}, [])
+    diff = [c for c, _ in L if c not in r1 or c not in r4 or
+            r1[c]["response"]["status_code"] != r4[c]["response"]["status_code"] or
+            norm(r1[c]["response"]["body"]) != norm(r4[c]["response"]["body"])]
+    for c in diff[:4]:
+        print("   differs:", c, json.dumps(norm((r1.get(c) or {}).get("response")))[:200],
+              json.dumps(norm((r4.get(c) or {}).get("response")))[:200])
+    check(len(r1) == len(L) and not diff, "%d lines: 2x2 = 1 rank for every body (differ: %s)" % (len(L), diff[:5]))
 
 
 def requests(vocab, eom):
@@ -410,7 +466,8 @@ def mode_mpi(tmp, mpi):
 
 
 def main():
-    if len(sys.argv) < 2 or sys.argv[1] not in ("input", "lines", "serve", "mpi") or (sys.argv[1] == "mpi" and len(sys.argv) < 3):
+    modes = ("input", "lines", "serve", "mpi", "serve_mpi")
+    if len(sys.argv) < 2 or sys.argv[1] not in modes or (sys.argv[1] in ("mpi", "serve_mpi") and len(sys.argv) < 3):
         print(__doc__)
         return 2
     with tempfile.TemporaryDirectory() as tmp:
@@ -420,6 +477,8 @@ def main():
             mode_lines(tmp)
         elif sys.argv[1] == "serve":
             mode_serve(tmp)
+        elif sys.argv[1] == "serve_mpi":
+            mode_serve_mpi(tmp, sys.argv[2])
         else:
             mode_mpi(tmp, sys.argv[2])
     return verdict("batch_test " + sys.argv[1])

@@ -24,3 +24,7 @@ add_test(NAME batch_slow_compile
          COMMAND ${K3_BATCH_PYTHON3} ${CMAKE_CURRENT_LIST_DIR}/batch_compile_test.py ${MPIEXEC_EXECUTABLE})
 set_tests_properties(batch_slow_compile PROPERTIES LABELS "mpi" TIMEOUT 120
                      ENVIRONMENT "${K3_TEST_ENV_MPI}")
+add_test(NAME batch_serve_mpi
+         COMMAND ${K3_BATCH_PYTHON3} ${CMAKE_CURRENT_LIST_DIR}/batch_test.py serve_mpi ${MPIEXEC_EXECUTABLE})
+set_tests_properties(batch_serve_mpi PROPERTIES LABELS "mpi" TIMEOUT 300
+                     ENVIRONMENT "${K3_TEST_ENV_MPI}")
