@@ -1,48 +1,33 @@
 /* cmd_batch.c — `k3 batch --model DIR --input IN.jsonl --output OUT.jsonl`: an OpenAI Batch API
  * file of chat and completions requests through the engine (rank/k3_engine.h) on any S x E,
- * resumable.
+ * resumable; each line answered as `k3 serve` answers its body.
  *
  * Owns: the batch file formats, the validation of the input, the resume of the output, feeding
- * the engine (a bounded window of requests in flight), one output line per request as soon as it
- * ends, the progress line and the summary. Only rank 0 reads and writes files and tokenizes; the
- * other ranks serve the engine. Does not own: the chat request -> ids + sampling and the ids ->
- * message (chat_job.h, shared with `k3 run --chat`), the engine flags (engine_args.h).
+ * the engine (a bounded window of requests in flight), one output line per request as soon as
+ * every choice of it ends, the progress line and the summary. Only rank 0 reads and writes files
+ * and tokenizes; the other ranks serve the engine. Does not own: a body -> choices, engine
+ * requests and the response or error body (serve's own code, without HTTP: k3_server_req_* in
+ * server/k3_server.h), the engine flags (engine_args.h).
  *
  * Input: one JSON object a line, {"custom_id": "<unique non-empty string>", "method": "POST",
  * "url": "/v1/chat/completions" | "/v1/completions", "body": {<request>}}; blank lines are
- * skipped. A completions body takes one prompt (a string, token ids, or a list of one of them),
- * max_tokens (16 by default, OpenAI's), the sampling keys and logprobs (an integer, OpenAI's
- * legacy shape); echo, n > 1 and several prompts are that line's invalid_request. A line
- * is not such an object (not JSON, no custom_id, a custom_id used before, another url or method,
- * no body object) fails the whole job before the model loads, every bad line named (the OpenAI
- * batch validation): such a line cannot get an output line.
+ * skipped. The body is what `k3 serve` takes at that url (n, echo, prompt lists, logprobs,
+ * prompt_logprobs, tools, structured outputs ...); "stream": true alone is refused (one body a
+ * line). A line that is not such an object (not JSON, no custom_id, a custom_id used before,
+ * another method, a url that is not a string, no body object) fails the whole job before the
+ * model loads, every bad line named (the OpenAI batch validation): such a line cannot get an
+ * output line. Another url fails its own line (serve's 404).
  * Output: one line per request, in the order requests finish:
- *   {"id": "batch_req_<hex>", "custom_id": ..., "response": {"status_code": 200, "request_id":
- *    "req_<hex>", "body": <chat.completion>}, "error": null}
- * chat.completion = {"id": "chatcmpl-<hex>", "object": "chat.completion", "created": <unix s>,
- * "model": <basename of --model>, "choices": [{"index": 0, "message": {"role": "assistant",
- * "content", "reasoning_content" (thinking on), "tool_calls" (when any)}, "logprobs",
- * "finish_reason": "stop" | "length" | "tool_calls"}], "usage": {"prompt_tokens",
- * "completion_tokens", "total_tokens", "prompt_tokens_details": {"cached_tokens"}}} (as k3 serve
- * writes it). "logprobs" is null unless the request set
- * "logprobs": true (and "top_logprobs": 0-20): then {"content": [{"token", "logprob", "bytes",
- * "top_logprobs": [{"token", "logprob", "bytes"}]}], "refusal": null} with one entry per
- * generated token — reasoning, control tokens and the stop token included (the engine's tokens,
- * not only the content's); logprobs after the sampler's bias and penalties.
- * A completions line's body is a text_completion ({"choices": [{"index": 0, "text", "logprobs",
- * "finish_reason"}], "usage", ...}).
- * A request that fails gets the HTTP answer `k3 serve` would give it, as OpenAI's batch output
- * carries a failed request (readers tell it from a success by response.status_code alone):
- *   {"id", "custom_id", "response": {"status_code": S, "request_id", "body": {"error":
- *    {"message": M, "type", "param": null, "code": C}}}, "error": null}
- * with C = "invalid_request" (S 400: the body: rendering, a sampling key out of range, a
- * logit_bias id outside the vocabulary; M names the key), "model_not_found" (S 404: the body
- * names another model than --served-model-name), "context_length_exceeded" (S 400: prompt +
- * max_tokens > --max-ctx) or "engine_error" (S 500: the engine's error event: sampler,
- * non-finite logits). The job goes on; failed lines are results too.
- * Request defaults are OpenAI's (temperature 1, top_p 1), max_tokens the rest of --max-ctx unless
- * --max-tokens; the seed of a request without one comes from --seed and its custom_id, so a
- * rerun or a resume samples the same tokens.
+ *   {"id": "batch_req_<hex>", "custom_id": ..., "response": {"status_code": S, "request_id":
+ *    "req_<hex>", "body": B}, "error": null}
+ * with S and B serve's answer to the body: 200 and a chat.completion / text_completion (every
+ * choice, the usage summed as serve sums it), or serve's status and error body {"error":
+ * {"message", "type", "param": null, "code": S}} (a refused key, another model: 404, a context
+ * overflow, the engine's error event: the first failed choice answers). The job goes on; failed
+ * lines are results too (readers tell them by response.status_code, as in OpenAI's batches).
+ * Request defaults are serve's (OpenAI's); --max-tokens is the max_tokens of a request that
+ * sets none; the seed of a request without one comes from --seed and its custom_id (copy c of
+ * n: + c), so a rerun or a resume samples the same tokens.
  * Resume: custom_ids already in OUT are skipped (error lines included: delete them to retry); a
  * truncated last line (a killed run) is cut off first; new lines are appended. OUT is locked
  * (flock) while a job writes it. */
@@ -71,17 +56,16 @@ static const k3_flag flags[] = {
     {"input", K3_FLAG_STR, "IN.jsonl", NULL,
      "requests, one a line: {\"custom_id\", \"method\": \"POST\", \"url\": "
      "\"/v1/chat/completions\" or \"/v1/completions\", \"body\": {request}}; a malformed line "
-     "(named) fails the job before the model loads. Chat body keys as `k3 run --chat` takes them, "
-     "plus logprobs / top_logprobs; a completions body: one prompt (text or ids), max_tokens "
-     "(default 16), logprobs N; unset sampling keys take OpenAI's defaults (temperature 1, "
-     "top_p 1)"},
+     "(named) fails the job before the model loads. A body is what `k3 serve` takes at that url "
+     "(n, echo, prompt lists, logprobs, tools ...), answered by the same code; only "
+     "\"stream\": true is refused"},
     {"output", K3_FLAG_STR, "OUT.jsonl", NULL,
      "results, one a line as each request finishes: {\"id\", \"custom_id\", \"response\": "
      "{\"status_code\": 200, \"request_id\", \"body\": chat.completion | text_completion}, "
-     "\"error\": null}; a failed request: status_code 400 / 404 / 500 and an OpenAI error body "
-     "{\"error\": {\"message\", \"type\", \"param\", \"code\": invalid_request | "
-     "model_not_found | context_length_exceeded | engine_error}}. Appended to: custom_ids already "
-     "there (failed ones too) are skipped, so a killed job run again completes the file"},
+     "\"error\": null}; a failed request: serve's status_code (400 / 404 / 500; e.g. a prompt "
+     "+ max_tokens past --max-ctx: 400) and serve's error body {\"error\": {\"message\", "
+     "\"type\", \"param\", \"code\": the status}}. Appended to: custom_ids already there "
+     "(failed ones too) are skipped, so a killed job run again completes the file"},
     {"served-model-name", K3_FLAG_STR, "NAME", NULL,
      "the model name of the responses; a line whose body names another model fails alone (404, "
      "model_not_found), as `k3 serve` answers it (default: the basename of --model)"},

@@ -4,13 +4,16 @@
 usage: batch_test.py input          (K3_BIN = the k3 binary; one process, no model load)
        batch_test.py lines          (one process, the tiny model)
        batch_test.py serve          (one process, the tiny model, and k3 serve)
-  serve: (issue 47) 43 varied lines through k3 batch and through k3 serve: every 200 body equal
-         (ids, timestamps and the prefix cache's cached_tokens aside), the refused lines the same
-         status (their messages still differ in wording: "line N: ..." in batch).
+  serve: (issue 47) 44 varied lines (n 2 and 3, echo + logprobs, prompt lists, 12 refused) through
+         k3 batch and through k3 serve: every body equal, error bodies included (ids, timestamps
+         and the prefix cache's cached_tokens aside), the same status; no source location.
+       batch_test.py serve_mpi MPIEXEC   (the same file on 2 stages x 2 lanes and on one rank:
+         every body equal)
        batch_test.py mpi MPIEXEC    (2 stages x 2 lanes under mpirun)
   lines: (issue 47) a line k3 serve refuses fails alone with serve's status and a message naming
          the key, no source location: another url (404), suffix, stream: true, best_of 2,
-         prompt_logprobs, echo on chat, a skip_special_tokens that is not a boolean; the others run.
+         echo on chat, a skip_special_tokens that is not a boolean; the others run (prompt_logprobs
+         too, as serve answers it).
   input: malformed input lines (not JSON, no custom_id, a custom_id used twice, another method, a
          body that is not an object) fail the job before the model loads (another url fails its
          own line: lines): exit
@@ -20,10 +23,9 @@ usage: batch_test.py input          (K3_BIN = the k3 binary; one process, no mod
          max_tokens) and 20 /v1/completions requests (text and id prompts, logprobs) on 2x2
          --deterministic write exactly one line per custom_id, each a valid chat.completion or
          text_completion (keys, usage sums) or, for the 4 requests that must fail, the status
-         and OpenAI error body k3 serve would answer: logit_bias -Infinity on every id (500, the
-         engine's error event), a prompt longer than --max-ctx (400 context_length_exceeded),
-         temperature -1 (400 invalid_request naming the key), another model (404
-         model_not_found);
+         and OpenAI error body k3 serve would answer (its "code" is the status, as serve's):
+         logit_bias -Infinity on every id (400, the engine's sampling error event), a prompt
+         longer than --max-ctx (400), temperature -1 (400 naming the key), another model (404);
          the others complete; <|end_of_msg|> first gives finish_reason "stop"; logprobs (one
          entry per token, greedy = top 1, tops sorted) only when asked. A run SIGKILLed after about half the lines, plus a truncated last
          line, then run again: the file completes with no duplicate and no loss, and every result
@@ -112,7 +114,7 @@ def mode_input(tmp):
     check(p.returncode == 1 and "another k3 batch" in p.stderr, "a locked output file is refused: %s"
           % p.stderr.strip()[-100:])
     p = batch(["--help"])
-    check(p.returncode == 0 and "context_length_exceeded" in p.stdout and "--max-ctx" in p.stdout,
+    check(p.returncode == 0 and "error body" in p.stdout and "--max-ctx" in p.stdout,
           "--help documents the error lines and the capacity flags")
 
 
@@ -378,16 +380,16 @@ def mode_mpi(tmp, mpi):
     check(sorted(order) == sorted(cids), "one line per custom_id (%d lines, %d distinct)" % (len(order), len(set(order))))
     bad = [c for c in cids if c not in failing and not valid_completion(ref.get(c, {}))]
     check(not bad, "every other line is a valid chat.completion or text_completion (invalid: %s)" % bad[:3])
-    for c, status, code, needle in (("bias-inf", 500, "engine_error", "logit_bias"),
-                                    ("too-long", 400, "context_length_exceeded", "512"),
-                                    ("bad-temp", 400, "invalid_request", "'temperature'"),
-                                    ("bad-model", 404, "model_not_found", "gpt-4o")):
+    for c, status, code, needle in (("bias-inf", 400, 400, "logit_bias"),  # as serve: code = status
+                                    ("too-long", 400, 400, "512"),
+                                    ("bad-temp", 400, 400, "'temperature'"),
+                                    ("bad-model", 404, 404, "gpt-4o")):
         e = ref.get(c, {})
         r = e.get("response") or {}
         err = (r.get("body") or {}).get("error") or {}
         check(e.get("error", 0) is None and r.get("status_code") == status and r.get("request_id")
               and err.get("code") == code and needle in err.get("message", "") and "type" in err,
-              "%s -> status %d, error body %s naming %s: %s" % (c, status, code, needle, r))
+              "%s -> status %d, error body %d naming %s: %s" % (c, status, code, needle, r))
     texts = [ref[c]["response"]["body"] for c in cids if c.startswith("cmpl") and valid_completion(ref[c])]
     check(len(texts) == 20 and all(b["usage"]["completion_tokens"] == len(b["choices"][0]["logprobs"]["tokens"])
                                    for b in texts if b["choices"][0]["logprobs"]),

@@ -1,7 +1,8 @@
 # tests/batch — `k3 batch` end to end (owner: batch): the input validation and the output lock
 # without loading a model ("unit"), and 200 chat requests on 2 stages x 2 lanes under mpirun
 # ("mpi"): one valid line per custom_id, error lines for requests that fail alone, a run killed
-# halfway and resumed equal to an uninterrupted one. See batch_test.py.
+# halfway and resumed equal to an uninterrupted one; one 44-line file through batch and serve
+# with equal bodies ("unit"), and through batch on 2x2 and on one rank ("mpi"). See batch_test.py.
 find_program(K3_BATCH_PYTHON3 python3)
 add_test(NAME batch_input COMMAND ${K3_BATCH_PYTHON3} ${CMAKE_CURRENT_LIST_DIR}/batch_test.py input)
 set_tests_properties(batch_input PROPERTIES LABELS "unit;sanitize" TIMEOUT 60
