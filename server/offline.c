@@ -103,13 +103,13 @@ static int default_max_tokens(const k3_server_opts *o, sreq *q, int64_t max_toke
         return 400;
     }
     if (max_tokens <= q->cap_gen) return 200;
-    sreq_tok *g = realloc(q->gen, (size_t)max_tokens * sizeof *g);
-    if (!g) return snprintf(why, n_why, "out of memory"), 500;
-    q->gen = g;
+    k3_free(q->gen), q->gen = NULL; /* nothing in them yet: parsed, not submitted */
+    if (k3_alloc((void **)&q->gen, (size_t)max_tokens * sizeof *q->gen, "tokens") != K3_OK)
+        return snprintf(why, n_why, "out of memory"), 500;
     if (q->lp) {
-        sreq_lp *l = realloc(q->lp, (size_t)max_tokens * sizeof *l);
-        if (!l) return snprintf(why, n_why, "out of memory"), 500;
-        q->lp = l;
+        k3_free(q->lp), q->lp = NULL;
+        if (k3_alloc((void **)&q->lp, (size_t)max_tokens * sizeof *q->lp, "logprobs") != K3_OK)
+            return snprintf(why, n_why, "out of memory"), 500;
     }
     q->cap_gen = max_tokens;
     return 200;

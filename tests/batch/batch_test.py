@@ -152,6 +152,20 @@ def mode_lines(tmp):
         check(r.get("status_code") == 200, "line %s answered 200" % cid)
     plp = ((rows.get("plp", {}).get("response") or {}).get("body") or {}).get("prompt_logprobs")
     check(isinstance(plp, list) and plp[:1] == [None] and len(plp) > 1, "prompt_logprobs in the body")
+    # --max-tokens: the max_tokens of a request that sets none (past serve's default of 16 for a
+    # completion), on every choice of n; a request's own max_tokens wins
+    with open(inp, "w") as f:
+        f.write(line("cmpl-n", {"prompt": "Once", "n": 2, "seed": 1, "logprobs": 1, "ignore_eos": True}) + "\n")
+        f.write(line("cmpl-own", {"prompt": "Once", "max_tokens": 2, "ignore_eos": True}) + "\n")
+    out2 = os.path.join(tmp, "lines2.out.jsonl")
+    p = batch(["--model", model, "--input", inp, "--output", out2, "--threads", "1", "--max-tokens", "20"])
+    rows, _ = read_out(out2) if p.returncode == 0 else ({}, [])
+    usage = lambda c: (((rows.get(c) or {}).get("response") or {}).get("body") or {}).get("usage", {})
+    ch = (((rows.get("cmpl-n") or {}).get("response") or {}).get("body") or {}).get("choices", [])
+    check(usage("cmpl-n").get("completion_tokens") == 40 and len(ch) == 2 and
+          all(len(c["logprobs"]["tokens"]) == 20 for c in ch) and usage("cmpl-own").get("completion_tokens") == 2,
+          "--max-tokens 20: 2 choices of 20 tokens (usage %s), a request's own max_tokens 2 kept (%s)"
+          % (usage("cmpl-n"), usage("cmpl-own")))
 
 
 def serve_lines():
