@@ -67,8 +67,8 @@ static const k3_flag flags[] = {
      "\"type\", \"param\", \"code\": the status}}. Appended to: custom_ids already there "
      "(failed ones too) are skipped, so a killed job run again completes the file"},
     {"served-model-name", K3_FLAG_STR, "NAME", NULL,
-     "the model name of the responses; a line whose body names another model fails alone (404, "
-     "model_not_found), as `k3 serve` answers it (default: the basename of --model)"},
+     "the model name of the responses; a line whose body names another model fails alone "
+     "(404), as `k3 serve` answers it (default: the basename of --model)"},
     {"max-tokens", K3_FLAG_INT, "N", NULL,
      "max_tokens of a request that sets neither max_tokens nor max_completion_tokens (default: "
      "the rest of --max-ctx)"},
@@ -559,7 +559,7 @@ static k3_status prepare(batch *b) {
             (long long)b->n_skipped, b->out_path, (long long)b->n_todo);
     if (b->n_todo == 0) return K3_OK;
     K3_TRY(k3_tok_create_model_dir(&b->tok, k3_args_str(a, "model"), NULL));
-    /* vocab_size for the requests' logit_bias ids (an invalid_request line naming the key);
+    /* vocab_size for the requests' logit_bias ids (a 400 line naming the key);
      * a config that does not load fails the engine's open, which says why */
     k3_config cfg;
     if (k3_config_load(k3_args_str(a, "model"), &cfg) == K3_OK)
