@@ -43,6 +43,25 @@ if(K3_CUDA)
   endif()
   add_test(NAME cuda_math COMMAND test_cuda_math)
   set_tests_properties(cuda_math PROPERTIES LABELS "unit" ENVIRONMENT "${K3_TEST_ENV}" TIMEOUT 120)
+  # the layout oracle of the tensor-core primitives (kernels/cuda/k3c_mma.cuh): ldmatrix + mma
+  # bit for bit against C on exact inputs, the dequant helpers, and (emulation) each emulator
+  # check on an injected bug. On a device it proves the emulated fragment maps (device-check.sh
+  # runs it first); without one it skips (77).
+  if(K3_CUDA_EMULATE)
+    set_source_files_properties(${CMAKE_CURRENT_LIST_DIR}/test_cuda_mma.cu PROPERTIES
+                                LANGUAGE CXX COMPILE_OPTIONS "-xc++;-std=c++17;-Wno-unknown-pragmas")
+  endif()
+  add_executable(test_cuda_mma ${CMAKE_CURRENT_LIST_DIR}/test_cuda_mma.cu)
+  target_include_directories(test_cuda_mma PRIVATE ${CMAKE_SOURCE_DIR}/kernels/cuda)
+  target_link_libraries(test_cuda_mma PRIVATE k3cuda)
+  if(K3_CUDA_EMULATE)
+    target_compile_options(test_cuda_mma PRIVATE -Wall -Wextra -Wshadow $<$<BOOL:${K3_WERROR}>:-Werror>)
+  elseif(K3_WERROR)
+    target_compile_options(test_cuda_mma PRIVATE $<$<COMPILE_LANGUAGE:CUDA>:-Werror=all-warnings>)
+  endif()
+  add_test(NAME cuda_mma COMMAND test_cuda_mma)
+  set_tests_properties(cuda_mma PROPERTIES LABELS "${K3_GPU_LABEL}" TIMEOUT 120 SKIP_RETURN_CODE 77
+                       ENVIRONMENT "${K3_TEST_ENV}")
   # every op of the cuda backend vs ref on a device (skips with one line, 77, without one)
   k3_add_test_exe(test_cuda_ops ${CMAKE_CURRENT_LIST_DIR}/test_cuda_ops.c)
   add_test(NAME cuda_ops COMMAND test_cuda_ops)

@@ -99,6 +99,10 @@ typedef struct k3emu_counters {
     unsigned long long launches, blocks, threads, switches;
 } k3emu_counters;
 void k3emu_get_counters(k3emu_counters *out);
+/* Emulation only: the warp-level mma instructions (k3c_mma.cuh) run so far by the kernel whose
+ * launch named `kernel` (K3C_LAUNCH's kernel expression, e.g. "matmul_kernel<8>"), or by every
+ * kernel when kernel is NULL. */
+unsigned long long k3emu_mma_count(const char *kernel);
 
 #ifdef __cplusplus
 }

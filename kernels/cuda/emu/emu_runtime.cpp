@@ -60,7 +60,14 @@ const size_t STACK_BYTES = 128 * 1024;
 #endif
 
 thread_local cudaError_t g_last_err = cudaSuccess;
-unsigned long long g_launches, g_blocks, g_threads, g_switches;
+unsigned long long g_launches, g_blocks, g_threads, g_switches, g_mma;
+/* warp-level mma instructions per kernel name (k3emu_mma_count) */
+enum { MAX_MMA_KERNELS = 128 };
+struct mma_count {
+    const char *name;
+    unsigned long long n;
+} g_mma_by[MAX_MMA_KERNELS];
+unsigned g_n_mma_by;
 size_t g_allocated;
 int g_device;
 
@@ -219,6 +226,9 @@ void fiber_init(block_run *r, fiber *f, unsigned lin, const dim3 &b) {
     f->mask = 0;
     f->pred = 0;
     f->asan_fake = nullptr;
+    f->op = nullptr;
+    f->n_cp = 0;
+    f->cp_groups = 0;
 #if defined(__x86_64__)
     uintptr_t top = ((uintptr_t)f->stack + STACK_BYTES) & ~(uintptr_t)15;
     uintptr_t *sp = (uintptr_t *)top;
@@ -234,6 +244,10 @@ void fiber_init(block_run *r, fiber *f, unsigned lin, const dim3 &b) {
     makecontext(uc, uc_entry, 0);
 #endif
     (void)r;
+}
+
+bool same_op(const char *a, const char *b) {
+    return a == b || (a && b && !strcmp(a, b));
 }
 
 /* One sweep's bookkeeping: release the barriers whose group has fully arrived. Returns true when
@@ -274,6 +288,12 @@ bool release(block_run *r) {
                 if (g.state == ST_DONE) {
                     fail(r, "warp primitive with mask 0x%08x: lane %u (thread %u) has exited", mask,
                          l, lo + l);
+                    return false;
+                }
+                /* lanes of one mask at different warp-wide instructions never meet */
+                if (g.state == ST_WAIT_WARP && g.mask == mask && !same_op(g.op, fi.op)) {
+                    fail(r, "lane %u (thread %u) waits in %s while lane %u waits in %s", i - lo, i,
+                         fi.op ? fi.op : "a shuffle/vote", l, g.op ? g.op : "a shuffle/vote");
                     return false;
                 }
                 /* elsewhere (a barrier, or a collective with another mask): not arrived yet */
@@ -345,7 +365,12 @@ int syncthreads_count(int pred) {
 }
 
 const uint64_t *warp_exchange(unsigned mask, uint64_t v) {
+    return warp_exchange_op(mask, v, nullptr);
+}
+
+const uint64_t *warp_exchange_op(unsigned mask, uint64_t v, const char *op) {
     fiber *f = cur_fiber;
+    f->op = op;
     block_run *r = g_run;
     r->warp_val[f->lin / 32][f->lin & 31u] = v;
     f->mask = mask;
@@ -381,6 +406,83 @@ void *shared_static(const void *site, size_t bytes, size_t align, const char *wh
 
 void *shared_dynamic(void) {
     return g_run->dyn;
+}
+
+void device_error(const char *fmt, ...) {
+    char msg[200];
+    va_list ap;
+    va_start(ap, fmt);
+    vsnprintf(msg, sizeof msg, fmt, ap);
+    va_end(ap);
+    fail(g_run, "thread %u: %s", cur_fiber->lin, msg);
+}
+
+bool in_shared(const void *p, size_t n) {
+    const block_run *r = g_run;
+    const uintptr_t a = (uintptr_t)p;
+    for (unsigned i = 0; i < r->n_decl; i++) {
+        const uintptr_t b = (uintptr_t)r->decl[i];
+        if (a >= b && a + n <= b + r->decl_bytes[i]) return true;
+    }
+    const uintptr_t d = (uintptr_t)r->dyn;
+    return r->dyn_bytes && a >= d && a + n <= d + r->dyn_bytes;
+}
+
+void count_mma(void) {
+    const char *name = g_run->name;
+    g_mma++;
+    for (unsigned i = 0; i < g_n_mma_by; i++)
+        if (!strcmp(g_mma_by[i].name, name)) {
+            g_mma_by[i].n++;
+            return;
+        }
+    if (g_n_mma_by < MAX_MMA_KERNELS) g_mma_by[g_n_mma_by++] = mma_count{name, 1};
+}
+
+/* cp.async: the source is read at issue (the device may read it any time before the wait), the
+ * destination is poisoned (0xff: NaN) until the wait_group that completes its group */
+void cp_async16(void *dst, const void *src) {
+    fiber *f = cur_fiber;
+    if (((uintptr_t)dst | (uintptr_t)src) & 15u) {
+        device_error("cp.async 16 B: dst %p or src %p is not 16-byte aligned", dst, src);
+        return;
+    }
+    if (!in_shared(dst, 16)) {
+        device_error("cp.async destination %p is outside every shared-memory array", dst);
+        return;
+    }
+    if (in_shared(src, 16)) {
+        device_error("cp.async source %p is shared memory, not global", src);
+        return;
+    }
+    if (f->n_cp >= sizeof f->cp / sizeof f->cp[0]) {
+        device_error("more than %zu cp.async copies pending (a missing wait_group?)",
+                     sizeof f->cp / sizeof f->cp[0]);
+        return;
+    }
+    fiber::cp_pending &c = f->cp[f->n_cp++];
+    c.dst = dst;
+    c.group = f->cp_groups;
+    memcpy(c.data, src, 16);
+    memset(dst, 0xff, 16);
+}
+
+void cp_commit(void) {
+    cur_fiber->cp_groups++;
+}
+
+void cp_wait(unsigned n) {
+    fiber *f = cur_fiber;
+    /* complete every committed group but the newest n; the open group stays pending */
+    unsigned kept = 0;
+    for (unsigned i = 0; i < f->n_cp; i++) {
+        fiber::cp_pending &c = f->cp[i];
+        if (c.group < f->cp_groups && f->cp_groups - c.group > n)
+            memcpy(c.dst, c.data, 16);
+        else
+            f->cp[kept++] = c;
+    }
+    f->n_cp = kept;
 }
 
 void run_grid(const char *name, dim3 grid, dim3 block, size_t shmem, cudaStream_t s,
@@ -690,6 +792,13 @@ void k3emu_get_counters(k3emu_counters *out) {
     out->blocks = g_blocks;
     out->threads = g_threads;
     out->switches = g_switches;
+}
+
+unsigned long long k3emu_mma_count(const char *kernel) {
+    if (!kernel) return g_mma;
+    for (unsigned i = 0; i < g_n_mma_by; i++)
+        if (!strcmp(g_mma_by[i].name, kernel)) return g_mma_by[i].n;
+    return 0;
 }
 
 } // extern "C"

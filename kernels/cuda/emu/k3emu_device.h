@@ -80,6 +80,15 @@ struct fiber {
     void *stack, *asan_fake;
     size_t stack_size;
     uint64_t got[32]; /* the lanes' values of its last warp collective, copied at release */
+    const char *op;   /* the warp collective it waits in (nullptr: a shuffle, vote or syncwarp) */
+    /* cp.async copies issued and not yet completed by a wait_group (k3c_mma.cuh): the source's
+     * 16 bytes as read at issue, the destination poisoned until completion */
+    struct cp_pending {
+        void *dst;
+        unsigned group; /* == cp_groups: the open (uncommitted) group */
+        unsigned char data[16];
+    } cp[32];
+    unsigned n_cp, cp_groups;
 };
 struct launch_state {
     uint3 bid; /* blockIdx */
@@ -95,7 +104,21 @@ int syncthreads_count(int pred); /* every thread gets the count of true predicat
 /* The warp collective under every __shfl / vote: this thread's 8-byte value in; out, the 32
  * lanes' values of this round (lanes outside the mask: stale, not to be read). */
 const uint64_t *warp_exchange(unsigned mask, uint64_t v);
+/* the same, for a named warp-wide instruction (ldmatrix, mma: k3c_mma.cuh): every lane the mask
+ * names must arrive at the same op, else the launch fails naming both */
+const uint64_t *warp_exchange_op(unsigned mask, uint64_t v, const char *op);
 unsigned lane_id(void);
+/* Reports a CUDA rule broken inside a kernel (one `k3emu: kernel K, block (x,y,z): thread T: ...`
+ * line; the launch then fails with cudaErrorLaunchFailure); the thread goes on. */
+void device_error(const char *fmt, ...) __attribute__((format(printf, 1, 2)));
+/* whether [p, p + n) lies inside one shared-memory array of the running block */
+bool in_shared(const void *p, size_t n);
+/* one warp-level mma of the running kernel (counted per kernel: k3emu_mma_count) */
+void count_mma(void);
+/* cp.async of 16 bytes (dst shared, src global; both 16-byte aligned), commit_group, wait_group */
+void cp_async16(void *dst, const void *src);
+void cp_commit(void);
+void cp_wait(unsigned n);
 /* site: one address per K3C_SHARED declaration (so a declaration met twice, in a loop or a helper
  * called twice, is one array, as on the device) */
 void *shared_static(const void *site, size_t bytes, size_t align, const char *what);

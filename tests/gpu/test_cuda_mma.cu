@@ -1,0 +1,329 @@
+// test_cuda_mma.cu — the layout oracle of the tensor-core primitives (issue 44; kernels/cuda/
+// k3c_mma.cuh). One warp copies a 16x16 A tile and a 16x8 B tile to shared memory with cp.async,
+// loads the mma fragments with every ldmatrix form (x1, x2, x4, each plain and .trans, in four
+// modes) and runs one mma.m16n8k16; D is checked bit for bit against a plain C product. The
+// inputs make every product exact in f32 whatever the summation order: small integers, and
+// permutation matrices against arbitrary finite bf16 values (each output is one input value plus
+// exact zeros), so the same test proves on a device (label gpu, scripts/device-check.sh runs it
+// first) that the emulated fragment maps equal the hardware's. Also: the MXFP4 dequant helpers
+// against k3_mxfp4.h on all codes and scales (host). Emulation only (label gpuemu): the mma count
+// per kernel, and each emulator check seen failing on an injected bug — a lane missing from an
+// mma (exited, or in another collective), an ldmatrix row address misaligned or outside shared
+// memory (a `k3emu:` line and cudaErrorLaunchFailure), and a missing cp.async wait (NaN in D).
+#include "k3c_mma.cuh"
+
+#include <math.h>
+#include <stdint.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <string>
+#include <unistd.h>
+
+#ifdef K3_CUDA_EMULATION
+static const bool k_emu = true;
+#else
+static const bool k_emu = false;
+#endif
+
+static int g_pass, g_fail;
+#define CHECK(cond, ...)                                                                           \
+    do {                                                                                           \
+        if (cond) {                                                                                \
+            g_pass++;                                                                              \
+        } else {                                                                                   \
+            g_fail++;                                                                              \
+            fprintf(stderr, "FAIL %s:%d: %s: ", __FILE__, __LINE__, #cond);                        \
+            fprintf(stderr, __VA_ARGS__);                                                          \
+            fprintf(stderr, "\n");                                                                 \
+        }                                                                                          \
+    } while (0)
+
+static uint64_t g_rng = 20261206;
+static uint32_t rnd(void) { /* xorshift64* */
+    g_rng ^= g_rng >> 12, g_rng ^= g_rng << 25, g_rng ^= g_rng >> 27;
+    return (uint32_t)((g_rng * 2685821657736338717ull) >> 32);
+}
+static uint16_t bf16_of(float f) { /* exact values only (the tests' inputs) */
+    uint32_t u;
+    memcpy(&u, &f, 4);
+    return (uint16_t)(u >> 16);
+}
+static float f_of_bf16(uint16_t h) {
+    uint32_t u = (uint32_t)h << 16;
+    float f;
+    memcpy(&f, &u, 4);
+    return f;
+}
+
+/* modes: which ldmatrix forms load A and B
+ *   0: A x4 from A [16][16],           B x2 from Bn [8 n][16 k]
+ *   1: A 4 × x1 from A,                B x2.trans from Bk [16 k][8 n]
+ *   2: A x4.trans from At [16 k][16 m], B 2 × x1 from Bn
+ *   3: A 2 × x2 from A,                B 2 × x1.trans from Bk
+ * flags: 4 = skip the cp.async wait (injected bug), 8 = misalign A's row addresses by 2 bytes,
+ * 16 = give ldmatrix a global address, 32 = lane 31 exits before the mma, 64 = lane 31 does a
+ * shuffle where the others do the mma. */
+enum { F_NOWAIT = 4, F_MISALIGN = 8, F_GLOBAL = 16, F_EXIT = 32, F_SHFL = 64 };
+
+/* a: A, or At in mode 2 (256 bf16); b: Bn, or Bk in modes 1 and 3 (128 bf16); c, d [16][8] */
+static __global__ void oracle_kernel(const uint16_t *a, const uint16_t *b, const float *c, float *d,
+                                     int mode) {
+    K3C_SHARED(uint16_t, sa, [256]);
+    K3C_SHARED(uint16_t, sb, [128]);
+    const unsigned lane = threadIdx.x, g = lane >> 2, t = lane & 3u;
+    k3c_cp_async16(sa + 8 * lane, a + 8 * lane); /* 32 chunks of 16 B */
+    if (lane < 16) k3c_cp_async16(sb + 8 * lane, b + 8 * lane);
+    k3c_cp_async_commit();
+    if (!(mode & F_NOWAIT)) k3c_cp_async_wait<0>();
+    __syncthreads();
+    uint32_t af[4], bf[2];
+    const unsigned m = lane / 8, r = lane % 8;
+    const uint16_t *arow = sa + (m & 1u) * 8 * 16 + r * 16 + (m >> 1) * 8; /* A[r + 8(m&1)][8(m>>1)] */
+    if (mode & F_MISALIGN) arow += 1;
+    if (mode & F_GLOBAL) arow = a + 16 * r;
+    switch (mode & 3) {
+    case 0:
+        k3c_ldmatrix_x4(af, arow);
+        k3c_ldmatrix_x2(bf, sb + (lane % 8) * 16 + (lane / 8 % 2) * 8);
+        break;
+    case 1:
+        for (unsigned j = 0; j < 4; j++)
+            k3c_ldmatrix_x1(af + j, sa + (j & 1u) * 8 * 16 + r * 16 + (j >> 1) * 8);
+        k3c_ldmatrix_x2_trans(bf, sb + (lane % 16) * 8);
+        break;
+    case 2: /* matrix m of At: rows k0 + r, columns m0.. with m0 = 8(m&1), k0 = 8(m>>1) */
+        k3c_ldmatrix_x4_trans(af, sa + ((m >> 1) * 8 + r) * 16 + (m & 1u) * 8);
+        for (unsigned j = 0; j < 2; j++) k3c_ldmatrix_x1(bf + j, sb + r * 16 + j * 8);
+        break;
+    default:
+        for (unsigned h = 0; h < 2; h++) /* h = 0: regs 0, 1 (columns 0-7); h = 1: columns 8-15 */
+            k3c_ldmatrix_x2(af + 2 * h, sa + (lane / 8 % 2) * 8 * 16 + r * 16 + h * 8);
+        for (unsigned j = 0; j < 2; j++) k3c_ldmatrix_x1_trans(bf + j, sb + (j * 8 + r) * 8);
+        break;
+    }
+    float cf[4], df[4];
+    for (int i = 0; i < 4; i++) cf[i] = c[(g + 8 * (i >> 1)) * 8 + 2 * t + (i & 1)];
+    if ((mode & F_EXIT) && lane == 31) return;
+    if ((mode & F_SHFL) && lane == 31) {
+        df[0] = __shfl_sync(0xffffffffu, cf[0], 0);
+        return;
+    }
+    k3c_mma_bf16_16816(df, af, bf, cf);
+    for (int i = 0; i < 4; i++) d[(g + 8 * (i >> 1)) * 8 + 2 * t + (i & 1)] = df[i];
+}
+
+struct dev {
+    uint16_t *a = nullptr, *b = nullptr;
+    float *c = nullptr, *d = nullptr;
+    dev() {
+        bool ok = cudaMalloc((void **)&a, 512) == cudaSuccess &&
+                  cudaMalloc((void **)&b, 256) == cudaSuccess &&
+                  cudaMalloc((void **)&c, 512) == cudaSuccess &&
+                  cudaMalloc((void **)&d, 512) == cudaSuccess;
+        CHECK(ok, "cudaMalloc");
+    }
+    ~dev() {
+        cudaFree(a), cudaFree(b), cudaFree(c), cudaFree(d);
+    }
+};
+
+/* runs the oracle on A [16][16], B [16][8], C [16][8] (row-major); D out; returns the error */
+static cudaError_t run_oracle(dev &m, const uint16_t *A, const uint16_t *B, const float *C,
+                              float *D, int mode) {
+    uint16_t ha[256], hb[128];
+    for (int i = 0; i < 16; i++)
+        for (int k = 0; k < 16; k++) ha[(mode & 3) == 2 ? k * 16 + i : i * 16 + k] = A[i * 16 + k];
+    const bool bk = (mode & 3) == 1 || (mode & 3) == 3;
+    for (int k = 0; k < 16; k++)
+        for (int n = 0; n < 8; n++) hb[bk ? k * 8 + n : n * 16 + k] = B[k * 8 + n];
+    cudaMemcpy(m.a, ha, sizeof ha, cudaMemcpyHostToDevice);
+    cudaMemcpy(m.b, hb, sizeof hb, cudaMemcpyHostToDevice);
+    cudaMemcpy(m.c, C, 512, cudaMemcpyHostToDevice);
+    cudaMemset(m.d, 0, 512);
+    K3C_LAUNCH(1, 32, 0, 0, oracle_kernel)(m.a, m.b, m.c, m.d, mode);
+    cudaError_t e = cudaDeviceSynchronize();
+    cudaError_t e2 = cudaGetLastError();
+    if (e == cudaSuccess) e = e2;
+    cudaMemcpy(D, m.d, 512, cudaMemcpyDeviceToHost);
+    return e;
+}
+
+/* the plain C reference (exact for the oracle's inputs) */
+static void reference(const uint16_t *A, const uint16_t *B, const float *C, float *D) {
+    for (int i = 0; i < 16; i++)
+        for (int n = 0; n < 8; n++) {
+            double s = C[i * 8 + n];
+            for (int k = 0; k < 16; k++) s += (double)f_of_bf16(A[i * 16 + k]) * f_of_bf16(B[k * 8 + n]);
+            D[i * 8 + n] = (float)s;
+        }
+}
+
+/* a finite, nonzero bf16 of moderate exponent (so a product with 1 and sums with zeros are exact) */
+static uint16_t any_bf16(void) {
+    const uint32_t r = rnd();
+    return (uint16_t)((r & 0x8000u) | ((112u + (r >> 16) % 32u) << 7) | (r & 0x7fu));
+}
+
+static int mismatches(const float *D, const float *want) {
+    int n = 0;
+    for (int i = 0; i < 128; i++) n += memcmp(&D[i], &want[i], 4) != 0;
+    return n;
+}
+
+static void test_oracle(dev &m) {
+    uint16_t A[256], B[128];
+    float C[128], D[128], want[128];
+    for (int mode = 0; mode < 4; mode++)
+        for (int kind = 0; kind < 3; kind++) {
+            /* kind 0: small integers; 1: A a permutation, B arbitrary; 2: A arbitrary, B a
+             * (partial) permutation; C small integers / zero */
+            int perm[16];
+            for (int i = 0; i < 16; i++) perm[i] = i;
+            for (int i = 15; i > 0; i--) {
+                const int j = (int)(rnd() % (unsigned)(i + 1)), x = perm[i];
+                perm[i] = perm[j], perm[j] = x;
+            }
+            for (int i = 0; i < 16; i++)
+                for (int k = 0; k < 16; k++)
+                    A[i * 16 + k] = kind == 0   ? bf16_of((float)((int)(rnd() % 7) - 3))
+                                    : kind == 1 ? bf16_of(perm[i] == k ? 1.0f : 0.0f)
+                                                : any_bf16();
+            for (int k = 0; k < 16; k++)
+                for (int n = 0; n < 8; n++)
+                    B[k * 8 + n] = kind == 0   ? bf16_of((float)((int)(rnd() % 7) - 3))
+                                   : kind == 1 ? any_bf16()
+                                               : bf16_of(perm[n] == k ? 1.0f : 0.0f);
+            for (int i = 0; i < 128; i++) C[i] = kind == 0 ? (float)((int)(rnd() % 9) - 4) : 0.0f;
+            reference(A, B, C, want);
+            const cudaError_t e = run_oracle(m, A, B, C, D, mode);
+            CHECK(e == cudaSuccess, "mode %d kind %d: %s", mode, kind, cudaGetErrorName(e));
+            const int bad = mismatches(D, want);
+            CHECK(bad == 0, "mode %d kind %d: %d of 128 outputs differ from the C reference", mode,
+                  kind, bad);
+        }
+}
+
+/* the dequant helpers against k3_mxfp4.h on every code pair and scale (host) */
+static void test_dequant(void) {
+    int bad = 0;
+    for (uint32_t q = 0; q < 65536; q++) {
+        uint32_t out[2];
+        k3c_e2m1x4_to_bf16(q, out);
+        for (int i = 0; i < 4; i++) {
+            const float got = f_of_bf16((uint16_t)(out[i / 2] >> (16 * (i & 1))));
+            const float want = k3_mxfp4_e2m1((q >> (4 * i)) & 15u);
+            bad += memcmp(&got, &want, 4) != 0;
+        }
+    }
+    CHECK(bad == 0, "E2M1x4 -> bf16: %d of 262144 elements differ from k3_mxfp4_e2m1", bad);
+    bad = 0;
+    for (int rep = 0; rep < 4096; rep++) {
+        const uint32_t q = rnd();
+        uint32_t out[4];
+        k3c_e2m1x8_to_bf16(q, out);
+        for (int i = 0; i < 8; i++) {
+            const float got = f_of_bf16((uint16_t)(out[i / 2] >> (16 * (i & 1))));
+            const float want = k3_mxfp4_e2m1((q >> (4 * i)) & 15u);
+            bad += memcmp(&got, &want, 4) != 0;
+        }
+    }
+    CHECK(bad == 0, "E2M1x8 -> bf16: %d elements differ", bad);
+    bad = 0;
+    for (int e = 0; e < 256; e++) {
+        const float got = f_of_bf16(k3c_e8m0_to_bf16((uint8_t)e)), want = k3_e8m0_to_f32((uint8_t)e);
+        bad += memcmp(&got, &want, 4) != 0;
+    }
+    CHECK(bad == 0, "E8M0 -> bf16: %d of 256 scales differ from k3_e8m0_to_f32", bad);
+}
+
+#ifdef K3_CUDA_EMULATION
+/* runs f with stderr captured; returns what it printed (echoed, marked as expected) */
+template <class F> static std::string captured_stderr(F f) {
+    fflush(stderr);
+    FILE *tmp = tmpfile();
+    const int saved = dup(2);
+    if (!tmp || saved < 0) {
+        CHECK(false, "cannot capture stderr");
+        if (tmp) fclose(tmp);
+        if (saved >= 0) close(saved);
+        return std::string();
+    }
+    dup2(fileno(tmp), 2);
+    f();
+    fflush(stderr);
+    dup2(saved, 2);
+    close(saved);
+    std::string s;
+    rewind(tmp);
+    char buf[512];
+    size_t got;
+    while ((got = fread(buf, 1, sizeof buf, tmp)) > 0) s.append(buf, got);
+    fclose(tmp);
+    if (!s.empty()) fprintf(stderr, "  (expected) %s", s.c_str());
+    return s;
+}
+
+/* the emulator's checks, each on an injected bug, and the mma count */
+static void test_emulator_checks(dev &m) {
+    uint16_t A[256], B[128];
+    float C[128], D[128], want[128];
+    for (int i = 0; i < 256; i++) A[i] = bf16_of((float)((int)(rnd() % 7) - 3));
+    for (int i = 0; i < 128; i++) B[i] = bf16_of((float)((int)(rnd() % 7) - 3)), C[i] = 1.0f;
+    reference(A, B, C, want);
+
+    const unsigned long long n0 = k3emu_mma_count("oracle_kernel"), all0 = k3emu_mma_count(NULL);
+    CHECK(run_oracle(m, A, B, C, D, 0) == cudaSuccess && mismatches(D, want) == 0, "clean run");
+    CHECK(k3emu_mma_count("oracle_kernel") == n0 + 1 && k3emu_mma_count(NULL) == all0 + 1,
+          "mma count +%llu (kernel), +%llu (all), want +1", k3emu_mma_count("oracle_kernel") - n0,
+          k3emu_mma_count(NULL) - all0);
+    CHECK(k3emu_mma_count("no_such_kernel") == 0, "an unknown kernel counts 0");
+
+    /* missing cp.async wait: the destination is still poisoned when ldmatrix reads it */
+    cudaError_t e = run_oracle(m, A, B, C, D, F_NOWAIT);
+    int n_nan = 0;
+    for (int i = 0; i < 128; i++) n_nan += isnan(D[i]) != 0;
+    CHECK(e == cudaSuccess && n_nan == 128, "no wait_group: %d of 128 outputs NaN (%s)", n_nan,
+          cudaGetErrorName(e));
+
+    struct bug {
+        int mode;
+        const char *fragment;
+    } bugs[] = {
+        {F_MISALIGN, "is not 16-byte aligned"},
+        {F_GLOBAL, "is outside every shared-memory array of the block"},
+        {F_EXIT, "lane 31 (thread 31) has exited"},
+        {F_SHFL, "waits in mma.m16n8k16 while lane 31 waits in a shuffle/vote"},
+    };
+    for (const bug &bg : bugs) {
+        std::string log = captured_stderr([&] { e = run_oracle(m, A, B, C, D, bg.mode); });
+        CHECK(e == cudaErrorLaunchFailure, "bug %d: %s, want cudaErrorLaunchFailure", bg.mode,
+              cudaGetErrorName(e));
+        CHECK(log.find("k3emu: kernel oracle_kernel, block (0,0,0): ") != std::string::npos &&
+                  log.find(bg.fragment) != std::string::npos,
+              "bug %d: want a k3emu: line with '%s', got '%s'", bg.mode, bg.fragment, log.c_str());
+    }
+    /* a good run right after the failures */
+    CHECK(run_oracle(m, A, B, C, D, 3) == cudaSuccess && mismatches(D, want) == 0,
+          "a clean run after the injected bugs");
+}
+#endif
+
+int main(void) {
+    int n = 0;
+    if (cudaGetDeviceCount(&n) != cudaSuccess || n < 1) {
+        printf("SKIP test_cuda_mma: no CUDA device visible\n");
+        return 77;
+    }
+    test_dequant();
+    {
+        dev m;
+        test_oracle(m);
+#ifdef K3_CUDA_EMULATION
+        test_emulator_checks(m);
+#endif
+    }
+    printf("test_cuda_mma (%s): %d checks passed, %d failed\n", k_emu ? "emulation" : "device",
+           g_pass, g_fail);
+    return g_fail || !g_pass ? 1 : 0;
+}
