@@ -153,7 +153,8 @@ static inline void k3c_mma_bf16_16816(float d[4], const uint32_t a[4], const uin
     mine.b[0] = b[0], mine.b[1] = b[1];
     /* round 1: every lane's fragment address; round 2 keeps each lane's frame alive until every
      * lane has copied the others' fragments */
-    const uint64_t *p = k3emu::warp_exchange_op(0xffffffffu, (uint64_t)(uintptr_t)&mine, k3c_op_mma);
+    const uint64_t *p =
+        k3emu::warp_exchange_op(0xffffffffu, (uint64_t)(uintptr_t)&mine, k3c_op_mma);
     for (int l = 0; l < 32; l++) memcpy(&all[l], (const void *)(uintptr_t)p[l], sizeof(frag));
     (void)k3emu::warp_exchange_op(0xffffffffu, 0, k3c_op_mma);
     const unsigned lane = k3emu::lane_id(), g = lane >> 2, t = lane & 3u;
@@ -209,8 +210,8 @@ template <int N, bool T> static inline void k3c_ldmatrix_emu(uint32_t *r, const 
             memcpy(&r[j], m + 4 * (lane % 4), 4);
         } else {
             uint16_t lo, hi;
-            memcpy(&lo, (const unsigned char *)(uintptr_t)p[8 * j + 2 * (lane % 4)] + 2 * (lane / 4),
-                   2);
+            memcpy(&lo,
+                   (const unsigned char *)(uintptr_t)p[8 * j + 2 * (lane % 4)] + 2 * (lane / 4), 2);
             memcpy(&hi,
                    (const unsigned char *)(uintptr_t)p[8 * j + 2 * (lane % 4) + 1] + 2 * (lane / 4),
                    2);

@@ -79,7 +79,8 @@ static __global__ void oracle_kernel(const uint16_t *a, const uint16_t *b, const
     __syncthreads();
     uint32_t af[4], bf[2];
     const unsigned m = lane / 8, r = lane % 8;
-    const uint16_t *arow = sa + (m & 1u) * 8 * 16 + r * 16 + (m >> 1) * 8; /* A[r + 8(m&1)][8(m>>1)] */
+    const uint16_t *arow =
+        sa + (m & 1u) * 8 * 16 + r * 16 + (m >> 1) * 8; /* A[r + 8(m&1)][8(m>>1)] */
     if (mode & F_MISALIGN) arow += 1;
     if (mode & F_GLOBAL) arow = a + 16 * r;
     switch (mode & 3) {
@@ -154,12 +155,14 @@ static void reference(const uint16_t *A, const uint16_t *B, const float *C, floa
     for (int i = 0; i < 16; i++)
         for (int n = 0; n < 8; n++) {
             double s = C[i * 8 + n];
-            for (int k = 0; k < 16; k++) s += (double)f_of_bf16(A[i * 16 + k]) * f_of_bf16(B[k * 8 + n]);
+            for (int k = 0; k < 16; k++)
+                s += (double)f_of_bf16(A[i * 16 + k]) * f_of_bf16(B[k * 8 + n]);
             D[i * 8 + n] = (float)s;
         }
 }
 
-/* a finite, nonzero bf16 of moderate exponent (so a product with 1 and sums with zeros are exact) */
+/* a finite, nonzero bf16 of moderate exponent (so a product with 1 and sums with zeros are exact)
+ */
 static uint16_t any_bf16(void) {
     const uint32_t r = rnd();
     return (uint16_t)((r & 0x8000u) | ((112u + (r >> 16) % 32u) << 7) | (r & 0x7fu));
@@ -231,7 +234,8 @@ static void test_dequant(void) {
     CHECK(bad == 0, "E2M1x8 -> bf16: %d elements differ", bad);
     bad = 0;
     for (int e = 0; e < 256; e++) {
-        const float got = f_of_bf16(k3c_e8m0_to_bf16((uint8_t)e)), want = k3_e8m0_to_f32((uint8_t)e);
+        const float got = f_of_bf16(k3c_e8m0_to_bf16((uint8_t)e)),
+                    want = k3_e8m0_to_f32((uint8_t)e);
         bad += memcmp(&got, &want, 4) != 0;
     }
     CHECK(bad == 0, "E8M0 -> bf16: %d of 256 scales differ from k3_e8m0_to_f32", bad);
@@ -264,6 +268,20 @@ template <class F> static std::string captured_stderr(F f) {
     return s;
 }
 
+/* wait_group N completes all committed groups but the newest N: two groups of one chunk each,
+ * read after wait_group 1 (group 1 still in flight: NaN) and after wait_group 0 */
+static __global__ void pipeline_kernel(const float *src, float *out) {
+    K3C_SHARED(float, sh, [8]);
+    k3c_cp_async16(sh, src);
+    k3c_cp_async_commit();
+    k3c_cp_async16(sh + 4, src + 4);
+    k3c_cp_async_commit();
+    k3c_cp_async_wait<1>();
+    out[0] = sh[0], out[1] = sh[4];
+    k3c_cp_async_wait<0>();
+    out[2] = sh[0], out[3] = sh[4];
+}
+
 /* the emulator's checks, each on an injected bug, and the mma count */
 static void test_emulator_checks(dev &m) {
     uint16_t A[256], B[128];
@@ -285,6 +303,15 @@ static void test_emulator_checks(dev &m) {
     for (int i = 0; i < 128; i++) n_nan += isnan(D[i]) != 0;
     CHECK(e == cudaSuccess && n_nan == 128, "no wait_group: %d of 128 outputs NaN (%s)", n_nan,
           cudaGetErrorName(e));
+
+    float hsrc[8] = {1, 2, 3, 4, 5, 6, 7, 8}, hout[4];
+    cudaMemcpy(m.c, hsrc, sizeof hsrc, cudaMemcpyHostToDevice);
+    K3C_LAUNCH(1, 1, 0, 0, pipeline_kernel)(m.c, m.d);
+    e = cudaGetLastError();
+    cudaMemcpy(hout, m.d, sizeof hout, cudaMemcpyDeviceToHost);
+    CHECK(e == cudaSuccess && hout[0] == 1 && isnan(hout[1]) && hout[2] == 1 && hout[3] == 5,
+          "wait_group 1 then 0: %g %g, %g %g; want 1 NaN, 1 5 (%s)", hout[0], hout[1], hout[2],
+          hout[3], cudaGetErrorName(e));
 
     struct bug {
         int mode;
