@@ -4,7 +4,8 @@
 # on the emulated device (every cuda op vs ref, the nccl transport under mpirun, gpu_model.py: the
 # model on cuda vs cpu, 2x2 on nccl, --deterministic splits, the 93-layer schedule, one serve
 # request; the multi-rank nccl checks need one GPU per rank and say so when they skip) — and the
-# host-math unit test of the kernels, times the kernel benchmark on cuda and
+# host-math unit test of the kernels (after, first of all, the tensor-core layout oracle
+# cuda_mma, issue 44), times the kernel benchmark on cuda and
 # on cpu over the same shapes, and prints ONE table: each test's verdict, then per kernel the
 # achieved GB/s and TFLOP/s beside the H200's limits (4.8 TB/s HBM3e, 989 dense bf16 TFLOP/s)
 # and beside cpu. Budget: under 8 minutes on one H200 with 16 cores (each stage has a timeout).
@@ -43,6 +44,16 @@ if "$BUILD/k3" version | grep -q '^backends usable here:.* cuda *$'; then
 else
   DEVICE=0
 fi
+
+# First: the layout oracle of the tensor-core primitives (tests/gpu/test_cuda_mma.cu, the same
+# test the emulation runs as gpuemu). It proves the emulated mma / ldmatrix fragment maps equal
+# the hardware's; if it fails, every tensor-core result of the emulation build is suspect.
+say "layout oracle first: ctest -R '^cuda_mma\$' (ldmatrix + mma bit for bit vs C)"
+timeout 60 ctest --test-dir "$BUILD" -R '^cuda_mma$' --output-on-failure \
+  --output-junit "$LOG/oracle.xml" >"$LOG/oracle.log" 2>&1
+ORACLE_RC=$?
+grep -E '^FAIL|checks passed|^SKIP' "$LOG/oracle.log" | sed 's/^/    /'
+[ "$ORACLE_RC" = 0 ] || say "LAYOUT ORACLE FAILED: the emulated fragment maps differ from this device's"
 
 say "tests: ctest -L gpu, and the kernels' host math (-R cuda_math)"
 timeout 360 ctest --test-dir "$BUILD" -L gpu --output-on-failure --timeout 300 \
@@ -92,7 +103,7 @@ log, device = sys.argv[1], sys.argv[2] == "1"
 HBM_GBS, BF16_TFLOPS = 4800.0, 989.0
 print()
 print(f"{'test':<34} verdict")
-for f in ("unit.xml", "gpu.xml"):
+for f in ("oracle.xml", "unit.xml", "gpu.xml"):
     p = os.path.join(log, f)
     if not os.path.exists(p):
         print(f"{f:<34} NOT RUN (no JUnit file)")
@@ -136,6 +147,7 @@ EOF
 
 say "done in $(($(date +%s) - T0)) s (logs: $LOG/)"
 FAIL=""
+[ "$ORACLE_RC" = 0 ] || FAIL="$FAIL layout-oracle(cuda_mma)"
 [ "$UNIT_RC" = 0 ] || FAIL="$FAIL cuda_math(unit)"
 [ "$GPU_RC" = 0 ] || FAIL="$FAIL gpu-tests"
 [ "$BENCH_RC" = 0 ] || FAIL="$FAIL benchmarks(see $LOG/bench_*.log)"

@@ -132,8 +132,8 @@ if command -v nvcc >/dev/null 2>&1 || [ -x /usr/local/cuda/bin/nvcc ]; then
   # nccl.h, and the host-math test: what the emulation build compiles against its own headers
   if { cmake --build build-cuda -j"$JOBS" --target k3cuda &&
        make -C build-cuda kernels/cuda/backend_cuda.o comm/comm_nccl.o &&
-       make -C build-cuda/tests gpu/test_cuda_math.o; } >"$LOGDIR/cuda-build.log" 2>&1; then
-    echo "build-cuda: kernels/cuda/*.cu, backend_cuda.c, comm_nccl.c, test_cuda_math.cu compiled (-Werror)"
+       make -C build-cuda/tests gpu/test_cuda_math.o gpu/test_cuda_mma.o; } >"$LOGDIR/cuda-build.log" 2>&1; then
+    echo "build-cuda: kernels/cuda/*.cu, backend_cuda.c, comm_nccl.c, test_cuda_math.cu, test_cuda_mma.cu compiled (-Werror)"
   else
     cat "$LOGDIR/cuda-build.log"; step_failed "the CUDA compile check"
   fi

@@ -241,6 +241,45 @@ static void test_dequant(void) {
     CHECK(bad == 0, "E8M0 -> bf16: %d of 256 scales differ from k3_e8m0_to_f32", bad);
 }
 
+/* the dequant helpers on the device (inline PTX under nvcc) against the host path: out[4i..] =
+ * k3c_e2m1x8_to_bf16(q[i]), e8[i] = k3c_e8m0_to_bf16(i) for i < 256 */
+static __global__ void dequant_kernel(const uint32_t *q, int n, uint32_t *out, uint16_t *e8) {
+    const int i = (int)(blockIdx.x * blockDim.x + threadIdx.x);
+    if (i < n) k3c_e2m1x8_to_bf16(q[i], out + 4 * i);
+    if (i < 256) e8[i] = k3c_e8m0_to_bf16((uint8_t)i);
+}
+
+static void test_dequant_device(void) {
+    enum { N = 1024 };
+    static uint32_t hq[N], hout[4 * N], want[4 * N];
+    uint16_t he8[256];
+    for (int i = 0; i < N; i++) hq[i] = i < 256 ? (uint32_t)i * 0x01010101u : rnd();
+    for (int i = 0; i < N; i++) k3c_e2m1x8_to_bf16(hq[i], want + 4 * i);
+    uint32_t *q = nullptr, *out = nullptr;
+    uint16_t *e8 = nullptr;
+    bool ok = cudaMalloc((void **)&q, sizeof hq) == cudaSuccess &&
+              cudaMalloc((void **)&out, sizeof hout) == cudaSuccess &&
+              cudaMalloc((void **)&e8, sizeof he8) == cudaSuccess;
+    CHECK(ok, "cudaMalloc");
+    if (ok) {
+        cudaMemcpy(q, hq, sizeof hq, cudaMemcpyHostToDevice);
+        K3C_LAUNCH(N / 128, 128, 0, 0, dequant_kernel)(q, N, out, e8);
+        const cudaError_t e = cudaDeviceSynchronize();
+        CHECK(e == cudaSuccess && cudaGetLastError() == cudaSuccess, "dequant_kernel: %s",
+              cudaGetErrorName(e));
+        cudaMemcpy(hout, out, sizeof hout, cudaMemcpyDeviceToHost);
+        cudaMemcpy(he8, e8, sizeof he8, cudaMemcpyDeviceToHost);
+        int bad = 0;
+        for (int i = 0; i < 4 * N; i++) bad += hout[i] != want[i];
+        CHECK(bad == 0, "E2M1x8 -> bf16 on the device: %d of %d words differ from the host", bad,
+              4 * N);
+        bad = 0;
+        for (int i = 0; i < 256; i++) bad += he8[i] != k3c_e8m0_to_bf16((uint8_t)i);
+        CHECK(bad == 0, "E8M0 -> bf16 on the device: %d of 256 differ", bad);
+    }
+    cudaFree(q), cudaFree(out), cudaFree(e8);
+}
+
 #ifdef K3_CUDA_EMULATION
 /* runs f with stderr captured; returns what it printed (echoed, marked as expected) */
 template <class F> static std::string captured_stderr(F f) {
@@ -343,6 +382,7 @@ int main(void) {
         return 77;
     }
     test_dequant();
+    test_dequant_device();
     {
         dev m;
         test_oracle(m);
