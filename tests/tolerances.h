@@ -84,4 +84,12 @@
  * honest recomputation, while a golden row scaled by 1.0001 (1e-4) already fails. */
 #define K3_TOL_GOLDEN_REGEN_REL_L2 1e-6
 
+/* W4A16 tensor-core GEMMs (kernels/cuda/moe_mma.cu) vs the checkpoint's MXFP4 decode with fp32
+ * activations, per output element y = Σ_k w_k x_k: the kernel rounds each x_k to bf16 (round to
+ * nearest even: relative error <= 2^-9) and multiplies the exact weights (E2M1 · 2^e is exact in
+ * bf16) with fp32 accumulation (K/16 mma steps, each rounding once on the emulator; on a device
+ * the accumulation order is undocumented: allow K roundings). So |y − y_ref| <= (2^-9 + K·u) ·
+ * Σ_k |w_k x_k|, element by element; the tests check exactly that bound, times this factor: */
+#define K3_TOL_BF16_ACT_REL 1.953125e-3 /* 2^-9: bf16's unit roundoff */
+
 #endif /* K3_TOLERANCES_H */

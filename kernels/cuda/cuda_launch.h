@@ -131,6 +131,15 @@ int k3c_moe_down(cudaStream_t s, const float *h, const int32_t *ids, const float
                  int64_t row_div, const k3c_expert *tab, int64_t r0, int64_t m, int64_t Lw,
                  int64_t I, bool h_vec, float *out);
 
+/* moe_mma.cu: the grouped W4A16 expert GEMM on the tensor cores (issue 44), contiguous layout:
+ * the rows of expert e are x rows [off[e], off[e+1]) (off device int64 [E + 1], max_rows >= the
+ * largest count, sizes the grid); y row r [N] = W_e · bf16(x row r [K]) with fp32 accumulation,
+ * W_e in fragment order (k3c_repack.h: words / scales of expert e at e · k3c_mxfp4_frag_words(N,
+ * K) / e · k3c_mxfp4_frag_scales(N, K)). N % 8 == 0, K % 32 == 0. */
+int k3c_w4a16_grouped(cudaStream_t s, const uint32_t *words, const uint8_t *scales, int E,
+                      int64_t N, int64_t K, const int64_t *off, int64_t max_rows, const float *x,
+                      float *y);
+
 #ifdef __cplusplus
 }
 #endif

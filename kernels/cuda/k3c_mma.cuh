@@ -59,6 +59,25 @@ K3C_FN uint32_t k3c_bf16x2_mul_2p126(uint32_t v) {
     return (ul >> 16) | (uh & 0xffff0000u);
 #endif
 }
+/* f32 -> bf16 bits, round to nearest even (NaN stays a quiet NaN) */
+K3C_FN uint16_t k3c_bf16_rne(float f) {
+    uint32_t u;
+    memcpy(&u, &f, 4);
+    if ((u & 0x7fffffffu) > 0x7f800000u) return (uint16_t)((u >> 16) | 0x40u);
+    return (uint16_t)((u + 0x7fffu + ((u >> 16) & 1u)) >> 16);
+}
+/* bf16x2 · bf16x2, each half rounded to nearest even */
+K3C_FN uint32_t k3c_bf16x2_mul(uint32_t a, uint32_t b) {
+#ifdef __CUDA_ARCH__
+    uint32_t d;
+    asm("fma.rn.bf16x2 %0, %1, %2, %3;" : "=r"(d) : "r"(a), "r"(b), "r"(0x80008000u));
+    return d;
+#else
+    const float lo = k3_mxfp4_bits_to_f32(a << 16) * k3_mxfp4_bits_to_f32(b << 16);
+    const float hi = k3_mxfp4_bits_to_f32(a & 0xffff0000u) * k3_mxfp4_bits_to_f32(b & 0xffff0000u);
+    return (uint32_t)k3c_bf16_rne(lo) | (uint32_t)k3c_bf16_rne(hi) << 16;
+#endif
+}
 /* 4 E2M1 codes (nibble i of q = element i, the checkpoint's byte order) -> out[2] bf16x2: out[j]
  * low half = element 2j, high half = element 2j + 1 */
 K3C_FN void k3c_e2m1x4_to_bf16(uint32_t q, uint32_t out[2]) {

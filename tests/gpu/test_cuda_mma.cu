@@ -10,7 +10,10 @@
 // per kernel, and each emulator check seen failing on an injected bug — a lane missing from an
 // mma (exited, or in another collective), an ldmatrix row address misaligned or outside shared
 // memory (a `k3emu:` line and cudaErrorLaunchFailure), and a missing cp.async wait (NaN in D).
+#include "cuda_launch.h"
 #include "k3c_mma.cuh"
+#include "k3c_repack.h"
+#include "tolerances.h"
 
 #include <math.h>
 #include <stdint.h>
@@ -280,6 +283,122 @@ static void test_dequant_device(void) {
     cudaFree(q), cudaFree(out), cudaFree(e8);
 }
 
+/* the repack into fragment order (k3c_repack.h): lossless (unpack restores every byte) and the
+ * fragments decode (k3c_e2m1x8_to_bf16 · E8M0) to the checkpoint's values bit for bit */
+static void test_repack(void) {
+    enum { N = 40, K = 320, KT = K / 32 };
+    static uint8_t packed[N * K / 2], scale[N * KT], packed2[N * K / 2], scale2[N * KT];
+    static uint32_t words[N / 8 * KT * 32];
+    static uint8_t scales[N / 8 * KT * 8];
+    for (size_t i = 0; i < sizeof packed; i++) packed[i] = (uint8_t)rnd();
+    for (size_t i = 0; i < sizeof scale; i++) scale[i] = (uint8_t)(i < 256 ? i : rnd() % 40 + 107);
+    CHECK(k3c_mxfp4_frag_words(N, K) == (int64_t)(sizeof words / 4) &&
+              k3c_mxfp4_frag_scales(N, K) == (int64_t)sizeof scales,
+          "fragment sizes");
+    k3c_mxfp4_repack(packed, scale, N, K, words, scales);
+    memset(packed2, 0, sizeof packed2);
+    memset(scale2, 0, sizeof scale2);
+    k3c_mxfp4_unpack(words, scales, N, K, packed2, scale2);
+    CHECK(!memcmp(packed, packed2, sizeof packed) && !memcmp(scale, scale2, sizeof scale),
+          "repack then unpack is not the identity");
+    int bad = 0, seen = 0;
+    static uint8_t hit[N][K];
+    memset(hit, 0, sizeof hit);
+    for (int nt = 0; nt < N / 8; nt++)
+        for (int kt = 0; kt < KT; kt++)
+            for (unsigned l = 0; l < 32; l++) {
+                uint32_t b[4];
+                k3c_e2m1x8_to_bf16(words[(nt * KT + kt) * 32 + l], b);
+                const float sc = f_of_bf16(k3c_e8m0_to_bf16(scales[(nt * KT + kt) * 8 + (l >> 2)]));
+                for (unsigned p = 0; p < 8; p++) {
+                    int64_t n, k;
+                    k3c_mxfp4_frag_pos(nt, kt, l, p, &n, &k);
+                    hit[n][k]++;
+                    const float got = f_of_bf16((uint16_t)(b[p / 2] >> (16 * (p & 1)))) * sc;
+                    const float want = k3_mxfp4_get(packed + n * (K / 2), scale + n * KT, k);
+                    bad += memcmp(&got, &want, 4) != 0 && !(isnan(got) && isnan(want));
+                    seen++;
+                }
+            }
+    int once = 0;
+    for (int n = 0; n < N; n++)
+        for (int k = 0; k < K; k++) once += hit[n][k] == 1;
+    CHECK(once == N * K, "fragment positions: %d of %d weights covered exactly once", once, N * K);
+    CHECK(bad == 0, "fragment decode: %d of %d weights differ from k3_mxfp4_get", bad, seen);
+}
+
+/* the grouped W4A16 GEMM (moe_mma.cu) vs the checkpoint's decode with fp32 activations, within
+ * the bound of tests/tolerances.h element by element; experts with 17, 0, 1 and 5 rows */
+static void test_w4a16(void) {
+    enum { E = 4, N = 40, K = 320, KT = K / 32 };
+    const int64_t off[E + 1] = {0, 17, 17, 18, 23};
+    const int64_t R = off[E];
+    static uint8_t packed[E][N * K / 2], scale[E][N * KT];
+    static uint32_t words[E * N / 8 * KT * 32];
+    static uint8_t scales[E * N / 8 * KT * 8];
+    static float x[23 * K], y[23 * N];
+    for (int e = 0; e < E; e++) {
+        for (size_t i = 0; i < sizeof packed[e]; i++) packed[e][i] = (uint8_t)rnd();
+        for (size_t i = 0; i < sizeof scale[e]; i++) scale[e][i] = (uint8_t)(rnd() % 8 + 121);
+        k3c_mxfp4_repack(packed[e], scale[e], N, K, words + e * k3c_mxfp4_frag_words(N, K),
+                         scales + e * k3c_mxfp4_frag_scales(N, K));
+    }
+    for (int64_t i = 0; i < R * K; i++) x[i] = (float)((int)(rnd() % 20001) - 10000) * 3.1e-4f;
+    uint32_t *dw = nullptr;
+    uint8_t *ds = nullptr;
+    int64_t *doff = nullptr;
+    float *dx = nullptr, *dy = nullptr;
+    bool ok = cudaMalloc((void **)&dw, sizeof words) == cudaSuccess &&
+              cudaMalloc((void **)&ds, sizeof scales) == cudaSuccess &&
+              cudaMalloc((void **)&doff, sizeof off) == cudaSuccess &&
+              cudaMalloc((void **)&dx, sizeof x) == cudaSuccess &&
+              cudaMalloc((void **)&dy, sizeof y) == cudaSuccess;
+    CHECK(ok, "cudaMalloc");
+    if (ok) {
+        cudaMemcpy(dw, words, sizeof words, cudaMemcpyHostToDevice);
+        cudaMemcpy(ds, scales, sizeof scales, cudaMemcpyHostToDevice);
+        cudaMemcpy(doff, off, sizeof off, cudaMemcpyHostToDevice);
+        cudaMemcpy(dx, x, sizeof x, cudaMemcpyHostToDevice);
+        cudaMemset(dy, 0xff, sizeof y);
+#ifdef K3_CUDA_EMULATION
+        const unsigned long long m0 = k3emu_mma_count("w4a16_grouped_kernel");
+#endif
+        const int rc = k3c_w4a16_grouped(0, dw, ds, E, N, K, doff, 17, dx, dy);
+        const cudaError_t e2 = cudaDeviceSynchronize();
+        CHECK(rc == 0 && e2 == cudaSuccess && cudaGetLastError() == cudaSuccess,
+              "k3c_w4a16_grouped: %d, %s", rc, cudaGetErrorName(e2));
+        cudaMemcpy(y, dy, sizeof y, cudaMemcpyDeviceToHost);
+#ifdef K3_CUDA_EMULATION
+        /* per expert: ceil(N/8) n-tiles x row tiles x K/16 steps */
+        const unsigned long long want_mma =
+            (unsigned long long)(N / 8) * (2 + 0 + 1 + 1) * (K / 16);
+        CHECK(k3emu_mma_count("w4a16_grouped_kernel") - m0 == want_mma, "mma count %llu, want %llu",
+              k3emu_mma_count("w4a16_grouped_kernel") - m0, want_mma);
+#endif
+        int bad = 0;
+        double worst = 0;
+        for (int e = 0; e < E; e++)
+            for (int64_t r = off[e]; r < off[e + 1]; r++)
+                for (int n = 0; n < N; n++) {
+                    double s = 0, a = 0;
+                    for (int k = 0; k < K; k++) {
+                        const double w =
+                            k3_mxfp4_get(packed[e] + n * (K / 2), scale[e] + n * KT, k);
+                        s += w * x[r * K + k], a += fabs(w * x[r * K + k]);
+                    }
+                    const double bound = (K3_TOL_BF16_ACT_REL + K * K3_FP32_U) * a;
+                    const double err = fabs((double)y[r * N + n] - s);
+                    if (!(err <= bound)) bad++;
+                    if (a > 0 && err / a > worst) worst = err / a;
+                }
+        CHECK(bad == 0, "W4A16: %d of %lld outputs outside (2^-9 + K·u)·Σ|w x|", bad,
+              (long long)(R * N));
+        printf("w4a16_grouped: worst |y - ref| / Σ|w x| = %.3g (bound %.3g)\n", worst,
+               K3_TOL_BF16_ACT_REL + K * K3_FP32_U);
+    }
+    cudaFree(dw), cudaFree(ds), cudaFree(doff), cudaFree(dx), cudaFree(dy);
+}
+
 #ifdef K3_CUDA_EMULATION
 /* runs f with stderr captured; returns what it printed (echoed, marked as expected) */
 template <class F> static std::string captured_stderr(F f) {
@@ -383,6 +502,8 @@ int main(void) {
     }
     test_dequant();
     test_dequant_device();
+    test_repack();
+    test_w4a16();
     {
         dev m;
         test_oracle(m);
