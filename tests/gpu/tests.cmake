@@ -53,7 +53,7 @@ if(K3_CUDA)
   endif()
   add_executable(test_cuda_mma ${CMAKE_CURRENT_LIST_DIR}/test_cuda_mma.cu)
   target_include_directories(test_cuda_mma PRIVATE ${CMAKE_SOURCE_DIR}/kernels/cuda ${CMAKE_SOURCE_DIR}/tests)
-  target_link_libraries(test_cuda_mma PRIVATE k3cuda)
+  target_link_libraries(test_cuda_mma PRIVATE k3lib)   # k3cuda, and the ref backend
   if(K3_CUDA_EMULATE)
     target_compile_options(test_cuda_mma PRIVATE -Wall -Wextra -Wshadow $<$<BOOL:${K3_WERROR}>:-Werror>)
   elseif(K3_WERROR)
