@@ -53,8 +53,7 @@ static inline void k3c_mxfp4_repack(const uint8_t *packed, const uint8_t *scale,
                 }
                 words[tile * 32 + l] = w;
             }
-            for (unsigned g = 0; g < 8; g++)
-                scales[tile * 8 + g] = scale[(8 * nt + g) * KT + kt];
+            for (unsigned g = 0; g < 8; g++) scales[tile * 8 + g] = scale[(8 * nt + g) * KT + kt];
         }
 }
 
@@ -71,11 +70,10 @@ static inline void k3c_mxfp4_unpack(const uint32_t *words, const uint8_t *scales
                     k3c_mxfp4_frag_pos(nt, kt, l, p, &n, &k);
                     uint8_t *b = &packed[n * (K / 2) + k / 2];
                     const unsigned sh = 4 * (unsigned)(k & 1);
-                    *b = (uint8_t)((*b & ~(15u << sh)) | (((words[tile * 32 + l] >> (4 * p)) & 15u)
-                                                          << sh));
+                    *b = (uint8_t)((*b & ~(15u << sh)) |
+                                   (((words[tile * 32 + l] >> (4 * p)) & 15u) << sh));
                 }
-            for (unsigned g = 0; g < 8; g++)
-                scale[(8 * nt + g) * KT + kt] = scales[tile * 8 + g];
+            for (unsigned g = 0; g < 8; g++) scale[(8 * nt + g) * KT + kt] = scales[tile * 8 + g];
         }
 }
 

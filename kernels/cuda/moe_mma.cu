@@ -16,7 +16,7 @@
 #include "k3c_mma.cuh"
 
 #define K3C_W4_WARPS 4
-#define K3C_W4_KC    256              /* k columns of x per shared tile */
+#define K3C_W4_KC    256             /* k columns of x per shared tile */
 #define K3C_W4_LD    (K3C_W4_KC + 8) /* row stride in bf16: 528 bytes, 16-aligned, bank-skewed */
 
 static __global__ void __launch_bounds__(K3C_W4_WARPS * 32)
