@@ -131,14 +131,23 @@ int k3c_moe_down(cudaStream_t s, const float *h, const int32_t *ids, const float
                  int64_t row_div, const k3c_expert *tab, int64_t r0, int64_t m, int64_t Lw,
                  int64_t I, bool h_vec, float *out);
 
-/* moe_mma.cu: the grouped W4A16 expert GEMM on the tensor cores (issue 44), contiguous layout:
- * the rows of expert e are x rows [off[e], off[e+1]) (off device int64 [E + 1], max_rows >= the
- * largest count, sizes the grid); y row r [N] = W_e · bf16(x row r [K]) with fp32 accumulation,
- * W_e in fragment order (k3c_repack.h: words / scales of expert e at e · k3c_mxfp4_frag_words(N,
- * K) / e · k3c_mxfp4_frag_scales(N, K)). N % 8 == 0, K % 32 == 0. */
-int k3c_w4a16_grouped(cudaStream_t s, const uint32_t *words, const uint8_t *scales, int E,
-                      int64_t N, int64_t K, const int64_t *off, int64_t max_rows, const float *x,
-                      float *y);
+/* moe_mma.cu: the grouped W4A16 expert GEMM on the tensor cores (issue 44). Rows of expert e:
+ * contiguous layout (cap == 0): x rows [off[e], off[e+1]) (off device int64 [E + 1]); masked
+ * layout (cap > 0, fixed capacity per expert): x rows [e·cap, e·cap + min(count[e], cap)) (count
+ * device int32 [E]; rows past the count are neither read nor written). max_rows (>= every
+ * expert's rows) sizes the grid. */
+typedef struct k3c_w4_rows {
+    const int64_t *off;
+    const int32_t *count;
+    int64_t cap, max_rows;
+} k3c_w4_rows;
+/* y row r [N] = W_e · bf16(x row r [K]) with fp32 accumulation; with w3 (gate/up fused): y row r
+ * = act(W_e·x, W3_e·x) (k3c_moe_act: beta < 0 SwiGLU, else SiTU(beta, lin_beta)). W_e in
+ * fragment order (k3c_repack.h: words / scales of expert e at e · k3c_mxfp4_frag_words(N, K) /
+ * e · k3c_mxfp4_frag_scales(N, K)); N % 8 == 0, K % 32 == 0. */
+int k3c_w4a16_grouped(cudaStream_t s, const uint32_t *words, const uint8_t *scales,
+                      const uint32_t *words3, const uint8_t *scales3, int E, int64_t N, int64_t K,
+                      k3c_w4_rows rows, float beta, float lin_beta, const float *x, float *y);
 
 #ifdef __cplusplus
 }

@@ -333,90 +333,155 @@ static void test_repack(void) {
 }
 
 /* the grouped W4A16 GEMM (moe_mma.cu) vs the ref backend's matmul (fp32 activations, the
- * checkpoint's MXFP4 decode) per expert, within the bound of tests/tolerances.h element by
- * element; experts with 17, 0, 1 and 5 rows */
-static void test_w4a16(void) {
-    enum { E = 4, N = 40, K = 320, KT = K / 32 };
-    const int64_t off[E + 1] = {0, 17, 17, 18, 23};
-    const int64_t R = off[E];
-    static uint8_t packed[E][N * K / 2], scale[E][N * KT];
-    static uint32_t words[E * N / 8 * KT * 32];
-    static uint8_t scales[E * N / 8 * KT * 8];
-    static float x[23 * K], y[23 * N];
-    for (int e = 0; e < E; e++) {
-        for (size_t i = 0; i < sizeof packed[e]; i++) packed[e][i] = (uint8_t)rnd();
-        for (size_t i = 0; i < sizeof scale[e]; i++) scale[e][i] = (uint8_t)(rnd() % 8 + 121);
-        k3c_mxfp4_repack(packed[e], scale[e], N, K, words + e * k3c_mxfp4_frag_words(N, K),
-                         scales + e * k3c_mxfp4_frag_scales(N, K));
-    }
-    for (int64_t i = 0; i < R * K; i++) x[i] = (float)((int)(rnd() % 20001) - 10000) * 3.1e-4f;
-    uint32_t *dw = nullptr;
-    uint8_t *ds = nullptr;
+ * checkpoint's MXFP4 decode) per expert, element by element within bounds derived from
+ * tests/tolerances.h. Experts with 17, 0, 1 and 5 rows; layout contiguous or masked (capacity 24,
+ * the unused rows of x NaN, of y checked untouched); plain, or gate/up fused with SwiGLU
+ * (beta < 0) or SiTU in the epilogue. */
+enum { W4_E = 4, W4_N = 40, W4_K = 320, W4_KT = W4_K / 32, W4_CAP = 24 };
+static uint8_t w4_packed[2][W4_E][W4_N * W4_K / 2], w4_scale[2][W4_E][W4_N * W4_KT];
+
+/* Σ_k |w_k x_k| for row n of matrix m of expert e */
+static double w4_abs(int m, int e, int n, const float *xr) {
+    double a = 0;
+    for (int k = 0; k < W4_K; k++)
+        a += fabs(k3_mxfp4_get(w4_packed[m][e] + n * (W4_K / 2), w4_scale[m][e] + n * W4_KT, k) *
+                  xr[k]);
+    return a;
+}
+
+static void test_w4a16(bool masked, bool gateup, float beta) {
+    enum { E = W4_E, N = W4_N, K = W4_K, KT = W4_KT, CAP = W4_CAP };
+    const int32_t count[E] = {17, 0, 1, 5};
+    int64_t off[E + 1] = {0};
+    for (int e = 0; e < E; e++) off[e + 1] = off[e] + count[e];
+    const int64_t R = masked ? E * CAP : off[E];
+    const float lin_beta = 3.0f;
+    static uint32_t words[2][E * N / 8 * KT * 32];
+    static uint8_t scales[2][E * N / 8 * KT * 8];
+    static float x[E * CAP * K], y[E * CAP * N], want[2][E * CAP * N];
+    for (int m = 0; m < 2; m++)
+        for (int e = 0; e < E; e++) {
+            for (size_t i = 0; i < sizeof w4_packed[m][e]; i++) w4_packed[m][e][i] = (uint8_t)rnd();
+            for (size_t i = 0; i < sizeof w4_scale[m][e]; i++)
+                w4_scale[m][e][i] = (uint8_t)(rnd() % 8 + 121);
+            k3c_mxfp4_repack(w4_packed[m][e], w4_scale[m][e], N, K,
+                             words[m] + e * k3c_mxfp4_frag_words(N, K),
+                             scales[m] + e * k3c_mxfp4_frag_scales(N, K));
+        }
+    /* the first row of expert e's rows: off[e], or e·CAP when masked */
+    int64_t first[E];
+    for (int e = 0; e < E; e++) first[e] = masked ? e * CAP : off[e];
+    for (int64_t i = 0; i < R * K; i++) x[i] = NAN;
+    for (int e = 0; e < E; e++)
+        for (int64_t i = first[e] * K; i < (first[e] + count[e]) * K; i++)
+            x[i] = (float)((int)(rnd() % 20001) - 10000) * 3.1e-4f;
+    uint32_t *dw[2] = {nullptr, nullptr};
+    uint8_t *ds[2] = {nullptr, nullptr};
     int64_t *doff = nullptr;
+    int32_t *dcount = nullptr;
     float *dx = nullptr, *dy = nullptr;
-    bool ok = cudaMalloc((void **)&dw, sizeof words) == cudaSuccess &&
-              cudaMalloc((void **)&ds, sizeof scales) == cudaSuccess &&
-              cudaMalloc((void **)&doff, sizeof off) == cudaSuccess &&
+    bool ok = cudaMalloc((void **)&doff, sizeof off) == cudaSuccess &&
+              cudaMalloc((void **)&dcount, sizeof count) == cudaSuccess &&
               cudaMalloc((void **)&dx, sizeof x) == cudaSuccess &&
               cudaMalloc((void **)&dy, sizeof y) == cudaSuccess;
+    for (int m = 0; m < 2; m++)
+        ok = ok && cudaMalloc((void **)&dw[m], sizeof words[m]) == cudaSuccess &&
+             cudaMalloc((void **)&ds[m], sizeof scales[m]) == cudaSuccess;
     CHECK(ok, "cudaMalloc");
     if (ok) {
-        cudaMemcpy(dw, words, sizeof words, cudaMemcpyHostToDevice);
-        cudaMemcpy(ds, scales, sizeof scales, cudaMemcpyHostToDevice);
+        for (int m = 0; m < 2; m++) {
+            cudaMemcpy(dw[m], words[m], sizeof words[m], cudaMemcpyHostToDevice);
+            cudaMemcpy(ds[m], scales[m], sizeof scales[m], cudaMemcpyHostToDevice);
+        }
         cudaMemcpy(doff, off, sizeof off, cudaMemcpyHostToDevice);
+        cudaMemcpy(dcount, count, sizeof count, cudaMemcpyHostToDevice);
         cudaMemcpy(dx, x, sizeof x, cudaMemcpyHostToDevice);
-        cudaMemset(dy, 0xff, sizeof y);
+        cudaMemset(dy, 0x7f, sizeof y); /* a finite sentinel: rows past the counts keep it */
 #ifdef K3_CUDA_EMULATION
         const unsigned long long m0 = k3emu_mma_count("w4a16_grouped_kernel");
 #endif
-        const int rc = k3c_w4a16_grouped(0, dw, ds, E, N, K, doff, 17, dx, dy);
+        k3c_w4_rows rows = {masked ? nullptr : doff, masked ? dcount : nullptr, masked ? CAP : 0,
+                            17};
+        const int rc =
+            k3c_w4a16_grouped(0, dw[0], ds[0], gateup ? dw[1] : nullptr, gateup ? ds[1] : nullptr,
+                              E, N, K, rows, beta, lin_beta, dx, dy);
         const cudaError_t e2 = cudaDeviceSynchronize();
         CHECK(rc == 0 && e2 == cudaSuccess && cudaGetLastError() == cudaSuccess,
               "k3c_w4a16_grouped: %d, %s", rc, cudaGetErrorName(e2));
         cudaMemcpy(y, dy, sizeof y, cudaMemcpyDeviceToHost);
 #ifdef K3_CUDA_EMULATION
-        /* per expert: ceil(N/8) n-tiles x row tiles x K/16 steps */
+        /* n-tiles x row tiles (2 + 0 + 1 + 1) x K/16 steps, per matrix */
         const unsigned long long want_mma =
-            (unsigned long long)(N / 8) * (2 + 0 + 1 + 1) * (K / 16);
+            (unsigned long long)(N / 8) * 4 * (K / 16) * (gateup ? 2 : 1);
         CHECK(k3emu_mma_count("w4a16_grouped_kernel") - m0 == want_mma, "mma count %llu, want %llu",
               k3emu_mma_count("w4a16_grouped_kernel") - m0, want_mma);
 #endif
-        /* the ref backend's matmul of each expert (fp32 x, its own fp32 sum: <= K·u·Σ|w x|
-         * off), and Σ|w x| from the checkpoint's decode: |y − ref| <= (2^-9 + 2K·u)·Σ|w x| */
         k3_backend *ref = nullptr;
-        static float want[23 * N];
         CHECK(k3_backend_create("ref", NULL, &ref) == K3_OK, "ref backend");
-        for (int e = 0; e < E && ref; e++) {
-            k3_tensor W;
-            memset(&W, 0, sizeof W);
-            W.dtype = K3_DT_MXFP4, W.ndim = 2, W.shape[0] = N, W.shape[1] = K;
-            W.data = packed[e], W.scale = scale[e], W.mem = K3_MEM_HOST;
-            if (off[e + 1] > off[e])
-                CHECK(ref->ops->matmul(ref, x + off[e] * K, off[e + 1] - off[e], &W,
-                                       want + off[e] * N) == K3_OK,
-                      "ref matmul of expert %d", e);
-        }
+        for (int m = 0; m < (gateup ? 2 : 1) && ref; m++)
+            for (int e = 0; e < E; e++) {
+                k3_tensor W;
+                memset(&W, 0, sizeof W);
+                W.dtype = K3_DT_MXFP4, W.ndim = 2, W.shape[0] = N, W.shape[1] = K;
+                W.data = w4_packed[m][e], W.scale = w4_scale[m][e], W.mem = K3_MEM_HOST;
+                if (count[e])
+                    CHECK(ref->ops->matmul(ref, x + first[e] * K, count[e], &W,
+                                           want[m] + first[e] * N) == K3_OK,
+                          "ref matmul of expert %d", e);
+            }
         if (ref) k3_backend_destroy(ref);
-        int bad = 0;
+        /* per element: the GEMM's |Δ| <= δ = (2^-9 + 2K·u)·Σ|w x| (the kernel's bf16 rounding of
+         * x plus both fp32 sums); through act(g, u) = a(g)·b(u) (|b'| <= 1, |b(u)| <= |u|, |a'| <=
+         * La: SiLU 1.0998, SiTU 1 + beta/4): |Δh| <= La·δg·(|b(u)| + δu) + |a(g)|·δu, plus
+         * 8 u·|h| + 1e-30 for the evaluation of h on either side (libm tanh / exp, ~1 ulp each) */
+        const double c = K3_TOL_BF16_ACT_REL + 2.0 * K * K3_FP32_U;
+        const double La = beta < 0 ? 1.0998 : 1.0 + beta / 4.0;
+        int bad = 0, untouched = 0, rows_out = 0;
         double worst = 0;
         for (int e = 0; e < E; e++)
-            for (int64_t r = off[e]; r < off[e + 1]; r++)
+            for (int64_t r = first[e]; r < first[e] + (masked ? CAP : count[e]); r++) {
+                const bool live = r < first[e] + count[e];
                 for (int n = 0; n < N; n++) {
-                    double a = 0;
-                    for (int k = 0; k < K; k++)
-                        a += fabs(k3_mxfp4_get(packed[e] + n * (K / 2), scale[e] + n * KT, k) *
-                                  x[r * K + k]);
-                    const double bound = (K3_TOL_BF16_ACT_REL + 2.0 * K * K3_FP32_U) * a;
-                    const double err = fabs((double)y[r * N + n] - (double)want[r * N + n]);
+                    const float got = y[r * N + n];
+                    if (!live) {
+                        uint32_t gb;
+                        memcpy(&gb, &got, 4);
+                        untouched += gb == 0x7f7f7f7fu;
+                        continue;
+                    }
+                    rows_out += n == 0;
+                    const double dg = c * w4_abs(0, e, n, x + r * K), g = want[0][r * N + n];
+                    double bound = dg, ref_v = g;
+                    if (gateup) {
+                        const double du = c * w4_abs(1, e, n, x + r * K), u = want[1][r * N + n];
+                        const float h = k3c_moe_act((float)g, (float)u, beta, lin_beta);
+                        const double a = beta < 0 ? fabs(g / (1 + exp(-g)))
+                                                  : fabs(k3c_situ((float)g, 1.0f, beta, 0.0f));
+                        const double b = beta < 0 || lin_beta <= 0
+                                             ? fabs(u)
+                                             : fabs(lin_beta * tanh(u / lin_beta));
+                        ref_v = h;
+                        bound = La * dg * (b + du) + a * du + 8 * K3_FP32_U * fabs(h) + 1e-30;
+                    }
+                    const double err = fabs((double)got - ref_v);
                     if (!(err <= bound)) bad++;
-                    if (a > 0 && err / a > worst) worst = err / a;
+                    if (bound > 0 && err / bound > worst) worst = err / bound;
                 }
-        CHECK(bad == 0, "W4A16 vs ref: %d of %lld outputs outside (2^-9 + 2K·u)·Σ|w x|", bad,
-              (long long)(R * N));
-        printf("w4a16_grouped vs ref: worst |y - ref| / Σ|w x| = %.3g (bound %.3g)\n", worst,
-               K3_TOL_BF16_ACT_REL + 2.0 * K * K3_FP32_U);
+            }
+        CHECK(bad == 0, "W4A16 %s%s: %d outputs outside the derived bound",
+              masked ? "masked" : "contiguous", gateup ? (beta < 0 ? " swiglu" : " situ") : "",
+              bad);
+        CHECK(rows_out == off[E], "rows checked %d, want %lld", rows_out, (long long)off[E]);
+        if (masked)
+            CHECK(untouched == (int)(E * CAP - off[E]) * N,
+                  "masked: %d of %lld rows past the counts untouched", untouched / N,
+                  (long long)(E * CAP - off[E]));
+        printf("w4a16_grouped %s%s vs ref: worst error / bound = %.3g\n",
+               masked ? "masked" : "contiguous", gateup ? (beta < 0 ? " swiglu" : " situ") : "",
+               worst);
     }
-    cudaFree(dw), cudaFree(ds), cudaFree(doff), cudaFree(dx), cudaFree(dy);
+    for (int m = 0; m < 2; m++) cudaFree(dw[m]), cudaFree(ds[m]);
+    cudaFree(doff), cudaFree(dcount), cudaFree(dx), cudaFree(dy);
 }
 
 #ifdef K3_CUDA_EMULATION
@@ -523,7 +588,10 @@ int main(void) {
     test_dequant();
     test_dequant_device();
     test_repack();
-    test_w4a16();
+    test_w4a16(false, false, -1.0f);
+    test_w4a16(true, false, -1.0f);
+    test_w4a16(false, true, -1.0f); /* SwiGLU */
+    test_w4a16(true, true, 10.0f);  /* SiTU, beta 10 */
     {
         dev m;
         test_oracle(m);
