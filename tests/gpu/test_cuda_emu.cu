@@ -898,6 +898,63 @@ static int oob_child(const char *where) {
     return 0;
 }
 
+/* ---- 9. seeded order: an ordering race shows as a difference between seeds ------------------ */
+/* thread 0 writes sh[0], the others read it: without the barrier (race = 1, the injected bug) the
+ * readers that run before thread 0 see the NaN poison */
+static __global__ void race_kernel(float *out, int race) {
+    K3C_SHARED(float, sh, [1]);
+    if (threadIdx.x == 0) sh[0] = 1.0f + blockIdx.x;
+    if (!race) __syncthreads();
+    out[blockIdx.x * blockDim.x + threadIdx.x] = sh[0];
+}
+static __global__ void block_order_kernel(unsigned *ctr, unsigned *out) {
+    if (threadIdx.x == 0) out[blockIdx.x] = atomicAdd(ctr, 1u);
+}
+
+#ifdef K3_CUDA_EMULATION
+static void test_seeded_order(void) {
+    enum { B = 3, T = 64, NB = 16 };
+    dbuf<float> out(B * T);
+    dbuf<unsigned> ctr(1, 0), order(NB);
+    std::vector<float> first[2];
+    int differ[2] = {0, 0}, shuffled_blocks = 0, bad_perm = 0;
+    for (unsigned long long seed = 0; seed < 8; seed++) {
+        k3emu_set_seed(seed);
+        for (int race = 0; race < 2; race++) {
+            K3C_LAUNCH(B, T, 0, 0, race_kernel)(out.d, race);
+            CHECK(launch_error() == cudaSuccess, "race_kernel seed %llu", seed);
+            std::vector<float> h = out.get();
+            if (seed == 0)
+                first[race] = h;
+            else
+                differ[race] += memcmp(h.data(), first[race].data(), h.size() * sizeof(float)) != 0;
+        }
+        CUDA_OK(cudaMemset(ctr.d, 0, sizeof(unsigned)));
+        K3C_LAUNCH(NB, 32, 0, 0, block_order_kernel)(ctr.d, order.d);
+        CHECK(launch_error() == cudaSuccess, "block_order_kernel seed %llu", seed);
+        std::vector<unsigned> o = order.get();
+        std::vector<unsigned> sorted = o;
+        std::sort(sorted.begin(), sorted.end());
+        for (unsigned i = 0; i < NB; i++) bad_perm += sorted[i] != i;
+        bool identity = true;
+        for (unsigned i = 0; i < NB; i++) identity = identity && o[i] == i;
+        if (seed == 0)
+            CHECK(identity, "seed 0 runs the blocks in index order");
+        else
+            shuffled_blocks += !identity;
+    }
+    k3emu_set_seed(0);
+    int n_nan = 0;
+    for (float v : first[1]) n_nan += isnan(v) != 0;
+    CHECK(n_nan == 0, "seed 0: the race is hidden (thread 0 runs first): %d NaN", n_nan);
+    CHECK(differ[1] > 0, "the barrier-free race_kernel gave the same result under 8 seeds");
+    CHECK(differ[0] == 0, "race_kernel with its barrier differs between seeds (%d of 7)",
+          differ[0]);
+    CHECK(bad_perm == 0, "a block ran twice or never under a seed");
+    CHECK(shuffled_blocks > 0, "no seed changed the block order");
+}
+#endif
+
 /* re-runs this program with --oob WHERE: it must die with a stderr that holds need, or alt */
 static void death_test(const char *where, const char *need, const char *alt) {
     int pipefd[2];
@@ -951,6 +1008,9 @@ int main(int argc, char **argv) {
     test_errors();
     test_runtime();
     test_gaps();
+#ifdef K3_CUDA_EMULATION
+    test_seeded_order(); /* last: it leaves the seed at 0 */
+#endif
     if (k_emu && k_asan) {
         const char *hbo = "ERROR: AddressSanitizer: heap-buffer-overflow";
         death_test("global", hbo, nullptr);

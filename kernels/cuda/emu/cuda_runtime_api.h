@@ -103,6 +103,10 @@ void k3emu_get_counters(k3emu_counters *out);
  * launch named `kernel` (K3C_LAUNCH's kernel expression, e.g. "matmul_kernel<8>"), or by every
  * kernel when kernel is NULL. */
 unsigned long long k3emu_mma_count(const char *kernel);
+/* Emulation only: the order seed (as K3_EMU_SEED): 0 runs blocks in index order and a block's
+ * threads in thread order; any other value shuffles both, differently per seed and launch, so an
+ * ordering race shows up as a difference between seeds. */
+void k3emu_set_seed(unsigned long long seed);
 
 #ifdef __cplusplus
 }

@@ -68,6 +68,34 @@ struct mma_count {
     unsigned long long n;
 } g_mma_by[MAX_MMA_KERNELS];
 unsigned g_n_mma_by;
+/* K3_EMU_SEED (or k3emu_set_seed): 0 = blocks in index order and fibers resumed in thread order;
+ * else both shuffled (a seed-dependent affine permutation of the blocks per launch, a fresh
+ * Fisher-Yates order of the fibers per sweep), so an ordering race shows as a difference between
+ * seeds */
+unsigned long long g_seed, g_rng;
+bool g_seed_set;
+unsigned long long seed(void) {
+    if (!g_seed_set) {
+        const char *v = getenv("K3_EMU_SEED");
+        g_seed = v && *v ? strtoull(v, nullptr, 0) : 0;
+        g_rng = g_seed;
+        g_seed_set = true;
+    }
+    return g_seed;
+}
+unsigned long long rng_next(void) { /* splitmix64 */
+    unsigned long long z = (g_rng += 0x9e3779b97f4a7c15ull);
+    z = (z ^ (z >> 30)) * 0xbf58476d1ce4e5b9ull;
+    z = (z ^ (z >> 27)) * 0x94d049bb133111ebull;
+    return z ^ (z >> 31);
+}
+unsigned long long gcd(unsigned long long a, unsigned long long b) {
+    while (b) {
+        const unsigned long long t = a % b;
+        a = b, b = t;
+    }
+    return a;
+}
 size_t g_allocated;
 int g_device;
 
@@ -531,32 +559,48 @@ void run_grid(const char *name, dim3 grid, dim3 block, size_t shmem, cudaStream_
     ls.gdim = grid;
     g_run = &run;
     cur_launch = &ls;
-    for (unsigned z = 0; z < grid.z && !run.failed; z++)
-        for (unsigned y = 0; y < grid.y && !run.failed; y++)
-            for (unsigned x = 0; x < grid.x && !run.failed; x++) {
-                ls.bid = uint3{x, y, z};
-                g_blocks++;
-                g_threads += nt;
-                poison_shared(&run);
-                for (unsigned i = 0; i < run.n; i++) fiber_init(&run, &fibers[i], i, block);
-                unsigned done = 0;
-                while (done < run.n && !run.failed) {
-                    for (unsigned i = 0; i < run.n; i++)
-                        if (fibers[i].state == ST_READY) resume(&run, &fibers[i]);
-                    done = 0;
-                    for (unsigned i = 0; i < run.n; i++) done += fibers[i].state == ST_DONE;
-                    if (done < run.n) {
-                        if (!release(&run)) break;
-                    }
+    /* block i runs block (mul·i + add) mod nb: the identity without a seed */
+    const unsigned long long nb = (unsigned long long)grid.x * grid.y * grid.z;
+    unsigned long long mul = 1, add = 0;
+    const bool shuffled = seed() != 0;
+    if (shuffled && nb > 1) {
+        do mul = rng_next() % nb;
+        while (mul == 0 || gcd(mul, nb) != 1);
+        add = rng_next() % nb;
+    }
+    static thread_local unsigned order[MAX_THREADS];
+    for (unsigned i = 0; i < run.n; i++) order[i] = i;
+    for (unsigned long long bi = 0; bi < nb && !run.failed; bi++) {
+        const unsigned long long b = (unsigned long long)(((unsigned __int128)mul * bi + add) % nb);
+        ls.bid = uint3{(unsigned)(b % grid.x), (unsigned)(b / grid.x % grid.y),
+                       (unsigned)(b / ((unsigned long long)grid.x * grid.y))};
+        g_blocks++;
+        g_threads += nt;
+        poison_shared(&run);
+        for (unsigned i = 0; i < run.n; i++) fiber_init(&run, &fibers[i], i, block);
+        unsigned done = 0;
+        while (done < run.n && !run.failed) {
+            if (shuffled)
+                for (unsigned i = run.n - 1; i > 0; i--) {
+                    const unsigned j = (unsigned)(rng_next() % (i + 1)), t = order[i];
+                    order[i] = order[j], order[j] = t;
                 }
-                if (run.failed) {
-#ifdef K3EMU_ASAN
-                    /* fibers left mid-kernel: their frames' shadow must not leak into reuse */
-                    for (unsigned i = 0; i < run.n; i++)
-                        __asan_unpoison_memory_region(fibers[i].stack, fibers[i].stack_size);
-#endif
-                }
+            for (unsigned i = 0; i < run.n; i++)
+                if (fibers[order[i]].state == ST_READY) resume(&run, &fibers[order[i]]);
+            done = 0;
+            for (unsigned i = 0; i < run.n; i++) done += fibers[i].state == ST_DONE;
+            if (done < run.n) {
+                if (!release(&run)) break;
             }
+        }
+        if (run.failed) {
+#ifdef K3EMU_ASAN
+            /* fibers left mid-kernel: their frames' shadow must not leak into reuse */
+            for (unsigned i = 0; i < run.n; i++)
+                __asan_unpoison_memory_region(fibers[i].stack, fibers[i].stack_size);
+#endif
+        }
+    }
     for (unsigned i = 0; i < run.n_decl; i++) free(run.decl[i]);
     free(run.dyn);
     g_run = outer;
@@ -792,6 +836,12 @@ void k3emu_get_counters(k3emu_counters *out) {
     out->blocks = g_blocks;
     out->threads = g_threads;
     out->switches = g_switches;
+}
+
+void k3emu_set_seed(unsigned long long s) {
+    g_seed = s;
+    g_rng = s;
+    g_seed_set = true;
 }
 
 unsigned long long k3emu_mma_count(const char *kernel) {
