@@ -135,7 +135,7 @@ int k3c_moe_down(cudaStream_t s, const float *h, const int32_t *ids, const float
  * contiguous layout (cap == 0): x rows [off[e], off[e+1]) (off device int64 [E + 1]); masked
  * layout (cap > 0, fixed capacity per expert): x rows [e·cap, e·cap + min(count[e], cap)) (count
  * device int32 [E]; rows past the count are neither read nor written). max_rows (>= every
- * expert's rows) sizes the grid. */
+ * expert's rows) sizes the grid; max_rows <= 8 runs swap-AB (the weights as the M = 16 operand). */
 typedef struct k3c_w4_rows {
     const int64_t *off;
     const int32_t *count;

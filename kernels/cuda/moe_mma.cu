@@ -11,7 +11,9 @@
 // grid.z: the expert. Layouts: contiguous (per-expert row offsets) for prefill, masked (fixed
 // capacity, per-expert counts in device memory, as for graph-captured decode). Gate/up fused: with
 // W3, the same lane holds the same (row, column) of both accumulators, so the activation is the
-// epilogue. Not yet wired into the backend's moe_experts (see docs/DESIGN.md §3b).
+// epilogue. Swap-AB when no expert has more than 8 rows (max_rows <= 8, w4a16_swap_kernel): the
+// weights become the M = 16 operand from the same fragment-order words. Not yet wired into the
+// backend's moe_experts (see docs/DESIGN.md §3b).
 //
 // Verified in the emulation (tests/gpu/test_cuda_mma.cu) against the checkpoint's decode;
 // device run pending.
@@ -22,15 +24,55 @@
 #define K3C_W4_KC    256             /* k columns of x per shared tile */
 #define K3C_W4_LD    (K3C_W4_KC + 8) /* row stride in bf16: 528 bytes, 16-aligned, bank-skewed */
 
+/* one fragment word of 8 E2M1 codes and its E8M0 scale -> 4 bf16x2 (exact) */
+static __device__ __forceinline__ void w4_dequant(uint32_t word, uint8_t sc, uint32_t b[4]) {
+    k3c_e2m1x8_to_bf16(word, b);
+    const uint32_t s1 = k3c_e8m0_to_bf16(sc), s2 = s1 | s1 << 16;
+    for (int j = 0; j < 4; j++) b[j] = k3c_bf16x2_mul(b[j], s2);
+}
 /* acc += the 16 x 8 tile's product over one k32 group: B from the word and scale of (nt, kt) */
 static __device__ __forceinline__ void w4_step(float acc[4], uint32_t word, uint8_t sc,
                                                const uint32_t a[2][4]) {
     uint32_t b[4];
-    k3c_e2m1x8_to_bf16(word, b);
-    const uint32_t s1 = k3c_e8m0_to_bf16(sc), s2 = s1 | s1 << 16;
-    for (int j = 0; j < 4; j++) b[j] = k3c_bf16x2_mul(b[j], s2);
+    w4_dequant(word, sc, b);
     k3c_mma_bf16_16816(acc, a[0], b, acc);
     k3c_mma_bf16_16816(acc, a[1], b + 2, acc);
+}
+/* swap-AB: acc += W rows [16mt, 16mt + 16) (A) times 8 token columns (B) over one k32 group. The
+ * B-order words of n-tiles 2mt (rows g) and 2mt + 1 (rows g + 8) of the same lane are exactly A's
+ * fragment: a[0..3] of step s = lo[2s], hi[2s], lo[2s + 1], hi[2s + 1] */
+static __device__ __forceinline__ void w4_swap_step(float acc[4], const uint32_t *words,
+                                                    const uint8_t *scales, int64_t w0, int64_t w1,
+                                                    int64_t s0, int64_t s1, bool has1, int64_t kt,
+                                                    unsigned lane, const uint32_t b[2][2]) {
+    uint32_t lo[4], hi[4] = {0u, 0u, 0u, 0u};
+    w4_dequant(words[w0 + kt * 32 + lane], scales[s0 + kt * 8 + (lane >> 2)], lo);
+    if (has1) w4_dequant(words[w1 + kt * 32 + lane], scales[s1 + kt * 8 + (lane >> 2)], hi);
+    for (int st = 0; st < 2; st++) {
+        const uint32_t a[4] = {lo[2 * st], hi[2 * st], lo[2 * st + 1], hi[2 * st + 1]};
+        k3c_mma_bf16_16816(acc, a, b[st], acc);
+    }
+}
+
+/* the rows [r0, r1) of expert e that block row tile `tile` of `rows_per` rows covers */
+static __device__ __forceinline__ void w4_rows(const k3c_w4_rows &rows, int64_t e, int64_t tile,
+                                               int64_t *r0, int64_t *r1) {
+    if (rows.cap > 0) {
+        const int64_t c = rows.count[e] < rows.cap ? rows.count[e] : rows.cap;
+        *r0 = e * rows.cap + tile, *r1 = e * rows.cap + (c > 0 ? c : 0);
+    } else {
+        *r0 = rows.off[e] + tile, *r1 = rows.off[e + 1];
+    }
+}
+
+/* x rows [r0, r0 + nr) ∩ [r0, r1), columns [kc, kc + kn), to bf16 in xs (rows past r1: 0) */
+static __device__ __forceinline__ void w4_fill(uint16_t *xs, int nr, const float *x, int64_t K,
+                                               int64_t r0, int64_t r1, int64_t kc, int kn) {
+    for (int i = (int)threadIdx.x; i < nr * kn; i += (int)blockDim.x) {
+        const int r = i / kn, c = i % kn;
+        const float v = r0 + r < r1 ? x[(r0 + r) * K + kc + c] : 0.0f;
+        xs[r * K3C_W4_LD + c] = k3c_bf16_rne(v);
+    }
 }
 
 static __global__ void __launch_bounds__(K3C_W4_WARPS * 32)
@@ -40,12 +82,7 @@ static __global__ void __launch_bounds__(K3C_W4_WARPS * 32)
     K3C_SHARED(uint16_t, xs, [16 * K3C_W4_LD]);
     const int64_t e = blockIdx.z;
     int64_t r0, r1;
-    if (rows.cap > 0) {
-        const int64_t c = rows.count[e] < rows.cap ? rows.count[e] : rows.cap;
-        r0 = e * rows.cap + 16 * (int64_t)blockIdx.y, r1 = e * rows.cap + (c > 0 ? c : 0);
-    } else {
-        r0 = rows.off[e] + 16 * (int64_t)blockIdx.y, r1 = rows.off[e + 1];
-    }
+    w4_rows(rows, e, 16 * (int64_t)blockIdx.y, &r0, &r1);
     if (r0 >= r1) return; /* the whole block: past this expert's rows */
     const unsigned warp = threadIdx.x / 32, lane = threadIdx.x % 32, g = lane >> 2, t = lane & 3u;
     const int64_t NT = N / 8, KT = K / 32, nt = (int64_t)blockIdx.x * K3C_W4_WARPS + warp;
@@ -55,11 +92,7 @@ static __global__ void __launch_bounds__(K3C_W4_WARPS * 32)
     for (int64_t kc = 0; kc < K; kc += K3C_W4_KC) {
         const int kn = (int)(K - kc < K3C_W4_KC ? K - kc : K3C_W4_KC);
         __syncthreads(); /* the previous tile is consumed */
-        for (int i = (int)threadIdx.x; i < 16 * kn; i += (int)blockDim.x) {
-            const int r = i / kn, c = i % kn;
-            const float v = r0 + r < r1 ? x[(r0 + r) * K + kc + c] : 0.0f;
-            xs[r * K3C_W4_LD + c] = k3c_bf16_rne(v);
-        }
+        w4_fill(xs, 16, x, K, r0, r1, kc, kn);
         __syncthreads();
         if (!active) continue;
         for (int kk = 0; kk < kn; kk += 32) {
@@ -82,11 +115,61 @@ static __global__ void __launch_bounds__(K3C_W4_WARPS * 32)
     }
 }
 
+/* swap-AB for experts of <= 8 rows: warp w computes W rows [16mt, 16mt + 16) (mt = blockIdx.x ·
+ * K3C_W4_WARPS + w) for the block's 8 rows of x, so an expert with one token does not waste 15 of
+ * 16 mma rows. D's c[i] is (W row 16mt + g + 8(i >> 1), x row 2t + (i & 1)). */
+static __global__ void __launch_bounds__(K3C_W4_WARPS * 32)
+    w4a16_swap_kernel(const uint32_t *words, const uint8_t *scales, const uint32_t *words3,
+                      const uint8_t *scales3, int64_t N, int64_t K, k3c_w4_rows rows, float beta,
+                      float lin_beta, const float *x, float *y) {
+    K3C_SHARED(uint16_t, xs, [8 * K3C_W4_LD]);
+    const int64_t e = blockIdx.z;
+    int64_t r0, r1;
+    w4_rows(rows, e, 8 * (int64_t)blockIdx.y, &r0, &r1);
+    if (r0 >= r1) return; /* the whole block: past this expert's rows */
+    const unsigned warp = threadIdx.x / 32, lane = threadIdx.x % 32, g = lane >> 2, t = lane & 3u;
+    const int64_t NT = N / 8, KT = K / 32, mt = (int64_t)blockIdx.x * K3C_W4_WARPS + warp;
+    const bool active = 2 * mt < NT, has1 = 2 * mt + 1 < NT;
+    const int64_t w0 = (e * NT + 2 * mt) * KT * 32, w1 = w0 + KT * 32;
+    const int64_t s0 = (e * NT + 2 * mt) * KT * 8, s1 = s0 + KT * 8;
+    float acc[4] = {0.0f, 0.0f, 0.0f, 0.0f}, acc3[4] = {0.0f, 0.0f, 0.0f, 0.0f};
+    for (int64_t kc = 0; kc < K; kc += K3C_W4_KC) {
+        const int kn = (int)(K - kc < K3C_W4_KC ? K - kc : K3C_W4_KC);
+        __syncthreads(); /* the previous tile is consumed */
+        w4_fill(xs, 8, x, K, r0, r1, kc, kn);
+        __syncthreads();
+        if (!active) continue;
+        for (int kk = 0; kk < kn; kk += 32) {
+            const int64_t kt = (kc + kk) / 32;
+            uint32_t b[2][2];
+            /* B = x rowsᵀ: matrix lane / 8 (of lanes 0-15) is x rows 0-7, columns 8·(m & 1) */
+            for (int st = 0; st < 2; st++)
+                k3c_ldmatrix_x2(b[st],
+                                xs + (lane % 8) * K3C_W4_LD + kk + 16 * st + (lane / 8 & 1u) * 8);
+            w4_swap_step(acc, words, scales, w0, w1, s0, s1, has1, kt, lane, b);
+            if (words3) w4_swap_step(acc3, words3, scales3, w0, w1, s0, s1, has1, kt, lane, b);
+        }
+    }
+    if (!active) return;
+    for (int i = 0; i < 4; i++) {
+        const int64_t n = 16 * mt + g + 8 * (i >> 1), r = r0 + 2 * t + (i & 1);
+        if (r < r1 && n < N)
+            y[r * N + n] = words3 ? k3c_moe_act(acc[i], acc3[i], beta, lin_beta) : acc[i];
+    }
+}
+
 extern "C" int k3c_w4a16_grouped(cudaStream_t s, const uint32_t *words, const uint8_t *scales,
                                  const uint32_t *words3, const uint8_t *scales3, int E, int64_t N,
                                  int64_t K, k3c_w4_rows rows, float beta, float lin_beta,
                                  const float *x, float *y) {
     if (E <= 0 || rows.max_rows <= 0) return 0;
+    if (rows.max_rows <= 8) { /* swap-AB: the weights are the M = 16 operand */
+        const dim3 grid((unsigned)((N / 8 + 2 * K3C_W4_WARPS - 1) / (2 * K3C_W4_WARPS)), 1u,
+                        (unsigned)E);
+        K3C_LAUNCH(grid, K3C_W4_WARPS * 32, 0, s, w4a16_swap_kernel)
+        (words, scales, words3, scales3, N, K, rows, beta, lin_beta, x, y);
+        return (int)cudaGetLastError();
+    }
     const dim3 grid((unsigned)((N / 8 + K3C_W4_WARPS - 1) / K3C_W4_WARPS),
                     (unsigned)((rows.max_rows + 15) / 16), (unsigned)E);
     K3C_LAUNCH(grid, K3C_W4_WARPS * 32, 0, s, w4a16_grouped_kernel)

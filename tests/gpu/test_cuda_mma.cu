@@ -349,9 +349,10 @@ static double w4_abs(int m, int e, int n, const float *xr) {
     return a;
 }
 
-static void test_w4a16(bool masked, bool gateup, float beta) {
+static void test_w4a16(bool masked, bool gateup, float beta, bool small) {
     enum { E = W4_E, N = W4_N, K = W4_K, KT = W4_KT, CAP = W4_CAP };
-    const int32_t count[E] = {17, 0, 1, 5};
+    /* small: no expert above 8 rows, so the launcher runs swap-AB */
+    const int32_t count[E] = {small ? 8 : 17, 0, 1, 5};
     int64_t off[E + 1] = {0};
     for (int e = 0; e < E; e++) off[e + 1] = off[e] + count[e];
     const int64_t R = masked ? E * CAP : off[E];
@@ -398,10 +399,11 @@ static void test_w4a16(bool masked, bool gateup, float beta) {
         cudaMemcpy(dx, x, sizeof x, cudaMemcpyHostToDevice);
         cudaMemset(dy, 0x7f, sizeof y); /* a finite sentinel: rows past the counts keep it */
 #ifdef K3_CUDA_EMULATION
-        const unsigned long long m0 = k3emu_mma_count("w4a16_grouped_kernel");
+        const unsigned long long m0 =
+            k3emu_mma_count(small ? "w4a16_swap_kernel" : "w4a16_grouped_kernel");
 #endif
         k3c_w4_rows rows = {masked ? nullptr : doff, masked ? dcount : nullptr, masked ? CAP : 0,
-                            17};
+                            small ? 8 : 17};
         const int rc =
             k3c_w4a16_grouped(0, dw[0], ds[0], gateup ? dw[1] : nullptr, gateup ? ds[1] : nullptr,
                               E, N, K, rows, beta, lin_beta, dx, dy);
@@ -410,11 +412,13 @@ static void test_w4a16(bool masked, bool gateup, float beta) {
               "k3c_w4a16_grouped: %d, %s", rc, cudaGetErrorName(e2));
         cudaMemcpy(y, dy, sizeof y, cudaMemcpyDeviceToHost);
 #ifdef K3_CUDA_EMULATION
-        /* n-tiles x row tiles (2 + 0 + 1 + 1) x K/16 steps, per matrix */
+        /* per matrix: n-tiles x row tiles (2 + 0 + 1 + 1) x K/16 steps; swap-AB: 16-row tiles of W
+         * (3) x experts with rows (3) x K/16 */
+        const char *kname = small ? "w4a16_swap_kernel" : "w4a16_grouped_kernel";
         const unsigned long long want_mma =
-            (unsigned long long)(N / 8) * 4 * (K / 16) * (gateup ? 2 : 1);
-        CHECK(k3emu_mma_count("w4a16_grouped_kernel") - m0 == want_mma, "mma count %llu, want %llu",
-              k3emu_mma_count("w4a16_grouped_kernel") - m0, want_mma);
+            (small ? 3ull * 3 : (unsigned long long)(N / 8) * 4) * (K / 16) * (gateup ? 2 : 1);
+        CHECK(k3emu_mma_count(kname) - m0 == want_mma, "%s: mma count %llu, want %llu", kname,
+              k3emu_mma_count(kname) - m0, want_mma);
 #endif
         k3_backend *ref = nullptr;
         CHECK(k3_backend_create("ref", NULL, &ref) == K3_OK, "ref backend");
@@ -476,7 +480,7 @@ static void test_w4a16(bool masked, bool gateup, float beta) {
             CHECK(untouched == (int)(E * CAP - off[E]) * N,
                   "masked: %d of %lld rows past the counts untouched", untouched / N,
                   (long long)(E * CAP - off[E]));
-        printf("w4a16_grouped %s%s vs ref: worst error / bound = %.3g\n",
+        printf("w4a16 %s %s%s vs ref: worst error / bound = %.3g\n", small ? "swap-AB" : "grouped",
                masked ? "masked" : "contiguous", gateup ? (beta < 0 ? " swiglu" : " situ") : "",
                worst);
     }
@@ -588,10 +592,12 @@ int main(void) {
     test_dequant();
     test_dequant_device();
     test_repack();
-    test_w4a16(false, false, -1.0f);
-    test_w4a16(true, false, -1.0f);
-    test_w4a16(false, true, -1.0f); /* SwiGLU */
-    test_w4a16(true, true, 10.0f);  /* SiTU, beta 10 */
+    for (int small = 0; small < 2; small++) { /* small: swap-AB */
+        test_w4a16(false, false, -1.0f, small);
+        test_w4a16(true, false, -1.0f, small);
+        test_w4a16(false, true, -1.0f, small); /* SwiGLU */
+        test_w4a16(true, true, 10.0f, small);  /* SiTU, beta 10 */
+    }
     {
         dev m;
         test_oracle(m);
