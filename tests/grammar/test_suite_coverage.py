@@ -1,5 +1,5 @@
-"""test_suite_coverage.py — the grammar against the JSON-Schema-Test-Suite's draft 2020-12 cases of
-the keywords issue 47 added (owner: grammar).
+"""test_suite_coverage.py — the grammar against the JSON-Schema-Test-Suite's cases of the keywords
+issue 47 added and of the date and uuid formats (owner: grammar).
 
 Usage: test_suite_coverage.py GRAMMAR_TOOL  (K3_BIN: the k3 binary, for a tiny model's vocabulary)
 The vendored files (tests/grammar/jsts/, MIT, see its README) hold schemas, each with valid and
