@@ -20,6 +20,11 @@ directory every node sees (under the build tree; each node has its own /tmp and 
             "rank 2 (stage 1, lane 0, host node3" ... "vanished" within 30 s of the kill. Then
             2 nodes x 2 ranks: SIGKILL of both ranks of node2 (a node whose processes all die)
             names rank 2 and rank 3, each once; SIGKILL of rank 3 alone names it once.
+  killucx   the lone-rank SIGKILL of `kill` (4 x 1, rank 2 on node3) over UCX/tcp (--mca pml ucx
+            --mca pml_ucx_tls any --mca pml_ucx_devices any): named vanished within 30 s.
+  stop      4 nodes x 1 rank, --comm-timeout 10: SIGSTOP of rank 2 (alone on node3) during decode;
+            mpirun returns non-zero 9-40 s after the stop, every "root cause:" line names rank 2
+            (stage 1, lane 0) (the ranks' agreed timeout verdict), none says "vanished".
   load      2 nodes x 2 ranks, 1 x 4 (one stage): each node reads the stage's dense tensors once.
             `k3 run --json`: the ranks read every tensor once plus the dense tensors once more
             (total + dense, from the shard headers); `k3 bench load`: 2 nodes of 2 ranks, each
@@ -36,6 +41,10 @@ directory every node sees (under the build tree; each node has its own /tmp and 
   serve     2 nodes x 2 ranks, `k3 serve --pp 2 --ep 2 --deterministic --host 0.0.0.0` (rank 0 on
             node1), and the openai client run on node2 (through rsh.sh) against node1's address:
             greedy completions of two prompts equal those of `k3 serve` in one process.
+  batch     `k3 batch --deterministic --pp 2 --ep 2` on 2 nodes x 2 ranks and on 4 nodes x 1 rank,
+            ob1/tcp, a 5-line file (completions: ids with logprobs, text, a prompt list; chat with
+            top_logprobs, chat with a system message and thinking off; temperature 0): every response body equals one process's
+            (ids, timestamps and the prefix cache's cached_tokens aside).
 Where namespaces cannot be made (up.sh exits 2) the case is skipped with up.sh's reason, or,
 under CI=true, fails.
 """
@@ -208,7 +217,7 @@ def case_partition():
         down()
 
 
-def kill_on(n_nodes, per_node, node, want, what):
+def kill_on(n_nodes, per_node, node, want, what, mca=OB1):
     """A long 2 x 2 run on n_nodes nodes; SIGKILL the ranks `want` (all on `node`, found by their
     OMPI_COMM_WORLD_RANK); mpirun must return non-zero within 30 s, and each rank be named
     vanished with its stage, lane and host exactly once."""
@@ -216,7 +225,7 @@ def kill_on(n_nodes, per_node, node, want, what):
     up(n_nodes, per_node)
     try:
         p = cluster_run(4, per_node, ["--model", m, "--pp", "2", "--ep", "2", "--comm-timeout", "60"]
-                        + LONG, OB1)
+                        + LONG, mca)
         time.sleep(4)
         check(p.poll() is None, f"{what}: the run ended before the kill")
         ranks = "|".join(str(r) for r in want)
@@ -249,6 +258,125 @@ def case_kill():
     kill_on(4, 1, "node3", [2], "rank 2 alone on node3")
     kill_on(2, 2, "node2", [2, 3], "a node whose ranks all die")
     kill_on(2, 2, "node2", [3], "one rank of a node of two")
+
+
+def case_stop():
+    """4 nodes x 1 rank, --comm-timeout 10: SIGSTOP of rank 2 (alone on node3) during decode; the
+    ranks' agreed timeout verdict names rank 2 no sooner than --comm-timeout after the stop, and
+    mpirun returns non-zero within --comm-timeout + 30 s."""
+    m = model()
+    up(4, 1)
+    try:
+        p = cluster_run(4, 1, ["--model", m, "--pp", "2", "--ep", "2", "--comm-timeout", "10"] + LONG,
+                        OB1)
+        time.sleep(4)
+        check(p.poll() is None, "stop: the run ended before the stop")
+        k = sh("rsh.sh", "node3", "for p in $(pgrep -x k3); do tr '\\0' '\\n' < /proc/$p/environ | "
+               "grep -qx 'OMPI_COMM_WORLD_RANK=2' && kill -STOP $p && echo stopped; done")
+        check("stopped" in k.stdout, f"stop: nothing to stop on node3: {k.stderr}")
+        t_stop = time.time()
+        try:
+            so, se = p.communicate(timeout=40)
+        except subprocess.TimeoutExpired:
+            p.kill()
+            so, se = p.communicate()
+            check(False, f"stop: mpirun still running 40 s after rank 2 was stopped:\n{se[-3000:]}")
+            return
+        dt = time.time() - t_stop
+        check(p.returncode != 0, "stop: mpirun returned 0 after a rank was stopped")
+        check(dt >= 9, f"stop: mpirun returned {dt:.1f} s after the stop, before --comm-timeout 10")
+        roots = [x for x in se.splitlines() if "root cause:" in x]
+        check(roots and all(re.search(r"root cause: rank 2 \(stage 1, lane 0", x) for x in roots),
+              f"stop: no verdict naming rank 2 (stage 1, lane 0) alone:\n" + "\n".join(roots) +
+              f"\n{se[-3000:]}")
+        check("vanished" not in se, "stop: a rank named vanished, none died:\n" +
+              "\n".join(x for x in se.splitlines() if "vanished" in x))
+        print(f"ok stop: mpirun returned {p.returncode} {dt:.1f} s after the stop; "
+              f"{roots[0][:200] if roots else ''}", flush=True)
+    finally:
+        down()
+
+
+BATCH = [("cmpl-ids", "/v1/completions", {"prompt": [1, 2, 3, 4, 5], "max_tokens": 10,
+                                           "logprobs": 2}),
+         ("cmpl-text", "/v1/completions", {"prompt": "hello there", "max_tokens": 8}),
+         ("cmpl-two", "/v1/completions", {"prompt": [[300, 301, 302], [7, 8, 9, 10]],
+                                           "max_tokens": 6}),
+         ("chat-1", "/v1/chat/completions",
+          {"messages": [{"role": "user", "content": "Name three colours."}], "max_tokens": 10,
+           "logprobs": True, "top_logprobs": 2}),
+         ("chat-2", "/v1/chat/completions",
+          {"messages": [{"role": "system", "content": "Be brief."},
+                        {"role": "user", "content": "What is 2 + 2?"}], "max_tokens": 8,
+           "thinking": False})]
+
+
+def norm(x):
+    """A body without what differs between two runs: ids, timestamps, the prefix cache's hits."""
+    if isinstance(x, dict):
+        return {k: norm(v) for k, v in x.items() if k not in ("id", "created", "prompt_tokens_details")}
+    return [norm(v) for v in x] if isinstance(x, list) else x
+
+
+def batch_bodies(path):
+    """custom_id -> (status, normalised body) of a `k3 batch` output file."""
+    out = {}
+    with open(path) as f:
+        for ln in f:
+            o = json.loads(ln)
+            out[o["custom_id"]] = (o["response"]["status_code"], norm(o["response"]["body"]))
+    return out
+
+
+def case_batch():
+    """`k3 batch --deterministic` on 2 nodes x 2 ranks (--pp 2 --ep 2) and 4 nodes x 1 rank, ob1/tcp:
+    every response body (completions and chat, greedy) equal to one process's, ids aside."""
+    m = model()
+    inp = os.path.join(WORK, "batch-in.jsonl")
+    with open(inp, "w") as f:
+        for cid, url, body in BATCH:
+            f.write(json.dumps({"custom_id": cid, "method": "POST", "url": url,
+                                "body": dict(body, temperature=0)}) + "\n")
+    flags = ["--model", m, "--threads", "1", "--deterministic", "--input", inp]
+    one = os.path.join(WORK, "batch-one.jsonl")
+    for f in (one,):
+        if os.path.exists(f):
+            os.unlink(f)
+    p = subprocess.run([K3, "batch"] + flags + ["--output", one], capture_output=True, text=True,
+                       timeout=120)
+    if p.returncode != 0:
+        sys.exit(f"single-process k3 batch failed: {p.stderr[-2000:]}")
+    want = batch_bodies(one)
+    if not check(len(want) == len(BATCH) and all(s == 200 for s, _ in want.values()),
+                 f"one process: {len(want)} lines, statuses {[s for s, _ in want.values()]}"):
+        return
+    for n_nodes, per_node in ((2, 2), (4, 1)):
+        tag = f"batch on {n_nodes} nodes x {per_node} ranks, ob1/tcp"
+        out = os.path.join(WORK, f"batch-{n_nodes}x{per_node}.jsonl")
+        if os.path.exists(out):
+            os.unlink(out)
+        up(n_nodes, per_node)
+        try:
+            t0 = time.time()
+            cmd = [os.path.join(HERE, "mpirun.sh"), "-np", "4", "--map-by", f"ppr:{per_node}:node"]
+            cmd += OB1 + [K3, "batch", "--pp", "2", "--ep", "2", "--comm-timeout", "30",
+                          "--output", out] + flags
+            q = subprocess.run(cmd, capture_output=True, text=True, timeout=120)
+            if not check(q.returncode == 0, f"{tag}: rc {q.returncode}\n{q.stderr[-3000:]}"):
+                continue
+            hosts = set(re.findall(r"bind: rank \d+ \(local \d+ of \d+ on (\S+)\)", q.stderr))
+            check(len(hosts) == n_nodes, f"{tag}: ranks ran on {sorted(hosts)}")
+            got = batch_bodies(out)
+            diff = [c for c, _, _ in BATCH if got.get(c) != want[c]]
+            for c in diff[:3]:
+                print(f"   {c}: {json.dumps(got.get(c))[:300]}\n   one process: "
+                      f"{json.dumps(want[c])[:300]}", flush=True)
+            if check(not diff and len(got) == len(BATCH),
+                     f"{tag}: bodies differ from one process's: {diff} ({len(got)} lines)"):
+                print(f"ok {tag}: {len(got)} bodies equal to one process's "
+                      f"({time.time() - t0:.1f} s)", flush=True)
+        finally:
+            down()
 
 
 def shard_bytes(model_dir, experts=True):
@@ -453,6 +581,12 @@ def main():
         case_partition()
     elif case == "kill":
         case_kill()
+    elif case == "killucx":
+        kill_on(4, 1, "node3", [2], "rank 2 alone on node3, UCX/tcp", UCX)
+    elif case == "stop":
+        case_stop()
+    elif case == "batch":
+        case_batch()
     elif case == "load":
         case_load()
     elif case == "nodemap":
@@ -462,7 +596,7 @@ def main():
     elif case == "serve":
         case_serve()
     else:
-        sys.exit(f"unknown case '{case}' (det, det4, partition, kill, load, nodemap, slow, serve)")
+        sys.exit(f"unknown case '{case}' (det, det4, partition, kill, killucx, stop, load, nodemap, slow, serve, batch)")
     p = sh("check-clean.sh")
     check(p.returncode == 0, f"left behind after the case: {p.stderr.strip()}")
     if failures:
