@@ -24,7 +24,7 @@ directory every node sees (under the build tree; each node has its own /tmp and 
             --mca pml_ucx_tls any --mca pml_ucx_devices any): named vanished within 30 s.
   stop      4 nodes x 1 rank, --comm-timeout 10: SIGSTOP of rank 2 (alone on node3) during decode;
             mpirun returns non-zero 9-40 s after the stop, every "root cause:" line names rank 2
-            (stage 1, lane 0) (the ranks' agreed timeout verdict), none says "vanished".
+            (stage 1, lane 0, host node3) (the ranks' agreed timeout verdict), none says "vanished".
   load      2 nodes x 2 ranks, 1 x 4 (one stage): each node reads the stage's dense tensors once.
             `k3 run --json`: the ranks read every tensor once plus the dense tensors once more
             (total + dense, from the shard headers); `k3 bench load`: 2 nodes of 2 ranks, each
@@ -43,8 +43,8 @@ directory every node sees (under the build tree; each node has its own /tmp and 
             greedy completions of two prompts equal those of `k3 serve` in one process.
   batch     `k3 batch --deterministic --pp 2 --ep 2` on 2 nodes x 2 ranks and on 4 nodes x 1 rank,
             ob1/tcp, a 5-line file (completions: ids with logprobs, text, a prompt list; chat with
-            top_logprobs, chat with a system message and thinking off; temperature 0): every response body equals one process's
-            (ids, timestamps and the prefix cache's cached_tokens aside).
+            top_logprobs, chat with a system message and thinking off; temperature 0): every
+            response body equals one process's (ids, timestamps, the prefix cache's hits aside).
 Where namespaces cannot be made (up.sh exits 2) the case is skipped with up.sh's reason, or,
 under CI=true, fails.
 """
@@ -267,8 +267,8 @@ def case_stop():
     m = model()
     up(4, 1)
     try:
-        p = cluster_run(4, 1, ["--model", m, "--pp", "2", "--ep", "2", "--comm-timeout", "10"] + LONG,
-                        OB1)
+        p = cluster_run(4, 1, ["--model", m, "--pp", "2", "--ep", "2", "--comm-timeout", "10"]
+                        + LONG, OB1)
         time.sleep(4)
         check(p.poll() is None, "stop: the run ended before the stop")
         k = sh("rsh.sh", "node3", "for p in $(pgrep -x k3); do tr '\\0' '\\n' < /proc/$p/environ | "
@@ -286,9 +286,10 @@ def case_stop():
         check(p.returncode != 0, "stop: mpirun returned 0 after a rank was stopped")
         check(dt >= 9, f"stop: mpirun returned {dt:.1f} s after the stop, before --comm-timeout 10")
         roots = [x for x in se.splitlines() if "root cause:" in x]
-        check(roots and all(re.search(r"root cause: rank 2 \(stage 1, lane 0", x) for x in roots),
-              f"stop: no verdict naming rank 2 (stage 1, lane 0) alone:\n" + "\n".join(roots) +
-              f"\n{se[-3000:]}")
+        pat = r"root cause: rank 2 \(stage 1, lane 0, host node3\)"
+        check(roots and all(re.search(pat, x) for x in roots),
+              "stop: no verdict naming rank 2 (stage 1, lane 0, host node3) alone:\n" +
+              "\n".join(roots) + f"\n{se[-3000:]}")
         check("vanished" not in se, "stop: a rank named vanished, none died:\n" +
               "\n".join(x for x in se.splitlines() if "vanished" in x))
         print(f"ok stop: mpirun returned {p.returncode} {dt:.1f} s after the stop; "
@@ -314,7 +315,8 @@ BATCH = [("cmpl-ids", "/v1/completions", {"prompt": [1, 2, 3, 4, 5], "max_tokens
 def norm(x):
     """A body without what differs between two runs: ids, timestamps, the prefix cache's hits."""
     if isinstance(x, dict):
-        return {k: norm(v) for k, v in x.items() if k not in ("id", "created", "prompt_tokens_details")}
+        return {k: norm(v) for k, v in x.items()
+                if k not in ("id", "created", "prompt_tokens_details")}
     return [norm(v) for v in x] if isinstance(x, list) else x
 
 
@@ -329,8 +331,9 @@ def batch_bodies(path):
 
 
 def case_batch():
-    """`k3 batch --deterministic` on 2 nodes x 2 ranks (--pp 2 --ep 2) and 4 nodes x 1 rank, ob1/tcp:
-    every response body (completions and chat, greedy) equal to one process's, ids aside."""
+    """`k3 batch --deterministic` on 2 nodes x 2 ranks (--pp 2 --ep 2) and 4 nodes x 1 rank,
+    ob1/tcp: every response body (completions and chat, greedy) equal to one process's (ids
+    aside)."""
     m = model()
     inp = os.path.join(WORK, "batch-in.jsonl")
     with open(inp, "w") as f:
@@ -596,7 +599,8 @@ def main():
     elif case == "serve":
         case_serve()
     else:
-        sys.exit(f"unknown case '{case}' (det, det4, partition, kill, killucx, stop, load, nodemap, slow, serve, batch)")
+        sys.exit(f"unknown case '{case}' (det, det4, partition, kill, killucx, stop, load, "
+                 "nodemap, slow, serve, batch)")
     p = sh("check-clean.sh")
     check(p.returncode == 0, f"left behind after the case: {p.stderr.strip()}")
     if failures:
