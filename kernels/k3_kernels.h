@@ -255,7 +255,7 @@ k3_status k3_seqs_build(int n_seqs, const int32_t *n_tokens, const int32_t *pos,
       (be, sq, qc, cache, H, W, Rkv, scale, o_lat, work))                                                 \
     /* short_conv of every sequence on its own token rows, its state at state +                           \
        slot[i]·state_stride                                                                              \
-       ([K-1, P] floats, updated). in, out [T, P]. */                                                     \
+       ([K-1, P] floats, updated; a sequence at pos[i] == 0 starts from zeros). in, out [T, P]. */        \
     X(short_conv_seqs,                                                                                    \
       (k3_backend * be, const k3_seqs *sq, const float *in, int64_t P, int K, const float *w,             \
        float *state, int64_t state_stride, float *out),                                                   \
@@ -263,7 +263,7 @@ k3_status k3_seqs_build(int n_seqs, const int32_t *n_tokens, const int32_t *pos,
     /* The KDA delta rule of every sequence on its own token rows, state S + slot[i]·S_stride            \
        ([H, dk, dv] fp32): kda_chunked (C >= 2 and the sequence has >= C tokens) or kda_recurrent,        \
        bit for bit. q, k, g [T, H·dk], v, o [T, H·dv], beta [T, H]; work as kda_chunked (C >= 2).       \
-     */                                                                                                   \
+       A sequence at pos[i] == 0 starts from S = 0 (a new sequence's state needs no reset op). */         \
     X(kda_seqs,                                                                                           \
       (k3_backend * be, const k3_seqs *sq, const float *q, const float *k, const float *v,                \
        const float *g, const float *beta, int H, int dk, int dv, float scale, float *S,                   \

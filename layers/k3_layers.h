@@ -95,7 +95,8 @@ const k3_stage_params *k3_stage_get_params(const k3_stage *s);
    stage sized by max_seqs); its cache blocks are taken from the pool as it grows. */
 k3_status k3_seq_state_create(const k3_stage *s, int64_t max_ctx, k3_seq_state **out);
 void k3_seq_state_destroy(k3_seq_state *st); /* its blocks and slot back to the pools */
-/* A new sequence in the same slot: states zeroed, blocks returned, position 0. */
+/* A new sequence in the same slot: blocks returned, position 0 (no op: the forward starts a
+ * sequence at position 0 from zero KDA states). */
 k3_status k3_seq_state_reset(k3_seq_state *st);
 /* The sequence ended: its cache blocks go back to the pool (the slot stays; reset before reuse). */
 void k3_seq_state_release(k3_seq_state *st);

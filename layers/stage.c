@@ -482,6 +482,8 @@ void k3_stage_cache_usage(const k3_stage *s, int *free_blocks, int *total_blocks
     if (total_blocks) *total_blocks = s->n_blocks;
 }
 
+static k3_status seq_state_zero(k3_seq_state *st);
+
 k3_status k3_seq_state_create(const k3_stage *cs, int64_t max_ctx, k3_seq_state **out) {
     *out = NULL;
     if (max_ctx < 1) return K3_ERR(K3_ERR_ARG, "sequence state: max_ctx must be >= 1");
@@ -506,7 +508,7 @@ k3_status k3_seq_state_create(const k3_stage *cs, int64_t max_ctx, k3_seq_state 
         hbuf(&st->blk, (size_t)K3_MAX(blocks_of(max_ctx), 1) * sizeof(int32_t), "block table");
     if (e == K3_OK) {
         s->slot_used[slot] = true;
-        e = k3_seq_state_reset(st);
+        e = seq_state_zero(st);
     }
     if (e != K3_OK) {
         k3_seq_state_destroy(st);
@@ -530,10 +532,19 @@ void k3_seq_state_destroy(k3_seq_state *st) {
     k3_free(st);
 }
 
+/* A new sequence's KDA state needs no reset op: short_conv_seqs and kda_seqs take a sequence at
+ * position 0 from a zero state (kernels/k3_kernels.h), so a prefill step's op count does not
+ * depend on how many sequences it opens (docs/DESIGN.md §3a). Reset returns the blocks and the
+ * position; the slot is zeroed once, when it is created (its bytes are defined for snapshots). */
 k3_status k3_seq_state_reset(k3_seq_state *st) {
+    k3_seq_state_release(st); /* its pages back to the pool: the cache beyond pos is never read */
+    st->pos = 0;
+    return K3_OK;
+}
+
+static k3_status seq_state_zero(k3_seq_state *st) {
     k3_stage *s = st->s;
     k3_backend *be = s->be;
-    k3_seq_state_release(st); /* its pages back to the pool: the cache beyond pos is never read */
     if (s->conv_slot > 0)
         K3_TRY(be->ops->fill(be, s->conv_pool + (size_t)st->slot * (size_t)s->conv_slot,
                              s->conv_slot, 0.0f));

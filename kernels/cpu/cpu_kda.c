@@ -169,6 +169,10 @@ k3_status k3_cpu_kda_seqs(k3_backend *be, const k3_seqs *sq, const float *q, con
     kda_seqs_job j = {
         k3_cpu_kern_of(be), sq, q, k, v, g, beta, H, dk, dv, C, scale, S, o, S_stride};
     int64_t n_short = 0, macs = 0;
+    for (int s = 0; s < sq->n_seqs; s++) /* a sequence at position 0 starts from S = 0 */
+        if (sq->pos[s] == 0)
+            memset(S + (int64_t)sq->slot[s] * S_stride, 0,
+                   (size_t)H * (size_t)dk * (size_t)dv * sizeof(float));
     for (int s = 0; s < sq->n_seqs; s++)
         if (kda_seq_short(&j, s)) {
             n_short++;

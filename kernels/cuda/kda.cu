@@ -118,6 +118,13 @@ static __global__ void chunked_kernel(const float *q, const float *k, const floa
                  work + (size_t)h * wf, sh_chk);
 }
 
+/* A sequence at position 0 starts from S = 0 (kda_seqs' contract): the block zeroes its head's
+ * state before the recurrence reads it (pos[i] is block-uniform, so every thread syncs). */
+static __device__ void zero_head(float *S, int n) {
+    for (int e = threadIdx.x; e < n; e += blockDim.x) S[e] = 0.0f;
+    __syncthreads();
+}
+
 /* kda_seqs, the recurrent sequences: block (h, i) runs head h of sequence i when the sequence
  * takes the recurrence (C < 2 or fewer than C tokens); the others are chunked_seqs_kernel's. */
 static __global__ void recurrent_seqs_kernel(k3c_seqs sq, const float *q, const float *k,
@@ -129,6 +136,7 @@ static __global__ void recurrent_seqs_kernel(k3c_seqs sq, const float *q, const 
     const int64_t t0 = sq.tok0[i], n = sq.tok0[i + 1] - t0;
     if (C >= 2 && n >= C) return; /* block-uniform */
     const int64_t sqk = (int64_t)H * dk, svo = (int64_t)H * dv;
+    if (sq.pos[i] == 0) zero_head(S + sq.slot[i] * S_stride + (int64_t)h * dk * dv, dk * dv);
     head_recurrent(q + t0 * sqk + h * dk, k + t0 * sqk + h * dk, v + t0 * svo + h * dv,
                    g + t0 * sqk + h * dk, beta + t0 * H + h, n, sqk, svo, H, dk, dv, scale,
                    S + sq.slot[i] * S_stride + (int64_t)h * dk * dv, o + t0 * svo + h * dv, sh_rec);
@@ -146,6 +154,7 @@ static __global__ void chunked_seqs_kernel(k3c_seqs sq, const float *q, const fl
     for (int i = 0; i < sq.n_seqs; i++) {
         const int64_t t0 = sq.tok0[i], n = sq.tok0[i + 1] - t0;
         if (n < C) continue; /* block-uniform */
+        if (sq.pos[i] == 0) zero_head(S + sq.slot[i] * S_stride + (int64_t)h * dk * dv, dk * dv);
         head_chunked(q + t0 * sqk + h * dk, k + t0 * sqk + h * dk, v + t0 * svo + h * dv,
                      g + t0 * sqk + h * dk, beta + t0 * H + h, n, sqk, svo, H, dk, dv, scale,
                      S + sq.slot[i] * S_stride + (int64_t)h * dk * dv, o + t0 * svo + h * dv, C,
@@ -161,8 +170,10 @@ static __global__ void conv_seqs_kernel(k3c_seqs sq, const float *in, int64_t P,
     const int i = blockIdx.y;
     if (c >= P) return;
     const int64_t t0 = sq.tok0[i], n = sq.tok0[i + 1] - t0;
-    k3c_short_conv_col(in + t0 * P + c, n, P, K, w + c * K, state + sq.slot[i] * state_stride + c,
-                       out + t0 * P + c);
+    float *st = state + sq.slot[i] * state_stride + c;
+    if (sq.pos[i] == 0) /* a new sequence: its column of the state starts from zeros */
+        for (int r = 0; r < K - 1; r++) st[(int64_t)r * P] = 0.0f;
+    k3c_short_conv_col(in + t0 * P + c, n, P, K, w + c * K, st, out + t0 * P + c);
 }
 
 extern "C" int k3c_kda_gate(cudaStream_t s, float *r, const float *dt_bias, const float *a_log,

@@ -101,8 +101,9 @@ k3_status k3_ref_short_conv_seqs(k3_backend *be, const k3_seqs *sq, const float 
     K3_TRY(check_seqs("short_conv_seqs", sq));
     for (int i = 0; i < sq->n_seqs; i++) {
         const int64_t t0 = sq->tok0[i], n = sq->tok0[i + 1] - t0;
-        K3_TRY(be->ops->short_conv(be, in + t0 * P, n, P, K, w,
-                                   state + (int64_t)sq->slot[i] * state_stride, out + t0 * P));
+        float *st = state + (int64_t)sq->slot[i] * state_stride;
+        if (sq->pos[i] == 0 && K > 1) memset(st, 0, (size_t)(K - 1) * (size_t)P * sizeof(float));
+        K3_TRY(be->ops->short_conv(be, in + t0 * P, n, P, K, w, st, out + t0 * P));
     }
     return K3_OK;
 }
@@ -115,6 +116,7 @@ k3_status k3_ref_kda_seqs(k3_backend *be, const k3_seqs *sq, const float *q, con
     for (int i = 0; i < sq->n_seqs; i++) {
         const int64_t t0 = sq->tok0[i], n = sq->tok0[i + 1] - t0;
         float *Si = S + (int64_t)sq->slot[i] * S_stride;
+        if (sq->pos[i] == 0) memset(Si, 0, (size_t)H * (size_t)dk * (size_t)dv * sizeof(float));
         if (C > 1 && n >= C)
             K3_TRY(be->ops->kda_chunked(be, q + t0 * sqk, k + t0 * sqk, v + t0 * svo, g + t0 * sqk,
                                         beta + t0 * H, n, H, dk, dv, scale, Si, o + t0 * svo, C,

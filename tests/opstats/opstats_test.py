@@ -13,7 +13,8 @@ usage: opstats_test.py MODE [MPIEXEC]     (K3_BIN = the k3 binary)
            saying to use --backend guard, and writes no file;
          - an unwritable FILE fails the run (exit 1) naming it;
          - on `make-tiny --preset deep` (K3's 93 layers): a decode step issues the same op calls
-           with 1 sequence and with 12, and at most 2 host syncs.
+           with 1 sequence and with 12, and at most 2 host syncs; a prefill step opening 1
+           sequence and one opening 12 issue the same op calls.
   mpi  : mpirun -np 4 `k3 run --pp 2 --ep 2` with one prompt: one entry per worker rank with its
          (stage, lane) and layers; the lane without the sequence has idle steps and no decode
          steps; no top-level decode (several stages); --backend cpu is refused on every rank
@@ -134,13 +135,14 @@ def unit(tmp, model):
 def deep(tmp):
     """The step's op count does not depend on the batch (docs/DESIGN.md §3a): on the 93-layer
     `deep` preset a decode step issues the same number of op calls with 1 sequence and with 12,
-    and reads back from the backend at most twice (the non-finite flags, the logits)."""
+    and reads back from the backend at most twice (the non-finite flags, the logits); a prefill
+    step that opens 1 sequence and one that opens 12 issue the same op calls."""
     model = os.path.join(tmp, "deep")
     p = k3(["make-tiny", model, "--preset", "deep"])
     check(p.returncode == 0, "make-tiny --preset deep: exit %d %s" % (p.returncode, p.stderr[-400:]))
     if p.returncode != 0:
         return
-    got = {}
+    got, pre = {}, {}
     for n in (1, 12):  # 32 was checked by hand (docs/DESIGN.md): guard's mprotect per op is slow
         prompts = ";".join(",".join(str((i * 7 + j) % 3000 + 1) for j in range(3 + i % 5))
                            for i in range(n))
@@ -158,7 +160,16 @@ def deep(tmp):
             check(d["prefill"]["steps"] == 1, "deep, %d sequences: one prefill step (%s)"
                   % (n, d["prefill"]["steps"]))
             phase_ok("deep %d decode" % n, d["decode"], 2)
+            phase_ok("deep %d prefill" % n, d["prefill"], 1)
             got[n] = d["decode"]
+            pre[n] = d["prefill"]
+    if len(pre) == 2:  # no per-sequence op (the state resets of new sequences): one count
+        a, b = pre[1], pre[12]
+        check(a["ops_per_step"] == b["ops_per_step"] and a["ops"] == b["ops"],
+              "deep: a prefill step's ops with 1 and 12 new sequences: %s and %s (%s)"
+              % (a["ops_per_step"], b["ops_per_step"],
+                 {k: (a["ops"].get(k), b["ops"].get(k)) for k in set(a["ops"]) | set(b["ops"])
+                  if a["ops"].get(k) != b["ops"].get(k)}))
     if len(got) == 2:
         a, b = got[1], got[12]
         check(a["ops_per_step"] == b["ops_per_step"] and a["ops"] == b["ops"],
