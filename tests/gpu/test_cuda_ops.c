@@ -844,6 +844,8 @@ static void kda_seqs_case(int C) {
     for (int i = 0; i < SQ_N; i++) {
         const int64_t a = t0[i], n = t0[i + 1] - t0[i];
         const int64_t oq = a * H * dk, ov = a * H * dv, os = sq.h.slot[i] * Ss;
+        if (sq.h.pos[i] == 0) /* the contract: a sequence at position 0 starts from S = 0 */
+            K3_CHECK_OK(g_cu->ops->fill(g_cu, dS1 + os, (int64_t)H * dk * dv, 0.0f));
         if (C >= 2 && n >= C)
             K3_CHECK_OK(g_cu->ops->kda_chunked(g_cu, dq + oq, dk_ + oq, dv_ + ov, dg + oq,
                                                db + a * H, n, H, dk, dv, scale, dS1 + os, dO1 + ov,
