@@ -28,10 +28,11 @@
 
 #include "server_internal.h"
 
-#define WAIT_SLICE_S   0.2 /* how often a waiting HTTP thread looks at its client's socket */
-#define HALF_CLOSE_S   0.5 /* a FIN this soon after the request is a half-close, later a close */
-#define STUCK_CLIENT_S 10  /* at shutdown, after the grace: how long responses may take to drain */
-#define FAULT_DRAIN_S  3   /* after an engine fault: how long the open requests' errors may take */
+#define WAIT_SLICE_S   0.2  /* how often a waiting HTTP thread looks at its client's socket */
+#define KEEP_ALIVE_MAX 10.0 /* the longest a stream stays silent (keep_alive_s) */
+#define HALF_CLOSE_S   0.5  /* a FIN this soon after the request is a half-close, later a close */
+#define STUCK_CLIENT_S 10   /* at shutdown, after the grace: how long responses may take to drain */
+#define FAULT_DRAIN_S  3    /* after an engine fault: how long the open requests' errors may take */
 #define PEER_LOST_DRAIN_S                                                                          \
     0.5 /* after mpirun's SIGTERM (a rank died): the errors' time, inside mpirun's grace */
 #define HEALTH_SILENT_S                                                                            \
@@ -170,6 +171,7 @@ typedef struct conn {
     k3_chat_buf out;  /* streaming: bytes not yet handed to MHD */
     size_t out_off;
     bool end_sent;    /* streaming: the end of the stream went out */
+    double t_sent;    /* streaming: when read_stream last gave MHD bytes (keep_alive_s) */
     bool half_closed; /* the client's FIN came with its request (it shut its write side, and still
                          reads the answer): only a reset means it left */
     double t_request; /* the whole request was read (its FIN within HALF_CLOSE_S: a half-close) */
@@ -716,9 +718,18 @@ static k3_status snapshot(sreq *q, srv_snapshot *snap) {
     return K3_OK;
 }
 
+/* A stream that waits (in the queue, behind a long prefill) sends an SSE comment this often: MHD
+ * closes a connection with no traffic for --read-timeout, even while its reader blocks, so a
+ * stream silent that long would end without an error or [DONE] (issue 43's storm under ASan). */
+static double keep_alive_s(const k3_server *s) {
+    const double t = s->o.idle_timeout_s > 0 ? s->o.idle_timeout_s : 30;
+    return K3_MIN(t / 3, KEEP_ALIVE_MAX);
+}
+
 /* MHD's content reader of a stream: SSE bytes as they come; blocks (its own thread) until then.
  * Each choice has its own stream state (sreq.st); the end (usage, [DONE]) follows the last. */
 static ssize_t read_stream(void *cls, uint64_t pos, char *buf, size_t max) {
+    static const char ping[] = ": keep-alive\n\n";
     conn *k = cls;
     k3_server *s = k->s;
     for (;;) {
@@ -726,6 +737,7 @@ static ssize_t read_stream(void *cls, uint64_t pos, char *buf, size_t max) {
             size_t n = K3_MIN(max, k->out.n - k->out_off);
             memcpy(buf, k->out.p + k->out_off, n);
             k->out_off += n;
+            k->t_sent = k3_now_s();
             return (ssize_t)n;
         }
         k->out.n = k->out_off = 0;
@@ -740,6 +752,12 @@ static ssize_t read_stream(void *cls, uint64_t pos, char *buf, size_t max) {
             if (gone) {
                 pthread_mutex_unlock(&s->mu);
                 return MHD_CONTENT_READER_END_WITH_ERROR; /* the completion callback cancels */
+            }
+            if (k3_now_s() - k->t_sent >= keep_alive_s(s) && max >= sizeof ping - 1) {
+                pthread_mutex_unlock(&s->mu);
+                memcpy(buf, ping, sizeof ping - 1);
+                k->t_sent = k3_now_s();
+                return (ssize_t)(sizeof ping - 1);
             }
         }
         enum { SNAP_STACK = 8 };
@@ -803,6 +821,7 @@ static enum MHD_Result model_request(conn *k, sreq_kind kind, bool responses) {
                                       : "the server is shutting down");
     }
     k->q = q;
+    k->t_sent = k3_now_s();
     if (q->stream) {
         struct MHD_Response *r =
             MHD_create_response_from_callback(MHD_SIZE_UNKNOWN, 16 * 1024, read_stream, k, NULL);

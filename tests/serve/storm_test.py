@@ -104,7 +104,9 @@ def idle(srv, timeout=60):
 
 @pytest.mark.parametrize("budget", ["64", "128", "default"])
 def test_storm(model_dir, budget):  # noqa: F811
-    extra = ["--api-key", KEY, "--deterministic", "--served-model-name", "k3-tiny"]
+    # --read-timeout 2: a stream that waits longer than that for a token is what ASan's slowness
+    # showed (MHD closed it, silently, after 30 s): the keep-alive comments must keep it open
+    extra = ["--api-key", KEY, "--deterministic", "--served-model-name", "k3-tiny", "--read-timeout", "2"]
     if budget != "default":
         extra += ["--prefix-cache-tokens", budget]
     srv = Server(model_dir, extra=extra)
