@@ -4,7 +4,7 @@
 # tiny model, each benchmark bounded to --seconds (default 5), and the verdict: 0 errored requests
 # (the queue is bounded by memory, so 512 at once are queued, not refused with 429).
 # Not a CTest test: it takes about 5 minutes. Needs `pip install guidellm` (0.8.x CLI).
-#   usage: tests/serve/guidellm_sweep.sh [BUILD_DIR] [--seconds S]
+#   usage: [K3_SWEEP_PRESET=small] tests/serve/guidellm_sweep.sh [BUILD_DIR] [--seconds S]
 # Prints guidellm's per-benchmark lines and one verdict line; exit 0 only with 0 errors.
 set -euo pipefail
 build=${1:-build}
@@ -19,7 +19,7 @@ cleanup() {
     rm -rf "$work"
 }
 trap cleanup EXIT
-"$k3" make-tiny "$work/tiny" >/dev/null 2>&1
+"$k3" make-tiny "$work/tiny" --preset "${K3_SWEEP_PRESET:-tiny}" >/dev/null 2>&1  # K3_SWEEP_PRESET=small: the acceptance
 python3 - "$work/prompts.jsonl" <<'EOF'
 import json, sys
 with open(sys.argv[1], "w") as f:  # more prompts than the 512 the throughput stage keeps in flight

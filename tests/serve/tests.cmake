@@ -59,3 +59,12 @@ k3_serve_pytest(serve_abandon abandon_test.py test_abandon "unit" 120)
 # issue 43: SIGKILL of a worker under serve on 2 x 2 with 8 requests in flight: every open
 # request gets an error body from rank 0 before mpirun ends it (abandon_test.py)
 k3_serve_pytest(serve_rank_killed abandon_test.py ranklost "mpi" 180)
+# issue 43, "storms survive" (storm_test.py): 48 streams a round with n = 1-4, a third cancelled,
+# 16 clients leaving mid-body, at --prefix-cache-tokens 64, 128 and the default; no fault, every
+# stream [DONE], greedy outputs unchanged, counters at 0. 15 rounds (~100 s on 2 cores); 1 round
+# in the sanitize tier (each ASan round is ~1 minute on 2 cores)
+k3_serve_pytest(serve_storm storm_test.py test_storm "mpi" 600)
+set_property(TEST serve_storm APPEND PROPERTY ENVIRONMENT "K3_STORM_ROUNDS=15")
+set_property(TEST serve_storm PROPERTY COST 100)
+k3_serve_pytest(serve_storm_short storm_test.py test_storm "sanitize" 600)
+set_property(TEST serve_storm_short APPEND PROPERTY ENVIRONMENT "K3_STORM_ROUNDS=1")
