@@ -67,4 +67,5 @@ k3_serve_pytest(serve_storm storm_test.py test_storm "mpi" 600)
 set_property(TEST serve_storm APPEND PROPERTY ENVIRONMENT "K3_STORM_ROUNDS=15")
 set_property(TEST serve_storm PROPERTY COST 100)
 k3_serve_pytest(serve_storm_short storm_test.py test_storm "sanitize" 600)
-set_property(TEST serve_storm_short APPEND PROPERTY ENVIRONMENT "K3_STORM_ROUNDS=1")
+set_property(TEST serve_storm_short APPEND PROPERTY ENVIRONMENT "K3_STORM_ROUNDS=1"
+             "K3_STORM_READ_TIMEOUT=10")
