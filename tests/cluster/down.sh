@@ -25,5 +25,11 @@ for f in "$K3C_DIR"/node*.unshare; do [ -s "$f" ] && kill -9 "$(cat "$f")" 2>/de
 for l in $(ip -o link show 2>/dev/null | sed -n "s/^[0-9]*: \(${K3C_NAME}[0-9]*[bd]\{0,1\}\|${K3C_BR}\)[@:].*/\1/p"); do
   ip link del "$l" 2>/dev/null
 done
+# the nodes held a checkout under /tmp through keep-* (bind mounts private to their mount
+# namespaces, gone with them): here those are empty folders; rmdir, never rm -r, in case one leaked
+for k in "$K3C_DIR"/keep-*; do
+  [ -e "$k" ] || continue
+  rmdir "$k" || { echo "k3 cluster: $k is not empty (a node's bind mount of the checkout leaked): left in place" >&2; exit 1; }
+done
 rm -rf "$K3C_DIR"
 "$K3C_HERE/check-clean.sh"

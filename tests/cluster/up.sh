@@ -39,6 +39,7 @@ ip link set "$K3C_BR" up
 : > "$K3C_DIR/hostfile.tmp"
 for i in $(seq 1 "$N"); do echo "node$i slots=$SLOTS" >> "$K3C_DIR/hostfile.tmp"; done
 PY=$(command -v /usr/bin/python3 || command -v python3)
+ROOT=$(cd "$K3C_HERE/../.." && pwd -P) # the checkout: the nodes run its build/k3
 for i in $(seq 0 "$N"); do
   name=node$i; [ "$i" = 0 ] && name=login
   rm -f "$K3C_DIR/$name.ready"
@@ -47,11 +48,18 @@ for i in $(seq 0 "$N"); do
   # shellcheck disable=SC2086
   setsid unshare $ns --propagation private -- /bin/bash -c '
     set -e
-    d=$1 i=$2 name=$3 py=$4
+    d=$1 i=$2 name=$3 py=$4 root=$5
     if [ "$i" != 0 ]; then
       mount -t sysfs sysfs /sys
       mount -t tmpfs -o mode=1777 tmpfs /dev/shm
-      mount -t tmpfs -o mode=1777 tmpfs /tmp
+      # a checkout under /tmp (a CI clone may be there) stays visible under the node'"'"'s own /tmp:
+      # held by a bind mount (private to this node'"'"'s mount namespace) across the new tmpfs
+      case "$root/" in
+        /tmp/*) mkdir -p "$d/keep-$name"; mount --bind "$root" "$d/keep-$name"
+                mount -t tmpfs -o mode=1777 tmpfs /tmp
+                mkdir -p "$root"; mount --bind "$d/keep-$name" "$root" ;;
+        *) mount -t tmpfs -o mode=1777 tmpfs /tmp ;;
+      esac
     fi
     mount --bind "$d/hosts" /etc/hosts
     mount --bind "$d/resolv.conf" /etc/resolv.conf
@@ -65,7 +73,7 @@ while True:
         os.wait()
     except ChildProcessError:
         time.sleep(0.5)
-" k3-cluster-init' k3-cluster-node "$K3C_DIR" "$i" "$name" "$PY" </dev/null >/dev/null 2>"$K3C_DIR/$name.log" &
+" k3-cluster-init' k3-cluster-node "$K3C_DIR" "$i" "$name" "$PY" "$ROOT" </dev/null >/dev/null 2>"$K3C_DIR/$name.log" &
   echo $! > "$K3C_DIR/node$i.unshare"
 done
 # wait for every node's init; the pid file holds its pid as seen from here
