@@ -918,11 +918,8 @@ k3_status srv_info_json(const k3_server_opts *o, const char *path, k3_chat_buf *
 }
 
 static int error_body(int status, const char *why, k3_chat_buf *out) {
-    char m[1024];
-    snprintf(m, sizeof m, "%s", why);
-    strip_where(m);
     out->n = 0;
-    return srv_error_json(status, m, out) == K3_OK ? status : 500;
+    return srv_error_json(status, why, out) == K3_OK ? status : 500; /* it strips the location */
 }
 
 /* vLLM's /tokenize: {"prompt": text} or a chat request ({"messages": [...], ...}) ->
