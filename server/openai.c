@@ -38,14 +38,12 @@ static k3_status put_i64(k3_chat_buf *o, int64_t v) {
 }
 
 /* ---- errors ---------------------------------------------------------------------------------- */
-static void strip_where(char *s);
-
 /* Every error body leaves out the source location k3_set_error adds (an engine event's error
  * included). */
 k3_status srv_error_json(int status, const char *why, k3_chat_buf *out) {
     char message[1600];
     snprintf(message, sizeof message, "%s", why);
-    strip_where(message);
+    srv_strip_where(message);
     const char *type = status == 401   ? "authentication_error"
                        : status == 404 ? "not_found_error"
                        : status == 429 ? "rate_limit_error"
@@ -60,8 +58,7 @@ k3_status srv_error_json(int status, const char *why, k3_chat_buf *out) {
     return puts_(out, "}}");
 }
 
-/* "message (file.c:123)" -> "message": errors are for clients, not for a debugger. */
-static void strip_where(char *s) {
+void srv_strip_where(char *s) {
     for (;;) {
         size_t n = strlen(s);
         if (n < 5 || s[n - 1] != ')') return;
@@ -78,7 +75,7 @@ static int fail(char *why, size_t n_why, int status, const char *fmt, ...) {
     va_start(ap, fmt);
     vsnprintf(why, n_why, fmt, ap);
     va_end(ap);
-    strip_where(why);
+    srv_strip_where(why);
     return status;
 }
 

@@ -734,9 +734,12 @@ k3_status srv_responses_end(const k3_server_opts *o, const sreq *q, k3_chat_buf 
     srv_rstream tmp = {0};
     if (!rs) rs = &tmp;
     if (q->failed) {
+        char why[sizeof q->error];
+        snprintf(why, sizeof why, "%s", q->error);
+        srv_strip_where(why); /* as the chat stream's error body leaves it out */
         K3_TRY(ev_open(rs, "error", out));
         K3_TRY(puts_(out, ",\"code\":\"server_error\",\"param\":null,\"message\":"));
-        K3_TRY(put_str(out, q->error, strlen(q->error)));
+        K3_TRY(put_str(out, why, strlen(why)));
         return ev_close(out);
     }
     k3_parser_message m;

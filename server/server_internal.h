@@ -207,6 +207,8 @@ k3_status srv_responses_chunks(const k3_server_opts *o, const sreq *q, srv_strea
 k3_status srv_responses_end(const k3_server_opts *o, const sreq *q, k3_chat_buf *out);
 void srv_responses_stream_free(srv_rstream *rs); /* NULL-safe */
 
+/* "message (file.c:123)" -> "message" (in place): errors are for clients, not for a debugger. */
+void srv_strip_where(char *s);
 /* {"error": {"message", "type", "param": null, "code"}} for an HTTP status. */
 k3_status srv_error_json(int status, const char *message, k3_chat_buf *out);
 /* GET /tokenizer_info and /version (vLLM's): the body for `path`. */
