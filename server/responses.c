@@ -95,6 +95,14 @@ static int content_text(const k3_chat_json *c, const char *where, k3_chat_buf *o
     return 200;
 }
 
+/* Item i's content value c (input[i].<key>) as one string into `out`. */
+static int item_text(const k3_chat_json *c, size_t i, const char *key, k3_chat_buf *out, char *why,
+                     size_t n_why) {
+    char where[64];
+    snprintf(where, sizeof where, "input[%zu].%s", i, key);
+    return content_text(c, where, out, why, n_why);
+}
+
 /* The messages being built: an assistant message may stay open for the calls that follow it. */
 typedef struct msgs {
     k3_chat_buf *b;
@@ -145,12 +153,10 @@ static k3_status msg_plain(msgs *m, const char *role, const k3_chat_json *id,
 
 static int item_message(msgs *m, const k3_chat_json *it, size_t i, char *why, size_t n_why) {
     const k3_chat_json *role = val(it, "role");
-    char where[64];
-    snprintf(where, sizeof where, "input[%zu].content", i);
     if (!role || role->kind != K3_JSON_STRING)
         return rfail(why, n_why, "input[%zu]: a message item needs a 'role'", i);
     k3_chat_buf t = {0};
-    int st = content_text(val(it, "content"), where, &t, why, n_why);
+    int st = item_text(val(it, "content"), i, "content", &t, why, n_why);
     const char *r = role->s;
     if (st == 200 && strcmp(r, "assistant") == 0) {
         st = msg_assistant(m, t.p ? t.p : "", t.n) == K3_OK ? 200 : 500;
@@ -190,12 +196,10 @@ static int item_call(msgs *m, const k3_chat_json *it, size_t i, char *why, size_
 
 static int item_output(msgs *m, const k3_chat_json *it, size_t i, char *why, size_t n_why) {
     const k3_chat_json *id = val(it, "call_id");
-    char where[64];
-    snprintf(where, sizeof where, "input[%zu].output", i);
     if (!id || id->kind != K3_JSON_STRING)
         return rfail(why, n_why, "input[%zu]: a function_call_output item needs 'call_id'", i);
     k3_chat_buf t = {0};
-    int st = content_text(val(it, "output"), where, &t, why, n_why);
+    int st = item_text(val(it, "output"), i, "output", &t, why, n_why);
     if (st == 200 && msg_plain(m, "tool", id, &t) != K3_OK) st = 500;
     k3_chat_buf_free(&t);
     return st;
@@ -206,11 +210,9 @@ static int item_output(msgs *m, const k3_chat_json *it, size_t i, char *why, siz
 static int item_reasoning(msgs *m, const k3_chat_json *it, size_t i, char *why, size_t n_why) {
     const k3_chat_json *parts = val(it, "content");
     if (!parts || parts->kind != K3_JSON_ARRAY || parts->n_items == 0) parts = val(it, "summary");
-    char where[64];
-    snprintf(where, sizeof where, "input[%zu].content", i);
     m->think.n = 0;
     m->has_think = true;
-    return parts ? content_text(parts, where, &m->think, why, n_why) : 200;
+    return item_text(parts, i, "content", &m->think, why, n_why);
 }
 
 static int put_messages(const k3_chat_json *d, k3_chat_buf *b, char *why, size_t n_why) {
