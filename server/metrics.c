@@ -36,13 +36,12 @@
 #include <stddef.h>
 #include <stdio.h>
 
-/* Bucket upper bounds in seconds; the last bucket (+Inf) is implicit. */
-static const double bounds[SRV_N_BUCKETS] = {0.001, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25,
-                                             0.5,   1,     2.5,  5,     10,   30,  60};
+const double srv_hist_bounds[SRV_N_BUCKETS] = {0.001, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25,
+                                               0.5,   1,     2.5,  5,     10,   30,  60};
 
 void srv_hist_add(srv_hist *h, double seconds) {
     int b = 0;
-    while (b < SRV_N_BUCKETS && seconds > bounds[b]) b++;
+    while (b < SRV_N_BUCKETS && seconds > srv_hist_bounds[b]) b++;
     h->count[b]++;
     h->sum += seconds;
     h->n++;
@@ -102,7 +101,7 @@ static k3_status hist(k3_chat_buf *o, const char *name, const char *labels, cons
         cum += h->count[b];
         char le[32];
         if (b < SRV_N_BUCKETS)
-            snprintf(le, sizeof le, "%g", bounds[b]);
+            snprintf(le, sizeof le, "%g", srv_hist_bounds[b]);
         else
             snprintf(le, sizeof le, "+Inf");
         K3_TRY(put(o, "%s_bucket{%s%sle=\"%s\"} %llu\n", name, labels, *labels ? "," : "", le,

@@ -91,6 +91,9 @@ typedef struct srv_hist {
     double sum;
     uint64_t n;
 } srv_hist;
+/* Its buckets' upper bounds in seconds (metrics.c; /metrics and status.c's percentiles); the last
+ * bucket (+Inf) is implicit. */
+extern const double srv_hist_bounds[SRV_N_BUCKETS];
 
 /* A histogram of counts (tokens, n) with the 1-2-5 bounds vLLM uses for them: 1, 2, 5, 10, ...,
  * 5e5, 1e6 (the last bucket +Inf). */

@@ -18,10 +18,6 @@
 #include <math.h>
 #include <stdio.h>
 
-/* the /metrics histograms' bucket bounds (metrics.c), for the percentiles */
-static const double bounds[SRV_N_BUCKETS] = {0.001, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25,
-                                             0.5,   1,     2.5,  5,     10,   30,  60};
-
 void srv_status_init(srv_status *st, const k3_engine *e, double now) {
     k3_engine_stats es;
     k3_engine_get_stats(e, &es);
@@ -53,11 +49,12 @@ static double quantile(const uint64_t *count, double q) {
             cum += count[b];
             continue;
         }
-        if (b == SRV_N_BUCKETS) return bounds[SRV_N_BUCKETS - 1]; /* +Inf: the last bound */
-        const double lo = b ? bounds[b - 1] : 0, hi = bounds[b];
+        if (b == SRV_N_BUCKETS)
+            return srv_hist_bounds[SRV_N_BUCKETS - 1]; /* +Inf: the last bound */
+        const double lo = b ? srv_hist_bounds[b - 1] : 0, hi = srv_hist_bounds[b];
         return lo + (hi - lo) * (rank - (double)cum) / (double)count[b];
     }
-    return bounds[SRV_N_BUCKETS - 1];
+    return srv_hist_bounds[SRV_N_BUCKETS - 1];
 }
 
 /* The window's growth of a histogram: now minus the snapshot SRV_STATUS_WINDOW ticks ago. */
