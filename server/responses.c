@@ -259,11 +259,19 @@ static int put_messages(const k3_chat_json *d, k3_chat_buf *b, char *why, size_t
     return st;
 }
 
+/* K3_TRY for the functions below, which return an HTTP status: a failed write (out of memory)
+ * is a 500, never the k3_status itself (srv_responses_parse would send it as a status with no
+ * message). */
+#define TRY_500(expr)                                                                              \
+    do {                                                                                           \
+        if ((expr) != K3_OK) return 500;                                                           \
+    } while (0)
+
 /* tools: [{"type": "function", "name", "description", "parameters", "strict"}] -> chat tools. */
 static int put_tools(const k3_chat_json *tools, k3_chat_buf *b, char *why, size_t n_why) {
     if (tools->kind != K3_JSON_ARRAY)
         return rfail(why, n_why, "request key 'tools' must be a list");
-    K3_TRY(puts_(b, ",\"tools\":["));
+    TRY_500(puts_(b, ",\"tools\":["));
     for (size_t i = 0; i < tools->n_items; i++) {
         const k3_chat_json *t = tools->items[i], *ty = val(t, "type"), *name = val(t, "name");
         if (!k3_chat_json_is_str(ty, "function"))
@@ -273,13 +281,13 @@ static int put_tools(const k3_chat_json *tools, k3_chat_buf *b, char *why, size_
                          i, ty && ty->kind == K3_JSON_STRING ? ty->s : "?");
         if (!name || name->kind != K3_JSON_STRING)
             return rfail(why, n_why, "tools[%zu]: a function tool needs a 'name'", i);
-        K3_TRY(puts_(b, i ? ",{\"type\":\"function\",\"function\":{\"name\":"
-                          : "{\"type\":\"function\",\"function\":{\"name\":"));
-        K3_TRY(put_json(b, name));
+        TRY_500(puts_(b, i ? ",{\"type\":\"function\",\"function\":{\"name\":"
+                           : "{\"type\":\"function\",\"function\":{\"name\":"));
+        TRY_500(put_json(b, name));
         static const char *const keys[] = {"description", "parameters", "strict"};
         for (size_t k = 0; k < K3_ARRAY_LEN(keys); k++)
-            if (val(t, keys[k])) K3_TRY(put_kv(b, keys[k], val(t, keys[k])));
-        K3_TRY(puts_(b, "}}"));
+            if (val(t, keys[k])) TRY_500(put_kv(b, keys[k], val(t, keys[k])));
+        TRY_500(puts_(b, "}}"));
     }
     return puts_(b, "]") == K3_OK ? 200 : 500;
 }
@@ -291,8 +299,8 @@ static int put_tool_choice(const k3_chat_json *tc, k3_chat_buf *b, char *why, si
         return rfail(why, n_why,
                      "request key 'tool_choice' must be none, auto, required or "
                      "{\"type\": \"function\", \"name\": ...}");
-    K3_TRY(puts_(b, ",\"tool_choice\":{\"type\":\"function\",\"function\":{\"name\":"));
-    K3_TRY(put_json(b, name));
+    TRY_500(puts_(b, ",\"tool_choice\":{\"type\":\"function\",\"function\":{\"name\":"));
+    TRY_500(put_json(b, name));
     return puts_(b, "}}") == K3_OK ? 200 : 500;
 }
 
@@ -306,11 +314,11 @@ static int put_format(const k3_chat_json *text, k3_chat_buf *b, char *why, size_
         return rfail(why, n_why,
                      "request key 'text.format.type' must be text, json_object or "
                      "json_schema");
-    K3_TRY(puts_(b, ",\"response_format\":{\"type\":\"json_schema\",\"json_schema\":{\"name\":"));
+    TRY_500(puts_(b, ",\"response_format\":{\"type\":\"json_schema\",\"json_schema\":{\"name\":"));
     const k3_chat_json *name = val(f, "name");
-    K3_TRY(name ? put_json(b, name) : puts_(b, "\"response\""));
-    if (val(f, "schema")) K3_TRY(put_kv(b, "schema", val(f, "schema")));
-    if (val(f, "strict")) K3_TRY(put_kv(b, "strict", val(f, "strict")));
+    TRY_500(name ? put_json(b, name) : puts_(b, "\"response\""));
+    if (val(f, "schema")) TRY_500(put_kv(b, "schema", val(f, "schema")));
+    if (val(f, "strict")) TRY_500(put_kv(b, "strict", val(f, "strict")));
     return puts_(b, "}}") == K3_OK ? 200 : 500;
 }
 
@@ -321,8 +329,8 @@ static int put_effort(const k3_chat_json *r, k3_chat_buf *b) {
     const char *s = k3_chat_json_is_str(e, "minimal")  ? "\"low\""
                     : k3_chat_json_is_str(e, "medium") ? "\"high\""
                                                        : NULL;
-    K3_TRY(puts_(b, ",\"reasoning_effort\":"));
-    K3_TRY(s ? puts_(b, s) : put_json(b, e));
+    TRY_500(puts_(b, ",\"reasoning_effort\":"));
+    TRY_500(s ? puts_(b, s) : put_json(b, e));
     return 200;
 }
 
