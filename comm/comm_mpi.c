@@ -755,21 +755,22 @@ static k3_status check_node_map(const k3_comm_where *all, int size, int rank, do
         fd = shm_open(name, O_CREAT | O_RDWR, 0600);
         if (fd < 0) ok = -1; /* cannot check: not the map's fault */
     }
-    K3_TRY(k3_comm_world_max(0, &dummy, timeout_s)); /* the objects exist before anyone looks */
-    if (me->node != rank) {
+    /* the objects exist before anyone looks; on any failure the object is still removed below */
+    k3_status st = k3_comm_world_max(0, &dummy, timeout_s);
+    if (st == K3_OK && me->node != rank) {
         int f = shm_open(name, O_RDONLY, 0);
         ok = f >= 0 && strcmp(me->host, all[me->node].host) == 0;
         if (f >= 0) close(f);
     }
-    int *oks = calloc((size_t)size, sizeof *oks);
-    if (!oks) return K3_ERR(K3_ERR_NOMEM, "node map check: out of memory");
+    int *oks = st == K3_OK ? calloc((size_t)size, sizeof *oks) : NULL;
+    if (st == K3_OK && !oks) st = K3_ERR(K3_ERR_NOMEM, "node map check: out of memory");
     MPI_Request req;
     /* count unit: one int per rank */
-    k3_status st =
-        MPI_Iallgather(&ok, 1, MPI_INT, oks, 1, MPI_INT, MPI_COMM_WORLD, &req) == MPI_SUCCESS
-            ? wait_req(NULL, timeout_s, &req, "node map check (allgather)",
-                       "some rank of the world", COMM_PEER_ANY)
-            : K3_ERR(K3_ERR_COMM, "MPI_Iallgather (node map check) failed");
+    if (st == K3_OK)
+        st = MPI_Iallgather(&ok, 1, MPI_INT, oks, 1, MPI_INT, MPI_COMM_WORLD, &req) == MPI_SUCCESS
+                 ? wait_req(NULL, timeout_s, &req, "node map check (allgather)",
+                            "some rank of the world", COMM_PEER_ANY)
+                 : K3_ERR(K3_ERR_COMM, "MPI_Iallgather (node map check) failed");
     if (fd >= 0) {
         close(fd);
         shm_unlink(name);
