@@ -181,6 +181,29 @@ static void on_term(int sig) {
     raise(sig);
 }
 
+/* "rank 2 (stage 1, lane 0, host vm, pid 77)": how the SIGTERM handler names a vanished rank. */
+static void describe_rank(const k3_comm *c, int r, int pid, char *buf, size_t cap) {
+    int w = r - c->first_worker;
+    if (w < 0)
+        snprintf(buf, cap, "rank %d (coordinator, host %s, pid %d)", r, c->host[r], pid);
+    else
+        snprintf(buf, cap, "rank %d (stage %d, lane %d, host %s, pid %d)", r, w / c->n_lanes,
+                 w % c->n_lanes, c->host[r], pid);
+}
+
+/* The prefix of the handler's lines, and the handler itself (on_term). */
+static void handle_term(const k3_comm *c) {
+    if (c->stage >= 0)
+        snprintf(g_prefix, sizeof g_prefix, "[k3 r%02d s%d e%d E] ", c->rank, c->stage, c->lane);
+    else
+        snprintf(g_prefix, sizeof g_prefix, "[k3 r%02d E] ", c->rank);
+    struct sigaction sa;
+    memset(&sa, 0, sizeof sa);
+    sa.sa_handler = on_term;
+    sigemptyset(&sa.sa_mask);
+    sigaction(SIGTERM, &sa, NULL);
+}
+
 /* Collective over the world (inside the first k3_comm_create). Best effort: without the window
  * (an MPI without shared-memory windows) the SIGTERM handler simply names nobody. */
 static void watch_node(const k3_comm *c) {
@@ -214,29 +237,14 @@ static void watch_node(const k3_comm *c) {
         free(world_of), free(desc);
         return;
     }
-    for (int i = 0; i < n; i++) {
-        int r = world_of[i], w = r - c->first_worker;
-        if (w < 0)
-            snprintf(desc[i], sizeof desc[i], "rank %d (coordinator, host %s, pid %d)", r,
-                     c->host[r], (int)base[i].pid);
-        else
-            snprintf(desc[i], sizeof desc[i], "rank %d (stage %d, lane %d, host %s, pid %d)", r,
-                     w / c->n_lanes, w % c->n_lanes, c->host[r], (int)base[i].pid);
-    }
+    for (int i = 0; i < n; i++)
+        describe_rank(c, world_of[i], (int)base[i].pid, desc[i], sizeof desc[i]);
     free(world_of);
-    if (c->stage >= 0)
-        snprintf(g_prefix, sizeof g_prefix, "[k3 r%02d s%d e%d E] ", c->rank, c->stage, c->lane);
-    else
-        snprintf(g_prefix, sizeof g_prefix, "[k3 r%02d E] ", c->rank);
     g_desc = desc;
     g_n_local = n;
     g_my_local = me;
     g_slots = base;
-    struct sigaction sa;
-    memset(&sa, 0, sizeof sa);
-    sa.sa_handler = on_term;
-    sigemptyset(&sa.sa_mask);
-    sigaction(SIGTERM, &sa, NULL);
+    handle_term(c);
 }
 
 /* A connection to host:port within timeout_s, or -1. */
@@ -338,13 +346,7 @@ static void watch_remote(const k3_comm *c) {
                     r, c->host[r], c->host[r], all[3 * r]);
             continue;
         }
-        int w = r - c->first_worker;
-        if (w < 0)
-            snprintf(desc[n], sizeof desc[n], "rank %d (coordinator, host %s, pid %d)", r,
-                     c->host[r], all[3 * r + 1]);
-        else
-            snprintf(desc[n], sizeof desc[n], "rank %d (stage %d, lane %d, host %s, pid %d)", r,
-                     w / c->n_lanes, w % c->n_lanes, c->host[r], all[3 * r + 1]);
+        describe_rank(c, r, all[3 * r + 1], desc[n], sizeof desc[n]);
         fds[n++] = fd;
     }
     /* a watched rank takes its watcher's connection (already in the backlog when it was made) */
@@ -377,18 +379,7 @@ static void watch_remote(const k3_comm *c) {
         close(g_wake[0]), close(g_wake[1]);
         g_wake[0] = g_wake[1] = -1; /* the SIGTERM handler still names them */
     }
-    if (!g_slots) { /* no window here: the handler still has ranks to name */
-        if (c->stage >= 0)
-            snprintf(g_prefix, sizeof g_prefix, "[k3 r%02d s%d e%d E] ", c->rank, c->stage,
-                     c->lane);
-        else
-            snprintf(g_prefix, sizeof g_prefix, "[k3 r%02d E] ", c->rank);
-        struct sigaction sa;
-        memset(&sa, 0, sizeof sa);
-        sa.sa_handler = on_term;
-        sigemptyset(&sa.sa_mask);
-        sigaction(SIGTERM, &sa, NULL);
-    }
+    if (!g_slots) handle_term(c); /* no window here: the handler still has ranks to name */
 }
 
 static void unwatch_lone(void) {
