@@ -226,6 +226,20 @@ static bool slot_taken(const rank_ctx *r, int e, int s) {
     return r->co->slot_req[i] != NULL || r->co->slot_hold[i] >= 0;
 }
 
+/* q leaves its slot on the books: the blocks it held there, its own and (the last of a fork
+ * family) the family's shared prompt blocks, for the caller to release or hold. */
+static int leave_slot(rank_ctx *r, req_run *q) {
+    r->co->slot_req[(size_t)q->lane * (size_t)r->max_seqs + (size_t)q->slot] = NULL;
+    int blocks = q->blk_resv;
+    q->blk_resv = 0;
+    if (q->share && --q->share->users == 0) { /* the last of a family: its prompt blocks */
+        blocks += q->share->blocks;
+        k3_free(q->share);
+    }
+    q->share = NULL;
+    return blocks;
+}
+
 /* The request leaves: its slot is free for the next one (no message: OPEN resets it). A request
  * named by a FORK op the lane has not been sent yet: a fork (child) that ended before its copy was
  * made drops its op (the stages never make it); the blocks of a parent (or of a family's shared
@@ -236,14 +250,7 @@ static void end_req(rank_ctx *r, req_run *q) {
     struct rank_coord *C = r->co;
     if (q->state == RQ_RUNNING && q->slot >= 0) {
         const int e = q->lane, ms = r->max_seqs;
-        C->slot_req[(size_t)e * ms + (size_t)q->slot] = NULL;
-        int blocks = q->blk_resv;
-        q->blk_resv = 0;
-        if (q->share && --q->share->users == 0) { /* the last of a family: its prompt blocks */
-            blocks += q->share->blocks;
-            k3_free(q->share);
-        }
-        q->share = NULL;
+        const int blocks = leave_slot(r, q);
         rank_step_fork *fk = lane_forks(r, e);
         int parent = -1;
         for (int k = 0; k < C->n_fork_ops[e]; k++)
@@ -671,15 +678,8 @@ static void preempt(rank_ctx *r, req_run *v, int64_t *bud, int64_t *total) {
     bud[v->lane] += v->n_tok_step;
     *total -= v->n_tok_step;
     v->n_tok_step = 0;
-    C->slot_req[(size_t)v->lane * r->max_seqs + (size_t)v->slot] = NULL;
-    int blocks = v->blk_resv;
-    if (v->share && --v->share->users == 0) {
-        blocks += v->share->blocks;
-        k3_free(v->share);
-    }
-    v->share = NULL;
-    slot_release(r, v->lane, v->slot, blocks);
-    v->blk_resv = v->cover = 0;
+    slot_release(r, v->lane, v->slot, leave_slot(r, v));
+    v->cover = 0;
     v->state = RQ_QUEUED;
     v->lane = v->group = v->slot = -1;
     v->fed = v->cached = 0;
