@@ -669,15 +669,20 @@ static k3_status fork_children(rank_ctx *r, req_run *p, req_run **kids, int *n_k
     return K3_OK;
 }
 
+/* q's tokens leave this step: back to its lane's budget. */
+static void unstep(req_run *q, int64_t *bud, int64_t *total) {
+    bud[q->lane] += q->n_tok_step;
+    *total -= q->n_tok_step;
+    q->n_tok_step = 0;
+}
+
 /* Running request v gives its blocks back and waits in the queue again (its place by submit
  * order: ahead of later arrivals); it is recomputed from its prompt and the tokens it generated
  * (want_tokens), the prefix cache's hits first. The stages free its slot with the lane's next
  * message. Its sampler keeps its state, so what it samples next is what it would have. */
 static void preempt(rank_ctx *r, req_run *v, int64_t *bud, int64_t *total) {
     struct rank_coord *C = r->co;
-    bud[v->lane] += v->n_tok_step;
-    *total -= v->n_tok_step;
-    v->n_tok_step = 0;
+    unstep(v, bud, total);
     slot_release(r, v->lane, v->slot, leave_slot(r, v));
     v->cover = 0;
     v->state = RQ_QUEUED;
@@ -697,9 +702,7 @@ static k3_status grow(rank_ctx *r, req_run *q, int g, int64_t *bud, int64_t *tot
         const int need = blocks_cover(q, q->fed + q->n_tok_step) - q->cover;
         if (need <= 0) return K3_OK;
         if (q->cover + need > r->kv_blocks) { /* alone it would not fit: it ends here */
-            bud[e] += q->n_tok_step;
-            *total -= q->n_tok_step;
-            q->n_tok_step = 0;
+            unstep(q, bud, total);
             char why[200];
             snprintf(why, sizeof why,
                      "the sequence reached %lld tokens, its lane's whole paged cache "
@@ -722,9 +725,7 @@ static k3_status grow(rank_ctx *r, req_run *q, int g, int64_t *bud, int64_t *tot
                 v = c;
         }
         if (!v) { /* nothing to preempt now: it sits this step out */
-            bud[e] += q->n_tok_step;
-            *total -= q->n_tok_step;
-            q->n_tok_step = 0;
+            unstep(q, bud, total);
             return K3_OK;
         }
         preempt(r, v, bud, total);
