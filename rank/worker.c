@@ -298,8 +298,8 @@ static k3_status step_forward(rank_ctx *r, wstep *s) {
     k3_comm_set_doing(r->comm, doing);
     rank_hooks_step(r, w->n_forward);
     double t_busy = k3_now_s();
-    if (n_seqs > 0) memcpy(w->wseqs, in->seqs, (size_t)n_seqs * sizeof *w->wseqs); /* sent on */
     if (n_seqs > 0) {
+        memcpy(w->wseqs, in->seqs, (size_t)n_seqs * sizeof *w->wseqs); /* sent on */
         for (int i = 0; i < n_seqs; i++) /* marked by an earlier stage: keep its origin */
             w->bnf[i] = (in->seqs[i].flags & K3_WIRE_NF) ? -1 : 0;
         k3_batch b = {.n_seqs = n_seqs,
