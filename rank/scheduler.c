@@ -953,6 +953,9 @@ static k3_status on_logits(rank_ctx *r, const step_msg *m) {
     int64_t T = 0, n_want = 0, n_plp = 0;
     for (int j = 0; j < ns; j++) {
         const int nt = mt->seqs[j].n_tokens, fl = mt->seqs[j].flags;
+        if (nt < 1) /* the rows below are found by these counts */
+            RTRY(r, K3_ERR(K3_ERR_FORMAT, "LOGITS from rank %d: sequence %d of %d tokens", m->src,
+                           j, nt));
         T += nt, n_want += (fl & K3_WIRE_WANT) != 0, n_plp += (fl & K3_WIRE_PLP) ? nt : 0;
     }
     int64_t R = all ? T : n_want;
@@ -984,6 +987,9 @@ static k3_status on_logits(rank_ctx *r, const step_msg *m) {
         if (!q || q->group != g)
             RTRY(r, K3_ERR(K3_ERR_FORMAT, "LOGITS from rank %d: lane %d slot %d is not in use",
                            m->src, e, slot));
+        if (nt > q->fed) /* more rows than it was sent: its prompt rows would land before 0 */
+            RTRY(r, K3_ERR(K3_ERR_FORMAT, "LOGITS from rank %d: %d rows for slot %d, fed %lld",
+                           m->src, nt, slot, (long long)q->fed));
         const float *last = NULL;
         if (fl & K3_WIRE_PLP) {
             take_plp(q, plp_rec, nt);
