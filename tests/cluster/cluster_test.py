@@ -72,6 +72,12 @@ def check(cond, msg):
     return cond
 
 
+def ok(n0, msg):
+    """Print msg as an ok line only when no check failed since len(failures) was n0."""
+    if len(failures) == n0:
+        print("ok " + msg, flush=True)
+
+
 def sh(script, *args, timeout=60):
     return subprocess.run([os.path.join(HERE, script)] + [str(a) for a in args],
                           capture_output=True, text=True, timeout=timeout)
@@ -163,6 +169,7 @@ def case_det(n_nodes, per_node, fabrics):
                              "--json", "--comm-timeout", "30"], mca)
             so, se = p.communicate(timeout=120)
             tag = f"{n_nodes} nodes x {per_node} ranks, {name}"
+            n0 = len(failures)
             if not check(p.returncode == 0, f"{tag}: rc {p.returncode}\n{se[-3000:]}"):
                 continue
             check("vanished" not in se, f"{tag}: a rank named vanished in a run that ended well:\n" +
@@ -180,7 +187,8 @@ def case_det(n_nodes, per_node, fabrics):
                       se.count("(shared, read by another rank)") == n_nodes,
                       f"{tag}: dense weights not read once per node:\n" +
                       "\n".join(x for x in se.splitlines() if "dense weights" in x))
-            print(f"ok {tag}: byte-identical, the last stage's nodes sent {sent} B ({time.time() - t0:.1f} s)", flush=True)
+            ok(n0, f"{tag}: byte-identical, the last stage's nodes sent {sent} B "
+                   f"({time.time() - t0:.1f} s)")
     finally:
         down()
 
@@ -190,6 +198,7 @@ LONG = ["--prompt-ids", "1,2,3;4,5,6;7,8,9;10,11,12", "--n", "4000", "--ignore-e
 
 def case_partition():
     m = model()
+    n0 = len(failures)
     up(2, 2)
     try:
         p = cluster_run(4, 2, ["--model", m, "--pp", "2", "--ep", "2", "--comm-timeout", "10"] + LONG,
@@ -210,8 +219,7 @@ def case_partition():
         line = next((x for x in se.splitlines() if "root cause:" in x), "")
         check(re.search(r"rank [23] \(stage 1, lane \d, host node2\)", line),
               f"no k3 verdict naming a rank of node2 and its host:\n{se[-3000:]}")
-        print(f"ok partition: mpirun returned {p.returncode} {dt:.1f} s after the cut; {line[:200]}",
-              flush=True)
+        ok(n0, f"partition: mpirun returned {p.returncode} {dt:.1f} s after the cut; {line[:200]}")
     finally:
         subprocess.run(["ip", "link", "set", "k3c2", "up"])
         down()
@@ -222,6 +230,7 @@ def kill_on(n_nodes, per_node, node, want, what, mca=OB1):
     OMPI_COMM_WORLD_RANK); mpirun must return non-zero within 30 s, and each rank be named
     vanished with its stage, lane and host exactly once."""
     m = model()
+    n0 = len(failures)
     up(n_nodes, per_node)
     try:
         p = cluster_run(4, per_node, ["--model", m, "--pp", "2", "--ep", "2", "--comm-timeout", "60"]
@@ -235,9 +244,10 @@ def kill_on(n_nodes, per_node, node, want, what, mca=OB1):
         t_kill = time.time()
         try:
             so, se = p.communicate(timeout=30)
-        except subprocess.TimeoutExpired:
+        except subprocess.TimeoutExpired:  # p.kill() makes the return code non-zero: fail here
             p.kill()
             so, se = p.communicate()
+            check(False, f"{what}: mpirun still running 30 s after the kill:\n{se[-3000:]}")
         dt = time.time() - t_kill
         check(p.returncode != 0, f"{what}: mpirun returned 0 after a rank was killed")
         lines = [x for x in se.splitlines() if x.startswith("[k3") and "vanished" in x]
@@ -248,8 +258,8 @@ def kill_on(n_nodes, per_node, node, want, what, mca=OB1):
                   f"\n{se[-2000:]}")
         check(len(lines) == len(want), f"{what}: {len(lines)} vanished lines:\n" + "\n".join(lines) +
               "\n" + "\n".join(x for x in se.splitlines() if " I]" not in x)[-3000:])
-        print(f"ok {what}: mpirun returned {p.returncode} {dt:.1f} s after the kill; " +
-              " | ".join(x[:120] for x in lines), flush=True)
+        ok(n0, f"{what}: mpirun returned {p.returncode} {dt:.1f} s after the kill; " +
+           " | ".join(x[:120] for x in lines))
     finally:
         down()
 
@@ -265,6 +275,7 @@ def case_stop():
     ranks' agreed timeout verdict names rank 2 no sooner than --comm-timeout after the stop, and
     mpirun returns non-zero within --comm-timeout + 30 s."""
     m = model()
+    n0 = len(failures)
     up(4, 1)
     try:
         p = cluster_run(4, 1, ["--model", m, "--pp", "2", "--ep", "2", "--comm-timeout", "10"]
@@ -292,8 +303,8 @@ def case_stop():
               "\n".join(roots) + f"\n{se[-3000:]}")
         check("vanished" not in se, "stop: a rank named vanished, none died:\n" +
               "\n".join(x for x in se.splitlines() if "vanished" in x))
-        print(f"ok stop: mpirun returned {p.returncode} {dt:.1f} s after the stop; "
-              f"{roots[0][:200] if roots else ''}", flush=True)
+        ok(n0, f"stop: mpirun returned {p.returncode} {dt:.1f} s after the stop; "
+               f"{roots[0][:200] if roots else ''}")
     finally:
         down()
 
@@ -404,16 +415,18 @@ def case_load():
         p = cluster_run(4, 2, ["--model", m, "--pp", "1", "--ep", "4", "--prompt-ids", "1,2,3",
                                "--n", "3", "--json", "--comm-timeout", "30"], OB1)
         so, se = p.communicate(timeout=120)
+        n0 = len(failures)
         if check(p.returncode == 0, f"run: rc {p.returncode}\n{se[-3000:]}"):
             read = sum(r["bytes_read"] for r in json.loads(so)["dist"]["ranks"])
             check(read == total + dense, f"run: the ranks read {read} B, not every tensor once and "
                                          f"the dense ones once more per node ({total} + {dense})")
-            print(f"ok run: 2 nodes read {read} B = {total} + {dense} (dense once per node)", flush=True)
+            ok(n0, f"run: 2 nodes read {read} B = {total} + {dense} (dense once per node)")
         js = os.path.join(WORK, "load.json")
         cmd = [os.path.join(HERE, "mpirun.sh"), "-np", "4", "--map-by", "ppr:2:node"] + OB1
         cmd += [K3, "bench", "load", "--model", m, "--ep", "4", "--threads", "1", "-r", "1",
                 "--output-json", js]
         b = subprocess.run(cmd, capture_output=True, text=True, timeout=120)
+        n0 = len(failures)
         if check(b.returncode == 0, f"bench load: rc {b.returncode}\n{b.stderr[-3000:]}"):
             d = json.load(open(js))
             check(d["nodes"] == 2, f"bench load: {d['nodes']} nodes")
@@ -427,8 +440,7 @@ def case_load():
                 check(x["bytes_read"] == x["unique_bytes"] == total + dense,
                       f"{x['loader']}: {x['bytes_read']} B read, {x['unique_bytes']} unique, "
                       f"want {total} + {dense}")
-            print(f"ok bench load: per node bytes read = unique bytes ({len(d['loads'])} loaders)",
-                  flush=True)
+            ok(n0, f"bench load: per node bytes read = unique bytes ({len(d['loads'])} loaders)")
     finally:
         down()
 
@@ -440,7 +452,7 @@ def case_nodemap():
         cmd = [os.path.join(HERE, "mpirun.sh"), "-np", "4", "--map-by", "ppr:1:node", "-x",
                "K3_TEST_NODE_MAP=one"] + OB1 + [K3, "run", "--model", m, "--pp", "2", "--ep", "2",
                                                 "--prompt-ids", "1,2,3", "--n", "3"]
-        t0 = time.time()
+        t0, n0 = time.time(), len(failures)
         p = subprocess.run(cmd, capture_output=True, text=True, timeout=60)
         dt = time.time() - t0
         check(p.returncode == 2, f"a false node map: rc {p.returncode} (want 2)\n{p.stderr[-2000:]}")
@@ -449,7 +461,7 @@ def case_nodemap():
                 "the node of rank 0 (host node1)")
         check(want in p.stderr, f"no refusal naming the ranks and hosts:\n{p.stderr[-2000:]}")
         check(p.stderr.count("node map:") == 1, "the refusal is printed more than once")
-        print(f"ok nodemap: refused in {dt:.1f} s", flush=True)
+        ok(n0, f"nodemap: refused in {dt:.1f} s")
     finally:
         down()
 
@@ -565,8 +577,9 @@ def case_serve():
                             OB1 + [K3, "serve", "--pp", "2", "--ep", "2", "--host", "0.0.0.0"] + flags,
                             "node2", "node1")
         if want is not None and got is not None:
-            check(got == want, f"serve across nodes: {got} vs one process {want}")
-            print(f"ok serve: the client on node2 got {got} from node1, as from one process", flush=True)
+            if check(got == want, f"serve across nodes: {got} vs one process {want}"):
+                print(f"ok serve: the client on node2 got {got} from node1, as from one process",
+                      flush=True)
     finally:
         down()
 
