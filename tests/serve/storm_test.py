@@ -92,6 +92,9 @@ def idle(srv, timeout=60):
     t0 = time.monotonic()
     while True:
         m = metrics(srv)
+        for g in ("vllm:num_requests_running", "vllm:num_requests_waiting", "vllm:kv_cache_usage_perc"):
+            # metric() reads a missing series as 0: absent, it would pass the check below
+            assert (g, (("model_name", srv.name),)) in m, "no %s{model_name=%s}" % (g, srv.name)
         st = requests.get(srv.url + "/v1/k3/status", headers=H, timeout=10).json()["now"]
         vals = {"running": metric(m, "vllm:num_requests_running", model_name=srv.name),
                 "waiting": metric(m, "vllm:num_requests_waiting", model_name=srv.name),
