@@ -16,12 +16,13 @@
  * Process-wide, like the vanished-peer window of comm_mpi.c: made at the first k3_comm_create
  * (collective over the world), freed by k3_comm_finalize; an MPI without shared windows leaves it
  * off (comm_bell_on() false) and waits poll as before. The slots are written only with atomics. */
+#include <mpi.h> /* first: comm_internal.h declares its MPI helpers when MPI_VERSION is known */
+
 #include "comm_internal.h"
 
 #include <errno.h>
 #include <limits.h>
 #include <linux/futex.h>
-#include <mpi.h>
 #include <stdatomic.h>
 #include <stdlib.h>
 #include <sys/syscall.h>
@@ -41,6 +42,7 @@ static int g_me = -1, g_world;
 static bool g_all_local; /* every rank of the world is on this node */
 static MPI_Win g_bwin = MPI_WIN_NULL;
 static MPI_Comm g_bnode = MPI_COMM_NULL;
+static double g_timeout_s = 600; /* the first comm's --comm-timeout, for the meet in fini */
 
 static long futex(_Atomic uint32_t *addr, int op, uint32_t val, const struct timespec *ts) {
     /* not FUTEX_PRIVATE_FLAG: the word is shared between processes */
@@ -50,9 +52,12 @@ static long futex(_Atomic uint32_t *addr, int op, uint32_t val, const struct tim
 void comm_bell_init(const k3_comm *c) {
     if (g_bells) return;
     int me = 0, n = 1, ok = 1;
-    if (MPI_Comm_split_type(MPI_COMM_WORLD, MPI_COMM_TYPE_SHARED, c->rank, MPI_INFO_NULL,
-                            &g_bnode) != MPI_SUCCESS)
-        return;
+    g_timeout_s = c->timeout_s;
+    comm_mpi_meet(MPI_COMM_WORLD, c->timeout_s); /* the splits and windows: comm_mpi.c */
+    int rc = MPI_Comm_split_type(MPI_COMM_WORLD, MPI_COMM_TYPE_SHARED, c->rank, MPI_INFO_NULL,
+                                 &g_bnode);
+    comm_mpi_blocking(false);
+    if (rc != MPI_SUCCESS) return;
     MPI_Comm_rank(g_bnode, &me);
     MPI_Comm_size(g_bnode, &n);
     int *world_of = calloc((size_t)n, sizeof *world_of);
@@ -62,9 +67,11 @@ void comm_bell_init(const k3_comm *c) {
     int du = 0;
     ok = world_of && local_of;
     /* count unit: bytes, one bell_slot per local rank */
+    comm_mpi_meet(g_bnode, c->timeout_s);
     if (ok)
         ok = MPI_Win_allocate_shared((MPI_Aint)sizeof(bell_slot), (int)sizeof(bell_slot),
                                      MPI_INFO_NULL, g_bnode, &mine, &g_bwin) == MPI_SUCCESS;
+    comm_mpi_blocking(false);
     if (ok) ok = MPI_Win_shared_query(g_bwin, 0, &sz, &du, &base) == MPI_SUCCESS;
     if (ok) {
         atomic_store(&mine->seq, 0);
@@ -73,12 +80,21 @@ void comm_bell_init(const k3_comm *c) {
     /* every rank of the node agrees (and this is the barrier that publishes the zeroed slots);
        count unit: one int per rank */
     int okall = 0;
-    if (MPI_Allreduce(&ok, &okall, 1, MPI_INT, MPI_MIN, g_bnode) != MPI_SUCCESS) okall = 0;
-    if (okall && MPI_Allgather(&c->rank, 1, MPI_INT, world_of, 1, MPI_INT, g_bnode) != MPI_SUCCESS)
+    MPI_Request req;
+    if (!comm_mpi_done(MPI_Iallreduce(&ok, &okall, 1, MPI_INT, MPI_MIN, g_bnode, &req), &req,
+                       c->timeout_s, "doorbells (allreduce)"))
+        okall = 0;
+    if (okall && !comm_mpi_done(MPI_Iallgather(&c->rank, 1, MPI_INT, world_of, 1, MPI_INT, g_bnode,
+                                               &req),
+                                &req, c->timeout_s, "doorbells (allgather)"))
         okall = 0;
     if (!okall) {
         free(world_of), free(local_of);
-        if (g_bwin != MPI_WIN_NULL) MPI_Win_free(&g_bwin);
+        if (g_bwin != MPI_WIN_NULL) {
+            comm_mpi_blocking(true);
+            MPI_Win_free(&g_bwin);
+            comm_mpi_blocking(false);
+        }
         MPI_Comm_free(&g_bnode);
         return;
     }
@@ -96,7 +112,11 @@ void comm_bell_init(const k3_comm *c) {
 void comm_bell_fini(void) {
     if (!g_bells) return;
     g_bells = NULL;
-    if (g_bwin != MPI_WIN_NULL) MPI_Win_free(&g_bwin);
+    if (g_bwin != MPI_WIN_NULL) {
+        comm_mpi_meet(g_bnode, g_timeout_s);
+        MPI_Win_free(&g_bwin);
+        comm_mpi_blocking(false);
+    }
     if (g_bnode != MPI_COMM_NULL) MPI_Comm_free(&g_bnode);
     free(g_local_of);
     g_local_of = NULL;

@@ -176,6 +176,18 @@ bool comm_bell_all_local(void);
 void comm_bell_ring(int world_rank);
 uint32_t comm_bell_seen(void);
 bool comm_bell_sleep(uint32_t seen, int timeout_us);
+#ifdef MPI_VERSION /* the files that include <mpi.h> first (comm_mpi.c, comm_bell.c) */
+/* Set-up over MPI without Open MPI's polls (comm_mpi.c): meet = a nonblocking barrier whose wait
+ * sleeps, before a blocking call that has no nonblocking form (a split, a shared window), then
+ * Open MPI's yield on for that call (comm_mpi_blocking(false) after it); done = wait with sleeps
+ * for a set-up collective that a nonblocking call (return code rc) started. Both false on
+ * failure or after timeout_s. */
+bool comm_mpi_meet(MPI_Comm comm, double timeout_s);
+bool comm_mpi_done(int rc, MPI_Request *req, double timeout_s, const char *what);
+#endif
+/* Open MPI's sched_yield in idle progress calls: off in k3's own waits, Open MPI's choice (on when
+ * oversubscribed) while on = true, around a blocking MPI call (comm_mpi.c). */
+void comm_mpi_blocking(bool on);
 /* Faults (comm_fault.c). Allocate the per-rank arrays (the transport fills host). */
 k3_status comm_fault_init(k3_comm *c);
 void comm_fault_free(k3_comm *c);

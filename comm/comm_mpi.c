@@ -1,7 +1,7 @@
 /* comm_mpi.c — the MPI transport of k3_comm (host buffers), and the process set-up that every
  * transport shares (MPI also bootstraps NCCL).
  *
- * Owns: MPI_COMM_WORLD use for messages (tag = message kind, MPI_Improbe + MPI_Mrecv so a probed
+ * Owns: MPI_COMM_WORLD use for messages (tag = message kind, MPI_Improbe + MPI_Imrecv so a probed
  * message cannot be stolen; sends are MPI_Isend from per-message slots that progress in every
  * call), one EP communicator per stage from MPI_Comm_split(color = stage, key = lane), and the EP
  * collectives the MoE protocol (comm_moe.c) is built on: MPI_Ialltoall of int32 words and
@@ -12,13 +12,15 @@
  * checks the wire header) or know backends. Count units are stated at every MPI call site. Messages
  * above INT_MAX bytes and exchanges above INT_MAX words are rejected with a clear error (not
  * chunked yet). */
+#include <mpi.h> /* first: comm_internal.h declares its MPI helpers when MPI_VERSION is known */
+
 #include "k3_comm.h"
 #include "comm_internal.h"
 
+#include <dlfcn.h>
 #include <errno.h>
 #include <fcntl.h>
 #include <limits.h>
-#include <mpi.h>
 #include <netdb.h>
 #include <netinet/in.h>
 #include <poll.h>
@@ -89,6 +91,28 @@ static k3_status wait_req(k3_comm *c, double timeout_s, MPI_Request *req, const 
     }
 }
 
+/* Open MPI's blocking calls poll until every member has arrived. The few that k3 makes have no
+ * nonblocking form (a communicator split, a shared window, freeing one: set-up and teardown), and
+ * each is entered only after a nonblocking barrier whose wait sleeps: every member is then there,
+ * and the call polls for its own rounds only, with Open MPI's yield on (comm_mpi_blocking); the
+ * caller turns it off again after the call. Best effort: false when the barrier failed (the
+ * caller goes on to its call, as before). */
+bool comm_mpi_meet(MPI_Comm comm, double timeout_s) {
+    MPI_Request req;
+    bool ok = MPI_Ibarrier(comm, &req) == MPI_SUCCESS &&
+              wait_req(NULL, timeout_s, &req, "set-up (barrier)", "some rank", COMM_PEER_ANY) ==
+                  K3_OK;
+    comm_mpi_blocking(true);
+    return ok;
+}
+
+/* A set-up collective started with a nonblocking call (rc its return code), then waited for with
+ * sleeps: true when it completed. */
+bool comm_mpi_done(int rc, MPI_Request *req, double timeout_s, const char *what) {
+    return rc == MPI_SUCCESS &&
+           wait_req(NULL, timeout_s, req, what, "some rank", COMM_PEER_ANY) == K3_OK;
+}
+
 /* ---- vanished peers ------------------------------------------------------------------------
  * A SIGKILLed or crashed rank sends no fault report; mpirun notices the dead process and ends the
  * job by sending SIGTERM to the others (then SIGKILL after odls_base_sigkill_timeout, 1 s). In that
@@ -112,6 +136,7 @@ static node_slot *g_slots; /* [g_n_local] this node's window (NULL: none) */
 static int g_n_local, g_my_local;
 static MPI_Win g_win = MPI_WIN_NULL;
 static MPI_Comm g_node = MPI_COMM_NULL;
+static double g_fini_timeout_s = 600; /* the first comm's --comm-timeout, for the meet at the end */
 static char (*g_desc)[128]; /* [g_n_local] "rank 2 (stage 1, lane 0, host vm, pid 77)" */
 static char g_prefix[40];   /* "[k3 r01 s0 e1 E] " */
 
@@ -209,9 +234,12 @@ static void handle_term(const k3_comm *c) {
 static void watch_node(const k3_comm *c) {
     if (g_slots) return;
     int me = 0, n = 1;
-    if (MPI_Comm_split_type(MPI_COMM_WORLD, MPI_COMM_TYPE_SHARED, c->rank, MPI_INFO_NULL,
-                            &g_node) != MPI_SUCCESS)
-        return;
+    g_fini_timeout_s = c->timeout_s;
+    comm_mpi_meet(MPI_COMM_WORLD, c->timeout_s);
+    int rc = MPI_Comm_split_type(MPI_COMM_WORLD, MPI_COMM_TYPE_SHARED, c->rank, MPI_INFO_NULL,
+                                 &g_node);
+    comm_mpi_blocking(false);
+    if (rc != MPI_SUCCESS) return;
     MPI_Comm_rank(g_node, &me);
     MPI_Comm_size(g_node, &n);
     node_slot *mine = NULL, *base = NULL;
@@ -220,9 +248,11 @@ static void watch_node(const k3_comm *c) {
     int *world_of = calloc((size_t)n, sizeof *world_of);
     char(*desc)[128] = calloc((size_t)n, sizeof *desc);
     /* count unit: bytes, one node_slot per local rank */
+    comm_mpi_meet(g_node, c->timeout_s);
     int ok = world_of && desc &&
              MPI_Win_allocate_shared((MPI_Aint)sizeof(node_slot), (int)sizeof(node_slot),
                                      MPI_INFO_NULL, g_node, &mine, &g_win) == MPI_SUCCESS;
+    comm_mpi_blocking(false);
     if (ok) ok = MPI_Win_shared_query(g_win, 0, &sz, &du, &base) == MPI_SUCCESS;
     if (ok) {
         mine->pid = (int32_t)getpid();
@@ -230,8 +260,13 @@ static void watch_node(const k3_comm *c) {
     }
     /* count unit: one int (world rank) per local rank; also the barrier that publishes the slots */
     int okall = 0;
-    if (MPI_Allreduce(&ok, &okall, 1, MPI_INT, MPI_MIN, g_node) != MPI_SUCCESS) okall = 0;
-    if (okall && MPI_Allgather(&c->rank, 1, MPI_INT, world_of, 1, MPI_INT, g_node) != MPI_SUCCESS)
+    MPI_Request req;
+    if (!comm_mpi_done(MPI_Iallreduce(&ok, &okall, 1, MPI_INT, MPI_MIN, g_node, &req), &req,
+                       c->timeout_s, "node window (allreduce)"))
+        okall = 0;
+    if (okall && !comm_mpi_done(MPI_Iallgather(&c->rank, 1, MPI_INT, world_of, 1, MPI_INT, g_node,
+                                               &req),
+                                &req, c->timeout_s, "node window (allgather)"))
         okall = 0;
     if (!okall) {
         free(world_of), free(desc);
@@ -309,8 +344,10 @@ static void *watch_main(void *arg) {
 enum { K3_WATCH_MAX = 512 };
 static void watch_remote(const k3_comm *c) {
     int lead = c->rank;
+    MPI_Request req;
     if (g_node == MPI_COMM_NULL || c->size < 2 ||
-        MPI_Allreduce(&c->rank, &lead, 1, MPI_INT, MPI_MIN, g_node) != MPI_SUCCESS)
+        !comm_mpi_done(MPI_Iallreduce(&c->rank, &lead, 1, MPI_INT, MPI_MIN, g_node, &req), &req,
+                       c->timeout_s, "node lead (allreduce)"))
         return;
     /* every rank listens on an ephemeral port of every address; the unwatched close it */
     struct sockaddr_in6 a = {.sin6_family = AF_INET6, .sin6_addr = IN6ADDR_ANY_INIT};
@@ -326,7 +363,8 @@ static void watch_remote(const k3_comm *c) {
     int *fds = calloc((size_t)c->size, sizeof *fds);
     char(*desc)[128] = calloc((size_t)c->size, sizeof *desc);
     int ok = all && fds && desc &&
-             MPI_Allgather(mine, 3, MPI_INT, all, 3, MPI_INT, MPI_COMM_WORLD) == MPI_SUCCESS;
+             comm_mpi_done(MPI_Iallgather(mine, 3, MPI_INT, all, 3, MPI_INT, MPI_COMM_WORLD, &req),
+                           &req, c->timeout_s, "peer sockets (allgather)");
     int n0 = 0; /* ranks on rank 0's node */
     for (int r = 0; ok && r < c->size; r++) n0 += all[3 * r + 2] == all[2];
     int n = 0;
@@ -351,7 +389,9 @@ static void watch_remote(const k3_comm *c) {
     }
     /* a watched rank takes its watcher's connection (already in the backlog when it was made) */
     int dialed = n, got = 0;
-    if (MPI_Allreduce(&dialed, &got, 1, MPI_INT, MPI_SUM, MPI_COMM_WORLD) != MPI_SUCCESS) got = 0;
+    if (!comm_mpi_done(MPI_Iallreduce(&dialed, &got, 1, MPI_INT, MPI_SUM, MPI_COMM_WORLD, &req),
+                       &req, c->timeout_s, "peer sockets (allreduce)"))
+        got = 0;
     const bool me_watched = ok && (c->rank == 0 ? n0 == 1 : all[3 * c->rank + 2] != all[2]);
     if (lfd >= 0 && got > 0 && me_watched) {
         struct pollfd pf = {.fd = lfd, .events = POLLIN};
@@ -405,7 +445,11 @@ static void unwatch_node(void) {
     mark_leaving();
     g_slots = NULL;
     signal(SIGTERM, SIG_DFL);
-    if (g_win != MPI_WIN_NULL) MPI_Win_free(&g_win);
+    if (g_win != MPI_WIN_NULL) {
+        comm_mpi_meet(g_node, g_fini_timeout_s);
+        MPI_Win_free(&g_win);
+        comm_mpi_blocking(false);
+    }
     if (g_node != MPI_COMM_NULL) MPI_Comm_free(&g_node);
     free(g_desc);
     g_desc = NULL;
@@ -473,11 +517,20 @@ static k3_status mpi_poll(k3_comm *c, int peer, int kind, const void **bytes, si
     MPI_TRY(MPI_Get_count(&st, MPI_BYTE, &n)); /* count unit: bytes */
     k3_status s =
         comm_grow(&m->rbuf[kind], &m->rcap[kind], (size_t)K3_MAX(n, 1), 1, "comm recv buffer");
+    /* MPI_Imrecv, not MPI_Mrecv: a blocking receive polls inside Open MPI (a large message's
+       rendezvous can take the sender's progress); this wait sleeps between its tests. Without c:
+       it must not poll for fault reports or beats, which could land in the buffer it fills. */
+    MPI_Request req;
     if (s != K3_OK) {
-        MPI_Mrecv(NULL, 0, MPI_BYTE, &msg, MPI_STATUS_IGNORE); /* drain (truncates) and report */
+        /* drain (truncates) and report; count unit: bytes */
+        if (MPI_Imrecv(NULL, 0, MPI_BYTE, &msg, &req) == MPI_SUCCESS)
+            (void)wait_req(NULL, c->timeout_s, &req, "a message's receive", "its sender",
+                           st.MPI_SOURCE);
         return s;
     }
-    MPI_TRY(MPI_Mrecv(m->rbuf[kind], n, MPI_BYTE, &msg, MPI_STATUS_IGNORE)); /* count unit: bytes */
+    MPI_TRY(MPI_Imrecv(m->rbuf[kind], n, MPI_BYTE, &msg, &req)); /* count unit: bytes */
+    K3_TRY(wait_req(NULL, c->timeout_s, &req, "a message's receive", "its sender",
+                    st.MPI_SOURCE));
     *bytes = m->rbuf[kind];
     *n_bytes = (size_t)n;
     *src = st.MPI_SOURCE;
@@ -618,7 +671,9 @@ k3_status k3_comm_mpi_create(const k3_comm_params *p, k3_comm **out) {
     /* Collective over the world, before anything that can fail on one rank alone (it would leave
      * the others blocked in the split); a dedicated coordinator joins no EP group. */
     k3_status st = K3_OK;
+    comm_mpi_meet(m->world, c->timeout_s);
     int rc = MPI_Comm_split(m->world, c->stage >= 0 ? c->stage : MPI_UNDEFINED, c->lane, &m->ep);
+    comm_mpi_blocking(false);
     if (rc != MPI_SUCCESS) st = mpi_err(rc, "MPI_Comm_split (EP groups)", __FILE__, __LINE__);
     int **arrs[] = {&m->scnt, &m->sdsp, &m->rcnt, &m->rdsp};
     for (size_t i = 0; i < K3_ARRAY_LEN(arrs) && st == K3_OK; i++)
@@ -669,6 +724,31 @@ bool k3_comm_launched(void) {
     return getenv("OMPI_COMM_WORLD_SIZE") || getenv("PMIX_RANK") || getenv("PMI_RANK");
 }
 
+/* Open MPI's yield. When the node is oversubscribed, Open MPI calls sched_yield in every progress
+ * call that finds nothing (mpi_yield_when_idle). k3's own waits test and sleep (wait_req,
+ * comm_idle), so there the yields only cost: under Linux's EEVDF a yield moves the rank's deadline
+ * a slice back, behind every busy process of its core, and 4 ranks on 2 cores beside 2 busy loops
+ * ran a 16-request batch ~20 s instead of ~1 s (docs/PERFORMANCE.md). So k3 turns it off after
+ * MPI_Init, and back to Open MPI's choice around the few blocking calls of set-up and teardown
+ * (splits, shared windows, MPI_Finalize), where polling ranks must let the late ones run
+ * (comm_mpi_blocking). Through opal_progress_set_yield_when_idle, found with dlsym: another MPI,
+ * or a user who set OMPI_MCA_mpi_yield_when_idle, keeps its own behaviour. */
+typedef bool (*set_yield_fn)(bool);
+static set_yield_fn g_set_yield; /* NULL: not Open MPI, or the user's setting stands */
+static bool g_yield_default;     /* Open MPI's own choice (true when oversubscribed) */
+
+static void yield_init(void) {
+    if (g_set_yield || getenv("OMPI_MCA_mpi_yield_when_idle")) return;
+    void *sym = dlsym(RTLD_DEFAULT, "opal_progress_set_yield_when_idle");
+    if (!sym) return;
+    memcpy(&g_set_yield, &sym, sizeof g_set_yield); /* a data pointer to a function pointer */
+    g_yield_default = g_set_yield(false);           /* returns the previous setting */
+}
+
+void comm_mpi_blocking(bool on) {
+    if (g_set_yield) g_set_yield(on ? g_yield_default : false);
+}
+
 /* Set once by k3_comm_init on the main thread before any other comm call; read by finalize. */
 static bool g_we_initialised;
 
@@ -680,6 +760,7 @@ k3_status k3_comm_init(void) {
     MPI_TRY(MPI_Init_thread(NULL, NULL, MPI_THREAD_FUNNELED, &provided));
     MPI_Comm_set_errhandler(MPI_COMM_WORLD, MPI_ERRORS_RETURN);
     g_we_initialised = true;
+    yield_init();
     return K3_OK;
 }
 
@@ -689,6 +770,7 @@ void k3_comm_finalize(void) {
     if (!fin) {
         unwatch_node();
         comm_bell_fini();
+        comm_mpi_blocking(true); /* MPI_Finalize's own waits */
     }
     if (g_we_initialised && !fin) MPI_Finalize();
     g_we_initialised = false;
@@ -720,11 +802,14 @@ k3_status k3_comm_world_max(int v, int *max, double timeout_s) {
 /* The lowest world rank of this rank's node (the ranks sharing its memory). */
 static k3_status node_lead(int rank, double timeout_s, int *lead) {
     MPI_Comm node = MPI_COMM_NULL;
-    MPI_TRY(MPI_Comm_split_type(MPI_COMM_WORLD, MPI_COMM_TYPE_SHARED, rank, MPI_INFO_NULL, &node));
+    comm_mpi_blocking(true); /* k3_comm_world_where met the others just before */
+    int rc = MPI_Comm_split_type(MPI_COMM_WORLD, MPI_COMM_TYPE_SHARED, rank, MPI_INFO_NULL, &node);
+    comm_mpi_blocking(false);
+    if (rc != MPI_SUCCESS) return mpi_err(rc, "MPI_Comm_split_type (node)", __FILE__, __LINE__);
     MPI_Request req;
     *lead = rank;
     /* count unit: one int (the lowest world rank of the node) */
-    int rc = MPI_Iallreduce(&rank, lead, 1, MPI_INT, MPI_MIN, node, &req);
+    rc = MPI_Iallreduce(&rank, lead, 1, MPI_INT, MPI_MIN, node, &req);
     k3_status st = rc == MPI_SUCCESS ? wait_req(NULL, timeout_s, &req, "node split (allreduce)",
                                                 "some rank of this node", COMM_PEER_ANY)
                                      : mpi_err(rc, "MPI_Iallreduce (node)", __FILE__, __LINE__);
