@@ -54,8 +54,8 @@ void comm_bell_init(const k3_comm *c) {
     int me = 0, n = 1, ok = 1;
     g_timeout_s = c->timeout_s;
     comm_mpi_meet(MPI_COMM_WORLD, c->timeout_s); /* the splits and windows: comm_mpi.c */
-    int rc = MPI_Comm_split_type(MPI_COMM_WORLD, MPI_COMM_TYPE_SHARED, c->rank, MPI_INFO_NULL,
-                                 &g_bnode);
+    int rc =
+        MPI_Comm_split_type(MPI_COMM_WORLD, MPI_COMM_TYPE_SHARED, c->rank, MPI_INFO_NULL, &g_bnode);
     comm_mpi_blocking(false);
     if (rc != MPI_SUCCESS) return;
     MPI_Comm_rank(g_bnode, &me);
@@ -84,9 +84,9 @@ void comm_bell_init(const k3_comm *c) {
     if (!comm_mpi_done(MPI_Iallreduce(&ok, &okall, 1, MPI_INT, MPI_MIN, g_bnode, &req), &req,
                        c->timeout_s, "doorbells (allreduce)"))
         okall = 0;
-    if (okall && !comm_mpi_done(MPI_Iallgather(&c->rank, 1, MPI_INT, world_of, 1, MPI_INT, g_bnode,
-                                               &req),
-                                &req, c->timeout_s, "doorbells (allgather)"))
+    if (okall &&
+        !comm_mpi_done(MPI_Iallgather(&c->rank, 1, MPI_INT, world_of, 1, MPI_INT, g_bnode, &req),
+                       &req, c->timeout_s, "doorbells (allgather)"))
         okall = 0;
     if (!okall) {
         free(world_of), free(local_of);

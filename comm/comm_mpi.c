@@ -99,9 +99,9 @@ static k3_status wait_req(k3_comm *c, double timeout_s, MPI_Request *req, const 
  * caller goes on to its call, as before). */
 bool comm_mpi_meet(MPI_Comm comm, double timeout_s) {
     MPI_Request req;
-    bool ok = MPI_Ibarrier(comm, &req) == MPI_SUCCESS &&
-              wait_req(NULL, timeout_s, &req, "set-up (barrier)", "some rank", COMM_PEER_ANY) ==
-                  K3_OK;
+    bool ok =
+        MPI_Ibarrier(comm, &req) == MPI_SUCCESS &&
+        wait_req(NULL, timeout_s, &req, "set-up (barrier)", "some rank", COMM_PEER_ANY) == K3_OK;
     comm_mpi_blocking(true);
     return ok;
 }
@@ -137,8 +137,8 @@ static int g_n_local, g_my_local;
 static MPI_Win g_win = MPI_WIN_NULL;
 static MPI_Comm g_node = MPI_COMM_NULL;
 static double g_fini_timeout_s = 600; /* the first comm's --comm-timeout, for the meet at the end */
-static char (*g_desc)[128]; /* [g_n_local] "rank 2 (stage 1, lane 0, host vm, pid 77)" */
-static char g_prefix[40];   /* "[k3 r01 s0 e1 E] " */
+static char (*g_desc)[128];           /* [g_n_local] "rank 2 (stage 1, lane 0, host vm, pid 77)" */
+static char g_prefix[40];             /* "[k3 r01 s0 e1 E] " */
 
 static int g_peer_fd = -1;   /* a lone rank: its connection to its watcher */
 static int *g_watch_fd;      /* [g_n_watch] the watcher: its connections to the lone ranks */
@@ -236,8 +236,8 @@ static void watch_node(const k3_comm *c) {
     int me = 0, n = 1;
     g_fini_timeout_s = c->timeout_s;
     comm_mpi_meet(MPI_COMM_WORLD, c->timeout_s);
-    int rc = MPI_Comm_split_type(MPI_COMM_WORLD, MPI_COMM_TYPE_SHARED, c->rank, MPI_INFO_NULL,
-                                 &g_node);
+    int rc =
+        MPI_Comm_split_type(MPI_COMM_WORLD, MPI_COMM_TYPE_SHARED, c->rank, MPI_INFO_NULL, &g_node);
     comm_mpi_blocking(false);
     if (rc != MPI_SUCCESS) return;
     MPI_Comm_rank(g_node, &me);
@@ -264,9 +264,9 @@ static void watch_node(const k3_comm *c) {
     if (!comm_mpi_done(MPI_Iallreduce(&ok, &okall, 1, MPI_INT, MPI_MIN, g_node, &req), &req,
                        c->timeout_s, "node window (allreduce)"))
         okall = 0;
-    if (okall && !comm_mpi_done(MPI_Iallgather(&c->rank, 1, MPI_INT, world_of, 1, MPI_INT, g_node,
-                                               &req),
-                                &req, c->timeout_s, "node window (allgather)"))
+    if (okall &&
+        !comm_mpi_done(MPI_Iallgather(&c->rank, 1, MPI_INT, world_of, 1, MPI_INT, g_node, &req),
+                       &req, c->timeout_s, "node window (allgather)"))
         okall = 0;
     if (!okall) {
         free(world_of), free(desc);
@@ -455,6 +455,34 @@ static void unwatch_node(void) {
     g_desc = NULL;
 }
 
+/* Open MPI's yield. When the node is oversubscribed, Open MPI calls sched_yield in every progress
+ * call that finds nothing (mpi_yield_when_idle). k3's own waits test and sleep (wait_req,
+ * comm_idle), so there the yields only cost: under Linux's EEVDF a yield moves the rank's deadline
+ * a slice back, behind every busy process of its core, and 4 ranks on 2 cores beside 2 busy loops
+ * ran a 16-request batch ~20 s instead of ~1 s (docs/PERFORMANCE.md). So k3 turns it off at
+ * the first k3_comm_create, and back to Open MPI's choice around the few blocking calls of set-up
+ * and teardown (splits, shared windows, MPI_Finalize), where polling ranks must let the late ones
+ * run (comm_mpi_blocking). Through opal_progress_set_yield_when_idle, found with dlsym: another
+ * MPI, or a user who set OMPI_MCA_mpi_yield_when_idle, keeps its own behaviour. */
+typedef bool (*set_yield_fn)(bool);
+static set_yield_fn g_set_yield; /* NULL: not Open MPI, or the user's setting stands */
+static bool g_yield_default;     /* Open MPI's own choice (true when oversubscribed) */
+
+static void yield_init(void) {
+    static bool checked;
+    if (checked) return;
+    checked = true;
+    if (getenv("OMPI_MCA_mpi_yield_when_idle")) return;
+    void *sym = dlsym(RTLD_DEFAULT, "opal_progress_set_yield_when_idle");
+    if (!sym) return;
+    memcpy(&g_set_yield, &sym, sizeof g_set_yield); /* a data pointer to a function pointer */
+    g_yield_default = g_set_yield(false);           /* returns the previous setting */
+}
+
+void comm_mpi_blocking(bool on) {
+    if (g_set_yield) g_set_yield(on ? g_yield_default : false);
+}
+
 /* ---- the transport functions -------------------------------------------------------------- */
 static bool mpi_progress(k3_comm *c) {
     mpi_comm *m = M(c);
@@ -529,8 +557,7 @@ static k3_status mpi_poll(k3_comm *c, int peer, int kind, const void **bytes, si
         return s;
     }
     MPI_TRY(MPI_Imrecv(m->rbuf[kind], n, MPI_BYTE, &msg, &req)); /* count unit: bytes */
-    K3_TRY(wait_req(NULL, c->timeout_s, &req, "a message's receive", "its sender",
-                    st.MPI_SOURCE));
+    K3_TRY(wait_req(NULL, c->timeout_s, &req, "a message's receive", "its sender", st.MPI_SOURCE));
     *bytes = m->rbuf[kind];
     *n_bytes = (size_t)n;
     *src = st.MPI_SOURCE;
@@ -665,6 +692,7 @@ k3_status k3_comm_mpi_create(const k3_comm_params *p, k3_comm **out) {
         k3_free(m);
         return st;
     }
+    yield_init();
     int w = c->rank - c->first_worker;
     c->stage = w >= 0 ? w / c->n_lanes : -1;
     c->lane = w >= 0 ? w % c->n_lanes : -1;
@@ -724,31 +752,6 @@ bool k3_comm_launched(void) {
     return getenv("OMPI_COMM_WORLD_SIZE") || getenv("PMIX_RANK") || getenv("PMI_RANK");
 }
 
-/* Open MPI's yield. When the node is oversubscribed, Open MPI calls sched_yield in every progress
- * call that finds nothing (mpi_yield_when_idle). k3's own waits test and sleep (wait_req,
- * comm_idle), so there the yields only cost: under Linux's EEVDF a yield moves the rank's deadline
- * a slice back, behind every busy process of its core, and 4 ranks on 2 cores beside 2 busy loops
- * ran a 16-request batch ~20 s instead of ~1 s (docs/PERFORMANCE.md). So k3 turns it off after
- * MPI_Init, and back to Open MPI's choice around the few blocking calls of set-up and teardown
- * (splits, shared windows, MPI_Finalize), where polling ranks must let the late ones run
- * (comm_mpi_blocking). Through opal_progress_set_yield_when_idle, found with dlsym: another MPI,
- * or a user who set OMPI_MCA_mpi_yield_when_idle, keeps its own behaviour. */
-typedef bool (*set_yield_fn)(bool);
-static set_yield_fn g_set_yield; /* NULL: not Open MPI, or the user's setting stands */
-static bool g_yield_default;     /* Open MPI's own choice (true when oversubscribed) */
-
-static void yield_init(void) {
-    if (g_set_yield || getenv("OMPI_MCA_mpi_yield_when_idle")) return;
-    void *sym = dlsym(RTLD_DEFAULT, "opal_progress_set_yield_when_idle");
-    if (!sym) return;
-    memcpy(&g_set_yield, &sym, sizeof g_set_yield); /* a data pointer to a function pointer */
-    g_yield_default = g_set_yield(false);           /* returns the previous setting */
-}
-
-void comm_mpi_blocking(bool on) {
-    if (g_set_yield) g_set_yield(on ? g_yield_default : false);
-}
-
 /* Set once by k3_comm_init on the main thread before any other comm call; read by finalize. */
 static bool g_we_initialised;
 
@@ -760,7 +763,6 @@ k3_status k3_comm_init(void) {
     MPI_TRY(MPI_Init_thread(NULL, NULL, MPI_THREAD_FUNNELED, &provided));
     MPI_Comm_set_errhandler(MPI_COMM_WORLD, MPI_ERRORS_RETURN);
     g_we_initialised = true;
-    yield_init();
     return K3_OK;
 }
 

@@ -17,14 +17,31 @@
  *    lane fails together on a combine-mode or width mismatch and on one lane's bad route, and the
  *    group stays in step afterwards.
  * 3. a receive that never comes times out after --comm-timeout naming the silent peer.
+ * 4. waits give the core back (issue 46): a rank that waits 300 ms for a late peer, for a message
+ *    (k3_comm_wait) and in a collective (k3_comm_barrier), is woken by the post and calls
+ *    sched_yield (interposed here and counted) fewer than 10 times: Open MPI yields in every idle
+ *    progress call when oversubscribed, and each yield queues the rank behind every busy process
+ *    of its core. The test `comm_yield` runs this oversubscribed on any machine.
  * One verdict on all ranks (MPI_Allreduce of the failure count). */
 #include "k3_comm.h"
 #include "k3_test.h"
 
 #include <mpi.h>
+#include <sched.h>
+#include <stdatomic.h>
 #include <stdio.h>
 #include <stdlib.h>
+#include <sys/syscall.h>
 #include <time.h>
+#include <unistd.h>
+
+/* sched_yield, interposed: this binary exports it (tests/mpi/tests.cmake), so Open MPI's calls
+ * come here; counted, then made. */
+static atomic_long g_yields;
+int sched_yield(void) {
+    atomic_fetch_add(&g_yields, 1);
+    return (int)syscall(SYS_sched_yield);
+}
 
 static float enc(int rank, int64_t slot, int64_t col) {
     return (float)(rank * 1000003 + slot * 131 + col) * 0.25f; /* exact in fp32 for our sizes */
@@ -410,29 +427,44 @@ static void test_moe(k3_comm *c, k3_backend *be, int E, int F, uint64_t seed, MP
 /* The node's doorbell (comm_bell.c): rank 1 waits for a message that rank 0 posts 300 ms later,
  * long after rank 1's wait has gone from polls to sleeps of tens of ms. The post must end that
  * sleep (a FUTEX_WAKE, counted in n_bell_wakes), not its timeout: a missing wake-up would leave
- * the count unchanged. Every rank of this test is on one node, so the doorbell is on. */
+ * the count unchanged. Every rank of this test is on one node, so the doorbell is on. Then every
+ * rank but 0 waits in a barrier that rank 0 joins 300 ms late. No wait may yield (header, 4.). */
 static void test_bell(k3_comm *c, int rank, int size) {
     if (size < 2) return;
+    enum { MAX_YIELDS = 10 }; /* the old waits: one a poll, hundreds in 300 ms */
+    const struct timespec late = {0, 300 * 1000 * 1000L};
     K3_CHECK_OK(k3_comm_barrier(c));
     k3_comm_stats s0, s1;
     k3_comm_get_stats(c, &s0);
     const int32_t word = 0x6b33;
     if (rank == 0) {
-        struct timespec ts = {0, 300 * 1000 * 1000L};
-        nanosleep(&ts, NULL);
+        nanosleep(&late, NULL);
         K3_CHECK_OK(k3_comm_post(c, 1, K3_MSG_PROGRESS, &word, sizeof word, NULL, 0));
         K3_CHECK_OK(k3_comm_flush(c));
     } else if (rank == 1) {
         k3_comm_msg m;
         double t0 = MPI_Wtime();
+        long y0 = atomic_load(&g_yields);
         K3_CHECK_OK(k3_comm_wait(c, 0, K3_MSG_PROGRESS, &m));
+        long yields = atomic_load(&g_yields) - y0;
         K3_CHECK(m.n_meta_bytes == sizeof word && *(const int32_t *)m.meta == word, "bell message");
         k3_comm_get_stats(c, &s1);
         K3_CHECK(s1.n_bell_wakes > s0.n_bell_wakes,
                  "the post woke rank 1's sleep (%llu doorbell wake-ups, waited %.0f ms)",
                  (unsigned long long)(s1.n_bell_wakes - s0.n_bell_wakes), (MPI_Wtime() - t0) * 1e3);
+        K3_CHECK(yields < MAX_YIELDS,
+                 "rank 1 waited %.0f ms for a message and called sched_yield %ld times",
+                 (MPI_Wtime() - t0) * 1e3, yields);
     }
     K3_CHECK_OK(k3_comm_barrier(c));
+    if (rank == 0) nanosleep(&late, NULL);
+    double t0 = MPI_Wtime();
+    long y0 = atomic_load(&g_yields);
+    K3_CHECK_OK(k3_comm_barrier(c));
+    long yields = atomic_load(&g_yields) - y0;
+    K3_CHECK(rank == 0 || yields < MAX_YIELDS,
+             "rank %d waited %.0f ms in a barrier for rank 0 and called sched_yield %ld times",
+             rank, (MPI_Wtime() - t0) * 1e3, yields);
 }
 
 int main(int argc, char **argv) {

@@ -18,6 +18,15 @@ foreach(grid "4;2;2;0" "3;1;3;0" "5;2;2;1" "2;2;1;0")
                        ENVIRONMENT "${K3_TEST_ENV_MPI}")
 endforeach()
 
+# issue 46: waits do not sched_yield (test_comm.c, 4.), on a node that Open MPI sees oversubscribed
+# whatever its cores (1 slot, 2 ranks): it yields in idle progress calls there. test_comm exports
+# its counting sched_yield so that Open MPI's calls reach it.
+target_link_options(test_comm PRIVATE -Wl,--export-dynamic-symbol=sched_yield)
+add_test(NAME comm_yield
+         COMMAND ${MPIEXEC_EXECUTABLE} -H localhost:1 --oversubscribe ${MPIEXEC_NUMPROC_FLAG} 2
+                 ${MPIEXEC_PREFLAGS} $<TARGET_FILE:test_comm> 2 1 0 1234)
+set_tests_properties(comm_yield PROPERTIES LABELS "mpi" TIMEOUT 60 ENVIRONMENT "${K3_TEST_ENV_MPI}")
+
 # the distributed `k3 run` end to end (python3 + numpy drive mpirun; see dist_run.py)
 find_program(K3_PYTHON3 python3)
 # splits and fail also run in the sanitize tier (K3_BIN is then the ASan build's k3)
