@@ -531,6 +531,23 @@ static k3_status mpi_send(k3_comm *c, int peer, int kind, const comm_piece *pc, 
     return K3_OK;
 }
 
+/* The receive of a probed message (MPI_Imrecv, not MPI_Mrecv: a blocking receive polls inside Open
+ * MPI, unbounded where a large message's rendezvous needs its sleeping sender). The message is
+ * here, and even a large one completes within a few tests where the receiver copies it, so tests
+ * without a sleep first, for up to RECV_SPIN_US: a sleep's wake-up costs more on a loaded core
+ * (2-rank decode 9% slower when the first test missed and slept). Then wait_req's sleeps. Without
+ * c: that wait must not poll for fault reports or beats, which could land in the buffer it fills. */
+enum { RECV_SPIN_US = 200 };
+static k3_status recv_wait(const k3_comm *c, MPI_Request *req, int src) {
+    const double t_end = k3_now_s() + RECV_SPIN_US * 1e-6;
+    do {
+        int done = 0;
+        MPI_TRY(MPI_Test(req, &done, MPI_STATUS_IGNORE));
+        if (done) return K3_OK;
+    } while (k3_now_s() < t_end);
+    return wait_req(NULL, c->timeout_s, req, "a message's receive", "its sender", src);
+}
+
 static k3_status mpi_poll(k3_comm *c, int peer, int kind, const void **bytes, size_t *n_bytes,
                           int *src, bool *got) {
     mpi_comm *m = M(c);
@@ -545,19 +562,15 @@ static k3_status mpi_poll(k3_comm *c, int peer, int kind, const void **bytes, si
     MPI_TRY(MPI_Get_count(&st, MPI_BYTE, &n)); /* count unit: bytes */
     k3_status s =
         comm_grow(&m->rbuf[kind], &m->rcap[kind], (size_t)K3_MAX(n, 1), 1, "comm recv buffer");
-    /* MPI_Imrecv, not MPI_Mrecv: a blocking receive polls inside Open MPI (a large message's
-       rendezvous can take the sender's progress); this wait sleeps between its tests. Without c:
-       it must not poll for fault reports or beats, which could land in the buffer it fills. */
     MPI_Request req;
     if (s != K3_OK) {
         /* drain (truncates) and report; count unit: bytes */
         if (MPI_Imrecv(NULL, 0, MPI_BYTE, &msg, &req) == MPI_SUCCESS)
-            (void)wait_req(NULL, c->timeout_s, &req, "a message's receive", "its sender",
-                           st.MPI_SOURCE);
+            (void)recv_wait(c, &req, st.MPI_SOURCE);
         return s;
     }
     MPI_TRY(MPI_Imrecv(m->rbuf[kind], n, MPI_BYTE, &msg, &req)); /* count unit: bytes */
-    K3_TRY(wait_req(NULL, c->timeout_s, &req, "a message's receive", "its sender", st.MPI_SOURCE));
+    K3_TRY(recv_wait(c, &req, st.MPI_SOURCE));
     *bytes = m->rbuf[kind];
     *n_bytes = (size_t)n;
     *src = st.MPI_SOURCE;
