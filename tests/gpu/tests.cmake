@@ -115,3 +115,15 @@ if(K3_CUDA_EMULATE)
   add_test(NAME cuda_emu COMMAND test_cuda_emu)
   set_tests_properties(cuda_emu PROPERTIES LABELS "gpuemu" TIMEOUT 120 ENVIRONMENT "${K3_TEST_ENV}")
 endif()
+# test_cuda_graph: the emulation's CUDA graphs (issue 45): record / replay, and what a capture
+# forbids failing with a k3emu line
+if(K3_CUDA_EMULATE)
+  set_source_files_properties(${CMAKE_CURRENT_LIST_DIR}/test_cuda_graph.cu PROPERTIES
+                              LANGUAGE CXX COMPILE_OPTIONS "-xc++;-std=c++17;-Wno-unknown-pragmas")
+  add_executable(test_cuda_graph ${CMAKE_CURRENT_LIST_DIR}/test_cuda_graph.cu)
+  target_include_directories(test_cuda_graph PRIVATE ${CMAKE_SOURCE_DIR}/kernels/cuda)
+  target_compile_options(test_cuda_graph PRIVATE -Wall -Wextra -Wshadow $<$<BOOL:${K3_WERROR}>:-Werror>)
+  target_link_libraries(test_cuda_graph PRIVATE k3cuda)
+  add_test(NAME cuda_graph COMMAND test_cuda_graph)
+  set_tests_properties(cuda_graph PROPERTIES LABELS "gpuemu" TIMEOUT 60 ENVIRONMENT "${K3_TEST_ENV}")
+endif()

@@ -7,8 +7,10 @@
  * host memory (256-byte aligned, each allocation its own heap block, so ASan sees every
  * out-of-bounds access); every stream operation (copies, memsets, kernel launches) runs to
  * completion inside the call that enqueues it, so stream order, and the order between streams,
- * hold trivially. Errors are sticky per thread as on the device: a failed launch is returned by
- * the next cudaGetLastError. Kernels: cuda_runtime.h (C++ only) and k3emu_device.h. */
+ * hold trivially; a stream in capture (cudaStreamBeginCapture, emu_graph.cpp) records them
+ * instead, and a graph launch replays them. Errors are sticky per thread as on the device: a failed
+ * launch is returned by the next cudaGetLastError. Kernels: cuda_runtime.h (C++ only) and
+ * k3emu_device.h. */
 #ifndef K3_EMU_CUDA_RUNTIME_API_H
 #define K3_EMU_CUDA_RUNTIME_API_H
 
@@ -29,7 +31,10 @@ typedef enum cudaError {
     cudaErrorInvalidConfiguration = 9,
     cudaErrorInvalidDevice = 101,
     cudaErrorInvalidResourceHandle = 400,
+    cudaErrorIllegalState = 401,
     cudaErrorNotReady = 600,
+    cudaErrorStreamCaptureUnsupported = 900, /* a call CUDA forbids while a capture is active */
+    cudaErrorStreamCaptureInvalidated = 901, /* the capture broke earlier (see the k3emu line) */
     cudaErrorNoDevice = 100,
     cudaErrorUnknown = 999
 } cudaError_t;
@@ -92,6 +97,40 @@ cudaError_t cudaEventRecord(cudaEvent_t e, cudaStream_t s);
 cudaError_t cudaEventSynchronize(cudaEvent_t e);
 cudaError_t cudaEventQuery(cudaEvent_t e);
 cudaError_t cudaEventElapsedTime(float *ms, cudaEvent_t start, cudaEvent_t end);
+
+/* CUDA graphs (emu_graph.cpp): stream capture records, a graph launch replays. One stream per
+ * capture (no fork/join through events); inside a capture, a synchronous copy or memset, a stream,
+ * event or device synchronize or query, and an allocation or free are errors
+ * (cudaErrorStreamCaptureUnsupported, with a k3emu line naming the call) that invalidate it, as on
+ * CUDA in global mode (ThreadLocal: only calls from the capturing thread; Relaxed: none). */
+typedef enum cudaStreamCaptureMode {
+    cudaStreamCaptureModeGlobal = 0,
+    cudaStreamCaptureModeThreadLocal = 1,
+    cudaStreamCaptureModeRelaxed = 2
+} cudaStreamCaptureMode;
+typedef enum cudaStreamCaptureStatus {
+    cudaStreamCaptureStatusNone = 0,
+    cudaStreamCaptureStatusActive = 1,
+    cudaStreamCaptureStatusInvalidated = 2
+} cudaStreamCaptureStatus;
+typedef struct k3emu_graph *cudaGraph_t;
+typedef struct k3emu_graph_exec *cudaGraphExec_t;
+cudaError_t cudaStreamBeginCapture(cudaStream_t s, cudaStreamCaptureMode mode);
+cudaError_t cudaStreamEndCapture(cudaStream_t s, cudaGraph_t *graph);
+cudaError_t cudaStreamIsCapturing(cudaStream_t s, cudaStreamCaptureStatus *status);
+cudaError_t cudaGraphInstantiate(cudaGraphExec_t *exec, cudaGraph_t graph,
+                                 unsigned long long flags);
+cudaError_t cudaGraphLaunch(cudaGraphExec_t exec, cudaStream_t s);
+cudaError_t cudaGraphExecDestroy(cudaGraphExec_t exec);
+cudaError_t cudaGraphDestroy(cudaGraph_t graph);
+/* Emulation only: enqueue host work fn(data) on s. Outside a capture it runs now and drop(data)
+ * follows (drop may be NULL); inside one it becomes a node run at each launch of the graph, data
+ * owned by the graph (dropped with its last graph or exec). The NCCL stand-in records its groups
+ * this way, as NCCL's kernels are nodes of a captured graph. */
+cudaError_t k3emu_stream_host_work(cudaStream_t s, void (*fn)(void *), void *data,
+                                   void (*drop)(void *));
+/* Emulation only: the graph launches this process has made. */
+unsigned long long k3emu_graph_launches(void);
 
 /* Emulation only: the launches and fiber switches this process has run (for tests and `k3
  * version`); not part of CUDA. */

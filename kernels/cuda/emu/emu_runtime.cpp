@@ -11,6 +11,7 @@
  * at the first byte past the end); the free/total of cudaMemGetInfo are an emulated device of
  * K3_EMU_DEVICE_MEM_GB GiB (default 64) less the bytes allocated. */
 #include "cuda_runtime.h"
+#include "emu_graph.h"
 
 #include <malloc.h>
 #include <stdarg.h>
@@ -102,6 +103,46 @@ int g_device;
 cudaError_t set_err(cudaError_t e) {
     if (e != cudaSuccess && g_last_err == cudaSuccess) g_last_err = e;
     return e;
+}
+/* a call CUDA forbids inside a stream capture (emu_graph.cpp) */
+#define FORBID_IN_CAPTURE(api, s)                                                                  \
+    do {                                                                                           \
+        const cudaError_t cap_e_ = k3emu::forbid_in_capture(api, s);                               \
+        if (cap_e_ != cudaSuccess) return set_err(cap_e_);                                         \
+    } while (0)
+
+/* the copies and memsets of the API, run now or recorded by a capture (emu_graph.cpp) */
+struct copy_op {
+    void *dst;
+    const void *src;
+    size_t n;
+    void run() const {
+        if (n) memmove(dst, src, n);
+    }
+};
+struct copy2d_op {
+    void *dst;
+    size_t dpitch;
+    const void *src;
+    size_t spitch, width, height;
+    void run() const {
+        for (size_t r = 0; r < height && width; r++)
+            memmove((char *)dst + r * dpitch, (const char *)src + r * spitch, width);
+    }
+};
+struct memset_op {
+    void *p;
+    int v;
+    size_t n;
+    void run() const {
+        if (n) memset(p, v, n);
+    }
+};
+/* op on stream s: recorded when s is capturing, else run now */
+template <class T> cudaError_t enqueue(cudaStream_t s, const char *what, const T &op) {
+    if (k3emu::capturing(s)) return k3emu::record(s, what, op);
+    op.run();
+    return cudaSuccess;
 }
 
 /* ---- fibers -------------------------------------------------------------------------------- */
@@ -608,6 +649,10 @@ void run_grid(const char *name, dim3 grid, dim3 block, size_t shmem, cudaStream_
     if (run.failed) set_err(cudaErrorLaunchFailure);
 }
 
+cudaError_t note_error(cudaError_t e) {
+    return set_err(e);
+}
+
 } // namespace k3emu
 
 /* ---- the runtime API ---------------------------------------------------------------------- */
@@ -643,6 +688,12 @@ const char *cudaGetErrorName(cudaError_t e) {
         return "cudaErrorInvalidResourceHandle";
     case cudaErrorNotReady:
         return "cudaErrorNotReady";
+    case cudaErrorIllegalState:
+        return "cudaErrorIllegalState";
+    case cudaErrorStreamCaptureUnsupported:
+        return "cudaErrorStreamCaptureUnsupported";
+    case cudaErrorStreamCaptureInvalidated:
+        return "cudaErrorStreamCaptureInvalidated";
     default:
         return "cudaErrorUnknown";
     }
@@ -668,6 +719,13 @@ const char *cudaGetErrorString(cudaError_t e) {
         return "invalid resource handle";
     case cudaErrorNotReady:
         return "device not ready";
+    case cudaErrorIllegalState:
+        return "the operation is not permitted in this state (k3emu: see the k3emu line above)";
+    case cudaErrorStreamCaptureUnsupported:
+        return "operation not permitted when stream is capturing (k3emu: see the k3emu line "
+               "above)";
+    case cudaErrorStreamCaptureInvalidated:
+        return "operation failed due to a previous error during capture";
     default:
         return "unknown error";
     }
@@ -701,6 +759,7 @@ cudaError_t cudaGetDevice(int *device) {
     return cudaSuccess;
 }
 cudaError_t cudaDeviceSynchronize(void) {
+    FORBID_IN_CAPTURE("cudaDeviceSynchronize", nullptr);
     return cudaSuccess;
 }
 cudaError_t cudaMemGetInfo(size_t *free_bytes, size_t *total_bytes) {
@@ -714,11 +773,13 @@ cudaError_t cudaMemGetInfo(size_t *free_bytes, size_t *total_bytes) {
 cudaError_t cudaMalloc(void **p, size_t n) {
     if (!p) return set_err(cudaErrorInvalidValue);
     *p = nullptr;
+    FORBID_IN_CAPTURE("cudaMalloc", nullptr);
     if (posix_memalign(p, 256, n ? n : 1)) return set_err(cudaErrorMemoryAllocation);
     g_allocated += malloc_usable_size(*p);
     return cudaSuccess;
 }
 cudaError_t cudaFree(void *p) {
+    FORBID_IN_CAPTURE("cudaFree", nullptr);
     if (p) g_allocated -= malloc_usable_size(p);
     free(p);
     return cudaSuccess;
@@ -726,47 +787,59 @@ cudaError_t cudaFree(void *p) {
 cudaError_t cudaMallocHost(void **p, size_t n) {
     if (!p) return set_err(cudaErrorInvalidValue);
     *p = nullptr;
+    FORBID_IN_CAPTURE("cudaMallocHost", nullptr);
     if (posix_memalign(p, 64, n ? n : 1)) return set_err(cudaErrorMemoryAllocation);
     return cudaSuccess;
 }
 cudaError_t cudaFreeHost(void *p) {
+    FORBID_IN_CAPTURE("cudaFreeHost", nullptr);
     free(p);
     return cudaSuccess;
 }
 
-cudaError_t cudaMemcpy(void *dst, const void *src, size_t n, cudaMemcpyKind kind) {
+static cudaError_t copy_check(void *dst, const void *src, size_t n, cudaMemcpyKind kind) {
     if (n && (!dst || !src)) return set_err(cudaErrorInvalidValue);
     if ((unsigned)kind > cudaMemcpyDefault) return set_err(cudaErrorInvalidValue);
-    if (n) memmove(dst, src, n);
     return cudaSuccess;
+}
+cudaError_t cudaMemcpy(void *dst, const void *src, size_t n, cudaMemcpyKind kind) {
+    if (copy_check(dst, src, n, kind) != cudaSuccess) return cudaErrorInvalidValue;
+    FORBID_IN_CAPTURE("cudaMemcpy (synchronous)", nullptr);
+    return enqueue(nullptr, "cudaMemcpy", copy_op{dst, src, n});
 }
 cudaError_t cudaMemcpyAsync(void *dst, const void *src, size_t n, cudaMemcpyKind kind,
                             cudaStream_t s) {
-    (void)s;
-    return cudaMemcpy(dst, src, n, kind);
+    if (copy_check(dst, src, n, kind) != cudaSuccess) return cudaErrorInvalidValue;
+    return enqueue(s, "cudaMemcpyAsync", copy_op{dst, src, n});
 }
-cudaError_t cudaMemcpy2D(void *dst, size_t dpitch, const void *src, size_t spitch, size_t width,
-                         size_t height, cudaMemcpyKind kind) {
+static cudaError_t copy2d_check(void *dst, size_t dpitch, const void *src, size_t spitch,
+                                size_t width, size_t height, cudaMemcpyKind kind) {
     if (width > dpitch || width > spitch || (unsigned)kind > cudaMemcpyDefault)
         return set_err(cudaErrorInvalidValue);
     if (height && width && (!dst || !src)) return set_err(cudaErrorInvalidValue);
-    for (size_t r = 0; r < height && width; r++)
-        memmove((char *)dst + r * dpitch, (const char *)src + r * spitch, width);
     return cudaSuccess;
+}
+cudaError_t cudaMemcpy2D(void *dst, size_t dpitch, const void *src, size_t spitch, size_t width,
+                         size_t height, cudaMemcpyKind kind) {
+    if (copy2d_check(dst, dpitch, src, spitch, width, height, kind) != cudaSuccess)
+        return cudaErrorInvalidValue;
+    FORBID_IN_CAPTURE("cudaMemcpy2D (synchronous)", nullptr);
+    return enqueue(nullptr, "cudaMemcpy2D", copy2d_op{dst, dpitch, src, spitch, width, height});
 }
 cudaError_t cudaMemcpy2DAsync(void *dst, size_t dpitch, const void *src, size_t spitch,
                               size_t width, size_t height, cudaMemcpyKind kind, cudaStream_t s) {
-    (void)s;
-    return cudaMemcpy2D(dst, dpitch, src, spitch, width, height, kind);
+    if (copy2d_check(dst, dpitch, src, spitch, width, height, kind) != cudaSuccess)
+        return cudaErrorInvalidValue;
+    return enqueue(s, "cudaMemcpy2DAsync", copy2d_op{dst, dpitch, src, spitch, width, height});
 }
 cudaError_t cudaMemset(void *p, int v, size_t n) {
     if (n && !p) return set_err(cudaErrorInvalidValue);
-    if (n) memset(p, v, n);
-    return cudaSuccess;
+    FORBID_IN_CAPTURE("cudaMemset (synchronous)", nullptr);
+    return enqueue(nullptr, "cudaMemset", memset_op{p, v, n});
 }
 cudaError_t cudaMemsetAsync(void *p, int v, size_t n, cudaStream_t s) {
-    (void)s;
-    return cudaMemset(p, v, n);
+    if (n && !p) return set_err(cudaErrorInvalidValue);
+    return enqueue(s, "cudaMemsetAsync", memset_op{p, v, n});
 }
 
 cudaError_t cudaStreamCreate(cudaStream_t *s) {
@@ -784,16 +857,21 @@ cudaError_t cudaStreamDestroy(cudaStream_t s) {
     return cudaSuccess;
 }
 cudaError_t cudaStreamSynchronize(cudaStream_t s) {
-    (void)s;
+    FORBID_IN_CAPTURE("cudaStreamSynchronize", s);
     return cudaSuccess;
 }
 cudaError_t cudaStreamQuery(cudaStream_t s) {
-    (void)s;
+    FORBID_IN_CAPTURE("cudaStreamQuery", s);
     return cudaSuccess; /* every operation completed when it was enqueued */
 }
 cudaError_t cudaStreamWaitEvent(cudaStream_t s, cudaEvent_t e, unsigned flags) {
-    (void)s, (void)flags;
-    return e ? cudaSuccess : set_err(cudaErrorInvalidResourceHandle);
+    (void)flags;
+    if (!e) return set_err(cudaErrorInvalidResourceHandle);
+    if (k3emu::capturing(s) && !k3emu::event_in_capture(s, e))
+        FORBID_IN_CAPTURE("cudaStreamWaitEvent on an event not recorded in this capture (the "
+                          "emulator captures one stream, without cross-stream joins)",
+                          s);
+    return cudaSuccess;
 }
 
 cudaError_t cudaEventCreate(cudaEvent_t *e) {
@@ -812,16 +890,29 @@ cudaError_t cudaEventDestroy(cudaEvent_t e) {
     return cudaSuccess;
 }
 cudaError_t cudaEventRecord(cudaEvent_t e, cudaStream_t s) {
-    (void)s;
     if (!e) return set_err(cudaErrorInvalidResourceHandle);
+    if (k3emu::capturing(s)) {
+        struct record_op {
+            cudaEvent_t e;
+            void run() const {
+                e->t = now_s();
+            }
+        };
+        k3emu::note_event(s, e);
+        return k3emu::record(s, "cudaEventRecord", record_op{e});
+    }
     e->t = now_s();
     return cudaSuccess;
 }
 cudaError_t cudaEventSynchronize(cudaEvent_t e) {
-    return e ? cudaSuccess : set_err(cudaErrorInvalidResourceHandle);
+    if (!e) return set_err(cudaErrorInvalidResourceHandle);
+    FORBID_IN_CAPTURE("cudaEventSynchronize", nullptr);
+    return cudaSuccess;
 }
 cudaError_t cudaEventQuery(cudaEvent_t e) {
-    return e ? cudaSuccess : set_err(cudaErrorInvalidResourceHandle);
+    if (!e) return set_err(cudaErrorInvalidResourceHandle);
+    FORBID_IN_CAPTURE("cudaEventQuery", nullptr);
+    return cudaSuccess;
 }
 cudaError_t cudaEventElapsedTime(float *ms, cudaEvent_t a, cudaEvent_t b) {
     if (!ms || !a || !b) return set_err(cudaErrorInvalidValue);

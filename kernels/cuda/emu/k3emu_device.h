@@ -123,6 +123,11 @@ void cp_wait(unsigned n);
  * called twice, is one array, as on the device) */
 void *shared_static(const void *site, size_t bytes, size_t align, const char *what);
 void *shared_dynamic(void);
+/* Stream capture (emu_graph.cpp): s is capturing; record a launch whose closure (a heap copy,
+ * freed by drop) the graph owns. */
+bool capturing(cudaStream_t s);
+void capture_kernel(const char *name, const dim3 &grid, const dim3 &block, size_t shmem,
+                    cudaStream_t s, void (*body)(void *), void *closure, void (*drop)(void *));
 /* Runs the grid: body(closure) per thread. Reports errors through cudaGetLastError. */
 void run_grid(const char *name, dim3 grid, dim3 block, size_t shmem, cudaStream_t s,
               void (*body)(void *), void *closure);
@@ -139,14 +144,16 @@ template <class... P> struct launcher {
             std::tuple<P...> args;
         } c{kernel, std::tuple<P...>(static_cast<P>(a)...)};
         /* each thread gets its own copy of the by-value parameters, as from constant memory */
-        run_grid(
-            name, grid, block, shmem, stream,
-            [](void *p) {
-                closure *cl = static_cast<closure *>(p);
-                std::tuple<P...> mine = cl->args;
-                std::apply(cl->k, mine);
-            },
-            &c);
+        void (*body)(void *) = [](void *p) {
+            closure *cl = static_cast<closure *>(p);
+            std::tuple<P...> mine = cl->args;
+            std::apply(cl->k, mine);
+        };
+        if (capturing(stream)) /* a node of the graph, with its own copy (emu_graph.cpp) */
+            capture_kernel(name, grid, block, shmem, stream, body, new closure(c),
+                           [](void *p) { delete static_cast<closure *>(p); });
+        else
+            run_grid(name, grid, block, shmem, stream, body, &c);
     }
 };
 template <class... P>
