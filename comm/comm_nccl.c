@@ -76,6 +76,7 @@ static nccl_state *N(k3_comm *c) {
  * deadline note the fault, abort the communicator and fail naming `what`. */
 static k3_status nccl_wait(k3_comm *c, ncclComm_t *comm, cudaStream_t stream, const char *what) {
     const bool with_stream = stream != NULL;
+    if (with_stream) __atomic_fetch_add(&c->stats.host_syncs, 1, __ATOMIC_RELAXED);
     const double t0 = k3_now_s();
     int backoff = 0;
     for (;;) {

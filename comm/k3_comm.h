@@ -207,6 +207,9 @@ k3_status k3_comm_moe_combine(k3_comm *c, k3_backend *be, float *y, const int64_
 typedef struct k3_comm_stats {
     uint64_t dispatch_bytes, combine_bytes, dispatch_rows, combine_rows, n_exchanges;
     uint64_t n_bell_wakes; /* message waits whose sleep a post from this node ended (comm_bell.c) */
+    /* device -> host waits the transport makes itself (nccl: each wait on a stream's NCCL work,
+     * however many polls it takes); `--op-stats` adds them to the backend's host syncs */
+    uint64_t host_syncs;
 } k3_comm_stats;
 void k3_comm_get_stats(const k3_comm *c, k3_comm_stats *out);
 

@@ -326,6 +326,7 @@ typedef struct k3_op_stats {
     uint64_t calls[K3_OP_COUNT];
     uint64_t host_syncs;
     uint64_t h2d_bytes, d2h_bytes; /* upload(_async), download(_async) */
+    uint64_t graph_launches;       /* captured steps replayed (cuda graphs; 0 elsewhere) */
 } k3_op_stats;
 
 /* The memory half of a backend (ggml's buffer interface in spirit). n bytes; buffers are

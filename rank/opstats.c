@@ -8,9 +8,16 @@
  * Phases: decode = every sequence one token, prefill = some sequence more (a step that mixes
  * decode rows and prefill chunks is prefill), idle = no sequence of the lane (it serves its
  * experts). Reading the counters is no host sync and counts nothing.
- * File: {"backend", "world", "pp", "ep", "stages": [{"rank", "stage", "lane", "layers": [begin,
+ * Host syncs are the backend's (downloads, synchronize, event syncs, error-word reads) plus the
+ * transport's own waits on the device (k3_comm_stats.host_syncs: each NCCL wait on a stream), the
+ * latter also alone as comm_host_syncs_per_step; graph launches are the backend's replays of a
+ * captured step (cuda graphs).
+ * File: {"backend", "world", "pp", "ep", "comm" (the transport, "none" on one rank), "routing"
+ * ("host" | "device": where the MoE route is built), "routing_note" (why the counts are what they
+ * are with this transport), "stages": [{"rank", "stage", "lane", "layers": [begin,
  * end), "decode" | "prefill" | "idle": {"steps", "ops_per_step", "host_syncs_per_step",
- * "host_syncs_max_per_step", "host_device_bytes_per_step", "h2d_bytes_per_step",
+ * "host_syncs_max_per_step", "comm_host_syncs_per_step", "graph_launches_per_step",
+ * "host_device_bytes_per_step", "h2d_bytes_per_step",
  * "d2h_bytes_per_step", "ops": {op: calls per step, only ops called}}}], and with one worker
  * rank its "decode", "prefill", "idle" also at the top level}. Per-step values are averages over
  * the phase's steps (numbers with decimals where they are not integers). */
@@ -29,11 +36,21 @@ static const char *const k_phase_name[OPS_PHASES] = {"decode", "prefill", "idle"
    difference summed by phase. */
 struct rank_opstats {
     k3_op_stats begin;
+    uint64_t comm_begin; /* the transport's own host syncs (k3_comm_stats) when the step began */
     struct {
         uint64_t steps, host_syncs_max; /* steps of the phase; the most host syncs in one */
+        uint64_t comm_syncs;            /* of sum.host_syncs, the transport's */
         k3_op_stats sum;
     } phase[OPS_PHASES];
 };
+
+/* the transport's host syncs so far (0 without a comm) */
+static uint64_t comm_syncs(const rank_ctx *r) {
+    if (!r->comm) return 0;
+    k3_comm_stats cs;
+    k3_comm_get_stats(r->comm, &cs);
+    return cs.host_syncs;
+}
 
 /* The backends that keep counters (k3_backend_op_stats): checked by name before anything is
    created, so every rank refuses alike; rank_opstats_init checks the backend itself. */
@@ -76,6 +93,7 @@ void rank_opstats_destroy(rank_ctx *r) {
 k3_status rank_opstats_begin(rank_ctx *r) {
     if (!r->ops) return K3_OK;
     RTRY(r, k3_backend_op_stats(r->be, &r->ops->begin));
+    r->ops->comm_begin = comm_syncs(r);
     return K3_OK;
 }
 
@@ -88,10 +106,13 @@ k3_status rank_opstats_end(rank_ctx *r, int64_t T, int n_seqs) {
     k3_op_stats *sum = &o->phase[ph].sum;
     const k3_op_stats *b = &o->begin;
     for (int i = 0; i < K3_OP_COUNT; i++) sum->calls[i] += now.calls[i] - b->calls[i];
-    const uint64_t syncs = now.host_syncs - b->host_syncs;
+    const uint64_t by_comm = comm_syncs(r) - o->comm_begin;
+    const uint64_t syncs = now.host_syncs - b->host_syncs + by_comm;
     sum->host_syncs += syncs;
+    o->phase[ph].comm_syncs += by_comm;
     sum->h2d_bytes += now.h2d_bytes - b->h2d_bytes;
     sum->d2h_bytes += now.d2h_bytes - b->d2h_bytes;
+    sum->graph_launches += now.graph_launches - b->graph_launches;
     o->phase[ph].steps++;
     o->phase[ph].host_syncs_max = K3_MAX(o->phase[ph].host_syncs_max, syncs);
     return K3_OK;
@@ -100,8 +121,9 @@ k3_status rank_opstats_end(rank_ctx *r, int64_t T, int n_seqs) {
 /* ---- the gather and the file ------------------------------------------------------------------
  */
 /* One rank's sums as it travels (u64 each): per phase steps, host_syncs_max, host_syncs,
-   h2d_bytes, d2h_bytes, calls[K3_OP_COUNT]. */
-#define PACK_PHASE (5 + K3_OP_COUNT)
+   h2d_bytes, d2h_bytes, graph_launches, comm_syncs, calls[K3_OP_COUNT]. */
+#define PACK_CALLS 7
+#define PACK_PHASE (PACK_CALLS + K3_OP_COUNT)
 #define PACK_U64   (OPS_PHASES * PACK_PHASE)
 
 /* A rank without counters (the dedicated coordinator) packs zeros. */
@@ -115,7 +137,9 @@ static void pack(const rank_ctx *r, uint64_t *p) {
         p[2] = s->host_syncs;
         p[3] = s->h2d_bytes;
         p[4] = s->d2h_bytes;
-        memcpy(p + 5, s->calls, sizeof s->calls);
+        p[5] = s->graph_launches;
+        p[6] = r->ops->phase[ph].comm_syncs;
+        memcpy(p + PACK_CALLS, s->calls, sizeof s->calls);
     }
 }
 
@@ -123,18 +147,37 @@ static cJSON *phase_json(const uint64_t *p) {
     cJSON *o = cJSON_CreateObject();
     const double n = (double)p[0], d = n > 0 ? n : 1;
     uint64_t ops = 0;
-    for (int i = 0; i < K3_OP_COUNT; i++) ops += p[5 + i];
+    for (int i = 0; i < K3_OP_COUNT; i++) ops += p[PACK_CALLS + i];
     cJSON_AddNumberToObject(o, "steps", n);
     cJSON_AddNumberToObject(o, "ops_per_step", (double)ops / d);
     cJSON_AddNumberToObject(o, "host_syncs_per_step", (double)p[2] / d);
     cJSON_AddNumberToObject(o, "host_syncs_max_per_step", (double)p[1]);
+    cJSON_AddNumberToObject(o, "comm_host_syncs_per_step", (double)p[6] / d);
+    cJSON_AddNumberToObject(o, "graph_launches_per_step", (double)p[5] / d);
     cJSON_AddNumberToObject(o, "host_device_bytes_per_step", (double)(p[3] + p[4]) / d);
     cJSON_AddNumberToObject(o, "h2d_bytes_per_step", (double)p[3] / d);
     cJSON_AddNumberToObject(o, "d2h_bytes_per_step", (double)p[4] / d);
     cJSON *by = cJSON_AddObjectToObject(o, "ops");
     for (int i = 0; i < K3_OP_COUNT; i++)
-        if (p[5 + i]) cJSON_AddNumberToObject(by, k3_op_name(i), (double)p[5 + i] / d);
+        if (p[PACK_CALLS + i])
+            cJSON_AddNumberToObject(by, k3_op_name(i), (double)p[PACK_CALLS + i] / d);
     return o;
+}
+
+/* Why a run's host syncs per step are what they are: the MoE route's path through the transport
+   (the same on every rank: one transport, one plan). */
+static const char *routing_note(const rank_ctx *r, const char *transport) {
+    if (r->plan.n_lanes <= 1)
+        return "one lane: no MoE exchange; the route stays in the backend (moe_topk and "
+               "moe_experts on its ids), though each reads an error word per MoE layer";
+    if (transport && strcmp(transport, "nccl") == 0)
+        return "nccl: MoE rows move device to device, but the route is built on the host (the "
+               "router's ids and weights are downloaded, counts and item triples are host words "
+               "staged through pinned memory, and each NCCL wait polls the stream), so each MoE "
+               "layer waits on the host; device-side routing is not landed yet";
+    return "mpi: MoE rows, counts and item triples cross through host memory (a download before "
+           "and an upload after each exchange, each a host sync) and the route is built on the "
+           "host, so host syncs and ops per step grow with the MoE layers and the routing";
 }
 
 /* Rank 0: the file from every worker rank's pack (all [world, PACK_U64]). */
@@ -145,6 +188,10 @@ static int write_file(rank_ctx *r, const uint64_t *all) {
     cJSON_AddNumberToObject(root, "world", r->world);
     cJSON_AddNumberToObject(root, "pp", r->plan.n_stages);
     cJSON_AddNumberToObject(root, "ep", r->plan.n_lanes);
+    const char *transport = r->comm ? k3_comm_transport(r->comm) : NULL;
+    cJSON_AddStringToObject(root, "comm", transport ? transport : "none");
+    cJSON_AddStringToObject(root, "routing", r->plan.n_lanes <= 1 ? "device" : "host");
+    cJSON_AddStringToObject(root, "routing_note", routing_note(r, transport));
     cJSON *st = cJSON_AddArrayToObject(root, "stages");
     int n_entries = 0, only = -1;
     for (int w = 0; w < r->world; w++) {

@@ -183,6 +183,7 @@ static k3_status cu_op_stats(const k3_backend *be, k3_op_stats *out) {
     out->host_syncs = __atomic_load_n(&c->stats.host_syncs, __ATOMIC_RELAXED);
     out->h2d_bytes = __atomic_load_n(&c->stats.h2d_bytes, __ATOMIC_RELAXED);
     out->d2h_bytes = __atomic_load_n(&c->stats.d2h_bytes, __ATOMIC_RELAXED);
+    out->graph_launches = __atomic_load_n(&c->stats.graph_launches, __ATOMIC_RELAXED);
     return K3_OK;
 }
 /* Every op of K3_OP_LIST has a kernel; weight dtypes as ref: matmul/matmul_tn F32/BF16/MXFP4,

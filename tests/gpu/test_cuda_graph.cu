@@ -171,11 +171,18 @@ enum forbidden {
     F_WAIT_OUTSIDE_EVENT,
     F_COUNT
 };
-static const char *const k_api[F_COUNT] = {
-    "cudaMemcpy (synchronous)", "cudaMemcpy2D (synchronous)", "cudaMemset (synchronous)",
-    "cudaStreamSynchronize",    "cudaDeviceSynchronize",      "cudaEventSynchronize",
-    "cudaStreamQuery",          "cudaEventQuery",             "cudaMalloc",
-    "cudaFree",                 "cudaMallocHost",             "cudaStreamWaitEvent"};
+static const char *const k_api[F_COUNT] = {"cudaMemcpy (synchronous)",
+                                           "cudaMemcpy2D (synchronous)",
+                                           "cudaMemset (synchronous)",
+                                           "cudaStreamSynchronize",
+                                           "cudaDeviceSynchronize",
+                                           "cudaEventSynchronize",
+                                           "cudaStreamQuery",
+                                           "cudaEventQuery",
+                                           "cudaMalloc",
+                                           "cudaFree",
+                                           "cudaMallocHost",
+                                           "cudaStreamWaitEvent"};
 
 static cudaError_t call(int f, cudaStream_t s, float *dev, float *host, cudaEvent_t ev,
                         void *spare) {
@@ -226,8 +233,7 @@ static void test_forbidden(void) {
         const std::string err = captured_stderr([&] { e = call(f, s, dev, host, ev, spare); });
         CHECK(e == cudaErrorStreamCaptureUnsupported, "%s in a capture -> %s", k_api[f],
               cudaGetErrorName(e));
-        CHECK(err.find("k3emu: ") != std::string::npos &&
-                  err.find(k_api[f]) != std::string::npos &&
+        CHECK(err.find("k3emu: ") != std::string::npos && err.find(k_api[f]) != std::string::npos &&
                   err.find("stream capture") != std::string::npos,
               "%s: the k3emu line names it: [%s]", k_api[f], err.c_str());
         cudaStreamCaptureStatus cs = cudaStreamCaptureStatusNone;
@@ -275,7 +281,8 @@ static void test_forbidden(void) {
     CUDA_OK(cudaStreamEndCapture(s, &g));
     CUDA_OK(cudaGraphDestroy(g));
     /* the legacy stream, a capture twice, an end without a capture, a launch into a capture */
-    std::string m = captured_stderr([&] { e = cudaStreamBeginCapture(nullptr, cudaStreamCaptureModeGlobal); });
+    std::string m =
+        captured_stderr([&] { e = cudaStreamBeginCapture(nullptr, cudaStreamCaptureModeGlobal); });
     CHECK(e == cudaErrorStreamCaptureUnsupported && m.find("k3emu: ") == 0, "legacy stream: %s",
           cudaGetErrorName(e));
     m = captured_stderr([&] { e = cudaStreamEndCapture(s, &g); });

@@ -18,6 +18,11 @@ add_test(NAME gpu_model COMMAND ${K3_GPU_PYTHON3} ${CMAKE_CURRENT_LIST_DIR}/gpu_
                                 ${MPIEXEC_EXECUTABLE})
 set_tests_properties(gpu_model PROPERTIES LABELS "${K3_GPU_LABEL}" TIMEOUT 900 SKIP_RETURN_CODE 77
                      ENVIRONMENT "${K3_TEST_ENV_MPI}")
+# --op-stats of cuda + nccl (and mpi) at 2x2: the transport's waits and graph launches counted
+add_test(NAME gpu_opstats COMMAND ${K3_GPU_PYTHON3} ${CMAKE_CURRENT_LIST_DIR}/gpu_opstats.py
+                                  ${MPIEXEC_EXECUTABLE})
+set_tests_properties(gpu_opstats PROPERTIES LABELS "${K3_GPU_LABEL}" TIMEOUT 300
+                     SKIP_RETURN_CODE 77 ENVIRONMENT "${K3_TEST_ENV_MPI}")
 if(K3_CUDA_EMULATE)
   # A device load holds the staging in host memory, not the weights: the small preset's peak RSS
   # less the emulated device's bytes stays below the weights (tests/gpu/test_load_rss.c).

@@ -16,7 +16,7 @@ usage: opstats_test.py MODE [MPIEXEC]     (K3_BIN = the k3 binary)
            with 1 sequence and with 12, and at most 2 host syncs; a prefill step opening 1
            sequence and one opening 12 issue the same op calls.
   mpi  : mpirun -np 4 `k3 run --pp 2 --ep 2` with one prompt: one entry per worker rank with its
-         (stage, lane) and layers; the lane without the sequence has idle steps and no decode
+         (stage, lane) and layers; comm "mpi", routing "host" and a routing_note saying why; the lane without the sequence has idle steps and no decode
          steps; no top-level decode (several stages); --backend cpu is refused on every rank
          (exit 2, one line).
 Exit code only; prints one line per check."""
@@ -45,6 +45,7 @@ def k3(args, mpi=None, np_=1, timeout=180):
 def phase_ok(name, ph, want_steps=None):
     """One phase object: the per-step figures agree with each other."""
     keys = ["steps", "ops_per_step", "host_syncs_per_step", "host_syncs_max_per_step",
+            "comm_host_syncs_per_step", "graph_launches_per_step",
             "host_device_bytes_per_step", "h2d_bytes_per_step", "d2h_bytes_per_step", "ops"]
     missing = [k for k in keys if k not in ph]
     check(not missing, "%s: has every key (missing %s)" % (name, missing))
@@ -61,6 +62,11 @@ def phase_ok(name, ph, want_steps=None):
     check(ph["host_syncs_per_step"] <= ph["host_syncs_max_per_step"],
           "%s: host syncs per step %s <= max %s" % (name, ph["host_syncs_per_step"],
                                                    ph["host_syncs_max_per_step"]))
+    check(0 <= ph["comm_host_syncs_per_step"] <= ph["host_syncs_per_step"],
+          "%s: the transport's host syncs %s are part of the %s" % (
+              name, ph["comm_host_syncs_per_step"], ph["host_syncs_per_step"]))
+    check(ph["graph_launches_per_step"] == 0,
+          "%s: no graph launches on guard (%s)" % (name, ph["graph_launches_per_step"]))
     hd = ph["h2d_bytes_per_step"] + ph["d2h_bytes_per_step"]
     check(abs(ph["host_device_bytes_per_step"] - hd) <= 1e-9 * max(1, hd),
           "%s: host_device_bytes = h2d + d2h" % name)
@@ -192,6 +198,10 @@ def mpi(tmp, model, mpiexec):
         st = d.get("stages", [])
         check(sorted(e["rank"] for e in st) == [0, 1, 2, 3], "one entry per worker rank")
         check("decode" not in d, "no top-level decode with several stages")
+        check(d.get("comm") == "mpi" and d.get("routing") == "host"
+              and d.get("routing_note", "").startswith("mpi: "),
+              "the mpi transport routes on the host and says why its counts differ: %s %s %s"
+              % (d.get("comm"), d.get("routing"), d.get("routing_note")))
         coords = sorted((e["stage"], e["lane"]) for e in st)
         check(coords == [(0, 0), (0, 1), (1, 0), (1, 1)], "(stage, lane) of each: %s" % coords)
         by_stage = {e["stage"]: e["layers"] for e in st}

@@ -59,8 +59,12 @@ int g_n_caps; /* g_caps.size(), read without the lock for the fast path */
 unsigned long long g_graph_launches;
 
 struct lock {
-    lock() { pthread_mutex_lock(&g_mu); }
-    ~lock() { pthread_mutex_unlock(&g_mu); }
+    lock() {
+        pthread_mutex_lock(&g_mu);
+    }
+    ~lock() {
+        pthread_mutex_unlock(&g_mu);
+    }
 };
 
 capture *find(cudaStream_t s) {
@@ -137,9 +141,9 @@ cudaError_t forbid_in_capture(const char *api, cudaStream_t s) {
     lock l;
     const pthread_t me = pthread_self();
     for (capture &c : g_caps) {
-        const bool applies = (s && c.s == s) || c.mode == cudaStreamCaptureModeGlobal ||
-                             (c.mode == cudaStreamCaptureModeThreadLocal &&
-                              pthread_equal(c.thread, me));
+        const bool applies =
+            (s && c.s == s) || c.mode == cudaStreamCaptureModeGlobal ||
+            (c.mode == cudaStreamCaptureModeThreadLocal && pthread_equal(c.thread, me));
         if (!applies) continue;
         fprintf(stderr,
                 "k3emu: %s during the capture of stream %p (%s mode): CUDA forbids it inside a "
@@ -199,8 +203,7 @@ cudaError_t cudaStreamEndCapture(cudaStream_t s, cudaGraph_t *graph) {
         lock l;
         capture *c = find(s);
         if (!c) {
-            fprintf(stderr, "k3emu: cudaStreamEndCapture: stream %p is not capturing\n",
-                    (void *)s);
+            fprintf(stderr, "k3emu: cudaStreamEndCapture: stream %p is not capturing\n", (void *)s);
             return k3emu::note_error(cudaErrorIllegalState);
         }
         n = c->n;
@@ -239,8 +242,9 @@ cudaError_t cudaGraphInstantiate(cudaGraphExec_t *exec, cudaGraph_t graph,
 cudaError_t cudaGraphLaunch(cudaGraphExec_t exec, cudaStream_t s) {
     if (!exec) return k3emu::note_error(cudaErrorInvalidResourceHandle);
     if (k3emu::capturing(s)) {
-        fprintf(stderr, "k3emu: cudaGraphLaunch into capturing stream %p (child graphs are not "
-                        "emulated)\n",
+        fprintf(stderr,
+                "k3emu: cudaGraphLaunch into capturing stream %p (child graphs are not "
+                "emulated)\n",
                 (void *)s);
         return k3emu::note_error(cudaErrorStreamCaptureUnsupported);
     }
