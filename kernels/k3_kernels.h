@@ -318,6 +318,8 @@ const char *k3_op_name(int op); /* "matmul", ... ; "?" out of range */
 /* ---- the backend object ------------------------------------------------------------------ */
 /* opaque, backend-defined (not the engine's k3_event) */
 typedef struct k3_backend_event k3_backend_event;
+/* opaque, backend-defined: a captured and instantiated sequence of ops (cuda: a cudaGraphExec_t) */
+typedef struct k3_backend_graph k3_backend_graph;
 
 /* What a counting backend (guard, cuda) has done since it was created: op calls by op, host
  * syncs (device -> host reads the host waits for: download, synchronize, event_sync) and the
@@ -359,6 +361,17 @@ typedef struct k3_backend_iface {
        transport that queues device-to-device transfers in the backend's stream order (comm's
        nccl); NULL for host backends. */
     void *(*native_stream)(k3_backend *be);
+    /* Optional (NULL: no graphs). Captured steps (cuda graphs): capture_begin puts the backend's
+       stream in capture, so every op and async copy until capture_end is recorded and none runs;
+       a host sync in between (download, synchronize, event_sync, an error-word read, an
+       allocation) fails with K3_ERR_DEVICE and so does capture_end (under the emulator each
+       names the call in a k3emu: line). capture_end returns the instantiated graph; graph_launch
+       replays it on the stream (op_stats.graph_launches; the ops recorded are not counted again
+       as calls). */
+    k3_status (*capture_begin)(k3_backend *be);
+    k3_status (*capture_end)(k3_backend *be, k3_backend_graph **out);
+    k3_status (*graph_launch)(k3_backend *be, k3_backend_graph *g);
+    void (*graph_destroy)(k3_backend *be, k3_backend_graph *g);
 } k3_backend_iface;
 
 struct k3_backend {
@@ -416,6 +429,13 @@ k3_status k3_backend_event_sync(k3_backend *be, k3_backend_event *ev);
 void k3_backend_event_destroy(k3_backend *be, k3_backend_event *ev); /* NULL is a no-op */
 /* The backend's native stream (a cudaStream_t for cuda), NULL when it has none. */
 void *k3_backend_native_stream(k3_backend *be);
+/* Whether the backend captures graphs, and the capture / replay of its iface (K3_ERR_STATE
+   without graphs); graph_destroy is NULL-safe. */
+bool k3_backend_has_graphs(const k3_backend *be);
+k3_status k3_backend_capture_begin(k3_backend *be);
+k3_status k3_backend_capture_end(k3_backend *be, k3_backend_graph **out);
+k3_status k3_backend_graph_launch(k3_backend *be, k3_backend_graph *g);
+void k3_backend_graph_destroy(k3_backend *be, k3_backend_graph *g);
 /* The backend's counters: K3_ERR_ARG when it does not count (ref, cpu). */
 k3_status k3_backend_op_stats(const k3_backend *be, k3_op_stats *out);
 k3_status k3_backend_memory(const k3_backend *be, size_t *free_bytes, size_t *total_bytes);

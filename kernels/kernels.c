@@ -264,6 +264,29 @@ void k3_backend_event_destroy(k3_backend *be, k3_backend_event *ev) {
 void *k3_backend_native_stream(k3_backend *be) {
     return be && be->mem_->native_stream ? be->mem_->native_stream(be) : NULL;
 }
+bool k3_backend_has_graphs(const k3_backend *be) {
+    return be && be->mem_->capture_begin && be->mem_->capture_end && be->mem_->graph_launch &&
+           be->mem_->graph_destroy;
+}
+k3_status k3_backend_capture_begin(k3_backend *be) {
+    if (!k3_backend_has_graphs(be))
+        return K3_ERR(K3_ERR_STATE, "backend %s captures no graphs", be ? be->name : "(none)");
+    return be->mem_->capture_begin(be);
+}
+k3_status k3_backend_capture_end(k3_backend *be, k3_backend_graph **out) {
+    *out = NULL;
+    if (!k3_backend_has_graphs(be))
+        return K3_ERR(K3_ERR_STATE, "backend %s captures no graphs", be ? be->name : "(none)");
+    return be->mem_->capture_end(be, out);
+}
+k3_status k3_backend_graph_launch(k3_backend *be, k3_backend_graph *g) {
+    if (!k3_backend_has_graphs(be) || !g)
+        return K3_ERR(K3_ERR_STATE, "backend %s: no graph to launch", be ? be->name : "(none)");
+    return be->mem_->graph_launch(be, g);
+}
+void k3_backend_graph_destroy(k3_backend *be, k3_backend_graph *g) {
+    if (g && k3_backend_has_graphs(be)) be->mem_->graph_destroy(be, g);
+}
 k3_status k3_backend_op_stats(const k3_backend *be, k3_op_stats *out) {
     memset(out, 0, sizeof *out);
     if (!be->mem_->op_stats)

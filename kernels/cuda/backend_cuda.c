@@ -176,6 +176,36 @@ static void cu_event_destroy(k3_backend *be, k3_backend_event *ev) {
     (void)cu_stream(be);
     if (ev) cudaEventDestroy((cudaEvent_t)ev);
 }
+/* Captured steps: thread-local capture mode, so a host sync the step makes on this thread fails
+   the capture while other threads (the transport's watchers) run as usual. */
+static k3_status cu_capture_begin(k3_backend *be) {
+    CU_TRY(cudaStreamBeginCapture(STREAM(be), cudaStreamCaptureModeThreadLocal));
+    return K3_OK;
+}
+static k3_status cu_capture_end(k3_backend *be, k3_backend_graph **out) {
+    *out = NULL;
+    cudaGraph_t g = NULL;
+    cudaError_t e = cudaStreamEndCapture(STREAM(be), &g);
+    if (e != cudaSuccess) {
+        (void)cudaGetLastError(); /* the capture's error is returned here, not left sticky */
+        return cu_err(e, __FILE__, __LINE__, "the step is not capturable: cudaStreamEndCapture");
+    }
+    cudaGraphExec_t x = NULL;
+    e = cudaGraphInstantiate(&x, g, 0);
+    cudaGraphDestroy(g);
+    if (e != cudaSuccess) return cu_err(e, __FILE__, __LINE__, "cudaGraphInstantiate");
+    *out = (k3_backend_graph *)x;
+    return K3_OK;
+}
+static k3_status cu_graph_launch(k3_backend *be, k3_backend_graph *g) {
+    count(&CTX(be)->stats.graph_launches, 1);
+    CU_TRY(cudaGraphLaunch((cudaGraphExec_t)g, STREAM(be)));
+    return K3_OK;
+}
+static void cu_graph_destroy(k3_backend *be, k3_backend_graph *g) {
+    (void)cu_stream(be);
+    if (g) cudaGraphExecDestroy((cudaGraphExec_t)g);
+}
 static k3_status cu_op_stats(const k3_backend *be, k3_op_stats *out) {
     const cu_ctx *c = be->ctx;
     for (int i = 0; i < K3_OP_COUNT; i++)
@@ -238,6 +268,10 @@ static const k3_backend_iface k_cuda_iface = {
     .event_destroy = cu_event_destroy,
     .op_stats = cu_op_stats,
     .native_stream = cu_native_stream,
+    .capture_begin = cu_capture_begin,
+    .capture_end = cu_capture_end,
+    .graph_launch = cu_graph_launch,
+    .graph_destroy = cu_graph_destroy,
 };
 
 /* Copy a host array into the staging device buffer (stream-ordered); *dev points at it. */

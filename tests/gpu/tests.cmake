@@ -67,6 +67,11 @@ if(K3_CUDA)
   add_test(NAME cuda_mma COMMAND test_cuda_mma)
   set_tests_properties(cuda_mma PROPERTIES LABELS "${K3_GPU_LABEL}" TIMEOUT 120 SKIP_RETURN_CODE 77
                        ENVIRONMENT "${K3_TEST_ENV}")
+  # a captured step of the cuda backend: replay = direct run bytes; a host sync inside fails
+  k3_add_test_exe(test_cuda_step_graph ${CMAKE_CURRENT_LIST_DIR}/test_cuda_step_graph.c)
+  add_test(NAME cuda_step_graph COMMAND test_cuda_step_graph)
+  set_tests_properties(cuda_step_graph PROPERTIES LABELS "${K3_GPU_LABEL}" TIMEOUT 60
+                       SKIP_RETURN_CODE 77 ENVIRONMENT "${K3_TEST_ENV}")
   # every op of the cuda backend vs ref on a device (skips with one line, 77, without one)
   k3_add_test_exe(test_cuda_ops ${CMAKE_CURRENT_LIST_DIR}/test_cuda_ops.c)
   add_test(NAME cuda_ops COMMAND test_cuda_ops)
