@@ -372,6 +372,17 @@ typedef struct k3_backend_iface {
     k3_status (*capture_end)(k3_backend *be, k3_backend_graph **out);
     k3_status (*graph_launch)(k3_backend *be, k3_backend_graph *g);
     void (*graph_destroy)(k3_backend *be, k3_backend_graph *g);
+    /* Optional (NULL: checks are immediate, as they are by default). Deferred checks: between
+       errors_defer(true) and the verdict, an op whose contract reads back an error word
+       (embed_rows, moe_topk on cuda) queues its check on the device and returns K3_OK, so it
+       makes no host sync (and can be captured); errors_fetch queues one copy of the step's
+       checks to the host, and errors_verdict, after the step's own read of its flags (a host
+       sync), returns the first failed check's usual error (or makes the sync itself when none
+       followed the fetch). Ops whose later kernels a bad check would make unsafe (moe_experts)
+       stay immediate. */
+    k3_status (*errors_defer)(k3_backend *be, bool on);
+    k3_status (*errors_fetch)(k3_backend *be);
+    k3_status (*errors_verdict)(k3_backend *be);
 } k3_backend_iface;
 
 struct k3_backend {
@@ -436,6 +447,10 @@ k3_status k3_backend_capture_begin(k3_backend *be);
 k3_status k3_backend_capture_end(k3_backend *be, k3_backend_graph **out);
 k3_status k3_backend_graph_launch(k3_backend *be, k3_backend_graph *g);
 void k3_backend_graph_destroy(k3_backend *be, k3_backend_graph *g);
+/* Deferred checks of the iface (no-ops, K3_OK, on a backend without them). */
+k3_status k3_backend_errors_defer(k3_backend *be, bool on);
+k3_status k3_backend_errors_fetch(k3_backend *be);
+k3_status k3_backend_errors_verdict(k3_backend *be);
 /* The backend's counters: K3_ERR_ARG when it does not count (ref, cpu). */
 k3_status k3_backend_op_stats(const k3_backend *be, k3_op_stats *out);
 k3_status k3_backend_memory(const k3_backend *be, size_t *free_bytes, size_t *total_bytes);

@@ -287,6 +287,15 @@ k3_status k3_backend_graph_launch(k3_backend *be, k3_backend_graph *g) {
 void k3_backend_graph_destroy(k3_backend *be, k3_backend_graph *g) {
     if (g && k3_backend_has_graphs(be)) be->mem_->graph_destroy(be, g);
 }
+k3_status k3_backend_errors_defer(k3_backend *be, bool on) {
+    return be->mem_->errors_defer ? be->mem_->errors_defer(be, on) : K3_OK;
+}
+k3_status k3_backend_errors_fetch(k3_backend *be) {
+    return be->mem_->errors_fetch ? be->mem_->errors_fetch(be) : K3_OK;
+}
+k3_status k3_backend_errors_verdict(k3_backend *be) {
+    return be->mem_->errors_verdict ? be->mem_->errors_verdict(be) : K3_OK;
+}
 k3_status k3_backend_op_stats(const k3_backend *be, k3_op_stats *out) {
     memset(out, 0, sizeof *out);
     if (!be->mem_->op_stats)

@@ -785,8 +785,25 @@ k3_status k3_layers_step_begin(k3_stage *s, const k3_batch *b, k3_seqs *sq) {
     return upload_step(s, b, T, sq, &flags, &ids);
 }
 
+static k3_status forward(k3_stage *s, const k3_batch *b, k3_activ *act, bool all_logits,
+                         float *logits, bool *fetched);
+
+/* The step with its error-word checks deferred to its end (k3_backend_errors_*: on cuda, the
+   router's and the embedding's checks make no host sync of their own); their verdict follows the
+   step's read of its flags. */
 k3_status k3_stage_forward(k3_stage *s, const k3_batch *b, k3_activ *act, bool all_logits,
                            float *logits) {
+    K3_TRY(k3_backend_errors_defer(s->be, true));
+    bool fetched = false;
+    k3_status st = forward(s, b, act, all_logits, logits, &fetched);
+    if (st == K3_OK && !fetched) st = k3_backend_errors_fetch(s->be);
+    if (st == K3_OK) st = k3_backend_errors_verdict(s->be);
+    const k3_status off = k3_backend_errors_defer(s->be, false);
+    return st != K3_OK ? st : off;
+}
+
+static k3_status forward(k3_stage *s, const k3_batch *b, k3_activ *act, bool all_logits,
+                         float *logits, bool *fetched) {
     const k3_config *c = s->c;
     k3_backend *be = s->be;
     const k3_ops *ops = be->ops;
@@ -888,7 +905,9 @@ k3_status k3_stage_forward(k3_stage *s, const k3_batch *b, k3_activ *act, bool a
     }
 #undef NF_CHECK
     /* the step's one read of the flags (a sequence marked upstream keeps its -1) */
-    if (nf) {
+    if (nf) { /* the deferred checks come back with it */
+        K3_TRY(k3_backend_errors_fetch(be));
+        *fetched = true;
         K3_TRY(k3_backend_download(be, s->h_nf, flags, (size_t)b->n_seqs * sizeof(int32_t)));
         memcpy(b->nonfinite, s->h_nf, (size_t)b->n_seqs * sizeof(int32_t));
     }

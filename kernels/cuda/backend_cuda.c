@@ -57,6 +57,8 @@ typedef struct moe_tab {
     k3c_expert *host, *dev;       /* [E] each */
 } moe_tab;
 
+enum { CU_DEFER_MAX = 64 }; /* deferred checks in one step (a stage of K3 has ~12 MoE layers) */
+
 typedef struct cu_ctx {
     int device; /* local rank % visible devices (comm_nccl.c maps ranks the same way) */
     cudaStream_t stream;
@@ -68,11 +70,29 @@ typedef struct cu_ctx {
     cudaEvent_t stage_done;       /* recorded after the last staging copy */
     moe_tab *tabs;                /* moe_experts' expert tables [n_tabs] */
     int n_tabs, cap_tabs;
+    /* deferred error words (errors_defer): the checks of the step, read once at its end */
+    bool defer_on;
+    int defer_n;                      /* slots used since errors_defer(on) */
+    unsigned long long *defer_dev;    /* [CU_DEFER_MAX] device */
+    unsigned long long *defer_host;   /* [CU_DEFER_MAX] pinned; valid after a sync past fetch */
+    uint64_t sync_epoch, fetch_epoch; /* host syncs made; the epoch at the last fetch */
+    int fetched_n;                    /* slots the last fetch copied */
+    struct cu_deferred {              /* what each slot's check was, for its message */
+        int op;                       /* K3_OP_embed_rows or K3_OP_moe_topk */
+        const int32_t *ids;           /* embed_rows: its ids (device) */
+        int64_t n;                    /* embed_rows: V; moe_topk: E */
+    } defer_what[CU_DEFER_MAX];
     k3_op_stats stats; /* updated with __atomic builtins only */
 } cu_ctx;
 
 static void count(uint64_t *c, uint64_t n) {
     __atomic_fetch_add(c, n, __ATOMIC_RELAXED);
+}
+
+/* a host sync: counted, and the epoch that tells a deferred fetch it has landed */
+static void count_sync(cu_ctx *c) {
+    __atomic_fetch_add(&c->stats.host_syncs, 1, __ATOMIC_RELAXED);
+    __atomic_fetch_add(&c->sync_epoch, 1, __ATOMIC_RELAXED);
 }
 
 static cu_ctx *CTX(k3_backend *be) {
@@ -130,13 +150,13 @@ static k3_status cu_upload(k3_backend *be, void *dst, const void *src, size_t n)
 /* a device -> host read the host waits for: a host sync */
 static k3_status cu_download(k3_backend *be, void *dst, const void *src, size_t n) {
     count(&CTX(be)->stats.d2h_bytes, n);
-    count(&CTX(be)->stats.host_syncs, 1);
+    count_sync(CTX(be));
     CU_TRY(cudaMemcpyAsync(dst, src, n, cudaMemcpyDeviceToHost, STREAM(be)));
     CU_TRY(cudaStreamSynchronize(STREAM(be)));
     return K3_OK;
 }
 static k3_status cu_sync(k3_backend *be) {
-    count(&CTX(be)->stats.host_syncs, 1);
+    count_sync(CTX(be));
     CU_TRY(cudaStreamSynchronize(STREAM(be)));
     CU_TRY(cudaGetLastError());
     return K3_OK;
@@ -168,7 +188,7 @@ static k3_status cu_event_record(k3_backend *be, k3_backend_event *ev) {
     return K3_OK;
 }
 static k3_status cu_event_sync(k3_backend *be, k3_backend_event *ev) {
-    count(&CTX(be)->stats.host_syncs, 1);
+    count_sync(CTX(be));
     CU_TRY(cudaEventSynchronize((cudaEvent_t)ev));
     return K3_OK;
 }
@@ -238,6 +258,8 @@ static void cu_destroy(k3_backend *be) {
         if (c->stream) cudaStreamSynchronize(c->stream);
         cudaFree(c->err_dev);
         cudaFreeHost(c->err_host);
+        cudaFree(c->defer_dev);
+        cudaFreeHost(c->defer_host);
         cudaFree(c->stage_dev);
         cudaFreeHost(c->stage_host);
         if (c->stage_done) cudaEventDestroy(c->stage_done);
@@ -251,6 +273,9 @@ static void cu_destroy(k3_backend *be) {
 static void *cu_native_stream(k3_backend *be) {
     return (void *)cu_stream(be);
 }
+static k3_status cu_errors_defer(k3_backend *be, bool on);
+static k3_status cu_errors_fetch(k3_backend *be);
+static k3_status cu_errors_verdict(k3_backend *be);
 static const k3_backend_iface k_cuda_iface = {
     .alloc = cu_alloc,
     .free = cu_free,
@@ -272,6 +297,9 @@ static const k3_backend_iface k_cuda_iface = {
     .capture_end = cu_capture_end,
     .graph_launch = cu_graph_launch,
     .graph_destroy = cu_graph_destroy,
+    .errors_defer = cu_errors_defer,
+    .errors_fetch = cu_errors_fetch,
+    .errors_verdict = cu_errors_verdict,
 };
 
 /* Copy a host array into the staging device buffer (stream-ordered); *dev points at it. */
@@ -303,10 +331,77 @@ static k3_status err_reset(k3_backend *be) {
     CU_TRY(cudaMemsetAsync(CTX(be)->err_dev, 0xff, sizeof(unsigned long long), STREAM(be)));
     return K3_OK;
 }
+/* The error word a deferrable check writes: the next deferred slot (reset) while errors are
+   deferred and one is free, else the immediate word (reset); *deferred says which. */
+static k3_status err_word(k3_backend *be, unsigned long long **w, bool *deferred) {
+    cu_ctx *c = CTX(be);
+    *deferred = c->defer_on && c->defer_n < CU_DEFER_MAX;
+    if (!*deferred) {
+        K3_TRY(err_reset(be));
+        *w = c->err_dev;
+        return K3_OK;
+    }
+    *w = c->defer_dev + c->defer_n;
+    CU_TRY(cudaMemsetAsync(*w, 0xff, sizeof **w, STREAM(be)));
+    return K3_OK;
+}
+static void err_defer(cu_ctx *c, int op, const int32_t *ids, int64_t n) {
+    c->defer_what[c->defer_n] = (struct cu_deferred){op, ids, n};
+    c->defer_n++;
+}
+
+/* Deferred checks (k3_backend_errors_*): on, a deferrable check (embed_rows, moe_topk) writes a
+   slot of defer_dev instead of reading its word back; fetch queues one copy of the used slots to
+   pinned memory; verdict reads them once a host sync has followed the fetch (or makes one) and
+   returns the first failed check's usual error. */
+static k3_status cu_errors_defer(k3_backend *be, bool on) {
+    cu_ctx *c = CTX(be);
+    c->defer_on = on;
+    c->defer_n = 0;
+    c->fetched_n = 0;
+    return K3_OK;
+}
+static k3_status cu_errors_fetch(k3_backend *be) {
+    cu_ctx *c = CTX(be);
+    c->fetched_n = c->defer_n;
+    c->fetch_epoch = __atomic_load_n(&c->sync_epoch, __ATOMIC_RELAXED);
+    if (!c->defer_n) return K3_OK;
+    count(&c->stats.d2h_bytes, (uint64_t)c->defer_n * sizeof *c->defer_host);
+    CU_TRY(cudaMemcpyAsync(c->defer_host, c->defer_dev, (size_t)c->defer_n * sizeof *c->defer_host,
+                           cudaMemcpyDeviceToHost, STREAM(be)));
+    return K3_OK;
+}
+static k3_status cu_errors_verdict(k3_backend *be) {
+    cu_ctx *c = CTX(be);
+    const int n = c->fetched_n;
+    c->defer_n = c->fetched_n = 0;
+    if (!n) return K3_OK;
+    if (__atomic_load_n(&c->sync_epoch, __ATOMIC_RELAXED) == c->fetch_epoch) {
+        count_sync(c); /* no host sync since the fetch: this is one */
+        CU_TRY(cudaStreamSynchronize(STREAM(be)));
+    }
+    for (int i = 0; i < n; i++) {
+        const unsigned long long bad = c->defer_host[i];
+        if (bad == ~0ull) continue;
+        const struct cu_deferred *d = &c->defer_what[i];
+        if (d->op == K3_OP_moe_topk)
+            return K3_ERR(K3_ERR_INTERNAL,
+                          "MoE router: ran out of experts at token %lld (a deferred check, read "
+                          "at the end of the step)",
+                          (long long)(bad / (unsigned long long)(d->n + 2)));
+        int32_t id = 0; /* embed_rows: the ids are the step's, still in place */
+        CU_TRY(cudaMemcpy(&id, d->ids + bad, sizeof id, cudaMemcpyDeviceToHost));
+        return K3_ERR(K3_ERR_ARG,
+                      "embed_rows: token id %d at position %lld outside [0, %lld) (a deferred "
+                      "check, read at the end of the step)",
+                      id, (long long)bad, (long long)d->n);
+    }
+    return K3_OK;
+}
 static k3_status err_read(k3_backend *be, unsigned long long *v) {
     cu_ctx *c = CTX(be);
     count(&c->stats.d2h_bytes, sizeof *v);
-    count(&c->stats.host_syncs, 1);
+    count_sync(c);
     CU_TRY(cudaMemcpyAsync(c->err_host, c->err_dev, sizeof *v, cudaMemcpyDeviceToHost, c->stream));
     CU_TRY(cudaStreamSynchronize(c->stream));
     *v = *c->err_host;
@@ -404,9 +499,15 @@ static k3_status cu_embed_rows(k3_backend *be, const k3_tensor *W, const int32_t
     if (W->ndim != 2 || (W->dtype != K3_DT_F32 && W->dtype != K3_DT_BF16 && W->dtype != K3_DT_F16))
         return K3_ERR(K3_ERR_SHAPE, "embed_rows: embedding must be a 2-D F32/BF16/F16 table");
     if (T <= 0) return K3_OK;
-    K3_TRY(err_reset(be));
+    unsigned long long *word;
+    bool deferred;
+    K3_TRY(err_word(be, &word, &deferred));
     CU_TRY(k3c_embed_rows(STREAM(be), (int)W->dtype, W->data, W->shape[0], W->shape[1], ids, T, out,
-                          CTX(be)->err_dev));
+                          word));
+    if (deferred) {
+        err_defer(CTX(be), K3_OP_embed_rows, ids, W->shape[0]);
+        return K3_OK;
+    }
     unsigned long long bad;
     K3_TRY(err_read(be, &bad));
     if (bad != ~0ull) {
@@ -471,9 +572,15 @@ static k3_status cu_moe_topk(k3_backend *be, const float *scores, const float *b
                              float *work, int32_t *ids, float *w) {
     K3_TRY(k3_kernels_check_topk(E, K, n_group, topk_group));
     if (T <= 0) return K3_OK;
-    K3_TRY(err_reset(be));
+    unsigned long long *word;
+    bool deferred;
+    K3_TRY(err_word(be, &word, &deferred));
     CU_TRY(k3c_moe_topk(STREAM(be), scores, bias, T, E, K, n_group, topk_group, renorm, scale, work,
-                        ids, w, CTX(be)->err_dev));
+                        ids, w, word));
+    if (deferred) {
+        err_defer(CTX(be), K3_OP_moe_topk, NULL, E);
+        return K3_OK;
+    }
     unsigned long long bad;
     K3_TRY(err_read(be, &bad));
     if (bad == ~0ull) return K3_OK;
@@ -808,6 +915,8 @@ static k3_status cu_ctx_init(cu_ctx *c, int n_devices) {
     CU_TRY(cudaStreamCreateWithFlags(&c->stream, cudaStreamNonBlocking));
     CU_TRY(cudaMalloc((void **)&c->err_dev, sizeof *c->err_dev));
     CU_TRY(cudaMallocHost((void **)&c->err_host, sizeof *c->err_host));
+    CU_TRY(cudaMalloc((void **)&c->defer_dev, CU_DEFER_MAX * sizeof *c->defer_dev));
+    CU_TRY(cudaMallocHost((void **)&c->defer_host, CU_DEFER_MAX * sizeof *c->defer_host));
     CU_TRY(cudaEventCreateWithFlags(&c->stage_done, cudaEventDisableTiming));
     CU_TRY(cudaEventRecord(c->stage_done, c->stream));
     return K3_OK;
