@@ -20,7 +20,12 @@
  * names what hung (then ncclCommAbort); if they complete after all, the caller's stream has already
  * read the buffers, so that is a sticky ncclSystemError, never silent stale data. Test hook:
  * K3_NCCL_EMU_TEST_DROP_SENDS=R — world rank R's communicators created while it is set post no
- * sends (their peers' receives then never complete); one line on stderr says so. */
+ * sends (their peers' receives then never complete); one line on stderr says so.
+ * Stream capture (CUDA graphs, kernels/cuda/emu/emu_graph.cpp): a group whose operations are on a
+ * capturing stream (one stream per group) is not run at its end but recorded as a host-work node
+ * of the capture, with a copy of its operation list; each launch of the graph runs it as a group
+ * (its errors then are the communicators' sticky state), as NCCL's kernels run at each launch of
+ * a captured graph. */
 #include "nccl.h"
 
 #include <mpi.h>
@@ -57,6 +62,7 @@ typedef struct op {
     void *buf;
     size_t n_bytes;
     int peer;
+    cudaStream_t stream;
 } op;
 
 /* The calling thread's group (NCCL's group state is per thread too). */
@@ -465,17 +471,66 @@ ncclResult_t ncclGroupStart(void) {
     return ncclSuccess;
 }
 
+/* A group recorded by a stream capture: its operations, run as a group at each graph launch. */
+typedef struct captured_group {
+    int n;
+    op ops[];
+} captured_group;
+
+static void replay_group(void *p) {
+    const captured_group *cg = p;
+    const int depth = g_group.depth, n = g_group.n, cap = g_group.cap;
+    op *ops = g_group.ops;
+    const ncclResult_t err = g_group.err;
+    g_group.ops = (op *)cg->ops, g_group.n = g_group.cap = cg->n;
+    (void)run_group(); /* a failure is the communicators' sticky state (ncclCommGetAsyncError) */
+    g_group.ops = ops, g_group.n = n, g_group.cap = cap, g_group.depth = depth, g_group.err = err;
+}
+
+/* The group's stream when it is in a capture (NULL when none is): every operation on that one
+   stream, else ncclInvalidUsage (the stand-in records one stream per group). */
+static ncclResult_t group_capture(cudaStream_t *s) {
+    *s = NULL;
+    for (int i = 0; i < g_group.n; i++) {
+        cudaStreamCaptureStatus cs = cudaStreamCaptureStatusNone;
+        if (cudaStreamIsCapturing(g_group.ops[i].stream, &cs) != cudaSuccess)
+            return ncclUnhandledCudaError;
+        if (cs != cudaStreamCaptureStatusNone) *s = g_group.ops[i].stream;
+    }
+    if (!*s) return ncclSuccess;
+    for (int i = 0; i < g_group.n; i++)
+        if (g_group.ops[i].stream != *s) {
+            fprintf(stderr, "k3 nccl stand-in: a group in a stream capture mixes streams\n");
+            return ncclInvalidUsage;
+        }
+    return ncclSuccess;
+}
+
+/* Record the group as one node of its stream's capture (k3emu_stream_host_work): the data moves
+   at each launch of the graph, as NCCL's kernels do in a captured graph. */
+static ncclResult_t capture_group(cudaStream_t s) {
+    captured_group *cg = malloc(sizeof *cg + (size_t)g_group.n * sizeof(op));
+    if (!cg) return ncclSystemError;
+    cg->n = g_group.n;
+    memcpy(cg->ops, g_group.ops, (size_t)g_group.n * sizeof(op));
+    return k3emu_stream_host_work(s, replay_group, cg, free) == cudaSuccess
+               ? ncclSuccess
+               : ncclUnhandledCudaError;
+}
+
 ncclResult_t ncclGroupEnd(void) {
     if (g_group.depth <= 0) return ncclInvalidUsage;
     if (--g_group.depth > 0) return ncclSuccess;
-    ncclResult_t r = g_group.err != ncclSuccess ? g_group.err : run_group();
+    cudaStream_t cap = NULL;
+    ncclResult_t r = g_group.err != ncclSuccess ? g_group.err : group_capture(&cap);
+    if (r == ncclSuccess) r = cap ? capture_group(cap) : run_group();
     g_group.n = 0;
     g_group.err = ncclSuccess;
     return r;
 }
 
 static ncclResult_t enqueue(bool recv, const void *buf, size_t count, ncclDataType_t dt, int peer,
-                            ncclComm_t comm) {
+                            ncclComm_t comm, cudaStream_t stream) {
     const size_t es = type_bytes(dt);
     ncclResult_t r = ncclSuccess;
     if (!comm || !es || peer < 0 || peer >= comm->size || (count && !buf) || count > SIZE_MAX / es)
@@ -494,7 +549,8 @@ static ncclResult_t enqueue(bool recv, const void *buf, size_t count, ncclDataTy
                                             .comm = comm,
                                             .buf = (void *)(uintptr_t)buf,
                                             .n_bytes = count * es,
-                                            .peer = peer};
+                                            .peer = peer,
+                                            .stream = stream};
     }
     if (g_group.depth > 0) {
         if (r != ncclSuccess && g_group.err == ncclSuccess) g_group.err = r;
@@ -510,12 +566,12 @@ static ncclResult_t enqueue(bool recv, const void *buf, size_t count, ncclDataTy
 
 ncclResult_t ncclSend(const void *sendbuff, size_t count, ncclDataType_t datatype, int peer,
                       ncclComm_t comm, cudaStream_t stream) {
-    (void)stream; /* every emulated stream operation is already complete: order holds */
-    return enqueue(false, sendbuff, count, datatype, peer, comm);
+    /* every emulated stream operation is already complete when enqueued, so order holds; in a
+       stream capture the group becomes a node of the graph (ncclGroupEnd) */
+    return enqueue(false, sendbuff, count, datatype, peer, comm, stream);
 }
 
 ncclResult_t ncclRecv(void *recvbuff, size_t count, ncclDataType_t datatype, int peer,
                       ncclComm_t comm, cudaStream_t stream) {
-    (void)stream;
-    return enqueue(true, recvbuff, count, datatype, peer, comm);
+    return enqueue(true, recvbuff, count, datatype, peer, comm, stream);
 }

@@ -10,7 +10,9 @@
  * 2. (stand-in only) its API directly: argument/usage errors, a NOCOLOR split, a ring exchange, and
  *    on a blocking communicator a receive nobody sends fails at the deadline (sticky; abort at
  *    once). Then one rank posts no sends (K3_NCCL_EMU_TEST_DROP_SENDS): every rank's dispatch
- *    fails within the timeout with an error naming the EP group, instead of hanging.
+ *    fails within the timeout with an error naming the EP group, instead of hanging. A ring
+ *    exchange captured in a CUDA graph moves nothing at capture and the current words at each
+ *    launch; a captured group that mixes streams is refused.
  * One verdict on all ranks (MPI_Allreduce of the failure count). Without a device (device build)
  * it prints one SKIP line and exits 77; a device build also needs a GPU per rank. */
 #include "k3_comm.h"
@@ -72,6 +74,54 @@ static void test_standin_api(int rank, int size) {
     t0 = k3_now_s();
     K3_CHECK(ncclCommAbort(w) == ncclSuccess && k3_now_s() - t0 < 0.5, "abort");
     unsetenv("K3_NCCL_EMU_TIMEOUT_S");
+}
+
+/* A ring exchange captured in a CUDA graph (the emulator's capture): nothing moves at the group's
+ * end; each launch of the graph moves the words the send buffer holds then. A group that mixes a
+ * capturing stream with another is refused. */
+static void test_standin_capture(int rank, int size) {
+    ncclUniqueId id;
+    memset(&id, 0, sizeof id);
+    if (rank == 0) K3_CHECK(ncclGetUniqueId(&id) == ncclSuccess, "unique id");
+    MPI_Bcast(&id, sizeof id, MPI_BYTE, 0, MPI_COMM_WORLD);
+    ncclComm_t w = NULL;
+    K3_CHECK(ncclCommInitRankConfig(&w, size, id, rank, NULL) == ncclSuccess && w, "init");
+    if (!w) MPI_Abort(MPI_COMM_WORLD, 1);
+    cudaStream_t s = NULL, other = NULL;
+    K3_CHECK(cudaStreamCreateWithFlags(&s, cudaStreamNonBlocking) == cudaSuccess, "stream");
+    K3_CHECK(cudaStreamCreateWithFlags(&other, cudaStreamNonBlocking) == cudaSuccess, "stream");
+    const int next = (rank + 1) % size, prev = (rank + size - 1) % size;
+    int32_t out[5], in[5];
+    for (int i = 0; i < 5; i++) out[i] = -1, in[i] = -7;
+    K3_CHECK(cudaStreamBeginCapture(s, cudaStreamCaptureModeThreadLocal) == cudaSuccess, "begin");
+    ncclGroupStart();
+    ncclSend(out, 5, ncclInt32, next, w, s);
+    ncclRecv(in, 5, ncclInt32, prev, w, s);
+    K3_CHECK(ncclGroupEnd() == ncclSuccess, "a group in a capture is recorded");
+    ncclGroupStart();
+    ncclSend(out, 5, ncclInt32, next, w, s);
+    ncclRecv(in, 5, ncclInt32, prev, w, other);
+    K3_CHECK(ncclGroupEnd() == ncclInvalidUsage, "a group mixing streams in a capture");
+    cudaGraph_t g = NULL;
+    cudaGraphExec_t x = NULL;
+    K3_CHECK(cudaStreamEndCapture(s, &g) == cudaSuccess && g, "end capture");
+    K3_CHECK(in[0] == -7, "nothing moved during the capture (%d)", in[0]);
+    K3_CHECK(cudaGraphInstantiate(&x, g, 0) == cudaSuccess, "instantiate");
+    for (int rep = 0; rep < 3; rep++) {
+        for (int i = 0; i < 5; i++) out[i] = rank * 1000 + rep * 10 + i;
+        K3_CHECK(cudaGraphLaunch(x, s) == cudaSuccess, "launch %d", rep);
+        int bad = 0;
+        for (int i = 0; i < 5; i++) bad += in[i] != prev * 1000 + rep * 10 + i;
+        K3_CHECK(bad == 0, "launch %d: %d wrong words from rank %d (in[0] %d)", rep, bad, prev,
+                 in[0]);
+    }
+    ncclResult_t a = ncclInternalError;
+    K3_CHECK(ncclCommGetAsyncError(w, &a) == ncclSuccess && a == ncclSuccess, "no async error");
+    cudaGraphExecDestroy(x);
+    cudaGraphDestroy(g);
+    cudaStreamDestroy(s);
+    cudaStreamDestroy(other);
+    K3_CHECK(ncclCommDestroy(w) == ncclSuccess, "destroy");
 }
 
 /* One rank posts no sends: every rank fails within the timeout naming the EP group. */
@@ -142,6 +192,7 @@ int main(int argc, char **argv) {
     }
 #ifdef K3_NCCL_EMULATE
     test_standin_api(rank, size);
+    test_standin_capture(rank, size);
     test_silent_lane(size);
 #endif
 
