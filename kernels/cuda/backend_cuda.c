@@ -82,7 +82,9 @@ typedef struct cu_ctx {
         const int32_t *ids;           /* embed_rows: its ids (device) */
         int64_t n;                    /* embed_rows: V; moe_topk: E */
     } defer_what[CU_DEFER_MAX];
-    k3_op_stats stats; /* updated with __atomic builtins only */
+    float *mla_part;      /* the tensor-core MLA's split partials (mla_mma.cu) */
+    int64_t mla_part_cap; /* floats of it */
+    k3_op_stats stats;    /* updated with __atomic builtins only */
 } cu_ctx;
 
 static void count(uint64_t *c, uint64_t n) {
@@ -265,6 +267,7 @@ static void cu_destroy(k3_backend *be) {
         if (c->stage_done) cudaEventDestroy(c->stage_done);
         if (c->stream) cudaStreamDestroy(c->stream);
         tabs_drop(c);
+        cudaFree(c->mla_part);
         k3_free(c->tabs);
         k3_free(c);
     }
@@ -550,21 +553,48 @@ static k3_status cu_kda_chunked(k3_backend *be, const float *q, const float *k, 
                    k3_kda_chunk_work_floats(C, dk, dv)));
     return K3_OK;
 }
+/* The tensor-core MLA (mla_mma.cu) for W <= K3C_MLA_MAX_W: attn_paged (sq) or one attn_latent
+ * query (sq NULL, n_ctx rows). Its split partials live in the backend's scratch, grown here up to
+ * MLA_PART_CAP floats (then the tokens go in groups that fit); the grow waits for the stream, so
+ * no launch in flight still reads the old scratch. */
+#define MLA_PART_CAP ((int64_t)16 << 20) /* 64 MiB */
+static k3_status cu_attn_mla(k3_backend *be, const k3c_seqs *sq, int64_t n_ctx, const float *qc,
+                             const float *cache, int H, int W, int Rkv, float scale, float *o_lat) {
+    cu_ctx *c = CTX(be);
+    const int64_t T = sq ? sq->T : 1;
+    const int64_t per = k3c_attn_mla_part_floats(sq ? sq->max_ctx : n_ctx, H, Rkv);
+    int64_t tb = T;
+    if (per > 0) {
+        if (per * tb > MLA_PART_CAP) tb = MLA_PART_CAP / per > 0 ? MLA_PART_CAP / per : 1;
+        if (per * tb > c->mla_part_cap) {
+            CU_TRY(cudaStreamSynchronize(STREAM(be)));
+            cudaFree(c->mla_part);
+            c->mla_part = NULL, c->mla_part_cap = 0;
+            CU_TRY(cudaMalloc((void **)&c->mla_part, (size_t)(per * tb) * sizeof(float)));
+            c->mla_part_cap = per * tb;
+        }
+    }
+    CU_TRY(
+        k3c_attn_mla(STREAM(be), sq, n_ctx, qc, cache, H, W, Rkv, scale, o_lat, c->mla_part, tb));
+    return K3_OK;
+}
 static k3_status cu_attn_latent(k3_backend *be, const float *qc, const float *cache, int64_t n_ctx,
                                 int H, int W, int Rkv, float scale, float *o_lat, float *work) {
     K3_TRY(k3_kernels_check_attn("attn_latent", 0, n_ctx, H, W, Rkv));
+    if (W <= K3C_MLA_MAX_W && n_ctx > 0)
+        return cu_attn_mla(be, NULL, n_ctx, qc, cache, H, W, Rkv, scale, o_lat);
     CU_TRY(k3c_attn_latent(STREAM(be), qc, cache, n_ctx, H, W, Rkv, scale, o_lat, work));
     return K3_OK;
 }
-/* One attn_latent launch pair per query, in stream order (they share work): correct, not fast —
- * a causal flash kernel is future work. */
+/* One attn_latent per query, in stream order (they share work and the scratch): correct, not
+ * fast — a causal flash kernel is future work. */
 static k3_status cu_attn_latent_causal(k3_backend *be, const float *qc, const float *cache,
                                        int64_t pos0, int64_t n_q, int H, int W, int Rkv,
                                        float scale, float *o_lat, float *work) {
     K3_TRY(k3_kernels_check_attn("attn_latent_causal", pos0, n_q, H, W, Rkv));
     for (int64_t j = 0; j < n_q; j++)
-        CU_TRY(k3c_attn_latent(STREAM(be), qc + j * H * W, cache, pos0 + j + 1, H, W, Rkv, scale,
-                               o_lat + j * H * Rkv, work));
+        K3_TRY(cu_attn_latent(be, qc + j * H * W, cache, pos0 + j + 1, H, W, Rkv, scale,
+                              o_lat + j * H * Rkv, work));
     return K3_OK;
 }
 static k3_status cu_moe_topk(k3_backend *be, const float *scores, const float *bias, int64_t T,
@@ -663,8 +693,8 @@ static k3_status cu_kv_write(k3_backend *be, const k3_seqs *sq, const float *src
     CU_TRY(k3c_kv_write(STREAM(be), &c, src, W, cache));
     return K3_OK;
 }
-/* One launch, no scratch (work is one query's worth; the kernel keeps scores in shared memory or
-   recomputes them): see attn.cu. */
+/* W <= K3C_MLA_MAX_W: the tensor-core kernel (cu_attn_mla, mla_mma.cu); wider rows: one fp32
+   launch, no scratch (the kernel keeps scores in shared memory or recomputes them), attn.cu. */
 static k3_status cu_attn_paged(k3_backend *be, const k3_seqs *sq, const float *qc,
                                const float *cache, int H, int W, int Rkv, float scale, float *o_lat,
                                float *work) {
@@ -672,6 +702,7 @@ static k3_status cu_attn_paged(k3_backend *be, const k3_seqs *sq, const float *q
     K3_TRY(check_seqs(sq, true, "attn_paged"));
     K3_TRY(k3_kernels_check_attn("attn_paged", 0, sq->max_ctx, H, W, Rkv));
     const k3c_seqs c = cseqs(sq);
+    if (W <= K3C_MLA_MAX_W) return cu_attn_mla(be, &c, 0, qc, cache, H, W, Rkv, scale, o_lat);
     CU_TRY(k3c_attn_paged(STREAM(be), &c, qc, cache, H, W, Rkv, scale, o_lat));
     return K3_OK;
 }

@@ -115,6 +115,57 @@ static void cmp_exact(float *got, const float *want, int64_t n, const char *what
     free(got);
 }
 
+/* x rounded to bf16 and back (round to nearest even: the tensor-core kernels' input rounding) */
+static float *bf16_round(const float *x, int64_t n) {
+    float *r = hnan(n);
+    for (int64_t i = 0; i < n; i++) r[i] = k3_bf16_to_f32(k3_f32_to_bf16(x[i]));
+    return r;
+}
+#ifdef K3_CUDA_EMULATE
+unsigned long long k3emu_mma_count(const char *kernel); /* kernels/cuda/emu/cuda_runtime_api.h */
+#endif
+
+/* The tensor-core MLA's bound (tests/tolerances.h, K3_TOL_MLA_BF16_*) for one query: got, want
+   [H, Rkv]; qc [H, W]; rows [n, W] its context. rounded: want was computed (ref) from qc and rows
+   rounded to bf16, which are what is passed here, so only the kernel's own arithmetic counts;
+   else from the fp32 values, and bf16's input rounding counts too. The weights p_j and the
+   score magnitudes come from a float64 evaluation. Returns the elements past their bound; *worst
+   = the largest |got − want| / bound seen. */
+static int64_t mla_check(const float *got, const float *want, const float *qc, const float *rows,
+                         int64_t n, int H, int W, int Rkv, float scale, bool rounded,
+                         double *worst) {
+    double *p = malloc((size_t)n * sizeof(double));
+    int64_t bad = 0;
+    for (int h = 0; h < H; h++) {
+        double amax = 0, m = -INFINITY, z = 0;
+        for (int64_t j = 0; j < n; j++) {
+            double sc = 0, a = 0;
+            for (int i = 0; i < W; i++) {
+                const double x = (double)qc[h * W + i] * rows[j * W + i];
+                sc += x, a += fabs(x);
+            }
+            p[j] = sc * scale, a *= scale;
+            amax = a > amax ? a : amax, m = p[j] > m ? p[j] : m;
+        }
+        for (int64_t j = 0; j < n; j++) z += p[j] = exp(p[j] - m);
+        double ds = K3_TOL_MLA_BF16_SIDES * (W + 3) * K3_FP32_U * amax;
+        if (!rounded) ds += K3_TOL_MLA_BF16_IN * amax;
+        const double ep = K3_TOL_BF16_ACT_REL + 1.01 * ds + 32 * K3_FP32_U;
+        const double rel = 2 * ep / (1 - ep) + (rounded ? 0 : K3_TOL_BF16_ACT_REL) +
+                           K3_TOL_MLA_BF16_SIDES * (double)(n + 32) * K3_FP32_U;
+        for (int e = 0; e < Rkv; e++) {
+            double wsum = 0;
+            for (int64_t j = 0; j < n; j++) wsum += p[j] / z * fabs(rows[j * W + e]);
+            const double bound = rel * wsum + 1e-30;
+            const double d = fabs((double)got[h * Rkv + e] - want[h * Rkv + e]);
+            bad += !(d <= bound);
+            if (d / bound > *worst || isnan(d)) *worst = isnan(d) ? INFINITY : d / bound;
+        }
+    }
+    free(p);
+    return bad;
+}
+
 /* ---- weights --------------------------------------------------------------------------------- */
 typedef struct {
     k3_tensor host, dev;
@@ -473,21 +524,40 @@ static void test_kda_chunked(void) {
     kda_case(true, 150, 2, 128, 128, 64); /* two chunks and a ragged tail of 22 */
     kda_case(true, 20, 2, 32, 48, 64);    /* only a tail */
 }
+/* attn_latent: W <= 640 on tensor cores (bf16 bound, mla_check), a wider row on the fp32 kernel
+   (the op bound); 777 positions take 4 splits and the combine */
 static void test_attn_latent(void) {
-    const int H = 8, Rkv = 512, W = 576;
-    const int64_t ns[2] = {1, 777};
-    for (int c = 0; c < 2; c++) {
-        int64_t n_ctx = ns[c];
+    const int Hs[3] = {8, 8, 3}, Rs[3] = {512, 512, 700}, Ws[3] = {576, 576, 720};
+    const int64_t ns[3] = {1, 777, 40};
+    for (int c = 0; c < 3; c++) {
+        const int H = Hs[c], Rkv = Rs[c], W = Ws[c];
+        const int64_t n_ctx = ns[c];
         float *qc = randn((int64_t)H * W, 1.0f), *cache = randn(n_ctx * W, 1.0f);
+        float *qr = bf16_round(qc, (int64_t)H * W), *cr = bf16_round(cache, n_ctx * W);
         float *work = hnan(H * n_ctx), *want = hnan((int64_t)H * Rkv);
+        float *want_r = hnan((int64_t)H * Rkv);
         float *dq = dcopy(qc, (int64_t)H * W), *dc = dcopy(cache, n_ctx * W);
         float *dw = dpoison(H * n_ctx), *dy = dpoison((int64_t)H * Rkv);
         const float scale = 1.0f / sqrtf((float)W);
         K3_CHECK_OK(g_ref->ops->attn_latent(g_ref, qc, cache, n_ctx, H, W, Rkv, scale, want, work));
+        K3_CHECK_OK(g_ref->ops->attn_latent(g_ref, qr, cr, n_ctx, H, W, Rkv, scale, want_r, work));
         K3_CHECK_OK(g_cu->ops->attn_latent(g_cu, dq, dc, n_ctx, H, W, Rkv, scale, dy, dw));
-        cmp(hget(dy, (int64_t)H * Rkv), want, (int64_t)H * Rkv, K3_TOL_OP_REL_L2, "attn_latent");
+        float *got = hget(dy, (int64_t)H * Rkv);
+        if (W <= 640) {
+            double w1 = 0, w2 = 0;
+            const int64_t b1 = mla_check(got, want_r, qr, cr, n_ctx, H, W, Rkv, scale, true, &w1);
+            const int64_t b2 = mla_check(got, want, qc, cache, n_ctx, H, W, Rkv, scale, false, &w2);
+            K3_CHECK(b1 == 0 && b2 == 0,
+                     "attn_latent n %lld: %lld / %lld elements past the bf16 bound (worst %.3g of "
+                     "it vs bf16 inputs, %.3g vs fp32)",
+                     (long long)n_ctx, (long long)b1, (long long)b2, w1, w2);
+            printf("    attn_latent n %lld: vs fp32 ref rel-L2 %.3g, worst %.3g of the bound\n",
+                   (long long)n_ctx, k3_rel_l2(got, want, (size_t)H * Rkv), w2);
+            free(got);
+        } else
+            cmp(got, want, (int64_t)H * Rkv, K3_TOL_OP_REL_L2, "attn_latent fp32");
         dfree_all("attn_latent");
-        free(qc), free(cache), free(work), free(want);
+        free(qc), free(cache), free(qr), free(cr), free(work), free(want), free(want_r);
     }
 }
 static void test_attn_latent_causal(void) {
@@ -504,7 +574,15 @@ static void test_attn_latent_causal(void) {
     K3_CHECK_OK(
         g_ref->ops->attn_latent_causal(g_ref, qc, cache, pos0, n_q, H, W, Rkv, scale, want, work));
     K3_CHECK_OK(g_cu->ops->attn_latent_causal(g_cu, dq, dc, pos0, n_q, H, W, Rkv, scale, dy, dw));
-    cmp(hget(dy, no), want, no, K3_TOL_OP_REL_L2, "attn_latent_causal");
+    float *got = hget(dy, no);
+    double worst = 0;
+    int64_t bad = 0;
+    for (int64_t j = 0; j < n_q; j++)
+        bad += mla_check(got + j * H * Rkv, want + j * H * Rkv, qc + j * H * W, cache, pos0 + j + 1,
+                         H, W, Rkv, scale, false, &worst);
+    K3_CHECK(bad == 0, "attn_latent_causal: %lld elements past the bf16 bound (worst %.3g of it)",
+             (long long)bad, worst);
+    free(got);
     dfree_all("attn_latent_causal");
     free(qc), free(cache), free(work), free(want);
 }
@@ -761,29 +839,59 @@ static void paged_case(int n, const int32_t *ntok, const int32_t *pos, int mb, i
     float *qc = randn(nq, 1.0f), *cache = randn(nc, 1.0f), *want = hnan(no), *work = hnan(wf);
     float *dq = dcopy(qc, nq), *dc = dcopy(cache, nc), *dy = dpoison(no), *dw = dpoison(wf);
     const float scale = 1.0f / sqrtf((float)W);
+    float *qr = bf16_round(qc, nq), *cr = bf16_round(cache, nc), *want_r = hnan(no);
     K3_CHECK_OK(g_cpu->ops->attn_paged(g_cpu, &sq.h, qc, cache, H, W, Rkv, scale, want, work));
+    K3_CHECK_OK(g_ref->ops->attn_paged(g_ref, &sq.h, qr, cr, H, W, Rkv, scale, want_r, work));
+#ifdef K3_CUDA_EMULATE
+    const unsigned long long mma0 = k3emu_mma_count("mla_split_kernel");
+#endif
     K3_CHECK_OK(g_cu->ops->attn_paged(g_cu, &sq.d, dq, dc, H, W, Rkv, scale, dy, dw));
     float *got = hget(dy, no);
+#ifdef K3_CUDA_EMULATE /* the tensor-core instruction count of the op */
+    const unsigned long long mma = k3emu_mma_count("mla_split_kernel") - mma0;
+    printf("    %s: %llu mma.m16n8k16 in mla_split_kernel\n", what, mma);
+    K3_CHECK(W > 640 || mma > 0, "%s: no tensor-core instruction ran", what);
+#endif
     int bad = 0;
+    int64_t bb = 0;
+    double worst = 0, worst_r = 0;
     for (int i = 0, t = 0; i < n; i++) {
         const int64_t n_ctx = pos[i] + ntok[i];
         float *cont = hnan(n_ctx * W);
         for (int64_t p = 0; p < n_ctx; p++)
             memcpy(cont + p * W, cache + k3_seqs_kv_row(&sq.h, i, p) * W, (size_t)W * 4);
         float *dcont = dcopy(cont, n_ctx * W), *d1 = dpoison((int64_t)H * Rkv);
+        float *cont_r = bf16_round(cont, n_ctx * W);
         for (int j = 0; j < ntok[i]; j++, t++) {
             K3_CHECK_OK(g_cu->ops->attn_latent(g_cu, dq + (int64_t)t * H * W, dcont, pos[i] + j + 1,
                                                H, W, Rkv, scale, d1, dw));
             float *one = hget(d1, (int64_t)H * Rkv);
             bad += memcmp(one, got + (int64_t)t * H * Rkv, (size_t)H * Rkv * 4) != 0;
             free(one);
+            if (W > 640) continue; /* the fp32 kernel: the op bound below */
+            const int64_t o = (int64_t)t * H * Rkv, oq = (int64_t)t * H * W, nj = pos[i] + j + 1;
+            bb += mla_check(got + o, want_r + o, qr + oq, cont_r, nj, H, W, Rkv, scale, true,
+                            &worst_r);
+            bb += mla_check(got + o, want + o, qc + oq, cont, nj, H, W, Rkv, scale, false, &worst);
         }
-        free(cont);
+        free(cont), free(cont_r);
     }
     K3_CHECK(bad == 0, "%s: %d tokens differ from attn_latent on a contiguous copy", what, bad);
-    cmp(got, want, no, K3_TOL_OP_REL_L2, what);
+    if (W > 640)
+        cmp(got, want, no, K3_TOL_OP_REL_L2, what);
+    else {
+        K3_CHECK(bb == 0,
+                 "%s: %lld elements past the bf16 bound (worst %.3g of it vs bf16 inputs, %.3g "
+                 "vs fp32)",
+                 what, (long long)bb, worst_r, worst);
+        printf("    %s: vs fp32 cpu rel-L2 %.3g; worst %.3g (bf16 inputs) and %.3g (fp32) of the "
+               "bound\n",
+               what, k3_rel_l2(got, want, (size_t)no), worst_r, worst);
+        free(got);
+    }
     dfree_all(what);
     free(blocks), free(qc), free(cache), free(want), free(work), free(sq.hb);
+    free(qr), free(cr), free(want_r);
 }
 static void test_attn_paged(void) {
     static const int32_t ntok[SQ_N] = {1, 70, 5, 1}, pos[SQ_N] = {10, 0, 130, 63};
@@ -791,6 +899,12 @@ static void test_attn_paged(void) {
     /* a context past the scores a block keeps (8192): recomputed per tile */
     static const int32_t ntok2[2] = {1, 3}, pos2[2] = {8299, 5};
     paged_case(2, ntok2, pos2, 130, 300, 2, 80, 64, "attn_paged long");
+    /* decode only (every token alone; 21 heads: a partial second head tile), a context of 600
+       (3 splits and the combine), and a row past the tensor-core width (the fp32 kernel) */
+    static const int32_t ntok3[3] = {1, 1, 1}, pos3[3] = {599, 0, 64};
+    paged_case(3, ntok3, pos3, 10, 30, 21, 576, 512, "attn_paged decode");
+    static const int32_t ntok4[2] = {2, 1}, pos4[2] = {3, 300};
+    paged_case(2, ntok4, pos4, 5, 12, 2, 720, 700, "attn_paged wide");
 }
 
 static void test_short_conv_seqs(void) {
