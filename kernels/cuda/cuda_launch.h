@@ -60,6 +60,10 @@ int k3c_short_conv(cudaStream_t s, const float *in, int64_t n, int64_t P, int K,
 int k3c_kda(cudaStream_t s, const float *q, const float *k, const float *v, const float *g,
             const float *beta, int64_t n, int H, int dk, int dv, float scale, float *S, float *o,
             int C, float *work, size_t wf);
+/* kda_recurrent with the state stored in bf16 (opt-in; kda.cu): S [H, dk, dv] bf16 bits */
+int k3c_kda_stream_bf16(cudaStream_t s, const float *q, const float *k, const float *v,
+                        const float *g, const float *beta, int64_t n, int H, int dk, int dv,
+                        float scale, uint16_t *S, float *o);
 
 /* seqs kernels: the batch descriptor's device arrays (k3_seqs: tok0 [n_seqs + 1], pos, slot
  * [n_seqs], blocks [n_seqs, max_blocks]) and its host scalars, which size the grids. */

@@ -15,9 +15,129 @@
 //     a full chunk (max_new >= C), one launch over heads that runs the chunked sequences in turn
 //     (their scratch is the op's: one chunk's worth per head, as kda_chunked's).
 //
+//   State streaming (issue 44, Deliver 3c): a recurrent run (decode: one token) whose shape fits
+//     (dv % 4 = 0, dk <= K3C_KDA_RPT·(256 / (dv / 4)), the state 16-byte aligned) takes
+//     head_stream instead of head_recurrent: block (head[, sequence]) of 256 threads holds the
+//     head's state in registers — thread (rg, cg) = (tid / (dv / 4), tid % (dv / 4)) the four
+//     columns 4cg .. 4cg + 3 of rows rg, rg + R, ... (R = 256 / (dv / 4) row groups; at dk = dv =
+//     128, 16 rows × 4 = 64 floats) — read once with one 16-byte load per row and lane (a warp
+//     reads a row's 512 contiguous bytes: four whole 128-byte lines) and written once at the end,
+//     all the run's tokens in between. Per token (fp32): the rows decay and each thread sums
+//     u = Σ k_i s_ij over its rows, the row groups' partials meet in shared memory in order, δ =
+//     β(v − u), S += k δᵀ and o = scale·Sᵀq the same way. The same sums as the ref in another
+//     order (K3_TOL_KDA_REL_L2). The state may be stored in bf16 (k3c_kda_stream_bf16: 8-byte
+//     loads, fp32 math, rounded to nearest even at each store): opt-in, not used by the backend's
+//     ops.
 // Verified on host math only; device run pending.
 #include "cuda_launch.h"
 #include "cuda_math.cuh"
+#include "k3c_mma.cuh" /* k3c_bf16_rne */
+
+#define K3C_KDA_THREADS 256 /* head_stream's block */
+#define K3C_KDA_RPT     16  /* state rows a thread of head_stream holds */
+
+/* four consecutive state values of a row, fp32 or bf16 */
+static __device__ __forceinline__ void st_load(const float *p, float x[4]) {
+    const float4 v = *(const float4 *)p;
+    x[0] = v.x, x[1] = v.y, x[2] = v.z, x[3] = v.w;
+}
+static __device__ __forceinline__ void st_store(float *p, const float x[4]) {
+    *(float4 *)p = make_float4(x[0], x[1], x[2], x[3]);
+}
+static __device__ __forceinline__ void st_load(const uint16_t *p, float x[4]) {
+    const uint64_t v = *(const uint64_t *)p; /* one 8-byte load: 4 bf16 */
+    for (int c = 0; c < 4; c++) x[c] = k3c_bf16((uint16_t)(v >> (16 * c)));
+}
+static __device__ __forceinline__ void st_store(uint16_t *p, const float x[4]) {
+    uint64_t v = 0;
+    for (int c = 0; c < 4; c++) v |= (uint64_t)k3c_bf16_rne(x[c]) << (16 * c);
+    *(uint64_t *)p = v;
+}
+
+/* The recurrence of one head over n tokens with the state in registers (see the top); sh:
+ * 3·dk + dv + 2·R·dv floats. ST: float, or uint16_t (bf16 storage). */
+template <typename ST>
+static __device__ void head_stream(const float *q, const float *k, const float *v, const float *g,
+                                   const float *beta, int64_t n, int64_t sqk, int64_t svo,
+                                   int64_t sb, int dk, int dv, float scale, ST *S, float *o,
+                                   float *sh) {
+    const int cgs = dv >> 2, R = K3C_KDA_THREADS / cgs, tid = threadIdx.x;
+    const int cg = tid % cgs, rg = tid / cgs, j0 = 4 * cg;
+    const bool act = rg < R;
+    float *se = sh, *sk = se + dk, *sq = sk + dk, *sv = sq + dk, *ru = sv + dv, *ro = ru + R * dv;
+    float s[K3C_KDA_RPT][4];
+#pragma unroll
+    for (int r = 0; r < K3C_KDA_RPT; r++) {
+        const int i = rg + r * R;
+        if (act && i < dk)
+            st_load(S + (int64_t)i * dv + j0, s[r]);
+        else
+            s[r][0] = s[r][1] = s[r][2] = s[r][3] = 0.0f;
+    }
+    for (int64_t t = 0; t < n; t++) {
+        for (int i = tid; i < dk; i += blockDim.x) {
+            se[i] = expf(g[t * sqk + i]);
+            sk[i] = k[t * sqk + i];
+            sq[i] = q[t * sqk + i];
+        }
+        for (int j = tid; j < dv; j += blockDim.x) sv[j] = v[t * svo + j];
+        __syncthreads();
+        float u[4] = {0.0f, 0.0f, 0.0f, 0.0f};
+#pragma unroll
+        for (int r = 0; r < K3C_KDA_RPT; r++) {
+            const int i = rg + r * R;
+            if (!act || i >= dk) break;
+            const float e = se[i], ki = sk[i];
+            for (int c = 0; c < 4; c++) {
+                s[r][c] *= e;
+                u[c] = fmaf(ki, s[r][c], u[c]);
+            }
+        }
+        if (act)
+            for (int c = 0; c < 4; c++) ru[rg * dv + j0 + c] = u[c];
+        __syncthreads();
+        const float b = beta[t * sb];
+        float d[4], op[4] = {0.0f, 0.0f, 0.0f, 0.0f};
+        for (int c = 0; c < 4; c++) {
+            float uu = 0.0f;
+            for (int x = 0; x < R; x++) uu += ru[x * dv + j0 + c];
+            d[c] = b * (sv[j0 + c] - uu);
+        }
+#pragma unroll
+        for (int r = 0; r < K3C_KDA_RPT; r++) {
+            const int i = rg + r * R;
+            if (!act || i >= dk) break;
+            const float ki = sk[i], qi = sq[i];
+            for (int c = 0; c < 4; c++) {
+                s[r][c] = fmaf(ki, d[c], s[r][c]);
+                op[c] = fmaf(qi, s[r][c], op[c]);
+            }
+        }
+        if (act)
+            for (int c = 0; c < 4; c++) ro[rg * dv + j0 + c] = op[c];
+        __syncthreads();
+        if (rg == 0)
+            for (int c = 0; c < 4; c++) {
+                float oo = 0.0f;
+                for (int x = 0; x < R; x++) oo += ro[x * dv + j0 + c];
+                o[t * svo + j0 + c] = scale * oo;
+            }
+        __syncthreads(); /* before the next token overwrites the staging and the partials */
+    }
+#pragma unroll
+    for (int r = 0; r < K3C_KDA_RPT; r++) {
+        const int i = rg + r * R;
+        if (act && i < dk) st_store(S + (int64_t)i * dv + j0, s[r]);
+    }
+}
+/* head_stream takes dk × dv (and its shared memory) */
+static bool stream_fits(int dk, int dv) {
+    return dv % 4 == 0 && dv / 4 <= K3C_KDA_THREADS &&
+           dk <= K3C_KDA_RPT * (K3C_KDA_THREADS / (dv / 4));
+}
+static size_t stream_shmem(int dk, int dv) {
+    return (size_t)(3 * dk + dv + 2 * (K3C_KDA_THREADS / (dv / 4)) * dv) * sizeof(float);
+}
 
 static __global__ void gate_kernel(float *r, const float *dt_bias, const float *a_log, int64_t T,
                                    int H, int dk, bool has_lb, float lb) {
@@ -65,6 +185,17 @@ static __global__ void recurrent_kernel(const float *q, const float *k, const fl
     const int64_t sqk = (int64_t)H * dk, svo = (int64_t)H * dv;
     head_recurrent(q + h * dk, k + h * dk, v + h * dv, g + h * dk, beta + h, n, sqk, svo, H, dk, dv,
                    scale, S + (int64_t)h * dk * dv, o + h * dv, sh_rec);
+}
+
+template <typename ST>
+static __global__ void __launch_bounds__(K3C_KDA_THREADS)
+    stream_kernel(const float *q, const float *k, const float *v, const float *g, const float *beta,
+                  int64_t n, int H, int dk, int dv, float scale, ST *S, float *o) {
+    K3C_DYN_SHARED(float, sh_str);
+    const int h = blockIdx.x;
+    const int64_t sqk = (int64_t)H * dk, svo = (int64_t)H * dv;
+    head_stream<ST>(q + h * dk, k + h * dk, v + h * dv, g + h * dk, beta + h, n, sqk, svo, H, dk,
+                    dv, scale, S + (int64_t)h * dk * dv, o + h * dv, sh_str);
 }
 
 /* The chunked form of one head over n tokens (pointers at the head's token-0 rows, strides as
@@ -130,13 +261,20 @@ static __device__ void zero_head(float *S, int n) {
 static __global__ void recurrent_seqs_kernel(k3c_seqs sq, const float *q, const float *k,
                                              const float *v, const float *g, const float *beta,
                                              int H, int dk, int dv, float scale, float *S,
-                                             int64_t S_stride, float *o, int C) {
+                                             int64_t S_stride, float *o, int C, bool stream) {
     K3C_DYN_SHARED(float, sh_rec);
     const int h = blockIdx.x, i = blockIdx.y;
     const int64_t t0 = sq.tok0[i], n = sq.tok0[i + 1] - t0;
     if (C >= 2 && n >= C) return; /* block-uniform */
     const int64_t sqk = (int64_t)H * dk, svo = (int64_t)H * dv;
     if (sq.pos[i] == 0) zero_head(S + sq.slot[i] * S_stride + (int64_t)h * dk * dv, dk * dv);
+    if (stream) {
+        head_stream<float>(q + t0 * sqk + h * dk, k + t0 * sqk + h * dk, v + t0 * svo + h * dv,
+                           g + t0 * sqk + h * dk, beta + t0 * H + h, n, sqk, svo, H, dk, dv, scale,
+                           S + sq.slot[i] * S_stride + (int64_t)h * dk * dv, o + t0 * svo + h * dv,
+                           sh_rec);
+        return;
+    }
     head_recurrent(q + t0 * sqk + h * dk, k + t0 * sqk + h * dk, v + t0 * svo + h * dv,
                    g + t0 * sqk + h * dk, beta + t0 * H + h, n, sqk, svo, H, dk, dv, scale,
                    S + sq.slot[i] * S_stride + (int64_t)h * dk * dv, o + t0 * svo + h * dv, sh_rec);
@@ -196,7 +334,10 @@ extern "C" int k3c_kda(cudaStream_t s, const float *q, const float *k, const flo
                        float scale, float *S, float *o, int C, float *work, size_t wf) {
     if (n <= 0 || H <= 0) return 0;
     const size_t sh_tail = 3 * (size_t)dk * sizeof(float);
-    if (C == 0) {
+    if (C == 0 && stream_fits(dk, dv) && ((uintptr_t)S & 15u) == 0) {
+        K3C_LAUNCH((unsigned)H, K3C_KDA_THREADS, stream_shmem(dk, dv), s, stream_kernel<float>)
+        (q, k, v, g, beta, n, H, dk, dv, scale, S, o);
+    } else if (C == 0) {
         K3C_LAUNCH((unsigned)H, 128, sh_tail, s, recurrent_kernel)
         (q, k, v, g, beta, n, H, dk, dv, scale, S, o);
     } else {
@@ -223,12 +364,27 @@ extern "C" int k3c_kda_seqs(cudaStream_t s, const k3c_seqs *sq, const float *q, 
     if (sq->n_seqs <= 0 || H <= 0) return 0;
     const size_t sh_tail = 3 * (size_t)dk * sizeof(float);
     dim3 grid((unsigned)H, (unsigned)sq->n_seqs);
-    K3C_LAUNCH(grid, 128, sh_tail, s, recurrent_seqs_kernel)
-    (*sq, q, k, v, g, beta, H, dk, dv, scale, S, S_stride, o, C);
+    if (stream_fits(dk, dv) && ((uintptr_t)S & 15u) == 0 && S_stride % 4 == 0)
+        K3C_LAUNCH(grid, K3C_KDA_THREADS, stream_shmem(dk, dv), s, recurrent_seqs_kernel)
+    (*sq, q, k, v, g, beta, H, dk, dv, scale, S, S_stride, o, C, true);
+    else K3C_LAUNCH(grid, 128, sh_tail, s, recurrent_seqs_kernel)(*sq, q, k, v, g, beta, H, dk, dv,
+                                                                  scale, S, S_stride, o, C, false);
     if (C >= 2 && sq->max_new >= C) { /* some sequence has a full chunk */
         const size_t sh = (size_t)C * sizeof(double) + sh_tail;
         K3C_LAUNCH((unsigned)H, 256, sh, s, chunked_seqs_kernel)
         (*sq, q, k, v, g, beta, H, dk, dv, scale, S, S_stride, o, C, work, wf);
     }
+    return (int)cudaGetLastError();
+}
+
+/* kda_recurrent with the state stored in bf16 (S [H, dk, dv] bf16 bits, 8-byte aligned rows):
+ * opt-in, for the fidelity test; the backend's ops keep the state in fp32. */
+extern "C" int k3c_kda_stream_bf16(cudaStream_t s, const float *q, const float *k, const float *v,
+                                   const float *g, const float *beta, int64_t n, int H, int dk,
+                                   int dv, float scale, uint16_t *S, float *o) {
+    if (n <= 0 || H <= 0) return 0;
+    if (!stream_fits(dk, dv) || ((uintptr_t)S & 7u)) return (int)cudaErrorInvalidValue;
+    K3C_LAUNCH((unsigned)H, K3C_KDA_THREADS, stream_shmem(dk, dv), s, stream_kernel<uint16_t>)
+    (q, k, v, g, beta, n, H, dk, dv, scale, S, o);
     return (int)cudaGetLastError();
 }

@@ -62,16 +62,16 @@ K3C_FN int k3c_mla_ld(int W) {
 }
 
 typedef struct k3c_mla_job {
-    k3c_seqs sq;   /* paged: the batch; else one query over n_ctx contiguous rows */
+    k3c_seqs sq; /* paged: the batch; else one query over n_ctx contiguous rows */
     bool paged;
     int64_t n_ctx; /* contiguous only */
     const float *qc, *cache;
     int H, W, Rkv, ns_max;
     float scale;
-    int64_t t0;     /* the launch's first token */
-    float *o_lat;   /* [T, H, Rkv] */
-    float *part;    /* [tokens of the launch, H, ns_max, Rkv] */
-    float *lse;     /* [tokens of the launch, H, ns_max] */
+    int64_t t0;   /* the launch's first token */
+    float *o_lat; /* [T, H, Rkv] */
+    float *part;  /* [tokens of the launch, H, ns_max, Rkv] */
+    float *lse;   /* [tokens of the launch, H, ns_max] */
 } k3c_mla_job;
 
 /* the context and the block table of token t */
@@ -159,8 +159,8 @@ static __global__ void __launch_bounds__(K3C_MLA_THREADS) mla_split_kernel(k3c_m
                 uint32_t af[4], bf[2];
                 k3c_ldmatrix_x4(af, Qs + ((lane & 7) + 8 * ((lane >> 3) & 1)) * ld + ks * 16 +
                                         8 * (lane >> 4));
-                k3c_ldmatrix_x2(bf, Ks + (nt * 8 + (lane & 7)) * ld + ks * 16 +
-                                        8 * ((lane >> 3) & 1));
+                k3c_ldmatrix_x2(bf,
+                                Ks + (nt * 8 + (lane & 7)) * ld + ks * 16 + 8 * ((lane >> 3) & 1));
                 k3c_mma_bf16_16816(c, af, bf, c);
             }
             float *S = Sf + half * K3C_MLA_HEADS * K3C_MLA_TILE;
@@ -173,10 +173,11 @@ static __global__ void __launch_bounds__(K3C_MLA_THREADS) mla_split_kernel(k3c_m
             const int r = tid;
             float sv[K3C_MLA_TILE], mt = -INFINITY;
             for (int c = 0; c < K3C_MLA_TILE; c++) {
-                sv[c] = a + c < p1 ? (Sf[r * K3C_MLA_TILE + c] +
-                                      Sf[(K3C_MLA_HEADS + r) * K3C_MLA_TILE + c]) *
-                                         j.scale
-                                   : -INFINITY;
+                sv[c] =
+                    a + c < p1
+                        ? (Sf[r * K3C_MLA_TILE + c] + Sf[(K3C_MLA_HEADS + r) * K3C_MLA_TILE + c]) *
+                              j.scale
+                        : -INFINITY;
                 mt = fmaxf(mt, sv[c]);
             }
             const float mn = fmaxf(rm[r], mt), alpha = expf(rm[r] - mn);
