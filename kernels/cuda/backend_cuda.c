@@ -82,6 +82,7 @@ typedef struct cu_ctx {
         const int32_t *ids;           /* embed_rows: its ids (device) */
         int64_t n;                    /* embed_rows: V; moe_topk: E */
     } defer_what[CU_DEFER_MAX];
+    bool mma;             /* K3_CUDA_MMA=1: the bf16 tensor-core MLA and KDA prefill */
     float *mla_part;      /* the tensor-core MLA's split partials (mla_mma.cu) */
     int64_t mla_part_cap; /* floats of it */
     k3_op_stats stats;    /* updated with __atomic builtins only */
@@ -553,7 +554,8 @@ static k3_status cu_kda_chunked(k3_backend *be, const float *q, const float *k, 
                    k3_kda_chunk_work_floats(C, dk, dv)));
     return K3_OK;
 }
-/* The tensor-core MLA (mla_mma.cu) for W <= K3C_MLA_MAX_W: attn_paged (sq) or one attn_latent
+/* The tensor-core MLA (mla_mma.cu), opt-in (K3_CUDA_MMA=1: bf16 inputs move tiny models' greedy
+ * tokens, see DESIGN §3b), for W <= K3C_MLA_MAX_W: attn_paged (sq) or one attn_latent
  * query (sq NULL, n_ctx rows). Its split partials live in the backend's scratch, grown here up to
  * MLA_PART_CAP floats (then the tokens go in groups that fit); the grow waits for the stream, so
  * no launch in flight still reads the old scratch. */
@@ -581,7 +583,7 @@ static k3_status cu_attn_mla(k3_backend *be, const k3c_seqs *sq, int64_t n_ctx, 
 static k3_status cu_attn_latent(k3_backend *be, const float *qc, const float *cache, int64_t n_ctx,
                                 int H, int W, int Rkv, float scale, float *o_lat, float *work) {
     K3_TRY(k3_kernels_check_attn("attn_latent", 0, n_ctx, H, W, Rkv));
-    if (W <= K3C_MLA_MAX_W && n_ctx > 0)
+    if (CTX(be)->mma && W <= K3C_MLA_MAX_W && n_ctx > 0)
         return cu_attn_mla(be, NULL, n_ctx, qc, cache, H, W, Rkv, scale, o_lat);
     CU_TRY(k3c_attn_latent(STREAM(be), qc, cache, n_ctx, H, W, Rkv, scale, o_lat, work));
     return K3_OK;
@@ -693,8 +695,9 @@ static k3_status cu_kv_write(k3_backend *be, const k3_seqs *sq, const float *src
     CU_TRY(k3c_kv_write(STREAM(be), &c, src, W, cache));
     return K3_OK;
 }
-/* W <= K3C_MLA_MAX_W: the tensor-core kernel (cu_attn_mla, mla_mma.cu); wider rows: one fp32
-   launch, no scratch (the kernel keeps scores in shared memory or recomputes them), attn.cu. */
+/* K3_CUDA_MMA=1 and W <= K3C_MLA_MAX_W: the tensor-core kernel (cu_attn_mla, mla_mma.cu); wider
+   rows: one fp32 launch, no scratch (the kernel keeps scores in shared memory or recomputes them),
+   attn.cu. */
 static k3_status cu_attn_paged(k3_backend *be, const k3_seqs *sq, const float *qc,
                                const float *cache, int H, int W, int Rkv, float scale, float *o_lat,
                                float *work) {
@@ -702,7 +705,8 @@ static k3_status cu_attn_paged(k3_backend *be, const k3_seqs *sq, const float *q
     K3_TRY(check_seqs(sq, true, "attn_paged"));
     K3_TRY(k3_kernels_check_attn("attn_paged", 0, sq->max_ctx, H, W, Rkv));
     const k3c_seqs c = cseqs(sq);
-    if (W <= K3C_MLA_MAX_W) return cu_attn_mla(be, &c, 0, qc, cache, H, W, Rkv, scale, o_lat);
+    if (CTX(be)->mma && W <= K3C_MLA_MAX_W)
+        return cu_attn_mla(be, &c, 0, qc, cache, H, W, Rkv, scale, o_lat);
     CU_TRY(k3c_attn_paged(STREAM(be), &c, qc, cache, H, W, Rkv, scale, o_lat));
     return K3_OK;
 }
@@ -942,6 +946,8 @@ int k3_backend_cuda_ops_done(void) {
 
 static k3_status cu_ctx_init(cu_ctx *c, int n_devices) {
     c->device = k3_local_rank() % n_devices;
+    const char *mma = getenv("K3_CUDA_MMA");
+    c->mma = mma && strcmp(mma, "1") == 0;
     CU_TRY(cudaSetDevice(c->device));
     CU_TRY(cudaStreamCreateWithFlags(&c->stream, cudaStreamNonBlocking));
     CU_TRY(cudaMalloc((void **)&c->err_dev, sizeof *c->err_dev));

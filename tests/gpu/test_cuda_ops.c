@@ -29,6 +29,11 @@
 static k3_rng g_rng;
 static const uint64_t k_seed = 20261201;
 static k3_backend *g_ref, *g_cpu, *g_cu; /* the varlen ops compare with cpu */
+/* g_cu runs the opt-in tensor-core kernels (K3_CUDA_MMA=1: MLA for W <= 640, KDA prefill at chunk
+   16); g_cu32 is the default backend (fp32 kernels), swapped in as g_cu by the cases that check
+   those paths (g_mma tells the checks which one runs). */
+static k3_backend *g_cu32;
+static bool g_mma = true;
 
 #define GUARD    64          /* floats of guard band on each side of a device buffer */
 #define SENTINEL 0x7fc0de5du /* a NaN payload no kernel writes */
@@ -613,7 +618,7 @@ static void test_attn_latent(void) {
         K3_CHECK_OK(g_ref->ops->attn_latent(g_ref, qr, cr, n_ctx, H, W, Rkv, scale, want_r, work));
         K3_CHECK_OK(g_cu->ops->attn_latent(g_cu, dq, dc, n_ctx, H, W, Rkv, scale, dy, dw));
         float *got = hget(dy, (int64_t)H * Rkv);
-        if (W <= 640) {
+        if (W <= 640) { /* g_cu: the tensor-core kernel */
             double w1 = 0, w2 = 0;
             const int64_t b1 = mla_check(got, want_r, qr, cr, n_ctx, H, W, Rkv, scale, true, &w1);
             const int64_t b2 = mla_check(got, want, qc, cache, n_ctx, H, W, Rkv, scale, false, &w2);
@@ -920,7 +925,7 @@ static void paged_case(int n, const int32_t *ntok, const int32_t *pos, int mb, i
 #ifdef K3_CUDA_EMULATE /* the tensor-core instruction count of the op */
     const unsigned long long mma = k3emu_mma_count("mla_split_kernel") - mma0;
     printf("    %s: %llu mma.m16n8k16 in mla_split_kernel\n", what, mma);
-    K3_CHECK(W > 640 || mma > 0, "%s: no tensor-core instruction ran", what);
+    K3_CHECK(W > 640 || !g_mma || mma > 0, "%s: no tensor-core instruction ran", what);
 #endif
     int bad = 0;
     int64_t bb = 0;
@@ -938,7 +943,7 @@ static void paged_case(int n, const int32_t *ntok, const int32_t *pos, int mb, i
             float *one = hget(d1, (int64_t)H * Rkv);
             bad += memcmp(one, got + (int64_t)t * H * Rkv, (size_t)H * Rkv * 4) != 0;
             free(one);
-            if (W > 640) continue; /* the fp32 kernel: the op bound below */
+            if (W > 640 || !g_mma) continue; /* the fp32 kernel: the op bound below */
             const int64_t o = (int64_t)t * H * Rkv, oq = (int64_t)t * H * W, nj = pos[i] + j + 1;
             bb += mla_check(got + o, want_r + o, qr + oq, cont_r, nj, H, W, Rkv, scale, true,
                             &worst_r);
@@ -947,7 +952,7 @@ static void paged_case(int n, const int32_t *ntok, const int32_t *pos, int mb, i
         free(cont), free(cont_r);
     }
     K3_CHECK(bad == 0, "%s: %d tokens differ from attn_latent on a contiguous copy", what, bad);
-    if (W > 640)
+    if (W > 640 || !g_mma)
         cmp(got, want, no, K3_TOL_OP_REL_L2, what);
     else {
         K3_CHECK(bb == 0,
@@ -975,6 +980,11 @@ static void test_attn_paged(void) {
     paged_case(3, ntok3, pos3, 10, 30, 21, 576, 512, "attn_paged decode");
     static const int32_t ntok4[2] = {2, 1}, pos4[2] = {3, 300};
     paged_case(2, ntok4, pos4, 5, 12, 2, 720, 700, "attn_paged wide");
+    /* the default backend: the fp32 kernel at K3's width */
+    k3_backend *mma_be = g_cu;
+    g_cu = g_cu32, g_mma = false;
+    paged_case(SQ_N, ntok, pos, SQ_MB, SQ_BLOCKS, 4, 576, 512, "attn_paged fp32");
+    g_cu = mma_be, g_mma = true;
 }
 
 static void test_short_conv_seqs(void) {
@@ -1228,8 +1238,11 @@ int main(void) {
     k3_rng_seed(&g_rng, k_seed);
     K3_CHECK_OK(k3_backend_create("ref", NULL, &g_ref));
     K3_CHECK_OK(k3_backend_create("cpu", NULL, &g_cpu));
+    K3_CHECK_OK(k3_backend_create("cuda", NULL, &g_cu32));
+    setenv("K3_CUDA_MMA", "1", 1); /* read when a cuda backend is created */
     K3_CHECK_OK(k3_backend_create("cuda", NULL, &g_cu));
-    if (!g_ref || !g_cpu || !g_cu) return k3_test_done("cuda_ops");
+    unsetenv("K3_CUDA_MMA");
+    if (!g_ref || !g_cpu || !g_cu || !g_cu32) return k3_test_done("cuda_ops");
     K3_CHECK(k3_backend_cuda_ops_done() == K3_OP_COUNT, "cuda implements %d of %d ops",
              k3_backend_cuda_ops_done(), K3_OP_COUNT);
     for (size_t i = 0; i < K3_ARRAY_LEN(k_tests); i++) {
@@ -1243,6 +1256,7 @@ int main(void) {
     }
     test_op_stats_events();
     k3_backend_destroy(g_cu);
+    k3_backend_destroy(g_cu32);
     k3_backend_destroy(g_cpu);
     k3_backend_destroy(g_ref);
     return k3_test_done("cuda_ops");
