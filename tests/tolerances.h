@@ -113,4 +113,15 @@
 #define K3_TOL_MLA_BF16_SIDES 2.0
 #define K3_TOL_MLA_BF16_IN    7.8277587890625e-3 /* 2^-7 + 2^-16 */
 
+/* KDA prefill on tensor cores (kernels/cuda/kda.cu head_mma, chunk 16) vs ref, element by element:
+ * the test (test_cuda_ops kda_mma_check) runs the chunk algebra in float64 and carries a
+ * first-order bound of what the bf16 operands can do — each rounded operand of a product moves it
+ * by <= K3_TOL_BF16_U of its magnitude Σ|x||y|, and the state's accumulated bound enters every
+ * later product through |x|·E — so the bound follows the data instead of a worst-case constant
+ * (the decay and the delta rule shrink it, a long run or a stiff solve (I + βA)⁻¹ grows it). On
+ * top of each magnitude term a slack for what is fp32 on either side (the kernel's sums of <= 128
+ * terms, expf of the decays, the fp32 Γ cumsum, ref's fp32 state between chunks): 64u, about
+ * 50× the typical and above the worst case of the 16-term chunk sums. */
+#define K3_TOL_KDA_MMA_SLACK (64 * K3_FP32_U)
+
 #endif /* K3_TOLERANCES_H */

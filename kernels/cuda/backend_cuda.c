@@ -82,7 +82,7 @@ typedef struct cu_ctx {
         const int32_t *ids;           /* embed_rows: its ids (device) */
         int64_t n;                    /* embed_rows: V; moe_topk: E */
     } defer_what[CU_DEFER_MAX];
-    bool mma;             /* K3_CUDA_MMA=1: the bf16 tensor-core MLA and KDA prefill */
+    bool mma;             /* K3_CUDA_MMA=1: the bf16 tensor-core MLA and KDA prefill (chunk 16) */
     float *mla_part;      /* the tensor-core MLA's split partials (mla_mma.cu) */
     int64_t mla_part_cap; /* floats of it */
     k3_op_stats stats;    /* updated with __atomic builtins only */
@@ -543,7 +543,7 @@ static k3_status cu_kda_recurrent(k3_backend *be, const float *q, const float *k
                                   const float *g, const float *beta, int64_t n, int H, int dk,
                                   int dv, float scale, float *S, float *o) {
     K3_TRY(k3_kernels_check_kda(dk, dv, 1));
-    CU_TRY(k3c_kda(STREAM(be), q, k, v, g, beta, n, H, dk, dv, scale, S, o, 0, NULL, 0));
+    CU_TRY(k3c_kda(STREAM(be), q, k, v, g, beta, n, H, dk, dv, scale, S, o, 0, NULL, 0, false));
     return K3_OK;
 }
 static k3_status cu_kda_chunked(k3_backend *be, const float *q, const float *k, const float *v,
@@ -551,7 +551,7 @@ static k3_status cu_kda_chunked(k3_backend *be, const float *q, const float *k, 
                                 float scale, float *S, float *o, int C, float *work) {
     K3_TRY(k3_kernels_check_kda(dk, dv, C));
     CU_TRY(k3c_kda(STREAM(be), q, k, v, g, beta, n, H, dk, dv, scale, S, o, C, work,
-                   k3_kda_chunk_work_floats(C, dk, dv)));
+                   k3_kda_chunk_work_floats(C, dk, dv), CTX(be)->mma));
     return K3_OK;
 }
 /* The tensor-core MLA (mla_mma.cu), opt-in (K3_CUDA_MMA=1: bf16 inputs move tiny models' greedy
@@ -731,7 +731,7 @@ static k3_status cu_kda_seqs(k3_backend *be, const k3_seqs *sq, const float *q, 
     const size_t wf = C >= 2 ? k3_kda_chunk_work_floats(C, dk, dv) : 0;
     const k3c_seqs c = cseqs(sq);
     CU_TRY(k3c_kda_seqs(STREAM(be), &c, q, k, v, g, beta, H, dk, dv, scale, S, S_stride, o, C, work,
-                        wf));
+                        wf, CTX(be)->mma));
     return K3_OK;
 }
 static k3_status cu_nonfinite_rows(k3_backend *be, const k3_seqs *sq, float *y, int64_t D,

@@ -238,12 +238,164 @@ static __device__ void head_chunked(const float *q, const float *k, const float 
                        n - t0, sqk, svo, sb, dk, dv, scale, S, o + t0 * svo, (float *)(sh + C));
 }
 
+/* ---- KDA prefill on tensor cores: chunks of 16 on mma.m16n8k16 (see the top) ---------------- */
+K3C_FN uint32_t pack_bf16(float lo, float hi) {
+    return (uint32_t)k3c_bf16_rne(lo) | (uint32_t)k3c_bf16_rne(hi) << 16;
+}
+/* head_mma takes dk × dv (and the tail's head_stream does) */
+static bool mma_fits(int dk, int dv) {
+    return dk % 16 == 0 && dv % 16 == 0 && dk <= 128 && dv <= 128 && stream_fits(dk, dv);
+}
+static size_t mma_shmem(int dk, int dv) {
+    const size_t f = (size_t)(16 * dk + 32 * dv + 256 + 16) * sizeof(float);
+    const size_t b = (size_t)(48 * (dk + 8) + 16 * (dv + 8) + 16 * 24) * 2;
+    const size_t st = stream_shmem(dk, dv);
+    return f + b > st ? f + b : st;
+}
+/* The chunk-16 form of one head over n tokens, 256 threads (8 warps): full chunks with the state
+ * in registers as Sᵀ [dv × dk] mma accumulators (warp w: rows j of [16w, 16w + 16), every column
+ * i), a ragged tail by head_stream. sh: mma_shmem bytes. */
+static __device__ void head_mma(const float *q, const float *k, const float *v, const float *g,
+                                const float *beta, int64_t n, int64_t sqk, int64_t svo, int64_t sb,
+                                int dk, int dv, float scale, float *S, float *o, float *sh) {
+    const int tid = threadIdx.x, nth = blockDim.x, warp = tid >> 5, lane = tid & 31;
+    const int gq = lane >> 2, tq = lane & 3, ldk = dk + 8, ldv = dv + 8, nti = dk / 8;
+    float *Gm = sh, *Us = Gm + 16 * dk, *Ws = Us + 16 * dv, *Am = Ws + 16 * dv, *bt = Am + 256;
+    uint16_t *KL = (uint16_t *)(bt + 16), *QL = KL + 16 * ldk, *KR = QL + 16 * ldk;
+    uint16_t *Dl = KR + 16 * ldk, *Bb = Dl + 16 * ldv;
+    const bool own = warp < dv / 16; /* warp-uniform */
+    const int j0 = 16 * warp;
+    float acc[16][4];
+#pragma unroll
+    for (int nt = 0; nt < 16; nt++)
+        for (int r = 0; r < 4; r++)
+            acc[nt][r] = own && nt < nti
+                             ? S[(int64_t)(8 * nt + 2 * tq + (r & 1)) * dv + j0 + gq + 8 * (r >> 1)]
+                             : 0.0f;
+    int64_t t0 = 0;
+    for (; t0 + 16 <= n; t0 += 16) {
+        /* Γ_t = Σ_{s <= t} g_s per channel (fp32), β */
+        for (int i = tid; i < dk; i += nth) {
+            float c = 0.0f;
+            for (int t = 0; t < 16; t++) Gm[t * dk + i] = c += g[(t0 + t) * sqk + i];
+        }
+        if (tid < 16) bt[tid] = beta[(t0 + tid) * sb];
+        __syncthreads();
+        /* the bf16 operands (every exponent <= 0: §2.4) and the decayed scores in fp32 */
+        for (int e = tid; e < 16 * dk; e += nth) {
+            const int t = e / dk, i = e % dk;
+            const float G = Gm[e], kk = k[(t0 + t) * sqk + i], qq = q[(t0 + t) * sqk + i];
+            KL[t * ldk + i] = k3c_bf16_rne(kk * expf(G));
+            QL[t * ldk + i] = k3c_bf16_rne(qq * expf(G));
+            KR[t * ldk + i] = k3c_bf16_rne(kk * expf(Gm[15 * dk + i] - G));
+        }
+        for (int e = tid; e < 256; e += nth) {
+            const int t = e >> 4, sx = e & 15;
+            float a = 0.0f, b = 0.0f;
+            if (sx <= t)
+                for (int i = 0; i < dk; i++) {
+                    const float kf =
+                        k[(t0 + sx) * sqk + i] * expf(Gm[t * dk + i] - Gm[sx * dk + i]);
+                    a = fmaf(k[(t0 + t) * sqk + i], kf, a);
+                    b = fmaf(q[(t0 + t) * sqk + i], kf, b);
+                }
+            Am[e] = sx < t ? a : 0.0f;
+            Bb[t * 24 + sx] = k3c_bf16_rne(b);
+        }
+        __syncthreads();
+        /* Uᵀ = Sᵀ·KLᵀ and Wᵀ = Sᵀ·QLᵀ: A from the state accumulators, B = rows of KL / QL */
+        if (own)
+            for (int n2 = 0; n2 < 2; n2++) {
+                float cu[4] = {0.0f, 0.0f, 0.0f, 0.0f}, cw[4] = {0.0f, 0.0f, 0.0f, 0.0f};
+#pragma unroll
+                for (int ks = 0; ks < 8; ks++) {
+                    if (ks >= dk / 16) break;
+                    const uint32_t a[4] = {pack_bf16(acc[2 * ks][0], acc[2 * ks][1]),
+                                           pack_bf16(acc[2 * ks][2], acc[2 * ks][3]),
+                                           pack_bf16(acc[2 * ks + 1][0], acc[2 * ks + 1][1]),
+                                           pack_bf16(acc[2 * ks + 1][2], acc[2 * ks + 1][3])};
+                    const int off = (n2 * 8 + (lane & 7)) * ldk + ks * 16 + 8 * ((lane >> 3) & 1);
+                    uint32_t bk[2], bq[2];
+                    k3c_ldmatrix_x2(bk, KL + off);
+                    k3c_ldmatrix_x2(bq, QL + off);
+                    k3c_mma_bf16_16816(cu, a, bk, cu);
+                    k3c_mma_bf16_16816(cw, a, bq, cw);
+                }
+                for (int r = 0; r < 4; r++) {
+                    const int j = j0 + gq + 8 * (r >> 1), t = n2 * 8 + 2 * tq + (r & 1);
+                    Us[t * dv + j] = cu[r];
+                    Ws[t * dv + j] = cw[r];
+                }
+            }
+        __syncthreads();
+        /* Δ: δ_t = β_t(v_t − u_t − Σ_{s<t} A_ts δ_s), one column a thread, fp32 */
+        for (int j = tid; j < dv; j += nth) {
+            float d[16];
+            for (int t = 0; t < 16; t++) {
+                float x = v[(t0 + t) * svo + j] - Us[t * dv + j];
+                for (int sx = 0; sx < t; sx++) x = fmaf(-Am[t * 16 + sx], d[sx], x);
+                d[t] = bt[t] * x;
+                Dl[t * ldv + j] = k3c_bf16_rne(d[t]);
+            }
+        }
+        __syncthreads();
+        /* o = scale·(W + B·Δ): warp w the n-tiles w, w + 8, ... */
+        {
+            uint32_t a[4];
+            k3c_ldmatrix_x4(a, Bb + ((lane & 7) + 8 * ((lane >> 3) & 1)) * 24 + 8 * (lane >> 4));
+            for (int nt = warp; nt < dv / 8; nt += 8) {
+                float c[4];
+                for (int r = 0; r < 4; r++)
+                    c[r] = Ws[(gq + 8 * (r >> 1)) * dv + 8 * nt + 2 * tq + (r & 1)];
+                uint32_t b[2];
+                k3c_ldmatrix_x2_trans(b, Dl + (lane & 15) * ldv + 8 * nt);
+                k3c_mma_bf16_16816(c, a, b, c);
+                for (int r = 0; r < 4; r++)
+                    o[(t0 + gq + 8 * (r >> 1)) * svo + 8 * nt + 2 * tq + (r & 1)] = scale * c[r];
+            }
+        }
+        /* Sᵀ = Sᵀ·Λ_16 + Δᵀ·KR: A = Δᵀ (ldmatrix.x4.trans of Δ), B = KR (.x2.trans) */
+        if (own) {
+            uint32_t a[4];
+            k3c_ldmatrix_x4_trans(a, Dl + (8 * (lane >> 4) + (lane & 7)) * ldv + j0 +
+                                         8 * ((lane >> 3) & 1));
+#pragma unroll
+            for (int nt = 0; nt < 16; nt++) {
+                if (nt >= nti) break;
+                for (int r = 0; r < 4; r++)
+                    acc[nt][r] *= expf(Gm[15 * dk + 8 * nt + 2 * tq + (r & 1)]);
+                uint32_t b[2];
+                k3c_ldmatrix_x2_trans(b, KR + (lane & 15) * ldk + 8 * nt);
+                k3c_mma_bf16_16816(acc[nt], a, b, acc[nt]);
+            }
+        }
+        __syncthreads(); /* before the next chunk overwrites the shared arrays */
+    }
+    if (own)
+#pragma unroll
+        for (int nt = 0; nt < 16; nt++) {
+            if (nt >= nti) break;
+            for (int r = 0; r < 4; r++)
+                S[(int64_t)(8 * nt + 2 * tq + (r & 1)) * dv + j0 + gq + 8 * (r >> 1)] = acc[nt][r];
+        }
+    __syncthreads(); /* the tail's head_stream reads the state */
+    if (t0 < n)
+        head_stream<float>(q + t0 * sqk, k + t0 * sqk, v + t0 * svo, g + t0 * sqk, beta + t0 * sb,
+                           n - t0, sqk, svo, sb, dk, dv, scale, S, o + t0 * svo, sh);
+}
+
 static __global__ void chunked_kernel(const float *q, const float *k, const float *v,
                                       const float *g, const float *beta, int64_t n, int H, int dk,
                                       int dv, float scale, float *S, float *o, int C, float *work,
-                                      size_t wf) {
+                                      size_t wf, bool mma) {
     K3C_DYN_SHARED(double, sh_chk); /* row [C], then 3·dk floats for the tail */
     const int h = blockIdx.x;
+    if (mma) {
+        head_mma(q + h * dk, k + h * dk, v + h * dv, g + h * dk, beta + h, n, (int64_t)H * dk,
+                 (int64_t)H * dv, H, dk, dv, scale, S + (int64_t)h * dk * dv, o + h * dv,
+                 (float *)sh_chk);
+        return;
+    }
     head_chunked(q + h * dk, k + h * dk, v + h * dv, g + h * dk, beta + h, n, (int64_t)H * dk,
                  (int64_t)H * dv, H, dk, dv, scale, S + (int64_t)h * dk * dv, o + h * dv, C,
                  work + (size_t)h * wf, sh_chk);
@@ -285,7 +437,7 @@ static __global__ void recurrent_seqs_kernel(k3c_seqs sq, const float *q, const 
 static __global__ void chunked_seqs_kernel(k3c_seqs sq, const float *q, const float *k,
                                            const float *v, const float *g, const float *beta, int H,
                                            int dk, int dv, float scale, float *S, int64_t S_stride,
-                                           float *o, int C, float *work, size_t wf) {
+                                           float *o, int C, float *work, size_t wf, bool mma) {
     K3C_DYN_SHARED(double, sh_chk);
     const int h = blockIdx.x;
     const int64_t sqk = (int64_t)H * dk, svo = (int64_t)H * dv;
@@ -293,6 +445,13 @@ static __global__ void chunked_seqs_kernel(k3c_seqs sq, const float *q, const fl
         const int64_t t0 = sq.tok0[i], n = sq.tok0[i + 1] - t0;
         if (n < C) continue; /* block-uniform */
         if (sq.pos[i] == 0) zero_head(S + sq.slot[i] * S_stride + (int64_t)h * dk * dv, dk * dv);
+        if (mma) {
+            head_mma(q + t0 * sqk + h * dk, k + t0 * sqk + h * dk, v + t0 * svo + h * dv,
+                     g + t0 * sqk + h * dk, beta + t0 * H + h, n, sqk, svo, H, dk, dv, scale,
+                     S + sq.slot[i] * S_stride + (int64_t)h * dk * dv, o + t0 * svo + h * dv,
+                     (float *)sh_chk);
+            continue;
+        }
         head_chunked(q + t0 * sqk + h * dk, k + t0 * sqk + h * dk, v + t0 * svo + h * dv,
                      g + t0 * sqk + h * dk, beta + t0 * H + h, n, sqk, svo, H, dk, dv, scale,
                      S + sq.slot[i] * S_stride + (int64_t)h * dk * dv, o + t0 * svo + h * dv, C,
@@ -331,7 +490,7 @@ extern "C" int k3c_short_conv(cudaStream_t s, const float *in, int64_t n, int64_
 
 extern "C" int k3c_kda(cudaStream_t s, const float *q, const float *k, const float *v,
                        const float *g, const float *beta, int64_t n, int H, int dk, int dv,
-                       float scale, float *S, float *o, int C, float *work, size_t wf) {
+                       float scale, float *S, float *o, int C, float *work, size_t wf, bool mma) {
     if (n <= 0 || H <= 0) return 0;
     const size_t sh_tail = 3 * (size_t)dk * sizeof(float);
     if (C == 0 && stream_fits(dk, dv) && ((uintptr_t)S & 15u) == 0) {
@@ -341,9 +500,10 @@ extern "C" int k3c_kda(cudaStream_t s, const float *q, const float *k, const flo
         K3C_LAUNCH((unsigned)H, 128, sh_tail, s, recurrent_kernel)
         (q, k, v, g, beta, n, H, dk, dv, scale, S, o);
     } else {
-        const size_t sh = (size_t)C * sizeof(double) + sh_tail;
+        const bool m = mma && C == 16 && mma_fits(dk, dv);
+        const size_t sh = m ? mma_shmem(dk, dv) : (size_t)C * sizeof(double) + sh_tail;
         K3C_LAUNCH((unsigned)H, 256, sh, s, chunked_kernel)
-        (q, k, v, g, beta, n, H, dk, dv, scale, S, o, C, work, wf);
+        (q, k, v, g, beta, n, H, dk, dv, scale, S, o, C, work, wf, m);
     }
     return (int)cudaGetLastError();
 }
@@ -360,7 +520,7 @@ extern "C" int k3c_short_conv_seqs(cudaStream_t s, const k3c_seqs *sq, const flo
 extern "C" int k3c_kda_seqs(cudaStream_t s, const k3c_seqs *sq, const float *q, const float *k,
                             const float *v, const float *g, const float *beta, int H, int dk,
                             int dv, float scale, float *S, int64_t S_stride, float *o, int C,
-                            float *work, size_t wf) {
+                            float *work, size_t wf, bool mma) {
     if (sq->n_seqs <= 0 || H <= 0) return 0;
     const size_t sh_tail = 3 * (size_t)dk * sizeof(float);
     dim3 grid((unsigned)H, (unsigned)sq->n_seqs);
@@ -370,9 +530,10 @@ extern "C" int k3c_kda_seqs(cudaStream_t s, const k3c_seqs *sq, const float *q, 
     else K3C_LAUNCH(grid, 128, sh_tail, s, recurrent_seqs_kernel)(*sq, q, k, v, g, beta, H, dk, dv,
                                                                   scale, S, S_stride, o, C, false);
     if (C >= 2 && sq->max_new >= C) { /* some sequence has a full chunk */
-        const size_t sh = (size_t)C * sizeof(double) + sh_tail;
+        const bool m = mma && C == 16 && mma_fits(dk, dv);
+        const size_t sh = m ? mma_shmem(dk, dv) : (size_t)C * sizeof(double) + sh_tail;
         K3C_LAUNCH((unsigned)H, 256, sh, s, chunked_seqs_kernel)
-        (*sq, q, k, v, g, beta, H, dk, dv, scale, S, S_stride, o, C, work, wf);
+        (*sq, q, k, v, g, beta, H, dk, dv, scale, S, S_stride, o, C, work, wf, m);
     }
     return (int)cudaGetLastError();
 }

@@ -489,6 +489,151 @@ static void test_attnres_mix(void) {
     }
 }
 /* KDA inputs as the layer feeds them: q, k L2-normed per head, log decay < 0, β in [0, 1) */
+/* The chunk-16 tensor-core KDA (kda.cu head_mma) against ref, element by element: a float64 run
+   of the same chunk algebra that carries, next to the values, a first-order bound of the error the
+   kernel's bf16 operands can cause (tests/tolerances.h K3_TOL_KDA_MMA_*): per chunk, with
+   magnitudes |X|·|Y| of each product, W = QL·S and U = KL·S (both operands rounded: 2u_b, and the
+   state's error E carried in: |QL|·E), Δ = T·β(V − U) with T = (I + βA)⁻¹ (E_Δ = |T|·β·E_U + u_b
+   |Δ| for Δ's own rounding), o = scale(W + B·Δ) (2u_b on |B||Δ| for B's and Δ's rounding),
+   S' = Λ S + KRᵀ Δ (E' = Λ E + 2u_b |KR|ᵀ|Δ| + |KR|ᵀ E_Δ); every magnitude term also carries
+   K3_TOL_KDA_MMA_SLACK for the fp32 sums, exps and ref's own rounding. The ragged tail runs the
+   recurrence (fp32 on both sides): E' = D E + |k| β |k|ᵀ D E + slack. Returns the elements of o
+   and S past their bound; *worst = max |got − want| / bound. q, k, v, g, beta, S0: the op's
+   inputs (one head h of H); o, S: ref's and the kernel's. */
+static int64_t kda_mma_check(const float *q, const float *k, const float *v, const float *g,
+                             const float *beta, int64_t n, int H, int dk, int dv, float scale,
+                             const float *S0, const float *want_o, const float *want_S,
+                             const float *got_o, const float *got_S, double *worst) {
+    const double ub = K3_TOL_BF16_U, sl = K3_TOL_KDA_MMA_SLACK;
+    const size_t nS = (size_t)dk * dv;
+    double *S = malloc(nS * 8), *E = malloc(nS * 8), *Sn = malloc(nS * 8), *En = malloc(nS * 8);
+    double *G = malloc((size_t)16 * dk * 8), *U = malloc((size_t)16 * dv * 8);
+    double *aU = malloc((size_t)16 * dv * 8), *EU = malloc((size_t)16 * dv * 8);
+    double *W = malloc((size_t)16 * dv * 8), *aW = malloc((size_t)16 * dv * 8);
+    double *D = malloc((size_t)16 * dv * 8), *ED = malloc((size_t)16 * dv * 8);
+    int64_t bad = 0;
+#define KX(a, t, i) ((double)(a)[((t)*H + h) * dk + (i)])
+#define VX(a, t, j) ((a)[((t)*H + h) * dv + (j)])
+#define CHECK_EL(gv, wv, b)                                                                        \
+    do {                                                                                           \
+        const double d_ = fabs((double)(gv) - (wv)), b_ = (b) + 1e-30;                             \
+        bad += !(d_ <= b_);                                                                        \
+        if (isnan(d_) || d_ / b_ > *worst) *worst = isnan(d_) ? INFINITY : d_ / b_;                \
+    } while (0)
+    for (int h = 0; h < H; h++) {
+        for (size_t e = 0; e < nS; e++) S[e] = S0[h * nS + e], E[e] = 0;
+        int64_t t0 = 0;
+        for (; t0 + 16 <= n; t0 += 16) {
+            for (int i = 0; i < dk; i++)
+                for (int t = 0; t < 16; t++)
+                    G[t * dk + i] = (t ? G[(t - 1) * dk + i] : 0) + KX(g, t0 + t, i);
+            double A[16][16] = {{0}}, B[16][16] = {{0}}, T[16][16] = {{0}}, bt[16];
+            for (int t = 0; t < 16; t++) {
+                bt[t] = beta[(t0 + t) * H + h];
+                for (int sx = 0; sx <= t; sx++) {
+                    double a = 0, b = 0;
+                    for (int i = 0; i < dk; i++) {
+                        const double f = KX(k, t0 + sx, i) * exp(G[t * dk + i] - G[sx * dk + i]);
+                        a += KX(k, t0 + t, i) * f, b += KX(q, t0 + t, i) * f;
+                    }
+                    A[t][sx] = sx < t ? a : 0, B[t][sx] = b;
+                }
+            }
+            /* T = (I + βA)⁻¹, lower triangular with a unit diagonal */
+            for (int c = 0; c < 16; c++) {
+                T[c][c] = 1;
+                for (int t = c + 1; t < 16; t++) {
+                    double x = 0;
+                    for (int sx = c; sx < t; sx++) x -= bt[t] * A[t][sx] * T[sx][c];
+                    T[t][c] = x;
+                }
+            }
+            for (int t = 0; t < 16; t++)
+                for (int j = 0; j < dv; j++) {
+                    double u = 0, au = 0, eu = 0, w = 0, aw = 0, ew = 0;
+                    for (int i = 0; i < dk; i++) {
+                        const double el = exp(G[t * dk + i]), kl = KX(k, t0 + t, i) * el;
+                        const double ql = KX(q, t0 + t, i) * el, sv = S[i * dv + j];
+                        u += kl * sv, au += fabs(kl * sv), eu += fabs(kl) * E[i * dv + j];
+                        w += ql * sv, aw += fabs(ql * sv), ew += fabs(ql) * E[i * dv + j];
+                    }
+                    U[t * dv + j] = u, aU[t * dv + j] = au,
+                               EU[t * dv + j] = (2 * ub + sl) * au + eu;
+                    W[t * dv + j] = w, aW[t * dv + j] = (2 * ub + sl) * aw + ew;
+                }
+            for (int j = 0; j < dv; j++)
+                for (int t = 0; t < 16; t++) {
+                    double d = 0, ed = 0;
+                    for (int c = 0; c <= t; c++) {
+                        d += T[t][c] * bt[c] * (VX(v, t0 + c, j) - U[c * dv + j]);
+                        ed += fabs(T[t][c]) * bt[c] * EU[c * dv + j];
+                    }
+                    D[t * dv + j] = d, ED[t * dv + j] = ed + (ub + sl) * fabs(d);
+                }
+            for (int t = 0; t < 16; t++)
+                for (int j = 0; j < dv; j++) {
+                    double o = W[t * dv + j], bd = 0, ebd = 0;
+                    for (int sx = 0; sx <= t; sx++) {
+                        o += B[t][sx] * D[sx * dv + j], bd += fabs(B[t][sx] * D[sx * dv + j]);
+                        ebd += fabs(B[t][sx]) * ED[sx * dv + j];
+                    }
+                    const double bound = scale * (aW[t * dv + j] + (2 * ub + sl) * bd + ebd);
+                    CHECK_EL(VX(got_o, t0 + t, j), VX(want_o, t0 + t, j), bound);
+                    (void)o;
+                }
+            for (int i = 0; i < dk; i++) {
+                const double lam = exp(G[15 * dk + i]);
+                for (int j = 0; j < dv; j++) {
+                    double sv = lam * S[i * dv + j], a = fabs(sv), ea = lam * E[i * dv + j];
+                    for (int sx = 0; sx < 16; sx++) {
+                        const double kr = KX(k, t0 + sx, i) * exp(G[15 * dk + i] - G[sx * dk + i]);
+                        sv += kr * D[sx * dv + j], a += fabs(kr * D[sx * dv + j]);
+                        ea += fabs(kr) * ED[sx * dv + j];
+                    }
+                    Sn[i * dv + j] = sv, En[i * dv + j] = ea + (2 * ub + sl) * a;
+                }
+            }
+            memcpy(S, Sn, nS * 8), memcpy(E, En, nS * 8);
+        }
+        for (; t0 < n; t0++) { /* the tail: the recurrence, fp32 on both sides */
+            const double b = beta[t0 * H + h];
+            double *dE = D; /* β|k|ᵀ D E per column */
+            for (int i = 0; i < dk; i++) {
+                const double e = exp(KX(g, t0, i));
+                for (int j = 0; j < dv; j++) S[i * dv + j] *= e, E[i * dv + j] *= e;
+            }
+            for (int j = 0; j < dv; j++) {
+                double u = 0, au = 0, eu = 0;
+                for (int i = 0; i < dk; i++) {
+                    u += KX(k, t0, i) * S[i * dv + j], au += fabs(KX(k, t0, i) * S[i * dv + j]);
+                    eu += fabs(KX(k, t0, i)) * E[i * dv + j];
+                }
+                const double d = b * (VX(v, t0, j) - u);
+                dE[j] = b * (eu + sl * au);
+                for (int i = 0; i < dk; i++) {
+                    S[i * dv + j] += KX(k, t0, i) * d;
+                    E[i * dv + j] += fabs(KX(k, t0, i)) * dE[j] + sl * fabs(S[i * dv + j]);
+                }
+                double o = 0, ao = 0, eo = 0;
+                for (int i = 0; i < dk; i++) {
+                    o += KX(q, t0, i) * S[i * dv + j], ao += fabs(KX(q, t0, i) * S[i * dv + j]);
+                    eo += fabs(KX(q, t0, i)) * E[i * dv + j];
+                }
+                (void)o;
+                CHECK_EL(VX(got_o, t0, j), VX(want_o, t0, j), scale * (eo + sl * ao));
+            }
+        }
+        for (size_t e = 0; e < nS; e++)
+            CHECK_EL(got_S[h * nS + e], want_S[h * nS + e], E[e] + sl * fabs(S[e]));
+    }
+#undef KX
+#undef VX
+#undef CHECK_EL
+    free(S), free(E), free(Sn), free(En), free(G), free(U), free(aU), free(EU), free(W), free(aW);
+    free(D), free(ED);
+    return bad;
+}
+
 static void kda_case(bool chunked, int64_t n, int H, int dk, int dv, int C) {
     const int64_t nqk = n * H * dk, nv = n * H * dv, nS = (int64_t)H * dk * dv;
     float *q = randn(nqk, 1.0f), *k = randn(nqk, 1.0f), *v = randn(nv, 1.0f);
@@ -504,6 +649,8 @@ static void kda_case(bool chunked, int64_t n, int H, int dk, int dv, int C) {
         }
     float *dq = dcopy(q, nqk), *dk_ = dcopy(k, nqk), *dv_ = dcopy(v, nv), *dg = dcopy(g, nqk);
     float *db = dcopy(beta, n * H), *dS = dcopy(S, nS), *dO = dpoison(nv), *want = hnan(nv);
+    float *S0 = malloc((size_t)nS * 4);
+    memcpy(S0, S, (size_t)nS * 4);
     const float scale = 1.0f / sqrtf((float)dk);
     if (chunked) {
         size_t wf = k3_kda_chunk_work_floats(C, dk, dv) * (size_t)H;
@@ -520,10 +667,32 @@ static void kda_case(bool chunked, int64_t n, int H, int dk, int dv, int C) {
             g_cu->ops->kda_recurrent(g_cu, dq, dk_, dv_, dg, db, n, H, dk, dv, scale, dS, dO));
     }
     double tol = chunked ? K3_TOL_KDA_CHUNK_REL_L2 : K3_TOL_KDA_REL_L2;
+    if (chunked && C == 16 && g_mma) { /* the tensor-core form: its bf16 bound */
+        float *go = hget(dO, nv), *gs = hget(dS, nS);
+        double worst = 0;
+        const int64_t bad =
+            kda_mma_check(q, k, v, g, beta, n, H, dk, dv, scale, S0, want, S, go, gs, &worst);
+        printf(
+            "    kda_chunked C 16 n %lld dk %d dv %d: o rel-L2 %.3g, S rel-L2 %.3g vs ref; worst "
+            "%.3g of the bound\n",
+            (long long)n, dk, dv, k3_rel_l2(go, want, (size_t)nv), k3_rel_l2(gs, S, (size_t)nS),
+            worst);
+        K3_CHECK(bad == 0 && all_finite(go, nv),
+                 "kda_chunked C 16: %lld elements past the bf16 "
+                 "bound (worst %.3g of it)",
+                 (long long)bad, worst);
+        free(go), free(gs);
+#ifdef K3_CUDA_EMULATE
+        K3_CHECK(k3emu_mma_count("chunked_kernel") > 0, "kda_chunked C 16: no mma ran");
+#endif
+        dfree_all("kda");
+        free(q), free(k), free(v), free(g), free(beta), free(S), free(S0), free(want);
+        return;
+    }
     cmp(hget(dO, nv), want, nv, tol, chunked ? "kda_chunked o" : "kda_recurrent o");
     cmp(hget(dS, nS), S, nS, tol, chunked ? "kda_chunked S" : "kda_recurrent S");
     dfree_all("kda");
-    free(q), free(k), free(v), free(g), free(beta), free(S), free(want);
+    free(q), free(k), free(v), free(g), free(beta), free(S), free(S0), free(want);
 }
 /* The opt-in bf16 state (kda.cu k3c_kda_stream_bf16), K3's head shape 128 x 128, H = 2:
    (1) one step from a bf16 state: o as the fp32 recurrence (K3_TOL_KDA_REL_L2; o is computed
@@ -598,6 +767,8 @@ static void test_kda_recurrent(void) {
 static void test_kda_chunked(void) {
     kda_case(true, 150, 2, 128, 128, 64); /* two chunks and a ragged tail of 22 */
     kda_case(true, 20, 2, 32, 48, 64);    /* only a tail */
+    kda_case(true, 150, 2, 128, 128, 16); /* tensor cores: 9 chunks and a tail of 6 */
+    kda_case(true, 37, 3, 64, 48, 16);
 }
 /* attn_latent: W <= 640 on tensor cores (bf16 bound, mla_check), a wider row on the fp32 kernel
    (the op bound); 777 positions take 4 splits and the combine */
@@ -1053,8 +1224,12 @@ static void kda_seqs_case(int C) {
     K3_CHECK(memcmp(got, one, (size_t)nv * 4) == 0 && memcmp(gotS, oneS, (size_t)nS * 4) == 0,
              "kda_seqs (C %d): not the per-sequence ops' bits", C);
     free(one), free(oneS);
-    cmp(got, want, nv, K3_TOL_KDA_CHUNK_REL_L2, C ? "kda_seqs o (chunked)" : "kda_seqs o");
-    cmp(gotS, S, nS, K3_TOL_KDA_CHUNK_REL_L2, C ? "kda_seqs S (chunked)" : "kda_seqs S");
+    if (C == 16 && g_mma) /* the tensor-core form: kda_case bounds its ops against ref */
+        free(got), free(gotS);
+    else {
+        cmp(got, want, nv, K3_TOL_KDA_CHUNK_REL_L2, C ? "kda_seqs o (chunked)" : "kda_seqs o");
+        cmp(gotS, S, nS, K3_TOL_KDA_CHUNK_REL_L2, C ? "kda_seqs S (chunked)" : "kda_seqs S");
+    }
     dfree_all("kda_seqs");
     free(q), free(k), free(v), free(g), free(beta), free(S), free(S0), free(want), free(work);
     free(sq.hb);
@@ -1062,6 +1237,7 @@ static void kda_seqs_case(int C) {
 static void test_kda_seqs(void) {
     kda_seqs_case(64); /* the 70-token prefill: a chunk and a tail; the rest recurrent */
     kda_seqs_case(0);  /* every sequence by the recurrence */
+    kda_seqs_case(16); /* tensor cores: 4 chunks and a tail of 6, the 5-token piece recurrent */
 }
 
 /* non-finite rows: sequence 1 holds a NaN, sequence 2 an Inf but was flagged before (left as it
