@@ -188,7 +188,7 @@ static __global__ void recurrent_kernel(const float *q, const float *k, const fl
 }
 
 template <typename ST>
-static __global__ void __launch_bounds__(K3C_KDA_THREADS)
+static __global__ void __launch_bounds__(K3C_KDA_THREADS, 1)
     stream_kernel(const float *q, const float *k, const float *v, const float *g, const float *beta,
                   int64_t n, int H, int dk, int dv, float scale, ST *S, float *o) {
     K3C_DYN_SHARED(float, sh_str);
@@ -384,10 +384,10 @@ static __device__ void head_mma(const float *q, const float *k, const float *v, 
                            n - t0, sqk, svo, sb, dk, dv, scale, S, o + t0 * svo, sh);
 }
 
-static __global__ void chunked_kernel(const float *q, const float *k, const float *v,
-                                      const float *g, const float *beta, int64_t n, int H, int dk,
-                                      int dv, float scale, float *S, float *o, int C, float *work,
-                                      size_t wf, bool mma) {
+static __global__ void __launch_bounds__(K3C_KDA_THREADS, 1)
+    chunked_kernel(const float *q, const float *k, const float *v, const float *g,
+                   const float *beta, int64_t n, int H, int dk, int dv, float scale, float *S,
+                   float *o, int C, float *work, size_t wf, bool mma) {
     K3C_DYN_SHARED(double, sh_chk); /* row [C], then 3·dk floats for the tail */
     const int h = blockIdx.x;
     if (mma) {
@@ -410,10 +410,10 @@ static __device__ void zero_head(float *S, int n) {
 
 /* kda_seqs, the recurrent sequences: block (h, i) runs head h of sequence i when the sequence
  * takes the recurrence (C < 2 or fewer than C tokens); the others are chunked_seqs_kernel's. */
-static __global__ void recurrent_seqs_kernel(k3c_seqs sq, const float *q, const float *k,
-                                             const float *v, const float *g, const float *beta,
-                                             int H, int dk, int dv, float scale, float *S,
-                                             int64_t S_stride, float *o, int C, bool stream) {
+static __global__ void __launch_bounds__(K3C_KDA_THREADS, 1)
+    recurrent_seqs_kernel(k3c_seqs sq, const float *q, const float *k, const float *v,
+                          const float *g, const float *beta, int H, int dk, int dv, float scale,
+                          float *S, int64_t S_stride, float *o, int C, bool stream) {
     K3C_DYN_SHARED(float, sh_rec);
     const int h = blockIdx.x, i = blockIdx.y;
     const int64_t t0 = sq.tok0[i], n = sq.tok0[i + 1] - t0;
@@ -434,10 +434,10 @@ static __global__ void recurrent_seqs_kernel(k3c_seqs sq, const float *q, const 
 
 /* kda_seqs, the chunked sequences (>= C tokens): block h runs head h of each of them in turn,
  * with the head's work (the op's scratch is kda_chunked's: H heads' worth, not a batch's). */
-static __global__ void chunked_seqs_kernel(k3c_seqs sq, const float *q, const float *k,
-                                           const float *v, const float *g, const float *beta, int H,
-                                           int dk, int dv, float scale, float *S, int64_t S_stride,
-                                           float *o, int C, float *work, size_t wf, bool mma) {
+static __global__ void __launch_bounds__(K3C_KDA_THREADS, 1)
+    chunked_seqs_kernel(k3c_seqs sq, const float *q, const float *k, const float *v, const float *g,
+                        const float *beta, int H, int dk, int dv, float scale, float *S,
+                        int64_t S_stride, float *o, int C, float *work, size_t wf, bool mma) {
     K3C_DYN_SHARED(double, sh_chk);
     const int h = blockIdx.x;
     const int64_t sqk = (int64_t)H * dk, svo = (int64_t)H * dv;
