@@ -83,6 +83,7 @@ typedef struct cu_ctx {
         int64_t n;                    /* embed_rows: V; moe_topk: E */
     } defer_what[CU_DEFER_MAX];
     bool mma;             /* K3_CUDA_MMA=1: the bf16 tensor-core MLA and KDA prefill (chunk 16) */
+    bool kda_bf16;        /* K3_CUDA_KDA_STATE=bf16: the KDA state stored in bf16 (kda.cu) */
     float *mla_part;      /* the tensor-core MLA's split partials (mla_mma.cu) */
     int64_t mla_part_cap; /* floats of it */
     k3_op_stats stats;    /* updated with __atomic builtins only */
@@ -539,19 +540,37 @@ static k3_status cu_attnres_mix(k3_backend *be, const float *bank, int n_bank, c
     CU_TRY(k3c_attnres_mix(STREAM(be), bank, n_bank, p, w, T, D, eps, out));
     return K3_OK;
 }
+/* The KDA kernels' mode (K3C_KDA_*) from the backend's options; with the bf16 state
+ * (K3_CUDA_KDA_STATE=bf16) the shape, the chunk and the state's alignment are checked here. */
+static k3_status kda_mode(k3_backend *be, const char *op, int dk, int dv, int C, const float *S,
+                          int64_t S_stride, int *mode) {
+    const cu_ctx *c = CTX(be);
+    *mode = (c->mma ? K3C_KDA_MMA : 0) | (c->kda_bf16 ? K3C_KDA_BF16 : 0);
+    if (c->kda_bf16 && (!k3c_kda_bf16_fits(dk, dv, C) || ((uintptr_t)S & 7u) || S_stride % 2))
+        return K3_ERR(K3_ERR_ARG,
+                      "%s: the bf16 KDA state (K3_CUDA_KDA_STATE=bf16) takes dv %% 16 == 0, dk %% "
+                      "16 == 0, both <= 128, chunk 0 or 16, an 8-byte aligned state and an even "
+                      "stride; got dk %d, dv %d, chunk %d, state %p, stride %lld",
+                      op, dk, dv, C, (const void *)S, (long long)S_stride);
+    return K3_OK;
+}
 static k3_status cu_kda_recurrent(k3_backend *be, const float *q, const float *k, const float *v,
                                   const float *g, const float *beta, int64_t n, int H, int dk,
                                   int dv, float scale, float *S, float *o) {
     K3_TRY(k3_kernels_check_kda(dk, dv, 1));
-    CU_TRY(k3c_kda(STREAM(be), q, k, v, g, beta, n, H, dk, dv, scale, S, o, 0, NULL, 0, false));
+    int mode;
+    K3_TRY(kda_mode(be, "kda_recurrent", dk, dv, 0, S, 0, &mode));
+    CU_TRY(k3c_kda(STREAM(be), q, k, v, g, beta, n, H, dk, dv, scale, S, o, 0, NULL, 0, mode));
     return K3_OK;
 }
 static k3_status cu_kda_chunked(k3_backend *be, const float *q, const float *k, const float *v,
                                 const float *g, const float *beta, int64_t n, int H, int dk, int dv,
                                 float scale, float *S, float *o, int C, float *work) {
     K3_TRY(k3_kernels_check_kda(dk, dv, C));
+    int mode;
+    K3_TRY(kda_mode(be, "kda_chunked", dk, dv, C, S, 0, &mode));
     CU_TRY(k3c_kda(STREAM(be), q, k, v, g, beta, n, H, dk, dv, scale, S, o, C, work,
-                   k3_kda_chunk_work_floats(C, dk, dv), CTX(be)->mma));
+                   k3_kda_chunk_work_floats(C, dk, dv), mode));
     return K3_OK;
 }
 /* The tensor-core MLA (mla_mma.cu), opt-in (K3_CUDA_MMA=1: bf16 inputs move tiny models' greedy
@@ -729,9 +748,11 @@ static k3_status cu_kda_seqs(k3_backend *be, const k3_seqs *sq, const float *q, 
     const bool chunked = C >= 2 && sq->max_new >= C;
     if (chunked && !work) return K3_ERR(K3_ERR_ARG, "kda_seqs: chunk %d needs its work", C);
     const size_t wf = C >= 2 ? k3_kda_chunk_work_floats(C, dk, dv) : 0;
+    int mode;
+    K3_TRY(kda_mode(be, "kda_seqs", dk, dv, C >= 2 ? C : 0, S, S_stride, &mode));
     const k3c_seqs c = cseqs(sq);
     CU_TRY(k3c_kda_seqs(STREAM(be), &c, q, k, v, g, beta, H, dk, dv, scale, S, S_stride, o, C, work,
-                        wf, CTX(be)->mma));
+                        wf, mode));
     return K3_OK;
 }
 static k3_status cu_nonfinite_rows(k3_backend *be, const k3_seqs *sq, float *y, int64_t D,
@@ -948,6 +969,8 @@ static k3_status cu_ctx_init(cu_ctx *c, int n_devices) {
     c->device = k3_local_rank() % n_devices;
     const char *mma = getenv("K3_CUDA_MMA");
     c->mma = mma && strcmp(mma, "1") == 0;
+    const char *kst = getenv("K3_CUDA_KDA_STATE");
+    c->kda_bf16 = kst && strcmp(kst, "bf16") == 0;
     CU_TRY(cudaSetDevice(c->device));
     CU_TRY(cudaStreamCreateWithFlags(&c->stream, cudaStreamNonBlocking));
     CU_TRY(cudaMalloc((void **)&c->err_dev, sizeof *c->err_dev));

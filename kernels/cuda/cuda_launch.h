@@ -56,16 +56,15 @@ int k3c_kda_gate(cudaStream_t s, float *r, const float *dt_bias, const float *a_
 int k3c_short_conv(cudaStream_t s, const float *in, int64_t n, int64_t P, int K, const float *w,
                    float *state, float *out);
 /* C = 0: the recurrence; else the chunked form with chunk C and work (per head
- * k3_kda_chunk_work_floats(C, dk, dv) floats, wf of them); mma: chunk 16 on tensor cores where
- * the shape fits (bf16 operands; the backend's K3_CUDA_MMA). */
+ * k3_kda_chunk_work_floats(C, dk, dv) floats, wf of them). mode: K3C_KDA_MMA runs chunk 16 on
+ * tensor cores where the shape fits (bf16 operands; the backend's K3_CUDA_MMA); K3C_KDA_BF16 keeps
+ * each head's state as dk·dv bf16 at the start of its fp32 region (K3_CUDA_KDA_STATE=bf16: the
+ * shapes of k3c_kda_bf16_fits, S 8-byte aligned, S_stride even; else cudaErrorInvalidValue). */
+#define K3C_KDA_MMA  1
+#define K3C_KDA_BF16 2
 int k3c_kda(cudaStream_t s, const float *q, const float *k, const float *v, const float *g,
             const float *beta, int64_t n, int H, int dk, int dv, float scale, float *S, float *o,
-            int C, float *work, size_t wf, bool mma);
-/* kda_recurrent with the state stored in bf16 (opt-in; kda.cu): S [H, dk, dv] bf16 bits */
-int k3c_kda_stream_bf16(cudaStream_t s, const float *q, const float *k, const float *v,
-                        const float *g, const float *beta, int64_t n, int H, int dk, int dv,
-                        float scale, uint16_t *S, float *o);
-
+            int C, float *work, size_t wf, int mode);
 /* seqs kernels: the batch descriptor's device arrays (k3_seqs: tok0 [n_seqs + 1], pos, slot
  * [n_seqs], blocks [n_seqs, max_blocks]) and its host scalars, which size the grids. */
 typedef struct k3c_seqs {
@@ -80,7 +79,9 @@ int k3c_short_conv_seqs(cudaStream_t s, const k3c_seqs *sq, const float *in, int
  * head wf floats for H heads), state at S + slot[i]·S_stride. */
 int k3c_kda_seqs(cudaStream_t s, const k3c_seqs *sq, const float *q, const float *k, const float *v,
                  const float *g, const float *beta, int H, int dk, int dv, float scale, float *S,
-                 int64_t S_stride, float *o, int C, float *work, size_t wf, bool mma);
+                 int64_t S_stride, float *o, int C, float *work, size_t wf, int mode);
+/* the bf16 state's shapes: the streamed recurrence, and chunk 16 on tensor cores */
+bool k3c_kda_bf16_fits(int dk, int dv, int C);
 
 /* attn.cu */
 int k3c_attn_latent(cudaStream_t s, const float *qc, const float *cache, int64_t n_ctx, int H,

@@ -25,9 +25,9 @@
 //     all the run's tokens in between. Per token (fp32): the rows decay and each thread sums
 //     u = Σ k_i s_ij over its rows, the row groups' partials meet in shared memory in order, δ =
 //     β(v − u), S += k δᵀ and o = scale·Sᵀq the same way. The same sums as the ref in another
-//     order (K3_TOL_KDA_REL_L2). The state may be stored in bf16 (k3c_kda_stream_bf16: 8-byte
-//     loads, fp32 math, rounded to nearest even at each store): opt-in, not used by the backend's
-//     ops.
+//     order (K3_TOL_KDA_REL_L2). The state may be stored in bf16 (K3C_KDA_BF16, the backend's
+//     K3_CUDA_KDA_STATE=bf16: each head's dk·dv bf16 at the start of its fp32 region, 8-byte loads,
+//     fp32 math, rounded to nearest even at each store; head_mma loads and stores it the same way).
 // Verified on host math only; device run pending.
 #include "cuda_launch.h"
 #include "cuda_math.cuh"
@@ -52,6 +52,19 @@ static __device__ __forceinline__ void st_store(uint16_t *p, const float x[4]) {
     uint64_t v = 0;
     for (int c = 0; c < 4; c++) v |= (uint64_t)k3c_bf16_rne(x[c]) << (16 * c);
     *(uint64_t *)p = v;
+}
+
+static __device__ __forceinline__ float st_get(const float *p) {
+    return *p;
+}
+static __device__ __forceinline__ float st_get(const uint16_t *p) {
+    return k3c_bf16(*p);
+}
+static __device__ __forceinline__ void st_put(float *p, float x) {
+    *p = x;
+}
+static __device__ __forceinline__ void st_put(uint16_t *p, float x) {
+    *p = k3c_bf16_rne(x);
 }
 
 /* The recurrence of one head over n tokens with the state in registers (see the top); sh:
@@ -187,15 +200,17 @@ static __global__ void recurrent_kernel(const float *q, const float *k, const fl
                    scale, S + (int64_t)h * dk * dv, o + h * dv, sh_rec);
 }
 
+/* S: fp32 [H, dk, dv]; with ST = uint16_t head h's dk·dv bf16 sit at the start of its fp32 region
+ * (the bf16 state keeps the fp32 layout's offsets) */
 template <typename ST>
 static __global__ void __launch_bounds__(K3C_KDA_THREADS, 1)
     stream_kernel(const float *q, const float *k, const float *v, const float *g, const float *beta,
-                  int64_t n, int H, int dk, int dv, float scale, ST *S, float *o) {
+                  int64_t n, int H, int dk, int dv, float scale, float *S, float *o) {
     K3C_DYN_SHARED(float, sh_str);
     const int h = blockIdx.x;
     const int64_t sqk = (int64_t)H * dk, svo = (int64_t)H * dv;
     head_stream<ST>(q + h * dk, k + h * dk, v + h * dv, g + h * dk, beta + h, n, sqk, svo, H, dk,
-                    dv, scale, S + (int64_t)h * dk * dv, o + h * dv, sh_str);
+                    dv, scale, (ST *)(S + (int64_t)h * dk * dv), o + h * dv, sh_str);
 }
 
 /* The chunked form of one head over n tokens (pointers at the head's token-0 rows, strides as
@@ -255,9 +270,10 @@ static size_t mma_shmem(int dk, int dv) {
 /* The chunk-16 form of one head over n tokens, 256 threads (8 warps): full chunks with the state
  * in registers as Sᵀ [dv × dk] mma accumulators (warp w: rows j of [16w, 16w + 16), every column
  * i), a ragged tail by head_stream. sh: mma_shmem bytes. */
+template <typename ST>
 static __device__ void head_mma(const float *q, const float *k, const float *v, const float *g,
                                 const float *beta, int64_t n, int64_t sqk, int64_t svo, int64_t sb,
-                                int dk, int dv, float scale, float *S, float *o, float *sh) {
+                                int dk, int dv, float scale, ST *S, float *o, float *sh) {
     const int tid = threadIdx.x, nth = blockDim.x, warp = tid >> 5, lane = tid & 31;
     const int gq = lane >> 2, tq = lane & 3, ldk = dk + 8, ldv = dv + 8, nti = dk / 8;
     float *Gm = sh, *Us = Gm + 16 * dk, *Ws = Us + 16 * dv, *Am = Ws + 16 * dv, *bt = Am + 256;
@@ -269,9 +285,10 @@ static __device__ void head_mma(const float *q, const float *k, const float *v, 
 #pragma unroll
     for (int nt = 0; nt < 16; nt++)
         for (int r = 0; r < 4; r++)
-            acc[nt][r] = own && nt < nti
-                             ? S[(int64_t)(8 * nt + 2 * tq + (r & 1)) * dv + j0 + gq + 8 * (r >> 1)]
-                             : 0.0f;
+            acc[nt][r] =
+                own && nt < nti
+                    ? st_get(S + (int64_t)(8 * nt + 2 * tq + (r & 1)) * dv + j0 + gq + 8 * (r >> 1))
+                    : 0.0f;
     int64_t t0 = 0;
     for (; t0 + 16 <= n; t0 += 16) {
         /* Γ_t = Σ_{s <= t} g_s per channel (fp32), β */
@@ -376,24 +393,35 @@ static __device__ void head_mma(const float *q, const float *k, const float *v, 
         for (int nt = 0; nt < 16; nt++) {
             if (nt >= nti) break;
             for (int r = 0; r < 4; r++)
-                S[(int64_t)(8 * nt + 2 * tq + (r & 1)) * dv + j0 + gq + 8 * (r >> 1)] = acc[nt][r];
+                st_put(S + (int64_t)(8 * nt + 2 * tq + (r & 1)) * dv + j0 + gq + 8 * (r >> 1),
+                       acc[nt][r]);
         }
     __syncthreads(); /* the tail's head_stream reads the state */
     if (t0 < n)
-        head_stream<float>(q + t0 * sqk, k + t0 * sqk, v + t0 * svo, g + t0 * sqk, beta + t0 * sb,
-                           n - t0, sqk, svo, sb, dk, dv, scale, S, o + t0 * svo, sh);
+        head_stream<ST>(q + t0 * sqk, k + t0 * sqk, v + t0 * svo, g + t0 * sqk, beta + t0 * sb,
+                        n - t0, sqk, svo, sb, dk, dv, scale, S, o + t0 * svo, sh);
+}
+/* head_mma on head state Sh (fp32, or bf16 at the start of the fp32 region when bf16) */
+static __device__ void head_mma_st(const float *q, const float *k, const float *v, const float *g,
+                                   const float *beta, int64_t n, int64_t sqk, int64_t svo,
+                                   int64_t sb, int dk, int dv, float scale, float *Sh, float *o,
+                                   float *sh, bool bf16) {
+    if (bf16)
+        head_mma<uint16_t>(q, k, v, g, beta, n, sqk, svo, sb, dk, dv, scale, (uint16_t *)Sh, o, sh);
+    else
+        head_mma<float>(q, k, v, g, beta, n, sqk, svo, sb, dk, dv, scale, Sh, o, sh);
 }
 
 static __global__ void __launch_bounds__(K3C_KDA_THREADS, 1)
     chunked_kernel(const float *q, const float *k, const float *v, const float *g,
                    const float *beta, int64_t n, int H, int dk, int dv, float scale, float *S,
-                   float *o, int C, float *work, size_t wf, bool mma) {
+                   float *o, int C, float *work, size_t wf, bool mma, bool bf16) {
     K3C_DYN_SHARED(double, sh_chk); /* row [C], then 3·dk floats for the tail */
     const int h = blockIdx.x;
     if (mma) {
-        head_mma(q + h * dk, k + h * dk, v + h * dv, g + h * dk, beta + h, n, (int64_t)H * dk,
-                 (int64_t)H * dv, H, dk, dv, scale, S + (int64_t)h * dk * dv, o + h * dv,
-                 (float *)sh_chk);
+        head_mma_st(q + h * dk, k + h * dk, v + h * dv, g + h * dk, beta + h, n, (int64_t)H * dk,
+                    (int64_t)H * dv, H, dk, dv, scale, S + (int64_t)h * dk * dv, o + h * dv,
+                    (float *)sh_chk, bf16);
         return;
     }
     head_chunked(q + h * dk, k + h * dk, v + h * dv, g + h * dk, beta + h, n, (int64_t)H * dk,
@@ -413,18 +441,24 @@ static __device__ void zero_head(float *S, int n) {
 static __global__ void __launch_bounds__(K3C_KDA_THREADS, 1)
     recurrent_seqs_kernel(k3c_seqs sq, const float *q, const float *k, const float *v,
                           const float *g, const float *beta, int H, int dk, int dv, float scale,
-                          float *S, int64_t S_stride, float *o, int C, bool stream) {
+                          float *S, int64_t S_stride, float *o, int C, bool stream, bool bf16) {
     K3C_DYN_SHARED(float, sh_rec);
     const int h = blockIdx.x, i = blockIdx.y;
     const int64_t t0 = sq.tok0[i], n = sq.tok0[i + 1] - t0;
     if (C >= 2 && n >= C) return; /* block-uniform */
     const int64_t sqk = (int64_t)H * dk, svo = (int64_t)H * dv;
     if (sq.pos[i] == 0) zero_head(S + sq.slot[i] * S_stride + (int64_t)h * dk * dv, dk * dv);
+    float *Sh = S + sq.slot[i] * S_stride + (int64_t)h * dk * dv;
+    if (stream && bf16) {
+        head_stream<uint16_t>(q + t0 * sqk + h * dk, k + t0 * sqk + h * dk, v + t0 * svo + h * dv,
+                              g + t0 * sqk + h * dk, beta + t0 * H + h, n, sqk, svo, H, dk, dv,
+                              scale, (uint16_t *)Sh, o + t0 * svo + h * dv, sh_rec);
+        return;
+    }
     if (stream) {
         head_stream<float>(q + t0 * sqk + h * dk, k + t0 * sqk + h * dk, v + t0 * svo + h * dv,
                            g + t0 * sqk + h * dk, beta + t0 * H + h, n, sqk, svo, H, dk, dv, scale,
-                           S + sq.slot[i] * S_stride + (int64_t)h * dk * dv, o + t0 * svo + h * dv,
-                           sh_rec);
+                           Sh, o + t0 * svo + h * dv, sh_rec);
         return;
     }
     head_recurrent(q + t0 * sqk + h * dk, k + t0 * sqk + h * dk, v + t0 * svo + h * dv,
@@ -437,7 +471,8 @@ static __global__ void __launch_bounds__(K3C_KDA_THREADS, 1)
 static __global__ void __launch_bounds__(K3C_KDA_THREADS, 1)
     chunked_seqs_kernel(k3c_seqs sq, const float *q, const float *k, const float *v, const float *g,
                         const float *beta, int H, int dk, int dv, float scale, float *S,
-                        int64_t S_stride, float *o, int C, float *work, size_t wf, bool mma) {
+                        int64_t S_stride, float *o, int C, float *work, size_t wf, bool mma,
+                        bool bf16) {
     K3C_DYN_SHARED(double, sh_chk);
     const int h = blockIdx.x;
     const int64_t sqk = (int64_t)H * dk, svo = (int64_t)H * dv;
@@ -446,10 +481,10 @@ static __global__ void __launch_bounds__(K3C_KDA_THREADS, 1)
         if (n < C) continue; /* block-uniform */
         if (sq.pos[i] == 0) zero_head(S + sq.slot[i] * S_stride + (int64_t)h * dk * dv, dk * dv);
         if (mma) {
-            head_mma(q + t0 * sqk + h * dk, k + t0 * sqk + h * dk, v + t0 * svo + h * dv,
-                     g + t0 * sqk + h * dk, beta + t0 * H + h, n, sqk, svo, H, dk, dv, scale,
-                     S + sq.slot[i] * S_stride + (int64_t)h * dk * dv, o + t0 * svo + h * dv,
-                     (float *)sh_chk);
+            head_mma_st(q + t0 * sqk + h * dk, k + t0 * sqk + h * dk, v + t0 * svo + h * dv,
+                        g + t0 * sqk + h * dk, beta + t0 * H + h, n, sqk, svo, H, dk, dv, scale,
+                        S + sq.slot[i] * S_stride + (int64_t)h * dk * dv, o + t0 * svo + h * dv,
+                        (float *)sh_chk, bf16);
             continue;
         }
         head_chunked(q + t0 * sqk + h * dk, k + t0 * sqk + h * dk, v + t0 * svo + h * dv,
@@ -488,22 +523,32 @@ extern "C" int k3c_short_conv(cudaStream_t s, const float *in, int64_t n, int64_
     return (int)cudaGetLastError();
 }
 
+extern "C" bool k3c_kda_bf16_fits(int dk, int dv, int C) {
+    return stream_fits(dk, dv) && (C < 2 || (C == 16 && mma_fits(dk, dv)));
+}
+
 extern "C" int k3c_kda(cudaStream_t s, const float *q, const float *k, const float *v,
                        const float *g, const float *beta, int64_t n, int H, int dk, int dv,
-                       float scale, float *S, float *o, int C, float *work, size_t wf, bool mma) {
+                       float scale, float *S, float *o, int C, float *work, size_t wf, int mode) {
     if (n <= 0 || H <= 0) return 0;
+    const bool bf16 = (mode & K3C_KDA_BF16) != 0;
+    if (bf16 && (!k3c_kda_bf16_fits(dk, dv, C) || ((uintptr_t)S & 7u)))
+        return (int)cudaErrorInvalidValue;
     const size_t sh_tail = 3 * (size_t)dk * sizeof(float);
-    if (C == 0 && stream_fits(dk, dv) && ((uintptr_t)S & 15u) == 0) {
+    if (C == 0 && bf16) {
+        K3C_LAUNCH((unsigned)H, K3C_KDA_THREADS, stream_shmem(dk, dv), s, stream_kernel<uint16_t>)
+        (q, k, v, g, beta, n, H, dk, dv, scale, S, o);
+    } else if (C == 0 && stream_fits(dk, dv) && ((uintptr_t)S & 15u) == 0) {
         K3C_LAUNCH((unsigned)H, K3C_KDA_THREADS, stream_shmem(dk, dv), s, stream_kernel<float>)
         (q, k, v, g, beta, n, H, dk, dv, scale, S, o);
     } else if (C == 0) {
         K3C_LAUNCH((unsigned)H, 128, sh_tail, s, recurrent_kernel)
         (q, k, v, g, beta, n, H, dk, dv, scale, S, o);
     } else {
-        const bool m = mma && C == 16 && mma_fits(dk, dv);
+        const bool m = (bf16 || (mode & K3C_KDA_MMA)) && C == 16 && mma_fits(dk, dv);
         const size_t sh = m ? mma_shmem(dk, dv) : (size_t)C * sizeof(double) + sh_tail;
         K3C_LAUNCH((unsigned)H, 256, sh, s, chunked_kernel)
-        (q, k, v, g, beta, n, H, dk, dv, scale, S, o, C, work, wf, m);
+        (q, k, v, g, beta, n, H, dk, dv, scale, S, o, C, work, wf, m, bf16);
     }
     return (int)cudaGetLastError();
 }
@@ -520,32 +565,27 @@ extern "C" int k3c_short_conv_seqs(cudaStream_t s, const k3c_seqs *sq, const flo
 extern "C" int k3c_kda_seqs(cudaStream_t s, const k3c_seqs *sq, const float *q, const float *k,
                             const float *v, const float *g, const float *beta, int H, int dk,
                             int dv, float scale, float *S, int64_t S_stride, float *o, int C,
-                            float *work, size_t wf, bool mma) {
+                            float *work, size_t wf, int mode) {
     if (sq->n_seqs <= 0 || H <= 0) return 0;
+    const bool bf16 = (mode & K3C_KDA_BF16) != 0;
+    if (bf16 && (!k3c_kda_bf16_fits(dk, dv, C) || ((uintptr_t)S & 7u) || S_stride % 2))
+        return (int)cudaErrorInvalidValue;
     const size_t sh_tail = 3 * (size_t)dk * sizeof(float);
     dim3 grid((unsigned)H, (unsigned)sq->n_seqs);
-    if (stream_fits(dk, dv) && ((uintptr_t)S & 15u) == 0 && S_stride % 4 == 0)
+    const bool stream =
+        bf16 || (stream_fits(dk, dv) && ((uintptr_t)S & 15u) == 0 && S_stride % 4 == 0);
+    if (stream) {
         K3C_LAUNCH(grid, K3C_KDA_THREADS, stream_shmem(dk, dv), s, recurrent_seqs_kernel)
-    (*sq, q, k, v, g, beta, H, dk, dv, scale, S, S_stride, o, C, true);
-    else K3C_LAUNCH(grid, 128, sh_tail, s, recurrent_seqs_kernel)(*sq, q, k, v, g, beta, H, dk, dv,
-                                                                  scale, S, S_stride, o, C, false);
+        (*sq, q, k, v, g, beta, H, dk, dv, scale, S, S_stride, o, C, true, bf16);
+    } else {
+        K3C_LAUNCH(grid, 128, sh_tail, s, recurrent_seqs_kernel)
+        (*sq, q, k, v, g, beta, H, dk, dv, scale, S, S_stride, o, C, false, false);
+    }
     if (C >= 2 && sq->max_new >= C) { /* some sequence has a full chunk */
-        const bool m = mma && C == 16 && mma_fits(dk, dv);
+        const bool m = (bf16 || (mode & K3C_KDA_MMA)) && C == 16 && mma_fits(dk, dv);
         const size_t sh = m ? mma_shmem(dk, dv) : (size_t)C * sizeof(double) + sh_tail;
         K3C_LAUNCH((unsigned)H, 256, sh, s, chunked_seqs_kernel)
-        (*sq, q, k, v, g, beta, H, dk, dv, scale, S, S_stride, o, C, work, wf, m);
+        (*sq, q, k, v, g, beta, H, dk, dv, scale, S, S_stride, o, C, work, wf, m, bf16);
     }
-    return (int)cudaGetLastError();
-}
-
-/* kda_recurrent with the state stored in bf16 (S [H, dk, dv] bf16 bits, 8-byte aligned rows):
- * opt-in, for the fidelity test; the backend's ops keep the state in fp32. */
-extern "C" int k3c_kda_stream_bf16(cudaStream_t s, const float *q, const float *k, const float *v,
-                                   const float *g, const float *beta, int64_t n, int H, int dk,
-                                   int dv, float scale, uint16_t *S, float *o) {
-    if (n <= 0 || H <= 0) return 0;
-    if (!stream_fits(dk, dv) || ((uintptr_t)S & 7u)) return (int)cudaErrorInvalidValue;
-    K3C_LAUNCH((unsigned)H, K3C_KDA_THREADS, stream_shmem(dk, dv), s, stream_kernel<uint16_t>)
-    (q, k, v, g, beta, n, H, dk, dv, scale, S, o);
     return (int)cudaGetLastError();
 }

@@ -19,10 +19,6 @@
 #include "tolerances.h"
 #include "gpu/k3_gpu_test.h"
 
-#include <cuda_runtime_api.h>
-
-#include "cuda_launch.h" /* k3c_kda_stream_bf16: the opt-in bf16 KDA state */
-
 #include <stdlib.h>
 #include <string.h>
 
@@ -33,6 +29,7 @@ static k3_backend *g_ref, *g_cpu, *g_cu; /* the varlen ops compare with cpu */
    16); g_cu32 is the default backend (fp32 kernels), swapped in as g_cu by the cases that check
    those paths (g_mma tells the checks which one runs). */
 static k3_backend *g_cu32;
+static k3_backend *g_cub; /* K3_CUDA_KDA_STATE=bf16 (kda_bf16_case) */
 static bool g_mma = true;
 
 #define GUARD    64          /* floats of guard band on each side of a device buffer */
@@ -694,14 +691,17 @@ static void kda_case(bool chunked, int64_t n, int H, int dk, int dv, int C) {
     dfree_all("kda");
     free(q), free(k), free(v), free(g), free(beta), free(S), free(S0), free(want);
 }
-/* The opt-in bf16 state (kda.cu k3c_kda_stream_bf16), K3's head shape 128 x 128, H = 2:
-   (1) one step from a bf16 state: o as the fp32 recurrence (K3_TOL_KDA_REL_L2; o is computed
-   before the state is rounded), and each new state element within one bf16 rounding of ref's:
-   |S − S_ref| <= 2^-8·|S_ref| + K3_TOL_KDA_REL_L2·max|S_ref| (K3_TOL_BF16_U);
-   (2) what it costs: 64 decode steps, one call each (a rounding of the state per step), against
-   the fp32 recurrence: o's rel-L2 printed, and bounded by its worst case 64·2^-8 (each step's
-   rounding moves the state by <= 2^-8 relative and the recurrence is a contraction: decay <= 1,
-   I − βkkᵀ with β <= 1 and |k| = 1). */
+/* The opt-in bf16 KDA state (K3_CUDA_KDA_STATE=bf16: g_cub; head h's dk·dv bf16 at the start of
+   its fp32 region), K3's head shape 128 x 128, H = 2:
+   (1) one decode step from a bf16 state: o as the fp32 recurrence (K3_TOL_KDA_REL_L2; o is
+   computed before the state is rounded), and each new state element within one bf16 rounding of
+   ref's: |S − S_ref| <= 2^-8·|S_ref| + K3_TOL_KDA_REL_L2·max|S_ref| (K3_TOL_BF16_U);
+   (2) what it costs: 63 more decode steps, one call each (a rounding of the state per step),
+   against the fp32 recurrence: o's rel-L2 printed, and bounded by its worst case 64·2^-8 (each
+   step's rounding moves the state by <= 2^-8 relative and the recurrence does not expand it:
+   decay <= 1, I − βkkᵀ with β <= 1 and |k| = 1);
+   (3) chunk 16 (32 tokens, no tail) from the same bf16 state: o bit for bit the fp32-state
+   tensor-core run's (g_cu) and the stored state its bf16 rounding; (4) chunk 64: a clear error. */
 static void kda_bf16_case(void) {
     const int H = 2, dk = 128, dv = 128, n = 64;
     const int64_t nqk = (int64_t)n * H * dk, nv = (int64_t)n * H * dv, nS = (int64_t)H * dk * dv;
@@ -717,33 +717,36 @@ static void kda_bf16_case(void) {
             for (int i = 0; i < dk; i++) qk[a][r * dk + i] /= sqrtf(ss);
         }
     float *S0 = randn(nS, 0.5f), *S = bf16_round(S0, nS), *want = hnan(nv);
-    uint16_t *Sb = malloc((size_t)nS * 2);
-    for (int64_t i = 0; i < nS; i++) Sb[i] = k3_f32_to_bf16(S[i]);
+    uint16_t *Sb = calloc((size_t)nS * 2, 2); /* the fp32 layout: head h at 2·h·dk·dv */
+    for (int h = 0; h < H; h++)
+        for (int64_t e = 0; e < (int64_t)dk * dv; e++)
+            Sb[2 * h * dk * dv + e] = k3_f32_to_bf16(S[h * dk * dv + e]);
     float *dq = dcopy(q, nqk), *dk_ = dcopy(k, nqk), *dv_ = dcopy(v, nv), *dg = dcopy(g, nqk);
     float *db = dcopy(beta, (int64_t)n * H), *dO = dpoison(nv);
-    uint16_t *dS = dput(Sb, (size_t)nS * 2);
-    cudaStream_t st = (cudaStream_t)k3_backend_native_stream(g_cu);
+    float *dS = dput(Sb, (size_t)nS * 4);
     const float scale = 1.0f / sqrtf((float)dk);
     /* (1) one step */
     K3_CHECK_OK(g_ref->ops->kda_recurrent(g_ref, q, k, v, g, beta, 1, H, dk, dv, scale, S, want));
-    K3_CHECK(k3c_kda_stream_bf16(st, dq, dk_, dv_, dg, db, 1, H, dk, dv, scale, dS, dO) == 0,
-             "kda bf16 state: launch");
+    K3_CHECK_OK(
+        g_cub->ops->kda_recurrent(g_cub, dq, dk_, dv_, dg, db, 1, H, dk, dv, scale, dS, dO));
     cmp(hget(dO, (int64_t)H * dv), want, (int64_t)H * dv, K3_TOL_KDA_REL_L2, "kda bf16 state o");
-    dget(Sb, dS, (size_t)nS * 2);
+    dget(Sb, dS, (size_t)nS * 4);
     double smax = 0;
     for (int64_t i = 0; i < nS; i++) smax = fabs(S[i]) > smax ? fabs(S[i]) : smax;
     int64_t bad = 0;
-    for (int64_t i = 0; i < nS; i++)
-        bad += !(fabs(k3_bf16_to_f32(Sb[i]) - S[i]) <=
-                 K3_TOL_BF16_U * fabs(S[i]) + K3_TOL_KDA_REL_L2 * smax);
+    for (int h = 0; h < H; h++)
+        for (int64_t e = 0; e < (int64_t)dk * dv; e++) {
+            const double x = S[h * dk * dv + e];
+            bad += !(fabs(k3_bf16_to_f32(Sb[2 * h * dk * dv + e]) - x) <=
+                     K3_TOL_BF16_U * fabs(x) + K3_TOL_KDA_REL_L2 * smax);
+        }
     K3_CHECK(bad == 0, "kda bf16 state: %lld state elements past one bf16 rounding of ref's",
              (long long)bad);
     /* (2) 63 more steps, one call each, from that state; ref in fp32 from its own state */
     for (int t = 1; t < n; t++) {
         const int64_t oq = (int64_t)t * H * dk, ov = (int64_t)t * H * dv;
-        K3_CHECK(k3c_kda_stream_bf16(st, dq + oq, dk_ + oq, dv_ + ov, dg + oq, db + t * H, 1, H, dk,
-                                     dv, scale, dS, dO + ov) == 0,
-                 "kda bf16 state: launch");
+        K3_CHECK_OK(g_cub->ops->kda_recurrent(g_cub, dq + oq, dk_ + oq, dv_ + ov, dg + oq,
+                                              db + t * H, 1, H, dk, dv, scale, dS, dO + ov));
     }
     K3_CHECK_OK(g_ref->ops->kda_recurrent(g_ref, q + H * dk, k + H * dk, v + H * dv, g + H * dk,
                                           beta + H, n - 1, H, dk, dv, scale, S, want + H * dv));
@@ -755,6 +758,33 @@ static void kda_bf16_case(void) {
     K3_CHECK(all_finite(got, nv) && r <= lim, "kda bf16 state: rel-L2 %g over %d steps (bound %g)",
              r, n, lim);
     free(got);
+    /* (3) chunk 16 over 32 tokens: the bf16 state against the fp32 one, from the same values */
+    const int64_t nc = (int64_t)32 * H * dv, wf = (int64_t)k3_kda_chunk_work_floats(16, dk, dv) * H;
+    for (int h = 0; h < H; h++)
+        for (int64_t e = 0; e < (int64_t)dk * dv; e++)
+            Sb[2 * h * dk * dv + e] = k3_f32_to_bf16(S[h * dk * dv + e]);
+    float *Sr = bf16_round(S, nS);
+    float *dSb = dput(Sb, (size_t)nS * 4), *dSf = dcopy(Sr, nS), *dwork = dpoison(wf);
+    float *dOb = dpoison(nc), *dOf = dpoison(nc);
+    K3_CHECK_OK(g_cub->ops->kda_chunked(g_cub, dq, dk_, dv_, dg, db, 32, H, dk, dv, scale, dSb, dOb,
+                                        16, dwork));
+    K3_CHECK_OK(g_cu->ops->kda_chunked(g_cu, dq, dk_, dv_, dg, db, 32, H, dk, dv, scale, dSf, dOf,
+                                       16, dwork));
+    float *ob = hget(dOb, nc), *of = hget(dOf, nc), *sf = hget(dSf, nS);
+    dget(Sb, dSb, (size_t)nS * 4);
+    int64_t diff = 0;
+    for (int h = 0; h < H; h++)
+        for (int64_t e = 0; e < (int64_t)dk * dv; e++)
+            diff += Sb[2 * h * dk * dv + e] != k3_f32_to_bf16(sf[h * dk * dv + e]);
+    K3_CHECK(memcmp(ob, of, (size_t)nc * 4) == 0 && diff == 0,
+             "kda bf16 state, chunk 16: o differs from the fp32 state's, or %lld state elements "
+             "are not its bf16 rounding",
+             (long long)diff);
+    free(ob), free(of), free(sf), free(Sr);
+    /* (4) a chunk the bf16 state has no kernel for */
+    K3_CHECK_ERR(g_cub->ops->kda_chunked(g_cub, dq, dk_, dv_, dg, db, 32, H, dk, dv, scale, dSb,
+                                         dOb, 64, dwork),
+                 K3_ERR_ARG, "chunk 64");
     dfree_all("kda bf16 state");
     free(q), free(k), free(v), free(g), free(beta), free(S0), free(S), free(want), free(Sb);
 }
@@ -1418,7 +1448,10 @@ int main(void) {
     setenv("K3_CUDA_MMA", "1", 1); /* read when a cuda backend is created */
     K3_CHECK_OK(k3_backend_create("cuda", NULL, &g_cu));
     unsetenv("K3_CUDA_MMA");
-    if (!g_ref || !g_cpu || !g_cu || !g_cu32) return k3_test_done("cuda_ops");
+    setenv("K3_CUDA_KDA_STATE", "bf16", 1);
+    K3_CHECK_OK(k3_backend_create("cuda", NULL, &g_cub));
+    unsetenv("K3_CUDA_KDA_STATE");
+    if (!g_ref || !g_cpu || !g_cu || !g_cu32 || !g_cub) return k3_test_done("cuda_ops");
     K3_CHECK(k3_backend_cuda_ops_done() == K3_OP_COUNT, "cuda implements %d of %d ops",
              k3_backend_cuda_ops_done(), K3_OP_COUNT);
     for (size_t i = 0; i < K3_ARRAY_LEN(k_tests); i++) {
@@ -1433,6 +1466,7 @@ int main(void) {
     test_op_stats_events();
     k3_backend_destroy(g_cu);
     k3_backend_destroy(g_cu32);
+    k3_backend_destroy(g_cub);
     k3_backend_destroy(g_cpu);
     k3_backend_destroy(g_ref);
     return k3_test_done("cuda_ops");
