@@ -57,6 +57,7 @@ typedef struct moe_tab {
     k3c_expert *host, *dev;       /* [E] each */
 } moe_tab;
 
+#define MLA_PART_CAP ((int64_t)16 << 20) /* floats of the tensor-core MLA's scratch: 64 MiB */
 enum { CU_DEFER_MAX = 64 }; /* deferred checks in one step (a stage of K3 has ~12 MoE layers) */
 
 typedef struct cu_ctx {
@@ -574,27 +575,22 @@ static k3_status cu_kda_chunked(k3_backend *be, const float *q, const float *k, 
     return K3_OK;
 }
 /* The tensor-core MLA (mla_mma.cu), opt-in (K3_CUDA_MMA=1: bf16 inputs move tiny models' greedy
- * tokens, see DESIGN §3b), for W <= K3C_MLA_MAX_W: attn_paged (sq) or one attn_latent
- * query (sq NULL, n_ctx rows). Its split partials live in the backend's scratch, grown here up to
- * MLA_PART_CAP floats (then the tokens go in groups that fit); the grow waits for the stream, so
- * no launch in flight still reads the old scratch. */
-#define MLA_PART_CAP ((int64_t)16 << 20) /* 64 MiB */
+ * tokens, see DESIGN §3b), for W <= K3C_MLA_MAX_W: attn_paged (sq) or one attn_latent query (sq
+ * NULL, n_ctx rows). Its split partials live in the backend's scratch of MLA_PART_CAP floats,
+ * allocated with the backend and never moved (a captured step keeps its address; no call here
+ * syncs or allocates); a batch's tokens go in groups that fit it. */
 static k3_status cu_attn_mla(k3_backend *be, const k3c_seqs *sq, int64_t n_ctx, const float *qc,
                              const float *cache, int H, int W, int Rkv, float scale, float *o_lat) {
     cu_ctx *c = CTX(be);
     const int64_t T = sq ? sq->T : 1;
     const int64_t per = k3c_attn_mla_part_floats(sq ? sq->max_ctx : n_ctx, H, Rkv);
-    int64_t tb = T;
-    if (per > 0) {
-        if (per * tb > MLA_PART_CAP) tb = MLA_PART_CAP / per > 0 ? MLA_PART_CAP / per : 1;
-        if (per * tb > c->mla_part_cap) {
-            CU_TRY(cudaStreamSynchronize(STREAM(be)));
-            cudaFree(c->mla_part);
-            c->mla_part = NULL, c->mla_part_cap = 0;
-            CU_TRY(cudaMalloc((void **)&c->mla_part, (size_t)(per * tb) * sizeof(float)));
-            c->mla_part_cap = per * tb;
-        }
-    }
+    if (per > c->mla_part_cap)
+        return K3_ERR(K3_ERR_ARG,
+                      "%s: %d heads of %d latent columns need %lld floats of split scratch a "
+                      "token, past the backend's %lld",
+                      sq ? "attn_paged" : "attn_latent", H, Rkv, (long long)per,
+                      (long long)c->mla_part_cap);
+    const int64_t tb = per > 0 && per * T > c->mla_part_cap ? c->mla_part_cap / per : T;
     CU_TRY(
         k3c_attn_mla(STREAM(be), sq, n_ctx, qc, cache, H, W, Rkv, scale, o_lat, c->mla_part, tb));
     return K3_OK;
@@ -967,11 +963,14 @@ int k3_backend_cuda_ops_done(void) {
 
 static k3_status cu_ctx_init(cu_ctx *c, int n_devices) {
     c->device = k3_local_rank() % n_devices;
-    const char *mma = getenv("K3_CUDA_MMA");
+    const char *mma = getenv("K3_CUDA_MMA"), *kst = getenv("K3_CUDA_KDA_STATE");
     c->mma = mma && strcmp(mma, "1") == 0;
-    const char *kst = getenv("K3_CUDA_KDA_STATE");
     c->kda_bf16 = kst && strcmp(kst, "bf16") == 0;
     CU_TRY(cudaSetDevice(c->device));
+    if (c->mma) { /* the tensor-core MLA's split scratch (cu_attn_mla) */
+        CU_TRY(cudaMalloc((void **)&c->mla_part, (size_t)MLA_PART_CAP * sizeof(float)));
+        c->mla_part_cap = MLA_PART_CAP;
+    }
     CU_TRY(cudaStreamCreateWithFlags(&c->stream, cudaStreamNonBlocking));
     CU_TRY(cudaMalloc((void **)&c->err_dev, sizeof *c->err_dev));
     CU_TRY(cudaMallocHost((void **)&c->err_host, sizeof *c->err_host));
