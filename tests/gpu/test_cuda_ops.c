@@ -617,6 +617,7 @@ static void test_kda_chunked(void) {
     kda_case(true, 20, 2, 32, 48, 64);    /* only a tail */
     kda_case(true, 150, 2, 128, 128, 16); /* tensor cores: 9 chunks and a tail of 6 */
     kda_case(true, 37, 3, 64, 48, 16);
+    kda_case(true, 35, 4, 32, 32, 16); /* the tiny model's KDA heads */
 }
 /* attn_latent: W <= 640 on tensor cores (bf16 bound, mla_check), a wider row on the fp32 kernel
    (the op bound); 777 positions take 4 splits and the combine */
