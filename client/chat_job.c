@@ -66,6 +66,7 @@ k3_status k3_job_parse(k3_job *j, const char *text, size_t n_bytes, const char *
         return K3_ERR(K3_ERR_FORMAT, "%s: %s", what, why);
     }
     K3_TRY(check_served(j->doc, what));
+    K3_TRY(k3_job_grammar_check(j->doc, what)); /* a hostile schema: refused before rendering */
     const k3_chat_json *msgs = k3_chat_json_get(j->doc, "messages");
     if (msgs && msgs->kind == K3_JSON_ARRAY && msgs->n_items == 0)
         return K3_ERR(K3_ERR_FORMAT, "%s: messages is empty", what);

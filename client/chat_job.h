@@ -90,6 +90,10 @@ void k3_job_free(k3_job *j); /* frees the members, zeroes; NULL-safe */
  * asks for nothing); called by k3_job_sampling. K3_ERR_FORMAT naming the key or the schema
  * keyword that is not supported. */
 k3_status k3_job_grammar(k3_job *j, k3_grammar_cache *cache, const char *what);
+/* Before the prompt is rendered: the structured-output schemas of a chat request (doc) pass
+ * k3_grammar_schema_check, so a hostile one ($ref chain, size) is a 400 in milliseconds, not after
+ * rendering and tokenizing it. Other errors of those keys are left to k3_job_grammar. */
+k3_status k3_job_grammar_check(const k3_chat_json *doc, const char *what);
 /* The grammar cache of a model (its tokenizer and vocab_size), for k3_job_settings.grammars. */
 k3_status k3_job_grammar_cache(const k3_tokenizer *tok, int64_t n_vocab, k3_grammar_cache **out);
 /* An unsigned 64-bit integer from decimal digits only (no sign, no exponent): seeds. */

@@ -119,6 +119,35 @@ static k3_status content_keys(const k3_chat_json *doc, const char *what, k3_gram
     return K3_OK;
 }
 
+k3_status k3_job_grammar_check(const k3_chat_json *doc, const char *what) {
+    if (!doc) return K3_OK;
+    k3_grammar_spec s = {.content = K3_GC_FREE};
+    k3_chat_json *own = NULL;
+    const char *from = NULL;
+    k3_status st = content_keys(doc, what, &s, &own, &from);
+    if (st == K3_ERR_NOMEM) return st;
+    /* a key refused here is refused, with the same words, by k3_job_grammar later */
+    const char *bad = NULL;
+    char where[64];
+    if (st == K3_OK && s.content == K3_GC_JSON && s.schema) {
+        st = k3_grammar_schema_check(s.schema, from);
+        bad = from;
+    }
+    const k3_chat_json *tc = key(doc, "tool_choice"), *tools = key(doc, "tools");
+    const bool want = s.content != K3_GC_FREE || (tc && !k3_chat_json_is_str(tc, "auto"));
+    for (size_t i = 0;
+         st == K3_OK && want && tools && tools->kind == K3_JSON_ARRAY && i < tools->n_items; i++) {
+        snprintf(where, sizeof where, "tools[%zu].function.parameters", i);
+        st = k3_grammar_schema_check(key(key(tools->items[i], "function"), "parameters"), where);
+        bad = where;
+    }
+    k3_chat_json_free(own);
+    if (st == K3_OK || st == K3_ERR_NOMEM || !bad) return st == K3_ERR_NOMEM ? st : K3_OK;
+    char why[512];
+    snprintf(why, sizeof why, "%s", k3_last_error());
+    return BAD("%s: %s", what, why);
+}
+
 k3_status k3_job_grammar(k3_job *j, k3_grammar_cache *cache, const char *what) {
     const k3_chat_json *doc = j->doc;
     if (!doc) return K3_OK;

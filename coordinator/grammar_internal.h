@@ -71,6 +71,9 @@ g_tables *g_tables_new(void); /* NULL: out of memory */
 void g_tables_free(g_tables *t);
 /* The position of member k[0..n) in object o, or -1 (err set only when out of memory). */
 int64_t g_member(g_tables *t, const k3_chat_json *o, const char *k, size_t n, k3_status *err);
+/* grammar_check.c: the node a local "#/a/b" JSON pointer names in root, or NULL. */
+const k3_chat_json *g_pointer(g_tables *t, const k3_chat_json *root, const char *ref,
+                              k3_status *err);
 /* The rule built for (node, kind), or -1; with rule >= 0 and none found, records it. */
 int32_t g_node_rule_get(g_tables *t, const void *node, int kind, int32_t rule, k3_status *err);
 /* A literal-trie step from `from` on sym (one edge per (state, sym): alternatives that share a

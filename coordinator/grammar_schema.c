@@ -700,25 +700,8 @@ static const k3_chat_json *resolve_ref(g_cx *c, const k3_chat_json *ref, const c
              ref && ref->kind == K3_JSON_STRING ? ref->s : "?");
         return NULL;
     }
-    const k3_chat_json *n = c->root;
-    const char *p = ref->s + 1;
-    while (*p == '/' && n) {
-        p++;
-        char key[256];
-        size_t k = 0;
-        while (*p && *p != '/' && k + 1 < sizeof key) {
-            if (p[0] == '~' && p[1] == '1')
-                key[k++] = '/', p += 2;
-            else if (p[0] == '~' && p[1] == '0')
-                key[k++] = '~', p += 2;
-            else
-                key[k++] = *p++;
-        }
-        key[k] = 0;
-        int64_t at = g_member(c->tab, n, key, k, &c->b->err);
-        n = at >= 0 ? n->items[at] : NULL;
-    }
-    if (!n || *p) fail(c, path, "$ref '%s' does not resolve", ref->s);
+    const k3_chat_json *n = g_pointer(c->tab, c->root, ref->s, &c->b->err);
+    if (!n) fail(c, path, "$ref '%s' does not resolve", ref->s);
     return n;
 }
 

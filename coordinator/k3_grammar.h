@@ -69,6 +69,12 @@ typedef struct k3_grammar_spec {
 #define K3_GRAMMAR_MAX_NEST   1000   /* calls entered without consuming input ($ref/anyOf chains) */
 #define K3_GRAMMAR_CACHE_MB   256    /* the cache's byte budget (compiled grammars kept) */
 
+/* A cheap structural pass (linear in the schema) to run before anything costly is done with a
+ * request: K3_ERR_ARG, naming the keyword, the bound and `where`, for a $ref chain longer than
+ * K3_GRAMMAR_MAX_NEST (or a cycle) or more reachable schema nodes than K3_GRAMMAR_MAX_STATES, which
+ * the compile would refuse too. A schema it passes is still checked by the compile. */
+k3_status k3_grammar_schema_check(const k3_chat_json *schema, const char *where);
+
 /* The compiles this thread runs from now on poll cancelled(arg) (a spec's own callback wins);
  * NULL: none. `k3 serve` sets it around a request's parse: a compile stops when its client
  * leaves or the server stops. */

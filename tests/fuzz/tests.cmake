@@ -47,7 +47,7 @@ if(CMAKE_C_COMPILER_ID MATCHES "Clang")
                  ${CMAKE_SOURCE_DIR}/client/chat_job.c
                  ${CMAKE_SOURCE_DIR}/client/chat_job_grammar.c ${CMAKE_SOURCE_DIR}/coordinator/grammar.c
                  ${CMAKE_SOURCE_DIR}/coordinator/grammar_schema.c ${CMAKE_SOURCE_DIR}/coordinator/grammar_tables.c
-                 ${CMAKE_SOURCE_DIR}/coordinator/grammar_bounds.c
+                 ${CMAKE_SOURCE_DIR}/coordinator/grammar_bounds.c ${CMAKE_SOURCE_DIR}/coordinator/grammar_check.c
                  ${CMAKE_SOURCE_DIR}/coordinator/chat_json.c ${CMAKE_SOURCE_DIR}/coordinator/chat_render.c
                  ${CMAKE_SOURCE_DIR}/coordinator/parser.c ${CMAKE_SOURCE_DIR}/coordinator/tokenizer.c
                  ${CMAKE_SOURCE_DIR}/coordinator/tokenizer_decode.c ${CMAKE_SOURCE_DIR}/base/base.c
@@ -67,7 +67,7 @@ k3_add_test_exe(fuzz_grammar_driver ${CMAKE_CURRENT_LIST_DIR}/fuzz_grammar.c)
 add_test(NAME fuzz_grammar_short COMMAND fuzz_grammar_driver --random 1500 --seed 1)
 set_tests_properties(fuzz_grammar_short PROPERTIES LABELS "fuzz;sanitize" ENVIRONMENT "${K3_TEST_ENV}" TIMEOUT 300)
 # libFuzzer build (clang): the coordinator sources it needs compiled in, for coverage.
-set(K3_FUZZ_GRAMMAR_SRC grammar.c grammar_schema.c grammar_tables.c grammar_bounds.c chat_json.c tokenizer.c tokenizer_decode.c)
+set(K3_FUZZ_GRAMMAR_SRC grammar.c grammar_schema.c grammar_tables.c grammar_bounds.c grammar_check.c chat_json.c tokenizer.c tokenizer_decode.c)
 list(TRANSFORM K3_FUZZ_GRAMMAR_SRC PREPEND ${CMAKE_SOURCE_DIR}/coordinator/)
 if(CMAKE_C_COMPILER_ID MATCHES "Clang")
   add_executable(fuzz_grammar ${CMAKE_CURRENT_LIST_DIR}/fuzz_grammar.c ${K3_FUZZ_GRAMMAR_SRC}
