@@ -44,8 +44,7 @@ static const k3_chat_json *ref_of(const k3_chat_json *n) {
  * chain is walked once. The compile follows K3_GRAMMAR_MAX_NEST hops past the first: more than
  * CHAIN_MAX nodes is refused (a cycle counts as too many). */
 #define CHAIN_MAX (K3_GRAMMAR_MAX_NEST + 1)
-static int chain_len(g_tables *t, const k3_chat_json *root, const k3_chat_json *n,
-                     k3_status *err) {
+static int chain_len(g_tables *t, const k3_chat_json *root, const k3_chat_json *n, k3_status *err) {
     const k3_chat_json *path[CHAIN_MAX + 1];
     int len = 0, tail = 0;
     while (len <= CHAIN_MAX) {
@@ -80,12 +79,20 @@ static bool push(const k3_chat_json ***st, int64_t *n, int64_t *cap, const k3_ch
 }
 
 k3_status k3_grammar_schema_check(const k3_chat_json *schema, const char *where) {
-    static const char *const ONE[] = {"additionalProperties", "items", "not", "contains",
-                                      "propertyNames", "if", "then", "else", "unevaluatedItems",
-                                      "unevaluatedProperties", "additionalItems", NULL};
-    static const char *const MANY[] = {"anyOf", "oneOf", "allOf", "prefixItems", "items", NULL};
-    static const char *const MAP[] = {"properties", "patternProperties", "dependentSchemas",
+    static const char *const ONE[] = {"additionalProperties",
+                                      "items",
+                                      "not",
+                                      "contains",
+                                      "propertyNames",
+                                      "if",
+                                      "then",
+                                      "else",
+                                      "unevaluatedItems",
+                                      "unevaluatedProperties",
+                                      "additionalItems",
                                       NULL};
+    static const char *const MANY[] = {"anyOf", "oneOf", "allOf", "prefixItems", "items", NULL};
+    static const char *const MAP[] = {"properties", "patternProperties", "dependentSchemas", NULL};
     if (!schema || schema->kind != K3_JSON_OBJECT) return K3_OK;
     g_tables *t = g_tables_new();
     if (!t) return K3_ERR(K3_ERR_NOMEM, "schema check");

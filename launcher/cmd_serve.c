@@ -57,6 +57,10 @@ static const k3_flag flags[] = {
      "close, leaves 256 for the others and /health)"},
     {"read-timeout", K3_FLAG_FLOAT, "SEC", "30",
      "a connection that sends nothing (or reads nothing of its response) for this long is closed"},
+    {"header-timeout", K3_FLAG_FLOAT, "SEC", "10",
+     "a request's headers must all arrive within this long of the connection's opening (or of "
+     "the previous response's end on a keep-alive connection), however steadily they trickle; "
+     "else the connection is closed (--read-timeout is per read)"},
     {"allowed-origins", K3_FLAG_STR, "LIST", NULL,
      "CORS for browser clients: comma-separated origins (or *) whose pages may call the API; "
      "preflight OPTIONS needs no key (default: no CORS headers)"},
@@ -160,6 +164,9 @@ static k3_status prepare(const k3_args *a, k3_server_opts *so, k3_tokenizer **to
     const double read_s = k3_args_float(a, "read-timeout");
     if (!(read_s >= 1 && read_s <= 86400))
         return K3_ERR(K3_ERR_ARG, "--read-timeout must be in [1, 86400] seconds");
+    const double header_s = k3_args_float(a, "header-timeout");
+    if (!(header_s >= 1 && header_s <= 86400))
+        return K3_ERR(K3_ERR_ARG, "--header-timeout must be in [1, 86400] seconds");
     const char *origins = k3_args_str(a, "allowed-origins"); /* echoed in a header: no CR/LF */
     for (const char *p = origins; p && *p; p++)
         if ((unsigned char)*p < 0x20 || *p == 0x7f)
@@ -193,6 +200,7 @@ static k3_status prepare(const k3_args *a, k3_server_opts *so, k3_tokenizer **to
                            .max_queue_bytes = (size_t)qbytes,
                            .max_per_client = (int)per_client,
                            .idle_timeout_s = read_s,
+                           .header_timeout_s = header_s,
                            .allowed_origins = k3_args_str(a, "allowed-origins"),
                            .grace_s = k3_args_float(a, "shutdown-grace")};
     K3_TRY(bind_port(so->host, so->port, &so->listen_fd));

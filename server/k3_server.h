@@ -48,6 +48,7 @@ typedef struct k3_server_opts {
                                    past it gets 429 (0 = 1 GiB) */
     int max_connections;        /* open connections (0 = 1024) */
     double idle_timeout_s;      /* a connection moving no bytes this long is closed (0 = 30) */
+    double header_timeout_s;    /* a request's headers must all come within this (0 = 10) */
     double grace_s;             /* at shutdown: in-flight requests may finish this long (0 = 10) */
     const char *tokenizer_info; /* GET /tokenizer_info (vLLM's): the model's tokenizer_config.json
                                    text, or NULL (then eos / bos from the tokenizer) */

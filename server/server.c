@@ -68,6 +68,8 @@ struct k3_server {
     pthread_mutex_t amu;
     struct srv_addr *addrs; /* (ADDR_SLOTS) */
     unsigned n_conn, limit, per_client;
+    struct hdr_watch *watched; /* open connections, for the header deadline (under amu) */
+    double t_scan;             /* the peer watcher's last scan of them */
 };
 
 /* ---- connections per address ------------------------------------------------------------------
@@ -136,10 +138,79 @@ static enum MHD_Result on_accept(void *cls, const struct sockaddr *addr, socklen
     return ok ? MHD_YES : MHD_NO;
 }
 
+/* ---- the header deadline (--header-timeout) -------------------------------------------------
+ * MHD's timeout is per read: a client that sends one header line a little more often than
+ * --read-timeout would hold its connection forever. Each connection must deliver a request's
+ * headers within --header-timeout of its opening (or of its previous response's end, on a
+ * keep-alive connection); the peer watcher shuts the socket of one that does not, and MHD closes
+ * it. A request's body and its response are --read-timeout's. */
+typedef struct hdr_watch {
+    MHD_socket fd;
+    double since; /* waiting for headers since then; < 0: a request is being served */
+    bool cut;     /* shut down: MHD closes it */
+    struct hdr_watch *prev, *next;
+} hdr_watch;
+
+static double header_s(const k3_server *s) {
+    return s->o.header_timeout_s > 0 ? s->o.header_timeout_s : 10;
+}
+
+/* The connection's headers came (since < 0) or its response ended (since = now). */
+static void hdr_mark(k3_server *s, struct MHD_Connection *c, double since) {
+    const union MHD_ConnectionInfo *ci =
+        MHD_get_connection_info(c, MHD_CONNECTION_INFO_SOCKET_CONTEXT);
+    hdr_watch *w = ci ? ci->socket_context : NULL;
+    if (!w) return;
+    pthread_mutex_lock(&s->amu);
+    w->since = since;
+    pthread_mutex_unlock(&s->amu);
+}
+
+/* The peer watcher, every HDR_SCAN_S: shut the connections past the deadline. Under amu, so a
+ * connection's fd is not shut after MHD's CLOSED notification (it may be reused then). */
+#define HDR_SCAN_S 0.25
+static void hdr_scan(k3_server *s) {
+    const double now = k3_now_s();
+    if (now - s->t_scan < HDR_SCAN_S) return;
+    s->t_scan = now;
+    pthread_mutex_lock(&s->amu);
+    for (hdr_watch *w = s->watched; w; w = w->next)
+        if (!w->cut && w->since >= 0 && now - w->since > header_s(s)) {
+            shutdown(w->fd, SHUT_RDWR);
+            w->cut = true;
+        }
+    pthread_mutex_unlock(&s->amu);
+}
+
+static void hdr_track(k3_server *s, struct MHD_Connection *c, void **socket_ctx,
+                      enum MHD_ConnectionNotificationCode code) {
+    hdr_watch *w = *socket_ctx;
+    if (code == MHD_CONNECTION_NOTIFY_STARTED) {
+        const union MHD_ConnectionInfo *fi =
+            MHD_get_connection_info(c, MHD_CONNECTION_INFO_CONNECTION_FD);
+        if (!fi || k3_calloc((void **)&w, sizeof *w, "connection watch") != K3_OK) return;
+        w->fd = fi->connect_fd, w->since = k3_now_s();
+        pthread_mutex_lock(&s->amu);
+        w->next = s->watched;
+        if (w->next) w->next->prev = w;
+        s->watched = w;
+        pthread_mutex_unlock(&s->amu);
+        *socket_ctx = w;
+    } else if (w) {
+        pthread_mutex_lock(&s->amu);
+        if (w->prev) w->prev->next = w->next;
+        if (w->next) w->next->prev = w->prev;
+        if (s->watched == w) s->watched = w->next;
+        pthread_mutex_unlock(&s->amu);
+        k3_free(w);
+        *socket_ctx = NULL;
+    }
+}
+
 static void on_connection(void *cls, struct MHD_Connection *c, void **socket_ctx,
                           enum MHD_ConnectionNotificationCode code) {
     k3_server *s = cls;
-    (void)socket_ctx;
+    hdr_track(s, c, socket_ctx, code);
     const union MHD_ConnectionInfo *ci =
         MHD_get_connection_info(c, MHD_CONNECTION_INFO_CLIENT_ADDRESS);
     uint8_t key[17];
@@ -534,6 +605,7 @@ static void *watch_peers(void *arg) {
             signal(SIGTERM, SIG_DFL);
             raise(SIGTERM);
         }
+        hdr_scan(s);
         usleep(10000);
     }
     return NULL;
@@ -945,6 +1017,7 @@ static enum MHD_Result on_request(void *cls, struct MHD_Connection *c, const cha
     if (!k) { /* headers only: set up, check the key and the declared length */
         if (k3_calloc((void **)&k, sizeof *k, "connection") != K3_OK) return MHD_NO;
         k->s = s, k->c = c, k->t0 = k3_now_s();
+        hdr_mark(s, c, -1); /* the headers came in time */
         snprintf(k->method, sizeof k->method, "%s", method);
         snprintf(k->path, sizeof k->path, "%s", url);
         *req_cls = k;
@@ -1016,6 +1089,7 @@ static void on_completed(void *cls, struct MHD_Connection *c, void **req_cls,
         pthread_mutex_unlock(&k->s->mu);
     }
     release(k);
+    hdr_mark(k->s, c, k3_now_s()); /* a keep-alive connection's next headers: a new deadline */
     const bool ok = toe == MHD_REQUEST_TERMINATED_COMPLETED_OK;
     k3_log(K3_LOG_INFO,
            "access id=%s method=%s path=%s status=%d%s prompt_tokens=%lld completion_tokens=%lld "

@@ -38,21 +38,26 @@ import os
 import shutil
 import socket
 import struct
+import subprocess
 import threading
 import time
 
 import pytest
 import requests
 
-from serve_test import KEY, MPI, Server, model_dir  # noqa: F401 (the fixture)
+from serve_test import K3, KEY, MPI, Server, model_dir  # noqa: F401 (the fixture)
 
 MSG = [{"role": "user", "content": "Name three colours."}]
 ORIGIN = "http://ui.example:3000"
 
 
+HEADER_S = 4  # --header-timeout of hsrv
+
+
 @pytest.fixture(scope="module")
 def hsrv(model_dir):  # noqa: F811
-    s = Server(model_dir, extra=["--api-key", KEY, "--read-timeout", "2", "--allowed-origins",
+    s = Server(model_dir, extra=["--api-key", KEY, "--read-timeout", "2", "--header-timeout", str(HEADER_S),
+                                 "--allowed-origins",
                                  "http://other.example," + ORIGIN, "--max-seqs", "4"])
     yield s
     assert s.stop() == 0, s.text()[-2000:]
@@ -223,6 +228,56 @@ def test_hostile_http_slow_connections(hsrv):
     assert r.status_code == 200
 
 
+def test_hostile_http_header_deadline(hsrv):
+    """Headers that trickle one line a second (each read well within --read-timeout 2) are cut at
+    --header-timeout (4 s) in all; a request whose headers came in time is answered, however long
+    its body then takes within --read-timeout."""
+    held = []
+    t0 = time.monotonic()
+    for _ in range(6):
+        s = socket.create_connection(("127.0.0.1", hsrv.port), timeout=5)
+        s.send(b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\n")
+        held.append(s)
+    closed_at = [None] * len(held)
+    line = 0
+    while time.monotonic() - t0 < HEADER_S + 4 and None in closed_at:
+        line += 1
+        for i, s in enumerate(held):
+            if closed_at[i] is not None:
+                continue
+            try:
+                s.send(b"X-Slow-%d: %d\r\n" % (line, line))
+                s.settimeout(0.01)
+                if s.recv(1) == b"":
+                    closed_at[i] = time.monotonic() - t0
+            except socket.timeout:
+                pass
+            except OSError:
+                closed_at[i] = time.monotonic() - t0
+        time.sleep(1.0)
+    for s in held:
+        s.close()
+    print("trickled headers closed after", closed_at)
+    assert None not in closed_at, "still open after %d s of trickled headers" % (HEADER_S + 4)
+    assert min(closed_at) >= HEADER_S - 1, closed_at
+    # headers in time, then a body sent slowly (each part within --read-timeout): answered
+    body = json.dumps({"messages": MSG, "max_tokens": 2}).encode()
+    s = socket.create_connection(("127.0.0.1", hsrv.port), timeout=30)
+    s.send(b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer " + KEY.encode() +
+           b"\r\nContent-Type: application/json\r\nConnection: close\r\nContent-Length: %d\r\n\r\n" % len(body))
+    for i in range(0, len(body), len(body) // 5 + 1):
+        s.send(body[i:i + len(body) // 5 + 1])
+        time.sleep(HEADER_S / 4)
+    out = b""
+    while True:
+        b = s.recv(65536)
+        if not b:
+            break
+        out += b
+    s.close()
+    assert out.startswith(b"HTTP/1.1 200"), out[:300]
+
+
 # ---- 11. silent accepts ---------------------------------------------------------------------
 BAD = [
     ("/v1/chat/completions", {"messages": [{"role": "user", "content": "go"}, {
@@ -318,6 +373,10 @@ def test_hostile_http_cors(hsrv, model_dir):  # noqa: F811
         assert r.status_code == 200 and "Access-Control-Allow-Origin" not in r.headers
     finally:
         assert bare.stop() == 0
+    # an origin is echoed in a header: one with CR/LF (a header injection) is refused at start
+    p = subprocess.run([K3, "serve", "--model", model_dir, "--port", "0", "--allowed-origins",
+                        "http://a.example\r\nSet-Cookie: x=1"], capture_output=True, text=True, timeout=120)
+    assert p.returncode != 0 and "--allowed-origins: a control character (0x0d)" in p.stderr, p.stderr[-500:]
 
 
 # ---- 8. /health sees every rank -----------------------------------------------------------------

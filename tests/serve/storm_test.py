@@ -132,6 +132,7 @@ def test_storm(model_dir, budget):  # noqa: F811
             n_cancel += sum(k == "cancelled" for k, _ in res)
             assert srv.proc.poll() is None, "round %d: the server died:\n%s" % (rnd, srv.text()[-3000:])
             assert not bad, "round %d: %d bad streams, e.g. %s\n%s" % (rnd, len(bad), bad[:3], srv.text()[-2000:])
+            print("round %d: %.1f s" % (rnd, time.monotonic() - t0))
         print("storm (budget %s): %d rounds in %.1f s: %d streams ended with [DONE], %d cancelled" %
               (budget, ROUNDS, time.monotonic() - t0, n_ok, n_cancel))
         left = idle(srv)
