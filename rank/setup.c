@@ -7,6 +7,7 @@
 #include <signal.h>
 #include <stdlib.h>
 #include <sys/mman.h>
+#include <sys/statvfs.h>
 #include <unistd.h>
 
 /* ---- set-up ------------------------------------------------------------------------------- */
@@ -276,6 +277,43 @@ static void shared_set(rank_ctx *r, void *p, bool device, uint64_t nd, uint64_t 
                             : "shared, read by another rank");
 }
 
+/* The free bytes of /dev/shm (K3_TEST_SHM_FREE fakes them, for tests); -1: unknown. */
+static int64_t shm_free_bytes(void) {
+    const char *fake = getenv("K3_TEST_SHM_FREE");
+    if (fake && *fake) return strtoll(fake, NULL, 10);
+    struct statvfs v;
+    if (statvfs("/dev/shm", &v) != 0) return -1;
+    return (int64_t)v.f_bavail * (int64_t)v.f_frsize;
+}
+
+/* The reader's object of nd bytes, its pages reserved now (a tmpfs too small fails here, not
+ * later as a fault or EFAULT in the middle of a read), or MAP_FAILED with a warning: the ranks of
+ * the stage on this node then read their own copies. */
+static void *shm_create(const rank_ctx *r, const char *name, uint64_t nd) {
+    const int64_t avail = shm_free_bytes();
+    if (avail >= 0 && (uint64_t)avail < nd) {
+        K3_LOGW("load: /dev/shm has %.2f MB free, less than stage %d's dense weights (%.2f MB): "
+                "each rank of the stage on this node reads its own copy (enlarge /dev/shm, e.g. "
+                "docker's --shm-size, to share them)",
+                avail / 1e6, r->stage, nd / 1e6);
+        return MAP_FAILED;
+    }
+    void *p = MAP_FAILED;
+    int err = 0, fd = shm_open(name, O_CREAT | O_EXCL | O_RDWR, 0600);
+    if (fd < 0) err = errno;
+    if (fd >= 0 && (err = posix_fallocate(fd, 0, (off_t)nd)) == 0) {
+        p = mmap(NULL, nd, PROT_READ | PROT_WRITE, MAP_SHARED, fd, 0);
+        if (p == MAP_FAILED) err = errno;
+    }
+    if (p == MAP_FAILED)
+        K3_LOGW("load: no shared memory for stage %d's dense weights (%.2f MB, /dev/shm%s: %s); "
+                "each rank of the stage on this node reads its own copy",
+                r->stage, nd / 1e6, name, strerror(err));
+    if (fd >= 0 && p == MAP_FAILED) shm_unlink(name);
+    if (fd >= 0) close(fd);
+    return p;
+}
+
 k3_status rank_share_dense(rank_ctx *r) {
     const char *be = r->o->backend ? r->o->backend : "cpu";
     const bool dev = strcmp(be, "cuda") == 0 && k3_comm_device_payloads(r->comm);
@@ -284,9 +322,12 @@ k3_status rank_share_dense(rank_ctx *r) {
     uint64_t *all = NULL;
     RTRY(r, k3_calloc((void **)&all, (size_t)r->world * sizeof *all, "node sharing"));
     k3_status st = K3_OK;
+    bool named = false; /* the object may exist under `name`: unlinked before this returns */
+    char name[96] = "";
     /* a name unique to the job: rank 0's pid and clock, the same on every rank */
     const uint64_t mine =
-        r->rank == 0 ? ((uint64_t)getpid() << 32) ^ (uint64_t)(k3_now_s() * 1e6) : 0;
+        r->rank == 0 ? ((uint64_t)getpid() << 32) | ((uint64_t)(k3_now_s() * 1e6) & 0xffffffffu)
+                     : 0;
     if ((st = k3_comm_allgather_u64(r->comm, mine, all)) != K3_OK) goto out;
     const uint64_t token = all[0];
     const int node = r->where[r->rank].node;
@@ -301,23 +342,18 @@ k3_status rank_share_dense(rank_ctx *r) {
         if (share) shared_set(r, NULL, true, nd, stored, reader, size);
         goto out;
     }
-    char name[96];
-    snprintf(name, sizeof name, "/k3-%016llx-n%d-s%d", (unsigned long long)token, node, r->stage);
+    /* the name starts with rank 0's pid ("k3-<pid>-..."), so a leftover can be traced to its job */
+    snprintf(name, sizeof name, "/k3-%u-%08llx-n%d-s%d", (unsigned)(token >> 32),
+             (unsigned long long)(token & 0xffffffffu), node, r->stage);
     void *p = MAP_FAILED;
-    if (share && reader == r->rank) {
-        int fd = shm_open(name, O_CREAT | O_EXCL | O_RDWR, 0600);
-        if (fd >= 0 && ftruncate(fd, (off_t)nd) == 0)
-            p = mmap(NULL, nd, PROT_READ | PROT_WRITE, MAP_SHARED, fd, 0);
-        if (p == MAP_FAILED) {
-            K3_LOGW("load: no shared memory for stage %d's dense weights (%.2f MB, %s: %s); each "
-                    "rank of the stage on this node reads its own copy",
-                    r->stage, nd / 1e6, name, strerror(errno));
-            if (fd >= 0) shm_unlink(name);
-        }
-        if (fd >= 0) close(fd);
-    }
+    /* everyone at the same point first, so the object lives only while the group maps it */
+    if ((st = k3_comm_barrier(r->comm)) != K3_OK) goto out;
+    named =
+        share; /* from here on, a rank of the group that fails removes the name (ENOENT: none) */
+    if (share && reader == r->rank) p = shm_create(r, name, nd);
     /* every reader's verdict, then the others map what their reader made */
     if ((st = k3_comm_allgather_u64(r->comm, p != MAP_FAILED, all)) != K3_OK) goto out;
+    named = share && all[reader];
     if (share && reader != r->rank && all[reader]) {
         int fd = shm_open(name, O_RDONLY, 0);
         if (fd >= 0) p = mmap(NULL, nd, PROT_READ, MAP_SHARED, fd, 0);
@@ -328,8 +364,12 @@ k3_status rank_share_dense(rank_ctx *r) {
     }
     if ((st = k3_comm_barrier(r->comm)) != K3_OK) goto out;
     if (share && reader == r->rank && p != MAP_FAILED) shm_unlink(name); /* every rank mapped it */
+    named = false;
     if (p != MAP_FAILED) shared_set(r, p, false, nd, stored, reader, size);
 out:
+    /* a failure (a peer lost) between the object's creation and every rank's mapping: every rank
+       of the group removes the name, so no rank's death leaves it behind */
+    if (named) shm_unlink(name);
     k3_free(all);
     RTRY(r, st);
     return K3_OK;

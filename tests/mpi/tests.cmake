@@ -68,6 +68,10 @@ set_tests_properties(chaos PROPERTIES LABELS "mpi" TIMEOUT 600 ENVIRONMENT "${K3
 # small preset, shared vs --load-private (tests/mpi/load_share.py)
 add_test(NAME load_share COMMAND ${K3_PYTHON3} ${CMAKE_CURRENT_LIST_DIR}/load_share.py ${MPIEXEC_EXECUTABLE})
 set_tests_properties(load_share PROPERTIES LABELS "mpi" TIMEOUT 600 ENVIRONMENT "${K3_TEST_ENV_MPI}")
+# issue 43: the node's /dev/shm object of a stage's dense weights: a /dev/shm too small is found at
+# open (private copies, a warning naming it); rank 0 killed during the load leaves nothing behind
+add_test(NAME load_shm COMMAND ${K3_PYTHON3} ${CMAKE_CURRENT_LIST_DIR}/shm_test.py ${MPIEXEC_EXECUTABLE})
+set_tests_properties(load_shm PROPERTIES LABELS "mpi" TIMEOUT 300 ENVIRONMENT "${K3_TEST_ENV_MPI}")
 # issue 34 finding 10: the whole job suspended during the load for 2 x --comm-timeout, then
 # resumed: no rank blames another for the time it was itself stopped; the run ends with exit 0.
 add_test(NAME suspend_resume COMMAND ${K3_PYTHON3} ${CMAKE_CURRENT_LIST_DIR}/suspend_resume.py

@@ -1,0 +1,119 @@
+#!/usr/bin/env python3
+"""shm_test.py — the node's shared dense weights and /dev/shm (issue 43, "loading hazards named").
+
+`mpirun -np 2 k3 run --pp 1 --ep 2` on the tiny model (one node: the two lanes of stage 0 share
+its dense weights through one /dev/shm object, named k3-<rank 0's pid>-...):
+  * a /dev/shm too small for the stage's dense weights (K3_TEST_SHM_FREE=4096 fakes its free
+    space) is found at open: a warning naming /dev/shm, each rank reads its own copy, and the
+    generated ids equal the shared run's;
+  * rank 0 SIGKILLed half-way through its load (K3_TEST_FAIL=kill-load:0), and once by this test
+    from outside right after the start: no /dev/shm/k3-<pid>-* object of a dead job is left (the
+    name is unlinked as soon as every rank of the group has mapped it, and by any rank of the group
+    whose share fails).
+usage: shm_test.py MPIEXEC   (K3_BIN = the k3 binary)"""
+import glob
+import json
+import os
+import re
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+
+K3 = os.environ["K3_BIN"]
+mpiexec = sys.argv[1]
+fails = []
+
+
+def check(cond, msg):
+    print(("ok   " if cond else "FAIL ") + msg, flush=True)
+    if not cond:
+        fails.append(msg)
+
+
+def args(model, *extra):
+    return [mpiexec, "-np", "2", "--oversubscribe", "-x", "K3_TEST_SHM_FREE", "-x", "K3_TEST_FAIL", K3,
+            "run", "--model", model, "--prompt-ids", "1,2,3,4", "--n", "4", "--pp", "1", "--ep", "2",
+            "--max-ctx", "64", "--max-seqs", "2", "--json"] + list(extra)
+
+
+def alive(pid):
+    try:
+        os.kill(pid, 0)
+        return True
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+
+
+def leftovers(before):
+    """/dev/shm/k3-<pid>-* objects made since `before` whose job (rank 0's pid) is gone."""
+    out = []
+    for p in set(glob.glob("/dev/shm/k3-*")) - before:
+        m = re.match(r"k3-(\d+)-[0-9a-f]{8}-n\d+-s\d+$", os.path.basename(p))
+        if m and not alive(int(m.group(1))):
+            out.append(p)
+    return out
+
+
+def run(model, env_extra, extra=()):
+    env = dict(os.environ, K3_TEST_SHM_FREE="", K3_TEST_FAIL="")
+    env.update(env_extra)
+    return subprocess.run(args(model, *extra), capture_output=True, text=True, timeout=300, env=env)
+
+
+with tempfile.TemporaryDirectory() as tmp:
+    model = os.path.join(tmp, "tiny")
+    subprocess.run([K3, "make-tiny", model], check=True, capture_output=True)
+    p = run(model, {})
+    check(p.returncode == 0 and "read once for the 2 ranks" in p.stderr,
+          "shared: stage 0's dense weights read once for the 2 ranks (exit %d)\n%s" % (p.returncode, p.stderr[-1500:]))
+    ids = [r["generated_ids"] for r in json.loads(p.stdout)["results"]] if p.returncode == 0 else None
+
+    # a /dev/shm too small: found at open, named, each rank its own copy, the same answers
+    p = run(model, {"K3_TEST_SHM_FREE": "4096"})
+    check(p.returncode == 0, "small /dev/shm: the run completes (exit %d)\n%s" % (p.returncode, p.stderr[-1500:]))
+    check("/dev/shm has 0.00 MB free, less than stage 0's dense weights" in p.stderr and
+          "reads its own copy" in p.stderr and "read once for the 2 ranks" not in p.stderr,
+          "small /dev/shm: a warning naming /dev/shm, private copies")
+    if p.returncode == 0 and ids is not None:
+        check([r["generated_ids"] for r in json.loads(p.stdout)["results"]] == ids,
+              "small /dev/shm: the generated ids equal the shared run's")
+
+    # rank 0 killed during its load (after the object was made and mapped): nothing left behind
+    before = set(glob.glob("/dev/shm/k3-*"))
+    p = run(model, {"K3_TEST_FAIL": "kill-load:0"})
+    time.sleep(0.5)
+    left = leftovers(before)
+    check(p.returncode != 0 and not left,
+          "kill-load:0 (exit %d): no /dev/shm object of the dead job left %s" % (p.returncode, left))
+    for f in left:
+        os.unlink(f)
+
+    # kill -9 of rank 0 from outside, early (0.2-1.2 s after the start: planning, sharing, loading)
+    for delay in (0.2, 0.5, 0.8, 1.2):
+        before = set(glob.glob("/dev/shm/k3-*"))
+        env = dict(os.environ, K3_TEST_SHM_FREE="", K3_TEST_FAIL="")
+        job = subprocess.Popen(args(model), stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, env=env)
+        time.sleep(delay)
+        kids = subprocess.run(["pgrep", "-P", str(job.pid)], capture_output=True, text=True).stdout.split()
+        pids = sorted(int(k) for k in kids)
+        if pids:
+            os.kill(pids[0], signal.SIGKILL)  # the first rank mpirun started (rank 0)
+        try:
+            job.wait(timeout=120)
+        except subprocess.TimeoutExpired:
+            job.kill()
+            job.wait()
+        time.sleep(0.5)
+        left = leftovers(before)
+        check(not left, "kill -9 of a rank %.1f s after the start: nothing left in /dev/shm %s" % (delay, left))
+        for f in left:
+            os.unlink(f)
+
+if fails:
+    print("%d check(s) failed" % len(fails))
+    sys.exit(1)
+print("all checks passed")
