@@ -4,7 +4,8 @@
  *
  * Owns: the batch file formats, the validation of the input, the resume of the output, feeding
  * the engine (a bounded window of requests in flight), one output line per request as soon as
- * every choice of it ends, the progress line and the summary. Only rank 0 reads and writes files
+ * every choice of it ends, the progress line and the summary; two prep threads parse the lines
+ * (and compile their grammars) ahead of the step loop. Only rank 0 reads and writes files
  * and tokenizes; the other ranks serve the engine. Does not own: a body -> choices, engine
  * requests and the response or error body (serve's own code, without HTTP: k3_server_req_* in
  * server/k3_server.h), the engine flags (engine_args.h).
@@ -36,6 +37,7 @@
 #include <errno.h>
 #include <fcntl.h>
 #include <math.h>
+#include <pthread.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <sys/file.h>
@@ -99,6 +101,19 @@ typedef struct live {
     k3_server_req *r;
 } live;
 
+/* The prep threads: a line whose grammar takes long to compile holds one; the others go on
+ * with the lines behind it. */
+#define PREP_THREADS 2
+
+/* A line parsed (its grammar compiled) by a prep thread, for the step loop to start. */
+typedef struct prepared {
+    int64_t line;
+    int status;       /* serve's: 200, or the error answer in err */
+    k3_server_req *r; /* status 200 */
+    k3_chat_buf err;  /* status != 200 */
+    k3_status st;     /* not K3_OK: I/O or memory (the job fails) */
+} prepared;
+
 typedef struct batch {
     const k3_args *a;
     const char *in_path, *out_path;
@@ -126,6 +141,15 @@ typedef struct batch {
     double t_start, t_gen, t_end, t_progress, progress_every;
     bool tty, progress_shown;
     k3_engine_stats final; /* at close: each rank's busy time */
+    /* the prep thread: parses the lines (and compiles their grammars) ahead of the step loop, so
+       a long compile never delays a step or a heartbeat. Under pmu: next, the ring, the flags. */
+    pthread_t prep[PREP_THREADS];
+    int n_prep, n_prep_alive, n_parsing; /* started, not yet ended, parsing a line now */
+    bool prep_on, prep_done, prep_stop;
+    pthread_mutex_t pmu;
+    pthread_cond_t pcv;
+    prepared *ring; /* (cap_live) */
+    int r_head, r_n;
 } batch;
 
 /* "message (file.c:123)" -> "message": the output file is for users, not for a debugger. */
@@ -387,50 +411,119 @@ static void end_live(batch *b, live *q) {
  * lower). */
 #define CHOICE_BITS 8
 
-/* Polled by a grammar compile on this (the step) thread: the coordinator's heartbeat goes on
- * (rate-limited inside), so a long compile never makes the workers declare rank 0 dead. Never
- * cancels: the compile's time budget bounds it (a line past it is an invalid_request line). */
-static bool compile_beat(void *arg) {
-    batch *b = arg;
-    if (b->e) (void)k3_engine_heartbeat(b->e); /* a failure shows at the next step */
-    return false;
+/* The prep thread's compiles stop when the job ends early. */
+static bool prep_cancelled(void *arg) {
+    return __atomic_load_n(&((batch *)arg)->prep_stop, __ATOMIC_RELAXED);
 }
 
-/* Prepare the next line: parse it as serve does and submit its choices, or write serve's error
- * answer. Fails only for I/O and memory. */
-static k3_status submit_next(batch *b) {
-    int64_t li = b->todo[b->next++];
-    in_line *L = &b->lines[li];
-    live *q = free_live(b);
-    K3_ASSERT(q != NULL);
-    q->line = li;
-    b->n_live++;
+/* Parse line li as serve does (the prep thread): p->r, or serve's error answer in p->err. */
+static void parse_line(batch *b, int64_t li, prepared *p) {
+    const in_line *L = &b->lines[li];
+    *p = (prepared){.line = li, .status = 500};
     k3_chat_json *d = NULL;
-    k3_chat_buf body = {0}, err = {0};
-    K3_TRY(k3_chat_json_parse(b->in_text + L->off, (size_t)L->len, "line", &d));
+    k3_chat_buf body = {0};
+    p->st = k3_chat_json_parse(b->in_text + L->off, (size_t)L->len, "line", &d);
+    if (p->st != K3_OK) return;
     const k3_chat_json *u = k3_chat_json_get(d, "url");
-    k3_status st = k3_chat_json_dump(k3_chat_json_get(d, "body"), K3_JSON_COMPACT, &body);
+    p->st = k3_chat_json_dump(k3_chat_json_get(d, "body"), K3_JSON_COMPACT, &body);
     const uint64_t h = b->nonce ^ cid_hash(L->cid, L->n_cid);
     const k3_server_req_opts ro = {.seed = k3_run_seq_seed(b->seed ^ cid_hash(L->cid, L->n_cid), 0),
                                    .id = k3_run_seq_seed(h, 3),
                                    .max_tokens =
                                        b->max_tokens_flag ? k3_args_int(b->a, "max-tokens") : 0};
-    int status = 500;
-    if (st == K3_OK) status = k3_server_req_parse(&b->so, u->s, body.p, body.n, &ro, &q->r, &err);
+    if (p->st == K3_OK)
+        p->status = k3_server_req_parse(&b->so, u->s, body.p, body.n, &ro, &p->r, &p->err);
     k3_chat_json_free(d);
     k3_chat_buf_free(&body);
-    if (st == K3_OK && status != 200) st = write_result(b, L, status, &err);
-    k3_chat_buf_free(&err);
-    if (st != K3_OK || status != 200) {
-        end_live(b, q);
+}
+
+static void *prep_main(void *arg) {
+    batch *b = arg;
+    k3_grammar_thread_cancel(prep_cancelled, b);
+    pthread_mutex_lock(&b->pmu);
+    while (!b->prep_stop && b->next < b->n_todo) {
+        if (b->r_n + b->n_parsing >= b->cap_live) {
+            pthread_cond_wait(&b->pcv, &b->pmu);
+            continue;
+        }
+        const int64_t li = b->todo[b->next++];
+        b->n_parsing++;
+        pthread_mutex_unlock(&b->pmu);
+        prepared p;
+        parse_line(b, li, &p);
+        pthread_mutex_lock(&b->pmu);
+        b->n_parsing--;
+        b->ring[(b->r_head + b->r_n++) % b->cap_live] = p;
+        pthread_cond_broadcast(&b->pcv);
+        if (p.st != K3_OK) break; /* the step loop fails the job with it */
+    }
+    if (--b->n_prep_alive == 0) b->prep_done = true;
+    pthread_cond_broadcast(&b->pcv);
+    pthread_mutex_unlock(&b->pmu);
+    k3_grammar_thread_cancel(NULL, NULL);
+    return NULL;
+}
+
+static void prepared_free(prepared *p) {
+    k3_server_req_free(p->r);
+    k3_chat_buf_free(&p->err);
+}
+
+/* Start a prepared line: submit its choices, or write serve's error answer. Fails only for I/O
+ * and memory. */
+static k3_status start_line(batch *b, prepared *p) {
+    if (p->st != K3_OK || p->status != 200) {
+        k3_status st =
+            p->st == K3_OK ? write_result(b, &b->lines[p->line], p->status, &p->err) : p->st;
+        prepared_free(p);
         return st;
     }
+    live *q = free_live(b);
+    K3_ASSERT(q != NULL);
+    q->line = p->line, q->r = p->r;
+    b->n_live++;
     const int n = k3_server_req_choices(q->r);
     K3_ASSERT(n <= 1 << CHOICE_BITS);
     for (int i = 0; i < n; i++)
         K3_TRY(k3_server_req_submit(q->r, i, b->e,
                                     ((uint64_t)(q - b->live) << CHOICE_BITS) | (uint64_t)i));
     return K3_OK;
+}
+
+/* The next prepared line, if one is ready (wait_s > 0: waits that long for one); *all_done when
+ * the prep thread has handed out every line. */
+static bool take_prepared(batch *b, prepared *out, double wait_s, bool *all_done) {
+    pthread_mutex_lock(&b->pmu);
+    if (b->r_n == 0 && !b->prep_done && wait_s > 0) {
+        struct timespec ts;
+        clock_gettime(CLOCK_REALTIME, &ts);
+        const long ns = ts.tv_nsec + (long)(wait_s * 1e9);
+        ts.tv_sec += ns / 1000000000L, ts.tv_nsec = ns % 1000000000L;
+        pthread_cond_timedwait(&b->pcv, &b->pmu, &ts);
+    }
+    const bool got = b->r_n > 0;
+    if (got) {
+        *out = b->ring[b->r_head];
+        b->r_head = (b->r_head + 1) % b->cap_live, b->r_n--;
+        pthread_cond_broadcast(&b->pcv);
+    }
+    *all_done = b->prep_done && b->r_n == 0;
+    pthread_mutex_unlock(&b->pmu);
+    return got;
+}
+
+static void prep_end(batch *b) {
+    if (!b->prep_on) return;
+    pthread_mutex_lock(&b->pmu);
+    __atomic_store_n(&b->prep_stop, true, __ATOMIC_RELAXED);
+    pthread_cond_broadcast(&b->pcv);
+    pthread_mutex_unlock(&b->pmu);
+    for (int i = 0; i < b->n_prep; i++) pthread_join(b->prep[i], NULL);
+    for (; b->r_n > 0; b->r_n--, b->r_head = (b->r_head + 1) % b->cap_live)
+        prepared_free(&b->ring[b->r_head]);
+    pthread_cond_destroy(&b->pcv);
+    pthread_mutex_destroy(&b->pmu);
+    b->prep_on = false;
 }
 
 static k3_status on_event(batch *b, const k3_event *ev) {
@@ -503,7 +596,7 @@ static void summary(const batch *b) {
 }
 
 /* Rank 0: submit and step until every line is written. */
-static k3_status drive(batch *b) {
+static k3_status drive_lines(batch *b) {
     k3_engine_stats es;
     k3_engine_get_stats(b->e, &es);
     b->max_ctx = es.max_ctx;
@@ -516,14 +609,28 @@ static k3_status drive(batch *b) {
     b->cap_live = (int)K3_MIN(K3_MAX(2 * (int64_t)es.max_seqs * es.ep, 64), 4096);
     K3_TRY(k3_calloc((void **)&b->live, (size_t)b->cap_live * sizeof *b->live, "requests"));
     for (int i = 0; i < b->cap_live; i++) b->live[i].line = -1;
+    K3_TRY(k3_calloc((void **)&b->ring, (size_t)b->cap_live * sizeof *b->ring, "parsed lines"));
+    pthread_mutex_init(&b->pmu, NULL);
+    pthread_cond_init(&b->pcv, NULL);
+    b->prep_on = true;
+    pthread_mutex_lock(&b->pmu);
+    for (; b->n_prep < PREP_THREADS; b->n_prep++, b->n_prep_alive++)
+        if (pthread_create(&b->prep[b->n_prep], NULL, prep_main, b) != 0) break;
+    const bool none = b->n_prep == 0;
+    pthread_mutex_unlock(&b->pmu);
+    if (none) return K3_ERR(K3_ERR_NOMEM, "k3 batch: cannot start a thread to parse the lines");
     b->t_gen = b->t_progress = k3_now_s();
-    while (b->next < b->n_todo || b->n_live > 0) {
-        k3_grammar_thread_cancel(compile_beat, b); /* a long compile keeps the workers told */
-        k3_status st = K3_OK;
-        while (st == K3_OK && b->n_live < b->cap_live && b->next < b->n_todo) st = submit_next(b);
-        k3_grammar_thread_cancel(NULL, NULL);
-        K3_TRY(st);
-        if (b->n_live == 0) continue;
+    bool all_in = false;
+    while (!all_in || b->n_live > 0) {
+        prepared p;
+        /* idle (every line parsed so far has ended): wait for the prep thread, heartbeat going */
+        const double wait_s = b->n_live == 0 ? 0.05 : 0;
+        while (b->n_live < b->cap_live && take_prepared(b, &p, wait_s, &all_in))
+            K3_TRY(start_line(b, &p));
+        if (b->n_live == 0) {
+            (void)k3_engine_heartbeat(b->e); /* a failure shows at the next step */
+            continue;
+        }
         const k3_event *ev;
         int n = 0;
         K3_TRY(k3_engine_step(b->e, &ev, &n));
@@ -536,6 +643,12 @@ static k3_status drive(batch *b) {
     progress(b, true);
     b->t_end = k3_now_s();
     return K3_OK;
+}
+
+static k3_status drive(batch *b) {
+    k3_status st = drive_lines(b);
+    prep_end(b); /* a compile still running (the job failed) stops now */
+    return st;
 }
 
 /* Rank 0 before the engine opens: flags, the input, the output, the tokenizer. */
@@ -585,6 +698,8 @@ static k3_status prepare(batch *b) {
 }
 
 static void batch_free(batch *b) {
+    prep_end(b); /* before the lines and the grammar cache it uses */
+    k3_free(b->ring);
     for (int i = 0; b->live && i < b->cap_live; i++)
         if (b->live[i].line >= 0) end_live(b, &b->live[i]);
     for (int64_t i = 0; b->lines && i < b->n_lines; i++) k3_free(b->lines[i].cid);
