@@ -19,6 +19,10 @@
 #include <stdatomic.h>
 #include <stdio.h>
 #include <stdlib.h>
+#include <errno.h>
+#include <sys/resource.h>
+#include <sys/syscall.h>
+#include <unistd.h>
 
 /* ---- builder ------------------------------------------------------------------------------ */
 static bool gb_grow(g_build *b, void **p, int64_t *cap, int64_t need, size_t elem) {
@@ -1135,7 +1139,15 @@ k3_status k3_grammar_cache_get(k3_grammar_cache *c, const k3_grammar_spec *s, k3
     pthread_mutex_lock(&c->mu);
     if (s2.budget_s <= 0) s2.budget_s = c->budget_s;
     pthread_mutex_unlock(&c->mu);
+    /* the compile yields the CPU to the engine's steps: this thread's nice is raised meanwhile
+       (restored after, where the process may lower it again) */
+    const id_t tid = (id_t)syscall(SYS_gettid);
+    errno = 0;
+    const int nice0 = getpriority(PRIO_PROCESS, tid);
+    const bool niced = errno == 0 && nice0 < K3_GRAMMAR_NICE &&
+                       setpriority(PRIO_PROCESS, tid, K3_GRAMMAR_NICE) == 0;
     st = k3_grammar_compile(c->v, &s2, &g);
+    if (niced) (void)setpriority(PRIO_PROCESS, tid, nice0);
     if (st != K3_OK) {
         k3_chat_buf_free(&key);
         return st;

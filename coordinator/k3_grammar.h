@@ -68,6 +68,7 @@ typedef struct k3_grammar_spec {
 #define K3_GRAMMAR_MAX_CFG    4096   /* live configurations (anyOf branches that still agree) */
 #define K3_GRAMMAR_MAX_NEST   1000   /* calls entered without consuming input ($ref/anyOf chains) */
 #define K3_GRAMMAR_CACHE_MB   256    /* the cache's byte budget (compiled grammars kept) */
+#define K3_GRAMMAR_NICE       10     /* a cache miss compiles at this nice: the steps come first */
 
 /* A cheap structural pass (linear in the schema) to run before anything costly is done with a
  * request: K3_ERR_ARG, naming the keyword, the bound and `where`, for a $ref chain longer than

@@ -48,14 +48,16 @@ def test_abandon_all(model_dir):  # noqa: F811
                           ("tools", {"tool_choice": "required", "tools": [{"type": "function", "function": {
                               "name": "f", "parameters": ref_chain(60000)}}]})):
             data = json.dumps(dict({"model": srv.name, "messages": MSG, "max_tokens": 4}, **body))
-            t0 = time.monotonic()  # the server's time (the client's JSON encoding is not timed)
+            c0, t0 = cpu_s(srv.pid), time.monotonic()  # (the client's JSON encoding not timed)
             r = requests.post(srv.url + "/v1/chat/completions", timeout=60, data=data,
                               headers=dict(H, **{"Content-Type": "application/json"}))
-            dt = time.monotonic() - t0
-            print("ref chain in %s: %d in %.2f s: %s" % (key, r.status_code, dt, r.text[:200]))
+            dt, dc = time.monotonic() - t0, cpu_s(srv.pid) - c0
+            print("ref chain in %s: %d in %.2f s (%.2f CPU s): %s" % (key, r.status_code, dt, dc, r.text[:200]))
             # refused by the structural check before the prompt (which shows response_format's
-            # schema) is rendered and tokenized: the 400 names $ref and the nesting budget
-            assert r.status_code == 400 and dt < 1.0
+            # schema) is rendered and tokenized: the 400 names $ref and the nesting budget. The
+            # acceptance is < 1 s; the server's CPU is what this machine's load cannot inflate
+            # (0.1-0.2 s; rendering and tokenizing it cost 0.8-2.3 s), the wall gets a margin
+            assert r.status_code == 400 and dc < 1.0 and dt < 3.0
             assert "$ref" in r.text and "1000" in r.text and "nesting budget" in r.text
             assert chat(srv, {"max_tokens": 4}).status_code == 200
 
@@ -106,6 +108,56 @@ def test_abandon_all(model_dir):  # noqa: F811
         r = chat(srv, {"max_tokens": 3000, "n": 128, "logprobs": True, "top_logprobs": 20})
         print("n=128: %d %s" % (r.status_code, r.text[:160]))
         assert r.status_code == 413
+    finally:
+        assert srv.stop() == 0, srv.text()[-2000:]
+
+
+def test_abandon_compile_beside_stream(model_dir):  # noqa: F811
+    """A slow grammar compile (its request's own HTTP thread, never the step thread) in flight
+    while another stream decodes: the stream's tokens keep coming (no gap of a second over the 2 s
+    compile; it would be one 2 s gap if the compile ran on the step thread or held a lock a step
+    needs). A parse runs at nice 10, so the engine's steps come first for the CPU."""
+    srv = Server(model_dir, extra=["--api-key", KEY, "--grammar-budget", "2", "--max-ctx", "32768"])
+    try:
+        big = {"type": "object", "properties": {"p%d" % i: {"type": "string", "pattern": "^[a-z]{0,40}$"}
+                                                for i in range(2200)}}
+        stamps, result = [], {}
+        t_compile = [None, None]
+
+        def streamer():
+            r = requests.post(srv.url + "/v1/chat/completions", headers=H, stream=True, timeout=120, json={
+                "model": srv.name, "messages": MSG, "max_tokens": 30000, "ignore_eos": True, "stream": True})
+            for ln in r.iter_lines():
+                if ln.startswith(b"data: {"):
+                    stamps.append(time.monotonic())
+
+        def compiler():
+            t_compile[0] = time.monotonic()
+            r = chat(srv, {"max_tokens": 2, "guided_json": big}, timeout=120)
+            t_compile[1] = time.monotonic()
+            result["status"], result["text"] = r.status_code, r.text[:200]
+
+        ts = threading.Thread(target=streamer)
+        ts.start()
+        t0 = time.monotonic()
+        while (len(stamps) < 40 or time.monotonic() - stamps[0] < 2.5) and time.monotonic() - t0 < 60:
+            time.sleep(0.05)  # the stream at its steady pace (2.5 s after its first token)
+        tc = threading.Thread(target=compiler)
+        tc.start()
+        tc.join()
+        ts.join()
+
+        def rate(a, b):
+            return sum(a <= x <= b for x in stamps) / (b - a)
+        during = [x for x in stamps if t_compile[0] <= x <= t_compile[1]]
+        gap = max((y - x for x, y in zip(during, during[1:])), default=float("inf"))
+        r0, r1 = rate(t_compile[0] - 1.5, t_compile[0]), rate(t_compile[0], t_compile[1])
+        print("compile: %d in %.2f s (%s); the stream: %.0f tokens/s before, %.0f during, longest gap "
+              "%.0f ms" % (result["status"], t_compile[1] - t_compile[0], result["text"][:90], r0, r1, gap * 1e3))
+        assert result["status"] == 400 and "--grammar-budget" in result["text"]  # it ran its 2 s
+        assert stamps[-1] > t_compile[1], "the stream ended before the compile did"
+        # (the rates are printed, not compared: on 2 loaded cores they vary 10x from run to run)
+        assert gap < 1.0 and len(during) >= 20, "the stream stalled during the compile"
     finally:
         assert srv.stop() == 0, srv.text()[-2000:]
 
