@@ -252,8 +252,12 @@ k3_status rank_setup(rank_ctx *r) {
  * (attention, norms, shared experts, routers, embedding or head). The lowest of them creates a
  * POSIX shared-memory object of the stage's dense bytes (k3_weights_dense_bytes) and reads them
  * into it during its load; the others map it read-only and read only their routed experts. They
- * use it only after open's last barrier, when every rank has loaded. The name is unlinked as soon
- * as every rank has mapped it, so nothing is left behind when the job ends. A group whose reader
+ * use it only after open's last barrier, when every rank has loaded. The object has a name in
+ * /dev/shm only between its shm_open and shm_unlink, a few calls apart in the reader: the others
+ * open it through the reader's descriptor (/proc/<pid>/fd/<fd>), so no kill at any moment leaves
+ * it behind, and the kernel frees it with the last mapping. A /dev/shm whose free space is below
+ * the stage's dense bytes is found at open (statvfs; the pages are reserved with fallocate):
+ * private copies, with a warning naming /dev/shm. A group whose reader
  * cannot create the object (no /dev/shm, no room) loads as before, each rank its own copy; a
  * rank that cannot map it reads its own copy. Device ranks (cuda, with a transport that moves
  * device buffers: nccl) keep a copy each on their device, but only the reader reads it from the
@@ -289,7 +293,8 @@ static int64_t shm_free_bytes(void) {
 /* The reader's object of nd bytes, its pages reserved now (a tmpfs too small fails here, not
  * later as a fault or EFAULT in the middle of a read), or MAP_FAILED with a warning: the ranks of
  * the stage on this node then read their own copies. */
-static void *shm_create(const rank_ctx *r, const char *name, uint64_t nd) {
+static void *shm_create(const rank_ctx *r, const char *name, uint64_t nd, int *out_fd) {
+    *out_fd = -1;
     const int64_t avail = shm_free_bytes();
     if (avail >= 0 && (uint64_t)avail < nd) {
         K3_LOGW("load: /dev/shm has %.2f MB free, less than stage %d's dense weights (%.2f MB): "
@@ -309,8 +314,9 @@ static void *shm_create(const rank_ctx *r, const char *name, uint64_t nd) {
         K3_LOGW("load: no shared memory for stage %d's dense weights (%.2f MB, /dev/shm%s: %s); "
                 "each rank of the stage on this node reads its own copy",
                 r->stage, nd / 1e6, name, strerror(err));
-    if (fd >= 0 && p == MAP_FAILED) shm_unlink(name);
-    if (fd >= 0) close(fd);
+    if (fd >= 0) shm_unlink(name); /* at once: the object has no name that a kill could leave */
+    if (fd >= 0 && p == MAP_FAILED) close(fd);
+    if (p != MAP_FAILED) *out_fd = fd; /* the others open it as /proc/<my pid>/fd/<fd> */
     return p;
 }
 
@@ -322,7 +328,7 @@ k3_status rank_share_dense(rank_ctx *r) {
     uint64_t *all = NULL;
     RTRY(r, k3_calloc((void **)&all, (size_t)r->world * sizeof *all, "node sharing"));
     k3_status st = K3_OK;
-    bool named = false; /* the object may exist under `name`: unlinked before this returns */
+    int fd_mine = -1; /* the reader's descriptor of the (nameless) object, until all mapped it */
     char name[96] = "";
     /* a name unique to the job: rank 0's pid and clock, the same on every rank */
     const uint64_t mine =
@@ -348,28 +354,27 @@ k3_status rank_share_dense(rank_ctx *r) {
     void *p = MAP_FAILED;
     /* everyone at the same point first, so the object lives only while the group maps it */
     if ((st = k3_comm_barrier(r->comm)) != K3_OK) goto out;
-    named =
-        share; /* from here on, a rank of the group that fails removes the name (ENOENT: none) */
-    if (share && reader == r->rank) p = shm_create(r, name, nd);
-    /* every reader's verdict, then the others map what their reader made */
-    if ((st = k3_comm_allgather_u64(r->comm, p != MAP_FAILED, all)) != K3_OK) goto out;
-    named = share && all[reader];
+    if (share && reader == r->rank) p = shm_create(r, name, nd, &fd_mine);
+    /* every reader's verdict (its pid and descriptor, 0: none), then the others map what their
+       reader made through /proc: the object's name is gone already */
+    const uint64_t verdict = p != MAP_FAILED ? ((uint64_t)getpid() << 32) | (uint32_t)fd_mine : 0;
+    if ((st = k3_comm_allgather_u64(r->comm, verdict, all)) != K3_OK) goto out;
     if (share && reader != r->rank && all[reader]) {
-        int fd = shm_open(name, O_RDONLY, 0);
+        char path[64];
+        snprintf(path, sizeof path, "/proc/%u/fd/%u", (unsigned)(all[reader] >> 32),
+                 (unsigned)(all[reader] & 0xffffffffu));
+        int fd = open(path, O_RDONLY | O_CLOEXEC);
         if (fd >= 0) p = mmap(NULL, nd, PROT_READ, MAP_SHARED, fd, 0);
         if (p == MAP_FAILED)
-            K3_LOGW("load: cannot map %s (%s); reading my own copy of stage %d's dense weights",
-                    name, strerror(errno), r->stage);
+            K3_LOGW(
+                "load: cannot map stage %d's shared dense weights (%s: %s); reading my own copy",
+                r->stage, path, strerror(errno));
         if (fd >= 0) close(fd);
     }
     if ((st = k3_comm_barrier(r->comm)) != K3_OK) goto out;
-    if (share && reader == r->rank && p != MAP_FAILED) shm_unlink(name); /* every rank mapped it */
-    named = false;
     if (p != MAP_FAILED) shared_set(r, p, false, nd, stored, reader, size);
 out:
-    /* a failure (a peer lost) between the object's creation and every rank's mapping: every rank
-       of the group removes the name, so no rank's death leaves it behind */
-    if (named) shm_unlink(name);
+    if (fd_mine >= 0) close(fd_mine); /* the mappings keep the object; it has no name */
     k3_free(all);
     RTRY(r, st);
     return K3_OK;
