@@ -226,6 +226,11 @@ static int parse_job(const k3_server_opts *o, sreq *q, const char *body, size_t 
                         "request key 'messages': %zu messages, more than the "
                         "limit of %d",
                         m->n_items, max_messages);
+        /* a hostile schema ($ref chain, size) is refused on this first parse, before the body is
+           parsed again and rendered */
+        k3_status gc = k3_job_grammar_check(j->doc, "request");
+        if (gc != K3_OK)
+            return fail(why, n_why, gc == K3_ERR_NOMEM ? 500 : 400, "%s", k3_last_error());
         k3_chat_json_free(j->doc); /* k3_job_parse keeps its own */
         j->doc = NULL;
         k3_status js = k3_job_parse(j, body, n, "request", o->tok);
