@@ -2,7 +2,7 @@
 reliability battery's storm, against the live server on the tiny model.
 
 For each prefix-cache budget (--prefix-cache-tokens 64, 128, and the default), ROUNDS rounds
-(K3_STORM_ROUNDS, default 15) of: 48 streamed chat requests over a few shared prefixes with n = 1-4,
+(K3_STORM_ROUNDS, default 15) of: 48 (K3_STORM_STREAMS) streamed chat requests over a few shared prefixes with n = 1-4,
 a third of them closed after 1-5 SSE events, and 16 clients that send half a body and leave.
   * the server never faults (exit 0 at SIGTERM, no sanitizer report in its log);
   * every stream not cancelled answers 200 and ends with `data: [DONE]`;
@@ -23,6 +23,7 @@ import requests
 from serve_test import KEY, Server, metric, metrics, model_dir  # noqa: F401 (the fixture)
 
 ROUNDS = int(os.environ.get("K3_STORM_ROUNDS", "15"))
+STREAMS = int(os.environ.get("K3_STORM_STREAMS", "48"))  # a round's streams (a third as many drop)
 H = {"Authorization": "Bearer " + KEY}
 PREFIXES = ["You are a terse assistant. Answer in one line. " * k for k in (1, 2, 3)] + [
     "System: the following is a conversation about colours, numbers and animals. " * k for k in (1, 2)] + [
@@ -122,9 +123,9 @@ def test_storm(model_dir, budget):  # noqa: F811
         n_ok = n_cancel = 0
         for rnd in range(ROUNDS):
             res = []
-            ts = [threading.Thread(target=stream, args=(srv, random.Random(rng.random()), res)) for _ in range(48)]
+            ts = [threading.Thread(target=stream, args=(srv, random.Random(rng.random()), res)) for _ in range(STREAMS)]
             ts += [threading.Thread(target=drop_mid_body, args=(srv, random.Random(rng.random())))
-                   for _ in range(16)]
+                   for _ in range(STREAMS // 3)]
             [t.start() for t in ts]
             [t.join() for t in ts]
             bad = [why for k, why in res if k == "bad"]
