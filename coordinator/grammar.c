@@ -630,7 +630,7 @@ static k3_status finish(k3_grammar *g, g_build *b) {
 /* Horn-clause closure over the edges: a state is marked when some edge out of it has all its
  * premises marked (SYM: its target; CALL: its return state and the called rule's start; with
  * calls_only, SYM edges never fire). `mark` starts with the final states. Linear. */
-static k3_status horn(const k3_grammar *g, uint8_t *mark, bool calls_only) {
+static k3_status horn(const k3_grammar *g, uint8_t *mark, bool calls_only, g_limit *lim) {
     const int32_t N = g->n_states;
     const int64_t E = g->eoff[N];
     int32_t *need = calloc((size_t)E + 1, sizeof *need),
@@ -642,7 +642,7 @@ static k3_status horn(const k3_grammar *g, uint8_t *mark, bool calls_only) {
     for (int pass = 0; st == K3_OK && pass < 2; pass++) { /* premises indexed by state (CSR) */
         if (pass == 1)
             for (int32_t v = 0; v < N; v++) first[v + 2] += first[v + 1];
-        for (int64_t k = 0; k < E; k++) {
+        for (int64_t k = 0; k < E && g_limit_ok(lim, &st, 65536); k++) {
             const g_edge *e = &g->edges[k];
             if (calls_only && e->kind != GE_CALL) continue;
             int32_t p[2] = {e->to, e->kind == GE_CALL ? g->rule_start[e->rule] : -1};
@@ -659,7 +659,7 @@ static k3_status horn(const k3_grammar *g, uint8_t *mark, bool calls_only) {
     int32_t qn = 0;
     for (int32_t v = 0; st == K3_OK && v < N; v++)
         if (mark[v]) queue[qn++] = v;
-    while (st == K3_OK && qn) {
+    while (qn && g_limit_ok(lim, &st, 4096)) {
         int32_t v = queue[--qn];
         for (int32_t i = first[v]; i < first[v + 1]; i++) {
             const g_edge *e = &g->edges[by[i]];
@@ -684,7 +684,7 @@ static k3_status trim(k3_grammar *g, g_limit *lim) {
     k3_status st = K3_OK;
     if (!prod || !nul || !depth || !stk || !pos || !color) st = K3_ERR(K3_ERR_NOMEM, "grammar");
     if (st == K3_OK) memcpy(prod, g->final, (size_t)N), memcpy(nul, g->final, (size_t)N);
-    if (st == K3_OK) st = horn(g, prod, false);
+    if (st == K3_OK) st = horn(g, prod, false, lim);
     if (st == K3_OK && !prod[g->rule_start[g->root]])
         st = K3_ERR(K3_ERR_ARG,
                     "%s: the schema accepts no finite value (every value must go through a "
@@ -692,7 +692,8 @@ static k3_status trim(k3_grammar *g, g_limit *lim) {
                     "own schema)",
                     lim->what);
     int64_t n = 0;
-    for (int32_t u = 0; st == K3_OK && u < N; u++) { /* keep the edges into productive states */
+    for (int32_t u = 0; u < N && g_limit_ok(lim, &st, 4096);
+         u++) { /* edges into productive states */
         int64_t k0 = g->eoff[u];
         g->eoff[u] = (int32_t)n;
         g->has_sym[u] = 0;
@@ -704,14 +705,14 @@ static k3_status trim(k3_grammar *g, g_limit *lim) {
         }
     }
     if (st == K3_OK) g->eoff[N] = (int32_t)n;
-    if (st == K3_OK) st = horn(g, nul, true);
+    if (st == K3_OK) st = horn(g, nul, true, lim);
     /* the graph of moves without input: u -> a called rule's start; u -> the return state when
      * the called rule can end at once. Depth-first, an explicit stack. */
     for (int32_t s0 = 0; st == K3_OK && s0 < N; s0++) {
         if (color[s0]) continue;
         int32_t sp = 0;
         stk[sp++] = s0, color[s0] = 1, pos[s0] = 2 * (int64_t)g->eoff[s0];
-        while (sp && st == K3_OK) {
+        while (sp && g_limit_ok(lim, &st, 4096)) {
             int32_t u = stk[sp - 1], v = -1;
             while (v < 0 && pos[u] < 2 * (int64_t)g->eoff[u + 1]) {
                 const g_edge *e = &g->edges[pos[u] / 2];
@@ -785,7 +786,7 @@ k3_status k3_grammar_compile(const k3_grammar_vocab *v, const k3_grammar_spec *s
     if (st == K3_OK) {
         int n = 0;
         todo[n++] = g->rule_start[root], reach[g->rule_start[root]] = 1;
-        while (n) {
+        while (n && g_limit_ok(&lim, &st, 4096)) {
             int32_t u = todo[--n];
             for (int32_t k = g->eoff[u]; k < g->eoff[u + 1]; k++) {
                 int32_t t2[2] = {g->edges[k].to, g->edges[k].kind == GE_CALL
