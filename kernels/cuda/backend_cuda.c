@@ -38,6 +38,8 @@
 #include <string.h>
 
 #include "cuda_launch.h"
+#include "k3_cuda_moe.h"
+#include "k3c_repack.h"
 
 _Static_assert(K3_DT_F32 == 0 && K3_DT_BF16 == 1 && K3_DT_F16 == 2 && K3_DT_MXFP4 == 6,
                "cuda_math.cuh K3C_DT_* mirror k3_dtype");
@@ -55,6 +57,15 @@ typedef struct moe_tab {
     const void *d_first, *d_last; /* their w1 data when built */
     int64_t I, Lw;                /* from the first present expert's w1 [I, Lw] */
     k3c_expert *host, *dev;       /* [E] each */
+    uintptr_t lo, hi;             /* the device bytes its experts' data and scales span */
+    /* the tensor-core form (every present expert MXFP4 and usable, Lw and I multiples of 32):
+     * each present expert's w1, w3, w2 repacked into fragment order (k3c_repack.h) at slot
+     * slot[e] (-1: not on this rank) of words[j] / scales[j]; slot_dev the same on the device */
+    bool mma;
+    int n_slots;
+    int32_t *slot, *slot_dev;
+    uint32_t *words[3];
+    uint8_t *scales[3];
 } moe_tab;
 
 #define MLA_PART_CAP ((int64_t)16 << 20) /* floats of the tensor-core MLA's scratch: 64 MiB */
@@ -87,7 +98,12 @@ typedef struct cu_ctx {
     bool kda_bf16;        /* K3_CUDA_KDA_STATE=bf16: the KDA state stored in bf16 (kda.cu) */
     float *mla_part;      /* the tensor-core MLA's split partials (mla_mma.cu) */
     int64_t mla_part_cap; /* floats of it */
-    k3_op_stats stats;    /* updated with __atomic builtins only */
+    void **al_p;  /* the live allocations and their sizes [n_al]: a free drops only the expert */
+    size_t *al_n; /* tables that point into the freed block (their repack is costly) */
+    int n_al, cap_al;
+    int32_t *moe_host; /* moe_experts' host copy of ids and row_of, then its staging [moe_cap] */
+    size_t moe_cap;    /* int32s */
+    k3_op_stats stats; /* updated with __atomic builtins only */
 } cu_ctx;
 
 static void count(uint64_t *c, uint64_t n) {
@@ -124,26 +140,66 @@ static k3_status cu_err(cudaError_t e, const char *file, int line, const char *w
         if (cu_e_ != cudaSuccess) return cu_err(cu_e_, __FILE__, __LINE__, #expr);                 \
     } while (0)
 
-static void tabs_drop(cu_ctx *c) {
+static void tab_free(moe_tab *t) {
+    cudaFree(t->dev);
+    k3_free(t->host);
+    k3_free(t->slot);
+    cudaFree(t->slot_dev);
+    for (int j = 0; j < 3; j++) cudaFree(t->words[j]), cudaFree(t->scales[j]);
+}
+/* Drop the expert tables that point into [p, p + n) (n 0: every table). */
+static void tabs_drop(cu_ctx *c, const void *p, size_t n) {
+    int k = 0;
     for (int i = 0; i < c->n_tabs; i++) {
-        cudaFree(c->tabs[i].dev);
-        k3_free(c->tabs[i].host);
+        moe_tab *t = &c->tabs[i];
+        const uintptr_t a = (uintptr_t)p, b = a + n;
+        if (n == 0 || (t->lo < b && a < t->hi))
+            tab_free(t);
+        else
+            c->tabs[k++] = *t;
     }
-    c->n_tabs = 0;
+    c->n_tabs = k;
 }
 
 /* ---- memory -------------------------------------------------------------------------------- */
 static k3_status cu_alloc(k3_backend *be, size_t n, void **out) {
     (void)cu_stream(be); /* the backend's device is current: cudaMalloc allocates there */
+    cu_ctx *c = CTX(be);
+    if (c->n_al == c->cap_al) {
+        const int cap = c->cap_al ? 2 * c->cap_al : 64;
+        void **np = NULL;
+        size_t *nn = NULL;
+        K3_TRY(k3_calloc((void **)&np, (size_t)cap * sizeof *np, "cuda allocation list"));
+        k3_status st = k3_calloc((void **)&nn, (size_t)cap * sizeof *nn, "cuda allocation list");
+        if (st != K3_OK) {
+            k3_free(np);
+            return st;
+        }
+        if (c->n_al) {
+            memcpy(np, c->al_p, (size_t)c->n_al * sizeof *np);
+            memcpy(nn, c->al_n, (size_t)c->n_al * sizeof *nn);
+        }
+        k3_free(c->al_p), k3_free(c->al_n);
+        c->al_p = np, c->al_n = nn, c->cap_al = cap;
+    }
     CU_TRY(cudaMalloc(out, n ? n : 1));
+    c->al_p[c->n_al] = *out, c->al_n[c->n_al++] = n ? n : 1;
     CU_TRY(cudaMemsetAsync(*out, 0, n ? n : 1, STREAM(be)));
     CU_TRY(cudaStreamSynchronize(STREAM(be)));
     return K3_OK;
 }
 static void cu_free(k3_backend *be, void *p) {
     if (!p) return;
+    cu_ctx *c = CTX(be);
     cudaStreamSynchronize(STREAM(be)); /* no kernel may still use it */
-    tabs_drop(CTX(be)); /* an expert table may point into it: rebuilt on the next use */
+    size_t n = 0;                      /* 0 (not ours: never expected): drop every table */
+    for (int i = 0; i < c->n_al; i++)
+        if (c->al_p[i] == p) {
+            n = c->al_n[i];
+            c->al_p[i] = c->al_p[--c->n_al], c->al_n[i] = c->al_n[c->n_al];
+            break;
+        }
+    tabs_drop(c, p, n); /* an expert table pointing into it is rebuilt (and repacked) on use */
     cudaFree(p);
 }
 static k3_status cu_upload(k3_backend *be, void *dst, const void *src, size_t n) {
@@ -269,9 +325,11 @@ static void cu_destroy(k3_backend *be) {
         cudaFreeHost(c->stage_host);
         if (c->stage_done) cudaEventDestroy(c->stage_done);
         if (c->stream) cudaStreamDestroy(c->stream);
-        tabs_drop(c);
+        tabs_drop(c, NULL, 0);
         cudaFree(c->mla_part);
         k3_free(c->tabs);
+        k3_free(c->al_p), k3_free(c->al_n);
+        k3_free(c->moe_host);
         k3_free(c);
     }
     k3_free(be);
@@ -795,6 +853,51 @@ static k3_status expert_error(const moe_tab *t, int e) {
                           (long long)m[j]->shape[1], m[j]->data ? "" : ", no data");
     return K3_ERR(K3_ERR_INTERNAL, "moe_experts: expert %d marked bad", e);
 }
+/* The tensor-core form of a table (every present expert MXFP4 and usable): each present expert's
+   three matrices downloaded, repacked into fragment order on the host (k3c_mxfp4_repack) and
+   uploaded into the table's slot buffers, one expert at a time (host memory: one expert). */
+static k3_status tab_repack(moe_tab *t) {
+    const int64_t N[3] = {t->I, t->I, t->Lw}, K[3] = {t->Lw, t->Lw, t->I};
+    int ns = 0;
+    K3_TRY(k3_calloc((void **)&t->slot, (size_t)t->E * sizeof *t->slot, "cuda expert slots"));
+    for (int e = 0; e < t->E; e++) t->slot[e] = t->host[e].data[0] ? ns++ : -1;
+    CU_TRY(cudaMalloc((void **)&t->slot_dev, (size_t)t->E * sizeof *t->slot_dev));
+    CU_TRY(
+        cudaMemcpy(t->slot_dev, t->slot, (size_t)t->E * sizeof *t->slot, cudaMemcpyHostToDevice));
+    size_t nw[3], nsc[3], most = 0;
+    for (int j = 0; j < 3; j++) {
+        nw[j] = (size_t)k3c_mxfp4_frag_words(N[j], K[j]) * 4;
+        nsc[j] = (size_t)k3c_mxfp4_frag_scales(N[j], K[j]);
+        CU_TRY(cudaMalloc((void **)&t->words[j], nw[j] * (size_t)ns));
+        CU_TRY(cudaMalloc((void **)&t->scales[j], nsc[j] * (size_t)ns));
+        most = nw[j] + nsc[j] > most ? nw[j] + nsc[j] : most;
+    }
+    uint8_t *h = NULL; /* native bytes | native scales | words | scales of one matrix */
+    K3_TRY(k3_calloc((void **)&h, 2 * most, "cuda expert repack"));
+    k3_status st = K3_OK;
+    for (int e = 0; e < t->E && st == K3_OK; e++) {
+        const k3c_expert *x = &t->host[e];
+        for (int j = 0; j < 3 && x->data[0] && st == K3_OK; j++) {
+            uint8_t *nat = h, *nsc_h = h + nw[j], *w = h + most, *sc = w + nw[j];
+            cudaError_t ce = cudaMemcpy(nat, x->data[j], nw[j], cudaMemcpyDeviceToHost);
+            if (ce == cudaSuccess)
+                ce = cudaMemcpy(nsc_h, x->scale[j], nsc[j], cudaMemcpyDeviceToHost);
+            if (ce == cudaSuccess) {
+                k3c_mxfp4_repack(nat, nsc_h, N[j], K[j], (uint32_t *)(void *)w, sc);
+                const size_t at = (size_t)t->slot[e];
+                ce = cudaMemcpy((uint8_t *)t->words[j] + at * nw[j], w, nw[j],
+                                cudaMemcpyHostToDevice);
+                if (ce == cudaSuccess)
+                    ce = cudaMemcpy(t->scales[j] + at * nsc[j], sc, nsc[j], cudaMemcpyHostToDevice);
+            }
+            if (ce != cudaSuccess) st = cu_err(ce, __FILE__, __LINE__, "expert repack copy");
+        }
+    }
+    k3_free(h);
+    t->n_slots = ns;
+    t->mma = st == K3_OK;
+    return st;
+}
 /* Build the device table of an expert table: every expert's three matrices (data NULL: not on
    this rank; bad: present but not usable, named on use). */
 static k3_status tab_build(moe_tab *t) {
@@ -829,8 +932,28 @@ static k3_status tab_build(moe_tab *t) {
     }
     t->d_first = t->e_first >= 0 ? expert_mat(t->w1, t->e_stride, t->e_first)->data : NULL;
     t->d_last = t->e_last >= 0 ? expert_mat(t->w1, t->e_stride, t->e_last)->data : NULL;
+    t->lo = UINTPTR_MAX, t->hi = 0;
+    bool mma = t->e_first >= 0 && t->Lw % 32 == 0 && t->I % 32 == 0;
+    for (int e = 0; e < t->E; e++) {
+        const k3c_expert *x = &t->host[e];
+        if (!x->data[0]) continue;
+        mma = mma && !x->bad;
+        for (int j = 0; j < 3; j++) {
+            mma = mma && x->dt[j] == K3_DT_MXFP4;
+            const uintptr_t a[2] = {(uintptr_t)x->data[j], (uintptr_t)x->scale[j]};
+            for (int i = 0; i < 2; i++)
+                if (a[i])
+                    t->lo = a[i] < t->lo ? a[i] : t->lo, t->hi = a[i] >= t->hi ? a[i] + 1 : t->hi;
+        }
+    }
     /* a new buffer no kernel uses yet, or (rebuild) the stream drained: a plain copy is ordered */
     CU_TRY(cudaMemcpy(t->dev, t->host, (size_t)t->E * sizeof(k3c_expert), cudaMemcpyHostToDevice));
+    if (mma) K3_TRY(tab_repack(t));
+    return K3_OK;
+}
+static k3_status tab_alloc(moe_tab *t) {
+    K3_TRY(k3_calloc((void **)&t->host, (size_t)t->E * sizeof(k3c_expert), "cuda expert table"));
+    CU_TRY(cudaMalloc((void **)&t->dev, (size_t)t->E * sizeof(k3c_expert)));
     return K3_OK;
 }
 /* The cached device table of (w1, w3, w2, e_stride, E), built on first use. */
@@ -846,6 +969,12 @@ static k3_status tab_get(k3_backend *be, const k3_tensor *w1, const k3_tensor *w
         const void *dl = t->e_last >= 0 ? expert_mat(w1, e_stride, t->e_last)->data : NULL;
         if (df != t->d_first || dl != t->d_last) { /* the table moved under its address */
             CU_TRY(cudaStreamSynchronize(c->stream));
+            moe_tab keep = *t; /* the same key and host / device tables, a fresh repack */
+            tab_free(t);
+            memset(t, 0, sizeof *t);
+            t->w1 = keep.w1, t->w3 = keep.w3, t->w2 = keep.w2, t->e_stride = keep.e_stride;
+            t->E = keep.E;
+            K3_TRY(tab_alloc(t));
             K3_TRY(tab_build(t));
         }
         *out = t;
@@ -863,18 +992,103 @@ static k3_status tab_get(k3_backend *be, const k3_tensor *w1, const k3_tensor *w
     moe_tab *t = &c->tabs[c->n_tabs];
     memset(t, 0, sizeof *t);
     t->w1 = w1, t->w3 = w3, t->w2 = w2, t->e_stride = e_stride, t->E = E;
-    K3_TRY(k3_calloc((void **)&t->host, (size_t)E * sizeof(k3c_expert), "cuda expert table"));
-    k3_status st = K3_OK;
-    cudaError_t e = cudaMalloc((void **)&t->dev, (size_t)E * sizeof(k3c_expert));
-    if (e != cudaSuccess) st = cu_err(e, __FILE__, __LINE__, "cudaMalloc(expert table)");
+    k3_status st = tab_alloc(t);
     if (st == K3_OK) st = tab_build(t);
     if (st != K3_OK) {
-        cudaFree(t->dev);
-        k3_free(t->host);
+        tab_free(t);
         return st;
     }
     c->n_tabs++;
     *out = t;
+    return K3_OK;
+}
+
+/* host int32 scratch of moe_experts (ids, row_of, then the staged tile) */
+static k3_status moe_host(cu_ctx *c, size_t n) {
+    if (n <= c->moe_cap) return K3_OK;
+    size_t cap = c->moe_cap ? c->moe_cap : 1024;
+    while (cap < n) cap *= 2;
+    k3_free(c->moe_host);
+    c->moe_host = NULL;
+    c->moe_cap = 0;
+    K3_TRY(k3_calloc((void **)&c->moe_host, cap * sizeof(int32_t), "cuda moe_experts host ints"));
+    c->moe_cap = cap;
+    return K3_OK;
+}
+/* The tensor-core form of moe_experts (the table's experts are MXFP4: t->mma), the contiguous
+   layout routed on the host: ids (and row_of) are read back once (the host sync the op's error
+   verdict needs anyway) and checked as ref checks them; then per tile of m slot rows (whole
+   tokens when w sums them) a stable counting sort by expert gives the GEMM's row order, staged to
+   the device with the per-expert offsets, and two grouped W4A16 GEMMs run (moe_mma.cu): W1 / W3
+   fused with the activation into h [m, I] (work; x rows gathered by the kernel), then W2, whose
+   epilogue writes each item to its slot row (out, or with w the items part of work, which one
+   k3c_rows_wsum then sums per token in slot order: deterministic). */
+static k3_status moe_mma(k3_backend *be, const moe_tab *t, const float *src, int64_t row_div,
+                         const int32_t *row_of, const int32_t *ids, const float *w, int64_t n,
+                         float beta, float lin_beta, float *out, float *work) {
+    cu_ctx *c = CTX(be);
+    const int E = t->E;
+    const int64_t Lw = t->Lw, I = t->I, per = w ? row_div : 1;
+    K3_TRY(moe_host(c, (size_t)(2 * n)));
+    int32_t *hid = c->moe_host, *hrow = c->moe_host + n;
+    count(&c->stats.d2h_bytes, (uint64_t)(n * (row_of ? 8 : 4)));
+    count(&c->stats.host_syncs, 1);
+    CU_TRY(cudaMemcpyAsync(hid, ids, (size_t)n * 4, cudaMemcpyDeviceToHost, c->stream));
+    if (row_of)
+        CU_TRY(cudaMemcpyAsync(hrow, row_of, (size_t)n * 4, cudaMemcpyDeviceToHost, c->stream));
+    CU_TRY(cudaStreamSynchronize(c->stream));
+    for (int64_t i = 0; i < n; i++) {
+        if (hid[i] < 0 || hid[i] >= E)
+            return K3_ERR(K3_ERR_ARG, "moe_experts: row %lld has expert id %d outside [0, %d)",
+                          (long long)i, hid[i], E);
+        if (t->slot[hid[i]] < 0)
+            return K3_ERR(K3_ERR_MISSING,
+                          "moe_experts: row %lld needs expert %d, which is not loaded on this rank",
+                          (long long)i, hid[i]);
+    }
+    /* work: h [m, I] | items [m, Lw] (w) */
+    const size_t avail = k3_moe_experts_work_floats(Lw, I, n, E);
+    int64_t m = (int64_t)((avail - 16) / (size_t)(I + (w ? Lw : 0)));
+    m = (m < n ? m : n) / per * per;
+    if (m > 65535 * 16) m = 65535 * 16 / per * per; /* grid.y of the GEMM */
+    if (m < per) return K3_ERR(K3_ERR_INTERNAL, "moe_experts: work holds no whole token");
+    float *h = work, *items = work + ((size_t)(m * I) + 15) / 16 * 16;
+    /* staged per tile: off int64 [E + 1] | src_row int32 [m] | dst_row int32 [m] */
+    const size_t stage_ints = 2 * (size_t)(E + 1) + 2 * (size_t)m;
+    K3_TRY(moe_host(c, (size_t)(2 * n) + stage_ints + (size_t)E + 2));
+    hid = c->moe_host, hrow = c->moe_host + n;
+    int64_t *off = (int64_t *)(void *)(c->moe_host + 2 * n + ((2 * n) & 1));
+    int32_t *srow = (int32_t *)(off + E + 1), *drow = srow + m, *cnt = drow + m;
+    for (int64_t r0 = 0; r0 < n; r0 += m) {
+        const int64_t mt = n - r0 < m ? n - r0 : m;
+        memset(cnt, 0, (size_t)E * sizeof *cnt);
+        for (int64_t i = r0; i < r0 + mt; i++) cnt[hid[i]]++;
+        int64_t max_rows = 0;
+        off[0] = 0;
+        for (int e = 0; e < E; e++) {
+            off[e + 1] = off[e] + cnt[e];
+            max_rows = cnt[e] > max_rows ? cnt[e] : max_rows;
+            cnt[e] = 0;
+        }
+        for (int64_t i = r0; i < r0 + mt; i++) { /* stable: slot order within an expert */
+            const int64_t j = off[hid[i]] + cnt[hid[i]]++;
+            srow[j] = row_of ? hrow[i] : (int32_t)(i / row_div);
+            drow[j] = (int32_t)(w ? i - r0 : i);
+        }
+        const void *d = NULL;
+        K3_TRY(stage(be, off, stage_ints * sizeof(int32_t), &d));
+        const int64_t *doff = d;
+        const int32_t *dsrc = (const int32_t *)(doff + E + 1), *ddst = dsrc + m;
+        k3c_w4_rows rows = {doff, NULL, 0, max_rows, t->slot_dev, dsrc, NULL};
+        CU_TRY(k3c_w4a16_grouped(c->stream, t->words[0], t->scales[0], t->words[1], t->scales[1], E,
+                                 I, Lw, rows, beta, lin_beta, src, h));
+        rows.src_row = NULL, rows.dst_row = ddst;
+        CU_TRY(k3c_w4a16_grouped(c->stream, t->words[2], t->scales[2], NULL, NULL, E, Lw, I, rows,
+                                 beta, lin_beta, h, w ? items : out));
+        if (w)
+            CU_TRY(k3c_rows_wsum(c->stream, items, w + r0, NULL, row_div, mt / row_div, Lw,
+                                 out + r0 / row_div * Lw));
+    }
     return K3_OK;
 }
 
@@ -893,6 +1107,7 @@ static k3_status cu_moe_experts(k3_backend *be, const float *src, int64_t row_di
         return K3_ERR(K3_ERR_MISSING, "moe_experts: no expert table (no expert on this rank)");
     moe_tab *t = NULL;
     K3_TRY(tab_get(be, w1, w3, w2, e_stride, E, &t));
+    if (t->mma) return moe_mma(be, t, src, row_div, row_of, ids, w, n, beta, lin_beta, out, work);
     K3_TRY(err_reset(be));
     CU_TRY(k3c_moe_check(STREAM(be), ids, n, E, t->dev, CTX(be)->err_dev));
     unsigned long long bad;
@@ -922,6 +1137,57 @@ static k3_status cu_moe_experts(k3_backend *be, const float *src, int64_t row_di
                           lin_beta, work));
         CU_TRY(k3c_moe_down(STREAM(be), work, ids, w, row_div, t->dev, r0, m, Lw, I, h_vec, out));
     }
+    return K3_OK;
+}
+
+/* ---- the masked layout (k3_cuda_moe.h) ------------------------------------------------------ */
+static k3_status moe_masked_tab(k3_backend *be, const k3_tensor *w1, const k3_tensor *w3,
+                                const k3_tensor *w2, size_t e_stride, int E, moe_tab **t) {
+    if (!be || !be->name || strcmp(be->name, "cuda") != 0)
+        return K3_ERR(K3_ERR_ARG, "k3_cuda_moe: backend %s is not cuda",
+                      be && be->name ? be->name : "(none)");
+    if (E < 1 || !w1 || !w3 || !w2)
+        return K3_ERR(K3_ERR_ARG, "k3_cuda_moe: %d experts, table %s", E,
+                      w1 && w3 && w2 ? "given" : "missing");
+    K3_TRY(tab_get(be, w1, w3, w2, e_stride, E, t));
+    if ((*t)->mma) return K3_OK;
+    for (int e = 0; e < E; e++)
+        if ((*t)->host[e].data[0] && (*t)->host[e].bad) return expert_error(*t, e);
+    return K3_ERR(K3_ERR_ARG,
+                  "k3_cuda_moe: the experts must be MXFP4 with Lw (%lld) and I (%lld) multiples of "
+                  "32, and one at least on this rank",
+                  (long long)(*t)->Lw, (long long)(*t)->I);
+}
+k3_status k3_cuda_moe_prepare(k3_backend *be, const k3_tensor *w1, const k3_tensor *w3,
+                              const k3_tensor *w2, size_t e_stride, int E) {
+    moe_tab *t = NULL;
+    return moe_masked_tab(be, w1, w3, w2, e_stride, E, &t);
+}
+k3_status k3_cuda_moe_experts_masked(k3_backend *be, const float *x, const int32_t *count,
+                                     int64_t cap, int E, const k3_tensor *w1, const k3_tensor *w3,
+                                     const k3_tensor *w2, size_t e_stride, float beta,
+                                     float lin_beta, float *h, float *y) {
+    moe_tab *t = NULL;
+    K3_TRY(moe_masked_tab(be, w1, w3, w2, e_stride, E, &t));
+    if (cap < 1 || cap > 65535 * 16 || !x || !count || !h || !y)
+        return K3_ERR(K3_ERR_ARG, "k3_cuda_moe_experts_masked: capacity %lld (1 .. %d), buffers %s",
+                      (long long)cap, 65535 * 16, x && count && h && y ? "given" : "missing");
+    const k3c_w4_rows rows = {NULL, count, cap, cap, t->slot_dev, NULL, NULL};
+    CU_TRY(k3c_w4a16_grouped(STREAM(be), t->words[0], t->scales[0], t->words[1], t->scales[1], E,
+                             t->I, t->Lw, rows, beta, lin_beta, x, h));
+    CU_TRY(k3c_w4a16_grouped(STREAM(be), t->words[2], t->scales[2], NULL, NULL, E, t->Lw, t->I,
+                             rows, beta, lin_beta, h, y));
+    return K3_OK;
+}
+k3_status k3_cuda_moe_combine(k3_backend *be, const float *y, const int32_t *pos, const float *w,
+                              int64_t T, int K, int64_t width, float *out) {
+    if (!be || !be->name || strcmp(be->name, "cuda") != 0)
+        return K3_ERR(K3_ERR_ARG, "k3_cuda_moe_combine: backend %s is not cuda",
+                      be && be->name ? be->name : "(none)");
+    if (T < 0 || K < 1 || width < 0 || (T > 0 && (!y || !pos || !w || !out)))
+        return K3_ERR(K3_ERR_ARG, "k3_cuda_moe_combine: %lld tokens of %d slots, width %lld",
+                      (long long)T, K, (long long)width);
+    CU_TRY(k3c_moe_combine(STREAM(be), y, pos, w, T, K, width, out));
     return K3_OK;
 }
 

@@ -154,6 +154,11 @@ typedef struct k3c_w4_rows {
     const int64_t *off;
     const int32_t *count;
     int64_t cap, max_rows;
+    /* optional (NULL: the identity): wslot device int32 [E], expert e's weights are slot wslot[e]
+     * of words / scales (< 0: the expert is not here, its rows are neither read nor written);
+     * src_row / dst_row device int32 [rows]: GEMM row r reads x row src_row[r] and writes y row
+     * dst_row[r] (the gather of routed rows and the scatter to slot order, in the kernel) */
+    const int32_t *wslot, *src_row, *dst_row;
 } k3c_w4_rows;
 /* y row r [N] = W_e · bf16(x row r [K]) with fp32 accumulation; with w3 (gate/up fused): y row r
  * = act(W_e·x, W3_e·x) (k3c_moe_act: beta < 0 SwiGLU, else SiTU(beta, lin_beta)). W_e in
@@ -162,6 +167,10 @@ typedef struct k3c_w4_rows {
 int k3c_w4a16_grouped(cudaStream_t s, const uint32_t *words, const uint8_t *scales,
                       const uint32_t *words3, const uint8_t *scales3, int E, int64_t N, int64_t K,
                       k3c_w4_rows rows, float beta, float lin_beta, const float *x, float *y);
+/* out row t [width] = Σ_k w[t·K + k] · y row pos[t·K + k] in k order, the first valid term
+ * initialising (k3c_wsum_step); pos < 0 contributes nothing (a token with none: zeros). */
+int k3c_moe_combine(cudaStream_t s, const float *y, const int32_t *pos, const float *w, int64_t T,
+                    int K, int64_t width, float *out);
 
 #ifdef __cplusplus
 }

@@ -65,12 +65,19 @@ static __device__ __forceinline__ void w4_rows(const k3c_w4_rows &rows, int64_t 
     }
 }
 
+/* the y row of GEMM row r */
+static __device__ __forceinline__ int64_t w4_dst(const k3c_w4_rows &rows, int64_t r) {
+    return rows.dst_row ? (int64_t)rows.dst_row[r] : r;
+}
+
 /* x rows [r0, r0 + nr) ∩ [r0, r1), columns [kc, kc + kn), to bf16 in xs (rows past r1: 0) */
 static __device__ __forceinline__ void w4_fill(uint16_t *xs, int nr, const float *x, int64_t K,
-                                               int64_t r0, int64_t r1, int64_t kc, int kn) {
+                                               const int32_t *src_row, int64_t r0, int64_t r1,
+                                               int64_t kc, int kn) {
     for (int i = (int)threadIdx.x; i < nr * kn; i += (int)blockDim.x) {
         const int r = i / kn, c = i % kn;
-        const float v = r0 + r < r1 ? x[(r0 + r) * K + kc + c] : 0.0f;
+        const int64_t xr = src_row && r0 + r < r1 ? (int64_t)src_row[r0 + r] : r0 + r;
+        const float v = r0 + r < r1 ? x[xr * K + kc + c] : 0.0f;
         xs[r * K3C_W4_LD + c] = k3c_bf16_rne(v);
     }
 }
@@ -83,16 +90,17 @@ static __global__ void __launch_bounds__(K3C_W4_WARPS * 32)
     const int64_t e = blockIdx.z;
     int64_t r0, r1;
     w4_rows(rows, e, 16 * (int64_t)blockIdx.y, &r0, &r1);
-    if (r0 >= r1) return; /* the whole block: past this expert's rows */
+    const int64_t ws = rows.wslot ? (int64_t)rows.wslot[e] : e;
+    if (r0 >= r1 || ws < 0) return; /* the whole block: past this expert's rows, or no expert */
     const unsigned warp = threadIdx.x / 32, lane = threadIdx.x % 32, g = lane >> 2, t = lane & 3u;
     const int64_t NT = N / 8, KT = K / 32, nt = (int64_t)blockIdx.x * K3C_W4_WARPS + warp;
     const bool active = nt < NT;
-    const int64_t w0 = (e * NT + nt) * KT * 32, s0 = (e * NT + nt) * KT * 8;
+    const int64_t w0 = (ws * NT + nt) * KT * 32, s0 = (ws * NT + nt) * KT * 8;
     float acc[4] = {0.0f, 0.0f, 0.0f, 0.0f}, acc3[4] = {0.0f, 0.0f, 0.0f, 0.0f};
     for (int64_t kc = 0; kc < K; kc += K3C_W4_KC) {
         const int kn = (int)(K - kc < K3C_W4_KC ? K - kc : K3C_W4_KC);
         __syncthreads(); /* the previous tile is consumed */
-        w4_fill(xs, 16, x, K, r0, r1, kc, kn);
+        w4_fill(xs, 16, x, K, rows.src_row, r0, r1, kc, kn);
         __syncthreads();
         if (!active) continue;
         for (int kk = 0; kk < kn; kk += 32) {
@@ -110,7 +118,7 @@ static __global__ void __launch_bounds__(K3C_W4_WARPS * 32)
     for (int i = 0; i < 4; i++) {
         const int64_t r = r0 + g + 8 * (i >> 1);
         if (r < r1)
-            y[r * N + 8 * nt + 2 * t + (i & 1)] =
+            y[w4_dst(rows, r) * N + 8 * nt + 2 * t + (i & 1)] =
                 words3 ? k3c_moe_act(acc[i], acc3[i], beta, lin_beta) : acc[i];
     }
 }
@@ -126,17 +134,18 @@ static __global__ void __launch_bounds__(K3C_W4_WARPS * 32)
     const int64_t e = blockIdx.z;
     int64_t r0, r1;
     w4_rows(rows, e, 8 * (int64_t)blockIdx.y, &r0, &r1);
-    if (r0 >= r1) return; /* the whole block: past this expert's rows */
+    const int64_t ws = rows.wslot ? (int64_t)rows.wslot[e] : e;
+    if (r0 >= r1 || ws < 0) return; /* the whole block: past this expert's rows, or no expert */
     const unsigned warp = threadIdx.x / 32, lane = threadIdx.x % 32, g = lane >> 2, t = lane & 3u;
     const int64_t NT = N / 8, KT = K / 32, mt = (int64_t)blockIdx.x * K3C_W4_WARPS + warp;
     const bool active = 2 * mt < NT, has1 = 2 * mt + 1 < NT;
-    const int64_t w0 = (e * NT + 2 * mt) * KT * 32, w1 = w0 + KT * 32;
-    const int64_t s0 = (e * NT + 2 * mt) * KT * 8, s1 = s0 + KT * 8;
+    const int64_t w0 = (ws * NT + 2 * mt) * KT * 32, w1 = w0 + KT * 32;
+    const int64_t s0 = (ws * NT + 2 * mt) * KT * 8, s1 = s0 + KT * 8;
     float acc[4] = {0.0f, 0.0f, 0.0f, 0.0f}, acc3[4] = {0.0f, 0.0f, 0.0f, 0.0f};
     for (int64_t kc = 0; kc < K; kc += K3C_W4_KC) {
         const int kn = (int)(K - kc < K3C_W4_KC ? K - kc : K3C_W4_KC);
         __syncthreads(); /* the previous tile is consumed */
-        w4_fill(xs, 8, x, K, r0, r1, kc, kn);
+        w4_fill(xs, 8, x, K, rows.src_row, r0, r1, kc, kn);
         __syncthreads();
         if (!active) continue;
         for (int kk = 0; kk < kn; kk += 32) {
@@ -154,7 +163,8 @@ static __global__ void __launch_bounds__(K3C_W4_WARPS * 32)
     for (int i = 0; i < 4; i++) {
         const int64_t n = 16 * mt + g + 8 * (i >> 1), r = r0 + 2 * t + (i & 1);
         if (r < r1 && n < N)
-            y[r * N + n] = words3 ? k3c_moe_act(acc[i], acc3[i], beta, lin_beta) : acc[i];
+            y[w4_dst(rows, r) * N + n] =
+                words3 ? k3c_moe_act(acc[i], acc3[i], beta, lin_beta) : acc[i];
     }
 }
 
@@ -174,5 +184,30 @@ extern "C" int k3c_w4a16_grouped(cudaStream_t s, const uint32_t *words, const ui
                     (unsigned)((rows.max_rows + 15) / 16), (unsigned)E);
     K3C_LAUNCH(grid, K3C_W4_WARPS * 32, 0, s, w4a16_grouped_kernel)
     (words, scales, words3, scales3, N, K, rows, beta, lin_beta, x, y);
+    return (int)cudaGetLastError();
+}
+
+/* one block per token, threads over the width, the K slots in order (k3c_wsum_step) */
+static __global__ void moe_combine_kernel(const float *y, const int32_t *pos, const float *w,
+                                          int64_t T, int K, int64_t width, float *out) {
+    for (int64_t t = blockIdx.x; t < T; t += gridDim.x)
+        for (int64_t d = threadIdx.x; d < width; d += blockDim.x) {
+            float a = 0.0f;
+            bool first = true;
+            for (int k = 0; k < K; k++) {
+                const int64_t i = t * K + k;
+                if (pos[i] < 0) continue;
+                a = k3c_wsum_step(a, w, i, y[(int64_t)pos[i] * width + d], first);
+                first = false;
+            }
+            out[t * width + d] = a;
+        }
+}
+
+extern "C" int k3c_moe_combine(cudaStream_t s, const float *y, const int32_t *pos, const float *w,
+                               int64_t T, int K, int64_t width, float *out) {
+    if (T <= 0 || width <= 0) return 0;
+    const unsigned blocks = (unsigned)(T > (1 << 20) ? (1 << 20) : T);
+    K3C_LAUNCH(blocks, 256, 0, s, moe_combine_kernel)(y, pos, w, T, K, width, out);
     return (int)cudaGetLastError();
 }

@@ -402,8 +402,13 @@ static void test_w4a16(bool masked, bool gateup, float beta, bool small) {
         const unsigned long long m0 =
             k3emu_mma_count(small ? "w4a16_swap_kernel" : "w4a16_grouped_kernel");
 #endif
-        k3c_w4_rows rows = {masked ? nullptr : doff, masked ? dcount : nullptr, masked ? CAP : 0,
-                            small ? 8 : 17};
+        k3c_w4_rows rows = {masked ? nullptr : doff,
+                            masked ? dcount : nullptr,
+                            masked ? CAP : 0,
+                            small ? 8 : 17,
+                            nullptr,
+                            nullptr,
+                            nullptr};
         const int rc =
             k3c_w4a16_grouped(0, dw[0], ds[0], gateup ? dw[1] : nullptr, gateup ? ds[1] : nullptr,
                               E, N, K, rows, beta, lin_beta, dx, dy);
