@@ -23,6 +23,7 @@
 #include "tolerances.h"
 #include "gpu/k3_bf16_bounds.h"
 #include "gpu/k3_gpu_test.h"
+#include "k3_cuda_moe.h"
 #ifdef K3_CUDA_EMULATE
 #include <cuda_runtime_api.h> /* k3emu_mma_count */
 #endif
@@ -1191,6 +1192,34 @@ typedef struct {
     int other; /* the stride is the struct's, not three tensors' */
 } expert_row;
 #define MOE_E 6
+/* got [T or n, Lw] vs the float64 MoE output, element by element within the bf16 bound; frees got
+ */
+static void moe_bound_check(float *got, const wt (*m)[3], const int32_t *ids, const float *src,
+                            const float *w, int64_t T, int64_t K, int64_t Lw, int64_t I, float beta,
+                            float lin, const char *what) {
+    const int64_t nr = w ? T : T * K;
+    int bad = 0;
+    double worst = 0;
+    for (int64_t r = 0; r < nr; r++)
+        for (int64_t o = 0; o < Lw; o++) {
+            double v = 0, d = 0, aw = 0;
+            for (int64_t k = 0; k < (w ? K : 1); k++) {
+                const int64_t i = w ? r * K + k : r;
+                const moe_ref_v it =
+                    moe_ref_item(m[ids[i]], src + (i / K) * Lw, Lw, I, beta, lin, o);
+                const double wk = w ? w[i] : 1.0;
+                v += wk * it.v, d += fabs(wk) * it.d, aw += fabs(wk * it.v);
+            }
+            d += (double)K * K3_FP32_U * aw;
+            const double err = fabs((double)got[r * Lw + o] - v);
+            bad += !(err <= d);
+            worst = err / d > worst ? err / d : worst;
+        }
+    K3_CHECK(bad == 0, "%s: %d of %lld elements outside the bf16 bound (worst %.3g of it)", what,
+             bad, (long long)(nr * Lw), worst);
+    printf("  %s: worst |cuda - f64| %.3g of the bf16 bound\n", what, worst);
+    free(got);
+}
 static void moe_case(k3_dtype dt, bool weighted, bool situ_act) {
     const int64_t Lw = 64, I = 96, T = 7, K = 3, n = T * K;
     const int E = MOE_E, missing = 4;
@@ -1254,27 +1283,32 @@ static void moe_case(k3_dtype dt, bool weighted, bool situ_act) {
                  weighted ? " -> rows_wsum" : "");
         cmp(got, want, no, K3_TOL_OP_REL_L2, what);
     } else {
-        int bad = 0;
-        double worst = 0;
-        for (int64_t r = 0; r < no / Lw; r++)
-            for (int64_t o = 0; o < Lw; o++) {
-                double v = 0, d = 0, aw = 0;
-                for (int64_t k = 0; k < (weighted ? K : 1); k++) {
-                    const int64_t i = weighted ? r * K + k : r;
-                    const moe_ref_v it =
-                        moe_ref_item(m[ids[i]], src + (i / K) * Lw, Lw, I, beta, lin, o);
-                    const double wk = weighted ? w[i] : 1.0;
-                    v += wk * it.v, d += fabs(wk) * it.d, aw += fabs(wk * it.v);
-                }
-                d += (double)K * K3_FP32_U * aw;
-                const double err = fabs((double)got[r * Lw + o] - v);
-                bad += !(err <= d);
-                worst = err / d > worst ? err / d : worst;
-            }
-        K3_CHECK(bad == 0, "%s: %d of %lld elements outside the bf16 bound (worst %.3g of it)",
-                 what, bad, (long long)no, worst);
-        printf("  %s: worst |cuda - f64| %.3g of the bf16 bound\n", what, worst);
-        free(got);
+        moe_bound_check(got, m, ids, src, weighted ? w : NULL, T, K, Lw, I, beta, lin, what);
+        /* the masked layout (k3_cuda_moe.h) on the same rows: capacity the largest count + 3
+           (rows past the counts NaN, never read), then the slot-order combine */
+        int32_t cnt[MOE_E] = {0}, pos[21];
+        int64_t cap = 0;
+        for (int64_t i = 0; i < n; i++) cap = ++cnt[ids[i]] > cap ? cnt[ids[i]] : cap;
+        cap += 3;
+        float *xm = hnan(E * cap * Lw), *ones = malloc((size_t)n * 4);
+        memset(cnt, 0, sizeof cnt);
+        for (int64_t i = 0; i < n; i++) {
+            pos[i] = (int32_t)(ids[i] * cap + cnt[ids[i]]++);
+            memcpy(xm + pos[i] * Lw, src + (i / K) * Lw, (size_t)Lw * 4);
+            ones[i] = 1.0f;
+        }
+        float *dxm = dcopy(xm, E * cap * Lw), *dh = dpoison(E * cap * I);
+        float *dy = dpoison(E * cap * Lw), *dmo = dpoison(no), *d1 = dcopy(ones, n);
+        int32_t *dcnt = dput(cnt, sizeof cnt), *dpos = dput(pos, sizeof pos);
+        K3_CHECK_OK(k3_cuda_moe_experts_masked(g_cu, dxm, dcnt, cap, E, &td[0].w1, &td[0].w3,
+                                               &td[0].w2, es, beta, lin, dh, dy));
+        K3_CHECK_OK(k3_cuda_moe_combine(g_cu, dy, dpos, weighted ? dwt : d1, weighted ? T : n,
+                                        weighted ? (int)K : 1, Lw, dmo));
+        char mwhat[100];
+        snprintf(mwhat, sizeof mwhat, "%s (masked)", what);
+        moe_bound_check(hget(dmo, no), m, ids, src, weighted ? w : NULL, T, K, Lw, I, beta, lin,
+                        mwhat);
+        free(xm), free(ones);
     }
     free(chain);
     /* row 5 needs the missing expert; then row 2 an id out of range (the first is named) */

@@ -74,6 +74,7 @@ if(K3_CUDA)
                        SKIP_RETURN_CODE 77 ENVIRONMENT "${K3_TEST_ENV}")
   # every op of the cuda backend vs ref on a device (skips with one line, 77, without one)
   k3_add_test_exe(test_cuda_ops ${CMAKE_CURRENT_LIST_DIR}/test_cuda_ops.c)
+  target_include_directories(test_cuda_ops PRIVATE ${CMAKE_SOURCE_DIR}/kernels/cuda)   # k3_cuda_moe.h
   add_test(NAME cuda_ops COMMAND test_cuda_ops)
   set_tests_properties(cuda_ops PROPERTIES LABELS "${K3_GPU_LABEL}" TIMEOUT 600 SKIP_RETURN_CODE 77
                        ENVIRONMENT "${K3_TEST_ENV}")
