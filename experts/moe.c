@@ -20,6 +20,8 @@
 #include "k3_experts.h"
 
 #include <math.h>
+#include <stdio.h>
+#include <stdlib.h>
 
 /* K3_MOE_ROW_TILE (k3_model.h, where k3 plan reads it too; 256): the rows k3_moe_expert_rows
  * pushes through one gather, two matmul_groups, one activation and one scatter (bounds scratch;
@@ -93,6 +95,23 @@ static k3_status check_w(const k3_tensor *w, int64_t out, int64_t in, const char
 }
 
 /* ---- routing ------------------------------------------------------------------------------- */
+/* Test hook K3_TEST_ROUTES=FILE: every router call appends its [T, K] expert ids (int32) to FILE,
+   so two runs of the same tokens (cpu and cuda, say) can count the routes that differ
+   (tests/gpu/gpu_model.py: route flips under bf16 activations). A host sync per call. */
+static k3_status routes_dump(k3_backend *be, const int32_t *ids, int64_t n) {
+    const char *path = getenv("K3_TEST_ROUTES");
+    if (!path || !*path || n <= 0) return K3_OK;
+    int32_t *h;
+    K3_TRY(k3_calloc((void **)&h, (size_t)n * sizeof *h, "K3_TEST_ROUTES ids"));
+    k3_status st = k3_backend_download(be, h, ids, (size_t)n * sizeof *h);
+    FILE *f = st == K3_OK ? fopen(path, "ab") : NULL;
+    if (st == K3_OK && (!f || fwrite(h, sizeof *h, (size_t)n, f) != (size_t)n))
+        st = K3_ERR(K3_ERR_IO, "K3_TEST_ROUTES: cannot append to %s", path);
+    if (f) fclose(f);
+    k3_free(h);
+    return st;
+}
+
 k3_status k3_moe_router(k3_backend *be, const k3_config *c, const k3_layer_w *lw, const float *x,
                         int64_t T, int32_t *topk_ids, float *topk_w, float *scratch) {
     K3_TRY(k3_moe_check_config(c));
@@ -109,9 +128,10 @@ k3_status k3_moe_router(k3_backend *be, const k3_config *c, const k3_layer_w *lw
     K3_TRY(be->ops->matmul(be, x, T, &lw->router, scores));
     K3_TRY(be->ops->sigmoid(be, scores, T * E, scores));
     if (has_bias) K3_TRY(be->ops->to_f32(be, &lw->router_bias, E, bias));
-    return be->ops->moe_topk(be, scores, has_bias ? bias : NULL, T, (int)E, c->n_experts_per_tok,
+    K3_TRY(be->ops->moe_topk(be, scores, has_bias ? bias : NULL, T, (int)E, c->n_experts_per_tok,
                              c->n_group, c->topk_group, c->moe_renormalize,
-                             c->routed_scaling_factor, work, topk_ids, topk_w);
+                             c->routed_scaling_factor, work, topk_ids, topk_w));
+    return routes_dump(be, topk_ids, T * c->n_experts_per_tok);
 }
 
 /* ---- latent down-projection ---------------------------------------------------------------- */

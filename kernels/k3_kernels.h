@@ -329,6 +329,11 @@ typedef struct k3_op_stats {
     uint64_t host_syncs;
     uint64_t h2d_bytes, d2h_bytes; /* upload(_async), download(_async) */
     uint64_t graph_launches;       /* captured steps replayed (cuda graphs; 0 elsewhere) */
+    /* The FLOPs of the ops' matrix products (2 per multiply-add, the useful ones: no padding),
+     * by op, and of those the ones a tensor-core kernel did (cuda: counted where the kernel was
+     * built for tensor cores; in the emulation only when the emulator counted its mma). 0 where
+     * a backend does not count them (guard: its inner backend's ops are not counted). */
+    uint64_t flops[K3_OP_COUNT], tc_flops[K3_OP_COUNT];
 } k3_op_stats;
 
 /* The memory half of a backend (ggml's buffer interface in spirit). n bytes; buffers are

@@ -18,7 +18,9 @@
  * end), "decode" | "prefill" | "idle": {"steps", "ops_per_step", "host_syncs_per_step",
  * "host_syncs_max_per_step", "comm_host_syncs_per_step", "graph_launches_per_step",
  * "host_device_bytes_per_step", "h2d_bytes_per_step",
- * "d2h_bytes_per_step", "ops": {op: calls per step, only ops called}}}], and with one worker
+ * "d2h_bytes_per_step", "ops": {op: calls per step, only ops called}, and where the backend counts
+ * matrix FLOPs (cuda) "flops_per_step": {op: FLOPs} and "tensor_core_share": {op: the share of
+ * them done on tensor cores, 0 .. 1}}}], and with one worker
  * rank its "decode", "prefill", "idle" also at the top level}. Per-step values are averages over
  * the phase's steps (numbers with decimals where they are not integers). */
 #include "rank_internal.h"
@@ -108,6 +110,10 @@ k3_status rank_opstats_end(rank_ctx *r, int64_t T, int n_seqs) {
     for (int i = 0; i < K3_OP_COUNT; i++) sum->calls[i] += now.calls[i] - b->calls[i];
     const uint64_t by_comm = comm_syncs(r) - o->comm_begin;
     const uint64_t syncs = now.host_syncs - b->host_syncs + by_comm;
+    for (int i = 0; i < K3_OP_COUNT; i++) {
+        sum->flops[i] += now.flops[i] - b->flops[i];
+        sum->tc_flops[i] += now.tc_flops[i] - b->tc_flops[i];
+    }
     sum->host_syncs += syncs;
     o->phase[ph].comm_syncs += by_comm;
     sum->h2d_bytes += now.h2d_bytes - b->h2d_bytes;
@@ -121,9 +127,10 @@ k3_status rank_opstats_end(rank_ctx *r, int64_t T, int n_seqs) {
 /* ---- the gather and the file ------------------------------------------------------------------
  */
 /* One rank's sums as it travels (u64 each): per phase steps, host_syncs_max, host_syncs,
-   h2d_bytes, d2h_bytes, graph_launches, comm_syncs, calls[K3_OP_COUNT]. */
+   h2d_bytes, d2h_bytes, graph_launches, comm_syncs, calls[K3_OP_COUNT], flops[K3_OP_COUNT],
+   tc_flops[K3_OP_COUNT]. */
 #define PACK_CALLS 7
-#define PACK_PHASE (PACK_CALLS + K3_OP_COUNT)
+#define PACK_PHASE (PACK_CALLS + 3 * K3_OP_COUNT)
 #define PACK_U64   (OPS_PHASES * PACK_PHASE)
 
 /* A rank without counters (the dedicated coordinator) packs zeros. */
@@ -140,6 +147,8 @@ static void pack(const rank_ctx *r, uint64_t *p) {
         p[5] = s->graph_launches;
         p[6] = r->ops->phase[ph].comm_syncs;
         memcpy(p + PACK_CALLS, s->calls, sizeof s->calls);
+        memcpy(p + PACK_CALLS + K3_OP_COUNT, s->flops, sizeof s->flops);
+        memcpy(p + PACK_CALLS + 2 * K3_OP_COUNT, s->tc_flops, sizeof s->tc_flops);
     }
 }
 
@@ -161,6 +170,19 @@ static cJSON *phase_json(const uint64_t *p) {
     for (int i = 0; i < K3_OP_COUNT; i++)
         if (p[PACK_CALLS + i])
             cJSON_AddNumberToObject(by, k3_op_name(i), (double)p[PACK_CALLS + i] / d);
+    /* the ops whose matrix FLOPs the backend counts (cuda): FLOPs per step, and the share of
+       them a tensor-core kernel did */
+    const uint64_t *fl = p + PACK_CALLS + K3_OP_COUNT, *tc = p + PACK_CALLS + 2 * K3_OP_COUNT;
+    cJSON *fo = NULL, *sh = NULL;
+    for (int i = 0; i < K3_OP_COUNT; i++) {
+        if (!fl[i]) continue;
+        if (!fo) {
+            fo = cJSON_AddObjectToObject(o, "flops_per_step");
+            sh = cJSON_AddObjectToObject(o, "tensor_core_share");
+        }
+        cJSON_AddNumberToObject(fo, k3_op_name(i), (double)fl[i] / d);
+        cJSON_AddNumberToObject(sh, k3_op_name(i), (double)tc[i] / (double)fl[i]);
+    }
     return o;
 }
 

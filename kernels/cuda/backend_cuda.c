@@ -295,6 +295,10 @@ static k3_status cu_op_stats(const k3_backend *be, k3_op_stats *out) {
     out->h2d_bytes = __atomic_load_n(&c->stats.h2d_bytes, __ATOMIC_RELAXED);
     out->d2h_bytes = __atomic_load_n(&c->stats.d2h_bytes, __ATOMIC_RELAXED);
     out->graph_launches = __atomic_load_n(&c->stats.graph_launches, __ATOMIC_RELAXED);
+    for (int i = 0; i < K3_OP_COUNT; i++) {
+        out->flops[i] = __atomic_load_n(&c->stats.flops[i], __ATOMIC_RELAXED);
+        out->tc_flops[i] = __atomic_load_n(&c->stats.tc_flops[i], __ATOMIC_RELAXED);
+    }
     return K3_OK;
 }
 /* Every op of K3_OP_LIST has a kernel; weight dtypes as ref: matmul/matmul_tn F32/BF16/MXFP4,
@@ -473,22 +477,41 @@ static k3_status err_read(k3_backend *be, unsigned long long *v) {
 }
 
 /* ---- ops ----------------------------------------------------------------------------------- */
-static k3_status cu_matmul(k3_backend *be, const float *x, int64_t T, const k3_tensor *W,
-                           float *y) {
-    K3_TRY(k3_kernels_check_weight(W, "matmul"));
+/* The matrix FLOPs of a call of op (2 per multiply-add), tc: done by a tensor-core kernel. Today
+   only moe_experts' MXFP4 form is (W4A16, moe_mma.cu); the other matrix ops count CUDA-core
+   FLOPs, so --op-stats shows their share 0 until their kernels move. */
+static void count_flops(k3_backend *be, int op, double f, bool tc) {
+    count(&CTX(be)->stats.flops[op], (uint64_t)f);
+    if (tc) count(&CTX(be)->stats.tc_flops[op], (uint64_t)f);
+}
+static k3_status mm_run(k3_backend *be, const float *x, int64_t T, const k3_tensor *W, float *y) {
     CU_TRY(k3c_matmul(STREAM(be), (int)W->dtype, W->data, W->scale, W->shape[0], W->shape[1], x, T,
                       y));
     return K3_OK;
 }
+static k3_status cu_matmul(k3_backend *be, const float *x, int64_t T, const k3_tensor *W,
+                           float *y) {
+    K3_TRY(k3_kernels_check_weight(W, "matmul"));
+    count_flops(be, K3_OP_matmul, 2.0 * (double)T * (double)W->shape[0] * (double)W->shape[1],
+                false);
+    return mm_run(be, x, T, W, y);
+}
 static k3_status cu_matmul_group(k3_backend *be, const k3_mm *mm, int n) {
     /* one launch per item on the stream, in order (a grouped GEMM is the next step) */
     K3_TRY(k3_kernels_check_group(mm, n));
-    for (int i = 0; i < n; i++) K3_TRY(cu_matmul(be, mm[i].x, mm[i].T, mm[i].W, mm[i].y));
+    for (int i = 0; i < n; i++) {
+        count_flops(be, K3_OP_matmul_group,
+                    2.0 * (double)mm[i].T * (double)mm[i].W->shape[0] * (double)mm[i].W->shape[1],
+                    false);
+        K3_TRY(mm_run(be, mm[i].x, mm[i].T, mm[i].W, mm[i].y));
+    }
     return K3_OK;
 }
 static k3_status cu_matmul_tn(k3_backend *be, const float *x, int64_t T, const k3_tensor *W,
                               float *y) {
     K3_TRY(k3_kernels_check_weight(W, "matmul_tn"));
+    count_flops(be, K3_OP_matmul_tn, 2.0 * (double)T * (double)W->shape[0] * (double)W->shape[1],
+                false);
     CU_TRY(k3c_matmul_tn(STREAM(be), (int)W->dtype, W->data, W->scale, W->shape[0], W->shape[1], x,
                          T, y));
     return K3_OK;
@@ -756,6 +779,8 @@ static k3_status cu_matmul_heads(k3_backend *be, const float *x, int64_t xt, int
     if (T == 0 || H == 0) return K3_OK;
     k3_tensor v0; /* the view of row r0 on (data and scales offset by dtype) */
     K3_TRY(k3_tensor_rows(W, r0, W->shape[0] - r0, &v0));
+    count_flops(be, K3_OP_matmul_heads, 2.0 * (double)T * H * (double)nr * (double)W->shape[1],
+                false);
     CU_TRY(k3c_matmul_heads(STREAM(be), (int)W->dtype, v0.data, v0.scale, nr, W->shape[1], rh, H, x,
                             xt, xh, T, y, yt, yh, trans));
     return K3_OK;
@@ -1029,7 +1054,17 @@ static k3_status moe_mma(k3_backend *be, const moe_tab *t, const float *src, int
     cu_ctx *c = CTX(be);
     const int E = t->E;
     const int64_t Lw = t->Lw, I = t->I, per = w ? row_div : 1;
-    K3_TRY(moe_host(c, (size_t)(2 * n)));
+    /* work: h [m, I] | items [m, Lw] (w) */
+    const size_t avail = k3_moe_experts_work_floats(Lw, I, n, E);
+    int64_t m = (int64_t)((avail - 16) / (size_t)(I + (w ? Lw : 0)));
+    m = (m < n ? m : n) / per * per;
+    if (m > 65535 * 16) m = 65535 * 16 / per * per; /* grid.y of the GEMM */
+    if (m < per) return K3_ERR(K3_ERR_INTERNAL, "moe_experts: work holds no whole token");
+    float *h = work, *items = work + ((size_t)(m * I) + 15) / 16 * 16;
+    /* host ints: ids [n] | row_of [n] | staged per tile: off int64 [E + 1] | src_row int32 [m] |
+       dst_row int32 [m] | then the per-expert counts [E] */
+    const size_t stage_ints = 2 * (size_t)(E + 1) + 2 * (size_t)m;
+    K3_TRY(moe_host(c, (size_t)(2 * n) + stage_ints + (size_t)E + 2));
     int32_t *hid = c->moe_host, *hrow = c->moe_host + n;
     count(&c->stats.d2h_bytes, (uint64_t)(n * (row_of ? 8 : 4)));
     count(&c->stats.host_syncs, 1);
@@ -1046,17 +1081,10 @@ static k3_status moe_mma(k3_backend *be, const moe_tab *t, const float *src, int
                           "moe_experts: row %lld needs expert %d, which is not loaded on this rank",
                           (long long)i, hid[i]);
     }
-    /* work: h [m, I] | items [m, Lw] (w) */
-    const size_t avail = k3_moe_experts_work_floats(Lw, I, n, E);
-    int64_t m = (int64_t)((avail - 16) / (size_t)(I + (w ? Lw : 0)));
-    m = (m < n ? m : n) / per * per;
-    if (m > 65535 * 16) m = 65535 * 16 / per * per; /* grid.y of the GEMM */
-    if (m < per) return K3_ERR(K3_ERR_INTERNAL, "moe_experts: work holds no whole token");
-    float *h = work, *items = work + ((size_t)(m * I) + 15) / 16 * 16;
-    /* staged per tile: off int64 [E + 1] | src_row int32 [m] | dst_row int32 [m] */
-    const size_t stage_ints = 2 * (size_t)(E + 1) + 2 * (size_t)m;
-    K3_TRY(moe_host(c, (size_t)(2 * n) + stage_ints + (size_t)E + 2));
-    hid = c->moe_host, hrow = c->moe_host + n;
+#ifdef K3_CUDA_EMULATE
+    const unsigned long long mma0 =
+        k3emu_mma_count("w4a16_grouped_kernel") + k3emu_mma_count("w4a16_swap_kernel");
+#endif
     int64_t *off = (int64_t *)(void *)(c->moe_host + 2 * n + ((2 * n) & 1));
     int32_t *srow = (int32_t *)(off + E + 1), *drow = srow + m, *cnt = drow + m;
     for (int64_t r0 = 0; r0 < n; r0 += m) {
@@ -1089,6 +1117,12 @@ static k3_status moe_mma(k3_backend *be, const moe_tab *t, const float *src, int
             CU_TRY(k3c_rows_wsum(c->stream, items, w + r0, NULL, row_div, mt / row_div, Lw,
                                  out + r0 / row_div * Lw));
     }
+    bool tc = true; /* what the kernels were built to do; the emulation counts their mma */
+#ifdef K3_CUDA_EMULATE
+    CU_TRY(cudaStreamSynchronize(c->stream)); /* (emulation only: not a device's host sync) */
+    tc = k3emu_mma_count("w4a16_grouped_kernel") + k3emu_mma_count("w4a16_swap_kernel") > mma0;
+#endif
+    count_flops(be, K3_OP_moe_experts, 6.0 * (double)n * (double)I * (double)Lw, tc);
     return K3_OK;
 }
 
@@ -1126,6 +1160,7 @@ static k3_status cu_moe_experts(k3_backend *be, const float *src, int64_t row_di
         return expert_error(t, id);
     }
     const int64_t Lw = t->Lw, I = t->I, per = w ? row_div : 1;
+    count_flops(be, K3_OP_moe_experts, 6.0 * (double)n * (double)I * (double)Lw, false);
     int64_t tile = (int64_t)(k3_moe_experts_work_floats(Lw, I, n, E) / (size_t)I);
     if (tile > 65535) tile = 65535; /* grid.y */
     tile = tile / per * per;

@@ -1159,13 +1159,11 @@ static double mx(const wt *m, int64_t row, int64_t col) {
     const int64_t in = m->host.shape[1];
     return k3_mxfp4_get((const uint8_t *)m->data + row * (in / 2), m->scale + row * (in / 32), col);
 }
-/* item i's output element o (row x of Lw, expert matrices m[3]) */
-static moe_ref_v moe_ref_item(const wt m[3], const float *x, int64_t Lw, int64_t I, float beta,
-                              float lin, int64_t o) {
+/* item i's hidden row: h [I] = act(W1 x, W3 x) in float64 and dh [I] its bound */
+static void moe_ref_hidden(const wt m[3], const float *x, int64_t Lw, int64_t I, float beta,
+                           float lin, double *h, double *dh) {
     const double c1 = K3_TOL_BF16_ACT_REL + 2.0 * (double)Lw * K3_FP32_U;
-    const double c2 = K3_TOL_BF16_ACT_REL + 2.0 * (double)I * K3_FP32_U;
     const double La = beta < 0 ? 1.0998 : 1.0 + beta / 4.0;
-    double y = 0, dy = 0, ay = 0;
     for (int64_t j = 0; j < I; j++) {
         double g = 0, u = 0, ag = 0, au = 0;
         for (int64_t k = 0; k < Lw; k++) {
@@ -1173,14 +1171,56 @@ static moe_ref_v moe_ref_item(const wt m[3], const float *x, int64_t Lw, int64_t
             g += a, u += b, ag += fabs(a), au += fabs(b);
         }
         const double dg = c1 * ag, du = c1 * au;
-        const double h = act_f64(g, u, beta, lin);
+        h[j] = act_f64(g, u, beta, lin);
         const double a = beta < 0 ? fabs(g / (1 + exp(-g))) : fabs(act_f64(g, 1.0, beta, 0));
         const double b = beta < 0 || lin <= 0 ? fabs(u) : fabs(lin * tanh(u / lin));
-        const double dh = La * dg * (b + du) + a * du + 8 * K3_FP32_U * fabs(h) + 1e-30;
-        const double w2 = mx(&m[2], o, j);
-        y += w2 * h, dy += fabs(w2) * dh, ay += fabs(w2) * (fabs(h) + dh);
+        dh[j] = La * dg * (b + du) + a * du + 8 * K3_FP32_U * fabs(h[j]) + 1e-30;
+    }
+}
+/* its output element o from h, dh */
+static moe_ref_v moe_ref_out(const wt *w2, const double *h, const double *dh, int64_t I,
+                             int64_t o) {
+    const double c2 = K3_TOL_BF16_ACT_REL + 2.0 * (double)I * K3_FP32_U;
+    double y = 0, dy = 0, ay = 0;
+    for (int64_t j = 0; j < I; j++) {
+        const double w = mx(w2, o, j);
+        y += w * h[j], dy += fabs(w) * dh[j], ay += fabs(w) * (fabs(h[j]) + dh[j]);
     }
     return (moe_ref_v){y, dy + c2 * ay};
+}
+
+/* got [T or n, Lw] vs the float64 MoE output, element by element within the bf16 bound; frees got
+ */
+static void moe_bound_check(float *got, const wt (*m)[3], const int32_t *ids, const float *src,
+                            const float *w, int64_t T, int64_t K, int64_t Lw, int64_t I, float beta,
+                            float lin, const char *what) {
+    const int64_t nr = w ? T : T * K, per = w ? K : 1;
+    double *h = malloc((size_t)(per * I) * sizeof *h), *dh = malloc((size_t)(per * I) * sizeof *dh);
+    int bad = 0;
+    double worst = 0;
+    for (int64_t r = 0; r < nr; r++) {
+        for (int64_t k = 0; k < per; k++) {
+            const int64_t i = r * per + k;
+            moe_ref_hidden(m[ids[i]], src + (i / K) * Lw, Lw, I, beta, lin, h + k * I, dh + k * I);
+        }
+        for (int64_t o = 0; o < Lw; o++) {
+            double v = 0, d = 0, aw = 0;
+            for (int64_t k = 0; k < per; k++) {
+                const int64_t i = r * per + k;
+                const moe_ref_v it = moe_ref_out(&m[ids[i]][2], h + k * I, dh + k * I, I, o);
+                const double wk = w ? w[i] : 1.0;
+                v += wk * it.v, d += fabs(wk) * it.d, aw += fabs(wk * it.v);
+            }
+            d += (double)K * K3_FP32_U * aw;
+            const double err = fabs((double)got[r * Lw + o] - v);
+            bad += !(err <= d);
+            worst = err / d > worst ? err / d : worst;
+        }
+    }
+    K3_CHECK(bad == 0, "%s: %d of %lld elements outside the bf16 bound (worst %.3g of it)", what,
+             bad, (long long)(nr * Lw), worst);
+    printf("  %s: worst |cuda - f64| %.3g of the bf16 bound\n", what, worst);
+    free(h), free(dh), free(got);
 }
 
 /* moe_experts: a table of structs with one expert not on this rank; vs cpu, and bit for bit the
@@ -1191,42 +1231,15 @@ typedef struct {
     k3_tensor w1, w3, w2;
     int other; /* the stride is the struct's, not three tensors' */
 } expert_row;
-#define MOE_E 6
-/* got [T or n, Lw] vs the float64 MoE output, element by element within the bf16 bound; frees got
- */
-static void moe_bound_check(float *got, const wt (*m)[3], const int32_t *ids, const float *src,
-                            const float *w, int64_t T, int64_t K, int64_t Lw, int64_t I, float beta,
-                            float lin, const char *what) {
-    const int64_t nr = w ? T : T * K;
-    int bad = 0;
-    double worst = 0;
-    for (int64_t r = 0; r < nr; r++)
-        for (int64_t o = 0; o < Lw; o++) {
-            double v = 0, d = 0, aw = 0;
-            for (int64_t k = 0; k < (w ? K : 1); k++) {
-                const int64_t i = w ? r * K + k : r;
-                const moe_ref_v it =
-                    moe_ref_item(m[ids[i]], src + (i / K) * Lw, Lw, I, beta, lin, o);
-                const double wk = w ? w[i] : 1.0;
-                v += wk * it.v, d += fabs(wk) * it.d, aw += fabs(wk * it.v);
-            }
-            d += (double)K * K3_FP32_U * aw;
-            const double err = fabs((double)got[r * Lw + o] - v);
-            bad += !(err <= d);
-            worst = err / d > worst ? err / d : worst;
-        }
-    K3_CHECK(bad == 0, "%s: %d of %lld elements outside the bf16 bound (worst %.3g of it)", what,
-             bad, (long long)(nr * Lw), worst);
-    printf("  %s: worst |cuda - f64| %.3g of the bf16 bound\n", what, worst);
-    free(got);
-}
-static void moe_case(k3_dtype dt, bool weighted, bool situ_act) {
-    const int64_t Lw = 64, I = 96, T = 7, K = 3, n = T * K;
+#define MOE_E    6
+#define MOE_MAXN 120 /* slot rows: 40 tokens of 3 */
+static void moe_case(k3_dtype dt, bool weighted, bool situ_act, int64_t T) {
+    const int64_t Lw = 64, I = 96, K = 3, n = T * K;
     const int E = MOE_E, missing = 4;
     const float beta = situ_act ? 4.0f : -1.0f, lin = situ_act ? 2.5f : 0.0f;
     char what[80];
-    snprintf(what, sizeof what, "moe_experts %s%s%s", k3_dtype_name(dt),
-             weighted ? " weighted" : "", situ_act ? " situ" : "");
+    snprintf(what, sizeof what, "moe_experts %s%s%s T %lld", k3_dtype_name(dt),
+             weighted ? " weighted" : "", situ_act ? " situ" : "", (long long)T);
     wt m[MOE_E][3];
     expert_row th[MOE_E], td[MOE_E];
     for (int e = 0; e < E; e++) {
@@ -1236,7 +1249,7 @@ static void moe_case(k3_dtype dt, bool weighted, bool situ_act) {
         th[e] = (expert_row){m[e][0].host, m[e][1].host, m[e][2].host, e};
         td[e] = (expert_row){m[e][0].dev, m[e][1].dev, m[e][2].dev, e};
     }
-    int32_t ids[21];
+    int32_t ids[MOE_MAXN] = {0};
     for (int64_t i = 0; i < n; i++) {
         ids[i] = (int32_t)(k3_rng_u64(&g_rng) % (E - 1));
         if (ids[i] >= missing) ids[i]++;
@@ -1286,7 +1299,7 @@ static void moe_case(k3_dtype dt, bool weighted, bool situ_act) {
         moe_bound_check(got, m, ids, src, weighted ? w : NULL, T, K, Lw, I, beta, lin, what);
         /* the masked layout (k3_cuda_moe.h) on the same rows: capacity the largest count + 3
            (rows past the counts NaN, never read), then the slot-order combine */
-        int32_t cnt[MOE_E] = {0}, pos[21];
+        int32_t cnt[MOE_E] = {0}, pos[MOE_MAXN] = {0};
         int64_t cap = 0;
         for (int64_t i = 0; i < n; i++) cap = ++cnt[ids[i]] > cap ? cnt[ids[i]] : cap;
         cap += 3;
@@ -1329,9 +1342,10 @@ static void moe_case(k3_dtype dt, bool weighted, bool situ_act) {
     free(src), free(w), free(want), free(work);
 }
 static void test_moe_experts(void) {
-    moe_case(K3_DT_MXFP4, false, false);
-    moe_case(K3_DT_MXFP4, true, true);
-    moe_case(K3_DT_BF16, true, false);
+    moe_case(K3_DT_MXFP4, false, false, 7); /* <= 8 rows an expert: swap-AB */
+    moe_case(K3_DT_MXFP4, true, true, 7);
+    moe_case(K3_DT_MXFP4, true, false, 40); /* ~24 rows an expert: the 16-row tiles */
+    moe_case(K3_DT_BF16, true, false, 7);
 }
 
 /* The counters: an op call, an upload and a download are counted; events and async copies run. */
