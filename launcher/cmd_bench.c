@@ -101,8 +101,8 @@ enum {
       "TTFT / ITL / E2EL at p50, p90 and p99")                                                     \
     X("op-stats", K3_FLAG_STR, "FILE", NULL, M_TP,                                                 \
       "throughput: write JSON: each worker rank's backend op calls, host syncs and host<->device " \
-      "bytes per forward step (decode, prefill, idle; warm-ups included); needs --backend guard "  \
-      "(or cuda)")
+      "bytes (cuda: and matrix FLOPs with their tensor-core share) per forward step (decode, "     \
+      "prefill, idle; warm-ups included); needs --backend guard (or cuda)")
 
 #define FLAG_ENTRY(n, k, mv, d, m, h) {n, k, mv, d, h},
 #define FLAG_MODES(n, k, mv, d, m, h) m,

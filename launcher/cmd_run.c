@@ -70,8 +70,9 @@ static const k3_flag flags[] = {
      "write float32 logits [positions, V] as .npy (every consumed token, prompts concatenated)"},
     {"json", K3_FLAG_BOOL, NULL, NULL, "print one JSON object instead of ids + text lines"},
     {"op-stats", K3_FLAG_STR, "FILE", NULL,
-     "write JSON: each worker rank's backend op calls, host syncs and host<->device bytes per "
-     "forward step, for decode, prefill and idle steps; needs --backend guard (or cuda)"},
+     "write JSON: each worker rank's backend op calls, host syncs and host<->device bytes (cuda: "
+     "and matrix FLOPs with their tensor-core share) per forward step, for decode, prefill and "
+     "idle steps; needs --backend guard (or cuda)"},
     {"bench-limits", K3_FLAG_BOOL, NULL, NULL,
      "before loading, measure this machine's triad bandwidth and fp32 FMA peak (a few seconds, "
      "rank 0, --threads threads or all cores) and give decode GB/s and prefill GFLOP/s as % of "

@@ -146,8 +146,8 @@ k3_status k3_cpu_moe_experts(k3_backend *be, const float *src, int64_t row_div,
                   .lin_beta = lin_beta};
     /* as cuda: MXFP4 experts only (the rows' first expert: every present one has its dtype) */
     const char *b16 = getenv("K3_CPU_MOE_BF16");
-    a.bf16 = b16 && strcmp(b16, "1") == 0 &&
-             k3_moe_expert_t(w1, ids[0], e_stride)->dtype == K3_DT_MXFP4;
+    a.bf16 =
+        b16 && strcmp(b16, "1") == 0 && k3_moe_expert_t(w1, ids[0], e_stride)->dtype == K3_DT_MXFP4;
     a.xin = work;
     a.o = a.xin + pad16((size_t)TILE * (size_t)Lw);
     a.g = a.o + pad16((size_t)TILE * (size_t)Lw);

@@ -17,8 +17,12 @@
  * per tile of rows after its check) however many sequences, heads and tokens the step mixes.
  * moe_experts' expert table: the E experts' device pointers, built on the first call for a table
  * of the caller (keyed by the w1 / w3 / w2 addresses, e_stride and E) and kept in the context; a
- * spot check of its first and last present experts rebuilds it when those move, and every free
- * drops the cache (weights are loaded once: a table is not expected to change in place).
+ * spot check of its first and last present experts rebuilds it when those move, and a free drops
+ * the tables that point into the freed block (weights are loaded once: a table is not expected to
+ * change in place). MXFP4 tables are also repacked into mma fragment order once (tab_repack) and
+ * run on the W4A16 tensor-core GEMM (moe_mma: ids read back, host counting sort, gate/up fused,
+ * down with the slot scatter, rows_wsum in slot order); the masked layout of k3_cuda_moe.h for
+ * device-side routing. op_stats also counts the matrix ops' FLOPs and their tensor-core part.
  * Counters (op_stats): calls by op (every op, as the caller calls it), host syncs (download,
  * synchronize, event_sync, and the error-word reads above, which wait for the device too), bytes
  * of upload(_async) and download(_async) (and the error words). Atomics: ops from several host

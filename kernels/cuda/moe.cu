@@ -16,8 +16,9 @@
 //     columns of Lw) the same way for W2 — with w, the K slot items of a token are summed in k
 //     order, the first initialising (k3c_wsum_step: rows_wsum's arithmetic). So each item is the
 //     bits of matmul → act → matmul on this backend, and the weighted row those of rows_wsum over
-//     them, without an [n, Lw] buffer. Correct first: no grouping of rows by expert, so each row
-//     reads its expert's weights (a grouped tensor-core GEMM is the fast form).
+//     them, without an [n, Lw] buffer. No grouping of rows by expert, so each row reads its
+//     expert's weights: the F32 / BF16 expert path; MXFP4 experts run on the grouped tensor-core
+//     GEMM (moe_mma.cu, backend_cuda.c moe_mma).
 //   nonfinite_rows: a block per sequence; rows_last: a block per (sequence, slab).
 // Verified on host math only; device run pending.
 #include "cuda_launch.h"

@@ -12,8 +12,11 @@
 // capacity, per-expert counts in device memory, as for graph-captured decode). Gate/up fused: with
 // W3, the same lane holds the same (row, column) of both accumulators, so the activation is the
 // epilogue. Swap-AB when no expert has more than 8 rows (max_rows <= 8, w4a16_swap_kernel): the
-// weights become the M = 16 operand from the same fragment-order words. Not yet wired into the
-// backend's moe_experts (see docs/DESIGN.md §3b).
+// weights become the M = 16 operand from the same fragment-order words. Optional row maps
+// (k3c_w4_rows): wslot (expert -> weight slot, < 0 absent), src_row (the gather of routed rows),
+// dst_row (the scatter of results to slot rows). The backend's moe_experts for MXFP4 experts and
+// the masked entry point of k3_cuda_moe.h (backend_cuda.c; docs/DESIGN.md §3b); k3c_moe_combine:
+// the slot-order weighted sum of the masked layout's outputs.
 //
 // Verified in the emulation (tests/gpu/test_cuda_mma.cu) against the checkpoint's decode;
 // device run pending.
