@@ -292,7 +292,7 @@ k3_status k3_seqs_build(int n_seqs, const int32_t *n_tokens, const int32_t *pos,
        with no data is not on this rank (K3_ERR_MISSING naming row and expert). act: swiglu (beta         \
        < 0) or situ(beta, lin_beta). w NULL: out [n, Lw], row i = item i, bit for bit                     \
        k3_moe_expert_rows (experts/) (cuda's MXFP4 tensor-core form: bf16 rows, within the bf16           \
-       bound of tests/tolerances.h instead); w [n] (backend): out [n / row_div, Lw], row t = Σ_k                     \
+       bound of tests/tolerances.h instead); w [n] (backend): out [n / row_div, Lw], row t = Σ_k         \
        w[t·row_div + k]·item(t·row_div + k) in k order, the first term initialising (rows_wsum's       \
        order), without an [n, Lw] buffer. work                                                            \
        >= k3_moe_experts_work_floats. */                                                                  \

@@ -134,10 +134,13 @@
  * roundings a layer (rows, activation): sqrt(2·1e-5·2^-8) = 2.8e-4. Carried to the logits with the
  * ~8x amplification of one layer's relative change measured on tiny (K3_TOL_DISTRIBUTED_REL_L2's
  * note), added over layers (worst case, no cancellation): 8 · 2.8e-4 = 2.24e-3 a MoE layer.
- * Measured: tiny (7 MoE layers) 1.7e-3 of its 1.6e-2 bound. Against plain fp32 cpu no such bound
- * holds: a router whose k-th and (k+1)-th scores are closer than the bf16 noise picks another
- * expert (a route flip, an O(1) change of that row); docs/DESIGN.md §3b gives the measured
- * distances and flip counts. */
+ * Measured: tiny (7 MoE layers) 1.7e-3 (1x1 and 2x2) of its 1.57e-2 bound. The derivation holds
+ * while δ stays far below the bf16 spacing, i.e. for shallow models (tiny, small): the rounding
+ * differences of one layer enlarge the next layer's δ, and over many layers the distance grows to
+ * the bf16 noise itself, where routers whose k-th and (k+1)-th scores are closer than it pick
+ * other experts (route flips, an O(1) change of a row): on deep (92 MoE layers) the first flip
+ * comes after 25-72 MoE layers a token, and no bound holds, nor against plain fp32 cpu on any
+ * model (docs/DESIGN.md §3b: the measured distances and flip counts). */
 #define K3_TOL_BF16_MOE_LAYER_REL_L2 2.24e-3
 
 #endif /* K3_TOLERANCES_H */
