@@ -10,10 +10,12 @@
  * prefill pieces, shuffled slots and cache blocks) against the cpu backend, and each is also
  * checked bit for bit against the cuda ops its contract names (rmsnorm, matmul / matmul_tn per
  * head, attn_latent per token, kda_chunked / kda_recurrent per sequence, matmul -> act -> matmul
- * -> rows_wsum per row); then the counters, async copies and events. Three cuda backends: the
- * default (fp32 kernels), one with K3_CUDA_MMA=1 (the bf16 tensor-core MLA and chunk-16 KDA, held
- * to the element-wise bounds of gpu/k3_bf16_bounds.h, with their mma counts) and one with
- * K3_CUDA_KDA_STATE=bf16 (the KDA state stored in bf16).
+ * -> rows_wsum per row; MXFP4 moe_experts runs on the tensor cores instead: element by element
+ * against float64 within the derived bound, the masked layout + slot-order combine of
+ * k3_cuda_moe.h alike, and an emulated mma count > 0); then the counters, async copies and
+ * events. Three cuda backends: the default (fp32 kernels), one with K3_CUDA_MMA=1 (the bf16
+ * tensor-core MLA and chunk-16 KDA, held to the element-wise bounds of gpu/k3_bf16_bounds.h, with
+ * their mma counts) and one with K3_CUDA_KDA_STATE=bf16 (the KDA state stored in bf16).
  * Without a device it prints one SKIP line and exits 77. The registry comes from K3_OP_LIST:
  * an op without a test_<op> here does not compile. */
 #include "k3_kernels.h"
