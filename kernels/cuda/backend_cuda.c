@@ -1039,6 +1039,20 @@ static bool moe_fp32(void) {
     const char *v = getenv("K3_CUDA_MOE_FP32");
     return v && strcmp(v, "1") == 0;
 }
+/* The activation terms of the W4A16 expert GEMMs (moe_mma.cu, k3c_split_bf16): K3C_W4_TERMS by
+   default; K3_CUDA_MMA_TERMS=1, 2 or 3 (environment) picks another (1: plain bf16 activations, the
+   fastest prefill and the least faithful: docs/DESIGN.md §3b's table). Anything else is an error
+   naming the variable. */
+static k3_status moe_terms(int *terms) {
+    const char *v = getenv("K3_CUDA_MMA_TERMS");
+    *terms = K3C_W4_TERMS;
+    if (!v || !*v) return K3_OK;
+    if ((v[0] < '1' || v[0] > '0' + K3C_W4_MAX_TERMS) || v[1])
+        return K3_ERR(K3_ERR_ARG, "K3_CUDA_MMA_TERMS=%s: want 1, 2 or 3 (bf16 activation terms)",
+                      v);
+    *terms = v[0] - '0';
+    return K3_OK;
+}
 /* host int32 scratch of moe_experts (ids, row_of, then the staged tile) */
 static k3_status moe_host(cu_ctx *c, size_t n) {
     if (n <= c->moe_cap) return K3_OK;
@@ -1072,6 +1086,8 @@ static k3_status moe_mma(k3_backend *be, const moe_tab *t, const float *src, int
     if (m > 65535 * 16) m = 65535 * 16 / per * per; /* grid.y of the GEMM */
     if (m < per) return K3_ERR(K3_ERR_INTERNAL, "moe_experts: work holds no whole token");
     float *h = work, *items = work + ((size_t)(m * I) + 15) / 16 * 16;
+    int terms;
+    K3_TRY(moe_terms(&terms));
     /* host ints: ids [n] | row_of [n] | staged per tile: off int64 [E + 1] | src_row int32 [m] |
        dst_row int32 [m] | then the per-expert counts [E] */
     const size_t stage_ints = 2 * (size_t)(E + 1) + 2 * (size_t)m;
@@ -1120,10 +1136,10 @@ static k3_status moe_mma(k3_backend *be, const moe_tab *t, const float *src, int
         const int32_t *dsrc = (const int32_t *)(doff + E + 1), *ddst = dsrc + m;
         k3c_w4_rows rows = {doff, NULL, 0, max_rows, t->slot_dev, dsrc, NULL};
         CU_TRY(k3c_w4a16_grouped(c->stream, t->words[0], t->scales[0], t->words[1], t->scales[1], E,
-                                 I, Lw, rows, beta, lin_beta, src, h));
+                                 I, Lw, rows, beta, lin_beta, terms, src, h));
         rows.src_row = NULL, rows.dst_row = ddst;
         CU_TRY(k3c_w4a16_grouped(c->stream, t->words[2], t->scales[2], NULL, NULL, E, Lw, I, rows,
-                                 beta, lin_beta, h, w ? items : out));
+                                 beta, lin_beta, terms, h, w ? items : out));
         if (w)
             CU_TRY(k3c_rows_wsum(c->stream, items, w + r0, NULL, row_div, mt / row_div, Lw,
                                  out + r0 / row_div * Lw));
@@ -1220,10 +1236,12 @@ k3_status k3_cuda_moe_experts_masked(k3_backend *be, const float *x, const int32
         return K3_ERR(K3_ERR_ARG, "k3_cuda_moe_experts_masked: capacity %lld (1 .. %d), buffers %s",
                       (long long)cap, 65535 * 16, x && count && h && y ? "given" : "missing");
     const k3c_w4_rows rows = {NULL, count, cap, cap, t->slot_dev, NULL, NULL};
+    int terms;
+    K3_TRY(moe_terms(&terms));
     CU_TRY(k3c_w4a16_grouped(STREAM(be), t->words[0], t->scales[0], t->words[1], t->scales[1], E,
-                             t->I, t->Lw, rows, beta, lin_beta, x, h));
+                             t->I, t->Lw, rows, beta, lin_beta, terms, x, h));
     CU_TRY(k3c_w4a16_grouped(STREAM(be), t->words[2], t->scales[2], NULL, NULL, E, t->Lw, t->I,
-                             rows, beta, lin_beta, h, y));
+                             rows, beta, lin_beta, terms, h, y));
     return K3_OK;
 }
 k3_status k3_cuda_moe_combine(k3_backend *be, const float *y, const int32_t *pos, const float *w,

@@ -160,13 +160,17 @@ typedef struct k3c_w4_rows {
      * dst_row[r] (the gather of routed rows and the scatter to slot order, in the kernel) */
     const int32_t *wslot, *src_row, *dst_row;
 } k3c_w4_rows;
-/* y row r [N] = W_e · bf16(x row r [K]) with fp32 accumulation; with w3 (gate/up fused): y row r
+/* y row r [N] = W_e · x row r [K], x split into `terms` (1 .. 3) bf16 terms (k3c_split_bf16: |x −
+ * Σ x_i| <= 2^(-8·terms)·|x|; 1 is the plain bf16(x)), exact products, fp32 accumulation; with w3 (gate/up fused): y row r
  * = act(W_e·x, W3_e·x) (k3c_moe_act: beta < 0 SwiGLU, else SiTU(beta, lin_beta)). W_e in
  * fragment order (k3c_repack.h: words / scales of expert e at e · k3c_mxfp4_frag_words(N, K) /
  * e · k3c_mxfp4_frag_scales(N, K)); N % 8 == 0, K % 32 == 0. */
+#define K3C_W4_MAX_TERMS 3 /* = K3C_SPLIT_MAX (k3c_mma.cuh; moe_mma.cu asserts it) */
+#define K3C_W4_TERMS        3 /* the default activation terms (docs/DESIGN.md §3b) */
 int k3c_w4a16_grouped(cudaStream_t s, const uint32_t *words, const uint8_t *scales,
                       const uint32_t *words3, const uint8_t *scales3, int E, int64_t N, int64_t K,
-                      k3c_w4_rows rows, float beta, float lin_beta, const float *x, float *y);
+                      k3c_w4_rows rows, float beta, float lin_beta, int terms, const float *x,
+                      float *y);
 /* out row t [width] = Σ_k w[t·K + k] · y row pos[t·K + k] in k order, the first valid term
  * initialising (k3c_wsum_step); pos < 0 contributes nothing (a token with none: zeros). */
 int k3c_moe_combine(cudaStream_t s, const float *y, const int32_t *pos, const float *w, int64_t T,

@@ -12,6 +12,8 @@
 //   - a cp.async destination holds 0xff (NaN) from the copy's issue until the wait_group that
 //     completes its group, so a missing or too-loose wait reads NaN;
 //   - each warp-level mma is counted per kernel (k3emu_mma_count, cuda_runtime_api.h).
+// Split activations (k3c_split_bf16, x2, x3): an fp32 operand as 2 or 3 bf16 terms, so a GEMM with
+// bf16-exact weights keeps fp32 accuracy on the bf16 mma (one mma per term on the same B).
 //
 // Fragment maps (PTX ISA, "Warp-level matrix fragment mma.m16n8k16", section "Matrix Fragments
 // for mma.m16n8k16 with floating point type"; groupID g = lane >> 2, threadID_in_group t =
@@ -65,6 +67,45 @@ K3C_FN uint16_t k3c_bf16_rne(float f) {
     memcpy(&u, &f, 4);
     if ((u & 0x7fffffffu) > 0x7f800000u) return (uint16_t)((u >> 16) | 0x40u);
     return (uint16_t)((u + 0x7fffu + ((u >> 16) & 1u)) >> 16);
+}
+/* ---- split activations (bf16 terms of an fp32 value) ----------------------------------------
+ * x = x1 + x2 + x3 + r with x1 = bf16(x), x2 = bf16(x - x1), x3 = bf16(x - x1 - x2) (each rounded
+ * to nearest even; each difference is exact in fp32: a multiple of x's ulp, at most 2^-8·|x|).
+ * |r| <= 2^-8n·|x| after n terms (n = 1: 2^-8, bf16's unit roundoff; 2: 2^-16; 3: 2^-24, and an x
+ * with |x| >= 2^-110 is exactly x1 + x2 + x3: 24 bits in three 8-bit significands and the signs
+ * of the roundings; below, bf16's subnormal floor leaves at most 2^-134 a term).
+ * With bf16-exact weights (MXFP4) each product w·x_i is exact in an mma, so W·x = Σ_i W·x_i with
+ * fp32 accumulation keeps fp32 activations on bf16 tensor cores (docs/DESIGN.md §3b). A finite x
+ * above bf16's largest finite value would round x1 to ±inf; x1 is then truncated (toward zero),
+ * so the terms stay finite. Generic: any bf16-exact operand (MoE experts, dense bf16 GEMMs). */
+#define K3C_SPLIT_MAX 3 /* terms of k3c_split_bf16 */
+K3C_FN float k3c_bf16_value(uint16_t h) { /* bf16 bits -> f32 (exact) */
+    const uint32_t u = (uint32_t)h << 16;
+    float f;
+    memcpy(&f, &u, 4);
+    return f;
+}
+/* the first term: bf16(x), or bf16 toward zero where rounding would overflow a finite x */
+K3C_FN uint16_t k3c_split_head(float x) {
+    const uint16_t h = k3c_bf16_rne(x);
+    uint32_t u;
+    memcpy(&u, &x, 4);
+    if ((h & 0x7fffu) == 0x7f80u && (u & 0x7f800000u) != 0x7f800000u) return (uint16_t)(u >> 16);
+    return h;
+}
+/* n (1 .. K3C_SPLIT_MAX) bf16 terms of x into out[0 .. n-1], largest first */
+K3C_FN void k3c_split_bf16(float x, int n, uint16_t *out) {
+    float r = x;
+    for (int i = 0; i < n; i++) {
+        out[i] = i ? k3c_bf16_rne(r) : k3c_split_head(r);
+        r -= k3c_bf16_value(out[i]);
+    }
+}
+K3C_FN void k3c_split_bf16x2(float x, uint16_t out[2]) {
+    k3c_split_bf16(x, 2, out);
+}
+K3C_FN void k3c_split_bf16x3(float x, uint16_t out[3]) {
+    k3c_split_bf16(x, 3, out);
 }
 /* bf16x2 · bf16x2, each half rounded to nearest even */
 K3C_FN uint32_t k3c_bf16x2_mul(uint32_t a, uint32_t b) {

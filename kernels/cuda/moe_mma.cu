@@ -1,11 +1,17 @@
 // moe_mma.cu — the grouped MXFP4 expert GEMM (W4A16) on the tensor-core primitives of
-// k3c_mma.cuh (issue 44): y = bf16(x) · W_eᵀ per expert e, contiguous layout (the rows of expert e
+// k3c_mma.cuh (issue 44): y = x · W_eᵀ per expert e, contiguous layout (the rows of expert e
 // are x rows [off[e], off[e+1])), weights repacked at load time into mma B-fragment order
 // (k3c_repack.h), so each lane's B fragments for a k32 step are one 32-bit load, dequantised with
 // k3c_e2m1x8_to_bf16 (bit operations and one multiply by 2^126) and one multiply by the group's
 // E8M0 scale (exact: a power of two), then two mma.m16n8k16 (bf16 in, fp32 accumulate).
-// Activations: each block converts its 16-row tile of x to bf16 (round to nearest even) in shared
-// memory, K3C_W4_KC columns at a time, and the warps load their A fragments with ldmatrix.x4.
+// Activations, split (k3c_split_bf16): each block converts its 16-row tile of x, K3C_W4_KC columns
+// at a time, into `terms` (1 .. K3C_SPLIT_MAX) bf16 planes in shared memory, x = Σ_i x_i + r with
+// |r| <= 2^(-8·terms)·|x|; each plane's A fragments come through ldmatrix.x4 and meet the same
+// dequantised B registers (the weights are loaded and decoded once per k step, `terms` mma per
+// k16 step, one fp32 accumulator). MXFP4 weights are exact in bf16, so every product w·x_i is
+// exact: with 3 terms the GEMM is fp32 W·x up to the order of the fp32 sums; with 1 it is the
+// plain W4A16 (bf16(x)) GEMM. Decode is memory-bound, so the extra mma are free there; prefill pays
+// `terms` x the tensor FLOPs (docs/DESIGN.md §3b: the measured fidelity of 1, 2, 3 terms).
 // Block: K3C_W4_WARPS warps, warp w the n-tile (8 outputs) blockIdx.x · K3C_W4_WARPS + w; grid.y:
 // 16-row tiles of the expert (max_rows sizes it; a block past the expert's rows exits whole);
 // grid.z: the expert. Layouts: contiguous (per-expert row offsets) for prefill, masked (fixed
@@ -33,28 +39,33 @@ static __device__ __forceinline__ void w4_dequant(uint32_t word, uint8_t sc, uin
     const uint32_t s1 = k3c_e8m0_to_bf16(sc), s2 = s1 | s1 << 16;
     for (int j = 0; j < 4; j++) b[j] = k3c_bf16x2_mul(b[j], s2);
 }
-/* acc += the 16 x 8 tile's product over one k32 group: B from the word and scale of (nt, kt) */
-static __device__ __forceinline__ void w4_step(float acc[4], uint32_t word, uint8_t sc,
-                                               const uint32_t a[2][4]) {
-    uint32_t b[4];
-    w4_dequant(word, sc, b);
+/* acc += the 16 x 8 tile's product over one k32 group: A of one activation term, B (dequantised
+ * once, w4_dequant) shared by the terms */
+static __device__ __forceinline__ void w4_mma(float acc[4], const uint32_t a[2][4],
+                                              const uint32_t b[4]) {
     k3c_mma_bf16_16816(acc, a[0], b, acc);
     k3c_mma_bf16_16816(acc, a[1], b + 2, acc);
 }
-/* swap-AB: acc += W rows [16mt, 16mt + 16) (A) times 8 token columns (B) over one k32 group. The
- * B-order words of n-tiles 2mt (rows g) and 2mt + 1 (rows g + 8) of the same lane are exactly A's
- * fragment: a[0..3] of step s = lo[2s], hi[2s], lo[2s + 1], hi[2s + 1] */
-static __device__ __forceinline__ void w4_swap_step(float acc[4], const uint32_t *words,
-                                                    const uint8_t *scales, int64_t w0, int64_t w1,
-                                                    int64_t s0, int64_t s1, bool has1, int64_t kt,
-                                                    unsigned lane, const uint32_t b[2][2]) {
+/* swap-AB: W rows [16mt, 16mt + 16) over one k32 group as A fragments (dequantised once, shared by
+ * the activation terms). The B-order words of n-tiles 2mt (rows g) and 2mt + 1 (rows g + 8) of the
+ * same lane are exactly A's fragment: a[s][0..3] of step s = lo[2s], hi[2s], lo[2s + 1],
+ * hi[2s + 1] */
+static __device__ __forceinline__ void w4_swap_a(const uint32_t *words, const uint8_t *scales,
+                                                 int64_t w0, int64_t w1, int64_t s0, int64_t s1,
+                                                 bool has1, int64_t kt, unsigned lane,
+                                                 uint32_t a[2][4]) {
     uint32_t lo[4], hi[4] = {0u, 0u, 0u, 0u};
     w4_dequant(words[w0 + kt * 32 + lane], scales[s0 + kt * 8 + (lane >> 2)], lo);
     if (has1) w4_dequant(words[w1 + kt * 32 + lane], scales[s1 + kt * 8 + (lane >> 2)], hi);
     for (int st = 0; st < 2; st++) {
-        const uint32_t a[4] = {lo[2 * st], hi[2 * st], lo[2 * st + 1], hi[2 * st + 1]};
-        k3c_mma_bf16_16816(acc, a, b[st], acc);
+        a[st][0] = lo[2 * st], a[st][1] = hi[2 * st];
+        a[st][2] = lo[2 * st + 1], a[st][3] = hi[2 * st + 1];
     }
+}
+/* swap-AB: acc += W rows (A, w4_swap_a) times 8 token columns of one activation term (B) */
+static __device__ __forceinline__ void w4_swap_mma(float acc[4], const uint32_t a[2][4],
+                                                   const uint32_t b[2][2]) {
+    for (int st = 0; st < 2; st++) k3c_mma_bf16_16816(acc, a[st], b[st], acc);
 }
 
 /* the rows [r0, r1) of expert e that block row tile `tile` of `rows_per` rows covers */
@@ -73,23 +84,26 @@ static __device__ __forceinline__ int64_t w4_dst(const k3c_w4_rows &rows, int64_
     return rows.dst_row ? (int64_t)rows.dst_row[r] : r;
 }
 
-/* x rows [r0, r0 + nr) ∩ [r0, r1), columns [kc, kc + kn), to bf16 in xs (rows past r1: 0) */
-static __device__ __forceinline__ void w4_fill(uint16_t *xs, int nr, const float *x, int64_t K,
-                                               const int32_t *src_row, int64_t r0, int64_t r1,
-                                               int64_t kc, int kn) {
+/* x rows [r0, r0 + nr) ∩ [r0, r1), columns [kc, kc + kn), split into `terms` bf16 planes of xs
+ * (plane i at xs + i·nr·K3C_W4_LD; rows past r1: 0) */
+static __device__ __forceinline__ void w4_fill(uint16_t *xs, int nr, int terms, const float *x,
+                                               int64_t K, const int32_t *src_row, int64_t r0,
+                                               int64_t r1, int64_t kc, int kn) {
     for (int i = (int)threadIdx.x; i < nr * kn; i += (int)blockDim.x) {
         const int r = i / kn, c = i % kn;
         const int64_t xr = src_row && r0 + r < r1 ? (int64_t)src_row[r0 + r] : r0 + r;
         const float v = r0 + r < r1 ? x[xr * K + kc + c] : 0.0f;
-        xs[r * K3C_W4_LD + c] = k3c_bf16_rne(v);
+        uint16_t h[K3C_SPLIT_MAX];
+        k3c_split_bf16(v, terms, h);
+        for (int p = 0; p < terms; p++) xs[(p * nr + r) * K3C_W4_LD + c] = h[p];
     }
 }
 
 static __global__ void __launch_bounds__(K3C_W4_WARPS * 32)
     w4a16_grouped_kernel(const uint32_t *words, const uint8_t *scales, const uint32_t *words3,
                          const uint8_t *scales3, int64_t N, int64_t K, k3c_w4_rows rows, float beta,
-                         float lin_beta, const float *x, float *y) {
-    K3C_SHARED(uint16_t, xs, [16 * K3C_W4_LD]);
+                         float lin_beta, int terms, const float *x, float *y) {
+    K3C_SHARED(uint16_t, xs, [K3C_SPLIT_MAX * 16 * K3C_W4_LD]);
     const int64_t e = blockIdx.z;
     int64_t r0, r1;
     w4_rows(rows, e, 16 * (int64_t)blockIdx.y, &r0, &r1);
@@ -103,18 +117,26 @@ static __global__ void __launch_bounds__(K3C_W4_WARPS * 32)
     for (int64_t kc = 0; kc < K; kc += K3C_W4_KC) {
         const int kn = (int)(K - kc < K3C_W4_KC ? K - kc : K3C_W4_KC);
         __syncthreads(); /* the previous tile is consumed */
-        w4_fill(xs, 16, x, K, rows.src_row, r0, r1, kc, kn);
+        w4_fill(xs, 16, terms, x, K, rows.src_row, r0, r1, kc, kn);
         __syncthreads();
         if (!active) continue;
         for (int kk = 0; kk < kn; kk += 32) {
             const int64_t kt = (kc + kk) / 32;
-            uint32_t a[2][4];
-            /* per k16 step, matrix lane / 8: rows 8·(m & 1) .. +7, columns 8·(m >> 1) */
-            for (int step = 0; step < 2; step++)
-                k3c_ldmatrix_x4(a[step], xs + ((lane / 8 & 1u) * 8 + lane % 8) * K3C_W4_LD + kk +
-                                             16 * step + (lane / 16) * 8);
-            w4_step(acc, words[w0 + kt * 32 + lane], scales[s0 + kt * 8 + g], a);
-            if (words3) w4_step(acc3, words3[w0 + kt * 32 + lane], scales3[s0 + kt * 8 + g], a);
+            uint32_t b[4], b3[4];
+            w4_dequant(words[w0 + kt * 32 + lane], scales[s0 + kt * 8 + g], b);
+            if (words3) w4_dequant(words3[w0 + kt * 32 + lane], scales3[s0 + kt * 8 + g], b3);
+#pragma unroll
+            for (int p = 0; p < K3C_SPLIT_MAX; p++) {
+                if (p >= terms) break;
+                uint32_t a[2][4];
+                /* per k16 step, matrix lane / 8: rows 8·(m & 1) .. +7, columns 8·(m >> 1) */
+                for (int step = 0; step < 2; step++)
+                    k3c_ldmatrix_x4(a[step], xs + (p * 16 + (lane / 8 & 1u) * 8 + lane % 8) *
+                                                      K3C_W4_LD +
+                                                 kk + 16 * step + (lane / 16) * 8);
+                w4_mma(acc, a, b);
+                if (words3) w4_mma(acc3, a, b3);
+            }
         }
     }
     if (!active) return;
@@ -132,8 +154,8 @@ static __global__ void __launch_bounds__(K3C_W4_WARPS * 32)
 static __global__ void __launch_bounds__(K3C_W4_WARPS * 32)
     w4a16_swap_kernel(const uint32_t *words, const uint8_t *scales, const uint32_t *words3,
                       const uint8_t *scales3, int64_t N, int64_t K, k3c_w4_rows rows, float beta,
-                      float lin_beta, const float *x, float *y) {
-    K3C_SHARED(uint16_t, xs, [8 * K3C_W4_LD]);
+                      float lin_beta, int terms, const float *x, float *y) {
+    K3C_SHARED(uint16_t, xs, [K3C_SPLIT_MAX * 8 * K3C_W4_LD]);
     const int64_t e = blockIdx.z;
     int64_t r0, r1;
     w4_rows(rows, e, 8 * (int64_t)blockIdx.y, &r0, &r1);
@@ -148,18 +170,25 @@ static __global__ void __launch_bounds__(K3C_W4_WARPS * 32)
     for (int64_t kc = 0; kc < K; kc += K3C_W4_KC) {
         const int kn = (int)(K - kc < K3C_W4_KC ? K - kc : K3C_W4_KC);
         __syncthreads(); /* the previous tile is consumed */
-        w4_fill(xs, 8, x, K, rows.src_row, r0, r1, kc, kn);
+        w4_fill(xs, 8, terms, x, K, rows.src_row, r0, r1, kc, kn);
         __syncthreads();
         if (!active) continue;
         for (int kk = 0; kk < kn; kk += 32) {
             const int64_t kt = (kc + kk) / 32;
-            uint32_t b[2][2];
-            /* B = x rowsᵀ: matrix lane / 8 (of lanes 0-15) is x rows 0-7, columns 8·(m & 1) */
-            for (int st = 0; st < 2; st++)
-                k3c_ldmatrix_x2(b[st],
-                                xs + (lane % 8) * K3C_W4_LD + kk + 16 * st + (lane / 8 & 1u) * 8);
-            w4_swap_step(acc, words, scales, w0, w1, s0, s1, has1, kt, lane, b);
-            if (words3) w4_swap_step(acc3, words3, scales3, w0, w1, s0, s1, has1, kt, lane, b);
+            uint32_t a[2][4], a3[2][4];
+            w4_swap_a(words, scales, w0, w1, s0, s1, has1, kt, lane, a);
+            if (words3) w4_swap_a(words3, scales3, w0, w1, s0, s1, has1, kt, lane, a3);
+#pragma unroll
+            for (int p = 0; p < K3C_SPLIT_MAX; p++) {
+                if (p >= terms) break;
+                uint32_t b[2][2];
+                /* B = x rowsᵀ: matrix lane / 8 (of lanes 0-15) is x rows 0-7, columns 8·(m & 1) */
+                for (int st = 0; st < 2; st++)
+                    k3c_ldmatrix_x2(b[st], xs + (p * 8 + lane % 8) * K3C_W4_LD + kk + 16 * st +
+                                               (lane / 8 & 1u) * 8);
+                w4_swap_mma(acc, a, b);
+                if (words3) w4_swap_mma(acc3, a3, b);
+            }
         }
     }
     if (!active) return;
@@ -174,19 +203,21 @@ static __global__ void __launch_bounds__(K3C_W4_WARPS * 32)
 extern "C" int k3c_w4a16_grouped(cudaStream_t s, const uint32_t *words, const uint8_t *scales,
                                  const uint32_t *words3, const uint8_t *scales3, int E, int64_t N,
                                  int64_t K, k3c_w4_rows rows, float beta, float lin_beta,
-                                 const float *x, float *y) {
+                                 int terms, const float *x, float *y) {
+    static_assert(K3C_W4_MAX_TERMS == K3C_SPLIT_MAX, "the split helpers and the GEMM agree");
+    if (terms < 1 || terms > K3C_SPLIT_MAX) return (int)cudaErrorInvalidValue;
     if (E <= 0 || rows.max_rows <= 0) return 0;
     if (rows.max_rows <= 8) { /* swap-AB: the weights are the M = 16 operand */
         const dim3 grid((unsigned)((N / 8 + 2 * K3C_W4_WARPS - 1) / (2 * K3C_W4_WARPS)), 1u,
                         (unsigned)E);
         K3C_LAUNCH(grid, K3C_W4_WARPS * 32, 0, s, w4a16_swap_kernel)
-        (words, scales, words3, scales3, N, K, rows, beta, lin_beta, x, y);
+        (words, scales, words3, scales3, N, K, rows, beta, lin_beta, terms, x, y);
         return (int)cudaGetLastError();
     }
     const dim3 grid((unsigned)((N / 8 + K3C_W4_WARPS - 1) / K3C_W4_WARPS),
                     (unsigned)((rows.max_rows + 15) / 16), (unsigned)E);
     K3C_LAUNCH(grid, K3C_W4_WARPS * 32, 0, s, w4a16_grouped_kernel)
-    (words, scales, words3, scales3, N, K, rows, beta, lin_beta, x, y);
+    (words, scales, words3, scales3, N, K, rows, beta, lin_beta, terms, x, y);
     return (int)cudaGetLastError();
 }
 

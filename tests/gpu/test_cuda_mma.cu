@@ -332,6 +332,42 @@ static void test_repack(void) {
     CHECK(bad == 0, "fragment decode: %d of %d weights differ from k3_mxfp4_get", bad, seen);
 }
 
+/* k3c_split_bf16 (k3c_mma.cuh) on the host: for n = 1, 2, 3 terms the residual |x − Σ x_i| is
+ * within 2^-8n·|x| + 2^-134 (K3_TOL_SPLIT_ACT_REL; bf16's subnormal floor), 3 terms are exact for
+ * |x| >= 2^-110, and a finite x above bf16's range keeps finite terms */
+static void test_split(void) {
+    int bad[4] = {0, 0, 0, 0}, inexact3 = 0;
+    for (int i = 0; i < 200000; i++) {
+        uint32_t u = (uint32_t)rnd() << 16 ^ (uint32_t)rnd();
+        u = (u & 0x807fffffu) | (uint32_t)(1 + rnd() % 253) << 23; /* normal, any sign */
+        float x;
+        memcpy(&x, &u, 4);
+        for (int n = 1; n <= K3C_SPLIT_MAX; n++) {
+            uint16_t h[K3C_SPLIT_MAX];
+            k3c_split_bf16(x, n, h);
+            double sum = 0;
+            for (int k = 0; k < n; k++) sum += (double)k3c_bf16_value(h[k]);
+            const double r = fabs((double)x - sum);
+            if (!(r <= K3_TOL_SPLIT_ACT_REL(n) * fabs((double)x) + 0x1p-134)) bad[n]++;
+            if (n == 3 && r != 0 && fabs((double)x) >= 0x1p-110) inexact3++;
+        }
+    }
+    for (int n = 1; n <= K3C_SPLIT_MAX; n++)
+        CHECK(bad[n] == 0, "k3c_split_bf16, %d term(s): %d residuals above 2^-%d |x|", n, bad[n],
+              8 * n);
+    CHECK(inexact3 == 0, "k3c_split_bf16: 3 terms inexact on %d floats of |x| >= 2^-110",
+          inexact3);
+    uint16_t h2[2], h3[3];
+    k3c_split_bf16x2(1.0f + 0x1p-12f, h2);
+    CHECK(h2[0] == 0x3f80u && k3c_bf16_value(h2[1]) == 0x1p-12f, "split x2 of 1 + 2^-12");
+    const float big = 3.4e38f; /* above bf16's largest finite 3.3895e38: bf16 would round to inf */
+    k3c_split_bf16x3(big, h3);
+    const double s3 =
+        (double)k3c_bf16_value(h3[0]) + k3c_bf16_value(h3[1]) + k3c_bf16_value(h3[2]);
+    CHECK(isfinite(k3c_bf16_value(h3[0])) && s3 == (double)big,
+          "split x3 of 3.4e38: finite terms summing to x (got %g)", s3);
+}
+
 /* the grouped W4A16 GEMM (moe_mma.cu) vs the ref backend's matmul (fp32 activations, the
  * checkpoint's MXFP4 decode) per expert, element by element within bounds derived from
  * tests/tolerances.h. Experts with 17, 0, 1 and 5 rows; layout contiguous or masked (capacity 24,
@@ -349,7 +385,7 @@ static double w4_abs(int m, int e, int n, const float *xr) {
     return a;
 }
 
-static void test_w4a16(bool masked, bool gateup, float beta, bool small) {
+static void test_w4a16(bool masked, bool gateup, float beta, bool small, int terms) {
     enum { E = W4_E, N = W4_N, K = W4_K, KT = W4_KT, CAP = W4_CAP };
     /* small: no expert above 8 rows, so the launcher runs swap-AB */
     const int32_t count[E] = {small ? 8 : 17, 0, 1, 5};
@@ -411,17 +447,18 @@ static void test_w4a16(bool masked, bool gateup, float beta, bool small) {
                             nullptr};
         const int rc =
             k3c_w4a16_grouped(0, dw[0], ds[0], gateup ? dw[1] : nullptr, gateup ? ds[1] : nullptr,
-                              E, N, K, rows, beta, lin_beta, dx, dy);
+                              E, N, K, rows, beta, lin_beta, terms, dx, dy);
         const cudaError_t e2 = cudaDeviceSynchronize();
         CHECK(rc == 0 && e2 == cudaSuccess && cudaGetLastError() == cudaSuccess,
               "k3c_w4a16_grouped: %d, %s", rc, cudaGetErrorName(e2));
         cudaMemcpy(y, dy, sizeof y, cudaMemcpyDeviceToHost);
 #ifdef K3_CUDA_EMULATION
         /* per matrix: n-tiles x row tiles (2 + 0 + 1 + 1) x K/16 steps; swap-AB: 16-row tiles of W
-         * (3) x experts with rows (3) x K/16 */
+         * (3) x experts with rows (3) x K/16; times the activation terms */
         const char *kname = small ? "w4a16_swap_kernel" : "w4a16_grouped_kernel";
         const unsigned long long want_mma =
-            (small ? 3ull * 3 : (unsigned long long)(N / 8) * 4) * (K / 16) * (gateup ? 2 : 1);
+            (small ? 3ull * 3 : (unsigned long long)(N / 8) * 4) * (K / 16) * (gateup ? 2 : 1) *
+            (unsigned long long)terms;
         CHECK(k3emu_mma_count(kname) - m0 == want_mma, "%s: mma count %llu, want %llu", kname,
               k3emu_mma_count(kname) - m0, want_mma);
 #endif
@@ -439,11 +476,11 @@ static void test_w4a16(bool masked, bool gateup, float beta, bool small) {
                           "ref matmul of expert %d", e);
             }
         if (ref) k3_backend_destroy(ref);
-        /* per element: the GEMM's |Δ| <= δ = (2^-9 + 2K·u)·Σ|w x| (the kernel's bf16 rounding of
-         * x plus both fp32 sums); through act(g, u) = a(g)·b(u) (|b'| <= 1, |b(u)| <= |u|, |a'| <=
+        /* per element: the GEMM's |Δ| <= δ = K3_TOL_SPLIT_GEMM_REL(terms, K)·Σ|w x| (the split's
+         * residual plus both fp32 sums: tests/tolerances.h); through act(g, u) = a(g)·b(u) (|b'| <= 1, |b(u)| <= |u|, |a'| <=
          * La: SiLU 1.0998, SiTU 1 + beta/4): |Δh| <= La·δg·(|b(u)| + δu) + |a(g)|·δu, plus
          * 8 u·|h| + 1e-30 for the evaluation of h on either side (libm tanh / exp, ~1 ulp each) */
-        const double c = K3_TOL_BF16_ACT_REL + 2.0 * K * K3_FP32_U;
+        const double c = K3_TOL_SPLIT_GEMM_REL(terms, K);
         const double La = beta < 0 ? 1.0998 : 1.0 + beta / 4.0;
         int bad = 0, untouched = 0, rows_out = 0;
         double worst = 0;
@@ -477,17 +514,17 @@ static void test_w4a16(bool masked, bool gateup, float beta, bool small) {
                     if (bound > 0 && err / bound > worst) worst = err / bound;
                 }
             }
-        CHECK(bad == 0, "W4A16 %s%s: %d outputs outside the derived bound",
+        CHECK(bad == 0, "W4A16 %s%s, %d term(s): %d outputs outside the derived bound",
               masked ? "masked" : "contiguous", gateup ? (beta < 0 ? " swiglu" : " situ") : "",
-              bad);
+              terms, bad);
         CHECK(rows_out == off[E], "rows checked %d, want %lld", rows_out, (long long)off[E]);
         if (masked)
             CHECK(untouched == (int)(E * CAP - off[E]) * N,
                   "masked: %d of %lld rows past the counts untouched", untouched / N,
                   (long long)(E * CAP - off[E]));
-        printf("w4a16 %s %s%s vs ref: worst error / bound = %.3g\n", small ? "swap-AB" : "grouped",
-               masked ? "masked" : "contiguous", gateup ? (beta < 0 ? " swiglu" : " situ") : "",
-               worst);
+        printf("w4a16 %s %s%s, %d term(s) vs ref: worst error / bound = %.3g\n",
+               small ? "swap-AB" : "grouped", masked ? "masked" : "contiguous",
+               gateup ? (beta < 0 ? " swiglu" : " situ") : "", terms, worst);
     }
     for (int m = 0; m < 2; m++) cudaFree(dw[m]), cudaFree(ds[m]);
     cudaFree(doff), cudaFree(dcount), cudaFree(dx), cudaFree(dy);
@@ -597,12 +634,14 @@ int main(void) {
     test_dequant();
     test_dequant_device();
     test_repack();
-    for (int small = 0; small < 2; small++) { /* small: swap-AB */
-        test_w4a16(false, false, -1.0f, small);
-        test_w4a16(true, false, -1.0f, small);
-        test_w4a16(false, true, -1.0f, small); /* SwiGLU */
-        test_w4a16(true, true, 10.0f, small);  /* SiTU, beta 10 */
-    }
+    test_split();
+    for (int terms = 1; terms <= K3C_W4_MAX_TERMS; terms++) /* split activations */
+        for (int small = 0; small < 2; small++) {              /* small: swap-AB */
+            test_w4a16(false, false, -1.0f, small, terms);
+            test_w4a16(true, false, -1.0f, small, terms);
+            test_w4a16(false, true, -1.0f, small, terms); /* SwiGLU */
+            test_w4a16(true, true, 10.0f, small, terms);  /* SiTU, beta 10 */
+        }
     {
         dev m;
         test_oracle(m);
