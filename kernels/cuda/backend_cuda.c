@@ -1039,13 +1039,13 @@ static bool moe_fp32(void) {
     const char *v = getenv("K3_CUDA_MOE_FP32");
     return v && strcmp(v, "1") == 0;
 }
-/* The activation terms of the W4A16 expert GEMMs (moe_mma.cu, k3c_split_bf16): K3C_W4_TERMS by
+/* The activation terms of the W4A16 expert GEMMs (moe_mma.cu, k3c_split_bf16): K3_CUDA_MOE_TERMS by
    default; K3_CUDA_MMA_TERMS=1, 2 or 3 (environment) picks another (1: plain bf16 activations, the
    fastest prefill and the least faithful: docs/DESIGN.md §3b's table). Anything else is an error
    naming the variable. */
 static k3_status moe_terms(int *terms) {
     const char *v = getenv("K3_CUDA_MMA_TERMS");
-    *terms = K3C_W4_TERMS;
+    *terms = K3_CUDA_MOE_TERMS;
     if (!v || !*v) return K3_OK;
     if ((v[0] < '1' || v[0] > '0' + K3C_W4_MAX_TERMS) || v[1])
         return K3_ERR(K3_ERR_ARG, "K3_CUDA_MMA_TERMS=%s: want 1, 2 or 3 (bf16 activation terms)",

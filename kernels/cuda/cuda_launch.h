@@ -161,12 +161,11 @@ typedef struct k3c_w4_rows {
     const int32_t *wslot, *src_row, *dst_row;
 } k3c_w4_rows;
 /* y row r [N] = W_e · x row r [K], x split into `terms` (1 .. 3) bf16 terms (k3c_split_bf16: |x −
- * Σ x_i| <= 2^(-8·terms)·|x|; 1 is the plain bf16(x)), exact products, fp32 accumulation; with w3 (gate/up fused): y row r
- * = act(W_e·x, W3_e·x) (k3c_moe_act: beta < 0 SwiGLU, else SiTU(beta, lin_beta)). W_e in
- * fragment order (k3c_repack.h: words / scales of expert e at e · k3c_mxfp4_frag_words(N, K) /
- * e · k3c_mxfp4_frag_scales(N, K)); N % 8 == 0, K % 32 == 0. */
+ * Σ x_i| <= 2^(-8·terms)·|x|; 1 is the plain bf16(x)), exact products, fp32 accumulation; with w3
+ * (gate/up fused): y row r = act(W_e·x, W3_e·x) (k3c_moe_act: beta < 0 SwiGLU, else SiTU(beta,
+ * lin_beta)). W_e in fragment order (k3c_repack.h: words / scales of expert e at e ·
+ * k3c_mxfp4_frag_words(N, K) / e · k3c_mxfp4_frag_scales(N, K)); N % 8 == 0, K % 32 == 0. */
 #define K3C_W4_MAX_TERMS 3 /* = K3C_SPLIT_MAX (k3c_mma.cuh; moe_mma.cu asserts it) */
-#define K3C_W4_TERMS        3 /* the default activation terms (docs/DESIGN.md §3b) */
 int k3c_w4a16_grouped(cudaStream_t s, const uint32_t *words, const uint8_t *scales,
                       const uint32_t *words3, const uint8_t *scales3, int E, int64_t N, int64_t K,
                       k3c_w4_rows rows, float beta, float lin_beta, int terms, const float *x,

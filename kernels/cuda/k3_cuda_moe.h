@@ -21,6 +21,11 @@
 
 #include "k3_kernels.h"
 
+/* The bf16 activation terms of the W4A16 expert GEMMs by default (k3c_split_bf16: 3 keep fp32
+ * activations, the products exact); K3_CUDA_MMA_TERMS=1, 2 or 3 in the environment picks another
+ * (docs/DESIGN.md §3b: the fidelity of each). */
+#define K3_CUDA_MOE_TERMS 3
+
 /* Repack the expert table's weights now (a host sync: download, repack, upload), so that the
  * calls after it, including the first, enqueue kernels only. Idempotent: a prepared table is
  * found by its addresses (w1, w3, w2, e_stride, E) and costs nothing. */
@@ -35,8 +40,9 @@ k3_status k3_cuda_moe_prepare(k3_backend *be, const k3_tensor *w1, const k3_tens
  *         else SiTU(beta, lin_beta), as moe_experts);
  *   y     device float [E·cap, Lw]: y row r = W2_e·h_r for the rows [e·cap, e·cap + n_e) of every
  *         expert e on this rank; every other row of y is left as it was.
- * Arithmetic: x and h rounded to bf16 (nearest even) at the GEMMs' inputs, exact MXFP4 weights,
- * fp32 accumulation (tests/tolerances.h K3_TOL_BF16_ACT_REL gives the bound). cap <= 8 runs
+ * Arithmetic: x and h split into K3_CUDA_MOE_TERMS bf16 terms (K3_CUDA_MMA_TERMS) at the GEMMs'
+ * inputs, exact MXFP4 weights, fp32 accumulation (tests/tolerances.h K3_TOL_SPLIT_GEMM_REL gives
+ * the bound). cap <= 8 runs
  * swap-AB (the weights as the M = 16 operand). The caller combines (k3_cuda_moe_combine). */
 k3_status k3_cuda_moe_experts_masked(k3_backend *be, const float *x, const int32_t *count,
                                      int64_t cap, int E, const k3_tensor *w1, const k3_tensor *w3,

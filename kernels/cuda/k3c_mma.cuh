@@ -78,7 +78,7 @@ K3C_FN uint16_t k3c_bf16_rne(float f) {
  * fp32 accumulation keeps fp32 activations on bf16 tensor cores (docs/DESIGN.md §3b). A finite x
  * above bf16's largest finite value would round x1 to ±inf; x1 is then truncated (toward zero),
  * so the terms stay finite. Generic: any bf16-exact operand (MoE experts, dense bf16 GEMMs). */
-#define K3C_SPLIT_MAX 3 /* terms of k3c_split_bf16 */
+#define K3C_SPLIT_MAX 3                   /* terms of k3c_split_bf16 */
 K3C_FN float k3c_bf16_value(uint16_t h) { /* bf16 bits -> f32 (exact) */
     const uint32_t u = (uint32_t)h << 16;
     float f;

@@ -131,9 +131,9 @@ static __global__ void __launch_bounds__(K3C_W4_WARPS * 32)
                 uint32_t a[2][4];
                 /* per k16 step, matrix lane / 8: rows 8·(m & 1) .. +7, columns 8·(m >> 1) */
                 for (int step = 0; step < 2; step++)
-                    k3c_ldmatrix_x4(a[step], xs + (p * 16 + (lane / 8 & 1u) * 8 + lane % 8) *
-                                                      K3C_W4_LD +
-                                                 kk + 16 * step + (lane / 16) * 8);
+                    k3c_ldmatrix_x4(a[step],
+                                    xs + (p * 16 + (lane / 8 & 1u) * 8 + lane % 8) * K3C_W4_LD +
+                                        kk + 16 * step + (lane / 16) * 8);
                 w4_mma(acc, a, b);
                 if (words3) w4_mma(acc3, a, b3);
             }
@@ -202,8 +202,8 @@ static __global__ void __launch_bounds__(K3C_W4_WARPS * 32)
 
 extern "C" int k3c_w4a16_grouped(cudaStream_t s, const uint32_t *words, const uint8_t *scales,
                                  const uint32_t *words3, const uint8_t *scales3, int E, int64_t N,
-                                 int64_t K, k3c_w4_rows rows, float beta, float lin_beta,
-                                 int terms, const float *x, float *y) {
+                                 int64_t K, k3c_w4_rows rows, float beta, float lin_beta, int terms,
+                                 const float *x, float *y) {
     static_assert(K3C_W4_MAX_TERMS == K3C_SPLIT_MAX, "the split helpers and the GEMM agree");
     if (terms < 1 || terms > K3C_SPLIT_MAX) return (int)cudaErrorInvalidValue;
     if (E <= 0 || rows.max_rows <= 0) return 0;

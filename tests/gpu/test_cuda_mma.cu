@@ -355,15 +355,13 @@ static void test_split(void) {
     for (int n = 1; n <= K3C_SPLIT_MAX; n++)
         CHECK(bad[n] == 0, "k3c_split_bf16, %d term(s): %d residuals above 2^-%d |x|", n, bad[n],
               8 * n);
-    CHECK(inexact3 == 0, "k3c_split_bf16: 3 terms inexact on %d floats of |x| >= 2^-110",
-          inexact3);
+    CHECK(inexact3 == 0, "k3c_split_bf16: 3 terms inexact on %d floats of |x| >= 2^-110", inexact3);
     uint16_t h2[2], h3[3];
     k3c_split_bf16x2(1.0f + 0x1p-12f, h2);
     CHECK(h2[0] == 0x3f80u && k3c_bf16_value(h2[1]) == 0x1p-12f, "split x2 of 1 + 2^-12");
     const float big = 3.4e38f; /* above bf16's largest finite 3.3895e38: bf16 would round to inf */
     k3c_split_bf16x3(big, h3);
-    const double s3 =
-        (double)k3c_bf16_value(h3[0]) + k3c_bf16_value(h3[1]) + k3c_bf16_value(h3[2]);
+    const double s3 = (double)k3c_bf16_value(h3[0]) + k3c_bf16_value(h3[1]) + k3c_bf16_value(h3[2]);
     CHECK(isfinite(k3c_bf16_value(h3[0])) && s3 == (double)big,
           "split x3 of 3.4e38: finite terms summing to x (got %g)", s3);
 }
@@ -456,9 +454,8 @@ static void test_w4a16(bool masked, bool gateup, float beta, bool small, int ter
         /* per matrix: n-tiles x row tiles (2 + 0 + 1 + 1) x K/16 steps; swap-AB: 16-row tiles of W
          * (3) x experts with rows (3) x K/16; times the activation terms */
         const char *kname = small ? "w4a16_swap_kernel" : "w4a16_grouped_kernel";
-        const unsigned long long want_mma =
-            (small ? 3ull * 3 : (unsigned long long)(N / 8) * 4) * (K / 16) * (gateup ? 2 : 1) *
-            (unsigned long long)terms;
+        const unsigned long long want_mma = (small ? 3ull * 3 : (unsigned long long)(N / 8) * 4) *
+                                            (K / 16) * (gateup ? 2 : 1) * (unsigned long long)terms;
         CHECK(k3emu_mma_count(kname) - m0 == want_mma, "%s: mma count %llu, want %llu", kname,
               k3emu_mma_count(kname) - m0, want_mma);
 #endif
@@ -477,9 +474,10 @@ static void test_w4a16(bool masked, bool gateup, float beta, bool small, int ter
             }
         if (ref) k3_backend_destroy(ref);
         /* per element: the GEMM's |Δ| <= δ = K3_TOL_SPLIT_GEMM_REL(terms, K)·Σ|w x| (the split's
-         * residual plus both fp32 sums: tests/tolerances.h); through act(g, u) = a(g)·b(u) (|b'| <= 1, |b(u)| <= |u|, |a'| <=
-         * La: SiLU 1.0998, SiTU 1 + beta/4): |Δh| <= La·δg·(|b(u)| + δu) + |a(g)|·δu, plus
-         * 8 u·|h| + 1e-30 for the evaluation of h on either side (libm tanh / exp, ~1 ulp each) */
+         * residual plus both fp32 sums: tests/tolerances.h); through act(g, u) = a(g)·b(u) (|b'| <=
+         * 1, |b(u)| <= |u|, |a'| <= La: SiLU 1.0998, SiTU 1 + beta/4): |Δh| <= La·δg·(|b(u)| + δu)
+         * + |a(g)|·δu, plus 8 u·|h| + 1e-30 for the evaluation of h on either side (libm tanh /
+         * exp, ~1 ulp each) */
         const double c = K3_TOL_SPLIT_GEMM_REL(terms, K);
         const double La = beta < 0 ? 1.0998 : 1.0 + beta / 4.0;
         int bad = 0, untouched = 0, rows_out = 0;
@@ -528,6 +526,79 @@ static void test_w4a16(bool masked, bool gateup, float beta, bool small, int ter
     }
     for (int m = 0; m < 2; m++) cudaFree(dw[m]), cudaFree(ds[m]);
     cudaFree(doff), cudaFree(dcount), cudaFree(dx), cudaFree(dy);
+}
+
+/* The split exactly, on the GEMM (an oracle: bit-exact in any summation order, on a device too):
+ * W = a signed, power-of-two scaled permutation (row n: ±2^j at column π(n), zeros elsewhere), x
+ * with full 24-bit significands. Each output is then the one product x·w summed term by term
+ * with zeros, and every partial sum of the terms is exact in fp32 (the terms' bits are disjoint
+ * pieces of x's 24), so y = (x1 + .. + xn)·w exactly: x itself for 3 terms, bf16(x) for 1. A lost
+ * or repeated term, a wrong plane or a wrong split changes the bits. Grouped (17 rows) and swap-AB
+ * (5 rows); the fused gate/up shares the planes (test_w4a16 checks it within its bound). */
+static void test_w4a16_split_exact(int terms, bool small) {
+    enum { N = 32, K = 64, KT = K / 32 };
+    const int rows = small ? 5 : 17;
+    static uint8_t packed[N * K / 2], scale[N * KT];
+    static uint32_t words[N / 8 * KT * 32];
+    static uint8_t scales[N / 8 * KT * 8];
+    static float x[17 * K], y[17 * N];
+    memset(packed, 0, sizeof packed);
+    float wv[N];
+    int col[N];
+    for (int n = 0; n < N; n++) {
+        col[n] = (n * 5 + 3) % K;                       /* a permutation of 32 of the 64 columns */
+        const unsigned code = (n & 1 ? 0x8u : 0u) | 2u; /* ±1.0 in E2M1 */
+        packed[n * (K / 2) + col[n] / 2] |= (uint8_t)(code << (4 * (col[n] & 1)));
+        for (int g = 0; g < KT; g++) scale[n * KT + g] = (uint8_t)(127 + (n % 3)); /* 1, 2, 4 */
+        wv[n] = k3_mxfp4_get(packed + n * (K / 2), scale + n * KT, col[n]);
+    }
+    k3c_mxfp4_repack(packed, scale, N, K, words, scales);
+    for (int i = 0; i < rows * K; i++) { /* full significands, exponents -10 .. 10, both signs */
+        const uint32_t u = (rnd() & 0x807fffffu) | (uint32_t)(117 + rnd() % 21) << 23;
+        memcpy(&x[i], &u, 4);
+    }
+    int64_t off[2] = {0, rows};
+    uint32_t *dw = nullptr;
+    uint8_t *ds = nullptr;
+    int64_t *doff = nullptr;
+    float *dx = nullptr, *dy = nullptr;
+    bool ok = cudaMalloc((void **)&dw, sizeof words) == cudaSuccess &&
+              cudaMalloc((void **)&ds, sizeof scales) == cudaSuccess &&
+              cudaMalloc((void **)&doff, sizeof off) == cudaSuccess &&
+              cudaMalloc((void **)&dx, sizeof x) == cudaSuccess &&
+              cudaMalloc((void **)&dy, sizeof y) == cudaSuccess;
+    CHECK(ok, "cudaMalloc");
+    if (ok) {
+        cudaMemcpy(dw, words, sizeof words, cudaMemcpyHostToDevice);
+        cudaMemcpy(ds, scales, sizeof scales, cudaMemcpyHostToDevice);
+        cudaMemcpy(doff, off, sizeof off, cudaMemcpyHostToDevice);
+        cudaMemcpy(dx, x, sizeof x, cudaMemcpyHostToDevice);
+        const k3c_w4_rows wr = {doff, nullptr, 0, rows, nullptr, nullptr, nullptr};
+        const int rc =
+            k3c_w4a16_grouped(0, dw, ds, nullptr, nullptr, 1, N, K, wr, -1.0f, 0.0f, terms, dx, dy);
+        CHECK(rc == 0 && cudaDeviceSynchronize() == cudaSuccess, "k3c_w4a16_grouped: %d", rc);
+        cudaMemcpy(y, dy, sizeof y, cudaMemcpyDeviceToHost);
+        int bad = 0;
+        for (int r = 0; r < rows; r++)
+            for (int n = 0; n < N; n++) {
+                uint16_t h[K3C_SPLIT_MAX];
+                k3c_split_bf16(x[r * K + col[n]], terms, h);
+                double sum = 0; /* exact: the terms are disjoint bit pieces */
+                for (int p = 0; p < terms; p++) sum += (double)k3c_bf16_value(h[p]);
+                const float want = (float)(sum * (double)wv[n]);
+                bad += memcmp(&want, &y[r * N + n], 4) != 0;
+            }
+        CHECK(bad == 0, "split exact, %d term(s), %s: %d of %d outputs not bit-exact", terms,
+              small ? "swap-AB" : "grouped", bad, rows * N);
+        if (terms == K3C_SPLIT_MAX) { /* and 3 terms are x itself */
+            int notx = 0;
+            for (int r = 0; r < rows; r++)
+                for (int n = 0; n < N; n++) notx += y[r * N + n] != x[r * K + col[n]] * wv[n];
+            CHECK(notx == 0, "split exact, 3 terms, %s: %d outputs are not x·w",
+                  small ? "swap-AB" : "grouped", notx);
+        }
+    }
+    cudaFree(dw), cudaFree(ds), cudaFree(doff), cudaFree(dx), cudaFree(dy);
 }
 
 #ifdef K3_CUDA_EMULATION
@@ -635,8 +706,16 @@ int main(void) {
     test_dequant_device();
     test_repack();
     test_split();
+    for (int terms = 1; terms <= K3C_W4_MAX_TERMS; terms++)
+        for (int small = 0; small < 2; small++) test_w4a16_split_exact(terms, small);
+    for (int terms = 0; terms <= K3C_W4_MAX_TERMS + 1; terms += K3C_W4_MAX_TERMS + 1) {
+        const k3c_w4_rows none = {nullptr, nullptr, 0, 1, nullptr, nullptr, nullptr};
+        CHECK(k3c_w4a16_grouped(0, nullptr, nullptr, nullptr, nullptr, 1, 8, 32, none, -1.0f, 0.0f,
+                                terms, nullptr, nullptr) == (int)cudaErrorInvalidValue,
+              "k3c_w4a16_grouped refuses %d terms", terms);
+    }
     for (int terms = 1; terms <= K3C_W4_MAX_TERMS; terms++) /* split activations */
-        for (int small = 0; small < 2; small++) {              /* small: swap-AB */
+        for (int small = 0; small < 2; small++) {           /* small: swap-AB */
             test_w4a16(false, false, -1.0f, small, terms);
             test_w4a16(true, false, -1.0f, small, terms);
             test_w4a16(false, true, -1.0f, small, terms); /* SwiGLU */
