@@ -16,17 +16,11 @@
  *   left ~4 rows an expert on small's 64 experts: prefill 1.3x slower in the experts);
  * - ids, experts and shapes are checked (k3_ref_moe_check, shared with ref) before any buffer is
  *   written.
- * - K3_CPU_MOE_BF16=1 (environment; MXFP4 experts only) rounds the gathered rows and the
- *   activation to bf16 before the two expert GEMMs: the numerics of the cuda backend's W4A16
- *   tensor-core kernels, for the model-level comparison (not the default: off, the bits above).
  * Work (k3_moe_experts_work_floats): xin [tile, Lw] | o [tile, Lw] | g, u [tile, I] | items
  * [min(n, K3_MOE_EXPERTS_ITEMS), Lw] | host int64 order [n], start [E + 1], idx [tile], each part
  * 16-float aligned. */
 #include "k3_kernels.h"
 #include "k3_kernels_internal.h"
-
-#include <stdlib.h>
-#include <string.h>
 
 #define TILE K3_MOE_EXPERTS_TILE
 
@@ -46,18 +40,10 @@ typedef struct {
     const k3_tensor *w1, *w3, *w2;
     size_t e_stride;
     float beta, lin_beta;
-    bool bf16; /* K3_CPU_MOE_BF16: the W4A16 numerics of the cuda tensor-core kernels */
     float *xin, *o, *g, *u;       /* [TILE, Lw], [TILE, Lw], [TILE, I], [TILE, I] */
     float *items;                 /* [min(n, K3_MOE_EXPERTS_ITEMS), Lw] (the weighted form) */
     int64_t *order, *start, *idx; /* host: [n], [E + 1], [TILE] */
 } moe_args;
-
-/* x[i] = x[i] rounded to bf16 (nearest even): the activations the cuda backend's W4A16 expert
-   GEMMs (kernels/cuda/moe_mma.cu) take, so that K3_CPU_MOE_BF16=1 makes this backend a reference
-   of those numerics (tests/gpu/gpu_model.py; docs/DESIGN.md §3b) */
-static void round_bf16(float *x, int64_t n) {
-    for (int64_t i = 0; i < n; i++) x[i] = k3_bf16_to_f32(k3_f32_to_bf16(x[i]));
-}
 
 /* The items of slot rows [r0, r0 + n_rows): item of row r0 + j -> dst row j. The rows are
  * sorted by expert (stable) and run in tiles of up to TILE consecutive sorted rows: whole experts
@@ -95,7 +81,6 @@ static k3_status expert_items(k3_backend *be, const moe_args *a, int64_t r0, int
             idx[j] = a->row_of ? a->row_of[i] : i / a->row_div;
         }
         K3_TRY(be->ops->rows_gather(be, a->src, Lw, idx, m, a->xin));
-        if (a->bf16) round_bf16(a->xin, m * Lw);
         int ns = 0; /* segment s: rows [seg_j, seg_j + seg_r) of the tile, all of expert seg_e */
         for (int64_t j = 0; j < m; j += seg_r[ns++]) {
             seg_e[ns] = ex[order[p0 + j]];
@@ -114,7 +99,6 @@ static k3_status expert_items(k3_backend *be, const moe_args *a, int64_t r0, int
             K3_TRY(be->ops->swiglu(be, a->g, a->u, m * I, a->g));
         else
             K3_TRY(be->ops->situ(be, a->g, a->u, m * I, a->beta, a->lin_beta, a->g));
-        if (a->bf16) round_bf16(a->g, m * I);
         for (int q = 0; q < ns; q++)
             mm[q] = (k3_mm){a->g + seg_j[q] * I, seg_r[q],
                             k3_moe_expert_t(a->w2, seg_e[q], a->e_stride), a->o + seg_j[q] * Lw};
@@ -144,10 +128,6 @@ k3_status k3_cpu_moe_experts(k3_backend *be, const float *src, int64_t row_div,
                   .e_stride = e_stride,
                   .beta = beta,
                   .lin_beta = lin_beta};
-    /* as cuda: MXFP4 experts only (the rows' first expert: every present one has its dtype) */
-    const char *b16 = getenv("K3_CPU_MOE_BF16");
-    a.bf16 =
-        b16 && strcmp(b16, "1") == 0 && k3_moe_expert_t(w1, ids[0], e_stride)->dtype == K3_DT_MXFP4;
     a.xin = work;
     a.o = a.xin + pad16((size_t)TILE * (size_t)Lw);
     a.g = a.o + pad16((size_t)TILE * (size_t)Lw);
