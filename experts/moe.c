@@ -97,7 +97,7 @@ static k3_status check_w(const k3_tensor *w, int64_t out, int64_t in, const char
 /* ---- routing ------------------------------------------------------------------------------- */
 /* Test hook K3_TEST_ROUTES=FILE: every router call appends its [T, K] expert ids (int32) to FILE,
    so two runs of the same tokens (cpu and cuda, say) can count the routes that differ
-   (tests/gpu/gpu_model.py: route flips under bf16 activations). A host sync per call. */
+   (docs/DESIGN.md §3b: route flips under bf16 activations). A host sync per call. */
 static k3_status routes_dump(k3_backend *be, const int32_t *ids, int64_t n) {
     const char *path = getenv("K3_TEST_ROUTES");
     if (!path || !*path || n <= 0) return K3_OK;

@@ -291,7 +291,7 @@ k3_status k3_seqs_build(int n_seqs, const int32_t *n_tokens, const int32_t *pos,
        *)((const char *)w1 + e·e_stride) (w3, w2 alike: fields of a table of structs); an expert         \
        with no data is not on this rank (K3_ERR_MISSING naming row and expert). act: swiglu (beta         \
        < 0) or situ(beta, lin_beta). w NULL: out [n, Lw], row i = item i, bit for bit                     \
-       k3_moe_expert_rows (experts/) (cuda's MXFP4 tensor-core form: bf16 rows, within the bf16           \
+       k3_moe_expert_rows (experts/) (cuda's MXFP4 tensor-core form: split bf16 rows, within the          \
        bound of tests/tolerances.h instead); w [n] (backend): out [n / row_div, Lw], row t = Σ_k         \
        w[t·row_div + k]·item(t·row_div + k) in k order, the first term initialising (rows_wsum's       \
        order), without an [n, Lw] buffer. work                                                            \

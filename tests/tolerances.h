@@ -116,7 +116,7 @@
  * (test_cuda_mma, test_cuda_ops) check exactly this, element by element): */
 #define K3_TOL_SPLIT_ACT_REL(n) ((n) >= 3 ? 0x1p-24 : (n) == 2 ? 0x1p-16 : 0x1p-8)
 #define K3_TOL_SPLIT_GEMM_REL(n, K)                                                                \
-    (K3_TOL_SPLIT_ACT_REL(n) + (1.01 * (double)(n) + 1.0) * (double)(K)*K3_FP32_U)
+    (K3_TOL_SPLIT_ACT_REL(n) + (1.01 * (double)(n) + 1.0) * (double)(K) * K3_FP32_U)
 
 /* bf16 keeps 8 significant bits: a round to nearest even moves x by at most 2^-8·|x| (unit
  * roundoff 2^-8 = 0.0039). */
@@ -149,24 +149,5 @@
  * terms, expf of the decays, the fp32 Γ cumsum, ref's fp32 state between chunks): 64u, about
  * 50× the typical and above the worst case of the 16-term chunk sums. */
 #define K3_TOL_KDA_MMA_SLACK (64 * K3_FP32_U)
-/* The whole model, cuda (its MoE experts on the W4A16 tensor-core kernels: rows and activations
- * rounded to bf16 at the expert GEMMs) vs cpu with the same rounding (K3_CPU_MOE_BF16=1), per MoE
- * layer; a model's bound is this times its MoE layers (tests/gpu/gpu_model.py, gpu_small.py).
- * The two backends' fp32 activations differ by δ <= K3_TOL_DISTRIBUTED_REL_L2 relative (the fp32
- * bound between backends and splits). Rounding both to bf16 then gives the same bf16 value except
- * where an element lies within δ·|x| of a rounding boundary: probability <= δ / 2^-8 (boundaries
- * are 2^-8·|x| apart at least), and there the two differ by one bf16 ulp <= 2^-8·|x|; so the
- * expected squared relative difference is <= δ·2^-8, a rel-L2 of sqrt(δ·2^-8) per rounding, two
- * roundings a layer (rows, activation): sqrt(2·1e-5·2^-8) = 2.8e-4. Carried to the logits with the
- * ~8x amplification of one layer's relative change measured on tiny (K3_TOL_DISTRIBUTED_REL_L2's
- * note), added over layers (worst case, no cancellation): 8 · 2.8e-4 = 2.24e-3 a MoE layer.
- * Measured: tiny (7 MoE layers) 1.7e-3 (1x1 and 2x2) of its 1.57e-2 bound. The derivation holds
- * while δ stays far below the bf16 spacing, i.e. for shallow models (tiny, small): the rounding
- * differences of one layer enlarge the next layer's δ, and over many layers the distance grows to
- * the bf16 noise itself, where routers whose k-th and (k+1)-th scores are closer than it pick
- * other experts (route flips, an O(1) change of a row): on deep (92 MoE layers) the first flip
- * comes after 25-72 MoE layers a token, and no bound holds, nor against plain fp32 cpu on any
- * model (docs/DESIGN.md §3b: the measured distances and flip counts). */
-#define K3_TOL_BF16_MOE_LAYER_REL_L2 2.24e-3
 
 #endif /* K3_TOLERANCES_H */

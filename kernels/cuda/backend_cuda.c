@@ -1032,13 +1032,6 @@ static k3_status tab_get(k3_backend *be, const k3_tensor *w1, const k3_tensor *w
     return K3_OK;
 }
 
-/* Test knob K3_CUDA_MOE_FP32=1: MXFP4 experts on the fp32 CUDA-core kernels (moe.cu) instead of
-   the bf16-activation tensor-core GEMM, so a deep model can be checked against fp32 cpu within
-   the fp32 bound (bf16 activations flip MoE routes there: docs/DESIGN.md §3b). */
-static bool moe_fp32(void) {
-    const char *v = getenv("K3_CUDA_MOE_FP32");
-    return v && strcmp(v, "1") == 0;
-}
 /* The activation terms of the W4A16 expert GEMMs (moe_mma.cu, k3c_split_bf16): K3_CUDA_MOE_TERMS by
    default; K3_CUDA_MMA_TERMS=1, 2 or 3 (environment) picks another (1: plain bf16 activations, the
    fastest prefill and the least faithful: docs/DESIGN.md §3b's table). Anything else is an error
@@ -1168,8 +1161,7 @@ static k3_status cu_moe_experts(k3_backend *be, const float *src, int64_t row_di
         return K3_ERR(K3_ERR_MISSING, "moe_experts: no expert table (no expert on this rank)");
     moe_tab *t = NULL;
     K3_TRY(tab_get(be, w1, w3, w2, e_stride, E, &t));
-    if (t->mma && !moe_fp32())
-        return moe_mma(be, t, src, row_div, row_of, ids, w, n, beta, lin_beta, out, work);
+    if (t->mma) return moe_mma(be, t, src, row_div, row_of, ids, w, n, beta, lin_beta, out, work);
     K3_TRY(err_reset(be));
     CU_TRY(k3c_moe_check(STREAM(be), ids, n, E, t->dev, CTX(be)->err_dev));
     unsigned long long bad;
