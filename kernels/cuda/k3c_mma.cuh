@@ -96,7 +96,9 @@ K3C_FN uint16_t k3c_split_head(float x) {
 /* n (1 .. K3C_SPLIT_MAX) bf16 terms of x into out[0 .. n-1], largest first */
 K3C_FN void k3c_split_bf16(float x, int n, uint16_t *out) {
     float r = x;
-    for (int i = 0; i < n; i++) {
+#pragma unroll /* constant indices: out stays in registers when inlined */
+    for (int i = 0; i < K3C_SPLIT_MAX; i++) {
+        if (i >= n) break;
         out[i] = i ? k3c_bf16_rne(r) : k3c_split_head(r);
         r -= k3c_bf16_value(out[i]);
     }

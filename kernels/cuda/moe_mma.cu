@@ -95,7 +95,9 @@ static __device__ __forceinline__ void w4_fill(uint16_t *xs, int nr, int terms, 
         const float v = r0 + r < r1 ? x[xr * K + kc + c] : 0.0f;
         uint16_t h[K3C_SPLIT_MAX];
         k3c_split_bf16(v, terms, h);
-        for (int p = 0; p < terms; p++) xs[(p * nr + r) * K3C_W4_LD + c] = h[p];
+#pragma unroll
+        for (int p = 0; p < K3C_SPLIT_MAX; p++)
+            if (p < terms) xs[(p * nr + r) * K3C_W4_LD + c] = h[p];
     }
 }
 
