@@ -24,9 +24,9 @@ add_test(NAME gpu_opstats COMMAND ${K3_GPU_PYTHON3} ${CMAKE_CURRENT_LIST_DIR}/gp
 set_tests_properties(gpu_opstats PROPERTIES LABELS "${K3_GPU_LABEL}" TIMEOUT 300
                      SKIP_RETURN_CODE 77 ENVIRONMENT "${K3_TEST_ENV_MPI}")
 if(K3_CUDA_EMULATE AND NOT K3_SANITIZE)
-  # issue 44's acceptance: small --pp 2 --ep 2 on cuda + nccl (tensor-core MoE) vs cpu with the
-  # same bf16 expert numerics, 3 prompts x 16 tokens (tests/gpu/gpu_small.py). Minutes even
-  # without sanitizers (the emulated small model), so only in the plain emulation build.
+  # issue 44's acceptance: small --pp 2 --ep 2 on cuda + nccl (tensor-core MoE, split activations)
+  # vs plain cpu, 3 prompts x 16 tokens (tests/gpu/gpu_small.py). 7-14 minutes even without
+  # sanitizers (the emulated small model), so only in the plain emulation build.
   add_test(NAME gpu_small COMMAND ${K3_GPU_PYTHON3} ${CMAKE_CURRENT_LIST_DIR}/gpu_small.py
                                   ${MPIEXEC_EXECUTABLE})
   set_tests_properties(gpu_small PROPERTIES LABELS "${K3_GPU_LABEL}" TIMEOUT 1800 COST 900
