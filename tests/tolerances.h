@@ -116,7 +116,7 @@
  * (test_cuda_mma, test_cuda_ops) check exactly this, element by element): */
 #define K3_TOL_SPLIT_ACT_REL(n) ((n) >= 3 ? 0x1p-24 : (n) == 2 ? 0x1p-16 : 0x1p-8)
 #define K3_TOL_SPLIT_GEMM_REL(n, K)                                                                \
-    (K3_TOL_SPLIT_ACT_REL(n) + (1.01 * (double)(n) + 1.0) * (double)(K) * K3_FP32_U)
+    (K3_TOL_SPLIT_ACT_REL(n) + (1.01 * (double)(n) + 1.0) * K3_FP32_U * (double)(K))
 
 /* bf16 keeps 8 significant bits: a round to nearest even moves x by at most 2^-8·|x| (unit
  * roundoff 2^-8 = 0.0039). */
