@@ -16,7 +16,9 @@ set_tests_properties(gpu_tiny PROPERTIES LABELS "${K3_GPU_LABEL}" TIMEOUT 300 SK
 # bit-identical, the 93-layer schedule, one `k3 serve` request (tests/gpu/gpu_model.py)
 add_test(NAME gpu_model COMMAND ${K3_GPU_PYTHON3} ${CMAKE_CURRENT_LIST_DIR}/gpu_model.py
                                 ${MPIEXEC_EXECUTABLE})
-set_tests_properties(gpu_model PROPERTIES LABELS "${K3_GPU_LABEL}" TIMEOUT 900 SKIP_RETURN_CODE 77
+# (TIMEOUT: 762 s measured in the ASan emulation build on a loaded 2-core machine, deep's MoE on the
+# emulated tensor cores with 3 activation terms)
+set_tests_properties(gpu_model PROPERTIES LABELS "${K3_GPU_LABEL}" TIMEOUT 1500 SKIP_RETURN_CODE 77
                      ENVIRONMENT "${K3_TEST_ENV_MPI}")
 # --op-stats of cuda + nccl (and mpi) at 2x2: the transport's waits and graph launches counted
 add_test(NAME gpu_opstats COMMAND ${K3_GPU_PYTHON3} ${CMAKE_CURRENT_LIST_DIR}/gpu_opstats.py
