@@ -99,6 +99,7 @@ typedef struct cu_ctx {
         int64_t n;                    /* embed_rows: V; moe_topk: E */
     } defer_what[CU_DEFER_MAX];
     bool mma;             /* K3_CUDA_MMA=1: the bf16 tensor-core MLA and KDA prefill (chunk 16) */
+    int mla_terms;        /* the tensor-core MLA's products per step (mla_mma.cu); 0: fp32 kernel */
     bool kda_bf16;        /* K3_CUDA_KDA_STATE=bf16: the KDA state stored in bf16 (kda.cu) */
     float *mla_part;      /* the tensor-core MLA's split partials (mla_mma.cu) */
     int64_t mla_part_cap; /* floats of it */
@@ -659,8 +660,9 @@ static k3_status cu_kda_chunked(k3_backend *be, const float *q, const float *k, 
                    k3_kda_chunk_work_floats(C, dk, dv), mode));
     return K3_OK;
 }
-/* The tensor-core MLA (mla_mma.cu), opt-in (K3_CUDA_MMA=1: bf16 inputs move tiny models' greedy
- * tokens, see DESIGN §3b), for W <= K3C_MLA_MAX_W: attn_paged (sq) or one attn_latent query (sq
+/* The tensor-core MLA (mla_mma.cu) for W <= K3C_MLA_MAX_W, by default with split operands
+ * (mla_terms 3: fp32-grade, DESIGN §3b); K3_CUDA_MMA=1 takes plain bf16 operands (moves tiny
+ * models' greedy tokens), K3_CUDA_MMA=0 the fp32 CUDA-core kernels of attn.cu: attn_paged (sq) or one attn_latent query (sq
  * NULL, n_ctx rows). Its split partials live in the backend's scratch of MLA_PART_CAP floats,
  * allocated with the backend and never moved (a captured step keeps its address; no call here
  * syncs or allocates); a batch's tokens go in groups that fit it. */
@@ -677,13 +679,14 @@ static k3_status cu_attn_mla(k3_backend *be, const k3c_seqs *sq, int64_t n_ctx, 
                       (long long)c->mla_part_cap);
     const int64_t tb = per > 0 && per * T > c->mla_part_cap ? c->mla_part_cap / per : T;
     CU_TRY(
-        k3c_attn_mla(STREAM(be), sq, n_ctx, qc, cache, H, W, Rkv, scale, o_lat, c->mla_part, tb));
+        k3c_attn_mla(STREAM(be), sq, n_ctx, qc, cache, H, W, Rkv, scale, o_lat, c->mla_part, tb,
+                     c->mla_terms));
     return K3_OK;
 }
 static k3_status cu_attn_latent(k3_backend *be, const float *qc, const float *cache, int64_t n_ctx,
                                 int H, int W, int Rkv, float scale, float *o_lat, float *work) {
     K3_TRY(k3_kernels_check_attn("attn_latent", 0, n_ctx, H, W, Rkv));
-    if (CTX(be)->mma && W <= K3C_MLA_MAX_W && n_ctx > 0)
+    if (CTX(be)->mla_terms && W <= K3C_MLA_MAX_W && n_ctx > 0)
         return cu_attn_mla(be, NULL, n_ctx, qc, cache, H, W, Rkv, scale, o_lat);
     CU_TRY(k3c_attn_latent(STREAM(be), qc, cache, n_ctx, H, W, Rkv, scale, o_lat, work));
     return K3_OK;
@@ -797,7 +800,7 @@ static k3_status cu_kv_write(k3_backend *be, const k3_seqs *sq, const float *src
     CU_TRY(k3c_kv_write(STREAM(be), &c, src, W, cache));
     return K3_OK;
 }
-/* K3_CUDA_MMA=1 and W <= K3C_MLA_MAX_W: the tensor-core kernel (cu_attn_mla, mla_mma.cu); wider
+/* W <= K3C_MLA_MAX_W: the tensor-core kernel (cu_attn_mla, mla_mma.cu) unless K3_CUDA_MMA=0; wider
    rows: one fp32 launch, no scratch (the kernel keeps scores in shared memory or recomputes them),
    attn.cu. */
 static k3_status cu_attn_paged(k3_backend *be, const k3_seqs *sq, const float *qc,
@@ -807,7 +810,7 @@ static k3_status cu_attn_paged(k3_backend *be, const k3_seqs *sq, const float *q
     K3_TRY(check_seqs(sq, true, "attn_paged"));
     K3_TRY(k3_kernels_check_attn("attn_paged", 0, sq->max_ctx, H, W, Rkv));
     const k3c_seqs c = cseqs(sq);
-    if (CTX(be)->mma && W <= K3C_MLA_MAX_W)
+    if (CTX(be)->mla_terms && W <= K3C_MLA_MAX_W)
         return cu_attn_mla(be, &c, 0, qc, cache, H, W, Rkv, scale, o_lat);
     CU_TRY(k3c_attn_paged(STREAM(be), &c, qc, cache, H, W, Rkv, scale, o_lat));
     return K3_OK;
@@ -1288,9 +1291,18 @@ static k3_status cu_ctx_init(cu_ctx *c, int n_devices) {
     c->device = k3_local_rank() % n_devices;
     const char *mma = getenv("K3_CUDA_MMA"), *kst = getenv("K3_CUDA_KDA_STATE");
     c->mma = mma && strcmp(mma, "1") == 0;
+    /* the MLA: split operands (3 products) by default, bf16 with K3_CUDA_MMA=1, the fp32 kernel
+       with K3_CUDA_MMA=0; K3_CUDA_MLA_TERMS=1|3|4 picks the products (measurements, §3b) */
+    c->mla_terms = mma && strcmp(mma, "0") == 0 ? 0 : c->mma ? 1 : 3;
+    const char *terms = getenv("K3_CUDA_MLA_TERMS");
+    if (c->mla_terms && terms) {
+        if (strcmp(terms, "1") && strcmp(terms, "3") && strcmp(terms, "4"))
+            return K3_ERR(K3_ERR_ARG, "K3_CUDA_MLA_TERMS=%s: want 1, 3 or 4", terms);
+        c->mla_terms = atoi(terms);
+    }
     c->kda_bf16 = kst && strcmp(kst, "bf16") == 0;
     CU_TRY(cudaSetDevice(c->device));
-    if (c->mma) { /* the tensor-core MLA's split scratch (cu_attn_mla) */
+    if (c->mla_terms) { /* the tensor-core MLA's split scratch (cu_attn_mla) */
         CU_TRY(cudaMalloc((void **)&c->mla_part, (size_t)MLA_PART_CAP * sizeof(float)));
         c->mla_part_cap = MLA_PART_CAP;
     }

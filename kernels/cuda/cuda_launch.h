@@ -91,11 +91,13 @@ int k3c_attn_paged(cudaStream_t s, const k3c_seqs *sq, const float *qc, const fl
                    int W, int Rkv, float scale, float *o_lat);
 /* mla_mma.cu: attn_paged (sq) or attn_latent (sq NULL: one query over n_ctx contiguous rows) on
  * tensor cores, W <= K3C_MLA_MAX_W; part: the split partials, k3c_attn_mla_part_floats(max_ctx,
- * H, Rkv) floats per token, tb tokens of them (tokens are launched tb at a time). */
+ * H, Rkv) floats per token, tb tokens of them (tokens are launched tb at a time); terms: the
+ * products of each mma step, 1 (bf16 operands), 3 (split hi + lo: hi·hi + hi·lo + lo·hi, the
+ * default) or 4 (+ lo·lo). */
 #define K3C_MLA_MAX_W 640
 int k3c_attn_mla(cudaStream_t s, const k3c_seqs *sq, int64_t n_ctx, const float *qc,
                  const float *cache, int H, int W, int Rkv, float scale, float *o_lat, float *part,
-                 int64_t tb);
+                 int64_t tb, int terms);
 int64_t k3c_attn_mla_part_floats(int64_t max_ctx, int H, int Rkv);
 /* kv_write: token rows of src [T, W] to their positions' rows of the paged cache. */
 int k3c_kv_write(cudaStream_t s, const k3c_seqs *sq, const float *src, int W, float *cache);

@@ -46,6 +46,8 @@
 #define K3C_MLA_SPLIT_MIN 256 /* positions a split takes at least */
 #define K3C_MLA_SPLITS    32  /* splits of a query at most */
 #define K3C_MLA_PLD       24  /* Ps row: 16 positions + 8 of skew */
+/* k-steps of Q a warp holds: ceil(K3C_MLA_MAX_W / 16 / 4) */
+#define K3C_MLA_QSTEPS ((K3C_MLA_MAX_W / 16 + 3) / 4)
 
 /* ns splits of len positions for a context of n (> 0): a function of n alone */
 K3C_FN void k3c_mla_splits(int64_t n, int *ns, int64_t *len) {
@@ -67,6 +69,7 @@ typedef struct k3c_mla_job {
     int64_t n_ctx; /* contiguous only */
     const float *qc, *cache;
     int H, W, Rkv, ns_max;
+    int terms; /* products per mma step: 1 (bf16), 3 (hi·hi + hi·lo + lo·hi) or 4 (+ lo·lo) */
     float scale;
     int64_t t0;   /* the launch's first token */
     float *o_lat; /* [T, H, Rkv] */
@@ -85,9 +88,38 @@ static __device__ int64_t mla_ctx(const k3c_mla_job &j, int64_t t, const int32_t
     return (int64_t)j.sq.pos[i] + (t - j.sq.tok0[i]) + 1;
 }
 
-/* rows [a, a + 16) ∩ [0, p1) of the cache -> Ks in bf16; the rest of Ks zero */
+/* x -> hi = bf16(x) and lo = bf16(x − hi) (x − hi is exact in fp32), so x = hi + lo + r with
+   |r| <= 2^-16·|x|; a non-finite x keeps lo = 0. (The MoE kernel's helpers of the same idea may
+   replace this one once k3c_mma.cuh has them.) */
+K3C_FN uint16_t mla_split(float x, uint16_t *lo) {
+    const uint16_t hi = k3c_bf16_rne(x);
+    *lo = isfinite(x) ? k3c_bf16_rne(x - k3c_bf16(hi)) : (uint16_t)0;
+    return hi;
+}
+K3C_FN uint32_t mla_split2(float x, float y, uint32_t *lo) {
+    uint16_t lx, ly;
+    const uint32_t h = (uint32_t)mla_split(x, &lx) | (uint32_t)mla_split(y, &ly) << 16;
+    *lo = (uint32_t)lx | (uint32_t)ly << 16;
+    return h;
+}
+/* the A fragment (hi and lo) of the tile's queries at k-step ks: a[i] = Q[g + 8(i & 1)][2t +
+   8(i >> 1) + {0, 1}] (k3c_mma.cuh), rows past H and columns past W zero */
+static __device__ void mla_qfrag(const k3c_mla_job &j, int64_t t, int h0, int ks, int lane,
+                                 uint32_t ah[4], uint32_t al[4]) {
+    const int g = lane >> 2, tq = lane & 3;
+    for (int i = 0; i < 4; i++) {
+        const int h = h0 + g + 8 * (i & 1), c = ks * 16 + 2 * tq + 8 * (i >> 1);
+        const float *q = j.qc + (t * j.H + h) * j.W;
+        const float x = h < j.H && c < j.W ? q[c] : 0.0f;
+        const float y = h < j.H && c + 1 < j.W ? q[c + 1] : 0.0f;
+        ah[i] = mla_split2(x, y, &al[i]);
+    }
+}
+
+/* rows [a, a + 16) ∩ [0, p1) of the cache -> Ks in bf16 (and, split, Kl the remainders); the rest
+   zero */
 static __device__ void mla_stage(const k3c_mla_job &j, const int32_t *bt, int64_t a, int64_t p1,
-                                 int ld, uint16_t *Ks) {
+                                 int ld, uint16_t *Ks, uint16_t *Kl) {
     const int W = j.W;
     if ((W & 3) == 0) {
         const int w4 = W >> 2;
@@ -98,22 +130,29 @@ static __device__ void mla_stage(const k3c_mla_job &j, const int32_t *bt, int64_
                 const int64_t row = bt ? k3c_kv_row(bt, a + r) : a + r;
                 v = *(const float4 *)(j.cache + row * W + c);
             }
-            const uint32_t lo = (uint32_t)k3c_bf16_rne(v.x) | (uint32_t)k3c_bf16_rne(v.y) << 16;
-            const uint32_t hi = (uint32_t)k3c_bf16_rne(v.z) | (uint32_t)k3c_bf16_rne(v.w) << 16;
+            uint32_t l0, l1;
             uint32_t *d = (uint32_t *)(Ks + r * ld + c);
-            d[0] = lo, d[1] = hi;
+            d[0] = mla_split2(v.x, v.y, &l0), d[1] = mla_split2(v.z, v.w, &l1);
+            if (Kl) {
+                uint32_t *dl = (uint32_t *)(Kl + r * ld + c);
+                dl[0] = l0, dl[1] = l1;
+            }
         }
     } else {
         for (int e = threadIdx.x; e < K3C_MLA_TILE * W; e += blockDim.x) {
             const int r = e / W, c = e % W;
             float v = 0.0f;
             if (a + r < p1) v = j.cache[(bt ? k3c_kv_row(bt, a + r) : a + r) * W + c];
-            Ks[r * ld + c] = k3c_bf16_rne(v);
+            uint16_t lo;
+            Ks[r * ld + c] = mla_split(v, &lo);
+            if (Kl) Kl[r * ld + c] = lo;
         }
     }
     const int pad = ld - W;
-    for (int e = threadIdx.x; e < K3C_MLA_TILE * pad; e += blockDim.x)
+    for (int e = threadIdx.x; e < K3C_MLA_TILE * pad; e += blockDim.x) {
         Ks[(e / pad) * ld + W + e % pad] = 0;
+        if (Kl) Kl[(e / pad) * ld + W + e % pad] = 0;
+    }
 }
 
 static __global__ void __launch_bounds__(K3C_MLA_THREADS) mla_split_kernel(k3c_mla_job j) {
@@ -132,15 +171,19 @@ static __global__ void __launch_bounds__(K3C_MLA_THREADS) mla_split_kernel(k3c_m
     if (s >= ns) return; /* block-uniform */
     const int64_t p0 = (int64_t)s * len, p1 = p0 + len < n ? p0 + len : n;
     const int W = j.W, ld = k3c_mla_ld(W), ksteps = (W + 15) / 16;
-    uint16_t *Qs = (uint16_t *)sh_mla, *Ks = Qs + K3C_MLA_HEADS * ld;
-    uint16_t *Ps = Ks + K3C_MLA_TILE * ld;
-    float *Sf = (float *)(Ps + K3C_MLA_HEADS * K3C_MLA_PLD);
-    float *rm = Sf + 2 * K3C_MLA_HEADS * K3C_MLA_TILE, *rl = rm + 16, *ra = rl + 16;
+    const bool split = j.terms > 1;
+    uint16_t *Ks = (uint16_t *)sh_mla, *Kl = Ks + K3C_MLA_TILE * ld;
+    uint16_t *Ps = Kl + (split ? K3C_MLA_TILE * ld : 0), *Pl = Ps + K3C_MLA_HEADS * K3C_MLA_PLD;
+    float *Sf = (float *)(Pl + (split ? K3C_MLA_HEADS * K3C_MLA_PLD : 0));
+    float *rm = Sf + 4 * K3C_MLA_HEADS * K3C_MLA_TILE, *rl = rm + 16, *ra = rl + 16;
     const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31, g = lane >> 2, tq = lane & 3;
 
-    for (int e = tid; e < K3C_MLA_HEADS * ld; e += blockDim.x) {
-        const int r = e / ld, c = e % ld, h = h0 + r;
-        Qs[e] = k3c_bf16_rne(h < j.H && c < W ? j.qc[(t * j.H + h) * W + c] : 0.0f);
+    /* the queries stay in registers: warp w holds the A fragments of k-steps w, w + 4, ... */
+    uint32_t qh[K3C_MLA_QSTEPS][4], ql[K3C_MLA_QSTEPS][4];
+#pragma unroll
+    for (int q = 0; q < K3C_MLA_QSTEPS; q++) {
+        const int ks = warp + 4 * q;
+        if (ks < ksteps) mla_qfrag(j, t, h0, ks, lane, qh[q], ql[q]);
     }
     if (tid < K3C_MLA_HEADS) rm[tid] = -INFINITY, rl[tid] = 0.0f;
     float acc[K3C_MLA_COLS / 32][4];
@@ -149,61 +192,82 @@ static __global__ void __launch_bounds__(K3C_MLA_THREADS) mla_split_kernel(k3c_m
         acc[q][0] = acc[q][1] = acc[q][2] = acc[q][3] = 0.0f;
 
     for (int64_t a = p0; a < p1; a += K3C_MLA_TILE) {
-        mla_stage(j, bt, a, p1, ld, Ks);
+        mla_stage(j, bt, a, p1, ld, Ks, split ? Kl : nullptr);
         __syncthreads();
-        /* S = Q·Kᵀ: warp w, positions 8·(w & 1) .., k-steps w >> 1, + 2, ... */
+        /* S = Q·Kᵀ: warp w, both 8-position n-tiles, k-steps w, w + 4, ...; split: hi·lo and
+           lo·hi before hi·hi into the same f32 accumulator (terms 4: and lo·lo) */
         {
-            const int nt = warp & 1, half = warp >> 1;
-            float c[4] = {0.0f, 0.0f, 0.0f, 0.0f};
-            for (int ks = half; ks < ksteps; ks += 2) {
-                uint32_t af[4], bf[2];
-                k3c_ldmatrix_x4(af, Qs + ((lane & 7) + 8 * ((lane >> 3) & 1)) * ld + ks * 16 +
-                                        8 * (lane >> 4));
-                k3c_ldmatrix_x2(bf,
-                                Ks + (nt * 8 + (lane & 7)) * ld + ks * 16 + 8 * ((lane >> 3) & 1));
-                k3c_mma_bf16_16816(c, af, bf, c);
+            float c[2][4] = {{0.0f, 0.0f, 0.0f, 0.0f}, {0.0f, 0.0f, 0.0f, 0.0f}};
+#pragma unroll
+            for (int q = 0; q < K3C_MLA_QSTEPS; q++) {
+                const int ks = warp + 4 * q;
+                if (ks >= ksteps) break; /* warp-uniform */
+                for (int nt = 0; nt < 2; nt++) {
+                    const int off = (nt * 8 + (lane & 7)) * ld + ks * 16 + 8 * ((lane >> 3) & 1);
+                    uint32_t bh[2], bl[2];
+                    k3c_ldmatrix_x2(bh, Ks + off);
+                    if (split) {
+                        k3c_ldmatrix_x2(bl, Kl + off);
+                        if (j.terms > 3) k3c_mma_bf16_16816(c[nt], ql[q], bl, c[nt]);
+                        k3c_mma_bf16_16816(c[nt], qh[q], bl, c[nt]);
+                        k3c_mma_bf16_16816(c[nt], ql[q], bh, c[nt]);
+                    }
+                    k3c_mma_bf16_16816(c[nt], qh[q], bh, c[nt]);
+                }
             }
-            float *S = Sf + half * K3C_MLA_HEADS * K3C_MLA_TILE;
-            for (int i = 0; i < 4; i++)
-                S[(g + 8 * (i >> 1)) * K3C_MLA_TILE + nt * 8 + 2 * tq + (i & 1)] = c[i];
+            float *S = Sf + warp * K3C_MLA_HEADS * K3C_MLA_TILE;
+            for (int nt = 0; nt < 2; nt++)
+                for (int i = 0; i < 4; i++)
+                    S[(g + 8 * (i >> 1)) * K3C_MLA_TILE + nt * 8 + 2 * tq + (i & 1)] = c[nt][i];
         }
         __syncthreads();
-        /* the online softmax of head row tid */
+        /* the online softmax of head row tid: the four k-quarters added in order */
         if (tid < K3C_MLA_HEADS) {
-            const int r = tid;
+            const int r = tid, hs = K3C_MLA_HEADS * K3C_MLA_TILE;
             float sv[K3C_MLA_TILE], mt = -INFINITY;
             for (int c = 0; c < K3C_MLA_TILE; c++) {
-                sv[c] =
-                    a + c < p1
-                        ? (Sf[r * K3C_MLA_TILE + c] + Sf[(K3C_MLA_HEADS + r) * K3C_MLA_TILE + c]) *
-                              j.scale
-                        : -INFINITY;
+                const float *S = Sf + r * K3C_MLA_TILE + c;
+                sv[c] = a + c < p1 ? (((S[0] + S[hs]) + S[2 * hs]) + S[3 * hs]) * j.scale
+                                   : -INFINITY;
                 mt = fmaxf(mt, sv[c]);
             }
             const float mn = fmaxf(rm[r], mt), alpha = expf(rm[r] - mn);
             float l = rl[r] * alpha;
             for (int c = 0; c < K3C_MLA_TILE; c++) {
-                const uint16_t pb = k3c_bf16_rne(a + c < p1 ? expf(sv[c] - mn) : 0.0f);
-                Ps[r * K3C_MLA_PLD + c] = pb;
-                l += k3c_bf16(pb);
+                const float p = a + c < p1 ? expf(sv[c] - mn) : 0.0f;
+                if (split) { /* P = hi + lo; l sums the fp32 p */
+                    Ps[r * K3C_MLA_PLD + c] = mla_split(p, &Pl[r * K3C_MLA_PLD + c]);
+                    l += p;
+                } else { /* P in bf16; l sums the rounded p (the weights normalise exactly) */
+                    const uint16_t pb = k3c_bf16_rne(p);
+                    Ps[r * K3C_MLA_PLD + c] = pb;
+                    l += k3c_bf16(pb);
+                }
             }
             rm[r] = mn, rl[r] = l, ra[r] = alpha;
         }
         __syncthreads();
         /* O = alpha·O + P·V over this warp's n-tiles */
         {
-            uint32_t af[4];
-            k3c_ldmatrix_x4(af, Ps + ((lane & 7) + 8 * ((lane >> 3) & 1)) * K3C_MLA_PLD +
-                                    8 * (lane >> 4));
+            uint32_t ah[4], al[4];
+            const int po = ((lane & 7) + 8 * ((lane >> 3) & 1)) * K3C_MLA_PLD + 8 * (lane >> 4);
+            k3c_ldmatrix_x4(ah, Ps + po);
+            if (split) k3c_ldmatrix_x4(al, Pl + po);
             const float a0 = ra[g], a1 = ra[g + 8];
 #pragma unroll
             for (int q = 0; q < K3C_MLA_COLS / 32; q++) {
                 const int c0 = c_lo + (warp + 4 * q) * 8;
                 if (c0 >= c_hi) break; /* warp-uniform */
-                uint32_t bf[2];
-                k3c_ldmatrix_x2_trans(bf, Ks + (lane & 15) * ld + c0);
+                uint32_t bh[2], bl[2];
+                k3c_ldmatrix_x2_trans(bh, Ks + (lane & 15) * ld + c0);
                 acc[q][0] *= a0, acc[q][1] *= a0, acc[q][2] *= a1, acc[q][3] *= a1;
-                k3c_mma_bf16_16816(acc[q], af, bf, acc[q]);
+                if (split) {
+                    k3c_ldmatrix_x2_trans(bl, Kl + (lane & 15) * ld + c0);
+                    if (j.terms > 3) k3c_mma_bf16_16816(acc[q], al, bl, acc[q]);
+                    k3c_mma_bf16_16816(acc[q], ah, bl, acc[q]);
+                    k3c_mma_bf16_16816(acc[q], al, bh, acc[q]);
+                }
+                k3c_mma_bf16_16816(acc[q], ah, bh, acc[q]);
             }
         }
         __syncthreads(); /* before the next tile overwrites Ks, Ps, Sf */
@@ -263,20 +327,20 @@ extern "C" int64_t k3c_attn_mla_part_floats(int64_t max_ctx, int H, int Rkv) {
 
 extern "C" int k3c_attn_mla(cudaStream_t s, const k3c_seqs *sq, int64_t n_ctx, const float *qc,
                             const float *cache, int H, int W, int Rkv, float scale, float *o_lat,
-                            float *part, int64_t tb) {
+                            float *part, int64_t tb, int terms) {
     const int64_t T = sq ? sq->T : 1, max_ctx = sq ? sq->max_ctx : n_ctx;
     if (T <= 0 || H <= 0 || Rkv <= 0) return 0;
     k3c_mla_job j;
     memset(&j, 0, sizeof j);
     if (sq) j.sq = *sq;
     j.paged = sq != nullptr, j.n_ctx = n_ctx, j.qc = qc, j.cache = cache;
-    j.H = H, j.W = W, j.Rkv = Rkv, j.scale = scale, j.o_lat = o_lat;
+    j.H = H, j.W = W, j.Rkv = Rkv, j.scale = scale, j.o_lat = o_lat, j.terms = terms;
     j.ns_max = mla_ns_max(max_ctx);
     if (j.ns_max == 1 || tb < 1) tb = T;
     const int ld = k3c_mla_ld(W), ncc = (Rkv + K3C_MLA_COLS - 1) / K3C_MLA_COLS;
-    const size_t sh = (size_t)(K3C_MLA_HEADS + K3C_MLA_TILE) * ld * 2 +
-                      (size_t)K3C_MLA_HEADS * K3C_MLA_PLD * 2 +
-                      (2 * K3C_MLA_HEADS * K3C_MLA_TILE + 3 * 16) * sizeof(float);
+    const int nk = terms > 1 ? 2 : 1; /* Ks (and Kl), Ps (and Pl) */
+    const size_t sh = (size_t)nk * K3C_MLA_TILE * ld * 2 + (size_t)nk * K3C_MLA_HEADS * K3C_MLA_PLD * 2 +
+                      (4 * K3C_MLA_HEADS * K3C_MLA_TILE + 3 * 16) * sizeof(float);
     for (int64_t t0 = 0; t0 < T; t0 += tb) {
         const int64_t nt = T - t0 < tb ? T - t0 : tb;
         j.t0 = t0;
