@@ -138,6 +138,20 @@
  * and on the fp32 inputs (what bf16 costs: dominated by the input rounding of the scores). */
 #define K3_TOL_MLA_BF16_SIDES 2.0
 #define K3_TOL_MLA_BF16_IN    7.8277587890625e-3 /* 2^-7 + 2^-16 */
+/* The same MLA with split operands (the cuda default, mla_mma.cu terms 3): each fp32 operand x is
+ * hi = bf16(x), lo = bf16(x − hi) (x − hi exact in fp32), so x = hi + lo + r_x with |hi − x| <=
+ * u_b|x|, |lo| <= u_b(1 + u_b)|x| and |r_x| <= u_b·|x − hi| <= u_b²|x| (u_b = 2^-8, u_b² = 2^-16).
+ * A product from hi·hi + hi·lo + lo·hi (each exact in fp32) misses
+ *   xy − (hi_x + lo_x)(hi_y + lo_y) + lo_x·lo_y = r_x·y + x·r_y − r_x·r_y + lo_x·lo_y,
+ * so its error is <= (2u_b² + u_b⁴ + u_b²(1 + u_b)²)·|xy| < 3.0079·2^-16·|xy| (4 terms, + lo·lo:
+ * 2u_b² + u_b⁴; the 3-term bound covers both). Per output element, as above with:
+ *   - scores: Δs = SIDES·(3W + 3)·u·A (three mma products a k-step, each accumulation rounding
+ *     counted) + K3_TOL_MLA_SPLIT_IN·A for the split;
+ *   - weights: p in fp32 (l sums the fp32 p; no bf16 rounding of p): ε = 1.01·Δs + 32u;
+ *   - PV: SIDES·(3n + 32)·u + K3_TOL_MLA_SPLIT_IN of Σ p_j |v_j| (p and v both split).
+ * |o − o_ref| <= (2ε/(1 − ε) + PV term)·Σ_j p_j |v_je| against ref on the fp32 inputs: a few 1e-5
+ * of Σ p|v|, where plain bf16 operands allow ~1e-2. */
+#define K3_TOL_MLA_SPLIT_IN 4.6e-5 /* >= 3.0079·2^-16 = 4.5897e-5 */
 
 /* KDA prefill on tensor cores (kernels/cuda/kda.cu head_mma, chunk 16) vs ref, element by element:
  * the test (test_cuda_ops kda_mma_check) runs the chunk algebra in float64 and carries a

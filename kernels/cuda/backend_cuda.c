@@ -662,10 +662,10 @@ static k3_status cu_kda_chunked(k3_backend *be, const float *q, const float *k, 
 }
 /* The tensor-core MLA (mla_mma.cu) for W <= K3C_MLA_MAX_W, by default with split operands
  * (mla_terms 3: fp32-grade, DESIGN §3b); K3_CUDA_MMA=1 takes plain bf16 operands (moves tiny
- * models' greedy tokens), K3_CUDA_MMA=0 the fp32 CUDA-core kernels of attn.cu: attn_paged (sq) or one attn_latent query (sq
- * NULL, n_ctx rows). Its split partials live in the backend's scratch of MLA_PART_CAP floats,
- * allocated with the backend and never moved (a captured step keeps its address; no call here
- * syncs or allocates); a batch's tokens go in groups that fit it. */
+ * models' greedy tokens), K3_CUDA_MMA=0 the fp32 CUDA-core kernels of attn.cu: attn_paged (sq) or
+ * one attn_latent query (sq NULL, n_ctx rows). Its split partials live in the backend's scratch of
+ * MLA_PART_CAP floats, allocated with the backend and never moved (a captured step keeps its
+ * address; no call here syncs or allocates); a batch's tokens go in groups that fit it. */
 static k3_status cu_attn_mla(k3_backend *be, const k3c_seqs *sq, int64_t n_ctx, const float *qc,
                              const float *cache, int H, int W, int Rkv, float scale, float *o_lat) {
     cu_ctx *c = CTX(be);
@@ -678,9 +678,8 @@ static k3_status cu_attn_mla(k3_backend *be, const k3c_seqs *sq, int64_t n_ctx, 
                       sq ? "attn_paged" : "attn_latent", H, Rkv, (long long)per,
                       (long long)c->mla_part_cap);
     const int64_t tb = per > 0 && per * T > c->mla_part_cap ? c->mla_part_cap / per : T;
-    CU_TRY(
-        k3c_attn_mla(STREAM(be), sq, n_ctx, qc, cache, H, W, Rkv, scale, o_lat, c->mla_part, tb,
-                     c->mla_terms));
+    CU_TRY(k3c_attn_mla(STREAM(be), sq, n_ctx, qc, cache, H, W, Rkv, scale, o_lat, c->mla_part, tb,
+                        c->mla_terms));
     return K3_OK;
 }
 static k3_status cu_attn_latent(k3_backend *be, const float *qc, const float *cache, int64_t n_ctx,

@@ -227,8 +227,8 @@ static __global__ void __launch_bounds__(K3C_MLA_THREADS) mla_split_kernel(k3c_m
             float sv[K3C_MLA_TILE], mt = -INFINITY;
             for (int c = 0; c < K3C_MLA_TILE; c++) {
                 const float *S = Sf + r * K3C_MLA_TILE + c;
-                sv[c] = a + c < p1 ? (((S[0] + S[hs]) + S[2 * hs]) + S[3 * hs]) * j.scale
-                                   : -INFINITY;
+                sv[c] =
+                    a + c < p1 ? (((S[0] + S[hs]) + S[2 * hs]) + S[3 * hs]) * j.scale : -INFINITY;
                 mt = fmaxf(mt, sv[c]);
             }
             const float mn = fmaxf(rm[r], mt), alpha = expf(rm[r] - mn);
@@ -339,7 +339,8 @@ extern "C" int k3c_attn_mla(cudaStream_t s, const k3c_seqs *sq, int64_t n_ctx, c
     if (j.ns_max == 1 || tb < 1) tb = T;
     const int ld = k3c_mla_ld(W), ncc = (Rkv + K3C_MLA_COLS - 1) / K3C_MLA_COLS;
     const int nk = terms > 1 ? 2 : 1; /* Ks (and Kl), Ps (and Pl) */
-    const size_t sh = (size_t)nk * K3C_MLA_TILE * ld * 2 + (size_t)nk * K3C_MLA_HEADS * K3C_MLA_PLD * 2 +
+    const size_t sh = (size_t)nk * K3C_MLA_TILE * ld * 2 +
+                      (size_t)nk * K3C_MLA_HEADS * K3C_MLA_PLD * 2 +
                       (4 * K3C_MLA_HEADS * K3C_MLA_TILE + 3 * 16) * sizeof(float);
     for (int64_t t0 = 0; t0 < T; t0 += tb) {
         const int64_t nt = T - t0 < tb ? T - t0 : tb;

@@ -17,11 +17,12 @@
 /* The tensor-core MLA's bound (tests/tolerances.h, K3_TOL_MLA_BF16_*) for one query: got, want
    [H, Rkv]; qc [H, W]; rows [n, W] its context. rounded: want was computed (ref) from qc and rows
    rounded to bf16, which are what is passed here, so only the kernel's own arithmetic counts;
-   else from the fp32 values, and bf16's input rounding counts too. The weights p_j and the
+   else from the fp32 values, and bf16's input rounding counts too. terms 3 or 4: the split
+   operands (K3_TOL_MLA_SPLIT_IN; rounded must be false). The weights p_j and the
    score magnitudes come from a float64 evaluation. Returns the elements past their bound; *worst
    = the largest |got − want| / bound seen. */
 static int64_t mla_check(const float *got, const float *want, const float *qc, const float *rows,
-                         int64_t n, int H, int W, int Rkv, float scale, bool rounded,
+                         int64_t n, int H, int W, int Rkv, float scale, bool rounded, int terms,
                          double *worst) {
     double *p = malloc((size_t)n * sizeof(double));
     int64_t bad = 0;
@@ -37,11 +38,18 @@ static int64_t mla_check(const float *got, const float *want, const float *qc, c
             amax = a > amax ? a : amax, m = p[j] > m ? p[j] : m;
         }
         for (int64_t j = 0; j < n; j++) z += p[j] = exp(p[j] - m);
-        double ds = K3_TOL_MLA_BF16_SIDES * (W + 3) * K3_FP32_U * amax;
-        if (!rounded) ds += K3_TOL_MLA_BF16_IN * amax;
-        const double ep = K3_TOL_BF16_U + 1.01 * ds + 32 * K3_FP32_U;
-        const double rel = 2 * ep / (1 - ep) + (rounded ? 0 : K3_TOL_BF16_U) +
-                           K3_TOL_MLA_BF16_SIDES * (double)(n + 32) * K3_FP32_U;
+        const double sides = K3_TOL_MLA_BF16_SIDES, u = K3_FP32_U;
+        double ds, ep, rel;
+        if (terms >= 3) { /* split operands: fp32-grade */
+            ds = sides * (3.0 * W + 3) * u * amax + K3_TOL_MLA_SPLIT_IN * amax;
+            ep = 1.01 * ds + 32 * u;
+            rel = 2 * ep / (1 - ep) + sides * (3.0 * (double)n + 32) * u + K3_TOL_MLA_SPLIT_IN;
+        } else {
+            ds = sides * (W + 3) * u * amax;
+            if (!rounded) ds += K3_TOL_MLA_BF16_IN * amax;
+            ep = K3_TOL_BF16_U + 1.01 * ds + 32 * u;
+            rel = 2 * ep / (1 - ep) + (rounded ? 0 : K3_TOL_BF16_U) + sides * (double)(n + 32) * u;
+        }
         for (int e = 0; e < Rkv; e++) {
             double wsum = 0;
             for (int64_t j = 0; j < n; j++) wsum += p[j] / z * fabs(rows[j * W + e]);

@@ -13,9 +13,10 @@
  * -> rows_wsum per row; MXFP4 moe_experts runs on the tensor cores instead: element by element
  * against float64 within the derived bound, the masked layout + slot-order combine of
  * k3_cuda_moe.h alike, and an emulated mma count > 0); then the counters, async copies and
- * events. Three cuda backends: the default (fp32 kernels), one with K3_CUDA_MMA=1 (the bf16
- * tensor-core MLA and chunk-16 KDA, held to the element-wise bounds of gpu/k3_bf16_bounds.h, with
- * their mma counts) and one with K3_CUDA_KDA_STATE=bf16 (the KDA state stored in bf16).
+ * events. Four cuda backends: the default (the tensor-core MLA with split hi + lo operands, the
+ * fp32 KDA), one with K3_CUDA_MMA=1 (the bf16 tensor-core MLA and chunk-16 KDA), both held to the
+ * element-wise bounds of gpu/k3_bf16_bounds.h with their mma counts, one with K3_CUDA_MMA=0 (the
+ * fp32 MLA kernels) and one with K3_CUDA_KDA_STATE=bf16 (the KDA state stored in bf16).
  * Without a device it prints one SKIP line and exits 77. The registry comes from K3_OP_LIST:
  * an op without a test_<op> here does not compile. */
 #include "k3_kernels.h"
@@ -36,10 +37,12 @@
 static k3_rng g_rng;
 static const uint64_t k_seed = 20261201;
 static k3_backend *g_ref, *g_cpu, *g_cu; /* the varlen ops compare with cpu */
-/* g_cu runs the opt-in tensor-core kernels (K3_CUDA_MMA=1: MLA for W <= 640, KDA prefill at chunk
-   16); g_cu32 is the default backend (fp32 kernels), swapped in as g_cu by the cases that check
-   those paths (g_mma tells the checks which one runs). */
-static k3_backend *g_cu32;
+/* g_cu runs the opt-in tensor-core kernels (K3_CUDA_MMA=1: bf16 MLA for W <= 640, KDA prefill at
+   chunk 16); g_cu32 is the default backend (split-operand MLA, fp32 KDA) and g_cuf the opt-out
+   (K3_CUDA_MMA=0: fp32 MLA), swapped in as g_cu by the cases that check those paths (g_mma tells
+   the KDA checks which one runs, g_terms the MLA checks: 1 bf16, 3 split, 0 the fp32 kernel). */
+static k3_backend *g_cu32, *g_cuf;
+static int g_terms = 1;
 static k3_backend *g_cub; /* K3_CUDA_KDA_STATE=bf16 (kda_bf16_case) */
 static bool g_mma = true;
 
@@ -647,8 +650,10 @@ static void test_attn_latent(void) {
         float *got = hget(dy, (int64_t)H * Rkv);
         if (W <= 640) { /* g_cu: the tensor-core kernel */
             double w1 = 0, w2 = 0;
-            const int64_t b1 = mla_check(got, want_r, qr, cr, n_ctx, H, W, Rkv, scale, true, &w1);
-            const int64_t b2 = mla_check(got, want, qc, cache, n_ctx, H, W, Rkv, scale, false, &w2);
+            const int64_t b1 =
+                mla_check(got, want_r, qr, cr, n_ctx, H, W, Rkv, scale, true, 1, &w1);
+            const int64_t b2 =
+                mla_check(got, want, qc, cache, n_ctx, H, W, Rkv, scale, false, 1, &w2);
             K3_CHECK(b1 == 0 && b2 == 0,
                      "attn_latent n %lld: %lld / %lld elements past the bf16 bound (worst %.3g of "
                      "it vs bf16 inputs, %.3g vs fp32)",
@@ -681,7 +686,7 @@ static void test_attn_latent_causal(void) {
     int64_t bad = 0;
     for (int64_t j = 0; j < n_q; j++)
         bad += mla_check(got + j * H * Rkv, want + j * H * Rkv, qc + j * H * W, cache, pos0 + j + 1,
-                         H, W, Rkv, scale, false, &worst);
+                         H, W, Rkv, scale, false, 1, &worst);
     K3_CHECK(bad == 0, "attn_latent_causal: %lld elements past the bf16 bound (worst %.3g of it)",
              (long long)bad, worst);
     free(got);
@@ -927,6 +932,15 @@ static void test_kv_write(void) {
     free(src), free(cache), free(sq.hb);
 }
 
+/* g_coherent: inputs whose bf16 remainders all have one sign — x = m·(b + 0.375·2^-7), b a bf16 in
+   [1, 2), so lo = x − bf16(x) = 0.375 ulp·m > 0 — where dropping a split product moves every
+   score and output coherently (~2^-9 of it), far past K3_TOL_MLA_SPLIT_IN's bound; random signs
+   would average such a bug away below a worst-case bound. */
+static bool g_coherent;
+static void coherent_lo(float *x, int64_t n, float m) {
+    for (int64_t i = 0; i < n; i++)
+        x[i] = m * (1.0f + (float)(k3_rng_u64(&g_rng) % 128) / 128.0f + 0.375f / 128.0f);
+}
 /* attn_paged vs cpu, and each token bit for bit cuda attn_latent over a contiguous copy of its
    sequence's rows 0..p (the contract) */
 static void paged_case(int n, const int32_t *ntok, const int32_t *pos, int mb, int n_blocks, int H,
@@ -939,6 +953,7 @@ static void paged_case(int n, const int32_t *ntok, const int32_t *pos, int mb, i
     const int64_t no = T * H * Rkv;
     const size_t wf = k3_attn_latent_causal_work_floats(sq.h.max_ctx, H);
     float *qc = randn(nq, 1.0f), *cache = randn(nc, 1.0f), *want = hnan(no), *work = hnan(wf);
+    if (g_coherent) coherent_lo(qc, nq, 0.0625f), coherent_lo(cache, nc, 1.0f);
     float *dq = dcopy(qc, nq), *dc = dcopy(cache, nc), *dy = dpoison(no), *dw = dpoison(wf);
     const float scale = 1.0f / sqrtf((float)W);
     float *qr = bf16_round(qc, nq), *cr = bf16_round(cache, nc), *want_r = hnan(no);
@@ -952,7 +967,7 @@ static void paged_case(int n, const int32_t *ntok, const int32_t *pos, int mb, i
 #ifdef K3_CUDA_EMULATE /* the tensor-core instruction count of the op */
     const unsigned long long mma = k3emu_mma_count("mla_split_kernel") - mma0;
     printf("    %s: %llu mma.m16n8k16 in mla_split_kernel\n", what, mma);
-    K3_CHECK(W > 640 || !g_mma || mma > 0, "%s: no tensor-core instruction ran", what);
+    K3_CHECK(W > 640 || !g_terms || mma > 0, "%s: no tensor-core instruction ran", what);
 #endif
     int bad = 0;
     int64_t bb = 0;
@@ -970,16 +985,18 @@ static void paged_case(int n, const int32_t *ntok, const int32_t *pos, int mb, i
             float *one = hget(d1, (int64_t)H * Rkv);
             bad += memcmp(one, got + (int64_t)t * H * Rkv, (size_t)H * Rkv * 4) != 0;
             free(one);
-            if (W > 640 || !g_mma) continue; /* the fp32 kernel: the op bound below */
+            if (W > 640 || !g_terms) continue; /* the fp32 kernel: the op bound below */
             const int64_t o = (int64_t)t * H * Rkv, oq = (int64_t)t * H * W, nj = pos[i] + j + 1;
-            bb += mla_check(got + o, want_r + o, qr + oq, cont_r, nj, H, W, Rkv, scale, true,
-                            &worst_r);
-            bb += mla_check(got + o, want + o, qc + oq, cont, nj, H, W, Rkv, scale, false, &worst);
+            if (g_terms == 1) /* bf16: the kernel's own arithmetic on the rounded inputs */
+                bb += mla_check(got + o, want_r + o, qr + oq, cont_r, nj, H, W, Rkv, scale, true, 1,
+                                &worst_r);
+            bb += mla_check(got + o, want + o, qc + oq, cont, nj, H, W, Rkv, scale, false, g_terms,
+                            &worst);
         }
         free(cont), free(cont_r);
     }
     K3_CHECK(bad == 0, "%s: %d tokens differ from attn_latent on a contiguous copy", what, bad);
-    if (W > 640 || !g_mma)
+    if (W > 640 || !g_terms)
         cmp(got, want, no, K3_TOL_OP_REL_L2, what);
     else {
         K3_CHECK(bb == 0,
@@ -1007,11 +1024,18 @@ static void test_attn_paged(void) {
     paged_case(3, ntok3, pos3, 10, 30, 21, 576, 512, "attn_paged decode");
     static const int32_t ntok4[2] = {2, 1}, pos4[2] = {3, 300};
     paged_case(2, ntok4, pos4, 5, 12, 2, 720, 700, "attn_paged wide");
-    /* the default backend: the fp32 kernel at K3's width */
+    /* the default backend: split operands on tensor cores (the mma count > 0, decode included),
+       within K3_TOL_MLA_SPLIT_IN's bound of fp32 ref; the opt-out: the fp32 kernel at K3's width */
     k3_backend *mma_be = g_cu;
-    g_cu = g_cu32, g_mma = false;
+    g_cu = g_cu32, g_mma = false, g_terms = 3;
+    paged_case(SQ_N, ntok, pos, SQ_MB, SQ_BLOCKS, 4, 576, 512, "attn_paged split");
+    paged_case(3, ntok3, pos3, 10, 30, 21, 576, 512, "attn_paged decode split");
+    g_coherent = true;
+    paged_case(3, ntok3, pos3, 10, 30, 21, 576, 512, "attn_paged decode split coherent");
+    g_coherent = false;
+    g_cu = g_cuf, g_terms = 0;
     paged_case(SQ_N, ntok, pos, SQ_MB, SQ_BLOCKS, 4, 576, 512, "attn_paged fp32");
-    g_cu = mma_be, g_mma = true;
+    g_cu = mma_be, g_mma = true, g_terms = 1;
 }
 
 static void test_short_conv_seqs(void) {
@@ -1434,11 +1458,13 @@ int main(void) {
     K3_CHECK_OK(k3_backend_create("cuda", NULL, &g_cu32));
     setenv("K3_CUDA_MMA", "1", 1); /* read when a cuda backend is created */
     K3_CHECK_OK(k3_backend_create("cuda", NULL, &g_cu));
+    setenv("K3_CUDA_MMA", "0", 1);
+    K3_CHECK_OK(k3_backend_create("cuda", NULL, &g_cuf));
     unsetenv("K3_CUDA_MMA");
     setenv("K3_CUDA_KDA_STATE", "bf16", 1);
     K3_CHECK_OK(k3_backend_create("cuda", NULL, &g_cub));
     unsetenv("K3_CUDA_KDA_STATE");
-    if (!g_ref || !g_cpu || !g_cu || !g_cu32 || !g_cub) return k3_test_done("cuda_ops");
+    if (!g_ref || !g_cpu || !g_cu || !g_cu32 || !g_cuf || !g_cub) return k3_test_done("cuda_ops");
     K3_CHECK(k3_backend_cuda_ops_done() == K3_OP_COUNT, "cuda implements %d of %d ops",
              k3_backend_cuda_ops_done(), K3_OP_COUNT);
     for (size_t i = 0; i < K3_ARRAY_LEN(k_tests); i++) {
@@ -1453,6 +1479,7 @@ int main(void) {
     test_op_stats_events();
     k3_backend_destroy(g_cu);
     k3_backend_destroy(g_cu32);
+    k3_backend_destroy(g_cuf);
     k3_backend_destroy(g_cub);
     k3_backend_destroy(g_cpu);
     k3_backend_destroy(g_ref);
