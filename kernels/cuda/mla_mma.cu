@@ -12,22 +12,27 @@
 // on n alone, so a query's bits depend only on its qc row, n and the cache rows (attn_latent and
 // attn_paged, prefill and decode, agree bit for bit: the ops' determinism contract).
 //
+// Operands: terms 1 rounds every fp32 operand to bf16; terms 3 (the backend's default) splits each
+// into hi = bf16(x) and lo = bf16(x − hi) and accumulates hi·lo, lo·hi, hi·hi per mma step in
+// fp32 (a product's error <= 3.008·2^-16 of |xy|: fp32-grade); terms 4 adds lo·lo.
 // mla_split_kernel: grid (tokens, head tiles × column chunks, ns_max), 128 threads (4 warps).
 // Block (t, tile, chunk, s) owns heads [16·tile, +16) (rows past H are zero queries), value
-// columns [512·chunk, +512) ∩ [0, Rkv) and split s. Shared memory (bf16 as uint16, rows of
-// ld = roundup(W, 16) + 8 elements: 16-byte aligned ldmatrix rows, the +8 skews the banks):
-//   Qs [16 × ld]  the tile's queries, fp32 -> bf16 (round to nearest even), zero padded;
-//   Ks [16 × ld]  one tile of 16 positions of the cache, fp32 -> bf16 (float4 loads when W % 4 = 0;
-//                 positions past the split and columns past W zero);
-//   Ps [16 × 24]  P of the tile in bf16; Sf [2 × 16 × 16] f32 the two k-halves of S;
+// columns [512·chunk, +512) ∩ [0, Rkv) and split s. The queries are A fragments in registers
+// (hi, lo): warp w holds k-steps w, w + 4, ... (<= K3C_MLA_QSTEPS). Shared memory (bf16 as
+// uint16, rows of ld = roundup(W, 16) + 8 elements: 16-byte aligned ldmatrix rows, the +8 skews
+// the banks; <= 47 KiB at W = 640 split):
+//   Ks, Kl [16 × ld]  one tile of 16 positions of the cache, hi and (split) lo (float4 loads when
+//                     W % 4 = 0; positions past the split and columns past W zero);
+//   Ps, Pl [16 × 24]  P of the tile, hi and (split) lo; Sf [4 × 16 × 16] f32 the k-quarters of S;
 //   m, l, alpha [16] the online softmax of each head row.
-// Per tile: QKᵀ — warp w computes positions 8·(w & 1) .. +7 over the k-steps ≡ w >> 1 (mod 2):
-// A = ldmatrix.x4 of Qs, B = ldmatrix.x2 of Ks rows (a row-major [N, K] is B "col"); then threads
-// 0..15 (one head row each) take S = (Sf[0] + Sf[1])·scale, the new max m', alpha = exp(m − m'),
-// p = bf16(exp(s − m')) and l = alpha·l + Σ p (of the rounded p: the weights sum to what
-// normalises them); then PV — warp w owns the n-tiles w, w + 4, ... of its chunk (≤ 16: 64 f32
-// accumulators a lane), rescales them by alpha of their rows, A = ldmatrix.x4 of Ps, B =
-// ldmatrix.x2.trans of Ks at column 8·nt (V [k = position, n = column] row-major). The split ends
+// Per tile: QKᵀ — warp w computes both 8-position n-tiles over its k-steps (B = ldmatrix.x2 of
+// Ks / Kl rows: a row-major [N, K] is B "col"); then threads 0..15 (one head row each) take
+// S = (((Sf[0] + Sf[1]) + Sf[2]) + Sf[3])·scale, the new max m', alpha = exp(m − m'), p =
+// exp(s − m') (split: hi + lo, l = alpha·l + Σ p in fp32; bf16: p rounded and l summing the
+// rounded p, so the weights sum to what normalises them); then PV — warp w owns the n-tiles w,
+// w + 4, ... of its chunk (<= 16: 64 f32 accumulators a lane), rescales them by alpha of their
+// rows, A = ldmatrix.x4 of Ps / Pl, B = ldmatrix.x2.trans of Ks / Kl at column 8·nt (V [k =
+// position, n = column] row-major). The split ends
 // with o = acc / l and lse = m + log l: written to o_lat when ns = 1, else to the partials.
 // mla_combine_kernel: block (t, h) over the ns partials in split order: M = max lse, w_s =
 // exp(lse_s − M), o = Σ_s w_s·o_s / Σ_s w_s.
