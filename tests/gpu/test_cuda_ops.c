@@ -40,9 +40,10 @@ static k3_backend *g_ref, *g_cpu, *g_cu; /* the varlen ops compare with cpu */
 /* g_cu runs the opt-in tensor-core kernels (K3_CUDA_MMA=1: bf16 MLA for W <= 640, KDA prefill at
    chunk 16); g_cu32 is the default backend (split-operand MLA, fp32 KDA) and g_cuf the opt-out
    (K3_CUDA_MMA=0: fp32 MLA), swapped in as g_cu by the cases that check those paths (g_mma tells
-   the KDA checks which one runs, g_terms the MLA checks: 1 bf16, 3 split, 0 the fp32 kernel). */
+   the KDA checks which one runs, g_mla_terms the MLA checks: 1 bf16, 3 split, 0 the fp32 kernel).
+ */
 static k3_backend *g_cu32, *g_cuf;
-static int g_terms = 1;
+static int g_mla_terms = 1;
 static k3_backend *g_cub; /* K3_CUDA_KDA_STATE=bf16 (kda_bf16_case) */
 static bool g_mma = true;
 
@@ -967,7 +968,7 @@ static void paged_case(int n, const int32_t *ntok, const int32_t *pos, int mb, i
 #ifdef K3_CUDA_EMULATE /* the tensor-core instruction count of the op */
     const unsigned long long mma = k3emu_mma_count("mla_split_kernel") - mma0;
     printf("    %s: %llu mma.m16n8k16 in mla_split_kernel\n", what, mma);
-    K3_CHECK(W > 640 || !g_terms || mma > 0, "%s: no tensor-core instruction ran", what);
+    K3_CHECK(W > 640 || !g_mla_terms || mma > 0, "%s: no tensor-core instruction ran", what);
 #endif
     int bad = 0;
     int64_t bb = 0;
@@ -985,18 +986,18 @@ static void paged_case(int n, const int32_t *ntok, const int32_t *pos, int mb, i
             float *one = hget(d1, (int64_t)H * Rkv);
             bad += memcmp(one, got + (int64_t)t * H * Rkv, (size_t)H * Rkv * 4) != 0;
             free(one);
-            if (W > 640 || !g_terms) continue; /* the fp32 kernel: the op bound below */
+            if (W > 640 || !g_mla_terms) continue; /* the fp32 kernel: the op bound below */
             const int64_t o = (int64_t)t * H * Rkv, oq = (int64_t)t * H * W, nj = pos[i] + j + 1;
-            if (g_terms == 1) /* bf16: the kernel's own arithmetic on the rounded inputs */
+            if (g_mla_terms == 1) /* bf16: the kernel's own arithmetic on the rounded inputs */
                 bb += mla_check(got + o, want_r + o, qr + oq, cont_r, nj, H, W, Rkv, scale, true, 1,
                                 &worst_r);
-            bb += mla_check(got + o, want + o, qc + oq, cont, nj, H, W, Rkv, scale, false, g_terms,
-                            &worst);
+            bb += mla_check(got + o, want + o, qc + oq, cont, nj, H, W, Rkv, scale, false,
+                            g_mla_terms, &worst);
         }
         free(cont), free(cont_r);
     }
     K3_CHECK(bad == 0, "%s: %d tokens differ from attn_latent on a contiguous copy", what, bad);
-    if (W > 640 || !g_terms)
+    if (W > 640 || !g_mla_terms)
         cmp(got, want, no, K3_TOL_OP_REL_L2, what);
     else {
         K3_CHECK(bb == 0,
@@ -1027,15 +1028,15 @@ static void test_attn_paged(void) {
     /* the default backend: split operands on tensor cores (the mma count > 0, decode included),
        within K3_TOL_MLA_SPLIT_IN's bound of fp32 ref; the opt-out: the fp32 kernel at K3's width */
     k3_backend *mma_be = g_cu;
-    g_cu = g_cu32, g_mma = false, g_terms = 3;
+    g_cu = g_cu32, g_mma = false, g_mla_terms = 3;
     paged_case(SQ_N, ntok, pos, SQ_MB, SQ_BLOCKS, 4, 576, 512, "attn_paged split");
     paged_case(3, ntok3, pos3, 10, 30, 21, 576, 512, "attn_paged decode split");
     g_coherent = true;
     paged_case(3, ntok3, pos3, 10, 30, 21, 576, 512, "attn_paged decode split coherent");
     g_coherent = false;
-    g_cu = g_cuf, g_terms = 0;
+    g_cu = g_cuf, g_mla_terms = 0;
     paged_case(SQ_N, ntok, pos, SQ_MB, SQ_BLOCKS, 4, 576, 512, "attn_paged fp32");
-    g_cu = mma_be, g_mma = true, g_terms = 1;
+    g_cu = mma_be, g_mma = true, g_mla_terms = 1;
 }
 
 static void test_short_conv_seqs(void) {
@@ -1167,14 +1168,14 @@ static void test_rows_last(void) {
 }
 
 /* The bound of one cuda moe_experts output element with MXFP4 experts (the tensor-core form:
-   x and h split into g_terms bf16 terms at the GEMMs' inputs, exact weights, fp32 accumulation)
+   x and h split into g_moe_terms bf16 terms at the GEMMs' inputs, exact weights, fp32 accumulation)
    against the float64 evaluation of the same weights, derived from tests/tolerances.h: each GEMM
    output is off by at most c·Σ|w·in| (c = K3_TOL_SPLIT_GEMM_REL(terms, n), n its inner width;
    terms 1: K3_TOL_BF16_ACT_REL + (2.01)·n·u) plus what its
    input's error carries (Σ|w|·Δin); act(g, u) = a(g)·b(u) carries Δg, Δu by its Lipschitz
    constants (|b'| <= 1, |b(u)| <= |u|, |a'| <= La: SiLU 1.0998, SiTU 1 + beta/4) plus 8 u·|h| for
    libm; the weighted sum adds Σ|w_k|·Δy_k and K·u·Σ|w_k y_k|. */
-static int g_terms = 3; /* the activation terms the cuda backend runs (K3_CUDA_MMA_TERMS) */
+static int g_moe_terms = 3; /* the activation terms the cuda backend runs (K3_CUDA_MMA_TERMS) */
 static double act_f64(double g, double u, double beta, double lin) {
     const double sg = 1.0 / (1.0 + exp(-g));
     if (beta < 0) return g * sg * u;
@@ -1190,7 +1191,7 @@ static double mx(const wt *m, int64_t row, int64_t col) {
 /* item i's hidden row: h [I] = act(W1 x, W3 x) in float64 and dh [I] its bound */
 static void moe_ref_hidden(const wt m[3], const float *x, int64_t Lw, int64_t I, float beta,
                            float lin, double *h, double *dh) {
-    const double c1 = K3_TOL_SPLIT_GEMM_REL(g_terms, Lw);
+    const double c1 = K3_TOL_SPLIT_GEMM_REL(g_moe_terms, Lw);
     const double La = beta < 0 ? 1.0998 : 1.0 + beta / 4.0;
     for (int64_t j = 0; j < I; j++) {
         double g = 0, u = 0, ag = 0, au = 0;
@@ -1208,7 +1209,7 @@ static void moe_ref_hidden(const wt m[3], const float *x, int64_t Lw, int64_t I,
 /* its output element o from h, dh */
 static moe_ref_v moe_ref_out(const wt *w2, const double *h, const double *dh, int64_t I,
                              int64_t o) {
-    const double c2 = K3_TOL_SPLIT_GEMM_REL(g_terms, I);
+    const double c2 = K3_TOL_SPLIT_GEMM_REL(g_moe_terms, I);
     double y = 0, dy = 0, ay = 0;
     for (int64_t j = 0; j < I; j++) {
         const double w = mx(w2, o, j);
@@ -1246,8 +1247,8 @@ static void moe_bound_check(float *got, const wt (*m)[3], const int32_t *ids, co
         }
     }
     K3_CHECK(bad == 0, "%s, %d term(s): %d of %lld elements outside the bound (worst %.3g of it)",
-             what, g_terms, bad, (long long)(nr * Lw), worst);
-    printf("  %s, %d term(s): worst |cuda - f64| %.3g of the bound\n", what, g_terms, worst);
+             what, g_moe_terms, bad, (long long)(nr * Lw), worst);
+    printf("  %s, %d term(s): worst |cuda - f64| %.3g of the bound\n", what, g_moe_terms, worst);
     free(h), free(dh), free(got);
 }
 
@@ -1393,9 +1394,9 @@ static void test_moe_experts(void) {
     char *keep = was ? strdup(was) : NULL;
     for (int pass = 0; pass < 2; pass++) {
         if (pass == 0)
-            setenv("K3_CUDA_MMA_TERMS", "1", 1), g_terms = 1;
+            setenv("K3_CUDA_MMA_TERMS", "1", 1), g_moe_terms = 1;
         else
-            unsetenv("K3_CUDA_MMA_TERMS"), g_terms = K3_CUDA_MOE_TERMS;
+            unsetenv("K3_CUDA_MMA_TERMS"), g_moe_terms = K3_CUDA_MOE_TERMS;
         moe_case(K3_DT_MXFP4, false, false, 7); /* <= 8 rows an expert: swap-AB */
         moe_case(K3_DT_MXFP4, true, true, 7);
         moe_case(K3_DT_MXFP4, true, false, 40); /* ~24 rows an expert: the 16-row tiles */
