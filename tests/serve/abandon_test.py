@@ -157,7 +157,11 @@ def test_abandon_compile_beside_stream(model_dir):  # noqa: F811
         assert result["status"] == 400 and "--grammar-budget" in result["text"]  # it ran its 2 s
         assert stamps[-1] > t_compile[1], "the stream ended before the compile did"
         # (the rates are printed, not compared: on 2 loaded cores they vary 10x from run to run)
-        assert gap < 1.0 and len(during) >= 20, "the stream stalled during the compile"
+        # A stream that waits for the compile shows one gap of the whole compile (its 2 s budget,
+        # wall clock); a stream beside it had gaps of 15-85 ms here, and 1.42 s once with two test
+        # suites on these 2 cores: the limit sits between (the gap is measured, never the rate)
+        assert gap < 0.75 * (t_compile[1] - t_compile[0]) and len(during) >= 20, \
+            "the stream stalled during the compile"
     finally:
         assert srv.stop() == 0, srv.text()[-2000:]
 
