@@ -163,5 +163,12 @@
  * terms, expf of the decays, the fp32 Γ cumsum, ref's fp32 state between chunks): 64u, about
  * 50× the typical and above the worst case of the 16-term chunk sums. */
 #define K3_TOL_KDA_MMA_SLACK (64 * K3_FP32_U)
+/* The dense BF16 tensor-core GEMM (kernels/cuda/matmul_mma.cu) in its 3xBF16 form (the `matmul`
+ * op's): x = p0 + p1 + p2 exactly (three bf16 planes hold fp32's 24 significand bits), each
+ * w·p_i exact in fp32, so the only rounding is the fp32 accumulation of 3K exact terms (on a
+ * device in an undocumented order: allow 3K roundings, each <= u·Σ|terms| <= u·Σ_k|w_k x_k|),
+ * against ref's K-term fp32 sum (K roundings): |y − y_ref| <= (3 + 1)·K·u·Σ|w x| per element.
+ * tests/gpu/test_cuda_gemm.cu checks it, and that the W16A16 form (one plane) breaks it. */
+#define K3_TOL_TC_SPLIT3_KU 4.0
 
 #endif /* K3_TOLERANCES_H */

@@ -50,6 +50,16 @@ int k3c_matmul_heads(cudaStream_t s, int dt, const void *data, const uint8_t *sc
                      int64_t in, int64_t rh, int H, const float *x, int64_t xt, int64_t xh,
                      int64_t T, float *y, int64_t yt, int64_t yh, bool trans);
 
+/* matmul_mma.cu: the bf16 weight's GEMM on tensor cores (mma.m16n8k16, cp.async + ldmatrix),
+ * H heads as matmul_heads (grid.z); x split into `splits` bf16 planes: 1 = W16A16 (x rounded to
+ * bf16), 3 = every fp32 bit of x (K3C_MM_TC_SPLITS, what the ops use). k3c_mm_tc_ok: the weight
+ * fits it (16-byte aligned, in % 8 == 0). */
+#define K3C_MM_TC_SPLITS 3
+bool k3c_mm_tc_ok(const void *w, int64_t in);
+int k3c_mm_bf16_tc(cudaStream_t s, int splits, const uint16_t *w, int64_t out, int64_t in,
+                   int64_t rh, int H, const float *x, int64_t xt, int64_t xh, int64_t T, float *y,
+                   int64_t yt, int64_t yh);
+
 /* kda.cu */
 int k3c_kda_gate(cudaStream_t s, float *r, const float *dt_bias, const float *a_log, int64_t T,
                  int H, int dk, bool has_lb, float lb);

@@ -9,8 +9,9 @@
 // scattered lines. Each thread keeps K3C_MM_TOK token accumulators (a weight chunk is read once
 // per K3C_MM_TOK tokens); the slices meet in shared memory, added in slice order by warp 0.
 // Token t's sum has the same order whatever T is (the determinism rule). This is a CUDA-core
-// GEMV/GEMM: at decode batch it is bandwidth-bound, which is what it is for; prefill at large T
-// wants a tensor-core (bf16 MMA) path that this file does not have yet (no cuBLASLt either).
+// GEMV/GEMM: at decode batch it is bandwidth-bound, which is what it is for. A BF16 weight with
+// in % 8 == 0 and 16-byte aligned rows goes to the tensor-core GEMM instead (matmul_mma.cu), for
+// matmul and matmul_heads' plain form alike (so a head is still its matmul's bits).
 // matmul_tn: a block owns 32 columns i (one per lane: a warp reads 32 adjacent weights of a row)
 // and cuts the summed rows o into K3C_TN_SLICES slices (one per warp), added in slice order.
 // matmul_heads (absorbed MLA's per-head products) runs the same two kernels over a strided view
@@ -169,6 +170,9 @@ extern "C" int k3c_matmul(cudaStream_t s, int dt, const void *data, const uint8_
                           int64_t out, int64_t in, const float *x, int64_t T, float *y) {
     if (T <= 0 || out <= 0) return 0;
     if (in <= 0) return k3c_fill(s, y, T * out, 0.0f);
+    if (dt == K3C_DT_BF16 && k3c_mm_tc_ok(data, in)) /* tensor cores (matmul_mma.cu) */
+        return k3c_mm_bf16_tc(s, K3C_MM_TC_SPLITS, (const uint16_t *)data, out, in, 0, 1, x, in, 0,
+                              T, y, out, 0);
     /* the vector path: 16-byte loads of weights and of x */
     const bool vec = k3c_mm_vec(dt, data, in, (uintptr_t)x % 16 == 0);
     const mm_view v = {out, in, 0, in, 0, out, 0, vec};
@@ -220,6 +224,9 @@ extern "C" int k3c_matmul_heads(cudaStream_t s, int dt, const void *data, const 
             }
         return 0;
     }
+    if (dt == K3C_DT_BF16 && k3c_mm_tc_ok(data, in)) /* as k3c_matmul: tensor cores */
+        return k3c_mm_bf16_tc(s, K3C_MM_TC_SPLITS, (const uint16_t *)data, nr, in, rh, H, x, xt, xh,
+                              T, y, yt, yh);
     const bool vec = k3c_mm_vec(dt, data, in, true);
     const bool xa = (uintptr_t)x % 16 == 0 && (T <= 1 || xt % 4 == 0) && (H <= 1 || xh % 4 == 0);
     const mm_view v = {nr, in, rh, xt, xh, yt, yh, xa};

@@ -1320,9 +1320,18 @@ static void moe_case(k3_dtype dt, bool weighted, bool situ_act, int64_t T) {
     K3_CHECK_OK(g_cu->ops->rows_wsum(g_cu, ditem, dwt, NULL, K, T, Lw, dsum));
     float *got = hget(dout, no), *chain = hget(weighted ? dsum : ditem, no);
     if (dt != K3_DT_MXFP4) {
-        K3_CHECK(memcmp(got, chain, (size_t)no * 4) == 0,
-                 "%s: not the bits of matmul -> act -> matmul%s", what,
-                 weighted ? " -> rows_wsum" : "");
+        /* BF16: matmul runs on tensor cores (matmul_mma.cu, 3 bf16 planes of x: an fp32 GEMM of
+         * another summation order) while moe_experts' BF16 experts are the CUDA-core kernel, so
+         * they agree within one fp32 op's bound, not bit for bit */
+        if (dt == K3_DT_BF16) {
+            const double r = k3_rel_l2(got, chain, (size_t)no);
+            K3_CHECK(all_finite(got, no) && r <= K3_TOL_OP_REL_L2,
+                     "%s: rel-L2 %g from matmul -> act -> matmul%s (tol %g)", what, r,
+                     weighted ? " -> rows_wsum" : "", K3_TOL_OP_REL_L2);
+        } else
+            K3_CHECK(memcmp(got, chain, (size_t)no * 4) == 0,
+                     "%s: not the bits of matmul -> act -> matmul%s", what,
+                     weighted ? " -> rows_wsum" : "");
         cmp(got, want, no, K3_TOL_OP_REL_L2, what);
     } else {
         moe_bound_check(got, m, ids, src, weighted ? w : NULL, T, K, Lw, I, beta, lin, what);

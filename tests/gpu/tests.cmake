@@ -83,6 +83,23 @@ if(K3_CUDA)
   add_test(NAME cuda_step_graph COMMAND test_cuda_step_graph)
   set_tests_properties(cuda_step_graph PROPERTIES LABELS "${K3_GPU_LABEL}" TIMEOUT 60
                        SKIP_RETURN_CODE 77 ENVIRONMENT "${K3_TEST_ENV}")
+  # the dense BF16 tensor-core GEMM (kernels/cuda/matmul_mma.cu) vs ref in both precisions,
+  # decode (swap-AB) and prefill tiles, mma counts, and the matmul op on tensor cores
+  if(K3_CUDA_EMULATE)
+    set_source_files_properties(${CMAKE_CURRENT_LIST_DIR}/test_cuda_gemm.cu PROPERTIES
+                                LANGUAGE CXX COMPILE_OPTIONS "-xc++;-std=c++17;-Wno-unknown-pragmas")
+  endif()
+  add_executable(test_cuda_gemm ${CMAKE_CURRENT_LIST_DIR}/test_cuda_gemm.cu)
+  target_include_directories(test_cuda_gemm PRIVATE ${CMAKE_SOURCE_DIR}/kernels/cuda ${CMAKE_SOURCE_DIR}/tests)
+  target_link_libraries(test_cuda_gemm PRIVATE k3lib)
+  if(K3_CUDA_EMULATE)
+    target_compile_options(test_cuda_gemm PRIVATE -Wall -Wextra -Wshadow $<$<BOOL:${K3_WERROR}>:-Werror>)
+  elseif(K3_WERROR)
+    target_compile_options(test_cuda_gemm PRIVATE $<$<COMPILE_LANGUAGE:CUDA>:-Werror=all-warnings>)
+  endif()
+  add_test(NAME cuda_gemm COMMAND test_cuda_gemm)
+  set_tests_properties(cuda_gemm PROPERTIES LABELS "${K3_GPU_LABEL}" TIMEOUT 120 SKIP_RETURN_CODE 77
+                       ENVIRONMENT "${K3_TEST_ENV}")
   # every op of the cuda backend vs ref on a device (skips with one line, 77, without one)
   k3_add_test_exe(test_cuda_ops ${CMAKE_CURRENT_LIST_DIR}/test_cuda_ops.c)
   target_include_directories(test_cuda_ops PRIVATE ${CMAKE_SOURCE_DIR}/kernels/cuda)   # k3_cuda_moe.h
