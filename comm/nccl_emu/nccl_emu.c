@@ -189,6 +189,7 @@ static ncclResult_t comm_new(MPI_Comm mpi, int blocking, ncclComm_t *out) {
 
 /* Cancel and free every pending request (never blocks). */
 static void drop_pending(ncclComm_t c) {
+    k3emu_device_open(); /* MPI may still touch the device buffers of what it cancels */
     for (int i = 0; i < c->n_req; i++)
         if (c->req[i] != MPI_REQUEST_NULL) {
             MPI_Cancel(&c->req[i]);
@@ -196,13 +197,17 @@ static void drop_pending(ncclComm_t c) {
         }
     c->n_req = 0;
     c->late = false;
+    k3emu_device_close();
 }
 
 /* Complete what a late group left pending, if it has completed by now. */
 static void progress(ncclComm_t c) {
     if (c->n_req == 0) return;
     int flag = 0;
-    if (MPI_Testall(c->n_req, c->req, &flag, MPI_STATUSES_IGNORE) != MPI_SUCCESS) {
+    k3emu_device_open(); /* MPI writes into device buffers */
+    const int rc = MPI_Testall(c->n_req, c->req, &flag, MPI_STATUSES_IGNORE);
+    k3emu_device_close();
+    if (rc != MPI_SUCCESS) {
         drop_pending(c);
         c->state = ncclSystemError;
         return;
@@ -521,9 +526,12 @@ static ncclResult_t capture_group(cudaStream_t s) {
 ncclResult_t ncclGroupEnd(void) {
     if (g_group.depth <= 0) return ncclInvalidUsage;
     if (--g_group.depth > 0) return ncclSuccess;
-    cudaStream_t cap = NULL;
-    ncclResult_t r = g_group.err != ncclSuccess ? g_group.err : group_capture(&cap);
-    if (r == ncclSuccess) r = cap ? capture_group(cap) : run_group();
+    ncclResult_t r = g_group.err;
+    if (r == ncclSuccess) { /* device work: after the streams' work, the device range open */
+        k3emu_device_open();
+        r = run_group();
+        k3emu_device_close();
+    }
     g_group.n = 0;
     g_group.err = ncclSuccess;
     return r;
@@ -566,9 +574,8 @@ static ncclResult_t enqueue(bool recv, const void *buf, size_t count, ncclDataTy
 
 ncclResult_t ncclSend(const void *sendbuff, size_t count, ncclDataType_t datatype, int peer,
                       ncclComm_t comm, cudaStream_t stream) {
-    /* every emulated stream operation is already complete when enqueued, so order holds; in a
-       stream capture the group becomes a node of the graph (ncclGroupEnd) */
-    return enqueue(false, sendbuff, count, datatype, peer, comm, stream);
+    (void)stream; /* the group end waits for every stream first (k3emu_device_open) */
+    return enqueue(false, sendbuff, count, datatype, peer, comm);
 }
 
 ncclResult_t ncclRecv(void *recvbuff, size_t count, ncclDataType_t datatype, int peer,

@@ -122,10 +122,11 @@ static __global__ void __launch_bounds__(K3C_TC_WARPS * 32)
 #pragma unroll
                     for (int jj = 0; jj < 2; jj++) { /* n8 tiles 2jj, 2jj + 1 */
                         uint32_t r[4];
-                        k3c_ldmatrix_x4(r, wb + (32 * (warp >> 1) + 16 * jj + lane % 8 +
-                                                 8 * (lane / 16)) *
-                                                    K3C_TC_LD +
-                                               kk + 8 * ((lane / 8) & 1u));
+                        k3c_ldmatrix_x4(
+                            r, wb +
+                                   (32 * (warp >> 1) + 16 * jj + lane % 8 + 8 * (lane / 16)) *
+                                       K3C_TC_LD +
+                                   kk + 8 * ((lane / 8) & 1u));
                         b[2 * jj][0] = r[0], b[2 * jj][1] = r[1];
                         b[2 * jj + 1][0] = r[2], b[2 * jj + 1][1] = r[3];
                     }
@@ -162,8 +163,8 @@ static void tc_launch(cudaStream_t s, const uint16_t *w, int64_t out, int64_t K,
                       int64_t yh) {
     const bool swap = T <= K3C_TC_DM;
     const int64_t xr = swap ? K3C_TC_DM : K3C_TC_PM, gy = (T + xr - 1) / xr;
-    const dim3 grid((unsigned)((out + K3C_TC_BN - 1) / K3C_TC_BN), (unsigned)(gy > 65535 ? 65535 : gy),
-                    (unsigned)H);
+    const dim3 grid((unsigned)((out + K3C_TC_BN - 1) / K3C_TC_BN),
+                    (unsigned)(gy > 65535 ? 65535 : gy), (unsigned)H);
     if (swap) {
         K3C_LAUNCH(grid, K3C_TC_WARPS * 32, 0, s, mm_tc_kernel<true, S>)
         (w, out, K, rh, x, xt, xh, T, y, yt, yh);

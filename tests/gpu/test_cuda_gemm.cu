@@ -91,7 +91,8 @@ static void gemm_case(int64_t N, int64_t K, int64_t T) {
     for (int64_t t = 0; t < T; t++)
         for (int64_t n = 0; n < N; n++) {
             double a = 0;
-            for (int64_t k = 0; k < K; k++) a += fabs((double)f_of_bf16(w[n * K + k]) * x[t * K + k]);
+            for (int64_t k = 0; k < K; k++)
+                a += fabs((double)f_of_bf16(w[n * K + k]) * x[t * K + k]);
             absw[t * N + n] = a;
         }
     k3_backend *ref = nullptr;
@@ -145,8 +146,7 @@ static void gemm_case(int64_t N, int64_t K, int64_t T) {
         }
         CHECK(untouched == N, "%s S=%d: wrote %lld elements of row T", what, S,
               (long long)(N - untouched));
-        CHECK(memcmp(y1, y, (size_t)N * 4) == 0, "%s S=%d: token 0 alone != token 0 of T", what,
-              S);
+        CHECK(memcmp(y1, y, (size_t)N * 4) == 0, "%s S=%d: token 0 alone != token 0 of T", what, S);
         worst[si] = worst_rel(y, want, absw, T * N);
     }
     /* W16A16: each x_k rounded to bf16 (<= 2^-9 relative), fp32 sums on both sides (K each) */
@@ -157,8 +157,8 @@ static void gemm_case(int64_t N, int64_t K, int64_t T) {
     /* the split bound must be able to fail: one plane does not meet it */
     CHECK(worst[0] > b3, "%s: W16A16's error %.3g of Σ|w x| meets the 3-plane bound %.3g", what,
           worst[0], b3);
-    printf("  %s: worst |err| / Σ|w x|: W16A16 %.3g (bound %.3g), 3xBF16 %.3g (bound %.3g)\n",
-           what, worst[0], b1, worst[1], b3);
+    printf("  %s: worst |err| / Σ|w x|: W16A16 %.3g (bound %.3g), 3xBF16 %.3g (bound %.3g)\n", what,
+           worst[0], b1, worst[1], b3);
     cudaFree(dw), cudaFree(dx), cudaFree(dy), cudaFree(dy1);
     free(w), free(x), free(want), free(y), free(y1), free(absw);
 }

@@ -153,6 +153,16 @@ if(K3_CUDA_EMULATE)
   target_link_libraries(test_cuda_emu PRIVATE k3cuda)
   add_test(NAME cuda_emu COMMAND test_cuda_emu)
   set_tests_properties(cuda_emu PROPERTIES LABELS "gpuemu" TIMEOUT 120 ENVIRONMENT "${K3_TEST_ENV}")
+  # device memory in its own address range and asynchronous streams, each check on an injected
+  # bug (issue 44; kernels/cuda/emu/emu_devmem.cpp, emu_streams.cpp)
+  set_source_files_properties(${CMAKE_CURRENT_LIST_DIR}/test_emu_checks.cu PROPERTIES
+                              LANGUAGE CXX COMPILE_OPTIONS "-xc++;-std=c++17;-Wno-unknown-pragmas")
+  add_executable(test_emu_checks ${CMAKE_CURRENT_LIST_DIR}/test_emu_checks.cu)
+  target_include_directories(test_emu_checks PRIVATE ${CMAKE_SOURCE_DIR}/kernels/cuda)
+  target_compile_options(test_emu_checks PRIVATE -Wall -Wextra -Wshadow $<$<BOOL:${K3_WERROR}>:-Werror>)
+  target_link_libraries(test_emu_checks PRIVATE k3lib)
+  add_test(NAME emu_checks COMMAND test_emu_checks)
+  set_tests_properties(emu_checks PROPERTIES LABELS "gpuemu" TIMEOUT 120 ENVIRONMENT "${K3_TEST_ENV}")
 endif()
 # test_cuda_graph: the emulation's CUDA graphs (issue 45): record / replay, and what a capture
 # forbids failing with a k3emu line

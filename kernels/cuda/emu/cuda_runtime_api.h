@@ -4,13 +4,13 @@
  * path of an emulation build, so it shadows the toolkit's header; C and C++ include it alike.
  *
  * The model: one emulated device per process (K3_EMU_DEVICES changes the count); device memory is
- * host memory (256-byte aligned, each allocation its own heap block, so ASan sees every
- * out-of-bounds access); every stream operation (copies, memsets, kernel launches) runs to
- * completion inside the call that enqueues it, so stream order, and the order between streams,
- * hold trivially; a stream in capture (cudaStreamBeginCapture, emu_graph.cpp) records them
- * instead, and a graph launch replays them. Errors are sticky per thread as on the device: a failed
- * launch is returned by the next cudaGetLastError. Kernels: cuda_runtime.h (C++ only) and
- * k3emu_device.h. */
+ * its own address range, unreadable by the host while no device work runs (emu_devmem.cpp: a
+ * host dereference of a device pointer aborts with a k3emu: line naming the allocation); every
+ * stream runs its operations (copies, memsets, kernel launches, events) in order on its own
+ * worker thread, asynchronously to the host (emu_streams.cpp). Errors: a bad launch
+ * configuration is returned by the next cudaGetLastError; a kernel that breaks a CUDA rule, by
+ * the next synchronisation (or cudaGetLastError after it ran). Kernels: cuda_runtime.h (C++
+ * only) and k3emu_device.h. */
 #ifndef K3_EMU_CUDA_RUNTIME_API_H
 #define K3_EMU_CUDA_RUNTIME_API_H
 
@@ -146,6 +146,15 @@ unsigned long long k3emu_mma_count(const char *kernel);
  * threads in thread order; any other value shuffles both, differently per seed and launch, so an
  * ordering race shows up as a difference between seeds. */
 void k3emu_set_seed(unsigned long long seed);
+
+/* Emulation only (test hook): 1 holds stream s's worker before its next operation, so what is
+ * enqueued stays pending; 0 lets it go on. */
+void k3emu_stream_pause(cudaStream_t s, int paused);
+/* Emulation only: device work done by the host itself (the NCCL stand-in's MPI transfers of
+ * device buffers): open waits for every stream, then holds the device with its memory range
+ * readable until the matching close (nested pairs on one thread count). */
+void k3emu_device_open(void);
+void k3emu_device_close(void);
 
 #ifdef __cplusplus
 }

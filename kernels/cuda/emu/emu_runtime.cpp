@@ -10,10 +10,8 @@
  * Memory: cudaMalloc is posix_memalign(256) of exactly the bytes asked (so ASan's redzone starts
  * at the first byte past the end); the free/total of cudaMemGetInfo are an emulated device of
  * K3_EMU_DEVICE_MEM_GB GiB (default 64) less the bytes allocated. */
-#include "cuda_runtime.h"
-#include "emu_graph.h"
+#include "emu_internal.h"
 
-#include <malloc.h>
 #include <stdarg.h>
 #include <stdio.h>
 #include <stdlib.h>
@@ -97,53 +95,9 @@ unsigned long long gcd(unsigned long long a, unsigned long long b) {
     }
     return a;
 }
-size_t g_allocated;
 int g_device;
 
-cudaError_t set_err(cudaError_t e) {
-    if (e != cudaSuccess && g_last_err == cudaSuccess) g_last_err = e;
-    return e;
-}
-/* a call CUDA forbids inside a stream capture (emu_graph.cpp) */
-#define FORBID_IN_CAPTURE(api, s)                                                                  \
-    do {                                                                                           \
-        const cudaError_t cap_e_ = k3emu::forbid_in_capture(api, s);                               \
-        if (cap_e_ != cudaSuccess) return set_err(cap_e_);                                         \
-    } while (0)
-
-/* the copies and memsets of the API, run now or recorded by a capture (emu_graph.cpp) */
-struct copy_op {
-    void *dst;
-    const void *src;
-    size_t n;
-    void run() const {
-        if (n) memmove(dst, src, n);
-    }
-};
-struct copy2d_op {
-    void *dst;
-    size_t dpitch;
-    const void *src;
-    size_t spitch, width, height;
-    void run() const {
-        for (size_t r = 0; r < height && width; r++)
-            memmove((char *)dst + r * dpitch, (const char *)src + r * spitch, width);
-    }
-};
-struct memset_op {
-    void *p;
-    int v;
-    size_t n;
-    void run() const {
-        if (n) memset(p, v, n);
-    }
-};
-/* op on stream s: recorded when s is capturing, else run now */
-template <class T> cudaError_t enqueue(cudaStream_t s, const char *what, const T &op) {
-    if (k3emu::capturing(s)) return k3emu::record(s, what, op);
-    op.run();
-    return cudaSuccess;
-}
+using k3emu::set_err;
 
 /* ---- fibers -------------------------------------------------------------------------------- */
 #if defined(__x86_64__)
@@ -401,12 +355,6 @@ bool release(block_run *r) {
     return false;
 }
 
-double now_s(void) {
-    struct timespec t;
-    clock_gettime(CLOCK_MONOTONIC, &t);
-    return (double)t.tv_sec + 1e-9 * (double)t.tv_nsec;
-}
-
 void poison_shared(block_run *r) {
     for (unsigned i = 0; i < r->n_decl; i++) memset(r->decl[i], 0xff, r->decl_bytes[i]);
     if (r->dyn_bytes) memset(r->dyn, 0xff, r->dyn_bytes);
@@ -416,6 +364,11 @@ void poison_shared(block_run *r) {
 
 /* ---- device-side entry points (k3emu_device.h) ----------------------------------------------- */
 namespace k3emu {
+
+cudaError_t set_err(cudaError_t e) {
+    if (e != cudaSuccess && g_last_err == cudaSuccess) g_last_err = e;
+    return e;
+}
 
 unsigned lane_id(void) {
     return cur_fiber->lin & 31u;
@@ -555,8 +508,7 @@ void cp_wait(unsigned n) {
 }
 
 void run_grid(const char *name, dim3 grid, dim3 block, size_t shmem, cudaStream_t s,
-              void (*body)(void *), void *closure) {
-    (void)s;
+              void (*body)(void *), void *closure, void (*drop)(void *)) {
     g_launches++;
     const unsigned long long nt = (unsigned long long)block.x * block.y * block.z;
     if (!grid.x || !grid.y || !grid.z || !nt || grid.x > 0x7fffffffu || grid.y > 65535 ||
@@ -565,17 +517,30 @@ void run_grid(const char *name, dim3 grid, dim3 block, size_t shmem, cudaStream_
                 "k3emu: kernel %s: invalid configuration: grid (%u,%u,%u), block (%u,%u,%u)\n",
                 name, grid.x, grid.y, grid.z, block.x, block.y, block.z);
         set_err(cudaErrorInvalidConfiguration);
+        drop(closure);
         return;
     }
     if (shmem > MAX_SHARED) {
         fprintf(stderr, "k3emu: kernel %s: %zu bytes of dynamic shared memory (at most %d)\n", name,
                 shmem, MAX_SHARED);
         set_err(cudaErrorInvalidValue);
+        drop(closure);
         return;
     }
+    enqueue_grid(s, grid_job{name, grid, block, shmem, body, closure, drop});
+}
+
+/* one grid on the calling thread (a stream's worker, inside work_begin / work_end) */
+bool exec_grid(const grid_job &j) {
+    const char *name = j.name;
+    const dim3 grid = j.grid, block = j.block;
+    const size_t shmem = j.shmem;
+    void (*body)(void *) = j.body;
+    void *closure = j.closure;
+    const unsigned long long nt = (unsigned long long)block.x * block.y * block.z;
     if (!stacks_ready()) {
-        set_err(cudaErrorMemoryAllocation);
-        return;
+        fprintf(stderr, "k3emu: kernel %s: no memory for the fibers' stacks\n", name);
+        return false;
     }
     static thread_local fiber fibers[MAX_THREADS];
     static thread_local uint64_t warp_val[MAX_THREADS / 32][32];
@@ -646,7 +611,7 @@ void run_grid(const char *name, dim3 grid, dim3 block, size_t shmem, cudaStream_
     free(run.dyn);
     g_run = outer;
     cur_launch = outer_l;
-    if (run.failed) set_err(cudaErrorLaunchFailure);
+    return !run.failed;
 }
 
 cudaError_t note_error(cudaError_t e) {
@@ -656,14 +621,6 @@ cudaError_t note_error(cudaError_t e) {
 } // namespace k3emu
 
 /* ---- the runtime API ---------------------------------------------------------------------- */
-struct k3emu_stream {
-    unsigned flags;
-};
-struct k3emu_event {
-    unsigned flags;
-    double t; /* < 0: never recorded */
-};
-
 extern "C" {
 
 const char *cudaGetErrorName(cudaError_t e) {
@@ -730,13 +687,14 @@ const char *cudaGetErrorString(cudaError_t e) {
         return "unknown error";
     }
 }
+/* the host thread's own error first, else the error of device work that failed since */
 cudaError_t cudaGetLastError(void) {
     cudaError_t e = g_last_err;
     g_last_err = cudaSuccess;
-    return e;
+    return e != cudaSuccess ? e : k3emu::async_error(true);
 }
 cudaError_t cudaPeekAtLastError(void) {
-    return g_last_err;
+    return g_last_err != cudaSuccess ? g_last_err : k3emu::async_error(false);
 }
 
 static int emu_devices(void) {
@@ -758,167 +716,12 @@ cudaError_t cudaGetDevice(int *device) {
     *device = g_device;
     return cudaSuccess;
 }
-cudaError_t cudaDeviceSynchronize(void) {
-    FORBID_IN_CAPTURE("cudaDeviceSynchronize", nullptr);
-    return cudaSuccess;
-}
 cudaError_t cudaMemGetInfo(size_t *free_bytes, size_t *total_bytes) {
     const char *v = getenv("K3_EMU_DEVICE_MEM_GB");
     const size_t total = (size_t)((v && *v ? atof(v) : 64.0) * (double)((size_t)1 << 30));
     if (total_bytes) *total_bytes = total;
-    if (free_bytes) *free_bytes = g_allocated < total ? total - g_allocated : 0;
-    return cudaSuccess;
-}
-
-cudaError_t cudaMalloc(void **p, size_t n) {
-    if (!p) return set_err(cudaErrorInvalidValue);
-    *p = nullptr;
-    FORBID_IN_CAPTURE("cudaMalloc", nullptr);
-    if (posix_memalign(p, 256, n ? n : 1)) return set_err(cudaErrorMemoryAllocation);
-    g_allocated += malloc_usable_size(*p);
-    return cudaSuccess;
-}
-cudaError_t cudaFree(void *p) {
-    FORBID_IN_CAPTURE("cudaFree", nullptr);
-    if (p) g_allocated -= malloc_usable_size(p);
-    free(p);
-    return cudaSuccess;
-}
-cudaError_t cudaMallocHost(void **p, size_t n) {
-    if (!p) return set_err(cudaErrorInvalidValue);
-    *p = nullptr;
-    FORBID_IN_CAPTURE("cudaMallocHost", nullptr);
-    if (posix_memalign(p, 64, n ? n : 1)) return set_err(cudaErrorMemoryAllocation);
-    return cudaSuccess;
-}
-cudaError_t cudaFreeHost(void *p) {
-    FORBID_IN_CAPTURE("cudaFreeHost", nullptr);
-    free(p);
-    return cudaSuccess;
-}
-
-static cudaError_t copy_check(void *dst, const void *src, size_t n, cudaMemcpyKind kind) {
-    if (n && (!dst || !src)) return set_err(cudaErrorInvalidValue);
-    if ((unsigned)kind > cudaMemcpyDefault) return set_err(cudaErrorInvalidValue);
-    return cudaSuccess;
-}
-cudaError_t cudaMemcpy(void *dst, const void *src, size_t n, cudaMemcpyKind kind) {
-    if (copy_check(dst, src, n, kind) != cudaSuccess) return cudaErrorInvalidValue;
-    FORBID_IN_CAPTURE("cudaMemcpy (synchronous)", nullptr);
-    return enqueue(nullptr, "cudaMemcpy", copy_op{dst, src, n});
-}
-cudaError_t cudaMemcpyAsync(void *dst, const void *src, size_t n, cudaMemcpyKind kind,
-                            cudaStream_t s) {
-    if (copy_check(dst, src, n, kind) != cudaSuccess) return cudaErrorInvalidValue;
-    return enqueue(s, "cudaMemcpyAsync", copy_op{dst, src, n});
-}
-static cudaError_t copy2d_check(void *dst, size_t dpitch, const void *src, size_t spitch,
-                                size_t width, size_t height, cudaMemcpyKind kind) {
-    if (width > dpitch || width > spitch || (unsigned)kind > cudaMemcpyDefault)
-        return set_err(cudaErrorInvalidValue);
-    if (height && width && (!dst || !src)) return set_err(cudaErrorInvalidValue);
-    return cudaSuccess;
-}
-cudaError_t cudaMemcpy2D(void *dst, size_t dpitch, const void *src, size_t spitch, size_t width,
-                         size_t height, cudaMemcpyKind kind) {
-    if (copy2d_check(dst, dpitch, src, spitch, width, height, kind) != cudaSuccess)
-        return cudaErrorInvalidValue;
-    FORBID_IN_CAPTURE("cudaMemcpy2D (synchronous)", nullptr);
-    return enqueue(nullptr, "cudaMemcpy2D", copy2d_op{dst, dpitch, src, spitch, width, height});
-}
-cudaError_t cudaMemcpy2DAsync(void *dst, size_t dpitch, const void *src, size_t spitch,
-                              size_t width, size_t height, cudaMemcpyKind kind, cudaStream_t s) {
-    if (copy2d_check(dst, dpitch, src, spitch, width, height, kind) != cudaSuccess)
-        return cudaErrorInvalidValue;
-    return enqueue(s, "cudaMemcpy2DAsync", copy2d_op{dst, dpitch, src, spitch, width, height});
-}
-cudaError_t cudaMemset(void *p, int v, size_t n) {
-    if (n && !p) return set_err(cudaErrorInvalidValue);
-    FORBID_IN_CAPTURE("cudaMemset (synchronous)", nullptr);
-    return enqueue(nullptr, "cudaMemset", memset_op{p, v, n});
-}
-cudaError_t cudaMemsetAsync(void *p, int v, size_t n, cudaStream_t s) {
-    if (n && !p) return set_err(cudaErrorInvalidValue);
-    return enqueue(s, "cudaMemsetAsync", memset_op{p, v, n});
-}
-
-cudaError_t cudaStreamCreate(cudaStream_t *s) {
-    return cudaStreamCreateWithFlags(s, cudaStreamDefault);
-}
-cudaError_t cudaStreamCreateWithFlags(cudaStream_t *s, unsigned flags) {
-    if (!s) return set_err(cudaErrorInvalidValue);
-    *s = (cudaStream_t)calloc(1, sizeof(k3emu_stream));
-    if (!*s) return set_err(cudaErrorMemoryAllocation);
-    (*s)->flags = flags;
-    return cudaSuccess;
-}
-cudaError_t cudaStreamDestroy(cudaStream_t s) {
-    free(s);
-    return cudaSuccess;
-}
-cudaError_t cudaStreamSynchronize(cudaStream_t s) {
-    FORBID_IN_CAPTURE("cudaStreamSynchronize", s);
-    return cudaSuccess;
-}
-cudaError_t cudaStreamQuery(cudaStream_t s) {
-    FORBID_IN_CAPTURE("cudaStreamQuery", s);
-    return cudaSuccess; /* every operation completed when it was enqueued */
-}
-cudaError_t cudaStreamWaitEvent(cudaStream_t s, cudaEvent_t e, unsigned flags) {
-    (void)flags;
-    if (!e) return set_err(cudaErrorInvalidResourceHandle);
-    if (k3emu::capturing(s) && !k3emu::event_in_capture(s, e))
-        FORBID_IN_CAPTURE("cudaStreamWaitEvent on an event not recorded in this capture (the "
-                          "emulator captures one stream, without cross-stream joins)",
-                          s);
-    return cudaSuccess;
-}
-
-cudaError_t cudaEventCreate(cudaEvent_t *e) {
-    return cudaEventCreateWithFlags(e, cudaEventDefault);
-}
-cudaError_t cudaEventCreateWithFlags(cudaEvent_t *e, unsigned flags) {
-    if (!e) return set_err(cudaErrorInvalidValue);
-    *e = (cudaEvent_t)calloc(1, sizeof(k3emu_event));
-    if (!*e) return set_err(cudaErrorMemoryAllocation);
-    (*e)->flags = flags;
-    (*e)->t = -1;
-    return cudaSuccess;
-}
-cudaError_t cudaEventDestroy(cudaEvent_t e) {
-    free(e);
-    return cudaSuccess;
-}
-cudaError_t cudaEventRecord(cudaEvent_t e, cudaStream_t s) {
-    if (!e) return set_err(cudaErrorInvalidResourceHandle);
-    if (k3emu::capturing(s)) {
-        struct record_op {
-            cudaEvent_t e;
-            void run() const {
-                e->t = now_s();
-            }
-        };
-        k3emu::note_event(s, e);
-        return k3emu::record(s, "cudaEventRecord", record_op{e});
-    }
-    e->t = now_s();
-    return cudaSuccess;
-}
-cudaError_t cudaEventSynchronize(cudaEvent_t e) {
-    if (!e) return set_err(cudaErrorInvalidResourceHandle);
-    FORBID_IN_CAPTURE("cudaEventSynchronize", nullptr);
-    return cudaSuccess;
-}
-cudaError_t cudaEventQuery(cudaEvent_t e) {
-    if (!e) return set_err(cudaErrorInvalidResourceHandle);
-    FORBID_IN_CAPTURE("cudaEventQuery", nullptr);
-    return cudaSuccess;
-}
-cudaError_t cudaEventElapsedTime(float *ms, cudaEvent_t a, cudaEvent_t b) {
-    if (!ms || !a || !b) return set_err(cudaErrorInvalidValue);
-    if (a->t < 0 || b->t < 0 || (a->flags | b->flags) & cudaEventDisableTiming)
-        return set_err(cudaErrorInvalidResourceHandle);
-    *ms = (float)((b->t - a->t) * 1e3);
+    const size_t used = k3emu::dev_allocated();
+    if (free_bytes) *free_bytes = used < total ? total - used : 0;
     return cudaSuccess;
 }
 

@@ -123,14 +123,11 @@ void cp_wait(unsigned n);
  * called twice, is one array, as on the device) */
 void *shared_static(const void *site, size_t bytes, size_t align, const char *what);
 void *shared_dynamic(void);
-/* Stream capture (emu_graph.cpp): s is capturing; record a launch whose closure (a heap copy,
- * freed by drop) the graph owns. */
-bool capturing(cudaStream_t s);
-void capture_kernel(const char *name, const dim3 &grid, const dim3 &block, size_t shmem,
-                    cudaStream_t s, void (*body)(void *), void *closure, void (*drop)(void *));
-/* Runs the grid: body(closure) per thread. Reports errors through cudaGetLastError. */
+/* Enqueues the grid on stream s (emu_streams.cpp): body(closure) per thread, run later by the
+ * stream's worker; drop(closure) frees it after. A bad configuration is reported at once (the
+ * next cudaGetLastError); a kernel that breaks a CUDA rule, at the next synchronisation. */
 void run_grid(const char *name, dim3 grid, dim3 block, size_t shmem, cudaStream_t s,
-              void (*body)(void *), void *closure);
+              void (*body)(void *), void *closure, void (*drop)(void *));
 
 template <class... P> struct launcher {
     const char *name;
@@ -142,18 +139,18 @@ template <class... P> struct launcher {
         struct closure {
             void (*k)(P...);
             std::tuple<P...> args;
-        } c{kernel, std::tuple<P...>(static_cast<P>(a)...)};
-        /* each thread gets its own copy of the by-value parameters, as from constant memory */
-        void (*body)(void *) = [](void *p) {
-            closure *cl = static_cast<closure *>(p);
-            std::tuple<P...> mine = cl->args;
-            std::apply(cl->k, mine);
         };
-        if (capturing(stream)) /* a node of the graph, with its own copy (emu_graph.cpp) */
-            capture_kernel(name, grid, block, shmem, stream, body, new closure(c),
-                           [](void *p) { delete static_cast<closure *>(p); });
-        else
-            run_grid(name, grid, block, shmem, stream, body, &c);
+        /* the arguments as of the launch, kept until the stream runs it */
+        closure *c = new closure{kernel, std::tuple<P...>(static_cast<P>(a)...)};
+        /* each thread gets its own copy of the by-value parameters, as from constant memory */
+        run_grid(
+            name, grid, block, shmem, stream,
+            [](void *p) {
+                closure *cl = static_cast<closure *>(p);
+                std::tuple<P...> mine = cl->args;
+                std::apply(cl->k, mine);
+            },
+            c, [](void *p) { delete static_cast<closure *>(p); });
     }
 };
 template <class... P>
