@@ -339,6 +339,16 @@ typedef struct k3_op_stats {
 
 /* The memory half of a backend (ggml's buffer interface in spirit). n bytes; buffers are
  * zero-filled and 64-byte aligned. */
+/* A device backend's device, for `k3 bench kernels`: its name and peaks (from the device's
+ * attributes; 0 when unknown) or, under the CUDA emulation, emulated with its counters. A
+ * backend without a device: K3_ERR_ARG. */
+typedef struct k3_device_info {
+    char name[96];
+    bool emulated;          /* the CUDA emulation: no timing, counts only */
+    double hbm_gbs;         /* peak memory bandwidth, GB/s */
+    double tensor_tflops;   /* dense bf16 tensor-core peak, TFLOP/s */
+    unsigned long long mma; /* emulated: warp-level mma run so far (after a synchronise) */
+} k3_device_info;
 typedef struct k3_backend_iface {
     k3_status (*alloc)(k3_backend *be, size_t n_bytes, void **out);
     void (*free)(k3_backend *be, void *p);
@@ -389,6 +399,7 @@ typedef struct k3_backend_iface {
     k3_status (*errors_defer)(k3_backend *be, bool on);
     k3_status (*errors_fetch)(k3_backend *be);
     k3_status (*errors_verdict)(k3_backend *be);
+    k3_status (*device_info)(k3_backend *be, k3_device_info *out); /* NULL: none */
 } k3_backend_iface;
 
 struct k3_backend {
@@ -457,6 +468,7 @@ void k3_backend_graph_destroy(k3_backend *be, k3_backend_graph *g);
 k3_status k3_backend_errors_defer(k3_backend *be, bool on);
 k3_status k3_backend_errors_fetch(k3_backend *be);
 k3_status k3_backend_errors_verdict(k3_backend *be);
+k3_status k3_backend_device_info(k3_backend *be, k3_device_info *out);
 /* The backend's counters: K3_ERR_ARG when it does not count (ref, cpu). */
 k3_status k3_backend_op_stats(const k3_backend *be, k3_op_stats *out);
 k3_status k3_backend_memory(const k3_backend *be, size_t *free_bytes, size_t *total_bytes);

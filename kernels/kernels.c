@@ -296,6 +296,11 @@ k3_status k3_backend_errors_fetch(k3_backend *be) {
 k3_status k3_backend_errors_verdict(k3_backend *be) {
     return be->mem_->errors_verdict ? be->mem_->errors_verdict(be) : K3_OK;
 }
+k3_status k3_backend_device_info(k3_backend *be, k3_device_info *out) {
+    memset(out, 0, sizeof *out);
+    if (!be->mem_->device_info) return K3_ERR(K3_ERR_ARG, "the %s backend has no device", be->name);
+    return be->mem_->device_info(be, out);
+}
 k3_status k3_backend_op_stats(const k3_backend *be, k3_op_stats *out) {
     memset(out, 0, sizeof *out);
     if (!be->mem_->op_stats)

@@ -13,7 +13,11 @@
  * Contents are random bits with a bounded exponent (finite, neither huge nor subnormal; filling
  * ~2 GB with a normal RNG per element would take longer than the benchmark).
  * A device backend (--backend cuda): inputs and weights are uploaded once; each sample is 20
- * calls and one synchronise, divided by 20; the % columns stay relative to this host's limits.
+ * calls and one synchronise, divided by 20; GB/s and TFLOP/s are reported as % of the device's
+ * HBM and dense bf16 tensor peaks (k3_backend_device_info), beside a device-to-device copy of the
+ * elementwise array (copy2d: cudaMemcpy2DAsync) in the same run. Under the CUDA emulation each
+ * op runs once on 1 MiB shapes (unless --size-mb) and its row holds counts only: the bytes and
+ * FLOPs it must move and do, and the mma.m16n8k16 it ran.
  * Adding an op: a block in bench_kernels_run that fills a bench_op and calls add_row. */
 #include "bench.h"
 
@@ -25,7 +29,9 @@
 typedef struct {
     k3_backend *be;
     int reps, warmups;
-    double *samples; /* [reps] seconds of the last timed op */
+    double *samples;     /* [reps] seconds of the last timed op */
+    bool dev;            /* a device backend: its own peaks (info) instead of the host's limits */
+    k3_device_info info; /* info.emulated: no timing, one call per op and its counts */
 } kctx;
 
 /* Random floats ±[2^-7, 2): sign and mantissa random, exponent in [120, 127]. */
@@ -109,7 +115,8 @@ typedef enum {
     OP_SIGMOID,
     OP_SITU,
     OP_SWIGLU,
-    OP_SOFTMAX
+    OP_SOFTMAX,
+    OP_COPY
 } op_kind;
 
 typedef struct {
@@ -134,6 +141,8 @@ static k3_status run_op(k3_backend *be, const bench_op *o) {
         return be->ops->situ(be, o->x, o->x + o->n, o->n, 4.0f, 25.0f, o->y);
     case OP_SWIGLU:
         return be->ops->swiglu(be, o->x, o->x + o->n, o->n, o->y);
+    case OP_COPY: /* one row: a device-to-device cudaMemcpy on cuda */
+        return be->ops->copy2d(be, o->y, o->n, o->x, o->n, 1, o->n);
     default:
         return be->ops->softmax(be, o->x, o->T, o->n / o->T, o->y);
     }
@@ -163,8 +172,49 @@ static k3_status time_op(kctx *k, const bench_op *o, double *median_s) {
 
 /* Time op `o` and add its row: name, ms, GB/s, % triad, GFLOP/s, % peak (+ the raw numbers and
  * the samples in JSON). */
+/* The CUDA emulation: one call, and what it must move and do, with the mma it ran (no time:
+ * the emulator's speed says nothing of a device's) */
+static k3_status add_counts(kctx *k, bench_report *rep, const char *name, const bench_op *o,
+                            double bytes, double flops) {
+    k3_device_info before, after;
+    K3_TRY(k3_backend_device_info(k->be, &before));
+    K3_TRY(run_op(k->be, o));
+    K3_TRY(k3_backend_device_info(k->be, &after)); /* synchronises */
+    bench_row *r;
+    K3_TRY(bench_add_row(rep, &r));
+    K3_TRY(bench_put_str(r, "op", "op", name));
+    K3_TRY(bench_put_num(r, "bytes", "bytes", -1, bytes));
+    K3_TRY(bench_put_num(r, "flops", "FLOPs", -1, flops));
+    return bench_put_num(r, "mma", "mma.m16n8k16", -1, (double)(after.mma - before.mma));
+}
+
+/* A device: GB/s and TFLOP/s as % of the device's HBM and tensor peaks */
+static k3_status add_device_row(kctx *k, bench_report *rep, const char *name, const bench_op *o,
+                                double bytes, double flops) {
+    double s = 0;
+    K3_TRY(time_op(k, o, &s));
+    const double gbs = bytes / s / 1e9, tfl = flops / s / 1e12;
+    K3_LOGI("bench kernels: %s: %.3f ms", name, 1e3 * s);
+    bench_row *r;
+    K3_TRY(bench_add_row(rep, &r));
+    K3_TRY(bench_put_str(r, "op", "op", name));
+    K3_TRY(bench_put_num(r, NULL, "ms", 3, 1e3 * s));
+    K3_TRY(bench_put_num(r, "seconds", NULL, 9, s));
+    K3_TRY(bench_put_num(r, "bytes", NULL, -1, bytes));
+    K3_TRY(bench_put_num(r, "flops", NULL, -1, flops));
+    K3_TRY(bench_put_num(r, "gbs", "GB/s", 1, gbs));
+    K3_TRY(bench_put_num(r, "hbm_fraction", "% HBM", 1,
+                         k->info.hbm_gbs > 0 ? 100 * gbs / k->info.hbm_gbs : 0));
+    K3_TRY(bench_put_num(r, "tflops", "TFLOP/s", 3, tfl));
+    K3_TRY(bench_put_num(r, "tensor_fraction", "% tensor", 2,
+                         k->info.tensor_tflops > 0 ? 100 * tfl / k->info.tensor_tflops : 0));
+    return bench_put_arr(r, "samples_s", k->samples, k->reps);
+}
+
 static k3_status add_row(kctx *k, bench_report *rep, const bench_limits *lim, const char *name,
                          const bench_op *o, double bytes, double flops) {
+    if (k->dev && k->info.emulated) return add_counts(k, rep, name, o, bytes, flops);
+    if (k->dev) return add_device_row(k, rep, name, o, bytes, flops);
     double s = 0;
     K3_TRY(time_op(k, o, &s));
     const double gbs = bytes / s / 1e9, gfl = flops / s / 1e9;
@@ -224,7 +274,7 @@ static k3_status matmuls(kctx *k, bench_report *rep, const bench_limits *lim, k3
     return st;
 }
 
-static k3_status meta(bench_report *rep, const bench_kernels_opts *o, k3_backend *be,
+static k3_status meta(bench_report *rep, const bench_kernels_opts *o, k3_backend *be, const kctx *k,
                       const bench_limits *lim, int64_t bytes) {
     bench_row *m = &rep->meta;
     K3_TRY(bench_meta_host(m));
@@ -237,6 +287,15 @@ static k3_status meta(bench_report *rep, const bench_kernels_opts *o, k3_backend
     K3_TRY(bench_put_num(m, "prefill", "prefill tokens (T)", -1, (double)o->prefill));
     K3_TRY(bench_put_num(m, "array_bytes", "bytes of each weight / array", -1, (double)bytes));
     K3_TRY(bench_put_num(m, "seed", "seed", -1, (double)o->seed));
+    if (k->dev) {
+        K3_TRY(bench_put_str(m, "device", "device", k->info.name));
+        if (!k->info.emulated) {
+            K3_TRY(bench_put_num(m, "hbm_gbs", "device HBM peak GB/s", 1, k->info.hbm_gbs));
+            K3_TRY(bench_put_num(m, "tensor_tflops", "device dense bf16 tensor peak TFLOP/s", 1,
+                                 k->info.tensor_tflops));
+        }
+        return K3_OK;
+    }
     return bench_put_limits(m, lim);
 }
 
@@ -245,7 +304,16 @@ k3_status bench_kernels_run(const bench_kernels_opts *o, bench_report *rep) {
         o->prefill > 65536 || o->warmups < 0)
         return K3_ERR(K3_ERR_ARG, "bench kernels: threads in [1, 256], repetitions in [1, 1000], "
                                   "prefill in [1, 65536], warm-ups >= 0");
-    const int64_t bytes = o->bytes > 0 ? o->bytes : bench_big_bytes();
+    k3_backend *be = NULL;
+    K3_TRY(k3_backend_create(o->backend ? o->backend : "cpu",
+                             &(k3_backend_params){.n_threads = o->threads}, &be));
+    kctx k = {.be = be, .reps = o->reps, .warmups = o->warmups};
+    k.dev = k3_backend_device_info(be, &k.info) == K3_OK;
+    k3_clear_error();
+    /* the emulation runs each op once on small shapes: counts, not speed */
+    const int64_t bytes = o->bytes > 0               ? o->bytes
+                          : k.dev && k.info.emulated ? (int64_t)1 << 20
+                                                     : bench_big_bytes();
     const int64_t in = 4096;
     /* rows of each weight: `bytes` of it, a multiple of 64 (at least 64) */
     const struct {
@@ -262,17 +330,19 @@ k3_status bench_kernels_run(const bench_kernels_opts *o, bench_report *rep) {
                                     K3_MAX(2 * n_ew, max_out)),
                   y_floats = K3_MAX(K3_MAX(o->prefill * (max_out / 8 + 64), max_out), n_ew);
 
-    k3_backend *be = NULL;
-    K3_TRY(k3_backend_create(o->backend ? o->backend : "cpu",
-                             &(k3_backend_params){.n_threads = o->threads}, &be));
     bench_limits lim;
-    k3_status st = bench_measure_limits(o->threads, K3_MIN(K3_MAX(o->reps, 5), 16), bytes, &lim);
-    char how[400];
-    bench_limits_describe(&lim, how, sizeof how);
-    if (st == K3_OK)
-        K3_LOGI("bench kernels: %s backend, ISA %s; %s", be->name, k3_cpu_isa_name(be), how);
-    if (st == K3_OK) st = meta(rep, o, be, &lim, bytes);
-    kctx k = {.be = be, .reps = o->reps, .warmups = o->warmups};
+    memset(&lim, 0, sizeof lim);
+    k3_status st = K3_OK;
+    if (k.dev) { /* the device's own peaks, not this host's limits */
+        K3_LOGI("bench kernels: %s backend on %s", be->name, k.info.name);
+    } else {
+        st = bench_measure_limits(o->threads, K3_MIN(K3_MAX(o->reps, 5), 16), bytes, &lim);
+        char how[400];
+        bench_limits_describe(&lim, how, sizeof how);
+        if (st == K3_OK)
+            K3_LOGI("bench kernels: %s backend, ISA %s; %s", be->name, k3_cpu_isa_name(be), how);
+    }
+    if (st == K3_OK) st = meta(rep, o, be, &k, &lim, bytes);
     float *xh = NULL, *yh = NULL, *x = NULL, *y = NULL;
     if (st == K3_OK)
         st = k3_alloc((void **)&k.samples, (size_t)o->reps * sizeof(double), "samples");
@@ -283,6 +353,12 @@ k3_status bench_kernels_run(const bench_kernels_opts *o, bench_report *rep) {
     if (st == K3_OK) fill_f32(&rng, xh, x_floats);
     if (st == K3_OK) st = on_be(be, xh, (size_t)x_floats * 4, (void **)&x);
     if (st == K3_OK) st = on_be(be, yh, (size_t)y_floats * 4, (void **)&y);
+    if (st == K3_OK && k.dev) { /* the reference: a device-to-device cudaMemcpy of n_ew floats */
+        char name[96];
+        snprintf(name, sizeof name, "copy d2d (cudaMemcpy) n=%lld", (long long)n_ew);
+        bench_op op = {OP_COPY, NULL, x, 1, n_ew, y};
+        st = add_row(&k, rep, &lim, name, &op, 8.0 * (double)n_ew, 0);
+    }
     for (int d = 0; st == K3_OK && d < 3; d++)
         st = matmuls(&k, rep, &lim, &rng, ws[d].dt, outs[d], in, o->prefill, x, y);
 

@@ -349,6 +349,32 @@ static void *cu_native_stream(k3_backend *be) {
 static k3_status cu_errors_defer(k3_backend *be, bool on);
 static k3_status cu_errors_fetch(k3_backend *be);
 static k3_status cu_errors_verdict(k3_backend *be);
+/* Peaks from the device's attributes: HBM = 2 (DDR) x memory clock x bus width; dense bf16
+ * tensor FLOPs per SM and clock: 4096 on sm_90 (H100/H200: 132 SMs x 1.83 GHz x 4096 = 989
+ * TFLOP/s, the published figure), 2048 on sm_80 / sm_86 / sm_89, 1024 before. */
+static k3_status cu_device_info(k3_backend *be, k3_device_info *out) {
+    CU_TRY(cudaStreamSynchronize(STREAM(be)));
+#ifdef K3_CUDA_EMULATION
+    snprintf(out->name, sizeof out->name, "k3emu (CUDA emulation on the host)");
+    out->emulated = true;
+    out->mma = k3emu_mma_count(NULL);
+#else
+    int dev = 0, mem_khz = 0, bus_bits = 0, sm_khz = 0, sms = 0, major = 0;
+    CU_TRY(cudaGetDevice(&dev));
+    struct cudaDeviceProp p;
+    CU_TRY(cudaGetDeviceProperties(&p, dev));
+    snprintf(out->name, sizeof out->name, "%s", p.name);
+    CU_TRY(cudaDeviceGetAttribute(&mem_khz, cudaDevAttrMemoryClockRate, dev));
+    CU_TRY(cudaDeviceGetAttribute(&bus_bits, cudaDevAttrGlobalMemoryBusWidth, dev));
+    CU_TRY(cudaDeviceGetAttribute(&sm_khz, cudaDevAttrClockRate, dev));
+    CU_TRY(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, dev));
+    CU_TRY(cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, dev));
+    out->hbm_gbs = 2.0 * (double)mem_khz * 1e3 * (double)bus_bits / 8.0 / 1e9;
+    const double per = major >= 9 ? 4096.0 : major == 8 ? 2048.0 : 1024.0;
+    out->tensor_tflops = (double)sms * (double)sm_khz * 1e3 * per / 1e12;
+#endif
+    return K3_OK;
+}
 static const k3_backend_iface k_cuda_iface = {
     .alloc = cu_alloc,
     .free = cu_free,
@@ -373,6 +399,7 @@ static const k3_backend_iface k_cuda_iface = {
     .errors_defer = cu_errors_defer,
     .errors_fetch = cu_errors_fetch,
     .errors_verdict = cu_errors_verdict,
+    .device_info = cu_device_info,
 };
 
 /* Copy a host array into the staging device buffer (stream-ordered); *dev points at it. */

@@ -47,7 +47,8 @@ static int g_pass, g_fail;
         }                                                                                          \
     } while (0)
 
-/* ---- device memory in its own range ----------------------------------------------------------- */
+/* ---- device memory in its own range -----------------------------------------------------------
+ */
 
 /* runs f in a child; its exit status and stderr */
 template <class F> static int in_child(F f, std::string *err) {
@@ -223,8 +224,7 @@ static void test_streams(void) {
     for (int i = 0; i < N; i++) good += h2[i] == 101.5f + (float)i;
     CHECK(good == N, "s2 after its wait: %d of %d right (h2[1] = %g)", good, N, (double)h2[1]);
     float ms = -1;
-    CHECK(cudaEventElapsedTime(&ms, e1, e2) == cudaSuccess && ms >= 0, "elapsed %g ms",
-          (double)ms);
+    CHECK(cudaEventElapsedTime(&ms, e1, e2) == cudaSuccess && ms >= 0, "elapsed %g ms", (double)ms);
 
     /* a kernel that breaks a rule is reported when it has run: at the next synchronisation */
     k3emu_stream_pause(s1, 1);
@@ -254,8 +254,8 @@ static void test_streams(void) {
               "download_async + record");
         int nan_before = 0;
         for (int i = 0; i < N; i++) nan_before += isnan(got[i]) != 0;
-        CHECK(nan_before == N, "backend download read before event_sync: %d of %d NaN",
-              nan_before, N);
+        CHECK(nan_before == N, "backend download read before event_sync: %d of %d NaN", nan_before,
+              N);
         k3emu_stream_pause(bs, 0);
         CHECK(k3_backend_event_sync(cu, ev) == K3_OK, "event_sync");
         CHECK(memcmp(got, src, sizeof src) == 0, "the download after event_sync");

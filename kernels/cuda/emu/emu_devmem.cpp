@@ -56,13 +56,13 @@ struct alloc_info {
 
 /* Heap objects never freed: worker threads may still use them while the process exits. */
 struct devmem {
-    std::mutex mu;                          /* the maps and the counters */
-    std::map<uintptr_t, size_t> free_;      /* address -> bytes, coalesced */
-    std::map<uintptr_t, alloc_info> live;   /* address -> its allocation */
+    std::mutex mu;                        /* the maps and the counters */
+    std::map<uintptr_t, size_t> free_;    /* address -> bytes, coalesced */
+    std::map<uintptr_t, alloc_info> live; /* address -> its allocation */
     size_t allocated = 0;
     unsigned long long seq = 0;
-    std::recursive_mutex work;              /* the device: one executor at a time */
-    int open_depth = 0;                     /* under work */
+    std::recursive_mutex work; /* the device: one executor at a time */
+    int open_depth = 0;        /* under work */
 };
 devmem *g_dm;
 uintptr_t g_base;
@@ -133,8 +133,8 @@ bool ready(void) {
         const double gb = v && *v ? atof(v) : 64.0;
         size_t total = (size_t)((gb > 0 ? gb : 64.0) * (double)((size_t)1 << 30));
         total = round_up(total + total / 8 + ((size_t)1 << 26), (size_t)1 << 21);
-        void *m = mmap(nullptr, total, PROT_NONE, MAP_PRIVATE | MAP_ANONYMOUS | MAP_NORESERVE, -1,
-                       0);
+        void *m =
+            mmap(nullptr, total, PROT_NONE, MAP_PRIVATE | MAP_ANONYMOUS | MAP_NORESERVE, -1, 0);
         if (m == MAP_FAILED) {
             fprintf(stderr, "k3emu: cannot reserve %zu bytes for device memory\n", total);
             return;

@@ -13,10 +13,10 @@ namespace k3emu {
 /* ---- emu_devmem.cpp: device memory ------------------------------------------------------------
  * Allocations come from one reserved range that is PROT_NONE while no device work runs; a host
  * access to it faults, and the SIGSEGV handler names the allocation (k3emu: line) and aborts. */
-void *dev_alloc(size_t n);          /* nullptr: out of the emulated device's memory */
-bool dev_free(void *p);             /* false: p is not the start of a live allocation */
-bool dev_contains(const void *p);   /* p lies in the device range */
-size_t dev_allocated(void);         /* bytes held by live allocations */
+void *dev_alloc(size_t n);        /* nullptr: out of the emulated device's memory */
+bool dev_free(void *p);           /* false: p is not the start of a live allocation */
+bool dev_contains(const void *p); /* p lies in the device range */
+size_t dev_allocated(void);       /* bytes held by live allocations */
 /* The emulated device's work: one executor at a time (a stream worker, a synchronous copy, or
  * the NCCL stand-in's transfers), with the device range readable and writable for its duration.
  * Re-entrant on one thread. */

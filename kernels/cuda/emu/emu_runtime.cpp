@@ -7,9 +7,9 @@
  * waits or ends; then a barrier whose whole group has arrived is released. A sweep that can
  * release nothing while threads still wait is a divergent barrier: reported, and the rest of the
  * launch is skipped. Under ASan the switches are announced (__sanitizer_*_switch_fiber).
- * Memory: cudaMalloc is posix_memalign(256) of exactly the bytes asked (so ASan's redzone starts
- * at the first byte past the end); the free/total of cudaMemGetInfo are an emulated device of
- * K3_EMU_DEVICE_MEM_GB GiB (default 64) less the bytes allocated. */
+ * A launch is enqueued on its stream (emu_streams.cpp) and run by the stream's worker thread
+ * (exec_grid); device memory is emu_devmem.cpp's. The free/total of cudaMemGetInfo are an
+ * emulated device of K3_EMU_DEVICE_MEM_GB GiB (default 64) less the bytes allocated. */
 #include "emu_internal.h"
 
 #include <stdarg.h>

@@ -63,9 +63,9 @@ struct k3emu_stream {
 };
 struct k3emu_event {
     unsigned flags;
-    k3emu_stream *s = nullptr;    /* the stream of the last record (nullptr: never recorded) */
-    unsigned long long seq = 0;   /* that record's operation */
-    double t = -1;                /* when the worker reached it */
+    k3emu_stream *s = nullptr;  /* the stream of the last record (nullptr: never recorded) */
+    unsigned long long seq = 0; /* that record's operation */
+    double t = -1;              /* when the worker reached it */
 };
 
 namespace {
@@ -227,8 +227,8 @@ cudaError_t copy_async(void *dst, size_t dpitch, const void *src, size_t spitch,
     if (!width || !height) return cudaSuccess;
     if (to_host(dst, kind) && v < 0)
         for (size_t r = 0; r < height; r++) memset((char *)dst + r * dpitch, 0xff, width);
-    enqueue(s, op{run_copy, drop_copy, new copy2d{dst, src, dpitch, spitch, width, height, v},
-                  true});
+    enqueue(s,
+            op{run_copy, drop_copy, new copy2d{dst, src, dpitch, spitch, width, height, v}, true});
     return cudaSuccess;
 }
 

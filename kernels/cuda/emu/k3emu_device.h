@@ -1,8 +1,9 @@
 /* k3emu_device.h — the device side of k3's CUDA emulation (C++, K3_CUDA_EMULATE builds only):
  * what the kernels of the kernels/cuda sources need to compile and run on the host, unchanged.
  *
- * Execution model (emu_runtime.cpp): a launch runs its blocks one after another; the threads of
- * a block are fibers on one host thread, each running until it reaches a barrier, a warp
+ * Execution model (emu_runtime.cpp): a launch is run by its stream's worker thread
+ * (emu_streams.cpp), after the host has gone on; it runs its blocks one after another; the threads
+ * of a block are fibers on one host thread, each running until it reaches a barrier, a warp
  * primitive or its end. __syncthreads releases when every thread of the block has arrived (a
  * thread that has exited, or that waits at another barrier, is a reported error, not a hang); a
  * warp primitive releases when every thread its mask names has arrived at the same primitive.
