@@ -170,8 +170,6 @@ static k3_status time_op(kctx *k, const bench_op *o, double *median_s) {
     return K3_OK;
 }
 
-/* Time op `o` and add its row: name, ms, GB/s, % triad, GFLOP/s, % peak (+ the raw numbers and
- * the samples in JSON). */
 /* The CUDA emulation: one call, and what it must move and do, with the mma it ran (no time:
  * the emulator's speed says nothing of a device's) */
 static k3_status add_counts(kctx *k, bench_report *rep, const char *name, const bench_op *o,
@@ -188,46 +186,45 @@ static k3_status add_counts(kctx *k, bench_report *rep, const char *name, const 
     return bench_put_num(r, "mma", "mma.m16n8k16", -1, (double)(after.mma - before.mma));
 }
 
-/* A device: GB/s and TFLOP/s as % of the device's HBM and tensor peaks */
-static k3_status add_device_row(kctx *k, bench_report *rep, const char *name, const bench_op *o,
-                                double bytes, double flops) {
-    double s = 0;
-    K3_TRY(time_op(k, o, &s));
-    const double gbs = bytes / s / 1e9, tfl = flops / s / 1e12;
-    K3_LOGI("bench kernels: %s: %.3f ms", name, 1e3 * s);
+/* Times op `o` and adds its row with the columns every timed row has: op, ms, seconds, bytes,
+ * flops; *s its median seconds, *out the row for the caller's columns */
+static k3_status timed_row(kctx *k, bench_report *rep, const char *name, const bench_op *o,
+                           double bytes, double flops, double *s, bench_row **out) {
+    K3_TRY(time_op(k, o, s));
+    K3_LOGI("bench kernels: %s: %.3f ms", name, 1e3 * *s);
     bench_row *r;
     K3_TRY(bench_add_row(rep, &r));
     K3_TRY(bench_put_str(r, "op", "op", name));
-    K3_TRY(bench_put_num(r, NULL, "ms", 3, 1e3 * s));
-    K3_TRY(bench_put_num(r, "seconds", NULL, 9, s));
+    K3_TRY(bench_put_num(r, NULL, "ms", 3, 1e3 * *s));
+    K3_TRY(bench_put_num(r, "seconds", NULL, 9, *s));
     K3_TRY(bench_put_num(r, "bytes", NULL, -1, bytes));
     K3_TRY(bench_put_num(r, "flops", NULL, -1, flops));
-    K3_TRY(bench_put_num(r, "gbs", "GB/s", 1, gbs));
-    K3_TRY(bench_put_num(r, "hbm_fraction", "% HBM", 1,
-                         k->info.hbm_gbs > 0 ? 100 * gbs / k->info.hbm_gbs : 0));
-    K3_TRY(bench_put_num(r, "tflops", "TFLOP/s", 3, tfl));
-    K3_TRY(bench_put_num(r, "tensor_fraction", "% tensor", 2,
-                         k->info.tensor_tflops > 0 ? 100 * tfl / k->info.tensor_tflops : 0));
-    return bench_put_arr(r, "samples_s", k->samples, k->reps);
+    *out = r;
+    return K3_OK;
 }
 
+/* Time op `o` and add its row: on a host backend GB/s, % triad, GFLOP/s, % peak of this host's
+ * limits; on a device GB/s and TFLOP/s as % of its HBM and tensor peaks; under the emulation
+ * counts only (+ the raw numbers and the samples in JSON). */
 static k3_status add_row(kctx *k, bench_report *rep, const bench_limits *lim, const char *name,
                          const bench_op *o, double bytes, double flops) {
     if (k->dev && k->info.emulated) return add_counts(k, rep, name, o, bytes, flops);
-    if (k->dev) return add_device_row(k, rep, name, o, bytes, flops);
     double s = 0;
-    K3_TRY(time_op(k, o, &s));
+    bench_row *r;
+    K3_TRY(timed_row(k, rep, name, o, bytes, flops, &s, &r));
     const double gbs = bytes / s / 1e9, gfl = flops / s / 1e9;
+    if (k->dev) {
+        const double tfl = gfl / 1e3;
+        K3_TRY(bench_put_num(r, "gbs", "GB/s", 1, gbs));
+        K3_TRY(bench_put_num(r, "hbm_fraction", "% HBM", 1,
+                             k->info.hbm_gbs > 0 ? 100 * gbs / k->info.hbm_gbs : 0));
+        K3_TRY(bench_put_num(r, "tflops", "TFLOP/s", 3, tfl));
+        K3_TRY(bench_put_num(r, "tensor_fraction", "% tensor", 2,
+                             k->info.tensor_tflops > 0 ? 100 * tfl / k->info.tensor_tflops : 0));
+        return bench_put_arr(r, "samples_s", k->samples, k->reps);
+    }
     const double tf = lim->triad_gbs > 0 ? gbs / lim->triad_gbs : 0,
                  pf = lim->fma_gflops > 0 ? gfl / lim->fma_gflops : 0;
-    K3_LOGI("bench kernels: %s: %.3f ms", name, 1e3 * s);
-    bench_row *r;
-    K3_TRY(bench_add_row(rep, &r));
-    K3_TRY(bench_put_str(r, "op", "op", name));
-    K3_TRY(bench_put_num(r, NULL, "ms", 3, 1e3 * s));
-    K3_TRY(bench_put_num(r, "seconds", NULL, 9, s));
-    K3_TRY(bench_put_num(r, "bytes", NULL, -1, bytes));
-    K3_TRY(bench_put_num(r, "flops", NULL, -1, flops));
     K3_TRY(bench_put_num(r, "gbs", "GB/s", 2, gbs));
     K3_TRY(bench_put_num(r, "triad_fraction", NULL, 4, tf));
     K3_TRY(bench_put_num(r, NULL, "% triad", 0, 100 * tf));

@@ -12,6 +12,7 @@
 #define _Static_assert static_assert
 extern "C" {
 #include "k3_kernels.h"
+#include "k3_test.h"
 }
 #include "cuda_launch.h"
 #include "tolerances.h"
@@ -21,19 +22,6 @@ extern "C" {
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
-
-static int g_pass, g_fail;
-#define CHECK(cond, ...)                                                                           \
-    do {                                                                                           \
-        if (cond) {                                                                                \
-            g_pass++;                                                                              \
-        } else {                                                                                   \
-            g_fail++;                                                                              \
-            fprintf(stderr, "FAIL %s:%d: %s: ", __FILE__, __LINE__, #cond);                        \
-            fprintf(stderr, __VA_ARGS__);                                                          \
-            fprintf(stderr, "\n");                                                                 \
-        }                                                                                          \
-    } while (0)
 
 static uint64_t g_rng = 20261207;
 static double unif(void) { /* xorshift64*, [0, 1) */
@@ -96,20 +84,20 @@ static void gemm_case(int64_t N, int64_t K, int64_t T) {
             absw[t * N + n] = a;
         }
     k3_backend *ref = nullptr;
-    CHECK(k3_backend_create("ref", NULL, &ref) == K3_OK, "ref backend");
+    K3_CHECK(k3_backend_create("ref", NULL, &ref) == K3_OK, "ref backend");
     if (ref) {
         k3_tensor W;
         memset(&W, 0, sizeof W);
         W.dtype = K3_DT_BF16, W.ndim = 2, W.shape[0] = N, W.shape[1] = K, W.data = w;
         W.mem = K3_MEM_HOST;
-        CHECK(ref->ops->matmul(ref, x, T, &W, want) == K3_OK, "%s: ref matmul", what);
+        K3_CHECK(ref->ops->matmul(ref, x, T, &W, want) == K3_OK, "%s: ref matmul", what);
         k3_backend_destroy(ref);
     }
     uint16_t *dw = dev_copy(w, (size_t)(N * K));
     float *dx = dev_copy(x, (size_t)(T * K)), *dy = nullptr, *dy1 = nullptr;
-    CHECK(dw && dx && cudaMalloc((void **)&dy, (size_t)((T + 1) * N) * 4) == cudaSuccess &&
-              cudaMalloc((void **)&dy1, (size_t)N * 4) == cudaSuccess,
-          "%s: cudaMalloc", what);
+    K3_CHECK(dw && dx && cudaMalloc((void **)&dy, (size_t)((T + 1) * N) * 4) == cudaSuccess &&
+                 cudaMalloc((void **)&dy1, (size_t)N * 4) == cudaSuccess,
+             "%s: cudaMalloc", what);
     double worst[2] = {0, 0};
     for (int si = 0; si < 2 && dy && dy1; si++) {
         const int S = si ? 3 : 1;
@@ -121,8 +109,8 @@ static void gemm_case(int64_t N, int64_t K, int64_t T) {
         int rc = k3c_mm_bf16_tc(0, S, dw, N, K, 0, 1, dx, K, 0, T, dy, N, 0);
         rc = rc ? rc : k3c_mm_bf16_tc(0, S, dw, N, K, 0, 1, dx, K, 0, 1, dy1, N, 0);
         const cudaError_t e = cudaDeviceSynchronize();
-        CHECK(rc == 0 && e == cudaSuccess, "%s S=%d: launch %d, %s", what, S, rc,
-              cudaGetErrorName(e));
+        K3_CHECK(rc == 0 && e == cudaSuccess, "%s S=%d: launch %d, %s", what, S, rc,
+                 cudaGetErrorName(e));
         cudaMemcpy(y, dy, (size_t)((T + 1) * N) * 4, cudaMemcpyDeviceToHost);
         cudaMemcpy(y1, dy1, (size_t)N * 4, cudaMemcpyDeviceToHost);
 #ifdef K3_CUDA_EMULATION
@@ -132,11 +120,11 @@ static void gemm_case(int64_t N, int64_t K, int64_t T) {
         const unsigned long long per = 4ull * nk * 2 * S;
         unsigned long long want_mma = T <= 8 ? bx * per : bx * ((T + 31) / 32) * per * 4;
         if (T > 8)
-            CHECK(k3emu_mma_count(k_decode) > 0, "%s: decode kernel never ran", what);
+            K3_CHECK(k3emu_mma_count(k_decode) > 0, "%s: decode kernel never ran", what);
         else
             want_mma += bx * per;
-        CHECK(k3emu_mma_count(kn) - m0 == want_mma, "%s S=%d: %llu mma, want %llu", what, S,
-              k3emu_mma_count(kn) - m0, want_mma);
+        K3_CHECK(k3emu_mma_count(kn) - m0 == want_mma, "%s S=%d: %llu mma, want %llu", what, S,
+                 k3emu_mma_count(kn) - m0, want_mma);
 #endif
         uint32_t sent;
         int untouched = 0;
@@ -144,19 +132,20 @@ static void gemm_case(int64_t N, int64_t K, int64_t T) {
             memcpy(&sent, &y[T * N + n], 4);
             untouched += sent == 0x7f7f7f7fu;
         }
-        CHECK(untouched == N, "%s S=%d: wrote %lld elements of row T", what, S,
-              (long long)(N - untouched));
-        CHECK(memcmp(y1, y, (size_t)N * 4) == 0, "%s S=%d: token 0 alone != token 0 of T", what, S);
+        K3_CHECK(untouched == N, "%s S=%d: wrote %lld elements of row T", what, S,
+                 (long long)(N - untouched));
+        K3_CHECK(memcmp(y1, y, (size_t)N * 4) == 0, "%s S=%d: token 0 alone != token 0 of T", what,
+                 S);
         worst[si] = worst_rel(y, want, absw, T * N);
     }
     /* W16A16: each x_k rounded to bf16 (<= 2^-9 relative), fp32 sums on both sides (K each) */
     const double b1 = K3_TOL_BF16_ACT_REL + 2.0 * (double)K * K3_FP32_U;
     const double b3 = K3_TOL_TC_SPLIT3_KU * (double)K * K3_FP32_U;
-    CHECK(worst[0] <= b1, "%s S=1: error %.3g of Σ|w x| > bound %.3g", what, worst[0], b1);
-    CHECK(worst[1] <= b3, "%s S=3: error %.3g of Σ|w x| > bound %.3g", what, worst[1], b3);
+    K3_CHECK(worst[0] <= b1, "%s S=1: error %.3g of Σ|w x| > bound %.3g", what, worst[0], b1);
+    K3_CHECK(worst[1] <= b3, "%s S=3: error %.3g of Σ|w x| > bound %.3g", what, worst[1], b3);
     /* the split bound must be able to fail: one plane does not meet it */
-    CHECK(worst[0] > b3, "%s: W16A16's error %.3g of Σ|w x| meets the 3-plane bound %.3g", what,
-          worst[0], b3);
+    K3_CHECK(worst[0] > b3, "%s: W16A16's error %.3g of Σ|w x| meets the 3-plane bound %.3g", what,
+             worst[0], b3);
     printf("  %s: worst |err| / Σ|w x|: W16A16 %.3g (bound %.3g), 3xBF16 %.3g (bound %.3g)\n", what,
            worst[0], b1, worst[1], b3);
     cudaFree(dw), cudaFree(dx), cudaFree(dy), cudaFree(dy1);
@@ -167,21 +156,21 @@ static void gemm_case(int64_t N, int64_t K, int64_t T) {
  * length (in % 8 != 0) still goes to the CUDA-core kernel (no mma) */
 static void op_case(int64_t N, int64_t K, int64_t T, bool want_tc) {
     k3_backend *cu = nullptr;
-    CHECK(k3_backend_create("cuda", NULL, &cu) == K3_OK, "cuda backend");
+    K3_CHECK(k3_backend_create("cuda", NULL, &cu) == K3_OK, "cuda backend");
     if (!cu) return;
     uint16_t *w = (uint16_t *)malloc((size_t)(N * K) * 2);
     float *x = (float *)malloc((size_t)(T * K) * 4);
     for (int64_t i = 0; i < N * K; i++) w[i] = bf16_rne(0.05f * gauss());
     for (int64_t i = 0; i < T * K; i++) x[i] = gauss();
     void *dw = nullptr, *dx = nullptr, *dy = nullptr;
-    CHECK(k3_backend_alloc(cu, (size_t)(N * K) * 2, "w", &dw) == K3_OK &&
-              k3_backend_alloc(cu, (size_t)(T * K) * 4, "x", &dx) == K3_OK &&
-              k3_backend_alloc(cu, (size_t)(T * N) * 4, "y", &dy) == K3_OK,
-          "backend alloc");
+    K3_CHECK(k3_backend_alloc(cu, (size_t)(N * K) * 2, "w", &dw) == K3_OK &&
+                 k3_backend_alloc(cu, (size_t)(T * K) * 4, "x", &dx) == K3_OK &&
+                 k3_backend_alloc(cu, (size_t)(T * N) * 4, "y", &dy) == K3_OK,
+             "backend alloc");
     if (dw && dx && dy) {
-        CHECK(k3_backend_upload(cu, dw, w, (size_t)(N * K) * 2) == K3_OK &&
-                  k3_backend_upload(cu, dx, x, (size_t)(T * K) * 4) == K3_OK,
-              "upload");
+        K3_CHECK(k3_backend_upload(cu, dw, w, (size_t)(N * K) * 2) == K3_OK &&
+                     k3_backend_upload(cu, dx, x, (size_t)(T * K) * 4) == K3_OK,
+                 "upload");
         k3_tensor W;
         memset(&W, 0, sizeof W);
         W.dtype = K3_DT_BF16, W.ndim = 2, W.shape[0] = N, W.shape[1] = K, W.data = dw;
@@ -189,13 +178,13 @@ static void op_case(int64_t N, int64_t K, int64_t T, bool want_tc) {
 #ifdef K3_CUDA_EMULATION
         const unsigned long long m0 = k3emu_mma_count(nullptr);
 #endif
-        CHECK(cu->ops->matmul(cu, (const float *)dx, T, &W, (float *)dy) == K3_OK &&
-                  k3_backend_sync(cu) == K3_OK,
-              "matmul op");
+        K3_CHECK(cu->ops->matmul(cu, (const float *)dx, T, &W, (float *)dy) == K3_OK &&
+                     k3_backend_sync(cu) == K3_OK,
+                 "matmul op");
 #ifdef K3_CUDA_EMULATION
         const unsigned long long got = k3emu_mma_count(nullptr) - m0;
-        CHECK(want_tc ? got > 0 : got == 0, "matmul op [%lld, %lld] T=%lld: %llu mma (want %s)",
-              (long long)N, (long long)K, (long long)T, got, want_tc ? "> 0" : "0");
+        K3_CHECK(want_tc ? got > 0 : got == 0, "matmul op [%lld, %lld] T=%lld: %llu mma (want %s)",
+                 (long long)N, (long long)K, (long long)T, got, want_tc ? "> 0" : "0");
         printf("  matmul op BF16 [%lld, %lld] T=%lld: %llu mma\n", (long long)N, (long long)K,
                (long long)T, got);
 #else
@@ -222,12 +211,9 @@ int main(void) {
     gemm_case(130, 136, 40);
     op_case(96, 256, 40, true);  /* prefill through the backend */
     op_case(96, 100, 40, false); /* in % 8 != 0: the CUDA-core kernel */
-    printf("test_cuda_gemm (%s): %d checks passed, %d failed\n",
 #ifdef K3_CUDA_EMULATION
-           "emulation",
+    return k3_test_done("cuda_gemm (emulation)");
 #else
-           "device",
+    return k3_test_done("cuda_gemm (device)");
 #endif
-           g_pass, g_fail);
-    return g_fail || !g_pass ? 1 : 0;
 }

@@ -158,7 +158,7 @@ if(K3_CUDA_EMULATE)
   set_source_files_properties(${CMAKE_CURRENT_LIST_DIR}/test_emu_checks.cu PROPERTIES
                               LANGUAGE CXX COMPILE_OPTIONS "-xc++;-std=c++17;-Wno-unknown-pragmas")
   add_executable(test_emu_checks ${CMAKE_CURRENT_LIST_DIR}/test_emu_checks.cu)
-  target_include_directories(test_emu_checks PRIVATE ${CMAKE_SOURCE_DIR}/kernels/cuda)
+  target_include_directories(test_emu_checks PRIVATE ${CMAKE_SOURCE_DIR}/kernels/cuda ${CMAKE_SOURCE_DIR}/tests)
   target_compile_options(test_emu_checks PRIVATE -Wall -Wextra -Wshadow $<$<BOOL:${K3_WERROR}>:-Werror>)
   target_link_libraries(test_emu_checks PRIVATE k3lib)
   add_test(NAME emu_checks COMMAND test_emu_checks)
