@@ -76,23 +76,43 @@ k3emu_stream *g_legacy;
 std::mutex g_err_mu;
 cudaError_t g_async_err = cudaSuccess;
 
+/* The device stays held (its range open) from one device operation to the next while the queue
+ * has more: one mprotect pair per burst of work, not per operation. It is let go before a wait on
+ * another stream (which may need the device), when the stream is held, and when the queue runs
+ * empty — before the last operation counts as done, so a synchronisation returns with the range
+ * closed (unless another stream works on). */
 void *worker(void *p) {
     k3emu_stream *s = (k3emu_stream *)p;
+    bool held = false;
     std::unique_lock<std::mutex> lk(s->mu);
     for (;;) {
+        if (held && (s->q.empty() || s->paused)) {
+            lk.unlock();
+            k3emu::work_end();
+            held = false;
+            lk.lock();
+        }
         s->cv.wait(lk, [s] { return s->stop || (!s->q.empty() && !s->paused); });
         if (s->q.empty() || s->paused) break; /* stop with nothing to run */
         const op o = s->q.front();
         lk.unlock();
-        if (o.device) k3emu::work_begin();
+        if (o.device && !held) k3emu::work_begin();
+        if (!o.device && held) k3emu::work_end();
+        held = o.device;
         o.run(o.arg);
-        if (o.device) k3emu::work_end();
         if (o.drop) o.drop(o.arg);
         lk.lock();
         s->q.pop_front();
+        if (held && (s->q.empty() || s->paused)) { /* closed before anyone sees it done */
+            lk.unlock();
+            k3emu::work_end();
+            held = false;
+            lk.lock();
+        }
         s->done++;
         s->cv.notify_all();
     }
+    if (held) k3emu::work_end();
     s->exited = true;
     s->cv.notify_all();
     return nullptr;
