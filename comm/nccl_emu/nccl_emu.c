@@ -18,7 +18,11 @@
  * ncclInProgress with the operations still pending, as NCCL's non-blocking mode does:
  * ncclCommGetAsyncError says ncclInProgress while they are, so the caller's own timeout decides and
  * names what hung (then ncclCommAbort); if they complete after all, the caller's stream has already
- * read the buffers, so that is a sticky ncclSystemError, never silent stale data. Test hook:
+ * read the buffers, so that is a sticky ncclSystemError, never silent stale data. Device buffers
+ * live in the emulator's own address range, closed to the host outside device work: a group end
+ * first waits for every stream (their operations before it are its inputs) and holds the device
+ * with the range open while MPI moves the bytes (k3emu_device_open / _close), as do the calls
+ * that test or cancel what a late group left pending. Test hook:
  * K3_NCCL_EMU_TEST_DROP_SENDS=R — world rank R's communicators created while it is set post no
  * sends (their peers' receives then never complete); one line on stderr says so.
  * Stream capture (CUDA graphs, kernels/cuda/emu/emu_graph.cpp): a group whose operations are on a
