@@ -35,6 +35,8 @@ struct grid_job {
 /* runs the grid on the calling thread (inside work_begin / work_end); false: a kernel broke a
  * CUDA rule (reported on stderr) */
 bool exec_grid(const grid_job &j);
+/* a thread that ran grids ends: its fibers' stacks go back */
+void thread_done(void);
 /* the host thread's sticky error (cudaGetLastError) */
 cudaError_t set_err(cudaError_t e);
 

@@ -227,6 +227,16 @@ size_t page_bytes(void) {
     static size_t p = (size_t)sysconf(_SC_PAGESIZE);
     return p;
 }
+void stacks_release(void) {
+    if (!g_stacks) return;
+#ifdef K3EMU_ASAN /* no stale frame shadow for whatever reuses the addresses */
+    for (unsigned i = 0; i < MAX_THREADS; i++)
+        __asan_unpoison_memory_region(g_stacks + i * (STACK_BYTES + page_bytes()) + page_bytes(),
+                                      STACK_BYTES);
+#endif
+    munmap(g_stacks, (STACK_BYTES + page_bytes()) * MAX_THREADS);
+    g_stacks = nullptr;
+}
 bool stacks_ready(void) {
     if (g_stacks) return true;
     const size_t one = STACK_BYTES + page_bytes();
@@ -364,6 +374,10 @@ void poison_shared(block_run *r) {
 
 /* ---- device-side entry points (k3emu_device.h) ----------------------------------------------- */
 namespace k3emu {
+
+void thread_done(void) {
+    stacks_release();
+}
 
 cudaError_t set_err(cudaError_t e) {
     if (e != cudaSuccess && g_last_err == cudaSuccess) g_last_err = e;

@@ -113,6 +113,7 @@ void *worker(void *p) {
         s->cv.notify_all();
     }
     if (held) k3emu::work_end();
+    k3emu::thread_done();
     s->exited = true;
     s->cv.notify_all();
     return nullptr;
