@@ -247,8 +247,10 @@ template <int N, bool T> static inline void k3c_ldmatrix_emu(uint32_t *r, const 
     const char *op = ops[T][N == 1 ? 0 : N == 2 ? 1 : 2];
     const uint64_t *p = k3emu::warp_exchange_op(0xffffffffu, (uint64_t)(uintptr_t)row, op);
     const unsigned lane = k3emu::lane_id();
-    /* every supplied row address is checked (by each lane; the first failure is reported) */
+    /* each lane checks the row addresses it reads (every supplied one is read by some lane; the
+     * first failure is reported) */
     for (unsigned i = 0; i < 8u * N; i++) {
+        if (T ? i % 8 / 2 != lane % 4 : i % 8 != lane / 4) continue;
         const void *a = (const void *)(uintptr_t)p[i];
         if ((uintptr_t)a & 15u) {
             k3emu::device_error("%s: row address %p of lane %u (matrix %u, row %u) is not "
