@@ -25,6 +25,7 @@
 #include "emu_internal.h"
 
 #include <pthread.h>
+#include <sched.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -92,6 +93,11 @@ void *worker(void *p) {
             held = false;
             lk.lock();
         }
+        for (int i = 0; i < 64 && s->q.empty() && !s->stop; i++) { /* as drain: a short spin */
+            lk.unlock();
+            sched_yield();
+            lk.lock();
+        }
         s->cv.wait(lk, [s] { return s->stop || (!s->q.empty() && !s->paused); });
         if (s->q.empty() || s->paused) break; /* stop with nothing to run */
         const op o = s->q.front();
@@ -142,6 +148,12 @@ k3emu_stream *of(cudaStream_t s) {
 void drain(k3emu_stream *s) {
     std::unique_lock<std::mutex> lk(s->mu);
     const unsigned long long target = s->enq;
+    /* a short spin first: a step syncs often, and a sleeping host's wake-up costs a time slice */
+    for (int i = 0; i < 64 && s->done < target; i++) {
+        lk.unlock();
+        sched_yield();
+        lk.lock();
+    }
     s->cv.wait(lk, [s, target] { return s->done >= target; });
 }
 
