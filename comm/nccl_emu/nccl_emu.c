@@ -530,8 +530,11 @@ static ncclResult_t capture_group(cudaStream_t s) {
 ncclResult_t ncclGroupEnd(void) {
     if (g_group.depth <= 0) return ncclInvalidUsage;
     if (--g_group.depth > 0) return ncclSuccess;
-    ncclResult_t r = g_group.err;
-    if (r == ncclSuccess) { /* device work: after the streams' work, the device range open */
+    cudaStream_t cap = NULL;
+    ncclResult_t r = g_group.err != ncclSuccess ? g_group.err : group_capture(&cap);
+    if (r == ncclSuccess && cap) {
+        r = capture_group(cap);
+    } else if (r == ncclSuccess) { /* device work: after the streams' work, the range open */
         k3emu_device_open();
         r = run_group();
         k3emu_device_close();
@@ -578,8 +581,8 @@ static ncclResult_t enqueue(bool recv, const void *buf, size_t count, ncclDataTy
 
 ncclResult_t ncclSend(const void *sendbuff, size_t count, ncclDataType_t datatype, int peer,
                       ncclComm_t comm, cudaStream_t stream) {
-    (void)stream; /* the group end waits for every stream first (k3emu_device_open) */
-    return enqueue(false, sendbuff, count, datatype, peer, comm);
+    /* in a stream capture the group becomes a node of the graph (ncclGroupEnd) */
+    return enqueue(false, sendbuff, count, datatype, peer, comm, stream);
 }
 
 ncclResult_t ncclRecv(void *recvbuff, size_t count, ncclDataType_t datatype, int peer,

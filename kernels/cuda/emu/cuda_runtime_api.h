@@ -7,7 +7,9 @@
  * its own address range, unreadable by the host while no device work runs (emu_devmem.cpp: a
  * host dereference of a device pointer aborts with a k3emu: line naming the allocation); every
  * stream runs its operations (copies, memsets, kernel launches, events) in order on its own
- * worker thread, asynchronously to the host (emu_streams.cpp). Errors: a bad launch
+ * worker thread, asynchronously to the host (emu_streams.cpp); a stream in capture
+ * (cudaStreamBeginCapture, emu_graph.cpp) records them instead, and a graph launch replays them
+ * as one operation of its stream. Errors: a bad launch
  * configuration is returned by the next cudaGetLastError; a kernel that breaks a CUDA rule, by
  * the next synchronisation (or cudaGetLastError after it ran). Kernels: cuda_runtime.h (C++
  * only) and k3emu_device.h. */

@@ -13,6 +13,7 @@
  * out-of-bounds or use-after-free access by a kernel is still ASan's report, as with heap
  * blocks; a freed allocation's pages go back to the system (MADV_DONTNEED). cudaMallocHost is
  * ordinary host memory. */
+#include "emu_graph.h"
 #include "emu_internal.h"
 
 #include <execinfo.h>
@@ -243,15 +244,24 @@ void work_end(void) {
 
 } // namespace k3emu
 
+#define FORBID_IN_CAPTURE(api)                                                                     \
+    do {                                                                                           \
+        const cudaError_t cap_e_ = k3emu::forbid_in_capture(api, nullptr);                         \
+        if (cap_e_ != cudaSuccess) return k3emu::set_err(cap_e_);                                  \
+    } while (0)
+
 extern "C" {
 
 cudaError_t cudaMalloc(void **p, size_t n) {
     if (!p) return k3emu::set_err(cudaErrorInvalidValue);
+    *p = nullptr;
+    FORBID_IN_CAPTURE("cudaMalloc");
     *p = k3emu::dev_alloc(n);
     return *p ? cudaSuccess : k3emu::set_err(cudaErrorMemoryAllocation);
 }
 /* as on a device, cudaFree waits for the work in flight first */
 cudaError_t cudaFree(void *p) {
+    FORBID_IN_CAPTURE("cudaFree");
     if (!p) return cudaSuccess;
     k3emu::sync_streams(true);
     return k3emu::dev_free(p) ? cudaSuccess : k3emu::set_err(cudaErrorInvalidValue);
@@ -259,10 +269,12 @@ cudaError_t cudaFree(void *p) {
 cudaError_t cudaMallocHost(void **p, size_t n) {
     if (!p) return k3emu::set_err(cudaErrorInvalidValue);
     *p = nullptr;
+    FORBID_IN_CAPTURE("cudaMallocHost");
     if (posix_memalign(p, 64, n ? n : 1)) return k3emu::set_err(cudaErrorMemoryAllocation);
     return cudaSuccess;
 }
 cudaError_t cudaFreeHost(void *p) {
+    FORBID_IN_CAPTURE("cudaFreeHost");
     k3emu::sync_streams(true);
     free(p);
     return cudaSuccess;

@@ -3,9 +3,13 @@
  * on it (kernel launches through K3C_LAUNCH, cudaMemcpyAsync / cudaMemcpy2DAsync /
  * cudaMemsetAsync, cudaEventRecord, and k3emu_stream_host_work, which the NCCL stand-in uses for
  * its groups) becomes a node holding a copy of its arguments, and nothing runs. EndCapture returns
- * the node list as a graph; GraphInstantiate shares it (refcounted) with an exec; GraphLaunch runs
- * the nodes in order on the launch stream, so pointers are read at launch, by-value arguments are
- * those of the capture, as on the device.
+ * the node list as a graph; GraphInstantiate shares it (refcounted) with an exec; GraphLaunch
+ * enqueues one operation on the launch stream whose worker replays the nodes in order, inside one
+ * work_begin / work_end (the device range open), so pointers are read at launch, by-value
+ * arguments are those of the capture, as on the device. A graph holding host work (the NCCL
+ * stand-in's groups, which call MPI: the host thread's only, MPI_THREAD_FUNNELED) is replayed on
+ * the host thread instead, after every stream's work (k3emu_device_open), as its group would run
+ * outside a capture. An event recorded in the capture completes with the launch's operation.
  * What CUDA forbids in a capture is an error here too, with a `k3emu:` line naming the call:
  * synchronous copies and memsets, stream / event / device synchronize and query, cudaMalloc /
  * cudaFree (and the host variants), a wait on an event not recorded in the capture, and a graph
@@ -15,8 +19,8 @@
  * (the default) checks calls from every thread, ThreadLocal from the capturing thread only,
  * Relaxed only calls that name the capturing stream. Not emulated: fork/join of other streams
  * into a capture, child graphs, graph updates. */
-#include "cuda_runtime.h"
 #include "emu_graph.h"
+#include "emu_internal.h"
 
 #include <pthread.h>
 #include <stdio.h>
@@ -29,6 +33,8 @@ struct node {
     void (*run)(void *, cudaStream_t);
     void *data;
     void (*drop)(void *);
+    bool host;      /* host work: the graph replays on the host thread */
+    cudaEvent_t ev; /* an event record: completes with the launch */
 };
 
 /* a captured node list, shared by a graph and the execs made from it */
@@ -105,12 +111,12 @@ bool capturing(cudaStream_t s) {
 }
 
 cudaError_t capture_node(cudaStream_t s, const char *what, void (*run)(void *, cudaStream_t),
-                         void *data, void (*drop)(void *)) {
+                         void *data, void (*drop)(void *), bool host, cudaEvent_t ev) {
     {
         lock l;
         capture *c = find(s);
         if (c && !c->invalid) {
-            c->n->v.push_back(node{what, run, data, drop});
+            c->n->v.push_back(node{what, run, data, drop, host, ev});
             return cudaSuccess;
         }
         if (!c) fprintf(stderr, "k3emu: %s: stream %p is not capturing\n", what, (void *)s);
@@ -125,8 +131,11 @@ void capture_kernel(const char *name, const dim3 &grid, const dim3 &block, size_
     (void)note_error(capture_node(
         s, name,
         [](void *p, cudaStream_t st) {
+            (void)st;
             const kernel_node *x = static_cast<const kernel_node *>(p);
-            run_grid(x->name, x->grid, x->block, x->shmem, st, x->body, x->closure);
+            if (!exec_grid(
+                    grid_job{x->name, x->grid, x->block, x->shmem, x->body, x->closure, nullptr}))
+                set_async_error(cudaErrorLaunchFailure);
         },
         k,
         [](void *p) {
@@ -249,8 +258,37 @@ cudaError_t cudaGraphLaunch(cudaGraphExec_t exec, cudaStream_t s) {
         return k3emu::note_error(cudaErrorStreamCaptureUnsupported);
     }
     __atomic_fetch_add(&g_graph_launches, 1, __ATOMIC_RELAXED);
-    const nodes *n = reinterpret_cast<const nodes *>(exec);
-    for (const node &x : n->v) x.run(x.data, s);
+    nodes *n = reinterpret_cast<nodes *>(exec);
+    bool host = false;
+    std::vector<cudaEvent_t> evs;
+    for (const node &x : n->v) {
+        host = host || x.host;
+        if (x.ev) evs.push_back(x.ev);
+    }
+    struct launch {
+        nodes *n;
+        cudaStream_t s;
+    };
+    auto replay = [](void *p) {
+        const launch *l = static_cast<const launch *>(p);
+        for (const node &x : l->n->v) x.run(x.data, l->s);
+    };
+    if (host) { /* on this thread, after every stream's work, as an NCCL group outside a capture */
+        launch l{n, s};
+        for (cudaEvent_t e : evs) k3emu::event_done_now(e, s);
+        k3emu_device_open();
+        replay(&l);
+        k3emu_device_close();
+        return cudaSuccess;
+    }
+    n->refs++; /* the exec may be destroyed before the stream runs the launch */
+    k3emu::enqueue_host_op(
+        s, replay, new launch{n, s},
+        [](void *p) {
+            release(static_cast<launch *>(p)->n);
+            delete static_cast<launch *>(p);
+        },
+        true, evs.data(), evs.size());
     return cudaSuccess;
 }
 
@@ -267,8 +305,10 @@ cudaError_t cudaGraphDestroy(cudaGraph_t graph) {
 cudaError_t k3emu_stream_host_work(cudaStream_t s, void (*fn)(void *), void *data,
                                    void (*drop)(void *)) {
     if (!fn) return k3emu::note_error(cudaErrorInvalidValue);
-    if (!k3emu::capturing(s)) {
+    if (!k3emu::capturing(s)) { /* after every stream's work, on this thread */
+        k3emu_device_open();
         fn(data);
+        k3emu_device_close();
         if (drop) drop(data);
         return cudaSuccess;
     }
@@ -284,7 +324,8 @@ cudaError_t k3emu_stream_host_work(cudaStream_t s, void (*fn)(void *), void *dat
             host_node *x = static_cast<host_node *>(p);
             if (x->drop) x->drop(x->data);
             delete x;
-        }));
+        },
+        true));
 }
 
 unsigned long long k3emu_graph_launches(void) {

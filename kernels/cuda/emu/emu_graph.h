@@ -14,9 +14,11 @@ namespace k3emu {
 /* s is in an active or invalidated capture (a cheap test when no capture exists) */
 bool capturing(cudaStream_t s);
 /* a node on s's capture: run(data, s) at each launch, drop(data) with the last graph holding it.
- * Takes data even on failure (dropped then). */
+ * Takes data even on failure (dropped then). host: the node is host work (a graph holding one
+ * replays on the host thread); ev: the node records that event. */
 cudaError_t capture_node(cudaStream_t s, const char *what, void (*run)(void *, cudaStream_t),
-                         void *data, void (*drop)(void *));
+                         void *data, void (*drop)(void *), bool host = false,
+                         cudaEvent_t ev = nullptr);
 /* a kernel launch on a capturing stream: closure (a heap copy the graph owns, freed by drop) */
 void capture_kernel(const char *name, const dim3 &grid, const dim3 &block, size_t shmem,
                     cudaStream_t s, void (*body)(void *), void *closure, void (*drop)(void *));

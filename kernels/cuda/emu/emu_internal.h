@@ -48,6 +48,14 @@ void enqueue_grid(cudaStream_t s, const grid_job &j);
 cudaError_t async_error(bool take);
 /* wait until every stream (all: also the non-blocking ones) has run what it was given */
 void sync_streams(bool all);
+/* a kernel that broke a rule while its stream ran it (returned by the next synchronisation) */
+void set_async_error(cudaError_t e);
+/* enqueue run(arg) on stream s (device: inside work_begin / work_end), drop(arg) after; the
+ * events evs[0..n_ev) complete with it (a graph launch: emu_graph.cpp) */
+void enqueue_host_op(cudaStream_t s, void (*run)(void *), void *arg, void (*drop)(void *),
+                     bool device, cudaEvent_t *evs, size_t n_ev);
+/* e was recorded on s, complete now (a graph replayed on the host thread) */
+void event_done_now(cudaEvent_t e, cudaStream_t s);
 
 } // namespace k3emu
 

@@ -10,6 +10,7 @@
  * A launch is enqueued on its stream (emu_streams.cpp) and run by the stream's worker thread
  * (exec_grid); device memory is emu_devmem.cpp's. The free/total of cudaMemGetInfo are an
  * emulated device of K3_EMU_DEVICE_MEM_GB GiB (default 64) less the bytes allocated. */
+#include "emu_graph.h"
 #include "emu_internal.h"
 
 #include <stdarg.h>
@@ -541,7 +542,10 @@ void run_grid(const char *name, dim3 grid, dim3 block, size_t shmem, cudaStream_
         drop(closure);
         return;
     }
-    enqueue_grid(s, grid_job{name, grid, block, shmem, body, closure, drop});
+    if (capturing(s)) /* a node of the graph, which owns the closure (emu_graph.cpp) */
+        capture_kernel(name, grid, block, shmem, s, body, closure, drop);
+    else
+        enqueue_grid(s, grid_job{name, grid, block, shmem, body, closure, drop});
 }
 
 /* one grid on the calling thread (a stream's worker, inside work_begin / work_end) */

@@ -20,8 +20,12 @@
  *   - A kernel that breaks a CUDA rule is reported when it runs (its k3emu: line); its error is
  *     returned by every synchronisation (and cudaMemcpy) from then on until cudaGetLastError
  *     returns it and clears it.
+ * A stream in capture (emu_graph.cpp) records copies, memsets and event records as nodes instead
+ * of queueing them, and the calls CUDA forbids in a capture (the synchronous ones, the queries,
+ * allocation) fail it (forbid_in_capture).
  * Test hook: k3emu_stream_pause(s, 1) holds a stream's worker before its next operation (the
  * queue fills, nothing runs) until k3emu_stream_pause(s, 0). */
+#include "emu_graph.h"
 #include "emu_internal.h"
 
 #include <pthread.h>
@@ -157,6 +161,18 @@ void drain(k3emu_stream *s) {
     s->cv.wait(lk, [s, target] { return s->done >= target; });
 }
 
+/* until e's last record has run */
+void event_wait(k3emu_event *e) {
+    if (!e->s) return;
+    std::unique_lock<std::mutex> lk(e->s->mu);
+    e->s->cv.wait(lk, [e] { return e->s->done >= e->seq; });
+}
+bool event_pending(k3emu_event *e) {
+    if (!e->s) return false;
+    std::lock_guard<std::mutex> lk(e->s->mu);
+    return e->s->done < e->seq;
+}
+
 /* the host's side of the legacy stream's order: before work on s, what it must follow */
 void order_before(k3emu_stream *s) {
     std::vector<k3emu_stream *> wait;
@@ -172,17 +188,21 @@ void order_before(k3emu_stream *s) {
     for (k3emu_stream *o : wait) drain(o);
 }
 
+/* s's worker, started at its first operation (s->mu held) */
+void start_locked(k3emu_stream *s) {
+    if (s->started) return;
+    s->started = true;
+    if (pthread_create(&s->th, nullptr, worker, s) != 0) {
+        fprintf(stderr, "k3emu: cannot start a stream's worker thread\n");
+        abort();
+    }
+}
+
 void enqueue(cudaStream_t hs, op o) {
     k3emu_stream *s = of(hs);
     order_before(s);
     std::lock_guard<std::mutex> lk(s->mu);
-    if (!s->started) {
-        s->started = true;
-        if (pthread_create(&s->th, nullptr, worker, s) != 0) {
-            fprintf(stderr, "k3emu: cannot start a stream's worker thread\n");
-            abort();
-        }
-    }
+    start_locked(s);
     s->q.push_back(o);
     s->enq++;
     s->cv.notify_all();
@@ -192,6 +212,13 @@ void set_async(cudaError_t e) {
     std::lock_guard<std::mutex> lk(g_err_mu);
     if (g_async_err == cudaSuccess) g_async_err = e;
 }
+
+/* a call CUDA forbids inside a stream capture (emu_graph.cpp) */
+#define FORBID_IN_CAPTURE(api, s)                                                                  \
+    do {                                                                                           \
+        const cudaError_t cap_e_ = k3emu::forbid_in_capture(api, s);                               \
+        if (cap_e_ != cudaSuccess) return k3emu::set_err(cap_e_);                                  \
+    } while (0)
 
 /* ---- the operations ---------------------------------------------------------------------- */
 void run_grid_op(void *p) {
@@ -258,6 +285,11 @@ bool to_host(void *dst, cudaMemcpyKind k) {
 cudaError_t copy_async(void *dst, size_t dpitch, const void *src, size_t spitch, size_t width,
                        size_t height, int v, cudaMemcpyKind kind, cudaStream_t s) {
     if (!width || !height) return cudaSuccess;
+    if (k3emu::capturing(s)) /* a node of the graph: the copy runs at each launch */
+        return k3emu::note_error(k3emu::capture_node(
+            s, v < 0 ? "cudaMemcpyAsync" : "cudaMemsetAsync",
+            [](void *p, cudaStream_t) { run_copy(p); },
+            new copy2d{dst, src, dpitch, spitch, width, height, v}, drop_copy));
     if (to_host(dst, kind) && v < 0)
         for (size_t r = 0; r < height; r++) memset((char *)dst + r * dpitch, 0xff, width);
     enqueue(s,
@@ -281,6 +313,34 @@ cudaError_t copy_sync(void *dst, size_t dpitch, const void *src, size_t spitch, 
 } // namespace
 
 namespace k3emu {
+
+void set_async_error(cudaError_t e) {
+    set_async(e);
+}
+
+void enqueue_host_op(cudaStream_t hs, void (*run)(void *), void *arg, void (*drop)(void *),
+                     bool device, cudaEvent_t *evs, size_t n_ev) {
+    k3emu_stream *s = of(hs);
+    order_before(s);
+    std::lock_guard<std::mutex> lk(s->mu);
+    start_locked(s);
+    for (size_t i = 0; i < n_ev; i++) {
+        evs[i]->s = s;
+        evs[i]->seq = s->enq + 1;
+        evs[i]->t = -1;
+    }
+    s->q.push_back(op{run, drop, arg, device});
+    s->enq++;
+    s->cv.notify_all();
+}
+
+void event_done_now(cudaEvent_t e, cudaStream_t hs) {
+    k3emu_stream *s = of(hs);
+    std::lock_guard<std::mutex> lk(s->mu);
+    e->s = s;
+    e->seq = s->enq;
+    e->t = now_s();
+}
 
 void enqueue_grid(cudaStream_t s, const grid_job &j) {
     enqueue(s, op{run_grid_op, drop_grid_op, new grid_job(j), true});
@@ -309,6 +369,7 @@ void sync_streams(bool all) {
 extern "C" {
 
 cudaError_t cudaDeviceSynchronize(void) {
+    FORBID_IN_CAPTURE("cudaDeviceSynchronize", nullptr);
     k3emu::sync_streams(true);
     return k3emu::async_error(false);
 }
@@ -316,6 +377,7 @@ cudaError_t cudaDeviceSynchronize(void) {
 cudaError_t cudaMemcpy(void *dst, const void *src, size_t n, cudaMemcpyKind kind) {
     if (n && (!dst || !src)) return k3emu::set_err(cudaErrorInvalidValue);
     if (!valid_kind(kind)) return k3emu::set_err(cudaErrorInvalidValue);
+    FORBID_IN_CAPTURE("cudaMemcpy (synchronous)", nullptr);
     return copy_sync(dst, n, src, n, n, 1, -1);
 }
 cudaError_t cudaMemcpyAsync(void *dst, const void *src, size_t n, cudaMemcpyKind kind,
@@ -329,6 +391,7 @@ cudaError_t cudaMemcpy2D(void *dst, size_t dpitch, const void *src, size_t spitc
     if (width > dpitch || width > spitch || !valid_kind(kind))
         return k3emu::set_err(cudaErrorInvalidValue);
     if (height && width && (!dst || !src)) return k3emu::set_err(cudaErrorInvalidValue);
+    FORBID_IN_CAPTURE("cudaMemcpy2D (synchronous)", nullptr);
     return copy_sync(dst, dpitch, src, spitch, width, height, -1);
 }
 cudaError_t cudaMemcpy2DAsync(void *dst, size_t dpitch, const void *src, size_t spitch,
@@ -340,6 +403,7 @@ cudaError_t cudaMemcpy2DAsync(void *dst, size_t dpitch, const void *src, size_t 
 }
 cudaError_t cudaMemset(void *p, int v, size_t n) {
     if (n && !p) return k3emu::set_err(cudaErrorInvalidValue);
+    FORBID_IN_CAPTURE("cudaMemset (synchronous)", nullptr);
     return copy_sync(p, n, nullptr, n, n, 1, v & 0xff);
 }
 cudaError_t cudaMemsetAsync(void *p, int v, size_t n, cudaStream_t s) {
@@ -377,10 +441,12 @@ cudaError_t cudaStreamDestroy(cudaStream_t s) {
     return cudaSuccess;
 }
 cudaError_t cudaStreamSynchronize(cudaStream_t s) {
+    FORBID_IN_CAPTURE("cudaStreamSynchronize", s);
     drain(of(s));
     return k3emu::async_error(false);
 }
 cudaError_t cudaStreamQuery(cudaStream_t hs) {
+    FORBID_IN_CAPTURE("cudaStreamQuery", hs);
     k3emu_stream *s = of(hs);
     std::lock_guard<std::mutex> lk(s->mu);
     return s->done >= s->enq ? cudaSuccess : cudaErrorNotReady;
@@ -388,6 +454,13 @@ cudaError_t cudaStreamQuery(cudaStream_t hs) {
 cudaError_t cudaStreamWaitEvent(cudaStream_t s, cudaEvent_t e, unsigned flags) {
     (void)flags;
     if (!e) return k3emu::set_err(cudaErrorInvalidResourceHandle);
+    if (k3emu::capturing(s)) { /* one stream per capture: only its own events, already in order */
+        if (!k3emu::event_in_capture(s, e))
+            FORBID_IN_CAPTURE("cudaStreamWaitEvent on an event not recorded in this capture (the "
+                              "emulator captures one stream, without cross-stream joins)",
+                              s);
+        return cudaSuccess;
+    }
     if (!e->s) return cudaSuccess; /* never recorded: nothing to wait for */
     enqueue(s, op{run_wait, drop_wait, new ev_wait{e->s, e->seq}, false});
     return cudaSuccess;
@@ -404,19 +477,22 @@ cudaError_t cudaEventCreateWithFlags(cudaEvent_t *e, unsigned flags) {
 }
 cudaError_t cudaEventDestroy(cudaEvent_t e) {
     if (!e) return k3emu::set_err(cudaErrorInvalidResourceHandle);
-    (void)cudaEventSynchronize(e); /* its record may still be queued */
+    event_wait(e); /* its record may still be queued */
     delete e;
     return cudaSuccess;
 }
 cudaError_t cudaEventRecord(cudaEvent_t e, cudaStream_t hs) {
     if (!e) return k3emu::set_err(cudaErrorInvalidResourceHandle);
+    if (k3emu::capturing(hs)) { /* a node: the event completes with the graph's launch */
+        k3emu::note_event(hs, e);
+        return k3emu::note_error(k3emu::capture_node(
+            hs, "cudaEventRecord", [](void *p, cudaStream_t) { run_record(p); }, new ev_rec{e},
+            drop_record, false, e));
+    }
     k3emu_stream *s = of(hs);
     order_before(s);
     std::lock_guard<std::mutex> lk(s->mu);
-    if (!s->started) {
-        s->started = true;
-        if (pthread_create(&s->th, nullptr, worker, s) != 0) abort();
-    }
+    start_locked(s);
     e->s = s;
     e->seq = s->enq + 1;
     e->t = -1;
@@ -427,22 +503,18 @@ cudaError_t cudaEventRecord(cudaEvent_t e, cudaStream_t hs) {
 }
 cudaError_t cudaEventSynchronize(cudaEvent_t e) {
     if (!e) return k3emu::set_err(cudaErrorInvalidResourceHandle);
-    if (e->s) {
-        std::unique_lock<std::mutex> lk(e->s->mu);
-        e->s->cv.wait(lk, [e] { return e->s->done >= e->seq; });
-    }
+    FORBID_IN_CAPTURE("cudaEventSynchronize", nullptr);
+    event_wait(e);
     return k3emu::async_error(false);
 }
 cudaError_t cudaEventQuery(cudaEvent_t e) {
     if (!e) return k3emu::set_err(cudaErrorInvalidResourceHandle);
-    if (!e->s) return cudaSuccess;
-    std::lock_guard<std::mutex> lk(e->s->mu);
-    return e->s->done >= e->seq ? cudaSuccess : cudaErrorNotReady;
+    FORBID_IN_CAPTURE("cudaEventQuery", nullptr);
+    return event_pending(e) ? cudaErrorNotReady : cudaSuccess;
 }
 cudaError_t cudaEventElapsedTime(float *ms, cudaEvent_t a, cudaEvent_t b) {
     if (!ms || !a || !b) return k3emu::set_err(cudaErrorInvalidValue);
-    if (cudaEventQuery(a) == cudaErrorNotReady || cudaEventQuery(b) == cudaErrorNotReady)
-        return k3emu::set_err(cudaErrorNotReady);
+    if (event_pending(a) || event_pending(b)) return k3emu::set_err(cudaErrorNotReady);
     if (a->t < 0 || b->t < 0 || (a->flags | b->flags) & cudaEventDisableTiming)
         return k3emu::set_err(cudaErrorInvalidResourceHandle);
     *ms = (float)((b->t - a->t) * 1e3);

@@ -125,8 +125,9 @@ void cp_wait(unsigned n);
 void *shared_static(const void *site, size_t bytes, size_t align, const char *what);
 void *shared_dynamic(void);
 /* Enqueues the grid on stream s (emu_streams.cpp): body(closure) per thread, run later by the
- * stream's worker; drop(closure) frees it after. A bad configuration is reported at once (the
- * next cudaGetLastError); a kernel that breaks a CUDA rule, at the next synchronisation. */
+ * stream's worker; drop(closure) frees it after. On a capturing stream it becomes a node of the
+ * graph instead, which owns the closure (emu_graph.cpp). A bad configuration is reported at once
+ * (the next cudaGetLastError); a kernel that breaks a CUDA rule, at the next synchronisation. */
 void run_grid(const char *name, dim3 grid, dim3 block, size_t shmem, cudaStream_t s,
               void (*body)(void *), void *closure, void (*drop)(void *));
 
