@@ -208,35 +208,20 @@ static const char k3c_op_mma[] = "mma.m16n8k16";
 
 static inline void k3c_mma_bf16_16816(float d[4], const uint32_t a[4], const uint32_t b[2],
                                       const float c[4]) {
-    struct frag {
-        uint32_t a[4], b[2];
-    } mine, all[32];
-    for (int j = 0; j < 4; j++) mine.a[j] = a[j];
+    k3emu::mma_frag mine;
+    for (int j = 0; j < 4; j++) mine.a[j] = a[j], mine.c[j] = c[j];
     mine.b[0] = b[0], mine.b[1] = b[1];
-    /* round 1: every lane's fragment address; round 2 keeps each lane's frame alive until every
-     * lane has copied the others' fragments */
+    /* round 1: every lane's fragment address; lane 0 then computes the warp's 16x8 product once
+     * (k3emu::mma_m16n8k16_bf16: the PTX maps, lane by lane) into every lane's d; round 2 keeps
+     * each lane's frame alive until lane 0 has written it */
     const uint64_t *p =
         k3emu::warp_exchange_op(0xffffffffu, (uint64_t)(uintptr_t)&mine, k3c_op_mma);
-    for (int l = 0; l < 32; l++) memcpy(&all[l], (const void *)(uintptr_t)p[l], sizeof(frag));
-    (void)k3emu::warp_exchange_op(0xffffffffu, 0, k3c_op_mma);
-    const unsigned lane = k3emu::lane_id(), g = lane >> 2, t = lane & 3u;
-    if (lane == 0) k3emu::count_mma();
-    float out[4];
-    for (int i = 0; i < 4; i++) {
-        const unsigned row = g + 8u * (unsigned)(i >> 1), col = 2u * t + (unsigned)(i & 1);
-        double s = 0;
-        for (unsigned k = 0; k < 16; k++) {
-            /* A[row][k]: lane (row % 8)·4 + (k % 8) / 2, reg (row >= 8) + 2·(k >= 8), half k & 1 */
-            const uint32_t ar = all[(row & 7u) * 4 + (k & 7u) / 2].a[(row >> 3) + 2 * (k >> 3)];
-            /* B[k][col]: lane col·4 + (k % 8) / 2, reg k >= 8, half k & 1 */
-            const uint32_t br = all[col * 4 + (k & 7u) / 2].b[k >> 3];
-            const float av = k3c_bf16((uint16_t)(ar >> (16 * (k & 1u))));
-            const float bv = k3c_bf16((uint16_t)(br >> (16 * (k & 1u))));
-            s += (double)av * (double)bv;
-        }
-        out[i] = (float)(s + (double)c[i]);
+    if (k3emu::lane_id() == 0) {
+        k3emu::count_mma();
+        k3emu::mma_m16n8k16_bf16(p);
     }
-    for (int i = 0; i < 4; i++) d[i] = out[i];
+    (void)k3emu::warp_exchange_op(0xffffffffu, 0, k3c_op_mma);
+    for (int i = 0; i < 4; i++) d[i] = mine.d[i];
 }
 
 /* ldmatrix .x<N> (.trans when T) */

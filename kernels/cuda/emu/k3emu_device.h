@@ -116,6 +116,14 @@ void device_error(const char *fmt, ...) __attribute__((format(printf, 1, 2)));
 bool in_shared(const void *p, size_t n);
 /* one warp-level mma of the running kernel (counted per kernel: k3emu_mma_count) */
 void count_mma(void);
+/* mma.m16n8k16 bf16 -> f32 of a whole warp (emu_mma.cpp): lanes[l] points at lane l's fragment;
+ * d = A·B + c for every lane, by the PTX fragment maps, each element summed in double over k in
+ * order (exact for the products; one rounding to fp32 at the end) */
+struct mma_frag {
+    uint32_t a[4], b[2];
+    float c[4], d[4];
+};
+void mma_m16n8k16_bf16(const uint64_t *lanes);
 /* cp.async of 16 bytes (dst shared, src global; both 16-byte aligned), commit_group, wait_group */
 void cp_async16(void *dst, const void *src);
 void cp_commit(void);
