@@ -230,15 +230,33 @@ size_t dev_allocated(void) {
     return g_dm->allocated;
 }
 
+/* The range stays open after the last executor lets the device go, until the next quiet point
+ * (close_idle: a host synchronisation, or a stream worker idle for a millisecond): an mprotect
+ * walks every resident page of the range, so one pair per operation or burst cost more than the
+ * work itself on a model (93 layers: 2/3 of the CPU time, in the kernel). */
+static bool g_open; /* under g_dm->work */
+
 void work_begin(void) {
     if (!ready()) return;
     g_dm->work.lock();
-    if (g_dm->open_depth++ == 0) set_prot(PROT_READ | PROT_WRITE);
+    if (g_dm->open_depth++ == 0 && !g_open) {
+        set_prot(PROT_READ | PROT_WRITE);
+        g_open = true;
+    }
 }
 
 void work_end(void) {
     if (!g_base) return;
-    if (--g_dm->open_depth == 0) set_prot(PROT_NONE);
+    --g_dm->open_depth;
+    g_dm->work.unlock();
+}
+
+void close_idle(void) {
+    if (!g_base || !g_dm->work.try_lock()) return; /* someone works: it stays open */
+    if (g_dm->open_depth == 0 && g_open) {
+        set_prot(PROT_NONE);
+        g_open = false;
+    }
     g_dm->work.unlock();
 }
 
@@ -288,8 +306,8 @@ void k3emu_device_open(void) {
     k3emu::work_begin();
 }
 void k3emu_device_close(void) {
-    t_open--;
     k3emu::work_end();
+    if (--t_open == 0) k3emu::close_idle();
 }
 
 } // extern "C"

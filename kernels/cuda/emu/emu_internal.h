@@ -22,6 +22,8 @@ size_t dev_allocated(void);       /* bytes held by live allocations */
  * Re-entrant on one thread. */
 void work_begin(void);
 void work_end(void);
+/* close the range if no executor holds the device (it stays open from work_end to here) */
+void close_idle(void);
 
 /* ---- emu_runtime.cpp: the grid runner ------------------------------------------------------- */
 struct grid_job {

@@ -35,6 +35,7 @@
 #include <string.h>
 #include <time.h>
 
+#include <chrono>
 #include <condition_variable>
 #include <deque>
 #include <mutex>
@@ -102,7 +103,13 @@ void *worker(void *p) {
             sched_yield();
             lk.lock();
         }
-        s->cv.wait(lk, [s] { return s->stop || (!s->q.empty() && !s->paused); });
+        const auto go = [s] { return s->stop || (!s->q.empty() && !s->paused); };
+        if (!s->cv.wait_for(lk, std::chrono::milliseconds(1), go)) {
+            lk.unlock(); /* idle: the range closes (emu_devmem.cpp) */
+            k3emu::close_idle();
+            lk.lock();
+            s->cv.wait(lk, go);
+        }
         if (s->q.empty() || s->paused) break; /* stop with nothing to run */
         const op o = s->q.front();
         lk.unlock();
@@ -159,13 +166,18 @@ void drain(k3emu_stream *s) {
         lk.lock();
     }
     s->cv.wait(lk, [s, target] { return s->done >= target; });
+    lk.unlock();
+    k3emu::close_idle(); /* a synchronisation returns with the range closed, unless work runs */
 }
 
 /* until e's last record has run */
 void event_wait(k3emu_event *e) {
     if (!e->s) return;
-    std::unique_lock<std::mutex> lk(e->s->mu);
-    e->s->cv.wait(lk, [e] { return e->s->done >= e->seq; });
+    {
+        std::unique_lock<std::mutex> lk(e->s->mu);
+        e->s->cv.wait(lk, [e] { return e->s->done >= e->seq; });
+    }
+    k3emu::close_idle();
 }
 bool event_pending(k3emu_event *e) {
     if (!e->s) return false;
@@ -306,6 +318,7 @@ cudaError_t copy_sync(void *dst, size_t dpitch, const void *src, size_t spitch, 
         k3emu::work_begin();
         run_copy(&c);
         k3emu::work_end();
+        k3emu::close_idle();
     }
     return k3emu::async_error(false);
 }
@@ -448,8 +461,12 @@ cudaError_t cudaStreamSynchronize(cudaStream_t s) {
 cudaError_t cudaStreamQuery(cudaStream_t hs) {
     FORBID_IN_CAPTURE("cudaStreamQuery", hs);
     k3emu_stream *s = of(hs);
-    std::lock_guard<std::mutex> lk(s->mu);
-    return s->done >= s->enq ? cudaSuccess : cudaErrorNotReady;
+    {
+        std::lock_guard<std::mutex> lk(s->mu);
+        if (s->done < s->enq) return cudaErrorNotReady;
+    }
+    k3emu::close_idle(); /* as a synchronisation */
+    return cudaSuccess;
 }
 cudaError_t cudaStreamWaitEvent(cudaStream_t s, cudaEvent_t e, unsigned flags) {
     (void)flags;
@@ -510,7 +527,9 @@ cudaError_t cudaEventSynchronize(cudaEvent_t e) {
 cudaError_t cudaEventQuery(cudaEvent_t e) {
     if (!e) return k3emu::set_err(cudaErrorInvalidResourceHandle);
     FORBID_IN_CAPTURE("cudaEventQuery", nullptr);
-    return event_pending(e) ? cudaErrorNotReady : cudaSuccess;
+    if (event_pending(e)) return cudaErrorNotReady;
+    k3emu::close_idle(); /* as a synchronisation */
+    return cudaSuccess;
 }
 cudaError_t cudaEventElapsedTime(float *ms, cudaEvent_t a, cudaEvent_t b) {
     if (!ms || !a || !b) return k3emu::set_err(cudaErrorInvalidValue);
