@@ -65,6 +65,9 @@ static void *dput(const void *host, size_t n_bytes) {
     void *d = NULL;
     K3_ASSERT(k3_backend_alloc(g_cu, total, "test_cuda_ops buffer", &d) == K3_OK);
     K3_ASSERT(k3_backend_upload(g_cu, d, h, total) == K3_OK);
+    /* landed before another backend's stream (g_cub, g_cu32) reads it: streams are ordered
+       only within themselves (the emulator's streams run asynchronously, as a device's do) */
+    K3_ASSERT(k3_backend_sync(g_cu) == K3_OK);
     free(h);
     K3_ASSERT(g_nb < MAXB);
     g_bufs[g_nb].base = d;
@@ -83,11 +86,15 @@ static float *dcopy(const float *h, int64_t n) {
     return dput(h, (size_t)n * 4);
 }
 static void dget(void *host, const void *dev, size_t n_bytes) {
+    if (g_cub) K3_ASSERT(k3_backend_sync(g_cub) == K3_OK); /* its kernels may have written dev */
+    if (g_cu32) K3_ASSERT(k3_backend_sync(g_cu32) == K3_OK);
     K3_ASSERT(k3_backend_sync(g_cu) == K3_OK);
     K3_ASSERT(k3_backend_download(g_cu, host, dev, n_bytes) == K3_OK);
 }
 /* Check every guard band and free every buffer of the case. */
 static void dfree_all(const char *what) {
+    if (g_cub) K3_ASSERT(k3_backend_sync(g_cub) == K3_OK);
+    if (g_cu32) K3_ASSERT(k3_backend_sync(g_cu32) == K3_OK);
     K3_ASSERT(k3_backend_sync(g_cu) == K3_OK);
     for (int b = 0; b < g_nb; b++) {
         size_t pad = GUARD * 4, total = g_bufs[b].n_bytes + 2 * pad;
