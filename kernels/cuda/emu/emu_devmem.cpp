@@ -134,12 +134,18 @@ bool ready(void) {
         const double gb = v && *v ? atof(v) : 64.0;
         size_t total = (size_t)((gb > 0 ? gb : 64.0) * (double)((size_t)1 << 30));
         total = round_up(total + total / 8 + ((size_t)1 << 26), (size_t)1 << 21);
-        void *m =
-            mmap(nullptr, total, PROT_NONE, MAP_PRIVATE | MAP_ANONYMOUS | MAP_NORESERVE, -1, 0);
-        if (m == MAP_FAILED) {
+        /* 2 MB-aligned and advised for huge pages: an mprotect of the range then changes one
+           entry per 2 MB of resident device memory instead of 512 (a model's load closes and
+           opens the range once per synchronous upload) */
+        const size_t huge = (size_t)1 << 21;
+        void *r = mmap(nullptr, total + huge, PROT_NONE,
+                       MAP_PRIVATE | MAP_ANONYMOUS | MAP_NORESERVE, -1, 0);
+        if (r == MAP_FAILED) {
             fprintf(stderr, "k3emu: cannot reserve %zu bytes for device memory\n", total);
             return;
         }
+        void *m = (void *)round_up((uintptr_t)r, huge);
+        (void)madvise(m, total, MADV_HUGEPAGE); /* a hint: without THP the range still works */
         g_dm = new devmem;
         g_dm->free_[(uintptr_t)m] = total; /* never-used space is not poisoned: 9 GiB of shadow */
         struct sigaction sa;
