@@ -363,7 +363,7 @@ static k3_status cu_device_info(k3_backend *be, k3_device_info *out) {
     CU_TRY(cudaGetDevice(&dev));
     struct cudaDeviceProp p;
     CU_TRY(cudaGetDeviceProperties(&p, dev));
-    snprintf(out->name, sizeof out->name, "%s", p.name);
+    snprintf(out->name, sizeof out->name, "%.*s", (int)sizeof out->name - 1, p.name);
     CU_TRY(cudaDeviceGetAttribute(&mem_khz, cudaDevAttrMemoryClockRate, dev));
     CU_TRY(cudaDeviceGetAttribute(&bus_bits, cudaDevAttrGlobalMemoryBusWidth, dev));
     CU_TRY(cudaDeviceGetAttribute(&sm_khz, cudaDevAttrClockRate, dev));
