@@ -603,28 +603,12 @@ static void test_w4a16_split_exact(int terms, bool small) {
 
 #ifdef K3_CUDA_EMULATION
 /* runs f with stderr captured; returns what it printed (echoed, marked as expected) */
+#include "k3emu_stderr.h"
+
 template <class F> static std::string captured_stderr(F f) {
-    fflush(stderr);
-    FILE *tmp = tmpfile();
-    const int saved = dup(2);
-    if (!tmp || saved < 0) {
-        CHECK(false, "cannot capture stderr");
-        if (tmp) fclose(tmp);
-        if (saved >= 0) close(saved);
-        return std::string();
-    }
-    dup2(fileno(tmp), 2);
-    f();
-    fflush(stderr);
-    dup2(saved, 2);
-    close(saved);
-    std::string s;
-    rewind(tmp);
-    char buf[512];
-    size_t got;
-    while ((got = fread(buf, 1, sizeof buf, tmp)) > 0) s.append(buf, got);
-    fclose(tmp);
-    if (!s.empty()) fprintf(stderr, "  (expected) %s", s.c_str());
+    bool ok;
+    std::string s = k3emu_captured_stderr(f, &ok);
+    CHECK(ok, "cannot capture stderr");
     return s;
 }
 
