@@ -1,4 +1,4 @@
-/* cmd_make_tiny.c — `k3 make-tiny DIR [--preset tiny|small|deep] [--seed N]`.
+/* cmd_make_tiny.c — `k3 make-tiny DIR [--preset tiny|small|deep] [--seed N] [--dense]`.
  *
  * Writes a deterministic random K3 checkpoint in the real layout (config.json, safetensors index
  * and shards, MXFP4 experts, tiktoken.model + tokenizer_config.json). tiny/make_tiny.c does the
@@ -14,6 +14,9 @@ static const k3_flag flags[] = {
     {"preset", K3_FLAG_STR, "NAME", "tiny",
      "tiny (tests, demo), small (CPU benchmarks) or deep (tiny widths, K3's 93 layers)"},
     {"seed", K3_FLAG_INT, "N", "1", "weights seed; same seed -> byte-identical files"},
+    {"dense", K3_FLAG_BOOL, NULL, NULL,
+     "every layer's FFN dense (first_k_dense_replace = the layer count): a model with no MoE "
+     "layer, for tests of what MoE layers would change"},
 };
 
 static int run_make_tiny(const k3_args *a) {
@@ -30,7 +33,7 @@ static int run_make_tiny(const k3_args *a) {
         return 2;
     }
     double t0 = k3_now_s();
-    k3_status s = k3_make_tiny(dir, p, (uint64_t)seed);
+    k3_status s = k3_make_tiny_dense(dir, p, (uint64_t)seed, k3_args_bool(a, "dense"));
     if (s != K3_OK) {
         fprintf(stderr, "k3 make-tiny: %s\n", k3_last_error());
         return 1;

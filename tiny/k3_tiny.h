@@ -21,6 +21,9 @@
  * config.json, the index, >= 3 shards, the tokenizer files. Same (p, seed) -> byte-identical
  * files. K3_ERR_ARG for K3_PRESET_K3. */
 k3_status k3_make_tiny(const char *dir, k3_preset p, uint64_t seed);
+/* The same; dense: every layer's FFN dense (first_k_dense_replace = the layer count), a model
+ * without MoE layers (`k3 make-tiny --dense`). */
+k3_status k3_make_tiny_dense(const char *dir, k3_preset p, uint64_t seed, bool dense);
 
 /* ---- tokenizer training ------------------------------------------------------------------ */
 typedef struct k3_bpe_vocab {

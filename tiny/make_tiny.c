@@ -244,6 +244,10 @@ static k3_status write_tokenizer(const char *dir, const k3_config *c) {
 }
 
 k3_status k3_make_tiny(const char *dir, k3_preset p, uint64_t seed) {
+    return k3_make_tiny_dense(dir, p, seed, false);
+}
+
+k3_status k3_make_tiny_dense(const char *dir, k3_preset p, uint64_t seed, bool dense) {
     if (p == K3_PRESET_K3)
         return K3_ERR(K3_ERR_ARG,
                       "make-tiny: only the tiny, small and deep presets can be generated");
@@ -251,6 +255,7 @@ k3_status k3_make_tiny(const char *dir, k3_preset p, uint64_t seed) {
         return K3_ERR(K3_ERR_IO, "%s: cannot create the directory: %s", dir, strerror(errno));
     k3_config c;
     k3_preset_config(p, &c);
+    if (dense) c.first_k_dense_replace = c.n_layers; /* every FFN dense: no MoE layer */
     K3_TRY(k3_config_validate(&c, "make-tiny preset"));
     char *cj = NULL;
     K3_TRY(k3_config_to_json(&c, &cj));
