@@ -382,8 +382,10 @@ typedef struct k3_backend_iface {
        a host sync in between (download, synchronize, event_sync, an error-word read, an
        allocation) fails with K3_ERR_DEVICE and so does capture_end (under the emulator each
        names the call in a k3emu: line). capture_end returns the instantiated graph; graph_launch
-       replays it on the stream (op_stats.graph_launches; the ops recorded are not counted again
-       as calls). */
+       replays it on the stream (op_stats.graph_launches). The ops a capture records count as
+       calls when a launch runs them, not when recorded: a step's op count is the same replayed
+       or eager. Deferred checks (below) queued in a capture that began with none queued are
+       replayed too: a launch leaves them as the recorded calls did, for errors_fetch/verdict. */
     k3_status (*capture_begin)(k3_backend *be);
     k3_status (*capture_end)(k3_backend *be, k3_backend_graph **out);
     k3_status (*graph_launch)(k3_backend *be, k3_backend_graph *g);

@@ -185,6 +185,13 @@ int k3_engine_args(const k3_args *a, bool print, k3_engine_opts *o) {
     o->load_direct = k3_args_bool(a, "load-direct");
     o->load_private = k3_args_bool(a, "load-private");
     o->load_mmap = k3_args_bool(a, "load-mmap");
+    const char *graphs = k3_args_str(a, "cuda-graphs");
+    if (strcmp(graphs, "on") != 0 && strcmp(graphs, "off") != 0)
+        return bad(a, print, "cuda-graphs", "is not on or off");
+    o->no_cuda_graphs = strcmp(graphs, "off") == 0;
+    if (print && k3_args_has(a, "cuda-graphs") && strcmp(o->backend, "cuda") != 0)
+        K3_LOGI("--cuda-graphs %s: ignored: the backend is %s (graphs are a cuda feature)", graphs,
+                o->backend);
     if (o->load_mmap && o->load_direct) /* a mapped load reads nothing through O_DIRECT */
         K3_LOGW("--load-direct has no effect with --load-mmap (the shards are mapped, not read)");
     int rc = k3_engine_comm_arg(a, o->backend, print, &o->comm);

@@ -75,6 +75,10 @@
      "else cpu, saying why), cpu, ref, guard (a test backend: cpu ops on memory host code cannot " \
      "touch) or cuda (builds with K3_CUDA)"},                                                      \
     K3_COMM_FLAG,                                                                                  \
+    {"cuda-graphs", K3_FLAG_STR, "on|off", "on",                                                   \
+     "cuda: run each decode step as a CUDA graph, captured once per padded batch size (1, 2, 4, " \
+     "... up to --max-seqs) and replayed; off: every op launched on its own. Other backends: "    \
+     "ignored (said once)"},                                                                       \
     {"kda-chunk", K3_FLAG_INT, "C", "0",                                                           \
      "KDA form: 0/1 = recurrent (bit-exact), C >= 2 = chunked, C tokens"},                         \
     {"max-seqs", K3_FLAG_INT, "N", K3_ENGINE_ARGS_STR(K3_ENGINE_DEFAULT_MAX_SEQS),                 \

@@ -85,6 +85,9 @@ typedef struct k3_stage_params {
     /* Prefix cache ("Prefix cache" below): snapshots of a slot's KDA + short-conv states the
        stage holds (allocated at create; needs max_seqs > 0). 0: none. */
     int n_snapshots;
+    /* Captured decode steps (k3_stage_forward_graph; needs max_seqs > 0 and a backend with
+       graphs): one more slot and one more cache block, kept out of the pools, for the pad rows. */
+    bool graphs;
 } k3_stage_params;
 
 k3_status k3_stage_create(const k3_stage_params *p, k3_stage **out);
@@ -197,6 +200,18 @@ void k3_activ_free(k3_backend *be, k3_activ *a);
  * errors (checked up front); a failure in the middle leaves them undefined (reset them). */
 k3_status k3_stage_forward(k3_stage *s, const k3_batch *b, k3_activ *act, bool all_logits,
                            float *logits);
+/* A decode step (every sequence 1 token, logits of each sequence's row) as a CUDA graph
+ * (docs/DESIGN.md §5): the batch is padded to n_pad rows (b->n_seqs <= n_pad <= max_seqs) with
+ * inert rows (token 0 at position 0 in the stage's pad slot and block: their rows are computed
+ * and never read), its descriptor, flags and token ids are uploaded to the step buffer of n_pad
+ * (fixed addresses), and the ops from the embedding (or the received activation, [n_pad, D] with
+ * its bank) to the logits ([n_pad, V]) run as one graph: captured at the first step of n_pad and
+ * launched, replayed at the later ones. Bit-identical to k3_stage_forward's rows (each row's ops
+ * read only that row). A capture that fails (a host sync inside it, or inject_sync: a download
+ * injected after the ops, the test hook) is dropped, the step runs eagerly, *fell_back is set
+ * and n_pad is never captured again on this stage (eager from then on). act->T becomes n_pad. */
+k3_status k3_stage_forward_graph(k3_stage *s, const k3_batch *b, int n_pad, bool inject_sync,
+                                 k3_activ *act, float *logits, bool *fell_back);
 /* A step in which this lane has no tokens: still take part in every MoE exchange of the stage
  * (the other lanes may route tokens to this lane's experts). No-op without a comm handle. */
 k3_status k3_stage_idle_step(k3_stage *s);

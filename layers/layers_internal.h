@@ -93,6 +93,13 @@ struct k3_stage {
     size_t step_ints;
     int32_t *h_ntok, *h_pos, *h_slot, *h_blk; /* host [n_slots] ×3, [n_slots, max_blocks] */
     int32_t *h_nf;                            /* host [n_slots] the flags read back */
+    /* captured decode steps (params.graphs; layers/graph.c): the pad rows' slot and cache block
+       (kept out of the pools: -1 without graphs), and per padded size n (index n, [n_slots]):
+       the graph, the AttnRes slabs it starts and ends with, and whether its capture failed */
+    int pad_slot, pad_blk;
+    k3_backend_graph **graph;
+    int *graph_bank_in, *graph_bank_out;
+    bool *graph_off;
 };
 
 /* A sequence: its slot of the stage's slot pool and the paged cache blocks it holds. */
@@ -115,6 +122,19 @@ k3_status k3_layers_mla(k3_stage *s, int layer, const k3_seqs *sq, const float *
 /* The step's descriptor of batch b (blocks taken, one upload): what k3_stage_forward does before
  * its layers, for tests that run a mixer alone. */
 k3_status k3_layers_step_begin(k3_stage *s, const k3_batch *b, k3_seqs *sq);
+
+/* A batch's checks before anything runs (sequences, tokens, ids, the activation): *T its tokens. */
+k3_status k3_layers_check_batch(const k3_stage *s, const k3_batch *b, const k3_activ *act,
+                                int64_t *T_out);
+/* Blocks for every sequence's positions up to pos + n (all or none). */
+k3_status k3_layers_take_blocks(k3_stage *s, const k3_batch *b);
+/* Every op of a step after its upload (descriptor sq, flags and ids in the step buffer), from the
+   embedding or the received activation to the logits: what a captured decode step holds. */
+k3_status k3_layers_forward_ops(k3_stage *s, const k3_seqs *sq, bool nf, k3_activ *act,
+                                bool all_logits, float *logits, int32_t *flags, const int32_t *ids);
+/* Reserve the pad slot and block (pools_create, params.graphs) and free the graphs (destroy). */
+k3_status k3_layers_graph_init(k3_stage *s);
+void k3_layers_graph_free(k3_stage *s);
 
 /* Shape check of one weight: names layer and tensor on mismatch. d1 < 0: 1-D [d0]. */
 k3_status k3_layers_need(const k3_tensor *t, int layer, const char *name, int64_t d0, int64_t d1);

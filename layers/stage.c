@@ -277,6 +277,7 @@ k3_status k3_stage_create(const k3_stage_params *p, k3_stage **out) {
     k3_stage *s;
     K3_TRY(k3_calloc((void **)&s, sizeof(*s), "stage"));
     s->p = *p;
+    s->pad_slot = s->pad_blk = -1;
     s->c = c;
     s->w = p->w;
     s->be = p->be;
@@ -325,6 +326,7 @@ k3_status k3_stage_create(const k3_stage_params *p, k3_stage **out) {
 
 void k3_stage_destroy(k3_stage *s) {
     if (!s) return;
+    k3_layers_graph_free(s);
     if (s->be) {
         float *bufs[] = {
             s->xa,          s->xn,     s->y,        s->hsel,     s->bank_sel, s->kq,     s->kk,
@@ -466,8 +468,10 @@ static k3_status pools_create(k3_stage *s) {
         p->kv_cache_tokens > 0 ? p->kv_cache_tokens : (int64_t)p->max_seqs * p->max_ctx;
     if (blocks_of(cache_tokens) < 1 || cache_tokens / K3_KV_BLOCK > INT32_MAX / 2)
         return K3_ERR(K3_ERR_ARG, "stage: kv_cache_tokens %lld", (long long)cache_tokens);
-    K3_TRY(
-        pools_resize(s, p->max_seqs, blocks_of(cache_tokens), blocks_of(p->max_ctx), p->max_ctx));
+    const int pad = p->graphs ? 1 : 0; /* the pad rows' slot and block (k3_layers_graph_init) */
+    K3_TRY(pools_resize(s, p->max_seqs + pad, blocks_of(cache_tokens) + pad, blocks_of(p->max_ctx),
+                        p->max_ctx));
+    if (pad) K3_TRY(k3_layers_graph_init(s));
     if (p->n_snapshots < 0)
         return K3_ERR(K3_ERR_ARG, "stage: n_snapshots %d must be >= 0", p->n_snapshots);
     s->n_snaps = p->n_snapshots;
@@ -479,7 +483,7 @@ static k3_status pools_create(k3_stage *s) {
 
 void k3_stage_cache_usage(const k3_stage *s, int *free_blocks, int *total_blocks) {
     if (free_blocks) *free_blocks = s->n_free;
-    if (total_blocks) *total_blocks = s->n_blocks;
+    if (total_blocks) *total_blocks = s->n_blocks - (s->pad_blk >= 0);
 }
 
 static k3_status seq_state_zero(k3_seq_state *st);
@@ -495,7 +499,7 @@ k3_status k3_seq_state_create(const k3_stage *cs, int64_t max_ctx, k3_seq_state 
     while (slot < s->n_slots && s->slot_used[slot]) slot++;
     if (slot == s->n_slots && s->fixed)
         return K3_ERR(K3_ERR_STATE, "sequence state: all %d slots of the stage are in use",
-                      s->n_slots);
+                      s->n_slots - (s->pad_slot >= 0));
     if (!s->fixed) /* a slot (new or reused) and max_ctx of blocks more: never short */
         K3_TRY(pools_resize(s, K3_MAX(s->n_slots, slot + 1), s->n_blocks + blocks_of(max_ctx),
                             blocks_of(max_ctx), max_ctx));
@@ -650,8 +654,8 @@ k3_status k3_stage_idle_step(k3_stage *s) {
 }
 
 /* ---- the forward ---------------------------------------------------------------------------- */
-static k3_status check_batch(const k3_stage *s, const k3_batch *b, const k3_activ *act,
-                             int64_t *T_out) {
+k3_status k3_layers_check_batch(const k3_stage *s, const k3_batch *b, const k3_activ *act,
+                                int64_t *T_out) {
     if (!b || b->n_seqs < 1 || !b->states || !b->n_tokens)
         return K3_ERR(K3_ERR_ARG, "forward: empty batch");
     int64_t T = 0;
@@ -717,7 +721,7 @@ static k3_status in_layer(k3_status st, int l) {
 
 /* Blocks for every sequence's positions up to pos + n (none without MLA layers): all or none, so
    a pool that runs out leaves every state as it was and names the sequence. */
-static k3_status take_blocks(k3_stage *s, const k3_batch *b) {
+k3_status k3_layers_take_blocks(k3_stage *s, const k3_batch *b) {
     if (s->n_mla == 0) return K3_OK;
     int need = 0;
     for (int i = 0; i < b->n_seqs; i++) {
@@ -745,7 +749,7 @@ static k3_status take_blocks(k3_stage *s, const k3_batch *b) {
    token ids, laid out on the host and uploaded in one copy. */
 static k3_status upload_step(k3_stage *s, const k3_batch *b, int64_t T, k3_seqs *sq,
                              int32_t **flags, int32_t **ids) {
-    K3_TRY(take_blocks(s, b));
+    K3_TRY(k3_layers_take_blocks(s, b));
     /* block table rows as wide as this batch's longest sequence needs, not max_ctx: what goes up
        each step grows with the contexts in the batch (a short batch under --max-ctx 1M is not
        16k blocks a row) */
@@ -804,19 +808,37 @@ k3_status k3_stage_forward(k3_stage *s, const k3_batch *b, k3_activ *act, bool a
 
 static k3_status forward(k3_stage *s, const k3_batch *b, k3_activ *act, bool all_logits,
                          float *logits, bool *fetched) {
-    const k3_config *c = s->c;
-    k3_backend *be = s->be;
-    const k3_ops *ops = be->ops;
-    const int64_t D = s->D;
     int64_t T = 0;
-    K3_TRY(check_batch(s, b, act, &T));
+    K3_TRY(k3_layers_check_batch(s, b, act, &T));
     if (s->p.last && !logits)
         return K3_ERR(K3_ERR_ARG, "forward: last stage needs a logits buffer");
-    const bool res = c->attn_res_block_size > 0, nf = b->nonfinite != NULL;
-    const float eps = c->rms_norm_eps;
     k3_seqs sq;
     int32_t *flags, *ids;
     K3_TRY(upload_step(s, b, T, &sq, &flags, &ids));
+    const bool nf = b->nonfinite != NULL;
+    K3_TRY(k3_layers_forward_ops(s, &sq, nf, act, all_logits, logits, flags, ids));
+    for (int i = 0; i < b->n_seqs; i++) b->states[i]->pos += b->n_tokens[i];
+    /* the step's one read of the flags (a sequence marked upstream keeps its -1) */
+    if (nf) { /* the deferred checks come back with it */
+        K3_TRY(k3_backend_errors_fetch(s->be));
+        *fetched = true;
+        K3_TRY(k3_backend_download(s->be, s->h_nf, flags, (size_t)b->n_seqs * sizeof(int32_t)));
+        memcpy(b->nonfinite, s->h_nf, (size_t)b->n_seqs * sizeof(int32_t));
+    }
+    return K3_OK;
+}
+
+k3_status k3_layers_forward_ops(k3_stage *s, const k3_seqs *sqp, bool nf, k3_activ *act,
+                                bool all_logits, float *logits, int32_t *flags,
+                                const int32_t *ids) {
+    const k3_config *c = s->c;
+    k3_backend *be = s->be;
+    const k3_ops *ops = be->ops;
+    const int64_t D = s->D, T = sqp->T;
+    const int n_seqs = sqp->n_seqs;
+    const k3_seqs sq = *sqp;
+    const bool res = c->attn_res_block_size > 0;
+    const float eps = c->rms_norm_eps;
 #define NF_CHECK(y, layer, op)                                                                     \
     do {                                                                                           \
         if (nf)                                                                                    \
@@ -877,12 +899,10 @@ static k3_status forward(k3_stage *s, const k3_batch *b, k3_activ *act, bool all
             s->tap(s->tap_ctx, l, s->tap_buf, T, D);
         }
     }
-    for (int i = 0; i < b->n_seqs; i++) b->states[i]->pos += b->n_tokens[i];
-
     if (s->p.last) {
         /* rows that get logits: all, or each sequence's last token (with its bank rows) */
         const bool mix = res && act->n_bank > 0;
-        const int64_t n_rows = all_logits ? T : b->n_seqs;
+        const int64_t n_rows = all_logits ? T : n_seqs;
         if (all_logits) {
             K3_TRY(ops->copy2d(be, s->hsel, slab, h, slab, 1, slab));
             if (mix)
@@ -904,12 +924,5 @@ static k3_status forward(k3_stage *s, const k3_batch *b, k3_activ *act, bool all
                                        k3_nf_code(-1, K3_NF_HEAD), flags));
     }
 #undef NF_CHECK
-    /* the step's one read of the flags (a sequence marked upstream keeps its -1) */
-    if (nf) { /* the deferred checks come back with it */
-        K3_TRY(k3_backend_errors_fetch(be));
-        *fetched = true;
-        K3_TRY(k3_backend_download(be, s->h_nf, flags, (size_t)b->n_seqs * sizeof(int32_t)));
-        memcpy(b->nonfinite, s->h_nf, (size_t)b->n_seqs * sizeof(int32_t));
-    }
     return K3_OK;
 }

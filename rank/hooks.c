@@ -22,6 +22,7 @@ struct rank_hooks {
     int alloc_site;  /* "alloc:SITE:N": the site whose N-th allocation fails (-1) */
     int64_t alloc_n; /* N (from 1) */
     int64_t alloc_count[RANK_ALLOC_SITES]; /* allocations so far at each site */
+    int graph_sync_rank; /* "graph-sync:R": a host sync inside rank R's captured steps (-1) */
 };
 
 static const char *const alloc_site_name[RANK_ALLOC_SITES] = {"submit", "step", "fork"};
@@ -100,6 +101,7 @@ k3_status rank_hooks_create(rank_ctx *r, const char *t) {
     h->stall_load_rank = h->kill_load_rank = -1;
     h->fail_signal = SIGKILL;
     h->alloc_site = -1;
+    h->graph_sync_rank = -1;
     if (!t || !*t) return K3_OK;
     int a = -1, b = -1;
     char site[16];
@@ -123,11 +125,17 @@ k3_status rank_hooks_create(rank_ctx *r, const char *t) {
         h->fail_decode_rank = a, h->fail_decode_step = b;
     else if (sscanf(t, "hang:%d:%d", &a, &b) == 2)
         h->fail_decode_rank = a, h->fail_decode_step = b, h->fail_hang = true;
+    else if (sscanf(t, "graph-sync:%d", &a) == 1)
+        h->graph_sync_rank = a;
     else if (r->rank == 0)
         K3_LOGW("K3_TEST_FAIL='%s' not understood (load:R | stall-load:R | kill-load:R | plan:R | "
-                "decode:R:N | stop:R:N | hang:R:N | alloc:SITE:N)",
+                "decode:R:N | stop:R:N | hang:R:N | alloc:SITE:N | graph-sync:R)",
                 t);
     return K3_OK;
+}
+
+bool rank_hooks_graph_sync(const rank_ctx *r) {
+    return r->hooks && r->hooks->graph_sync_rank == r->rank;
 }
 
 void rank_hooks_destroy(rank_ctx *r) {

@@ -87,6 +87,9 @@ typedef struct k3_engine_opts {
                           device ranks (nccl) get theirs from one reader (k3_load_sel.dense) */
     bool verify;       /* after loading, check the rank's own tensors for non-finite values and E8M0
                           0xFF scales (k3_ckpt_scan); a problem ends the job naming tensor, row, file */
+    bool no_cuda_graphs;  /* --cuda-graphs off: every decode step eager (default: on the cuda
+                             backend, a decode step is a CUDA graph captured once per padded batch
+                             size and replayed; docs/DESIGN.md §5) */
     const char *op_stats; /* NULL, or a JSON file rank 0 writes at close: each worker rank's
                              backend op calls, host syncs and host<->device bytes per forward
                              step, by phase (decode, prefill, idle; rank/opstats.c). Needs a

@@ -10,13 +10,16 @@
  * experts). Reading the counters is no host sync and counts nothing.
  * Host syncs are the backend's (downloads, synchronize, event syncs, error-word reads) plus the
  * transport's own waits on the device (k3_comm_stats.host_syncs: each NCCL wait on a stream), the
- * latter also alone as comm_host_syncs_per_step; graph launches are the backend's replays of a
- * captured step (cuda graphs).
+ * latter also alone as comm_host_syncs_per_step; graph launches are the backend's launches of a
+ * captured step (cuda graphs: the step that captures a padded size launches it too, so a decode
+ * step with graphs on has 1), and the ops a launch runs count as the step's ops (the op count is
+ * the same replayed or eager).
  * File: {"backend", "world", "pp", "ep", "comm" (the transport, "none" on one rank), "routing"
  * ("host" | "device": where the MoE route is built), "routing_note" (why the counts are what they
  * are with this transport), "stages": [{"rank", "stage", "lane", "layers": [begin,
  * end), "decode" | "prefill" | "idle": {"steps", "ops_per_step", "host_syncs_per_step",
  * "host_syncs_max_per_step", "comm_host_syncs_per_step", "graph_launches_per_step",
+ * "graph_fallbacks" (steps of the phase whose capture failed and ran eagerly: a count),
  * "host_device_bytes_per_step", "h2d_bytes_per_step",
  * "d2h_bytes_per_step", "ops": {op: calls per step, only ops called}, and where the backend counts
  * matrix FLOPs (cuda) "flops_per_step": {op: FLOPs} and "tensor_core_share": {op: the share of
@@ -39,9 +42,11 @@ static const char *const k_phase_name[OPS_PHASES] = {"decode", "prefill", "idle"
 struct rank_opstats {
     k3_op_stats begin;
     uint64_t comm_begin; /* the transport's own host syncs (k3_comm_stats) when the step began */
+    bool fell;           /* the current step's capture failed (rank_opstats_fallback) */
     struct {
         uint64_t steps, host_syncs_max; /* steps of the phase; the most host syncs in one */
         uint64_t comm_syncs;            /* of sum.host_syncs, the transport's */
+        uint64_t fallbacks;             /* steps whose capture failed (they ran eagerly) */
         k3_op_stats sum;
     } phase[OPS_PHASES];
 };
@@ -96,7 +101,12 @@ k3_status rank_opstats_begin(rank_ctx *r) {
     if (!r->ops) return K3_OK;
     RTRY(r, k3_backend_op_stats(r->be, &r->ops->begin));
     r->ops->comm_begin = comm_syncs(r);
+    r->ops->fell = false;
     return K3_OK;
+}
+
+void rank_opstats_fallback(rank_ctx *r) {
+    if (r->ops) r->ops->fell = true;
 }
 
 k3_status rank_opstats_end(rank_ctx *r, int64_t T, int n_seqs) {
@@ -120,6 +130,7 @@ k3_status rank_opstats_end(rank_ctx *r, int64_t T, int n_seqs) {
     sum->d2h_bytes += now.d2h_bytes - b->d2h_bytes;
     sum->graph_launches += now.graph_launches - b->graph_launches;
     o->phase[ph].steps++;
+    o->phase[ph].fallbacks += o->fell;
     o->phase[ph].host_syncs_max = K3_MAX(o->phase[ph].host_syncs_max, syncs);
     return K3_OK;
 }
@@ -127,9 +138,9 @@ k3_status rank_opstats_end(rank_ctx *r, int64_t T, int n_seqs) {
 /* ---- the gather and the file ------------------------------------------------------------------
  */
 /* One rank's sums as it travels (u64 each): per phase steps, host_syncs_max, host_syncs,
-   h2d_bytes, d2h_bytes, graph_launches, comm_syncs, calls[K3_OP_COUNT], flops[K3_OP_COUNT],
-   tc_flops[K3_OP_COUNT]. */
-#define PACK_CALLS 7
+   h2d_bytes, d2h_bytes, graph_launches, comm_syncs, fallbacks, calls[K3_OP_COUNT],
+   flops[K3_OP_COUNT], tc_flops[K3_OP_COUNT]. */
+#define PACK_CALLS 8
 #define PACK_PHASE (PACK_CALLS + 3 * K3_OP_COUNT)
 #define PACK_U64   (OPS_PHASES * PACK_PHASE)
 
@@ -146,6 +157,7 @@ static void pack(const rank_ctx *r, uint64_t *p) {
         p[4] = s->d2h_bytes;
         p[5] = s->graph_launches;
         p[6] = r->ops->phase[ph].comm_syncs;
+        p[7] = r->ops->phase[ph].fallbacks;
         memcpy(p + PACK_CALLS, s->calls, sizeof s->calls);
         memcpy(p + PACK_CALLS + K3_OP_COUNT, s->flops, sizeof s->flops);
         memcpy(p + PACK_CALLS + 2 * K3_OP_COUNT, s->tc_flops, sizeof s->tc_flops);
@@ -163,6 +175,7 @@ static cJSON *phase_json(const uint64_t *p) {
     cJSON_AddNumberToObject(o, "host_syncs_max_per_step", (double)p[1]);
     cJSON_AddNumberToObject(o, "comm_host_syncs_per_step", (double)p[6] / d);
     cJSON_AddNumberToObject(o, "graph_launches_per_step", (double)p[5] / d);
+    cJSON_AddNumberToObject(o, "graph_fallbacks", (double)p[7]);
     cJSON_AddNumberToObject(o, "host_device_bytes_per_step", (double)(p[3] + p[4]) / d);
     cJSON_AddNumberToObject(o, "h2d_bytes_per_step", (double)p[3] / d);
     cJSON_AddNumberToObject(o, "d2h_bytes_per_step", (double)p[4] / d);

@@ -106,12 +106,15 @@ _Noreturn void rank_abort(rank_ctx *r);
         if (s_ != K3_OK) return rank_fail((r), s_);                                                \
     } while (0)
 /* K3_TEST_FAIL (k3_engine_test.h): load:R, stall-load:R, kill-load:R, decode:R:N (SIGKILL at
- * step N), stop:R:N (SIGSTOP at step N), hang:R:N, plan:R, alloc:SITE:N. A worker counts its
- * forward steps, a dedicated coordinator the logits messages it received. */
+ * step N), stop:R:N (SIGSTOP at step N), hang:R:N, plan:R, alloc:SITE:N, graph-sync:R (a host
+ * sync inside every capture of rank R: the capture fails, the step runs eagerly). A worker counts
+ * its forward steps, a dedicated coordinator the logits messages it received. */
 k3_status rank_hooks_create(rank_ctx *r, const char *test_fail);
 /* K3_TEST_FORCE (after the set-up: ids are checked against the vocabulary). */
 k3_status rank_hooks_force(rank_ctx *r, const char *test_force);
 void rank_hooks_destroy(rank_ctx *r);
+/* graph-sync:R names this rank. */
+bool rank_hooks_graph_sync(const rank_ctx *r);
 /* Die or hang now if the decode hook names this rank and count. */
 void rank_hooks_step(rank_ctx *r, int count);
 /* The load hooks: fail (load:R) before reading; stop or kill itself half-way (done/total). */
@@ -193,6 +196,8 @@ void rank_opstats_destroy(rank_ctx *r);
 /* First and last statements of a worker step (no-ops without --op-stats). */
 k3_status rank_opstats_begin(rank_ctx *r);
 k3_status rank_opstats_end(rank_ctx *r, int64_t T, int n_seqs);
+/* The step being counted ran eagerly because its capture failed (graph_fallbacks). */
+void rank_opstats_fallback(rank_ctx *r);
 /* Collective, at close: every worker rank's totals to rank 0, which writes the JSON file.
  *rc: 0, or 1 on rank 0 when the file could not be written (printed). */
 k3_status rank_opstats_write(rank_ctx *r, int *rc);

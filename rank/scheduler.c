@@ -111,7 +111,23 @@ struct rank_coord {
     int64_t n_preempt;    /* running requests preempted (their blocks freed, recomputed later) */
     double *rank_busy_s;  /* [world] forward time of each rank so far (from the LOGITS) */
     uint64_t *rank_steps; /* [world] its steps counted there */
+    bool graphs;          /* decode steps are captured (a cuda backend, --cuda-graphs on) */
+    bool *graph_off;      /* [max_seqs + 1] padded sizes a stage could not capture: eager now */
 };
+
+/* The capture decision of a lane's step (docs/DESIGN.md §5): a decode step (every sequence one
+   token, no prompt rows wanted) runs as the graph of the ladder size n_pad (the next power of two,
+   at most max_seqs) unless a stage could not capture that size; 0: eager. Every stage of the lane
+   reads it from the message, so all capture or replay the same step. */
+static int32_t graph_rows(const rank_ctx *r, const rank_step *m) {
+    if (!r->co->graphs || m->n_seqs < 1 || m->all_logits) return 0;
+    for (int j = 0; j < m->n_seqs; j++)
+        if (m->seqs[j].n_tokens != 1 || (m->seqs[j].flags & K3_WIRE_PLP)) return 0;
+    int n = 1;
+    while (n < m->n_seqs) n *= 2;
+    n = K3_MIN(n, r->max_seqs);
+    return n <= r->max_tokens && !r->co->graph_off[n] ? n : 0;
+}
 
 /* ---- events ------------------------------------------------------------------------------- */
 /* Event data (text deltas, logits rows) comes from blocks that are kept and reused: clearing the
@@ -850,6 +866,7 @@ static k3_status send_step(rank_ctx *r, int g, bool *sent) {
         }
         m.n_tokens = (int32_t)T, m.tokens = C->step_tokens;
         m.n_targets = (int32_t)(tgt - C->step_targets), m.targets = C->step_targets;
+        m.n_pad = graph_rows(r, &m);
         RTRY(r, rank_post_step(r, k3_plan_rank(&r->plan, 0, e), K3_MSG_BATCH,
                                (k3_wire_step){.T = T}, &m, NULL, 0));
         C->n_pend_free[e] = 0, C->n_fork_ops[e] = 0; /* sent */
@@ -950,6 +967,13 @@ static k3_status on_logits(rank_ctx *r, const step_msg *m) {
                     "sequences, %d busy times",
                     m->src, src_stage, g, stepi,
                     g >= 0 && g < r->co->n_groups ? r->co->groups[g].step : -1, ns, mt->n_busy_us));
+    if (mt->n_pad > 0 && mt->n_pad <= r->max_seqs && mt->graph_fell &&
+        !r->co->graph_off[mt->n_pad]) {
+        r->co->graph_off[mt->n_pad] = true; /* every rank runs that size eagerly from now on */
+        K3_LOGW("a stage of lane %d could not capture a decode step of %d rows as a CUDA graph: "
+                "steps of that size run eagerly from now on",
+                e, mt->n_pad);
+    }
     int64_t T = 0, n_want = 0, n_plp = 0;
     for (int j = 0; j < ns; j++) {
         const int nt = mt->seqs[j].n_tokens, fl = mt->seqs[j].flags;
@@ -1088,6 +1112,8 @@ static k3_status coord_create(rank_ctx *r, struct rank_coord *C) {
 
 k3_status rank_coord_init(rank_ctx *r) {
     RTRY(r, k3_calloc((void **)&r->co, sizeof *r->co, "coordinator"));
+    r->co->graphs = !r->o->no_cuda_graphs && r->o->backend && strcmp(r->o->backend, "cuda") == 0;
+    RTRY(r, k3_calloc((void **)&r->co->graph_off, (size_t)r->max_seqs + 1, "captured sizes"));
     return coord_create(r, r->co);
 }
 
@@ -1117,7 +1143,7 @@ void rank_coord_destroy(rank_ctx *r) {
     k3_free(C->groups), k3_free(C->slot_req), k3_free(C->row);
     k3_free(C->step_seqs), k3_free(C->step_tokens), k3_free(C->step_targets);
     k3_free(C->lane_blk_free), k3_free(C->n_pend_free), k3_free(C->pend_free);
-    k3_free(C->rank_busy_s), k3_free(C->rank_steps);
+    k3_free(C->rank_busy_s), k3_free(C->rank_steps), k3_free(C->graph_off);
     k3_free(C->fork_ops), k3_free(C->n_fork_ops), k3_free(C->slot_hold), k3_free(C->kids);
     for (int e = 0; C->pc && e < r->plan.n_lanes; e++) rank_pc_destroy(C->pc[e]);
     k3_free(C->pc);

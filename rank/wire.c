@@ -7,11 +7,14 @@
 /* Every element is a whole number of int32 words (the meta is an int32 array). */
 #define RANK_STEP_CHECK(name, type)                                                                \
     _Static_assert(sizeof(type) % sizeof(int32_t) == 0 && _Alignof(type) == _Alignof(int32_t),     \
-                   "rank_step section " #name ": not whole int32 words (K3_WIRE_VERSION 10)");
+                   "rank_step section " #name ": not whole int32 words (K3_WIRE_VERSION 11)");
 RANK_STEP_SECTIONS(RANK_STEP_CHECK)
 #undef RANK_STEP_CHECK
 #define RANK_STEP_ONE(name, type) +1
-enum { RANK_STEP_HDR = 3 RANK_STEP_SECTIONS(RANK_STEP_ONE) }; /* group, step, all_logits, counts */
+enum {
+    RANK_STEP_HDR = 5 RANK_STEP_SECTIONS(RANK_STEP_ONE)
+}; /* group, step, all_logits, n_pad,
+       graph_fell, counts */
 #undef RANK_STEP_ONE
 
 int64_t rank_step_words(const rank_step *m) {
@@ -24,7 +27,7 @@ int64_t rank_step_words(const rank_step *m) {
 
 void rank_step_encode(const rank_step *m, int32_t *out) {
     int32_t *w = out;
-    *w++ = m->group, *w++ = m->step, *w++ = m->all_logits;
+    *w++ = m->group, *w++ = m->step, *w++ = m->all_logits, *w++ = m->n_pad, *w++ = m->graph_fell;
 #define RANK_STEP_COUNT(name, type) *w++ = m->n_##name;
     RANK_STEP_SECTIONS(RANK_STEP_COUNT)
 #undef RANK_STEP_COUNT
@@ -41,7 +44,7 @@ k3_status rank_step_decode(const int32_t *in, int64_t n, rank_step *m, const cha
         return K3_ERR(K3_ERR_FORMAT, "step meta from %s: %lld words, less than its header (%d)",
                       who, (long long)n, (int)RANK_STEP_HDR);
     const int32_t *w = in;
-    m->group = *w++, m->step = *w++, m->all_logits = *w++;
+    m->group = *w++, m->step = *w++, m->all_logits = *w++, m->n_pad = *w++, m->graph_fell = *w++;
     int64_t len = RANK_STEP_HDR;
     bool bad = false;
 #define RANK_STEP_COUNT(name, type)                                                                \

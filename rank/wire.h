@@ -24,7 +24,8 @@
           5: per-stage busy time on ACTIV/LOGITS; 6: freed slots (paged cache);                    \
           7: prompt logprobs (PLP flag, targets, records); 8: prefix-cache ops;                    \
           9: the FORK op (n > 1 choices of one prefill), with the prefix cache off too;            \
-          10: the typed step meta (rank_step sections; magic and length in the header) */
+          10: the typed step meta (rank_step sections; magic and length in the header);            \
+          11: n_pad and graph_fell (captured decode steps) in the meta's header */
 
 typedef struct k3_wire_step {
     uint32_t magic;   /* K3_WIRE_MAGIC */
@@ -39,7 +40,7 @@ typedef struct k3_wire_step {
 } k3_wire_step;
 _Static_assert(sizeof(k3_wire_step) == 48 && offsetof(k3_wire_step, n_meta) == 12 &&
                    offsetof(k3_wire_step, T) == 16 && offsetof(k3_wire_step, n_bank) == 40,
-               "k3_wire_step is a wire struct: its layout is part of K3_WIRE_VERSION 10");
+               "k3_wire_step is a wire struct: its layout is part of K3_WIRE_VERSION 11");
 
 /* Load states of a heartbeat. */
 #define K3_LOAD_RUNNING 0 /* the sender is still reading its weights */
@@ -54,7 +55,7 @@ typedef struct k3_wire_progress {
     uint64_t total_bytes; /* the sender's bytes to read */
 } k3_wire_progress;
 _Static_assert(sizeof(k3_wire_progress) == 32 && offsetof(k3_wire_progress, done_bytes) == 16,
-               "k3_wire_progress is a wire struct: its layout is part of K3_WIRE_VERSION 10");
+               "k3_wire_progress is a wire struct: its layout is part of K3_WIRE_VERSION 11");
 
 /* ---- the step meta ---------------------------------------------------------------------------
  * Per lane and step. The stages apply a message in this order: the freed slots (their cache
@@ -97,6 +98,12 @@ typedef struct rank_step_snap { /* snapshot snap := the slot's states (at a bloc
 
 typedef struct rank_step {
     int32_t group, step, all_logits;
+    /* Captured decode steps (docs/DESIGN.md §5, capture-decision protocol): n_pad > 0 is rank 0's
+       decision that every stage of the lane runs this decode step as the CUDA graph of n_pad
+       rows (captured at its first step of that size, replayed after): the batch padded to n_pad
+       rows, ACTIV carrying all n_pad rows; 0: eager. graph_fell (ACTIV, LOGITS): some stage of
+       the lane could not capture it and ran it eagerly (rank 0 stops choosing n_pad). */
+    int32_t n_pad, graph_fell;
 #define RANK_STEP_FIELD(name, type)                                                                \
     int32_t n_##name;                                                                              \
     const type *name;

@@ -48,6 +48,7 @@ struct rank_worker {
     float *plp;       /* [max_tokens, K3_PLP_REC] prompt logprob records (last stage) */
     float *h_act;     /* host staging of h | bank for ACTIV (NULL: host-visible, or dev_act) */
     bool dev_act;     /* ACTIV floats go backend to backend (k3_comm_send_dev: nccl) */
+    bool graphs;      /* the stage captures decode steps (--cuda-graphs on, a cuda backend) */
     int32_t *lane_of; /* [n_layers * n_experts] owner lane of each (layer, expert) */
     int n_forward;
     double busy_s;          /* time inside forward steps */
@@ -68,6 +69,8 @@ typedef struct wstep {
     const rank_step *in; /* the received meta */
     const char *who;     /* "rank N": the sender, for errors */
     int64_t T;           /* tokens of this lane in the step */
+    int64_t rows;        /* rows of the activation: T, or n_pad in a captured decode step */
+    bool fell;           /* this stage could not capture the step (it ran eagerly) */
     int64_t n_tgt;       /* rows of its PLP sequences (their target ids ride in the meta) */
     double busy_s;       /* this stage's forward time */
 } wstep;
@@ -104,8 +107,10 @@ static k3_status worker_create(rank_ctx *r, struct rank_worker *w) {
                           .max_seqs = r->max_seqs,
                           .max_ctx = r->max_ctx,
                           .kv_cache_tokens = (int64_t)r->kv_blocks * K3_KV_BLOCK,
-                          .n_snapshots = r->pc_on ? r->pc.n_snaps : 0};
+                          .n_snapshots = r->pc_on ? r->pc.n_snaps : 0,
+                          .graphs = !o->no_cuda_graphs && k3_backend_has_graphs(r->be)};
     RTRY(r, k3_stage_create(&sp, &w->st));
+    w->graphs = sp.graphs;
     if (r->pc_on) {
         RTRY(r, k3_alloc((void **)&w->pc_blk, (size_t)r->pc.n_entries * sizeof(int32_t),
                          "prefix-cache blocks"));
@@ -238,6 +243,19 @@ static k3_status step_decode(rank_ctx *r, const step_msg *m, wstep *s) {
         if (q.flags & K3_WIRE_PLP) s->n_tgt += q.n_tokens;
     }
     s->T = T;
+    s->rows = T;
+    if (in->n_pad != 0) { /* rank 0's decision: a captured decode step of n_pad rows */
+        bool decode = !in->all_logits && n_seqs >= 1 && T == n_seqs && s->n_tgt == 0;
+        if (!decode || in->n_pad < n_seqs || in->n_pad > r->max_seqs || in->n_pad > r->max_tokens ||
+            !w->graphs)
+            RTRY(r, K3_ERR(K3_ERR_FORMAT,
+                           "step %d of group %d from %s: a captured step of %d rows for %d "
+                           "sequences of %lld tokens (%s; %d slots, graphs %s)",
+                           stepi, group, who, in->n_pad, n_seqs, (long long)T,
+                           decode ? "decode" : "not a decode step", r->max_seqs,
+                           w->graphs ? "on" : "off on this rank"));
+        s->rows = in->n_pad;
+    }
     /* hits: after the OPEN resets, before the forward */
     RTRY(r, rank_pc_apply(w->st, &r->pc, w->pc_blk, w->states, in, RANK_PC_BEFORE, who));
     if (T > r->max_tokens)
@@ -251,13 +269,13 @@ static k3_status step_decode(rank_ctx *r, const step_msg *m, wstep *s) {
             RTRY(r,
                  K3_ERR(K3_ERR_FORMAT, "BATCH from %s: %d token ids, %lld floats for %lld tokens",
                         who, in->n_tokens, (long long)m->n_f32, (long long)T));
-    } else if (m->h.T != T || m->h.D != D || m->h.n_bank < 0 ||
+    } else if (m->h.T != s->rows || m->h.D != D || m->h.n_bank < 0 ||
                m->h.n_bank > k3_activ_max_bank(&r->cfg) ||
-               m->n_f32 != (w->dev_act ? 0 : T * D * (1 + (int64_t)m->h.n_bank))) {
+               m->n_f32 != (w->dev_act ? 0 : s->rows * D * (1 + (int64_t)m->h.n_bank))) {
         RTRY(r, K3_ERR(K3_ERR_FORMAT,
                        "ACTIV from %s: T %lld D %lld bank %d floats %lld (want T %lld D %d)", who,
                        (long long)m->h.T, (long long)m->h.D, m->h.n_bank, (long long)m->n_f32,
-                       (long long)T, D));
+                       (long long)s->rows, D));
     }
     return K3_OK;
 }
@@ -267,8 +285,8 @@ static k3_status step_upload(rank_ctx *r, const wstep *s) {
     struct rank_worker *w = r->wk;
     const step_msg *m = s->m;
     if (r->stage == 0) return K3_OK;
-    const int64_t TD = s->T * r->cfg.hidden_size;
-    w->act.T = s->T;
+    const int64_t TD = s->rows * r->cfg.hidden_size;
+    w->act.T = s->rows;
     w->act.n_bank = m->h.n_bank;
     if (w->dev_act) { /* h, then the bank slabs, backend to backend from the sender */
         RTRY(r, k3_comm_recv_dev(r->comm, r->be, m->src, w->act.h, TD,
@@ -307,8 +325,14 @@ static k3_status step_forward(rank_ctx *r, wstep *s) {
                       .n_tokens = w->bntok,
                       .token_ids = in->tokens,
                       .nonfinite = w->bnf};
-        RTRY(r, k3_stage_forward(w->st, &b, &w->act, in->all_logits != 0 || s->n_tgt > 0,
-                                 r->stage == S - 1 ? w->logits : NULL));
+        if (in->n_pad > 0) { /* a captured decode step (replayed, or captured now) */
+            RTRY(r, k3_stage_forward_graph(w->st, &b, in->n_pad, rank_hooks_graph_sync(r), &w->act,
+                                           r->stage == S - 1 ? w->logits : NULL, &s->fell));
+            if (s->fell) rank_opstats_fallback(r);
+        } else {
+            RTRY(r, k3_stage_forward(w->st, &b, &w->act, in->all_logits != 0 || s->n_tgt > 0,
+                                     r->stage == S - 1 ? w->logits : NULL));
+        }
         /* the first non-finite activation of a sequence travels on in its flags (wire.h) */
         for (int i = 0; i < n_seqs; i++) {
             if (w->bnf[i] <= 0) continue;
@@ -417,12 +441,12 @@ static k3_status send_logits(rank_ctx *r, const wstep *s, const rank_step *out) 
 static k3_status step_send(rank_ctx *r, const wstep *s) {
     struct rank_worker *w = r->wk;
     const int S = r->plan.n_stages, D = (int)r->cfg.hidden_size;
-    const int64_t T = s->T;
     /* out meta = the received one, with this stage's NF flags, no token ids, and the busy time
        of each stage of this lane for this step (us): upstream stages' from the ACTIV, this
        stage's own */
     rank_step out = *s->in;
     out.seqs = w->wseqs;
+    out.graph_fell = s->in->graph_fell || s->fell;
     out.n_tokens = 0, out.tokens = NULL;
     if (r->stage > 0)
         memcpy(w->wbusy, s->in->busy_us, (size_t)S * sizeof *w->wbusy);
@@ -431,24 +455,26 @@ static k3_status step_send(rank_ctx *r, const wstep *s) {
     w->wbusy[r->stage] = (int32_t)K3_MIN(s->busy_s * 1e6, (double)INT32_MAX);
     out.n_busy_us = S, out.busy_us = w->wbusy;
     if (r->stage == S - 1) return send_logits(r, s, &out);
+    const int64_t T_rows = s->rows; /* a captured step sends its pad rows too */
     int64_t nb = out.n_seqs ? w->act.n_bank : 0;
-    k3_f32_seg seg[2] = {{w->act.h, T * D}, {w->act.bank, T * D * nb}};
+    k3_f32_seg seg[2] = {{w->act.h, T_rows * D}, {w->act.bank, T_rows * D * nb}};
     if (w->h_act && !w->dev_act) { /* h | bank to host memory for the wire */
-        RTRY(r, k3_backend_download(r->be, w->h_act, w->act.h, (size_t)(T * D) * sizeof(float)));
+        RTRY(r,
+             k3_backend_download(r->be, w->h_act, w->act.h, (size_t)(T_rows * D) * sizeof(float)));
         if (nb)
-            RTRY(r, k3_backend_download(r->be, w->h_act + T * D, w->act.bank,
-                                        (size_t)(T * D * nb) * sizeof(float)));
+            RTRY(r, k3_backend_download(r->be, w->h_act + T_rows * D, w->act.bank,
+                                        (size_t)(T_rows * D * nb) * sizeof(float)));
         seg[0].p = w->h_act;
-        seg[1].p = w->h_act + T * D;
+        seg[1].p = w->h_act + T_rows * D;
     }
     const int next = k3_plan_rank(&r->plan, r->stage + 1, r->lane);
-    const k3_wire_step h = {.T = T, .D = D, .R = T, .n_bank = (int32_t)nb};
+    const k3_wire_step h = {.T = T_rows, .D = D, .R = T_rows, .n_bank = (int32_t)nb};
     if (!w->dev_act) return rank_post_step(r, next, K3_MSG_ACTIV, h, &out, seg, 2);
     /* the meta first (it announces the sizes), then the floats */
     RTRY(r, rank_post_step(r, next, K3_MSG_ACTIV, h, &out, NULL, 0));
-    RTRY(r,
-         k3_comm_send_dev(r->comm, r->be, next, w->act.h, T * D, "activations to the next stage"));
-    RTRY(r, k3_comm_send_dev(r->comm, r->be, next, w->act.bank, T * D * nb,
+    RTRY(r, k3_comm_send_dev(r->comm, r->be, next, w->act.h, T_rows * D,
+                             "activations to the next stage"));
+    RTRY(r, k3_comm_send_dev(r->comm, r->be, next, w->act.bank, T_rows * D * nb,
                              "the attention-residual bank to the next stage"));
     return K3_OK;
 }

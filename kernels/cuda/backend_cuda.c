@@ -106,6 +106,9 @@ typedef struct cu_ctx {
     void **al_p;  /* the live allocations and their sizes [n_al]: a free drops only the expert */
     size_t *al_n; /* tables that point into the freed block (their repack is costly) */
     int n_al, cap_al;
+    /* the counters and deferred checks when the current capture began (cu_capture_begin) */
+    uint64_t cap_calls[K3_OP_COUNT], cap_flops[K3_OP_COUNT], cap_tc_flops[K3_OP_COUNT];
+    int cap_defer_n;
     int32_t *moe_host; /* moe_experts' host copy of ids and row_of, then its staging [moe_cap] */
     size_t moe_cap;    /* int32s */
     k3_op_stats stats; /* updated with __atomic builtins only */
@@ -263,34 +266,100 @@ static void cu_event_destroy(k3_backend *be, k3_backend_event *ev) {
     if (ev) cudaEventDestroy((cudaEvent_t)ev);
 }
 /* Captured steps: thread-local capture mode, so a host sync the step makes on this thread fails
-   the capture while other threads (the transport's watchers) run as usual. */
+   the capture while other threads (the transport's watchers) run as usual. A graph keeps what the
+   host did while it was recorded and a launch must redo: the op calls and FLOPs it holds (taken
+   off the counters at the end of the capture, since nothing ran, and counted again at each
+   launch: a step's op count is the same replayed or eager) and the deferred checks it queued
+   (their slots and what each was: a launch sets them as the recorded calls left them, so the
+   step's fetch and verdict read the replay's words). */
+struct k3_backend_graph {
+    cudaGraphExec_t x;
+    uint64_t calls[K3_OP_COUNT], flops[K3_OP_COUNT], tc_flops[K3_OP_COUNT];
+    bool defer_on;
+    int defer_n;
+    struct cu_deferred defer_what[CU_DEFER_MAX];
+};
 static k3_status cu_capture_begin(k3_backend *be) {
+    cu_ctx *c = CTX(be);
     CU_TRY(cudaStreamBeginCapture(STREAM(be), cudaStreamCaptureModeThreadLocal));
+    for (int i = 0; i < K3_OP_COUNT; i++) {
+        c->cap_calls[i] = __atomic_load_n(&c->stats.calls[i], __ATOMIC_RELAXED);
+        c->cap_flops[i] = __atomic_load_n(&c->stats.flops[i], __ATOMIC_RELAXED);
+        c->cap_tc_flops[i] = __atomic_load_n(&c->stats.tc_flops[i], __ATOMIC_RELAXED);
+    }
+    c->cap_defer_n = c->defer_n;
     return K3_OK;
 }
+/* counters[i] += sign * d[i] */
+static void count_all(uint64_t *counters, const uint64_t *d, bool add) {
+    for (int i = 0; i < K3_OP_COUNT; i++)
+        if (d[i]) {
+            if (add)
+                __atomic_fetch_add(&counters[i], d[i], __ATOMIC_RELAXED);
+            else
+                __atomic_fetch_sub(&counters[i], d[i], __ATOMIC_RELAXED);
+        }
+}
 static k3_status cu_capture_end(k3_backend *be, k3_backend_graph **out) {
+    cu_ctx *c = CTX(be);
     *out = NULL;
     cudaGraph_t g = NULL;
     cudaError_t e = cudaStreamEndCapture(STREAM(be), &g);
+    k3_backend_graph *kg = NULL;
+    if (k3_calloc((void **)&kg, sizeof *kg, "captured step") != K3_OK) {
+        if (e == cudaSuccess) cudaGraphDestroy(g);
+        return K3_ERR(K3_ERR_NOMEM, "captured step: out of host memory");
+    }
+    for (int i = 0; i < K3_OP_COUNT; i++) { /* recorded, not run */
+        kg->calls[i] = __atomic_load_n(&c->stats.calls[i], __ATOMIC_RELAXED) - c->cap_calls[i];
+        kg->flops[i] = __atomic_load_n(&c->stats.flops[i], __ATOMIC_RELAXED) - c->cap_flops[i];
+        kg->tc_flops[i] =
+            __atomic_load_n(&c->stats.tc_flops[i], __ATOMIC_RELAXED) - c->cap_tc_flops[i];
+    }
+    count_all(c->stats.calls, kg->calls, false);
+    count_all(c->stats.flops, kg->flops, false);
+    count_all(c->stats.tc_flops, kg->tc_flops, false);
     if (e != cudaSuccess) {
+        k3_free(kg);
         (void)cudaGetLastError(); /* the capture's error is returned here, not left sticky */
         return cu_err(e, __FILE__, __LINE__, "the step is not capturable: cudaStreamEndCapture");
     }
-    cudaGraphExec_t x = NULL;
-    e = cudaGraphInstantiate(&x, g, 0);
+    kg->defer_on = c->defer_on;
+    kg->defer_n = c->defer_n;
+    if (c->cap_defer_n != 0) { /* the graph's checks must start at slot 0 */
+        cudaGraphDestroy(g);
+        k3_free(kg);
+        return K3_ERR(K3_ERR_STATE, "captured step: %d deferred checks queued before its capture",
+                      c->cap_defer_n);
+    }
+    memcpy(kg->defer_what, c->defer_what, sizeof kg->defer_what);
+    e = cudaGraphInstantiate(&kg->x, g, 0);
     cudaGraphDestroy(g);
-    if (e != cudaSuccess) return cu_err(e, __FILE__, __LINE__, "cudaGraphInstantiate");
-    *out = (k3_backend_graph *)x;
+    if (e != cudaSuccess) {
+        k3_free(kg);
+        return cu_err(e, __FILE__, __LINE__, "cudaGraphInstantiate");
+    }
+    *out = kg;
     return K3_OK;
 }
 static k3_status cu_graph_launch(k3_backend *be, k3_backend_graph *g) {
-    count(&CTX(be)->stats.graph_launches, 1);
-    CU_TRY(cudaGraphLaunch((cudaGraphExec_t)g, STREAM(be)));
+    cu_ctx *c = CTX(be);
+    count(&c->stats.graph_launches, 1);
+    count_all(c->stats.calls, g->calls, true);
+    count_all(c->stats.flops, g->flops, true);
+    count_all(c->stats.tc_flops, g->tc_flops, true);
+    CU_TRY(cudaGraphLaunch(g->x, STREAM(be)));
+    if (g->defer_on && c->defer_on) { /* the replay's checks, as the recorded calls left them */
+        c->defer_n = g->defer_n;
+        memcpy(c->defer_what, g->defer_what, sizeof c->defer_what);
+    }
     return K3_OK;
 }
 static void cu_graph_destroy(k3_backend *be, k3_backend_graph *g) {
     (void)cu_stream(be);
-    if (g) cudaGraphExecDestroy((cudaGraphExec_t)g);
+    if (!g) return;
+    if (g->x) cudaGraphExecDestroy(g->x);
+    k3_free(g);
 }
 static k3_status cu_op_stats(const k3_backend *be, k3_op_stats *out) {
     const cu_ctx *c = be->ctx;
