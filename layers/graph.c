@@ -118,7 +118,8 @@ static k3_status run_ops(k3_stage *s, const k3_seqs *sq, int n_pad, bool nf, boo
                          k3_activ *act, float *logits, int32_t *flags, const int32_t *ids,
                          bool *fell_back) {
     if (s->graph[n_pad]) {
-        if (act->n_bank != s->graph_bank_in[n_pad])
+        if (!s->p.first && act->n_bank != s->graph_bank_in[n_pad]) /* the first stage starts
+                                                                      with none */
             return K3_ERR(K3_ERR_STATE,
                           "captured step of %d rows: the activation has %d AttnRes slabs, the "
                           "graph was captured with %d",
@@ -148,8 +149,8 @@ k3_status k3_stage_forward_graph(k3_stage *s, const k3_batch *b, int n_pad, bool
                       b ? b->n_seqs : 0, n_pad, s->n_slots - 1);
     for (int i = 0; i < b->n_seqs; i++)
         if (b->n_tokens[i] != 1)
-            return K3_ERR(K3_ERR_ARG, "captured step: sequence %d has %d tokens (a decode step)",
-                          i, b->n_tokens[i]);
+            return K3_ERR(K3_ERR_ARG, "captured step: sequence %d has %d tokens (a decode step)", i,
+                          b->n_tokens[i]);
     if (s->p.last && !logits)
         return K3_ERR(K3_ERR_ARG, "forward: last stage needs a logits buffer");
     if (!s->p.first && act->T != n_pad)

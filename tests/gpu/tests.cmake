@@ -25,6 +25,12 @@ add_test(NAME gpu_opstats COMMAND ${K3_GPU_PYTHON3} ${CMAKE_CURRENT_LIST_DIR}/gp
                                   ${MPIEXEC_EXECUTABLE})
 set_tests_properties(gpu_opstats PROPERTIES LABELS "${K3_GPU_LABEL}" TIMEOUT 300
                      SKIP_RETURN_CODE 77 ENVIRONMENT "${K3_TEST_ENV_MPI}")
+# decode steps as CUDA graphs: on vs off byte-identical at 1x1, 1x2 and 2x2 (cuda + nccl), one
+# graph launch a decode step, an injected host sync failing the capture (tests/gpu/gpu_graphs.py)
+add_test(NAME gpu_graphs COMMAND ${K3_GPU_PYTHON3} ${CMAKE_CURRENT_LIST_DIR}/gpu_graphs.py
+                                 ${MPIEXEC_EXECUTABLE})
+set_tests_properties(gpu_graphs PROPERTIES LABELS "${K3_GPU_LABEL}" TIMEOUT 300
+                     SKIP_RETURN_CODE 77 ENVIRONMENT "${K3_TEST_ENV_MPI}")
 if(K3_CUDA_EMULATE AND NOT K3_SANITIZE)
   # issue 44's acceptance: small --pp 2 --ep 2 on cuda + nccl (tensor-core MoE, split activations)
   # vs plain cpu, 3 prompts x 16 tokens (tests/gpu/gpu_small.py). 7-14 minutes even without

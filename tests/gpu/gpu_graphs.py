@@ -1,0 +1,133 @@
+#!/usr/bin/env python3
+"""gpu_graphs.py — decode steps as CUDA graphs (issue 45; label gpuemu in the emulation build, gpu
+on a device): `--cuda-graphs on|off`, the capture decision rank 0 sends, the padded ladder sizes.
+
+usage: gpu_graphs.py MPIEXEC   (K3_BIN = the k3 binary; models are made in a temp dir)
+  A tiny model with every FFN dense (`k3 make-tiny --dense`: no MoE layer, whose host reads would
+  fail a capture), 3 prompts (a decode batch of 3 rows, padded to the ladder size 4), --deterministic:
+  - 1 x 1: the logits dump with --cuda-graphs on is byte-identical to off; --op-stats: every decode
+    step launches 1 graph (graph_launches_per_step == 1, no fallback), the same op count per step as
+    off, and prefill launches none (it stays eager);
+  - 1 x 2 (--pp 2) and 2 x 2 (--pp 2 --ep 2, cuda + nccl under mpirun): byte-identical to 1 x 1 off,
+    every stage's decode graph_launches_per_step == 1;
+  - the test hook K3_TEST_FAIL=graph-sync:0 (a host sync inside rank 0's captured step): the capture
+    fails with a `k3emu:` line (emulation build) and a warning, the step runs eagerly
+    (graph_fallbacks >= 1, no graph launch), the logits stay byte-identical.
+  The tiny model with MoE layers (their host reads fail the capture), 1 x 1: every step still
+  completes, byte-identical to off, the fallback counted.
+Exit code only (77 = skipped: no usable cuda backend)."""
+import filecmp
+import json
+import os
+import subprocess
+import sys
+import tempfile
+
+K3 = os.environ.get("K3_BIN")
+MPI = sys.argv[1] if len(sys.argv) > 1 else "mpirun"
+PROMPTS = "1,2,3;4,5;7,8,9,10"
+fails = []
+
+
+def check(cond, msg):
+    print(("ok   " if cond else "FAIL ") + msg, flush=True)
+    if not cond:
+        fails.append(msg)
+
+
+def run(tmp, model, tag, graphs, grid=(), env=None):
+    """k3 run on cuda; returns (the logits dump's path, the op-stats dict, stderr) or None."""
+    npy, js = os.path.join(tmp, tag + ".npy"), os.path.join(tmp, tag + ".json")
+    np_ = 1
+    for flag, n in zip(grid[::2], grid[1::2]):
+        np_ *= int(n) if flag in ("--pp", "--ep") else 1
+    pre = [MPI, "-np", str(np_), "--oversubscribe"] if np_ > 1 else []
+    cmd = pre + [K3, "run", "--model", model, "--backend", "cuda"] + list(grid) + [
+        "--prompt-ids", PROMPTS, "--n", "4", "--ignore-eos", "--deterministic", "--cuda-graphs",
+        graphs, "--dump-logits", npy, "--op-stats", js]
+    e = dict(os.environ)
+    e.update(env or {})
+    p = subprocess.run(cmd, capture_output=True, text=True, timeout=240, env=e)
+    check(p.returncode == 0, "%s: exit %d %s" % (tag, p.returncode, p.stderr[-1500:]))
+    if p.returncode != 0:
+        return None
+    with open(js) as f:
+        return npy, json.load(f), p.stderr
+
+
+def same(a, b, what):
+    check(a is not None and b is not None and filecmp.cmp(a[0], b[0], shallow=False),
+          "%s: logits byte-identical" % what)
+
+
+def stages(d):
+    return [e for e in d["stages"] if e["decode"]["steps"] > 0]
+
+
+def main():
+    if not K3:
+        print("FAIL: K3_BIN is not set")
+        return 1
+    v = subprocess.run([K3, "version"], capture_output=True, text=True).stdout
+    usable = [l for l in v.splitlines() if l.startswith("backends usable here:")]
+    if not usable or not usable[0].rstrip().endswith(" cuda"):
+        print("SKIP: the cuda backend is not usable here")
+        return 77
+    emulated = "emulat" in v
+    with tempfile.TemporaryDirectory() as tmp:
+        dense, moe = os.path.join(tmp, "dense"), os.path.join(tmp, "tiny")
+        subprocess.run([K3, "make-tiny", dense, "--dense"], check=True, capture_output=True)
+        subprocess.run([K3, "make-tiny", moe], check=True, capture_output=True)
+        off = run(tmp, dense, "off", "off")
+        on = run(tmp, dense, "on", "on")
+        same(on, off, "1x1 dense, graphs on vs off")
+        if on and off:
+            x, y = on[1]["decode"], off[1]["decode"]
+            check(x["steps"] > 0 and x["graph_launches_per_step"] == 1
+                  and x["graph_fallbacks"] == 0,
+                  "1x1 decode: %s graph launches a step, %s fallbacks" % (
+                      x["graph_launches_per_step"], x["graph_fallbacks"]))
+            check(x["ops_per_step"] == y["ops_per_step"],
+                  "1x1 decode: %s ops a step replayed, %s eager" % (x["ops_per_step"],
+                                                                   y["ops_per_step"]))
+            check(y["graph_launches_per_step"] == 0 and on[1]["prefill"]["steps"] > 0
+                  and on[1]["prefill"]["graph_launches_per_step"] == 0,
+                  "no graph with --cuda-graphs off, nor in prefill")
+            print("     1x1 decode: host syncs %s a step (graphs on), %s (off)" % (
+                x["host_syncs_per_step"], y["host_syncs_per_step"]), flush=True)
+        for name, grid in (("1x2", ["--pp", "2", "--comm", "nccl"]),
+                           ("2x2", ["--pp", "2", "--ep", "2", "--comm", "nccl"])):
+            g = run(tmp, dense, name, "on", grid)
+            same(g, off, "%s dense graphs on vs 1x1 off" % name)
+            if g:
+                for e in stages(g[1]):
+                    x = e["decode"]
+                    check(x["graph_launches_per_step"] == 1 and x["graph_fallbacks"] == 0,
+                          "%s r%d stage %d: %s graph launches a decode step (host syncs %s)" % (
+                              name, e["rank"], e["stage"], x["graph_launches_per_step"],
+                              x["host_syncs_per_step"]))
+        hook = run(tmp, dense, "hook", "on", env={"K3_TEST_FAIL": "graph-sync:0"})
+        same(hook, off, "1x1 dense, a host sync injected in the capture")
+        if hook:
+            x = hook[1]["decode"]
+            check(x["graph_fallbacks"] >= 1 and x["graph_launches_per_step"] == 0,
+                  "the injected sync: %s fallbacks, %s graph launches a step" % (
+                      x["graph_fallbacks"], x["graph_launches_per_step"]))
+            check("could not be captured" in hook[2],
+                  "the failed capture is said: %s" % hook[2][-600:])
+            if emulated:
+                check("k3emu:" in hook[2] and "capture" in hook[2],
+                      "a k3emu: line names the forbidden call in the capture")
+        m_off = run(tmp, moe, "moe_off", "off")
+        m_on = run(tmp, moe, "moe_on", "on")
+        same(m_on, m_off, "1x1 with MoE layers (their reads fail the capture)")
+        if m_on:
+            x = m_on[1]["decode"]
+            check(x["graph_fallbacks"] >= 1, "MoE layers: the fallback counted (%s)" %
+                  x["graph_fallbacks"])
+    print("gpu_graphs: %s" % ("FAIL (%d)" % len(fails) if fails else "ok"), flush=True)
+    return 1 if fails else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
