@@ -140,7 +140,8 @@ static k3_status run_ops(k3_stage *s, const k3_seqs *sq, int n_pad, bool nf, boo
 }
 
 k3_status k3_stage_forward_graph(k3_stage *s, const k3_batch *b, int n_pad, bool inject_sync,
-                                 k3_activ *act, float *logits, bool *fell_back) {
+                                 k3_activ *act, float *logits, float *logits_host,
+                                 bool *fell_back) {
     *fell_back = false;
     if (!s->graph || !k3_backend_has_graphs(s->be))
         return K3_ERR(K3_ERR_ARG, "captured step: the stage was made without graphs");
@@ -170,12 +171,21 @@ k3_status k3_stage_forward_graph(k3_stage *s, const k3_batch *b, int n_pad, bool
         st = run_ops(s, &sq, n_pad, nf, inject_sync, act, logits, flags, ids, fell_back);
     if (st == K3_OK)
         for (int i = 0; i < b->n_seqs; i++) b->states[i]->pos += 1;
-    /* the one read of the step: the flags, with the deferred checks */
+    /* the one read of the step: the flags with the deferred checks (and, asked for, the
+       sequences' logits rows: copies queued behind the graph, then one wait) */
     if (st == K3_OK) st = k3_backend_errors_fetch(s->be);
-    if (st == K3_OK && nf) {
-        st = k3_backend_download(s->be, s->h_nf, flags, (size_t)b->n_seqs * sizeof(int32_t));
-        if (st == K3_OK) memcpy(b->nonfinite, s->h_nf, (size_t)b->n_seqs * sizeof(int32_t));
+    const size_t nf_bytes = (size_t)b->n_seqs * sizeof(int32_t);
+    if (st == K3_OK && logits_host) {
+        if (nf) st = k3_backend_download_async(s->be, s->h_nf, flags, nf_bytes);
+        if (st == K3_OK)
+            st = k3_backend_download_async(s->be, logits_host, logits,
+                                           (size_t)b->n_seqs * (size_t)s->c->vocab_size *
+                                               sizeof(float));
+        if (st == K3_OK) st = k3_backend_sync(s->be);
+    } else if (st == K3_OK && nf) {
+        st = k3_backend_download(s->be, s->h_nf, flags, nf_bytes);
     }
+    if (st == K3_OK && nf) memcpy(b->nonfinite, s->h_nf, nf_bytes);
     if (st == K3_OK) st = k3_backend_errors_verdict(s->be);
     const k3_status off = k3_backend_errors_defer(s->be, false);
     return st != K3_OK ? st : off;

@@ -209,9 +209,11 @@ k3_status k3_stage_forward(k3_stage *s, const k3_batch *b, k3_activ *act, bool a
  * launched, replayed at the later ones. Bit-identical to k3_stage_forward's rows (each row's ops
  * read only that row). A capture that fails (a host sync inside it, or inject_sync: a download
  * injected after the ops, the test hook) is dropped, the step runs eagerly, *fell_back is set
- * and n_pad is never captured again on this stage (eager from then on). act->T becomes n_pad. */
+ * and n_pad is never captured again on this stage (eager from then on). act->T becomes n_pad.
+ * logits_host (last stage; NULL: the caller reads the logits): the sequences' rows [n_seqs, V]
+ * are copied there with the flags, behind the graph, and the step makes one host sync in all. */
 k3_status k3_stage_forward_graph(k3_stage *s, const k3_batch *b, int n_pad, bool inject_sync,
-                                 k3_activ *act, float *logits, bool *fell_back);
+                                 k3_activ *act, float *logits, float *logits_host, bool *fell_back);
 /* A step in which this lane has no tokens: still take part in every MoE exchange of the stage
  * (the other lanes may route tokens to this lane's experts). No-op without a comm handle. */
 k3_status k3_stage_idle_step(k3_stage *s);

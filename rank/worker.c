@@ -71,6 +71,7 @@ typedef struct wstep {
     int64_t T;           /* tokens of this lane in the step */
     int64_t rows;        /* rows of the activation: T, or n_pad in a captured decode step */
     bool fell;           /* this stage could not capture the step (it ran eagerly) */
+    bool logits_read;    /* the forward read the sequences' logits rows into h_logits */
     int64_t n_tgt;       /* rows of its PLP sequences (their target ids ride in the meta) */
     double busy_s;       /* this stage's forward time */
 } wstep;
@@ -326,8 +327,11 @@ static k3_status step_forward(rank_ctx *r, wstep *s) {
                       .token_ids = in->tokens,
                       .nonfinite = w->bnf};
         if (in->n_pad > 0) { /* a captured decode step (replayed, or captured now) */
+            /* the last stage's logits rows come back with the flags: one host sync */
+            s->logits_read = r->stage == S - 1 && w->h_logits;
             RTRY(r, k3_stage_forward_graph(w->st, &b, in->n_pad, rank_hooks_graph_sync(r), &w->act,
-                                           r->stage == S - 1 ? w->logits : NULL, &s->fell));
+                                           r->stage == S - 1 ? w->logits : NULL,
+                                           s->logits_read ? w->h_logits : NULL, &s->fell));
             if (s->fell) rank_opstats_fallback(r);
         } else {
             RTRY(r, k3_stage_forward(w->st, &b, &w->act, in->all_logits != 0 || s->n_tgt > 0,
@@ -415,10 +419,11 @@ static k3_status send_logits(rank_ctx *r, const wstep *s, const rank_step *out) 
     const bool all = s->in->all_logits != 0, every = all || s->n_tgt > 0; /* rows: T, or n_seqs */
     int64_t R = all ? T : 0;
     float *lg = w->logits;
-    if (w->h_logits) { /* logits cross to host memory here, and only here */
+    if (w->h_logits) { /* logits cross to host memory here (or with a captured step's flags) */
         int64_t rows = every ? T : out->n_seqs;
-        RTRY(r, k3_backend_download(r->be, w->h_logits, w->logits,
-                                    (size_t)(rows * V) * sizeof(float)));
+        if (!s->logits_read)
+            RTRY(r, k3_backend_download(r->be, w->h_logits, w->logits,
+                                        (size_t)(rows * V) * sizeof(float)));
         lg = w->h_logits;
     }
     if (s->n_tgt) plp_records(r, s, lg); /* before the rows below move */

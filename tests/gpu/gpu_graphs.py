@@ -7,9 +7,10 @@ usage: gpu_graphs.py MPIEXEC   (K3_BIN = the k3 binary; models are made in a tem
   fail a capture), 3 prompts (a decode batch of 3 rows, padded to the ladder size 4), --deterministic:
   - 1 x 1: the logits dump with --cuda-graphs on is byte-identical to off; --op-stats: every decode
     step launches 1 graph (graph_launches_per_step == 1, no fallback), the same op count per step as
-    off, and prefill launches none (it stays eager);
+    off, 1 host sync (the flags and the logits read together), and prefill launches none (eager);
   - 1 x 2 (--pp 2) and 2 x 2 (--pp 2 --ep 2, cuda + nccl under mpirun): byte-identical to 1 x 1 off,
-    every stage's decode graph_launches_per_step == 1;
+    every stage's decode graph_launches_per_step == 1 and at most 1 host sync of the backend (the
+    transport's NCCL waits, comm_host_syncs_per_step, are counted apart);
   - the test hook K3_TEST_FAIL=graph-sync:0 (a host sync inside rank 0's captured step): the capture
     fails with a `k3emu:` line (emulation build) and a warning, the step runs eagerly
     (graph_fallbacks >= 1, no graph launch), the logits stay byte-identical.
@@ -93,8 +94,9 @@ def main():
             check(y["graph_launches_per_step"] == 0 and on[1]["prefill"]["steps"] > 0
                   and on[1]["prefill"]["graph_launches_per_step"] == 0,
                   "no graph with --cuda-graphs off, nor in prefill")
-            print("     1x1 decode: host syncs %s a step (graphs on), %s (off)" % (
-                x["host_syncs_per_step"], y["host_syncs_per_step"]), flush=True)
+            check(x["host_syncs_per_step"] == 1,
+                  "1x1 decode: %s host syncs a step (the flags and logits read once; %s off)" % (
+                      x["host_syncs_per_step"], y["host_syncs_per_step"]))
         for name, grid in (("1x2", ["--pp", "2", "--comm", "nccl"]),
                            ("2x2", ["--pp", "2", "--ep", "2", "--comm", "nccl"])):
             g = run(tmp, dense, name, "on", grid)
@@ -103,9 +105,12 @@ def main():
                 for e in stages(g[1]):
                     x = e["decode"]
                     check(x["graph_launches_per_step"] == 1 and x["graph_fallbacks"] == 0,
-                          "%s r%d stage %d: %s graph launches a decode step (host syncs %s)" % (
-                              name, e["rank"], e["stage"], x["graph_launches_per_step"],
-                              x["host_syncs_per_step"]))
+                          "%s r%d stage %d: %s graph launches a decode step" % (
+                              name, e["rank"], e["stage"], x["graph_launches_per_step"]))
+                    own = x["host_syncs_per_step"] - x["comm_host_syncs_per_step"]
+                    check(own <= 1, "%s r%d stage %d: %s host syncs of the backend a decode step "
+                          "(+ %s NCCL waits of the transport)" % (
+                              name, e["rank"], e["stage"], own, x["comm_host_syncs_per_step"]))
         hook = run(tmp, dense, "hook", "on", env={"K3_TEST_FAIL": "graph-sync:0"})
         same(hook, off, "1x1 dense, a host sync injected in the capture")
         if hook:
