@@ -834,6 +834,7 @@ static k3_status forward(k3_stage *s, const k3_batch *b, k3_activ *act, bool all
     for (int l = s->p.layer_begin; l < s->p.layer_end; l++) {
         const layer_vecs *lv = &s->vec[l];
         const float *a = h;
+        k3_backend_errors_layer(be, l); /* a deferred check's error names its layer */
         bool restart = false;
         if (res) {
             if (act->n_bank > 0) {
@@ -877,6 +878,7 @@ static k3_status forward(k3_stage *s, const k3_batch *b, k3_activ *act, bool all
             s->tap(s->tap_ctx, l, s->tap_buf, T, D);
         }
     }
+    k3_backend_errors_layer(be, -1);
     for (int i = 0; i < b->n_seqs; i++) b->states[i]->pos += b->n_tokens[i];
 
     if (s->p.last) {
