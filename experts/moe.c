@@ -112,6 +112,25 @@ static k3_status routes_dump(k3_backend *be, const int32_t *ids, int64_t n) {
     return st;
 }
 
+/* Test hook K3_TEST_ROUTE_ONE_EXPERT=e: every slot of every token goes to expert e (weights as
+   routed), so a backend with a per-expert capacity (cuda: the device route's) must detect its
+   overflow and name it (docs/DEVELOPING.md). One upload per call; never for a real run. */
+static k3_status route_one_expert(k3_backend *be, const k3_config *c, int32_t *ids, int64_t n) {
+    const char *v = getenv("K3_TEST_ROUTE_ONE_EXPERT");
+    if (!v || !*v || n <= 0) return K3_OK;
+    char *end = NULL;
+    const long e = strtol(v, &end, 10);
+    if (*end || e < 0 || e >= c->n_experts)
+        return K3_ERR(K3_ERR_ARG, "K3_TEST_ROUTE_ONE_EXPERT=%s: want an expert in [0, %d)", v,
+                      c->n_experts);
+    int32_t *h;
+    K3_TRY(k3_calloc((void **)&h, (size_t)n * sizeof *h, "K3_TEST_ROUTE_ONE_EXPERT ids"));
+    for (int64_t i = 0; i < n; i++) h[i] = (int32_t)e;
+    k3_status st = k3_backend_upload(be, ids, h, (size_t)n * sizeof *h);
+    k3_free(h);
+    return st;
+}
+
 k3_status k3_moe_router(k3_backend *be, const k3_config *c, const k3_layer_w *lw, const float *x,
                         int64_t T, int32_t *topk_ids, float *topk_w, float *scratch) {
     K3_TRY(k3_moe_check_config(c));
@@ -131,6 +150,7 @@ k3_status k3_moe_router(k3_backend *be, const k3_config *c, const k3_layer_w *lw
     K3_TRY(be->ops->moe_topk(be, scores, has_bias ? bias : NULL, T, (int)E, c->n_experts_per_tok,
                              c->n_group, c->topk_group, c->moe_renormalize,
                              c->routed_scaling_factor, work, topk_ids, topk_w));
+    K3_TRY(route_one_expert(be, c, topk_ids, T * c->n_experts_per_tok));
     return routes_dump(be, topk_ids, T * c->n_experts_per_tok);
 }
 

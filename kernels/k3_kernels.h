@@ -295,7 +295,11 @@ k3_status k3_seqs_build(int n_seqs, const int32_t *n_tokens, const int32_t *pos,
        bound of tests/tolerances.h instead); w [n] (backend): out [n / row_div, Lw], row t = Σ_k         \
        w[t·row_div + k]·item(t·row_div + k) in k order, the first term initialising (rows_wsum's       \
        order), without an [n, Lw] buffer. work                                                            \
-       >= k3_moe_experts_work_floats. */                                                                  \
+       >= k3_moe_experts_work_floats. cuda's MXFP4 form routes on the device (no host read): with         \
+       w, an expert takes at most one slot of each token (the router's top-k names distinct               \
+       experts): more is K3_ERR_STATE naming the expert and its capacity, never a dropped row; its        \
+       check is deferred like moe_topk's (errors_defer), so out is written before a bad id is             \
+       reported. */                                                                                       \
     X(moe_experts,                                                                                        \
       (k3_backend * be, const float *src, int64_t row_div, const int32_t *row_of,                         \
        const int32_t *ids, const float *w, int64_t n, int E, const k3_tensor *w1,                         \
@@ -396,11 +400,14 @@ typedef struct k3_backend_iface {
        makes no host sync (and can be captured); errors_fetch queues one copy of the step's
        checks to the host, and errors_verdict, after the step's own read of its flags (a host
        sync), returns the first failed check's usual error (or makes the sync itself when none
-       followed the fetch). Ops whose later kernels a bad check would make unsafe (moe_experts)
-       stay immediate. */
+       followed the fetch). cuda's MXFP4 moe_experts defers too (its route kernel places only
+       valid rows); its CUDA-core form (F32 / BF16 experts) stays immediate. */
     k3_status (*errors_defer)(k3_backend *be, bool on);
     k3_status (*errors_fetch)(k3_backend *be);
     k3_status (*errors_verdict)(k3_backend *be);
+    /* Optional: the layer the next ops belong to (-1: none), so a deferred check's error names
+       it (errors_defer resets it to -1). Host state only: no device work. */
+    void (*errors_layer)(k3_backend *be, int layer);
     k3_status (*device_info)(k3_backend *be, k3_device_info *out); /* NULL: none */
 } k3_backend_iface;
 
@@ -470,6 +477,7 @@ void k3_backend_graph_destroy(k3_backend *be, k3_backend_graph *g);
 k3_status k3_backend_errors_defer(k3_backend *be, bool on);
 k3_status k3_backend_errors_fetch(k3_backend *be);
 k3_status k3_backend_errors_verdict(k3_backend *be);
+void k3_backend_errors_layer(k3_backend *be, int layer);
 k3_status k3_backend_device_info(k3_backend *be, k3_device_info *out);
 /* The backend's counters: K3_ERR_ARG when it does not count (ref, cpu). */
 k3_status k3_backend_op_stats(const k3_backend *be, k3_op_stats *out);

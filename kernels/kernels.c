@@ -296,6 +296,9 @@ k3_status k3_backend_errors_fetch(k3_backend *be) {
 k3_status k3_backend_errors_verdict(k3_backend *be) {
     return be->mem_->errors_verdict ? be->mem_->errors_verdict(be) : K3_OK;
 }
+void k3_backend_errors_layer(k3_backend *be, int layer) {
+    if (be->mem_->errors_layer) be->mem_->errors_layer(be, layer);
+}
 k3_status k3_backend_device_info(k3_backend *be, k3_device_info *out) {
     memset(out, 0, sizeof *out);
     if (!be->mem_->device_info) return K3_ERR(K3_ERR_ARG, "the %s backend has no device", be->name);

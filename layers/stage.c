@@ -856,6 +856,7 @@ k3_status k3_layers_forward_ops(k3_stage *s, const k3_seqs *sqp, bool nf, k3_act
     for (int l = s->p.layer_begin; l < s->p.layer_end; l++) {
         const layer_vecs *lv = &s->vec[l];
         const float *a = h;
+        k3_backend_errors_layer(be, l); /* a deferred check's error names its layer */
         bool restart = false;
         if (res) {
             if (act->n_bank > 0) {
@@ -899,6 +900,7 @@ k3_status k3_layers_forward_ops(k3_stage *s, const k3_seqs *sqp, bool nf, k3_act
             s->tap(s->tap_ctx, l, s->tap_buf, T, D);
         }
     }
+    k3_backend_errors_layer(be, -1);
     if (s->p.last) {
         /* rows that get logits: all, or each sequence's last token (with its bank rows) */
         const bool mix = res && act->n_bank > 0;

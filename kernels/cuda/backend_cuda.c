@@ -7,11 +7,13 @@
  * through cuda_launch.h) and returns without waiting, with three exceptions whose contract
  * returns a host-visible verdict: moe_topk (K3_ERR_INTERNAL when it runs out of experts),
  * embed_rows (K3_ERR_ARG naming an out-of-range id) and moe_experts (K3_ERR_MISSING / K3_ERR_ARG
- * naming the row whose expert is not on this rank or out of range) read back one 8-byte error
- * word and so synchronise the stream. rows_gather / rows_scatter / rows_wsum take host index
- * arrays: they are staged through a pinned buffer into a device buffer on the stream (the host
- * waits only for the previous staging copy to finish before reusing the pinned buffer).
- * The varlen ops (rmsnorm_rows, matmul_heads, kv_write, attn_paged, short_conv_seqs, kda_seqs,
+ * naming the row whose expert is not on this rank or out of range; K3_ERR_STATE for an expert
+ * over its capacity) read back one 8-byte error word and so synchronise the stream, unless
+ * errors are deferred (errors_defer: one slot per check, read once at the end of the step;
+ * errors_layer names the layer in the message). rows_gather / rows_scatter / rows_wsum take host
+ * index arrays: they are staged through a pinned buffer into a device buffer on the stream (the
+ * host waits only for the previous staging copy to finish before reusing the pinned buffer). The
+ * varlen ops (rmsnorm_rows, matmul_heads, kv_write, attn_paged, short_conv_seqs, kda_seqs,
  * nonfinite_rows, rows_last, moe_experts) read the batch descriptor's arrays (k3_seqs) on the
  * device; its host scalars size the grids, so each is one launch (kda_seqs two, moe_experts two
  * per tile of rows after its check) however many sequences, heads and tokens the step mixes.
@@ -20,13 +22,13 @@
  * spot check of its first and last present experts rebuilds it when those move, and a free drops
  * the tables that point into the freed block (weights are loaded once: a table is not expected to
  * change in place). MXFP4 tables are also repacked into mma fragment order once (tab_repack) and
- * run on the W4A16 tensor-core GEMM (moe_mma: ids read back, host counting sort, gate/up fused,
- * down with the slot scatter, rows_wsum in slot order); the masked layout of k3_cuda_moe.h for
- * device-side routing. op_stats also counts the matrix ops' FLOPs and their tensor-core part.
- * Counters (op_stats): calls by op (every op, as the caller calls it), host syncs (download,
- * synchronize, event_sync, and the error-word reads above, which wait for the device too), bytes
- * of upload(_async) and download(_async) (and the error words). Atomics: ops from several host
- * threads count right.
+ * run on the W4A16 tensor-core GEMM (moe_mma: routed on the device by k3c_moe_route, no host
+ * read; gate/up fused, down with the slot scatter, rows_wsum in slot order); the masked layout of
+ * k3_cuda_moe.h for the expert-parallel dispatch. op_stats also counts the matrix ops' FLOPs and
+ * their tensor-core part. Counters (op_stats): calls by op (every op, as the caller calls it), host
+ * syncs (download, synchronize, event_sync, and the error-word reads above, which wait for the
+ * device too), bytes of upload(_async) and download(_async) (and the error words). Atomics: ops
+ * from several host threads count right.
  *
  * Owns: the stream, the error word, the staging buffers, the expert tables and the counters (in
  * the backend's context), and the device: local rank (OMPI_COMM_WORLD_LOCAL_RANK / SLURM_LOCALID /
@@ -93,10 +95,15 @@ typedef struct cu_ctx {
     unsigned long long *defer_host;   /* [CU_DEFER_MAX] pinned; valid after a sync past fetch */
     uint64_t sync_epoch, fetch_epoch; /* host syncs made; the epoch at the last fetch */
     int fetched_n;                    /* slots the last fetch copied */
+    int layer;                        /* errors_layer: the step's layer now (-1: none) */
     struct cu_deferred {              /* what each slot's check was, for its message */
-        int op;                       /* K3_OP_embed_rows or K3_OP_moe_topk */
+        int op;                       /* K3_OP_embed_rows, K3_OP_moe_topk, K3_OP_moe_experts */
         const int32_t *ids;           /* embed_rows: its ids (device) */
-        int64_t n;                    /* embed_rows: V; moe_topk: E */
+        int64_t n;                    /* embed_rows: V; moe_topk: E; moe_experts: rows */
+        int layer;                    /* the layer it ran in (errors_layer; -1: unknown) */
+        int E;                        /* moe_experts: experts, capacity, its kind (route_error) */
+        int64_t cap;
+        bool per_tok;
     } defer_what[CU_DEFER_MAX];
     bool mma;             /* K3_CUDA_MMA=1: the bf16 tensor-core MLA and KDA prefill (chunk 16) */
     int mla_terms;        /* the tensor-core MLA's products per step (mla_mma.cu); 0: fp32 kernel */
@@ -109,8 +116,6 @@ typedef struct cu_ctx {
     /* the counters and deferred checks when the current capture began (cu_capture_begin) */
     uint64_t cap_calls[K3_OP_COUNT], cap_flops[K3_OP_COUNT], cap_tc_flops[K3_OP_COUNT];
     int cap_defer_n;
-    int32_t *moe_host; /* moe_experts' host copy of ids and row_of, then its staging [moe_cap] */
-    size_t moe_cap;    /* int32s */
     k3_op_stats stats; /* updated with __atomic builtins only */
 } cu_ctx;
 
@@ -407,7 +412,6 @@ static void cu_destroy(k3_backend *be) {
         cudaFree(c->mla_part);
         k3_free(c->tabs);
         k3_free(c->al_p), k3_free(c->al_n);
-        k3_free(c->moe_host);
         k3_free(c);
     }
     k3_free(be);
@@ -418,6 +422,9 @@ static void *cu_native_stream(k3_backend *be) {
 static k3_status cu_errors_defer(k3_backend *be, bool on);
 static k3_status cu_errors_fetch(k3_backend *be);
 static k3_status cu_errors_verdict(k3_backend *be);
+static void cu_errors_layer(k3_backend *be, int layer);
+static k3_status route_error(unsigned long long key, int64_t n, int E, int64_t cap, bool per_tok,
+                             int layer, bool deferred);
 /* Peaks from the device's attributes: HBM = 2 (DDR) x memory clock x bus width; dense bf16
  * tensor FLOPs per SM and clock: 4096 on sm_90 (H100/H200: 132 SMs x 1.83 GHz x 4096 = 989
  * TFLOP/s, the published figure), 2048 on sm_80 / sm_86 / sm_89, 1024 before. */
@@ -468,6 +475,7 @@ static const k3_backend_iface k_cuda_iface = {
     .errors_defer = cu_errors_defer,
     .errors_fetch = cu_errors_fetch,
     .errors_verdict = cu_errors_verdict,
+    .errors_layer = cu_errors_layer,
     .device_info = cu_device_info,
 };
 
@@ -515,7 +523,7 @@ static k3_status err_word(k3_backend *be, unsigned long long **w, bool *deferred
     return K3_OK;
 }
 static void err_defer(cu_ctx *c, int op, const int32_t *ids, int64_t n) {
-    c->defer_what[c->defer_n] = (struct cu_deferred){op, ids, n};
+    c->defer_what[c->defer_n] = (struct cu_deferred){op, ids, n, c->layer, 0, 0, false};
     c->defer_n++;
 }
 
@@ -526,9 +534,13 @@ static void err_defer(cu_ctx *c, int op, const int32_t *ids, int64_t n) {
 static k3_status cu_errors_defer(k3_backend *be, bool on) {
     cu_ctx *c = CTX(be);
     c->defer_on = on;
+    c->layer = -1;
     c->defer_n = 0;
     c->fetched_n = 0;
     return K3_OK;
+}
+static void cu_errors_layer(k3_backend *be, int layer) {
+    CTX(be)->layer = layer;
 }
 static k3_status cu_errors_fetch(k3_backend *be) {
     cu_ctx *c = CTX(be);
@@ -553,11 +565,15 @@ static k3_status cu_errors_verdict(k3_backend *be) {
         const unsigned long long bad = c->defer_host[i];
         if (bad == ~0ull) continue;
         const struct cu_deferred *d = &c->defer_what[i];
+        if (d->op == K3_OP_moe_experts)
+            return route_error(bad, d->n, d->E, d->cap, d->per_tok, d->layer, true);
+        char at[32] = "";
+        if (d->layer >= 0) snprintf(at, sizeof at, "layer %d: ", d->layer);
         if (d->op == K3_OP_moe_topk)
             return K3_ERR(K3_ERR_INTERNAL,
-                          "MoE router: ran out of experts at token %lld (a deferred check, read "
+                          "%sMoE router: ran out of experts at token %lld (a deferred check, read "
                           "at the end of the step)",
-                          (long long)(bad / (unsigned long long)(d->n + 2)));
+                          at, (long long)(bad / (unsigned long long)(d->n + 2)));
         int32_t id = 0; /* embed_rows: the ids are the step's, still in place */
         CU_TRY(cudaMemcpy(&id, d->ids + bad, sizeof id, cudaMemcpyDeviceToHost));
         return K3_ERR(K3_ERR_ARG,
@@ -1144,88 +1160,72 @@ static k3_status moe_terms(int *terms) {
     *terms = v[0] - '0';
     return K3_OK;
 }
-/* host int32 scratch of moe_experts (ids, row_of, then the staged tile) */
-static k3_status moe_host(cu_ctx *c, size_t n) {
-    if (n <= c->moe_cap) return K3_OK;
-    size_t cap = c->moe_cap ? c->moe_cap : 1024;
-    while (cap < n) cap *= 2;
-    k3_free(c->moe_host);
-    c->moe_host = NULL;
-    c->moe_cap = 0;
-    K3_TRY(k3_calloc((void **)&c->moe_host, cap * sizeof(int32_t), "cuda moe_experts host ints"));
-    c->moe_cap = cap;
-    return K3_OK;
+/* The verdict of moe_experts' device route (k3c_moe_route's key, ~0: none): the row with a bad
+   id or an expert not on this rank, else the first expert over its capacity (K3_ERR_STATE). n:
+   the call's rows; cap: the capacity of a tile (per_tok: a token's slots name distinct experts,
+   so an expert takes at most one item of each token of the tile); layer: the step's layer (< 0:
+   unknown); deferred: read at the end of the step. */
+static k3_status route_error(unsigned long long key, int64_t n, int E, int64_t cap, bool per_tok,
+                             int layer, bool deferred) {
+    if (key == ~0ull) return K3_OK;
+    char at[48] = "", late[64] = "";
+    if (layer >= 0) snprintf(at, sizeof at, "layer %d: ", layer);
+    if (deferred) snprintf(late, sizeof late, " (a deferred check, read at the end of the step)");
+    const int64_t hi = (int64_t)(key >> 32);
+    const int32_t lo = (int32_t)(uint32_t)key;
+    if (hi < n && (lo < 0 || lo >= E))
+        return K3_ERR(K3_ERR_ARG, "%smoe_experts: row %lld has expert id %d outside [0, %d)%s", at,
+                      (long long)hi, lo, E, late);
+    if (hi < n)
+        return K3_ERR(K3_ERR_MISSING,
+                      "%smoe_experts: row %lld needs expert %d, which is not loaded on this rank%s",
+                      at, (long long)hi, lo, late);
+    return K3_ERR(K3_ERR_STATE,
+                  "%smoe_experts: expert %lld received %d rows, over its capacity of %lld rows%s "
+                  "(never dropped: the step fails)%s",
+                  at, (long long)(hi - n), lo, (long long)cap,
+                  per_tok ? " (one per token: a token's slots must name distinct experts)" : "",
+                  late);
 }
-/* The tensor-core form of moe_experts (the table's experts are MXFP4: t->mma), the contiguous
-   layout routed on the host: ids (and row_of) are read back once (the host sync the op's error
-   verdict needs anyway) and checked as ref checks them; then per tile of m slot rows (whole
-   tokens when w sums them) a stable counting sort by expert gives the GEMM's row order, staged to
-   the device with the per-expert offsets, and two grouped W4A16 GEMMs run (moe_mma.cu): W1 / W3
-   fused with the activation into h [m, I] (work; x rows gathered by the kernel), then W2, whose
-   epilogue writes each item to its slot row (out, or with w the items part of work, which one
-   k3c_rows_wsum then sums per token in slot order: deterministic). */
+/* The tensor-core form of moe_experts (the table's experts are MXFP4: t->mma), routed on the
+   device with no host read: per tile of m slot rows (whole tokens when w sums them) one route
+   kernel (k3c_moe_route: per-expert counts, the contiguous layout's offsets and the gather /
+   scatter rows, stable: slot order within an expert; ids and presence checked, and each expert's
+   rows against the tile's capacity) and two grouped W4A16 GEMMs (moe_mma.cu): W1 / W3 fused with
+   the activation into h [m, I] (work; x rows gathered by the kernel), then W2, whose epilogue
+   writes each item to its slot row (out, or with w the items part of work, which one
+   k3c_rows_wsum then sums per token in slot order: deterministic). The capacity (the grid's
+   max_rows): with w the tile's tokens (a token's K slots name distinct experts, as the router's
+   top-k gives them), else its rows. The check's word is deferred while errors are
+   (k3_backend_errors_defer: read at the end of the step), else read here (a host sync). */
 static k3_status moe_mma(k3_backend *be, const moe_tab *t, const float *src, int64_t row_div,
                          const int32_t *row_of, const int32_t *ids, const float *w, int64_t n,
                          float beta, float lin_beta, float *out, float *work) {
     cu_ctx *c = CTX(be);
     const int E = t->E;
     const int64_t Lw = t->Lw, I = t->I, per = w ? row_div : 1;
-    /* work: h [m, I] | items [m, Lw] (w) */
-    const size_t avail = k3_moe_experts_work_floats(Lw, I, n, E);
-    int64_t m = (int64_t)((avail - 16) / (size_t)(I + (w ? Lw : 0)));
+    /* work: h [m, I] | items [m, Lw] (w) | off int64 [E + 1] | src_row, dst_row int32 [m] */
+    const size_t avail = k3_moe_experts_work_floats(Lw, I, n, E), fixed = 2 * (size_t)E + 2 + 64;
+    int64_t m = avail > fixed ? (int64_t)((avail - fixed) / (size_t)(I + (w ? Lw : 0) + 2)) : 0;
     m = (m < n ? m : n) / per * per;
     if (m > 65535 * 16) m = 65535 * 16 / per * per; /* grid.y of the GEMM */
     if (m < per) return K3_ERR(K3_ERR_INTERNAL, "moe_experts: work holds no whole token");
     float *h = work, *items = work + ((size_t)(m * I) + 15) / 16 * 16;
+    float *rt = items + (w ? ((size_t)(m * Lw) + 15) / 16 * 16 : 0);
+    int64_t *doff = (int64_t *)(void *)rt;
+    int32_t *dsrc = (int32_t *)(void *)(rt + ((size_t)(2 * (E + 1)) + 15) / 16 * 16),
+            *ddst = dsrc + m;
     int terms;
     K3_TRY(moe_terms(&terms));
-    /* host ints: ids [n] | row_of [n] | staged per tile: off int64 [E + 1] | src_row int32 [m] |
-       dst_row int32 [m] | then the per-expert counts [E] */
-    const size_t stage_ints = 2 * (size_t)(E + 1) + 2 * (size_t)m;
-    K3_TRY(moe_host(c, (size_t)(2 * n) + stage_ints + (size_t)E + 2));
-    int32_t *hid = c->moe_host, *hrow = c->moe_host + n;
-    count(&c->stats.d2h_bytes, (uint64_t)(n * (row_of ? 8 : 4)));
-    count(&c->stats.host_syncs, 1);
-    CU_TRY(cudaMemcpyAsync(hid, ids, (size_t)n * 4, cudaMemcpyDeviceToHost, c->stream));
-    if (row_of)
-        CU_TRY(cudaMemcpyAsync(hrow, row_of, (size_t)n * 4, cudaMemcpyDeviceToHost, c->stream));
-    CU_TRY(cudaStreamSynchronize(c->stream));
-    for (int64_t i = 0; i < n; i++) {
-        if (hid[i] < 0 || hid[i] >= E)
-            return K3_ERR(K3_ERR_ARG, "moe_experts: row %lld has expert id %d outside [0, %d)",
-                          (long long)i, hid[i], E);
-        if (t->slot[hid[i]] < 0)
-            return K3_ERR(K3_ERR_MISSING,
-                          "moe_experts: row %lld needs expert %d, which is not loaded on this rank",
-                          (long long)i, hid[i]);
-    }
-#ifdef K3_CUDA_EMULATE
-    const unsigned long long mma0 =
-        k3emu_mma_count("w4a16_grouped_kernel") + k3emu_mma_count("w4a16_swap_kernel");
-#endif
-    int64_t *off = (int64_t *)(void *)(c->moe_host + 2 * n + ((2 * n) & 1));
-    int32_t *srow = (int32_t *)(off + E + 1), *drow = srow + m, *cnt = drow + m;
+    unsigned long long *word;
+    bool deferred;
+    K3_TRY(err_word(be, &word, &deferred));
+    const int64_t cap = w ? m / row_div : m; /* of a tile */
     for (int64_t r0 = 0; r0 < n; r0 += m) {
-        const int64_t mt = n - r0 < m ? n - r0 : m;
-        memset(cnt, 0, (size_t)E * sizeof *cnt);
-        for (int64_t i = r0; i < r0 + mt; i++) cnt[hid[i]]++;
-        int64_t max_rows = 0;
-        off[0] = 0;
-        for (int e = 0; e < E; e++) {
-            off[e + 1] = off[e] + cnt[e];
-            max_rows = cnt[e] > max_rows ? cnt[e] : max_rows;
-            cnt[e] = 0;
-        }
-        for (int64_t i = r0; i < r0 + mt; i++) { /* stable: slot order within an expert */
-            const int64_t j = off[hid[i]] + cnt[hid[i]]++;
-            srow[j] = row_of ? hrow[i] : (int32_t)(i / row_div);
-            drow[j] = (int32_t)(w ? i - r0 : i);
-        }
-        const void *d = NULL;
-        K3_TRY(stage(be, off, stage_ints * sizeof(int32_t), &d));
-        const int64_t *doff = d;
-        const int32_t *dsrc = (const int32_t *)(doff + E + 1), *ddst = dsrc + m;
-        k3c_w4_rows rows = {doff, NULL, 0, max_rows, t->slot_dev, dsrc, NULL};
+        const int64_t mt = n - r0 < m ? n - r0 : m, mcap = w ? mt / row_div : mt;
+        CU_TRY(k3c_moe_route(c->stream, ids, r0, mt, n, row_div, row_of, E, t->slot_dev, mcap, doff,
+                             dsrc, ddst, w ? 0 : r0, word));
+        k3c_w4_rows rows = {doff, NULL, 0, mcap, t->slot_dev, dsrc, NULL};
         CU_TRY(k3c_w4a16_grouped(c->stream, t->words[0], t->scales[0], t->words[1], t->scales[1], E,
                                  I, Lw, rows, beta, lin_beta, terms, src, h));
         rows.src_row = NULL, rows.dst_row = ddst;
@@ -1235,13 +1235,18 @@ static k3_status moe_mma(k3_backend *be, const moe_tab *t, const float *src, int
             CU_TRY(k3c_rows_wsum(c->stream, items, w + r0, NULL, row_div, mt / row_div, Lw,
                                  out + r0 / row_div * Lw));
     }
-    bool tc = true; /* what the kernels were built to do; the emulation counts their mma */
-#ifdef K3_CUDA_EMULATE
-    CU_TRY(cudaStreamSynchronize(c->stream)); /* (emulation only: not a device's host sync) */
-    tc = k3emu_mma_count("w4a16_grouped_kernel") + k3emu_mma_count("w4a16_swap_kernel") > mma0;
-#endif
-    count_flops(be, K3_OP_moe_experts, 6.0 * (double)n * (double)I * (double)Lw, tc);
-    return K3_OK;
+    /* the tensor-core kernels (the emulation counts their mma; test_cuda_ops checks them) */
+    count_flops(be, K3_OP_moe_experts, 6.0 * (double)n * (double)I * (double)Lw, true);
+    if (deferred) {
+        err_defer(c, K3_OP_moe_experts, NULL, n);
+        c->defer_what[c->defer_n - 1].E = E;
+        c->defer_what[c->defer_n - 1].cap = cap;
+        c->defer_what[c->defer_n - 1].per_tok = w != NULL;
+        return K3_OK;
+    }
+    unsigned long long bad;
+    K3_TRY(err_read(be, &bad));
+    return route_error(bad, n, E, cap, w != NULL, -1, false);
 }
 
 /* The ids are device memory: one check kernel names the first bad row (a host sync, as
@@ -1384,6 +1389,7 @@ int k3_backend_cuda_ops_done(void) {
 
 static k3_status cu_ctx_init(cu_ctx *c, int n_devices) {
     c->device = k3_local_rank() % n_devices;
+    c->layer = -1;
     const char *mma = getenv("K3_CUDA_MMA"), *kst = getenv("K3_CUDA_KDA_STATE");
     c->mma = mma && strcmp(mma, "1") == 0;
     /* the MLA: split operands (3 products) by default, bf16 with K3_CUDA_MMA=1, the fp32 kernel

@@ -182,6 +182,18 @@ int k3c_w4a16_grouped(cudaStream_t s, const uint32_t *words, const uint8_t *scal
                       const uint32_t *words3, const uint8_t *scales3, int E, int64_t N, int64_t K,
                       k3c_w4_rows rows, float beta, float lin_beta, int terms, const float *x,
                       float *y);
+/* The device route of items [r0, r0 + n) of ids (n_all in the call) for k3c_w4a16_grouped's
+ * contiguous layout, with no host read: off device int64 [E + 1] (expert e's GEMM rows [off[e],
+ * off[e+1]), at most cap each), src_row / dst_row device int32 [n] (GEMM row -> x row: row_of[i],
+ * else i / row_div; -> y row dst0 + i − r0), the rows of one expert in item order.
+ * err (reset to ~0 by the caller) takes the smaller of its value and this tile's first failure:
+ * (item << 32 | id) for an id outside [0, E) or an expert without a weight slot (wslot < 0),
+ * else ((n_all + e) << 32 | rows) for the first expert e given more than cap rows; the items
+ * that fail are not placed (never an out-of-bounds row). */
+int k3c_moe_route(cudaStream_t s, const int32_t *ids, int64_t r0, int64_t n, int64_t n_all,
+                  int64_t row_div, const int32_t *row_of, int E, const int32_t *wslot, int64_t cap,
+                  int64_t *off, int32_t *src_row, int32_t *dst_row, int64_t dst0,
+                  unsigned long long *err);
 /* out row t [width] = Σ_k w[t·K + k] · y row pos[t·K + k] in k order, the first valid term
  * initialising (k3c_wsum_step); pos < 0 contributes nothing (a token with none: zeros). */
 int k3c_moe_combine(cudaStream_t s, const float *y, const int32_t *pos, const float *w, int64_t T,

@@ -247,3 +247,64 @@ extern "C" int k3c_moe_combine(cudaStream_t s, const float *y, const int32_t *po
     K3C_LAUNCH(blocks, 256, 0, s, moe_combine_kernel)(y, pos, w, T, K, width, out);
     return (int)cudaGetLastError();
 }
+
+/* The device route of one tile (issue 45): one block. Pass 1 counts each expert's rows (a thread
+ * per expert walks the items in order) and finds the first bad item (id out of range, or an
+ * expert with no weight slot here); thread 0 then lays the experts out contiguously, each clamped
+ * to cap rows, and records the first failure in the error word; pass 2 writes each expert's rows
+ * in item order (stable: slot order within an expert). */
+static __global__ void moe_route_kernel(const int32_t *ids, int64_t r0, int64_t n, int64_t n_all,
+                                        int64_t row_div, const int32_t *row_of, int E,
+                                        const int32_t *wslot, int64_t cap, int64_t *off,
+                                        int32_t *src_row, int32_t *dst_row, int64_t dst0,
+                                        unsigned long long *err) {
+    K3C_SHARED(int64_t, first_bad, [256]);
+    int64_t mine = n;
+    for (int64_t i = threadIdx.x; i < n; i += blockDim.x) {
+        const int32_t e = ids[r0 + i];
+        if ((e < 0 || e >= E || wslot[e] < 0) && i < mine) mine = i;
+    }
+    first_bad[threadIdx.x] = mine;
+    for (int e = (int)threadIdx.x; e < E; e += (int)blockDim.x) {
+        int64_t c = 0;
+        for (int64_t i = 0; i < n; i++) c += ids[r0 + i] == e;
+        off[e + 1] = c;
+    }
+    __syncthreads();
+    if (threadIdx.x == 0) {
+        int64_t bad = n, over = -1, over_n = 0;
+        for (unsigned t = 0; t < blockDim.x; t++) bad = first_bad[t] < bad ? first_bad[t] : bad;
+        off[0] = 0;
+        for (int e = 0; e < E; e++) {
+            const int64_t c = off[e + 1];
+            if (c > cap && over < 0) over = e, over_n = c;
+            off[e + 1] = off[e] + (c < cap ? c : cap);
+        }
+        unsigned long long key = ~0ull; /* the failure's key: the smallest wins across tiles */
+        if (bad < n)
+            key = (unsigned long long)(r0 + bad) << 32 | (uint32_t)ids[r0 + bad];
+        else if (over >= 0)
+            key = (unsigned long long)(n_all + over) << 32 | (uint32_t)over_n;
+        if (key < *err) *err = key;
+    }
+    __syncthreads();
+    for (int e = (int)threadIdx.x; e < E; e += (int)blockDim.x) {
+        int64_t j = off[e];
+        const int64_t end = off[e + 1];
+        for (int64_t i = 0; i < n && j < end; i++)
+            if (ids[r0 + i] == e) {
+                src_row[j] = row_of ? row_of[r0 + i] : (int32_t)((r0 + i) / row_div);
+                dst_row[j++] = (int32_t)(dst0 + i);
+            }
+    }
+}
+
+extern "C" int k3c_moe_route(cudaStream_t s, const int32_t *ids, int64_t r0, int64_t n,
+                             int64_t n_all, int64_t row_div, const int32_t *row_of, int E,
+                             const int32_t *wslot, int64_t cap, int64_t *off, int32_t *src_row,
+                             int32_t *dst_row, int64_t dst0, unsigned long long *err) {
+    if (n <= 0 || E <= 0) return 0;
+    K3C_LAUNCH(1, 256, 0, s, moe_route_kernel)
+    (ids, r0, n, n_all, row_div, row_of, E, wslot, cap, off, src_row, dst_row, dst0, err);
+    return (int)cudaGetLastError();
+}

@@ -11,12 +11,16 @@ usage: gpu_opstats.py MPIEXEC   (K3_BIN = the k3 binary; a tiny model is made in
     - "comm" is "nccl", "routing" says where the route is built and "routing_note" says why.
   The same with --comm mpi: comm_host_syncs_per_step == 0 (its syncs are the backend's
   downloads), "comm" "mpi", a routing_note starting "mpi: ".
-  1 x 1 (`k3 run --backend cuda --cuda-graphs off`): a decode step's host syncs are the step's two reads (flags
-  with the deferred checks, logits) plus one per moe_experts call (its immediate check): the
-  router's and the embedding's checks (moe_topk, embed_rows) are deferred and make none.
+  1 x 1 (`k3 run --backend cuda --cuda-graphs off`: the eager step; gpu_graphs checks the
+  captured one): a decode step's host syncs are the step's two reads (flags
+  with the deferred checks, logits): moe_experts routes on the device and its check, the
+  router's and the embedding's (moe_topk, embed_rows) are deferred and make none. With
+  K3_TEST_ROUTE_ONE_EXPERT=3 (every slot to expert 3) the first MoE layer's expert 3 gets 32
+  rows, over its capacity of 8 (one per token): the run fails naming layer, expert, capacity.
 Exit code only (77 = skipped: no cuda build / device)."""
 import json
 import os
+import re
 import subprocess
 import sys
 import tempfile
@@ -88,11 +92,21 @@ def main():
         d = stats(tmp, model, "nccl", 1, ["--cuda-graphs", "off"])
         if d:
             x = d["stages"][0]["decode"]
-            want = 2 + x["ops"].get("moe_experts", 0)
-            check(x["steps"] > 0 and x["host_syncs_per_step"] == want,
-                  "1x1 decode: %s host syncs = 2 + %s moe_experts (moe_topk %s, embed_rows %s: "
+            check(x["steps"] > 0 and x["host_syncs_per_step"] == 2
+                  and x["ops"].get("moe_experts", 0) > 0,
+                  "1x1 decode: %s host syncs = 2 (flags + deferred checks, logits), none in its "
+                  "%s moe_experts, %s moe_topk, %s embed_rows (routed on the device, checks "
                   "deferred)" % (x["host_syncs_per_step"], x["ops"].get("moe_experts", 0),
                                  x["ops"].get("moe_topk", 0), x["ops"].get("embed_rows", 0)))
+        # the capacity of the device route: every slot to expert 3 (K3_TEST_ROUTE_ONE_EXPERT)
+        # overflows the first MoE layer's; the step fails naming layer, expert and capacity
+        p = subprocess.run([K3, "run", "--model", model, "--backend", "cuda", "--prompt-ids",
+                            "1,2,3,4,5;9,8,7", "--n", "2"], capture_output=True, text=True,
+                           timeout=120, env=dict(os.environ, K3_TEST_ROUTE_ONE_EXPERT="3"))
+        check(p.returncode != 0 and re.search(r"layer 1: moe_experts: expert 3 received 32 rows, "
+                                              r"over its capacity of 8 rows", p.stderr),
+              "1x1, every slot to expert 3: the overflow is named (exit %d) %s"
+              % (p.returncode, p.stderr.strip().splitlines()[-1:] if p.stderr else ""))
         d = stats(tmp, model, "mpi")
         if d:
             check(d.get("comm") == "mpi" and d.get("routing") == "host"

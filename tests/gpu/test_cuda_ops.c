@@ -1286,9 +1286,14 @@ static void moe_case(k3_dtype dt, bool weighted, bool situ_act, int64_t T) {
         td[e] = (expert_row){m[e][0].dev, m[e][1].dev, m[e][2].dev, e};
     }
     int32_t ids[MOE_MAXN] = {0};
-    for (int64_t i = 0; i < n; i++) {
-        ids[i] = (int32_t)(k3_rng_u64(&g_rng) % (E - 1));
-        if (ids[i] >= missing) ids[i]++;
+    for (int64_t i = 0; i < n; i++) { /* a token's slots name distinct experts, as the router's */
+        bool dup = true;
+        while (dup) {
+            ids[i] = (int32_t)(k3_rng_u64(&g_rng) % (E - 1));
+            if (ids[i] >= missing) ids[i]++;
+            dup = false;
+            for (int64_t j = i - i % K; j < i; j++) dup = dup || ids[j] == ids[i];
+        }
     }
     const int64_t no = (weighted ? T : n) * Lw;
     const size_t wf = k3_moe_experts_work_floats(Lw, I, n, E);
@@ -1369,16 +1374,31 @@ static void moe_case(k3_dtype dt, bool weighted, bool situ_act, int64_t T) {
         free(xm), free(ones);
     }
     free(chain);
-    /* row 5 needs the missing expert; then row 2 an id out of range (the first is named) */
+    if (dt == K3_DT_MXFP4 && weighted) {
+        /* the device route's capacity (one item of each token an expert: T rows): every slot to
+           expert 1 is T·K rows, named, never dropped */
+        int32_t one[MOE_MAXN];
+        for (int64_t i = 0; i < n; i++) one[i] = 1;
+        int32_t *done = dput(one, sizeof one);
+        char msg[96];
+        snprintf(msg, sizeof msg, "expert 1 received %lld rows, over its capacity of %lld rows",
+                 (long long)n, (long long)T);
+        K3_CHECK_ERR(g_cu->ops->moe_experts(g_cu, dsrc, K, NULL, done, dwt, n, E, &td[0].w1,
+                                            &td[0].w3, &td[0].w2, es, beta, lin, dout, dwork),
+                     K3_ERR_STATE, msg);
+    }
+    /* row 5 needs the missing expert; then row 2 an id out of range (the first is named; the
+       unweighted form's out holds n rows: the device route runs before its check is read) */
     ids[5] = missing;
     int32_t *dbad = dput(ids, sizeof ids);
+    float *dall = dpoison(n * Lw);
     K3_CHECK_ERR(g_cu->ops->moe_experts(g_cu, dsrc, K, NULL, dbad, NULL, n, E, &td[0].w1, &td[0].w3,
-                                        &td[0].w2, es, beta, lin, dout, dwork),
+                                        &td[0].w2, es, beta, lin, dall, dwork),
                  K3_ERR_MISSING, "row 5 needs expert 4");
     ids[2] = E;
     int32_t *dbad2 = dput(ids, sizeof ids);
     K3_CHECK_ERR(g_cu->ops->moe_experts(g_cu, dsrc, K, NULL, dbad2, NULL, n, E, &td[0].w1,
-                                        &td[0].w3, &td[0].w2, es, beta, lin, dout, dwork),
+                                        &td[0].w3, &td[0].w2, es, beta, lin, dall, dwork),
                  K3_ERR_ARG, "row 2 has expert id 6");
     dfree_all(what);
     for (int e = 0; e < E; e++)
