@@ -14,8 +14,10 @@ usage: gpu_graphs.py MPIEXEC   (K3_BIN = the k3 binary; models are made in a tem
   - the test hook K3_TEST_FAIL=graph-sync:0 (a host sync inside rank 0's captured step): the capture
     fails with a `k3emu:` line (emulation build) and a warning, the step runs eagerly
     (graph_fallbacks >= 1, no graph launch), the logits stay byte-identical.
-  The tiny model with MoE layers (their host reads fail the capture), 1 x 1: every step still
-  completes, byte-identical to off, the fallback counted.
+  The tiny model with MoE layers: 1 x 1 (moe_experts routed on the device) captured like the dense
+  one, byte-identical to off, 1 host sync a decode step; 2 x 2 byte-identical to 1 x 1 off, each
+  stage's decode steps launched as graphs or, where a MoE exchange still syncs with the host, the
+  fallback counted.
 Exit code only (77 = skipped: no usable cuda backend)."""
 import filecmp
 import json
@@ -118,18 +120,33 @@ def main():
             check(x["graph_fallbacks"] >= 1 and x["graph_launches_per_step"] == 0,
                   "the injected sync: %s fallbacks, %s graph launches a step" % (
                       x["graph_fallbacks"], x["graph_launches_per_step"]))
-            check("could not be captured" in hook[2],
-                  "the failed capture is said: %s" % hook[2][-600:])
+            said = "could not be captured" in hook[2]
+            check(said, "the failed capture is said%s" % ("" if said else ": " + hook[2][-600:]))
             if emulated:
                 check("k3emu:" in hook[2] and "capture" in hook[2],
                       "a k3emu: line names the forbidden call in the capture")
         m_off = run(tmp, moe, "moe_off", "off")
         m_on = run(tmp, moe, "moe_on", "on")
-        same(m_on, m_off, "1x1 with MoE layers (their reads fail the capture)")
+        same(m_on, m_off, "1x1 with MoE layers, graphs on vs off")
         if m_on:
             x = m_on[1]["decode"]
-            check(x["graph_fallbacks"] >= 1, "MoE layers: the fallback counted (%s)" %
-                  x["graph_fallbacks"])
+            check(x["graph_launches_per_step"] == 1 and x["graph_fallbacks"] == 0
+                  and x["host_syncs_per_step"] == 1,
+                  "1x1 MoE decode (routed on the device): %s graph launches, %s host syncs a step"
+                  % (x["graph_launches_per_step"], x["host_syncs_per_step"]))
+        m22 = run(tmp, moe, "moe_2x2", "on", ["--pp", "2", "--ep", "2", "--comm", "nccl"])
+        same(m22, m_off, "2x2 with MoE layers, graphs on vs 1x1 off")
+        if m22:
+            for e in stages(m22[1]):
+                x = e["decode"]
+                # a MoE exchange that still syncs with the host fails the capture: that size runs
+                # eagerly, counted; a step is never neither launched nor counted
+                check(x["graph_launches_per_step"] == 1 or x["graph_fallbacks"] >= 1,
+                      "2x2 MoE r%d stage %d: %s graph launches a decode step, %s fallbacks, %s "
+                      "host syncs (%s NCCL waits)" % (
+                          e["rank"], e["stage"], x["graph_launches_per_step"],
+                          x["graph_fallbacks"], x["host_syncs_per_step"],
+                          x["comm_host_syncs_per_step"]))
     print("gpu_graphs: %s" % ("FAIL (%d)" % len(fails) if fails else "ok"), flush=True)
     return 1 if fails else 0
 
