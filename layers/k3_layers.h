@@ -88,6 +88,13 @@ typedef struct k3_stage_params {
 } k3_stage_params;
 
 k3_status k3_stage_create(const k3_stage_params *p, k3_stage **out);
+/* The last stage's logits to host memory with the step's one read (issue 45): with a host buffer
+ * set ([max_tokens, V] floats), k3_stage_forward downloads the logits rows it computed into it
+ * in the copy that reads the flags and the deferred checks (one host sync for all); then
+ * k3_stage_logits_fetched is true until the next forward. NULL (the default): the caller reads
+ * the logits itself. */
+void k3_stage_set_logits_host(k3_stage *s, float *host);
+bool k3_stage_logits_fetched(const k3_stage *s);
 void k3_stage_destroy(k3_stage *s);
 const k3_stage_params *k3_stage_get_params(const k3_stage *s);
 

@@ -135,6 +135,7 @@ static k3_status worker_create(rank_ctx *r, struct rank_worker *w) {
         RTRY(r, k3_alloc((void **)&w->plp, (size_t)r->max_tokens * K3_PLP_REC * sizeof(float),
                          "prompt logprobs"));
         if (!host) RTRY(r, k3_alloc((void **)&w->h_logits, nb, "logits (host)"));
+        if (w->h_logits) k3_stage_set_logits_host(w->st, w->h_logits);
     } else if (!host && !w->dev_act) {
         RTRY(r,
              k3_alloc((void **)&w->h_act, TD * (size_t)(1 + k3_activ_max_bank(c)) * sizeof(float),
@@ -393,8 +394,9 @@ static k3_status send_logits(rank_ctx *r, const wstep *s, const rank_step *out) 
     float *lg = w->logits;
     if (w->h_logits) { /* logits cross to host memory here, and only here */
         int64_t rows = every ? T : out->n_seqs;
-        RTRY(r, k3_backend_download(r->be, w->h_logits, w->logits,
-                                    (size_t)(rows * V) * sizeof(float)));
+        if (!k3_stage_logits_fetched(w->st)) /* else read with the step's flags */
+            RTRY(r, k3_backend_download(r->be, w->h_logits, w->logits,
+                                        (size_t)(rows * V) * sizeof(float)));
         lg = w->h_logits;
     }
     if (s->n_tgt) plp_records(r, s, lg); /* before the rows below move */
