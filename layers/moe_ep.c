@@ -101,16 +101,16 @@ k3_status k3_layers_moe_ep_create(k3_stage *s) {
             st = k3_backend_alloc(be, (2 * (size_t)EL + (size_t)EL * C) * 4,
                                   "MoE dispatch row maps", (void **)&s->ep_iwork);
         if (st == K3_OK)
-            st = k3_backend_alloc(be,
-                                  (size_t)K3_MAX(s->T_max, 1) * (size_t)c->n_experts_per_tok * 4,
-                                  "MoE dispatch item rows", (void **)&s->ep_pos);
+            st =
+                k3_backend_alloc(be, (size_t)K3_MAX(s->T_max, 1) * (size_t)c->n_experts_per_tok * 4,
+                                 "MoE dispatch item rows", (void **)&s->ep_pos);
     }
     k3_free(cnt), k3_free(dest), k3_free(glob);
     return st;
 }
 
 void k3_layers_moe_ep_free(k3_stage *s) {
-    void *p[] = {s->ep_dest, s->ep_glob, s->ep_send, s->ep_recv,
+    void *p[] = {s->ep_dest, s->ep_glob, s->ep_send,  s->ep_recv,
                  s->ep_ret,  s->ep_h,    s->ep_iwork, s->ep_pos};
     for (size_t i = 0; i < K3_ARRAY_LEN(p); i++) k3_backend_free(s->be, p[i]);
 }
@@ -134,11 +134,11 @@ k3_status k3_layers_moe_ep_step(k3_stage *s, int l, const float *x, int64_t T, f
     const k3_expert_w *ex = lw->experts;
     if (!ex) return K3_ERR(K3_ERR_MISSING, "layer %d: no expert table on this rank", l);
     K3_TRY(be->mem_->moe_ep_experts(
-        be, &ep, s->ep_recv, s->ep_glob + (size_t)(l - s->p.layer_begin) * (size_t)ep.EL,
-        &ex->w1, &ex->w3, &ex->w2, sizeof *ex, c->act == K3_ACT_SWIGLU ? -1.0f : c->situ_beta,
+        be, &ep, s->ep_recv, s->ep_glob + (size_t)(l - s->p.layer_begin) * (size_t)ep.EL, &ex->w1,
+        &ex->w3, &ex->w2, sizeof *ex, c->act == K3_ACT_SWIGLU ? -1.0f : c->situ_beta,
         c->situ_linear_beta, s->ep_h, s->ep_iwork, s->ep_ret));
-    K3_TRY(k3_comm_moe_exchange_dev(s->p.comm, be, s->ep_ret, s->ep_send, blk, true,
-                                    "MoE combine"));
+    K3_TRY(
+        k3_comm_moe_exchange_dev(s->p.comm, be, s->ep_ret, s->ep_send, blk, true, "MoE combine"));
     if (T == 0) return K3_OK;
     K3_TRY(be->mem_->moe_combine(be, s->ep_send, s->ep_pos, wd, T, K, ep.Lw, s->moe_acc));
     return k3_moe_finish(be, c, lw, x, s->moe_acc, T, y, s->moe_scratch);
