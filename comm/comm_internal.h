@@ -54,8 +54,15 @@ typedef struct k3_comm_iface {
     k3_status (*ep_alltoallv_dev)(k3_comm *c, k3_backend *be, const void *send,
                                   const int64_t *scount, const int64_t *sdispl, void *recv,
                                   const int64_t *rcount, const int64_t *rdispl, const char *what);
+    /* Optional (NULL: ep_alltoallv_dev): the same with no wait, for fixed-size exchanges whose
+       buffers are next used in the backend's stream only (nccl: a watcher thread times it). */
+    k3_status (*ep_alltoallv_dev_async)(k3_comm *c, k3_backend *be, const void *send,
+                                        const int64_t *scount, const int64_t *sdispl, void *recv,
+                                        const int64_t *rcount, const int64_t *rdispl,
+                                        const char *what);
     /* Optional: n_bytes of backend memory to (send) or from world rank peer, in the backend's
-     * stream order, FIFO per pair of ranks; returns when complete. */
+     * stream order, FIFO per pair of ranks; nccl: queued, timed by its watcher thread (the
+     * caller's next use of buf is in the backend's stream). */
     k3_status (*p2p_dev)(k3_comm *c, k3_backend *be, int peer, bool send, void *buf, size_t n_bytes,
                          const char *what);
 } k3_comm_iface;

@@ -524,3 +524,30 @@ k3_status k3_comm_moe_combine(k3_comm *c, k3_backend *be, float *y, const int64_
     if (pair_seg && !per_item) *pair_seg = mo->pair_seg;
     return K3_OK;
 }
+
+/* ---- the device-routed exchange (fixed lane blocks) ------------------------------------------ */
+bool k3_comm_moe_dev(const k3_comm *c, const k3_backend *be) {
+    return c && be && c->iface->ep_alltoallv_dev && !k3_backend_host_visible(be) && c->stage >= 0;
+}
+
+k3_status k3_comm_moe_exchange_dev(k3_comm *c, k3_backend *be, const float *send, float *recv,
+                                   int64_t blk, bool combine, const char *what) {
+    if (!k3_comm_moe_dev(c, be))
+        return K3_ERR(K3_ERR_STATE, "%s: the transport moves no backend buffers", what);
+    comm_moe *mo = &c->moe;
+    K3_TRY(lanes_alloc(c));
+    const int E = c->n_lanes;
+    for (int e = 0; e < E; e++) mo->scount[e] = blk, mo->sdispl[e] = (int64_t)e * blk;
+    /* count unit: 4-byte words, one fixed block per lane each way */
+    K3_TRY((c->iface->ep_alltoallv_dev_async ? c->iface->ep_alltoallv_dev_async
+                                             : c->iface->ep_alltoallv_dev)(
+        c, be, send, mo->scount, mo->sdispl, recv, mo->scount, mo->sdispl, what));
+    const uint64_t bytes = 4 * (uint64_t)blk * (uint64_t)E;
+    if (combine) {
+        c->stats.combine_bytes += bytes;
+    } else {
+        c->stats.dispatch_bytes += bytes;
+        c->stats.n_exchanges++;
+    }
+    return K3_OK;
+}

@@ -30,11 +30,29 @@
 
 #include <cuda_runtime_api.h>
 #include <nccl.h>
+#include <pthread.h>
 #include <stdint.h>
 #include <stdio.h>
 #include <stdlib.h>
 
 k3_status k3_comm_nccl_create(const k3_comm_params *p, k3_comm **out);
+
+/* The watcher (issue 45): NCCL work queued with no wait (the device-routed MoE exchange, the
+ * stage hand-off) is watched by this host thread on an event recorded after it, so the step's
+ * thread never polls the stream. Each arm re-records the event and restarts the clock (a healthy
+ * step keeps arming it); the thread queries the event every 2 ms while armed, and when it has not
+ * completed within the comm's timeout it logs an error naming this rank, its EP group and the
+ * work, and aborts every rank (a hung NCCL kernel never returns to the step's thread). */
+typedef struct nccl_watch {
+    pthread_t th;
+    bool started, stop, armed;
+    pthread_mutex_t mu;
+    pthread_cond_t cv;
+    cudaEvent_t ev;
+    uint64_t gen; /* arms so far: a query's answer counts only for the arm it followed */
+    double t0;
+    char what[64];
+} nccl_watch;
 
 typedef struct nccl_state {
     k3_comm_iface iface;      /* first: c->iface points here */
@@ -44,6 +62,8 @@ typedef struct nccl_state {
     int device;
     void *hs, *hr, *ds, *dr; /* pinned host / device staging, send and receive */
     size_t cap_s, cap_r;     /* bytes of each pair */
+    nccl_watch watch;
+    k3_comm *c;
 } nccl_state;
 
 static nccl_state *N(k3_comm *c) {
@@ -90,6 +110,122 @@ static k3_status nccl_wait(k3_comm *c, ncclComm_t *comm, cudaStream_t stream, co
             if (q != cudaErrorNotReady)
                 return K3_ERR(K3_ERR_DEVICE, "nccl: %s: %s", what, cudaGetErrorString(q));
         }
+        const double waited = k3_now_s() - t0;
+        if (waited > c->timeout_s) {
+            char g[128];
+            comm_group_name(c, g, sizeof g);
+            comm_note_wait(c, COMM_PEER_GROUP, what, waited);
+            if (*comm) ncclCommAbort(*comm);
+            *comm = NULL;
+            return K3_ERR(K3_ERR_COMM, "nccl: %s in %s did not complete within %.0f s (aborted)",
+                          what, g, c->timeout_s);
+        }
+        if (comm_fault_arrived(c)) return comm_fault_error(c, what);
+        comm_sleep(c, &backoff);
+    }
+}
+
+static void *watch_main(void *arg) {
+    nccl_state *st = arg;
+    nccl_watch *w = &st->watch;
+    cudaSetDevice(st->device);
+    pthread_mutex_lock(&w->mu);
+    while (!w->stop) {
+        if (!w->armed) {
+            pthread_cond_wait(&w->cv, &w->mu);
+            continue;
+        }
+        const uint64_t gen = w->gen;
+        pthread_mutex_unlock(&w->mu);
+        const cudaError_t q = cudaEventQuery(w->ev);
+        pthread_mutex_lock(&w->mu);
+        if (gen != w->gen) continue; /* re-armed meanwhile: ask again */
+        if (q == cudaSuccess) {
+            w->armed = false;
+            continue;
+        }
+        const double waited = k3_now_s() - w->t0;
+        if (q != cudaErrorNotReady || waited > st->c->timeout_s) {
+            char g[128], who[64];
+            comm_group_name(st->c, g, sizeof g);
+            comm_describe(st->c, st->c->rank, who, sizeof who);
+            K3_LOGE("nccl watcher: %s in %s on %s %s (%.0f s, timeout %.0f s): aborting every rank",
+                    w->what, g, who,
+                    q != cudaErrorNotReady ? cudaGetErrorString(q) : "did not complete", waited,
+                    st->c->timeout_s);
+            pthread_mutex_unlock(&w->mu);
+            k3_comm_world_abort(1);
+            return NULL;
+        }
+        struct timespec ts;
+        clock_gettime(CLOCK_REALTIME, &ts);
+        ts.tv_nsec += 2000000;
+        if (ts.tv_nsec >= 1000000000) ts.tv_sec++, ts.tv_nsec -= 1000000000;
+        pthread_cond_timedwait(&w->cv, &w->mu, &ts);
+    }
+    pthread_mutex_unlock(&w->mu);
+    return NULL;
+}
+
+static k3_status watch_start(nccl_state *st) {
+    nccl_watch *w = &st->watch;
+    CUDA_TRY(cudaEventCreateWithFlags(&w->ev, cudaEventDisableTiming));
+    pthread_mutex_init(&w->mu, NULL);
+    pthread_cond_init(&w->cv, NULL);
+    if (pthread_create(&w->th, NULL, watch_main, st) != 0)
+        return K3_ERR(K3_ERR_COMM, "nccl: cannot start the watcher thread");
+    w->started = true;
+    return K3_OK;
+}
+
+static void watch_stop(nccl_state *st) {
+    nccl_watch *w = &st->watch;
+    if (w->started) {
+        pthread_mutex_lock(&w->mu);
+        w->stop = true;
+        pthread_cond_signal(&w->cv);
+        pthread_mutex_unlock(&w->mu);
+        pthread_join(w->th, NULL);
+        pthread_mutex_destroy(&w->mu);
+        pthread_cond_destroy(&w->cv);
+        w->started = false;
+    }
+    if (w->ev) cudaEventDestroy(w->ev);
+    w->ev = NULL;
+}
+
+/* Arm the watcher on the work queued so far in stream s (no host sync). A stream in capture
+ * records nothing real: the caller arms after the graph's launch instead. */
+static k3_status watch_arm(nccl_state *st, cudaStream_t s, const char *what) {
+    nccl_watch *w = &st->watch;
+    cudaStreamCaptureStatus cs = cudaStreamCaptureStatusNone;
+    if (!w->started || cudaStreamIsCapturing(s, &cs) != cudaSuccess ||
+        cs != cudaStreamCaptureStatusNone)
+        return K3_OK;
+    pthread_mutex_lock(&w->mu);
+    const cudaError_t e = cudaEventRecord(w->ev, s);
+    w->gen++;
+    w->armed = e == cudaSuccess;
+    w->t0 = k3_now_s();
+    snprintf(w->what, sizeof w->what, "%s", what);
+    pthread_cond_signal(&w->cv);
+    pthread_mutex_unlock(&w->mu);
+    CUDA_TRY(e);
+    return K3_OK;
+}
+
+/* After a group that queued work with no wait: the enqueue itself must finish (non-blocking
+ * communicators may return ncclInProgress from the group end), polled host side on the
+ * communicator only, never on the stream (no host sync); then the watcher takes the rest. */
+static k3_status enqueue_done(k3_comm *c, ncclComm_t *comm, cudaStream_t s, const char *what) {
+    const double t0 = k3_now_s();
+    int backoff = 0;
+    for (;;) {
+        ncclResult_t a = ncclSuccess;
+        if (*comm) NCCL_TRY(ncclCommGetAsyncError(*comm, &a));
+        if (a == ncclSuccess) return watch_arm(N(c), s, what);
+        if (a != ncclInProgress)
+            return K3_ERR(K3_ERR_COMM, "nccl: %s failed: %s", what, ncclGetErrorString(a));
         const double waited = k3_now_s() - t0;
         if (waited > c->timeout_s) {
             char g[128];
@@ -205,6 +341,29 @@ static k3_status nccl_ep_alltoallv_dev(k3_comm *c, k3_backend *be, const void *s
     return nccl_wait(c, &st->ep, s, what);
 }
 
+/* ep_alltoallv_dev with no wait (the device-routed exchange: fixed sizes, its buffers used next
+ * in the same stream only): the watcher times it. */
+static k3_status nccl_ep_alltoallv_dev_async(k3_comm *c, k3_backend *be, const void *send,
+                                             const int64_t *scount, const int64_t *sdispl,
+                                             void *recv, const int64_t *rcount,
+                                             const int64_t *rdispl, const char *what) {
+    nccl_state *st = N(c);
+    if (!st->ep) return K3_ERR(K3_ERR_STATE, "nccl: %s: this rank has no EP group", what);
+    cudaStream_t s;
+    K3_TRY(dev_stream(c, be, &s));
+    NCCL_TRY(ncclGroupStart());
+    for (int e = 0; e < c->n_lanes; e++) {
+        if (scount[e])
+            NCCL_GROUP_TRY(ncclSend((const char *)send + sdispl[e] * 4, (size_t)scount[e],
+                                    ncclUint32, e, st->ep, s));
+        if (rcount[e])
+            NCCL_GROUP_TRY(ncclRecv((char *)recv + rdispl[e] * 4, (size_t)rcount[e], ncclUint32, e,
+                                    st->ep, s));
+    }
+    NCCL_TRY(ncclGroupEnd());
+    return enqueue_done(c, &st->ep, s, what);
+}
+
 /* The stage hand-off: n_bytes of backend memory to / from world rank peer. */
 static k3_status nccl_p2p_dev(k3_comm *c, k3_backend *be, int peer, bool send, void *buf,
                               size_t n_bytes, const char *what) {
@@ -221,10 +380,13 @@ static k3_status nccl_p2p_dev(k3_comm *c, k3_backend *be, int peer, bool send, v
     else
         NCCL_GROUP_TRY(ncclRecv(buf, n_bytes / 4, ncclUint32, peer, st->world, s));
     NCCL_TRY(ncclGroupEnd());
-    return nccl_wait(c, &st->world, s, what);
+    /* stream-ordered on both sides (the receiver's kernels follow in s, the sender's next writes
+       of buf too): no wait, the watcher times it */
+    return enqueue_done(c, &st->world, s, what);
 }
 
 static void nccl_release(nccl_state *st, bool abort) {
+    watch_stop(st);
     if (st->ep) abort ? ncclCommAbort(st->ep) : ncclCommDestroy(st->ep);
     if (st->world) abort ? ncclCommAbort(st->world) : ncclCommDestroy(st->world);
     st->ep = st->world = NULL;
@@ -275,7 +437,8 @@ static k3_status nccl_init(k3_comm *c, nccl_state *st) {
     NCCL_TRY(ncclCommSplit(st->world, c->stage >= 0 ? c->stage : NCCL_SPLIT_NOCOLOR,
                            c->lane >= 0 ? c->lane : 0, &st->ep, &cfg2));
     K3_TRY(nccl_wait(c, st->ep ? &st->ep : &st->world, NULL, "NCCL EP group split"));
-    return K3_OK;
+    st->c = c;
+    return watch_start(st);
 }
 
 k3_status k3_comm_nccl_create(const k3_comm_params *p, k3_comm **out) {
@@ -295,6 +458,7 @@ k3_status k3_comm_nccl_create(const k3_comm_params *p, k3_comm **out) {
     st->iface.ep_alltoall = nccl_ep_alltoall;
     st->iface.ep_alltoallv = nccl_ep_alltoallv;
     st->iface.ep_alltoallv_dev = nccl_ep_alltoallv_dev;
+    st->iface.ep_alltoallv_dev_async = nccl_ep_alltoallv_dev_async;
     st->iface.p2p_dev = nccl_p2p_dev;
     st->iface.device_buffers = true;
     c->iface = &st->iface;

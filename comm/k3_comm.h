@@ -132,7 +132,9 @@ void k3_comm_idle(k3_comm *c, int *backoff);
  * (k3_comm_post) carries only its meta. False on mpi: the caller stages floats through host. */
 bool k3_comm_device_payloads(const k3_comm *c);
 /* n floats of backend memory x of be to / from world rank peer, in be's stream order, FIFO per
- * pair of ranks; each returns when its transfer has completed (with the timeout). The sender
+ * pair of ranks; on nccl each returns once the transfer is queued in be's stream (the caller's
+ * next use of x is in that stream) and the transport's watcher thread times it (an event after it:
+ * on the timeout it aborts every rank naming this one); elsewhere when it has completed. The sender
  * posts the message that announces the sizes before the transfer; the receiver waits for that
  * message, then receives. what names the transfer in a timeout. */
 k3_status k3_comm_send_dev(k3_comm *c, k3_backend *be, int peer, const float *x, int64_t n,
@@ -195,6 +197,15 @@ k3_status k3_comm_moe_dispatch(k3_comm *c, k3_backend *be, const float *x, int64
  *             dispatch) = the pairs of each source row. pair_seg may be NULL in PER_ITEM mode,
  *             where *pair_seg is set to NULL. */
 k3_status k3_comm_moe_combine(k3_comm *c, k3_backend *be, float *y, const int64_t **pair_seg);
+
+/* The device-routed exchange (issue 45; docs/DESIGN.md §3a "dispatch layout"): true when the
+ * transport moves backend buffers between lanes (nccl) and be's memory is not the host's. Then
+ * k3_comm_moe_exchange_dev sends block e of send (blk floats at e·blk) to lane e and receives lane
+ * e's block into recv at e·blk, backend to backend in be's stream order (collective over the EP
+ * group; fixed sizes: no counts travel on the host). what names it in a timeout. */
+bool k3_comm_moe_dev(const k3_comm *c, const k3_backend *be);
+k3_status k3_comm_moe_exchange_dev(k3_comm *c, k3_backend *be, const float *send, float *recv,
+                                   int64_t blk, bool combine, const char *what);
 
 /* Cumulative MoE traffic of this rank: bytes this rank handed to the transport, including its own
  * lane's share (the collective copies it locally) and the metadata. Per dispatch:

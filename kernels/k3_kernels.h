@@ -353,6 +353,20 @@ typedef struct k3_device_info {
     double tensor_tflops;   /* dense bf16 tensor-core peak, TFLOP/s */
     unsigned long long mma; /* emulated: warp-level mma run so far (after a synchronise) */
 } k3_device_info;
+/* The expert-parallel dispatch's fixed layout (issue 45; docs/DESIGN.md §3a): E experts, K
+ * slots a token, L lanes of at most EL experts each, cap rows per (sender, expert); a lane block
+ * is blk_rows = hdr + EL·cap rows of Lw floats (hdr rows hold the EL int32 counts); dest: device
+ * int32 [E], expert e -> lane·EL + its index among its lane's experts (ascending ids). */
+typedef struct k3_moe_ep {
+    int E, K, L, EL;
+    int64_t cap, hdr, blk_rows, Lw;
+    const int32_t *dest;
+} k3_moe_ep;
+/* cap = min(T_max, max(1, ceil(T_max · K · factor / E))) (a token gives an expert at most one
+ * row, so T_max rows never overflow), hdr = ceil(EL / Lw), blk_rows. */
+void k3_moe_ep_layout(k3_moe_ep *ep, int E, int K, int L, int EL, int64_t Lw, int64_t T_max,
+                      double factor);
+
 typedef struct k3_backend_iface {
     k3_status (*alloc)(k3_backend *be, size_t n_bytes, void **out);
     void (*free)(k3_backend *be, void *p);
@@ -409,6 +423,24 @@ typedef struct k3_backend_iface {
        it (errors_defer resets it to -1). Host state only: no device work. */
     void (*errors_layer)(k3_backend *be, int layer);
     k3_status (*device_info)(k3_backend *be, k3_device_info *out); /* NULL: none */
+    /* Optional (NULL: the MoE exchange is routed on the host): the device halves of the
+       expert-parallel dispatch (cuda; docs/DESIGN.md §3a "dispatch layout"), no host sync.
+       moe_ep_pack: the T·K items of ids (device) into ep's send buffer (L lane blocks: counts,
+       then per local expert a slab of cap rows of x rows, item order) and pos [T·K] (each item's
+       row in the send / return buffer, -1 if not placed); an expert over cap rows, an id out of
+       range: a deferred check (errors_defer) naming it. moe_ep_experts: the receive buffer's
+       rows through this lane's experts (glob: device [EL], their global ids, -1 pads; the
+       masked grouped GEMM), the outputs into ret at the rows they came from; h [EL·L·cap, I],
+       iwork int32 [2·EL + EL·L·cap]. moe_combine: out row t = Σ_k w[t·K + k] · y row
+       pos[t·K + k] in k order (rows_wsum's arithmetic; pos < 0 adds nothing). */
+    k3_status (*moe_ep_pack)(k3_backend *be, const k3_moe_ep *ep, const int32_t *ids, int64_t T,
+                             const float *x, float *send, int32_t *pos);
+    k3_status (*moe_ep_experts)(k3_backend *be, const k3_moe_ep *ep, const float *recv,
+                                const int32_t *glob, const k3_tensor *w1, const k3_tensor *w3,
+                                const k3_tensor *w2, size_t e_stride, float beta, float lin_beta,
+                                float *h, int32_t *iwork, float *ret);
+    k3_status (*moe_combine)(k3_backend *be, const float *y, const int32_t *pos, const float *w,
+                             int64_t T, int K, int64_t width, float *out);
 } k3_backend_iface;
 
 struct k3_backend {
@@ -478,6 +510,8 @@ k3_status k3_backend_errors_defer(k3_backend *be, bool on);
 k3_status k3_backend_errors_fetch(k3_backend *be);
 k3_status k3_backend_errors_verdict(k3_backend *be);
 void k3_backend_errors_layer(k3_backend *be, int layer);
+/* Whether the backend has the device halves of the expert-parallel dispatch (moe_ep_*). */
+bool k3_backend_has_moe_ep(const k3_backend *be);
 k3_status k3_backend_device_info(k3_backend *be, k3_device_info *out);
 /* The backend's counters: K3_ERR_ARG when it does not count (ref, cpu). */
 k3_status k3_backend_op_stats(const k3_backend *be, k3_op_stats *out);

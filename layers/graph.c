@@ -140,9 +140,10 @@ static k3_status run_ops(k3_stage *s, const k3_seqs *sq, int n_pad, bool nf, boo
 }
 
 k3_status k3_stage_forward_graph(k3_stage *s, const k3_batch *b, int n_pad, bool inject_sync,
-                                 k3_activ *act, float *logits, float *logits_host,
-                                 bool *fell_back) {
+                                 k3_activ *act, float *logits, bool *fell_back) {
     *fell_back = false;
+    s->logits_fetched = false;
+    float *logits_host = s->p.last ? s->logits_host : NULL;
     if (!s->graph || !k3_backend_has_graphs(s->be))
         return K3_ERR(K3_ERR_ARG, "captured step: the stage was made without graphs");
     if (!b || b->n_seqs < 1 || n_pad < b->n_seqs || n_pad > s->n_slots - 1 || n_pad > s->T_max)
@@ -182,6 +183,7 @@ k3_status k3_stage_forward_graph(k3_stage *s, const k3_batch *b, int n_pad, bool
                                            (size_t)b->n_seqs * (size_t)s->c->vocab_size *
                                                sizeof(float));
         if (st == K3_OK) st = k3_backend_sync(s->be);
+        s->logits_fetched = st == K3_OK;
     } else if (st == K3_OK && nf) {
         st = k3_backend_download(s->be, s->h_nf, flags, nf_bytes);
     }

@@ -91,6 +91,13 @@ typedef struct k3_stage_params {
 } k3_stage_params;
 
 k3_status k3_stage_create(const k3_stage_params *p, k3_stage **out);
+/* The last stage's logits to host memory with the step's one read (issue 45): with a host buffer
+ * set ([max_tokens, V] floats), k3_stage_forward downloads the logits rows it computed into it
+ * in the copy that reads the flags and the deferred checks (one host sync for all); then
+ * k3_stage_logits_fetched is true until the next forward. NULL (the default): the caller reads
+ * the logits itself. */
+void k3_stage_set_logits_host(k3_stage *s, float *host);
+bool k3_stage_logits_fetched(const k3_stage *s);
 void k3_stage_destroy(k3_stage *s);
 const k3_stage_params *k3_stage_get_params(const k3_stage *s);
 
@@ -210,10 +217,10 @@ k3_status k3_stage_forward(k3_stage *s, const k3_batch *b, k3_activ *act, bool a
  * read only that row). A capture that fails (a host sync inside it, or inject_sync: a download
  * injected after the ops, the test hook) is dropped, the step runs eagerly, *fell_back is set
  * and n_pad is never captured again on this stage (eager from then on). act->T becomes n_pad.
- * logits_host (last stage; NULL: the caller reads the logits): the sequences' rows [n_seqs, V]
- * are copied there with the flags, behind the graph, and the step makes one host sync in all. */
+ * With k3_stage_set_logits_host (last stage), the sequences' rows [n_seqs, V] are copied there
+ * with the flags, behind the graph, and the step makes one host sync in all. */
 k3_status k3_stage_forward_graph(k3_stage *s, const k3_batch *b, int n_pad, bool inject_sync,
-                                 k3_activ *act, float *logits, float *logits_host, bool *fell_back);
+                                 k3_activ *act, float *logits, bool *fell_back);
 /* A step in which this lane has no tokens: still take part in every MoE exchange of the stage
  * (the other lanes may route tokens to this lane's experts). No-op without a comm handle. */
 k3_status k3_stage_idle_step(k3_stage *s);

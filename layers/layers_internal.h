@@ -65,6 +65,15 @@ struct k3_stage {
     int64_t *moe_xh;  /* host: expert rows host scratch */
     int32_t *h_ids, *h_row, *h_lane; /* host routing metadata: [2, T·K] (ids, weight bits),
                                         [T·K], [T·K] */
+    /* the device-routed MoE exchange (moe_ep.c; ep_on: used) */
+    bool ep_on;
+    k3_moe_ep ep;
+    int32_t *ep_dest, *ep_glob;        /* [n_layers, E], [n_layers, EL] (backend) */
+    float *ep_send, *ep_recv, *ep_ret; /* [L, blk_rows, Lw] lane blocks each */
+    float *ep_h;                       /* [EL·L·cap, I] */
+    int32_t *ep_iwork, *ep_pos;        /* [2·EL + EL·L·cap], [T_max·K] */
+    float *logits_host;  /* k3_stage_set_logits_host: the logits' host copy (NULL: none) */
+    bool logits_fetched; /* the last forward downloaded them with its flags */
     /* head */
     float *hsel;     /* [T, D] rows that get logits */
     float *bank_sel; /* [max_bank, n_slots, D] the bank rows of each sequence's last token */
@@ -135,6 +144,12 @@ k3_status k3_layers_forward_ops(k3_stage *s, const k3_seqs *sq, bool nf, k3_acti
 /* Reserve the pad slot and block (pools_create, params.graphs) and free the graphs (destroy). */
 k3_status k3_layers_graph_init(k3_stage *s);
 void k3_layers_graph_free(k3_stage *s);
+/* The device-routed MoE exchange of the stage (moe_ep.c): usable (nccl transport, a backend
+ * with the moe_ep halves, K3_MOE_HOST_ROUTE unset), its buffers, its step (T may be 0). */
+bool k3_layers_moe_ep_usable(const k3_stage *s);
+k3_status k3_layers_moe_ep_create(k3_stage *s);
+void k3_layers_moe_ep_free(k3_stage *s);
+k3_status k3_layers_moe_ep_step(k3_stage *s, int l, const float *x, int64_t T, float *y);
 
 /* Shape check of one weight: names layer and tensor on mismatch. d1 < 0: 1-D [d0]. */
 k3_status k3_layers_need(const k3_tensor *t, int layer, const char *name, int64_t d0, int64_t d1);

@@ -254,6 +254,8 @@ static k3_status make_scratch(k3_stage *s) {
             K3_TRY(hbuf(&s->h_ids, 2 * TK * sizeof(int32_t), "MoE host ids and weights"));
             K3_TRY(hbuf(&s->h_row, TK * sizeof(int32_t), "MoE host rows"));
             K3_TRY(hbuf(&s->h_lane, TK * sizeof(int32_t), "MoE host lanes"));
+            s->ep_on = k3_layers_moe_ep_usable(s);
+            if (s->ep_on) K3_TRY(k3_layers_moe_ep_create(s));
         }
     }
     return K3_OK;
@@ -338,6 +340,7 @@ void k3_stage_destroy(k3_stage *s) {
         for (size_t i = 0; i < K3_ARRAY_LEN(bufs); i++) k3_backend_free(s->be, bufs[i]);
         k3_backend_free(s->be, s->step_dev);
         k3_backend_free(s->be, s->moe_ids);
+        k3_layers_moe_ep_free(s);
     }
     void *hosts[] = {s->moe_xh,  s->h_ids,     s->h_row,    s->h_lane,    s->tap_buf,
                      s->blk_ref, s->slot_used, s->free_blk, s->step_host, s->h_ntok,
@@ -643,13 +646,16 @@ static k3_status moe_step(k3_stage *s, int l, const float *x, int64_t T, float *
 
 static k3_status moe_ffn(k3_stage *s, int l, const float *x, int64_t T, float *y) {
     if (!s->p.comm) return k3_moe_forward(s->be, s->c, &s->w->layers[l], x, T, y, s->moe_scratch);
+    if (s->ep_on) return k3_layers_moe_ep_step(s, l, x, T, y);
     return moe_step(s, l, x, T, y);
 }
 
 k3_status k3_stage_idle_step(k3_stage *s) {
     if (!s->p.comm) return K3_OK;
     for (int l = s->p.layer_begin; l < s->p.layer_end; l++)
-        if (k3_config_is_moe(s->c, l)) K3_TRY(moe_step(s, l, NULL, 0, NULL));
+        if (k3_config_is_moe(s->c, l))
+            K3_TRY(s->ep_on ? k3_layers_moe_ep_step(s, l, NULL, 0, NULL)
+                            : moe_step(s, l, NULL, 0, NULL));
     return K3_OK;
 }
 
@@ -806,8 +812,16 @@ k3_status k3_stage_forward(k3_stage *s, const k3_batch *b, k3_activ *act, bool a
     return st != K3_OK ? st : off;
 }
 
+void k3_stage_set_logits_host(k3_stage *s, float *host) {
+    s->logits_host = host;
+}
+bool k3_stage_logits_fetched(const k3_stage *s) {
+    return s->logits_fetched;
+}
+
 static k3_status forward(k3_stage *s, const k3_batch *b, k3_activ *act, bool all_logits,
                          float *logits, bool *fetched) {
+    s->logits_fetched = false;
     int64_t T = 0;
     K3_TRY(k3_layers_check_batch(s, b, act, &T));
     if (s->p.last && !logits)
@@ -818,12 +832,22 @@ static k3_status forward(k3_stage *s, const k3_batch *b, k3_activ *act, bool all
     const bool nf = b->nonfinite != NULL;
     K3_TRY(k3_layers_forward_ops(s, &sq, nf, act, all_logits, logits, flags, ids));
     for (int i = 0; i < b->n_seqs; i++) b->states[i]->pos += b->n_tokens[i];
+    if (s->p.last && s->logits_host) { /* read with the flags below: one host sync */
+        const int64_t n_rows = all_logits ? T : b->n_seqs;
+        K3_TRY(k3_backend_download_async(s->be, s->logits_host, logits,
+                                         (size_t)(n_rows * s->c->vocab_size) * sizeof(float)));
+        s->logits_fetched = true;
+    }
     /* the step's one read of the flags (a sequence marked upstream keeps its -1) */
     if (nf) { /* the deferred checks come back with it */
         K3_TRY(k3_backend_errors_fetch(s->be));
         *fetched = true;
         K3_TRY(k3_backend_download(s->be, s->h_nf, flags, (size_t)b->n_seqs * sizeof(int32_t)));
         memcpy(b->nonfinite, s->h_nf, (size_t)b->n_seqs * sizeof(int32_t));
+    } else if (s->logits_fetched) { /* the logits' read brings the deferred checks */
+        K3_TRY(k3_backend_errors_fetch(s->be));
+        *fetched = true;
+        K3_TRY(k3_backend_sync(s->be));
     }
     return K3_OK;
 }

@@ -199,20 +199,35 @@ static cJSON *phase_json(const uint64_t *p) {
     return o;
 }
 
+/* Where the MoE route is built: on the backend with one lane, and with more on the nccl
+   transport and a cuda backend (layers/moe_ep.c), unless K3_MOE_HOST_ROUTE asks for the host. */
+static bool routing_on_device(const rank_ctx *r, const char *transport) {
+    if (r->plan.n_lanes <= 1) return true;
+    const char *be = r->o->backend ? r->o->backend : "cpu";
+    return transport && strcmp(transport, "nccl") == 0 && strcmp(be, "cuda") == 0 &&
+           !getenv("K3_MOE_HOST_ROUTE");
+}
+
 /* Why a run's host syncs per step are what they are: the MoE route's path through the transport
    (the same on every rank: one transport, one plan). */
 static const char *routing_note(const rank_ctx *r, const char *transport) {
     if (r->plan.n_lanes <= 1)
         return "one lane: no MoE exchange; the route stays in the backend (moe_topk and "
-               "moe_experts on its ids), though each reads an error word per MoE layer";
+               "moe_experts route on the device; their checks are read once, at the step's end)";
+    if (routing_on_device(r, transport))
+        return "nccl: routed on the device: fixed-capacity slabs per (lane, expert) with their "
+               "counts, exchanged lane block to lane block in the backend's stream, the masked "
+               "grouped GEMM and the slot-order combine; no count or row crosses to the host, "
+               "and the op sequence does not depend on the routing";
     if (transport && strcmp(transport, "nccl") == 0)
         return "nccl: MoE rows move device to device, but the route is built on the host (the "
                "router's ids and weights are downloaded, counts and item triples are host words "
                "staged through pinned memory, and each NCCL wait polls the stream), so each MoE "
-               "layer waits on the host; device-side routing is not landed yet";
+               "layer waits on the host";
     return "mpi: MoE rows, counts and item triples cross through host memory (a download before "
            "and an upload after each exchange, each a host sync) and the route is built on the "
-           "host, so host syncs and ops per step grow with the MoE layers and the routing";
+           "host, so host syncs and ops per step grow with the MoE layers and the routing (the "
+           "device route needs a transport that moves backend buffers: --comm nccl)";
 }
 
 /* Rank 0: the file from every worker rank's pack (all [world, PACK_U64]). */
@@ -225,7 +240,7 @@ static int write_file(rank_ctx *r, const uint64_t *all) {
     cJSON_AddNumberToObject(root, "ep", r->plan.n_lanes);
     const char *transport = r->comm ? k3_comm_transport(r->comm) : NULL;
     cJSON_AddStringToObject(root, "comm", transport ? transport : "none");
-    cJSON_AddStringToObject(root, "routing", r->plan.n_lanes <= 1 ? "device" : "host");
+    cJSON_AddStringToObject(root, "routing", routing_on_device(r, transport) ? "device" : "host");
     cJSON_AddStringToObject(root, "routing_note", routing_note(r, transport));
     cJSON *st = cJSON_AddArrayToObject(root, "stages");
     int n_entries = 0, only = -1;

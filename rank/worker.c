@@ -71,7 +71,6 @@ typedef struct wstep {
     int64_t T;           /* tokens of this lane in the step */
     int64_t rows;        /* rows of the activation: T, or n_pad in a captured decode step */
     bool fell;           /* this stage could not capture the step (it ran eagerly) */
-    bool logits_read;    /* the forward read the sequences' logits rows into h_logits */
     int64_t n_tgt;       /* rows of its PLP sequences (their target ids ride in the meta) */
     double busy_s;       /* this stage's forward time */
 } wstep;
@@ -141,6 +140,7 @@ static k3_status worker_create(rank_ctx *r, struct rank_worker *w) {
         RTRY(r, k3_alloc((void **)&w->plp, (size_t)r->max_tokens * K3_PLP_REC * sizeof(float),
                          "prompt logprobs"));
         if (!host) RTRY(r, k3_alloc((void **)&w->h_logits, nb, "logits (host)"));
+        if (w->h_logits) k3_stage_set_logits_host(w->st, w->h_logits);
     } else if (!host && !w->dev_act) {
         RTRY(r,
              k3_alloc((void **)&w->h_act, TD * (size_t)(1 + k3_activ_max_bank(c)) * sizeof(float),
@@ -327,11 +327,8 @@ static k3_status step_forward(rank_ctx *r, wstep *s) {
                       .token_ids = in->tokens,
                       .nonfinite = w->bnf};
         if (in->n_pad > 0) { /* a captured decode step (replayed, or captured now) */
-            /* the last stage's logits rows come back with the flags: one host sync */
-            s->logits_read = r->stage == S - 1 && w->h_logits;
             RTRY(r, k3_stage_forward_graph(w->st, &b, in->n_pad, rank_hooks_graph_sync(r), &w->act,
-                                           r->stage == S - 1 ? w->logits : NULL,
-                                           s->logits_read ? w->h_logits : NULL, &s->fell));
+                                           r->stage == S - 1 ? w->logits : NULL, &s->fell));
             if (s->fell) rank_opstats_fallback(r);
         } else {
             RTRY(r, k3_stage_forward(w->st, &b, &w->act, in->all_logits != 0 || s->n_tgt > 0,
@@ -421,7 +418,7 @@ static k3_status send_logits(rank_ctx *r, const wstep *s, const rank_step *out) 
     float *lg = w->logits;
     if (w->h_logits) { /* logits cross to host memory here (or with a captured step's flags) */
         int64_t rows = every ? T : out->n_seqs;
-        if (!s->logits_read)
+        if (!k3_stage_logits_fetched(w->st)) /* else read with the step's flags */
             RTRY(r, k3_backend_download(r->be, w->h_logits, w->logits,
                                         (size_t)(rows * V) * sizeof(float)));
         lg = w->h_logits;

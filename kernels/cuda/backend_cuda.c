@@ -423,6 +423,14 @@ static k3_status cu_errors_defer(k3_backend *be, bool on);
 static k3_status cu_errors_fetch(k3_backend *be);
 static k3_status cu_errors_verdict(k3_backend *be);
 static void cu_errors_layer(k3_backend *be, int layer);
+static k3_status cu_moe_ep_pack(k3_backend *be, const k3_moe_ep *ep, const int32_t *ids, int64_t T,
+                                const float *x, float *send, int32_t *pos);
+static k3_status cu_moe_ep_experts(k3_backend *be, const k3_moe_ep *ep, const float *recv,
+                                   const int32_t *glob, const k3_tensor *w1, const k3_tensor *w3,
+                                   const k3_tensor *w2, size_t e_stride, float beta, float lin_beta,
+                                   float *h, int32_t *iwork, float *ret);
+static k3_status cu_moe_combine_iface(k3_backend *be, const float *y, const int32_t *pos,
+                                      const float *w, int64_t T, int K, int64_t width, float *out);
 static k3_status route_error(unsigned long long key, int64_t n, int E, int64_t cap, bool per_tok,
                              int layer, bool deferred);
 /* Peaks from the device's attributes: HBM = 2 (DDR) x memory clock x bus width; dense bf16
@@ -476,6 +484,9 @@ static const k3_backend_iface k_cuda_iface = {
     .errors_fetch = cu_errors_fetch,
     .errors_verdict = cu_errors_verdict,
     .errors_layer = cu_errors_layer,
+    .moe_ep_pack = cu_moe_ep_pack,
+    .moe_ep_experts = cu_moe_ep_experts,
+    .moe_combine = cu_moe_combine_iface,
     .device_info = cu_device_info,
 };
 
@@ -1349,6 +1360,57 @@ k3_status k3_cuda_moe_combine(k3_backend *be, const float *y, const int32_t *pos
                       (long long)T, K, (long long)width);
     CU_TRY(k3c_moe_combine(STREAM(be), y, pos, w, T, K, width, out));
     return K3_OK;
+}
+
+/* ---- the expert-parallel dispatch's device halves (k3_kernels.h moe_ep_*; moe_ep.cu) -------- */
+static k3_status cu_moe_ep_pack(k3_backend *be, const k3_moe_ep *ep, const int32_t *ids, int64_t T,
+                                const float *x, float *send, int32_t *pos) {
+    if (T < 0 || !ep->dest || ep->L < 1 || ep->EL < 1 || ep->cap < 1 || ep->hdr * ep->Lw < ep->EL)
+        return K3_ERR(K3_ERR_ARG, "moe_ep_pack: %lld tokens, %d lanes of %d experts, cap %lld",
+                      (long long)T, ep->L, ep->EL, (long long)ep->cap);
+    cu_ctx *c = CTX(be);
+    const int64_t n = T * ep->K;
+    unsigned long long *word;
+    bool deferred;
+    K3_TRY(err_word(be, &word, &deferred));
+    CU_TRY(k3c_ep_pack(STREAM(be), ids, n, ep->K, x, ep->Lw, ep->dest, ep->E, ep->L, ep->EL,
+                       ep->cap, ep->hdr, ep->blk_rows, send, pos, word));
+    if (deferred) {
+        err_defer(c, K3_OP_moe_experts, NULL, n);
+        struct cu_deferred *d = &c->defer_what[c->defer_n - 1];
+        d->E = ep->E, d->cap = ep->cap, d->per_tok = false;
+        return K3_OK;
+    }
+    unsigned long long bad;
+    K3_TRY(err_read(be, &bad));
+    return route_error(bad, n, ep->E, ep->cap, false, c->layer, false);
+}
+static k3_status cu_moe_ep_experts(k3_backend *be, const k3_moe_ep *ep, const float *recv,
+                                   const int32_t *glob, const k3_tensor *w1, const k3_tensor *w3,
+                                   const k3_tensor *w2, size_t e_stride, float beta, float lin_beta,
+                                   float *h, int32_t *iwork, float *ret) {
+    moe_tab *t = NULL;
+    K3_TRY(moe_masked_tab(be, w1, w3, w2, e_stride, ep->E, &t));
+    const int64_t C = (int64_t)ep->L * ep->cap;
+    if (t->Lw != ep->Lw || C > 65535 * 16)
+        return K3_ERR(K3_ERR_ARG, "moe_ep_experts: rows of %lld (experts: %lld), capacity %lld",
+                      (long long)ep->Lw, (long long)t->Lw, (long long)C);
+    int32_t *cnt = iwork, *wslot = iwork + ep->EL, *srow = iwork + 2 * ep->EL;
+    CU_TRY(k3c_ep_map(STREAM(be), recv, ep->L, ep->EL, ep->cap, ep->hdr, ep->blk_rows, ep->Lw, glob,
+                      t->slot_dev, cnt, wslot, srow));
+    int terms;
+    K3_TRY(moe_terms(&terms));
+    k3c_w4_rows rows = {NULL, cnt, C, C, wslot, srow, NULL};
+    CU_TRY(k3c_w4a16_grouped(STREAM(be), t->words[0], t->scales[0], t->words[1], t->scales[1],
+                             ep->EL, t->I, t->Lw, rows, beta, lin_beta, terms, recv, h));
+    rows.src_row = NULL, rows.dst_row = srow;
+    CU_TRY(k3c_w4a16_grouped(STREAM(be), t->words[2], t->scales[2], NULL, NULL, ep->EL, t->Lw, t->I,
+                             rows, beta, lin_beta, terms, h, ret));
+    return K3_OK;
+}
+static k3_status cu_moe_combine_iface(k3_backend *be, const float *y, const int32_t *pos,
+                                      const float *w, int64_t T, int K, int64_t width, float *out) {
+    return k3_cuda_moe_combine(be, y, pos, w, T, K, width, out);
 }
 
 /* The op table: each entry counts its call, then runs cu_<name>. */

@@ -194,6 +194,19 @@ int k3c_moe_route(cudaStream_t s, const int32_t *ids, int64_t r0, int64_t n, int
                   int64_t row_div, const int32_t *row_of, int E, const int32_t *wslot, int64_t cap,
                   int64_t *off, int32_t *src_row, int32_t *dst_row, int64_t dst0,
                   unsigned long long *err);
+/* moe_ep.cu: the expert-parallel dispatch's device halves (the lane block layout: moe_ep.cu).
+ * k3c_ep_pack: the n = T·K items of ids (item i reads x row i / K) into the send buffer's slabs,
+ * dest[e] = lane·EL + the expert's index among its lane's (< 0: owned by no lane); pos [n] = each
+ * item's row in the send (and return) buffer, -1 if not placed; err as k3c_moe_route's ((item <<
+ * 32 | id) for a bad id, ((n + e) << 32 | rows) for an expert over cap rows). k3c_ep_map: the
+ * receive buffer onto the masked layout of k3c_w4a16_grouped (capacity C = L·cap, EL experts):
+ * cnt [EL], wslot [EL] (slot[glob[q]]), src_row [EL·C]. */
+int k3c_ep_pack(cudaStream_t s, const int32_t *ids, int64_t n, int K, const float *x, int64_t Lw,
+                const int32_t *dest, int E, int L, int EL, int64_t cap, int64_t hdr,
+                int64_t blk_rows, float *send, int32_t *pos, unsigned long long *err);
+int k3c_ep_map(cudaStream_t s, const float *recv, int L, int EL, int64_t cap, int64_t hdr,
+               int64_t blk_rows, int64_t Lw, const int32_t *glob, const int32_t *slot, int32_t *cnt,
+               int32_t *wslot, int32_t *src_row);
 /* out row t [width] = Σ_k w[t·K + k] · y row pos[t·K + k] in k order, the first valid term
  * initialising (k3c_wsum_step); pos < 0 contributes nothing (a token with none: zeros). */
 int k3c_moe_combine(cudaStream_t s, const float *y, const int32_t *pos, const float *w, int64_t T,

@@ -1,8 +1,8 @@
 /* test_step_wire.c — the step message's one layout (rank/wire.h rank_step, issue 42): 2000 random
  * messages (every section with a random count, 0 included, and random words) encode to
- * rank_step_words words and decode to the same header (n_pad and graph_fell too) and sections, each a typed array that
- * points into the encoded words; a cut message, one word too many, and a negative count are
- * refused (K3_ERR_FORMAT). Seeded from a printed seed. */
+ * rank_step_words words and decode to the same header (n_pad and graph_fell too) and sections, each
+ * a typed array that points into the encoded words; a cut message, one word too many, and a
+ * negative count are refused (K3_ERR_FORMAT). Seeded from a printed seed. */
 #include "k3_test.h"
 #include "rank_internal.h"
 

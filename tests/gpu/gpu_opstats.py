@@ -6,14 +6,16 @@ usage: gpu_opstats.py MPIEXEC   (K3_BIN = the k3 binary; a tiny model is made in
   mpirun -np 4 `k3 run --backend cuda --pp 2 --ep 2 --comm nccl --op-stats s.json`, 2 prompts:
     - every worker rank's decode and prefill carry ops_per_step, host_syncs_per_step,
       comm_host_syncs_per_step and graph_launches_per_step;
-    - the transport's own waits are counted: each stage's decode has comm_host_syncs_per_step
-      > 0 (the NCCL waits of its MoE exchanges and stage hand-offs) and <= host_syncs_per_step;
-    - "comm" is "nccl", "routing" says where the route is built and "routing_note" says why.
+    - routed on the device (issue 45): every stage's decode makes <= 1 host sync (the step's one
+      read: flags, deferred checks, and the logits on the last stage) and no NCCL wait on the
+      stream (comm_host_syncs_per_step 0: a watcher thread times the NCCL work);
+    - "comm" is "nccl", "routing" "device" and "routing_note" says why.
+  The same with K3_MOE_HOST_ROUTE=1 (the host-routed exchange): routing "host", and the
+  transport's own waits are counted (stage 0: 0 < comm_host_syncs_per_step <= host syncs).
   The same with --comm mpi: comm_host_syncs_per_step == 0 (its syncs are the backend's
   downloads), "comm" "mpi", a routing_note starting "mpi: ".
-  1 x 1 (`k3 run --backend cuda --cuda-graphs off`: the eager step; gpu_graphs checks the
-  captured one): a decode step's host syncs are the step's two reads (flags
-  with the deferred checks, logits): moe_experts routes on the device and its check, the
+  1 x 1 (`k3 run --backend cuda`): a decode step's host sync is the step's one read (flags with
+  the deferred checks and the logits): moe_experts routes on the device and its check, the
   router's and the embedding's (moe_topk, embed_rows) are deferred and make none. With
   K3_TEST_ROUTE_ONE_EXPERT=3 (every slot to expert 3) the first MoE layer's expert 3 gets 32
   rows, over its capacity of 8 (one per token): the run fails naming layer, expert, capacity.
@@ -36,14 +38,14 @@ def check(cond, msg):
         fails.append(msg)
 
 
-def stats(tmp, model, comm, np_=4, extra=()):
-    path = os.path.join(tmp, comm + str(np_) + ".json")
+def stats(tmp, model, comm, np_=4, env=None, tag=""):
+    path = os.path.join(tmp, comm + str(np_) + tag + ".json")
     grid = ["--pp", "2", "--ep", "2", "--comm", comm] if np_ > 1 else []
     cmd = ([MPI, "-np", str(np_), "--oversubscribe"] if np_ > 1 else []) + [
         K3, "run", "--model", model, "--backend", "cuda"] + grid + [
-        "--prompt-ids", "1,2,3,4,5;9,8,7", "--n", "4", "--ignore-eos", "--op-stats", path] + list(
-        extra)
-    p = subprocess.run(cmd, capture_output=True, text=True, timeout=240)
+        "--prompt-ids", "1,2,3,4,5;9,8,7", "--n", "4", "--ignore-eos", "--op-stats", path]
+    p = subprocess.run(cmd, capture_output=True, text=True, timeout=240,
+                       env=dict(os.environ, **(env or {})))
     check(p.returncode == 0, "%s: exit %d %s" % (" ".join(cmd[-14:]), p.returncode,
                                                  p.stderr[-1500:]))
     if p.returncode != 0:
@@ -65,10 +67,11 @@ def main():
         subprocess.run([K3, "make-tiny", model], check=True, capture_output=True)
         keys = ["ops_per_step", "host_syncs_per_step", "comm_host_syncs_per_step",
                 "graph_launches_per_step"]
+        # nccl + cuda: routed on the device; the step's one read is its only host sync
         d = stats(tmp, model, "nccl")
         if d:
-            check(d.get("comm") == "nccl" and d.get("routing") in ("host", "device")
-                  and d.get("routing_note", "").startswith("nccl: "),
+            check(d.get("comm") == "nccl" and d.get("routing") == "device"
+                  and d.get("routing_note", "").startswith("nccl: routed on the device"),
                   "nccl: comm, routing and its note: %s %s" % (d.get("comm"), d.get("routing")))
             for stage in (0, 1):
                 busy = [e for e in d["stages"] if e["stage"] == stage and e["decode"]["steps"]]
@@ -79,22 +82,32 @@ def main():
                         check(all(k in x for k in keys), "nccl r%d %s: has %s" % (e["rank"], ph,
                                                                                   keys))
                     x = e["decode"]
-                    check(0 < x["comm_host_syncs_per_step"] <= x["host_syncs_per_step"],
-                          "nccl r%d decode: the transport's waits counted: %s of %s host syncs"
-                          % (e["rank"], x["comm_host_syncs_per_step"], x["host_syncs_per_step"]))
+                    check(x["host_syncs_per_step"] <= 1 and x["comm_host_syncs_per_step"] == 0,
+                          "nccl r%d decode: %s host syncs (<= 1: the step's one read), %s of them "
+                          "NCCL waits (0: a watcher thread times them)"
+                          % (e["rank"], x["host_syncs_per_step"], x["comm_host_syncs_per_step"]))
                     print("     r%d s%d e%d decode: ops %s, host syncs %s (transport %s), graph "
                           "launches %s" % (e["rank"], e["stage"], e["lane"], x["ops_per_step"],
                                            x["host_syncs_per_step"],
                                            x["comm_host_syncs_per_step"],
                                            x["graph_launches_per_step"]), flush=True)
-        # the eager step's reads (with graphs on, a MoE layer's read fails the capture of a decode
-        # step's first size, which then runs eagerly: gpu_graphs checks that path)
-        d = stats(tmp, model, "nccl", 1, ["--cuda-graphs", "off"])
+        # K3_MOE_HOST_ROUTE=1: the host-routed exchange, whose NCCL waits poll and are counted
+        d = stats(tmp, model, "nccl", env={"K3_MOE_HOST_ROUTE": "1"}, tag="host")
+        if d:
+            check(d.get("routing") == "host", "nccl, K3_MOE_HOST_ROUTE=1: routing host")
+            for e in d["stages"]:
+                x = e["decode"]
+                if x["steps"] and e["stage"] == 0:
+                    check(0 < x["comm_host_syncs_per_step"] <= x["host_syncs_per_step"],
+                          "nccl host-routed r%d decode: the transport's waits counted: %s of %s "
+                          "host syncs" % (e["rank"], x["comm_host_syncs_per_step"],
+                                          x["host_syncs_per_step"]))
+        d = stats(tmp, model, "nccl", 1)
         if d:
             x = d["stages"][0]["decode"]
-            check(x["steps"] > 0 and x["host_syncs_per_step"] == 2
+            check(x["steps"] > 0 and x["host_syncs_per_step"] == 1
                   and x["ops"].get("moe_experts", 0) > 0,
-                  "1x1 decode: %s host syncs = 2 (flags + deferred checks, logits), none in its "
+                  "1x1 decode: %s host syncs = 1 (flags + deferred checks + logits), none in its "
                   "%s moe_experts, %s moe_topk, %s embed_rows (routed on the device, checks "
                   "deferred)" % (x["host_syncs_per_step"], x["ops"].get("moe_experts", 0),
                                  x["ops"].get("moe_topk", 0), x["ops"].get("embed_rows", 0)))

@@ -31,6 +31,12 @@ add_test(NAME gpu_graphs COMMAND ${K3_GPU_PYTHON3} ${CMAKE_CURRENT_LIST_DIR}/gpu
                                  ${MPIEXEC_EXECUTABLE})
 set_tests_properties(gpu_graphs PROPERTIES LABELS "${K3_GPU_LABEL}" TIMEOUT 300
                      SKIP_RETURN_CODE 77 ENVIRONMENT "${K3_TEST_ENV_MPI}")
+# the device-routed MoE exchange: 1x4 op counts independent of batch and routing, the capacity
+# overflow named (tests/gpu/gpu_moe_ep.py)
+add_test(NAME gpu_moe_ep COMMAND ${K3_GPU_PYTHON3} ${CMAKE_CURRENT_LIST_DIR}/gpu_moe_ep.py
+                                 ${MPIEXEC_EXECUTABLE})
+set_tests_properties(gpu_moe_ep PROPERTIES LABELS "${K3_GPU_LABEL}" TIMEOUT 300
+                     SKIP_RETURN_CODE 77 ENVIRONMENT "${K3_TEST_ENV_MPI}")
 if(K3_CUDA_EMULATE AND NOT K3_SANITIZE)
   # issue 44's acceptance: small --pp 2 --ep 2 on cuda + nccl (tensor-core MoE, split activations)
   # vs plain cpu, 3 prompts x 16 tokens (tests/gpu/gpu_small.py). 7-14 minutes even without
