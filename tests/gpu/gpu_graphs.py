@@ -15,9 +15,10 @@ usage: gpu_graphs.py MPIEXEC   (K3_BIN = the k3 binary; models are made in a tem
     fails with a `k3emu:` line (emulation build) and a warning, the step runs eagerly
     (graph_fallbacks >= 1, no graph launch), the logits stay byte-identical.
   The tiny model with MoE layers: 1 x 1 (moe_experts routed on the device) captured like the dense
-  one, byte-identical to off, 1 host sync a decode step; 2 x 2 byte-identical to 1 x 1 off, each
-  stage's decode steps launched as graphs or, where a MoE exchange still syncs with the host, the
-  fallback counted.
+  one, byte-identical to off, 1 host sync a decode step; 2 x 2 (MoE routed on the device, NCCL
+  inside the graph) byte-identical to 1 x 1 off, every stage's decode step 1 graph launch and at
+  most 1 host sync; with K3_MOE_HOST_ROUTE=1 (host routing: a read inside the step) every stage
+  falls back (counted), byte-identical.
 Exit code only (77 = skipped: no usable cuda backend)."""
 import filecmp
 import json
@@ -139,14 +140,25 @@ def main():
         if m22:
             for e in stages(m22[1]):
                 x = e["decode"]
-                # a MoE exchange that still syncs with the host fails the capture: that size runs
-                # eagerly, counted; a step is never neither launched nor counted
-                check(x["graph_launches_per_step"] == 1 or x["graph_fallbacks"] >= 1,
+                # the MoE exchanges routed on the device (NCCL inside the graph): issue 45's
+                # acceptance, every stage's decode step one graph launch and at most 1 host sync
+                check(x["graph_launches_per_step"] == 1 and x["graph_fallbacks"] == 0
+                      and x["host_syncs_per_step"] <= 1,
                       "2x2 MoE r%d stage %d: %s graph launches a decode step, %s fallbacks, %s "
                       "host syncs (%s NCCL waits)" % (
                           e["rank"], e["stage"], x["graph_launches_per_step"],
                           x["graph_fallbacks"], x["host_syncs_per_step"],
                           x["comm_host_syncs_per_step"]))
+        # the host-routed exchange (K3_MOE_HOST_ROUTE=1) reads its route inside the step: every
+        # size's capture fails once (counted), the steps run eagerly, the outputs stay the same
+        mh = run(tmp, moe, "moe_host", "on", ["--pp", "2", "--ep", "2", "--comm", "nccl"],
+                 env={"K3_MOE_HOST_ROUTE": "1"})
+        same(mh, m_off, "2x2 host-routed MoE, graphs on vs 1x1 off")
+        if mh:
+            for e in stages(mh[1]):
+                x = e["decode"]
+                check(x["graph_fallbacks"] >= 1, "2x2 host-routed MoE r%d stage %d: %s fallbacks"
+                      % (e["rank"], e["stage"], x["graph_fallbacks"]))
     print("gpu_graphs: %s" % ("FAIL (%d)" % len(fails) if fails else "ok"), flush=True)
     return 1 if fails else 0
 
