@@ -223,11 +223,14 @@ static const char *routing_note(const rank_ctx *r, const char *transport) {
         return "nccl: MoE rows move device to device, but the route is built on the host (the "
                "router's ids and weights are downloaded, counts and item triples are host words "
                "staged through pinned memory, and each NCCL wait polls the stream), so each MoE "
-               "layer waits on the host";
+               "layer waits on the host and a decode step's CUDA graph capture fails on the first "
+               "read: it runs eagerly (graph_fallbacks)";
     return "mpi: MoE rows, counts and item triples cross through host memory (a download before "
            "and an upload after each exchange, each a host sync) and the route is built on the "
-           "host, so host syncs and ops per step grow with the MoE layers and the routing (the "
-           "device route needs a transport that moves backend buffers: --comm nccl)";
+           "host, so host syncs and ops per step grow with the MoE layers and the routing, and a "
+           "decode step's CUDA graph capture fails on the first read: it runs eagerly "
+           "(graph_fallbacks; the device route needs a transport that moves backend buffers: "
+           "--comm nccl)";
 }
 
 /* Rank 0: the file from every worker rank's pack (all [world, PACK_U64]). */
