@@ -198,7 +198,7 @@ static void watch_stop(nccl_state *st) {
  * records nothing real: the caller arms after the graph's launch instead. */
 static k3_status watch_arm(nccl_state *st, cudaStream_t s, const char *what) {
     nccl_watch *w = &st->watch;
-    cudaStreamCaptureStatus cs = cudaStreamCaptureStatusNone;
+    enum cudaStreamCaptureStatus cs = cudaStreamCaptureStatusNone;
     if (!w->started || cudaStreamIsCapturing(s, &cs) != cudaSuccess ||
         cs != cudaStreamCaptureStatusNone)
         return K3_OK;

@@ -7,7 +7,9 @@
  *          stops itself when it starts its N-th forward step (a worker) or has received N logits
  *          messages (a dedicated coordinator); "hang:R:N" it stops answering there instead;
  *          "alloc:SITE:N" rank 0's N-th allocation at SITE (submit, step, fork) fails: only
- *          the request it was for fails, with an error naming the allocation.
+ *          the request it was for fails, with an error naming the allocation; "graph-sync:R"
+ *          rank R makes a host read inside each capture of a decode step (cuda graphs): the
+ *          capture fails, the step runs eagerly, and rank 0 stops choosing that size.
  *   force: "id,id,...": the tokens every request generates first, whatever the logits (a random
  *          tiny model never writes e.g. a tool call by itself). */
 #ifndef K3_ENGINE_TEST_H
