@@ -17,7 +17,8 @@ usage: gpu_graphs.py MPIEXEC   (K3_BIN = the k3 binary; models are made in a tem
   The tiny model with MoE layers: 1 x 1 (moe_experts routed on the device) captured like the dense
   one, byte-identical to off, 1 host sync a decode step; 2 x 2 (MoE routed on the device, NCCL
   inside the graph) byte-identical to 1 x 1 off, every stage's decode step 1 graph launch and at
-  most 1 host sync; with K3_MOE_HOST_ROUTE=1 (host routing: a read inside the step) every stage
+  most 1 host sync; the hook on rank 1 only (graph-sync:1): it runs eagerly while its MoE peer
+  replays, byte-identical; with K3_MOE_HOST_ROUTE=1 (host routing: a read inside the step) every stage
   falls back (counted), byte-identical.
 Exit code only (77 = skipped: no usable cuda backend)."""
 import filecmp
@@ -52,7 +53,8 @@ def run(tmp, model, tag, graphs, grid=(), env=None):
     e = dict(os.environ)
     e.update(env or {})
     p = subprocess.run(cmd, capture_output=True, text=True, timeout=240, env=e)
-    check(p.returncode == 0, "%s: exit %d %s" % (tag, p.returncode, p.stderr[-1500:]))
+    check(p.returncode == 0, "%s: exit %d%s" % (tag, p.returncode,
+                                                 " " + p.stderr[-1500:] if p.returncode else ""))
     if p.returncode != 0:
         return None
     with open(js) as f:
@@ -149,6 +151,18 @@ def main():
                           e["rank"], e["stage"], x["graph_launches_per_step"],
                           x["graph_fallbacks"], x["host_syncs_per_step"],
                           x["comm_host_syncs_per_step"]))
+        # the hook on rank 1 (stage 0, lane 1) at 2x2: it runs its steps eagerly while its MoE peer
+        # (rank 0) replays its graph, NCCL exchanges inside: no deadlock, the same bytes
+        mk = run(tmp, moe, "moe_hook", "on", ["--pp", "2", "--ep", "2", "--comm", "nccl"],
+                 env={"K3_TEST_FAIL": "graph-sync:1"})
+        same(mk, m_off, "2x2 MoE, a host sync injected in rank 1's capture")
+        if mk:
+            by = {e["rank"]: e["decode"] for e in mk[1]["stages"]}
+            check(by[1]["graph_fallbacks"] >= 1 and by[0]["graph_launches_per_step"] == 1,
+                  "2x2 hook: rank 1 fell back (%s), its MoE peer rank 0 replayed (%s launches a "
+                  "step)" % (by[1]["graph_fallbacks"], by[0]["graph_launches_per_step"]))
+            if emulated:
+                check("k3emu:" in mk[2], "2x2 hook: a k3emu: line names the call")
         # the host-routed exchange (K3_MOE_HOST_ROUTE=1) reads its route inside the step: every
         # size's capture fails once (counted), the steps run eagerly, the outputs stay the same
         mh = run(tmp, moe, "moe_host", "on", ["--pp", "2", "--ep", "2", "--comm", "nccl"],
