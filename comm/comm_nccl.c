@@ -19,7 +19,11 @@
  * lane) — the coordinator (stage −1) passes NCCL_SPLIT_NOCOLOR. Every communicator is
  * non-blocking (config.blocking = 0): each wait polls ncclCommGetAsyncError and the stream with
  * the comm's backoff sleep, listens for fault reports, and on the deadline notes the fault
- * naming the EP group and calls ncclCommAbort, so a dead peer never hangs a rank.
+ * naming the EP group and calls ncclCommAbort, so a dead peer never hangs a rank. The work a
+ * step queues on the device (the device-routed MoE exchange, ep_alltoallv_dev_async, and the
+ * stage hand-off, p2p_dev) is not waited for: only the enqueue is polled on the communicator,
+ * and a watcher thread (nccl_watch) times an event recorded after it, aborting every rank with
+ * a message naming this one on the timeout (issue 45: no host sync inside a step).
  * Buffers: the comm_moe.c protocol hands this transport host buffers (device_buffers = false),
  * so they are staged through pinned host and device buffers here (grow-only). Counts: int32 words
  * (ncclInt32) for ep_alltoall, 4-byte words (ncclUint32) for ep_alltoallv. */

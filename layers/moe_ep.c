@@ -32,9 +32,24 @@ static k3_status cap_factor(double *f) {
     return K3_OK;
 }
 
+/* The masked grouped GEMM takes MXFP4 experts with Lw and I multiples of 32 (K3's): the model's
+ * dtype, the same on every lane, so every lane of a group decides alike. */
+static bool experts_fit(const k3_stage *s) {
+    const k3_config *c = s->c;
+    if (k3_moe_row_width(c) % 32 || c->moe_intermediate_size % 32) return false;
+    for (int l = s->p.layer_begin; l < s->p.layer_end; l++) {
+        if (!k3_config_is_moe(c, l) || !s->w->layers[l].experts) continue;
+        for (int e = 0; e < c->n_experts; e++) {
+            const k3_expert_w *ex = &s->w->layers[l].experts[e];
+            if (ex->w1.data) return ex->w1.dtype == K3_DT_MXFP4;
+        }
+    }
+    return false;
+}
+
 bool k3_layers_moe_ep_usable(const k3_stage *s) {
     return s->p.comm && k3_backend_has_moe_ep(s->be) && k3_comm_moe_dev(s->p.comm, s->be) &&
-           getenv("K3_MOE_HOST_ROUTE") == NULL;
+           getenv("K3_MOE_HOST_ROUTE") == NULL && experts_fit(s);
 }
 
 k3_status k3_layers_moe_ep_create(k3_stage *s) {

@@ -650,13 +650,21 @@ static k3_status moe_ffn(k3_stage *s, int l, const float *x, int64_t T, float *y
     return moe_step(s, l, x, T, y);
 }
 
+/* The idle lane's exchanges, its checks deferred as a step's are (one read at the end). */
 k3_status k3_stage_idle_step(k3_stage *s) {
     if (!s->p.comm) return K3_OK;
-    for (int l = s->p.layer_begin; l < s->p.layer_end; l++)
-        if (k3_config_is_moe(s->c, l))
-            K3_TRY(s->ep_on ? k3_layers_moe_ep_step(s, l, NULL, 0, NULL)
-                            : moe_step(s, l, NULL, 0, NULL));
-    return K3_OK;
+    K3_TRY(k3_backend_errors_defer(s->be, true));
+    k3_status st = K3_OK;
+    for (int l = s->p.layer_begin; st == K3_OK && l < s->p.layer_end; l++)
+        if (k3_config_is_moe(s->c, l)) {
+            k3_backend_errors_layer(s->be, l);
+            st = s->ep_on ? k3_layers_moe_ep_step(s, l, NULL, 0, NULL)
+                          : moe_step(s, l, NULL, 0, NULL);
+        }
+    if (st == K3_OK) st = k3_backend_errors_fetch(s->be);
+    if (st == K3_OK) st = k3_backend_errors_verdict(s->be);
+    const k3_status off = k3_backend_errors_defer(s->be, false);
+    return st != K3_OK ? st : off;
 }
 
 /* ---- the forward ---------------------------------------------------------------------------- */

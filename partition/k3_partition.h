@@ -37,6 +37,8 @@ typedef struct k3_plan_req {
                                     rounded up to whole blocks of K3_KV_BLOCK) */
     int prefix_snapshots;        /* KDA state snapshots of a lane's prefix cache
                                     (k3_plan_prefix_snapshots; 0: the cache is off) */
+    bool moe_device;             /* the MoE exchange routes on the device (cuda + nccl,
+                                    layers/moe_ep.c): its fixed slabs are counted in buffers */
 } k3_plan_req;
 
 /* The prefix cache's snapshot pool of a lane (docs/DESIGN.md §3c): one snapshot per

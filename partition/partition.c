@@ -433,6 +433,35 @@ uint64_t k3_plan_workspace_bytes(const k3_config *c, int lb, int le, bool first,
     return f * 4 + host;
 }
 
+/* The device-routed MoE exchange's buffers of a stage (layers/moe_ep.c, k3_moe_ep_layout): three
+ * sets of L lane blocks (send, receive, return), the experts' h [EL·L·cap, I], the row maps and
+ * the per-layer expert maps. EL: the most experts one lane holds in a MoE layer of the stage;
+ * cap: min(T, ceil(T·K·factor / E)), factor K3_MOE_CAPACITY_FACTOR or 2. */
+static uint64_t moe_device_bytes(const k3_plan *p, const k3_config *c, const k3_plan_req *r, int lb,
+                                 int le) {
+    const int L = p->n_lanes, X = c->n_experts;
+    uint64_t EL = 1;
+    for (int l = lb; l < le; l++) {
+        if (!k3_config_is_moe(c, l)) continue;
+        for (int lane = 0; lane < L; lane++) {
+            uint64_t n = 0;
+            for (int e = 0; e < X; e++) n += p->expert_lane[(int64_t)l * X + e] == lane;
+            EL = n > EL ? n : EL;
+        }
+    }
+    const char *f = getenv("K3_MOE_CAPACITY_FACTOR");
+    double factor = f && *f ? strtod(f, NULL) : 2.0;
+    if (!(factor > 0.0) || factor > 1e6) factor = 2.0;
+    const uint64_t T = (uint64_t)K3_MAX(r->max_tokens, 1), K = (uint64_t)c->n_experts_per_tok;
+    uint64_t cap = (uint64_t)ceil((double)T * (double)K * factor / (double)(X > 0 ? X : 1));
+    cap = K3_MIN(K3_MAX(cap, (uint64_t)1), T);
+    const uint64_t Lw = (uint64_t)(c->latent_size > 0 ? c->latent_size : c->hidden_size);
+    const uint64_t blk = ((EL + Lw - 1) / Lw + EL * cap) * Lw, C = (uint64_t)L * cap;
+    const uint64_t nl = (uint64_t)(le - lb);
+    return 4 * (3 * (uint64_t)L * blk + EL * C * (uint64_t)c->moe_intermediate_size + 2 * EL +
+                EL * C + T * K + nl * (uint64_t)X + nl * EL);
+}
+
 static void add_dt(k3_rank_mem *m, const uint64_t dt[DT_N]) {
     m->weights_bf16 += dt[DT_BF16];
     m->weights_mxfp4 += dt[DT_MXFP4];
@@ -517,6 +546,8 @@ static k3_status fill_mem(k3_plan *p, const k3_config *c, const k3_plan_req *r,
                 m->buffers =
                     u_add(&bo, m->buffers, u_mul(&bo, u_mul(&bo, rows, 2), (uint64_t)(1 + E)));
             }
+            if (has_moe && E > 1 && r->moe_device)
+                m->buffers = u_add(&bo, m->buffers, moe_device_bytes(p, c, r, lb, le));
             if (s == S - 1) m->buffers = u_add(&bo, m->buffers, logits);
             if (!bo)
                 m->workspace = k3_plan_workspace_bytes(c, lb, le, s == 0, r->max_tokens, E,
