@@ -39,6 +39,9 @@ typedef struct k3_plan_req {
                                     (k3_plan_prefix_snapshots; 0: the cache is off) */
     bool moe_device;             /* the MoE exchange routes on the device (cuda + nccl,
                                     layers/moe_ep.c): its fixed slabs are counted in buffers */
+    bool graphs;                 /* decode steps are CUDA graphs (cuda, --cuda-graphs on): each
+                                    stage keeps one more slot and one more cache block for the
+                                    pad rows (layers/graph.c), counted in caches */
 } k3_plan_req;
 
 /* The prefix cache's snapshot pool of a lane (docs/DESIGN.md §3c): one snapshot per

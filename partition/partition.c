@@ -525,9 +525,11 @@ static k3_status fill_mem(k3_plan *p, const k3_config *c, const k3_plan_req *r,
                 /* the paged cache: its blocks, however many sequences share them */
                 const uint64_t kvt =
                     r->kv_cache_tokens > 0 ? (uint64_t)r->kv_cache_tokens : u_mul(&co, CTX, SEQS);
-                m->mla_cache = u_mul(&co, per_tok,
-                                     (kvt + K3_KV_BLOCK - 1) / K3_KV_BLOCK * (uint64_t)K3_KV_BLOCK);
-                m->kda_state = u_mul(&co, kconv + krec, SEQS);
+                const uint64_t pad = r->graphs ? 1 : 0; /* the pad rows' block and slot */
+                m->mla_cache =
+                    u_mul(&co, per_tok,
+                          ((kvt + K3_KV_BLOCK - 1) / K3_KV_BLOCK + pad) * (uint64_t)K3_KV_BLOCK);
+                m->kda_state = u_mul(&co, kconv + krec, SEQS + pad);
                 m->kda_snapshots =
                     u_mul(&co, kconv + krec, (uint64_t)K3_MAX(r->prefix_snapshots, 0));
                 m->caches = u_add(&co, u_add(&co, m->mla_cache, m->kda_state), m->kda_snapshots);
@@ -550,8 +552,9 @@ static k3_status fill_mem(k3_plan *p, const k3_config *c, const k3_plan_req *r,
                 m->buffers = u_add(&bo, m->buffers, moe_device_bytes(p, c, r, lb, le));
             if (s == S - 1) m->buffers = u_add(&bo, m->buffers, logits);
             if (!bo)
-                m->workspace = k3_plan_workspace_bytes(c, lb, le, s == 0, r->max_tokens, E,
-                                                       r->max_ctx, r->max_seqs_per_lane);
+                m->workspace =
+                    k3_plan_workspace_bytes(c, lb, le, s == 0, r->max_tokens, E, r->max_ctx,
+                                            r->max_seqs_per_lane + (r->graphs ? 1 : 0));
         }
         if (wo) return K3_ERR(K3_ERR_CONFIG, "rank %d's weight bytes overflow 64 bits", rank);
         if (co)

@@ -218,20 +218,21 @@ k3_status rank_setup(rank_ctx *r) {
         st = k3_read_file(o->expert_map_path, &map, &nb);
     }
     if (st == K3_OK) {
-        k3_plan_req req = {.world = r->world,
-                           .pp = o->pp,
-                           .ep = o->ep,
-                           .coord = o->coord,
-                           .expert_map = map,
-                           .expert_map_name = o->expert_map_path,
-                           .max_ctx = r->max_ctx,
-                           .max_seqs_per_lane = r->max_seqs,
-                           .max_tokens = r->max_tokens,
-                           .kv_cache_tokens = (int64_t)r->kv_blocks * K3_KV_BLOCK,
-                           .prefix_snapshots = r->pc_on ? r->pc.n_snaps : 0,
-                           .moe_device = o->comm && strcmp(o->comm, "nccl") == 0 && o->backend &&
-                                         strcmp(o->backend, "cuda") == 0 &&
-                                         !getenv("K3_MOE_HOST_ROUTE")};
+        k3_plan_req req = {
+            .world = r->world,
+            .pp = o->pp,
+            .ep = o->ep,
+            .coord = o->coord,
+            .expert_map = map,
+            .expert_map_name = o->expert_map_path,
+            .max_ctx = r->max_ctx,
+            .max_seqs_per_lane = r->max_seqs,
+            .max_tokens = r->max_tokens,
+            .kv_cache_tokens = (int64_t)r->kv_blocks * K3_KV_BLOCK,
+            .prefix_snapshots = r->pc_on ? r->pc.n_snaps : 0,
+            .moe_device = o->comm && strcmp(o->comm, "nccl") == 0 && o->backend &&
+                          strcmp(o->backend, "cuda") == 0 && !getenv("K3_MOE_HOST_ROUTE"),
+            .graphs = !o->no_cuda_graphs && o->backend && strcmp(o->backend, "cuda") == 0};
         st = k3_plan_make(&r->cfg, &req, &r->plan);
         if (st == K3_OK) st = check_memory(r, &req), same = st != K3_OK;
     }
