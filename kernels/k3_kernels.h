@@ -362,10 +362,11 @@ typedef struct k3_moe_ep {
     int64_t cap, hdr, blk_rows, Lw;
     const int32_t *dest;
 } k3_moe_ep;
-/* cap = min(T_max, max(1, ceil(T_max · K · factor / E))) (a token gives an expert at most one
- * row, so T_max rows never overflow), hdr = ceil(EL / Lw), blk_rows. */
+/* cap = min(T_max, max(1, ceil(T_max · K · factor / E), decode_rows)) (a token gives an expert at
+ * most one row, so T_max rows never overflow, and neither does a decode step of at most
+ * decode_rows rows on its sender: pass min(T_max, max_seqs)), hdr = ceil(EL / Lw), blk_rows. */
 void k3_moe_ep_layout(k3_moe_ep *ep, int E, int K, int L, int EL, int64_t Lw, int64_t T_max,
-                      double factor);
+                      double factor, int64_t decode_rows);
 
 typedef struct k3_backend_iface {
     k3_status (*alloc)(k3_backend *be, size_t n_bytes, void **out);

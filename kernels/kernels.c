@@ -300,9 +300,9 @@ bool k3_backend_has_moe_ep(const k3_backend *be) {
     return be->mem_->moe_ep_pack && be->mem_->moe_ep_experts && be->mem_->moe_combine;
 }
 void k3_moe_ep_layout(k3_moe_ep *ep, int E, int K, int L, int EL, int64_t Lw, int64_t T_max,
-                      double factor) {
+                      double factor, int64_t decode_rows) {
     int64_t cap = (int64_t)ceil((double)T_max * (double)K * factor / (double)(E > 0 ? E : 1));
-    cap = K3_MIN(K3_MAX(cap, (int64_t)1), K3_MAX(T_max, (int64_t)1));
+    cap = K3_MIN(K3_MAX(K3_MAX(cap, (int64_t)1), decode_rows), K3_MAX(T_max, (int64_t)1));
     *ep = (k3_moe_ep){.E = E, .K = K, .L = L, .EL = EL, .cap = cap, .Lw = Lw};
     ep->hdr = (EL + Lw - 1) / (Lw > 0 ? Lw : 1);
     ep->blk_rows = ep->hdr + (int64_t)EL * cap;

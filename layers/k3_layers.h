@@ -221,6 +221,11 @@ k3_status k3_stage_forward(k3_stage *s, const k3_batch *b, k3_activ *act, bool a
  * with the flags, behind the graph, and the step makes one host sync in all. */
 k3_status k3_stage_forward_graph(k3_stage *s, const k3_batch *b, int n_pad, bool inject_sync,
                                  k3_activ *act, float *logits, bool *fell_back);
+/* The MoE route of the next steps (docs/DESIGN.md §5, route decision): host true takes the
+ * host-routed exchange even where the stage has the device route (cuda + nccl); false (the
+ * default) the device route where it has one. Every lane of a stage must choose alike for a step
+ * (the exchange calls differ); a captured step needs the device route. */
+void k3_stage_set_moe_host(k3_stage *s, bool host);
 /* A step in which this lane has no tokens: still take part in every MoE exchange of the stage
  * (the other lanes may route tokens to this lane's experts). No-op without a comm handle. */
 k3_status k3_stage_idle_step(k3_stage *s);

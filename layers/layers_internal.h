@@ -65,8 +65,9 @@ struct k3_stage {
     int64_t *moe_xh;  /* host: expert rows host scratch */
     int32_t *h_ids, *h_row, *h_lane; /* host routing metadata: [2, T·K] (ids, weight bits),
                                         [T·K], [T·K] */
-    /* the device-routed MoE exchange (moe_ep.c; ep_on: used) */
-    bool ep_on;
+    /* the device-routed MoE exchange (moe_ep.c; ep_on: built, used by the steps unless
+       ep_host: k3_stage_set_moe_host, the round's route) */
+    bool ep_on, ep_host;
     k3_moe_ep ep;
     int32_t *ep_dest, *ep_glob;        /* [n_layers, E], [n_layers, EL] (backend) */
     float *ep_send, *ep_recv, *ep_ret; /* [L, blk_rows, Lw] lane blocks each */

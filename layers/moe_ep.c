@@ -91,8 +91,10 @@ k3_status k3_layers_moe_ep_create(k3_stage *s) {
     double factor = 2.0;
     if (st == K3_OK) st = cap_factor(&factor);
     if (st == K3_OK) {
+        /* a decode round's rows on a sender: at most max_seqs (its batch, padded or not) */
+        const int64_t decode_rows = s->p.max_seqs > 0 ? K3_MIN(s->T_max, s->p.max_seqs) : 0;
         k3_moe_ep_layout(&s->ep, E, c->n_experts_per_tok, L, EL, k3_moe_row_width(c), s->T_max,
-                         factor);
+                         factor, decode_rows);
         const size_t blk = (size_t)(s->ep.blk_rows * s->ep.Lw), C = (size_t)L * (size_t)s->ep.cap;
         k3_backend *be = s->be;
         const size_t nd = (size_t)nl * (size_t)E * 4, ng = (size_t)nl * (size_t)EL * 4;

@@ -646,8 +646,12 @@ static k3_status moe_step(k3_stage *s, int l, const float *x, int64_t T, float *
 
 static k3_status moe_ffn(k3_stage *s, int l, const float *x, int64_t T, float *y) {
     if (!s->p.comm) return k3_moe_forward(s->be, s->c, &s->w->layers[l], x, T, y, s->moe_scratch);
-    if (s->ep_on) return k3_layers_moe_ep_step(s, l, x, T, y);
+    if (s->ep_on && !s->ep_host) return k3_layers_moe_ep_step(s, l, x, T, y);
     return moe_step(s, l, x, T, y);
+}
+
+void k3_stage_set_moe_host(k3_stage *s, bool host) {
+    s->ep_host = host;
 }
 
 /* The idle lane's exchanges, its checks deferred as a step's are (one read at the end). */
@@ -658,8 +662,8 @@ k3_status k3_stage_idle_step(k3_stage *s) {
     for (int l = s->p.layer_begin; st == K3_OK && l < s->p.layer_end; l++)
         if (k3_config_is_moe(s->c, l)) {
             k3_backend_errors_layer(s->be, l);
-            st = s->ep_on ? k3_layers_moe_ep_step(s, l, NULL, 0, NULL)
-                          : moe_step(s, l, NULL, 0, NULL);
+            st = s->ep_on && !s->ep_host ? k3_layers_moe_ep_step(s, l, NULL, 0, NULL)
+                                         : moe_step(s, l, NULL, 0, NULL);
         }
     if (st == K3_OK) st = k3_backend_errors_fetch(s->be);
     if (st == K3_OK) st = k3_backend_errors_verdict(s->be);

@@ -436,7 +436,8 @@ uint64_t k3_plan_workspace_bytes(const k3_config *c, int lb, int le, bool first,
 /* The device-routed MoE exchange's buffers of a stage (layers/moe_ep.c, k3_moe_ep_layout): three
  * sets of L lane blocks (send, receive, return), the experts' h [EL·L·cap, I], the row maps and
  * the per-layer expert maps. EL: the most experts one lane holds in a MoE layer of the stage;
- * cap: min(T, ceil(T·K·factor / E)), factor K3_MOE_CAPACITY_FACTOR or 2. */
+ * cap: min(T, max(ceil(T·K·factor / E), max_seqs)), factor K3_MOE_CAPACITY_FACTOR or 2 (a
+ * decode round's max_seqs rows never overflow). */
 static uint64_t moe_device_bytes(const k3_plan *p, const k3_config *c, const k3_plan_req *r, int lb,
                                  int le) {
     const int L = p->n_lanes, X = c->n_experts;
@@ -454,7 +455,8 @@ static uint64_t moe_device_bytes(const k3_plan *p, const k3_config *c, const k3_
     if (!(factor > 0.0) || factor > 1e6) factor = 2.0;
     const uint64_t T = (uint64_t)K3_MAX(r->max_tokens, 1), K = (uint64_t)c->n_experts_per_tok;
     uint64_t cap = (uint64_t)ceil((double)T * (double)K * factor / (double)(X > 0 ? X : 1));
-    cap = K3_MIN(K3_MAX(cap, (uint64_t)1), T);
+    const uint64_t seqs = (uint64_t)K3_MAX(r->max_seqs_per_lane, 0);
+    cap = K3_MIN(K3_MAX(K3_MAX(cap, (uint64_t)1), seqs), T);
     const uint64_t Lw = (uint64_t)(c->latent_size > 0 ? c->latent_size : c->hidden_size);
     const uint64_t blk = ((EL + Lw - 1) / Lw + EL * cap) * Lw, C = (uint64_t)L * cap;
     const uint64_t nl = (uint64_t)(le - lb);

@@ -15,7 +15,8 @@
  * step with graphs on has 1), and the ops a launch runs count as the step's ops (the op count is
  * the same replayed or eager).
  * File: {"backend", "world", "pp", "ep", "comm" (the transport, "none" on one rank), "routing"
- * ("host" | "device": where the MoE route is built), "routing_note" (why the counts are what they
+ * ("host" | "device": where the MoE route of decode rounds is built; prefill rounds are
+ * host-routed either way), "routing_note" (why the counts are what they
  * are with this transport), "stages": [{"rank", "stage", "lane", "layers": [begin,
  * end), "decode" | "prefill" | "idle": {"steps", "ops_per_step", "host_syncs_per_step",
  * "host_syncs_max_per_step", "comm_host_syncs_per_step", "graph_launches_per_step",
@@ -215,10 +216,14 @@ static const char *routing_note(const rank_ctx *r, const char *transport) {
         return "one lane: no MoE exchange; the route stays in the backend (moe_topk and "
                "moe_experts route on the device; their checks are read once, at the step's end)";
     if (routing_on_device(r, transport))
-        return "nccl: routed on the device: fixed-capacity slabs per (lane, expert) with their "
-               "counts, exchanged lane block to lane block in the backend's stream, the masked "
-               "grouped GEMM and the slot-order combine; no count or row crosses to the host, "
-               "and the op sequence does not depend on the routing";
+        return "nccl: decode rounds routed on the device: fixed-capacity slabs per (lane, expert) "
+               "with their counts, exchanged lane block to lane block in the backend's stream, "
+               "the masked grouped GEMM and the slot-order combine; no count or row crosses to "
+               "the host, and the op sequence does not depend on the routing. Prefill rounds (any "
+               "lane with a prompt chunk) are host-routed on every lane, eagerly: the router's ids "
+               "and weights are read on the host and each NCCL wait polls the stream, so prefill "
+               "makes more host syncs, but a skewed prompt (all its tokens to the same experts) "
+               "has no capacity to overflow";
     if (transport && strcmp(transport, "nccl") == 0)
         return "nccl: MoE rows move device to device, but the route is built on the host (the "
                "router's ids and weights are downloaded, counts and item triples are host words "

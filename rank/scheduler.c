@@ -129,6 +129,23 @@ static int32_t graph_rows(const rank_ctx *r, const rank_step *m) {
     return n <= r->max_tokens && !r->co->graph_off[n] ? n : 0;
 }
 
+/* The MoE route of group g's round (docs/DESIGN.md §5, route decision), before any lane's message
+   is built: the device route only when every lane's step is a decode step (each of its sequences
+   one token, no prompt rows wanted: graph_rows' test; a lane without sequences counts as one).
+   Such a round gives each expert at most one row per token, within the capacity of every
+   sender's lane block; a round with any prefill row is host-routed on every lane (a prompt of
+   identical tokens would send all its rows to the same K experts, past any fixed capacity), and
+   runs eagerly there (n_pad 0: the lanes of a stage make the same exchange calls). */
+static bool round_moe_host(const rank_ctx *r, int g, int E) {
+    for (size_t i = 0; i < (size_t)E * (size_t)r->max_seqs; i++) { /* as the messages pick them */
+        const req_run *q = r->co->slot_req[i];
+        if (!q || q->group != g || q->n_tok_step == 0) continue;
+        if (q->n_tok_step != 1 || (q->plp && q->fed < q->P) || (q->all_logits && q->fed < q->P))
+            return true;
+    }
+    return false;
+}
+
 /* ---- events ------------------------------------------------------------------------------- */
 /* Event data (text deltas, logits rows) comes from blocks that are kept and reused: clearing the
  * events only rewinds them, so a step allocates nothing once the blocks have grown. */
@@ -828,8 +845,9 @@ static k3_status send_step(rank_ctx *r, int g, bool *sent) {
     gr->pending = E;
     r->co->n_steps++;
     struct rank_coord *C = r->co;
+    const bool moe_host = round_moe_host(r, g, E);
     for (int e = 0; e < E; e++) {
-        rank_step m = {.group = g, .step = gr->step};
+        rank_step m = {.group = g, .step = gr->step, .moe_host = moe_host};
         rank_step_seq *seqs = C->step_seqs;
         int ns = 0;
         int64_t T = 0;
@@ -866,7 +884,7 @@ static k3_status send_step(rank_ctx *r, int g, bool *sent) {
         }
         m.n_tokens = (int32_t)T, m.tokens = C->step_tokens;
         m.n_targets = (int32_t)(tgt - C->step_targets), m.targets = C->step_targets;
-        m.n_pad = graph_rows(r, &m);
+        m.n_pad = moe_host ? 0 : graph_rows(r, &m);
         RTRY(r, rank_post_step(r, k3_plan_rank(&r->plan, 0, e), K3_MSG_BATCH,
                                (k3_wire_step){.T = T}, &m, NULL, 0));
         C->n_pend_free[e] = 0, C->n_fork_ops[e] = 0; /* sent */

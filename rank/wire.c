@@ -7,14 +7,14 @@
 /* Every element is a whole number of int32 words (the meta is an int32 array). */
 #define RANK_STEP_CHECK(name, type)                                                                \
     _Static_assert(sizeof(type) % sizeof(int32_t) == 0 && _Alignof(type) == _Alignof(int32_t),     \
-                   "rank_step section " #name ": not whole int32 words (K3_WIRE_VERSION 11)");
+                   "rank_step section " #name ": not whole int32 words (K3_WIRE_VERSION 12)");
 RANK_STEP_SECTIONS(RANK_STEP_CHECK)
 #undef RANK_STEP_CHECK
 #define RANK_STEP_ONE(name, type) +1
 enum {
-    RANK_STEP_HDR = 5 RANK_STEP_SECTIONS(RANK_STEP_ONE)
+    RANK_STEP_HDR = 6 RANK_STEP_SECTIONS(RANK_STEP_ONE)
 }; /* group, step, all_logits, n_pad,
-       graph_fell, counts */
+       graph_fell, moe_host, counts */
 #undef RANK_STEP_ONE
 
 int64_t rank_step_words(const rank_step *m) {
@@ -28,6 +28,7 @@ int64_t rank_step_words(const rank_step *m) {
 void rank_step_encode(const rank_step *m, int32_t *out) {
     int32_t *w = out;
     *w++ = m->group, *w++ = m->step, *w++ = m->all_logits, *w++ = m->n_pad, *w++ = m->graph_fell;
+    *w++ = m->moe_host;
 #define RANK_STEP_COUNT(name, type) *w++ = m->n_##name;
     RANK_STEP_SECTIONS(RANK_STEP_COUNT)
 #undef RANK_STEP_COUNT
@@ -45,6 +46,7 @@ k3_status rank_step_decode(const int32_t *in, int64_t n, rank_step *m, const cha
                       who, (long long)n, (int)RANK_STEP_HDR);
     const int32_t *w = in;
     m->group = *w++, m->step = *w++, m->all_logits = *w++, m->n_pad = *w++, m->graph_fell = *w++;
+    m->moe_host = *w++;
     int64_t len = RANK_STEP_HDR;
     bool bad = false;
 #define RANK_STEP_COUNT(name, type)                                                                \

@@ -20,12 +20,13 @@
 
 #define K3_WIRE_MAGIC 0x5053334bu /* "K3SP" little-endian: a k3 step message */
 #define K3_WIRE_VERSION                                                                            \
-    10 /* 2: slots + OPEN/WANT flags; 3: the progress heartbeat; 4: NF flag;                       \
+    12 /* 2: slots + OPEN/WANT flags; 3: the progress heartbeat; 4: NF flag;                       \
           5: per-stage busy time on ACTIV/LOGITS; 6: freed slots (paged cache);                    \
           7: prompt logprobs (PLP flag, targets, records); 8: prefix-cache ops;                    \
           9: the FORK op (n > 1 choices of one prefill), with the prefix cache off too;            \
           10: the typed step meta (rank_step sections; magic and length in the header);            \
-          11: n_pad and graph_fell (captured decode steps) in the meta's header */
+          11: n_pad and graph_fell (captured decode steps) in the meta's header;                   \
+          12: moe_host (the round's MoE route) in the meta's header */
 
 typedef struct k3_wire_step {
     uint32_t magic;   /* K3_WIRE_MAGIC */
@@ -40,7 +41,7 @@ typedef struct k3_wire_step {
 } k3_wire_step;
 _Static_assert(sizeof(k3_wire_step) == 48 && offsetof(k3_wire_step, n_meta) == 12 &&
                    offsetof(k3_wire_step, T) == 16 && offsetof(k3_wire_step, n_bank) == 40,
-               "k3_wire_step is a wire struct: its layout is part of K3_WIRE_VERSION 11");
+               "k3_wire_step is a wire struct: its layout is part of K3_WIRE_VERSION 12");
 
 /* Load states of a heartbeat. */
 #define K3_LOAD_RUNNING 0 /* the sender is still reading its weights */
@@ -55,7 +56,7 @@ typedef struct k3_wire_progress {
     uint64_t total_bytes; /* the sender's bytes to read */
 } k3_wire_progress;
 _Static_assert(sizeof(k3_wire_progress) == 32 && offsetof(k3_wire_progress, done_bytes) == 16,
-               "k3_wire_progress is a wire struct: its layout is part of K3_WIRE_VERSION 11");
+               "k3_wire_progress is a wire struct: its layout is part of K3_WIRE_VERSION 12");
 
 /* ---- the step meta ---------------------------------------------------------------------------
  * Per lane and step. The stages apply a message in this order: the freed slots (their cache
@@ -104,6 +105,12 @@ typedef struct rank_step {
        rows, ACTIV carrying all n_pad rows; 0: eager. graph_fell (ACTIV, LOGITS): some stage of
        the lane could not capture it and ran it eagerly (rank 0 stops choosing n_pad). */
     int32_t n_pad, graph_fell;
+    /* The MoE route of the step's scheduling round (docs/DESIGN.md §5, route decision), rank 0's
+       decision for every lane of the group alike (the lanes of a stage make the same exchange
+       calls): 1: the host-routed exchange (a round with any prefill row: no capacity, counts
+       of any size); 0: the device route where the stage has it (k3_stage_set_moe_host). A
+       host-routed round has n_pad 0 on every lane (its host reads cannot be captured). */
+    int32_t moe_host;
 #define RANK_STEP_FIELD(name, type)                                                                \
     int32_t n_##name;                                                                              \
     const type *name;

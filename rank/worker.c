@@ -26,9 +26,11 @@
  * (k3_comm_send_dev / recv_dev), so activations never cross to the host between stages. Every lane
  * of a stage receives the same sequence of (group, step) messages (possibly with no sequences), so
  * the lanes' MoE collectives line up; a lane with no tokens still serves its experts at each MoE
- * layer (k3_stage_idle_step). The stage drives the MoE step itself through the comm handle it is
- * given; rank only builds the lane map and moves messages. Activations, caches and logits live in
- * the rank's backend; they cross to host memory only by k3_backend_download/upload at a message
+ * layer (k3_stage_idle_step). Every message names its round's MoE route (moe_host, rank 0's
+ * decision for every lane alike: host-routed with any prefill row), set on the stage before its
+ * forward (k3_stage_set_moe_host). The stage drives the MoE step itself through the comm handle it
+ * is given; rank only builds the lane map and moves messages. Activations, caches and logits live
+ * in the rank's backend; they cross to host memory only by k3_backend_download/upload at a message
  * boundary. The loop allocates nothing per step: buffers are sized from the plan's max_tokens up
  * front (comm buffers grow to the largest message once). A step is four steps: decode the message
  * (check it, free the ended slots, bind the sequences), upload (the activations in), forward, send
@@ -245,6 +247,14 @@ static k3_status step_decode(rank_ctx *r, const step_msg *m, wstep *s) {
     }
     s->T = T;
     s->rows = T;
+    if (in->moe_host != 0 && in->moe_host != 1)
+        RTRY(r, K3_ERR(K3_ERR_FORMAT, "step %d of group %d from %s: MoE route word %d (0 or 1)",
+                       stepi, group, who, in->moe_host));
+    if (in->n_pad != 0 && in->moe_host) /* a host-routed round reads its route: never captured */
+        RTRY(r, K3_ERR(K3_ERR_FORMAT,
+                       "step %d of group %d from %s: a captured step of %d rows in a host-routed "
+                       "round",
+                       stepi, group, who, in->n_pad));
     if (in->n_pad != 0) { /* rank 0's decision: a captured decode step of n_pad rows */
         bool decode = !in->all_logits && n_seqs >= 1 && T == n_seqs && s->n_tgt == 0;
         if (!decode || in->n_pad < n_seqs || in->n_pad > r->max_seqs || in->n_pad > r->max_tokens ||
@@ -316,6 +326,7 @@ static k3_status step_forward(rank_ctx *r, wstep *s) {
              s->T > n_seqs ? "prefill" : "decode", in->group, (long long)s->T);
     k3_comm_set_doing(r->comm, doing);
     rank_hooks_step(r, w->n_forward);
+    k3_stage_set_moe_host(w->st, in->moe_host != 0); /* the round's MoE route (rank 0's) */
     double t_busy = k3_now_s();
     if (n_seqs > 0) {
         memcpy(w->wseqs, in->seqs, (size_t)n_seqs * sizeof *w->wseqs); /* sent on */

@@ -1,8 +1,8 @@
 /* test_step_wire.c — the step message's one layout (rank/wire.h rank_step, issue 42): 2000 random
  * messages (every section with a random count, 0 included, and random words) encode to
- * rank_step_words words and decode to the same header (n_pad and graph_fell too) and sections, each
- * a typed array that points into the encoded words; a cut message, one word too many, and a
- * negative count are refused (K3_ERR_FORMAT). Seeded from a printed seed. */
+ * rank_step_words words and decode to the same header (n_pad, graph_fell and moe_host too) and
+ * sections, each a typed array that points into the encoded words; a cut message, one word too
+ * many, and a negative count are refused (K3_ERR_FORMAT). Seeded from a printed seed. */
 #include "k3_test.h"
 #include "rank_internal.h"
 
@@ -29,7 +29,8 @@ int main(void) {
                        .step = (int32_t)k3_rng_u64(&g),
                        .all_logits = (int32_t)(k3_rng_u64(&g) % 2),
                        .n_pad = (int32_t)(k3_rng_u64(&g) % 65),
-                       .graph_fell = (int32_t)(k3_rng_u64(&g) % 2)};
+                       .graph_fell = (int32_t)(k3_rng_u64(&g) % 2),
+                       .moe_host = (int32_t)(k3_rng_u64(&g) % 2)};
         int32_t *own[16];
         int n_own = 0;
 #define FILL(name, type)                                                                           \
@@ -44,7 +45,7 @@ int main(void) {
         rank_step d;
         K3_CHECK_OK(rank_step_decode(w, n, &d, "test"));
         bad |= d.group != m.group || d.step != m.step || d.all_logits != m.all_logits ||
-               d.n_pad != m.n_pad || d.graph_fell != m.graph_fell;
+               d.n_pad != m.n_pad || d.graph_fell != m.graph_fell || d.moe_host != m.moe_host;
 #define SAME(name, type)                                                                           \
     bad |= d.n_##name != m.n_##name ||                                                             \
            (m.n_##name > 0 && (memcmp(d.name, m.name, (size_t)m.n_##name * sizeof(type)) != 0 ||   \
@@ -56,7 +57,7 @@ int main(void) {
         K3_CHECK_ERR(rank_step_decode(w, n - 1, &d, "test"), K3_ERR_FORMAT, "words, not");
         w[n] = 0;
         K3_CHECK_ERR(rank_step_decode(w, n + 1, &d, "test"), K3_ERR_FORMAT, "words, not");
-        w[5 + (int)(k3_rng_u64(&g) % 11)] = -1; /* a section count (after 5 header words) */
+        w[6 + (int)(k3_rng_u64(&g) % 11)] = -1; /* a section count (after 6 header words) */
         K3_CHECK_ERR(rank_step_decode(w, n, &d, "test"), K3_ERR_FORMAT, "words, not");
         K3_CHECK_ERR(rank_step_decode(w, 4, &d, "test"), K3_ERR_FORMAT, "less than its header");
         for (int i = 0; i < n_own; i++) free(own[i]);

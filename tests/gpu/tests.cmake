@@ -38,6 +38,12 @@ add_test(NAME gpu_moe_ep COMMAND ${K3_GPU_PYTHON3} ${CMAKE_CURRENT_LIST_DIR}/gpu
                                  ${MPIEXEC_EXECUTABLE})
 set_tests_properties(gpu_moe_ep PROPERTIES LABELS "${K3_GPU_LABEL}" TIMEOUT 300
                      SKIP_RETURN_CODE 77 ENVIRONMENT "${K3_TEST_ENV_MPI}")
+# a skewed prompt (16 identical tokens, over the device route's capacity) on 2x2 cuda + nccl:
+# prefill host-routed, the run succeeds byte-identical to 1x1 (tests/gpu/gpu_moe_skew.py)
+add_test(NAME gpu_moe_skew COMMAND ${K3_GPU_PYTHON3} ${CMAKE_CURRENT_LIST_DIR}/gpu_moe_skew.py
+                                   ${MPIEXEC_EXECUTABLE})
+set_tests_properties(gpu_moe_skew PROPERTIES LABELS "${K3_GPU_LABEL}" TIMEOUT 300
+                     SKIP_RETURN_CODE 77 ENVIRONMENT "${K3_TEST_ENV_MPI}")
 if(K3_CUDA_EMULATE AND NOT K3_SANITIZE)
   # issue 44's acceptance: small --pp 2 --ep 2 on cuda + nccl (tensor-core MoE, split activations)
   # vs plain cpu, 3 prompts x 16 tokens (tests/gpu/gpu_small.py). 7-14 minutes even without
