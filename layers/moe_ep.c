@@ -123,6 +123,18 @@ k3_status k3_layers_moe_ep_create(k3_stage *s) {
                                  "MoE dispatch item rows", (void **)&s->ep_pos);
     }
     k3_free(cnt), k3_free(dest), k3_free(glob);
+    /* Each MoE layer's experts through the (zero-filled: no rows) receive slabs once, now: the
+       backend builds a layer's expert table at its first call, an allocation that a captured
+       step cannot make, and the first device-routed step of a lane may be captured (prefill is
+       host-routed, and a lane may get no rows of a layer there). */
+    for (int l = s->p.layer_begin; st == K3_OK && l < s->p.layer_end; l++) {
+        const k3_expert_w *ex = s->w->layers[l].experts;
+        if (!k3_config_is_moe(c, l) || !ex) continue;
+        st = s->be->mem_->moe_ep_experts(
+            s->be, &s->ep, s->ep_recv, s->ep_glob + (size_t)(l - s->p.layer_begin) * (size_t)EL,
+            &ex->w1, &ex->w3, &ex->w2, sizeof *ex, c->act == K3_ACT_SWIGLU ? -1.0f : c->situ_beta,
+            c->situ_linear_beta, s->ep_h, s->ep_iwork, s->ep_ret);
+    }
     return st;
 }
 

@@ -4,10 +4,12 @@ emulation build, gpu on a device). cuda + nccl, the tiny model made in a temp di
   1 x 4 (`mpirun -np 4 k3 run --ep 4 --comm nccl --op-stats`): a decode step's op count is the
       same with 1 sequence and with 16, for two different prompt sets (two routings), on every
       lane with decode steps, and each makes <= 1 host sync;
-  capacity: 2 x 2 with K3_TEST_ROUTE_ONE_EXPERT=3 (every slot to expert 3) and
-      --max-batch-tokens 8 (capacity min(8, ceil(8 x 4 x 2 / 16)) = 4 rows per (sender, expert)):
-      the 5-token prompt gives expert 3 20 rows, and the run fails naming the layer, the expert
-      and the capacity (never a silent drop), without hanging.
+  capacity: 2 x 2 with K3_TEST_ROUTE_ONE_EXPERT=3 (every slot to expert 3), --max-batch-tokens 8
+      and --max-seqs 2 (capacity min(8, max(ceil(8 x 4 x 2 / 16), min(8, 2))) = 4 rows per
+      (sender, expert)), 4 prompts (2 a lane): the prefill round is host-routed (no capacity), so
+      with --n 1 the run succeeds; with --n 2 the decode round's 2 tokens a lane give expert 3 8
+      rows, and the run fails naming the layer, the expert and the capacity (never a silent
+      drop), without hanging.
 usage: gpu_moe_ep.py MPIEXEC   (K3_BIN = the k3 binary). Exit code only (77 = skipped)."""
 import json
 import os
@@ -75,11 +77,15 @@ def main():
         check(len(ops) == len(sets) and len(counts) == 1,
               "1x4: decode ops per step the same for 1 and 16 sequences and both routings: %s"
               % ops)
-        p = run(model, ["--pp", "2", "--ep", "2", "--max-batch-tokens", "8"], "1,2,3,4,5;9,8,7",
-                ["--n", "2"], env={"K3_TEST_ROUTE_ONE_EXPERT": "3"})
-        check(p.returncode != 0 and re.search(r"layer 1: moe_experts: expert 3 received 20 rows, "
+        grid = ["--pp", "2", "--ep", "2", "--max-batch-tokens", "8", "--max-seqs", "2"]
+        one = {"K3_TEST_ROUTE_ONE_EXPERT": "3"}
+        p = run(model, grid, "1,2,3;9,8,7;4,5;6", ["--n", "1"], env=one)
+        check(p.returncode == 0, "2x2, every slot to expert 3, prefill only (host-routed): exit %d "
+              "%s" % (p.returncode, [l for l in p.stderr.splitlines() if " E] " in l][:1]))
+        p = run(model, grid, "1,2,3;9,8,7;4,5;6", ["--n", "2"], env=one)
+        check(p.returncode != 0 and re.search(r"layer 1: moe_experts: expert 3 received 8 rows, "
                                               r"over its capacity of 4 rows", p.stderr),
-              "2x2, every slot to expert 3: the overflow is named (exit %d) %s"
+              "2x2, every slot to expert 3, a decode round: the overflow is named (exit %d) %s"
               % (p.returncode, [l for l in p.stderr.splitlines() if " E] " in l][:1]))
     print("gpu_moe_ep: %s" % ("FAIL (%d)" % len(fails) if fails else "ok"), flush=True)
     return 1 if fails else 0

@@ -9,7 +9,8 @@ usage: gpu_opstats.py MPIEXEC   (K3_BIN = the k3 binary; a tiny model is made in
     - routed on the device (issue 45): every stage's decode makes <= 1 host sync (the step's one
       read: flags, deferred checks, and the logits on the last stage) and no NCCL wait on the
       stream (comm_host_syncs_per_step 0: a watcher thread times the NCCL work);
-    - "comm" is "nccl", "routing" "device" and "routing_note" says why.
+    - "comm" is "nccl", "routing" "device" and "routing_note" says why (decode rounds on the
+      device, prefill rounds host-routed).
   The same with K3_MOE_HOST_ROUTE=1 (the host-routed exchange): routing "host", and the
   transport's own waits are counted (stage 0: 0 < comm_host_syncs_per_step <= host syncs).
   The same with --comm mpi: comm_host_syncs_per_step == 0 (its syncs are the backend's
@@ -73,7 +74,10 @@ def main():
         d = stats(tmp, model, "nccl")
         if d:
             check(d.get("comm") == "nccl" and d.get("routing") == "device"
-                  and d.get("routing_note", "").startswith("nccl: routed on the device"),
+                  and d.get("routing_note", "").startswith("nccl: decode rounds routed on the "
+                                                           "device")
+                  and "Prefill rounds" in d.get("routing_note", "")
+                  and "host-routed" in d.get("routing_note", ""),
                   "nccl: comm, routing and its note: %s %s" % (d.get("comm"), d.get("routing")))
             for stage in (0, 1):
                 busy = [e for e in d["stages"] if e["stage"] == stage and e["decode"]["steps"]]
