@@ -23,6 +23,8 @@ import subprocess
 import sys
 import tempfile
 
+from k3_gpu_skip import usable_reason
+
 K3 = os.environ.get("K3_BIN")
 MPI = sys.argv[1] if len(sys.argv) > 1 else "mpirun"
 PROMPTS = ",".join(["7"] * 16) + ";1,2,3"
@@ -55,9 +57,9 @@ def main():
     if not K3:
         print("FAIL: K3_BIN is not set")
         return 1
-    v = subprocess.run([K3, "version"], capture_output=True, text=True)
-    if "cuda" not in v.stdout + v.stderr or "nccl" not in v.stdout + v.stderr:
-        print("SKIP: this k3 has no cuda backend or nccl transport")
+    why = usable_reason(K3, nccl=True)
+    if why:
+        print("SKIP: " + why)
         return 77
     with tempfile.TemporaryDirectory() as tmp:
         model = os.path.join(tmp, "tiny")
