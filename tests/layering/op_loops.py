@@ -27,8 +27,12 @@ OPCALL = re.compile(r"(\bops->|->ops->)\w+\s*\(|\bk3_(moe|layers)_\w+\s*\(")
 
 
 def strip_comments(src):
-    src = re.sub(r"/\*.*?\*/", lambda m: re.sub(r"[^\n]", " ", m.group(0)), src, flags=re.S)
-    return re.sub(r"//[^\n]*", "", src)
+    """Comments and the insides of string and char literals blanked (lines kept): a ')' in a
+    message such as "outside [0, %lld)" must not end a loop's statement for loop_body."""
+    blank = lambda m: re.sub(r"[^\n]", " ", m.group(0))
+    src = re.sub(r'/\*.*?\*/|//[^\n]*|"(?:\\.|[^"\\\n])*"|\'(?:\\.|[^\'\\\n])*\'', blank, src,
+                 flags=re.S)
+    return src
 
 
 def loop_body(src, i):
