@@ -17,7 +17,11 @@ import tempfile
 K3 = os.environ["K3_BIN"]
 MPIEXEC = sys.argv[1] if len(sys.argv) > 1 else "mpirun"
 SEQS, CTX, TOKENS, P = 64, 111, 256, 110  # slots per lane, tokens per slot, per step, prompt
-WRAP = """import os, resource, subprocess, sys
+# The wrapper outlives mpirun's SIGTERM of the job (k3's abort of a refused run): a Python
+# handler, not SIG_IGN, so k3 (exec'd with the default action) still dies of it, and the wrapper
+# prints its child's peak before it goes.
+WRAP = """import os, resource, signal, subprocess, sys
+signal.signal(signal.SIGTERM, lambda *_: None)
 p = subprocess.run(sys.argv[1:])
 print(f"RSS rank {os.environ.get('OMPI_COMM_WORLD_RANK')} {resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss}", file=sys.stderr)
 sys.exit(p.returncode)
@@ -30,7 +34,8 @@ def ranks_rss(args, want_rc):
     # a run that must fail: mpirun must not kill the other ranks at the first non-zero exit, or a
     # wrapper killed before it printed loses that rank's line (seen in CI: ranks [0, 1, 3]). The
     # refused job still ends by k3's abort of every rank, which can take a wrapper with it before
-    # it prints: such a run measured nothing, and is made again (at most 3 times).
+    # it prints (the wrapper now outlives the SIGTERM; SIGKILL could still come first): such a run
+    # measured nothing, and is made again (at most 3 times).
     env = dict(os.environ, OMPI_MCA_orte_abort_non_zero_exit="0") if want_rc else None
     for attempt in range(3 if want_rc else 1):
         p = subprocess.run(cmd, capture_output=True, text=True, timeout=180, env=env)
