@@ -12,6 +12,7 @@
 #include <cjson/cJSON.h>
 #include <math.h>
 #include <stdio.h>
+#include <stdlib.h>
 #include <unistd.h>
 
 #include "engine_args.h"
@@ -41,6 +42,11 @@ static const k3_flag flags[] = {
      "the prefix cache's budget per lane (0 = the paged cache; sizes its snapshot pool; as "
      "run/batch/serve)"},
     {"max-tokens", K3_FLAG_INT, "N", NULL, "old name of --max-batch-tokens"},
+    {"backend", K3_FLAG_STR, "NAME", NULL,
+     "cpu | cuda: the ranks' backend (default: cuda on a GPU site, else cpu); cuda adds the "
+     "captured steps' pad slot and block, and cuda with nccl the device-routed MoE exchange's "
+     "slabs (docs/DESIGN.md §5)"},
+    {"comm", K3_FLAG_STR, "NAME", "auto", "auto | mpi | nccl: the transport (auto: nccl on cuda)"},
     {"nodes", K3_FLAG_INT, "N", NULL, "nodes of the site (with --gpu; default 1)"},
     {"gpus-per-node", K3_FLAG_INT, "G", NULL,
      "ranks per node: one per GPU (with --gpu cpu: cpu ranks per node; default 8, cpu 1)"},
@@ -188,6 +194,8 @@ static void print_json(const plan_out *po) {
     cJSON_AddNumberToObject(cap, "max_seqs", po->req->max_seqs_per_lane);
     cJSON_AddNumberToObject(cap, "max_ctx", (double)po->req->max_ctx);
     cJSON_AddNumberToObject(cap, "max_batch_tokens", (double)po->req->max_tokens);
+    cJSON_AddBoolToObject(cap, "graph_pad_slot", po->req->graphs);       /* cuda: one more slot */
+    cJSON_AddBoolToObject(cap, "moe_device_slabs", po->req->moe_device); /* cuda + nccl */
     { /* per-sequence and per-token sizes of the whole model (every layer) */
         uint64_t mla, kc, kr;
         k3_plan_seq_bytes(po->cfg, 0, po->cfg->n_layers, 1, &mla, &kc, &kr);
@@ -352,8 +360,11 @@ static void print_tables(const plan_out *po) {
         fputs(buf, stdout);
         k3_free(buf);
     }
-    printf("memory by kind (GB): capacity %d seqs x %lld tokens per lane, %lld tokens per step\n",
-           po->req->max_seqs_per_lane, (long long)po->req->max_ctx, (long long)po->req->max_tokens);
+    printf(
+        "memory by kind (GB): capacity %d seqs x %lld tokens per lane, %lld tokens per step%s%s\n",
+        po->req->max_seqs_per_lane, (long long)po->req->max_ctx, (long long)po->req->max_tokens,
+        po->req->graphs ? "; + 1 pad slot (cuda graphs)" : "",
+        po->req->moe_device ? "; the device-routed MoE slabs in buffers (cuda + nccl)" : "");
     if (s && s->nodes > 1) {
         char host[256] = "?";
         gethostname(host, sizeof host - 1);
@@ -576,13 +587,32 @@ static int run_plan(const k3_args *a) {
             ? 0
             : k3_plan_prefix_snapshots(pct > 0 ? (pct + K3_KV_BLOCK - 1) / K3_KV_BLOCK : kv_blocks,
                                        (int)seqs);
+    /* the backend and transport, as the engine resolves them (rank/setup.c's plan request) */
+    const char *be = k3_args_str(a, "backend"), *comm = k3_args_str(a, "comm");
+    if (!be) be = have_site && site.gpu ? "cuda" : "cpu";
+    if (strcmp(be, "cpu") != 0 && strcmp(be, "cuda") != 0) {
+        fprintf(stderr, "k3 plan: --backend '%s': want cpu or cuda\n", be);
+        return 2;
+    }
+    if (strcmp(comm, "auto") != 0 && strcmp(comm, "mpi") != 0 && strcmp(comm, "nccl") != 0) {
+        fprintf(stderr, "k3 plan: --comm '%s': want auto, mpi or nccl\n", comm);
+        return 2;
+    }
+    const bool cuda = strcmp(be, "cuda") == 0;
+    if (!cuda && strcmp(comm, "nccl") == 0) {
+        fprintf(stderr, "k3 plan: --comm nccl needs --backend cuda\n");
+        return 2;
+    }
+    const bool nccl = cuda && strcmp(comm, "mpi") != 0;
     k3_plan_req req = {.world = (int)world,
                        .coord = cm,
                        .max_ctx = ctx,
                        .max_seqs_per_lane = (int)seqs,
                        .max_tokens = toks,
                        .kv_cache_tokens = kvt,
-                       .prefix_snapshots = snaps};
+                       .prefix_snapshots = snaps,
+                       .moe_device = nccl && !getenv("K3_MOE_HOST_ROUTE"),
+                       .graphs = cuda};
     plan_out po = {.cfg = &cfg,
                    .req = &req,
                    .site = have_site ? &site : NULL,

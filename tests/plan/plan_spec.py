@@ -78,7 +78,9 @@ near("MLA cache per token, KB (§0 l.30: 27.6 KB bf16, x2 fp32)", j["model"]["ml
 seqs, ctx = j["capacity"]["max_seqs"], j["capacity"]["max_ctx"]
 lane0 = [r for r in j["ranks"] if r["lane"] == 0]
 near("MLA cache of a lane's stages / (seqs x ctx), KB", sum(r["memory"]["mla_cache"] for r in lane0) / seqs / ctx / 1e3, 2 * 27.6)
-near("KDA state of a lane's stages / seqs, MB", sum(r["memory"]["kda_state"] for r in lane0) / seqs / MB, 434 + 2 * 15.25)
+# (a cuda plan keeps one more slot for the captured steps' pad rows: docs/DESIGN.md §5)
+slots = seqs + (1 if j["capacity"]["graph_pad_slot"] else 0)
+near("KDA state of a lane's stages / slots, MB", sum(r["memory"]["kda_state"] for r in lane0) / slots / MB, 434 + 2 * 15.25)
 # §0 line 34: non-expert BF16 ≈ 0.1 TB. One significant digit, and ours includes the embedding, the
 # LM head and the shared experts: checked loosely (20%), not to 5%.
 ne = sum(r["memory"]["weights_bf16"] + r["memory"]["weights_other"] for r in lane0) / GB
@@ -176,6 +178,24 @@ if nd["shared_bytes"] != 3 * ne or nd["ranks_bytes"] != tot or nd["total_bytes"]
 if not (big > 0.9 * 480e9 and nd["total_bytes"] <= 0.9 * 1920e9 and nd["fits"] and jc["fits"]):
     fails.append(f"cpu node: a node of 4 x 480 GB holds ranks of {big / GB:.0f} GB each "
                  f"({nd['total_bytes'] / GB:.0f} GB together) yet fits={nd['fits']}/{jc['fits']}")
+
+# --backend / --comm: cuda + nccl routes decode's MoE on the device, whose slabs are buffers
+# (docs/DESIGN.md §5 "Capacity rule"): per lane send, receive and return, each >= n_experts x cap
+# rows of the latent width in fp32, cap = ceil(512 x 16 x 2 / 896) = 19 at the defaults.
+jn = jplan("--pp", "4", "--ep", "8", "--backend", "cuda", "--comm", "nccl")
+jm = jplan("--pp", "4", "--ep", "8", "--backend", "cuda", "--comm", "mpi")
+slab = 896 * 19 * 3584 * 4
+if not (jn["capacity"]["moe_device_slabs"] and not jm["capacity"]["moe_device_slabs"]):
+    fails.append(f"moe_device_slabs: nccl {jn['capacity']}, mpi {jm['capacity']}")
+for rn, rm in zip(jn["ranks"], jm["ranks"]):
+    if rn["buffer_bytes"] - rm["buffer_bytes"] < 3 * slab:
+        fails.append(f"rank {rn['rank']}: cuda + nccl buffers {rn['buffer_bytes']} vs mpi "
+                     f"{rm['buffer_bytes']}: want >= 3 x {slab} more (the slabs)")
+        break
+print(f"cuda + nccl PP4xEP8: rank 0 buffers {jn['ranks'][0]['buffer_bytes'] / GB:.2f} GB "
+      f"(mpi {jm['ranks'][0]['buffer_bytes'] / GB:.2f} GB)")
+plan("--backend", "gpu", rc=2)
+plan("--comm", "nccl", "--backend", "cpu", rc=2)
 
 print("plan_spec:", "PASS" if not fails else "FAIL: " + "; ".join(fails))
 sys.exit(1 if fails else 0)
