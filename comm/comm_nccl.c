@@ -323,49 +323,40 @@ static k3_status dev_stream(k3_comm *c, k3_backend *be, cudaStream_t *s) {
     return K3_OK;
 }
 
-/* ep_alltoallv on backend buffers: no staging (counts in 4-byte words, sent as ncclUint32). */
+/* ep_alltoallv on backend buffers: no staging (counts in 4-byte words, sent as ncclUint32).
+ * wait: polled to completion here (nccl_wait); else only enqueued (the device-routed exchange:
+ * fixed sizes, its buffers used next in the same stream only), and the watcher times it. */
+static k3_status ep_alltoallv_dev(k3_comm *c, k3_backend *be, const void *send,
+                                  const int64_t *scount, const int64_t *sdispl, void *recv,
+                                  const int64_t *rcount, const int64_t *rdispl, const char *what,
+                                  bool wait) {
+    nccl_state *st = N(c);
+    if (!st->ep) return K3_ERR(K3_ERR_STATE, "nccl: %s: this rank has no EP group", what);
+    cudaStream_t s;
+    K3_TRY(dev_stream(c, be, &s));
+    NCCL_TRY(ncclGroupStart());
+    for (int e = 0; e < c->n_lanes; e++) {
+        if (scount[e])
+            NCCL_GROUP_TRY(ncclSend((const char *)send + sdispl[e] * 4, (size_t)scount[e],
+                                    ncclUint32, e, st->ep, s));
+        if (rcount[e])
+            NCCL_GROUP_TRY(ncclRecv((char *)recv + rdispl[e] * 4, (size_t)rcount[e], ncclUint32, e,
+                                    st->ep, s));
+    }
+    NCCL_TRY(ncclGroupEnd());
+    return wait ? nccl_wait(c, &st->ep, s, what) : enqueue_done(c, &st->ep, s, what);
+}
 static k3_status nccl_ep_alltoallv_dev(k3_comm *c, k3_backend *be, const void *send,
                                        const int64_t *scount, const int64_t *sdispl, void *recv,
                                        const int64_t *rcount, const int64_t *rdispl,
                                        const char *what) {
-    nccl_state *st = N(c);
-    if (!st->ep) return K3_ERR(K3_ERR_STATE, "nccl: %s: this rank has no EP group", what);
-    cudaStream_t s;
-    K3_TRY(dev_stream(c, be, &s));
-    NCCL_TRY(ncclGroupStart());
-    for (int e = 0; e < c->n_lanes; e++) {
-        if (scount[e])
-            NCCL_GROUP_TRY(ncclSend((const char *)send + sdispl[e] * 4, (size_t)scount[e],
-                                    ncclUint32, e, st->ep, s));
-        if (rcount[e])
-            NCCL_GROUP_TRY(ncclRecv((char *)recv + rdispl[e] * 4, (size_t)rcount[e], ncclUint32, e,
-                                    st->ep, s));
-    }
-    NCCL_TRY(ncclGroupEnd());
-    return nccl_wait(c, &st->ep, s, what);
+    return ep_alltoallv_dev(c, be, send, scount, sdispl, recv, rcount, rdispl, what, true);
 }
-
-/* ep_alltoallv_dev with no wait (the device-routed exchange: fixed sizes, its buffers used next
- * in the same stream only): the watcher times it. */
 static k3_status nccl_ep_alltoallv_dev_async(k3_comm *c, k3_backend *be, const void *send,
                                              const int64_t *scount, const int64_t *sdispl,
                                              void *recv, const int64_t *rcount,
                                              const int64_t *rdispl, const char *what) {
-    nccl_state *st = N(c);
-    if (!st->ep) return K3_ERR(K3_ERR_STATE, "nccl: %s: this rank has no EP group", what);
-    cudaStream_t s;
-    K3_TRY(dev_stream(c, be, &s));
-    NCCL_TRY(ncclGroupStart());
-    for (int e = 0; e < c->n_lanes; e++) {
-        if (scount[e])
-            NCCL_GROUP_TRY(ncclSend((const char *)send + sdispl[e] * 4, (size_t)scount[e],
-                                    ncclUint32, e, st->ep, s));
-        if (rcount[e])
-            NCCL_GROUP_TRY(ncclRecv((char *)recv + rdispl[e] * 4, (size_t)rcount[e], ncclUint32, e,
-                                    st->ep, s));
-    }
-    NCCL_TRY(ncclGroupEnd());
-    return enqueue_done(c, &st->ep, s, what);
+    return ep_alltoallv_dev(c, be, send, scount, sdispl, recv, rcount, rdispl, what, false);
 }
 
 /* The stage hand-off: n_bytes of backend memory to / from world rank peer. */
