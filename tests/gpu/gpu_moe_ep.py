@@ -18,7 +18,7 @@ import subprocess
 import sys
 import tempfile
 
-from k3_gpu_skip import usable_reason
+from k3_gpu_skip import gate, make_tiny
 
 K3 = os.environ.get("K3_BIN")
 MPI = sys.argv[1] if len(sys.argv) > 1 else "mpirun"
@@ -41,16 +41,11 @@ def run(model, grid, prompts, extra, env=None, stats=None):
 
 
 def main():
-    if not K3:
-        print("FAIL: K3_BIN is not set")
-        return 1
-    why = usable_reason(K3, nccl=True)
-    if why:
-        print("SKIP: " + why)
-        return 77
+    rc = gate(K3, nccl=True)
+    if rc is not None:
+        return rc
     with tempfile.TemporaryDirectory() as tmp:
-        model = os.path.join(tmp, "tiny")
-        subprocess.run([K3, "make-tiny", model], check=True, capture_output=True)
+        model = make_tiny(K3, tmp)
         sets = {"1 seq": "1,2,3",
                 "16 seqs A": ";".join(",".join(str((i * 7 + j * 3) % 4000 + 1) for j in range(3))
                                       for i in range(16)),

@@ -23,7 +23,7 @@ import subprocess
 import sys
 import tempfile
 
-from k3_gpu_skip import usable_reason
+from k3_gpu_skip import gate, make_tiny
 
 K3 = os.environ.get("K3_BIN")
 MPI = sys.argv[1] if len(sys.argv) > 1 else "mpirun"
@@ -54,16 +54,11 @@ def run(tmp, model, tag, grid, prompts=PROMPTS, extra=(), env=None):
 
 
 def main():
-    if not K3:
-        print("FAIL: K3_BIN is not set")
-        return 1
-    why = usable_reason(K3, nccl=True)
-    if why:
-        print("SKIP: " + why)
-        return 77
+    rc = gate(K3, nccl=True)
+    if rc is not None:
+        return rc
     with tempfile.TemporaryDirectory() as tmp:
-        model = os.path.join(tmp, "tiny")
-        subprocess.run([K3, "make-tiny", model], check=True, capture_output=True)
+        model = make_tiny(K3, tmp)
         one = run(tmp, model, "1x1", [])
         two = run(tmp, model, "2x2", ["--pp", "2", "--ep", "2", "--comm", "nccl"])
         check(one is not None and two is not None and filecmp.cmp(one[0], two[0], shallow=False),

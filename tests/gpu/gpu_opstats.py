@@ -28,7 +28,7 @@ import subprocess
 import sys
 import tempfile
 
-from k3_gpu_skip import usable_reason
+from k3_gpu_skip import gate, make_tiny
 
 K3 = os.environ.get("K3_BIN")
 MPI = sys.argv[1] if len(sys.argv) > 1 else "mpirun"
@@ -58,16 +58,11 @@ def stats(tmp, model, comm, np_=4, env=None, tag=""):
 
 
 def main():
-    if not K3:
-        print("FAIL: K3_BIN is not set")
-        return 1
-    why = usable_reason(K3, nccl=True)
-    if why:
-        print("SKIP: " + why)
-        return 77
+    rc = gate(K3, nccl=True)
+    if rc is not None:
+        return rc
     with tempfile.TemporaryDirectory() as tmp:
-        model = os.path.join(tmp, "tiny")
-        subprocess.run([K3, "make-tiny", model], check=True, capture_output=True)
+        model = make_tiny(K3, tmp)
         keys = ["ops_per_step", "host_syncs_per_step", "comm_host_syncs_per_step",
                 "graph_launches_per_step"]
         # nccl + cuda: routed on the device; the step's one read is its only host sync

@@ -1,10 +1,12 @@
-"""k3_gpu_skip.py — whether this k3 can run the gpu tests (standard library only).
+"""k3_gpu_skip.py — whether this k3 can run the gpu tests, and their common start (standard
+library only).
 
 `usable_reason(k3, nccl)` returns None when `k3 version` lists cuda among the backends usable here
 (and, with nccl=True, nccl among the transports compiled), else the reason to print before exiting
 77 (ctest's SKIP_RETURN_CODE). Read from the lines themselves: "cuda: not compiled in" elsewhere
 in the text must not count as a cuda backend.
 """
+import os
 import subprocess
 
 
@@ -18,3 +20,22 @@ def usable_reason(k3, nccl=False):
     if nccl and (not comm or "nccl" not in comm[0].split(":", 1)[1].split()):
         return "this k3 has no nccl transport: " + (comm[0] if comm else v.strip())
     return None
+
+
+def gate(k3, nccl=False):
+    """The exit code a test returns before it starts (1: K3_BIN unset, 77: skipped), or None."""
+    if not k3:
+        print("FAIL: K3_BIN is not set")
+        return 1
+    why = usable_reason(k3, nccl)
+    if why:
+        print("SKIP: " + why)
+        return 77
+    return None
+
+
+def make_tiny(k3, tmp, *args):
+    """`k3 make-tiny` into tmp/tiny (args: its flags); returns the model's directory."""
+    model = os.path.join(tmp, "tiny")
+    subprocess.run([k3, "make-tiny", model, *args], check=True, capture_output=True)
+    return model
