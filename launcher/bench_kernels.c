@@ -18,6 +18,8 @@
  * elementwise array (copy2d: cudaMemcpy2DAsync) in the same run. Under the CUDA emulation each
  * op runs once on 1 MiB shapes (unless --size-mb) and its row holds counts only: the bytes and
  * FLOPs it must move and do, and the mma.m16n8k16 it ran.
+ * On a host backend the MoE experts' own small matrices follow (expert_rows: small's MXFP4
+ * shapes, cold over many copies and in cache).
  * Adding an op: a block in bench_kernels_run that fills a bench_op and calls add_row. */
 #include "bench.h"
 
@@ -110,6 +112,7 @@ static void off_be(k3_backend *be, void *dev, const void *host) {
 /* ---- ops ------------------------------------------------------------------------------------ */
 typedef enum {
     OP_MATMUL,
+    OP_MATMUL_SET,
     OP_MATMUL_TN,
     OP_SILU,
     OP_SIGMOID,
@@ -121,7 +124,7 @@ typedef enum {
 
 typedef struct {
     op_kind k;
-    const k3_tensor *W;
+    const k3_tensor *W; /* OP_MATMUL_SET: n weights, one matmul each, in this order */
     const float *x;
     int64_t T, n;
     float *y;
@@ -131,6 +134,9 @@ static k3_status run_op(k3_backend *be, const bench_op *o) {
     switch (o->k) {
     case OP_MATMUL:
         return be->ops->matmul(be, o->x, o->T, o->W, o->y);
+    case OP_MATMUL_SET:
+        for (int64_t i = 0; i < o->n; i++) K3_TRY(be->ops->matmul(be, o->x, o->T, &o->W[i], o->y));
+        return K3_OK;
     case OP_MATMUL_TN:
         return be->ops->matmul_tn(be, o->x, o->T, o->W, o->y);
     case OP_SILU:
@@ -271,6 +277,56 @@ static k3_status matmuls(kctx *k, bench_report *rep, const bench_limits *lim, k3
     return st;
 }
 
+/* A MoE layer's experts as the `small` preset has them: MXFP4 [384, 768] (gate, up) and
+ * [768, 384] (down), each its own small matrix, as the engine calls them. T = 1 over copies that
+ * fill `bytes`, one call each in a scattered order (a decode step's experts: each matrix starts
+ * cold, past the caches); T = 1 on one matrix again and again (in cache: the rate the MXFP4
+ * decode itself allows); T = 64 on one matrix (a 512-token prompt gives each of 64 experts ~64
+ * rows). Host backends only (a device has its own grouped expert kernel). */
+#define EXP_N_MAX 4096
+static k3_status expert_rows(kctx *k, bench_report *rep, const bench_limits *lim, k3_rng *rng,
+                             int64_t bytes, const float *x, float *y) {
+    static const int64_t shapes[2][2] = {{384, 768}, {768, 384}};
+    k3_status st = K3_OK;
+    for (int s = 0; st == K3_OK && s < 2; s++) {
+        const int64_t out = shapes[s][0], in = shapes[s][1];
+        const int64_t wbytes = out * in / 2 + out * in / 32;
+        const int64_t n = K3_MAX((int64_t)1, K3_MIN((int64_t)EXP_N_MAX, bytes / wbytes));
+        k3_tensor big, *W = NULL;
+        st = make_weight(rng, K3_DT_MXFP4, n * out, in, &big);
+        if (st != K3_OK) return st;
+        st = k3_alloc((void **)&W, (size_t)n * sizeof *W, "bench experts");
+        for (int64_t i = 0; st == K3_OK && i < n; i++) { /* copy j's place in the call order */
+            const int64_t j = (i * 7919) % n;
+            st = k3_tensor_rows(&big, j * out, out, &W[i]);
+        }
+        const double mb = (double)wbytes;
+        char name[96];
+        for (int v = 0; st == K3_OK && v < 3; v++) {
+            const int64_t T = v == 2 ? 64 : 1, calls = v == 0 ? n : 16;
+            k3_tensor *Wv = W;
+            k3_tensor rep16[16];
+            if (v > 0) {
+                for (int r = 0; r < 16; r++) rep16[r] = W[0];
+                Wv = rep16;
+            }
+            if (v == 0)
+                snprintf(name, sizeof name, "experts MXFP4 %lldx%lld T=1, %lld matrices",
+                         (long long)out, (long long)in, (long long)n);
+            else
+                snprintf(name, sizeof name, "expert MXFP4 %lldx%lld T=%lld, in cache",
+                         (long long)out, (long long)in, (long long)T);
+            bench_op op = {OP_MATMUL_SET, Wv, x, T, calls, y};
+            st = add_row(k, rep, lim, name, &op,
+                         (double)calls * (mb + 4.0 * (double)T * (double)(in + out)),
+                         (double)calls * 2.0 * (double)T * (double)in * (double)out);
+        }
+        k3_free(W);
+        k3_free(big.data), k3_free(big.scale);
+    }
+    return st;
+}
+
 static k3_status meta(bench_report *rep, const bench_kernels_opts *o, k3_backend *be, const kctx *k,
                       const bench_limits *lim, int64_t bytes) {
     bench_row *m = &rep->meta;
@@ -324,8 +380,9 @@ k3_status bench_kernels_run(const bench_kernels_opts *o, bench_report *rep) {
     }
     const int64_t n_ew = K3_MAX(bytes / 4 / 4096 * 4096, 4096); /* elementwise floats per array */
     const int64_t x_floats = K3_MAX(K3_MAX(o->prefill * in, o->prefill * max_out / 8 + 64),
-                                    K3_MAX(2 * n_ew, max_out)),
-                  y_floats = K3_MAX(K3_MAX(o->prefill * (max_out / 8 + 64), max_out), n_ew);
+                                    K3_MAX(K3_MAX(2 * n_ew, max_out), 64 * 768)),
+                  y_floats = K3_MAX(K3_MAX(o->prefill * (max_out / 8 + 64), max_out),
+                                    K3_MAX(n_ew, 64 * 768)); /* + expert_rows' */
 
     bench_limits lim;
     memset(&lim, 0, sizeof lim);
@@ -358,6 +415,7 @@ k3_status bench_kernels_run(const bench_kernels_opts *o, bench_report *rep) {
     }
     for (int d = 0; st == K3_OK && d < 3; d++)
         st = matmuls(&k, rep, &lim, &rng, ws[d].dt, outs[d], in, o->prefill, x, y);
+    if (st == K3_OK && !k.dev) st = expert_rows(&k, rep, &lim, &rng, bytes, x, y);
 
     const struct {
         op_kind k;

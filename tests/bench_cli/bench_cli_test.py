@@ -18,7 +18,9 @@ Groups (pytest -k):
       against bench_serve.schema.json and its token counts (warm-up requests included, reported
       apart) equal the deltas of the server's /metrics counters over the run.
   kernels       : `k3 bench kernels` at small sizes (--size-mb, --prefill): the JSON validates
-      against bench_kernels.schema.json; every op is there once with repetitions samples, its
+      against bench_kernels.schema.json; the MoE experts' rows (small's MXFP4 shapes over copies
+      that fill --size-mb, and in cache at T = 1 and 64) count their calls' bytes and FLOPs;
+      every op is there once with repetitions samples, its
       seconds their median, GB/s and GFLOP/s and the fractions of the measured limits agree with
       the bytes, FLOPs and seconds; the table and the CSV have the same ops; model flags are
       refused (exit 2). And `k3 run`'s summary: decode GB/s and prefill GFLOP/s agree with the
@@ -204,6 +206,16 @@ def test_kernels(tmp_path):
                  "situ", "swiglu", "softmax"):
         assert any(o.startswith(kind) for o in ops), (kind, ops)
     assert sum(o.endswith("T=4") for o in ops) == 3 and sum(o.endswith("T=1") for o in ops) == 4
+    # the MoE experts' own matrices (small's shapes): over copies filling --size-mb, and in cache
+    for out, inn in ((384, 768), (768, 384)):
+        wb = out * inn // 2 + out * inn // 32
+        n = (2 << 20) // wb
+        many = [x for x in res if x["op"] == f"experts MXFP4 {out}x{inn} T=1, {n} matrices"]
+        assert len(many) == 1 and many[0]["flops"] == n * 2 * out * inn, (out, inn, ops)
+        assert many[0]["bytes"] == n * (wb + 4 * (inn + out))
+        for T in (1, 64):
+            one = [x for x in res if x["op"] == f"expert MXFP4 {out}x{inn} T={T}, in cache"]
+            assert len(one) == 1 and one[0]["flops"] == 16 * 2 * T * out * inn, (out, inn, T, ops)
     rel = lambda a, b, e=1e-9: abs(a - b) <= e * max(abs(b), 1e-30)
     for x in res:
         assert len(x["samples_s"]) == 3
