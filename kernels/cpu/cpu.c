@@ -272,57 +272,53 @@ static k3_status cpu_matmul_tn(k3_backend *be, const float *x, int64_t T, const 
     return K3_OK;
 }
 
-/* ---- row ops: reuse ref per row block from the pool --------------------------------------- */
+/* ---- norms: the ISA's row blocks (kern_tmpl.h norm_rows: ref's bits, VL tokens in the lanes),
+ * tasks of whole blocks of tokens from the pool; small calls on the caller ------------------------
+ */
+/* tokens of a norm task: a multiple of every ISA's VL */
+#define K3_CPU_NORM_BLOCK 16
 typedef struct {
-    const float *x;
-    const float *w;
-    int64_t n;
+    const float *x, *w;
+    int64_t xs, ys, n, T, per;
     float eps;
-    float *y;
     bool l2;
+    float *y;
+    const k3_cpu_kern *kern;
 } norm_job;
-static void norm_task(void *ctx, int64_t t) {
+static void norm_task(void *ctx, int64_t i) {
     const norm_job *j = ctx;
-    if (j->l2)
-        k3_ref_ops.l2norm(NULL, j->x + t * j->n, 1, j->n, j->eps, j->y + t * j->n);
-    else
-        k3_ref_ops.rmsnorm(NULL, j->x + t * j->n, j->w, 1, j->n, j->eps, j->y + t * j->n);
+    j->kern->norm_rows(j->x, j->xs, j->w, j->n, j->eps, j->l2, j->y, j->ys, i * j->per,
+                       K3_MIN(j->T, (i + 1) * j->per));
+}
+static void run_norm(k3_backend *be, const float *x, int64_t xs, const float *w, int64_t T,
+                     int64_t n, float eps, bool l2, float *y, int64_t ys) {
+    if (T <= 0) return;
+    norm_job j = {x, w, xs, ys, n, T, T, eps, l2, y, kern(be)};
+    if (T * n < K3_CPU_PAR_MIN_MACS || T <= K3_CPU_NORM_BLOCK) {
+        j.kern->norm_rows(x, xs, w, n, eps, l2, y, ys, 0, T);
+        return;
+    }
+    /* about 4 tasks a thread, each whole blocks */
+    const int64_t per = T / (4 * (int64_t)k3_pool_threads(k3_cpu_pool(be)));
+    j.per =
+        K3_MAX((int64_t)1, (per + K3_CPU_NORM_BLOCK - 1) / K3_CPU_NORM_BLOCK) * K3_CPU_NORM_BLOCK;
+    k3_pool_run(k3_cpu_pool(be), (T + j.per - 1) / j.per, norm_task, &j);
 }
 static k3_status cpu_rmsnorm(k3_backend *be, const float *x, const float *w, int64_t T, int64_t n,
                              float eps, float *y) {
-    norm_job j = {x, w, n, eps, y, false};
-    if (T * n < K3_CPU_PAR_MIN_MACS) {
-        return k3_ref_ops.rmsnorm(be, x, w, T, n, eps, y);
-    }
-    k3_pool_run(k3_cpu_pool(be), T, norm_task, &j);
+    run_norm(be, x, n, w, T, n, eps, false, y, n);
     return K3_OK;
 }
-/* rows of strided rmsnorm: one row per task, the reference row (the same bits as rmsnorm) */
-typedef struct {
-    const float *x, *w;
-    int64_t xs, ys, n;
-    float eps;
-    float *y;
-} norm_rows_job;
-static void norm_rows_task(void *ctx, int64_t t) {
-    const norm_rows_job *j = ctx;
-    k3_ref_ops.rmsnorm(NULL, j->x + t * j->xs, j->w, 1, j->n, j->eps, j->y + t * j->ys);
-}
+/* strided rmsnorm: the same rows, the same bits as rmsnorm */
 k3_status k3_cpu_rmsnorm_rows(k3_backend *be, const float *x, int64_t xs, const float *w, int64_t T,
                               int64_t n, float eps, float *y, int64_t ys) {
     K3_TRY(k3_kernels_check_rows(xs, ys, n));
-    if (T * n < K3_CPU_PAR_MIN_MACS) return k3_ref_rmsnorm_rows(be, x, xs, w, T, n, eps, y, ys);
-    norm_rows_job j = {x, w, xs, ys, n, eps, y};
-    k3_pool_run(k3_cpu_pool(be), T, norm_rows_task, &j);
+    run_norm(be, x, xs, w, T, n, eps, false, y, ys);
     return K3_OK;
 }
 static k3_status cpu_l2norm(k3_backend *be, const float *x, int64_t T, int64_t n, float eps,
                             float *y) {
-    norm_job j = {x, NULL, n, eps, y, true};
-    if (T * n < K3_CPU_PAR_MIN_MACS) {
-        return k3_ref_ops.l2norm(be, x, T, n, eps, y);
-    }
-    k3_pool_run(k3_cpu_pool(be), T, norm_task, &j);
+    run_norm(be, x, n, NULL, T, n, eps, true, y, n);
     return K3_OK;
 }
 
@@ -433,8 +429,10 @@ static k3_status cpu_attnres_mix(k3_backend *be, const float *bank, int n_bank, 
     if (T <= 0) return K3_OK;
     mix_args j = {bank, p, w, n_bank, T, D, eps, out, kern(be)};
     int64_t per = T;
-    if (T > 1 && T * D * (n_bank + 1) >= K3_CPU_PAR_MIN_MACS)
-        per = K3_MAX((int64_t)1, T / (4 * (int64_t)k3_pool_threads(k3_cpu_pool(be))));
+    if (T > 1 && T * D * (n_bank + 1) >= K3_CPU_PAR_MIN_MACS) /* whole blocks of tokens */
+        per = K3_MAX((int64_t)1,
+                     T / (4 * (int64_t)k3_pool_threads(k3_cpu_pool(be))) / K3_CPU_NORM_BLOCK) *
+              K3_CPU_NORM_BLOCK;
     run_ranges(be, T, per, mix_range, &j);
     return K3_OK;
 }

@@ -1,15 +1,15 @@
 /* cpu_kern.h — private to kernels/cpu/: the per-ISA kernel table of the cpu backend.
  *
  * Owns: the k3_cpu_kern struct (the hot loops: matmul row ranges, matmul_tn column ranges, the
- * elementwise activations, one softmax row, tiles of latent attention) and the three tables
- * built from one template (kern_tmpl.h) in three translation units compiled with their own flags:
- * kern_avx512.c (AVX-512 F/BW/VL/DQ), kern_avx2.c (AVX2 + FMA + F16C), kern_scalar.c (no SIMD
- * flags). isa.c picks one at backend creation from cpuid, or K3_ISA=avx512|avx2|scalar. Invariants:
- * a table's results are bit-reproducible on their own (every output is one fixed-order reduction,
- * independent of T, of the row/column range and of the thread); two tables may differ from each
- * other by summation order and by their exp/tanh polynomials (within the reference tolerances of
- * tests/tolerances.h), never from ref's semantics. Callers must not call a table whose ISA the CPU
- * lacks (only isa.c hands them out). */
+ * elementwise activations, one softmax row, tiles of latent attention, the norms' row blocks) and
+ * the three tables built from one template (kern_tmpl.h) in three translation units compiled with
+ * their own flags: kern_avx512.c (AVX-512 F/BW/VL/DQ), kern_avx2.c (AVX2 + FMA + F16C),
+ * kern_scalar.c (no SIMD flags). isa.c picks one at backend creation from cpuid, or
+ * K3_ISA=avx512|avx2|scalar. Invariants: a table's results are bit-reproducible on their own (every
+ * output is one fixed-order reduction, independent of T, of the row/column range and of the
+ * thread); two tables may differ from each other by summation order and by their exp/tanh
+ * polynomials (within the reference tolerances of tests/tolerances.h), never from ref's semantics.
+ * Callers must not call a table whose ISA the CPU lacks (only isa.c hands them out). */
 #ifndef K3_CPU_KERN_H
 #define K3_CPU_KERN_H
 
@@ -82,6 +82,11 @@ struct k3_cpu_kern {
                      int64_t width, float *y);
     void (*attnres_rows)(const float *bank, int n_bank, const float *p, const float *w, int64_t T,
                          int64_t D, float eps, float *out, int64_t t0, int64_t t1);
+    /* rmsnorm (l2 false; w NULL: ones) or l2norm (l2 true) of rows [t0, t1), row t at x + t·xs
+       and y + t·ys (y may alias x with the same strides): ref's row code's bits, VL rows at a
+       time with the tokens in the lanes (kern_tmpl.h). */
+    void (*norm_rows)(const float *x, int64_t xs, const float *w, int64_t n, float eps, bool l2,
+                      float *y, int64_t ys, int64_t t0, int64_t t1);
 };
 
 /* The table of a cpu backend (its ISA's). */

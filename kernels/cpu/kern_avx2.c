@@ -112,4 +112,28 @@ static inline void mx32s(const uint8_t *codes, float s, VEC *w) {
 
 #define MX_XPERM 0 /* mx32s gives element order (kern_tmpl.h supplies mx_xperm, mx_store32) */
 
+/* transpose_v(v): the 8 × 8 block of v[0..7] transposed in registers (lane k of v[j] becomes
+ * lane j of v[k]): the row reductions (kern_tmpl.h) put 8 tokens' chains in the lanes with it.
+ * Pairs of 32-bit elements, of 64-bit ones, then the 128-bit halves. */
+static inline __attribute__((always_inline)) void transpose_v(__m256 *v) {
+    __m256 a[8], b[8];
+    _Pragma("GCC unroll 4") for (int i = 0; i < 4; i++) {
+        a[2 * i] = _mm256_unpacklo_ps(v[2 * i], v[2 * i + 1]);
+        a[2 * i + 1] = _mm256_unpackhi_ps(v[2 * i], v[2 * i + 1]);
+    }
+    /* b[4i + c], 128-bit lane L: column 4L + c of rows 4i .. 4i + 3 */
+    _Pragma("GCC unroll 2") for (int i = 0; i < 2; i++) {
+        const __m256d lo = _mm256_castps_pd(a[4 * i]), lo2 = _mm256_castps_pd(a[4 * i + 2]);
+        const __m256d hi = _mm256_castps_pd(a[4 * i + 1]), hi2 = _mm256_castps_pd(a[4 * i + 3]);
+        b[4 * i] = _mm256_castpd_ps(_mm256_unpacklo_pd(lo, lo2));
+        b[4 * i + 1] = _mm256_castpd_ps(_mm256_unpackhi_pd(lo, lo2));
+        b[4 * i + 2] = _mm256_castpd_ps(_mm256_unpacklo_pd(hi, hi2));
+        b[4 * i + 3] = _mm256_castpd_ps(_mm256_unpackhi_pd(hi, hi2));
+    }
+    _Pragma("GCC unroll 4") for (int c = 0; c < 4; c++) {
+        v[c] = _mm256_permute2f128_ps(b[c], b[4 + c], 0x20);
+        v[4 + c] = _mm256_permute2f128_ps(b[c], b[4 + c], 0x31);
+    }
+}
+
 #include "kern_tmpl.h"

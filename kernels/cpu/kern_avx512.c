@@ -141,4 +141,36 @@ static inline void mx_store32(float *y, const VEC *v) {
     _mm512_storeu_ps(y + 16, _mm512_permutex2var_ps(v[0], hi, v[1]));
 }
 
+/* transpose_v(v): the 16 × 16 block of v[0..15] transposed in registers (lane k of v[j] becomes
+ * lane j of v[k]): the row reductions (kern_tmpl.h) put 16 tokens' chains in the lanes with it.
+ * Four rounds of 16 shuffles: pairs of 32-bit elements, of 64-bit ones, then the 4 × 4 blocks of
+ * 128-bit lanes in two rounds of vshuff32x4. */
+static inline __attribute__((always_inline)) void transpose_v(__m512 *v) {
+    __m512 a[16], b[16];
+    _Pragma("GCC unroll 8") for (int i = 0; i < 8; i++) {
+        a[2 * i] = _mm512_unpacklo_ps(v[2 * i], v[2 * i + 1]);
+        a[2 * i + 1] = _mm512_unpackhi_ps(v[2 * i], v[2 * i + 1]);
+    }
+    /* b[4i + c], 128-bit lane L: column 4L + c of rows 4i .. 4i + 3 */
+    _Pragma("GCC unroll 4") for (int i = 0; i < 4; i++) {
+        const __m512d lo = _mm512_castps_pd(a[4 * i]), lo2 = _mm512_castps_pd(a[4 * i + 2]);
+        const __m512d hi = _mm512_castps_pd(a[4 * i + 1]), hi2 = _mm512_castps_pd(a[4 * i + 3]);
+        b[4 * i] = _mm512_castpd_ps(_mm512_unpacklo_pd(lo, lo2));
+        b[4 * i + 1] = _mm512_castpd_ps(_mm512_unpackhi_pd(lo, lo2));
+        b[4 * i + 2] = _mm512_castpd_ps(_mm512_unpacklo_pd(hi, hi2));
+        b[4 * i + 3] = _mm512_castpd_ps(_mm512_unpackhi_pd(hi, hi2));
+    }
+    /* column 4L + c = lane L of b[c], b[4 + c], b[8 + c], b[12 + c] */
+    _Pragma("GCC unroll 4") for (int c = 0; c < 4; c++) {
+        const __m512 s0 = _mm512_shuffle_f32x4(b[c], b[4 + c], 0x44);
+        const __m512 s1 = _mm512_shuffle_f32x4(b[c], b[4 + c], 0xee);
+        const __m512 s2 = _mm512_shuffle_f32x4(b[8 + c], b[12 + c], 0x44);
+        const __m512 s3 = _mm512_shuffle_f32x4(b[8 + c], b[12 + c], 0xee);
+        v[c] = _mm512_shuffle_f32x4(s0, s2, 0x88);
+        v[4 + c] = _mm512_shuffle_f32x4(s0, s2, 0xdd);
+        v[8 + c] = _mm512_shuffle_f32x4(s1, s3, 0x88);
+        v[12 + c] = _mm512_shuffle_f32x4(s1, s3, 0xdd);
+    }
+}
+
 #include "kern_tmpl.h"

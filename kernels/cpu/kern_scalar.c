@@ -62,4 +62,9 @@ static inline void mx32s(const uint8_t *codes, float d, VEC *w) {
 
 #define MX_XPERM 0 /* mx32s gives element order (kern_tmpl.h supplies mx_xperm, mx_store32) */
 
+/* transpose_v(v): one lane, nothing to move (kern_tmpl.h's row reductions, one token at a time) */
+static inline void transpose_v(VEC *v) {
+    (void)v;
+}
+
 #include "kern_tmpl.h"

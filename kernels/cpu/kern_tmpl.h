@@ -781,56 +781,169 @@ static void wsum_seg(const float *x, const float *w, const int64_t *seg, int64_t
     }
 }
 
+/* ---- row reductions with the tokens in the lanes ----------------------------------------------
+ * A row's sum of squares (rmsnorm, l2norm, attnres_mix's scores) and attnres_mix's dot product are
+ * ref's sequential float chains over the row, in order (a multiply, then an add:
+ * -ffp-contract=off), and the cpu backend must keep ref's bits. So the chains of VL tokens run side
+ * by side, token k's in lane k: the VL rows' vectors at d .. d + VL - 1 are loaded and transposed
+ * in registers (transpose_v), then added lane by lane in d order, so each lane does exactly ref's
+ * operations for its token, VL tokens per instruction instead of one latency chain per token. Fewer
+ * than VL tokens left take one-token chains (ref's code). sqrt and division are correctly rounded,
+ * so r is ref's however it is computed. */
+
+/* lane k: ref's ss = Σ_d rows[k][d]² (d ascending from 0.0f) */
+static inline VEC tl_sumsq(const float *const *rows, int64_t n) {
+    VEC acc = V_ZERO();
+    int64_t d = 0;
+    for (; d + VL <= n; d += VL) {
+        VEC v[VL];
+        _Pragma("GCC unroll 16") for (int k = 0; k < VL; k++) {
+            const VEC a = V_LOAD(rows[k] + d);
+            v[k] = V_MUL(a, a);
+        }
+        transpose_v(v);
+        _Pragma("GCC unroll 16") for (int j = 0; j < VL; j++) acc = V_ADD(acc, v[j]);
+    }
+    for (; d < n; d++) {
+        float c[VL];
+        for (int k = 0; k < VL; k++) c[k] = rows[k][d] * rows[k][d];
+        acc = V_ADD(acc, V_LOAD(c));
+    }
+    return acc;
+}
+/* lane k: attnres_mix's dot = Σ_d (rows[k][d]·r[k])·w[d] (d ascending from 0.0f) */
+static inline VEC tl_dot(const float *const *rows, int64_t n, VEC r, const float *w) {
+    VEC acc = V_ZERO();
+    int64_t d = 0;
+    for (; d + VL <= n; d += VL) {
+        VEC v[VL];
+        _Pragma("GCC unroll 16") for (int k = 0; k < VL; k++) v[k] = V_LOAD(rows[k] + d);
+        transpose_v(v);
+        _Pragma("GCC unroll 16") for (int j = 0; j < VL; j++) acc =
+            V_ADD(acc, V_MUL(V_MUL(v[j], r), V_SET1(w[d + j])));
+    }
+    for (; d < n; d++) {
+        float c[VL];
+        for (int k = 0; k < VL; k++) c[k] = rows[k][d];
+        acc = V_ADD(acc, V_MUL(V_MUL(V_LOAD(c), r), V_SET1(w[d])));
+    }
+    return acc;
+}
+/* one token's ss (ref's chain) */
+static inline float row_sumsq(const float *x, int64_t n) {
+    float ss = 0.0f;
+    for (int64_t i = 0; i < n; i++) ss += x[i] * x[i];
+    return ss;
+}
+
+/* rmsnorm (l2 false; w NULL = ones) or l2norm (l2 true) of rows [t0, t1), row t at x + t·xs and
+ * y + t·ys: ref's row code's bits (k3_ref_ops.rmsnorm / l2norm one row at a time). y may alias x
+ * with the same strides (a row is read whole before its first write). */
+static void norm_rows(const float *x, int64_t xs, const float *w, int64_t n, float eps, bool l2,
+                      float *y, int64_t ys, int64_t t0, int64_t t1) {
+    for (int64_t t = t0; t < t1;) {
+        const int nt = VL > 1 && t1 - t >= VL ? VL : 1;
+        const float *rows[VL];
+        float r[VL];
+        for (int k = 0; k < VL; k++) rows[k] = x + (t + (k < nt ? k : 0)) * xs;
+        if (nt > 1)
+            V_STORE(r, tl_sumsq(rows, n));
+        else
+            r[0] = row_sumsq(rows[0], n);
+        for (int k = 0; k < nt; k++) {
+            const float rk = l2 ? 1.0f / sqrtf(r[k] + eps) : 1.0f / sqrtf(r[k] / (float)n + eps);
+            const float *xt = rows[k];
+            float *yt = y + (t + k) * ys;
+            const VEC rv = V_SET1(rk);
+            int64_t i = 0;
+            for (; i + VL <= n; i += VL) {
+                const VEC v = V_MUL(V_LOAD(xt + i), rv);
+                V_STORE(yt + i, w ? V_MUL(V_LOAD(w + i), v) : v);
+            }
+            for (; i < n; i++) yt[i] = w ? w[i] * (xt[i] * rk) : xt[i] * rk;
+        }
+        t += nt;
+    }
+}
+
 /* attnres_mix for tokens [t0, t1) (ref: k3_ref_attnres_mix_rows; n_bank + 1 <= 64, checked by
- * the caller). */
+ * the caller). Scores: VL tokens at a time in the lanes (above); a token left over runs AR_ROWS
+ * sources' chains side by side (unused ones duplicate a source). The softmax (libm's expf) and
+ * the mix are per token. */
 #define AR_ROWS 8
+/* the N scores of token t alone, into s */
+static void ar_scores1(const float *bank, int n_bank, const float *p, const float *w, int64_t T,
+                       int64_t D, float eps, int64_t t, float *s) {
+    const int N = n_bank + 1;
+    for (int i0 = 0; i0 < N; i0 += AR_ROWS) { /* the scores of sources [i0, i0 + AR_ROWS) */
+        const int nr = N - i0 < AR_ROWS ? N - i0 : AR_ROWS;
+        const float *v[AR_ROWS];
+        float ss[AR_ROWS], dot[AR_ROWS], r[AR_ROWS];
+        for (int k = 0; k < AR_ROWS; k++) {
+            const int i = i0 + (k < nr ? k : 0);
+            v[k] = i < n_bank ? bank + ((int64_t)i * T + t) * D : p + t * D;
+            ss[k] = 0.0f, dot[k] = 0.0f;
+        }
+        for (int64_t d = 0; d < D; d++)
+            _Pragma("GCC unroll 8") for (int k = 0; k < AR_ROWS; k++) ss[k] += v[k][d] * v[k][d];
+        for (int k = 0; k < AR_ROWS; k++) r[k] = 1.0f / sqrtf(ss[k] / (float)D + eps);
+        for (int64_t d = 0; d < D; d++)
+            _Pragma("GCC unroll 8") for (int k = 0; k < AR_ROWS; k++) dot[k] +=
+                (v[k][d] * r[k]) * w[d];
+        for (int k = 0; k < nr; k++) s[i0 + k] = dot[k];
+    }
+}
+/* the N scores of tokens t .. t + VL - 1, token k's into s + 64·k */
+static void ar_scoresv(const float *bank, int n_bank, const float *p, const float *w, int64_t T,
+                       int64_t D, float eps, int64_t t, float *s) {
+    for (int i = 0; i <= n_bank; i++) {
+        const float *rows[VL];
+        float r[VL], dot[VL];
+        for (int k = 0; k < VL; k++)
+            rows[k] = i < n_bank ? bank + ((int64_t)i * T + t + k) * D : p + (t + k) * D;
+        V_STORE(r, tl_sumsq(rows, D));
+        for (int k = 0; k < VL; k++) r[k] = 1.0f / sqrtf(r[k] / (float)D + eps);
+        V_STORE(dot, tl_dot(rows, D, V_LOAD(r), w));
+        for (int k = 0; k < VL; k++) s[64 * k + i] = dot[k];
+    }
+}
+/* token t's output from its N scores s (overwritten by the weights) */
+static void ar_mix(const float *bank, int n_bank, const float *p, int64_t T, int64_t D, int64_t t,
+                   float *s, float *out) {
+    float m = -INFINITY, z = 0.0f;
+    for (int i = 0; i <= n_bank; i++) m = s[i] > m ? s[i] : m;
+    for (int i = 0; i <= n_bank; i++) {
+        s[i] = expf(s[i] - m);
+        z += s[i];
+    }
+    for (int i = 0; i <= n_bank; i++) s[i] /= z;
+    /* out may alias p: each element's p is read before its write */
+    int64_t d = 0;
+    for (; d + VL <= D; d += VL) {
+        VEC acc = V_ZERO();
+        for (int i = 0; i < n_bank; i++)
+            acc = V_ADD(acc, V_MUL(V_SET1(s[i]), V_LOAD(bank + ((int64_t)i * T + t) * D + d)));
+        acc = V_ADD(acc, V_MUL(V_SET1(s[n_bank]), V_LOAD(p + t * D + d)));
+        V_STORE(out + t * D + d, acc);
+    }
+    for (; d < D; d++) {
+        float acc = 0.0f;
+        for (int i = 0; i < n_bank; i++) acc += s[i] * bank[((int64_t)i * T + t) * D + d];
+        acc += s[n_bank] * p[t * D + d];
+        out[t * D + d] = acc;
+    }
+}
 static void attnres_rows(const float *bank, int n_bank, const float *p, const float *w, int64_t T,
                          int64_t D, float eps, float *out, int64_t t0, int64_t t1) {
-    const int N = n_bank + 1;
-    for (int64_t t = t0; t < t1; t++) {
-        float s[64], m = -INFINITY;
-        for (int i0 = 0; i0 < N; i0 += AR_ROWS) { /* the scores of sources [i0, i0 + AR_ROWS) */
-            const int nr = N - i0 < AR_ROWS ? N - i0 : AR_ROWS;
-            const float *v[AR_ROWS];
-            float ss[AR_ROWS], dot[AR_ROWS], r[AR_ROWS];
-            for (int k = 0; k < AR_ROWS; k++) {
-                const int i = i0 + (k < nr ? k : 0);
-                v[k] = i < n_bank ? bank + ((int64_t)i * T + t) * D : p + t * D;
-                ss[k] = 0.0f, dot[k] = 0.0f;
-            }
-            for (int64_t d = 0; d < D; d++)
-                _Pragma("GCC unroll 8") for (int k = 0; k < AR_ROWS; k++) ss[k] +=
-                    v[k][d] * v[k][d];
-            for (int k = 0; k < AR_ROWS; k++) r[k] = 1.0f / sqrtf(ss[k] / (float)D + eps);
-            for (int64_t d = 0; d < D; d++)
-                _Pragma("GCC unroll 8") for (int k = 0; k < AR_ROWS; k++) dot[k] +=
-                    (v[k][d] * r[k]) * w[d];
-            for (int k = 0; k < nr; k++) {
-                s[i0 + k] = dot[k];
-                m = dot[k] > m ? dot[k] : m;
-            }
-        }
-        float z = 0.0f;
-        for (int i = 0; i < N; i++) {
-            s[i] = expf(s[i] - m);
-            z += s[i];
-        }
-        for (int i = 0; i < N; i++) s[i] /= z;
-        /* out may alias p: each element's p is read before its write */
-        int64_t d = 0;
-        for (; d + VL <= D; d += VL) {
-            VEC acc = V_ZERO();
-            for (int i = 0; i < n_bank; i++)
-                acc = V_ADD(acc, V_MUL(V_SET1(s[i]), V_LOAD(bank + ((int64_t)i * T + t) * D + d)));
-            acc = V_ADD(acc, V_MUL(V_SET1(s[n_bank]), V_LOAD(p + t * D + d)));
-            V_STORE(out + t * D + d, acc);
-        }
-        for (; d < D; d++) {
-            float acc = 0.0f;
-            for (int i = 0; i < n_bank; i++) acc += s[i] * bank[((int64_t)i * T + t) * D + d];
-            acc += s[n_bank] * p[t * D + d];
-            out[t * D + d] = acc;
-        }
+    float s[64 * VL];
+    for (int64_t t = t0; t < t1;) {
+        const int nt = VL > 1 && t1 - t >= VL ? VL : 1; /* one lane: ar_scores1's 8 chains */
+        if (nt > 1) /* all the block's scores before any output: out may alias p */
+            ar_scoresv(bank, n_bank, p, w, T, D, eps, t, s);
+        else
+            ar_scores1(bank, n_bank, p, w, T, D, eps, t, s);
+        for (int k = 0; k < nt; k++) ar_mix(bank, n_bank, p, T, D, t + k, s + 64 * k, out);
+        t += nt;
     }
 }
 
@@ -862,4 +975,5 @@ const k3_cpu_kern KERN_NAME = {
     .conv_cols = conv_cols,
     .wsum_seg = wsum_seg,
     .attnres_rows = attnres_rows,
+    .norm_rows = norm_rows,
 };
