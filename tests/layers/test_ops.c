@@ -753,6 +753,41 @@ static void test_matmul_tn_order(void) {
 }
 
 /* ---- rows / elementwise -------------------------------------------------------------------- */
+/* Token counts for the row reductions (rmsnorm, l2norm, rmsnorm_rows, attnres_mix): the cpu runs
+   VL tokens' chains in the vector lanes (16 on AVX-512, 8 on AVX2, 1 scalar) and the tokens left
+   over one at a time, with the pool's tasks whole blocks of 16; below, at and past each VL, a
+   tail, and a prefill. Every one must be ref's bits. */
+static const int64_t k_rr_T[] = {1, 7, 8, 9, 15, 16, 17, 37, 64, 512};
+/* rmsnorm (w given / NULL) or l2norm (l2) over k_rr_T × rows of n (a multiple of 16, one with a
+   tail after whole vectors, one shorter than a vector): every cpu backend (1, 2, 4 threads) and
+   guard bit-identical to ref, and in place on cpu/4t too. */
+static void norm_sweep(bool l2) {
+    static const int64_t ns[] = {128, 300, 5};
+    const char *what = l2 ? "l2norm" : "rmsnorm";
+    for (size_t ni = 0; ni < K3_ARRAY_LEN(ns); ni++)
+        for (size_t ti = 0; ti < K3_ARRAY_LEN(k_rr_T); ti++)
+            for (int wi = 0; wi < (l2 ? 1 : 2); wi++) {
+                const int64_t n = ns[ni], T = k_rr_T[ti];
+                float *x = fa(T * n), *w = fa(n), *ys[B_COUNT];
+                fill_randn(x, T * n, 2.0f);
+                fill_randn(w, n, 1.0f);
+                const float *wp = wi ? NULL : w;
+                ys_alloc(ys, T * n);
+                for (int b = 0; b < B_COUNT; b++)
+                    K3_CHECK_OK(l2 ? run_l2norm(BE(b), x, T, n, 1e-6f, ys[b])
+                                   : run_rmsnorm(BE(b), x, wp, T, n, 1e-5f, ys[b]));
+                for (int b = B_CPU1; b < B_COUNT; b++)
+                    K3_CHECK(same_f(ys[b], ys[B_REF], T * n), "%s T=%lld n=%lld (w %s): %s != ref",
+                             what, (long long)T, (long long)n, wp ? "given" : "NULL",
+                             k_be_label[b]);
+                K3_CHECK_OK(l2 ? run_l2norm(BE(B_CPU4), x, T, n, 1e-6f, x)
+                               : run_rmsnorm(BE(B_CPU4), x, wp, T, n, 1e-5f, x));
+                K3_CHECK(same_f(x, ys[B_REF], T * n), "%s T=%lld n=%lld in place != ref", what,
+                         (long long)T, (long long)n);
+                free(x), free(w);
+                ys_free(ys);
+            }
+}
 static void test_rmsnorm(void) {
     const int64_t T = 128, n = 300; /* T·n above the cpu's parallel threshold (2^15) */
     float *x = fa(T * n), *w = fa(n), *ys[B_COUNT], *y1 = fa(T * n);
@@ -788,6 +823,7 @@ static void test_rmsnorm(void) {
                  "rmsnorm hand (%s)", k_be_label[b]);
     }
     free(x), free(w), free(y1), free(yd);
+    norm_sweep(false);
 }
 
 static void test_l2norm(void) {
@@ -817,6 +853,7 @@ static void test_l2norm(void) {
     K3_CHECK(same_f(xi, ys[B_CPU1], T * n), "l2norm in place (guard)");
     free(x), free(y1), free(xi);
     ys_free(ys);
+    norm_sweep(true);
 }
 
 static k3_status run_elementwise(k3_backend *be, int which, const float *g, const float *u,
@@ -1275,6 +1312,30 @@ static void attnres_split_case(void) {
     free(bank), free(p), free(w), free(pin);
     ys_free(ys);
 }
+/* attnres_mix over k_rr_T × n_bank 0..8 (D a multiple of 16, or with a tail after whole
+   vectors): every cpu backend and guard bit-identical to ref, and in place on cpu/4t. */
+static void attnres_sweep(void) {
+    for (int nb = 0; nb <= 8; nb++)
+        for (size_t ti = 0; ti < K3_ARRAY_LEN(k_rr_T); ti++) {
+            const int64_t T = k_rr_T[ti], D = nb % 2 ? 100 : 64;
+            float *bank = fa((nb ? nb : 1) * T * D), *p = fa(T * D), *w = fa(D), *ys[B_COUNT];
+            fill_randn(bank, nb * T * D, 1.0f);
+            fill_randn(p, T * D, 2.0f);
+            fill_randn(w, D, 0.5f);
+            ys_alloc(ys, T * D);
+            for (int b = 0; b < B_COUNT; b++)
+                K3_CHECK_OK(run_attnres_mix(BE(b), bank, nb, p, w, T, D, 1e-5f, ys[b]));
+            for (int b = B_CPU1; b < B_COUNT; b++)
+                K3_CHECK(same_f(ys[b], ys[B_REF], T * D),
+                         "attnres_mix T=%lld D=%lld n_bank=%d: %s != ref", (long long)T,
+                         (long long)D, nb, k_be_label[b]);
+            K3_CHECK_OK(run_attnres_mix(BE(B_CPU4), bank, nb, p, w, T, D, 1e-5f, p));
+            K3_CHECK(same_f(p, ys[B_REF], T * D), "attnres_mix T=%lld n_bank=%d in place != ref",
+                     (long long)T, nb);
+            free(bank), free(p), free(w);
+            ys_free(ys);
+        }
+}
 static void test_short_conv(void) {
     const int64_t P = 6, n = 11;
     const int K = 4, km1 = K - 1;
@@ -1457,6 +1518,7 @@ static void test_attnres_mix(void) {
         ys_free(ys);
     }
     attnres_split_case();
+    attnres_sweep();
 }
 
 /* ---- KDA ------------------------------------------------------------------------------------ */
