@@ -787,9 +787,16 @@ static void wsum_seg(const float *x, const float *w, const int64_t *seg, int64_t
  * -ffp-contract=off), and the cpu backend must keep ref's bits. So the chains of VL tokens run side
  * by side, token k's in lane k: the VL rows' vectors at d .. d + VL - 1 are loaded and transposed
  * in registers (transpose_v), then added lane by lane in d order, so each lane does exactly ref's
- * operations for its token, VL tokens per instruction instead of one latency chain per token. Fewer
- * than VL tokens left take one-token chains (ref's code). sqrt and division are correctly rounded,
- * so r is ref's however it is computed. */
+ * operations for its token, VL tokens per instruction instead of one latency chain per token. A
+ * block of fewer tokens (a tail, a decode batch) fills its unused lanes with copies of its first
+ * row while it has at least TL_MIN tokens; fewer take one-token chains (ref's code). sqrt and
+ * division are correctly rounded, so r is ref's however it is computed. */
+/* the fewest tokens worth a block of VL lanes, measured on 1 thread, rows of 1,024: rmsnorm 0.55
+   µs a token one at a time, 0.10 in full blocks of 16 (AVX-512), 0.19 in a block of 4 tokens
+   (AVX-512) or 0.32 of 2 (AVX2); attnres_mix (n_bank 4) 2.6 one at a time (ar_scores1's chains
+   side by side), 2.0 in a block of 4 (AVX-512) or 2.3 of 3 (AVX2), but 3.3 of 2 (AVX2) */
+#define TL_MIN (VL / 4 > 2 ? VL / 4 : 2)
+#define AR_MIN (VL / 4 > 3 ? VL / 4 : 3)
 
 /* lane k: ref's ss = Σ_d rows[k][d]² (d ascending from 0.0f) */
 static inline VEC tl_sumsq(const float *const *rows, int64_t n) {
@@ -842,7 +849,7 @@ static inline float row_sumsq(const float *x, int64_t n) {
 static void norm_rows(const float *x, int64_t xs, const float *w, int64_t n, float eps, bool l2,
                       float *y, int64_t ys, int64_t t0, int64_t t1) {
     for (int64_t t = t0; t < t1;) {
-        const int nt = VL > 1 && t1 - t >= VL ? VL : 1;
+        const int nt = t1 - t >= VL ? VL : t1 - t >= TL_MIN ? (int)(t1 - t) : 1;
         const float *rows[VL];
         float r[VL];
         for (int k = 0; k < VL; k++) rows[k] = x + (t + (k < nt ? k : 0)) * xs;
@@ -893,18 +900,21 @@ static void ar_scores1(const float *bank, int n_bank, const float *p, const floa
         for (int k = 0; k < nr; k++) s[i0 + k] = dot[k];
     }
 }
-/* the N scores of tokens t .. t + VL - 1, token k's into s + 64·k */
+/* the N scores of tokens t .. t + nt - 1 (nt <= VL; the unused lanes repeat token t), token k's
+   into s + 64·k */
 static void ar_scoresv(const float *bank, int n_bank, const float *p, const float *w, int64_t T,
-                       int64_t D, float eps, int64_t t, float *s) {
+                       int64_t D, float eps, int64_t t, int nt, float *s) {
     for (int i = 0; i <= n_bank; i++) {
         const float *rows[VL];
         float r[VL], dot[VL];
-        for (int k = 0; k < VL; k++)
-            rows[k] = i < n_bank ? bank + ((int64_t)i * T + t + k) * D : p + (t + k) * D;
+        for (int k = 0; k < VL; k++) {
+            const int64_t tk = t + (k < nt ? k : 0);
+            rows[k] = i < n_bank ? bank + ((int64_t)i * T + tk) * D : p + tk * D;
+        }
         V_STORE(r, tl_sumsq(rows, D));
         for (int k = 0; k < VL; k++) r[k] = 1.0f / sqrtf(r[k] / (float)D + eps);
         V_STORE(dot, tl_dot(rows, D, V_LOAD(r), w));
-        for (int k = 0; k < VL; k++) s[64 * k + i] = dot[k];
+        for (int k = 0; k < nt; k++) s[64 * k + i] = dot[k];
     }
 }
 /* token t's output from its N scores s (overwritten by the weights) */
@@ -937,9 +947,9 @@ static void attnres_rows(const float *bank, int n_bank, const float *p, const fl
                          int64_t D, float eps, float *out, int64_t t0, int64_t t1) {
     float s[64 * VL];
     for (int64_t t = t0; t < t1;) {
-        const int nt = VL > 1 && t1 - t >= VL ? VL : 1; /* one lane: ar_scores1's 8 chains */
+        const int nt = t1 - t >= VL ? VL : t1 - t >= AR_MIN ? (int)(t1 - t) : 1;
         if (nt > 1) /* all the block's scores before any output: out may alias p */
-            ar_scoresv(bank, n_bank, p, w, T, D, eps, t, s);
+            ar_scoresv(bank, n_bank, p, w, T, D, eps, t, nt, s);
         else
             ar_scores1(bank, n_bank, p, w, T, D, eps, t, s);
         for (int k = 0; k < nt; k++) ar_mix(bank, n_bank, p, T, D, t + k, s + 64 * k, out);

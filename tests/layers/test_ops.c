@@ -757,7 +757,7 @@ static void test_matmul_tn_order(void) {
    VL tokens' chains in the vector lanes (16 on AVX-512, 8 on AVX2, 1 scalar) and the tokens left
    over one at a time, with the pool's tasks whole blocks of 16; below, at and past each VL, a
    tail, and a prefill. Every one must be ref's bits. */
-static const int64_t k_rr_T[] = {1, 7, 8, 9, 15, 16, 17, 37, 64, 512};
+static const int64_t k_rr_T[] = {1, 2, 3, 4, 5, 7, 8, 9, 15, 16, 17, 37, 64, 512};
 /* rmsnorm (w given / NULL) or l2norm (l2) over k_rr_T × rows of n (a multiple of 16, one with a
    tail after whole vectors, one shorter than a vector): every cpu backend (1, 2, 4 threads) and
    guard bit-identical to ref, and in place on cpu/4t too. */
