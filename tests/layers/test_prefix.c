@@ -23,9 +23,11 @@
 #include <string.h>
 
 /* sizes: the cpu run; the emulated cuda run (slow: every block of every kernel in turn, under
-   ASan) takes the smaller ones of main (one restored block, a cache of 6 blocks) */
-enum { L_MAX = 200, N_DEC = 3, MAX_SEQS = 4 };
-static int L = 200, P_SNAP = 128, MAX_CTX = 512, KV = 640; /* KV: R, A and B at once */
+   ASan, its time by the token rows fed) takes the smaller ones of main (one restored block, a
+   cache of 4 blocks: A and B at once, then F and its two forks, so that the filler D fills the
+   3 blocks left free in 192 tokens) */
+enum { L_MAX = 200, N_DEC = 3, MAX_SEQS = 4, P_OFF = 6 /* a position off a block boundary */ };
+static int L = 200, P_SNAP = 128, MAX_CTX = 512, KV = 640; /* KV: A and B at once, F G H */
 static tiny_model g_m;
 static k3_backend *g_be;
 static k3_stage *g_s;
@@ -57,7 +59,7 @@ static void check_same(const float *a, const float *b, int64_t n, const char *wh
 
 int main(int argc, char **argv) {
     const char *bname = argc > 1 ? argv[1] : "cpu";
-    if (strcmp(bname, "cuda") == 0) L = 80, P_SNAP = 64, MAX_CTX = 256, KV = 320;
+    if (strcmp(bname, "cuda") == 0) L = 80, P_SNAP = 64, MAX_CTX = 256, KV = 256;
     printf("test_prefix seed %llu backend %s\n", (unsigned long long)k_seed, bname);
     k3_backend_params bp = {.n_threads = 2};
     k3_status bs = k3_backend_create(bname, &bp, &g_be);
@@ -96,11 +98,12 @@ int main(int argc, char **argv) {
     }
     K3_CHECK(distinct > L / 2, "degenerate prompt (%d changes)", distinct);
 
-    /* R: the whole prompt in one chunk, no snapshot */
+    /* R: the whole prompt in one chunk, no snapshot; its logits and states are kept, it ends */
     k3_seq_state *R, *A, *B, *C;
     K3_CHECK_OK(k3_seq_state_create(g_s, MAX_CTX, &R));
     finish(R, ids, 0, out[0]);
     K3_CHECK_OK(k3_seq_state_read(R, stR));
+    k3_seq_state_destroy(R);
     /* A: p tokens in two uneven chunks, snapshot 1, then the rest */
     K3_CHECK_OK(k3_seq_state_create(g_s, MAX_CTX, &A));
     feed(A, ids, 0, 37, NULL);
@@ -130,10 +133,10 @@ int main(int argc, char **argv) {
     check_same(out[1], out[2], (1 + N_DEC) * V, "logits: A vs B (restored)");
     check_same(out[0], out[2], (1 + N_DEC) * V, "logits: R (one chunk) vs B (restored)");
 
-    /* the cache holds A's blocks below p; A, B and R end; a sequence that takes every free block
-       must not get them; C restored later gets the same logits */
+    /* the cache holds A's blocks below p; A and B end (R did); a sequence that takes every free
+       block must not get them; C restored later gets the same logits */
     for (int j = 0; j < P_SNAP / K3_KV_BLOCK; j++) K3_CHECK_OK(k3_stage_block_hold(g_s, blk[j]));
-    k3_seq_state_destroy(A), k3_seq_state_destroy(B), k3_seq_state_destroy(R);
+    k3_seq_state_destroy(A), k3_seq_state_destroy(B);
     int free_b, total_b;
     k3_stage_cache_usage(g_s, &free_b, &total_b);
     K3_CHECK(free_b == total_b - P_SNAP / K3_KV_BLOCK && k3_stage_block_holders(g_s, blk[0]) == 1,
@@ -142,8 +145,10 @@ int main(int argc, char **argv) {
     K3_CHECK_OK(k3_seq_state_create(g_s, MAX_CTX, &D));
     int32_t noise[512];
     for (int t = 0; t < MAX_CTX; t++) noise[t] = (int32_t)(k3_rng_u64(&rng) % (uint64_t)V);
-    for (int off = 0; off < MAX_CTX && free_b > 0; off += L) {
-        feed(D, noise, off, K3_MIN(L, MAX_CTX - off), NULL);
+    const int fill = free_b * K3_KV_BLOCK; /* D's tokens: exactly the free blocks */
+    K3_CHECK(fill > 0 && fill <= MAX_CTX, "the filler's %d tokens (max_ctx %d)", fill, MAX_CTX);
+    for (int off = 0; off < fill && free_b > 0; off += L) {
+        feed(D, noise, off, K3_MIN(L, fill - off), NULL);
         k3_stage_cache_usage(g_s, &free_b, NULL);
     }
     K3_CHECK(free_b == 0, "the filler left %d blocks free", free_b);
@@ -164,7 +169,7 @@ int main(int argc, char **argv) {
     K3_CHECK_ERR(k3_stage_block_hold(g_s, blk[0]), K3_ERR_STATE, "not in use");
     K3_CHECK_OK(k3_seq_state_create(g_s, MAX_CTX, &C));
     K3_CHECK_ERR(k3_seq_state_restore(C, 70, NULL, 0), K3_ERR_STATE, "position 70");
-    feed(C, ids, 0, 70, NULL);
+    feed(C, ids, 0, P_OFF, NULL);
     K3_CHECK_ERR(k3_stage_snapshot(g_s, C, 0), K3_ERR_STATE, "not a block boundary");
     k3_seq_state_destroy(C);
 
