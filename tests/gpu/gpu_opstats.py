@@ -11,6 +11,9 @@ usage: gpu_opstats.py MPIEXEC   (K3_BIN = the k3 binary; a tiny model is made in
       stream (comm_host_syncs_per_step 0: a watcher thread times the NCCL work);
     - "comm" is "nccl", "routing" "device" and "routing_note" says why (decode rounds on the
       device, prefill rounds host-routed).
+    - its logits (dumped; no --deterministic: the pre-summed combine of the host-routed
+      prefill) are within K3_TOL_DISTRIBUTED_REL_L2 (rel-L2) of `k3 run --backend cpu` on one
+      rank, and its greedy tokens identical (gpu_model.py's 2x2 runs --deterministic).
   The same with K3_MOE_HOST_ROUTE=1 (the host-routed exchange): routing "host", and the
   transport's own waits are counted (stage 0: 0 < comm_host_syncs_per_step <= host syncs).
   The same with --comm mpi: comm_host_syncs_per_step == 0 (its syncs are the backend's
@@ -28,10 +31,17 @@ import subprocess
 import sys
 import tempfile
 
+import numpy as np
+
 from k3_gpu_skip import gate, make_tiny
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
+from k3_tolerances import TOL  # noqa: E402
 
 K3 = os.environ.get("K3_BIN")
 MPI = sys.argv[1] if len(sys.argv) > 1 else "mpirun"
+PROMPTS = "1,2,3,4,5;9,8,7"
+DIST_TOL = TOL["K3_TOL_DISTRIBUTED_REL_L2"]
 fails = []
 
 
@@ -41,12 +51,14 @@ def check(cond, msg):
         fails.append(msg)
 
 
-def stats(tmp, model, comm, np_=4, env=None, tag=""):
+def stats(tmp, model, comm, np_=4, env=None, tag="", dump=None):
+    """--op-stats of a cuda run (with dump: its logits too, and its --json as "json")."""
     path = os.path.join(tmp, comm + str(np_) + tag + ".json")
     grid = ["--pp", "2", "--ep", "2", "--comm", comm] if np_ > 1 else []
     cmd = ([MPI, "-np", str(np_), "--oversubscribe"] if np_ > 1 else []) + [
         K3, "run", "--model", model, "--backend", "cuda"] + grid + [
-        "--prompt-ids", "1,2,3,4,5;9,8,7", "--n", "4", "--ignore-eos", "--op-stats", path]
+        "--prompt-ids", PROMPTS, "--n", "4", "--ignore-eos", "--op-stats", path]
+    cmd += ["--dump-logits", dump, "--json"] if dump else []
     p = subprocess.run(cmd, capture_output=True, text=True, timeout=240,
                        env=dict(os.environ, **(env or {})))
     check(p.returncode == 0, "%s: exit %d %s" % (" ".join(cmd[-14:]), p.returncode,
@@ -54,7 +66,22 @@ def stats(tmp, model, comm, np_=4, env=None, tag=""):
     if p.returncode != 0:
         return None
     with open(path) as f:
-        return json.load(f)
+        d = json.load(f)
+    if dump:
+        d["json"] = json.loads(p.stdout)
+    return d
+
+
+def cpu_ref(tmp, model):
+    """`k3 run --backend cpu` on one rank: (logits, greedy tokens) or None."""
+    npy = os.path.join(tmp, "cpu.npy")
+    p = subprocess.run([K3, "run", "--model", model, "--backend", "cpu", "--prompt-ids", PROMPTS,
+                        "--n", "4", "--ignore-eos", "--dump-logits", npy, "--json"],
+                       capture_output=True, text=True, timeout=240)
+    check(p.returncode == 0, "cpu reference: exit %d %s" % (p.returncode, p.stderr[-1500:]))
+    if p.returncode != 0:
+        return None
+    return np.load(npy), [o["generated_ids"] for o in json.loads(p.stdout)["results"]]
 
 
 def main():
@@ -66,7 +93,17 @@ def main():
         keys = ["ops_per_step", "host_syncs_per_step", "comm_host_syncs_per_step",
                 "graph_launches_per_step"]
         # nccl + cuda: routed on the device; the step's one read is its only host sync
-        d = stats(tmp, model, "nccl")
+        npy = os.path.join(tmp, "nccl4.npy")
+        d = stats(tmp, model, "nccl", dump=npy)
+        ref = cpu_ref(tmp, model)
+        if d and ref:
+            # without --deterministic (the pre-summed combine in the host-routed prefill rounds)
+            got, want = np.load(npy).astype(np.float64), ref[0].astype(np.float64)
+            r = float(np.linalg.norm(got - want) / max(np.linalg.norm(want), 1e-30)) \
+                if got.shape == want.shape else float("inf")
+            check(r <= DIST_TOL, "nccl 2x2 vs cpu: logits rel-L2 %.3g (limit %g)" % (r, DIST_TOL))
+            toks = [o["generated_ids"] for o in d["json"]["results"]]
+            check(toks == ref[1], "nccl 2x2 vs cpu: greedy tokens identical")
         if d:
             check(d.get("comm") == "nccl" and d.get("routing") == "device"
                   and d.get("routing_note", "").startswith("nccl: decode rounds routed on the "
