@@ -11,14 +11,19 @@ usage: gpu_model.py MPIEXEC   (K3_BIN = the k3 binary; a tiny and a deep model a
             dumped logits within K3_TOL_DISTRIBUTED_REL_L2 (rel-L2), prompts of several lengths in
             one batch (decode and prefill pieces mixed, a prefill chunk that splits a prompt);
             --op-stats: the MoE experts' FLOPs all on tensor cores (the emulator counted their mma).
-  2x2     : mpirun -np 4 `--pp 2 --ep 2 --backend cuda --comm nccl`: the same bound against cpu on
-            one rank; the run names the transport it used (nccl); lane 1 of each stage read only its
-            experts (its stage's dense weights came from lane 0 over nccl).
-  det     : --deterministic: the 2x2 nccl logits and a 1x2 nccl run are bit-identical to 1x1 cuda.
+            It passes --deterministic, which changes nothing on one lane (the flag picks the combine
+            of a remote MoE exchange, --ep > 1: rank/worker.c), so it is also det's reference.
+  2x2     : mpirun -np 4 `--pp 2 --ep 2 --backend cuda --comm nccl --deterministic`: the same bound
+            against cpu on one rank; the run names the transport it used (nccl); lane 1 of each
+            stage read only its experts (its stage's dense weights came from lane 0 over nccl).
+  det     : --deterministic: the 2x2 nccl logits above and a 1x2 nccl run are bit-identical to
+            1x1 cuda. (2x2 nccl without --deterministic, the pre-summed combine: gpu_opstats.py
+            checks its logits against cpu; gpu_graphs, gpu_moe_skew run 2x2 nccl too.)
   deep    : `make-tiny --preset deep` (93 layers, the real K3 layer schedule) on cuda against cpu:
             greedy tokens identical, logits within K3_TOL_BACKEND_DEEP_REL_L2 (the backend bound
-            scaled by depth; tests/tolerances.h); two prompts of 3 and 1 tokens (the emulation's
-            time goes by token rows x layers: the mixed pieces and the split chunk are 1x1's).
+            scaled by depth; tests/tolerances.h); two prompts of 3 and 1 tokens, 2 new tokens each:
+            one prefill step and one decode step of the 93 layers (the emulation's time goes by
+            steps and token rows x layers: the mixed pieces and the split chunk are 1x1's).
   serve   : `k3 serve --backend cuda --comm nccl --pp 2` under mpirun answers one /v1/completions
             request (greedy, 12 tokens, ignore_eos) with the same text as `k3 serve --backend cpu`
             on one rank, and token logprobs within 1e-4 of it.
@@ -140,7 +145,7 @@ def main():
         print("1x1: cuda vs cpu, one rank", flush=True)
         cpu, cpu_t, _ = gen(tiny, tmp, "cpu", "cpu")
         ops_json = os.path.join(tmp, "ops.json")
-        cu, cu_t, _ = gen(tiny, tmp, "cuda", "cuda", extra=["--op-stats", ops_json])
+        cu, cu_t, _ = gen(tiny, tmp, "cuda", "cuda", extra=["--op-stats", ops_json, "--deterministic"])
         if cpu is not None and cu is not None:
             r = rel_l2(cpu, cu)
             check(r <= DIST_TOL, f"1x1 cuda vs cpu: logits rel-L2 {r:.3g} (limit {DIST_TOL:g})")
@@ -157,8 +162,10 @@ def main():
         if nccl and gpus < 4:
             print(f"SKIP 2x2 / det / serve on nccl: {gpus} GPU(s) here, NCCL needs one per rank (4)")
         if nccl and gpus >= 4:
-            print("2x2: --backend cuda --comm nccl on 4 ranks vs cpu on one", flush=True)
-            nc, nc_t, err = gen(tiny, tmp, "nccl22", "cuda", 4, ["--pp", "2", "--ep", "2", "--comm", "nccl"])
+            print("2x2: --backend cuda --comm nccl --deterministic on 4 ranks vs cpu on one", flush=True)
+            det = ["--deterministic"]
+            nc, nc_t, err = gen(tiny, tmp, "det22", "cuda", 4,
+                                det + ["--pp", "2", "--ep", "2", "--comm", "nccl"])
             if nc is not None and cpu is not None:
                 r = rel_l2(cpu, nc)
                 check(r <= DIST_TOL, f"2x2 cuda+nccl vs cpu: logits rel-L2 {r:.3g} (limit {DIST_TOL:g})")
@@ -167,17 +174,16 @@ def main():
                       "2x2: the run names the transport it used (nccl)")
                 # one node: lane 0 of each stage read the stage's dense weights and sent them to
                 # lane 1 over nccl; lane 1 read only its experts (the logits above say it got them)
-                rk = DIST["nccl22"]["ranks"]
+                rk = DIST["det22"]["ranks"]
                 check([r["bytes_read"] == r["plan_weight_bytes"] for r in rk] == [True, False, True, False]
                       and all(0 < r["bytes_read"] for r in rk),
                       "2x2: the dense weights read once per stage on the node (lane 1 received them): "
                       + str([(r["bytes_read"], r["plan_weight_bytes"]) for r in rk]))
 
             print("det: --deterministic, nccl splits bit-identical to 1x1 cuda", flush=True)
-            det = ["--deterministic"]
-            d11, _, _ = gen(tiny, tmp, "det11", "cuda", 1, det)
-            for tag, np_, split in (("det22", 4, ["--pp", "2", "--ep", "2"]), ("det12", 2, ["--ep", "2"])):
-                d, _, _ = gen(tiny, tmp, tag, "cuda", np_, det + split + ["--comm", "nccl"])
+            d12, _, _ = gen(tiny, tmp, "det12", "cuda", 2, det + ["--ep", "2", "--comm", "nccl"])
+            d11 = cu  # 1x1 cuda ran with --deterministic
+            for tag, d in (("det22", nc), ("det12", d12)):
                 if d is not None and d11 is not None:
                     same = d.shape == d11.shape and d.tobytes() == d11.tobytes()
                     check(same, f"{tag} cuda+nccl --deterministic: logits bit-identical to 1x1 cuda"
@@ -186,8 +192,8 @@ def main():
             print("SKIP 2x2 / det / serve: this build has no nccl transport", flush=True)
 
         print("deep: 93 layers (the K3 layer schedule), cuda vs cpu", flush=True)
-        dc, dc_t, _ = gen(deep, tmp, "deep_cpu", "cpu", n=4, prompts=DEEP_PROMPTS)
-        du, du_t, _ = gen(deep, tmp, "deep_cuda", "cuda", n=4, prompts=DEEP_PROMPTS)
+        dc, dc_t, _ = gen(deep, tmp, "deep_cpu", "cpu", n=2, prompts=DEEP_PROMPTS)
+        du, du_t, _ = gen(deep, tmp, "deep_cuda", "cuda", n=2, prompts=DEEP_PROMPTS)
         if dc is not None and du is not None:
             r = rel_l2(dc, du)
             check(r <= DEEP_TOL, f"deep cuda vs cpu: logits rel-L2 {r:.3g} (limit {DEEP_TOL:.3g})")
