@@ -4,7 +4,10 @@ on a device): `--cuda-graphs on|off`, the capture decision rank 0 sends, the pad
 
 usage: gpu_graphs.py MPIEXEC   (K3_BIN = the k3 binary; models are made in a temp dir)
   A tiny model with every FFN dense (`k3 make-tiny --dense`: no MoE layer, whose host reads would
-  fail a capture), 3 prompts (a decode batch of 3 rows, padded to the ladder size 4), --deterministic:
+  fail a capture), 3 prompts of 2, 2 and 3 tokens (a decode batch of 3 rows, padded to the
+  ladder size 4; the prefill is eager, and the emulation's time goes by its rows; a 1-token
+  prompt on lane 1 at 2 x 2 made a host-routed round count as a decode step), 4 new tokens each
+  (3 decode steps: the capture and its replays), --deterministic:
   - 1 x 1: the logits dump with --cuda-graphs on is byte-identical to off; --op-stats: every decode
     step launches 1 graph (graph_launches_per_step == 1, no fallback), the same op count per step as
     off, 1 host sync (the flags and the logits read together), and prefill launches none (eager);
@@ -30,7 +33,7 @@ import tempfile
 
 K3 = os.environ.get("K3_BIN")
 MPI = sys.argv[1] if len(sys.argv) > 1 else "mpirun"
-PROMPTS = "1,2,3;4,5;7,8,9,10"
+PROMPTS = "1,2;4,5;7,8,9"
 fails = []
 
 
