@@ -145,7 +145,10 @@ echo "== clang-format check =="
 scripts/format.sh --check || step_failed "the clang-format check"
 
 echo "== tiers: sanitize and gpuemu (ASan + UBSan; the CUDA kernels and NCCL emulated) =="
+# -O1 (ASan's own advice for speed; the checks are the same): at -O0 this tier's tests ran ~1.4x as
+# long (8 of its longest, back to back: 326 s of test time at -O0, 229 s at -O1)
 cmake -S . -B build-asan -DK3_SANITIZE=ON -DK3_WERROR=ON -DCMAKE_BUILD_TYPE=Debug \
+  -DCMAKE_C_FLAGS_DEBUG="-g -O1" -DCMAKE_CXX_FLAGS_DEBUG="-g -O1" \
   -DK3_CUDA=ON -DK3_CUDA_EMULATE=ON -DK3_TEST_PYTHON="$VENV/bin/python3" >/dev/null
 if cmake --build build-asan -j"$JOBS" >"$LOGDIR/asan-build.log" 2>&1; then
   build-asan/k3 version

@@ -554,7 +554,7 @@ int main(void) {
         k3_tensor_spec *sp = calloc(NT, sizeof *sp);
         for (int i = 0; i < NT; i++) {
             memset(sp[i].name, 'n', sizeof sp[i].name - 1);
-            snprintf(sp[i].name, 8, "t%04d.", i);
+            snprintf(sp[i].name, 8, "t%04d.", i % 10000); /* i < NT: 7 characters */
             sp[i].name[7] = 'n';
             sp[i].dtype = K3_DT_U8;
             sp[i].ndim = 4;
