@@ -15,6 +15,8 @@
  *   V_POW2I(n)  2^n for an integral float n in [-126, 127]
  *   V_LOAD_BF16(p)  VL bf16 widened to f32 (a shift: bf16 is the top half of an f32)
  *   V_PREFETCH(p)   a software prefetch of the cache line at p (no-op without SIMD)
+ *   transpose_v(v)  the VL × VL block v[0 .. VL−1] transposed in registers (lane k of v[j] to
+ *                   lane j of v[k]; nothing with VL 1): the row reductions' tokens in the lanes
  *   mx32s(codes, s, w)  one MXFP4 block (16 code bytes) decoded in registers to 32/VL vectors
  *                       with the factor s = mx_scale(its E8M0 byte): values exactly
  *                       k3_mxfp4_get's, in element order, or with MX_XPERM 1 the 16 even
@@ -791,12 +793,10 @@ static void wsum_seg(const float *x, const float *w, const int64_t *seg, int64_t
  * block of fewer tokens (a tail, a decode batch) fills its unused lanes with copies of its first
  * row while it has at least TL_MIN tokens; fewer take one-token chains (ref's code). sqrt and
  * division are correctly rounded, so r is ref's however it is computed. */
-/* the fewest tokens worth a block of VL lanes, measured on 1 thread, rows of 1,024: rmsnorm 0.55
-   µs a token one at a time, 0.10 in full blocks of 16 (AVX-512), 0.19 in a block of 4 tokens
-   (AVX-512) or 0.32 of 2 (AVX2); attnres_mix (n_bank 4) 2.6 one at a time (ar_scores1's chains
-   side by side), 2.0 in a block of 4 (AVX-512) or 2.3 of 3 (AVX2), but 3.3 of 2 (AVX2) */
+/* the fewest tokens worth a norm block of VL lanes, measured on 1 thread, rows of 1,024: rmsnorm
+   0.55 µs a token one at a time, 0.10 in full blocks of 16 (AVX-512), 0.19 in a block of 4 tokens
+   (AVX-512) or 0.32 of 2 (AVX2) (attnres_mix counts its passes instead: attnres_rows) */
 #define TL_MIN (VL / 4 > 2 ? VL / 4 : 2)
-#define AR_MIN (VL / 4 > 3 ? VL / 4 : 3)
 
 /* lane k: ref's ss = Σ_d rows[k][d]² (d ascending from 0.0f) */
 static inline VEC tl_sumsq(const float *const *rows, int64_t n) {
@@ -874,11 +874,16 @@ static void norm_rows(const float *x, int64_t xs, const float *w, int64_t n, flo
 }
 
 /* attnres_mix for tokens [t0, t1) (ref: k3_ref_attnres_mix_rows; n_bank + 1 <= 64, checked by
- * the caller). Scores: VL tokens at a time in the lanes (above); a token left over (a decode
- * step's) puts its sources in the lanes instead, VL at a time (the scalar unit: AR_ROWS sources'
- * chains side by side; unused ones duplicate a source). The softmax (libm's expf) and
- * the mix are per token. */
+ * the caller). Scores: VL tokens at a time in the lanes (above), or one token with its sources
+ * in the lanes, VL at a time (a decode step; a short tail: attnres_rows counts which is cheaper;
+ * the scalar unit: AR_ROWS sources' chains side by side; unused lanes duplicate a row). The softmax
+ * (libm's expf) and the mix are per token. */
 #define AR_ROWS 8
+/* source i's row of token t: the bank's rows (i < n_bank), then p */
+static inline const float *ar_src(const float *bank, int n_bank, const float *p, int64_t T,
+                                  int64_t D, int i, int64_t t) {
+    return i < n_bank ? bank + ((int64_t)i * T + t) * D : p + t * D;
+}
 /* lane k: the score of row rows[k] (ref's ss, r, then dot chains), into dot */
 static inline void ar_lanes(const float *const *rows, int64_t D, float eps, const float *w,
                             float *dot) {
@@ -897,8 +902,7 @@ static void ar_scores1(const float *bank, int n_bank, const float *p, const floa
         const float *v[AR_ROWS];
         float ss[AR_ROWS], dot[AR_ROWS], r[AR_ROWS];
         for (int k = 0; k < AR_ROWS; k++) {
-            const int i = i0 + (k < nr ? k : 0);
-            v[k] = i < n_bank ? bank + ((int64_t)i * T + t) * D : p + t * D;
+            v[k] = ar_src(bank, n_bank, p, T, D, i0 + (k < nr ? k : 0), t);
             ss[k] = 0.0f, dot[k] = 0.0f;
         }
         for (int64_t d = 0; d < D; d++)
@@ -922,10 +926,8 @@ static void ar_scores1v(const float *bank, int n_bank, const float *p, const flo
         const int nr = N - i0 < VL ? N - i0 : VL;
         const float *rows[VL];
         float dot[VL];
-        for (int k = 0; k < VL; k++) {
-            const int i = i0 + (k < nr ? k : 0);
-            rows[k] = i < n_bank ? bank + ((int64_t)i * T + t) * D : p + t * D;
-        }
+        for (int k = 0; k < VL; k++)
+            rows[k] = ar_src(bank, n_bank, p, T, D, i0 + (k < nr ? k : 0), t);
         ar_lanes(rows, D, eps, w, dot);
         for (int k = 0; k < nr; k++) s[i0 + k] = dot[k];
     }
@@ -938,10 +940,8 @@ static void ar_scoresv(const float *bank, int n_bank, const float *p, const floa
     for (int i = 0; i <= n_bank; i++) {
         const float *rows[VL];
         float dot[VL];
-        for (int k = 0; k < VL; k++) {
-            const int64_t tk = t + (k < nt ? k : 0);
-            rows[k] = i < n_bank ? bank + ((int64_t)i * T + tk) * D : p + tk * D;
-        }
+        for (int k = 0; k < VL; k++)
+            rows[k] = ar_src(bank, n_bank, p, T, D, i, t + (k < nt ? k : 0));
         ar_lanes(rows, D, eps, w, dot);
         for (int k = 0; k < nt; k++) s[64 * k + i] = dot[k];
     }
@@ -960,33 +960,39 @@ static void ar_mix(const float *bank, int n_bank, const float *p, int64_t T, int
     int64_t d = 0;
     for (; d + VL <= D; d += VL) {
         VEC acc = V_ZERO();
-        for (int i = 0; i < n_bank; i++)
-            acc = V_ADD(acc, V_MUL(V_SET1(s[i]), V_LOAD(bank + ((int64_t)i * T + t) * D + d)));
-        acc = V_ADD(acc, V_MUL(V_SET1(s[n_bank]), V_LOAD(p + t * D + d)));
+        for (int i = 0; i <= n_bank; i++)
+            acc = V_ADD(acc, V_MUL(V_SET1(s[i]), V_LOAD(ar_src(bank, n_bank, p, T, D, i, t) + d)));
         V_STORE(out + t * D + d, acc);
     }
     for (; d < D; d++) {
         float acc = 0.0f;
-        for (int i = 0; i < n_bank; i++) acc += s[i] * bank[((int64_t)i * T + t) * D + d];
-        acc += s[n_bank] * p[t * D + d];
+        for (int i = 0; i <= n_bank; i++) acc += s[i] * ar_src(bank, n_bank, p, T, D, i, t)[d];
         out[t * D + d] = acc;
     }
 }
+/* A block of nt tokens in the lanes costs N = n_bank + 1 passes of ar_lanes (one per source);
+   its tokens one at a time, sources in the lanes, nt·⌈N/VL⌉: the block is taken when it is no
+   dearer (always for VL tokens; a tail of few tokens with many sources goes one at a time). */
 static void attnres_rows(const float *bank, int n_bank, const float *p, const float *w, int64_t T,
                          int64_t D, float eps, float *out, int64_t t0, int64_t t1) {
     float s[64 * VL];
+    const int N = n_bank + 1, one = (N + VL - 1) / VL; /* passes of one token alone */
     for (int64_t t = t0; t < t1;) {
-        const int nt = t1 - t >= VL ? VL : t1 - t >= AR_MIN ? (int)(t1 - t) : 1;
-        if (nt > 1) /* all the block's scores before any output: out may alias p */
+        const int nt = t1 - t >= VL ? VL : (int)(t1 - t);
+        if (nt > 1 && N <= nt * one) { /* all the block's scores before any output: out may
+                                          alias p */
             ar_scoresv(bank, n_bank, p, w, T, D, eps, t, nt, s);
-        else
+            for (int k = 0; k < nt; k++) ar_mix(bank, n_bank, p, T, D, t + k, s + 64 * k, out);
+            t += nt;
+            continue;
+        }
 #if VL > 1
-            ar_scores1v(bank, n_bank, p, w, T, D, eps, t, s);
+        ar_scores1v(bank, n_bank, p, w, T, D, eps, t, s);
 #else
-            ar_scores1(bank, n_bank, p, w, T, D, eps, t, s);
+        ar_scores1(bank, n_bank, p, w, T, D, eps, t, s);
 #endif
-        for (int k = 0; k < nt; k++) ar_mix(bank, n_bank, p, T, D, t + k, s + 64 * k, out);
-        t += nt;
+        ar_mix(bank, n_bank, p, T, D, t, s, out);
+        t++;
     }
 }
 
