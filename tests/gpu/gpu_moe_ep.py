@@ -16,9 +16,8 @@ import os
 import re
 import subprocess
 import sys
-import tempfile
 
-from k3_gpu_skip import gate, make_tiny
+from k3_gpu_skip import run_on_tiny
 
 K3 = os.environ.get("K3_BIN")
 MPI = sys.argv[1] if len(sys.argv) > 1 else "mpirun"
@@ -40,50 +39,47 @@ def run(model, grid, prompts, extra, env=None, stats=None):
                           env=dict(os.environ, **(env or {})))
 
 
-def main():
-    rc = gate(K3, nccl=True)
-    if rc is not None:
-        return rc
-    with tempfile.TemporaryDirectory() as tmp:
-        model = make_tiny(K3, tmp)
-        sets = {"1 seq": "1,2,3",
-                "16 seqs A": ";".join(",".join(str((i * 7 + j * 3) % 4000 + 1) for j in range(3))
-                                      for i in range(16)),
-                "16 seqs B": ";".join(",".join(str((i * 13 + j * 11) % 4000 + 5)
-                                               for j in range(2 + i % 3)) for i in range(16))}
-        ops = {}
-        for name, prompts in sets.items():
-            path = os.path.join(tmp, "s%d.json" % len(ops))
-            p = run(model, ["--ep", "4"], prompts, ["--n", "3", "--ignore-eos"], stats=path)
-            check(p.returncode == 0, "1x4 %s: exit %d %s" % (name, p.returncode, p.stderr[-800:]))
-            if p.returncode:
+def checks(tmp, model):
+    sets = {"1 seq": "1,2,3",
+            "16 seqs A": ";".join(",".join(str((i * 7 + j * 3) % 4000 + 1) for j in range(3))
+                                  for i in range(16)),
+            "16 seqs B": ";".join(",".join(str((i * 13 + j * 11) % 4000 + 5)
+                                           for j in range(2 + i % 3)) for i in range(16))}
+    ops = {}
+    for name, prompts in sets.items():
+        path = os.path.join(tmp, "s%d.json" % len(ops))
+        p = run(model, ["--ep", "4"], prompts, ["--n", "3", "--ignore-eos"], stats=path)
+        check(p.returncode == 0, "1x4 %s: exit %d %s" % (name, p.returncode, p.stderr[-800:]))
+        if p.returncode:
+            continue
+        with open(path) as f:
+            d = json.load(f)
+        check(d.get("routing") == "device", "1x4 %s: routing %s" % (name, d.get("routing")))
+        for e in d["stages"]:
+            x = e["decode"]
+            if not x["steps"]:
                 continue
-            with open(path) as f:
-                d = json.load(f)
-            check(d.get("routing") == "device", "1x4 %s: routing %s" % (name, d.get("routing")))
-            for e in d["stages"]:
-                x = e["decode"]
-                if not x["steps"]:
-                    continue
-                ops.setdefault(name, set()).add(x["ops_per_step"])
-                check(x["host_syncs_per_step"] <= 1, "1x4 %s r%d: %s host syncs a decode step"
-                      % (name, e["rank"], x["host_syncs_per_step"]))
-        counts = set().union(*ops.values()) if ops else set()
-        check(len(ops) == len(sets) and len(counts) == 1,
-              "1x4: decode ops per step the same for 1 and 16 sequences and both routings: %s"
-              % ops)
-        grid = ["--pp", "2", "--ep", "2", "--max-batch-tokens", "8", "--max-seqs", "2"]
-        one = {"K3_TEST_ROUTE_ONE_EXPERT": "3"}
-        p = run(model, grid, "1,2,3;9,8,7;4,5;6", ["--n", "1"], env=one)
-        check(p.returncode == 0, "2x2, every slot to expert 3, prefill only (host-routed): exit %d "
-              "%s" % (p.returncode, [l for l in p.stderr.splitlines() if " E] " in l][:1]))
-        p = run(model, grid, "1,2,3;9,8,7;4,5;6", ["--n", "2"], env=one)
-        check(p.returncode != 0 and re.search(r"layer 1: moe_experts: expert 3 received 8 rows, "
-                                              r"over its capacity of 4 rows", p.stderr),
-              "2x2, every slot to expert 3, a decode round: the overflow is named (exit %d) %s"
-              % (p.returncode, [l for l in p.stderr.splitlines() if " E] " in l][:1]))
-    print("gpu_moe_ep: %s" % ("FAIL (%d)" % len(fails) if fails else "ok"), flush=True)
-    return 1 if fails else 0
+            ops.setdefault(name, set()).add(x["ops_per_step"])
+            check(x["host_syncs_per_step"] <= 1, "1x4 %s r%d: %s host syncs a decode step"
+                  % (name, e["rank"], x["host_syncs_per_step"]))
+    counts = set().union(*ops.values()) if ops else set()
+    check(len(ops) == len(sets) and len(counts) == 1,
+          "1x4: decode ops per step the same for 1 and 16 sequences and both routings: %s"
+          % ops)
+    grid = ["--pp", "2", "--ep", "2", "--max-batch-tokens", "8", "--max-seqs", "2"]
+    one = {"K3_TEST_ROUTE_ONE_EXPERT": "3"}
+    p = run(model, grid, "1,2,3;9,8,7;4,5;6", ["--n", "1"], env=one)
+    check(p.returncode == 0, "2x2, every slot to expert 3, prefill only (host-routed): exit %d "
+          "%s" % (p.returncode, [l for l in p.stderr.splitlines() if " E] " in l][:1]))
+    p = run(model, grid, "1,2,3;9,8,7;4,5;6", ["--n", "2"], env=one)
+    check(p.returncode != 0 and re.search(r"layer 1: moe_experts: expert 3 received 8 rows, "
+                                          r"over its capacity of 4 rows", p.stderr),
+          "2x2, every slot to expert 3, a decode round: the overflow is named (exit %d) %s"
+          % (p.returncode, [l for l in p.stderr.splitlines() if " E] " in l][:1]))
+
+
+def main():
+    return run_on_tiny("gpu_moe_ep", K3, checks, fails, nccl=True)
 
 
 if __name__ == "__main__":

@@ -21,9 +21,8 @@ import json
 import os
 import subprocess
 import sys
-import tempfile
 
-from k3_gpu_skip import gate, make_tiny
+from k3_gpu_skip import run_on_tiny
 
 K3 = os.environ.get("K3_BIN")
 MPI = sys.argv[1] if len(sys.argv) > 1 else "mpirun"
@@ -53,41 +52,38 @@ def run(tmp, model, tag, grid, prompts=PROMPTS, extra=(), env=None):
         return npy, json.load(f)
 
 
+def checks(tmp, model):
+    one = run(tmp, model, "1x1", [])
+    two = run(tmp, model, "2x2", ["--pp", "2", "--ep", "2", "--comm", "nccl"])
+    check(one is not None and two is not None and filecmp.cmp(one[0], two[0], shallow=False),
+          "2x2 nccl, 16 identical tokens: logits byte-identical to 1x1 cuda")
+    if two:
+        d = two[1]
+        check(d.get("routing") == "device", "2x2: routing %s" % d.get("routing"))
+        for e in d["stages"]:
+            x = e["decode"]
+            if not x["steps"]:
+                continue
+            check(x["graph_launches_per_step"] == 1 and x["host_syncs_per_step"] <= 1,
+                  "2x2 r%d: decode %s graph launches, %s host syncs a step" % (
+                      e["rank"], x["graph_launches_per_step"], x["host_syncs_per_step"]))
+    same, big = ";".join(["7,7"] * 20), ["--max-seqs", "16", "--max-batch-tokens", "32"]
+    one = run(tmp, model, "1x1 batch", [], same, big)
+    two = run(tmp, model, "2x2 batch", ["--pp", "2", "--ep", "2", "--comm", "nccl"], same, big,
+              {"K3_MOE_CAPACITY_FACTOR": "1"})
+    check(one is not None and two is not None and filecmp.cmp(one[0], two[0], shallow=False),
+          "2x2 nccl, 20 identical sequences: logits byte-identical to 1x1 cuda")
+    if two:  # each lane's first device-routed step captured (its expert tables built before)
+        for e in two[1]["stages"]:
+            x = e["decode"]
+            check(x["graph_fallbacks"] == 0 and (not x["steps"]
+                                                 or x["graph_launches_per_step"] == 1),
+                  "2x2 batch r%d: decode %s graph launches a step, %s fallbacks" % (
+                      e["rank"], x["graph_launches_per_step"], x["graph_fallbacks"]))
+
+
 def main():
-    rc = gate(K3, nccl=True)
-    if rc is not None:
-        return rc
-    with tempfile.TemporaryDirectory() as tmp:
-        model = make_tiny(K3, tmp)
-        one = run(tmp, model, "1x1", [])
-        two = run(tmp, model, "2x2", ["--pp", "2", "--ep", "2", "--comm", "nccl"])
-        check(one is not None and two is not None and filecmp.cmp(one[0], two[0], shallow=False),
-              "2x2 nccl, 16 identical tokens: logits byte-identical to 1x1 cuda")
-        if two:
-            d = two[1]
-            check(d.get("routing") == "device", "2x2: routing %s" % d.get("routing"))
-            for e in d["stages"]:
-                x = e["decode"]
-                if not x["steps"]:
-                    continue
-                check(x["graph_launches_per_step"] == 1 and x["host_syncs_per_step"] <= 1,
-                      "2x2 r%d: decode %s graph launches, %s host syncs a step" % (
-                          e["rank"], x["graph_launches_per_step"], x["host_syncs_per_step"]))
-        same, big = ";".join(["7,7"] * 20), ["--max-seqs", "16", "--max-batch-tokens", "32"]
-        one = run(tmp, model, "1x1 batch", [], same, big)
-        two = run(tmp, model, "2x2 batch", ["--pp", "2", "--ep", "2", "--comm", "nccl"], same, big,
-                  {"K3_MOE_CAPACITY_FACTOR": "1"})
-        check(one is not None and two is not None and filecmp.cmp(one[0], two[0], shallow=False),
-              "2x2 nccl, 20 identical sequences: logits byte-identical to 1x1 cuda")
-        if two:  # each lane's first device-routed step captured (its expert tables built before)
-            for e in two[1]["stages"]:
-                x = e["decode"]
-                check(x["graph_fallbacks"] == 0 and (not x["steps"]
-                                                     or x["graph_launches_per_step"] == 1),
-                      "2x2 batch r%d: decode %s graph launches a step, %s fallbacks" % (
-                          e["rank"], x["graph_launches_per_step"], x["graph_fallbacks"]))
-    print("gpu_moe_skew: %s" % ("FAIL (%d)" % len(fails) if fails else "ok"), flush=True)
-    return 1 if fails else 0
+    return run_on_tiny("gpu_moe_skew", K3, checks, fails, nccl=True)
 
 
 if __name__ == "__main__":

@@ -29,11 +29,10 @@ import os
 import re
 import subprocess
 import sys
-import tempfile
 
 import numpy as np
 
-from k3_gpu_skip import gate, make_tiny
+from k3_gpu_skip import run_on_tiny
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 from k3_tolerances import TOL  # noqa: E402
@@ -84,90 +83,87 @@ def cpu_ref(tmp, model):
     return np.load(npy), [o["generated_ids"] for o in json.loads(p.stdout)["results"]]
 
 
-def main():
-    rc = gate(K3, nccl=True)
-    if rc is not None:
-        return rc
-    with tempfile.TemporaryDirectory() as tmp:
-        model = make_tiny(K3, tmp)
-        keys = ["ops_per_step", "host_syncs_per_step", "comm_host_syncs_per_step",
-                "graph_launches_per_step"]
-        # nccl + cuda: routed on the device; the step's one read is its only host sync
-        npy = os.path.join(tmp, "nccl4.npy")
-        d = stats(tmp, model, "nccl", dump=npy)
-        ref = cpu_ref(tmp, model)
-        if d and ref:
-            # without --deterministic (the pre-summed combine in the host-routed prefill rounds)
-            got, want = np.load(npy).astype(np.float64), ref[0].astype(np.float64)
-            r = float(np.linalg.norm(got - want) / max(np.linalg.norm(want), 1e-30)) \
-                if got.shape == want.shape else float("inf")
-            check(r <= DIST_TOL, "nccl 2x2 vs cpu: logits rel-L2 %.3g (limit %g)" % (r, DIST_TOL))
-            toks = [o["generated_ids"] for o in d["json"]["results"]]
-            check(toks == ref[1], "nccl 2x2 vs cpu: greedy tokens identical")
-        if d:
-            check(d.get("comm") == "nccl" and d.get("routing") == "device"
-                  and d.get("routing_note", "").startswith("nccl: decode rounds routed on the "
-                                                           "device")
-                  and "Prefill rounds" in d.get("routing_note", "")
-                  and "host-routed" in d.get("routing_note", ""),
-                  "nccl: comm, routing and its note: %s %s" % (d.get("comm"), d.get("routing")))
-            for stage in (0, 1):
-                busy = [e for e in d["stages"] if e["stage"] == stage and e["decode"]["steps"]]
-                check(len(busy) > 0, "nccl: stage %d has decode steps" % stage)
-                for e in busy:
-                    for ph in ("decode", "prefill"):
-                        x = e[ph]
-                        check(all(k in x for k in keys), "nccl r%d %s: has %s" % (e["rank"], ph,
-                                                                                  keys))
-                    x = e["decode"]
-                    check(x["host_syncs_per_step"] <= 1 and x["comm_host_syncs_per_step"] == 0,
-                          "nccl r%d decode: %s host syncs (<= 1: the step's one read), %s of them "
-                          "NCCL waits (0: a watcher thread times them)"
-                          % (e["rank"], x["host_syncs_per_step"], x["comm_host_syncs_per_step"]))
-                    print("     r%d s%d e%d decode: ops %s, host syncs %s (transport %s), graph "
-                          "launches %s" % (e["rank"], e["stage"], e["lane"], x["ops_per_step"],
-                                           x["host_syncs_per_step"],
-                                           x["comm_host_syncs_per_step"],
-                                           x["graph_launches_per_step"]), flush=True)
-        # K3_MOE_HOST_ROUTE=1: the host-routed exchange, whose NCCL waits poll and are counted
-        d = stats(tmp, model, "nccl", env={"K3_MOE_HOST_ROUTE": "1"}, tag="host")
-        if d:
-            check(d.get("routing") == "host", "nccl, K3_MOE_HOST_ROUTE=1: routing host")
-            for e in d["stages"]:
+def checks(tmp, model):
+    keys = ["ops_per_step", "host_syncs_per_step", "comm_host_syncs_per_step",
+            "graph_launches_per_step"]
+    # nccl + cuda: routed on the device; the step's one read is its only host sync
+    npy = os.path.join(tmp, "nccl4.npy")
+    d = stats(tmp, model, "nccl", dump=npy)
+    ref = cpu_ref(tmp, model)
+    if d and ref:
+        # without --deterministic (the pre-summed combine in the host-routed prefill rounds)
+        got, want = np.load(npy).astype(np.float64), ref[0].astype(np.float64)
+        r = float(np.linalg.norm(got - want) / max(np.linalg.norm(want), 1e-30)) \
+            if got.shape == want.shape else float("inf")
+        check(r <= DIST_TOL, "nccl 2x2 vs cpu: logits rel-L2 %.3g (limit %g)" % (r, DIST_TOL))
+        toks = [o["generated_ids"] for o in d["json"]["results"]]
+        check(toks == ref[1], "nccl 2x2 vs cpu: greedy tokens identical")
+    if d:
+        check(d.get("comm") == "nccl" and d.get("routing") == "device"
+              and d.get("routing_note", "").startswith("nccl: decode rounds routed on the "
+                                                       "device")
+              and "Prefill rounds" in d.get("routing_note", "")
+              and "host-routed" in d.get("routing_note", ""),
+              "nccl: comm, routing and its note: %s %s" % (d.get("comm"), d.get("routing")))
+        for stage in (0, 1):
+            busy = [e for e in d["stages"] if e["stage"] == stage and e["decode"]["steps"]]
+            check(len(busy) > 0, "nccl: stage %d has decode steps" % stage)
+            for e in busy:
+                for ph in ("decode", "prefill"):
+                    x = e[ph]
+                    check(all(k in x for k in keys), "nccl r%d %s: has %s" % (e["rank"], ph,
+                                                                              keys))
                 x = e["decode"]
-                if x["steps"] and e["stage"] == 0:
-                    check(0 < x["comm_host_syncs_per_step"] <= x["host_syncs_per_step"],
-                          "nccl host-routed r%d decode: the transport's waits counted: %s of %s "
-                          "host syncs" % (e["rank"], x["comm_host_syncs_per_step"],
-                                          x["host_syncs_per_step"]))
-        d = stats(tmp, model, "nccl", 1)
-        if d:
-            x = d["stages"][0]["decode"]
-            check(x["steps"] > 0 and x["host_syncs_per_step"] == 1
-                  and x["ops"].get("moe_experts", 0) > 0,
-                  "1x1 decode: %s host syncs = 1 (flags + deferred checks + logits), none in its "
-                  "%s moe_experts, %s moe_topk, %s embed_rows (routed on the device, checks "
-                  "deferred)" % (x["host_syncs_per_step"], x["ops"].get("moe_experts", 0),
-                                 x["ops"].get("moe_topk", 0), x["ops"].get("embed_rows", 0)))
-        # the capacity of the device route: every slot to expert 3 (K3_TEST_ROUTE_ONE_EXPERT)
-        # overflows the first MoE layer's; the step fails naming layer, expert and capacity
-        p = subprocess.run([K3, "run", "--model", model, "--backend", "cuda", "--prompt-ids",
-                            "1,2,3,4,5;9,8,7", "--n", "2"], capture_output=True, text=True,
-                           timeout=120, env=dict(os.environ, K3_TEST_ROUTE_ONE_EXPERT="3"))
-        check(p.returncode != 0 and re.search(r"layer 1: moe_experts: expert 3 received 32 rows, "
-                                              r"over its capacity of 8 rows", p.stderr),
-              "1x1, every slot to expert 3: the overflow is named (exit %d) %s"
-              % (p.returncode, p.stderr.strip().splitlines()[-1:] if p.stderr else ""))
-        d = stats(tmp, model, "mpi")
-        if d:
-            check(d.get("comm") == "mpi" and d.get("routing") == "host"
-                  and d.get("routing_note", "").startswith("mpi: "),
-                  "mpi: comm, routing and why its counts differ")
-            for e in d["stages"]:
-                check(e["decode"]["comm_host_syncs_per_step"] == 0,
-                      "mpi r%d: no transport waits on a stream" % e["rank"])
-    print("gpu_opstats: %s" % ("FAIL (%d)" % len(fails) if fails else "ok"), flush=True)
-    return 1 if fails else 0
+                check(x["host_syncs_per_step"] <= 1 and x["comm_host_syncs_per_step"] == 0,
+                      "nccl r%d decode: %s host syncs (<= 1: the step's one read), %s of them "
+                      "NCCL waits (0: a watcher thread times them)"
+                      % (e["rank"], x["host_syncs_per_step"], x["comm_host_syncs_per_step"]))
+                print("     r%d s%d e%d decode: ops %s, host syncs %s (transport %s), graph "
+                      "launches %s" % (e["rank"], e["stage"], e["lane"], x["ops_per_step"],
+                                       x["host_syncs_per_step"],
+                                       x["comm_host_syncs_per_step"],
+                                       x["graph_launches_per_step"]), flush=True)
+    # K3_MOE_HOST_ROUTE=1: the host-routed exchange, whose NCCL waits poll and are counted
+    d = stats(tmp, model, "nccl", env={"K3_MOE_HOST_ROUTE": "1"}, tag="host")
+    if d:
+        check(d.get("routing") == "host", "nccl, K3_MOE_HOST_ROUTE=1: routing host")
+        for e in d["stages"]:
+            x = e["decode"]
+            if x["steps"] and e["stage"] == 0:
+                check(0 < x["comm_host_syncs_per_step"] <= x["host_syncs_per_step"],
+                      "nccl host-routed r%d decode: the transport's waits counted: %s of %s "
+                      "host syncs" % (e["rank"], x["comm_host_syncs_per_step"],
+                                      x["host_syncs_per_step"]))
+    d = stats(tmp, model, "nccl", 1)
+    if d:
+        x = d["stages"][0]["decode"]
+        check(x["steps"] > 0 and x["host_syncs_per_step"] == 1
+              and x["ops"].get("moe_experts", 0) > 0,
+              "1x1 decode: %s host syncs = 1 (flags + deferred checks + logits), none in its "
+              "%s moe_experts, %s moe_topk, %s embed_rows (routed on the device, checks "
+              "deferred)" % (x["host_syncs_per_step"], x["ops"].get("moe_experts", 0),
+                             x["ops"].get("moe_topk", 0), x["ops"].get("embed_rows", 0)))
+    # the capacity of the device route: every slot to expert 3 (K3_TEST_ROUTE_ONE_EXPERT)
+    # overflows the first MoE layer's; the step fails naming layer, expert and capacity
+    p = subprocess.run([K3, "run", "--model", model, "--backend", "cuda", "--prompt-ids",
+                        "1,2,3,4,5;9,8,7", "--n", "2"], capture_output=True, text=True,
+                       timeout=120, env=dict(os.environ, K3_TEST_ROUTE_ONE_EXPERT="3"))
+    check(p.returncode != 0 and re.search(r"layer 1: moe_experts: expert 3 received 32 rows, "
+                                          r"over its capacity of 8 rows", p.stderr),
+          "1x1, every slot to expert 3: the overflow is named (exit %d) %s"
+          % (p.returncode, p.stderr.strip().splitlines()[-1:] if p.stderr else ""))
+    d = stats(tmp, model, "mpi")
+    if d:
+        check(d.get("comm") == "mpi" and d.get("routing") == "host"
+              and d.get("routing_note", "").startswith("mpi: "),
+              "mpi: comm, routing and why its counts differ")
+        for e in d["stages"]:
+            check(e["decode"]["comm_host_syncs_per_step"] == 0,
+                  "mpi r%d: no transport waits on a stream" % e["rank"])
+
+
+def main():
+    return run_on_tiny("gpu_opstats", K3, checks, fails, nccl=True)
 
 
 if __name__ == "__main__":
