@@ -300,7 +300,6 @@ static k3_status expert_rows(kctx *k, bench_report *rep, const bench_limits *lim
             const int64_t j = (i * 7919) % n;
             st = k3_tensor_rows(&big, j * out, out, &W[i]);
         }
-        const double mb = (double)wbytes;
         char name[96];
         for (int v = 0; st == K3_OK && v < 3; v++) {
             const int64_t T = v == 2 ? 64 : 1, calls = v == 0 ? n : 16;
@@ -318,7 +317,7 @@ static k3_status expert_rows(kctx *k, bench_report *rep, const bench_limits *lim
                          (long long)out, (long long)in, (long long)T);
             bench_op op = {OP_MATMUL_SET, Wv, x, T, calls, y};
             st = add_row(k, rep, lim, name, &op,
-                         (double)calls * (mb + 4.0 * (double)T * (double)(in + out)),
+                         (double)calls * ((double)wbytes + 4.0 * (double)T * (double)(in + out)),
                          (double)calls * 2.0 * (double)T * (double)in * (double)out);
         }
         k3_free(W);

@@ -2,7 +2,7 @@
 # test.sh — the whole test suite on a fresh Debian 12 machine (as root): installs what it needs,
 # builds, and runs every tier. CI's command (.ci/run).
 #   scripts/test.sh           everything below; measured on an idle 2-core machine: ~8 min of pip
-#                             the first time (a 6.3 GB venv) + ~20 min of tests; 10 GB free disk
+#                             the first time (a 6.3 GB venv) + ~17 min of tests; 10 GB free disk
 #   scripts/test.sh --quick   the quick tier (label quick: unit, golden and mpi tests on the tiny
 #                             model; tests/CMakeLists.txt lists them): build/ only, the references
 #                             without PyTorch (~1 GB); under 5 min once they are installed
@@ -41,8 +41,8 @@ if [ $QUICK = 1 ]; then
   echo "  the first run also pip-installs the references without PyTorch, ~1 GB); needs ~2 GB free"
   need_gb=2
 else
-  echo "k3 tests: expect ~30 min on an idle 2-core machine: ~8 min of pip the first time (PyTorch"
-  echo "  and the references, a 6.3 GB virtual environment in build/venv), then ~20 min of tests"
+  echo "k3 tests: expect ~25 min on an idle 2-core machine: ~8 min of pip the first time (PyTorch"
+  echo "  and the references, a 6.3 GB virtual environment in build/venv), then ~17 min of tests"
   echo "  (more on a loaded machine); needs ~10 GB free disk. Contributors: scripts/test.sh --quick"
   need_gb=10
 fi
