@@ -55,7 +55,9 @@ fwd() { # name, then bench_forward flags
   "$BUILD/tests/bench_forward" "$@" --json "$OUT/$name.json" >"$OUT/$name.log" 2>&1 ||
     { FAIL="$FAIL $name"; tail -5 "$OUT/$name.log" >&2; }
 }
-# REPS rounds, each running every preset at 1 and 2 threads once (--reps 1, tiny 3; 1 then 2 in odd
+# REPS rounds, each running every preset at 1 and 2 threads once (--reps 1, tiny 3, each after
+# bench_forward's untimed warm-up pass: a run's first pass also paid for starting the pool, first
+# touches and cold code, 1-2% at one thread and 3-11% at two on small; 1 then 2 in odd
 # rounds, 2 then 1 in even ones): a slow phase of this shared host then hits both thread counts
 # alike instead of whichever ran during it (seen here: the same run 2000 or 2900 tok/s minutes
 # apart). Each number below is the median over the rounds (a round's % of bound uses that run's
