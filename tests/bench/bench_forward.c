@@ -33,7 +33,8 @@
  * Prints a table and writes JSON (--json FILE, default bench_forward.json) with every number:
  * the host, versions, commit and limits; per model the samples of every rep.
  * Usage: bench_forward [--model DIR | --preset tiny|small]... [--threads N] [--prompt N]
- *                      [--decode N] [--reps N] [--warmup N] [--chunk C] [--kda-chunk C] [--json FILE]
+ *                      [--decode N] [--reps N] [--warmup N] [--chunk C] [--kda-chunk C]
+ *                      [--json FILE]
  *                      [--profile 1|decode|prefill]  (per model: each op's share of a decode
  *                      token, or of the prefill's time, on stderr) */
 #include <stdio.h>
