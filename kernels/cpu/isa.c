@@ -31,10 +31,11 @@ bool k3_cpu_isa_supported(const char *name) {
  * BF16, k3 bench kernels and bench_forward): an AMD EPYC (Zen 4) streams one row after another
  * with its hardware prefetcher at the read-only stream's rate (rows of 1024: ~27 vs ~13 GB/s for
  * 8 rows side by side; small decode 34 -> 58 tok/s; two such streams, 68 -> 79: kern_gemv.h's
- * gemv_seq), software prefetches only cost it; the Xeon reached 95% of its read-only stream with
- * rows side by side and a prefetch a group ahead. So
- * AMD: seq, others: rows; K3_GEMV=seq|rows forces one (tests run both; the same bits). Each
- * backend keeps its pick in its context (k3_cpu_ctx.gemv_seq), read by its decode matmuls. */
+ * gemv_seq), software prefetches a group of rows ahead only cost it (one a few KB ahead in each
+ * stream helps two threads on Zen 5: kern_gemv.h GV_SPF); the Xeon reached 95% of its read-only
+ * stream with rows side by side and a prefetch a group ahead. So AMD: seq, others: rows;
+ * K3_GEMV=seq|rows forces one (tests run both; the same bits). Each backend keeps its pick in its
+ * context (k3_cpu_ctx.gemv_seq), read by its decode matmuls. */
 static k3_status gemv_select(bool *seq) {
     const char *g = getenv("K3_GEMV");
     if (!g || !*g) {

@@ -32,6 +32,12 @@
    ahead. Measured on DRAM-resident BF16: rows of 1024 (2 KB) 10.3 -> 12.8 GB/s against a fixed
    4 KB, rows of 4096 14.1 -> 15.0 GB/s (one thread; the read-only stream there: 15.8). */
 #define GV_PF 4096
+/* gemv_seq's streams (rows in memory order) prefetch this far ahead in each stream. On the Zen 5
+   EPYC VM (rows of 1024 BF16 from DRAM; its two vCPUs by turns on one and on two memory paths: a
+   2-thread triad of ~50 or ~80 GB/s): 2 threads 75-82 -> 85-88 GB/s on the fast path, small's
+   2-thread decode +5% (7 of 8 interleaved rounds), 1 thread within its noise (median +2%, 6
+   rounds) and the slow path +1%. */
+#define GV_SPF 4096
 /* MXFP4 rows folded at once (with MX_TAB): a fold of 4 rows of 768 was ~7% of their time */
 #define GV_MXF        VL
 #define GV_MAX_BLOCKS 1024 /* MXFP4 rows up to 32768 elements take this path */
@@ -63,11 +69,14 @@ static inline void mx_scales(const uint8_t *e, int64_t nb, float *out) {
     for (; b < nb; b++) out[b] = mx_scale(e[b]);
 }
 
-/* R rows (ld elements apart) × one token over the row's [0, n_main): acc[r] = (a0, a1). */
+/* R rows (ld elements apart) × one token over the row's [0, n_main): acc[r] = (a0, a1). PF: 0 no
+ * software prefetch, 1 the same place in the next group of rows (GV_PF), 2 GV_SPF bytes on in
+ * each row's own stream (gemv_seq's, whose rows follow one another in memory). */
 #define DEF_GV(NAME, WT, LDW, R, PF)                                                               \
     static void NAME(const WT *w, int64_t ld, const float *x, int64_t n_main, VEC *acc) {          \
         VEC a0[R], a1[R];                                                                          \
-        const int64_t pfd = K3_MAX((int64_t)GV_PF, R * ld * (int64_t)sizeof(WT));                  \
+        const int64_t pfd =                                                                        \
+            PF == 2 ? (int64_t)GV_SPF : K3_MAX((int64_t)GV_PF, R * ld * (int64_t)sizeof(WT));      \
         _Pragma("GCC unroll 8") for (int r = 0; r < R; r++) a0[r] = V_ZERO(), a1[r] = V_ZERO();    \
         for (int64_t i = 0; i < n_main; i += 2 * VL) {                                             \
             VEC x0 = V_LOAD(x + i), x1 = V_LOAD(x + i + VL);                                       \
@@ -196,12 +205,13 @@ static void gemv_rows_t(const k3_tensor *W, const float *x, int64_t T, int64_t o
 }
 #endif
 
-/* seq's streams: rows k and h + k of a call (ld = h rows apart), no software prefetch. Two: in
-   the model (small preset, interleaved rounds) three were no faster at one thread and slower at
-   two (5 of 5 rounds), though a lone matrix streamed faster with three (below). */
+/* seq's streams: rows k and h + k of a call (ld = h rows apart), each prefetched GV_SPF ahead
+   in its own stream. Two: in the model (small preset, interleaved rounds) three were no faster at
+   one thread and slower at two (5 of 5 rounds), though a lone matrix streamed faster with three
+   (below). */
 #define GV_SEQ 2
-DEF_GV(gv_f32_sn, float, ldw_f32, GV_SEQ, 0)
-DEF_GV(gv_bf16_sn, uint16_t, ldw_bf16, GV_SEQ, 0)
+DEF_GV(gv_f32_sn, float, ldw_f32, GV_SEQ, 2)
+DEF_GV(gv_bf16_sn, uint16_t, ldw_bf16, GV_SEQ, 2)
 
 /* gemv_seq's walk of F32/BF16 rows [o0, o1): the range cut in GV_SEQ parts of h rows
  * walked side by side, row k of each at a time, so memory is read in order as GV_SEQ streams
