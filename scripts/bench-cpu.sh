@@ -17,7 +17,9 @@
 # Each bench measures its own limits at its own thread count (launcher/bench_limits.c: best of
 # 5 trials; the FMA rate per second of each thread's CPU time). Every number of 1. and 2. is a
 # median over the REPS rounds; each 2-thread/1-thread ratio is also taken round by round (their
-# median, and in how many rounds 2 threads led: a round's two runs share the host's phase).
+# median, and in how many rounds 2 threads led: a round's two runs share the host's phase), and
+# so is each round's % of its own triad / FMA peak (with the range of the rounds' limits: a host
+# whose bandwidth flips between rounds shows it there).
 # Prints one summary table; writes $OUT/bench-cpu.json (the summary rows + every run's full JSON)
 # beside each run's JSON and log.
 #
@@ -145,6 +147,14 @@ def fwd(name, label):
                      100 * r["decode_tok_s"] / bound,
                      f"triad {d['triad_gbs_median']:.1f} GB/s, the median of the trials"
                      " (the row above: their best, STREAM's rule)"))
+    rr = list(by_round.get(name, {}).values())
+    if len(rr) > 1:  # each round against its own limits: a host whose bandwidth flips between
+        # rounds (seen: a 2-thread triad of ~50 or ~80 GB/s minutes apart) shows it here
+        pc = [100 * d["results"][0]["triad_fraction"] for d in rr]
+        tg = [d["triad_gbs"] for d in rr]
+        rows.append((f"{label} decode, per round", median(pc), "% triad", None, "", None,
+                     f"median of {len(pc)} rounds' own % ({min(pc):.1f}-{max(pc):.1f}); their"
+                     f" triads {min(tg):.1f}-{max(tg):.1f} GB/s"))
     if r["decode_state_bytes_per_token"] > 0.1 * r["decode_bytes_per_token"]:  # a long context
         rows.append((f"{label} decode (weights+state)", r["decode_gbs_with_state"], "GB/s",
                      d["triad_gbs"], "GB/s", 100 * r["triad_fraction_with_state"],
@@ -152,6 +162,12 @@ def fwd(name, label):
     rows.append((f"{label} prefill {r['prompt_tokens']} (weights)", r["prefill_gflops"], "GFLOP/s",
                  d["fma_peak_gflops"], "GFLOP/s", 100 * r["peak_fraction"],
                  f"fp32 FMA peak ({th} thr), {r['prefill_tok_s']:.1f} tok/s"))
+    if len(rr) > 1:
+        pc = [100 * d["results"][0]["peak_fraction"] for d in rr]
+        fp = [d["fma_peak_gflops"] for d in rr]
+        rows.append((f"{label} prefill {r['prompt_tokens']}, per round", median(pc), "% peak", None,
+                     "", None, f"median of {len(pc)} rounds' own % ({min(pc):.1f}-{max(pc):.1f});"
+                     f" their FMA peaks {min(fp):.1f}-{max(fp):.1f} GFLOP/s"))
     rows.append((f"{label} prefill {r['prompt_tokens']} (weights+attn)",
                  r["prefill_gflops_with_attention"], "GFLOP/s", d["fma_peak_gflops"], "GFLOP/s",
                  100 * r["peak_fraction_with_attention"], "MLA H(W+Rkv)P(P+1) + KDA 7PHdkdv"))
