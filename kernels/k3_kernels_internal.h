@@ -43,6 +43,9 @@ k3_status k3_kernels_check_topk(int E, int K, int G, int topk_group);
    (k3_ref_attnres_check). */
 void k3_ref_attnres_mix_rows(const float *bank, int n_bank, const float *p, const float *w,
                              int64_t T, int64_t D, float eps, float *out, int64_t t0, int64_t t1);
+/* attnres_mix's weights from its n <= 64 scores, in place: their softmax in ref's order (the max,
+   expf(s - max) summed in source order, each divided by the sum; the cpu backend's too). */
+void k3_ref_attnres_softmax(float *s, int n);
 k3_status k3_ref_attnres_check(int n_bank);
 /* short_conv's outputs of channels [c0, c1) (state read, not written), and then its state update
    (the op = every channel's outputs, then the state). */

@@ -946,16 +946,10 @@ static void ar_scoresv(const float *bank, int n_bank, const float *p, const floa
         for (int k = 0; k < nt; k++) s[64 * k + i] = dot[k];
     }
 }
-/* token t's output from its N scores s (overwritten by the weights) */
+/* token t's output from its N scores s (overwritten by the weights: ref's softmax) */
 static void ar_mix(const float *bank, int n_bank, const float *p, int64_t T, int64_t D, int64_t t,
                    float *s, float *out) {
-    float m = -INFINITY, z = 0.0f;
-    for (int i = 0; i <= n_bank; i++) m = s[i] > m ? s[i] : m;
-    for (int i = 0; i <= n_bank; i++) {
-        s[i] = expf(s[i] - m);
-        z += s[i];
-    }
-    for (int i = 0; i <= n_bank; i++) s[i] /= z;
+    k3_ref_attnres_softmax(s, n_bank + 1);
     /* out may alias p: each element's p is read before its write */
     int64_t d = 0;
     for (; d + VL <= D; d += VL) {

@@ -114,10 +114,19 @@ static k3_status ref_softmax(k3_backend *be, const float *x, int64_t T, int64_t 
 
 /* ---- AttnRes ------------------------------------------------------------------------------ */
 #define K3_MAX_SOURCES 64
+void k3_ref_attnres_softmax(float *s, int n) {
+    float m = -INFINITY, z = 0.0f;
+    for (int i = 0; i < n; i++) m = s[i] > m ? s[i] : m;
+    for (int i = 0; i < n; i++) {
+        s[i] = expf(s[i] - m);
+        z += s[i];
+    }
+    for (int i = 0; i < n; i++) s[i] /= z;
+}
 void k3_ref_attnres_mix_rows(const float *bank, int n_bank, const float *p, const float *w,
                              int64_t T, int64_t D, float eps, float *out, int64_t t0, int64_t t1) {
     for (int64_t t = t0; t < t1; t++) {
-        float s[K3_MAX_SOURCES], m = -INFINITY;
+        float s[K3_MAX_SOURCES];
         for (int i = 0; i <= n_bank; i++) {
             const float *v = i < n_bank ? bank + ((int64_t)i * T + t) * D : p + t * D;
             float ss = 0.0f, dot = 0.0f;
@@ -125,14 +134,8 @@ void k3_ref_attnres_mix_rows(const float *bank, int n_bank, const float *p, cons
             float r = 1.0f / sqrtf(ss / (float)D + eps);
             for (int64_t d = 0; d < D; d++) dot += (v[d] * r) * w[d];
             s[i] = dot;
-            m = dot > m ? dot : m;
         }
-        float z = 0.0f;
-        for (int i = 0; i <= n_bank; i++) {
-            s[i] = expf(s[i] - m);
-            z += s[i];
-        }
-        for (int i = 0; i <= n_bank; i++) s[i] /= z;
+        k3_ref_attnres_softmax(s, n_bank + 1);
         /* out may alias p: accumulate per element with p read before the write */
         for (int64_t d = 0; d < D; d++) {
             float acc = 0.0f;
