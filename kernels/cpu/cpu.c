@@ -16,8 +16,6 @@
 
 #include "cpu_kern.h"
 
-/* Work below this many multiply-adds runs on the calling thread only. */
-#define K3_CPU_PAR_MIN_MACS (1 << 15)
 /* A matmul task streams at least this many weight bytes (~10 µs at DRAM speed); a decode
    (T < 4) task at least K3_CPU_GEMV_TASK_BYTES (~3 µs: the workers spin between the matmuls of
    a decode step, so a hand-off costs well under that), and a decode call is split at all only

@@ -12,8 +12,6 @@
 
 #include "cpu_kern.h"
 
-/* Work below this many multiply-adds runs on the calling thread only (as in cpu.c). */
-#define K3_CPU_PAR_MIN_MACS (1 << 15)
 /* Rows of one task (queries × heads of a group); the kernel's tiles take up to 48. */
 #define ATT_TASK_ROWS 48
 /* A decode step's head groups: small enough to give the pool several tasks. */

@@ -11,8 +11,6 @@
 #include <math.h>
 #include <string.h>
 
-/* Work below this many multiply-adds runs on the calling thread only (as in cpu.c). */
-#define K3_CPU_PAR_MIN_MACS (1 << 15)
 /* The recurrence's tasks. A prompt (n >= KDA_SLICE_MIN_N tokens): (head, block of KDA_COLS value
  * columns), the block's slice of S copied into a contiguous buffer on the task's stack for the call
  * and back. In place, a block is 256 bytes of every 512-byte row (dk 128, dv 128): the rows fall on

@@ -18,6 +18,9 @@
 
 #include <stdatomic.h>
 
+/* Work below this many multiply-adds runs on the calling thread only (every cpu op file). */
+#define K3_CPU_PAR_MIN_MACS (1 << 15)
+
 typedef struct k3_cpu_kern k3_cpu_kern;
 struct k3_cpu_kern {
     const char *name; /* "avx512", "avx2", "scalar" */
