@@ -950,17 +950,18 @@ static void ar_scoresv(const float *bank, int n_bank, const float *p, const floa
 static void ar_mix(const float *bank, int n_bank, const float *p, int64_t T, int64_t D, int64_t t,
                    float *s, float *out) {
     k3_ref_attnres_softmax(s, n_bank + 1);
+    const float *src[64]; /* the token's source rows, found once (n_bank + 1 <= 64) */
+    for (int i = 0; i <= n_bank; i++) src[i] = ar_src(bank, n_bank, p, T, D, i, t);
     /* out may alias p: each element's p is read before its write */
     int64_t d = 0;
     for (; d + VL <= D; d += VL) {
         VEC acc = V_ZERO();
-        for (int i = 0; i <= n_bank; i++)
-            acc = V_ADD(acc, V_MUL(V_SET1(s[i]), V_LOAD(ar_src(bank, n_bank, p, T, D, i, t) + d)));
+        for (int i = 0; i <= n_bank; i++) acc = V_ADD(acc, V_MUL(V_SET1(s[i]), V_LOAD(src[i] + d)));
         V_STORE(out + t * D + d, acc);
     }
     for (; d < D; d++) {
         float acc = 0.0f;
-        for (int i = 0; i <= n_bank; i++) acc += s[i] * ar_src(bank, n_bank, p, T, D, i, t)[d];
+        for (int i = 0; i <= n_bank; i++) acc += s[i] * src[i][d];
         out[t * D + d] = acc;
     }
 }
